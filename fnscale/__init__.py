@@ -14,6 +14,19 @@ from fnscale.errors import (
     TopologyError,
 )
 
+from fnscale.sharding import (
+    ShardPlan,
+    batch_sharding,
+    check_batch,
+    check_shardings,
+    data_axes,
+    logical_to_spec,
+    opt_state_shardings,
+    shard_plan,
+    sharding_report,
+    shardings,
+)
+
 __all__ = [
     "CheckpointError",
     "CloudError",
@@ -24,4 +37,14 @@ __all__ = [
     "ShardingError",
     "StepError",
     "TopologyError",
+    "ShardPlan",
+    "batch_sharding",
+    "check_batch",
+    "check_shardings",
+    "data_axes",
+    "logical_to_spec",
+    "opt_state_shardings",
+    "shard_plan",
+    "sharding_report",
+    "shardings",
 ]
