@@ -14,6 +14,7 @@ from fnscale.errors import (
     TopologyError,
 )
 
+from fnscale.distributed import DistributedInfo, barrier, global_batch, initialize
 from fnscale.sharding import (
     ShardPlan,
     batch_sharding,
@@ -47,4 +48,8 @@ __all__ = [
     "shard_plan",
     "sharding_report",
     "shardings",
+    "DistributedInfo",
+    "barrier",
+    "global_batch",
+    "initialize",
 ]

@@ -1,0 +1,297 @@
+"""Multi-process helpers: join the job, wait for every process, assemble global batches.
+
+`initialize` wraps `jax.distributed.initialize` (JAX's coordination service: one process runs
+the coordinator, every process connects to it), bounding every wait and turning failures
+into `DistributedError`s that say what was expected. `barrier` is a bounded wait on that
+service. `global_batch` turns each process's slice of a batch into global `jax.Array`s
+(`jax.make_array_from_process_local_data`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+from absl import logging
+import jax
+from jax.sharding import NamedSharding
+import numpy as np
+
+from fnscale.errors import DistributedError, ShardingError
+from fnscale.sharding import _broadcast_shardings, _entry_axes, path_str
+
+DEFAULT_TIMEOUT_S = 300
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+
+
+class DistributedInfo(NamedTuple):
+  """Where this process stands: `process_id` of `num_processes`, the coordinator's
+  "host:port" (None when single-process) and whether JAX's distributed runtime is up."""
+  process_id: int
+  num_processes: int
+  coordinator_address: str | None
+  initialized: bool
+
+
+def _int_env(name: str) -> int:
+  try:
+    return int(os.environ.get(name, "0") or 0)
+  except ValueError:
+    return 0
+
+
+def _multiprocess_env() -> str | None:
+  """The launcher that says this is a multi-process job, judged from the environment only
+  (no network calls), or None."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return "JAX_COORDINATOR_ADDRESS"
+  if os.environ.get("SLURM_JOB_ID") and max(_int_env("SLURM_NTASKS"),
+                                             _int_env("SLURM_NPROCS")) > 1:
+    return "SLURM"
+  if os.environ.get("OMPI_MCA_orte_hnp_uri") and _int_env("OMPI_COMM_WORLD_SIZE") > 1:
+    return "Open MPI"
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if len([h for h in hosts.split(",") if h.strip()]) > 1:
+    return "TPU pod (TPU_WORKER_HOSTNAMES)"
+  if _int_env("MEGASCALE_NUM_SLICES") > 1:
+    return "multi-slice TPU (MEGASCALE_NUM_SLICES)"
+  return None
+
+
+def _state_info() -> DistributedInfo:
+  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
+  st = _jd.global_state
+  return DistributedInfo(int(st.process_id), int(st.num_processes or 1),
+                         st.coordinator_address, True)
+
+
+def _backends_initialized() -> bool:
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):
+    return False
+
+
+def _check_args(coordinator_address, num_processes, process_id, timeouts) -> None:
+  if num_processes is not None and (not isinstance(num_processes, int) or num_processes < 1):
+    raise DistributedError(
+        f"num_processes={num_processes!r}, expected a positive int; fix: pass the number of "
+        "processes in the job.")
+  if process_id is not None:
+    if not isinstance(process_id, int) or process_id < 0 or (
+        num_processes is not None and process_id >= num_processes):
+      raise DistributedError(
+          f"process_id={process_id!r}, expected an int in [0, {num_processes}); fix: number "
+          "the processes 0..num_processes-1, one id each.")
+  if coordinator_address is not None:
+    host, sep, port = str(coordinator_address).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise DistributedError(
+          f"coordinator_address={coordinator_address!r}, expected 'host:port' (e.g. "
+          "'10.0.0.1:1234'); fix: give process 0's address and a free port.")
+  for name, value in timeouts.items():
+    if not isinstance(value, (int, float)) or value <= 0:
+      raise DistributedError(f"{name}={value!r}, expected a positive number of seconds.")
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_ids=None,
+               cluster_detection_method: str | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S,
+               heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> DistributedInfo:
+  """Joins this process to a multi-process JAX job (`jax.distributed.initialize`).
+
+  Call it first, before anything touches jax devices. Either give `coordinator_address`
+  ("host:port" of process 0), `num_processes` and `process_id`, or nothing and let JAX
+  detect them (Cloud TPU pods, SLURM, Open MPI; or pass `cluster_detection_method`).
+
+  It is a no-op when `num_processes == 1`, or when no argument is given and the environment
+  shows no multi-process launcher (so a single-host script runs unchanged), and when the
+  runtime is already up with the same arguments (idempotent).
+
+  Args:
+    coordinator_address: "host:port" of process 0's coordination service.
+    num_processes: processes in the job.
+    process_id: this process's id in [0, num_processes).
+    local_device_ids: restrict this process to these local devices.
+    cluster_detection_method: passed to JAX ("slurm", "ompi", "mpi4py", "deactivate"...).
+    timeout_s: seconds to wait for every process to connect (bounded; JAX retries within it).
+    heartbeat_timeout_s: seconds without a heartbeat after which a process counts as dead.
+    shutdown_timeout_s: seconds a finishing process waits for the others at exit.
+
+  Returns:
+    A `DistributedInfo`.
+
+  Raises:
+    DistributedError: bad arguments; already initialised with different arguments; called
+      after jax initialised its backend; or the job couldn't form within `timeout_s` (the
+      message names the expected process count, the coordinator and the fix).
+  """
+  timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
+              "shutdown_timeout_s": shutdown_timeout_s}
+  _check_args(coordinator_address, num_processes, process_id, timeouts)
+  if jax.distributed.is_initialized():
+    info = _state_info()
+    asked = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+             "process_id": process_id}
+    have = info._asdict()
+    diff = {k: v for k, v in asked.items() if v is not None and v != have[k]}
+    if diff:
+      raise DistributedError(
+          f"jax.distributed is already initialised as process {info.process_id} of "
+          f"{info.num_processes} (coordinator {info.coordinator_address}), but now asked for "
+          f"{diff}; fix: call fnscale.initialize once per process with the same arguments.")
+    logging.info("fnscale.initialize: already initialised (%s)", info)
+    return info
+  if num_processes == 1:
+    logging.info("fnscale.initialize: num_processes=1, nothing to do")
+    return DistributedInfo(0, 1, None, False)
+  explicit = any(v is not None for v in (coordinator_address, num_processes, process_id,
+                                          cluster_detection_method))
+  launcher = _multiprocess_env()
+  if not explicit and launcher is None:
+    logging.info("fnscale.initialize: no multi-process launcher detected; single process")
+    return DistributedInfo(0, 1, None, False)
+  if _backends_initialized():
+    raise DistributedError(
+        "fnscale.initialize was called after jax initialised its backend (some earlier call "
+        "used jax devices or ran a computation), so this process can't join the "
+        f"{num_processes or 'detected'}-process job at {coordinator_address or 'auto'}; fix: "
+        "call fnscale.initialize at the very start of the program, before any other jax use.")
+  where = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or (
+      f"auto-detected ({launcher or cluster_detection_method})")
+  try:
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes,
+        process_id=process_id, local_device_ids=local_device_ids,
+        cluster_detection_method=cluster_detection_method,
+        initialization_timeout=max(1, math.ceil(timeout_s)),
+        heartbeat_timeout_seconds=max(1, math.ceil(heartbeat_timeout_s)),
+        shutdown_timeout_seconds=max(1, math.ceil(shutdown_timeout_s)))
+  except Exception as e:  # pylint: disable=broad-except
+    # Leave no half-built client behind, so a retry starts clean.
+    try:
+      jax.distributed.shutdown()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"could not form the multi-process job: expected {num_processes or 'auto-detected'} "
+        f"processes, this one as process {process_id if process_id is not None else '?'}, "
+        f"coordinator {where}, within {timeout_s} s ({type(e).__name__}: {first}); fix: start "
+        "every process with the same coordinator_address and num_processes and distinct "
+        "process_id, make sure process 0 is running and its port is reachable and free, or "
+        "raise timeout_s.") from e
+  info = _state_info()
+  logging.info("fnscale.initialize: process %d of %d, coordinator %s", info.process_id,
+               info.num_processes, info.coordinator_address)
+  return info
+
+
+def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """Blocks until every process reaches the barrier `name`, for at most `timeout_s` seconds.
+
+  A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`;
+  without that runtime but with several processes (a TPU pod run without `initialize`) it
+  falls back to `jax.experimental.multihost_utils.sync_global_devices`, which is unbounded.
+
+  Raises:
+    DistributedError: a bad name or timeout, or not every process arrived in time.
+  """
+  if not isinstance(name, str) or not name:
+    raise DistributedError(f"barrier name {name!r}, expected a non-empty string.")
+  if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+    raise DistributedError(f"barrier timeout_s={timeout_s!r}, expected a positive number.")
+  if not jax.distributed.is_initialized():
+    if jax.process_count() == 1:
+      logging.debug("barrier %s: single process", name)
+      return
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
+    logging.info("barrier %s passed", name)
+    return
+  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
+  st = _jd.global_state
+  if (st.num_processes or 1) == 1:
+    return
+  try:
+    st.client.wait_at_barrier(f"fnscale:{name}", max(1, int(timeout_s * 1000)))
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"barrier {name!r}: not all {st.num_processes} processes arrived within {timeout_s} s "
+        f"(this is process {st.process_id}; {first}); fix: make every process call "
+        f"barrier({name!r}) in the same order, check that none crashed, or raise "
+        "timeout_s.") from e
+  logging.info("barrier %s passed", name)
+
+
+def _leaf_global_shape(path: str, local_shape, sharding) -> tuple[int, ...]:
+  """The global shape a process-local leaf stands for under `sharding`."""
+  if not isinstance(sharding, NamedSharding):
+    raise ShardingError(
+        f"global_batch leaf '{path}': sharding {sharding!r} is not a NamedSharding; fix: "
+        "use fnscale.batch_sharding(mesh) or a NamedSharding.")
+  spec = sharding.spec
+  if len(spec) > len(local_shape):
+    raise ShardingError(
+        f"global_batch leaf '{path}' has shape {tuple(local_shape)} but its sharding "
+        f"{spec} needs rank >= {len(spec)}; fix: give the leaf a leading batch dimension.")
+  sizes = dict(sharding.mesh.shape)
+  counts = [math.prod(sizes[a] for a in _entry_axes(e)) for e in spec]
+  probe = tuple(counts) + (1,) * (len(local_shape) - len(spec))
+  index_map = sharding.addressable_devices_indices_map(probe)
+  if not index_map:
+    raise ShardingError(
+        f"global_batch leaf '{path}': this process ({jax.process_index()}) has no device in "
+        "the sharding's mesh; fix: build the mesh over jax.devices() (all processes).")
+  global_shape = list(local_shape)
+  for d, n in enumerate(counts):
+    if n == 1:
+      continue
+    # Distinct shards of dim d this process holds; its local rows split evenly over them.
+    held = len({(idx[d].start or 0) for idx in index_map.values()})
+    if local_shape[d] % held:
+      axes = _entry_axes(spec[d])
+      raise ShardingError(
+          f"batch not divisible by the data axes: process-local leaf '{path}' dimension {d} "
+          f"has size {local_shape[d]}, but this process holds {held} of the {n} shards of "
+          f"mesh axes {axes}; fix: give each process a multiple of {held} rows "
+          f"(global batch a multiple of {n}).")
+    global_shape[d] = local_shape[d] // held * n
+  return tuple(global_shape)
+
+
+def global_batch(local, sharding) -> Any:
+  """Builds global `jax.Array`s from each process's part of a batch.
+
+  Every process calls it with its own rows (the leading dims it holds under `sharding`);
+  the result is one global array per leaf whose leading dim is the concatenation over
+  processes in mesh order. In a single process it is a sharded `device_put`.
+
+  Args:
+    local: pytree of process-local numpy (or jax) arrays, e.g. [local_batch, seq] int32.
+    sharding: one NamedSharding for every leaf (usually `fnscale.batch_sharding(mesh)`) or
+      a pytree of them with `local`'s structure.
+
+  Returns:
+    Pytree of global jax.Arrays; a leaf of local shape [b, ...] on a process holding k of
+    the n shards of the leading dim has global shape [b / k * n, ...].
+
+  Raises:
+    ShardingError: a leaf whose sharded dims don't split over this process's shards (naming
+      the leaf path, size and shard counts), too low a rank, or mismatched structures.
+  """
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(local)
+  shs = _broadcast_shardings(local, sharding, "batch")
+  out = []
+  for (p, leaf), s in zip(pairs, shs):
+    path = path_str(p)
+    if not hasattr(leaf, "shape"):
+      leaf = np.asarray(leaf)
+    gshape = _leaf_global_shape(path, tuple(leaf.shape), s)
+    out.append(jax.make_array_from_process_local_data(s, leaf, gshape))
+  return jax.tree_util.tree_unflatten(treedef, out)
