@@ -1,0 +1,328 @@
+"""Logical rules, auto-FSDP, optimizer-state shardings, batch shardings and the report."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fnscale as fs
+from fnscale import sharding as fsh
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _mesh(shape, names):
+  n = math.prod(shape)
+  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(names),
+                       devices=jax.devices()[:n])
+
+
+@pytest.fixture(scope="module")
+def dp_fsdp():
+  return _mesh((2, 4), ("data", "fsdp"))
+
+
+@pytest.fixture(scope="module")
+def three_d():
+  return _mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+RULES = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"),
+         ("mlp", "fsdp"), ("heads", "tensor"), ("vocab", "tensor"), ("vocab", "fsdp"))
+
+
+# ------------------------------------------------------------------------- logical_to_spec
+
+
+def test_first_usable_rule_wins(three_d, dp_fsdp):
+  # Both "mlp" rules are usable on the 3-D mesh: the first one wins.
+  assert fs.logical_to_spec(("embed", "mlp"), RULES, three_d) == P("fsdp", "tensor")
+  # Without a tensor axis the first "mlp" rule is skipped and the second applies, but fsdp
+  # already shards "embed", so "mlp" is replicated: one axis never serves two dims.
+  assert fs.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp) == P("fsdp", None)
+  assert fs.logical_to_spec(("mlp", "embed"), RULES, dp_fsdp) == P("fsdp", None)
+  assert fs.logical_to_spec(("mlp",), RULES, dp_fsdp) == P("fsdp")
+
+
+def test_multi_axis_rule_and_partially_absent_axes(dp_fsdp):
+  assert fs.logical_to_spec(("batch", None), RULES, dp_fsdp) == P(("data", "fsdp"), None)
+  rules = (("batch", ("data", "tensor")), ("batch", "data"))
+  # ("data", "tensor") names an axis absent from the mesh: skipped as a whole.
+  assert fs.logical_to_spec(("batch",), rules, dp_fsdp) == P("data")
+
+
+def test_none_rule_replicates_and_stops_search(dp_fsdp):
+  rules = (("embed", None), ("embed", "fsdp"))
+  assert fs.logical_to_spec(("embed",), rules, dp_fsdp) == P(None)
+  # Unknown logical names and None entries are replicated.
+  assert fs.logical_to_spec(("layers", None), RULES, dp_fsdp) == P(None, None)
+
+
+def test_axis_never_reused_falls_through_to_next_rule(dp_fsdp):
+  rules = (("embed", "fsdp"), ("embed", "data"))
+  assert fs.logical_to_spec(("embed", "embed"), rules, dp_fsdp) == P("fsdp", "data")
+  # No alternative: the second dim is replicated and the plan says why.
+  plan = fs.shard_plan({"w": jnp.zeros((8, 8))}, dp_fsdp, (("embed", "fsdp"),),
+                       logical_axes={"w": ("embed", "embed")})
+  (leaf,) = plan.leaves
+  assert leaf.spec == P("fsdp", None)
+  assert "dim 1 (embed) replicated: fsdp already shards dim 0" in leaf.note
+
+
+def test_mapping_rules(dp_fsdp):
+  assert fs.logical_to_spec(("embed", "batch"), {"embed": "fsdp", "batch": "data"},
+                            dp_fsdp) == P("fsdp", "data")
+
+
+def test_size_one_mesh_unchanged():
+  mesh = _mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+  spec = fs.logical_to_spec(("embed", "mlp"), RULES, mesh, shape=(6, 10))
+  assert spec == P("fsdp", "tensor")
+  s = fs.shardings({"w": jnp.ones((6, 10))}, mesh, RULES,
+                   logical_axes={"w": ("embed", "mlp")})
+  x = jax.device_put(jnp.ones((6, 10)), s["w"])
+  assert x.sharding.shard_shape(x.shape) == (6, 10)
+  # A mesh with no rule axes at all: everything replicated, same rules.
+  mesh1 = _mesh((1,), ("data",))
+  assert fs.logical_to_spec(("embed", "mlp"), RULES, mesh1, shape=(6, 10)) == P(None, None)
+
+
+def test_explicit_partition_spec_validated(dp_fsdp):
+  assert fs.logical_to_spec(P("fsdp", None), RULES, dp_fsdp, shape=(8, 3)) == P("fsdp", None)
+  with pytest.raises(fs.ShardingError, match=r"leaf 'a/w'.*3 entries but the array has rank 2"):
+    fs.logical_to_spec(P("data", "fsdp", None), RULES, dp_fsdp, shape=(8, 8), path="a/w")
+  with pytest.raises(fs.ShardingError,
+                     match=r"leaf 'a/w'.*mesh axis 'tensor', which is not in the mesh"):
+    fs.logical_to_spec(P("tensor"), RULES, dp_fsdp, shape=(8,), path="a/w")
+  with pytest.raises(fs.ShardingError,
+                     match=r"leaf 'a/w'.*binds mesh axis 'fsdp' to dimensions 0 and 1"):
+    fs.logical_to_spec(P("fsdp", "fsdp"), RULES, dp_fsdp, shape=(8, 8), path="a/w")
+  with pytest.raises(fs.ShardingError, match=r"binds mesh axis 'data' to dimensions 0 and 1"):
+    fs.logical_to_spec(P(("data", "fsdp"), "data"), RULES, dp_fsdp, shape=(8, 8))
+
+
+def test_same_axis_for_two_dims_in_explicit_leaf_names_path(dp_fsdp):
+  params = {"blocks": [{"attn": {"wq": jnp.zeros((8, 8))}}]}
+  with pytest.raises(fs.ShardingError,
+                     match=r"leaf 'blocks/0/attn/wq'.*mesh axis 'fsdp' to dimensions 0 and 1"):
+    fs.shardings(params, dp_fsdp, RULES, logical_axes=[("wq", P("fsdp", "fsdp"))])
+
+
+def test_bad_rules(dp_fsdp):
+  with pytest.raises(fs.ShardingError, match=r"rule 0 \('batch'\) names mesh axis 'data' twice"):
+    fs.logical_to_spec(("batch",), (("batch", ("data", "data")),), dp_fsdp)
+  with pytest.raises(fs.ShardingError, match=r"rule 1 is \('embed',\)"):
+    fs.logical_to_spec(("embed",), (("mlp", "fsdp"), ("embed",)), dp_fsdp)
+  with pytest.raises(fs.ShardingError, match=r"rule 0 \('embed'\) maps to 3"):
+    fs.logical_to_spec(("embed",), (("embed", 3),), dp_fsdp)
+
+
+def test_rank_mismatch_and_bad_logical_axes(dp_fsdp):
+  with pytest.raises(fs.ShardingError, match=r"leaf 'w'.*2 names but the array has rank 3"):
+    fs.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp, shape=(4, 4, 4), path="w")
+  with pytest.raises(fs.ShardingError, match=r"must be a tuple of names"):
+    fs.logical_to_spec("embed", RULES, dp_fsdp)
+
+
+def test_indivisible_dimension_message(dp_fsdp):
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings({"emb": jnp.zeros((10, 6))}, dp_fsdp, RULES,
+                 logical_axes={"emb": ("embed", None)})
+  msg = str(e.value)
+  assert "leaf 'emb'" in msg and "dimension 0 has size 10" in msg
+  assert "('fsdp',) (fsdp=4 = 4)" in msg and "fix:" in msg
+
+
+# ------------------------------------------------------------------------- shardings
+
+
+def test_auto_fsdp_picks_largest_divisible_dim(dp_fsdp):
+  params = {
+      "a": jax.ShapeDtypeStruct((12, 64), jnp.float32),  # both divisible: 64 is larger
+      "b": jax.ShapeDtypeStruct((64, 30), jnp.float32),  # 30 not divisible by 4
+      "c": jax.ShapeDtypeStruct((64, 64), jnp.float32),  # tie: the earlier dim
+      "d": jax.ShapeDtypeStruct((2, 3, 256), jnp.bfloat16),
+  }
+  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=0)
+  specs = {lp.path: lp.spec for lp in plan.leaves}
+  assert specs == {"a": P(None, "fsdp"), "b": P("fsdp", None), "c": P("fsdp", None),
+                   "d": P(None, None, "fsdp")}
+  assert all(lp.reason == fsh.AUTO_FSDP for lp in plan.leaves)
+  assert plan.shardings["a"] == NamedSharding(dp_fsdp, P(None, "fsdp"))
+  # fsdp over several axes (ZeRO-3 over all 8 devices).
+  s = fs.shardings(params, dp_fsdp, fsdp_axis=("data", "fsdp"), min_shard_bytes=0)
+  assert s["a"].spec == P(None, ("data", "fsdp")) and s["b"].spec == P(("data", "fsdp"), None)
+
+
+def test_small_leaves_replicated_scalars_and_no_fsdp_axis(dp_fsdp):
+  params = {"bias": jnp.zeros((64,)), "w": jnp.zeros((64, 64)), "step": jnp.zeros(())}
+  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024)
+  got = {lp.path: (lp.spec, lp.reason) for lp in plan.leaves}
+  assert got == {"bias": (P(), fsh.SMALL), "step": (P(), fsh.SCALAR),
+                 "w": (P("fsdp", None), fsh.AUTO_FSDP)}
+  dp = _mesh((8,), ("data",))
+  plan = fs.shard_plan(params, dp, min_shard_bytes=1024)
+  assert {lp.path: lp.reason for lp in plan.leaves}["w"] == fsh.NO_FSDP
+
+
+def test_indivisible_large_leaf_reported_and_tolerance(dp_fsdp):
+  params = {"odd": jnp.zeros((63, 127)), "ok": jnp.zeros((64, 64)), "tiny": jnp.zeros((3,))}
+  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024, max_replicated_bytes=10**6)
+  got = {lp.path: lp.reason for lp in plan.leaves}
+  assert got == {"odd": fsh.INDIVISIBLE, "ok": fsh.AUTO_FSDP, "tiny": fsh.SMALL}
+  report = fs.sharding_report(params, plan)
+  assert "replicated:indivisible" in report
+  assert "large leaves replicated because no dimension divides the fsdp size: 1" in report
+  nbytes = 63 * 127 * 4
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings(params, dp_fsdp, min_shard_bytes=1024, max_replicated_bytes=nbytes - 1)
+  msg = str(e.value)
+  assert f"odd (63, 127) ({nbytes} B)" in msg
+  assert f"exceeds max_replicated_bytes={nbytes - 1}" in msg and "fsdp size 4" in msg
+  # Exactly at the limit is allowed.
+  fs.shardings(params, dp_fsdp, min_shard_bytes=1024, max_replicated_bytes=nbytes)
+
+
+def test_logical_axes_tree_and_patterns_agree(three_d):
+  params = {"embed": jnp.zeros((16, 8)),
+            "blocks": [{"wi": jnp.zeros((8, 32)), "wo": jnp.zeros((32, 8))} for _ in range(2)],
+            "norm": jnp.zeros((8,))}
+  tree_axes = {"embed": ("vocab", "embed"),
+               "blocks": [{"wi": ("embed", "mlp"), "wo": ("mlp", "embed")}] * 2,
+               "norm": None}
+  patterns = [(r"^embed$", ("vocab", "embed")), (r"blocks/\d+/wi", ("embed", "mlp")),
+              (r"/wo$", ("mlp", "embed")), (r"wo", ("embed", "embed"))]  # last never used
+  a = fs.shardings(params, three_d, RULES, logical_axes=tree_axes, min_shard_bytes=0)
+  b = fs.shardings(params, three_d, RULES, logical_axes=patterns, min_shard_bytes=0)
+  assert a == b
+  assert a["embed"].spec == P("tensor", "fsdp")
+  assert a["blocks"][1]["wi"].spec == P("fsdp", "tensor")
+  assert a["blocks"][0]["wo"].spec == P("tensor", "fsdp")
+  assert a["norm"].spec == P("fsdp")  # unmatched: auto-FSDP
+
+
+def test_bad_logical_axes_inputs(dp_fsdp):
+  params = {"a": jnp.zeros((4, 4)), "b": jnp.zeros((4,))}
+  with pytest.raises(fs.ShardingError, match=r"params' structure.*\['a', 'b'\]"):
+    fs.shardings(params, dp_fsdp, RULES, logical_axes={"a": ("embed", None)})
+  with pytest.raises(fs.ShardingError, match=r"pattern '\[' is not a valid regular expression"):
+    fs.shardings(params, dp_fsdp, RULES, logical_axes=[("[", ("embed", None))])
+  with pytest.raises(fs.ShardingError, match=r"leaf 'a' is a str"):
+    fs.shardings({"a": "x"}, dp_fsdp)
+
+
+def test_per_device_bytes_match_placed_arrays(three_d):
+  params = {"w": jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8), "b": jnp.ones((8,))}
+  plan = fs.shard_plan(params, three_d, RULES, logical_axes={"w": ("vocab", "embed"),
+                                                             "b": None})
+  placed = jax.device_put(params, plan.shardings)
+  for lp in plan.leaves:
+    arr = placed[lp.path]
+    shard_bytes = {s.data.nbytes for s in arr.addressable_shards}
+    assert shard_bytes == {lp.device_bytes}
+    assert lp.global_bytes == arr.nbytes
+  np.testing.assert_array_equal(placed["w"], params["w"])
+
+
+# ------------------------------------------------------------------------- optimizer state
+
+
+def test_opt_state_follows_params_adamw(dp_fsdp):
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,)), "e": jnp.zeros((8, 64))}
+  param_sh = fs.shardings(params, dp_fsdp, RULES, logical_axes={"w": None, "b": None,
+                                                                 "e": ("embed", None)},
+                          min_shard_bytes=1024)
+  opt = optax.adamw(1e-3)
+  abstract = jax.eval_shape(opt.init, params)
+  sh = fs.opt_state_shardings(opt, abstract, param_sh, dp_fsdp)
+  adam = sh[0]
+  assert adam.mu == param_sh and adam.nu == param_sh
+  assert adam.count.spec == P()
+  assert param_sh["w"].spec == P("fsdp", None) and param_sh["b"].spec == P()
+  # The shardings are usable as out_shardings: the state is born sharded.
+  state = jax.jit(opt.init, out_shardings=sh)(params)
+  assert state[0].mu["w"].sharding == param_sh["w"]
+  assert state[0].count.sharding.spec == P()
+
+
+def test_opt_state_structural_fallback(dp_fsdp):
+  params = {"w": jnp.zeros((64, 32))}
+
+  def init(p):  # Indexes its params, so optax's placeholder trick can't run it.
+    return {"trace": {"w": jnp.zeros_like(p["w"])}, "count": jnp.zeros((), jnp.int32)}
+
+  opt = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+  param_sh = fs.shardings(params, dp_fsdp, min_shard_bytes=0)
+  sh = fs.opt_state_shardings(opt, init(params), param_sh, dp_fsdp)
+  assert sh["trace"] == param_sh and sh["count"].spec == P()
+
+
+# ------------------------------------------------------------------------- batches
+
+
+def test_data_axes_and_batch_sharding(three_d):
+  assert fs.data_axes(three_d) == ("data", "fsdp")
+  assert fs.data_axes(_mesh((4, 2), ("fsdp", "data"))) == ("fsdp", "data")
+  assert fs.data_axes(_mesh((8,), ("tensor",))) == ()
+  assert fs.batch_sharding(three_d) == NamedSharding(three_d, P(("data", "fsdp")))
+  assert fs.batch_sharding(three_d, axes="data").spec == P("data")
+  assert fs.batch_sharding(_mesh((8,), ("tensor",))).spec == P()
+  with pytest.raises(fs.ShardingError, match=r"batch axis 'pipe' is not in the mesh"):
+    fs.batch_sharding(three_d, axes=("data", "pipe"))
+
+
+def test_check_batch(three_d):
+  s = fs.batch_sharding(three_d)
+  fs.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((4,))}, s)
+  with pytest.raises(fs.ShardingError) as e:
+    fs.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((6,))}, s)
+  msg = str(e.value)
+  assert msg.startswith("batch not divisible by the data axes: leaf 'y'")
+  assert "size 6" in msg and "('data', 'fsdp') (data=2 x fsdp=2) split it 4 ways" in msg
+  with pytest.raises(fs.ShardingError, match=r"batch leaf 'z' has shape \(\) .* rank >= 1"):
+    fs.check_batch({"z": np.float32(1.0)}, s)
+
+
+def test_check_shardings(dp_fsdp):
+  sh = {"w": NamedSharding(dp_fsdp, P("fsdp"))}
+  fs.check_shardings({"w": jnp.zeros((8, 2))}, sh)
+  with pytest.raises(fs.ShardingError, match=r"state leaf 'w': dimension 0 has size 6"):
+    fs.check_shardings({"w": jnp.zeros((6, 2))}, sh)
+  with pytest.raises(fs.ShardingError, match=r"don't match the state's structure"):
+    fs.check_shardings({"w": jnp.zeros((8, 2)), "v": jnp.zeros(())}, sh)
+
+
+# ------------------------------------------------------------------------- report
+
+
+def test_report_contents(three_d):
+  params = {"emb": jnp.zeros((16, 8)), "w": jnp.zeros((64, 64)),
+            "bias": jnp.zeros((8,), jnp.bfloat16), "odd": jnp.zeros((33, 33))}
+  axes = {"emb": ("vocab", "embed"), "w": None, "bias": None, "odd": None}
+  plan = fs.shard_plan(params, three_d, RULES, logical_axes=axes, min_shard_bytes=1024)
+  text = fs.sharding_report(params, plan)
+  lines = text.splitlines()
+  assert lines[0].split() == ["path", "shape", "dtype", "logical", "axes", "spec", "global",
+                              "per", "device", "how"]
+  row = {ln.split()[0]: ln for ln in lines[2:2 + 4]}
+  assert "(vocab, embed)" in row["emb"] and "P('tensor', 'fsdp')" in row["emb"]
+  assert "512 B" in row["emb"] and "128 B" in row["emb"] and "rules" in row["emb"]
+  assert "P('fsdp', None)" in row["w"] and "16.0 KiB" in row["w"] and "8.0 KiB" in row["w"]
+  assert "auto-fsdp" in row["w"]
+  assert "bfloat16" in row["bias"] and "replicated:small" in row["bias"]
+  assert "replicated:indivisible" in row["odd"]
+  total = 16 * 8 * 4 + 64 * 64 * 4 + 8 * 2 + 33 * 33 * 4
+  per_dev = 16 * 8 * 4 // 4 + 64 * 64 * 4 // 2 + 8 * 2 + 33 * 33 * 4
+  assert sum(lp.global_bytes for lp in plan.leaves) == total
+  assert sum(lp.device_bytes for lp in plan.leaves) == per_dev
+  assert f"total: {total / 1024:.1f} KiB" in text
+  assert f"per device: {per_dev / 1024:.1f} KiB" in text
+  assert "replicated: 2 leaves" in text
+  # From a plain shardings tree: same specs, reason inferred, logical axes if given.
+  text2 = fs.sharding_report(params, plan.shardings, logical_axes=axes)
+  assert "(vocab, embed)" in text2 and "sharded" in text2 and "replicated" in text2
+  assert f"per device: {per_dev / 1024:.1f} KiB" in text2
