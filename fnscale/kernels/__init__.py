@@ -1,0 +1,22 @@
+"""Kernels: attention on Pallas/cuDNN with a reasoned fallback, blockwise cross-entropy."""
+from fnscale.kernels.attention import (
+    IMPLEMENTATIONS,
+    BlockSizes,
+    KernelChoice,
+    KernelPlan,
+    attention,
+    kernel_plan,
+    with_kernel,
+)
+from fnscale.kernels.cross_entropy import cross_entropy
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BlockSizes",
+    "KernelChoice",
+    "KernelPlan",
+    "attention",
+    "cross_entropy",
+    "kernel_plan",
+    "with_kernel",
+]

@@ -1,0 +1,621 @@
+"""Attention that runs the fastest kernel the platform has, or says why it can't.
+
+`attention` dispatches one call to the TPU Pallas splash-attention kernel, the cuDNN flash
+attention, the Pallas Triton attention or the XLA reference (`jax.nn.dot_product_attention`).
+`kernel_plan` is the pure decision behind it: what would run and why. `with_kernel` scopes a
+choice to one call of a function (and so to its trace), like `jax.set_mesh` scopes a mesh.
+
+Under a mesh a kernel runs inside `jax.shard_map` over the mesh axes that shard batch
+("data", "fsdp") and heads ("tensor"), so XLA never has to gather its inputs around a custom
+call it can't partition. Sequence and head_dim stay whole inside each shard.
+
+Kernels: splash attention (Pallas TPU, jax.experimental.pallas.ops.tpu.splash_attention),
+flash attention (Dao et al., 2022, arXiv:2205.14135) through cuDNN and Pallas/Triton
+(jax.experimental.pallas.ops.gpu.attention); grouped-query attention (Ainslie et al., 2023,
+arXiv:2305.13245).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnscale.errors import KernelError
+
+IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
+_DATA_AXES = ("data", "fsdp")
+_HEAD_AXES = ("tensor",)
+# Candidate block sizes, largest first: the largest that divides the sequence wins.
+_SPLASH_BLOCKS = (512, 256, 128)
+_GPU_BLOCKS = (128, 64, 32, 16)
+_GPU_BWD_BLOCKS = (32, 16)
+_DTYPES = {
+    "splash": ("float32", "bfloat16"),
+    "pallas_gpu": ("float32", "bfloat16", "float16"),
+    "cudnn": ("bfloat16", "float16"),
+}
+
+
+class BlockSizes(NamedTuple):
+  """Tile sizes of a kernel, in tokens.
+
+  Attributes:
+    block_q: query rows per forward tile; must divide the query length.
+    block_kv: key/value rows per forward tile; must divide the key length.
+    block_q_bwd: query rows per backward tile (None: the kernel's default for the shape).
+    block_kv_bwd: key/value rows per backward tile (None: the kernel's default).
+  """
+  block_q: int
+  block_kv: int
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
+
+
+class KernelChoice(NamedTuple):
+  """The kernel choice `with_kernel` makes visible to the calls inside it."""
+  attention: str = "auto"
+  interpret: bool = False
+
+
+class KernelPlan(NamedTuple):
+  """What `attention` runs for a call, and why.
+
+  Attributes:
+    implementation: the implementation that runs: "xla", "splash", "cudnn" or "pallas_gpu".
+    requested: what was asked for after applying `with_kernel` ("auto" or a name).
+    reason: why this implementation; for a fallback, why each preferred kernel can't serve.
+    fallback: True when "auto" wanted a kernel for this platform but none could serve.
+    block_sizes: the kernel's tiles (None for "xla" and "cudnn").
+    interpret: whether a Pallas kernel runs in interpret mode (CPU testing).
+    platform: the platform the decision was made for ("tpu", "cuda", "rocm", "cpu").
+    batch_axes: mesh axes the kernel's shard_map splits batch over (empty: none).
+    head_axes: mesh axes the kernel's shard_map splits heads over (empty: none).
+  """
+  implementation: str
+  requested: str
+  reason: str
+  fallback: bool
+  block_sizes: BlockSizes | None
+  interpret: bool
+  platform: str
+  batch_axes: tuple[str, ...] = ()
+  head_axes: tuple[str, ...] = ()
+
+
+# The one piece of ambient state: the choice of the `with_kernel` call being traced.
+_CHOICE: contextvars.ContextVar[KernelChoice] = contextvars.ContextVar(
+    "fnscale_kernel_choice", default=KernelChoice())
+
+
+def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto",
+                interpret: bool = False) -> Callable[..., Any]:
+  """Returns `fn` with a kernel choice in force during each of its calls.
+
+  During a call of the returned function (and so while jax traces it), every
+  `fnscale.attention(..., implementation="auto")` inside behaves as if called with
+  `implementation=attention`; the choice is held in a `contextvars.ContextVar` set before
+  and reset after the call, so two differently wrapped functions in one program each keep
+  their own. It composes with `fnscale.with_mesh` / `jax.set_mesh` in either order.
+
+  A jitted function caches its first trace and does not see a later choice: wrap the
+  function that gets traced, e.g. `shard_step(with_kernel(step, ...), mesh)` or
+  `jax.jit(with_kernel(loss_fn, ...))`, rather than wrapping an already-traced function
+  with different choices.
+
+  Args:
+    fn: the function to wrap (a loss function, a train step, a `shard_step`'d step). When
+      omitted, returns a decorator.
+    attention: "auto" (best kernel for the platform, else the XLA reference), or one of
+      "xla", "splash", "cudnn", "pallas_gpu" to force it (`KernelError` where it can't
+      serve a call).
+    interpret: run the Pallas kernels ("splash", "pallas_gpu") in interpret mode, which
+      works on any platform (slowly); for tests on CPU.
+
+  Returns:
+    A function with `fn`'s signature and result.
+
+  Raises:
+    KernelError: `attention` is not a known implementation, `interpret` is not a bool, or
+      `fn` is not callable.
+  """
+  if attention not in IMPLEMENTATIONS:
+    raise KernelError(
+        f"with_kernel(attention={attention!r}): expected one of {IMPLEMENTATIONS}.")
+  if not isinstance(interpret, bool):
+    raise KernelError(f"with_kernel(interpret={interpret!r}): expected True or False.")
+  if fn is None:
+    return functools.partial(with_kernel, attention=attention, interpret=interpret)
+  if not callable(fn):
+    raise KernelError(
+        f"with_kernel(fn={fn!r}): expected a function to wrap, got {type(fn).__name__}.")
+  choice = KernelChoice(attention, interpret)
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    token = _CHOICE.set(choice)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _CHOICE.reset(token)
+
+  return wrapped
+
+
+def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp.float32, *,
+                causal: bool = False, segment_ids: Any = None,
+                sliding_window: int | tuple[int, int] | None = None,
+                implementation: str = "auto", block_sizes: BlockSizes | None = None,
+                platform: str | None = None, interpret: bool | None = None,
+                mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+                ) -> KernelPlan:
+  """Decides which attention implementation serves a call, without running it.
+
+  Args:
+    q_shape: query shape [batch, q_seq, heads, head_dim].
+    k_shape: key (and value) shape [batch, kv_seq, kv_heads, head_dim]; kv_heads divides
+      heads (grouped-query / multi-query attention).
+    dtype: the dtype of q, k and v.
+    causal: causal masking (query i sees keys j <= i).
+    segment_ids: None, an int array (or anything with `.shape`) [batch, seq] shared by
+      queries and keys, or a pair (q_segment_ids [batch, q_seq], kv_segment_ids
+      [batch, kv_seq]). Only the structure matters here.
+    sliding_window: None, an int w (query i sees keys i-w..i+w) or a pair (left, right),
+      as `jax.nn.dot_product_attention`'s `local_window_size`.
+    implementation: "auto" or a name in `IMPLEMENTATIONS`. "auto" takes the choice of an
+      enclosing `with_kernel`, then tries splash on TPU, cudnn then pallas_gpu on NVIDIA
+      GPUs, splash then pallas_gpu in interpret mode, else "xla".
+    block_sizes: override the kernel tiles (`BlockSizes`); default: the largest tile that
+      divides the sequence (splash 512/256/128, pallas_gpu 128/64/32/16).
+    platform: "tpu", "cuda", "rocm", "gpu" or "cpu"; default: the mesh's, else jax's
+      default backend.
+    interpret: Pallas interpret mode; default: the enclosing `with_kernel`'s (else False).
+    mesh: the mesh to shard the kernel over; default: the context mesh
+      (`jax.sharding.get_abstract_mesh()`), none outside one.
+
+  Returns:
+    A `KernelPlan`.
+
+  Raises:
+    KernelError: bad shapes or arguments, or a forced implementation that can't serve the
+      call (the message names the reason).
+  """
+  q_shape, k_shape = tuple(q_shape), tuple(k_shape)
+  _check_shapes(q_shape, k_shape, k_shape)
+  if implementation not in IMPLEMENTATIONS:
+    raise KernelError(
+        f"attention(implementation={implementation!r}): expected one of {IMPLEMENTATIONS}.")
+  window = _normalise_window(sliding_window)
+  if block_sizes is not None:
+    block_sizes = _check_block_sizes(block_sizes)
+  segments = _segment_structure(segment_ids, q_shape, k_shape)
+  choice = _CHOICE.get()
+  requested = choice.attention if implementation == "auto" else implementation
+  interpret = choice.interpret if interpret is None else bool(interpret)
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  platform = _platform(platform, mesh)
+  batch_axes, head_axes = _kernel_axes(mesh)
+  call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
+               block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes)
+
+  plan = functools.partial(KernelPlan, requested=requested, interpret=interpret,
+                           platform=platform)
+  if requested == "xla":
+    return plan("xla", reason="the xla reference was requested", fallback=False,
+                block_sizes=None)
+  if requested == "auto":
+    candidates = _auto_candidates(platform, interpret)
+  else:
+    candidates = (requested,)
+  reasons = []
+  for name in candidates:
+    why = _cannot_serve(name, call)
+    if why is None:
+      blocks = _block_sizes(name, call)
+      sharded = bool(batch_axes or head_axes)
+      return plan(name, fallback=False, block_sizes=blocks,
+                  reason=(f"{name} serves this call" + (" (interpret mode)" if interpret
+                          and name != "cudnn" else "")
+                          + (f" inside shard_map over {batch_axes + head_axes}"
+                             if sharded else "")),
+                  batch_axes=batch_axes, head_axes=head_axes)
+    if requested != "auto":
+      raise KernelError(
+          f"attention(implementation={name!r}) can't serve this call: {why}. Use "
+          "implementation='auto' to fall back to the xla reference, or change the call.")
+    reasons.append(f"{name}: {why}")
+  if reasons:
+    return plan("xla", reason="; ".join(reasons), fallback=True, block_sizes=None)
+  return plan("xla", fallback=False, block_sizes=None,
+              reason=(f"no attention kernel for platform {platform!r}; use "
+                      "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              segment_ids: Any = None, sliding_window: int | tuple[int, int] | None = None,
+              scale: float | None = None, implementation: str = "auto",
+              block_sizes: BlockSizes | None = None,
+              mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+  """Scaled dot-product attention on the best kernel that can serve the call.
+
+  softmax(scale * q k^T + mask) v per head, with kv head `h // (heads // kv_heads)` serving
+  query head h. "auto" falls back to the XLA reference when a kernel can't serve the call
+  (platform, dtype, head_dim or sequence length not a multiple of its tile, mask kind,
+  heads not divisible by the "tensor" mesh axis) and logs the reason once per distinct
+  reason; `kernel_plan` reports the same decision without running anything.
+
+  Args:
+    q: queries [batch, q_seq, heads, head_dim], float32/bfloat16/float16.
+    k: keys [batch, kv_seq, kv_heads, head_dim], same dtype; kv_heads divides heads.
+    v: values, the shape and dtype of `k`.
+    causal: causal masking (query i sees keys j <= i; top-left aligned).
+    segment_ids: None, int [batch, seq] shared by queries and keys (q_seq == kv_seq), or a
+      pair (q_segment_ids [batch, q_seq], kv_segment_ids [batch, kv_seq]); a query sees
+      only keys with its segment id (packed sequences).
+    sliding_window: None, int w (query i sees keys i-w..i+w) or a pair (left, right), as
+      `jax.nn.dot_product_attention`'s `local_window_size`; with `causal`, right is 0.
+    scale: logit scale; default 1/sqrt(head_dim).
+    implementation: "auto" (see `kernel_plan`), "xla", "splash", "cudnn" or "pallas_gpu".
+    block_sizes: kernel tiles (`BlockSizes`); default chosen from the shapes.
+    mesh: shard the kernel over this mesh; default: the context mesh (`jax.set_mesh` /
+      `fnscale.with_mesh`), none outside one.
+
+  Returns:
+    [batch, q_seq, heads, head_dim] in q's dtype.
+
+  Raises:
+    KernelError: bad shapes, dtypes or arguments, or a forced implementation that can't
+      serve the call (the message names the reason).
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise KernelError(f"attention: {name} must be an array, got {type(x).__name__}.")
+  _check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+  if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise KernelError(
+        f"attention: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must be one floating "
+        "dtype; cast them to the same one.")
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  elif not isinstance(scale, (int, float)) or not scale > 0:
+    raise KernelError(f"attention(scale={scale!r}): expected a positive Python float.")
+  plan = kernel_plan(q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
+                     sliding_window=sliding_window, implementation=implementation,
+                     block_sizes=block_sizes, mesh=mesh)
+  if plan.fallback:
+    _log_fallback(plan.reason)
+  q_ids, kv_ids = _segment_arrays(segment_ids, q.shape, k.shape)
+  window = _normalise_window(sliding_window)
+  if plan.implementation == "xla":
+    return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=float(scale))
+  kernel = functools.partial(_KERNELS[plan.implementation], causal=causal, window=window,
+                             scale=float(scale), blocks=plan.block_sizes,
+                             interpret=plan.interpret)
+  if not (plan.batch_axes or plan.head_axes):
+    return kernel(q, k, v, q_ids, kv_ids)
+  return _sharded(kernel, plan, q, k, v, q_ids, kv_ids, mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(reason: str) -> None:
+  # Cached only so that each distinct reason is logged once; it holds no decision.
+  logging.warning("fnscale.attention falls back to the xla reference: %s", reason)
+
+
+class _Call(NamedTuple):
+  q_shape: tuple[int, ...]
+  k_shape: tuple[int, ...]
+  dtype: str
+  causal: bool
+  segments: str | None  # None, "shared" or "pair"
+  window: tuple[int, int] | None
+  block_sizes: BlockSizes | None
+  platform: str
+  interpret: bool
+  axis_sizes: dict[str, int]
+  batch_axes: tuple[str, ...]
+  head_axes: tuple[str, ...]
+
+
+def _check_shapes(q_shape, k_shape, v_shape) -> None:
+  for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+    if len(shape) != 4:
+      raise KernelError(
+          f"attention: {name} has shape {shape}; expected [batch, seq, heads, head_dim].")
+  if k_shape != v_shape:
+    raise KernelError(f"attention: k shape {k_shape} and v shape {v_shape} must be equal.")
+  (b, _, h, d), (kb, _, kh, kd) = q_shape, k_shape
+  if kb != b or kd != d:
+    raise KernelError(
+        f"attention: q {q_shape} and k {k_shape} must share batch and head_dim.")
+  if kh < 1 or h % kh:
+    raise KernelError(
+        f"attention: kv heads {kh} (k {k_shape}) must divide q heads {h} (q {q_shape}) for "
+        "grouped-query attention.")
+
+
+def _normalise_window(window) -> tuple[int, int] | None:
+  if window is None:
+    return None
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    window = (int(window), int(window))
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0
+                 for w in window)):
+    raise KernelError(
+        f"attention(sliding_window={window!r}): expected a non-negative int or a pair "
+        "(left, right) of them.")
+  return int(window[0]), int(window[1])
+
+
+def _check_block_sizes(blocks) -> BlockSizes:
+  if not isinstance(blocks, BlockSizes):
+    raise KernelError(
+        f"attention(block_sizes={blocks!r}): expected fnscale.kernels.BlockSizes(block_q, "
+        "block_kv).")
+  for field, value in blocks._asdict().items():
+    if value is not None and (not isinstance(value, int) or value <= 0):
+      raise KernelError(
+          f"attention: BlockSizes.{field}={value!r}; expected a positive int.")
+  return blocks
+
+
+def _segment_structure(segment_ids, q_shape, k_shape) -> str | None:
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise KernelError(
+          f"attention: segment_ids is a sequence of {len(segment_ids)}; expected one array "
+          "or a pair (q_segment_ids, kv_segment_ids).")
+    q_ids, kv_ids = segment_ids
+    expected = ((q_shape[0], q_shape[1]), (k_shape[0], k_shape[1]))
+  else:
+    q_ids = kv_ids = segment_ids
+    expected = ((q_shape[0], q_shape[1]),) * 2
+    if q_shape[1] != k_shape[1]:
+      raise KernelError(
+          f"attention: one segment_ids array needs q_seq == kv_seq, got {q_shape[1]} and "
+          f"{k_shape[1]}; pass a pair (q_segment_ids, kv_segment_ids).")
+  for name, ids, shape in (("q", q_ids, expected[0]), ("kv", kv_ids, expected[1])):
+    if tuple(getattr(ids, "shape", ())) != shape:
+      raise KernelError(
+          f"attention: {name} segment_ids shape {getattr(ids, 'shape', type(ids))}; "
+          f"expected [batch, seq] = {shape}.")
+    if hasattr(ids, "dtype") and not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise KernelError(
+          f"attention: {name} segment_ids dtype {ids.dtype}; expected an integer dtype.")
+  return "shared" if q_ids is kv_ids else "pair"
+
+
+def _segment_arrays(segment_ids, q_shape, k_shape):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_ids, kv_ids = segment_ids
+    if q_ids is kv_ids:
+      q_ids = kv_ids = jnp.asarray(q_ids, jnp.int32)
+      return q_ids, kv_ids
+    return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+  ids = jnp.asarray(segment_ids, jnp.int32)
+  return ids, ids
+
+
+def _platform(platform: str | None, mesh) -> str:
+  if platform is None:
+    device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+  platform = platform.lower()
+  if platform == "gpu":
+    try:
+      version = jax.devices("gpu")[0].client.platform_version.lower()
+      platform = "rocm" if "rocm" in version else "cuda"
+    except RuntimeError:
+      platform = "cuda"
+  return platform
+
+
+def _axis_sizes(mesh) -> dict[str, int]:
+  if mesh is None or mesh.empty:
+    return {}
+  return dict(mesh.shape)
+
+
+def _kernel_axes(mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """Mesh axes (not already manual, size > 1) a kernel's shard_map splits batch and heads."""
+  if mesh is None or mesh.empty:
+    return (), ()
+  manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
+  free = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
+  return (tuple(a for a in _DATA_AXES if a in free),
+          tuple(a for a in _HEAD_AXES if a in free))
+
+
+def _auto_candidates(platform: str, interpret: bool) -> tuple[str, ...]:
+  if platform == "tpu":
+    return ("splash",)
+  if platform == "cuda":
+    return ("cudnn", "pallas_gpu")
+  if platform == "rocm":
+    return ("pallas_gpu",)
+  if interpret:
+    return ("splash", "pallas_gpu")
+  return ()
+
+
+def _largest_divisor(n: int, candidates: Sequence[int]) -> int | None:
+  return next((c for c in candidates if n % c == 0), None)
+
+
+def _cannot_serve(name: str, call: _Call) -> str | None:
+  """Why kernel `name` can't serve `call`, or None when it can."""
+  (b, t, h, d), (_, s, kh, _) = call.q_shape, call.k_shape
+  interpretable = name in ("splash", "pallas_gpu") and call.interpret
+  home = {"splash": ("tpu",), "cudnn": ("cuda",), "pallas_gpu": ("cuda", "rocm")}[name]
+  if call.platform not in home and not interpretable:
+    hint = ("" if name == "cudnn" else
+            "; with_kernel(..., interpret=True) runs it in interpret mode anywhere")
+    return f"needs platform {'/'.join(home)}, this is {call.platform}{hint}"
+  if call.dtype not in _DTYPES[name]:
+    return f"dtype {call.dtype} not in {_DTYPES[name]}"
+  size = lambda axes: math.prod(call.axis_sizes[a] for a in axes)
+  if call.batch_axes and b % size(call.batch_axes):
+    return (f"batch {b} not divisible by mesh axes {call.batch_axes} "
+            f"(size {size(call.batch_axes)})")
+  if call.head_axes and (h % size(call.head_axes) or kh % size(call.head_axes)):
+    return (f"heads {h} and kv heads {kh} must be divisible by mesh axes {call.head_axes} "
+            f"(size {size(call.head_axes)})")
+  blocks = call.block_sizes
+  if name == "splash":
+    if blocks is not None:
+      if t % blocks.block_q or s % blocks.block_kv or blocks.block_kv % 128:
+        return (f"block_sizes {tuple(blocks[:2])} must divide sequence lengths ({t}, {s}) "
+                "and block_kv be a multiple of 128")
+    elif _largest_divisor(t, _SPLASH_BLOCKS) is None or _largest_divisor(
+        s, _SPLASH_BLOCKS) is None:
+      return f"sequence lengths ({t}, {s}) must be multiples of 128"
+    return None
+  if name == "pallas_gpu":
+    if call.window is not None:
+      return "sliding_window is not supported by the Pallas Triton attention"
+    if call.segments == "pair":
+      return "needs one segment_ids array shared by queries and keys"
+    if t != s:
+      return f"needs q_seq == kv_seq, got {t} and {s}"
+    if blocks is not None:
+      if any(t % x for x in blocks if x is not None):
+        return f"block_sizes {tuple(blocks)} must divide sequence length {t}"
+    elif _largest_divisor(t, _GPU_BWD_BLOCKS) is None:
+      return f"sequence length {t} must be a multiple of 16"
+    return None
+  # cudnn
+  max_d = 256 if _hopper_or_later() else 128
+  if d % 8 or d > max_d:
+    return f"head_dim {d} must be a multiple of 8 and <= {max_d}"
+  if call.segments is not None:
+    return "segment_ids are not supported by the cuDNN path"
+  if call.window is not None and not call.causal and call.window[1] != 0:
+    return "a sliding_window with a right side needs causal=True on cuDNN"
+  return None
+
+
+def _hopper_or_later() -> bool:
+  try:
+    capability = jax.devices("gpu")[0].compute_capability
+    return float(capability) >= 9.0
+  except (RuntimeError, AttributeError, ValueError, IndexError):
+    return False
+
+
+def _block_sizes(name: str, call: _Call) -> BlockSizes | None:
+  if name == "cudnn":
+    return None
+  t, s = call.q_shape[1], call.k_shape[1]
+  given = call.block_sizes
+  if name == "splash":
+    bq = given.block_q if given else _largest_divisor(t, _SPLASH_BLOCKS)
+    bkv = given.block_kv if given else _largest_divisor(s, _SPLASH_BLOCKS)
+    return BlockSizes(bq, bkv, (given and given.block_q_bwd) or bq,
+                      (given and given.block_kv_bwd) or bkv)
+  bq = given.block_q if given else _largest_divisor(t, _GPU_BLOCKS)
+  bkv = given.block_kv if given else _largest_divisor(s, _GPU_BLOCKS)
+  # The Triton backward needs as many q tiles as kv tiles; one backward tile serves both.
+  bwd = (given and (given.block_q_bwd or given.block_kv_bwd)) or _largest_divisor(
+      t, _GPU_BWD_BLOCKS)
+  return BlockSizes(bq, bkv, bwd, bwd)
+
+
+def _xla(q, k, v, q_ids, kv_ids, *, causal, window, scale):
+  mask = None
+  if q_ids is not None:
+    mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                      local_window_size=window, implementation="xla")
+
+
+def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  _, t, h, _ = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  if window is not None:
+    mask = splash.LocalMask((t, s), (window[0], 0 if causal else window[1]), offset=0)
+  elif causal:
+    mask = splash.CausalMask((t, s))
+  else:
+    mask = splash.FullMask((t, s))
+  sizes = splash.BlockSizes(
+      block_q=blocks.block_q, block_kv=blocks.block_kv, block_kv_compute=blocks.block_kv,
+      block_q_dkv=blocks.block_q_bwd, block_kv_dkv=blocks.block_kv_bwd,
+      block_kv_dkv_compute=blocks.block_kv_bwd, block_q_dq=blocks.block_q_bwd,
+      block_kv_dq=blocks.block_kv_bwd)
+  make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
+  kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
+                q_seq_shards=1, interpret=interpret)
+  # Splash takes [heads, seq, head_dim] per example and no scale: scale q up front.
+  q = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
+  k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  if kh == 1:
+    k, v = k[:, 0], v[:, 0]
+  if q_ids is None:
+    out = jax.vmap(kernel)(q, k, v)
+  else:
+    out = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, splash.SegmentIds(a, b)))(
+        q, k, v, q_ids, kv_ids)
+  return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
+  del window, kv_ids  # Checked by _cannot_serve.
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # pylint: disable=g-import-not-at-top
+  group = q.shape[2] // k.shape[2]
+  if group > 1:  # The Triton kernel wants as many kv heads as q heads.
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  sizes = gpu_attention.BlockSizes(
+      block_q=blocks.block_q, block_k=blocks.block_kv, block_q_dkv=blocks.block_q_bwd,
+      block_kv_dkv=blocks.block_kv_bwd, block_q_dq=blocks.block_q_bwd,
+      block_kv_dq=blocks.block_kv_bwd)
+  return gpu_attention.mha(q, k, v, q_ids, sm_scale=scale, causal=causal,
+                           block_sizes=sizes, interpret=interpret).astype(q.dtype)
+
+
+def _cudnn(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
+  del q_ids, kv_ids, blocks, interpret  # Checked by _cannot_serve.
+  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                      local_window_size=window, implementation="cudnn")
+
+
+_KERNELS = {"splash": _splash, "pallas_gpu": _pallas_gpu, "cudnn": _cudnn}
+
+
+def _sharded(kernel, plan: KernelPlan, q, k, v, q_ids, kv_ids, mesh):
+  """Runs `kernel` per shard: batch over plan.batch_axes, heads over plan.head_axes."""
+  batch = plan.batch_axes or None
+  heads = plan.head_axes or None
+  qkv_spec = jax.P(batch, None, heads, None)
+  ids_spec = jax.P(batch, None)
+  args, specs = [q, k, v], [qkv_spec] * 3
+  shared = q_ids is not None and q_ids is kv_ids
+  if q_ids is not None:
+    args.append(q_ids)
+    specs.append(ids_spec)
+    if not shared:
+      args.append(kv_ids)
+      specs.append(ids_spec)
+
+  def body(q, k, v, *ids):
+    if not ids:
+      return kernel(q, k, v, None, None)
+    return kernel(q, k, v, ids[0], ids[0] if shared else ids[1])
+
+  context = jax.sharding.get_abstract_mesh()
+  manual = set(context.manual_axes) if not context.empty else set()
+  target = mesh if mesh is not None else context
+  free = frozenset(a for a in target.axis_names if a not in manual)
+  # Pallas kernels carry no varying-manual-axes annotations, so don't check them.
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
+                       axis_names=free, check_vma=False)(*args)
