@@ -2,6 +2,9 @@
 
 Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step.
 """
+from fnscale.mesh import MeshAxes, make_mesh, parallelism, parse_axes, with_mesh
+from fnscale.topology import (Topology, detect_topology, parse_accelerator_type, parse_shape,
+                              simulate_cpu_devices)
 from fnscale.errors import (
     CheckpointError,
     CloudError,
@@ -28,7 +31,25 @@ from fnscale.sharding import (
     shardings,
 )
 
+from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
+from fnscale import checkpoint
+
 __all__ = [
+    "checkpoint",
+    "attention",
+    "cross_entropy",
+    "kernel_plan",
+    "with_kernel",
+    "MeshAxes",
+    "Topology",
+    "detect_topology",
+    "make_mesh",
+    "parallelism",
+    "parse_accelerator_type",
+    "parse_axes",
+    "parse_shape",
+    "simulate_cpu_devices",
+    "with_mesh",
     "CheckpointError",
     "CloudError",
     "DistributedError",

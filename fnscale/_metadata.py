@@ -14,9 +14,9 @@ DEFAULT_HOST = "metadata.google.internal"
 HEADERS = {"Metadata-Flavor": "Google"}
 
 
-def base_url() -> str:
+def base_url(env=None) -> str:
   """`http://HOST/computeMetadata/v1`, HOST from `GCE_METADATA_HOST` or the GCE default."""
-  host = os.environ.get("GCE_METADATA_HOST", DEFAULT_HOST)
+  host = (os.environ if env is None else env).get("GCE_METADATA_HOST", DEFAULT_HOST)
   if "://" not in host:
     host = "http://" + host
   return host.rstrip("/") + "/computeMetadata/v1"

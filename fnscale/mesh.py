@@ -1,0 +1,278 @@
+"""Mesh: named device axes over the topology, and `with_mesh` to scope one.
+
+Axes within a slice ride the ICI (inter-chip interconnect); axes across slices ride the DCN
+(data-centre network). On TPU, devices are ordered by `mesh_utils.create_device_mesh` (one
+slice) or `create_hybrid_device_mesh` (several), which map mesh axes onto physical torus
+dimensions so each ICI axis runs over neighbouring chips; elsewhere in device-id order. On
+GPU/CPU a DCN group spans processes (`process_is_granule`), as across nodes of a cluster.
+"""
+import contextlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from fnscale.errors import MeshError
+from fnscale.topology import Topology
+
+AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]
+
+
+class MeshAxes(NamedTuple):
+  """Axis sizes within a slice (`ici`) and across slices (`dcn`); -1 means "the rest"."""
+  ici: dict[str, int]
+  dcn: dict[str, int]
+
+
+PRESETS = ("data", "fsdp", "tensor", "hybrid")
+
+
+def parallelism(strategy: str, topology: Topology | None = None, *,
+                tensor: int | None = None) -> MeshAxes:
+  """Expands a named parallelism strategy into mesh axes for a topology.
+
+  Strategies:
+    "data": pure data parallel; every device a replica. Across slices the axis "replica".
+    "fsdp": fully sharded data parallel (ZeRO-3) within a slice; "replica" across slices.
+    "tensor": tensor parallel of size `tensor` (default: the devices of one process, which
+      share the fastest links) with "fsdp" over the rest.
+    "hybrid": "fsdp" within a slice and "replica" (data parallel) across slices, as in
+      MaxText's hybrid sharding.
+
+  Returns:
+    `MeshAxes(ici, dcn)`: plain dicts you can print, edit and pass to `make_mesh`.
+
+  Raises:
+    MeshError: unknown strategy or a tensor size that isn't positive.
+  """
+  if strategy not in PRESETS:
+    raise MeshError(f"unknown parallelism strategy {strategy!r}: expected one of {PRESETS}, "
+                    "or give axes explicitly such as {'data': -1, 'tensor': 2}.")
+  slices = topology.num_slices if topology is not None else 1
+  dcn = {"replica": slices} if slices > 1 else {}
+  if strategy == "data":
+    return MeshAxes({"data": -1}, dcn)
+  if strategy in ("fsdp", "hybrid"):
+    return MeshAxes({"fsdp": -1}, dcn)
+  if tensor is None:
+    tensor = topology.devices_per_process if topology is not None else jax.local_device_count()
+  if not isinstance(tensor, int) or tensor < 1:
+    raise MeshError(f"tensor parallel size {tensor!r} must be a positive int.")
+  return MeshAxes({"fsdp": -1, "tensor": tensor}, dcn)
+
+
+def parse_axes(axes: AxesLike, *, what: str = "axes") -> dict[str, int]:
+  """Normalises `{"data": -1, "tensor": 2}`, `"data=-1,tensor=2"` or pairs to an ordered dict.
+
+  Raises:
+    MeshError: malformed string, duplicate names, non-int or invalid sizes, two -1s.
+  """
+  if isinstance(axes, str):
+    pairs = []
+    for part in filter(None, (p.strip() for p in axes.split(","))):
+      m = re.fullmatch(r"([A-Za-z_][\w]*)\s*=\s*(-?\d+)", part)
+      if not m:
+        raise MeshError(f"{what} entry {part!r} in {axes!r} is not NAME=SIZE: write e.g. "
+                        "'data=-1,fsdp=4,tensor=2'.")
+      pairs.append((m.group(1), int(m.group(2))))
+  elif isinstance(axes, Mapping):
+    pairs = list(axes.items())
+  else:
+    try:
+      pairs = [(n, s) for n, s in axes]
+    except (TypeError, ValueError):
+      raise MeshError(f"{what} {axes!r} must be a mapping name -> size, a 'name=size,...' "
+                      "string or (name, size) pairs.") from None
+  out: dict[str, int] = {}
+  for name, size in pairs:
+    if not isinstance(name, str) or not name:
+      raise MeshError(f"{what} name {name!r} must be a non-empty string.")
+    if name in out:
+      raise MeshError(f"{what} name {name!r} appears twice in {axes!r}: each axis once.")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+      raise MeshError(f"{what} {name!r} has size {size!r}: expected a positive int or -1 "
+                      "(the devices left over).")
+    out[name] = int(size)
+  if list(out.values()).count(-1) > 1:
+    raise MeshError(f"{what} {axes!r} has more than one -1; at most one axis per group can "
+                    "take the devices left over: give the others explicit sizes.")
+  return out
+
+
+def _resolve(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
+  known = math.prod(s for s in sizes.values() if s != -1)
+  if -1 in sizes.values():
+    if total % known:
+      raise MeshError(f"{what} {sizes} can't fill {total} devices: the fixed sizes multiply to "
+                      f"{known}, which doesn't divide {total}; pick sizes whose product divides it.")
+    return {n: (total // known if s == -1 else s) for n, s in sizes.items()}
+  if known != total:
+    raise MeshError(f"{what} {sizes} multiply to {known} devices but there are {total}; make "
+                    f"the product {total} or use -1 for one axis.")
+  return sizes
+
+
+def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
+              topology: Topology | None = None, devices: Sequence[jax.Device] | None = None,
+              axis_types: str | Sequence[AxisType] = "auto") -> Mesh:
+  """Builds a `jax.sharding.Mesh` with named axes.
+
+  Args:
+    axes: axis sizes within a slice (ICI), e.g. `{"data": -1, "fsdp": 4, "tensor": 2}`,
+      `"data=-1,fsdp=4,tensor=2"`, a preset name ("data", "fsdp", "tensor", "hybrid"; see
+      `parallelism`), or a `MeshAxes`. -1 takes the devices left over.
+    dcn: axis sizes across slices (TPU multi-slice) or processes (GPU/CPU), e.g.
+      `{"replica": 2}`. DCN axes come first (outermost) in the mesh.
+    topology: used by presets; otherwise the devices themselves give the physical layout.
+    devices: devices to place (default `jax.devices()`); may be TPU devices from
+      `jax.experimental.topologies` for ahead-of-time compilation.
+    axis_types: "auto" (default: sharding propagation, what `with_sharding_constraint`
+      code expects), "explicit" (sharding-in-types), or one `jax.sharding.AxisType` per axis.
+
+  Returns:
+    A Mesh with axis names in order DCN axes, then ICI axes.
+
+  Raises:
+    MeshError: malformed or duplicate axes, an axis in both groups, sizes that don't match
+      the device count (the message gives both counts), or unknown axis types.
+  """
+  if isinstance(axes, str) and axes.strip() in PRESETS:
+    axes = parallelism(axes.strip(), topology)
+  if isinstance(axes, MeshAxes):
+    if dcn is not None:
+      raise MeshError("pass dcn either inside MeshAxes or as dcn=, not both.")
+    axes, dcn = axes.ici, axes.dcn
+  ici = parse_axes(axes, what="ICI axes")
+  dcn_axes = parse_axes(dcn or {}, what="DCN axes")
+  both = sorted(set(ici) & set(dcn_axes))
+  if both:
+    raise MeshError(f"axis {both[0]!r} is in both the ICI axes {ici} and the DCN axes "
+                    f"{dcn_axes}; an axis runs either within a slice or across slices: rename "
+                    "one (e.g. 'replica' across slices, 'data' within).")
+  if not ici and not dcn_axes:
+    raise MeshError("no mesh axes given: pass e.g. {'data': -1}.")
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  groups = _granules(devices) if dcn_axes else [devices]
+  dcn_sizes = _resolve(dcn_axes, len(groups), "DCN axes") if dcn_axes else {}
+  num_groups = math.prod(dcn_sizes.values()) if dcn_sizes else 1
+  if num_groups != len(groups) and dcn_axes:
+    raise MeshError(f"DCN axes {dcn_sizes} give {num_groups} groups but the devices form "
+                    f"{len(groups)} slices/processes.")
+  ici_sizes = _resolve(ici, n // num_groups, "ICI axes")
+  names = tuple(dcn_sizes) + tuple(ici_sizes)
+  types_ = _axis_types(axis_types, len(names))
+  ici_shape = [1] * len(dcn_sizes) + list(ici_sizes.values())
+  dcn_shape = list(dcn_sizes.values()) + [1] * len(ici_sizes)
+  try:
+    grid = _device_grid(devices, ici_shape, dcn_shape if dcn_sizes else None)
+  except (ValueError, AssertionError, NotImplementedError) as e:
+    raise MeshError(f"can't lay mesh {dict(zip(names, map(int, np.multiply(ici_shape, dcn_shape))))} "
+                    f"onto {n} {devices[0].platform} devices: {e}") from None
+  return Mesh(grid, names, axis_types=types_)
+
+
+def _granules(devices) -> list[list]:
+  """Devices grouped by slice (TPU multi-slice) or else by process."""
+  key = (lambda d: d.slice_index) if getattr(devices[0], "slice_index", None) is not None \
+      else (lambda d: d.process_index)
+  out: dict[int, list] = {}
+  for d in devices:
+    out.setdefault(key(d), []).append(d)
+  return [out[k] for k in sorted(out)]
+
+
+def _device_grid(devices, ici_shape, dcn_shape) -> np.ndarray:
+  tpu = devices[0].platform == "tpu" and getattr(devices[0], "coords", None) is not None
+  if dcn_shape is not None:
+    return mesh_utils.create_hybrid_device_mesh(
+        ici_shape, dcn_shape, devices,
+        process_is_granule=getattr(devices[0], "slice_index", None) is None,
+        allow_split_physical_axes=True)
+  if tpu:
+    try:
+      return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    except AssertionError as e:
+      if "megacore" not in str(e):
+        raise
+      return _per_core_grid(devices, ici_shape)
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return np.array(ordered, dtype=object).reshape(ici_shape)
+
+
+def _per_core_grid(devices, shape) -> np.ndarray:
+  """TPU v4/v5p devices exposed one per TensorCore (not megacore), which mesh_utils refuses:
+  lay out chips with mesh_utils, then split each chip into its cores along the last axis so a
+  chip's cores stay adjacent."""
+  cores = max(d.core_on_chip for d in devices) + 1
+  if shape[-1] % cores:
+    raise ValueError(f"the last mesh axis ({shape[-1]}) must be a multiple of the {cores} cores "
+                     "per chip when TPU cores are separate devices")
+  chips = [d for d in devices if d.core_on_chip == 0]
+  by_chip = {tuple(d.coords): [] for d in chips}
+  for d in sorted(devices, key=lambda d: d.core_on_chip):
+    by_chip[tuple(d.coords)].append(d)
+  chip_grid = mesh_utils.create_device_mesh(list(shape[:-1]) + [shape[-1] // cores], chips,
+                                            allow_split_physical_axes=True)
+  out = np.empty(chip_grid.shape + (cores,), dtype=object)
+  for idx, chip in np.ndenumerate(chip_grid):
+    out[idx] = np.array(by_chip[tuple(chip.coords)], dtype=object)
+  return out.reshape(shape)
+
+
+def _axis_types(axis_types, n: int) -> tuple[AxisType, ...]:
+  if isinstance(axis_types, str):
+    names = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+    if axis_types.lower() not in names:
+      raise MeshError(f"axis_types {axis_types!r}: expected 'auto', 'explicit' or a sequence "
+                      "of jax.sharding.AxisType.")
+    return (names[axis_types.lower()],) * n
+  types_ = tuple(axis_types)
+  if len(types_) != n or not all(isinstance(t, AxisType) for t in types_):
+    raise MeshError(f"axis_types {axis_types!r}: expected {n} jax.sharding.AxisType values, "
+                    "one per mesh axis.")
+  return types_
+
+
+@contextlib.contextmanager
+def with_mesh(mesh: Mesh):
+  """Makes `mesh` the ambient mesh (`jax.set_mesh`), as a context manager or a wrapper.
+
+  `with with_mesh(mesh): ...` scopes a block; `with_mesh(mesh)(fn)` returns a function with
+  `fn`'s signature that runs each call under the mesh. This is the only ambient state
+  fnscale keeps; kernels and sharding constraints read it via
+  `jax.sharding.get_abstract_mesh()`.
+
+  Raises:
+    MeshError: if `mesh` is not a `jax.sharding.Mesh`.
+  """
+  if not isinstance(mesh, Mesh):
+    raise MeshError(f"with_mesh needs a jax.sharding.Mesh (from fnscale.make_mesh), got "
+                    f"{type(mesh).__name__}: {mesh!r}.")
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(jax.set_mesh(mesh))
+    except ValueError:
+      # Inside a jit trace jax.set_mesh is refused; the abstract mesh is what traced code reads.
+      stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+    yield mesh
+
+
+def describe(mesh: Mesh) -> str:
+  """One line per axis: name, size, axis type, and whether it crosses slices or processes."""
+  lines = []
+  devs = mesh.devices
+  for i, name in enumerate(mesh.axis_names):
+    moved = np.moveaxis(devs, i, -1).reshape(-1, devs.shape[i])
+    row = moved[0]
+    slices = {getattr(d, "slice_index", 0) or 0 for d in row}
+    procs = {d.process_index for d in row}
+    link = "DCN (across slices)" if len(slices) > 1 else (
+        "across processes" if len(procs) > 1 else "ICI / local")
+    lines.append(f"  {name:<10} size {devs.shape[i]:>4}  {mesh.axis_types[i].name:<8} {link}")
+  return f"Mesh {dict(mesh.shape)} over {devs.size} devices\n" + "\n".join(lines)
