@@ -30,11 +30,13 @@ from fnscale.sharding import (
     sharding_report,
     shardings,
 )
+from fnscale import checkpoint
 
 from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
 from fnscale import checkpoint
 
 __all__ = [
+    "checkpoint",
     "checkpoint",
     "attention",
     "cross_entropy",

@@ -1,0 +1,321 @@
+"""fnscale.checkpoint: sharded save, restore onto other meshes, atomicity and bad input."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import fnscale
+from fnscale import checkpoint as ckpt
+from fnscale.errors import CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _mesh(shape, names, n):
+  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(names), devices=jax.devices()[:n])
+
+
+def _fsdp_spec(x):
+  return P("fsdp") if x.ndim and x.shape[0] % 4 == 0 else P()
+
+
+def _state(seed=0):
+  """An FSDP-sharded train state on 8 devices: params, adamw state (NamedTuples), step."""
+  mesh = _mesh((2, 4), ("data", "fsdp"), 8)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  params = {
+      "w": jax.random.normal(k1, (8, 6), jnp.float32),
+      "emb": jax.random.normal(k2, (16, 4), jnp.bfloat16),
+      "b": jnp.arange(3, dtype=jnp.float32) - 1.5,
+  }
+  params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, _fsdp_spec(x))), params)
+  opt = optax.adamw(1e-2)
+  opt_state = opt.init(params)
+  grads = jax.tree.map(lambda x: jnp.ones_like(x) * 0.25, params)
+  _, opt_state = opt.update(grads, opt_state, params)  # non-trivial mu, nu and count
+  return {"params": params, "opt_state": opt_state, "step": jnp.int32(7 + seed)}
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.itemsize in (1, 2, 4, 8) else x
+
+
+def _assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def _abstract(tree, sharding_fn):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_fn(x)), tree)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """Steps 1 and 2 of two different states, saved from the 8-device mesh."""
+  directory = tmp_path_factory.mktemp("ckpt") / "run"
+  states = {1: _state(0), 2: _state(1)}
+  for step, state in states.items():
+    ckpt.save(directory, step, state, extra={"data_position": 100 * step, "config": {"lr": 0.01}})
+  return directory, states
+
+
+def test_restore_onto_two_devices_and_one_device(saved):
+  directory, states = saved
+  assert ckpt.latest_step(directory) == 2 and ckpt.steps(directory) == (1, 2)
+
+  mesh2 = _mesh((2,), ("fsdp",), 2)
+  want2 = lambda x: NamedSharding(mesh2, P("fsdp") if x.ndim and x.shape[0] % 2 == 0 else P())
+  state, extra = ckpt.restore(directory, _abstract(states[2], want2))
+  _assert_bitwise(state, states[2])
+  assert extra == {"data_position": 200, "config": {"lr": 0.01}}
+  for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(states[2])):
+    assert got.sharding == want2(ref)
+  # optax's NamedTuple states come back as the same types, not dicts or lists.
+  assert type(state["opt_state"][0]).__name__ == "ScaleByAdamState"
+  assert isinstance(state["opt_state"][0].count, jax.Array)
+
+  one = SingleDeviceSharding(jax.devices()[3])
+  state1, extra1 = ckpt.restore(directory, _abstract(states[1], lambda x: one), step=1)
+  _assert_bitwise(state1, states[1])
+  assert extra1["data_position"] == 100
+  assert all(x.sharding == one for x in jax.tree.leaves(state1))
+
+
+def test_restore_uses_shardings_of_concrete_target_arrays(saved):
+  directory, states = saved
+  mesh4 = _mesh((4,), ("fsdp",), 4)
+  target = jax.tree.map(
+      lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), NamedSharding(mesh4, _fsdp_spec(x))),
+      states[2])
+  state, _ = ckpt.restore(directory, target)
+  _assert_bitwise(state, states[2])
+  for got, tgt in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
+    assert got.sharding == tgt.sharding
+
+
+def test_restored_state_keeps_training_like_the_original(saved):
+  """A restored adamw state gives bitwise the same next update as the saved one."""
+  directory, states = saved
+  opt = optax.adamw(1e-2)
+  mesh8 = _mesh((2, 4), ("data", "fsdp"), 8)
+  target = _abstract(states[2], lambda x: NamedSharding(mesh8, _fsdp_spec(x)))
+  state, _ = ckpt.restore(directory, target)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, -0.5), states[2]["params"])
+  ref, _ = opt.update(grads, states[2]["opt_state"], states[2]["params"])
+  got, _ = opt.update(grads, state["opt_state"], state["params"])
+  _assert_bitwise(got, ref)
+
+
+def test_keep_prunes_oldest_and_latest_step(tmp_path):
+  assert ckpt.latest_step(tmp_path / "absent") is None
+  assert ckpt.latest_step(tmp_path) is None and ckpt.steps(tmp_path) == ()
+  state = {"x": jnp.arange(4.0)}
+  for step in (3, 10, 20, 30):
+    out = ckpt.save(tmp_path / "k", step, {"x": state["x"] + step}, keep=2)
+    assert out == os.fspath(tmp_path / "k" / str(step))
+  assert ckpt.steps(tmp_path / "k") == (20, 30)
+  assert sorted(os.listdir(tmp_path / "k")) == ["20", "30"]
+  for step in (1, 2, 3):
+    ckpt.save(tmp_path / "all", step, state, keep=None)
+  assert ckpt.steps(tmp_path / "all") == (1, 2, 3)
+  # A lower step than those on disk is still saved (orbax alone would skip it silently).
+  ckpt.save(tmp_path / "all", 0, state, keep=None)
+  assert ckpt.steps(tmp_path / "all") == (0, 1, 2, 3)
+
+
+def test_interrupted_save_is_never_restored(tmp_path):
+  """A process killed after writing every file but before the commit leaves nothing usable."""
+  directory = tmp_path / "run"
+  ckpt.save(directory, 1, {"x": jnp.full((8,), 1.0)}, extra={"pos": 1})
+  script = textwrap.dedent(f"""
+      import os, sys
+      sys.path.insert(0, {REPO!r})
+      import jax.numpy as jnp
+      from orbax.checkpoint._src.path import atomicity
+      async def crash(self):  # dies at the worst moment: data written, not committed
+        os._exit(17)
+      atomicity.AtomicRenameTemporaryPath.finalize = crash
+      from fnscale import checkpoint
+      checkpoint.save({os.fspath(directory)!r}, 2, {{"x": jnp.full((8,), 2.0)}}, extra={{"pos": 2}})
+      """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 17, proc.stderr.decode()[-2000:]
+  leftovers = sorted(os.listdir(directory))
+  assert any(n.startswith("2.orbax-checkpoint-tmp") for n in leftovers), leftovers
+  assert ckpt.latest_step(directory) == 1 and ckpt.steps(directory) == (1,)
+  target = {"x": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=SingleDeviceSharding(
+      jax.devices()[0]))}
+  state, extra = ckpt.restore(directory, target)
+  np.testing.assert_array_equal(state["x"], np.full((8,), 1.0, np.float32))
+  assert extra == {"pos": 1}
+  # Saving step 2 again replaces the unfinished attempt (orbax clears it) and commits.
+  ckpt.save(directory, 2, {"x": jnp.full((8,), 2.0)})
+  assert ckpt.latest_step(directory) == 2
+  assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
+def _damage(step_dir, how):
+  if how == "no_commit_marker":
+    os.remove(step_dir / "commit_success.txt")
+  elif how == "deleted_data":
+    for name in os.listdir(step_dir / "state" / "d"):
+      os.remove(step_dir / "state" / "d" / name)
+  elif how == "truncated_data":
+    for name in os.listdir(step_dir / "state" / "d"):
+      path = step_dir / "state" / "d" / name
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+  elif how == "no_tree_metadata":
+    os.remove(step_dir / "state" / "_METADATA")
+  elif how == "no_extra":
+    os.remove(step_dir / "extra" / "metadata")
+
+
+def _listing(directory):
+  return sorted((os.path.relpath(os.path.join(r, f), directory), os.path.getsize(os.path.join(r, f)))
+                for r, _, fs in os.walk(directory) for f in fs)
+
+
+@pytest.mark.parametrize(
+    "how", ["no_commit_marker", "deleted_data", "truncated_data", "no_tree_metadata", "no_extra"])
+def test_corrupt_latest_is_refused_and_previous_used(tmp_path, how, caplog):
+  directory = tmp_path / "run"
+  for step in (1, 2):
+    ckpt.save(directory, step, {"x": jnp.full((4, 2), float(step))}, extra={"step": step})
+  _damage(directory / "2", how)
+  before = _listing(directory)
+  target = {"x": jax.ShapeDtypeStruct((4, 2), jnp.float32,
+                                       sharding=SingleDeviceSharding(jax.devices()[0]))}
+  with caplog.at_level("WARNING"):
+    state, extra = ckpt.restore(directory, target)
+  np.testing.assert_array_equal(state["x"], np.full((4, 2), 1.0, np.float32))
+  assert extra == {"step": 1}
+  warned = " ".join(r.getMessage() for r in caplog.records)
+  assert "step 2" in warned and os.fspath(directory / "2") in warned
+  with pytest.raises(CheckpointError, match=r"checkpoint step 2 at .*run/2 is (corrupt|incompl)"):
+    ckpt.restore(directory, target, step=2)
+  assert _listing(directory) == before  # nothing overwritten or deleted
+
+  # Saving step 2 again moves the damaged one aside (kept for inspection), then commits.
+  ckpt.save(directory, 2, {"x": jnp.full((4, 2), 5.0)})
+  aside = [n for n in os.listdir(directory) if n.startswith("2.corrupt-")]
+  assert len(aside) == 1
+  state, _ = ckpt.restore(directory, target)
+  np.testing.assert_array_equal(state["x"], np.full((4, 2), 5.0, np.float32))
+
+
+def test_no_good_checkpoint_lists_every_refused_step(tmp_path):
+  directory = tmp_path / "run"
+  for step in (1, 2):
+    ckpt.save(directory, step, {"x": jnp.ones(3)})
+  _damage(directory / "1", "no_commit_marker")
+  _damage(directory / "2", "no_tree_metadata")
+  target = {"x": jax.ShapeDtypeStruct((3,), jnp.float32,
+                                       sharding=SingleDeviceSharding(jax.devices()[0]))}
+  with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 2 at .*_METADATA "
+                     r"is missing.*step 1 at .*commit marker"):
+    ckpt.restore(directory, target)
+  assert ckpt.latest_step(directory) is None
+
+
+def test_existing_complete_step_is_never_overwritten(saved):
+  directory, states = saved
+  with pytest.raises(CheckpointError, match=r"complete checkpoint for step 2 already exists at "
+                     r".*run/2; fnscale never overwrites"):
+    ckpt.save(directory, 2, states[1])
+
+
+def test_target_that_does_not_match_names_each_leaf(saved):
+  directory, states = saved
+  one = SingleDeviceSharding(jax.devices()[0])
+  target = _abstract(states[2], lambda x: one)
+  target["params"]["w"] = jax.ShapeDtypeStruct((8, 5), jnp.float32, sharding=one)
+  target["params"]["b"] = jax.ShapeDtypeStruct((3,), jnp.int32, sharding=one)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restore(directory, target)
+  msg = str(e.value)
+  assert "checkpoint step 2 at" in msg and "doesn't fit the target" in msg
+  assert "params.w: saved (8, 6) float32, target expects (8, 5) float32" in msg
+  assert "params.b: saved (3,) float32, target expects (3,) int32" in msg
+
+  target = _abstract(states[2], lambda x: one)
+  del target["params"]["emb"]
+  target["params"]["extra_bias"] = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=one)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restore(directory, target, step=1)
+  msg = str(e.value)
+  assert "params.extra_bias: in the target ((2,) float32) but not in the checkpoint" in msg
+  assert "params.emb: in the checkpoint ((16, 4) bfloat16) but not in the target" in msg
+
+
+def test_missing_directory_and_missing_step(saved, tmp_path):
+  one = SingleDeviceSharding(jax.devices()[0])
+  target = {"x": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=one)}
+  with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist.*"
+                     r"latest_step returns None"):
+    ckpt.restore(tmp_path / "nowhere", target)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(CheckpointError, match=r"no checkpoint in .*empty \(no step directories\)"):
+    ckpt.restore(tmp_path / "empty", target)
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(CheckpointError, match=r"checkpoint path .*file is a file, not a directory"):
+    ckpt.latest_step(tmp_path / "file")
+  directory, states = saved
+  with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 in .*run; complete steps "
+                     r"there: \[1, 2\]"):
+    ckpt.restore(directory, _abstract(states[2], lambda x: one), step=5)
+
+
+def test_bad_arguments_are_named(tmp_path):
+  one = SingleDeviceSharding(jax.devices()[0])
+  state = {"x": jnp.ones(2)}
+  with pytest.raises(CheckpointError, match=r"extra\['pos'\] = .*array.* is not JSON"):
+    ckpt.save(tmp_path, 1, state, extra={"pos": np.arange(2)})
+  with pytest.raises(CheckpointError, match=r"extra must be a dict"):
+    ckpt.save(tmp_path, 1, state, extra=[1, 2])
+  with pytest.raises(CheckpointError, match=r"step must be a non-negative int, got -1"):
+    ckpt.save(tmp_path, -1, state)
+  with pytest.raises(CheckpointError, match=r"keep must be a positive int or None \(keep all\), got 0"):
+    ckpt.save(tmp_path, 1, state, keep=0)
+  with pytest.raises(CheckpointError, match=r"state leaf layers.0.name is a str"):
+    ckpt.save(tmp_path, 1, {"layers": [{"name": "mlp", "w": jnp.ones(2)}]})
+  with pytest.raises(CheckpointError, match=r"state leaf rng is a typed PRNG key"):
+    ckpt.save(tmp_path, 1, {"rng": jax.random.key(0)})
+  assert ckpt.latest_step(tmp_path) is None  # nothing was written
+  ckpt.save(tmp_path, 1, state)
+  with pytest.raises(CheckpointError, match=r"target leaf x \(\(2,\) float32\) has no sharding"):
+    ckpt.restore(tmp_path, {"x": jax.ShapeDtypeStruct((2,), jnp.float32)})
+  with pytest.raises(CheckpointError, match=r"target leaf x is a ndarray; expected "
+                     r"jax.ShapeDtypeStruct"):
+    ckpt.restore(tmp_path, {"x": np.ones(2, np.float32)})
+  state2, extra = ckpt.restore(tmp_path, {"x": jax.ShapeDtypeStruct((2,), jnp.float32,
+                                                                     sharding=one)})
+  np.testing.assert_array_equal(state2["x"], np.ones(2, np.float32))
+  assert extra == {}
+
+
+def test_without_orbax_says_how_to_install(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # makes the import fail
+  with pytest.raises(CheckpointError, match=r"pip install fnscale\[checkpoint\]"):
+    ckpt.latest_step(tmp_path)
+
+
+def test_exposed_on_the_package():
+  assert fnscale.checkpoint is ckpt
+  assert {"save", "restore", "latest_step", "steps"} <= set(dir(fnscale.checkpoint))
+  json.dumps(ckpt.__doc__)  # the module documents its layout
