@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import time
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -96,6 +98,22 @@ def _check_args(coordinator_address, num_processes, process_id, timeouts) -> Non
       raise DistributedError(f"{name}={value!r}, expected a positive number of seconds.")
 
 
+def _wait_for_coordinator(address: str, timeout_s: float) -> float | None:
+  """Seconds until `address` accepted a TCP connection, or None if it didn't in time."""
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  start = time.monotonic()
+  while True:
+    left = timeout_s - (time.monotonic() - start)
+    if left <= 0:
+      return None
+    try:
+      with socket.create_connection((host, int(port)), timeout=min(1.0, left)):
+        return time.monotonic() - start
+    except OSError:
+      time.sleep(min(0.2, max(0.0, timeout_s - (time.monotonic() - start))))
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids=None,
                cluster_detection_method: str | None = None,
@@ -163,6 +181,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         "call fnscale.initialize at the very start of the program, before any other jax use.")
   where = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or (
       f"auto-detected ({launcher or cluster_detection_method})")
+  if coordinator_address is not None and process_id:
+    # JAX ends the process (a fatal log, not an exception) when it can't reach the
+    # coordinator in time; probing first turns the common case into a clear error.
+    waited = _wait_for_coordinator(coordinator_address, timeout_s)
+    if waited is None:
+      raise DistributedError(
+          f"could not form the multi-process job: expected {num_processes} processes, this "
+          f"one as process {process_id}, but the coordinator {coordinator_address} (process "
+          f"0) didn't accept connections within {timeout_s} s; fix: start process 0 with the "
+          "same coordinator_address, make sure its host and port are reachable from here, "
+          "or raise timeout_s.")
+    timeout_s = max(1.0, timeout_s - waited)
+  logging.info("fnscale.initialize: joining a %s-process job at %s as process %s; waiting at "
+               "most %s s (JAX ends the process if the job can't form in time)",
+               num_processes or "detected", where,
+               process_id if process_id is not None else "detected", timeout_s)
   try:
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes,

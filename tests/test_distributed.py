@@ -1,0 +1,227 @@
+"""Multi-process helpers: single-process no-ops, global_batch, and a real 2-process job."""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fnscale as fs
+from fnscale import distributed as fsd
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+AUTO = jax.sharding.AxisType.Auto
+LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NPROCS",
+                 "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
+                 "MEGASCALE_NUM_SLICES")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  for v in LAUNCHER_VARS:
+    monkeypatch.delenv(v, raising=False)
+  return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AUTO, AUTO))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------- one process
+
+
+def test_initialize_noop_single_process(clean_env):
+  assert fs.initialize() == fs.DistributedInfo(0, 1, None, False)
+  assert fs.initialize(num_processes=1) == fs.DistributedInfo(0, 1, None, False)
+  assert fs.initialize("127.0.0.1:1234", 1, 0) == fs.DistributedInfo(0, 1, None, False)
+  assert not jax.distributed.is_initialized()
+
+
+def test_launcher_detection(clean_env):
+  assert fsd._multiprocess_env() is None
+  clean_env.setenv("SLURM_JOB_ID", "7")
+  clean_env.setenv("SLURM_NTASKS", "1")
+  assert fsd._multiprocess_env() is None  # a one-task SLURM job is single-process
+  clean_env.setenv("SLURM_NTASKS", "4")
+  assert fsd._multiprocess_env() == "SLURM"
+  clean_env.delenv("SLURM_JOB_ID")
+  clean_env.setenv("TPU_WORKER_HOSTNAMES", "h0")
+  assert fsd._multiprocess_env() is None
+  clean_env.setenv("TPU_WORKER_HOSTNAMES", "h0,h1")
+  assert fsd._multiprocess_env().startswith("TPU pod")
+
+
+def test_initialize_bad_arguments(clean_env):
+  with pytest.raises(fs.DistributedError, match=r"process_id=2, expected an int in \[0, 2\)"):
+    fs.initialize("127.0.0.1:1234", 2, 2)
+  with pytest.raises(fs.DistributedError, match=r"num_processes=0, expected a positive int"):
+    fs.initialize("127.0.0.1:1234", 0, 0)
+  with pytest.raises(fs.DistributedError, match=r"coordinator_address='localhost', expected"):
+    fs.initialize("localhost", 2, 0)
+  with pytest.raises(fs.DistributedError, match=r"timeout_s=0, expected a positive number"):
+    fs.initialize("127.0.0.1:1234", 2, 0, timeout_s=0)
+
+
+def test_initialize_after_backend_is_a_clear_error(clean_env):
+  jax.devices()  # the backend is up, as it is in any process that already used jax
+  with pytest.raises(fs.DistributedError,
+                     match=r"after jax initialised its backend.*2-process job at "
+                     r"127.0.0.1:1234.*call fnscale.initialize at the very start"):
+    fs.initialize("127.0.0.1:1234", 2, 0)
+  # A detected launcher takes the same path.
+  clean_env.setenv("SLURM_JOB_ID", "7")
+  clean_env.setenv("SLURM_NTASKS", "2")
+  with pytest.raises(fs.DistributedError, match=r"after jax initialised its backend"):
+    fs.initialize()
+  assert not jax.distributed.is_initialized()
+
+
+def test_barrier_single_process():
+  fs.barrier("one")  # returns at once
+  with pytest.raises(fs.DistributedError, match=r"barrier name '', expected a non-empty"):
+    fs.barrier("")
+  with pytest.raises(fs.DistributedError, match=r"barrier timeout_s=-1, expected a positive"):
+    fs.barrier("x", timeout_s=-1)
+
+
+def test_global_batch_single_process(mesh):
+  local = {"tokens": np.arange(16 * 5, dtype=np.int32).reshape(16, 5),
+           "mask": np.ones((16,), np.float32)}
+  s = fs.batch_sharding(mesh)
+  g = fs.global_batch(local, s)
+  for k in local:
+    np.testing.assert_array_equal(np.asarray(g[k]), local[k])
+    assert g[k].sharding == s and g[k].shape == local[k].shape
+  # Rows are split over data x fsdp: each device holds 2 consecutive rows.
+  shard = next(sh for sh in g["tokens"].addressable_shards if sh.device == mesh.devices[1, 2])
+  np.testing.assert_array_equal(np.asarray(shard.data), local["tokens"][12:14])
+  # A pytree of shardings, including a 2-D one.
+  s2 = {"tokens": NamedSharding(mesh, P("data", "fsdp")), "mask": s}
+  local2 = {"tokens": np.arange(32, dtype=np.float32).reshape(4, 8), "mask": local["mask"]}
+  g2 = fs.global_batch(local2, s2)
+  np.testing.assert_array_equal(np.asarray(g2["tokens"]), local2["tokens"])
+  assert g2["tokens"].sharding == s2["tokens"]
+
+
+def test_global_batch_bad_shapes(mesh):
+  s = fs.batch_sharding(mesh)
+  with pytest.raises(fs.ShardingError) as e:
+    fs.global_batch({"x": np.zeros((12, 3))}, s)
+  msg = str(e.value)
+  assert msg.startswith("batch not divisible by the data axes: process-local leaf 'x'")
+  assert "size 12" in msg and "holds 8 of the 8 shards of mesh axes ('data', 'fsdp')" in msg
+  with pytest.raises(fs.ShardingError, match=r"leaf 'y' has shape \(\) but .* rank >= 1"):
+    fs.global_batch({"y": np.float32(0)}, s)
+  with pytest.raises(fs.ShardingError, match=r"batch shardings don't match"):
+    fs.global_batch({"x": np.zeros((8,)), "y": np.zeros((8,))}, {"x": s})
+  with pytest.raises(fs.ShardingError, match=r"leaf 'x': sharding .* is not a NamedSharding"):
+    fs.global_batch({"x": np.zeros((8,))}, {"x": jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])})
+
+
+# ------------------------------------------------------------------------- two processes
+
+_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import fnscale as fs
+    port, pid, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    out = {"pid": pid}
+    try:
+      info = fs.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=float(sys.argv[4]),
+                           heartbeat_timeout_s=10, shutdown_timeout_s=10)
+    except fs.DistributedError as e:
+      print(json.dumps({"pid": pid, "init_error": str(e)}), flush=True)
+      sys.exit(0)
+    out["info"] = list(info)
+    out["again"] = list(fs.initialize(f"127.0.0.1:{port}", 2, pid))  # idempotent
+    try:
+      fs.initialize(f"127.0.0.1:{port}", 3, pid)
+    except fs.DistributedError as e:
+      out["mismatch"] = str(e)
+    import jax
+    from jax.experimental import multihost_utils
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    local = {"x": np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + 1000 * pid}
+    g = fs.global_batch(local, fs.batch_sharding(mesh))
+    out["shape"] = list(g["x"].shape)
+    out["full"] = np.asarray(multihost_utils.process_allgather(g["x"], tiled=True)).tolist()
+    out["sum"] = float(jax.jit(lambda a: a.sum())(g["x"]))
+    fs.barrier("step", timeout_s=20)
+    fs.barrier("step", timeout_s=20)  # the same name can be reused
+    if pid == 0:  # process 1 never comes: a bounded wait, then a clear error
+      try:
+        fs.barrier("lonely", timeout_s=1)
+      except fs.DistributedError as e:
+        out["lonely"] = str(e)
+    fs.barrier("end", timeout_s=20)
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _run_workers(tmp_path, pids, timeout_s, init_timeout_s=20):
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  for v in LAUNCHER_VARS:
+    env.pop(v, None)
+  procs = [subprocess.Popen(
+      ["timeout", str(timeout_s), sys.executable, str(script), str(port), str(pid), "run",
+       str(init_timeout_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for pid in pids]
+  try:
+    outs = [p.communicate(timeout=timeout_s + 5) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  results = []
+  for p, (stdout, stderr) in zip(procs, outs):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{stdout}\n{stderr[-3000:]}"
+    results.append(json.loads(lines[-1]))
+  return results
+
+
+@pytest.mark.multiprocess
+def test_two_processes_global_batch_and_barrier(tmp_path):
+  r0, r1 = _run_workers(tmp_path, [0, 1], timeout_s=60)
+  port_info = r0["info"][2]
+  assert r0["info"] == [0, 2, port_info, True] and r1["info"] == [1, 2, port_info, True]
+  assert r0["again"] == r0["info"] and r1["again"] == r1["info"]
+  assert "already initialised as process 0 of 2" in r0["mismatch"]
+  assert "{'num_processes': 3}" in r0["mismatch"]
+  rows = [np.arange(24, dtype=np.float32).reshape(8, 3) + 1000 * pid for pid in (0, 1)]
+  expected = np.concatenate(rows)
+  for r in (r0, r1):
+    assert r["shape"] == [16, 3]
+    np.testing.assert_array_equal(np.array(r["full"]), expected)
+    assert r["sum"] == float(expected.sum())
+  assert "barrier 'lonely': not all 2 processes arrived within 1 s" in r0["lonely"]
+  assert "fix:" in r0["lonely"]
+
+
+@pytest.mark.multiprocess
+def test_missing_coordinator_is_a_bounded_clear_error(tmp_path):
+  # Process 1 of 2 alone: nobody serves the coordinator port.
+  (r1,) = _run_workers(tmp_path, [1], timeout_s=40, init_timeout_s=3)
+  msg = r1["init_error"]
+  assert "expected 2 processes, this one as process 1, but the coordinator 127.0.0.1:" in msg
+  assert "didn't accept connections within 3.0 s" in msg and "fix: start process 0" in msg
