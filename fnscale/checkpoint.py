@@ -204,6 +204,21 @@ def _check_state(state):
         "only. Put other values into `extra` (JSON) or mark them static in your pytree.")
 
 
+def _host_local_to_numpy(state):
+  """In a multi-process job, arrays held by one process only become host values.
+
+  orbax refuses to save a process-local jax.Array (e.g. `jnp.int32(step)` made outside jit)
+  when there are several processes; as a numpy value it is written once, by process 0, like
+  any other host value, so every process must hold the same value.
+  """
+  def convert(leaf):
+    if (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+        and len(leaf.sharding.device_set) < jax.device_count()):
+      return np.asarray(leaf)
+    return leaf
+  return jax.tree.map(convert, state)
+
+
 def _move_aside(step_dir, reason: str):
   """Renames a damaged step directory so a new save can use its name; nothing is deleted."""
   target = step_dir.parent / f"{step_dir.name}.corrupt-{int(time.time())}"
@@ -227,7 +242,8 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     step: non-negative int naming the checkpoint (usually the train step).
     state: pytree of `jax.Array`s on any mesh (also numpy arrays / Python numbers), e.g. a
       `fnscale.TrainState` with optax NamedTuple states. Any dtype except typed PRNG keys.
-    extra: JSON-serialisable dict stored beside the state (data position, config, ...).
+    extra: JSON-serialisable dict stored beside the state (data position, config, ...);
+      process 0's copy is the one written.
     keep: how many of the newest step directories to keep; older ones are deleted after the
       save commits. None keeps all.
 
@@ -247,6 +263,8 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     raise CheckpointError(f"keep must be a positive int or None (keep all), got {keep!r}.")
   extra = _check_extra(extra)
   _check_state(state)
+  if jax.process_count() > 1:
+    state = _host_local_to_numpy(state)
   path = _path(directory)
   _check_directory(path, must_exist=False)
 
