@@ -31,7 +31,7 @@ from fnscale.errors import ShardingError
 # bias or norm scale costs a collective's latency and saves almost no memory.
 DEFAULT_MIN_SHARD_BYTES = 1 << 14
 
-_DATA_AXIS_NAMES = ("data", "fsdp")
+_DATA_AXIS_NAMES = ("replica", "data", "fsdp")  # "replica": data parallel across slices
 
 # Why a leaf got its sharding (the `reason` field of `LeafPlan`).
 RULES = "rules"  # from the user's logical axes and rules
@@ -213,8 +213,8 @@ def _check_explicit(path: str, spec: PartitionSpec, shape, sizes: dict[str, int]
 
 
 def data_axes(mesh) -> tuple[str, ...]:
-  """The mesh's data-like axes ("data", "fsdp") in mesh order; a batch's leading dim splits
-  over them. Axes of size 1 are kept (harmless)."""
+  """The mesh's data-like axes in mesh order: "replica" (data parallel across slices), "data"
+  and "fsdp". A batch's leading dim splits over them; axes of size 1 are kept (harmless)."""
   return tuple(a for a in mesh.axis_names if a in _DATA_AXIS_NAMES)
 
 
@@ -228,8 +228,10 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     rules: ordered (logical_name, mesh_axis | tuple of mesh axes | None) pairs, or a mapping.
       For each dimension the first rule for its name whose mesh axes are all in the mesh and
       none already bound to another dimension of this array wins; a rule naming an axis
-      absent from the mesh is skipped (so size-1 or smaller meshes work unchanged); a rule
-      mapping to None replicates the dimension. A name without a usable rule is replicated.
+      absent from the mesh is skipped (so size-1 or smaller meshes work unchanged); an axis
+      of size 1 counts as present (the rule wins and shards nothing: leave the axis out of
+      the mesh to let a later rule apply); a rule mapping to None replicates the dimension.
+      A name without a usable rule is replicated.
     mesh: a `jax.sharding.Mesh` (or AbstractMesh).
     shape: optional global shape; when given, the rank must match and each sharded
       dimension must be divisible by the product of its mesh axes' sizes.
@@ -442,19 +444,22 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
                     max_replicated_bytes=max_replicated_bytes).shardings
 
 
-def _replicated_or_auto(mesh, leaf) -> NamedSharding:
+def _replicated_or_auto(mesh, leaf, fsdp_axis, min_shard_bytes) -> NamedSharding:
   shape, dtype = _shape_dtype("", leaf)
-  spec, _ = _auto_spec(shape, dtype, _mesh_sizes(mesh), ("fsdp",), DEFAULT_MIN_SHARD_BYTES)
+  spec, _ = _auto_spec(shape, dtype, _mesh_sizes(mesh), _fsdp_axes(fsdp_axis), min_shard_bytes)
   return NamedSharding(mesh, spec)
 
 
-def opt_state_shardings(optimizer, opt_state, param_shardings, mesh):
+def opt_state_shardings(optimizer, opt_state, param_shardings, mesh, *, fsdp_axis="fsdp",
+                        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES):
   """Shardings for an optax optimizer state that follow the params' shardings.
 
   Every copy of the params tree inside the state (Adam's mu and nu, momentum traces, ...)
   gets `param_shardings`; other leaves (step counts, scalars) are replicated; other
-  non-scalar leaves (e.g. factored statistics) get the automatic FSDP policy on an axis
-  named "fsdp".
+  non-scalar leaves (e.g. factored statistics) get the automatic FSDP policy (`fsdp_axis`,
+  `min_shard_bytes`, as in `shardings`). Param copies are found with optax's
+  `tree_utils.tree_map_params`; if the optimizer's init can't run on its placeholder, any
+  subtree with the params' structure counts as a copy.
 
   Args:
     optimizer: an `optax.GradientTransformation` (or anything with `.init`).
@@ -469,7 +474,7 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh):
     ShardingError: the state's param-shaped subtrees don't match `param_shardings`.
   """
   def non_param(leaf):
-    return _replicated_or_auto(mesh, leaf)
+    return _replicated_or_auto(mesh, leaf, fsdp_axis, min_shard_bytes)
 
   try:
     return optax.tree_utils.tree_map_params(
@@ -478,10 +483,11 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh):
         is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   except Exception as e:  # The optimizer's init couldn't run on a placeholder.
     logging.info("tree_map_params failed (%s); matching params by structure", e)
-  return _structural_opt_shardings(opt_state, param_shardings, mesh)
+  return _structural_opt_shardings(opt_state, param_shardings, mesh, fsdp_axis,
+                                   min_shard_bytes)
 
 
-def _structural_opt_shardings(opt_state, param_shardings, mesh):
+def _structural_opt_shardings(opt_state, param_shardings, mesh, fsdp_axis, min_shard_bytes):
   """Fallback: any subtree with the params' structure gets the param shardings."""
   ptree = jax.tree_util.tree_structure(param_shardings)
 
@@ -494,7 +500,7 @@ def _structural_opt_shardings(opt_state, param_shardings, mesh):
   def f(x):
     if is_params(x):
       return param_shardings
-    return _replicated_or_auto(mesh, x)
+    return _replicated_or_auto(mesh, x, fsdp_axis, min_shard_bytes)
 
   out = jax.tree_util.tree_map(f, opt_state, is_leaf=is_params)
   if jax.tree_util.tree_structure(
@@ -639,6 +645,7 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
       db = _nbytes(s.shard_shape(shape), dtype)
       reason = "sharded" if db < gb else "replicated"
       plans.append(LeafPlan(path, shape, dtype, ax, spec, s, gb, db, reason))
+  mesh = next((lp.sharding.mesh for lp in plans if isinstance(lp.sharding, NamedSharding)), None)
   header = ("path", "shape", "dtype", "logical axes", "spec", "global", "per device", "how")
   rows = [(lp.path or "<root>", "x".join(map(str, lp.shape)) or "scalar", str(lp.dtype),
            _fmt_axes(lp.logical_axes), _fmt_spec(lp.spec), _fmt_bytes(lp.global_bytes),
@@ -653,6 +660,9 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
   repl = [lp for lp in plans if lp.device_bytes == lp.global_bytes and lp.global_bytes]
   indiv = [lp for lp in plans if lp.reason == INDIVISIBLE]
   lines.append("")
+  if mesh is not None:
+    lines.append("mesh: " + " ".join(f"{a}={n}" for a, n in _mesh_sizes(mesh).items())
+                 + f" ({math.prod(_mesh_sizes(mesh).values())} devices)")
   lines.append(f"leaves: {len(plans)}  total: {_fmt_bytes(total)}  per device: "
                f"{_fmt_bytes(per_dev)}  replicated: {len(repl)} leaves "
                f"({_fmt_bytes(sum(lp.global_bytes for lp in repl))})")

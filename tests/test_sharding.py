@@ -326,3 +326,38 @@ def test_report_contents(three_d):
   text2 = fs.sharding_report(params, plan.shardings, logical_axes=axes)
   assert "(vocab, embed)" in text2 and "sharded" in text2 and "replicated" in text2
   assert f"per device: {per_dev / 1024:.1f} KiB" in text2
+
+
+def test_replica_axis_is_data_like():
+  mesh = _mesh((2, 4), ("replica", "fsdp"))
+  assert fs.data_axes(mesh) == ("replica", "fsdp")
+  assert fs.batch_sharding(mesh).spec == P(("replica", "fsdp"))
+
+
+def test_report_names_the_mesh(dp_fsdp):
+  text = fs.sharding_report({"w": jnp.zeros((8, 8))}, fs.shard_plan({"w": jnp.zeros((8, 8))},
+                                                                     dp_fsdp))
+  assert "mesh: data=2 fsdp=4 (8 devices)" in text
+
+
+@pytest.mark.tpu
+def test_shardings_on_a_tpu_topology_compile():
+  """Shardings for a TPU mesh built on this CPU machine compile into a TPU executable."""
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"libtpu unavailable: {e}")
+  mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "fsdp"),
+                           axis_types=(AUTO, AUTO))
+  params = {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32),
+            "b": jax.ShapeDtypeStruct((128,), jnp.float32)}
+  plan = fs.shard_plan(params, mesh, min_shard_bytes=1024)
+  assert plan.shardings["w"].spec == P("fsdp", None) and plan.shardings["b"].spec == P()
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          params, plan.shardings)
+  compiled = jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p),
+                     out_shardings=plan.shardings).trace(abstract).lower().compile()
+  mem = compiled.memory_analysis()
+  # One device holds half of w (fsdp=2) and all of b, for the argument.
+  assert mem.argument_size_in_bytes == 256 * 128 * 4 // 2 + 128 * 4
