@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -184,13 +185,13 @@ def _run_workers(tmp_path, pids, timeout_s, init_timeout_s=20):
   procs = [subprocess.Popen(
       ["timeout", str(timeout_s), sys.executable, str(script), str(port), str(pid), "run",
        str(init_timeout_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for pid in pids]
+      text=True, start_new_session=True) for pid in pids]
   try:
     outs = [p.communicate(timeout=timeout_s + 5) for p in procs]
   finally:
-    for p in procs:
+    for p in procs:  # each in its own process group: the group goes, children included
       if p.poll() is None:
-        p.kill()
+        os.killpg(p.pid, signal.SIGKILL)
         p.wait()
   results = []
   for p, (stdout, stderr) in zip(procs, outs):
