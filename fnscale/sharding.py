@@ -14,7 +14,7 @@ are matched with `re.search` against that string.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 import math
 import re
 from typing import Any, NamedTuple
