@@ -30,14 +30,14 @@ from fnscale.sharding import (
     sharding_report,
     shardings,
 )
-from fnscale import checkpoint
 
 from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
 from fnscale import checkpoint
+from fnscale.cloud import shutdown_at_exit
 
 __all__ = [
     "checkpoint",
-    "checkpoint",
+    "shutdown_at_exit",
     "attention",
     "cross_entropy",
     "kernel_plan",

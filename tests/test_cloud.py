@@ -1,0 +1,271 @@
+"""fnscale.cloud against a fake GCE metadata service and Cloud TPU API on 127.0.0.1."""
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import fnscale
+from fnscale import cloud
+from fnscale.errors import CloudError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "ya29.test-token-value"
+TPU_ENV = ("ACCELERATOR_TYPE: 'v5litepod-16'\nCONSUMER_PROJECT_ID: 'proj-from-env'\n"
+           "NODE_ID: 'my-tpu'\nWORKER_ID: '0'\nZONE: 'us-west4-a'\n")
+
+
+def _metadata(**overrides):
+  values = {
+      "project/project-id": "my-project",
+      "instance/zone": "projects/123456789/zones/us-west4-a",
+      "instance/attributes/accelerator-type": "v5litepod-16",
+      "instance/attributes/agent-worker-number": "0",
+      "instance/attributes/tpu-env": TPU_ENV,
+      "instance/name": "t1v-n-0a1b2c3d-w-0",
+      "instance/service-accounts/default/token": json.dumps(
+          {"access_token": TOKEN, "expires_in": 3599, "token_type": "Bearer"}),
+  }
+  values.update(overrides)
+  return {k: v for k, v in values.items() if v is not None}
+
+
+class _Fake(http.server.ThreadingHTTPServer):
+  """Metadata under /computeMetadata/v1/ (needs Metadata-Flavor: Google) and the TPU API."""
+
+  def __init__(self):
+    super().__init__(("127.0.0.1", 0), _Handler)
+    self.metadata = _metadata()
+    self.node = {"name": "projects/my-project/locations/us-west4-a/nodes/my-tpu"}
+    self.api_status = 200
+    self.requests = []  # (method, path, headers) of every API request
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+
+  def log_message(self, *args):
+    pass
+
+  def _send(self, status, body, content_type="application/json"):
+    data = body.encode()
+    self.send_response(status)
+    self.send_header("Content-Type", content_type)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def _handle(self, method):
+    server = self.server
+    if self.path.startswith("/computeMetadata/v1/"):
+      if self.headers.get("Metadata-Flavor") != "Google" or method != "GET":
+        return self._send(403, "Missing Metadata-Flavor:Google header.", "text/plain")
+      key = self.path[len("/computeMetadata/v1/"):]
+      if key not in server.metadata:
+        return self._send(404, "not found", "text/plain")
+      return self._send(200, server.metadata[key], "text/plain")
+    server.requests.append((method, self.path, dict(self.headers)))
+    if server.api_status != 200:
+      return self._send(server.api_status, json.dumps(
+          {"error": {"code": server.api_status, "message": "Permission 'tpu.nodes.delete' "
+                     "denied", "status": "PERMISSION_DENIED"}}))
+    if method == "GET":
+      return self._send(200, json.dumps(server.node))
+    return self._send(200, json.dumps({"name": "projects/my-project/locations/us-west4-a/"
+                                               "operations/operation-1", "done": False}))
+
+  def do_GET(self):  # pylint: disable=invalid-name
+    self._handle("GET")
+
+  def do_DELETE(self):  # pylint: disable=invalid-name
+    self._handle("DELETE")
+
+
+@pytest.fixture
+def fake():
+  server = _Fake()
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  server.url = f"http://127.0.0.1:{server.server_address[1]}"
+  yield server
+  server.shutdown()
+  server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_worker(monkeypatch):
+  for name in ("TPU_WORKER_ID", "MEGASCALE_SLICE_ID", "GCE_METADATA_HOST", cloud.API_URL_ENV):
+    monkeypatch.delenv(name, raising=False)
+
+
+def _plan(fake, tmp_path, **kw):
+  kw.setdefault("sentinel", tmp_path / "keep")
+  return cloud.shutdown_plan(metadata_url=fake.url, api_url=fake.url, **kw)
+
+
+def _deletes(fake):
+  return [r for r in fake.requests if r[0] == "DELETE"]
+
+
+def test_deletes_the_node_with_the_exact_request(fake, tmp_path):
+  plan = _plan(fake, tmp_path, delay_s=0)
+  assert plan.action == "delete_node"
+  assert (plan.project, plan.zone, plan.node, plan.worker) == (
+      "my-project", "us-west4-a", "my-tpu", 0)
+  path = "/v2/projects/my-project/locations/us-west4-a/nodes/my-tpu"
+  assert plan.url == fake.url + path and plan.method == "DELETE"
+  assert TOKEN not in repr(plan)  # plans are safe to print
+  # Planning looked the node up (read-only) and sent no DELETE.
+  assert [(m, p) for m, p, _ in fake.requests] == [("GET", path)]
+  assert fake.requests[0][2]["Authorization"] == f"Bearer {TOKEN}"
+
+  result = cloud.execute(plan)
+  assert result.sent and result.status == 200 and "operation-1" in result.body
+  (method, got_path, headers), = _deletes(fake)
+  assert (method, got_path) == ("DELETE", path)
+  assert headers["Authorization"] == f"Bearer {TOKEN}"
+
+
+def test_queued_resource_is_deleted_with_force(fake, tmp_path):
+  qr = "projects/my-project/locations/us-west4-a/queuedResources/my-qr"
+  fake.node["queuedResource"] = qr
+  plan = _plan(fake, tmp_path)
+  assert plan.action == "delete_queued_resource" and plan.queued_resource == qr
+  assert cloud.execute(plan).sent
+  (method, path, headers), = _deletes(fake)
+  assert (method, path) == ("DELETE", f"/v2/{qr}?force=true")
+  assert headers["Authorization"] == f"Bearer {TOKEN}"
+  # Given by name, no lookup is needed.
+  fake.requests.clear()
+  plan = _plan(fake, tmp_path, queued_resource="other-qr")
+  assert fake.requests == []
+  assert plan.url == (f"{fake.url}/v2/projects/my-project/locations/us-west4-a/"
+                      "queuedResources/other-qr?force=true")
+
+
+def test_dry_run_sends_nothing_and_shows_the_request(fake, tmp_path, capsys):
+  plan = _plan(fake, tmp_path, dry_run=True)
+  result = cloud.execute(plan)
+  assert not result.sent and _deletes(fake) == []
+  err = capsys.readouterr().err
+  assert f"DELETE {plan.url}" in err and "Authorization: Bearer <access token" in err
+  assert TOKEN not in err and TOKEN not in result.reason
+
+
+def test_sentinel_cancels(fake, tmp_path):
+  plan = _plan(fake, tmp_path)
+  (tmp_path / "keep").write_text("")
+  result = cloud.execute(plan)
+  assert not result.sent and "sentinel" in result.reason and str(tmp_path / "keep") in result.reason
+  assert _deletes(fake) == []
+
+
+@pytest.mark.parametrize("how", ["metadata", "env", "argument", "tpu_env"])
+def test_only_worker_zero_acts(fake, tmp_path, monkeypatch, how):
+  if how == "metadata":
+    fake.metadata["instance/attributes/agent-worker-number"] = "3"
+    plan = _plan(fake, tmp_path)
+  elif how == "env":
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    plan = _plan(fake, tmp_path)
+  elif how == "argument":
+    plan = _plan(fake, tmp_path, worker=1)
+  else:
+    del fake.metadata["instance/attributes/agent-worker-number"]
+    fake.metadata["instance/attributes/tpu-env"] = TPU_ENV.replace("WORKER_ID: '0'",
+                                                                   "WORKER_ID: '5'")
+    plan = _plan(fake, tmp_path)
+  assert plan.action == "none" and "only worker 0 deletes" in plan.reason
+  assert not cloud.execute(plan).sent
+  assert fake.requests == []
+
+
+def test_other_slices_do_nothing(fake, tmp_path, monkeypatch):
+  monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+  plan = _plan(fake, tmp_path)
+  assert plan.action == "none" and "slice 1" in plan.reason
+
+
+def test_off_a_tpu_vm_does_nothing_and_says_why(fake, tmp_path):
+  with socket.socket() as s:  # a port nobody listens on
+    s.bind(("127.0.0.1", 0))
+    closed = f"127.0.0.1:{s.getsockname()[1]}"
+  plan = cloud.shutdown_at_exit(0, metadata_url=closed, api_url=fake.url,
+                                sentinel=tmp_path / "keep", timeout_s=0.5, register=False)
+  assert plan.action == "none" and "unreachable" in plan.reason and closed in plan.reason
+  del fake.metadata["instance/attributes/accelerator-type"]
+  plan = _plan(fake, tmp_path)
+  assert plan.action == "none" and "not a Cloud TPU VM" in plan.reason
+  assert fake.requests == []
+
+
+def test_node_name_missing_says_how_to_fix(fake, tmp_path):
+  fake.metadata["instance/attributes/tpu-env"] = "ACCELERATOR_TYPE: 'v4-8'\n"
+  plan = _plan(fake, tmp_path)
+  assert plan.action == "none" and "node not found" in plan.reason and "node=" in plan.reason
+  plan = _plan(fake, tmp_path, node="explicit-name")
+  assert plan.action == "delete_node" and plan.url.endswith("/nodes/explicit-name")
+
+
+def test_api_errors_carry_status_and_body(fake, tmp_path, caplog):
+  fake.api_status = 403
+  with caplog.at_level("WARNING"):
+    plan = _plan(fake, tmp_path)  # the lookup fails: fall back to deleting the node
+  assert plan.action == "delete_node"
+  assert "couldn't look up" in " ".join(r.getMessage() for r in caplog.records)
+  with pytest.raises(CloudError, match=r"DELETE .*/nodes/my-tpu returned HTTP 403: .*tpu.nodes."
+                     r"delete.*roles/tpu.admin") as e:
+    cloud.execute(plan)
+  assert e.value.status == 403 and "PERMISSION_DENIED" in e.value.body
+  del fake.metadata["instance/service-accounts/default/token"]
+  with pytest.raises(CloudError, match=r"no access token from the metadata service"):
+    cloud.execute(plan)
+
+
+def test_bad_arguments(tmp_path):
+  with pytest.raises(CloudError, match=r"delay_s must be a number of seconds >= 0, got -1"):
+    cloud.shutdown_at_exit(-1, register=False)
+  with pytest.raises(CloudError, match=r"worker must be a non-negative int or None"):
+    cloud.shutdown_plan(worker="0")
+
+
+def _run_child(fake, tmp_path, body, extra_env=None):
+  script = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {REPO!r})
+      import fnscale
+      {body}
+      print("PLAN", plan.action, flush=True)
+      """)
+  env = dict(os.environ, GCE_METADATA_HOST=fake.url.split("://")[1],
+             FNSCALE_TPU_API_URL=fake.url, JAX_PLATFORMS="cpu", **(extra_env or {}))
+  env.pop("TPU_WORKER_ID", None)
+  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                        text=True, timeout=120, check=False)
+
+
+def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
+  keep = os.fspath(tmp_path / "keep")
+  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "PLAN delete_node" in proc.stdout
+  (method, path, headers), = _deletes(fake)
+  assert (method, path) == ("DELETE", "/v2/projects/my-project/locations/us-west4-a/nodes/my-tpu")
+  assert headers["Authorization"] == f"Bearer {TOKEN}"
+
+  # An API error at exit is logged; the program still exits cleanly with its own status.
+  fake.requests.clear()
+  fake.api_status = 500
+  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0, "
+                    f"sentinel={keep!r})")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "deleting the TPU VM failed" in proc.stderr and "HTTP 500" in proc.stderr
+  assert len(_deletes(fake)) == 1
+
+
+def test_exported():
+  assert fnscale.shutdown_at_exit is cloud.shutdown_at_exit
