@@ -84,9 +84,43 @@ def _key_name(key) -> str:
   return str(key)
 
 
+def _keys(path) -> tuple[str, ...]:
+  """A leaf's path as names; a state that is a single array is stored as `<root>`."""
+  return tuple(_key_name(k) for k in path) or ("<root>",)
+
+
 def _leaf_name(path) -> str:
   """`params.w`, `opt_state.0.mu.w`: the same spelling orbax uses for its own entries."""
   return ".".join(_key_name(k) for k in path) or "<root>"
+
+
+def _nested(pairs, what: str) -> dict:
+  """Nested dicts keyed by path names from (path, leaf) pairs.
+
+  orbax writes nested dicts of arrays; custom pytree nodes (optax NamedTuples, jmp loss
+  scales, Flax/Equinox modules) may not survive its internal tree maps, so the tree is saved
+  by path and rebuilt from the target's own structure on restore.
+  """
+  root = {}
+  for path, leaf in pairs:
+    keys = _keys(path)
+    node = root
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+      if not isinstance(node, dict):
+        raise CheckpointError(f"{what} leaf {_leaf_name(path)} clashes with another leaf named "
+                              f"{key}; give the pytree nodes distinct keys.")
+    if keys[-1] in node:
+      raise CheckpointError(f"{what} leaves share the name {_leaf_name(path)}; give the pytree "
+                            "nodes distinct keys.")
+    node[keys[-1]] = leaf
+  return root
+
+
+def _pick(tree: dict, path):
+  for key in _keys(path):
+    tree = tree[key]
+  return tree
 
 
 def _step_dirs(path) -> dict[int, Any]:
@@ -265,6 +299,7 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
   _check_state(state)
   if jax.process_count() > 1:
     state = _host_local_to_numpy(state)
+  tree = _nested(jax.tree_util.tree_flatten_with_path(state)[0], "state")
   path = _path(directory)
   _check_directory(path, must_exist=False)
 
@@ -295,7 +330,7 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
   try:
     # force: orbax would otherwise skip, silently, a step lower than one already on disk.
     manager.save(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardSave(state),
+        _STATE: ocp.args.StandardSave(tree),
         _EXTRA: ocp.args.JsonSave(extra),
     }), force=True)
     manager.wait_until_finished()
@@ -336,14 +371,17 @@ def _abstract_target(target):
 
 
 def _saved_leaves(ocp, step_dir) -> dict[tuple[str, ...], Any]:
+  handler = ocp.StandardCheckpointHandler()
   try:
-    meta = ocp.StandardCheckpointHandler().metadata(step_dir / _STATE)
+    meta = handler.metadata(step_dir / _STATE)
     tree = getattr(meta, "tree", meta)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   except Exception as e:  # any failure to read the metadata makes the step unusable
     raise _Unreadable(f"corrupt: its tree metadata can't be read ({type(e).__name__}: "
                       f"{str(e)[:300]})") from e
-  return {tuple(_key_name(k) for k in path): m for path, m in flat}
+  finally:
+    handler.close()
+  return {_keys(path): m for path, m in flat}
 
 
 def _check_fit(step: int, step_dir, saved, abstract):
@@ -351,7 +389,7 @@ def _check_fit(step: int, step_dir, saved, abstract):
   problems = []
   wanted = {}
   for path, leaf in abstract:
-    key = tuple(_key_name(k) for k in path)
+    key = _keys(path)
     wanted[key] = leaf
     if key not in saved:
       problems.append(f"{_leaf_name(path)}: in the target ({leaf.shape} {leaf.dtype}) but not "
@@ -379,7 +417,7 @@ def _check_fit(step: int, step_dir, saved, abstract):
 def _restore_step(ocp, step: int, step_dir, abstract, treedef):
   saved = _saved_leaves(ocp, step_dir)
   _check_fit(step, step_dir, saved, abstract)
-  target = jax.tree_util.tree_unflatten(treedef, [leaf for _, leaf in abstract])
+  target = _nested(abstract, "target")
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   try:
     restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{
@@ -391,7 +429,8 @@ def _restore_step(ocp, step: int, step_dir, abstract, treedef):
                       f"{str(e)[:300]})") from e
   finally:
     checkpointer.close()
-  return restored[_STATE], dict(restored[_EXTRA] or {})
+  leaves = [_pick(restored[_STATE], path) for path, _ in abstract]
+  return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored[_EXTRA] or {})
 
 
 def restore(directory, target, *, step: int | None = None):

@@ -37,7 +37,6 @@ import os
 import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import NamedTuple
 

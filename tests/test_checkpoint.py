@@ -1,5 +1,4 @@
 """fnscale.checkpoint: sharded save, restore onto other meshes, atomicity and bad input."""
-import json
 import os
 import subprocess
 import sys
@@ -187,8 +186,8 @@ def _damage(step_dir, how):
 
 
 def _listing(directory):
-  return sorted((os.path.relpath(os.path.join(r, f), directory), os.path.getsize(os.path.join(r, f)))
-                for r, _, fs in os.walk(directory) for f in fs)
+  files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
+  return sorted((os.path.relpath(f, directory), os.path.getsize(f)) for f in files)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +289,8 @@ def test_bad_arguments_are_named(tmp_path):
     ckpt.save(tmp_path, 1, state, extra=[1, 2])
   with pytest.raises(CheckpointError, match=r"step must be a non-negative int, got -1"):
     ckpt.save(tmp_path, -1, state)
-  with pytest.raises(CheckpointError, match=r"keep must be a positive int or None \(keep all\), got 0"):
+  with pytest.raises(CheckpointError,
+                     match=r"keep must be a positive int or None \(keep all\), got 0"):
     ckpt.save(tmp_path, 1, state, keep=0)
   with pytest.raises(CheckpointError, match=r"state leaf layers.0.name is a str"):
     ckpt.save(tmp_path, 1, {"layers": [{"name": "mlp", "w": jnp.ones(2)}]})
@@ -318,4 +318,19 @@ def test_without_orbax_says_how_to_install(monkeypatch, tmp_path):
 def test_exposed_on_the_package():
   assert fnscale.checkpoint is ckpt
   assert {"save", "restore", "latest_step", "steps"} <= set(dir(fnscale.checkpoint))
-  json.dumps(ckpt.__doc__)  # the module documents its layout
+  assert "commit_success.txt" in ckpt.__doc__  # the module documents its layout
+
+
+def test_custom_pytree_nodes_and_a_bare_array(tmp_path):
+  """jmp loss scales and NamedTuples round-trip; so does a state that is one array."""
+  import jmp  # pylint: disable=import-outside-toplevel
+  one = SingleDeviceSharding(jax.devices()[1])
+  state = {"loss_scale": jmp.DynamicLossScale(jnp.float32(2.0 ** 15), jnp.int32(17)),
+           "w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)}
+  ckpt.save(tmp_path / "a", 3, state)
+  restored, _ = ckpt.restore(tmp_path / "a", _abstract(state, lambda x: one))
+  assert isinstance(restored["loss_scale"], jmp.DynamicLossScale)
+  _assert_bitwise(restored, state)
+  ckpt.save(tmp_path / "b", 0, jnp.arange(5))
+  bare, _ = ckpt.restore(tmp_path / "b", jax.ShapeDtypeStruct((5,), jnp.int32, sharding=one))
+  np.testing.assert_array_equal(bare, np.arange(5))

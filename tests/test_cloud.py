@@ -250,7 +250,8 @@ def _run_child(fake, tmp_path, body, extra_env=None):
 
 def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   keep = os.fspath(tmp_path / "keep")
-  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
+  proc = _run_child(fake, tmp_path,
+                    f"plan = fnscale.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout
   (method, path, headers), = _deletes(fake)
