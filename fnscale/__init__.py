@@ -17,7 +17,7 @@ from fnscale.errors import (
     TopologyError,
 )
 
-from fnscale.distributed import DistributedInfo, barrier, global_batch, initialize
+from fnscale.distributed import DistributedInfo, barrier, global_batch, initialize, peer_guard
 from fnscale.sharding import (
     ShardPlan,
     batch_sharding,
@@ -33,9 +33,35 @@ from fnscale.sharding import (
 
 from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
 from fnscale import checkpoint
+from fnscale.step import (
+    Collective,
+    CompileReport,
+    TrainState,
+    compilation_cache,
+    compile_report,
+    fast_compile_options,
+    format_report,
+    init_state,
+    shard_step,
+    state_shardings,
+    train_step,
+)
 from fnscale.cloud import shutdown_at_exit
+from fnscale.adapters import unbox_flax
 
 __all__ = [
+    "Collective",
+    "CompileReport",
+    "TrainState",
+    "compilation_cache",
+    "compile_report",
+    "fast_compile_options",
+    "format_report",
+    "init_state",
+    "shard_step",
+    "state_shardings",
+    "train_step",
+    "unbox_flax",
     "checkpoint",
     "shutdown_at_exit",
     "attention",
@@ -75,4 +101,5 @@ __all__ = [
     "barrier",
     "global_batch",
     "initialize",
+    "peer_guard",
 ]
