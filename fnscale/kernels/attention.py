@@ -197,9 +197,15 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
   choice = _CHOICE.get()
   requested = choice.attention if implementation == "auto" else implementation
   interpret = choice.interpret if interpret is None else bool(interpret)
+  # A kernel's shard_map needs the concrete mesh at the jit boundary: a mesh set only inside
+  # a trace (with unsharded inputs) can't lower one, so the kernel then runs unsharded.
+  shardable = mesh is not None or _concrete_mesh_known()
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   platform = _platform(platform, mesh)
-  batch_axes, head_axes = _kernel_axes(mesh)
+  batch_axes, head_axes = _kernel_axes(mesh) if shardable else ((), ())
+  unsharded_note = ("" if shardable or mesh.empty else
+                    "; not sharded: the mesh was set inside the trace, set it around the "
+                    "jitted call or pass mesh=")
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
                block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes)
 
@@ -222,7 +228,9 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
                   reason=(f"{name} serves this call" + (" (interpret mode)" if interpret
                           and name != "cudnn" else "")
                           + (f" inside shard_map over {batch_axes + head_axes}"
-                             if sharded else "")),
+                             if sharded else "")
+                          + unsharded_note
+                          + (f"; skipped {'; '.join(reasons)}" if reasons else "")),
                   batch_axes=batch_axes, head_axes=head_axes)
     if requested != "auto":
       raise KernelError(
@@ -342,13 +350,14 @@ def _check_shapes(q_shape, k_shape, v_shape) -> None:
 def _normalise_window(window) -> tuple[int, int] | None:
   if window is None:
     return None
+  given = window
   if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
     window = (int(window), int(window))
   if (not isinstance(window, (tuple, list)) or len(window) != 2
       or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0
                  for w in window)):
     raise KernelError(
-        f"attention(sliding_window={window!r}): expected a non-negative int or a pair "
+        f"attention(sliding_window={given!r}): expected a non-negative int or a pair "
         "(left, right) of them.")
   return int(window[0]), int(window[1])
 
@@ -418,6 +427,14 @@ def _platform(platform: str | None, mesh) -> str:
     except RuntimeError:
       platform = "cuda"
   return platform
+
+
+def _concrete_mesh_known() -> bool:
+  try:
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    return not mesh_lib.get_concrete_mesh().empty
+  except (ImportError, AttributeError):  # Other jax versions: trust the abstract mesh.
+    return True
 
 
 def _axis_sizes(mesh) -> dict[str, int]:

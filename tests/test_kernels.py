@@ -1,0 +1,463 @@
+"""Attention kernels, their fallback and scoping, and the blockwise cross-entropy.
+
+Pallas kernels run here in interpret mode (CPU); the TPU splash kernel is also compiled
+ahead of time for a v5e topology through libtpu.
+"""
+import contextlib
+import functools
+import importlib
+import logging as py_logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fnscale.errors import KernelError
+from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_plan, with_kernel
+
+try:
+  from fnscale.mesh import with_mesh
+except ImportError:  # The mesh stage is optional for these tests.
+  with_mesh = jax.set_mesh
+
+AUTO = jax.sharding.AxisType.Auto
+# The package exports the function `attention`, which hides the module of the same name.
+attention_lib = importlib.import_module("fnscale.kernels.attention")
+
+
+def _reference(q, k, v, *, causal=False, segments=None, window=None, scale=None):
+  """Attention from its definition, in float64 numpy, independent of jax.nn."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  k, v = np.repeat(k, h // kh, axis=2), np.repeat(v, h // kh, axis=2)
+  scale = 1 / np.sqrt(d) if scale is None else scale
+  logits = np.einsum("bthd,bshd->bhts", q, k) * scale
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  mask = np.ones((b, 1, t, s), bool)
+  if causal:
+    mask &= j <= i
+  if window is not None:
+    left, right = window
+    mask &= (j >= i - left) & (j <= i + right)
+  if segments is not None:
+    q_ids, kv_ids = (np.asarray(x) for x in segments)
+    mask &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+  logits = np.where(mask, logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def _qkv(b, t, h, kh, d, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (b, t, h, d), dtype),
+          jax.random.normal(ks[1], (b, t, kh, d), dtype),
+          jax.random.normal(ks[2], (b, t, kh, d), dtype))
+
+
+def _loss_and_grads(fn, q, k, v):
+  # A loss whose gradient depends on every output element differently.
+  weight = jnp.cos(jnp.arange(q.size, dtype=jnp.float32).reshape(q.shape))
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weight)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+CASES = {
+    # name: (implementation, (batch, seq, heads, kv_heads, head_dim), attention kwargs)
+    "splash-causal-gqa": ("splash", (1, 256, 4, 2, 64), dict(causal=True)),
+    "splash-full-mha-d128": ("splash", (2, 128, 2, 2, 128), dict()),
+    "splash-window": ("splash", (1, 256, 2, 2, 64), dict(sliding_window=(32, 16))),
+    "splash-segments-mqa": ("splash", (1, 128, 4, 1, 64), dict(causal=True, segments=True)),
+    "pallas_gpu-causal-gqa": ("pallas_gpu", (1, 128, 4, 2, 64), dict(causal=True)),
+    "pallas_gpu-segments": ("pallas_gpu", (2, 128, 2, 2, 64), dict(segments=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpret_kernel_matches_reference_forward_and_backward(case):
+  implementation, (b, t, h, kh, d), kwargs = CASES[case]
+  q, k, v = _qkv(b, t, h, kh, d)
+  call = dict(kwargs)
+  ref_kwargs = dict(causal=call.get("causal", False), window=call.get("sliding_window"))
+  if call.pop("segments", False):
+    ids = jnp.asarray(np.arange(t)[None, :] * 3 // t + np.arange(b)[:, None], jnp.int32)
+    call["segment_ids"] = ids
+    ref_kwargs["segments"] = (ids, ids)
+
+  fn = with_kernel(functools.partial(attention, implementation=implementation, **call),
+                   interpret=True)
+  plan = with_kernel(kernel_plan, interpret=True)(
+      q.shape, k.shape, q.dtype, implementation=implementation,
+      causal=call.get("causal", False), segment_ids=call.get("segment_ids"),
+      sliding_window=call.get("sliding_window"))
+  assert plan.implementation == implementation and plan.interpret
+
+  out = fn(q, k, v)
+  np.testing.assert_allclose(out, _reference(q, k, v, **ref_kwargs), atol=2e-5, rtol=2e-5)
+  (loss, grads) = _loss_and_grads(fn, q, k, v)
+  ref_loss, ref_grads = _loss_and_grads(
+      functools.partial(attention, implementation="xla", **call), q, k, v)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-4)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, window=(8, 0), segments=True),
+    dict(window=(3, 5)),
+], ids=["causal-window-segments", "window"])
+def test_xla_reference_matches_definition(kwargs):
+  q, k, v = _qkv(2, 40, 4, 2, 16, seed=1)
+  call = dict(causal=kwargs.get("causal", False), sliding_window=kwargs.get("window"))
+  ref = dict(causal=call["causal"], window=kwargs.get("window"))
+  if kwargs.get("segments"):
+    q_ids = jnp.asarray(np.arange(40)[None] // 13 + np.zeros((2, 1), int), jnp.int32)
+    kv_ids = q_ids.at[:, 5].set(7)  # A key no query can see.
+    call["segment_ids"], ref["segments"] = (q_ids, kv_ids), (q_ids, kv_ids)
+  out = attention(q, k, v, implementation="xla", **call)
+  np.testing.assert_allclose(out, _reference(q, k, v, **ref), atol=1e-5)
+
+
+def _mesh(shape=(2, 4), names=("data", "tensor")):
+  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(names))
+
+
+def test_sharded_kernel_compiles_without_gathering_qkv():
+  mesh = _mesh()
+  b, t, h, d = 2, 128, 4, 64
+  q, k, v = _qkv(b, t, h, h, d)
+  spec = jax.sharding.NamedSharding(mesh, jax.P("data", None, "tensor", None))
+  q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
+
+  def loss(q, k, v):
+    return jnp.sum(attention(q, k, v, causal=True) * jnp.cos(q))
+
+  step = jax.jit(jax.value_and_grad(with_kernel(loss, attention="splash", interpret=True),
+                                    argnums=(0, 1, 2)))
+  with with_mesh(mesh):
+    plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
+    compiled = step.lower(q, k, v).compile()
+    value, grads = step(q, k, v)
+  assert plan.implementation == "splash"
+  assert (plan.batch_axes, plan.head_axes) == (("data",), ("tensor",))
+  hlo = compiled.as_text()
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  # The gradients come back sharded like the inputs, and the values are right.
+  assert all(g.sharding.is_equivalent_to(spec, 4) for g in grads)
+  ref_value, ref_grads = jax.value_and_grad(
+      lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, implementation="xla")
+                              * jnp.cos(q)), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+@pytest.mark.tpu
+def test_splash_in_shard_map_compiles_for_tpu_v5e(monkeypatch):
+  pytest.importorskip("libtpu", reason="TPU AOT compile needs libtpu (the tpu extra)")
+  # libtpu otherwise holds a machine-wide lock file, which fails concurrent test processes.
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+  devices = np.array(topology.devices).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "tensor"), axis_types=(AUTO, AUTO))
+  spec = jax.sharding.NamedSharding(mesh, jax.P("data", None, "tensor", None))
+  shape = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16, sharding=spec)
+  plan = kernel_plan(shape.shape, shape.shape, shape.dtype, causal=True, mesh=mesh)
+  assert plan.platform == "tpu" and plan.implementation == "splash" and not plan.interpret
+  assert plan.block_sizes == BlockSizes(512, 512, 512, 512)
+
+  def loss(q, k, v):
+    return jnp.sum(attention(q, k, v, causal=True, mesh=mesh).astype(jnp.float32))
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      shape, shape, shape).lower().compile()
+  hlo = compiled.as_text()
+  assert "tpu_custom_call" in hlo
+  assert "all-gather" not in hlo
+
+
+# Fallback: each case is one reason "auto" can't use a kernel, with interpret mode on so
+# that the Pallas kernels are candidates on CPU.
+FALLBACKS = {
+    "seq-not-a-block-multiple": (
+        dict(shape=(1, 100, 2, 2, 32)),
+        ["splash: sequence lengths (100, 100) must be multiples of 128",
+         "pallas_gpu: sequence length 100 must be a multiple of 16"]),
+    "window-and-seq": (
+        dict(shape=(1, 96, 2, 2, 32), sliding_window=4),
+        ["splash: sequence lengths (96, 96) must be multiples of 128",
+         "pallas_gpu: sliding_window is not supported"]),
+    "dtype-and-window": (
+        dict(shape=(1, 128, 2, 2, 32), sliding_window=4, dtype=jnp.float16),
+        ["splash: dtype float16 not in", "pallas_gpu: sliding_window is not supported"]),
+    "heads-vs-tensor-axis": (
+        dict(shape=(4, 128, 4, 2, 32), mesh=True),
+        ["splash: heads 4 and kv heads 2 must be divisible by mesh axes ('tensor',) "
+         "(size 4)", "pallas_gpu: heads 4 and kv heads 2"]),
+}
+
+
+@pytest.fixture
+def fresh_log(caplog):
+  attention_lib._log_fallback.cache_clear()  # pylint: disable=protected-access
+  caplog.set_level(py_logging.WARNING)
+  yield caplog
+  attention_lib._log_fallback.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_fallback_gives_reference_result_and_logs_reason_once(case, fresh_log):
+  options, reasons = FALLBACKS[case]
+  b, t, h, kh, d = options["shape"]
+  q, k, v = _qkv(b, t, h, kh, d, options.get("dtype", jnp.float32))
+  window = options.get("sliding_window")
+  mesh = _mesh() if options.get("mesh") else None
+  fn = with_kernel(functools.partial(attention, causal=True, sliding_window=window),
+                   interpret=True)
+  with with_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    plan = with_kernel(kernel_plan, interpret=True)(
+        q.shape, k.shape, q.dtype, causal=True, sliding_window=window)
+    out = fn(q, k, v)
+    fn(q, k, v)  # The same reason again: logged once only.
+  assert plan.implementation == "xla" and plan.fallback
+  for reason in reasons:
+    assert reason in plan.reason
+  expected = _reference(q, k, v, causal=True, window=None if window is None else
+                        (window, window))
+  tolerance = 2e-3 if q.dtype == jnp.float16 else 1e-5
+  np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance)
+  logged = [r.getMessage() for r in fresh_log.records if "falls back" in r.getMessage()]
+  assert len(logged) == 1 and plan.reason in logged[0]
+
+
+def test_platform_choice_and_reasons_per_platform():
+  shape = (2, 512, 8, 128)
+  tpu = kernel_plan(shape, shape, jnp.bfloat16, causal=True, platform="tpu")
+  assert (tpu.implementation, tpu.fallback) == ("splash", False)
+  assert tpu.block_sizes == BlockSizes(512, 512, 512, 512)
+  cuda = kernel_plan(shape, shape, jnp.bfloat16, causal=True, platform="cuda")
+  assert cuda.implementation == "cudnn" and cuda.block_sizes is None
+  # cuDNN can't take float32 or segment ids: Pallas-Triton serves instead.
+  cuda32 = kernel_plan(shape, shape, jnp.float32, platform="cuda")
+  assert cuda32.implementation == "pallas_gpu"
+  assert cuda32.block_sizes == BlockSizes(128, 128, 32, 32)
+  ids = jax.ShapeDtypeStruct(shape[:2], jnp.int32)
+  segs = kernel_plan(shape, shape, jnp.bfloat16, segment_ids=ids, platform="cuda")
+  assert segs.implementation == "pallas_gpu"
+  assert "cudnn: segment_ids are not supported" in segs.reason
+  # Neither GPU kernel: a right-hand window without causal, and a q/kv pair of segment ids.
+  neither = kernel_plan(shape, shape, jnp.bfloat16, sliding_window=(8, 8), platform="cuda")
+  assert neither.implementation == "xla" and neither.fallback
+  assert "needs causal=True on cuDNN" in neither.reason
+  tpu_odd = kernel_plan((1, 200, 2, 64), (1, 200, 2, 64), platform="tpu")
+  assert tpu_odd.implementation == "xla"
+  assert "splash: sequence lengths (200, 200) must be multiples of 128" in tpu_odd.reason
+  # Block sizes follow the shape, and can be overridden.
+  assert kernel_plan((1, 768, 2, 64), (1, 768, 2, 64), platform="tpu").block_sizes[:2] == (
+      256, 256)
+  custom = kernel_plan(shape, shape, platform="tpu", block_sizes=BlockSizes(128, 256))
+  assert custom.block_sizes == BlockSizes(128, 256, 128, 256)
+  # A CPU without interpret mode has no kernel: xla, with no fallback to report.
+  cpu = kernel_plan(shape, shape, platform="cpu")
+  assert cpu.implementation == "xla" and not cpu.fallback
+  assert "no attention kernel for platform 'cpu'" in cpu.reason
+
+
+@pytest.mark.parametrize("implementation,kwargs,reason", [
+    ("splash", {}, "needs platform tpu, this is cpu"),
+    ("cudnn", {}, "needs platform cuda, this is cpu"),
+    ("pallas_gpu", dict(interpret=True, sliding_window=8),
+     "sliding_window is not supported by the Pallas Triton attention"),
+    ("splash", dict(interpret=True, block_sizes=BlockSizes(128, 64)),
+     "block_kv be a multiple of 128"),
+])
+def test_forced_implementation_that_cannot_serve_raises(implementation, kwargs, reason):
+  q, k, v = _qkv(1, 128, 2, 2, 32)
+  kwargs = dict(kwargs)
+  fn = functools.partial(attention, implementation=implementation)
+  if kwargs.pop("interpret", False):
+    fn = with_kernel(fn, interpret=True)
+  with pytest.raises(KernelError, match=re.escape(reason)) as info:
+    fn(q, k, v, **kwargs)
+  assert f"implementation={implementation!r}" in str(info.value)
+
+
+def test_with_kernel_forced_choice_raises_too():
+  q, k, v = _qkv(1, 128, 2, 2, 32)
+  with pytest.raises(KernelError, match="'splash'.*needs platform tpu"):
+    with_kernel(attention, attention="splash")(q, k, v)
+
+
+def _kernel_names(jaxpr) -> list[str]:
+  return re.findall(r"name=(\w+)", str(jaxpr))
+
+
+def test_with_kernel_scopes_each_wrapped_function_in_one_program():
+  q, k, v = _qkv(1, 128, 2, 2, 64)
+  inner = functools.partial(attention, causal=True)
+  as_xla = with_kernel(inner, attention="xla")
+  as_splash = with_kernel(inner, attention="splash", interpret=True)
+  as_triton = with_kernel(inner, attention="pallas_gpu", interpret=True)
+
+  def program(q, k, v):
+    return as_xla(q, k, v), as_splash(q, k, v), as_triton(q, k, v), inner(q, k, v)
+
+  jaxpr = jax.make_jaxpr(program)(q, k, v)
+  # Exactly one Pallas call per kernel-wrapped function; the others are plain XLA.
+  assert str(jaxpr).count("pallas_call") == 2
+  names = _kernel_names(jaxpr)
+  assert names.count("splash_mha_fwd_no_residuals") == 1 and names.count("mha_forward") == 1
+  outs = jax.jit(program)(q, k, v)
+  ref = _reference(q, k, v, causal=True)
+  for out in outs:
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+  # Outside the wrapped calls the choice is back to the default.
+  assert kernel_plan(q.shape, k.shape).requested == "auto"
+  assert not kernel_plan(q.shape, k.shape).interpret
+
+
+def test_with_kernel_composes_with_mesh_in_either_order():
+  mesh = _mesh((2, 4), ("fsdp", "tensor"))
+  q, k, v = _qkv(2, 128, 4, 4, 32)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v))
+  plans = []
+
+  def recording():  # A fresh function per jit: jit caches a trace per function.
+    def fn(q, k, v):
+      plans.append(kernel_plan(q.shape, k.shape, q.dtype))
+      return loss(q, k, v)
+    return fn
+
+  # As around a shard_step'd step: with_kernel outside with_mesh, and inside it.
+  a = with_kernel(with_mesh(mesh)(jax.jit(recording())), attention="splash", interpret=True)
+  b = with_mesh(mesh)(with_kernel(jax.jit(recording()), attention="pallas_gpu",
+                                  interpret=True))
+  # The preferred form: with_kernel inside the jit, so the trace itself carries the choice.
+  c = with_mesh(mesh)(jax.jit(with_kernel(recording(), attention="xla")))
+  # A mesh set only inside the trace, inputs unsharded: the kernel runs without shard_map.
+  d = jax.jit(with_mesh(mesh)(with_kernel(recording(), attention="splash", interpret=True)))
+  for fn in (a, b, c, d):
+    np.testing.assert_allclose(fn(q, k, v), loss(q, k, v), rtol=1e-5)
+  assert [p.implementation for p in plans] == ["splash", "pallas_gpu", "xla", "splash"]
+  assert plans[0].batch_axes == ("fsdp",) and plans[1].head_axes == ("tensor",)
+  assert plans[3].batch_axes == () and "not sharded" in plans[3].reason
+  # Used as a decorator, with_kernel keeps the name and signature.
+  decorated = with_kernel(attention="xla")(loss)
+  assert decorated.__name__ == "<lambda>" and decorated.__wrapped__ is loss
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, k, v: attention(q[0], k, v), "q has shape (128, 2, 32); expected [batch,"),
+    (lambda q, k, v: attention(q, k[:, :, :1], v), "k shape (1, 128, 1, 32) and v shape"),
+    (lambda q, k, v: attention(q[:, :, :1], k, v), "kv heads 2 (k (1, 128, 2, 32)) must "
+     "divide q heads 1"),
+    (lambda q, k, v: attention(q, k.astype(jnp.bfloat16), v), "dtypes float32, bfloat16"),
+    (lambda q, k, v: attention(q, k, v, implementation="flash"),
+     "implementation='flash'): expected one of"),
+    (lambda q, k, v: attention(q, k, v, sliding_window=-1), "sliding_window=-1"),
+    (lambda q, k, v: attention(q, k, v, scale=0.0), "scale=0.0"),
+    (lambda q, k, v: attention(q, k, v, block_sizes=(128, 128)), "block_sizes=(128, 128)"),
+    (lambda q, k, v: attention(q, k, v, block_sizes=BlockSizes(0, 128)),
+     "BlockSizes.block_q=0"),
+    (lambda q, k, v: attention(q, k, v, segment_ids=jnp.zeros((1, 64), jnp.int32)),
+     "q segment_ids shape (1, 64); expected [batch, seq] = (1, 128)"),
+    (lambda q, k, v: attention(q, k, v, segment_ids=jnp.zeros((1, 128))),
+     "segment_ids dtype float32; expected an integer"),
+    (lambda q, k, v: attention(q, k[:, :64], v[:, :64], segment_ids=jnp.zeros(
+        (1, 128), jnp.int32)), "one segment_ids array needs q_seq == kv_seq"),
+    (lambda q, k, v: with_kernel(attention, attention="fast"), "attention='fast'"),
+    (lambda q, k, v: with_kernel(attention, interpret=1), "interpret=1"),
+    (lambda q, k, v: with_kernel(3), "expected a function to wrap, got int"),
+])
+def test_bad_attention_inputs_raise_kernel_error(call, message):
+  q, k, v = _qkv(1, 128, 2, 2, 32)
+  with pytest.raises(KernelError, match=re.escape(message)):
+    call(q, k, v)
+
+
+def _plain_ce(hidden, unembed, labels, where=None, z_loss=0.0):
+  logits = (hidden.astype(jnp.float32) @ unembed.astype(jnp.float32))
+  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  per_token += z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2
+  if where is None:
+    return per_token.mean()
+  return jnp.sum(jnp.where(where, per_token, 0.0)) / jnp.sum(where)
+
+
+@pytest.mark.parametrize("block_size,z_loss,masked", [(128, 0.0, False), (96, 1e-3, True)])
+def test_blockwise_cross_entropy_matches_plain_value_and_gradient(block_size, z_loss, masked):
+  ks = jax.random.split(jax.random.key(3), 4)
+  tokens, d, vocab = 48, 32, 1000  # 1000 = 7 full blocks of 128 (or 10 of 96) and a tail.
+  hidden = jax.random.normal(ks[0], (tokens, d))
+  unembed = jax.random.normal(ks[1], (d, vocab)) * 0.5
+  labels = jax.random.randint(ks[2], (tokens,), 0, vocab)
+  where = jax.random.bernoulli(ks[3], 0.7, (tokens,)) if masked else None
+  got = jax.jit(jax.value_and_grad(
+      lambda h, u: cross_entropy(h, u, labels, where=where, block_size=block_size,
+                                 z_loss=z_loss), argnums=(0, 1)))(hidden, unembed)
+  want = jax.value_and_grad(lambda h, u: _plain_ce(h, u, labels, where, z_loss),
+                            argnums=(0, 1))(hidden, unembed)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4)
+  per_token = cross_entropy(hidden, unembed, labels, where=where, reduction="none")
+  assert per_token.shape == (tokens,)
+  if masked:
+    assert np.all(np.asarray(per_token)[~np.asarray(where)] == 0)
+  np.testing.assert_allclose(
+      cross_entropy(hidden, unembed, labels, reduction="sum", block_size=block_size),
+      _plain_ce(hidden, unembed, labels) * tokens, rtol=1e-5)
+
+
+def test_blockwise_cross_entropy_bfloat16_gradient_dtypes():
+  hidden = jnp.ones((16, 8), jnp.bfloat16)
+  unembed = jnp.linspace(-1, 1, 8 * 300, dtype=jnp.float32).reshape(8, 300).astype(
+      jnp.bfloat16)
+  labels = jnp.arange(16, dtype=jnp.int32) * 17
+  grads = jax.grad(lambda h, u: cross_entropy(h, u, labels, block_size=128),
+                   argnums=(0, 1))(hidden, unembed)
+  assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
+  want = jax.grad(lambda h, u: _plain_ce(h, u, labels), argnums=(0, 1))(hidden, unembed)
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2)
+
+
+def test_blockwise_cross_entropy_uses_less_temporary_memory():
+  tokens, d, vocab = 2048, 256, 32768
+  hidden = jax.ShapeDtypeStruct((tokens, d), jnp.float32)
+  unembed = jax.ShapeDtypeStruct((d, vocab), jnp.float32)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+
+  def temp_bytes(loss):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+        hidden, unembed, labels).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  plain = temp_bytes(lambda h, u, y: _plain_ce(h, u, y))
+  blockwise = temp_bytes(lambda h, u, y: cross_entropy(h, u, y, block_size=4096))
+  logits_bytes = tokens * vocab * 4
+  assert plain >= logits_bytes  # The plain loss holds the whole [tokens, vocab] logits.
+  assert blockwise < logits_bytes / 2 and blockwise < plain / 4
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(hidden=jnp.zeros((4, 8, 2))), "hidden (4, 8, 2) and unembed (8, 16) must be"),
+    (dict(labels=jnp.zeros((4,))), "labels (4,) float32; expected integer [tokens] = (4,)"),
+    (dict(labels=jnp.zeros((5,), jnp.int32)), "labels (5,) int32"),
+    (dict(where=jnp.ones((4,))), "where (4,) float32; expected bool"),
+    (dict(block_size=17), "block_size=17): expected an int in [1, vocab=16]"),
+    (dict(z_loss=-1.0), "z_loss=-1.0"),
+    (dict(reduction="max"), "reduction='max'"),
+])
+def test_bad_cross_entropy_inputs_raise_kernel_error(kwargs, message):
+  args = dict(hidden=jnp.zeros((4, 8)), unembed=jnp.zeros((8, 16)),
+              labels=jnp.zeros((4,), jnp.int32))
+  options = {key: kwargs.pop(key) for key in list(kwargs) if key not in args}
+  args.update(kwargs)
+  with pytest.raises(KernelError, match=re.escape(message)):
+    cross_entropy(args["hidden"], args["unembed"], args["labels"], **options)
