@@ -1,0 +1,179 @@
+"""One process of a multi-process training job, as tests/test_multihost.py runs it.
+
+  python tests/mp_worker.py --out=DIR --steps=6 [--mesh=data=2,fsdp=4] [--ckpt_every=2]
+
+Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
+mesh over every process's devices (ordered by process, so "data" and for 4 processes also
+"fsdp" run across processes), trains tests/models.py's transformer with fnscale's
+`train_step` / `init_state` / `shard_step` (which waits at a barrier after compiling),
+feeding only this process's rows of each global batch through `fnscale.global_batch`.
+
+Prints one JSON line per event on stdout: {"event": "step", "step": s, "loss": ...},
+{"event": "checkpoint", "step": s}, {"event": "preempted", ...}, {"event": "done"}. Every
+process calls `fnscale.checkpoint.save`; only process 0 writes DIR/losses.jsonl and
+DIR/params.npz (the final params, gathered from every process).
+
+On SIGTERM (a preemption notice) JAX's preemption service agrees with every process on one
+step to stop at; all save a checkpoint there and exit 0. Rerunning resumes from the newest
+checkpoint. `--restore_only` restores the newest checkpoint onto this job's mesh and writes
+its params to DIR/restored.npz. A lost process ends the loop in a `fnscale.DistributedError`
+(`fnscale.peer_guard`), exit status 75.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import multiprocess  # tests/multiprocess.py: the job's place in the environment
+
+DATA_SEED = 1234
+LEARNING_RATE = 3e-3
+
+
+def _args(argv):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--steps", type=int, default=6)
+  p.add_argument("--mesh", default="data=2,fsdp=4")
+  p.add_argument("--batch", type=int, default=16, help="global batch (rows)")
+  p.add_argument("--ckpt_every", type=int, default=0)
+  p.add_argument("--slow_after", type=int, default=-1, help="sleep after each later step")
+  p.add_argument("--sleep_s", type=float, default=0.0)
+  p.add_argument("--init_timeout_s", type=float, default=60)
+  p.add_argument("--heartbeat_s", type=float, default=10)
+  p.add_argument("--peer_check_s", type=float, default=3)
+  p.add_argument("--restore_only", action="store_true")
+  return p.parse_args(argv)
+
+
+def _emit(**event):
+  print(json.dumps(event), flush=True)
+
+
+def global_tokens(step: int, batch: int, seq: int, vocab: int):
+  """The whole batch of step `step`, the same in every layout: int32 [batch, seq + 1]."""
+  import numpy as np
+  rng = np.random.default_rng([DATA_SEED, step])
+  return rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
+
+
+def local_rows(sharding, batch: int):
+  """Row indices of the global batch this process holds under `sharding`, in order."""
+  import numpy as np
+  idx = sharding.addressable_devices_indices_map((batch,))
+  starts = sorted({(s[0].start or 0, s[0].stop or batch) for s in idx.values()})
+  return np.concatenate([np.arange(a, b) for a, b in starts])
+
+
+def build(mesh_axes: str):
+  """(mesh, optimizer, sharded step, init state fn) for tests/models.py's transformer."""
+  import jax
+  import optax
+  import fnscale as fs
+  from fnscale import step as fstep
+  import models
+  mesh = fs.make_mesh(mesh_axes)
+  opt = optax.adam(LEARNING_RATE)
+  axes = models.transformer_logical_axes()
+  step = fstep.shard_step(fstep.train_step(models.transformer_loss, opt, has_aux=True), mesh,
+                          rules=models.RULES, logical_axes=axes)
+
+  def init():
+    return fstep.init_state(models.transformer_init, opt, mesh=mesh, rules=models.RULES,
+                            logical_axes=axes, key=jax.random.key(0))
+  return mesh, opt, step, init
+
+
+def gathered_params(params):
+  """Every process's shards gathered into host numpy arrays, keyed by pytree path."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  full = multihost_utils.process_allgather(params, tiled=True)
+  return {jax.tree_util.keystr(p): np.asarray(v)
+          for p, v in jax.tree_util.tree_flatten_with_path(full)[0]}
+
+
+def main(argv) -> int:
+  args = _args(argv)
+  info = multiprocess.initialize_from_env(
+      timeout_s=args.init_timeout_s, heartbeat_timeout_s=args.heartbeat_s,
+      shutdown_timeout_s=max(5.0, args.heartbeat_s))
+  import jax
+  import numpy as np
+  from absl import logging
+  from jax.experimental import multihost_utils
+  import fnscale as fs
+  from fnscale import checkpoint
+  import models
+  logging.set_verbosity(logging.INFO)  # the barrier after compiling shows in the log
+  pid = jax.process_index()
+  os.makedirs(args.out, exist_ok=True)
+  ckpt_dir = os.path.join(args.out, "ckpt")
+  mesh, _, step, init = build(args.mesh)
+  _emit(event="start", process=pid, processes=jax.process_count(),
+        devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info))
+
+  state = init()
+  start = checkpoint.latest_step(ckpt_dir)
+  if start is not None:
+    state, extra = checkpoint.restore(ckpt_dir, state, step=start)
+    _emit(event="restored", step=start, extra=extra)
+  if args.restore_only:
+    params = gathered_params(state.params)
+    if pid == 0:
+      np.savez(os.path.join(args.out, "restored.npz"), **params)
+    _emit(event="done", step=start)
+    return 0
+  start = start or 0
+
+  cfg = models.TRANSFORMER
+  bs = fs.batch_sharding(mesh)
+  rows = local_rows(bs, args.batch)
+  log = open(os.path.join(args.out, "losses.jsonl"), "a") if pid == 0 else None
+  with fs.peer_guard(timeout_s=args.peer_check_s):
+    for s in range(start, args.steps):
+      tokens = global_tokens(s, args.batch, cfg.seq, cfg.vocab)[rows]
+      batch = fs.global_batch({"tokens": tokens}, bs)
+      state, metrics = step(state, batch)
+      loss = float(metrics["loss"])
+      _emit(event="step", step=s, loss=loss)
+      if log:
+        log.write(json.dumps({"step": s, "loss": loss}) + "\n")
+        log.flush()
+      # Every process asks at every step; when any got SIGTERM, all agree on one step.
+      preempted = multihost_utils.reached_preemption_sync_point(s)
+      if preempted or (args.ckpt_every and (s + 1) % args.ckpt_every == 0):
+        checkpoint.save(ckpt_dir, s + 1, state, extra={"step": s + 1})
+        _emit(event="checkpoint", step=s + 1)
+      if preempted:
+        _emit(event="preempted", step=s + 1)
+        return 0
+      if 0 <= args.slow_after <= s:
+        time.sleep(args.sleep_s)
+  params = gathered_params(state.params)
+  if pid == 0:
+    np.savez(os.path.join(args.out, "params.npz"), **params)
+    log.close()
+  _emit(event="done", step=args.steps)
+  return 0
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main(sys.argv[1:]))
+  except Exception as e:  # pylint: disable=broad-except
+    from fnscale.errors import DistributedError
+    if not isinstance(e, DistributedError):
+      raise
+    # Python's own exit would wait for the lost process at JAX's shutdown barrier.
+    import traceback
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(75)  # pylint: disable=protected-access

@@ -1,0 +1,192 @@
+"""Multi-process jobs on 127.0.0.1 with JAX's distributed runtime: same numbers, clean failures.
+
+Every job runs tests/mp_worker.py in N processes of M simulated CPU devices
+(tests/multiprocess.py). The reference is the same training in this pytest process on 1 x 8
+devices. Jobs are shared between tests through module fixtures to keep the file short.
+"""
+import json
+import os
+import pathlib
+import re
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import fnscale as fs
+from fnscale import checkpoint
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import mp_worker  # pylint: disable=g-import-not-at-top,wrong-import-position
+import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = str(pathlib.Path(mp_worker.__file__))
+STEPS = 4
+TOL = 1e-6
+JOB_TIMEOUT_S = 240
+
+
+def _events(stdout: str) -> list[dict]:
+  return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+
+
+def _losses(stdout: str) -> list[float]:
+  return [e["loss"] for e in _events(stdout) if e["event"] == "step"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+  assert sorted(a) == sorted(b)
+  return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def _train(out, num_processes, devices, *args, timeout_s=JOB_TIMEOUT_S):
+  results = mp.run([WORKER, f"--out={out}", f"--steps={STEPS}", *args], num_processes,
+                   devices, timeout_s)
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """1 process x 8 devices, in this process: losses and params after each step."""
+  mesh, _, step, init = mp_worker.build("data=2,fsdp=4")
+  import models  # pylint: disable=g-import-not-at-top
+  cfg = models.TRANSFORMER
+  state = init()
+  bs = fs.batch_sharding(mesh)
+  losses, params = [], {0: mp_worker.gathered_params(state.params)}
+  for s in range(STEPS):
+    batch = fs.global_batch({"tokens": mp_worker.global_tokens(s, 16, cfg.seq, cfg.vocab)}, bs)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+    params[s + 1] = mp_worker.gathered_params(state.params)
+  return {"losses": losses, "params": params, "mesh": mesh, "state": state}
+
+
+@pytest.fixture(scope="module")
+def run_2x4(tmp_path_factory):
+  out = tmp_path_factory.mktemp("run_2x4")
+  return out, _train(out, 2, 4, "--ckpt_every=2")
+
+
+@pytest.fixture(scope="module")
+def run_4x2(tmp_path_factory):
+  out = tmp_path_factory.mktemp("run_4x2")
+  return out, _train(out, 4, 2)
+
+
+@pytest.mark.parametrize("layout", ["run_2x4", "run_4x2"])
+def test_layouts_match_one_process(layout, reference, request):
+  out, results = request.getfixturevalue(layout)
+  for r in results:
+    start = _events(r.stdout)[0]
+    assert start["devices"] == 8 and start["mesh"] == {"data": 2, "fsdp": 4}
+    np.testing.assert_allclose(_losses(r.stdout), reference["losses"], rtol=0, atol=TOL)
+    # fnscale.shard_step waits at a barrier after compiling; it shows in every log.
+    assert re.search(r"barrier compiled step \w+ passed", r.stderr), r.stderr[-3000:]
+  # Only process 0 wrote the log and the params.
+  logged = [json.loads(ln)["loss"] for ln in (out / "losses.jsonl").read_text().splitlines()]
+  assert logged == _losses(results[0].stdout)
+  final = dict(np.load(out / "params.npz"))
+  diff = _max_diff(final, reference["params"][STEPS])
+  print(f"{layout}: largest |param - 1x8 param| = {diff:.3g}")
+  assert diff <= TOL
+  assert _max_diff(final, reference["params"][0]) > 1e-3  # it did train
+
+
+def test_elastic_restore_2x4_checkpoint_into_1x8_and_1x2(run_2x4, reference, tmp_path):
+  out, _ = run_2x4
+  ckpt = out / "ckpt"
+  assert checkpoint.latest_step(ckpt) == STEPS
+  written = dict(np.load(out / "params.npz"))
+  # 1 x 8: this process, target = a fresh state on the 1 x 8 mesh.
+  state, extra = checkpoint.restore(ckpt, reference["state"])
+  assert extra == {"step": STEPS} and int(state.step) == STEPS
+  assert state.params["embed"].sharding.mesh.devices.size == 8
+  assert _max_diff(mp_worker.gathered_params(state.params), written) == 0.0
+  # 1 x 2: a process with 2 devices restores the same checkpoint.
+  sub = tmp_path / "restore_1x2"
+  sub.mkdir()
+  os.symlink(ckpt, sub / "ckpt")
+  (r,) = mp.run([WORKER, f"--out={sub}", "--mesh=data=1,fsdp=2", "--restore_only"], 1, 2,
+                JOB_TIMEOUT_S)
+  assert r.returncode == 0, mp.describe([r])
+  assert _events(r.stdout)[0]["devices"] == 2
+  assert _max_diff(dict(np.load(sub / "restored.npz")), written) == 0.0
+
+
+def test_preempted_job_saves_once_and_resumes_to_the_same_params(run_2x4, tmp_path):
+  out = tmp_path / "preempt"
+  args = [WORKER, f"--out={out}", f"--steps={STEPS}", "--slow_after=0", "--sleep_s=1"]
+  with mp.job(args, 2, 4) as job:
+    mp.wait_for_output(job, 1, r'"step": 0,', JOB_TIMEOUT_S)
+    for i in range(2):
+      mp.signal_process(job, i, signal.SIGTERM)
+    results = mp.wait(job, 120)
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  stops = [[e for e in _events(r.stdout) if e["event"] == "preempted"] for r in results]
+  assert stops[0] and stops[0] == stops[1], mp.describe(results)  # the same step everywhere
+  stop = stops[0][0]["step"]
+  assert stop < STEPS and checkpoint.steps(out / "ckpt") == (stop,)
+  resumed = _train(out, 2, 4)
+  assert _events(resumed[0].stdout)[1] == {"event": "restored", "step": stop,
+                                           "extra": {"step": stop}}
+  final = dict(np.load(out / "params.npz"))
+  uninterrupted = dict(np.load(run_2x4[0] / "params.npz"))
+  assert _max_diff(final, uninterrupted) == 0.0
+
+
+def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
+  out = tmp_path / "lost"
+  heartbeat_s = 5
+  args = [WORKER, f"--out={out}", "--steps=1000", "--ckpt_every=1", "--slow_after=2",
+          "--sleep_s=0.3", f"--heartbeat_s={heartbeat_s}", "--peer_check_s=2"]
+  with mp.job(args, 2, 4) as job:
+    mp.wait_for_output(job, 0, r'"event": "checkpoint", "step": 3', JOB_TIMEOUT_S)
+    killed_at = time.monotonic()
+    mp.signal_process(job, 1, signal.SIGKILL)
+    results = mp.wait(job, 90)
+  survivor = results[0]
+  took = survivor.elapsed_s - (killed_at - job.processes[0].started)
+  print(f"survivor exited {took:.1f} s after the kill, status {survivor.returncode}")
+  assert results[1].returncode == -signal.SIGKILL
+  assert not survivor.timed_out and survivor.returncode != 0, mp.describe(results)
+  assert took < 60
+  named = re.search(r"fnscale.errors.DistributedError: lost process 1 of 2", survivor.stderr)
+  by_runtime = re.search(r"stopped sending heartbeats\):\s*1\b", survivor.stderr)
+  assert named or by_runtime, mp.describe(results)
+  if named:
+    assert survivor.returncode == 75 and "Fix: look at the log of process 1" in survivor.stderr
+  # The newest complete checkpoint loads, and matches the reference where it overlaps.
+  last = checkpoint.latest_step(out / "ckpt")
+  assert last is not None and last >= 3
+  state, extra = checkpoint.restore(out / "ckpt", reference["state"])
+  assert extra == {"step": last} and int(state.step) == last
+  restored = mp_worker.gathered_params(state.params)
+  assert all(np.isfinite(v).all() for v in restored.values())
+  if last in reference["params"]:
+    assert _max_diff(restored, reference["params"][last]) <= TOL
+
+
+def test_process_that_never_starts_fails_the_others_in_time(tmp_path):
+  timeout_s = 8
+  results = mp.run([WORKER, f"--out={tmp_path}", f"--init_timeout_s={timeout_s}"], 3, 1,
+                   JOB_TIMEOUT_S, process_ids=[0, 1])
+  for r in results:
+    assert r.returncode == 75, mp.describe(results)
+    assert ("fnscale.errors.DistributedError: could not form the multi-process job within "
+            f"{float(timeout_s)} s: expected 3 processes") in r.stderr, mp.describe(results)
+    assert f"this process ({r.process_id}) is in" in r.stderr
+    assert not _events(r.stdout)  # never got as far as training
+
+
+def test_harness_kills_a_hung_job(tmp_path):
+  t0 = time.monotonic()
+  (r,) = mp.run(["-c", "import time; print('up', flush=True); time.sleep(600)"], 1, 1, 3)
+  assert r.timed_out and r.returncode is None and "up" in r.stdout
+  assert time.monotonic() - t0 < 30
