@@ -49,6 +49,7 @@ DEFAULT_SENTINEL = "/tmp/fnscale-keep-vm"
 DEFAULT_API_URL = "https://tpu.googleapis.com"
 API_URL_ENV = "FNSCALE_TPU_API_URL"
 TOKEN_PATH = "instance/service-accounts/default/token"
+_METADATA_TIMEOUT_S = 2.0
 _TOKEN_SHOWN = "Bearer <access token from metadata instance/service-accounts/default/token>"
 
 
@@ -154,7 +155,8 @@ def _request(method: str, url: str, token: str, timeout_s: float) -> tuple[int, 
 
 
 def _token(metadata_url: str, timeout_s: float) -> str:
-  text = _metadata.get(TOKEN_PATH, timeout_s=timeout_s, url=metadata_url)
+  text = _metadata.get(TOKEN_PATH, timeout_s=min(timeout_s, _METADATA_TIMEOUT_S),
+                       url=metadata_url)
   if not text:
     raise CloudError(f"no access token from the metadata service ({metadata_url}/{TOKEN_PATH}); "
                      "the VM needs a service account with the cloud-platform scope.")
@@ -192,7 +194,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
     node: TPU node name, overriding `NODE_ID` from the `tpu-env` attribute.
     queued_resource: queued resource name or full path; skips the node lookup.
     worker: this process's worker index, overriding the detection described in the module.
-    timeout_s: seconds per HTTP request (metadata and API).
+    timeout_s: seconds per API request (metadata requests wait at most 2 s).
 
   Returns:
     A `ShutdownPlan`; action "none" with the reason when nothing should be deleted from here.
@@ -215,7 +217,8 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
                       dry_run=bool(dry_run), metadata_url=meta, timeout_s=float(timeout_s))
 
   def get(path):
-    return _metadata.get(path, timeout_s=timeout_s, url=meta)
+    # Short: off Cloud the first lookup must fail fast, and the service answers in ms.
+    return _metadata.get(path, timeout_s=min(timeout_s, _METADATA_TIMEOUT_S), url=meta)
 
   project = get("project/project-id")
   if project is None:

@@ -16,11 +16,10 @@ from fnscale import checkpoint as ckpt
 from fnscale.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AUTO = jax.sharding.AxisType.Auto
 
 
 def _mesh(shape, names, n):
-  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(names), devices=jax.devices()[:n])
+  return fnscale.make_mesh(dict(zip(names, shape)), devices=jax.devices()[:n])
 
 
 def _fsdp_spec(x):

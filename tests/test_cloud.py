@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -234,13 +233,8 @@ def test_bad_arguments(tmp_path):
 
 
 def _run_child(fake, tmp_path, body, extra_env=None):
-  script = textwrap.dedent(f"""
-      import sys
-      sys.path.insert(0, {REPO!r})
-      import fnscale
-      {body}
-      print("PLAN", plan.action, flush=True)
-      """)
+  script = "\n".join([f"import sys; sys.path.insert(0, {REPO!r})", "import fnscale", body,
+                       "print('PLAN', plan.action, flush=True)"])
   env = dict(os.environ, GCE_METADATA_HOST=fake.url.split("://")[1],
              FNSCALE_TPU_API_URL=fake.url, JAX_PLATFORMS="cpu", **(extra_env or {}))
   env.pop("TPU_WORKER_ID", None)
@@ -266,6 +260,15 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "deleting the TPU VM failed" in proc.stderr and "HTTP 500" in proc.stderr
   assert len(_deletes(fake)) == 1
+
+  # A sentinel that appears while the job runs keeps the VM.
+  fake.requests.clear()
+  fake.api_status = 200
+  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0.2, "
+                    f"sentinel={keep!r})\nopen({keep!r}, 'w').close()")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "PLAN delete_node" in proc.stdout and f"sentinel {keep} exists" in proc.stderr
+  assert _deletes(fake) == []
 
 
 def test_exported():
