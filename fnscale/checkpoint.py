@@ -255,7 +255,11 @@ def _host_local_to_numpy(state):
 
 def _move_aside(step_dir, reason: str):
   """Renames a damaged step directory so a new save can use its name; nothing is deleted."""
-  target = step_dir.parent / f"{step_dir.name}.corrupt-{int(time.time())}"
+  stamp = int(time.time())
+  target = step_dir.parent / f"{step_dir.name}.corrupt-{stamp}"
+  while target.exists():  # never replace an earlier one moved aside in the same second
+    stamp += 1
+    target = step_dir.parent / f"{step_dir.name}.corrupt-{stamp}"
   logging.warning("checkpoint step %s at %s is %s; moving it to %s and saving a new one.",
                   step_dir.name, step_dir, reason, target)
   step_dir.rename(target)
