@@ -33,6 +33,7 @@ from fnscale.sharding import (
 
 from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
 from fnscale import checkpoint
+from fnscale.invariance import InvarianceReport, check_mesh_invariance
 from fnscale.step import (
     Collective,
     CompileReport,
@@ -101,5 +102,8 @@ __all__ = [
     "barrier",
     "global_batch",
     "initialize",
+    "peer_guard",
+    "InvarianceReport",
+    "check_mesh_invariance",
     "peer_guard",
 ]
