@@ -105,5 +105,4 @@ __all__ = [
     "peer_guard",
     "InvarianceReport",
     "check_mesh_invariance",
-    "peer_guard",
 ]
