@@ -351,6 +351,43 @@ def test_with_kernel_composes_with_mesh_in_either_order():
   assert decorated.__name__ == "<lambda>" and decorated.__wrapped__ is loss
 
 
+def test_with_kernel_inside_shard_step_trains_like_the_reference():
+  import fnscale  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top,reimported
+  mesh = _mesh()
+  heads, head_dim, embed = 4, 32, 64
+  plans = []
+
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    return {"wq": jax.random.normal(k1, (embed, heads, head_dim)) * 0.1,
+            "wo": jax.random.normal(k2, (heads, head_dim, embed)) * 0.1}
+
+  def loss_fn(params, batch):
+    x = batch["x"]
+    q = jnp.einsum("bse,ehd->bshd", x, params["wq"])
+    plans.append(kernel_plan(q.shape, q.shape, q.dtype, causal=True))
+    out = attention(q, q, q, causal=True)
+    return jnp.mean((jnp.einsum("bshd,hde->bse", out, params["wo"]) - x) ** 2)
+
+  optimizer = optax.sgd(0.1)
+  batch = {"x": jax.random.normal(jax.random.key(1), (4, 128, embed))}
+  results = []
+  for choice in (dict(attention="splash", interpret=True), dict(attention="xla")):
+    state = fnscale.init_state(init, optimizer, mesh=mesh, key=jax.random.key(0))
+    step = fnscale.shard_step(with_kernel(fnscale.train_step(loss_fn, optimizer), **choice),
+                              mesh)
+    results.append(step(state, batch))
+    assert plans and {p.implementation for p in plans} == {choice["attention"]}
+    sharded = (("data",), ("tensor",)) if choice["attention"] == "splash" else ((), ())
+    assert all((p.batch_axes, p.head_axes) == sharded for p in plans)
+    plans.clear()
+  (state, metrics), (ref_state, ref_metrics) = results
+  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda q, k, v: attention(q[0], k, v), "q has shape (128, 2, 32); expected [batch,"),
     (lambda q, k, v: attention(q, k[:, :, :1], v), "k shape (1, 128, 1, 32) and v shape"),
