@@ -138,7 +138,6 @@ def _exit_with(error: DistributedError) -> None:
   """Ends this process from a helper thread (the main thread is blocked inside JAX's C++
   code, where no Python exception can reach it): the error on stderr, status 75."""
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
-  logging.error("%s", text)
   try:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -149,7 +148,7 @@ def _exit_with(error: DistributedError) -> None:
 
 def _join_timed_out(num_processes, process_id, where, timeout_s) -> None:
   _exit_with(DistributedError(
-      f"could not form the multi-process job within {timeout_s} s: expected "
+      f"could not form the multi-process job within {timeout_s:g} s: expected "
       f"{num_processes or 'auto-detected'} processes at coordinator {where}; this process "
       f"({process_id if process_id is not None else '?'}) is in, but not all "
       f"{num_processes or ''} processes registered (JAX's coordination service doesn't say "
@@ -200,6 +199,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
   _check_args(coordinator_address, num_processes, process_id, timeouts)
+  asked_timeout_s = timeout_s
   if jax.distributed.is_initialized():
     info = _state_info()
     asked = {"coordinator_address": coordinator_address, "num_processes": num_processes,
@@ -250,7 +250,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   # from C++ (a fatal log, no exception). A watchdog thread ends it first, with a clear
   # message, after timeout_s; JAX's own deadline is set a little later.
   watchdog = threading.Timer(timeout_s, _join_timed_out, args=(
-      num_processes, process_id, where, timeout_s))
+      num_processes, process_id, where, asked_timeout_s))
   watchdog.daemon = True
   watchdog.start()
   try:
