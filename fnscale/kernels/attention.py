@@ -556,7 +556,8 @@ def _xla(q, k, v, q_ids, kv_ids, *, causal, window, scale):
 
 
 def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  # Pallas is imported only when a kernel runs: it is heavy and most calls never need it.
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
   _, t, h, _ = q.shape
   s, kh = k.shape[1], k.shape[2]
   if window is not None:
@@ -588,7 +589,7 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
 
 def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
   del window, kv_ids  # Checked by _cannot_serve.
-  from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
   group = q.shape[2] // k.shape[2]
   if group > 1:  # The Triton kernel wants as many kv heads as q heads.
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
