@@ -204,8 +204,10 @@ def main(argv: list[str]) -> int:
   if bad:
     print(f"launch_local: {len(bad)} of {len(results)} processes failed: "
           + ", ".join(f"process {i} ({rc})" for i, rc, _ in bad), file=sys.stderr)
-    # A child's own status (2: bad input, 143: preempted) when one failed alone.
-    return bad[0][1] if bad[0][1] > 0 else 1
+    # The status of the child that failed on its own (2: bad input, 143: preempted), not
+    # of those stopped because of it.
+    own = [rc for _, rc, _ in bad if rc > 0]
+    return own[0] if own else 1
   return 0
 
 
