@@ -8,8 +8,11 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -100,6 +103,30 @@ def test_stop_and_resume_is_bitwise_equal(work, uninterrupted, capsys):
   assert [r["step"] for r in _records(run_dir, "train")] == list(range(1, STEPS + 1))
   assert [r["loss"] for r in _records(run_dir, "train")] == [
       r["loss"] for r in _records(uninterrupted[1], "train")]
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(work):
+  """A preemption notice (SIGTERM) mid-run: checkpoint at the next step, exit 143."""
+  run_dir = work / "sigterm"
+  metrics = run_dir / "metrics.jsonl"
+
+  def preempt():
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if metrics.exists() and '"event": "train"' in metrics.read_text():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+      time.sleep(0.05)
+
+  thread = threading.Thread(target=preempt, daemon=True)
+  thread.start()
+  previous = signal.getsignal(signal.SIGTERM)
+  assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0")) == 143
+  thread.join()
+  assert signal.getsignal(signal.SIGTERM) is previous  # the handler is uninstalled
+  summary = _records(run_dir, "summary")[-1]
+  assert summary["stopped"] == "SIGTERM" and 0 < summary["final_step"] < 100000
+  assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
 
 
 def _checkpointed_at_3(work, name):
