@@ -37,6 +37,7 @@ from fnscale.invariance import InvarianceReport, check_mesh_invariance
 from fnscale.step import (
     Collective,
     CompileReport,
+    LossScale,
     TrainState,
     compilation_cache,
     compile_report,
@@ -53,6 +54,7 @@ from fnscale.adapters import unbox_flax
 __all__ = [
     "Collective",
     "CompileReport",
+    "LossScale",
     "TrainState",
     "compilation_cache",
     "compile_report",

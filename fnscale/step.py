@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import collections
+import dataclasses
 import functools
 import hashlib
 import math
@@ -41,6 +42,7 @@ from fnscale.errors import ShardingError, StepError
 __all__ = [
     "Collective",
     "CompileReport",
+    "LossScale",
     "TrainState",
     "compilation_cache",
     "compile_report",
@@ -62,13 +64,55 @@ class TrainState(NamedTuple):
     params: the model's params (any pytree of arrays), in the policy's param dtype.
     opt_state: the optax optimizer state.
     step: int32 scalar, the number of steps taken (skipped float16 steps included).
-    loss_scale: a `jmp.LossScale` (e.g. `jmp.DynamicLossScale`) when loss scaling is used,
-      else None (an empty subtree).
+    loss_scale: a `LossScale` when loss scaling is used, else None (an empty subtree).
   """
   params: Any
   opt_state: Any
   step: Any
   loss_scale: Any = None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["scale", "counter"],
+                   meta_fields=["dynamic", "period", "factor", "min_scale"])
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+  """Loss-scale state in a `TrainState`: jmp's loss scale as a plain pytree value.
+
+  The step rebuilds `jmp.DynamicLossScale` / `jmp.StaticLossScale` from it and uses their
+  `scale`, `unscale` and `adjust` (jmp's classes check their leaves' dtypes when built,
+  which breaks when jax's own machinery rebuilds them around shardings or placeholders).
+
+  Fields: `scale` (float32 scalar), `counter` (int32 scalar, finite steps since the last
+  change); static: `dynamic` (False: a fixed scale), `period` (finite steps before the scale
+  grows), `factor` (growth / shrink factor), `min_scale`.
+  """
+  scale: Any
+  counter: Any
+  dynamic: bool = True
+  period: int = 2000
+  factor: int = 2
+  min_scale: float = 1.0
+
+
+def _to_jmp(ls: LossScale):
+  if ls.dynamic:
+    return jmp.DynamicLossScale(ls.scale, ls.counter, ls.period, ls.factor,
+                                jnp.asarray(ls.min_scale, jnp.float32))
+  return jmp.StaticLossScale(ls.scale)
+
+
+def _as_loss_scale(loss_scale) -> LossScale | None:
+  if loss_scale is None or isinstance(loss_scale, (LossScale, jmp.NoOpLossScale)):
+    return None if isinstance(loss_scale, jmp.NoOpLossScale) else loss_scale
+  if isinstance(loss_scale, jmp.DynamicLossScale):
+    return LossScale(jnp.asarray(loss_scale.loss_scale, jnp.float32),
+                     jnp.asarray(loss_scale.counter, jnp.int32), True, loss_scale.period,
+                     loss_scale.factor, float(loss_scale.min_loss_scale))
+  if isinstance(loss_scale, jmp.StaticLossScale):
+    return LossScale(jnp.asarray(loss_scale.loss_scale, jnp.float32),
+                     jnp.zeros((), jnp.int32), False)
+  raise StepError(f"loss_scale is a {type(loss_scale).__name__}, expected a jmp loss scale "
+                  "(e.g. jmp.DynamicLossScale(jnp.float32(2**15))), a fnscale LossScale or None.")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -124,7 +168,10 @@ def _vary(tree, axes: tuple[str, ...]):
     return tree
 
   def f(x):
-    missing = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", ()))
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
+    varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    missing = tuple(a for a in axes if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
   return jax.tree.map(f, tree)
 
@@ -226,11 +273,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
 
   Returns:
     `step(state: TrainState, batch) -> (TrainState, metrics)`; metrics is a dict with
-    "loss" (float32, the mean loss), "grad_norm" (float32, `optax.global_norm` of the
+    "loss" (float32, the mean loss), "grad_norm" (float32, `optax.tree.norm` of the
     unscaled gradients), "skipped" (int32, 1 if this step was skipped because its
     gradients were not finite, else 0; sum it for a count), "aux" (with `has_aux`; floating
     leaves averaged over microbatches and shards, integer leaves summed) and "loss_scale"
-    (float32, when the state has a loss scale). With a `jmp.DynamicLossScale` in the state
+    (float32, when the state has a loss scale). With a dynamic `LossScale` in the state
     (float16 compute, see `init_state`) a step with non-finite gradients leaves params and
     optimizer state unchanged and lowers the scale. Inside `jax.shard_map` over data axes
     (`shard_step(mode="shard_map")`) the step runs per shard and `pmean`s gradients,
@@ -281,7 +328,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
                       "build it with fnscale.init_state.")
     n = _check_accum(batch, accum_steps)
     axes = _manual_data_axes()
-    params, ls = state.params, state.loss_scale
+    params = state.params
+    ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
     # Per-shard gradients are local (varying) values, reduced explicitly below.
     params_v = _vary(params, axes)
     if accum_steps == 1:
@@ -309,7 +357,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
         aux = _reduce_aux(aux, axis_name=axes)
     if ls is not None:
       grads = ls.unscale(grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -325,7 +373,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       metrics["aux"] = aux
     if ls is not None:
       metrics["loss_scale"] = jnp.asarray(ls.loss_scale, jnp.float32)
-    new_state = TrainState(new_params, opt_state, state.step + 1, ls)
+    new_ls = None
+    if ls is not None:
+      new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,
+                                   counter=jnp.asarray(getattr(ls, "counter",
+                                                               state.loss_scale.counter),
+                                                       jnp.int32))
+    new_state = TrainState(new_params, opt_state, state.step + 1, new_ls)
     return new_state, metrics
 
   step.loss_fn = loss_fn
@@ -372,15 +426,11 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
 _derive_state_shardings = state_shardings  # shard_step's argument shadows the name
 
 
-def _default_loss_scale(policy, loss_scale):
+def _default_loss_scale(policy, loss_scale) -> LossScale | None:
   if loss_scale is not None:
-    if not isinstance(loss_scale, (jmp.DynamicLossScale, jmp.StaticLossScale,
-                                   jmp.NoOpLossScale)):
-      raise StepError(f"loss_scale is a {type(loss_scale).__name__}, expected a jmp loss "
-                      "scale, e.g. jmp.DynamicLossScale(jnp.float32(2**15)).")
-    return loss_scale
+    return _as_loss_scale(loss_scale)
   if policy is not None and jnp.dtype(policy.compute_dtype) == jnp.float16:
-    return jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))
+    return LossScale(jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
   return None
 
 
@@ -402,9 +452,10 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     mesh: the `jax.sharding.Mesh`.
     rules, logical_axes, sharding_options: as in `state_shardings`.
     policy: a jmp policy (or string): params are cast to its param dtype; float16 compute
-      adds a `jmp.DynamicLossScale(2**15)` to the state.
+      adds a dynamic `LossScale` (jmp's dynamic scaling from 2**15) to the state.
     key: a PRNG key for `init_fn`.
-    loss_scale: a jmp loss scale to put in the state (overrides the policy's default).
+    loss_scale: a jmp loss scale (or `LossScale`) for the state, overriding the policy's
+      default; `jmp.NoOpLossScale()` means none.
     abstract: return `jax.ShapeDtypeStruct`s with their shardings instead of arrays;
       nothing is allocated or run (for `shard_step(...).compile`, `compile_report` on a mesh
       of devices that aren't here, or checkpoint restore targets).
@@ -507,16 +558,36 @@ def compilation_cache(directory: str, *, min_compile_time_s: float = 0.0,
 
 
 def _flat_shardings(tree, shardings_tree, what: str) -> list:
-  """One sharding per leaf of `tree` (a single sharding is broadcast)."""
-  if isinstance(shardings_tree, jax.sharding.Sharding):
-    return [shardings_tree] * len(jax.tree_util.tree_leaves(tree))
-  treedef = jax.tree_util.tree_structure(tree)
+  """One sharding per leaf of `tree` from a pytree prefix of shardings (a sharding at a
+  prefix leaf covers every leaf below it)."""
+  out = []
+
+  def f(s, sub):
+    if not isinstance(s, jax.sharding.Sharding):
+      raise StepError(f"the {what} shardings hold a {type(s).__name__} where a "
+                      "jax.sharding.Sharding was expected.")
+    out.extend([s] * len(jax.tree_util.tree_leaves(sub)))
+
   try:
-    return list(treedef.flatten_up_to(shardings_tree))
+    jax.tree.map(f, shardings_tree, tree,
+                 is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   except (ValueError, TypeError) as e:
     raise StepError(
         f"the {what} shardings don't match the {what}'s structure: {e}; fix: pass shardings "
-        f"with the {what}'s structure (or one sharding for every leaf).") from None
+        f"with the {what}'s structure or a prefix of it (one sharding covers a subtree)."
+    ) from None
+  return out
+
+
+def _check_state_fits(state, flat) -> None:
+  """Rank and divisibility of every state leaf under its sharding, naming the leaf path."""
+  pairs, _ = jax.tree_util.tree_flatten_with_path(state)
+  for (p, leaf), s in zip(pairs, flat):
+    if isinstance(s, NamedSharding):
+      try:
+        _sh._check_explicit(_path(p), s.spec, _aval(leaf)[0], dict(s.mesh.shape))  # pylint: disable=protected-access
+      except ShardingError as e:
+        raise ShardingError(f"state {e}") from None
 
 
 def _aval(leaf) -> tuple[tuple[int, ...], np.dtype]:
@@ -644,7 +715,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     shapes and dtypes compiles (as `jax.jit` would) and later calls reuse the executable.
     Attributes: `lower(state, batch)` -> `jax.stages.Lowered`; `compile(state, batch)` ->
     a compiled step that only ever runs its one executable; `shardings(state, batch)` ->
-    (state shardings, batch shardings); `step`, `mesh`, `mode`, `donate`. A compiled step
+    (state shardings, a prefix tree as `state_shardings` gives; batch shardings); `step`, `mesh`, `mode`, `donate`. A compiled step
     has attributes `compiled` (`jax.stages.Compiled`), `lowered`, `compile_seconds`,
     `state_shardings`, `batch_shardings`, `mesh`. Batch or state leaves placed differently
     from the compiled shardings (numpy arrays, other meshes) are moved there with
@@ -678,8 +749,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     else:
       ssh = state_shardings
     state_flat = _flat_shardings(state, ssh, "state")
-    _sh.check_shardings(state, jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(state), state_flat), what="state")
+    _check_state_fits(state, state_flat)
     if batch_sharding is None:
       bs = _sh.batch_sharding(mesh)
       batch_flat = [bs if np.ndim(x) else _replicated(mesh)
@@ -687,8 +757,9 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     else:
       batch_flat = _flat_shardings(batch, batch_sharding, "batch")
     bdef = jax.tree_util.tree_structure(batch)
-    _sh.check_batch(batch, jax.tree_util.tree_unflatten(bdef, batch_flat))
-    return state_flat, batch_flat
+    bsh = jax.tree_util.tree_unflatten(bdef, batch_flat)
+    _sh.check_batch(batch, bsh)
+    return ssh, state_flat, bsh, batch_flat
 
   def body_fn(state_def, batch_def, batch_flat):
     if mode == "auto" or not daxes:
@@ -703,11 +774,9 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
                          axis_names=set(daxes), check_vma=True)
 
   def lower(state, batch):
-    state_flat, batch_flat = shardings_for(state, batch)
+    ssh, state_flat, bsh, batch_flat = shardings_for(state, batch)
     sdef = jax.tree_util.tree_structure(state)
     bdef = jax.tree_util.tree_structure(batch)
-    ssh = jax.tree_util.tree_unflatten(sdef, state_flat)
-    bsh = jax.tree_util.tree_unflatten(bdef, batch_flat)
     jitted = jax.jit(body_fn(sdef, bdef, batch_flat), in_shardings=(ssh, bsh),
                      out_shardings=(ssh, _replicated(mesh)),
                      donate_argnums=(0,) if donate else ())
@@ -715,7 +784,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
       return jitted.lower(_abstract(state, state_flat), _abstract(batch, batch_flat))
 
   def compile_(state, batch):
-    state_flat, batch_flat = shardings_for(state, batch)
+    ssh, state_flat, bsh, batch_flat = shardings_for(state, batch)
     sig = _signature(state, batch, state_flat, batch_flat)
     lowered = lower(state, batch)
     t0 = time.perf_counter()
@@ -734,8 +803,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     compiled_step.compiled = compiled
     compiled_step.lowered = lowered
     compiled_step.compile_seconds = seconds
-    compiled_step.state_shardings = jax.tree_util.tree_unflatten(sig.state_def, state_flat)
-    compiled_step.batch_shardings = jax.tree_util.tree_unflatten(sig.batch_def, batch_flat)
+    compiled_step.state_shardings = ssh
+    compiled_step.batch_shardings = bsh
     compiled_step.mesh = mesh
     compiled_step.mode = mode
     compiled_step.step = step
@@ -755,9 +824,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 
   sharded.lower = lower
   sharded.compile = compile_
-  sharded.shardings = lambda state, batch: tuple(
-      jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(t), f)
-      for t, f in zip((state, batch), shardings_for(state, batch)))
+  sharded.shardings = lambda state, batch: shardings_for(state, batch)[::2]
   sharded.step = step
   sharded.mesh = mesh
   sharded.mode = mode

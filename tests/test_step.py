@@ -1,0 +1,513 @@
+"""Tests for fnscale.step: train_step, init_state, shard_step, compile_report (8 CPU devices)."""
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale
+from fnscale import step as st
+import models
+
+STEPS = 10
+BATCH = 32
+MESHES = ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "fsdp=8")
+MODELS = {
+    "mlp": (models.mlp_init, models.mlp_loss, models.mlp_logical_axes, models.mlp_batch, False),
+    "transformer": (models.transformer_init, models.transformer_loss,
+                    models.transformer_logical_axes, models.transformer_batch, True),
+}
+
+
+def _optimizer():
+  return optax.adamw(1e-2, weight_decay=1e-4)
+
+
+def _batches(model, n=STEPS, batch_size=BATCH):
+  make = MODELS[model][3]
+  return [make(jax.random.key(100 + i), batch_size) for i in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_losses(model):
+  """A plain single-device jax.jit step, written without fnscale."""
+  init, loss_fn, _, _, has_aux = MODELS[model]
+  opt = _optimizer()
+  dev = jax.devices()[0]
+  params = jax.device_put(init(jax.random.key(0)), dev)
+  opt_state = opt.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    f = (lambda p: loss_fn(p, batch)[0]) if has_aux else (lambda p: loss_fn(p, batch))
+    loss, grads = jax.value_and_grad(f)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for batch in _batches(model):
+    params, opt_state, loss = step(params, opt_state, jax.device_put(batch, dev))
+    losses.append(float(loss))
+  return np.array(losses), jax.device_get(params)
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(model, mesh_axes):
+  """10 steps of the fnscale step on `mesh_axes`: (losses, compiled step, final state)."""
+  init, loss_fn, logical, _, has_aux = MODELS[model]
+  mesh = fnscale.make_mesh(mesh_axes)
+  opt = _optimizer()
+  state = fnscale.init_state(init, opt, mesh=mesh, rules=models.RULES,
+                             logical_axes=logical(), key=jax.random.key(0))
+  step = fnscale.train_step(loss_fn, opt, has_aux=has_aux)
+  batches = _batches(model)
+  compiled = fnscale.shard_step(step, mesh, rules=models.RULES, logical_axes=logical(),
+                                example=(state, batches[0]))
+  losses = []
+  for batch in batches:
+    state, metrics = compiled(state, batch)
+    losses.append(float(metrics["loss"]))
+  return np.array(losses), compiled, state
+
+
+def _state_device_bytes(state):
+  """Per-device bytes of every state leaf's addressable shards: {device: bytes}."""
+  per = {}
+  for leaf in jax.tree_util.tree_leaves(state):
+    for shard in leaf.addressable_shards:
+      per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+  return per
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("mesh_axes", MESHES)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_sharded_losses_equal_single_device(model, mesh_axes):
+  ref, ref_params = _reference_losses(model)
+  losses, _, state = _trained(model, mesh_axes)
+  assert losses.shape == (STEPS,)
+  np.testing.assert_allclose(losses, ref, rtol=1e-5)
+  assert losses[-1] < losses[0]  # it trains
+  assert int(state.step) == STEPS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+               jax.device_get(state.params), ref_params)
+
+
+def test_fsdp_state_bytes_per_device():
+  n = 8
+  _, compiled, state = _trained("transformer", "fsdp=8")
+  total = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+  replicated = sum(x.nbytes for x in jax.tree_util.tree_leaves(state)
+                   if x.sharding.is_fully_replicated)
+  assert replicated < 0.05 * total  # the test means something: most bytes are sharded
+  bound = 1.05 * total / n + replicated
+  per = _state_device_bytes(state)
+  assert len(per) == n
+  assert max(per.values()) <= bound, (per, total, replicated)
+  # The compiled program's arguments per device: the state shard plus the batch shard.
+  batch = _batches("transformer", 1)[0]
+  batch_per_device = sum(x.nbytes for x in jax.tree_util.tree_leaves(batch)) // n
+  report = fnscale.compile_report(compiled, state, batch)
+  assert report.argument_bytes - batch_per_device <= bound, (report, bound)
+  # Pure data parallelism holds the whole state on every device.
+  _, _, dp_state = _trained("transformer", "data=8")
+  assert max(_state_device_bytes(dp_state).values()) == total
+
+
+# ----------------------------------------------------------------------------- train_step
+
+
+def _mlp_with_aux(params, batch):
+  loss = models.mlp_loss(params, batch)
+  return loss, {"mse": loss, "rows": jnp.asarray(batch["x"].shape[0], jnp.int32)}
+
+
+def test_accumulation_equals_full_batch_step():
+  mesh = fnscale.make_mesh("data=2,fsdp=4")
+  opt = _optimizer()
+  kw = dict(mesh=mesh, rules=models.RULES, logical_axes=models.mlp_logical_axes(),
+            key=jax.random.key(0))
+  batch = models.mlp_batch(jax.random.key(7), 64)
+  out = {}
+  for accum in (1, 4):
+    state = fnscale.init_state(models.mlp_init, opt, **kw)
+    step = fnscale.train_step(_mlp_with_aux, opt, accum_steps=accum, has_aux=True)
+    sharded = fnscale.shard_step(step, mesh, rules=models.RULES,
+                                 logical_axes=models.mlp_logical_axes())
+    state, metrics = sharded(state, batch)
+    out[accum] = (jax.device_get(state.params), jax.device_get(metrics))
+  (p1, m1), (p4, m4) = out[1], out[4]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), p4, p1)
+  for k in ("loss", "grad_norm"):
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5)
+  np.testing.assert_allclose(m4["aux"]["mse"], m1["aux"]["mse"], rtol=1e-5)
+  assert int(m4["aux"]["rows"]) == int(m1["aux"]["rows"]) == 64  # counts are summed
+
+
+def test_accumulation_keeps_microbatches_spread_over_devices():
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(0.1)
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  step = fnscale.train_step(models.mlp_loss, opt, accum_steps=4)
+  sharded = fnscale.shard_step(step, mesh)
+  text = sharded.lower(state, models.mlp_batch(jax.random.key(1), 64)).as_text()
+  # The microbatches [4, 16, ...] are constrained to keep rows split over "data" ...
+  assert "sharding_constraint" in text and "[4,16,16]" in text.replace(" ", "")
+  # ... and so the split needs no data movement.
+  report = fnscale.compile_report(sharded, state, models.mlp_batch(jax.random.key(1), 64))
+  assert report.collective("all-gather").count == 0
+  assert report.collective("all-to-all").count == 0
+
+
+def test_bf16_compute_keeps_float32_params():
+  mesh = fnscale.make_mesh("data=8")
+  opt = _optimizer()
+  policy = "params=float32,compute=bfloat16,output=float32"
+  seen = []
+
+  def loss_fn(params, batch):
+    seen.append((params["w1"].dtype, batch["x"].dtype))
+    return models.mlp_loss(params, batch)
+
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0),
+                             policy=policy)
+  assert state.loss_scale is None
+  step = fnscale.train_step(loss_fn, opt, policy=policy)
+  sharded = fnscale.shard_step(step, mesh)
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  ref = float(models.mlp_loss(models.mlp_init(jax.random.key(0)), batch))
+  state, metrics = sharded(state, batch)
+  assert seen[0] == (jnp.bfloat16, jnp.bfloat16)
+  for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)):
+    assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
+  assert metrics["loss"].dtype == jnp.float32
+  np.testing.assert_allclose(float(metrics["loss"]), ref, rtol=2e-2)
+
+
+def test_float16_inf_gradient_skips_step():
+  mesh = fnscale.make_mesh("data=8")
+  opt = _optimizer()
+  policy = "params=float32,compute=float16,output=float32"
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0),
+                             policy=policy)
+  assert isinstance(state.loss_scale, fnscale.LossScale) and state.loss_scale.dynamic
+  scale0 = float(state.loss_scale.scale)
+  assert scale0 == 2.0**15
+  step = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt, policy=policy), mesh)
+  good = models.mlp_batch(jax.random.key(1), BATCH)
+  bad = {"x": good["x"].at[3, 0].set(jnp.inf), "y": good["y"]}
+  params0 = jax.device_get(state.params)
+  opt0 = jax.device_get(state.opt_state)
+  state, metrics = step(state, bad)
+  assert int(metrics["skipped"]) == 1
+  assert not np.isfinite(float(metrics["grad_norm"]))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), params0)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state), opt0)
+  assert float(state.loss_scale.scale) == scale0 / 2
+  assert float(metrics["loss_scale"]) == scale0 / 2
+  assert int(state.step) == 1
+  skipped = int(metrics["skipped"])
+  state, metrics = step(state, good)
+  skipped += int(metrics["skipped"])
+  assert skipped == 1 and int(metrics["skipped"]) == 0
+  assert np.isfinite(float(metrics["loss"]))
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b),
+                         jax.device_get(state.params), params0)
+  assert all(jax.tree_util.tree_leaves(changed))
+
+
+# ----------------------------------------------------------------------------- compile report
+
+
+def test_report_data_parallel_all_reduce_no_all_gather():
+  _, compiled, state = _trained("transformer", "data=8")
+  report = fnscale.compile_report(compiled, state, _batches("transformer", 1)[0])
+  assert report.collective("all-reduce").count > 0
+  assert report.collective("all-gather").count == 0
+  # The gradient all-reduces carry at least every param once (float32).
+  param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.params))
+  assert report.collective("all-reduce").bytes >= param_bytes
+  assert report.flops > 0 and report.compile_seconds > 0
+  assert report.alias_bytes > 0  # the donated state is reused
+  text = str(report)
+  assert "all-reduce" in text and "arguments" in text and "FLOPs" in text
+
+
+def test_report_fsdp_all_gather_and_reduce():
+  _, compiled, state = _trained("transformer", "fsdp=8")
+  report = fnscale.compile_report(compiled, state, _batches("transformer", 1)[0])
+  assert report.collective("all-gather").count > 0
+  assert (report.collective("reduce-scatter").count
+          + report.collective("all-reduce").count) > 0
+
+
+def test_collectives_parsed_from_hlo_text():
+  hlo = """
+  %all-reduce.1 = f32[128,64]{1,0} all-reduce(f32[128,64]{1,0} %p), channel_id=1
+  %ags = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} %q), dimensions={0}
+  %agd = f32[128]{0} all-gather-done((f32[16]{0}, f32[128]{0}) %ags)
+  ROOT %rs = bf16[8,4]{1,0} reduce-scatter(bf16[64,4]{1,0} %r), dimensions={0}
+  %ar2 = (f32[4]{0}, s32[2]{0}) all-reduce(f32[4]{0} %a, s32[2]{0} %b), to_apply=%add
+  %cp = u8[10]{0} collective-permute(u8[10]{0} %c), source_target_pairs={{0,1}}
+  """
+  got = {c.kind: (c.count, c.bytes) for c in st.collectives_in_hlo(hlo)}
+  assert got == {"all-reduce": (2, 128 * 64 * 4 + 16 + 8), "all-gather": (1, 512),
+                 "reduce-scatter": (1, 64), "collective-permute": (1, 10)}
+
+
+@pytest.mark.tpu
+def test_aot_compile_for_tpu_v5p():
+  try:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"libtpu (the tpu extra) is not available: {e}")
+  devices = topo.devices
+  assert len(devices) == 8
+  mesh = fnscale.make_mesh("data=2,fsdp=4", devices=devices)
+  opt = _optimizer()
+  abstract = fnscale.init_state(models.transformer_init, opt, mesh=mesh, rules=models.RULES,
+                                logical_axes=models.transformer_logical_axes(),
+                                key=jax.random.key(0), abstract=True)
+  assert isinstance(abstract.params["embed"], jax.ShapeDtypeStruct)
+  batch = jax.eval_shape(lambda: models.transformer_batch(jax.random.key(0), BATCH))
+  step = fnscale.train_step(models.transformer_loss, opt, has_aux=True,
+                            policy="params=float32,compute=bfloat16,output=float32")
+  compiled = fnscale.shard_step(step, mesh, rules=models.RULES,
+                                logical_axes=models.transformer_logical_axes()).compile(
+                                    abstract, batch)
+  report = fnscale.compile_report(compiled, abstract, batch)
+  assert report.platform == "tpu" and report.num_devices == 8
+  assert report.argument_bytes > 0 and report.temp_bytes is not None
+  assert report.collective("all-gather").count > 0
+  assert "tpu x8" in str(report)
+
+
+# ----------------------------------------------------------------------------- shard_map
+
+
+def test_shard_map_mode_matches_auto():
+  mesh = fnscale.make_mesh("data=2,fsdp=2,tensor=2")
+  opt = _optimizer()
+  logical = models.transformer_logical_axes()
+  batches = _batches("transformer", 5)
+  params, metrics = {}, {}
+  for mode in ("auto", "shard_map"):
+    state = fnscale.init_state(models.transformer_init, opt, mesh=mesh, rules=models.RULES,
+                               logical_axes=logical, key=jax.random.key(0))
+    step = fnscale.train_step(models.transformer_loss, opt, has_aux=True, accum_steps=2)
+    sharded = fnscale.shard_step(step, mesh, rules=models.RULES, logical_axes=logical,
+                                 mode=mode)
+    for batch in batches:
+      state, m = sharded(state, batch)
+    params[mode], metrics[mode] = jax.device_get(state.params), jax.device_get(m)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params["shard_map"], params["auto"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               metrics["shard_map"], metrics["auto"])
+
+
+# ----------------------------------------------------------------------------- AOT reuse
+
+
+class _CompileCounter:
+  """Counts backend compiles through jax's monitoring events."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self, event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+
+def test_aot_step_never_compiles_again():
+  mesh = fnscale.make_mesh("data=2,fsdp=4")
+  opt = _optimizer()
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(1)
+    return models.mlp_loss(params, batch)
+
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  abstract_batch = jax.eval_shape(lambda: batch)
+  compiled = fnscale.shard_step(fnscale.train_step(loss_fn, opt), mesh).compile(
+      abstract_state, abstract_batch)
+  assert compiled.compile_seconds > 0
+  n_traces = len(traces)
+  counter = _CompileCounter()
+  jax.monitoring.register_event_duration_secs_listener(counter)
+  try:
+    state, _ = compiled(state, batch)            # step 0: no compile
+    state, _ = compiled(state, jax.device_get(batch))   # host numpy batch: moved, not compiled
+    replicated = jax.device_put(batch, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    state, _ = compiled(state, replicated)       # other sharding: resharded
+    before = counter.count
+    state, metrics = compiled(state, replicated)
+    assert counter.count == before  # the reshard is cached and the step never recompiles
+    assert int(state.step) == 4 and np.isfinite(float(metrics["loss"]))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(counter)
+  assert len(traces) == n_traces
+  with pytest.raises(fnscale.StepError, match=r"batch leaf 'x'.*float32\[16, 16\].*"
+                     r"compiled for float32\[32, 16\]"):
+    compiled(state, models.mlp_batch(jax.random.key(1), 16))
+
+
+def test_lazy_step_compiles_once():
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(0.1)
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  sharded = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh)
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  counter = _CompileCounter()
+  jax.monitoring.register_event_duration_secs_listener(counter)
+  try:
+    state, _ = sharded(state, batch)
+    first = counter.count
+    for _ in range(3):
+      state, _ = sharded(state, batch)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(counter)
+  assert first >= 1 and counter.count == first
+
+
+def test_init_state_born_sharded_and_from_params():
+  mesh = fnscale.make_mesh("fsdp=8")
+  opt = _optimizer()
+  logical = models.transformer_logical_axes()
+  state = fnscale.init_state(models.transformer_init, opt, mesh=mesh, rules=models.RULES,
+                             logical_axes=logical, key=jax.random.key(0))
+  expected = fnscale.state_shardings(state, mesh, models.RULES, logical_axes=logical,
+                                     optimizer=opt)
+  jax.tree.map(lambda x, s: (x.sharding.is_equivalent_to(s, x.ndim) or
+                             pytest.fail(f"{x.sharding} != {s}")), state, expected)
+  assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  mu = state.opt_state[0].mu["embed"]
+  assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  # Concrete params: same values, same shardings, and the caller's arrays are not aliased.
+  host = models.transformer_init(jax.random.key(0))
+  state2 = fnscale.init_state(host, opt, mesh=mesh, rules=models.RULES, logical_axes=logical)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               jax.device_get(state2.params), jax.device_get(state.params))
+  assert state2.params["embed"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_fast_compile_gives_same_step():
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(0.1)
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  out = []
+  for fast in (False, True):
+    state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+    compiled = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh,
+                                  fast_compile=fast).compile(state, batch)
+    _, metrics = compiled(state, batch)
+    out.append(float(metrics["loss"]))
+  np.testing.assert_allclose(out[1], out[0], rtol=1e-5)
+  assert fnscale.fast_compile_options()["xla_backend_optimization_level"] == 0
+
+
+def test_persistent_compilation_cache(tmp_path):
+  old = {k: jax.config.values[k] for k in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+      "jax_persistent_cache_min_entry_size_bytes")}
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  try:
+    fnscale.compilation_cache(str(tmp_path))
+    jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25).lower(jnp.ones((7, 3))).compile()
+    assert any(os.scandir(tmp_path)), "nothing was written to the cache directory"
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)
+    cc.reset_cache()
+  with pytest.raises(fnscale.StepError, match="directory"):
+    fnscale.compilation_cache("")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_batch_not_divisible_by_data_axes():
+  mesh = fnscale.make_mesh("data=2,fsdp=4")
+  opt = optax.sgd(0.1)
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  sharded = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh)
+  with pytest.raises(fnscale.ShardingError,
+                     match=r"leaf 'x'.*size 12.*\('data', 'fsdp'\).*multiple of 8"):
+    sharded(state, models.mlp_batch(jax.random.key(1), 12))
+
+
+def test_state_not_matching_compiled_shardings():
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(0.1)
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  compiled = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh,
+                                donate=False).compile(state, batch)
+  wrong_shape = state._replace(params={**state.params, "w1": jnp.zeros((16, 32))})
+  with pytest.raises(fnscale.StepError,
+                     match=r"state leaf 'params/w1'.*float32\[16, 32\].*float32\[16, 64\]"):
+    compiled(wrong_shape, batch)
+  wrong_dtype = state._replace(params={**state.params, "b2": state.params["b2"].astype(
+      jnp.bfloat16)})
+  with pytest.raises(fnscale.StepError, match=r"state leaf 'params/b2'.*bfloat16"):
+    compiled(wrong_dtype, batch)
+  missing = state._replace(params={k: v for k, v in state.params.items() if k != "b1"})
+  with pytest.raises(fnscale.StepError, match="structure"):
+    compiled(missing, batch)
+  # Explicit shardings that don't fit the state: the leaf path and the axis.
+  bad = fnscale.state_shardings(state, mesh)._replace(params={
+      **jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                     state.params),
+      "b2": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))})
+  with pytest.raises(fnscale.ShardingError, match=r"state leaf 'params/b2'.*2 entries.*rank 1"):
+    fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh,
+                       state_shardings=bad)(state, batch)
+
+
+def test_accum_steps_not_dividing_batch():
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(0.1)
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  step = fnscale.train_step(models.mlp_loss, opt, accum_steps=3)
+  with pytest.raises(fnscale.StepError, match=r"accum_steps=3.*leaf 'x'.*32"):
+    fnscale.shard_step(step, mesh)(state, models.mlp_batch(jax.random.key(1), BATCH))
+  # Divisible, but then the microbatch (32 / 8 = 4 rows) can't spread over 8 devices.
+  step = fnscale.train_step(models.mlp_loss, opt, accum_steps=8)
+  with pytest.raises(fnscale.StepError, match=r"microbatch size 4.*\('data',\).*multiple of 64"):
+    fnscale.shard_step(step, mesh)(state, models.mlp_batch(jax.random.key(1), BATCH))
+
+
+def test_bad_arguments():
+  opt = optax.sgd(0.1)
+  with pytest.raises(fnscale.StepError, match="accum_steps=0"):
+    fnscale.train_step(models.mlp_loss, opt, accum_steps=0)
+  with pytest.raises(fnscale.StepError, match="'params=float32,compute=bfloat17'"):
+    fnscale.train_step(models.mlp_loss, opt, policy="params=float32,compute=bfloat17")
+  with pytest.raises(fnscale.StepError, match="optax.GradientTransformation"):
+    fnscale.train_step(models.mlp_loss, object())
+  mesh = fnscale.make_mesh("data=8")
+  step = fnscale.train_step(models.mlp_loss, opt)
+  with pytest.raises(fnscale.StepError, match="mode='pmap'"):
+    fnscale.shard_step(step, mesh, mode="pmap")
+  with pytest.raises(fnscale.StepError, match="expected a jax.sharding.Mesh"):
+    fnscale.shard_step(step, "data=8")
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  with pytest.raises(fnscale.StepError, match="scalar"):
+    bad_loss = fnscale.train_step(lambda p, b: models.mlp_loss(p, b) * jnp.ones(3), opt)
+    fnscale.shard_step(bad_loss, mesh)(state, models.mlp_batch(jax.random.key(1), BATCH))
