@@ -1,7 +1,7 @@
 """An Equinox model trained by fnscale with FSDP and tensor parallelism.
 
   python recipes/embed_equinox.py                           # 8 simulated CPU devices
-  python recipes/embed_equinox.py --mesh="data=2,fsdp=2,tensor=2" --steps=500
+  python recipes/embed_equinox.py --mesh="fsdp=2,tensor=4" --steps=500
 
 An Equinox model is already a pytree. `eqx.partition(model, eqx.is_inexact_array)` splits it
 into params (the float arrays; the same module with None elsewhere) and a static part; the
@@ -201,14 +201,15 @@ def main(argv):
   cfg = flags.FLAGS
   fs.simulate_cpu_devices(8)  # before any jax computation; no-op on TPU/GPU machines
   losses, params = train(cfg.steps, cfg.mesh, log_every=cfg.log_every)
-  weight = params.blocks[0].up.weight
-  print(f"final loss {losses[-1]:.4f}; blocks/0/up/weight {weight.shape} sharded as "
-        f"{weight.sharding.spec}")
+  # Where the annotations put each param: logical axes -> PartitionSpec on the mesh.
+  print(fs.sharding_report(params, jax.tree.map(lambda x: x.sharding, params),
+                           logical_axes=LOGICAL_AXES))
+  print(f"final loss {losses[-1]:.4f} nats/byte after {cfg.steps} steps")
 
 
 if __name__ == "__main__":
   # Defined here, not at import, so tests can import several recipes in one process.
   flags.DEFINE_integer("steps", 300, "training steps")
-  flags.DEFINE_string("mesh", "fsdp=4,tensor=2", "mesh axes, e.g. 'data=2,fsdp=2,tensor=2'")
+  flags.DEFINE_string("mesh", "fsdp=4,tensor=2", "mesh axes, e.g. 'fsdp=2,tensor=4'")
   flags.DEFINE_integer("log_every", 25, "print the loss every this many steps")
   app.run(main)
