@@ -829,6 +829,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   sharded.mesh = mesh
   sharded.mode = mode
   sharded.donate = donate
+  sharded.compiler_options = options
   functools.update_wrapper(sharded, step, assigned=("__doc__", "__name__", "__qualname__"),
                            updated=())
   if example is not None:
@@ -1009,7 +1010,8 @@ def compile_report(step: Callable, state, batch, *,
     state, batch: arrays or `jax.ShapeDtypeStruct`s (abstract inputs never touch a device,
       so this works for a mesh of `jax.experimental.topologies` devices, e.g. a TPU pod
       compiled on a CPU machine).
-    compiler_options, fast_compile: as in `shard_step` (ignored for a compiled step).
+    compiler_options, fast_compile: as in `shard_step`, added to a `shard_step` result's own
+      options (ignored for a compiled step).
 
   Returns:
     A `CompileReport` (a NamedTuple; `str(report)` / `format_report(report)` is a readable
@@ -1023,9 +1025,10 @@ def compile_report(step: Callable, state, batch, *,
   mesh = getattr(step, "mesh", None)
   if getattr(step, "compiled", None) is not None:
     return report_from_compiled(step.compiled, step.compile_seconds, mesh)
-  options = dict(compiler_options or {})
+  options = dict(getattr(step, "compiler_options", None) or {})
   if fast_compile:
-    options = {**fast_compile_options(), **options}
+    options.update(fast_compile_options())
+  options.update(compiler_options or {})
   if hasattr(step, "lower"):
     lowered = step.lower(state, batch)
   else:
