@@ -117,7 +117,7 @@ def test_nnx_params_sharded_as_annotated(nnx_run):
     if names is not None:
       assert _spec(x) == spec, jax.tree_util.keystr(path)
       checked += 1
-  assert checked == 2 * 6 + 2  # six kernels per block, embedding and head
+  assert checked == r.LAYERS * 6 + 2  # six kernels per block, embedding and head
 
 
 # ----------------------------------------------------------------------------- Flax Linen
@@ -178,7 +178,7 @@ def test_linen_params_sharded_as_annotated(linen_run):
       n += 1
     else:
       assert names is None
-  assert n == 2 * 6 + 3  # six kernels per block, embedding, positions and head
+  assert n == r.LAYERS * 6 + 3  # six kernels per block, embedding, positions and head
 
 
 # ----------------------------------------------------------------------------- Equinox
