@@ -326,7 +326,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     if not isinstance(state, TrainState):
       raise StepError(f"state is a {type(state).__name__}, expected fnscale.TrainState; fix: "
                       "build it with fnscale.init_state.")
-    n = _check_accum(batch, accum_steps)
+    n = _check_accum(batch, accum_steps) if accum_steps > 1 else None
     axes = _manual_data_axes()
     params = state.params
     ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
@@ -550,7 +550,8 @@ def compilation_cache(directory: str, *, min_compile_time_s: float = 0.0,
   if min_compile_time_s < 0 or min_entry_size_bytes < 0:
     raise StepError(f"min_compile_time_s={min_compile_time_s}, min_entry_size_bytes="
                     f"{min_entry_size_bytes}; expected values >= 0.")
-  from jax.experimental.compilation_cache import compilation_cache as cc  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache as cc
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
@@ -585,7 +586,8 @@ def _check_state_fits(state, flat) -> None:
   for (p, leaf), s in zip(pairs, flat):
     if isinstance(s, NamedSharding):
       try:
-        _sh._check_explicit(_path(p), s.spec, _aval(leaf)[0], dict(s.mesh.shape))  # pylint: disable=protected-access
+        # pylint: disable-next=protected-access
+        _sh._check_explicit(_path(p), s.spec, _aval(leaf)[0], dict(s.mesh.shape))
       except ShardingError as e:
         raise ShardingError(f"state {e}") from None
 
@@ -715,7 +717,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     shapes and dtypes compiles (as `jax.jit` would) and later calls reuse the executable.
     Attributes: `lower(state, batch)` -> `jax.stages.Lowered`; `compile(state, batch)` ->
     a compiled step that only ever runs its one executable; `shardings(state, batch)` ->
-    (state shardings, a prefix tree as `state_shardings` gives; batch shardings); `step`, `mesh`, `mode`, `donate`. A compiled step
+    (state shardings, batch shardings); `step`, `mesh`, `mode`, `donate`,
+    `compiler_options`. A compiled step
     has attributes `compiled` (`jax.stages.Compiled`), `lowered`, `compile_seconds`,
     `state_shardings`, `batch_shardings`, `mesh`. Batch or state leaves placed differently
     from the compiled shardings (numpy arrays, other meshes) are moved there with
