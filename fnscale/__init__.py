@@ -49,6 +49,7 @@ from fnscale.step import (
     train_step,
 )
 from fnscale.cloud import shutdown_at_exit
+from fnscale.flops import measure_matmul_peak, mfu, model_flops_per_token, peak_flops
 from fnscale.adapters import unbox_flax
 
 __all__ = [
@@ -65,6 +66,10 @@ __all__ = [
     "state_shardings",
     "train_step",
     "unbox_flax",
+    "measure_matmul_peak",
+    "mfu",
+    "model_flops_per_token",
+    "peak_flops",
     "checkpoint",
     "shutdown_at_exit",
     "attention",

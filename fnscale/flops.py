@@ -1,0 +1,108 @@
+"""FLOP accounting: transformer FLOPs per token, peak FLOP/s, model FLOPs utilisation (MFU).
+
+MFU follows PaLM (Chowdhery et al., 2022, "PaLM: Scaling Language Modeling with Pathways",
+appendix B): the FLOPs the model needs per token (forward and backward, no rematerialisation)
+times tokens per second, over the hardware's peak FLOP/s. Recomputation and other work the
+compiled program adds on top are not credited, so MFU compares setups fairly.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from fnscale.errors import FnscaleError
+
+__all__ = ["measure_matmul_peak", "mfu", "model_flops_per_token", "peak_flops"]
+
+
+def model_flops_per_token(*, params: int, layers: int, d_model: int, seq: int) -> float:
+  """Training FLOPs per token of a decoder-only transformer, forward + backward.
+
+  `6 * params + 12 * layers * d_model * seq` (PaLM, appendix B): each matmul weight costs 2
+  FLOPs per token forward and 4 backward (input and weight gradients); attention's
+  `Q K^T` and `A V` cost `2 * 2 * seq * d_model` per token and layer forward, three times that
+  with the backward. Causal masking is not subtracted (XLA computes the whole score matrix).
+
+  Args:
+    params: weights that multiply activations (blocks plus an output layer, tied or not);
+      embedding lookups and learned positions are not matmuls and are left out.
+    layers, d_model, seq: the transformer's depth, width and sequence length (tokens).
+
+  Returns:
+    FLOPs per token (float).
+
+  Raises:
+    FnscaleError: a negative or non-integer argument.
+  """
+  for name, v in (("params", params), ("layers", layers), ("d_model", d_model), ("seq", seq)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise FnscaleError(f"model_flops_per_token: {name}={v!r}, expected an int >= 0.")
+  return 6.0 * params + 12.0 * layers * d_model * seq
+
+
+def peak_flops(topology=None) -> float | None:
+  """Peak dense bf16 FLOP/s of one device from the topology's facts table, or None.
+
+  Args:
+    topology: a `fnscale.Topology` (default `fnscale.detect_topology()`).
+
+  Returns:
+    FLOP/s per JAX device (a TPU chip with two cores counts per core), or None on CPU and
+    for device kinds fnscale has no figure for (use `measure_matmul_peak` there).
+  """
+  if topology is None:
+    from fnscale.topology import detect_topology  # pylint: disable=g-import-not-at-top
+    topology = detect_topology()
+  return topology.peak_flops_per_device
+
+
+def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 7,
+                        device=None) -> float:
+  """Measured FLOP/s of an `n x n` matmul on one device: `2 n^3` / median time.
+
+  The MFU denominator on CPU, where no vendor peak applies. XLA's CPU matmul uses every core
+  of the host, so on simulated CPU devices this is the whole host's rate, shared by all of
+  them. Median of `repeats` synchronized runs after one warm-up.
+
+  Raises:
+    FnscaleError: n or repeats below 1.
+  """
+  if n < 1 or repeats < 1:
+    raise FnscaleError(f"measure_matmul_peak: n={n}, repeats={repeats}; both must be >= 1.")
+  device = device or jax.local_devices()[0]
+  x = jax.device_put(jnp.ones((n, n), dtype), device)
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2.0 * n**3 / statistics.median(times)
+
+
+def mfu(flops_per_step: float, step_seconds: float, num_devices: int,
+        peak_flops_per_device: float) -> float:
+  """Model FLOPs utilisation: `flops_per_step / step_seconds / (num_devices * peak)`.
+
+  Args:
+    flops_per_step: model FLOPs of one step (e.g. `model_flops_per_token * tokens`).
+    step_seconds: wall time of one step.
+    num_devices: devices running the step.
+    peak_flops_per_device: peak FLOP/s of one device.
+
+  Returns:
+    A fraction (0.4 means 40%).
+
+  Raises:
+    FnscaleError: a non-positive time, device count or peak.
+  """
+  if step_seconds <= 0 or num_devices < 1 or not peak_flops_per_device or (
+      peak_flops_per_device <= 0):
+    raise FnscaleError(
+        f"mfu: step_seconds={step_seconds}, num_devices={num_devices}, "
+        f"peak_flops_per_device={peak_flops_per_device}; all must be positive.")
+  return flops_per_step / step_seconds / (num_devices * peak_flops_per_device)
