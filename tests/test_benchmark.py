@@ -78,7 +78,7 @@ def test_benchmark_rows_and_tables(tmp_path):
                 "model FLOPs/step", "HLO matmul FLOPs", "XLA cost analysis", "params/dev",
                 "temporaries", "sent per step", "textbook", "ratio median"):
     assert field in text
-  assert over.max_param_diff < 1e-5 and over.ratio > 0
+  assert over.max_param_diff < 1e-5 and over.ratio > 0 and over.program_ratio > 0
 
 
 def test_bad_size_and_flags():
