@@ -318,7 +318,8 @@ def persistent_cache(directory: str):
   """jax's persistent compilation cache in `directory` (every program cached: thresholds 0),
   restoring the previous settings afterwards."""
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from jax.experimental.compilation_cache import compilation_cache as cc  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  # pylint: disable-next=g-import-not-at-top,import-outside-toplevel
+  from jax.experimental.compilation_cache import compilation_cache as cc
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
   old = {n: getattr(jax.config, n) for n in names}
@@ -479,7 +480,8 @@ def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, st
   param_total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
   return Row(
       size=size, params=sum(x.size for x in jax.tree.leaves(state.params)),
-      mesh=mesh_name(mesh) + ("" if mode == "auto" else f" ({mode})"), devices=devices, batch=batch, seq=seq,
+      mesh=mesh_name(mesh) + ("" if mode == "auto" else f" ({mode})"), devices=devices,
+      batch=batch, seq=seq,
       compile_cold_s=cold, compile_warm_s=warm, warm_from_cache=bool(from_cache),
       step_s=med, step_p10_s=_percentile(times, 0.1), step_p90_s=_percentile(times, 0.9),
       tokens_per_s=batch * seq / med, model_flops=flops,
