@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 import optax
@@ -527,6 +528,41 @@ def batch_sharding(mesh, *, axes=None) -> NamedSharding:
           f"batch axis {a!r} is not in the mesh (axes {tuple(mesh.axis_names)}); fix: pass "
           "axes that the mesh has, or None for its data-like axes.")
   return NamedSharding(mesh, PartitionSpec(_spec_entry(axes)) if axes else PartitionSpec())
+
+
+def constrain_batch(tree, *, axes=None):
+  """Pins the leading (batch) dim of activations to the data axes of the ambient mesh.
+
+  Call it on the residual stream inside a model (e.g. at each block's input). Without it,
+  GSPMD may carry an FSDP param's sharding (say, d_model over "fsdp") into the activations
+  instead of the batch's, and then every device computes attention for the whole batch: the
+  step is correct but does up to N x the attention FLOPs and far more communication (XLA logs
+  "Involuntary full rematerialization"). Other dimensions stay unconstrained, so tensor
+  parallel layouts are still free. MaxText's activation logical constraints serve the same end.
+
+  Args:
+    tree: arrays (or a pytree of them) of shape [batch, ...].
+    axes: mesh axes for the batch dim; default `data_axes(mesh)`.
+
+  Returns:
+    The same values, constrained. Outside a mesh (`with_mesh`/`jax.set_mesh`), or for axes that
+    are manual (inside `shard_map`), it is the identity.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return tree
+  manual = set(getattr(mesh, "manual_axes", ()))
+  axes = tuple(a for a in (data_axes(mesh) if axes is None else axes) if a not in manual)
+  if not axes:
+    return tree
+
+  def pin(x):
+    if jnp.ndim(x) == 0:
+      return x
+    spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+  return jax.tree_util.tree_map(pin, tree)
 
 
 def _broadcast_shardings(tree, sharding, what: str) -> list:

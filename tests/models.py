@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import fnscale as fs
+
 # Logical-axis rules for the test meshes ("data", "fsdp", "tensor"); a rule naming an axis
 # a mesh lacks is skipped, so the same rules serve every mesh.
 RULES = (
@@ -141,6 +143,8 @@ def transformer_logits(params, tokens):
   s = tokens.shape[1]
   causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
   for blk in params["blocks"]:
+    # Keep the residual stream split by batch, not by the FSDP params' embed dim.
+    x = fs.constrain_batch(x)
     y = _rms_norm(x, blk["ln1"])
     q = jnp.einsum("bsd,dhk->bshk", y, blk["wq"])
     k = jnp.einsum("bsd,dhk->bshk", y, blk["wk"])

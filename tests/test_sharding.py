@@ -361,3 +361,29 @@ def test_shardings_on_a_tpu_topology_compile():
   mem = compiled.memory_analysis()
   # One device holds half of w (fsdp=2) and all of b, for the argument.
   assert mem.argument_size_in_bytes == 256 * 128 * 4 // 2 + 128 * 4
+
+
+def test_constrain_batch_pins_activations_to_data_axes():
+  mesh = fs.make_mesh("data=2,fsdp=2,tensor=2")
+  x = jnp.ones((8, 4, 16))
+  assert fs.constrain_batch(x) is x  # no ambient mesh: identity
+
+  @jax.jit
+  def f(x, w):
+    return fs.constrain_batch(x @ w)
+
+  w = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, P("fsdp", "tensor")))
+  with fs.with_mesh(mesh):
+    text = f.lower(x, w).as_text()
+    out = f(x, w)
+  assert "sharding_constraint" in text
+  assert out.sharding.spec[0] == ("data", "fsdp")
+  np.testing.assert_allclose(out, np.full((8, 4, 16), 16.0))
+
+  # Inside shard_map the manual data axes are left alone.
+  def per_shard(x):
+    return fs.constrain_batch(x) * 2
+  with fs.with_mesh(mesh):
+    y = jax.shard_map(per_shard, mesh=mesh, in_specs=P(("data", "fsdp")),
+                      out_specs=P(("data", "fsdp")), axis_names={"data", "fsdp"})(x)
+  np.testing.assert_allclose(y, 2 * np.ones((8, 4, 16)))
