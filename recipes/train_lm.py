@@ -404,7 +404,7 @@ class Config:
   run_dir: str = "runs/train_lm"
   checkpoint: bool = True
   checkpoint_dir: str = ""
-  checkpoint_every: int = 250
+  checkpoint_every: int = 200
   checkpoint_keep: int = 3
   stop_after: int = 0
   log_every: int | None = None
@@ -428,7 +428,7 @@ _HELP = {
     "per_device_batch": "rows per data-parallel device (global batch = this x data-parallel "
                         "devices, as in Levanter); default 4 on CPU, 16 on TPU/GPU",
     "batch": "global batch in rows (overrides --per_device_batch)",
-    "steps": "train steps; default 1200 on CPU, 5000 on TPU/GPU",
+    "steps": "train steps; default 600 on CPU, 5000 on TPU/GPU",
     "lr": "peak learning rate of the warmup + cosine schedule; default by model size",
     "warmup_steps": "linear warmup steps; default steps / 20, at most 500",
     "min_lr_ratio": "final learning rate as a fraction of the peak",
@@ -508,7 +508,7 @@ def _env_int(name: str, default: int) -> int:
 # ------------------------------------------------------------------------------------------------
 
 _ACCEL_DEFAULTS = dict(model="small", seq=1024, per_device_batch=16, steps=5000)
-_CPU_DEFAULTS = dict(model="tiny", seq=128, per_device_batch=4, steps=1200)
+_CPU_DEFAULTS = dict(model="tiny", seq=128, per_device_batch=4, steps=600)
 _LR = {"nano": 3e-3, "tiny": 3e-3, "small": 6e-4, "medium": 3e-4}
 _MIXED = "params=float32,compute=bfloat16,output=float32"
 
@@ -624,7 +624,10 @@ class _Preempted:
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
+    if self.requested:  # a second SIGTERM: stop now, without a checkpoint
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
     self.requested = True
 
   def __exit__(self, *exc):
@@ -701,6 +704,7 @@ def run(cfg: Config) -> dict[str, Any]:
     return loss_fn(params, batch)
 
   eval_loss = jax.jit(fs.with_kernel(_eval_loss, attention=cfg.attention))
+  one_host_cpu = topo.platform == "cpu"
 
   if topo.platform == "cpu":
     peak_total = _measure_cpu_peak() * jax.process_count()
@@ -773,7 +777,8 @@ def run(cfg: Config) -> dict[str, Any]:
         metrics_file.flush()
 
     def evaluate(step):
-      losses = [float(eval_loss(state.params, b)) for b in eval_batches]
+      # All devices finish each eval program (not just the one a scalar is read from).
+      losses = [float(jax.block_until_ready(eval_loss(state.params, b))) for b in eval_batches]
       value = float(np.mean(losses))
       say(f"eval  step {step:>6}: loss {value:.4f} nats/byte, {value / math.log(2):.4f} "
           "bits/byte")
@@ -811,6 +816,12 @@ def run(cfg: Config) -> dict[str, Any]:
       for step in range(start, steps):
         state, m = step_fn(state, batch)
         done = step + 1
+        if one_host_cpu:
+          # Simulated devices share one pool of host threads: with several steps in flight,
+          # threads can all be held by steps waiting for inputs while a straggler device
+          # of the current step waits for a thread, and XLA's CPU collectives deadlock.
+          # One step in flight costs little on CPU (no host/device overlap to lose).
+          jax.block_until_ready((state, m))
         if done < steps:
           batch = batch_at(done)  # built while the device runs this step
         if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
@@ -881,7 +892,7 @@ def run(cfg: Config) -> dict[str, Any]:
     record(event="summary", **summary)
     if metrics_file is not None:
       metrics_file.close()
-    say(f"done: step {final_step}, eval loss {eval_value:.4f} nats/byte, "
+    say(f"done: step {final_step}, last eval loss {eval_value:.4f} nats/byte, "
         f"{train_s:.0f} s training, {summary['wall_s']:.0f} s total"
         if eval_value is not None else f"done: step {final_step}")
   summary["state"] = state

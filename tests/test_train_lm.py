@@ -191,7 +191,8 @@ def test_no_good_checkpoint_is_an_error(work, capsys):
 @pytest.mark.multiprocess
 def test_launcher_two_processes_match_one(work, uninterrupted):
   run_dir = work / "two_processes"
-  argv = [str(ROOT / "recipes" / "train_lm.py"), *_argv(work, run_dir, "--nocheckpoint")[1:]]
+  argv = [str(ROOT / "recipes" / "train_lm.py"),
+          *_argv(work, run_dir, "--nocheckpoint", "--sample_len=8")[1:]]
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   results = launch_local.launch(argv, 2, 4, timeout_s=300, env=env, stream=lambda line: None)
   for i, (rc, out) in enumerate(results):
@@ -199,7 +200,7 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert "2 process(es) x 4 devices" in results[0][1]
   assert "eval  step" not in results[1][1]  # only process 0 prints
   two, one = _records(run_dir, "summary")[-1], uninterrupted[0]
-  assert two["processes"] == 2 and two["devices"] == 8
+  assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
   assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
   assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 
