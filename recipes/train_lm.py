@@ -394,7 +394,7 @@ class Config:
   precision: str = "auto"
   attention: str = "auto"
   remat: bool = False
-  mesh: str = "data=-1,fsdp=2"
+  mesh: str = ""
   mesh_shape: str = ""
   dcn: str = ""
   topology: str = ""
@@ -428,7 +428,7 @@ _HELP = {
     "per_device_batch": "rows per data-parallel device (global batch = this x data-parallel "
                         "devices, as in Levanter); default 4 on CPU, 16 on TPU/GPU",
     "batch": "global batch in rows (overrides --per_device_batch)",
-    "steps": "train steps; default 600 on CPU, 5000 on TPU/GPU",
+    "steps": "train steps; default 500 on CPU, 5000 on TPU/GPU",
     "lr": "peak learning rate of the warmup + cosine schedule; default by model size",
     "warmup_steps": "linear warmup steps; default steps / 20, at most 500",
     "min_lr_ratio": "final learning rate as a fraction of the peak",
@@ -439,7 +439,8 @@ _HELP = {
                  "'float32' / 'bfloat16'; auto: float32 on CPU, bfloat16 compute elsewhere",
     "attention": "attention implementation: auto, xla, splash, cudnn, pallas_gpu",
     "remat": "recompute each block's activations in the backward pass (saves memory)",
-    "mesh": "mesh axes within a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the rest)",
+    "mesh": "mesh axes within a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the rest); "
+            "default 'data=-1' on CPU (fastest for the tiny model), 'fsdp=-1' on TPU/GPU",
     "mesh_shape": "sizes of the --mesh axes in order, e.g. '2x4' (overrides their sizes)",
     "dcn": "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'",
     "topology": "hardware override for topology detection, e.g. 'v5p:2x2x2' or 'v5p-16'",
@@ -507,8 +508,8 @@ def _env_int(name: str, default: int) -> int:
 # The run.
 # ------------------------------------------------------------------------------------------------
 
-_ACCEL_DEFAULTS = dict(model="small", seq=1024, per_device_batch=16, steps=5000)
-_CPU_DEFAULTS = dict(model="tiny", seq=128, per_device_batch=4, steps=600)
+_ACCEL_DEFAULTS = dict(model="small", seq=1024, per_device_batch=16, steps=5000, mesh="fsdp=-1")
+_CPU_DEFAULTS = dict(model="tiny", seq=128, per_device_batch=4, steps=500, mesh="data=-1")
 _LR = {"nano": 3e-3, "tiny": 3e-3, "small": 6e-4, "medium": 3e-4}
 _MIXED = "params=float32,compute=bfloat16,output=float32"
 
@@ -570,13 +571,13 @@ def _optimizer(cfg: Config, steps: int, lr: float, warmup: int):
   return optax.chain(*chain), schedule
 
 
-def _mesh_axes(cfg: Config) -> dict[str, int]:
-  axes = fs.parse_axes(cfg.mesh, what="--mesh")
+def _mesh_axes(cfg: Config, default: str) -> dict[str, int]:
+  axes = fs.parse_axes(cfg.mesh or default, what="--mesh")
   if cfg.mesh_shape:
     sizes = fs.parse_shape(cfg.mesh_shape)
     if len(sizes) != len(axes):
       raise fs.MeshError(f"--mesh_shape={cfg.mesh_shape!r} has {len(sizes)} sizes but --mesh="
-                         f"{cfg.mesh!r} has {len(axes)} axes {list(axes)}; give one size per axis")
+                         f"{cfg.mesh or default!r} has {len(axes)} axes {list(axes)}; give one size per axis")
     axes = dict(zip(axes, sizes))
   return axes
 
@@ -659,7 +660,7 @@ def run(cfg: Config) -> dict[str, Any]:
     raise fs.FnscaleError(f"--seq={seq}, --steps={steps}, --accum_steps={cfg.accum_steps}: "
                           "expected seq >= 1, steps >= 0, accum_steps >= 1")
   mcfg = model_config(size, seq)
-  mesh = fs.make_mesh(_mesh_axes(cfg), dcn=cfg.dcn or None, topology=topo)
+  mesh = fs.make_mesh(_mesh_axes(cfg, defaults["mesh"]), dcn=cfg.dcn or None, topology=topo)
   dp_axes = fs.data_axes(mesh)
   dp = math.prod(mesh.shape[a] for a in dp_axes)
   per_device = cfg.per_device_batch or defaults["per_device_batch"]

@@ -41,7 +41,8 @@ def work(tmp_path_factory):
 
 
 def _argv(work, run_dir, *extra):
-  return ["train_lm", "--model=nano", "--seq=32", "--batch=16", f"--steps={STEPS}",
+  return ["train_lm", "--model=nano", "--mesh=data=-1,fsdp=2", "--seq=32", "--batch=16",
+          f"--steps={STEPS}",
           f"--data={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
           "--log_every=1", "--sample_len=0", f"--compile_cache_dir={work / 'cache'}",
           *extra]
@@ -66,7 +67,7 @@ def _records(run_dir, event):
 
 @pytest.fixture(scope="module")
 def uninterrupted(work):
-  """6 steps without a stop, on the default data=4,fsdp=2 mesh."""
+  """6 steps without a stop, on a data=4,fsdp=2 mesh (FSDP-sharded params)."""
   run_dir = work / "uninterrupted"
   return _run(_argv(work, run_dir, "--nocheckpoint", "--sample_len=24")), run_dir
 
