@@ -33,7 +33,6 @@ import time
 from typing import Any, NamedTuple
 
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +66,7 @@ class ModelConfig(NamedTuple):
 
 
 # GPT-2 small and medium shapes (Radford et al. 2019); with a byte vocabulary their embedding
-# tables are tiny, so `small` has 85M params rather than GPT-2's 124M (50257-token vocabulary).
+# tables are tiny, so `small` has 86M params rather than GPT-2's 124M (50257-token vocabulary).
 SIZES = {
     "nano": dict(layers=2, d_model=64, heads=4),
     "tiny": dict(layers=4, d_model=256, heads=4),
@@ -199,12 +198,6 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def param_count(cfg: ModelConfig) -> int:
-  D, L = cfg.d_model, cfg.layers
-  per_layer = 4 * D + 3 * D * D + 3 * D + D * D + D + D * cfg.d_mlp * 2 + cfg.d_mlp + D
-  return cfg.vocab * D + cfg.seq * D + L * per_layer + 2 * D
-
-
 def flops_per_token(cfg: ModelConfig) -> float:
   """Training FLOPs per token (forward + backward), PaLM appendix B (Chowdhery et al. 2022).
 
@@ -249,7 +242,8 @@ def corpus_files(spec: str | None) -> list[str]:
     files = glob.glob(os.path.expanduser(spec), recursive=True)
   files = sorted(f for f in files if os.path.isfile(f))
   if not files:
-    kind = "directory has no files" if os.path.isdir(spec) else "no such file, directory or glob match"
+    kind = ("directory has no files" if os.path.isdir(spec)
+            else "no such file, directory or glob match")
     raise fs.FnscaleError(f"--data={spec!r}: {kind}; pass a text file, a directory or a glob")
   return files
 
@@ -577,7 +571,8 @@ def _mesh_axes(cfg: Config, default: str) -> dict[str, int]:
     sizes = fs.parse_shape(cfg.mesh_shape)
     if len(sizes) != len(axes):
       raise fs.MeshError(f"--mesh_shape={cfg.mesh_shape!r} has {len(sizes)} sizes but --mesh="
-                         f"{cfg.mesh or default!r} has {len(axes)} axes {list(axes)}; give one size per axis")
+                         f"{cfg.mesh or default!r} has {len(axes)} axes {list(axes)}; give one "
+                         "size per axis")
     axes = dict(zip(axes, sizes))
   return axes
 

@@ -4,6 +4,7 @@ Runs go through the recipe's public entry points (`main(argv)` for exit codes an
 `run(parse_flags(argv))` for the summary and final state) with the `nano` model and a few
 steps; a shared persistent compilation cache keeps repeated compiles cheap.
 """
+import functools
 import json
 import os
 import pathlib
@@ -63,6 +64,19 @@ def _assert_equal_trees(a, b):
 def _records(run_dir, event):
   lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
   return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+@pytest.mark.parametrize("size, layers, d_model", [("small", 12, 768), ("medium", 24, 1024)])
+def test_model_sizes_and_logical_axes(size, layers, d_model):
+  cfg = train_lm.model_config(size, 1024)
+  shapes = jax.eval_shape(functools.partial(train_lm.init_params, cfg), jax.random.key(0))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  # GPT-2 blocks: 12 d^2 weights + 13 d biases and norms; tied byte embedding, 1024 positions.
+  assert n == layers * (12 * d_model**2 + 13 * d_model) + (256 + 1024 + 2) * d_model
+  axes = train_lm.logical_axes(cfg)
+  ranks = jax.tree.map(lambda x: x.ndim, shapes)
+  names = jax.tree.map(len, axes, is_leaf=lambda x: isinstance(x, tuple))
+  assert ranks == names  # every param has one logical name per dimension
 
 
 @pytest.fixture(scope="module")
