@@ -34,6 +34,7 @@ from fnscale.sharding import (
 
 from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
 from fnscale import checkpoint
+from fnscale import hlo
 from fnscale.invariance import InvarianceReport, check_mesh_invariance
 from fnscale.step import (
     Collective,
@@ -72,6 +73,7 @@ __all__ = [
     "model_flops_per_token",
     "peak_flops",
     "checkpoint",
+    "hlo",
     "shutdown_at_exit",
     "attention",
     "cross_entropy",

@@ -11,19 +11,18 @@
   under `jax.shard_map` and gradients `pmean`'d over the data axes (the data-parallel
   all-reduce of Goyal et al., 2017, "Accurate, Large Minibatch SGD").
 - `compile_report` reads compile time, FLOPs, per-device bytes and the collectives from the
-  compiled executable itself.
+  compiled executable itself (collectives and matmul FLOPs from its optimized HLO with
+  while-loop trip counts applied, `fnscale.hlo`).
 
 Leaf paths in messages are '/'-joined pytree keys (`params/blocks/0/wq`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-import collections
 import dataclasses
 import functools
 import hashlib
 import math
-import re
 import time
 from typing import Any, NamedTuple
 
@@ -35,9 +34,14 @@ import jmp
 import numpy as np
 import optax
 
+from fnscale import hlo as _hlo
 from fnscale import sharding as _sh
 from fnscale.distributed import barrier
 from fnscale.errors import ShardingError, StepError
+from fnscale.hlo import Collective
+
+# The HLO reader lives in fnscale.hlo; this name stays for existing callers.
+collectives_in_hlo = _hlo.collectives
 
 __all__ = [
     "Collective",
@@ -853,28 +857,19 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 # ----------------------------------------------------------------------------- compile report
 
 
-class Collective(NamedTuple):
-  """One kind of collective in an optimized HLO module.
-
-  `kind`: "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
-  or "collective-broadcast" (async `-start`/`-done` pairs count once, under the base kind);
-  `count`: ops of that kind in the module text (an op inside a loop body counts once);
-  `bytes`: sum of their result sizes per device (for reduce-scatter the scattered shard).
-  """
-  kind: str
-  count: int
-  bytes: int
-
-
 class CompileReport(NamedTuple):
   """What XLA says about one compiled step. Bytes are per device.
 
   Fields: `compile_seconds` (wall time of `Lowered.compile`), `flops`, `transcendentals`
   and `bytes_accessed` (XLA cost analysis of the partitioned, per-device program; None where
-  the backend gives none), `argument_bytes`, `output_bytes`, `temp_bytes`, `alias_bytes`
-  (arguments whose buffers the outputs reuse, e.g. a donated state) and
-  `generated_code_bytes` (memory analysis; None where unavailable), `collectives` (tuple of
-  `Collective`), `platform`, `num_devices`, `mesh_shape` (dict axis -> size, or None).
+  the backend gives none; it counts each while-loop body once, so a `lax.scan` over layers
+  or gradient-accumulation microbatches is under-counted), `argument_bytes`, `output_bytes`,
+  `temp_bytes`, `alias_bytes` (arguments whose buffers the outputs reuse, e.g. a donated
+  state) and `generated_code_bytes` (memory analysis; None where unavailable), `collectives`
+  (tuple of `fnscale.hlo.Collective`: executions, result bytes and ring bytes sent per device
+  per step, loop trip counts applied), `platform`, `num_devices`, `mesh_shape` (dict axis ->
+  size, or None), `matmul_flops` (FLOPs of the `dot`/`convolution` ops of the optimized HLO
+  per device per step, loop trip counts applied; `fnscale.hlo.summarize`).
   """
   compile_seconds: float
   flops: float | None
@@ -889,6 +884,7 @@ class CompileReport(NamedTuple):
   platform: str
   num_devices: int
   mesh_shape: dict | None
+  matmul_flops: float | None = None
 
   @property
   def peak_bytes(self) -> int | None:
@@ -904,55 +900,6 @@ class CompileReport(NamedTuple):
 
   def __str__(self) -> str:
     return format_report(self)
-
-
-_COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                     "collective-permute", "collective-broadcast")
-_OP_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+(?P<op>" +
-    "|".join(re.escape(k) for k in _COLLECTIVE_KINDS) + r")(?P<suffix>-start|-done)?\(")
-_ARRAY_RE = re.compile(r"\b(pred|[subfc]\d+|bf16|f8e\w+|f4e\w+|token)\[([\d,]*)\]")
-
-
-def _dtype_bytes(name: str) -> float:
-  if name == "pred":
-    return 1
-  if name == "token":
-    return 0
-  if name == "bf16":
-    return 2
-  m = re.match(r"[subfc](\d+)", name)
-  if m and not name.startswith(("f8", "f4")):
-    return int(m.group(1)) / 8
-  m = re.match(r"f(\d)", name)
-  return int(m.group(1)) / 8 if m else 0
-
-
-def _shape_bytes(shape_text: str) -> int:
-  total = 0.0
-  for dtype, dims in _ARRAY_RE.findall(shape_text):
-    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    total += n * _dtype_bytes(dtype)
-  return int(total)
-
-
-def collectives_in_hlo(hlo_text: str) -> tuple[Collective, ...]:
-  """Counts the collectives in optimized HLO text (`jax.stages.Compiled.as_text()`).
-
-  Synchronous ops count with their result bytes; async pairs count at their `-done` op,
-  whose result is the collective's output (the `-start` result is a tuple that also holds
-  the operand). Returns one `Collective` per kind present, in a fixed kind order.
-  """
-  counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-  for line in hlo_text.splitlines():
-    m = _OP_RE.match(line)
-    if not m or m.group("suffix") == "-start":
-      continue
-    c = counts[m.group("op")]
-    c[0] += 1
-    c[1] += _shape_bytes(m.group("shape"))
-  return tuple(Collective(k, counts[k][0], counts[k][1]) for k in _COLLECTIVE_KINDS
-               if k in counts)
 
 
 def _cost(compiled) -> dict:
@@ -987,6 +934,7 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None) -> Compile
     v = cost.get(name)
     return float(v) if v is not None else None
 
+  hlo = _hlo.summarize(compiled.as_text() or "")
   devices = None
   try:
     devices = compiled.input_shardings[0]
@@ -1005,8 +953,9 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None) -> Compile
       argument_bytes=m("argument_size_in_bytes"), output_bytes=m("output_size_in_bytes"),
       temp_bytes=m("temp_size_in_bytes"), alias_bytes=m("alias_size_in_bytes"),
       generated_code_bytes=m("generated_code_size_in_bytes"),
-      collectives=collectives_in_hlo(compiled.as_text() or ""), platform=platform,
-      num_devices=int(num), mesh_shape=dict(mesh.shape) if mesh is not None else None)
+      collectives=hlo.collectives, platform=platform, num_devices=int(num),
+      mesh_shape=dict(mesh.shape) if mesh is not None else None,
+      matmul_flops=hlo.matmul_flops)
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -1071,8 +1020,11 @@ def format_report(report: CompileReport) -> str:
   lines = [
       f"compiled step: {report.platform} x{report.num_devices}{mesh}",
       f"  compile time      {report.compile_seconds:.2f} s",
-      f"  FLOPs per device  {_fmt_num(report.flops)}  (transcendentals "
-      f"{_fmt_num(report.transcendentals)}, bytes accessed {_fmt_bytes(report.bytes_accessed)})",
+      f"  FLOPs per device  {_fmt_num(report.flops)}  (XLA cost analysis, loop bodies once; "
+      f"transcendentals {_fmt_num(report.transcendentals)}, bytes accessed "
+      f"{_fmt_bytes(report.bytes_accessed)})",
+      f"  matmul FLOPs/dev  {_fmt_num(report.matmul_flops)}  (HLO dot/convolution, loop "
+      "trip counts applied)",
       "  memory per device",
       f"    arguments       {_fmt_bytes(report.argument_bytes)}",
       f"    outputs         {_fmt_bytes(report.output_bytes)}",
@@ -1081,9 +1033,11 @@ def format_report(report: CompileReport) -> str:
       f"    peak (a+o+t-al) {_fmt_bytes(report.peak_bytes)}",
   ]
   if report.collectives:
-    lines.append("  collectives (count, result bytes per device)")
+    lines.append("  collectives per step (runs [ops in program], result / ring-sent bytes "
+                 "per device)")
     for c in report.collectives:
-      lines.append(f"    {c.kind:<20} {c.count:>4}  {_fmt_bytes(c.bytes)}")
+      lines.append(f"    {c.kind:<20} {c.count:>4} [{c.ops}]  {_fmt_bytes(c.bytes)} / "
+                   f"{_fmt_bytes(c.bytes_sent)}")
   else:
     lines.append("  collectives: none")
   return "\n".join(lines)

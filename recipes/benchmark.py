@@ -20,12 +20,13 @@ width 512) and each mesh spec and device count, one row:
   simulated devices share the host's cores, so devices x peak per device = that one rate.
 - FLOPs cross-check: XLA's cost analysis of the compiled step (per device for an SPMD
   program, so multiplied by the device count), and the matmul FLOPs read from the optimized HLO
-  with each while loop's known trip count applied (XLA's cost analysis counts a loop body
-  once, and the layers run under `lax.scan`);
+  with each while loop's trip count applied (`fnscale.hlo.summarize`; XLA's cost analysis
+  counts a loop body once, and the layers run under `lax.scan`);
 - memory per device (XLA memory analysis): arguments (state + batch), temporaries, peak;
   params per device from the shardings;
-- collectives: what `fnscale.compile_report` lists (ops in the module text, result bytes per
-  device), and the bytes each device sends per step with loop trip counts applied (ring
+- collectives: what `fnscale.compile_report` lists (runs per step with loop trip counts
+  applied, ops in the module text, result bytes per device), and the bytes each device sends
+  per step with loop trip counts applied (`fnscale.hlo.ring_bytes_sent`, ring
   algorithms: all-reduce 2(n-1)/n x size, all-gather (n-1)/n x result, reduce-scatter
   (n-1) x shard), next to the textbook volume for the mesh: data parallel gradient all-reduce
   2(n-1)/n x gradient bytes; FSDP all-gather of params forward and backward plus a
@@ -49,7 +50,6 @@ import functools
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -93,180 +93,6 @@ def matmul_params(cfg) -> int:
 def model_flops_per_step(cfg, batch: int) -> float:
   return fs.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
                                   d_model=cfg.d_model, seq=cfg.seq) * batch * cfg.seq
-
-
-# ------------------------------------------------------------------------------ HLO reading
-
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                "collective-permute", "collective-broadcast")
-_HEAD_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
-_INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.+)$")
-_OP_RE = re.compile(r"\s(?P<op>[a-z][\w\-]*)\((?P<args>.*)$")
-_ARRAY_RE = re.compile(r"\b(pred|[subfc]\d+|bf16|f8e\w+|f4e\w+)\[([\d,]*)\]")
-_CALL_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|"
-                      r"false_computation)=%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-
-
-def _dtype_bytes(name: str) -> float:
-  if name == "pred":
-    return 1
-  if name == "bf16":
-    return 2
-  m = re.match(r"[subfc](\d+)$", name)
-  if m:
-    return int(m.group(1)) / 8
-  m = re.match(r"f(\d)", name)  # f8e4m3fn, f4e2m1fn
-  return int(m.group(1)) / 8 if m else 0
-
-
-def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(t, tuple(int(d) for d in dims.split(",") if d))
-          for t, dims in _ARRAY_RE.findall(shape_text)]
-
-
-def _bytes(shape_text: str) -> float:
-  return sum(math.prod(d) * _dtype_bytes(t) for t, d in _arrays(shape_text))
-
-
-def _group_size(line: str, num_devices: int) -> int:
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-  if m:
-    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-    return math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2)))
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-  if m:
-    return int(m.group(2))
-  m = re.search(r"replica_groups=\{\{([^}]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  return num_devices
-
-
-def _wire_bytes(kind: str, result_bytes: float, n: int) -> float:
-  """Bytes one device sends for one collective with ring algorithms (n devices in a group)."""
-  if n <= 1:
-    return 0.0
-  if kind == "all-reduce":
-    return 2 * (n - 1) / n * result_bytes
-  if kind in ("all-gather", "all-to-all"):
-    return (n - 1) / n * result_bytes
-  if kind == "reduce-scatter":
-    return (n - 1) * result_bytes
-  return result_bytes
-
-
-class HloCounts(NamedTuple):
-  """Per-device counts from optimized HLO text, each op weighted by how often it runs.
-
-  `dot_flops`: 2 x result elements x contracted size summed over every `dot`, loop trip counts
-  applied; `dot_flops_once`: the same with every loop body counted once (as XLA's cost
-  analysis does); `collectives`: kind -> (ops executed per step, result bytes per step, bytes
-  sent per step); `loops`: (body, trip count or None) of every while loop;
-  `unknown_trips`: loops without a known trip count (counted once).
-  """
-  dot_flops: float
-  dot_flops_once: float
-  collectives: dict
-  loops: tuple
-  unknown_trips: int
-
-
-def hlo_counts(text: str, num_devices: int) -> HloCounts:
-  """Reads matmul FLOPs and collective traffic from `jax.stages.Compiled.as_text()`."""
-  comps: dict[str, list[str]] = {}
-  entry, cur = None, None
-  for line in text.splitlines():
-    if cur is None:
-      m = _HEAD_RE.match(line)
-      if m:
-        cur = m.group("name")
-        comps[cur] = []
-        if line.startswith("ENTRY"):
-          entry = cur
-    elif line.startswith("}"):
-      cur = None
-    else:
-      comps[cur].append(line)
-
-  edges: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  loops, unknown = [], 0
-  dots: dict[str, float] = collections.defaultdict(float)
-  colls: dict[str, list] = collections.defaultdict(list)
-  for name, lines in comps.items():
-    shapes: dict[str, str] = {}
-    starts: dict[str, int] = {}
-    for line in lines:
-      m = _INSTR_RE.match(line)
-      if not m:
-        continue
-      rest = m.group("rest")
-      op_m = _OP_RE.search(rest)
-      if not op_m:
-        continue
-      shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
-      shapes[m.group("name")] = shape
-      trip = 1
-      if op == "while":
-        t = _TRIP_RE.search(line)
-        trip = int(t.group(1)) if t else 1
-        unknown += t is None
-        body = re.search(r"\bbody=%?([\w.\-]+)", line)
-        loops.append((body.group(1) if body else "?", int(t.group(1)) if t else None))
-      for callee in _CALL_RE.findall(line):
-        is_body = op == "while" and re.search(r"\bbody=%?" + re.escape(callee) + r"\b", line)
-        edges[name].append((callee, trip if is_body else 1))
-      b = _BRANCHES_RE.search(line)
-      if b:
-        edges[name].extend((c.strip().lstrip("%"), 1) for c in b.group(1).split(","))
-      if op == "dot":
-        operands = re.findall(r"((?:[\w\[\],{}:()]+\s+)?)%([\w.\-]+)", args)
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-        lhs_shape = (operands[0][0] or shapes.get(operands[0][1], "")) if operands else ""
-        lhs = _arrays(lhs_shape)
-        out = _arrays(shape)
-        if lhs and out and contract:
-          k = math.prod(lhs[0][1][int(i)] for i in contract.group(1).split(",") if i)
-          dots[name] += 2.0 * math.prod(out[0][1]) * k
-        continue
-      base = next((c for c in _COLLECTIVES if op in (c, c + "-start", c + "-done")), None)
-      if base is None:
-        continue
-      if op.endswith("-start"):
-        starts[m.group("name")] = _group_size(line, num_devices)
-        continue
-      if op.endswith("-done"):
-        src = re.search(r"%([\w.\-]+)", args)
-        n = starts.get(src.group(1), num_devices) if src else num_devices
-      elif base in ("collective-permute", "collective-broadcast"):
-        n = 2
-      else:
-        n = _group_size(line, num_devices)
-      colls[name].append((base, _bytes(shape), n))
-
-  mult: dict[str, float] = collections.defaultdict(float)
-
-  def visit(c, k, depth=0):
-    if depth > 64:
-      return
-    mult[c] += k
-    for child, f in edges.get(c, ()):
-      visit(child, k * f, depth + 1)
-
-  if entry is not None:
-    visit(entry, 1)
-  dot_flops = sum(f * mult[c] for c, f in dots.items())
-  once = sum(f for c, f in dots.items() if mult[c])
-  out: dict[str, list] = {}
-  for c, items in colls.items():
-    for kind, b, n in items:
-      e = out.setdefault(kind, [0, 0.0, 0.0])
-      e[0] += mult[c]
-      e[1] += b * mult[c]
-      e[2] += _wire_bytes(kind, b, n) * mult[c]
-  return HloCounts(dot_flops, once, {k: tuple(v) for k, v in out.items()}, tuple(loops),
-                   unknown)
 
 
 # ------------------------------------------------------------------------------ theory
@@ -458,7 +284,7 @@ def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, st
     step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
     cold = step.compile_seconds
     report = fs.compile_report(step, state, b)
-    counts = hlo_counts(step.compiled.as_text() or "", devices)
+    counts = fs.hlo.summarize(step.compiled.as_text() or "", devices)
     # Warm: no in-memory executable left, a new shard_step; the compile reads the cache.
     jax.clear_caches()
     hits = _EVENTS["/jax/compilation_cache/cache_hits"]
@@ -488,14 +314,15 @@ def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, st
       mfu=fs.mfu(flops, med, devices, peak_per_device) if peak_per_device else None,
       xla_flops=report.flops * devices if report.flops is not None else None,
       xla_flops_per_device=report.flops,
-      hlo_dot_flops=counts.dot_flops * devices, hlo_dot_flops_once=counts.dot_flops_once * devices,
+      hlo_dot_flops=counts.matmul_flops * devices,
+      hlo_dot_flops_once=counts.matmul_flops_once * devices,
       loops=[list(l) for l in counts.loops],
       param_bytes=int(param_bytes), param_bytes_total=int(param_total),
       argument_bytes=report.argument_bytes, temp_bytes=report.temp_bytes,
       peak_bytes=report.peak_bytes,
-      report_collectives={c.kind: [c.count, c.bytes] for c in report.collectives},
-      collectives={k: list(v) for k, v in counts.collectives.items()},
-      wire_bytes=sum(v[2] for v in counts.collectives.values()),
+      report_collectives={c.kind: [c.count, c.bytes, c.ops] for c in report.collectives},
+      collectives={c.kind: [c.count, c.bytes, c.bytes_sent] for c in counts.collectives},
+      wire_bytes=sum(c.bytes_sent for c in counts.collectives),
       theory=theory_bytes(state.params, cfg, batch, mesh), loss=float(m["loss"]))
 
 
@@ -653,11 +480,13 @@ def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header
         f" | {_f(r.xla_flops)} |")
   out += ["", "### Memory and collectives per device", "",
           "| model | mesh | dev | params/dev | (of total) | arguments | temporaries | peak "
-          "| collectives in the program (ops, result bytes) | sent per step | textbook "
+          "| collectives per step (runs [ops in the program], result bytes) | sent per step "
+          "| textbook "
           "(dp / fsdp / tp) |",
           "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
   for r in rows:
-    coll = ", ".join(f"{k} {v[0]} ({_b(v[1])})" for k, v in r.report_collectives.items()) or "none"
+    coll = ", ".join(f"{k} {v[0]} [{v[2]}] ({_b(v[1])})"
+                     for k, v in r.report_collectives.items()) or "none"
     t = r.theory
     parts = " / ".join(_b(t[k]) for k in ("dp", "fsdp", "tp"))
     out.append(

@@ -3,7 +3,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import fnscale as fs
@@ -25,26 +24,6 @@ def test_model_flops_match_train_lm_and_count():
   assert fs.mfu(1e9, 0.5, 2, 1e9) == pytest.approx(1.0)
   with pytest.raises(fs.FnscaleError, match="step_seconds=0"):
     fs.mfu(1e9, 0, 2, 1e9)
-
-
-def test_hlo_counts_apply_loop_trip_counts():
-  def f(w, x):
-    return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0].sum()
-  w = jnp.ones((3, 32, 32))
-  x = jnp.ones((16, 32))
-  compiled = jax.jit(f).lower(w, x).compile()
-  counts = bm.hlo_counts(compiled.as_text(), 1)
-  assert counts.dot_flops == 3 * 2 * 16 * 32 * 32
-  assert counts.dot_flops_once == 2 * 16 * 32 * 32
-  # XLA's own count sees the loop body once (why the benchmark reads the HLO itself).
-  assert compiled.cost_analysis()["flops"] < 2 * counts.dot_flops_once
-
-
-def test_wire_bytes_ring():
-  assert bm._wire_bytes("all-reduce", 100, 4) == 150
-  assert bm._wire_bytes("all-gather", 100, 4) == 75
-  assert bm._wire_bytes("reduce-scatter", 25, 4) == 75
-  assert bm._wire_bytes("all-reduce", 100, 1) == 0
 
 
 def test_benchmark_rows_and_tables(tmp_path):
@@ -69,6 +48,9 @@ def test_benchmark_rows_and_tables(tmp_path):
     # FSDP: params per device about 1/N of the total (small LayerNorm leaves stay replicated).
     assert r.param_bytes_total / r.param_bytes == pytest.approx(n, rel=0.05)
     assert r.theory["fsdp"] > 0 and r.wire_bytes > 0 and r.peak_bytes > 0
+    # compile_report and the benchmark read the HLO with the same trip-count-aware reader.
+    assert {k: v[:2] for k, v in r.report_collectives.items()} == {
+        k: v[:2] for k, v in r.collectives.items()}
   # shard_map runs exactly the model's matmuls; auto is either within tolerance or explained.
   assert smap.hlo_dot_flops == pytest.approx(smap.model_flops, rel=1e-6)
   ok, why = bm.flop_check(auto)

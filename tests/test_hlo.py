@@ -1,0 +1,187 @@
+"""Tests for fnscale.hlo: collectives and matmul FLOPs of optimized HLO, loop trip counts applied."""
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import pytest
+
+import fnscale
+from fnscale import hlo
+from fnscale import step as st
+
+# A module in the shape XLA prints: a while loop (known trip count 4) whose body holds a
+# dot and an all-reduce, called from ENTRY next to an async all-gather pair and a dot.
+LOOP_HLO = """HloModule loop, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[16,32])) -> (s32[], f32[16,32]) {
+  %p = (s32[], f32[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %h = f32[16,32]{1,0} get-tuple-element(%p), index=1
+  %w = f32[32,32]{1,0} constant({...})
+  %d = f32[16,32]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %r = f32[16,32]{1,0} all-reduce(%d), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[16,32]{1,0}) tuple(%j, %r)
+}
+
+%cond (q: (s32[], f32[16,32])) -> pred[] {
+  %q = (s32[], f32[16,32]{1,0}) parameter(0)
+  %k = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (a: f32[16,32], b: f32[8,16]) -> f32[16,32] {
+  %a = f32[16,32]{1,0} parameter(0)
+  %b = f32[8,16]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[16,32]{1,0}) tuple(%zero, %a)
+  %loop = (s32[], f32[16,32]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"4"}}
+  %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(%b), dimensions={0}, \
+replica_groups={{0,1,2,3,4,5,6,7}}
+  %agd = f32[64,16]{1,0} all-gather-done(%ags)
+  %e = f32[8,32]{1,0} dot(f32[8,16]{1,0} %b, f32[16,32]{1,0} %a), lhs_contracting_dims={1}, \
+rhs_contracting_dims={0}
+  ROOT %out = f32[16,32]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_loop_trip_count_multiplies_counts_and_flops():
+  s = hlo.summarize(LOOP_HLO)
+  assert s.num_devices == 8  # from num_partitions
+  assert s.loops == (hlo.Loop("body", 4),)
+  assert s.unknown_trip_counts == 0
+  loop_dot, entry_dot = 2 * 16 * 32 * 32, 2 * 8 * 32 * 16
+  assert s.matmul_flops == 4 * loop_dot + entry_dot
+  assert s.matmul_flops_once == loop_dot + entry_dot
+  assert hlo.matmul_flops(LOOP_HLO) == s.matmul_flops
+  assert hlo.matmul_flops(LOOP_HLO, apply_trip_counts=False) == s.matmul_flops_once
+  ar, ag = s.collective("all-reduce"), s.collective("all-gather")
+  result = 16 * 32 * 4
+  assert (ar.count, ar.bytes, ar.ops) == (4, 4 * result, 1)
+  assert ar.bytes_sent == pytest.approx(4 * 2 * 3 / 4 * result)  # groups of 4: [2,4]<=[8]
+  # The async pair counts once, at -done, with the gathered result.
+  assert (ag.count, ag.bytes, ag.ops) == (1, 64 * 16 * 4, 1)
+  assert ag.bytes_sent == pytest.approx(7 / 8 * 64 * 16 * 4)
+  assert [c.kind for c in hlo.collectives(LOOP_HLO)] == ["all-reduce", "all-gather"]
+
+
+def test_trip_count_from_the_loop_condition():
+  # The TPU compiler drops backend_config; the condition `i < 4` still gives the count.
+  text = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+  s = hlo.summarize(text)
+  assert s.loops == (hlo.Loop("body", 4, from_condition=True),)
+  assert s.collective("all-reduce").count == 4
+  # A condition that is not `counter < constant`: the body counts once, and says so.
+  text = text.replace("compare(%k, %n), direction=LT", "compare(%k, %n), direction=NE")
+  s = hlo.summarize(text)
+  assert s.loops == (hlo.Loop("body", None),) and s.unknown_trip_counts == 1
+  assert s.matmul_flops == s.matmul_flops_once
+
+
+def test_collectives_parsed_from_instruction_lines():
+  snippet = """
+  %all-reduce.1 = f32[128,64]{1,0} all-reduce(f32[128,64]{1,0} %p), channel_id=1
+  %ags = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} %q), dimensions={0}
+  %agd = f32[128]{0} all-gather-done((f32[16]{0}, f32[128]{0}) %ags)
+  ROOT %rs = bf16[8,4]{1,0} reduce-scatter(bf16[64,4]{1,0} %r), dimensions={0}
+  %ar2 = (f32[4]{0}, s32[2]{0}) all-reduce(f32[4]{0} %a, s32[2]{0} %b), to_apply=%add
+  %cp = u8[10]{0} collective-permute(u8[10]{0} %c), source_target_pairs={{0,1}}
+  """
+  want = {"all-reduce": (2, 128 * 64 * 4 + 16 + 8), "all-gather": (1, 512),
+          "reduce-scatter": (1, 64), "collective-permute": (1, 10)}
+  for read in (hlo.collectives, st.collectives_in_hlo):  # the old name still works
+    assert {c.kind: (c.count, c.bytes) for c in read(snippet)} == want
+  assert fnscale.Collective is hlo.Collective is st.Collective
+
+
+def test_ring_bytes_sent():
+  assert hlo.ring_bytes_sent("all-reduce", 100, 4) == 150
+  assert hlo.ring_bytes_sent("all-gather", 100, 4) == 75
+  assert hlo.ring_bytes_sent("reduce-scatter", 25, 4) == 75
+  assert hlo.ring_bytes_sent("collective-permute", 10, 2) == 10
+  assert hlo.ring_bytes_sent("all-reduce", 100, 1) == 0
+
+
+def test_bad_inputs_raise_step_error():
+  with pytest.raises(fnscale.StepError, match="'all-sum' is not known"):
+    hlo.ring_bytes_sent("all-sum", 1, 2)
+  with pytest.raises(fnscale.StepError, match="hlo_text is a bytes"):
+    hlo.summarize(b"HloModule m")
+  with pytest.raises(fnscale.StepError, match="num_devices=0"):
+    hlo.collectives(LOOP_HLO, num_devices=0)
+
+
+M, D, F = 64, 32, 16  # global batch, width of the 3 scanned layers, output width
+
+
+def _scan(w, x):
+  return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+
+
+def _loss(params, x):
+  return jnp.sum(jnp.tanh(_scan(params["w"], x) @ params["b"]))
+
+
+def _abstract(mesh):
+  rep = NamedSharding(mesh, P())
+  params = {"w": jax.ShapeDtypeStruct((3, D, D), jnp.float32, sharding=rep),
+            "b": jax.ShapeDtypeStruct((D, F), jnp.float32, sharding=rep)}
+  x = jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  return params, x
+
+
+def test_compiled_scan_on_a_data_parallel_mesh():
+  mesh = fnscale.make_mesh("data=8")
+  params, x = _abstract(mesh)
+  m = M // 8  # rows per device
+  # Forward only: the 3 scanned matmuls, per device.
+  fwd = jax.jit(lambda p, x: _scan(p["w"], x)).lower(params, x).compile()
+  assert hlo.matmul_flops(fwd.as_text()) == 3 * 2 * m * D * D
+  assert hlo.matmul_flops(fwd.as_text(), apply_trip_counts=False) == 2 * m * D * D
+
+  # Gradients: per layer forward, d(weights) and d(activations) in the loops; the output
+  # layer's three outside them. Weight gradients are all-reduced over the 8 devices.
+  grad = jax.jit(jax.grad(_loss)).lower(params, x).compile()
+  s = hlo.summarize(grad.as_text())
+  assert [l.trip_count for l in s.loops] == [3, 3]
+  assert s.matmul_flops == 3 * 3 * 2 * m * D * D + 3 * 2 * m * D * F
+  ar = s.collective("all-reduce")
+  # Each layer's d(w) [D, D] inside the backward loop, d(b) [D, F] outside it.
+  assert ar.bytes == (3 * D * D + D * F) * 4
+  assert ar.count > ar.ops  # the in-loop all-reduce runs 3 times
+  assert ar.bytes_sent == pytest.approx(2 * 7 / 8 * ar.bytes)
+
+  report = fnscale.compile_report(jax.jit(jax.grad(_loss)), params, x)
+  assert report.matmul_flops == s.matmul_flops
+  assert report.collectives == s.collectives
+  # XLA's cost analysis sees each loop body once: fewer FLOPs than the matmuls alone.
+  assert report.flops < s.matmul_flops
+  text = str(report)
+  assert "loop trip counts applied" in text and "loop bodies once" in text
+
+
+@pytest.mark.tpu
+def test_tpu_convolutions_and_condition_trip_counts():
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"libtpu (the tpu extra) is not available: {e}")
+  mesh = fnscale.make_mesh("data=8", devices=topo.devices)
+  params, x = _abstract(mesh)
+  compiled = jax.jit(jax.grad(_loss)).trace(params, x).lower().compile()
+  s = hlo.summarize(compiled.as_text())
+  # The TPU compiler writes matmuls as `convolution` and drops known_trip_count.
+  assert [(l.trip_count, l.from_condition) for l in s.loops] == [(3, True), (3, True)]
+  m = M // 8
+  assert s.matmul_flops == 3 * 3 * 2 * m * D * D + 3 * 2 * m * D * F
+  assert s.collective("all-reduce").bytes == (3 * D * D + D * F) * 4
