@@ -81,6 +81,23 @@ def _multiprocess_env() -> str | None:
   return None
 
 
+def _from_env(coordinator_address, num_processes, process_id):
+  """Fills arguments not given from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID, the variables `recipes/launch_local.py` (or a user's own launcher) sets."""
+  def env_int(name, value):
+    if value is not None or not os.environ.get(name):
+      return value
+    try:
+      return int(os.environ[name])
+    except ValueError:
+      raise DistributedError(f"{name}={os.environ[name]!r} is not an integer; fix: set it to "
+                             "a whole number or unset it.") from None
+  if coordinator_address is None:
+    coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+  return (coordinator_address, env_int("JAX_NUM_PROCESSES", num_processes),
+          env_int("JAX_PROCESS_ID", process_id))
+
+
 def _state_info() -> DistributedInfo:
   from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
   st = _jd.global_state
@@ -167,8 +184,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   """Joins this process to a multi-process JAX job (`jax.distributed.initialize`).
 
   Call it first, before anything touches jax devices. Either give `coordinator_address`
-  ("host:port" of process 0), `num_processes` and `process_id`, or nothing and let JAX
-  detect them (Cloud TPU pods, SLURM, Open MPI; or pass `cluster_detection_method`).
+  ("host:port" of process 0), `num_processes` and `process_id` (each not given is read from
+  `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` when set), or nothing and
+  let JAX detect them (Cloud TPU pods, SLURM, Open MPI; or pass `cluster_detection_method`).
 
   It is a no-op when `num_processes == 1`, or when no argument is given and the environment
   shows no multi-process launcher (so a single-host script runs unchanged), and when the
@@ -198,6 +216,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
+  coordinator_address, num_processes, process_id = _from_env(
+      coordinator_address, num_processes, process_id)
   _check_args(coordinator_address, num_processes, process_id, timeouts)
   asked_timeout_s = timeout_s
   if jax.distributed.is_initialized():

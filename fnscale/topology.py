@@ -254,8 +254,9 @@ def simulate_cpu_devices(n: int) -> bool:
   """On a machine without an accelerator, makes jax expose `n` simulated CPU devices.
 
   Call it before the first jax computation (recipes call it at start-up). It sets
-  `jax_platforms="cpu"` (unless `JAX_PLATFORMS` is set) so jax doesn't probe for a TPU, and
-  `jax_num_cpu_devices=n`. On a TPU or GPU machine it does nothing.
+  `jax_platforms="cpu"` (unless `JAX_PLATFORMS` is set) so jax doesn't probe for a TPU,
+  `jax_num_cpu_devices=n`, and raises XLA's CPU collective timeouts to 900 s (devices that
+  share two cores can be far apart). On a TPU or GPU machine it does nothing.
 
   Returns:
     True if CPU devices were configured, False if an accelerator is present.
@@ -267,6 +268,13 @@ def simulate_cpu_devices(n: int) -> bool:
     raise TopologyError(f"simulated device count {n!r} must be a positive int, e.g. 8.")
   if has_accelerator():
     return False
+  flags_ = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags_:
+    # Simulated devices share the host's cores: on a busy machine one device can reach a
+    # collective long after the others, and XLA's default 40 s limit would abort the run.
+    # (Read when the CPU backend starts, so this must come before the first computation.)
+    os.environ["XLA_FLAGS"] = (flags_ + " --xla_cpu_collective_call_terminate_timeout_seconds="
+                               "900 --xla_cpu_collective_timeout_seconds=900").strip()
   import jax
   if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")

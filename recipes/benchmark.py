@@ -617,12 +617,6 @@ def _machine() -> str:
 
 def run(cfg: Config, *, say=print) -> dict:
   """Runs the benchmark per `cfg`; returns {"rows", "overhead", "peak", "text"}."""
-  if "xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
-    # Simulated devices share the host's cores; on a busy machine one device can reach a
-    # collective long after the others, and XLA's default 40 s limit aborts the process.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_cpu_collective_call_terminate_timeout_seconds=900"
-                               " --xla_cpu_collective_timeout_seconds=900").strip()
   fs.simulate_cpu_devices(cfg.max_devices)
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   platform = jax.devices()[0].platform

@@ -165,6 +165,9 @@ def _layer_norm(x, p, eps=1e-5):
 
 def _block(x, p):
   """One pre-LN transformer block. x: [batch, seq, d_model]."""
+  # Keep the residual stream split by batch; otherwise GSPMD may follow the FSDP params'
+  # d_model sharding and run attention for the whole batch on every device.
+  x = fs.constrain_batch(x)
   h = _layer_norm(x, p["ln1"])
   a = p["attn"]
   qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
@@ -522,19 +525,13 @@ def _cpu_device_count(cfg: Config) -> int:
 
 def _setup_devices(cfg: Config) -> None:
   """Simulated CPU devices and multi-process start-up; before anything touches a device."""
-  if "xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
-    # Simulated devices share the host's cores; on a busy machine one device can reach a
-    # collective long after the others, and XLA's default 40 s limit would abort the run.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_cpu_collective_call_terminate_timeout_seconds=900"
-                               " --xla_cpu_collective_timeout_seconds=900").strip()
   fs.simulate_cpu_devices(_cpu_device_count(cfg))
   if cfg.compile_cache_dir:
     fs.compilation_cache(cfg.compile_cache_dir)
-  coordinator = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
-  num = cfg.num_processes or _env_int("JAX_NUM_PROCESSES", 0) or None
-  pid = cfg.process_id if cfg.process_id >= 0 else _env_int("JAX_PROCESS_ID", -1)
-  fs.initialize(coordinator, num, pid if pid >= 0 else None)
+  # Flags not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+  # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
+  fs.initialize(cfg.coordinator_address or None, cfg.num_processes or None,
+                cfg.process_id if cfg.process_id >= 0 else None)
 
 
 def _policy(precision: str, platform: str):

@@ -289,7 +289,4 @@ def initialize_from_env(**kwargs):
   process (no-op initialise).
   """
   import fnscale  # pylint: disable=import-outside-toplevel
-  if ENV_NUM_PROCESSES not in os.environ:
-    return fnscale.initialize(num_processes=1)
-  return fnscale.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
-                            int(os.environ[ENV_PROCESS_ID]), **kwargs)
+  return fnscale.initialize(**kwargs)  # reads the JAX_* variables the launcher set

@@ -226,3 +226,11 @@ def test_missing_coordinator_is_a_bounded_clear_error(tmp_path):
   msg = r1["init_error"]
   assert "expected 2 processes, this one as process 1, but the coordinator 127.0.0.1:" in msg
   assert "didn't accept connections within 3.0 s" in msg and "fix: start process 0" in msg
+
+
+def test_initialize_reads_launcher_variables(monkeypatch):
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+  assert fs.initialize() == fs.DistributedInfo(0, 1, None, False)
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+  with pytest.raises(fs.DistributedError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+    fs.initialize()
