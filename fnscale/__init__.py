@@ -2,9 +2,6 @@
 
 Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step.
 """
-from fnscale.mesh import MeshAxes, make_mesh, parallelism, parse_axes, with_mesh
-from fnscale.topology import (Topology, detect_topology, parse_accelerator_type, parse_shape,
-                              simulate_cpu_devices)
 from fnscale.errors import (
     CheckpointError,
     CloudError,
@@ -16,8 +13,10 @@ from fnscale.errors import (
     StepError,
     TopologyError,
 )
-
-from fnscale.distributed import DistributedInfo, barrier, global_batch, initialize, peer_guard
+# The pipeline, in order: topology -> mesh -> shardings -> compiled step.
+from fnscale.topology import (Topology, detect_topology, parse_accelerator_type, parse_shape,
+                              simulate_cpu_devices)
+from fnscale.mesh import MeshAxes, make_mesh, parallelism, parse_axes, with_mesh
 from fnscale.sharding import (
     ShardPlan,
     batch_sharding,
@@ -31,11 +30,6 @@ from fnscale.sharding import (
     sharding_report,
     shardings,
 )
-
-from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
-from fnscale import checkpoint
-from fnscale import hlo
-from fnscale.invariance import InvarianceReport, check_mesh_invariance
 from fnscale.step import (
     Collective,
     CompileReport,
@@ -50,8 +44,14 @@ from fnscale.step import (
     state_shardings,
     train_step,
 )
-from fnscale.cloud import shutdown_at_exit
+from fnscale.kernels import attention, cross_entropy, kernel_plan, with_kernel
+# Around the pipeline: multi-host, accounting, checks, checkpoints, cloud, adapters.
+from fnscale.distributed import DistributedInfo, barrier, global_batch, initialize, peer_guard
+from fnscale import hlo
 from fnscale.flops import measure_matmul_peak, mfu, model_flops_per_token, peak_flops
+from fnscale.invariance import InvarianceReport, check_mesh_invariance
+from fnscale import checkpoint
+from fnscale.cloud import shutdown_at_exit
 from fnscale.adapters import unbox_flax
 
 __all__ = [
