@@ -77,6 +77,7 @@ class Block(eqx.Module):
     self.down = eqx.nn.Linear(D_MLP, D_MODEL, key=kd)
 
   def __call__(self, x):  # x: [batch, seq, D_MODEL]
+    x = fs.constrain_batch(x)  # keep activations split by batch, not by FSDP params
     b, s, _ = x.shape
     h = _per_token(self.ln1, x)
     split = lambda t: t.reshape(b, s, HEADS, D_MODEL // HEADS)

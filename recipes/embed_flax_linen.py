@@ -48,6 +48,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x):  # x: [batch, seq, D_MODEL]
+    x = fs.constrain_batch(x)  # keep activations split by batch, not by FSDP params
     b, s, _ = x.shape
     h = nn.LayerNorm(name="ln1")(x)
     split = lambda t: t.reshape(b, s, HEADS, D_MODEL // HEADS)

@@ -58,6 +58,7 @@ class Block(nnx.Module):
     self.down = nnx.Linear(D_MLP, D_MODEL, kernel_init=_init(("mlp", "embed")), rngs=rngs)
 
   def __call__(self, x):  # x: [batch, seq, D_MODEL]
+    x = fs.constrain_batch(x)  # keep activations split by batch, not by FSDP params
     b, s, _ = x.shape
     h = self.ln1(x)
     split = lambda t: t.reshape(b, s, HEADS, D_MODEL // HEADS)
