@@ -265,6 +265,18 @@ def _move_aside(step_dir, reason: str):
   step_dir.rename(target)
 
 
+def _verify_data(ocp, step: int, step_dir, state) -> None:
+  """Reads an existing step's arrays back (onto `state`'s shardings), so a step whose data
+  files are damaged but whose metadata looks complete is moved aside, not kept forever.
+
+  Only reached when a save meets an existing step: normally after `restore` refused it."""
+  try:
+    abstract, treedef = _abstract_target(state)
+    _restore_step(ocp, step, step_dir, abstract, treedef)
+  except CheckpointError:
+    pass  # a different tree or host-only leaves: the metadata check above decides
+
+
 def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
          keep: int | None = 3) -> str:
   """Saves a sharded pytree and a small JSON dict as checkpoint `step`, atomically.
@@ -315,6 +327,8 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     if problem is None:
       try:
         _saved_leaves(ocp, step_dir)
+        if jax.process_count() == 1:
+          _verify_data(ocp, step, step_dir, state)
       except _Unreadable as e:
         problem = str(e)
   if step_dir.exists() and problem is None:

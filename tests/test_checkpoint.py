@@ -178,6 +178,14 @@ def _damage(step_dir, how):
       path = step_dir / "state" / "d" / name
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 3)
+  elif how == "truncated_array_file":
+    # The arrays live in the OCDBT store's data files; the metadata stays intact.
+    files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir / "state") for f in fs
+             if f"{os.sep}ocdbt.process_" in r and f"{os.sep}d" in r]
+    assert files, "no OCDBT data files found"
+    for path in files:
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
   elif how == "no_tree_metadata":
     os.remove(step_dir / "state" / "_METADATA")
   elif how == "no_extra":
@@ -215,6 +223,24 @@ def test_corrupt_latest_is_refused_and_previous_used(tmp_path, how, caplog):
   assert len(aside) == 1
   state, _ = ckpt.restore(directory, target)
   np.testing.assert_array_equal(state["x"], np.full((4, 2), 5.0, np.float32))
+
+
+def test_damaged_array_data_is_refused_then_moved_aside_by_the_next_save(tmp_path):
+  # Metadata intact, array bytes truncated: only reading the arrays finds it. A run that
+  # resumed from step 1 must be able to save step 2 again (not be refused forever).
+  directory = tmp_path / "run"
+  values = {s: jax.random.normal(jax.random.key(s), (256, 256)) for s in (1, 2, 3)}
+  for step in (1, 2):
+    ckpt.save(directory, step, {"x": values[step]})
+  _damage(directory / "2", "truncated_array_file")
+  target = {"x": jax.ShapeDtypeStruct((256, 256), jnp.float32,
+                                       sharding=SingleDeviceSharding(jax.devices()[0]))}
+  state, _ = ckpt.restore(directory, target)
+  np.testing.assert_array_equal(state["x"], values[1])
+  ckpt.save(directory, 2, {"x": values[3]})
+  assert len([n for n in os.listdir(directory) if n.startswith("2.corrupt-")]) == 1
+  state, _ = ckpt.restore(directory, target)
+  np.testing.assert_array_equal(state["x"], values[3])
 
 
 def test_no_good_checkpoint_lists_every_refused_step(tmp_path):
