@@ -37,7 +37,7 @@ import optax
 from fnscale import hlo as _hlo
 from fnscale import sharding as _sh
 from fnscale.distributed import barrier
-from fnscale.errors import ShardingError, StepError
+from fnscale.errors import FnscaleError, ShardingError, StepError
 from fnscale.hlo import Collective
 
 # The HLO reader lives in fnscale.hlo; this name stays for existing callers.
@@ -638,10 +638,17 @@ def _conform(tree, treedef, expected, what: str):
   leaves, got_def = jax.tree_util.tree_flatten(tree)
   if got_def == treedef and all(
       isinstance(leaf, jax.Array) and leaf.shape == shape and leaf.dtype == dtype
-      and (leaf.sharding is s or leaf.sharding == s)
+      and (leaf.sharding is s or leaf.sharding == s) and not leaf.is_deleted()
       for leaf, (_, shape, dtype, s) in zip(leaves, expected)):
     return tree
   pairs, got_def = jax.tree_util.tree_flatten_with_path(tree)
+  for p, leaf in pairs:
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      # Calling a donated buffer crashes the runtime; say what happened instead.
+      raise StepError(
+          f"{what} leaf '{_path(p)}' was donated to an earlier call of this step (its buffer "
+          f"is gone); fix: use the state the step returns, `state, metrics = step(state, "
+          f"batch)`, or build the step with donate=False.")
   if got_def != treedef:
     raise StepError(
         f"the {what} has structure {got_def} but the step was compiled for {treedef}; fix: "
@@ -801,7 +808,17 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   def compile_(state, batch):
     ssh, state_flat, bsh, batch_flat = shardings_for(state, batch)
     sig = _signature(state, batch, state_flat, batch_flat)
-    lowered = lower(state, batch)
+    try:
+      lowered = lower(state, batch)
+    except FnscaleError:
+      raise
+    except (TypeError, ValueError) as e:  # the user's step doesn't trace for these shapes
+      shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
+                         for name, shape, dt, _ in sig.batch_leaves)
+      raise StepError(
+          f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
+          f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
+          "expects.") from e
     t0 = time.perf_counter()
     compiled = lowered.compile(compiler_options=options or None)
     seconds = time.perf_counter() - t0
@@ -834,6 +851,10 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
            tuple(_aval(x) for x in jax.tree_util.tree_leaves(batch)))
     fn = cache.get(key)
     if fn is None:
+      if cache:
+        logging.warning(
+            "shard_step: compiling again for new input shapes/dtypes (executable %d); call "
+            "step.compile(state, batch) to pin one and get an error instead", len(cache) + 1)
       fn = cache[key] = compile_(state, batch)
     return fn(state, batch)
 

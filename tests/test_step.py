@@ -499,3 +499,33 @@ def test_bad_arguments():
   with pytest.raises(fnscale.StepError, match="scalar"):
     bad_loss = fnscale.train_step(lambda p, b: models.mlp_loss(p, b) * jnp.ones(3), opt)
     fnscale.shard_step(bad_loss, mesh)(state, models.mlp_batch(jax.random.key(1), BATCH))
+
+
+def test_reusing_a_donated_state_is_a_clear_error():
+  opt = optax.sgd(0.1)
+  mesh = fnscale.make_mesh("data=8")
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  step = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh)
+  new_state, _ = step(state, batch)
+  # Without the check the runtime would be handed a deleted buffer (it crashes).
+  with pytest.raises(fnscale.StepError, match=r"state leaf .params/\w+. was donated .*`"
+                     r"state, metrics = step\(state, batch\)"):
+    step(state, batch)
+  step(new_state, batch)  # the returned state works
+
+
+def test_lazy_step_names_a_batch_the_loss_cannot_take(caplog):
+  opt = optax.sgd(0.1)
+  mesh = fnscale.make_mesh("data=8")
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  step = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh, donate=False)
+  batch = models.mlp_batch(jax.random.key(1), BATCH)
+  bad = dict(batch, x=jnp.ones((BATCH, batch["x"].shape[1] + 1)))
+  with pytest.raises(fnscale.StepError, match=r"tracing the step failed for batch .*'x': "
+                     r"float32\[32, 17\].*TypeError"):
+    step(state, bad)
+  step(state, batch)
+  with caplog.at_level("WARNING"):
+    step(state, models.mlp_batch(jax.random.key(1), 2 * BATCH))
+  assert "compiling again for new input shapes" in caplog.text
