@@ -104,15 +104,15 @@ def parse_axes(axes: AxesLike, *, what: str = "axes") -> dict[str, int]:
   return out
 
 
-def _resolve(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
+def _resolve(sizes: dict[str, int], total: int, what: str, unit: str = "devices") -> dict[str, int]:
   known = math.prod(s for s in sizes.values() if s != -1)
   if -1 in sizes.values():
     if total % known:
-      raise MeshError(f"{what} {sizes} can't fill {total} devices: the fixed sizes multiply to "
+      raise MeshError(f"{what} {sizes} can't fill {total} {unit}: the fixed sizes multiply to "
                       f"{known}, which doesn't divide {total}; pick sizes whose product divides it.")
     return {n: (total // known if s == -1 else s) for n, s in sizes.items()}
   if known != total:
-    raise MeshError(f"{what} {sizes} multiply to {known} devices but there are {total}; make "
+    raise MeshError(f"{what} {sizes} multiply to {known} {unit} but there are {total}; make "
                     f"the product {total} or use -1 for one axis.")
   return sizes
 
@@ -157,9 +157,12 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
   if not ici and not dcn_axes:
     raise MeshError("no mesh axes given: pass e.g. {'data': -1}.")
   devices = list(jax.devices() if devices is None else devices)
+  if not devices:
+    raise MeshError("devices is empty: pass at least one device (default: jax.devices()).")
   n = len(devices)
   groups = _granules(devices) if dcn_axes else [devices]
-  dcn_sizes = _resolve(dcn_axes, len(groups), "DCN axes") if dcn_axes else {}
+  unit = "slices" if getattr(devices[0], "slice_index", None) is not None else "processes"
+  dcn_sizes = _resolve(dcn_axes, len(groups), "DCN axes", unit) if dcn_axes else {}
   num_groups = math.prod(dcn_sizes.values()) if dcn_sizes else 1
   if num_groups != len(groups) and dcn_axes:
     raise MeshError(f"DCN axes {dcn_sizes} give {num_groups} groups but the devices form "

@@ -189,7 +189,7 @@ def test_tpu_multislice_dcn_axes_cross_slices():
   assert dict(mesh.shape) == {"replica": 2, "data": 2, "tensor": 4}
   for axis in ("data", "tensor"):
     _assert_ici_neighbours(mesh, axis, (2, 2, 2))
-  with pytest.raises(fs.MeshError, match=r"DCN axes \{'replica': 3\} multiply to 3 devices but "
+  with pytest.raises(fs.MeshError, match=r"DCN axes \{'replica': 3\} multiply to 3 slices but "
                                          r"there are 2"):
     fs.make_mesh({"fsdp": -1}, dcn={"replica": 3}, devices=devices)
 
@@ -198,3 +198,10 @@ def test_dcn_over_processes_on_cpu():
   # One process: a DCN group of 1; its axis comes first.
   mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": 1})
   assert mesh.axis_names == ("replica", "fsdp") and mesh.devices.shape == (1, 8)
+  with pytest.raises(fs.MeshError, match=r"multiply to 2 processes but there are 1"):
+    fs.make_mesh({"fsdp": -1}, dcn={"replica": 2})
+
+
+def test_no_devices():
+  with pytest.raises(fs.MeshError, match="devices is empty"):
+    fs.make_mesh({"data": -1}, devices=[])
