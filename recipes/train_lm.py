@@ -468,6 +468,11 @@ _HELP = {
 }
 
 
+def _given(value, default):
+  """A flag's value, or the platform default when it was not given (None); 0 is a value."""
+  return default if value is None else value
+
+
 def _define_flags(fv: flags.FlagValues) -> None:
   for f in dataclasses.fields(Config):
     default, kind = f.default, f.type.replace(" | None", "")
@@ -646,7 +651,7 @@ def run(cfg: Config) -> dict[str, Any]:
   topo = fs.detect_topology(override=cfg.topology or None)
   defaults = _CPU_DEFAULTS if topo.platform == "cpu" else _ACCEL_DEFAULTS
   size = cfg.model or defaults["model"]
-  seq = cfg.seq or defaults["seq"]
+  seq = _given(cfg.seq, defaults["seq"])
   steps = cfg.steps if cfg.steps is not None else defaults["steps"]
   if seq < 1 or steps < 0 or cfg.accum_steps < 1:
     raise fs.FnscaleError(f"--seq={seq}, --steps={steps}, --accum_steps={cfg.accum_steps}: "
@@ -655,18 +660,24 @@ def run(cfg: Config) -> dict[str, Any]:
   mesh = fs.make_mesh(_mesh_axes(cfg, defaults["mesh"]), dcn=cfg.dcn or None, topology=topo)
   dp_axes = fs.data_axes(mesh)
   dp = math.prod(mesh.shape[a] for a in dp_axes)
-  per_device = cfg.per_device_batch or defaults["per_device_batch"]
-  global_batch = cfg.batch or per_device * dp
+  per_device = _given(cfg.per_device_batch, defaults["per_device_batch"])
+  global_batch = _given(cfg.batch, per_device * dp)
+  if per_device < 1 or global_batch < 1:
+    raise fs.FnscaleError(f"--per_device_batch={per_device}, --batch={global_batch}: both must "
+                          "be >= 1")
   if global_batch % (dp * cfg.accum_steps):
     raise fs.ShardingError(
         f"global batch {global_batch} does not divide over the data axes: the mesh "
         f"{dict(mesh.shape)} splits the batch {dp} ways over {dp_axes}"
         + (f" in each of {cfg.accum_steps} accumulation steps" if cfg.accum_steps > 1 else "")
         + f"; use --batch a multiple of {dp * cfg.accum_steps} (or --per_device_batch)")
-  lr = cfg.lr or _LR[size]
+  lr = _given(cfg.lr, _LR[size])
   warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(500, max(1, steps // 20))
-  log_every = cfg.log_every or max(1, steps // 25)
-  eval_every = cfg.eval_every or max(1, steps // 5)
+  log_every = _given(cfg.log_every, max(1, steps // 25))
+  eval_every = _given(cfg.eval_every, max(1, steps // 5))
+  if lr <= 0 or log_every < 1 or eval_every < 1:
+    raise fs.FnscaleError(f"--lr={lr}, --log_every={log_every}, --eval_every={eval_every}: "
+                          "expected lr > 0 and intervals >= 1")
 
   # Data: every process reads the corpus; each builds only its own rows of each batch.
   t = time.time()

@@ -260,6 +260,9 @@ def test_launcher_child_environment():
     ("unknown model", ["--model=huge"], "--model='huge' is not a known size"),
     ("bad flag value", ["--steps=many"], "steps"),
     ("bad precision", ["--precision=float12"], "is not a jmp policy"),
+    ("zero seq", ["--seq=0"], "--seq=0"),
+    ("zero batch", ["--batch=0"], "--batch=0: both must be >= 1"),
+    ("zero lr", ["--lr=0"], "--lr=0"),
 ])
 def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, message):
   del case
