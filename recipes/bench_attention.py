@@ -9,18 +9,13 @@ those numbers test that the path works, they say nothing about kernel speed.
   python recipes/bench_attention.py --shapes 4x2048x16x8x128 --iters 20 --causal
 """
 import argparse
-import os
 import statistics
 import time
 
-# Simulated CPU devices must be configured before jax starts (ignored on TPU/GPU).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-import fnscale  # pylint: disable=g-import-not-at-top,wrong-import-position
+import fnscale
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",
@@ -77,6 +72,7 @@ def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
 
 
 def main():
+  fnscale.simulate_cpu_devices(8)  # CPU only, before any jax computation
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", default=None,
                       help="comma-separated BATCHxSEQxHEADSxKV_HEADSxHEAD_DIM")
