@@ -175,12 +175,18 @@ def _dup(axes):
   return None
 
 
-def _check_divisible(path: str, shape, spec: PartitionSpec, sizes: dict[str, int]) -> None:
+def _check_divisible(path: str, shape, spec: PartitionSpec, sizes: dict[str, int], *,
+                     batch: bool = False) -> None:
   for d, entry in enumerate(spec):
     axes = _entry_axes(entry)
     n = math.prod(sizes[a] for a in axes)
     if n > 1 and shape[d] % n:
       detail = " x ".join(f"{a}={sizes[a]}" for a in axes)
+      if batch:
+        raise ShardingError(
+            f"batch not divisible by the data axes: leaf '{path}' dimension {d} has size "
+            f"{shape[d]}, but mesh axes {axes} ({detail}) split it {n} ways; fix: use a "
+            f"batch size that is a multiple of {n}.")
       raise ShardingError(
           f"{_where(path)}: dimension {d} has size {shape[d]}, not divisible by mesh axes "
           f"{axes} ({detail} = {n}); fix: choose mesh axis sizes that divide {shape[d]}, "
@@ -599,15 +605,7 @@ def check_batch(batch, sharding) -> None:
       raise ShardingError(
           f"batch leaf '{path}' has shape {shape} but its sharding {spec} needs rank >= "
           f"{len(spec)}; fix: give every batch leaf a leading batch dimension.")
-    for d, entry in enumerate(spec):
-      axes = _entry_axes(entry)
-      n = math.prod(sizes[a] for a in axes)
-      if n > 1 and shape[d] % n:
-        detail = " x ".join(f"{a}={sizes[a]}" for a in axes)
-        raise ShardingError(
-            f"batch not divisible by the data axes: leaf '{path}' dimension {d} has size "
-            f"{shape[d]}, but mesh axes {axes} ({detail}) split it {n} ways; fix: use a "
-            f"batch size that is a multiple of {n}.")
+    _check_divisible(path, shape, spec, sizes, batch=True)
 
 
 def check_shardings(tree, shardings_tree, *, what: str = "state") -> None:
