@@ -85,14 +85,8 @@ def model_config(size: str, seq: int):
   return tl.model_config(size, seq)
 
 
-def matmul_params(cfg) -> int:
-  """Weights that multiply activations: 12 d^2 per block (qkv, out, 2 MLP) + the tied output."""
-  return cfg.layers * 12 * cfg.d_model**2 + cfg.vocab * cfg.d_model
-
-
 def model_flops_per_step(cfg, batch: int) -> float:
-  return fs.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
-                                  d_model=cfg.d_model, seq=cfg.seq) * batch * cfg.seq
+  return _train_lm().flops_per_token(cfg) * batch * cfg.seq
 
 
 # ------------------------------------------------------------------------------ theory
@@ -449,7 +443,7 @@ def flop_check(row: Row) -> tuple[bool, str]:
     return ok, why
   cfg = model_config(row.size, row.seq)
   attn = 12.0 * cfg.layers * cfg.d_model * cfg.seq
-  share = attn / (attn + 6.0 * matmul_params(cfg))
+  share = attn / (attn + 6.0 * _train_lm().matmul_params(cfg))
   if ratio > 1:
     why += (f"; explained: XLA's partitioner computes some matmuls on several devices instead "
             f"of splitting them. Attention is {100 * share:.0f}% of the model FLOPs; the "

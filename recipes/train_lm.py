@@ -201,15 +201,17 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-  """Training FLOPs per token (forward + backward), PaLM appendix B (Chowdhery et al. 2022).
+def matmul_params(cfg: ModelConfig) -> int:
+  """Weights that multiply activations: 12 d^2 per block (qkv, out, 2 MLP) plus the tied
+  output layer; embedding lookups and positions are not matmuls."""
+  return cfg.layers * 12 * cfg.d_model**2 + cfg.vocab * cfg.d_model
 
-  6 * N for the matmul params N (blocks plus the tied output layer; embedding lookups and
-  positions are not matmuls) plus 12 * layers * d_model * seq for attention scores and values.
-  Remat's recomputation is not counted (MFU, not hardware utilisation).
-  """
-  n = cfg.layers * 12 * cfg.d_model**2 + cfg.vocab * cfg.d_model
-  return 6.0 * n + 12.0 * cfg.layers * cfg.d_model * cfg.seq
+
+def flops_per_token(cfg: ModelConfig) -> float:
+  """Training FLOPs per token (forward + backward): `fs.model_flops_per_token` (PaLM appendix
+  B) for this model. Remat's recomputation is not counted (MFU, not hardware utilisation)."""
+  return fs.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
+                                  d_model=cfg.d_model, seq=cfg.seq)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -579,21 +581,6 @@ def _mesh_axes(cfg: Config, default: str) -> dict[str, int]:
   return axes
 
 
-def _measure_cpu_peak() -> float:
-  """FLOP/s of a 2048^2 float32 matmul on one CPU device, best of a few (the MFU denominator
-  on CPU, where no vendor peak applies; every simulated device shares the same cores)."""
-  n = 2048
-  x = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])
-  f = jax.jit(lambda a: a @ a)
-  f(x).block_until_ready()
-  best = float("inf")
-  for _ in range(5):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n**3 / best
-
-
 def _fmt_time(s: float) -> str:
   s = int(max(s, 0))
   return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -711,7 +698,7 @@ def run(cfg: Config) -> dict[str, Any]:
   one_host_cpu = topo.platform == "cpu"
 
   if topo.platform == "cpu":
-    peak_total = _measure_cpu_peak() * jax.process_count()
+    peak_total = fs.measure_matmul_peak() * jax.process_count()
     peak_note = (f"MFU denominator: measured CPU matmul peak {peak_total / 1e9:.0f} GFLOP/s, "
                  f"shared by all {jax.device_count()} simulated devices (one host's cores)")
   elif topo.peak_flops_per_device:
