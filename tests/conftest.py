@@ -8,3 +8,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes may load libtpu (for TPU ahead-of-time compiles) at once; its
 # machine-wide lock would otherwise fail all but the first.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tpu_devices():
+  """`tpu_devices(name, **kw)`: libtpu's described devices for a TPU topology such as
+  "v5p:2x2x2" (ahead-of-time compiles on a machine without a TPU). Skips only when libtpu is
+  not installed; any other failure (a jax or libtpu upgrade that breaks the call) fails."""
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu not installed; install fnscale[tpu]")
+  from jax.experimental import topologies
+
+  def get(name, **kw):
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices
+
+  return get
