@@ -2,7 +2,8 @@
 
 `detect_topology` asks, first that answers: an explicit override string, the TPU
 environment variables a Cloud TPU VM or GKE sets, the Cloud TPU metadata service, and
-finally `jax.devices()`. The result is an immutable `Topology` value.
+finally the devices (`jax.devices()` or libtpu's described devices). The result is an
+immutable `Topology` value; the precedence and its reasons are in `detect_topology`.
 
 Chip facts (`TPU_FACTS`, `GPU_FACTS`) are the vendors' published figures: Google Cloud's
 "TPU versions" pages (v2, v3, v4, v5e, v5p, v6e Trillium, TPU7x Ironwood) and NVIDIA's data
@@ -10,6 +11,7 @@ sheets (A100, H100 SXM, H100 PCIe, H200, B200). Peak FLOP/s are dense bf16 per c
 """
 import dataclasses
 import glob
+import importlib.util
 import math
 import os
 import re
@@ -57,9 +59,12 @@ TPU_FACTS: Mapping[str, TpuFacts] = types.MappingProxyType({
     "v7": TpuFacts(2, 4, 192 * GiB, 2307e12, 3, "cores", ("TPU7x", "TPU v7")),
 })
 
-# Accelerator-type prefixes as Cloud TPU spells them, mapped to the generation key above.
+# Accelerator-type prefixes as Cloud TPU spells them, mapped to the generation key above. A
+# prefix alone ("tpu7x", as GKE's TPU_ACCELERATOR_TYPE for Ironwood) names only the generation.
 _TYPE_PREFIXES = {"v2": "v2", "v3": "v3", "v4": "v4", "v5litepod": "v5e", "v5e": "v5e",
                   "v5p": "v5p", "v6e": "v6e", "tpu7x": "v7", "v7": "v7"}
+# In "GEN:GRID" also libtpu's own topology names: "v5:2x2x1" is a v5p (as MaxText spells it).
+_GRID_PREFIXES = {**_TYPE_PREFIXES, "v5": "v5p"}
 
 
 class GpuFacts(NamedTuple):
@@ -92,6 +97,10 @@ class Topology:
     num_slices: TPU slices joined over DCN (1 on a single slice or off TPU).
     devices_per_process: JAX devices attached to each process.
     chip_grid: physical chips of one slice per torus dimension, e.g. (2, 4, 8); () unknown.
+      Three dimensions on 3-D torus generations (v4, v5p, TPU7x: a v5p-8 is (2, 2, 1)), two
+      on 2-D ones (v2, v3, v5e, v6e: a v5litepod-8 is (2, 4)), whichever source gave it.
+    num_chips: chips in one slice: the product of `chip_grid`, else the accelerator type's
+      count, else 0 (unknown, or not a TPU).
     cores_per_chip: TensorCores per chip (1 off TPU).
     accelerator_type: Cloud TPU accelerator type such as "v5p-128", or None.
     process_index: this process's index in the job.
@@ -99,7 +108,8 @@ class Topology:
     peak_flops_per_device: peak dense bf16 FLOP/s of one JAX device, or None if unknown.
     hbm_bytes_per_device: accelerator memory of one JAX device in bytes, or None.
     sources: field name -> where it came from ("override", "env:TPU_ACCELERATOR_TYPE",
-      "metadata:instance/attributes/accelerator-type", "jax.devices()", "facts table").
+      "metadata:instance/attributes/accelerator-type", "jax.devices()", "devices" for devices
+      passed in, "facts table").
   """
   platform: str
   device_kind: str
@@ -109,6 +119,7 @@ class Topology:
   num_slices: int
   devices_per_process: int
   chip_grid: tuple[int, ...]
+  num_chips: int
   cores_per_chip: int
   accelerator_type: str | None
   process_index: int
@@ -116,11 +127,6 @@ class Topology:
   peak_flops_per_device: float | None
   hbm_bytes_per_device: int | None
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
-
-  @property
-  def num_chips(self) -> int:
-    """Chips in one slice per `chip_grid` (0 if unknown)."""
-    return math.prod(self.chip_grid) if self.chip_grid else 0
 
   @property
   def devices_per_slice(self) -> int:
@@ -133,6 +139,9 @@ class Topology:
             f"{self.num_devices} devices = {self.num_slices} slice(s) x chip grid {grid}, "
             f"{self.num_processes} process(es) x {self.devices_per_process} devices, "
             f"peak {peak} bf16 per device")
+
+
+Facts = dict[str, tuple[Any, str]]  # field -> (value, where it came from)
 
 
 def parse_shape(shape: str) -> tuple[int, ...]:
@@ -156,9 +165,10 @@ def parse_accelerator_type(accelerator_type: str) -> tuple[str, int]:
   """Splits a Cloud TPU accelerator type into (generation, chips), e.g. "v5p-128" -> ("v5p", 64).
 
   Raises:
-    TopologyError: for an unknown generation or a malformed count.
+    TopologyError: not a str, an unknown generation or a malformed count.
   """
-  m = re.fullmatch(r"\s*([a-z0-9]+)-(\d+)\s*", accelerator_type or "")
+  _check_type("accelerator_type", accelerator_type, str, "a str such as 'v5p-128'")
+  m = re.fullmatch(r"\s*([a-z0-9]+)-(\d+)\s*", accelerator_type)
   if not m or m.group(1) not in _TYPE_PREFIXES:
     known = ", ".join(f"{p}-N" for p in _TYPE_PREFIXES)
     raise TopologyError(
@@ -175,8 +185,20 @@ def parse_accelerator_type(accelerator_type: str) -> tuple[str, int]:
   return generation, count // per_chip
 
 
+def _type_or_generation(name: str) -> tuple[str, int | None]:
+  """(generation, chips) of an accelerator type; a generation alone ("tpu7x") gives no count."""
+  if name.strip() in _TYPE_PREFIXES:
+    return _TYPE_PREFIXES[name.strip()], None
+  return parse_accelerator_type(name)
+
+
 def generation_of(device_kind: str) -> str | None:
-  """The `TPU_FACTS` key for a TPU `device_kind`, or None."""
+  """The `TPU_FACTS` key for a TPU `device_kind` ("TPU v5" -> "v5p"), or None.
+
+  Raises:
+    TopologyError: `device_kind` is not a str.
+  """
+  _check_type("device_kind", device_kind, str, "a str such as 'TPU v5'")
   for gen, facts in TPU_FACTS.items():
     if device_kind in facts.device_kinds:
       return gen
@@ -184,70 +206,233 @@ def generation_of(device_kind: str) -> str | None:
 
 
 def gpu_facts(device_kind: str) -> GpuFacts | None:
-  """Facts for an NVIDIA `device_kind` such as "NVIDIA H100 80GB HBM3", or None."""
+  """Facts for an NVIDIA `device_kind` such as "NVIDIA H100 80GB HBM3", or None.
+
+  Raises:
+    TopologyError: `device_kind` is not a str.
+  """
+  _check_type("device_kind", device_kind, str, "a str such as 'NVIDIA H200'")
   for name, facts in GPU_FACTS.items():
     if name in device_kind:
       return facts
   return None
 
 
-def _grid_from_bounds(chips_per_host: str, host_bounds: str) -> tuple[int, ...]:
-  a = [int(x) for x in chips_per_host.split(",")]
-  b = [int(x) for x in host_bounds.split(",")]
-  if len(a) != len(b):
-    raise TopologyError(
-        f"TPU_CHIPS_PER_HOST_BOUNDS={chips_per_host!r} and TPU_HOST_BOUNDS={host_bounds!r} have "
-        "different ranks; they must be comma-separated lists of the same length.")
-  grid = tuple(x * y for x, y in zip(a, b))
-  while len(grid) > 2 and grid[-1] == 1:  # "2,2,1" is a 2-D 2x2 slice
-    grid = grid[:-1]
-  return grid
+def _check_type(name: str, value, types_, expected: str, error=TopologyError) -> None:
+  """Raises `error` naming the argument, what it got and what it expects."""
+  if isinstance(value, bool) or not isinstance(value, types_):
+    raise error(f"{name}={value!r} ({type(value).__name__}): expected {expected}.")
 
 
-def _tpu_env_facts(env: Mapping[str, str], prefix: str,
-                   source: str = "env:") -> dict[str, tuple[Any, str]]:
-  """Facts from TPU environment variables (or the `tpu-env` metadata attribute's keys)."""
-  facts: dict[str, tuple[Any, str]] = {}
+def check_devices(devices, name: str = "devices", error=TopologyError) -> list:
+  """The devices as a non-empty list of `jax.Device` (real ones or libtpu's described ones).
 
+  Raises:
+    `error` (TopologyError by default): not a sequence of `jax.Device`, or empty.
+  """
+  import jax  # deferred: importing this module starts no backend
+  expected = ("a non-empty sequence of jax.Device, e.g. jax.devices() or "
+              "jax.experimental.topologies.get_topology_desc(...).devices")
+  if isinstance(devices, (str, bytes, Mapping)) or not hasattr(devices, "__iter__"):
+    raise error(f"{name}={devices!r} ({type(devices).__name__}): expected {expected}.")
+  devices = list(devices)
+  bad = [d for d in devices if not isinstance(d, jax.Device)]
+  if bad or not devices:
+    got = f"element {bad[0]!r} ({type(bad[0]).__name__})" if bad else "an empty sequence"
+    raise error(f"{name} has {got}: expected {expected}.")
+  return devices
+
+
+# --- sources: each returns Facts; detect_topology merges them, first that answers wins ------
+
+# Layout variables, most specific first: (chips per unit, units per slice). libtpu runs one
+# process per TPU_PROCESS_BOUNDS cell; TPU_HOST_BOUNDS is the per-host spelling of the same.
+_BOUNDS = (("TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS"),
+           ("TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS"))
+
+
+def _lookup(kv: Mapping[str, str], prefix: str, short_names: bool):
+  """get(NAME) -> (value, source) or (None, None). `tpu-env` metadata writes some keys with
+  the TPU_ prefix (TPU_ACCELERATOR_TYPE) and some without (ACCELERATOR_TYPE): read both."""
   def get(name):
-    return env.get(prefix + name)
+    keys = (name, name.removeprefix("TPU_")) if short_names else (name,)
+    for key in keys:
+      value = kv.get(key)
+      if value is not None and str(value).strip():
+        return str(value).strip(), prefix + key
+    return None, None
+  return get
 
-  src = lambda name: source + prefix + name
-  if get("ACCELERATOR_TYPE"):
-    facts["accelerator_type"] = (get("ACCELERATOR_TYPE").strip(), src("ACCELERATOR_TYPE"))
-  if get("TOPOLOGY"):
-    facts["chip_grid"] = (parse_shape(get("TOPOLOGY")), src("TOPOLOGY"))
-  elif get("CHIPS_PER_HOST_BOUNDS") and get("HOST_BOUNDS"):
-    facts["chip_grid"] = (_grid_from_bounds(get("CHIPS_PER_HOST_BOUNDS"), get("HOST_BOUNDS")),
-                          src("CHIPS_PER_HOST_BOUNDS") + "*HOST_BOUNDS")
-  if get("WORKER_ID"):
-    facts["process_index"] = (int(get("WORKER_ID")), src("WORKER_ID"))
+
+def _as_ints(value: str, source: str, sep: str, minimum: int) -> tuple[int, ...]:
+  try:
+    out = tuple(int(x) for x in value.split(sep))
+  except ValueError:
+    out = ()
+  if not out or min(out) < minimum:
+    raise TopologyError(f"{source}={value!r} is not {sep!r}-separated integers >= {minimum}; "
+                        "fix or unset it.")
+  return out
+
+
+def _layout_facts(get) -> Facts:
+  """The slice layout one source states: its bounds (a pair, both given) before its
+  TPU_TOPOLOGY, which a host carved out of a bigger slice keeps from the whole slice."""
+  for per_name, bounds_name in _BOUNDS:
+    (per, per_src), (bounds, bounds_src) = get(per_name), get(bounds_name)
+    if per and bounds:
+      a, b = _as_ints(per, per_src, ",", 1), _as_ints(bounds, bounds_src, ",", 1)
+      if len(a) != len(b):
+        raise TopologyError(f"{per_src}={per!r} and {bounds_src}={bounds!r} have different "
+                            "ranks; they must be comma-separated lists of the same length.")
+      return {"chip_grid": (tuple(x * y for x, y in zip(a, b)), f"{per_src}*{bounds_src}"),
+              "processes_per_slice": (math.prod(b), bounds_src)}
+  topology, src = get("TPU_TOPOLOGY")
+  return {"chip_grid": (parse_shape(topology), src)} if topology else {}
+
+
+def _kv_facts(get) -> Facts:
+  """Facts from TPU environment variables, or from the same keys in `tpu-env` metadata."""
+  facts = _layout_facts(get)
+  for field, name, minimum in (("worker_id", "TPU_WORKER_ID", 0),
+                               ("num_slices", "MEGASCALE_NUM_SLICES", 1),
+                               ("slice_index", "MEGASCALE_SLICE_ID", 0)):
+    value, src = get(name)
+    if value is not None:
+      facts[field] = (_as_ints(value, src, ",", minimum)[0], src)
+  acc, src = get("TPU_ACCELERATOR_TYPE")
+  if acc:
+    facts["accelerator_type"] = (acc, src)
+  for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):  # JAX's hosts of one slice
+    hosts, src = get(name)
+    if hosts and "processes_per_slice" not in facts:
+      facts["processes_per_slice"] = (len([h for h in hosts.split(",") if h.strip()]), src)
   return facts
 
 
-def _megascale_facts(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-  facts = {}
-  if env.get("MEGASCALE_NUM_SLICES"):
-    facts["num_slices"] = (int(env["MEGASCALE_NUM_SLICES"]), "env:MEGASCALE_NUM_SLICES")
-  if env.get("MEGASCALE_SLICE_ID"):
-    facts["slice_index"] = (int(env["MEGASCALE_SLICE_ID"]), "env:MEGASCALE_SLICE_ID")
+def _env_facts(env: Mapping[str, str]) -> Facts:
+  return _kv_facts(_lookup(env, "env:", short_names=False))
+
+
+def _metadata_facts(timeout_s: float, url: str) -> Facts:
+  get = lambda path: _metadata.get("instance/attributes/" + path, timeout_s=timeout_s, url=url)
+  facts: Facts = {}
+  acc, worker = get("accelerator-type"), get("agent-worker-number")
+  if acc:
+    facts["accelerator_type"] = (acc, "metadata:instance/attributes/accelerator-type")
+  if worker and worker.isdigit():
+    facts["worker_id"] = (int(worker), "metadata:instance/attributes/agent-worker-number")
+  # Lines such as "TOPOLOGY: '2x4x8'", "TPU_WORKER_ID: '0'", "MEGASCALE_SLICE_ID: '1'".
+  kv = dict(re.findall(r"^\s*([A-Z_]+)\s*:\s*'?([^'\n]*)'?\s*$", get("tpu-env") or "", re.M))
+  get_kv = _lookup(kv, "metadata:instance/attributes/tpu-env:", short_names=True)
+  return {**_kv_facts(get_kv), **facts}
+
+
+def _device_facts(devices: list, src: str) -> Facts:
+  """Facts the devices show; described devices (a topology description) count their own
+  processes and slices, which need not be this machine's."""
+  import jax  # deferred: detection from env/metadata needs no backend
+  by_process: dict[int, list] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  me = jax.process_index() if jax.process_index() in by_process else min(by_process)
+  slice_of = lambda d: getattr(d, "slice_index", 0) or 0
+  slices = sorted({slice_of(d) for d in devices})
+  d0, procs = devices[0], src + " process_index"
+  facts: Facts = {
+      "platform": (d0.platform, src), "device_kind": (d0.device_kind, src),
+      "num_devices": (len(devices), src), "num_processes": (len(by_process), procs),
+      "devices_per_process": (len(by_process[me]), procs),
+      "process_index": (me, "jax.process_index()"),
+      "num_slices": (len(slices), src + " slice_index"),
+      "slice_index": (slice_of(by_process[me][0]), src + " slice_index"),
+      "processes_per_slice": (max(len(by_process) // len(slices), 1), procs),
+  }
+  if d0.platform == "tpu" and getattr(d0, "coords", None) is not None:
+    coords = [tuple(d.coords) for d in devices if slice_of(d) == slices[0]]
+    grid = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0])))
+    facts["chip_grid"] = (grid, src + " coords")
+    facts["devices_per_chip"] = (max(getattr(d, "core_on_chip", 0) for d in devices) + 1,
+                                 src + " core_on_chip")
   return facts
+
+
+def _override_facts(override: str) -> Facts:
+  text = override.strip()
+  if not text:
+    raise TopologyError(
+        f"topology override {override!r} is empty: expected a chip grid such as '2x4x8', "
+        "'v5p:2x4x8', slices first as '2x4x4x8', an accelerator type such as 'v5p-128', or "
+        "slices of one as '2x v5p-128'.")
+  facts: Facts = {}
+  m = re.fullmatch(r"(\d+)\s*x\s*([a-z]\S*)", text)  # "2x v5p-128": two slices over DCN
+  if m:
+    facts["num_slices"] = (_as_ints(m.group(1), "override slices", ",", 1)[0], "override")
+    text = m.group(2)
+  if re.fullmatch(r"[a-z0-9]+-\d+", text):
+    parse_accelerator_type(text)  # validates
+    return {**facts, "accelerator_type": (text, "override")}
+  if ":" in text:
+    gen, _, text = text.partition(":")
+    if gen.strip() not in _GRID_PREFIXES:
+      raise TopologyError(
+          f"topology override {override!r} names an unknown TPU generation {gen!r}: expected "
+          f"one of {sorted(_GRID_PREFIXES)} before ':', e.g. 'v5p:2x4x8'.")
+    facts["generation"] = (_GRID_PREFIXES[gen.strip()], "override")
+  dims = parse_shape(text)
+  if len(dims) == 4:
+    facts["num_slices"] = (dims[0], "override")
+    dims = dims[1:]
+  return {**facts, "chip_grid": (dims, "override")}
+
+
+def _tpu_device_files() -> bool:
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def _on_tpu_vm(env: Mapping[str, str]) -> bool:
   """Whether asking the metadata service is worth it: never on a laptop or in CI."""
   if env.get("TPU_SKIP_MDS_QUERY"):
     return False
-  if env.get("GCE_METADATA_HOST"):
-    return True
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))  # TPU device files
+  return bool(env.get("GCE_METADATA_HOST")) or _tpu_device_files()
 
 
 def has_accelerator() -> bool:
   """Whether this machine shows a TPU (`/dev/accel*`, `/dev/vfio/N`) or NVIDIA GPU device
   file, without starting a jax backend."""
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or
-              glob.glob("/dev/nvidia[0-9]*"))
+  return _tpu_device_files() or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+# libtpu, loaded on a machine without a TPU (jax's first backend start, or a topology
+# description for an ahead-of-time compile), prints "Failed to find host bounds ..." and an
+# "E0000 ... unexpected worker hostname" error with a stack trace, because it can't look up
+# its hosts. One host with one process of its own is what such a machine is.
+QUIET_LIBTPU_ENV = types.MappingProxyType({"TPU_WORKER_HOSTNAMES": "localhost",
+                                           "TPU_PROCESS_BOUNDS": "1,1,1"})
+_LIBTPU_LAYOUT_VARS = ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_WORKER_HOSTNAMES",
+                       "TPU_PROCESS_ADDRESSES", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS")
+
+
+def quiet_libtpu_without_tpu(env: dict[str, str] | None = None) -> dict[str, str]:
+  """Sets `QUIET_LIBTPU_ENV` in `env` (default `os.environ`) when libtpu is installed but
+  this machine has no TPU device files and no TPU layout variable is set: libtpu then loads
+  without its host-lookup warnings. `import fnscale` calls it; it must run before libtpu
+  loads (the first jax computation or topology description). A lone TPU_PROCESS_BOUNDS fixes
+  no layout in `detect_topology` (bounds count only in pairs), so detection is unaffected.
+
+  Returns:
+    The variables it set ({} when it did nothing).
+  """
+  env = os.environ if env is None else env
+  if (_tpu_device_files() or any(env.get(v) for v in _LIBTPU_LAYOUT_VARS)
+      or importlib.util.find_spec("libtpu") is None):
+    return {}
+  for k, v in QUIET_LIBTPU_ENV.items():
+    env[k] = v
+  return dict(QUIET_LIBTPU_ENV)
+
+
+quiet_libtpu_without_tpu()
 
 
 def simulate_cpu_devices(n: int) -> bool:
@@ -265,7 +450,8 @@ def simulate_cpu_devices(n: int) -> bool:
     TopologyError: `n` is not a positive int, or jax already started with another count.
   """
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-    raise TopologyError(f"simulated device count {n!r} must be a positive int, e.g. 8.")
+    raise TopologyError(f"simulated device count n={n!r} ({type(n).__name__}) must be a "
+                        "positive int, e.g. 8.")
   if has_accelerator():
     return False
   flags_ = os.environ.get("XLA_FLAGS", "")
@@ -288,184 +474,182 @@ def simulate_cpu_devices(n: int) -> bool:
   return True
 
 
-def _metadata_facts(timeout_s: float, url: str) -> dict[str, tuple[Any, str]]:
-  facts: dict[str, tuple[Any, str]] = {}
-  get = lambda path: _metadata.get(path, timeout_s=timeout_s, url=url)
-  acc = get("instance/attributes/accelerator-type")
-  if acc:
-    facts["accelerator_type"] = (acc, "metadata:instance/attributes/accelerator-type")
-  tpu_env = get("instance/attributes/tpu-env")
-  if tpu_env:  # lines like "TOPOLOGY: '2x4x8'"
-    kv = dict(re.findall(r"^\s*([A-Z_]+)\s*:\s*'?([^'\n]*)'?\s*$", tpu_env, re.M))
-    for k, v in _tpu_env_facts(kv, "", "metadata:instance/attributes/tpu-env:").items():
-      facts.setdefault(k, v)
-  worker = get("instance/attributes/agent-worker-number")
-  if worker and worker.isdigit():
-    facts.setdefault("process_index",
-                     (int(worker), "metadata:instance/attributes/agent-worker-number"))
-  return facts
+# --- merge ---------------------------------------------------------------------------------
 
-
-def _device_facts(devices) -> dict[str, tuple[Any, str]]:
-  import jax  # deferred: detection from env/metadata needs no backend
-  src = "jax.devices()"
-  d0 = devices[0]
-  facts: dict[str, tuple[Any, str]] = {
-      "platform": (d0.platform, src),
-      "device_kind": (d0.device_kind, src),
-      "num_devices": (len(devices), src),
-      "num_processes": (jax.process_count(), "jax.process_count()"),
-      "process_index": (jax.process_index(), "jax.process_index()"),
-  }
-  slices = {getattr(d, "slice_index", 0) or 0 for d in devices}
-  facts["num_slices"] = (len(slices), src + " slice_index")
-  local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
-  facts["devices_per_process"] = (len(local), src)
-  facts["slice_index"] = (getattr(local[0], "slice_index", 0) or 0, src + " slice_index")
-  if d0.platform == "tpu" and getattr(d0, "coords", None) is not None:
-    first = [d for d in devices if (getattr(d, "slice_index", 0) or 0) == min(slices)]
-    coords = [tuple(d.coords) for d in first]
-    grid = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0])))
-    while len(grid) > 2 and grid[-1] == 1:
-      grid = grid[:-1]
-    facts["chip_grid"] = (grid, src + " coords")
-    cores = max(getattr(d, "core_on_chip", 0) for d in devices) + 1
-    facts["devices_per_chip"] = (cores, src + " core_on_chip")
-  return facts
-
-
-def detect_topology(override: str | None = None, *, devices=None, env: Mapping[str, str] | None = None,
+def detect_topology(override: str | None = None, *, devices=None,
+                    env: Mapping[str, str] | None = None,
                     metadata_timeout_s: float = 1.0) -> Topology:
-  """Detects the hardware this process belongs to.
+  """Detects the hardware this process belongs to, or describes a target's devices.
+
+  Each fact comes from the first source that states it, in this order (the reason for each
+  step after the dash):
+
+  1. `override` - the caller says what to plan for; nothing on the machine can know better.
+  2. The environment (`env`) - a launcher (GKE, a queued resource, a user) sets it for this
+     process, and libtpu reads it before anything else. Within it, the layout of one slice
+     comes from, first present:
+     a. TPU_CHIPS_PER_PROCESS_BOUNDS x TPU_PROCESS_BOUNDS - exactly the grid libtpu runs,
+        one process per cell (the names libtpu and multi-process launchers use);
+     b. TPU_CHIPS_PER_HOST_BOUNDS x TPU_HOST_BOUNDS - the per-host spelling of the same;
+        a bounds variable counts only with its partner;
+     c. TPU_TOPOLOGY - the slice as provisioned: a host carved out of a bigger slice (GKE,
+        or one host of a pod run alone) keeps it while the bounds say what runs.
+     Also TPU_ACCELERATOR_TYPE, TPU_WORKER_ID, MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID,
+     and the hosts of one slice (TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES, as JAX).
+  3. The Cloud TPU metadata service - the VM as provisioned; libtpu and JAX consult it only
+     for what the environment lacks. `accelerator-type`, `agent-worker-number`, and the
+     `tpu-env` lines (keys with or without TPU_: ACCELERATOR_TYPE / TPU_ACCELERATOR_TYPE,
+     WORKER_ID / TPU_WORKER_ID, the layout in the order a-c, MEGASCALE_*). Asked only on
+     what looks like a TPU VM (`/dev/accel*`, `/dev/vfio/N`, or `GCE_METADATA_HOST`).
+  4. The devices - what libtpu actually built. Last for the layout because before
+     `jax.distributed.initialize` a process may see only its own; they fill every fact the
+     sources above leave out, and the device count checks those sources.
+
+  The generation comes from an override's "GEN:", else the devices' `device_kind`, else the
+  accelerator type (which may name the generation alone, as "tpu7x", taking the count from
+  the layout). `process_index` is worker id + slice id x processes per slice (as JAX's
+  Cloud TPU cluster computes it); without a worker id, `jax.process_index()`.
 
   Args:
-    override: an explicit description taking precedence over every other source: a chip
-      grid "4x4" / "2x4x8", slices first as "SxAxBxC" (4 numbers), optionally prefixed with a
-      generation as "v5p:2x4x8", or an accelerator type "v5p-128".
-    devices: the devices to describe (default `jax.devices()`).
+    override: "4x4", "2x4x8", "v5p:2x4x8" / "v5:2x2x1" (libtpu's names), slices first as
+      "2x4x4x8", an accelerator type "v5p-128", or "2x v5p-128" (two slices).
+    devices: the devices to describe (default `jax.devices()`), e.g. libtpu's described
+      devices `jax.experimental.topologies.get_topology_desc(...).devices` of a target pod.
     env: environment to read (default `os.environ`).
-    metadata_timeout_s: per-request timeout of the Cloud TPU metadata service, seconds. The
-      service is only asked on what looks like a TPU VM (`/dev/accel*`, `/dev/vfio/N`, or
-      `GCE_METADATA_HOST` set); unreachable means "no answer", never an error.
+    metadata_timeout_s: per-request timeout of the metadata service, seconds (> 0);
+      unreachable means "no answer", never an error.
 
   Returns:
     A `Topology`; `topology.sources` names where each fact came from.
 
   Raises:
-    TopologyError: malformed override or environment values, an unknown accelerator type,
-      or an override / environment whose device count disagrees with the devices present.
+    TopologyError: an argument of the wrong type; malformed override or environment values;
+      an unknown accelerator type; a generation that disagrees with the devices; or a layout
+      whose device count disagrees with the devices present.
   """
   import jax
+  _check_detect_args(override, env, metadata_timeout_s)
   env = os.environ if env is None else env
-  facts: dict[str, tuple[Any, str]] = {}
-
-  def merge(new):
+  src = "jax.devices()" if devices is None else "devices"
+  devices = check_devices(jax.devices() if devices is None else devices)
+  facts: Facts = {}
+  for new in (_override_facts(override) if override is not None else {}, _env_facts(env),
+              _metadata_facts(metadata_timeout_s, _metadata.base_url(env))
+              if _on_tpu_vm(env) else {},
+              _device_facts(devices, src)):
     for k, v in new.items():
       facts.setdefault(k, v)
-
-  if override is not None:
-    merge(_override_facts(override))
-  merge(_tpu_env_facts(env, "TPU_"))
-  merge(_megascale_facts(env))
-  if _on_tpu_vm(env):
-    merge(_metadata_facts(metadata_timeout_s, _metadata.base_url(env)))
-  devices = list(jax.devices() if devices is None else devices)
-  dev = _device_facts(devices)
-  merge(dev)
-
-  value = lambda k, default=None: facts[k][0] if k in facts else default
-  sources = {k: s for k, (_, s) in facts.items()}
-  acc = value("accelerator_type")
-  generation = generation_of(value("device_kind")) if value("platform") == "tpu" else None
-  acc_chips = None
-  if acc:
-    acc_gen, acc_chips = parse_accelerator_type(acc)
-    generation = generation or acc_gen
-  if "generation" in facts:
-    generation = value("generation")
-    sources["generation"] = facts["generation"][1]
-  chip_grid = value("chip_grid", ())
-  if not chip_grid and acc_chips:
-    sources["chip_grid"] = "unknown (accelerator type gives only the chip count)"
-  num_slices = value("num_slices", 1)
-
-  platform = value("platform")
-  tpu = TPU_FACTS.get(generation) if generation else None
-  devices_per_chip = value("devices_per_chip", 1)
-  if tpu and platform == "tpu":
-    peak = tpu.peak_flops / devices_per_chip
-    hbm = tpu.hbm_bytes // devices_per_chip
-    sources["peak_flops_per_device"] = sources["hbm_bytes_per_device"] = "facts table"
-  elif platform == "gpu" and gpu_facts(value("device_kind")):
-    g = gpu_facts(value("device_kind"))
-    peak, hbm = g.peak_flops, g.hbm_bytes
-    sources["peak_flops_per_device"] = sources["hbm_bytes_per_device"] = "facts table"
-  else:
-    peak = hbm = None
-
-  topo = Topology(
-      platform=platform,
-      device_kind=value("device_kind"),
-      generation=generation,
-      num_devices=value("num_devices"),
-      num_processes=value("num_processes", 1),
-      num_slices=num_slices,
-      devices_per_process=value("devices_per_process"),
-      chip_grid=tuple(chip_grid),
-      cores_per_chip=tpu.cores_per_chip if tpu else 1,
-      accelerator_type=acc,
-      process_index=value("process_index", 0),
-      slice_index=value("slice_index", 0),
-      peak_flops_per_device=peak,
-      hbm_bytes_per_device=hbm,
-      sources=types.MappingProxyType(sources),
-  )
-  _check_consistent(topo, devices_per_chip, acc_chips, len(devices))
-  logging.debug("detected topology %s from %s", topo, dict(sources))
+  topo = _topology(facts)
+  logging.debug("detected topology %s from %s", topo, dict(topo.sources))
   return topo
 
 
-def _override_facts(override: str) -> dict[str, tuple[Any, str]]:
-  if not isinstance(override, str) or not override.strip():
+def _check_detect_args(override, env, metadata_timeout_s) -> None:
+  if override is not None:
+    _check_type("override", override, str, "None or a str such as 'v5p-128' or '2x4x8'")
+  if env is not None:
+    _check_type("env", env, Mapping, "None or a mapping of environment variables")
+  _check_type("metadata_timeout_s", metadata_timeout_s, (int, float), "a number of seconds > 0")
+  if metadata_timeout_s <= 0:
+    raise TopologyError(f"metadata_timeout_s={metadata_timeout_s!r}: expected seconds > 0.")
+
+
+def _topology(facts: Facts) -> Topology:
+  """The merged facts as a `Topology`, checked against the devices present."""
+  value = lambda k, default=None: facts[k][0] if k in facts else default
+  sources = {k: s for k, (_, s) in facts.items()}
+  generation, acc_chips = _generation(facts, sources)
+  grid = _slice_grid(value("chip_grid", ()), generation)
+  platform, devices_per_chip = value("platform"), value("devices_per_chip", 1)
+  peak, hbm = _per_device(platform, generation, value("device_kind"), devices_per_chip)
+  if peak is not None:
+    sources["peak_flops_per_device"] = sources["hbm_bytes_per_device"] = "facts table"
+  if not grid and acc_chips:
+    sources["chip_grid"] = "unknown (accelerator type gives only the chip count)"
+  if grid or acc_chips:
+    sources["num_chips"] = sources["chip_grid"] if grid else sources["accelerator_type"]
+  process_index, sources["process_index"] = _process_index(facts)
+  tpu = TPU_FACTS.get(generation) if platform == "tpu" else None
+  topo = Topology(
+      platform=platform, device_kind=value("device_kind"), generation=generation,
+      num_devices=value("num_devices"), num_processes=value("num_processes"),
+      num_slices=value("num_slices"), devices_per_process=value("devices_per_process"),
+      chip_grid=grid, num_chips=math.prod(grid) if grid else (acc_chips or 0),
+      cores_per_chip=tpu.cores_per_chip if tpu else 1,
+      accelerator_type=value("accelerator_type"), process_index=process_index,
+      slice_index=value("slice_index"), peak_flops_per_device=peak, hbm_bytes_per_device=hbm,
+      sources=types.MappingProxyType({k: sources[k] for k in _FIELDS if k in sources}))
+  _check_consistent(topo, devices_per_chip)
+  return topo
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Topology) if f.name != "sources")
+
+
+def _generation(facts: Facts, sources: dict[str, str]) -> tuple[str | None, int | None]:
+  """(generation, chips per slice from the accelerator type or None); records the source."""
+  acc = facts.get("accelerator_type", (None,))[0]
+  acc_gen, acc_chips = _type_or_generation(acc) if acc else (None, None)
+  kind = facts["device_kind"][0]
+  dev_gen = generation_of(kind) if facts["platform"][0] == "tpu" else None
+  if acc_gen and dev_gen and acc_gen != dev_gen:
     raise TopologyError(
-        f"topology override {override!r} is empty: expected a chip grid such as '2x4x8', "
-        "'v5p:2x4x8', slices first as '2x4x4x8', or an accelerator type such as 'v5p-128'.")
-  text = override.strip()
-  facts: dict[str, tuple[Any, str]] = {}
-  if re.fullmatch(r"[a-z0-9]+-\d+", text):
-    parse_accelerator_type(text)  # validates
-    facts["accelerator_type"] = (text, "override")
-    return facts
-  if ":" in text:
-    gen, _, text = text.partition(":")
-    gen = _TYPE_PREFIXES.get(gen.strip())
-    if gen is None:
-      raise TopologyError(
-          f"topology override {override!r} names an unknown TPU generation: expected one of "
-          f"{sorted(TPU_FACTS)} before ':', e.g. 'v5p:2x4x8'.")
-    facts["generation"] = (gen, "override")
-  dims = parse_shape(text)
-  if len(dims) == 4:
-    facts["num_slices"] = (dims[0], "override")
-    dims = dims[1:]
-  facts["chip_grid"] = (dims, "override")
-  return facts
+        f"accelerator type {acc!r} (from {facts['accelerator_type'][1]}) is a {acc_gen}, but "
+        f"the devices are {kind!r} ({dev_gen}); fix TPU_ACCELERATOR_TYPE or pass the devices "
+        "of that accelerator.")
+  if "generation" in facts:
+    return facts["generation"][0], acc_chips
+  generation = dev_gen or acc_gen
+  if generation:
+    sources["generation"] = (facts["device_kind"][1] + " device_kind" if dev_gen
+                             else facts["accelerator_type"][1])
+  return generation, acc_chips
 
 
-def _check_consistent(topo: Topology, devices_per_chip: int, acc_chips: int | None,
-                      present: int) -> None:
-  """The chip count implied by an override or the environment must match the devices present."""
-  if not topo.chip_grid and not acc_chips:
+def _slice_grid(grid: tuple[int, ...], generation: str | None) -> tuple[int, ...]:
+  """One spelling per slice: 3 dims on 3-D torus generations (v4, v5p, TPU7x), and a
+  trailing 1 dropped on 2-D ones (v2, v3, v5e, v6e), whichever source gave the grid."""
+  grid = tuple(grid)
+  dims = TPU_FACTS[generation].torus_dims if generation in TPU_FACTS else None
+  if dims == 2 and len(grid) == 3 and grid[-1] == 1:
+    return grid[:2]
+  if dims == 3 and 0 < len(grid) < 3:
+    return grid + (1,) * (3 - len(grid))
+  return grid
+
+
+def _process_index(facts: Facts) -> tuple[int, str]:
+  """Worker id within the slice + slice id x processes per slice, as JAX's Cloud TPU
+  cluster computes the job-wide index; without a worker id, what jax says."""
+  if "worker_id" not in facts:
+    return facts["process_index"]
+  (worker, wsrc), (slice_id, ssrc) = facts["worker_id"], facts["slice_index"]
+  if slice_id == 0:
+    return worker, wsrc
+  per, psrc = facts["processes_per_slice"]
+  return worker + slice_id * per, f"{wsrc} + {ssrc} x {psrc}"
+
+
+def _per_device(platform, generation, device_kind, devices_per_chip):
+  """(peak bf16 FLOP/s, HBM bytes) of one device from the facts tables, or (None, None)."""
+  tpu = TPU_FACTS.get(generation) if generation else None
+  if tpu and platform == "tpu":
+    return tpu.peak_flops / devices_per_chip, tpu.hbm_bytes // devices_per_chip
+  g = gpu_facts(device_kind) if platform == "gpu" else None
+  return (g.peak_flops, g.hbm_bytes) if g else (None, None)
+
+
+def _check_consistent(topo: Topology, devices_per_chip: int) -> None:
+  """The chips a layout or accelerator type implies must match the devices present."""
+  if not topo.num_chips:
     return
-  chips = topo.num_chips or acc_chips
-  if topo.platform == "tpu":
-    expected = chips * devices_per_chip * topo.num_slices
-  else:  # off TPU a grid describes devices directly (e.g. simulated CPU devices)
-    expected = chips * topo.num_slices
-  if expected != present:
-    where = topo.sources.get("chip_grid") or topo.sources.get("accelerator_type")
+  per_chip = devices_per_chip if topo.platform == "tpu" else 1  # off TPU a grid is devices
+  expected = topo.num_chips * per_chip * topo.num_slices
+  if expected != topo.num_devices:
+    where = topo.sources.get("chip_grid") if topo.chip_grid else \
+        topo.sources.get("accelerator_type")
     raise TopologyError(
         f"topology from {where} says {topo.num_slices} slice(s) x "
-        f"{'x'.join(map(str, topo.chip_grid)) or chips} = {expected} devices, but "
-        f"{present} {topo.platform} devices are present; fix the override (or the TPU_* "
-        "environment variables) to match, or run on the hardware it describes.")
+        f"{'x'.join(map(str, topo.chip_grid)) or topo.num_chips} = {expected} devices, but "
+        f"{topo.num_devices} {topo.platform} devices are present; fix the override (or the "
+        "TPU_* environment variables) to match, or run on the hardware it describes.")
