@@ -243,6 +243,77 @@ def check_devices(devices, name: str = "devices", error=TopologyError) -> list:
   return devices
 
 
+def standard_grid(generation: str, chips: int) -> tuple[int, ...]:
+  """The chip grid Google Cloud provisions for a slice of `chips` chips, e.g. ("v5p", 64) ->
+  (4, 4, 4) for a v5p-128. Per Google's per-generation topology tables, each doubling of a
+  slice doubles its smallest torus dimension (the last among equals): 3-D generations go
+  2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ...; 2-D ones 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, ...
+
+  Raises:
+    TopologyError: an unknown generation, or a chip count that isn't such a slice.
+  """
+  _check_type("generation", generation, str, f"one of {sorted(TPU_FACTS)}")
+  _check_type("chips", chips, int, "a positive int")
+  if generation not in TPU_FACTS:
+    raise TopologyError(f"generation={generation!r}: expected one of {sorted(TPU_FACTS)}.")
+  grid = [1, 1] if TPU_FACTS[generation].torus_dims == 2 else [2, 2, 1]
+  if chips == 2 and len(grid) == 2:
+    grid = [1, 2]
+  while math.prod(grid) < chips:
+    i = max(k for k, d in enumerate(grid) if d == min(grid))
+    grid[i] *= 2
+  if math.prod(grid) != chips:
+    raise TopologyError(
+        f"{chips} {generation} chips is not a standard slice (a power of two, at least "
+        f"{math.prod([2, 2, 1]) if len(grid) == 3 else 1}); give the grid, e.g. "
+        f"'{generation}:{'x'.join(map(str, grid))}'.")
+  return tuple(grid)
+
+
+# libtpu's names of the generations in topology descriptions ("tpu7x:2x2x1").
+_LIBTPU_NAMES = {"v7": "tpu7x"}
+
+
+def target_devices(target: str) -> list:
+  """libtpu's described devices of a TPU target, for ahead-of-time compiles and plans from a
+  machine without that TPU: "v5p-128", "v5p:4x4x4" (libtpu's spelling), "2x v5p-128" (two
+  slices over DCN). Devices are laid out as Google provisions them: v4 as megacore (one
+  device per chip, as JAX runs it), v5e/v6e slices of 8 chips on one host, 4 chips per host
+  otherwise (libtpu's default).
+
+  Returns:
+    A list of `jax.Device` (platform "tpu"), to pass as `devices=` to `detect_topology` and
+    `make_mesh`.
+
+  Raises:
+    TopologyError: a target that names no TPU generation, or libtpu is not installed
+      (`pip install "fnscale[tpu]"`).
+  """
+  _check_type("target", target, str, "a str such as 'v5p-128', 'v5p:4x4x4' or '2x v5p-128'")
+  facts = _override_facts(target)
+  slices = facts.get("num_slices", (1,))[0]
+  if "accelerator_type" in facts:
+    generation, chips = parse_accelerator_type(facts["accelerator_type"][0])
+    grid = standard_grid(generation, chips)
+  elif "generation" in facts:
+    generation, grid = facts["generation"][0], _slice_grid(facts["chip_grid"][0], None)
+  else:
+    raise TopologyError(f"target {target!r} names no TPU generation: write e.g. 'v5p-128', "
+                        "'v5p:4x4x4' or '2x v5p-128'.")
+  if importlib.util.find_spec("libtpu") is None:
+    raise TopologyError(
+        f"describing the TPU target {target!r} without the hardware needs libtpu, which is not "
+        "installed: pip install \"fnscale[tpu]\" (or \"jax[tpu]\"), then run again.")
+  from jax.experimental import topologies  # deferred: loads libtpu
+  kw = {"num_slices": slices} if slices > 1 else {}
+  if generation == "v4":
+    kw["chip_config_name"] = "megacore"
+  if generation in ("v5e", "v6e") and math.prod(grid) <= 8:
+    kw["chips_per_host_bounds"] = tuple(grid) + (1,) * (3 - len(grid))
+  name = f"{_LIBTPU_NAMES.get(generation, generation)}:{'x'.join(map(str, grid))}"
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
+
+
 # --- sources: each returns Facts; detect_topology merges them, first that answers wins ------
 
 # Layout variables, most specific first: (chips per unit, units per slice). libtpu runs one

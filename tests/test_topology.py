@@ -179,18 +179,11 @@ def test_simulate_cpu_devices_after_start(monkeypatch):
   assert fs.simulate_cpu_devices(4) is False
 
 
-def test_show_topology_recipe(tmp_path):
-  import subprocess, sys, os
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  root = os.path.dirname(os.path.dirname(__file__))
-  out = subprocess.run([sys.executable, os.path.join(root, "recipes", "show_topology.py"),
-                        "--devices=4", "--mesh=data=-1,tensor=2"], env=env, timeout=120,
-                       capture_output=True, text=True)
+def test_show_topology_recipe():
+  out = _recipe("--devices=4", "--mesh=data=-1,tensor=2")
   assert out.returncode == 0, out.stderr
   assert "4 devices" in out.stdout and "Mesh {'data': 2, 'tensor': 2}" in out.stdout
-  bad = subprocess.run([sys.executable, os.path.join(root, "recipes", "show_topology.py"),
-                        "--devices=4", "--mesh=data=3"], env=env, timeout=120,
-                       capture_output=True, text=True)
+  bad = _recipe("--devices=4", "--mesh=data=3")
   assert bad.returncode != 0
   assert "error: ICI axes {'data': 3} multiply to 3 devices but there are 4" in bad.stderr
   assert "Traceback" not in bad.stderr
@@ -425,3 +418,82 @@ def test_generation_only_name_without_layout_gives_no_count():
   assert (t.generation, t.num_chips, t.chip_grid) == ("v7", 0, ())
   t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v5p-16"})  # 16 TensorCores, 2 per chip
   assert (t.num_chips, t.sources["num_chips"]) == (8, "env:TPU_ACCELERATOR_TYPE")
+
+
+# --- describing a TPU target without the hardware ------------------------------------------
+
+@pytest.mark.parametrize("gen,chips,grid", [
+    # Google Cloud's topology tables (v5p, v4, TPU7x: 3-D; v5e, v6e, v2, v3: 2-D).
+    ("v5p", 4, (2, 2, 1)), ("v5p", 8, (2, 2, 2)), ("v5p", 16, (2, 2, 4)), ("v5p", 32, (2, 4, 4)),
+    ("v5p", 64, (4, 4, 4)), ("v4", 128, (4, 4, 8)), ("v4", 256, (4, 8, 8)),
+    ("v7", 512, (8, 8, 8)), ("v5e", 1, (1, 1)), ("v5e", 4, (2, 2)), ("v5e", 8, (2, 4)),
+    ("v6e", 16, (4, 4)), ("v6e", 32, (4, 8)), ("v6e", 256, (16, 16)), ("v3", 512, (16, 32)),
+])
+def test_standard_grid(gen, chips, grid):
+  assert topo_mod.standard_grid(gen, chips) == grid
+
+
+def test_standard_grid_bad_input():
+  with pytest.raises(fs.TopologyError, match=r"48 v5p chips is not a standard slice.*'v5p:4x4x4'"):
+    topo_mod.standard_grid("v5p", 48)
+  with pytest.raises(fs.TopologyError, match=r"generation='v9': expected one of \['v2'"):
+    topo_mod.standard_grid("v9", 8)
+  with pytest.raises(fs.TopologyError, match=r"chips='8' \(str\): expected a positive int"):
+    topo_mod.standard_grid("v5p", "8")
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("target,want", [
+    # (grid, chips per slice, devices, processes, devices per process, slices), from Google's
+    # tables: v5p-128 = 64 chips 4x4x4 on 16 hosts; v5litepod-8 = 2x4 on one host; v4-256 =
+    # 128 chips 4x4x8 on 32 hosts (megacore); tpu7x-8 = 4 chips, 2 TensorCores each.
+    ("v5p-128", ((4, 4, 4), 64, 64, 16, 4, 1)),
+    ("2x v5p-128", ((4, 4, 4), 64, 128, 32, 4, 2)),
+    ("v5p:4x4x4", ((4, 4, 4), 64, 64, 16, 4, 1)),
+    ("v5:2x2x1", ((2, 2, 1), 4, 4, 1, 4, 1)),
+    ("v5litepod-8", ((2, 4), 8, 8, 1, 8, 1)),
+    ("v4-256", ((4, 4, 8), 128, 128, 32, 4, 1)),
+    ("tpu7x-8", ((2, 2, 1), 4, 8, 1, 8, 1)),
+])
+def test_target_devices(tpu_devices, target, want):
+  t = fs.detect_topology(target, devices=topo_mod.target_devices(target), env={})
+  assert (t.chip_grid, t.num_chips, t.num_devices, t.num_processes, t.devices_per_process,
+          t.num_slices) == want
+
+
+def test_target_devices_without_libtpu(monkeypatch):
+  real = topo_mod.importlib.util.find_spec
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(fs.TopologyError, match=r"describing the TPU target 'v5p-128' without the "
+                                             r"hardware needs libtpu, which is not installed: "
+                                             r"pip install \"fnscale\[tpu\]\""):
+    topo_mod.target_devices("v5p-128")
+  with pytest.raises(fs.TopologyError, match=r"target '4x4' names no TPU generation"):
+    topo_mod.target_devices("4x4")
+
+
+def _recipe(*args):
+  import os, subprocess, sys
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  root = os.path.dirname(os.path.dirname(__file__))
+  return subprocess.run([sys.executable, os.path.join(root, "recipes", "show_topology.py"),
+                         *args], env=env, timeout=120, capture_output=True, text=True)
+
+
+@pytest.mark.tpu
+def test_show_topology_describes_a_target(tpu_devices):
+  out = _recipe("--topology=v5p-128", "--mesh=fsdp=-1,tensor=4")
+  assert out.returncode == 0, out.stderr
+  assert "describing target 'v5p-128'" in out.stdout
+  assert ("tpu 'TPU v5' (v5p-128): 64 devices = 1 slice(s) x chip grid 4x4x4, 16 process(es) "
+          "x 4 devices, peak 459 TFLOP/s") in out.stdout
+  assert "Mesh {'fsdp': 16, 'tensor': 4} over 64 devices" in out.stdout
+  out = _recipe("--topology=2x v5p-128", "--mesh=hybrid")
+  assert out.returncode == 0, out.stderr
+  assert "128 devices = 2 slice(s) x chip grid 4x4x4, 32 process(es)" in out.stdout
+  assert "Mesh {'replica': 2, 'fsdp': 64} over 128 devices" in out.stdout
+  assert "replica    size    2  Auto     DCN (across slices)" in out.stdout
+  out = _recipe("--topology=v5p-96")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert "error: 48 v5p chips is not a standard slice" in out.stderr
