@@ -304,14 +304,21 @@ def target_devices(target: str) -> list:
     raise TopologyError(
         f"describing the TPU target {target!r} without the hardware needs libtpu, which is not "
         "installed: pip install \"fnscale[tpu]\" (or \"jax[tpu]\"), then run again.")
-  from jax.experimental import topologies  # deferred: loads libtpu
+  import jax  # deferred: loads libtpu
+  from jax.experimental import topologies
   kw = {"num_slices": slices} if slices > 1 else {}
   if generation == "v4":
     kw["chip_config_name"] = "megacore"
   if generation in ("v5e", "v6e") and math.prod(grid) <= 8:
     kw["chips_per_host_bounds"] = tuple(grid) + (1,) * (3 - len(grid))
   name = f"{_LIBTPU_NAMES.get(generation, generation)}:{'x'.join(map(str, grid))}"
-  return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
+  except jax.errors.JaxRuntimeError as e:
+    raise TopologyError(
+        f"libtpu could not describe {name!r} {kw} for target {target!r}: {e}. If another "
+        "process on this machine holds libtpu (its lockfile), set ALLOW_MULTIPLE_LIBTPU_LOAD=1."
+    ) from None
 
 
 # --- sources: each returns Facts; detect_topology merges them, first that answers wins ------

@@ -497,3 +497,46 @@ def test_show_topology_describes_a_target(tpu_devices):
   out = _recipe("--topology=v5p-96")
   assert out.returncode == 1 and "Traceback" not in out.stderr
   assert "error: 48 v5p chips is not a standard slice" in out.stderr
+
+
+# --- libtpu's start-up warnings on a machine without a TPU ---------------------------------
+
+def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
+  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
+  env = {}
+  assert topo_mod.quiet_libtpu_without_tpu(env) == {"TPU_WORKER_HOSTNAMES": "localhost",
+                                                    "TPU_PROCESS_BOUNDS": "1,1,1"}
+  assert env == {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_PROCESS_BOUNDS": "1,1,1"}
+  for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS"):
+    env = {var: "x"}  # a launcher's own layout is never touched
+    assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {var: "x"}
+  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: True)
+  env = {}
+  assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
+
+
+@pytest.mark.tpu
+def test_quiet_libtpu_env_does_not_change_detection(tpu_devices):
+  # A lone TPU_PROCESS_BOUNDS fixes no layout: the described devices answer.
+  t = fs.detect_topology(env=dict(topo_mod.QUIET_LIBTPU_ENV), devices=tpu_devices("v5p:4x4x4"))
+  assert (t.chip_grid, t.num_processes, t.sources["chip_grid"]) == (
+      (4, 4, 4), 16, "devices coords")
+
+
+@pytest.mark.tpu
+def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
+  import os, subprocess, sys
+  if topo_mod._tpu_device_files():
+    pytest.skip("this machine has a TPU: libtpu finds its hosts itself")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "XLA_FLAGS", *topo_mod.QUIET_LIBTPU_ENV)}
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(__file__))
+  code = ("import fnscale, jax; jax.devices(); from jax.experimental import topologies; "
+          "print(len(topologies.get_topology_desc(platform='tpu', topology_name='v5p:2x2x2')"
+          ".devices))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "8", out.stderr
+  assert "unexpected worker hostname" not in out.stderr
+  assert "Failed to find host bounds" not in out.stderr
+  assert out.stderr.strip() == ""
