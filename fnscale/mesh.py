@@ -18,7 +18,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from fnscale.errors import MeshError
-from fnscale.topology import Topology
+from fnscale.topology import Topology, check_devices
 
 AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]
 
@@ -48,8 +48,15 @@ def parallelism(strategy: str, topology: Topology | None = None, *,
     `MeshAxes(ici, dcn)`: plain dicts you can print, edit and pass to `make_mesh`.
 
   Raises:
-    MeshError: unknown strategy or a tensor size that isn't positive.
+    MeshError: unknown strategy, a topology that isn't a `Topology`, or a tensor size that
+      isn't a positive int.
   """
+  if not isinstance(strategy, str):
+    raise MeshError(f"strategy={strategy!r} ({type(strategy).__name__}): expected one of "
+                    f"{PRESETS}.")
+  if topology is not None and not isinstance(topology, Topology):
+    raise MeshError(f"topology={topology!r} ({type(topology).__name__}): expected None or a "
+                    "fnscale.Topology (from fs.detect_topology).")
   if strategy not in PRESETS:
     raise MeshError(f"unknown parallelism strategy {strategy!r}: expected one of {PRESETS}, "
                     "or give axes explicitly such as {'data': -1, 'tensor': 2}.")
@@ -61,8 +68,9 @@ def parallelism(strategy: str, topology: Topology | None = None, *,
     return MeshAxes({"fsdp": -1}, dcn)
   if tensor is None:
     tensor = topology.devices_per_process if topology is not None else jax.local_device_count()
-  if not isinstance(tensor, int) or tensor < 1:
-    raise MeshError(f"tensor parallel size {tensor!r} must be a positive int.")
+  if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+    raise MeshError(f"tensor parallel size tensor={tensor!r} ({type(tensor).__name__}) must "
+                    "be a positive int.")
   return MeshAxes({"fsdp": -1, "tensor": tensor}, dcn)
 
 
@@ -86,17 +94,18 @@ def parse_axes(axes: AxesLike, *, what: str = "axes") -> dict[str, int]:
     try:
       pairs = [(n, s) for n, s in axes]
     except (TypeError, ValueError):
-      raise MeshError(f"{what} {axes!r} must be a mapping name -> size, a 'name=size,...' "
-                      "string or (name, size) pairs.") from None
+      raise MeshError(f"{what} {axes!r} ({type(axes).__name__}) must be a mapping name -> "
+                      "size, a 'name=size,...' string or (name, size) pairs.") from None
   out: dict[str, int] = {}
   for name, size in pairs:
     if not isinstance(name, str) or not name:
-      raise MeshError(f"{what} name {name!r} must be a non-empty string.")
+      raise MeshError(f"{what} name {name!r} ({type(name).__name__}) must be a non-empty "
+                      "string.")
     if name in out:
       raise MeshError(f"{what} name {name!r} appears twice in {axes!r}: each axis once.")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-      raise MeshError(f"{what} {name!r} has size {size!r}: expected a positive int or -1 "
-                      "(the devices left over).")
+      raise MeshError(f"{what} {name!r} has size {size!r} ({type(size).__name__}): expected "
+                      "a positive int or -1 (the devices left over).")
     out[name] = int(size)
   if list(out.values()).count(-1) > 1:
     raise MeshError(f"{what} {axes!r} has more than one -1; at most one axis per group can "
@@ -139,8 +148,13 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
 
   Raises:
     MeshError: malformed or duplicate axes, an axis in both groups, sizes that don't match
-      the device count (the message gives both counts), or unknown axis types.
+      the device count (the message gives both counts), unknown axis types, or an argument
+      of the wrong type (devices that aren't `jax.Device`s, a topology that isn't a
+      `Topology`).
   """
+  if topology is not None and not isinstance(topology, Topology):
+    raise MeshError(f"topology={topology!r} ({type(topology).__name__}): expected None or a "
+                    "fnscale.Topology (from fs.detect_topology).")
   if isinstance(axes, str) and axes.strip() in PRESETS:
     axes = parallelism(axes.strip(), topology)
   if isinstance(axes, MeshAxes):
@@ -156,9 +170,7 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
                     "one (e.g. 'replica' across slices, 'data' within).")
   if not ici and not dcn_axes:
     raise MeshError("no mesh axes given: pass e.g. {'data': -1}.")
-  devices = list(jax.devices() if devices is None else devices)
-  if not devices:
-    raise MeshError("devices is empty: pass at least one device (default: jax.devices()).")
+  devices = check_devices(jax.devices() if devices is None else devices, "devices", MeshError)
   n = len(devices)
   groups = _granules(devices) if dcn_axes else [devices]
   unit = "slices" if getattr(devices[0], "slice_index", None) is not None else "processes"
@@ -235,8 +247,8 @@ def _axis_types(axis_types, n: int) -> tuple[AxisType, ...]:
       raise MeshError(f"axis_types {axis_types!r}: expected 'auto', 'explicit' or a sequence "
                       "of jax.sharding.AxisType.")
     return (names[axis_types.lower()],) * n
-  types_ = tuple(axis_types)
-  if len(types_) != n or not all(isinstance(t, AxisType) for t in types_):
+  types_ = tuple(axis_types) if isinstance(axis_types, Sequence) else None
+  if types_ is None or len(types_) != n or not all(isinstance(t, AxisType) for t in types_):
     raise MeshError(f"axis_types {axis_types!r}: expected {n} jax.sharding.AxisType values, "
                     "one per mesh axis.")
   return types_
@@ -254,9 +266,7 @@ def with_mesh(mesh: Mesh):
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
   """
-  if not isinstance(mesh, Mesh):
-    raise MeshError(f"with_mesh needs a jax.sharding.Mesh (from fnscale.make_mesh), got "
-                    f"{type(mesh).__name__}: {mesh!r}.")
+  _check_mesh(mesh, "with_mesh")
   with contextlib.ExitStack() as stack:
     try:
       stack.enter_context(jax.set_mesh(mesh))
@@ -266,8 +276,19 @@ def with_mesh(mesh: Mesh):
     yield mesh
 
 
+def _check_mesh(mesh, fn: str) -> None:
+  if not isinstance(mesh, Mesh):
+    raise MeshError(f"{fn} needs a jax.sharding.Mesh (from fnscale.make_mesh), got "
+                    f"mesh={mesh!r} ({type(mesh).__name__}).")
+
+
 def describe(mesh: Mesh) -> str:
-  """One line per axis: name, size, axis type, and whether it crosses slices or processes."""
+  """One line per axis: name, size, axis type, and whether it crosses slices or processes.
+
+  Raises:
+    MeshError: if `mesh` is not a `jax.sharding.Mesh`.
+  """
+  _check_mesh(mesh, "describe")
   lines = []
   devs = mesh.devices
   for i, name in enumerate(mesh.axis_names):

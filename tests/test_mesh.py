@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import AxisType
 
 import fnscale as fs
+from fnscale.mesh import describe
 
 
 @pytest.mark.parametrize("axes,shape", [
@@ -73,7 +74,7 @@ def test_presets_are_plain_axes():
       "fsdp": 2, "tensor": 4}
   with pytest.raises(fs.MeshError, match="unknown parallelism strategy 'pipe'"):
     fs.parallelism("pipe", topo)
-  with pytest.raises(fs.MeshError, match="tensor parallel size 0"):
+  with pytest.raises(fs.MeshError, match=r"tensor parallel size tensor=0 \(int\) must be a positive int"):
     fs.parallelism("tensor", topo, tensor=0)
 
 
@@ -103,15 +104,6 @@ def test_with_mesh_context_and_wrapper():
 
 
 # --- TPU device sets, compiled for without a TPU ------------------------------------------
-
-def _tpu_devices(name, num_slices=1):
-  topologies = pytest.importorskip("jax.experimental.topologies")
-  try:
-    return topologies.get_topology_desc(platform="tpu", topology_name=name,
-                                        num_slices=num_slices).devices
-  except Exception as e:
-    pytest.skip(f"libtpu not available ({e}); install fnscale[tpu]")
-
 
 def _torus_distance(a, b, grid):
   """Hops between two chips on a torus with wraparound (a ring of 2 has one hop)."""
@@ -149,8 +141,8 @@ def _slice(d):
     ("v5p:2x2x2", {"data": 2, "fsdp": 2, "tensor": 2}),
     ("v6e:4x4", {"fsdp": 4, "tensor": 4}),
 ])
-def test_tpu_ici_axes_follow_the_torus(name, axes):
-  devices = _tpu_devices(name)
+def test_tpu_ici_axes_follow_the_torus(tpu_devices, name, axes):
+  devices = tpu_devices(name)
   grid = tuple(max(d.coords[k] for d in devices) + 1 for k in range(3))
   mesh = fs.make_mesh(axes, devices=devices)
   assert dict(mesh.shape) == axes
@@ -160,9 +152,9 @@ def test_tpu_ici_axes_follow_the_torus(name, axes):
 
 
 @pytest.mark.tpu
-def test_tpu_naive_order_would_not_follow_the_torus():
+def test_tpu_naive_order_would_not_follow_the_torus(tpu_devices):
   # The check above can fail: a shuffled order puts far-apart chips on one axis.
-  devices = _tpu_devices("v5e:4x4")
+  devices = tpu_devices("v5e:4x4")
   order = np.random.default_rng(0).permutation(16)
   naive = jax.sharding.Mesh(np.array(devices)[order].reshape(4, 4), ("data", "tensor"))
   with pytest.raises(AssertionError, match="axis tensor"):
@@ -170,8 +162,8 @@ def test_tpu_naive_order_would_not_follow_the_torus():
 
 
 @pytest.mark.tpu
-def test_tpu_multislice_dcn_axes_cross_slices():
-  devices = _tpu_devices("v5p:2x2x2", num_slices=2)
+def test_tpu_multislice_dcn_axes_cross_slices(tpu_devices):
+  devices = tpu_devices("v5p:2x2x2", num_slices=2)
   topo = fs.detect_topology(devices=devices, env={})
   assert topo.num_slices == 2
   axes = fs.parallelism("hybrid", topo)
@@ -203,5 +195,73 @@ def test_dcn_over_processes_on_cpu():
 
 
 def test_no_devices():
-  with pytest.raises(fs.MeshError, match="devices is empty"):
+  with pytest.raises(fs.MeshError, match=r"devices has an empty sequence: expected a non-empty "
+                                         r"sequence of jax.Device"):
     fs.make_mesh({"data": -1}, devices=[])
+
+
+# --- wrong types: an fnscale error naming the argument, what it got and what it expects ----
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: fs.make_mesh({"data": 2}, devices=[1, 2]),
+     r"devices has element 1 \(int\): expected a non-empty sequence of jax.Device, e.g. "
+     r"jax.devices\(\)"),
+    (lambda: fs.make_mesh({"data": 2}, devices="tpu"),
+     r"devices='tpu' \(str\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.make_mesh({"data": 2}, devices=8),
+     r"devices=8 \(int\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.make_mesh({"data": -1}, topology="v5p-8"),
+     r"topology='v5p-8' \(str\): expected None or a fnscale.Topology"),
+    (lambda: fs.make_mesh(8), r"ICI axes 8 \(int\) must be a mapping name -> size"),
+    (lambda: fs.make_mesh(None), r"ICI axes None \(NoneType\) must be a mapping"),
+    (lambda: fs.make_mesh({"data": -1}, dcn=2), r"DCN axes 2 \(int\) must be a mapping"),
+    (lambda: fs.make_mesh({1: 8}), r"ICI axes name 1 \(int\) must be a non-empty string"),
+    (lambda: fs.make_mesh({"data": "8"}), r"ICI axes 'data' has size '8' \(str\): expected a "
+                                          r"positive int or -1"),
+    (lambda: fs.make_mesh({"data": True}), r"ICI axes 'data' has size True \(bool\)"),
+    (lambda: fs.make_mesh({"data": 8}, axis_types=1),
+     r"axis_types 1: expected 1 jax.sharding.AxisType values"),
+    (lambda: fs.parallelism(["data"]), r"strategy=\['data'\] \(list\): expected one of "
+                                       r"\('data', 'fsdp', 'tensor', 'hybrid'\)"),
+    (lambda: fs.parallelism("data", {"num_slices": 2}),
+     r"topology=\{'num_slices': 2\} \(dict\): expected None or a fnscale.Topology"),
+    (lambda: fs.parallelism("tensor", None, tensor=True),
+     r"tensor parallel size tensor=True \(bool\) must be a positive int"),
+    (lambda: fs.parallelism("tensor", None, tensor=2.0),
+     r"tensor parallel size tensor=2.0 \(float\) must be a positive int"),
+    (lambda: describe("mesh"), r"describe needs a jax.sharding.Mesh .*got mesh='mesh' \(str\)"),
+])
+def test_wrong_types_are_mesh_errors(call, pattern):
+  with pytest.raises(fs.MeshError, match=pattern):
+    call()
+
+
+def test_with_mesh_wrong_type_names_it():
+  with pytest.raises(fs.MeshError, match=r"with_mesh needs a jax.sharding.Mesh \(from "
+                                         r"fnscale.make_mesh\), got mesh=\{'data': 8\} \(dict\)"):
+    with fs.with_mesh({"data": 8}):
+      pass
+
+
+# --- topology-description devices: a TPU program compiled ahead of time on this CPU ---------
+
+@pytest.mark.tpu
+def test_described_devices_mesh_inside_and_outside_with_mesh(tpu_devices):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  devices = tpu_devices("v5p:2x2x2")
+  mesh = fs.make_mesh({"data": 4, "tensor": 2}, devices=devices)
+  assert dict(mesh.shape) == {"data": 4, "tensor": 2} and mesh.devices.flat[0].platform == "tpu"
+  x = jax.ShapeDtypeStruct((8, 128), jax.numpy.float32, sharding=NamedSharding(mesh, P("data")))
+  f = lambda x: jax.lax.with_sharding_constraint(x * 2, P("data", "tensor"))
+  want = NamedSharding(mesh, P("data", "tensor"))
+  with fs.with_mesh(mesh):  # the context form
+    inner = fs.make_mesh({"fsdp": -1}, devices=devices)  # make_mesh inside a scope
+    compiled = jax.jit(f).lower(x).compile()
+  assert dict(inner.shape) == {"fsdp": 8}
+  assert compiled.output_shardings.is_equivalent_to(want, 2)
+  compiled = jax.jit(fs.with_mesh(mesh)(f)).lower(x).compile()  # the wrapper form
+  assert compiled.output_shardings.is_equivalent_to(want, 2)
+  # Outside any scope, concrete shardings name the mesh themselves.
+  g = jax.jit(lambda x: x * 2, out_shardings=want)
+  assert g.lower(x).compile().output_shardings.is_equivalent_to(want, 2)
+  assert jax.sharding.get_abstract_mesh().empty

@@ -540,3 +540,34 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
   assert "unexpected worker hostname" not in out.stderr
   assert "Failed to find host bounds" not in out.stderr
   assert out.stderr.strip() == ""
+
+
+# --- wrong types: a TopologyError naming the argument, what it got and what it expects -----
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: fs.detect_topology(5, env={}),
+     r"override=5 \(int\): expected None or a str such as 'v5p-128'"),
+    (lambda: fs.detect_topology(env="TPU_TOPOLOGY=2x2"),
+     r"env='TPU_TOPOLOGY=2x2' \(str\): expected None or a mapping of environment variables"),
+    (lambda: fs.detect_topology(env={}, devices=[1, 2]),
+     r"devices has element 1 \(int\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.detect_topology(env={}, devices=[]),
+     r"devices has an empty sequence: expected a non-empty sequence of jax.Device"),
+    (lambda: fs.detect_topology(env={}, devices=jax.devices()[0]),
+     r"devices=CpuDevice\(id=0\) \(\w+\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.detect_topology(env={}, metadata_timeout_s="1"),
+     r"metadata_timeout_s='1' \(str\): expected a number of seconds > 0"),
+    (lambda: fs.detect_topology(env={}, metadata_timeout_s=0),
+     r"metadata_timeout_s=0: expected seconds > 0"),
+    (lambda: fs.parse_accelerator_type(128),
+     r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
+    (lambda: topo_mod.generation_of(None), r"device_kind=None \(NoneType\): expected a str"),
+    (lambda: topo_mod.gpu_facts(3), r"device_kind=3 \(int\): expected a str"),
+    (lambda: fs.simulate_cpu_devices("8"),
+     r"simulated device count n='8' \(str\) must be a positive int"),
+    (lambda: topo_mod.target_devices(None),
+     r"target=None \(NoneType\): expected a str such as 'v5p-128'"),
+])
+def test_wrong_types_are_topology_errors(call, pattern):
+  with pytest.raises(fs.TopologyError, match=pattern):
+    call()
