@@ -235,7 +235,7 @@ def check_devices(devices, name: str = "devices", error=TopologyError) -> list:
               "jax.experimental.topologies.get_topology_desc(...).devices")
   if isinstance(devices, (str, bytes, Mapping)) or not hasattr(devices, "__iter__"):
     raise error(f"{name}={devices!r} ({type(devices).__name__}): expected {expected}.")
-  devices = list(devices)
+  devices = list(getattr(devices, "flat", devices))  # a mesh's device array counts too
   bad = [d for d in devices if not isinstance(d, jax.Device)]
   if bad or not devices:
     got = f"element {bad[0]!r} ({type(bad[0]).__name__})" if bad else "an empty sequence"

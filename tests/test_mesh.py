@@ -40,6 +40,11 @@ def test_explicit_axis_types():
 def test_subset_of_devices():
   mesh = fs.make_mesh({"data": -1}, devices=jax.devices()[:2])
   assert dict(mesh.shape) == {"data": 2}
+  # Another mesh's 2-D device array is a device sequence too.
+  other = fs.make_mesh({"data": 2, "tensor": 4})
+  mesh = fs.make_mesh({"fsdp": -1}, devices=other.devices)
+  assert dict(mesh.shape) == {"fsdp": 8}
+  assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 @pytest.mark.parametrize("axes,pattern", [
