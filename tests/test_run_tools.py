@@ -99,3 +99,174 @@ def test_train_tokenizer_command_line(tmp_path):
   bad = _run([script, f"--data={tmp_path / 'nothing'}", f"--out={tmp_path / 'x.json'}"])
   assert bad.returncode == 2 and bad.stderr.startswith("error: --data=")
   assert not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# run_log: metrics.jsonl + TensorBoard, profiler window, progress lines
+# ------------------------------------------------------------------------------------------------
+
+import gzip  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+import run_log as rl  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+# What a run writes, and (by hand) the records and scalars it must produce.
+RECORDS = [
+    (0, {"eval/loss": 5.5}),
+    (10, {"train/loss": 3.25, "perf/tokens_per_s": None, "perf/mfu": np.float32(0.125)}),
+    (20, {"train/loss": jnp.asarray(2.5), "perf/tokens_per_s": 4471, "perf/mfu": 0.3}),
+    (20, {"eval/loss": 2.75}),
+]
+JSONL = [{"step": 0, "eval/loss": 5.5},
+         {"step": 10, "train/loss": 3.25, "perf/mfu": 0.125},
+         {"step": 20, "train/loss": 2.5, "perf/tokens_per_s": 4471.0, "perf/mfu": 0.3},
+         {"step": 20, "eval/loss": 2.75}]
+SCALARS = {"eval/loss": [(0, 5.5), (20, 2.75)], "train/loss": [(10, 3.25), (20, 2.5)],
+           "perf/tokens_per_s": [(20, 4471.0)], "perf/mfu": [(10, 0.125), (20, 0.3)]}
+
+
+def _write(run_dir, records=RECORDS, **kw):
+  log = rl.run_log(str(run_dir), **kw)
+  for step, metrics in records:
+    log.write(step, metrics)
+  log.close()
+
+
+def _jsonl(run_dir):
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tensorboard_scalars(run_dir):
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  acc = event_accumulator.EventAccumulator(str(run_dir))
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _float32(scalars):  # TensorBoard stores float32
+  return {tag: [(s, float(np.float32(v))) for s, v in pts] for tag, pts in scalars.items()}
+
+
+def test_run_log_writes_jsonl_and_tensorboard_events(tmp_path):
+  pytest.importorskip("tensorboardX")
+  _write(tmp_path / "run")
+  assert _jsonl(tmp_path / "run") == JSONL
+  assert _tensorboard_scalars(tmp_path / "run") == _float32(SCALARS)
+
+
+def test_run_log_appends_when_a_run_resumes(tmp_path):
+  pytest.importorskip("tensorboardX")
+  _write(tmp_path, RECORDS[:2])
+  _write(tmp_path, RECORDS[2:])
+  assert _jsonl(tmp_path) == JSONL
+  assert _tensorboard_scalars(tmp_path) == _float32(SCALARS)
+
+
+def test_run_log_without_tensorboardx_writes_jsonl_and_says_so_once(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+  said = []
+  _write(tmp_path, say=said.append)
+  assert _jsonl(tmp_path) == JSONL
+  assert len(said) == 1 and "tensorboardX is not installed" in said[0]
+  assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_run_log_inactive_writes_nothing(tmp_path):
+  _write(tmp_path / "run", active=False)
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("step, metrics, match", [
+    (-1, {"train/loss": 1.0}, "step=-1: expected an int >= 0"),
+    ("3", {"train/loss": 1.0}, "step='3'"),
+    (True, {"train/loss": 1.0}, "step=True"),
+    (1, [("train/loss", 1.0)], "expected a dict"),
+    (1, {"train/loss": "low"}, "metric 'train/loss'='low': expected a str name and a real"),
+    (1, {"train/loss": np.ones(2)}, "metric 'train/loss'="),
+    (1, {3: 1.0}, "metric 3=1.0"),
+])
+def test_run_log_rejects_bad_records(tmp_path, step, metrics, match):
+  log = rl.run_log(str(tmp_path), tensorboard=False)
+  with pytest.raises(FnscaleError, match=match):
+    log.write(step, metrics)
+  log.close()
+  assert (tmp_path / "metrics.jsonl").read_text() == ""
+  with pytest.raises(FnscaleError, match="is closed"):
+    log.write(1, {"train/loss": 1.0})
+
+
+def test_parse_profile_steps():
+  assert rl.parse_profile_steps("10:15") == (10, 15)
+  assert rl.parse_profile_steps(" 0:1 ", steps=1) == (0, 1)
+  assert rl.parse_profile_steps("") is None and rl.parse_profile_steps(None) is None
+
+
+@pytest.mark.parametrize("spec", ["10", "15:10", "5:5", "a:b", "-1:3", "1:2:3", "1.5:3", 12])
+def test_parse_profile_steps_rejects_bad_strings(spec):
+  with pytest.raises(FnscaleError) as e:
+    rl.parse_profile_steps(spec)
+  assert f"--profile_steps={spec!r}: expected START:STOP" in str(e.value)
+
+
+def test_parse_profile_steps_rejects_a_window_past_the_run():
+  with pytest.raises(FnscaleError, match=r"'10:15'.* <= 12 \(the run's steps\)"):
+    rl.parse_profile_steps("10:15", steps=12)
+
+
+def _traced_calls(trace_dir, name):
+  """Calls of jitted `name` in the Perfetto trace (outermost events: a call nests two)."""
+  with gzip.open(os.path.join(trace_dir, "perfetto_trace.json.gz")) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
+           if e.get("name") == f"PjitFunction({name})" and e.get("ph") == "X"]
+  return sum(not any(a <= s and t <= b and (a, b) != (s, t) for a, b in spans)
+             for s, t in spans)
+
+
+def _tiny_steps(prof, n):
+  def tiny_step(x):
+    return jnp.tanh(x @ x)
+  step = jax.jit(tiny_step)
+  x = jax.block_until_ready(step(jnp.ones((16, 16))))  # compiled before any trace
+  returned = []
+  for i in range(n):
+    returned.append(prof.at_step(i, pending=x))
+    x = step(x)
+  return returned, x
+
+
+def test_profiler_traces_exactly_the_window(tmp_path):
+  said = []
+  prof = rl.profiler(rl.ProfileWindow(2, 5), str(tmp_path), say=said.append)
+  returned, x = _tiny_steps(prof, 7)
+  where = returned[5]
+  assert returned[:5] == [None] * 5 and returned[6] is None and prof.close(7, x) is None
+  assert os.path.dirname(where) == str(tmp_path / "plugins" / "profile")
+  assert [f for f in os.listdir(where) if f.endswith(".xplane.pb")]
+  assert _traced_calls(where, "tiny_step") == 3  # steps 2, 3, 4 and no other
+  assert len(said) == 2 and said[1].startswith(f"profile: steps 2..4 traced to {where}")
+
+
+def test_profiler_close_stops_a_trace_the_loop_ended_inside(tmp_path):
+  prof = rl.profiler(rl.ProfileWindow(1, 100), str(tmp_path), say=lambda s: None)
+  returned, x = _tiny_steps(prof, 3)
+  assert returned == [None] * 3
+  where = prof.close(3, x)
+  assert _traced_calls(where, "tiny_step") == 2
+  assert rl.profiler(None, str(tmp_path / "none")).at_step(0) is None
+  assert not (tmp_path / "none").exists()
+
+
+def test_progress_line_is_one_plain_line_with_eta():
+  line = rl.progress_line(120, 500, {"train/loss": 2.332, "train/lr": 2.74e-3,
+                                     "perf/tokens_per_s": 4471.2, "perf/mfu": 0.327,
+                                     "train/grad_norm": 0.123456, "eval/loss": None},
+                          seconds_per_step=348 / 380)
+  assert line == ("step    120/500  loss 2.3320  lr 2.74e-03  4,471 tok/s  MFU 32.7%  "
+                  "grad_norm 0.1235  ETA 5m48s")
+  assert rl.progress_line(0, 10) == "step      0/10"
+  assert rl.format_duration(3725) == "1h02m" and rl.format_duration(-3) == "0m00s"
