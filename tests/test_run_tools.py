@@ -4,21 +4,28 @@ metrics.jsonl and TensorBoard events, a profiler window, progress lines and the 
 References are independent of the code under test: the Hugging Face `tokenizers` loader,
 tensorboard's own event reader, hand-written expected strings and counts.
 """
+import gzip
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fnscale.errors import FnscaleError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import plot_run as pr  # noqa: E402
+import run_log as rl  # noqa: E402
+import train_tokenizer as tt  # noqa: E402
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
-import train_tokenizer as tt  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 # Varied text (ASCII, accents, CJK, emoji, tabs) so BPE finds many pairs to merge.
 CORPUS = [
     "def greet(name):\n\treturn f'Grüße, {name}!'  # café naïve\n",
@@ -56,7 +63,7 @@ def test_tokenizer_corpus_specs(tmp_path):
   names = [f"part{i}.txt" for i in range(len(CORPUS))]
   assert tt.corpus_files(str(d)) == [str(d / n) for n in names]
   assert tt.corpus_files(str(d / "part1.txt")) == [str(d / "part1.txt")]
-  assert tt.corpus_files(str(d / "part[02].txt")) == [str(d / "part0.txt"), str(d / "part2.txt")]
+  assert tt.corpus_files(str(d / "part[02].txt")) == [str(d / n) for n in names[0:3:2]]
   default = tt.corpus_files(None)
   assert default and all(f.endswith(".py") for f in default) and default == sorted(default)
   with pytest.raises(FnscaleError, match="nope"):
@@ -105,14 +112,6 @@ def test_train_tokenizer_command_line(tmp_path):
 # run_log: metrics.jsonl + TensorBoard, profiler window, progress lines
 # ------------------------------------------------------------------------------------------------
 
-import gzip  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-import run_log as rl  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
 # What a run writes, and (by hand) the records and scalars it must produce.
 RECORDS = [
     (0, {"eval/loss": 5.5}),
@@ -140,7 +139,8 @@ def _jsonl(run_dir):
 
 
 def _tensorboard_scalars(run_dir):
-  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  # tensorboard's own reader, independent of the tensorboardX writer
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=all
   acc = event_accumulator.EventAccumulator(str(run_dir))
   acc.Reload()
   return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -270,3 +270,84 @@ def test_progress_line_is_one_plain_line_with_eta():
                   "grad_norm 0.1235  ETA 5m48s")
   assert rl.progress_line(0, 10) == "step      0/10"
   assert rl.format_duration(3725) == "1h02m" and rl.format_duration(-3) == "0m00s"
+
+
+# ------------------------------------------------------------------------------------------------
+# plot_run: metrics.jsonl -> PNG
+# ------------------------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics_file(run_dir, lines):
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+  return run_dir
+
+
+def _falling_run(run_dir, rate):
+  lines = [json.dumps({"step": s, "train/loss": 5.0 * rate ** s, "perf/tokens_per_s": 4000 + s,
+                       "perf/mfu": 0.3}) for s in range(1, 40)]
+  lines += [json.dumps({"step": s, "eval/loss": 5.0 * rate ** s}) for s in (0, 20, 39)]
+  return _metrics_file(run_dir, lines)
+
+
+def test_read_metrics_keeps_the_last_value_of_a_repeated_step(tmp_path):
+  lines = ['{"event": "start", "model": "tiny"}',             # no step: skipped
+           '{"step": 10, "train/loss": 3.0, "other": 1.0}',
+           '{"step": 20, "train/loss": 2.0, "perf/mfu": "n/a"}',
+           '{"step": 20, "eval/loss": 2.5}',
+           '{"step": 15, "train/loss": 2.9}',                  # resumed from step 10
+           '{"step": 20, "train/loss": 2.1}',
+           '{"step": 30, "train/lo']                           # being written
+  got = pr.read_metrics(str(_metrics_file(tmp_path, lines) / "metrics.jsonl"))
+  assert got == {"train/loss": ([10, 15, 20], [3.0, 2.9, 2.1]), "eval/loss": ([20], [2.5])}
+
+
+def test_plot_run_writes_a_png_that_depends_on_the_data(tmp_path):
+  import matplotlib.image  # pylint: disable=import-outside-toplevel
+  a = pr.plot_run(str(_falling_run(tmp_path / "a", 0.97)))
+  b = pr.plot_run(str(_falling_run(tmp_path / "b", 0.90)), out=str(tmp_path / "b.png"))
+  assert a == str(tmp_path / "a" / "metrics.png") and b == str(tmp_path / "b.png")
+  images = []
+  for path in (a, b):
+    with open(path, "rb") as f:
+      assert f.read(8) == PNG_MAGIC
+    images.append(matplotlib.image.imread(path))
+    assert images[-1].shape == (800, 700, 4)  # figsize 7x8 inches at 100 dpi
+    assert images[-1][..., :3].std() > 0.05  # not a blank page
+  assert not np.array_equal(images[0], images[1])
+
+
+def test_plot_run_draws_a_run_logged_by_run_log(tmp_path):
+  _write(tmp_path, tensorboard=False)
+  with open(pr.plot_run(str(tmp_path)), "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+
+
+def test_plot_run_errors_name_the_path(tmp_path):
+  with pytest.raises(FnscaleError, match=f"run directory '{tmp_path / 'nope'}' does not exist"):
+    pr.plot_run(str(tmp_path / "nope"))
+  with pytest.raises(FnscaleError, match=f"{tmp_path / 'metrics.jsonl'} is missing or empty"):
+    pr.plot_run(str(tmp_path))
+  _metrics_file(tmp_path, [])
+  with pytest.raises(FnscaleError, match="is missing or empty"):
+    pr.plot_run(str(tmp_path))
+  _metrics_file(tmp_path, ['{"step": 1, "grad_norm": 2.0}'])
+  with pytest.raises(FnscaleError, match="metrics.jsonl has none of train/loss, eval/loss"):
+    pr.plot_run(str(tmp_path))
+  _metrics_file(tmp_path, ['{"step": 1, "train/loss": 2.0}', "oops", '{"step": 2}'])
+  with pytest.raises(FnscaleError, match=f"{tmp_path / 'metrics.jsonl'}:2: not a JSON line"):
+    pr.plot_run(str(tmp_path))
+  assert not (tmp_path / "metrics.png").exists()
+
+
+def test_plot_run_command_line(tmp_path):
+  script = str(ROOT / "recipes" / "plot_run.py")
+  r = _run([script, str(_falling_run(tmp_path / "run", 0.95))], timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.strip() == str(tmp_path / "run" / "metrics.png")
+  with open(tmp_path / "run" / "metrics.png", "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+  bad = _run([script, str(tmp_path / "missing")], timeout=120)
+  assert bad.returncode == 2 and bad.stderr.startswith("error: run directory")
