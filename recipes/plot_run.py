@@ -84,11 +84,11 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     FnscaleError: `run_dir` missing, its metrics.jsonl missing, empty, malformed or without
       any of the plotted metrics.
   """
-  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   path = _metrics_path(run_dir)
   series = read_metrics(path)
   if not series:
     raise FnscaleError(f"{path} has none of {', '.join(TAGS)}; write them with run_log.py")
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   fig = Figure(figsize=(7, 8), dpi=100, layout="constrained")  # Agg canvas, no pyplot state
   axes = fig.subplots(len(PANELS), 1, sharex=True)
   for ax, (title, ylabel, scale, tags) in zip(axes, PANELS):

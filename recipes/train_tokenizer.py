@@ -82,10 +82,10 @@ def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
   Raises:
     FnscaleError: a bad argument, or a corpus too small to learn `vocab_size` tokens.
   """
+  _check_args(files, vocab_size, out_path)
   # Imported here: `tokenizers` is an extra, and corpus_files needs none of it.
   from tokenizers import (  # pylint: disable=import-outside-toplevel
       Tokenizer, decoders, models, pre_tokenizers, trainers)
-  _check_args(files, vocab_size, out_path)
   tok = Tokenizer(models.BPE())
   # add_prefix_space=False keeps decode(encode(text)) == text exactly.
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -25,7 +25,18 @@ import plot_run as pr  # noqa: E402
 import run_log as rl  # noqa: E402
 import train_tokenizer as tt  # noqa: E402
 
-tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+
+# The recipes' libraries are optional: each test skips only when the one it needs is absent.
+@pytest.fixture(name="tokenizers")
+def _tokenizers():
+  return pytest.importorskip("tokenizers", reason="pip install tokenizers")
+
+
+@pytest.fixture(name="matplotlib")
+def _matplotlib():
+  return pytest.importorskip("matplotlib", reason="pip install matplotlib")
+
+
 # Varied text (ASCII, accents, CJK, emoji, tabs) so BPE finds many pairs to merge.
 CORPUS = [
     "def greet(name):\n\treturn f'Grüße, {name}!'  # café naïve\n",
@@ -43,7 +54,7 @@ def _corpus(tmp_path, repeat=20):
   return d
 
 
-def test_tokenizer_round_trips_text_and_has_the_asked_vocab(tmp_path):
+def test_tokenizer_round_trips_text_and_has_the_asked_vocab(tmp_path, tokenizers):
   files = tt.corpus_files(str(_corpus(tmp_path)))
   out = tt.train_tokenizer(files, 300, str(tmp_path / "tok" / "tokenizer.json"))
   tok = tokenizers.Tokenizer.from_file(out)  # the library's own loader, not ours
@@ -74,7 +85,7 @@ def test_tokenizer_corpus_specs(tmp_path):
                                           ("300", "vocab_size='300'"),
                                           (True, "vocab_size=True"),
                                           (5000, "gave only .* tokens, not vocab_size=5000")])
-def test_tokenizer_rejects_bad_vocab_size(tmp_path, vocab, match):
+def test_tokenizer_rejects_bad_vocab_size(tmp_path, tokenizers, vocab, match):
   files = tt.corpus_files(str(_corpus(tmp_path, repeat=1)))
   out = tmp_path / "tokenizer.json"
   with pytest.raises(FnscaleError, match=match):
@@ -95,7 +106,7 @@ def _run(args, timeout=240):
                         text=True, timeout=timeout, check=False)
 
 
-def test_train_tokenizer_command_line(tmp_path):
+def test_train_tokenizer_command_line(tmp_path, tokenizers):
   out = tmp_path / "tokenizer.json"
   script = str(ROOT / "recipes" / "train_tokenizer.py")
   r = _run([script, f"--data={_corpus(tmp_path)}", "--vocab_size=280", f"--out={out}"])
@@ -152,6 +163,7 @@ def _float32(scalars):  # TensorBoard stores float32
 
 def test_run_log_writes_jsonl_and_tensorboard_events(tmp_path):
   pytest.importorskip("tensorboardX")
+  pytest.importorskip("tensorboard")
   _write(tmp_path / "run")
   assert _jsonl(tmp_path / "run") == JSONL
   assert _tensorboard_scalars(tmp_path / "run") == _float32(SCALARS)
@@ -159,6 +171,7 @@ def test_run_log_writes_jsonl_and_tensorboard_events(tmp_path):
 
 def test_run_log_appends_when_a_run_resumes(tmp_path):
   pytest.importorskip("tensorboardX")
+  pytest.importorskip("tensorboard")
   _write(tmp_path, RECORDS[:2])
   _write(tmp_path, RECORDS[2:])
   assert _jsonl(tmp_path) == JSONL
@@ -304,8 +317,8 @@ def test_read_metrics_keeps_the_last_value_of_a_repeated_step(tmp_path):
   assert got == {"train/loss": ([10, 15, 20], [3.0, 2.9, 2.1]), "eval/loss": ([20], [2.5])}
 
 
-def test_plot_run_writes_a_png_that_depends_on_the_data(tmp_path):
-  import matplotlib.image  # pylint: disable=import-outside-toplevel
+def test_plot_run_writes_a_png_that_depends_on_the_data(tmp_path, matplotlib):
+  import matplotlib.image  # pylint: disable=import-outside-toplevel,redefined-outer-name
   a = pr.plot_run(str(_falling_run(tmp_path / "a", 0.97)))
   b = pr.plot_run(str(_falling_run(tmp_path / "b", 0.90)), out=str(tmp_path / "b.png"))
   assert a == str(tmp_path / "a" / "metrics.png") and b == str(tmp_path / "b.png")
@@ -319,7 +332,7 @@ def test_plot_run_writes_a_png_that_depends_on_the_data(tmp_path):
   assert not np.array_equal(images[0], images[1])
 
 
-def test_plot_run_draws_a_run_logged_by_run_log(tmp_path):
+def test_plot_run_draws_a_run_logged_by_run_log(tmp_path, matplotlib):
   _write(tmp_path, tensorboard=False)
   with open(pr.plot_run(str(tmp_path)), "rb") as f:
     assert f.read(8) == PNG_MAGIC
@@ -342,7 +355,7 @@ def test_plot_run_errors_name_the_path(tmp_path):
   assert not (tmp_path / "metrics.png").exists()
 
 
-def test_plot_run_command_line(tmp_path):
+def test_plot_run_command_line(tmp_path, matplotlib):
   script = str(ROOT / "recipes" / "plot_run.py")
   r = _run([script, str(_falling_run(tmp_path / "run", 0.95))], timeout=120)
   assert r.returncode == 0, r.stderr
