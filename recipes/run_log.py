@@ -114,7 +114,8 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
 
 
 class ProfileWindow(NamedTuple):
-  """Steps `start` (included) to `stop` (excluded), counted as steps done before each step."""
+  """Steps `start` (included) to `stop` (excluded), numbered as a loop `for step in
+  range(steps)` numbers them: step 0 is the first step run."""
   start: int
   stop: int
 
@@ -141,7 +142,8 @@ def parse_profile_steps(spec: str | None, steps: int | None = None) -> ProfileWi
 
 
 class Profiler(NamedTuple):
-  """`at_step(step, pending=None)` before each step; `close(pending=None)` after the loop.
+  """`at_step(step, pending=None)` before each step; `close(steps_done, pending=None)` after
+  the loop (it stops a trace the loop ended inside).
 
   Both return the trace directory when they stopped a trace, else None. `pending` (any
   pytree of arrays, e.g. the last step's outputs) is waited for before a trace stops, so the
@@ -165,8 +167,14 @@ def profiler(window: ProfileWindow | None, log_dir: str, *,
   (`tensorboard --logdir log_dir`, with the tensorboard-plugin-profile package). A run
   resumed inside the window traces from its first step. `say` gets one line at the start and
   one naming the trace directory at the end.
+
+  Raises:
+    FnscaleError: `window` is not a ProfileWindow or None (use parse_profile_steps).
   """
   import jax  # pylint: disable=import-outside-toplevel
+  if window is not None and not isinstance(window, ProfileWindow):
+    raise FnscaleError(f"profile window {window!r}: expected a ProfileWindow or None; build "
+                       "it with parse_profile_steps('START:STOP')")
   running = []  # while tracing: (first traced step, trace dirs that existed before)
 
   def stop(step, pending):

@@ -272,6 +272,8 @@ def test_profiler_close_stops_a_trace_the_loop_ended_inside(tmp_path):
   assert _traced_calls(where, "tiny_step") == 2
   assert rl.profiler(None, str(tmp_path / "none")).at_step(0) is None
   assert not (tmp_path / "none").exists()
+  with pytest.raises(FnscaleError, match="profile window '1:3': expected a ProfileWindow"):
+    rl.profiler("1:3", str(tmp_path))
 
 
 def test_progress_line_is_one_plain_line_with_eta():
