@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from fnscale import _tree
 from fnscale.errors import CheckpointError
 
 _STATE = "state"
@@ -71,6 +72,10 @@ def _path(directory):
     raise CheckpointError(
         f"checkpoint directory {directory!r} is empty; pass a path such as 'runs/lm/ckpt' "
         "or 'gs://bucket/run/ckpt'.")
+  if not isinstance(directory, (str, os.PathLike)):
+    raise CheckpointError(
+        f"checkpoint directory is {_tree.got(directory)}, expected a str or os.PathLike "
+        "path such as 'runs/lm/ckpt' or 'gs://bucket/run/ckpt'.")
   text = os.fspath(directory)
   if "://" not in text:
     text = os.path.abspath(os.path.expanduser(text))
@@ -123,13 +128,24 @@ def _pick(tree: dict, path):
   return tree
 
 
-def _step_dirs(path) -> dict[int, Any]:
-  """Integer-named step directories, committed or not (orbax's standard step names)."""
-  out = {}
-  for child in path.iterdir():
-    if child.name.isdigit() and child.is_dir():
-      out[int(child.name)] = child
-  return out
+def _manager(ocp, path, *, keep: int | None = None, read_only: bool = False):
+  """orbax's CheckpointManager over `path`: it lists committed step directories (skipping
+  unfinished `*.orbax-checkpoint-tmp*` ones), saves atomically and prunes to `keep`."""
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, enable_async_checkpointing=False, create=not read_only,
+      read_only=read_only)
+  return ocp.CheckpointManager(path, options=options, item_handlers={
+      _STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()})
+
+
+def _step_dirs(ocp, path) -> dict[int, Any]:
+  """Step -> directory for every step orbax lists (committed or damaged, not unfinished)."""
+  manager = _manager(ocp, path, read_only=True)
+  try:
+    # orbax's standard step name format: the step number itself.
+    return {int(s): path / str(int(s)) for s in manager.all_steps(read=True)}
+  finally:
+    manager.close()
 
 
 def _problem(step_dir) -> str | None:
@@ -174,11 +190,11 @@ def steps(directory) -> tuple[int, ...]:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `directory` is a file.
   """
-  _orbax()
+  ocp = _orbax()
   path = _path(directory)
   if not _check_directory(path, must_exist=False):
     return ()
-  return tuple(s for s, d in sorted(_step_dirs(path).items()) if _problem(d) is None)
+  return tuple(s for s, d in sorted(_step_dirs(ocp, path).items()) if _problem(d) is None)
 
 
 def latest_step(directory) -> int | None:
@@ -272,7 +288,7 @@ def _verify_data(ocp, step: int, step_dir, state) -> None:
   Only reached when a save meets an existing step: normally after `restore` refused it."""
   try:
     abstract, treedef = _abstract_target(state)
-    _restore_step(ocp, step, step_dir, abstract, treedef)
+    _restore_step(ocp, step, step_dir, abstract, treedef)  # reads through orbax's manager
   except CheckpointError:
     pass  # a different tree or host-only leaves: the metadata check above decides
 
@@ -342,9 +358,7 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(f"fnscale.checkpoint.save.{step}")
 
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=False, create=True)
-  manager = ocp.CheckpointManager(path, options=options)
+  manager = _manager(ocp, path, keep=keep)
   try:
     # force: orbax would otherwise skip, silently, a step lower than one already on disk.
     manager.save(step, args=ocp.args.Composite(**{
@@ -389,16 +403,18 @@ def _abstract_target(target):
 
 
 def _saved_leaves(ocp, step_dir) -> dict[tuple[str, ...], Any]:
-  handler = ocp.StandardCheckpointHandler()
+  manager = _manager(ocp, step_dir.parent, read_only=True)
   try:
-    meta = handler.metadata(step_dir / _STATE)
+    meta = manager.item_metadata(int(step_dir.name))[_STATE]
+    if meta is None:
+      raise ValueError("orbax found no tree metadata")
     tree = getattr(meta, "tree", meta)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   except Exception as e:  # any failure to read the metadata makes the step unusable
     raise _Unreadable(f"corrupt: its tree metadata can't be read ({type(e).__name__}: "
                       f"{str(e)[:300]})") from e
   finally:
-    handler.close()
+    manager.close()
   return {_keys(path): m for path, m in flat}
 
 
@@ -436,9 +452,9 @@ def _restore_step(ocp, step: int, step_dir, abstract, treedef):
   saved = _saved_leaves(ocp, step_dir)
   _check_fit(step, step_dir, saved, abstract)
   target = _nested(abstract, "target")
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  manager = _manager(ocp, step_dir.parent, read_only=True)
   try:
-    restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{
+    restored = manager.restore(step, args=ocp.args.Composite(**{
         _STATE: ocp.args.StandardRestore(target),
         _EXTRA: ocp.args.JsonRestore(),
     }))
@@ -446,7 +462,7 @@ def _restore_step(ocp, step: int, step_dir, abstract, treedef):
     raise _Unreadable(f"corrupt: reading it failed ({type(e).__name__}: "
                       f"{str(e)[:300]})") from e
   finally:
-    checkpointer.close()
+    manager.close()
   leaves = [_pick(restored[_STATE], path) for path, _ in abstract]
   return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored[_EXTRA] or {})
 
@@ -478,7 +494,7 @@ def restore(directory, target, *, step: int | None = None):
   path = _path(directory)
   _check_directory(path, must_exist=True)
   abstract, treedef = _abstract_target(target)
-  found = _step_dirs(path)
+  found = _step_dirs(ocp, path)
   if not found:
     raise CheckpointError(
         f"no checkpoint in {path} (no step directories). Check the path, or start fresh when "

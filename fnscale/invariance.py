@@ -16,7 +16,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from fnscale.compile import shard_step
 from fnscale.errors import MeshError, StepError
+from fnscale.state import init_state
+from fnscale.step import train_step
 
 
 class InvarianceReport(NamedTuple):
@@ -84,7 +87,6 @@ def check_mesh_invariance(loss_fn: Callable, optimizer, init_params: Any, batch:
     MeshError: fewer than two meshes, or something that isn't a Mesh (named by index).
     StepError: bad steps or a batch list whose length isn't `steps`; and from the step.
   """
-  from fnscale import step as _step  # pylint: disable=import-outside-toplevel
   meshes = list(meshes)
   if len(meshes) < 2:
     raise MeshError(f"check_mesh_invariance needs at least two meshes to compare, got "
@@ -104,13 +106,13 @@ def check_mesh_invariance(loss_fn: Callable, optimizer, init_params: Any, batch:
   else:
     batches = [batch] * steps
 
-  step_fn = _step.train_step(loss_fn, optimizer, policy=policy, has_aux=has_aux)
+  step_fn = train_step(loss_fn, optimizer, policy=policy, has_aux=has_aux)
   runs = []
   for mesh in meshes:
-    state = _step.init_state(init_params, optimizer, mesh=mesh, rules=rules,
-                             logical_axes=logical_axes, policy=policy, key=key)
-    sharded = _step.shard_step(step_fn, mesh, rules=rules, logical_axes=logical_axes,
-                               mode=mode, donate=False)
+    state = init_state(init_params, optimizer, mesh=mesh, rules=rules,
+                       logical_axes=logical_axes, policy=policy, key=key)
+    sharded = shard_step(step_fn, mesh, rules=rules, logical_axes=logical_axes,
+                         mode=mode, donate=False)
     losses = []
     for b in batches:
       state, metrics = sharded(state, b)

@@ -76,7 +76,7 @@ def build(mesh_axes: str):
   import jax
   import optax
   import fnscale as fs
-  from fnscale import step as fstep
+  import fnscale as fstep
   import models
   mesh = fs.make_mesh(mesh_axes)
   opt = optax.adam(LEARNING_RATE)

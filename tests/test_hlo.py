@@ -6,7 +6,6 @@ import pytest
 
 import fnscale
 from fnscale import hlo
-from fnscale import step as st
 
 # A module in the shape XLA prints: a while loop (known trip count 4) whose body holds a
 # dot and an all-reduce, called from ENTRY next to an async all-gather pair and a dot.
@@ -98,9 +97,7 @@ def test_collectives_parsed_from_instruction_lines():
   """
   want = {"all-reduce": (2, 128 * 64 * 4 + 16 + 8), "all-gather": (1, 512),
           "reduce-scatter": (1, 64), "collective-permute": (1, 10)}
-  for read in (hlo.collectives, st.collectives_in_hlo):  # the old name still works
-    assert {c.kind: (c.count, c.bytes) for c in read(snippet)} == want
-  assert fnscale.Collective is hlo.Collective is st.Collective
+  assert {c.kind: (c.count, c.bytes) for c in hlo.collectives(snippet)} == want
 
 
 def test_ring_bytes_sent():

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import fnscale as fs
+from fnscale.invariance import check_mesh_invariance
 import models
 
 
@@ -16,7 +17,7 @@ def _meshes():
 
 def test_mlp_is_invariant_across_meshes():
   batches = [models.mlp_batch(jax.random.key(i), 16) for i in range(2)]
-  report = fs.check_mesh_invariance(
+  report = check_mesh_invariance(
       models.mlp_loss, optax.adam(1e-2), models.mlp_init, batches, _meshes(), steps=2,
       rules=models.RULES, logical_axes=models.mlp_logical_axes(), key=jax.random.key(0))
   assert report.meshes == ({"data": 1}, {"data": 2, "fsdp": 4}, {"fsdp": 8})
@@ -39,7 +40,7 @@ def test_a_mesh_dependent_loss_is_caught():
 
   batch = models.mlp_batch(jax.random.key(1), 16)
   meshes = [fs.make_mesh({"data": 2}, devices=jax.devices()[:2]), fs.make_mesh({"data": 8})]
-  report = fs.check_mesh_invariance(scaled_loss, optax.sgd(1e-1), models.mlp_init, batch,
+  report = check_mesh_invariance(scaled_loss, optax.sgd(1e-1), models.mlp_init, batch,
                                     meshes, steps=2, key=jax.random.key(0))
   np.testing.assert_allclose(report.losses[1][0], report.losses[0][0] / 4, rtol=1e-5)
   assert report.loss_diff[1] > 0.1 and report.param_diff[1] > 1e-4, str(report)
@@ -48,10 +49,10 @@ def test_a_mesh_dependent_loss_is_caught():
 
 def test_bad_arguments():
   with pytest.raises(fs.MeshError, match="at least two meshes"):
-    fs.check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, _meshes()[:1])
+    check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, _meshes()[:1])
   with pytest.raises(fs.MeshError, match=r"meshes\[1\] is a str"):
-    fs.check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, [_meshes()[0], "x"])
+    check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, [_meshes()[0], "x"])
   with pytest.raises(fs.StepError, match="sequence of 1 batches but steps=2"):
-    fs.check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, [{}], _meshes(), steps=2)
+    check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, [{}], _meshes(), steps=2)
   with pytest.raises(fs.StepError, match=r"steps=0, expected a positive int"):
-    fs.check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, _meshes(), steps=0)
+    check_mesh_invariance(models.mlp_loss, optax.sgd(1.0), {}, {}, _meshes(), steps=0)

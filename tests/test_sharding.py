@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
 from fnscale import sharding as fsh
+from fnscale import state as fst
+from fnscale._axes import data_axes
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -40,31 +42,31 @@ RULES = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"),
 
 def test_first_usable_rule_wins(three_d, dp_fsdp):
   # Both "mlp" rules are usable on the 3-D mesh: the first one wins.
-  assert fs.logical_to_spec(("embed", "mlp"), RULES, three_d) == P("fsdp", "tensor")
+  assert fsh.logical_to_spec(("embed", "mlp"), RULES, three_d) == P("fsdp", "tensor")
   # Without a tensor axis the first "mlp" rule is skipped and the second applies, but fsdp
   # already shards "embed", so "mlp" is replicated: one axis never serves two dims.
-  assert fs.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp) == P("fsdp", None)
-  assert fs.logical_to_spec(("mlp", "embed"), RULES, dp_fsdp) == P("fsdp", None)
-  assert fs.logical_to_spec(("mlp",), RULES, dp_fsdp) == P("fsdp")
+  assert fsh.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp) == P("fsdp", None)
+  assert fsh.logical_to_spec(("mlp", "embed"), RULES, dp_fsdp) == P("fsdp", None)
+  assert fsh.logical_to_spec(("mlp",), RULES, dp_fsdp) == P("fsdp")
 
 
 def test_multi_axis_rule_and_partially_absent_axes(dp_fsdp):
-  assert fs.logical_to_spec(("batch", None), RULES, dp_fsdp) == P(("data", "fsdp"), None)
+  assert fsh.logical_to_spec(("batch", None), RULES, dp_fsdp) == P(("data", "fsdp"), None)
   rules = (("batch", ("data", "tensor")), ("batch", "data"))
   # ("data", "tensor") names an axis absent from the mesh: skipped as a whole.
-  assert fs.logical_to_spec(("batch",), rules, dp_fsdp) == P("data")
+  assert fsh.logical_to_spec(("batch",), rules, dp_fsdp) == P("data")
 
 
 def test_none_rule_replicates_and_stops_search(dp_fsdp):
   rules = (("embed", None), ("embed", "fsdp"))
-  assert fs.logical_to_spec(("embed",), rules, dp_fsdp) == P(None)
+  assert fsh.logical_to_spec(("embed",), rules, dp_fsdp) == P(None)
   # Unknown logical names and None entries are replicated.
-  assert fs.logical_to_spec(("layers", None), RULES, dp_fsdp) == P(None, None)
+  assert fsh.logical_to_spec(("layers", None), RULES, dp_fsdp) == P(None, None)
 
 
 def test_axis_never_reused_falls_through_to_next_rule(dp_fsdp):
   rules = (("embed", "fsdp"), ("embed", "data"))
-  assert fs.logical_to_spec(("embed", "embed"), rules, dp_fsdp) == P("fsdp", "data")
+  assert fsh.logical_to_spec(("embed", "embed"), rules, dp_fsdp) == P("fsdp", "data")
   # No alternative: the second dim is replicated and the plan says why.
   plan = fs.shard_plan({"w": jnp.zeros((8, 8))}, dp_fsdp, (("embed", "fsdp"),),
                        logical_axes={"w": ("embed", "embed")})
@@ -74,13 +76,13 @@ def test_axis_never_reused_falls_through_to_next_rule(dp_fsdp):
 
 
 def test_mapping_rules(dp_fsdp):
-  assert fs.logical_to_spec(("embed", "batch"), {"embed": "fsdp", "batch": "data"},
+  assert fsh.logical_to_spec(("embed", "batch"), {"embed": "fsdp", "batch": "data"},
                             dp_fsdp) == P("fsdp", "data")
 
 
 def test_size_one_mesh_unchanged():
   mesh = _mesh((1, 1, 1), ("data", "fsdp", "tensor"))
-  spec = fs.logical_to_spec(("embed", "mlp"), RULES, mesh, shape=(6, 10))
+  spec = fsh.logical_to_spec(("embed", "mlp"), RULES, mesh, shape=(6, 10))
   assert spec == P("fsdp", "tensor")
   s = fs.shardings({"w": jnp.ones((6, 10))}, mesh, RULES,
                    logical_axes={"w": ("embed", "mlp")})
@@ -88,21 +90,21 @@ def test_size_one_mesh_unchanged():
   assert x.sharding.shard_shape(x.shape) == (6, 10)
   # A mesh with no rule axes at all: everything replicated, same rules.
   mesh1 = _mesh((1,), ("data",))
-  assert fs.logical_to_spec(("embed", "mlp"), RULES, mesh1, shape=(6, 10)) == P(None, None)
+  assert fsh.logical_to_spec(("embed", "mlp"), RULES, mesh1, shape=(6, 10)) == P(None, None)
 
 
 def test_explicit_partition_spec_validated(dp_fsdp):
-  assert fs.logical_to_spec(P("fsdp", None), RULES, dp_fsdp, shape=(8, 3)) == P("fsdp", None)
+  assert fsh.logical_to_spec(P("fsdp", None), RULES, dp_fsdp, shape=(8, 3)) == P("fsdp", None)
   with pytest.raises(fs.ShardingError, match=r"leaf 'a/w'.*3 entries but the array has rank 2"):
-    fs.logical_to_spec(P("data", "fsdp", None), RULES, dp_fsdp, shape=(8, 8), path="a/w")
+    fsh.logical_to_spec(P("data", "fsdp", None), RULES, dp_fsdp, shape=(8, 8), path="a/w")
   with pytest.raises(fs.ShardingError,
                      match=r"leaf 'a/w'.*mesh axis 'tensor', which is not in the mesh"):
-    fs.logical_to_spec(P("tensor"), RULES, dp_fsdp, shape=(8,), path="a/w")
+    fsh.logical_to_spec(P("tensor"), RULES, dp_fsdp, shape=(8,), path="a/w")
   with pytest.raises(fs.ShardingError,
                      match=r"leaf 'a/w'.*binds mesh axis 'fsdp' to dimensions 0 and 1"):
-    fs.logical_to_spec(P("fsdp", "fsdp"), RULES, dp_fsdp, shape=(8, 8), path="a/w")
+    fsh.logical_to_spec(P("fsdp", "fsdp"), RULES, dp_fsdp, shape=(8, 8), path="a/w")
   with pytest.raises(fs.ShardingError, match=r"binds mesh axis 'data' to dimensions 0 and 1"):
-    fs.logical_to_spec(P(("data", "fsdp"), "data"), RULES, dp_fsdp, shape=(8, 8))
+    fsh.logical_to_spec(P(("data", "fsdp"), "data"), RULES, dp_fsdp, shape=(8, 8))
 
 
 def test_same_axis_for_two_dims_in_explicit_leaf_names_path(dp_fsdp):
@@ -114,18 +116,18 @@ def test_same_axis_for_two_dims_in_explicit_leaf_names_path(dp_fsdp):
 
 def test_bad_rules(dp_fsdp):
   with pytest.raises(fs.ShardingError, match=r"rule 0 \('batch'\) names mesh axis 'data' twice"):
-    fs.logical_to_spec(("batch",), (("batch", ("data", "data")),), dp_fsdp)
+    fsh.logical_to_spec(("batch",), (("batch", ("data", "data")),), dp_fsdp)
   with pytest.raises(fs.ShardingError, match=r"rule 1 is \('embed',\)"):
-    fs.logical_to_spec(("embed",), (("mlp", "fsdp"), ("embed",)), dp_fsdp)
+    fsh.logical_to_spec(("embed",), (("mlp", "fsdp"), ("embed",)), dp_fsdp)
   with pytest.raises(fs.ShardingError, match=r"rule 0 \('embed'\) maps to 3"):
-    fs.logical_to_spec(("embed",), (("embed", 3),), dp_fsdp)
+    fsh.logical_to_spec(("embed",), (("embed", 3),), dp_fsdp)
 
 
 def test_rank_mismatch_and_bad_logical_axes(dp_fsdp):
   with pytest.raises(fs.ShardingError, match=r"leaf 'w'.*2 names but the array has rank 3"):
-    fs.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp, shape=(4, 4, 4), path="w")
+    fsh.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp, shape=(4, 4, 4), path="w")
   with pytest.raises(fs.ShardingError, match=r"must be a tuple of names"):
-    fs.logical_to_spec("embed", RULES, dp_fsdp)
+    fsh.logical_to_spec("embed", RULES, dp_fsdp)
 
 
 def test_indivisible_dimension_message(dp_fsdp):
@@ -238,7 +240,7 @@ def test_opt_state_follows_params_adamw(dp_fsdp):
                           min_shard_bytes=1024)
   opt = optax.adamw(1e-3)
   abstract = jax.eval_shape(opt.init, params)
-  sh = fs.opt_state_shardings(opt, abstract, param_sh, dp_fsdp)
+  sh = fst.opt_state_shardings(opt, abstract, param_sh, dp_fsdp)
   adam = sh[0]
   assert adam.mu == param_sh and adam.nu == param_sh
   assert adam.count.spec == P()
@@ -257,7 +259,7 @@ def test_opt_state_structural_fallback(dp_fsdp):
 
   opt = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
   param_sh = fs.shardings(params, dp_fsdp, min_shard_bytes=0)
-  sh = fs.opt_state_shardings(opt, init(params), param_sh, dp_fsdp)
+  sh = fst.opt_state_shardings(opt, init(params), param_sh, dp_fsdp)
   assert sh["trace"] == param_sh and sh["count"].spec == P()
 
 
@@ -265,9 +267,9 @@ def test_opt_state_structural_fallback(dp_fsdp):
 
 
 def test_data_axes_and_batch_sharding(three_d):
-  assert fs.data_axes(three_d) == ("data", "fsdp")
-  assert fs.data_axes(_mesh((4, 2), ("fsdp", "data"))) == ("fsdp", "data")
-  assert fs.data_axes(_mesh((8,), ("tensor",))) == ()
+  assert data_axes(three_d) == ("data", "fsdp")
+  assert data_axes(_mesh((4, 2), ("fsdp", "data"))) == ("fsdp", "data")
+  assert data_axes(_mesh((8,), ("tensor",))) == ()
   assert fs.batch_sharding(three_d) == NamedSharding(three_d, P(("data", "fsdp")))
   assert fs.batch_sharding(three_d, axes="data").spec == P("data")
   assert fs.batch_sharding(_mesh((8,), ("tensor",))).spec == P()
@@ -277,23 +279,23 @@ def test_data_axes_and_batch_sharding(three_d):
 
 def test_check_batch(three_d):
   s = fs.batch_sharding(three_d)
-  fs.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((4,))}, s)
+  fsh.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((4,))}, s)
   with pytest.raises(fs.ShardingError) as e:
-    fs.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((6,))}, s)
+    fsh.check_batch({"x": np.zeros((8, 3)), "y": np.zeros((6,))}, s)
   msg = str(e.value)
   assert msg.startswith("batch not divisible by the data axes: leaf 'y'")
   assert "size 6" in msg and "('data', 'fsdp') (data=2 x fsdp=2) split it 4 ways" in msg
   with pytest.raises(fs.ShardingError, match=r"batch leaf 'z' has shape \(\) .* rank >= 1"):
-    fs.check_batch({"z": np.float32(1.0)}, s)
+    fsh.check_batch({"z": np.float32(1.0)}, s)
 
 
 def test_check_shardings(dp_fsdp):
   sh = {"w": NamedSharding(dp_fsdp, P("fsdp"))}
-  fs.check_shardings({"w": jnp.zeros((8, 2))}, sh)
+  fsh.check_shardings({"w": jnp.zeros((8, 2))}, sh)
   with pytest.raises(fs.ShardingError, match=r"state leaf 'w': dimension 0 has size 6"):
-    fs.check_shardings({"w": jnp.zeros((6, 2))}, sh)
+    fsh.check_shardings({"w": jnp.zeros((6, 2))}, sh)
   with pytest.raises(fs.ShardingError, match=r"don't match the state's structure"):
-    fs.check_shardings({"w": jnp.zeros((8, 2)), "v": jnp.zeros(())}, sh)
+    fsh.check_shardings({"w": jnp.zeros((8, 2)), "v": jnp.zeros(())}, sh)
 
 
 # ------------------------------------------------------------------------- report
@@ -330,7 +332,7 @@ def test_report_contents(three_d):
 
 def test_replica_axis_is_data_like():
   mesh = _mesh((2, 4), ("replica", "fsdp"))
-  assert fs.data_axes(mesh) == ("replica", "fsdp")
+  assert data_axes(mesh) == ("replica", "fsdp")
   assert fs.batch_sharding(mesh).spec == P(("replica", "fsdp"))
 
 

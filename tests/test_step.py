@@ -10,6 +10,8 @@ import optax
 import pytest
 
 import fnscale
+from fnscale import report as freport
+from fnscale import step as fstep
 import models
 
 STEPS = 10
@@ -196,7 +198,7 @@ def test_float16_inf_gradient_skips_step():
   policy = "params=float32,compute=float16,output=float32"
   state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0),
                              policy=policy)
-  assert isinstance(state.loss_scale, fnscale.LossScale) and state.loss_scale.dynamic
+  assert isinstance(state.loss_scale, fstep.LossScale) and state.loss_scale.dynamic
   scale0 = float(state.loss_scale.scale)
   assert scale0 == 2.0**15
   step = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt, policy=policy), mesh)
@@ -407,7 +409,7 @@ def test_fast_compile_gives_same_step():
     _, metrics = compiled(state, batch)
     out.append(float(metrics["loss"]))
   np.testing.assert_allclose(out[1], out[0], rtol=1e-5)
-  assert fnscale.fast_compile_options()["xla_backend_optimization_level"] == 0
+  assert freport.fast_compile_options()["xla_backend_optimization_level"] == 0
 
 
 def test_persistent_compilation_cache(tmp_path):
@@ -416,7 +418,7 @@ def test_persistent_compilation_cache(tmp_path):
       "jax_persistent_cache_min_entry_size_bytes")}
   from jax.experimental.compilation_cache import compilation_cache as cc
   try:
-    fnscale.compilation_cache(str(tmp_path))
+    freport.compilation_cache(str(tmp_path))
     jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25).lower(jnp.ones((7, 3))).compile()
     assert any(os.scandir(tmp_path)), "nothing was written to the cache directory"
   finally:
@@ -424,7 +426,7 @@ def test_persistent_compilation_cache(tmp_path):
       jax.config.update(k, v)
     cc.reset_cache()
   with pytest.raises(fnscale.StepError, match="directory"):
-    fnscale.compilation_cache("")
+    freport.compilation_cache("")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,0 +1,378 @@
+"""`shard_step`: a step compiled once, ahead of time, as one SPMD program over a mesh.
+
+`jax.jit` with in/out shardings and a donated state (GSPMD, Xu et al., 2021), or the step
+per shard under `jax.shard_map` over the data axes. What it returns is a declared value: a
+`ShardedStep` (compiles on first call per input shapes, like `jax.jit`) whose `compile`
+gives a `CompiledStep` holding its one executable, mesh and shardings.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import dataclasses
+import hashlib
+from typing import Any, NamedTuple
+
+from absl import logging
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fnscale import _axes
+from fnscale import _tree
+from fnscale import report as _report
+from fnscale import sharding as _sh
+from fnscale import state as _state
+from fnscale.distributed import barrier
+from fnscale.errors import FnscaleError, StepError
+
+__all__ = ["CompiledStep", "ShardedStep", "shard_step"]
+
+_MODES = ("auto", "shard_map")
+
+
+class _Signature(NamedTuple):
+  """What a compiled step was built for: structures, per-leaf (name, shape, dtype, sharding)."""
+  state_def: Any
+  batch_def: Any
+  state_leaves: tuple
+  batch_leaves: tuple
+
+
+def _signature(state, batch, state_sh, batch_sh) -> _Signature:
+  def leaves(tree, shs, what):
+    return tuple((f"{what} leaf '{path}'",) + _tree.aval(leaf) + (s,)
+                 for (path, leaf), s in zip(_tree.leaves_with_paths(tree), shs))
+  return _Signature(jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
+                    leaves(state, state_sh, "state"), leaves(batch, batch_sh, "batch"))
+
+
+def _same_sharding(actual, expected, ndim: int) -> bool:
+  if actual == expected:
+    return True
+  try:
+    return actual.is_equivalent_to(expected, ndim)
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def _conform(tree, treedef, expected, what: str):
+  """Checks `tree` against a compiled signature; reshards leaves placed differently."""
+  # Fast path, taken every step: the previous step's outputs fit exactly. Paths and
+  # messages are only built when something doesn't.
+  leaves, got_def = jax.tree_util.tree_flatten(tree)
+  if got_def == treedef and all(
+      isinstance(leaf, jax.Array) and leaf.shape == shape and leaf.dtype == dtype
+      and (leaf.sharding is s or leaf.sharding == s) and not leaf.is_deleted()
+      for leaf, (_, shape, dtype, s) in zip(leaves, expected)):
+    return tree
+  pairs = _tree.leaves_with_paths(tree)
+  for path, leaf in pairs:
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      # Calling a donated buffer crashes the runtime; say what happened instead.
+      raise StepError(
+          f"{what} leaf '{path}' was donated to an earlier call of this step (its buffer "
+          f"is gone); fix: use the state the step returns, `state, metrics = step(state, "
+          f"batch)`, or build the step with donate=False.")
+  if got_def != treedef:
+    raise StepError(
+        f"the {what} has structure {got_def} but the step was compiled for {treedef}; fix: "
+        f"pass a {what} with the same pytree structure (or compile again for the new one).")
+  out, moved = [], []
+  for (_, leaf), (name, shape, dtype, s) in zip(pairs, expected):
+    gshape, gdtype = _tree.aval(leaf)
+    if gshape != shape or gdtype != dtype:
+      raise StepError(
+          f"{name}: got {gdtype}{list(gshape)}, the step was compiled for {dtype}{list(shape)}; "
+          f"fix: pass a {what} of the compiled shapes and dtypes or compile the step again "
+          "for the new ones.")
+    if isinstance(leaf, jax.Array) and _same_sharding(leaf.sharding, s, len(shape)):
+      out.append(leaf)
+    else:
+      out.append(jax.device_put(leaf, s))
+      moved.append(name)
+  if moved:
+    log = logging.warning if what == "state" else logging.info
+    log("resharded %d %s leaves to the compiled shardings (e.g. %s)", len(moved), what,
+        moved[0])
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _strip_spec(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
+  """Only the mesh axes in `keep` (shard_map's manual axes) of each spec entry."""
+  return PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if a in keep))
+                         for e in spec))
+
+
+def _own_sharding(leaf, derived, mesh):
+  """A leaf's own NamedSharding on `mesh` (a born-sharded state's), else the derived one."""
+  s = getattr(leaf, "sharding", None)
+  return s if isinstance(s, NamedSharding) and s.mesh == mesh else derived
+
+
+def _buffer(leaf) -> tuple:
+  """Identifies a jax.Array's device buffer (two Array objects may share one)."""
+  try:
+    shard = leaf.addressable_shards[0]
+    return (shard.device.id, shard.data.unsafe_buffer_pointer())
+  except Exception:  # pylint: disable=broad-except  # no addressable shard, or deleted
+    return ("object", id(leaf))
+
+
+def _check_donation(state, batch) -> None:
+  """Refuses a donated state whose buffers are shared: by two state leaves (XLA can't donate
+  one buffer twice) or with a batch leaf (it would be deleted under the caller)."""
+  owner: dict[tuple, str] = {}
+  for path, leaf in _tree.leaves_with_paths(state):
+    if not isinstance(leaf, jax.Array):
+      continue
+    key = _buffer(leaf)
+    if key in owner:
+      raise StepError(
+          f"state leaves '{owner[key]}' and '{path}' share one device buffer, and the step "
+          "donates the state (XLA can't donate a buffer twice; after the step both would be "
+          f"gone); fix: give '{path}' its own copy (jnp.copy) or tie the weights inside the "
+          "loss, or build the step with donate=False.")
+    owner[key] = path
+  for path, leaf in _tree.leaves_with_paths(batch):
+    if isinstance(leaf, jax.Array) and _buffer(leaf) in owner:
+      raise StepError(
+          f"batch leaf '{path}' is the buffer of state leaf '{owner[_buffer(leaf)]}', which "
+          "the step donates (deleting it while the batch still reads it); fix: pass a copy "
+          "in the batch (jnp.copy), close over a separate array in the loss, or build the "
+          "step with donate=False.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  """A step compiled for one set of input shapes, dtypes and shardings.
+
+  Call it as `step(state, batch) -> (state, metrics)`: it only ever runs its one executable.
+  Fields: `compiled` (`jax.stages.Compiled`), `lowered` (`jax.stages.Lowered`),
+  `compile_seconds` (wall time of `Lowered.compile`), `mesh`, `mode`, `state_shardings`
+  and `batch_shardings` (pytrees of NamedSharding), `xla_warnings` (XLA's partitioner
+  warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
+  `signature` (the leaves it was compiled for).
+  """
+  compiled: Any
+  lowered: Any
+  compile_seconds: float
+  mesh: Any
+  mode: str
+  state_shardings: Any
+  batch_shardings: Any
+  xla_warnings: tuple[str, ...]
+  signature: _Signature
+  donate: bool = True
+  # ids of the leaves of the state the last call returned: that state is made of fresh
+  # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
+  _returned: list = dataclasses.field(default_factory=lambda: [None], compare=False,
+                                      repr=False)
+
+  def __call__(self, state, batch):
+    sig = self.signature
+    state = _conform(state, sig.state_def, sig.state_leaves, "state")
+    batch = _conform(batch, sig.batch_def, sig.batch_leaves, "batch")
+    if not self.donate:
+      return self.compiled(state, batch)
+    if tuple(map(id, jax.tree.leaves(state))) != self._returned[0]:
+      _check_donation(state, batch)
+    new_state, metrics = self.compiled(state, batch)
+    self._returned[0] = tuple(map(id, jax.tree.leaves(new_state)))
+    return new_state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStep:
+  """`shard_step`'s result: `step(state, batch) -> (state, metrics)` over `mesh`.
+
+  The first call for a set of input shapes and dtypes compiles (as `jax.jit` would); later
+  calls reuse the executable. `lower(state, batch)` -> `jax.stages.Lowered`;
+  `compile(state, batch)` -> a `CompiledStep`; `shardings(state, batch)` -> (state
+  shardings, batch shardings). Fields: the `shard_step` arguments.
+  """
+  step: Callable
+  mesh: Any
+  rules: Any = ()
+  logical_axes: Any = None
+  state_shardings: Any = None
+  batch_sharding: Any = None
+  donate: bool = True
+  mode: str = "auto"
+  optimizer: Any = None
+  sharding_options: Mapping | None = None
+  compiler_options: Mapping | None = None
+  _executables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  def shardings(self, state, batch):
+    """(state shardings, batch shardings) the step is compiled with, checked against the
+    leaves (rank, divisibility)."""
+    ssh, _, bsh, _ = self._resolve(state, batch)
+    return ssh, bsh
+
+  def _state_shardings(self, state):
+    if self.state_shardings is not None:
+      return self.state_shardings
+    ssh = _state.state_shardings(state, self.mesh, self.rules, logical_axes=self.logical_axes,
+                                 optimizer=self.optimizer,
+                                 sharding_options=self.sharding_options)
+    # The optimizer state keeps the shardings it was born with (init_state's), so the
+    # program doesn't depend on whether the optimizer could be found.
+    return ssh._replace(opt_state=jax.tree.map(
+        lambda leaf, s: _own_sharding(leaf, s, self.mesh), state.opt_state, ssh.opt_state))
+
+  def _resolve(self, state, batch):
+    ssh = self._state_shardings(state)
+    state_flat = _tree.leaf_shardings(state, ssh, "state", StepError)
+    _sh.check_shardings(state, ssh, what="state")
+    if self.batch_sharding is None:
+      bs = _sh.batch_sharding(self.mesh)
+      rep = NamedSharding(self.mesh, PartitionSpec())
+      batch_flat = [bs if len(_tree.aval(x)[0]) else rep for x in jax.tree.leaves(batch)]
+    else:
+      batch_flat = _tree.leaf_shardings(batch, self.batch_sharding, "batch", StepError)
+    bsh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), batch_flat)
+    _sh.check_batch(batch, bsh)
+    return ssh, state_flat, bsh, batch_flat
+
+  def _body(self, batch, batch_flat):
+    daxes = _axes.data_axes(self.mesh)
+    if self.mode == "auto" or not daxes:
+      if self.mode == "shard_map":
+        logging.info("shard_step: mesh %s has no data axes; mode='shard_map' runs as 'auto'",
+                     dict(self.mesh.shape))
+      return self.step
+    batch_specs = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(batch), [_strip_spec(s.spec, daxes) for s in batch_flat])
+    return jax.shard_map(self.step, mesh=self.mesh, in_specs=(PartitionSpec(), batch_specs),
+                         out_specs=(PartitionSpec(), PartitionSpec()),
+                         axis_names=set(daxes), check_vma=True)
+
+  def lower(self, state, batch):
+    """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
+    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    rep = NamedSharding(self.mesh, PartitionSpec())
+    jitted = jax.jit(self._body(batch, batch_flat), in_shardings=(ssh, bsh),
+                     out_shardings=(ssh, rep), donate_argnums=(0,) if self.donate else ())
+    with jax.set_mesh(self.mesh):
+      return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
+
+  def compile(self, state, batch) -> CompiledStep:
+    """Compiles for `(state, batch)` and waits at `fnscale.barrier` for every process."""
+    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    sig = _signature(state, batch, state_flat, batch_flat)
+    try:
+      lowered = self.lower(state, batch)
+    except FnscaleError:
+      raise
+    except (TypeError, ValueError) as e:  # the user's step doesn't trace for these shapes
+      shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
+                         for name, shape, dt, _ in sig.batch_leaves)
+      raise StepError(
+          f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
+          f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
+          "expects.") from e
+    compiled, seconds, warnings = _report.compile_lowered(lowered, self.compiler_options)
+    name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
+    logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
+                 dict(self.mesh.shape), self.mode)
+    barrier(name)
+    return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
+                        sig, self.donate)
+
+  def __call__(self, state, batch):
+    key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
+           tuple(_tree.aval(x) for x in jax.tree.leaves(state)),
+           tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
+    fn = self._executables.get(key)
+    if fn is None:
+      if self._executables:
+        logging.warning(
+            "shard_step: compiling again for new input shapes/dtypes (executable %d); call "
+            "step.compile(state, batch) to pin one and get an error instead",
+            len(self._executables) + 1)
+      fn = self._executables[key] = self.compile(state, batch)
+    return fn(state, batch)
+
+
+def _check_args(step, mesh, mode, donate, optimizer, compiler_options) -> None:
+  if not callable(step):
+    raise StepError(f"step is {_tree.got(step)}, expected a callable step(state, batch).")
+  _tree.check_mesh(mesh, "mesh", StepError)
+  if mode not in _MODES:
+    raise StepError(f"mode={mode!r}, expected one of {_MODES}.")
+  if not isinstance(donate, bool):
+    raise StepError(f"donate is {_tree.got(donate)}, expected a bool.")
+  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                    and callable(getattr(optimizer, "update", None))):
+    raise StepError(f"optimizer is {_tree.got(optimizer)}, expected an "
+                    "optax.GradientTransformation or None.")
+  if compiler_options is not None and not isinstance(compiler_options, Mapping):
+    raise StepError(f"compiler_options is {_tree.got(compiler_options)}, expected a dict of "
+                    "XLA option names to values.")
+
+
+def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shardings=None,
+               batch_sharding=None, donate: bool = True, mode: str = "auto", example=None,
+               optimizer=None, sharding_options: Mapping | None = None,
+               compiler_options: Mapping | None = None,
+               fast_compile: bool = False):
+  """Compiles `step(state, batch) -> (state, metrics)` as one SPMD program over `mesh`.
+
+  The step is lowered and compiled ahead of time from abstract inputs
+  (`jax.ShapeDtypeStruct` with shardings), every process waits at
+  `fnscale.barrier("compiled step ...")`, and calls run the kept executable, so step 0
+  never compiles again. Shardings: `state_shardings` if given, else derived from the state
+  (`fnscale.state_shardings`: params by rules / automatic FSDP, step and loss scale
+  replicated) with the same arguments `init_state` takes, so a state from `init_state` is
+  used in place. Optimizer-state leaves that already carry a NamedSharding on `mesh` (a
+  born-sharded state's arrays or ShapeDtypeStructs) keep it; others follow the params
+  (found with `optimizer` when given, else by structure). The step is never inspected: a
+  wrapper around it compiles the same program. The batch's leading dim is split over the
+  mesh's data axes (`fnscale.batch_sharding`) unless `batch_sharding` is given; rank-0
+  batch leaves are replicated. The state is donated (its buffers reused for the new state)
+  when `donate`.
+
+  Args:
+    step: the step, e.g. from `train_step` (possibly wrapped, e.g. by `with_kernel`).
+    mesh: the `jax.sharding.Mesh` (Auto axis types; a mesh over
+      `jax.experimental.topologies` devices compiles for hardware that isn't here).
+    rules, logical_axes, sharding_options: as in `init_state`.
+    state_shardings: a TrainState of NamedShardings (or a prefix) to use instead.
+    batch_sharding: a NamedSharding for every batch leaf, or a pytree of them.
+    donate: donate the state argument.
+    mode: "auto": `jax.jit` with in/out shardings, XLA's sharding propagation (GSPMD)
+      partitions the step. "shard_map": the step runs per shard under `jax.shard_map`, manual
+      over the mesh's data axes (other axes stay automatic), with the batch split over them
+      and the state replicated over them (FSDP-sharded leaves are all-gathered at entry);
+      `train_step` steps `pmean` gradients, loss and aux over those axes and give the same
+      params as "auto" (up to float rounding).
+    example: `(state, batch)` (arrays or ShapeDtypeStructs): compile now and return the
+      `CompiledStep` (same as `shard_step(...).compile(state, batch)`).
+    optimizer: the optax optimizer, to find the param-shaped parts of a state whose
+      optimizer leaves carry no sharding on `mesh` (e.g. numpy arrays); optional.
+    compiler_options: XLA compile options (DebugOptions names) for `Lowered.compile`.
+    fast_compile: add `fnscale.report.fast_compile_options()` (debugging: slower programs).
+
+  Returns:
+    A `ShardedStep` (or a `CompiledStep` with `example`). Batch or state leaves placed
+    differently from the compiled shardings (numpy arrays, other meshes) are moved there
+    with `jax.device_put` (a transfer, never a new compile; a warning for the state); leaves
+    of other shapes, dtypes or structure raise StepError. In multi-process jobs build
+    batches with `fnscale.global_batch`.
+
+  Raises:
+    StepError: a bad step, mesh, mode or option (named, with what was given); a state or
+      batch that doesn't match the compiled step (naming the leaf path, expected and got).
+    ShardingError: a batch leaf not divisible by the data axes, a state leaf that doesn't
+      fit its sharding (naming the leaf path and axes).
+  """
+  _check_args(step, mesh, mode, donate, optimizer, compiler_options)
+  options = dict(compiler_options or {})
+  if fast_compile:
+    options = {**_report.fast_compile_options(), **options}
+  sharded = ShardedStep(step, mesh, rules, logical_axes, state_shardings, batch_sharding,
+                        donate, mode, optimizer, sharding_options, options)
+  if example is None:
+    return sharded
+  if not (isinstance(example, tuple) and len(example) == 2):
+    raise StepError(f"example is {_tree.got(example)}, expected (state, batch).")
+  return sharded.compile(*example)

@@ -1,0 +1,259 @@
+"""The training state born in its shardings: `init_state`, `state_shardings` and the optimizer
+state's shardings.
+
+`init_state` traces the params (or takes them), derives their shardings
+(`fnscale.sharding`), and builds params and optimizer state directly in those shardings
+(`jax.eval_shape` -> shardings -> `jax.jit(..., out_shardings=...)`, as in nanodo), so a
+model bigger than one device never lives on one device.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+import optax
+
+from fnscale import _tree
+from fnscale import sharding as _sh
+from fnscale.errors import ShardingError, StepError
+from fnscale.step import TrainState, as_policy, check_optimizer, default_loss_scale
+
+__all__ = ["init_state", "opt_state_shardings", "state_shardings"]
+
+
+def _replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def _auto_or_replicated(mesh, leaf, fsdp_axis, min_shard_bytes) -> NamedSharding:
+  shape, dtype = _tree.aval(leaf)
+  axes = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis or ())
+  spec, _ = _sh.auto_spec(shape, dtype, dict(mesh.shape), axes, min_shard_bytes)
+  return NamedSharding(mesh, spec)
+
+
+def opt_state_shardings(optimizer, opt_state, param_shardings, mesh, *, fsdp_axis="fsdp",
+                        min_shard_bytes: int = _sh.DEFAULT_MIN_SHARD_BYTES):
+  """Shardings for an optax optimizer state that follow the params' shardings.
+
+  Every copy of the params tree inside the state (Adam's mu and nu, momentum traces, ...)
+  gets `param_shardings`; other leaves (step counts, scalars) are replicated; other
+  non-scalar leaves (e.g. factored statistics) get the automatic FSDP policy (`fsdp_axis`,
+  `min_shard_bytes`, as in `shardings`). Param copies are found with optax's
+  `tree_utils.tree_map_params` when `optimizer` is given; without one, or if the optimizer's
+  init can't run on its placeholder, any subtree with the params' structure counts as a copy.
+
+  Args:
+    optimizer: an `optax.GradientTransformation`, or None (match by structure).
+    opt_state: the optimizer state, concrete or abstract (`jax.eval_shape(opt.init, params)`).
+    param_shardings: pytree of NamedSharding with the params' structure.
+    mesh: the mesh.
+
+  Returns:
+    A pytree of NamedSharding with `opt_state`'s structure.
+
+  Raises:
+    ShardingError: the state's param-shaped subtrees don't match `param_shardings`; a mesh
+      that isn't one.
+  """
+  _tree.check_mesh(mesh, "mesh", ShardingError)
+  if optimizer is not None:
+    check_optimizer(optimizer)
+
+  def non_param(leaf):
+    return _auto_or_replicated(mesh, leaf, fsdp_axis, min_shard_bytes)
+
+  out = None
+  if optimizer is not None:
+    try:
+      out = optax.tree_utils.tree_map_params(
+          optimizer, lambda _, s: s, opt_state, param_shardings,
+          transform_non_params=non_param,
+          is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    except Exception as e:  # pylint: disable=broad-except  # init failed on a placeholder
+      logging.info("tree_map_params failed (%s); matching params by structure", e)
+  if out is None:
+    out = _structural_opt_shardings(opt_state, param_shardings, non_param)
+
+  # A params-structured subtree of another shape (Adafactor's factored rows and columns)
+  # can't take the params' specs: it gets the automatic policy instead.
+  def fit(leaf, s):
+    if isinstance(leaf, optax.MaskedNode):
+      return s
+    shape, _ = _tree.aval(leaf)
+    try:
+      _sh.check_spec("", s.spec, shape, dict(mesh.shape))
+      return s
+    except ShardingError:
+      return non_param(leaf)
+  return jax.tree.map(fit, opt_state, out, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def _structural_opt_shardings(opt_state, param_shardings, non_param):
+  """Any subtree with the params' structure gets the param shardings."""
+  ptree = jax.tree_util.tree_structure(param_shardings)
+
+  def is_params(x):
+    try:
+      return jax.tree_util.tree_structure(x) == ptree and ptree.num_leaves > 0
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  out = jax.tree_util.tree_map(lambda x: param_shardings if is_params(x) else non_param(x),
+                               opt_state, is_leaf=is_params)
+  if jax.tree_util.tree_structure(
+      out, is_leaf=lambda s: isinstance(s, NamedSharding)) != jax.tree_util.tree_structure(
+          opt_state):
+    raise ShardingError(
+        "could not match the optimizer state to the params' shardings; fix: pass an "
+        "optax optimizer whose state holds copies of the params tree, or give shardings for "
+        "the state directly.")
+  return out
+
+
+def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
+                    sharding_options: Mapping | None = None) -> TrainState:
+  """Shardings for a `TrainState` (concrete or abstract): params by `fnscale.shardings`
+  (logical rules, else automatic FSDP), optimizer state following the params
+  (`opt_state_shardings`; by structure when `optimizer` is None), step and loss scale
+  replicated.
+
+  Args:
+    state: a TrainState of arrays or ShapeDtypeStructs.
+    mesh: the mesh.
+    rules, logical_axes: as in `fnscale.shardings`.
+    optimizer: the optax optimizer (lets optax find the param-shaped parts of its state).
+    sharding_options: extra keyword arguments for `fnscale.shardings` (`fsdp_axis`,
+      `min_shard_bytes`, `max_replicated_bytes`).
+
+  Returns:
+    A TrainState whose leaves are NamedShardings.
+
+  Raises:
+    StepError: state is not a TrainState, a bad mesh or sharding_options.
+    ShardingError: from `fnscale.shardings`.
+  """
+  if not isinstance(state, TrainState):
+    raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
+                    "it with fnscale.init_state.")
+  _tree.check_mesh(mesh, "mesh", StepError)
+  opts = _options(sharding_options)
+  psh = _sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
+  osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
+  rep = _replicated(mesh)
+  return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale))
+
+
+_OPTION_NAMES = ("fsdp_axis", "min_shard_bytes", "max_replicated_bytes")
+
+
+def _options(sharding_options) -> dict:
+  if sharding_options is None:
+    return {}
+  if not isinstance(sharding_options, Mapping) or any(
+      k not in _OPTION_NAMES for k in sharding_options):
+    raise StepError(f"sharding_options is {_tree.got(sharding_options)}, expected a dict "
+                    f"with keys among {_OPTION_NAMES}.")
+  return dict(sharding_options)
+
+
+def _opt_options(opts: dict) -> dict:
+  return {k: v for k, v in opts.items() if k in ("fsdp_axis", "min_shard_bytes")}
+
+
+def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstract):
+  """(params, their shardings): traced and built sharded, or copied into their shardings."""
+  if callable(init_fn_or_params):
+    args = () if key is None else (key,)
+    make = lambda *a: cast(init_fn_or_params(*a))
+    shapes = jax.eval_shape(make, *args)
+    psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
+    if abstract:
+      return _sds(shapes, psh), psh
+    return jax.jit(make, out_shardings=psh)(*args), psh
+  for path, leaf in _tree.leaves_with_paths(init_fn_or_params):
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      raise StepError(
+          f"params leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
+          "pass arrays (jnp/np) or an init function.")
+  params = cast(init_fn_or_params)
+  psh = _sh.shardings(params, mesh, rules, logical_axes=logical_axes, **opts)
+  if abstract:
+    return _sds(params, psh), psh
+  return _copy(params, psh), psh
+
+
+def _copy(tree, shardings_tree):
+  """Fresh buffers in the given shardings: never an alias of the caller's arrays, so a step
+  that donates the state can't delete them (`device_put` keeps a leaf whose sharding already
+  matches, whatever `may_alias` says)."""
+  return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings_tree)(tree)
+
+
+def _sds(tree, shardings_tree):
+  """ShapeDtypeStructs of `tree` with `shardings_tree` (one sharding or a matching tree)."""
+  return _tree.abstract(tree, _tree.leaf_shardings(tree, shardings_tree, "state", StepError))
+
+
+def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=None,
+               policy=None, key=None, loss_scale=None,
+               sharding_options: Mapping | None = None,
+               abstract: bool = False) -> TrainState:
+  """Builds a `TrainState` born in its shardings (no device ever holds the whole model).
+
+  A function is traced with `jax.eval_shape`, its output's shardings derived
+  (`state_shardings`), and it runs under `jax.jit(..., out_shardings=...)`; the optimizer
+  state is initialised the same way. Concrete params are copied into their shardings by a
+  jitted copy (fresh buffers: a step that donates the state never deletes the caller's
+  arrays).
+
+  Args:
+    init_fn_or_params: `init_fn(key) -> params` (or `init_fn()` when `key` is None), or a
+      pytree of arrays.
+    optimizer: an `optax.GradientTransformation`.
+    mesh: the `jax.sharding.Mesh`.
+    rules, logical_axes, sharding_options: as in `state_shardings`.
+    policy: a jmp policy (or string): params are cast to its param dtype; float16 compute
+      adds a dynamic `LossScale` (jmp's dynamic scaling from 2**15) to the state.
+    key: a PRNG key for `init_fn`.
+    loss_scale: a jmp loss scale (or `LossScale`) for the state, overriding the policy's
+      default; `jmp.NoOpLossScale()` means none.
+    abstract: return `jax.ShapeDtypeStruct`s with their shardings instead of arrays;
+      nothing is allocated or run (for `shard_step(...).compile`, `compile_report` on a mesh
+      of devices that aren't here, or checkpoint restore targets).
+
+  Returns:
+    TrainState(params, opt_state, step=int32 0, loss_scale), every leaf a jax.Array sharded
+    as `state_shardings(...)` says (or its ShapeDtypeStruct with `abstract=True`).
+
+  Raises:
+    StepError: a bad optimizer, mesh, policy, loss_scale or option, or params that are not
+      arrays.
+    ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
+  """
+  check_optimizer(optimizer)
+  policy = as_policy(policy)
+  _tree.check_mesh(mesh, "mesh", StepError)
+  if not isinstance(abstract, bool):
+    raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
+  loss_scale = default_loss_scale(policy, loss_scale)
+  cast = policy.cast_to_param if policy is not None else (lambda t: t)
+  opts = _options(sharding_options)
+  params, psh = _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts,
+                        abstract)
+  abstract_opt = jax.eval_shape(optimizer.init, params)
+  osh = opt_state_shardings(optimizer, abstract_opt, psh, mesh, **_opt_options(opts))
+  rep = _replicated(mesh)
+  step = jnp.zeros((), jnp.int32)
+  if abstract:
+    return TrainState(params, _sds(abstract_opt, osh), _sds(step, rep),
+                      _sds(jax.eval_shape(lambda t: t, loss_scale), rep))
+  # Copied: an optimizer state that holds the params themselves (a slow-weights copy)
+  # must not share their buffers, or donating the state would donate one buffer twice.
+  opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)),
+                      out_shardings=osh)(params)
+  return TrainState(params, opt_state, jax.device_put(step, rep),
+                    None if loss_scale is None else _copy(loss_scale, rep))
