@@ -570,9 +570,16 @@ def constrain_batch(tree, *, axes=None):
   if not axes:
     return tree
 
+  explicit = not mesh.auto_axes  # every axis Explicit: shardings are part of the types
+
   def pin(x):
     if jnp.ndim(x) == 0:
       return x
+    if explicit:  # keep the other dims' axes, minus the batch's
+      rest = [_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if a not in axes))
+              for e in tuple(jax.typeof(x).sharding.spec)[1:]]
+      rest += [None] * (jnp.ndim(x) - 1 - len(rest))
+      return jax.sharding.reshard(x, PartitionSpec(_tree.spec_entry(axes), *rest))
     spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - 1)))
     return jax.lax.with_sharding_constraint(x, spec)
 
