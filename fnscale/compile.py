@@ -164,8 +164,8 @@ class CompiledStep:
   donate: bool = True
   # ids of the leaves of the state the last call returned: that state is made of fresh
   # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
-  _returned: list = dataclasses.field(default_factory=lambda: [None], compare=False,
-                                      repr=False)
+  _returned: list = dataclasses.field(default_factory=lambda: [None], init=False,
+                                      compare=False, repr=False)
 
   def __call__(self, state, batch):
     sig = self.signature
@@ -200,7 +200,8 @@ class ShardedStep:
   optimizer: Any = None
   sharding_options: Mapping | None = None
   compiler_options: Mapping | None = None
-  _executables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+  _executables: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
+                                         repr=False)
 
   def shardings(self, state, batch):
     """(state shardings, batch shardings) the step is compiled with, checked against the

@@ -81,3 +81,13 @@ def test_shardings_state_and_reports_on_an_explicit_mesh():
   report = fs.compile_report(fs.shard_step(fs.train_step(_loss, opt), mesh), abstract,
                              {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)})
   assert report.mesh_shape == {"data": 2, "fsdp": 4}
+
+
+def test_checkpoint_round_trip_on_an_explicit_mesh(tmp_path):
+  from fnscale import checkpoint  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  state = fs.init_state(_params(), optax.sgd(LR), mesh=mesh)
+  checkpoint.save(tmp_path, 0, state)
+  restored, _ = checkpoint.restore(tmp_path, state)
+  assert restored.params["w"].sharding == state.params["w"].sharding
+  np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.asarray(_params()["w"]))
