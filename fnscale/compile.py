@@ -334,8 +334,9 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 
   Args:
     step: the step, e.g. from `train_step` (possibly wrapped, e.g. by `with_kernel`).
-    mesh: the `jax.sharding.Mesh` (Auto axis types; a mesh over
-      `jax.experimental.topologies` devices compiles for hardware that isn't here).
+    mesh: the `jax.sharding.Mesh`, with Auto or Explicit axis types (`jax.make_mesh`'s
+      default); a mesh over `jax.experimental.topologies` devices compiles for hardware
+      that isn't here.
     rules, logical_axes, sharding_options: as in `init_state`.
     state_shardings: a TrainState of NamedShardings (or a prefix) to use instead.
     batch_sharding: a NamedSharding for every batch leaf, or a pytree of them.

@@ -556,7 +556,9 @@ def constrain_batch(tree, *, axes=None):
 
   Returns:
     The same values, constrained. Outside a mesh (`with_mesh`/`jax.set_mesh`), or for axes that
-    are manual (inside `shard_map`), it is the identity.
+    are manual (inside `shard_map`), it is the identity. When every mesh axis is Explicit
+    (shardings are part of the array types) it is `jax.sharding.reshard` to the data axes on
+    the batch dim, the other dims keeping their axes except those.
 
   Raises:
     ShardingError: `axes` not axis names.
