@@ -251,13 +251,8 @@ def test_report_fsdp_all_gather_and_reduce():
 
 
 @pytest.mark.tpu
-def test_aot_compile_for_tpu_v5p():
-  try:
-    from jax.experimental import topologies
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f"libtpu (the tpu extra) is not available: {e}")
-  devices = topo.devices
+def test_aot_compile_for_tpu_v5p(tpu_devices):
+  devices = tpu_devices("v5p:2x2x2")  # skips only when libtpu is absent
   assert len(devices) == 8
   mesh = fnscale.make_mesh("data=2,fsdp=4", devices=devices)
   opt = _optimizer()
@@ -273,7 +268,10 @@ def test_aot_compile_for_tpu_v5p():
                                     abstract, batch)
   report = fnscale.compile_report(compiled, abstract, batch)
   assert report.platform == "tpu" and report.num_devices == 8
-  assert report.argument_bytes > 0 and report.temp_bytes is not None
+  # The donated state is aliased (TPU pads small arrays to its tiles, so bytes exceed the
+  # logical per-device sizes: only the relation is checked).
+  assert report.argument_bytes > 0 and report.temp_bytes > 0
+  assert 0 < report.alias_bytes <= report.argument_bytes
   assert report.collective("all-gather").count > 0
   assert "tpu x8" in str(report)
 
