@@ -404,10 +404,21 @@ def test_fast_compile_gives_same_step():
     state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
     compiled = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt), mesh,
                                   fast_compile=fast).compile(state, batch)
-    _, metrics = compiled(state, batch)
-    out.append(float(metrics["loss"]))
-  np.testing.assert_allclose(out[1], out[0], rtol=1e-5)
-  assert freport.fast_compile_options()["xla_backend_optimization_level"] == 0
+    new, metrics = compiled(state, batch)
+    out.append((float(metrics["loss"]), jax.device_get(new.params)))
+  np.testing.assert_allclose(out[1][0], out[0][0], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               out[1][1], out[0][1])
+  # The options reach XLA's compiler: an unknown one is refused by it, by name.
+  step = fnscale.train_step(models.mlp_loss, opt)
+  sharded = fnscale.shard_step(step, mesh, fast_compile=True,
+                               compiler_options={"xla_not_an_option": 1})
+  assert sharded.compiler_options == {"xla_backend_optimization_level": 0,
+                                      "xla_llvm_disable_expensive_passes": True,
+                                      "xla_not_an_option": 1}
+  with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option: "
+                     "'xla_not_an_option'"):
+    sharded.compile(state, batch)
 
 
 def test_persistent_compilation_cache(tmp_path):
