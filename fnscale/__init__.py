@@ -25,6 +25,8 @@ from fnscale.compile import shard_step
 from fnscale.report import CompileReport, compile_report, sharding_report
 from fnscale.kernels import attention, cross_entropy, with_kernel
 from fnscale.distributed import barrier, global_batch, initialize
+# Tools around the pipeline, reached as namespaces (`fs.checkpoint.save`, `fs.hlo`, ...).
+from fnscale import adapters, checkpoint, cloud, flops, hlo, invariance
 
 __all__ = [
     "CheckpointError", "CloudError", "DistributedError", "FnscaleError", "KernelError",

@@ -164,8 +164,8 @@ class CompiledStep:
   donate: bool = True
   # ids of the leaves of the state the last call returned: that state is made of fresh
   # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
-  _returned: list = dataclasses.field(default_factory=lambda: [None], compare=False,
-                                      repr=False)
+  _returned: list = dataclasses.field(default_factory=lambda: [None], init=False,
+                                      compare=False, repr=False)
 
   def __call__(self, state, batch):
     sig = self.signature
@@ -200,7 +200,8 @@ class ShardedStep:
   optimizer: Any = None
   sharding_options: Mapping | None = None
   compiler_options: Mapping | None = None
-  _executables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+  _executables: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
+                                         repr=False)
 
   def shardings(self, state, batch):
     """(state shardings, batch shardings) the step is compiled with, checked against the
@@ -333,8 +334,9 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 
   Args:
     step: the step, e.g. from `train_step` (possibly wrapped, e.g. by `with_kernel`).
-    mesh: the `jax.sharding.Mesh` (Auto axis types; a mesh over
-      `jax.experimental.topologies` devices compiles for hardware that isn't here).
+    mesh: the `jax.sharding.Mesh`, with Auto or Explicit axis types (`jax.make_mesh`'s
+      default); a mesh over `jax.experimental.topologies` devices compiles for hardware
+      that isn't here.
     rules, logical_axes, sharding_options: as in `init_state`.
     state_shardings: a TrainState of NamedShardings (or a prefix) to use instead.
     batch_sharding: a NamedSharding for every batch leaf, or a pytree of them.

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import hashlib
 import math
 import os
 import re
@@ -94,17 +95,34 @@ def xla_warnings(text: str) -> tuple[str, ...]:
   return tuple(out)
 
 
+# Warnings by program: jax serves a program compiled before in this process from its cache,
+# and XLA logs nothing the second time.
+_SEEN_WARNINGS: dict[str, tuple[str, ...]] = {}
+
+
 def compile_lowered(lowered, compiler_options: Mapping | None = None
                     ) -> tuple[Any, float, tuple[str, ...]]:
   """`lowered.compile(...)`, timed, with what XLA logged to stderr meanwhile captured.
 
   XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
   descriptor is pointed at a temporary file during the compile; the text is then written
-  back to stderr (nothing is hidden) and parsed.
+  back to stderr (nothing is hidden) and parsed. A program compiled again in the same
+  process (jax's in-memory cache) gets the warnings of its first compile; one loaded from
+  the persistent compilation cache has none.
 
   Returns:
     (the `jax.stages.Compiled`, compile seconds, XLA's warning messages).
   """
+  key = hashlib.sha256((lowered.as_text() + repr(sorted((compiler_options or {}).items())))
+                       .encode()).hexdigest()
+  compiled, seconds, text = _compile_capturing(lowered, compiler_options)
+  warnings = xla_warnings(text)
+  if warnings:
+    _SEEN_WARNINGS[key] = warnings
+  return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ())
+
+
+def _compile_capturing(lowered, compiler_options):
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile(mode="w+b") as tmp:
@@ -122,7 +140,7 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
       if text:
         sys.stderr.write(text)
         sys.stderr.flush()
-  return compiled, seconds, xla_warnings(text)
+  return compiled, seconds, text
 
 
 def fast_compile_options() -> dict[str, Any]:

@@ -260,20 +260,32 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
 
 
 def _choose(d: int, name, norm, sizes, used, notes) -> tuple[str, ...]:
-  """The mesh axes of the first usable rule for dimension `d`'s logical `name`."""
+  """The mesh axes of the first usable rule for dimension `d`'s logical `name`; why none
+  is usable goes to `notes`."""
   if name is None:
     return ()
-  skipped = []
+  skipped, absent, named = [], [], False
   for rule_name, axes in norm:
-    if rule_name != name or any(a not in sizes for a in axes):
-      continue  # another name, or absent from this mesh: try the next rule
+    if rule_name != name:
+      continue
+    named = True
+    missing = [a for a in axes if a not in sizes]
+    if missing:
+      absent.append(missing[0])  # absent from this mesh: try the next rule
+      continue
     taken = [a for a in axes if a in used]
     if not taken:
       return axes
     skipped.append(taken[0])
-  if skipped and notes is not None:
-    a = skipped[0]
-    notes.append(f"dim {d} ({name}) replicated: {a} already shards dim {used[a]}")
+  if notes is not None:
+    if skipped:
+      a = skipped[0]
+      notes.append(f"dim {d} ({name}) replicated: {a} already shards dim {used[a]}")
+    elif absent:
+      notes.append(f"dim {d} ({name}) replicated: its rules name mesh axes {absent} that the "
+                   "mesh doesn't have")
+    elif not named:
+      notes.append(f"dim {d} ({name}) replicated: no rule names {name!r}")
   return ()
 
 
@@ -365,12 +377,30 @@ def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> Lea
                   _tree.nbytes(sharding.shard_shape(shape), dtype), reason, note)
 
 
-def _check_plan_args(mesh, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
+# Axis names fnscale's conventions give a meaning; one of them missing from a mesh is a
+# choice (a data-parallel mesh has no "fsdp"), any other missing name is likely a typo.
+_KNOWN_AXES = _axes.DATA_AXES + _axes.HEAD_AXES
+
+
+def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
   _check_mesh(mesh)
   fsdp_axes = _as_axes(fsdp_axis, "fsdp_axis")
   _tree.check_int(min_shard_bytes, "min_shard_bytes", ShardingError, minimum=0)
   _tree.check_int(max_replicated_bytes, "max_replicated_bytes", ShardingError, minimum=0,
                   allow_none=True)
+  unknown = [a for a in fsdp_axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+  if unknown:
+    raise ShardingError(
+        f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
+        f"{tuple(mesh.axis_names)}); automatic leaves would silently stay replicated; fix: "
+        "name a mesh axis (e.g. fsdp_axis='fsdp') or pass None to replicate them on purpose.")
+  for i, (name, axes) in enumerate(normalize_rules(rules)):
+    typo = [a for a in axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+    if typo:
+      logging.warning(
+          "rule %d (%r, %r) names mesh axis %r, which the mesh (axes %s) doesn't have and no "
+          "fnscale convention uses; the rule is skipped (a typo?)", i, name, axes, typo[0],
+          tuple(mesh.axis_names))
   return fsdp_axes
 
 
@@ -381,36 +411,51 @@ def shard_plan(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
 
   See `shardings` for the arguments and errors.
   """
-  fsdp_axes = _check_plan_args(mesh, fsdp_axis, min_shard_bytes, max_replicated_bytes)
-  normalize_rules(rules)
+  fsdp_axes = _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = [_tree.path_str(p) for p, _ in pairs]
   leaf_axes = leaf_logical_axes(tree, paths, logical_axes)
   plans = tuple(
       _leaf_plan(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
       for p, (_, leaf), axes in zip(paths, pairs, leaf_axes))
-  _guard_replicated(plans, mesh, fsdp_axes, max_replicated_bytes)
+  _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_bytes)
   return ShardPlan(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in plans]),
                    plans, mesh)
 
 
-def _guard_replicated(plans, mesh, fsdp_axes, max_replicated_bytes) -> None:
-  """Warns about, or refuses, large automatic leaves that no dimension lets shard."""
-  bad = [lp for lp in plans if lp.reason == INDIVISIBLE]
-  if not bad:
-    return
+def _why_replicated(lp: LeafPlan, fsdp_size: int) -> str:
+  if lp.reason == INDIVISIBLE:
+    return f"no dimension divisible by the fsdp size {fsdp_size}"
+  if lp.reason == NO_FSDP:
+    return "no logical axes and no fsdp axis in the mesh"
+  if lp.reason == EXPLICIT:
+    return f"its PartitionSpec {lp.spec} replicates it"
+  return lp.note or f"its logical axes {lp.logical_axes} map to no mesh axis"
+
+
+def _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_bytes) -> None:
+  """Every whole-array-on-every-device leaf of at least `min_shard_bytes` counts against
+  `max_replicated_bytes`, whatever made it replicated; likely mistakes are logged."""
   sizes = dict(mesh.shape)
-  total = sum(lp.global_bytes for lp in bad)
-  listing = ", ".join(f"{lp.path} {lp.shape} ({lp.global_bytes} B)" for lp in bad)
   n = math.prod(sizes[a] for a in fsdp_axes if a in sizes)
-  msg = (f"{len(bad)} leaves ({total} bytes) have no dimension divisible by the fsdp size "
-         f"{n} and stay replicated on every device: {listing}")
+  big = [lp for lp in plans if lp.shape and lp.global_bytes >= max(min_shard_bytes, 1)
+         and lp.device_bytes == lp.global_bytes and math.prod(sizes.values()) > 1]
+  total = sum(lp.global_bytes for lp in big)
+  listing = ", ".join(f"{lp.path} {lp.shape} ({lp.global_bytes} B) [{_why_replicated(lp, n)}]"
+                      for lp in big)
   if max_replicated_bytes is not None and total > max_replicated_bytes:
     raise ShardingError(
-        f"{msg}; that exceeds max_replicated_bytes={max_replicated_bytes}; fix: give them "
-        "logical axes and rules, pad a dimension to a multiple of the fsdp size, choose "
-        "an fsdp size that divides one of their dimensions, or raise max_replicated_bytes.")
-  logging.warning("%s", msg)
+        f"{len(big)} leaves ({total} bytes) stay replicated on every device: {listing}; that "
+        f"exceeds max_replicated_bytes={max_replicated_bytes}; fix: give them logical axes "
+        "and rules that name mesh axes, pad a dimension to a multiple of the fsdp size, "
+        "choose an fsdp size that divides one of their dimensions, or raise "
+        "max_replicated_bytes.")
+  suspect = [lp for lp in big if lp.reason == INDIVISIBLE or (lp.reason == RULES and lp.note)]
+  if suspect:
+    logging.warning("%d leaves (%d bytes) stay replicated on every device: %s", len(suspect),
+                    sum(lp.global_bytes for lp in suspect),
+                    ", ".join(f"{lp.path} {lp.shape} ({lp.global_bytes} B) "
+                              f"[{_why_replicated(lp, n)}]" for lp in suspect))
 
 
 def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
@@ -427,19 +472,26 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       leaves are tuples of names (or None for "automatic", or a PartitionSpec for explicit
       mesh axes), or a sequence of (path_regex, names) pairs matched with `re.search`
       against each leaf's '/'-joined path (first match wins; unmatched leaves are automatic).
-    fsdp_axis: mesh axis name (or tuple of names) that automatic leaves are sharded over.
+    fsdp_axis: mesh axis name (or tuple of names) that automatic leaves are sharded over;
+      a name that is neither a mesh axis nor one of fnscale's conventional axes
+      (`fnscale._axes`) is an error (a typo would replicate every automatic leaf).
     min_shard_bytes: automatic leaves smaller than this stay replicated (int >= 0, bytes).
-    max_replicated_bytes: automatic leaves of at least `min_shard_bytes` with no dimension
-      divisible by the fsdp size are replicated and listed in a warning and the report; if
-      their total bytes exceed this limit, raise instead. None: no limit.
+    max_replicated_bytes: every leaf of at least `min_shard_bytes` that ends up whole on
+      every device counts against this limit (bytes), whatever made it replicated: no
+      dimension divisible by the fsdp size, no fsdp axis, logical names that no rule maps
+      (or whose rules name axes the mesh lacks), or a replicating PartitionSpec; over the
+      limit, raise naming each leaf and why. None: no limit. Likely mistakes (indivisible
+      leaves, logical names left unmapped) are logged as warnings either way, as are rules
+      naming an axis that is neither in the mesh nor conventional.
 
   Returns:
     A pytree of NamedSharding with `tree`'s structure.
 
   Raises:
-    ShardingError: an argument of the wrong type (named), a non-array leaf, logical axes
-      not matching the tree or a leaf's rank, malformed rules or specs, an indivisible
-      dimension, or too many replicated bytes.
+    ShardingError: an argument of the wrong type (named), malformed rules (even when no
+      leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
+      matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
+      many replicated bytes.
   """
   return shard_plan(tree, mesh, rules, logical_axes=logical_axes, fsdp_axis=fsdp_axis,
                     min_shard_bytes=min_shard_bytes,
@@ -504,7 +556,9 @@ def constrain_batch(tree, *, axes=None):
 
   Returns:
     The same values, constrained. Outside a mesh (`with_mesh`/`jax.set_mesh`), or for axes that
-    are manual (inside `shard_map`), it is the identity.
+    are manual (inside `shard_map`), it is the identity. When every mesh axis is Explicit
+    (shardings are part of the array types) it is `jax.sharding.reshard` to the data axes on
+    the batch dim, the other dims keeping their axes except those.
 
   Raises:
     ShardingError: `axes` not axis names.
@@ -518,9 +572,16 @@ def constrain_batch(tree, *, axes=None):
   if not axes:
     return tree
 
+  explicit = not mesh.auto_axes  # every axis Explicit: shardings are part of the types
+
   def pin(x):
     if jnp.ndim(x) == 0:
       return x
+    if explicit:  # keep the other dims' axes, minus the batch's
+      rest = [_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if a not in axes))
+              for e in tuple(jax.typeof(x).sharding.spec)[1:]]
+      rest += [None] * (jnp.ndim(x) - 1 - len(rest))
+      return jax.sharding.reshard(x, PartitionSpec(_tree.spec_entry(axes), *rest))
     spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - 1)))
     return jax.lax.with_sharding_constraint(x, spec)
 

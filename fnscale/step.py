@@ -184,13 +184,14 @@ def _check_accum(batch, accum_steps: int) -> int:
   return n0
 
 
-def _auto_data_axes() -> tuple[str, ...]:
-  """Data axes of the ambient mesh that GSPMD partitions automatically (size > 1)."""
+def _global_data_axes() -> tuple[str, ...]:
+  """Data axes of the ambient mesh (size > 1) that the trace sees whole: Auto or Explicit,
+  not manual (inside `jax.shard_map`)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  auto = set(mesh.auto_axes)
-  return tuple(a for a in _axes.data_axes(mesh) if a in auto and mesh.shape[a] > 1)
+  manual = set(mesh.manual_axes)
+  return tuple(a for a in _axes.data_axes(mesh) if a not in manual and mesh.shape[a] > 1)
 
 
 def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
@@ -205,10 +206,13 @@ def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
         f"by the data axes {axes} ({ways} ways); each microbatch is spread over every device; "
         f"fix: use a batch size that is a multiple of {accum_steps * ways}.")
 
+  explicit = not mesh.empty and not mesh.auto_axes  # shardings are part of the types
+
   def split(x):
     x = jnp.swapaxes(x.reshape((micro, accum_steps) + x.shape[1:]), 0, 1)
     if axes:
-      x = jax.lax.with_sharding_constraint(x, PartitionSpec(None, _tree.spec_entry(axes)))
+      spec = PartitionSpec(None, _tree.spec_entry(axes))
+      x = jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
     return x
   return jax.tree.map(split, batch)
 
@@ -297,7 +301,7 @@ def _gradients(cfg: _Config, params, batch, ls):
   """float32 gradients (still loss-scaled), loss and aux of the whole batch, reduced over
   the data axes.
 
-  With accumulation over automatic data axes and `accum_gather="once"`, the microbatch
+  With accumulation over (Auto or Explicit) data axes and `accum_gather="once"`, the microbatch
   loop runs per shard under `jax.shard_map` over those axes: params are gathered once at
   its entry and gradients reduced once after it. With "per_microbatch" GSPMD partitions
   the loop body, which re-gathers FSDP params and reduces gradients in every microbatch.
@@ -306,14 +310,14 @@ def _gradients(cfg: _Config, params, batch, ls):
   if cfg.accum_steps == 1:
     return _grad_sum(cfg, params, batch, scale)
   n = _check_accum(batch, cfg.accum_steps)
-  auto = _auto_data_axes()
-  micro = _microbatches(batch, cfg.accum_steps, n, auto)
-  if not auto or cfg.accum_gather == "per_microbatch":
+  axes = _global_data_axes()
+  micro = _microbatches(batch, cfg.accum_steps, n, axes)
+  if not axes or cfg.accum_gather == "per_microbatch":
     return _grad_sum(cfg, params, micro, scale)
-  specs = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(auto)), micro)
+  specs = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
   f = jax.shard_map(functools.partial(_grad_sum, cfg), in_specs=(PartitionSpec(), specs,
                                                                   PartitionSpec()),
-                    out_specs=PartitionSpec(), axis_names=set(auto), check_vma=True)
+                    out_specs=PartitionSpec(), axis_names=set(axes), check_vma=True)
   return f(params, micro, scale)
 
 
@@ -377,7 +381,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       `shard_step` does) every microbatch stays spread over the data axes. The gradient
       is reduced over the data axes once per step, after the last microbatch.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
-    accum_gather: with `accum_steps > 1` under a mesh with automatic data axes, how FSDP
+    accum_gather: with `accum_steps > 1` under a mesh with data axes, how FSDP
       params meet the microbatches. "once" (default): the microbatch loop runs per shard
       under `jax.shard_map` over the data axes; params are all-gathered once at its entry
       and stay whole on every device for the loop (memory: the full params per device), and

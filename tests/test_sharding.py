@@ -1,5 +1,6 @@
 """Logical rules, auto-FSDP, optimizer-state shardings, batch shardings and the report."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -389,3 +390,83 @@ def test_constrain_batch_pins_activations_to_data_axes():
     y = jax.shard_map(per_shard, mesh=mesh, in_specs=P(("data", "fsdp")),
                       out_specs=P(("data", "fsdp")), axis_names={"data", "fsdp"})(x)
   np.testing.assert_allclose(y, 2 * np.ones((8, 4, 16)))
+
+
+# ------------------------------------------------------------------------- replicated leaves
+
+BIG = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}  # 64 MiB, never allocated
+BIG_BYTES = 4096 * 4096 * 4
+
+
+def _fsdp8():
+  return _mesh((8,), ("fsdp",))
+
+
+def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
+  with caplog.at_level("WARNING"):
+    with pytest.raises(fs.ShardingError) as e:
+      fs.shard_plan(BIG, _fsdp8(), (("embed", "fsdp_"),),
+                    logical_axes={"w": ("embed", "mlp")}, max_replicated_bytes=1 << 20)
+  msg = str(e.value)
+  assert msg.startswith(f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: "
+                        f"w (4096, 4096) ({BIG_BYTES} B) [dim 0 (embed) replicated: its rules "
+                        "name mesh axes ['fsdp_'] that the mesh doesn't have; dim 1 (mlp) "
+                        "replicated: no rule names 'mlp']")
+  assert f"exceeds max_replicated_bytes={1 << 20}" in msg
+  assert ("rule 0 ('embed', ('fsdp_',)) names mesh axis 'fsdp_', which the mesh (axes "
+          "('fsdp',)) doesn't have") in caplog.text
+
+
+def test_unmapped_logical_name_is_logged_without_a_limit(caplog):
+  with caplog.at_level("WARNING"):
+    plan = fs.shard_plan(BIG, _fsdp8(), (("embed", "fsdp"),),
+                         logical_axes={"w": ("mlp", "heads")})
+  assert plan.leaves[0].spec == P(None, None)
+  assert (f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: w (4096, 4096) "
+          f"({BIG_BYTES} B) [dim 0 (mlp) replicated: no rule names 'mlp'; dim 1 (heads) "
+          "replicated: no rule names 'heads']") in caplog.text
+
+
+def test_fsdp_axis_not_in_the_mesh_is_an_error():
+  with pytest.raises(fs.ShardingError, match=re.escape(
+      "fsdp_axis 'zero' names 'zero', which is not an axis of the mesh (axes ('fsdp',)); "
+      "automatic leaves would silently stay replicated; fix: name a mesh axis (e.g. "
+      "fsdp_axis='fsdp') or pass None to replicate them on purpose.")):
+    fs.shard_plan(BIG, _fsdp8(), fsdp_axis="zero", max_replicated_bytes=1 << 20)
+  # The conventional name on a mesh without it is a choice (data parallel), counted.
+  with pytest.raises(fs.ShardingError, match=r"w \(4096, 4096\) \(67108864 B\) \[no logical "
+                     r"axes and no fsdp axis in the mesh\]"):
+    fs.shard_plan(BIG, _mesh((8,), ("data",)), max_replicated_bytes=1 << 20)
+  assert fs.shard_plan(BIG, _mesh((8,), ("data",))).leaves[0].reason == fsh.NO_FSDP
+
+
+def test_malformed_rules_fail_even_when_no_leaf_uses_them():
+  with pytest.raises(fs.ShardingError, match=re.escape(
+      "rule 0 is 'embed', expected (logical_name, mesh_axis | (mesh_axes...) | None)")):
+    fs.shardings(BIG, _fsdp8(), rules=("embed",))
+  with pytest.raises(fs.ShardingError, match=re.escape("rule 1 ('mlp') maps to 3")):
+    fs.shardings(BIG, _fsdp8(), rules=(("embed", "fsdp"), ("mlp", 3)))
+
+
+def test_every_replicated_leaf_counts_against_the_limit(caplog):
+  mesh = _fsdp8()
+  tree = {"explicit": jax.ShapeDtypeStruct((64, 64), jnp.float32),   # 16 KiB, P()
+          "none_rule": jax.ShapeDtypeStruct((64, 64), jnp.float32),  # ("vocab", None)
+          "odd": jax.ShapeDtypeStruct((63, 65), jnp.float32),        # indivisible
+          "small": jax.ShapeDtypeStruct((4,), jnp.float32)}          # under min_shard_bytes
+  axes = {"explicit": P(), "none_rule": ("vocab", None), "odd": None, "small": None}
+  total = 2 * 64 * 64 * 4 + 63 * 65 * 4
+  kw = dict(logical_axes=axes, min_shard_bytes=1024)
+  fs.shard_plan(tree, mesh, (("vocab", None),), max_replicated_bytes=total, **kw)
+  with pytest.raises(fs.ShardingError, match=re.escape(f"3 leaves ({total} bytes)")) as e:
+    fs.shard_plan(tree, mesh, (("vocab", None),), max_replicated_bytes=total - 1, **kw)
+  assert "explicit (64, 64) (16384 B) [its PartitionSpec P() replicates it]" in str(
+      e.value)
+  assert "none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map to no mesh axis]" in (
+      str(e.value))
+  assert "small" not in str(e.value)
+  # A rule mapping to None is deliberate: no warning for it, only for the indivisible leaf.
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    fs.shard_plan(tree, mesh, (("vocab", None),), **kw)
+  assert "odd (63, 65)" in caplog.text and "none_rule" not in caplog.text
