@@ -15,13 +15,10 @@ import numpy as np
 import optax
 import pytest
 
+import fnscale as fs
 from fnscale.errors import KernelError
 from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_plan, with_kernel
-
-try:
-  from fnscale.mesh import with_mesh
-except ImportError:  # The mesh stage is optional for these tests.
-  with_mesh = jax.set_mesh
+from fnscale.mesh import with_mesh
 
 AUTO = jax.sharding.AxisType.Auto
 # The package exports the function `attention`, which hides the module of the same name.
@@ -50,6 +47,25 @@ def _reference(q, k, v, *, causal=False, segments=None, window=None, scale=None)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def _relative_error(got, want) -> float:
+  """||got - want|| / ||want|| in float64: an all-zero `got` scores 1, not 'close'."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.fixture
+def plans(monkeypatch):
+  """The KernelPlans `attention` decides during the test, in order."""
+  real, decided = attention_lib.kernel_plan, []
+
+  def recording(*args, **kwargs):
+    decided.append(real(*args, **kwargs))
+    return decided[-1]
+
+  monkeypatch.setattr(attention_lib, "kernel_plan", recording)
+  return decided
 
 
 def _qkv(b, t, h, kh, d, dtype=jnp.float32, seed=0):
@@ -154,6 +170,54 @@ def test_sharded_kernel_compiles_without_gathering_qkv():
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def _hlo_collectives(hlo: str) -> list[str]:
+  return re.findall(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
+
+
+def test_kernel_keeps_replica_axis_in_batch_spec():
+  # The axis names of the "hybrid" preset and of make_mesh(..., dcn={"replica": 2}), within
+  # one process of 8 simulated devices (one process can't have two DCN groups).
+  mesh = fs.make_mesh({"replica": 2, "fsdp": 4})
+  q, k, v = _qkv(8, 128, 2, 2, 32)
+  batch = fs.batch_sharding(mesh)  # The batch convention: leading dim over both axes.
+  assert batch.spec[0] == ("replica", "fsdp")
+  spec = jax.sharding.NamedSharding(mesh, jax.P(("replica", "fsdp"), None, None, None))
+  q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True) * jnp.cos(q))
+  step = jax.jit(jax.value_and_grad(with_kernel(loss, attention="splash", interpret=True),
+                                    argnums=(0, 1, 2)))
+  with with_mesh(mesh):
+    plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
+    compiled = step.lower(q, k, v).compile()
+  assert (plan.implementation, plan.batch_axes, plan.head_axes) == (
+      "splash", ("replica", "fsdp"), ())
+  # A batch spec without "replica" would gather q/k/v over it around the kernel.
+  assert _hlo_collectives(compiled.as_text()) == []
+  value, grads = compiled(q, k, v)
+  ref_value, ref_grads = jax.value_and_grad(
+      lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True)
+                              * jnp.cos(q)), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    assert _relative_error(g, r) < 1e-5
+
+
+@pytest.mark.tpu
+def test_splash_on_multislice_hybrid_mesh_compiles_for_tpu(tpu_devices, plans):
+  devices = tpu_devices("v5p:2x2x2", num_slices=2)
+  mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": 2}, devices=devices)
+  assert mesh.axis_names == ("replica", "fsdp") and mesh.devices.size == 16
+  spec = jax.sharding.NamedSharding(mesh, jax.P(("replica", "fsdp"), None, None, None))
+  x = jax.ShapeDtypeStruct((16, 256, 2, 128), jnp.bfloat16, sharding=spec)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, causal=True).astype(jnp.float32))
+  with with_mesh(mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+  hlo = compiled.as_text()
+  assert "tpu_custom_call" in hlo and _hlo_collectives(hlo) == []
+  assert {(p.implementation, p.batch_axes) for p in plans} == {("splash", ("replica",
+                                                                           "fsdp"))}
 
 
 @pytest.mark.tpu

@@ -215,7 +215,8 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
     return plan("xla", reason="; ".join(reasons), fallback=True, block_sizes=None)
   return plan("xla", fallback=False, block_sizes=None,
               reason=(f"no attention kernel for platform {call.platform!r}; use "
-                      "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"))
+                      "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"
+                      + note))
 
 
 def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
@@ -241,7 +242,8 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
   note = ("" if shardable or mesh.empty else
           "; not sharded: the mesh was set inside the trace and the inputs carry no "
           "sharding; set it around the jitted call, shard the inputs or pass mesh=")
-  platform = _platform(platform, mesh)
+  # Unsharded, the program compiles where its inputs live: jax's default backend.
+  platform = _platform(platform, mesh if shardable else None)
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
                block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes)
   return call, requested, note
