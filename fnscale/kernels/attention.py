@@ -157,7 +157,8 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
   """Decides which attention implementation serves a call, without running it.
 
   Args:
-    q_shape: query shape [batch, q_seq, heads, head_dim].
+    q_shape: query shape [batch, q_seq, heads, head_dim], or q itself (an array or tracer:
+      then the manual axes it varies over inside a `shard_map` count too).
     k_shape: key (and value) shape [batch, kv_seq, kv_heads, head_dim]; kv_heads divides
       heads (grouped-query / multi-query attention).
     dtype: the dtype of q, k and v.
@@ -186,7 +187,7 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
       call (the message names the reason).
   """
   call, requested, note = _describe_call(
-      tuple(q_shape), tuple(k_shape), dtype, causal, segment_ids, sliding_window,
+      q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
       implementation, block_sizes, platform, interpret, mesh)
   plan = functools.partial(KernelPlan, requested=requested, interpret=call.interpret,
                            platform=call.platform)
@@ -222,6 +223,9 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
 def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
                    implementation, block_sizes, platform, interpret, mesh):
   """Checks kernel_plan's arguments; returns (_Call, requested name, unsharded note)."""
+  # An array q (or tracer) also tells the manual axes it varies over (jax's vma type).
+  varying = _varying_axes(q_shape) if isinstance(q_shape, jax.Array) else ()
+  q_shape, k_shape = tuple(getattr(q_shape, "shape", q_shape)), tuple(k_shape)
   _check_shapes(q_shape, k_shape, k_shape)
   if implementation not in IMPLEMENTATIONS:
     raise KernelError(
@@ -244,8 +248,13 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
           "sharding; set it around the jitted call, shard the inputs or pass mesh=")
   # Unsharded, the program compiles where its inputs live: jax's default backend.
   platform = _platform(platform, mesh if shardable else None)
+  # No mesh a shard_map can use (e.g. shardings given only as jit's in_shardings): the
+  # inputs may be split over every device of the platform the program runs on.
+  unseen = (jax.device_count() if (not shardable or mesh.empty)
+            and platform == _platform(None, None) else 0)
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
-               block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes)
+               block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes,
+               unseen, varying)
   return call, requested, note
 
 
@@ -300,7 +309,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   elif not isinstance(scale, (int, float)) or not scale > 0:
     raise KernelError(f"attention(scale={scale!r}): expected a positive Python float.")
   mesh = _call_mesh(mesh, q)
-  plan = kernel_plan(q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
+  plan = kernel_plan(q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
                      sliding_window=sliding_window, implementation=implementation,
                      block_sizes=block_sizes, mesh=mesh)
   if plan.fallback:
@@ -336,6 +345,8 @@ class _Call(NamedTuple):
   axis_sizes: dict[str, int]
   batch_axes: tuple[str, ...]
   head_axes: tuple[str, ...]
+  unseen_devices: int  # Devices the inputs may span with no mesh in sight (0: a mesh is).
+  varying: tuple[str, ...]  # Manual axes q varies over in a shard_map that checks them.
 
 
 def _check_shapes(q_shape, k_shape, v_shape) -> None:
@@ -461,6 +472,13 @@ def _call_mesh(mesh, q):
   return named if context.empty else context
 
 
+def _varying_axes(x) -> tuple[str, ...]:
+  """Manual mesh axes x varies over inside a checked shard_map (jax's varying type)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; "vma" before.
+  return tuple(sorted(getattr(manual, "varying", None) or getattr(aval, "vma", ()) or ()))
+
+
 def _axis_sizes(mesh) -> dict[str, int]:
   if mesh is None or mesh.empty:
     return {}
@@ -502,6 +520,15 @@ def _cannot_serve(name: str, call: _Call) -> str | None:
     hint = ("" if name == "cudnn" else
             "; with_kernel(..., interpret=True) runs it in interpret mode anywhere")
     return f"needs platform {'/'.join(home)}, this is {call.platform}{hint}"
+  if name != "cudnn" and not call.interpret and call.unseen_devices > 1:
+    # A Mosaic/Triton custom call can't be partitioned by XLA (cuDNN's has rules).
+    return (f"no mesh in sight while the inputs may be split over {call.unseen_devices} "
+            "devices, and XLA can't partition this kernel: set the mesh with "
+            "fnscale.with_mesh, give the arguments NamedShardings or pass mesh=")
+  if name != "cudnn" and call.varying:
+    return (f"q varies over manual axes {call.varying} of an enclosing shard_map that "
+            "checks them (check_vma=True), which a Pallas kernel's output type can't say: "
+            "use check_vma=False on that shard_map")
   if call.dtype not in _DTYPES[name]:
     return f"dtype {call.dtype} not in {_DTYPES[name]}"
   size = lambda axes: math.prod(call.axis_sizes[a] for a in axes)
