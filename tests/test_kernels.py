@@ -7,7 +7,11 @@ import contextlib
 import functools
 import importlib
 import logging as py_logging
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -774,22 +778,29 @@ def test_blockwise_cross_entropy_bfloat16_gradient_dtypes():
     assert _relative_error(g, w) < BF16_GRAD_TOLERANCE
 
 
-def test_blockwise_cross_entropy_uses_less_temporary_memory():
+def test_cross_entropy_temporary_memory_matches_the_readme():
+  # The README: "at 2048 tokens x 32k vocab (float32) the compiled temporaries of
+  # value-and-grad fall from 512 MiB to 74 MiB (default block) or 38 MiB (block 4096)".
   tokens, d, vocab = 2048, 256, 32768
   hidden = jax.ShapeDtypeStruct((tokens, d), jnp.float32)
   unembed = jax.ShapeDtypeStruct((d, vocab), jnp.float32)
   labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
 
-  def temp_bytes(loss):
+  def temp_mib(loss):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
         hidden, unembed, labels).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
-  plain = temp_bytes(lambda h, u, y: _plain_ce(h, u, y))
-  blockwise = temp_bytes(lambda h, u, y: cross_entropy(h, u, y, block_size=4096))
-  logits_bytes = tokens * vocab * 4
-  assert plain >= logits_bytes  # The plain loss holds the whole [tokens, vocab] logits.
-  assert blockwise < logits_bytes / 2 and blockwise < plain / 4
+  plain = temp_mib(lambda h, u, y: _plain_ce(h, u, y))
+  default = temp_mib(lambda h, u, y: cross_entropy(h, u, y))
+  block_4096 = temp_mib(lambda h, u, y: cross_entropy(h, u, y, block_size=4096))
+  mib = lambda columns: tokens * columns * 4 / 2**20  # float32 logits of `columns` vocab
+  # Hand counts: the plain loss holds the logits and their gradient (2 x 256 MiB); the
+  # blockwise one a block of logits (default 2**24 / 2048 tokens = 8192 columns) and less
+  # than a second block's worth of gradient and bookkeeping.
+  assert 2 * mib(vocab) <= plain <= 2 * mib(vocab) * 1.05
+  assert mib(8192) <= default < 2 * mib(8192) and mib(4096) <= block_4096 < 2 * mib(4096)
+  assert (round(plain), round(default), round(block_4096)) == (512, 74, 38)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -808,3 +819,44 @@ def test_bad_cross_entropy_inputs_raise_kernel_error(kwargs, message):
   args.update(kwargs)
   with pytest.raises(KernelError, match=re.escape(message)):
     cross_entropy(args["hidden"], args["unembed"], args["labels"], **options)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _bench_attention(*flags):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, str(ROOT / "recipes" / "bench_attention.py"), *flags],
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_bench_attention_command_line():
+  out = _bench_attention("--shapes", "1x128x1x1x32,1x100x1x1x32", "--implementations",
+                         "xla,splash", "--iters", "1", "--warmup", "0", "--no-causal")
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  assert lines[0].startswith("platform=cpu") and "causal=False median of 1 after 0" in lines[0]
+  rows = {tuple(line.split()[:3]): line.split()[3:] for line in lines[3:]
+          if line.startswith("1x")}
+  # Shape x implementation x mode: one row each; the splash row gives its tiles.
+  assert set(rows) == {("1x128x1x1x32", "xla", "native"), ("1x128x1x1x32", "splash",
+                                                           "interpret"),
+                       ("1x100x1x1x32", "xla", "native"), ("1x100x1x1x32", "splash",
+                                                           "interpret")}
+  blocks, ms, ratio, compile_s = rows[("1x128x1x1x32", "splash", "interpret")]
+  assert blocks == "128x128" and float(ms) > 0 and ratio.endswith("x")
+  assert float(compile_s) > 0
+  assert rows[("1x128x1x1x32", "xla", "native")][1] == "1.00x"  # (no tiles column)
+  # A shape splash can't serve says why instead of a time.
+  assert " ".join(rows[("1x100x1x1x32", "splash", "interpret")]).startswith(
+      "n/a: attention(implementation='splash') can't serve this call: sequence lengths "
+      "(100, 100) must be multiples of 128")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--implementations", "cudnn"), "--implementations ['cudnn'] can't run on cpu"),
+    (("--shapes", "1x128"), "--shapes entry '1x128': expected BATCHxSEQxHEADSxKV_HEADSxHEAD"),
+])
+def test_bench_attention_bad_flags_exit_with_usage(flags, message):
+  out = _bench_attention(*flags)
+  assert out.returncode == 2 and message in out.stderr
