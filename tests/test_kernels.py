@@ -803,6 +803,34 @@ def test_cross_entropy_temporary_memory_matches_the_readme():
   assert (round(plain), round(default), round(block_4096)) == (512, 74, 38)
 
 
+@pytest.mark.parametrize("form", ["ambient-mesh", "argument-shardings"])
+def test_cross_entropy_with_vocab_sharded_unembedding_matches_unsharded(form):
+  mesh = fs.make_mesh({"data": 2, "tensor": 4})
+  put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(*spec)))
+  ks = jax.random.split(jax.random.key(5), 4)
+  tokens, d, vocab = 48, 32, 1000  # 250 columns per device: 2 blocks of 96 and a tail.
+  hidden = jax.random.normal(ks[0], (tokens, d))
+  unembed = jax.random.normal(ks[1], (d, vocab)) * 0.5
+  labels = jax.random.randint(ks[2], (tokens,), 0, vocab)
+  where = jax.random.bernoulli(ks[3], 0.7, (tokens,))
+  loss = lambda h, u: cross_entropy(h, u, put(labels, "data"), where=put(where, "data"),
+                                    block_size=96, z_loss=1e-3)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  args = put(hidden, "data", None), put(unembed, None, "tensor")
+  with with_mesh(mesh) if form == "ambient-mesh" else contextlib.nullcontext():
+    compiled = step.lower(*args).compile()
+  value, (d_hidden, d_unembed) = compiled(*args)
+  want, want_grads = jax.value_and_grad(
+      lambda h, u: _plain_ce(h, u, labels, where, 1e-3), argnums=(0, 1))(hidden, unembed)
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  assert _relative_error(d_hidden, want_grads[0]) < 1e-5
+  assert _relative_error(d_unembed, want_grads[1]) < 1e-5
+  # Each device keeps its vocabulary shard: no all-gather of the unembedding, and its
+  # gradient comes back split the same way.
+  assert _hlo_collectives(compiled.as_text()) == []
+  assert d_unembed.sharding.spec == jax.P(None, "tensor")
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(hidden=jnp.zeros((4, 8, 2))), "hidden (4, 8, 2) and unembed (8, 16) must be"),
     (dict(labels=jnp.zeros((4,))), "labels (4,) float32; expected integer [tokens] = (4,)"),
