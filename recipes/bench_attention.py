@@ -7,6 +7,8 @@ those numbers test that the path works, they say nothing about kernel speed.
 
   python recipes/bench_attention.py                     # default shapes for the platform
   python recipes/bench_attention.py --shapes 4x2048x16x8x128 --iters 20 --causal
+  python recipes/bench_attention.py --shapes 1x128x1x1x32 --implementations xla,splash \
+      --iters 1 --warmup 0                              # a quick check that the paths run
 """
 import argparse
 import statistics
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import fnscale
+from fnscale.kernels import kernel_plan
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",
@@ -60,7 +63,7 @@ def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
   step = jax.jit(jax.value_and_grad(fnscale.with_kernel(loss, interpret=interpret),
                                     argnums=(0, 1, 2)))
   try:
-    plan = fnscale.with_kernel(fnscale.kernel_plan, interpret=interpret)(
+    plan = fnscale.with_kernel(kernel_plan, interpret=interpret)(
         q.shape, k.shape, dtype, causal=causal, implementation=implementation)
     start = time.perf_counter()
     jax.block_until_ready(step(q, k, v))
@@ -69,6 +72,14 @@ def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
     return None, None, str(e)
   blocks = "" if plan.block_sizes is None else "x".join(map(str, plan.block_sizes[:2]))
   return _time(step, (q, k, v), warmup, iters), compile_s, blocks
+
+
+def _parse_shape(parser, text):
+  parts = text.lower().split("x")
+  if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    parser.error(f"--shapes entry {text!r}: expected BATCHxSEQxHEADSxKV_HEADSxHEAD_DIM, "
+                 "five positive ints such as 1x128x2x2x64")
+  return tuple(int(p) for p in parts)
 
 
 def main():
@@ -81,6 +92,9 @@ def main():
   parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--iters", type=int, default=None, help="default: 20, CPU 5")
+  parser.add_argument("--implementations", default=None,
+                      help="comma-separated subset of the platform's implementations "
+                      "(default: all of them)")
   args = parser.parse_args()
 
   platform = jax.default_backend()
@@ -95,10 +109,18 @@ def main():
             f"{'blocks':<9} {'fwd+bwd ms':>11} {'vs xla':>7} {'compile s':>9}")
   print(header)
   print("-" * len(header))
+  chosen = _implementations(platform)
+  if args.implementations:
+    wanted = args.implementations.split(",")
+    unknown = sorted(set(wanted) - {name for name, _ in chosen})
+    if unknown:
+      parser.error(f"--implementations {unknown} can't run on {platform}; choose from "
+                   f"{[name for name, _ in chosen]}")
+    chosen = [(name, interpret) for name, interpret in chosen if name in wanted]
   for text in shapes.split(","):
-    shape = tuple(int(x) for x in text.lower().split("x"))
+    shape = _parse_shape(parser, text)
     reference = None
-    for implementation, interpret in _implementations(platform):
+    for implementation, interpret in chosen:
       ms, compile_s, note = bench(shape, implementation, interpret, dtype=dtype,
                                   causal=args.causal, warmup=args.warmup, iters=iters)
       mode = "interpret" if interpret else "native"

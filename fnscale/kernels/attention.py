@@ -5,9 +5,13 @@ attention, the Pallas Triton attention or the XLA reference (`jax.nn.dot_product
 `kernel_plan` is the pure decision behind it: what would run and why. `with_kernel` scopes a
 choice to one call of a function (and so to its trace), like `jax.set_mesh` scopes a mesh.
 
-Under a mesh a kernel runs inside `jax.shard_map` over the mesh axes that shard batch
-("data", "fsdp") and heads ("tensor"), so XLA never has to gather its inputs around a custom
-call it can't partition. Sequence and head_dim stay whole inside each shard.
+Under a mesh a kernel runs inside `jax.shard_map` over the mesh axes that shard batch (the
+data-like axes of `fnscale._axes`: "replica", "data", "fsdp") and heads ("tensor"), so XLA
+never has to partition a custom call it can't (Mosaic kernels can't be partitioned
+automatically at all). The mesh is the one passed, else the ambient one (`with_mesh` /
+`jax.set_mesh`, also when set only inside the trace), else the one q's sharding names (a
+jitted call whose arguments carry `NamedSharding`s, also over a TPU topology description).
+Sequence and head_dim stay whole inside each shard.
 
 Kernels: splash attention (Pallas TPU, jax.experimental.pallas.ops.tpu.splash_attention),
 flash attention (Dao et al., 2022, arXiv:2205.14135) through cuDNN and Pallas/Triton
@@ -16,7 +20,6 @@ arXiv:2305.13245).
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
@@ -26,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnscale import _axes
 from fnscale.errors import KernelError
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
-_DATA_AXES = ("data", "fsdp")
-_HEAD_AXES = ("tensor",)
 # Candidate block sizes, largest first: the largest that divides the sequence wins.
 _SPLASH_BLOCKS = (512, 256, 128)
 _GPU_BLOCKS = (128, 64, 32, 16)
@@ -88,9 +90,10 @@ class KernelPlan(NamedTuple):
   head_axes: tuple[str, ...] = ()
 
 
-# The one piece of ambient state: the choice of the `with_kernel` call being traced.
-_CHOICE: contextvars.ContextVar[KernelChoice] = contextvars.ContextVar(
-    "fnscale_kernel_choice", default=KernelChoice())
+# The one piece of ambient state: the choice of the `with_kernel` call being traced. A jax
+# user context (thread-local) is part of jax.jit's cache key, so a jitted function traced
+# under one choice is traced again under another instead of silently keeping the first.
+_CHOICE = jax.make_user_context(KernelChoice())
 
 
 def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto",
@@ -99,14 +102,14 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
 
   During a call of the returned function (and so while jax traces it), every
   `fnscale.attention(..., implementation="auto")` inside behaves as if called with
-  `implementation=attention`; the choice is held in a `contextvars.ContextVar` set before
-  and reset after the call, so two differently wrapped functions in one program each keep
-  their own. It composes with `fnscale.with_mesh` / `jax.set_mesh` in either order.
+  `implementation=attention`; the choice is held in a thread-local jax user context
+  (`jax.make_user_context`) set before and reset after the call, so two differently wrapped
+  functions in one program each keep their own, and it is part of `jax.jit`'s cache key: a
+  jitted function called under another choice is traced again. It composes with
+  `fnscale.with_mesh` / `jax.set_mesh` in either order, inside or outside `jax.jit`.
 
-  A jitted function caches its first trace and does not see a later choice: wrap the
-  function that gets traced, e.g. `shard_step(with_kernel(step, ...), mesh)` or
-  `jax.jit(with_kernel(loss_fn, ...))`, rather than wrapping an already-traced function
-  with different choices.
+  Caches that are not jax's own don't see the choice: a `shard_step`'d step keeps its first
+  executable, so wrap the step it compiles, `shard_step(with_kernel(step, ...), mesh)`.
 
   Args:
     fn: the function to wrap (a loss function, a train step, a `shard_step`'d step). When
@@ -138,11 +141,8 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    token = _CHOICE.set(choice)
-    try:
+    with _CHOICE(choice):
       return fn(*args, **kwargs)
-    finally:
-      _CHOICE.reset(token)
 
   return wrapped
 
@@ -157,7 +157,8 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
   """Decides which attention implementation serves a call, without running it.
 
   Args:
-    q_shape: query shape [batch, q_seq, heads, head_dim].
+    q_shape: query shape [batch, q_seq, heads, head_dim], or q itself (an array or tracer:
+      then the manual axes it varies over inside a `shard_map` count too).
     k_shape: key (and value) shape [batch, kv_seq, kv_heads, head_dim]; kv_heads divides
       heads (grouped-query / multi-query attention).
     dtype: the dtype of q, k and v.
@@ -185,53 +186,27 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
     KernelError: bad shapes or arguments, or a forced implementation that can't serve the
       call (the message names the reason).
   """
-  q_shape, k_shape = tuple(q_shape), tuple(k_shape)
-  _check_shapes(q_shape, k_shape, k_shape)
-  if implementation not in IMPLEMENTATIONS:
-    raise KernelError(
-        f"attention(implementation={implementation!r}): expected one of {IMPLEMENTATIONS}.")
-  window = _normalise_window(sliding_window)
-  if block_sizes is not None:
-    block_sizes = _check_block_sizes(block_sizes)
-  segments = _segment_structure(segment_ids, q_shape, k_shape)
-  choice = _CHOICE.get()
-  requested = choice.attention if implementation == "auto" else implementation
-  interpret = choice.interpret if interpret is None else bool(interpret)
-  # A kernel's shard_map needs the concrete mesh at the jit boundary: a mesh set only inside
-  # a trace (with unsharded inputs) can't lower one, so the kernel then runs unsharded.
-  shardable = mesh is not None or _concrete_mesh_known()
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  platform = _platform(platform, mesh)
-  batch_axes, head_axes = _kernel_axes(mesh) if shardable else ((), ())
-  unsharded_note = ("" if shardable or mesh.empty else
-                    "; not sharded: the mesh was set inside the trace, set it around the "
-                    "jitted call or pass mesh=")
-  call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
-               block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes)
-
-  plan = functools.partial(KernelPlan, requested=requested, interpret=interpret,
-                           platform=platform)
+  call, requested, note = _describe_call(
+      q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
+      implementation, block_sizes, platform, interpret, mesh)
+  plan = functools.partial(KernelPlan, requested=requested, interpret=call.interpret,
+                           platform=call.platform)
   if requested == "xla":
     return plan("xla", reason="the xla reference was requested", fallback=False,
                 block_sizes=None)
-  if requested == "auto":
-    candidates = _auto_candidates(platform, interpret)
-  else:
-    candidates = (requested,)
+  candidates = (_auto_candidates(call.platform, call.interpret) if requested == "auto"
+                else (requested,))
   reasons = []
   for name in candidates:
     why = _cannot_serve(name, call)
     if why is None:
-      blocks = _block_sizes(name, call)
-      sharded = bool(batch_axes or head_axes)
-      return plan(name, fallback=False, block_sizes=blocks,
-                  reason=(f"{name} serves this call" + (" (interpret mode)" if interpret
-                          and name != "cudnn" else "")
-                          + (f" inside shard_map over {batch_axes + head_axes}"
-                             if sharded else "")
-                          + unsharded_note
-                          + (f"; skipped {'; '.join(reasons)}" if reasons else "")),
-                  batch_axes=batch_axes, head_axes=head_axes)
+      axes = call.batch_axes + call.head_axes
+      reason = (f"{name} serves this call"
+                + (" (interpret mode)" if call.interpret and name != "cudnn" else "")
+                + (f" inside shard_map over {axes}" if axes else "") + note
+                + (f"; skipped {'; '.join(reasons)}" if reasons else ""))
+      return plan(name, fallback=False, block_sizes=_block_sizes(name, call), reason=reason,
+                  batch_axes=call.batch_axes, head_axes=call.head_axes)
     if requested != "auto":
       raise KernelError(
           f"attention(implementation={name!r}) can't serve this call: {why}. Use "
@@ -240,8 +215,47 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
   if reasons:
     return plan("xla", reason="; ".join(reasons), fallback=True, block_sizes=None)
   return plan("xla", fallback=False, block_sizes=None,
-              reason=(f"no attention kernel for platform {platform!r}; use "
-                      "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"))
+              reason=(f"no attention kernel for platform {call.platform!r}; use "
+                      "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"
+                      + note))
+
+
+def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
+                   implementation, block_sizes, platform, interpret, mesh):
+  """Checks kernel_plan's arguments; returns (_Call, requested name, unsharded note)."""
+  # An array q (or tracer) also tells the manual axes it varies over (jax's vma type).
+  varying = _varying_axes(q_shape) if isinstance(q_shape, jax.Array) else ()
+  q_shape, k_shape = tuple(getattr(q_shape, "shape", q_shape)), tuple(k_shape)
+  _check_shapes(q_shape, k_shape, k_shape)
+  if implementation not in IMPLEMENTATIONS:
+    raise KernelError(
+        f"attention(implementation={implementation!r}): expected one of {IMPLEMENTATIONS}.")
+  window = _normalise_window(sliding_window)
+  if block_sizes is not None:
+    block_sizes = _check_block_sizes(block_sizes)
+  segments = _segment_structure(segment_ids, q_shape, k_shape)
+  choice = _CHOICE.value
+  requested = choice.attention if implementation == "auto" else implementation
+  interpret = choice.interpret if interpret is None else bool(interpret)
+  # A kernel's shard_map needs a concrete mesh when the program is lowered: from the jit
+  # boundary, or from the arguments' shardings (attention passes that mesh in). A mesh set
+  # only inside a trace whose inputs carry none can't lower one: the kernel runs unsharded.
+  shardable = mesh is not None or _concrete_mesh_known()
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  batch_axes, head_axes = _kernel_axes(mesh) if shardable else ((), ())
+  note = ("" if shardable or mesh.empty else
+          "; not sharded: the mesh was set inside the trace and the inputs carry no "
+          "sharding; set it around the jitted call, shard the inputs or pass mesh=")
+  # Unsharded, the program compiles where its inputs live: jax's default backend.
+  platform = _platform(platform, mesh if shardable else None)
+  # No mesh a shard_map can use (e.g. shardings given only as jit's in_shardings): the
+  # inputs may be split over every device of the platform the program runs on.
+  unseen = (jax.device_count() if (not shardable or mesh.empty)
+            and platform == _platform(None, None) else 0)
+  call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
+               block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes,
+               unseen, varying)
+  return call, requested, note
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -270,8 +284,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     scale: logit scale; default 1/sqrt(head_dim).
     implementation: "auto" (see `kernel_plan`), "xla", "splash", "cudnn" or "pallas_gpu".
     block_sizes: kernel tiles (`BlockSizes`); default chosen from the shapes.
-    mesh: shard the kernel over this mesh; default: the context mesh (`jax.set_mesh` /
-      `fnscale.with_mesh`), none outside one.
+    mesh: shard the kernel over this mesh (a `Mesh`, also over TPU topology-description
+      devices, or an `AbstractMesh`); default: the context mesh (`jax.set_mesh` /
+      `fnscale.with_mesh`), else the mesh of q's `NamedSharding` (under `jax.jit`, the
+      arguments' shardings), else none.
 
   Returns:
     [batch, q_seq, heads, head_dim] in q's dtype.
@@ -292,7 +308,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     scale = 1.0 / math.sqrt(q.shape[-1])
   elif not isinstance(scale, (int, float)) or not scale > 0:
     raise KernelError(f"attention(scale={scale!r}): expected a positive Python float.")
-  plan = kernel_plan(q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
+  mesh = _call_mesh(mesh, q)
+  plan = kernel_plan(q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
                      sliding_window=sliding_window, implementation=implementation,
                      block_sizes=block_sizes, mesh=mesh)
   if plan.fallback:
@@ -328,6 +345,8 @@ class _Call(NamedTuple):
   axis_sizes: dict[str, int]
   batch_axes: tuple[str, ...]
   head_axes: tuple[str, ...]
+  unseen_devices: int  # Devices the inputs may span with no mesh in sight (0: a mesh is).
+  varying: tuple[str, ...]  # Manual axes q varies over in a shard_map that checks them.
 
 
 def _check_shapes(q_shape, k_shape, v_shape) -> None:
@@ -437,6 +456,29 @@ def _concrete_mesh_known() -> bool:
     return True
 
 
+def _call_mesh(mesh, q):
+  """The mesh attention's kernel shards over: `mesh`, else None (kernel_plan reads the
+  context) when a concrete mesh is in force, else the mesh q's sharding names."""
+  if mesh is not None:
+    return mesh
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and _concrete_mesh_known():
+    return None
+  sharding = getattr(jax.typeof(q), "sharding", None)
+  named = getattr(sharding, "mesh", None)
+  if named is None or named.empty:
+    return None  # No mesh at all, or one set inside the trace only (kernel_plan says so).
+  # Inputs sharded over a mesh: their jit lowers with it, so shard_map can use it.
+  return named if context.empty else context
+
+
+def _varying_axes(x) -> tuple[str, ...]:
+  """Manual mesh axes x varies over inside a checked shard_map (jax's varying type)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; "vma" before.
+  return tuple(sorted(getattr(manual, "varying", None) or getattr(aval, "vma", ()) or ()))
+
+
 def _axis_sizes(mesh) -> dict[str, int]:
   if mesh is None or mesh.empty:
     return {}
@@ -449,8 +491,8 @@ def _kernel_axes(mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (), ()
   manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
   free = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
-  return (tuple(a for a in _DATA_AXES if a in free),
-          tuple(a for a in _HEAD_AXES if a in free))
+  return (tuple(a for a in _axes.data_axes(mesh) if a in free),
+          tuple(a for a in _axes.head_axes(mesh) if a in free))
 
 
 def _auto_candidates(platform: str, interpret: bool) -> tuple[str, ...]:
@@ -478,6 +520,15 @@ def _cannot_serve(name: str, call: _Call) -> str | None:
     hint = ("" if name == "cudnn" else
             "; with_kernel(..., interpret=True) runs it in interpret mode anywhere")
     return f"needs platform {'/'.join(home)}, this is {call.platform}{hint}"
+  if name != "cudnn" and not call.interpret and call.unseen_devices > 1:
+    # A Mosaic/Triton custom call can't be partitioned by XLA (cuDNN's has rules).
+    return (f"no mesh in sight while the inputs may be split over {call.unseen_devices} "
+            "devices, and XLA can't partition this kernel: set the mesh with "
+            "fnscale.with_mesh, give the arguments NamedShardings or pass mesh=")
+  if name != "cudnn" and call.varying:
+    return (f"q varies over manual axes {call.varying} of an enclosing shard_map that "
+            "checks them (check_vma=True), which a Pallas kernel's output type can't say: "
+            "use check_vma=False on that shard_map")
   if call.dtype not in _DTYPES[name]:
     return f"dtype {call.dtype} not in {_DTYPES[name]}"
   size = lambda axes: math.prod(call.axis_sizes[a] for a in axes)

@@ -3,18 +3,25 @@
 The unembedding is applied one vocabulary block at a time with an online logsumexp (the
 running max/sum rescaling of Milakov & Gimelshein, 2018, arXiv:1805.02867, as used by flash
 attention), and a custom gradient recomputes each block's logits in the backward pass, so
-neither pass holds more than [tokens, block_size] logits at once.
+neither pass holds more than [tokens, block_size] logits at once. Under a mesh with a
+"tensor" axis the vocabulary is split over it (vocab-parallel cross-entropy as in
+Megatron-LM, Shoeybi et al. 2019): each device walks its own vocabulary shard, and the
+per-token logsumexp and label logit are combined across the axis, so a vocab-sharded
+unembedding is never gathered.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from fnscale import _axes
 from fnscale.errors import KernelError
+from fnscale.kernels.attention import _call_mesh, _varying_axes
 
 # Default vocabulary block: at most this many float32 logits live at once (64 MiB).
 _BLOCK_ELEMENTS = 1 << 24
@@ -23,7 +30,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
                   where: jax.Array | None = None, block_size: int | None = None,
-                  z_loss: float = 0.0, reduction: str = "mean") -> jax.Array:
+                  z_loss: float = 0.0, reduction: str = "mean",
+                  mesh: jax.sharding.Mesh | None = None) -> jax.Array:
   """Cross-entropy of `softmax(hidden @ unembed)` against integer labels, blockwise.
 
   Equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ unembed, labels)`
@@ -44,6 +52,10 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
       2022, arXiv:2204.02311) added per token; 0 disables it.
     reduction: "mean" (over tokens where `where` is True), "sum", or "none" (per-token
       [tokens], zero where masked).
+    mesh: split the vocabulary over this mesh's "tensor" axis (and tokens over its data
+      axes) in a `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the
+      mesh the arguments' shardings name, else none. Used when vocab is divisible by the
+      tensor axis size; `block_size` then counts columns of each device's shard.
 
   Returns:
     float32 scalar, or [tokens] for reduction="none".
@@ -52,10 +64,8 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
     KernelError: shapes, dtypes or arguments that don't fit, naming the bad one.
   """
   tokens, vocab = _check(hidden, unembed, labels, where, block_size, z_loss, reduction)
-  if block_size is None:
-    block_size = min(vocab, max(128, (_BLOCK_ELEMENTS // max(tokens, 1)) // 128 * 128))
-  per_token = _blockwise(hidden, unembed, labels.astype(jnp.int32), block_size,
-                         float(z_loss))
+  per_token = _per_token(hidden, unembed, labels.astype(jnp.int32), block_size,
+                         float(z_loss), _call_mesh(mesh, hidden))
   if where is not None:
     per_token = jnp.where(where, per_token, 0.0)
   if reduction == "none":
@@ -115,7 +125,52 @@ def _block_logits(hidden, unembed, start, size):
   return w, jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 
 
-def _forward(hidden, unembed, labels, block, z_loss):
+def _per_token(hidden, unembed, labels, block_size, z_loss, mesh):
+  """Per-token loss; vocab-parallel in a shard_map when the mesh has a tensor axis."""
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
+  vocab_axes = tuple(a for a in _axes.head_axes(mesh) if mesh.shape[a] > 1
+                     and a not in manual) if not mesh.empty else ()
+  shards = math.prod(mesh.shape[a] for a in vocab_axes)
+  if not vocab_axes or unembed.shape[1] % shards or _varying_axes(hidden):
+    # (Inside a shard_map that checks varying axes the plain path is used: XLA partitions it.)
+    return _loss(*_stats(hidden, unembed, labels, _block(block_size, hidden, unembed)),
+                 z_loss)
+  token_axes = tuple(a for a in _axes.data_axes(mesh) if mesh.shape[a] > 1
+                     and a not in manual)
+  if hidden.shape[0] % math.prod(mesh.shape[a] for a in token_axes):
+    token_axes = ()
+  tok = token_axes or None
+
+  def local(hidden, unembed, labels):
+    # This device's vocabulary columns start at its index along the vocab axes.
+    first = lax.axis_index(vocab_axes) * unembed.shape[1]
+    lse, label_logit = _stats(hidden, unembed, labels - first,
+                              _block(block_size, hidden, unembed))
+    top = lax.pmax(lax.stop_gradient(lse), vocab_axes)  # The result doesn't depend on it.
+    lse = top + jnp.log(lax.psum(jnp.exp(lse - top), vocab_axes))
+    return _loss(lse, lax.psum(label_logit, vocab_axes), z_loss)
+
+  free = frozenset(a for a in mesh.axis_names if a not in manual)
+  return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(tok, None), jax.P(None, vocab_axes),
+                                                   jax.P(tok)),
+                       out_specs=jax.P(tok), axis_names=free, check_vma=False)(
+                           hidden, unembed, labels)
+
+
+def _block(block_size, hidden, unembed) -> int:
+  tokens, vocab = hidden.shape[0], unembed.shape[1]
+  if block_size is None:
+    return min(vocab, max(128, (_BLOCK_ELEMENTS // max(tokens, 1)) // 128 * 128))
+  return min(block_size, vocab)
+
+
+def _loss(lse, label_logit, z_loss):
+  return lse - label_logit + z_loss * lse * lse
+
+
+def _forward(hidden, unembed, labels, block):
   tokens = hidden.shape[0]
 
   def step(start, size, carry):
@@ -133,31 +188,32 @@ def _forward(hidden, unembed, labels, block, z_loss):
   init = (jnp.full((tokens,), -jnp.inf, jnp.float32), jnp.zeros((tokens,), jnp.float32),
           jnp.zeros((tokens,), jnp.float32))
   running_max, running_sum, label_logit = _walk_vocab(unembed.shape[1], block, step, init)
-  lse = running_max + jnp.log(running_sum)
-  return lse - label_logit + z_loss * lse * lse, lse
+  return running_max + jnp.log(running_sum), label_logit
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _blockwise(hidden, unembed, labels, block, z_loss):
-  return _forward(hidden, unembed, labels, block, z_loss)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _stats(hidden, unembed, labels, block):
+  """Per token: logsumexp of hidden @ unembed, and the logit at the label (0 if the label
+  is outside [0, vocab)), float32 [tokens] each, without materialising the logits."""
+  return _forward(hidden, unembed, labels, block)
 
 
-def _blockwise_fwd(hidden, unembed, labels, block, z_loss):
-  loss, lse = _forward(hidden, unembed, labels, block, z_loss)
-  return loss, (hidden, unembed, labels, lse)
+def _stats_fwd(hidden, unembed, labels, block):
+  lse, label_logit = _forward(hidden, unembed, labels, block)
+  return (lse, label_logit), (hidden, unembed, labels, lse)
 
 
-def _blockwise_bwd(block, z_loss, residuals, g) -> tuple[Any, Any, None]:
+def _stats_bwd(block, residuals, grads) -> tuple[Any, Any, None]:
   hidden, unembed, labels, lse = residuals
-  # d loss / d logits = softmax * (1 + 2 z lse) - onehot(label), per token times g.
-  softmax_coef = (g * (1.0 + 2.0 * z_loss * lse))[:, None]
+  g_lse, g_label = grads
+  # d lse / d logits = softmax; d label_logit / d logits = onehot(label).
 
   def step(start, size, carry):
     d_hidden, d_unembed = carry
     w, logits = _block_logits(hidden, unembed, start, size)
     onehot = (labels[:, None] - start) == jnp.arange(size)[None, :]
-    d_logits = jnp.exp(logits - lse[:, None]) * softmax_coef - jnp.where(
-        onehot, g[:, None], 0.0)
+    d_logits = jnp.exp(logits - lse[:, None]) * g_lse[:, None] + jnp.where(
+        onehot, g_label[:, None], 0.0)
     d_hidden = d_hidden + jnp.dot(d_logits.astype(w.dtype), w.T,
                                   preferred_element_type=jnp.float32)
     d_w = jnp.dot(hidden.T, d_logits.astype(hidden.dtype), preferred_element_type=jnp.float32)
@@ -170,4 +226,4 @@ def _blockwise_bwd(block, z_loss, residuals, g) -> tuple[Any, Any, None]:
   return d_hidden.astype(hidden.dtype), d_unembed, None
 
 
-_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+_stats.defvjp(_stats_fwd, _stats_bwd)
