@@ -26,8 +26,8 @@ def _loss(params, batch):
   return jnp.mean(jnp.square(h @ params["w2"] - batch["y"]))
 
 
-def _batch(key=jax.random.key(1)):
-  kx, ky = jax.random.split(key)
+def _batch(key=None):
+  kx, ky = jax.random.split(jax.random.key(1) if key is None else key)
   return {"x": jax.random.normal(kx, (B, DIN), jnp.float32),
           "y": jax.random.normal(ky, (B, DOUT), jnp.float32)}
 
