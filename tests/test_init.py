@@ -63,6 +63,28 @@ def test_init_state_places_every_leaf_as_the_rules_say(mesh_spec):
                jax.device_get(state.params), ref)
 
 
+# jax 0.10.2: jax.device_put(x, replicated, may_alias=False) from a one-device array keeps x's
+# buffer as the device-0 shard, so donating the state deletes the caller's replicated leaves
+# ("norm" here). init_state promises a copy; strict: passing means the fix landed.
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="init_state aliases the caller's replicated leaves (device_put)")
+def test_init_state_from_concrete_params_copies_them_into_place():
+  mesh = fs.make_mesh("fsdp=8")
+  host = jax.device_get(jax.jit(_init)(jax.random.key(0)))
+  params = jax.tree.map(jnp.asarray, host)  # on one device
+  opt = optax.sgd(0.1)
+  state = fs.init_state(params, opt, mesh=mesh, rules=RULES, logical_axes=AXES)
+  for name, spec in SPECS["fsdp=8"].items():
+    leaf = state.params[name]
+    assert _norm(leaf.sharding.spec, leaf.ndim) == _norm(spec, leaf.ndim), name
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), host)
+  # A donating step consumes the state's buffers, not the caller's arrays.
+  step = fs.shard_step(fs.train_step(lambda p, b: jnp.sum(p["w_in"] * b["x"]), opt), mesh,
+                       rules=RULES, logical_axes=AXES)
+  state, _ = step(state, {"x": jnp.ones((8, D, F))})
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), host)
+
+
 def test_no_device_ever_holds_a_whole_large_leaf(monkeypatch):
   """The init programs' own memory: no output or temporary the size of the 4 MiB leaf."""
   stats = []
