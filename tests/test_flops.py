@@ -64,6 +64,9 @@ def test_measure_matmul_peak_is_2n3_over_the_median_time(monkeypatch):
   ticks = itertools.chain([0.0, 1.0, 10.0, 14.0, 20.0, 22.0], itertools.repeat(100.0))
   monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
   assert flops.measure_matmul_peak(n=8, repeats=3) == 2.0 * 8**3 / 2.0
+  # The smallest valid call: one 1x1 product timed once (4 s on this clock).
+  ticks = itertools.chain([0.0, 4.0], itertools.repeat(100.0))
+  assert flops.measure_matmul_peak(n=1, repeats=1) == 2.0 / 4.0
 
 
 def test_measure_matmul_peak_runs_the_matmul():
