@@ -9,7 +9,6 @@ import threading
 
 import pytest
 
-import fnscale
 from fnscale import cloud
 from fnscale.errors import CloudError
 
@@ -233,8 +232,8 @@ def test_bad_arguments(tmp_path):
 
 
 def _run_child(fake, tmp_path, body, extra_env=None):
-  script = "\n".join([f"import sys; sys.path.insert(0, {REPO!r})", "import fnscale", body,
-                       "print('PLAN', plan.action, flush=True)"])
+  script = "\n".join([f"import sys; sys.path.insert(0, {REPO!r})", "from fnscale import cloud",
+                       body, "print('PLAN', plan.action, flush=True)"])
   env = dict(os.environ, GCE_METADATA_HOST=fake.url.split("://")[1],
              FNSCALE_TPU_API_URL=fake.url, JAX_PLATFORMS="cpu", **(extra_env or {}))
   env.pop("TPU_WORKER_ID", None)
@@ -245,7 +244,7 @@ def _run_child(fake, tmp_path, body, extra_env=None):
 def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   keep = os.fspath(tmp_path / "keep")
   proc = _run_child(fake, tmp_path,
-                    f"plan = fnscale.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
+                    f"plan = cloud.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout
   (method, path, headers), = _deletes(fake)
@@ -255,7 +254,7 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   # An API error at exit is logged; the program still exits cleanly with its own status.
   fake.requests.clear()
   fake.api_status = 500
-  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0, "
+  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0, "
                     f"sentinel={keep!r})")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "deleting the TPU VM failed" in proc.stderr and "HTTP 500" in proc.stderr
@@ -264,12 +263,8 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   # A sentinel that appears while the job runs keeps the VM.
   fake.requests.clear()
   fake.api_status = 200
-  proc = _run_child(fake, tmp_path, f"plan = fnscale.shutdown_at_exit(delay_s=0.2, "
+  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0.2, "
                     f"sentinel={keep!r})\nopen({keep!r}, 'w').close()")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout and f"sentinel {keep} exists" in proc.stderr
   assert _deletes(fake) == []
-
-
-def test_exported():
-  assert fnscale.shutdown_at_exit is cloud.shutdown_at_exit

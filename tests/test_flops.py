@@ -1,0 +1,82 @@
+"""fnscale.flops against hand counts and a controlled clock."""
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+import fnscale as fs
+from fnscale import flops
+
+
+def test_model_flops_per_token_by_hand():
+  # GPT-2 small at seq 1024: 12 layers, d 768, 12 d^2 per block + a 50257 x 768 output layer.
+  n = 12 * 12 * 768**2 + 50257 * 768
+  assert n == 123_532_032
+  assert flops.model_flops_per_token(params=n, layers=12, d_model=768, seq=1024) == (
+      741_192_192 + 113_246_208)
+  # Each term alone: 6 per weight; 12 per layer, width and position.
+  assert flops.model_flops_per_token(params=1, layers=0, d_model=0, seq=0) == 6.0
+  assert flops.model_flops_per_token(params=0, layers=1, d_model=1, seq=1) == 12.0
+  assert flops.model_flops_per_token(params=0, layers=2, d_model=3, seq=5) == 360.0
+  assert flops.model_flops_per_token(params=0, layers=0, d_model=0, seq=0) == 0.0
+
+
+@pytest.mark.parametrize("name", ["params", "layers", "d_model", "seq"])
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "8", None])
+def test_model_flops_per_token_rejects_each_bad_argument(name, bad):
+  kw = {**dict(params=1, layers=1, d_model=1, seq=1), name: bad}
+  with pytest.raises(fs.FnscaleError, match=rf"model_flops_per_token: {name}={bad!r}, "
+                     r"expected an int >= 0\."):
+    flops.model_flops_per_token(**kw)
+
+
+def test_mfu_by_hand():
+  # 1.2e15 FLOPs per step in 2 s on 4 devices of 300 TFLOP/s: 6e14 / 1.2e15 = 50%.
+  assert flops.mfu(1.2e15, 2.0, 4, 300e12) == pytest.approx(0.5, rel=1e-12)
+  assert flops.mfu(1e9, 0.5, 2, 1e9) == pytest.approx(1.0, rel=1e-12)
+  assert flops.mfu(3e9, 1.0, 1, 1e9) == pytest.approx(3.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("args", [(1e9, 0, 1, 1e9), (1e9, -1.0, 1, 1e9), (1e9, 1.0, 0, 1e9),
+                                  (1e9, 1.0, 1, 0), (1e9, 1.0, 1, -5.0), (1e9, 1.0, 1, None)])
+def test_mfu_rejects_non_positive_inputs(args):
+  with pytest.raises(fs.FnscaleError, match=(
+      rf"mfu: step_seconds={args[1]}, num_devices={args[2]}, "
+      rf"peak_flops_per_device={args[3]}; all must be positive\.")):
+    flops.mfu(*args)
+
+
+def test_mfu_accepts_the_smallest_valid_inputs():
+  assert flops.mfu(1.0, 1e-9, 1, 1e-9) == pytest.approx(1e18)
+
+
+def test_peak_flops_reads_the_topology():
+  topo = fs.detect_topology(env={})
+  assert topo.platform == "cpu" and flops.peak_flops(topo) is None
+  assert flops.peak_flops() is None  # default: this machine's topology (CPU: no figure)
+  v5p = dataclasses.replace(topo, peak_flops_per_device=229.5e12)
+  assert flops.peak_flops(v5p) == 229.5e12
+
+
+def test_measure_matmul_peak_is_2n3_over_the_median_time(monkeypatch):
+  # A clock whose synchronized runs take 1, 4 and 2 s (after the warm-up): median 2 s.
+  ticks = itertools.chain([0.0, 1.0, 10.0, 14.0, 20.0, 22.0], itertools.repeat(100.0))
+  monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
+  assert flops.measure_matmul_peak(n=8, repeats=3) == 2.0 * 8**3 / 2.0
+  # The smallest valid call: one 1x1 product timed once (4 s on this clock).
+  ticks = itertools.chain([0.0, 4.0], itertools.repeat(100.0))
+  assert flops.measure_matmul_peak(n=1, repeats=1) == 2.0 / 4.0
+
+
+def test_measure_matmul_peak_runs_the_matmul():
+  rate = flops.measure_matmul_peak(n=64, repeats=1)
+  assert math.isfinite(rate) and rate > 0
+
+
+@pytest.mark.parametrize("kw", [dict(n=0), dict(repeats=0), dict(n=-3, repeats=2)])
+def test_measure_matmul_peak_rejects_sizes_below_one(kw):
+  full = {**dict(n=8, repeats=1), **kw}
+  with pytest.raises(fs.FnscaleError, match=rf"measure_matmul_peak: n={full['n']}, "
+                     rf"repeats={full['repeats']}; both must be >= 1\."):
+    flops.measure_matmul_peak(**full)
