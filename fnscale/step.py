@@ -36,7 +36,7 @@ import optax
 
 from fnscale import hlo as _hlo
 from fnscale import sharding as _sh
-from fnscale.distributed import barrier
+from fnscale.distributed import agree_on_step
 from fnscale.errors import FnscaleError, ShardingError, StepError
 from fnscale.hlo import Collective
 
@@ -704,7 +704,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 
   The step is lowered and compiled ahead of time from abstract inputs
   (`jax.ShapeDtypeStruct` with shardings), every process waits at
-  `fnscale.barrier("compiled step ...")`, and calls run the kept executable, so step 0
+  `fnscale.distributed.agree_on_step("compiled step ...")` (a barrier that also checks that
+  every process compiled the same program), and calls run the kept executable, so step 0
   never compiles again. Shardings: `state_shardings` if given, else derived from the state
   (`fnscale.step.state_shardings`: params by rules / automatic FSDP, optimizer state
   following them, scalars replicated) with the same arguments `init_state` takes, so a state
@@ -825,7 +826,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     name = f"compiled step {_digest(lowered.as_text())}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(mesh.shape), mode)
-    barrier(name)
+    # Every process compiled the same program, or a DistributedError says what differs.
+    agree_on_step(name, lowered.as_text(), state, batch, mesh, options)
 
     def compiled_step(state, batch):
       state = _conform(state, sig.state_def, sig.state_leaves, "state")

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -164,11 +165,15 @@ _WORKER = textwrap.dedent("""
     out["sum"] = float(jax.jit(lambda a: a.sum())(g["x"]))
     fs.barrier("step", timeout_s=20)
     fs.barrier("step", timeout_s=20)  # the same name can be reused
-    if pid == 0:  # process 1 never comes: a bounded wait, then a clear error
-      try:
-        fs.barrier("lonely", timeout_s=1)
-      except fs.DistributedError as e:
-        out["lonely"] = str(e)
+    if pid == 0:  # process 1 comes late, then to another barrier: bounded, named waits
+      for name, timeout_s in (("lonely", 1.5), ("lonely2", 6)):
+        try:
+          fs.barrier(name, timeout_s=timeout_s)
+        except fs.DistributedError as e:
+          out[name] = str(e)
+    else:
+      import time
+      time.sleep(3)
     fs.barrier("end", timeout_s=20)
     print(json.dumps(out), flush=True)
 """)
@@ -215,8 +220,14 @@ def test_two_processes_global_batch_and_barrier(tmp_path):
     assert r["shape"] == [16, 3]
     np.testing.assert_array_equal(np.array(r["full"]), expected)
     assert r["sum"] == float(expected.sum())
-  assert "barrier 'lonely': not all 2 processes arrived within 1 s" in r0["lonely"]
-  assert "fix:" in r0["lonely"]
+  # Process 1 was busy after the second 'step', then waited at 'end': each case named.
+  assert "barrier 'lonely': not all 2 processes arrived within 1.5 s" in r0["lonely"]
+  assert re.search(r"process 1 has not arrived \(last heard from \d+ s ago, leaving 'step'\)",
+                   r0["lonely"]), r0["lonely"]
+  assert ("barrier 'lonely2': not all 2 processes arrived within 6 s" in r0["lonely2"])
+  assert ("process 1 is waiting at 'end' instead: the processes reached different barriers"
+          in r0["lonely2"]), r0["lonely2"]
+  assert "fix: make every process call barrier('lonely2') in the same order" in r0["lonely2"]
 
 
 @pytest.mark.multiprocess
