@@ -412,9 +412,9 @@ def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_opt
   t0 = time.perf_counter()
   facts = _step_facts(program_text, state, batch, mesh, compiler_options)
   with _waiting(name):
-    got, diffs = _exchange(f"step/{next(_compile_count)}", facts, timeout_s)
+    got, diffs, waited = _exchange(f"step/{next(_compile_count)}", facts, timeout_s)
   if diffs:
-    raise _disagreement(f"the step they compiled ({name})", diffs)
+    raise _disagreement(f"the step they compiled ({name})", diffs, _late(got, n))
   missing = [p for p in range(n) if p not in got]
   if missing:
     where = _where_others(client, pid, n, name)
@@ -423,8 +423,9 @@ def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_opt
         f"the step within {timeout_s} s ({'; '.join(where) or 'no word from them'}; this is "
         f"process {pid}); fix: check their logs (crashed, hung, preempted), or raise "
         "timeout_s for very long compiles.")
-  logging.info("barrier %s passed: all %d processes compiled the same program (compared in "
-               "%.1f ms)", name, n, 1000 * (time.perf_counter() - t0))
+  logging.info("barrier %s passed: all %d processes compiled the same program (check: %.1f "
+               "ms of work, %.1f ms waiting for the others)", name, n,
+               1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
 def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
@@ -433,11 +434,12 @@ def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
   if rt is None:
     return
   _, pid, n = rt
+  jax.local_devices()  # starts the backend, as the program's first jax call would anyway
   t0 = time.perf_counter()
   with _waiting("start-up check"):
-    got, diffs = _exchange("start", _start_facts(config), timeout_s)
+    got, diffs, waited = _exchange("start", _start_facts(config), timeout_s)
   if diffs:
-    raise _disagreement("their set-up", diffs)
+    raise _disagreement("their set-up", diffs, _late(got, n))
   missing = [p for p in range(n) if p not in got]
   if missing:
     raise DistributedError(
@@ -445,7 +447,8 @@ def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
         f"their versions and devices within {timeout_s} s (this is process {pid}); fix: check "
         "their logs, or raise timeout_s.")
   logging.info("fnscale.initialize: all %d processes agree on versions, devices and config "
-               "(compared in %.1f ms)", n, 1000 * (time.perf_counter() - t0))
+               "(check: %.1f ms of work, %.1f ms waiting for the others)", n,
+               1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
 def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
@@ -468,7 +471,8 @@ def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
 # difference is named in seconds instead of surfacing as a hang inside a collective.
 
 _KEY = "fnscale"
-_MAX_NAMED = 8  # differences spelled out in one message; the rest are counted
+_MAX_NAMED = 6  # differences spelled out per process; the rest are counted
+_SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # The k-th step this process compiles is compared with the k-th of every other process.
 _compile_count = itertools.count()
@@ -585,8 +589,9 @@ def _say(field: str, p: int, value: str, ref: int, ref_value: str) -> str:
 
 
 def _differences(entries: dict[int, dict[str, str]]) -> list[str]:
-  """One line per field where a process differs from the lowest-numbered one; a differing
-  program is named only when nothing else differs (it follows from any other difference)."""
+  """One line per field where a process differs from the lowest-numbered one (at most
+  `_MAX_NAMED` per process, then a count); a differing program is named only when nothing
+  else differs (it follows from any other difference)."""
   if len(entries) < 2:
     return []
   ref = min(entries)
@@ -594,38 +599,48 @@ def _differences(entries: dict[int, dict[str, str]]) -> list[str]:
   for p in sorted(entries):
     if p == ref or entries[p] == entries[ref]:
       continue
-    fields = sorted(set(entries[p]) | set(entries[ref]))
+    # In the entries' own order: set-up fields first, then leaves in pytree order.
+    fields = list(entries[ref]) + [f for f in entries[p] if f not in entries[ref]]
     diff = [f for f in fields
             if entries[p].get(f, "absent") != entries[ref].get(f, "absent")]
     if len(diff) > 1:
       diff = [f for f in diff if f != "program"]
     out += [_say(f, p, entries[p].get(f, "absent"), ref, entries[ref].get(f, "absent"))
-            for f in diff]
+            for f in diff[:_MAX_NAMED]]
+    if len(diff) > _MAX_NAMED:
+      out.append(f"and {len(diff) - _MAX_NAMED} more differences of process {p}")
   return out
 
 
 def _exchange(topic: str, facts: dict[str, str], timeout_s: float):
   """Publishes `facts` as this process's entry under `topic` and collects every process's.
 
-  Returns (entries by process id, differences) as soon as one entry differs or all are
-  there, or at `timeout_s` with the entries that came.
+  Returns (entries by process id, differences, seconds spent waiting for others) when all
+  are there, `_SETTLE_S` after a first difference, or at `timeout_s`.
   """
   client, pid, n = _runtime()
   prefix = f"{_KEY}/{topic}/"
   deadline = time.monotonic() + timeout_s
+  waited = 0.0
   try:
-    client.key_value_set(prefix + str(pid), json.dumps(facts, sort_keys=True))
+    client.key_value_set(prefix + str(pid), json.dumps(facts))
     while True:
       got = {int(k.rsplit("/", 1)[1]): json.loads(v)
              for k, v in client.key_value_dir_get(prefix)}
       diffs = _differences(got)
       missing = [i for i in range(n) if i not in got]
+      if diffs and missing and deadline > time.monotonic() + _SETTLE_S:
+        # The job is lost anyway: wait a moment for the rest, so that every process names
+        # the same differences against the same process.
+        deadline = time.monotonic() + _SETTLE_S
       left = deadline - time.monotonic()
-      if diffs or not missing or left <= 0:
-        return got, diffs
+      if not missing or left <= 0:
+        return got, diffs, waited
+      t0 = time.monotonic()
       with contextlib.suppress(Exception):  # not there within the slice: look again
         client.blocking_key_value_get(prefix + str(missing[0]),
                                       max(1, int(min(1.0, left) * 1000)))
+      waited += time.monotonic() - t0
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     raise DistributedError(
@@ -634,11 +649,15 @@ def _exchange(topic: str, facts: dict[str, str], timeout_s: float):
         "gone: check its log, then restart every process.") from e
 
 
-def _disagreement(what: str, diffs: list[str]) -> DistributedError:
-  more = len(diffs) - _MAX_NAMED
-  named = "; ".join(diffs[:_MAX_NAMED]) + (f"; and {more} more" if more > 0 else "")
+def _late(got: dict, n: int) -> str:
+  missing = [str(p) for p in range(n) if p not in got]
+  return (f" (process(es) {', '.join(missing)} had not reported within {_SETTLE_S:g} s of the "
+          "first difference; they may differ too)" if missing else "")
+
+
+def _disagreement(what: str, diffs: list[str], late: str = "") -> DistributedError:
   return DistributedError(
-      f"the processes of this job disagree on {what}: {named}. Every process must run the "
+      f"the processes of this job disagree on {what}: {'; '.join(diffs)}{late}. Every process must run the "
       "same code, versions and command line on the same kind of host; fix the odd ones out "
       "and restart every process.")
 

@@ -117,7 +117,7 @@ def _watch_service(g: _Guard, grace_s: float, client, pid: int) -> None:
       g.noticed_at[0] = time.monotonic()
       break
     try:
-      client.blocking_key_value_get(_NOTICE_KEY, int(_POLL_S * 5000))
+      client.blocking_key_value_get(_NOTICE_KEY, int(_POLL_S * 2000))
     except Exception:  # pylint: disable=broad-except  (no notice within the slice)
       continue
     g.noticed_at[0] = time.monotonic()
@@ -220,12 +220,16 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
 
   if rt is not None:
     client, pid, _ = rt
-    threading.Thread(target=_watch_service, args=(g, grace_s, client, pid),
-                     daemon=True).start()
+    watcher = threading.Thread(target=_watch_service, args=(g, grace_s, client, pid),
+                               daemon=True)
+    watcher.start()
     try:
       yield should_stop
     finally:
+      # Joined, not left running: a daemon thread inside a jaxlib call while Python shuts
+      # down aborts the process ("FATAL: exception not rethrown").
       g.closed.set()
+      watcher.join(timeout=5)
     return
   with _signal_pipe(g) as read_fd:
     threading.Thread(target=_watch_signal, args=(g, grace_s, read_fd), daemon=True).start()
