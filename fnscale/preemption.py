@@ -55,8 +55,11 @@ EXIT_PREEMPTED = 143
 DEFAULT_GRACE_S = 20.0
 # Where JAX's preemption sync manager (jaxlib 0.10.2) publishes a notice: the time it came.
 _NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
-# Where a process that stopped without the agreed step says so (its id).
+# Where a process that stopped without the agreed step says so (its id), and where each
+# process that leaves for that reason checks out.
 _ABORT_KEY = "fnscale/preemption/abort"
+_LEFT_DIR = "fnscale/preemption/left/"
+_LEAVE_S = 3.0
 _POLL_S = 0.1
 
 
@@ -73,7 +76,20 @@ def _sync_point(step: int) -> bool:
   return bool(multihost_utils.reached_preemption_sync_point(step))
 
 
-def _leave(text: str) -> None:
+def _leave(text: str, client=None, pid: int = 0, n: int = 1) -> None:
+  """Ends this process with `text` and status 143. In a job, first says so (the others stop
+  too) and waits, at most `_LEAVE_S`, until every process is leaving: the coordinator
+  (process 0) going first would abort the others from C++ before they could say why."""
+  if client is not None:
+    with contextlib.suppress(Exception):
+      client.key_value_set(_ABORT_KEY, str(pid), allow_overwrite=True)
+      client.key_value_set(f"{_LEFT_DIR}{pid}", "1", allow_overwrite=True)
+      deadline = time.monotonic() + _LEAVE_S
+      while (len(client.key_value_dir_get(_LEFT_DIR)) < n
+             and time.monotonic() < deadline):
+        time.sleep(_POLL_S / 2)
+      if pid == 0:
+        time.sleep(_POLL_S * 5)  # the others exit first
   distributed._exit_with(DistributedError(text), EXIT_PREEMPTED)  # pylint: disable=protected-access
 
 
@@ -84,32 +100,30 @@ def _aborted_by(client) -> int | None:
     return None
 
 
-def _after_notice(g: _Guard, grace_s: float, pid: int, client) -> None:
+def _after_notice(g: _Guard, grace_s: float, pid: int, n: int, client) -> None:
   """Ends this process when the notice can't lead to the agreed save: the main thread waits
   at an fnscale barrier, another process gave up, or `grace_s` passed."""
   while not g.closed.wait(_POLL_S):
     at = distributed._WAIT["at"]  # pylint: disable=protected-access
     if at is not None and not g.stopping.is_set():
-      if client is not None:
-        with contextlib.suppress(Exception):
-          client.key_value_set(_ABORT_KEY, str(pid), allow_overwrite=True)
       _leave(f"preemption notice while process {pid} waited at '{at}': the job can't reach "
              "a step to save, so it stops now without saving (resume from the last "
-             f"checkpoint). Exiting with status {EXIT_PREEMPTED}.")
+             f"checkpoint). Exiting with status {EXIT_PREEMPTED}.", client, pid, n)
     other = _aborted_by(client) if client is not None else None
     if other is not None and other != pid:
       _leave(f"preemption notice: process {other} stopped without saving (it was waiting "
              f"when the notice came), so process {pid} stops too (resume from the last "
-             f"checkpoint). Exiting with status {EXIT_PREEMPTED}.")
+             f"checkpoint). Exiting with status {EXIT_PREEMPTED}.", client, pid, n)
     if time.monotonic() - g.noticed_at[0] > grace_s:
       doing = "saving the agreed step" if g.stopping.is_set() else "reaching the agreed step"
       _leave(f"preemption notice {grace_s:g} s ago and process {pid} is still {doing} "
              "(a long compile, data wait or save); stopping now (an unfinished checkpoint "
              "stays a temporary directory that is never read). Exiting with status "
-             f"{EXIT_PREEMPTED}; raise grace_s if the platform gives more time.")
+             f"{EXIT_PREEMPTED}; raise grace_s if the platform gives more time.", client, pid,
+             n)
 
 
-def _watch_service(g: _Guard, grace_s: float, client, pid: int) -> None:
+def _watch_service(g: _Guard, grace_s: float, client, pid: int, n: int) -> None:
   """Several processes: waits for JAX's notice key (set wherever the signal came)."""
   while not g.closed.is_set():
     other = _aborted_by(client)
@@ -126,7 +140,7 @@ def _watch_service(g: _Guard, grace_s: float, client, pid: int) -> None:
     return
   g.notice.set()
   logging.warning("preemption notice: every process stops at the next agreed step")
-  _after_notice(g, grace_s, pid, client)
+  _after_notice(g, grace_s, pid, n, client)
 
 
 def _watch_signal(g: _Guard, grace_s: float, read_fd: int) -> None:
@@ -144,7 +158,8 @@ def _watch_signal(g: _Guard, grace_s: float, read_fd: int) -> None:
       g.noticed_at[0] = time.monotonic()
       g.notice.set()
       logging.warning("preemption notice (SIGTERM): stopping at the next step")
-      threading.Thread(target=_after_notice, args=(g, grace_s, 0, None), daemon=True).start()
+      threading.Thread(target=_after_notice, args=(g, grace_s, 0, 1, None),
+                       daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -219,8 +234,8 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
     return stop
 
   if rt is not None:
-    client, pid, _ = rt
-    watcher = threading.Thread(target=_watch_service, args=(g, grace_s, client, pid),
+    client, pid, n = rt
+    watcher = threading.Thread(target=_watch_service, args=(g, grace_s, client, pid, n),
                                daemon=True)
     watcher.start()
     try:
