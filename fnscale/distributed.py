@@ -2,7 +2,10 @@
 
 `initialize` wraps `jax.distributed.initialize` (JAX's coordination service: one process runs
 the coordinator, every process connects to it), bounding every wait and turning failures
-into `DistributedError`s that say what was expected. `barrier` is a bounded wait on that
+into `DistributedError`s that say what was expected. Processes that disagree are named in
+seconds: `initialize` compares versions, local devices and the caller's config, and
+`agree_on_step` (the barrier after `shard_step` compiles) compares what each compiled, both
+through the coordination service's key-value store. `barrier` is a bounded wait on that
 service. `peer_guard` turns a collective that failed because another process died into a
 `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).

@@ -74,6 +74,7 @@ MODELS = {"nano": {}, "tiny": {"d_model": 64, "d_mlp": 128}}
 
 def _emit(**event):
   print(json.dumps(event), flush=True)
+  print(f"{time.time():.3f} {event['event']}", file=sys.stderr, flush=True)  # when, for timing
 
 
 def global_tokens(step: int, batch: int, seq: int, vocab: int):
