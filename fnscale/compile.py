@@ -21,7 +21,7 @@ from fnscale import _tree
 from fnscale import report as _report
 from fnscale import sharding as _sh
 from fnscale import state as _state
-from fnscale.distributed import barrier
+from fnscale.distributed import agree_on_step
 from fnscale.errors import FnscaleError, StepError
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]
@@ -257,7 +257,8 @@ class ShardedStep:
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:
-    """Compiles for `(state, batch)` and waits at `fnscale.barrier` for every process."""
+    """Compiles for `(state, batch)`, then waits for every process at
+    `fnscale.distributed.agree_on_step`, which also checks they compiled the same program."""
     ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     sig = _signature(state, batch, state_flat, batch_flat)
     try:
@@ -272,10 +273,12 @@ class ShardedStep:
           f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
           "expects.") from e
     compiled, seconds, warnings = _report.compile_lowered(lowered, self.compiler_options)
-    name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
+    text = lowered.as_text()
+    name = f"compiled step {hashlib.sha256(text.encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(self.mesh.shape), self.mode)
-    barrier(name)
+    # The barrier after compiling also checks that every process compiled the same program.
+    agree_on_step(name, text, state, batch, self.mesh, self.compiler_options)
     return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
                         sig, self.donate)
 

@@ -2,7 +2,10 @@
 
 `initialize` wraps `jax.distributed.initialize` (JAX's coordination service: one process runs
 the coordinator, every process connects to it), bounding every wait and turning failures
-into `DistributedError`s that say what was expected. `barrier` is a bounded wait on that
+into `DistributedError`s that say what was expected. Processes that disagree are named in
+seconds: `initialize` compares versions, local devices and the caller's config, and
+`agree_on_step` (the barrier after `shard_step` compiles) compares what each compiled, both
+through the coordination service's key-value store. `barrier` is a bounded wait on that
 service. `peer_guard` turns a collective that failed because another process died into a
 `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
@@ -20,6 +23,9 @@ How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectiv
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
+import json
 import math
 import os
 import re
@@ -27,7 +33,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from importlib import metadata
+import pathlib
+from typing import Any, Mapping, NamedTuple
 
 from absl import logging
 import jax
@@ -151,16 +159,16 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> float | None:
       time.sleep(min(0.2, max(0.0, timeout_s - (time.monotonic() - start))))
 
 
-def _exit_with(error: DistributedError) -> None:
+def _exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
   """Ends this process from a helper thread (the main thread is blocked inside JAX's C++
-  code, where no Python exception can reach it): the error on stderr, status 75."""
+  code, where no Python exception can reach it): the error on stderr, then `status`."""
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
   try:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
   finally:
-    os._exit(EXIT_JOB_FAILED)  # pylint: disable=protected-access
+    os._exit(status)  # pylint: disable=protected-access
 
 
 def _join_timed_out(num_processes, process_id, where, timeout_s) -> None:
@@ -175,12 +183,59 @@ def _join_timed_out(num_processes, process_id, where, timeout_s) -> None:
       f"{EXIT_JOB_FAILED}."))
 
 
+def _join(coordinator_address, num_processes, process_id, where, timeout_s, asked_timeout_s,
+          jax_args) -> DistributedInfo:
+  """`jax.distributed.initialize`, bounded by a watchdog; failures as DistributedErrors."""
+  logging.info("fnscale.initialize: joining a %s-process job at %s as process %s; waiting at "
+               "most %s s (JAX ends the process if the job can't form in time)",
+               num_processes or "detected", where,
+               process_id if process_id is not None else "detected", timeout_s)
+  # When process 0 is up but some process never registers, JAX ends every waiting process
+  # from C++ (a fatal log, no exception). A watchdog thread ends it first, with a clear
+  # message, after timeout_s; JAX's own deadline is set a little later.
+  watchdog = threading.Timer(timeout_s, _join_timed_out, args=(
+      num_processes, process_id, where, asked_timeout_s))
+  watchdog.daemon = True
+  watchdog.start()
+  from fnscale import preemption  # pylint: disable=g-import-not-at-top
+  try:
+    with preemption._sigterm_ends_join(lambda: (  # pylint: disable=protected-access
+        f"preemption notice (SIGTERM) while the {num_processes or 'detected'}-process job "
+        f"was forming at {where} (this is process {process_id}): stopping now, nothing has "
+        f"run. Exiting with status {preemption.EXIT_PREEMPTED}.")):
+      jax.distributed.initialize(
+          coordinator_address=coordinator_address, num_processes=num_processes,
+          process_id=process_id,
+          initialization_timeout=max(1, math.ceil(timeout_s)) + _JOIN_GRACE_S, **jax_args)
+  except Exception as e:  # pylint: disable=broad-except
+    watchdog.cancel()
+    # Leave no half-built client behind, so a retry starts clean.
+    try:
+      jax.distributed.shutdown()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"could not form the multi-process job: expected {num_processes or 'auto-detected'} "
+        f"processes, this one as process {process_id if process_id is not None else '?'}, "
+        f"coordinator {where}, within {timeout_s} s ({type(e).__name__}: {first}); fix: start "
+        "every process with the same coordinator_address and num_processes and distinct "
+        "process_id, make sure process 0 is running and its port is reachable and free, or "
+        "raise timeout_s.") from e
+  watchdog.cancel()
+  info = _state_info()
+  logging.info("fnscale.initialize: process %d of %d, coordinator %s", info.process_id,
+               info.num_processes, info.coordinator_address)
+  return info
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids=None,
                cluster_detection_method: str | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S,
                heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> DistributedInfo:
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+               config: Mapping[str, Any] | None = None) -> DistributedInfo:
   """Joins this process to a multi-process JAX job (`jax.distributed.initialize`).
 
   Call it first, before anything touches jax devices. Either give `coordinator_address`
@@ -205,20 +260,33 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     heartbeat_timeout_s: seconds without a heartbeat after which a process counts as dead;
       JAX then ends every other process (SIGABRT, a fatal log naming the dead process).
     shutdown_timeout_s: seconds a finishing process waits for the others at exit.
+    config: what else must agree across processes, e.g. a recipe's flags
+      (`{"model": "nano", "steps": 20}`); values are compared as `str(value)`.
+
+  Once joined, every process publishes its jax, jaxlib, libtpu and fnscale versions (and a
+  digest of fnscale's source files), its local device count and kind and `config` through
+  JAX's coordination service, and all compare: a difference is a `DistributedError` on
+  every process naming it ("process 1 has --model=tiny, process 0 --model=nano").
+
+  A SIGTERM (preemption notice) while the job forms ends the process at once: the message
+  on stderr, status 143 (`fnscale.preemption.EXIT_PREEMPTED`).
 
   Returns:
     A `DistributedInfo`.
 
   Raises:
     DistributedError: bad arguments; already initialised with different arguments; called
-      after jax initialised its backend; or the job couldn't form within `timeout_s` (the
-      message names the expected process count, the coordinator and the fix).
+      after jax initialised its backend; the job couldn't form within `timeout_s` (the
+      message names the expected process count, the coordinator and the fix; JAX 0.10.2
+      can't tell which processes are missing before all joined); or processes that
+      disagree on versions, devices or `config`.
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
   coordinator_address, num_processes, process_id = _from_env(
       coordinator_address, num_processes, process_id)
   _check_args(coordinator_address, num_processes, process_id, timeouts)
+  config_facts = _check_config(config)
   asked_timeout_s = timeout_s
   if jax.distributed.is_initialized():
     info = _state_info()
@@ -262,44 +330,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
           "same coordinator_address, make sure its host and port are reachable from here, "
           "or raise timeout_s.")
     timeout_s = max(1.0, timeout_s - waited)
-  logging.info("fnscale.initialize: joining a %s-process job at %s as process %s; waiting at "
-               "most %s s (JAX ends the process if the job can't form in time)",
-               num_processes or "detected", where,
-               process_id if process_id is not None else "detected", timeout_s)
-  # When process 0 is up but some process never registers, JAX ends every waiting process
-  # from C++ (a fatal log, no exception). A watchdog thread ends it first, with a clear
-  # message, after timeout_s; JAX's own deadline is set a little later.
-  watchdog = threading.Timer(timeout_s, _join_timed_out, args=(
-      num_processes, process_id, where, asked_timeout_s))
-  watchdog.daemon = True
-  watchdog.start()
-  try:
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address, num_processes=num_processes,
-        process_id=process_id, local_device_ids=local_device_ids,
-        cluster_detection_method=cluster_detection_method,
-        initialization_timeout=max(1, math.ceil(timeout_s)) + _JOIN_GRACE_S,
-        heartbeat_timeout_seconds=max(1, math.ceil(heartbeat_timeout_s)),
-        shutdown_timeout_seconds=max(1, math.ceil(shutdown_timeout_s)))
-  except Exception as e:  # pylint: disable=broad-except
-    watchdog.cancel()
-    # Leave no half-built client behind, so a retry starts clean.
-    try:
-      jax.distributed.shutdown()
-    except Exception:  # pylint: disable=broad-except
-      pass
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    raise DistributedError(
-        f"could not form the multi-process job: expected {num_processes or 'auto-detected'} "
-        f"processes, this one as process {process_id if process_id is not None else '?'}, "
-        f"coordinator {where}, within {timeout_s} s ({type(e).__name__}: {first}); fix: start "
-        "every process with the same coordinator_address and num_processes and distinct "
-        "process_id, make sure process 0 is running and its port is reachable and free, or "
-        "raise timeout_s.") from e
-  watchdog.cancel()
-  info = _state_info()
-  logging.info("fnscale.initialize: process %d of %d, coordinator %s", info.process_id,
-               info.num_processes, info.coordinator_address)
+  info = _join(coordinator_address, num_processes, process_id, where, timeout_s,
+               asked_timeout_s, dict(local_device_ids=local_device_ids,
+                                     cluster_detection_method=cluster_detection_method,
+                                     heartbeat_timeout_seconds=max(1, math.ceil(
+                                         heartbeat_timeout_s)),
+                                     shutdown_timeout_seconds=max(1, math.ceil(
+                                         shutdown_timeout_s))))
+  _agree_at_start(config_facts, asked_timeout_s)
   return info
 
 
@@ -330,18 +368,90 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   if (st.num_processes or 1) == 1:
     return
   try:
-    st.client.wait_at_barrier(f"fnscale:{name}", max(1, int(timeout_s * 1000)))
+    with _waiting(name):
+      st.client.wait_at_barrier(f"fnscale:{name}", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     arrived, missing = _barrier_absentees(str(e))
     who = (f"{arrived} of {st.num_processes} arrived; missing: processes "
            f"{', '.join(map(str, missing))}; " if missing else "")
+    where = _where_others(st.client, st.process_id, st.num_processes, name)
     raise DistributedError(
         f"barrier {name!r}: not all {st.num_processes} processes arrived within {timeout_s} s "
-        f"({who}this is process {st.process_id}; {first}); fix: make every process call "
-        f"barrier({name!r}) in the same order, check that none crashed, or raise "
-        "timeout_s.") from e
+        f"({who}{''.join(w + '; ' for w in where)}this is process {st.process_id}; {first}); "
+        f"fix: make every process call barrier({name!r}) in the same order, check that none "
+        "crashed or hangs, or raise timeout_s.") from e
   logging.info("barrier %s passed", name)
+
+
+def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_options=None,
+                  *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """The barrier after a step compiles: every process checks that all compiled the same.
+
+  Each process publishes the step's fingerprint through JAX's coordination service (a hash
+  of `program_text`, the mesh, `compiler_options`, and every state and batch leaf's path,
+  shape and dtype) and compares everyone's as they arrive; when all agree, all go on (the
+  exchange is the barrier). In one process it is `barrier(name)`.
+
+  Args:
+    name: the barrier's name, e.g. "compiled step 1a2b3c".
+    program_text: the lowered program's text (`jax.stages.Lowered.as_text()`).
+    state, batch: pytrees of arrays or `jax.ShapeDtypeStruct`s the step was compiled for.
+    mesh: the step's `jax.sharding.Mesh`.
+    compiler_options: the XLA options it was compiled with.
+    timeout_s: seconds to wait for every process's fingerprint.
+
+  Raises:
+    DistributedError: within moments of the first differing fingerprint, on every process,
+      naming the processes and what differs ("process 1: params/w (64, 64) float32,
+      process 0: (32, 32) float32"); or a process that didn't compile in `timeout_s`
+      (where it last was and whether its heartbeats still come).
+  """
+  rt = _runtime()
+  if rt is None:
+    barrier(name, timeout_s=timeout_s)
+    return
+  client, pid, n = rt
+  t0 = time.perf_counter()
+  facts = _step_facts(program_text, state, batch, mesh, compiler_options)
+  with _waiting(name):
+    got, diffs, waited = _exchange(f"step/{next(_compile_count)}", facts, timeout_s)
+  if diffs:
+    raise _disagreement(f"the step they compiled ({name})", diffs, _late(got, n))
+  missing = [p for p in range(n) if p not in got]
+  if missing:
+    where = _where_others(client, pid, n, name)
+    raise DistributedError(
+        f"{name}: process(es) {', '.join(map(str, missing))} of {n} did not finish compiling "
+        f"the step within {timeout_s} s ({'; '.join(where) or 'no word from them'}; this is "
+        f"process {pid}); fix: check their logs (crashed, hung, preempted), or raise "
+        "timeout_s for very long compiles.")
+  logging.info("barrier %s passed: all %d processes compiled the same program (check: %.1f "
+               "ms of work, %.1f ms waiting for the others)", name, n,
+               1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
+
+
+def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
+  """Right after joining: versions, local devices and `config` must agree everywhere."""
+  rt = _runtime()
+  if rt is None:
+    return
+  _, pid, n = rt
+  jax.local_devices()  # starts the backend, as the program's first jax call would anyway
+  t0 = time.perf_counter()
+  with _waiting("start-up check"):
+    got, diffs, waited = _exchange("start", _start_facts(config), timeout_s)
+  if diffs:
+    raise _disagreement("their set-up", diffs, _late(got, n))
+  missing = [p for p in range(n) if p not in got]
+  if missing:
+    raise DistributedError(
+        f"process(es) {', '.join(map(str, missing))} of {n} joined the job but did not report "
+        f"their versions and devices within {timeout_s} s (this is process {pid}); fix: check "
+        "their logs, or raise timeout_s.")
+  logging.info("fnscale.initialize: all %d processes agree on versions, devices and config "
+               "(check: %.1f ms of work, %.1f ms waiting for the others)", n,
+               1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
 def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
@@ -356,6 +466,226 @@ def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
   names = tail[1].split("RPC:", 1)[0]
   ids = [int(x) for x in re.findall(r"(?:task:)?(\d+)\s*(?:\n|$)", names)]
   return arrived, sorted(set(ids))
+
+
+# ------------------------------------------------------------- agreement between processes
+# Every process publishes what must agree as one JSON entry under fnscale/<topic>/<process id>
+# in the key-value store of JAX's coordination service and reads everyone else's, so a
+# difference is named in seconds instead of surfacing as a hang inside a collective.
+
+_KEY = "fnscale"
+_MAX_NAMED = 6  # differences spelled out per process; the rest are counted
+_SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+# The k-th step this process compiles is compared with the k-th of every other process.
+_compile_count = itertools.count()
+# What the main thread is blocked in ("at": a barrier's name, or None) and since when
+# (time.monotonic()); the preemption watcher (fnscale.preemption) reads it.
+_WAIT: dict[str, Any] = {"at": None, "since": 0.0}
+
+
+def _runtime():
+  """(client, process_id, num_processes) of JAX's distributed runtime, or None when this is
+  a single process or the runtime isn't up."""
+  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
+  st = _jd.global_state
+  if st.client is None or (st.num_processes or 1) == 1:
+    return None
+  return st.client, int(st.process_id), int(st.num_processes)
+
+
+@contextlib.contextmanager
+def _waiting(what: str):
+  """Marks the main thread as blocked in `what` (the preemption watcher ends the process at
+  once on a notice then) and tells the others where this process is (barrier timeouts)."""
+  rt = _runtime()
+  if rt is not None:
+    client, pid, _ = rt
+    _say_where(client, pid, what, left=False)
+  _WAIT["at"], _WAIT["since"] = what, time.monotonic()
+  try:
+    yield
+  finally:
+    _WAIT["at"] = None
+    if rt is not None:
+      _say_where(client, pid, what, left=True)
+
+
+def _say_where(client, pid: int, what: str, *, left: bool) -> None:
+  with contextlib.suppress(Exception):  # only for messages: never fail a wait over it
+    client.key_value_set(f"{_KEY}/where/{pid}",
+                         json.dumps({"at": what, "t": time.time(), "left": left}),
+                         allow_overwrite=True)
+
+
+def _source_digest() -> str:
+  """sha256 of fnscale's own source files (names and bytes): differs for a stale checkout."""
+  h = hashlib.sha256()
+  for f in sorted(_PACKAGE_DIR.rglob("*.py")):
+    h.update(f.relative_to(_PACKAGE_DIR).as_posix().encode() + b"\0" + f.read_bytes())
+  return h.hexdigest()[:12]
+
+
+def _versions() -> dict[str, str]:
+  """The versions every process must share: jax and jaxlib (as imported), libtpu and
+  fnscale (as installed, "absent" if not) and a digest of fnscale's source."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+  for name in ("libtpu", "fnscale"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = "absent"
+  out["fnscale_source"] = _source_digest()
+  return out
+
+
+def _check_config(config) -> dict[str, str]:
+  if config is None:
+    return {}
+  if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
+    raise DistributedError(
+        f"config={config!r:.200}, expected a mapping of str names to values (e.g. a recipe's "
+        "flags); fix: pass dict(flag=value, ...) or None.")
+  return {f"--{k}": str(v) for k, v in config.items()}
+
+
+def _start_facts(config: dict[str, str]) -> dict[str, str]:
+  """What must agree before anything runs: versions, local devices and the caller's config."""
+  devices = jax.local_devices()
+  kinds = sorted({d.device_kind for d in devices})
+  return {**_versions(), "local_device_count": str(len(devices)),
+          "device_kind": ",".join(kinds) or "none", **config}
+
+
+def _leaf_text(leaf) -> str:
+  shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+  dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+  return f"{shape} {np.dtype(dtype).name}"
+
+
+def _step_facts(program_text: str, state, batch, mesh, compiler_options) -> dict[str, str]:
+  """A compiled step's fingerprint: program hash, mesh, compiler options, leaf shapes."""
+  kinds = sorted({getattr(d, "device_kind", "?") for d in mesh.devices.flat})
+  facts = {
+      "program": hashlib.sha256(program_text.encode()).hexdigest()[:16],
+      "mesh": ",".join(f"{k}={v}" for k, v in mesh.shape.items()) + f" ({'/'.join(kinds)})",
+      "compiler_options": json.dumps(
+          sorted((str(k), str(v)) for k, v in dict(compiler_options or {}).items())),
+  }
+  for prefix, tree in (("state:", state), ("batch:", batch)):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      facts[prefix + path_str(path)] = _leaf_text(leaf)
+  return facts
+
+
+def _say(field: str, p: int, value: str, ref: int, ref_value: str) -> str:
+  if field.startswith("state:"):
+    return f"process {p}: {field[6:]} {value}, process {ref}: {ref_value}"
+  if field.startswith("batch:"):
+    return f"process {p}: batch {field[6:]} {value}, process {ref}: {ref_value}"
+  if field == "program":
+    return (f"process {p} compiled program {value}, process {ref} program {ref_value}, with "
+            "the same shapes, mesh and compiler options: the code or a setting that changes "
+            "no shape differs (compare the command lines, checkouts and XLA_FLAGS)")
+  return f"process {p} has {field}={value}, process {ref} {field}={ref_value}"
+
+
+def _differences(entries: dict[int, dict[str, str]]) -> list[str]:
+  """One line per field where a process differs from the lowest-numbered one (at most
+  `_MAX_NAMED` per process, then a count); a differing program is named only when nothing
+  else differs (it follows from any other difference)."""
+  if len(entries) < 2:
+    return []
+  ref = min(entries)
+  out = []
+  for p in sorted(entries):
+    if p == ref or entries[p] == entries[ref]:
+      continue
+    # In the entries' own order: set-up fields first, then leaves in pytree order.
+    fields = list(entries[ref]) + [f for f in entries[p] if f not in entries[ref]]
+    diff = [f for f in fields
+            if entries[p].get(f, "absent") != entries[ref].get(f, "absent")]
+    if len(diff) > 1:
+      diff = [f for f in diff if f != "program"]
+    out += [_say(f, p, entries[p].get(f, "absent"), ref, entries[ref].get(f, "absent"))
+            for f in diff[:_MAX_NAMED]]
+    if len(diff) > _MAX_NAMED:
+      out.append(f"and {len(diff) - _MAX_NAMED} more differences of process {p}")
+  return out
+
+
+def _exchange(topic: str, facts: dict[str, str], timeout_s: float):
+  """Publishes `facts` as this process's entry under `topic` and collects every process's.
+
+  Returns (entries by process id, differences, seconds spent waiting for others) when all
+  are there, `_SETTLE_S` after a first difference, or at `timeout_s`.
+  """
+  client, pid, n = _runtime()
+  prefix = f"{_KEY}/{topic}/"
+  deadline = time.monotonic() + timeout_s
+  waited = 0.0
+  try:
+    client.key_value_set(prefix + str(pid), json.dumps(facts))
+    while True:
+      got = {int(k.rsplit("/", 1)[1]): json.loads(v)
+             for k, v in client.key_value_dir_get(prefix)}
+      diffs = _differences(got)
+      missing = [i for i in range(n) if i not in got]
+      if diffs and missing and deadline > time.monotonic() + _SETTLE_S:
+        # The job is lost anyway: wait a moment for the rest, so that every process names
+        # the same differences against the same process.
+        deadline = time.monotonic() + _SETTLE_S
+      left = deadline - time.monotonic()
+      if not missing or left <= 0:
+        return got, diffs, waited
+      t0 = time.monotonic()
+      with contextlib.suppress(Exception):  # not there within the slice: look again
+        client.blocking_key_value_get(prefix + str(missing[0]),
+                                      max(1, int(min(1.0, left) * 1000)))
+      waited += time.monotonic() - t0
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"process {pid}: JAX's coordination service failed while the processes compared "
+        f"{topic} ({type(e).__name__}: {first}); the coordinator (process 0) is probably "
+        "gone: check its log, then restart every process.") from e
+
+
+def _late(got: dict, n: int) -> str:
+  missing = [str(p) for p in range(n) if p not in got]
+  return (f" (process(es) {', '.join(missing)} had not reported within {_SETTLE_S:g} s of the "
+          "first difference; they may differ too)" if missing else "")
+
+
+def _disagreement(what: str, diffs: list[str], late: str = "") -> DistributedError:
+  return DistributedError(
+      f"the processes of this job disagree on {what}: {'; '.join(diffs)}{late}. Every process must run the "
+      "same code, versions and command line on the same kind of host; fix the odd ones out "
+      "and restart every process.")
+
+
+def _where_others(client, pid: int, n: int, name: str) -> list[str]:
+  """Where each other process last said it was (`_waiting` records every fnscale wait)."""
+  try:
+    where = {int(k.rsplit("/", 1)[1]): json.loads(v)
+             for k, v in client.key_value_dir_get(f"{_KEY}/where/")}
+  except Exception:  # pylint: disable=broad-except
+    return []
+  out = []
+  for p in range(n):
+    w = where.get(p)
+    if p == pid or (w and w["at"] == name and not w["left"]):
+      continue
+    if w and not w["left"]:
+      out.append(f"process {p} is waiting at '{w['at']}' instead: the processes reached "
+                 "different barriers")
+    elif w:
+      out.append(f"process {p} has not arrived (last heard from {time.time() - w['t']:.0f} s "
+                 f"ago, leaving '{w['at']}')")
+    else:
+      out.append(f"process {p} has not arrived (no fnscale wait heard from it yet)")
+  return out
 
 
 # Runtime failures of a collective or of the coordination service (gloo over TCP on CPU,

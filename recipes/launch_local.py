@@ -174,6 +174,10 @@ def main(argv: list[str]) -> int:
   """`launch_local.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
   fv = flags.FlagValues()
   _define_flags(fv)
+  ours = list(argv[1:argv.index("--")] if "--" in argv else argv[1:])
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in ours):
+    print(__doc__.strip() + "\n\nflags:\n" + fv.get_help(include_special_flags=False))
+    return 0
   try:
     rest = fv(list(argv))[1:]
   except flags.Error as e:

@@ -2,6 +2,12 @@
 
   python tests/mp_worker.py --out=DIR --steps=6 [--mesh=data=2,fsdp=4] [--ckpt_every=2]
 
+It is also the reference for how a training program uses fnscale's multi-host pieces:
+`fnscale.initialize(config=flags)` (every process must run the same flags, versions and
+device count), `shard_step` (every process must compile the same step),
+`fnscale.preemption.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
+process) and `fnscale.peer_guard` (a lost process becomes a DistributedError, exit 75).
+
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
 mesh over every process's devices (ordered by process, so "data" and for 4 processes also
 "fsdp" run across processes), trains tests/models.py's transformer with fnscale's
@@ -14,7 +20,7 @@ process calls `fnscale.checkpoint.save`; only process 0 writes DIR/losses.jsonl 
 DIR/params.npz (the final params, gathered from every process).
 
 On SIGTERM (a preemption notice) JAX's preemption service agrees with every process on one
-step to stop at; all save a checkpoint there and exit 0. Rerunning resumes from the newest
+step to stop at; all save a checkpoint there and exit 143 (`preemption.EXIT_PREEMPTED`). Rerunning resumes from the newest
 checkpoint. `--restore_only` restores the newest checkpoint onto this job's mesh and writes
 its params to DIR/restored.npz. A lost process ends the loop in a `fnscale.DistributedError`
 (`fnscale.peer_guard`), exit status 75.
@@ -49,11 +55,26 @@ def _args(argv):
   p.add_argument("--heartbeat_s", type=float, default=10)
   p.add_argument("--peer_check_s", type=float, default=3)
   p.add_argument("--restore_only", action="store_true")
+  p.add_argument("--model", default="nano", choices=sorted(MODELS))
+  p.add_argument("--lr", type=float, default=LEARNING_RATE)
+  p.add_argument("--agree", default="model,lr,mesh,batch",
+                 help="flags passed to fnscale.initialize(config=...); empty: none")
+  p.add_argument("--fake_version", default="",
+                 help="NAME=VERSION this process reports (a stale install, simulated)")
+  p.add_argument("--hold", type=int, default=-1,
+                 help="this process sleeps --hold_s before the 'ready' barrier")
+  p.add_argument("--hold_s", type=float, default=0.0)
+  p.add_argument("--grace_s", type=float, default=20.0)
   return p.parse_args(argv)
+
+
+# Model sizes by name: "tiny" is "nano" twice as wide.
+MODELS = {"nano": {}, "tiny": {"d_model": 64, "d_mlp": 128}}
 
 
 def _emit(**event):
   print(json.dumps(event), flush=True)
+  print(f"{time.time():.3f} {event['event']}", file=sys.stderr, flush=True)  # when, for timing
 
 
 def global_tokens(step: int, batch: int, seq: int, vocab: int):
@@ -71,21 +92,24 @@ def local_rows(sharding, batch: int):
   return np.concatenate([np.arange(a, b) for a, b in starts])
 
 
-def build(mesh_axes: str):
+def build(mesh_axes: str, model: str = "nano", lr: float = LEARNING_RATE):
   """(mesh, optimizer, sharded step, init state fn) for tests/models.py's transformer."""
+  import functools
   import jax
   import optax
   import fnscale as fs
   import fnscale as fstep
   import models
   mesh = fs.make_mesh(mesh_axes)
-  opt = optax.adam(LEARNING_RATE)
-  axes = models.transformer_logical_axes()
+  opt = optax.adam(lr)
+  cfg = models.TRANSFORMER._replace(**MODELS[model])
+  axes = models.transformer_logical_axes(cfg)
   step = fstep.shard_step(fstep.train_step(models.transformer_loss, opt, has_aux=True), mesh,
                           rules=models.RULES, logical_axes=axes)
 
   def init():
-    return fstep.init_state(models.transformer_init, opt, mesh=mesh, rules=models.RULES,
+    return fstep.init_state(functools.partial(models.transformer_init, cfg=cfg), opt,
+                            mesh=mesh, rules=models.RULES,
                             logical_axes=axes, key=jax.random.key(0))
   return mesh, opt, step, init
 
@@ -100,67 +124,96 @@ def gathered_params(params):
           for p, v in jax.tree_util.tree_flatten_with_path(full)[0]}
 
 
-def main(argv) -> int:
-  args = _args(argv)
+def _fake_version(spec: str) -> None:
+  """Makes this process report another version of one package (`NAME=VERSION`)."""
+  from fnscale import distributed
+  name, _, version = spec.partition("=")
+  real = distributed._versions  # pylint: disable=protected-access
+  distributed._versions = lambda: {**real(), name: version}  # pylint: disable=protected-access
+
+
+def _join(args):
+  """fnscale.initialize with this run's flags as the config every process must share."""
+  from absl import logging
+  logging.set_verbosity(logging.INFO)  # the agreement checks show in the log
+  if args.fake_version:
+    _fake_version(args.fake_version)
+  config = {k: getattr(args, k) for k in filter(None, args.agree.split(","))}
+  t0 = time.perf_counter()
   info = multiprocess.initialize_from_env(
       timeout_s=args.init_timeout_s, heartbeat_timeout_s=args.heartbeat_s,
-      shutdown_timeout_s=max(5.0, args.heartbeat_s))
-  import jax
-  import numpy as np
-  from absl import logging
-  from jax.experimental import multihost_utils
+      shutdown_timeout_s=60, config=config)
+  return info, time.perf_counter() - t0
+
+
+def _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start):
+  """The loop: one step, its loss, the preemption check, a checkpoint when due."""
   import fnscale as fs
-  from fnscale import checkpoint
+  from fnscale import checkpoint, preemption
   import models
-  logging.set_verbosity(logging.INFO)  # the barrier after compiling shows in the log
-  pid = jax.process_index()
-  os.makedirs(args.out, exist_ok=True)
-  ckpt_dir = os.path.join(args.out, "ckpt")
-  mesh, _, step, init = build(args.mesh)
-  _emit(event="start", process=pid, processes=jax.process_count(),
-        devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info))
-
-  state = init()
-  start = checkpoint.latest_step(ckpt_dir)
-  if start is not None:
-    state, extra = checkpoint.restore(ckpt_dir, state, step=start)
-    _emit(event="restored", step=start, extra=extra)
-  if args.restore_only:
-    params = gathered_params(state.params)
-    if pid == 0:
-      np.savez(os.path.join(args.out, "restored.npz"), **params)
-    _emit(event="done", step=start)
-    return 0
-  start = start or 0
-
-  cfg = models.TRANSFORMER
+  cfg = models.TRANSFORMER._replace(**MODELS[args.model])
   bs = fs.batch_sharding(mesh)
   rows = local_rows(bs, args.batch)
   log = open(os.path.join(args.out, "losses.jsonl"), "a") if pid == 0 else None
   with fs.peer_guard(timeout_s=args.peer_check_s):
     for s in range(start, args.steps):
       tokens = global_tokens(s, args.batch, cfg.seq, cfg.vocab)[rows]
-      batch = fs.global_batch({"tokens": tokens}, bs)
-      state, metrics = step(state, batch)
+      state, metrics = step(state, fs.global_batch({"tokens": tokens}, bs))
       loss = float(metrics["loss"])
       _emit(event="step", step=s, loss=loss)
       if log:
         log.write(json.dumps({"step": s, "loss": loss}) + "\n")
         log.flush()
-      # Every process asks at every step; when any got SIGTERM, all agree on one step.
-      preempted = multihost_utils.reached_preemption_sync_point(s)
-      if preempted or (args.ckpt_every and (s + 1) % args.ckpt_every == 0):
+      stop = should_stop(s)  # True on every process at the same step after a notice
+      if stop or (args.ckpt_every and (s + 1) % args.ckpt_every == 0):
         checkpoint.save(ckpt_dir, s + 1, state, extra={"step": s + 1})
         _emit(event="checkpoint", step=s + 1)
-      if preempted:
+      if stop:
         _emit(event="preempted", step=s + 1)
-        return 0
+        return state, preemption.EXIT_PREEMPTED
       if 0 <= args.slow_after <= s:
         time.sleep(args.sleep_s)
+  if log:
+    log.close()
+  return state, 0
+
+
+def main(argv) -> int:
+  args = _args(argv)
+  info, join_s = _join(args)
+  import jax
+  import numpy as np
+  import fnscale as fs
+  from fnscale import checkpoint, preemption
+  pid = jax.process_index()
+  os.makedirs(args.out, exist_ok=True)
+  ckpt_dir = os.path.join(args.out, "ckpt")
+  with preemption.preemption_guard(grace_s=args.grace_s) as should_stop:
+    mesh, _, step, init = build(args.mesh, args.model, args.lr)
+    _emit(event="start", process=pid, processes=jax.process_count(),
+          devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info), join_s=join_s)
+    state = init()
+    start = checkpoint.latest_step(ckpt_dir)
+    if start is not None:
+      state, extra = checkpoint.restore(ckpt_dir, state, step=start)
+      _emit(event="restored", step=start, extra=extra)
+    if args.restore_only:
+      params = gathered_params(state.params)
+      if pid == 0:
+        np.savez(os.path.join(args.out, "restored.npz"), **params)
+      _emit(event="done", step=start)
+      return 0
+    if args.hold >= 0:
+      _emit(event="holding" if pid == args.hold else "waiting")
+      if pid == args.hold:
+        time.sleep(args.hold_s)
+      fs.barrier("ready", timeout_s=120)
+    state, status = _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start or 0)
+  if status:
+    return status
   params = gathered_params(state.params)
   if pid == 0:
     np.savez(os.path.join(args.out, "params.npz"), **params)
-    log.close()
   _emit(event="done", step=args.steps)
   return 0
 
@@ -172,8 +225,12 @@ if __name__ == "__main__":
     from fnscale.errors import DistributedError
     if not isinstance(e, DistributedError):
       raise
-    # Python's own exit would wait for the lost process at JAX's shutdown barrier.
     import traceback
     traceback.print_exc()
     sys.stderr.flush()
-    os._exit(75)  # pylint: disable=protected-access
+    if "lost process" in str(e):
+      # Python's own exit would wait for the lost process at JAX's shutdown barrier.
+      os._exit(75)  # pylint: disable=protected-access
+    # Every process is raising: leave through JAX's shutdown barrier, so the coordinator
+    # (process 0) stays up until the others have said what differs.
+    sys.exit(75)

@@ -110,7 +110,9 @@ def child_env(coordinator_port: int, num_processes: int, process_id: int,
 def start(argv: Sequence[str], num_processes: int, devices_per_process: int, *,
           process_ids: Sequence[int] | None = None, port: int | None = None,
           env: Mapping[str, str] | None = None, log_dir: str | os.PathLike | None = None,
-          cwd: str | os.PathLike | None = None) -> Job:
+          cwd: str | os.PathLike | None = None,
+          process_args: Mapping[int, Sequence[str]] | None = None,
+          process_env: Mapping[int, Mapping[str, str]] | None = None) -> Job:
   """Starts the processes of a job and returns at once.
 
   Args:
@@ -124,6 +126,10 @@ def start(argv: Sequence[str], num_processes: int, devices_per_process: int, *,
     env: extra environment for every process (wins over the defaults).
     log_dir: where `<id>.stdout` / `<id>.stderr` go (default: a new temporary directory).
     cwd: working directory of the processes (default: the repository root).
+    process_args: extra arguments for some processes, by id (a job whose processes were
+      started with different command lines).
+    process_env: extra environment for some processes, by id (wins over `env`); e.g. another
+      XLA_FLAGS device count.
 
   Returns:
     A `Job`; pass it to `wait` and `kill` (or use `job` / `run`, which always clean up).
@@ -146,10 +152,12 @@ def start(argv: Sequence[str], num_processes: int, devices_per_process: int, *,
     for i in ids:
       out_path, err_path = logs / f"{i}.stdout", logs / f"{i}.stderr"
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        extra = list((process_args or {}).get(i, ()))
+        penv = {**(env or {}), **(process_env or {}).get(i, {})}
         popen = subprocess.Popen(
-            [sys.executable, *map(str, argv)], stdout=out, stderr=err,
+            [sys.executable, *map(str, argv), *extra], stdout=out, stderr=err,
             stdin=subprocess.DEVNULL, cwd=str(cwd or _REPO), start_new_session=True,
-            env=child_env(port, num_processes, i, devices_per_process, env))
+            env=child_env(port, num_processes, i, devices_per_process, penv))
       procs.append(Process(i, popen, out_path, err_path, time.monotonic()))
   except BaseException:
     kill(Job(tuple(procs), address, num_processes, logs))
@@ -285,7 +293,7 @@ def describe(results: Sequence[Result], tail: int = 3000) -> str:
 def initialize_from_env(**kwargs):
   """In a child: `fnscale.initialize` with the place the launcher put in the environment.
 
-  Keyword arguments (timeouts) go to `fnscale.initialize`. Without the variables, a single
+  Keyword arguments (timeouts, config) go to `fnscale.initialize`. Without the variables, a single
   process (no-op initialise).
   """
   import fnscale  # pylint: disable=import-outside-toplevel

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -164,11 +165,15 @@ _WORKER = textwrap.dedent("""
     out["sum"] = float(jax.jit(lambda a: a.sum())(g["x"]))
     fs.barrier("step", timeout_s=20)
     fs.barrier("step", timeout_s=20)  # the same name can be reused
-    if pid == 0:  # process 1 never comes: a bounded wait, then a clear error
-      try:
-        fs.barrier("lonely", timeout_s=1)
-      except fs.DistributedError as e:
-        out["lonely"] = str(e)
+    if pid == 0:  # process 1 comes late, then to another barrier: bounded, named waits
+      for name, timeout_s in (("lonely", 1.5), ("lonely2", 6)):
+        try:
+          fs.barrier(name, timeout_s=timeout_s)
+        except fs.DistributedError as e:
+          out[name] = str(e)
+    else:
+      import time
+      time.sleep(3)
     fs.barrier("end", timeout_s=20)
     print(json.dumps(out), flush=True)
 """)
@@ -215,8 +220,14 @@ def test_two_processes_global_batch_and_barrier(tmp_path):
     assert r["shape"] == [16, 3]
     np.testing.assert_array_equal(np.array(r["full"]), expected)
     assert r["sum"] == float(expected.sum())
-  assert "barrier 'lonely': not all 2 processes arrived within 1 s" in r0["lonely"]
-  assert "fix:" in r0["lonely"]
+  # Process 1 was busy after the second 'step', then waited at 'end': each case named.
+  assert "barrier 'lonely': not all 2 processes arrived within 1.5 s" in r0["lonely"]
+  assert re.search(r"process 1 has not arrived \(last heard from \d+ s ago, leaving 'step'\)",
+                   r0["lonely"]), r0["lonely"]
+  assert ("barrier 'lonely2': not all 2 processes arrived within 6 s" in r0["lonely2"])
+  assert ("process 1 is waiting at 'end' instead: the processes reached different barriers"
+          in r0["lonely2"]), r0["lonely2"]
+  assert "fix: make every process call barrier('lonely2') in the same order" in r0["lonely2"]
 
 
 @pytest.mark.multiprocess
@@ -234,3 +245,43 @@ def test_initialize_reads_launcher_variables(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
   with pytest.raises(fs.DistributedError, match="JAX_NUM_PROCESSES='two' is not an integer"):
     fs.initialize()
+
+
+def test_launch_local_help_lists_its_flags():
+  r = subprocess.run([sys.executable, str(REPO / "recipes" / "launch_local.py"), "--help"],
+                     capture_output=True, text=True, timeout=120, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.startswith("Runs a recipe as N processes on this machine")
+  for flag in ("--num_processes", "--devices_per_process", "--timeout_s"):
+    assert flag in r.stdout, r.stdout
+  assert "Unknown command line flag" not in r.stderr
+
+
+def test_disagreement_message_names_process_field_and_both_values():
+  entries = {
+      0: {"jax": "0.10.2", "--model": "nano", "program": "aa", "state:params/w": "(4, 4) f32",
+          "batch:tokens": "(8, 9) int32"},
+      1: {"jax": "0.10.2", "--model": "tiny", "program": "bb", "state:params/w": "(8, 4) f32",
+          "batch:tokens": "(8, 9) int32"},
+      2: {"jax": "0.9.0", "--model": "nano", "program": "cc", "state:params/w": "(4, 4) f32",
+          "batch:tokens": "(8, 9) int32"},
+      3: {"jax": "0.10.2", "--model": "nano", "program": "dd", "state:params/w": "(4, 4) f32",
+          "batch:tokens": "(8, 9) int32"},
+      4: {"jax": "0.10.2", "--model": "nano", "program": "aa", "state:params/w": "(4, 4) f32",
+          "batch:tokens": "(8, 9) int32"},
+  }
+  assert fsd._differences(entries) == [
+      "process 1 has --model=tiny, process 0 --model=nano",
+      "process 1: params/w (8, 4) f32, process 0: (4, 4) f32",
+      "process 2 has jax=0.9.0, process 0 jax=0.10.2",
+      "process 3 compiled program dd, process 0 program aa, with the same shapes, mesh and "
+      "compiler options: the code or a setting that changes no shape differs (compare the "
+      "command lines, checkouts and XLA_FLAGS)",
+  ]
+  many = {0: {f"state:w{i}": "(1,) f32" for i in range(9)},
+          1: {f"state:w{i}": "(2,) f32" for i in range(9)}}
+  lines = fsd._differences(many)
+  assert len(lines) == 7 and lines[-1] == "and 3 more differences of process 1"
+  assert fsd._differences({0: entries[0]}) == []
+  with pytest.raises(fs.DistributedError, match=r"config=\['model'\], expected a mapping"):
+    fs.initialize(num_processes=1, config=["model"])

@@ -1,0 +1,116 @@
+"""fnscale.preemption in one process: SIGTERM becomes should_stop, and a notice the loop can't
+honour in time (or one while the job forms) ends the process with status 143 and a message.
+The multi-process cases (one notice, staggered notices, a notice at a barrier) are in
+tests/test_multihost.py."""
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import fnscale as fs
+from fnscale import preemption
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.Popen:
+  """A Python child (no `timeout` wrapper: its status is the child's own); callers bound
+  every wait and kill its group."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+  env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+
+
+def _reap(p: subprocess.Popen) -> None:
+  if p.poll() is None:
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def test_sigterm_makes_should_stop_true_and_the_handler_comes_back():
+  before = signal.getsignal(signal.SIGTERM)
+  with preemption.preemption_guard(grace_s=60) as should_stop:
+    assert should_stop(0) is False
+    os.kill(os.getpid(), signal.SIGTERM)  # without the guard this would end pytest
+    deadline = time.monotonic() + 10
+    step = 1
+    while not should_stop(step) and time.monotonic() < deadline:
+      time.sleep(0.05)
+      step += 1
+    assert should_stop(step) is True
+  assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(fs.DistributedError, match=r"grace_s=0, expected a positive number"):
+    with preemption.preemption_guard(grace_s=0):
+      pass
+  with preemption.preemption_guard() as should_stop:
+    with pytest.raises(fs.DistributedError, match=r"should_stop\(step='3'\): expected the int"):
+      should_stop("3")
+
+
+def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
+  """The main thread is busy (a compile, a data wait) when SIGTERM comes: the watcher ends the
+  process grace_s later, with the message and status 143."""
+  p = _python("""
+      import os, signal, sys, time
+      from fnscale import preemption
+      with preemption.preemption_guard(grace_s=1) as should_stop:
+        print("in", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(60)  # never reaches should_stop
+      print("not ended", flush=True)
+      """)
+  try:
+    out, err = p.communicate(timeout=150)
+  finally:
+    _reap(p)
+  assert p.returncode == preemption.EXIT_PREEMPTED, (out, err[-3000:])
+  assert out == "in\n"
+  assert ("fnscale.errors.DistributedError: preemption notice 1 s ago and process 0 is still "
+          "reaching the agreed step") in err
+
+
+def test_a_notice_while_the_job_forms_ends_initialize_at_once():
+  """Process 0 of 2 waits for a process that never comes; SIGTERM ends it within seconds,
+  not at the 120-s join timeout."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  p = _python(f"""
+      from absl import logging
+      logging.set_verbosity(logging.INFO)
+      import fnscale as fs
+      fs.initialize("127.0.0.1:{port}", 2, 0, timeout_s=120)
+      print("joined", flush=True)
+      """)
+  try:
+    deadline = time.monotonic() + 150
+    seen = ""
+    while "joining a 2-process job" not in seen and time.monotonic() < deadline:
+      time.sleep(0.2)
+      seen += os.read(p.stderr.fileno(), 1 << 16).decode(errors="replace")
+    assert "joining a 2-process job" in seen, seen[-3000:]
+    time.sleep(1.0)  # inside jax.distributed.initialize now
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    took = time.monotonic() - t0
+  finally:
+    _reap(p)
+  assert p.returncode == preemption.EXIT_PREEMPTED, (out, (seen + err)[-3000:])
+  assert ("fnscale.errors.DistributedError: preemption notice (SIGTERM) while the 2-process job "
+          f"was forming at 127.0.0.1:{port} (this is process 0): stopping now") in seen + err
+  assert "joined" not in out
+  print(f"initialize ended {took:.1f} s after SIGTERM")
+  assert took < 10
