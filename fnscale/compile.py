@@ -323,7 +323,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
 
   The step is lowered and compiled ahead of time from abstract inputs
   (`jax.ShapeDtypeStruct` with shardings), every process waits at
-  `fnscale.barrier("compiled step ...")`, and calls run the kept executable, so step 0
+  `fnscale.distributed.agree_on_step("compiled step ...")` (a barrier that also checks every
+  process compiled the same program), and calls run the kept executable, so step 0
   never compiles again. Shardings: `state_shardings` if given, else derived from the state
   (`fnscale.state_shardings`: params by rules / automatic FSDP, step and loss scale
   replicated) with the same arguments `init_state` takes, so a state from `init_state` is
