@@ -112,7 +112,7 @@ def theory_bytes(params, cfg, batch: int, mesh) -> dict[str, float]:
   [batch / data ways, seq, d_model] float32 at 2 (t - 1) / t each.
   """
   jax = sys.modules["jax"]
-  daxes = fs.data_axes(mesh)
+  daxes = fs.sharding.data_axes(mesh)
   other = tuple(a for a in mesh.axis_names if a not in daxes)
   dp = fsdp = 0.0
   for x in jax.tree.leaves(params):
@@ -144,7 +144,7 @@ def persistent_cache(directory: str):
            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
   old = {n: getattr(jax.config, n) for n in names}
   jax.config.update("jax_enable_compilation_cache", True)
-  fs.compilation_cache(directory)  # thresholds 0: even sub-second programs are cached
+  fs.report.compilation_cache(directory)  # thresholds 0: even sub-second programs are cached
   try:
     yield
   finally:
@@ -305,7 +305,7 @@ def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, st
       compile_cold_s=cold, compile_warm_s=warm, warm_from_cache=bool(from_cache),
       step_s=med, step_p10_s=_percentile(times, 0.1), step_p90_s=_percentile(times, 0.9),
       tokens_per_s=batch * seq / med, model_flops=flops,
-      mfu=fs.mfu(flops, med, devices, peak_per_device) if peak_per_device else None,
+      mfu=fs.flops.mfu(flops, med, devices, peak_per_device) if peak_per_device else None,
       xla_flops=report.flops * devices if report.flops is not None else None,
       xla_flops_per_device=report.flops,
       hlo_dot_flops=counts.matmul_flops * devices,
@@ -616,13 +616,13 @@ def run(cfg: Config, *, say=print) -> dict:
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   platform = jax.devices()[0].platform
   if platform == "cpu":
-    peak_host = fs.measure_matmul_peak()
+    peak_host = fs.flops.measure_matmul_peak()
     note = (f"Peak FLOP/s (MFU denominator): a 2048x2048 float32 matmul measured in this run, "
             f"{peak_host / 1e9:.0f} GFLOP/s for the whole host; the simulated devices share it "
             "(devices x peak per device = that rate). CPU numbers are relative.")
   else:
     peak_host = None
-    per = fs.peak_flops()
+    per = fs.flops.peak_flops()
     note = (f"Peak FLOP/s per device: {per / 1e12:.0f} TFLOP/s (bf16 facts table)" if per else
             "Peak FLOP/s unknown for this device kind: MFU not reported")
   rows, skipped = [], []
@@ -633,7 +633,7 @@ def run(cfg: Config, *, say=print) -> dict:
         for n in cfg.devices:
           if n == 1 and spec != cfg.meshes[0]:
             continue  # on one device every mesh is the same program
-          per_device = peak_host / n if peak_host else fs.peak_flops()
+          per_device = peak_host / n if peak_host else fs.flops.peak_flops()
           try:
             row = measure(size, spec, n, batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
                           warmup=cfg.warmup, peak_per_device=per_device)

@@ -5,7 +5,7 @@
 
 The model annotates its params the Linen way, `nn.with_logical_partitioning(init, names)`, so
 `model.init` returns `nn.LogicallyPartitioned` boxes that carry logical axis names ("embed",
-"mlp", ...). fnscale reads those names (`fs.unbox_flax`, which also unboxes the arrays) and
+"mlp", ...). fnscale reads those names (`fs.adapters.unbox_flax`, which also unboxes the arrays) and
 maps them onto mesh axes with its own `RULES`, in the role Linen's `nn.logical_axis_rules`
 plays elsewhere; the same rule pairs work for both. Unannotated params (biases, LayerNorm
 scales) get fnscale's automatic FSDP. The loss is the pure `model.apply({"params": p}, ...)`,
@@ -95,13 +95,13 @@ def init_variables(key: jax.Array):
 
 def init_params(key: jax.Array):
   """Unboxed float32 params (jit-able, so it can run born sharded inside `fs.init_state`)."""
-  params, _ = fs.unbox_flax(init_variables(key)["params"])
+  params, _ = fs.adapters.unbox_flax(init_variables(key)["params"])
   return params
 
 
 def logical_axes():
   """fnscale logical axes of the params, read from the annotations of an abstract init."""
-  _, axes = fs.unbox_flax(jax.eval_shape(init_variables, jax.random.key(0))["params"])
+  _, axes = fs.adapters.unbox_flax(jax.eval_shape(init_variables, jax.random.key(0))["params"])
   return axes
 
 

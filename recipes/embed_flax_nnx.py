@@ -5,7 +5,7 @@
 
 fnscale needs only a pytree of params and a loss function, so an NNX model joins in three
 moves: `nnx.split` the module into a graph definition and a `State`; read the
-`nnx.with_partitioning` annotations into fnscale logical axes (`fs.unbox_flax`, which also
+`nnx.with_partitioning` annotations into fnscale logical axes (`fs.adapters.unbox_flax`, which also
 turns the State into a pure dict of arrays); and write the loss as a pure function that
 `nnx.merge`s the params back into a module. NNX's own `nnx.Optimizer` and `nnx.jit` are not
 used: fnscale's `train_step` applies the optax optimizer and `shard_step` compiles one SPMD
@@ -98,14 +98,14 @@ def split_model():
   # Filtering by nnx.Param alone fails loudly if the model ever holds other state (batch
   # statistics, RNG counters), which a pure params pytree could not carry.
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ByteLM(nnx.Rngs(0))), nnx.Param)
-  _, logical_axes = fs.unbox_flax(abstract)
+  _, logical_axes = fs.adapters.unbox_flax(abstract)
   return graphdef, logical_axes
 
 
 def init_params(key: jax.Array):
   """Params of a fresh `ByteLM` as a pure dict of float32 arrays (jit-able, so it can run
   born sharded inside `fs.init_state`)."""
-  params, _ = fs.unbox_flax(nnx.split(ByteLM(nnx.Rngs(key)), nnx.Param)[1])
+  params, _ = fs.adapters.unbox_flax(nnx.split(ByteLM(nnx.Rngs(key)), nnx.Param)[1])
   return params
 
 

@@ -155,7 +155,7 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start):
   bs = fs.batch_sharding(mesh)
   rows = local_rows(bs, args.batch)
   log = open(os.path.join(args.out, "losses.jsonl"), "a") if pid == 0 else None
-  with fs.peer_guard(timeout_s=args.peer_check_s):
+  with fs.distributed.peer_guard(timeout_s=args.peer_check_s):
     for s in range(start, args.steps):
       tokens = global_tokens(s, args.batch, cfg.seq, cfg.vocab)[rows]
       state, metrics = step(state, fs.global_batch({"tokens": tokens}, bs))

@@ -47,9 +47,9 @@ def _free_port() -> int:
 
 
 def test_initialize_noop_single_process(clean_env):
-  assert fs.initialize() == fs.DistributedInfo(0, 1, None, False)
-  assert fs.initialize(num_processes=1) == fs.DistributedInfo(0, 1, None, False)
-  assert fs.initialize("127.0.0.1:1234", 1, 0) == fs.DistributedInfo(0, 1, None, False)
+  assert fs.initialize() == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert fs.initialize(num_processes=1) == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert fs.initialize("127.0.0.1:1234", 1, 0) == fs.distributed.DistributedInfo(0, 1, None, False)
   assert not jax.distributed.is_initialized()
 
 
@@ -241,7 +241,7 @@ def test_missing_coordinator_is_a_bounded_clear_error(tmp_path):
 
 def test_initialize_reads_launcher_variables(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
-  assert fs.initialize() == fs.DistributedInfo(0, 1, None, False)
+  assert fs.initialize() == fs.distributed.DistributedInfo(0, 1, None, False)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
   with pytest.raises(fs.DistributedError, match="JAX_NUM_PROCESSES='two' is not an integer"):
     fs.initialize()

@@ -109,7 +109,7 @@ def test_nnx_params_sharded_as_annotated(nnx_run):
   state = nnx.state(nnx.eval_shape(lambda: r.ByteLM(nnx.Rngs(0))))
   with nnx.logical_axis_rules(r.RULES):
     flax_specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
-  _, axes = fs.unbox_flax(state)
+  _, axes = fs.adapters.unbox_flax(state)
   checked = 0
   for (path, names), spec, x in zip(
       jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)[0],
@@ -166,7 +166,7 @@ def test_linen_params_sharded_as_annotated(linen_run):
   # nn.logical_to_mesh_axes does under the same rules.
   variables = jax.eval_shape(r.init_variables, jax.random.key(0))
   flax_names = nn.get_partition_spec(variables)["params"]
-  _, axes = fs.unbox_flax(variables["params"])
+  _, axes = fs.adapters.unbox_flax(variables["params"])
   is_boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)
   boxed = jax.tree.leaves(variables["params"], is_leaf=is_boxed)
   n = 0
@@ -235,7 +235,7 @@ def test_unbox_flax_reads_each_kind_of_box():
   logical = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))(key, (4, 2))
   nnx_var = nnx.Param(np.ones((4,)), out_sharding=("embed",), eager_sharding=False)
   tree = {"a": mesh_axes, "b": logical, "c": {"d": np.zeros(3), "e": [nnx_var, np.ones(2)]}}
-  params, axes = fs.unbox_flax(tree)
+  params, axes = fs.adapters.unbox_flax(tree)
   assert axes == {"a": P("fsdp", None), "b": ("embed", "mlp"),
                   "c": {"d": None, "e": [("embed",), None]}}
   assert jax.tree.structure(params) == jax.tree.structure(
@@ -252,7 +252,7 @@ def test_unbox_flax_rejects_bad_names():
   box = nn.LogicallyPartitioned(np.ones((4, 2)), (("fsdp", "tensor"), None))
   with pytest.raises(fs.ShardingError, match=r"leaf 'block/w'.*\(\('fsdp', 'tensor'\), None\)"
                      r".*str or None.*fix"):
-    fs.unbox_flax({"block": {"w": box}})
+    fs.adapters.unbox_flax({"block": {"w": box}})
 
 
 def test_importing_fnscale_imports_no_framework():

@@ -16,37 +16,37 @@ from fnscale.topology import GiB, TPU_FACTS
 @pytest.mark.parametrize("text,dims", [("4x4", (4, 4)), ("2x4x8", (2, 4, 8)), (" 8 ", (8,)),
                                        ("2x4x4x8", (2, 4, 4, 8))])
 def test_parse_shape(text, dims):
-  assert fs.parse_shape(text) == dims
+  assert fs.topology.parse_shape(text) == dims
 
 
 @pytest.mark.parametrize("bad", ["", "4x", "x4", "4by4", "2x4x8x2x2", "-2x4", "4x-1", "abc", None])
 def test_parse_shape_rejects_malformed(bad):
   with pytest.raises(fs.TopologyError, match="is not a chip grid") as e:
-    fs.parse_shape(bad)
+    fs.topology.parse_shape(bad)
   assert repr(bad) in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["0x4", "2x0x2"])
 def test_parse_shape_rejects_zero(bad):
   with pytest.raises(fs.TopologyError, match="zero or negative dimension"):
-    fs.parse_shape(bad)
+    fs.topology.parse_shape(bad)
 
 
 @pytest.mark.parametrize("acc,gen,chips", [("v5p-128", "v5p", 64), ("v4-8", "v4", 4),
                                            ("v5litepod-16", "v5e", 16), ("v6e-256", "v6e", 256),
                                            ("v2-8", "v2", 4), ("v3-32", "v3", 16)])
 def test_parse_accelerator_type(acc, gen, chips):
-  assert fs.parse_accelerator_type(acc) == (gen, chips)
+  assert fs.topology.parse_accelerator_type(acc) == (gen, chips)
 
 
 def test_unknown_accelerator_type():
   with pytest.raises(fs.TopologyError, match=r"unknown accelerator type 'v9x-8'.*v5p-128"):
-    fs.parse_accelerator_type("v9x-8")
+    fs.topology.parse_accelerator_type("v9x-8")
 
 
 def test_odd_core_count_rejected():
   with pytest.raises(fs.TopologyError, match="not a whole number of v5p chips"):
-    fs.parse_accelerator_type("v5p-3")
+    fs.topology.parse_accelerator_type("v5p-3")
 
 
 def test_facts_table_public_figures():
@@ -559,7 +559,7 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
      r"metadata_timeout_s='1' \(str\): expected a number of seconds > 0"),
     (lambda: fs.detect_topology(env={}, metadata_timeout_s=0),
      r"metadata_timeout_s=0: expected seconds > 0"),
-    (lambda: fs.parse_accelerator_type(128),
+    (lambda: fs.topology.parse_accelerator_type(128),
      r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
     (lambda: topo_mod.generation_of(None), r"device_kind=None \(NoneType\): expected a str"),
     (lambda: topo_mod.gpu_facts(3), r"device_kind=3 \(int\): expected a str"),
