@@ -147,7 +147,8 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
   return wrapped
 
 
-def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp.float32, *,
+def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
+                dtype: Any = jnp.float32, *,
                 causal: bool = False, segment_ids: Any = None,
                 sliding_window: int | tuple[int, int] | None = None,
                 implementation: str = "auto", block_sizes: BlockSizes | None = None,
@@ -177,7 +178,10 @@ def kernel_plan(q_shape: Sequence[int], k_shape: Sequence[int], dtype: Any = jnp
       default backend.
     interpret: Pallas interpret mode; default: the enclosing `with_kernel`'s (else False).
     mesh: the mesh to shard the kernel over; default: the context mesh
-      (`jax.sharding.get_abstract_mesh()`), none outside one.
+      (`jax.sharding.get_abstract_mesh()`), none outside one. With no mesh at all on a
+      platform with several devices, or with q varying over the manual axes of a
+      `shard_map(..., check_vma=True)`, the Pallas kernels can't serve (XLA can't partition
+      their custom calls, and their output types carry no varying axes): "auto" falls back.
 
   Returns:
     A `KernelPlan`.
