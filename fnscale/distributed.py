@@ -660,9 +660,9 @@ def _late(got: dict, n: int) -> str:
 
 def _disagreement(what: str, diffs: list[str], late: str = "") -> DistributedError:
   return DistributedError(
-      f"the processes of this job disagree on {what}: {'; '.join(diffs)}{late}. Every process must run the "
-      "same code, versions and command line on the same kind of host; fix the odd ones out "
-      "and restart every process.")
+      f"the processes of this job disagree on {what}: {'; '.join(diffs)}{late}. Every "
+      "process must run the same code, versions and command line on the same kind of host; "
+      "fix the odd ones out and restart every process.")
 
 
 def _where_others(client, pid: int, n: int, name: str) -> list[str]:
