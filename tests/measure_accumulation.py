@@ -1,0 +1,62 @@
+"""Collectives and temporaries per step, accum 1 vs 4, from compile_report (no timing).
+
+The model of the accumulation report: fsdp=8, 2 layers, d 256, mlp 1024 (4 MiB of f32
+params), batch 8192 rows; on 8 simulated CPU devices and, ahead of time, TPU v5p:2x2x2.
+
+  PYTHONPATH=$PWD python tests/measure_accumulation.py [cpu] [tpu]
+"""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import fnscale as fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+D, M, L, B = 256, 1024, 2, 8192
+MIB = 2**20
+
+
+def _init(key):
+  ks = jax.random.split(key, 2 * L)
+  return {f"l{i}": {"w1": jax.random.normal(ks[2 * i], (D, M)) * 0.02,
+                    "w2": jax.random.normal(ks[2 * i + 1], (M, D)) * 0.02} for i in range(L)}
+
+
+def _loss(p, b):
+  x = b["x"]
+  for i in range(L):
+    x = x + jax.nn.relu(x @ p[f"l{i}"]["w1"]) @ p[f"l{i}"]["w2"]
+  return jnp.mean(x ** 2)
+
+
+def row(mesh, accum: int, gather: str) -> str:
+  opt = optax.sgd(0.1)
+  state = fs.init_state(_init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32)}
+  step = fs.train_step(_loss, opt, accum_steps=accum, accum_gather=gather)
+  r = fs.compile_report(fs.shard_step(step, mesh), state, batch)
+  cells = [f"{c.count} / {c.bytes / MIB:.2f} MiB"
+           for c in (r.collective("all-reduce"), r.collective("all-gather"))]
+  return " | ".join([f"accum {accum} {gather}"] + cells + [f"{(r.temp_bytes or 0) / MIB:.2f}"])
+
+
+def main(targets) -> None:
+  print("| target | step | all-reduce runs / bytes | all-gather runs / bytes | temp MiB |")
+  for target in targets:
+    devices = None
+    if target == "tpu":
+      from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+      devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices
+    mesh = fs.make_mesh({"fsdp": 8}, devices=devices)
+    for accum, gather in ((1, "once"), (4, "once"), (4, "per_microbatch")):
+      print(f"| {target} | {row(mesh, accum, gather)} |", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:] or ["cpu", "tpu"])
