@@ -268,12 +268,28 @@ def with_mesh(mesh: Mesh):
   """
   _check_mesh(mesh, "with_mesh")
   with contextlib.ExitStack() as stack:
+    if not _runs_here(mesh):
+      # A described target (AOT for a TPU from this machine): traced code sees its abstract
+      # mesh, while eager ops keep running on this machine's devices.
+      stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+      yield mesh
+      return
     try:
       stack.enter_context(jax.set_mesh(mesh))
     except ValueError:
       # Inside a jit trace jax.set_mesh is refused; the abstract mesh is what traced code reads.
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
     yield mesh
+
+
+def _runs_here(mesh: Mesh) -> bool:
+  """Whether the mesh's devices belong to this process's runtime (not a topology description
+  from `jax.experimental.topologies`, whose devices can compile but not run)."""
+  first = mesh.devices.flat[0]
+  try:
+    return first in jax.devices(first.platform)
+  except RuntimeError:  # no backend for that platform here: a described target
+    return False
 
 
 def _check_mesh(mesh, fn: str) -> None:

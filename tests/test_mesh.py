@@ -262,6 +262,11 @@ def test_described_devices_mesh_inside_and_outside_with_mesh(tpu_devices):
   with fs.with_mesh(mesh):  # the context form
     inner = fs.make_mesh({"fsdp": -1}, devices=devices)  # make_mesh inside a scope
     compiled = jax.jit(f).lower(x).compile()
+    # Eager work (a PRNG key, a small array) still runs on this machine's devices: the
+    # described devices can compile but not run (jax.set_mesh over them broke eager ops).
+    assert float(jax.numpy.ones(3).sum()) == 3.0
+    assert jax.random.key_data(jax.random.key(0)).shape == (2,)
+    assert jax.sharding.get_abstract_mesh().shape == {"data": 4, "tensor": 2}
   assert dict(inner.shape) == {"fsdp": 8}
   assert compiled.output_shardings.is_equivalent_to(want, 2)
   compiled = jax.jit(fs.with_mesh(mesh)(f)).lower(x).compile()  # the wrapper form
