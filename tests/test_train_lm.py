@@ -19,11 +19,13 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
+from recipes import data
+from recipes import gpt
+from recipes import harness
+from recipes import launch_local
+from recipes import train_lm
 
-import launch_local  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import train_lm  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 STEPS = 6
 
@@ -32,29 +34,30 @@ STEPS = 6
 def work(tmp_path_factory):
   """A small text corpus (the first stdlib files, ~300 KB) and a shared compile cache."""
   d = tmp_path_factory.mktemp("train_lm")
-  data = bytearray()
-  for f in train_lm.corpus_files(None):
-    data += pathlib.Path(f).read_bytes()
-    if len(data) > 300_000:
+  text = bytearray()
+  for f in data.corpus_files(None):
+    text += pathlib.Path(f).read_bytes()
+    if len(text) > 300_000:
       break
-  (d / "corpus.txt").write_bytes(bytes(data))
+  (d / "corpus.txt").write_bytes(bytes(text))
   return d
 
 
 def _argv(work, run_dir, *extra):
-  return ["train_lm", "--model=nano", "--mesh=data=-1,fsdp=2", "--seq=32", "--batch=16",
+  return ["train_lm", "--model_config=nano", "--mesh=data=-1,fsdp=2", "--seq=32",
+          "--global_batch=16",
           f"--steps={STEPS}",
-          f"--data={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
+          f"--dataset={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
           "--log_every=1", "--sample_len=0", f"--compile_cache_dir={work / 'cache'}",
           *extra]
 
 
 def _run(argv):
-  return train_lm.run(train_lm.parse_flags(argv))
+  return train_lm.run(harness.parse_flags(train_lm.Options, argv))
 
 
 def _params(summary):
-  return jax.tree.map(np.asarray, jax.device_get(summary["state"].params))
+  return jax.tree.map(np.asarray, jax.device_get(summary.state.params))
 
 
 def _assert_equal_trees(a, b):
@@ -68,12 +71,12 @@ def _records(run_dir, event):
 
 @pytest.mark.parametrize("size, layers, d_model", [("small", 12, 768), ("medium", 24, 1024)])
 def test_model_sizes_and_logical_axes(size, layers, d_model):
-  cfg = train_lm.model_config(size, 1024)
-  shapes = jax.eval_shape(functools.partial(train_lm.init_params, cfg), jax.random.key(0))
+  cfg = gpt.model_config(size, 1024)
+  shapes = jax.eval_shape(functools.partial(gpt.init_params, cfg), jax.random.key(0))
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
   # GPT-2 blocks: 12 d^2 weights + 13 d biases and norms; tied byte embedding, 1024 positions.
   assert n == layers * (12 * d_model**2 + 13 * d_model) + (256 + 1024 + 2) * d_model
-  axes = train_lm.logical_axes(cfg)
+  axes = gpt.logical_axes(cfg)
   ranks = jax.tree.map(lambda x: x.ndim, shapes)
   names = jax.tree.map(len, axes, is_leaf=lambda x: isinstance(x, tuple))
   assert ranks == names  # every param has one logical name per dimension
@@ -98,20 +101,20 @@ def test_nano_run_trains_and_writes_metrics(uninterrupted):
   assert [r["step"] for r in evals][0] == 0 and evals[-1]["step"] == STEPS
   assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
   assert evals[-1]["bits_per_byte"] == pytest.approx(evals[-1]["eval_loss"] / np.log(2))
-  assert summary["final_step"] == STEPS and summary["mesh"] == {"data": 4, "fsdp": 2}
-  assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
-  assert len(summary["sample"].encode("utf-8", errors="replace")) >= 24
-  assert _records(run_dir, "summary")[0]["eval_loss"] == summary["eval_loss"]
+  assert summary.final_step == STEPS and summary.mesh == {"data": 4, "fsdp": 2}
+  assert summary.tokens_per_s > 0 and 0 < summary.mfu < 1
+  assert len(summary.sample.encode("utf-8", errors="replace")) >= 24
+  assert _records(run_dir, "summary")[0]["eval_loss"] == summary.eval_loss
 
 
 def test_stop_and_resume_is_bitwise_equal(work, uninterrupted, capsys):
   run_dir = work / "resumed"
   argv = _argv(work, run_dir, "--checkpoint_every=3", "--stop_after=3")
   first = _run(argv)
-  assert first["stopped"] == "--stop_after=3" and first["final_step"] == 3
+  assert first.stopped == "--stop_after=3" and first.final_step == 3
   assert (run_dir / "checkpoints" / "3").is_dir()
   second = _run(argv)  # the same command resumes
-  assert second["resumed_from"] == 3 and second["final_step"] == STEPS
+  assert second.resumed_from == 3 and second.final_step == STEPS
   assert "resumed from step 3" in capsys.readouterr().out
   _assert_equal_trees(_params(second), _params(uninterrupted[0]))
   # The data position is the step: the resumed run logged exactly the missing steps.
@@ -157,7 +160,7 @@ def _checkpointed_at_3(work, name):
 def test_resume_onto_a_different_mesh(work, uninterrupted):
   run_dir = _checkpointed_at_3(work, "other_mesh")
   summary = _run(_argv(work, run_dir, "--mesh=data=2,fsdp=4"))
-  assert summary["resumed_from"] == 3 and summary["mesh"] == {"data": 2, "fsdp": 4}
+  assert summary.resumed_from == 3 and summary.mesh == {"data": 2, "fsdp": 4}
   # Same math, other reduction order: equal up to float rounding.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                _params(summary), _params(uninterrupted[0]))
@@ -174,7 +177,7 @@ def test_resume_onto_4_devices_in_a_subprocess(work, uninterrupted):
   assert "over 4 devices" in out.stdout
   final = _records(run_dir, "summary")[-1]
   assert final["devices"] == 4 and final["final_step"] == STEPS
-  assert final["eval_loss"] == pytest.approx(uninterrupted[0]["eval_loss"], rel=1e-4)
+  assert final["eval_loss"] == pytest.approx(uninterrupted[0].eval_loss, rel=1e-4)
 
 
 def test_corrupt_checkpoint_is_refused_and_kept(work, uninterrupted, capsys):
@@ -185,7 +188,7 @@ def test_corrupt_checkpoint_is_refused_and_kept(work, uninterrupted, capsys):
   summary = _run(_argv(work, run_dir))
   out = capsys.readouterr().out
   assert "refused step(s) [6]" in out and "resumed from step 3" in out
-  assert summary["resumed_from"] == 3 and summary["final_step"] == STEPS
+  assert summary.resumed_from == 3 and summary.final_step == STEPS
   _assert_equal_trees(_params(summary), _params(uninterrupted[0]))
   # The damaged directory is kept (moved aside), never overwritten.
   kept = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("6.corrupt")]
@@ -216,8 +219,8 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert "eval  step" not in results[1][1]  # only process 0 prints
   two, one = _records(run_dir, "summary")[-1], uninterrupted[0]
   assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
-  assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-  assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+  assert two["loss"] == pytest.approx(one.loss, rel=1e-5)
+  assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
@@ -248,21 +251,25 @@ def test_launcher_child_environment():
 
 
 @pytest.mark.parametrize("case, extra, message", [
-    ("missing data", ["--data={tmp}/nope.txt"], "no such file, directory or glob match"),
-    ("empty corpus", ["--data={tmp}/empty.txt"], "the corpus is empty"),
-    ("empty directory", ["--data={tmp}/emptydir"], "directory has no files"),
-    ("seq longer than data", ["--data={tmp}/short.txt", "--seq=64"],
+    ("missing data", ["--dataset={tmp}/nope.txt"], "no such file, directory or glob match"),
+    ("empty corpus", ["--dataset={tmp}/empty.txt"], "the corpus is empty"),
+    ("empty directory", ["--dataset={tmp}/emptydir"], "directory has no files"),
+    ("seq longer than data", ["--dataset={tmp}/short.txt", "--seq=64"],
      "--seq=64 is longer than the data"),
     ("mesh too big", ["--mesh=data=3"], "data"),
-    ("mesh shape mismatch", ["--mesh=data=-1,fsdp=2", "--mesh_shape=2x2x2"],
-     "--mesh_shape='2x2x2' has 3 sizes"),
-    ("batch not dividing", ["--batch=12"], "global batch 12 does not divide over the data axes"),
-    ("unknown model", ["--model=huge"], "--model='huge' is not a known size"),
+    ("mesh shape mismatch", ["--mesh_shape=2x2x4"],
+     "mesh_shape='2x2x4': topology from override says 1 slice(s) x 2x2x4 = 16 devices, but 8 "
+     "cpu devices are present"),
+    ("batch not dividing", ["--global_batch=12"],
+     "global batch 12 does not divide over the data axes"),
+    ("unknown model", ["--model_config=huge"], "model_config='huge' is not a known GPT size"),
     ("bad flag value", ["--steps=many"], "steps"),
     ("bad precision", ["--precision=float12"], "is not a jmp policy"),
-    ("zero seq", ["--seq=0"], "--seq=0"),
-    ("zero batch", ["--batch=0"], "--batch=0: both must be >= 1"),
-    ("zero lr", ["--lr=0"], "--lr=0"),
+    ("zero seq", ["--seq=0"], "seq=0, batch_size=4, global_batch=16, accum_steps=1: each must "
+     "be >= 1"),
+    ("zero batch", ["--global_batch=0"], "global_batch=0, accum_steps=1: each must be >= 1"),
+    ("zero lr", ["--lr=0"], "lr=0.0, log_every=1, eval_every=1: expected lr > 0 and intervals "
+     ">= 1"),
 ])
 def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, message):
   del case
