@@ -138,7 +138,7 @@ def policy(precision: str, platform: str):
   try:
     return jmp.get_policy(precision)
   except ValueError as e:
-    raise fs.FnscaleError(f"--precision={precision!r} is not a jmp policy ({e}); write e.g. "
+    raise fs.FnscaleError(f"precision={precision!r} is not a jmp policy ({e}); write e.g. "
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 

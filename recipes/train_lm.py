@@ -134,8 +134,8 @@ def _setup(o: Options, corpus: data.Corpus) -> Setup:
         f" splits the batch {dp} ways over {fs.data_axes(mesh)}"
         + (f" in each of {o.accum_steps} accumulation steps" if o.accum_steps > 1 else "")
         + f"; use a global_batch that is a multiple of {dp * o.accum_steps} (or batch_size)")
-  steps = data.steps_for(corpus, seq, batch, o.epochs, d["steps"] if o.steps is None else o.steps,
-                         o.steps is not None)
+  steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
+  steps = d["steps"] if steps is None else steps
   lr = _LR.get(size, 3e-4) if o.lr is None else o.lr
   warmup = min(500, max(1, steps // 20)) if o.warmup_steps is None else o.warmup_steps
   log_every = max(1, steps // 25) if o.log_every is None else o.log_every
@@ -188,9 +188,13 @@ def run(o: Options) -> h.Summary:
     state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
         seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say)
     resumed = None if extra is None else start
-    batches, eval_batches = data.batches(corpus, s.mesh, s.cfg.seq, o.global_batch, o.seed,
-                                         o.eval_batches, (extra or {}).get("data"))
-    first = next(batches)
+    # grain reads this process's rows; fs.global_batch makes one array over every process.
+    bsh = fs.batch_sharding(s.mesh)
+    batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
+                                  o.eval_batches, (extra or {}).get("data"))
+    eval_batches = [fs.global_batch(b, bsh) for b in evals]
+    data_state = batches.get_state()  # where the data stands before the first step
+    first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
     n_params = h.describe(s, state, corpus.describe, report, policy, say)
@@ -221,11 +225,11 @@ def run(o: Options) -> h.Summary:
         say(f"checkpoint: saved step {step} in {time.time() - t:.1f} s ({o.checkpoint_dir})")
 
     ev = evaluate(state, 0) if start == 0 else None
-    state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
-                                  say, log, evaluate, save)
+    state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
+                                  schedule, peak, say, log, evaluate, save)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
   summary = h.Summary(**out, compile_s=report.compile_seconds, wall_s=time.time() - t0,
-                      params=n_params, run_dir=o.run_dir, checkpoint_dir=o.checkpoint_dir,
+                      params=n_params, run_dir=o.run_dir, checkpoint_dir=o.checkpoint_dir or None,
                       metrics=os.path.join(o.run_dir, "metrics.jsonl"), state=state)
   log(event="summary", **summary.record())
   say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
@@ -238,11 +242,10 @@ def _flops_step(s: Setup) -> float:
   return model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
-def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say, log,
-           evaluate, save):
+def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
+           log, evaluate, save):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, stops."""
   last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
-  data_state = batches.get_state()  # where the data stands before the step being run
   with h.Preempted() as preempt:
     for step in range(start, s.o.steps):
       state, m = step_fn(state, batch)
@@ -254,7 +257,8 @@ def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say,
         # in flight costs little on CPU (no host/device overlap to lose).
         jax.block_until_ready((state, m))
       if done < s.o.steps:
-        data_state, batch = batches.get_state(), next(batches)  # while the device runs
+        data_state = batches.get_state()
+        batch = fs.global_batch(next(batches), fs.batch_sharding(s.mesh))  # while it runs
       if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
         jax.block_until_ready(m["loss"])
         t_mark, step_mark = time.time(), done
