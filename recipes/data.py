@@ -65,7 +65,7 @@ def corpus_files(spec: str | None) -> list[str]:
     skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
     files = [f for f in files if not any(s in f for s in skip)]
   elif spec == "tiny_corpus":
-    files = [os.path.join(stdlib, f) for f in TINY_CORPUS if os.path.isfile(os.path.join(stdlib, f))]
+    files = [os.path.join(stdlib, f) for f in TINY_CORPUS]
   elif os.path.isfile(spec):
     return [spec]
   elif os.path.isdir(spec):

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any, NamedTuple
 
 from absl import flags
@@ -158,7 +159,9 @@ def peak_flops(topo) -> tuple[float | None, str]:
 def peak_name(topo, peak: float) -> str:
   """The MFU denominator in a few words, e.g. 'measured CPU peak 281 GFLOP/s'."""
   what = "measured CPU peak" if topo.platform == "cpu" else "bf16 peak"
-  return f"{what} {peak / 1e9:,.0f} GFLOP/s" if peak < 1e13 else f"{what} {peak / 1e12:,.0f} TFLOP/s"
+  if peak < 1e13:
+    return f"{what} {peak / 1e9:,.0f} GFLOP/s"
+  return f"{what} {peak / 1e12:,.0f} TFLOP/s"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,13 +242,15 @@ def _step_dirs_on_disk(directory: str) -> list[int]:
                 if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
 
 
-def describe(s, state, data_line: str, report, pol, say) -> int:
-  """The start-up lines of a run set up as `s` (train_lm's Setup); returns the param count."""
+def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say,
+             log) -> int:
+  """The start-up lines and the "start" record of a run set up as `s` (train_lm's Setup);
+  `peak` is `peak_flops`'s pair. Returns the param count."""
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   c, seq = s.cfg, s.cfg.seq
   dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
-  say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, {c.heads} "
-      f"heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
+  say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, "
+      f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(f"topology: {s.topo}")
   say(fs_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -258,18 +263,54 @@ def describe(s, state, data_line: str, report, pol, say) -> int:
       f"{s.o.lr * s.o.min_lr_ratio:g}; precision {s.o.precision}"
       + (f" ({pol})" if pol is not None else " (float32)"))
   say("compile: " + str(report).replace("\n", "\n  "))
+  say(f"MFU denominator: {peak[1]}")
+  log(event="start", step=int(state.step), model=s.o.model_config, params=n_params, seq=seq,
+      global_batch=s.o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
+      processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
+      peak_flops=peak[0], flops_per_step=flops_step)
   return n_params
 
 
-def metrics_writer(path: str):
-  """`log(**fields)` appends one JSON line to `path` on process 0 (a no-op elsewhere)."""
+def progress(s, done: int, m, dt, lr: float, flops_step: float, peak, say, log) -> dict:
+  """One progress line (loss, lr, tokens/s, MFU and its denominator, ETA) and its record.
+  `dt`: seconds per step (None: not measured yet). Raises StepError on a non-finite loss."""
+  loss = float(m["loss"])
+  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
+  mfu = flops_step / dt / peak if dt and peak else None
+  say(f"step {done:>6}/{s.o.steps}  loss {loss:.4f}  lr {lr:.2e}"
+      + (f"  {tok_s:,.0f} tok/s" if tok_s else "")
+      + (f"  MFU {100 * mfu:.1f}% of {peak_name(s.topo, peak)}" if mfu is not None else "")
+      + (f"  ETA {fmt_time(dt * (s.o.steps - done))}" if dt else ""))
+  log(event="train", step=done, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
+      tokens_per_s=tok_s, mfu=mfu)
+  if not np.isfinite(loss):
+    raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
+  return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+def summarize(fields: dict, s, state, report, n_params: int, t0: float, say, log) -> "Summary":
+  """The run's Summary from `fields` (train_lm's _finish), recorded and said in one line."""
+  summary = Summary(**fields, compile_s=report.compile_seconds, wall_s=time.time() - t0,
+                    params=n_params, run_dir=s.o.run_dir, state=state,
+                    checkpoint_dir=s.o.checkpoint_dir or None,
+                    metrics=os.path.join(s.o.run_dir, "metrics.jsonl"))
+  log(event="summary", **summary.record())
+  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
+      f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+      if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  return summary
+
+
+def metrics_writer(path: str, t0: float):
+  """`log(**fields)` appends one JSON line to `path` on process 0 (a no-op elsewhere), with
+  `time`: seconds since `t0`."""
   if jax.process_index() != 0:
     return lambda **kv: None
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
   def log(**kv):
     with open(path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(kv) + "\n")
+      f.write(json.dumps(dict(kv, time=time.time() - t0)) + "\n")
   return log
 
 

@@ -5,11 +5,9 @@
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
-Read top to bottom: the options, the set-up, the run, the loop. The model is `gpt.py`, the
-data `data.py`, the plumbing a user rarely edits `harness.py`. fnscale does the distribution:
-topology, mesh, shardings, the compiled SPMD step, global batches, sharded checkpoints and
-multi-host start-up. Only process 0 prints and writes files. Rerunning the same command resumes
-from the newest good checkpoint in `run_dir`, bitwise where the uninterrupted run would be.
+Read top to bottom: options, set-up, run, loop. The model is `gpt.py`, the data `data.py`, the
+plumbing `harness.py`; fnscale does the distribution. Only process 0 prints and writes files.
+Rerunning the same command resumes from the newest good checkpoint in `run_dir`, bitwise.
 """
 from __future__ import annotations
 
@@ -28,71 +26,66 @@ import optax
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import data  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import gpt as model  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import harness as h  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.harness import option  # noqa: E402  pylint: disable=wrong-import-position
+from recipes import data, gpt as model, harness as h  # noqa: E402  pylint: disable=C0413
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = option(None, f"model, one of {list(model.SIZES)}; default tiny "
+  model_config: str | None = h.option(None, f"model, one of {list(model.SIZES)}; default tiny "
                                     "on CPU, small on TPU/GPU")
-  dataset: str = option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
-  tokenizer: str = option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
-  seq: int | None = option(None, "sequence length in tokens; default 128 on CPU, 1024 TPU/GPU")
-  batch_size: int | None = option(None, "rows per data-parallel device, as in Levanter; default "
-                                  "4 on CPU, 16 on TPU/GPU")
-  global_batch: int | None = option(None, "global batch in rows (instead of batch_size)")
-  epochs: int | None = option(None, "passes over the training split (instead of steps)")
-  steps: int | None = option(None, "train steps; default 500 on CPU, 5000 on TPU/GPU")
-  lr: float | None = option(None, "peak lr of the warmup + cosine schedule; default by size")
-  warmup_steps: int | None = option(None, "linear warmup steps; default steps / 20, <= 500")
-  min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak")
-  weight_decay: float = option(0.1, "AdamW weight decay on weight matrices and embeddings")
-  grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
-  accum_steps: int = option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  precision: str = option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
+  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
+  tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
+  seq: int | None = h.option(None, "sequence length in tokens; default 128 on CPU, 1024 TPU/GPU")
+  batch_size: int | None = h.option(None, "rows per data-parallel device; default 4 CPU, 16 TPU")
+  global_batch: int | None = h.option(None, "global batch in rows (instead of batch_size)")
+  epochs: int | None = h.option(None, "passes over the training split (instead of steps)")
+  steps: int | None = h.option(None, "train steps; default 500 on CPU, 5000 on TPU/GPU")
+  lr: float | None = h.option(None, "peak lr of the warmup + cosine schedule; default by size")
+  warmup_steps: int | None = h.option(None, "linear warmup steps; default steps / 20, <= 500")
+  min_lr_ratio: float = h.option(0.1, "final learning rate as a fraction of the peak")
+  weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
+  grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
+  accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
+  precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
-  attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
-  remat: bool = option(False, "recompute each block's activations in the backward pass")
-  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
-  mesh: str = option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the rest); "
-                     "default data=-1 on CPU, fsdp=-1 on TPU/GPU")
-  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
-  dcn: str = option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
-  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
-  devices: int | None = option(None, "simulated CPU devices (CPU-only machines); default 8")
-  seed: int = option(0, "seed of the params init, the data order and sampling")
-  run_dir: str = option("runs/train_lm", "directory of metrics.jsonl and checkpoints")
-  checkpoint: bool = option(True, "save checkpoints and resume from the newest good one")
-  checkpoint_dir: str = option("", "checkpoints (a path or gs://...); default RUN_DIR/checkpoints")
-  checkpoint_every: int = option(200, "save every this many steps (0: at the end and SIGTERM)")
-  checkpoint_keep: int = option(3, "how many checkpoints to keep")
-  stop_after: int = option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
-  log_every: int | None = option(None, "steps between progress lines; default 25 lines a run")
-  eval_every: int | None = option(None, "steps between evals; default 5 evals a run")
-  eval_batches: int = option(4, "global batches of held-out text per eval")
-  sample_len: int = option(200, "tokens to generate at the end (0: none)")
-  prompt: str = option("def ", "prompt of the generated sample")
-  temperature: float = option(0.8, "sampling temperature of the sample (0: greedy)")
-  compile_cache_dir: str = option("", "persistent XLA compilation cache directory")
-  shutdown_at_exit: bool = option(False, "delete this Cloud TPU VM when the job ends")
-  shutdown_delay_s: float = option(60.0, "seconds before that shutdown (a sentinel cancels it)")
-  shutdown_dry_run: bool = option(False, "print the shutdown request instead of sending it")
-  coordinator_address: str = option("", "multi-process: host:port of process 0; default: env "
+  attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
+  remat: bool = h.option(False, "recompute each block's activations in the backward pass")
+  tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
+  mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
+                       "rest); default data=-1 on CPU, fsdp=-1 on TPU/GPU")
+  mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
+  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
+  topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
+  devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
+  seed: int = h.option(0, "seed of the params init, the data order and sampling")
+  run_dir: str = h.option("runs/train_lm", "directory of metrics.jsonl and checkpoints")
+  checkpoint: bool = h.option(True, "save checkpoints and resume from the newest good one")
+  checkpoint_dir: str = h.option("", "checkpoints (path or gs://...); default RUN_DIR/checkpoints")
+  checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
+  checkpoint_keep: int = h.option(3, "how many checkpoints to keep")
+  stop_after: int = h.option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
+  log_every: int | None = h.option(None, "steps between progress lines; default 25 lines a run")
+  eval_every: int | None = h.option(None, "steps between evals; default 5 evals a run")
+  eval_batches: int = h.option(4, "global batches of held-out text per eval")
+  sample_len: int = h.option(200, "tokens to generate at the end (0: none)")
+  prompt: str = h.option("def ", "prompt of the generated sample")
+  temperature: float = h.option(0.8, "sampling temperature of the sample (0: greedy)")
+  compile_cache_dir: str = h.option("", "persistent XLA compilation cache directory")
+  shutdown_at_exit: bool = h.option(False, "delete this Cloud TPU VM when the job ends")
+  shutdown_delay_s: float = h.option(60.0, "seconds before that shutdown (a sentinel cancels it)")
+  shutdown_dry_run: bool = h.option(False, "print the shutdown request instead of sending it")
+  coordinator_address: str = h.option("", "multi-process: host:port of process 0; default: env "
                                     "JAX_COORDINATOR_ADDRESS or auto-detected (pods, SLURM)")
-  num_processes: int = option(0, "multi-process: process count (env JAX_NUM_PROCESSES)")
-  process_id: int = option(-1, "multi-process: this process's id (env JAX_PROCESS_ID)")
+  num_processes: int = h.option(0, "multi-process: process count (env JAX_NUM_PROCESSES)")
+  process_id: int = h.option(-1, "multi-process: this process's id (env JAX_PROCESS_ID)")
 
 
 def train_lm(**options) -> h.Summary:
   """Trains a model; each keyword is a field of `Options` (the command line's `--name`).
 
   Returns:
-    The run's `Summary`: final eval loss (nats/token) and bits/byte, steps, tokens/s, MFU,
-    the paths of metrics and checkpoints, and the final `state`.
+    The run's `Summary`: eval loss (nats/token), bits/byte, steps, tokens/s, paths, state.
 
   Raises:
     FnscaleError (or a subclass): any bad input, before anything is written or compiled.
@@ -197,12 +190,9 @@ def run(o: Options) -> h.Summary:
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
-    n_params = h.describe(s, state, corpus.describe, report, policy, say)
-    say(f"MFU denominator: {peak_note}")
-    log = h.metrics_writer(os.path.join(o.run_dir, "metrics.jsonl"))
-    log(event="start", step=start, model=o.model_config, params=n_params, seq=s.cfg.seq,
-        global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-        processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed, peak_flops=peak, flops_per_step=_flops_step(s))
+    log = h.metrics_writer(os.path.join(o.run_dir, "metrics.jsonl"), t0)
+    n_params = h.describe(s, state, corpus.describe, report, policy, (peak, peak_note),
+                          _flops_step(s), resumed, say, log)
 
     def evaluate(state, step):
       # All devices finish each eval program (not just the one a scalar is read from).
@@ -210,7 +200,7 @@ def run(o: Options) -> h.Summary:
                              for b in eval_batches]))
       bpb = value * corpus.tokens_per_byte / math.log(2)
       say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
-      log(event="eval", step=step, eval_loss=value, bits_per_byte=bpb, time=time.time() - t0)
+      log(event="eval", step=step, eval_loss=value, bits_per_byte=bpb)
       return value
 
     last_saved = resumed
@@ -228,14 +218,7 @@ def run(o: Options) -> h.Summary:
     state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
                                   schedule, peak, say, log, evaluate, save)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
-  summary = h.Summary(**out, compile_s=report.compile_seconds, wall_s=time.time() - t0,
-                      params=n_params, run_dir=o.run_dir, checkpoint_dir=o.checkpoint_dir or None,
-                      metrics=os.path.join(o.run_dir, "metrics.jsonl"), state=state)
-  log(event="summary", **summary.record())
-  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
-      f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
-      if summary.eval_loss is not None else f"done: step {summary.final_step}")
-  return summary
+  return h.summarize(out, s, state, report, n_params, t0, say, log)
 
 
 def _flops_step(s: Setup) -> float:
@@ -265,7 +248,7 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
       if done % s.o.log_every == 0 or done == s.o.steps:
         now = time.time()
         dt = (now - t_mark) / (done - step_mark) if done > step_mark else None
-        last = _progress(s, done, m, dt, schedule, peak, say, log)
+        last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
         t_mark, step_mark = now, done
       paused = done % s.o.eval_every == 0 and done < s.o.steps
       if paused:
@@ -283,22 +266,6 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
         break
   data_state = data_state if stopped else batches.get_state()
   return state, dict(last, train_s=time.time() - t_train, data_state=data_state), stopped
-
-
-def _progress(s: Setup, done, m, dt, schedule, peak, say, log) -> dict:
-  """One progress line (loss, lr, tokens/s, MFU of which peak, ETA) and its record."""
-  loss, lr = float(m["loss"]), float(schedule(done))
-  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
-  mfu = _flops_step(s) / dt / peak if dt and peak else None
-  say(f"step {done:>6}/{s.o.steps}  loss {loss:.4f}  lr {lr:.2e}"
-      + (f"  {tok_s:,.0f} tok/s" if tok_s else "")
-      + (f"  MFU {100 * mfu:.1f}% of {h.peak_name(s.topo, peak)}" if mfu is not None else "")
-      + (f"  ETA {h.fmt_time(dt * (s.o.steps - done))}" if dt else ""))
-  log(event="train", step=done, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
-      tokens_per_s=tok_s, mfu=mfu, time=time.time())
-  if not np.isfinite(loss):
-    raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
-  return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
 
 
 def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate, save,
