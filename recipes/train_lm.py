@@ -159,8 +159,8 @@ def _optimizer(s: Setup):
 
 def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
-  t0 = time.time()
-  say = h.start(o)  # devices, processes, compile cache, shutdown; `say` prints on process 0
+  # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
+  t0, say = time.time(), h.start(o)
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus)
   o = s.o
@@ -180,7 +180,7 @@ def run(o: Options) -> h.Summary:
                              policy=policy, key=jax.random.key(o.seed))
     state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
         seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say)
-    resumed = None if extra is None else start
+    resumed = last_saved = None if extra is None else start
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
     batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
@@ -202,8 +202,6 @@ def run(o: Options) -> h.Summary:
       say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
       log(event="eval", step=step, eval_loss=value, bits_per_byte=bpb)
       return value
-
-    last_saved = resumed
 
     def save(state, step, data_state):  # once per step; the data iterator's state goes along
       nonlocal last_saved
