@@ -59,7 +59,9 @@ from typing import Any, NamedTuple
 from absl import flags
 from absl import logging
 
-import fnscale as fs
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,10 +71,8 @@ EXTRA_SIZES = {"wide": dict(layers=2, d_model=512, heads=8)}
 
 def _train_lm():
   """The recipe model (one implementation: train_lm's params, loss, rules, logical axes)."""
-  if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-  import train_lm  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  return train_lm
+  from recipes import gpt  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  return gpt
 
 
 def model_config(size: str, seq: int):

@@ -1,13 +1,16 @@
 """recipes/train_lm.py and recipes/launch_local.py end to end, on simulated CPU devices.
 
 Runs go through the recipe's public entry points (`main(argv)` for exit codes and messages,
-`run(parse_flags(argv))` for the summary and final state) with the `nano` model and a few
-steps; a shared persistent compilation cache keeps repeated compiles cheap.
+`run(parse_flags(argv))` and `train_lm(**options)` for the summary and final state) with the
+`nano` model and a few steps; a shared persistent compilation cache keeps repeated compiles
+cheap. Every test builds what it needs through module fixtures, so each passes alone, with -k
+and in any order.
 """
 import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -18,12 +21,17 @@ import time
 import jax
 import numpy as np
 import pytest
+import tokenizers
+
+import fnscale as fs
+
+from recipes import data
+from recipes import gpt
+from recipes import harness
+from recipes import launch_local
+from recipes import train_lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-import launch_local  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import train_lm  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 STEPS = 6
 
@@ -32,29 +40,38 @@ STEPS = 6
 def work(tmp_path_factory):
   """A small text corpus (the first stdlib files, ~300 KB) and a shared compile cache."""
   d = tmp_path_factory.mktemp("train_lm")
-  data = bytearray()
-  for f in train_lm.corpus_files(None):
-    data += pathlib.Path(f).read_bytes()
-    if len(data) > 300_000:
+  text = bytearray()
+  for f in data.corpus_files(None):
+    text += pathlib.Path(f).read_bytes()
+    if len(text) > 300_000:
       break
-  (d / "corpus.txt").write_bytes(bytes(data))
+  (d / "corpus.txt").write_bytes(bytes(text))
   return d
 
 
 def _argv(work, run_dir, *extra):
-  return ["train_lm", "--model=nano", "--mesh=data=-1,fsdp=2", "--seq=32", "--batch=16",
+  return ["train_lm", "--model_config=nano", "--mesh=data=-1,fsdp=2", "--seq=32",
+          "--global_batch=16",
           f"--steps={STEPS}",
-          f"--data={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
+          f"--dataset={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
           "--log_every=1", "--sample_len=0", f"--compile_cache_dir={work / 'cache'}",
           *extra]
 
 
+def _kwargs(work, run_dir, **extra):
+  """`_argv`'s options as train_lm() keywords."""
+  return {**dict(model_config="nano", mesh="data=-1,fsdp=2", seq=32, global_batch=16,
+                 steps=STEPS, dataset=str(work / "corpus.txt"), run_dir=str(run_dir),
+                 eval_batches=1, log_every=1, sample_len=0,
+                 compile_cache_dir=str(work / "cache")), **extra}
+
+
 def _run(argv):
-  return train_lm.run(train_lm.parse_flags(argv))
+  return train_lm.run(harness.parse_flags(train_lm.Options, argv))
 
 
 def _params(summary):
-  return jax.tree.map(np.asarray, jax.device_get(summary["state"].params))
+  return jax.tree.map(np.asarray, jax.device_get(summary.state.params))
 
 
 def _assert_equal_trees(a, b):
@@ -66,14 +83,15 @@ def _records(run_dir, event):
   return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
-@pytest.mark.parametrize("size, layers, d_model", [("small", 12, 768), ("medium", 24, 1024)])
+@pytest.mark.parametrize("size, layers, d_model", [("small", 12, 768), ("medium", 24, 1024),
+                                                   ("tiny_gpt2", 4, 128)])
 def test_model_sizes_and_logical_axes(size, layers, d_model):
-  cfg = train_lm.model_config(size, 1024)
-  shapes = jax.eval_shape(functools.partial(train_lm.init_params, cfg), jax.random.key(0))
+  cfg = gpt.model_config(size, 1024)
+  shapes = jax.eval_shape(functools.partial(gpt.init_params, cfg), jax.random.key(0))
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
   # GPT-2 blocks: 12 d^2 weights + 13 d biases and norms; tied byte embedding, 1024 positions.
   assert n == layers * (12 * d_model**2 + 13 * d_model) + (256 + 1024 + 2) * d_model
-  axes = train_lm.logical_axes(cfg)
+  axes = gpt.logical_axes(cfg)
   ranks = jax.tree.map(lambda x: x.ndim, shapes)
   names = jax.tree.map(len, axes, is_leaf=lambda x: isinstance(x, tuple))
   assert ranks == names  # every param has one logical name per dimension
@@ -98,26 +116,114 @@ def test_nano_run_trains_and_writes_metrics(uninterrupted):
   assert [r["step"] for r in evals][0] == 0 and evals[-1]["step"] == STEPS
   assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
   assert evals[-1]["bits_per_byte"] == pytest.approx(evals[-1]["eval_loss"] / np.log(2))
-  assert summary["final_step"] == STEPS and summary["mesh"] == {"data": 4, "fsdp": 2}
-  assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
-  assert len(summary["sample"].encode("utf-8", errors="replace")) >= 24
-  assert _records(run_dir, "summary")[0]["eval_loss"] == summary["eval_loss"]
+  assert summary.final_step == STEPS and summary.mesh == {"data": 4, "fsdp": 2}
+  assert summary.tokens_per_s > 0 and 0 < summary.mfu < 1
+  assert len(summary.sample.encode("utf-8", errors="replace")) >= 24
+  assert _records(run_dir, "summary")[0]["eval_loss"] == summary.eval_loss
 
 
-def test_stop_and_resume_is_bitwise_equal(work, uninterrupted, capsys):
+@pytest.fixture(scope="module")
+def stopped_at_3(work):
+  """The first half of a stopped run: 3 of 6 steps, a checkpoint (with the data iterator's
+  state) at step 3. Tests copy its run dir before resuming from it."""
+  run_dir = work / "stopped_at_3"
+  summary = _run(_argv(work, run_dir, "--checkpoint_every=3", "--stop_after=3"))
+  return summary, run_dir
+
+
+def test_stop_and_resume_is_bitwise_equal(work, stopped_at_3, uninterrupted, capsys):
+  first, template = stopped_at_3
+  assert first.stopped == "--stop_after=3" and first.final_step == 3
+  assert (template / "checkpoints" / "3").is_dir()
   run_dir = work / "resumed"
+  shutil.copytree(template, run_dir)
   argv = _argv(work, run_dir, "--checkpoint_every=3", "--stop_after=3")
-  first = _run(argv)
-  assert first["stopped"] == "--stop_after=3" and first["final_step"] == 3
-  assert (run_dir / "checkpoints" / "3").is_dir()
   second = _run(argv)  # the same command resumes
-  assert second["resumed_from"] == 3 and second["final_step"] == STEPS
+  assert second.resumed_from == 3 and second.final_step == STEPS
   assert "resumed from step 3" in capsys.readouterr().out
   _assert_equal_trees(_params(second), _params(uninterrupted[0]))
-  # The data position is the step: the resumed run logged exactly the missing steps.
+  # The data iterator resumed where it stopped: the resumed run logged exactly the missing
+  # steps, with the uninterrupted run's losses.
   assert [r["step"] for r in _records(run_dir, "train")] == list(range(1, STEPS + 1))
   assert [r["loss"] for r in _records(run_dir, "train")] == [
       r["loss"] for r in _records(uninterrupted[1], "train")]
+
+
+def test_function_and_command_line_give_the_same_run(work, uninterrupted):
+  """train_lm(**keywords) and the flags are one set of options: the same run, bitwise."""
+  run_dir = work / "function"
+  summary = train_lm.train_lm(**_kwargs(work, run_dir, checkpoint=False, sample_len=24))
+  one, one_dir = uninterrupted
+  assert summary.eval_loss == one.eval_loss and summary.loss == one.loss
+  assert summary.sample == one.sample and summary.final_step == STEPS
+  _assert_equal_trees(_params(summary), _params(one))
+  assert [r["loss"] for r in _records(run_dir, "train")] == [
+      r["loss"] for r in _records(one_dir, "train")]
+  assert summary.metrics == str(run_dir / "metrics.jsonl") and summary.checkpoint_dir is None
+  assert summary.run_dir == str(run_dir)
+  text = repr(summary)  # printable: the summary without the (large) state
+  assert f"eval_loss={one.eval_loss!r}" in text and "TrainState" not in text
+
+
+# Options that change the program or the mesh but not the math: the first two steps' losses
+# and gradient norms (before and after one update at the peak lr; the schedule's warmup is one
+# step for 2 and for 6 steps) match the uninterrupted float32 run's.
+SUCCESS_PATHS = [
+    ("accum_steps", ["--accum_steps=2"], 1e-5, "2 accumulation steps"),
+    ("remat", ["--remat"], 1e-5, "params"),
+    ("attention", ["--attention=xla"], 1e-5, "params"),
+    ("topology", ["--topology=v5p:2x2x2"], 1e-5, "chip grid 2x2x2"),
+    ("mesh_shape", ["--mesh_shape=2x4"], 1e-5, "chip grid 2x4"),
+    ("precision", ["--precision=bf16"], 3e-2, "p=full,c=bf16,o=full"),
+]
+
+
+@pytest.mark.parametrize("case, extra, rtol, said", SUCCESS_PATHS,
+                         ids=[c[0] for c in SUCCESS_PATHS])
+def test_option_success_paths(work, uninterrupted, capsys, case, extra, rtol, said):
+  run_dir = work / f"option_{case}"
+  summary = _run(_argv(work, run_dir, "--steps=2", "--nocheckpoint", *extra))
+  assert summary.final_step == 2 and summary.mesh == {"data": 4, "fsdp": 2}
+  assert said in capsys.readouterr().out
+  got, want = _records(run_dir, "train"), _records(uninterrupted[1], "train")[:2]
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol)
+  if case == "precision":  # bfloat16 compute really ran: not the float32 numbers
+    assert [r["loss"] for r in got] != [r["loss"] for r in want]
+
+
+def test_epochs_count_passes_over_the_training_split(work, tmp_path):
+  # 4000 bytes: 20 chunks of 200, the 20th held out -> 3800 train bytes -> (3800 - 1) // 32 =
+  # 118 windows of 33 bytes -> 7 global batches of 16 per epoch (the rest dropped).
+  (tmp_path / "c.txt").write_bytes(bytes(range(32, 132)) * 40)
+  summary = train_lm.train_lm(**_kwargs(work, tmp_path / "run", dataset=str(tmp_path / "c.txt"),
+                                        epochs=2, steps=None, checkpoint=False))
+  assert summary.final_step == 14
+  assert [r["step"] for r in _records(tmp_path / "run", "train")] == list(range(1, 15))
+
+
+def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
+  """A BPE tokenizer.json (built here with `tokenizers`): the embedding has its vocabulary,
+  the loss at init is ln(vocab), and bits/byte = nats/token x tokens/byte / ln 2."""
+  text = (work / "corpus.txt").read_bytes()
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator([text.decode("utf-8", errors="replace")], tokenizers.trainers.BpeTrainer(
+      vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  vocab = tok.get_vocab_size()
+  run_dir = tmp_path / "run"
+  summary = train_lm.train_lm(**_kwargs(work, run_dir, tokenizer=str(tmp_path / "tokenizer.json"),
+                                        steps=2, checkpoint=False, sample_len=8))
+  assert summary.state.params["wte"].shape == (vocab, 64)
+  first = _records(run_dir, "eval")[0]
+  assert first["eval_loss"] == pytest.approx(np.log(vocab), rel=0.03)
+  _, held = data.split(text)
+  per_byte = len(tok.encode(held.decode("utf-8", errors="replace")).ids) / len(held)
+  assert summary.bits_per_byte == pytest.approx(summary.eval_loss * per_byte / np.log(2), rel=0.02)
+  assert per_byte < 0.8  # merges happened: fewer tokens than bytes
+  assert isinstance(summary.sample, str) and summary.sample
 
 
 def test_sigterm_saves_a_checkpoint_and_stops(work):
@@ -144,27 +250,25 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
 
 
-def _checkpointed_at_3(work, name):
-  """A run dir holding only the step-3 checkpoint of the resume test."""
-  src = work / "resumed" / "checkpoints" / "3"
-  if not src.is_dir():
-    pytest.skip("needs test_stop_and_resume_is_bitwise_equal's checkpoint")
+def _checkpointed_at_3(work, stopped_at_3, name):
+  """A new run dir holding only the step-3 checkpoint of the `stopped_at_3` run."""
+  src = stopped_at_3[1] / "checkpoints" / "3"
   run_dir = work / name
   shutil.copytree(src, run_dir / "checkpoints" / "3")
   return run_dir
 
 
-def test_resume_onto_a_different_mesh(work, uninterrupted):
-  run_dir = _checkpointed_at_3(work, "other_mesh")
+def test_resume_onto_a_different_mesh(work, stopped_at_3, uninterrupted):
+  run_dir = _checkpointed_at_3(work, stopped_at_3, "other_mesh")
   summary = _run(_argv(work, run_dir, "--mesh=data=2,fsdp=4"))
-  assert summary["resumed_from"] == 3 and summary["mesh"] == {"data": 2, "fsdp": 4}
+  assert summary.resumed_from == 3 and summary.mesh == {"data": 2, "fsdp": 4}
   # Same math, other reduction order: equal up to float rounding.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                _params(summary), _params(uninterrupted[0]))
 
 
-def test_resume_onto_4_devices_in_a_subprocess(work, uninterrupted):
-  run_dir = _checkpointed_at_3(work, "four_devices")
+def test_resume_onto_4_devices_in_a_subprocess(work, stopped_at_3, uninterrupted):
+  run_dir = _checkpointed_at_3(work, stopped_at_3, "four_devices")
   cmd = [sys.executable, str(ROOT / "recipes" / "train_lm.py"), "--devices=4",
          *_argv(work, run_dir)[1:]]
   env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -174,18 +278,18 @@ def test_resume_onto_4_devices_in_a_subprocess(work, uninterrupted):
   assert "over 4 devices" in out.stdout
   final = _records(run_dir, "summary")[-1]
   assert final["devices"] == 4 and final["final_step"] == STEPS
-  assert final["eval_loss"] == pytest.approx(uninterrupted[0]["eval_loss"], rel=1e-4)
+  assert final["eval_loss"] == pytest.approx(uninterrupted[0].eval_loss, rel=1e-4)
 
 
-def test_corrupt_checkpoint_is_refused_and_kept(work, uninterrupted, capsys):
-  run_dir = _checkpointed_at_3(work, "corrupt")
+def test_corrupt_checkpoint_is_refused_and_kept(work, stopped_at_3, uninterrupted, capsys):
+  run_dir = _checkpointed_at_3(work, stopped_at_3, "corrupt")
   bad = run_dir / "checkpoints" / "6"
   shutil.copytree(run_dir / "checkpoints" / "3", bad)
   (bad / "commit_success.txt").unlink()  # a save that never finished
   summary = _run(_argv(work, run_dir))
   out = capsys.readouterr().out
   assert "refused step(s) [6]" in out and "resumed from step 3" in out
-  assert summary["resumed_from"] == 3 and summary["final_step"] == STEPS
+  assert summary.resumed_from == 3 and summary.final_step == STEPS
   _assert_equal_trees(_params(summary), _params(uninterrupted[0]))
   # The damaged directory is kept (moved aside), never overwritten.
   kept = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("6.corrupt")]
@@ -216,8 +320,8 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert "eval  step" not in results[1][1]  # only process 0 prints
   two, one = _records(run_dir, "summary")[-1], uninterrupted[0]
   assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
-  assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-  assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+  assert two["loss"] == pytest.approx(one.loss, rel=1e-5)
+  assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
@@ -247,32 +351,98 @@ def test_launcher_child_environment():
     launch_local.launch(["x.py"], 0, 4)
 
 
-@pytest.mark.parametrize("case, extra, message", [
-    ("missing data", ["--data={tmp}/nope.txt"], "no such file, directory or glob match"),
-    ("empty corpus", ["--data={tmp}/empty.txt"], "the corpus is empty"),
-    ("empty directory", ["--data={tmp}/emptydir"], "directory has no files"),
-    ("seq longer than data", ["--data={tmp}/short.txt", "--seq=64"],
-     "--seq=64 is longer than the data"),
-    ("mesh too big", ["--mesh=data=3"], "data"),
-    ("mesh shape mismatch", ["--mesh=data=-1,fsdp=2", "--mesh_shape=2x2x2"],
-     "--mesh_shape='2x2x2' has 3 sizes"),
-    ("batch not dividing", ["--batch=12"], "global batch 12 does not divide over the data axes"),
-    ("unknown model", ["--model=huge"], "--model='huge' is not a known size"),
-    ("bad flag value", ["--steps=many"], "steps"),
-    ("bad precision", ["--precision=float12"], "is not a jmp policy"),
-    ("zero seq", ["--seq=0"], "--seq=0"),
-    ("zero batch", ["--batch=0"], "--batch=0: both must be >= 1"),
-    ("zero lr", ["--lr=0"], "--lr=0"),
-])
-def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, message):
-  del case
+NO_TPU = r"tpu=True but no TPU was found: cpu .*8 devices.*Run on a TPU VM"
+BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message must say)
+    ("missing data", ["--dataset={tmp}/nope.txt"], dict(dataset="{tmp}/nope.txt"),
+     fs.FnscaleError, r"dataset='.*nope.txt': no such file, directory or glob match, and not "
+     r"a named corpus \['stdlib', 'tiny_corpus'\]"),
+    ("empty corpus", ["--dataset={tmp}/empty.txt"], dict(dataset="{tmp}/empty.txt"),
+     fs.FnscaleError, r"dataset='.*empty.txt': the corpus is empty \(0 bytes\)"),
+    ("empty directory", ["--dataset={tmp}/emptydir"], dict(dataset="{tmp}/emptydir"),
+     fs.FnscaleError, r"dataset='.*emptydir': directory has no files"),
+    ("seq longer than data", ["--dataset={tmp}/short.txt", "--seq=64"],
+     dict(dataset="{tmp}/short.txt", seq=64), fs.FnscaleError,
+     r"seq=64 is longer than the data: 95 tokens train and 5 held out .* at least seq \+ 1 = "
+     r"65 tokens"),
+    ("mesh too big", ["--mesh=data=3"], dict(mesh="data=3"), fs.MeshError,
+     r"ICI axes \{'data': 3\} multiply to 3 devices but there are 8"),
+    ("mesh shape mismatch", ["--mesh_shape=2x2x4"], dict(mesh_shape="2x2x4"), fs.TopologyError,
+     r"mesh_shape='2x2x4': topology from override says 1 slice\(s\) x 2x2x4 = 16 devices, but "
+     r"8 cpu devices are present"),
+    ("batch not dividing", ["--global_batch=12"], dict(global_batch=12), fs.ShardingError,
+     r"global batch 12 does not divide over the data axes: .* splits the batch 8 ways .* "
+     r"multiple of 8"),
+    ("unknown model", ["--model_config=huge"], dict(model_config="huge"), fs.FnscaleError,
+     r"model_config='huge' is not a known GPT size; expected one of \['nano', 'tiny_gpt2', "
+     r"'tiny', 'small', 'medium'\]"),
+    ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
+     r"precision='float12' is not a jmp policy"),
+    ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,
+     r"seq=0, batch_size=4, global_batch=16, accum_steps=1: each must be >= 1"),
+    ("zero batch", ["--global_batch=0"], dict(global_batch=0), fs.FnscaleError,
+     r"global_batch=0, accum_steps=1: each must be >= 1"),
+    ("zero lr", ["--lr=0"], dict(lr=0.0), fs.FnscaleError,
+     r"lr=0.0, log_every=1, eval_every=1: expected lr > 0"),
+    ("zero epochs", ["--epochs=0"], dict(epochs=0), fs.FnscaleError,
+     r"epochs=0: expected >= 1 passes over the training split"),
+    ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
+     r"epochs=1 and steps=6: give one of them"),
+    ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),
+    ("missing tokenizer", ["--tokenizer={tmp}/nope.json"], dict(tokenizer="{tmp}/nope.json"),
+     fs.FnscaleError, r"tokenizer='.*nope.json': no such file; pass a Hugging Face "
+     r"tokenizer.json"),
+]
+
+
+def _bad_files(tmp_path):
   (tmp_path / "empty.txt").write_bytes(b"")
   (tmp_path / "emptydir").mkdir()
   (tmp_path / "short.txt").write_bytes(b"x" * 100)
+  run_dir = tmp_path / "run"  # an existing run: bad input must leave it as it is
+  (run_dir / "checkpoints").mkdir(parents=True)
+  (run_dir / "metrics.jsonl").write_text('{"event": "start"}\n')
+  return run_dir
+
+
+def _listing(run_dir):
+  return sorted((str(p.relative_to(run_dir)), p.read_bytes() if p.is_file() else None)
+                for p in run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("case, extra, kw, error, message", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, kw, error, message):
+  del case, kw, error
+  run_dir = _bad_files(tmp_path)
+  before = _listing(run_dir)
   extra = [e.format(tmp=tmp_path) for e in extra]
-  assert train_lm.main(_argv(work, tmp_path / "run", *extra)) == 2
+  assert train_lm.main(_argv(work, run_dir, *extra)) == 2
   err = capsys.readouterr().err
   assert "Traceback" not in err
   last = err.strip().splitlines()[-1]
-  assert last.startswith("error: ") and message in last
-  assert not (tmp_path / "run" / "checkpoints").exists()  # nothing written
+  assert last.startswith("error: ") and re.search(message, last), last
+  assert _listing(run_dir) == before  # nothing written
+
+
+@pytest.mark.parametrize("case, extra, kw, error, message", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, extra, kw, error,
+                                                       message):
+  del case, extra
+  run_dir = _bad_files(tmp_path)
+  before = _listing(run_dir)
+  kw = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in kw.items()}
+  with pytest.raises(error, match=message):
+    train_lm.train_lm(**{**_kwargs(work, run_dir), **kw})
+  assert _listing(run_dir) == before  # nothing written
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(steps="10"), r"option steps='10': expected int or None, got str"),
+    (dict(remat=1), r"option remat=1: expected bool, got int"),
+    (dict(seq=True), r"option seq=True: expected int or None, got bool"),
+    (dict(modle_config="nano"), r"unknown option modle_config='nano'; known options: \[.*"
+     r"'model_config'"),
+])
+def test_wrong_option_names_and_types_are_named(work, tmp_path, kw, message):
+  with pytest.raises(fs.FnscaleError, match=message):
+    train_lm.train_lm(**{**_kwargs(work, tmp_path / "run"), **kw})
+  assert not (tmp_path / "run").exists()

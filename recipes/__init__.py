@@ -1,0 +1,1 @@
+"""Recipes: the main job (`train_lm`), its models (`gpt`) and data (`data`), benchmarks."""

@@ -1,0 +1,244 @@
+"""The data of `train_lm.py`: a text corpus as tokens, a held-out split, batches through grain.
+
+Corpora (`dataset=`): "stdlib", every .py file of the running interpreter's standard library
+(about 30 MB on CPython 3.11); "tiny_corpus", the fixed list of standard-library modules in
+`TINY_CORPUS` (about 1 MB, the same files on every machine with that Python version, read
+offline); or a text file, a directory or a glob. Tokens are bytes (vocabulary 256) unless a
+Hugging Face `tokenizer.json` is given.
+
+Batches come from grain (`grain.MapDataset`): the split is cut into windows of seq + 1 tokens,
+shuffled from the seed (a new order each epoch), repeated for the epochs asked, sliced so each
+process reads only the rows its devices hold, and batched. The iterator's state (a position)
+goes into each checkpoint, so a resumed run reads exactly what the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import sysconfig
+from typing import Callable, NamedTuple
+
+import grain
+import numpy as np
+
+import fnscale as fs
+
+CORPORA = ("stdlib", "tiny_corpus")
+
+# Standard-library modules of `tiny_corpus`: general-purpose pure-Python code, about 1 MB.
+TINY_CORPUS = (
+    "argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "inspect.py",
+    "json/decoder.py", "json/encoder.py", "logging/__init__.py", "os.py", "pathlib.py",
+    "shutil.py", "string.py", "subprocess.py", "textwrap.py", "typing.py", "random.py",
+    "heapq.py", "enum.py", "contextlib.py", "tempfile.py", "threading.py", "copy.py")
+
+EVAL_EVERY_NTH_CHUNK = 20  # 5% held out
+
+
+class Corpus(NamedTuple):
+  """Token ids of the train and held-out splits, and how to read them back.
+
+  train, eval: uint8 (bytes) or int32 (tokenizer ids) [n]. vocab: vocabulary size.
+  tokens_per_byte: held-out tokens per byte of held-out text (1 for bytes): loss per token x
+  this = loss per byte, comparable across tokenizers. encode/decode: str <-> list of ids.
+  """
+  train: np.ndarray
+  eval: np.ndarray
+  vocab: int
+  tokens_per_byte: float
+  encode: Callable[[str], list]
+  decode: Callable[[list], str]
+  describe: str
+
+
+def corpus_files(spec: str | None) -> list[str]:
+  """Files of a corpus: the stdlib's .py files (None or "stdlib"), `TINY_CORPUS`, else a file,
+  directory or glob, sorted.
+
+  Raises:
+    FnscaleError: nothing at `spec` (the message lists the named corpora).
+  """
+  stdlib = sysconfig.get_paths()["stdlib"]
+  if spec in (None, "", "stdlib"):
+    files = glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)
+    skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+    files = [f for f in files if not any(s in f for s in skip)]
+  elif spec == "tiny_corpus":
+    files = [os.path.join(stdlib, f) for f in TINY_CORPUS]
+  elif os.path.isfile(spec):
+    return [spec]
+  elif os.path.isdir(spec):
+    files = [os.path.join(d, f) for d, _, names in os.walk(spec) for f in names]
+  else:
+    files = glob.glob(os.path.expanduser(spec), recursive=True)
+  files = sorted(f for f in files if os.path.isfile(f))
+  if not files:
+    kind = ("directory has no files" if os.path.isdir(spec or "") else
+            f"no such file, directory or glob match, and not a named corpus {list(CORPORA)}")
+    raise fs.FnscaleError(f"dataset={spec!r}: {kind}; pass a named corpus, a text file, a "
+                          "directory or a glob")
+  return files
+
+
+def read_bytes(spec: str | None) -> bytes:
+  """All bytes of the corpus, files in sorted order joined by newlines.
+
+  Raises:
+    FnscaleError: missing or empty corpus.
+  """
+  parts = []
+  for f in corpus_files(spec):
+    with open(f, "rb") as fh:
+      parts.append(fh.read())
+  text = b"\n".join(p for p in parts if p)
+  if not text:
+    raise fs.FnscaleError(f"dataset={spec!r}: the corpus is empty (0 bytes); pass a non-empty "
+                          "text file, directory or glob")
+  return text
+
+
+def split(text: bytes) -> tuple[bytes, bytes]:
+  """Deterministic train/held-out split: every 20th chunk (64 KiB, or 1/20 of a small corpus)
+  is held out; interleaved chunks make the held-out text representative of the whole."""
+  chunk = max(1, min(65536, len(text) // EVAL_EVERY_NTH_CHUNK))
+  pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+  held = lambda i: i % EVAL_EVERY_NTH_CHUNK == EVAL_EVERY_NTH_CHUNK - 1
+  return (b"".join(c for i, c in enumerate(pieces) if not held(i)),
+          b"".join(c for i, c in enumerate(pieces) if held(i)))
+
+
+def load(dataset: str, tokenizer: str = "") -> Corpus:
+  """Reads, splits and tokenizes a corpus (see the module docstring).
+
+  Args:
+    dataset: a name in CORPORA, a file, a directory or a glob.
+    tokenizer: path of a Hugging Face `tokenizer.json` (the `tokenizers` library); "" = bytes.
+
+  Raises:
+    FnscaleError: a missing, empty or unknown corpus; a missing or unreadable tokenizer.
+  """
+  text = read_bytes(dataset)
+  train, held = split(text)
+  line = (f"{dataset}: {len(text) / 1e6:.2f} MB, {len(train) / 1e6:.2f} MB train, "
+          f"{len(held) / 1e6:.3f} MB held out")
+  if not tokenizer:
+    as_ids = lambda b: np.frombuffer(b, np.uint8)
+    return Corpus(as_ids(train), as_ids(held), 256, 1.0, lambda s: list(s.encode()),
+                  lambda ids: bytes(ids).decode("utf-8", errors="replace"), line + ", bytes")
+  tok = _tokenizer(tokenizer)
+  ids = lambda b: np.array([i for e in tok.encode_batch(_text_chunks(b)) for i in e.ids],
+                           np.int32)
+  train_ids, eval_ids = ids(train), ids(held)
+  return Corpus(train_ids, eval_ids, tok.get_vocab_size(), len(eval_ids) / max(1, len(held)),
+                lambda s: tok.encode(s).ids, tok.decode,
+                f"{line}, tokenizer {tokenizer} (vocab {tok.get_vocab_size()}, "
+                f"{len(eval_ids) / max(1, len(held)):.3f} tokens/byte)")
+
+
+def _tokenizer(path: str):
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  if not os.path.isfile(path):
+    raise fs.FnscaleError(f"tokenizer={path!r}: no such file; pass a Hugging Face "
+                          "tokenizer.json (or leave it empty for bytes)")
+  try:
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # pylint: disable=broad-except  (the library raises plain Exception)
+    raise fs.FnscaleError(f"tokenizer={path!r} is not a readable tokenizer.json: {e}") from None
+
+
+def _text_chunks(b: bytes, size: int = 1 << 16) -> list[str]:
+  """Text of `b` in pieces cut at line ends (for parallel encoding without splitting words)."""
+  lines, out, n = b.decode("utf-8", errors="replace").splitlines(keepends=True), [], 0
+  for line in lines:
+    if not out or n >= size:
+      out.append("")
+      n = 0
+    out[-1] += line
+    n += len(line)
+  return out
+
+
+def check_fits(corpus: Corpus, seq: int) -> None:
+  """Raises FnscaleError when a split is shorter than one window (seq + 1 tokens)."""
+  if min(len(corpus.train), len(corpus.eval)) < seq + 1:
+    raise fs.FnscaleError(
+        f"seq={seq} is longer than the data: {len(corpus.train)} tokens train and "
+        f"{len(corpus.eval)} held out (every {EVAL_EVERY_NTH_CHUNK}th chunk); each split needs "
+        f"at least seq + 1 = {seq + 1} tokens. Use a smaller seq or more data")
+
+
+def _window(tokens: np.ndarray, seq: int, i: int) -> np.ndarray:
+  return tokens[i * seq:i * seq + seq + 1]
+
+
+def _inputs_targets(rows: np.ndarray) -> dict:
+  rows = rows.astype(np.int32)
+  return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def windows(tokens: np.ndarray, seq: int, seed: int, epochs: int | None) -> grain.MapDataset:
+  """Windows of seq + 1 tokens (consecutive windows share one token: inputs and targets),
+  shuffled from `seed` with a new order each epoch, repeated `epochs` times (None: forever)."""
+  n = (len(tokens) - 1) // seq
+  ds = grain.MapDataset.range(n).map(functools.partial(_window, tokens, seq))
+  return ds.shuffle(seed=seed).repeat(epochs)
+
+
+def steps_for(corpus: Corpus, seq: int, global_batch: int, epochs: int | None,
+              steps: int | None) -> int | None:
+  """Train steps: `steps`, or the global batches grain makes of `epochs` passes over the train
+  split; None when neither is given (the caller's default).
+
+  Raises:
+    FnscaleError: both given, epochs < 1, steps < 0, or epochs too short for one batch.
+  """
+  if epochs is not None and epochs < 1:
+    raise fs.FnscaleError(f"epochs={epochs}: expected >= 1 passes over the training split "
+                          "(or give steps instead)")
+  if steps is not None and steps < 0:
+    raise fs.FnscaleError(f"steps={steps}: expected >= 0")
+  if epochs is not None and steps is not None:
+    raise fs.FnscaleError(f"epochs={epochs} and steps={steps}: give one of them")
+  if epochs is None:
+    return steps
+  n = len(windows(corpus.train, seq, 0, epochs).batch(global_batch, drop_remainder=True))
+  if n < 1:
+    raise fs.FnscaleError(
+        f"epochs={epochs} makes no step: the training split has "
+        f"{(len(corpus.train) - 1) // seq} windows of seq + 1 = {seq + 1} tokens, fewer than "
+        f"one global batch of {global_batch} rows; use more epochs, a smaller batch or seq")
+  return n
+
+
+def process_shard(sharding, global_batch: int) -> tuple[int, int]:
+  """`(index, count)`: this process holds rows [index * n, (index + 1) * n) of every global
+  batch, n = global_batch / count (processes sharing rows, as over a tensor axis, share an
+  index). Raises ShardingError when its rows are not one contiguous block."""
+  rows = set()
+  for idx in sharding.addressable_devices_indices_map((global_batch, 1)).values():
+    rows.update(range(*idx[0].indices(global_batch)))
+  rows = sorted(rows)
+  if rows != list(range(rows[0], rows[0] + len(rows))) or global_batch % len(rows):
+    raise fs.ShardingError(f"this process holds rows {rows[:4]}... of the global batch of "
+                           f"{global_batch}: not one contiguous block; order the mesh's "
+                           "devices by process")
+  return rows[0] // len(rows), global_batch // len(rows)
+
+
+def batches(corpus: Corpus, sharding, seq: int, global_batch: int, seed: int,
+            eval_batches: int, state: dict | None):
+  """`(train, evals)`: a grain iterator over this process's rows of each training batch
+  ({"inputs", "targets"} int32 [global_batch / count, seq]; `get_state()` / `set_state()`
+  give its position, restored from `state`), and `eval_batches` held-out batches likewise.
+  """
+  index, count = process_shard(sharding, global_batch)
+  local = global_batch // count
+  shard = lambda ds: ds[index::count].batch(local, drop_remainder=True).map(_inputs_targets)
+  # One reader thread a little ahead is plenty for windows; more would take the CPU's cores.
+  read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
+  train = iter(shard(windows(corpus.train, seq, seed, None)).to_iter_dataset(read))
+  if state is not None:
+    train.set_state(state)
+  held = shard(windows(corpus.eval, seq, seed + 1, None))
+  return train, [held[i] for i in range(eval_batches)]

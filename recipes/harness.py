@@ -1,0 +1,352 @@
+"""The plumbing of `train_lm.py` that a user rarely edits: options as flags and keywords,
+device start-up, topology checks, precision, the MFU denominator, resume, preemption, the
+start-up report and the metrics file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, NamedTuple
+
+from absl import flags
+import jax
+import numpy as np
+
+import fnscale as fs
+from fnscale import flops
+from fnscale import mesh as fs_mesh
+
+
+def option(default, help_: str):
+  """A field of an options dataclass: its default and its `--help` line."""
+  return dataclasses.field(default=default, metadata={"help": help_})
+
+
+def check_options(cls, options: dict):
+  """`cls(**options)` after checking each name and type (an int is a float; a bool is no int).
+
+  Raises:
+    FnscaleError: an unknown name (the message lists the known ones) or a wrong type.
+  """
+  known = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in options.items():
+    if name not in known:
+      raise fs.FnscaleError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
+    kind = known[name].type.split(" | ")
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind[0]]
+    if not ((value is None and "None" in kind) or (
+        isinstance(value, types) and (kind[0] == "bool" or not isinstance(value, bool)))):
+      raise fs.FnscaleError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
+                            f"{type(value).__name__}")
+  return cls(**options)
+
+
+def _flag_values(cls) -> flags.FlagValues:
+  fv = flags.FlagValues()
+  define = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer,
+            "float": flags.DEFINE_float, "str": flags.DEFINE_string}
+  for f in dataclasses.fields(cls):
+    define[f.type.split(" | ")[0]](f.name, f.default, f.metadata["help"], flag_values=fv)
+  return fv
+
+
+def parse_flags(cls, argv: list[str]):
+  """absl flags (argv[0] is the program name) -> `cls`. Raises FnscaleError on a bad flag."""
+  fv = _flag_values(cls)
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    raise fs.FnscaleError(f"{e}; see --help") from None
+  if len(rest) > 1:
+    raise fs.FnscaleError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
+  return cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)})
+
+
+def start(o):
+  """Simulated CPU devices, compile cache, multi-process start-up and the shutdown at exit of
+  a run with options `o`, before anything touches a device. Returns `say`, a print on process 0.
+  """
+  count = o.devices
+  if count is None:  # keep a device count the environment already asks for
+    flag = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if f.startswith("--xla_force_host_platform_device_count=")]
+    count = flag[-1].split("=", 1)[1] if flag else os.environ.get("JAX_NUM_CPU_DEVICES", "8")
+    if not str(count).isdigit():
+      raise fs.FnscaleError(f"simulated device count {count!r} (XLA_FLAGS / "
+                            "JAX_NUM_CPU_DEVICES) is not an int")
+  fs.simulate_cpu_devices(int(count))
+  if o.compile_cache_dir:
+    fs.compilation_cache(o.compile_cache_dir)
+  # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+  # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
+  fs.initialize(o.coordinator_address or None, o.num_processes or None,
+                o.process_id if o.process_id >= 0 else None)
+  say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
+  if o.shutdown_at_exit:
+    plan = fs.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
+    say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
+        + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(plan)}")
+  return say
+
+
+def main(argv: list[str], cls, run, doc: str) -> int:
+  """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
+  Exit status 0 done, 2 bad input or a refused checkpoint, 143 stopped by SIGTERM."""
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(doc + "\nflags:\n" + _flag_values(cls).get_help())
+    return 0
+  try:
+    summary = run(parse_flags(cls, argv))
+  except fs.FnscaleError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+  return 143 if summary.stopped == "SIGTERM" else 0
+
+
+def topology(mesh_shape: str, override: str, tpu: bool | None):
+  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override.
+
+  Raises:
+    TopologyError: both overrides given, one that doesn't match the devices, or tpu=True
+      where no TPU was found (the message says what was).
+  """
+  if mesh_shape and override:
+    raise fs.TopologyError(f"mesh_shape={mesh_shape!r} and topology={override!r} both "
+                           "override the detected hardware; give one of them")
+  try:
+    topo = fs.detect_topology(override=(mesh_shape or override) or None)
+  except fs.TopologyError as e:
+    raise fs.TopologyError(f"mesh_shape={mesh_shape!r}: {e}" if mesh_shape else str(e)) from None
+  if tpu and topo.platform != "tpu":
+    raise fs.TopologyError(f"tpu=True but no TPU was found: {topo}. Run on a TPU VM with "
+                           "jax[tpu] installed, or leave tpu unset to use these devices")
+  return topo
+
+
+MIXED = "params=float32,compute=bfloat16,output=float32"
+
+
+def policy(precision: str, platform: str):
+  """A jmp policy (None: float32). auto: float32 on CPU, bfloat16 compute elsewhere."""
+  import jmp  # pylint: disable=import-outside-toplevel
+  precision = {"auto": "float32" if platform == "cpu" else MIXED, "bfloat16": MIXED,
+               "bf16": MIXED, "f32": "float32"}.get(precision, precision)
+  if precision == "float32":
+    return None
+  try:
+    return jmp.get_policy(precision)
+  except ValueError as e:
+    raise fs.FnscaleError(f"precision={precision!r} is not a jmp policy ({e}); write e.g. "
+                          f"'{MIXED}', 'float32' or 'bfloat16'") from None
+
+
+def peak_flops(topo) -> tuple[float | None, str]:
+  """The MFU denominator (FLOP/s of all devices together) and a line saying what it is."""
+  if topo.platform == "cpu":
+    peak = flops.measure_matmul_peak() * jax.process_count()
+    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (best of several runs), "
+                  f"shared by all {jax.device_count()} simulated devices (one host's cores)")
+  if topo.peak_flops_per_device:
+    return topo.peak_flops_per_device * jax.device_count(), (
+        f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x {jax.device_count()} "
+        "devices")
+  return None, "unknown peak FLOP/s for this device kind; MFU not reported"
+
+
+def peak_name(topo, peak: float) -> str:
+  """The MFU denominator in a few words, e.g. 'measured CPU peak 281 GFLOP/s'."""
+  what = "measured CPU peak" if topo.platform == "cpu" else "bf16 peak"
+  if peak < 1e13:
+    return f"{what} {peak / 1e9:,.0f} GFLOP/s"
+  return f"{what} {peak / 1e12:,.0f} TFLOP/s"
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption: SIGTERM sets a flag; every process agrees through an all-gather. This block is
+# the one place to swap for a library piece (the loop only asks `preemption_requested`).
+# ------------------------------------------------------------------------------------------------
+
+
+class Preempted:
+  """SIGTERM (a preemption notice) sets `requested`; the loop checkpoints and stops."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: no handler
+      self._old = None
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.requested:  # a second SIGTERM: stop now, without a checkpoint
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def preemption_requested(preempt: Preempted, step: int, every: int) -> bool:
+  """Whether SIGTERM reached any process (agreed across processes every `every` steps)."""
+  flag = preempt.requested
+  if jax.process_count() > 1 and step % every == 0:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    flag = bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+  return flag
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume, start-up report, metrics file.
+# ------------------------------------------------------------------------------------------------
+
+
+def restore_or_init(ckpt_dir: str | None, init, expect: dict, say):
+  """`(state, start_step, extra)`: the newest good checkpoint in `ckpt_dir` (a damaged newer
+  one is refused and left as it is), or `(init(), 0, None)` when there is none. Warns when
+  `extra` differs from `expect` (seed, corpus, batch: the data order would differ)."""
+  on_disk = _step_dirs_on_disk(ckpt_dir) if ckpt_dir else []
+  if not on_disk:
+    return init(), 0, None
+  state, extra = fs.checkpoint.restore(ckpt_dir, init(abstract=True))
+  start = int(extra["step"])
+  refused = [d for d in on_disk if d > start]
+  if refused:
+    say(f"checkpoint: refused step(s) {refused} in {ckpt_dir} (incomplete or corrupt; "
+        "left as they are); resuming from the newest good one")
+  changed = [f"{k} {extra.get(k)} -> {v}" for k, v in expect.items()
+             if extra.get(k) not in (None, v)]
+  if changed:
+    say("warning: resuming with a different " + ", ".join(changed) + "; the data order "
+        "differs from the original run")
+  say(f"resumed from step {start} ({ckpt_dir})")
+  return state, start, extra
+
+
+def _step_dirs_on_disk(directory: str) -> list[int]:
+  """Integer step directories present (good or not); [] for a missing directory."""
+  if "://" in directory:
+    return list(fs.checkpoint.steps(directory))
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(d) for d in os.listdir(directory)
+                if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
+
+
+def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say,
+             log) -> int:
+  """The start-up lines and the "start" record of a run set up as `s` (train_lm's Setup);
+  `peak` is `peak_flops`'s pair. Returns the param count."""
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  c, seq = s.cfg, s.cfg.seq
+  dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
+  say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, "
+      f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
+  say(f"topology: {s.topo}")
+  say(fs_mesh.describe(s.mesh))
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
+  say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
+      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {fs.data_axes(s.mesh)})"
+      + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
+  say(f"data: {data_line}")
+  say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "
+      f"{s.o.lr * s.o.min_lr_ratio:g}; precision {s.o.precision}"
+      + (f" ({pol})" if pol is not None else " (float32)"))
+  say("compile: " + str(report).replace("\n", "\n  "))
+  say(f"MFU denominator: {peak[1]}")
+  log(event="start", step=int(state.step), model=s.o.model_config, params=n_params, seq=seq,
+      global_batch=s.o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
+      processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
+      peak_flops=peak[0], flops_per_step=flops_step)
+  return n_params
+
+
+def progress(s, done: int, m, dt, lr: float, flops_step: float, peak, say, log) -> dict:
+  """One progress line (loss, lr, tokens/s, MFU and its denominator, ETA) and its record.
+  `dt`: seconds per step (None: not measured yet). Raises StepError on a non-finite loss."""
+  loss = float(m["loss"])
+  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
+  mfu = flops_step / dt / peak if dt and peak else None
+  say(f"step {done:>6}/{s.o.steps}  loss {loss:.4f}  lr {lr:.2e}"
+      + (f"  {tok_s:,.0f} tok/s" if tok_s else "")
+      + (f"  MFU {100 * mfu:.1f}% of {peak_name(s.topo, peak)}" if mfu is not None else "")
+      + (f"  ETA {fmt_time(dt * (s.o.steps - done))}" if dt else ""))
+  log(event="train", step=done, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
+      tokens_per_s=tok_s, mfu=mfu)
+  if not np.isfinite(loss):
+    raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
+  return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+def summarize(fields: dict, s, state, report, n_params: int, t0: float, say, log) -> "Summary":
+  """The run's Summary from `fields` (train_lm's _finish), recorded and said in one line."""
+  summary = Summary(**fields, compile_s=report.compile_seconds, wall_s=time.time() - t0,
+                    params=n_params, run_dir=s.o.run_dir, state=state,
+                    checkpoint_dir=s.o.checkpoint_dir or None,
+                    metrics=os.path.join(s.o.run_dir, "metrics.jsonl"))
+  log(event="summary", **summary.record())
+  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
+      f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+      if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  return summary
+
+
+def metrics_writer(path: str, t0: float):
+  """`log(**fields)` appends one JSON line to `path` on process 0 (a no-op elsewhere), with
+  `time`: seconds since `t0`."""
+  if jax.process_index() != 0:
+    return lambda **kv: None
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+  def log(**kv):
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(dict(kv, time=time.time() - t0)) + "\n")
+  return log
+
+
+def fmt_time(sec: float) -> str:
+  sec = int(max(sec, 0))
+  return f"{sec // 3600}h{sec // 60 % 60:02d}m" if sec >= 3600 else f"{sec // 60}m{sec % 60:02d}s"
+
+
+class Summary(NamedTuple):
+  """What `train_lm` returns; its printed form leaves out the final `state`."""
+  final_step: int
+  start_step: int
+  resumed_from: int | None
+  stopped: str | None
+  loss: float | None
+  eval_loss: float | None
+  bits_per_byte: float | None
+  tokens_per_s: float | None
+  mfu: float | None
+  compile_s: float
+  train_s: float
+  wall_s: float
+  params: int
+  global_batch: int
+  seq: int
+  mesh: dict
+  devices: int
+  processes: int
+  sample: str | None
+  run_dir: str
+  metrics: str
+  checkpoint_dir: str | None
+  state: Any = None
+
+  def __repr__(self):
+    return "Summary(" + ", ".join(f"{k}={v!r}" for k, v in self.record().items()) + ")"
+
+  def record(self) -> dict:
+    return {k: v for k, v in self._asdict().items() if k != "state"}

@@ -1,0 +1,138 @@
+"""recipes/data.py: corpora, the held-out split, grain windows, per-process rows, iterator state
+and tokenizers, checked against hand counts and the `tokenizers` library itself."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import fnscale as fs
+from recipes import data
+
+
+def _window_set(tokens, seq):
+  n = (len(tokens) - 1) // seq
+  return sorted(tuple(tokens[i * seq:i * seq + seq + 1]) for i in range(n))
+
+
+def test_each_epoch_reads_every_window_once_in_a_new_order():
+  tokens = np.arange(1000, dtype=np.int32)  # 999 // 8 = 124 windows of 9 tokens
+  ds = data.windows(tokens, 8, seed=3, epochs=2)
+  assert len(ds) == 2 * 124
+  first = [tuple(ds[i]) for i in range(124)]
+  second = [tuple(ds[i]) for i in range(124, 248)]
+  assert sorted(first) == _window_set(tokens, 8) == sorted(second)
+  assert first != sorted(first) and first != second  # shuffled, and anew each epoch
+  same = [tuple(w) for w in data.windows(tokens, 8, seed=3, epochs=1)]
+  other = [tuple(w) for w in data.windows(tokens, 8, seed=4, epochs=1)]
+  assert same == first and other != first  # the order is a function of the seed
+
+
+def test_steps_for_epochs_is_whole_global_batches():
+  corpus = data.Corpus(np.zeros(3801, np.uint8), np.zeros(200, np.uint8), 256, 1.0, None, None,
+                       "")
+  # (3801 - 1) // 32 = 118 windows; 3 epochs = 354 rows = 22 batches of 16 (2 rows dropped).
+  assert data.steps_for(corpus, 32, 16, 3, None) == 22
+  assert data.steps_for(corpus, 32, 16, None, 7) == 7
+  assert data.steps_for(corpus, 32, 16, None, None) is None
+  with pytest.raises(fs.FnscaleError, match=r"epochs=1 makes no step: the training split has "
+                     r"118 windows of seq \+ 1 = 33 tokens, fewer than one global batch of 128"):
+    data.steps_for(corpus, 32, 128, 1, None)
+
+
+class _Rows:
+  """A stand-in batch sharding: this process's devices hold `rows` of the global batch."""
+
+  def __init__(self, *blocks):
+    self.blocks = blocks
+
+  def addressable_devices_indices_map(self, shape):
+    return {i: (slice(a, b), slice(None)) for i, (a, b) in enumerate(self.blocks)}
+
+
+def _corpus(n=5000):
+  rng = np.random.default_rng(0)
+  return data.Corpus(rng.integers(0, 256, n).astype(np.uint8),
+                     rng.integers(0, 256, 700).astype(np.uint8), 256, 1.0, None, None, "")
+
+
+def test_two_processes_read_disjoint_halves_of_the_one_process_batch():
+  corpus = _corpus()
+  one, _ = data.batches(corpus, _Rows((0, 8), (8, 16)), 16, 16, 0, 0, None)
+  p0, ev0 = data.batches(corpus, _Rows((0, 4), (4, 8)), 16, 16, 0, 1, None)
+  p1, ev1 = data.batches(corpus, _Rows((8, 12), (12, 16)), 16, 16, 0, 1, None)
+  for _ in range(3):
+    whole, a, b = next(one), next(p0), next(p1)
+    assert a["inputs"].shape == (8, 16) and a["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(a["targets"][:, :-1], a["inputs"][:, 1:])  # shifted by one
+    rows = lambda x: sorted(map(tuple, x["inputs"]))
+    assert not set(rows(a)) & set(rows(b))
+    assert sorted(rows(a) + rows(b)) == rows(whole)
+  assert not set(map(tuple, ev0[0]["inputs"])) & set(map(tuple, ev1[0]["inputs"]))
+
+
+def test_rows_that_are_not_one_block_are_refused():
+  with pytest.raises(fs.ShardingError, match=r"rows \[0, 1, 4, 5\]... of the global batch of 16:"
+                     r" not one contiguous block"):
+    data.process_shard(_Rows((0, 2), (4, 6)), 16)
+
+
+def test_iterator_state_restores_the_exact_position():
+  corpus = _corpus()
+  it, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0, None)
+  for _ in range(3):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))  # as it travels in a checkpoint's JSON extra
+  expected = [next(it)["inputs"] for _ in range(2)]
+  again, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0, state)
+  for want in expected:
+    np.testing.assert_array_equal(next(again)["inputs"], want)
+
+
+def test_split_holds_out_every_20th_chunk():
+  text = bytes(range(100)) * 40  # 4000 bytes: 20 chunks of 200, the last one held out
+  train, held = data.split(text)
+  assert train == text[:3800] and held == text[3800:]
+
+
+def test_tiny_corpus_is_a_fixed_offline_selection():
+  files = data.corpus_files("tiny_corpus")
+  assert len(files) == len(data.TINY_CORPUS)
+  text = data.read_bytes("tiny_corpus")
+  assert 500_000 < len(text) < 2_000_000
+
+
+def _bpe(tmp_path, text: str, vocab: int = 320):
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator([text], trainer)
+  path = tmp_path / "tokenizer.json"
+  tok.save(str(path))
+  return tok, path
+
+
+def test_tokenizer_json_gives_ids_vocab_and_tokens_per_byte(tmp_path):
+  text = data.read_bytes("tiny_corpus")[:200_000]
+  (tmp_path / "c.txt").write_bytes(text)
+  tok, path = _bpe(tmp_path, text.decode("utf-8", errors="replace"))
+  corpus = data.load(str(tmp_path / "c.txt"), str(path))
+  assert corpus.vocab == tok.get_vocab_size() > 256
+  assert corpus.train.dtype == np.int32 and corpus.train.max() < corpus.vocab
+  _, held = data.split(text)
+  want = len(tok.encode(held.decode("utf-8", errors="replace")).ids) / len(held)
+  assert corpus.tokens_per_byte == pytest.approx(want, rel=0.02) and want < 0.8  # merges
+  line = "def f(x):\n    return x + 1\n"
+  assert corpus.decode(corpus.encode(line)) == line
+  assert corpus.encode(line) == tok.encode(line).ids
+
+
+def test_unreadable_tokenizer_is_an_fnscale_error(tmp_path):
+  (tmp_path / "c.txt").write_text("hello world\n" * 100)
+  (tmp_path / "bad.json").write_text("{not json")
+  with pytest.raises(fs.FnscaleError, match=r"tokenizer='.*bad.json' is not a readable "
+                     r"tokenizer.json"):
+    data.load(str(tmp_path / "c.txt"), str(tmp_path / "bad.json"))
