@@ -70,6 +70,20 @@ def test_measure_matmul_peak_is_2n3_over_the_fastest_time(monkeypatch):
   assert flops.measure_matmul_peak(n=1, repeats=1) == 2.0 / 4.0
 
 
+def test_measure_matmul_peak_places_its_operand_as_asked(monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  placed = []
+  real = flops.jax.device_put
+  monkeypatch.setattr(flops.jax, "device_put",
+                      lambda x, device: placed.append((x.shape, x.dtype, device)) or
+                      real(x, device))
+  flops.measure_matmul_peak(n=4, repeats=1)  # default: this process's first device
+  flops.measure_matmul_peak(n=4, repeats=1, dtype=jnp.bfloat16, device=jax.devices()[3])
+  assert placed == [((4, 4), jnp.float32, jax.local_devices()[0]),
+                    ((4, 4), jnp.bfloat16, jax.devices()[3])]
+
+
 def test_measure_matmul_peak_runs_the_matmul():
   rate = flops.measure_matmul_peak(n=64, repeats=1)
   assert math.isfinite(rate) and rate > 0
