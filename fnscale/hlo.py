@@ -74,13 +74,16 @@ class HloSummary(NamedTuple):
   `convolution`, loop trip counts applied (FLOPs); `matmul_flops_once`: the same with every
   reachable loop body counted once, as XLA's cost analysis does; `collectives`: tuple of
   `Collective` in `COLLECTIVE_KINDS` order; `loops`: every while loop; `num_devices`: devices
-  a collective without replica groups spans (the module's replicas x partitions unless given).
+  a collective without replica groups spans (the module's replicas x partitions unless given);
+  `groups`: (kind, devices per replica group, ring bytes sent per device per step) for each
+  kind and group size present (a group size names the mesh axis a collective runs on).
   """
   matmul_flops: float
   matmul_flops_once: float
   collectives: tuple[Collective, ...]
   loops: tuple[Loop, ...]
   num_devices: int
+  groups: tuple[tuple[str, int, float], ...] = ()
 
   @property
   def unknown_trip_counts(self) -> int:
@@ -321,8 +324,10 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
 
   mult = _multiplicities(comps, edges, entry)
   out: dict[str, list] = {}
+  groups: dict[tuple[str, int], float] = collections.defaultdict(float)
   for c, items in colls.items():
     for kind, nbytes, n in items:
+      groups[(kind, n)] += ring_bytes_sent(kind, nbytes, n) * mult[c]
       e = out.setdefault(kind, [0, 0.0, 0, 0.0])
       e[0] += mult[c]
       e[1] += nbytes * mult[c]
@@ -333,7 +338,8 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       matmul_flops_once=sum(f for c, f in dots.items() if mult[c]),
       collectives=tuple(Collective(k, int(v[0]), int(v[1]), v[2], float(v[3]))
                         for k in COLLECTIVE_KINDS if (v := out.get(k)) and v[2]),
-      loops=tuple(loops), num_devices=int(num_devices))
+      loops=tuple(loops), num_devices=int(num_devices),
+      groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b))
 
 
 def _multiplicities(comps: dict, edges: dict, entry: str | None) -> dict[str, int]:
