@@ -106,6 +106,7 @@ _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
 _COND_RE = re.compile(r"\bcondition=%?([\w.\-]+)")
 _OPERAND_RE = re.compile(r"((?:[\w\[\],{}:()]+\s+)?)%([\w.\-]+)")
+_LINE_START_RE = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")
 _DEVICES_RE = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
 
 
@@ -181,7 +182,8 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """Computation name -> its instruction lines, and the entry's name. Instruction lines
-  outside any computation (a snippet) form the computation named ''."""
+  outside any computation (a snippet) form the computation named ''. A computation ends at
+  a line that is only "}"; lines that don't start an instruction continue the one above."""
   comps: dict[str, list[str]] = {"": []}
   entry, cur = None, None
   for line in text.splitlines():
@@ -194,24 +196,97 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
           entry = cur
       else:
         comps[""].append(line)
-    elif line.startswith("}"):
+    elif line.strip() == "}":
       cur = None
+    elif comps[cur] and not _LINE_START_RE.match(line):
+      # An attribute that spans lines (a Pallas kernel's `frontend_attributes` JSON, whose
+      # continuation may start with "}}") belongs to the instruction above.
+      comps[cur][-1] += " " + line.strip()
     else:
       comps[cur].append(line)
   return comps, entry
 
 
-def _condition_trips(line: str, args: str, consts: dict[str, int],
-                     shapes: dict[str, str]) -> int | None:
-  """N of a loop condition's ROOT `compare(counter, N), direction=LT` (or N > counter)."""
-  names = re.findall(r"%([\w.\-]+)", args)
-  direction = re.search(r"direction=(\w+)", line)
-  if len(names) != 2 or not direction:
+def _operands(args: str) -> list[str]:
+  """Operand names of an instruction: the %names before its closing parenthesis."""
+  return re.findall(r"%([\w.\-]+)", args.split(")")[0])
+
+
+def _tuple_index(defs: dict, name: str) -> int | None:
+  """k where `name` is `get-tuple-element(param), index=k`."""
+  d = defs.get(name)
+  m = re.search(r"index=(\d+)", d[2]) if d and d[0] == "get-tuple-element" else None
+  return int(m.group(1)) if m else None
+
+
+def _loop_trips(cond: str, body: str, init: str | None, caller: str, defs: dict,
+                consts: dict) -> int | None:
+  """Trips of a while loop whose condition's ROOT is `compare(counter, N), direction=LT`
+  (or `N > counter`) on tuple element k: ceil((N - start) / step), where the body's ROOT
+  tuple sets element k to `counter + step` and the caller's init tuple gives `start` (0 where
+  it is not a constant). XLA unrolls windowed-einsum loops this way: a body that does two
+  iterations' work steps its counter by 2."""
+  cdefs, root = defs.get(cond, {}), defs.get(cond, {}).get("ROOT")
+  if not root or root[0] != "compare":
     return None
-  counter, bound = {"LT": names, "GT": names[::-1]}.get(direction.group(1), (None, None))
-  if bound not in consts or not re.match(r"\s*[su](32|64)\[\]", shapes.get(counter, "")):
+  names, direction = _operands(root[1]), re.search(r"direction=(\w+)", root[2])
+  if len(names) != 2 or not direction or direction.group(1) not in ("LT", "GT"):
     return None
-  return max(consts[bound], 0)
+  counter, bound = names if direction.group(1) == "LT" else names[::-1]
+  k = _tuple_index(cdefs, counter)
+  if bound not in consts.get(cond, {}) or k is None:
+    return None
+  step, bdefs = 1, defs.get(body, {})
+  broot = bdefs.get("ROOT")
+  if broot and broot[0] == "tuple" and k < len(_operands(broot[1])):
+    upd = bdefs.get(_operands(broot[1])[k])
+    if upd and upd[0] == "add":
+      a, b = (_operands(upd[1]) + [None, None])[:2]
+      c = next((consts[body][x] for x in (a, b) if x in consts.get(body, {})), None)
+      other = b if a in consts.get(body, {}) else a
+      if c and c > 0 and _tuple_index(bdefs, other) == k:
+        step = c
+  start, tup = 0, defs.get(caller, {}).get(init or "")
+  if tup and tup[0] == "tuple" and k < len(_operands(tup[1])):
+    start = consts.get(caller, {}).get(_operands(tup[1])[k], 0)
+  return max(-(-(consts[cond][bound] - start) // step), 0)
+
+
+def _taps(size_in: int, size_out: int, window: int, pad_lo: int, stride: int, lhs_dilate: int,
+          rhs_dilate: int) -> int:
+  """(output position, window tap) pairs of one spatial dim whose tap reads the input rather
+  than padding or a dilation hole (XLA's convolution semantics)."""
+  last, count = (size_in - 1) * lhs_dilate, 0
+  for w in range(window):
+    off = w * rhs_dilate - pad_lo
+    if lhs_dilate == 1:
+      lo = max(0, -(off // stride))  # ceil(-off / stride)
+      hi = min(size_out - 1, (last - off) // stride)
+      count += max(0, hi - lo + 1)
+    else:
+      count += sum(1 for o in range(size_out)
+                   if 0 <= o * stride + off <= last and (o * stride + off) % lhs_dilate == 0)
+  return count
+
+
+def _window_taps(size_in: list[int], size_out: list[int], window: str) -> float:
+  """Product over spatial dims of the taps landing on input (`_taps`), from the text of a
+  convolution's `window={size=.. pad=.. stride=.. lhs_dilate=.. rhs_dilate=..}`.
+
+  XLA on TPU writes some dots as convolutions whose window slides over zero padding (a
+  batch or head dim as a spatial dim, `pad=31_31` around a window of 32): only the taps on
+  the input multiply, so counting the whole window would overstate such a dot 32 times.
+  """
+  fields = dict(re.findall(r"(\w+)=([-\d_x]+)", window))
+  nd = len(size_in)
+  per_dim = lambda name, default: ([int(v) for v in fields[name].split("x")]
+                                   if name in fields else [default] * nd)
+  sizes, strides = per_dim("size", 1), per_dim("stride", 1)
+  lhs_d, rhs_d = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+  pads = ([int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields
+          else [0] * nd)
+  return float(math.prod(_taps(size_in[i], size_out[i], sizes[i], pads[i], strides[i], lhs_d[i],
+                               rhs_d[i]) for i in range(nd)))
 
 
 def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, str]) -> float:
@@ -227,14 +302,20 @@ def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, s
   if op == "dot":
     contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
     k = math.prod(lhs_dims[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
-  else:  # convolution: input features per group x window elements
-    labels = re.search(r"dim_labels=(\w+)_\w+->\w+", line)
+  else:  # convolution: input features per group x window taps that land on the input
+    labels = re.search(r"dim_labels=(\w+)_\w+->(\w+)", line)
     if not labels or "f" not in labels.group(1):
       return 0.0
+    lhs_l, out_l = labels.group(1), labels.group(2)
     groups = re.search(r"feature_group_count=(\d+)", line)
-    size = re.search(r"window=\{[^}]*\bsize=([\dx]+)", line)
-    window = math.prod(int(s) for s in size.group(1).split("x")) if size else 1
-    k = lhs_dims[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1) * window
+    k = lhs_dims[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    window = re.search(r"window=\{([^}]*)\}", line)
+    taps = _window_taps([lhs_dims[lhs_l.index(c)] for c in spatial],
+                        [out[0][1][out_l.index(c)] for c in spatial],
+                        window.group(1) if window else "")
+    return 2.0 * math.prod(out[0][1]) / math.prod(
+        out[0][1][out_l.index(c)] for c in spatial) * taps * k
   return 2.0 * math.prod(out[0][1]) * k
 
 
@@ -264,14 +345,14 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
   comps, entry = _computations(hlo_text)
 
   edges: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  whiles: list[tuple[str, str, str, int | None]] = []  # caller, body, condition, known trips
-  cond_trips: dict[str, int] = {}
+  whiles: list[tuple[str, str, str, str | None, int | None]] = []  # caller, body, cond, init
+  defs: dict[str, dict] = collections.defaultdict(dict)  # comp -> instr -> (op, args, line)
+  consts: dict[str, dict[str, int]] = collections.defaultdict(dict)
   dots: dict[str, float] = collections.defaultdict(float)
   colls: dict[str, list[tuple[str, float, int]]] = collections.defaultdict(list)
   for name, lines in comps.items():
     shapes: dict[str, str] = {}
     starts: dict[str, int] = {}
-    consts: dict[str, int] = {}
     for line in lines:
       m = _INSTR_RE.match(line)
       op_m = _OP_RE.search(m.group("rest")) if m else None
@@ -280,17 +361,16 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       rest = m.group("rest")
       shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
       shapes[m.group("name")] = shape
+      defs[name][m.group("name")] = (op, args, line)
+      if line.lstrip().startswith("ROOT"):
+        defs[name]["ROOT"] = (op, args, line)
       if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
-        consts[m.group("name")] = int(args.split(")")[0])
-      elif op == "compare" and line.lstrip().startswith("ROOT"):
-        trips = _condition_trips(line, args, consts, shapes)
-        if trips is not None:
-          cond_trips[name] = trips
+        consts[name][m.group("name")] = int(args.split(")")[0])
       if op == "while":
         t = _TRIP_RE.search(line)
         body, cond = _BODY_RE.search(line), _COND_RE.search(line)
         whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
-                       int(t.group(1)) if t else None))
+                       (_operands(args) or [None])[0], int(t.group(1)) if t else None))
       # An async op's -done (and -update) names the same computation as its -start.
       elif not op.startswith("async-") or op == "async-start":
         edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
@@ -316,9 +396,9 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       colls[name].append((base, _shape_bytes(shape), n))
 
   loops = []
-  for caller, body, cond, known in whiles:
-    loop = (Loop(body, known) if known is not None else
-            Loop(body, cond_trips.get(cond), cond in cond_trips))
+  for caller, body, cond, init, known in whiles:
+    trips = _loop_trips(cond, body, init, caller, defs, consts) if known is None else None
+    loop = Loop(body, known) if known is not None else Loop(body, trips, trips is not None)
     loops.append(loop)
     edges[caller].extend(((body, loop.trip_count or 1), (cond, (loop.trip_count or 0) + 1)))
 
