@@ -28,6 +28,7 @@ __all__ = [
     "HloSummary",
     "Loop",
     "collectives",
+    "flops_ratio",
     "matmul_flops",
     "ring_bytes_sent",
     "summarize",
@@ -468,3 +469,22 @@ def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
   """
   s = summarize(hlo_text)
   return s.matmul_flops if apply_trip_counts else s.matmul_flops_once
+
+
+def flops_ratio(hlo_text: str, model_flops: float) -> float:
+  """HLO matmul FLOPs per device per step (`matmul_flops`) / `model_flops` per device.
+
+  With `model_flops` the FLOPs the step's own matmuls need (`fnscale._cost.jaxpr_matmul_flops`
+  of the traced step, remat included), 1.0 says the compiled program does the model's work
+  and no more; with PaLM's 6N + attention (`fnscale.flops.model_flops_per_token` x tokens /
+  devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
+  custom call, not counted here) below.
+
+  Raises:
+    StepError: `model_flops` not a positive number, or a bad `hlo_text` (as `summarize`).
+  """
+  if isinstance(model_flops, bool) or not isinstance(model_flops, (int, float)) or not (
+      model_flops > 0):
+    raise StepError(f"model_flops={model_flops!r}, expected a positive number of FLOPs per "
+                    "device per step")
+  return summarize(hlo_text).matmul_flops / float(model_flops)
