@@ -28,7 +28,8 @@ from fnscale import hlo as _hlo
 from fnscale.errors import FnscaleError
 from fnscale.mesh import MeshAxes
 
-__all__ = ["Candidate", "Compiled", "Plan", "PlanError", "calibrate_cpu", "format_plan", "plan"]
+__all__ = ["Candidate", "Compiled", "Plan", "PlanError", "calibrate_cpu", "format_plan",
+           "mesh_str", "plan", "summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
 
@@ -204,7 +205,10 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
 
 
 def _rank_key(c: Candidate):
-  return (not c.fits, c.step_s, c.estimate.compute_s,
+  """Fits first, then step time; ties (compute-bound rows) go to less communication per
+  compute (slack if overlap is imperfect), then fewer bytes."""
+  comm = c.compiled.comm_s if c.compiled else c.estimate.comm_total_s
+  return (not c.fits, round(c.step_s, 9), c.estimate.compute_s, comm,
           c.compiled.bytes if c.compiled else c.estimate.bytes)
 
 
@@ -212,20 +216,26 @@ def _why(rows: list[Candidate]) -> str:
   best = rows[0]
   src = "compiled" if best.compiled else "predicted"
   fit = sum(r.fits for r in rows)
-  text = (f"lowest {src} step time ({best.step_s * 1e3:.3g} ms, MFU {best.mfu:.0%}) of the "
+  text = (f"lowest {src} step time ({best.step_s * 1e3:.4g} ms, MFU {best.mfu:.0%}) of the "
           f"{fit} candidates that fit")
   nxt = next((r for r in rows[1:] if r.fits), None)
   if nxt is not None:
-    e, n = best.estimate, nxt.estimate
-    cause = ("less communication" if n.comm_total_s > e.comm_total_s * 1.05 else
-             "no remat recomputation" if nxt.remat and not best.remat else
-             "fewer accumulation steps" if nxt.accum > best.accum else "less compute")
-    text += (f"; next best {_mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum} is "
-             f"{nxt.step_s / best.step_s - 1:.0%} slower ({cause})")
+    comm = lambda r: (r.compiled.comm_s if r.compiled else r.estimate.comm_total_s)
+    if nxt.step_s <= best.step_s * 1.005:
+      cause = (f"same step time, but communication/compute {comm(nxt) / nxt.estimate.compute_s:.2f}"
+               f" vs {comm(best) / best.estimate.compute_s:.2f}: more slack if overlap is "
+               "imperfect")
+    else:
+      cause = ("{:.0%} slower: ".format(nxt.step_s / best.step_s - 1) + (
+          "more communication" if comm(nxt) > comm(best) * 1.05 else
+          "remat recomputation" if nxt.remat and not best.remat else
+          "more accumulation steps" if nxt.accum > best.accum else "more compute"))
+    text += f"; next best {mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum}: {cause}"
   return text
 
 
-def _mesh_str(axes: MeshAxes) -> str:
+def mesh_str(axes: MeshAxes) -> str:
+  """"data=2 fsdp=4 | replica=2": ICI axes, then DCN axes after a bar."""
   ici = " ".join(f"{k}={v}" for k, v in axes.ici.items())
   return ici + ("".join(f" | {k}={v}" for k, v in axes.dcn.items()) if axes.dcn else "")
 
@@ -244,7 +254,7 @@ def _no_fit_error(rows, hw, cap) -> PlanError:
   low = min(rows, key=lambda r: r.estimate.bytes)
   gib = lambda b: f"{b / 2**30:.1f} GiB"
   return PlanError(
-      f"the model fits nowhere on {hw.name}: the smallest candidate ({_mesh_str(low.axes)}, "
+      f"the model fits nowhere on {hw.name}: the smallest candidate ({mesh_str(low.axes)}, "
       f"remat={low.remat}, accum={low.accum}) needs {gib(low.estimate.bytes)} per device, and "
       f"the target has {gib(hw.hbm_bytes)} of HBM per device ({gib(cap)} usable); fix: a "
       "target with more devices or slices, a smaller global batch, or a smaller model.")
@@ -337,7 +347,7 @@ def format_plan(p: Plan, top: int = 12) -> str:
   lines = []
   for i, r in enumerate(p.rows[:top]):
     c = r.compiled
-    lines.append((str(i + 1), _mesh_str(r.axes), "on" if r.remat else "off", str(r.accum),
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", str(r.accum),
                   gib(r.estimate.bytes), gib(c.bytes) if c else "-", "yes" if r.fits else "NO",
                   f"{r.step_s * 1e3:.4g}", f"{r.mfu:.0%}",
                   f"{(c.comm_s / r.estimate.compute_s if c else r.estimate.comm_ratio):.2f}",
@@ -347,4 +357,28 @@ def format_plan(p: Plan, top: int = 12) -> str:
   fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths))
   more = f"\n... {len(p.rows) - top} more" if len(p.rows) > top else ""
   return "\n".join([head, fmt(cols), *map(fmt, lines)]) + more + (
-      f"\nchosen: {_mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}: {p.why}")
+      f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}: {p.why}")
+
+
+def summary(p: Plan) -> dict:
+  """The plan as plain data (for JSON): target facts, the chosen row and every row's
+  estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm)."""
+  rows, prof, n = [], p.profile, p.hardware.num_devices
+  for r in p.rows:
+    c, e = r.compiled, r.estimate
+    program = (prof.flops_row_remat if r.remat else prof.flops_row) * prof.rows / n
+    rows.append(dict(
+        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, fits=r.fits,
+        est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
+        compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
+        memory_ratio=c.bytes / e.bytes if c else None, compiled_comm_s=c.comm_s if c else None,
+        compiled_step_s=c.step_s if c else None, compiled_mfu=c.mfu if c else None,
+        hlo_matmul_flops=c.matmul_flops if c else None, compile_s=c.seconds if c else None,
+        flags=list(c.flags) if c else None,
+        hlo_over_model=c.matmul_flops / (prof.flops_row * prof.rows / n) if c else None,
+        hlo_over_program=c.matmul_flops / program if c else None))
+  hw = p.hardware
+  return dict(target=hw.name, devices=hw.num_devices, hbm_bytes=hw.hbm_bytes,
+              peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
+              why=p.why, model_flops_per_device=p.profile.flops_row * p.profile.rows
+              / hw.num_devices, rows=rows)
