@@ -233,7 +233,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   parts = dict(params=prof.param_bytes / shard, opt=prof.opt_bytes / shard,
                grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
                weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
-               acts=act_row * rows_mb / t)
+               acts=act_row * rows_mb)  # not split by tensor: the residual stream isn't
   model_flops = prof.flops_row * prof.rows
   compute = (prof.flops_row_remat if remat else prof.flops_row) * prof.rows / n / hw.peak_flops
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import statistics
 import time
 from typing import Any, NamedTuple
@@ -175,6 +176,13 @@ def _compiled_comm_s(summary, hw, axes: MeshAxes) -> float:
   return total
 
 
+def _oom_bytes(message: str) -> float:
+  """Bytes XLA said it needed in an out-of-HBM error ("... required for HLO temporaries
+  (18.35G) exceeds ..."), or inf where the message gives none."""
+  m = re.search(r"\(([\d.]+)([KMGT])\) exceeds", message)
+  return float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024 if m else math.inf
+
+
 def _verify(cand: Candidate, hw, ctx) -> Candidate:
   """Compiles the candidate for the target's described devices; returns it with `compiled`."""
   import fnscale as fs  # pylint: disable=g-import-not-at-top
@@ -186,8 +194,15 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
   step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum)
   t0 = time.perf_counter()
-  compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
-      state, batch)
+  try:
+    compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
+        state, batch)
+  except jax.errors.JaxRuntimeError as e:  # XLA refuses a program that overflows HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    need = _oom_bytes(str(e))
+    c = Compiled(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
+    return cand._replace(compiled=c, fits=False)
   seconds = time.perf_counter() - t0
   report = fs.compile_report(compiled, state, batch)
   summary = _hlo.summarize(compiled.compiled.as_text() or "")
@@ -202,6 +217,18 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
   c = Compiled(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
   return cand._replace(compiled=c, fits=nbytes <= cap)
+
+
+def _verify_best(rows: list, hw, ctx, verify: int) -> None:
+  """Compiles the best rows in place until `verify` of them fit (at most verify + 2 tries:
+  a candidate XLA finds too big for HBM makes room for the next), then re-ranks."""
+  tried = fitting = 0
+  for i, r in enumerate(list(rows)):
+    if fitting >= verify or tried >= verify + 2 or not r.fits:
+      break
+    rows[i] = _verify(r, hw, ctx)
+    tried, fitting = tried + 1, fitting + rows[i].fits
+  rows.sort(key=_rank_key)
 
 
 def _rank_key(c: Candidate):
@@ -328,8 +355,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
   rows.sort(key=_rank_key)
   if hw.kind == "tpu" and hw.devices is not None and verify:
     ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap)
-    rows[:verify] = [_verify(r, hw, ctx) for r in rows[:verify]]
-    rows.sort(key=_rank_key)
+    _verify_best(rows, hw, ctx, verify)
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof)
 
