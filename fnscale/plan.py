@@ -317,7 +317,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     optimizer: the optax optimizer (its state counts against memory).
     batch: the global batch, arrays or `jax.ShapeDtypeStruct`s, leading dim = rows.
     target: a `fnscale.Topology` or a name: "v5p-128", "v6e-256", "v5p:4x4x4", "2x v5p-128"
-      (two slices), "8x h200", "cpu" (this host's devices; needs `cpu_rates`).
+      (two slices), "8x h200", "cpu" (this host's devices), e.g. `fnscale.detect_topology()`
+      for the machine the job runs on (`train_lm.py --mesh=auto`).
     policy: the jmp policy (or string) the step will use; its compute dtype sizes the
       gathered weights and activations.
     rules, logical_axes: sharding rules, as for `fnscale.init_state`.
@@ -326,7 +327,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     max_tensor: largest tensor-parallel axis.
     accum_steps: accumulation steps to try (the fewest that fits is kept).
     headroom: usable fraction of HBM.
-    cpu_rates: (matmul FLOP/s, copy bytes/s) from `calibrate_cpu`, for CPU targets.
+    cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
 
   Returns:
     A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`, `why`); `print(plan)` shows the
@@ -338,7 +339,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     TopologyError: an unknown target name (the message lists known ones).
   """
   _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom)
-  hw = _targets.resolve(target, cpu_rates)
+  on_cpu = target == "cpu" or getattr(target, "platform", None) == "cpu"
+  hw = _targets.resolve(target, calibrate_cpu() if on_cpu and cpu_rates is None else cpu_rates)
   params = _abstract_params(state_or_init, key)
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
   import fnscale as fs  # pylint: disable=g-import-not-at-top

@@ -58,8 +58,8 @@ def spearman(a, b) -> float:
   return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def _time_steps(cfg, cand, rows: int, steps: int) -> float:
-  """Median wall time of `steps` steps of the candidate on this host's devices (s)."""
+def _compiled(cfg, cand, rows: int):
+  """(step, state, batch) of the candidate on this host's devices, compiled and warmed up."""
   mesh = fs.make_mesh(cand.axes)
   opt = optax.adamw(3e-4)
   la = llama.logical_axes(cfg)
@@ -67,33 +67,36 @@ def _time_steps(cfg, cand, rows: int, steps: int) -> float:
                         logical_axes=la, key=jax.random.key(0))
   loss = functools.partial(llama.loss_fn, remat=cand.remat)
   step = fs.shard_step(fs.train_step(loss, opt, accum_steps=cand.accum), mesh,
-                       rules=llama.RULES, logical_axes=la)
+                       rules=llama.RULES, logical_axes=la, donate=False)
   data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
-  batch = {"inputs": data[:, :-1], "targets": data[:, 1:]}
-  state, m = step(state, batch)  # compile and warm up
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m["loss"])
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  batch = fs.global_batch({"inputs": data[:, :-1], "targets": data[:, 1:]},
+                          fs.batch_sharding(mesh))
+  jax.block_until_ready(step(state, batch))
+  return step, state, batch
 
 
-def measure(rows: int, seq: int, steps: int, remat: bool) -> dict:
-  """Plans for the 8 simulated CPU devices, times every candidate mesh (remat fixed), and
-  returns rates, rows (mesh, predicted s, measured s) and Spearman's rho."""
+def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
+  """Plans for the 8 simulated CPU devices, then times every candidate mesh (remat fixed)
+  in `rounds` interleaved rounds (one step of each per round, so load from other jobs on
+  the host hits all alike); returns the rates, rows (mesh, predicted s, median measured s)
+  and Spearman's rho."""
   rates = fplan.calibrate_cpu()
   cfg = llama.model_config("llama-tiny", seq, layers=2)
   p = fplan.plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
                  _batch(rows, seq), "cpu", rules=llama.RULES,
                  logical_axes=llama.logical_axes(cfg), verify=0, max_tensor=2, cpu_rates=rates)
-  out = []
-  for cand in (r for r in p.rows if r.remat == remat):
-    got = _time_steps(cfg, cand, rows, steps)
-    out.append((fplan.mesh_str(cand.axes), cand.estimate.step_s, got))
-    print(f"{out[-1][0]:24s} predicted {out[-1][1] * 1e3:8.2f} ms  measured {got * 1e3:8.2f} ms",
-          flush=True)
+  cands = [r for r in p.rows if r.remat == remat]
+  built = [_compiled(cfg, c, rows) for c in cands]
+  times = [[] for _ in cands]
+  for _ in range(rounds):
+    for i, (step, state, batch) in enumerate(built):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(state, batch))
+      times[i].append(time.perf_counter() - t0)
+  out = [(fplan.mesh_str(c.axes), c.estimate.step_s, statistics.median(t))
+         for c, t in zip(cands, times)]
+  for mesh, pred, got in out:
+    print(f"{mesh:24s} predicted {pred * 1e3:8.2f} ms  measured {got * 1e3:8.2f} ms")
   rho = spearman([o[1] for o in out], [o[2] for o in out])
   return dict(matmul_flops=rates[0], copy_bytes_per_s=rates[1], rows=out, spearman=rho)
 
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
   ap.add_argument("--verify", type=int, default=1, help="candidates to compile for the target")
   ap.add_argument("--measure", action="store_true")
   ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=7, help="--measure: interleaved rounds")
   ap.add_argument("--json", default=None, help="write the result here")
   a = ap.parse_args(argv)
   if a.measure:
