@@ -320,6 +320,69 @@ def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, s
   return 2.0 * math.prod(out[0][1]) * k
 
 
+class _Graph(NamedTuple):
+  """What `_read_computation` collects from every computation of a module (build one with
+  `_graph()`: fresh containers each time)."""
+  edges: dict  # comp -> [(callee, factor)]
+  whiles: list  # (caller, body, condition, init operand, known trip count)
+  defs: dict  # comp -> instr -> (op, args, line); "ROOT" -> the root's
+  consts: dict  # comp -> instr -> integer scalar constant
+  dots: dict  # comp -> matmul FLOPs per run
+  colls: dict  # comp -> [(kind, result bytes, group size)]
+
+
+def _graph() -> _Graph:
+  dd = collections.defaultdict
+  return _Graph(dd(list), [], dd(dict), dd(dict), dd(float), dd(list))
+
+
+def _read_computation(name: str, lines: list[str], num_devices: int, g: _Graph) -> None:
+  """Adds one computation's instructions, calls, loops, dots and collectives to `g`."""
+  shapes: dict[str, str] = {}
+  starts: dict[str, int] = {}
+  for line in lines:
+    m = _INSTR_RE.match(line)
+    op_m = _OP_RE.search(m.group("rest")) if m else None
+    if not op_m:
+      continue
+    rest = m.group("rest")
+    shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
+    shapes[m.group("name")] = shape
+    g.defs[name][m.group("name")] = (op, args, line)
+    if line.lstrip().startswith("ROOT"):
+      g.defs[name]["ROOT"] = (op, args, line)
+    if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
+      g.consts[name][m.group("name")] = int(args.split(")")[0])
+    if op == "while":
+      t = _TRIP_RE.search(line)
+      body, cond = _BODY_RE.search(line), _COND_RE.search(line)
+      g.whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
+                       (_operands(args) or [None])[0], int(t.group(1)) if t else None))
+    # An async op's -done (and -update) names the same computation as its -start.
+    elif not op.startswith("async-") or op == "async-start":
+      g.edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
+    branches = _BRANCHES_RE.search(line)
+    if branches:
+      g.edges[name].extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(","))
+    if op in ("dot", "convolution"):
+      g.dots[name] += _matmul_flops(op, line, shape, args, shapes)
+      continue
+    base = next((c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done")), None)
+    if base is None:
+      continue
+    if op.endswith("-start"):
+      starts[m.group("name")] = _group_size(line, num_devices)
+      continue
+    if op.endswith("-done"):
+      src = re.search(r"%([\w.\-]+)", args)
+      n = starts.get(src.group(1), num_devices) if src else num_devices
+    elif base in ("collective-permute", "collective-broadcast"):
+      n = 2  # a device sends its buffer once
+    else:
+      n = _group_size(line, num_devices)
+    g.colls[name].append((base, _shape_bytes(shape), n))
+
+
 def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
   """Matmul FLOPs and collective traffic of one optimized HLO module, loops unrolled by count.
 
@@ -345,59 +408,13 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
     raise StepError(f"num_devices={num_devices}, expected at least 1")
   comps, entry = _computations(hlo_text)
 
-  edges: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  whiles: list[tuple[str, str, str, str | None, int | None]] = []  # caller, body, cond, init
-  defs: dict[str, dict] = collections.defaultdict(dict)  # comp -> instr -> (op, args, line)
-  consts: dict[str, dict[str, int]] = collections.defaultdict(dict)
-  dots: dict[str, float] = collections.defaultdict(float)
-  colls: dict[str, list[tuple[str, float, int]]] = collections.defaultdict(list)
+  g = _graph()
   for name, lines in comps.items():
-    shapes: dict[str, str] = {}
-    starts: dict[str, int] = {}
-    for line in lines:
-      m = _INSTR_RE.match(line)
-      op_m = _OP_RE.search(m.group("rest")) if m else None
-      if not op_m:
-        continue
-      rest = m.group("rest")
-      shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
-      shapes[m.group("name")] = shape
-      defs[name][m.group("name")] = (op, args, line)
-      if line.lstrip().startswith("ROOT"):
-        defs[name]["ROOT"] = (op, args, line)
-      if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
-        consts[name][m.group("name")] = int(args.split(")")[0])
-      if op == "while":
-        t = _TRIP_RE.search(line)
-        body, cond = _BODY_RE.search(line), _COND_RE.search(line)
-        whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
-                       (_operands(args) or [None])[0], int(t.group(1)) if t else None))
-      # An async op's -done (and -update) names the same computation as its -start.
-      elif not op.startswith("async-") or op == "async-start":
-        edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
-      branches = _BRANCHES_RE.search(line)
-      if branches:
-        edges[name].extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(","))
-      if op in ("dot", "convolution"):
-        dots[name] += _matmul_flops(op, line, shape, args, shapes)
-        continue
-      base = next((c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done")), None)
-      if base is None:
-        continue
-      if op.endswith("-start"):
-        starts[m.group("name")] = _group_size(line, num_devices)
-        continue
-      if op.endswith("-done"):
-        src = re.search(r"%([\w.\-]+)", args)
-        n = starts.get(src.group(1), num_devices) if src else num_devices
-      elif base in ("collective-permute", "collective-broadcast"):
-        n = 2  # a device sends its buffer once
-      else:
-        n = _group_size(line, num_devices)
-      colls[name].append((base, _shape_bytes(shape), n))
+    _read_computation(name, lines, int(num_devices), g)
+  edges, defs, consts, dots, colls = g.edges, g.defs, g.consts, g.dots, g.colls
 
   loops = []
-  for caller, body, cond, init, known in whiles:
+  for caller, body, cond, init, known in g.whiles:
     trips = _loop_trips(cond, body, init, caller, defs, consts) if known is None else None
     loop = Loop(body, known) if known is not None else Loop(body, trips, trips is not None)
     loops.append(loop)
