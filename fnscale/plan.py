@@ -306,7 +306,7 @@ def _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom):
 
 def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
          logical_axes=None, key=None, verify: int = 3, max_tensor: int = 8,
-         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = 0.9,
+         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = 0.8,
          cpu_rates: tuple[float, float] | None = None) -> Plan:
   """Ranks meshes, remat and accumulation for training on `target`; compiles the best few.
 
@@ -326,7 +326,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       devices libtpu describes; 0 for none).
     max_tensor: largest tensor-parallel axis.
     accum_steps: accumulation steps to try (the fewest that fits is kept).
-    headroom: usable fraction of HBM.
+    headroom: usable fraction of HBM for the estimate (XLA's compiled footprint ran up to
+      13% above the estimate for Llama-8B on v5p-128; 0.8 keeps such a plan inside HBM).
     cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
 
   Returns:
