@@ -33,7 +33,8 @@ import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-pos
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from fnscale import plan as fplan  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+# By name from the module, so a top-level `fnscale.plan` function can't shadow it.
+from fnscale.plan import Plan, calibrate_cpu, mesh_str, plan, summary  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
@@ -44,10 +45,10 @@ def _batch(rows: int, seq: int) -> dict:
 
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int, policy=POLICY,
-              **kw) -> fplan.Plan:
+              **kw) -> Plan:
   """`fnscale.plan` for a named Llama size (`recipes/llama.py`) and AdamW."""
   cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
-  return fplan.plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
+  return plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
                     _batch(rows, seq), target, policy=policy, rules=llama.RULES,
                     logical_axes=llama.logical_axes(cfg), verify=verify, **kw)
 
@@ -80,9 +81,9 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
   in `rounds` interleaved rounds (one step of each per round, so load from other jobs on
   the host hits all alike); returns the rates, rows (mesh, predicted s, median measured s)
   and Spearman's rho."""
-  rates = fplan.calibrate_cpu()
+  rates = calibrate_cpu()
   cfg = llama.model_config("llama-tiny", seq, layers=2)
-  p = fplan.plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
+  p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
                  _batch(rows, seq), "cpu", rules=llama.RULES,
                  logical_axes=llama.logical_axes(cfg), verify=0, max_tensor=2, cpu_rates=rates)
   cands = [r for r in p.rows if r.remat == remat]
@@ -93,7 +94,7 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
       t0 = time.perf_counter()
       jax.block_until_ready(step(state, batch))
       times[i].append(time.perf_counter() - t0)
-  out = [(fplan.mesh_str(c.axes), c.estimate.step_s, statistics.median(t))
+  out = [(mesh_str(c.axes), c.estimate.step_s, statistics.median(t))
          for c, t in zip(cands, times)]
   for mesh, pred, got in out:
     print(f"{mesh:24s} predicted {pred * 1e3:8.2f} ms  measured {got * 1e3:8.2f} ms")
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     p = make_plan(a.model, a.target, a.batch, a.seq, a.verify, overrides=overrides)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
-    res = fplan.summary(p)
+    res = summary(p)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1, default=str)

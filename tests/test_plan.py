@@ -12,7 +12,7 @@ import pytest
 import fnscale as fs
 from fnscale import _cost
 from fnscale import _targets
-from fnscale import plan as fplan
+from fnscale.plan import PlanError, mesh_str, plan, summary
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
 import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -107,29 +107,29 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
   cfg = llama.model_config("llama-70b", 4096)
-  with pytest.raises(fplan.PlanError, match=r"needs \d+\.\d GiB per device.*16\.0 GiB of HBM"):
-    fplan.plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+  with pytest.raises(PlanError, match=r"needs \d+\.\d GiB per device.*16\.0 GiB of HBM"):
+    plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
                _batch(16, 4096), "v5e-4", verify=0)
 
 
 def test_bad_arguments_raise_plan_errors():
   cfg = llama.model_config("llama-tiny", 16)
   init = lambda k: llama.init_params(cfg, k)
-  with pytest.raises(fplan.PlanError, match="loss_fn"):
-    fplan.plan(init, "loss", optax.adam(1e-3), _batch(8, 16), "v5p-8")
-  with pytest.raises(fplan.PlanError, match="optax"):
-    fplan.plan(init, llama.loss_fn, "adam", _batch(8, 16), "v5p-8")
-  with pytest.raises(fplan.PlanError, match="leading batch dim"):
-    fplan.plan(init, llama.loss_fn, optax.adam(1e-3), {"inputs": 3}, "v5p-8")
-  with pytest.raises(fplan.PlanError, match="verify"):
-    fplan.plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
+  with pytest.raises(PlanError, match="loss_fn"):
+    plan(init, "loss", optax.adam(1e-3), _batch(8, 16), "v5p-8")
+  with pytest.raises(PlanError, match="optax"):
+    plan(init, llama.loss_fn, "adam", _batch(8, 16), "v5p-8")
+  with pytest.raises(PlanError, match="leading batch dim"):
+    plan(init, llama.loss_fn, optax.adam(1e-3), {"inputs": 3}, "v5p-8")
+  with pytest.raises(PlanError, match="verify"):
+    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
 
 
 def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   del tpu_devices  # the fixture skips where libtpu is absent; plan() describes the devices
   cfg = llama.ModelConfig(layers=2, d_model=128, heads=1, kv_heads=1, d_mlp=256, seq=256,
                           vocab=256)
-  p = fplan.plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+  p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
                  _batch(16, 256), "v5p:2x2x2", policy="params=float32,compute=bfloat16",
                  rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=1,
                  max_tensor=1)
@@ -141,6 +141,6 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   program = (p.profile.flops_row_remat if best.remat else p.profile.flops_row) * 16 / 8
   assert best.compiled.matmul_flops == pytest.approx(program, rel=0.01)
   text = str(p)
-  assert "chosen:" in text and "yes" in text and fplan.mesh_str(p.axes) in text
-  s = fplan.summary(p)
+  assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
+  s = summary(p)
   assert s["rows"][0]["memory_ratio"] == pytest.approx(best.compiled.bytes / best.estimate.bytes)
