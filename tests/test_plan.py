@@ -144,3 +144,24 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
   s = summary(p)
   assert s["rows"][0]["memory_ratio"] == pytest.approx(best.compiled.bytes / best.estimate.bytes)
+
+
+def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
+  from fnscale import plan as plan_module  # pylint: disable=g-import-not-at-top
+  est = lambda s: _cost.Estimate(1.0, 1.0, 1.0, 1.0, 1.0, s, {}, s, 0.5)
+  rows = [plan_module.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
+          for a, s in ((1, 1.0), (2, 1.1), (4, 1.2))]
+
+  def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
+    fits = cand.accum > 1
+    c = plan_module.Compiled(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
+                             () if fits else ("memory",))
+    return cand._replace(compiled=c, fits=fits)
+
+  monkeypatch.setattr(plan_module, "_verify", fake_verify)
+  plan_module._verify_best(rows, None, None, verify=1)
+  assert [(r.accum, r.fits, r.compiled is not None) for r in rows] == [
+      (2, True, True), (4, True, False), (1, False, True)]
+  msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (18.35G) exceeds available HBM (15.75G).")
+  assert plan_module._oom_bytes(msg) == pytest.approx(18.35 * GiB)
