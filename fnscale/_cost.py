@@ -22,7 +22,12 @@ Matmuls" and 5 "Training":
   async collectives and latency-hiding scheduler overlap all communication with compute,
   so step = max(compute, communication) (the scaling book's roofline); on simulated CPU
   devices the same cores copy and compute, so step = compute + communication.
-- Compute at the device's peak: predicted MFU is therefore an upper bound.
+- Memory traffic at HBM bandwidth, added to compute (the vector work that moves it runs
+  between the matmuls): the optimizer update reads params, gradients and optimizer state
+  and writes params and state once per step; activations are written forward and read
+  backward once per row. It matters where the optimizer update is replicated (data
+  parallel), and on CPU, where memory is slow.
+- Matmuls at the device's peak: predicted MFU is therefore an upper bound.
 """
 from __future__ import annotations
 
@@ -174,6 +179,7 @@ class Estimate(NamedTuple):
   comm_s: dict
   step_s: float
   mfu: float
+  memory_s: float = 0.0
 
   @property
   def bytes(self) -> float:
@@ -235,7 +241,10 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
                weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
                acts=act_row * rows_mb)  # not split by tensor: the residual stream isn't
   model_flops = prof.flops_row * prof.rows
+  update = (2 * prof.param_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
+  memory = (update + 2 * act_row * rows_mb * accum) / hw.links.hbm
   compute = (prof.flops_row_remat if remat else prof.flops_row) * prof.rows / n / hw.peak_flops
+  compute += memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
   comm = {}
   if f > 1:
@@ -251,4 +260,5 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
-                  mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0)
+                  mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
+                  memory_s=memory)

@@ -9,6 +9,8 @@ The link bandwidths below belong beside the chip facts in `fnscale/topology.py` 
 - DCN per chip: Google Cloud "TPU v5p" page (50 Gbps per chip); "TPU v6e" page (NIC per
   8-chip host: v5e 2 x 100 Gbps, v6e 4 x 200 Gbps, i.e. 25 and 100 Gbps per chip). v4 has no
   published per-chip figure: taken as v5e's (an assumption, flagged in `sources`).
+- HBM bandwidth per chip: the Cloud TPU pages (v4 1200 GB/s, v5e 819 GB/s, v5p 2765 GB/s,
+  v6e 1640 GB/s); NVIDIA data sheets (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
 - NVIDIA H100/H200 SXM: NVLink 900 GB/s per GPU both directions (NVIDIA H200 product page),
   450 GB/s one way to the NVSwitch; between nodes one 400 Gb/s ConnectX-7 NIC per GPU
   (NVIDIA DGX H200 data sheet), 5e10 B/s.
@@ -26,22 +28,24 @@ from fnscale.errors import TopologyError
 
 
 class LinkFacts(NamedTuple):
-  """Interconnect of one chip kind. `ici_link`: bytes/s one way per ICI (or NVLink) link;
-  `dcn`: bytes/s per chip across slices (or nodes); `switched`: links go through a switch
-  (NVSwitch: every axis gets `ici_link` whatever its shape) rather than a torus."""
+  """Interconnect and memory bandwidth of one chip kind. `ici_link`: bytes/s one way per ICI
+  (or NVLink) link; `dcn`: bytes/s per chip across slices (or nodes); `hbm`: HBM bytes/s per
+  chip; `switched`: links go through a switch (NVSwitch: every axis gets `ici_link` whatever
+  its shape) rather than a torus."""
   ici_link: float
   dcn: float
+  hbm: float
   switched: bool = False
   source: str = ""
 
 
 LINK_FACTS: Mapping[str, LinkFacts] = types.MappingProxyType({
-    "v4": LinkFacts(4.5e10, 25e9 / 8, source="ICI: scaling book; DCN: assumed as v5e"),
-    "v5e": LinkFacts(4.5e10, 25e9 / 8, source="scaling book; Cloud TPU v6e page"),
-    "v5p": LinkFacts(9e10, 50e9 / 8, source="scaling book; Cloud TPU v5p page"),
-    "v6e": LinkFacts(9e10, 100e9 / 8, source="scaling book; Cloud TPU v6e page"),
-    "H100": LinkFacts(4.5e11, 5e10, True, "NVIDIA H100 / DGX data sheets"),
-    "H200": LinkFacts(4.5e11, 5e10, True, "NVIDIA H200 / DGX H200 data sheets"),
+    "v4": LinkFacts(4.5e10, 25e9 / 8, 1.2e12, source="ICI: scaling book; DCN: assumed as v5e"),
+    "v5e": LinkFacts(4.5e10, 25e9 / 8, 8.19e11, source="scaling book; Cloud TPU v6e page"),
+    "v5p": LinkFacts(9e10, 50e9 / 8, 2.765e12, source="scaling book; Cloud TPU v5p page"),
+    "v6e": LinkFacts(9e10, 100e9 / 8, 1.64e12, source="scaling book; Cloud TPU v6e page"),
+    "H100": LinkFacts(4.5e11, 5e10, 3.35e12, True, "NVIDIA H100 / DGX data sheets"),
+    "H200": LinkFacts(4.5e11, 5e10, 4.8e12, True, "NVIDIA H200 / DGX H200 data sheets"),
 })
 
 # Names libtpu's `get_topology_desc` knows, per generation key of `TPU_FACTS`.
@@ -132,14 +136,14 @@ def _gpu(name: str, kind: str, count: int) -> Hardware:
 
 def cpu_hardware(matmul_flops: float, copy_bytes_per_s: float, devices=None) -> Hardware:
   """Simulated CPU devices: they share the host's cores, so each device gets 1/n of the
-  measured matmul rate and of the measured memory-copy rate (`fnscale.plan.calibrate_cpu`),
-  and collectives do not overlap compute."""
+  measured matmul rate and of the measured memory-copy rate (`fnscale.plan.calibrate_cpu`)
+  for collectives and memory traffic alike, and collectives do not overlap compute."""
   import jax  # pylint: disable=g-import-not-at-top
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   return Hardware("cpu", "cpu", None, 1, n, (), False, matmul_flops / n, float("inf"),
-                  LinkFacts(copy_bytes_per_s / n, copy_bytes_per_s / n, True,
-                            "measured on this host"), devices, overlap=False)
+                  LinkFacts(copy_bytes_per_s / n, copy_bytes_per_s / n, copy_bytes_per_s / n,
+                            True, "measured on this host"), devices, overlap=False)
 
 
 _TPU_RE = re.compile(r"^(?P<gen>v\d\w*?|tpu7x)(?:-(?P<count>\d+)|:(?P<grid>\d+(?:x\d+)*))$")

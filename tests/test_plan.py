@@ -91,18 +91,25 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
                        grad_bytes=4e9, flops_row=6e12, flops_row_remat=8e12, act_row=1e9,
                        act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
   hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
-                         _targets.LinkFacts(1e11, 1e10))
+                         _targets.LinkFacts(1e11, 1e10, 1e12))
   e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2)
   # Per device: params, adam state and gradients (plus an accumulator) split 8 ways; two
   # layers of gathered bf16 weights; activations of 64 / 8 / 2 = 4 rows.
   assert e.params == 0.5e9 and e.opt == 1e9 and e.grads == 1e9
   assert e.weights == 2 * 2e9 / 10 and e.acts == 4e9
-  assert e.compute_s == 6e12 * 64 / 8 / 1e14
+  # Matmuls at peak, plus memory traffic at 1e12 B/s: the optimizer update (read params,
+  # grads, adam state; write params, state) of the 1/8 shard, and activations written and
+  # read once for each of the 8 rows.
+  assert e.memory_s == pytest.approx(((2 * 4e9 + 4e9 + 2 * 8e9) / 8 + 2 * 1e9 * 8) / 1e12)
+  assert e.compute_s == pytest.approx(6e12 * 64 / 8 / 1e14 + e.memory_s)
   # Per microbatch: all-gather bf16 weights twice, reduce-scatter f32 gradients once, each
   # moving 7/8 of the bytes over 3 torus dims (no wrap) of 1e11 B/s links.
   assert e.comm_s["fsdp"] == pytest.approx(2 * 7 / 8 * (2 * 2e9 + 4e9) / 3e11)
   assert e.step_s == max(e.compute_s, e.comm_s["fsdp"])
   assert e.mfu == pytest.approx(6e12 * 64 / (e.step_s * 8 * 1e14))
+  # Data parallel replicates the optimizer update: 8x its memory traffic.
+  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2)
+  assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
