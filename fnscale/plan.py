@@ -220,14 +220,15 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
 
 
 def _verify_best(rows: list, hw, ctx, verify: int) -> None:
-  """Compiles the best rows in place until `verify` of them fit (at most verify + 2 tries:
-  a candidate XLA finds too big for HBM makes room for the next), then re-ranks."""
-  tried = fitting = 0
-  for i, r in enumerate(list(rows)):
-    if fitting >= verify or tried >= verify + 2 or not r.fits:
+  """Compiles, best first, until the top `verify` rows that fit are all compiled, then leaves
+  `rows` ranked. At most verify + 2 compiles: a candidate XLA finds too big for HBM, or whose
+  compiled figures rank it lower, makes room for the next."""
+  for _ in range(verify + 2):
+    rows.sort(key=_rank_key)
+    todo = next((i for i, r in enumerate(rows[:verify]) if r.fits and r.compiled is None), None)
+    if todo is None:
       break
-    rows[i] = _verify(r, hw, ctx)
-    tried, fitting = tried + 1, fitting + rows[i].fits
+    rows[todo] = _verify(rows[todo], hw, ctx)
   rows.sort(key=_rank_key)
 
 
