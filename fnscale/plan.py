@@ -392,7 +392,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
 
 def summary(p: Plan) -> dict:
   """The plan as plain data (for JSON): target facts, the chosen row and every row's
-  estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm)."""
+  estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm; HLO
+  matmul FLOPs over the traced step's with this row's remat, and without remat)."""
   rows, prof, n = [], p.profile, p.hardware.num_devices
   for r in p.rows:
     c, e = r.compiled, r.estimate
@@ -405,7 +406,7 @@ def summary(p: Plan) -> dict:
         compiled_step_s=c.step_s if c else None, compiled_mfu=c.mfu if c else None,
         hlo_matmul_flops=c.matmul_flops if c else None, compile_s=c.seconds if c else None,
         flags=list(c.flags) if c else None,
-        hlo_over_model=c.matmul_flops / (prof.flops_row * prof.rows / n) if c else None,
+        hlo_over_traced_no_remat=c.matmul_flops / (prof.flops_row * prof.rows / n) if c else None,
         hlo_over_program=c.matmul_flops / program if c else None))
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, hbm_bytes=hw.hbm_bytes,
