@@ -175,10 +175,10 @@ def _block(x, p, cfg: ModelConfig):
   v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
-  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  h = fs.constrain_batch(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
   g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["w_gate"]))
   u = jnp.einsum("bsd,df->bsf", h, p["w_up"])
-  return x + jnp.einsum("bsf,fd->bsd", g * u, p["w_down"])
+  return x + jnp.einsum("bsf,fd->bsd", fs.constrain_batch(g * u), p["w_down"])
 
 
 def _config_of(params: dict, tokens) -> ModelConfig:
