@@ -28,6 +28,7 @@ __all__ = [
     "HloSummary",
     "Loop",
     "collectives",
+    "flops_ratio",
     "matmul_flops",
     "ring_bytes_sent",
     "summarize",
@@ -74,13 +75,16 @@ class HloSummary(NamedTuple):
   `convolution`, loop trip counts applied (FLOPs); `matmul_flops_once`: the same with every
   reachable loop body counted once, as XLA's cost analysis does; `collectives`: tuple of
   `Collective` in `COLLECTIVE_KINDS` order; `loops`: every while loop; `num_devices`: devices
-  a collective without replica groups spans (the module's replicas x partitions unless given).
+  a collective without replica groups spans (the module's replicas x partitions unless given);
+  `groups`: (kind, devices per replica group, ring bytes sent per device per step) for each
+  kind and group size present (a group size names the mesh axis a collective runs on).
   """
   matmul_flops: float
   matmul_flops_once: float
   collectives: tuple[Collective, ...]
   loops: tuple[Loop, ...]
   num_devices: int
+  groups: tuple[tuple[str, int, float], ...] = ()
 
   @property
   def unknown_trip_counts(self) -> int:
@@ -103,6 +107,7 @@ _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
 _COND_RE = re.compile(r"\bcondition=%?([\w.\-]+)")
 _OPERAND_RE = re.compile(r"((?:[\w\[\],{}:()]+\s+)?)%([\w.\-]+)")
+_LINE_START_RE = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")
 _DEVICES_RE = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
 
 
@@ -178,7 +183,8 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """Computation name -> its instruction lines, and the entry's name. Instruction lines
-  outside any computation (a snippet) form the computation named ''."""
+  outside any computation (a snippet) form the computation named ''. A computation ends at
+  a line that is only "}"; lines that don't start an instruction continue the one above."""
   comps: dict[str, list[str]] = {"": []}
   entry, cur = None, None
   for line in text.splitlines():
@@ -191,24 +197,97 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
           entry = cur
       else:
         comps[""].append(line)
-    elif line.startswith("}"):
+    elif line.strip() == "}":
       cur = None
+    elif comps[cur] and not _LINE_START_RE.match(line):
+      # An attribute that spans lines (a Pallas kernel's `frontend_attributes` JSON, whose
+      # continuation may start with "}}") belongs to the instruction above.
+      comps[cur][-1] += " " + line.strip()
     else:
       comps[cur].append(line)
   return comps, entry
 
 
-def _condition_trips(line: str, args: str, consts: dict[str, int],
-                     shapes: dict[str, str]) -> int | None:
-  """N of a loop condition's ROOT `compare(counter, N), direction=LT` (or N > counter)."""
-  names = re.findall(r"%([\w.\-]+)", args)
-  direction = re.search(r"direction=(\w+)", line)
-  if len(names) != 2 or not direction:
+def _operands(args: str) -> list[str]:
+  """Operand names of an instruction: the %names before its closing parenthesis."""
+  return re.findall(r"%([\w.\-]+)", args.split(")")[0])
+
+
+def _tuple_index(defs: dict, name: str) -> int | None:
+  """k where `name` is `get-tuple-element(param), index=k`."""
+  d = defs.get(name)
+  m = re.search(r"index=(\d+)", d[2]) if d and d[0] == "get-tuple-element" else None
+  return int(m.group(1)) if m else None
+
+
+def _loop_trips(cond: str, body: str, init: str | None, caller: str, defs: dict,
+                consts: dict) -> int | None:
+  """Trips of a while loop whose condition's ROOT is `compare(counter, N), direction=LT`
+  (or `N > counter`) on tuple element k: ceil((N - start) / step), where the body's ROOT
+  tuple sets element k to `counter + step` and the caller's init tuple gives `start` (0 where
+  it is not a constant). XLA unrolls windowed-einsum loops this way: a body that does two
+  iterations' work steps its counter by 2."""
+  cdefs, root = defs.get(cond, {}), defs.get(cond, {}).get("ROOT")
+  if not root or root[0] != "compare":
     return None
-  counter, bound = {"LT": names, "GT": names[::-1]}.get(direction.group(1), (None, None))
-  if bound not in consts or not re.match(r"\s*[su](32|64)\[\]", shapes.get(counter, "")):
+  names, direction = _operands(root[1]), re.search(r"direction=(\w+)", root[2])
+  if len(names) != 2 or not direction or direction.group(1) not in ("LT", "GT"):
     return None
-  return max(consts[bound], 0)
+  counter, bound = names if direction.group(1) == "LT" else names[::-1]
+  k = _tuple_index(cdefs, counter)
+  if bound not in consts.get(cond, {}) or k is None:
+    return None
+  step, bdefs = 1, defs.get(body, {})
+  broot = bdefs.get("ROOT")
+  if broot and broot[0] == "tuple" and k < len(_operands(broot[1])):
+    upd = bdefs.get(_operands(broot[1])[k])
+    if upd and upd[0] == "add":
+      a, b = (_operands(upd[1]) + [None, None])[:2]
+      c = next((consts[body][x] for x in (a, b) if x in consts.get(body, {})), None)
+      other = b if a in consts.get(body, {}) else a
+      if c and c > 0 and _tuple_index(bdefs, other) == k:
+        step = c
+  start, tup = 0, defs.get(caller, {}).get(init or "")
+  if tup and tup[0] == "tuple" and k < len(_operands(tup[1])):
+    start = consts.get(caller, {}).get(_operands(tup[1])[k], 0)
+  return max(-(-(consts[cond][bound] - start) // step), 0)
+
+
+def _taps(size_in: int, size_out: int, window: int, pad_lo: int, stride: int, lhs_dilate: int,
+          rhs_dilate: int) -> int:
+  """(output position, window tap) pairs of one spatial dim whose tap reads the input rather
+  than padding or a dilation hole (XLA's convolution semantics)."""
+  last, count = (size_in - 1) * lhs_dilate, 0
+  for w in range(window):
+    off = w * rhs_dilate - pad_lo
+    if lhs_dilate == 1:
+      lo = max(0, -(off // stride))  # ceil(-off / stride)
+      hi = min(size_out - 1, (last - off) // stride)
+      count += max(0, hi - lo + 1)
+    else:
+      count += sum(1 for o in range(size_out)
+                   if 0 <= o * stride + off <= last and (o * stride + off) % lhs_dilate == 0)
+  return count
+
+
+def _window_taps(size_in: list[int], size_out: list[int], window: str) -> float:
+  """Product over spatial dims of the taps landing on input (`_taps`), from the text of a
+  convolution's `window={size=.. pad=.. stride=.. lhs_dilate=.. rhs_dilate=..}`.
+
+  XLA on TPU writes some dots as convolutions whose window slides over zero padding (a
+  batch or head dim as a spatial dim, `pad=31_31` around a window of 32): only the taps on
+  the input multiply, so counting the whole window would overstate such a dot 32 times.
+  """
+  fields = dict(re.findall(r"(\w+)=([-\d_x]+)", window))
+  nd = len(size_in)
+  per_dim = lambda name, default: ([int(v) for v in fields[name].split("x")]
+                                   if name in fields else [default] * nd)
+  sizes, strides = per_dim("size", 1), per_dim("stride", 1)
+  lhs_d, rhs_d = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+  pads = ([int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields
+          else [0] * nd)
+  return float(math.prod(_taps(size_in[i], size_out[i], sizes[i], pads[i], strides[i], lhs_d[i],
+                               rhs_d[i]) for i in range(nd)))
 
 
 def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, str]) -> float:
@@ -224,15 +303,84 @@ def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, s
   if op == "dot":
     contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
     k = math.prod(lhs_dims[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
-  else:  # convolution: input features per group x window elements
-    labels = re.search(r"dim_labels=(\w+)_\w+->\w+", line)
+  else:  # convolution: input features per group x window taps that land on the input
+    labels = re.search(r"dim_labels=(\w+)_\w+->(\w+)", line)
     if not labels or "f" not in labels.group(1):
       return 0.0
+    lhs_l, out_l = labels.group(1), labels.group(2)
     groups = re.search(r"feature_group_count=(\d+)", line)
-    size = re.search(r"window=\{[^}]*\bsize=([\dx]+)", line)
-    window = math.prod(int(s) for s in size.group(1).split("x")) if size else 1
-    k = lhs_dims[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1) * window
+    k = lhs_dims[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    window = re.search(r"window=\{([^}]*)\}", line)
+    taps = _window_taps([lhs_dims[lhs_l.index(c)] for c in spatial],
+                        [out[0][1][out_l.index(c)] for c in spatial],
+                        window.group(1) if window else "")
+    return 2.0 * math.prod(out[0][1]) / math.prod(
+        out[0][1][out_l.index(c)] for c in spatial) * taps * k
   return 2.0 * math.prod(out[0][1]) * k
+
+
+class _Graph(NamedTuple):
+  """What `_read_computation` collects from every computation of a module (build one with
+  `_graph()`: fresh containers each time)."""
+  edges: dict  # comp -> [(callee, factor)]
+  whiles: list  # (caller, body, condition, init operand, known trip count)
+  defs: dict  # comp -> instr -> (op, args, line); "ROOT" -> the root's
+  consts: dict  # comp -> instr -> integer scalar constant
+  dots: dict  # comp -> matmul FLOPs per run
+  colls: dict  # comp -> [(kind, result bytes, group size)]
+
+
+def _graph() -> _Graph:
+  dd = collections.defaultdict
+  return _Graph(dd(list), [], dd(dict), dd(dict), dd(float), dd(list))
+
+
+def _read_computation(name: str, lines: list[str], num_devices: int, g: _Graph) -> None:
+  """Adds one computation's instructions, calls, loops, dots and collectives to `g`."""
+  shapes: dict[str, str] = {}
+  starts: dict[str, int] = {}
+  for line in lines:
+    m = _INSTR_RE.match(line)
+    op_m = _OP_RE.search(m.group("rest")) if m else None
+    if not op_m:
+      continue
+    rest = m.group("rest")
+    shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
+    shapes[m.group("name")] = shape
+    g.defs[name][m.group("name")] = (op, args, line)
+    if line.lstrip().startswith("ROOT"):
+      g.defs[name]["ROOT"] = (op, args, line)
+    if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
+      g.consts[name][m.group("name")] = int(args.split(")")[0])
+    if op == "while":
+      t = _TRIP_RE.search(line)
+      body, cond = _BODY_RE.search(line), _COND_RE.search(line)
+      g.whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
+                       (_operands(args) or [None])[0], int(t.group(1)) if t else None))
+    # An async op's -done (and -update) names the same computation as its -start.
+    elif not op.startswith("async-") or op == "async-start":
+      g.edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
+    branches = _BRANCHES_RE.search(line)
+    if branches:
+      g.edges[name].extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(","))
+    if op in ("dot", "convolution"):
+      g.dots[name] += _matmul_flops(op, line, shape, args, shapes)
+      continue
+    base = next((c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done")), None)
+    if base is None:
+      continue
+    if op.endswith("-start"):
+      starts[m.group("name")] = _group_size(line, num_devices)
+      continue
+    if op.endswith("-done"):
+      src = re.search(r"%([\w.\-]+)", args)
+      n = starts.get(src.group(1), num_devices) if src else num_devices
+    elif base in ("collective-permute", "collective-broadcast"):
+      n = 2  # a device sends its buffer once
+    else:
+      n = _group_size(line, num_devices)
+    g.colls[name].append((base, _shape_bytes(shape), n))
 
 
 def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
@@ -260,69 +408,24 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
     raise StepError(f"num_devices={num_devices}, expected at least 1")
   comps, entry = _computations(hlo_text)
 
-  edges: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  whiles: list[tuple[str, str, str, int | None]] = []  # caller, body, condition, known trips
-  cond_trips: dict[str, int] = {}
-  dots: dict[str, float] = collections.defaultdict(float)
-  colls: dict[str, list[tuple[str, float, int]]] = collections.defaultdict(list)
+  g = _graph()
   for name, lines in comps.items():
-    shapes: dict[str, str] = {}
-    starts: dict[str, int] = {}
-    consts: dict[str, int] = {}
-    for line in lines:
-      m = _INSTR_RE.match(line)
-      op_m = _OP_RE.search(m.group("rest")) if m else None
-      if not op_m:
-        continue
-      rest = m.group("rest")
-      shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
-      shapes[m.group("name")] = shape
-      if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
-        consts[m.group("name")] = int(args.split(")")[0])
-      elif op == "compare" and line.lstrip().startswith("ROOT"):
-        trips = _condition_trips(line, args, consts, shapes)
-        if trips is not None:
-          cond_trips[name] = trips
-      if op == "while":
-        t = _TRIP_RE.search(line)
-        body, cond = _BODY_RE.search(line), _COND_RE.search(line)
-        whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
-                       int(t.group(1)) if t else None))
-      # An async op's -done (and -update) names the same computation as its -start.
-      elif not op.startswith("async-") or op == "async-start":
-        edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
-      branches = _BRANCHES_RE.search(line)
-      if branches:
-        edges[name].extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(","))
-      if op in ("dot", "convolution"):
-        dots[name] += _matmul_flops(op, line, shape, args, shapes)
-        continue
-      base = next((c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done")), None)
-      if base is None:
-        continue
-      if op.endswith("-start"):
-        starts[m.group("name")] = _group_size(line, num_devices)
-        continue
-      if op.endswith("-done"):
-        src = re.search(r"%([\w.\-]+)", args)
-        n = starts.get(src.group(1), num_devices) if src else num_devices
-      elif base in ("collective-permute", "collective-broadcast"):
-        n = 2  # a device sends its buffer once
-      else:
-        n = _group_size(line, num_devices)
-      colls[name].append((base, _shape_bytes(shape), n))
+    _read_computation(name, lines, int(num_devices), g)
+  edges, defs, consts, dots, colls = g.edges, g.defs, g.consts, g.dots, g.colls
 
   loops = []
-  for caller, body, cond, known in whiles:
-    loop = (Loop(body, known) if known is not None else
-            Loop(body, cond_trips.get(cond), cond in cond_trips))
+  for caller, body, cond, init, known in g.whiles:
+    trips = _loop_trips(cond, body, init, caller, defs, consts) if known is None else None
+    loop = Loop(body, known) if known is not None else Loop(body, trips, trips is not None)
     loops.append(loop)
     edges[caller].extend(((body, loop.trip_count or 1), (cond, (loop.trip_count or 0) + 1)))
 
   mult = _multiplicities(comps, edges, entry)
   out: dict[str, list] = {}
+  groups: dict[tuple[str, int], float] = collections.defaultdict(float)
   for c, items in colls.items():
     for kind, nbytes, n in items:
+      groups[(kind, n)] += ring_bytes_sent(kind, nbytes, n) * mult[c]
       e = out.setdefault(kind, [0, 0.0, 0, 0.0])
       e[0] += mult[c]
       e[1] += nbytes * mult[c]
@@ -333,7 +436,8 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       matmul_flops_once=sum(f for c, f in dots.items() if mult[c]),
       collectives=tuple(Collective(k, int(v[0]), int(v[1]), v[2], float(v[3]))
                         for k in COLLECTIVE_KINDS if (v := out.get(k)) and v[2]),
-      loops=tuple(loops), num_devices=int(num_devices))
+      loops=tuple(loops), num_devices=int(num_devices),
+      groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b))
 
 
 def _multiplicities(comps: dict, edges: dict, entry: str | None) -> dict[str, int]:
@@ -382,3 +486,22 @@ def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
   """
   s = summarize(hlo_text)
   return s.matmul_flops if apply_trip_counts else s.matmul_flops_once
+
+
+def flops_ratio(hlo_text: str, model_flops: float) -> float:
+  """HLO matmul FLOPs per device per step (`matmul_flops`) / `model_flops` per device.
+
+  With `model_flops` the FLOPs the step's own matmuls need (`fnscale._cost.jaxpr_matmul_flops`
+  of the traced step, remat included), 1.0 says the compiled program does the model's work
+  and no more; with PaLM's 6N + attention (`fnscale.flops.model_flops_per_token` x tokens /
+  devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
+  custom call, not counted here) below.
+
+  Raises:
+    StepError: `model_flops` not a positive number, or a bad `hlo_text` (as `summarize`).
+  """
+  if isinstance(model_flops, bool) or not isinstance(model_flops, (int, float)) or not (
+      model_flops > 0):
+    raise StepError(f"model_flops={model_flops!r}, expected a positive number of FLOPs per "
+                    "device per step")
+  return summarize(hlo_text).matmul_flops / float(model_flops)

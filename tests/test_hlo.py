@@ -182,3 +182,93 @@ def test_tpu_convolutions_and_condition_trip_counts():
   m = M // 8
   assert s.matmul_flops == 3 * 3 * 2 * m * D * D + 3 * 2 * m * D * F
   assert s.collective("all-reduce").bytes == (3 * D * D + D * F) * 4
+
+
+def _valid_taps(size_in, size_out, window, pad_lo):
+  """Brute force: (output, tap) pairs whose input index is inside [0, size_in)."""
+  return sum(1 for o in range(size_out) for w in range(window) if 0 <= o + w - pad_lo < size_in)
+
+
+def test_convolution_counts_only_window_taps_on_the_input():
+  # The TPU compiler writes a batched dot (heads h=4) as a convolution whose lhs has a
+  # spatial dim of size 1 padded by 3 on each side under a window of 4: each output head
+  # meets exactly one real tap. A count of the whole window would be 4x too high.
+  line = ("%c = bf16[64,4,16,1]{3,2,1,0} convolution(bf16[64,2,8,1]{3,2,1,0} %a, "
+          "bf16[2,8,4,16]{3,2,1,0} %b), window={size=4x2 pad=3_3x0_0 rhs_reversal=1x0}, "
+          "dim_labels=b1f0_1i0o->b0f1")
+  # out[b, h, o] = sum over the 2 x 8 (spatial 1, feature) pairs: a [64,16] x [16,16] dot per head.
+  assert hlo.matmul_flops(line) == 2 * 64 * 4 * 16 * (2 * 8)
+  # A 3x3 "same" image convolution on 8x8: border outputs see fewer than 9 pixels.
+  img = ("%y = f32[2,8,8,5]{3,2,1,0} convolution(f32[2,8,8,3]{3,2,1,0} %x, "
+         "f32[3,3,3,5]{3,2,1,0} %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f")
+  taps = _valid_taps(8, 8, 3, 1) ** 2
+  assert taps == 484  # not 8 * 8 * 9 = 576
+  assert hlo.matmul_flops(img) == 2 * 2 * 5 * taps * 3
+
+
+def test_unrolled_loop_counter_steps_by_its_increment():
+  # XLA unrolls windowed-einsum loops by 2: the body does two steps' work and adds 2 to the
+  # counter, so `i < 4` means 2 trips, not 4.
+  text = (LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+          .replace("%one = s32[] constant(1)", "%one = s32[] constant(2)"))
+  s = hlo.summarize(text)
+  assert s.loops == (hlo.Loop("body", 2, True),)
+  assert s.matmul_flops == 2 * (2 * 16 * 32 * 32) + 2 * 8 * 32 * 16
+  # A counter that starts at 3 (the init tuple's constant) runs ceil((4 - 3) / 2) = 1 trip.
+  started = text.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(3)")
+  assert hlo.summarize(started).loops == (hlo.Loop("body", 1, True),)
+
+
+def test_multi_line_kernel_attribute_stays_in_its_loop_body():
+  # Pallas kernels (splash attention) carry JSON metadata over several lines; a continuation
+  # line starting with "}}" must not end the loop body, or the body's dots lose their trips.
+  attr = ('  %x = f32[16,32]{1,0} custom-call(%h), custom_call_target="tpu_custom_call", '
+          'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 512}"\n'
+          '}}, metadata={op_name="pallas_call"}\n')
+  text = LOOP_HLO.replace("  %w = f32[32,32]{1,0} constant({...})\n",
+                          attr + "  %w = f32[32,32]{1,0} constant({...})\n")
+  s = hlo.summarize(text)
+  assert s.matmul_flops == 4 * (2 * 16 * 32 * 32) + 2 * 8 * 32 * 16
+  assert s.collective("all-reduce").count == 4
+  assert hlo.flops_ratio(text, 4 * (2 * 16 * 32 * 32) + 2 * 8 * 32 * 16) == 1.0
+
+
+def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices):
+  # A remat'd 2-layer Llama step with splash attention (a Pallas kernel with multi-line
+  # metadata) under FSDP on v5p:2x2x2: the HLO's matmuls must be exactly the matmuls of the
+  # traced step (each device runs one of the 8 rows), no more and no fewer.
+  import functools  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
+  import llama  # pylint: disable=g-import-not-at-top
+  from fnscale import _cost  # pylint: disable=g-import-not-at-top
+  devices = tpu_devices("v5p:2x2x2")
+  cfg = llama.ModelConfig(layers=2, d_model=256, heads=2, kv_heads=1, d_mlp=512, seq=512,
+                          vocab=512)
+  mesh = fnscale.make_mesh({"fsdp": 8}, devices=devices)
+  opt, pol = optax.adamw(1e-3), "params=float32,compute=bfloat16,output=float32"
+  la = llama.logical_axes(cfg)
+  state = fnscale.init_state(lambda k: llama.init_params(cfg, k), opt, mesh=mesh,
+                             rules=llama.RULES, logical_axes=la, policy=pol,
+                             key=jax.random.key(0), abstract=True)
+  batch = {k: jax.ShapeDtypeStruct((8, 512), jnp.int32) for k in ("inputs", "targets")}
+  loss = functools.partial(llama.loss_fn, remat=True)
+  step = fnscale.shard_step(fnscale.train_step(loss, opt, policy=pol), mesh, rules=llama.RULES,
+                            logical_axes=la).compile(state, batch)
+  text = step.compiled.as_text()
+  assert "kernel_metadata={\n" in text  # the multi-line attribute is there
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), state.params)
+  with jax.set_mesh(fnscale.make_mesh({"data": 1}, devices=devices[:1])):
+    row = {k: jax.ShapeDtypeStruct((1, 512), jnp.int32) for k in batch}
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params, row).jaxpr
+  # Hand check of the reference: forward 2 N + 2 x remat'd blocks but the last matmul of
+  # each (w_down's output isn't needed to differentiate) + backward 4 N, per token.
+  n_block = 256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 512
+  n = 2 * n_block + 256 * 512
+  want = 512 * (6 * n + 2 * 2 * (n_block - 512 * 256))
+  assert hlo.flops_ratio(text, want) == 1.0
+  # The jaxpr counter (the planner's) also sees a tiny dot inside the attention wrapper that
+  # XLA removes as dead code (2 x 2 x 512 x 128 per layer).
+  assert _cost.jaxpr_matmul_flops(jaxpr) == pytest.approx(want, rel=2e-4)

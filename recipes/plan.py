@@ -1,0 +1,137 @@
+"""Plan the mesh, remat and accumulation for a Llama model on a target pod, from this machine.
+
+  python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
+  python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
+  python recipes/plan.py --measure                # CPU: predicted vs measured step-time order
+
+`fnscale.plan` ranks the candidates with its analytic model and compiles the best `--verify`
+of them for the target's described devices (TPU targets; libtpu does this without the
+hardware). `--measure` plans for this host's 8 simulated CPU devices with the cost model
+calibrated from measured matmul and memory-copy rates, runs every candidate mesh, and
+reports the Spearman rank correlation between predicted and measured step times.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--measure" in sys.argv:  # simulated devices must be set before jax starts
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+# By name from the module, so a top-level `fnscale.plan` function can't shadow it.
+from fnscale.plan import Plan, calibrate_cpu, mesh_str, plan, summary  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+POLICY = "params=float32,compute=bfloat16,output=float32"
+
+
+def _batch(rows: int, seq: int) -> dict:
+  return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
+
+
+def make_plan(model: str, target, rows: int, seq: int, verify: int, policy=POLICY,
+              **kw) -> Plan:
+  """`fnscale.plan` for a named Llama size (`recipes/llama.py`) and AdamW."""
+  cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
+  return plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
+                    _batch(rows, seq), target, policy=policy, rules=llama.RULES,
+                    logical_axes=llama.logical_axes(cfg), verify=verify, **kw)
+
+
+def spearman(a, b) -> float:
+  """Spearman's rank correlation: Pearson's r of the ranks (ties broken by order)."""
+  ra, rb = (np.argsort(np.argsort(np.asarray(x))) for x in (a, b))
+  return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _compiled(cfg, cand, rows: int):
+  """(step, state, batch) of the candidate on this host's devices, compiled and warmed up."""
+  mesh = fs.make_mesh(cand.axes)
+  opt = optax.adamw(3e-4)
+  la = llama.logical_axes(cfg)
+  state = fs.init_state(lambda k: llama.init_params(cfg, k), opt, mesh=mesh, rules=llama.RULES,
+                        logical_axes=la, key=jax.random.key(0))
+  loss = functools.partial(llama.loss_fn, remat=cand.remat)
+  step = fs.shard_step(fs.train_step(loss, opt, accum_steps=cand.accum), mesh,
+                       rules=llama.RULES, logical_axes=la, donate=False)
+  data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
+  batch = fs.global_batch({"inputs": data[:, :-1], "targets": data[:, 1:]},
+                          fs.batch_sharding(mesh))
+  jax.block_until_ready(step(state, batch))
+  return step, state, batch
+
+
+def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
+  """Plans for the 8 simulated CPU devices, then times every candidate mesh (remat fixed)
+  in `rounds` interleaved rounds (one step of each per round, so load from other jobs on
+  the host hits all alike); returns the rates, rows (mesh, predicted s, median measured s)
+  and Spearman's rho."""
+  rates = calibrate_cpu()
+  cfg = llama.model_config("llama-tiny", seq, layers=2)
+  p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
+                 _batch(rows, seq), "cpu", rules=llama.RULES,
+                 logical_axes=llama.logical_axes(cfg), verify=0, max_tensor=2, cpu_rates=rates)
+  cands = [r for r in p.rows if r.remat == remat]
+  built = [_compiled(cfg, c, rows) for c in cands]
+  times = [[] for _ in cands]
+  for _ in range(rounds):
+    for i, (step, state, batch) in enumerate(built):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(state, batch))
+      times[i].append(time.perf_counter() - t0)
+  out = [(mesh_str(c.axes), c.estimate.step_s, statistics.median(t))
+         for c, t in zip(cands, times)]
+  for mesh, pred, got in out:
+    print(f"{mesh:24s} predicted {pred * 1e3:8.2f} ms  measured {got * 1e3:8.2f} ms")
+  rho = spearman([o[1] for o in out], [o[2] for o in out])
+  return dict(matmul_flops=rates[0], copy_bytes_per_s=rates[1], rows=out, spearman=rho)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES))
+  ap.add_argument("--target", default="v5p-128")
+  ap.add_argument("--batch", type=int, default=256, help="global batch, rows")
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--layers", type=int, default=None, help="override the model's depth")
+  ap.add_argument("--verify", type=int, default=1, help="candidates to compile for the target")
+  ap.add_argument("--measure", action="store_true")
+  ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
+  ap.add_argument("--steps", type=int, default=7, help="--measure: interleaved rounds")
+  ap.add_argument("--json", default=None, help="write the result here")
+  a = ap.parse_args(argv)
+  if a.measure:
+    res = measure(a.batch if a.batch != 256 else 16, a.seq if a.seq != 4096 else 64, a.steps,
+                  a.remat)
+    print(f"CPU rates: matmul {res['matmul_flops'] / 1e9:.1f} GFLOP/s, copy "
+          f"{res['copy_bytes_per_s'] / 1e9:.2f} GB/s; Spearman rho {res['spearman']:.3f}")
+  else:
+    overrides = {"layers": a.layers} if a.layers else {}
+    t0 = time.perf_counter()
+    p = make_plan(a.model, a.target, a.batch, a.seq, a.verify, overrides=overrides)
+    print(p)
+    print(f"planned in {time.perf_counter() - t0:.0f} s")
+    res = summary(p)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(res, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

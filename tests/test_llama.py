@@ -1,0 +1,145 @@
+"""recipes/llama.py: published param counts, a float64 numpy reference forward, RoPE and GQA
+properties, and a few training steps on simulated CPU devices."""
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
+import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+SMALL = llama.ModelConfig(layers=2, d_model=32, heads=4, kv_heads=2, d_mlp=48, seq=8,
+                          vocab=19, rope_theta=10_000.0)
+
+
+def _count(cfg):
+  shapes = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+@pytest.mark.parametrize("size,published", [
+    # Meta's safetensors totals for Meta-Llama-3-8B and -70B (model cards: 8.03B, 70.6B).
+    ("llama-8b", 8_030_261_248),
+    ("llama-70b", 70_553_706_496),
+])
+def test_param_count_matches_the_published_llama3_count(size, published):
+  cfg = llama.model_config(size, 8192)
+  assert _count(cfg) == published
+  assert llama.param_count(cfg) == published
+
+
+def _np_forward(params, tokens, cfg):
+  """Independent float64 reference: explicit per-head loops, kv heads repeated by index."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  H, G, K = cfg.heads, cfg.kv_heads, cfg.head_dim
+  B, S = tokens.shape
+
+  def norm(x, w):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w
+
+  def rot(x):  # x [S, K]
+    out = np.empty_like(x)
+    for pos in range(S):
+      for i in range(K // 2):
+        a = pos * cfg.rope_theta ** (-2.0 * i / K)
+        c, s = math.cos(a), math.sin(a)
+        out[pos, i] = x[pos, i] * c - x[pos, i + K // 2] * s
+        out[pos, i + K // 2] = x[pos, i] * s + x[pos, i + K // 2] * c
+    return out
+
+  x = p["embed"][tokens]
+  for l in range(cfg.layers):
+    blk = {k: v[l] for k, v in p["blocks"].items()}
+    h = norm(x, blk["attn_norm"])
+    o = np.zeros((B, S, H, K))
+    for b in range(B):
+      for hd in range(H):
+        g = hd // (H // G)
+        q = rot(h[b] @ blk["wq"][:, hd]); k = rot(h[b] @ blk["wk"][:, g])
+        v = h[b] @ blk["wv"][:, g]
+        s = q @ k.T / math.sqrt(K)
+        s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True)); w /= w.sum(-1, keepdims=True)
+        o[b, :, hd] = w @ v
+    x = x + np.einsum("bshk,hkd->bsd", o, blk["wo"])
+    h = norm(x, blk["mlp_norm"])
+    gate = h @ blk["w_gate"]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ blk["w_up"])) @ blk["w_down"]
+  return norm(x, p["final_norm"]) @ p["unembed"]
+
+
+def test_forward_matches_float64_numpy_reference():
+  params = llama.init_params(SMALL, jax.random.key(1))
+  # Non-trivial norm scales, so a norm that ignores its scale would show.
+  params["blocks"]["attn_norm"] = params["blocks"]["attn_norm"] * 1.5
+  tokens = np.array(jax.random.randint(jax.random.key(2), (2, SMALL.seq), 0, SMALL.vocab))
+  got = llama.apply(params, jnp.asarray(tokens), rope_theta=SMALL.rope_theta)
+  want = _np_forward(params, tokens, SMALL)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
+  remat = llama.apply(params, jnp.asarray(tokens), remat=True, rope_theta=SMALL.rope_theta)
+  np.testing.assert_allclose(np.asarray(remat), want, rtol=2e-4, atol=2e-5)
+
+
+def test_rope_keeps_norms_and_scores_depend_on_relative_position():
+  x = jax.random.normal(jax.random.key(3), (1, 16, 2, 8))
+  r = llama.rope(x, 10_000.0)
+  np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(r[:, 0], x[:, 0], rtol=1e-6)  # position 0 is not rotated
+  # The same q and k vectors at every position: q_i . k_j depends on i - j only.
+  q = jnp.broadcast_to(x[:, :1, :1], (1, 16, 1, 8))
+  k = jnp.broadcast_to(x[:, 1:2, :1], (1, 16, 1, 8))
+  s = np.einsum("bqhk,bshk->qs", llama.rope(q, 100.0), llama.rope(k, 100.0))
+  np.testing.assert_allclose(s[3, 1], s[10, 8], rtol=1e-4)
+  np.testing.assert_allclose(s[5, 5], s[0, 0], rtol=1e-4)
+  assert abs(s[3, 1] - s[3, 2]) > 1e-3  # and it does depend on the offset
+
+
+def test_gqa_equals_multi_head_attention_with_repeated_kv_weights():
+  params = llama.init_params(SMALL, jax.random.key(4))
+  rep = dict(params, blocks=dict(params["blocks"]))
+  group = SMALL.heads // SMALL.kv_heads
+  for w in ("wk", "wv"):  # kv head g serves query heads g*group .. (g+1)*group-1
+    rep["blocks"][w] = jnp.repeat(params["blocks"][w], group, axis=2)
+  tokens = jax.random.randint(jax.random.key(5), (2, SMALL.seq), 0, SMALL.vocab)
+  np.testing.assert_allclose(llama.apply(params, tokens), llama.apply(rep, tokens),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_flops_per_token_is_the_hand_count():
+  cfg = llama.model_config("llama-8b", 4096)
+  # q,o: 4096x4096 each; k,v: 4096x1024 each; MLP 3 x 4096x14336; output 4096x128256.
+  n = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4096 * 128256
+  assert llama.matmul_params(cfg) == n
+  assert llama.flops_per_token(cfg) == 6 * n + 12 * 32 * 4096 * 4096
+
+
+def test_unknown_size_names_the_known_ones():
+  with pytest.raises(fs.FnscaleError, match="llama-8b"):
+    llama.model_config("llama-9b", 128)
+
+
+def test_a_few_steps_lower_the_loss_on_cpu_mesh():
+  cfg = llama.model_config("llama-tiny", 32, layers=1, d_model=64, d_mlp=128)
+  mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+  opt = optax.adam(3e-3)
+  state = fs.init_state(lambda k: llama.init_params(cfg, k), opt, mesh=mesh, rules=llama.RULES,
+                        logical_axes=llama.logical_axes(cfg), key=jax.random.key(0))
+  step = fs.shard_step(fs.train_step(llama.loss_fn, opt), mesh,
+                       rules=llama.RULES, logical_axes=llama.logical_axes(cfg))
+  # A repeating byte pattern the model can learn in a few steps.
+  row = np.arange(33) % 7 + 97
+  batch = {"inputs": np.tile(row[:-1], (8, 1)).astype(np.int32),
+           "targets": np.tile(row[1:], (8, 1)).astype(np.int32)}
+  losses = []
+  for _ in range(8):
+    state, m = step(state, batch)
+    losses.append(float(m["loss"]))
+  assert losses[0] == pytest.approx(math.log(256), rel=0.05)
+  assert losses[-1] < 0.6 * losses[0]
