@@ -31,11 +31,12 @@ import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 # By name from the module, so a top-level `fnscale.plan` function can't shadow it.
 from fnscale.plan import Plan, calibrate_cpu, mesh_str, plan, summary  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 

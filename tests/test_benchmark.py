@@ -4,8 +4,6 @@ Every expected number below is counted by hand from the model's shapes (the GPT 
 recipes/train_lm.py), not recomputed with the benchmark's or fnscale's own formulas.
 """
 import dataclasses
-import os
-import sys
 
 import jax
 import pytest
@@ -13,9 +11,8 @@ import pytest
 import fnscale as fs
 from fnscale import flops
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes"))
-import benchmark as bm  # pylint: disable=g-import-not-at-top,wrong-import-position
-import train_lm as tl  # pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes import benchmark as bm
+from recipes import gpt as tl
 
 # nano: 2 layers, d_model 64, 4 heads of 16, MLP 256, byte vocab 256; seq 32, 4 rows, 2 devices.
 L, D, H, K, F, V = 2, 64, 4, 16, 256, 256

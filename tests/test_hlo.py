@@ -238,11 +238,8 @@ def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices):
   # metadata) under FSDP on v5p:2x2x2: the HLO's matmuls must be exactly the matmuls of the
   # traced step (each device runs one of the 8 rows), no more and no fewer.
   import functools  # pylint: disable=g-import-not-at-top
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
-  import llama  # pylint: disable=g-import-not-at-top
+  from recipes import llama  # pylint: disable=g-import-not-at-top
   from fnscale import _cost  # pylint: disable=g-import-not-at-top
   devices = tpu_devices("v5p:2x2x2")
   cfg = llama.ModelConfig(layers=2, d_model=256, heads=2, kv_heads=1, d_mlp=512, seq=512,

@@ -1,8 +1,6 @@
 """recipes/llama.py: published param counts, a float64 numpy reference forward, RoPE and GQA
 properties, and a few training steps on simulated CPU devices."""
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +10,7 @@ import pytest
 
 import fnscale as fs
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
-import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes import llama
 
 SMALL = llama.ModelConfig(layers=2, d_model=32, heads=4, kv_heads=2, d_mlp=48, seq=8,
                           vocab=19, rope_theta=10_000.0)

@@ -1,8 +1,5 @@
 """fnscale.plan: targets, the cost model against hand counts, errors, and a plan verified by
 an ahead-of-time compile for v5p:2x2x2."""
-import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +11,7 @@ from fnscale import _cost
 from fnscale import _targets
 from fnscale.plan import PlanError, mesh_str, plan, summary
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "recipes"))
-import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes import llama
 
 GiB = 2**30
 
