@@ -45,7 +45,8 @@ class CompileReport(NamedTuple):
   per step, loop trip counts applied), `platform`, `num_devices`, `mesh_shape` (dict axis ->
   size, or None), `matmul_flops` (FLOPs of the `dot`/`convolution` ops of the optimized HLO
   per device per step, loop trip counts applied; `fnscale.hlo.summarize`), `xla_warnings`
-  (the warnings XLA logged while compiling, one string each, de-duplicated in order).
+  (the warnings XLA logged while compiling, one string each, de-duplicated in order),
+  `model_flops` (the model's own FLOPs per device per step, when the caller gave them).
   """
   compile_seconds: float
   flops: float | None
@@ -62,6 +63,15 @@ class CompileReport(NamedTuple):
   mesh_shape: dict | None
   matmul_flops: float | None = None
   xla_warnings: tuple[str, ...] = ()
+  model_flops: float | None = None
+
+  @property
+  def flops_ratio(self) -> float | None:
+    """HLO matmul FLOPs / the model's FLOPs (per device per step): 1.0 means the program does
+    the model's work and no more; None without `model_flops`."""
+    if self.model_flops is None or self.matmul_flops is None:
+      return None
+    return self.matmul_flops / self.model_flops
 
   @property
   def peak_bytes(self) -> int | None:
@@ -231,7 +241,8 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
 
 def compile_report(step: Callable, state, batch, *,
                    compiler_options: Mapping | None = None,
-                   fast_compile: bool = False) -> CompileReport:
+                   fast_compile: bool = False,
+                   model_flops: float | None = None) -> CompileReport:
   """Compiles `step` for `(state, batch)` and reports what XLA made of it.
 
   Args:
@@ -242,6 +253,9 @@ def compile_report(step: Callable, state, batch, *,
       so this works for a mesh of `jax.experimental.topologies` devices, e.g. a TPU pod
       compiled on a CPU machine).
     compiler_options, fast_compile: as in `shard_step` (ignored for a `CompiledStep`).
+    model_flops: the model's FLOPs per device per step (e.g. PaLM's 6N + attention from
+      `fnscale.flops.model_flops_per_token` x tokens per step / devices); the report then
+      gives HLO matmul FLOPs / model FLOPs (`flops_ratio`), which exposes redundant compute.
 
   Returns:
     A `CompileReport` (a NamedTuple; `str(report)` / `format_report(report)` is a readable
@@ -251,22 +265,36 @@ def compile_report(step: Callable, state, batch, *,
     StepError: `step` not callable, options of the wrong type; and as `shard_step` does for
       inputs that don't fit (ShardingError too).
   """
-  from fnscale import compile as _compile  # pylint: disable=import-outside-toplevel
   if not callable(step):
     raise StepError(f"step is {_tree.got(step)}, expected a step function, a ShardedStep or "
                     "a CompiledStep.")
   if compiler_options is not None and not isinstance(compiler_options, Mapping):
     raise StepError(f"compiler_options is {_tree.got(compiler_options)}, expected a dict.")
-  options = {**(fast_compile_options() if fast_compile else {}), **(compiler_options or {})}
+  if model_flops is not None and (isinstance(model_flops, bool) or not isinstance(
+      model_flops, (int, float)) or not model_flops > 0):
+    raise StepError(f"model_flops is {_tree.got(model_flops)}, expected a positive number of "
+                    "FLOPs per device per step, or None.")
+  return _report(step, state, batch, options=_options(compiler_options, fast_compile),
+                 model_flops=model_flops)
+
+
+def _options(compiler_options, fast_compile) -> dict:
+  return {**(fast_compile_options() if fast_compile else {}), **(compiler_options or {})}
+
+
+def _report(step, state, batch, *, options, model_flops) -> CompileReport:
+  from fnscale import compile as _compile  # pylint: disable=import-outside-toplevel
   if isinstance(step, _compile.ShardedStep) and options:
     step = _replace_options(step, options)
   if isinstance(step, _compile.ShardedStep):
     step = step.compile(state, batch)
   if isinstance(step, _compile.CompiledStep):
-    return report_from_compiled(step.compiled, step.compile_seconds, step.mesh,
-                                step.xla_warnings)
-  compiled, seconds, warnings = compile_lowered(jax.jit(step).lower(state, batch), options)
-  return report_from_compiled(compiled, seconds, None, warnings)
+    report = report_from_compiled(step.compiled, step.compile_seconds, step.mesh,
+                                  step.xla_warnings)
+  else:
+    compiled, seconds, warnings = compile_lowered(jax.jit(step).lower(state, batch), options)
+    report = report_from_compiled(compiled, seconds, None, warnings)
+  return report._replace(model_flops=None if model_flops is None else float(model_flops))
 
 
 def _replace_options(step, options):
@@ -289,7 +317,9 @@ def format_report(report: CompileReport) -> str:
       f"transcendentals {fn(report.transcendentals)}, bytes accessed "
       f"{fb(report.bytes_accessed)})",
       f"  matmul FLOPs/dev  {fn(report.matmul_flops)}  (HLO dot/convolution, loop "
-      "trip counts applied)",
+      "trip counts applied)" + ("" if report.flops_ratio is None else
+                                f"; {report.flops_ratio:.3f} x the model's "
+                                f"{fn(report.model_flops)}"),
       "  memory per device",
       f"    arguments       {fb(report.argument_bytes)}",
       f"    outputs         {fb(report.output_bytes)}",

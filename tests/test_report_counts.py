@@ -67,6 +67,14 @@ def test_matmul_flops_are_the_hand_count_split_over_devices():
   assert PARAM_BYTES <= ar.bytes <= PARAM_BYTES + 64
   assert ar.bytes_sent == pytest.approx(2 * (N - 1) / N * ar.bytes)
   assert report.collective("all-gather").count == 0
+  # Given the model's own count, the report says the program does exactly that work (a
+  # program with a duplicated matmul would read 1.5 or more; None without the count).
+  assert report.flops_ratio is None and report.model_flops is None
+  checked = fs.compile_report(step, state, _batch(), model_flops=STEP_FLOPS / N)
+  assert checked.model_flops == STEP_FLOPS / N and checked.flops_ratio == 1.0
+  assert "1.000 x the model's" in str(checked)
+  with pytest.raises(fs.StepError, match=r"model_flops is .*expected a positive number"):
+    fs.compile_report(step, state, _batch(), model_flops=0)
 
 
 def test_fsdp_all_gather_bytes_are_the_params_times_n_minus_one_over_n():
