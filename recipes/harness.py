@@ -79,14 +79,14 @@ def start(o):
                             "JAX_NUM_CPU_DEVICES) is not an int")
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
-    fs.compilation_cache(o.compile_cache_dir)
+    fs.report.compilation_cache(o.compile_cache_dir)
   # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
   fs.initialize(o.coordinator_address or None, o.num_processes or None,
                 o.process_id if o.process_id >= 0 else None)
   say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
   if o.shutdown_at_exit:
-    plan = fs.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
+    plan = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
     say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
         + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(plan)}")
   return say
@@ -248,7 +248,7 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
   `peak` is `peak_flops`'s pair. Returns the param count."""
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   c, seq = s.cfg, s.cfg.seq
-  dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
+  dp = int(np.prod([s.mesh.shape[a] for a in fs.sharding.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(f"topology: {s.topo}")
@@ -256,7 +256,7 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
   say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
-      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {fs.data_axes(s.mesh)})"
+      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {fs.sharding.data_axes(s.mesh)})"
       + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
   say(f"data: {data_line}")
   say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "

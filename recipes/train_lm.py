@@ -112,9 +112,9 @@ def _setup(o: Options, corpus: data.Corpus) -> Setup:
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
   cfg = model.model_config(size, seq)._replace(vocab=corpus.vocab)
-  mesh = fs.make_mesh(fs.parse_axes(o.mesh or d["mesh"], what="--mesh"), dcn=o.dcn or None,
+  mesh = fs.make_mesh(fs.mesh.parse_axes(o.mesh or d["mesh"], what="--mesh"), dcn=o.dcn or None,
                       topology=topo)
-  dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
+  dp = math.prod(mesh.shape[a] for a in fs.sharding.data_axes(mesh))
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   batch = per_device * dp if o.global_batch is None else o.global_batch
   if seq < 1 or per_device < 1 or batch < 1 or o.accum_steps < 1:
@@ -124,7 +124,7 @@ def _setup(o: Options, corpus: data.Corpus) -> Setup:
   if batch % (dp * o.accum_steps):
     raise fs.ShardingError(
         f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
-        f" splits the batch {dp} ways over {fs.data_axes(mesh)}"
+        f" splits the batch {dp} ways over {fs.sharding.data_axes(mesh)}"
         + (f" in each of {o.accum_steps} accumulation steps" if o.accum_steps > 1 else "")
         + f"; use a global_batch that is a multiple of {dp * o.accum_steps} (or batch_size)")
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)

@@ -6,7 +6,7 @@ It is also the reference for how a training program uses fnscale's multi-host pi
 `fnscale.initialize(config=flags)` (every process must run the same flags, versions and
 device count), `shard_step` (every process must compile the same step),
 `fnscale.preemption.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
-process) and `fnscale.peer_guard` (a lost process becomes a DistributedError, exit 75).
+process) and `fnscale.distributed.peer_guard` (a lost process becomes a DistributedError, exit 75).
 
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
 mesh over every process's devices (ordered by process, so "data" and for 4 processes also
@@ -23,7 +23,7 @@ On SIGTERM (a preemption notice) JAX's preemption service agrees with every proc
 step to stop at; all save a checkpoint there and exit 143 (`preemption.EXIT_PREEMPTED`).
 Rerunning resumes from the newest checkpoint. `--restore_only` restores the newest
 checkpoint onto this job's mesh and writes its params to DIR/restored.npz. A lost process
-ends the loop in a `fnscale.DistributedError` (`fnscale.peer_guard`), exit status 75; so do
+ends the loop in a `fnscale.DistributedError` (`fnscale.distributed.peer_guard`), exit status 75; so do
 processes that disagree (start-up or compiled step). Each event's wall time also goes to
 stderr ("<unix time> <event>").
 """
