@@ -23,8 +23,8 @@ On SIGTERM (a preemption notice) JAX's preemption service agrees with every proc
 step to stop at; all save a checkpoint there and exit 143 (`preemption.EXIT_PREEMPTED`).
 Rerunning resumes from the newest checkpoint. `--restore_only` restores the newest
 checkpoint onto this job's mesh and writes its params to DIR/restored.npz. A lost process
-ends the loop in a `fnscale.DistributedError` (`fnscale.distributed.peer_guard`), exit status 75; so do
-processes that disagree (start-up or compiled step). Each event's wall time also goes to
+ends the loop in a `fnscale.DistributedError` (`fnscale.distributed.peer_guard`), exit
+status 75; so do processes that disagree (start-up or compiled step). Each event's wall time also goes to
 stderr ("<unix time> <event>").
 """
 from __future__ import annotations
