@@ -340,12 +340,6 @@ def test_without_orbax_says_how_to_install(monkeypatch, tmp_path):
     ckpt.latest_step(tmp_path)
 
 
-def test_exposed_on_the_package():
-  assert fnscale.checkpoint is ckpt
-  assert {"save", "restore", "latest_step", "steps"} <= set(dir(fnscale.checkpoint))
-  assert "commit_success.txt" in ckpt.__doc__  # the module documents its layout
-
-
 def test_custom_pytree_nodes_and_a_bare_array(tmp_path):
   """jmp loss scales and NamedTuples round-trip; so does a state that is one array."""
   import jmp  # pylint: disable=import-outside-toplevel

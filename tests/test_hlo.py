@@ -167,13 +167,8 @@ def test_compiled_scan_on_a_data_parallel_mesh():
 
 
 @pytest.mark.tpu
-def test_tpu_convolutions_and_condition_trip_counts():
-  try:
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4")
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f"libtpu (the tpu extra) is not available: {e}")
-  mesh = fnscale.make_mesh("data=8", devices=topo.devices)
+def test_tpu_convolutions_and_condition_trip_counts(tpu_devices):
+  mesh = fnscale.make_mesh("data=8", devices=tpu_devices("v5e:2x4"))
   params, x = _abstract(mesh)
   compiled = jax.jit(jax.grad(_loss)).trace(params, x).lower().compile()
   s = hlo.summarize(compiled.as_text())

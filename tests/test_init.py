@@ -63,11 +63,8 @@ def test_init_state_places_every_leaf_as_the_rules_say(mesh_spec):
                jax.device_get(state.params), ref)
 
 
-# jax 0.10.2: jax.device_put(x, replicated, may_alias=False) from a one-device array keeps x's
-# buffer as the device-0 shard, so donating the state deletes the caller's replicated leaves
-# ("norm" here). init_state promises a copy; strict: passing means the fix landed.
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="init_state aliases the caller's replicated leaves (device_put)")
+# jax 0.10.2's device_put(x, replicated, may_alias=False) from a one-device array kept x's
+# buffer as the device-0 shard, so donating the state deleted the caller's replicated leaves.
 def test_init_state_from_concrete_params_copies_them_into_place():
   mesh = fs.make_mesh("fsdp=8")
   host = jax.device_get(jax.jit(_init)(jax.random.key(0)))

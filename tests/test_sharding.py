@@ -344,14 +344,9 @@ def test_report_names_the_mesh(dp_fsdp):
 
 
 @pytest.mark.tpu
-def test_shardings_on_a_tpu_topology_compile():
+def test_shardings_on_a_tpu_topology_compile(tpu_devices):
   """Shardings for a TPU mesh built on this CPU machine compile into a TPU executable."""
-  try:
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f"libtpu unavailable: {e}")
-  mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "fsdp"),
+  mesh = jax.sharding.Mesh(np.array(tpu_devices("v5e:2x2")).reshape(2, 2), ("data", "fsdp"),
                            axis_types=(AUTO, AUTO))
   params = {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32),
             "b": jax.ShapeDtypeStruct((128,), jnp.float32)}
