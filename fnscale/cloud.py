@@ -173,6 +173,34 @@ def _queued_resource_path(name: str, project: str, zone: str) -> str:
   return f"projects/{project}/locations/{zone}/queuedResources/{name}"
 
 
+def _check_plan_args(delay_s, timeout_s, worker) -> None:
+  if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not delay_s >= 0:
+    raise CloudError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
+  if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+    raise CloudError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
+  if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int)
+                             or worker < 0):
+    raise CloudError(f"worker must be a non-negative int or None (detect), got {worker!r}.")
+
+
+def _worker_index(worker, get, tpu_env) -> tuple[int, str]:
+  """This host's worker index and where it came from, first source that answers."""
+  if worker is not None:
+    return worker, "argument worker="
+  sources = (
+      (_jax_process_index, "jax.process_index()"),
+      (lambda: _as_int(os.environ.get("TPU_WORKER_ID")), "TPU_WORKER_ID"),
+      (lambda: _as_int(get("instance/attributes/agent-worker-number")),
+       "metadata agent-worker-number"),
+      (lambda: _as_int(tpu_env.get("WORKER_ID")), "tpu-env WORKER_ID"),
+  )
+  for read, source in sources:
+    value = read()
+    if value is not None:
+      return value, source
+  return 0, "no worker index found (a single-host VM)"
+
+
 def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
                   sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
                   api_url: str | None = None, node: str | None = None,
@@ -203,13 +231,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
     CloudError: a malformed argument (named). Environment problems never raise: they give an
       action "none" plan with the reason.
   """
-  if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not delay_s >= 0:
-    raise CloudError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
-  if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-    raise CloudError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
-  if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int)
-                             or worker < 0):
-    raise CloudError(f"worker must be a non-negative int or None (detect), got {worker!r}.")
+  _check_plan_args(delay_s, timeout_s, worker)
   sentinel = os.path.expanduser(os.fspath(sentinel))
   meta = _metadata_base(metadata_url)
   api = _api_base(api_url)
@@ -234,18 +256,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
   project = project or tpu_env.get("CONSUMER_PROJECT_ID")
   node = node or tpu_env.get("NODE_ID")
 
-  source = "argument worker="
-  if worker is None:
-    worker, source = _jax_process_index(), "jax.process_index()"
-  if worker is None:
-    worker, source = _as_int(os.environ.get("TPU_WORKER_ID")), "TPU_WORKER_ID"
-  if worker is None:
-    worker, source = _as_int(get("instance/attributes/agent-worker-number")), \
-        "metadata agent-worker-number"
-  if worker is None:
-    worker, source = _as_int(tpu_env.get("WORKER_ID")), "tpu-env WORKER_ID"
-  if worker is None:
-    worker, source = 0, "no worker index found (a single-host VM)"
+  worker, source = _worker_index(worker, get, tpu_env)
   base = base._replace(project=project, zone=zone, node=node, worker=worker)
   if worker != 0:
     return base._replace(reason=f"this is worker {worker} ({source}); only worker 0 deletes "

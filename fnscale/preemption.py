@@ -143,15 +143,23 @@ def _watch_service(g: _Guard, grace_s: float, client, pid: int, n: int) -> None:
   _after_notice(g, grace_s, pid, n, client)
 
 
+def _sigterm_in_pipe(read_fd: int) -> bool | None:
+  """Whether the signal wake-up pipe delivered a SIGTERM within a poll; None once the pipe
+  is closed (its guard ended)."""
+  try:
+    ready, _, _ = select.select([read_fd], [], [], _POLL_S * 5)
+    return signal.SIGTERM in (os.read(read_fd, 64) if ready else b"")
+  except (OSError, ValueError):
+    return None
+
+
 def _watch_signal(g: _Guard, grace_s: float, read_fd: int) -> None:
   """One process: waits for SIGTERM through the signal wake-up pipe."""
   while not g.closed.is_set():
-    try:
-      ready, _, _ = select.select([read_fd], [], [], _POLL_S * 5)
-      got = os.read(read_fd, 64) if ready else b""
-    except (OSError, ValueError):  # the pipe closed: the guard ended
+    got = _sigterm_in_pipe(read_fd)
+    if got is None:
       return
-    if signal.SIGTERM in got:
+    if got:
       if g.notice.is_set():
         _leave(f"a second SIGTERM: stopping now without saving. Exiting with status "
                f"{EXIT_PREEMPTED}.")
@@ -267,12 +275,10 @@ def _sigterm_ends_join(describe: Callable[[], str]):
 
   def watch():
     while not g.closed.is_set():
-      try:
-        ready, _, _ = select.select([read_fd], [], [], _POLL_S * 5)
-        got = os.read(read_fd, 64) if ready else b""
-      except (OSError, ValueError):  # the pipe closed: the join ended
+      got = _sigterm_in_pipe(read_fd)
+      if got is None:
         return
-      if signal.SIGTERM in got and not g.closed.is_set():
+      if got and not g.closed.is_set():
         _leave(describe())
 
   threading.Thread(target=watch, daemon=True).start()

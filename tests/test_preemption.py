@@ -3,6 +3,7 @@ honour in time (or one while the job forms) ends the process with status 143 and
 The multi-process cases (one notice, staggered notices, a notice at a barrier) are in
 tests/test_multihost.py."""
 import os
+import re
 import pathlib
 import signal
 import socket
@@ -77,8 +78,10 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
     _reap(p)
   assert p.returncode == preemption.EXIT_PREEMPTED, (out, err[-3000:])
   assert out == "in\n"
-  assert ("fnscale.errors.DistributedError: preemption notice 1 s ago and process 0 is still "
-          "reaching the agreed step") in err
+  # grace_s=1: the watcher ends it a second after the notice (more when the machine is busy).
+  assert re.search(r"fnscale\.errors\.DistributedError: preemption notice (\d+) s ago and "
+                   r"process 0 is still reaching the agreed step", err), err[-3000:]
+  assert 1 <= int(re.search(r"preemption notice (\d+) s ago", err).group(1)) <= 10
 
 
 def test_a_notice_while_the_job_forms_ends_initialize_at_once():
