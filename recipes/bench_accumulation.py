@@ -3,20 +3,15 @@
 The model of the accumulation report: fsdp=8, 2 layers, d 256, mlp 1024 (4 MiB of f32
 params), batch 8192 rows; on 8 simulated CPU devices and, ahead of time, TPU v5p:2x2x2.
 
-  PYTHONPATH=$PWD python tests/measure_accumulation.py [cpu] [tpu]
+  python recipes/bench_accumulation.py [cpu] [tpu]
 """
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import optax
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-import fnscale as fs  # pylint: disable=g-import-not-at-top,wrong-import-position
+import fnscale as fs
 
 D, M, L, B = 256, 1024, 2, 8192
 MIB = 2**20
@@ -51,12 +46,12 @@ def main(targets) -> None:
   for target in targets:
     devices = None
     if target == "tpu":
-      from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-      devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2").devices
+      devices = fs.topology.target_devices("v5p:2x2x2")
     mesh = fs.make_mesh({"fsdp": 8}, devices=devices)
     for accum, gather in ((1, "once"), (4, "once"), (4, "per_microbatch")):
       print(f"| {target} | {row(mesh, accum, gather)} |", flush=True)
 
 
 if __name__ == "__main__":
+  fs.simulate_cpu_devices(8)
   main(sys.argv[1:] or ["cpu", "tpu"])
