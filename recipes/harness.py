@@ -66,6 +66,10 @@ def parse_flags(cls, argv: list[str]):
   return cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)})
 
 
+# Options that may differ between the processes of one job.
+PER_PROCESS = ("coordinator_address", "num_processes", "process_id")
+
+
 def start(o):
   """Simulated CPU devices, compile cache, multi-process start-up and the shutdown at exit of
   a run with options `o`, before anything touches a device. Returns `say`, a print on process 0.
@@ -83,8 +87,11 @@ def start(o):
     fs_report.compilation_cache(o.compile_cache_dir)
   # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
+  # Every process checks the others ran with the same options (fields that differ per
+  # process left out), so a mismatch is named at start-up, not found as a hang later.
   fs.initialize(o.coordinator_address or None, o.num_processes or None,
-                o.process_id if o.process_id >= 0 else None)
+                o.process_id if o.process_id >= 0 else None, config={
+                    k: v for k, v in dataclasses.asdict(o).items() if k not in PER_PROCESS})
   say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
   if o.shutdown_at_exit:
     plan = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)

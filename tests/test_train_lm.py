@@ -345,6 +345,28 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
 
 
+@pytest.mark.multiprocess
+def test_processes_with_different_options_are_named_at_start(work, tmp_path):
+  """Two processes of one job, process 1 started with another model: both stop at start-up
+  (before any compile) with a message naming the process and the option that differs."""
+  port = launch_local.free_port()
+  procs = []
+  for pid, size in enumerate(["nano", "tiny_gpt2"]):
+    argv = _argv(work, tmp_path / "run", "--nocheckpoint", f"--model_config={size}")[1:]
+    env = launch_local.child_env(pid, 2, 4, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  t = time.monotonic()
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  assert time.monotonic() - t < 60
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]  # an `error:` line, as bad input
+    assert "process 1 has --model_config=tiny_gpt2, process 0 --model_config=nano" in out
+    assert "process_id" not in out  # per-process options are not compared
+    assert "compile:" not in out  # named before anything compiled
+
+
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys, time\n"
