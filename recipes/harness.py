@@ -4,6 +4,7 @@ report, progress and summary (recorded through run_log.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -185,6 +186,41 @@ def optimizer(o):
   chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay,
                            mask=decay))
   return optax.chain(*chain), schedule
+
+
+def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -> None:
+  """Raises FnscaleError for sizes < 1, ShardingError for a global `batch` that doesn't split
+  over `mesh`'s data axes in each of `accum_steps` steps (the message gives a multiple)."""
+  if seq < 1 or per_device < 1 or batch < 1 or accum_steps < 1:
+    raise fs.FnscaleError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
+                          f"accum_steps={accum_steps}: each must be >= 1")
+  dp = int(np.prod([mesh.shape[a] for a in sharding.data_axes(mesh)]))
+  if batch % (dp * accum_steps):
+    raise fs.ShardingError(
+        f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
+        f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
+        + (f" in each of {accum_steps} accumulation steps" if accum_steps > 1 else "")
+        + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
+
+
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
+  """`--mesh=auto`: fnscale.plan's choice for this machine (`topo`), this model's abstract
+  params and the global batch; prints the top of the table and why the winner won.
+
+  Returns:
+    (MeshAxes, remat: bool, accum_steps: int) of the chosen row.
+
+  Raises:
+    PlanError (an FnscaleError): the model fits no mesh of these devices.
+  """
+  from fnscale import plan  # pylint: disable=import-outside-toplevel
+  rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
+  p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
+                optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                policy=policy(precision, topo.platform), rules=model.RULES,
+                logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
+  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
+  return p.axes, p.remat, p.accum
 
 
 # ------------------------------------------------------------------------------------------------

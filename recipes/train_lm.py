@@ -1,13 +1,13 @@
-"""Train a GPT-style language model on every device the machine (or pod) has.
+"""Train a GPT- or Llama-style language model on every device the machine (or pod) has.
 
   python recipes/train_lm.py                      # CPU: 8 simulated devices, the `tiny` model
   python recipes/train_lm.py --model_config=small --mesh="data=-1,fsdp=4"    # a TPU/GPU host
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
-Read top to bottom: options, set-up, run, loop. The model is `gpt.py`, the data `data.py`, the
-plumbing `harness.py`; fnscale does the distribution. Only process 0 prints and writes files.
-Rerunning the same command resumes from the newest good checkpoint in `run_dir`, bitwise.
+Read top to bottom: options, set-up, run, loop. Models: `gpt.py`, `llama.py`; data: `data.py`;
+plumbing: `harness.py`, `run_log.py`; fnscale does the distribution. Only process 0 prints and
+writes files. Rerunning the same command resumes from the newest good checkpoint, bitwise.
 """
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, preemption, sharding  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import data, gpt as model, harness as h, run_log as rl  # noqa: E402  pylint: disable=C0413
+from recipes import data, gpt, harness as h, llama, run_log as rl  # noqa: E402  pylint: disable=C0413
+
+# Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
+MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = h.option(None, f"model, one of {list(model.SIZES)}; default tiny "
+  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default tiny "
                                     "on CPU, small on TPU/GPU")
   dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
@@ -53,7 +56,8 @@ class Options:
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
-                       "rest); default data=-1 on CPU, fsdp=-1 on TPU/GPU")
+                       "rest); 'auto': fnscale.plan's choice of mesh, remat and accumulation "
+                       "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
   topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
@@ -97,7 +101,8 @@ def train_lm(**options) -> h.Summary:
 
 _CPU = dict(model="tiny", seq=128, batch_size=4, steps=500, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
-_LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "small": 6e-4, "medium": 3e-4}
+_LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
+       "medium": 3e-4}
 
 
 class Setup(NamedTuple):
@@ -105,31 +110,33 @@ class Setup(NamedTuple):
   o: Options
   topo: Any
   mesh: Any
-  cfg: model.ModelConfig
+  model: Any  # the module of the model: gpt or llama
+  cfg: Any  # its ModelConfig
   profile: rl.ProfileWindow | None
 
 
-def _setup(o: Options, corpus: data.Corpus) -> Setup:
+def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   """Defaults, mesh, batch and schedule. Raises FnscaleError on any bad value."""
   topo = h.topology(o.mesh_shape, o.topology, o.tpu)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
-  cfg = model.model_config(size, seq)._replace(vocab=corpus.vocab)
-  mesh = fs.make_mesh(fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh"), dcn=o.dcn or None,
-                      topology=topo)
-  dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
+  if size not in MODELS:
+    raise fs.FnscaleError(f"model_config={size!r} is not a known model; expected one of "
+                          f"{list(MODELS)}")
+  cfg = MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
+  if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
+    batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
+    axes, remat, accum = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
+    o = dataclasses.replace(o, remat=o.remat or remat, accum_steps=max(o.accum_steps, accum),
+                            global_batch=batch)
+  else:
+    axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
+  mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
+  dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
-  if seq < 1 or per_device < 1 or batch < 1 or o.accum_steps < 1:
-    raise fs.FnscaleError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
-                          f"accum_steps={o.accum_steps}: each must be >= 1")
+  h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
   data.check_fits(corpus, seq)
-  if batch % (dp * o.accum_steps):
-    raise fs.ShardingError(
-        f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
-        f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
-        + (f" in each of {o.accum_steps} accumulation steps" if o.accum_steps > 1 else "")
-        + f"; use a global_batch that is a multiple of {dp * o.accum_steps} (or batch_size)")
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
   lr = _LR.get(size, 3e-4) if o.lr is None else o.lr
@@ -144,7 +151,7 @@ def _setup(o: Options, corpus: data.Corpus) -> Setup:
   return Setup(dataclasses.replace(
       o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
       lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every,
-      checkpoint_dir=ckpt), topo, mesh, cfg, profile)
+      checkpoint_dir=ckpt), topo, mesh, MODELS[size], cfg, profile)
 
 
 def run(o: Options) -> h.Summary:
@@ -152,10 +159,10 @@ def run(o: Options) -> h.Summary:
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
   corpus = data.load(o.dataset, o.tokenizer)
-  s = _setup(o, corpus)
+  s = _setup(o, corpus, say)
   o = s.o
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
-  axes = model.logical_axes(s.cfg)
+  model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
                           policy=policy, accum_steps=o.accum_steps)
   step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
@@ -212,7 +219,7 @@ def run(o: Options) -> h.Summary:
 
 
 def _flops_step(s: Setup) -> float:
-  return model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
+  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
 def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
@@ -270,8 +277,8 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
     ev = evaluate(state, final_step)
     if s.o.sample_len > 0:
       t = time.time()
-      sample = corpus.decode(model.generate(
-          model.apply, state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
+      sample = corpus.decode(gpt.generate(
+          s.model.apply, state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
           seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")

@@ -130,6 +130,35 @@ def test_nano_run_trains_and_writes_metrics(uninterrupted):
   assert _summary(run_dir)["eval_loss"] == summary.eval_loss
 
 
+def test_llama_tiny_trains_by_name(work, tmp_path):
+  """--model_config=llama-tiny builds the Llama module's model (its param names, its count
+  by hand) and a few steps lower the loss from about ln(256)."""
+  run_dir = tmp_path / "run"
+  summary = _run(_argv(work, run_dir, "--model_config=llama-tiny", "--seq=16", "--steps=4",
+                       "--nocheckpoint"))
+  p = summary.state.params
+  assert p["embed"].shape == (256, 256) and p["unembed"].shape == (256, 256)
+  # 4 blocks of d 256, 8 heads of 32 (2 kv heads: k, v 256 x 64), SwiGLU mlp 768, 2 norms.
+  per_block = 256 * 256 * 2 + 256 * 64 * 2 + 3 * 256 * 768 + 2 * 256
+  assert summary.params == 4 * per_block + 2 * 256 * 256 + 256
+  losses = [r["train/loss"] for r in _records(run_dir, "train/loss")]
+  assert losses[0] == pytest.approx(np.log(256), abs=0.3) and losses[-1] < losses[0] - 0.3
+
+
+def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
+  """--mesh=auto on 8 simulated devices: the run's mesh is the row the planner printed as
+  chosen, over all 8 devices, and it trains."""
+  summary = _run(_argv(work, tmp_path / "run", "--mesh=auto", "--steps=2", "--nocheckpoint"))
+  out = capsys.readouterr().out
+  chosen = re.search(r"chosen: ([a-z]+=\d+(?: [a-z]+=\d+)*), remat=(\w+), accum=(\d+)", out)
+  assert chosen, out[-3000:]
+  want = {k: int(v) for k, v in (kv.split("=") for kv in chosen[1].split())}
+  assert {k: v for k, v in summary.mesh.items() if v > 1} == {k: v for k, v in want.items()
+                                                             if v > 1}
+  assert int(np.prod(list(summary.mesh.values()))) == 8
+  assert summary.final_step == 2 and np.isfinite(summary.loss)
+
+
 def test_plot_run_draws_what_train_lm_wrote(uninterrupted, tmp_path):
   """plot_run reads the run dir train_lm wrote: a 700x800 PNG; TensorBoard events and
   run.json's start record (the options) are there too."""
@@ -416,8 +445,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      r"global batch 12 does not divide over the data axes: .* splits the batch 8 ways .* "
      r"multiple of 8"),
     ("unknown model", ["--model_config=huge"], dict(model_config="huge"), fs.FnscaleError,
-     r"model_config='huge' is not a known GPT size; expected one of \['nano', 'tiny_gpt2', "
-     r"'tiny', 'small', 'medium'\]"),
+     r"model_config='huge' is not a known model; expected one of \['nano', 'tiny_gpt2', "
+     r"'tiny', 'small', 'medium', 'llama-tiny', 'llama-1b', 'llama-8b', 'llama-70b'\]"),
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),
     ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,
