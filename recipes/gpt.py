@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
 from fnscale import flops
@@ -164,6 +165,20 @@ def _block(x, p):
   return x + jnp.einsum("bsf,fd->bsd", h, m["w_proj"]) + m["b_proj"]
 
 
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """`table[tokens]` ([vocab, d] at int [batch, seq] -> [batch, seq, d]), batch-split.
+
+  Under FSDP the table's d is split over "fsdp" and the batch over ("data", "fsdp"): one
+  mesh axis on two dims of the gather, which GSPMD can only resolve by replicating the
+  output ("[SPMD] Involuntary full rematerialization", forward and backward);
+  `constrain_batch` on the output alone doesn't help. Gathering the table's d first (what
+  FSDP does for every weight before use; vocab keeps its split) leaves one layout to choose.
+  """
+  if not jax.sharding.get_abstract_mesh().empty:
+    table = jax.lax.with_sharding_constraint(table, P(P.UNCONSTRAINED, None))
+  return fs.constrain_batch(table[tokens])
+
+
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
@@ -173,7 +188,7 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
   pass (`jax.checkpoint`) to trade FLOPs for memory.
   """
   seq = tokens.shape[1]
-  x = params["wte"][tokens] + params["wpe"][:seq]
+  x = embed_lookup(params["wte"], tokens) + params["wpe"][:seq]
   block = jax.checkpoint(_block) if remat else _block
   x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
   x = _layer_norm(x, params["ln_f"])

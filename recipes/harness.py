@@ -1,12 +1,11 @@
 """The plumbing of `train_lm.py` that a user rarely edits: options as flags and keywords,
-device start-up, topology checks, precision, the MFU denominator, resume, preemption, the
-start-up report and the metrics file."""
+device start-up, topology checks, precision, the MFU denominator, resume, the start-up
+report, progress and summary (recorded through run_log.py)."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
-import signal
 import sys
 import time
 from typing import Any, NamedTuple
@@ -14,10 +13,13 @@ from typing import Any, NamedTuple
 from absl import flags
 import jax
 import numpy as np
+import optax
 
 import fnscale as fs
 from fnscale import flops
 from fnscale import mesh as fs_mesh
+from fnscale import report as fs_report, sharding
+from recipes import run_log as rl
 
 
 def option(default, help_: str):
@@ -65,6 +67,10 @@ def parse_flags(cls, argv: list[str]):
   return cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)})
 
 
+# Options that may differ between the processes of one job.
+PER_PROCESS = ("coordinator_address", "num_processes", "process_id")
+
+
 def start(o):
   """Simulated CPU devices, compile cache, multi-process start-up and the shutdown at exit of
   a run with options `o`, before anything touches a device. Returns `say`, a print on process 0.
@@ -79,11 +85,14 @@ def start(o):
                             "JAX_NUM_CPU_DEVICES) is not an int")
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
-    fs.report.compilation_cache(o.compile_cache_dir)
+    fs_report.compilation_cache(o.compile_cache_dir)
   # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
+  # Every process checks the others ran with the same options (fields that differ per
+  # process left out), so a mismatch is named at start-up, not found as a hang later.
   fs.initialize(o.coordinator_address or None, o.num_processes or None,
-                o.process_id if o.process_id >= 0 else None)
+                o.process_id if o.process_id >= 0 else None, config={
+                    k: v for k, v in dataclasses.asdict(o).items() if k not in PER_PROCESS})
   say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
   if o.shutdown_at_exit:
     plan = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
@@ -164,49 +173,58 @@ def peak_name(topo, peak: float) -> str:
   return f"{what} {peak / 1e12:,.0f} TFLOP/s"
 
 
+def optimizer(o):
+  """(optax transformation, lr schedule) for train_lm options `o`: AdamW with global-norm
+  clipping; linear warmup then cosine decay (GPT-3's recipe)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, o.lr, warmup_steps=o.warmup_steps, decay_steps=max(o.steps, o.warmup_steps + 1),
+      end_value=o.lr * o.min_lr_ratio)
+  # Decay weight matrices and embeddings ("w*" leaves), not biases or LayerNorm params.
+  decay = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: str(getattr(path[-1], "key", "")).startswith("w"), params)
+  chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay,
+                           mask=decay))
+  return optax.chain(*chain), schedule
+
+
+def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -> None:
+  """Raises FnscaleError for sizes < 1, ShardingError for a global `batch` that doesn't split
+  over `mesh`'s data axes in each of `accum_steps` steps (the message gives a multiple)."""
+  if seq < 1 or per_device < 1 or batch < 1 or accum_steps < 1:
+    raise fs.FnscaleError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
+                          f"accum_steps={accum_steps}: each must be >= 1")
+  dp = int(np.prod([mesh.shape[a] for a in sharding.data_axes(mesh)]))
+  if batch % (dp * accum_steps):
+    raise fs.ShardingError(
+        f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
+        f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
+        + (f" in each of {accum_steps} accumulation steps" if accum_steps > 1 else "")
+        + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
+
+
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
+  """`--mesh=auto`: fnscale.plan's choice for this machine (`topo`), this model's abstract
+  params and the global batch; prints the top of the table and why the winner won.
+
+  Returns:
+    (MeshAxes, remat: bool, accum_steps: int) of the chosen row.
+
+  Raises:
+    PlanError (an FnscaleError): the model fits no mesh of these devices.
+  """
+  from fnscale import plan  # pylint: disable=import-outside-toplevel
+  rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
+  p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
+                optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                policy=policy(precision, topo.platform), rules=model.RULES,
+                logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
+  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
+  return p.axes, p.remat, p.accum
+
+
 # ------------------------------------------------------------------------------------------------
-# Preemption: SIGTERM sets a flag; every process agrees through an all-gather. This block is
-# the one place to swap for a library piece (the loop only asks `preemption_requested`).
-# ------------------------------------------------------------------------------------------------
-
-
-class Preempted:
-  """SIGTERM (a preemption notice) sets `requested`; the loop checkpoints and stops."""
-
-  def __init__(self):
-    self.requested = False
-    self._old = None
-
-  def __enter__(self):
-    try:
-      self._old = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: no handler
-      self._old = None
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.requested:  # a second SIGTERM: stop now, without a checkpoint
-      signal.signal(signum, signal.SIG_DFL)
-      os.kill(os.getpid(), signum)
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-
-
-def preemption_requested(preempt: Preempted, step: int, every: int) -> bool:
-  """Whether SIGTERM reached any process (agreed across processes every `every` steps)."""
-  flag = preempt.requested
-  if jax.process_count() > 1 and step % every == 0:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    flag = bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-  return flag
-
-
-# ------------------------------------------------------------------------------------------------
-# Resume, start-up report, metrics file.
+# Resume, start-up report, progress, summary.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -242,22 +260,20 @@ def _step_dirs_on_disk(directory: str) -> list[int]:
                 if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
 
 
-def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say,
-             log) -> int:
-  """The start-up lines and the "start" record of a run set up as `s` (train_lm's Setup);
+def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say) -> int:
+  """The start-up lines and the "start" record of run.json of a run set up as `s`;
   `peak` is `peak_flops`'s pair. Returns the param count."""
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   c, seq = s.cfg, s.cfg.seq
-  dp = int(np.prod([s.mesh.shape[a] for a in fs.sharding.data_axes(s.mesh)]))
+  dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(f"topology: {s.topo}")
   say(fs_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
-  axes = fs.sharding.data_axes(s.mesh)
   say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
-      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {axes})"
+      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {sharding.data_axes(s.mesh)})"
       + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
   say(f"data: {data_line}")
   say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "
@@ -265,59 +281,47 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
       + (f" ({pol})" if pol is not None else " (float32)"))
   say("compile: " + str(report).replace("\n", "\n  "))
   say(f"MFU denominator: {peak[1]}")
-  log(event="start", step=int(state.step), model=s.o.model_config, params=n_params, seq=seq,
+  rl.write_run_record(s.o.run_dir, "start", dict(
+      step=int(state.step), options=dataclasses.asdict(s.o), params=n_params, seq=seq,
       global_batch=s.o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
       processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
-      peak_flops=peak[0], flops_per_step=flops_step)
+      peak_flops=peak[0], flops_per_step=flops_step, xla_warnings=list(report.xla_warnings)),
+      active=jax.process_index() == 0)
   return n_params
 
 
 def progress(s, done: int, m, dt, lr: float, flops_step: float, peak, say, log) -> dict:
-  """One progress line (loss, lr, tokens/s, MFU and its denominator, ETA) and its record.
-  `dt`: seconds per step (None: not measured yet). Raises StepError on a non-finite loss."""
+  """One progress line (loss, lr, tokens/s, MFU and its denominator, ETA) and its record in
+  `log` (a run_log.RunLog). `dt`: seconds per step (None: not measured yet).
+
+  Raises:
+    StepError: a non-finite loss.
+  """
   loss = float(m["loss"])
   tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
   mfu = flops_step / dt / peak if dt and peak else None
-  say(f"step {done:>6}/{s.o.steps}  loss {loss:.4f}  lr {lr:.2e}"
-      + (f"  {tok_s:,.0f} tok/s" if tok_s else "")
-      + (f"  MFU {100 * mfu:.1f}% of {peak_name(s.topo, peak)}" if mfu is not None else "")
-      + (f"  ETA {fmt_time(dt * (s.o.steps - done))}" if dt else ""))
-  log(event="train", step=done, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
-      tokens_per_s=tok_s, mfu=mfu)
+  metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
+  line = rl.progress_line(done, s.o.steps, metrics, dt)
+  say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
+  log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"])})
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
 
 
-def summarize(fields: dict, s, state, report, n_params: int, t0: float, say, log) -> "Summary":
-  """The run's Summary from `fields` (train_lm's _finish), recorded and said in one line."""
+def summarize(fields: dict, s, state, report, n_params: int, t0: float, say) -> "Summary":
+  """The run's Summary from `fields` (train_lm's _finish), said in one line and recorded as
+  the "summary" of run.json."""
   summary = Summary(**fields, compile_s=report.compile_seconds, wall_s=time.time() - t0,
                     params=n_params, run_dir=s.o.run_dir, state=state,
                     checkpoint_dir=s.o.checkpoint_dir or None,
-                    metrics=os.path.join(s.o.run_dir, "metrics.jsonl"))
-  log(event="summary", **summary.record())
+                    metrics=os.path.join(s.o.run_dir, rl.METRICS_FILE))
+  rl.write_run_record(s.o.run_dir, "summary", summary.record(),
+                      active=jax.process_index() == 0)
   say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
       f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
       if summary.eval_loss is not None else f"done: step {summary.final_step}")
   return summary
-
-
-def metrics_writer(path: str, t0: float):
-  """`log(**fields)` appends one JSON line to `path` on process 0 (a no-op elsewhere), with
-  `time`: seconds since `t0`."""
-  if jax.process_index() != 0:
-    return lambda **kv: None
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-
-  def log(**kv):
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(dict(kv, time=time.time() - t0)) + "\n")
-  return log
-
-
-def fmt_time(sec: float) -> str:
-  sec = int(max(sec, 0))
-  return f"{sec // 3600}h{sec // 60 % 60:02d}m" if sec >= 3600 else f"{sec // 60}m{sec % 60:02d}s"
 
 
 class Summary(NamedTuple):

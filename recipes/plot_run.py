@@ -18,8 +18,7 @@ from absl import app
 from absl import flags
 
 from fnscale.errors import FnscaleError
-
-METRICS_FILE = "metrics.jsonl"
+from recipes.run_log import METRICS_FILE
 # (panel title, y label, scale, tags drawn in it)
 PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),
           ("throughput", "tokens/s", 1.0, ("perf/tokens_per_s",)),

@@ -108,6 +108,38 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
   return RunLog(write=write, close=close)
 
 
+RUN_FILE = "run.json"
+
+
+def write_run_record(run_dir: str, name: str, record: Mapping[str, Any], *,
+                     active: bool = True) -> str | None:
+  """Sets `name` (e.g. "start", "summary") to `record` in `run_dir/run.json`: the run's
+  records that are not scalars against steps (options, mesh, paths). A resumed run replaces
+  the previous run's record of the same name. Written whole then renamed, so a reader never
+  sees half a file. Returns the path (None when not `active`).
+
+  Raises:
+    FnscaleError: `record` is not a dict of JSON values (str keys; numbers, str, lists, dicts).
+  """
+  if not active:
+    return None
+  path = os.path.join(run_dir, RUN_FILE)
+  runs = {}
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      runs = json.load(f)
+  try:
+    text = json.dumps({**runs, name: dict(record)}, indent=1)
+  except (TypeError, ValueError) as e:
+    raise FnscaleError(f"run record {name!r}: {e}; pass JSON values (use float(x), str(x))") \
+        from None
+  os.makedirs(run_dir, exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+  return path
+
+
 # ------------------------------------------------------------------------------------------------
 # Profiling a window of steps: --profile_steps=START:STOP
 # ------------------------------------------------------------------------------------------------

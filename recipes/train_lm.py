@@ -1,13 +1,13 @@
-"""Train a GPT-style language model on every device the machine (or pod) has.
+"""Train a GPT- or Llama-style language model on every device the machine (or pod) has.
 
   python recipes/train_lm.py                      # CPU: 8 simulated devices, the `tiny` model
   python recipes/train_lm.py --model_config=small --mesh="data=-1,fsdp=4"    # a TPU/GPU host
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
-Read top to bottom: options, set-up, run, loop. The model is `gpt.py`, the data `data.py`, the
-plumbing `harness.py`; fnscale does the distribution. Only process 0 prints and writes files.
-Rerunning the same command resumes from the newest good checkpoint in `run_dir`, bitwise.
+Read top to bottom: options, set-up, run, loop. Models: `gpt.py`, `llama.py`; data: `data.py`;
+plumbing: `harness.py`, `run_log.py`; fnscale does the distribution. Only process 0 prints and
+writes files. Rerunning the same command resumes from the newest good checkpoint, bitwise.
 """
 from __future__ import annotations
 
@@ -21,18 +21,21 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import data, gpt as model, harness as h  # noqa: E402  pylint: disable=C0413
+from fnscale import mesh as fs_mesh, preemption, sharding  # noqa: E402  pylint: disable=wrong-import-position
+from recipes import data, gpt, harness as h, llama, run_log as rl  # noqa: E402  pylint: disable=C0413
+
+# Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
+MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = h.option(None, f"model, one of {list(model.SIZES)}; default tiny "
+  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default tiny "
                                     "on CPU, small on TPU/GPU")
   dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
@@ -53,13 +56,16 @@ class Options:
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
-                       "rest); default data=-1 on CPU, fsdp=-1 on TPU/GPU")
+                       "rest); 'auto': fnscale.plan's choice of mesh, remat and accumulation "
+                       "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
   topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = h.option(0, "seed of the params init, the data order and sampling")
-  run_dir: str = h.option("runs/train_lm", "directory of metrics.jsonl and checkpoints")
+  run_dir: str = h.option("runs/train_lm", "directory of metrics.jsonl, TensorBoard events, "
+                          "run.json and checkpoints")
+  profile_steps: str = h.option("", "START:STOP: JAX profiler trace of these steps into run_dir")
   checkpoint: bool = h.option(True, "save checkpoints and resume from the newest good one")
   checkpoint_dir: str = h.option("", "checkpoints (path or gs://...); default RUN_DIR/checkpoints")
   checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
@@ -95,7 +101,8 @@ def train_lm(**options) -> h.Summary:
 
 _CPU = dict(model="tiny", seq=128, batch_size=4, steps=500, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
-_LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "small": 6e-4, "medium": 3e-4}
+_LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
+       "medium": 3e-4}
 
 
 class Setup(NamedTuple):
@@ -103,30 +110,33 @@ class Setup(NamedTuple):
   o: Options
   topo: Any
   mesh: Any
-  cfg: model.ModelConfig
+  model: Any  # the module of the model: gpt or llama
+  cfg: Any  # its ModelConfig
+  profile: rl.ProfileWindow | None
 
 
-def _setup(o: Options, corpus: data.Corpus) -> Setup:
+def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   """Defaults, mesh, batch and schedule. Raises FnscaleError on any bad value."""
   topo = h.topology(o.mesh_shape, o.topology, o.tpu)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
-  cfg = model.model_config(size, seq)._replace(vocab=corpus.vocab)
-  mesh = fs.make_mesh(fs.mesh.parse_axes(o.mesh or d["mesh"], what="--mesh"), dcn=o.dcn or None,
-                      topology=topo)
-  dp = math.prod(mesh.shape[a] for a in fs.sharding.data_axes(mesh))
+  if size not in MODELS:
+    raise fs.FnscaleError(f"model_config={size!r} is not a known model; expected one of "
+                          f"{list(MODELS)}")
+  cfg = MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
+  if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
+    batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
+    axes, remat, accum = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
+    o = dataclasses.replace(o, remat=o.remat or remat, accum_steps=max(o.accum_steps, accum),
+                            global_batch=batch)
+  else:
+    axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
+  mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
+  dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
-  if seq < 1 or per_device < 1 or batch < 1 or o.accum_steps < 1:
-    raise fs.FnscaleError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
-                          f"accum_steps={o.accum_steps}: each must be >= 1")
+  h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
   data.check_fits(corpus, seq)
-  if batch % (dp * o.accum_steps):
-    raise fs.ShardingError(
-        f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
-        f" splits the batch {dp} ways over {fs.sharding.data_axes(mesh)}"
-        + (f" in each of {o.accum_steps} accumulation steps" if o.accum_steps > 1 else "")
-        + f"; use a global_batch that is a multiple of {dp * o.accum_steps} (or batch_size)")
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
   lr = _LR.get(size, 3e-4) if o.lr is None else o.lr
@@ -136,25 +146,12 @@ def _setup(o: Options, corpus: data.Corpus) -> Setup:
   if lr <= 0 or log_every < 1 or eval_every < 1:
     raise fs.FnscaleError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
                           "expected lr > 0 and intervals >= 1")
+  profile = rl.parse_profile_steps(o.profile_steps, steps)
   ckpt = (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
   return Setup(dataclasses.replace(
       o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
       lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every,
-      checkpoint_dir=ckpt), topo, mesh, cfg)
-
-
-def _optimizer(s: Setup):
-  """AdamW with global-norm clipping; linear warmup then cosine decay (GPT-3's recipe)."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, s.o.lr, warmup_steps=s.o.warmup_steps, decay_steps=max(s.o.steps, s.o.warmup_steps + 1),
-      end_value=s.o.lr * s.o.min_lr_ratio)
-  # Decay weight matrices and embeddings ("w*" leaves), not biases or LayerNorm params.
-  decay = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: str(getattr(path[-1], "key", "")).startswith("w"), params)
-  chain = [optax.clip_by_global_norm(s.o.grad_clip)] if s.o.grad_clip > 0 else []
-  chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=s.o.weight_decay,
-                           mask=decay))
-  return optax.chain(*chain), schedule
+      checkpoint_dir=ckpt), topo, mesh, MODELS[size], cfg, profile)
 
 
 def run(o: Options) -> h.Summary:
@@ -162,10 +159,10 @@ def run(o: Options) -> h.Summary:
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
   corpus = data.load(o.dataset, o.tokenizer)
-  s = _setup(o, corpus)
+  s = _setup(o, corpus, say)
   o = s.o
-  policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), _optimizer(s)
-  axes = model.logical_axes(s.cfg)
+  policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
+  model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
                           policy=policy, accum_steps=o.accum_steps)
   step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
@@ -190,9 +187,9 @@ def run(o: Options) -> h.Summary:
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
-    log = h.metrics_writer(os.path.join(o.run_dir, "metrics.jsonl"), t0)
+    log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
     n_params = h.describe(s, state, corpus.describe, report, policy, (peak, peak_note),
-                          _flops_step(s), resumed, say, log)
+                          _flops_step(s), resumed, say)
 
     def evaluate(state, step):
       # All devices finish each eval program (not just the one a scalar is read from).
@@ -200,7 +197,7 @@ def run(o: Options) -> h.Summary:
                              for b in eval_batches]))
       bpb = value * corpus.tokens_per_byte / math.log(2)
       say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
-      log(event="eval", step=step, eval_loss=value, bits_per_byte=bpb)
+      log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
       return value
 
     def save(state, step, data_state):  # once per step; the data iterator's state goes along
@@ -213,29 +210,33 @@ def run(o: Options) -> h.Summary:
         say(f"checkpoint: saved step {step} in {time.time() - t:.1f} s ({o.checkpoint_dir})")
 
     ev = evaluate(state, 0) if start == 0 else None
+    prof = rl.profiler(s.profile, o.run_dir, say=say)
     state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
-                                  schedule, peak, say, log, evaluate, save)
+                                  schedule, peak, say, (log, prof), evaluate, save)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
-  return h.summarize(out, s, state, report, n_params, t0, say, log)
+    log.close()
+  return h.summarize(out, s, state, report, n_params, t0, say)
 
 
 def _flops_step(s: Setup) -> float:
-  return model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
+  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
 def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
-           log, evaluate, save):
-  """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, stops."""
+           log_prof, evaluate, save):
+  """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
+  `log_prof`: (run_log.RunLog, run_log.Profiler)."""
+  (log, prof), m = log_prof, None
   last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
-  with h.Preempted() as preempt:
+  # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
+  with preemption.preemption_guard() as should_stop:
     for step in range(start, s.o.steps):
+      prof.at_step(step, pending=m)
       state, m = step_fn(state, batch)
       done = step + 1
+      # One step in flight on CPU: simulated devices share one pool of host threads, and with
+      # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
       if s.topo.platform == "cpu":
-        # Simulated devices share one pool of host threads: with several steps in flight,
-        # threads can all be held by steps waiting for inputs while a straggler device of
-        # the current step waits for a thread, and XLA's CPU collectives deadlock. One step
-        # in flight costs little on CPU (no host/device overlap to lose).
         jax.block_until_ready((state, m))
       if done < s.o.steps:
         data_state = batches.get_state()
@@ -256,12 +257,13 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
         paused = True
       if paused:  # keep eval and checkpoint time out of tokens/s
         t_mark, step_mark = time.time(), done
-      sigterm = h.preemption_requested(preempt, done, s.o.log_every)
+      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
       if done < s.o.steps and (sigterm or done == s.o.stop_after):
         stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
         save(state, done, data_state)
         say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
         break
+  prof.close(pending=state)
   data_state = data_state if stopped else batches.get_state()
   return state, dict(last, train_s=time.time() - t_train, data_state=data_state), stopped
 
@@ -275,8 +277,8 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
     ev = evaluate(state, final_step)
     if s.o.sample_len > 0:
       t = time.time()
-      sample = corpus.decode(model.generate(
-          model.apply, state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
+      sample = corpus.decode(gpt.generate(
+          s.model.apply, state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
           seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")

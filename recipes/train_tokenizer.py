@@ -1,6 +1,6 @@
 """Trains a byte-level BPE tokenizer offline and writes a Hugging Face `tokenizer.json`.
 
-  python recipes/train_tokenizer.py --out=/tmp/tok/tokenizer.json     # stdlib modules, 4096
+  python recipes/train_tokenizer.py --out=/tmp/tok/tokenizer.json     # tiny_corpus, 4096
   python recipes/train_tokenizer.py --data='corpus/*.txt' --vocab_size=8192 --out=tok.json
   python recipes/train_lm.py --tokenizer=/tmp/tok/tokenizer.json
 
@@ -8,50 +8,25 @@ Byte-level BPE as GPT-2 uses it (Radford et al. 2019, "Language Models are Unsup
 Multitask Learners", sec. 2.2): the base alphabet is the 256 byte values, so any text encodes
 and decodes back exactly with no unknown token, and merges of frequent pairs are learned on
 the corpus. The `tokenizers` library does the training; this file picks the files and checks
-the result. The default corpus is the top-level modules of the running Python's standard
-library (`<stdlib>/*.py`, about 170 files and 4.7 MB on Python 3.11): on every machine, no
-download.
+the result. The corpus is named as train_lm's --dataset is (`recipes.data.corpus_files`:
+'tiny_corpus', 'stdlib', a file, directory or glob); the default, 'tiny_corpus' (about 1 MB
+of standard-library modules), is on every machine, no download.
 """
 from __future__ import annotations
 
-import glob
 import os
 import sys
-import sysconfig
 
 from absl import app
 from absl import flags
 
-from fnscale.errors import FnscaleError
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
 MIN_VOCAB = 256 + 1  # every byte, plus END_OF_TEXT
-
-
-def default_files() -> list[str]:
-  """The default corpus: the standard library's top-level modules, sorted by path."""
-  return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-
-
-def corpus_files(spec: str | None) -> list[str]:
-  """The files of a corpus given as a file, a directory (walked) or a glob; None: the default.
-
-  Raises:
-    FnscaleError: nothing matches `spec`.
-  """
-  if not spec:
-    files = default_files()
-  elif os.path.isfile(spec):
-    files = [spec]
-  elif os.path.isdir(spec):
-    files = [os.path.join(d, f) for d, _, names in os.walk(spec) for f in names]
-  else:
-    files = glob.glob(os.path.expanduser(spec), recursive=True)
-  files = sorted(f for f in files if os.path.isfile(f))
-  if not files:
-    raise FnscaleError(f"--data={spec!r}: no file, directory or glob match; pass a text file, "
-                       "a directory of text files or a glob such as 'corpus/*.txt'")
-  return files
 
 
 def _check_args(files, vocab_size, out_path) -> None:
@@ -122,8 +97,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
   # Defined here, not at import, so tests and train_lm can import this module.
-  flags.DEFINE_string("data", None, "corpus: a text file, directory or glob; default the "
-                      "standard library's top-level modules")
+  flags.DEFINE_string("data", "tiny_corpus", "corpus: 'tiny_corpus', 'stdlib', a text "
+                      "file, directory or glob (as train_lm's --dataset)")
   flags.DEFINE_integer("vocab_size", 4096, "tokens in the vocabulary (>= 257)")
   flags.DEFINE_string("out", "tokenizer.json", "where to write the tokenizer.json")
   app.run(main)

@@ -19,11 +19,9 @@ import pytest
 from fnscale.errors import FnscaleError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import plot_run as pr  # noqa: E402
-import run_log as rl  # noqa: E402
-import train_tokenizer as tt  # noqa: E402
+from recipes import plot_run as pr
+from recipes import run_log as rl
+from recipes import train_tokenizer as tt
 
 
 # The recipes' libraries are optional: each test skips only when the one it needs is absent.
@@ -115,7 +113,7 @@ def test_train_tokenizer_command_line(tmp_path, tokenizers):
   assert json.loads(out.read_text())["model"]["type"] == "BPE"
   assert tokenizers.Tokenizer.from_file(str(out)).get_vocab_size() == 280
   bad = _run([script, f"--data={tmp_path / 'nothing'}", f"--out={tmp_path / 'x.json'}"])
-  assert bad.returncode == 2 and bad.stderr.startswith("error: --data=")
+  assert bad.returncode == 2 and bad.stderr.startswith("error: dataset=")
   assert not (tmp_path / "x.json").exists()
 
 

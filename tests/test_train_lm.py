@@ -29,7 +29,9 @@ from recipes import data
 from recipes import gpt
 from recipes import harness
 from recipes import launch_local
+from recipes import plot_run
 from recipes import train_lm
+from recipes import train_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -78,9 +80,15 @@ def _assert_equal_trees(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def _records(run_dir, event):
+def _records(run_dir, tag):
+  """The metrics.jsonl records that carry `tag` (e.g. "train/loss"), in order."""
   lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-  return [r for r in map(json.loads, lines) if r["event"] == event]
+  return [r for r in map(json.loads, lines) if tag in r]
+
+
+def _summary(run_dir):
+  """The "summary" record of run.json (the last run in `run_dir`)."""
+  return json.loads((pathlib.Path(run_dir) / "run.json").read_text())["summary"]
 
 
 @pytest.mark.parametrize("size, layers, d_model", [("small", 12, 768), ("medium", 24, 1024),
@@ -106,20 +114,106 @@ def uninterrupted(work):
 
 def test_nano_run_trains_and_writes_metrics(uninterrupted):
   summary, run_dir = uninterrupted
-  train = _records(run_dir, "train")
+  train = _records(run_dir, "train/loss")
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-  losses = [r["loss"] for r in train]
+  losses = [r["train/loss"] for r in train]
   assert all(np.isfinite(losses))
   assert losses[0] > 5.0  # about ln(256) = 5.55 at init
   assert losses[-1] < losses[0] - 0.5
-  evals = _records(run_dir, "eval")
+  evals = _records(run_dir, "eval/loss")
   assert [r["step"] for r in evals][0] == 0 and evals[-1]["step"] == STEPS
-  assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-  assert evals[-1]["bits_per_byte"] == pytest.approx(evals[-1]["eval_loss"] / np.log(2))
+  assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+  assert evals[-1]["eval/bits_per_byte"] == pytest.approx(evals[-1]["eval/loss"] / np.log(2))
   assert summary.final_step == STEPS and summary.mesh == {"data": 4, "fsdp": 2}
   assert summary.tokens_per_s > 0 and 0 < summary.mfu < 1
   assert len(summary.sample.encode("utf-8", errors="replace")) >= 24
-  assert _records(run_dir, "summary")[0]["eval_loss"] == summary.eval_loss
+  assert _summary(run_dir)["eval_loss"] == summary.eval_loss
+
+
+def test_llama_tiny_trains_by_name(work, tmp_path):
+  """--model_config=llama-tiny builds the Llama module's model (its param names, its count
+  by hand) and a few steps lower the loss from about ln(256)."""
+  run_dir = tmp_path / "run"
+  summary = _run(_argv(work, run_dir, "--model_config=llama-tiny", "--seq=16", "--steps=4",
+                       "--nocheckpoint"))
+  p = summary.state.params
+  assert p["embed"].shape == (256, 256) and p["unembed"].shape == (256, 256)
+  # 4 blocks of d 256, 8 heads of 32 (2 kv heads: k, v 256 x 64), SwiGLU mlp 768, 2 norms.
+  per_block = 256 * 256 * 2 + 256 * 64 * 2 + 3 * 256 * 768 + 2 * 256
+  assert summary.params == 4 * per_block + 2 * 256 * 256 + 256
+  losses = [r["train/loss"] for r in _records(run_dir, "train/loss")]
+  assert losses[0] == pytest.approx(np.log(256), abs=0.3) and losses[-1] < losses[0] - 0.3
+
+
+def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
+  """--mesh=auto on 8 simulated devices: the run's mesh is the row the planner printed as
+  chosen, over all 8 devices, and it trains."""
+  summary = _run(_argv(work, tmp_path / "run", "--mesh=auto", "--steps=2", "--nocheckpoint"))
+  out = capsys.readouterr().out
+  chosen = re.search(r"chosen: ([a-z]+=\d+(?: [a-z]+=\d+)*), remat=(\w+), accum=(\d+)", out)
+  assert chosen, out[-3000:]
+  want = {k: int(v) for k, v in (kv.split("=") for kv in chosen[1].split())}
+  assert {k: v for k, v in summary.mesh.items() if v > 1} == {k: v for k, v in want.items()
+                                                             if v > 1}
+  assert int(np.prod(list(summary.mesh.values()))) == 8
+  assert summary.final_step == 2 and np.isfinite(summary.loss)
+
+
+def _xla_warnings(mesh_spec):
+  """XLA's partitioner warnings for train_lm's nano step (gpt.RULES, AdamW) on `mesh_spec`,
+  compiled from abstract inputs with the persistent compile cache off (a cached program is
+  not partitioned again, so it would warn about nothing)."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from fnscale import mesh as fs_mesh  # pylint: disable=import-outside-toplevel
+  mesh = fs.make_mesh(fs_mesh.parse_axes(mesh_spec))
+  cfg = gpt.model_config("nano", 32)
+  opt, axes = optax.adamw(1e-3), gpt.logical_axes(cfg)
+  rows = jax.ShapeDtypeStruct((16, 32), np.int32)
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(gpt.init_params, cfg), opt, mesh=mesh,
+                          rules=gpt.RULES, logical_axes=axes, key=jax.random.key(0),
+                          abstract=True)
+    step = fs.shard_step(fs.train_step(gpt.loss_fn, opt), mesh, rules=gpt.RULES,
+                         logical_axes=axes)
+    return fs.compile_report(step, state, {"inputs": rows, "targets": rows}).xla_warnings
+
+
+@pytest.fixture(name="no_compile_cache")
+def _no_compile_cache():
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+
+
+# Meshes the README and the recipe's docstring name, on 8 devices.
+README_MESHES = ["data=2,fsdp=4", "data=-1,fsdp=2,tensor=2", "data=-1,fsdp=8"]
+
+
+@pytest.mark.parametrize("mesh_spec", README_MESHES)
+def test_default_rules_draw_no_partitioner_warnings(mesh_spec, no_compile_cache):
+  assert _xla_warnings(mesh_spec) == ()
+
+
+def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
+  """The control: with the table lookup left to GSPMD (no gather of d first), the same step
+  on data=2,fsdp=4 draws XLA's involuntary rematerialization, and the report carries it."""
+  monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens: table[tokens])
+  warnings = _xla_warnings("data=2,fsdp=4")
+  assert any("Involuntary full rematerialization" in w for w in warnings), warnings
+
+
+def test_plot_run_draws_what_train_lm_wrote(uninterrupted, tmp_path):
+  """plot_run reads the run dir train_lm wrote: a 700x800 PNG; TensorBoard events and
+  run.json's start record (the options) are there too."""
+  import matplotlib.image  # pylint: disable=import-outside-toplevel
+  _, run_dir = uninterrupted
+  out = plot_run.plot_run(str(run_dir), str(tmp_path / "run.png"))
+  assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert matplotlib.image.imread(out).shape[:2] == (800, 700)
+  assert list(run_dir.glob("events.out.tfevents.*"))
+  start = json.loads((run_dir / "run.json").read_text())["start"]
+  assert start["options"]["model_config"] == "nano" and start["step"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +238,9 @@ def test_stop_and_resume_is_bitwise_equal(work, stopped_at_3, uninterrupted, cap
   _assert_equal_trees(_params(second), _params(uninterrupted[0]))
   # The data iterator resumed where it stopped: the resumed run logged exactly the missing
   # steps, with the uninterrupted run's losses.
-  assert [r["step"] for r in _records(run_dir, "train")] == list(range(1, STEPS + 1))
-  assert [r["loss"] for r in _records(run_dir, "train")] == [
-      r["loss"] for r in _records(uninterrupted[1], "train")]
+  assert [r["step"] for r in _records(run_dir, "train/loss")] == list(range(1, STEPS + 1))
+  assert [r["train/loss"] for r in _records(run_dir, "train/loss")] == [
+      r["train/loss"] for r in _records(uninterrupted[1], "train/loss")]
 
 
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
@@ -157,8 +251,8 @@ def test_function_and_command_line_give_the_same_run(work, uninterrupted):
   assert summary.eval_loss == one.eval_loss and summary.loss == one.loss
   assert summary.sample == one.sample and summary.final_step == STEPS
   _assert_equal_trees(_params(summary), _params(one))
-  assert [r["loss"] for r in _records(run_dir, "train")] == [
-      r["loss"] for r in _records(one_dir, "train")]
+  assert [r["train/loss"] for r in _records(run_dir, "train/loss")] == [
+      r["train/loss"] for r in _records(one_dir, "train/loss")]
   assert summary.metrics == str(run_dir / "metrics.jsonl") and summary.checkpoint_dir is None
   assert summary.run_dir == str(run_dir)
   text = repr(summary)  # printable: the summary without the (large) state
@@ -175,6 +269,7 @@ SUCCESS_PATHS = [
     ("topology", ["--topology=v5p:2x2x2"], 1e-5, "chip grid 2x2x2"),
     ("mesh_shape", ["--mesh_shape=2x4"], 1e-5, "chip grid 2x4"),
     ("precision", ["--precision=bf16"], 3e-2, "p=full,c=bf16,o=full"),
+    ("profile_steps", ["--profile_steps=1:2"], 0, "profile: steps 1..1 traced to"),
 ]
 
 
@@ -185,11 +280,13 @@ def test_option_success_paths(work, uninterrupted, capsys, case, extra, rtol, sa
   summary = _run(_argv(work, run_dir, "--steps=2", "--nocheckpoint", *extra))
   assert summary.final_step == 2 and summary.mesh == {"data": 4, "fsdp": 2}
   assert said in capsys.readouterr().out
-  got, want = _records(run_dir, "train"), _records(uninterrupted[1], "train")[:2]
-  for key in ("loss", "grad_norm"):
+  got, want = _records(run_dir, "train/loss"), _records(uninterrupted[1], "train/loss")[:2]
+  for key in ("train/loss", "train/grad_norm"):
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol)
+  if case == "profile_steps":  # the trace of step 1 is on disk where TensorBoard looks
+    assert list((run_dir / "plugins" / "profile").glob("*/*.xplane.pb"))
   if case == "precision":  # bfloat16 compute really ran: not the float32 numbers
-    assert [r["loss"] for r in got] != [r["loss"] for r in want]
+    assert [r["train/loss"] for r in got] != [r["train/loss"] for r in want]
 
 
 def test_epochs_count_passes_over_the_training_split(work, tmp_path):
@@ -199,26 +296,23 @@ def test_epochs_count_passes_over_the_training_split(work, tmp_path):
   summary = train_lm.train_lm(**_kwargs(work, tmp_path / "run", dataset=str(tmp_path / "c.txt"),
                                         epochs=2, steps=None, checkpoint=False))
   assert summary.final_step == 14
-  assert [r["step"] for r in _records(tmp_path / "run", "train")] == list(range(1, 15))
+  assert [r["step"] for r in _records(tmp_path / "run", "train/loss")] == list(range(1, 15))
 
 
 def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
-  """A BPE tokenizer.json (built here with `tokenizers`): the embedding has its vocabulary,
-  the loss at init is ln(vocab), and bits/byte = nats/token x tokens/byte / ln 2."""
+  """A BPE tokenizer.json trained by recipes/train_tokenizer.py: the embedding has its
+  vocabulary, the loss at init is ln(vocab), and bits/byte = nats/token x tokens/byte / ln 2."""
   text = (work / "corpus.txt").read_bytes()
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = tokenizers.decoders.ByteLevel()
-  tok.train_from_iterator([text.decode("utf-8", errors="replace")], tokenizers.trainers.BpeTrainer(
-      vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-  tok.save(str(tmp_path / "tokenizer.json"))
+  train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 400, str(tmp_path / "tokenizer.json"))
+  tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
   vocab = tok.get_vocab_size()
+  assert vocab == 400
   run_dir = tmp_path / "run"
   summary = train_lm.train_lm(**_kwargs(work, run_dir, tokenizer=str(tmp_path / "tokenizer.json"),
                                         steps=2, checkpoint=False, sample_len=8))
   assert summary.state.params["wte"].shape == (vocab, 64)
-  first = _records(run_dir, "eval")[0]
-  assert first["eval_loss"] == pytest.approx(np.log(vocab), rel=0.03)
+  first = _records(run_dir, "eval/loss")[0]
+  assert first["eval/loss"] == pytest.approx(np.log(vocab), rel=0.03)
   _, held = data.split(text)
   per_byte = len(tok.encode(held.decode("utf-8", errors="replace")).ids) / len(held)
   assert summary.bits_per_byte == pytest.approx(summary.eval_loss * per_byte / np.log(2), rel=0.02)
@@ -234,7 +328,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   def preempt():
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-      if metrics.exists() and '"event": "train"' in metrics.read_text():
+      if metrics.exists() and '"train/loss"' in metrics.read_text():
         os.kill(os.getpid(), signal.SIGTERM)
         return
       time.sleep(0.05)
@@ -245,7 +339,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0")) == 143
   thread.join()
   assert signal.getsignal(signal.SIGTERM) is previous  # the handler is uninstalled
-  summary = _records(run_dir, "summary")[-1]
+  summary = _summary(run_dir)
   assert summary["stopped"] == "SIGTERM" and 0 < summary["final_step"] < 100000
   assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
 
@@ -276,7 +370,7 @@ def test_resume_onto_4_devices_in_a_subprocess(work, stopped_at_3, uninterrupted
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   assert "resumed from step 3" in out.stdout
   assert "over 4 devices" in out.stdout
-  final = _records(run_dir, "summary")[-1]
+  final = _summary(run_dir)
   assert final["devices"] == 4 and final["final_step"] == STEPS
   assert final["eval_loss"] == pytest.approx(uninterrupted[0].eval_loss, rel=1e-4)
 
@@ -318,10 +412,32 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
     assert rc == 0, f"process {i}:\n{out[-3000:]}"
   assert "2 process(es) x 4 devices" in results[0][1]
   assert "eval  step" not in results[1][1]  # only process 0 prints
-  two, one = _records(run_dir, "summary")[-1], uninterrupted[0]
+  two, one = _summary(run_dir), uninterrupted[0]
   assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
   assert two["loss"] == pytest.approx(one.loss, rel=1e-5)
   assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_processes_with_different_options_are_named_at_start(work, tmp_path):
+  """Two processes of one job, process 1 started with another model: both stop at start-up
+  (before any compile) with a message naming the process and the option that differs."""
+  port = launch_local.free_port()
+  procs = []
+  for pid, size in enumerate(["nano", "tiny_gpt2"]):
+    argv = _argv(work, tmp_path / "run", "--nocheckpoint", f"--model_config={size}")[1:]
+    env = launch_local.child_env(pid, 2, 4, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  t = time.monotonic()
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  assert time.monotonic() - t < 60
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]  # an `error:` line, as bad input
+    assert "process 1 has --model_config=tiny_gpt2, process 0 --model_config=nano" in out
+    assert "process_id" not in out  # per-process options are not compared
+    assert "compile:" not in out  # named before anything compiled
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
@@ -373,8 +489,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      r"global batch 12 does not divide over the data axes: .* splits the batch 8 ways .* "
      r"multiple of 8"),
     ("unknown model", ["--model_config=huge"], dict(model_config="huge"), fs.FnscaleError,
-     r"model_config='huge' is not a known GPT size; expected one of \['nano', 'tiny_gpt2', "
-     r"'tiny', 'small', 'medium'\]"),
+     r"model_config='huge' is not a known model; expected one of \['nano', 'tiny_gpt2', "
+     r"'tiny', 'small', 'medium', 'llama-tiny', 'llama-1b', 'llama-8b', 'llama-70b'\]"),
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),
     ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,
@@ -388,6 +504,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
      r"epochs=1 and steps=6: give one of them"),
     ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),
+    ("bad profile window", ["--profile_steps=4:9"], dict(profile_steps="4:9"), fs.FnscaleError,
+     r"--profile_steps='4:9': expected START:STOP, two ints with 0 <= START < STOP <= 6"),
     ("missing tokenizer", ["--tokenizer={tmp}/nope.json"], dict(tokenizer="{tmp}/nope.json"),
      fs.FnscaleError, r"tokenizer='.*nope.json': no such file; pass a Hugging Face "
      r"tokenizer.json"),
