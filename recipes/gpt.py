@@ -174,7 +174,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   `constrain_batch` on the output alone doesn't help. Gathering the table's d first (what
   FSDP does for every weight before use; vocab keeps its split) leaves one layout to choose.
   """
-  if not jax.sharding.get_abstract_mesh().empty:
+  mesh = jax.sharding.get_abstract_mesh()
+  # Only Auto axes take a constraint (inside shard_map they are Manual: nothing to choose).
+  if not mesh.empty and jax.sharding.AxisType.Auto in mesh.axis_types:
     table = jax.lax.with_sharding_constraint(table, P(P.UNCONSTRAINED, None))
   return fs.constrain_batch(table[tokens])
 
