@@ -173,6 +173,20 @@ def _queued_resource_path(name: str, project: str, zone: str) -> str:
   return f"projects/{project}/locations/{zone}/queuedResources/{name}"
 
 
+def _queued_resource(given, node_url, node, meta, timeout_s) -> tuple[str | None, str | None]:
+  """The queued resource this TPU VM came from (one read-only GET of the node unless given),
+  and how it was found; (None, None) when the lookup fails (then the node itself is deleted)."""
+  if given is not None:
+    return given, "given as queued_resource="
+  try:
+    _, body = _request("GET", node_url, _token(meta, timeout_s), timeout_s)
+    return json.loads(body).get("queuedResource") or None, "from the node's queuedResource field"
+  except (CloudError, ValueError, AttributeError) as e:
+    logging.warning("fnscale: couldn't look up whether TPU VM %s came from a queued "
+                    "resource (%s); planning to delete the node itself.", node, e)
+    return None, None
+
+
 def _check_plan_args(delay_s, timeout_s, worker) -> None:
   if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not delay_s >= 0:
     raise CloudError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
@@ -272,16 +286,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
                          "node= to shutdown_at_exit.")
 
   node_url = f"{api}/v2/projects/{project}/locations/{zone}/nodes/{node}"
-  how = "given as queued_resource="
-  if queued_resource is None:
-    try:
-      _, body = _request("GET", node_url, _token(meta, timeout_s), timeout_s)
-      queued_resource = json.loads(body).get("queuedResource") or None
-      how = "from the node's queuedResource field"
-    except (CloudError, ValueError, AttributeError) as e:
-      logging.warning("fnscale: couldn't look up whether TPU VM %s came from a queued "
-                      "resource (%s); planning to delete the node itself.", node, e)
-      how = None
+  queued_resource, how = _queued_resource(queued_resource, node_url, node, meta, timeout_s)
   if queued_resource:
     path = _queued_resource_path(queued_resource, project, zone)
     return base._replace(
