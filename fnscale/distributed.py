@@ -43,7 +43,9 @@ from jax.sharding import NamedSharding
 import numpy as np
 
 from fnscale.errors import DistributedError, ShardingError
-from fnscale._tree import entry_axes as _entry_axes, leaf_shardings as _broadcast_shardings, path_str
+from fnscale._tree import entry_axes as _entry_axes
+from fnscale._tree import leaf_shardings as _broadcast_shardings
+from fnscale._tree import path_str
 
 DEFAULT_TIMEOUT_S = 300
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100

@@ -103,7 +103,8 @@ def parse_axes(axes: AxesLike, *, what: str = "axes") -> dict[str, int]:
                       "string.")
     if name in out:
       raise MeshError(f"{what} name {name!r} appears twice in {axes!r}: each axis once.")
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (
+        size < 1 and size != -1):
       raise MeshError(f"{what} {name!r} has size {size!r} ({type(size).__name__}): expected "
                       "a positive int or -1 (the devices left over).")
     out[name] = int(size)
@@ -118,7 +119,8 @@ def _resolve(sizes: dict[str, int], total: int, what: str, unit: str = "devices"
   if -1 in sizes.values():
     if total % known:
       raise MeshError(f"{what} {sizes} can't fill {total} {unit}: the fixed sizes multiply to "
-                      f"{known}, which doesn't divide {total}; pick sizes whose product divides it.")
+                      f"{known}, which doesn't divide {total}; pick sizes whose product "
+                      "divides it.")
     return {n: (total // known if s == -1 else s) for n, s in sizes.items()}
   if known != total:
     raise MeshError(f"{what} {sizes} multiply to {known} {unit} but there are {total}; make "
@@ -187,7 +189,8 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
   try:
     grid = _device_grid(devices, ici_shape, dcn_shape if dcn_sizes else None)
   except (ValueError, AssertionError, NotImplementedError) as e:
-    raise MeshError(f"can't lay mesh {dict(zip(names, map(int, np.multiply(ici_shape, dcn_shape))))} "
+    shape = dict(zip(names, map(int, np.multiply(ici_shape, dcn_shape))))
+    raise MeshError(f"can't lay mesh {shape} "
                     f"onto {n} {devices[0].platform} devices: {e}") from None
   return Mesh(grid, names, axis_types=types_)
 

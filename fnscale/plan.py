@@ -17,7 +17,7 @@ import math
 import re
 import statistics
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

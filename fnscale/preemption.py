@@ -43,7 +43,6 @@ import time
 from typing import Callable, Iterator, NamedTuple
 
 from absl import logging
-import jax
 
 from fnscale import distributed
 from fnscale.errors import DistributedError

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from fnscale import _axes
-from fnscale._axes import data_axes  # public here: the axes a batch's leading dim splits over
+from fnscale._axes import data_axes  # noqa: F401  (public here: the batch dim's axes)
 from fnscale import _tree
 from fnscale.errors import ShardingError
 

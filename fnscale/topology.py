@@ -135,7 +135,8 @@ class Topology:
   def __str__(self) -> str:
     grid = "x".join(map(str, self.chip_grid)) or "?"
     peak = f"{self.peak_flops_per_device / 1e12:.0f} TFLOP/s" if self.peak_flops_per_device else "?"
-    return (f"{self.platform} {self.device_kind!r} ({self.accelerator_type or 'no accelerator type'}): "
+    accel = self.accelerator_type or "no accelerator type"
+    return (f"{self.platform} {self.device_kind!r} ({accel}): "
             f"{self.num_devices} devices = {self.num_slices} slice(s) x chip grid {grid}, "
             f"{self.num_processes} process(es) x {self.devices_per_process} devices, "
             f"peak {peak} bf16 per device")

@@ -272,8 +272,9 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
   say(fs_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
+  axes = sharding.data_axes(s.mesh)
   say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
-      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {sharding.data_axes(s.mesh)})"
+      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {axes})"
       + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
   say(f"data: {data_line}")
   say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "

@@ -35,7 +35,8 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 # By name from the module, so a top-level `fnscale.plan` function can't shadow it.
-from fnscale.plan import Plan, calibrate_cpu, mesh_str, plan, summary  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from fnscale.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+    Plan, calibrate_cpu, mesh_str, plan, summary)
 from recipes import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"

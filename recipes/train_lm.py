@@ -25,8 +25,8 @@ import numpy as np
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale import mesh as fs_mesh, preemption, sharding  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import data, gpt, harness as h, llama, run_log as rl  # noqa: E402  pylint: disable=C0413
+from fnscale import mesh as fs_mesh, preemption, sharding  # noqa: E402
+from recipes import data, gpt, harness as h, llama, run_log as rl  # noqa: E402
 
 # Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
 MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
