@@ -228,6 +228,7 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
   `log_prof`: (run_log.RunLog, run_log.Profiler)."""
   (log, prof), m = log_prof, None
   last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
+  batch_sharding = fs.batch_sharding(s.mesh)
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
   with preemption.preemption_guard() as should_stop:
     for step in range(start, s.o.steps):
@@ -240,7 +241,7 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
         jax.block_until_ready((state, m))
       if done < s.o.steps:
         data_state = batches.get_state()
-        batch = fs.global_batch(next(batches), fs.batch_sharding(s.mesh))  # while it runs
+        batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
       if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
         jax.block_until_ready(m["loss"])
         t_mark, step_mark = time.time(), done
