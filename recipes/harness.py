@@ -152,10 +152,17 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
+@functools.cache
+def _host_matmul_peak() -> float:
+  # Measured once per process: the host's cores don't change between runs, and a later
+  # measurement under load would only read lower.
+  return flops.measure_matmul_peak()
+
+
 def peak_flops(topo) -> tuple[float | None, str]:
   """The MFU denominator (FLOP/s of all devices together) and a line saying what it is."""
   if topo.platform == "cpu":
-    peak = flops.measure_matmul_peak() * jax.process_count()
+    peak = _host_matmul_peak() * jax.process_count()
     return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (best of several runs), "
                   f"shared by all {jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:

@@ -155,6 +155,8 @@ def test_preempted_job_saves_one_step_everywhere_and_resumes_bitwise(run_2x4, tm
   stop = stops[0][0]["step"]
   assert saves[0] == saves[1] == [{"event": "checkpoint", "step": stop}]  # saved once
   assert 0 < stop < STEPS and checkpoint.steps(out / "ckpt") == (stop,)
+  if len(notices) == 1:
+    return  # resuming from the agreed step is the same for both cases: checked once, below
   resumed = _train(out, 2, 4)
   assert _events(resumed[0].stdout)[1] == {"event": "restored", "step": stop,
                                            "extra": {"step": stop}}
