@@ -39,3 +39,7 @@ class CheckpointError(FnscaleError):
 
 class CloudError(FnscaleError):
   """A Cloud API request failed."""
+
+
+class PlanError(FnscaleError):
+  """The planner can't serve the request (nothing fits, a bad target or argument)."""

@@ -26,17 +26,13 @@ import jmp
 from fnscale import _cost
 from fnscale import _targets
 from fnscale import hlo as _hlo
-from fnscale.errors import FnscaleError
+from fnscale.errors import PlanError
 from fnscale.mesh import MeshAxes
 
 __all__ = ["Candidate", "Compiled", "Plan", "PlanError", "calibrate_cpu", "format_plan",
            "mesh_str", "plan", "summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
-
-
-class PlanError(FnscaleError):
-  """The planner can't serve the request (nothing fits, a bad target or argument)."""
 
 
 class Compiled(NamedTuple):
