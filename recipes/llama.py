@@ -22,6 +22,7 @@ import optax
 
 import fnscale as fs
 from fnscale import flops
+from recipes import gpt
 
 
 class ModelConfig(NamedTuple):
@@ -199,7 +200,7 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   the backward pass (`jax.checkpoint`, nothing saved inside a block).
   """
   cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
-  x = params["embed"][tokens]
+  x = gpt.embed_lookup(params["embed"], tokens)  # batch-split, no involuntary remat
   block = lambda x, p: _block(x, p, cfg)
   block = jax.checkpoint(block) if remat else block
   x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])

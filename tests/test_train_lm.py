@@ -159,21 +159,22 @@ def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
   assert summary.final_step == 2 and np.isfinite(summary.loss)
 
 
-def _xla_warnings(mesh_spec):
-  """XLA's partitioner warnings for train_lm's nano step (gpt.RULES, AdamW) on `mesh_spec`,
-  compiled from abstract inputs with the persistent compile cache off (a cached program is
-  not partitioned again, so it would warn about nothing)."""
+def _xla_warnings(mesh_spec, size="nano"):
+  """XLA's partitioner warnings for train_lm's step of `size` (the model's RULES, AdamW) on
+  `mesh_spec`, compiled from abstract inputs with the persistent compile cache off (a cached
+  program is not partitioned again, so it would warn about nothing)."""
   import optax  # pylint: disable=import-outside-toplevel
   from fnscale import mesh as fs_mesh  # pylint: disable=import-outside-toplevel
+  model = train_lm.MODELS[size]
   mesh = fs.make_mesh(fs_mesh.parse_axes(mesh_spec))
-  cfg = gpt.model_config("nano", 32)
-  opt, axes = optax.adamw(1e-3), gpt.logical_axes(cfg)
+  cfg = model.model_config(size, 32)
+  opt, axes = optax.adamw(1e-3), model.logical_axes(cfg)
   rows = jax.ShapeDtypeStruct((16, 32), np.int32)
   with fs.with_mesh(mesh):
-    state = fs.init_state(functools.partial(gpt.init_params, cfg), opt, mesh=mesh,
-                          rules=gpt.RULES, logical_axes=axes, key=jax.random.key(0),
+    state = fs.init_state(functools.partial(model.init_params, cfg), opt, mesh=mesh,
+                          rules=model.RULES, logical_axes=axes, key=jax.random.key(0),
                           abstract=True)
-    step = fs.shard_step(fs.train_step(gpt.loss_fn, opt), mesh, rules=gpt.RULES,
+    step = fs.shard_step(fs.train_step(model.loss_fn, opt), mesh, rules=model.RULES,
                          logical_axes=axes)
     return fs.compile_report(step, state, {"inputs": rows, "targets": rows}).xla_warnings
 
@@ -190,9 +191,10 @@ def _no_compile_cache():
 README_MESHES = ["data=2,fsdp=4", "data=-1,fsdp=2,tensor=2", "data=-1,fsdp=8"]
 
 
-@pytest.mark.parametrize("mesh_spec", README_MESHES)
-def test_default_rules_draw_no_partitioner_warnings(mesh_spec, no_compile_cache):
-  assert _xla_warnings(mesh_spec) == ()
+@pytest.mark.parametrize("size, mesh_spec", [("nano", m) for m in README_MESHES] + [
+    ("llama-tiny", "data=2,fsdp=4"), ("llama-tiny", "data=-1,fsdp=2,tensor=2")])
+def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, no_compile_cache):
+  assert _xla_warnings(mesh_spec, size) == ()
 
 
 def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
