@@ -90,6 +90,61 @@ def test_env_unknown_accelerator_type():
     fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v99-8"})
 
 
+# --- override strings, without devices ------------------------------------------------------
+
+@pytest.mark.parametrize("override,facts", [
+    # (what the string says, written out by hand)
+    ("v5p-128", {"accelerator_type": "v5p-128"}),
+    ("  v5litepod-16 ", {"accelerator_type": "v5litepod-16"}),
+    ("2x v5p-128", {"num_slices": 2, "accelerator_type": "v5p-128"}),
+    ("3 x v6e-8", {"num_slices": 3, "accelerator_type": "v6e-8"}),
+    ("v5p:2x4x8", {"generation": "v5p", "chip_grid": (2, 4, 8)}),
+    ("v5:2x2x1", {"generation": "v5p", "chip_grid": (2, 2, 1)}),  # libtpu's name of v5p
+    ("tpu7x:2x2x1", {"generation": "v7", "chip_grid": (2, 2, 1)}),
+    ("v5litepod :4x4", {"generation": "v5e", "chip_grid": (4, 4)}),
+    ("2x4x4x8", {"num_slices": 2, "chip_grid": (4, 4, 8)}),
+    ("v6e:2x4x4", {"generation": "v6e", "chip_grid": (2, 4, 4)}),  # 3 dims: no slices
+    ("4x4", {"chip_grid": (4, 4)}),
+])
+def test_override_facts(override, facts):
+  assert topo_mod._override_facts(override) == {k: (v, "override") for k, v in facts.items()}
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("0x v5p-128", r"override slices='0' is not ','-separated integers >= 1"),
+    ("v5p-3", r"accelerator type 'v5p-3': 3 cores is not a whole number of v5p chips"),
+    ("v9-8", r"unknown accelerator type 'v9-8'"),
+    ("2x v9-8", r"unknown accelerator type 'v9-8'"),
+    ("v5px:2x2x1", r"topology override 'v5px:2x2x1' names an unknown TPU generation 'v5px': "
+                   r"expected one of \['tpu7x', 'v2', 'v3', 'v4', 'v5', 'v5e', 'v5litepod', "
+                   r"'v5p', 'v6e', 'v7'\] before ':', e.g. 'v5p:2x4x8'"),
+    (":2x2", r"names an unknown TPU generation ''"),
+    ("v5p:", r"shape '' is not a chip grid"),
+    ("v5p:2x2x2x2x2", r"shape '2x2x2x2x2' is not a chip grid"),
+    ("", r"topology override '' is empty: expected a chip grid such as '2x4x8', 'v5p:2x4x8', "
+         r"slices first as '2x4x4x8', an accelerator type such as 'v5p-128', or slices of one "
+         r"as '2x v5p-128'"),
+])
+def test_override_facts_rejects(override, pattern):
+  with pytest.raises(fs.TopologyError, match=pattern):
+    topo_mod._override_facts(override)
+
+
+def test_override_slices_on_cpu_devices():
+  # 8 CPU devices as 2 slices of a 2x2x1 grid, or 4 slices of a 2-chip v5e type.
+  t = fs.detect_topology("2x2x2x1", env={})
+  assert (t.num_slices, t.chip_grid, t.num_chips, t.devices_per_slice) == (2, (2, 2, 1), 4, 4)
+  assert t.sources["num_slices"] == "override" and t.sources["num_chips"] == "override"
+  t = fs.detect_topology("4x v5litepod-2", env={})
+  assert (t.num_slices, t.accelerator_type, t.generation, t.num_chips, t.chip_grid) == (
+      4, "v5litepod-2", "v5e", 2, ())
+  assert t.sources["chip_grid"] == "unknown (accelerator type gives only the chip count)"
+  assert t.sources["generation"] == "override" and t.peak_flops_per_device is None
+  with pytest.raises(fs.TopologyError, match=r"topology from override says 2 slice\(s\) x 2 = 4 "
+                                             r"devices, but 8 cpu devices are present"):
+    fs.detect_topology("2x v5litepod-2", env={})
+
+
 # --- metadata service ----------------------------------------------------------------------
 
 def _md(path):
@@ -167,6 +222,33 @@ def test_topology_is_immutable():
   assert jax.device_count() == t.num_devices
 
 
+def _topology(**kw):
+  fields = dict(platform="tpu", device_kind="TPU v5", generation="v5p", num_devices=128,
+                num_processes=32, num_slices=2, devices_per_process=4, chip_grid=(4, 4, 4),
+                num_chips=64, cores_per_chip=2, accelerator_type="v5p-128", process_index=0,
+                slice_index=0, peak_flops_per_device=459e12, hbm_bytes_per_device=95 * GiB)
+  return topo_mod.Topology(**{**fields, **kw})
+
+
+def test_topology_str():
+  # Two v5p-128 slices: 64 chips (4x4x4) each, 16 hosts of 4 chips per slice, 459 TFLOP/s.
+  assert str(_topology()) == ("tpu 'TPU v5' (v5p-128): 128 devices = 2 slice(s) x chip grid "
+                              "4x4x4, 32 process(es) x 4 devices, peak 459 TFLOP/s bf16 per "
+                              "device")
+  assert str(_topology(platform="cpu", device_kind="cpu", num_devices=8, num_processes=1,
+                       num_slices=1, devices_per_process=8, chip_grid=(), accelerator_type=None,
+                       peak_flops_per_device=None)) == (
+      "cpu 'cpu' (no accelerator type): 8 devices = 1 slice(s) x chip grid ?, 1 process(es) x 8 "
+      "devices, peak ? bf16 per device")
+  assert "peak 2307 TFLOP/s" in str(_topology(peak_flops_per_device=2307e12))  # rounds, no .0
+
+
+def test_devices_per_slice():
+  assert _topology().devices_per_slice == 64  # 128 devices over 2 slices
+  assert _topology(num_devices=8, num_slices=1).devices_per_slice == 8
+  assert _topology(num_devices=8, num_slices=0).devices_per_slice == 8  # never divides by 0
+
+
 def test_simulate_cpu_devices_after_start(monkeypatch):
   monkeypatch.setattr(topo_mod, "has_accelerator", lambda: False)
   jax.devices()  # the backend is up with 8 devices (conftest)
@@ -177,6 +259,104 @@ def test_simulate_cpu_devices_after_start(monkeypatch):
     fs.simulate_cpu_devices(0)
   monkeypatch.setattr(topo_mod, "has_accelerator", lambda: True)
   assert fs.simulate_cpu_devices(4) is False
+
+
+# --- accelerator device files and simulated CPU devices (no backend started) ----------------
+
+def _device_files(monkeypatch, *files):
+  """Makes `glob.glob` in fnscale.topology see only `files`, matched as the shell would."""
+  import fnmatch
+  monkeypatch.setattr(topo_mod.glob, "glob",
+                      lambda pattern: [f for f in files if fnmatch.fnmatch(f, pattern)])
+
+
+@pytest.mark.parametrize("files,accelerator", [
+    ((), False),
+    (("/dev/accel0",), True),  # TPU v4 and later
+    (("/dev/vfio/0", "/dev/vfio/vfio"), True),  # TPU v5e/v6e over VFIO
+    (("/dev/vfio/vfio",), False),  # the VFIO control file alone: any Linux machine
+    (("/dev/nvidia0", "/dev/nvidiactl"), True),
+    (("/dev/nvidiactl", "/dev/nvidia-uvm"), False),  # driver files without a GPU
+    (("/dev/null", "/dev/sda"), False),
+])
+def test_has_accelerator_from_device_files(monkeypatch, files, accelerator):
+  _device_files(monkeypatch, *files)
+  assert topo_mod.has_accelerator() is accelerator
+
+
+def test_on_tpu_vm(monkeypatch):
+  _device_files(monkeypatch)
+  assert not topo_mod._on_tpu_vm({})
+  assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1"})
+  assert not topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
+  _device_files(monkeypatch, "/dev/accel0")
+  assert topo_mod._on_tpu_vm({})
+  assert not topo_mod._on_tpu_vm({"TPU_SKIP_MDS_QUERY": "true"})
+  _device_files(monkeypatch, "/dev/nvidia0")
+  assert not topo_mod._on_tpu_vm({})  # a GPU machine has no TPU metadata
+
+
+_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                  "--xla_cpu_collective_timeout_seconds=900")
+
+
+@pytest.fixture
+def jax_config(monkeypatch):
+  """Records simulate_cpu_devices' jax.config updates instead of applying them."""
+  updates = []
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+  _device_files(monkeypatch)  # no accelerator
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  return updates
+
+
+def test_simulate_cpu_devices_sets_platform_count_and_timeouts(monkeypatch, jax_config):
+  import os
+  assert fs.simulate_cpu_devices(1) is True
+  assert jax_config == [("jax_platforms", "cpu"), ("jax_num_cpu_devices", 1)]
+  assert os.environ["XLA_FLAGS"] == _TIMEOUT_FLAGS
+  jax_config.clear()
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")  # the user's choice stands
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  assert fs.simulate_cpu_devices(16) is True
+  assert jax_config == [("jax_num_cpu_devices", 16)]
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d " + _TIMEOUT_FLAGS
+  mine = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
+  monkeypatch.setenv("XLA_FLAGS", mine)  # the user's own timeout stands
+  fs.simulate_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == mine
+
+
+def test_simulate_cpu_devices_does_nothing_on_an_accelerator(monkeypatch, jax_config):
+  import os
+  _device_files(monkeypatch, "/dev/accel0")
+  assert fs.simulate_cpu_devices(8) is False
+  assert jax_config == [] and "XLA_FLAGS" not in os.environ
+
+
+def test_simulate_cpu_devices_after_start_with_the_same_count(monkeypatch, jax_config):
+  def started(name, value):
+    if name == "jax_num_cpu_devices":
+      raise RuntimeError("jax_num_cpu_devices config should be updated before backends are "
+                         "initialized")
+  monkeypatch.setattr(jax.config, "update", started)
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  assert fs.simulate_cpu_devices(4) is True
+  with pytest.raises(fs.TopologyError, match=r"^jax already started with 4 devices, so 2 "
+                                             r"simulated devices can't be set: call "
+                                             r"simulate_cpu_devices before the first jax "
+                                             r"computation\.$"):
+    fs.simulate_cpu_devices(2)
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 2.0, None])
+def test_simulate_cpu_devices_rejects_a_bad_count(jax_config, n):
+  with pytest.raises(fs.TopologyError, match=rf"simulated device count n={n!r} "
+                                             rf"\({type(n).__name__}\) must be a positive int, "
+                                             r"e.g. 8\."):
+    fs.simulate_cpu_devices(n)
+  assert jax_config == []
 
 
 def test_show_topology_recipe():
