@@ -600,6 +600,194 @@ def test_generation_only_name_without_layout_gives_no_count():
   assert (t.num_chips, t.sources["num_chips"]) == (8, "env:TPU_ACCELERATOR_TYPE")
 
 
+@pytest.mark.parametrize("env,grid,source", [
+    # The non-TPU twin of test_layout_precedence, on 8 CPU devices.
+    # process bounds over host bounds (both 8 devices; the grid says which answered)
+    ({"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,2,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+      "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2"}, (2, 4, 1),
+     "env:TPU_CHIPS_PER_PROCESS_BOUNDS*env:TPU_PROCESS_BOUNDS"),
+    # bounds over TPU_TOPOLOGY
+    ({"TPU_TOPOLOGY": "8", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2"},
+     (2, 2, 2), "env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS"),
+    # a lone bounds variable of either pair fixes nothing: TPU_TOPOLOGY answers
+    ({"TPU_TOPOLOGY": "2x4", "TPU_PROCESS_BOUNDS": "1,1,2"}, (2, 4), "env:TPU_TOPOLOGY"),
+    ({"TPU_TOPOLOGY": "4x2", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,2"}, (4, 2), "env:TPU_TOPOLOGY"),
+    # what the metadata's tpu-env calls TOPOLOGY is no environment variable of TPU VMs
+    ({"TOPOLOGY": "2x2", "CHIPS_PER_HOST_BOUNDS": "2,2,1", "HOST_BOUNDS": "1,1,1"}, (),
+     None),
+])
+def test_env_layout_precedence_on_cpu_devices(env, grid, source):
+  t = fs.detect_topology(env=env)
+  assert (t.chip_grid, t.sources.get("chip_grid")) == (grid, source)
+
+
+@pytest.mark.parametrize("env,index,source", [
+    # JAX's Cloud TPU cluster: worker id + slice id x processes per slice.
+    ({"TPU_WORKER_ID": "3"}, 3, "env:TPU_WORKER_ID"),
+    ({"TPU_WORKER_ID": "3", "MEGASCALE_SLICE_ID": "0"}, 3, "env:TPU_WORKER_ID"),
+    # 1 process per slice here (8 CPU devices in this one): worker 0 of slice 1 is process 1
+    ({"TPU_WORKER_ID": "0", "MEGASCALE_SLICE_ID": "1"}, 1,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x jax.devices() process_index"),
+    # 2x2x1 processes of one chip each per slice, 2 slices: worker 1 of slice 1 is 1 + 4
+    ({"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+      "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1", "TPU_WORKER_ID": "1"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_PROCESS_BOUNDS"),
+    # 3 hosts per slice (empty names don't count): worker 2 of slice 1 is 2 + 3
+    ({"TPU_WORKER_HOSTNAMES": "h0, h1,h2,", "TPU_WORKER_ID": "2", "MEGASCALE_SLICE_ID": "1"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_WORKER_HOSTNAMES"),
+    # TPU_PROCESS_ADDRESSES first, as JAX reads it
+    ({"TPU_PROCESS_ADDRESSES": "a:8476,b:8476", "TPU_WORKER_HOSTNAMES": "h0,h1,h2",
+      "TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "2"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_PROCESS_ADDRESSES"),
+    # host bounds count processes before the host names do
+    ({"TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2",
+      "TPU_WORKER_HOSTNAMES": "h0,h1,h2", "TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "1"}, 3,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_HOST_BOUNDS"),
+    # set but empty is unset (as libtpu and JAX read them)
+    ({"TPU_WORKER_ID": " ", "MEGASCALE_SLICE_ID": ""}, 0, "jax.process_index()"),
+    ({"WORKER_ID": "3"}, 0, "jax.process_index()"),  # tpu-env's short name is no env variable
+])
+def test_process_index_from_env(env, index, source):
+  t = fs.detect_topology(env=env)
+  assert (t.process_index, t.sources["process_index"]) == (index, source)
+
+
+def test_env_names_slice_and_accelerator():
+  t = fs.detect_topology(env={"MEGASCALE_SLICE_ID": "1", "TPU_ACCELERATOR_TYPE": " v5p-16 "})
+  assert (t.slice_index, t.sources["slice_index"]) == (1, "env:MEGASCALE_SLICE_ID")
+  assert (t.accelerator_type, t.generation, t.sources["generation"]) == (
+      "v5p-16", "v5p", "env:TPU_ACCELERATOR_TYPE")
+  assert t.cores_per_chip == 1  # off TPU a device is no TensorCore
+  t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "", "ACCELERATOR_TYPE": "v5p-8"})
+  assert t.accelerator_type is None and t.generation is None
+  t = fs.detect_topology("v5p:2x2x2", env={})
+  assert (t.generation, t.sources["generation"], t.chip_grid) == ("v5p", "override", (2, 2, 2))
+  t = fs.detect_topology("v5e:2x4x1", env={})  # 2-D torus: the trailing 1 goes
+  assert (t.generation, t.chip_grid, t.num_chips) == ("v5e", (2, 4), 8)
+
+
+def test_detect_from_cpu_devices_names_kind_and_sources():
+  t = fs.detect_topology(env={})
+  assert (t.device_kind, t.sources["device_kind"]) == ("cpu", "jax.devices()")
+  assert (t.process_index, t.sources["process_index"]) == (0, "jax.process_index()")
+  assert (t.slice_index, t.generation, t.cores_per_chip, t.hbm_bytes_per_device) == (
+      0, None, 1, None)
+  t = fs.detect_topology(env={}, devices=jax.devices()[:1])
+  assert (t.num_devices, t.devices_per_process, t.sources["num_devices"]) == (1, 1, "devices")
+
+
+def test_generation_of_device_kinds():
+  # The device_kind strings jax reports per generation (v5p reports "TPU v5").
+  assert topo_mod.generation_of("TPU v5") == "v5p"
+  assert topo_mod.generation_of("TPU v5 lite") == "v5e"
+  assert topo_mod.generation_of("TPU v4") == "v4"
+  assert topo_mod.generation_of("TPU7x") == "v7"
+  assert topo_mod.generation_of("cpu") is None
+  assert topo_mod.generation_of("TPU v5 lite ") is None  # exact names, not substrings
+
+
+def test_env_integer_errors_say_how_to_fix():
+  with pytest.raises(fs.TopologyError, match=r"^env:MEGASCALE_NUM_SLICES='0' is not ','-separated "
+                                             r"integers >= 1; fix or unset it\.$"):
+    fs.detect_topology(env={"MEGASCALE_NUM_SLICES": "0"})
+
+
+# --- detection from TPU and GPU devices, without libtpu ------------------------------------
+#
+# Stand-ins for devices with the attributes libtpu's described devices have (printed from
+# `get_topology_desc(platform="tpu", topology_name="v5p:2x2x2", num_slices=2)`: per slice,
+# process p holds the 4 chips of z = p; coords restart in each slice; slice_index is None on
+# one slice), so the tpu-marked tests' logic also runs in the fast suite.
+
+def _fake_tpu(kind, hosts, slices=1, cores=1, first_slice=0):
+  """`hosts`: the chip coords of each process of one slice; `cores` devices per chip."""
+  import types
+  return [types.SimpleNamespace(platform="tpu", device_kind=kind, coords=c, core_on_chip=core,
+                                process_index=s * len(hosts) + p,
+                                slice_index=s if slices > 1 or first_slice else None)
+          for s in range(first_slice, first_slice + slices) for p, chips in enumerate(hosts)
+          for c in chips for core in range(cores)]
+
+
+_V5P_16_HOSTS = [[(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)],
+                 [(0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]]  # v5p-16: 2x2x2, 2 hosts
+
+
+@pytest.fixture
+def fake_devices_ok(monkeypatch):
+  monkeypatch.setattr(topo_mod, "check_devices", lambda devices: list(devices))
+  _device_files(monkeypatch)  # no metadata service is asked
+
+
+def test_detect_from_tpu_devices_two_slices(fake_devices_ok):
+  # 2 x v5p-16: 8 chips (2x2x2) per slice on 2 hosts of 4; megacore, 459 TFLOP/s and 95 GiB
+  # per chip (Google's v5p table), 2 TensorCores per chip.
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2))
+  assert (t.platform, t.device_kind, t.generation, t.chip_grid, t.num_chips, t.num_devices,
+          t.num_processes, t.devices_per_process, t.num_slices, t.process_index,
+          t.slice_index, t.cores_per_chip) == (
+      "tpu", "TPU v5", "v5p", (2, 2, 2), 8, 16, 4, 4, 2, 0, 0, 2)
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (459e12, 95 * GiB)
+  assert type(t.hbm_bytes_per_device) is int
+  assert dict(t.sources) == {
+      "platform": "devices", "device_kind": "devices", "generation": "devices device_kind",
+      "num_devices": "devices", "num_processes": "devices process_index",
+      "num_slices": "devices slice_index", "devices_per_process": "devices process_index",
+      "chip_grid": "devices coords", "num_chips": "devices coords",
+      "process_index": "jax.process_index()", "slice_index": "devices slice_index",
+      "peak_flops_per_device": "facts table", "hbm_bytes_per_device": "facts table"}
+  # Worker 1 of slice 1 is process 1 + 1 x 2 hosts per slice.
+  t = fs.detect_topology(env={"TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "1"},
+                         devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2))
+  assert (t.process_index, t.sources["process_index"]) == (
+      3, "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x devices process_index")
+
+
+def test_detect_from_the_devices_of_slice_1_alone(fake_devices_ok):
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, first_slice=1))
+  assert (t.chip_grid, t.num_slices, t.slice_index, t.process_index, t.num_processes) == (
+      (2, 2, 2), 1, 1, 2, 2)
+
+
+def test_detect_from_tpu_devices_two_per_chip(fake_devices_ok):
+  # v4 without megacore: 2 devices (TensorCores) per chip, each half of 275 TFLOP/s, 32 GiB.
+  chips = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v4", [chips], cores=2))
+  assert (t.chip_grid, t.num_chips, t.num_devices, t.cores_per_chip) == ((2, 2, 1), 4, 8, 2)
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (275e12 / 2, 16 * GiB)
+  # v5litepod-8: 2x4, one device per chip; a 2-D torus drops the z coordinate.
+  chips = [(x, y, 0) for y in range(4) for x in range(2)]
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5 lite", [chips]))
+  assert (t.generation, t.chip_grid, t.num_chips, t.peak_flops_per_device) == (
+      "v5e", (2, 4), 8, 197e12)
+
+
+def test_accelerator_type_must_match_the_tpu_devices(fake_devices_ok):
+  devices = _fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2)
+  t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v5p-16"}, devices=devices)
+  assert (t.accelerator_type, t.generation, t.sources["generation"]) == (
+      "v5p-16", "v5p", "devices device_kind")
+  with pytest.raises(fs.TopologyError, match=r"^accelerator type 'v6e-8' \(from env:TPU_ACCELE"
+                                             r"RATOR_TYPE\) is a v6e, but the devices are 'TPU "
+                                             r"v5' \(v5p\); fix TPU_ACCELERATOR_TYPE or pass "
+                                             r"the devices of that accelerator\.$"):
+    fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v6e-8"}, devices=devices)
+  with pytest.raises(fs.TopologyError, match=r"topology from env:TPU_TOPOLOGY says 2 slice\(s\) "
+                                             r"x 2x2x4 = 32 devices, but 16 tpu devices"):
+    fs.detect_topology(env={"TPU_TOPOLOGY": "2x2x4"}, devices=devices)
+
+
+def test_detect_from_gpu_devices(fake_devices_ok):
+  import types
+  devices = [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                   process_index=0) for _ in range(8)]
+  t = fs.detect_topology(env={}, devices=devices)
+  # NVIDIA's H100 SXM data sheet: 989 TFLOP/s dense bf16, 80 GB.
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (989e12, 80 * 10**9)
+  assert (t.generation, t.num_chips, t.chip_grid, t.cores_per_chip) == (None, 0, (), 1)
+  assert t.sources["peak_flops_per_device"] == "facts table"
+
+
 # --- describing a TPU target without the hardware ------------------------------------------
 
 @pytest.mark.parametrize("gen,chips,grid", [
@@ -620,6 +808,18 @@ def test_standard_grid_bad_input():
     topo_mod.standard_grid("v9", 8)
   with pytest.raises(fs.TopologyError, match=r"chips='8' \(str\): expected a positive int"):
     topo_mod.standard_grid("v5p", "8")
+  with pytest.raises(fs.TopologyError, match=r"^generation=5 \(int\): expected one of "
+                                             r"\['v2', 'v3', 'v4', 'v5e', 'v5p', 'v6e', 'v7'\]\.$"):
+    topo_mod.standard_grid(5, 8)
+  # The smallest 3-D slice is 2x2x1 = 4 chips (v5p-8); a 2-D one can be one chip.
+  with pytest.raises(fs.TopologyError, match=r"^2 v5p chips is not a standard slice \(a power "
+                                             r"of two, at least 4\); give the grid, e\.g\. "
+                                             r"'v5p:2x2x1'\.$"):
+    topo_mod.standard_grid("v5p", 2)
+  with pytest.raises(fs.TopologyError, match=r"^3 v6e chips is not a standard slice \(a power "
+                                             r"of two, at least 1\); give the grid, e\.g\. "
+                                             r"'v6e:2x2'\.$"):
+    topo_mod.standard_grid("v6e", 3)
 
 
 @pytest.mark.tpu
@@ -651,6 +851,53 @@ def test_target_devices_without_libtpu(monkeypatch):
     topo_mod.target_devices("v5p-128")
   with pytest.raises(fs.TopologyError, match=r"target '4x4' names no TPU generation"):
     topo_mod.target_devices("4x4")
+
+
+@pytest.mark.parametrize("target,name,kw", [
+    # libtpu's topology names and options for Google's slices: v5p-128 = 64 chips 4x4x4;
+    # v4 runs as megacore; v5e/v6e slices of up to 8 chips sit on one host; TPU7x is
+    # "tpu7x" to libtpu; "v5" is libtpu's own name of v5p.
+    ("v5p-128", "v5p:4x4x4", {}),
+    ("2x v5p-16", "v5p:2x2x2", {"num_slices": 2}),
+    ("v5:2x2x1", "v5p:2x2x1", {}),
+    ("v4-256", "v4:4x4x8", {"chip_config_name": "megacore"}),
+    ("v6e-8", "v6e:2x4", {"chips_per_host_bounds": (2, 4, 1)}),
+    ("v5litepod-4", "v5e:2x2", {"chips_per_host_bounds": (2, 2, 1)}),
+    ("v6e-16", "v6e:4x4", {}),
+    ("tpu7x-8", "tpu7x:2x2x1", {}),
+    ("3x tpu7x:2x2x2", "tpu7x:2x2x2", {"num_slices": 3}),
+])
+def test_target_devices_asks_libtpu_for(monkeypatch, target, name, kw):
+  import types
+  from jax.experimental import topologies
+  asked = []
+
+  def describe(**kwargs):
+    asked.append(kwargs)
+    return types.SimpleNamespace(devices=("d0", "d1"))
+  monkeypatch.setattr(topologies, "get_topology_desc", describe)
+  real = topo_mod.importlib.util.find_spec  # libtpu need not be installed to run this test
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda m, *a: object() if m == "libtpu" else real(m, *a))
+  assert topo_mod.target_devices(target) == ["d0", "d1"]
+  assert asked == [{"platform": "tpu", "topology_name": name, **kw}]
+
+
+def test_target_devices_libtpu_failure(monkeypatch):
+  from jax.experimental import topologies
+
+  def fail(**kwargs):
+    raise jax.errors.JaxRuntimeError("lockfile held")
+  monkeypatch.setattr(topologies, "get_topology_desc", fail)
+  real = topo_mod.importlib.util.find_spec
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda m, *a: object() if m == "libtpu" else real(m, *a))
+  with pytest.raises(fs.TopologyError, match=r"^libtpu could not describe 'v4:2x2x1' "
+                                             r"\{'chip_config_name': 'megacore'\} for target "
+                                             r"'v4-8': lockfile held\. If another process on "
+                                             r"this machine holds libtpu \(its lockfile\), set "
+                                             r"ALLOW_MULTIPLE_LIBTPU_LOAD=1\.$"):
+    topo_mod.target_devices("v4-8")
 
 
 def _recipe(*args):
@@ -731,6 +978,8 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
      r"env='TPU_TOPOLOGY=2x2' \(str\): expected None or a mapping of environment variables"),
     (lambda: fs.detect_topology(env={}, devices=[1, 2]),
      r"devices has element 1 \(int\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.detect_topology(env={}, devices=[1, "a"]),
+     r"devices has element 1 \(int\): expected"),
     (lambda: fs.detect_topology(env={}, devices=[]),
      r"devices has an empty sequence: expected a non-empty sequence of jax.Device"),
     (lambda: fs.detect_topology(env={}, devices=jax.devices()[0]),
@@ -741,8 +990,10 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
      r"metadata_timeout_s=0: expected seconds > 0"),
     (lambda: fs.topology.parse_accelerator_type(128),
      r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
-    (lambda: topo_mod.generation_of(None), r"device_kind=None \(NoneType\): expected a str"),
-    (lambda: topo_mod.gpu_facts(3), r"device_kind=3 \(int\): expected a str"),
+    (lambda: topo_mod.generation_of(None),
+     r"device_kind=None \(NoneType\): expected a str such as 'TPU v5'\.$"),
+    (lambda: topo_mod.gpu_facts(3),
+     r"device_kind=3 \(int\): expected a str such as 'NVIDIA H200'\.$"),
     (lambda: fs.simulate_cpu_devices("8"),
      r"simulated device count n='8' \(str\) must be a positive int"),
     (lambda: topo_mod.target_devices(None),
