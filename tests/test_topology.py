@@ -205,6 +205,43 @@ def test_unreachable_metadata_is_not_an_error(monkeypatch):
   assert t.accelerator_type is None and t.platform == "cpu"
 
 
+def test_metadata_facts(monkeypatch):
+  # The attributes a multi-host Cloud TPU VM's metadata serves (reduced): the VM's own
+  # accelerator-type and agent-worker-number come before the same keys in tpu-env.
+  answers = {
+      "accelerator-type": "v5p-16", "agent-worker-number": "1",
+      "tpu-env": ("ACCELERATOR_TYPE: 'v5p-32'\nTPU_WORKER_ID: '0'\n"
+                  "CHIPS_PER_HOST_BOUNDS: '2,2,1'\n  HOST_BOUNDS : 1,1,2\nTOPOLOGY: '2x2x4'\n"
+                  "MEGASCALE_NUM_SLICES: '2'\nMEGASCALE_SLICE_ID: '1'\n"),
+  }
+  asked = []
+
+  def get(path, *, timeout_s, url):
+    asked.append((path, timeout_s, url))
+    return answers.get(path.removeprefix("instance/attributes/"))
+  monkeypatch.setattr(topo_mod._metadata, "get", get)
+  md, env = "metadata:instance/attributes/", "metadata:instance/attributes/tpu-env:"
+  assert topo_mod._metadata_facts(0.5, "http://h/computeMetadata/v1") == {
+      "accelerator_type": ("v5p-16", md + "accelerator-type"),
+      "worker_id": (1, md + "agent-worker-number"),
+      "chip_grid": ((2, 2, 2), f"{env}CHIPS_PER_HOST_BOUNDS*{env}HOST_BOUNDS"),
+      "processes_per_slice": (2, env + "HOST_BOUNDS"),
+      "num_slices": (2, env + "MEGASCALE_NUM_SLICES"),
+      "slice_index": (1, env + "MEGASCALE_SLICE_ID"),
+  }
+  assert {a[0] for a in asked} == {"instance/attributes/accelerator-type",
+                                   "instance/attributes/agent-worker-number",
+                                   "instance/attributes/tpu-env"}
+  assert {a[1:] for a in asked} == {(0.5, "http://h/computeMetadata/v1")}
+  # Without the attributes, tpu-env answers; a worker number that is no number is ignored.
+  answers.update({"accelerator-type": None, "agent-worker-number": "n/a"})
+  facts = topo_mod._metadata_facts(0.5, "http://h")
+  assert (facts["accelerator_type"], facts["worker_id"]) == (
+      ("v5p-32", env + "ACCELERATOR_TYPE"), (0, env + "TPU_WORKER_ID"))
+  answers.clear()  # nothing answers: no facts
+  assert topo_mod._metadata_facts(0.5, "http://h") == {}
+
+
 def test_metadata_not_asked_off_tpu(monkeypatch):
   asked = []
   monkeypatch.setattr(topo_mod._metadata, "get", lambda *a, **k: asked.append(a))
@@ -939,6 +976,10 @@ def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
     assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {var: "x"}
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: True)
   env = {}
+  assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
+  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec", lambda name, *a: None)
+  env = {}  # without libtpu there is nothing to quiet
   assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
 
 
