@@ -607,6 +607,8 @@ def test_grid_spelling_per_generation():
   # A wrong implementation that drops every trailing 1 (or none) fails one of these.
   assert topo_mod._slice_grid((2, 2, 1), "v4") == (2, 2, 1)
   assert topo_mod._slice_grid((2, 2), "v5p") == (2, 2, 1)
+  assert topo_mod._slice_grid((8,), "v4") == (8, 1, 1)
+  assert topo_mod._slice_grid((), "v4") == ()  # unknown stays unknown
   assert topo_mod._slice_grid((2, 4, 1), "v5e") == (2, 4)
   assert topo_mod._slice_grid((4, 4, 1), "v6e") == (4, 4)
   assert topo_mod._slice_grid((2, 2, 1), "v2") == (2, 2)
@@ -628,6 +630,9 @@ def test_detect_from_env_without_tpu_devices():
     fs.detect_topology(env=dict(env, TPU_WORKER_ID="-1"))
   with pytest.raises(fs.TopologyError, match="different ranks"):
     fs.detect_topology(env=dict(env, TPU_HOST_BOUNDS="1,1"))
+  with pytest.raises(fs.TopologyError, match=r"^env:TPU_CHIPS_PER_HOST_BOUNDS='2,4,' is not "
+                                             r"','-separated integers >= 1; fix or unset it\.$"):
+    fs.detect_topology(env=dict(env, TPU_CHIPS_PER_HOST_BOUNDS="2,4,"))
 
 
 def test_generation_only_name_without_layout_gives_no_count():
@@ -701,6 +706,28 @@ def test_env_names_slice_and_accelerator():
   assert (t.generation, t.sources["generation"], t.chip_grid) == ("v5p", "override", (2, 2, 2))
   t = fs.detect_topology("v5e:2x4x1", env={})  # 2-D torus: the trailing 1 goes
   assert (t.generation, t.chip_grid, t.num_chips) == ("v5e", (2, 4), 8)
+
+
+def test_detect_from_a_mesh_device_array():
+  import numpy as np
+  t = fs.detect_topology(env={}, devices=np.array(jax.devices()).reshape(2, 4))
+  assert (t.num_devices, t.devices_per_process) == (8, 8)
+
+
+def test_detect_asks_the_metadata_service_for_1_s_by_default(monkeypatch):
+  asked = []
+  monkeypatch.setattr(topo_mod._metadata, "get",
+                      lambda path, *, timeout_s, url: asked.append((timeout_s, url)))
+  fs.detect_topology(env={"GCE_METADATA_HOST": "md.local:8080"})
+  assert asked and set(asked) == {(1.0, "http://md.local:8080/computeMetadata/v1")}
+
+
+def test_detect_logs_the_topology_and_its_sources(caplog):
+  import logging
+  caplog.set_level(logging.DEBUG, logger="absl")
+  t = fs.detect_topology(env={})
+  [message] = [r.getMessage() for r in caplog.records if "detected topology" in r.getMessage()]
+  assert message.startswith(f"detected topology {t} from {{'platform': 'jax.devices()', ")
 
 
 def test_detect_from_cpu_devices_names_kind_and_sources():
@@ -901,6 +928,7 @@ def test_target_devices_without_libtpu(monkeypatch):
     ("v6e-8", "v6e:2x4", {"chips_per_host_bounds": (2, 4, 1)}),
     ("v5litepod-4", "v5e:2x2", {"chips_per_host_bounds": (2, 2, 1)}),
     ("v6e-16", "v6e:4x4", {}),
+    ("v5e:3x3", "v5e:3x3", {}),  # more chips than one host's 8: libtpu's 4 per host
     ("tpu7x-8", "tpu7x:2x2x1", {}),
     ("3x tpu7x:2x2x2", "tpu7x:2x2x2", {"num_slices": 3}),
 ])
