@@ -90,6 +90,61 @@ def test_env_unknown_accelerator_type():
     fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v99-8"})
 
 
+# --- override strings, without devices ------------------------------------------------------
+
+@pytest.mark.parametrize("override,facts", [
+    # (what the string says, written out by hand)
+    ("v5p-128", {"accelerator_type": "v5p-128"}),
+    ("  v5litepod-16 ", {"accelerator_type": "v5litepod-16"}),
+    ("2x v5p-128", {"num_slices": 2, "accelerator_type": "v5p-128"}),
+    ("3 x v6e-8", {"num_slices": 3, "accelerator_type": "v6e-8"}),
+    ("v5p:2x4x8", {"generation": "v5p", "chip_grid": (2, 4, 8)}),
+    ("v5:2x2x1", {"generation": "v5p", "chip_grid": (2, 2, 1)}),  # libtpu's name of v5p
+    ("tpu7x:2x2x1", {"generation": "v7", "chip_grid": (2, 2, 1)}),
+    ("v5litepod :4x4", {"generation": "v5e", "chip_grid": (4, 4)}),
+    ("2x4x4x8", {"num_slices": 2, "chip_grid": (4, 4, 8)}),
+    ("v6e:2x4x4", {"generation": "v6e", "chip_grid": (2, 4, 4)}),  # 3 dims: no slices
+    ("4x4", {"chip_grid": (4, 4)}),
+])
+def test_override_facts(override, facts):
+  assert topo_mod._override_facts(override) == {k: (v, "override") for k, v in facts.items()}
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("0x v5p-128", r"override slices='0' is not ','-separated integers >= 1"),
+    ("v5p-3", r"accelerator type 'v5p-3': 3 cores is not a whole number of v5p chips"),
+    ("v9-8", r"unknown accelerator type 'v9-8'"),
+    ("2x v9-8", r"unknown accelerator type 'v9-8'"),
+    ("v5px:2x2x1", r"topology override 'v5px:2x2x1' names an unknown TPU generation 'v5px': "
+                   r"expected one of \['tpu7x', 'v2', 'v3', 'v4', 'v5', 'v5e', 'v5litepod', "
+                   r"'v5p', 'v6e', 'v7'\] before ':', e.g. 'v5p:2x4x8'"),
+    (":2x2", r"names an unknown TPU generation ''"),
+    ("v5p:", r"shape '' is not a chip grid"),
+    ("v5p:2x2x2x2x2", r"shape '2x2x2x2x2' is not a chip grid"),
+    ("", r"topology override '' is empty: expected a chip grid such as '2x4x8', 'v5p:2x4x8', "
+         r"slices first as '2x4x4x8', an accelerator type such as 'v5p-128', or slices of one "
+         r"as '2x v5p-128'"),
+])
+def test_override_facts_rejects(override, pattern):
+  with pytest.raises(fs.TopologyError, match=pattern):
+    topo_mod._override_facts(override)
+
+
+def test_override_slices_on_cpu_devices():
+  # 8 CPU devices as 2 slices of a 2x2x1 grid, or 4 slices of a 2-chip v5e type.
+  t = fs.detect_topology("2x2x2x1", env={})
+  assert (t.num_slices, t.chip_grid, t.num_chips, t.devices_per_slice) == (2, (2, 2, 1), 4, 4)
+  assert t.sources["num_slices"] == "override" and t.sources["num_chips"] == "override"
+  t = fs.detect_topology("4x v5litepod-2", env={})
+  assert (t.num_slices, t.accelerator_type, t.generation, t.num_chips, t.chip_grid) == (
+      4, "v5litepod-2", "v5e", 2, ())
+  assert t.sources["chip_grid"] == "unknown (accelerator type gives only the chip count)"
+  assert t.sources["generation"] == "override" and t.peak_flops_per_device is None
+  with pytest.raises(fs.TopologyError, match=r"topology from override says 2 slice\(s\) x 2 = 4 "
+                                             r"devices, but 8 cpu devices are present"):
+    fs.detect_topology("2x v5litepod-2", env={})
+
+
 # --- metadata service ----------------------------------------------------------------------
 
 def _md(path):
@@ -150,6 +205,43 @@ def test_unreachable_metadata_is_not_an_error(monkeypatch):
   assert t.accelerator_type is None and t.platform == "cpu"
 
 
+def test_metadata_facts(monkeypatch):
+  # The attributes a multi-host Cloud TPU VM's metadata serves (reduced): the VM's own
+  # accelerator-type and agent-worker-number come before the same keys in tpu-env.
+  answers = {
+      "accelerator-type": "v5p-16", "agent-worker-number": "1",
+      "tpu-env": ("ACCELERATOR_TYPE: 'v5p-32'\nTPU_WORKER_ID: '0'\n"
+                  "CHIPS_PER_HOST_BOUNDS: '2,2,1'\n  HOST_BOUNDS : 1,1,2\nTOPOLOGY: '2x2x4'\n"
+                  "MEGASCALE_NUM_SLICES: '2'\nMEGASCALE_SLICE_ID: '1'\n"),
+  }
+  asked = []
+
+  def get(path, *, timeout_s, url):
+    asked.append((path, timeout_s, url))
+    return answers.get(path.removeprefix("instance/attributes/"))
+  monkeypatch.setattr(topo_mod._metadata, "get", get)
+  md, env = "metadata:instance/attributes/", "metadata:instance/attributes/tpu-env:"
+  assert topo_mod._metadata_facts(0.5, "http://h/computeMetadata/v1") == {
+      "accelerator_type": ("v5p-16", md + "accelerator-type"),
+      "worker_id": (1, md + "agent-worker-number"),
+      "chip_grid": ((2, 2, 2), f"{env}CHIPS_PER_HOST_BOUNDS*{env}HOST_BOUNDS"),
+      "processes_per_slice": (2, env + "HOST_BOUNDS"),
+      "num_slices": (2, env + "MEGASCALE_NUM_SLICES"),
+      "slice_index": (1, env + "MEGASCALE_SLICE_ID"),
+  }
+  assert {a[0] for a in asked} == {"instance/attributes/accelerator-type",
+                                   "instance/attributes/agent-worker-number",
+                                   "instance/attributes/tpu-env"}
+  assert {a[1:] for a in asked} == {(0.5, "http://h/computeMetadata/v1")}
+  # Without the attributes, tpu-env answers; a worker number that is no number is ignored.
+  answers.update({"accelerator-type": None, "agent-worker-number": "n/a"})
+  facts = topo_mod._metadata_facts(0.5, "http://h")
+  assert (facts["accelerator_type"], facts["worker_id"]) == (
+      ("v5p-32", env + "ACCELERATOR_TYPE"), (0, env + "TPU_WORKER_ID"))
+  answers.clear()  # nothing answers: no facts
+  assert topo_mod._metadata_facts(0.5, "http://h") == {}
+
+
 def test_metadata_not_asked_off_tpu(monkeypatch):
   asked = []
   monkeypatch.setattr(topo_mod._metadata, "get", lambda *a, **k: asked.append(a))
@@ -167,6 +259,33 @@ def test_topology_is_immutable():
   assert jax.device_count() == t.num_devices
 
 
+def _topology(**kw):
+  fields = dict(platform="tpu", device_kind="TPU v5", generation="v5p", num_devices=128,
+                num_processes=32, num_slices=2, devices_per_process=4, chip_grid=(4, 4, 4),
+                num_chips=64, cores_per_chip=2, accelerator_type="v5p-128", process_index=0,
+                slice_index=0, peak_flops_per_device=459e12, hbm_bytes_per_device=95 * GiB)
+  return topo_mod.Topology(**{**fields, **kw})
+
+
+def test_topology_str():
+  # Two v5p-128 slices: 64 chips (4x4x4) each, 16 hosts of 4 chips per slice, 459 TFLOP/s.
+  assert str(_topology()) == ("tpu 'TPU v5' (v5p-128): 128 devices = 2 slice(s) x chip grid "
+                              "4x4x4, 32 process(es) x 4 devices, peak 459 TFLOP/s bf16 per "
+                              "device")
+  assert str(_topology(platform="cpu", device_kind="cpu", num_devices=8, num_processes=1,
+                       num_slices=1, devices_per_process=8, chip_grid=(), accelerator_type=None,
+                       peak_flops_per_device=None)) == (
+      "cpu 'cpu' (no accelerator type): 8 devices = 1 slice(s) x chip grid ?, 1 process(es) x 8 "
+      "devices, peak ? bf16 per device")
+  assert "peak 2307 TFLOP/s" in str(_topology(peak_flops_per_device=2307e12))  # rounds, no .0
+
+
+def test_devices_per_slice():
+  assert _topology().devices_per_slice == 64  # 128 devices over 2 slices
+  assert _topology(num_devices=8, num_slices=1).devices_per_slice == 8
+  assert _topology(num_devices=8, num_slices=0).devices_per_slice == 8  # never divides by 0
+
+
 def test_simulate_cpu_devices_after_start(monkeypatch):
   monkeypatch.setattr(topo_mod, "has_accelerator", lambda: False)
   jax.devices()  # the backend is up with 8 devices (conftest)
@@ -177,6 +296,104 @@ def test_simulate_cpu_devices_after_start(monkeypatch):
     fs.simulate_cpu_devices(0)
   monkeypatch.setattr(topo_mod, "has_accelerator", lambda: True)
   assert fs.simulate_cpu_devices(4) is False
+
+
+# --- accelerator device files and simulated CPU devices (no backend started) ----------------
+
+def _device_files(monkeypatch, *files):
+  """Makes `glob.glob` in fnscale.topology see only `files`, matched as the shell would."""
+  import fnmatch
+  monkeypatch.setattr(topo_mod.glob, "glob",
+                      lambda pattern: [f for f in files if fnmatch.fnmatch(f, pattern)])
+
+
+@pytest.mark.parametrize("files,accelerator", [
+    ((), False),
+    (("/dev/accel0",), True),  # TPU v4 and later
+    (("/dev/vfio/0", "/dev/vfio/vfio"), True),  # TPU v5e/v6e over VFIO
+    (("/dev/vfio/vfio",), False),  # the VFIO control file alone: any Linux machine
+    (("/dev/nvidia0", "/dev/nvidiactl"), True),
+    (("/dev/nvidiactl", "/dev/nvidia-uvm"), False),  # driver files without a GPU
+    (("/dev/null", "/dev/sda"), False),
+])
+def test_has_accelerator_from_device_files(monkeypatch, files, accelerator):
+  _device_files(monkeypatch, *files)
+  assert topo_mod.has_accelerator() is accelerator
+
+
+def test_on_tpu_vm(monkeypatch):
+  _device_files(monkeypatch)
+  assert not topo_mod._on_tpu_vm({})
+  assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1"})
+  assert not topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
+  _device_files(monkeypatch, "/dev/accel0")
+  assert topo_mod._on_tpu_vm({})
+  assert not topo_mod._on_tpu_vm({"TPU_SKIP_MDS_QUERY": "true"})
+  _device_files(monkeypatch, "/dev/nvidia0")
+  assert not topo_mod._on_tpu_vm({})  # a GPU machine has no TPU metadata
+
+
+_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                  "--xla_cpu_collective_timeout_seconds=900")
+
+
+@pytest.fixture
+def jax_config(monkeypatch):
+  """Records simulate_cpu_devices' jax.config updates instead of applying them."""
+  updates = []
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+  _device_files(monkeypatch)  # no accelerator
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  return updates
+
+
+def test_simulate_cpu_devices_sets_platform_count_and_timeouts(monkeypatch, jax_config):
+  import os
+  assert fs.simulate_cpu_devices(1) is True
+  assert jax_config == [("jax_platforms", "cpu"), ("jax_num_cpu_devices", 1)]
+  assert os.environ["XLA_FLAGS"] == _TIMEOUT_FLAGS
+  jax_config.clear()
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")  # the user's choice stands
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  assert fs.simulate_cpu_devices(16) is True
+  assert jax_config == [("jax_num_cpu_devices", 16)]
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d " + _TIMEOUT_FLAGS
+  mine = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
+  monkeypatch.setenv("XLA_FLAGS", mine)  # the user's own timeout stands
+  fs.simulate_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == mine
+
+
+def test_simulate_cpu_devices_does_nothing_on_an_accelerator(monkeypatch, jax_config):
+  import os
+  _device_files(monkeypatch, "/dev/accel0")
+  assert fs.simulate_cpu_devices(8) is False
+  assert jax_config == [] and "XLA_FLAGS" not in os.environ
+
+
+def test_simulate_cpu_devices_after_start_with_the_same_count(monkeypatch, jax_config):
+  def started(name, value):
+    if name == "jax_num_cpu_devices":
+      raise RuntimeError("jax_num_cpu_devices config should be updated before backends are "
+                         "initialized")
+  monkeypatch.setattr(jax.config, "update", started)
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  assert fs.simulate_cpu_devices(4) is True
+  with pytest.raises(fs.TopologyError, match=r"^jax already started with 4 devices, so 2 "
+                                             r"simulated devices can't be set: call "
+                                             r"simulate_cpu_devices before the first jax "
+                                             r"computation\.$"):
+    fs.simulate_cpu_devices(2)
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 2.0, None])
+def test_simulate_cpu_devices_rejects_a_bad_count(jax_config, n):
+  with pytest.raises(fs.TopologyError, match=rf"simulated device count n={n!r} "
+                                             rf"\({type(n).__name__}\) must be a positive int, "
+                                             r"e.g. 8\."):
+    fs.simulate_cpu_devices(n)
+  assert jax_config == []
 
 
 def test_show_topology_recipe():
@@ -390,6 +607,8 @@ def test_grid_spelling_per_generation():
   # A wrong implementation that drops every trailing 1 (or none) fails one of these.
   assert topo_mod._slice_grid((2, 2, 1), "v4") == (2, 2, 1)
   assert topo_mod._slice_grid((2, 2), "v5p") == (2, 2, 1)
+  assert topo_mod._slice_grid((8,), "v4") == (8, 1, 1)
+  assert topo_mod._slice_grid((), "v4") == ()  # unknown stays unknown
   assert topo_mod._slice_grid((2, 4, 1), "v5e") == (2, 4)
   assert topo_mod._slice_grid((4, 4, 1), "v6e") == (4, 4)
   assert topo_mod._slice_grid((2, 2, 1), "v2") == (2, 2)
@@ -411,6 +630,9 @@ def test_detect_from_env_without_tpu_devices():
     fs.detect_topology(env=dict(env, TPU_WORKER_ID="-1"))
   with pytest.raises(fs.TopologyError, match="different ranks"):
     fs.detect_topology(env=dict(env, TPU_HOST_BOUNDS="1,1"))
+  with pytest.raises(fs.TopologyError, match=r"^env:TPU_CHIPS_PER_HOST_BOUNDS='2,4,' is not "
+                                             r"','-separated integers >= 1; fix or unset it\.$"):
+    fs.detect_topology(env=dict(env, TPU_CHIPS_PER_HOST_BOUNDS="2,4,"))
 
 
 def test_generation_only_name_without_layout_gives_no_count():
@@ -418,6 +640,216 @@ def test_generation_only_name_without_layout_gives_no_count():
   assert (t.generation, t.num_chips, t.chip_grid) == ("v7", 0, ())
   t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v5p-16"})  # 16 TensorCores, 2 per chip
   assert (t.num_chips, t.sources["num_chips"]) == (8, "env:TPU_ACCELERATOR_TYPE")
+
+
+@pytest.mark.parametrize("env,grid,source", [
+    # The non-TPU twin of test_layout_precedence, on 8 CPU devices.
+    # process bounds over host bounds (both 8 devices; the grid says which answered)
+    ({"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,2,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+      "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2"}, (2, 4, 1),
+     "env:TPU_CHIPS_PER_PROCESS_BOUNDS*env:TPU_PROCESS_BOUNDS"),
+    # bounds over TPU_TOPOLOGY
+    ({"TPU_TOPOLOGY": "8", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2"},
+     (2, 2, 2), "env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS"),
+    # a lone bounds variable of either pair fixes nothing: TPU_TOPOLOGY answers
+    ({"TPU_TOPOLOGY": "2x4", "TPU_PROCESS_BOUNDS": "1,1,2"}, (2, 4), "env:TPU_TOPOLOGY"),
+    ({"TPU_TOPOLOGY": "4x2", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,2"}, (4, 2), "env:TPU_TOPOLOGY"),
+    # what the metadata's tpu-env calls TOPOLOGY is no environment variable of TPU VMs
+    ({"TOPOLOGY": "2x2", "CHIPS_PER_HOST_BOUNDS": "2,2,1", "HOST_BOUNDS": "1,1,1"}, (),
+     None),
+])
+def test_env_layout_precedence_on_cpu_devices(env, grid, source):
+  t = fs.detect_topology(env=env)
+  assert (t.chip_grid, t.sources.get("chip_grid")) == (grid, source)
+
+
+@pytest.mark.parametrize("env,index,source", [
+    # JAX's Cloud TPU cluster: worker id + slice id x processes per slice.
+    ({"TPU_WORKER_ID": "3"}, 3, "env:TPU_WORKER_ID"),
+    ({"TPU_WORKER_ID": "3", "MEGASCALE_SLICE_ID": "0"}, 3, "env:TPU_WORKER_ID"),
+    # 1 process per slice here (8 CPU devices in this one): worker 0 of slice 1 is process 1
+    ({"TPU_WORKER_ID": "0", "MEGASCALE_SLICE_ID": "1"}, 1,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x jax.devices() process_index"),
+    # 2x2x1 processes of one chip each per slice, 2 slices: worker 1 of slice 1 is 1 + 4
+    ({"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+      "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1", "TPU_WORKER_ID": "1"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_PROCESS_BOUNDS"),
+    # 3 hosts per slice (empty names don't count): worker 2 of slice 1 is 2 + 3
+    ({"TPU_WORKER_HOSTNAMES": "h0, h1,h2,", "TPU_WORKER_ID": "2", "MEGASCALE_SLICE_ID": "1"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_WORKER_HOSTNAMES"),
+    # TPU_PROCESS_ADDRESSES first, as JAX reads it
+    ({"TPU_PROCESS_ADDRESSES": "a:8476,b:8476", "TPU_WORKER_HOSTNAMES": "h0,h1,h2",
+      "TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "2"}, 5,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_PROCESS_ADDRESSES"),
+    # host bounds count processes before the host names do
+    ({"TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,2",
+      "TPU_WORKER_HOSTNAMES": "h0,h1,h2", "TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "1"}, 3,
+     "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x env:TPU_HOST_BOUNDS"),
+    # set but empty is unset (as libtpu and JAX read them)
+    ({"TPU_WORKER_ID": " ", "MEGASCALE_SLICE_ID": ""}, 0, "jax.process_index()"),
+    ({"WORKER_ID": "3"}, 0, "jax.process_index()"),  # tpu-env's short name is no env variable
+])
+def test_process_index_from_env(env, index, source):
+  t = fs.detect_topology(env=env)
+  assert (t.process_index, t.sources["process_index"]) == (index, source)
+
+
+def test_env_names_slice_and_accelerator():
+  t = fs.detect_topology(env={"MEGASCALE_SLICE_ID": "1", "TPU_ACCELERATOR_TYPE": " v5p-16 "})
+  assert (t.slice_index, t.sources["slice_index"]) == (1, "env:MEGASCALE_SLICE_ID")
+  assert (t.accelerator_type, t.generation, t.sources["generation"]) == (
+      "v5p-16", "v5p", "env:TPU_ACCELERATOR_TYPE")
+  assert t.cores_per_chip == 1  # off TPU a device is no TensorCore
+  t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "", "ACCELERATOR_TYPE": "v5p-8"})
+  assert t.accelerator_type is None and t.generation is None
+  t = fs.detect_topology("v5p:2x2x2", env={})
+  assert (t.generation, t.sources["generation"], t.chip_grid) == ("v5p", "override", (2, 2, 2))
+  t = fs.detect_topology("v5e:2x4x1", env={})  # 2-D torus: the trailing 1 goes
+  assert (t.generation, t.chip_grid, t.num_chips) == ("v5e", (2, 4), 8)
+
+
+def test_detect_from_a_mesh_device_array():
+  import numpy as np
+  t = fs.detect_topology(env={}, devices=np.array(jax.devices()).reshape(2, 4))
+  assert (t.num_devices, t.devices_per_process) == (8, 8)
+
+
+def test_detect_asks_the_metadata_service_for_1_s_by_default(monkeypatch):
+  asked = []
+  monkeypatch.setattr(topo_mod._metadata, "get",
+                      lambda path, *, timeout_s, url: asked.append((timeout_s, url)))
+  fs.detect_topology(env={"GCE_METADATA_HOST": "md.local:8080"})
+  assert asked and set(asked) == {(1.0, "http://md.local:8080/computeMetadata/v1")}
+
+
+def test_detect_logs_the_topology_and_its_sources(caplog):
+  import logging
+  caplog.set_level(logging.DEBUG, logger="absl")
+  t = fs.detect_topology(env={})
+  [message] = [r.getMessage() for r in caplog.records if "detected topology" in r.getMessage()]
+  assert message.startswith(f"detected topology {t} from {{'platform': 'jax.devices()', ")
+
+
+def test_detect_from_cpu_devices_names_kind_and_sources():
+  t = fs.detect_topology(env={})
+  assert (t.device_kind, t.sources["device_kind"]) == ("cpu", "jax.devices()")
+  assert (t.process_index, t.sources["process_index"]) == (0, "jax.process_index()")
+  assert (t.slice_index, t.generation, t.cores_per_chip, t.hbm_bytes_per_device) == (
+      0, None, 1, None)
+  t = fs.detect_topology(env={}, devices=jax.devices()[:1])
+  assert (t.num_devices, t.devices_per_process, t.sources["num_devices"]) == (1, 1, "devices")
+
+
+def test_generation_of_device_kinds():
+  # The device_kind strings jax reports per generation (v5p reports "TPU v5").
+  assert topo_mod.generation_of("TPU v5") == "v5p"
+  assert topo_mod.generation_of("TPU v5 lite") == "v5e"
+  assert topo_mod.generation_of("TPU v4") == "v4"
+  assert topo_mod.generation_of("TPU7x") == "v7"
+  assert topo_mod.generation_of("cpu") is None
+  assert topo_mod.generation_of("TPU v5 lite ") is None  # exact names, not substrings
+
+
+def test_env_integer_errors_say_how_to_fix():
+  with pytest.raises(fs.TopologyError, match=r"^env:MEGASCALE_NUM_SLICES='0' is not ','-separated "
+                                             r"integers >= 1; fix or unset it\.$"):
+    fs.detect_topology(env={"MEGASCALE_NUM_SLICES": "0"})
+
+
+# --- detection from TPU and GPU devices, without libtpu ------------------------------------
+#
+# Stand-ins for devices with the attributes libtpu's described devices have (printed from
+# `get_topology_desc(platform="tpu", topology_name="v5p:2x2x2", num_slices=2)`: per slice,
+# process p holds the 4 chips of z = p; coords restart in each slice; slice_index is None on
+# one slice), so the tpu-marked tests' logic also runs in the fast suite.
+
+def _fake_tpu(kind, hosts, slices=1, cores=1, first_slice=0):
+  """`hosts`: the chip coords of each process of one slice; `cores` devices per chip."""
+  import types
+  return [types.SimpleNamespace(platform="tpu", device_kind=kind, coords=c, core_on_chip=core,
+                                process_index=s * len(hosts) + p,
+                                slice_index=s if slices > 1 or first_slice else None)
+          for s in range(first_slice, first_slice + slices) for p, chips in enumerate(hosts)
+          for c in chips for core in range(cores)]
+
+
+_V5P_16_HOSTS = [[(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)],
+                 [(0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]]  # v5p-16: 2x2x2, 2 hosts
+
+
+@pytest.fixture
+def fake_devices_ok(monkeypatch):
+  monkeypatch.setattr(topo_mod, "check_devices", lambda devices: list(devices))
+  _device_files(monkeypatch)  # no metadata service is asked
+
+
+def test_detect_from_tpu_devices_two_slices(fake_devices_ok):
+  # 2 x v5p-16: 8 chips (2x2x2) per slice on 2 hosts of 4; megacore, 459 TFLOP/s and 95 GiB
+  # per chip (Google's v5p table), 2 TensorCores per chip.
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2))
+  assert (t.platform, t.device_kind, t.generation, t.chip_grid, t.num_chips, t.num_devices,
+          t.num_processes, t.devices_per_process, t.num_slices, t.process_index,
+          t.slice_index, t.cores_per_chip) == (
+      "tpu", "TPU v5", "v5p", (2, 2, 2), 8, 16, 4, 4, 2, 0, 0, 2)
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (459e12, 95 * GiB)
+  assert type(t.hbm_bytes_per_device) is int
+  assert dict(t.sources) == {
+      "platform": "devices", "device_kind": "devices", "generation": "devices device_kind",
+      "num_devices": "devices", "num_processes": "devices process_index",
+      "num_slices": "devices slice_index", "devices_per_process": "devices process_index",
+      "chip_grid": "devices coords", "num_chips": "devices coords",
+      "process_index": "jax.process_index()", "slice_index": "devices slice_index",
+      "peak_flops_per_device": "facts table", "hbm_bytes_per_device": "facts table"}
+  # Worker 1 of slice 1 is process 1 + 1 x 2 hosts per slice.
+  t = fs.detect_topology(env={"TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "1"},
+                         devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2))
+  assert (t.process_index, t.sources["process_index"]) == (
+      3, "env:TPU_WORKER_ID + env:MEGASCALE_SLICE_ID x devices process_index")
+
+
+def test_detect_from_the_devices_of_slice_1_alone(fake_devices_ok):
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5", _V5P_16_HOSTS, first_slice=1))
+  assert (t.chip_grid, t.num_slices, t.slice_index, t.process_index, t.num_processes) == (
+      (2, 2, 2), 1, 1, 2, 2)
+
+
+def test_detect_from_tpu_devices_two_per_chip(fake_devices_ok):
+  # v4 without megacore: 2 devices (TensorCores) per chip, each half of 275 TFLOP/s, 32 GiB.
+  chips = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v4", [chips], cores=2))
+  assert (t.chip_grid, t.num_chips, t.num_devices, t.cores_per_chip) == ((2, 2, 1), 4, 8, 2)
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (275e12 / 2, 16 * GiB)
+  # v5litepod-8: 2x4, one device per chip; a 2-D torus drops the z coordinate.
+  chips = [(x, y, 0) for y in range(4) for x in range(2)]
+  t = fs.detect_topology(env={}, devices=_fake_tpu("TPU v5 lite", [chips]))
+  assert (t.generation, t.chip_grid, t.num_chips, t.peak_flops_per_device) == (
+      "v5e", (2, 4), 8, 197e12)
+
+
+def test_accelerator_type_must_match_the_tpu_devices(fake_devices_ok):
+  devices = _fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2)
+  t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v5p-16"}, devices=devices)
+  assert (t.accelerator_type, t.generation, t.sources["generation"]) == (
+      "v5p-16", "v5p", "devices device_kind")
+  with pytest.raises(fs.TopologyError, match=r"^accelerator type 'v6e-8' \(from env:TPU_ACCELE"
+                                             r"RATOR_TYPE\) is a v6e, but the devices are 'TPU "
+                                             r"v5' \(v5p\); fix TPU_ACCELERATOR_TYPE or pass "
+                                             r"the devices of that accelerator\.$"):
+    fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v6e-8"}, devices=devices)
+  with pytest.raises(fs.TopologyError, match=r"topology from env:TPU_TOPOLOGY says 2 slice\(s\) "
+                                             r"x 2x2x4 = 32 devices, but 16 tpu devices"):
+    fs.detect_topology(env={"TPU_TOPOLOGY": "2x2x4"}, devices=devices)
+
+
+def test_detect_from_gpu_devices(fake_devices_ok):
+  import types
+  devices = [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                   process_index=0) for _ in range(8)]
+  t = fs.detect_topology(env={}, devices=devices)
+  # NVIDIA's H100 SXM data sheet: 989 TFLOP/s dense bf16, 80 GB.
+  assert (t.peak_flops_per_device, t.hbm_bytes_per_device) == (989e12, 80 * 10**9)
+  assert (t.generation, t.num_chips, t.chip_grid, t.cores_per_chip) == (None, 0, (), 1)
+  assert t.sources["peak_flops_per_device"] == "facts table"
 
 
 # --- describing a TPU target without the hardware ------------------------------------------
@@ -440,6 +872,18 @@ def test_standard_grid_bad_input():
     topo_mod.standard_grid("v9", 8)
   with pytest.raises(fs.TopologyError, match=r"chips='8' \(str\): expected a positive int"):
     topo_mod.standard_grid("v5p", "8")
+  with pytest.raises(fs.TopologyError, match=r"^generation=5 \(int\): expected one of "
+                                             r"\['v2', 'v3', 'v4', 'v5e', 'v5p', 'v6e', 'v7'\]\.$"):
+    topo_mod.standard_grid(5, 8)
+  # The smallest 3-D slice is 2x2x1 = 4 chips (v5p-8); a 2-D one can be one chip.
+  with pytest.raises(fs.TopologyError, match=r"^2 v5p chips is not a standard slice \(a power "
+                                             r"of two, at least 4\); give the grid, e\.g\. "
+                                             r"'v5p:2x2x1'\.$"):
+    topo_mod.standard_grid("v5p", 2)
+  with pytest.raises(fs.TopologyError, match=r"^3 v6e chips is not a standard slice \(a power "
+                                             r"of two, at least 1\); give the grid, e\.g\. "
+                                             r"'v6e:2x2'\.$"):
+    topo_mod.standard_grid("v6e", 3)
 
 
 @pytest.mark.tpu
@@ -471,6 +915,54 @@ def test_target_devices_without_libtpu(monkeypatch):
     topo_mod.target_devices("v5p-128")
   with pytest.raises(fs.TopologyError, match=r"target '4x4' names no TPU generation"):
     topo_mod.target_devices("4x4")
+
+
+@pytest.mark.parametrize("target,name,kw", [
+    # libtpu's topology names and options for Google's slices: v5p-128 = 64 chips 4x4x4;
+    # v4 runs as megacore; v5e/v6e slices of up to 8 chips sit on one host; TPU7x is
+    # "tpu7x" to libtpu; "v5" is libtpu's own name of v5p.
+    ("v5p-128", "v5p:4x4x4", {}),
+    ("2x v5p-16", "v5p:2x2x2", {"num_slices": 2}),
+    ("v5:2x2x1", "v5p:2x2x1", {}),
+    ("v4-256", "v4:4x4x8", {"chip_config_name": "megacore"}),
+    ("v6e-8", "v6e:2x4", {"chips_per_host_bounds": (2, 4, 1)}),
+    ("v5litepod-4", "v5e:2x2", {"chips_per_host_bounds": (2, 2, 1)}),
+    ("v6e-16", "v6e:4x4", {}),
+    ("v5e:3x3", "v5e:3x3", {}),  # more chips than one host's 8: libtpu's 4 per host
+    ("tpu7x-8", "tpu7x:2x2x1", {}),
+    ("3x tpu7x:2x2x2", "tpu7x:2x2x2", {"num_slices": 3}),
+])
+def test_target_devices_asks_libtpu_for(monkeypatch, target, name, kw):
+  import types
+  from jax.experimental import topologies
+  asked = []
+
+  def describe(**kwargs):
+    asked.append(kwargs)
+    return types.SimpleNamespace(devices=("d0", "d1"))
+  monkeypatch.setattr(topologies, "get_topology_desc", describe)
+  real = topo_mod.importlib.util.find_spec  # libtpu need not be installed to run this test
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda m, *a: object() if m == "libtpu" else real(m, *a))
+  assert topo_mod.target_devices(target) == ["d0", "d1"]
+  assert asked == [{"platform": "tpu", "topology_name": name, **kw}]
+
+
+def test_target_devices_libtpu_failure(monkeypatch):
+  from jax.experimental import topologies
+
+  def fail(**kwargs):
+    raise jax.errors.JaxRuntimeError("lockfile held")
+  monkeypatch.setattr(topologies, "get_topology_desc", fail)
+  real = topo_mod.importlib.util.find_spec
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda m, *a: object() if m == "libtpu" else real(m, *a))
+  with pytest.raises(fs.TopologyError, match=r"^libtpu could not describe 'v4:2x2x1' "
+                                             r"\{'chip_config_name': 'megacore'\} for target "
+                                             r"'v4-8': lockfile held\. If another process on "
+                                             r"this machine holds libtpu \(its lockfile\), set "
+                                             r"ALLOW_MULTIPLE_LIBTPU_LOAD=1\.$"):
+    topo_mod.target_devices("v4-8")
 
 
 def _recipe(*args):
@@ -513,6 +1005,10 @@ def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: True)
   env = {}
   assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
+  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec", lambda name, *a: None)
+  env = {}  # without libtpu there is nothing to quiet
+  assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
 
 
 @pytest.mark.tpu
@@ -551,6 +1047,8 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
      r"env='TPU_TOPOLOGY=2x2' \(str\): expected None or a mapping of environment variables"),
     (lambda: fs.detect_topology(env={}, devices=[1, 2]),
      r"devices has element 1 \(int\): expected a non-empty sequence of jax.Device"),
+    (lambda: fs.detect_topology(env={}, devices=[1, "a"]),
+     r"devices has element 1 \(int\): expected"),
     (lambda: fs.detect_topology(env={}, devices=[]),
      r"devices has an empty sequence: expected a non-empty sequence of jax.Device"),
     (lambda: fs.detect_topology(env={}, devices=jax.devices()[0]),
@@ -561,8 +1059,10 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
      r"metadata_timeout_s=0: expected seconds > 0"),
     (lambda: fs.topology.parse_accelerator_type(128),
      r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
-    (lambda: topo_mod.generation_of(None), r"device_kind=None \(NoneType\): expected a str"),
-    (lambda: topo_mod.gpu_facts(3), r"device_kind=3 \(int\): expected a str"),
+    (lambda: topo_mod.generation_of(None),
+     r"device_kind=None \(NoneType\): expected a str such as 'TPU v5'\.$"),
+    (lambda: topo_mod.gpu_facts(3),
+     r"device_kind=3 \(int\): expected a str such as 'NVIDIA H200'\.$"),
     (lambda: fs.simulate_cpu_devices("8"),
      r"simulated device count n='8' \(str\) must be a positive int"),
     (lambda: topo_mod.target_devices(None),
