@@ -96,5 +96,6 @@ def test_with_kernel_and_with_mesh_compose_around_a_plain_step():
                              attention="xla")
   new, metrics = fnscale.shard_step(step, mesh, donate=False)(state, batch)
   ref = float(_loss(jax.device_get(state.params), jax.device_get(batch)))
-  assert float(metrics["loss"]) == pytest.approx(ref, rel=1e-6)
+  # float32 sums of 256 products in another order (8 shards, then a reduction): ~1e-5.
+  assert float(metrics["loss"]) == pytest.approx(ref, rel=3e-5)
   assert int(new.step) == 1
