@@ -457,6 +457,11 @@ def test_tpu_cores_as_devices_keep_a_chip_s_cores_adjacent():
     assert [d.core_on_chip for d in row] == [0, 1, 0, 1]
     assert row[0].coords == row[1].coords and row[2].coords == row[3].coords
     assert _torus_distance(row[0].coords, row[2].coords, (2, 2, 1)) == 1
+  # A 3-D mesh: the chips fill the leading axes, the last axis still a chip's two cores.
+  grid = _device_grid(devs, [2, 2, 2], None)
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+  assert all(row[0].coords == row[1].coords and [d.core_on_chip for d in row] == [0, 1]
+             for row in grid.reshape(4, 2))
   # One chip per row: each row is a chip's two cores.
   grid = _device_grid(devs, [4, 2], None)
   assert [len({tuple(d.coords) for d in row}) for row in grid] == [1, 1, 1, 1]
