@@ -409,7 +409,8 @@ def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
                         "replicated: no rule names 'mlp']")
   assert f"exceeds max_replicated_bytes={1 << 20}" in msg
   assert ("rule 0 ('embed', ('fsdp_',)) names mesh axis 'fsdp_', which the mesh (axes "
-          "('fsdp',)) doesn't have") in caplog.text
+          "('fsdp',)) doesn't have and no fnscale convention uses; the rule is skipped (a "
+          "typo?)") in caplog.text
 
 
 def test_unmapped_logical_name_is_logged_without_a_limit(caplog):
@@ -460,6 +461,11 @@ def test_every_replicated_leaf_counts_against_the_limit(caplog):
   assert "none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map to no mesh axis]" in (
       str(e.value))
   assert "small" not in str(e.value)
+  # The leaves are listed in flattening order, comma-separated.
+  assert ("replicated on every device: explicit (64, 64) (16384 B) [its PartitionSpec P() "
+          "replicates it], none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map "
+          "to no mesh axis], odd (63, 65) (16380 B) [no dimension divisible by the fsdp size "
+          "8]; that exceeds") in str(e.value)
   # A rule mapping to None is deliberate: no warning for it, only for the indivisible leaf.
   caplog.clear()
   with caplog.at_level("WARNING"):
@@ -587,6 +593,26 @@ def test_pairs_with_non_name_axes_are_not_patterns(dp_fsdp):
   s = fs.shardings({"a": jnp.zeros((4, 4))}, dp_fsdp, RULES,
                    logical_axes=[("a", (None, "embed"))])
   assert s["a"].spec == P(None, "fsdp")
+
+
+def test_tree_mismatch_message_lists_eight_leaf_paths(dp_fsdp):
+  params = {f"p{i}": jnp.zeros((4,)) for i in range(10)}
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings(params, dp_fsdp, logical_axes={"p0": None})
+  msg = str(e.value)
+  assert msg.startswith("logical_axes must be a pytree with the params' structure (a tuple of "
+                        "names or None per leaf) or a sequence of (path_regex, names) pairs; "
+                        "the tree didn't match: ")
+  assert msg.endswith("; params leaf paths: ['p0', 'p1', 'p2', 'p3', 'p4', 'p5', 'p6', 'p7'] "
+                      "....")
+
+
+def test_automatic_leaves_carry_no_note(dp_fsdp):
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((4,))}
+  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024)
+  assert [(lp.reason, lp.note) for lp in plan.leaves] == [(fsh.SMALL, ""), (fsh.AUTO_FSDP, "")]
+  # The report shows a note in parentheses after the reason; none here.
+  assert "auto-fsdp (" not in fs.sharding_report(params, plan)
 
 
 def test_rule_forms(dp_fsdp):
