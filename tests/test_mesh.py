@@ -241,6 +241,16 @@ def test_wrong_types_are_mesh_errors(call, pattern):
     call()
 
 
+def test_with_mesh_sets_the_concrete_mesh():
+  from jax.sharding import PartitionSpec as P
+  # Inside with_mesh a bare PartitionSpec places arrays on this machine's mesh (jax.set_mesh),
+  # also for a mesh of one device.
+  for mesh in (fs.make_mesh("data=8"), fs.make_mesh("data=1", devices=jax.devices()[:1])):
+    with fs.with_mesh(mesh):
+      x = jax.device_put(jax.numpy.zeros(8), P("data"))
+    assert x.sharding == jax.sharding.NamedSharding(mesh, P("data"))
+
+
 def test_with_mesh_wrong_type_names_it():
   with pytest.raises(fs.MeshError, match=r"with_mesh needs a jax.sharding.Mesh \(from "
                                          r"fnscale.make_mesh\), got mesh=\{'data': 8\} \(dict\)"):
@@ -357,6 +367,7 @@ def test_parse_axes_forms():
   assert type(parse_axes({"data": np.int64(4)})["data"]) is int
   assert parse_axes([("data", -1)]) == {"data": -1}
   assert parse_axes("") == {}
+  assert parse_axes("Data=2,TP=-1") == {"Data": 2, "TP": -1}  # names are identifiers
   with pytest.raises(fs.MeshError) as e:
     parse_axes("data")
   assert str(e.value) == ("axes entry 'data' in 'data' is not NAME=SIZE: write e.g. "
@@ -426,6 +437,12 @@ def test_off_tpu_devices_are_laid_out_in_process_then_id_order():
   # Process 0 holds ids 4..7, process 1 ids 0..3.
   assert _ids(_device_grid(devs, [2, 4], None)) == [[4, 5, 6, 7], [0, 1, 2, 3]]
   assert _ids(_device_grid(devs, [8], None)) == [4, 5, 6, 7, 0, 1, 2, 3]
+
+
+def test_devices_without_coordinates_are_laid_out_in_id_order():
+  from fnscale.mesh import _device_grid
+  devs = [_Dev(i, "tpu") for i in range(4)][::-1]  # a TPU device set that gives no coords
+  assert _ids(_device_grid(devs, [2, 2], None)) == [[0, 1], [2, 3]]
 
 
 def test_dcn_axis_over_processes_puts_each_process_on_one_row():
@@ -508,10 +525,11 @@ def test_tpu_layout_errors_other_than_megacore_propagate():
 
 def test_make_mesh_over_slices_names_slices(monkeypatch):
   import fnscale.mesh as fm
-  # Two slices of 4 one-core chips each (stand-ins let through the jax.Device check).
+  # Two slices of 4 one-core chips each, 2 processes per slice (stand-ins let through the
+  # jax.Device check): the DCN axis runs across slices, not processes.
   monkeypatch.setattr(fm, "check_devices", lambda d, name, error: list(d))
-  devs = [_Dev(8 * s + i, "tpu", process_index=s, slice_index=s, coords=(i % 2, i // 2, 0),
-               core_on_chip=0) for s in range(2) for i in range(4)]
+  devs = [_Dev(8 * s + i, "tpu", process_index=2 * s + i // 2, slice_index=s,
+               coords=(i % 2, i // 2, 0), core_on_chip=0) for s in range(2) for i in range(4)]
   mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": -1}, devices=devs)
   assert dict(mesh.shape) == {"replica": 2, "fsdp": 4}
   assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
