@@ -546,6 +546,9 @@ def test_check_shardings_names_what_and_skips_non_named(dp_fsdp):
     (lambda m: fs.batch_sharding(m, axes=3),
      "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
      "'fsdp' or ('data', 'fsdp')."),
+    (lambda m: fs.constrain_batch(jnp.zeros((8,)), axes=3),
+     "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
+     "'fsdp' or ('data', 'fsdp')."),
     (lambda m: fs.batch_sharding(m, axes=["data", "pipe"]),
      "batch axis 'pipe' is not in the mesh (axes ('data', 'fsdp')); fix: pass axes that the "
      "mesh has, or None for its data-like axes."),
@@ -596,7 +599,7 @@ def test_pairs_with_non_name_axes_are_not_patterns(dp_fsdp):
 
 
 def test_tree_mismatch_message_lists_eight_leaf_paths(dp_fsdp):
-  params = {f"p{i}": jnp.zeros((4,)) for i in range(10)}
+  params = {f"p{i}": jnp.zeros((4,)) for i in range(9)}
   with pytest.raises(fs.ShardingError) as e:
     fs.shardings(params, dp_fsdp, logical_axes={"p0": None})
   msg = str(e.value)
@@ -605,6 +608,11 @@ def test_tree_mismatch_message_lists_eight_leaf_paths(dp_fsdp):
                         "the tree didn't match: ")
   assert msg.endswith("; params leaf paths: ['p0', 'p1', 'p2', 'p3', 'p4', 'p5', 'p6', 'p7'] "
                       "....")
+  # Eight leaves: all listed, nothing left out.
+  del params["p8"]
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings(params, dp_fsdp, logical_axes={"p0": None})
+  assert str(e.value).endswith("'p5', 'p6', 'p7'].")
 
 
 def test_automatic_leaves_carry_no_note(dp_fsdp):
@@ -674,6 +682,9 @@ def test_plan_of_reports_given_shardings(dp_fsdp):
   assert got == {"a": (P("fsdp"), 64, 16, "sharded", ("embed", None)),
                  "b": (P(), 12, 12, "replicated", None),
                  "c": (P(), 16, 16, "replicated", None)}
+  assert [(lp.shape, lp.dtype) for lp in plan.leaves] == [((8, 2), np.dtype("float32")),
+                                                          ((3,), np.dtype("float32")),
+                                                          ((4,), np.dtype("float32"))]
   assert plan.mesh is dp_fsdp and plan.shardings == shs
   assert fsh.plan_of({"c": jnp.zeros((4,))}, one).mesh is None
 
