@@ -241,6 +241,16 @@ def test_wrong_types_are_mesh_errors(call, pattern):
     call()
 
 
+def test_with_mesh_sets_the_concrete_mesh():
+  from jax.sharding import PartitionSpec as P
+  # Inside with_mesh a bare PartitionSpec places arrays on this machine's mesh (jax.set_mesh),
+  # also for a mesh of one device.
+  for mesh in (fs.make_mesh("data=8"), fs.make_mesh("data=1", devices=jax.devices()[:1])):
+    with fs.with_mesh(mesh):
+      x = jax.device_put(jax.numpy.zeros(8), P("data"))
+    assert x.sharding == jax.sharding.NamedSharding(mesh, P("data"))
+
+
 def test_with_mesh_wrong_type_names_it():
   with pytest.raises(fs.MeshError, match=r"with_mesh needs a jax.sharding.Mesh \(from "
                                          r"fnscale.make_mesh\), got mesh=\{'data': 8\} \(dict\)"):
@@ -275,3 +285,298 @@ def test_described_devices_mesh_inside_and_outside_with_mesh(tpu_devices):
   g = jax.jit(lambda x: x * 2, out_shardings=want)
   assert g.lower(x).compile().output_shardings.is_equivalent_to(want, 2)
   assert jax.sharding.get_abstract_mesh().empty
+
+
+# --- presets on multi-slice topologies and their error messages -----------------------------
+
+def test_presets_across_slices_and_tensor_default():
+  import dataclasses
+  one = fs.detect_topology(env={})
+  two = dataclasses.replace(one, num_slices=2, devices_per_process=4)
+  assert fs.parallelism("data", two) == fs.MeshAxes({"data": -1}, {"replica": 2})
+  assert fs.parallelism("fsdp", two) == fs.MeshAxes({"fsdp": -1}, {"replica": 2})
+  assert fs.parallelism("hybrid", two) == fs.MeshAxes({"fsdp": -1}, {"replica": 2})
+  # Tensor parallel defaults to one process's devices: 4 on this topology, and without a
+  # topology the 8 local (simulated) devices of this process.
+  assert fs.parallelism("tensor", two) == fs.MeshAxes({"fsdp": -1, "tensor": 4},
+                                                      {"replica": 2})
+  assert fs.parallelism("tensor") == fs.MeshAxes({"fsdp": -1, "tensor": 8}, {})
+  assert fs.parallelism("tensor", two, tensor=1) == fs.MeshAxes({"fsdp": -1, "tensor": 1},
+                                                                {"replica": 2})
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: fs.parallelism("pipe"),
+     "unknown parallelism strategy 'pipe': expected one of ('data', 'fsdp', 'tensor', "
+     "'hybrid'), or give axes explicitly such as {'data': -1, 'tensor': 2}."),
+    (lambda: fs.parallelism(3),
+     "strategy=3 (int): expected one of ('data', 'fsdp', 'tensor', 'hybrid')."),
+    (lambda: fs.parallelism("data", "v5p-8"),
+     "topology='v5p-8' (str): expected None or a fnscale.Topology (from "
+     "fs.detect_topology)."),
+    (lambda: fs.parallelism("tensor", tensor=-2),
+     "tensor parallel size tensor=-2 (int) must be a positive int."),
+    (lambda: fs.make_mesh({"data": -1}, topology="v5p-8"),
+     "topology='v5p-8' (str): expected None or a fnscale.Topology (from "
+     "fs.detect_topology)."),
+    (lambda: fs.make_mesh(fs.MeshAxes({"data": -1}, {}), dcn={"replica": 1}),
+     "pass dcn either inside MeshAxes or as dcn=, not both."),
+    (lambda: fs.make_mesh("data=3,fsdp=-1"),
+     "ICI axes {'data': 3, 'fsdp': -1} can't fill 8 devices: the fixed sizes multiply to 3, "
+     "which doesn't divide 8; pick sizes whose product divides it."),
+    (lambda: fs.make_mesh("data=3,fsdp=2"),
+     "ICI axes {'data': 3, 'fsdp': 2} multiply to 6 devices but there are 8; make the "
+     "product 8 or use -1 for one axis."),
+    (lambda: fs.make_mesh("data=2,data=4"),
+     "ICI axes name 'data' appears twice in 'data=2,data=4': each axis once."),
+    (lambda: fs.make_mesh("data=-1,fsdp=-1"),
+     "ICI axes 'data=-1,fsdp=-1' has more than one -1; at most one axis per group can take "
+     "the devices left over: give the others explicit sizes."),
+    (lambda: fs.make_mesh({"data": -1}, dcn="replica=x"),
+     "DCN axes entry 'replica=x' in 'replica=x' is not NAME=SIZE: write e.g. "
+     "'data=-1,fsdp=4,tensor=2'."),
+    (lambda: fs.make_mesh({"": 8}),
+     "ICI axes name '' (str) must be a non-empty string."),
+    (lambda: fs.make_mesh({"data": 0}),
+     "ICI axes 'data' has size 0 (int): expected a positive int or -1 (the devices left "
+     "over)."),
+    (lambda: fs.make_mesh({"data": -1}, dcn={"data": 1}),
+     "axis 'data' is in both the ICI axes {'data': -1} and the DCN axes {'data': 1}; an axis "
+     "runs either within a slice or across slices: rename one (e.g. 'replica' across "
+     "slices, 'data' within)."),
+    (lambda: fs.make_mesh({"fsdp": -1}, dcn={"replica": 2}),
+     "DCN axes {'replica': 2} multiply to 2 processes but there are 1; make the product 1 "
+     "or use -1 for one axis."),
+    (lambda: fs.make_mesh("data=8", axis_types="manual"),
+     "axis_types 'manual': expected 'auto', 'explicit' or a sequence of "
+     "jax.sharding.AxisType."),
+    (lambda: fs.make_mesh("data=8", axis_types=["auto"]),
+     "axis_types ['auto']: expected 1 jax.sharding.AxisType values, one per mesh axis."),
+])
+def test_error_messages_in_full(call, message):
+  with pytest.raises(fs.MeshError) as e:
+    call()
+  assert str(e.value) == message
+
+
+def test_parse_axes_forms():
+  from fnscale.mesh import parse_axes
+  assert parse_axes(" data = -1 , fsdp=2,, tensor=2 ") == {"data": -1, "fsdp": 2, "tensor": 2}
+  assert list(parse_axes("tensor=2,data=-1")) == ["tensor", "data"]  # order kept
+  assert parse_axes({"data": np.int64(4)}) == {"data": 4}
+  assert type(parse_axes({"data": np.int64(4)})["data"]) is int
+  assert parse_axes([("data", -1)]) == {"data": -1}
+  assert parse_axes("") == {}
+  assert parse_axes("Data=2,TP=-1") == {"Data": 2, "TP": -1}  # names are identifiers
+  with pytest.raises(fs.MeshError) as e:
+    parse_axes("data")
+  assert str(e.value) == ("axes entry 'data' in 'data' is not NAME=SIZE: write e.g. "
+                          "'data=-1,fsdp=4,tensor=2'.")
+
+
+def test_make_mesh_preset_uses_the_topology():
+  import dataclasses
+  topo = dataclasses.replace(fs.detect_topology(env={}), devices_per_process=4)
+  # "tensor" defaults to one process's devices: 4 here, so fsdp takes the other 2.
+  assert dict(fs.make_mesh("tensor", topology=topo).shape) == {"fsdp": 2, "tensor": 4}
+  assert dict(fs.make_mesh(" tensor ").shape) == {"fsdp": 1, "tensor": 8}
+
+
+def test_devices_in_any_order_are_laid_out_by_id():
+  mesh = fs.make_mesh({"data": 2, "tensor": -1}, devices=jax.devices()[::-1])
+  assert [d.id for d in mesh.devices.flat] == list(range(8))
+
+
+def test_one_device_with_a_dcn_axis():
+  mesh = fs.make_mesh({"data": 1}, dcn={"replica": 1}, devices=jax.devices()[:1])
+  assert dict(mesh.shape) == {"replica": 1, "data": 1}
+
+
+def test_explicit_axis_types_are_case_insensitive():
+  mesh = fs.make_mesh("data=2,tensor=4", axis_types="Explicit")
+  assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+  assert fs.make_mesh("data=8", axis_types="AUTO").axis_types == (AxisType.Auto,)
+  assert fs.make_mesh("data=8", axis_types=[AxisType.Explicit]).axis_types == (
+      AxisType.Explicit,)
+  with pytest.raises(fs.MeshError, match="expected 1 jax.sharding.AxisType"):
+    fs.make_mesh("data=8", axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+# --- device layout with stand-in devices (no TPU, no second process) -------------------------
+
+class _Dev:
+  """A stand-in for a jax.Device: the attributes the layout code reads."""
+
+  def __init__(self, id, platform="cpu", process_index=0, **kw):
+    self.id, self.platform, self.process_index = id, platform, process_index
+    self.device_kind = {"cpu": "cpu", "tpu": "TPU v4"}[platform]
+    self.__dict__.update(kw)
+
+  def __repr__(self):
+    return f"Dev({self.id})"
+
+
+def _ids(grid):
+  return np.vectorize(lambda d: d.id)(grid).tolist()
+
+
+def test_granules_group_by_slice_else_process():
+  from fnscale.mesh import _granules
+  # Two processes, listed out of order: grouped by process, ascending, order kept within.
+  devs = [_Dev(i, process_index=p) for i, p in [(5, 1), (0, 0), (4, 1), (1, 0), (6, 2)]]
+  assert [[d.id for d in g] for g in _granules(devs)] == [[0, 1], [5, 4], [6]]
+  # Devices with a slice index (TPU multi-slice): grouped by slice, whatever the process.
+  devs = [_Dev(i, process_index=i % 2, slice_index=s) for i, s in [(0, 1), (1, 1), (2, 0),
+                                                                    (3, 0)]]
+  assert [[d.id for d in g] for g in _granules(devs)] == [[2, 3], [0, 1]]
+
+
+def test_off_tpu_devices_are_laid_out_in_process_then_id_order():
+  from fnscale.mesh import _device_grid
+  devs = [_Dev(i, process_index=1 - i // 4) for i in range(8)][::-1]
+  # Process 0 holds ids 4..7, process 1 ids 0..3.
+  assert _ids(_device_grid(devs, [2, 4], None)) == [[4, 5, 6, 7], [0, 1, 2, 3]]
+  assert _ids(_device_grid(devs, [8], None)) == [4, 5, 6, 7, 0, 1, 2, 3]
+
+
+def test_devices_without_coordinates_are_laid_out_in_id_order():
+  from fnscale.mesh import _device_grid
+  devs = [_Dev(i, "tpu") for i in range(4)][::-1]  # a TPU device set that gives no coords
+  assert _ids(_device_grid(devs, [2, 2], None)) == [[0, 1], [2, 3]]
+
+
+def test_dcn_axis_over_processes_puts_each_process_on_one_row():
+  from fnscale.mesh import _device_grid
+  devs = [_Dev(i, process_index=i // 4) for i in range(8)]
+  grid = _device_grid(devs, [1, 4], [2, 1])
+  assert grid.shape == (2, 4)
+  assert [{d.process_index for d in row} for row in grid] == [{0}, {1}]
+
+
+def _v4_per_core(chips_x, chips_y):
+  """TPU v4 chips on a chips_x x chips_y x 1 grid, each exposed as 2 devices (one per core)."""
+  out = []
+  for y in range(chips_y):
+    for x in range(chips_x):
+      for core in range(2):
+        out.append(_Dev(len(out), "tpu", coords=(x, y, 0), core_on_chip=core))
+  return out
+
+
+def test_tpu_cores_as_devices_keep_a_chip_s_cores_adjacent():
+  from fnscale.mesh import _device_grid
+  devs = _v4_per_core(2, 2)
+  grid = _device_grid(devs, [2, 4], None)
+  assert grid.shape == (2, 4)
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+  for row in grid:
+    # [chip a core 0, chip a core 1, chip b core 0, chip b core 1], chips a, b one hop apart.
+    assert [d.core_on_chip for d in row] == [0, 1, 0, 1]
+    assert row[0].coords == row[1].coords and row[2].coords == row[3].coords
+    assert _torus_distance(row[0].coords, row[2].coords, (2, 2, 1)) == 1
+  # A 3-D mesh: the chips fill the leading axes, the last axis still a chip's two cores.
+  grid = _device_grid(devs, [2, 2, 2], None)
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+  assert all(row[0].coords == row[1].coords and [d.core_on_chip for d in row] == [0, 1]
+             for row in grid.reshape(4, 2))
+  # One chip per row: each row is a chip's two cores.
+  grid = _device_grid(devs, [4, 2], None)
+  assert [len({tuple(d.coords) for d in row}) for row in grid] == [1, 1, 1, 1]
+  assert sorted(tuple(row[0].coords) for row in grid) == [(0, 0, 0), (0, 1, 0), (1, 0, 0),
+                                                          (1, 1, 0)]
+
+
+def test_tpu_cores_as_devices_need_the_last_axis_a_multiple_of_the_cores():
+  from fnscale.mesh import _device_grid
+  with pytest.raises(ValueError) as e:
+    _device_grid(_v4_per_core(2, 2), [8, 1], None)
+  assert str(e.value) == ("the last mesh axis (1) must be a multiple of the 2 cores per chip "
+                          "when TPU cores are separate devices")
+  with pytest.raises(ValueError, match=r"the last mesh axis \(3\) must be a multiple of the 2"):
+    _device_grid(_v4_per_core(3, 1), [2, 3], None)
+
+
+def test_tpu_chips_in_a_line_split_into_a_square():
+  from fnscale.mesh import _device_grid
+  # 4 one-core chips in a row (4x1x1): a 2x2 mesh splits the physical axis in two.
+  devs = [_Dev(i, "tpu", coords=(i, 0, 0), core_on_chip=0) for i in range(4)][::-1]
+  grid = _device_grid(devs, [2, 2], None)
+  assert sorted(d.id for d in grid.flat) == [0, 1, 2, 3]
+  for row in grid:  # each row two neighbouring chips of the line (no wraparound: 4 chips)
+    assert abs(row[0].coords[0] - row[1].coords[0]) == 1
+  # The same with two cores per chip: 8 devices, the chips split as above.
+  devs = [_Dev(2 * x + c, "tpu", coords=(x, 0, 0), core_on_chip=c) for x in range(4)
+          for c in range(2)]
+  grid = _device_grid(devs, [2, 4], None)
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+  for row in grid:
+    assert [d.core_on_chip for d in row] == [0, 1, 0, 1]
+    assert row[0].coords == row[1].coords and row[2].coords == row[3].coords
+    assert abs(row[0].coords[0] - row[2].coords[0]) == 1
+
+
+def test_tpu_layout_errors_other_than_megacore_propagate():
+  from fnscale.mesh import _device_grid
+  # Three chips of a 2x2 grid leave a hole: mesh_utils' own error, not a per-core retry.
+  devs = [_Dev(i, "tpu", coords=(i % 2, i // 2, 0), core_on_chip=0) for i in range(3)]
+  with pytest.raises(AssertionError, match="dims=\\(2, 2, 1\\)"):
+    _device_grid(devs, [3], None)
+
+
+def test_make_mesh_over_slices_names_slices(monkeypatch):
+  import fnscale.mesh as fm
+  # Two slices of 4 one-core chips each, 2 processes per slice (stand-ins let through the
+  # jax.Device check): the DCN axis runs across slices, not processes.
+  monkeypatch.setattr(fm, "check_devices", lambda d, name, error: list(d))
+  devs = [_Dev(8 * s + i, "tpu", process_index=2 * s + i // 2, slice_index=s,
+               coords=(i % 2, i // 2, 0), core_on_chip=0) for s in range(2) for i in range(4)]
+  mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": -1}, devices=devs)
+  assert dict(mesh.shape) == {"replica": 2, "fsdp": 4}
+  assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
+  with pytest.raises(fs.MeshError) as e:
+    fs.make_mesh({"fsdp": -1}, dcn={"replica": 4}, devices=devs)
+  assert str(e.value) == ("DCN axes {'replica': 4} multiply to 4 slices but there are 2; make "
+                          "the product 2 or use -1 for one axis.")
+  with pytest.raises(fs.MeshError) as e:
+    fs.make_mesh({"fsdp": 3, "tensor": -1}, dcn={"replica": 2}, devices=devs)
+  assert str(e.value) == ("ICI axes {'fsdp': 3, 'tensor': -1} can't fill 4 devices: the fixed "
+                          "sizes multiply to 3, which doesn't divide 4; pick sizes whose "
+                          "product divides it.")
+
+
+def test_make_mesh_names_the_layout_that_failed(monkeypatch):
+  import fnscale.mesh as fm
+  monkeypatch.setattr(fm, "check_devices", lambda d, name, error: list(d))
+  with pytest.raises(fs.MeshError) as e:
+    fs.make_mesh({"data": 2, "tensor": 3}, devices=_v4_per_core(3, 1))
+  assert str(e.value) == ("can't lay mesh {'data': 2, 'tensor': 3} onto 6 tpu devices: the "
+                          "last mesh axis (3) must be a multiple of the 2 cores per chip when "
+                          "TPU cores are separate devices")
+
+
+# --- describe ---------------------------------------------------------------------------------
+
+def test_describe_a_local_mesh():
+  mesh = fs.make_mesh("data=2,tensor=4", axis_types=(AxisType.Auto, AxisType.Explicit))
+  assert describe(mesh) == (
+      "Mesh {'data': 2, 'tensor': 4} over 8 devices\n"
+      "  data       size    2  Auto     ICI / local\n"
+      "  tensor     size    4  Explicit ICI / local")
+
+
+def test_describe_names_axes_across_slices_and_processes():
+  # 2 slices x 2 processes per slice x 2 devices per process.
+  devs = [_Dev(i, process_index=i // 2, slice_index=i // 4) for i in range(8)]
+  mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(2, 2, 2),
+                           ("replica", "fsdp", "tensor"))
+  assert describe(mesh).splitlines() == [
+      "Mesh {'replica': 2, 'fsdp': 2, 'tensor': 2} over 8 devices",
+      "  replica    size    2  Auto     DCN (across slices)",
+      "  fsdp       size    2  Auto     across processes",
+      "  tensor     size    2  Auto     ICI / local"]
+  # Slice 0 reported as slice_index 0 (or None off TPU) counts as one slice.
+  devs = [_Dev(i, process_index=i // 4, slice_index=None if i < 4 else 0) for i in range(8)]
+  mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(4, 2), ("data", "tensor"))
+  assert describe(mesh).splitlines()[1:] == [
+      "  data       size    4  Auto     across processes",
+      "  tensor     size    2  Auto     ICI / local"]

@@ -409,7 +409,8 @@ def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
                         "replicated: no rule names 'mlp']")
   assert f"exceeds max_replicated_bytes={1 << 20}" in msg
   assert ("rule 0 ('embed', ('fsdp_',)) names mesh axis 'fsdp_', which the mesh (axes "
-          "('fsdp',)) doesn't have") in caplog.text
+          "('fsdp',)) doesn't have and no fnscale convention uses; the rule is skipped (a "
+          "typo?)") in caplog.text
 
 
 def test_unmapped_logical_name_is_logged_without_a_limit(caplog):
@@ -460,8 +461,252 @@ def test_every_replicated_leaf_counts_against_the_limit(caplog):
   assert "none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map to no mesh axis]" in (
       str(e.value))
   assert "small" not in str(e.value)
+  # The leaves are listed in flattening order, comma-separated.
+  assert ("replicated on every device: explicit (64, 64) (16384 B) [its PartitionSpec P() "
+          "replicates it], none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map "
+          "to no mesh axis], odd (63, 65) (16380 B) [no dimension divisible by the fsdp size "
+          "8]; that exceeds") in str(e.value)
   # A rule mapping to None is deliberate: no warning for it, only for the indivisible leaf.
   caplog.clear()
   with caplog.at_level("WARNING"):
     fs.shard_plan(tree, mesh, (("vocab", None),), **kw)
   assert "odd (63, 65)" in caplog.text and "none_rule" not in caplog.text
+
+
+# ------------------------------------------------------------------------- batch checks in full
+
+
+def test_check_batch_messages_in_full(three_d):
+  s = fs.batch_sharding(three_d)  # batch dim over data x fsdp = 4 ways
+  with pytest.raises(fs.ShardingError) as e:
+    fsh.check_batch({"x": np.zeros((6, 3))}, s)
+  assert str(e.value) == (
+      "batch not divisible by the data axes: leaf 'x' dimension 0 has size 6, but mesh axes "
+      "('data', 'fsdp') (data=2 x fsdp=2) split it 4 ways; fix: use a batch size that is a "
+      "multiple of 4.")
+  with pytest.raises(fs.ShardingError) as e:
+    fsh.check_batch({"z": np.float32(1.0)}, s)
+  assert str(e.value) == (
+      "batch leaf 'z' has shape () but its sharding P(('data', 'fsdp'),) needs rank >= 1; "
+      "fix: give every batch leaf a leading batch dimension.")
+  # A spec as long as the rank fits; one entry per dim is all it needs.
+  fsh.check_batch({"x": np.zeros((4,))}, s)
+  s2 = NamedSharding(three_d, P("data", "tensor"))
+  fsh.check_batch({"x": np.zeros((2, 2))}, s2)
+  with pytest.raises(fs.ShardingError, match=r"leaf 'x' dimension 1 has size 3, but mesh axes "
+                     r"\('tensor',\) \(tensor=2\) split it 2 ways"):
+    fsh.check_batch({"x": np.zeros((2, 3))}, s2)
+
+
+def test_check_batch_skips_non_named_shardings_only(three_d):
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  named = fs.batch_sharding(three_d)
+  # A single-device leaf has nothing to divide; the next leaf is still checked.
+  fsh.check_batch({"a": np.zeros((3,)), "b": np.zeros((8,))}, {"a": one, "b": named})
+  with pytest.raises(fs.ShardingError, match=r"leaf 'b' dimension 0 has size 6"):
+    fsh.check_batch({"a": np.zeros((3,)), "b": np.zeros((6,))}, {"a": one, "b": named})
+
+
+def test_check_batch_structure_mismatch_names_the_batch(three_d):
+  s = fs.batch_sharding(three_d)
+  with pytest.raises(fs.ShardingError, match=r"^the batch shardings don't match the batch's "
+                     r"structure \("):
+    fsh.check_batch({"x": np.zeros((8,)), "y": np.zeros((8,))}, {"x": s})
+
+
+def test_check_shardings_names_what_and_skips_non_named(dp_fsdp):
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sh = {"a": one, "w": NamedSharding(dp_fsdp, P("fsdp"))}
+  with pytest.raises(fs.ShardingError) as e:
+    fsh.check_shardings({"a": jnp.zeros((3,)), "w": jnp.zeros((6, 2))}, sh, what="params")
+  assert str(e.value) == (
+      "params leaf 'w': dimension 0 has size 6, not divisible by mesh axes ('fsdp',) "
+      "(fsdp=4 = 4); fix: choose mesh axis sizes that divide 6, pad the dimension, or map "
+      "its logical name to other axes (or None).")
+  fsh.check_shardings({"a": jnp.zeros((3,)), "w": jnp.zeros((8, 2))}, sh)
+
+
+# ------------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, fsdp_axis=3),
+     "fsdp_axis is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
+     "'fsdp' or ('data', 'fsdp')."),
+    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, min_shard_bytes=-1),
+     "min_shard_bytes=-1 (int), expected an int >= 0."),
+    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, max_replicated_bytes=-1),
+     "max_replicated_bytes=-1 (int), expected an int >= 0 or None."),
+    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, rules="embed"),
+     "rules is a str ('embed'), expected a sequence of (logical_name, mesh_axes) pairs or a "
+     "mapping; fix: e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))."),
+    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, "mesh"),
+     "mesh is a str ('mesh'), expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), e.g. "
+     "fnscale.make_mesh({'data': -1})."),
+    (lambda m: fs.batch_sharding(m, axes=3),
+     "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
+     "'fsdp' or ('data', 'fsdp')."),
+    (lambda m: fs.constrain_batch(jnp.zeros((8,)), axes=3),
+     "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
+     "'fsdp' or ('data', 'fsdp')."),
+    (lambda m: fs.batch_sharding(m, axes=["data", "pipe"]),
+     "batch axis 'pipe' is not in the mesh (axes ('data', 'fsdp')); fix: pass axes that the "
+     "mesh has, or None for its data-like axes."),
+    (lambda m: fsh.logical_to_spec(("embed", 3), RULES, m, path="w"),
+     "leaf 'w': logical axes ('embed', 3) must be a tuple of names (str or None), one per "
+     "dimension, or a PartitionSpec; fix: e.g. ('embed', 'mlp')."),
+    (lambda m: fsh.logical_to_spec(("embed",), RULES, m, shape=(8, 8)),
+     "array: logical axes ('embed',) have 1 names but the array has rank 2 (shape (8, 8)); "
+     "fix: give one name (or None) per dimension."),
+    (lambda m: fsh.logical_to_spec(("embed",), (("embed", ["fsdp", "fsdp"]),), m),
+     "rule 0 ('embed') names mesh axis 'fsdp' twice in ('fsdp', 'fsdp'); a mesh axis can "
+     "split one dimension only once; fix: list each axis once."),
+    (lambda m: fsh.logical_to_spec(P("tensor"), RULES, m),
+     "array: PartitionSpec P('tensor',) names mesh axis 'tensor', which is not in the mesh "
+     "(axes ('data', 'fsdp')); fix: use only the mesh's axes or build the mesh with an axis "
+     "'tensor'."),
+    (lambda m: fsh.logical_to_spec(P("fsdp", None, None), RULES, m, shape=(8, 8)),
+     "array: PartitionSpec P('fsdp', None, None) has 3 entries but the array has rank 2 "
+     "(shape (8, 8)); fix: give at most one entry per dimension."),
+    (lambda m: fsh.logical_to_spec(P("fsdp", "fsdp"), RULES, m, path="w"),
+     "leaf 'w': PartitionSpec P('fsdp', 'fsdp') binds mesh axis 'fsdp' to dimensions 0 and 1; "
+     "a mesh axis can shard only one dimension of an array; fix: use 'fsdp' once (e.g. "
+     "replace one entry with None or another axis)."),
+    (lambda m: fs.shardings({"a": object()}, m),
+     "leaf 'a' is a object, expected an array or jax.ShapeDtypeStruct; fix: pass arrays (or "
+     "jax.eval_shape(...) output) as leaves."),
+    (lambda m: fs.shardings({"a": jnp.zeros((4,))}, m, logical_axes=[("(", ("embed",))]),
+     "logical_axes pattern '(' is not a valid regular expression (missing ), unterminated "
+     "subpattern at position 0); fix: escape special characters, e.g. "
+     "r'blocks/\\d+/attn/wq'."),
+])
+def test_error_messages_in_full(dp_fsdp, call, message):
+  with pytest.raises(fs.ShardingError) as e:
+    call(dp_fsdp)
+  assert str(e.value) == message
+
+
+def test_pairs_with_non_name_axes_are_not_patterns(dp_fsdp):
+  # [("a", (1, 2))] is not a (path_regex, names) list (1 and 2 aren't names), so it is taken
+  # as a pytree, which doesn't match the params.
+  with pytest.raises(fs.ShardingError, match=r"^logical_axes must be a pytree with the "
+                     r"params' structure .*params leaf paths: \['a'\]\.$"):
+    fs.shardings({"a": jnp.zeros((4,))}, dp_fsdp, logical_axes=[("a", (1, 2))])
+  # Patterns whose names hold None are patterns.
+  s = fs.shardings({"a": jnp.zeros((4, 4))}, dp_fsdp, RULES,
+                   logical_axes=[("a", (None, "embed"))])
+  assert s["a"].spec == P(None, "fsdp")
+
+
+def test_tree_mismatch_message_lists_eight_leaf_paths(dp_fsdp):
+  params = {f"p{i}": jnp.zeros((4,)) for i in range(9)}
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings(params, dp_fsdp, logical_axes={"p0": None})
+  msg = str(e.value)
+  assert msg.startswith("logical_axes must be a pytree with the params' structure (a tuple of "
+                        "names or None per leaf) or a sequence of (path_regex, names) pairs; "
+                        "the tree didn't match: ")
+  assert msg.endswith("; params leaf paths: ['p0', 'p1', 'p2', 'p3', 'p4', 'p5', 'p6', 'p7'] "
+                      "....")
+  # Eight leaves: all listed, nothing left out.
+  del params["p8"]
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings(params, dp_fsdp, logical_axes={"p0": None})
+  assert str(e.value).endswith("'p5', 'p6', 'p7'].")
+
+
+def test_automatic_leaves_carry_no_note(dp_fsdp):
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((4,))}
+  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024)
+  assert [(lp.reason, lp.note) for lp in plan.leaves] == [(fsh.SMALL, ""), (fsh.AUTO_FSDP, "")]
+  # The report shows a note in parentheses after the reason; none here.
+  assert "auto-fsdp (" not in fs.sharding_report(params, plan)
+
+
+def test_rule_forms(dp_fsdp):
+  assert fsh.normalize_rules(None) == ()
+  assert fsh.normalize_rules([["embed", ["data", "fsdp"]], ("mlp", None), ("vocab", "fsdp")]) == (
+      ("embed", ("data", "fsdp")), ("mlp", ()), ("vocab", ("fsdp",)))
+  assert fsh.normalize_rules({"embed": "fsdp"}) == (("embed", ("fsdp",)),)
+  # Without a shape, an explicit spec is checked against the mesh only.
+  assert fsh.logical_to_spec(P("data", "fsdp", None), RULES, dp_fsdp) == P("data", "fsdp", None)
+  assert fsh.logical_to_spec(["embed", None], RULES, dp_fsdp) == P("fsdp", None)
+
+
+def test_python_scalars_and_lists_of_names_in_plans(dp_fsdp):
+  plan = fs.shard_plan({"lr": 0.5, "flag": True, "w": jnp.zeros((8, 4))}, dp_fsdp, RULES,
+                       logical_axes={"lr": None, "flag": (), "w": ["embed", None]})
+  got = {lp.path: (lp.shape, lp.dtype, lp.spec, lp.reason) for lp in plan.leaves}
+  assert got == {"lr": ((), np.dtype("float64"), P(), fsh.SCALAR),
+                 "flag": ((), np.dtype("bool"), P(), fsh.SCALAR),
+                 "w": ((8, 4), np.dtype("float32"), P("fsdp", None), fsh.RULES)}
+  assert plan.leaves[2].logical_axes == ("embed", None)  # the list, as a tuple
+
+
+def test_notes_say_why_a_dim_is_replicated(dp_fsdp):
+  notes = []
+  rules = (("embed", "tensor"), ("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "data"),
+           ("heads", "pipe"))
+  spec = fsh.logical_to_spec(("embed", "heads", "layers", "mlp", "mlp"), rules, dp_fsdp,
+                             _notes=notes)
+  assert spec == P("fsdp", None, None, "data", None)
+  assert notes == [
+      "dim 1 (heads) replicated: its rules name mesh axes ['pipe'] that the mesh doesn't have",
+      "dim 2 (layers) replicated: no rule names 'layers'",
+      "dim 4 (mlp) replicated: fsdp already shards dim 0"]
+
+
+def test_auto_fsdp_boundaries(dp_fsdp):
+  # Exactly min_shard_bytes is sharded; one byte less stays replicated.
+  assert fsh.auto_spec((16, 4), np.float32, {"fsdp": 4}, ("fsdp",), 256) == (
+      P("fsdp", None), fsh.AUTO_FSDP)
+  assert fsh.auto_spec((16, 4), np.float32, {"fsdp": 4}, ("fsdp",), 257) == (P(), fsh.SMALL)
+  # Only the fsdp axes present in the mesh count: data x fsdp = 8 here, so 4 doesn't qualify.
+  assert fsh.auto_spec((4, 8), np.float32, {"data": 2, "fsdp": 4}, ("data", "fsdp", "pipe"),
+                       0) == (P(None, ("data", "fsdp")), fsh.AUTO_FSDP)
+  assert fsh.auto_spec((8, 3), np.float32, {"fsdp": 1}, ("fsdp",), 0) == (P(), fsh.NO_FSDP)
+  assert fsh.auto_spec((8, 3), np.float32, {"fsdp": 2}, (), 0) == (P(), fsh.NO_FSDP)
+  assert fsh.auto_spec((3, 5), np.float32, {"fsdp": 2}, ("fsdp",), 0) == (P(), fsh.INDIVISIBLE)
+  # The later of two divisible dims wins only when strictly larger.
+  assert fsh.auto_spec((4, 12, 12), np.float32, {"fsdp": 4}, ("fsdp",), 0) == (
+      P(None, "fsdp", None), fsh.AUTO_FSDP)
+
+
+def test_plan_of_reports_given_shardings(dp_fsdp):
+  tree = {"a": jnp.zeros((8, 2)), "b": jnp.zeros((3,)), "c": jnp.zeros((4,))}
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shs = {"a": NamedSharding(dp_fsdp, P("fsdp")), "b": NamedSharding(dp_fsdp, P()), "c": one}
+  plan = fsh.plan_of(tree, shs, logical_axes={"a": ("embed", None), "b": None, "c": None})
+  got = {lp.path: (lp.spec, lp.global_bytes, lp.device_bytes, lp.reason, lp.logical_axes)
+         for lp in plan.leaves}
+  assert got == {"a": (P("fsdp"), 64, 16, "sharded", ("embed", None)),
+                 "b": (P(), 12, 12, "replicated", None),
+                 "c": (P(), 16, 16, "replicated", None)}
+  assert [(lp.shape, lp.dtype) for lp in plan.leaves] == [((8, 2), np.dtype("float32")),
+                                                          ((3,), np.dtype("float32")),
+                                                          ((4,), np.dtype("float32"))]
+  assert plan.mesh is dp_fsdp and plan.shardings == shs
+  assert fsh.plan_of({"c": jnp.zeros((4,))}, one).mesh is None
+
+
+def test_one_device_mesh_counts_nothing_as_replicated():
+  mesh = _mesh((1,), ("fsdp",))
+  plan = fs.shard_plan(BIG, mesh, max_replicated_bytes=0)
+  assert plan.leaves[0].device_bytes == plan.leaves[0].global_bytes == BIG_BYTES
+  # With 8 devices the same leaf (here unshardable: fsdp_axis=None) is counted.
+  with pytest.raises(fs.ShardingError, match=r"^1 leaves \(67108864 bytes\) stay replicated"):
+    fs.shard_plan(BIG, _fsdp8(), fsdp_axis=None, max_replicated_bytes=0)
+
+
+def test_constrain_batch_with_explicit_axes_reshards():
+  mesh = fs.make_mesh("data=2,fsdp=2,tensor=2", axis_types="explicit")
+  x = jax.device_put(jnp.ones((8, 4, 16)), NamedSharding(mesh, P(None, "fsdp", "tensor")))
+  with fs.with_mesh(mesh):
+    y = jax.jit(fs.constrain_batch)(x)
+    z = jax.jit(lambda x: fs.constrain_batch(x, axes="data"))(x)
+    s = jax.jit(fs.constrain_batch)(jnp.float32(2.0))
+  # The batch dim takes data x fsdp; fsdp leaves dim 1, tensor stays on dim 2.
+  assert y.sharding.spec == P(("data", "fsdp"), None, "tensor")
+  assert z.sharding.spec == P("data", "fsdp", "tensor")
+  assert s == 2.0
+  np.testing.assert_array_equal(y, np.ones((8, 4, 16)))
