@@ -85,7 +85,8 @@ def test_measure_matmul_peak_places_its_operand_as_asked(monkeypatch):
 
 
 def test_measure_matmul_peak_defaults_time_ten_2048_matmuls(monkeypatch):
-  # A stand-in for the compiled matmul records what it is given; each clock tick is 0.5 s.
+  # A stand-in for the compiled matmul records what it is given; the clock starts at 7 s and
+  # each tick is 0.5 s, so a run's time is a difference of readings (not a sum: 14.5 s, ...).
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   runs = []
 
@@ -95,7 +96,7 @@ def test_measure_matmul_peak_defaults_time_ten_2048_matmuls(monkeypatch):
 
   monkeypatch.setattr(flops.jax, "jit", lambda fn: lambda a: runs.append((a.shape, a.dtype))
                       or _Result())
-  ticks = itertools.count(0.0, 0.5)
+  ticks = itertools.count(7.0, 0.5)
   monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
   rate = flops.measure_matmul_peak()
   assert runs == [((2048, 2048), jnp.float32)] * 11  # one warm-up, then 10 timed runs
