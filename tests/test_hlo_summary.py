@@ -240,10 +240,12 @@ def test_convolution_window_stride_and_dilations(window, in_size, out_size, taps
   assert hlo.matmul_flops(line) == 2 * taps * 2 * 3
 
 
-def test_convolution_without_dim_labels_counts_nothing():
+def test_convolution_without_readable_dim_labels_counts_nothing():
   line = ("%y = f32[1,3,3]{2,1,0} convolution(f32[1,5,2]{2,1,0} %x, f32[3,2,3]{2,1,0} %k), "
           "window={size=3}")
   assert hlo.matmul_flops(line) == 0
+  # Input labels without a feature dim "f": no contracted size to read, so no count either.
+  assert hlo.matmul_flops(line + ", dim_labels=b01_0io->b0f") == 0
 
 
 def test_flops_ratio_by_hand_and_its_errors():
