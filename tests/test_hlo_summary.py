@@ -254,3 +254,39 @@ def test_flops_ratio_by_hand_and_its_errors():
     with pytest.raises(StepError, match=rf"model_flops={bad!r}, expected a positive "
                        r"number of FLOPs per device per step"):
       hlo.flops_ratio(_loop(), bad)
+
+
+def test_loop_that_never_runs_counts_no_body():
+  # The counter starts at 5 and `i < 5` is false at once: 0 trips, the body's dot never runs.
+  text = _loop(init="  %five = s32[] constant(5)\n"
+               "  %init = (s32[], f32[4,6]{1,0}) tuple(%five, %a)")
+  s = hlo.summarize(text)
+  assert s.loops == (hlo.Loop("body", 0, from_condition=True),)
+  assert s.matmul_flops == 0 and s.matmul_flops_once == 0
+  known = hlo.summarize(_loop(while_attrs=', backend_config={"known_trip_count":{"n":"0"}}'))
+  assert known.loops == (hlo.Loop("body", 0),) and known.matmul_flops == 0
+
+
+def test_condition_written_bound_greater_than_counter():
+  # `5 > i` (direction=GT, bound first) is the same loop as `i < 5`: 5 trips.
+  text = _loop().replace("compare(%k, %n), direction=LT", "compare(%n, %k), direction=GT")
+  assert hlo.summarize(text).loops == (hlo.Loop("body", 5, from_condition=True),)
+  # A compare without a direction is not read as a bound: unknown, counted once.
+  text = _loop().replace("compare(%k, %n), direction=LT", "compare(%k, %n)")
+  assert hlo.summarize(text).loops == (hlo.Loop("body", None),)
+
+
+def test_pred_elements_are_one_byte():
+  s = hlo.summarize("%a = pred[64]{0} all-reduce(pred[64]{0} %x), to_apply=%or\n")
+  assert s.collective("all-reduce").bytes == 64
+
+
+def test_convolution_without_a_window_is_one_tap_per_output():
+  # No window attribute: a 1x1 convolution, each of 5 outputs reads 1 input position.
+  line = ("%y = f32[1,5,3]{2,1,0} convolution(f32[1,5,2]{2,1,0} %x, f32[1,2,3]{2,1,0} %k), "
+          "dim_labels=b0f_0io->b0f")
+  assert hlo.matmul_flops(line) == 2 * 5 * 2 * 3
+
+
+def test_flops_ratio_accepts_model_flops_below_one():
+  assert hlo.flops_ratio(_loop(), 0.5) == 5 * 288 / 0.5
