@@ -290,3 +290,11 @@ def test_convolution_without_a_window_is_one_tap_per_output():
 
 def test_flops_ratio_accepts_model_flops_below_one():
   assert hlo.flops_ratio(_loop(), 0.5) == 5 * 288 / 0.5
+
+
+def test_depthwise_convolution_divides_features_by_groups():
+  # feature_group_count=4 over 4 input features: each output channel reads 1 input channel.
+  # Window 3, pad 1 over 5 positions: 2 + 3 + 3 + 3 + 2 = 13 taps on the input, 4 channels.
+  line = ("%y = f32[1,5,4]{2,1,0} convolution(f32[1,5,4]{2,1,0} %x, f32[3,1,4]{2,1,0} %k), "
+          "window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f, feature_group_count=4")
+  assert hlo.matmul_flops(line) == 2 * 13 * 4
