@@ -418,7 +418,9 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
     trips = _loop_trips(cond, body, init, caller, defs, consts) if known is None else None
     loop = Loop(body, known) if known is not None else Loop(body, trips, trips is not None)
     loops.append(loop)
-    edges[caller].extend(((body, loop.trip_count or 1), (cond, (loop.trip_count or 0) + 1)))
+    # An unknown count runs the body once; a count of 0 never runs it.
+    body_runs = 1 if loop.trip_count is None else loop.trip_count
+    edges[caller].extend(((body, body_runs), (cond, (loop.trip_count or 0) + 1)))
 
   mult = _multiplicities(comps, edges, entry)
   out: dict[str, list] = {}

@@ -84,13 +84,32 @@ def test_measure_matmul_peak_places_its_operand_as_asked(monkeypatch):
                     ((4, 4), jnp.bfloat16, jax.devices()[3])]
 
 
+def test_measure_matmul_peak_defaults_time_ten_2048_matmuls(monkeypatch):
+  # A stand-in for the compiled matmul records what it is given; the clock starts at 7 s and
+  # each tick is 0.5 s, so a run's time is a difference of readings (not a sum: 14.5 s, ...).
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  runs = []
+
+  class _Result:
+    def block_until_ready(self):
+      return self
+
+  monkeypatch.setattr(flops.jax, "jit", lambda fn: lambda a: runs.append((a.shape, a.dtype))
+                      or _Result())
+  ticks = itertools.count(7.0, 0.5)
+  monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
+  rate = flops.measure_matmul_peak()
+  assert runs == [((2048, 2048), jnp.float32)] * 11  # one warm-up, then 10 timed runs
+  assert rate == 2.0 * 2048**3 / 0.5
+
+
 def test_measure_matmul_peak_runs_the_matmul():
   rate = flops.measure_matmul_peak(n=64, repeats=1)
   assert math.isfinite(rate) and rate > 0
 
 
 @pytest.mark.parametrize("kw", [dict(n=0), dict(repeats=0), dict(n=-3, repeats=2), dict(n=2.5),
-                                dict(repeats=True)])
+                                dict(repeats=True), dict(n=True), dict(repeats=2.5)])
 def test_measure_matmul_peak_rejects_sizes_below_one(kw):
   full = {**dict(n=8, repeats=1), **kw}
   with pytest.raises(fs.FnscaleError, match=rf"measure_matmul_peak: n={full['n']!r}, "
