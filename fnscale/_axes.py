@@ -11,6 +11,9 @@ from __future__ import annotations
 # "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch.
 DATA_AXES = ("replica", "data", "fsdp")
 
+# The data-like axes that split only the batch: params are whole on each of their groups.
+REPLICA_AXES = ("replica", "data")
+
 # Model-parallel axis that splits attention heads (and MLP width) in Megatron-style tensor
 # parallelism (Shoeybi et al. 2019, "Megatron-LM").
 HEAD_AXES = ("tensor",)

@@ -451,8 +451,11 @@ def _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_by
         "and rules that name mesh axes, pad a dimension to a multiple of the fsdp size, "
         "choose an fsdp size that divides one of their dimensions, or raise "
         "max_replicated_bytes.")
+  # On a data-parallel mesh (every axis of size > 1 splits only the batch) replicated params
+  # are the design, not a likely mistake: nothing to warn about (typo'd axes are warned above).
+  shards_params = any(size > 1 and a not in _axes.REPLICA_AXES for a, size in sizes.items())
   suspect = [lp for lp in big if lp.reason == INDIVISIBLE or (lp.reason == RULES and lp.note)]
-  if suspect:
+  if suspect and shards_params:
     logging.warning("%d leaves (%d bytes) stay replicated on every device: %s", len(suspect),
                     sum(lp.global_bytes for lp in suspect),
                     ", ".join(f"{lp.path} {lp.shape} ({lp.global_bytes} B) "

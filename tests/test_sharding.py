@@ -423,6 +423,20 @@ def test_unmapped_logical_name_is_logged_without_a_limit(caplog):
           "replicated: no rule names 'heads']") in caplog.text
 
 
+@pytest.mark.parametrize("names, shape, warned", [
+    (("data",), (8,), False), (("replica", "data"), (2, 4), False),
+    (("data", "fsdp"), (4, 2), True), (("data", "tensor"), (4, 2), True)])
+def test_replicated_params_are_warned_only_where_an_axis_could_shard_them(caplog, names, shape,
+                                                                         warned):
+  """gpt-style rules on a data-parallel mesh: every param replicated, by design, so silent;
+  with an fsdp or tensor axis the same leaf ('embed' over fsdp, 'mlp' over tensor, neither
+  usable for a 'vocab' x 'heads' leaf) is a likely mistake and is logged."""
+  rules = (("embed", "fsdp"), ("mlp", "tensor"))
+  with caplog.at_level("WARNING"):
+    fs.shard_plan(BIG, _mesh(shape, names), rules, logical_axes={"w": ("vocab", "heads")})
+  assert ("stay replicated on every device: w (4096, 4096)" in caplog.text) == warned
+
+
 def test_fsdp_axis_not_in_the_mesh_is_an_error():
   with pytest.raises(fs.ShardingError, match=re.escape(
       "fsdp_axis 'zero' names 'zero', which is not an axis of the mesh (axes ('fsdp',)); "
