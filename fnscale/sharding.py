@@ -419,7 +419,7 @@ def shard_plan(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
   plans = tuple(
       _leaf_plan(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
       for p, (_, leaf), axes in zip(paths, pairs, leaf_axes))
-  _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_bytes)
+  _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes, max_replicated_bytes)
   return ShardPlan(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in plans]),
                    plans, mesh)
 
@@ -434,7 +434,20 @@ def _why_replicated(lp: LeafPlan, fsdp_size: int) -> str:
   return lp.note or f"its logical axes {lp.logical_axes} map to no mesh axis"
 
 
-def _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_bytes) -> None:
+def _suspect(lp: LeafPlan, ruled: set) -> bool:
+  """Whether a replicated leaf looks like a mistake: automatic FSDP found no divisible dim,
+  or no rule names any of its logical names. (A name some rule maps to an axis this mesh
+  lacks is rules written for several meshes: a bias over "mlp" -> "tensor" on an fsdp-only
+  mesh.)"""
+  if lp.reason == INDIVISIBLE:
+    return True
+  if lp.reason != RULES or not lp.note:
+    return False
+  return not any(n in ruled for n in lp.logical_axes or () if n)
+
+
+def _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes,
+                      max_replicated_bytes) -> None:
   """Every whole-array-on-every-device leaf of at least `min_shard_bytes` counts against
   `max_replicated_bytes`, whatever made it replicated; likely mistakes are logged."""
   sizes = dict(mesh.shape)
@@ -454,7 +467,8 @@ def _guard_replicated(plans, mesh, fsdp_axes, min_shard_bytes, max_replicated_by
   # On a data-parallel mesh (every axis of size > 1 splits only the batch) replicated params
   # are the design, not a likely mistake: nothing to warn about (typo'd axes are warned above).
   shards_params = any(size > 1 and a not in _axes.REPLICA_AXES for a, size in sizes.items())
-  suspect = [lp for lp in big if lp.reason == INDIVISIBLE or (lp.reason == RULES and lp.note)]
+  ruled = {name for name, _ in normalize_rules(rules)}
+  suspect = [lp for lp in big if _suspect(lp, ruled)]
   if suspect and shards_params:
     logging.warning("%d leaves (%d bytes) stay replicated on every device: %s", len(suspect),
                     sum(lp.global_bytes for lp in suspect),

@@ -437,6 +437,19 @@ def test_replicated_params_are_warned_only_where_an_axis_could_shard_them(caplog
   assert ("stay replicated on every device: w (4096, 4096)" in caplog.text) == warned
 
 
+@pytest.mark.parametrize("axes, rules, warned", [
+    # rules written for several meshes: "mlp" -> tensor, absent here; deliberate, silent
+    (("layers", "mlp"), (("embed", "fsdp"), ("mlp", "tensor")), False),
+    # no rule names any of its dims: likely forgotten rules
+    (("layers", "hidden"), (("embed", "fsdp"), ("mlp", "tensor")), True)])
+def test_replicated_leaf_is_logged_only_when_it_looks_like_a_mistake(caplog, axes, rules,
+                                                                      warned):
+  with caplog.at_level("WARNING"):
+    plan = fs.shard_plan(BIG, _fsdp8(), rules, logical_axes={"w": axes})
+  assert plan.leaves[0].spec == P(None, None)
+  assert ("stay replicated on every device: w (4096, 4096)" in caplog.text) == warned
+
+
 def test_fsdp_axis_not_in_the_mesh_is_an_error():
   with pytest.raises(fs.ShardingError, match=re.escape(
       "fsdp_axis 'zero' names 'zero', which is not an axis of the mesh (axes ('fsdp',)); "
