@@ -34,7 +34,9 @@ def test_parse_shape_rejects_zero(bad):
 
 @pytest.mark.parametrize("acc,gen,chips", [("v5p-128", "v5p", 64), ("v4-8", "v4", 4),
                                            ("v5litepod-16", "v5e", 16), ("v6e-256", "v6e", 256),
-                                           ("v2-8", "v2", 4), ("v3-32", "v3", 16)])
+                                           ("v2-8", "v2", 4), ("v3-32", "v3", 16),
+                                           # single-chip slices (Google's v5e/v6e tables)
+                                           ("v5litepod-1", "v5e", 1), ("v6e-1", "v6e", 1)])
 def test_parse_accelerator_type(acc, gen, chips):
   assert fs.topology.parse_accelerator_type(acc) == (gen, chips)
 
