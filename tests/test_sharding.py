@@ -447,7 +447,20 @@ def test_replicated_leaf_is_logged_only_when_it_looks_like_a_mistake(caplog, axe
   with caplog.at_level("WARNING"):
     plan = fs.shard_plan(BIG, _fsdp8(), rules, logical_axes={"w": axes})
   assert plan.leaves[0].spec == P(None, None)
-  assert ("stay replicated on every device: w (4096, 4096)" in caplog.text) == warned
+  logged = [r.getMessage() for r in caplog.records]
+  assert logged == ([f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: w (4096, "
+                     f"4096) ({BIG_BYTES} B) [dim 0 (layers) replicated: no rule names "
+                     "'layers'; dim 1 (hidden) replicated: no rule names 'hidden']"]
+                    if warned else [])
+
+
+def test_two_devices_are_enough_to_count_a_replicated_leaf():
+  with pytest.raises(fs.ShardingError, match=r"^1 leaves \(67108864 bytes\) stay replicated"):
+    fs.shard_plan(BIG, _mesh((2,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
+                  max_replicated_bytes=0)
+  # One device: nothing is replicated across devices, so nothing counts.
+  fs.shard_plan(BIG, _mesh((1,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
+                max_replicated_bytes=0)
 
 
 def test_fsdp_axis_not_in_the_mesh_is_an_error():
