@@ -298,3 +298,30 @@ def test_depthwise_convolution_divides_features_by_groups():
   line = ("%y = f32[1,5,4]{2,1,0} convolution(f32[1,5,4]{2,1,0} %x, f32[3,1,4]{2,1,0} %k), "
           "window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f, feature_group_count=4")
   assert hlo.matmul_flops(line) == 2 * 13 * 4
+
+
+def _caller(name: str, callee: str) -> str:
+  return (f"%{name} (x: f32[4,6], y: f32[6,5]) -> f32[4,5] {{\n"
+          "  %x = f32[4,6]{1,0} parameter(0)\n"
+          "  %y = f32[6,5]{1,0} parameter(1)\n"
+          f"  ROOT %c = f32[4,5]{{1,0}} call(%x, %y), to_apply=%{callee}\n}}\n\n")
+
+
+# ENTRY calls %a and %b, both call %g, which calls %h (one [4,6] x [6,5] dot): %h runs twice.
+DIAMOND = ("HloModule diamond, num_partitions=1\n\n"
+           "%h (x: f32[4,6], y: f32[6,5]) -> f32[4,5] {\n"
+           "  %x = f32[4,6]{1,0} parameter(0)\n"
+           "  %y = f32[6,5]{1,0} parameter(1)\n"
+           "  ROOT %d = f32[4,5]{1,0} dot(%x, %y), lhs_contracting_dims={1}, "
+           "rhs_contracting_dims={0}\n}\n\n"
+           + _caller("g", "h") + _caller("a", "g") + _caller("b", "g") +
+           "ENTRY %main (x: f32[4,6], y: f32[6,5]) -> f32[4,5] {\n"
+           "  %x = f32[4,6]{1,0} parameter(0)\n"
+           "  %y = f32[6,5]{1,0} parameter(1)\n"
+           "  %ca = f32[4,5]{1,0} call(%x, %y), to_apply=%a\n"
+           "  ROOT %cb = f32[4,5]{1,0} call(%x, %y), to_apply=%b\n}\n")
+
+
+def test_computation_reached_through_two_callers_counts_both_paths():
+  # A count that visits %g after only one of its callers would give %h one run.
+  assert hlo.summarize(DIAMOND).matmul_flops == 2 * (2 * 4 * 5 * 6) == 480
