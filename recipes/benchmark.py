@@ -336,6 +336,43 @@ class Overhead(NamedTuple):
   max_param_diff: float
 
 
+def _hand_step(loss_fn, optimizer, state, batch, mesh):
+  """A hand-written `jax.jit` train step with `state`'s shardings and donation, compiled."""
+  import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import optax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+
+  def hand(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  psh = jax.tree.map(lambda x: x.sharding, state.params)
+  osh = jax.tree.map(lambda x: x.sharding, state.opt_state)
+  bsh = jax.tree.map(lambda x: x.sharding, batch)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(hand, in_shardings=(psh, osh, bsh), out_shardings=(psh, osh, rep),
+                 donate_argnums=(0, 1)).lower(state.params, state.opt_state, batch).compile()
+
+
+def _alternate(run_a, run_b, run_c, rounds: int, warmup: int):
+  """Seconds of each of three step runners over `rounds`, in A C B / B C A order by turns
+  (so neither A nor B always runs first), after `warmup` untimed rounds."""
+  for _ in range(warmup):
+    run_a()
+    run_b()
+    run_c()
+  ta, tb, tc = [], [], []
+  for i in range(rounds):
+    if i % 2:
+      b_s, c_s, a_s = run_b(), run_c(), run_a()
+    else:
+      a_s, c_s, b_s = run_a(), run_c(), run_b()
+    ta.append(a_s)
+    tb.append(b_s)
+    tc.append(c_s)
+  return ta, tb, tc
+
+
 def overhead(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, rounds: int,
              warmup: int) -> Overhead:
   """Alternates the fnscale step (A) and a hand-written `jax.jit` step (B) of the same model,
@@ -343,7 +380,6 @@ def overhead(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, r
   step each; returns the median of the per-round ratios A / B. Both start from the same params;
   `max_param_diff` is the largest |difference| of their params afterwards (same math)."""
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  import optax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   tl = _train_lm()
   cfg = model_config(size, seq)
   axes, mode = split_spec(mesh_spec)
@@ -354,25 +390,13 @@ def overhead(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, r
     hand_state, _ = _state_and_batch(cfg, mesh, optimizer, batch)
     c_state, _ = _state_and_batch(cfg, mesh, optimizer, batch)
     fn_step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
-
-    def hand(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(tl.loss_fn)(params, batch)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    psh = jax.tree.map(lambda x: x.sharding, hand_state.params)
-    osh = jax.tree.map(lambda x: x.sharding, hand_state.opt_state)
-    bsh = jax.tree.map(lambda x: x.sharding, b)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    hand_step = jax.jit(hand, in_shardings=(psh, osh, bsh), out_shardings=(psh, osh, rep),
-                        donate_argnums=(0, 1)).lower(
-                            hand_state.params, hand_state.opt_state, b).compile()
+    hand_step = _hand_step(tl.loss_fn, optimizer, hand_state, b, mesh)
     p, o = hand_state.params, hand_state.opt_state
 
     def run_a():
       nonlocal state
       t0 = time.perf_counter()
-      state, m = _block(fn_step(state, b))
+      state, _ = _block(fn_step(state, b))
       return time.perf_counter() - t0
 
     def run_c():  # fnscale's executable without its Python input checks
@@ -384,26 +408,14 @@ def overhead(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, r
     def run_b():
       nonlocal p, o
       t0 = time.perf_counter()
-      p, o, loss = _block(hand_step(p, o, b))
+      p, o, _ = _block(hand_step(p, o, b))
       return time.perf_counter() - t0
 
-    for _ in range(warmup):
-      run_a()
-      run_b()
-      run_c()
-    ta, tb, tc, ratios, pratios = [], [], [], [], []
-    for i in range(rounds):
-      if i % 2:
-        b_s, c_s, a_s = run_b(), run_c(), run_a()
-      else:
-        a_s, c_s, b_s = run_a(), run_c(), run_b()
-      ta.append(a_s)
-      tb.append(b_s)
-      tc.append(c_s)
-      ratios.append(a_s / b_s)
-      pratios.append(c_s / b_s)
+    ta, tb, tc = _alternate(run_a, run_b, run_c, rounds, warmup)
     diff = max(float(abs(x - y).max()) for x, y in
                zip(jax.tree.leaves(state.params), jax.tree.leaves(p)))
+  ratios = [a / b_ for a, b_ in zip(ta, tb)]
+  pratios = [c / b_ for c, b_ in zip(tc, tb)]
   return Overhead(size, mesh_name(mesh) + ("" if mode == "auto" else f" ({mode})"), rounds,
                   statistics.median(ta), statistics.median(tc), statistics.median(tb),
                   statistics.median(ratios), statistics.median(pratios),
@@ -459,9 +471,9 @@ def flop_check(row: Row) -> tuple[bool, str]:
   return ok, why
 
 
-def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header: str) -> str:
-  out = [header, "", peak_note, ""]
-  out += ["### Step", "",
+def _step_table(rows: list[Row]) -> list[str]:
+  """Compile, step time, MFU and FLOP columns, one row per benchmark row."""
+  out = ["### Step", "",
           "| model | params | mesh | dev | compile cold s | warm s (cache) | step ms median "
           "[p10, p90] | tokens/s | MFU | model FLOPs/step | HLO matmul FLOPs | XLA cost "
           "analysis (loops once) |",
@@ -474,7 +486,12 @@ def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header
         f"| {r.tokens_per_s:,.0f} | {'n/a' if r.mfu is None else f'{100 * r.mfu:.1f}%'} "
         f"| {_f(r.model_flops)} | {_f(r.hlo_dot_flops)} ({r.hlo_dot_flops / r.model_flops:.2f}x)"
         f" | {_f(r.xla_flops)} |")
-  out += ["", "### Memory and collectives per device", "",
+  return out
+
+
+def _memory_table(rows: list[Row]) -> list[str]:
+  """Per-device memory and collectives against the textbook volume."""
+  out = ["### Memory and collectives per device", "",
           "| model | mesh | dev | params/dev | (of total) | arguments | temporaries | peak "
           "| collectives per step (runs [ops in the program], result bytes) | sent per step "
           "| textbook "
@@ -490,7 +507,12 @@ def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header
         f"| 1/{r.param_bytes_total / r.param_bytes:.2f} | {_b(r.argument_bytes)} "
         f"| {_b(r.temp_bytes)} | {_b(r.peak_bytes)} | {coll} | {_b(r.wire_bytes)} "
         f"| {_b(t['total'])} ({parts}) |")
-  out += ["", "### FLOP cross-check", ""]
+  return out
+
+
+def _flop_notes(rows: list[Row]) -> list[str]:
+  """The model-vs-HLO FLOP check and what XLA's cost analysis counts."""
+  out = ["### FLOP cross-check", ""]
   bad = []
   for r in rows:
     ok, why = flop_check(r)
@@ -512,21 +534,35 @@ def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header
                   f"{_f(r.xla_flops)}" for r in rows[:3])
       + "; the rest of XLA's count is elementwise work the model formula leaves out (LayerNorm, "
       "softmax, GELU, cross-entropy, AdamW's ~10 FLOPs per param).")
+  return out
+
+
+def _overhead_table(overheads: list[Overhead]) -> list[str]:
+  """fnscale's step against the hand-written jax.jit one."""
+  out = ["### Overhead: fnscale step vs hand-written jax.jit step", "",
+          "| model | mesh | rounds | fnscale ms | its executable alone ms | jax.jit ms "
+          "| ratio median [p10, p90] | executable alone / jax.jit | max param diff |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for o in overheads:
+    out.append(f"| {o.size} | {o.mesh} | {o.rounds} | {1e3 * o.fnscale_s:.2f} "
+               f"| {1e3 * o.program_s:.2f} | {1e3 * o.jit_s:.2f} "
+               f"| {o.ratio:.3f} [{o.ratio_p10:.3f}, {o.ratio_p90:.3f}] "
+               f"| {o.program_ratio:.3f} | {o.max_param_diff:.1e} |")
+  out += ["", "fnscale = `shard_step(train_step(loss, adamw))` called as users call it; its "
+          "executable alone = the same compiled program called without fnscale's per-call "
+          "input checks (structure, shape, dtype and sharding of every state and batch leaf, "
+          "which move a misplaced input instead of recompiling); jax.jit = a hand-written "
+          "step with the same shardings, optimizer and donation (no grad-norm metric)."]
+  return out
+
+
+def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header: str) -> str:
+  """The benchmark's markdown: header, peak note, then the step, memory, FLOP and overhead
+  sections (the last only when `overheads` is not empty)."""
+  out = [header, "", peak_note, ""] + _step_table(rows) + [""] + _memory_table(rows) + [""]
+  out += _flop_notes(rows)
   if overheads:
-    out += ["", "### Overhead: fnscale step vs hand-written jax.jit step", "",
-            "| model | mesh | rounds | fnscale ms | its executable alone ms | jax.jit ms "
-            "| ratio median [p10, p90] | executable alone / jax.jit | max param diff |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for o in overheads:
-      out.append(f"| {o.size} | {o.mesh} | {o.rounds} | {1e3 * o.fnscale_s:.2f} "
-                 f"| {1e3 * o.program_s:.2f} | {1e3 * o.jit_s:.2f} "
-                 f"| {o.ratio:.3f} [{o.ratio_p10:.3f}, {o.ratio_p90:.3f}] "
-                 f"| {o.program_ratio:.3f} | {o.max_param_diff:.1e} |")
-    out += ["", "fnscale = `shard_step(train_step(loss, adamw))` called as users call it; its "
-            "executable alone = the same compiled program called without fnscale's per-call "
-            "input checks (structure, shape, dtype and sharding of every state and batch leaf, "
-            "which move a misplaced input instead of recompiling); jax.jit = a hand-written "
-            "step with the same shardings, optimizer and donation (no grad-norm metric)."]
+    out += [""] + _overhead_table(overheads)
   return "\n".join(out)
 
 
