@@ -499,8 +499,10 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       dimension divisible by the fsdp size, no fsdp axis, logical names that no rule maps
       (or whose rules name axes the mesh lacks), or a replicating PartitionSpec; over the
       limit, raise naming each leaf and why. None: no limit. Likely mistakes (indivisible
-      leaves, logical names left unmapped) are logged as warnings either way, as are rules
-      naming an axis that is neither in the mesh nor conventional.
+      leaves, leaves none of whose logical names any rule maps) are logged as warnings
+      either way on a mesh with an axis other than replica/data (on a data-parallel mesh
+      replicated params are the design), as are rules naming an axis that is neither in
+      the mesh nor conventional.
 
   Returns:
     A pytree of NamedSharding with `tree`'s structure.
