@@ -141,6 +141,7 @@ RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("norm", None),  # RMSNorm scales: small, replicated on purpose
 )
 
 
