@@ -17,24 +17,27 @@ D, M, L, B = 256, 1024, 2, 8192
 MIB = 2**20
 
 
-def _init(key):
-  ks = jax.random.split(key, 2 * L)
-  return {f"l{i}": {"w1": jax.random.normal(ks[2 * i], (D, M)) * 0.02,
-                    "w2": jax.random.normal(ks[2 * i + 1], (M, D)) * 0.02} for i in range(L)}
+def init_mlp(key, d: int = D, m: int = M, layers: int = L) -> dict:
+  """Residual ReLU MLP params: per layer "l{i}" float32 w1 [d, m] and w2 [m, d] ~ N(0, 0.02²)."""
+  ks = jax.random.split(key, 2 * layers)
+  return {f"l{i}": {"w1": jax.random.normal(ks[2 * i], (d, m)) * 0.02,
+                    "w2": jax.random.normal(ks[2 * i + 1], (m, d)) * 0.02}
+          for i in range(layers)}
 
 
-def _loss(p, b):
+def mlp_loss(p: dict, b: dict) -> jax.Array:
+  """Mean square of the residual stack's output; b["x"]: float32 [batch, d] -> scalar."""
   x = b["x"]
-  for i in range(L):
+  for i in range(len(p)):
     x = x + jax.nn.relu(x @ p[f"l{i}"]["w1"]) @ p[f"l{i}"]["w2"]
   return jnp.mean(x ** 2)
 
 
 def row(mesh, accum: int, gather: str) -> str:
   opt = optax.sgd(0.1)
-  state = fs.init_state(_init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  state = fs.init_state(init_mlp, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
   batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32)}
-  step = fs.train_step(_loss, opt, accum_steps=accum, accum_gather=gather)
+  step = fs.train_step(mlp_loss, opt, accum_steps=accum, accum_gather=gather)
   r = fs.compile_report(fs.shard_step(step, mesh), state, batch)
   cells = [f"{c.count} / {c.bytes / MIB:.2f} MiB"
            for c in (r.collective("all-reduce"), r.collective("all-gather"))]

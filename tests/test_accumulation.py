@@ -13,22 +13,15 @@ import optax
 import pytest
 
 import fnscale as fs
+from recipes import bench_accumulation as bench
 
 D, M, L, B = 64, 256, 2, 256
 PARAM_BYTES = L * 2 * D * M * 4  # f32 w1 [D, M] and w2 [M, D] per layer
 
 
-def _init(key):
-  ks = jax.random.split(key, 2 * L)
-  return {f"l{i}": {"w1": jax.random.normal(ks[2 * i], (D, M)) * 0.02,
-                    "w2": jax.random.normal(ks[2 * i + 1], (M, D)) * 0.02} for i in range(L)}
-
-
-def _loss(p, b):
-  x = b["x"]
-  for i in range(L):
-    x = x + jax.nn.relu(x @ p[f"l{i}"]["w1"]) @ p[f"l{i}"]["w2"]
-  return jnp.mean(x ** 2)
+# The residual MLP of recipes/bench_accumulation.py, smaller.
+_init = functools.partial(bench.init_mlp, d=D, m=M, layers=L)
+_loss = bench.mlp_loss
 
 
 @functools.lru_cache(maxsize=None)
