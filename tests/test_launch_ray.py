@@ -29,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCHER = str(ROOT / "recipes" / "launch_ray.py")
 STEPS = 16
 LAUNCH_TIMEOUT_S = 600  # the launcher's own bound (--timeout_s), restarts included
+CPU_HOSTS = ("--hosts=2", "--devices_per_process=4")  # 2 hosts x 4 simulated CPU devices
 
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None,
@@ -64,6 +65,13 @@ def test_supervision_rule(exit_, restart, status, words):
 ])
 def test_cause_is_the_root_failure_not_its_symptoms(exits, cause):
   assert launch_ray.cause_of(exits) == cause
+
+
+def test_importing_fnscale_or_the_launcher_imports_no_ray():
+  code = ("import sys, fnscale; from recipes import launch_ray; "
+          "assert 'ray' not in sys.modules, 'ray imported'")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT,
+                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 def test_tpu_hosts_take_their_worker_id_as_process_id():
@@ -129,13 +137,12 @@ def _options(work, run_dir):
               compile_cache_dir=str(work / "cache"))
 
 
-def _launch(address, recipe, on_line=None, *flags_):
-  """The launcher's command line, 2 hosts x 4 devices: (exit status, its output lines);
-  `on_line(line)` sees each line as it arrives."""
+def _launch(address, recipe, on_line=None, *flags_, hosts=CPU_HOSTS):
+  """The launcher's command line: (exit status, its output lines); `on_line(line)` sees each
+  line as it arrives."""
   proc = subprocess.Popen(
-      [sys.executable, LAUNCHER, f"--address={address}", "--hosts=2",
-       "--devices_per_process=4", "--backoff_s=0.5", "--grace_s=60",
-       f"--timeout_s={LAUNCH_TIMEOUT_S}", *flags_, "--", *recipe],
+      [sys.executable, LAUNCHER, f"--address={address}", *hosts, "--backoff_s=0.5",
+       "--grace_s=60", f"--timeout_s={LAUNCH_TIMEOUT_S}", *flags_, "--", *recipe],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
       start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
   lines = []
@@ -181,7 +188,7 @@ def test_train_lm_runs_to_the_end_one_process_per_host(uninterrupted):
   (attempt,) = _attempts(lines)
   assert attempt[2] != attempt[3], "both processes on one Ray node"
   assert "2 process(es) x 4 devices" in out  # JAX joined both processes
-  assert f"done: step {STEPS}" in out and "restart" not in out
+  assert f"done: step {STEPS}" in out and "launch_ray: restart" not in out
   assert "every process exited with 0 (0 restarts)" in lines[-1]
   summary = json.loads((run_dir / "run.json").read_text())["summary"]
   assert (summary["processes"], summary["devices"], summary["final_step"]) == (2, 8, STEPS)
@@ -236,3 +243,30 @@ def test_bad_flag_exits_2_without_restart(cluster, work, tmp_path):
   assert len(_attempts(lines)) == 1 and "restart " not in out
   assert "error: Unknown command line flag 'no_such_flag'" in out  # process 0's own line
   assert "exited with 2 (bad input or configuration); not restarting" in lines[-1]
+
+
+@needs_ray
+@pytest.mark.multiprocess
+def test_tpu_slice_one_process_per_host_in_worker_order(tmp_path):
+  """Two Ray nodes that say they are the two hosts of a TPU v4 2x2x2 slice (the variables GKE
+  sets; Ray derives the slice's labels and its head resource from them, and reads no metadata
+  server): the launcher reserves the slice through Ray's TPU resources and gives each host's
+  process the host's worker id as its process id, whatever order the nodes started in."""
+  script = tmp_path / "where.py"
+  script.write_text("import json, os\n"
+                    f"with open(os.path.join({str(tmp_path)!r}, os.environ['JAX_PROCESS_ID']),"
+                    " 'w') as f:\n  json.dump(dict(os.environ), f)\n")
+  env = [{"TPU_NAME": "slice-a", "TPU_WORKER_ID": str(w), "TPU_ACCELERATOR_TYPE": "v4-16",
+          "TPU_TOPOLOGY": "2x2x2"} for w in (1, 0)]  # the head node is worker 1
+  resources = [{"TPU": 4}, {"TPU": 4, "TPU-v4-16-head": 1}]
+  with launch_ray.local_cluster(2, node_resources=resources, node_env=env) as address:
+    rc, lines = _launch(address, [str(script)], hosts=("--tpu=v4:2x2x2",))
+  assert rc == 0, "".join(lines)[-5000:]
+  seen = [json.loads((tmp_path / str(i)).read_text()) for i in range(2)]
+  assert [e["TPU_WORKER_ID"] for e in seen] == ["0", "1"]
+  assert {e["JAX_NUM_PROCESSES"] for e in seen} == {"2"}
+  assert len({e["JAX_COORDINATOR_ADDRESS"] for e in seen}) == 1
+  assert not any("xla_force_host_platform_device_count=4" in e.get("XLA_FLAGS", "")
+                 for e in seen)  # real devices: no simulated count
+  (attempt,) = _attempts(lines)
+  assert attempt[2] != attempt[3]  # one process per host
