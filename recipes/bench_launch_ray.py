@@ -2,7 +2,7 @@
 
   python recipes/bench_launch_ray.py --repeats=2
 
-On a local Ray cluster of 2 nodes (`launch_ray.local_cluster`), the same train_lm job (nano,
+On a local Ray cluster of 2 nodes (`ray_cluster.local_cluster`), the same train_lm job (nano,
 2 processes x 4 simulated CPU devices, a warm compilation cache) is started by each launcher:
   * time to the first step: from the launch call to process 0's first `step` line, and for
     launch_ray the part of it before the processes start (placement group, actors);
@@ -26,9 +26,11 @@ from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from recipes import data, launch_local, launch_ray  # noqa: E402  pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from recipes import data, launch_local, launch_ray, ray_cluster  # noqa: E402
 
 _STEP = re.compile(r"step\s+\d+/")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _recipe(work: str, run_dir: str, steps: int) -> list[str]:
@@ -62,17 +64,15 @@ def _first_step(work: str, runs: str, which: str, i: int, address: str) -> dict:
   clock = _Clock()
   run_dir = os.path.join(runs, f"{which}{i}")
   if which == "local":
-    env = dict(os.environ, PYTHONPATH=launch_ray._REPO)  # pylint: disable=protected-access
-    results = launch_local.launch(_recipe(work, run_dir, 4), 2, 4, timeout_s=900, env=env,
-                                  cwd=launch_ray._REPO, stream=clock)  # pylint: disable=protected-access
+    results = launch_local.launch(_recipe(work, run_dir, 4), 2, 4, timeout_s=900, cwd=_REPO,
+                                  env=dict(os.environ, PYTHONPATH=_REPO), stream=clock)
     ok = all(rc == 0 for rc, _ in results)
   else:
     out = launch_ray.launch(_recipe(work, run_dir, 4), launch_ray.nodes(2), address=address,
-                            devices_per_process=4, timeout_s=900, stream=clock,
-                            cwd=launch_ray._REPO)  # pylint: disable=protected-access
+                            devices_per_process=4, timeout_s=900, stream=clock, cwd=_REPO)
     ok = out.returncode == 0
   return {"launcher": which, "ok": ok, "first_step_s": clock.seen["step"][0],
-          "processes_started_s": clock.seen.get("attempt", [0.0])[0]}
+          "processes_started_s": clock.seen.get("attempt", [None])[0]}
 
 
 def _pid_of_process_1(line: str) -> int | None:
@@ -85,6 +85,8 @@ def _kill_to_training(work: str, runs: str, sig: int, address: str) -> dict:
   state = {"pid": None, "sent": None}
 
   def act(line, now):
+    if line.startswith("launch_ray: "):
+      print(f"{now:8.2f} s  {line}", end="", flush=True)
     state["pid"] = _pid_of_process_1(line) or state["pid"]
     if state["sent"] is None and _STEP.match(line):
       os.kill(state["pid"], sig)
@@ -93,10 +95,11 @@ def _kill_to_training(work: str, runs: str, sig: int, address: str) -> dict:
   clock = _Clock(act)
   out = launch_ray.launch(_recipe(work, os.path.join(runs, f"kill{sig}"), 40),
                           launch_ray.nodes(2), address=address, devices_per_process=4,
-                          timeout_s=900, backoff_s=0.0, stream=clock, cwd=launch_ray._REPO)  # pylint: disable=protected-access
+                          timeout_s=900, backoff_s=0.0, stream=clock, cwd=_REPO)
   t = state["sent"]
   after = lambda name: next(x for x in clock.seen[name] if x > t)  # noqa: E731
-  return {"signal": signal.Signals(sig).name, "ok": out.returncode == 0 and len(out.restarts) == 1,
+  ok = out.returncode == 0 and len(out.restarts) == 1
+  return {"signal": signal.Signals(sig).name, "ok": ok,
           "restart_line_s": after("restart") - t, "processes_started_s": after("attempt") - t,
           "training_again_s": after("step") - t}
 
@@ -116,7 +119,7 @@ def main(argv: list[str]) -> int:
   with open(os.path.join(work, "corpus.txt"), "wb") as f:
     f.write(bytes(text))
   rows, t0 = [], time.monotonic()
-  with launch_ray.local_cluster(2) as address:
+  with ray_cluster.local_cluster(2) as address:
     rows.append({"cluster_start_s": time.monotonic() - t0})
     _first_step(work, work, "local", -1, address)  # fills the compilation cache
     for i in range(fv.repeats):

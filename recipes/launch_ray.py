@@ -7,7 +7,7 @@ its newest checkpoint after a preemption or a lost host.
   # a GPU cluster: one process per node with all its GPUs
   python recipes/launch_ray.py --address=auto --hosts=4 --gpus_per_host=8 -- \\
       recipes/train_lm.py --model_config=medium --mesh="data=-1,fsdp=8" --precision=bf16
-  # this machine: a throwaway 2-node Ray cluster on 127.0.0.1, 4 simulated CPU devices each
+  # this machine: a throwaway 2-node Ray cluster, 4 simulated CPU devices per process
   python recipes/launch_ray.py --local_nodes=2 --devices_per_process=4 -- \\
       recipes/train_lm.py --model_config=nano --steps=40
 
@@ -45,11 +45,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Sequence
@@ -58,7 +56,7 @@ from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from recipes import launch_local  # noqa: E402  pylint: disable=wrong-import-position
+from recipes import launch_local, ray_cluster  # noqa: E402  pylint: disable=wrong-import-position
 
 EXIT_PREEMPTED = 143  # fnscale.preemption.EXIT_PREEMPTED (not imported: no jax here)
 EXIT_JOB_FAILED = 75  # fnscale.distributed.EXIT_JOB_FAILED
@@ -287,9 +285,10 @@ def _reserve(ray, hosts: Hosts, timeout_s: float) -> _Reservation:
     TimeoutError: the cluster didn't provide them within `timeout_s` (names what it has).
     ValueError: a TPU generation or topology Ray doesn't know.
   """
-  from ray.util.placement_group import placement_group, remove_placement_group  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from ray.util.placement_group import placement_group, remove_placement_group
   if hosts.tpu:
-    from ray.util import tpu  # pylint: disable=import-outside-toplevel
+    from ray.util import tpu
     version, topology = hosts.tpu
     handle = tpu.slice_placement_group(topology, version, head_reservation_timeout_s=timeout_s)
     pg, release, count = handle.placement_group, handle.shutdown, handle.num_hosts
@@ -335,9 +334,11 @@ def _process_order(places: list[dict]) -> list[int]:
 def _start(ray, reservation: _Reservation, argv: Sequence[str], devices: int | None,
            env: dict[str, str], cwd: str) -> _Job:
   """An actor in each bundle; the command started on every host with its place in the job."""
-  from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
   # The actor's class comes from this repository, at the same path on every host.
-  path = os.pathsep.join([_REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+  path = os.pathsep.join(
+      [_REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
   host = ray.remote(HostProcess)
   actors = [host.options(scheduling_strategy=PlacementGroupSchedulingStrategy(reservation.pg, i),
                          runtime_env={"env_vars": {"PYTHONPATH": path}},
@@ -633,78 +634,6 @@ def launch(argv: Sequence[str], hosts: Hosts, *, address: str | None = None,
       ray.shutdown()
 
 
-def _start_node(head_port: int, temp_dir: str, index: int, cpus: float,
-                resources: dict | None, env: dict[str, str] | None) -> subprocess.Popen:
-  """`ray start --block` for node `index` (0: the head) on 127.0.0.1, in its own session,
-  every port it opens chosen free (several nodes share this machine), output to a file."""
-  ports = {name: launch_local.free_port() for name in (
-      "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-      "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")}
-  if index == 0:
-    ports.update({"port": head_port, "ray-client-server-port": launch_local.free_port(),
-                  "dashboard-port": launch_local.free_port()})
-  cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-         "--node-ip-address=127.0.0.1", f"--num-cpus={cpus:g}", "--num-gpus=0",
-         "--disable-usage-stats", f"--object-store-memory={100 * 2**20}",
-         *[f"--{k}={v}" for k, v in ports.items()]]
-  cmd += (["--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"] if index == 0
-          else [f"--address=127.0.0.1:{head_port}"])
-  if resources:
-    cmd.append("--resources=" + repr(dict(resources)).replace("'", '"'))
-  # Nothing leaves 127.0.0.1. With usage stats off, Ray's dashboard process still probes
-  # cloud metadata servers (169.254.169.254, a DNS lookup) unless ~/ray_bootstrap_config.yaml
-  # names the provider (HOME: the cluster's directory, which has one), and tells its usage
-  # server that stats are off (sent to a closed local port instead).
-  env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HOME": temp_dir,
-         "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/", **(env or {})}
-  with open(os.path.join(temp_dir, f"node{index}.log"), "wb") as log:
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
-
-
-def _wait_node(proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
-    with open(log_path, "rb") as f:
-      text = f.read().decode(errors="replace")
-    if "Ray runtime started" in text:
-      return
-    if proc.poll() is not None:
-      raise RuntimeError(f"ray start exited with {proc.returncode}; its output "
-                         f"({log_path}):\n{text[-3000:]}")
-    time.sleep(0.2)
-  raise RuntimeError(f"ray start did not start a node within {timeout_s:g} s ({log_path})")
-
-
-@contextlib.contextmanager
-def local_cluster(num_nodes: int = 2, *, cpus_per_node: float = 1,
-                  node_resources: Sequence[dict] = (), node_env: Sequence[dict] = (),
-                  timeout_s: float = 120.0) -> Iterator[str]:
-  """A Ray cluster of `num_nodes` nodes on this machine (127.0.0.1 only, no dashboard, no
-  usage stats), for trying and testing the launcher; yields its address ("127.0.0.1:port").
-  Node i gets `node_resources[i]` (extra Ray resources) and `node_env[i]` (environment) when
-  given. Every node's processes are stopped (SIGTERM, then SIGKILL) when the block ends.
-
-  Raises:
-    RuntimeError: a node did not start (with its output).
-  """
-  # Short: Ray's socket paths under it must fit in 107 bytes.
-  temp_dir = tempfile.mkdtemp(prefix="fsray-", dir="/tmp")
-  with open(os.path.join(temp_dir, "ray_bootstrap_config.yaml"), "w") as f:
-    f.write("provider:\n  type: local\n")
-  port, procs = launch_local.free_port(), []
-  try:
-    for i in range(num_nodes):  # one at a time: nodes starting together race for ports
-      procs.append(_start_node(port, temp_dir, i, cpus_per_node,
-                               node_resources[i] if i < len(node_resources) else None,
-                               node_env[i] if i < len(node_env) else None))
-      _wait_node(procs[-1], os.path.join(temp_dir, f"node{i}.log"), timeout_s)
-    yield f"127.0.0.1:{port}"
-  finally:
-    launch_local.stop(procs[::-1], grace_s=STOP_GRACE_S)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def _define_flags(fv: flags.FlagValues) -> None:
   define = {int: flags.DEFINE_integer, float: flags.DEFINE_float, str: flags.DEFINE_string}
   for name, default, kind, help_ in (
@@ -762,7 +691,7 @@ def main(argv: list[str]) -> int:
                 timeout_s=fv.timeout_s or None, placement_timeout_s=fv.placement_timeout_s,
                 checkpoint_dir=fv.checkpoint_dir or None, cwd=fv.cwd or None)
   try:
-    with (local_cluster(fv.local_nodes) if fv.local_nodes else
+    with (ray_cluster.local_cluster(fv.local_nodes) if fv.local_nodes else
           contextlib.nullcontext(fv.address or None)) as address:
       return launch(rest, hosts, address=address, **kwargs).returncode
   except KeyboardInterrupt:

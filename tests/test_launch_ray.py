@@ -1,10 +1,10 @@
 """recipes/launch_ray.py: one JAX process per host on a Ray cluster, supervised by exit status.
 
-The jobs run on a local Ray cluster of two nodes (`launch_ray.local_cluster`: `ray start` on
-127.0.0.1, no dashboard, no usage stats) standing for two hosts, with 4 simulated CPU devices
-per process, through the launcher's command line as a user runs it; this process never
-imports Ray. Without Ray (the `ray` extra) those tests are skipped with the reason. The
-supervision rule, the placement order and the flags are checked without a cluster.
+The jobs run on a Ray cluster of two `ray start` nodes on this machine standing for two hosts
+(`ray_cluster.local_cluster`), with 4 simulated CPU devices per process, through the
+launcher's command line as a user runs it; this process never imports Ray. Without Ray (the
+`ray` extra) those tests are skipped with the reason. The supervision rule, the placement
+order and the flags are checked without a cluster.
 """
 import importlib.util
 import json
@@ -23,6 +23,7 @@ import fnscale as fs
 
 from recipes import data
 from recipes import launch_ray
+from recipes import ray_cluster
 from recipes import train_lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,6 +48,9 @@ E = launch_ray.Exit
     (E(0, 3), False, 3, "exited with 3"),
 ])
 def test_supervision_rule(exit_, restart, status, words):
+  # The launcher doesn't import fnscale (jax): its statuses are fnscale's.
+  assert launch_ray.EXIT_PREEMPTED == fs.preemption.EXIT_PREEMPTED
+  assert launch_ray.EXIT_JOB_FAILED == fs.distributed.EXIT_JOB_FAILED
   verdict = launch_ray.classify(exit_)
   assert (verdict.restart, verdict.status) == (restart, status)
   assert words in verdict.why
@@ -112,7 +116,7 @@ def cluster():
   """Two Ray nodes on this machine: two hosts of one CPU each."""
   if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray is not installed: pip install -e '.[ray]'")
-  with launch_ray.local_cluster(2) as address:
+  with ray_cluster.local_cluster(2) as address:
     yield address
 
 
@@ -259,7 +263,7 @@ def test_tpu_slice_one_process_per_host_in_worker_order(tmp_path):
   env = [{"TPU_NAME": "slice-a", "TPU_WORKER_ID": str(w), "TPU_ACCELERATOR_TYPE": "v4-16",
           "TPU_TOPOLOGY": "2x2x2"} for w in (1, 0)]  # the head node is worker 1
   resources = [{"TPU": 4}, {"TPU": 4, "TPU-v4-16-head": 1}]
-  with launch_ray.local_cluster(2, node_resources=resources, node_env=env) as address:
+  with ray_cluster.local_cluster(2, node_resources=resources, node_env=env) as address:
     rc, lines = _launch(address, [str(script)], hosts=("--tpu=v4:2x2x2",))
   assert rc == 0, "".join(lines)[-5000:]
   seen = [json.loads((tmp_path / str(i)).read_text()) for i in range(2)]
