@@ -97,11 +97,12 @@ def _kill_to_training(work: str, runs: str, sig: int, address: str) -> dict:
                           launch_ray.nodes(2), address=address, devices_per_process=4,
                           timeout_s=900, backoff_s=0.0, stream=clock, cwd=_REPO)
   t = state["sent"]
-  after = lambda name: next(x for x in clock.seen[name] if x > t)  # noqa: E731
+  after = lambda name, t0: next(x for x in clock.seen[name] if x > t0)  # noqa: E731
+  restart = after("restart", t)  # steps before it are the old attempt's last ones
   ok = out.returncode == 0 and len(out.restarts) == 1
-  return {"signal": signal.Signals(sig).name, "ok": ok,
-          "restart_line_s": after("restart") - t, "processes_started_s": after("attempt") - t,
-          "training_again_s": after("step") - t}
+  return {"signal": signal.Signals(sig).name, "ok": ok, "restart_line_s": restart - t,
+          "processes_started_s": after("attempt", restart) - t,
+          "training_again_s": after("step", restart) - t}
 
 
 def main(argv: list[str]) -> int:

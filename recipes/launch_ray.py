@@ -366,7 +366,7 @@ class _Deadline(Exception):
   """The launch's `timeout_s` passed."""
 
 
-def _lost(e: Exception, process_id: int) -> str:
+def _lost(e: Exception, process_id) -> str:
   first = str(e).strip().splitlines()[0] if str(e).strip() else ""
   return f"host of process {process_id} lost: {type(e).__name__}: {first[:200]}"
 
@@ -528,6 +528,8 @@ def _supervise(ray, o: _Options, max_restarts: int, backoff: tuple[float, float]
         say(f"{e}; not starting (check --hosts / --tpu and the cluster)")
         return Outcome(EXIT_BAD_INPUT, (), [])
       cause, results = Exit(None, None, f"hosts not available: {e}"), []
+    except ray.exceptions.RayError as e:  # a host went while the job started
+      cause, results = Exit(None, None, _lost(e, "a process")), []
     except _Deadline:
       say("timeout (timeout_s) reached; every process stopped")
       return Outcome(EXIT_TIMEOUT, tuple(restarts), [])
