@@ -60,9 +60,9 @@ class _Clock:
       self.act(line, now)
 
 
-def _first_step(work: str, runs: str, which: str, i: int, address: str) -> dict:
+def _first_step(work: str, which: str, i: int, address: str) -> dict:
   clock = _Clock()
-  run_dir = os.path.join(runs, f"{which}{i}")
+  run_dir = os.path.join(work, f"{which}{i}")
   if which == "local":
     results = launch_local.launch(_recipe(work, run_dir, 4), 2, 4, timeout_s=900, cwd=_REPO,
                                   env=dict(os.environ, PYTHONPATH=_REPO), stream=clock)
@@ -80,7 +80,7 @@ def _pid_of_process_1(line: str) -> int | None:
   return int(m[1]) if m else None
 
 
-def _kill_to_training(work: str, runs: str, sig: int, address: str) -> dict:
+def _kill_to_training(work: str, sig: int, address: str) -> dict:
   """Signal process 1 at the job's first step; times from then to training again."""
   state = {"pid": None, "sent": None}
 
@@ -93,7 +93,7 @@ def _kill_to_training(work: str, runs: str, sig: int, address: str) -> dict:
       state["sent"] = now
 
   clock = _Clock(act)
-  out = launch_ray.launch(_recipe(work, os.path.join(runs, f"kill{sig}"), 40),
+  out = launch_ray.launch(_recipe(work, os.path.join(work, f"kill{sig}"), 40),
                           launch_ray.nodes(2), address=address, devices_per_process=4,
                           timeout_s=900, backoff_s=0.0, stream=clock, cwd=_REPO)
   t = state["sent"]
@@ -110,7 +110,20 @@ def main(argv: list[str]) -> int:
   flags.DEFINE_integer("repeats", 2, "first-step measurements per launcher", flag_values=fv)
   flags.DEFINE_string("json", "", "also write the measurements here", flag_values=fv)
   fv(argv)
-  work = tempfile.mkdtemp(prefix="bench_launch_ray-")
+  with tempfile.TemporaryDirectory(prefix="bench_launch_ray-") as work:
+    rows = _measure(work, fv.repeats)
+  load = open("/proc/loadavg").read().split()[:3]
+  for row in rows:
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in row.items()))
+  print(f"load average {' '.join(load)} (2 cores)")
+  if fv.json:
+    with open(fv.json, "w") as f:
+      json.dump({"rows": rows, "loadavg": load}, f, indent=1)
+  return 0 if all(r.get("ok", True) for r in rows) else 1
+
+
+def _measure(work: str, repeats: int) -> list[dict]:
   text = bytearray()
   for path in data.corpus_files(None):  # the first standard-library files, ~300 KB
     with open(path, "rb") as f:
@@ -122,21 +135,13 @@ def main(argv: list[str]) -> int:
   rows, t0 = [], time.monotonic()
   with ray_cluster.local_cluster(2) as address:
     rows.append({"cluster_start_s": time.monotonic() - t0})
-    _first_step(work, work, "local", -1, address)  # fills the compilation cache
-    for i in range(fv.repeats):
+    _first_step(work, "local", -1, address)  # fills the compilation cache
+    for i in range(repeats):
       for which in (("local", "ray") if i % 2 == 0 else ("ray", "local")):
-        rows.append(_first_step(work, work, which, i, address))
+        rows.append(_first_step(work, which, i, address))
     for sig in (signal.SIGKILL, signal.SIGTERM):
-      rows.append(_kill_to_training(work, work, sig, address))
-  load = open("/proc/loadavg").read().split()[:3]
-  for row in rows:
-    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in row.items()))
-  print(f"load average {' '.join(load)} (2 cores)")
-  if fv.json:
-    with open(fv.json, "w") as f:
-      json.dump({"rows": rows, "loadavg": load}, f, indent=1)
-  return 0 if all(r.get("ok", True) for r in rows) else 1
+      rows.append(_kill_to_training(work, sig, address))
+  return rows
 
 
 if __name__ == "__main__":

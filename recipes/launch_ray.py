@@ -50,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from absl import flags
 
