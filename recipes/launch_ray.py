@@ -538,8 +538,8 @@ def _supervise(ray, o: _Options, max_restarts: int, backoff: tuple[float, float]
       return Outcome(0, tuple(restarts), results)
     verdict = classify(cause)
     if cause.process_id and results:  # process 0's output was streamed already
-      say(f"process {cause.process_id}'s last lines:\n" + "".join(
-          f"  | {line}" for line in results[cause.process_id][1].splitlines(keepends=True)))
+      say(f"process {cause.process_id}'s last lines:\n" + "\n".join(
+          f"  | {line}" for line in results[cause.process_id][1].splitlines()))
     if not verdict.restart or len(restarts) >= max_restarts:
       say(f"{verdict.why}; " + ("not restarting: a configuration error doesn't heal"
                                 if not verdict.restart else
