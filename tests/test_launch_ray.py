@@ -202,7 +202,7 @@ def test_train_lm_runs_to_the_end_one_process_per_host(uninterrupted):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_preempted_then_lost_process_restarts_and_ends_bitwise_equal(cluster, work,
-                                                                    uninterrupted):
+                                                                    uninterrupted, tmp_path):
   """SIGTERM to process 1 at the first step: the job saves and exits 143, the launcher starts
   it again; kill -9 of process 1 at the first step after resuming: restarted again (the lost
   process path), from the same checkpoint. The end state is bitwise the uninterrupted one's."""
@@ -229,8 +229,9 @@ def test_preempted_then_lost_process_restarts_and_ends_bitwise_equal(cluster, wo
   assert re.search(r"restart 2 of 3 .*: process 1 was ended by SIGKILL \(lost process\) "
                    rf"\(exit statuses \S+, -9\); resuming from step {stopped} ", restarts[1])
   # Bitwise: the uninterrupted run's final state through train_lm itself (it resumes at the
-  # last step and trains no more), this run's restored onto it.
-  reference = train_lm.train_lm(**_options(work, uninterrupted[2])).state
+  # last step and trains no more; its records go elsewhere), this run's restored onto it.
+  reference = train_lm.train_lm(**_options(work, tmp_path), checkpoint_dir=str(
+      uninterrupted[2] / "checkpoints")).state
   state, _ = fs.checkpoint.restore(run_dir / "checkpoints", reference)
   assert int(state.step) == int(reference.step) == STEPS
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
