@@ -147,11 +147,16 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
     raise fs.FnscaleError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
                           "expected lr > 0 and intervals >= 1")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
-  ckpt = (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+  ckpt = checkpoint_directory(o)
   return Setup(dataclasses.replace(
       o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
       lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every,
       checkpoint_dir=ckpt), topo, mesh, MODELS[size], cfg, profile)
+
+
+def checkpoint_directory(o: Options) -> str:
+  """Where a run with options `o` keeps its checkpoints ("" with --nocheckpoint)."""
+  return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
 
 
 def run(o: Options) -> h.Summary:
