@@ -53,6 +53,9 @@ from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
+# The accumulation mode `estimate` costs (`fnscale.train_step(accum_gather=...)`): FSDP
+# params re-gathered and gradients reduced in every microbatch.
+ACCUM_GATHER = "per_microbatch"
 
 
 class Profile(NamedTuple):

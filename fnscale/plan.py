@@ -210,8 +210,9 @@ def _oom_bytes(message: str) -> float:
 def _verify(cand: Candidate, hw, ctx) -> Candidate:
   """Compiles the candidate for the target's described devices; returns it with `compiled`
   and the forecast redone with the compiled communication. The program is the one the cost
-  model costs: the same loss (remat as the row), policy, accumulation steps, and the kernels
-  `fnscale.attention` chooses on the target's devices (the profile was traced on one)."""
+  model costs: the same loss (remat as the row), policy, accumulation steps and mode
+  (`fnscale._cost.ACCUM_GATHER`), and the kernels `fnscale.attention` chooses on the
+  target's devices (the profile was traced on one)."""
   import fnscale as fs  # pylint: disable=g-import-not-at-top
   params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap = ctx
   mesh = fs.make_mesh(cand.axes, devices=hw.devices)
@@ -219,7 +220,8 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   state = fs.init_state(zeros, optimizer, mesh=mesh, rules=rules, logical_axes=logical_axes,
                         policy=policy, abstract=True)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
-  step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum)
+  step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
+                       accum_gather=_cost.ACCUM_GATHER)
   t0 = time.perf_counter()
   try:
     compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(

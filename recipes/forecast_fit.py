@@ -290,7 +290,7 @@ def _table(preds, title: str) -> str:
     remat = r.remat + ("" if r.remat in ("minimal", "minimal_flash", "full") else " (~full)")
     lines.append(
         f"| {r.table} | {r.name} | {r.target} | {r.batch} x {r.seq} | "
-        f"{mesh_str(p.axes)} | {remat} | {r.mfu:.2f}% | {p.mfu:.2f}% | "
+        f"{mesh_str(p.axes).replace(' | ', ', DCN ')} | {remat} | {r.mfu:.2f}% | {p.mfu:.2f}% | "
         f"{p.error:+.2f} | {p.bound:.1f}% | {p.tokens_s / _chips(r):,.0f} |")
   errs = np.array([p.error for p in preds])
   lines += ["", f"max |error| {np.abs(errs).max():.2f} points, rms {np.sqrt((errs**2).mean()):.2f}"

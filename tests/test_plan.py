@@ -391,3 +391,33 @@ def test_the_forecast_columns_and_the_token_budget():
   text = str(p)
   assert "tokens/s" in text and "days" in text and "chip-h" in text and "bound" in text
   assert f"{s['days']:,.1f}" in text.splitlines()[2]
+
+
+def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
+  """The compile's step has the row's remat and accumulation, the accumulation mode the
+  estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
+  import fnscale  # pylint: disable=g-import-not-at-top
+  from fnscale import plan as plan_module  # pylint: disable=g-import-not-at-top
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def train_step(loss, optimizer, **kw):
+    seen.update(kw, remat=loss.keywords["remat"])
+    raise Stop
+
+  monkeypatch.setattr(fnscale, "train_step", train_step)
+  cfg = llama.model_config("llama-tiny", 128)
+  params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
+  hw = _targets.resolve("cpu", (1e10, 1e9))
+  prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128))
+  cand = plan_module.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
+                             cpu_rates=(1e10, 1e9))
+  ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
+         llama.RULES, llama.logical_axes(cfg), prof, 1e12)
+  with pytest.raises(Stop):
+    plan_module._verify(cand, hw, ctx)
+  assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="per_microbatch",
+                      remat=True)
+  assert _cost.ACCUM_GATHER == "per_microbatch"
