@@ -244,7 +244,7 @@ def _scaled_loss(cfg: _Config, params, batch, loss_scale):
   if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
     batch = cfg.policy.cast_to_compute(batch)
-  out = cfg.loss_fn(params, batch)
+  out = cfg.loss_fn(_for_compute(params), batch)
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
@@ -263,48 +263,166 @@ def _scaled_loss(cfg: _Config, params, batch, loss_scale):
   return scaled, (loss, aux)
 
 
-def _grad_sum(cfg: _Config, params, micro, scale):
+def _for_compute(params):
+  """Params as the loss computes with them: on Explicit data axes each leaf is gathered over
+  those axes first (FSDP stores weights split and gathers them for use; the partitioner does
+  it on Auto axes). Without it a weight split over "fsdp" meeting a batch split over "fsdp"
+  would put one axis on two dims of a result, which jax refuses (ShardingTypeError). Its
+  gradient is the reverse: a reduce-scatter back to the stored sharding."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return params
+  explicit = set(getattr(mesh, "explicit_axes", ())) & set(_axes.DATA_AXES)
+  if not explicit:
+    return params
+
+  def gather(x):
+    spec = getattr(jax.typeof(x), "sharding", None)
+    spec = tuple(spec.spec) if spec is not None else ()
+    kept = PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e)
+                                                  if a not in explicit)) for e in spec))
+    return jax.sharding.reshard(x, kept) if kept != PartitionSpec(*spec) else x
+  return jax.tree.map(gather, params)
+
+
+def _grad_sum(cfg: _Config, params, micro, scale, reduce: bool = True):
   """Gradients, loss and aux of the batch, or averaged over the microbatches `micro`
-  ([accum, rows, ...], a `lax.scan`), reduced once over the manual data axes (if any)."""
+  ([accum, rows, ...], a `lax.scan`), reduced once over the manual data axes (if any; the
+  gradients only when `reduce`). The float32 accumulator keeps the params' sharding."""
   axes = _manual_data_axes()
   params = _vary(params, axes)  # per-shard gradients are local (varying) until reduced
   ls = None if scale is None else jmp.StaticLossScale(scale)
   grad_fn = jax.grad(functools.partial(_scaled_loss, cfg), has_aux=True)
   if cfg.accum_steps == 1:
     grads, (loss, aux) = grad_fn(params, micro, ls)
-    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, aux, axes)
+    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, aux, axes, reduce)
 
   def body(carry, mb):
     gsum, lsum = carry
     g, (l, a) = grad_fn(params, mb, ls)
-    return (optax.tree.add(gsum, optax.tree.cast(g, jnp.float32)), lsum + l), a
+    gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
+    return (_like_params(gsum, params), lsum + l), a
 
-  init = (_vary(optax.tree.zeros_like(params, jnp.float32), axes),
+  init = (_like_params(_vary(optax.tree.zeros_like(params, jnp.float32), axes), params),
           _vary(jnp.zeros((), jnp.float32), axes))
   (gsum, lsum), auxs = jax.lax.scan(body, init, micro)
   n = jax.tree.leaves(micro)[0].shape[0]
   grads, loss = optax.tree.scale(1.0 / n, gsum), lsum / n
   aux = _reduce_aux(auxs, axis=0) if cfg.has_aux else None
-  return _reduce(cfg, grads, loss, aux, axes)
+  return _reduce(cfg, grads, loss, aux, axes, reduce)
 
 
-def _reduce(cfg: _Config, grads, loss, aux, axes):
+def _reduce(cfg: _Config, grads, loss, aux, axes, reduce_grads: bool = True):
   """The one gradient reduction of the step (after every microbatch), over manual axes."""
   if axes:
-    grads = jax.lax.pmean(_vary(grads, axes), axes)
+    if reduce_grads:
+      grads = jax.lax.pmean(_vary(grads, axes), axes)
     loss = jax.lax.pmean(_vary(loss, axes), axes)
     aux = _reduce_aux(aux, axis_name=axes) if cfg.has_aux else None
   return grads, loss, aux
+
+
+# The params' PartitionSpecs while `shard_step` traces the step: (treedef, specs), or None.
+# A jax user context, so it is part of jit's cache key like `with_kernel`'s choice.
+_PARAM_SPECS = jax.make_user_context(None)
+
+
+def param_specs(params, shardings: list):
+  """A context in which the traced step knows the params' shardings (`shard_step` enters it
+  while lowering; `shardings`: one per leaf of `params`, in order): gradient accumulators
+  and reduced gradients are pinned to them."""
+  treedef = jax.tree.structure(params)
+  return _PARAM_SPECS((treedef, tuple(s.spec for s in shardings)))
+
+
+def _known_specs(params) -> list | None:
+  """The params' PartitionSpecs, one per leaf, where known: from the array types on Explicit
+  axes, else from `param_specs`; None when unknown (a step traced outside `shard_step`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  if not mesh.auto_axes:  # every axis Explicit: the params' types carry their shardings
+    return [jax.typeof(p).sharding.spec for p in jax.tree.leaves(params)]
+  known = _PARAM_SPECS.value
+  if known is None or known[0] != jax.tree.structure(params):
+    return None
+  return list(known[1])
+
+
+def _only(spec: PartitionSpec, keep) -> PartitionSpec:
+  """`spec` with only the mesh axes for which `keep(axis)` holds."""
+  return PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if keep(a)))
+                         for e in spec))
+
+
+def _like_params(tree, params):
+  """`tree` (shaped like the params) sharded as the params are, where that is known
+  (`_known_specs`); manual axes are left out."""
+  specs = _known_specs(params)
+  if specs is None:
+    return tree
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  leaves, treedef = jax.tree.flatten(tree)
+  if not jax.sharding.get_abstract_mesh().auto_axes:
+    pin = jax.sharding.reshard
+  else:
+    pin = jax.lax.with_sharding_constraint
+  return jax.tree.unflatten(treedef, [pin(x, _only(s, lambda a: a not in manual))
+                                      for x, s in zip(leaves, specs)])
+
+
+def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
+  """Inside a shard_map manual over `axes`: the sum over `axes` of a local gradient, each
+  device keeping the block `spec` gives it (a reduce-scatter over the axes that split the
+  param, an all-reduce over the others)."""
+  used = []
+  for dim, entry in enumerate(spec):
+    split = tuple(a for a in _tree.entry_axes(entry) if a in axes)
+    if split:
+      g = jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True)
+      used += split
+  rest = tuple(a for a in axes if a not in used)
+  return jax.lax.psum(g, rest) if rest else g
+
+
+def _gather_once(cfg: _Config, params, micro, scale, axes):
+  """accum_gather="once": the microbatch loop per shard under `jax.shard_map` over the data
+  axes. Params (cast to the compute dtype first) are all-gathered once at its entry; each
+  device sums its microbatches' float32 gradients in a whole-size accumulator, which is
+  reduce-scattered once at the end to the params' sharding (all-reduced over axes the
+  params are replicated on; all-reduced whole where the shardings are unknown).
+  check_vma=False: a Pallas kernel inside (splash attention) has no varying-axes type, and
+  the gradients are taken inside the body, so no reduction is implied."""
+  specs = _known_specs(params)
+  if cfg.policy is not None:
+    params = cfg.policy.cast_to_compute(params)
+  params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
+  treedef = jax.tree.structure(params)
+  if specs is None:
+    specs = [PartitionSpec()] * treedef.num_leaves
+  n = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
+  gspec = jax.tree.unflatten(treedef, [_only(s, lambda a: a in axes) for s in specs])
+
+  def local(params, micro, scale):
+    grads, loss, aux = _grad_sum(cfg, params, micro, scale, reduce=False)
+    leaves = [_scatter(g, s, axes) / n for g, s in zip(jax.tree.leaves(grads), specs)]
+    return jax.tree.unflatten(treedef, leaves), loss, aux
+
+  f = jax.shard_map(local, in_specs=(PartitionSpec(), mspec, PartitionSpec()),
+                    out_specs=(gspec, PartitionSpec(), PartitionSpec()),
+                    axis_names=set(axes), check_vma=False)
+  return f(params, micro, scale)
 
 
 def _gradients(cfg: _Config, params, batch, ls):
   """float32 gradients (still loss-scaled), loss and aux of the whole batch, reduced over
   the data axes.
 
-  With accumulation over (Auto or Explicit) data axes and `accum_gather="once"`, the microbatch
-  loop runs per shard under `jax.shard_map` over those axes: params are gathered once at
-  its entry and gradients reduced once after it. With "per_microbatch" GSPMD partitions
-  the loop body, which re-gathers FSDP params and reduces gradients in every microbatch.
+  With accumulation over (Auto or Explicit) data axes: "per_microbatch" leaves the loop to
+  the partitioner, params stay sharded and are gathered inside each microbatch, and each
+  microbatch's gradient is reduced into an accumulator sharded as the params are; "once"
+  runs the loop per shard (`_gather_once`).
   """
   scale = None if ls is None else ls.loss_scale
   if cfg.accum_steps == 1:
@@ -314,11 +432,7 @@ def _gradients(cfg: _Config, params, batch, ls):
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes or cfg.accum_gather == "per_microbatch":
     return _grad_sum(cfg, params, micro, scale)
-  specs = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
-  f = jax.shard_map(functools.partial(_grad_sum, cfg), in_specs=(PartitionSpec(), specs,
-                                                                  PartitionSpec()),
-                    out_specs=PartitionSpec(), axis_names=set(axes), check_vma=True)
-  return f(params, micro, scale)
+  return _gather_once(cfg, params, micro, scale, axes)
 
 
 def _update(cfg: _Config, state, grads, ls):
