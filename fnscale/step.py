@@ -236,7 +236,7 @@ class _Config(NamedTuple):
   policy: jmp.Policy | None
   accum_steps: int
   has_aux: bool
-  accum_gather: str = "once"
+  accum_gather: str = "per_microbatch"
 
 
 def _scaled_loss(cfg: _Config, params, batch, loss_scale):
@@ -385,22 +385,27 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _gather_once(cfg: _Config, params, micro, scale, axes):
-  """accum_gather="once": the microbatch loop per shard under `jax.shard_map` over the data
-  axes. Params (cast to the compute dtype first) are all-gathered once at its entry; each
-  device sums its microbatches' float32 gradients in a whole-size accumulator, which is
-  reduce-scattered once at the end to the params' sharding (all-reduced over axes the
-  params are replicated on; all-reduced whole where the shardings are unknown).
-  check_vma=False: a Pallas kernel inside (splash attention) has no varying-axes type, and
-  the gradients are taken inside the body, so no reduction is implied."""
-  specs = _known_specs(params)
-  if cfg.policy is not None:
+def _loop_per_shard(cfg: _Config, params, micro, scale, axes, specs, gather: bool):
+  """The microbatch loop per shard under `jax.shard_map`, manual over the data axes `axes`
+  (the others stay with the partitioner): every device sums its own microbatches' float32
+  gradients and they are reduced once after the loop, reduce-scattered to the params'
+  sharding `specs` (all-reduced over axes the params are replicated on).
+
+  `gather` (accum_gather="once"): `axes` are all the data axes; params, cast to the compute
+  dtype first, are all-gathered once at entry and the accumulator is whole-size. Else
+  `axes` are the data axes no param is split over (per_microbatch on a mesh with "data" or
+  "replica"): params enter without moving, and inside each microbatch the partitioner
+  gathers them over "fsdp" and reduces the gradient into an accumulator sharded there.
+  check_vma=False: a Pallas kernel inside (splash attention) has no varying-axes type; the
+  gradients are taken inside the body, so no reduction is implied.
+  """
+  if gather and cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
-  params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
+  if gather:
+    params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
   treedef = jax.tree.structure(params)
-  if specs is None:
-    specs = [PartitionSpec()] * treedef.num_leaves
-  n = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  mesh = jax.sharding.get_abstract_mesh()
+  n = math.prod(mesh.shape[a] for a in axes)
   mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
   gspec = jax.tree.unflatten(treedef, [_only(s, lambda a: a in axes) for s in specs])
 
@@ -417,22 +422,25 @@ def _gather_once(cfg: _Config, params, micro, scale, axes):
 
 def _gradients(cfg: _Config, params, batch, ls):
   """float32 gradients (still loss-scaled), loss and aux of the whole batch, reduced over
-  the data axes.
-
-  With accumulation over (Auto or Explicit) data axes: "per_microbatch" leaves the loop to
-  the partitioner, params stay sharded and are gathered inside each microbatch, and each
-  microbatch's gradient is reduced into an accumulator sharded as the params are; "once"
-  runs the loop per shard (`_gather_once`).
-  """
+  the data axes (see `train_step`'s accum_gather)."""
   scale = None if ls is None else ls.loss_scale
   if cfg.accum_steps == 1:
     return _grad_sum(cfg, params, batch, scale)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
-  if not axes or cfg.accum_gather == "per_microbatch":
+  if not axes:
     return _grad_sum(cfg, params, micro, scale)
-  return _gather_once(cfg, params, micro, scale, axes)
+  specs = _known_specs(params)
+  if cfg.accum_gather == "once":
+    specs = specs or [PartitionSpec()] * len(jax.tree.leaves(params))
+    return _loop_per_shard(cfg, params, micro, scale, axes, specs, gather=True)
+  # per_microbatch: data axes no param is split over reduce once, after the loop.
+  used = {a for s in specs or () for e in s for a in _tree.entry_axes(e)}
+  whole = tuple(a for a in axes if a not in used)
+  if specs is None or not whole:
+    return _grad_sum(cfg, params, micro, scale)
+  return _loop_per_shard(cfg, params, micro, scale, whole, specs, gather=False)
 
 
 def _update(cfg: _Config, state, grads, ls):
@@ -472,11 +480,11 @@ def _step(cfg: _Config, state, batch):
   return new_state, metrics
 
 
-_ACCUM_GATHER = ("once", "per_microbatch")
+ACCUM_GATHER = ("per_microbatch", "once")
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 1,
-               has_aux: bool = False, accum_gather: str = "once") -> Callable:
+               has_aux: bool = False, accum_gather: str = "per_microbatch") -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
 
   Args:
@@ -492,18 +500,24 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       many microbatches of B / accum_steps rows, run them with `lax.scan` and sum their
       gradients in float32 before one optimizer update. Microbatch i holds rows
       i, i + accum_steps, ..., so under a mesh (the step traced inside `jax.set_mesh`, as
-      `shard_step` does) every microbatch stays spread over the data axes. The gradient
-      is reduced over the data axes once per step, after the last microbatch.
+      `shard_step` does) every microbatch stays spread over the data axes.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
-    accum_gather: with `accum_steps > 1` under a mesh with data axes, how FSDP
-      params meet the microbatches. "once" (default): the microbatch loop runs per shard
-      under `jax.shard_map` over the data axes; params are all-gathered once at its entry
-      and stay whole on every device for the loop (memory: the full params per device), and
-      gradients are all-reduced once after it. "per_microbatch": GSPMD partitions the loop
-      body; params stay sharded between microbatches and are re-gathered in each (accum x
-      the all-gather traffic), and gradients are reduced in each microbatch too (accum x the
-      reduction traffic); use it when the whole params don't fit on one device. Measure
-      either with `fnscale.compile_report(...).collectives`.
+    accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
+      between microbatches (FSDP semantics either way: the gradients end reduce-scattered
+      to the params' sharding, never a whole-size all-reduce).
+      "per_microbatch" (default, ZeRO-3): params stay sharded and are gathered inside each
+      microbatch, as without accumulation (accum x the all-gather traffic); each
+      microbatch's gradient is reduced into a float32 accumulator sharded as the params are
+      (accum x the reduction traffic). Per-device memory as at accum 1 plus the sharded
+      accumulator.
+      "once": for models whose whole params fit on a device. The microbatch loop runs per
+      shard under `jax.shard_map` over the data axes; params, cast to the compute dtype,
+      are all-gathered once at its entry and stay whole for the loop; every device sums
+      its own float32 gradients in a whole-size accumulator, reduce-scattered once after
+      the loop (all-reduced over data axes the params are replicated on). Traffic as at
+      accum 1; memory: whole compute-dtype params and a whole float32 accumulator per
+      device. `fnscale.plan` chooses between them.
+      Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
 
   Returns:
     `step(state: TrainState, batch) -> (TrainState, metrics)`, a plain function; metrics is
@@ -530,8 +544,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
   _tree.check_int(accum_steps, "accum_steps", StepError, minimum=1)
   if not isinstance(has_aux, bool):
     raise StepError(f"has_aux is {_tree.got(has_aux)}, expected a bool.")
-  if accum_gather not in _ACCUM_GATHER:
-    raise StepError(f"accum_gather={accum_gather!r}, expected one of {_ACCUM_GATHER}.")
+  if accum_gather not in ACCUM_GATHER:
+    raise StepError(f"accum_gather={accum_gather!r}, expected one of {ACCUM_GATHER}.")
   cfg = _Config(loss_fn, optimizer, as_policy(policy), int(accum_steps), has_aux,
                 accum_gather)
 
