@@ -10,7 +10,9 @@ Matmuls" and 5 "Training":
 - FSDP (ZeRO-3, Rajbhandari et al. 2020): per microbatch every device all-gathers the
   compute-dtype weights twice (forward, and again in the backward pass) and reduce-scatters
   the gradients once; an all-gather or reduce-scatter of V bytes over an axis of n devices
-  moves V (n-1)/n per device.
+  moves V (n-1)/n per device. With accumulation in `train_step`'s accum_gather="once" the
+  whole compute-dtype params are gathered once per step and the gradients reduce-scattered
+  once, at the memory of whole params and a whole float32 accumulator per device.
 - Data parallel: one gradient all-reduce per step, 2 V (n-1)/n per device (Patarasuk &
   Yuan 2009).
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
@@ -223,11 +225,16 @@ def axis_bandwidth(hw: Hardware, ici: dict, dcn: dict) -> dict:
 
 
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
-             accum: int) -> Estimate:
+             accum: int, gather: str = "per_microbatch") -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor"; "replica" across slices); the global batch must divide over the data axes and
-  `accum`."""
+  `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch"
+  keeps params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp
+  in every microbatch; "once" (with accum > 1 and fsdp > 1) holds whole compute-dtype params
+  and a whole float32 accumulator (split by tensor only) and gathers / reduce-scatters once.
+  Data and DCN axes are reduced once per step in both."""
+  once = gather == "once" and accum > 1 and ici.get("fsdp", 1) > 1
   d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
   r = math.prod(dcn.values()) if dcn else 1
   n = hw.num_devices
@@ -240,6 +247,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
                grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
                weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
                acts=act_row * rows_mb)  # not split by tensor: the residual stream isn't
+  if once:  # the whole accumulator beside the reduced shard; whole params for the loop
+    parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
+                 weights=prof.compute_bytes / t)
   model_flops = prof.flops_row * prof.rows
   update = (2 * prof.param_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
   memory = (update + 2 * act_row * rows_mb * accum) / hw.links.hbm
@@ -248,7 +258,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
   comm = {}
   if f > 1:
-    comm["fsdp"] = accum * frac(f) * (2 * prof.compute_bytes + prof.grad_bytes) / t / bw["fsdp"]
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+        2 * prof.compute_bytes + prof.grad_bytes)
+    comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
   if d > 1:
     comm["data"] = 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
   if t > 1:

@@ -55,13 +55,15 @@ class Compiled(NamedTuple):
 
 class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate, compile (or None),
-  and `fits` (per the compile where present, else the estimate, against HBM x headroom)."""
+  `fits` (per the compile where present, else the estimate, against HBM x headroom) and
+  `accum_gather` (`train_step`'s mode, costed and compiled as chosen)."""
   axes: MeshAxes
   remat: bool
   accum: int
   estimate: _cost.Estimate
   compiled: Compiled | None
   fits: bool
+  accum_gather: str = "per_microbatch"
 
   @property
   def step_s(self) -> float:
@@ -75,8 +77,8 @@ class Candidate(NamedTuple):
 class Plan(NamedTuple):
   """The planner's answer: `rows` ranked best first (fitting rows by step time, then those
   that don't fit); the chosen `axes` (a `MeshAxes` for `fnscale.make_mesh`), `remat`,
-  `accum`; `why` the winner won; `hardware` the resolved target; `profile` what the model
-  needs per step. `str(plan)` is the table (`format_plan`)."""
+  `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
+  the resolved target; `profile` what the model needs per step. `str(plan)` is the table (`format_plan`)."""
   rows: tuple[Candidate, ...]
   axes: MeshAxes
   remat: bool
@@ -84,6 +86,7 @@ class Plan(NamedTuple):
   why: str
   hardware: _targets.Hardware
   profile: _cost.Profile
+  accum_gather: str = "per_microbatch"
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -145,16 +148,24 @@ def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]
 
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
-  """The fewest accumulation steps whose estimate fits `cap` bytes (or the most, not fitting)."""
+  """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
+  `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
+  slower (it moves params and gradients once per step: less communication, more slack when
+  overlap is imperfect), else "per_microbatch"."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    est = _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a)
-    if est.bytes <= cap:
-      return a, est, True
-    last = a
-  return (last, est, False) if est is not None else (1, None, False)
+    modes = ("per_microbatch", "once") if a > 1 and axes.ici.get("fsdp", 1) > 1 else (
+        "per_microbatch",)
+    ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
+    fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
+    if fit:
+      _, gather, best = min(fit, key=lambda x: x[0])
+      return a, gather, best, True
+    last, est = a, ests[0][1]
+  return (last, "per_microbatch", est, False) if est is not None else (
+      1, "per_microbatch", None, False)
 
 
 def _compiled_comm_s(summary, hw, axes: MeshAxes) -> float:
@@ -188,7 +199,8 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   state = fs.init_state(zeros, optimizer, mesh=mesh, rules=rules, logical_axes=logical_axes,
                         policy=policy, abstract=True)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
-  step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum)
+  step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
+                       accum_gather=cand.accum_gather)
   t0 = time.perf_counter()
   try:
     compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
@@ -268,9 +280,9 @@ def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
   rows = []
   for axes in _meshes(hw, prof.rows, max_tensor):
     for remat in ((False, True) if prof.has_remat else (False,)):
-      accum, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
+      accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
-        rows.append(Candidate(axes, remat, accum, est, None, fits))
+        rows.append(Candidate(axes, remat, accum, est, None, fits, gather))
   return rows
 
 
@@ -357,7 +369,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap)
     _verify_best(rows, hw, ctx, verify)
   best = rows[0]
-  return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof)
+  return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof,
+              best.accum_gather)
 
 
 def format_plan(p: Plan, top: int = 12) -> str:
@@ -373,7 +386,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
   lines = []
   for i, r in enumerate(p.rows[:top]):
     c = r.compiled
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", str(r.accum),
+    accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum,
                   gib(r.estimate.bytes), gib(c.bytes) if c else "-", "yes" if r.fits else "NO",
                   f"{r.step_s * 1e3:.4g}", f"{r.mfu:.0%}",
                   f"{(c.comm_s / r.estimate.compute_s if c else r.estimate.comm_ratio):.2f}",
@@ -383,7 +397,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
   fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths))
   more = f"\n... {len(p.rows) - top} more" if len(p.rows) > top else ""
   return "\n".join([head, fmt(cols), *map(fmt, lines)]) + more + (
-      f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}: {p.why}")
+      f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
+      + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "") + f": {p.why}")
 
 
 def summary(p: Plan) -> dict:
@@ -395,7 +410,8 @@ def summary(p: Plan) -> dict:
     c, e = r.compiled, r.estimate
     program = (prof.flops_row_remat if r.remat else prof.flops_row) * prof.rows / n
     rows.append(dict(
-        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, fits=r.fits,
+        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
+        fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
         memory_ratio=c.bytes / e.bytes if c else None, compiled_comm_s=c.comm_s if c else None,
@@ -407,5 +423,6 @@ def summary(p: Plan) -> dict:
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, hbm_bytes=hw.hbm_bytes,
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
+              accum_gather=p.accum_gather,
               why=p.why, model_flops_per_device=p.profile.flops_row * p.profile.rows
               / hw.num_devices, rows=rows)

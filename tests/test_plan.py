@@ -77,7 +77,9 @@ def test_profile_counts_params_optimizer_state_and_flops():
   assert prof.stream_row == 16 * 32 * 4  # the scan carry: [1, seq, d] float32
   m = llama.matmul_params(cfg)
   attn = 2 * 2 * 16 * 16 * 32  # q k^T and a v, per layer, one row
-  assert prof.flops_row == 16 * 6 * m + 3 * 2 * attn
+  # fnscale.cross_entropy recomputes the logits in its backward pass: one more [16, 32] x
+  # [32, 40] matmul per row.
+  assert prof.flops_row == 16 * 6 * m + 3 * 2 * attn + 2 * 16 * 32 * 40
   assert prof.flops_row < prof.flops_row_remat < prof.flops_row * 4 / 3
   assert prof.act_row_remat < prof.act_row
 
@@ -106,6 +108,53 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
   # Data parallel replicates the optimizer update: 8x its memory traffic.
   d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2)
   assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
+
+
+def _fsdp_profile_and_hardware():
+  prof = _cost.Profile(params=10**9, param_bytes=4e9, opt_bytes=8e9, compute_bytes=2e9,
+                       grad_bytes=4e9, flops_row=6e12, flops_row_remat=8e12, act_row=1e9,
+                       act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
+  hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
+                         _targets.LinkFacts(1e11, 1e10, 1e12))
+  return prof, hw
+
+
+def test_estimate_costs_each_accumulation_mode_as_it_compiles():
+  prof, hw = _fsdp_profile_and_hardware()
+  per = _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "per_microbatch")
+  once = _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "once")
+  # per_microbatch: sharded accumulator and gradients, two layers of gathered weights; every
+  # microbatch gathers the bf16 weights twice and reduce-scatters the f32 gradients.
+  assert per.grads == 2 * 4e9 / 8 and per.weights == 2 * 2e9 / 10
+  assert per.comm_s["fsdp"] == pytest.approx(4 * 7 / 8 * (2 * 2e9 + 4e9) / 3e11)
+  # once: a whole f32 accumulator and the reduced shard; whole bf16 params for the loop;
+  # one gather and one reduce-scatter per step.
+  assert once.grads == 4e9 + 4e9 / 8 and once.weights == 2e9
+  assert once.comm_s["fsdp"] == pytest.approx(7 / 8 * (2e9 + 4e9) / 3e11)
+  assert (once.params, once.opt, once.acts) == (per.params, per.opt, per.acts)
+  # Without accumulation, or without an fsdp axis, the modes are the same program.
+  for ici, accum in (({"fsdp": 8}, 1), ({"data": 8}, 4)):
+    assert _cost.estimate(prof, hw, ici, {}, False, accum, "once") == _cost.estimate(
+        prof, hw, ici, {}, False, accum, "per_microbatch")
+
+
+def test_planner_chooses_once_only_where_its_memory_fits():
+  from fnscale import plan as fplan  # pylint: disable=import-outside-toplevel
+  prof, hw = _fsdp_profile_and_hardware()
+  axes = fs.mesh.MeshAxes({"fsdp": 8}, {})
+  per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
+  once = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "once")
+  # Compute-bound here: the same step time, "once" with a quarter of the communication.
+  assert per.bytes < once.bytes and once.step_s <= per.step_s
+  assert once.comm_total_s < per.comm_total_s
+  # At 2 steps "once" where its memory fits, else the default.
+  got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
+  assert got[:2] == (2, "once") and got[3]
+  got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
+  assert got[:2] == (2, "per_microbatch") and got[3]
+  # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
+  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (
+      1, "per_microbatch")
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
