@@ -73,11 +73,11 @@ def _check_once(target, axes):
   # Whole bfloat16 params and a whole float32 accumulator on every device: 1.5 P at least.
   assert _temp(once) >= 1.5 * p
   # Params gathered once per step (one all-gather per leaf), as whole compute-dtype (or,
-  # where XLA moves the cast after the gather, float32) params over the data devices.
+  # where XLA moves the cast after the gather, float32) params over the fsdp devices (or
+  # every data device: jax 0.10.2's partitioner gathers the shard_map's input over both).
   ag = s.collective("all-gather")
   assert ag.count == 4
-  assert ag.bytes_sent in (pytest.approx((n - 1) / n * p / 2),
-                           pytest.approx((n - 1) / n * p))
+  assert ag.bytes_sent in [pytest.approx((g - 1) / g * p / k) for g in (f, n) for k in (1, 2)]
   # Gradients reduce-scattered once over fsdp (float32, (f-1)/f P) and the fsdp shards
   # all-reduced once over data: 2 (d-1)/d P/f. No whole-size all-reduce.
   rs = s.collective("reduce-scatter")
