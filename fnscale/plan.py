@@ -156,8 +156,7 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
                            * axes.ici.get("fsdp", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    modes = ("per_microbatch", "once") if a > 1 and axes.ici.get("fsdp", 1) > 1 else (
-        "per_microbatch",)
+    modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
     fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
     if fit:

@@ -385,24 +385,18 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _loop_per_shard(cfg: _Config, params, micro, scale, axes, specs, gather: bool):
-  """The microbatch loop per shard under `jax.shard_map`, manual over the data axes `axes`
-  (the others stay with the partitioner): every device sums its own microbatches' float32
-  gradients and they are reduced once after the loop, reduce-scattered to the params'
-  sharding `specs` (all-reduced over axes the params are replicated on).
-
-  `gather` (accum_gather="once"): `axes` are all the data axes; params, cast to the compute
-  dtype first, are all-gathered once at entry and the accumulator is whole-size. Else
-  `axes` are the data axes no param is split over (per_microbatch on a mesh with "data" or
-  "replica"): params enter without moving, and inside each microbatch the partitioner
-  gathers them over "fsdp" and reduces the gradient into an accumulator sharded there.
-  check_vma=False: a Pallas kernel inside (splash attention) has no varying-axes type; the
-  gradients are taken inside the body, so no reduction is implied.
+def _gather_once(cfg: _Config, params, micro, scale, axes, specs):
+  """accum_gather="once": the microbatch loop per shard under `jax.shard_map`, manual over
+  the data axes `axes` (other axes stay with the partitioner). Params, cast to the compute
+  dtype first, are all-gathered once at its entry; every device sums its own microbatches'
+  float32 gradients in a whole-size accumulator, reduced once after the loop:
+  reduce-scattered to the params' sharding `specs` (all-reduced over axes the params are
+  replicated on). check_vma=False: a Pallas kernel inside (splash attention) has no
+  varying-axes type; the gradients are taken inside the body, so no reduction is implied.
   """
-  if gather and cfg.policy is not None:
+  if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
-  if gather:
-    params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
+  params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
   treedef = jax.tree.structure(params)
   mesh = jax.sharding.get_abstract_mesh()
   n = math.prod(mesh.shape[a] for a in axes)
@@ -431,16 +425,12 @@ def _gradients(cfg: _Config, params, batch, ls):
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
     return _grad_sum(cfg, params, micro, scale)
-  specs = _known_specs(params)
-  if cfg.accum_gather == "once":
-    specs = specs or [PartitionSpec()] * len(jax.tree.leaves(params))
-    return _loop_per_shard(cfg, params, micro, scale, axes, specs, gather=True)
-  # per_microbatch: data axes no param is split over reduce once, after the loop.
-  used = {a for s in specs or () for e in s for a in _tree.entry_axes(e)}
-  whole = tuple(a for a in axes if a not in used)
-  if specs is None or not whole:
+  if cfg.accum_gather == "per_microbatch":
+    # (Not per shard over the data axes the params are whole on, which would reduce those
+    # once: XLA's partitioner aborts on a table lookup inside such a partly manual loop.)
     return _grad_sum(cfg, params, micro, scale)
-  return _loop_per_shard(cfg, params, micro, scale, whole, specs, gather=False)
+  specs = _known_specs(params) or [PartitionSpec()] * len(jax.tree.leaves(params))
+  return _gather_once(cfg, params, micro, scale, axes, specs)
 
 
 def _update(cfg: _Config, state, grads, ls):

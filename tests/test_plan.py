@@ -132,10 +132,16 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
   assert once.grads == 4e9 + 4e9 / 8 and once.weights == 2e9
   assert once.comm_s["fsdp"] == pytest.approx(7 / 8 * (2e9 + 4e9) / 3e11)
   assert (once.params, once.opt, once.acts) == (per.params, per.opt, per.acts)
-  # Without accumulation, or without an fsdp axis, the modes are the same program.
-  for ici, accum in (({"fsdp": 8}, 1), ({"data": 8}, 4)):
-    assert _cost.estimate(prof, hw, ici, {}, False, accum, "once") == _cost.estimate(
-        prof, hw, ici, {}, False, accum, "per_microbatch")
+  # Without accumulation the modes are the same program.
+  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 1, "once") == _cost.estimate(
+      prof, hw, {"fsdp": 8}, {}, False, 1, "per_microbatch")
+  # Data parallel: the same memory (params whole either way); per_microbatch all-reduces the
+  # f32 gradients in every microbatch (its accumulator is whole over "data"), once once.
+  dp_per = _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "per_microbatch")
+  dp_once = _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "once")
+  assert dp_per.bytes == dp_once.bytes
+  assert dp_once.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4e9 / 3e11)
+  assert dp_per.comm_s["data"] == pytest.approx(4 * dp_once.comm_s["data"])
 
 
 def test_planner_chooses_once_only_where_its_memory_fits():
