@@ -127,12 +127,16 @@ def logical_axes(cfg: ModelConfig) -> dict:
           "w_down": ("layers", "mlp", "embed"),
       },
       "final_norm": ("norm",),
-      "unembed": ("embed", "vocab"),
+      "unembed": (None, "vocab_out"),
   }
 
 
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
-# heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism.
+# heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
+# output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
+# (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
+# over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
+VOCAB_OUT_AXES = ("fsdp", "tensor")
 RULES = (
     ("batch", ("replica", "data", "fsdp")),
     ("embed", "fsdp"),
@@ -140,6 +144,9 @@ RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("vocab_out", VOCAB_OUT_AXES),
+    ("vocab_out", "fsdp"),
+    ("vocab_out", "tensor"),
     ("norm", None),  # RMSNorm scales: small, replicated on purpose
 )
 
@@ -219,13 +226,14 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq].
 
   `fnscale.cross_entropy` walks the vocabulary in blocks (online logsumexp, logits
-  recomputed in the backward pass): the float32 [batch, seq, vocab] logits never exist,
-  which at Llama 3's 128256-token vocabulary would be the step's largest buffer
-  (2 GiB per 4096-token row)."""
+  recomputed in the backward pass: one more [tokens, d] x [d, vocab] matmul): the float32
+  [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
+  be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
+  the output layer is split on (`VOCAB_OUT_AXES`)."""
   x = hidden(params, batch["inputs"], remat=remat)
   d = x.shape[-1]
   return fs.cross_entropy(x.reshape(-1, d), params["unembed"].astype(x.dtype),
-                          batch["targets"].reshape(-1))
+                          batch["targets"].reshape(-1), vocab_axes=VOCAB_OUT_AXES)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
