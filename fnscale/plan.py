@@ -78,7 +78,8 @@ class Plan(NamedTuple):
   """The planner's answer: `rows` ranked best first (fitting rows by step time, then those
   that don't fit); the chosen `axes` (a `MeshAxes` for `fnscale.make_mesh`), `remat`,
   `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
-  the resolved target; `profile` what the model needs per step. `str(plan)` is the table (`format_plan`)."""
+  the resolved target; `profile` what the model needs per step. `str(plan)` is the table
+  (`format_plan`)."""
   rows: tuple[Candidate, ...]
   axes: MeshAxes
   remat: bool
@@ -339,8 +340,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
 
   Returns:
-    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`, `why`); `print(plan)` shows the
-    table.
+    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`, `why`);
+    `print(plan)` shows the table.
 
   Raises:
     PlanError: bad arguments, or a model that fits nowhere (the message gives the smallest

@@ -51,7 +51,8 @@ def _maxtext_argv(a) -> list[str]:
   slices = dcn.get("replica", 1)
   topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
   return [
-      "model_name=llama3-8b", "override_model_config=true", f"base_num_decoder_layers={a.layers}",
+      "model_name=llama3-8b", "override_model_config=true",
+      f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
       f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
       "weight_dtype=float32", "dtype=bfloat16", "remat_policy=full", "attention=flash",

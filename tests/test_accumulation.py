@@ -2,8 +2,9 @@
 
 "per_microbatch" (the default): params stay sharded and are gathered inside each microbatch;
 the float32 accumulator is sharded as the params are. "once": params gathered once, a
-whole-size accumulator, one reduce-scatter at the end. Memory and collectives are read from the compiled program
-(`compile_report`, `fs.hlo.summarize`) and set against hand counts of the model's bytes P.
+whole-size accumulator, one reduce-scatter at the end. Memory and collectives are read from
+the compiled program (`fs.hlo.summarize`, memory analysis) and set against hand counts of the
+model's float32 param bytes P.
 """
 import functools
 

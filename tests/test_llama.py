@@ -97,8 +97,9 @@ def test_loss_is_the_cross_entropy_of_the_reference_logits_under_a_mesh():
   lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
   want = np.mean(lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
   batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(targets)}
-  plain = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(  # pylint: disable=g-long-lambda
-      llama.apply(p, b["inputs"]), b["targets"]).mean()
+  def plain(p, b):
+    logits = llama.apply(p, b["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
   with fs.with_mesh(fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
     got, grads = jax.jit(jax.value_and_grad(llama.loss_fn))(params, batch)
   ref_grads = jax.grad(plain)(params, batch)

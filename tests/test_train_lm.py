@@ -198,8 +198,9 @@ def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, no_compile_
 
 
 def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
-  """The control: with the table lookup left to GSPMD (no gather of d first), the same step
-  on data=2,fsdp=4 draws XLA's involuntary rematerialization, and the report carries it."""
+  """The control: with the table lookup left to the partitioner (`table[tokens]`, no
+  shard_map), the same step on data=2,fsdp=4 draws jax 0.10.2 GSPMD's involuntary
+  rematerialization, and the report carries it."""
   monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens: table[tokens])
   warnings = _xla_warnings("data=2,fsdp=4")
   assert any("Involuntary full rematerialization" in w for w in warnings), warnings
