@@ -198,7 +198,10 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   assert best.compiled.bytes <= p.hardware.hbm_bytes
   # The compiled program does the traced step's matmul work (8 devices share 16 rows).
   program = (p.profile.flops_row_remat if best.remat else p.profile.flops_row) * 16 / 8
-  assert best.compiled.matmul_flops == pytest.approx(program, rel=0.01)
+  # ... less, at most, the cross-entropy's recomputed logits (2 x tokens x d x vocab per
+  # device): with the vocabulary in one block XLA merges them with the forward's.
+  recomputed = 2 * 16 * 256 * 128 * 256 / 8
+  assert program - recomputed * 1.001 <= best.compiled.matmul_flops <= program * 1.01
   text = str(p)
   assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
   s = summary(p)
