@@ -201,7 +201,7 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   # ... less, at most, the cross-entropy's recomputed logits (2 x tokens x d x vocab per
   # device): with the vocabulary in one block XLA merges them with the forward's.
   recomputed = 2 * 16 * 256 * 128 * 256 / 8
-  assert program - recomputed * 1.001 <= best.compiled.matmul_flops <= program * 1.01
+  assert program - recomputed <= best.compiled.matmul_flops * 1.01 <= program * 1.02
   text = str(p)
   assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
   s = summary(p)
