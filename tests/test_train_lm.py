@@ -197,6 +197,8 @@ def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, no_compile_
   assert _xla_warnings(mesh_spec, size) == ()
 
 
+@pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 12),
+                    reason="jax 0.12's partitioner serves the plain lookup without a warning")
 def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
   """The control: with the table lookup left to the partitioner (`table[tokens]`, no
   shard_map), the same step on data=2,fsdp=4 draws jax 0.10.2 GSPMD's involuntary
