@@ -493,8 +493,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       `shard_step` does) every microbatch stays spread over the data axes.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
     accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
-      between microbatches (FSDP semantics either way: the gradients end reduce-scattered
-      to the params' sharding, never a whole-size all-reduce).
+      between microbatches. FSDP semantics either way: the gradients end in the params'
+      sharding, never in a whole-size accumulator that is all-reduced at the end.
       "per_microbatch" (default, ZeRO-3): params stay sharded and are gathered inside each
       microbatch, as without accumulation (accum x the all-gather traffic); each
       microbatch's gradient is reduced into a float32 accumulator sharded as the params are
