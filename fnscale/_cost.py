@@ -13,9 +13,11 @@ Matmuls" and 5 "Training":
 - FSDP (ZeRO-3, Rajbhandari et al. 2020): per microbatch every device all-gathers the
   compute-dtype weights twice (forward, and again in the backward pass) and reduce-scatters
   the gradients once; an all-gather or reduce-scatter of V bytes over an axis of n devices
-  moves V (n-1)/n per device.
+  moves V (n-1)/n per device. With accumulation in `train_step`'s accum_gather="once" the
+  whole compute-dtype params are gathered once per step and the gradients reduce-scattered
+  once, at the memory of whole params and a whole float32 accumulator per device.
 - Data parallel: one gradient all-reduce per step, 2 V (n-1)/n per device (Patarasuk &
-  Yuan 2009).
+  Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation.
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
 - Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
@@ -53,9 +55,6 @@ from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
-# The accumulation mode `estimate` costs (`fnscale.train_step(accum_gather=...)`): FSDP
-# params re-gathered and gradients reduced in every microbatch.
-ACCUM_GATHER = "per_microbatch"
 
 
 class Profile(NamedTuple):
@@ -368,11 +367,18 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
 
 
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
-             accum: int) -> Estimate:
+             accum: int, gather: str = "per_microbatch") -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor"; "replica" across slices); the global batch must divide over the data axes and
-  `accum`."""
+  `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch"
+  keeps params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp
+  in every microbatch, and reduces over the data and DCN axes in every microbatch too (the
+  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
+  holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
+  gathers and reduces once per step."""
+  once = gather == "once" and accum > 1
+  reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
   d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
   r = math.prod(dcn.values()) if dcn else 1
   n = hw.num_devices
@@ -384,6 +390,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
                grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
                weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
                acts=act_per_row(prof, remat, t)[0] * rows_mb)
+  if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
+    parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
+                 weights=prof.compute_bytes / t)
   model_flops = prof.flops_row * prof.rows
   memory = memory_traffic(prof, remat, rows_mb, accum, shard, t) / hw.links.hbm
   run, recompute = (x * prof.rows / n / hw.peak_flops for x in executed_flops_row(prof, remat))
@@ -391,15 +400,17 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
   comm = {}
   if f > 1:
-    comm["fsdp"] = accum * frac(f) * (2 * prof.compute_bytes + prof.grad_bytes) / t / bw["fsdp"]
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+        2 * prof.compute_bytes + prof.grad_bytes)
+    comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
   if d > 1:
-    comm["data"] = 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
+    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
   if t > 1:
     per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb
     comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
   for a, k in dcn.items():
     if k > 1:
-      comm[a] = 2 * frac(k) * prof.grad_bytes / shard / bw[a]
+      comm[a] = reductions * 2 * frac(k) * prof.grad_bytes / shard / bw[a]
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,

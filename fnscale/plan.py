@@ -63,9 +63,10 @@ class Compiled(NamedTuple):
 class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
   compile (or None), `fits` (per the compile where present, else the estimate, against HBM x
-  headroom), and `forecast` (`fnscale._forecast.Forecast`, with the compiled communication
-  where compiled). `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the
-  roofline's (compiled where compiled)."""
+  headroom), `forecast` (`fnscale._forecast.Forecast`, with the compiled communication
+  where compiled) and `accum_gather` (`train_step`'s mode, costed and compiled as chosen).
+  `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
+  compiled)."""
   axes: MeshAxes
   remat: bool
   accum: int
@@ -73,6 +74,7 @@ class Candidate(NamedTuple):
   compiled: Compiled | None
   fits: bool
   forecast: _forecast.Forecast | None = None
+  accum_gather: str = "per_microbatch"
 
   @property
   def step_s(self) -> float:
@@ -96,9 +98,10 @@ class Candidate(NamedTuple):
 class Plan(NamedTuple):
   """The planner's answer: `rows` ranked best first (fitting rows by step time, then those
   that don't fit); the chosen `axes` (a `MeshAxes` for `fnscale.make_mesh`), `remat`,
-  `accum`; `why` the winner won; `hardware` the resolved target; `profile` what the model
-  needs per step; `verification` what was compiled, or why nothing was; `tokens` the token
-  budget the table's days and chip-hours are for (None: not shown). `str(plan)` is the table
+  `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
+  the resolved target; `profile` what the model needs per step; `verification` what was
+  compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
+  are for (None: not shown). `str(plan)` is the table
   (`format_plan`)."""
   rows: tuple[Candidate, ...]
   axes: MeshAxes
@@ -109,6 +112,7 @@ class Plan(NamedTuple):
   profile: _cost.Profile
   verification: str = ""
   tokens: float | None = None
+  accum_gather: str = "per_microbatch"
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -170,16 +174,23 @@ def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]
 
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
-  """The fewest accumulation steps whose estimate fits `cap` bytes (or the most, not fitting)."""
+  """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
+  `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
+  slower (it moves params and gradients once per step: less communication, more slack when
+  overlap is imperfect), else "per_microbatch"."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    est = _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a)
-    if est.bytes <= cap:
-      return a, est, True
-    last = a
-  return (last, est, False) if est is not None else (1, None, False)
+    modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
+    ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
+    fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
+    if fit:
+      _, gather, best = min(fit, key=lambda x: x[0])
+      return a, gather, best, True
+    last, est = a, ests[0][1]
+  return (last, "per_microbatch", est, False) if est is not None else (
+      1, "per_microbatch", None, False)
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
@@ -211,7 +222,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   """Compiles the candidate for the target's described devices; returns it with `compiled`
   and the forecast redone with the compiled communication. The program is the one the cost
   model costs: the same loss (remat as the row), policy, accumulation steps and mode
-  (`fnscale._cost.ACCUM_GATHER`), and the kernels `fnscale.attention` chooses on the
+  (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
   target's devices (the profile was traced on one)."""
   import fnscale as fs  # pylint: disable=g-import-not-at-top
   params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap = ctx
@@ -221,7 +232,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
                         policy=policy, abstract=True)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
   step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
-                       accum_gather=_cost.ACCUM_GATHER)
+                       accum_gather=cand.accum_gather)
   t0 = time.perf_counter()
   try:
     compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
@@ -307,10 +318,10 @@ def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
   rows = []
   for axes in _meshes(hw, prof.rows, max_tensor):
     for remat in ((False, True) if prof.has_remat else (False,)):
-      accum, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
+      accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
         fc = _forecast.forecast(prof, hw, est, axes.dcn)
-        rows.append(Candidate(axes, remat, accum, est, None, fits, fc))
+        rows.append(Candidate(axes, remat, accum, est, None, fits, fc, gather))
   return rows
 
 
@@ -427,7 +438,7 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 
 
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
-            accum: int = 1, headroom: float = 0.8,
+            accum: int = 1, accum_gather: str = "per_microbatch", headroom: float = 0.8,
             cpu_rates: tuple[float, float] | None = None,
             terms: _forecast.Terms = _forecast.FITTED) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
@@ -439,6 +450,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     target: as for `plan`.
     axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor", DCN "replica").
     remat, accum: remat on/off and accumulation steps.
+    accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
     headroom: usable fraction of HBM for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones).
 
@@ -458,9 +470,9 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
   if prof.rows % (split * accum):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")
-  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum)
+  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather)
   return Candidate(axes, remat, accum, est, None, est.bytes <= hw.hbm_bytes * headroom,
-                   _forecast.forecast(prof, hw, est, axes.dcn, terms=terms))
+                   _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather)
 
 
 def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
@@ -493,7 +505,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       to train on it at the forecast's tokens/s.
 
   Returns:
-    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`, `why`, `verification`);
+    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`, `why`,
+    `verification`);
     `print(plan)` shows the table.
 
   Raises:
@@ -523,7 +536,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof, note,
-              tokens)
+              tokens, best.accum_gather)
 
 
 def _hardware_line(p: Plan) -> str:
@@ -559,7 +572,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
   lines = []
   for i, r in enumerate(p.rows[:top]):
     c = r.compiled
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", str(r.accum),
+    accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum,
                   f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
                   "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
                   f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
@@ -577,7 +591,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
                  + ", ".join(p.profile.uncounted))
   return "\n".join([_hardware_line(p), fmt(cols), *map(fmt, lines)]) + more + "".join(
       f"\n{n}" for n in notes if n) + (
-          f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}: {p.why}")
+          f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
+          + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "") + f": {p.why}")
 
 
 def _dot_flops_row(prof: _cost.Profile, remat: bool) -> float:
@@ -599,7 +614,8 @@ def summary(p: Plan) -> dict:
     program = _dot_flops_row(prof, r.remat) * prof.rows / n
     plain = _dot_flops_row(prof, False) * prof.rows / n
     rows.append(dict(
-        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, fits=r.fits,
+        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
+        fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
         memory_ratio=c.bytes / e.bytes if c else None, compiled_comm_s=c.comm_s if c else None,
@@ -615,6 +631,7 @@ def summary(p: Plan) -> dict:
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, chips=hw.chips, hbm_bytes=hw.hbm_bytes,
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
+              accum_gather=p.accum_gather,
               why=p.why, verification=p.verification, tokens=p.tokens,
               uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.FITTED._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)

@@ -215,7 +215,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
   params and the global batch; prints the top of the table and why the winner won.
 
   Returns:
-    (MeshAxes, remat: bool, accum_steps: int) of the chosen row.
+    (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
 
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
@@ -227,7 +227,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
                 policy=policy(precision, topo.platform), rules=model.RULES,
                 logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
-  return p.axes, p.remat, p.accum
+  return p.axes, p.remat, p.accum, p.accum_gather
 
 
 # ------------------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ class Options:
   weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
   grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
   accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
+  accum_gather: str = h.option("per_microbatch", "with accum_steps > 1: 'per_microbatch' "
+                               "(params stay sharded) or 'once' (whole params on each device)")
   precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
@@ -127,9 +129,10 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
     batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-    axes, remat, accum = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
-    o = dataclasses.replace(o, remat=o.remat or remat, accum_steps=max(o.accum_steps, accum),
-                            global_batch=batch)
+    axes, remat, accum, gather = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
+    if accum > o.accum_steps:
+      o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
+    o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
   else:
     axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
   mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
@@ -169,7 +172,8 @@ def run(o: Options) -> h.Summary:
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
-                          policy=policy, accum_steps=o.accum_steps)
+                          policy=policy, accum_steps=o.accum_steps,
+                          accum_gather=o.accum_gather)
   step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
                           rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)

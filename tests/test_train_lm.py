@@ -197,9 +197,12 @@ def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, no_compile_
   assert _xla_warnings(mesh_spec, size) == ()
 
 
+@pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 12),
+                    reason="jax 0.12's partitioner serves the plain lookup without a warning")
 def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
-  """The control: with the table lookup left to GSPMD (no gather of d first), the same step
-  on data=2,fsdp=4 draws XLA's involuntary rematerialization, and the report carries it."""
+  """The control: with the table lookup left to the partitioner (`table[tokens]`, no
+  shard_map), the same step on data=2,fsdp=4 draws jax 0.10.2 GSPMD's involuntary
+  rematerialization, and the report carries it."""
   monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens: table[tokens])
   warnings = _xla_warnings("data=2,fsdp=4")
   assert any("Involuntary full rematerialization" in w for w in warnings), warnings
