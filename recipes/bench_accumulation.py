@@ -3,9 +3,9 @@
 The model of the accumulation report: fsdp=8, 2 layers, d 256, mlp 1024 (4 MiB of f32
 params), batch 8192 rows; on 8 simulated CPU devices and, ahead of time, TPU v5p:2x2x2.
 
-  python recipes/bench_accumulation.py [cpu] [tpu]
+  python recipes/bench_accumulation.py [cpu] [tpu]      # default: both
 """
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -56,5 +56,12 @@ def main(targets) -> None:
 
 
 if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("targets", nargs="*", metavar="{cpu,tpu}", help="where to compile: 8 "
+                      "simulated CPU devices, TPU v5p:2x2x2 (libtpu); default both")
+  targets = parser.parse_args().targets
+  if set(targets) - {"cpu", "tpu"}:
+    parser.error(f"unknown target(s) {sorted(set(targets) - {'cpu', 'tpu'})}; "
+                 "expected cpu and/or tpu")
   fs.simulate_cpu_devices(8)
-  main(sys.argv[1:] or ["cpu", "tpu"])
+  main(targets or ["cpu", "tpu"])

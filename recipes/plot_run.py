@@ -17,8 +17,11 @@ import sys
 from absl import app
 from absl import flags
 
-from fnscale.errors import FnscaleError
-from recipes.run_log import METRICS_FILE
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.run_log import METRICS_FILE  # noqa: E402
+
 # (panel title, y label, scale, tags drawn in it)
 PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),
           ("throughput", "tokens/s", 1.0, ("perf/tokens_per_s",)),
