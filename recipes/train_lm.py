@@ -1,6 +1,6 @@
 """Train a GPT- or Llama-style language model on every device the machine (or pod) has.
 
-  python recipes/train_lm.py                      # CPU: 8 simulated devices, the `tiny` model
+  python recipes/train_lm.py                      # CPU: 8 simulated devices, `tiny_gpt2`
   python recipes/train_lm.py --model_config=small --mesh="data=-1,fsdp=4"    # a TPU/GPU host
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
@@ -35,15 +35,15 @@ MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default tiny "
-                                    "on CPU, small on TPU/GPU")
+  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default "
+                                    "tiny_gpt2 on CPU, small on TPU/GPU")
   dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
-  seq: int | None = h.option(None, "sequence length in tokens; default 128 on CPU, 1024 TPU/GPU")
-  batch_size: int | None = h.option(None, "rows per data-parallel device; default 4 CPU, 16 TPU")
+  seq: int | None = h.option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
+  batch_size: int | None = h.option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
   global_batch: int | None = h.option(None, "global batch in rows (instead of batch_size)")
   epochs: int | None = h.option(None, "passes over the training split (instead of steps)")
-  steps: int | None = h.option(None, "train steps; default 500 on CPU, 5000 on TPU/GPU")
+  steps: int | None = h.option(None, "train steps; default 200 on CPU, 5000 on TPU/GPU")
   lr: float | None = h.option(None, "peak lr of the warmup + cosine schedule; default by size")
   warmup_steps: int | None = h.option(None, "linear warmup steps; default steps / 20, <= 500")
   min_lr_ratio: float = h.option(0.1, "final learning rate as a fraction of the peak")
@@ -100,7 +100,8 @@ def train_lm(**options) -> h.Summary:
   return run(h.check_options(Options, options))
 
 
-_CPU = dict(model="tiny", seq=128, batch_size=4, steps=500, mesh="data=-1")
+# CPU: the whole default run in ~2-3 minutes on 2 cores (README, "The main job").
+_CPU = dict(model="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
 _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
        "medium": 3e-4}
@@ -178,14 +179,8 @@ def run(o: Options) -> h.Summary:
     init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
                              optimizer, mesh=s.mesh, rules=model.RULES, logical_axes=axes,
                              policy=policy, key=jax.random.key(o.seed))
-    state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
-        seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
-        f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
-        f"{s.cfg.vocab})")
+    state, start, extra = _resume(s, init, corpus, say)
     resumed = last_saved = None if extra is None else start
-    if start >= o.steps:
-      say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
-          "--run_dir=NEW_DIR or more --steps for another run)")
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
     batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
@@ -225,6 +220,20 @@ def run(o: Options) -> h.Summary:
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
     log.close()
   return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
+
+
+def _resume(s: Setup, init, corpus: data.Corpus, say):
+  """(state, start step, checkpoint extra or None): the run directory's newest good
+  checkpoint, else a fresh init."""
+  o = s.o
+  state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
+      seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
+      f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
+      f"{s.cfg.vocab})")
+  if start >= o.steps:
+    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
+        "--run_dir=NEW_DIR or more --steps for another run)")
+  return state, start, extra
 
 
 def _flops_step(s: Setup) -> float:
