@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from fnscale.errors import FnscaleError
 
-__all__ = ["measure_matmul_peak", "mfu", "model_flops_per_token", "peak_flops"]
+__all__ = ["measure_matmul_peak", "mfu", "model_flops_per_token", "peak_flops", "usable_cores"]
 
 
 def model_flops_per_token(*, params: int, layers: int, d_model: int, seq: int) -> float:
@@ -106,12 +106,13 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 10,
     t = timer()
     f(x).block_until_ready()
     best = min(best, timer() - t)
-  cores = 1 if clock == "wall" else _usable_cores()
+  cores = 1 if clock == "wall" else usable_cores()
   return 2.0 * n**3 * cores / max(best, 1e-12)
 
 
-def _usable_cores() -> int:
-  """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+def usable_cores() -> int:
+  """The CPU cores this process may run on: its affinity mask where the OS has one (Linux),
+  else `os.cpu_count()`."""
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

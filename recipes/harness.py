@@ -198,9 +198,9 @@ def peak_flops(topo) -> tuple[float | None, str]:
   """The MFU denominator (FLOP/s of all devices together) and a line saying what it is."""
   if topo.platform == "cpu":
     peak = _host_matmul_peak() * jax.process_count()
-    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (fastest of 10 runs, "
-                  "per CPU-second x cores, so other jobs on the machine lower the MFU, not "
-                  f"the peak{_load_average()}), shared by all "
+    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (the fastest of 10 "
+                  f"runs, per CPU-second x {flops.usable_cores()} cores: other jobs on the "
+                  f"machine lower the MFU, not the peak{_load_average()}), shared by all "
                   f"{jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:
     return topo.peak_flops_per_device * jax.device_count(), (

@@ -16,8 +16,8 @@ in that recipe's `--help`; each Python name reached through `fnscale` or `recipe
 each call's keywords fit its signature (`train_lm(...)` keywords: its `Options`); each
 `pip install .[extras]` names extras of pyproject.toml; each `.ci/...` script exists. The same
 checks apply to the `$ ...` lines of blocks without a language (example output) and to
-`python recipes/...` commands quoted inline in the text. `pip install` and `python -m
-pytest` (this suite) are never run, only checked.
+`python recipes/...` commands quoted inline in the text. `pip install`, `python -m pytest`
+and `.ci/...` (this suite) are never run, only checked.
 """
 from __future__ import annotations
 
@@ -379,9 +379,11 @@ def check_command(co: Checkout, command: str, extras: set[str]) -> list[str]:
 
 
 def _never_run(command: str) -> bool:
-  """pip installs (the environment is the one they install) and the test suite itself."""
-  toks = _tokens(command)
-  return toks[:2] == ["pip", "install"] or "pytest" in toks[:3]
+  """pip installs (the environment is the one they install) and the test suite itself
+  (pytest, the .ci/ scripts that run it)."""
+  toks = [t for t in _tokens(command) if not re.fullmatch(r"\w+=\S*", t)]  # env assignments
+  return (toks[:2] == ["pip", "install"] or toks[:1] == ["pytest"]
+          or toks[1:3] == ["-m", "pytest"] or (bool(toks) and toks[0].startswith(".ci/")))
 
 
 def _extras() -> set[str]:
@@ -549,6 +551,9 @@ def test_pip_extras_are_checked_against_pyproject():
   assert extras_problems('pip install -e ".[test,cuda]"', {"test"}) == [
       "pip install asks for extra 'cuda'; pyproject.toml defines ['test']"]
   assert extras_problems("echo .[nonsense]", extras) == []  # not a pip command
+  assert [_never_run(c) for c in ('pip install -e ".[test]"', "python -m pytest -q", ".ci/run",
+                                  "MUTATION_SAMPLE=3 .ci/mutation mesh", "python recipes/x.py",
+                                  "echo pytest")] == [True, True, True, True, False, False]
 
 
 def test_python_names_and_keywords_are_checked():
