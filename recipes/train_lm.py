@@ -194,6 +194,9 @@ def run(o: Options) -> h.Summary:
     n_params = h.describe(s, state, f"{corpus.describe}; held-out bigram baseline "
                           f"{base.bigram:.4f} nats/token (recipes/baseline.py)", report, policy,
                           (peak, peak_note), _flops_step(s), resumed, say)
+    rl.write_run_record(o.run_dir, "data", dict(dataset=o.dataset, tokenizer=o.tokenizer,
+                        unigram_loss=base.unigram, bigram_loss=base.bigram),
+                        active=jax.process_index() == 0)
 
     def evaluate(state, step):
       # All devices finish each eval program (not just the one a scalar is read from).
