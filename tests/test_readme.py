@@ -333,8 +333,11 @@ def checkout(tmp_path_factory) -> Checkout:
   site.mkdir()
   (site / "fnscale").symlink_to(root / "fnscale", target_is_directory=True)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  # One persistent compile cache for all the commands (a program several of them compile,
+  # such as the default run's step, compiles once), also for quick compiles.
   env.update(PYTHONPATH=str(site), PATH=os.path.dirname(sys.executable) + os.pathsep +
-             env.get("PATH", ""), JAX_COMPILATION_CACHE_DIR=str(base / "compile-cache"))
+             env.get("PATH", ""), JAX_COMPILATION_CACHE_DIR=str(base / "compile-cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return Checkout(root, tuple(sorted(env.items())))
 
 
