@@ -541,7 +541,7 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),
     ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,
-     r"seq=0, batch_size=4, global_batch=16, accum_steps=1: each must be >= 1"),
+     r"seq=0, batch_size=8, global_batch=16, accum_steps=1: each must be >= 1"),
     ("zero batch", ["--global_batch=0"], dict(global_batch=0), fs.FnscaleError,
      r"global_batch=0, accum_steps=1: each must be >= 1"),
     ("zero lr", ["--lr=0"], dict(lr=0.0), fs.FnscaleError,
