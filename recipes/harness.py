@@ -330,9 +330,10 @@ def _step_dirs_on_disk(directory: str) -> list[int]:
                 if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
 
 
-def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say) -> int:
-  """The start-up lines and the "start" record of run.json of a run set up as `s`;
-  `peak` is `peak_flops`'s pair. Returns the param count."""
+def describe(s, state, corpus, report, pol, peak, flops_step, resumed, say) -> int:
+  """The start-up lines and the "start" and "data" records of run.json of a run set up as
+  `s`; `corpus` is (its description, its data.Baseline), `peak` is `peak_flops`'s pair.
+  Returns the param count."""
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   c, seq = s.cfg, s.cfg.seq
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
@@ -346,7 +347,8 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
   say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
       f"({s.o.global_batch // dp} per data-parallel device x {dp} over {axes})"
       + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
-  say(f"data: {data_line}")
+  say(f"data: {corpus[0]}; held-out bigram baseline {corpus[1].bigram:.4f} nats/token "
+      "(recipes/baseline.py)")
   say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "
       f"{s.o.lr * s.o.min_lr_ratio:g}; precision {s.o.precision}"
       + (f" ({pol})" if pol is not None else " (float32)"))
@@ -358,6 +360,9 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
       processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
       peak_flops=peak[0], flops_per_step=flops_step, xla_warnings=list(report.xla_warnings)),
       active=jax.process_index() == 0)
+  rl.write_run_record(s.o.run_dir, "data", dict(
+      dataset=s.o.dataset, tokenizer=s.o.tokenizer, unigram_loss=corpus[1].unigram,
+      bigram_loss=corpus[1].bigram), active=jax.process_index() == 0)
   return n_params
 
 

@@ -191,12 +191,8 @@ def run(o: Options) -> h.Summary:
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
     log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
-    n_params = h.describe(s, state, f"{corpus.describe}; held-out bigram baseline "
-                          f"{base.bigram:.4f} nats/token (recipes/baseline.py)", report, policy,
-                          (peak, peak_note), _flops_step(s), resumed, say)
-    rl.write_run_record(o.run_dir, "data", dict(dataset=o.dataset, tokenizer=o.tokenizer,
-                        unigram_loss=base.unigram, bigram_loss=base.bigram),
-                        active=jax.process_index() == 0)
+    n_params = h.describe(s, state, (corpus.describe, base), report, policy, (peak, peak_note),
+                          _flops_step(s), resumed, say)
 
     def evaluate(state, step):
       # All devices finish each eval program (not just the one a scalar is read from).

@@ -112,7 +112,7 @@ def uninterrupted(work):
   return _run(_argv(work, run_dir, "--nocheckpoint", "--sample_len=24")), run_dir
 
 
-def test_nano_run_trains_and_writes_metrics(uninterrupted):
+def test_nano_run_trains_and_writes_metrics(work, uninterrupted):
   summary, run_dir = uninterrupted
   train = _records(run_dir, "train/loss")
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -128,6 +128,11 @@ def test_nano_run_trains_and_writes_metrics(uninterrupted):
   assert summary.tokens_per_s > 0 and 0 < summary.mfu < 1
   assert len(summary.sample.encode("utf-8", errors="replace")) >= 24
   assert _summary(run_dir)["eval_loss"] == summary.eval_loss
+  # The corpus's bigram level, in the summary and run.json (plot_run draws it).
+  base = data.baseline(data.load(str(work / "corpus.txt")))
+  assert summary.bigram_loss == base.bigram and 2.0 < base.bigram < base.unigram
+  record = json.loads((run_dir / "run.json").read_text())["data"]
+  assert (record["bigram_loss"], record["unigram_loss"]) == (base.bigram, base.unigram)
 
 
 def test_llama_tiny_trains_by_name(work, tmp_path):
