@@ -3,11 +3,11 @@
 The model: 2 layers, d 256, mlp 1024 (4 MiB of f32 params), batch 8192 rows, FSDP over every
 device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips).
 
-  python recipes/bench_accumulation.py [cpu] [tpu] [--large]
+  python recipes/bench_accumulation.py [cpu] [tpu] [--large]      # default: both
 
 `--large`: 2 layers of d 1024, mlp 4096 (64 MiB of f32 params), batch 64.
 """
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +64,17 @@ def main(targets, d: int = D, m: int = M, rows: int = B) -> None:
 
 
 if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("targets", nargs="*", metavar="{cpu,tpu}", help="where to compile: 8 "
+                      "simulated CPU devices, TPU v5p-8 (libtpu); default both")
+  parser.add_argument("--large", action="store_true", help="2 layers of d 1024, mlp 4096 "
+                      "(64 MiB of f32 params), batch 64")
+  args = parser.parse_args()
+  if set(args.targets) - {"cpu", "tpu"}:
+    parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
+                 "expected cpu and/or tpu")
   fs.simulate_cpu_devices(8)
-  args = [a for a in sys.argv[1:] if not a.startswith("--")]
-  if "--large" in sys.argv:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
-    main(args or ["cpu", "tpu"], d=1024, m=4096, rows=64)
+  if args.large:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
+    main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)
   else:
-    main(args or ["cpu", "tpu"])
+    main(args.targets or ["cpu", "tpu"])

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -493,6 +494,11 @@ def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
     o = harness.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
     return None
+  if not (o.run_dir or o.checkpoint_dir):  # train_lm's default: per model and vocabulary
+    if o.model_config is None or o.tokenizer:  # the platform's default model, a tokenizer's
+      return None                              # vocabulary: known only where it runs
+    o = dataclasses.replace(o, run_dir=harness.default_run_dir(o.model_config, o.dataset, "",
+                                                               256))
   d = train_lm.checkpoint_directory(o)
   return None if not d else d if "://" in d else os.path.join(cwd, d)
 
