@@ -14,6 +14,7 @@ Prints one line per measurement and the load average; `--json=PATH` also writes 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -21,8 +22,6 @@ import signal
 import sys
 import tempfile
 import time
-
-from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,10 +105,11 @@ def _kill_to_training(work: str, sig: int, address: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-  fv = flags.FlagValues()
-  flags.DEFINE_integer("repeats", 2, "first-step measurements per launcher", flag_values=fv)
-  flags.DEFINE_string("json", "", "also write the measurements here", flag_values=fv)
-  fv(argv)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--repeats", type=int, default=2,
+                      help="first-step measurements per launcher")
+  parser.add_argument("--json", default="", help="also write the measurements here")
+  fv = parser.parse_args(argv[1:])
   with tempfile.TemporaryDirectory(prefix="bench_launch_ray-") as work:
     rows = _measure(work, fv.repeats)
   load = open("/proc/loadavg").read().split()[:3]
