@@ -9,10 +9,14 @@ from fnscale.errors import (
     CloudError,
     DistributedError,
     FnscaleError,
+    InputError,
     KernelError,
     MeshError,
+    PlanError,
+    RuntimeFailure,
     ShardingError,
     StepError,
+    StorageError,
     TopologyError,
 )
 # The pipeline, in order: topology -> mesh -> shardings -> compiled step.
@@ -29,8 +33,9 @@ from fnscale.distributed import barrier, global_batch, initialize
 from fnscale import adapters, checkpoint, cloud, flops, hlo, invariance
 
 __all__ = [
-    "CheckpointError", "CloudError", "DistributedError", "FnscaleError", "KernelError",
-    "MeshError", "ShardingError", "StepError", "TopologyError",
+    "FnscaleError", "InputError", "RuntimeFailure",
+    "CheckpointError", "CloudError", "DistributedError", "KernelError", "MeshError",
+    "PlanError", "ShardingError", "StepError", "StorageError", "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh",
     "batch_sharding", "constrain_batch", "shard_plan", "sharding_report", "shardings",

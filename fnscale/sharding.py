@@ -84,9 +84,7 @@ def _where(path: str) -> str:
 
 
 def _check_mesh(mesh, name: str = "mesh") -> None:
-  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise ShardingError(f"{name} is {_tree.got(mesh)}, expected a jax.sharding.Mesh; fix: "
-                        "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")
+  _tree.check_mesh(mesh, name, abstract=True)
 
 
 def _shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
@@ -227,7 +225,8 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     A PartitionSpec with one entry per dimension.
 
   Raises:
-    ShardingError: a mesh that isn't one; malformed rules; rank mismatch; an explicit spec
+    MeshError: a mesh that isn't one.
+    ShardingError: malformed rules; rank mismatch; an explicit spec
       longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
       dimensions; a dimension not divisible by its mesh axes.
   """
@@ -508,6 +507,7 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
     A pytree of NamedSharding with `tree`'s structure.
 
   Raises:
+    MeshError: `mesh` not a Mesh.
     ShardingError: an argument of the wrong type (named), malformed rules (even when no
       leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
       matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
@@ -548,7 +548,8 @@ def batch_sharding(mesh, *, axes=None) -> NamedSharding:
   data-like axes, `fnscale._axes.DATA_AXES`), the other dimensions replicated.
 
   Raises:
-    ShardingError: `mesh` not a Mesh, `axes` not axis names, an axis not in the mesh.
+    MeshError: `mesh` not a Mesh.
+    ShardingError: `axes` not axis names, an axis not in the mesh.
   """
   _check_mesh(mesh)
   axes = _axes.data_axes(mesh) if axes is None else _as_axes(axes, "axes")

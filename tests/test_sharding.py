@@ -580,9 +580,6 @@ def test_check_shardings_names_what_and_skips_non_named(dp_fsdp):
     (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, rules="embed"),
      "rules is a str ('embed'), expected a sequence of (logical_name, mesh_axes) pairs or a "
      "mapping; fix: e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))."),
-    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, "mesh"),
-     "mesh is a str ('mesh'), expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), e.g. "
-     "fnscale.make_mesh({'data': -1})."),
     (lambda m: fs.batch_sharding(m, axes=3),
      "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
      "'fsdp' or ('data', 'fsdp')."),
