@@ -210,12 +210,15 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     logical_axes: a tuple with one logical name (str) or None per dimension, or a
       `PartitionSpec` (taken as explicit mesh axes and only validated).
     rules: ordered (logical_name, mesh_axis | tuple of mesh axes | None) pairs, or a mapping.
-      For each dimension the first rule for its name whose mesh axes are all in the mesh and
-      none already bound to another dimension of this array wins; a rule naming an axis
-      absent from the mesh is skipped (so size-1 or smaller meshes work unchanged); an axis
-      of size 1 counts as present (the rule wins and shards nothing: leave the axis out of
-      the mesh to let a later rule apply); a rule mapping to None replicates the dimension.
-      A name without a usable rule is replicated.
+      Resolved rule by rule, as `flax.linen.logical_to_mesh_axes` and MaxText do: going
+      down the list, a rule claims the dimension carrying its name when that dimension is
+      still unclaimed and none of the rule's mesh axes shards another dimension yet (so an
+      earlier rule gets its mesh axis first, whatever the dimension order). A rule naming an
+      axis absent from the mesh is skipped (so size-1 or smaller meshes work unchanged; with
+      every axis present the result is flax's); an axis of size 1 counts as present (the
+      rule wins and shards nothing: leave the axis out of the mesh to let a later rule
+      apply); a rule mapping to None claims the dimension and replicates it. A name without
+      a usable rule is replicated.
     mesh: a `jax.sharding.Mesh` (or AbstractMesh).
     shape: optional global shape; when given, the rank must match and each sharded
       dimension must be divisible by the product of its mesh axes' sizes.
@@ -226,7 +229,7 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
 
   Raises:
     MeshError: a mesh that isn't one.
-    ShardingError: malformed rules; rank mismatch; an explicit spec
+    ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an explicit spec
       longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
       dimensions; a dimension not divisible by its mesh axes.
   """
@@ -245,48 +248,55 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
         f"{_where(path)}: logical axes {tuple(logical_axes)} have {len(logical_axes)} names but "
         f"the array has rank {len(shape)} (shape {tuple(shape)}); fix: give one name (or None) "
         "per dimension.")
-  norm = normalize_rules(rules)
-  used: dict[str, int] = {}
-  entries = []
-  for d, name in enumerate(logical_axes):
-    chosen = _choose(d, name, norm, sizes, used, _notes)
-    for a in chosen:
-      used[a] = d
-    entries.append(_tree.spec_entry(chosen))
-  spec = PartitionSpec(*entries)
+  names = tuple(logical_axes)
+  dup = next((n for i, n in enumerate(names) if n is not None and n in names[:i]), None)
+  if dup is not None:
+    raise ShardingError(
+        f"{_where(path)}: logical axes {names} name {dup!r} on two dimensions; a logical name "
+        "can label one dimension of an array (as in flax); fix: give the dimensions distinct "
+        "names, e.g. ('embed', 'embed_out').")
+  chosen = _resolve(names, normalize_rules(rules), sizes, _notes)
+  spec = PartitionSpec(*(_tree.spec_entry(axes) for axes in chosen))
   if shape is not None:
     _check_divisible(path, shape, spec, sizes)
   return spec
 
 
-def _choose(d: int, name, norm, sizes, used, notes) -> tuple[str, ...]:
-  """The mesh axes of the first usable rule for dimension `d`'s logical `name`; why none
-  is usable goes to `notes`."""
-  if name is None:
-    return ()
-  skipped, absent, named = [], [], False
+def _resolve(names, norm, sizes, notes) -> list[tuple[str, ...]]:
+  """Each dimension's mesh axes, rule by rule as `flax.linen.logical_to_mesh_axes` resolves
+  them: in rule order, a rule claims its dimension when the dimension is still unclaimed
+  and none of its mesh axes is bound yet; rules naming an axis absent from the mesh are
+  skipped. Why a named dimension stayed replicated goes to `notes`."""
+  chosen: list[tuple[str, ...] | None] = [None] * len(names)
+  used: dict[str, int] = {}
+  taken, absent = {}, {}  # dim -> first blocking axis / each skipped rule's first absent axis
   for rule_name, axes in norm:
-    if rule_name != name:
+    if rule_name not in names:
       continue
-    named = True
+    d = names.index(rule_name)
+    if chosen[d] is not None:
+      continue
     missing = [a for a in axes if a not in sizes]
+    bound = [a for a in axes if a in used]
     if missing:
-      absent.append(missing[0])  # absent from this mesh: try the next rule
+      absent.setdefault(d, []).append(missing[0])
+    elif bound:
+      taken.setdefault(d, bound[0])
+    else:
+      chosen[d] = axes
+      used.update((a, d) for a in axes)
+  for d, name in enumerate(names):
+    if notes is None or name is None or chosen[d] is not None:
       continue
-    taken = [a for a in axes if a in used]
-    if not taken:
-      return axes
-    skipped.append(taken[0])
-  if notes is not None:
-    if skipped:
-      a = skipped[0]
-      notes.append(f"dim {d} ({name}) replicated: {a} already shards dim {used[a]}")
-    elif absent:
-      notes.append(f"dim {d} ({name}) replicated: its rules name mesh axes {absent} that the "
-                   "mesh doesn't have")
-    elif not named:
+    if d in taken:
+      notes.append(f"dim {d} ({name}) replicated: {taken[d]} already shards dim "
+                   f"{used[taken[d]]}")
+    elif d in absent:
+      notes.append(f"dim {d} ({name}) replicated: its rules name mesh axes "
+                   f"{absent[d]} that the mesh doesn't have")
+    else:
       notes.append(f"dim {d} ({name}) replicated: no rule names {name!r}")
-  return ()
+  return [axes or () for axes in chosen]
 
 
 def _is_axes_leaf(x) -> bool:
