@@ -387,9 +387,10 @@ def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> Lea
                   _tree.nbytes(sharding.shard_shape(shape), dtype), reason, note)
 
 
-# Axis names fnscale's conventions give a meaning; one of them missing from a mesh is a
-# choice (a data-parallel mesh has no "fsdp"), any other missing name is likely a typo.
-_KNOWN_AXES = _axes.DATA_AXES + _axes.HEAD_AXES
+def _known_axes() -> frozenset[str]:
+  """Axis names a convention gives a meaning; one of them missing from a mesh is a choice (a
+  data-parallel mesh has no "fsdp"), any other missing name is likely a typo."""
+  return _axes.KNOWN_AXES | _axes.current().names()
 
 
 def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
@@ -398,14 +399,15 @@ def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_byt
   _tree.check_int(min_shard_bytes, "min_shard_bytes", ShardingError, minimum=0)
   _tree.check_int(max_replicated_bytes, "max_replicated_bytes", ShardingError, minimum=0,
                   allow_none=True)
-  unknown = [a for a in fsdp_axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+  known = _known_axes()
+  unknown = [a for a in fsdp_axes if a not in mesh.axis_names and a not in known]
   if unknown:
     raise ShardingError(
         f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
         f"{tuple(mesh.axis_names)}); automatic leaves would silently stay replicated; fix: "
         "name a mesh axis (e.g. fsdp_axis='fsdp') or pass None to replicate them on purpose.")
   for i, (name, axes) in enumerate(normalize_rules(rules)):
-    typo = [a for a in axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+    typo = [a for a in axes if a not in mesh.axis_names and a not in known]
     if typo:
       logging.warning(
           "rule %d (%r, %r) names mesh axis %r, which the mesh (axes %s) doesn't have and no "
@@ -475,7 +477,8 @@ def _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes,
         "max_replicated_bytes.")
   # On a data-parallel mesh (every axis of size > 1 splits only the batch) replicated params
   # are the design, not a likely mistake: nothing to warn about (typo'd axes are warned above).
-  shards_params = any(size > 1 and a not in _axes.REPLICA_AXES for a, size in sizes.items())
+  replica = _axes.current().replica
+  shards_params = any(size > 1 and a not in replica for a, size in sizes.items())
   ruled = {name for name, _ in normalize_rules(rules)}
   suspect = [lp for lp in big if _suspect(lp, ruled)]
   if suspect and shards_params:
@@ -500,8 +503,8 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       mesh axes), or a sequence of (path_regex, names) pairs matched with `re.search`
       against each leaf's '/'-joined path (first match wins; unmatched leaves are automatic).
     fsdp_axis: mesh axis name (or tuple of names) that automatic leaves are sharded over;
-      a name that is neither a mesh axis nor one of fnscale's conventional axes
-      (`fnscale._axes`) is an error (a typo would replicate every automatic leaf).
+      a name that is neither a mesh axis nor one a preset of `fnscale.AxisConventions`
+      (fnscale's, MaxText's, Levanter's) or the ambient conventions know is an error (a typo would replicate every automatic leaf).
     min_shard_bytes: automatic leaves smaller than this stay replicated (int >= 0, bytes).
     max_replicated_bytes: every leaf of at least `min_shard_bytes` that ends up whole on
       every device counts against this limit (bytes), whatever made it replicated: no
@@ -555,7 +558,8 @@ def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardPlan:
 
 def batch_sharding(mesh, *, axes=None) -> NamedSharding:
   """Sharding of a batch: the leading dimension split over `axes` (default the mesh's
-  data-like axes, `fnscale._axes.DATA_AXES`), the other dimensions replicated.
+  data-like axes under the ambient `fnscale.axis_conventions`), the other dimensions
+  replicated.
 
   Raises:
     MeshError: `mesh` not a Mesh.
