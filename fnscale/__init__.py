@@ -9,15 +9,21 @@ from fnscale.errors import (
     CloudError,
     DistributedError,
     FnscaleError,
+    InputError,
     KernelError,
     MeshError,
+    PlanError,
+    RuntimeFailure,
     ShardingError,
     StepError,
+    StorageError,
     TopologyError,
 )
 # The pipeline, in order: topology -> mesh -> shardings -> compiled step.
 from fnscale.topology import Topology, detect_topology, simulate_cpu_devices
 from fnscale.mesh import MeshAxes, make_mesh, parallelism, with_mesh
+from fnscale._axes import AxisConventions, axis_conventions
+from fnscale._axes import FNSCALE as FNSCALE_AXES, LEVANTER as LEVANTER_AXES, MAXTEXT as MAXTEXT_AXES
 from fnscale.sharding import batch_sharding, constrain_batch, shard_plan, shardings
 from fnscale.step import TrainState, train_step
 from fnscale.state import init_state, state_shardings
@@ -29,10 +35,12 @@ from fnscale.distributed import barrier, global_batch, initialize
 from fnscale import adapters, checkpoint, cloud, flops, hlo, invariance
 
 __all__ = [
-    "CheckpointError", "CloudError", "DistributedError", "FnscaleError", "KernelError",
-    "MeshError", "ShardingError", "StepError", "TopologyError",
+    "FnscaleError", "InputError", "RuntimeFailure",
+    "CheckpointError", "CloudError", "DistributedError", "KernelError", "MeshError",
+    "PlanError", "ShardingError", "StepError", "StorageError", "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices",
-    "MeshAxes", "make_mesh", "parallelism", "with_mesh",
+    "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",
+    "FNSCALE_AXES", "LEVANTER_AXES", "MAXTEXT_AXES",
     "batch_sharding", "constrain_batch", "shard_plan", "sharding_report", "shardings",
     "TrainState", "train_step",
     "init_state", "state_shardings",

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from fnscale.errors import FnscaleError, ShardingError
+from fnscale.errors import FnscaleError, MeshError, ShardingError
 
 
 def path_str(path) -> str:
@@ -147,8 +147,10 @@ def check_int(value, name: str, error: type[FnscaleError], *, minimum: int | Non
     raise error(f"{name}={value!r} ({type_name(value)}), expected {want}.")
 
 
-def check_mesh(mesh, name: str, error: type[FnscaleError]) -> None:
-  """Raises `error` unless `mesh` is a `jax.sharding.Mesh`."""
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise error(f"{name} is {got(mesh)}, expected a jax.sharding.Mesh; fix: "
-                "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")
+def check_mesh(mesh, name: str, *, abstract: bool = False) -> None:
+  """Raises `MeshError` unless `mesh` is a `jax.sharding.Mesh` (or, with `abstract`, an
+  `AbstractMesh`): the same error type from every function that takes a mesh."""
+  kinds = (jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract else jax.sharding.Mesh
+  if not isinstance(mesh, kinds):
+    raise MeshError(f"{name} is {got(mesh)}, expected a jax.sharding.Mesh; fix: "
+                    "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")

@@ -38,7 +38,7 @@ import numpy as np
 from absl import logging
 
 from fnscale import _tree
-from fnscale.errors import CheckpointError
+from fnscale.errors import CheckpointError, StorageError
 
 _STATE = "state"
 _EXTRA = "extra"
@@ -318,8 +318,8 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
 
   Raises:
     CheckpointError: bad `step`/`keep`/`extra`/leaf (named), a complete checkpoint already
-      exists for `step` (never overwritten), orbax-checkpoint is missing, or the write failed.
-      A damaged directory already at `step` is moved aside to `<step>.corrupt-<time>` first.
+      exists for `step` (never overwritten), orbax-checkpoint is missing.
+    StorageError: the write failed in orbax/tensorstore (not a `ValueError`). A damaged directory already at `step` is moved aside to `<step>.corrupt-<time>` first.
   """
   ocp = _orbax()
   if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -358,7 +358,11 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(f"fnscale.checkpoint.save.{step}")
 
-  manager = _manager(ocp, path, keep=keep)
+  try:
+    manager = _manager(ocp, path, keep=keep)
+  except OSError as e:  # the directory can't be created (a file in the way, permissions)
+    raise StorageError(f"saving checkpoint step {step} to {path} failed: "
+                       f"{type(e).__name__}: {e}") from e
   try:
     # force: orbax would otherwise skip, silently, a step lower than one already on disk.
     manager.save(step, args=ocp.args.Composite(**{
@@ -367,8 +371,8 @@ def save(directory, step: int, state, *, extra: Mapping[str, Any] | None = None,
     }), force=True)
     manager.wait_until_finished()
   except Exception as e:  # orbax/tensorstore raise many types; the user needs one.
-    raise CheckpointError(f"saving checkpoint step {step} to {path} failed: "
-                          f"{type(e).__name__}: {e}") from e
+    raise StorageError(f"saving checkpoint step {step} to {path} failed: "
+                       f"{type(e).__name__}: {e}") from e
   finally:
     manager.close()
   return os.fspath(step_dir)

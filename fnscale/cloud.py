@@ -1,11 +1,15 @@
 """Deletes the Cloud TPU VM (or its queued resource) when a job ends, so idle chips stop billing.
 
 `shutdown_at_exit()` reads who and where it runs from the GCE metadata service that every
-Cloud TPU VM answers, builds the Cloud TPU API v2 request that deletes it, and registers it
-with `atexit`. The pieces are pure and public so callers can inspect them:
+Cloud TPU VM answers, plans the Cloud TPU API v2 call that deletes it, and registers it with
+`atexit`. The calls go through Google's client (`google.cloud.tpu_v2.TpuClient`, the `cloud`
+extra: `pip install 'fnscale[cloud]'`) with google-auth's Compute Engine credentials (an
+access token from the metadata server, refreshed when it expires), the client's retries of
+transient errors and its long-running operation for the delete. The pieces are pure and
+public so callers can inspect them:
 
   plan = shutdown_plan()     # metadata (+ a read-only node lookup) -> ShutdownPlan value
-  result = execute(plan)     # sentinel check, fresh token, the DELETE -> ShutdownResult
+  result = execute(plan)     # sentinel check, then TpuClient.delete_* -> ShutdownResult
 
 Rules, in order:
 - Off a Cloud TPU VM (metadata unreachable, or no `accelerator-type` attribute) nothing is
@@ -17,62 +21,62 @@ Rules, in order:
 - The VM's node name is `NODE_ID` from the `tpu-env` metadata attribute (the GCE instance name
   of a TPU VM is an internal `t1v-...` name); project from `project/project-id`, zone from the
   last segment of `instance/zone`.
-- Queued resources: the node is looked up (`GET .../nodes/NAME`); when its `queuedResource`
-  field is set, the queued resource is deleted with `force=true` (which also deletes its
+- Queued resources: the node is looked up (`TpuClient.get_node`); when its `queued_resource`
+  field is set, the queued resource is deleted with `force=True` (which also deletes its
   nodes), since a node created through one can't be deleted by itself. Pass
   `queued_resource=` to skip the lookup.
 - At exit, after `delay_s` seconds, nothing is sent if the sentinel file exists
   (default `/tmp/fnscale-keep-vm`: `touch` it on worker 0 to keep the VM).
-- `dry_run=True` logs the exact request (method, URL, headers with the token elided) and sends
-  no DELETE.
+- `dry_run=True` logs the exact call (method, resource name, endpoint) and sends no delete.
 - atexit runs on normal interpreter exit, including after an uncaught exception; not when the
   process is killed by a signal or `os._exit`. Errors are logged, never raised at exit.
 
-Base URLs are overridable: the metadata service through `GCE_METADATA_HOST` or `metadata_url`,
-the TPU API through `FNSCALE_TPU_API_URL` or `api_url`.
+Endpoints are overridable: the metadata service through `GCE_METADATA_HOST` (read by
+google-auth and by fnscale) or `metadata_url` (fnscale's reads only), the TPU API through
+`FNSCALE_TPU_API_URL` or `api_url`. The API endpoint must be https (the requests carry an
+access token), except on the loopback interface (a local fake of the API in tests).
 """
 import atexit
-import json
+import ipaddress
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
-from typing import NamedTuple
+from typing import Any, NamedTuple
+import urllib.parse
 
 from absl import logging
 
 from fnscale import _metadata
-from fnscale.errors import CloudError
+from fnscale.errors import CloudError, InputError
 
 DEFAULT_SENTINEL = "/tmp/fnscale-keep-vm"
 DEFAULT_API_URL = "https://tpu.googleapis.com"
 API_URL_ENV = "FNSCALE_TPU_API_URL"
-TOKEN_PATH = "instance/service-accounts/default/token"
 _METADATA_TIMEOUT_S = 2.0
-_TOKEN_SHOWN = "Bearer <access token from metadata instance/service-accounts/default/token>"
+_INSTALL = "install the cloud extra: pip install 'fnscale[cloud]' (google-cloud-tpu)"
 
 
 class ShutdownPlan(NamedTuple):
-  """What `execute` will do; holds no credentials (the token is fetched when sending).
+  """What `execute` will do; holds no credentials (they are fetched when sending).
 
   Attributes:
     action: "delete_node", "delete_queued_resource" or "none".
     reason: why this action (for "none": why nothing will happen).
-    method: HTTP method ("DELETE") or None.
-    url: the full request URL or None.
+    name: the full resource name to delete (`projects/P/locations/Z/nodes/N` or
+      `.../queuedResources/Q`), or None.
+    endpoint: the Cloud TPU API endpoint (https, or http on loopback only).
     project, zone, node, queued_resource: where the VM lives (None when unknown).
     worker: this process's worker index (None when unknown).
     delay_s: seconds `shutdown_at_exit` waits at exit before sending.
     sentinel: path of the file whose existence cancels the request.
-    dry_run: log the request instead of sending it.
-    metadata_url: metadata base URL used for the token.
-    timeout_s: per-request timeout in seconds.
+    dry_run: log the call instead of making it.
+    metadata_url: metadata base URL fnscale read the VM's facts from.
+    timeout_s: per-request timeout in seconds (also the retry deadline).
   """
   action: str
   reason: str
-  method: str | None = None
-  url: str | None = None
+  name: str | None = None
+  endpoint: str = DEFAULT_API_URL
   project: str | None = None
   zone: str | None = None
   node: str | None = None
@@ -86,11 +90,11 @@ class ShutdownPlan(NamedTuple):
 
 
 class ShutdownResult(NamedTuple):
-  """What `execute` did: `sent` with the HTTP `status` and response `body`, or why not."""
+  """What `execute` did: `sent` with the long-running `operation` name the API answered,
+  or why not."""
   sent: bool
   reason: str
-  status: int | None = None
-  body: str = ""
+  operation: str = ""
 
 
 def _metadata_base(metadata_url: str | None) -> str:
@@ -101,8 +105,34 @@ def _metadata_base(metadata_url: str | None) -> str:
   return url if url.endswith("/computeMetadata/v1") else url + "/computeMetadata/v1"
 
 
-def _api_base(api_url: str | None) -> str:
-  return (api_url or os.environ.get(API_URL_ENV) or DEFAULT_API_URL).rstrip("/")
+def _loopback(host: str | None) -> bool:
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host or "").is_loopback
+  except ValueError:
+    return False
+
+
+def api_endpoint(api_url: str | None = None) -> str:
+  """The Cloud TPU API endpoint: `api_url`, else `FNSCALE_TPU_API_URL`, else
+  https://tpu.googleapis.com.
+
+  Raises:
+    InputError: not an http(s) URL, or plain http to a host other than loopback (the
+      access token would travel unencrypted).
+  """
+  url = (api_url or os.environ.get(API_URL_ENV) or DEFAULT_API_URL).rstrip("/")
+  parts = urllib.parse.urlsplit(url)
+  if parts.scheme == "https" and parts.hostname:
+    return url
+  if parts.scheme == "http" and _loopback(parts.hostname):
+    return url
+  source = "api_url" if api_url else API_URL_ENV
+  raise InputError(
+      f"{source}={url!r}: the Cloud TPU API endpoint must be an https:// URL (requests carry "
+      "an access token), or http:// only on loopback (127.0.0.1, ::1, localhost) for a local "
+      "fake; fix: e.g. https://tpu.googleapis.com.")
 
 
 def _parse_tpu_env(text: str | None) -> dict[str, str]:
@@ -135,36 +165,49 @@ def _jax_process_index() -> int | None:
   return None
 
 
-def _request(method: str, url: str, token: str, timeout_s: float) -> tuple[int, str]:
-  """Sends one API request; HTTP and network failures become CloudError (status, body)."""
-  request = urllib.request.Request(url, method=method, headers={
-      "Authorization": f"Bearer {token}", "User-Agent": "fnscale"})
+def _client(endpoint: str, credentials):
+  """A `TpuClient` on the REST transport at `endpoint`; default credentials are google-auth's
+  Compute Engine credentials (the VM's service account, token from the metadata server)."""
   try:
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-      return response.status, response.read().decode(errors="replace")
-  except urllib.error.HTTPError as e:
-    body = e.read().decode(errors="replace")
-    error = CloudError(f"{method} {url} returned HTTP {e.code}: {body[:2000]}. Check that the "
-                       "VM's service account may manage TPUs (roles/tpu.admin) and the name.")
-    error.status, error.body = e.code, body
-    raise error from e
-  except (urllib.error.URLError, OSError, ValueError) as e:
-    error = CloudError(f"{method} {url} failed: {e}. Is the TPU API reachable from this VM?")
-    error.status, error.body = None, ""
-    raise error from e
+    from google.cloud import tpu_v2  # pylint: disable=import-outside-toplevel
+    from google.auth import compute_engine  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise CloudError(f"fnscale.cloud needs google-cloud-tpu, which can't be imported ({e}); "
+                     f"{_INSTALL}.") from e
+  if credentials is None:
+    credentials = compute_engine.Credentials()
+  return tpu_v2.TpuClient(credentials=credentials, transport="rest",
+                          client_options={"api_endpoint": endpoint})
 
 
-def _token(metadata_url: str, timeout_s: float) -> str:
-  text = _metadata.get(TOKEN_PATH, timeout_s=min(timeout_s, _METADATA_TIMEOUT_S),
-                       url=metadata_url)
-  if not text:
-    raise CloudError(f"no access token from the metadata service ({metadata_url}/{TOKEN_PATH}); "
-                     "the VM needs a service account with the cloud-platform scope.")
+def _retry(timeout_s: float):
+  from google.api_core import retry  # pylint: disable=import-outside-toplevel
+  return retry.Retry(predicate=retry.if_transient_error, initial=0.5, maximum=4.0,
+                     timeout=timeout_s)
+
+
+def _cloud_error(call: str, e: Exception) -> CloudError:
+  """A google-api-core or google-auth failure as a CloudError with `status` and `body`
+  (the last attempt's, when the client's retries ran out)."""
+  e = getattr(e, "cause", None) or e
+  status, body = getattr(e, "code", None), str(getattr(e, "message", "") or e)
+  status = status if isinstance(status, int) else None
+  hint = (" Check that the VM's service account may manage TPUs (roles/tpu.admin) and the "
+          "name." if status in (403, 404) else " Is the TPU API reachable from this VM, and "
+          "does it have a service account with the cloud-platform scope?")
+  error = CloudError(f"{call} failed{f' with HTTP {status}' if status else ''}: "
+                     f"{type(e).__name__}: {body[:2000]}.{hint}")
+  error.status, error.body = status, body
+  return error
+
+
+def _call(what: str, fn, **kwargs):
+  from google.api_core import exceptions as api_errors  # pylint: disable=import-outside-toplevel
+  from google.auth import exceptions as auth_errors  # pylint: disable=import-outside-toplevel
   try:
-    return json.loads(text)["access_token"]
-  except (ValueError, KeyError, TypeError) as e:
-    raise CloudError(f"metadata {TOKEN_PATH} answered {text[:80]!r}..., not JSON with "
-                     "access_token.") from e
+    return fn(**kwargs)
+  except (api_errors.GoogleAPIError, auth_errors.GoogleAuthError, OSError) as e:
+    raise _cloud_error(what, e) from e
 
 
 def _queued_resource_path(name: str, project: str, zone: str) -> str:
@@ -173,28 +216,29 @@ def _queued_resource_path(name: str, project: str, zone: str) -> str:
   return f"projects/{project}/locations/{zone}/queuedResources/{name}"
 
 
-def _queued_resource(given, node_url, node, meta, timeout_s) -> tuple[str | None, str | None]:
-  """The queued resource this TPU VM came from (one read-only GET of the node unless given),
-  and how it was found; (None, None) when the lookup fails (then the node itself is deleted)."""
+def _queued_resource(given, node_name, client, timeout_s) -> tuple[str | None, str | None]:
+  """The queued resource this TPU VM came from (one read-only get_node unless given), and
+  how it was found; (None, None) when the lookup fails (then the node itself is deleted)."""
   if given is not None:
     return given, "given as queued_resource="
   try:
-    _, body = _request("GET", node_url, _token(meta, timeout_s), timeout_s)
-    return json.loads(body).get("queuedResource") or None, "from the node's queuedResource field"
-  except (CloudError, ValueError, AttributeError) as e:
+    node = _call(f"TpuClient.get_node({node_name})", client.get_node, name=node_name,
+                 retry=_retry(timeout_s), timeout=timeout_s)
+    return node.queued_resource or None, "from the node's queued_resource field"
+  except CloudError as e:
     logging.warning("fnscale: couldn't look up whether TPU VM %s came from a queued "
-                    "resource (%s); planning to delete the node itself.", node, e)
+                    "resource (%s); planning to delete the node itself.", node_name, e)
     return None, None
 
 
 def _check_plan_args(delay_s, timeout_s, worker) -> None:
   if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not delay_s >= 0:
-    raise CloudError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
+    raise InputError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
   if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-    raise CloudError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
+    raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
   if worker is not None and (isinstance(worker, bool) or not isinstance(worker, int)
                              or worker < 0):
-    raise CloudError(f"worker must be a non-negative int or None (detect), got {worker!r}.")
+    raise InputError(f"worker must be a non-negative int or None (detect), got {worker!r}.")
 
 
 def _worker_index(worker, get, tpu_env) -> tuple[int, str]:
@@ -219,38 +263,64 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
                   sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
                   api_url: str | None = None, node: str | None = None,
                   queued_resource: str | None = None, worker: int | None = None,
-                  timeout_s: float = 10.0) -> ShutdownPlan:
-  """Builds the request that deletes this Cloud TPU VM, from the metadata service.
+                  timeout_s: float = 10.0, credentials: Any = None) -> ShutdownPlan:
+  """Plans the call that deletes this Cloud TPU VM, from the metadata service.
 
-  Sends at most one read-only request (the node lookup that finds its queued resource),
-  never a DELETE.
+  Makes at most one read-only API call (`get_node`, to find its queued resource), never a
+  delete.
 
   Args:
     delay_s: seconds to wait at exit before sending (recorded in the plan).
-    dry_run: record that `execute` should log the request instead of sending it.
+    dry_run: record that `execute` should log the call instead of making it.
     sentinel: file whose existence at exit cancels the deletion.
-    metadata_url: metadata base URL (`http://HOST[:PORT]`, optionally with
-      `/computeMetadata/v1`); default from `GCE_METADATA_HOST`.
-    api_url: Cloud TPU API base URL; default `FNSCALE_TPU_API_URL` or
-      https://tpu.googleapis.com.
+    metadata_url: metadata base URL for fnscale's reads (`http://HOST[:PORT]`, optionally
+      with `/computeMetadata/v1`); default from `GCE_METADATA_HOST`. (google-auth's
+      credentials read `GCE_METADATA_HOST` themselves.)
+    api_url: Cloud TPU API endpoint; default `FNSCALE_TPU_API_URL` or
+      https://tpu.googleapis.com; https, or http on loopback only.
     node: TPU node name, overriding `NODE_ID` from the `tpu-env` attribute.
     queued_resource: queued resource name or full path; skips the node lookup.
     worker: this process's worker index, overriding the detection described in the module.
-    timeout_s: seconds per API request (metadata requests wait at most 2 s).
+    timeout_s: seconds per API request and for its retries (metadata reads wait at most 2 s).
+    credentials: google-auth credentials for the lookup; default the VM's service account
+      (`google.auth.compute_engine.Credentials`).
 
   Returns:
     A `ShutdownPlan`; action "none" with the reason when nothing should be deleted from here.
 
   Raises:
-    CloudError: a malformed argument (named). Environment problems never raise: they give an
-      action "none" plan with the reason.
+    InputError: a malformed argument (named), a non-https endpoint off loopback.
+    CloudError: google-cloud-tpu is not installed (the cloud extra) on worker 0 of a TPU VM.
+    Other environment problems never raise: they give an action "none" plan with the reason.
   """
   _check_plan_args(delay_s, timeout_s, worker)
   sentinel = os.path.expanduser(os.fspath(sentinel))
   meta = _metadata_base(metadata_url)
-  api = _api_base(api_url)
-  base = ShutdownPlan(action="none", reason="", delay_s=float(delay_s), sentinel=sentinel,
-                      dry_run=bool(dry_run), metadata_url=meta, timeout_s=float(timeout_s))
+  base = ShutdownPlan(action="none", reason="", endpoint=api_endpoint(api_url),
+                      delay_s=float(delay_s), sentinel=sentinel, dry_run=bool(dry_run),
+                      metadata_url=meta, timeout_s=float(timeout_s))
+  base = _locate(base, node, worker)
+  if base.reason:
+    return base
+  node_name = f"projects/{base.project}/locations/{base.zone}/nodes/{base.node}"
+  client = _client(base.endpoint, credentials)  # the extra is needed now, not first at exit
+  queued_resource, how = _queued_resource(queued_resource, node_name, client, timeout_s)
+  if queued_resource:
+    path = _queued_resource_path(queued_resource, base.project, base.zone)
+    return base._replace(
+        action="delete_queued_resource", name=path, queued_resource=path,
+        reason=f"worker 0 of TPU VM {base.node} created through queued resource {path} "
+               f"({how}): deleting it (force=True) deletes the VM.")
+  return base._replace(
+      action="delete_node", name=node_name,
+      reason=f"worker 0 of TPU VM {base.node} in {base.project}/{base.zone}: deleting the "
+             "node.")
+
+
+def _locate(base: ShutdownPlan, node, worker) -> ShutdownPlan:
+  """`base` with the VM's project, zone, node and worker from the metadata service, and a
+  `reason` when this process must not delete anything (empty when it should)."""
+  meta, timeout_s = base.metadata_url, base.timeout_s
 
   def get(path):
     # Short: off Cloud the first lookup must fail fast, and the service answers in ms.
@@ -265,11 +335,9 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
     return base._replace(project=project, reason="a Cloud VM without the accelerator-type "
                          "metadata attribute: not a Cloud TPU VM, nothing will be deleted.")
   tpu_env = _parse_tpu_env(get("instance/attributes/tpu-env"))
-  zone_path = get("instance/zone") or ""
-  zone = zone_path.rsplit("/", 1)[-1] or tpu_env.get("ZONE")
+  zone = (get("instance/zone") or "").rsplit("/", 1)[-1] or tpu_env.get("ZONE")
   project = project or tpu_env.get("CONSUMER_PROJECT_ID")
   node = node or tpu_env.get("NODE_ID")
-
   worker, source = _worker_index(worker, get, tpu_env)
   base = base._replace(project=project, zone=zone, node=node, worker=worker)
   if worker != 0:
@@ -284,40 +352,35 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
     return base._replace(reason=f"can't name this TPU VM: {', '.join(missing)} not found in the "
                          "metadata (tpu-env NODE_ID, instance/zone, project/project-id); pass "
                          "node= to shutdown_at_exit.")
-
-  node_url = f"{api}/v2/projects/{project}/locations/{zone}/nodes/{node}"
-  queued_resource, how = _queued_resource(queued_resource, node_url, node, meta, timeout_s)
-  if queued_resource:
-    path = _queued_resource_path(queued_resource, project, zone)
-    return base._replace(
-        action="delete_queued_resource", method="DELETE", url=f"{api}/v2/{path}?force=true",
-        queued_resource=path,
-        reason=f"worker 0 of {accelerator} VM {node} created through queued resource {path} "
-               f"({how}): deleting it (force=true) deletes the VM.")
-  return base._replace(
-      action="delete_node", method="DELETE", url=node_url,
-      reason=f"worker 0 of {accelerator} VM {node} in {project}/{zone}: deleting the node.")
+  return base
 
 
 def describe(plan: ShutdownPlan) -> str:
-  """One line with the exact request of `plan` (token elided), or why there is none."""
+  """One line with the exact call of `plan` (no credentials), or why there is none."""
   if plan.action == "none":
     return f"no shutdown request: {plan.reason}"
-  return (f"{plan.method} {plan.url} headers {{Authorization: {_TOKEN_SHOWN}, "
-          f"User-Agent: fnscale}}")
+  force = ", force=True" if plan.action == "delete_queued_resource" else ""
+  return (f"TpuClient.{plan.action}(name={plan.name!r}{force}) at {plan.endpoint} (REST, "
+          "google-auth credentials of the VM's service account)")
 
 
-def execute(plan: ShutdownPlan) -> ShutdownResult:
-  """Carries out `plan` now: unless its sentinel exists or it is a dry run, sends the DELETE.
+def execute(plan: ShutdownPlan, *, credentials: Any = None) -> ShutdownResult:
+  """Carries out `plan` now: unless its sentinel exists or it is a dry run, makes the delete.
 
-  The access token is read from the metadata service at this moment (tokens expire).
+  The delete returns a long-running operation; its name is in the result (the VM goes away
+  while it runs, so nothing waits for it).
+
+  Args:
+    plan: from `shutdown_plan`.
+    credentials: google-auth credentials; default the VM's service account (an access token
+      from the metadata server, fetched now: tokens expire).
 
   Returns:
-    A `ShutdownResult`: sent with status and body, or not sent with the reason.
+    A `ShutdownResult`: sent with the operation's name, or not sent with the reason.
 
   Raises:
-    CloudError: no token, a network failure or an HTTP error (its `status` and `body`
-      attributes hold the answer).
+    CloudError: google-cloud-tpu missing, no credentials, a network failure or an API error
+      after the client's retries (its `status` and `body` attributes hold the answer).
   """
   if plan.action == "none":
     logging.info("fnscale: %s", describe(plan))
@@ -332,20 +395,25 @@ def execute(plan: ShutdownPlan) -> ShutdownResult:
     print(f"fnscale shutdown_at_exit {reason}", file=sys.stderr, flush=True)
     return ShutdownResult(False, reason)
   logging.warning("fnscale: sending %s", describe(plan))
-  status, body = _request(plan.method, plan.url, _token(plan.metadata_url, plan.timeout_s),
-                          plan.timeout_s)
-  logging.warning("fnscale: %s answered HTTP %d", plan.url, status)
-  return ShutdownResult(True, plan.reason, status, body)
+  client = _client(plan.endpoint, credentials)
+  request = {"name": plan.name}
+  if plan.action == "delete_queued_resource":
+    request["force"] = True
+  operation = _call(f"TpuClient.{plan.action}({plan.name})", getattr(client, plan.action),
+                    request=request, retry=_retry(plan.timeout_s), timeout=plan.timeout_s)
+  name = operation.operation.name
+  logging.warning("fnscale: %s accepted: operation %s", plan.name, name)
+  return ShutdownResult(True, plan.reason, name)
 
 
-def _at_exit(plan: ShutdownPlan):
+def _at_exit(plan: ShutdownPlan, credentials):
   """The atexit hook: wait, then execute; log every failure, never raise into exit."""
   try:
     if plan.delay_s > 0:
       logging.warning("fnscale: job ended; %s in %.0f s unless %s exists.", describe(plan),
                       plan.delay_s, plan.sentinel)
       time.sleep(plan.delay_s)
-    execute(plan)
+    execute(plan, credentials=credentials)
   except Exception as e:  # pylint: disable=broad-except  # the program is exiting anyway
     logging.error("fnscale: deleting the TPU VM failed: %s", e)
 
@@ -354,7 +422,8 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
                      sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
                      api_url: str | None = None, node: str | None = None,
                      queued_resource: str | None = None, worker: int | None = None,
-                     timeout_s: float = 10.0, register: bool = True) -> ShutdownPlan:
+                     timeout_s: float = 10.0, credentials: Any = None,
+                     register: bool = True) -> ShutdownPlan:
   """On a Cloud TPU VM, deletes the VM (or its queued resource) when this program exits.
 
   Call it once, early, on every worker (only worker 0 acts). Off a Cloud TPU VM it does
@@ -363,20 +432,23 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
   Args:
     delay_s: seconds to wait after the program ends before deleting (time to copy logs or
       `touch` the sentinel).
-    dry_run: log the exact request at exit instead of sending it.
+    dry_run: log the exact call at exit instead of making it.
     sentinel: a file that, if it exists at exit, keeps the VM. Default `/tmp/fnscale-keep-vm`.
-    metadata_url, api_url, node, queued_resource, worker, timeout_s: as in `shutdown_plan`.
+    metadata_url, api_url, node, queued_resource, worker, timeout_s, credentials: as in
+      `shutdown_plan`.
     register: register the atexit hook (False: only build and return the plan).
 
   Returns:
     The `ShutdownPlan` (action "none" with the reason when nothing will be deleted).
 
   Raises:
-    CloudError: a malformed argument. Environment and network problems are logged instead.
+    InputError: a malformed argument. CloudError: google-cloud-tpu missing (see
+      `shutdown_plan`). Environment and network problems are logged instead.
   """
   plan = shutdown_plan(delay_s=delay_s, dry_run=dry_run, sentinel=sentinel,
                        metadata_url=metadata_url, api_url=api_url, node=node,
-                       queued_resource=queued_resource, worker=worker, timeout_s=timeout_s)
+                       queued_resource=queued_resource, worker=worker, timeout_s=timeout_s,
+                       credentials=credentials)
   if plan.action == "none":
     logging.info("fnscale shutdown_at_exit: nothing to do: %s", plan.reason)
     return plan
@@ -384,5 +456,5 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
                   plan.delay_s, "(dry run) " if plan.dry_run else "", describe(plan),
                   plan.sentinel)
   if register:
-    atexit.register(_at_exit, plan)
+    atexit.register(_at_exit, plan, credentials)
   return plan

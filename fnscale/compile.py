@@ -304,7 +304,7 @@ class ShardedStep:
 def _check_args(step, mesh, mode, donate, optimizer, compiler_options) -> None:
   if not callable(step):
     raise StepError(f"step is {_tree.got(step)}, expected a callable step(state, batch).")
-  _tree.check_mesh(mesh, "mesh", StepError)
+  _tree.check_mesh(mesh, "mesh")
   if mode not in _MODES:
     raise StepError(f"mode={mode!r}, expected one of {_MODES}.")
   if not isinstance(donate, bool):

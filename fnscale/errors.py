@@ -1,45 +1,67 @@
-"""fnscale's errors.
+"""fnscale's errors, by kind.
 
-Every error fnscale raises for bad input is a `FnscaleError`. Messages name the bad value
-(with the pytree path for a leaf), say what was expected and how to fix it.
+Every error fnscale raises is a `FnscaleError`, in one of two kinds:
+
+- `InputError` (also a `ValueError`): the caller passed something that can't work (an
+  argument, a config, a mesh, rules, a model that doesn't fit). Fix the input and call again.
+  Messages name the bad value (with the pytree path for a leaf), say what was expected and
+  how to fix it. Each mistake has one type wherever it is made: e.g. a `mesh=` that is not a
+  `jax.sharding.Mesh` is a `MeshError` from `make_mesh`, `shardings`, `init_state` and
+  `shard_step` alike.
+- `RuntimeFailure` (also a `RuntimeError`, never a `ValueError`): the environment failed
+  while the call was right (a lost or late peer process, a failed HTTP request, a storage
+  read or write that failed). An `except ValueError` written for bad arguments doesn't
+  swallow these.
 """
 
 
-class FnscaleError(ValueError):
-  """Base class of every error fnscale raises for bad input or a failed environment."""
+class FnscaleError(Exception):
+  """Base class of every error fnscale raises."""
 
 
-class TopologyError(FnscaleError):
+class InputError(FnscaleError, ValueError):
+  """Bad input: an argument, config or value that can't work (a `ValueError`)."""
+
+
+class RuntimeFailure(FnscaleError, RuntimeError):
+  """The environment failed while the input was right (not a `ValueError`)."""
+
+
+class TopologyError(InputError):
   """The hardware description is malformed or disagrees with the devices present."""
 
 
-class MeshError(FnscaleError):
-  """Mesh axes don't fit the devices or each other."""
+class MeshError(InputError):
+  """Mesh axes don't fit the devices or each other, or a `mesh=` that is not a Mesh."""
 
 
-class ShardingError(FnscaleError):
+class ShardingError(InputError):
   """Logical rules, PartitionSpecs or array shapes don't fit the mesh."""
 
 
-class StepError(FnscaleError):
+class StepError(InputError):
   """A train step, its state or its batch is malformed."""
 
 
-class KernelError(FnscaleError):
+class KernelError(InputError):
   """A forced kernel implementation can't serve the call."""
 
 
-class DistributedError(FnscaleError):
-  """Multi-process initialisation or a cross-process wait failed."""
+class CheckpointError(InputError):
+  """A checkpoint is missing, corrupt or doesn't fit the target state, or a bad argument."""
 
 
-class CheckpointError(FnscaleError):
-  """A checkpoint is missing, corrupt or doesn't fit the target state."""
-
-
-class CloudError(FnscaleError):
-  """A Cloud API request failed."""
-
-
-class PlanError(FnscaleError):
+class PlanError(InputError):
   """The planner can't serve the request (nothing fits, a bad target or argument)."""
+
+
+class DistributedError(RuntimeFailure):
+  """Multi-process initialisation or a cross-process wait failed (a peer lost or late)."""
+
+
+class CloudError(RuntimeFailure):
+  """A Cloud API request failed (HTTP error, network, credentials)."""
+
+
+class StorageError(RuntimeFailure):
+  """Writing or reading files (e.g. a checkpoint) failed in the storage layer."""

@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fnscale.errors import FnscaleError
+from fnscale.errors import InputError
 
 __all__ = ["measure_matmul_peak", "mfu", "model_flops_per_token", "peak_flops", "usable_cores"]
 
@@ -36,11 +36,11 @@ def model_flops_per_token(*, params: int, layers: int, d_model: int, seq: int) -
     FLOPs per token (float).
 
   Raises:
-    FnscaleError: a negative or non-integer argument.
+    InputError: a negative or non-integer argument.
   """
   for name, v in (("params", params), ("layers", layers), ("d_model", d_model), ("seq", seq)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-      raise FnscaleError(f"model_flops_per_token: {name}={v!r}, expected an int >= 0.")
+      raise InputError(f"model_flops_per_token: {name}={v!r}, expected an int >= 0.")
   return 6.0 * params + 12.0 * layers * d_model * seq
 
 
@@ -88,14 +88,14 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 10,
     FLOP/s (float).
 
   Raises:
-    FnscaleError: n or repeats below 1, or an unknown clock.
+    InputError: n or repeats below 1, or an unknown clock.
   """
   if isinstance(n, bool) or isinstance(repeats, bool) or not isinstance(n, int) or (
       not isinstance(repeats, int)) or n < 1 or repeats < 1:
-    raise FnscaleError(f"measure_matmul_peak: n={n!r}, repeats={repeats!r}; both must be "
+    raise InputError(f"measure_matmul_peak: n={n!r}, repeats={repeats!r}; both must be "
                        "ints >= 1.")
   if clock not in ("wall", "cpu"):
-    raise FnscaleError(f"measure_matmul_peak: clock={clock!r}; expected 'wall' or 'cpu'.")
+    raise InputError(f"measure_matmul_peak: clock={clock!r}; expected 'wall' or 'cpu'.")
   timer = time.perf_counter if clock == "wall" else time.process_time
   device = device or jax.local_devices()[0]
   x = jax.device_put(jnp.ones((n, n), dtype), device)
@@ -130,11 +130,11 @@ def mfu(flops_per_step: float, step_seconds: float, num_devices: int,
     A fraction (0.4 means 40%).
 
   Raises:
-    FnscaleError: a non-positive time, device count or peak.
+    InputError: a non-positive time, device count or peak.
   """
   if step_seconds <= 0 or num_devices < 1 or not peak_flops_per_device or (
       peak_flops_per_device <= 0):
-    raise FnscaleError(
+    raise InputError(
         f"mfu: step_seconds={step_seconds}, num_devices={num_devices}, "
         f"peak_flops_per_device={peak_flops_per_device}; all must be positive.")
   return flops_per_step / step_seconds / (num_devices * peak_flops_per_device)

@@ -84,9 +84,7 @@ def _where(path: str) -> str:
 
 
 def _check_mesh(mesh, name: str = "mesh") -> None:
-  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise ShardingError(f"{name} is {_tree.got(mesh)}, expected a jax.sharding.Mesh; fix: "
-                        "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")
+  _tree.check_mesh(mesh, name, abstract=True)
 
 
 def _shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
@@ -212,12 +210,15 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     logical_axes: a tuple with one logical name (str) or None per dimension, or a
       `PartitionSpec` (taken as explicit mesh axes and only validated).
     rules: ordered (logical_name, mesh_axis | tuple of mesh axes | None) pairs, or a mapping.
-      For each dimension the first rule for its name whose mesh axes are all in the mesh and
-      none already bound to another dimension of this array wins; a rule naming an axis
-      absent from the mesh is skipped (so size-1 or smaller meshes work unchanged); an axis
-      of size 1 counts as present (the rule wins and shards nothing: leave the axis out of
-      the mesh to let a later rule apply); a rule mapping to None replicates the dimension.
-      A name without a usable rule is replicated.
+      Resolved rule by rule, as `flax.linen.logical_to_mesh_axes` and MaxText do: going
+      down the list, a rule claims the dimension carrying its name when that dimension is
+      still unclaimed and none of the rule's mesh axes shards another dimension yet (so an
+      earlier rule gets its mesh axis first, whatever the dimension order). A rule naming an
+      axis absent from the mesh is skipped (so size-1 or smaller meshes work unchanged; with
+      every axis present the result is flax's); an axis of size 1 counts as present (the
+      rule wins and shards nothing: leave the axis out of the mesh to let a later rule
+      apply); a rule mapping to None claims the dimension and replicates it. A name without
+      a usable rule is replicated.
     mesh: a `jax.sharding.Mesh` (or AbstractMesh).
     shape: optional global shape; when given, the rank must match and each sharded
       dimension must be divisible by the product of its mesh axes' sizes.
@@ -227,7 +228,8 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     A PartitionSpec with one entry per dimension.
 
   Raises:
-    ShardingError: a mesh that isn't one; malformed rules; rank mismatch; an explicit spec
+    MeshError: a mesh that isn't one.
+    ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an explicit spec
       longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
       dimensions; a dimension not divisible by its mesh axes.
   """
@@ -246,48 +248,55 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
         f"{_where(path)}: logical axes {tuple(logical_axes)} have {len(logical_axes)} names but "
         f"the array has rank {len(shape)} (shape {tuple(shape)}); fix: give one name (or None) "
         "per dimension.")
-  norm = normalize_rules(rules)
-  used: dict[str, int] = {}
-  entries = []
-  for d, name in enumerate(logical_axes):
-    chosen = _choose(d, name, norm, sizes, used, _notes)
-    for a in chosen:
-      used[a] = d
-    entries.append(_tree.spec_entry(chosen))
-  spec = PartitionSpec(*entries)
+  names = tuple(logical_axes)
+  dup = next((n for i, n in enumerate(names) if n is not None and n in names[:i]), None)
+  if dup is not None:
+    raise ShardingError(
+        f"{_where(path)}: logical axes {names} name {dup!r} on two dimensions; a logical name "
+        "can label one dimension of an array (as in flax); fix: give the dimensions distinct "
+        "names, e.g. ('embed', 'embed_out').")
+  chosen = _resolve(names, normalize_rules(rules), sizes, _notes)
+  spec = PartitionSpec(*(_tree.spec_entry(axes) for axes in chosen))
   if shape is not None:
     _check_divisible(path, shape, spec, sizes)
   return spec
 
 
-def _choose(d: int, name, norm, sizes, used, notes) -> tuple[str, ...]:
-  """The mesh axes of the first usable rule for dimension `d`'s logical `name`; why none
-  is usable goes to `notes`."""
-  if name is None:
-    return ()
-  skipped, absent, named = [], [], False
+def _resolve(names, norm, sizes, notes) -> list[tuple[str, ...]]:
+  """Each dimension's mesh axes, rule by rule as `flax.linen.logical_to_mesh_axes` resolves
+  them: in rule order, a rule claims its dimension when the dimension is still unclaimed
+  and none of its mesh axes is bound yet; rules naming an axis absent from the mesh are
+  skipped. Why a named dimension stayed replicated goes to `notes`."""
+  chosen: list[tuple[str, ...] | None] = [None] * len(names)
+  used: dict[str, int] = {}
+  taken, absent = {}, {}  # dim -> first blocking axis / each skipped rule's first absent axis
   for rule_name, axes in norm:
-    if rule_name != name:
+    if rule_name not in names:
       continue
-    named = True
+    d = names.index(rule_name)
+    if chosen[d] is not None:
+      continue
     missing = [a for a in axes if a not in sizes]
+    bound = [a for a in axes if a in used]
     if missing:
-      absent.append(missing[0])  # absent from this mesh: try the next rule
+      absent.setdefault(d, []).append(missing[0])
+    elif bound:
+      taken.setdefault(d, bound[0])
+    else:
+      chosen[d] = axes
+      used.update((a, d) for a in axes)
+  for d, name in enumerate(names):
+    if notes is None or name is None or chosen[d] is not None:
       continue
-    taken = [a for a in axes if a in used]
-    if not taken:
-      return axes
-    skipped.append(taken[0])
-  if notes is not None:
-    if skipped:
-      a = skipped[0]
-      notes.append(f"dim {d} ({name}) replicated: {a} already shards dim {used[a]}")
-    elif absent:
-      notes.append(f"dim {d} ({name}) replicated: its rules name mesh axes {absent} that the "
-                   "mesh doesn't have")
-    elif not named:
+    if d in taken:
+      notes.append(f"dim {d} ({name}) replicated: {taken[d]} already shards dim "
+                   f"{used[taken[d]]}")
+    elif d in absent:
+      notes.append(f"dim {d} ({name}) replicated: its rules name mesh axes "
+                   f"{absent[d]} that the mesh doesn't have")
+    else:
       notes.append(f"dim {d} ({name}) replicated: no rule names {name!r}")
-  return ()
+  return [axes or () for axes in chosen]
 
 
 def _is_axes_leaf(x) -> bool:
@@ -378,9 +387,10 @@ def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> Lea
                   _tree.nbytes(sharding.shard_shape(shape), dtype), reason, note)
 
 
-# Axis names fnscale's conventions give a meaning; one of them missing from a mesh is a
-# choice (a data-parallel mesh has no "fsdp"), any other missing name is likely a typo.
-_KNOWN_AXES = _axes.DATA_AXES + _axes.HEAD_AXES
+def _known_axes() -> frozenset[str]:
+  """Axis names a convention gives a meaning; one of them missing from a mesh is a choice (a
+  data-parallel mesh has no "fsdp"), any other missing name is likely a typo."""
+  return _axes.KNOWN_AXES | _axes.current().names()
 
 
 def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
@@ -389,14 +399,15 @@ def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_byt
   _tree.check_int(min_shard_bytes, "min_shard_bytes", ShardingError, minimum=0)
   _tree.check_int(max_replicated_bytes, "max_replicated_bytes", ShardingError, minimum=0,
                   allow_none=True)
-  unknown = [a for a in fsdp_axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+  known = _known_axes()
+  unknown = [a for a in fsdp_axes if a not in mesh.axis_names and a not in known]
   if unknown:
     raise ShardingError(
         f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
         f"{tuple(mesh.axis_names)}); automatic leaves would silently stay replicated; fix: "
         "name a mesh axis (e.g. fsdp_axis='fsdp') or pass None to replicate them on purpose.")
   for i, (name, axes) in enumerate(normalize_rules(rules)):
-    typo = [a for a in axes if a not in mesh.axis_names and a not in _KNOWN_AXES]
+    typo = [a for a in axes if a not in mesh.axis_names and a not in known]
     if typo:
       logging.warning(
           "rule %d (%r, %r) names mesh axis %r, which the mesh (axes %s) doesn't have and no "
@@ -466,7 +477,8 @@ def _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes,
         "max_replicated_bytes.")
   # On a data-parallel mesh (every axis of size > 1 splits only the batch) replicated params
   # are the design, not a likely mistake: nothing to warn about (typo'd axes are warned above).
-  shards_params = any(size > 1 and a not in _axes.REPLICA_AXES for a, size in sizes.items())
+  replica = _axes.current().replica
+  shards_params = any(size > 1 and a not in replica for a, size in sizes.items())
   ruled = {name for name, _ in normalize_rules(rules)}
   suspect = [lp for lp in big if _suspect(lp, ruled)]
   if suspect and shards_params:
@@ -491,8 +503,8 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       mesh axes), or a sequence of (path_regex, names) pairs matched with `re.search`
       against each leaf's '/'-joined path (first match wins; unmatched leaves are automatic).
     fsdp_axis: mesh axis name (or tuple of names) that automatic leaves are sharded over;
-      a name that is neither a mesh axis nor one of fnscale's conventional axes
-      (`fnscale._axes`) is an error (a typo would replicate every automatic leaf).
+      a name that is neither a mesh axis nor one a preset of `fnscale.AxisConventions`
+      (fnscale's, MaxText's, Levanter's) or the ambient conventions know is an error (a typo would replicate every automatic leaf).
     min_shard_bytes: automatic leaves smaller than this stay replicated (int >= 0, bytes).
     max_replicated_bytes: every leaf of at least `min_shard_bytes` that ends up whole on
       every device counts against this limit (bytes), whatever made it replicated: no
@@ -508,6 +520,7 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
     A pytree of NamedSharding with `tree`'s structure.
 
   Raises:
+    MeshError: `mesh` not a Mesh.
     ShardingError: an argument of the wrong type (named), malformed rules (even when no
       leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
       matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
@@ -545,10 +558,12 @@ def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardPlan:
 
 def batch_sharding(mesh, *, axes=None) -> NamedSharding:
   """Sharding of a batch: the leading dimension split over `axes` (default the mesh's
-  data-like axes, `fnscale._axes.DATA_AXES`), the other dimensions replicated.
+  data-like axes under the ambient `fnscale.axis_conventions`), the other dimensions
+  replicated.
 
   Raises:
-    ShardingError: `mesh` not a Mesh, `axes` not axis names, an axis not in the mesh.
+    MeshError: `mesh` not a Mesh.
+    ShardingError: `axes` not axis names, an axis not in the mesh.
   """
   _check_mesh(mesh)
   axes = _axes.data_axes(mesh) if axes is None else _as_axes(axes, "axes")

@@ -56,10 +56,10 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh, *, fsdp_axi
     A pytree of NamedSharding with `opt_state`'s structure.
 
   Raises:
-    ShardingError: the state's param-shaped subtrees don't match `param_shardings`; a mesh
-      that isn't one.
+    ShardingError: the state's param-shaped subtrees don't match `param_shardings`.
+    MeshError: a mesh that isn't one.
   """
-  _tree.check_mesh(mesh, "mesh", ShardingError)
+  _tree.check_mesh(mesh, "mesh")
   if optimizer is not None:
     check_optimizer(optimizer)
 
@@ -133,13 +133,14 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
     A TrainState whose leaves are NamedShardings.
 
   Raises:
-    StepError: state is not a TrainState, a bad mesh or sharding_options.
+    StepError: state is not a TrainState, bad sharding_options.
+    MeshError: a mesh that isn't one.
     ShardingError: from `fnscale.shardings`.
   """
   if not isinstance(state, TrainState):
     raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
                     "it with fnscale.init_state.")
-  _tree.check_mesh(mesh, "mesh", StepError)
+  _tree.check_mesh(mesh, "mesh")
   opts = _options(sharding_options)
   psh = _sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
   osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
@@ -230,13 +231,14 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     as `state_shardings(...)` says (or its ShapeDtypeStruct with `abstract=True`).
 
   Raises:
-    StepError: a bad optimizer, mesh, policy, loss_scale or option, or params that are not
+    MeshError: a mesh that isn't one.
+    StepError: a bad optimizer, policy, loss_scale or option, or params that are not
       arrays.
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
   """
   check_optimizer(optimizer)
   policy = as_policy(policy)
-  _tree.check_mesh(mesh, "mesh", StepError)
+  _tree.check_mesh(mesh, "mesh")
   if not isinstance(abstract, bool):
     raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
   loss_scale = default_loss_scale(policy, loss_scale)

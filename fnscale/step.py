@@ -272,7 +272,7 @@ def _for_compute(params):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return params
-  explicit = set(getattr(mesh, "explicit_axes", ())) & set(_axes.DATA_AXES)
+  explicit = set(getattr(mesh, "explicit_axes", ())) & set(_axes.current().data)
   if not explicit:
     return params
 

@@ -81,7 +81,7 @@ def model_config(size: str, seq: int):
   if size in EXTRA_SIZES:
     return tl.ModelConfig(seq=seq, **EXTRA_SIZES[size])
   if size not in tl.SIZES:
-    raise fs.FnscaleError(f"model size {size!r} is not known; expected one of "
+    raise fs.InputError(f"model size {size!r} is not known; expected one of "
                           f"{list(tl.SIZES) + list(EXTRA_SIZES)}")
   return tl.model_config(size, seq)
 
@@ -266,7 +266,7 @@ def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, st
   Needs the persistent compilation cache on (`persistent_cache`) for the warm compile.
 
   Raises:
-    FnscaleError (a subclass): a bad size, mesh or batch for the mesh.
+    InputError (a subclass): a bad size, mesh or batch for the mesh.
   """
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   _listen()
@@ -621,7 +621,7 @@ def parse_flags(argv) -> Config:
   try:
     fv(list(argv))
   except flags.Error as e:
-    raise fs.FnscaleError(f"{e}; see --help") from None
+    raise fs.InputError(f"{e}; see --help") from None
   given = {n for n in fv if fv[n].present}
   kw = dict(sizes=tuple(fv.sizes), meshes=tuple(fv.meshes),
             devices=tuple(int(x) for x in fv.devices), steps=fv.steps, warmup=fv.warmup,
@@ -632,7 +632,7 @@ def parse_flags(argv) -> Config:
     kw.update({k: v for k, v in FULL.items() if k not in given})
   cfg = Config(**kw)
   if cfg.steps < 1 or cfg.warmup < 0 or cfg.batch < 1 or cfg.seq < 1 or min(cfg.devices) < 1:
-    raise fs.FnscaleError(f"--steps={cfg.steps}, --warmup={cfg.warmup}, --batch={cfg.batch}, "
+    raise fs.InputError(f"--steps={cfg.steps}, --warmup={cfg.warmup}, --batch={cfg.batch}, "
                           f"--seq={cfg.seq}, --devices={cfg.devices}: expected steps >= 1, "
                           "warmup >= 0, batch, seq and devices >= 1")
   return cfg

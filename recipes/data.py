@@ -76,7 +76,7 @@ def corpus_files(spec: str | None) -> list[str]:
   if not files:
     kind = ("directory has no files" if os.path.isdir(spec or "") else
             f"no such file, directory or glob match, and not a named corpus {list(CORPORA)}")
-    raise fs.FnscaleError(f"dataset={spec!r}: {kind}; pass a named corpus, a text file, a "
+    raise fs.InputError(f"dataset={spec!r}: {kind}; pass a named corpus, a text file, a "
                           "directory or a glob")
   return files
 
@@ -93,7 +93,7 @@ def read_bytes(spec: str | None) -> bytes:
       parts.append(fh.read())
   text = b"\n".join(p for p in parts if p)
   if not text:
-    raise fs.FnscaleError(f"dataset={spec!r}: the corpus is empty (0 bytes); pass a non-empty "
+    raise fs.InputError(f"dataset={spec!r}: the corpus is empty (0 bytes); pass a non-empty "
                           "text file, directory or glob")
   return text
 
@@ -165,12 +165,12 @@ def baseline(corpus: Corpus) -> Baseline:
 def _tokenizer(path: str):
   import tokenizers  # pylint: disable=import-outside-toplevel
   if not os.path.isfile(path):
-    raise fs.FnscaleError(f"tokenizer={path!r}: no such file; pass a Hugging Face "
+    raise fs.InputError(f"tokenizer={path!r}: no such file; pass a Hugging Face "
                           "tokenizer.json (or leave it empty for bytes)")
   try:
     return tokenizers.Tokenizer.from_file(path)
   except Exception as e:  # pylint: disable=broad-except  (the library raises plain Exception)
-    raise fs.FnscaleError(f"tokenizer={path!r} is not a readable tokenizer.json: {e}") from None
+    raise fs.InputError(f"tokenizer={path!r} is not a readable tokenizer.json: {e}") from None
 
 
 def _text_chunks(b: bytes, size: int = 1 << 16) -> list[str]:
@@ -188,7 +188,7 @@ def _text_chunks(b: bytes, size: int = 1 << 16) -> list[str]:
 def check_fits(corpus: Corpus, seq: int) -> None:
   """Raises FnscaleError when a split is shorter than one window (seq + 1 tokens)."""
   if min(len(corpus.train), len(corpus.eval)) < seq + 1:
-    raise fs.FnscaleError(
+    raise fs.InputError(
         f"seq={seq} is longer than the data: {len(corpus.train)} tokens train and "
         f"{len(corpus.eval)} held out (every {EVAL_EVERY_NTH_CHUNK}th chunk); each split needs "
         f"at least seq + 1 = {seq + 1} tokens. Use a smaller seq or more data")
@@ -220,17 +220,17 @@ def steps_for(corpus: Corpus, seq: int, global_batch: int, epochs: int | None,
     FnscaleError: both given, epochs < 1, steps < 0, or epochs too short for one batch.
   """
   if epochs is not None and epochs < 1:
-    raise fs.FnscaleError(f"epochs={epochs}: expected >= 1 passes over the training split "
+    raise fs.InputError(f"epochs={epochs}: expected >= 1 passes over the training split "
                           "(or give steps instead)")
   if steps is not None and steps < 0:
-    raise fs.FnscaleError(f"steps={steps}: expected >= 0")
+    raise fs.InputError(f"steps={steps}: expected >= 0")
   if epochs is not None and steps is not None:
-    raise fs.FnscaleError(f"epochs={epochs} and steps={steps}: give one of them")
+    raise fs.InputError(f"epochs={epochs} and steps={steps}: give one of them")
   if epochs is None:
     return steps
   n = len(windows(corpus.train, seq, 0, epochs).batch(global_batch, drop_remainder=True))
   if n < 1:
-    raise fs.FnscaleError(
+    raise fs.InputError(
         f"epochs={epochs} makes no step: the training split has "
         f"{(len(corpus.train) - 1) // seq} windows of seq + 1 = {seq + 1} tokens, fewer than "
         f"one global batch of {global_batch} rows; use more epochs, a smaller batch or seq")

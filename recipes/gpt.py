@@ -63,7 +63,7 @@ def model_config(size: str, seq: int) -> ModelConfig:
     FnscaleError: an unknown size (the message lists the known ones).
   """
   if size not in SIZES:
-    raise fs.FnscaleError(f"model_config={size!r} is not a known GPT size; expected one of "
+    raise fs.InputError(f"model_config={size!r} is not a known GPT size; expected one of "
                           f"{list(SIZES)}")
   return ModelConfig(seq=seq, **SIZES[size])
 

@@ -39,12 +39,12 @@ def check_options(cls, options: dict):
   known = {f.name: f for f in dataclasses.fields(cls)}
   for name, value in options.items():
     if name not in known:
-      raise fs.FnscaleError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
+      raise fs.InputError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
     kind = known[name].type.split(" | ")
     types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind[0]]
     if not ((value is None and "None" in kind) or (
         isinstance(value, types) and (kind[0] == "bool" or not isinstance(value, bool)))):
-      raise fs.FnscaleError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
+      raise fs.InputError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
                             f"{type(value).__name__}")
   return cls(**options)
 
@@ -64,9 +64,9 @@ def parse_flags(cls, argv: list[str]):
   try:
     rest = fv(list(argv))
   except flags.Error as e:
-    raise fs.FnscaleError(f"{e}; see --help") from None
+    raise fs.InputError(f"{e}; see --help") from None
   if len(rest) > 1:
-    raise fs.FnscaleError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
+    raise fs.InputError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
   return cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)})
 
 
@@ -84,7 +84,7 @@ def start(o):
             if f.startswith("--xla_force_host_platform_device_count=")]
     count = flag[-1].split("=", 1)[1] if flag else os.environ.get("JAX_NUM_CPU_DEVICES", "8")
     if not str(count).isdigit():
-      raise fs.FnscaleError(f"simulated device count {count!r} (XLA_FLAGS / "
+      raise fs.InputError(f"simulated device count {count!r} (XLA_FLAGS / "
                             "JAX_NUM_CPU_DEVICES) is not an int")
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
@@ -183,7 +183,7 @@ def policy(precision: str, platform: str):
   try:
     return jmp.get_policy(precision)
   except ValueError as e:
-    raise fs.FnscaleError(f"precision={precision!r} is not a jmp policy ({e}); write e.g. "
+    raise fs.InputError(f"precision={precision!r} is not a jmp policy ({e}); write e.g. "
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
@@ -240,7 +240,7 @@ def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -
   """Raises FnscaleError for sizes < 1, ShardingError for a global `batch` that doesn't split
   over `mesh`'s data axes in each of `accum_steps` steps (the message gives a multiple)."""
   if seq < 1 or per_device < 1 or batch < 1 or accum_steps < 1:
-    raise fs.FnscaleError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
+    raise fs.InputError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
                           f"accum_steps={accum_steps}: each must be >= 1")
   dp = int(np.prod([mesh.shape[a] for a in sharding.data_axes(mesh)]))
   if batch % (dp * accum_steps):

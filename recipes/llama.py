@@ -70,14 +70,14 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
     FnscaleError: an unknown size or override field, or a bad seq.
   """
   if size not in SIZES:
-    raise fs.FnscaleError(f"model {size!r} is not a known Llama size; expected one of "
+    raise fs.InputError(f"model {size!r} is not a known Llama size; expected one of "
                           f"{list(SIZES)}")
   bad = sorted(set(overrides) - set(ModelConfig._fields))
   if bad:
-    raise fs.FnscaleError(f"model_config: unknown fields {bad}; expected some of "
+    raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
                           f"{list(ModelConfig._fields)}")
   if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-    raise fs.FnscaleError(f"model_config: seq={seq!r}, expected an int >= 1")
+    raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
   return ModelConfig(seq=seq, **{**SIZES[size], **overrides})
 
 

@@ -20,7 +20,7 @@ from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
 from recipes.run_log import METRICS_FILE, RUN_FILE  # noqa: E402
 
 # (panel title, y label, scale, tags drawn in it)
@@ -40,7 +40,7 @@ def _records(path: str) -> list[dict]:
     except json.JSONDecodeError as e:
       if i == len(lines) - 1:
         break  # the last line may be mid-write while the run goes on
-      raise FnscaleError(f"{path}:{i + 1}: not a JSON line ({e}); metrics.jsonl holds one "
+      raise InputError(f"{path}:{i + 1}: not a JSON line ({e}); metrics.jsonl holds one "
                          "JSON object per line") from None
     if isinstance(rec, dict):
       out.append(rec)
@@ -76,11 +76,11 @@ def read_baseline(run_dir: str) -> float | None:
 
 def _metrics_path(run_dir) -> str:
   if not isinstance(run_dir, (str, os.PathLike)) or not os.path.isdir(run_dir):
-    raise FnscaleError(f"run directory {run_dir!r} does not exist; pass the --run_dir of a "
+    raise InputError(f"run directory {run_dir!r} does not exist; pass the --run_dir of a "
                        "training run")
   path = os.path.join(run_dir, METRICS_FILE)
   if not os.path.isfile(path) or os.path.getsize(path) == 0:
-    raise FnscaleError(f"{path} is missing or empty: {run_dir!r} has no metrics yet; pass "
+    raise InputError(f"{path} is missing or empty: {run_dir!r} has no metrics yet; pass "
                        "the run directory of a run that has logged a step")
   return path
 
@@ -97,13 +97,13 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     out: the PNG's path; default `run_dir/metrics.png`.
 
   Raises:
-    FnscaleError: `run_dir` missing, its metrics.jsonl missing, empty, malformed or without
+    InputError: `run_dir` missing, its metrics.jsonl missing, empty, malformed or without
       any of the plotted metrics.
   """
   path = _metrics_path(run_dir)
   series = read_metrics(path)
   if not series:
-    raise FnscaleError(f"{path} has none of {', '.join(TAGS)}; write them with run_log.py")
+    raise InputError(f"{path} has none of {', '.join(TAGS)}; write them with run_log.py")
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   fig = Figure(figsize=(7, 8), dpi=100, layout="constrained")  # Agg canvas, no pyplot state
   axes = fig.subplots(len(PANELS), 1, sharex=True)

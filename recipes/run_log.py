@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from fnscale.errors import FnscaleError
+from fnscale.errors import InputError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -34,9 +34,9 @@ class RunLog(NamedTuple):
 def _scalars(step, metrics) -> dict[str, float]:
   """Checks a record: `step` an int >= 0, `metrics` str -> real number (None dropped)."""
   if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-    raise FnscaleError(f"step={step!r}: expected an int >= 0 (the number of steps done)")
+    raise InputError(f"step={step!r}: expected an int >= 0 (the number of steps done)")
   if not isinstance(metrics, Mapping):
-    raise FnscaleError(f"metrics={metrics!r}: expected a dict such as {{'train/loss': 2.3}}")
+    raise InputError(f"metrics={metrics!r}: expected a dict such as {{'train/loss': 2.3}}")
   out = {}
   for tag, value in metrics.items():
     if value is None:
@@ -45,7 +45,7 @@ def _scalars(step, metrics) -> dict[str, float]:
       value = value.item()  # a 0-d numpy or jax array
     if not isinstance(tag, str) or isinstance(value, bool) or not isinstance(
         value, numbers.Real):
-      raise FnscaleError(f"metric {tag!r}={value!r}: expected a str name and a real number "
+      raise InputError(f"metric {tag!r}={value!r}: expected a str name and a real number "
                          "(int, float or 0-d array); pass float(x) for other values")
     out[tag] = float(value)
   return out
@@ -80,7 +80,7 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
     say: where the one line about a missing tensorboardX goes.
 
   Raises:
-    FnscaleError (from `write`): a step that is not an int >= 0, a value that is not a real
+    InputError (from `write`): a step that is not an int >= 0, a value that is not a real
       number, or a write after `close`.
   """
   if not active:
@@ -92,7 +92,7 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
   def write(step: int, metrics: Mapping[str, Any]) -> None:
     scalars = _scalars(step, metrics)
     if jsonl.closed:
-      raise FnscaleError(f"run_log({run_dir!r}) is closed; write before close()")
+      raise InputError(f"run_log({run_dir!r}) is closed; write before close()")
     jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
     jsonl.flush()
     if tb is not None:
@@ -119,7 +119,7 @@ def write_run_record(run_dir: str, name: str, record: Mapping[str, Any], *,
   sees half a file. Returns the path (None when not `active`).
 
   Raises:
-    FnscaleError: `record` is not a dict of JSON values (str keys; numbers, str, lists, dicts).
+    InputError: `record` is not a dict of JSON values (str keys; numbers, str, lists, dicts).
   """
   if not active:
     return None
@@ -131,7 +131,7 @@ def write_run_record(run_dir: str, name: str, record: Mapping[str, Any], *,
   try:
     text = json.dumps({**runs, name: dict(record)}, indent=1)
   except (TypeError, ValueError) as e:
-    raise FnscaleError(f"run record {name!r}: {e}; pass JSON values (use float(x), str(x))") \
+    raise InputError(f"run record {name!r}: {e}; pass JSON values (use float(x), str(x))") \
         from None
   os.makedirs(run_dir, exist_ok=True)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -160,7 +160,7 @@ def parse_profile_steps(spec: str | None, steps: int | None = None) -> ProfileWi
     steps: the run's total steps, if known: STOP may not exceed it.
 
   Raises:
-    FnscaleError: `spec` is not two ints 0 <= START < STOP (<= steps).
+    InputError: `spec` is not two ints 0 <= START < STOP (<= steps).
   """
   if spec is None or spec == "":
     return None
@@ -168,7 +168,7 @@ def parse_profile_steps(spec: str | None, steps: int | None = None) -> ProfileWi
   start, stop = (int(m[1]), int(m[2])) if m else (None, None)
   if m is None or start >= stop or (steps is not None and stop > steps):
     limit = f" <= {steps} (the run's steps)" if steps is not None else ""
-    raise FnscaleError(f"--profile_steps={spec!r}: expected START:STOP, two ints with "
+    raise InputError(f"--profile_steps={spec!r}: expected START:STOP, two ints with "
                        f"0 <= START < STOP{limit}, e.g. 10:15 to trace steps 10 to 14")
   return ProfileWindow(start, stop)
 
@@ -201,11 +201,11 @@ def profiler(window: ProfileWindow | None, log_dir: str, *,
   one naming the trace directory at the end.
 
   Raises:
-    FnscaleError: `window` is not a ProfileWindow or None (use parse_profile_steps).
+    InputError: `window` is not a ProfileWindow or None (use parse_profile_steps).
   """
   import jax  # pylint: disable=import-outside-toplevel
   if window is not None and not isinstance(window, ProfileWindow):
-    raise FnscaleError(f"profile window {window!r}: expected a ProfileWindow or None; build "
+    raise InputError(f"profile window {window!r}: expected a ProfileWindow or None; build "
                        "it with parse_profile_steps('START:STOP')")
   running = []  # while tracing: (first traced step, trace dirs that existed before)
 

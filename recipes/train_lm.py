@@ -125,7 +125,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
   if size not in MODELS:
-    raise fs.FnscaleError(f"model_config={size!r} is not a known model; expected one of "
+    raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
                           f"{list(MODELS)}")
   cfg = MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
@@ -149,7 +149,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   log_every = max(1, steps // 25) if o.log_every is None else o.log_every
   eval_every = max(1, steps // 5) if o.eval_every is None else o.eval_every
   if lr <= 0 or log_every < 1 or eval_every < 1:
-    raise fs.FnscaleError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
+    raise fs.InputError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
                           "expected lr > 0 and intervals >= 1")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
   run_dir = o.run_dir or h.default_run_dir(size, o.dataset, o.tokenizer, corpus.vocab)

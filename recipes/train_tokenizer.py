@@ -22,7 +22,7 @@ from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
 from recipes.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
@@ -31,16 +31,16 @@ MIN_VOCAB = 256 + 1  # every byte, plus END_OF_TEXT
 
 def _check_args(files, vocab_size, out_path) -> None:
   if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
-    raise FnscaleError(f"vocab_size={vocab_size!r}: expected an int >= {MIN_VOCAB} (256 bytes "
+    raise InputError(f"vocab_size={vocab_size!r}: expected an int >= {MIN_VOCAB} (256 bytes "
                        f"+ {END_OF_TEXT}); e.g. 4096")
   if isinstance(files, (str, bytes)) or not files:
-    raise FnscaleError(f"files={files!r}: expected a non-empty list of paths; use "
+    raise InputError(f"files={files!r}: expected a non-empty list of paths; use "
                        "corpus_files(spec) for a directory or glob")
   missing = [f for f in files if not os.path.isfile(f)]
   if missing:
-    raise FnscaleError(f"corpus file(s) not found: {missing[:3]}; pass existing text files")
+    raise InputError(f"corpus file(s) not found: {missing[:3]}; pass existing text files")
   if not isinstance(out_path, (str, os.PathLike)) or os.path.isdir(out_path):
-    raise FnscaleError(f"out_path={out_path!r}: expected a file path such as tok/tokenizer.json")
+    raise InputError(f"out_path={out_path!r}: expected a file path such as tok/tokenizer.json")
 
 
 def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
@@ -55,7 +55,7 @@ def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
     `out_path`, a file `tokenizers.Tokenizer.from_file` loads.
 
   Raises:
-    FnscaleError: a bad argument, or a corpus too small to learn `vocab_size` tokens.
+    InputError: a bad argument, or a corpus too small to learn `vocab_size` tokens.
   """
   _check_args(files, vocab_size, out_path)
   # Imported here: `tokenizers` is an extra, and corpus_files needs none of it.
@@ -71,7 +71,7 @@ def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
   tok.train([os.fspath(f) for f in files], trainer)
   got = tok.get_vocab_size()
   if got != vocab_size:
-    raise FnscaleError(f"the corpus ({len(files)} files) gave only {got} tokens, not "
+    raise InputError(f"the corpus ({len(files)} files) gave only {got} tokens, not "
                        f"vocab_size={vocab_size}: pass a smaller --vocab_size or more text")
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   tok.save(os.fspath(out_path))

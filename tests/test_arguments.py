@@ -31,7 +31,7 @@ def _raises(error, message):
 
 def test_sharding_arguments(mesh):
   tree = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-  with _raises(fs.ShardingError, "mesh is a str ('data=8'), " + MESH_FIX):
+  with _raises(fs.MeshError, "mesh is a str ('data=8'), " + MESH_FIX):
     fs.batch_sharding("data=8")
   with _raises(fs.ShardingError, "axes is an int (3), expected a mesh axis name, a tuple of "
                "names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
@@ -50,7 +50,7 @@ def test_sharding_arguments(mesh):
   with _raises(fs.ShardingError, "fsdp_axis is an int (3), expected a mesh axis name, a "
                "tuple of names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
     fs.shardings(tree, mesh, fsdp_axis=3)
-  with _raises(fs.ShardingError, "mesh is a dict ({'fsdp': 8}), " + MESH_FIX):
+  with _raises(fs.MeshError, "mesh is a dict ({'fsdp': 8}), " + MESH_FIX):
     fsh.logical_to_spec(("embed",), (), {"fsdp": 8})
   with _raises(fs.ShardingError, "axes is a float (1.0), expected a mesh axis name, a tuple "
                "of names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
@@ -67,7 +67,7 @@ def test_step_state_and_compile_arguments(mesh):
   with _raises(fs.StepError, "has_aux is an int (1), expected a bool."):
     fs.train_step(_loss, opt, has_aux=1)
   params = {"w": jnp.ones((64, 4))}
-  with _raises(fs.StepError, "mesh is a str ('data=8'), " + MESH_FIX):
+  with _raises(fs.MeshError, "mesh is a str ('data=8'), " + MESH_FIX):
     fs.init_state(params, opt, mesh="data=8")
   with _raises(fs.StepError, "sharding_options is a dict ({'fsdp': 'x'}), expected a dict "
                "with keys among ('fsdp_axis', 'min_shard_bytes', 'max_replicated_bytes')."):

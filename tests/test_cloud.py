@@ -1,4 +1,5 @@
-"""fnscale.cloud against a fake GCE metadata service and Cloud TPU API on 127.0.0.1."""
+"""fnscale.cloud against a fake GCE metadata service and Cloud TPU API on 127.0.0.1, reached
+through Google's TpuClient (REST transport, endpoint override) and google-auth."""
 import http.server
 import json
 import os
@@ -6,16 +7,21 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.parse
 
 import pytest
 
 from fnscale import cloud
-from fnscale.errors import CloudError
+from fnscale.errors import CloudError, InputError
+
+pytest.importorskip("google.cloud.tpu_v2", reason="the cloud extra (google-cloud-tpu)")
+from google.oauth2 import credentials as oauth2  # noqa: E402  (after the skip)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "ya29.test-token-value"
 TPU_ENV = ("ACCELERATOR_TYPE: 'v5litepod-16'\nCONSUMER_PROJECT_ID: 'proj-from-env'\n"
            "NODE_ID: 'my-tpu'\nWORKER_ID: '0'\nZONE: 'us-west4-a'\n")
+NODE = "projects/my-project/locations/us-west4-a/nodes/my-tpu"
 
 
 def _metadata(**overrides):
@@ -28,6 +34,9 @@ def _metadata(**overrides):
       "instance/name": "t1v-n-0a1b2c3d-w-0",
       "instance/service-accounts/default/token": json.dumps(
           {"access_token": TOKEN, "expires_in": 3599, "token_type": "Bearer"}),
+      "instance/service-accounts/default/": json.dumps(
+          {"email": "sa@my-project.iam.gserviceaccount.com", "aliases": ["default"],
+           "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}),
   }
   values.update(overrides)
   return {k: v for k, v in values.items() if v is not None}
@@ -39,9 +48,9 @@ class _Fake(http.server.ThreadingHTTPServer):
   def __init__(self):
     super().__init__(("127.0.0.1", 0), _Handler)
     self.metadata = _metadata()
-    self.node = {"name": "projects/my-project/locations/us-west4-a/nodes/my-tpu"}
+    self.node = {"name": NODE}
     self.api_status = 200
-    self.requests = []  # (method, path, headers) of every API request
+    self.requests = []  # (method, path, headers, query) of every API request
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -52,6 +61,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def _send(self, status, body, content_type="application/json"):
     data = body.encode()
     self.send_response(status)
+    self.send_header("Metadata-Flavor", "Google")
     self.send_header("Content-Type", content_type)
     self.send_header("Content-Length", str(len(data)))
     self.end_headers()
@@ -59,14 +69,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
   def _handle(self, method):
     server = self.server
-    if self.path.startswith("/computeMetadata/v1/"):
+    url = urllib.parse.urlsplit(self.path)
+    if url.path.startswith("/computeMetadata/v1/"):
       if self.headers.get("Metadata-Flavor") != "Google" or method != "GET":
         return self._send(403, "Missing Metadata-Flavor:Google header.", "text/plain")
-      key = self.path[len("/computeMetadata/v1/"):]
+      key = url.path[len("/computeMetadata/v1/"):]
       if key not in server.metadata:
         return self._send(404, "not found", "text/plain")
-      return self._send(200, server.metadata[key], "text/plain")
-    server.requests.append((method, self.path, dict(self.headers)))
+      kind = "application/json" if server.metadata[key].startswith("{") else "text/plain"
+      return self._send(200, server.metadata[key], kind)
+    query = urllib.parse.parse_qs(url.query)
+    server.requests.append((method, url.path, {k.lower(): v for k, v in self.headers.items()},
+                            query))
     if server.api_status != 200:
       return self._send(server.api_status, json.dumps(
           {"error": {"code": server.api_status, "message": "Permission 'tpu.nodes.delete' "
@@ -100,8 +114,13 @@ def _no_ambient_worker(monkeypatch):
     monkeypatch.delenv(name, raising=False)
 
 
+def _credentials():
+  return oauth2.Credentials(token=TOKEN)  # a fixed access token: no refresh, no network
+
+
 def _plan(fake, tmp_path, **kw):
   kw.setdefault("sentinel", tmp_path / "keep")
+  kw.setdefault("credentials", _credentials())
   return cloud.shutdown_plan(metadata_url=fake.url, api_url=fake.url, **kw)
 
 
@@ -109,23 +128,22 @@ def _deletes(fake):
   return [r for r in fake.requests if r[0] == "DELETE"]
 
 
-def test_deletes_the_node_with_the_exact_request(fake, tmp_path):
+def test_deletes_the_node_through_the_client(fake, tmp_path):
   plan = _plan(fake, tmp_path, delay_s=0)
   assert plan.action == "delete_node"
   assert (plan.project, plan.zone, plan.node, plan.worker) == (
       "my-project", "us-west4-a", "my-tpu", 0)
-  path = "/v2/projects/my-project/locations/us-west4-a/nodes/my-tpu"
-  assert plan.url == fake.url + path and plan.method == "DELETE"
+  assert plan.name == NODE and plan.endpoint == fake.url
   assert TOKEN not in repr(plan)  # plans are safe to print
-  # Planning looked the node up (read-only) and sent no DELETE.
-  assert [(m, p) for m, p, _ in fake.requests] == [("GET", path)]
-  assert fake.requests[0][2]["Authorization"] == f"Bearer {TOKEN}"
+  # Planning looked the node up (read-only) and sent no delete.
+  assert [(m, p) for m, p, _, _ in fake.requests] == [("GET", "/v2/" + NODE)]
+  assert fake.requests[0][2]["authorization"] == f"Bearer {TOKEN}"
 
-  result = cloud.execute(plan)
-  assert result.sent and result.status == 200 and "operation-1" in result.body
-  (method, got_path, headers), = _deletes(fake)
-  assert (method, got_path) == ("DELETE", path)
-  assert headers["Authorization"] == f"Bearer {TOKEN}"
+  result = cloud.execute(plan, credentials=_credentials())
+  assert result.sent and result.operation.endswith("/operations/operation-1")
+  (method, path, headers, _), = _deletes(fake)
+  assert (method, path) == ("DELETE", "/v2/" + NODE)
+  assert headers["authorization"] == f"Bearer {TOKEN}"
 
 
 def test_queued_resource_is_deleted_with_force(fake, tmp_path):
@@ -133,33 +151,51 @@ def test_queued_resource_is_deleted_with_force(fake, tmp_path):
   fake.node["queuedResource"] = qr
   plan = _plan(fake, tmp_path)
   assert plan.action == "delete_queued_resource" and plan.queued_resource == qr
-  assert cloud.execute(plan).sent
-  (method, path, headers), = _deletes(fake)
-  assert (method, path) == ("DELETE", f"/v2/{qr}?force=true")
-  assert headers["Authorization"] == f"Bearer {TOKEN}"
+  assert cloud.execute(plan, credentials=_credentials()).sent
+  (method, path, headers, query), = _deletes(fake)
+  assert (method, path, query["force"]) == ("DELETE", f"/v2/{qr}", ["true"])
+  assert headers["authorization"] == f"Bearer {TOKEN}"
   # Given by name, no lookup is needed.
   fake.requests.clear()
   plan = _plan(fake, tmp_path, queued_resource="other-qr")
   assert fake.requests == []
-  assert plan.url == (f"{fake.url}/v2/projects/my-project/locations/us-west4-a/"
-                      "queuedResources/other-qr?force=true")
+  assert plan.name == "projects/my-project/locations/us-west4-a/queuedResources/other-qr"
 
 
-def test_dry_run_sends_nothing_and_shows_the_request(fake, tmp_path, capsys):
+def test_dry_run_sends_nothing_and_shows_the_call(fake, tmp_path, capsys):
   plan = _plan(fake, tmp_path, dry_run=True)
-  result = cloud.execute(plan)
+  result = cloud.execute(plan, credentials=_credentials())
   assert not result.sent and _deletes(fake) == []
   err = capsys.readouterr().err
-  assert f"DELETE {plan.url}" in err and "Authorization: Bearer <access token" in err
+  assert f"TpuClient.delete_node(name='{NODE}') at {fake.url}" in err
   assert TOKEN not in err and TOKEN not in result.reason
 
 
 def test_sentinel_cancels(fake, tmp_path):
   plan = _plan(fake, tmp_path)
   (tmp_path / "keep").write_text("")
-  result = cloud.execute(plan)
+  result = cloud.execute(plan, credentials=_credentials())
   assert not result.sent and "sentinel" in result.reason and str(tmp_path / "keep") in result.reason
   assert _deletes(fake) == []
+
+
+@pytest.mark.parametrize("url", ["http://tpu.googleapis.com", "http://10.0.0.7:8080",
+                                 "ftp://127.0.0.1", "tpu.googleapis.com", "https://"])
+def test_the_api_endpoint_must_be_https_off_loopback(fake, tmp_path, monkeypatch, url):
+  with pytest.raises(InputError, match="must be an https:// URL"):
+    cloud.shutdown_plan(metadata_url=fake.url, api_url=url, sentinel=tmp_path / "keep")
+  monkeypatch.setenv(cloud.API_URL_ENV, url)
+  with pytest.raises(InputError, match=f"{cloud.API_URL_ENV}="):
+    cloud.shutdown_plan(metadata_url=fake.url, sentinel=tmp_path / "keep")
+  assert fake.requests == []  # refused before any request carried a token
+
+
+def test_https_and_loopback_endpoints_are_accepted(monkeypatch):
+  for url in ("https://tpu.googleapis.com", "https://europe-west4-tpu.example.com:443/",
+              "http://127.0.0.1:8080", "http://[::1]:9", "http://localhost:1"):
+    assert cloud.api_endpoint(url) == url.rstrip("/")
+  monkeypatch.delenv(cloud.API_URL_ENV, raising=False)
+  assert cloud.api_endpoint() == "https://tpu.googleapis.com"
 
 
 @pytest.mark.parametrize("how", ["metadata", "env", "argument", "tpu_env"])
@@ -206,7 +242,7 @@ def test_node_name_missing_says_how_to_fix(fake, tmp_path):
   plan = _plan(fake, tmp_path)
   assert plan.action == "none" and "node not found" in plan.reason and "node=" in plan.reason
   plan = _plan(fake, tmp_path, node="explicit-name")
-  assert plan.action == "delete_node" and plan.url.endswith("/nodes/explicit-name")
+  assert plan.action == "delete_node" and plan.name.endswith("/nodes/explicit-name")
 
 
 def test_api_errors_carry_status_and_body(fake, tmp_path, caplog):
@@ -215,19 +251,20 @@ def test_api_errors_carry_status_and_body(fake, tmp_path, caplog):
     plan = _plan(fake, tmp_path)  # the lookup fails: fall back to deleting the node
   assert plan.action == "delete_node"
   assert "couldn't look up" in " ".join(r.getMessage() for r in caplog.records)
-  with pytest.raises(CloudError, match=r"DELETE .*/nodes/my-tpu returned HTTP 403: .*tpu.nodes."
-                     r"delete.*roles/tpu.admin") as e:
-    cloud.execute(plan)
-  assert e.value.status == 403 and "PERMISSION_DENIED" in e.value.body
-  del fake.metadata["instance/service-accounts/default/token"]
-  with pytest.raises(CloudError, match=r"no access token from the metadata service"):
-    cloud.execute(plan)
+  with pytest.raises(CloudError, match=r"TpuClient.delete_node\(.*/nodes/my-tpu\) failed with "
+                     r"HTTP 403: Forbidden: .*tpu.nodes.delete.*roles/tpu.admin") as e:
+    try:
+      cloud.execute(plan, credentials=_credentials())
+    except ValueError:
+      pytest.fail("a failed API call must not be caught as a ValueError")
+  assert e.value.status == 403 and "tpu.nodes.delete" in e.value.body
+  assert not isinstance(e.value, ValueError)
 
 
-def test_bad_arguments(tmp_path):
-  with pytest.raises(CloudError, match=r"delay_s must be a number of seconds >= 0, got -1"):
+def test_bad_arguments_are_input_errors(tmp_path):
+  with pytest.raises(InputError, match=r"delay_s must be a number of seconds >= 0, got -1"):
     cloud.shutdown_at_exit(-1, register=False)
-  with pytest.raises(CloudError, match=r"worker must be a non-negative int or None"):
+  with pytest.raises(ValueError, match=r"worker must be a non-negative int or None"):
     cloud.shutdown_plan(worker="0")
 
 
@@ -247,18 +284,31 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
                     f"plan = cloud.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout
-  (method, path, headers), = _deletes(fake)
-  assert (method, path) == ("DELETE", "/v2/projects/my-project/locations/us-west4-a/nodes/my-tpu")
-  assert headers["Authorization"] == f"Bearer {TOKEN}"
+  (method, path, headers, _), = _deletes(fake)
+  # The token came from the metadata server through google-auth's Compute Engine credentials.
+  assert (method, path) == ("DELETE", "/v2/" + NODE)
+  assert headers["authorization"] == f"Bearer {TOKEN}"
 
-  # An API error at exit is logged; the program still exits cleanly with its own status.
+  # An API error at exit is retried (500 is transient), then logged; the program still
+  # exits cleanly with its own status.
   fake.requests.clear()
   fake.api_status = 500
   proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0, "
-                    f"sentinel={keep!r})")
+                    f"sentinel={keep!r}, queued_resource='qr', timeout_s=1.5)")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "deleting the TPU VM failed" in proc.stderr and "HTTP 500" in proc.stderr
-  assert len(_deletes(fake)) == 1
+  assert len(_deletes(fake)) >= 2
+
+  # No access token from the metadata server: logged, nothing deleted.
+  fake.requests.clear()
+  fake.api_status = 200
+  del fake.metadata["instance/service-accounts/default/token"]
+  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0, "
+                    f"sentinel={keep!r}, queued_resource='qr', timeout_s=1.5)")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "deleting the TPU VM failed" in proc.stderr and "RefreshError" in proc.stderr
+  assert fake.requests == []
+  fake.metadata = _metadata()
 
   # A sentinel that appears while the job runs keeps the VM.
   fake.requests.clear()

@@ -47,7 +47,8 @@ def test_first_usable_rule_wins(three_d, dp_fsdp):
   # Without a tensor axis the first "mlp" rule is skipped and the second applies, but fsdp
   # already shards "embed", so "mlp" is replicated: one axis never serves two dims.
   assert fsh.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp) == P("fsdp", None)
-  assert fsh.logical_to_spec(("mlp", "embed"), RULES, dp_fsdp) == P("fsdp", None)
+  # Rule order, not dimension order, decides who gets fsdp: the "embed" rule comes first.
+  assert fsh.logical_to_spec(("mlp", "embed"), RULES, dp_fsdp) == P(None, "fsdp")
   assert fsh.logical_to_spec(("mlp",), RULES, dp_fsdp) == P("fsdp")
 
 
@@ -66,14 +67,37 @@ def test_none_rule_replicates_and_stops_search(dp_fsdp):
 
 
 def test_axis_never_reused_falls_through_to_next_rule(dp_fsdp):
-  rules = (("embed", "fsdp"), ("embed", "data"))
-  assert fsh.logical_to_spec(("embed", "embed"), rules, dp_fsdp) == P("fsdp", "data")
+  rules = (("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "data"))
+  assert fsh.logical_to_spec(("embed", "mlp"), rules, dp_fsdp) == P("fsdp", "data")
+  assert fsh.logical_to_spec(("mlp", "embed"), rules, dp_fsdp) == P("data", "fsdp")
   # No alternative: the second dim is replicated and the plan says why.
-  plan = fs.shard_plan({"w": jnp.zeros((8, 8))}, dp_fsdp, (("embed", "fsdp"),),
-                       logical_axes={"w": ("embed", "embed")})
+  plan = fs.shard_plan({"w": jnp.zeros((8, 8))}, dp_fsdp, rules[:2],
+                       logical_axes={"w": ("mlp", "embed")})
   (leaf,) = plan.leaves
-  assert leaf.spec == P("fsdp", None)
-  assert "dim 1 (embed) replicated: fsdp already shards dim 0" in leaf.note
+  assert leaf.spec == P(None, "fsdp")
+  assert "dim 0 (mlp) replicated: fsdp already shards dim 1" in leaf.note
+
+
+def test_the_rule_order_decides_as_in_flax(dp_fsdp):
+  # The same two rules in both orders on an ("embed", "mlp") array: the earlier rule claims
+  # fsdp (flax.linen.logical_to_mesh_axes gives the same; test_rules_flax compares widely).
+  assert fsh.logical_to_spec(("embed", "mlp"), (("mlp", "fsdp"), ("embed", "fsdp")),
+                             dp_fsdp) == P(None, "fsdp")
+  assert fsh.logical_to_spec(("embed", "mlp"), (("embed", "fsdp"), ("mlp", "fsdp")),
+                             dp_fsdp) == P("fsdp", None)
+  # A rule to None claims its dimension: a later rule for the name doesn't apply.
+  assert fsh.logical_to_spec(("embed",), (("embed", None), ("embed", "fsdp")),
+                             dp_fsdp) == P(None)
+
+
+def test_one_logical_name_on_two_dims_is_an_error(dp_fsdp):
+  with pytest.raises(fs.ShardingError) as e:
+    fs.shardings({"w": jnp.zeros((8, 8))}, dp_fsdp, (("embed", "fsdp"),),
+                 logical_axes={"w": ("embed", "embed")})
+  assert str(e.value) == (
+      "leaf 'w': logical axes ('embed', 'embed') name 'embed' on two dimensions; a logical "
+      "name can label one dimension of an array (as in flax); fix: give the dimensions "
+      "distinct names, e.g. ('embed', 'embed_out').")
 
 
 def test_mapping_rules(dp_fsdp):
@@ -580,9 +604,6 @@ def test_check_shardings_names_what_and_skips_non_named(dp_fsdp):
     (lambda m: fs.shardings({"w": jnp.zeros((8,))}, m, rules="embed"),
      "rules is a str ('embed'), expected a sequence of (logical_name, mesh_axes) pairs or a "
      "mapping; fix: e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))."),
-    (lambda m: fs.shardings({"w": jnp.zeros((8,))}, "mesh"),
-     "mesh is a str ('mesh'), expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), e.g. "
-     "fnscale.make_mesh({'data': -1})."),
     (lambda m: fs.batch_sharding(m, axes=3),
      "axes is an int (3), expected a mesh axis name, a tuple of names or None; fix: e.g. "
      "'fsdp' or ('data', 'fsdp')."),
@@ -686,14 +707,15 @@ def test_python_scalars_and_lists_of_names_in_plans(dp_fsdp):
 def test_notes_say_why_a_dim_is_replicated(dp_fsdp):
   notes = []
   rules = (("embed", "tensor"), ("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "data"),
-           ("heads", "pipe"))
-  spec = fsh.logical_to_spec(("embed", "heads", "layers", "mlp", "mlp"), rules, dp_fsdp,
+           ("heads", "pipe"), ("heads", ("data", "pipe")), ("vocab", "data"))
+  spec = fsh.logical_to_spec(("embed", "heads", "layers", "mlp", "vocab"), rules, dp_fsdp,
                              _notes=notes)
   assert spec == P("fsdp", None, None, "data", None)
   assert notes == [
-      "dim 1 (heads) replicated: its rules name mesh axes ['pipe'] that the mesh doesn't have",
+      "dim 1 (heads) replicated: its rules name mesh axes ['pipe', 'pipe'] that the mesh "
+      "doesn't have",
       "dim 2 (layers) replicated: no rule names 'layers'",
-      "dim 4 (mlp) replicated: fsdp already shards dim 0"]
+      "dim 4 (vocab) replicated: data already shards dim 3"]
 
 
 def test_auto_fsdp_boundaries(dp_fsdp):

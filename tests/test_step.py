@@ -460,7 +460,7 @@ def test_bad_arguments():
   step = fnscale.train_step(models.mlp_loss, opt)
   with pytest.raises(fnscale.StepError, match="mode='pmap'"):
     fnscale.shard_step(step, mesh, mode="pmap")
-  with pytest.raises(fnscale.StepError, match="expected a jax.sharding.Mesh"):
+  with pytest.raises(fnscale.MeshError, match="expected a jax.sharding.Mesh"):
     fnscale.shard_step(step, "data=8")
   state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
   with pytest.raises(fnscale.StepError, match="scalar"):

@@ -6,7 +6,8 @@ attention, the Pallas Triton attention or the XLA reference (`jax.nn.dot_product
 choice to one call of a function (and so to its trace), like `jax.set_mesh` scopes a mesh.
 
 Under a mesh a kernel runs inside `jax.shard_map` over the mesh axes that shard batch (the
-data-like axes of `fnscale._axes`: "replica", "data", "fsdp") and heads ("tensor"), so XLA
+data-like axes of the ambient `fnscale.axis_conventions`: by default "replica", "data",
+"fsdp") and heads (by default "tensor"; Levanter's "model", MaxText's tensor axes), so XLA
 never has to partition a custom call it can't (Mosaic kernels can't be partitioned
 automatically at all). The mesh is the one passed, else the ambient one (`with_mesh` /
 `jax.set_mesh`, also when set only inside the trace), else the one q's sharding names (a
