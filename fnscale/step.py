@@ -498,10 +498,19 @@ def _update(cfg: _Config, state, grads, ls):
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,
                                  counter=jnp.asarray(ls.counter, jnp.int32))
-  applied = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32),
-                         new_params, params)
+  applied = jax.tree.map(_change, new_params, params)
   update_norm = optax.tree.norm(applied).astype(jnp.float32)
   return TrainState(new_params, opt_state, state.step + 1, new_ls), skipped, update_norm
+
+
+def _change(new, old):
+  """new - old in float32, `new` rounded to its dtype explicitly: XLA may otherwise keep
+  the excess precision of the float32 sum that it rounds (xla_allow_excess_precision)."""
+  if not _is_float(new):
+    return jnp.zeros((), jnp.float32)
+  info = jnp.finfo(new.dtype)
+  rounded = jax.lax.reduce_precision(new.astype(jnp.float32), info.nexp, info.nmant)
+  return rounded - old.astype(jnp.float32)
 
 
 def _step(cfg: _Config, state, batch):
