@@ -372,6 +372,19 @@ def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   assert isinstance(summary.sample, str) and summary.sample
 
 
+def test_stalled_updates_stop_the_run_with_the_cause(work, tmp_path):
+  # lr 1e-45 is a float32 subnormal, 0 on a device that flushes them: finite loss and
+  # gradients, params that never move; the run names it at the 3rd such step, not at the end.
+  with pytest.raises(fs.StepError, match=r"training stalled: .* at 3 consecutive steps 1\.\.3 "
+                     r"although the loss was finite .*grad_norm [0-9.]+, update_norm 0\); .*"
+                     r"the learning rate is 0"):
+    train_lm.train_lm(**_kwargs(work, tmp_path / "run", lr=1e-45, max_stalled_steps=3,
+                                checkpoint=False))
+  # The metrics of the stalled steps were written: update_norm 0 beside a finite loss.
+  records = _records(tmp_path / "run", "train/update_norm")
+  assert [r["train/update_norm"] for r in records] == [0.0] * len(records) and records
+
+
 def test_sigterm_saves_a_checkpoint_and_stops(work):
   """A preemption notice (SIGTERM) mid-run: checkpoint at the next step, exit 143."""
   run_dir = work / "sigterm"
@@ -553,7 +566,9 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("zero batch", ["--global_batch=0"], dict(global_batch=0), fs.FnscaleError,
      r"global_batch=0, accum_steps=1: each must be >= 1"),
     ("zero lr", ["--lr=0"], dict(lr=0.0), fs.FnscaleError,
-     r"lr=0.0, log_every=1, eval_every=1: expected lr > 0"),
+     r"lr=0.0, log_every=1, eval_every=1, max_stalled_steps=20: expected lr > 0"),
+    ("negative stall limit", ["--max_stalled_steps=-1"], dict(max_stalled_steps=-1),
+     fs.FnscaleError, r"max_stalled_steps=-1: expected .*max_stalled_steps >= 0"),
     ("zero epochs", ["--epochs=0"], dict(epochs=0), fs.FnscaleError,
      r"epochs=0: expected >= 1 passes over the training split"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,

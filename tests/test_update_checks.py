@@ -111,3 +111,29 @@ def test_float16_dynamic_scale_above_float16_range_skips_and_halves():
                           loss_scale=ls, steps=2)
   assert int(m["skipped"]) == 0
   np.testing.assert_array_equal(before["w"] - after["w"], np.full(4, 2.0**-4, np.float32))
+
+
+# ----------------------------------------------------------------------------- train_lm's stop
+
+
+def _metrics(bad, grad_norm=1.0, update_norm=0.0, loss=2.5):
+  return {"bad_update": np.int32(bad), "grad_norm": np.float32(grad_norm),
+          "update_norm": np.float32(update_norm), "loss": np.float32(loss)}
+
+
+@pytest.mark.parametrize("grad_norm, update_norm, cause", [
+    (0.0, 0.0, r"gradients are zero: they underflow in the compute dtype"),
+    (3.0, float("nan"), r"params became non-finite"),
+    (3.0, float("inf"), r"params became non-finite"),
+    (3.0, 0.0, r"rounded away by the params' dtype"),
+])
+def test_consecutive_bad_updates_raise_naming_steps_and_cause(grad_norm, update_norm, cause):
+  from recipes import harness  # pylint: disable=import-outside-toplevel
+  stall = harness.Stall()
+  # A good step in between resets the count: steps 5, 6 then 8, 9, 10 (limit 3).
+  for done, bad in [(5, 1), (6, 1), (7, 0), (8, 1), (9, 1)]:
+    stall = harness.check_update(stall, done, _metrics(bad, grad_norm, update_norm), 3)
+  assert stall == harness.Stall(2, 8)
+  with pytest.raises(fnscale.StepError, match=r"at 3 consecutive steps 8\.\.10 .*" + cause):
+    harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 3)
+  assert harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 0).steps == 3
