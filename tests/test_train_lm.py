@@ -372,6 +372,21 @@ def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   assert isinstance(summary.sample, str) and summary.sample
 
 
+def test_pruned_tokenizer_trains_with_a_vocabulary_of_its_largest_id(work, tmp_path, capsys):
+  """A tokenizer.json of 298 entries with ids up to 299: the model gets 300 rows (said at
+  start-up) and a finite loss near ln(300) at step 0 (out-of-range ids gave nan)."""
+  import test_data  # pylint: disable=import-outside-toplevel
+  test_data.pruned_tokenizer(tmp_path / "tok.json")
+  (tmp_path / "c.txt").write_text(" ".join(f"w{i}" for i in range(1, 300)) * 40)
+  summary = train_lm.train_lm(**_kwargs(work, tmp_path / "run", tokenizer=str(tmp_path / "tok.json"),
+                                        dataset=str(tmp_path / "c.txt"), steps=1,
+                                        checkpoint=False))
+  assert summary.state.params["wte"].shape[0] == 300
+  assert "vocab 300: ids up to 299, though the tokenizer holds 298" in capsys.readouterr().out
+  first = _records(tmp_path / "run", "eval/loss")[0]["eval/loss"]
+  assert first == pytest.approx(np.log(300), rel=0.05)
+
+
 def test_stalled_updates_stop_the_run_with_the_cause(work, tmp_path):
   # lr 1e-45 is a float32 subnormal, 0 on a device that flushes them: finite loss and
   # gradients, params that never move; the run names it at the 3rd such step, not at the end.
