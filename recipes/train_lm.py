@@ -174,6 +174,7 @@ def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
+  preemption.check_service()  # the loop's guard needs it: say so now, not after the compile
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   o, base = s.o, data.baseline(corpus)

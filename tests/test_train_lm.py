@@ -523,6 +523,27 @@ def test_processes_with_different_options_are_named_at_start(work, tmp_path):
     assert "compile:" not in out  # named before anything compiled
 
 
+def test_preemption_service_off_is_named_at_start(work, tmp_path):
+  """JAX_ENABLE_PREEMPTION_SERVICE=false in a two-process job: the guard of the training loop
+  cannot work; both processes say so at start-up (before any compile), naming the variable."""
+  port = launch_local.free_port()
+  procs = []
+  for pid in range(2):
+    argv = _argv(work, tmp_path / "run", "--nocheckpoint")[1:]
+    env = launch_local.child_env(pid, 2, 4, port, dict(
+        os.environ, PYTHONPATH=str(ROOT), JAX_ENABLE_PREEMPTION_SERVICE="false"))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]
+    assert ("preemption service in a multi-process job, and it is off (jax.config."
+            "jax_enable_preemption_service=False, environment variable "
+            "JAX_ENABLE_PREEMPTION_SERVICE='false')") in out, out[-2000:]
+    assert "compile:" not in out  # named before anything compiled
+
+
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys, time\n"
