@@ -188,7 +188,6 @@ def _signal_pipe(g: _Guard):
     os.close(read_fd)
 
 
-@contextlib.contextmanager
 def check_service() -> None:
   """Raises unless `preemption_guard` can work here: in a multi-process job it needs JAX's
   preemption service. Call it right after `fnscale.initialize` to learn that at start-up,
@@ -212,6 +211,7 @@ def check_service() -> None:
         "before fnscale.initialize.")
 
 
+@contextlib.contextmanager
 def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[int], bool]]:
   """Turns a preemption notice into "save at step N and stop" on every process.
 
