@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import math
+import numbers
 import os
 import re
 import socket
@@ -123,13 +124,21 @@ def _backends_initialized() -> bool:
     return False
 
 
+def _plain_int(value):
+  """An integer of another type (numpy's np.int64, from a launcher's arithmetic) as the int
+  it is; anything else (bools included) unchanged, for `_check_args` to name."""
+  if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+    return int(value)
+  return value
+
+
 def _check_args(coordinator_address, num_processes, process_id, timeouts) -> None:
   if num_processes is not None and (not isinstance(num_processes, int) or num_processes < 1):
     raise DistributedError(
         f"num_processes={num_processes!r}, expected a positive int; fix: pass the number of "
         "processes in the job.")
   if process_id is not None:
-    if not isinstance(process_id, int) or process_id < 0 or (
+    if isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0 or (
         num_processes is not None and process_id >= num_processes):
       raise DistributedError(
           f"process_id={process_id!r}, expected an int in [0, {num_processes}); fix: number "
@@ -287,6 +296,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
               "shutdown_timeout_s": shutdown_timeout_s}
   coordinator_address, num_processes, process_id = _from_env(
       coordinator_address, num_processes, process_id)
+  num_processes, process_id = _plain_int(num_processes), _plain_int(process_id)
   _check_args(coordinator_address, num_processes, process_id, timeouts)
   config_facts = _check_config(config)
   asked_timeout_s = timeout_s

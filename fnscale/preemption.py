@@ -43,6 +43,7 @@ import time
 from typing import Callable, Iterator, NamedTuple
 
 from absl import logging
+import jax
 
 from fnscale import distributed
 from fnscale.errors import DistributedError
@@ -187,6 +188,29 @@ def _signal_pipe(g: _Guard):
     os.close(read_fd)
 
 
+def check_service() -> None:
+  """Raises unless `preemption_guard` can work here: in a multi-process job it needs JAX's
+  preemption service. Call it right after `fnscale.initialize` to learn that at start-up,
+  not after the compile (the guard itself calls it too).
+
+  Raises:
+    DistributedError: several processes but the service is off (`jax_enable_preemption_service`
+      false, e.g. from JAX_ENABLE_PREEMPTION_SERVICE=false in the environment).
+  """
+  if distributed._runtime() is None:  # pylint: disable=protected-access
+    return
+  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
+  if _jd.global_state.preemption_sync_manager is None:
+    env = os.environ.get("JAX_ENABLE_PREEMPTION_SERVICE")
+    raise DistributedError(
+        "preemption_guard needs JAX's preemption service in a multi-process job, and it is "
+        "off (jax.config.jax_enable_preemption_service="
+        f"{jax.config.jax_enable_preemption_service}, environment variable "
+        f"JAX_ENABLE_PREEMPTION_SERVICE={env!r}); fix: unset JAX_ENABLE_PREEMPTION_SERVICE "
+        "(or set it to true), or jax.config.update('jax_enable_preemption_service', True) "
+        "before fnscale.initialize.")
+
+
 @contextlib.contextmanager
 def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[int], bool]]:
   """Turns a preemption notice into "save at step N and stop" on every process.
@@ -221,14 +245,8 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
                            "sets signal handlers only there); fix: wrap the training loop "
                            "of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
+  check_service()
   rt = distributed._runtime()  # pylint: disable=protected-access
-  if rt is not None:
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    if _jd.global_state.preemption_sync_manager is None:
-      raise DistributedError(
-          "preemption_guard needs JAX's preemption service in a multi-process job, and it "
-          "is off; fix: jax.config.update('jax_enable_preemption_service', True) before "
-          "fnscale.initialize.")
 
   def should_stop(step: int) -> bool:
     if isinstance(step, bool) or not isinstance(step, int):

@@ -237,14 +237,18 @@ class _Config(NamedTuple):
   accum_steps: int
   has_aux: bool
   accum_gather: str = "per_microbatch"
+  weighted: bool = False
+  key: Any = None  # the base PRNG key of `loss_fn(params, batch, key)`, or None
 
 
-def _scaled_loss(cfg: _Config, params, batch, loss_scale):
-  """The loss in float32 (scaled when a loss scale is used), and (loss, aux)."""
+def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None):
+  """What is differentiated: the loss (a mean; with `weighted`, the sum) in float32, scaled
+  when a loss scale is used; and (loss or sum, weight, aux) with weight 1 for a mean."""
   if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
     batch = cfg.policy.cast_to_compute(batch)
-  out = cfg.loss_fn(_for_compute(params), batch)
+  args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
+  out = cfg.loss_fn(*args)
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
@@ -252,15 +256,40 @@ def _scaled_loss(cfg: _Config, params, batch, loss_scale):
     loss, aux = out
   else:
     loss, aux = out, None
-  if np.ndim(loss) != 0:
-    raise StepError(
-        f"loss_fn returned a loss of shape {np.shape(loss)}, expected a scalar; fix: take "
-        "the mean over the batch (or pass has_aux=True if it returns (loss, aux)).")
+  loss, weight = _split_weighted(cfg, loss)
   if cfg.policy is not None:
     loss = cfg.policy.cast_to_output(loss)
   loss = jnp.asarray(loss).astype(jnp.float32)
   scaled = loss_scale.scale(loss) if loss_scale is not None else loss
-  return scaled, (loss, aux)
+  return scaled, (loss, weight, aux)
+
+
+def _split_weighted(cfg: _Config, loss):
+  """(loss, weight): a scalar loss has weight 1; `weighted` losses are (sum, weight)."""
+  if cfg.weighted:
+    if not (isinstance(loss, tuple) and len(loss) == 2
+            and all(np.ndim(x) == 0 for x in loss)):
+      raise StepError(
+          f"loss_fn returned {_tree.got(loss)} as its loss; with weighted=True it must be "
+          "(sum, weight), two scalars: the loss summed over the batch's tokens or examples "
+          "and their count (e.g. (jnp.sum(nll * mask), jnp.sum(mask))).")
+    loss, weight = loss
+    return loss, jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+  if np.ndim(loss) != 0:
+    raise StepError(
+        f"loss_fn returned a loss of shape {np.shape(loss)}, expected a scalar; fix: take "
+        "the mean over the batch (or pass has_aux=True if it returns (loss, aux), or "
+        "weighted=True if it returns (sum, weight)).")
+  return loss, jnp.ones((), jnp.float32)
+
+
+def _loss_key(cfg: _Config, step, index, axes: tuple[str, ...]):
+  """The key of one loss call: the base key folded by the step, the microbatch index and,
+  per shard under `jax.shard_map`, the shard's position over the data axes `axes`."""
+  if cfg.key is None:
+    return None
+  key = jax.random.fold_in(jax.random.fold_in(cfg.key, step), index)
+  return jax.random.fold_in(key, jax.lax.axis_index(axes)) if axes else key
 
 
 def _for_compute(params):
@@ -285,41 +314,51 @@ def _for_compute(params):
   return jax.tree.map(gather, params)
 
 
-def _grad_sum(cfg: _Config, params, micro, scale, reduce: bool = True):
-  """Gradients, loss and aux of the batch, or averaged over the microbatches `micro`
-  ([accum, rows, ...], a `lax.scan`), reduced once over the manual data axes (if any; the
-  gradients only when `reduce`). The float32 accumulator keeps the params' sharding."""
+def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True):
+  """Summed gradients, loss and weight of the batch, or of the microbatches `micro`
+  ([accum, rows, ...], a `lax.scan`), and aux; summed once over the manual data axes (if
+  any; the gradients only when `reduce`). Divide by the weight (`_normalize`) for the mean.
+  A scalar loss weighs 1 per call. The float32 accumulator keeps the params' sharding."""
   axes = _manual_data_axes()
   params = _vary(params, axes)  # per-shard gradients are local (varying) until reduced
   ls = None if scale is None else jmp.StaticLossScale(scale)
   grad_fn = jax.grad(functools.partial(_scaled_loss, cfg), has_aux=True)
   if cfg.accum_steps == 1:
-    grads, (loss, aux) = grad_fn(params, micro, ls)
-    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, aux, axes, reduce)
+    grads, (loss, weight, aux) = grad_fn(params, micro, ls, _loss_key(cfg, step, 0, axes))
+    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, weight, aux, axes, reduce)
 
-  def body(carry, mb):
-    gsum, lsum = carry
-    g, (l, a) = grad_fn(params, mb, ls)
+  def body(carry, mb_i):
+    gsum, lsum, wsum = carry
+    mb, i = mb_i
+    g, (l, w, a) = grad_fn(params, mb, ls, _loss_key(cfg, step, i, axes))
     gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
-    return (_like_params(gsum, params), lsum + l), a
+    return (_like_params(gsum, params), lsum + l, wsum + w), a
 
+  zero = _vary(jnp.zeros((), jnp.float32), axes)
   init = (_like_params(_vary(optax.tree.zeros_like(params, jnp.float32), axes), params),
-          _vary(jnp.zeros((), jnp.float32), axes))
-  (gsum, lsum), auxs = jax.lax.scan(body, init, micro)
+          zero, zero)
   n = jax.tree.leaves(micro)[0].shape[0]
-  grads, loss = optax.tree.scale(1.0 / n, gsum), lsum / n
+  (gsum, lsum, wsum), auxs = jax.lax.scan(body, init, (micro, jnp.arange(n)))
   aux = _reduce_aux(auxs, axis=0) if cfg.has_aux else None
-  return _reduce(cfg, grads, loss, aux, axes, reduce)
+  return _reduce(cfg, gsum, lsum, wsum, aux, axes, reduce)
 
 
-def _reduce(cfg: _Config, grads, loss, aux, axes, reduce_grads: bool = True):
-  """The one gradient reduction of the step (after every microbatch), over manual axes."""
+def _reduce(cfg: _Config, grads, loss, weight, aux, axes, reduce_grads: bool = True):
+  """The one gradient reduction of the step (after every microbatch), over manual axes:
+  sums of gradients, losses and weights (divided once, by `_normalize`)."""
   if axes:
     if reduce_grads:
-      grads = jax.lax.pmean(_vary(grads, axes), axes)
-    loss = jax.lax.pmean(_vary(loss, axes), axes)
+      grads = jax.lax.psum(_vary(grads, axes), axes)
+    loss, weight = jax.lax.psum(_vary((loss, weight), axes), axes)
     aux = _reduce_aux(aux, axis_name=axes) if cfg.has_aux else None
-  return grads, loss, aux
+  return grads, loss, weight, aux
+
+
+def _normalize(grads, loss, weight):
+  """Summed gradients and loss divided once by the summed weight (a weight of 0, every
+  token masked: zero gradients and loss, not nan)."""
+  w = jnp.where(weight == 0, 1.0, weight)
+  return jax.tree.map(lambda g: g / w, grads), loss / w
 
 
 # The params' PartitionSpecs while `shard_step` traces the step: (treedef, specs), or None.
@@ -385,7 +424,7 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _gather_once(cfg: _Config, params, micro, scale, axes, specs):
+def _gather_once(cfg: _Config, params, micro, scale, step, axes, specs):
   """accum_gather="once": the microbatch loop per shard under `jax.shard_map`, manual over
   the data axes `axes` (other axes stay with the partitioner). Params, cast to the compute
   dtype first, are all-gathered once at its entry; every device sums its own microbatches'
@@ -398,43 +437,53 @@ def _gather_once(cfg: _Config, params, micro, scale, axes, specs):
     params = cfg.policy.cast_to_compute(params)
   params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
   treedef = jax.tree.structure(params)
-  mesh = jax.sharding.get_abstract_mesh()
-  n = math.prod(mesh.shape[a] for a in axes)
   mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
   gspec = jax.tree.unflatten(treedef, [_only(s, lambda a: a in axes) for s in specs])
 
-  def local(params, micro, scale):
-    grads, loss, aux = _grad_sum(cfg, params, micro, scale, reduce=False)
-    leaves = [_scatter(g, s, axes) / n for g, s in zip(jax.tree.leaves(grads), specs)]
-    return jax.tree.unflatten(treedef, leaves), loss, aux
+  def local(params, micro, scale, step):
+    grads, loss, weight, aux = _grad_sum(cfg, params, micro, scale, step, reduce=False)
+    leaves = [_scatter(g, s, axes) for g, s in zip(jax.tree.leaves(grads), specs)]
+    return jax.tree.unflatten(treedef, leaves), loss, weight, aux
 
-  f = jax.shard_map(local, in_specs=(PartitionSpec(), mspec, PartitionSpec()),
-                    out_specs=(gspec, PartitionSpec(), PartitionSpec()),
+  rep = PartitionSpec()
+  f = jax.shard_map(local, in_specs=(rep, mspec, rep, rep), out_specs=(gspec, rep, rep, rep),
                     axis_names=set(axes), check_vma=False)
-  return f(params, micro, scale)
+  return f(params, micro, scale, step)
 
 
-def _gradients(cfg: _Config, params, batch, ls):
-  """float32 gradients (still loss-scaled), loss and aux of the whole batch, reduced over
-  the data axes (see `train_step`'s accum_gather)."""
+def _gradients(cfg: _Config, params, batch, ls, step):
+  """float32 gradients (still loss-scaled), loss and weight of the whole batch (sums over
+  microbatches and the data axes, not yet divided by the weight; see `train_step`'s
+  accum_gather), and aux."""
   scale = None if ls is None else ls.loss_scale
   if cfg.accum_steps == 1:
-    return _grad_sum(cfg, params, batch, scale)
+    return _grad_sum(cfg, params, batch, scale, step)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
-    return _grad_sum(cfg, params, micro, scale)
+    return _grad_sum(cfg, params, micro, scale, step)
   if cfg.accum_gather == "per_microbatch":
     # (Not per shard over the data axes the params are whole on, which would reduce those
     # once: XLA's partitioner aborts on a table lookup inside such a partly manual loop.)
-    return _grad_sum(cfg, params, micro, scale)
+    return _grad_sum(cfg, params, micro, scale, step)
   specs = _known_specs(params) or [PartitionSpec()] * len(jax.tree.leaves(params))
-  return _gather_once(cfg, params, micro, scale, axes, specs)
+  return _gather_once(cfg, params, micro, scale, step, axes, specs)
+
+
+def _unscale(grads, ls):
+  """Gradients divided by the loss scale: exact for a power-of-two scale wherever the
+  result is a normal float32 (jmp multiplies by 1 / scale, which is 0 on a device that
+  flushes subnormals once the scale reaches 2**127, and inexact for other scales)."""
+  if ls is None:
+    return grads
+  return jax.tree.map(lambda g: g / ls.loss_scale, grads)
 
 
 def _update(cfg: _Config, state, grads, ls):
-  """The optimizer update; with a dynamic loss scale, a non-finite step is skipped."""
+  """The optimizer update; with a dynamic loss scale, a non-finite step is skipped.
+  Returns the new state, `skipped` and the float32 norm of the change applied to the
+  params (the update after rounding to the param dtype)."""
   params = state.params
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   updates, opt_state = cfg.optimizer.update(grads, state.opt_state, params)
@@ -449,7 +498,19 @@ def _update(cfg: _Config, state, grads, ls):
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,
                                  counter=jnp.asarray(ls.counter, jnp.int32))
-  return TrainState(new_params, opt_state, state.step + 1, new_ls), skipped
+  applied = jax.tree.map(_change, new_params, params)
+  update_norm = optax.tree.norm(applied).astype(jnp.float32)
+  return TrainState(new_params, opt_state, state.step + 1, new_ls), skipped, update_norm
+
+
+def _change(new, old):
+  """new - old in float32, `new` rounded to its dtype explicitly: XLA may otherwise keep
+  the excess precision of the float32 sum that it rounds (xla_allow_excess_precision)."""
+  if not _is_float(new):
+    return jnp.zeros((), jnp.float32)
+  info = jnp.finfo(new.dtype)
+  rounded = jax.lax.reduce_precision(new.astype(jnp.float32), info.nexp, info.nmant)
+  return rounded - old.astype(jnp.float32)
 
 
 def _step(cfg: _Config, state, batch):
@@ -457,12 +518,19 @@ def _step(cfg: _Config, state, batch):
     raise StepError(f"state is a {type(state).__name__}, expected fnscale.TrainState; fix: "
                     "build it with fnscale.init_state.")
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
-  grads, loss, aux = _gradients(cfg, state.params, batch, ls)
-  if ls is not None:
-    grads = ls.unscale(grads)
+  grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step)
+  grads, loss = _normalize(grads, loss, weight)
+  grads = _unscale(grads, ls)
   grad_norm = optax.tree.norm(grads).astype(jnp.float32)
-  new_state, skipped = _update(cfg, state, grads, ls)
-  metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": skipped}
+  new_state, skipped, update_norm = _update(cfg, state, grads, ls)
+  # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
+  # change to the params.
+  bad = (jnp.isfinite(loss) & (skipped == 0)
+         & ((update_norm == 0) | ~jnp.isfinite(update_norm)))
+  metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": skipped,
+             "update_norm": update_norm, "bad_update": bad.astype(jnp.int32)}
+  if cfg.weighted:
+    metrics["weight"] = weight
   if cfg.has_aux:
     metrics["aux"] = aux
   if new_state.loss_scale is not None:
@@ -474,13 +542,16 @@ ACCUM_GATHER = ("per_microbatch", "once")
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 1,
-               has_aux: bool = False, accum_gather: str = "per_microbatch") -> Callable:
+               has_aux: bool = False, accum_gather: str = "per_microbatch",
+               weighted: bool = False, key=None) -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (a scalar), or `-> (loss, aux)` with
-      `has_aux=True`. The loss should be a mean over the batch: with accumulation the
-      microbatch gradients are averaged.
+      `has_aux=True`; `loss_fn(params, batch, key)` when `key` is given. A scalar loss
+      should be a mean over the batch: the step averages the means of the microbatches
+      and shards, which is biased when they hold different numbers of tokens (masks,
+      packing); for an exact mean use `weighted`.
     optimizer: an `optax.GradientTransformation`.
     policy: a `jmp.Policy` or policy string, e.g.
       'params=float32,compute=bfloat16,output=float32': params (and gradients) stay in the
@@ -492,6 +563,20 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       i, i + accum_steps, ..., so under a mesh (the step traced inside `jax.set_mesh`, as
       `shard_step` does) every microbatch stays spread over the data axes.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
+    weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over the
+      tokens (or examples) of its batch and their count or total weight (e.g.
+      `(jnp.sum(nll * mask), jnp.sum(mask))`). The step sums both over microbatches and
+      shards and divides once: the loss and gradients are those of the whole batch's
+      weighted mean, whatever the mesh or accum_steps. A total weight of 0 gives a zero
+      loss and zero gradients. The gradients are those of the sum until that division, so
+      with float16 compute they overflow sooner (dynamic loss scaling lowers the scale).
+    key: a `jax.random.key` (or None): `loss_fn` is then called as
+      `loss_fn(params, batch, key)` with `key` folded (`jax.random.fold_in`) by the state's
+      step, the microbatch index (0 without accumulation) and, per shard under
+      `jax.shard_map` (`shard_step(mode="shard_map")`), the shard's position over the data
+      axes: distinct for each, and reproducible. Without shard_map the loss sees the whole
+      global batch and one key per microbatch, so its random bits (jax's partitionable
+      threefry) are the same under any mesh.
     accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
       between microbatches. FSDP semantics either way: the gradients end in the params'
       sharding, never in a whole-size accumulator that is all-reduced at the end.
@@ -513,7 +598,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     `step(state: TrainState, batch) -> (TrainState, metrics)`, a plain function; metrics is
     a dict with "loss" (float32, the mean loss), "grad_norm" (float32, `optax.tree.norm` of
     the unscaled gradients), "skipped" (int32, 1 if this step was skipped because its
-    gradients were not finite, else 0; sum it for a count), "aux" (with `has_aux`; floating
+    gradients were not finite, else 0; sum it for a count), "update_norm" (float32, the
+    norm of the change made to the params, after rounding to their dtype), "bad_update"
+    (int32, 1 when the loss is finite and the step not skipped but the params did not
+    change or became non-finite: update_norm 0 or non-finite; training has stalled if it
+    stays 1), "weight" (float32, with `weighted`: the batch's total weight), "aux" (with `has_aux`; floating
     leaves averaged over microbatches and shards, integer leaves summed) and "loss_scale"
     (float32, when the state has a loss scale). With a dynamic `LossScale` in the state
     (float16 compute, see `init_state`) a step with non-finite gradients leaves params and
@@ -523,9 +612,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
 
   Raises:
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
-      policy or accum_steps; when traced, a batch whose leaves' leading dims differ or are
-      not divisible by accum_steps (naming the leaf), a non-scalar loss, a state that is not
-      a TrainState.
+      policy, accum_steps or key; when traced, a batch whose leaves' leading dims differ or
+      are not divisible by accum_steps (naming the leaf), a non-scalar loss (or, with
+      `weighted`, a loss that is not two scalars), a state that is not a TrainState.
   """
   if not callable(loss_fn):
     raise StepError(f"loss_fn is {_tree.got(loss_fn)}, expected a callable "
@@ -536,8 +625,15 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     raise StepError(f"has_aux is {_tree.got(has_aux)}, expected a bool.")
   if accum_gather not in ACCUM_GATHER:
     raise StepError(f"accum_gather={accum_gather!r}, expected one of {ACCUM_GATHER}.")
+  if not isinstance(weighted, bool):
+    raise StepError(f"weighted is {_tree.got(weighted)}, expected a bool.")
+  if key is not None and not (isinstance(key, jax.Array)
+                              and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                              and key.ndim == 0):
+    raise StepError(f"key is {_tree.got(key)}, expected one jax.random.key(seed) (a "
+                    "typed key array of shape ()) or None.")
   cfg = _Config(loss_fn, optimizer, as_policy(policy), int(accum_steps), has_aux,
-                accum_gather)
+                accum_gather, weighted, key)
 
   def step(state, batch):
     return _step(cfg, state, batch)

@@ -130,10 +130,46 @@ def load(dataset: str, tokenizer: str = "") -> Corpus:
   ids = lambda b: np.array([i for e in tok.encode_batch(_text_chunks(b)) for i in e.ids],
                            np.int32)
   train_ids, eval_ids = ids(train), ids(held)
-  return Corpus(train_ids, eval_ids, tok.get_vocab_size(), len(eval_ids) / max(1, len(held)),
+  vocab, said = tokenizer_vocab(tok)
+  for name, split_ids in (("training", train_ids), ("held-out", eval_ids)):
+    check_token_ids(split_ids, vocab, f"tokenizer={tokenizer!r}'s {name} split")
+  return Corpus(train_ids, eval_ids, vocab, len(eval_ids) / max(1, len(held)),
                 lambda s: tok.encode(s).ids, tok.decode,
-                f"{line}, tokenizer {tokenizer} (vocab {tok.get_vocab_size()}, "
+                f"{line}, tokenizer {tokenizer} ({said}, "
                 f"{len(eval_ids) / max(1, len(held)):.3f} tokens/byte)")
+
+
+def tokenizer_vocab(tok) -> tuple[int, str]:
+  """The model vocabulary a `tokenizers.Tokenizer` needs, its largest id + 1 (added tokens
+  included), and how to say it. `get_vocab_size()` counts entries: less than that for a
+  pruned vocabulary that kept its original ids, whose largest ids would index past the
+  embedding (a nan loss)."""
+  ids = tok.get_vocab(with_added_tokens=True).values()
+  size = tok.get_vocab_size(with_added_tokens=True)
+  vocab = max(max(ids, default=-1) + 1, size)
+  if vocab == size:
+    return vocab, f"vocab {vocab}"
+  return vocab, (f"vocab {vocab}: ids up to {vocab - 1}, though the tokenizer holds {size} "
+                 "entries (ids not contiguous)")
+
+
+def check_token_ids(ids, vocab: int, what: str = "token ids") -> None:
+  """Raises FnscaleError unless every id in `ids` (an int array, or a batch dict of them:
+  `{"inputs", "targets"}`) is in [0, vocab). Inside a jitted loss an out-of-range id is no
+  error: the embedding lookup returns nan (or a clamped row) and the loss is nan or wrong.
+  Call it on the host before feeding `gpt.loss_fn` / `llama.loss_fn` data of your own."""
+  leaves = ids.values() if isinstance(ids, dict) else [ids]
+  for leaf in leaves:
+    a = np.asarray(leaf)
+    if a.size == 0:
+      continue
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= vocab:
+      bad = hi if hi >= vocab else lo
+      raise fs.InputError(
+          f"{what}: token id {bad} is outside the model's vocabulary of {vocab} (ids 0.."
+          f"{vocab - 1}; largest id {hi}, smallest {lo}); fix: a vocab of at least {hi + 1} "
+          "(ModelConfig.vocab) or ids remapped into range")
 
 
 class Baseline(NamedTuple):

@@ -379,10 +379,50 @@ def progress(s, done: int, m, dt, lr: float, flops_step: float, peak, say, log) 
   metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
   line = rl.progress_line(done, s.o.steps, metrics, dt)
   say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
-  log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"])})
+  log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
+                   "train/update_norm": float(m["update_norm"])})
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+class Stall(NamedTuple):
+  """Consecutive steps whose update did not train (the step's "bad_update" metric): how
+  many, and the first of them."""
+  steps: int = 0
+  first: int = 0
+
+
+def check_update(stall: Stall, done: int, m, limit: int) -> Stall:
+  """Counts step `done`'s metrics `m` into `stall`; `limit` consecutive bad updates (a
+  finite loss with params that did not change or became non-finite) raise. limit 0: never.
+
+  Raises:
+    StepError: naming the steps, the norms and the likely cause.
+  """
+  if m is None or not int(m["bad_update"]):
+    return Stall()
+  stall = Stall(stall.steps + 1, stall.first if stall.steps else done)
+  if limit and stall.steps >= limit:
+    grad, update = float(m["grad_norm"]), float(m["update_norm"])
+    if not np.isfinite(update):
+      cause = ("the params became non-finite: the gradients or the optimizer's update "
+               "overflowed; lower lr or use precision=float32")
+    elif grad == 0:
+      cause = ("the gradients are zero: they underflow in the compute dtype or the loss "
+               "does not depend on the params; use precision=float32 (or float16 with its "
+               "loss scale)")
+    else:
+      cause = ("each update is rounded away by the params' dtype (bfloat16 params hold "
+               "~3 significant digits) or the learning rate is 0; keep params in float32 "
+               "(e.g. precision='params=float32,compute=bfloat16,output=float32') or raise lr")
+    raise fs.StepError(
+        f"training stalled: the update changed nothing (or made the params non-finite) at "
+        f"{stall.steps} consecutive steps {stall.first}..{done} although the loss was "
+        f"finite (at step {done}: loss {float(m['loss']):.4g}, grad_norm {grad:.3g}, "
+        f"update_norm {update:.3g}); likely cause: {cause}; --max_stalled_steps=0 turns "
+        "this check off")
+  return stall
 
 
 def summarize(fields: dict, s, state, report, n_params: int, t0: float, say) -> "Summary":

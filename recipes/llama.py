@@ -223,7 +223,9 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
-  """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq].
+  """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
+  ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
+  raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
 
   `fnscale.cross_entropy` walks the vocabulary in blocks (online logsumexp, logits
   recomputed in the backward pass: one more [tokens, d] x [d, vocab] matmul): the float32

@@ -49,6 +49,9 @@ class Options:
   min_lr_ratio: float = h.option(0.1, "final learning rate as a fraction of the peak")
   weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
   grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
+  max_stalled_steps: int = h.option(20, "stop with an error after this many consecutive steps "
+                                    "that left the params unchanged or non-finite although "
+                                    "the loss was finite (0: never)")
   accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
   accum_gather: str = h.option("per_microbatch", "with accum_steps > 1: 'per_microbatch' "
                                "(params stay sharded) or 'once' (whole params on each device)")
@@ -148,9 +151,10 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   warmup = min(500, max(1, steps // 20)) if o.warmup_steps is None else o.warmup_steps
   log_every = max(1, steps // 25) if o.log_every is None else o.log_every
   eval_every = max(1, steps // 5) if o.eval_every is None else o.eval_every
-  if lr <= 0 or log_every < 1 or eval_every < 1:
-    raise fs.InputError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
-                          "expected lr > 0 and intervals >= 1")
+  if lr <= 0 or log_every < 1 or eval_every < 1 or o.max_stalled_steps < 0:
+    raise fs.InputError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}, "
+                        f"max_stalled_steps={o.max_stalled_steps}: expected lr > 0, "
+                        "intervals >= 1 and max_stalled_steps >= 0")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
   run_dir = o.run_dir or h.default_run_dir(size, o.dataset, o.tokenizer, corpus.vocab)
   ckpt = checkpoint_directory(dataclasses.replace(o, run_dir=run_dir))
@@ -170,6 +174,7 @@ def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
+  preemption.check_service()  # the loop's guard needs it: say so now, not after the compile
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   o, base = s.o, data.baseline(corpus)
@@ -276,13 +281,15 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
   `log_prof`: (run_log.RunLog, run_log.Profiler). Evals and checkpoints are left out of the
   timing (tokens/s, MFU, ETA); so is the first step, which includes dispatch warm-up."""
   (log, prof), m, o = log_prof, None, s.o
-  last, timing, stopped, t_train = {}, None, None, time.time()
+  last, timing, stopped, t_train, stall = {}, None, None, time.time(), h.Stall()
   batch_sharding = fs.batch_sharding(s.mesh)
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
   with preemption.preemption_guard() as should_stop:
     for step in range(start, o.steps):
       prof.at_step(step, pending=m)
-      state, m = step_fn(state, batch)
+      prev, (state, m) = m, step_fn(state, batch)
+      # The previous step's update, read while this one runs (one step stays in flight).
+      stall = h.check_update(stall, step, prev, o.max_stalled_steps)
       done = step + 1
       # One step in flight on CPU: simulated devices share one pool of host threads, and with
       # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
@@ -313,6 +320,7 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
         say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
         break
   prof.close(pending=state)
+  h.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   data_state = data_state if stopped else batches.get_state()
   return state, dict(last, train_s=time.time() - t_train, data_state=data_state,
                      **_whole_run(s, timing, peak)), stopped

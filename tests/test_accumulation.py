@@ -83,7 +83,7 @@ def _check_once(target, axes):
   rs = s.collective("reduce-scatter")
   assert rs.count == 4 and rs.bytes_sent == pytest.approx((f - 1) / f * p)
   other = sum(b for k, g, b in s.groups if k == "all-reduce" and (g != d or d == 1))
-  assert other <= 64  # the loss alone
+  assert other <= 128  # scalars alone (loss, weight, norms): no gradient-size all-reduce
   if d > 1:
     assert _sent(s, "all-reduce", d) == pytest.approx(2 * (d - 1) / d * p / f, abs=64)
 

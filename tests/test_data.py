@@ -130,6 +130,43 @@ def test_tokenizer_json_gives_ids_vocab_and_tokens_per_byte(tmp_path):
   assert corpus.encode(line) == tok.encode(line).ids
 
 
+def pruned_tokenizer(path, skip=(5, 7), top=299):
+  """A word-level tokenizer.json whose vocabulary lost the ids `skip` but kept the others:
+  get_vocab_size() is top + 1 - len(skip), the largest id `top`. Text: 'w1 w2 ...'."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import models as tok_models, pre_tokenizers
+  vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, top + 1) if i not in skip}}
+  tok = tokenizers.Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(path))
+  return tok
+
+
+@pytest.mark.parametrize("skip, top", [((5, 7), 299), ((), 40), ((1, 2, 3), 9)])
+def test_pruned_tokenizer_vocabulary_covers_its_largest_id(tmp_path, skip, top):
+  tok = pruned_tokenizer(tmp_path / "tok.json", skip, top)
+  assert tok.get_vocab_size() == top + 1 - len(skip)
+  (tmp_path / "c.txt").write_text(" ".join(f"w{i}" for i in range(1, top + 1)) * 40)
+  corpus = data.load(str(tmp_path / "c.txt"), str(tmp_path / "tok.json"))
+  assert corpus.vocab == top + 1  # the embedding has a row for every id the text can hold
+  assert max(corpus.train.max(), corpus.eval.max()) == top
+  said = f"vocab {top + 1}: ids up to {top}, though the tokenizer holds {top + 1 - len(skip)}"
+  assert (said in corpus.describe) == bool(skip), corpus.describe
+
+
+@pytest.mark.parametrize("ids, vocab, bad", [
+    (np.array([[0, 3], [299, 2]]), 298, 299),  # the pruned vocabulary's case
+    ({"inputs": np.array([[1, 2]]), "targets": np.array([[2, 256]])}, 256, 256),
+    (np.array([4, -1, 2]), 10, -1),
+])
+def test_token_ids_outside_the_vocabulary_are_named(ids, vocab, bad):
+  with pytest.raises(fs.FnscaleError, match=rf"token id {bad} is outside the model's "
+                     rf"vocabulary of {vocab} \(ids 0..{vocab - 1}"):
+    data.check_token_ids(ids, vocab)
+  data.check_token_ids(ids, 1000) if bad > 0 else None  # in range: no error
+  data.check_token_ids({"inputs": np.zeros((2, 3), np.int32)}, 1)
+
+
 def test_unreadable_tokenizer_is_an_fnscale_error(tmp_path):
   (tmp_path / "c.txt").write_text("hello world\n" * 100)
   (tmp_path / "bad.json").write_text("{not json")

@@ -78,6 +78,17 @@ def test_initialize_bad_arguments(clean_env):
     fs.initialize("127.0.0.1:1234", 2, 0, timeout_s=0)
 
 
+def test_numpy_integer_ids_are_the_ints_they_are(clean_env):
+  info = fs.initialize(None, np.int32(1), np.int64(0))
+  assert info == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert type(info.process_id) is int and type(info.num_processes) is int
+  with pytest.raises(fs.DistributedError, match=r"process_id=2, expected an int in \[0, 2\)"):
+    fs.initialize("127.0.0.1:1234", np.int64(2), np.int64(2))
+  for bad in (True, np.bool_(False), 1.0):
+    with pytest.raises(fs.DistributedError, match=r"process_id=.*expected an int"):
+      fs.initialize("127.0.0.1:1234", 2, bad)
+
+
 def test_initialize_after_backend_is_a_clear_error(clean_env):
   jax.devices()  # the backend is up, as it is in any process that already used jax
   with pytest.raises(fs.DistributedError,

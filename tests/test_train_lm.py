@@ -372,6 +372,34 @@ def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   assert isinstance(summary.sample, str) and summary.sample
 
 
+def test_pruned_tokenizer_trains_with_a_vocabulary_of_its_largest_id(work, tmp_path, capsys):
+  """A tokenizer.json of 298 entries with ids up to 299: the model gets 300 rows (said at
+  start-up) and a finite loss near ln(300) at step 0 (out-of-range ids gave nan)."""
+  import test_data  # pylint: disable=import-outside-toplevel
+  test_data.pruned_tokenizer(tmp_path / "tok.json")
+  (tmp_path / "c.txt").write_text(" ".join(f"w{i}" for i in range(1, 300)) * 40)
+  summary = train_lm.train_lm(**_kwargs(work, tmp_path / "run", tokenizer=str(tmp_path / "tok.json"),
+                                        dataset=str(tmp_path / "c.txt"), steps=1,
+                                        checkpoint=False))
+  assert summary.state.params["wte"].shape[0] == 300
+  assert "vocab 300: ids up to 299, though the tokenizer holds 298" in capsys.readouterr().out
+  first = _records(tmp_path / "run", "eval/loss")[0]["eval/loss"]
+  assert first == pytest.approx(np.log(300), rel=0.05)
+
+
+def test_stalled_updates_stop_the_run_with_the_cause(work, tmp_path):
+  # lr 1e-45 is a float32 subnormal, 0 on a device that flushes them: finite loss and
+  # gradients, params that never move; the run names it at the 3rd such step, not at the end.
+  with pytest.raises(fs.StepError, match=r"training stalled: .* at 3 consecutive steps 1\.\.3 "
+                     r"although the loss was finite .*grad_norm [0-9.]+, update_norm 0\); .*"
+                     r"the learning rate is 0"):
+    train_lm.train_lm(**_kwargs(work, tmp_path / "run", lr=1e-45, max_stalled_steps=3,
+                                checkpoint=False))
+  # The metrics of the stalled steps were written: update_norm 0 beside a finite loss.
+  records = _records(tmp_path / "run", "train/update_norm")
+  assert [r["train/update_norm"] for r in records] == [0.0] * len(records) and records
+
+
 def test_sigterm_saves_a_checkpoint_and_stops(work):
   """A preemption notice (SIGTERM) mid-run: checkpoint at the next step, exit 143."""
   run_dir = work / "sigterm"
@@ -495,6 +523,27 @@ def test_processes_with_different_options_are_named_at_start(work, tmp_path):
     assert "compile:" not in out  # named before anything compiled
 
 
+def test_preemption_service_off_is_named_at_start(work, tmp_path):
+  """JAX_ENABLE_PREEMPTION_SERVICE=false in a two-process job: the guard of the training loop
+  cannot work; both processes say so at start-up (before any compile), naming the variable."""
+  port = launch_local.free_port()
+  procs = []
+  for pid in range(2):
+    argv = _argv(work, tmp_path / "run", "--nocheckpoint")[1:]
+    env = launch_local.child_env(pid, 2, 4, port, dict(
+        os.environ, PYTHONPATH=str(ROOT), JAX_ENABLE_PREEMPTION_SERVICE="false"))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]
+    assert ("preemption service in a multi-process job, and it is off (jax.config."
+            "jax_enable_preemption_service=False, environment variable "
+            "JAX_ENABLE_PREEMPTION_SERVICE='false')") in out, out[-2000:]
+    assert "compile:" not in out  # named before anything compiled
+
+
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys, time\n"
@@ -553,7 +602,9 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("zero batch", ["--global_batch=0"], dict(global_batch=0), fs.FnscaleError,
      r"global_batch=0, accum_steps=1: each must be >= 1"),
     ("zero lr", ["--lr=0"], dict(lr=0.0), fs.FnscaleError,
-     r"lr=0.0, log_every=1, eval_every=1: expected lr > 0"),
+     r"lr=0.0, log_every=1, eval_every=1, max_stalled_steps=20: expected lr > 0"),
+    ("negative stall limit", ["--max_stalled_steps=-1"], dict(max_stalled_steps=-1),
+     fs.FnscaleError, r"max_stalled_steps=-1: expected .*max_stalled_steps >= 0"),
     ("zero epochs", ["--epochs=0"], dict(epochs=0), fs.FnscaleError,
      r"epochs=0: expected >= 1 passes over the training split"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
