@@ -11,6 +11,7 @@ writes files. Rerunning the same command resumes from the newest good checkpoint
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -71,6 +72,9 @@ class Options:
   checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
   checkpoint_keep: int = h.option(3, "how many checkpoints to keep")
   stop_after: int = h.option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
+  grace_s: float = h.option(preemption.DEFAULT_GRACE_S, "seconds from a preemption notice "
+                            "(SIGTERM) to the end of the process, the final save included; "
+                            "keep below the platform's notice (about 30 s on Cloud TPU, GKE)")
   log_every: int | None = h.option(None, "steps between progress lines; default 25 lines a run")
   eval_every: int | None = h.option(None, "steps between evals; default 5 evals a run")
   eval_batches: int = h.option(4, "global batches of held-out text per eval")
@@ -160,13 +164,30 @@ def run(o: Options) -> h.Summary:
   t0, say = time.time(), h.start(o)
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
+  # One checkpoint manager for the whole run; leaving the block waits for the last save.
+  with (fs.checkpoint.manager(s.o.checkpoint_dir, keep=s.o.checkpoint_keep)
+        if s.o.checkpoint_dir else contextlib.nullcontext()) as ckpt:
+    return _run(s, corpus, ckpt, t0, say)
+
+
+def _with_finite_flag(step):
+  """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
+  check into the step; the loop reads it before any save)."""
+  def step_with_flag(state, batch):
+    state, metrics = step(state, batch)
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
+  return step_with_flag
+
+
+def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
+  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
   o = s.o
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
                           policy=policy, accum_steps=o.accum_steps)
-  step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
-                          rules=model.RULES, logical_axes=axes)
+  step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
+                          s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b),
                                      attention=o.attention))
@@ -175,15 +196,16 @@ def run(o: Options) -> h.Summary:
     init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
                              optimizer, mesh=s.mesh, rules=model.RULES, logical_axes=axes,
                              policy=policy, key=jax.random.key(o.seed))
-    state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
-        seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say)
-    resumed = last_saved = None if extra is None else start
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
     batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
-                                  o.eval_batches, (extra or {}).get("data"))
+                                  o.eval_batches)
+    state, start, extra = h.restore_or_init(ckpt, init, batches, dict(
+        seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
+                                            data.resharded_position)
+    resumed = None if extra is None else start
+    h.say_save_window(ckpt, o.grace_s, say)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
-    data_state = batches.get_state()  # where the data stands before the first step
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
@@ -200,81 +222,117 @@ def run(o: Options) -> h.Summary:
       log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
       return value
 
-    def save(state, step, data_state):  # once per step; the data iterator's state goes along
-      nonlocal last_saved
-      if o.checkpoint_dir and step != last_saved:
-        t, last_saved = time.time(), step
-        fs.checkpoint.save(o.checkpoint_dir, step, state, keep=o.checkpoint_keep, extra=dict(
-            step=step, seed=o.seed, model=o.model_config, seq=s.cfg.seq,
-            global_batch=o.global_batch, corpus_tokens=len(corpus.train), data=data_state))
-        say(f"checkpoint: saved step {step} in {time.time() - t:.1f} s ({o.checkpoint_dir})")
-
+    guard = _checkpointing(s, ckpt, corpus, batches, resumed, say)
     ev = evaluate(state, 0) if start == 0 else None
     prof = rl.profiler(s.profile, o.run_dir, say=say)
-    state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
-                                  schedule, peak, say, (log, prof), evaluate, save)
-    out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
+    state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
+                                  say, (log, prof), evaluate, guard)
+    out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, guard, say)
     log.close()
   return h.summarize(out, s, state, report, n_params, t0, say)
+
+
+class Guard(NamedTuple):
+  """What stands between a step and its checkpoint (`_checkpointing`)."""
+  note: Any  # note(step, metrics): keep the step's on-device finiteness flag
+  check: Any  # check(): StepError naming the first non-finite step and the last good save
+  save: Any  # save(state, step): check(), then save step (once) with the data position
+  commit: Any  # commit(): wait until the last save is committed
+
+
+def _checkpointing(s: Setup, ckpt, corpus, batches, resumed: int | None, say) -> Guard:
+  """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
+  steps since the last check are read before every save and progress line), saves go through
+  `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
+  preemption window is said as soon as its time is known."""
+  flags, last_saved, warned = [], resumed, False
+
+  def check():
+    bad = h.first_nonfinite(flags)
+    if bad is not None:
+      commit()  # the last good save is on disk before the run stops
+      raise h.nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
+
+  def save(state, step: int):
+    nonlocal last_saved, warned
+    check()
+    if ckpt is None or step == last_saved:
+      return
+    warned = warned or h.say_save_window(ckpt, s.o.grace_s, say)
+    t = time.time()
+    # Before the next batch is read: the iterator's position is this step's.
+    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
+        step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq,
+        global_batch=s.o.global_batch, corpus_tokens=len(corpus.train)))
+    last_saved = step
+    say(f"checkpoint: step {step} saving in the background (the loop waited "
+        f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
+
+  def commit():
+    if ckpt is not None:
+      fs.checkpoint.wait(ckpt)
+
+  return Guard(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
 
 
 def _flops_step(s: Setup) -> float:
   return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
-def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
-           log_prof, evaluate, save):
+def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say, log_prof,
+           evaluate, guard: Guard):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
   `log_prof`: (run_log.RunLog, run_log.Profiler)."""
   (log, prof), m = log_prof, None
   last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
-  batch_sharding = fs.batch_sharding(s.mesh)
+  batch_sharding, every = fs.batch_sharding(s.mesh), s.o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
-  with preemption.preemption_guard() as should_stop:
+  with preemption.preemption_guard(grace_s=s.o.grace_s) as should_stop:
     for step in range(start, s.o.steps):
       prof.at_step(step, pending=m)
       state, m = step_fn(state, batch)
       done = step + 1
+      guard.note(done, m)
       # One step in flight on CPU: simulated devices share one pool of host threads, and with
       # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
       if s.topo.platform == "cpu":
         jax.block_until_ready((state, m))
-      if done < s.o.steps:
-        data_state = batches.get_state()
+      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
+      if done < s.o.steps and (sigterm or done == s.o.stop_after):
+        stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
+      saving = bool(stopped) or bool(every and done % every == 0 and done < s.o.steps)
+      if saving:
+        guard.save(state, done)
+      if done < s.o.steps and not stopped:
         batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
       if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
         jax.block_until_ready(m["loss"])
         t_mark, step_mark = time.time(), done
       if done % s.o.log_every == 0 or done == s.o.steps:
+        guard.check()
         now = time.time()
         dt = (now - t_mark) / (done - step_mark) if done > step_mark else None
         last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
         t_mark, step_mark = now, done
-      paused = done % s.o.eval_every == 0 and done < s.o.steps
-      if paused:
+      if done % s.o.eval_every == 0 and done < s.o.steps:
         evaluate(state, done)
-      if s.o.checkpoint_every and done % s.o.checkpoint_every == 0 and done < s.o.steps:
-        save(state, done, data_state)
-        paused = True
-      if paused:  # keep eval and checkpoint time out of tokens/s
+        saving = True
+      if saving:  # keep eval and checkpoint time out of tokens/s
         t_mark, step_mark = time.time(), done
-      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
-      if done < s.o.steps and (sigterm or done == s.o.stop_after):
-        stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
-        save(state, done, data_state)
+      if stopped:
+        guard.commit()  # the agreed step is on disk before the process exits
         say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
         break
   prof.close(pending=state)
-  data_state = data_state if stopped else batches.get_state()
-  return state, dict(last, train_s=time.time() - t_train, data_state=data_state), stopped
+  return state, dict(last, train_s=time.time() - t_train), stopped
 
 
-def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate, save,
-            say) -> dict:
+def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate,
+            guard: Guard, say) -> dict:
   """Final checkpoint, eval and sample (unless stopped); the summary's run fields."""
   final_step, sample = int(state.step), None
   if not stopped:
-    save(state, final_step, last["data_state"])
+    guard.save(state, final_step)  # written while the eval and the sample run
     ev = evaluate(state, final_step)
     if s.o.sample_len > 0:
       t = time.time()
@@ -283,6 +341,7 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
           seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")
+    guard.commit()
   return dict(final_step=final_step, start_step=start, resumed_from=resumed, stopped=stopped,
               loss=last.get("loss"), eval_loss=ev, tokens_per_s=last.get("tokens_per_s"),
               mfu=last.get("mfu"), train_s=last["train_s"], global_batch=s.o.global_batch,
