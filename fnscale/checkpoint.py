@@ -36,10 +36,10 @@ What fnscale adds to orbax's manager:
   * any mesh, device count or process count on restore: a checkpoint records values, shapes
     and dtypes, never the mesh; the target's shardings decide the layout.
 
-Every process of a multi-process job calls `manager`, `save`, `restore`, `wait` and `close`
-with the same arguments (they hold different shards; orbax synchronises them); `steps`,
-`latest_step` and `last_save_seconds` only read. The directory must be visible to every process
-(a shared file system or a bucket such as `gs://...`).
+Every process of a multi-process job calls every function here with the same arguments, in
+the same order (they hold different shards, and orbax's manager synchronises the processes
+when it opens, saves and restores). The directory must be visible to every process (a shared
+file system or a bucket such as `gs://...`).
 
 Layout (orbax's; fnscale reads it only through orbax's API):
 
@@ -210,11 +210,11 @@ def manager(directory, *, keep: int | None = 3, keep_period: int | None = None,
   ct.check_count(keep, "keep")
   ct.check_count(keep_period, "keep_period")
   path = _path(directory)
-  exists = _check_directory(path, must_exist=read_only)
+  _check_directory(path, must_exist=read_only)
   # Every process must see this same directory: the multi-host agreement belongs here.
   if read_only:
     return Manager(path, _orbax_manager(ocp, path, read_only=True), False, True, set(), {})
-  finite = _finite_verdicts(ocp, path) if exists else {}
+  finite = {}  # filled below, from the steps on disk; rotation reads it at every save
   policies = [ocp.checkpoint_managers.LatestN(keep)]
   if keep_period:
     policies.append(ocp.checkpoint_managers.EveryNSteps(keep_period))
@@ -222,17 +222,11 @@ def manager(directory, *, keep: int | None = 3, keep_period: int | None = None,
   orbax_manager = _orbax_manager(
       ocp, path, read_only=False, async_save=bool(async_save),
       preservation=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+  for step in orbax_manager.all_steps():
+    verdict = _step_meta(orbax_manager, step).get("finite")
+    if isinstance(verdict, bool):
+      finite[step] = verdict
   return Manager(path, orbax_manager, bool(async_save), False, set(), finite)
-
-
-def _finite_verdicts(ocp, path) -> dict:
-  """step -> whether its state was finite, for the steps on disk that recorded it."""
-  reader = _orbax_manager(ocp, path, read_only=True)
-  try:
-    verdicts = {s: _step_meta(reader, s).get("finite") for s in reader.all_steps()}
-  finally:
-    reader.close()
-  return {s: v for s, v in verdicts.items() if isinstance(v, bool)}
 
 
 def wait(ckpt: Manager) -> None:
