@@ -105,6 +105,10 @@ def check_state(state):
       raise CheckpointError(
           f"state leaf {name} is an abstract jax.ShapeDtypeStruct; save needs concrete values "
           "(abstract structs are for restore's target).")
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise CheckpointError(
+          f"state leaf {name} has been deleted (donated to a jitted step?); save the state a "
+          "step returned before passing it to the next step.")
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
       dtype = getattr(leaf, "dtype", None)
       if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

@@ -77,24 +77,24 @@ def _measure(size_mib: int, rounds: int, root: str, mesh) -> dict:
   managers = {mode: fs.checkpoint.manager(os.path.join(root, f"{size_mib}-{mode}"), keep=1,
                                           async_save=mode == "async")
               for mode in ("sync", "async")}
-  state, one_step, _, _ = _loop(state, step, 1)
-  _, _, _, sync_commit = _loop(state, step, 1, managers["sync"], at=0)  # warm-up
-  _loop(state, step, 1, managers["async"], at=0)
-  steps = max(3, int(2 * sync_commit / one_step) + 1)  # the loop outlasts a whole save
   got = {k: [] for k in ("base", "sync_loop", "sync_call", "async_loop", "async_call",
                          "async_commit")}
-  for r in range(1, rounds + 1):
-    order = ("base", "sync", "async") if r % 2 else ("async", "sync", "base")
-    for arm in order:
-      ckpt = managers.get(arm)
-      state, loop, call, commit = _loop(state, step, steps, ckpt, at=r)
-      got["base" if arm == "base" else f"{arm}_loop"].append(loop)
-      if arm != "base":
-        got[f"{arm}_call"].append(call)
-      if arm == "async":
-        got["async_commit"].append(commit)
-  for m in managers.values():
-    fs.checkpoint.close(m)
+  try:
+    state, one_step, _, _ = _loop(state, step, 1)  # warm-up: compiles, first saves
+    state, _, _, sync_commit = _loop(state, step, 1, managers["sync"], at=0)
+    state, _, _, _ = _loop(state, step, 1, managers["async"], at=0)
+    steps = max(3, int(2 * sync_commit / one_step) + 1)  # the loop outlasts a whole save
+    for r in range(1, rounds + 1):
+      for arm in ("base", "sync", "async") if r % 2 else ("async", "sync", "base"):
+        state, loop, call, commit = _loop(state, step, steps, managers.get(arm), at=r)
+        got["base" if arm == "base" else f"{arm}_loop"].append(loop)
+        if arm != "base":
+          got[f"{arm}_call"].append(call)
+        if arm == "async":
+          got["async_commit"].append(commit)
+  finally:
+    for m in managers.values():
+      fs.checkpoint.close(m)
   med = {k: statistics.median(v) for k, v in got.items()}
   return dict(size_mib=size_mib, steps=steps, step_s=med["base"] / steps,
               sync_blocked_s=med["sync_loop"] - med["base"], sync_call_s=med["sync_call"],

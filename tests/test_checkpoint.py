@@ -322,6 +322,11 @@ def test_bad_arguments_are_named(tmp_path):
     ckpt.save(tmp_path, 1, {"layers": [{"name": "mlp", "w": jnp.ones(2)}]})
   with pytest.raises(CheckpointError, match=r"state leaf rng is a typed PRNG key"):
     ckpt.save(tmp_path, 1, {"rng": jax.random.key(0)})
+  donated = jnp.ones(2)
+  jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+  with pytest.raises(CheckpointError, match=r"state leaf x has been deleted \(donated to a "
+                     r"jitted step\?\)"):
+    ckpt.save(tmp_path, 1, {"x": donated})
   assert ckpt.latest_step(tmp_path) is None  # nothing was written
   ckpt.save(tmp_path, 1, state)
   with pytest.raises(CheckpointError, match=r"target leaf x \(\(2,\) float32\) has no sharding"):
