@@ -247,6 +247,7 @@ def wait(ckpt: Manager) -> None:
 
 def close(ckpt: Manager) -> None:
   """Waits for the last save (see `wait`), then closes orbax's manager."""
+  _require_manager(ckpt, "close")
   try:
     wait(ckpt)
   finally:
