@@ -446,6 +446,9 @@ def test_manager_rotation_never_overwrites_and_keeps_a_period(tmp_path):
       ckpt.save(ro, 11, {"x": jnp.zeros(3)})
   with pytest.raises(CheckpointError, match=r"keep_period must be a positive int"):
     ckpt.manager(directory, keep_period=0)
+  with pytest.raises(CheckpointError, match=r"close takes the Manager that fnscale.checkpoint."
+                     r"manager\(...\) returned, got a str"):
+    ckpt.close(str(directory))
   assert ckpt.steps(directory) == (4, 8, 9)
 
 
