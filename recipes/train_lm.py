@@ -205,6 +205,8 @@ def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
                                             data.resharded_position)
     resumed = None if extra is None else start
     h.say_save_window(ckpt, o.grace_s, say)
+    if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
+      fs.checkpoint.nonfinite_leaves(state)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again

@@ -223,6 +223,7 @@ def main(argv) -> int:
     if start is not None:
       state, extra = checkpoint.restore(ckpt, state, step=start)
       _emit(event="restored", step=start, extra=extra)
+    checkpoint.nonfinite_leaves(state)  # compiles save's finiteness check outside any notice
     if args.restore_only:
       params = gathered_params(state.params)
       if pid == 0:
