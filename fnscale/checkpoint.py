@@ -65,7 +65,7 @@ from absl import logging
 
 from fnscale import _checkpoint_tree as ct
 from fnscale import _tree
-from fnscale.errors import CheckpointError
+from fnscale.errors import CheckpointError, DistributedError
 
 _STATE, _EXTRA, _DATA = "state", "extra", "data"
 _META = "fnscale"  # fnscale's entry in orbax's custom step metadata
@@ -169,7 +169,9 @@ class Manager(NamedTuple):
   `is_saving_in_progress`, `reached_preemption` ... are there for direct use). `checked`: the
   steps this manager wrote or found complete (a save doesn't check them again); `finite`:
   whether each step's state was finite, as far as this manager knows (what rotation keeps).
-  Use it in a `with` block, or call `close` at the end: both wait for the last save.
+  Use it in a `with` block, or call `close` at the end: both wait for the last save (the
+  block doesn't when it ends in a DistributedError: the job lost a process, and the save's
+  cross-process commit can't finish).
   """
   directory: Any  # etils.epath.Path
   orbax: Any  # orbax.checkpoint.CheckpointManager
@@ -181,7 +183,12 @@ class Manager(NamedTuple):
   def __enter__(self) -> "Manager":
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is not None and issubclass(exc_type, DistributedError):
+      # A lost or disagreeing process: a save in flight can't finish its cross-process
+      # commit, and waiting would hang until JAX's heartbeat ends the process. Left as an
+      # unfinished temporary directory, it is never read.
+      return
     close(self)
 
 

@@ -74,6 +74,34 @@ def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_p
     assert max(float(np.max(np.abs(got[k] - params[step][k]))) for k in got) <= TOL
 
 
+def test_a_lost_process_with_an_async_save_in_flight_ends_the_job_in_seconds(tmp_path):
+  """kill -9 of process 1 while step 3's save is being written (commits slowed by 3 s): the
+  survivor's loop fails, peer_guard names the lost process and leaving the manager's block
+  doesn't wait for a commit that needs the dead process: status 75 well before JAX's
+  heartbeat abort (30 s). The newest committed step restores, equal to 1 x 8."""
+  out, heartbeat_s = tmp_path / "lost", 30
+  args = [WORKER, f"--out={out}", "--steps=8", "--ckpt_every=1", "--slow_commit_s=3",
+          "--slow_after=2", "--sleep_s=1", f"--heartbeat_s={heartbeat_s}", "--peer_check_s=2"]
+  with mp.job(args, 2, 4) as job:
+    mp.wait_for_output(job, 0, r'"event": "checkpoint", "step": 3,', JOB_TIMEOUT_S)
+    killed = time.monotonic()
+    mp.signal_process(job, 1, signal.SIGKILL)
+    results = mp.wait(job, 90)
+  survivor = results[0]
+  took = job.processes[0].started + survivor.elapsed_s - killed
+  print(f"survivor exited {took:.1f} s after the kill, status {survivor.returncode}")
+  assert survivor.returncode == 75 and "lost process 1 of 2" in survivor.stderr, (
+      mp.describe(results))
+  assert took < heartbeat_s - 5, mp.describe(results)
+  last = checkpoint.latest_step(out / "ckpt")
+  assert last is not None and 1 <= last <= 3
+  params, target = _reference(last)
+  state, _ = checkpoint.restore(out / "ckpt", target)
+  got = mp_worker.gathered_params(state.params)
+  assert int(state.step) == last
+  assert max(float(np.max(np.abs(got[k] - params[last][k]))) for k in got) <= TOL
+
+
 def _grain_job(directory, processes: int, mode: str, advance: str = "0"):
   results = mp.run([GRAIN_WORKER, f"--ckpt={directory}", f"--mode={mode}",
                     f"--advance={advance}"], processes, 8 // processes, JOB_TIMEOUT_S)

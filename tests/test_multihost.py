@@ -198,7 +198,8 @@ def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
   out = tmp_path / "lost"
   peer_check_s, heartbeat_s = 2, 30
   args = [WORKER, f"--out={out}", f"--steps={LOST_STEPS}", "--ckpt_every=1", "--slow_after=2",
-          "--sleep_s=1", f"--heartbeat_s={heartbeat_s}", f"--peer_check_s={peer_check_s}"]
+          "--sleep_s=1", f"--heartbeat_s={heartbeat_s}", f"--peer_check_s={peer_check_s}",
+          "--async_ckpt=0"]  # synchronous saves: each "checkpoint" event is a committed step
   with mp.job(args, 2, 4) as job:
     mp.wait_for_output(job, 0, r'"event": "checkpoint", "step": 3', JOB_TIMEOUT_S)
     killed_at = time.monotonic()
