@@ -246,8 +246,9 @@ def _checkpointing(s: Setup, ckpt, corpus, batches, resumed: int | None, say) ->
   """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
   steps since the last check are read before every save and progress line), saves go through
   `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
-  preemption window is said as soon as its time is known."""
-  flags, last_saved, warned = [], resumed, False
+  preemption window is said as soon as its time is known (at start-up from the last run's
+  save; in the run from its second save: the first one's time includes one-off compiles)."""
+  flags, last_saved, warned, saves = [], resumed, False, 0
 
   def check():
     bad = h.first_nonfinite(flags)
@@ -256,17 +257,18 @@ def _checkpointing(s: Setup, ckpt, corpus, batches, resumed: int | None, say) ->
       raise h.nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
 
   def save(state, step: int):
-    nonlocal last_saved, warned
+    nonlocal last_saved, warned, saves
     check()
     if ckpt is None or step == last_saved:
       return
-    warned = warned or h.say_save_window(ckpt, s.o.grace_s, say)
+    if saves >= 2 and not warned:  # the first save's time includes one-off compiles
+      warned = h.say_save_window(ckpt, s.o.grace_s, say)
     t = time.time()
     # Before the next batch is read: the iterator's position is this step's.
     fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
         step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq,
         global_batch=s.o.global_batch, corpus_tokens=len(corpus.train)))
-    last_saved = step
+    last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
         f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
 
