@@ -3,7 +3,8 @@
   python recipes/bench_checkpoint.py                         # 1 GiB and 256 MiB, 8 devices
   python recipes/bench_checkpoint.py --sizes_mib=1024 --rounds=3 --dir=/tmp/ckpt
 
-For each state size: float32 arrays FSDP-sharded over 8 simulated CPU devices, and a loop of
+For each state size: float32 arrays of random values (incompressible, like trained weights)
+FSDP-sharded over 8 simulated CPU devices, and a loop of
 jitted steps that read and write the whole state (donated, as a train step's). Each round
 times, in alternating order, the loop alone and the loop with one save at its first step,
 through a synchronous manager (the step is committed when `save` returns) and an async one
@@ -46,7 +47,9 @@ def _state(size_mib: int, mesh):
   from jax.sharding import NamedSharding, PartitionSpec as P
   rows = size_mib * 2**20 // (4 * 4096 * LEAVES)
   sharding = NamedSharding(mesh, P("fsdp"))
-  make = jax.jit(lambda: {f"w{i}": jnp.full((rows, 4096), float(i), jnp.float32)
+  # Random values: a constant array would compress to nothing and make writes look free.
+  keys = jax.random.split(jax.random.key(0), LEAVES)
+  make = jax.jit(lambda: {f"w{i}": jax.random.normal(keys[i], (rows, 4096), jnp.float32)
                           for i in range(LEAVES)}, out_shardings=sharding)
   step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1.0, s), donate_argnums=0)
   return make(), step
