@@ -72,7 +72,8 @@ def _args(argv):
   p.add_argument("--grace_s", type=float, default=20.0)
   p.add_argument("--async_ckpt", type=int, default=1, help="1: saves overlap training")
   p.add_argument("--slow_commit_s", type=float, default=0.0,
-                 help="each save's commit waits this long (slow storage, simulated)")
+                 help="each of a save's commit renames (its step directory and each item's: "
+                 "three here) first waits this long (slow storage, simulated)")
   return p.parse_args(argv)
 
 
@@ -155,8 +156,9 @@ def _join(args):
 
 
 def _slow_commits(seconds: float) -> None:
-  """Every checkpoint's commit (orbax's final rename, in its background thread) waits
-  `seconds` first: storage slow enough that a save is still in flight at the next one."""
+  """Each of orbax's commit renames (in its background thread: the step directory and each
+  item's, three per save here) first waits `seconds`: storage slow enough that a save is still
+  in flight at the next one."""
   import asyncio
   from orbax.checkpoint._src.path import atomicity
   finalize = atomicity.AtomicRenameTemporaryPath.finalize

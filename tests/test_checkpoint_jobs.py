@@ -43,8 +43,8 @@ def _reference(steps: int):
 
 
 def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_path):
-  """Every commit waits 3 s more (slow storage): SIGTERM to process 1 right after step 2's save
-  began. The agreed step's save waits for step 2's commit, is committed itself, and both
+  """Every save's commit takes 9 s more (3 s before each of its three renames: slow storage):
+  SIGTERM to process 1 right after step 2's save began. The agreed step's save waits for step 2's commit, is committed itself, and both
   processes exit 143 within grace_s; both steps restore, the agreed one equal to 1 x 8."""
   out, grace_s = tmp_path / "job", 40
   args = [WORKER, f"--out={out}", "--steps=8", "--ckpt_every=2", "--slow_commit_s=3",
@@ -75,7 +75,7 @@ def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_p
 
 
 def test_a_lost_process_with_an_async_save_in_flight_ends_the_job_in_seconds(tmp_path):
-  """kill -9 of process 1 while step 3's save is being written (commits slowed by 3 s): the
+  """kill -9 of process 1 while step 3's save is being written (commits slowed by 9 s): the
   survivor's loop fails, peer_guard names the lost process and leaving the manager's block
   doesn't wait for a commit that needs the dead process: status 75 well before JAX's
   heartbeat abort (30 s). The newest committed step restores, equal to 1 x 8."""
