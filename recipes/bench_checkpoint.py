@@ -17,7 +17,10 @@ The loop runs long enough to cover a whole save. Printed per size (medians over 
     background write takes from the loop: on a CPU it shares the cores);
   * commit: from the call to the step being committed (orbax's start-to-commit time).
 
-The warm-up round (first save of each manager, compiles) is not counted. Directories are
+Last column: a step's time with `fnscale.checkpoint.all_finite` of the new state fused into it
+(what `train_lm` adds to each step) over the same step without, for a step that only streams
+the state: the flag's worst case. The warm-up round (first save of each manager, compiles) is
+not counted. Directories are
 created under --dir (default: a temporary directory) and deleted at the end.
 """
 from __future__ import annotations
@@ -51,8 +54,31 @@ def _state(size_mib: int, mesh):
   keys = jax.random.split(jax.random.key(0), LEAVES)
   make = jax.jit(lambda: {f"w{i}": jax.random.normal(keys[i], (rows, 4096), jnp.float32)
                           for i in range(LEAVES)}, out_shardings=sharding)
-  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1.0, s), donate_argnums=0)
+  # A sign flip keeps the values random (x * 0.5 + 1 would converge to a constant).
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * -1.0, s), donate_argnums=0)
   return make(), step
+
+
+def _flag_cost(state, steps: int, rounds: int):
+  """(state, median step time with `all_finite` of the new state fused into the step / without):
+  what train_lm's finiteness flag costs a step that only streams the state (its worst case)."""
+  import jax
+  plain = jax.jit(lambda s: jax.tree.map(lambda x: x * -1.0, s), donate_argnums=0)
+  flagged = jax.jit(lambda s: (lambda n: (n, fs.checkpoint.all_finite(n)))(plain(s)),
+                    donate_argnums=0)
+  state = plain(state)
+  state, _ = flagged(state)  # compiled outside the timings
+  ratios = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(steps):
+      state = jax.block_until_ready(plain(state))
+    base = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(steps):
+      state, ok = jax.block_until_ready(flagged(state))
+    ratios.append((time.perf_counter() - t) / base)
+  return state, statistics.median(ratios)
 
 
 def _loop(state, step, steps: int, ckpt=None, at: int = 0):
@@ -95,6 +121,7 @@ def _measure(size_mib: int, rounds: int, root: str, mesh) -> dict:
           got[f"{arm}_call"].append(call)
         if arm == "async":
           got["async_commit"].append(commit)
+    state, flag_ratio = _flag_cost(state, steps, rounds)
   finally:
     for m in managers.values():
       fs.checkpoint.close(m)
@@ -102,19 +129,20 @@ def _measure(size_mib: int, rounds: int, root: str, mesh) -> dict:
   return dict(size_mib=size_mib, steps=steps, step_s=med["base"] / steps,
               sync_blocked_s=med["sync_loop"] - med["base"], sync_call_s=med["sync_call"],
               async_call_s=med["async_call"], async_blocked_s=med["async_loop"] - med["base"],
-              async_commit_s=med["async_commit"])
+              async_commit_s=med["async_commit"], finite_flag_step_ratio=flag_ratio)
 
 
 def _table(rows: list[dict]) -> str:
   lines = ["state      steps  sync: save call  loop blocked | async: save call  loop blocked"
-           "  commit | call ratio  blocked ratio"]
+           "  commit | call ratio  blocked ratio | step with finite flag"]
   for r in rows:
     lines.append(
         f"{r['size_mib']:>5} MiB  {r['steps']:>5}  {r['sync_call_s']:>13.2f} s "
         f"{r['sync_blocked_s']:>11.2f} s | {r['async_call_s']:>14.2f} s "
         f"{r['async_blocked_s']:>11.2f} s {r['async_commit_s']:>5.1f} s | "
         f"{r['async_call_s'] / r['sync_call_s']:>9.1%}  "
-        f"{r['async_blocked_s'] / r['sync_blocked_s']:>12.1%}")
+        f"{r['async_blocked_s'] / r['sync_blocked_s']:>12.1%} | "
+        f"{r['finite_flag_step_ratio']:>9.3f} x")
   return "\n".join(lines)
 
 
