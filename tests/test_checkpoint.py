@@ -378,6 +378,16 @@ def test_nonfinite_state_is_never_saved_unless_allowed(tmp_path):
   assert ckpt.nonfinite_leaves(mixed) == ["b", "c"]
   assert ckpt.steps(tmp_path / "a") == ()  # nothing was written
   assert bool(ckpt.all_finite(good)) and not bool(jax.jit(ckpt.all_finite)(mixed))
+  # Edge values: the largest finite floats, an empty leaf and complex parts near the float32
+  # limit are finite; -inf, and a NaN in either part of a complex, are not.
+  big = jnp.finfo(jnp.float32).max
+  edges = {"big": jnp.array([big, -big]), "empty": jnp.zeros((0, 3)),
+           "bf16": jnp.array([jnp.finfo(jnp.bfloat16).max], jnp.bfloat16),
+           "z": jnp.array([big + 1j * big], jnp.complex64)}
+  assert ckpt.nonfinite_leaves(edges) == [] and bool(jax.jit(ckpt.all_finite)(edges))
+  worse = dict(edges, big=jnp.array([1.0, -jnp.inf]), z=jnp.array([1 + 1j * jnp.nan]))
+  assert ckpt.nonfinite_leaves(worse) == ["big", "z"]
+  assert not bool(ckpt.all_finite({"z": worse["z"]})) and not bool(ckpt.all_finite(worse))
 
   directory = tmp_path / "run"
   with ckpt.manager(directory, keep=2) as m:
