@@ -6,11 +6,12 @@ little ahead (about 30 s on Cloud TPU and GKE's default grace period; under SLUR
 agree on one step everywhere, save it once and exit before the machines go.
 
   fnscale.initialize(config=flags)
-  with preemption.preemption_guard() as should_stop:
+  with preemption.preemption_guard() as should_stop, checkpoint.manager(directory) as ckpt:
     for step in range(start, steps):
       state, metrics = train(state, batch)
       if should_stop(step):                     # True on every process at the same step
-        checkpoint.save(directory, step + 1, state)
+        checkpoint.save(ckpt, step + 1, state)  # after a save still in flight has committed
+        checkpoint.wait(ckpt)                   # committed before the process exits
         sys.exit(preemption.EXIT_PREEMPTED)    # 143: "preempted, restart me"
 
 How it decides (jax 0.10.2, checked on CPU/gloo):

@@ -8,8 +8,10 @@ Hugging Face `tokenizer.json` is given.
 
 Batches come from grain (`grain.MapDataset`): the split is cut into windows of seq + 1 tokens,
 shuffled from the seed (a new order each epoch), repeated for the epochs asked, sliced so each
-process reads only the rows its devices hold, and batched. The iterator's state (a position)
-goes into each checkpoint, so a resumed run reads exactly what the uninterrupted one would.
+process reads only the rows its devices hold, and batched. Each process's iterator position
+goes into each checkpoint (`fnscale.checkpoint.save(..., data=iterator)`, grain's own orbax
+handler), so a resumed run reads exactly what the uninterrupted one would, with the same or
+another process count (`resharded_position`).
 """
 from __future__ import annotations
 
@@ -289,10 +291,11 @@ def process_shard(sharding, global_batch: int) -> tuple[int, int]:
 
 
 def batches(corpus: Corpus, sharding, seq: int, global_batch: int, seed: int,
-            eval_batches: int, state: dict | None):
+            eval_batches: int):
   """`(train, evals)`: a grain iterator over this process's rows of each training batch
   ({"inputs", "targets"} int32 [global_batch / count, seq]; `get_state()` / `set_state()`
-  give its position, restored from `state`), and `eval_batches` held-out batches likewise.
+  give its position: `fnscale.checkpoint` saves and restores it), and `eval_batches`
+  held-out batches likewise.
   """
   index, count = process_shard(sharding, global_batch)
   local = global_batch // count
@@ -300,7 +303,27 @@ def batches(corpus: Corpus, sharding, seq: int, global_batch: int, seed: int,
   # One reader thread a little ahead is plenty for windows; more would take the CPU's cores.
   read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
   train = iter(shard(windows(corpus.train, seq, seed, None)).to_iter_dataset(read))
-  if state is not None:
-    train.set_state(state)
   held = shard(windows(corpus.eval, seq, seed + 1, None))
   return train, [held[i] for i in range(eval_batches)]
+
+
+def resharded_position(saved: list, index: int, count: int) -> dict:
+  """The position of process `index` of `count` in a job resumed with another process count
+  than the one that saved `saved` (one position per saved process):
+  `fnscale.checkpoint.restore(..., data=train, reshard_data=resharded_position)`.
+
+  `batches` gives process i of n the batches of its slice [i::n] of one window order,
+  global_batch / n rows each, so batch k of every slicing covers the same windows, global
+  batch k, and a job's processes all stand at the same k. Each new process starts at batch k
+  of its own slice: the saved position itself.
+
+  Raises:
+    FnscaleError: the saved positions differ (not a job of `batches`).
+  """
+  del index, count  # every process of the new job starts at the same global batch
+  if any(p != saved[0] for p in saved[1:]):
+    raise fs.FnscaleError(
+        f"the {len(saved)} saved data positions differ ({saved[:4]}): they don't stand at one "
+        f"global batch, so they can't be mapped onto another process count; resume with "
+        f"{len(saved)} processes")
+  return saved[0]

@@ -286,48 +286,83 @@ def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str
   return os.path.join("runs", f"{model}-{name}" + (f"-vocab{vocab}" if tokenizer else ""))
 
 
-def restore_or_init(ckpt_dir: str | None, init, expect: dict, say, run: str = ""):
-  """`(state, start_step, extra)`: the newest good checkpoint in `ckpt_dir` (a damaged newer
-  one is refused and left as it is), or `(init(), 0, None)` when there is none. Warns when
-  `extra` differs from `expect` (seed, corpus, batch: the data order would differ).
+def restore_or_init(ckpt, init, batches, expect: dict, say, reshard=None, run: str = ""):
+  """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a
+  `fnscale.checkpoint.Manager`; a damaged or non-finite newer step is refused and left as it
+  is), with the data iterator `batches` put at the position each process saved (`reshard`
+  maps positions saved by another process count); or `(init(), 0, None)` when there is none
+  (or `ckpt` is None). Warns when `extra` differs from `expect` (seed, corpus, batch: the data
+  order would differ).
 
   Raises:
     CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
       the message names `run` (this run's directory and model) and how to start afresh.
   """
-  on_disk = _step_dirs_on_disk(ckpt_dir) if ckpt_dir else []
-  if not on_disk:
+  listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
+  if not listed:
     return init(), 0, None
   try:
-    state, extra = fs.checkpoint.restore(ckpt_dir, init(abstract=True))
+    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=batches,
+                                         reshard_data=reshard)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
-        f"{run or ckpt_dir} can't resume from the checkpoints already in {ckpt_dir} (steps "
-        f"{on_disk}): {e} To keep them and start this run afresh, give it another directory "
-        "(--run_dir=NEW_DIR, or --checkpoint_dir); to start over in this one, remove "
-        f"{ckpt_dir} first.") from None
+        f"{run or ckpt.directory} can't resume from the checkpoints already in "
+        f"{ckpt.directory} (steps {list(listed)}): {e} To keep them and start this run "
+        "afresh, give it another directory (--run_dir=NEW_DIR, or --checkpoint_dir); to start "
+        f"over in this one, remove {ckpt.directory} first.") from None
   start = int(extra["step"])
-  refused = [d for d in on_disk if d > start]
+  refused = [d for d in listed if d > start]
   if refused:
-    say(f"checkpoint: refused step(s) {refused} in {ckpt_dir} (incomplete or corrupt; "
-        "left as they are); resuming from the newest good one")
+    say(f"checkpoint: refused step(s) {refused} in {ckpt.directory} (incomplete, corrupt or "
+        "non-finite; left as they are); resuming from the newest good one")
   changed = [f"{k} {extra.get(k)} -> {v}" for k, v in expect.items()
              if extra.get(k) not in (None, v)]
   if changed:
     say("warning: resuming with a different " + ", ".join(changed) + "; the data order "
         "differs from the original run")
-  say(f"resumed from step {start} ({ckpt_dir})")
+  say(f"resumed from step {start} ({ckpt.directory})")
   return state, start, extra
 
 
-def _step_dirs_on_disk(directory: str) -> list[int]:
-  """Integer step directories present (good or not); [] for a missing directory."""
-  if "://" in directory:
-    return list(fs.checkpoint.steps(directory))
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(d) for d in os.listdir(directory)
-                if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
+def say_save_window(ckpt, grace_s: float, say) -> bool:
+  """Says so when a checkpoint save can't fit the preemption window, from the newest step's
+  save time (orbax's step metadata; None `ckpt` or no step yet: nothing to say). After a
+  notice the final save may first wait for one in flight: two saves must fit in `grace_s`.
+  Returns whether it said so."""
+  last = fs.checkpoint.last_save_seconds(ckpt) if ckpt is not None else None
+  if last is None or 2 * last[1] <= grace_s:
+    return False
+  step, seconds = last
+  say(f"warning: a checkpoint save takes ~{seconds:.1f} s here (step {step}); after a "
+      "preemption notice the final save may first wait for one in flight, "
+      f"~{2 * seconds:.0f} s in all, but grace_s is {grace_s:g} s: raise grace_s (within the "
+      "platform's notice) or checkpoint more often (checkpoint_every), so that less is lost "
+      "when the final save can't finish")
+  return True
+
+
+def first_nonfinite(flags: list) -> int | None:
+  """The first step of `flags` ([(step, on-device bool: its loss and state were finite)])
+  whose flag is False, or None; reads them all in one transfer and empties the list."""
+  if not flags:
+    return None
+  values = jax.device_get([f for _, f in flags])
+  steps = [s for s, _ in flags]
+  flags.clear()
+  return next((s for s, ok in zip(steps, values) if not ok), None)
+
+
+def nonfinite_error(bad: int, last_good: int | None, ckpt_dir: str, lr: float):
+  """The StepError that stops a run whose loss or state went non-finite at step `bad`."""
+  if ckpt_dir and last_good is not None:
+    good = (f"the last good checkpoint is step {last_good} in {ckpt_dir} (rerunning resumes "
+            "from it)")
+  else:
+    good = "there is no good checkpoint of this run" if ckpt_dir else "checkpoints are off"
+  return fs.StepError(
+      f"the loss or the train state went non-finite (NaN or inf) at step {bad}; the run stops "
+      f"and saves no step from it on; {good}. Lower lr (peak {lr:g}), raise warmup_steps, or "
+      "use precision=float32")
 
 
 def describe(s, state, corpus, report, pol, peak, flops_step, resumed, say) -> int:

@@ -11,6 +11,7 @@ writes files. Rerunning the same command resumes from the newest good checkpoint
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -77,6 +78,9 @@ class Options:
   checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
   checkpoint_keep: int = h.option(3, "how many checkpoints to keep")
   stop_after: int = h.option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
+  grace_s: float = h.option(preemption.DEFAULT_GRACE_S, "seconds from a preemption notice "
+                            "(SIGTERM) to the end of the process, the final save included; "
+                            "keep below the platform's notice (about 30 s on Cloud TPU, GKE)")
   log_every: int | None = h.option(None, "steps between progress lines; default 25 lines a run")
   eval_every: int | None = h.option(None, "steps between evals; default 5 evals a run")
   eval_batches: int = h.option(4, "global batches of held-out text per eval")
@@ -177,31 +181,51 @@ def run(o: Options) -> h.Summary:
   preemption.check_service()  # the loop's guard needs it: say so now, not after the compile
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
+  # One checkpoint manager for the whole run; leaving the block waits for the last save.
+  # orbax's warnings go to RUN_DIR/log.txt, not the console.
+  with h.library_log(s.o.run_dir), (
+      fs.checkpoint.manager(s.o.checkpoint_dir, keep=s.o.checkpoint_keep)
+      if s.o.checkpoint_dir else contextlib.nullcontext()) as ckpt:
+    return _run(s, corpus, ckpt, t0, say)
+
+
+def _with_finite_flag(step):
+  """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
+  check into the step; the loop reads it before any save)."""
+  def step_with_flag(state, batch):
+    state, metrics = step(state, batch)
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
+  return step_with_flag
+
+
+def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
+  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
                           policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather)
-  step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
-                          rules=model.RULES, logical_axes=axes)
+  step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
+                          s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b),
                                      attention=o.attention))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
-  # orbax's warnings go to RUN_DIR/log.txt, not the console.
-  with fs.with_mesh(s.mesh), h.library_log(o.run_dir):
+  with fs.with_mesh(s.mesh):
     init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
                              optimizer, mesh=s.mesh, rules=model.RULES, logical_axes=axes,
                              policy=policy, key=jax.random.key(o.seed))
-    state, start, extra = _resume(s, init, corpus, say)
-    resumed = last_saved = None if extra is None else start
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
     batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
-                                  o.eval_batches, (extra or {}).get("data"))
+                                  o.eval_batches)
+    state, start, extra = _resume(s, ckpt, init, batches, corpus, say)
+    resumed = None if extra is None else start
+    h.say_save_window(ckpt, o.grace_s, say)
+    if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
+      fs.checkpoint.nonfinite_leaves(state)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
-    data_state = batches.get_state()  # where the data stands before the first step
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
@@ -218,36 +242,74 @@ def run(o: Options) -> h.Summary:
       log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
       return value
 
-    def save(state, step, data_state):  # once per step; the data iterator's state goes along
-      nonlocal last_saved
-      if o.checkpoint_dir and step != last_saved:
-        t, last_saved = time.time(), step
-        fs.checkpoint.save(o.checkpoint_dir, step, state, keep=o.checkpoint_keep, extra=dict(
-            step=step, seed=o.seed, model=o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
-            global_batch=o.global_batch, corpus_tokens=len(corpus.train), data=data_state))
-        say(f"checkpoint: saved step {step} in {time.time() - t:.1f} s ({o.checkpoint_dir})")
-
+    guard = _checkpointing(s, ckpt, corpus, batches, resumed, say)
     ev = evaluate(state, 0) if start == 0 else None
     prof = rl.profiler(s.profile, o.run_dir, say=say)
-    state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
-                                  schedule, peak, say, (log, prof), evaluate, save)
-    out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
+    state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
+                                  say, (log, prof), evaluate, guard)
+    out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, guard, say)
     log.close()
   return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
 
 
-def _resume(s: Setup, init, corpus: data.Corpus, say):
-  """(state, start step, checkpoint extra or None): the run directory's newest good
-  checkpoint, else a fresh init."""
+def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
+  """(state, start step, checkpoint extra or None): the newest good checkpoint of `ckpt`
+  (the run's manager, or None), with `batches` at each process's saved position, else a
+  fresh init."""
   o = s.o
-  state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
+  state, start, extra = h.restore_or_init(ckpt, init, batches, dict(
       seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
-      f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
+      data.resharded_position, f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
       f"{s.cfg.vocab})")
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
         "--run_dir=NEW_DIR or more --steps for another run)")
   return state, start, extra
+
+
+class Guard(NamedTuple):
+  """What stands between a step and its checkpoint (`_checkpointing`)."""
+  note: Any  # note(step, metrics): keep the step's on-device finiteness flag
+  check: Any  # check(): StepError naming the first non-finite step and the last good save
+  save: Any  # save(state, step): check(), then save step (once) with the data position
+  commit: Any  # commit(): wait until the last save is committed
+
+
+def _checkpointing(s: Setup, ckpt, corpus, batches, resumed: int | None, say) -> Guard:
+  """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
+  steps since the last check are read before every save and progress line), saves go through
+  `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
+  preemption window is said as soon as its time is known (at start-up from the last run's
+  save; in the run from its second save: the first one's time includes one-off compiles)."""
+  flags, last_saved, warned, saves = [], resumed, False, 0
+
+  def check():
+    bad = h.first_nonfinite(flags)
+    if bad is not None:
+      commit()  # the last good save is on disk before the run stops
+      raise h.nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
+
+  def save(state, step: int):
+    nonlocal last_saved, warned, saves
+    check()
+    if ckpt is None or step == last_saved:
+      return
+    if saves >= 2 and not warned:  # the first save's time includes one-off compiles
+      warned = h.say_save_window(ckpt, s.o.grace_s, say)
+    t = time.time()
+    # Before the next batch is read: the iterator's position is this step's.
+    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
+        step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
+        global_batch=s.o.global_batch, corpus_tokens=len(corpus.train)))
+    last_saved, saves = step, saves + 1
+    say(f"checkpoint: step {step} saving in the background (the loop waited "
+        f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
+
+  def commit():
+    if ckpt is not None:
+      fs.checkpoint.wait(ckpt)
+
+  return Guard(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
 
 
 def _flops_step(s: Setup) -> float:
@@ -275,55 +337,55 @@ def _lap(t: _Timing, done: int) -> tuple[_Timing, float | None]:
 EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
 
 
-def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
-           log_prof, evaluate, save):
+def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say, log_prof,
+           evaluate, guard: Guard):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
   `log_prof`: (run_log.RunLog, run_log.Profiler). Evals and checkpoints are left out of the
   timing (tokens/s, MFU, ETA); so is the first step, which includes dispatch warm-up."""
   (log, prof), m, o = log_prof, None, s.o
   last, timing, stopped, t_train, stall = {}, None, None, time.time(), h.Stall()
-  batch_sharding = fs.batch_sharding(s.mesh)
+  batch_sharding, every = fs.batch_sharding(s.mesh), o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
-  with preemption.preemption_guard() as should_stop:
+  with preemption.preemption_guard(grace_s=o.grace_s) as should_stop:
     for step in range(start, o.steps):
       prof.at_step(step, pending=m)
       prev, (state, m) = m, step_fn(state, batch)
       # The previous step's update, read while this one runs (one step stays in flight).
       stall = h.check_update(stall, step, prev, o.max_stalled_steps)
       done = step + 1
+      guard.note(done, m)
       # One step in flight on CPU: simulated devices share one pool of host threads, and with
       # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
       if s.topo.platform == "cpu":
         jax.block_until_ready((state, m))
-      if done < o.steps:
-        data_state = batches.get_state()
+      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
+      if done < o.steps and (sigterm or done == o.stop_after):
+        stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
+      if stopped or (every and done % every == 0 and done < o.steps):
+        t_save = time.time()
+        guard.save(state, done)  # before the next batch is read: the position is this step's
+        if timing is not None:  # the save's time stays out of the timing
+          timing = timing._replace(mark_s=timing.mark_s + time.time() - t_save)
+      if done < o.steps and not stopped:
         batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
       if timing is None:
         jax.block_until_ready(m["loss"])
         timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS
       if done % o.log_every == 0 or done == o.steps or done == early:
+        guard.check()
         timing, dt = _lap(timing, done)
         last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
-      evals = done % o.eval_every == 0 and done < o.steps
-      saves = o.checkpoint_every and done % o.checkpoint_every == 0 and done < o.steps
-      if evals or saves:  # their time stays out of the timing
+      if done % o.eval_every == 0 and done < o.steps:  # its time stays out of the timing
         timing = _lap(timing, done)[0]
-        if evals:
-          evaluate(state, done)
-        if saves:
-          save(state, done, data_state)
+        evaluate(state, done)
         timing = timing._replace(mark_s=time.time())
-      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
-      if done < o.steps and (sigterm or done == o.stop_after):
-        stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
-        save(state, done, data_state)
+      if stopped:
+        guard.commit()  # the agreed step is on disk before the process exits
         say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
         break
   prof.close(pending=state)
   h.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
-  data_state = data_state if stopped else batches.get_state()
-  return state, dict(last, train_s=time.time() - t_train, data_state=data_state,
-                     **_whole_run(s, timing, peak)), stopped
+  return state, dict(last, train_s=time.time() - t_train, **_whole_run(s, timing, peak)), stopped
 
 
 def _whole_run(s: Setup, timing: _Timing | None, peak) -> dict:
@@ -335,12 +397,12 @@ def _whole_run(s: Setup, timing: _Timing | None, peak) -> dict:
               mfu=_flops_step(s) * per_s / peak if peak else None)
 
 
-def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate, save,
-            say) -> dict:
+def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate,
+            guard: Guard, say) -> dict:
   """Final checkpoint, eval and sample (unless stopped); the summary's run fields."""
   final_step, sample = int(state.step), None
   if not stopped:
-    save(state, final_step, last["data_state"])
+    guard.save(state, final_step)  # written while the eval and the sample run
     ev = evaluate(state, final_step)
     if s.o.sample_len > 0:
       t = time.time()
@@ -349,6 +411,7 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
           seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")
+    guard.commit()
   return dict(final_step=final_step, start_step=start, resumed_from=resumed, stopped=stopped,
               loss=last.get("loss"), eval_loss=ev, tokens_per_s=last["tokens_per_s"],
               mfu=last["mfu"], train_s=last["train_s"], global_batch=s.o.global_batch,

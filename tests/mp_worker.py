@@ -15,12 +15,15 @@ mesh over every process's devices (ordered by process, so "data" and for 4 proce
 feeding only this process's rows of each global batch through `fnscale.global_batch`.
 
 Prints one JSON line per event on stdout: {"event": "step", "step": s, "loss": ...},
-{"event": "checkpoint", "step": s}, {"event": "preempted", ...}, {"event": "done"}. Every
-process calls `fnscale.checkpoint.save`; only process 0 writes DIR/losses.jsonl and
-DIR/params.npz (the final params, gathered from every process).
+{"event": "checkpoint", "step": s, "previous_in_flight": bool}, {"event": "preempted", ...},
+{"event": "done"}. Every process keeps one `fnscale.checkpoint.manager` for the run and calls
+`fnscale.checkpoint.save` through it (async unless --async_ckpt=0: the loop goes on while the
+step is written; --slow_commit_s simulates slow storage); only process 0 writes
+DIR/losses.jsonl and DIR/params.npz (the final params, gathered from every process).
 
 On SIGTERM (a preemption notice) JAX's preemption service agrees with every process on one
-step to stop at; all save a checkpoint there and exit 143 (`preemption.EXIT_PREEMPTED`).
+step to stop at; all save a checkpoint there (after a save still in flight has committed),
+wait for its commit and exit 143 (`preemption.EXIT_PREEMPTED`).
 Rerunning resumes from the newest checkpoint. `--restore_only` restores the newest
 checkpoint onto this job's mesh and writes its params to DIR/restored.npz. A lost process
 ends the loop in a `fnscale.DistributedError` (`fnscale.distributed.peer_guard`), exit
@@ -67,6 +70,10 @@ def _args(argv):
                  help="this process sleeps --hold_s before the 'ready' barrier")
   p.add_argument("--hold_s", type=float, default=0.0)
   p.add_argument("--grace_s", type=float, default=20.0)
+  p.add_argument("--async_ckpt", type=int, default=1, help="1: saves overlap training")
+  p.add_argument("--slow_commit_s", type=float, default=0.0,
+                 help="each of a save's commit renames (its step directory and each item's: "
+                 "three here) first waits this long (slow storage, simulated)")
   return p.parse_args(argv)
 
 
@@ -148,7 +155,21 @@ def _join(args):
   return info, time.perf_counter() - t0
 
 
-def _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start):
+def _slow_commits(seconds: float) -> None:
+  """Each of orbax's commit renames (in its background thread: the step directory and each
+  item's, three per save here) first waits `seconds`: storage slow enough that a save is still
+  in flight at the next one."""
+  import asyncio
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def slow(self):
+    await asyncio.sleep(seconds)
+    await finalize(self)
+  atomicity.AtomicRenameTemporaryPath.finalize = slow
+
+
+def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
   """The loop: one step, its loss, the preemption check, a checkpoint when due."""
   import fnscale as fs
   from fnscale import checkpoint, preemption
@@ -168,9 +189,11 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start):
         log.flush()
       stop = should_stop(s)  # True on every process at the same step after a notice
       if stop or (args.ckpt_every and (s + 1) % args.ckpt_every == 0):
-        checkpoint.save(ckpt_dir, s + 1, state, extra={"step": s + 1})
-        _emit(event="checkpoint", step=s + 1)
+        in_flight = ckpt.orbax.is_saving_in_progress()  # the previous save, still writing
+        checkpoint.save(ckpt, s + 1, state, extra={"step": s + 1})
+        _emit(event="checkpoint", step=s + 1, previous_in_flight=in_flight)
       if stop:
+        checkpoint.wait(ckpt)  # committed before the process exits
         _emit(event="preempted", step=s + 1)
         return state, preemption.EXIT_PREEMPTED
       if 0 <= args.slow_after <= s:
@@ -189,16 +212,20 @@ def main(argv) -> int:
   from fnscale import checkpoint, preemption
   pid = jax.process_index()
   os.makedirs(args.out, exist_ok=True)
-  ckpt_dir = os.path.join(args.out, "ckpt")
-  with preemption.preemption_guard(grace_s=args.grace_s) as should_stop:
+  if args.slow_commit_s:
+    _slow_commits(args.slow_commit_s)
+  # One checkpoint manager for the run; leaving the block waits for the last save.
+  with preemption.preemption_guard(grace_s=args.grace_s) as should_stop, checkpoint.manager(
+      os.path.join(args.out, "ckpt"), async_save=bool(args.async_ckpt)) as ckpt:
     mesh, _, step, init = build(args.mesh, args.model, args.lr)
     _emit(event="start", process=pid, processes=jax.process_count(),
           devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info), join_s=join_s)
     state = init()
-    start = checkpoint.latest_step(ckpt_dir)
+    start = checkpoint.latest_step(ckpt)
     if start is not None:
-      state, extra = checkpoint.restore(ckpt_dir, state, step=start)
+      state, extra = checkpoint.restore(ckpt, state, step=start)
       _emit(event="restored", step=start, extra=extra)
+    checkpoint.nonfinite_leaves(state)  # compiles save's finiteness check outside any notice
     if args.restore_only:
       params = gathered_params(state.params)
       if pid == 0:
@@ -210,7 +237,7 @@ def main(argv) -> int:
       if pid == args.hold:
         time.sleep(args.hold_s)
       fs.barrier("ready", timeout_s=120)
-    state, status = _train(args, pid, state, step, mesh, should_stop, ckpt_dir, start or 0)
+    state, status = _train(args, pid, state, step, mesh, should_stop, ckpt, start or 0)
   if status:
     return status
   params = gathered_params(state.params)

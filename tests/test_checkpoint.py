@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -251,8 +252,8 @@ def test_no_good_checkpoint_lists_every_refused_step(tmp_path):
   _damage(directory / "2", "no_tree_metadata")
   target = {"x": jax.ShapeDtypeStruct((3,), jnp.float32,
                                        sharding=SingleDeviceSharding(jax.devices()[0]))}
-  with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 2 at .*_METADATA "
-                     r"is missing.*step 1 at .*commit marker"):
+  with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 2 at .*: corrupt: "
+                     r"its tree metadata can't be read.*step 1 at .*commit marker is missing"):
     ckpt.restore(directory, target)
   assert ckpt.latest_step(directory) is None
 
@@ -321,6 +322,11 @@ def test_bad_arguments_are_named(tmp_path):
     ckpt.save(tmp_path, 1, {"layers": [{"name": "mlp", "w": jnp.ones(2)}]})
   with pytest.raises(CheckpointError, match=r"state leaf rng is a typed PRNG key"):
     ckpt.save(tmp_path, 1, {"rng": jax.random.key(0)})
+  donated = jnp.ones(2)
+  jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+  with pytest.raises(CheckpointError, match=r"state leaf x has been deleted \(donated to a "
+                     r"jitted step\?\)"):
+    ckpt.save(tmp_path, 1, {"x": donated})
   assert ckpt.latest_step(tmp_path) is None  # nothing was written
   ckpt.save(tmp_path, 1, state)
   with pytest.raises(CheckpointError, match=r"target leaf x \(\(2,\) float32\) has no sharding"):
@@ -353,3 +359,130 @@ def test_custom_pytree_nodes_and_a_bare_array(tmp_path):
   ckpt.save(tmp_path / "b", 0, jnp.arange(5))
   bare, _ = ckpt.restore(tmp_path / "b", jax.ShapeDtypeStruct((5,), jnp.int32, sharding=one))
   np.testing.assert_array_equal(bare, np.arange(5))
+
+
+def _one(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(jax.devices()[0]))
+
+
+def test_nonfinite_state_is_never_saved_unless_allowed(tmp_path):
+  good = {"w": jnp.ones((4, 4)), "step": jnp.int32(1)}
+  bad = {"w": jnp.ones((4, 4)).at[2, 3].set(jnp.nan), "step": jnp.int32(1)}
+  with pytest.raises(CheckpointError, match=r"not saving step 1: state leaf w holds NaN or inf;"
+                     r".*allow_nonfinite=True"):
+    ckpt.save(tmp_path / "a", 1, bad)
+  mixed = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.array([1.0, jnp.inf]),
+           "c": np.array([np.nan]), "n": jnp.arange(3)}
+  with pytest.raises(CheckpointError, match=r"state leaf b holds NaN or inf \(and 1 more leaves\)"):
+    ckpt.save(tmp_path / "a", 1, mixed)
+  assert ckpt.nonfinite_leaves(mixed) == ["b", "c"]
+  assert ckpt.steps(tmp_path / "a") == ()  # nothing was written
+  assert bool(ckpt.all_finite(good)) and not bool(jax.jit(ckpt.all_finite)(mixed))
+  # Edge values: the largest finite floats, an empty leaf and complex parts near the float32
+  # limit are finite; -inf, and a NaN in either part of a complex, are not.
+  big = jnp.finfo(jnp.float32).max
+  edges = {"big": jnp.array([big, -big]), "empty": jnp.zeros((0, 3)),
+           "bf16": jnp.array([jnp.finfo(jnp.bfloat16).max], jnp.bfloat16),
+           "z": jnp.array([big + 1j * big], jnp.complex64)}
+  assert ckpt.nonfinite_leaves(edges) == [] and bool(jax.jit(ckpt.all_finite)(edges))
+  worse = dict(edges, big=jnp.array([1.0, -jnp.inf]), z=jnp.array([1 + 1j * jnp.nan]))
+  assert ckpt.nonfinite_leaves(worse) == ["big", "z"]
+  assert not bool(ckpt.all_finite({"z": worse["z"]})) and not bool(ckpt.all_finite(worse))
+
+  directory = tmp_path / "run"
+  with ckpt.manager(directory, keep=2) as m:
+    ckpt.save(m, 1, good)
+    for step in (2, 3, 4):
+      ckpt.save(m, step, bad, allow_nonfinite=True)
+  # orbax's LatestN(2) keeps 3 and 4; the newest finite step, 1, stays as well.
+  assert ckpt.steps(directory) == (1, 3, 4)
+  with ckpt.manager(directory, keep=2) as m:  # a new run reads the verdicts from disk
+    ckpt.save(m, 5, bad, allow_nonfinite=True)
+  assert ckpt.steps(directory) == (1, 4, 5)
+  assert ckpt.latest_step(directory) == 1
+  state, _ = ckpt.restore(directory, jax.tree.map(_one, good))
+  _assert_bitwise(state, good)
+  kept, _ = ckpt.restore(directory, jax.tree.map(_one, good), step=5)  # named: for inspection
+  assert np.isnan(np.asarray(kept["w"])[2, 3]) and np.isfinite(np.asarray(kept["w"])).sum() == 15
+
+
+def test_async_save_blocks_the_loop_less_than_a_synchronous_save(tmp_path):
+  """256 MiB on 8 devices: the synchronous save (write and commit) against the time an async
+  save keeps the loop (finiteness check, copy to host); the loop computes while it writes."""
+  mesh = _mesh((8,), ("fsdp",), 8)
+  make = jax.jit(lambda: jnp.arange(8192 * 8192, dtype=jnp.float32).reshape(8192, 8192),
+                 out_shardings=NamedSharding(mesh, P("fsdp")))
+  state = {"w": make()}
+  assert state["w"].nbytes == 256 * 2**20
+  want = {"w": np.arange(8192 * 8192, dtype=np.float32).reshape(8192, 8192)}
+  ckpt.nonfinite_leaves(state)  # compiled once, outside both timings
+  t = time.perf_counter()
+  ckpt.save(tmp_path / "sync", 1, state)
+  sync_s = time.perf_counter() - t
+  step = jax.jit(lambda s: {"w": s["w"] + 1.0}, donate_argnums=0)
+  with ckpt.manager(tmp_path / "async") as m:
+    t = time.perf_counter()
+    ckpt.save(m, 1, state)
+    blocked_s = time.perf_counter() - t
+    in_flight = m.orbax.is_saving_in_progress()
+    for _ in range(3):  # the loop goes on, donating the saved state's buffers
+      state = jax.block_until_ready(step(state))
+  print(f"256 MiB: synchronous save {sync_s:.2f} s, async save blocked {blocked_s:.2f} s "
+        f"(ratio {blocked_s / sync_s:.3f})")
+  assert in_flight
+  assert blocked_s < 0.5 * sync_s
+  target = {"w": jax.ShapeDtypeStruct((8192, 8192), jnp.float32,
+                                      sharding=NamedSharding(_mesh((2,), ("fsdp",), 2), P("fsdp")))}
+  for name in ("sync", "async"):
+    restored, _ = ckpt.restore(tmp_path / name, target)
+    _assert_bitwise(restored, want)  # the values at the save, not the later ones
+
+
+def test_manager_rotation_never_overwrites_and_keeps_a_period(tmp_path):
+  directory = tmp_path / "run"
+  with ckpt.manager(directory, keep=1, keep_period=4) as m:
+    for step in range(1, 10):
+      ckpt.save(m, step, {"x": jnp.full((3,), float(step))})
+    # The save of 9 is in flight: saving it again waits for its commit, then refuses.
+    with pytest.raises(CheckpointError, match=r"complete checkpoint for step 9 already exists"):
+      ckpt.save(m, 9, {"x": jnp.zeros(3)})
+    with pytest.raises(CheckpointError, match=r"keep= belongs to the Manager"):
+      ckpt.save(m, 10, {"x": jnp.zeros(3)}, keep=5)
+  assert ckpt.steps(directory) == (4, 8, 9)  # EveryNSteps(4) keeps 4 and 8, LatestN(1) 9
+  state, _ = ckpt.restore(directory, {"x": _one(jnp.zeros(3))})
+  np.testing.assert_array_equal(state["x"], np.full((3,), 9.0, np.float32))
+  with ckpt.manager(directory, read_only=True) as ro:
+    with pytest.raises(CheckpointError, match=r"read-only"):
+      ckpt.save(ro, 11, {"x": jnp.zeros(3)})
+  with pytest.raises(CheckpointError, match=r"keep_period must be a positive int"):
+    ckpt.manager(directory, keep_period=0)
+  with pytest.raises(CheckpointError, match=r"close takes the Manager that fnscale.checkpoint."
+                     r"manager\(...\) returned, got a str"):
+    ckpt.close(str(directory))
+  assert ckpt.steps(directory) == (4, 8, 9)
+
+
+def test_last_save_seconds_is_orbax_s_start_to_commit_time(tmp_path):
+  assert ckpt.last_save_seconds(tmp_path / "none") is None
+  t = time.perf_counter()
+  ckpt.save(tmp_path, 3, {"x": jnp.ones((512, 512))})
+  wall = time.perf_counter() - t
+  step, seconds = ckpt.last_save_seconds(tmp_path)
+  assert step == 3 and 0 < seconds <= wall
+
+
+def test_data_position_needs_one_saved_with_the_step(tmp_path):
+  grain = pytest.importorskip("grain")
+  it = iter(grain.MapDataset.range(40).batch(4).to_iter_dataset())
+  ckpt.save(tmp_path, 1, {"x": jnp.ones(2)})
+  with pytest.raises(CheckpointError, match=r"step 1 at .* holds no data position \(saved "
+                     r"without data=\)"):
+    ckpt.restore(tmp_path, {"x": _one(jnp.ones(2))}, data=it)
+  with pytest.raises(CheckpointError, match=r"data is a list.*expected a grain iterator"):
+    ckpt.save(tmp_path, 2, {"x": jnp.ones(2)}, data=[1, 2])
+  next(it), next(it)
+  ckpt.save(tmp_path, 2, {"x": jnp.ones(2)}, data=it)
+  fresh = iter(grain.MapDataset.range(40).batch(4).to_iter_dataset())
+  ckpt.restore(tmp_path, {"x": _one(jnp.ones(2))}, data=fresh)
+  assert fresh.get_state() == {"next_index": 2}
+  np.testing.assert_array_equal(next(fresh), np.arange(8, 12))

@@ -1,8 +1,8 @@
 """recipes/data.py: corpora, the held-out split, grain windows, per-process rows, iterator state
 and tokenizers, checked against hand counts and the `tokenizers` library itself."""
-import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -58,9 +58,9 @@ def _corpus(n=5000):
 
 def test_two_processes_read_disjoint_halves_of_the_one_process_batch():
   corpus = _corpus()
-  one, _ = data.batches(corpus, _Rows((0, 8), (8, 16)), 16, 16, 0, 0, None)
-  p0, ev0 = data.batches(corpus, _Rows((0, 4), (4, 8)), 16, 16, 0, 1, None)
-  p1, ev1 = data.batches(corpus, _Rows((8, 12), (12, 16)), 16, 16, 0, 1, None)
+  one, _ = data.batches(corpus, _Rows((0, 8), (8, 16)), 16, 16, 0, 0)
+  p0, ev0 = data.batches(corpus, _Rows((0, 4), (4, 8)), 16, 16, 0, 1)
+  p1, ev1 = data.batches(corpus, _Rows((8, 12), (12, 16)), 16, 16, 0, 1)
   for _ in range(3):
     whole, a, b = next(one), next(p0), next(p1)
     assert a["inputs"].shape == (8, 16) and a["inputs"].dtype == np.int32
@@ -77,16 +77,40 @@ def test_rows_that_are_not_one_block_are_refused():
     data.process_shard(_Rows((0, 2), (4, 6)), 16)
 
 
-def test_iterator_state_restores_the_exact_position():
+def test_iterator_position_travels_in_a_checkpoint(tmp_path):
+  """The position goes through fnscale.checkpoint (grain's own orbax handler): a fresh
+  iterator restored from it reads exactly the batches the saved one would have read next."""
   corpus = _corpus()
-  it, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0, None)
+  it, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
   for _ in range(3):
     next(it)
-  state = json.loads(json.dumps(it.get_state()))  # as it travels in a checkpoint's JSON extra
+  fs.checkpoint.save(tmp_path, 3, {"x": np.zeros(2, np.float32)}, data=it)
   expected = [next(it)["inputs"] for _ in range(2)]
-  again, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0, state)
+  again, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
+  target = {"x": jax.ShapeDtypeStruct((2,), np.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+  fs.checkpoint.restore(tmp_path, target, data=again)
+  assert again.get_state() == {"next_index": 3}  # three batches read before the save
   for want in expected:
     np.testing.assert_array_equal(next(again)["inputs"], want)
+
+
+def test_resharded_position_is_the_common_global_batch():
+  """Batch k of the 2-process slices covers the windows of batch k of the 1-process order, so
+  positions saved by 2 processes at one step are the 1-process position."""
+  corpus = _corpus()
+  p0, _ = data.batches(corpus, _Rows((0, 8)), 16, 16, 0, 0)  # process 0 of 2: rows 0-7
+  p1, _ = data.batches(corpus, _Rows((8, 16)), 16, 16, 0, 0)
+  for _ in range(2):
+    next(p0), next(p1)
+  saved = [p0.get_state(), p1.get_state()]
+  one, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 0, 0)
+  one.set_state(data.resharded_position(saved, 0, 1))
+  rows = lambda x: sorted(map(tuple, x["inputs"]))
+  assert rows(next(one)) == sorted(rows(next(p0)) + rows(next(p1)))
+  with pytest.raises(fs.FnscaleError, match=r"the 2 saved data positions differ .*resume with "
+                     r"2 processes"):
+    data.resharded_position([{"next_index": 2}, {"next_index": 3}], 0, 1)
 
 
 def test_split_holds_out_every_20th_chunk():

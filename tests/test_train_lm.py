@@ -291,8 +291,26 @@ def test_default_run_dirs_are_per_model_and_a_foreign_one_is_refused(work, tmp_p
                         "(steps [3]): checkpoint step 3 at ")
   assert "doesn't fit the target" in err and "--run_dir=NEW_DIR" in err
   assert len(err.strip().splitlines()) == 1, err  # no "WARNING:absl ..." lines before it
-  log = (foreign / "log.txt").read_text()
-  assert "Given directory is read only" in log and "orbax" in log
+
+
+def test_orbax_warnings_go_to_the_run_log_and_others_to_the_console(tmp_path, caplog):
+  """While `library_log` is open, orbax's absl warnings (here: opening a checkpoint directory
+  read-only) go to RUN_DIR/log.txt and reach no other handler (the console's); another absl
+  warning still does, and nothing is routed after the block."""
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  fs.checkpoint.save(tmp_path / "ckpt", 1, {"x": np.ones(3, np.float32)})
+  run_dir = tmp_path / "run"
+  caplog.clear()
+  with harness.library_log(str(run_dir)):
+    assert fs.checkpoint.steps(tmp_path / "ckpt") == (1,)
+    absl_logging.warning("a warning of the run itself")
+  passed_on = caplog.text
+  log = (run_dir / "log.txt").read_text()
+  assert "Given directory is read only" in log and f"{os.sep}orbax{os.sep}" in log
+  assert "Given directory is read only" not in passed_on
+  assert "a warning of the run itself" in passed_on and "a warning of the run itself" not in log
+  fs.checkpoint.steps(tmp_path / "ckpt")
+  assert "Given directory is read only" in caplog.text
 
 
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
@@ -469,6 +487,41 @@ def test_corrupt_checkpoint_is_refused_and_kept(work, stopped_at_3, uninterrupte
   kept = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("6.corrupt")]
   assert len(kept) == 1 and not (kept[0] / "commit_success.txt").exists()
   assert (run_dir / "checkpoints" / "6" / "commit_success.txt").exists()
+
+
+def test_nonfinite_run_stops_and_keeps_the_last_good_checkpoint(work, capsys):
+  """lr=1e30 after one warmup step: step 2's update takes the params to ~1e30 (finite) and
+  step 3's loss and params are NaN. With a checkpoint every 2 steps, keep=3 and progress
+  every 10, the run stops before saving step 4, naming step 3 and the checkpoint of step 2;
+  nothing later is written, and the rerun resumes from step 2 and stops the same way."""
+  run_dir = work / "nonfinite"
+  options = _kwargs(work, run_dir, steps=10, lr=1e30, warmup_steps=1, checkpoint_every=2,
+                    log_every=10, checkpoint_keep=3)
+  named = (r"went non-finite \(NaN or inf\) at step 3; the run stops and saves no step from "
+           r"it on; the last good checkpoint is step 2 in .*nonfinite/checkpoints")
+  with pytest.raises(fs.StepError, match=named):
+    train_lm.train_lm(**options)
+  ckpt = run_dir / "checkpoints"
+  assert sorted(os.listdir(ckpt)) == ["2"] and fs.checkpoint.steps(ckpt) == (2,)
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  params = ocp.StandardCheckpointer().restore(ckpt / "2" / "state")["params"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+  assert max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(params)) > 1e20
+  capsys.readouterr()
+  with pytest.raises(fs.StepError, match=named):
+    train_lm.train_lm(**options)
+  assert "resumed from step 2" in capsys.readouterr().out
+  assert fs.checkpoint.steps(ckpt) == (2,)
+
+
+def test_a_save_slower_than_the_preemption_window_is_said_at_start_up(work, stopped_at_3,
+                                                                      capsys):
+  run_dir = _checkpointed_at_3(work, stopped_at_3, "save_window")
+  _run(_argv(work, run_dir, "--steps=4", "--grace_s=0.001"))
+  out = capsys.readouterr().out
+  said = re.search(r"warning: a checkpoint save takes ~[\d.]+ s here \(step 3\); after a "
+                   r"preemption notice .* but grace_s is 0.001 s: raise grace_s", out)
+  assert said and out.index(said.group(0)) < out.index("step      4/4"), out
 
 
 def test_no_good_checkpoint_is_an_error(work, capsys):
