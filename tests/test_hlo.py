@@ -23,7 +23,8 @@ LOOP_HLO = """HloModule loop, num_partitions=8
   %h = f32[16,32]{1,0} get-tuple-element(%p), index=1
   %w = f32[32,32]{1,0} constant({...})
   %d = f32[16,32]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %r = f32[16,32]{1,0} all-reduce(%d), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+  %r = f32[16,32]{1,0} all-reduce(%d), channel_id=1, replica_groups=[2,4]<=[8], \
+use_global_device_ids=true, to_apply=%add
   %one = s32[] constant(1)
   %j = s32[] add(%i, %one)
   ROOT %t = (s32[], f32[16,32]{1,0}) tuple(%j, %r)
