@@ -485,7 +485,7 @@ def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
   out = None
   if ins.op == "constant" and re.fullmatch(r"[su]\d+\[\]", ins.shape.split("{")[0]):
     out = ("const", int(ins.inner)) if re.fullmatch(r"\s*-?\d+\s*", ins.inner) else None
-  elif ins.op == "parameter":
+  elif ins.op == "parameter" and ins.inner.strip().isdigit():
     i = int(ins.inner)
     out = args[i] if args is not None and i < len(args) else ("param", i)
   elif ins.op == "get-tuple-element" and operands:
@@ -595,9 +595,9 @@ def _dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
   out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
   if not out or lhs is None:
     return None
-  contract = _ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs).group(1)
-                   if "lhs_contracting_dims" in ins.attrs else "")
-  if any(i >= len(lhs) for i in contract):
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+  contract = _ints(m.group(1) if m else "")  # none: an outer product
+  if (not m and "lhs_contracting_dims" in ins.attrs) or any(i >= len(lhs) for i in contract):
     return None
   return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in contract)
 

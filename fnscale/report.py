@@ -43,9 +43,10 @@ class CompileReport(NamedTuple):
   state) and `generated_code_bytes` (memory analysis; None where unavailable), `collectives`
   (tuple of `fnscale.hlo.Collective`: executions, result bytes and ring bytes sent per device
   per step, loop trip counts applied), `platform`, `num_devices`, `mesh_shape` (dict axis ->
-  size, or None), `matmul_flops` (FLOPs of the `dot`/`convolution` ops of the optimized HLO
-  per device per step, loop trip counts applied; `fnscale.hlo.summarize`), `xla_warnings`
-  (the warnings XLA logged while compiling, one string each, de-duplicated in order),
+  size, or None), `matmul_flops` (FLOPs of the dots, convolutions and GPU library matmuls of
+  the optimized HLO per device per step, loop trip counts applied; `fnscale.hlo.summarize`),
+  `xla_warnings` (the warnings XLA logged while compiling, one string each, de-duplicated in
+  order),
   `model_flops` (the model's own FLOPs per device per step, when the caller gave them),
   `hlo_unread` (what the HLO reader could not read, `fnscale.hlo.Unread`: instructions by
   opcode, loops without a trip count, collectives whose groups were guessed; empty when the
@@ -323,10 +324,10 @@ def format_report(report: CompileReport) -> str:
       f"  FLOPs per device  {fn(report.flops)}  (XLA cost analysis, loop bodies once; "
       f"transcendentals {fn(report.transcendentals)}, bytes accessed "
       f"{fb(report.bytes_accessed)})",
-      f"  matmul FLOPs/dev  {fn(report.matmul_flops)}  (HLO dot/convolution, loop "
-      "trip counts applied)" + ("" if report.flops_ratio is None else
-                                f"; {report.flops_ratio:.3f} x the model's "
-                                f"{fn(report.model_flops)}"),
+      f"  matmul FLOPs/dev  {fn(report.matmul_flops)}  (HLO dots, convolutions and GPU "
+      "library matmuls, loop trip counts applied)" + (
+          "" if report.flops_ratio is None else
+          f"; {report.flops_ratio:.3f} x the model's {fn(report.model_flops)}"),
       "  memory per device",
       f"    arguments       {fb(report.argument_bytes)}",
       f"    outputs         {fb(report.output_bytes)}",

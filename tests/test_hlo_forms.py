@@ -406,3 +406,13 @@ def test_unread_in_code_that_never_runs_is_not_reported():
       "HloModule unread, num_partitions=4\n\nENTRY %main (a: f32[4]) -> f32[4] {\n"
       "  ROOT %a = f32[4]{0} parameter(0)\n}\n")
   assert hlo.summarize(text).unread == hlo.Unread()
+
+
+@pytest.mark.parametrize("text", [DUMP_LOOP, UNREAD], ids=["dump_loop", "unread"])
+def test_any_truncated_line_is_read_without_error(text):
+  # A text cut short anywhere (a log excerpt, a half-copied line) is read, never raised on.
+  lines = text.split("\n")
+  for i, line in enumerate(lines):
+    for cut in range(0, len(line), 3):
+      s = hlo.summarize("\n".join(lines[:i] + [line[:cut]] + lines[i + 1:]))
+      assert s.matmul_flops >= 0 and s.unread.count >= 0
