@@ -325,7 +325,8 @@ def _group_size(kind: str, line: str, dev: _Devices) -> tuple[int, bool]:
 
   XLA's modes: with a `channel_id` but without `use_global_device_ids=true`, an all-reduce,
   all-gather or reduce-scatter lists replicas and spans every partition of each (cross
-  replica and partition); otherwise the listed ids are the group."""
+  replica and partition); otherwise the listed ids are the group. An empty list spans
+  `dev.total` devices: replicas x partitions, exact when either is 1 (every jax program)."""
   n = _listed_group(line)
   if n is None:
     return dev.total, True
@@ -621,6 +622,7 @@ _KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mos
 _NO_MATMUL_TARGETS = (
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
     "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
+    "ConcatBitcast",
     "MoveToHost", "MoveToDevice", "PadToStatic", "SliceToDynamic", "LayoutConstraint",
     "TopK", "ApproxTopK", "PartialReduce", "Eigh", "Qr",
     "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "shape_assertion",
