@@ -333,19 +333,22 @@ def test_cudnn_fused_attention():
 
 
 def test_custom_kernels_are_listed_with_their_runs():
-  # A Pallas kernel (splash attention's name) in a loop of 4 trips; a Triton kernel once.
+  # A Pallas TPU kernel in the loop of 5 trips, declaring 16384 FLOPs per call as jax writes
+  # a `pl.CostEstimate` (libtpu's spelling, int64 as a string); a Triton kernel once.
   loop = DUMP_LOOP.replace(
       "  %one = s32[] constant(1)\n",
       "  %one = s32[] constant(1)\n  %fa.3 = f32[16,32]{1,0} custom-call(%param#1), "
-      'custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
-      '{"body":"TUxJUgA=","needs_layout_passes":true}}\n')
+      'custom_call_target="tpu_custom_call", backend_config={"flag_configs":[],'
+      '"custom_call_config":{"body":"TUxJUgA=","cost_estimate":{"flops":"16384",'
+      '"transcendentals":"0","bytes_accessed":"4096","remote_bytes_transferred":"0"},'
+      '"needs_layout_passes":true}}\n')
   text = loop.replace(
       "  ROOT %out", "  %tk = f32[16,32]{1,0} custom-call(%a), "
       'custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"add_one"}\n'
       "  ROOT %out")
   s = hlo.summarize(text)
-  assert s.kernels == (hlo.Kernel("fa", "tpu_custom_call", 1, 5),
-                       hlo.Kernel("tk", "__gpu$xla.gpu.triton", 1, 1))
+  assert s.kernels == (hlo.Kernel("fa", "tpu_custom_call", 1, 5, 5 * 16384.0),
+                       hlo.Kernel("tk", "__gpu$xla.gpu.triton", 1, 1, None))
   # Their work is no matmul here: the loop's dots alone.
   assert s.matmul_flops == 5 * 32768 and s.unread.count == 0
 
