@@ -740,8 +740,9 @@ def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
     for listed in _CALL_LIST_RE.findall(ins.attrs):
       g.edges[comp].extend((c.strip().lstrip("%"), 1) for c in listed.split(",") if c.strip())
     if op in ("dot", "convolution"):
+      out = _arrays(ins.shape)
       flops = (_dot_flops(g, comp, ins) if op == "dot" else _conv_flops(
-          _operand_dims(g, comp, ins, 0), (_arrays(ins.shape) or [(0, None)])[0][1], ins.attrs))
+          _operand_dims(g, comp, ins, 0), out[0][1] if out else None, ins.attrs))
       if flops is None:
         g.unread[comp].append(op)
       else:

@@ -46,8 +46,7 @@ class CompileReport(NamedTuple):
   size, or None), `matmul_flops` (FLOPs of the dots, convolutions and GPU library matmuls of
   the optimized HLO per device per step, loop trip counts applied; `fnscale.hlo.summarize`),
   `xla_warnings` (the warnings XLA logged while compiling, one string each, de-duplicated in
-  order),
-  `model_flops` (the model's own FLOPs per device per step, when the caller gave them),
+  order), `model_flops` (the model's own FLOPs per device per step, when the caller gave them),
   `hlo_unread` (what the HLO reader could not read, `fnscale.hlo.Unread`: instructions by
   opcode, loops without a trip count, collectives whose groups were guessed; empty when the
   HLO figures cover the whole program), `kernels` (custom kernels the program calls, whose
@@ -352,7 +351,8 @@ def format_report(report: CompileReport) -> str:
 def _hlo_notes(report: CompileReport) -> list[str]:
   """What the HLO figures above leave out: unread HLO and custom kernels."""
   u = report.hlo_unread
-  lines = [f"  HLO not read ({u.count}, left out of the figures above)"] if u.count else []
+  lines = ([f"  HLO not read ({u.count}; the figures above leave it out or guess)"]
+           if u.count else [])
   lines += [f"    {n} {op}" for op, n in u.ops]
   lines += [f"    loop without a trip count (body {b}), counted once" for b in u.loops]
   lines += [f"    {n} {kind} with guessed replica groups (all {report.num_devices} devices)"

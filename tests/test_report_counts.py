@@ -190,7 +190,7 @@ def test_report_prints_what_the_hlo_reader_could_not_read():
   assert len(report.hlo_unread.loops) == 1 and report.hlo_unread.count == 1
   assert report.matmul_flops == 2 * 8 * 8 * 8  # once, not 3 times
   text = str(report)
-  assert "  HLO not read (1, left out of the figures above)" in text
+  assert "  HLO not read (1; the figures above leave it out or guess)" in text
   assert f"    loop without a trip count (body {report.hlo_unread.loops[0]}), counted once" in text
   # A program read in full prints no such section.
   clean = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
@@ -204,7 +204,7 @@ def test_report_lines_for_each_kind_of_unread_item_and_kernels():
              fs.hlo.Kernel("my_matmul", "tpu_custom_call", 1, 4, 4 * 2 * 128**3))
   report = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
   text = str(report._replace(hlo_unread=unread, kernels=kernels))
-  assert ("  HLO not read (7, left out of the figures above)\n"
+  assert ("  HLO not read (7; the figures above leave it out or guess)\n"
           "    2 custom-call __onednn$matmul\n"
           "    1 dot\n"
           "    loop without a trip count (body body.7), counted once\n"
