@@ -191,29 +191,34 @@ class _Instr(NamedTuple):
   attrs: str
 
 
-def _split_top(text: str, sep: str = ",") -> list[str]:
-  """`text` split at `sep` outside (), [] and {} (shape layouts and tuples hold commas)."""
+_BRACKET_RE = re.compile(r"[()\[\]{}]")
+_SPLIT_RE = re.compile(r"[()\[\]{},]")  # scanned for, not every character
+
+
+def _split_top(text: str) -> list[str]:
+  """`text` split at commas outside (), [] and {} (shape layouts and tuples hold commas)."""
   parts, depth, start = [], 0, 0
-  for i, ch in enumerate(text):
+  for m in _SPLIT_RE.finditer(text):
+    ch = m.group()
     if ch in "([{":
       depth += 1
     elif ch in ")]}":
       depth -= 1
-    elif ch == sep and depth == 0:
-      parts.append(text[start:i])
-      start = i + 1
+    elif depth == 0:
+      parts.append(text[start:m.start()])
+      start = m.start() + 1
   return parts + [text[start:]]
 
 
 def _close(text: str) -> tuple[str, str]:
   """Text after an opening parenthesis -> (inside up to its matching ')', the rest)."""
   depth = 0
-  for i, ch in enumerate(text):
-    if ch in "([{":
+  for m in _BRACKET_RE.finditer(text):
+    if m.group() in "([{":
       depth += 1
-    elif ch in ")]}":
-      if depth == 0:
-        return text[:i], text[i + 1:]
+    elif depth == 0:
+      return text[:m.start()], text[m.start() + 1:]
+    else:
       depth -= 1
   return text, ""
 

@@ -180,6 +180,7 @@ def test_tpu_aot_report_numbers(tpu_devices):
   assert report.matmul_flops == (2 * 2 * rows * din * dh + 3 * 2 * rows * dh * dout) / N
 
 
+@pytest.mark.hlo_unread_loops
 def test_report_prints_what_the_hlo_reader_could_not_read():
   # A loop whose bound is data (a while_loop, not a scan): no trip count anywhere, so its
   # body's matmul counts once, and the report says so.
