@@ -1,8 +1,9 @@
+#!/usr/bin/env python3
 """Reads every XLA dump file under a directory with `fnscale.hlo.summarize` and lists what it
 could not read. Exit status 1 if anything was unread.
 
   XLA_FLAGS=--xla_dump_to=/tmp/hlo python -m pytest -q tests/test_step.py ...
-  python .ci/hlo_unread.py /tmp/hlo
+  .ci/hlo_unread.py /tmp/hlo
 
 Every program the tests compile (CPU, and TPU ahead of time) lands in the dump directory as
 `*after_optimizations.txt`; a module listed here has an HLO form the reader lacks.
