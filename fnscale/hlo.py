@@ -1,17 +1,26 @@
 """Reading optimized HLO text: collectives and matmul FLOPs, with while-loop trip counts applied.
 
 Pure functions over the text of `jax.stages.Compiled.as_text()` (the partitioned, per-device
-program of an SPMD step). The module is split into computations and a call graph; every
-computation gets the number of times it runs per step, the product of the `known_trip_count`
-of the while loops around it (XLA records it in the loop's `backend_config`). A `lax.scan`
-over layers or a gradient-accumulation loop therefore counts its body's matmuls and
-collectives once per iteration, where XLA's own `cost_analysis()` counts a loop body once.
+program of an SPMD step) or of an XLA dump (`--xla_dump_to`, `*after_optimizations.txt`, which
+writes tuple elements as `%param#0` instead of `get-tuple-element` instructions). The module is
+split into computations and a call graph; every computation gets the number of times it runs
+per step, the product of the `known_trip_count` of the while loops around it (XLA records it
+in the loop's `backend_config`). A `lax.scan` over layers or a gradient-accumulation loop
+therefore counts its body's matmuls and collectives once per iteration, where XLA's own
+`cost_analysis()` counts a loop body once.
 
 Where a loop has no `known_trip_count` (the TPU compiler drops it), the count is read from
-its condition `i < N` (`Loop.from_condition`). Limits: a loop whose count is found neither
-way counts once (`HloSummary.unknown_trip_counts`); every branch of a `conditional` counts
-as if it ran; matmuls are `dot` and `convolution` ops (what XLA emits on CPU and TPU);
-library calls such as cuBLAS `custom-call`s on GPU are not counted.
+its condition `i < N` (`Loop.from_condition`), looking through copies and the one-op fusions
+XLA's CPU backend wraps the compare and the counter's increment in.
+
+Matmuls are `dot` and `convolution` ops (what XLA emits on CPU and TPU, and inside GPU Triton
+and cuDNN fusions) and the GPU library calls that replace them: cuBLAS GEMMs
+(`__cublas$gemm`, `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`), cuDNN convolutions
+(forward, backward input, backward filter) and cuDNN fused attention (`__cudnn$fmha*`).
+Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counted
+(`HloSummary.kernels`). Nothing is skipped silently: what could not be read is returned in
+`HloSummary.unread` (instructions by opcode, loops without a trip count, collectives whose
+replica groups were guessed). Every branch of a `conditional` counts as if it ran.
 """
 from __future__ import annotations
 
@@ -26,7 +35,9 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
     "HloSummary",
+    "Kernel",
     "Loop",
+    "Unread",
     "collectives",
     "flops_ratio",
     "matmul_flops",
@@ -59,25 +70,79 @@ class Loop(NamedTuple):
   """A while loop: its `body` computation's name and `trip_count` (None where unknown).
 
   The trip count is XLA's `known_trip_count` where the loop's `backend_config` has one; else
-  (`from_condition` True; the TPU compiler drops that config) N from a condition
-  `i < N` on a tuple element against a constant, assuming the counter starts at 0 and steps
-  by 1, as `lax.scan` and `lax.fori_loop(0, N, ...)` lower.
+  (`from_condition` True; the TPU compiler drops that config) ceil((N - start) / step) from a
+  condition `i < N` on a tuple element against a constant, with `start` the element's
+  constant initial value (0 where it is not a constant) and `step` its constant increment in
+  the body (1 where the increment is not a constant), as `lax.scan`, `lax.fori_loop` and
+  XLA's unrolled windowed-einsum loops lower.
   """
   body: str
   trip_count: int | None
   from_condition: bool = False
 
 
+class Kernel(NamedTuple):
+  """A custom kernel the program calls (a Pallas kernel on TPU or GPU, Mosaic GPU, Triton);
+  its work is in no `HloSummary` figure.
+
+  `name`: the instruction's name without XLA's `.N` suffix (jax names it after the kernel,
+  e.g. `splash_mqa_fwd_residuals`); `target`: the custom-call target (`tpu_custom_call`,
+  `__gpu$xla.gpu.triton`, `mosaic_gpu_v2`, ...); `ops`: calls in the module text; `runs`:
+  calls per step, trip counts applied; `declared_flops`: FLOPs per step from the kernel's own
+  cost estimate (`pallas_call(..., cost_estimate=...)`), None where a call declares none.
+  """
+  name: str
+  target: str
+  ops: int
+  runs: int
+  declared_flops: float | None = None
+
+
+class Unread(NamedTuple):
+  """What `summarize` could not read; each part is left out of (or guessed in) the figures.
+
+  `ops`: (opcode, instructions) whose FLOPs or bytes count as 0: a `dot`/`convolution` whose
+  operand shape or dimension labels are missing, a `custom-call` to a target not known here
+  (named as `custom-call <target>`), a GEMM/cuDNN call whose config lacks what its FLOPs
+  need, a collective whose result size can't be read, a device-to-device `send`/`recv` or
+  `ragged-all-to-all` (sizes known only at run time), a line in a computation that is not
+  an instruction (`unparsed line`); `loops`: bodies of while loops without a known trip count
+  (each body counted once); `groups`: (collective kind, instructions) whose replica groups
+  were guessed to span every device (a spelling not read here, or text without the module
+  header that gives the device count). Instructions are counted once each, in computations
+  that run.
+  """
+  ops: tuple[tuple[str, int], ...] = ()
+  loops: tuple[str, ...] = ()
+  groups: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def count(self) -> int:
+    """Unread instructions + loops without a trip count + collectives with guessed groups."""
+    return sum(n for _, n in self.ops) + len(self.loops) + sum(n for _, n in self.groups)
+
+  def __str__(self) -> str:
+    parts = [f"{n} {op}" for op, n in self.ops]
+    if self.loops:
+      parts.append(f"{len(self.loops)} loop(s) without a trip count, counted once: "
+                   + ", ".join(self.loops))
+    parts += [f"{n} {kind} with guessed replica groups (all devices)" for kind, n in self.groups]
+    return "; ".join(parts) if parts else "nothing"
+
+
 class HloSummary(NamedTuple):
   """What `summarize` reads from one optimized HLO module; numbers are per device per step.
 
   `matmul_flops`: 2 x result elements x contracted size summed over every `dot` and
-  `convolution`, loop trip counts applied (FLOPs); `matmul_flops_once`: the same with every
-  reachable loop body counted once, as XLA's cost analysis does; `collectives`: tuple of
-  `Collective` in `COLLECTIVE_KINDS` order; `loops`: every while loop; `num_devices`: devices
-  a collective without replica groups spans (the module's replicas x partitions unless given);
-  `groups`: (kind, devices per replica group, ring bytes sent per device per step) for each
-  kind and group size present (a group size names the mesh axis a collective runs on).
+  `convolution` and GPU library matmul (cuBLAS GEMM, cuDNN convolution and fused attention),
+  loop trip counts applied (FLOPs); `matmul_flops_once`: the same with every reachable loop
+  body counted once, as XLA's cost analysis does; `collectives`: tuple of `Collective` in
+  `COLLECTIVE_KINDS` order; `loops`: every while loop; `num_devices`: devices a collective
+  without replica groups spans (the module's replicas x partitions unless given); `groups`:
+  (kind, devices per replica group, ring bytes sent per device per step) for each kind and
+  group size present (a group size names the mesh axis a collective runs on); `unread`: what
+  could not be read (`Unread`; `unread.count == 0` when the figures cover the whole program);
+  `kernels`: custom kernels called, whose work no figure includes (`Kernel`).
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -85,6 +150,8 @@ class HloSummary(NamedTuple):
   loops: tuple[Loop, ...]
   num_devices: int
   groups: tuple[tuple[str, int, float], ...] = ()
+  unread: Unread = Unread()
+  kernels: tuple[Kernel, ...] = ()
 
   @property
   def unknown_trip_counts(self) -> int:
@@ -96,19 +163,91 @@ class HloSummary(NamedTuple):
     return next((c for c in self.collectives if c.kind == kind), Collective(kind, 0, 0))
 
 
+# ----------------------------------------------------------------------------- instructions
+
 _HEAD_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.+)$")
 _OP_RE = re.compile(r"\s(?P<op>[a-z][\w\-]*)\((?P<args>.*)$")
-_ARRAY_RE = re.compile(r"\b(pred|[subfc]\d+|bf16|f8e\w+|f4e\w+)\[([\d,]*)\]")
+# An operand: a name, and in dump files `#k` per tuple level for element k of a tuple value.
+_OPERAND_NAME_RE = re.compile(r"%([\w.\-]+(?:#\d+)*)\s*$")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+_ARRAY_RE = re.compile(r"\b(pred|[subfc]\d+|bf16|f8e\w+|f4e\w+|f6e\w+)\[([\d,]*)\]")
 _CALL_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|"
                       r"false_computation)=%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALL_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
-_COND_RE = re.compile(r"\bcondition=%?([\w.\-]+)")
-_OPERAND_RE = re.compile(r"((?:[\w\[\],{}:()]+\s+)?)%([\w.\-]+)")
 _LINE_START_RE = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")
 _DEVICES_RE = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+
+
+class _Instr(NamedTuple):
+  """One instruction: opcode, result shape text, operands as (name, shape written inline or
+  ''), the text inside its parentheses and the attributes after them."""
+  op: str
+  shape: str
+  operands: tuple[tuple[str, str], ...]
+  inner: str
+  attrs: str
+
+
+_BRACKET_RE = re.compile(r"[()\[\]{}]")
+_SPLIT_RE = re.compile(r"[()\[\]{},]")  # scanned for, not every character
+
+
+def _split_top(text: str) -> list[str]:
+  """`text` split at commas outside (), [] and {} (shape layouts and tuples hold commas)."""
+  parts, depth, start = [], 0, 0
+  for m in _SPLIT_RE.finditer(text):
+    ch = m.group()
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif depth == 0:
+      parts.append(text[start:m.start()])
+      start = m.start() + 1
+  return parts + [text[start:]]
+
+
+def _close(text: str) -> tuple[str, str]:
+  """Text after an opening parenthesis -> (inside up to its matching ')', the rest)."""
+  depth = 0
+  for m in _BRACKET_RE.finditer(text):
+    if m.group() in "([{":
+      depth += 1
+    elif depth == 0:
+      return text[:m.start()], text[m.start() + 1:]
+    else:
+      depth -= 1
+  return text, ""
+
+
+def _parse(line: str) -> tuple[str, _Instr] | None:
+  """(name, instruction) of an instruction line; None for anything else."""
+  m = _INSTR_RE.match(line)
+  op_m = _OP_RE.search(m.group("rest")) if m else None
+  if not op_m:
+    return None
+  inner, attrs = _close(op_m.group("args"))
+  operands = []
+  for piece in _split_top(inner):
+    piece = _COMMENT_RE.sub("", piece).strip()
+    name = _OPERAND_NAME_RE.search(piece)
+    if name:
+      operands.append((name.group(1), piece[:name.start()].strip()))
+  rest = m.group("rest")
+  return m.group("name"), _Instr(op_m.group("op"), rest[:op_m.start()].strip(), tuple(operands),
+                                 inner, attrs)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The element shapes of a tuple shape `(a, b, /*index=2*/c)`; [shape] for an array."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  inner, _ = _close(shape[1:])
+  return [_COMMENT_RE.sub("", p).strip() for p in _split_top(inner) if p.strip()]
 
 
 def _dtype_bytes(name: str) -> float:
@@ -120,7 +259,7 @@ def _dtype_bytes(name: str) -> float:
   m = re.match(r"[subfc](\d+)$", name)
   if m:
     return int(m.group(1)) / 8
-  m = re.match(r"f(\d)", name)  # f8e4m3fn, f4e2m1fn
+  m = re.match(r"f(\d)", name)  # f8e4m3fn, f6e2m3fn, f4e2m1fn
   return int(m.group(1)) / 8 if m else 0
 
 
@@ -134,19 +273,74 @@ def _shape_bytes(shape_text: str) -> float:
   return sum(math.prod(d) * _dtype_bytes(t) for t, d in _arrays(shape_text))
 
 
-def _group_size(line: str, num_devices: int) -> int:
-  """Devices in one replica group of a collective (all of them where no groups are given)."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+def _ints(text: str | None) -> list[int]:
+  return [int(x) for x in re.findall(r"-?\d+", text or "")]
+
+
+# ----------------------------------------------------------------------------- replica groups
+
+
+class _Devices(NamedTuple):
+  """The module's device counts: `total` devices an all-device collective spans (the caller's
+  `num_devices`, else replicas x partitions), `partitions`, and `known` (False for text
+  without a module header and no `num_devices`: an all-device group is then a guess)."""
+  total: int
+  partitions: int
+  known: bool
+
+
+def _mesh_group(text: str) -> int | None:
+  """Devices per group of `mesh[a=2,b=4] {b}` (jax 0.12) or `mesh['a'=2,'b'=4],
+  device_ids=([2,4]T(1,0)) {'b'}` (jax 0.10; axis names quoted; `device_ids` orders the
+  devices, which does not change the group size); a sub-axis `b:(1)2` counts its size."""
+  m = re.match(r"mesh\[([^\]]*)\](?:\s*,\s*device_ids=\(.*?\))?\s*\{([^}]*)\}", text)
+  if not m:
+    return None
+  sizes = {k: int(v) for k, v in re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))}
+  n = 1
+  for axis in filter(None, (a.strip() for a in m.group(2).split(","))):
+    a = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", axis)
+    if not a or (a.group(3) is None and a.group(1) not in sizes):
+      return None
+    n *= int(a.group(3)) if a.group(3) else sizes[a.group(1)]
+  return n
+
+
+def _listed_group(line: str) -> int | None | str:
+  """Devices per replica group as written: "all" (`{}` or no attribute), the size of the
+  first listed group `{{0,1},{2,3}}`, m of an iota list `[n,m]<=[...]` (transposed or not),
+  the axes of a `mesh[...]` list; None for a spelling not read here."""
+  at = line.find("replica_groups=")
+  if at < 0:
+    return "all"
+  text = line[at + len("replica_groups="):]
+  if re.match(r"\{\s*\}", text):
+    return "all"
+  m = re.match(r"\{\{([^}]*)\}", text)
   if m:
-    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-    return math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2)))
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    return len(_ints(m.group(1)))
+  m = re.match(r"\[(\d+),(\d+)\]<=\[[\d,]+\](?:T\([\d,]+\))?", text)
   if m:
     return int(m.group(2))
-  m = re.search(r"replica_groups=\{\{([^}]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  return num_devices
+  return _mesh_group(text)
+
+
+def _group_size(kind: str, line: str, dev: _Devices) -> tuple[int, bool]:
+  """(devices in one replica group of a collective, whether that was guessed).
+
+  XLA's modes: with a `channel_id` but without `use_global_device_ids=true`, an all-reduce,
+  all-gather or reduce-scatter lists replicas and spans every partition of each (cross
+  replica and partition); otherwise the listed ids are the group. An empty list spans
+  `dev.total` devices: replicas x partitions, exact when either is 1 (every jax program)."""
+  n = _listed_group(line)
+  if n is None:
+    return dev.total, True
+  if n == "all":
+    return dev.total, not dev.known
+  if (kind in ("all-reduce", "all-gather", "reduce-scatter") and "channel_id=" in line
+      and "use_global_device_ids=true" not in line):
+    return n * dev.partitions, False
+  return n, False
 
 
 def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
@@ -181,6 +375,9 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
   return float(result_bytes)
 
 
+# ----------------------------------------------------------------------------- computations
+
+
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """Computation name -> its instruction lines, and the entry's name. Instruction lines
   outside any computation (a snippet) form the computation named ''. A computation ends at
@@ -208,49 +405,139 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   return comps, entry
 
 
-def _operands(args: str) -> list[str]:
-  """Operand names of an instruction: the %names before its closing parenthesis."""
-  return re.findall(r"%([\w.\-]+)", args.split(")")[0])
+class _Graph(NamedTuple):
+  """What `_read_computation` collects from every computation of a module (build one with
+  `_graph()`: fresh containers each time)."""
+  instrs: dict  # comp -> {name: _Instr}
+  roots: dict  # comp -> name of its ROOT instruction
+  edges: dict  # comp -> [(callee, factor)]
+  whiles: list  # (caller, body, condition, init operand, known trip count)
+  dots: dict  # comp -> matmul FLOPs per run
+  colls: dict  # comp -> [(kind, result bytes, group size)]
+  kernels: dict  # comp -> [(name, target, declared FLOPs or None)]
+  unread: dict  # comp -> [opcode]
+  guessed: dict  # comp -> [collective kind]
 
 
-def _tuple_index(defs: dict, name: str) -> int | None:
-  """k where `name` is `get-tuple-element(param), index=k`."""
-  d = defs.get(name)
-  m = re.search(r"index=(\d+)", d[2]) if d and d[0] == "get-tuple-element" else None
-  return int(m.group(1)) if m else None
+def _graph() -> _Graph:
+  dd = collections.defaultdict
+  return _Graph(dd(dict), {}, dd(list), [], dd(float), dd(list), dd(list), dd(list), dd(list))
 
 
-def _loop_trips(cond: str, body: str, init: str | None, caller: str, defs: dict,
-                consts: dict) -> int | None:
-  """Trips of a while loop whose condition's ROOT is `compare(counter, N), direction=LT`
-  (or `N > counter`) on tuple element k: ceil((N - start) / step), where the body's ROOT
-  tuple sets element k to `counter + step` and the caller's init tuple gives `start` (0 where
-  it is not a constant). XLA unrolls windowed-einsum loops this way: a body that does two
-  iterations' work steps its counter by 2."""
-  cdefs, root = defs.get(cond, {}), defs.get(cond, {}).get("ROOT")
-  if not root or root[0] != "compare":
+def _index(comps: dict[str, list[str]], g: _Graph) -> None:
+  """Parses every computation's lines into `g.instrs` and `g.roots`; lines in a computation
+  that are not instructions are unread (outside computations they are the module header or
+  the stack-frame tables XLA appends)."""
+  for comp, lines in comps.items():
+    for line in lines:
+      parsed = _parse(line)
+      if parsed is None:
+        if comp and line.strip() and not line.strip().startswith("//"):
+          g.unread[comp].append("unparsed line")
+        continue
+      name, ins = parsed
+      g.instrs[comp][name] = ins
+      if line.lstrip().startswith("ROOT"):
+        g.roots[comp] = name
+    if comp not in g.roots and g.instrs.get(comp):
+      g.roots[comp] = next(reversed(g.instrs[comp]))
+
+
+def _shape(g: _Graph, comp: str, name: str) -> str:
+  """The shape of `name` in `comp`; `x#k` is tuple element k of x's shape."""
+  base, *index = name.split("#")
+  ins = g.instrs.get(comp, {}).get(base)
+  shape = ins.shape if ins else ""
+  for k in index:
+    elements = _tuple_elements(shape)
+    shape = elements[int(k)] if int(k) < len(elements) else ""
+  return shape
+
+
+def _operand_dims(g: _Graph, comp: str, ins: _Instr, i: int) -> tuple[int, ...] | None:
+  """Dims of operand i's (first) array: its inline shape, else its definition's."""
+  if i >= len(ins.operands):
     return None
-  names, direction = _operands(root[1]), re.search(r"direction=(\w+)", root[2])
-  if len(names) != 2 or not direction or direction.group(1) not in ("LT", "GT"):
+  name, inline = ins.operands[i]
+  arrays = _arrays(inline or _shape(g, comp, name))
+  return arrays[0][1] if arrays else None
+
+
+# ----------------------------------------------------------------------------- loop counts
+
+_PASS_THROUGH = ("copy", "bitcast", "convert", "reshape")
+
+
+def _element(value, k: int):
+  """Element k of a traced value: of the computation's parameter, or of a tuple."""
+  if value == ("param", 0):
+    return ("elem", k)
+  if value and value[0] == "tuple" and k < len(value[1]):
+    return value[1][k]
+  return None
+
+
+def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
+  """What instruction `name` of `comp` computes, as far as loop counts need: ("const", v),
+  ("param", i), ("elem", k) (element k of the tuple parameter), ("tuple", values),
+  ("add" | "compare", direction, operand values...); None otherwise. Copies, bitcasts,
+  converts and fusions are looked through (`args`: the values a fusion passes its callee)."""
+  base, *index = name.split("#")
+  ins = g.instrs.get(comp, {}).get(base)
+  if ins is None or depth > 16:
     return None
-  counter, bound = names if direction.group(1) == "LT" else names[::-1]
-  k = _tuple_index(cdefs, counter)
-  if bound not in consts.get(cond, {}) or k is None:
+  sub = lambda n: _value(g, comp, n, args, depth + 1)
+  operands = [n for n, _ in ins.operands]
+  out = None
+  if ins.op == "constant" and re.fullmatch(r"[su]\d+\[\]", ins.shape.split("{")[0]):
+    out = ("const", int(ins.inner)) if re.fullmatch(r"\s*-?\d+\s*", ins.inner) else None
+  elif ins.op == "parameter" and ins.inner.strip().isdigit():
+    i = int(ins.inner)
+    out = args[i] if args is not None and i < len(args) else ("param", i)
+  elif ins.op == "get-tuple-element" and operands:
+    k = re.search(r"index=(\d+)", ins.attrs)
+    out = _element(sub(operands[0]), int(k.group(1))) if k else None
+  elif ins.op in _PASS_THROUGH and len(operands) == 1:
+    out = sub(operands[0])
+  elif ins.op == "tuple":
+    out = ("tuple", tuple(sub(o) for o in operands))
+  elif ins.op in ("add", "compare"):
+    d = re.search(r"direction=(\w+)", ins.attrs)
+    out = (ins.op, d.group(1) if d else None, *(sub(o) for o in operands))
+  elif ins.op == "fusion":
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+    root = g.roots.get(callee.group(1)) if callee else None
+    if root:
+      out = _value(g, callee.group(1), root, tuple(sub(o) for o in operands), depth + 1)
+  for k in index:
+    out = _element(out, int(k))
+  return out
+
+
+def _loop_trips(g: _Graph, caller: str, body: str, cond: str, init: str | None) -> int | None:
+  """Trips of a while loop whose condition computes `counter < N` (or `N > counter`) on tuple
+  element k against a constant: ceil((N - start) / step), where the body sets element k to
+  `counter + step` (step 1 where it is not a constant) and the caller's init tuple gives
+  `start` (0 where it is not a constant). XLA unrolls windowed-einsum loops this way: a body
+  that does two iterations' work steps its counter by 2."""
+  c = _value(g, cond, g.roots[cond]) if cond in g.roots else None
+  if not c or c[0] != "compare" or c[1] not in ("LT", "GT") or len(c) != 4:
     return None
-  step, bdefs = 1, defs.get(body, {})
-  broot = bdefs.get("ROOT")
-  if broot and broot[0] == "tuple" and k < len(_operands(broot[1])):
-    upd = bdefs.get(_operands(broot[1])[k])
-    if upd and upd[0] == "add":
-      a, b = (_operands(upd[1]) + [None, None])[:2]
-      c = next((consts[body][x] for x in (a, b) if x in consts.get(body, {})), None)
-      other = b if a in consts.get(body, {}) else a
-      if c and c > 0 and _tuple_index(bdefs, other) == k:
-        step = c
-  start, tup = 0, defs.get(caller, {}).get(init or "")
-  if tup and tup[0] == "tuple" and k < len(_operands(tup[1])):
-    start = consts.get(caller, {}).get(_operands(tup[1])[k], 0)
-  return max(-(-(consts[cond][bound] - start) // step), 0)
+  counter, bound = (c[2], c[3]) if c[1] == "LT" else (c[3], c[2])
+  if not (counter and counter[0] == "elem" and bound and bound[0] == "const"):
+    return None
+  k, step = counter[1], 1
+  upd = _element(_value(g, body, g.roots[body]) if body in g.roots else None, k)
+  if upd and upd[0] == "add" and len(upd) == 4:
+    for a, b in ((upd[2], upd[3]), (upd[3], upd[2])):
+      if a == ("elem", k) and b and b[0] == "const" and b[1] > 0:
+        step = b[1]
+  start = _element(_value(g, caller, init), k) if init else None
+  start = start[1] if start and start[0] == "const" else 0
+  return max(-(-(bound[1] - start) // step), 0)
+
+
+# ----------------------------------------------------------------------------- matmul FLOPs
 
 
 def _taps(size_in: int, size_out: int, window: int, pad_lo: int, stride: int, lhs_dilate: int,
@@ -290,97 +577,196 @@ def _window_taps(size_in: list[int], size_out: list[int], window: str) -> float:
                                rhs_d[i]) for i in range(nd)))
 
 
-def _matmul_flops(op: str, line: str, shape: str, args: str, shapes: dict[str, str]) -> float:
-  """FLOPs of one dot or convolution: 2 x result elements x multiply-adds per element."""
-  out = _arrays(shape)
-  operands = _OPERAND_RE.findall(args)
-  if not out or not operands:
-    return 0.0
-  lhs = _arrays(operands[0][0] or shapes.get(operands[0][1], ""))
-  if not lhs:
-    return 0.0
-  lhs_dims = lhs[0][1]
-  if op == "dot":
-    contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-    k = math.prod(lhs_dims[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
-  else:  # convolution: input features per group x window taps that land on the input
-    labels = re.search(r"dim_labels=(\w+)_\w+->(\w+)", line)
-    if not labels or "f" not in labels.group(1):
-      return 0.0
-    lhs_l, out_l = labels.group(1), labels.group(2)
-    groups = re.search(r"feature_group_count=(\d+)", line)
-    k = lhs_dims[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
-    spatial = sorted(c for c in lhs_l if c.isdigit())
-    window = re.search(r"window=\{([^}]*)\}", line)
-    taps = _window_taps([lhs_dims[lhs_l.index(c)] for c in spatial],
-                        [out[0][1][out_l.index(c)] for c in spatial],
-                        window.group(1) if window else "")
-    return 2.0 * math.prod(out[0][1]) / math.prod(
-        out[0][1][out_l.index(c)] for c in spatial) * taps * k
-  return 2.0 * math.prod(out[0][1]) * k
+def _conv_flops(lhs: tuple[int, ...] | None, out: tuple[int, ...] | None,
+                attrs: str) -> float | None:
+  """FLOPs of a convolution from its input (`lhs`) and output dims and its `dim_labels` and
+  `window`: 2 x output elements x input features per group x window taps on the input."""
+  labels = re.search(r"dim_labels=(\w+)_\w+->(\w+)", attrs)
+  if not lhs or not out or not labels or "f" not in labels.group(1):
+    return None
+  lhs_l, out_l = labels.group(1), labels.group(2)
+  if len(lhs_l) != len(lhs) or len(out_l) != len(out):
+    return None
+  groups = re.search(r"feature_group_count=(\d+)", attrs)
+  k = lhs[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
+  spatial = sorted(c for c in lhs_l if c.isdigit())
+  window = re.search(r"window=\{([^}]*)\}", attrs)
+  taps = _window_taps([lhs[lhs_l.index(c)] for c in spatial],
+                      [out[out_l.index(c)] for c in spatial], window.group(1) if window else "")
+  return 2.0 * math.prod(out) / math.prod(out[out_l.index(c)] for c in spatial) * taps * k
 
 
-class _Graph(NamedTuple):
-  """What `_read_computation` collects from every computation of a module (build one with
-  `_graph()`: fresh containers each time)."""
-  edges: dict  # comp -> [(callee, factor)]
-  whiles: list  # (caller, body, condition, init operand, known trip count)
-  defs: dict  # comp -> instr -> (op, args, line); "ROOT" -> the root's
-  consts: dict  # comp -> instr -> integer scalar constant
-  dots: dict  # comp -> matmul FLOPs per run
-  colls: dict  # comp -> [(kind, result bytes, group size)]
+def _dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
+  """FLOPs of a dot: 2 x result elements x contracted size (None without the shapes)."""
+  out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
+  if not out or lhs is None:
+    return None
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+  contract = _ints(m.group(1) if m else "")  # none: an outer product
+  if (not m and "lhs_contracting_dims" in ins.attrs) or any(i >= len(lhs) for i in contract):
+    return None
+  return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in contract)
 
 
-def _graph() -> _Graph:
-  dd = collections.defaultdict
-  return _Graph(dd(list), [], dd(dict), dd(dict), dd(float), dd(list))
+# cuBLAS GEMMs (`gemm_backend_config.dot_dimension_numbers` holds the contraction) and cuDNN
+# convolutions by which operand or result holds the forward convolution's input and output
+# (their `window` and `dim_labels` describe the forward convolution; XLA's cublas_cudnn.cc).
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_CUDNN_CONV = {"__cudnn$convForward": ("operand0", "result"),
+               "__cudnn$convBiasActivationForward": ("operand0", "result"),
+               "__cudnn$convForwardGraph": ("operand0", "result"),
+               "__cudnn$convBackwardInput": ("result", "operand0"),
+               "__cudnn$convBackwardFilter": ("operand0", "operand1")}
+_FMHA_PREFIX = "__cudnn$fmha"
+# Custom kernels: their work is the kernel author's, listed as `Kernel`s.
+_KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2",
+                   "triton_kernel_call", "triton_kernel_call_ffi")
+# Targets that do no matmul and no device-to-device traffic: sharding annotations, buffer
+# and layout markers, host offload, random bits, sorting and top-k, linear-algebra solvers
+# (jax's stable targets, `jax._src.export._export`), host callbacks.
+_NO_MATMUL_TARGETS = (
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
+    "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
+    "ConcatBitcast",
+    "MoveToHost", "MoveToDevice", "PadToStatic", "SliceToDynamic", "LayoutConstraint",
+    "TopK", "ApproxTopK", "PartialReduce", "Eigh", "Qr",
+    "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "shape_assertion",
+    "__cub$DeviceRadixSort", "__cublas$triangularSolve", "__cudnn$norm",
+    "__cudnn$convReorderFilter", "__cudnn$convReorderFilterAndBias")
+_NO_MATMUL_PREFIXES = ("lapack_", "cusolver_", "hipsolver_", "cusparse_", "cu_threefry",
+                       "hip_threefry", "cu_lu_", "hip_lu_", "stablehlo.", "xla_python_",
+                       "xla_ffi_python_", "xla_ffi_partitioned_python_")
 
 
-def _read_computation(name: str, lines: list[str], num_devices: int, g: _Graph) -> None:
-  """Adds one computation's instructions, calls, loops, dots and collectives to `g`."""
-  shapes: dict[str, str] = {}
-  starts: dict[str, int] = {}
-  for line in lines:
-    m = _INSTR_RE.match(line)
-    op_m = _OP_RE.search(m.group("rest")) if m else None
-    if not op_m:
-      continue
-    rest = m.group("rest")
-    shape, op, args = rest[:op_m.start()], op_m.group("op"), op_m.group("args")
-    shapes[m.group("name")] = shape
-    g.defs[name][m.group("name")] = (op, args, line)
-    if line.lstrip().startswith("ROOT"):
-      g.defs[name]["ROOT"] = (op, args, line)
-    if op == "constant" and re.match(r"\s*[su](32|64)\[\]", shape):
-      g.consts[name][m.group("name")] = int(args.split(")")[0])
+def _gemm_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
+  """A cuBLAS GEMM: 2 x result elements x the lhs's contracted size (from the config)."""
+  out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
+  contract = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
+  if not out or lhs is None or not contract or any(i >= len(lhs) for i in _ints(
+      contract.group(1))):
+    return None
+  return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in _ints(contract.group(1)))
+
+
+def _cudnn_conv_flops(g: _Graph, comp: str, ins: _Instr, target: str) -> float | None:
+  """A cuDNN convolution: the FLOPs of the forward convolution it computes or differentiates
+  (backward input and filter do the same multiply-adds)."""
+  def dims(where):
+    if where == "result":
+      arrays = _arrays(ins.shape)
+      return arrays[0][1] if arrays else None
+    return _operand_dims(g, comp, ins, int(where[-1]))
+  lhs_at, out_at = _CUDNN_CONV[target]
+  return _conv_flops(dims(lhs_at), dims(out_at), ins.attrs)
+
+
+def _fmha_flops(g: _Graph, comp: str, ins: _Instr, target: str) -> float | None:
+  """cuDNN fused attention (operands q, k, v first, head dim last in jax's layouts): with P
+  the scores' elements (`intermediate_tensor_shape`, batch x heads x q len x kv len), the
+  forward is Q.K^T and P.V, 2 P (d_qk + d_v); the backward recomputes Q.K^T and forms dV,
+  dP, dQ and dK, 2 P (3 d_qk + 2 d_v). A causal mask's skipped half is counted."""
+  inter = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]',
+                    ins.attrs)
+  q, v = _operand_dims(g, comp, ins, 0), _operand_dims(g, comp, ins, 2)
+  if not inter or not q or not v:
+    return None
+  p = math.prod(_ints(inter.group(1)))
+  if "Backward" in target:
+    return 2.0 * p * (3 * q[-1] + 2 * v[-1])
+  return 2.0 * p * (q[-1] + v[-1])
+
+
+def _custom_call(g: _Graph, comp: str, name: str, ins: _Instr) -> None:
+  """Adds a custom call's FLOPs, kernel or unread entry to `g`."""
+  t = _TARGET_RE.search(ins.attrs)
+  target = t.group(1) if t else ""
+  flops = None
+  if target in _GEMM_TARGETS:
+    flops = _gemm_flops(g, comp, ins)
+  elif target in _CUDNN_CONV:
+    flops = _cudnn_conv_flops(g, comp, ins, target)
+  elif target.startswith(_FMHA_PREFIX):
+    flops = _fmha_flops(g, comp, ins, target)
+  elif target in _KERNEL_TARGETS:
+    declared = re.search(r'"cost_estimate"\s*:\s*\{[^{}]*?"flops"\s*:\s*"?(\d+)', ins.attrs)
+    g.kernels[comp].append((re.sub(r"\.\d+$", "", name), target,
+                            float(declared.group(1)) if declared else None))
+    return
+  elif target in _NO_MATMUL_TARGETS or target.startswith(_NO_MATMUL_PREFIXES):
+    return
+  if flops is None:
+    g.unread[comp].append(f"custom-call {target}" if target else "custom-call")
+  else:
+    g.dots[comp] += flops
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
+                dev: _Devices) -> None:
+  """Adds one collective op (or records an async -start's group) to `g`."""
+  op = ins.op
+  base = next(c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done"))
+  line = ins.attrs
+  if op.endswith("-start"):
+    starts[name] = _group_size(base, line, dev) if base != "collective-permute" else (2, False)
+    return
+  if op.endswith("-done"):
+    src = ins.operands[0][0].split("#")[0] if ins.operands else ""
+    n, guessed = starts.get(src, (dev.total, not dev.known))
+  elif base == "collective-permute":
+    n, guessed = 2, False  # a device sends its buffer once
+  else:
+    n, guessed = _group_size(base, line, dev)
+  nbytes = _shape_bytes(ins.shape)
+  if not _arrays(ins.shape):
+    g.unread[comp].append(op)
+    return
+  if guessed:
+    g.guessed[comp].append(base)
+  g.colls[comp].append((base, nbytes, n))
+
+
+def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
+  """Adds one computation's calls, loops, matmuls, kernels and collectives to `g`."""
+  starts: dict[str, tuple[int, bool]] = {}
+  for name, ins in g.instrs.get(comp, {}).items():
+    op = ins.op
     if op == "while":
-      t = _TRIP_RE.search(line)
-      body, cond = _BODY_RE.search(line), _COND_RE.search(line)
-      g.whiles.append((name, body.group(1) if body else "?", cond.group(1) if cond else "?",
-                       (_operands(args) or [None])[0], int(t.group(1)) if t else None))
+      t = _TRIP_RE.search(ins.attrs)
+      body, cond = (re.search(rf"\b{k}=%?([\w.\-]+)", ins.attrs) for k in ("body", "condition"))
+      g.whiles.append((comp, body.group(1) if body else "?", cond.group(1) if cond else "?",
+                       ins.operands[0][0] if ins.operands else None,
+                       int(t.group(1)) if t else None))
     # An async op's -done (and -update) names the same computation as its -start.
     elif not op.startswith("async-") or op == "async-start":
-      g.edges[name].extend((c, 1) for c in _CALL_RE.findall(line))
-    branches = _BRANCHES_RE.search(line)
-    if branches:
-      g.edges[name].extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(","))
+      g.edges[comp].extend((c, 1) for c in _CALL_RE.findall(ins.attrs))
+    for listed in _CALL_LIST_RE.findall(ins.attrs):
+      g.edges[comp].extend((c.strip().lstrip("%"), 1) for c in listed.split(",") if c.strip())
     if op in ("dot", "convolution"):
-      g.dots[name] += _matmul_flops(op, line, shape, args, shapes)
-      continue
-    base = next((c for c in COLLECTIVE_KINDS if op in (c, c + "-start", c + "-done")), None)
-    if base is None:
-      continue
-    if op.endswith("-start"):
-      starts[m.group("name")] = _group_size(line, num_devices)
-      continue
-    if op.endswith("-done"):
-      src = re.search(r"%([\w.\-]+)", args)
-      n = starts.get(src.group(1), num_devices) if src else num_devices
-    elif base in ("collective-permute", "collective-broadcast"):
-      n = 2  # a device sends its buffer once
-    else:
-      n = _group_size(line, num_devices)
-    g.colls[name].append((base, _shape_bytes(shape), n))
+      out = _arrays(ins.shape)
+      flops = (_dot_flops(g, comp, ins) if op == "dot" else _conv_flops(
+          _operand_dims(g, comp, ins, 0), out[0][1] if out else None, ins.attrs))
+      if flops is None:
+        g.unread[comp].append(op)
+      else:
+        g.dots[comp] += flops
+    elif op == "custom-call":
+      _custom_call(g, comp, name, ins)
+    elif op in ("send", "recv", "ragged-all-to-all") and "is_host_transfer=true" not in ins.attrs:
+      g.unread[comp].append(op)
+    elif any(op in (c, c + "-start", c + "-done") for c in COLLECTIVE_KINDS):
+      _collective(g, comp, ins, starts, name, dev)
+
+
+def _devices(hlo_text: str, num_devices: int | None) -> _Devices:
+  header = dict(_DEVICES_RE.findall(hlo_text.split("\n", 1)[0]))
+  partitions = int(header.get("num_partitions", 1))
+  if num_devices is None:
+    return _Devices(int(header.get("replica_count", 1)) * partitions, partitions,
+                    hlo_text.startswith("HloModule"))
+  return _Devices(int(num_devices), partitions, True)
 
 
 def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
@@ -388,12 +774,15 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
 
   Args:
     hlo_text: `jax.stages.Compiled.as_text()` (optimized, partitioned HLO: shapes per device),
-      or instruction lines without computations (read as one computation that runs once).
+      an XLA dump's `*after_optimizations.txt`, or instruction lines without computations
+      (read as one computation that runs once).
     num_devices: devices a collective without `replica_groups` spans; default the module's
-      `replica_count` x `num_partitions` (1 where the text has no module header).
+      `replica_count` x `num_partitions` (1 where the text has no module header, and such
+      collectives are then listed in `unread.groups`).
 
   Returns:
-    An `HloSummary` (FLOPs and bytes per device per step).
+    An `HloSummary` (FLOPs and bytes per device per step), with what could not be read in
+    its `unread` field.
 
   Raises:
     StepError: `hlo_text` is not a string or `num_devices` is below 1.
@@ -401,31 +790,36 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
   if not isinstance(hlo_text, str):
     raise StepError(f"hlo_text is a {type(hlo_text).__name__}, expected the str of "
                     "`jax.stages.Compiled.as_text()`")
-  if num_devices is None:
-    header = dict(_DEVICES_RE.findall(hlo_text.split("\n", 1)[0]))
-    num_devices = int(header.get("replica_count", 1)) * int(header.get("num_partitions", 1))
-  if int(num_devices) < 1:
+  if num_devices is not None and int(num_devices) < 1:
     raise StepError(f"num_devices={num_devices}, expected at least 1")
+  dev = _devices(hlo_text, num_devices)
+  if dev.total < 1:
+    raise StepError(f"num_devices={dev.total}, expected at least 1")
   comps, entry = _computations(hlo_text)
-
   g = _graph()
-  for name, lines in comps.items():
-    _read_computation(name, lines, int(num_devices), g)
-  edges, defs, consts, dots, colls = g.edges, g.defs, g.consts, g.dots, g.colls
+  _index(comps, g)
+  for name in comps:
+    _read_computation(name, g, dev)
 
   loops = []
   for caller, body, cond, init, known in g.whiles:
-    trips = _loop_trips(cond, body, init, caller, defs, consts) if known is None else None
+    trips = _loop_trips(g, caller, body, cond, init) if known is None else None
     loop = Loop(body, known) if known is not None else Loop(body, trips, trips is not None)
     loops.append(loop)
     # An unknown count runs the body once; a count of 0 never runs it.
     body_runs = 1 if loop.trip_count is None else loop.trip_count
-    edges[caller].extend(((body, body_runs), (cond, (loop.trip_count or 0) + 1)))
+    g.edges[caller].extend(((body, body_runs), (cond, (loop.trip_count or 0) + 1)))
+  mult = _multiplicities(comps, g.edges, entry)
+  unknown = tuple(l.body for l, w in zip(loops, g.whiles) if l.trip_count is None and mult[w[0]])
+  return _summary(g, mult, tuple(loops), unknown, dev.total)
 
-  mult = _multiplicities(comps, edges, entry)
+
+def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: int
+             ) -> HloSummary:
+  """The per-step figures of a read module, each computation weighted by its runs."""
   out: dict[str, list] = {}
   groups: dict[tuple[str, int], float] = collections.defaultdict(float)
-  for c, items in colls.items():
+  for c, items in g.colls.items():
     for kind, nbytes, n in items:
       groups[(kind, n)] += ring_bytes_sent(kind, nbytes, n) * mult[c]
       e = out.setdefault(kind, [0, 0.0, 0, 0.0])
@@ -433,13 +827,26 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       e[1] += nbytes * mult[c]
       e[2] += 1 if mult[c] else 0
       e[3] += ring_bytes_sent(kind, nbytes, n) * mult[c]
+  count = lambda d: tuple(sorted(collections.Counter(
+      x for c, xs in d.items() if mult[c] for x in xs).items()))
+  kernels: dict[tuple[str, str], list] = {}
+  for c, items in g.kernels.items():
+    for name, target, declared in items:
+      if mult[c]:
+        k = kernels.setdefault((name, target), [0, 0, 0.0, True])
+        k[0], k[1] = k[0] + 1, k[1] + mult[c]
+        k[2] += (declared or 0.0) * mult[c]
+        k[3] = k[3] and declared is not None
   return HloSummary(
-      matmul_flops=sum(f * mult[c] for c, f in dots.items()),
-      matmul_flops_once=sum(f for c, f in dots.items() if mult[c]),
+      matmul_flops=sum(f * mult[c] for c, f in g.dots.items()),
+      matmul_flops_once=sum(f for c, f in g.dots.items() if mult[c]),
       collectives=tuple(Collective(k, int(v[0]), int(v[1]), v[2], float(v[3]))
                         for k in COLLECTIVE_KINDS if (v := out.get(k)) and v[2]),
-      loops=tuple(loops), num_devices=int(num_devices),
-      groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b))
+      loops=loops, num_devices=int(num_devices),
+      groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b),
+      unread=Unread(count(g.unread), unknown, count(g.guessed)),
+      kernels=tuple(Kernel(n, t, v[0], v[1], v[2] if v[3] else None)
+                    for (n, t), v in sorted(kernels.items())))
 
 
 def _multiplicities(comps: dict, edges: dict, entry: str | None) -> dict[str, int]:
@@ -480,7 +887,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Collecti
 
 
 def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
-  """Matmul FLOPs per device per step of an optimized HLO module (`dot` and `convolution`).
+  """Matmul FLOPs per device per step of an optimized HLO module (`dot`, `convolution` and
+  GPU library matmuls, as `summarize`).
 
   2 x result elements x contracted elements per op; with `apply_trip_counts` each op is
   multiplied by the runs of its computation (while-loop trip counts), else every reachable
@@ -497,7 +905,7 @@ def flops_ratio(hlo_text: str, model_flops: float) -> float:
   of the traced step, remat included), 1.0 says the compiled program does the model's work
   and no more; with PaLM's 6N + attention (`fnscale.flops.model_flops_per_token` x tokens /
   devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
-  custom call, not counted here) below.
+  custom kernel, `HloSummary.kernels`, not counted here) below.
 
   Raises:
     StepError: `model_flops` not a positive number, or a bad `hlo_text` (as `summarize`).

@@ -43,10 +43,14 @@ class CompileReport(NamedTuple):
   state) and `generated_code_bytes` (memory analysis; None where unavailable), `collectives`
   (tuple of `fnscale.hlo.Collective`: executions, result bytes and ring bytes sent per device
   per step, loop trip counts applied), `platform`, `num_devices`, `mesh_shape` (dict axis ->
-  size, or None), `matmul_flops` (FLOPs of the `dot`/`convolution` ops of the optimized HLO
-  per device per step, loop trip counts applied; `fnscale.hlo.summarize`), `xla_warnings`
-  (the warnings XLA logged while compiling, one string each, de-duplicated in order),
-  `model_flops` (the model's own FLOPs per device per step, when the caller gave them).
+  size, or None), `matmul_flops` (FLOPs of the dots, convolutions and GPU library matmuls of
+  the optimized HLO per device per step, loop trip counts applied; `fnscale.hlo.summarize`),
+  `xla_warnings` (the warnings XLA logged while compiling, one string each, de-duplicated in
+  order), `model_flops` (the model's own FLOPs per device per step, when the caller gave them),
+  `hlo_unread` (what the HLO reader could not read, `fnscale.hlo.Unread`: instructions by
+  opcode, loops without a trip count, collectives whose groups were guessed; empty when the
+  HLO figures cover the whole program), `kernels` (custom kernels the program calls, whose
+  work the HLO figures leave out; `fnscale.hlo.Kernel`).
   """
   compile_seconds: float
   flops: float | None
@@ -64,6 +68,8 @@ class CompileReport(NamedTuple):
   matmul_flops: float | None = None
   xla_warnings: tuple[str, ...] = ()
   model_flops: float | None = None
+  hlo_unread: _hlo.Unread = _hlo.Unread()
+  kernels: tuple[_hlo.Kernel, ...] = ()
 
   @property
   def flops_ratio(self) -> float | None:
@@ -236,7 +242,8 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       generated_code_bytes=m("generated_code_size_in_bytes"),
       collectives=hlo.collectives, platform=platform, num_devices=int(num),
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
-      matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings))
+      matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
+      kernels=hlo.kernels)
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -316,10 +323,10 @@ def format_report(report: CompileReport) -> str:
       f"  FLOPs per device  {fn(report.flops)}  (XLA cost analysis, loop bodies once; "
       f"transcendentals {fn(report.transcendentals)}, bytes accessed "
       f"{fb(report.bytes_accessed)})",
-      f"  matmul FLOPs/dev  {fn(report.matmul_flops)}  (HLO dot/convolution, loop "
-      "trip counts applied)" + ("" if report.flops_ratio is None else
-                                f"; {report.flops_ratio:.3f} x the model's "
-                                f"{fn(report.model_flops)}"),
+      f"  matmul FLOPs/dev  {fn(report.matmul_flops)}  (HLO dots, convolutions and GPU "
+      "library matmuls, loop trip counts applied)" + (
+          "" if report.flops_ratio is None else
+          f"; {report.flops_ratio:.3f} x the model's {fn(report.model_flops)}"),
       "  memory per device",
       f"    arguments       {fb(report.argument_bytes)}",
       f"    outputs         {fb(report.output_bytes)}",
@@ -334,10 +341,28 @@ def format_report(report: CompileReport) -> str:
               for c in report.collectives]
   else:
     lines.append("  collectives: none")
+  lines += _hlo_notes(report)
   if report.xla_warnings:
     lines.append(f"  XLA warnings ({len(report.xla_warnings)})")
     lines += [f"    {w}" for w in report.xla_warnings]
   return "\n".join(lines)
+
+
+def _hlo_notes(report: CompileReport) -> list[str]:
+  """What the HLO figures above leave out: unread HLO and custom kernels."""
+  u = report.hlo_unread
+  lines = ([f"  HLO not read ({u.count}; the figures above leave it out or guess)"]
+           if u.count else [])
+  lines += [f"    {n} {op}" for op, n in u.ops]
+  lines += [f"    loop without a trip count (body {b}), counted once" for b in u.loops]
+  lines += [f"    {n} {kind} with guessed replica groups (all {report.num_devices} devices)"
+            for kind, n in u.groups]
+  if report.kernels:
+    lines.append("  custom kernels (their work is not in the figures above)")
+    lines += [f"    {k.name:<20} {k.runs:>4} [{k.ops}]  {k.target}" + (
+        "" if k.declared_flops is None else f", declares {_tree.fmt_num(k.declared_flops)} FLOPs")
+              for k in report.kernels]
+  return lines
 
 
 # ----------------------------------------------------------------------------- shardings

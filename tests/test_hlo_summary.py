@@ -15,7 +15,7 @@ ENTRY %main (a: f32[4,6], b: f32[6,5], c: bf16[2,3,7], d: bf16[3,7,9]) -> f32[4,
   %e = f32[4,5]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %f = bf16[2,9]{1,0} dot(%c, %d), lhs_contracting_dims={1,2}, rhs_contracting_dims={0,1}
   %g = f32[1,5]{1,0} reduce-scatter(%e), channel_id=1, replica_groups=[2,4]<=[8], \
-dimensions={0}, to_apply=%add
+dimensions={0}, use_global_device_ids=true, to_apply=%add
   ROOT %r = f32[4,5]{1,0} copy(%e)
 }
 """

@@ -112,7 +112,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Pallas's GPU attention under a causal mask walks key blocks up to a bound that depends on
+# the query block: a loop whose trip count is data, which the HLO reader lists as unread.
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.hlo_unread_loops) if c == "pallas_gpu-causal-gqa" else c
+    for c in CASES])
 def test_interpret_kernel_matches_reference_forward_and_backward(case):
   implementation, (b, t, h, kh, d), kwargs = CASES[case]
   q, k, v = _qkv(b, t, h, kh, d)

@@ -178,3 +178,38 @@ def test_tpu_aot_report_numbers(tpu_devices):
   assert report.collective("all-gather").count > 0
   # Forward 2 matmuls, backward 3 (no dx for the data), split over the 8 chips.
   assert report.matmul_flops == (2 * 2 * rows * din * dh + 3 * 2 * rows * dh * dout) / N
+
+
+@pytest.mark.hlo_unread_loops
+def test_report_prints_what_the_hlo_reader_could_not_read():
+  # A loop whose bound is data (a while_loop, not a scan): no trip count anywhere, so its
+  # body's matmul counts once, and the report says so.
+  def f(x, n):
+    return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] @ c[0], c[1] + 1),
+                              (x, 0))[0]
+  report = fs.compile_report(f, jnp.ones((8, 8)), jnp.int32(3))
+  assert len(report.hlo_unread.loops) == 1 and report.hlo_unread.count == 1
+  assert report.matmul_flops == 2 * 8 * 8 * 8  # once, not 3 times
+  text = str(report)
+  assert "  HLO not read (1; the figures above leave it out or guess)" in text
+  assert f"    loop without a trip count (body {report.hlo_unread.loops[0]}), counted once" in text
+  # A program read in full prints no such section.
+  clean = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
+  assert clean.hlo_unread == fs.hlo.Unread() and "HLO not read" not in str(clean)
+
+
+def test_report_lines_for_each_kind_of_unread_item_and_kernels():
+  unread = fs.hlo.Unread(ops=(("custom-call __onednn$matmul", 2), ("dot", 1)),
+                         loops=("body.7",), groups=(("all-gather", 3),))
+  kernels = (fs.hlo.Kernel("splash_mqa_fwd", "tpu_custom_call", 1, 2),
+             fs.hlo.Kernel("my_matmul", "tpu_custom_call", 1, 4, 4 * 2 * 128**3))
+  report = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
+  text = str(report._replace(hlo_unread=unread, kernels=kernels))
+  assert ("  HLO not read (7; the figures above leave it out or guess)\n"
+          "    2 custom-call __onednn$matmul\n"
+          "    1 dot\n"
+          "    loop without a trip count (body body.7), counted once\n"
+          "    3 all-gather with guessed replica groups (all 1 devices)\n"
+          "  custom kernels (their work is not in the figures above)\n"
+          "    splash_mqa_fwd          2 [1]  tpu_custom_call\n"
+          "    my_matmul               4 [1]  tpu_custom_call, declares 16.78 M FLOPs") in text
