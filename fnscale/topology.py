@@ -492,12 +492,13 @@ _LIBTPU_LAYOUT_VARS = ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_WORKER_HOSTN
                        "TPU_PROCESS_ADDRESSES", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS")
 
 
-def quiet_libtpu_without_tpu(env: dict[str, str] | None = None) -> dict[str, str]:
+def quiet_libtpu(env: dict[str, str] | None = None) -> dict[str, str]:
   """Sets `QUIET_LIBTPU_ENV` in `env` (default `os.environ`) when libtpu is installed but
   this machine has no TPU device files and no TPU layout variable is set: libtpu then loads
-  without its host-lookup warnings. `import fnscale` calls it; it must run before libtpu
-  loads (the first jax computation or topology description). A lone TPU_PROCESS_BOUNDS fixes
-  no layout in `detect_topology` (bounds count only in pairs), so detection is unaffected.
+  without its host-lookup warnings. Call it at start-up, before libtpu loads (the first jax
+  computation or topology description); the recipes and the tests do. `import fnscale`
+  changes no environment variable. A lone TPU_PROCESS_BOUNDS fixes no layout in
+  `detect_topology` (bounds count only in pairs), so detection is unaffected.
 
   Returns:
     The variables it set ({} when it did nothing).
@@ -509,9 +510,6 @@ def quiet_libtpu_without_tpu(env: dict[str, str] | None = None) -> dict[str, str
   for k, v in QUIET_LIBTPU_ENV.items():
     env[k] = v
   return dict(QUIET_LIBTPU_ENV)
-
-
-quiet_libtpu_without_tpu()
 
 
 def simulate_cpu_devices(n: int) -> bool:

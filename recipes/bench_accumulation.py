@@ -56,5 +56,6 @@ def main(targets) -> None:
 
 
 if __name__ == "__main__":
+  fs.topology.quiet_libtpu()
   fs.simulate_cpu_devices(8)
   main(sys.argv[1:] or ["cpu", "tpu"])

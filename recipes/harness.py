@@ -83,6 +83,7 @@ def start(o):
     if not str(count).isdigit():
       raise fs.FnscaleError(f"simulated device count {count!r} (XLA_FLAGS / "
                             "JAX_NUM_CPU_DEVICES) is not an int")
+  fs.topology.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
     fs_report.compilation_cache(o.compile_cache_dir)
