@@ -136,6 +136,19 @@ def topology(mesh_shape: str, override: str, tpu: bool | None):
   return topo
 
 
+def make_mesh(axes, dcn: str, topo, say, devices=None):
+  """`fs.make_mesh(axes, dcn=dcn)` over `devices` (default `jax.devices()`); over several TPU
+  slices without `dcn` (and without a `MeshAxes` of its own), data parallel across the
+  slices: `replica` = the slice count, the `axes` within each slice, said by `say`."""
+  devices = jax.devices() if devices is None else devices
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  if not dcn and slices > 1 and not isinstance(axes, fs.MeshAxes):
+    dcn = f"replica={slices}"
+    say(f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
+        f"across the slices (--dcn={dcn}), the --mesh axes within each slice")
+  return fs.make_mesh(axes, dcn=dcn or None, topology=topo, devices=devices)
+
+
 MIXED = "params=float32,compute=bfloat16,output=float32"
 
 

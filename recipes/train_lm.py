@@ -59,7 +59,8 @@ class Options:
                        "rest); 'auto': fnscale.plan's choice of mesh, remat and accumulation "
                        "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
-  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
+  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
+                      "default replica=<slices> when the devices span several slices")
   topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = h.option(0, "seed of the params init, the data order and sampling")
@@ -132,7 +133,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
                             global_batch=batch)
   else:
     axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
-  mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
+  mesh = h.make_mesh(axes, o.dcn, topo, say)  # across TPU slices: replica=slices by default
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)

@@ -159,6 +159,33 @@ def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
   assert summary.final_step == 2 and np.isfinite(summary.loss)
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("target,slices", [("2x v5p-8", 2), ("4x v5p-8", 4)])
+def test_without_dcn_a_multislice_run_is_data_parallel_across_slices(
+    work, monkeypatch, tpu_devices, target, slices):
+  """train_lm's set-up on the devices of several v5p-8 slices (described by libtpu): no
+  --dcn gives replica = the slice count, said in a start-up line; --dcn still wins."""
+  devices = fs.topology.target_devices(target)
+  monkeypatch.setattr(jax, "devices", lambda *a: devices)  # the job's devices, as on the pod
+  corpus = data.load(str(work / "corpus.txt"), "")
+  for mesh_flag, dcn, shape in (("", "", {"replica": slices, "fsdp": 4}),
+                                ("data=2,tensor=-1", "", {"replica": slices, "data": 2,
+                                                          "tensor": 2}),
+                                ("fsdp=-1", f"data={slices}", {"data": slices, "fsdp": 4})):
+    said = []
+    o = harness.check_options(train_lm.Options, dict(
+        dataset=str(work / "corpus.txt"), model_config="nano", seq=32, topology=target,
+        mesh=mesh_flag, dcn=dcn, steps=2))
+    s = train_lm._setup(o, corpus, said.append)  # pylint: disable=protected-access
+    assert dict(s.mesh.shape) == shape and s.topo.num_slices == slices
+    outer = s.mesh.devices.reshape(slices, -1)
+    assert [{d.slice_index for d in row} for row in outer] == [{i} for i in range(slices)]
+    default = [line for line in said if line.startswith("mesh: the devices span")]
+    assert default == ([] if dcn else [
+        f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
+        f"across the slices (--dcn=replica={slices}), the --mesh axes within each slice"])
+
+
 def _xla_warnings(mesh_spec, size="nano"):
   """XLA's partitioner warnings for train_lm's step of `size` (the model's RULES, AdamW) on
   `mesh_spec`, compiled from abstract inputs with the persistent compile cache off (a cached
