@@ -4,8 +4,8 @@
 the coordinator, every process connects to it), bounding every wait and turning failures
 into `DistributedError`s that say what was expected. Processes that disagree are named in
 seconds: `initialize` compares versions, local devices and the caller's config, and
-`agree_on_step` (the barrier after `shard_step` compiles) compares what each compiled, both
-through the coordination service's key-value store. `barrier` is a bounded wait on that
+`agree_on_step` (the barrier a job calls after `shard_step(...).compile`) compares what each
+compiled, both through the coordination service's key-value store. `barrier` is a bounded wait on that
 service. `peer_guard` turns a collective that failed because another process died into a
 `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
@@ -346,24 +346,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Blocks until every process reaches the barrier `name`, for at most `timeout_s` seconds.
 
-  A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`;
-  without that runtime but with several processes (a TPU pod run without `initialize`) it
-  falls back to `jax.experimental.multihost_utils.sync_global_devices`, which is unbounded.
+  A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`.
 
   Raises:
-    DistributedError: a bad name or timeout, or not every process arrived in time.
+    DistributedError: a bad name or timeout; not every process arrived in time; or several
+      processes without JAX's coordination service (`fnscale.initialize` was not called).
   """
   if not isinstance(name, str) or not name:
     raise DistributedError(f"barrier name {name!r}, expected a non-empty string.")
   if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
     raise DistributedError(f"barrier timeout_s={timeout_s!r}, expected a positive number.")
-  if not jax.distributed.is_initialized():
-    if jax.process_count() == 1:
-      logging.debug("barrier %s: single process", name)
-      return
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(name)
-    logging.info("barrier %s passed", name)
+  if _job_runtime(f"barrier({name!r})") is None:
+    logging.debug("barrier %s: single process", name)
     return
   from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
   st = _jd.global_state
@@ -386,38 +380,51 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   logging.info("barrier %s passed", name)
 
 
-def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_options=None,
-                  *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """The barrier after a step compiles: every process checks that all compiled the same.
 
-  Each process publishes the step's fingerprint through JAX's coordination service (a hash
-  of `program_text`, the mesh, `compiler_options`, and every state and batch leaf's path,
-  shape and dtype) and compares everyone's as they arrive; when all agree, all go on (the
-  exchange is the barrier). In one process it is `barrier(name)`.
+  Call it on every process after `shard_step(...).compile(state, batch)`, before the first
+  step (`recipes/train_lm.py` does). Compiling itself never waits for other processes, so a
+  report or a plan made on one process alone doesn't block; this is the one place where
+  the processes meet after compiling. Each process publishes the step's fingerprint
+  through JAX's coordination service (a hash of the lowered program, the mesh, the compiler
+  options, and every state and batch leaf's path, shape and dtype) and compares everyone's
+  as they arrive; when all agree, all go on (the exchange is the barrier). Like `barrier`,
+  every process makes the same calls in the same order: the k-th call of each process is
+  compared with the k-th of every other. In one process it returns at once.
 
   Args:
-    name: the barrier's name, e.g. "compiled step 1a2b3c".
-    program_text: the lowered program's text (`jax.stages.Lowered.as_text()`).
-    state, batch: pytrees of arrays or `jax.ShapeDtypeStruct`s the step was compiled for.
-    mesh: the step's `jax.sharding.Mesh`.
-    compiler_options: the XLA options it was compiled with.
+    compiled: the `fnscale.compile.CompiledStep` (`shard_step(...).compile(state, batch)`).
     timeout_s: seconds to wait for every process's fingerprint.
 
   Raises:
-    DistributedError: within moments of the first differing fingerprint, on every process,
-      naming the processes and what differs ("process 1: params/w (64, 64) float32,
-      process 0: (32, 32) float32"); or a process that didn't compile in `timeout_s`
-      (where it last was and whether its heartbeats still come).
+    DistributedError: `compiled` is no CompiledStep; within moments of the first differing
+      fingerprint, on every process, naming the processes and what differs ("process 1:
+      params/w (64, 64) float32, process 0: (32, 32) float32"); a process that didn't
+      arrive in `timeout_s` (where it last was and whether its heartbeats still come); or
+      several processes without JAX's coordination service (`fnscale.initialize`).
   """
-  rt = _runtime()
+  from fnscale import compile as _compile  # pylint: disable=g-import-not-at-top
+  if not isinstance(compiled, _compile.CompiledStep):
+    raise DistributedError(
+        f"agree_on_step(compiled={type(compiled).__name__}): expected the CompiledStep that "
+        "shard_step(...).compile(state, batch) returns; fix: step = step.compile(state, "
+        "batch), then fnscale.distributed.agree_on_step(step) on every process.")
+  text = compiled.lowered.as_text()
+  name = f"compiled step {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+  rt = _job_runtime(f"agree_on_step ({name})")
   if rt is None:
-    barrier(name, timeout_s=timeout_s)
     return
   client, pid, n = rt
   t0 = time.perf_counter()
-  facts = _step_facts(program_text, state, batch, mesh, compiler_options)
+  sig = compiled.signature
+  state, batch = (jax.tree_util.tree_unflatten(
+      treedef, [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype, _ in leaves])
+                  for treedef, leaves in ((sig.state_def, sig.state_leaves),
+                                          (sig.batch_def, sig.batch_leaves)))
+  facts = _step_facts(text, state, batch, compiled.mesh, compiled.compiler_options)
   with _waiting(name):
-    got, diffs, waited = _exchange(f"step/{next(_compile_count)}", facts, timeout_s)
+    got, diffs, waited = _exchange(f"step/{next(_agree_count)}", facts, timeout_s)
   if diffs:
     raise _disagreement(f"the step they compiled ({name})", diffs, _late(got, n))
   missing = [p for p in range(n) if p not in got]
@@ -426,8 +433,9 @@ def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_opt
     raise DistributedError(
         f"{name}: process(es) {', '.join(map(str, missing))} of {n} did not finish compiling "
         f"the step within {timeout_s} s ({'; '.join(where) or 'no word from them'}; this is "
-        f"process {pid}); fix: check their logs (crashed, hung, preempted), or raise "
-        "timeout_s for very long compiles.")
+        f"process {pid}); fix: check their logs (crashed, hung, preempted), make every "
+        "process call agree_on_step after compiling, or raise timeout_s for very long "
+        "compiles.")
   logging.info("barrier %s passed: all %d processes compiled the same program (check: %.1f "
                "ms of work, %.1f ms waiting for the others)", name, n,
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
@@ -479,8 +487,8 @@ _KEY = "fnscale"
 _MAX_NAMED = 6  # differences spelled out per process; the rest are counted
 _SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-# The k-th step this process compiles is compared with the k-th of every other process.
-_compile_count = itertools.count()
+# The k-th agree_on_step call of this process is compared with the k-th of every other.
+_agree_count = itertools.count()
 # What the main thread is blocked in ("at": a barrier's name, or None) and since when
 # (time.monotonic()); the preemption watcher (fnscale.preemption) reads it.
 _WAIT: dict[str, Any] = {"at": None, "since": 0.0}
@@ -494,6 +502,22 @@ def _runtime():
   if st.client is None or (st.num_processes or 1) == 1:
     return None
   return st.client, int(st.process_id), int(st.num_processes)
+
+
+def _job_runtime(what: str):
+  """`_runtime()`, or a DistributedError when this is one of several processes (libtpu runs
+  a pod slice across hosts on its own) but JAX's coordination service is not up: `what`
+  needs it, and falling back to per-process behaviour would be silently wrong."""
+  rt = _runtime()
+  if rt is None and jax.process_count() > 1:
+    raise DistributedError(
+        f"{what} needs JAX's coordination service, but this is process "
+        f"{jax.process_index()} of {jax.process_count()} and jax.distributed was never "
+        "initialised (no barriers, agreement checks, preemption sync or lost-process checks "
+        "work without it); fix: call fnscale.initialize() first thing in every process, "
+        "before any other jax call (it joins from the environment, the Cloud TPU metadata "
+        "service, SLURM or Open MPI).")
+  return rt
 
 
 @contextlib.contextmanager
@@ -732,12 +756,14 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   docstring), before this check can report.
 
   Raises:
-    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error,
-      or for a timeout that isn't a positive number.
+    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error;
+      a timeout that isn't a positive number; or, on entry, several processes without
+      JAX's coordination service (`fnscale.initialize` was not called).
   """
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
+  _job_runtime("peer_guard")
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except

@@ -211,6 +211,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
 
   Raises:
     DistributedError: `grace_s` not a positive number; several processes but JAX's
+      coordination service is not up (`fnscale.initialize` was not called) or its
       preemption service is off (`jax_enable_preemption_service`); a step that is not an int.
   """
   if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
@@ -221,7 +222,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
                            "sets signal handlers only there); fix: wrap the training loop "
                            "of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
-  rt = distributed._runtime()  # pylint: disable=protected-access
+  rt = distributed._job_runtime("preemption_guard")  # pylint: disable=protected-access
   if rt is not None:
     from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
     if _jd.global_state.preemption_sync_manager is None:

@@ -187,6 +187,7 @@ def run(o: Options) -> h.Summary:
     data_state = batches.get_state()  # where the data stands before the first step
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
+    fs.distributed.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     report = fs.compile_report(step_fn, state, first)
     log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
     n_params = h.describe(s, state, corpus.describe, report, policy, (peak, peak_note),

@@ -90,7 +90,7 @@ def test_layouts_match_one_process(layout, reference, request):
     assert start["devices"] == 8 and start["mesh"] == {"data": 2, "fsdp": 4}
     np.testing.assert_allclose(_losses(r.stdout), reference["losses"][:STEPS], rtol=0,
                                atol=TOL)
-    # fnscale.shard_step waits at a barrier after compiling; it shows in every log.
+    # The worker calls agree_on_step after compiling; it shows in every log.
     assert re.search(r"barrier compiled step \w+ passed", r.stderr), r.stderr[-3000:]
   # Only process 0 wrote the log and the params.
   logged = [json.loads(ln)["loss"] for ln in (out / "losses.jsonl").read_text().splitlines()]
