@@ -91,6 +91,58 @@ def _multiprocess_env() -> str | None:
   return None
 
 
+def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
+  """A Cloud TPU VM whose metadata service lists several workers (the hosts of a multi-host
+  slice, or of several slices), read as fnscale's topology detection reads it; None
+  elsewhere. Asked only on a TPU VM or where GCE_METADATA_HOST names a server. (`gcloud
+  compute tpus tpu-vm create` VMs keep the worker id and hosts there, not in the environment.)
+  """
+  from fnscale import _metadata, topology  # pylint: disable=g-import-not-at-top
+  from fnscale.errors import TopologyError  # pylint: disable=g-import-not-at-top
+  if not topology._on_tpu_vm(os.environ):  # pylint: disable=protected-access
+    return None
+  try:
+    facts = topology._metadata_facts(timeout_s, _metadata.base_url())  # pylint: disable=protected-access
+  except TopologyError as e:
+    raise DistributedError(f"can't tell from the Cloud TPU metadata service whether this is "
+                           f"one of several hosts: {e}") from None
+  (per, src), (slices, _) = (facts.get("processes_per_slice", (1, "")),
+                             facts.get("num_slices", (1, "")))
+  if per * slices < 2:
+    return None
+  return (f"Cloud TPU VM: {per} worker(s) per slice in {src.removeprefix('metadata:')}"
+          + (f" x {slices} slices" if slices > 1 else ""))
+
+
+def _detect(coordinator_address, num_processes, process_id, method, launcher, timeout_s):
+  """JAX's own cluster detection, as `jax.distributed.initialize` runs it for what it isn't
+  given (Cloud TPU VMs and GKE, SLURM, Open MPI, ...): (coordinator, processes, this id)."""
+  # Private: jax offers its detection only inside initialize, and fnscale needs the
+  # coordinator first, to bound the wait for it and to name it.
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  try:
+    coordinator_address, num_processes, process_id, _ = (
+        clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            coordinator_address, num_processes, process_id, None, method,
+            max(1, math.ceil(timeout_s))))
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"JAX's cluster detection failed for this multi-process launch ({launcher}): "
+        f"{type(e).__name__}: {first}; fix: pass coordinator_address, num_processes and "
+        "process_id to fnscale.initialize (or set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID).") from e
+  unknown = [k for k, v in (("coordinator_address", coordinator_address),
+                            ("num_processes", num_processes), ("process_id", process_id))
+             if v is None]
+  if unknown:
+    raise DistributedError(
+        f"this looks like a multi-process launch ({launcher}), but JAX's cluster detection "
+        f"could not tell {', '.join(unknown)}; fix: pass them to fnscale.initialize (or set "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
+  return coordinator_address, num_processes, process_id
+
+
 def _from_env(coordinator_address, num_processes, process_id):
   """Fills arguments not given from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
   JAX_PROCESS_ID, the variables `recipes/launch_local.py` (or a user's own launcher) sets."""
@@ -243,11 +295,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Call it first, before anything touches jax devices. Either give `coordinator_address`
   ("host:port" of process 0), `num_processes` and `process_id` (each not given is read from
   `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` when set), or nothing and
-  let JAX detect them (Cloud TPU pods, SLURM, Open MPI; or pass `cluster_detection_method`).
+  let JAX's cluster detection supply them (Cloud TPU VMs and GKE, SLURM, Open MPI; or pass
+  `cluster_detection_method`).
 
-  It is a no-op when `num_processes == 1`, or when no argument is given and the environment
-  shows no multi-process launcher (so a single-host script runs unchanged), and when the
-  runtime is already up with the same arguments (idempotent).
+  With no argument it joins whenever this process is one of several: the environment shows
+  a launcher (`JAX_COORDINATOR_ADDRESS`, SLURM with several tasks, Open MPI with several
+  ranks, `TPU_WORKER_HOSTNAMES` with several hosts, `MEGASCALE_NUM_SLICES` > 1), or, on a
+  Cloud TPU VM, the metadata service lists several workers (`worker-network-endpoints`,
+  `tpu-env`), as `gcloud compute tpus tpu-vm create` VMs have it; JAX's Cloud TPU detection
+  then names worker 0 as the coordinator. It is a no-op when `num_processes == 1`, or when
+  none of those shows several processes (so a single-host script runs unchanged), and when
+  the runtime is already up with the same arguments (idempotent).
 
   Args:
     coordinator_address: "host:port" of process 0's coordination service.
@@ -308,7 +366,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return DistributedInfo(0, 1, None, False)
   explicit = any(v is not None for v in (coordinator_address, num_processes, process_id,
                                           cluster_detection_method))
-  launcher = _multiprocess_env()
+  launcher, method = _multiprocess_env(), cluster_detection_method
+  if not explicit and launcher is None:
+    launcher, method = _metadata_launcher(), "gcetpu"
   if not explicit and launcher is None:
     logging.info("fnscale.initialize: no multi-process launcher detected; single process")
     return DistributedInfo(0, 1, None, False)
@@ -318,8 +378,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         "used jax devices or ran a computation), so this process can't join the "
         f"{num_processes or 'detected'}-process job at {coordinator_address or 'auto'}; fix: "
         "call fnscale.initialize at the very start of the program, before any other jax use.")
-  where = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or (
-      f"auto-detected ({launcher or cluster_detection_method})")
+  where = coordinator_address
+  if None in (coordinator_address, num_processes, process_id) and method != "deactivate":
+    t0 = time.monotonic()
+    coordinator_address, num_processes, process_id = _detect(
+        coordinator_address, num_processes, process_id, method,
+        launcher or f"cluster_detection_method={method!r}", timeout_s)
+    timeout_s = max(1.0, timeout_s - (time.monotonic() - t0))
+    where = f"{coordinator_address} (found through {launcher or method})"
+  where = where or f"auto-detected ({launcher or method})"
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.
@@ -327,14 +394,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if waited is None:
       raise DistributedError(
           f"could not form the multi-process job: expected {num_processes} processes, this "
-          f"one as process {process_id}, but the coordinator {coordinator_address} (process "
-          f"0) didn't accept connections within {timeout_s} s; fix: start process 0 with the "
-          "same coordinator_address, make sure its host and port are reachable from here, "
-          "or raise timeout_s.")
+          f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
+          f"accept connections within {timeout_s:g} s; fix: start process 0 with the same "
+          "coordinator_address, make sure its host and port are reachable from here, or "
+          "raise timeout_s.")
     timeout_s = max(1.0, timeout_s - waited)
   info = _join(coordinator_address, num_processes, process_id, where, timeout_s,
                asked_timeout_s, dict(local_device_ids=local_device_ids,
-                                     cluster_detection_method=cluster_detection_method,
+                                     cluster_detection_method=method,
                                      heartbeat_timeout_seconds=max(1, math.ceil(
                                          heartbeat_timeout_s)),
                                      shutdown_timeout_seconds=max(1, math.ceil(

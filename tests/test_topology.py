@@ -233,8 +233,17 @@ def test_metadata_facts(monkeypatch):
   }
   assert {a[0] for a in asked} == {"instance/attributes/accelerator-type",
                                    "instance/attributes/agent-worker-number",
+                                   "instance/attributes/worker-network-endpoints",
                                    "instance/attributes/tpu-env"}
   assert {a[1:] for a in asked} == {(0.5, "http://h/computeMetadata/v1")}
+  # The slice's hosts as the VM's own attribute (JAX's source) count before tpu-env's bounds,
+  # in both spellings: "name:id:ip" triples and bare names.
+  for hosts in ("t1v-n-0-w-0:0:10.0.0.2,t1v-n-0-w-1:1:10.0.0.3,t1v-n-0-w-2:2:10.0.0.4",
+                "10.0.0.2,10.0.0.3,10.0.0.4"):
+    answers["worker-network-endpoints"] = hosts
+    assert topo_mod._metadata_facts(0.5, "http://h")["processes_per_slice"] == (
+        3, md + "worker-network-endpoints")
+  del answers["worker-network-endpoints"]
   # Without the attributes, tpu-env answers; a worker number that is no number is ignored.
   answers.update({"accelerator-type": None, "agent-worker-number": "n/a"})
   facts = topo_mod._metadata_facts(0.5, "http://h")
@@ -327,7 +336,8 @@ def test_on_tpu_vm(monkeypatch):
   _device_files(monkeypatch)
   assert not topo_mod._on_tpu_vm({})
   assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1"})
-  assert not topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
+  # jax's import sets TPU_SKIP_MDS_QUERY=1 wherever there is no TPU chip: a named server wins.
+  assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
   _device_files(monkeypatch, "/dev/accel0")
   assert topo_mod._on_tpu_vm({})
   assert not topo_mod._on_tpu_vm({"TPU_SKIP_MDS_QUERY": "true"})
