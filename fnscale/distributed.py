@@ -395,7 +395,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       raise DistributedError(
           f"could not form the multi-process job: expected {num_processes} processes, this "
           f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
-          f"accept connections within {timeout_s:g} s; fix: start process 0 with the same "
+          f"accept connections within {timeout_s} s; fix: start process 0 with the same "
           "coordinator_address, make sure its host and port are reachable from here, or "
           "raise timeout_s.")
     timeout_s = max(1.0, timeout_s - waited)
