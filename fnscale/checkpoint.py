@@ -25,7 +25,9 @@ only the `keep` policy of `save` deletes old ones.
 All processes of a multi-process job must call `save` and `restore` with the same arguments
 (they hold different shards, and orbax synchronises them); `latest_step` and `steps` only read
 the directory and may be called from any process. The directory must be visible to every
-process (a shared file system or a bucket such as `gs://...`).
+process (a shared file system or a bucket such as `gs://...`;
+`fnscale.distributed.check_shared_directory` checks it), and `restore(step=None)` restores
+process 0's newest complete step everywhere.
 """
 import json
 import os
@@ -128,19 +130,25 @@ def _pick(tree: dict, path):
   return tree
 
 
-def _manager(ocp, path, *, keep: int | None = None, read_only: bool = False):
+def _manager(ocp, path, *, keep: int | None = None, read_only: bool = False,
+             local: bool = False):
   """orbax's CheckpointManager over `path`: it lists committed step directories (skipping
-  unfinished `*.orbax-checkpoint-tmp*` ones), saves atomically and prunes to `keep`."""
+  unfinished `*.orbax-checkpoint-tmp*` ones), saves atomically and prunes to `keep`.
+  `local`: this process alone (orbax's barriers skipped), for reading the listing."""
+  me = jax.process_index()
+  alone = {"multiprocessing_options": ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me})} if local else {}
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, enable_async_checkpointing=False, create=not read_only,
-      read_only=read_only)
+      read_only=read_only, **alone)
   return ocp.CheckpointManager(path, options=options, item_handlers={
       _STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()})
 
 
 def _step_dirs(ocp, path) -> dict[int, Any]:
-  """Step -> directory for every step orbax lists (committed or damaged, not unfinished)."""
-  manager = _manager(ocp, path, read_only=True)
+  """Step -> directory for every step orbax lists (committed or damaged, not unfinished).
+  Process-local: listing waits for no other process."""
+  manager = _manager(ocp, path, read_only=True, local=True)
   try:
     # orbax's standard step name format: the step number itself.
     return {int(s): path / str(int(s)) for s in manager.all_steps(read=True)}
@@ -467,6 +475,25 @@ def _restore_step(ocp, step: int, step_dir, abstract, treedef):
   return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored[_EXTRA] or {})
 
 
+def _agreed_latest_step(directory, path) -> int:
+  """Several processes: process 0's newest complete step, once every process sees it
+  complete (`fnscale.distributed`), so that no process restores a step of its own."""
+  from fnscale import distributed  # pylint: disable=import-outside-toplevel
+
+  def problem(step):
+    step_dir = path / str(step)
+    if step is None or not step_dir.exists():
+      return None if step is None else f"{step_dir} does not exist"
+    return _problem(step_dir)
+  step = distributed._agreed_choice(  # pylint: disable=protected-access
+      f"the checkpoint step to restore from {path}", lambda: latest_step(directory), problem)
+  if step is None:
+    raise CheckpointError(
+        f"no complete checkpoint in {path} as process 0 sees it. Check the path, or start "
+        "fresh when fnscale.checkpoint.latest_step(directory) is None.")
+  return step
+
+
 def restore(directory, target, *, step: int | None = None):
   """Restores checkpoint `step` (default: the newest good one) onto `target`'s shardings.
 
@@ -476,7 +503,9 @@ def restore(directory, target, *, step: int | None = None):
       `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` or `jax.Array`s (their shardings are
       used; their values are not). Any mesh, device count or process count: the shardings
       decide the layout, e.g. a state saved on 8 devices restores onto `SingleDeviceSharding`.
-    step: the step to restore; None means the newest step that passes every check.
+    step: the step to restore; None means the newest step that passes every check (in a
+      multi-process job: process 0's newest complete step, on every process, once every
+      process sees it complete).
 
   Returns:
     `(state, extra)`: `state` has `target`'s structure, with `jax.Array`s on the target
@@ -487,11 +516,16 @@ def restore(directory, target, *, step: int | None = None):
     CheckpointError: the directory is missing or holds no checkpoint; `step` doesn't exist or
       is incomplete/corrupt (named, with its path; with step=None such steps are skipped with
       a warning and the newest earlier good step is used, and only if none is good is this
-      raised); the target doesn't match the saved tree (each differing leaf named with saved
+      raised; with several processes, process 0's choice is used without fallback); the
+      target doesn't match the saved tree (each differing leaf named with saved
       vs expected shape and dtype); a target leaf lacks a sharding; orbax-checkpoint is missing.
+    DistributedError: several processes and step=None: a process that doesn't see process
+      0's chosen step complete (named, on every process), or no coordination service.
   """
   ocp = _orbax()
   path = _path(directory)
+  if step is None and jax.process_count() > 1:
+    step = _agreed_latest_step(directory, path)
   _check_directory(path, must_exist=True)
   abstract, treedef = _abstract_target(target)
   found = _step_dirs(ocp, path)

@@ -508,6 +508,121 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
+def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """Checks that every process sees the same `directory` (a checkpoint directory must be one).
+
+  Process 0 creates the directory if needed and writes a file named by a fresh random token
+  into it; every process looks for that file under `directory` as it resolves the path
+  there, all compare what they found through JAX's coordination service, and process 0
+  removes the file. Call it on every process at start-up, before training: per-host disks
+  (the default `runs/...` on each TPU VM) would otherwise leave the commit marker of each
+  save on process 0's disk only, and a restart would restore on process 0 alone. In one
+  process it returns at once.
+
+  Args:
+    directory: a local path or an object-store URL (`gs://...`), the same string on every
+      process.
+    timeout_s: seconds to wait for process 0's token and every process's answer.
+
+  Raises:
+    DistributedError: on every process, naming each process that doesn't see process 0's
+      file and the path it looked at, with the fix (a bucket, `gs://...`, or a shared file
+      system mounted at the same path everywhere); or several processes without JAX's
+      coordination service (`fnscale.initialize`).
+  """
+  rt = _job_runtime(f"check_shared_directory({directory!r})")
+  if rt is None:
+    return
+  client, pid, n = rt
+  from fnscale import checkpoint  # pylint: disable=g-import-not-at-top
+  path = checkpoint._path(directory)  # pylint: disable=protected-access  # as save sees it
+  what = f"the shared-directory check of {directory}"
+  token = _from_process_0(what, lambda: _write_token(path), f"token/{next(_choice_count)}",
+                          timeout_s)
+  if token.startswith("error:"):
+    raise DistributedError(f"{what}: process 0 could not write to {path}: {token[6:]}; fix: "
+                           "give a directory every process can write (gs://... or a shared "
+                           "file system).")
+  sees = "yes" if (path / token).exists() else f"no: {path / token} does not exist here"
+  with _waiting(what):
+    got, _, _ = _exchange(f"shared/{token}", {"sees": sees, "host": socket.gethostname()},
+                          timeout_s)
+  if pid == 0:
+    with contextlib.suppress(OSError):
+      (path / token).unlink()
+  blind = {p: e for p, e in sorted(got.items()) if e["sees"] != "yes"}
+  missing = [p for p in range(n) if p not in got]
+  if blind or missing:
+    named = [f"process {p} (host {e['host']}) doesn't see it ({e['sees'][4:]})"
+             for p, e in blind.items()]
+    named += [f"process {p} did not answer within {timeout_s} s" for p in missing]
+    raise DistributedError(
+        f"directory {directory} is not shared by the {n} processes: process 0 wrote {token} "
+        f"there, and {'; '.join(named)}. Checkpoints need one directory every process reads "
+        "and writes (per-host local disks, such as the default runs/... on each TPU VM, are "
+        "not); fix: use a bucket (gs://BUCKET/PATH) or a shared file system (NFS, Filestore) "
+        "mounted at the same path on every host.")
+  logging.info("%s: all %d processes see it", what, n)
+
+
+def _write_token(path) -> str:
+  """On process 0: a fresh token file in `path` (created if missing); its name, or
+  "error:..." when it can't be written."""
+  import secrets  # pylint: disable=g-import-not-at-top
+  name = f".fnscale-shared-check-{secrets.token_hex(8)}"
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(name)
+  except OSError as e:
+    return f"error:{type(e).__name__}: {e}"
+  return name
+
+
+def _from_process_0(what: str, choose, topic: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+  """`choose()` as process 0 computes it (a JSON value), on every process: a broadcast
+  through the coordination service under `topic`, the same on every process."""
+  rt = _job_runtime(what)
+  if rt is None:
+    return choose()
+  client, pid, _ = rt
+  key = f"{_KEY}/{topic}"
+  if pid == 0:
+    value = choose()
+    client.key_value_set(key, json.dumps(value))
+    return value
+  try:
+    with _waiting(what):
+      return json.loads(client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"{what}: process {pid} waited {timeout_s} s for process 0's choice ({type(e).__name__}: "
+        f"{first}); fix: make every process make the same calls, check process 0's log.") from e
+
+
+def _agreed_choice(what: str, choose, check, timeout_s: float = DEFAULT_TIMEOUT_S):
+  """Process 0's `choose()` on every process, after every process found it usable: `check(value)`
+  is None there, else says why not. Raises a DistributedError naming each process that
+  can't use it, on every process (so none goes on into a collective alone)."""
+  k = next(_choice_count)
+  value = _from_process_0(what, choose, f"choice/{k}", timeout_s)
+  rt = _runtime()
+  if rt is None:
+    return value
+  _, _, n = rt
+  with _waiting(what):
+    got, _, _ = _exchange(f"choice/{k}/check",
+                          {"problem": check(value) or ""}, timeout_s)
+  bad = [f"process {p}: {e['problem']}" for p, e in sorted(got.items()) if e["problem"]]
+  bad += [f"process {p}: no answer within {timeout_s} s" for p in range(n) if p not in got]
+  if bad:
+    raise DistributedError(
+        f"{what}: process 0 chose {value!r}, which not every process can use ({'; '.join(bad)}); "
+        "fix: give every process the same view (a directory shared by all, "
+        "fnscale.distributed.check_shared_directory), then restart every process.")
+  return value
+
+
 def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
   """Right after joining: versions, local devices and `config` must agree everywhere."""
   rt = _runtime()
@@ -556,6 +671,8 @@ _SETTLE_S = 10.0  # after a first difference, how long to wait for the other pro
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # The k-th agree_on_step call of this process is compared with the k-th of every other.
 _agree_count = itertools.count()
+# Numbers the broadcasts from process 0 (`_from_process_0`), the same on every process.
+_choice_count = itertools.count()
 # What the main thread is blocked in ("at": a barrier's name, or None) and since when
 # (time.monotonic()); the preemption watcher (fnscale.preemption) reads it.
 _WAIT: dict[str, Any] = {"at": None, "since": 0.0}

@@ -162,6 +162,8 @@ def run(o: Options) -> h.Summary:
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   o = s.o
+  if o.checkpoint_dir:  # one directory every process sees, checked before anything runs
+    fs.distributed.check_shared_directory(o.checkpoint_dir)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,

@@ -210,6 +210,7 @@ def main(argv) -> int:
     mesh, _, step, init = build(args.mesh, args.model, args.lr)
     _emit(event="start", process=pid, processes=jax.process_count(),
           devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info), join_s=join_s)
+    fs.distributed.check_shared_directory(ckpt_dir)  # every process sees the same one
     state = init()
     start = checkpoint.latest_step(ckpt_dir)
     if start is not None:

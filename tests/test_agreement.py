@@ -13,6 +13,7 @@ import time
 
 import jax
 import jaxlib
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -119,6 +120,7 @@ calls = {{
         lambda p, b: models.transformer_loss(p, b)[0], optax.adam(1e-3), {{"tokens": rows}},
         "v5p-8", rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),
         key=jax.random.key(0), verify=1, accum_steps=(1,)),
+    "latest_step": lambda: fs.checkpoint.latest_step({ckpt!r}),
 }}
 took = {{}}
 for name, call in calls.items():
@@ -134,15 +136,19 @@ ONE_PROCESS_BOUND_S = 60
 
 
 def test_reports_compiles_and_plans_on_process_0_alone_never_wait_for_the_others(tmp_path):
+  from fnscale import checkpoint  # pylint: disable=import-outside-toplevel
+  checkpoint.save(tmp_path / "ckpt", 3, {"w": np.zeros(2, np.float32)})
   script = tmp_path / "one_process_calls.py"
-  script.write_text(_ONE_PROCESS_CALLS.format(tests=str(pathlib.Path(__file__).parent)))
+  script.write_text(_ONE_PROCESS_CALLS.format(tests=str(pathlib.Path(__file__).parent),
+                                              ckpt=str(tmp_path / "ckpt")))
   results = mp.run([script], 2, 2, JOB_TIMEOUT_S)
   assert all(r.returncode == 0 for r in results), mp.describe(results)
   events = [[json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
             for r in results]
   took = {e["event"]: e["s"] for e in events[0] if "s" in e}
   print(f"process 0 alone: {took}")
-  assert sorted(took) == ["compile", "compile_report", "plan_verify"], mp.describe(results)
+  assert sorted(took) == ["compile", "compile_report", "latest_step", "plan_verify"], (
+      mp.describe(results))
   assert all(s < ONE_PROCESS_BOUND_S for s in took.values()), took
   assert not [e for e in events[1] if "s" in e]  # process 1 made none of those calls
   # Both then ran the same first step.

@@ -146,7 +146,7 @@ def _tiny_compiled(mesh):
   return fs.shard_step(fs.train_step(loss, opt), mesh).compile(state, batch)
 
 
-def test_several_processes_without_the_coordination_service_raise(mesh, monkeypatch):
+def test_several_processes_without_the_coordination_service_raise(mesh, monkeypatch, tmp_path):
   """What libtpu gives a pod whose hosts never called initialize: jax sees 2 processes, JAX's
   coordination service is off. Every feature that needs it refuses, naming the fix, instead
   of running per process."""
@@ -165,6 +165,9 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
       "agree_on_step (compiled step ": lambda: fs.distributed.agree_on_step(compiled),
       "preemption_guard": lambda: guard(preemption.preemption_guard()),
       "peer_guard": lambda: guard(fs.distributed.peer_guard()),
+      "the checkpoint step to restore from": lambda: fs.checkpoint.restore(
+          tmp_path, {"w": jax.ShapeDtypeStruct((2,), np.float32)}),
+      "check_shared_directory(": lambda: fs.distributed.check_shared_directory(tmp_path),
   }
   for what, call in calls.items():
     with pytest.raises(fs.DistributedError) as e:
