@@ -469,6 +469,31 @@ def test_processes_with_different_options_are_named_at_start(work, tmp_path):
     assert "compile:" not in out  # named before anything compiled
 
 
+@pytest.mark.multiprocess
+def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_path):
+  """The default run_dir on every host, each on its own disk (here: each process in its own
+  working directory): both stop at start-up, naming process 1 and a shared directory."""
+  port = launch_local.free_port()
+  procs = []
+  for pid in (0, 1):
+    (tmp_path / f"host{pid}").mkdir()
+    argv = _argv(work, "runs/train_lm")[1:]
+    env = launch_local.child_env(pid, 2, 2, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, cwd=tmp_path / f"host{pid}"))
+  outs = [p.communicate(timeout=180)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]  # an `error:` line
+    assert re.search(r"error: directory runs/train_lm/checkpoints is not shared by the 2 "
+                     r"processes: process 0 wrote \.fnscale-shared-check-\w+ there, and process "
+                     r"1 \(host [^)]+\) doesn't see it \(\S*host1/runs/train_lm/checkpoints/", out), (
+                         out[-2000:])
+    assert "fix: use a bucket (gs://BUCKET/PATH)" in out
+    assert "compile:" not in out  # stopped before anything compiled or trained
+  assert os.listdir(tmp_path / "host0" / "runs" / "train_lm" / "checkpoints") == []
+
+
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys, time\n"
