@@ -104,7 +104,8 @@ def start(o):
 
 def main(argv: list[str], cls, run, doc: str) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
-  Exit status 0 done, 2 bad input or a refused checkpoint, 143 stopped by SIGTERM."""
+  Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
+  by SIGTERM."""
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(doc + "\nflags:\n" + _flag_values(cls).get_help())
     return 0
@@ -112,6 +113,10 @@ def main(argv: list[str], cls, run, doc: str) -> int:
     summary = run(parse_flags(cls, argv))
   except fs.FnscaleError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
+    if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
+      # Python's own exit would wait for the lost process at JAX's shutdown barrier.
+      sys.stdout.flush()
+      os._exit(fs.distributed.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return 2
   return 143 if summary.stopped == "SIGTERM" else 0
 

@@ -72,6 +72,8 @@ class Options:
   checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
   checkpoint_keep: int = h.option(3, "how many checkpoints to keep")
   stop_after: int = h.option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
+  grace_s: float = h.option(20.0, "seconds from a SIGTERM to the end at most, wherever the run "
+                            "is; below the platform's notice (about 30 s on Cloud TPU)")
   log_every: int | None = h.option(None, "steps between progress lines; default 25 lines a run")
   eval_every: int | None = h.option(None, "steps between evals; default 5 evals a run")
   eval_batches: int = h.option(4, "global batches of held-out text per eval")
@@ -159,6 +161,16 @@ def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
+  # From here to the end (data, compile, start-up eval, loop, evals, final save), a notice
+  # (SIGTERM to any process) stops every process after one step, or within grace_s wherever
+  # it is, and a process lost in a collective is named, not left to a runtime error.
+  with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
+      fs.distributed.peer_guard():
+    return _run(o, t0, say, should_stop)
+
+
+def _run(o: Options, t0: float, say, should_stop) -> h.Summary:
+  """`run` after start-up; `should_stop(step)` is the preemption guard's check."""
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   o = s.o
@@ -216,7 +228,8 @@ def run(o: Options) -> h.Summary:
     ev = evaluate(state, 0) if start == 0 else None
     prof = rl.profiler(s.profile, o.run_dir, say=say)
     state, last, stopped = _train(s, state, step_fn, batches, first, data_state, start,
-                                  schedule, peak, say, (log, prof), evaluate, save)
+                                  schedule, peak, say, (log, prof), evaluate, save,
+                                  should_stop)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
     log.close()
   return h.summarize(out, s, state, report, n_params, t0, say)
@@ -227,47 +240,46 @@ def _flops_step(s: Setup) -> float:
 
 
 def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
-           log_prof, evaluate, save):
+           log_prof, evaluate, save, should_stop):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
-  `log_prof`: (run_log.RunLog, run_log.Profiler)."""
+  `log_prof`: (run_log.RunLog, run_log.Profiler); `should_stop`: the preemption guard's."""
   (log, prof), m = log_prof, None
   last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
   batch_sharding = fs.batch_sharding(s.mesh)
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
-  with preemption.preemption_guard() as should_stop:
-    for step in range(start, s.o.steps):
-      prof.at_step(step, pending=m)
-      state, m = step_fn(state, batch)
-      done = step + 1
-      # One step in flight on CPU: simulated devices share one pool of host threads, and with
-      # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
-      if s.topo.platform == "cpu":
-        jax.block_until_ready((state, m))
-      if done < s.o.steps:
-        data_state = batches.get_state()
-        batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
-      if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
-        jax.block_until_ready(m["loss"])
-        t_mark, step_mark = time.time(), done
-      if done % s.o.log_every == 0 or done == s.o.steps:
-        now = time.time()
-        dt = (now - t_mark) / (done - step_mark) if done > step_mark else None
-        last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
-        t_mark, step_mark = now, done
-      paused = done % s.o.eval_every == 0 and done < s.o.steps
-      if paused:
-        evaluate(state, done)
-      if s.o.checkpoint_every and done % s.o.checkpoint_every == 0 and done < s.o.steps:
-        save(state, done, data_state)
-        paused = True
-      if paused:  # keep eval and checkpoint time out of tokens/s
-        t_mark, step_mark = time.time(), done
-      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
-      if done < s.o.steps and (sigterm or done == s.o.stop_after):
-        stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
-        save(state, done, data_state)
-        say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
-        break
+  for step in range(start, s.o.steps):
+    prof.at_step(step, pending=m)
+    state, m = step_fn(state, batch)
+    done = step + 1
+    # One step in flight on CPU: simulated devices share one pool of host threads, and with
+    # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
+    if s.topo.platform == "cpu":
+      jax.block_until_ready((state, m))
+    if done < s.o.steps:
+      data_state = batches.get_state()
+      batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
+    if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
+      jax.block_until_ready(m["loss"])
+      t_mark, step_mark = time.time(), done
+    if done % s.o.log_every == 0 or done == s.o.steps:
+      now = time.time()
+      dt = (now - t_mark) / (done - step_mark) if done > step_mark else None
+      last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
+      t_mark, step_mark = now, done
+    paused = done % s.o.eval_every == 0 and done < s.o.steps
+    if paused:
+      evaluate(state, done)
+    if s.o.checkpoint_every and done % s.o.checkpoint_every == 0 and done < s.o.steps:
+      save(state, done, data_state)
+      paused = True
+    if paused:  # keep eval and checkpoint time out of tokens/s
+      t_mark, step_mark = time.time(), done
+    sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
+    if done < s.o.steps and (sigterm or done == s.o.stop_after):
+      stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
+      save(state, done, data_state)
+      say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
+      break
   prof.close(pending=state)
   data_state = data_state if stopped else batches.get_state()
   return state, dict(last, train_s=time.time() - t_train, data_state=data_state), stopped

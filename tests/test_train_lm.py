@@ -494,6 +494,43 @@ def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_
   assert os.listdir(tmp_path / "host0" / "runs" / "train_lm" / "checkpoints") == []
 
 
+GRACE_S = 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("point,mark", [
+    ("start-up eval", r"\ncompile: "),  # process 0's start-up lines end just before it
+    ("loop", r"\nstep +2/"),
+    ("final save and eval", rf"\nstep +{STEPS}/"),
+])
+def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work, tmp_path,
+                                                                          point, mark):
+  """2 processes x 2 devices: process 1 frozen (SIGSTOP) at `point`, then a SIGTERM to
+  process 0, whose next collective can't finish: it ends within grace_s + 5 s with
+  fnscale's lost-process error, not a runtime error from the collective."""
+  sys.path.insert(0, str(ROOT / "tests"))
+  import multiprocess as mp  # pylint: disable=import-outside-toplevel
+  argv = [str(ROOT / "recipes" / "train_lm.py"),
+          *_argv(work, tmp_path / "run", f"--grace_s={GRACE_S}")[1:]]
+  with mp.job(argv, 2, 2) as job:
+    mp.wait_for_output(job, 0, mark, 300)
+    mp.signal_process(job, 1, signal.SIGSTOP)
+    time.sleep(1.0)  # process 0 reaches a collective that waits for process 1
+    mp.signal_process(job, 0, signal.SIGTERM)
+    noticed = time.monotonic()
+    results = mp.wait(job, 60)
+  r0 = results[0]
+  took = job.processes[0].started + r0.elapsed_s - noticed
+  print(f"{point}: process 0 exited {took:.1f} s after the notice (grace_s {GRACE_S})")
+  assert r0.returncode == 143, mp.describe(results)
+  assert took < GRACE_S + 5, mp.describe(results)
+  assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: no answer within "
+                   r"\d+ s when process 0 stopped \(frozen, killed, or its host is gone\)",
+                   r0.stderr), mp.describe(results)
+  assert "Fix: look at the log of process 1" in r0.stderr
+  assert "Traceback" not in r0.stderr and "DEADLINE_EXCEEDED" not in r0.stderr
+
+
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text("import os, sys, time\n"
