@@ -481,10 +481,10 @@ def _agreed_latest_step(directory, path) -> int:
   from fnscale import distributed  # pylint: disable=import-outside-toplevel
 
   def problem(step):
+    if step is None:
+      return None
     step_dir = path / str(step)
-    if step is None or not step_dir.exists():
-      return None if step is None else f"{step_dir} does not exist"
-    return _problem(step_dir)
+    return _problem(step_dir) if step_dir.exists() else f"{step_dir} does not exist"
   step = distributed._agreed_choice(  # pylint: disable=protected-access
       f"the checkpoint step to restore from {path}", lambda: latest_step(directory), problem)
   if step is None:

@@ -325,13 +325,13 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   (`jax.ShapeDtypeStruct` with shardings), and calls run the kept executable, so step 0
   never compiles again. Compiling involves no other process; in a multi-process job call
   `fnscale.distributed.agree_on_step(compiled)` after `.compile(...)` (a barrier that also
-  checks every process compiled the same program). Shardings: `state_shardings` if given, else derived from the state
-  (`fnscale.state_shardings`: params by rules / automatic FSDP, step and loss scale
-  replicated) with the same arguments `init_state` takes, so a state from `init_state` is
-  used in place. Optimizer-state leaves that already carry a NamedSharding on `mesh` (a
-  born-sharded state's arrays or ShapeDtypeStructs) keep it; others follow the params
-  (found with `optimizer` when given, else by structure). The step is never inspected: a
-  wrapper around it compiles the same program. The batch's leading dim is split over the
+  checks every process compiled the same program). Shardings: `state_shardings` if given,
+  else derived from the state (`fnscale.state_shardings`: params by rules / automatic FSDP,
+  step and loss scale replicated) with the same arguments `init_state` takes, so a state
+  from `init_state` is used in place. Optimizer-state leaves that already carry a
+  NamedSharding on `mesh` (a born-sharded state's arrays or ShapeDtypeStructs) keep it;
+  others follow the params (found with `optimizer` when given, else by structure). The step
+  is never inspected: a wrapper around it compiles the same program. The batch's leading dim is split over the
   mesh's data axes (`fnscale.batch_sharding`) unless `batch_sharding` is given; rank-0
   batch leaves are replicated. The state is donated (its buffers reused for the new state)
   when `donate`.

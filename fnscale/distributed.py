@@ -5,9 +5,9 @@ the coordinator, every process connects to it), bounding every wait and turning 
 into `DistributedError`s that say what was expected. Processes that disagree are named in
 seconds: `initialize` compares versions, local devices and the caller's config, and
 `agree_on_step` (the barrier a job calls after `shard_step(...).compile`) compares what each
-compiled, both through the coordination service's key-value store. `barrier` is a bounded wait on that
-service. `peer_guard` turns a collective that failed because another process died into a
-`DistributedError` naming it. `global_batch` turns each process's slice of a batch into
+compiled, both through the coordination service's key-value store. `barrier` is a bounded
+wait on that service. `peer_guard` turns a collective that failed because another process
+died into a `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
 
 How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectives):
@@ -102,7 +102,8 @@ def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
   if not topology._on_tpu_vm(os.environ):  # pylint: disable=protected-access
     return None
   try:
-    facts = topology._metadata_facts(timeout_s, _metadata.base_url())  # pylint: disable=protected-access
+    facts = topology._metadata_facts(  # pylint: disable=protected-access
+        timeout_s, _metadata.base_url())
   except TopologyError as e:
     raise DistributedError(f"can't tell from the Cloud TPU metadata service whether this is "
                            f"one of several hosts: {e}") from None
@@ -116,10 +117,15 @@ def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
 
 def _detect(coordinator_address, num_processes, process_id, method, launcher, timeout_s):
   """JAX's own cluster detection, as `jax.distributed.initialize` runs it for what it isn't
-  given (Cloud TPU VMs and GKE, SLURM, Open MPI, ...): (coordinator, processes, this id)."""
+  given (Cloud TPU VMs and GKE, SLURM, Open MPI, ...): (coordinator, processes, this id, the
+  coordinator as messages name it, seconds left of `timeout_s`)."""
+  if None not in (coordinator_address, num_processes, process_id) or method == "deactivate":
+    return (coordinator_address, num_processes, process_id,
+            coordinator_address or f"auto-detected ({launcher})", timeout_s)
   # Private: jax offers its detection only inside initialize, and fnscale needs the
   # coordinator first, to bound the wait for it and to name it.
   from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  t0 = time.monotonic()
   try:
     coordinator_address, num_processes, process_id, _ = (
         clusters.ClusterEnv.auto_detect_unset_distributed_params(
@@ -140,7 +146,9 @@ def _detect(coordinator_address, num_processes, process_id, method, launcher, ti
         f"this looks like a multi-process launch ({launcher}), but JAX's cluster detection "
         f"could not tell {', '.join(unknown)}; fix: pass them to fnscale.initialize (or set "
         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
-  return coordinator_address, num_processes, process_id
+  return (coordinator_address, num_processes, process_id,
+          f"{coordinator_address} (found through {launcher})",
+          max(1.0, timeout_s - (time.monotonic() - t0)))
 
 
 def _from_env(coordinator_address, num_processes, process_id):
@@ -378,15 +386,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         "used jax devices or ran a computation), so this process can't join the "
         f"{num_processes or 'detected'}-process job at {coordinator_address or 'auto'}; fix: "
         "call fnscale.initialize at the very start of the program, before any other jax use.")
-  where = coordinator_address
-  if None in (coordinator_address, num_processes, process_id) and method != "deactivate":
-    t0 = time.monotonic()
-    coordinator_address, num_processes, process_id = _detect(
-        coordinator_address, num_processes, process_id, method,
-        launcher or f"cluster_detection_method={method!r}", timeout_s)
-    timeout_s = max(1.0, timeout_s - (time.monotonic() - t0))
-    where = f"{coordinator_address} (found through {launcher or method})"
-  where = where or f"auto-detected ({launcher or method})"
+  coordinator_address, num_processes, process_id, where, timeout_s = _detect(
+      coordinator_address, num_processes, process_id, method,
+      launcher or f"cluster_detection_method={method!r}", timeout_s)
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.
@@ -395,7 +397,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       raise DistributedError(
           f"could not form the multi-process job: expected {num_processes} processes, this "
           f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
-          f"accept connections within {timeout_s} s; fix: start process 0 with the same "
+          f"accept connections within {asked_timeout_s} s; fix: start process 0 with the same "
           "coordinator_address, make sure its host and port are reachable from here, or "
           "raise timeout_s.")
     timeout_s = max(1.0, timeout_s - waited)

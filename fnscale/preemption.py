@@ -29,7 +29,9 @@ How it decides (jax 0.10.2, checked on CPU/gloo):
     reached). Anywhere else (compiling, a slow data loader, a periodic checkpoint save) the
     job gets `grace_s` seconds from the notice to reach the agreed step and save it, after
     which the watcher ends it the same way. `initialize` ends at once on a notice while the
-    job forms. Checkpoints are written atomically (`fnscale.checkpoint`), so an ended save
+    job forms. Stopping, each process says so through the coordination service and waits
+    a moment for the others to say so too; one that doesn't (frozen, killed) is named in
+    the message as lost. Checkpoints are written atomically (`fnscale.checkpoint`), so an ended save
     leaves only a temporary directory that is never read: nothing half-written.
 """
 from __future__ import annotations

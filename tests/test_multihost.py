@@ -306,9 +306,9 @@ def test_restore_agrees_on_process_0s_step(tmp_path):
   assert all(r.returncode == 0 for r in results), mp.describe(results)
   outs = [json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
           for r in results]
-  for out in outs:
+  for p, out in enumerate(outs):
     assert out["shared"] == {"extra": {"step": 4}, "w": (np.arange(8) * 4.0).tolist()}, out
     assert out["own"]["error"].startswith(
-        f"DistributedError: the checkpoint step to restore from {own[0] if out is outs[0] else own[1]}: "
-        "process 0 chose 4, which not every process can use (process 1: incomplete: its "
-        "commit marker commit_success.txt is missing"), out
+        f"DistributedError: the checkpoint step to restore from {own[p]}: process 0 chose 4, "
+        "which not every process can use (process 1: incomplete: its commit marker "
+        "commit_success.txt is missing"), out

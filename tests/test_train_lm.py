@@ -487,8 +487,8 @@ def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_
     assert p.returncode == 2, out[-2000:]  # an `error:` line
     assert re.search(r"error: directory runs/train_lm/checkpoints is not shared by the 2 "
                      r"processes: process 0 wrote \.fnscale-shared-check-\w+ there, and process "
-                     r"1 \(host [^)]+\) doesn't see it \(\S*host1/runs/train_lm/checkpoints/", out), (
-                         out[-2000:])
+                     r"1 \(host [^)]+\) doesn't see it \(\S*host1/runs/train_lm/checkpoints/",
+                     out), out[-2000:]
     assert "fix: use a bucket (gs://BUCKET/PATH)" in out
     assert "compile:" not in out  # stopped before anything compiled or trained
   assert os.listdir(tmp_path / "host0" / "runs" / "train_lm" / "checkpoints") == []
