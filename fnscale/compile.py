@@ -331,10 +331,10 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   from `init_state` is used in place. Optimizer-state leaves that already carry a
   NamedSharding on `mesh` (a born-sharded state's arrays or ShapeDtypeStructs) keep it;
   others follow the params (found with `optimizer` when given, else by structure). The step
-  is never inspected: a wrapper around it compiles the same program. The batch's leading dim is split over the
-  mesh's data axes (`fnscale.batch_sharding`) unless `batch_sharding` is given; rank-0
-  batch leaves are replicated. The state is donated (its buffers reused for the new state)
-  when `donate`.
+  is never inspected: a wrapper around it compiles the same program. The batch's leading
+  dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
+  `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its
+  buffers reused for the new state) when `donate`.
 
   Args:
     step: the step, e.g. from `train_step` (possibly wrapped, e.g. by `with_kernel`).
