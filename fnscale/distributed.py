@@ -545,18 +545,19 @@ def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
     raise DistributedError(f"{what}: process 0 could not write to {path}: {token[6:]}; fix: "
                            "give a directory every process can write (gs://... or a shared "
                            "file system).")
-  sees = "yes" if (path / token).exists() else f"no: {path / token} does not exist here"
+  # Equal entries from every process that sees it: only a difference ends the wait early.
+  found = {"sees": "yes"} if (path / token).exists() else {
+      "sees": "no", "host": socket.gethostname(), "looked_at": str(path / token)}
   with _waiting(what):
-    got, _, _ = _exchange(f"shared/{token}", {"sees": sees, "host": socket.gethostname()},
-                          timeout_s)
+    got, _, _ = _exchange(f"shared/{token}", found, timeout_s)
   if pid == 0:
     with contextlib.suppress(OSError):
       (path / token).unlink()
   blind = {p: e for p, e in sorted(got.items()) if e["sees"] != "yes"}
   missing = [p for p in range(n) if p not in got]
   if blind or missing:
-    named = [f"process {p} (host {e['host']}) doesn't see it ({e['sees'][4:]})"
-             for p, e in blind.items()]
+    named = [f"process {p} (host {e['host']}) doesn't see it ({e['looked_at']} does not "
+             "exist here)" for p, e in blind.items()]
     named += [f"process {p} did not answer within {timeout_s} s" for p in missing]
     raise DistributedError(
         f"directory {directory} is not shared by the {n} processes: process 0 wrote {token} "
