@@ -393,15 +393,16 @@ _TPU_VM_WORKER = textwrap.dedent("""
       info = fs.initialize(timeout_s=float(sys.argv[1]), heartbeat_timeout_s=10,
                            shutdown_timeout_s=10)
     except fs.DistributedError as e:
-      print(json.dumps({"error": str(e)}), flush=True)
+      print("RESULT", json.dumps({"error": str(e)}), flush=True)
       sys.exit(0)
     import jax, numpy as np
     from jax.experimental import multihost_utils
     fs.barrier("joined", timeout_s=30)
     pid = jax.process_index()
     total = multihost_utils.process_allgather(np.array([pid + 1]), tiled=True).sum()
-    print(json.dumps({"info": list(info), "processes": jax.process_count(),
-                      "devices": jax.device_count(), "total": int(total)}), flush=True)
+    print("RESULT", json.dumps({"info": list(info), "processes": jax.process_count(),
+                                "devices": jax.device_count(), "total": int(total)}),
+          flush=True)
 """)
 
 
@@ -425,9 +426,9 @@ def _tpu_vm_job(tmp_path, metadata_hosts, coordinator_port, timeout_s):
   try:
     for p in procs:
       out, err = p.communicate(timeout=150)
-      lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+      lines = [ln for ln in out.splitlines() if ln.startswith("RESULT {")]
       assert p.returncode == 0 and lines, f"rc={p.returncode}\n{out}\n{err[-3000:]}"
-      results.append(json.loads(lines[-1]))
+      results.append(json.loads(lines[-1].removeprefix("RESULT ")))
   finally:
     for p in procs:
       if p.poll() is None:
