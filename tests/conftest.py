@@ -36,3 +36,12 @@ def tpu_devices():
     return topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices
 
   return get
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  """The random order's seed under the results, also with -q (which hides pytest-randomly's
+  header line): `--randomly-seed=N` repeats the order."""
+  seed = getattr(config.option, "randomly_seed", None)
+  if isinstance(seed, int):
+    terminalreporter.write_line(f"random order: --randomly-seed={seed} repeats it "
+                                "(-p no:randomly keeps file order)")
