@@ -1056,18 +1056,20 @@ _IMPORT_FNSCALE = ("import fnscale, importlib, pkgutil\n"
                    "  importlib.import_module(m.name)")
 
 
-def _environ_change(before: str, measured: str) -> dict:
-  """{name: [value before, value after]} of os.environ around running `measured` (after
-  `before`) in a fresh process, where libtpu's quieting would apply (libtpu installed, no TPU
-  layout variable set)."""
+def _environ_changes(*steps: str) -> list[dict]:
+  """Per step, {name: [value before, value after]} of os.environ around running it (after
+  the steps before it) in one fresh process, where libtpu's quieting would apply (libtpu
+  installed, no TPU layout variable set)."""
   import json, os, subprocess, sys
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("TPU_", "MEGASCALE_")) and k != "JAX_PLATFORMS"}
   env["PYTHONPATH"] = os.path.dirname(os.path.dirname(__file__))
-  code = (f"import json, os\n{before}\nbefore = dict(os.environ)\n{measured}\n"
-          "after = dict(os.environ)\n"
-          "print(json.dumps({k: [before.get(k), after.get(k)] for k in sorted(set(before) | "
-          "set(after)) if before.get(k) != after.get(k)}))")
+  code = "import json, os\nchanges = []\n"
+  for step in steps:
+    code += (f"before = dict(os.environ)\n{step}\nafter = dict(os.environ)\n"
+             "changes.append({k: [before.get(k), after.get(k)] for k in sorted(set(before) | "
+             "set(after)) if before.get(k) != after.get(k)})\n")
+  code += "print(json.dumps(changes))"
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -1076,13 +1078,14 @@ def _environ_change(before: str, measured: str) -> dict:
 
 def test_import_fnscale_changes_no_environment_variable():
   # jax's own import sets a few variables (TPU_SKIP_MDS_QUERY, ...): with jax imported
-  # first, importing fnscale and every submodule changes nothing.
-  assert _environ_change("import jax", _IMPORT_FNSCALE) == {}
+  # first, importing fnscale and every submodule changes nothing; the quieting is an
+  # explicit call, and it does change the environment.
+  jax_import, fnscale_after_jax, quiet = _environ_changes(
+      "import jax", _IMPORT_FNSCALE, "fnscale.topology.quiet_libtpu()")
+  assert fnscale_after_jax == {}
+  assert quiet == {k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items()}
   # Imported first, fnscale changes exactly what its import of jax does.
-  assert _environ_change("", _IMPORT_FNSCALE) == _environ_change("", "import jax")
-  # The quieting is an explicit call, and it does change the environment.
-  assert _environ_change("import fnscale", "fnscale.topology.quiet_libtpu()") == {
-      k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items()}
+  assert _environ_changes(_IMPORT_FNSCALE) == [jax_import]
 
 
 # --- wrong types: a TopologyError naming the argument, what it got and what it expects -----
