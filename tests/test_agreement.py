@@ -94,8 +94,9 @@ def test_compiled_step_disagreement_is_named_on_every_process(tmp_path, odd, nam
     assert took < BOUND_S, mp.describe(results)
 
 
-# Process 0 alone makes a report, compiles again and plans (with an ahead-of-time compile for
-# a TPU target) while process 1 is already in its first step, waiting for process 0 there.
+# Process 0 alone makes a report, compiles again, plans (with an ahead-of-time compile for a
+# TPU target) and checks mesh invariance over its own devices while process 1 is already in
+# its first step, waiting for process 0 there.
 _ONE_PROCESS_CALLS = """
 import functools, json, sys, time
 sys.path.insert(0, {tests!r})
@@ -104,6 +105,7 @@ multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
 import jax, numpy as np, optax
 import fnscale as fs
 from fnscale import plan as fs_plan
+from fnscale.invariance import check_mesh_invariance
 mesh, _, sharded, init = mp_worker.build("data=2,fsdp=2")
 state = init()
 cfg, bs = models.TRANSFORMER, fs.batch_sharding(mesh)
@@ -112,6 +114,10 @@ batch = fs.global_batch({{"tokens": tokens}}, bs)
 step = sharded.compile(state, batch)
 fs.distributed.agree_on_step(step)
 rows = jax.ShapeDtypeStruct((8, cfg.seq + 1), np.int32)
+local = jax.local_devices()  # invariance over this process's own devices
+meshes = [fs.make_mesh({{"data": 1}}, devices=local[:1]),
+          fs.make_mesh({{"data": 2}}, devices=local)]
+mlp_batch = jax.tree.map(np.asarray, models.mlp_batch(jax.random.key(1), 8))
 calls = {{
     "compile_report": lambda: fs.compile_report(sharded, state, batch),
     "compile": lambda: sharded.compile(state, batch),
@@ -121,14 +127,18 @@ calls = {{
         "v5p-8", rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),
         key=jax.random.key(0), verify=1, accum_steps=(1,)),
     "latest_step": lambda: fs.checkpoint.latest_step({ckpt!r}),
+    "check_mesh_invariance": lambda: check_mesh_invariance(
+        models.mlp_loss, optax.sgd(0.1), models.mlp_init, mlp_batch, meshes,
+        key=jax.random.key(0)).max_diff,
 }}
 took = {{}}
 for name, call in calls.items():
   if jax.process_index() == 0:
     t0 = time.perf_counter()
-    call()
+    out = call()
     took[name] = time.perf_counter() - t0
-    print(json.dumps({{"event": name, "s": took[name]}}), flush=True)
+    print(json.dumps({{"event": name, "s": took[name],
+                      "value": out if isinstance(out, (int, float)) else None}}), flush=True)
 state, metrics = step(state, batch)
 print(json.dumps({{"event": "done", "loss": float(metrics["loss"])}}), flush=True)
 """
@@ -147,8 +157,11 @@ def test_reports_compiles_and_plans_on_process_0_alone_never_wait_for_the_others
             for r in results]
   took = {e["event"]: e["s"] for e in events[0] if "s" in e}
   print(f"process 0 alone: {took}")
-  assert sorted(took) == ["compile", "compile_report", "latest_step", "plan_verify"], (
-      mp.describe(results))
+  assert sorted(took) == ["check_mesh_invariance", "compile", "compile_report", "latest_step",
+                         "plan_verify"], mp.describe(results)
+  values = {e["event"]: e["value"] for e in events[0] if "s" in e}
+  assert values["latest_step"] == 3  # the calls did their work
+  assert values["check_mesh_invariance"] <= 1e-6
   assert all(s < ONE_PROCESS_BOUND_S for s in took.values()), took
   assert not [e for e in events[1] if "s" in e]  # process 1 made none of those calls
   # Both then ran the same first step.
