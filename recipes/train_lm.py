@@ -186,8 +186,6 @@ def _run(o: Options, t0: float, say, should_stop) -> h.Summary:
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   o, base = s.o, data.baseline(corpus)
-  if o.checkpoint_dir:  # one directory every process sees, checked before anything runs
-    fs.distributed.check_shared_directory(o.checkpoint_dir)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
@@ -250,8 +248,10 @@ def _run(o: Options, t0: float, say, should_stop) -> h.Summary:
 
 def _resume(s: Setup, init, corpus: data.Corpus, say):
   """(state, start step, checkpoint extra or None): the run directory's newest good
-  checkpoint, else a fresh init."""
+  checkpoint, else a fresh init. Several processes first prove they share the directory."""
   o = s.o
+  if o.checkpoint_dir:  # one directory every process sees, checked before anything runs
+    fs.distributed.check_shared_directory(o.checkpoint_dir)
   state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
       seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
       f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
