@@ -36,10 +36,13 @@ What fnscale adds to orbax's manager:
   * any mesh, device count or process count on restore: a checkpoint records values, shapes
     and dtypes, never the mesh; the target's shardings decide the layout.
 
-Every process of a multi-process job calls every function here with the same arguments, in
-the same order (they hold different shards, and orbax's manager synchronises the processes
-when it opens, saves and restores). The directory must be visible to every process (a shared
-file system or a bucket such as `gs://...`).
+Every process of a multi-process job calls `manager`, `save`, `restore` and `close` with the
+same arguments, in the same order (they hold different shards, and orbax's manager
+synchronises the processes when it opens, saves and restores); `latest_step` and `steps` on a
+directory only read it and may be called from any process alone. The directory must be
+visible to every process (a shared file system or a bucket such as `gs://...`;
+`fnscale.distributed.check_shared_directory` checks it), and `restore(step=None)` restores
+process 0's newest complete step everywhere.
 
 Layout (orbax's; fnscale reads it only through orbax's API):
 
@@ -151,14 +154,19 @@ class _NewestFinite:
 
 
 def _orbax_manager(ocp, path, *, read_only: bool, async_save: bool = False,
-                   preservation=None):
+                   preservation=None, local: bool = False):
+  """`local`: this process alone (orbax's cross-process barriers skipped), for listing only:
+  reading which steps exist waits for no other process."""
+  me = jax.process_index()
+  alone = {"multiprocessing_options": ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me})} if local else {}
   handlers = {_STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()}
   grain = _grain()
   if grain is not None:
     handlers[_DATA] = grain.checkpoint.CheckpointHandler()
   options = ocp.CheckpointManagerOptions(
       enable_async_checkpointing=async_save, read_only=read_only, create=not read_only,
-      save_interval_steps=0 if read_only else 1, preservation_policy=preservation)
+      save_interval_steps=0 if read_only else 1, preservation_policy=preservation, **alone)
   return ocp.CheckpointManager(path, options=options, item_handlers=handlers)
 
 
@@ -271,14 +279,18 @@ def _require_manager(ckpt, what: str) -> None:
                           f"returned, got {_tree.got(ckpt)}.")
 
 
-def _open(where, *, read_only: bool, must_exist: bool = True, keep: int | None = None):
-  """`(Manager, opened_here)` for a Manager or a directory."""
+def _open(where, *, read_only: bool, must_exist: bool = True, keep: int | None = None,
+          local: bool = False):
+  """`(Manager, opened_here)` for a Manager or a directory (`local`: see `_orbax_manager`)."""
   if isinstance(where, Manager):
     return where, False
   if read_only:
     path = _path(where)
     if not _check_directory(path, must_exist=must_exist):
       return None, False
+    if local:
+      orbax = _orbax_manager(_orbax(), path, read_only=True, local=True)
+      return Manager(path, orbax, False, True, set(), {}), True
   return manager(where, keep=keep, async_save=False, read_only=read_only), True
 
 
@@ -352,7 +364,7 @@ def steps(where, *, complete: bool = True) -> tuple[int, ...]:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
   """
-  ckpt, opened = _open(where, read_only=True, must_exist=False)
+  ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
   if ckpt is None:
     return ()
   try:
@@ -374,7 +386,7 @@ def latest_step(where) -> int | None:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
   """
-  ckpt, opened = _open(where, read_only=True, must_exist=False)
+  ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
   if ckpt is None:
     return None
   try:
@@ -395,7 +407,7 @@ def last_save_seconds(where) -> tuple[int, float] | None:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
   """
-  ckpt, opened = _open(where, read_only=True, must_exist=False)
+  ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
   if ckpt is None:
     return None
   try:
@@ -731,7 +743,8 @@ def restore(where, target, *, step: int | None = None, data=None,
       used; their values are not). Any mesh, device count or process count: the shardings
       decide the layout, e.g. a state saved on 8 devices restores onto `SingleDeviceSharding`.
     step: the step to restore; None means the newest step that passes every check and whose
-      state was finite.
+      state was finite (in a multi-process job: process 0's choice, on every process, once
+      every process sees it complete; no fallback).
     data: a grain iterator to put at the position this process saved (in place).
     reshard_data: for a job with another process count than the saved one:
       `fn(saved_positions: list (one per saved process, by index), process_index,
@@ -751,6 +764,8 @@ def restore(where, target, *, step: int | None = None, data=None,
       named with saved vs expected shape and dtype); a target leaf lacks a sharding; `data`
       given but the step holds no position, or another process count without
       `reshard_data`; orbax-checkpoint is missing.
+    DistributedError: several processes and step=None: a process that doesn't see process
+      0's chosen step complete (named, on every process), or no coordination service.
   """
   abstract, treedef = ct.abstract_target(target)
   step = ct.check_step(step, allow_none=True)
@@ -764,12 +779,28 @@ def restore(where, target, *, step: int | None = None, data=None,
           f"no checkpoint in {ckpt.directory} (no step directories). Check the path, or start "
           "fresh when fnscale.checkpoint.latest_step(directory) is None.")
     reading = (abstract, treedef, data, reshard_data)
+    if step is None and jax.process_count() > 1:
+      step = _agreed_latest_step(ckpt)
     if step is not None:
       return _restore_named(ckpt, step, found, reading)
     return _restore_newest(ckpt, found, reading)
   finally:
     if opened:
       ckpt.orbax.close()
+
+
+def _agreed_latest_step(ckpt: Manager) -> int:
+  """Several processes: process 0's newest complete finite step, once every process sees it
+  complete (`fnscale.distributed`), so that no process restores a step of its own."""
+  from fnscale import distributed  # pylint: disable=import-outside-toplevel
+  step = distributed._agreed_choice(  # pylint: disable=protected-access
+      f"the checkpoint step to restore from {ckpt.directory}", lambda: latest_step(ckpt),
+      lambda s: None if s is None else _problem(ckpt, s))
+  if step is None:
+    raise CheckpointError(
+        f"no complete checkpoint in {ckpt.directory} as process 0 sees it. Check the path, or "
+        "start fresh when fnscale.checkpoint.latest_step(directory) is None.")
+  return step
 
 
 def _restore_named(ckpt: Manager, step: int, found: list[int], reading):

@@ -22,7 +22,6 @@ from fnscale import report as _report
 from fnscale import sharding as _sh
 from fnscale import state as _state
 from fnscale import step as _step
-from fnscale.distributed import agree_on_step
 from fnscale.errors import FnscaleError, StepError
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]
@@ -151,7 +150,9 @@ class CompiledStep:
   `compile_seconds` (wall time of `Lowered.compile`), `mesh`, `mode`, `state_shardings`
   and `batch_shardings` (pytrees of NamedSharding), `xla_warnings` (XLA's partitioner
   warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
-  `signature` (the leaves it was compiled for).
+  `signature` (the leaves it was compiled for), `compiler_options` (the XLA options it was
+  compiled with). In a multi-process job, `fnscale.distributed.agree_on_step(compiled)`
+  checks that every process compiled the same step.
   """
   compiled: Any
   lowered: Any
@@ -163,6 +164,7 @@ class CompiledStep:
   xla_warnings: tuple[str, ...]
   signature: _Signature
   donate: bool = True
+  compiler_options: Mapping | None = None
   # ids of the leaves of the state the last call returned: that state is made of fresh
   # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
   _returned: list = dataclasses.field(default_factory=lambda: [None], init=False,
@@ -261,8 +263,9 @@ class ShardedStep:
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:
-    """Compiles for `(state, batch)`, then waits for every process at
-    `fnscale.distributed.agree_on_step`, which also checks they compiled the same program."""
+    """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
+    report or a plan on process 0 alone is fine); a job checks that every process compiled
+    the same step with `fnscale.distributed.agree_on_step(compiled)`."""
     ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     sig = _signature(state, batch, state_flat, batch_flat)
     try:
@@ -277,14 +280,11 @@ class ShardedStep:
           f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
           "expects.") from e
     compiled, seconds, warnings = _report.compile_lowered(lowered, self.compiler_options)
-    text = lowered.as_text()
-    name = f"compiled step {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(self.mesh.shape), self.mode)
-    # The barrier after compiling also checks that every process compiled the same program.
-    agree_on_step(name, text, state, batch, self.mesh, self.compiler_options)
     return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
-                        sig, self.donate)
+                        sig, self.donate, self.compiler_options)
 
   def __call__(self, state, batch):
     key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
@@ -326,19 +326,19 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   """Compiles `step(state, batch) -> (state, metrics)` as one SPMD program over `mesh`.
 
   The step is lowered and compiled ahead of time from abstract inputs
-  (`jax.ShapeDtypeStruct` with shardings), every process waits at
-  `fnscale.distributed.agree_on_step("compiled step ...")` (a barrier that also checks every
-  process compiled the same program), and calls run the kept executable, so step 0
-  never compiles again. Shardings: `state_shardings` if given, else derived from the state
-  (`fnscale.state_shardings`: params by rules / automatic FSDP, step and loss scale
-  replicated) with the same arguments `init_state` takes, so a state from `init_state` is
-  used in place. Optimizer-state leaves that already carry a NamedSharding on `mesh` (a
-  born-sharded state's arrays or ShapeDtypeStructs) keep it; others follow the params
-  (found with `optimizer` when given, else by structure). The step is never inspected: a
-  wrapper around it compiles the same program. The batch's leading dim is split over the
-  mesh's data axes (`fnscale.batch_sharding`) unless `batch_sharding` is given; rank-0
-  batch leaves are replicated. The state is donated (its buffers reused for the new state)
-  when `donate`.
+  (`jax.ShapeDtypeStruct` with shardings), and calls run the kept executable, so step 0
+  never compiles again. Compiling involves no other process; in a multi-process job call
+  `fnscale.distributed.agree_on_step(compiled)` after `.compile(...)` (a barrier that also
+  checks every process compiled the same program). Shardings: `state_shardings` if given,
+  else derived from the state (`fnscale.state_shardings`: params by rules / automatic FSDP,
+  step and loss scale replicated) with the same arguments `init_state` takes, so a state
+  from `init_state` is used in place. Optimizer-state leaves that already carry a
+  NamedSharding on `mesh` (a born-sharded state's arrays or ShapeDtypeStructs) keep it;
+  others follow the params (found with `optimizer` when given, else by structure). The step
+  is never inspected: a wrapper around it compiles the same program. The batch's leading
+  dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
+  `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its
+  buffers reused for the new state) when `donate`.
 
   Args:
     step: the step, e.g. from `train_step` (possibly wrapped, e.g. by `with_kernel`).

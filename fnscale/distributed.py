@@ -4,10 +4,10 @@
 the coordinator, every process connects to it), bounding every wait and turning failures
 into `DistributedError`s that say what was expected. Processes that disagree are named in
 seconds: `initialize` compares versions, local devices and the caller's config, and
-`agree_on_step` (the barrier after `shard_step` compiles) compares what each compiled, both
-through the coordination service's key-value store. `barrier` is a bounded wait on that
-service. `peer_guard` turns a collective that failed because another process died into a
-`DistributedError` naming it. `global_batch` turns each process's slice of a batch into
+`agree_on_step` (the barrier a job calls after `shard_step(...).compile`) compares what each
+compiled, both through the coordination service's key-value store. `barrier` is a bounded
+wait on that service. `peer_guard` turns a collective that failed because another process
+died into a `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
 
 How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectives):
@@ -90,6 +90,66 @@ def _multiprocess_env() -> str | None:
   if _int_env("MEGASCALE_NUM_SLICES") > 1:
     return "multi-slice TPU (MEGASCALE_NUM_SLICES)"
   return None
+
+
+def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
+  """A Cloud TPU VM whose metadata service lists several workers (the hosts of a multi-host
+  slice, or of several slices), read as fnscale's topology detection reads it; None
+  elsewhere. Asked only on a TPU VM or where GCE_METADATA_HOST names a server. (`gcloud
+  compute tpus tpu-vm create` VMs keep the worker id and hosts there, not in the environment.)
+  """
+  from fnscale import _metadata, topology  # pylint: disable=g-import-not-at-top
+  from fnscale.errors import TopologyError  # pylint: disable=g-import-not-at-top
+  if not topology._on_tpu_vm(os.environ):  # pylint: disable=protected-access
+    return None
+  try:
+    facts = topology._metadata_facts(  # pylint: disable=protected-access
+        timeout_s, _metadata.base_url())
+  except TopologyError as e:
+    raise DistributedError(f"can't tell from the Cloud TPU metadata service whether this is "
+                           f"one of several hosts: {e}") from None
+  (per, src), (slices, _) = (facts.get("processes_per_slice", (1, "")),
+                             facts.get("num_slices", (1, "")))
+  if per * slices < 2:
+    return None
+  return (f"Cloud TPU VM: {per} worker(s) per slice in {src.removeprefix('metadata:')}"
+          + (f" x {slices} slices" if slices > 1 else ""))
+
+
+def _detect(coordinator_address, num_processes, process_id, method, launcher, timeout_s):
+  """JAX's own cluster detection, as `jax.distributed.initialize` runs it for what it isn't
+  given (Cloud TPU VMs and GKE, SLURM, Open MPI, ...): (coordinator, processes, this id, the
+  coordinator as messages name it, seconds left of `timeout_s`)."""
+  if None not in (coordinator_address, num_processes, process_id) or method == "deactivate":
+    return (coordinator_address, num_processes, process_id,
+            coordinator_address or f"auto-detected ({launcher})", timeout_s)
+  # Private: jax offers its detection only inside initialize, and fnscale needs the
+  # coordinator first, to bound the wait for it and to name it.
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  t0 = time.monotonic()
+  try:
+    coordinator_address, num_processes, process_id, _ = (
+        clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            coordinator_address, num_processes, process_id, None, method,
+            max(1, math.ceil(timeout_s))))
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"JAX's cluster detection failed for this multi-process launch ({launcher}): "
+        f"{type(e).__name__}: {first}; fix: pass coordinator_address, num_processes and "
+        "process_id to fnscale.initialize (or set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID).") from e
+  unknown = [k for k, v in (("coordinator_address", coordinator_address),
+                            ("num_processes", num_processes), ("process_id", process_id))
+             if v is None]
+  if unknown:
+    raise DistributedError(
+        f"this looks like a multi-process launch ({launcher}), but JAX's cluster detection "
+        f"could not tell {', '.join(unknown)}; fix: pass them to fnscale.initialize (or set "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
+  return (coordinator_address, num_processes, process_id,
+          f"{coordinator_address} (found through {launcher})",
+          max(1.0, timeout_s - (time.monotonic() - t0)))
 
 
 def _from_env(coordinator_address, num_processes, process_id):
@@ -252,11 +312,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Call it first, before anything touches jax devices. Either give `coordinator_address`
   ("host:port" of process 0), `num_processes` and `process_id` (each not given is read from
   `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` when set), or nothing and
-  let JAX detect them (Cloud TPU pods, SLURM, Open MPI; or pass `cluster_detection_method`).
+  let JAX's cluster detection supply them (Cloud TPU VMs and GKE, SLURM, Open MPI; or pass
+  `cluster_detection_method`).
 
-  It is a no-op when `num_processes == 1`, or when no argument is given and the environment
-  shows no multi-process launcher (so a single-host script runs unchanged), and when the
-  runtime is already up with the same arguments (idempotent).
+  With no argument it joins whenever this process is one of several: the environment shows
+  a launcher (`JAX_COORDINATOR_ADDRESS`, SLURM with several tasks, Open MPI with several
+  ranks, `TPU_WORKER_HOSTNAMES` with several hosts, `MEGASCALE_NUM_SLICES` > 1), or, on a
+  Cloud TPU VM, the metadata service lists several workers (`worker-network-endpoints`,
+  `tpu-env`), as `gcloud compute tpus tpu-vm create` VMs have it; JAX's Cloud TPU detection
+  then names worker 0 as the coordinator. It is a no-op when `num_processes == 1`, or when
+  none of those shows several processes (so a single-host script runs unchanged), and when
+  the runtime is already up with the same arguments (idempotent).
 
   Args:
     coordinator_address: "host:port" of process 0's coordination service.
@@ -318,7 +384,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return DistributedInfo(0, 1, None, False)
   explicit = any(v is not None for v in (coordinator_address, num_processes, process_id,
                                           cluster_detection_method))
-  launcher = _multiprocess_env()
+  launcher, method = _multiprocess_env(), cluster_detection_method
+  if not explicit and launcher is None:
+    launcher, method = _metadata_launcher(), "gcetpu"
   if not explicit and launcher is None:
     logging.info("fnscale.initialize: no multi-process launcher detected; single process")
     return DistributedInfo(0, 1, None, False)
@@ -328,8 +396,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         "used jax devices or ran a computation), so this process can't join the "
         f"{num_processes or 'detected'}-process job at {coordinator_address or 'auto'}; fix: "
         "call fnscale.initialize at the very start of the program, before any other jax use.")
-  where = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or (
-      f"auto-detected ({launcher or cluster_detection_method})")
+  coordinator_address, num_processes, process_id, where, timeout_s = _detect(
+      coordinator_address, num_processes, process_id, method,
+      launcher or f"cluster_detection_method={method!r}", timeout_s)
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.
@@ -337,14 +406,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if waited is None:
       raise DistributedError(
           f"could not form the multi-process job: expected {num_processes} processes, this "
-          f"one as process {process_id}, but the coordinator {coordinator_address} (process "
-          f"0) didn't accept connections within {timeout_s} s; fix: start process 0 with the "
-          "same coordinator_address, make sure its host and port are reachable from here, "
-          "or raise timeout_s.")
+          f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
+          f"accept connections within {asked_timeout_s} s; fix: start process 0 with the same "
+          "coordinator_address, make sure its host and port are reachable from here, or "
+          "raise timeout_s.")
     timeout_s = max(1.0, timeout_s - waited)
   info = _join(coordinator_address, num_processes, process_id, where, timeout_s,
                asked_timeout_s, dict(local_device_ids=local_device_ids,
-                                     cluster_detection_method=cluster_detection_method,
+                                     cluster_detection_method=method,
                                      heartbeat_timeout_seconds=max(1, math.ceil(
                                          heartbeat_timeout_s)),
                                      shutdown_timeout_seconds=max(1, math.ceil(
@@ -356,24 +425,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Blocks until every process reaches the barrier `name`, for at most `timeout_s` seconds.
 
-  A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`;
-  without that runtime but with several processes (a TPU pod run without `initialize`) it
-  falls back to `jax.experimental.multihost_utils.sync_global_devices`, which is unbounded.
+  A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`.
 
   Raises:
-    DistributedError: a bad name or timeout, or not every process arrived in time.
+    DistributedError: a bad name or timeout; not every process arrived in time; or several
+      processes without JAX's coordination service (`fnscale.initialize` was not called).
   """
   if not isinstance(name, str) or not name:
     raise DistributedError(f"barrier name {name!r}, expected a non-empty string.")
   if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
     raise DistributedError(f"barrier timeout_s={timeout_s!r}, expected a positive number.")
-  if not jax.distributed.is_initialized():
-    if jax.process_count() == 1:
-      logging.debug("barrier %s: single process", name)
-      return
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(name)
-    logging.info("barrier %s passed", name)
+  if _job_runtime(f"barrier({name!r})") is None:
+    logging.debug("barrier %s: single process", name)
     return
   from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
   st = _jd.global_state
@@ -396,38 +459,51 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   logging.info("barrier %s passed", name)
 
 
-def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_options=None,
-                  *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """The barrier after a step compiles: every process checks that all compiled the same.
 
-  Each process publishes the step's fingerprint through JAX's coordination service (a hash
-  of `program_text`, the mesh, `compiler_options`, and every state and batch leaf's path,
-  shape and dtype) and compares everyone's as they arrive; when all agree, all go on (the
-  exchange is the barrier). In one process it is `barrier(name)`.
+  Call it on every process after `shard_step(...).compile(state, batch)`, before the first
+  step (`recipes/train_lm.py` does). Compiling itself never waits for other processes, so a
+  report or a plan made on one process alone doesn't block; this is the one place where
+  the processes meet after compiling. Each process publishes the step's fingerprint
+  through JAX's coordination service (a hash of the lowered program, the mesh, the compiler
+  options, and every state and batch leaf's path, shape and dtype) and compares everyone's
+  as they arrive; when all agree, all go on (the exchange is the barrier). Like `barrier`,
+  every process makes the same calls in the same order: the k-th call of each process is
+  compared with the k-th of every other. In one process it returns at once.
 
   Args:
-    name: the barrier's name, e.g. "compiled step 1a2b3c".
-    program_text: the lowered program's text (`jax.stages.Lowered.as_text()`).
-    state, batch: pytrees of arrays or `jax.ShapeDtypeStruct`s the step was compiled for.
-    mesh: the step's `jax.sharding.Mesh`.
-    compiler_options: the XLA options it was compiled with.
+    compiled: the `fnscale.compile.CompiledStep` (`shard_step(...).compile(state, batch)`).
     timeout_s: seconds to wait for every process's fingerprint.
 
   Raises:
-    DistributedError: within moments of the first differing fingerprint, on every process,
-      naming the processes and what differs ("process 1: params/w (64, 64) float32,
-      process 0: (32, 32) float32"); or a process that didn't compile in `timeout_s`
-      (where it last was and whether its heartbeats still come).
+    DistributedError: `compiled` is no CompiledStep; within moments of the first differing
+      fingerprint, on every process, naming the processes and what differs ("process 1:
+      params/w (64, 64) float32, process 0: (32, 32) float32"); a process that didn't
+      arrive in `timeout_s` (where it last was and whether its heartbeats still come); or
+      several processes without JAX's coordination service (`fnscale.initialize`).
   """
-  rt = _runtime()
+  from fnscale import compile as _compile  # pylint: disable=g-import-not-at-top
+  if not isinstance(compiled, _compile.CompiledStep):
+    raise DistributedError(
+        f"agree_on_step(compiled={type(compiled).__name__}): expected the CompiledStep that "
+        "shard_step(...).compile(state, batch) returns; fix: step = step.compile(state, "
+        "batch), then fnscale.distributed.agree_on_step(step) on every process.")
+  text = compiled.lowered.as_text()
+  name = f"compiled step {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+  rt = _job_runtime(f"agree_on_step ({name})")
   if rt is None:
-    barrier(name, timeout_s=timeout_s)
     return
   client, pid, n = rt
   t0 = time.perf_counter()
-  facts = _step_facts(program_text, state, batch, mesh, compiler_options)
+  sig = compiled.signature
+  state, batch = (jax.tree_util.tree_unflatten(
+      treedef, [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype, _ in leaves])
+                  for treedef, leaves in ((sig.state_def, sig.state_leaves),
+                                          (sig.batch_def, sig.batch_leaves)))
+  facts = _step_facts(text, state, batch, compiled.mesh, compiled.compiler_options)
   with _waiting(name):
-    got, diffs, waited = _exchange(f"step/{next(_compile_count)}", facts, timeout_s)
+    got, diffs, waited = _exchange(f"step/{next(_agree_count)}", facts, timeout_s)
   if diffs:
     raise _disagreement(f"the step they compiled ({name})", diffs, _late(got, n))
   missing = [p for p in range(n) if p not in got]
@@ -436,11 +512,128 @@ def agree_on_step(name: str, program_text: str, state, batch, mesh, compiler_opt
     raise DistributedError(
         f"{name}: process(es) {', '.join(map(str, missing))} of {n} did not finish compiling "
         f"the step within {timeout_s} s ({'; '.join(where) or 'no word from them'}; this is "
-        f"process {pid}); fix: check their logs (crashed, hung, preempted), or raise "
-        "timeout_s for very long compiles.")
+        f"process {pid}); fix: check their logs (crashed, hung, preempted), make every "
+        "process call agree_on_step after compiling, or raise timeout_s for very long "
+        "compiles.")
   logging.info("barrier %s passed: all %d processes compiled the same program (check: %.1f "
                "ms of work, %.1f ms waiting for the others)", name, n,
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
+
+
+def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """Checks that every process sees the same `directory` (a checkpoint directory must be one).
+
+  Process 0 creates the directory if needed and writes a file named by a fresh random token
+  into it; every process looks for that file under `directory` as it resolves the path
+  there, all compare what they found through JAX's coordination service, and process 0
+  removes the file. Call it on every process at start-up, before training: per-host disks
+  (the default `runs/...` on each TPU VM) would otherwise leave the commit marker of each
+  save on process 0's disk only, and a restart would restore on process 0 alone. In one
+  process it returns at once.
+
+  Args:
+    directory: a local path or an object-store URL (`gs://...`), the same string on every
+      process.
+    timeout_s: seconds to wait for process 0's token and every process's answer.
+
+  Raises:
+    DistributedError: on every process, naming each process that doesn't see process 0's
+      file and the path it looked at, with the fix (a bucket, `gs://...`, or a shared file
+      system mounted at the same path everywhere); or several processes without JAX's
+      coordination service (`fnscale.initialize`).
+  """
+  rt = _job_runtime(f"check_shared_directory({directory!r})")
+  if rt is None:
+    return
+  client, pid, n = rt
+  from fnscale import checkpoint  # pylint: disable=g-import-not-at-top
+  path = checkpoint._path(directory)  # pylint: disable=protected-access  # as save sees it
+  what = f"the shared-directory check of {directory}"
+  token = _from_process_0(what, lambda: _write_token(path), f"token/{next(_choice_count)}",
+                          timeout_s)
+  if token.startswith("error:"):
+    raise DistributedError(f"{what}: process 0 could not write to {path}: {token[6:]}; fix: "
+                           "give a directory every process can write (gs://... or a shared "
+                           "file system).")
+  # Equal entries from every process that sees it: only a difference ends the wait early.
+  found = {"sees": "yes"} if (path / token).exists() else {
+      "sees": "no", "host": socket.gethostname(), "looked_at": str(path / token)}
+  with _waiting(what):
+    got, _, _ = _exchange(f"shared/{token}", found, timeout_s)
+  if pid == 0:
+    with contextlib.suppress(OSError):
+      (path / token).unlink()
+  blind = {p: e for p, e in sorted(got.items()) if e["sees"] != "yes"}
+  missing = [p for p in range(n) if p not in got]
+  if blind or missing:
+    named = [f"process {p} (host {e['host']}) doesn't see it ({e['looked_at']} does not "
+             "exist here)" for p, e in blind.items()]
+    named += [f"process {p} did not answer within {timeout_s} s" for p in missing]
+    raise DistributedError(
+        f"directory {directory} is not shared by the {n} processes: process 0 wrote {token} "
+        f"there, and {'; '.join(named)}. Checkpoints need one directory every process reads "
+        "and writes (per-host local disks, such as the default runs/... on each TPU VM, are "
+        "not); fix: use a bucket (gs://BUCKET/PATH) or a shared file system (NFS, Filestore) "
+        "mounted at the same path on every host.")
+  logging.info("%s: all %d processes see it", what, n)
+
+
+def _write_token(path) -> str:
+  """On process 0: a fresh token file in `path` (created if missing); its name, or
+  "error:..." when it can't be written."""
+  import secrets  # pylint: disable=g-import-not-at-top
+  name = f".fnscale-shared-check-{secrets.token_hex(8)}"
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(name)
+  except OSError as e:
+    return f"error:{type(e).__name__}: {e}"
+  return name
+
+
+def _from_process_0(what: str, choose, topic: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+  """`choose()` as process 0 computes it (a JSON value), on every process: a broadcast
+  through the coordination service under `topic`, the same on every process."""
+  rt = _job_runtime(what)
+  if rt is None:
+    return choose()
+  client, pid, _ = rt
+  key = f"{_KEY}/{topic}"
+  if pid == 0:
+    value = choose()
+    client.key_value_set(key, json.dumps(value))
+    return value
+  try:
+    with _waiting(what):
+      return json.loads(client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    raise DistributedError(
+        f"{what}: process {pid} waited {timeout_s} s for process 0's choice ({type(e).__name__}: "
+        f"{first}); fix: make every process make the same calls, check process 0's log.") from e
+
+
+def _agreed_choice(what: str, choose, check, timeout_s: float = DEFAULT_TIMEOUT_S):
+  """Process 0's `choose()` on every process, after every process found it usable: `check(value)`
+  is None there, else says why not. Raises a DistributedError naming each process that
+  can't use it, on every process (so none goes on into a collective alone)."""
+  k = next(_choice_count)
+  value = _from_process_0(what, choose, f"choice/{k}", timeout_s)
+  rt = _runtime()
+  if rt is None:
+    return value
+  _, _, n = rt
+  with _waiting(what):
+    got, _, _ = _exchange(f"choice/{k}/check",
+                          {"problem": check(value) or ""}, timeout_s)
+  bad = [f"process {p}: {e['problem']}" for p, e in sorted(got.items()) if e["problem"]]
+  bad += [f"process {p}: no answer within {timeout_s} s" for p in range(n) if p not in got]
+  if bad:
+    raise DistributedError(
+        f"{what}: process 0 chose {value!r}, which not every process can use ({'; '.join(bad)}); "
+        "fix: give every process the same view (a directory shared by all, "
+        "fnscale.distributed.check_shared_directory), then restart every process.")
+  return value
 
 
 def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
@@ -489,8 +682,10 @@ _KEY = "fnscale"
 _MAX_NAMED = 6  # differences spelled out per process; the rest are counted
 _SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-# The k-th step this process compiles is compared with the k-th of every other process.
-_compile_count = itertools.count()
+# The k-th agree_on_step call of this process is compared with the k-th of every other.
+_agree_count = itertools.count()
+# Numbers the broadcasts from process 0 (`_from_process_0`), the same on every process.
+_choice_count = itertools.count()
 # What the main thread is blocked in ("at": a barrier's name, or None) and since when
 # (time.monotonic()); the preemption watcher (fnscale.preemption) reads it.
 _WAIT: dict[str, Any] = {"at": None, "since": 0.0}
@@ -504,6 +699,22 @@ def _runtime():
   if st.client is None or (st.num_processes or 1) == 1:
     return None
   return st.client, int(st.process_id), int(st.num_processes)
+
+
+def _job_runtime(what: str):
+  """`_runtime()`, or a DistributedError when this is one of several processes (libtpu runs
+  a pod slice across hosts on its own) but JAX's coordination service is not up: `what`
+  needs it, and falling back to per-process behaviour would be silently wrong."""
+  rt = _runtime()
+  if rt is None and jax.process_count() > 1:
+    raise DistributedError(
+        f"{what} needs JAX's coordination service, but this is process "
+        f"{jax.process_index()} of {jax.process_count()} and jax.distributed was never "
+        "initialised (no barriers, agreement checks, preemption sync or lost-process checks "
+        "work without it); fix: call fnscale.initialize() first thing in every process, "
+        "before any other jax call (it joins from the environment, the Cloud TPU metadata "
+        "service, SLURM or Open MPI).")
+  return rt
 
 
 @contextlib.contextmanager
@@ -742,12 +953,14 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   docstring), before this check can report.
 
   Raises:
-    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error,
-      or for a timeout that isn't a positive number.
+    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error;
+      a timeout that isn't a positive number; or, on entry, several processes without
+      JAX's coordination service (`fnscale.initialize` was not called).
   """
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
+  _job_runtime("peer_guard")
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except

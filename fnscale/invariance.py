@@ -51,7 +51,13 @@ class InvarianceReport(NamedTuple):
 
 
 def _host(tree) -> dict[str, np.ndarray]:
-  full = multihost_utils.process_allgather(tree, tiled=True)
+  """Every leaf as a whole host array. Only leaves spread over several processes are
+  gathered (a collective all of them must join); a mesh of this process's own devices never
+  waits for another process."""
+  if all(getattr(a, "is_fully_addressable", True) for a in jax.tree.leaves(tree)):
+    full = jax.device_get(tree)
+  else:
+    full = multihost_utils.process_allgather(tree, tiled=True)
   return {jax.tree_util.keystr(p): np.asarray(v, np.float64)
           for p, v in jax.tree_util.tree_flatten_with_path(full)[0]}
 
@@ -65,7 +71,9 @@ def check_mesh_invariance(loss_fn: Callable, optimizer, init_params: Any, batch:
   Each mesh gets its own `init_state` (params born in that mesh's shardings) and
   `shard_step(train_step(loss_fn, optimizer, ...))`; the batch is split over the mesh's
   data axes. Run it in one process (all meshes over `jax.devices()`), e.g. a 1-device mesh
-  first and the production layouts after it.
+  first and the production layouts after it. In a multi-process job, meshes of this
+  process's own devices (`jax.local_devices()`) run here alone, waiting for no other
+  process; a mesh spanning processes needs the same call on every process.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`).

@@ -150,7 +150,9 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
 
   Raises:
     MeshError: malformed or duplicate axes, an axis in both groups, sizes that don't match
-      the device count (the message gives both counts), unknown axis types, or an argument
+      the device count (the message gives both counts), devices of several TPU slices
+      without DCN axes (the message gives the slice count and a `dcn=` that fits), unknown
+      axis types, or an argument
       of the wrong type (devices that aren't `jax.Device`s, a topology that isn't a
       `Topology`).
   """
@@ -174,6 +176,8 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
     raise MeshError("no mesh axes given: pass e.g. {'data': -1}.")
   devices = check_devices(jax.devices() if devices is None else devices, "devices", MeshError)
   n = len(devices)
+  if not dcn_axes:
+    _check_one_slice(devices, ici)
   groups = _granules(devices) if dcn_axes else [devices]
   unit = "slices" if getattr(devices[0], "slice_index", None) is not None else "processes"
   dcn_sizes = _resolve(dcn_axes, len(groups), "DCN axes", unit) if dcn_axes else {}
@@ -193,6 +197,22 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
     raise MeshError(f"can't lay mesh {shape} "
                     f"onto {n} {devices[0].platform} devices: {e}") from None
   return Mesh(grid, names, axis_types=types_)
+
+
+def _check_one_slice(devices, ici: dict) -> None:
+  """Refuses ICI-only axes over devices of several TPU slices: ICI ends at a slice's edge."""
+  slices = sorted({d.slice_index for d in devices
+                   if getattr(d, "slice_index", None) is not None})
+  if len(slices) < 2:
+    return
+  k = len(slices)
+  raise MeshError(
+      f"the {len(devices)} devices span {k} TPU slices (slice_index {slices}), but no DCN "
+      f"axes were given: the ICI axes {ici} run over the inter-chip links of one slice "
+      f"({len(devices) // k} devices) and an ICI axis can't cross slices; fix: add an axis "
+      f"across the slices, e.g. make_mesh({ici}, dcn={{'replica': {k}}}) (or "
+      "dcn={'replica': -1}: data parallel across slices; train_lm.py: "
+      f"--dcn=replica={k}).")
 
 
 def _granules(devices) -> list[list]:

@@ -30,7 +30,9 @@ How it decides (jax 0.10.2, checked on CPU/gloo):
     reached). Anywhere else (compiling, a slow data loader, a periodic checkpoint save) the
     job gets `grace_s` seconds from the notice to reach the agreed step and save it, after
     which the watcher ends it the same way. `initialize` ends at once on a notice while the
-    job forms. Checkpoints are written atomically (`fnscale.checkpoint`), so an ended save
+    job forms. Stopping, each process says so through the coordination service and waits
+    a moment for the others to say so too; one that doesn't (frozen, killed) is named in
+    the message as lost. Checkpoints are written atomically (`fnscale.checkpoint`), so an ended save
     leaves only a temporary directory that is never read: nothing half-written.
 """
 from __future__ import annotations
@@ -60,7 +62,7 @@ _NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 # process that leaves for that reason checks out.
 _ABORT_KEY = "fnscale/preemption/abort"
 _LEFT_DIR = "fnscale/preemption/left/"
-_LEAVE_S = 3.0
+_LEAVE_S = 2.0
 _POLL_S = 0.1
 
 
@@ -80,18 +82,44 @@ def _sync_point(step: int) -> bool:
 def _leave(text: str, client=None, pid: int = 0, n: int = 1) -> None:
   """Ends this process with `text` and status 143. In a job, first says so (the others stop
   too) and waits, at most `_LEAVE_S`, until every process is leaving: the coordinator
-  (process 0) going first would abort the others from C++ before they could say why."""
+  (process 0) going first would abort the others from C++ before they could say why. A
+  process that doesn't leave in that time is named as lost (frozen, killed or gone)."""
   if client is not None:
-    with contextlib.suppress(Exception):
-      client.key_value_set(_ABORT_KEY, str(pid), allow_overwrite=True)
-      client.key_value_set(f"{_LEFT_DIR}{pid}", "1", allow_overwrite=True)
-      deadline = time.monotonic() + _LEAVE_S
-      while (len(client.key_value_dir_get(_LEFT_DIR)) < n
-             and time.monotonic() < deadline):
-        time.sleep(_POLL_S / 2)
-      if pid == 0:
-        time.sleep(_POLL_S * 5)  # the others exit first
+    silent = _check_out(client, pid, n)
+    if silent:
+      named = (f"process{'es' if len(silent) > 1 else ''} {', '.join(map(str, silent))}")
+      text = (f"lost {named} of {n}: no answer within {_LEAVE_S:g} s when process {pid} "
+              f"stopped (frozen, killed, or its host is gone). {text} Fix: look at the log "
+              f"of {named} for why it stopped, then restart every process (resume from the "
+              "last checkpoint).")
   distributed._exit_with(DistributedError(text), EXIT_PREEMPTED)  # pylint: disable=protected-access
+
+
+def _check_out(client, pid: int, n: int) -> list[int]:
+  """Says through the coordination service that this process stops, then waits at most
+  `_LEAVE_S` for every other process to say so too; returns those that didn't (the
+  coordinator, process 0, when the service itself doesn't answer). Bounded even then: the
+  calls run in a helper thread."""
+  left: list[set] = []
+
+  def check_out():
+    client.key_value_set(_ABORT_KEY, str(pid), allow_overwrite=True)
+    client.key_value_set(f"{_LEFT_DIR}{pid}", "1", allow_overwrite=True)
+    deadline = time.monotonic() + _LEAVE_S
+    while True:
+      left[:] = [{int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_LEFT_DIR)}]
+      if len(left[0]) >= n or time.monotonic() > deadline:
+        return
+      time.sleep(_POLL_S / 2)
+
+  helper = threading.Thread(target=check_out, daemon=True)
+  helper.start()
+  helper.join(_LEAVE_S + 2)
+  if pid == 0:
+    time.sleep(_POLL_S * 5)  # the others exit first
+  if not left:
+    return [0] if pid else []
+  return sorted(set(range(n)) - left[0])
 
 
 def _aborted_by(client) -> int | None:
@@ -236,6 +264,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
 
   Raises:
     DistributedError: `grace_s` not a positive number; several processes but JAX's
+      coordination service is not up (`fnscale.initialize` was not called) or its
       preemption service is off (`jax_enable_preemption_service`); a step that is not an int.
   """
   if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
@@ -246,8 +275,8 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
                            "sets signal handlers only there); fix: wrap the training loop "
                            "of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
+  rt = distributed._job_runtime("preemption_guard")  # pylint: disable=protected-access
   check_service()
-  rt = distributed._runtime()  # pylint: disable=protected-access
 
   def should_stop(step: int) -> bool:
     if isinstance(step, bool) or not isinstance(step, int):

@@ -401,6 +401,11 @@ def _metadata_facts(timeout_s: float, url: str) -> Facts:
     facts["accelerator_type"] = (acc, "metadata:instance/attributes/accelerator-type")
   if worker and worker.isdigit():
     facts["worker_id"] = (int(worker), "metadata:instance/attributes/agent-worker-number")
+  # The slice's hosts, as JAX's Cloud TPU cluster reads them: "name:id:ip" triples or names.
+  hosts = [h for h in (get("worker-network-endpoints") or "").split(",") if h.strip()]
+  if hosts:
+    facts["processes_per_slice"] = (len(hosts),
+                                    "metadata:instance/attributes/worker-network-endpoints")
   # Lines such as "TOPOLOGY: '2x4x8'", "TPU_WORKER_ID: '0'", "MEGASCALE_SLICE_ID: '1'".
   kv = dict(re.findall(r"^\s*([A-Z_]+)\s*:\s*'?([^'\n]*)'?\s*$", get("tpu-env") or "", re.M))
   get_kv = _lookup(kv, "metadata:instance/attributes/tpu-env:", short_names=True)
@@ -470,10 +475,13 @@ def _tpu_device_files() -> bool:
 
 
 def _on_tpu_vm(env: Mapping[str, str]) -> bool:
-  """Whether asking the metadata service is worth it: never on a laptop or in CI."""
-  if env.get("TPU_SKIP_MDS_QUERY"):
-    return False
-  return bool(env.get("GCE_METADATA_HOST")) or _tpu_device_files()
+  """Whether asking the metadata service is worth it: never on a laptop or in CI. A server
+  named by GCE_METADATA_HOST is asked; else a TPU VM's (its device files), unless
+  TPU_SKIP_MDS_QUERY is set. (`import jax` sets TPU_SKIP_MDS_QUERY=1 on every machine
+  without TPU chips, so it can't veto a server the user named.)"""
+  if env.get("GCE_METADATA_HOST"):
+    return True
+  return not env.get("TPU_SKIP_MDS_QUERY") and _tpu_device_files()
 
 
 def has_accelerator() -> bool:
@@ -492,12 +500,13 @@ _LIBTPU_LAYOUT_VARS = ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_WORKER_HOSTN
                        "TPU_PROCESS_ADDRESSES", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS")
 
 
-def quiet_libtpu_without_tpu(env: dict[str, str] | None = None) -> dict[str, str]:
+def quiet_libtpu(env: dict[str, str] | None = None) -> dict[str, str]:
   """Sets `QUIET_LIBTPU_ENV` in `env` (default `os.environ`) when libtpu is installed but
   this machine has no TPU device files and no TPU layout variable is set: libtpu then loads
-  without its host-lookup warnings. `import fnscale` calls it; it must run before libtpu
-  loads (the first jax computation or topology description). A lone TPU_PROCESS_BOUNDS fixes
-  no layout in `detect_topology` (bounds count only in pairs), so detection is unaffected.
+  without its host-lookup warnings. Call it at start-up, before libtpu loads (the first jax
+  computation or topology description); the recipes and the tests do. `import fnscale`
+  changes no environment variable. A lone TPU_PROCESS_BOUNDS fixes no layout in
+  `detect_topology` (bounds count only in pairs), so detection is unaffected.
 
   Returns:
     The variables it set ({} when it did nothing).
@@ -509,9 +518,6 @@ def quiet_libtpu_without_tpu(env: dict[str, str] | None = None) -> dict[str, str
   for k, v in QUIET_LIBTPU_ENV.items():
     env[k] = v
   return dict(QUIET_LIBTPU_ENV)
-
-
-quiet_libtpu_without_tpu()
 
 
 def simulate_cpu_devices(n: int) -> bool:

@@ -73,6 +73,7 @@ if __name__ == "__main__":
   if set(args.targets) - {"cpu", "tpu"}:
     parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
                  "expected cpu and/or tpu")
+  fs.topology.quiet_libtpu()
   fs.simulate_cpu_devices(8)
   if args.large:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
     main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)

@@ -10,8 +10,8 @@ rounds; each round times `--steps` steps with `should_stop(step)` after every st
 `--steps` steps without, in alternating order (A B, B A, ...), each step ending in
 `float(loss)` as a training loop's logging would. Printed: the median per-step time of each
 arm and the median of the per-round ratios (with / without), and the per-call time of
-`should_stop` alone. `fnscale.initialize` and `shard_step` log the time their agreement
-checks took ("check: X ms of work, Y ms waiting for the others") on stderr.
+`should_stop` alone. `fnscale.initialize` and `fnscale.distributed.agree_on_step` log the
+time their agreement checks took ("check: X ms of work, Y ms waiting for the others") on stderr.
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def main(argv=None) -> int:
   rows = args.batch // jax.process_count()
   x = np.random.default_rng(jax.process_index()).normal(size=(rows, args.width))
   batch = fs.global_batch({"x": x.astype(np.float32)}, fs.batch_sharding(mesh))
-  state, _ = step(state, batch)  # compile (and the agreement check) once
+  step = step.compile(state, batch)  # compile once, then check every process compiled it
+  fs.distributed.agree_on_step(step)
   times = {True: [], False: []}
   ratios = []
   counter = 0

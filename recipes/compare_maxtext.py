@@ -93,6 +93,7 @@ def fnscale_side(a) -> None:
   import optax  # pylint: disable=import-outside-toplevel
   import fnscale as fs  # pylint: disable=import-outside-toplevel
   from recipes import llama  # pylint: disable=import-outside-toplevel
+  fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
   devices = fs.topology.target_devices(a.target)
   mesh = fs.make_mesh(_axes(a.mesh), dcn=_axes(a.dcn) or None, devices=devices)
   cfg = llama.model_config("llama-8b", a.seq, layers=a.layers)

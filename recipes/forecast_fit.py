@@ -307,6 +307,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the fit and every prediction here")
   ap.add_argument("--nofit", action="store_true", help="use the terms in fnscale._forecast")
   a = ap.parse_args(argv)
+  fs.topology.quiet_libtpu()  # TPU profiles load libtpu: no host-lookup warnings
   terms = FORECAST_TERMS if a.nofit else fit()
   print(f"terms: {terms} (in fnscale/_forecast.py: {FORECAST_TERMS})\n")
   fitted = [predict_run(r, terms) for r in FIT_RUNS]

@@ -86,6 +86,7 @@ def start(o):
     if not str(count).isdigit():
       raise fs.InputError(f"simulated device count {count!r} (XLA_FLAGS / "
                             "JAX_NUM_CPU_DEVICES) is not an int")
+  fs.topology.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
     fs_report.compilation_cache(o.compile_cache_dir)
@@ -138,7 +139,8 @@ def library_log(run_dir: str):
 
 def main(argv: list[str], cls, run, doc: str) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
-  Exit status 0 done, 2 bad input or a refused checkpoint, 143 stopped by SIGTERM."""
+  Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
+  by SIGTERM."""
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(doc + "\nflags:\n" + _flag_values(cls).get_help())
     return 0
@@ -146,6 +148,10 @@ def main(argv: list[str], cls, run, doc: str) -> int:
     summary = run(parse_flags(cls, argv))
   except fs.FnscaleError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
+    if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
+      # Python's own exit would wait for the lost process at JAX's shutdown barrier.
+      sys.stdout.flush()
+      os._exit(fs.distributed.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return 2
   return 143 if summary.stopped == "SIGTERM" else 0
 
@@ -168,6 +174,19 @@ def topology(mesh_shape: str, override: str, tpu: bool | None):
     raise fs.TopologyError(f"tpu=True but no TPU was found: {topo}. Run on a TPU VM with "
                            "jax[tpu] installed, or leave tpu unset to use these devices")
   return topo
+
+
+def make_mesh(axes, dcn: str, topo, say, devices=None):
+  """`fs.make_mesh(axes, dcn=dcn)` over `devices` (default `jax.devices()`); over several TPU
+  slices without `dcn` (and without a `MeshAxes` of its own), data parallel across the
+  slices: `replica` = the slice count, the `axes` within each slice, said by `say`."""
+  devices = jax.devices() if devices is None else devices
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  if not dcn and slices > 1 and not isinstance(axes, fs.MeshAxes):
+    dcn = f"replica={slices}"
+    say(f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
+        f"across the slices (--dcn={dcn}), the --mesh axes within each slice")
+  return fs.make_mesh(axes, dcn=dcn or None, topology=topo, devices=devices)
 
 
 MIXED = "params=float32,compute=bfloat16,output=float32"

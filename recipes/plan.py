@@ -123,6 +123,7 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=7, help="--measure: interleaved rounds")
   ap.add_argument("--json", default=None, help="write the result here")
   a = ap.parse_args(argv)
+  fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
   if a.measure:
     res = measure(a.batch if a.batch != 256 else 16, a.seq if a.seq != 4096 else 64, a.steps,
                   a.remat)

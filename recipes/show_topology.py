@@ -31,6 +31,7 @@ FLAGS = flags.FLAGS
 
 def _detect(target):
   """(topology, devices, what it describes)."""
+  topology.quiet_libtpu()  # describing a TPU loads libtpu: no host-lookup warnings
   fs.simulate_cpu_devices(FLAGS.devices)  # only where no accelerator is present
   if target and re.search(r"[a-z]", target):  # names a TPU generation: describe the target
     devices = topology.target_devices(target)

@@ -65,7 +65,8 @@ class Options:
                        "rest); 'auto': fnscale.plan's choice of mesh, remat and accumulation "
                        "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
-  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'")
+  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
+                      "default replica=<slices> when the devices span several slices")
   topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = h.option(0, "seed of the params init, the data order and sampling")
@@ -144,7 +145,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
     o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
   else:
     axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
-  mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
+  mesh = h.make_mesh(axes, o.dcn, topo, say)  # across TPU slices: replica=slices by default
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
@@ -178,15 +179,27 @@ def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
   # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
   t0, say = time.time(), h.start(o)
-  preemption.check_service()  # the loop's guard needs it: say so now, not after the compile
+  # From here to the end (data, compile, start-up eval, loop, evals, final save), a notice
+  # (SIGTERM to any process) stops every process after one step, or within grace_s wherever
+  # it is, and a process lost in a collective is named, not left to a runtime error.
+  preemption.check_service()  # the guard needs it: say so now, not after the compile
+  with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
+      fs.distributed.peer_guard():
+    return _start(o, t0, say, should_stop)
+
+
+def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
+  """`run` after start-up: data, setup, the run's checkpoint manager."""
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
+  if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
+    fs.distributed.check_shared_directory(s.o.checkpoint_dir)
   # One checkpoint manager for the whole run; leaving the block waits for the last save.
   # orbax's warnings go to RUN_DIR/log.txt, not the console.
   with h.library_log(s.o.run_dir), (
       fs.checkpoint.manager(s.o.checkpoint_dir, keep=s.o.checkpoint_keep)
       if s.o.checkpoint_dir else contextlib.nullcontext()) as ckpt:
-    return _run(s, corpus, ckpt, t0, say)
+    return _run(s, corpus, ckpt, t0, say, should_stop)
 
 
 def _with_finite_flag(step):
@@ -198,8 +211,9 @@ def _with_finite_flag(step):
   return step_with_flag
 
 
-def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
-  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
+def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
+  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints);
+  `should_stop(step)`: the preemption guard's check."""
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
@@ -228,6 +242,7 @@ def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
+    fs.distributed.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     report = fs.compile_report(step_fn, state, first)
     log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
     n_params = h.describe(s, state, (corpus.describe, base), report, policy, (peak, peak_note),
@@ -246,7 +261,7 @@ def _run(s: Setup, corpus, ckpt, t0: float, say) -> h.Summary:
     ev = evaluate(state, 0) if start == 0 else None
     prof = rl.profiler(s.profile, o.run_dir, say=say)
     state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
-                                  say, (log, prof), evaluate, guard)
+                                  say, (log, prof), evaluate, guard, should_stop)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, guard, say)
     log.close()
   return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
@@ -338,51 +353,51 @@ EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed step
 
 
 def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say, log_prof,
-           evaluate, guard: Guard):
+           evaluate, guard: Guard, should_stop):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
-  `log_prof`: (run_log.RunLog, run_log.Profiler). Evals and checkpoints are left out of the
-  timing (tokens/s, MFU, ETA); so is the first step, which includes dispatch warm-up."""
+  `log_prof`: (run_log.RunLog, run_log.Profiler); `should_stop`: the preemption guard's.
+  Evals and checkpoints are left out of the timing (tokens/s, MFU, ETA); so is the first
+  step, which includes dispatch warm-up."""
   (log, prof), m, o = log_prof, None, s.o
   last, timing, stopped, t_train, stall = {}, None, None, time.time(), h.Stall()
   batch_sharding, every = fs.batch_sharding(s.mesh), o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
-  with preemption.preemption_guard(grace_s=o.grace_s) as should_stop:
-    for step in range(start, o.steps):
-      prof.at_step(step, pending=m)
-      prev, (state, m) = m, step_fn(state, batch)
-      # The previous step's update, read while this one runs (one step stays in flight).
-      stall = h.check_update(stall, step, prev, o.max_stalled_steps)
-      done = step + 1
-      guard.note(done, m)
-      # One step in flight on CPU: simulated devices share one pool of host threads, and with
-      # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
-      if s.topo.platform == "cpu":
-        jax.block_until_ready((state, m))
-      sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
-      if done < o.steps and (sigterm or done == o.stop_after):
-        stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
-      if stopped or (every and done % every == 0 and done < o.steps):
-        t_save = time.time()
-        guard.save(state, done)  # before the next batch is read: the position is this step's
-        if timing is not None:  # the save's time stays out of the timing
-          timing = timing._replace(mark_s=timing.mark_s + time.time() - t_save)
-      if done < o.steps and not stopped:
-        batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
-      if timing is None:
-        jax.block_until_ready(m["loss"])
-        timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS
-      if done % o.log_every == 0 or done == o.steps or done == early:
-        guard.check()
-        timing, dt = _lap(timing, done)
-        last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
-      if done % o.eval_every == 0 and done < o.steps:  # its time stays out of the timing
-        timing = _lap(timing, done)[0]
-        evaluate(state, done)
-        timing = timing._replace(mark_s=time.time())
-      if stopped:
-        guard.commit()  # the agreed step is on disk before the process exits
-        say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
-        break
+  for step in range(start, o.steps):
+    prof.at_step(step, pending=m)
+    prev, (state, m) = m, step_fn(state, batch)
+    # The previous step's update, read while this one runs (one step stays in flight).
+    stall = h.check_update(stall, step, prev, o.max_stalled_steps)
+    done = step + 1
+    guard.note(done, m)
+    # One step in flight on CPU: simulated devices share one pool of host threads, and with
+    # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
+    if s.topo.platform == "cpu":
+      jax.block_until_ready((state, m))
+    sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
+    if done < o.steps and (sigterm or done == o.stop_after):
+      stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
+    if stopped or (every and done % every == 0 and done < o.steps):
+      t_save = time.time()
+      guard.save(state, done)  # before the next batch is read: the position is this step's
+      if timing is not None:  # the save's time stays out of the timing
+        timing = timing._replace(mark_s=timing.mark_s + time.time() - t_save)
+    if done < o.steps and not stopped:
+      batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
+    if timing is None:
+      jax.block_until_ready(m["loss"])
+      timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS
+    if done % o.log_every == 0 or done == o.steps or done == early:
+      guard.check()
+      timing, dt = _lap(timing, done)
+      last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
+    if done % o.eval_every == 0 and done < o.steps:  # its time stays out of the timing
+      timing = _lap(timing, done)[0]
+      evaluate(state, done)
+      timing = timing._replace(mark_s=time.time())
+    if stopped:
+      guard.commit()  # the agreed step is on disk before the process exits
+      say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
+      break
   prof.close(pending=state)
   h.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   return state, dict(last, train_s=time.time() - t_train, **_whole_run(s, timing, peak)), stopped

@@ -11,7 +11,8 @@ process) and `fnscale.distributed.peer_guard` (a lost process becomes a Distribu
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
 mesh over every process's devices (ordered by process, so "data" and for 4 processes also
 "fsdp" run across processes), trains tests/models.py's transformer with fnscale's
-`train_step` / `init_state` / `shard_step` (which waits at a barrier after compiling),
+`train_step` / `init_state` / `shard_step`, `fnscale.distributed.agree_on_step` (the
+barrier after compiling, which checks every process compiled the same step),
 feeding only this process's rows of each global batch through `fnscale.global_batch`.
 
 Prints one JSON line per event on stdout: {"event": "step", "step": s, "loss": ...},
@@ -123,6 +124,21 @@ def build(mesh_axes: str, model: str = "nano", lr: float = LEARNING_RATE):
   return mesh, opt, step, init
 
 
+def compiled(step, state, mesh, args):
+  """The step compiled for this run's batch, then checked to be the same on every process
+  (`fnscale.distributed.agree_on_step`, the barrier after compiling)."""
+  import jax
+  import numpy as np
+  import fnscale as fs
+  import models
+  cfg = models.TRANSFORMER._replace(**MODELS[args.model])
+  rows = jax.ShapeDtypeStruct((args.batch, cfg.seq + 1), np.int32,
+                              sharding=fs.batch_sharding(mesh))
+  step = step.compile(state, {"tokens": rows})
+  fs.distributed.agree_on_step(step)
+  return step
+
+
 def gathered_params(params):
   """Every process's shards gathered into host numpy arrays, keyed by pytree path."""
   import jax
@@ -220,6 +236,7 @@ def main(argv) -> int:
     mesh, _, step, init = build(args.mesh, args.model, args.lr)
     _emit(event="start", process=pid, processes=jax.process_count(),
           devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info), join_s=join_s)
+    fs.distributed.check_shared_directory(ckpt_dir)  # every process sees the same one
     state = init()
     start = checkpoint.latest_step(ckpt)
     if start is not None:
@@ -232,6 +249,7 @@ def main(argv) -> int:
         np.savez(os.path.join(args.out, "restored.npz"), **params)
       _emit(event="done", step=start)
       return 0
+    step = compiled(step, state, mesh, args)
     if args.hold >= 0:
       _emit(event="holding" if pid == args.hold else "waiting")
       if pid == args.hold:

@@ -5,6 +5,7 @@ shard_step) with one or two processes started differently, as a stale host would
 process must end with fnscale's DistributedError (exit status 75) naming the odd process and
 what differs, long before any barrier timeout (300 s).
 """
+import json
 import pathlib
 import re
 import sys
@@ -12,6 +13,7 @@ import time
 
 import jax
 import jaxlib
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -90,3 +92,77 @@ def test_compiled_step_disagreement_is_named_on_every_process(tmp_path, odd, nam
     took = p.started + r.elapsed_s - last
     print(f"process {r.process_id} ended {took:.1f} s after the last compile finished")
     assert took < BOUND_S, mp.describe(results)
+
+
+# Process 0 alone makes a report, compiles again, plans (with an ahead-of-time compile for a
+# TPU target) and checks mesh invariance over its own devices while process 1 is already in
+# its first step, waiting for process 0 there.
+_ONE_PROCESS_CALLS = """
+import functools, json, sys, time
+sys.path.insert(0, {tests!r})
+import multiprocess, mp_worker, models
+multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
+import jax, numpy as np, optax
+import fnscale as fs
+from fnscale import plan as fs_plan
+from fnscale.invariance import check_mesh_invariance
+mesh, _, sharded, init = mp_worker.build("data=2,fsdp=2")
+state = init()
+cfg, bs = models.TRANSFORMER, fs.batch_sharding(mesh)
+tokens = mp_worker.global_tokens(0, 8, cfg.seq, cfg.vocab)[mp_worker.local_rows(bs, 8)]
+batch = fs.global_batch({{"tokens": tokens}}, bs)
+step = sharded.compile(state, batch)
+fs.distributed.agree_on_step(step)
+rows = jax.ShapeDtypeStruct((8, cfg.seq + 1), np.int32)
+local = jax.local_devices()  # invariance over this process's own devices
+meshes = [fs.make_mesh({{"data": 1}}, devices=local[:1]),
+          fs.make_mesh({{"data": 2}}, devices=local)]
+mlp_batch = jax.tree.map(np.asarray, models.mlp_batch(jax.random.key(1), 8))
+calls = {{
+    "compile_report": lambda: fs.compile_report(sharded, state, batch),
+    "compile": lambda: sharded.compile(state, batch),
+    "plan_verify": lambda: fs_plan.plan(
+        functools.partial(models.transformer_init, cfg=cfg),
+        lambda p, b: models.transformer_loss(p, b)[0], optax.adam(1e-3), {{"tokens": rows}},
+        "v5p-8", rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),
+        key=jax.random.key(0), verify=1, accum_steps=(1,)),
+    "latest_step": lambda: fs.checkpoint.latest_step({ckpt!r}),
+    "check_mesh_invariance": lambda: check_mesh_invariance(
+        models.mlp_loss, optax.sgd(0.1), models.mlp_init, mlp_batch, meshes,
+        key=jax.random.key(0)).max_diff,
+}}
+took = {{}}
+for name, call in calls.items():
+  if jax.process_index() == 0:
+    t0 = time.perf_counter()
+    out = call()
+    took[name] = time.perf_counter() - t0
+    print(json.dumps({{"event": name, "s": took[name],
+                      "value": out if isinstance(out, (int, float)) else None}}), flush=True)
+state, metrics = step(state, batch)
+print(json.dumps({{"event": "done", "loss": float(metrics["loss"])}}), flush=True)
+"""
+ONE_PROCESS_BOUND_S = 60
+
+
+def test_reports_compiles_and_plans_on_process_0_alone_never_wait_for_the_others(tmp_path):
+  from fnscale import checkpoint  # pylint: disable=import-outside-toplevel
+  checkpoint.save(tmp_path / "ckpt", 3, {"w": np.zeros(2, np.float32)})
+  script = tmp_path / "one_process_calls.py"
+  script.write_text(_ONE_PROCESS_CALLS.format(tests=str(pathlib.Path(__file__).parent),
+                                              ckpt=str(tmp_path / "ckpt")))
+  results = mp.run([script], 2, 2, JOB_TIMEOUT_S)
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  events = [[json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+            for r in results]
+  took = {e["event"]: e["s"] for e in events[0] if "s" in e}
+  print(f"process 0 alone: {took}")
+  assert sorted(took) == ["check_mesh_invariance", "compile", "compile_report", "latest_step",
+                         "plan_verify"], mp.describe(results)
+  values = {e["event"]: e["value"] for e in events[0] if "s" in e}
+  assert values["latest_step"] == 3  # the calls did their work
+  assert values["check_mesh_invariance"] <= 1e-6
+  assert all(s < ONE_PROCESS_BOUND_S for s in took.values()), took
+  assert not [e for e in events[1] if "s" in e]  # process 1 made none of those calls
+  # Both then ran the same first step.
+  assert events[0][-1]["loss"] == events[1][-1]["loss"], mp.describe(results)

@@ -1,4 +1,5 @@
 """Multi-process helpers: single-process no-ops, global_batch, and a real 2-process job."""
+import http.server
 import json
 import os
 import pathlib
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import numpy as np
@@ -144,6 +146,55 @@ def test_global_batch_bad_shapes(mesh):
   with pytest.raises(fs.ShardingError, match=r"leaf 'x': sharding .* is not a NamedSharding"):
     fs.global_batch({"x": np.zeros((8,))}, {"x": jax.sharding.SingleDeviceSharding(
         jax.devices()[0])})
+
+
+def _tiny_compiled(mesh):
+  import optax  # pylint: disable=import-outside-toplevel
+  opt = optax.sgd(0.1)
+  loss = lambda p, b: jax.numpy.mean((b["x"] @ p["w"]) ** 2)
+  state = fs.init_state({"w": np.ones((4, 4), np.float32)}, opt, mesh=mesh)
+  batch = {"x": np.ones((8, 4), np.float32)}
+  return fs.shard_step(fs.train_step(loss, opt), mesh).compile(state, batch)
+
+
+def test_several_processes_without_the_coordination_service_raise(mesh, monkeypatch, tmp_path):
+  """What libtpu gives a pod whose hosts never called initialize: jax sees 2 processes, JAX's
+  coordination service is off. Every feature that needs it refuses, naming the fix, instead
+  of running per process."""
+  from fnscale import preemption  # pylint: disable=import-outside-toplevel
+  compiled = _tiny_compiled(mesh)
+  fs.distributed.agree_on_step(compiled)  # one process: returns at once
+  assert not jax.distributed.is_initialized()
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+
+  def guard(cm):
+    with cm:
+      pass
+  calls = {
+      "barrier('x')": lambda: fs.barrier("x"),
+      "agree_on_step (compiled step ": lambda: fs.distributed.agree_on_step(compiled),
+      "preemption_guard": lambda: guard(preemption.preemption_guard()),
+      "peer_guard": lambda: guard(fs.distributed.peer_guard()),
+      "the checkpoint step to restore from": lambda: fs.checkpoint.restore(
+          tmp_path, {"w": jax.ShapeDtypeStruct((2,), np.float32)}),
+      "check_shared_directory(": lambda: fs.distributed.check_shared_directory(tmp_path),
+  }
+  for what, call in calls.items():
+    with pytest.raises(fs.DistributedError) as e:
+      call()
+    msg = str(e.value)
+    assert msg.startswith(what), msg
+    assert ("needs JAX's coordination service, but this is process 1 of 2 and "
+            "jax.distributed was never initialised") in msg, msg
+    assert "fix: call fnscale.initialize() first thing in every process" in msg
+
+
+def test_agree_on_step_wants_the_compiled_step(mesh):
+  sharded = fs.shard_step(lambda s, b: (s, {}), mesh)
+  with pytest.raises(fs.DistributedError, match=r"agree_on_step\(compiled=ShardedStep\): "
+                     r"expected the CompiledStep .*fix: step = step.compile\(state, batch\)"):
+    fs.distributed.agree_on_step(sharded)
 
 
 # ------------------------------------------------------------------------- two processes
@@ -296,3 +347,128 @@ def test_disagreement_message_names_process_field_and_both_values():
   assert fsd._differences({0: entries[0]}) == []
   with pytest.raises(fs.DistributedError, match=r"config=\['model'\], expected a mapping"):
     fs.initialize(num_processes=1, config=["model"])
+
+
+# ------------------------------------------------- a Cloud TPU VM known only to its metadata
+
+
+class _Metadata(http.server.BaseHTTPRequestHandler):
+  """The GCE metadata service of one TPU VM worker: `server.answers` by attribute name."""
+
+  def do_GET(self):
+    key = self.path.removeprefix("/computeMetadata/v1/instance/attributes/")
+    body = self.server.answers.get(key)
+    if self.headers.get("Metadata-Flavor") != "Google":
+      body = None  # the real service refuses requests without the header
+    self.send_response(200 if body is not None else 404)
+    self.end_headers()
+    self.wfile.write((body if body is not None else "not found").encode())
+
+  def log_message(self, *args):
+    pass
+
+
+def _v4_16_worker(worker: int) -> dict[str, str]:
+  """What a `gcloud compute tpus tpu-vm create --accelerator-type=v4-16` worker's metadata
+  serves (reduced): 8 chips as 2x2x2, 2 hosts; the endpoints point at this machine."""
+  return {
+      "accelerator-type": "v4-16",
+      "agent-worker-number": str(worker),
+      "worker-network-endpoints": "t1v-n-0-w-0:0:127.0.0.1,t1v-n-0-w-1:1:127.0.0.1",
+      "tpu-env": ("ACCELERATOR_TYPE: 'v4-16'\nCHIPS_PER_HOST_BOUNDS: '2,2,1'\n"
+                  f"HOST_BOUNDS: '1,1,2'\nTOPOLOGY: '2x2x2'\nWORKER_ID: '{worker}'\n"),
+  }
+
+
+@pytest.fixture
+def metadata_servers():
+  """`start(answers) -> "127.0.0.1:port"`: local metadata servers, shut down afterwards."""
+  servers = []
+
+  def start(answers):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
+    server.answers = answers
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers.append(server)
+    return f"127.0.0.1:{server.server_address[1]}"
+  yield start
+  for server in servers:
+    server.shutdown()
+    server.server_close()
+
+
+_TPU_VM_WORKER = textwrap.dedent("""
+    import json, sys
+    import fnscale as fs
+    try:
+      info = fs.initialize(timeout_s=float(sys.argv[1]), heartbeat_timeout_s=10,
+                           shutdown_timeout_s=10)
+    except fs.DistributedError as e:
+      print("RESULT", json.dumps({"error": str(e)}), flush=True)
+      sys.exit(0)
+    import jax, numpy as np
+    from jax.experimental import multihost_utils
+    fs.barrier("joined", timeout_s=30)
+    pid = jax.process_index()
+    total = multihost_utils.process_allgather(np.array([pid + 1]), tiled=True).sum()
+    print("RESULT", json.dumps({"info": list(info), "processes": jax.process_count(),
+                                "devices": jax.device_count(), "total": int(total)}),
+          flush=True)
+""")
+
+
+def _tpu_vm_job(tmp_path, metadata_hosts, coordinator_port, timeout_s):
+  """Each process with only a metadata server (and JAX's documented coordinator port
+  variable) in its environment: no launcher variable says there are several."""
+  script = tmp_path / "tpu_vm_worker.py"
+  script.write_text(_TPU_VM_WORKER)
+  base = {k: v for k, v in os.environ.items()
+          if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "TPU_", "MEGASCALE_"))}
+  procs = []
+  for host in metadata_hosts:
+    env = dict(base, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               GCE_METADATA_HOST=host, GCE_METADATA_IP=host,  # fnscale's and JAX's spelling
+               JAX_COORDINATOR_PORT=str(coordinator_port))
+    procs.append(subprocess.Popen(
+        ["timeout", "120", sys.executable, str(script), str(timeout_s)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+  results = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=150)
+      lines = [ln for ln in out.splitlines() if ln.startswith("RESULT {")]
+      assert p.returncode == 0 and lines, f"rc={p.returncode}\n{out}\n{err[-3000:]}"
+      results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  return results
+
+
+@pytest.mark.multiprocess
+def test_metadata_only_tpu_vm_worker_tries_to_join(tmp_path, metadata_servers):
+  """Worker 1 of a v4-16 whose environment says nothing: initialize asks JAX's Cloud TPU
+  detection, which names worker 0 as the coordinator; nobody serves it, so a bounded
+  DistributedError names that address, never a single process."""
+  port = _free_port()
+  (r,) = _tpu_vm_job(tmp_path, [metadata_servers(_v4_16_worker(1))], port, timeout_s=3)
+  msg = r.get("error", "")
+  assert msg.startswith("could not form the multi-process job: expected 2 processes, this one "
+                        f"as process 1, but the coordinator 127.0.0.1:{port} (found through "
+                        "Cloud TPU VM: 2 worker(s) per slice in instance/attributes/"
+                        "worker-network-endpoints) (process 0) didn't accept connections"), r
+
+
+@pytest.mark.multiprocess
+def test_metadata_only_tpu_vm_workers_form_one_job(tmp_path, metadata_servers):
+  """Both workers of that v4-16, each knowing only its metadata server: one 2-process job."""
+  port = _free_port()
+  hosts = [metadata_servers(_v4_16_worker(w)) for w in (0, 1)]
+  r0, r1 = _tpu_vm_job(tmp_path, hosts, port, timeout_s=60)
+  address = f"127.0.0.1:{port}"
+  assert r0["info"] == [0, 2, address, True] and r1["info"] == [1, 2, address, True]
+  for r in (r0, r1):
+    assert r["processes"] == 2 and r["devices"] == 4 and r["total"] == 1 + 2

@@ -191,6 +191,28 @@ def test_tpu_multislice_dcn_axes_cross_slices(tpu_devices):
     fs.make_mesh({"fsdp": -1}, dcn={"replica": 3}, devices=devices)
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("target,slices", [("2x v5p-8", 2), ("4x v5p-8", 4)])
+def test_multislice_without_dcn_names_the_slices_and_the_fix(tpu_devices, target, slices):
+  devices = fs.topology.target_devices(target)  # v5p-8: 4 chips (one device each) a slice
+  for axes in ({"fsdp": -1}, "data=-1", {"data": 2, "tensor": -1}):
+    with pytest.raises(fs.MeshError) as e:
+      fs.make_mesh(axes, devices=devices)
+    msg = str(e.value)
+    assert msg.startswith(f"the {4 * slices} devices span {slices} TPU slices (slice_index "
+                          f"{list(range(slices))}), but no DCN axes were given"), msg
+    assert "an ICI axis can't cross slices" in msg and "(4 devices)" in msg
+    assert f"dcn={{'replica': {slices}}}" in msg and f"--dcn=replica={slices}" in msg
+    assert "jax_devices" not in msg  # no device dump
+  # The fix it names works: one slice per row, FSDP within each slice.
+  mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": slices}, devices=devices)
+  assert dict(mesh.shape) == {"replica": slices, "fsdp": 4}
+  assert [{_slice(d) for d in row} for row in mesh.devices] == [{i} for i in range(slices)]
+  # The devices of one slice need no DCN axis.
+  one = [d for d in devices if _slice(d) == slices - 1]
+  assert dict(fs.make_mesh({"fsdp": -1}, devices=one).shape) == {"fsdp": 4}
+
+
 def test_dcn_over_processes_on_cpu():
   # One process: a DCN group of 1; its axis comes first.
   mesh = fs.make_mesh({"fsdp": -1}, dcn={"replica": 1})

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sys
 import time
@@ -90,7 +91,7 @@ def test_layouts_match_one_process(layout, reference, request):
     assert start["devices"] == 8 and start["mesh"] == {"data": 2, "fsdp": 4}
     np.testing.assert_allclose(_losses(r.stdout), reference["losses"][:STEPS], rtol=0,
                                atol=TOL)
-    # fnscale.shard_step waits at a barrier after compiling; it shows in every log.
+    # The worker calls agree_on_step after compiling; it shows in every log.
     assert re.search(r"barrier compiled step \w+ passed", r.stderr), r.stderr[-3000:]
   # Only process 0 wrote the log and the params.
   logged = [json.loads(ln)["loss"] for ln in (out / "losses.jsonl").read_text().splitlines()]
@@ -243,3 +244,72 @@ def test_harness_kills_a_hung_job(tmp_path):
   (r,) = mp.run(["-c", "import time; print('up', flush=True); time.sleep(600)"], 1, 1, 3)
   assert r.timed_out and r.returncode is None and "up" in r.stdout
   assert time.monotonic() - t0 < 30
+
+
+def test_per_process_checkpoint_directories_are_refused_before_training(tmp_path):
+  """Each process given its own directory (per-host disks): every process ends with a
+  DistributedError naming the process that can't see process 0's token, before any step."""
+  results = mp.run([WORKER, f"--steps={STEPS}", "--mesh=data=2,fsdp=2", "--batch=8"], 2, 2,
+                   JOB_TIMEOUT_S, process_args={
+      0: [f"--out={tmp_path / 'host0'}"], 1: [f"--out={tmp_path / 'host1'}"]})
+  for r in results:
+    assert r.returncode == 75, mp.describe(results)
+    m = re.search(r"fnscale\.errors\.DistributedError: directory \S+ is not shared by the 2 "
+                  r"processes: process 0 wrote \.fnscale-shared-check-\w+ there, and process 1 "
+                  r"\(host [^)]+\) doesn't see it \((\S+) does not exist here\)", r.stderr)
+    assert m, mp.describe(results)
+    assert m[1].startswith(str(tmp_path / "host1" / "ckpt")), m[1]
+    assert "fix: use a bucket (gs://BUCKET/PATH) or a shared file system" in r.stderr
+    assert not [e for e in _events(r.stdout) if e["event"] == "step"]
+  # Process 0 cleaned up its token; nothing else was written.
+  assert os.listdir(tmp_path / "host0" / "ckpt") == []
+
+
+_RESTORE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import multiprocess
+multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
+import jax, numpy as np
+import fnscale as fs
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = fs.make_mesh({{"data": -1}})
+target = {{"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P()))}}
+out = {{}}
+for name, directory in (("shared", {shared!r}), ("own", sys.argv[1])):
+  try:
+    state, extra = fs.checkpoint.restore(directory, target)
+    out[name] = {{"extra": extra, "w": np.asarray(state["w"]).tolist()}}
+  except fs.FnscaleError as e:
+    out[name] = {{"error": f"{{type(e).__name__}}: {{e}}"}}
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_restore_agrees_on_process_0s_step(tmp_path):
+  """One shared directory: every process restores process 0's newest step. Directories that
+  differ (process 1's newest step is incomplete there): not each its own newest good step,
+  but an error on every process naming the process that can't use process 0's choice."""
+  shared = tmp_path / "shared"
+  for step in (2, 4):
+    checkpoint.save(shared, step, {"w": np.arange(8, dtype=np.float32) * step},
+                    extra={"step": step})
+  own = {p: tmp_path / f"host{p}" for p in (0, 1)}
+  for d in own.values():
+    shutil.copytree(shared, d)
+  (own[1] / "4" / "commit_success.txt").unlink()  # step 4 never committed on host 1
+  assert checkpoint.latest_step(own[1]) == 2
+  script = tmp_path / "restore.py"
+  script.write_text(_RESTORE.format(tests=str(pathlib.Path(__file__).parent),
+                                    shared=str(shared)))
+  results = mp.run([script], 2, 2, JOB_TIMEOUT_S,
+                   process_args={p: [str(d)] for p, d in own.items()})
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  outs = [json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
+          for r in results]
+  for p, out in enumerate(outs):
+    assert out["shared"] == {"extra": {"step": 4}, "w": (np.arange(8) * 4.0).tolist()}, out
+    assert out["own"]["error"].startswith(
+        f"DistributedError: the checkpoint step to restore from {own[p]}: process 0 chose 4, "
+        "which not every process can use (process 1: incomplete: its commit marker "
+        "commit_success.txt is missing"), out

@@ -233,8 +233,17 @@ def test_metadata_facts(monkeypatch):
   }
   assert {a[0] for a in asked} == {"instance/attributes/accelerator-type",
                                    "instance/attributes/agent-worker-number",
+                                   "instance/attributes/worker-network-endpoints",
                                    "instance/attributes/tpu-env"}
   assert {a[1:] for a in asked} == {(0.5, "http://h/computeMetadata/v1")}
+  # The slice's hosts as the VM's own attribute (JAX's source) count before tpu-env's bounds,
+  # in both spellings: "name:id:ip" triples and bare names.
+  for hosts in ("t1v-n-0-w-0:0:10.0.0.2,t1v-n-0-w-1:1:10.0.0.3,t1v-n-0-w-2:2:10.0.0.4",
+                "10.0.0.2,10.0.0.3,10.0.0.4"):
+    answers["worker-network-endpoints"] = hosts
+    assert topo_mod._metadata_facts(0.5, "http://h")["processes_per_slice"] == (
+        3, md + "worker-network-endpoints")
+  del answers["worker-network-endpoints"]
   # Without the attributes, tpu-env answers; a worker number that is no number is ignored.
   answers.update({"accelerator-type": None, "agent-worker-number": "n/a"})
   facts = topo_mod._metadata_facts(0.5, "http://h")
@@ -327,7 +336,8 @@ def test_on_tpu_vm(monkeypatch):
   _device_files(monkeypatch)
   assert not topo_mod._on_tpu_vm({})
   assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1"})
-  assert not topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
+  # jax's import sets TPU_SKIP_MDS_QUERY=1 wherever there is no TPU chip: a named server wins.
+  assert topo_mod._on_tpu_vm({"GCE_METADATA_HOST": "127.0.0.1:1", "TPU_SKIP_MDS_QUERY": "1"})
   _device_files(monkeypatch, "/dev/accel0")
   assert topo_mod._on_tpu_vm({})
   assert not topo_mod._on_tpu_vm({"TPU_SKIP_MDS_QUERY": "true"})
@@ -998,19 +1008,19 @@ def test_show_topology_describes_a_target(tpu_devices):
 def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
   env = {}
-  assert topo_mod.quiet_libtpu_without_tpu(env) == {"TPU_WORKER_HOSTNAMES": "localhost",
+  assert topo_mod.quiet_libtpu(env) == {"TPU_WORKER_HOSTNAMES": "localhost",
                                                     "TPU_PROCESS_BOUNDS": "1,1,1"}
   assert env == {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_PROCESS_BOUNDS": "1,1,1"}
   for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS"):
     env = {var: "x"}  # a launcher's own layout is never touched
-    assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {var: "x"}
+    assert topo_mod.quiet_libtpu(env) == {} and env == {var: "x"}
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: True)
   env = {}
-  assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
+  assert topo_mod.quiet_libtpu(env) == {} and env == {}
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
   monkeypatch.setattr(topo_mod.importlib.util, "find_spec", lambda name, *a: None)
   env = {}  # without libtpu there is nothing to quiet
-  assert topo_mod.quiet_libtpu_without_tpu(env) == {} and env == {}
+  assert topo_mod.quiet_libtpu(env) == {} and env == {}
 
 
 @pytest.mark.tpu
@@ -1022,14 +1032,15 @@ def test_quiet_libtpu_env_does_not_change_detection(tpu_devices):
 
 
 @pytest.mark.tpu
-def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
+def test_quiet_libtpu_silences_libtpu_without_a_tpu(tpu_devices):
   import os, subprocess, sys
   if topo_mod._tpu_device_files():
     pytest.skip("this machine has a TPU: libtpu finds its hosts itself")
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS", *topo_mod.QUIET_LIBTPU_ENV)}
   env["PYTHONPATH"] = os.path.dirname(os.path.dirname(__file__))
-  code = ("import fnscale, jax; jax.devices(); from jax.experimental import topologies; "
+  code = ("import fnscale, jax; fnscale.topology.quiet_libtpu(); jax.devices(); "
+          "from jax.experimental import topologies; "
           "print(len(topologies.get_topology_desc(platform='tpu', topology_name='v5p:2x2x2')"
           ".devices))")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -1038,6 +1049,43 @@ def test_import_fnscale_silences_libtpu_without_a_tpu(tpu_devices):
   assert "unexpected worker hostname" not in out.stderr
   assert "Failed to find host bounds" not in out.stderr
   assert out.stderr.strip() == ""
+
+
+_IMPORT_FNSCALE = ("import fnscale, importlib, pkgutil\n"
+                   "for m in pkgutil.walk_packages(fnscale.__path__, 'fnscale.'):\n"
+                   "  importlib.import_module(m.name)")
+
+
+def _environ_changes(*steps: str) -> list[dict]:
+  """Per step, {name: [value before, value after]} of os.environ around running it (after
+  the steps before it) in one fresh process, where libtpu's quieting would apply (libtpu
+  installed, no TPU layout variable set)."""
+  import json, os, subprocess, sys
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("TPU_", "MEGASCALE_")) and k != "JAX_PLATFORMS"}
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(__file__))
+  code = "import json, os\nchanges = []\n"
+  for step in steps:
+    code += (f"before = dict(os.environ)\n{step}\nafter = dict(os.environ)\n"
+             "changes.append({k: [before.get(k), after.get(k)] for k in sorted(set(before) | "
+             "set(after)) if before.get(k) != after.get(k)})\n")
+  code += "print(json.dumps(changes))"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_fnscale_changes_no_environment_variable():
+  # jax's own import sets a few variables (TPU_SKIP_MDS_QUERY, ...): with jax imported
+  # first, importing fnscale and every submodule changes nothing; the quieting is an
+  # explicit call, and it does change the environment.
+  jax_import, fnscale_after_jax, quiet = _environ_changes(
+      "import jax", _IMPORT_FNSCALE, "fnscale.topology.quiet_libtpu()")
+  assert fnscale_after_jax == {}
+  assert quiet == {k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items()}
+  # Imported first, fnscale changes exactly what its import of jax does.
+  assert _environ_changes(_IMPORT_FNSCALE) == [jax_import]
 
 
 # --- wrong types: a TopologyError naming the argument, what it got and what it expects -----

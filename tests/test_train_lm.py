@@ -164,6 +164,33 @@ def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
   assert summary.final_step == 2 and np.isfinite(summary.loss)
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("target,slices", [("2x v5p-8", 2), ("4x v5p-8", 4)])
+def test_without_dcn_a_multislice_run_is_data_parallel_across_slices(
+    work, monkeypatch, tpu_devices, target, slices):
+  """train_lm's set-up on the devices of several v5p-8 slices (described by libtpu): no
+  --dcn gives replica = the slice count, said in a start-up line; --dcn still wins."""
+  devices = fs.topology.target_devices(target)
+  monkeypatch.setattr(jax, "devices", lambda *a: devices)  # the job's devices, as on the pod
+  corpus = data.load(str(work / "corpus.txt"), "")
+  for mesh_flag, dcn, shape in (("", "", {"replica": slices, "fsdp": 4}),
+                                ("data=2,tensor=-1", "", {"replica": slices, "data": 2,
+                                                          "tensor": 2}),
+                                ("fsdp=-1", f"data={slices}", {"data": slices, "fsdp": 4})):
+    said = []
+    o = harness.check_options(train_lm.Options, dict(
+        dataset=str(work / "corpus.txt"), model_config="nano", seq=32, topology=target,
+        mesh=mesh_flag, dcn=dcn, steps=2))
+    s = train_lm._setup(o, corpus, said.append)  # pylint: disable=protected-access
+    assert dict(s.mesh.shape) == shape and s.topo.num_slices == slices
+    outer = s.mesh.devices.reshape(slices, -1)
+    assert [{d.slice_index for d in row} for row in outer] == [{i} for i in range(slices)]
+    default = [line for line in said if line.startswith("mesh: the devices span")]
+    assert default == ([] if dcn else [
+        f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
+        f"across the slices (--dcn=replica={slices}), the --mesh axes within each slice"])
+
+
 def _xla_warnings(mesh_spec, size="nano"):
   """XLA's partitioner warnings for train_lm's step of `size` (the model's RULES, AdamW) on
   `mesh_spec`, compiled from abstract inputs with the persistent compile cache off (a cached
@@ -595,6 +622,70 @@ def test_preemption_service_off_is_named_at_start(work, tmp_path):
             "jax_enable_preemption_service=False, environment variable "
             "JAX_ENABLE_PREEMPTION_SERVICE='false')") in out, out[-2000:]
     assert "compile:" not in out  # named before anything compiled
+
+
+@pytest.mark.multiprocess
+def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_path):
+  """The default run_dir on every host, each on its own disk (here: each process in its own
+  working directory): both stop at start-up, naming process 1 and a shared directory."""
+  port = launch_local.free_port()
+  procs = []
+  for pid in (0, 1):
+    (tmp_path / f"host{pid}").mkdir()
+    argv = [a for a in _argv(work, "") if not a.startswith("--run_dir")][1:]  # the default
+    env = launch_local.child_env(pid, 2, 2, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_lm.py"), *argv],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, cwd=tmp_path / f"host{pid}"))
+  outs = [p.communicate(timeout=180)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 2, out[-2000:]  # an `error:` line
+    assert re.search(r"error: directory runs/nano-corpus/checkpoints is not shared by the 2 "
+                     r"processes: process 0 wrote \.fnscale-shared-check-\w+ there, and process "
+                     r"1 \(host [^)]+\) doesn't see it \(\S*host1/runs/nano-corpus/checkpoints/",
+                     out), out[-2000:]
+    assert "fix: use a bucket (gs://BUCKET/PATH)" in out
+    assert "compile:" not in out  # stopped before anything compiled or trained
+  assert os.listdir(tmp_path / "host0" / "runs" / "nano-corpus" / "checkpoints") == []
+
+
+GRACE_S = 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("point,mark", [
+    ("start-up eval", r"\ncompile: "),  # process 0's start-up lines end just before it
+    ("loop", r"\nstep +2/"),
+    ("final save and eval", rf"\nstep +{STEPS}/"),
+])
+def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work, tmp_path,
+                                                                          point, mark):
+  """2 processes x 2 devices: process 1 frozen (SIGSTOP) at `point`, then a SIGTERM to
+  process 0, whose next collective can't finish: it ends within grace_s + 5 s with
+  fnscale's lost-process error, not a runtime error from the collective."""
+  sys.path.insert(0, str(ROOT / "tests"))
+  import multiprocess as mp  # pylint: disable=import-outside-toplevel
+  argv = [str(ROOT / "recipes" / "train_lm.py"),
+          *_argv(work, tmp_path / "run", f"--grace_s={GRACE_S}")[1:]]
+  with mp.job(argv, 2, 2) as job:
+    mp.wait_for_output(job, 0, mark, 300)
+    mp.signal_process(job, 1, signal.SIGSTOP)
+    time.sleep(1.0)  # process 0 reaches a collective that waits for process 1
+    mp.signal_process(job, 0, signal.SIGTERM)
+    noticed = time.monotonic()
+    while job.processes[0].popen.poll() is None and time.monotonic() < noticed + 60:
+      time.sleep(0.05)  # process 0 only: the frozen process 1 never ends by itself
+    took = time.monotonic() - noticed
+    results = mp.wait(job, 0)  # kills process 1
+  r0 = results[0]
+  print(f"{point}: process 0 exited {took:.1f} s after the notice (grace_s {GRACE_S})")
+  assert r0.returncode == 143, mp.describe(results)
+  assert took < GRACE_S + 5, mp.describe(results)
+  assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: no answer within "
+                   r"\d+ s when process 0 stopped \(frozen, killed, or its host is gone\)",
+                   r0.stderr), mp.describe(results)
+  assert "Fix: look at the log of process 1" in r0.stderr
+  assert "Traceback" not in r0.stderr and "DEADLINE_EXCEEDED" not in r0.stderr
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
