@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from fnscale import _agreement
 from fnscale import _checkpoint_tree as ct
 from fnscale import _tree
 from fnscale.errors import CheckpointError, DistributedError, StorageError
@@ -791,9 +792,8 @@ def restore(where, target, *, step: int | None = None, data=None,
 
 def _agreed_latest_step(ckpt: Manager) -> int:
   """Several processes: process 0's newest complete finite step, once every process sees it
-  complete (`fnscale.distributed`), so that no process restores a step of its own."""
-  from fnscale import distributed  # pylint: disable=import-outside-toplevel
-  step = distributed._agreed_choice(  # pylint: disable=protected-access
+  complete (`fnscale._agreement`), so that no process restores a step of its own."""
+  step = _agreement.agreed_choice(
       f"the checkpoint step to restore from {ckpt.directory}", lambda: latest_step(ckpt),
       lambda s: None if s is None else _problem(ckpt, s))
   if step is None:
