@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -44,7 +45,9 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
 
   XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
   descriptor is pointed at a temporary file during the compile; the text is then written
-  back to stderr (nothing is hidden) and parsed. A program compiled again in the same
+  back to stderr (nothing is hidden) and parsed. A thread that ends the process meanwhile
+  (`fnscale._coordination.exit_with`: a preemption notice, a lost peer) gives the descriptor
+  back first (`release_stderr`), so its message and XLA's lines reach stderr. A program compiled again in the same
   process (jax's in-memory cache) gets the warnings of its first compile; one loaded from
   the persistent compilation cache has none.
 
@@ -60,24 +63,51 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
   return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ())
 
 
-def _compile_capturing(lowered, compiler_options):
+# The compile whose stderr is being captured, if any: {"saved": the real stderr's duplicate
+# descriptor, "tmp": the capture file}. A process leaving from another thread while a compile
+# runs (`release_stderr`) gives fd 2 back first, or its last words would go to the file.
+_CAPTURE: dict[str, Any] = {}
+_CAPTURE_LOCK = threading.Lock()
+
+
+def release_stderr() -> None:
+  """Gives file descriptor 2 back to the real stderr if a compile is capturing it, writing
+  what was captured so far there first. For a thread about to end the process (a
+  preemption notice, a lost peer) while the main thread compiles; safe from any thread, and
+  a no-op when nothing is captured."""
+  with _CAPTURE_LOCK:
+    if not _CAPTURE:
+      return
+    _restore(_CAPTURE.pop("saved"), _CAPTURE.pop("tmp"))
+
+
+def _restore(saved: int, tmp) -> str:
+  """fd 2 back to `saved` (closed after), `tmp`'s text echoed there; returns the text."""
   sys.stderr.flush()
-  saved = os.dup(2)
+  os.dup2(saved, 2)
+  os.close(saved)
+  tmp.seek(0)
+  text = tmp.read().decode("utf-8", "replace")
+  if text:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+  return text
+
+
+def _compile_capturing(lowered, compiler_options):
   with tempfile.TemporaryFile(mode="w+b") as tmp:
-    os.dup2(tmp.fileno(), 2)
+    with _CAPTURE_LOCK:
+      sys.stderr.flush()
+      _CAPTURE.update(saved=os.dup(2), tmp=tmp)
+      os.dup2(tmp.fileno(), 2)
     try:
       t0 = time.perf_counter()
       compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
       seconds = time.perf_counter() - t0
     finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      tmp.seek(0)
-      text = tmp.read().decode("utf-8", "replace")
-      if text:
-        sys.stderr.write(text)
-        sys.stderr.flush()
+      with _CAPTURE_LOCK:
+        # Empty when another thread released stderr: the process is leaving anyway.
+        text = _restore(_CAPTURE.pop("saved"), _CAPTURE.pop("tmp")) if _CAPTURE else ""
   return compiled, seconds, text
 
 

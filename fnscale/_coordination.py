@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from fnscale import _compiler
 from fnscale.errors import DistributedError
 
 # Exit status when the job can't form or continue (EX_TEMPFAIL: restarting may succeed).
@@ -116,9 +117,12 @@ def barrier_absentees(text: str) -> tuple[int | None, list[int]]:
 
 def exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
   """Ends this process from a helper thread (the main thread is blocked inside JAX's C++
-  code, where no Python exception can reach it): the error on stderr, then `status`."""
+  code, where no Python exception can reach it): the error on stderr, then `status`. A
+  compile capturing stderr (`fnscale._compiler`) gives it back first, or the message would
+  be lost in the capture file."""
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
   try:
+    _compiler.release_stderr()
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
