@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from fnscale import _compat
 from fnscale._targets import Hardware
 
 
@@ -75,12 +76,7 @@ def _nbytes(tree) -> float:
 
 
 def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jcore.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jcore.Jaxpr):
-        yield x
+  return jcore.jaxprs_in_params(eqn.params)
 
 
 def jaxpr_matmul_flops(jaxpr) -> float:
@@ -100,7 +96,7 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     else:
       subs = [jaxpr_matmul_flops(j) for j in _sub_jaxprs(eqn)]
       if subs:
-        mult = eqn.params.get("length", 1) if name == "scan" else 1
+        mult = _compat.scan_parts(eqn).length if name == "scan" else 1
         total += mult * (max(subs) if name == "cond" else sum(subs))
   return total
 
@@ -109,8 +105,8 @@ def _longest_scan(jaxpr, best=None):
   """(length, carry avals) of the longest `scan` in the jaxpr, nested ones included."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
-      n, nc = eqn.params["length"], eqn.params["num_consts"]
-      carry = [v.aval for v in eqn.invars[nc:nc + eqn.params["num_carry"]]]
+      scan = _compat.scan_parts(eqn)
+      n, carry = scan.length, [v.aval for v in scan.carry]
       if best is None or n > best[0]:
         best = (n, carry)
     for j in _sub_jaxprs(eqn):

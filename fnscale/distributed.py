@@ -42,6 +42,7 @@ import jax
 from jax.sharding import NamedSharding
 import numpy as np
 
+from fnscale import _compat
 from fnscale.errors import DistributedError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
@@ -109,18 +110,13 @@ def _from_env(coordinator_address, num_processes, process_id):
 
 
 def _state_info() -> DistributedInfo:
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   return DistributedInfo(int(st.process_id), int(st.num_processes or 1),
                          st.coordinator_address, True)
 
 
 def _backends_initialized() -> bool:
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    return False
+  return _compat.backends_initialized()
 
 
 def _check_args(coordinator_address, num_processes, process_id, timeouts) -> None:
@@ -365,8 +361,7 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     multihost_utils.sync_global_devices(name)
     logging.info("barrier %s passed", name)
     return
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if (st.num_processes or 1) == 1:
     return
   try:
@@ -456,18 +451,8 @@ def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
-def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
-  """(processes that arrived, ids of those that didn't) from a coordination-service barrier
-  timeout ("# of tasks that reached the barrier: 1/3 ... Some timed out task names: 1 2",
-  task names bare ids or "/job:jax_worker/replica:0/task:1")."""
-  m = re.search(r"reached the barrier:\s*(\d+)\s*/\s*(\d+)", text)
-  arrived = int(m.group(1)) if m else None
-  tail = text.split("timed out task names:", 1)
-  if len(tail) < 2:
-    return arrived, []
-  names = tail[1].split("RPC:", 1)[0]
-  ids = [int(x) for x in re.findall(r"(?:task:)?(\d+)\s*(?:\n|$)", names)]
-  return arrived, sorted(set(ids))
+# (processes that arrived, ids of those that didn't) from a barrier's timeout error text.
+_barrier_absentees = _compat.barrier_absentees
 
 
 # ------------------------------------------------------------- agreement between processes
@@ -489,8 +474,7 @@ _WAIT: dict[str, Any] = {"at": None, "since": 0.0}
 def _runtime():
   """(client, process_id, num_processes) of JAX's distributed runtime, or None when this is
   a single process or the runtime isn't up."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if st.client is None or (st.num_processes or 1) == 1:
     return None
   return st.client, int(st.process_id), int(st.num_processes)
@@ -699,8 +683,7 @@ _PEER_FAILURE = re.compile(
 
 def _lost_processes(timeout_s: float) -> tuple[list[int], str]:
   """Which processes don't reach a bounded check-in barrier: (ids, the runtime's words)."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   try:
     st.client.wait_at_barrier("fnscale:peer-check", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
@@ -744,8 +727,7 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
     if (isinstance(e, DistributedError) or not jax.distributed.is_initialized()
         or not _PEER_FAILURE.search(f"{type(e).__name__} {e}")):
       raise
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    st = _jd.global_state
+    st = _compat.distributed_state()
     if (st.num_processes or 1) == 1:
       raise
     missing, words = _lost_processes(timeout_s)

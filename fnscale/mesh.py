@@ -241,6 +241,8 @@ def _on_torus(grid: np.ndarray, ici_shape) -> np.ndarray:
   # DCN axes come first and have ICI size 1: the axes before the first ICI one > 1 index
   # the slices (or are of size 1).
   first = next((i for i, s in enumerate(ici_shape) if s > 1), len(ici_shape))
+  if first == grid.ndim:
+    return grid  # one chip per slice: no ICI axis to lay out
   blocks = [b if _axes_on_boxes(b) else _coordinate_order(b)
             for b in grid.reshape((-1,) + grid.shape[first:])]
   return np.stack(blocks).reshape(grid.shape)

@@ -44,6 +44,7 @@ from typing import Callable, Iterator, NamedTuple
 
 from absl import logging
 
+from fnscale import _compat
 from fnscale import distributed
 from fnscale.errors import DistributedError
 
@@ -52,8 +53,8 @@ from fnscale.errors import DistributedError
 EXIT_PREEMPTED = 143
 # From the notice to the end of the process at most (Cloud TPU and GKE give about 30 s).
 DEFAULT_GRACE_S = 20.0
-# Where JAX's preemption sync manager (jaxlib 0.10.2) publishes a notice: the time it came.
-_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+# Where JAX's preemption sync manager publishes a notice: the time it came.
+_NOTICE_KEY = _compat.PREEMPTION_NOTICE_KEY
 # Where a process that stopped without the agreed step says so (its id), and where each
 # process that leaves for that reason checks out.
 _ABORT_KEY = "fnscale/preemption/abort"
@@ -223,8 +224,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
   rt = distributed._runtime()  # pylint: disable=protected-access
   if rt is not None:
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    if _jd.global_state.preemption_sync_manager is None:
+    if not _compat.distributed_state().preemption_sync:
       raise DistributedError(
           "preemption_guard needs JAX's preemption service in a multi-process job, and it "
           "is off; fix: jax.config.update('jax_enable_preemption_service', True) before "
@@ -286,8 +286,7 @@ def _sigterm_ends_join(describe: Callable[[], str]):
   finally:
     g.closed.set()
     signal.set_wakeup_fd(old_fd)
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    if _jd.global_state.preemption_sync_manager is None:
+    if not _compat.distributed_state().preemption_sync:
       signal.signal(signal.SIGTERM, old_handler)
     os.close(write_fd)
     os.close(read_fd)

@@ -32,3 +32,14 @@ def tpu_devices():
     return topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices
 
   return get
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+  """Runs the test under each of XLA's sharding propagations: Shardy (jax's default) and
+  GSPMD (`jax_use_shardy_partitioner` off); `parametrize(..., indirect=True)` picks one."""
+  import jax
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+  yield request.param
+  jax.config.update("jax_use_shardy_partitioner", before)

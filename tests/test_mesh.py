@@ -212,6 +212,8 @@ def test_tpu_tray_ring_reshaped_to_several_axes_is_laid_on_the_torus(kind):
     names = "abc"[:len(shape)]
     for axis in names:
       _assert_ici_neighbours(_Laid(grid, tuple(names)), axis, (2, 2, 2))
+  # One chip: itself.
+  assert _ids(_device_grid(devs[:1], [1], None)) == [0]
   # One axis: mesh_utils' order, whatever it is (in jax 0.12 a ring: 8 one-hop steps).
   line = _device_grid(devs, [8], None)
   assert _ids(line) == _ids(mesh_utils.create_device_mesh([8], devs,

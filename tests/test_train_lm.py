@@ -191,15 +191,21 @@ def _no_compile_cache():
 README_MESHES = ["data=2,fsdp=4", "data=-1,fsdp=2,tensor=2", "data=-1,fsdp=8"]
 
 
-@pytest.mark.parametrize("size, mesh_spec", [("nano", m) for m in README_MESHES] + [
-    ("llama-tiny", "data=2,fsdp=4"), ("llama-tiny", "data=-1,fsdp=2,tensor=2")])
-def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, no_compile_cache):
+@pytest.mark.parametrize("size, mesh_spec, partitioner", [
+    ("nano", m, "shardy") for m in README_MESHES] + [
+    ("nano", "data=2,fsdp=4", "gspmd"), ("llama-tiny", "data=2,fsdp=4", "shardy"),
+    ("llama-tiny", "data=-1,fsdp=2,tensor=2", "shardy")], indirect=["partitioner"])
+def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, partitioner,
+                                                    no_compile_cache):
   assert _xla_warnings(mesh_spec, size) == ()
 
 
-def test_plain_embedding_lookup_draws_the_warning(monkeypatch, no_compile_cache):
-  """The control: with the table lookup left to GSPMD (no gather of d first), the same step
-  on data=2,fsdp=4 draws XLA's involuntary rematerialization, and the report carries it."""
+@pytest.mark.parametrize("partitioner", ["gspmd"], indirect=True)
+def test_plain_embedding_lookup_draws_the_warning(monkeypatch, partitioner, no_compile_cache):
+  """The control: with the table lookup left to the partitioner (no gather of d first), the
+  same step on data=2,fsdp=4 draws XLA's involuntary rematerialization under GSPMD
+  propagation (in jax 0.10.2 under Shardy too; jax 0.12's Shardy places this gather without
+  it), and the report carries it."""
   monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens: table[tokens])
   warnings = _xla_warnings("data=2,fsdp=4")
   assert any("Involuntary full rematerialization" in w for w in warnings), warnings
