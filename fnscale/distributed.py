@@ -10,10 +10,13 @@ service. `peer_guard` turns a collective that failed because another process die
 `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
 
-How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectives):
-  * the survivors' next collective usually fails at once ("Gloo all-reduce failed ...
-    Connection closed by peer"); inside `peer_guard` that becomes a `DistributedError` naming
-    the processes that no longer answer;
+How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo collectives):
+  * with jax 0.10.2 the survivors' next collective usually fails at once ("Gloo all-gather
+    failed ... Connection closed by peer"); inside `peer_guard` that becomes a
+    `DistributedError` naming the processes that no longer answer;
+  * with jax 0.12 (and NCCL) it blocks instead; inside `peer_guard` a helper thread sees the
+    dead process's signs of life stop (`fnscale._liveness`) and ends each survivor with the
+    same kind of `DistributedError` and status 75, `timeout_s` after;
   * a survivor blocked elsewhere is ended by JAX itself, from C++, `heartbeat_timeout_s`
     after the last heartbeat of the dead process: SIGABRT (exit status 134 / -6) with
     "Terminating process because the JAX distributed service detected fatal errors ...
@@ -43,6 +46,7 @@ from jax.sharding import NamedSharding
 import numpy as np
 
 from fnscale import _compat
+from fnscale import _liveness
 from fnscale.errors import DistributedError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
@@ -162,6 +166,7 @@ def _exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
   code, where no Python exception can reach it): the error on stderr, then `status`."""
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
   try:
+    _liveness.leave()  # on purpose: the others must not report this process lost
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -707,8 +712,12 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   When the block raises a runtime error from JAX (a failed all-reduce, an unreachable
   coordination service) in a multi-process job, every surviving process checks in at a
   barrier for at most `timeout_s` seconds; those that don't arrive are named. Errors of
-  other kinds, or when every process checks in, pass through unchanged. In one process it
-  does nothing.
+  other kinds, or when every process checks in, pass through unchanged. A collective that
+  blocks on the dead process instead of failing (jax 0.12's gloo, NCCL) is covered by a
+  helper thread (`fnscale._liveness`): every process inside `peer_guard` shows signs of life
+  in the coordination service, and one silent for `timeout_s` seconds ends the others with
+  the same error on stderr and status 75 (`EXIT_JOB_FAILED`). In one process it does
+  nothing.
 
   Keep `timeout_s` below `initialize`'s `heartbeat_timeout_s`: once the coordination service
   notices the missing heartbeats, JAX ends every process at once from C++ (see the module
@@ -721,8 +730,19 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
+  rt = _runtime()
+
+  def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
+    _exit_with(DistributedError(
+        f"lost {_processes(missing)} of {rt[2]}: {_processes(missing)} gave no sign of life "
+        f"for {timeout_s} s while process {rt[1]} ran inside peer_guard (a collective waiting "
+        "for a lost process blocks instead of failing), so process "
+        f"{rt[1]} stops now, before JAX's coordination service would abort it."
+        + _LOST_FIX.format(named=_processes(missing))))
+
   try:
-    yield
+    with _liveness.watch(*rt[:2], timeout_s, silent) if rt else contextlib.nullcontext():
+      yield
   except Exception as e:  # pylint: disable=broad-except
     if (isinstance(e, DistributedError) or not jax.distributed.is_initialized()
         or not _PEER_FAILURE.search(f"{type(e).__name__} {e}")):
@@ -734,15 +754,22 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
     if not missing:
       raise
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    named = ("an unknown process" if missing == [-1] else
-             f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+    named = _processes(missing)
     raise DistributedError(
         f"lost {named} of {st.num_processes}: a collective failed in process "
         f"{st.process_id} ({type(e).__name__}: {first}) and {named} did not check in within "
-        f"{timeout_s} s ({words}). The job can't go on: every collective needs every process. "
-        f"Fix: look at the log of {named} for why it stopped (killed, out of memory, "
-        "preempted, crashed), then restart every process; resume from the last checkpoint "
-        "(fnscale.checkpoint.latest_step).") from e
+        f"{timeout_s} s ({words})." + _LOST_FIX.format(named=named)) from e
+
+
+_LOST_FIX = (" The job can't go on: every collective needs every process. Fix: look at the "
+             "log of {named} for why it stopped (killed, out of memory, preempted, crashed), "
+             "then restart every process; resume from the last checkpoint "
+             "(fnscale.checkpoint.latest_step).")
+
+
+def _processes(ids: list[int]) -> str:
+  return ("an unknown process" if ids == [-1] else
+          f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}")
 
 
 def _leaf_global_shape(path: str, local_shape, sharding) -> tuple[int, ...]:
