@@ -23,6 +23,9 @@ from fnscale import _compat
 
 _DIR = "fnscale/alive/"
 _LEFT = "left"
+# This process published signs of life (only then do others judge it, and only then is its
+# client surely connected: a half-formed one aborts the process when called).
+_PUBLISHED = threading.Event()
 # This process is ending on purpose: its watcher publishes no more counters (the lock keeps
 # a counter from landing after "left").
 _LEAVING = threading.Event()
@@ -33,6 +36,7 @@ def _publish(client, pid: int, value: str) -> None:
   with _PUBLISH:
     if value == _LEFT or not _LEAVING.is_set():
       client.key_value_set(f"{_DIR}{pid}", value, allow_overwrite=True)
+      _PUBLISHED.set()
 
 
 def _entries(client) -> dict[int, str]:
@@ -42,6 +46,8 @@ def _entries(client) -> dict[int, str]:
 def leave() -> None:
   """Marks this process as ending on purpose (fnscale's own exits call it)."""
   _LEAVING.set()
+  if not _PUBLISHED.is_set():
+    return  # no one judges this process (and its client may not be connected yet)
   st = _compat.distributed_state()
   if st.client is not None:
     with contextlib.suppress(Exception):  # the coordination service may be gone already

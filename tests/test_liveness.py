@@ -93,3 +93,23 @@ def test_a_block_that_raises_does_not_say_left():
       time.sleep(0.1)
       raise RuntimeError("boom")
   assert store.data["fnscale/alive/3"] != "left"  # gone: the others will name it
+
+
+def test_leave_says_left_only_once_this_process_published(monkeypatch):
+  store = _Store()
+  for name in ("_PUBLISHED", "_LEAVING"):
+    monkeypatch.setattr(_liveness, name, threading.Event())
+  state = _liveness._compat.DistributedState(store, 2, 3, "127.0.0.1:1", False)
+  asked = []
+  monkeypatch.setattr(_liveness._compat, "distributed_state",
+                      lambda: asked.append(1) or state)
+  # Before any watch (e.g. a join that timed out): the client, maybe half-formed, is left alone.
+  _liveness.leave()
+  assert asked == [] and store.data == {}
+  monkeypatch.setattr(_liveness, "_LEAVING", threading.Event())
+  with _liveness.watch(store, 2, 0.4, lambda ids: None):
+    time.sleep(0.2)
+    _liveness.leave()  # fnscale's own exit, from inside the block
+    assert store.data["fnscale/alive/2"] == "left"
+    time.sleep(0.3)  # the watcher publishes no counter over it
+    assert store.data["fnscale/alive/2"] == "left"
