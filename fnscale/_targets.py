@@ -17,6 +17,7 @@ The link bandwidths below belong beside the chip facts in `fnscale/topology.py` 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import types
@@ -63,7 +64,8 @@ class Hardware(NamedTuple):
   cubes); `peak_flops` (FLOP/s), `hbm_bytes`; `links`: `LinkFacts` (on CPU `ici_link` is the
   measured memory-copy rate of the whole host); `devices`: described devices for an
   ahead-of-time compile (None where there are none); `overlap`: whether collectives overlap
-  compute (async collectives on TPU/GPU; not on simulated CPU devices).
+  compute (async collectives on TPU/GPU; not on simulated CPU devices); `no_devices`: why
+  `devices` is None (libtpu's error, or a GPU target), "" where there are devices.
   """
   name: str
   kind: str
@@ -77,10 +79,17 @@ class Hardware(NamedTuple):
   links: LinkFacts
   devices: Any = None
   overlap: bool = True
+  no_devices: str = ""
 
   @property
   def num_devices(self) -> int:
     return self.num_slices * self.devices_per_slice
+
+  @property
+  def chips(self) -> int:
+    """Chips (GPUs) of the target: TPU slices count their chip grid, whatever the number of
+    JAX devices per chip; elsewhere a device is a chip."""
+    return math.prod(self.chip_grid) * self.num_slices if self.chip_grid else self.num_devices
 
 
 def known_targets() -> list[str]:
@@ -110,28 +119,44 @@ def _tpu(name: str, generation: str, chips: int | None, grid: tuple[int, ...] | 
          slices: int) -> Hardware:
   facts = _topology.TPU_FACTS[generation]
   grid = grid or grid_for(chips, facts.torus_dims)
-  devices = None
-  try:  # described devices, for ahead-of-time compiles; None where libtpu is absent
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    shape = "x".join(map(str, grid))
-    devices = topologies.get_topology_desc(
-        platform="tpu", topology_name=f"{_LIBTPU_NAMES[generation]}:{shape}",
-        **({"num_slices": slices} if slices > 1 else {})).devices
-  except Exception:  # pylint: disable=broad-except
-    devices = None
+  devices, why = _describe(generation, grid, slices)
   per_slice = len(devices) // slices if devices else math.prod(grid)
   # A megacore chip (v4, v5p) is one JAX device; cores_per_chip devices otherwise.
   chips_per_device = math.prod(grid) / per_slice
   return Hardware(name, "tpu", generation, slices, per_slice, tuple(grid),
                   _wrap(generation, grid), facts.peak_flops * chips_per_device,
-                  facts.hbm_bytes * chips_per_device, LINK_FACTS[generation], devices)
+                  facts.hbm_bytes * chips_per_device, LINK_FACTS[generation], devices,
+                  no_devices=why)
+
+
+def _describe(generation: str, grid: tuple[int, ...], slices: int):
+  """(libtpu's described devices for an ahead-of-time compile, "") or (None, why not): the
+  planner still plans without them, and says why it could not compile."""
+  name = f"{_LIBTPU_NAMES[generation]}:{'x'.join(map(str, grid))}"
+  try:
+    return list(_described(name, slices)), ""
+  except Exception as e:  # pylint: disable=broad-except  # any libtpu failure is reported
+    text = " ".join(str(e).split())[:400] or "(no message)"
+    return None, (f"libtpu could not describe the devices of {name}"
+                  + (f" x {slices} slices" if slices > 1 else "")
+                  + f": {type(e).__name__}: {text}")
+
+
+@functools.lru_cache(maxsize=64)  # a big topology takes libtpu a while; failures raise
+def _described(name: str, slices: int) -> tuple:
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return tuple(topologies.get_topology_desc(
+      platform="tpu", topology_name=name,
+      **({"num_slices": slices} if slices > 1 else {})).devices)
 
 
 def _gpu(name: str, kind: str, count: int) -> Hardware:
   facts = next(v for k, v in _topology.GPU_FACTS.items() if k.lower() == kind.lower())
   nodes = max(count // GPUS_PER_NODE, 1)
   return Hardware(name, "gpu", kind.upper(), nodes, count // nodes, (), False,
-                  facts.peak_flops, facts.hbm_bytes, LINK_FACTS[kind.upper()])
+                  facts.peak_flops, facts.hbm_bytes, LINK_FACTS[kind.upper()],
+                  no_devices=("jax describes no GPU devices for ahead-of-time compiles (only "
+                              "TPUs, through libtpu)"))
 
 
 def cpu_hardware(matmul_flops: float, copy_bytes_per_s: float, devices=None) -> Hardware:

@@ -21,6 +21,7 @@ from fnscale import _tree
 from fnscale import report as _report
 from fnscale import sharding as _sh
 from fnscale import state as _state
+from fnscale import step as _step
 from fnscale.distributed import agree_on_step
 from fnscale.errors import FnscaleError, StepError
 
@@ -253,7 +254,10 @@ class ShardedStep:
     rep = NamedSharding(self.mesh, PartitionSpec())
     jitted = jax.jit(self._body(batch, batch_flat), in_shardings=(ssh, bsh),
                      out_shardings=(ssh, rep), donate_argnums=(0,) if self.donate else ())
-    with jax.set_mesh(self.mesh):
+    # The step knows the params' shardings (gradient accumulators are pinned to them).
+    params = getattr(state, "params", None)  # a TrainState's first leaves
+    specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
+    with jax.set_mesh(self.mesh), specs:
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:

@@ -236,7 +236,7 @@ class _Config(NamedTuple):
   policy: jmp.Policy | None
   accum_steps: int
   has_aux: bool
-  accum_gather: str = "once"
+  accum_gather: str = "per_microbatch"
 
 
 def _scaled_loss(cfg: _Config, params, batch, loss_scale):
@@ -244,7 +244,7 @@ def _scaled_loss(cfg: _Config, params, batch, loss_scale):
   if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
     batch = cfg.policy.cast_to_compute(batch)
-  out = cfg.loss_fn(params, batch)
+  out = cfg.loss_fn(_for_compute(params), batch)
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
@@ -263,62 +263,174 @@ def _scaled_loss(cfg: _Config, params, batch, loss_scale):
   return scaled, (loss, aux)
 
 
-def _grad_sum(cfg: _Config, params, micro, scale):
+def _for_compute(params):
+  """Params as the loss computes with them: on Explicit data axes each leaf is gathered over
+  those axes first (FSDP stores weights split and gathers them for use; the partitioner does
+  it on Auto axes). Without it a weight split over "fsdp" meeting a batch split over "fsdp"
+  would put one axis on two dims of a result, which jax refuses (ShardingTypeError). Its
+  gradient is the reverse: a reduce-scatter back to the stored sharding."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return params
+  explicit = set(getattr(mesh, "explicit_axes", ())) & set(_axes.DATA_AXES)
+  if not explicit:
+    return params
+
+  def gather(x):
+    spec = getattr(jax.typeof(x), "sharding", None)
+    spec = tuple(spec.spec) if spec is not None else ()
+    kept = PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e)
+                                                  if a not in explicit)) for e in spec))
+    return jax.sharding.reshard(x, kept) if kept != PartitionSpec(*spec) else x
+  return jax.tree.map(gather, params)
+
+
+def _grad_sum(cfg: _Config, params, micro, scale, reduce: bool = True):
   """Gradients, loss and aux of the batch, or averaged over the microbatches `micro`
-  ([accum, rows, ...], a `lax.scan`), reduced once over the manual data axes (if any)."""
+  ([accum, rows, ...], a `lax.scan`), reduced once over the manual data axes (if any; the
+  gradients only when `reduce`). The float32 accumulator keeps the params' sharding."""
   axes = _manual_data_axes()
   params = _vary(params, axes)  # per-shard gradients are local (varying) until reduced
   ls = None if scale is None else jmp.StaticLossScale(scale)
   grad_fn = jax.grad(functools.partial(_scaled_loss, cfg), has_aux=True)
   if cfg.accum_steps == 1:
     grads, (loss, aux) = grad_fn(params, micro, ls)
-    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, aux, axes)
+    return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, aux, axes, reduce)
 
   def body(carry, mb):
     gsum, lsum = carry
     g, (l, a) = grad_fn(params, mb, ls)
-    return (optax.tree.add(gsum, optax.tree.cast(g, jnp.float32)), lsum + l), a
+    gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
+    return (_like_params(gsum, params), lsum + l), a
 
-  init = (_vary(optax.tree.zeros_like(params, jnp.float32), axes),
+  init = (_like_params(_vary(optax.tree.zeros_like(params, jnp.float32), axes), params),
           _vary(jnp.zeros((), jnp.float32), axes))
   (gsum, lsum), auxs = jax.lax.scan(body, init, micro)
   n = jax.tree.leaves(micro)[0].shape[0]
   grads, loss = optax.tree.scale(1.0 / n, gsum), lsum / n
   aux = _reduce_aux(auxs, axis=0) if cfg.has_aux else None
-  return _reduce(cfg, grads, loss, aux, axes)
+  return _reduce(cfg, grads, loss, aux, axes, reduce)
 
 
-def _reduce(cfg: _Config, grads, loss, aux, axes):
+def _reduce(cfg: _Config, grads, loss, aux, axes, reduce_grads: bool = True):
   """The one gradient reduction of the step (after every microbatch), over manual axes."""
   if axes:
-    grads = jax.lax.pmean(_vary(grads, axes), axes)
+    if reduce_grads:
+      grads = jax.lax.pmean(_vary(grads, axes), axes)
     loss = jax.lax.pmean(_vary(loss, axes), axes)
     aux = _reduce_aux(aux, axis_name=axes) if cfg.has_aux else None
   return grads, loss, aux
 
 
+# The params' PartitionSpecs while `shard_step` traces the step: (treedef, specs), or None.
+# A jax user context, so it is part of jit's cache key like `with_kernel`'s choice.
+_PARAM_SPECS = jax.make_user_context(None)
+
+
+def param_specs(params, shardings: list):
+  """A context in which the traced step knows the params' shardings (`shard_step` enters it
+  while lowering; `shardings`: one per leaf of `params`, in order): gradient accumulators
+  and reduced gradients are pinned to them."""
+  treedef = jax.tree.structure(params)
+  return _PARAM_SPECS((treedef, tuple(s.spec for s in shardings)))
+
+
+def _known_specs(params) -> list | None:
+  """The params' PartitionSpecs, one per leaf, where known: from the array types on Explicit
+  axes, else from `param_specs`; None when unknown (a step traced outside `shard_step`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  if not mesh.auto_axes:  # every axis Explicit: the params' types carry their shardings
+    return [jax.typeof(p).sharding.spec for p in jax.tree.leaves(params)]
+  known = _PARAM_SPECS.value
+  if known is None or known[0] != jax.tree.structure(params):
+    return None
+  return list(known[1])
+
+
+def _only(spec: PartitionSpec, keep) -> PartitionSpec:
+  """`spec` with only the mesh axes for which `keep(axis)` holds."""
+  return PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if keep(a)))
+                         for e in spec))
+
+
+def _like_params(tree, params):
+  """`tree` (shaped like the params) sharded as the params are, where that is known
+  (`_known_specs`); manual axes are left out."""
+  specs = _known_specs(params)
+  if specs is None:
+    return tree
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  leaves, treedef = jax.tree.flatten(tree)
+  if not jax.sharding.get_abstract_mesh().auto_axes:
+    pin = jax.sharding.reshard
+  else:
+    pin = jax.lax.with_sharding_constraint
+  return jax.tree.unflatten(treedef, [pin(x, _only(s, lambda a: a not in manual))
+                                      for x, s in zip(leaves, specs)])
+
+
+def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
+  """Inside a shard_map manual over `axes`: the sum over `axes` of a local gradient, each
+  device keeping the block `spec` gives it (a reduce-scatter over the axes that split the
+  param, an all-reduce over the others)."""
+  used = []
+  for dim, entry in enumerate(spec):
+    split = tuple(a for a in _tree.entry_axes(entry) if a in axes)
+    if split:
+      g = jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True)
+      used += split
+  rest = tuple(a for a in axes if a not in used)
+  return jax.lax.psum(g, rest) if rest else g
+
+
+def _gather_once(cfg: _Config, params, micro, scale, axes, specs):
+  """accum_gather="once": the microbatch loop per shard under `jax.shard_map`, manual over
+  the data axes `axes` (other axes stay with the partitioner). Params, cast to the compute
+  dtype first, are all-gathered once at its entry; every device sums its own microbatches'
+  float32 gradients in a whole-size accumulator, reduced once after the loop:
+  reduce-scattered to the params' sharding `specs` (all-reduced over axes the params are
+  replicated on). check_vma=False: a Pallas kernel inside (splash attention) has no
+  varying-axes type; the gradients are taken inside the body, so no reduction is implied.
+  """
+  if cfg.policy is not None:
+    params = cfg.policy.cast_to_compute(params)
+  params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
+  treedef = jax.tree.structure(params)
+  mesh = jax.sharding.get_abstract_mesh()
+  n = math.prod(mesh.shape[a] for a in axes)
+  mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
+  gspec = jax.tree.unflatten(treedef, [_only(s, lambda a: a in axes) for s in specs])
+
+  def local(params, micro, scale):
+    grads, loss, aux = _grad_sum(cfg, params, micro, scale, reduce=False)
+    leaves = [_scatter(g, s, axes) / n for g, s in zip(jax.tree.leaves(grads), specs)]
+    return jax.tree.unflatten(treedef, leaves), loss, aux
+
+  f = jax.shard_map(local, in_specs=(PartitionSpec(), mspec, PartitionSpec()),
+                    out_specs=(gspec, PartitionSpec(), PartitionSpec()),
+                    axis_names=set(axes), check_vma=False)
+  return f(params, micro, scale)
+
+
 def _gradients(cfg: _Config, params, batch, ls):
   """float32 gradients (still loss-scaled), loss and aux of the whole batch, reduced over
-  the data axes.
-
-  With accumulation over (Auto or Explicit) data axes and `accum_gather="once"`, the microbatch
-  loop runs per shard under `jax.shard_map` over those axes: params are gathered once at
-  its entry and gradients reduced once after it. With "per_microbatch" GSPMD partitions
-  the loop body, which re-gathers FSDP params and reduces gradients in every microbatch.
-  """
+  the data axes (see `train_step`'s accum_gather)."""
   scale = None if ls is None else ls.loss_scale
   if cfg.accum_steps == 1:
     return _grad_sum(cfg, params, batch, scale)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
-  if not axes or cfg.accum_gather == "per_microbatch":
+  if not axes:
     return _grad_sum(cfg, params, micro, scale)
-  specs = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
-  f = jax.shard_map(functools.partial(_grad_sum, cfg), in_specs=(PartitionSpec(), specs,
-                                                                  PartitionSpec()),
-                    out_specs=PartitionSpec(), axis_names=set(axes), check_vma=True)
-  return f(params, micro, scale)
+  if cfg.accum_gather == "per_microbatch":
+    # (Not per shard over the data axes the params are whole on, which would reduce those
+    # once: XLA's partitioner aborts on a table lookup inside such a partly manual loop.)
+    return _grad_sum(cfg, params, micro, scale)
+  specs = _known_specs(params) or [PartitionSpec()] * len(jax.tree.leaves(params))
+  return _gather_once(cfg, params, micro, scale, axes, specs)
 
 
 def _update(cfg: _Config, state, grads, ls):
@@ -358,11 +470,11 @@ def _step(cfg: _Config, state, batch):
   return new_state, metrics
 
 
-_ACCUM_GATHER = ("once", "per_microbatch")
+ACCUM_GATHER = ("per_microbatch", "once")
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 1,
-               has_aux: bool = False, accum_gather: str = "once") -> Callable:
+               has_aux: bool = False, accum_gather: str = "per_microbatch") -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
 
   Args:
@@ -378,18 +490,24 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       many microbatches of B / accum_steps rows, run them with `lax.scan` and sum their
       gradients in float32 before one optimizer update. Microbatch i holds rows
       i, i + accum_steps, ..., so under a mesh (the step traced inside `jax.set_mesh`, as
-      `shard_step` does) every microbatch stays spread over the data axes. The gradient
-      is reduced over the data axes once per step, after the last microbatch.
+      `shard_step` does) every microbatch stays spread over the data axes.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
-    accum_gather: with `accum_steps > 1` under a mesh with data axes, how FSDP
-      params meet the microbatches. "once" (default): the microbatch loop runs per shard
-      under `jax.shard_map` over the data axes; params are all-gathered once at its entry
-      and stay whole on every device for the loop (memory: the full params per device), and
-      gradients are all-reduced once after it. "per_microbatch": GSPMD partitions the loop
-      body; params stay sharded between microbatches and are re-gathered in each (accum x
-      the all-gather traffic), and gradients are reduced in each microbatch too (accum x the
-      reduction traffic); use it when the whole params don't fit on one device. Measure
-      either with `fnscale.compile_report(...).collectives`.
+    accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
+      between microbatches. FSDP semantics either way: the gradients end in the params'
+      sharding, never in a whole-size accumulator that is all-reduced at the end.
+      "per_microbatch" (default, ZeRO-3): params stay sharded and are gathered inside each
+      microbatch, as without accumulation (accum x the all-gather traffic); each
+      microbatch's gradient is reduced into a float32 accumulator sharded as the params are
+      (accum x the reduction traffic). Per-device memory as at accum 1 plus the sharded
+      accumulator.
+      "once": for models whose whole params fit on a device. The microbatch loop runs per
+      shard under `jax.shard_map` over the data axes; params, cast to the compute dtype,
+      are all-gathered once at its entry and stay whole for the loop; every device sums
+      its own float32 gradients in a whole-size accumulator, reduce-scattered once after
+      the loop (all-reduced over data axes the params are replicated on). Traffic as at
+      accum 1; memory: whole compute-dtype params and a whole float32 accumulator per
+      device. `fnscale.plan` chooses between them.
+      Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
 
   Returns:
     `step(state: TrainState, batch) -> (TrainState, metrics)`, a plain function; metrics is
@@ -416,8 +534,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
   _tree.check_int(accum_steps, "accum_steps", StepError, minimum=1)
   if not isinstance(has_aux, bool):
     raise StepError(f"has_aux is {_tree.got(has_aux)}, expected a bool.")
-  if accum_gather not in _ACCUM_GATHER:
-    raise StepError(f"accum_gather={accum_gather!r}, expected one of {_ACCUM_GATHER}.")
+  if accum_gather not in ACCUM_GATHER:
+    raise StepError(f"accum_gather={accum_gather!r}, expected one of {ACCUM_GATHER}.")
   cfg = _Config(loss_fn, optimizer, as_policy(policy), int(accum_steps), has_aux,
                 accum_gather)
 

@@ -136,6 +136,32 @@ def load(dataset: str, tokenizer: str = "") -> Corpus:
                 f"{len(eval_ids) / max(1, len(held)):.3f} tokens/byte)")
 
 
+class Baseline(NamedTuple):
+  """Held-out loss in nats per token of two count models fitted on the training split."""
+  unigram: float  # add-one smoothed token frequencies
+  bigram: float  # add-one smoothed P(token | previous token)
+
+
+def baseline(corpus: Corpus) -> Baseline:
+  """The unigram and bigram levels a language model of `corpus` should beat: counts from the
+  training split, add-one (Laplace) smoothing over the vocabulary, mean negative log
+  likelihood over the held-out split (each held-out token after the first, given the one
+  before it, for the bigram). Units: nats per token, as `train_lm`'s eval loss."""
+  train, held, v = corpus.train.astype(np.int64), corpus.eval.astype(np.int64), corpus.vocab
+  uni = np.bincount(train, minlength=v)
+  unigram = -np.mean(np.log((uni[held] + 1) / (len(train) + v)))
+  pairs, queries = train[:-1] * v + train[1:], held[:-1] * v + held[1:]
+  if v * v <= 1 << 24:  # a dense table of pair counts (bytes: 65,536 entries)
+    seen = np.bincount(pairs, minlength=v * v)[queries]
+  else:  # large vocabularies: count only the pairs that occur
+    keys, counts = np.unique(pairs, return_counts=True)
+    at = np.minimum(np.searchsorted(keys, queries), len(keys) - 1)
+    seen = np.where(keys[at] == queries, counts[at], 0)
+  before = np.bincount(train[:-1], minlength=v)[held[:-1]]
+  bigram = -np.mean(np.log((seen + 1) / (before + v)))
+  return Baseline(float(unigram), float(bigram))
+
+
 def _tokenizer(path: str):
   import tokenizers  # pylint: disable=import-outside-toplevel
   if not os.path.isfile(path):

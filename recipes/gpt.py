@@ -166,19 +166,63 @@ def _block(x, p):
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-  """`table[tokens]` ([vocab, d] at int [batch, seq] -> [batch, seq, d]), batch-split.
+  """`table[tokens]` ([vocab, d] at int [batch, seq] -> [batch, seq, d]), batch-split, with
+  only token ids and activations crossing devices: the table is never gathered.
 
-  Under FSDP the table's d is split over "fsdp" and the batch over ("data", "fsdp"): one
-  mesh axis on two dims of the gather, which GSPMD can only resolve by replicating the
-  output ("[SPMD] Involuntary full rematerialization", forward and backward);
-  `constrain_batch` on the output alone doesn't help. Gathering the table's d first (what
-  FSDP does for every weight before use; vocab keeps its split) leaves one layout to choose.
+  The table is stored as the rules put it: d over "fsdp", vocab over "tensor". Under a mesh
+  the lookup runs in a `jax.shard_map` over the axes the trace sees whole: each device
+  all-gathers its fsdp group's token ids (int32 [rows x fsdp, seq]), looks them up in its own
+  [vocab / tensor, d / fsdp] block (ids outside the block give 0, summed over "tensor"), and
+  an all-to-all over "fsdp" turns the [rows x fsdp, seq, d / fsdp] result into this
+  device's [rows, seq, d]. The backward pass is the same in reverse: an all-to-all of the
+  activations' gradient and a local scatter-add into the table's block. Left to the
+  partitioner (`table[tokens]`, one mesh axis on two dims of the gather), jax 0.10.2's GSPMD
+  replicates the output ("[SPMD] Involuntary full rematerialization"); gathering the table's
+  d first (what FSDP does for a weight) moves the whole table forward and its whole gradient
+  backward. Inside a `shard_map` that is manual over the data axes the ids are already local
+  and the table whole there: a plain lookup.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  # Only Auto axes take a constraint (inside shard_map they are Manual: nothing to choose).
-  if not mesh.empty and jax.sharding.AxisType.Auto in mesh.axis_types:
-    table = jax.lax.with_sharding_constraint(table, P(P.UNCONSTRAINED, None))
-  return fs.constrain_batch(table[tokens])
+  if mesh.empty:
+    return table[tokens]
+  manual = set(mesh.manual_axes)
+  free = lambda names: tuple(a for a in names if a in mesh.axis_names and a not in manual
+                             and mesh.shape[a] > 1)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  rows = free(("replica", "data", "fsdp"))
+  if tokens.shape[0] % size(rows):
+    rows = ()
+  fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)
+  vocab = free(("tensor",))
+  if table.shape[0] % size(vocab):
+    vocab = ()
+  if not rows and not vocab:
+    return fs.constrain_batch(table[tokens])
+
+  def local(table, tokens):
+    if fsdp:
+      tokens = jax.lax.all_gather(tokens, fsdp, axis=0, tiled=True)
+    if vocab:  # this device's vocabulary rows start at its index along "tensor"
+      ids = tokens - jax.lax.axis_index(vocab) * table.shape[0]
+      inside = (ids >= 0) & (ids < table.shape[0])
+      x = jnp.where(inside[..., None], table[jnp.clip(ids, 0, table.shape[0] - 1)], 0)
+      x = jax.lax.psum(x, vocab)
+    else:
+      x = table[tokens]
+    if fsdp:  # [rows x fsdp, seq, d / fsdp] -> [rows, seq, d]
+      x = jax.lax.all_to_all(x, fsdp, split_axis=0, concat_axis=2, tiled=True)
+    return x
+
+  spec_rows = _spec(rows)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(fsdp)),
+                                                   P(spec_rows, None)),
+                       out_specs=P(spec_rows, None, None), axis_names=frozenset(
+                           free(mesh.axis_names)), check_vma=True)(table, tokens)
+
+
+def _spec(axes: tuple[str, ...]):
+  """A PartitionSpec entry for mesh axes: None, one name, or a tuple."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:

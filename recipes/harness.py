@@ -3,9 +3,12 @@ device start-up, topology checks, precision, the MFU denominator, resume, the st
 report, progress and summary (recorded through run_log.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
+import re
 import sys
 import time
 from typing import Any, NamedTuple
@@ -101,6 +104,38 @@ def start(o):
   return say
 
 
+LOG_FILE = "log.txt"
+_ORBAX = os.sep + "orbax" + os.sep
+
+
+@contextlib.contextmanager
+def library_log(run_dir: str):
+  """While open, orbax's absl log records ("Given directory is read only=...", "`read` option
+  is deprecated" on every resume) go to `run_dir/log.txt` (`log.<i>.txt` on process i > 0),
+  made on the first record, instead of the console; other libraries' records pass as before.
+  """
+  i = jax.process_index()
+  handler = logging.FileHandler(os.path.join(run_dir, LOG_FILE if i == 0 else f"log.{i}.txt"),
+                                encoding="utf-8", delay=True)
+  handler.setFormatter(logging.Formatter(
+      "%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] %(message)s"))
+
+  def to_file(record: logging.LogRecord) -> bool:
+    if _ORBAX not in record.pathname:
+      return True
+    os.makedirs(run_dir, exist_ok=True)
+    handler.handle(record)
+    return False  # not passed on to the console's handlers
+
+  logger = logging.getLogger("absl")  # absl.logging's records, orbax's among them
+  logger.addFilter(to_file)
+  try:
+    yield
+  finally:
+    logger.removeFilter(to_file)
+    handler.close()
+
+
 def main(argv: list[str], cls, run, doc: str) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
   Exit status 0 done, 2 bad input or a refused checkpoint, 143 stopped by SIGTERM."""
@@ -154,22 +189,28 @@ def policy(precision: str, platform: str):
 
 @functools.cache
 def _host_matmul_peak() -> float:
-  # Measured once per process: the host's cores don't change between runs, and a later
-  # measurement under load would only read lower.
-  return flops.measure_matmul_peak()
+  # Measured once per process, in CPU seconds: other jobs on the machine take wall time from
+  # the measurement, not CPU time, so they can't lower the peak (and so inflate the MFU).
+  return flops.measure_matmul_peak(clock="cpu")
 
 
 def peak_flops(topo) -> tuple[float | None, str]:
   """The MFU denominator (FLOP/s of all devices together) and a line saying what it is."""
   if topo.platform == "cpu":
     peak = _host_matmul_peak() * jax.process_count()
-    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (best of several runs), "
-                  f"shared by all {jax.device_count()} simulated devices (one host's cores)")
+    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (the fastest of 10 "
+                  f"runs, per CPU-second x {flops.usable_cores()} cores: other jobs on the "
+                  f"machine lower the MFU, not the peak{_load_average()}), shared by all "
+                  f"{jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:
     return topo.peak_flops_per_device * jax.device_count(), (
         f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x {jax.device_count()} "
         "devices")
   return None, "unknown peak FLOP/s for this device kind; MFU not reported"
+
+
+def _load_average() -> str:
+  return f"; load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
 
 
 def peak_name(topo, peak: float) -> str:
@@ -215,7 +256,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
   params and the global batch; prints the top of the table and why the winner won.
 
   Returns:
-    (MeshAxes, remat: bool, accum_steps: int) of the chosen row.
+    (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
 
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
@@ -227,7 +268,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
                 policy=policy(precision, topo.platform), rules=model.RULES,
                 logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
-  return p.axes, p.remat, p.accum
+  return p.axes, p.remat, p.accum, p.accum_gather
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,14 +276,36 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
 # ------------------------------------------------------------------------------------------------
 
 
-def restore_or_init(ckpt_dir: str | None, init, expect: dict, say):
+def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str:
+  """`runs/<model>-<dataset>`, plus `-vocab<V>` with a tokenizer: runs of another model,
+  corpus or vocabulary get their own directories instead of resuming each other's
+  checkpoints. A dataset path or glob counts by its last plain name ("~/src/**/*.py": src)."""
+  plain = re.split(r"[*?\[]", dataset or "stdlib", maxsplit=1)[0]
+  name = os.path.splitext(os.path.basename(os.path.normpath(os.path.expanduser(plain))))[0]
+  name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "data"
+  return os.path.join("runs", f"{model}-{name}" + (f"-vocab{vocab}" if tokenizer else ""))
+
+
+def restore_or_init(ckpt_dir: str | None, init, expect: dict, say, run: str = ""):
   """`(state, start_step, extra)`: the newest good checkpoint in `ckpt_dir` (a damaged newer
   one is refused and left as it is), or `(init(), 0, None)` when there is none. Warns when
-  `extra` differs from `expect` (seed, corpus, batch: the data order would differ)."""
+  `extra` differs from `expect` (seed, corpus, batch: the data order would differ).
+
+  Raises:
+    CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
+      the message names `run` (this run's directory and model) and how to start afresh.
+  """
   on_disk = _step_dirs_on_disk(ckpt_dir) if ckpt_dir else []
   if not on_disk:
     return init(), 0, None
-  state, extra = fs.checkpoint.restore(ckpt_dir, init(abstract=True))
+  try:
+    state, extra = fs.checkpoint.restore(ckpt_dir, init(abstract=True))
+  except fs.CheckpointError as e:
+    raise fs.CheckpointError(
+        f"{run or ckpt_dir} can't resume from the checkpoints already in {ckpt_dir} (steps "
+        f"{on_disk}): {e} To keep them and start this run afresh, give it another directory "
+        "(--run_dir=NEW_DIR, or --checkpoint_dir); to start over in this one, remove "
+        f"{ckpt_dir} first.") from None
   start = int(extra["step"])
   refused = [d for d in on_disk if d > start]
   if refused:
@@ -267,9 +330,10 @@ def _step_dirs_on_disk(directory: str) -> list[int]:
                 if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
 
 
-def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, say) -> int:
-  """The start-up lines and the "start" record of run.json of a run set up as `s`;
-  `peak` is `peak_flops`'s pair. Returns the param count."""
+def describe(s, state, corpus, report, pol, peak, flops_step, resumed, say) -> int:
+  """The start-up lines and the "start" and "data" records of run.json of a run set up as
+  `s`; `corpus` is (its description, its data.Baseline), `peak` is `peak_flops`'s pair.
+  Returns the param count."""
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   c, seq = s.cfg, s.cfg.seq
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
@@ -283,7 +347,8 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
   say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
       f"({s.o.global_batch // dp} per data-parallel device x {dp} over {axes})"
       + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
-  say(f"data: {data_line}")
+  say(f"data: {corpus[0]}; held-out bigram baseline {corpus[1].bigram:.4f} nats/token "
+      "(recipes/baseline.py)")
   say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "
       f"{s.o.lr * s.o.min_lr_ratio:g}; precision {s.o.precision}"
       + (f" ({pol})" if pol is not None else " (float32)"))
@@ -295,6 +360,9 @@ def describe(s, state, data_line: str, report, pol, peak, flops_step, resumed, s
       processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
       peak_flops=peak[0], flops_per_step=flops_step, xla_warnings=list(report.xla_warnings)),
       active=jax.process_index() == 0)
+  rl.write_run_record(s.o.run_dir, "data", dict(
+      dataset=s.o.dataset, tokenizer=s.o.tokenizer, unigram_loss=corpus[1].unigram,
+      bigram_loss=corpus[1].bigram), active=jax.process_index() == 0)
   return n_params
 
 
@@ -326,14 +394,24 @@ def summarize(fields: dict, s, state, report, n_params: int, t0: float, say) -> 
                     metrics=os.path.join(s.o.run_dir, rl.METRICS_FILE))
   rl.write_run_record(s.o.run_dir, "summary", summary.record(),
                       active=jax.process_index() == 0)
-  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token, "
-      f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+  base = (f" (bigram baseline {summary.bigram_loss:.4f})"
+          if summary.bigram_loss is not None else "")
+  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token"
+      f"{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
       if summary.eval_loss is not None else f"done: step {summary.final_step}")
   return summary
 
 
 class Summary(NamedTuple):
-  """What `train_lm` returns; its printed form leaves out the final `state`."""
+  """What `train_lm` returns; its printed form leaves out the final `state`.
+
+  `loss` is the last progress line's train loss; `eval_loss` the final eval's held-out loss
+  and `bigram_loss` the corpus's add-one smoothed bigram model's on the whole held-out split
+  (the level to beat, `data.baseline`), both in nats per token. `tokens_per_s` and `mfu` are
+  whole-run figures: every timed step this call ran (each step after its first; evals,
+  checkpoints and the sample left out), not the last progress window; None when fewer than
+  two steps ran.
+  """
   final_step: int
   start_step: int
   resumed_from: int | None
@@ -341,6 +419,7 @@ class Summary(NamedTuple):
   loss: float | None
   eval_loss: float | None
   bits_per_byte: float | None
+  bigram_loss: float | None
   tokens_per_s: float | None
   mfu: float | None
   compile_s: float

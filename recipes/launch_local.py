@@ -43,29 +43,32 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def child_env(process_id: int, num_processes: int, devices_per_process: int, port: int,
-              base: dict[str, str] | None = None) -> dict[str, str]:
-  """Environment of child `process_id`: coordinator, process count and id, CPU device count."""
+def child_env(process_id: int, num_processes: int, devices_per_process: int | None, port: int,
+              base: dict[str, str] | None = None, *, host: str = "127.0.0.1") -> dict[str, str]:
+  """Environment of child `process_id`: coordinator (`host:port`, process 0's), process count
+  and id, and `devices_per_process` simulated CPU devices (None: the host's real devices)."""
   env = dict(os.environ if base is None else base)
-  xla = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
-  env["XLA_FLAGS"] = " ".join(xla + [f"{_COUNT_FLAG}{devices_per_process}"])
-  env.pop("JAX_NUM_CPU_DEVICES", None)
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+  if devices_per_process is not None:
+    xla = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join(xla + [f"{_COUNT_FLAG}{devices_per_process}"])
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+  env["JAX_COORDINATOR_ADDRESS"] = f"{host}:{port}"
   env["JAX_NUM_PROCESSES"] = str(num_processes)
   env["JAX_PROCESS_ID"] = str(process_id)
   env["PYTHONUNBUFFERED"] = "1"
   return env
 
 
-def _command(argv: Sequence[str]) -> list[str]:
+def command(argv: Sequence[str]) -> list[str]:
+  """`argv` as a process's command line: a leading `*.py` runs under this interpreter."""
   argv = list(argv)
   if not argv:
     raise ValueError("launch: empty command; give a recipe, e.g. ['recipes/train_lm.py']")
   return [sys.executable] + argv if argv[0].endswith(".py") else argv
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
   """SIGTERM then, after `grace_s`, SIGKILL to each still-running child's process group."""
   alive = [p for p in procs if p.poll() is None]
   for p in alive:
@@ -115,7 +118,7 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
   for name, v in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"launch: {name}={v!r}, expected a positive int")
-  cmd = _command(argv)
+  cmd = command(argv)
   stream = stream or (lambda line: print(line, end="", flush=True))
   port = free_port()
   procs, outputs, readers = [], [[] for _ in range(num_processes)], []
@@ -146,15 +149,15 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         stream(f"launch_local: process {failed[0]} exited with {codes[failed[0]]}; "
                "stopping the others\n")
-        _stop(procs, grace_s)
+        stop(procs, grace_s)
         break
       if deadline is not None and time.monotonic() > deadline:
         stream(f"launch_local: timeout after {timeout_s} s; stopping every process\n")
-        _stop(procs, grace_s)
+        stop(procs, grace_s)
         break
       time.sleep(0.05)
   except BaseException:
-    _stop(procs, grace_s)
+    stop(procs, grace_s)
     raise
   finally:
     for t in readers:

@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import fnscale as fs
 from fnscale import flops
@@ -128,12 +127,16 @@ def logical_axes(cfg: ModelConfig) -> dict:
           "w_down": ("layers", "mlp", "embed"),
       },
       "final_norm": ("norm",),
-      "unembed": ("embed", "vocab"),
+      "unembed": (None, "vocab_out"),
   }
 
 
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
-# heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism.
+# heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
+# output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
+# (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
+# over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
+VOCAB_OUT_AXES = ("fsdp", "tensor")
 RULES = (
     ("batch", ("replica", "data", "fsdp")),
     ("embed", "fsdp"),
@@ -141,6 +144,9 @@ RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("vocab_out", VOCAB_OUT_AXES),
+    ("vocab_out", "fsdp"),
+    ("vocab_out", "tensor"),
     ("norm", None),  # RMSNorm scales: small, replicated on purpose
 )
 
@@ -192,6 +198,18 @@ def _config_of(params: dict, tokens) -> ModelConfig:
                      vocab=params["unembed"].shape[-1])
 
 
+def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
+           rope_theta: float = 500_000.0) -> jax.Array:
+  """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
+  params' dtype (after the last RMSNorm, before the output layer)."""
+  cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
+  x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
+  block = lambda x, p: _block(x, p, cfg)
+  block = jax.checkpoint(block) if remat else block
+  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+  return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
+
+
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
           rope_theta: float = 500_000.0) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
@@ -200,19 +218,22 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
   the backward pass (`jax.checkpoint`, nothing saved inside a block).
   """
-  cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
-  x = gpt.embed_lookup(params["embed"], tokens)  # batch-split, no involuntary remat
-  block = lambda x, p: _block(x, p, cfg)
-  block = jax.checkpoint(block) if remat else block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
-  x = rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
+  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta)
   return jnp.einsum("bsd,dv->bsv", x, params["unembed"]).astype(jnp.float32)
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
-  """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq]."""
-  logits = apply(params, batch["inputs"], remat=remat)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq].
+
+  `fnscale.cross_entropy` walks the vocabulary in blocks (online logsumexp, logits
+  recomputed in the backward pass: one more [tokens, d] x [d, vocab] matmul): the float32
+  [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
+  be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
+  the output layer is split on (`VOCAB_OUT_AXES`)."""
+  x = hidden(params, batch["inputs"], remat=remat)
+  d = x.shape[-1]
+  return fs.cross_entropy(x.reshape(-1, d), params["unembed"].astype(x.dtype),
+                          batch["targets"].reshape(-1), vocab_axes=VOCAB_OUT_AXES)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

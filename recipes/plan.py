@@ -1,12 +1,14 @@
 """Plan the mesh, remat and accumulation for a Llama model on a target pod, from this machine.
 
   python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
+  python recipes/plan.py --model=llama-8b --target=v5p-128 --tokens=2e12 --verify=0
   python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
   python recipes/plan.py --measure                # CPU: predicted vs measured step-time order
 
-`fnscale.plan` ranks the candidates with its analytic model and compiles the best `--verify`
-of them for the target's described devices (TPU targets; libtpu does this without the
-hardware). `--measure` plans for this host's 8 simulated CPU devices with the cost model
+`fnscale.plan` ranks the candidates by its forecast (step time, tokens/s, MFU beside the
+roofline's bound; with `--tokens`, days and chip-hours to train on that many tokens) and
+compiles the best `--verify` of them for the target's described devices (TPU targets; libtpu
+does this without the hardware; default: 1 where it can, none elsewhere). `--measure` plans for this host's 8 simulated CPU devices with the cost model
 calibrated from measured matmul and memory-copy rates, runs every candidate mesh, and
 reports the Spearman rank correlation between predicted and measured step times.
 """
@@ -36,7 +38,7 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 # By name from the module, so a top-level `fnscale.plan` function can't shadow it.
 from fnscale.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-    Plan, calibrate_cpu, mesh_str, plan, summary)
+    Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
 from recipes import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
@@ -46,7 +48,7 @@ def _batch(rows: int, seq: int) -> dict:
   return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
 
 
-def make_plan(model: str, target, rows: int, seq: int, verify: int, policy=POLICY,
+def make_plan(model: str, target, rows: int, seq: int, verify: int | None, policy=POLICY,
               **kw) -> Plan:
   """`fnscale.plan` for a named Llama size (`recipes/llama.py`) and AdamW."""
   cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
@@ -111,7 +113,11 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=256, help="global batch, rows")
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--layers", type=int, default=None, help="override the model's depth")
-  ap.add_argument("--verify", type=int, default=1, help="candidates to compile for the target")
+  ap.add_argument("--verify", type=int, default=None,
+                  help="candidates to compile for the target (default: 1 where its devices "
+                       "can be described, else none, and the plan says why)")
+  ap.add_argument("--tokens", type=float, default=None,
+                  help="token budget, e.g. 2e12: days and chip-hours per candidate")
   ap.add_argument("--measure", action="store_true")
   ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
   ap.add_argument("--steps", type=int, default=7, help="--measure: interleaved rounds")
@@ -125,7 +131,11 @@ def main(argv=None) -> int:
   else:
     overrides = {"layers": a.layers} if a.layers else {}
     t0 = time.perf_counter()
-    p = make_plan(a.model, a.target, a.batch, a.seq, a.verify, overrides=overrides)
+    verify = a.verify
+    if verify is None:  # one compile where the target's devices can be described
+      verify = 0 if cannot_verify(a.target) else 1
+    p = make_plan(a.model, a.target, a.batch, a.seq, verify, overrides=overrides,
+                  tokens=a.tokens)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
     res = summary(p)

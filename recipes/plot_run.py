@@ -5,7 +5,8 @@
 
 Reads `RUN_DIR/metrics.jsonl` as `run_log.py` writes it (one JSON object per line: "step"
 and scalars named "train/loss", "eval/loss", "perf/tokens_per_s", "perf/mfu"); lines
-without those are skipped. Works while the run is still writing.
+without those are skipped. Works while the run is still writing. The corpus's bigram baseline,
+when `train_lm` recorded it in `RUN_DIR/run.json`, is a dashed line in the loss panel.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import sys
 from absl import app
 from absl import flags
 
-from fnscale.errors import FnscaleError
-from recipes.run_log import METRICS_FILE
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.run_log import METRICS_FILE, RUN_FILE  # noqa: E402
+
 # (panel title, y label, scale, tags drawn in it)
 PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),
           ("throughput", "tokens/s", 1.0, ("perf/tokens_per_s",)),
@@ -58,6 +62,18 @@ def read_metrics(path: str) -> dict[str, tuple[list[int], list[float]]]:
   return {tag: (sorted(pts), [pts[s] for s in sorted(pts)]) for tag, pts in series.items()}
 
 
+def read_baseline(run_dir: str) -> float | None:
+  """The bigram baseline (nats/token) in `run_dir/run.json`'s "data" record; None when the
+  file, the record or the number is missing or unreadable (the plot goes on without it)."""
+  try:
+    with open(os.path.join(run_dir, RUN_FILE), encoding="utf-8") as f:
+      value = json.load(f).get("data", {}).get("bigram_loss")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+      else None
+
+
 def _metrics_path(run_dir) -> str:
   if not isinstance(run_dir, (str, os.PathLike)) or not os.path.isdir(run_dir):
     raise FnscaleError(f"run directory {run_dir!r} does not exist; pass the --run_dir of a "
@@ -72,8 +88,9 @@ def _metrics_path(run_dir) -> str:
 def plot_run(run_dir: str, out: str | None = None) -> str:
   """Plots `run_dir/metrics.jsonl` to a 700x800-pixel PNG; returns its path.
 
-  Three panels share the step axis: train and eval loss, tokens/s, and MFU in percent. A
-  metric the run has not logged leaves its panel empty with a note.
+  Three panels share the step axis: train and eval loss (and the bigram baseline, dashed,
+  when run.json has it), tokens/s, and MFU in percent. A metric the run has not logged leaves
+  its panel empty with a note.
 
   Args:
     run_dir: a run directory holding metrics.jsonl.
@@ -90,6 +107,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   fig = Figure(figsize=(7, 8), dpi=100, layout="constrained")  # Agg canvas, no pyplot state
   axes = fig.subplots(len(PANELS), 1, sharex=True)
+  baseline = read_baseline(run_dir)
+  if baseline is not None and ("train/loss" in series or "eval/loss" in series):
+    axes[0].axhline(baseline, color="gray", linestyle="--", label="bigram baseline")
   for ax, (title, ylabel, scale, tags) in zip(axes, PANELS):
     for tag in tags:
       if tag in series:

@@ -1,6 +1,6 @@
 """Train a GPT- or Llama-style language model on every device the machine (or pod) has.
 
-  python recipes/train_lm.py                      # CPU: 8 simulated devices, the `tiny` model
+  python recipes/train_lm.py                      # CPU: 8 simulated devices, `tiny_gpt2`
   python recipes/train_lm.py --model_config=small --mesh="data=-1,fsdp=4"    # a TPU/GPU host
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
@@ -35,21 +35,23 @@ MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
 @dataclasses.dataclass(frozen=True)
 class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default tiny "
-                                    "on CPU, small on TPU/GPU")
+  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default "
+                                    "tiny_gpt2 on CPU, small on TPU/GPU")
   dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
-  seq: int | None = h.option(None, "sequence length in tokens; default 128 on CPU, 1024 TPU/GPU")
-  batch_size: int | None = h.option(None, "rows per data-parallel device; default 4 CPU, 16 TPU")
+  seq: int | None = h.option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
+  batch_size: int | None = h.option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
   global_batch: int | None = h.option(None, "global batch in rows (instead of batch_size)")
   epochs: int | None = h.option(None, "passes over the training split (instead of steps)")
-  steps: int | None = h.option(None, "train steps; default 500 on CPU, 5000 on TPU/GPU")
+  steps: int | None = h.option(None, "train steps; default 200 on CPU, 5000 on TPU/GPU")
   lr: float | None = h.option(None, "peak lr of the warmup + cosine schedule; default by size")
   warmup_steps: int | None = h.option(None, "linear warmup steps; default steps / 20, <= 500")
   min_lr_ratio: float = h.option(0.1, "final learning rate as a fraction of the peak")
   weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
   grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
   accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
+  accum_gather: str = h.option("per_microbatch", "with accum_steps > 1: 'per_microbatch' "
+                               "(params stay sharded) or 'once' (whole params on each device)")
   precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
@@ -63,8 +65,9 @@ class Options:
   topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = h.option(0, "seed of the params init, the data order and sampling")
-  run_dir: str = h.option("runs/train_lm", "directory of metrics.jsonl, TensorBoard events, "
-                          "run.json and checkpoints")
+  run_dir: str = h.option("", "directory of metrics.jsonl, TensorBoard events, run.json, "
+                          "log.txt and checkpoints; default runs/<model>-<dataset> (plus "
+                          "-vocab<V> with a tokenizer)")
   profile_steps: str = h.option("", "START:STOP: JAX profiler trace of these steps into run_dir")
   checkpoint: bool = h.option(True, "save checkpoints and resume from the newest good one")
   checkpoint_dir: str = h.option("", "checkpoints (path or gs://...); default RUN_DIR/checkpoints")
@@ -99,7 +102,8 @@ def train_lm(**options) -> h.Summary:
   return run(h.check_options(Options, options))
 
 
-_CPU = dict(model="tiny", seq=128, batch_size=4, steps=500, mesh="data=-1")
+# CPU: the whole default run in ~2-3 minutes on 2 cores (README, "The main job").
+_CPU = dict(model="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
 _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
        "medium": 3e-4}
@@ -127,9 +131,10 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
     batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-    axes, remat, accum = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
-    o = dataclasses.replace(o, remat=o.remat or remat, accum_steps=max(o.accum_steps, accum),
-                            global_batch=batch)
+    axes, remat, accum, gather = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
+    if accum > o.accum_steps:
+      o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
+    o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
   else:
     axes = fs_mesh.parse_axes(o.mesh or d["mesh"], what="--mesh")
   mesh = fs.make_mesh(axes, dcn=o.dcn or None, topology=topo)
@@ -147,11 +152,18 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
     raise fs.FnscaleError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}: "
                           "expected lr > 0 and intervals >= 1")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
-  ckpt = (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+  run_dir = o.run_dir or h.default_run_dir(size, o.dataset, o.tokenizer, corpus.vocab)
+  ckpt = checkpoint_directory(dataclasses.replace(o, run_dir=run_dir))
   return Setup(dataclasses.replace(
       o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
-      lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every,
+      lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every, run_dir=run_dir,
       checkpoint_dir=ckpt), topo, mesh, MODELS[size], cfg, profile)
+
+
+def checkpoint_directory(o: Options) -> str:
+  """Where a run with options `o` (its `run_dir` filled in: `harness.default_run_dir`) keeps
+  its checkpoints ("" with --nocheckpoint)."""
+  return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
 
 
 def run(o: Options) -> h.Summary:
@@ -160,23 +172,24 @@ def run(o: Options) -> h.Summary:
   t0, say = time.time(), h.start(o)
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
-  o = s.o
+  o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
-                          policy=policy, accum_steps=o.accum_steps)
+                          policy=policy, accum_steps=o.accum_steps,
+                          accum_gather=o.accum_gather)
   step_fn = fs.shard_step(fs.with_kernel(step_fn, attention=o.attention), s.mesh,
                           rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b),
                                      attention=o.attention))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
-  with fs.with_mesh(s.mesh):
+  # orbax's warnings go to RUN_DIR/log.txt, not the console.
+  with fs.with_mesh(s.mesh), h.library_log(o.run_dir):
     init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
                              optimizer, mesh=s.mesh, rules=model.RULES, logical_axes=axes,
                              policy=policy, key=jax.random.key(o.seed))
-    state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
-        seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say)
+    state, start, extra = _resume(s, init, corpus, say)
     resumed = last_saved = None if extra is None else start
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
@@ -188,7 +201,7 @@ def run(o: Options) -> h.Summary:
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     report = fs.compile_report(step_fn, state, first)
     log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
-    n_params = h.describe(s, state, corpus.describe, report, policy, (peak, peak_note),
+    n_params = h.describe(s, state, (corpus.describe, base), report, policy, (peak, peak_note),
                           _flops_step(s), resumed, say)
 
     def evaluate(state, step):
@@ -205,7 +218,7 @@ def run(o: Options) -> h.Summary:
       if o.checkpoint_dir and step != last_saved:
         t, last_saved = time.time(), step
         fs.checkpoint.save(o.checkpoint_dir, step, state, keep=o.checkpoint_keep, extra=dict(
-            step=step, seed=o.seed, model=o.model_config, seq=s.cfg.seq,
+            step=step, seed=o.seed, model=o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
             global_batch=o.global_batch, corpus_tokens=len(corpus.train), data=data_state))
         say(f"checkpoint: saved step {step} in {time.time() - t:.1f} s ({o.checkpoint_dir})")
 
@@ -215,23 +228,59 @@ def run(o: Options) -> h.Summary:
                                   schedule, peak, say, (log, prof), evaluate, save)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, save, say)
     log.close()
-  return h.summarize(out, s, state, report, n_params, t0, say)
+  return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
+
+
+def _resume(s: Setup, init, corpus: data.Corpus, say):
+  """(state, start step, checkpoint extra or None): the run directory's newest good
+  checkpoint, else a fresh init."""
+  o = s.o
+  state, start, extra = h.restore_or_init(o.checkpoint_dir, init, dict(
+      seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
+      f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
+      f"{s.cfg.vocab})")
+  if start >= o.steps:
+    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
+        "--run_dir=NEW_DIR or more --steps for another run)")
+  return state, start, extra
 
 
 def _flops_step(s: Setup) -> float:
   return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
+class _Timing(NamedTuple):
+  """The timed steps so far (`seconds`, `steps`) and where the open window began."""
+  mark_s: float
+  mark_step: int
+  seconds: float = 0.0
+  steps: int = 0
+
+
+def _lap(t: _Timing, done: int) -> tuple[_Timing, float | None]:
+  """Closes the window at step `done` (counted in the totals unless it holds no step: then
+  it only timed a progress line), opens the next one now. Returns the new timing and the
+  window's seconds per step (None for an empty window)."""
+  now, n = time.time(), done - t.mark_step
+  if n <= 0:
+    return t._replace(mark_s=now), None
+  return _Timing(now, done, t.seconds + now - t.mark_s, t.steps + n), (now - t.mark_s) / n
+
+
+EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
+
+
 def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule, peak, say,
            log_prof, evaluate, save):
   """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
-  `log_prof`: (run_log.RunLog, run_log.Profiler)."""
-  (log, prof), m = log_prof, None
-  last, t_mark, step_mark, stopped, t_train = {}, None, start, None, time.time()
+  `log_prof`: (run_log.RunLog, run_log.Profiler). Evals and checkpoints are left out of the
+  timing (tokens/s, MFU, ETA); so is the first step, which includes dispatch warm-up."""
+  (log, prof), m, o = log_prof, None, s.o
+  last, timing, stopped, t_train = {}, None, None, time.time()
   batch_sharding = fs.batch_sharding(s.mesh)
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
   with preemption.preemption_guard() as should_stop:
-    for step in range(start, s.o.steps):
+    for step in range(start, o.steps):
       prof.at_step(step, pending=m)
       state, m = step_fn(state, batch)
       done = step + 1
@@ -239,34 +288,43 @@ def _train(s: Setup, state, step_fn, batches, batch, data_state, start, schedule
       # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
       if s.topo.platform == "cpu":
         jax.block_until_ready((state, m))
-      if done < s.o.steps:
+      if done < o.steps:
         data_state = batches.get_state()
         batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
-      if t_mark is None:  # the first step's time includes dispatch warm-up: start after it
+      if timing is None:
         jax.block_until_ready(m["loss"])
-        t_mark, step_mark = time.time(), done
-      if done % s.o.log_every == 0 or done == s.o.steps:
-        now = time.time()
-        dt = (now - t_mark) / (done - step_mark) if done > step_mark else None
+        timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS
+      if done % o.log_every == 0 or done == o.steps or done == early:
+        timing, dt = _lap(timing, done)
         last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
-        t_mark, step_mark = now, done
-      paused = done % s.o.eval_every == 0 and done < s.o.steps
-      if paused:
-        evaluate(state, done)
-      if s.o.checkpoint_every and done % s.o.checkpoint_every == 0 and done < s.o.steps:
-        save(state, done, data_state)
-        paused = True
-      if paused:  # keep eval and checkpoint time out of tokens/s
-        t_mark, step_mark = time.time(), done
+      evals = done % o.eval_every == 0 and done < o.steps
+      saves = o.checkpoint_every and done % o.checkpoint_every == 0 and done < o.steps
+      if evals or saves:  # their time stays out of the timing
+        timing = _lap(timing, done)[0]
+        if evals:
+          evaluate(state, done)
+        if saves:
+          save(state, done, data_state)
+        timing = timing._replace(mark_s=time.time())
       sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
-      if done < s.o.steps and (sigterm or done == s.o.stop_after):
-        stopped = "SIGTERM" if sigterm else f"--stop_after={s.o.stop_after}"
+      if done < o.steps and (sigterm or done == o.stop_after):
+        stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
         save(state, done, data_state)
         say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
         break
   prof.close(pending=state)
   data_state = data_state if stopped else batches.get_state()
-  return state, dict(last, train_s=time.time() - t_train, data_state=data_state), stopped
+  return state, dict(last, train_s=time.time() - t_train, data_state=data_state,
+                     **_whole_run(s, timing, peak)), stopped
+
+
+def _whole_run(s: Setup, timing: _Timing | None, peak) -> dict:
+  """tokens/s and MFU over every timed step (None when fewer than two steps ran)."""
+  if timing is None or timing.steps == 0 or timing.seconds <= 0:
+    return dict(tokens_per_s=None, mfu=None)
+  per_s = timing.steps / timing.seconds
+  return dict(tokens_per_s=s.o.global_batch * s.cfg.seq * per_s,
+              mfu=_flops_step(s) * per_s / peak if peak else None)
 
 
 def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate, save,
@@ -284,8 +342,8 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")
   return dict(final_step=final_step, start_step=start, resumed_from=resumed, stopped=stopped,
-              loss=last.get("loss"), eval_loss=ev, tokens_per_s=last.get("tokens_per_s"),
-              mfu=last.get("mfu"), train_s=last["train_s"], global_batch=s.o.global_batch,
+              loss=last.get("loss"), eval_loss=ev, tokens_per_s=last["tokens_per_s"],
+              mfu=last["mfu"], train_s=last["train_s"], global_batch=s.o.global_batch,
               seq=s.cfg.seq, mesh=dict(s.mesh.shape), devices=jax.device_count(),
               bits_per_byte=None if ev is None else ev * corpus.tokens_per_byte / math.log(2),
               processes=jax.process_count(), sample=sample)

@@ -43,3 +43,12 @@ def partitioner(request):
   jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
   yield request.param
   jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  """The random order's seed under the results, also with -q (which hides pytest-randomly's
+  header line): `--randomly-seed=N` repeats the order."""
+  seed = getattr(config.option, "randomly_seed", None)
+  if isinstance(seed, int):
+    terminalreporter.write_line(f"random order: --randomly-seed={seed} repeats it "
+                                "(-p no:randomly keeps file order)")

@@ -154,9 +154,8 @@ def test_wire_bytes_against_the_textbook_volume(rows):
   # At least: gather the other shards once and reduce every gradient once.
   assert fsdp.wire_bytes >= ring * (SHARDED_BYTES + PARAM_BYTES)
   # At most: XLA's CPU backend all-reduces the gradients (2 (n-1)/n) where the textbook
-  # reduce-scatters ((n-1)/n), and the embedding lookup (gpt.embed_lookup gathers the table's
-  # d before indexing, which keeps XLA's involuntary rematerialisation away) all-reduces its
-  # gradient in full, 2 (n-1)/n x V x D x 4 more: measured 969,756 B.
+  # reduce-scatters ((n-1)/n), and the tied embedding's gradient is reduced in two parts
+  # (the lookup, which moves ids and activations, and the output layer).
   assert fsdp.wire_bytes <= (textbook_fsdp + ring * PARAM_BYTES
                              + 2 * ring * V * D * 4), fsdp.wire_bytes
   # shard_map mode gathers the whole state (params and both AdamW moments) at entry and

@@ -136,3 +136,16 @@ def test_unreadable_tokenizer_is_an_fnscale_error(tmp_path):
   with pytest.raises(fs.FnscaleError, match=r"tokenizer='.*bad.json' is not a readable "
                      r"tokenizer.json"):
     data.load(str(tmp_path / "c.txt"), str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("vocab", [3, 5000])  # a dense pair table, and pairs counted sparsely
+def test_baseline_is_the_add_one_unigram_and_bigram_loss_by_hand(vocab):
+  # Train 0 0 1 0 1: unigram counts 0:3, 1:2 of 5; pairs (0,0) (0,1) (1,0) (0,1), so after a 0
+  # (3 times) a 1 came twice, after a 1 (once) a 0. Held out 0 1 1: pairs (0,1) and (1,1).
+  corpus = data.Corpus(np.array([0, 0, 1, 0, 1], np.uint8), np.array([0, 1, 1], np.uint8), vocab,
+                       1.0, None, None, "")
+  b = data.baseline(corpus)
+  p0, p1 = 4 / (5 + vocab), 3 / (5 + vocab)
+  assert b.unigram == pytest.approx(-(math.log(p0) + 2 * math.log(p1)) / 3, rel=1e-12)
+  assert b.bigram == pytest.approx(
+      -(math.log(3 / (3 + vocab)) + math.log(1 / (1 + vocab))) / 2, rel=1e-12)

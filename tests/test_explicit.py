@@ -91,3 +91,44 @@ def test_checkpoint_round_trip_on_an_explicit_mesh(tmp_path):
   restored, _ = checkpoint.restore(tmp_path, state)
   assert restored.params["w"].sharding == state.params["w"].sharding
   np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.asarray(_params()["w"]))
+
+
+def _fsdp_params(key):
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (64, 256)) * 0.1, "w2": jax.random.normal(k2, (256, 8))}
+
+
+def _plain_loss(p, b):
+  # No constraint, no gathering: the user's loss as written for one device.
+  return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
+
+
+@pytest.mark.parametrize("accum,gather", [(1, "per_microbatch"), (2, "per_microbatch"),
+                                          (2, "once")])
+def test_fsdp_params_on_explicit_axes_give_the_auto_mesh_losses_and_grads(accum, gather):
+  # w1 is born split over "fsdp" on its 256 dim and the batch over ("data", "fsdp"): on
+  # Explicit axes `x @ w1` alone would be an illegally sharded result
+  # (f32[16@(data,fsdp),256@fsdp]); the step gathers the weight for compute, as GSPMD does
+  # on Auto axes.
+  batch = {"x": jax.random.normal(jax.random.key(1), (16, 64))}
+  out = {}
+  for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind, kind))
+    opt = optax.sgd(LR)
+    state = fs.init_state(_fsdp_params, opt, mesh=mesh, key=jax.random.key(0))
+    assert state.params["w1"].sharding.spec == P(None, "fsdp")
+    step = fs.shard_step(fs.train_step(_plain_loss, opt, accum_steps=accum,
+                                       accum_gather=gather), mesh)
+    new, metrics = step(state, batch)
+    out[kind] = (float(metrics["loss"]), float(metrics["grad_norm"]),
+                 jax.device_get(new.params))
+  (auto_loss, auto_norm, auto_p), (loss, norm, params) = out.values()
+  ref_loss, ref_grads = jax.value_and_grad(_plain_loss)(_fsdp_params(jax.random.key(0)), batch)
+  assert loss == pytest.approx(auto_loss, rel=1e-6) and loss == pytest.approx(
+      float(ref_loss), rel=1e-5)
+  assert norm == pytest.approx(auto_norm, rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
+               auto_p)
+  ref = jax.tree.map(lambda p, g: p - LR * g, _fsdp_params(jax.random.key(0)), ref_grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
+               jax.device_get(ref))

@@ -7,6 +7,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import flops
+from fnscale.errors import FnscaleError
 
 
 def test_model_flops_per_token_by_hand():
@@ -68,6 +69,21 @@ def test_measure_matmul_peak_is_2n3_over_the_fastest_time(monkeypatch):
   # The smallest valid call: one 1x1 product timed once (4 s on this clock).
   ticks = itertools.chain([0.0, 4.0], itertools.repeat(100.0))
   assert flops.measure_matmul_peak(n=1, repeats=1) == 2.0 / 4.0
+
+
+def test_measure_matmul_peak_on_the_cpu_clock_counts_cpu_seconds_times_cores(monkeypatch):
+  # A loaded host: each run takes 5 s of wall time but 2, 1.5 and 3 CPU-seconds of this
+  # process (the rest went to other jobs). The CPU clock's peak is the fastest run's rate per
+  # CPU-second times the 4 usable cores; the wall clock would read 2 n^3 / 5 s.
+  cpu = itertools.chain([0.0, 2.0, 10.0, 11.5, 20.0, 23.0], itertools.repeat(100.0))
+  wall = itertools.count(0.0, 5.0)
+  monkeypatch.setattr(flops.time, "process_time", lambda: next(cpu))
+  monkeypatch.setattr(flops.time, "perf_counter", lambda: next(wall))
+  monkeypatch.setattr(flops.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+  assert flops.measure_matmul_peak(n=8, repeats=3, clock="cpu") == 2.0 * 8**3 * 4 / 1.5
+  assert flops.measure_matmul_peak(n=8, repeats=3) == 2.0 * 8**3 / 5.0
+  with pytest.raises(FnscaleError, match="clock='gpu'; expected 'wall' or 'cpu'"):
+    flops.measure_matmul_peak(n=8, clock="gpu")
 
 
 def test_measure_matmul_peak_places_its_operand_as_asked(monkeypatch):

@@ -831,7 +831,39 @@ def test_cross_entropy_with_vocab_sharded_unembedding_matches_unsharded(form):
   assert d_unembed.sharding.spec == jax.P(None, "tensor")
 
 
+def test_cross_entropy_vocab_parallel_over_fsdp_gathers_tokens_not_the_unembedding():
+  # An unembedding stored split by vocabulary over "fsdp" (as recipes/llama.py stores its
+  # output layer): the hidden states and labels are gathered over fsdp (48 x 32 float32,
+  # 6 KiB), never the [32, 1024] unembedding (128 KiB), whose gradient stays split.
+  mesh = fs.make_mesh({"data": 2, "fsdp": 4})
+  put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(*spec)))
+  ks = jax.random.split(jax.random.key(6), 3)
+  tokens, d, vocab = 48, 32, 1024
+  hidden = jax.random.normal(ks[0], (tokens, d))
+  unembed = jax.random.normal(ks[1], (d, vocab)) * 0.5
+  labels = jax.random.randint(ks[2], (tokens,), 0, vocab)
+  loss = lambda h, u: cross_entropy(h, u, put(labels, ("data", "fsdp")), block_size=96,
+                                    vocab_axes=("fsdp", "tensor"))
+  args = put(hidden, ("data", "fsdp"), None), put(unembed, None, "fsdp")
+  with with_mesh(mesh):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+  value, (d_hidden, d_unembed) = compiled(*args)
+  want, want_grads = jax.value_and_grad(
+      lambda h, u: _plain_ce(h, u, labels, None, 0.0), argnums=(0, 1))(hidden, unembed)
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  assert _relative_error(d_hidden, want_grads[0]) < 1e-5
+  assert _relative_error(d_unembed, want_grads[1]) < 1e-5
+  assert d_unembed.sharding.spec == jax.P(None, "fsdp")
+  s = fs.hlo.summarize(compiled.as_text())
+  # Gathered: this data shard's 24 rows of hidden states (3 KiB) and labels, far below
+  # the unembedding's 128 KiB; its gradient is all-reduced over "data" only (2 devices).
+  assert s.collective("all-gather").bytes <= 24 * (d + 1) * 4
+  assert sum(b for k, n, b in s.groups if k == "all-reduce" and n == 2) == pytest.approx(
+      2 * 0.5 * d * vocab // 4 * 4, rel=0.01)
+
+
 @pytest.mark.parametrize("kwargs,message", [
+    (dict(vocab_axes="fsdp"), "vocab_axes='fsdp'): expected a tuple of mesh axis names"),
     (dict(hidden=jnp.zeros((4, 8, 2))), "hidden (4, 8, 2) and unembed (8, 16) must be"),
     (dict(labels=jnp.zeros((4,))), "labels (4,) float32; expected integer [tokens] = (4,)"),
     (dict(labels=jnp.zeros((5,), jnp.int32)), "labels (5,) int32"),

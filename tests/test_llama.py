@@ -84,6 +84,30 @@ def test_forward_matches_float64_numpy_reference():
   np.testing.assert_allclose(np.asarray(remat), want, rtol=2e-4, atol=2e-5)
 
 
+def test_loss_is_the_cross_entropy_of_the_reference_logits_under_a_mesh():
+  # loss_fn (fnscale.cross_entropy over the hidden states) equals softmax cross-entropy of
+  # the float64 reference logits, and its gradient optax's on the materialised logits, on
+  # a data x FSDP x tensor mesh (vocab-parallel over "tensor").
+  cfg = SMALL._replace(rope_theta=500_000.0, vocab=20)  # loss_fn's default theta
+  params = llama.init_params(cfg, jax.random.key(6))
+  tokens = np.array(jax.random.randint(jax.random.key(7), (4, cfg.seq), 0, cfg.vocab))
+  targets = np.roll(tokens, -1, axis=1)
+  logits = _np_forward(params, tokens, cfg)
+  top = logits.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+  want = np.mean(lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
+  batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(targets)}
+  def plain(p, b):
+    logits = llama.apply(p, b["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+  with fs.with_mesh(fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+    got, grads = jax.jit(jax.value_and_grad(llama.loss_fn))(params, batch)
+  ref_grads = jax.grad(plain)(params, batch)
+  np.testing.assert_allclose(float(got), want, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads, ref_grads)
+
+
 def test_rope_keeps_norms_and_scores_depend_on_relative_position():
   x = jax.random.normal(jax.random.key(3), (1, 16, 2, 8))
   r = llama.rope(x, 10_000.0)

@@ -2,6 +2,7 @@
 an ahead-of-time compile for v5p:2x2x2."""
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 import pytest
@@ -77,7 +78,9 @@ def test_profile_counts_params_optimizer_state_and_flops():
   assert prof.stream_row == 16 * 32 * 4  # the scan carry: [1, seq, d] float32
   m = llama.matmul_params(cfg)
   attn = 2 * 2 * 16 * 16 * 32  # q k^T and a v, per layer, one row
-  assert prof.flops_row == 16 * 6 * m + 3 * 2 * attn
+  # fnscale.cross_entropy recomputes the logits in its backward pass: one more [16, 32] x
+  # [32, 40] matmul per row.
+  assert prof.flops_row == 16 * 6 * m + 3 * 2 * attn + 2 * 16 * 32 * 40
   assert prof.flops_row < prof.flops_row_remat < prof.flops_row * 4 / 3
   assert prof.act_row_remat < prof.act_row
 
@@ -106,6 +109,59 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
   # Data parallel replicates the optimizer update: 8x its memory traffic.
   d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2)
   assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
+
+
+def _fsdp_profile_and_hardware():
+  prof = _cost.Profile(params=10**9, param_bytes=4e9, opt_bytes=8e9, compute_bytes=2e9,
+                       grad_bytes=4e9, flops_row=6e12, flops_row_remat=8e12, act_row=1e9,
+                       act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
+  hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
+                         _targets.LinkFacts(1e11, 1e10, 1e12))
+  return prof, hw
+
+
+def test_estimate_costs_each_accumulation_mode_as_it_compiles():
+  prof, hw = _fsdp_profile_and_hardware()
+  per = _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "per_microbatch")
+  once = _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "once")
+  # per_microbatch: sharded accumulator and gradients, two layers of gathered weights; every
+  # microbatch gathers the bf16 weights twice and reduce-scatters the f32 gradients.
+  assert per.grads == 2 * 4e9 / 8 and per.weights == 2 * 2e9 / 10
+  assert per.comm_s["fsdp"] == pytest.approx(4 * 7 / 8 * (2 * 2e9 + 4e9) / 3e11)
+  # once: a whole f32 accumulator and the reduced shard; whole bf16 params for the loop;
+  # one gather and one reduce-scatter per step.
+  assert once.grads == 4e9 + 4e9 / 8 and once.weights == 2e9
+  assert once.comm_s["fsdp"] == pytest.approx(7 / 8 * (2e9 + 4e9) / 3e11)
+  assert (once.params, once.opt, once.acts) == (per.params, per.opt, per.acts)
+  # Without accumulation the modes are the same program.
+  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 1, "once") == _cost.estimate(
+      prof, hw, {"fsdp": 8}, {}, False, 1, "per_microbatch")
+  # Data parallel: the same memory (params whole either way); per_microbatch all-reduces the
+  # f32 gradients in every microbatch (its accumulator is whole over "data"), once once.
+  dp_per = _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "per_microbatch")
+  dp_once = _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "once")
+  assert dp_per.bytes == dp_once.bytes
+  assert dp_once.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4e9 / 3e11)
+  assert dp_per.comm_s["data"] == pytest.approx(4 * dp_once.comm_s["data"])
+
+
+def test_planner_chooses_once_only_where_its_memory_fits():
+  from fnscale import plan as fplan  # pylint: disable=import-outside-toplevel
+  prof, hw = _fsdp_profile_and_hardware()
+  axes = fs.mesh.MeshAxes({"fsdp": 8}, {})
+  per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
+  once = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "once")
+  # Compute-bound here: the same step time, "once" with a quarter of the communication.
+  assert per.bytes < once.bytes and once.step_s <= per.step_s
+  assert once.comm_total_s < per.comm_total_s
+  # At 2 steps "once" where its memory fits, else the default.
+  got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
+  assert got[:2] == (2, "once") and got[3]
+  got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
+  assert got[:2] == (2, "per_microbatch") and got[3]
+  # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
+  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (
+      1, "per_microbatch")
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
@@ -141,9 +197,19 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   assert best.compiled is not None and best.fits
   assert (p.axes, p.remat, p.accum) == (best.axes, best.remat, best.accum)
   assert best.compiled.bytes <= p.hardware.hbm_bytes
-  # The compiled program does the traced step's matmul work (8 devices share 16 rows).
-  program = (p.profile.flops_row_remat if best.remat else p.profile.flops_row) * 16 / 8
-  assert best.compiled.matmul_flops == pytest.approx(program, rel=0.01)
+  # Splash attention serves the target: a kernel, whose work is no HLO dot. The profile
+  # still counts it, by hand 12 layers (heads head_dim) seq^2 per row without remat (PaLM),
+  # 16 with remat's recomputed forward.
+  prof = p.profile
+  assert prof.attn_kernel and prof.causal_share == 1.0
+  assert prof.attn_row == 12 * 2 * 128 * 256**2 and prof.attn_row_remat == 16 * 2 * 128 * 256**2
+  # The compiled program does the traced step's other matmul work (8 devices share 16 rows)
+  # ... less, at most, the cross-entropy's recomputed logits (2 x tokens x d x vocab per
+  # device): with the vocabulary in one block XLA merges them with the forward's.
+  program = ((prof.flops_row_remat - prof.attn_row_remat) if best.remat
+             else (prof.flops_row - prof.attn_row)) * 16 / 8
+  recomputed = 2 * 16 * 256 * 128 * 256 / 8
+  assert program - recomputed <= best.compiled.matmul_flops * 1.01 <= program * 1.02
   text = str(p)
   assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
   s = summary(p)
@@ -169,3 +235,250 @@ def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
   msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
          "temporaries (18.35G) exceeds available HBM (15.75G).")
   assert plan_module._oom_bytes(msg) == pytest.approx(18.35 * GiB)
+
+
+# --- attention FLOPs -------------------------------------------------------------------------
+
+def _small_llama(seq, layers=2, d=256, heads=2, kv=1, mlp=512):
+  return llama.ModelConfig(layers=layers, d_model=d, heads=heads, kv_heads=kv, d_mlp=mlp,
+                           seq=seq, vocab=256)
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "cpu"])
+def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
+  """Counted whatever serves attention: splash on a TPU target (a Pallas kernel without a
+  cost_estimate), the XLA reference on CPU. By hand, per row of T tokens: 6 x matmul weights
+  x T, plus the score and value matmuls, 4 T^2 (heads head_dim) forward per layer and twice
+  that backward; remat recomputes the blocks' forward but the last matmul (w_down: its
+  output is the block's, which the next block keeps) and not the output layer."""
+  from fnscale.plan import profile_model  # pylint: disable=g-import-not-at-top
+  got = {}
+  for seq in (128, 256):
+    cfg = _small_llama(seq)
+    prof = profile_model(lambda k, c=cfg: llama.init_params(c, k), llama.loss_fn,
+                         optax.adamw(1e-3), _batch(8, seq), target, cpu_rates=(1e9, 1e9))
+    L, hq, t = cfg.layers, cfg.heads * cfg.head_dim, seq
+    attn = 4 * t * t * hq * L
+    redone = llama.matmul_params(cfg) - cfg.d_model * cfg.vocab - L * cfg.d_mlp * cfg.d_model
+    assert prof.attn_row == 3 * attn and prof.attn_row_remat == 4 * attn
+    assert prof.flops_row == 6 * llama.matmul_params(cfg) * t + 3 * attn
+    assert prof.flops_row_remat == prof.flops_row + 2 * redone * t + attn
+    assert prof.causal_share == 1.0 and prof.uncounted == ()
+    # A kernel skips the masked half of a causal score matrix; the XLA reference does not.
+    assert prof.attn_kernel == (target != "cpu")
+    run, recompute = _cost.executed_flops_row(prof, remat=True)
+    skipped = 0.5 * 4 * attn if prof.attn_kernel else 0.0
+    assert run == prof.flops_row_remat - skipped
+    assert recompute == prof.flops_row_remat - prof.flops_row - (skipped / 4 if skipped else 0)
+    got[seq] = prof.flops_row / seq
+  # Per token, doubling the sequence adds 12 L (heads head_dim) T, the attention's growth.
+  assert got[256] - got[128] == 12 * 2 * 2 * 128 * 128
+
+
+def test_llama_8b_per_token_flops_count_attention_on_a_tpu_target():
+  """Llama-3-8B on v5p-128: 6N + 12 L H Q T per token (51.47 GFLOP at seq 4096, where the
+  splash kernel's missing cost_estimate once left 45.03), and seq 8192 adds 12 L H Q 4096."""
+  from fnscale.plan import profile_model  # pylint: disable=g-import-not-at-top
+  per_token = {}
+  for seq in (4096, 8192):
+    cfg = llama.model_config("llama-8b", seq)
+    prof = profile_model(lambda k, c=cfg: llama.init_params(c, k), llama.loss_fn,
+                         optax.adamw(1e-3), _batch(64, seq), "v5p-128",
+                         policy="params=float32,compute=bfloat16")
+    per_token[seq] = prof.flops_row / seq
+    assert per_token[seq] == llama.flops_per_token(cfg)
+  assert per_token[4096] / 1e9 == pytest.approx(51.4704, abs=1e-4)
+  assert per_token[8192] - per_token[4096] == 12 * 32 * 4096 * 4096
+
+
+def test_pallas_kernels_without_a_cost_estimate_are_named():
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def loss(params, batch):  # the kernel reads data only: pallas_call has no autodiff rule
+    x = batch["x"]
+    y = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       interpret=True, name="my_double")(x)
+    return (y @ params["w"]).sum()
+
+  prof = _cost.profile({"w": jax.ShapeDtypeStruct((128, 8), jnp.float32)}, loss,
+                       optax.sgd(1e-3), {"x": jax.ShapeDtypeStruct((4, 128), jnp.float32)})
+  assert prof.uncounted == ("my_double",)
+  assert prof.flops_row == 2 * 2 * 128 * 8  # the one matmul, forward and weight gradient
+
+
+# --- remat ---------------------------------------------------------------------------------
+
+def _random_profiles(n, seed=0):
+  rng = np.random.default_rng(seed)
+  for _ in range(n):
+    params = int(rng.integers(10**6, 10**10))
+    flops = 6 * params * rng.uniform(1, 4096)
+    act = rng.uniform(1e5, 1e9)
+    attn = flops * rng.uniform(0, 0.4)
+    yield _cost.Profile(
+        params=params, param_bytes=4.0 * params, opt_bytes=8.0 * params,
+        compute_bytes=2.0 * params, grad_bytes=4.0 * params, flops_row=flops,
+        # remat redoes the attention's forward and up to the rest's (a third of the step)
+        flops_row_remat=flops + attn / 3 + (flops - attn) / 3 * rng.uniform(0, 1), act_row=act,
+        act_row_remat=act * rng.uniform(0.01, 1.0), layers=int(rng.integers(1, 128)),
+        stream_row=act * rng.uniform(0.01, 0.3), rows=512, has_remat=True, attn_row=attn,
+        attn_row_remat=attn * 4 / 3, causal_share=float(rng.uniform(0, 1)),
+        attn_kernel=bool(rng.integers(2)), tokens_row=2048,
+        act_row_stream=act * rng.uniform(0, 0.5), act_row_remat_stream=0.0)
+
+
+def test_remat_is_never_predicted_faster_at_equal_accumulation():
+  """Over random profiles, every target kind, mesh and accumulation: remat's bound and
+  forecast are never below no remat's, and remat's memory traffic never below."""
+  from fnscale import _forecast  # pylint: disable=g-import-not-at-top
+  from fnscale.plan import _meshes  # pylint: disable=g-import-not-at-top
+  targets = [_targets.resolve(t) for t in ("v5p-128", "2x v5e-16", "16x h200")]
+  targets.append(_targets.cpu_hardware(1e11, 1e10, devices=list(range(8))))
+  checked = 0
+  for prof in _random_profiles(60):
+    for hw in targets:
+      for axes in _meshes(hw, prof.rows, 8)[::3]:
+        for accum in (1, 4):
+          ici = {k: v for k, v in axes.ici.items() if v > 1}
+          off, on = (_cost.estimate(prof, hw, ici, dict(axes.dcn), r, accum)
+                     for r in (False, True))
+          assert on.memory_s >= off.memory_s and on.compute_s >= off.compute_s
+          assert on.step_s >= off.step_s
+          f_off, f_on = (_forecast.forecast(prof, hw, e, axes.dcn) for e in (off, on))
+          assert f_on.step_s >= f_off.step_s >= off.step_s
+          checked += 1
+  assert checked > 500
+
+
+def test_remat_traffic_is_the_recomputation_on_top_of_the_residuals():
+  prof = _cost.Profile(params=10, param_bytes=40.0, opt_bytes=80.0, compute_bytes=20.0,
+                       grad_bytes=40.0, flops_row=1.0, flops_row_remat=1.0, act_row=1000.0,
+                       act_row_remat=100.0, layers=10, stream_row=10.0, rows=8,
+                       has_remat=True, act_row_stream=400.0, act_row_remat_stream=100.0)
+  update = (2 * 40 + 40 + 2 * 80) / 2
+  # Tensor 2 splits what isn't shaped like the residual stream: 400 + 600 / 2 per row.
+  assert _cost.memory_traffic(prof, False, 4, 3, 2, tensor=2) == update + 2 * 700 * 4 * 3
+  # Remat: the checkpoints (100, all stream) written and read, and every residual again.
+  assert _cost.memory_traffic(prof, True, 4, 3, 2, tensor=2) == update + 2 * 800 * 4 * 3
+  live, traffic = _cost.act_per_row(prof, True, 2)
+  assert (live, traffic) == (100 + 700 / 10, 800)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt-nano"])
+def test_a_model_that_fits_without_remat_is_planned_without_it(model):
+  """Small models fit v5p-8 without remat at every accumulation: remat's recomputation only
+  costs, so no remat row may rank above its no-remat twin, and the chosen row has none."""
+  from recipes import gpt  # pylint: disable=g-import-not-at-top
+  if model == "gpt-nano":
+    cfg = gpt.model_config("nano", 128)
+    init, loss = (lambda k: gpt.init_params(cfg, k)), gpt.loss_fn
+  else:
+    cfg = llama.model_config("llama-tiny", 128)
+    init, loss = (lambda k: llama.init_params(cfg, k)), llama.loss_fn
+  p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", verify=0)
+  assert not p.remat
+  rank = {(mesh_str(r.axes), r.remat, r.accum): i for i, r in enumerate(p.rows)}
+  for (mesh, remat, accum), i in rank.items():
+    if remat and (mesh, False, accum) in rank:
+      assert rank[(mesh, False, accum)] < i
+
+
+# --- verification ----------------------------------------------------------------------------
+
+def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(monkeypatch):
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  def broken(**kw):
+    raise RuntimeError(f"TPU backend setup failed for {kw['topology_name']} (as libtpu says)")
+
+  monkeypatch.setattr(topologies, "get_topology_desc", broken)
+  _targets._described.cache_clear()
+  cfg = llama.model_config("llama-tiny", 128)
+  args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+          _batch(16, 128), "v5e:4x4")
+  with pytest.raises(PlanError, match=r"verify=1 .*libtpu could not describe the devices of "
+                     r"v5e:4x4: RuntimeError: TPU backend setup failed for v5e:4x4 \(as libtpu "
+                     r"says\).*pip install 'fnscale\[tpu\]'.*verify=0"):
+    plan(*args, verify=1)
+  # Left to choose, the planner plans without compiling and says why.
+  p = plan(*args)
+  assert all(r.compiled is None for r in p.rows)
+  assert "not verified: libtpu could not describe" in str(p)
+  _targets._described.cache_clear()
+
+
+def test_gpu_and_cpu_targets_cannot_be_verified():
+  from fnscale.plan import cannot_verify  # pylint: disable=g-import-not-at-top
+  cfg = llama.model_config("llama-tiny", 128)
+  args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+          _batch(16, 128))
+  with pytest.raises(PlanError, match="verify=2 .*8x h200.*no GPU devices.*verify=0"):
+    plan(*args, "8x h200", verify=2)
+  assert "no GPU devices" in cannot_verify("8x h200")
+  assert "not verified: jax describes no GPU devices" in str(plan(*args, "8x h200"))
+  with pytest.raises(PlanError, match="CPU target is not compiled"):
+    plan(*args, "cpu", verify=1, cpu_rates=(1e10, 1e9))
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def test_a_cpu_plan_prints_the_measured_host_rates():
+  cfg = llama.model_config("llama-tiny", 64, layers=2)
+  p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+           _batch(16, 64), "cpu", cpu_rates=(10e9, 0.23e9), max_tensor=2)
+  head = str(p).splitlines()[0]
+  assert "8 simulated devices sharing this host" in head
+  assert "10.0 GFLOP/s matmul, 0.23 GB/s memory copy" in head
+  assert "inf" not in head and "0 TFLOP/s" not in head
+
+
+def test_the_forecast_columns_and_the_token_budget():
+  cfg = llama.model_config("llama-tiny", 128)
+  p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+           _batch(16, 128), "v5p-8", verify=0, tokens=2e12)
+  best = p.rows[0]
+  # tokens/s of the whole job: 16 rows x 128 tokens per forecast step.
+  assert best.tokens_s == pytest.approx(16 * 128 / best.step_s)
+  assert best.step_s >= best.estimate.step_s and best.mfu <= best.bound_mfu
+  s = summary(p)["rows"][0]
+  assert s["days"] == pytest.approx(2e12 / best.tokens_s / 86400)
+  assert s["chip_hours"] == pytest.approx(2e12 / best.tokens_s / 3600 * 4)  # v5p-8: 4 chips
+  text = str(p)
+  assert "tokens/s" in text and "days" in text and "chip-h" in text and "bound" in text
+  assert f"{s['days']:,.1f}" in text.splitlines()[2]
+
+
+def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
+  """The compile's step has the row's remat and accumulation, the accumulation mode the
+  estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
+  import fnscale  # pylint: disable=g-import-not-at-top
+  from fnscale import plan as plan_module  # pylint: disable=g-import-not-at-top
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def train_step(loss, optimizer, **kw):
+    seen.update(kw, remat=loss.keywords["remat"])
+    raise Stop
+
+  monkeypatch.setattr(fnscale, "train_step", train_step)
+  cfg = llama.model_config("llama-tiny", 128)
+  params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
+  hw = _targets.resolve("cpu", (1e10, 1e9))
+  prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128))
+  cand = plan_module.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
+                             cpu_rates=(1e10, 1e9))
+  ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
+         llama.RULES, llama.logical_axes(cfg), prof, 1e12)
+  with pytest.raises(Stop):
+    plan_module._verify(cand, hw, ctx)
+  assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="per_microbatch",
+                      remat=True)
+  once = cand._replace(accum_gather="once")
+  with pytest.raises(Stop):
+    plan_module._verify(once, hw, ctx)
+  assert seen["accum_gather"] == "once"

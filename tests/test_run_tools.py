@@ -332,6 +332,23 @@ def test_plot_run_writes_a_png_that_depends_on_the_data(tmp_path, matplotlib):
   assert not np.array_equal(images[0], images[1])
 
 
+def test_plot_run_draws_the_bigram_baseline_train_lm_recorded(tmp_path, matplotlib):
+  import matplotlib.image  # pylint: disable=import-outside-toplevel,redefined-outer-name
+  plain = pr.plot_run(str(_falling_run(tmp_path / "plain", 0.95)))
+  run = _falling_run(tmp_path / "base", 0.95)
+  assert pr.read_baseline(str(run)) is None  # no run.json: no line, no error
+  (run / "run.json").write_text("{not json")
+  assert pr.read_baseline(str(run)) is None
+  (run / "run.json").unlink()
+  rl.write_run_record(str(run), "data", {"bigram_loss": 2.46})
+  assert pr.read_baseline(str(run)) == 2.46
+  with_line = pr.plot_run(str(run))
+  a, b = matplotlib.image.imread(plain), matplotlib.image.imread(with_line)
+  changed = np.argwhere(np.abs(a - b).sum(axis=-1) > 0.1)
+  # Only the loss panel (the top third of the 800-pixel-high figure) changed: line, legend.
+  assert len(changed) > 100 and changed[:, 0].max() < 800 / 3
+
+
 def test_plot_run_draws_a_run_logged_by_run_log(tmp_path, matplotlib):
   _write(tmp_path, tensorboard=False)
   with open(pr.plot_run(str(tmp_path)), "rb") as f:

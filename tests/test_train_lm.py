@@ -112,7 +112,7 @@ def uninterrupted(work):
   return _run(_argv(work, run_dir, "--nocheckpoint", "--sample_len=24")), run_dir
 
 
-def test_nano_run_trains_and_writes_metrics(uninterrupted):
+def test_nano_run_trains_and_writes_metrics(work, uninterrupted):
   summary, run_dir = uninterrupted
   train = _records(run_dir, "train/loss")
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -128,6 +128,11 @@ def test_nano_run_trains_and_writes_metrics(uninterrupted):
   assert summary.tokens_per_s > 0 and 0 < summary.mfu < 1
   assert len(summary.sample.encode("utf-8", errors="replace")) >= 24
   assert _summary(run_dir)["eval_loss"] == summary.eval_loss
+  # The corpus's bigram level, in the summary and run.json (plot_run draws it).
+  base = data.baseline(data.load(str(work / "corpus.txt")))
+  assert summary.bigram_loss == base.bigram and 2.0 < base.bigram < base.unigram
+  record = json.loads((run_dir / "run.json").read_text())["data"]
+  assert (record["bigram_loss"], record["unigram_loss"]) == (base.bigram, base.unigram)
 
 
 def test_llama_tiny_trains_by_name(work, tmp_path):
@@ -202,10 +207,10 @@ def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, partitioner
 
 @pytest.mark.parametrize("partitioner", ["gspmd"], indirect=True)
 def test_plain_embedding_lookup_draws_the_warning(monkeypatch, partitioner, no_compile_cache):
-  """The control: with the table lookup left to the partitioner (no gather of d first), the
-  same step on data=2,fsdp=4 draws XLA's involuntary rematerialization under GSPMD
-  propagation (in jax 0.10.2 under Shardy too; jax 0.12's Shardy places this gather without
-  it), and the report carries it."""
+  """The control: with the table lookup left to the partitioner (`table[tokens]`, no
+  shard_map), the same step on data=2,fsdp=4 draws XLA's involuntary rematerialization under
+  GSPMD propagation (in jax 0.10.2 under Shardy too; jax 0.12's Shardy places this gather
+  without it), and the report carries it."""
   monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens: table[tokens])
   warnings = _xla_warnings("data=2,fsdp=4")
   assert any("Involuntary full rematerialization" in w for w in warnings), warnings
@@ -249,6 +254,48 @@ def test_stop_and_resume_is_bitwise_equal(work, stopped_at_3, uninterrupted, cap
   assert [r["step"] for r in _records(run_dir, "train/loss")] == list(range(1, STEPS + 1))
   assert [r["train/loss"] for r in _records(run_dir, "train/loss")] == [
       r["train/loss"] for r in _records(uninterrupted[1], "train/loss")]
+
+
+def test_summary_speed_is_the_whole_runs(uninterrupted):
+  """Summary.tokens_per_s and mfu cover every timed step (steps 2..6: the first includes
+  dispatch warm-up), not the last window: from the progress records (one step each, log_every
+  1), steps / the sum of each window's seconds."""
+  summary, run_dir = uninterrupted
+  records = _records(run_dir, "perf/tokens_per_s")
+  assert [r["step"] for r in records] == list(range(2, STEPS + 1))
+  whole = lambda tag: len(records) / sum(1 / r[tag] for r in records)
+  assert summary.tokens_per_s == pytest.approx(whole("perf/tokens_per_s"), rel=1e-9)
+  assert summary.mfu == pytest.approx(whole("perf/mfu"), rel=1e-9)
+  assert summary.tokens_per_s != records[-1]["perf/tokens_per_s"]
+
+
+def test_default_run_dirs_are_per_model_and_a_foreign_one_is_refused(work, tmp_path, monkeypatch,
+                                                                       capfd):
+  """The README's order of commands: runs of other models don't share a default run
+  directory; a run pointed at another model's checkpoints is one error line naming the
+  directory and the fix, without orbax's warnings (they go to RUN_DIR/log.txt). The first
+  progress line comes 3 timed steps in, with an ETA, whatever log_every is."""
+  monkeypatch.chdir(tmp_path)
+  common = [a for a in _argv(work, "unused", "--log_every=5", "--checkpoint_every=3")
+            if not a.startswith("--run_dir")]
+  assert train_lm.main(common) == 0
+  out = capfd.readouterr().out
+  assert re.search(r"^step +4/6 .* ETA \d+m\d\ds", out, re.M)
+  assert [r["step"] for r in _records(tmp_path / "runs" / "nano-corpus", "train/loss")] == [
+      4, 5, 6]
+  assert train_lm.main(common + ["--model_config=llama-tiny", "--steps=3"]) == 0
+  assert (tmp_path / "runs" / "llama-tiny-corpus" / "checkpoints" / "3").is_dir()
+  capfd.readouterr()
+  foreign = tmp_path / "runs" / "llama-tiny-corpus"
+  assert train_lm.main(common + [f"--run_dir={foreign}"]) == 2  # resuming with nano: refused
+  err = capfd.readouterr().err
+  assert err.startswith(f"error: --run_dir={foreign} (this run: model nano, seq 32, vocab 256) "
+                        f"can't resume from the checkpoints already in {foreign}/checkpoints "
+                        "(steps [3]): checkpoint step 3 at ")
+  assert "doesn't fit the target" in err and "--run_dir=NEW_DIR" in err
+  assert len(err.strip().splitlines()) == 1, err  # no "WARNING:absl ..." lines before it
+  log = (foreign / "log.txt").read_text()
+  assert "Given directory is read only" in log and "orbax" in log
 
 
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
@@ -404,7 +451,10 @@ def test_no_good_checkpoint_is_an_error(work, capsys):
   (run_dir / "checkpoints" / "3").mkdir(parents=True)  # empty: no marker, no metadata
   assert train_lm.main(_argv(work, run_dir)) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert err[-1].startswith("error: no usable checkpoint") and "step 3" in err[-1]
+  assert err[-1].startswith(f"error: --run_dir={run_dir} (this run: model nano, seq 32, vocab "
+                            f"256) can't resume from the checkpoints already in {run_dir}")
+  assert "no usable checkpoint" in err[-1] and "step 3" in err[-1]
+  assert f"--run_dir=NEW_DIR" in err[-1] and f"remove {run_dir / 'checkpoints'}" in err[-1]
   assert "Traceback" not in "\n".join(err)
   assert os.listdir(run_dir / "checkpoints" / "3") == []  # untouched
 
@@ -502,7 +552,7 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),
     ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,
-     r"seq=0, batch_size=4, global_batch=16, accum_steps=1: each must be >= 1"),
+     r"seq=0, batch_size=8, global_batch=16, accum_steps=1: each must be >= 1"),
     ("zero batch", ["--global_batch=0"], dict(global_batch=0), fs.FnscaleError,
      r"global_batch=0, accum_steps=1: each must be >= 1"),
     ("zero lr", ["--lr=0"], dict(lr=0.0), fs.FnscaleError,

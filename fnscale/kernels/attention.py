@@ -34,6 +34,10 @@ from fnscale import _compat
 from fnscale.errors import KernelError
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
+# Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
+# traced program's attention can be told from its other matmuls (`fnscale._cost`).
+SCOPE = "fnscale_attention"
+CAUSAL_SCOPE = SCOPE + "_causal"
 # Candidate block sizes, largest first: the largest that divides the sequence wins.
 _SPLASH_BLOCKS = (512, 256, 128)
 _GPU_BLOCKS = (128, 64, 32, 16)
@@ -313,6 +317,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     scale = 1.0 / math.sqrt(q.shape[-1])
   elif not isinstance(scale, (int, float)) or not scale > 0:
     raise KernelError(f"attention(scale={scale!r}): expected a positive Python float.")
+  with jax.named_scope(CAUSAL_SCOPE if causal else SCOPE):
+    return _attend(q, k, v, causal, segment_ids, sliding_window, float(scale), implementation,
+                   block_sizes, mesh)
+
+
+def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
+            block_sizes, mesh):
+  """`attention` after its argument checks: choose the implementation and run it."""
   mesh = _call_mesh(mesh, q)
   plan = kernel_plan(q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
                      sliding_window=sliding_window, implementation=implementation,
@@ -322,9 +334,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   q_ids, kv_ids = _segment_arrays(segment_ids, q.shape, k.shape)
   window = _normalise_window(sliding_window)
   if plan.implementation == "xla":
-    return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=float(scale))
+    return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=scale)
   kernel = functools.partial(_KERNELS[plan.implementation], causal=causal, window=window,
-                             scale=float(scale), blocks=plan.block_sizes,
+                             scale=scale, blocks=plan.block_sizes,
                              interpret=plan.interpret)
   if not (plan.batch_axes or plan.head_axes):
     return kernel(q, k, v, q_ids, kv_ids)

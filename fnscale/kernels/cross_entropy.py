@@ -31,7 +31,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
                   where: jax.Array | None = None, block_size: int | None = None,
                   z_loss: float = 0.0, reduction: str = "mean",
-                  mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+                  mesh: jax.sharding.Mesh | None = None,
+                  vocab_axes: tuple[str, ...] | None = None) -> jax.Array:
   """Cross-entropy of `softmax(hidden @ unembed)` against integer labels, blockwise.
 
   Equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ unembed, labels)`
@@ -56,6 +57,13 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
       axes) in a `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the
       mesh the arguments' shardings name, else none. Used when vocab is divisible by the
       tensor axis size; `block_size` then counts columns of each device's shard.
+    vocab_axes: the mesh axes the unembedding's vocabulary dim is split over (those in the
+      mesh, of size > 1 and not manual count); default the mesh's "tensor" axis. A data
+      axis here (e.g. "fsdp", for an unembedding stored split by vocabulary under FSDP)
+      gathers the hidden states and labels over it instead of the unembedding: each device
+      scores every token of its group against its own vocabulary columns (the hidden
+      states are d / vocab of the unembedding's size), and its gradient is never reduced
+      over that axis.
 
   Returns:
     float32 scalar, or [tokens] for reduction="none".
@@ -63,9 +71,10 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   Raises:
     KernelError: shapes, dtypes or arguments that don't fit, naming the bad one.
   """
-  tokens, vocab = _check(hidden, unembed, labels, where, block_size, z_loss, reduction)
+  tokens, vocab = _check(hidden, unembed, labels, where, block_size, z_loss, reduction,
+                         vocab_axes)
   per_token = _per_token(hidden, unembed, labels.astype(jnp.int32), block_size,
-                         float(z_loss), _call_mesh(mesh, hidden))
+                         float(z_loss), _call_mesh(mesh, hidden), vocab_axes)
   if where is not None:
     per_token = jnp.where(where, per_token, 0.0)
   if reduction == "none":
@@ -77,7 +86,7 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   return total / count
 
 
-def _check(hidden, unembed, labels, where, block_size, z_loss, reduction):
+def _check(hidden, unembed, labels, where, block_size, z_loss, reduction, vocab_axes=None):
   for name, x in (("hidden", hidden), ("unembed", unembed), ("labels", labels)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise KernelError(f"cross_entropy: {name} must be an array, got {type(x).__name__}.")
@@ -105,6 +114,10 @@ def _check(hidden, unembed, labels, where, block_size, z_loss, reduction):
         f"cross_entropy(block_size={block_size!r}): expected an int in [1, vocab={vocab}].")
   if not isinstance(z_loss, (int, float)) or z_loss < 0:
     raise KernelError(f"cross_entropy(z_loss={z_loss!r}): expected a float >= 0.")
+  if vocab_axes is not None and not (isinstance(vocab_axes, (tuple, list)) and all(
+      isinstance(a, str) for a in vocab_axes)):
+    raise KernelError(f"cross_entropy(vocab_axes={vocab_axes!r}): expected a tuple of mesh "
+                      "axis names, e.g. ('fsdp', 'tensor'), or None.")
   if reduction not in _REDUCTIONS:
     raise KernelError(
         f"cross_entropy(reduction={reduction!r}): expected one of {_REDUCTIONS}.")
@@ -125,12 +138,14 @@ def _block_logits(hidden, unembed, start, size):
   return w, jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 
 
-def _per_token(hidden, unembed, labels, block_size, z_loss, mesh):
-  """Per-token loss; vocab-parallel in a shard_map when the mesh has a tensor axis."""
+def _per_token(hidden, unembed, labels, block_size, z_loss, mesh, vocab_axes=None):
+  """Per-token loss; vocab-parallel in a shard_map when the vocabulary is split over mesh
+  axes (`vocab_axes`, default the tensor axis)."""
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
-  vocab_axes = tuple(a for a in _axes.head_axes(mesh) if mesh.shape[a] > 1
+  wanted = _axes.head_axes(mesh) if vocab_axes is None or mesh.empty else vocab_axes
+  vocab_axes = tuple(a for a in wanted if a in mesh.axis_names and mesh.shape[a] > 1
                      and a not in manual) if not mesh.empty else ()
   shards = math.prod(mesh.shape[a] for a in vocab_axes)
   if not vocab_axes or unembed.shape[1] % shards or _varying_axes(hidden):
@@ -138,7 +153,7 @@ def _per_token(hidden, unembed, labels, block_size, z_loss, mesh):
     return _loss(*_stats(hidden, unembed, labels, _block(block_size, hidden, unembed)),
                  z_loss)
   token_axes = tuple(a for a in _axes.data_axes(mesh) if mesh.shape[a] > 1
-                     and a not in manual)
+                     and a not in manual and a not in vocab_axes)
   if hidden.shape[0] % math.prod(mesh.shape[a] for a in token_axes):
     token_axes = ()
   tok = token_axes or None
