@@ -153,6 +153,56 @@ def scan_parts(eqn) -> ScanParts:
                    ops[n_consts + n_carry:])
 
 
+def name_scopes(eqn) -> str:
+  """The `jax.named_scope` names an equation was traced under, "/"-joined (its
+  `source_info.name_stack`; a `jit` or `custom_vjp` body's equations start afresh).
+
+  Raises:
+    FnscaleError: the equation carries no `source_info.name_stack`.
+  """
+  try:
+    return str(eqn.source_info.name_stack)
+  except AttributeError as e:
+    raise _changed("name_scopes", f"a jaxpr equation has no source_info.name_stack ({e})"
+                   ) from None
+
+
+def dot_contracting_dims(eqn) -> tuple[int, ...]:
+  """The lhs dimensions a `dot_general` equation contracts (its `dimension_numbers`,
+  ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)) as `lax.dot_general` takes).
+
+  Raises:
+    FnscaleError: the params hold no such `dimension_numbers`.
+  """
+  try:
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    return tuple(int(i) for i in lc)
+  except (KeyError, TypeError, ValueError) as e:
+    raise _changed("dot_contracting_dims", f"dot_general's params are {sorted(eqn.params)} "
+                   f"({e!r})") from None
+
+
+class KernelCost(NamedTuple):
+  """A `pallas_call` equation: its kernel's `name` and the FLOPs its `cost_estimate`
+  declares (None: it declares none)."""
+  name: str
+  flops: float | None
+
+
+def kernel_cost(eqn) -> KernelCost:
+  """Reads a `pallas_call` equation's `name` and `cost_estimate` (`pl.CostEstimate` or None).
+
+  Raises:
+    FnscaleError: the params hold no `name` or no `cost_estimate` entry.
+  """
+  p = eqn.params
+  if "name" not in p or "cost_estimate" not in p:
+    raise _changed("kernel_cost", f"pallas_call's params are {sorted(p)} (no name or "
+                   "cost_estimate)")
+  cost = getattr(p["cost_estimate"], "flops", None)
+  return KernelCost(str(p["name"] or "pallas_call"), float(cost) if cost else None)
+
+
 # ------------------------------------------------------------------------- XLA's logs
 
 # An absl/glog line from XLA's C++ code: severity W or E, date, time, thread, file:line].

@@ -136,17 +136,17 @@ def _eqn_flops(eqn, outer: str) -> FlopCount:
   branch, every other body once). `outer`: the name scopes of the equations around this
   jaxpr (a `jit` or `custom_vjp` body's names start afresh)."""
   name = eqn.primitive.name
-  scope = outer + "/" + str(eqn.source_info.name_stack)
+  scope = outer + "/" + _compat.name_scopes(eqn)
   in_attention = SCOPE in scope
   if name == "dot_general":
-    (lc, _), _ = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval.shape
-    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in lc)
+    contracted = math.prod(lhs[i] for i in _compat.dot_contracting_dims(eqn))
+    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
     return FlopCount(f, f if in_attention else 0.0, f if CAUSAL_SCOPE in scope else 0.0)
   if name == "pallas_call":
-    cost = getattr(eqn.params.get("cost_estimate"), "flops", None)
-    uncounted = () if cost else (str(eqn.params.get("name") or name),)
-    return FlopCount(float(cost or 0), 0.0, 0.0, int(in_attention), uncounted)
+    kernel = _compat.kernel_cost(eqn)
+    uncounted = () if kernel.flops else (kernel.name,)
+    return FlopCount(kernel.flops or 0.0, 0.0, 0.0, int(in_attention), uncounted)
   subs = [count_flops(j, scope) for j in _sub_jaxprs(eqn)]
   if not subs:
     return FlopCount()

@@ -137,3 +137,53 @@ def test_xla_log_lines_and_the_gspmd_notice(log_lines):
     assert len(messages) == 1, (name, messages)
     assert messages[0].startswith("[SPMD] Involuntary full rematerialization. The compiler "
                                   "cannot go from sharding {"), (name, messages)
+
+
+def _eqns(jaxpr, name):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      yield eqn
+    for sub in jcore.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub, name)
+
+
+def test_name_scopes_and_dot_contracting_dims():
+  def f(a, b):
+    with jax.named_scope("outer"):
+      with jax.named_scope("inner"):
+        return jax.lax.dot_general(a, b, (((0, 2), (1, 0)), ((), ())))
+
+  jx = jax.make_jaxpr(f)(jnp.ones((3, 5, 4)), jnp.ones((4, 3, 7)))
+  (eqn,) = _eqns(jx.jaxpr, "dot_general")
+  assert _compat.name_scopes(eqn) == "outer/inner"
+  assert _compat.dot_contracting_dims(eqn) == (0, 2)
+  (plain,) = _eqns(jax.make_jaxpr(jnp.dot)(jnp.ones((2, 6)), jnp.ones((6, 3))).jaxpr,
+                   "dot_general")
+  assert _compat.name_scopes(plain) == "" and _compat.dot_contracting_dims(plain) == (1,)
+
+
+def test_kernel_cost_of_a_pallas_call_with_and_without_an_estimate():
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def call(name, cost):
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                       interpret=True, name=name, cost_estimate=cost)
+    (eqn,) = _eqns(jax.make_jaxpr(f)(jnp.ones((8, 128))).jaxpr, "pallas_call")
+    return _compat.kernel_cost(eqn)
+
+  cost = pl.CostEstimate(flops=1234, transcendentals=0, bytes_accessed=8192)
+  assert call("doubler", cost) == _compat.KernelCost("doubler", 1234.0)
+  assert call("plain", None) == _compat.KernelCost("plain", None)
+
+
+def test_jaxpr_entries_of_an_unknown_layout_name_themselves():
+  class Eqn:  # what a future release might hand over
+    params = {"spec": object()}
+    source_info = None
+
+  for entry in ("dot_contracting_dims", "kernel_cost", "name_scopes"):
+    with pytest.raises(fs.FnscaleError, match=rf"fnscale._compat.{entry}: .* tested with jax"):
+      getattr(_compat, entry)(Eqn())
