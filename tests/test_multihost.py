@@ -82,6 +82,7 @@ def run_4x2(tmp_path_factory):
   return out, _train(out, 4, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["run_2x4", "run_4x2"])
 def test_layouts_match_one_process(layout, reference, request):
   out, results = request.getfixturevalue(layout)
@@ -102,6 +103,7 @@ def test_layouts_match_one_process(layout, reference, request):
   assert _max_diff(final, reference["params"][0]) > 1e-3  # it did train
 
 
+@pytest.mark.slow
 def test_elastic_restore_2x4_checkpoint_into_1x8_and_1x2(run_2x4, reference, tmp_path):
   out, _ = run_2x4
   ckpt = out / "ckpt"
@@ -128,6 +130,7 @@ def test_elastic_restore_2x4_checkpoint_into_1x8_and_1x2(run_2x4, reference, tmp
 PREEMPT_BOUND_S = 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notices", [
     ((1, 0.0),),  # only process 1 gets the notice
     ((0, 0.0), (1, 0.4)),  # both, at different moments

@@ -135,6 +135,7 @@ def test_nano_run_trains_and_writes_metrics(work, uninterrupted):
   assert (record["bigram_loss"], record["unigram_loss"]) == (base.bigram, base.unigram)
 
 
+@pytest.mark.slow
 def test_llama_tiny_trains_by_name(work, tmp_path):
   """--model_config=llama-tiny builds the Llama module's model (its param names, its count
   by hand) and a few steps lower the loss from about ln(256)."""
@@ -238,6 +239,7 @@ def stopped_at_3(work):
   return summary, run_dir
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bitwise_equal(work, stopped_at_3, uninterrupted, capsys):
   first, template = stopped_at_3
   assert first.stopped == "--stop_after=3" and first.final_step == 3
@@ -344,6 +346,7 @@ def test_option_success_paths(work, uninterrupted, capsys, case, extra, rtol, sa
     assert [r["train/loss"] for r in got] != [r["train/loss"] for r in want]
 
 
+@pytest.mark.slow
 def test_epochs_count_passes_over_the_training_split(work, tmp_path):
   # 4000 bytes: 20 chunks of 200, the 20th held out -> 3800 train bytes -> (3800 - 1) // 32 =
   # 118 windows of 33 bytes -> 7 global batches of 16 per epoch (the rest dropped).
@@ -354,6 +357,7 @@ def test_epochs_count_passes_over_the_training_split(work, tmp_path):
   assert [r["step"] for r in _records(tmp_path / "run", "train/loss")] == list(range(1, 15))
 
 
+@pytest.mark.slow
 def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   """A BPE tokenizer.json trained by recipes/train_tokenizer.py: the embedding has its
   vocabulary, the loss at init is ln(vocab), and bits/byte = nats/token x tokens/byte / ln 2."""
@@ -375,6 +379,7 @@ def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   assert isinstance(summary.sample, str) and summary.sample
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_stops(work):
   """A preemption notice (SIGTERM) mid-run: checkpoint at the next step, exit 143."""
   run_dir = work / "sigterm"
@@ -407,6 +412,7 @@ def _checkpointed_at_3(work, stopped_at_3, name):
   return run_dir
 
 
+@pytest.mark.slow
 def test_resume_onto_a_different_mesh(work, stopped_at_3, uninterrupted):
   run_dir = _checkpointed_at_3(work, stopped_at_3, "other_mesh")
   summary = _run(_argv(work, run_dir, "--mesh=data=2,fsdp=4"))
@@ -416,6 +422,7 @@ def test_resume_onto_a_different_mesh(work, stopped_at_3, uninterrupted):
                _params(summary), _params(uninterrupted[0]))
 
 
+@pytest.mark.slow
 def test_resume_onto_4_devices_in_a_subprocess(work, stopped_at_3, uninterrupted):
   run_dir = _checkpointed_at_3(work, stopped_at_3, "four_devices")
   cmd = [sys.executable, str(ROOT / "recipes" / "train_lm.py"), "--devices=4",
@@ -430,6 +437,7 @@ def test_resume_onto_4_devices_in_a_subprocess(work, stopped_at_3, uninterrupted
   assert final["eval_loss"] == pytest.approx(uninterrupted[0].eval_loss, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_and_kept(work, stopped_at_3, uninterrupted, capsys):
   run_dir = _checkpointed_at_3(work, stopped_at_3, "corrupt")
   bad = run_dir / "checkpoints" / "6"
@@ -459,6 +467,7 @@ def test_no_good_checkpoint_is_an_error(work, capsys):
   assert os.listdir(run_dir / "checkpoints" / "3") == []  # untouched
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_launcher_two_processes_match_one(work, uninterrupted):
   run_dir = work / "two_processes"
@@ -476,6 +485,7 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_processes_with_different_options_are_named_at_start(work, tmp_path):
   """Two processes of one job, process 1 started with another model: both stop at start-up
