@@ -10,10 +10,13 @@ wait on that service. `peer_guard` turns a collective that failed because anothe
 died into a `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
 
-How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectives):
-  * the survivors' next collective usually fails at once ("Gloo all-reduce failed ...
-    Connection closed by peer"); inside `peer_guard` that becomes a `DistributedError` naming
-    the processes that no longer answer;
+How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo collectives):
+  * with jax 0.10.2 the survivors' next collective usually fails at once ("Gloo all-gather
+    failed ... Connection closed by peer"); inside `peer_guard` that becomes a
+    `DistributedError` naming the processes that no longer answer;
+  * with jax 0.12 (and NCCL) it blocks instead; inside `peer_guard` a helper thread sees the
+    dead process's signs of life stop (`fnscale._liveness`) and ends each survivor with the
+    same kind of `DistributedError` and status 75, `timeout_s` after;
   * a survivor blocked elsewhere is ended by JAX itself, from C++, `heartbeat_timeout_s`
     after the last heartbeat of the dead process: SIGABRT (exit status 134 / -6) with
     "Terminating process because the JAX distributed service detected fatal errors ...
@@ -43,7 +46,9 @@ import jax
 from jax.sharding import NamedSharding
 import numpy as np
 
-from fnscale.errors import DistributedError, ShardingError
+from fnscale import _compat
+from fnscale import _liveness
+from fnscale.errors import DistributedError, FnscaleError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
 from fnscale._tree import path_str
@@ -123,15 +128,12 @@ def _detect(coordinator_address, num_processes, process_id, method, launcher, ti
   if None not in (coordinator_address, num_processes, process_id) or method == "deactivate":
     return (coordinator_address, num_processes, process_id,
             coordinator_address or f"auto-detected ({launcher})", timeout_s)
-  # Private: jax offers its detection only inside initialize, and fnscale needs the
-  # coordinator first, to bound the wait for it and to name it.
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
   t0 = time.monotonic()
   try:
-    coordinator_address, num_processes, process_id, _ = (
-        clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            coordinator_address, num_processes, process_id, None, method,
-            max(1, math.ceil(timeout_s))))
+    coordinator_address, num_processes, process_id = _compat.detect_cluster(
+        coordinator_address, num_processes, process_id, method, max(1, math.ceil(timeout_s)))
+  except FnscaleError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     raise DistributedError(
@@ -170,18 +172,13 @@ def _from_env(coordinator_address, num_processes, process_id):
 
 
 def _state_info() -> DistributedInfo:
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   return DistributedInfo(int(st.process_id), int(st.num_processes or 1),
                          st.coordinator_address, True)
 
 
 def _backends_initialized() -> bool:
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    return False
+  return _compat.backends_initialized()
 
 
 def _plain_int(value):
@@ -235,6 +232,7 @@ def _exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
   code, where no Python exception can reach it): the error on stderr, then `status`."""
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
   try:
+    _liveness.leave()  # on purpose: the others must not report this process lost
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -438,8 +436,7 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   if _job_runtime(f"barrier({name!r})") is None:
     logging.debug("barrier %s: single process", name)
     return
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if (st.num_processes or 1) == 1:
     return
   try:
@@ -659,18 +656,8 @@ def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
-def _barrier_absentees(text: str) -> tuple[int | None, list[int]]:
-  """(processes that arrived, ids of those that didn't) from a coordination-service barrier
-  timeout ("# of tasks that reached the barrier: 1/3 ... Some timed out task names: 1 2",
-  task names bare ids or "/job:jax_worker/replica:0/task:1")."""
-  m = re.search(r"reached the barrier:\s*(\d+)\s*/\s*(\d+)", text)
-  arrived = int(m.group(1)) if m else None
-  tail = text.split("timed out task names:", 1)
-  if len(tail) < 2:
-    return arrived, []
-  names = tail[1].split("RPC:", 1)[0]
-  ids = [int(x) for x in re.findall(r"(?:task:)?(\d+)\s*(?:\n|$)", names)]
-  return arrived, sorted(set(ids))
+# (processes that arrived, ids of those that didn't) from a barrier's timeout error text.
+_barrier_absentees = _compat.barrier_absentees
 
 
 # ------------------------------------------------------------- agreement between processes
@@ -694,8 +681,7 @@ _WAIT: dict[str, Any] = {"at": None, "since": 0.0}
 def _runtime():
   """(client, process_id, num_processes) of JAX's distributed runtime, or None when this is
   a single process or the runtime isn't up."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if st.client is None or (st.num_processes or 1) == 1:
     return None
   return st.client, int(st.process_id), int(st.num_processes)
@@ -920,8 +906,7 @@ _PEER_FAILURE = re.compile(
 
 def _lost_processes(timeout_s: float) -> tuple[list[int], str]:
   """Which processes don't reach a bounded check-in barrier: (ids, the runtime's words)."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   try:
     st.client.wait_at_barrier("fnscale:peer-check", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
@@ -945,8 +930,12 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   When the block raises a runtime error from JAX (a failed all-reduce, an unreachable
   coordination service) in a multi-process job, every surviving process checks in at a
   barrier for at most `timeout_s` seconds; those that don't arrive are named. Errors of
-  other kinds, or when every process checks in, pass through unchanged. In one process it
-  does nothing.
+  other kinds, or when every process checks in, pass through unchanged. A collective that
+  blocks on the dead process instead of failing (jax 0.12's gloo, NCCL) is covered by a
+  helper thread (`fnscale._liveness`): every process inside `peer_guard` shows signs of life
+  in the coordination service, and one silent for `timeout_s` seconds ends the others with
+  the same error on stderr and status 75 (`EXIT_JOB_FAILED`). In one process it does
+  nothing.
 
   Keep `timeout_s` below `initialize`'s `heartbeat_timeout_s`: once the coordination service
   notices the missing heartbeats, JAX ends every process at once from C++ (see the module
@@ -960,30 +949,46 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
-  _job_runtime("peer_guard")
+  rt = _job_runtime("peer_guard")
+
+  def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
+    _exit_with(DistributedError(
+        f"lost {_processes(missing)} of {rt[2]}: {_processes(missing)} gave no sign of life "
+        f"for {timeout_s} s while process {rt[1]} ran inside peer_guard (a collective waiting "
+        "for a lost process blocks instead of failing), so process "
+        f"{rt[1]} stops now, before JAX's coordination service would abort it."
+        + _LOST_FIX.format(named=_processes(missing))))
+
   try:
-    yield
+    with _liveness.watch(*rt[:2], timeout_s, silent) if rt else contextlib.nullcontext():
+      yield
   except Exception as e:  # pylint: disable=broad-except
     if (isinstance(e, DistributedError) or not jax.distributed.is_initialized()
         or not _PEER_FAILURE.search(f"{type(e).__name__} {e}")):
       raise
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    st = _jd.global_state
+    st = _compat.distributed_state()
     if (st.num_processes or 1) == 1:
       raise
     missing, words = _lost_processes(timeout_s)
     if not missing:
       raise
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    named = ("an unknown process" if missing == [-1] else
-             f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+    named = _processes(missing)
     raise DistributedError(
         f"lost {named} of {st.num_processes}: a collective failed in process "
         f"{st.process_id} ({type(e).__name__}: {first}) and {named} did not check in within "
-        f"{timeout_s} s ({words}). The job can't go on: every collective needs every process. "
-        f"Fix: look at the log of {named} for why it stopped (killed, out of memory, "
-        "preempted, crashed), then restart every process; resume from the last checkpoint "
-        "(fnscale.checkpoint.latest_step).") from e
+        f"{timeout_s} s ({words})." + _LOST_FIX.format(named=named)) from e
+
+
+_LOST_FIX = (" The job can't go on: every collective needs every process. Fix: look at the "
+             "log of {named} for why it stopped (killed, out of memory, preempted, crashed), "
+             "then restart every process; resume from the last checkpoint "
+             "(fnscale.checkpoint.latest_step).")
+
+
+def _processes(ids: list[int]) -> str:
+  return ("an unknown process" if ids == [-1] else
+          f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}")
 
 
 def _leaf_global_shape(path: str, local_shape, sharding) -> tuple[int, ...]:

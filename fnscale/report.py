@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 import hashlib
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from typing import Any, NamedTuple
 from absl import logging
 import jax
 
+from fnscale import _compat
 from fnscale import _tree
 from fnscale import hlo as _hlo
 from fnscale import sharding as _sh
@@ -97,18 +97,12 @@ class CompileReport(NamedTuple):
 
 # ----------------------------------------------------------------------------- compiling
 
-# An absl/glog line from XLA's C++ code: severity W or E, date, time, thread, file:line].
-_LOG_LINE = re.compile(r"^([WE])\d{4} [\d:.]+\s+\d+ [^\]]+\] (.*)$")
-
-
 def xla_warnings(text: str) -> tuple[str, ...]:
-  """The warning and error messages in XLA's C++ log output, de-duplicated in order."""
-  out: list[str] = []
-  for line in text.splitlines():
-    m = _LOG_LINE.match(line.strip())
-    if m and m.group(2) not in out:
-      out.append(m.group(2))
-  return tuple(out)
+  """The warning and error messages in XLA's C++ log output, de-duplicated in order (XLA's
+  notices about JAX's configuration, such as GSPMD's deprecation, left out: they stay on
+  stderr). The partitioner's own warnings read the same under Shardy and GSPMD, though the
+  shardings they quote are written in Shardy's notation under Shardy in jax 0.12."""
+  return tuple(dict.fromkeys(_compat.xla_log_messages(text)))
 
 
 # Warnings by program: jax serves a program compiled before in this process from its cache,

@@ -230,6 +230,7 @@ def test_multi_line_kernel_attribute_stays_in_its_loop_body():
   assert hlo.flops_ratio(text, 4 * (2 * 16 * 32 * 32) + 2 * 8 * 32 * 16) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices, tmp_path):
   # A remat'd 2-layer Llama step with splash attention (a Pallas kernel with multi-line

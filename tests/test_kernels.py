@@ -229,6 +229,7 @@ def test_kernel_keeps_replica_axis_in_batch_spec():
     assert _relative_error(g, r) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_splash_on_multislice_hybrid_mesh_compiles_for_tpu(tpu_devices, plans):
   devices = tpu_devices("v5p:2x2x2", num_slices=2)
@@ -394,6 +395,7 @@ AOT_FORMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 @pytest.mark.parametrize("form", list(AOT_FORMS))
 def test_every_wrapper_form_compiles_splash_for_a_tpu_topology(form, tpu_devices, plans):

@@ -420,6 +420,7 @@ def _do(co: Checkout, block: Block, kind: str, text: str, extras) -> tuple[str, 
   return "ran", problems
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_readme_commands_run_in_order(checkout):
   readme = (checkout.root / "README.md").read_text(encoding="utf-8")
@@ -443,6 +444,7 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py")
                  if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_recipe_runs_as_a_script_and_as_a_module(checkout):
   jobs = [(r, m) for r in RECIPES for m in (False, True)]
