@@ -316,5 +316,5 @@ def test_restore_agrees_on_process_0s_step(tmp_path):
     assert out["shared"] == {"extra": {"step": 4}, "w": (np.arange(8) * 4.0).tolist()}, out
     assert out["own"]["error"].startswith(
         f"DistributedError: the checkpoint step to restore from {own[p]}: process 0 chose 4, "
-        "which not every process can use (process 1: incomplete: its commit marker "
-        "commit_success.txt is missing"), out
+        f"which not every process can use (process 1: step 4 at {own[1] / '4'} is incomplete: "
+        "orbax's commit marker is missing"), out
