@@ -667,9 +667,10 @@ GRACE_S = 5
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("point,mark", [
-    ("start-up eval", r"\ncompile: "),  # process 0's start-up lines end just before it
+    # process 0's start-up lines end just before "compile:"
+    pytest.param("start-up eval", r"\ncompile: ", marks=pytest.mark.slow),
     ("loop", r"\nstep +2/"),
-    ("final save and eval", rf"\nstep +{STEPS}/"),
+    pytest.param("final save and eval", rf"\nstep +{STEPS}/", marks=pytest.mark.slow),
 ])
 def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work, tmp_path,
                                                                           point, mark):
