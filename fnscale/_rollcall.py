@@ -196,7 +196,8 @@ def _problem(roll: list, me: dict) -> str | None:
 
 def check(coordinator_address: str | None, num_processes: int | None,
           process_id: int | None, timeout_s: float) -> float:
-  """The roll call (see the module docstring); returns the seconds it took.
+  """The roll call (see the module docstring) before joining with `timeout_s` seconds;
+  returns the seconds left of them (at least 1).
 
   Raises:
     DistributedError: a process_id given to several processes, or processes started with
@@ -204,10 +205,10 @@ def check(coordinator_address: str | None, num_processes: int | None,
       `FNSCALE_ROLLCALL_PORT`.
   """
   if coordinator_address is None or num_processes is None or process_id is None:
-    return 0.0
+    return timeout_s
   port = _port(coordinator_address)
   if port is None:
-    return 0.0
+    return timeout_s
   start = time.monotonic()
   host, _, coordinator_port = coordinator_address.rpartition(":")
   host = host.strip("[]")
@@ -227,4 +228,4 @@ def check(coordinator_address: str | None, num_processes: int | None,
   problem = _problem(roll, me) if roll else None
   if problem is not None:
     raise DistributedError(problem)
-  return time.monotonic() - start
+  return max(1.0, timeout_s - (time.monotonic() - start))

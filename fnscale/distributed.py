@@ -400,8 +400,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   coordinator_address, num_processes, process_id, where, timeout_s = _detect(
       coordinator_address, num_processes, process_id, method,
       launcher or f"cluster_detection_method={method!r}", timeout_s)
-  timeout_s = max(1.0, timeout_s - _rollcall.check(coordinator_address, num_processes,
-                                                     process_id, timeout_s))
+  timeout_s = _rollcall.check(coordinator_address, num_processes, process_id, timeout_s)
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.

@@ -67,7 +67,7 @@ def test_roll_call_switched_off_is_skipped(monkeypatch):
   monkeypatch.setenv(_rollcall.ENV_PORT, "off")
   start = time.monotonic()
   # Process 0 of 2 with nobody else: with the roll call on it would wait ROLL_WAIT_S.
-  assert _rollcall.check("127.0.0.1:1", 2, 0, 60) == 0.0
+  assert _rollcall.check("127.0.0.1:1", 2, 0, 60) == 60
   assert time.monotonic() - start < 1
 
 
@@ -94,5 +94,5 @@ def test_a_foreign_listener_on_the_port_is_ignored(monkeypatch):
     thread.start()
     monkeypatch.setenv(_rollcall.ENV_PORT, str(other.getsockname()[1]))
     address = f"127.0.0.1:{coordinator.getsockname()[1]}"
-    assert _rollcall.check(address, 2, 1, 60) < 3
+    assert _rollcall.check(address, 2, 1, 60) > 57
     thread.join(5)
