@@ -80,6 +80,9 @@ def _listen(host: str, port: int) -> socket.socket | str | None:
   """A listening socket on `host:port`; "taken" when another process holds it; None when
   this host can't listen there (the coordinator address isn't one of its own)."""
   sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  # A port left in TIME_WAIT by an earlier connection is free to listen on; a second
+  # listener still gets EADDRINUSE on Linux (SO_REUSEADDR is not SO_REUSEPORT).
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   try:
     sock.bind((host, port))
     sock.listen(128)
