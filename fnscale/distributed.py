@@ -346,6 +346,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   JAX's coordination service, and all compare: a difference is a `DistributedError` on
   every process naming it ("process 1 has --model=tiny, process 0 --model=nano").
 
+  Before joining, a roll call (`fnscale._rollcall`: process 0 listens at the coordinator's
+  port + 1, `FNSCALE_ROLLCALL_PORT` moves it, "off" skips it) names a `process_id` given to
+  two processes, on every process, within seconds.
+
   A SIGTERM (preemption notice) while the job forms ends the process at once: the message
   on stderr, status 143 (`fnscale.preemption.EXIT_PREEMPTED`).
 
@@ -356,8 +360,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     DistributedError: bad arguments; already initialised with different arguments; called
       after jax initialised its backend; the job couldn't form within `timeout_s` (the
       message names the expected process count, the coordinator and the fix; JAX 0.10.2
-      can't tell which processes are missing before all joined); or processes that
-      disagree on versions, devices or `config`.
+      can't tell which processes are missing before all joined); a `process_id` given to
+      several processes (named with their hosts and pids); or processes that disagree on
+      versions, devices or `config`.
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
