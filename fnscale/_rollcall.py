@@ -115,7 +115,8 @@ def _latecomers(listener: socket.socket, me: dict, roll: list, until: float) -> 
       got = _accept_one(listener, me, until)
       if got is None:
         return
-      _send(got[1], {"magic": _MAGIC, "roll": roll + [got[0]]})
+      roll = roll + [got[0]]  # so a second latecomer with one id is caught too
+      _send(got[1], {"magic": _MAGIC, "roll": roll})
       got[1].close()
   finally:
     listener.close()

@@ -96,3 +96,18 @@ def test_a_foreign_listener_on_the_port_is_ignored(monkeypatch):
     address = f"127.0.0.1:{coordinator.getsockname()[1]}"
     assert _rollcall.check(address, 2, 1, 60) > 57
     thread.join(5)
+
+
+def test_latecomers_are_still_checked(monkeypatch):
+  """Process 0 stops waiting for the roll after ROLL_WAIT_S and joins; a process that
+  announces itself later still learns whether its id is taken, at once."""
+  monkeypatch.setattr(_rollcall, "ROLL_WAIT_S", 0.5)
+  address = f"127.0.0.1:{mp.free_port()}"
+  assert _rollcall.check(address, 3, 0, 30) > 28  # nobody came: joins after 0.5 s
+  start = time.monotonic()
+  assert _rollcall.check(address, 3, 1, 30) > 28  # a late process 1: fine
+  with pytest.raises(DistributedError, match=r"process_id 1 was given to 2 processes"):
+    _rollcall.check(address, 3, 1, 30)  # a second late process 1
+  with pytest.raises(DistributedError, match=r"process_id 0 was given to 2 processes"):
+    _rollcall.check(address, 3, 0, 30)  # a late second process 0
+  assert time.monotonic() - start < 3
