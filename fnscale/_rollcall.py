@@ -182,7 +182,7 @@ def _problem(roll: list, me: dict) -> str | None:
   counts = {}
   for e in roll:
     counts.setdefault(e.get("process_id"), []).append(e)
-  n = me["num_processes"]
+  n = roll[0].get("num_processes")  # process 0's (the roll starts with it): one text for all
   for pid, entries in sorted(counts.items(), key=lambda kv: str(kv[0])):
     if len(entries) > 1:
       return (f"process_id {pid} was given to {len(entries)} processes "

@@ -111,3 +111,21 @@ def test_latecomers_are_still_checked(monkeypatch):
   with pytest.raises(DistributedError, match=r"process_id 0 was given to 2 processes"):
     _rollcall.check(address, 3, 0, 30)  # a late second process 0
   assert time.monotonic() - start < 3
+
+
+def test_a_different_process_count_is_named_too():
+  address = f"127.0.0.1:{mp.free_port()}"
+  errors = {}
+
+  def process_0():
+    try:
+      _rollcall.check(address, 2, 0, 30)
+    except DistributedError as e:
+      errors[0] = str(e)
+  thread = threading.Thread(target=process_0)
+  thread.start()
+  with pytest.raises(DistributedError) as e:
+    _rollcall.check(address, 3, 1, 30)
+  thread.join(10)
+  assert str(e.value).startswith("process 1 (host ") and errors[0] == str(e.value)
+  assert "was started for a 3-process job, process 0 for a 2-process job" in errors[0]
