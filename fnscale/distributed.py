@@ -48,6 +48,7 @@ import numpy as np
 
 from fnscale import _compat
 from fnscale import _liveness
+from fnscale import _rollcall
 from fnscale.errors import DistributedError, FnscaleError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
@@ -343,6 +344,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   JAX's coordination service, and all compare: a difference is a `DistributedError` on
   every process naming it ("process 1 has --model=tiny, process 0 --model=nano").
 
+  Before joining, a roll call (`fnscale._rollcall`: process 0 listens at the coordinator's
+  port + 1, `FNSCALE_ROLLCALL_PORT` moves it, "off" skips it) names a `process_id` given to
+  two processes, on every process, within seconds.
+
   A SIGTERM (preemption notice) while the job forms ends the process at once: the message
   on stderr, status 143 (`fnscale.preemption.EXIT_PREEMPTED`).
 
@@ -353,8 +358,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     DistributedError: bad arguments; already initialised with different arguments; called
       after jax initialised its backend; the job couldn't form within `timeout_s` (the
       message names the expected process count, the coordinator and the fix; JAX 0.10.2
-      can't tell which processes are missing before all joined); or processes that
-      disagree on versions, devices or `config`.
+      can't tell which processes are missing before all joined); a `process_id` given to
+      several processes (named with their hosts and pids); or processes that disagree on
+      versions, devices or `config`.
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
@@ -397,6 +403,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   coordinator_address, num_processes, process_id, where, timeout_s = _detect(
       coordinator_address, num_processes, process_id, method,
       launcher or f"cluster_detection_method={method!r}", timeout_s)
+  timeout_s = _rollcall.check(coordinator_address, num_processes, process_id, timeout_s)
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.
