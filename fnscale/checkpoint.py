@@ -777,6 +777,10 @@ def restore(where, target, *, step: int | None = None, data=None,
     DistributedError: several processes and step=None: a process that doesn't see process
       0's chosen step complete (named, on every process), or no coordination service.
   """
+  if step is None and jax.process_count() > 1:  # the agreement needs the service: say so first
+    from fnscale import distributed  # pylint: disable=import-outside-toplevel
+    distributed._job_runtime(  # pylint: disable=protected-access
+        f"the checkpoint step to restore from {where}")
   abstract, treedef = ct.abstract_target(target)
   step = ct.check_step(step, allow_none=True)
   if data is not None:

@@ -611,6 +611,7 @@ def _kernel_names(jaxpr) -> list[str]:
   return re.findall(r"name=(\w+)", str(jaxpr))
 
 
+@pytest.mark.hlo_unread_loops  # the causal Triton kernel's key-block bound depends on the query block
 def test_with_kernel_scopes_each_wrapped_function_in_one_program():
   q, k, v = _qkv(1, 128, 2, 2, 64)
   inner = functools.partial(attention, causal=True)
