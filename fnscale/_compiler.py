@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 import hashlib
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -17,21 +16,16 @@ from typing import Any
 
 import jax
 
+from fnscale import _compat
 from fnscale import _tree
 from fnscale.errors import StepError
 
-# An absl/glog line from XLA's C++ code: severity W or E, date, time, thread, file:line].
-_LOG_LINE = re.compile(r"^([WE])\d{4} [\d:.]+\s+\d+ [^\]]+\] (.*)$")
-
-
 def xla_warnings(text: str) -> tuple[str, ...]:
-  """The warning and error messages in XLA's C++ log output, de-duplicated in order."""
-  out: list[str] = []
-  for line in text.splitlines():
-    m = _LOG_LINE.match(line.strip())
-    if m and m.group(2) not in out:
-      out.append(m.group(2))
-  return tuple(out)
+  """The warning and error messages in XLA's C++ log output, de-duplicated in order (XLA's
+  notices about JAX's configuration, such as GSPMD's deprecation, left out: they stay on
+  stderr). The partitioner's own warnings read the same under Shardy and GSPMD, though the
+  shardings they quote are written in Shardy's notation under Shardy in jax 0.12."""
+  return tuple(dict.fromkeys(_compat.xla_log_messages(text)))
 
 
 # Warnings by program: jax serves a program compiled before in this process from its cache,
@@ -47,9 +41,9 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
   descriptor is pointed at a temporary file during the compile; the text is then written
   back to stderr (nothing is hidden) and parsed. A thread that ends the process meanwhile
   (`fnscale._coordination.exit_with`: a preemption notice, a lost peer) gives the descriptor
-  back first (`release_stderr`), so its message and XLA's lines reach stderr. A program compiled again in the same
-  process (jax's in-memory cache) gets the warnings of its first compile; one loaded from
-  the persistent compilation cache has none.
+  back first (`release_stderr`), so its message and XLA's lines reach stderr. A program
+  compiled again in the same process (jax's in-memory cache) gets the warnings of its first
+  compile; one loaded from the persistent compilation cache has none.
 
   Returns:
     (the `jax.stages.Compiled`, compile seconds, XLA's warning messages).

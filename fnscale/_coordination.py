@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
 
 import jax
 
+from fnscale import _compat
 from fnscale import _compiler
+from fnscale import _liveness
 from fnscale.errors import DistributedError
 
 # Exit status when the job can't form or continue (EX_TEMPFAIL: restarting may succeed).
@@ -31,8 +32,7 @@ WAIT: dict[str, Any] = {"at": None, "since": 0.0}
 def runtime():
   """(client, process_id, num_processes) of JAX's distributed runtime, or None when this is
   a single process or the runtime isn't up."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if st.client is None or (st.num_processes or 1) == 1:
     return None
   return st.client, int(st.process_id), int(st.num_processes)
@@ -101,18 +101,8 @@ def where_others(client, pid: int, n: int, name: str) -> list[str]:
   return out
 
 
-def barrier_absentees(text: str) -> tuple[int | None, list[int]]:
-  """(processes that arrived, ids of those that didn't) from a coordination-service barrier
-  timeout ("# of tasks that reached the barrier: 1/3 ... Some timed out task names: 1 2",
-  task names bare ids or "/job:jax_worker/replica:0/task:1")."""
-  m = re.search(r"reached the barrier:\s*(\d+)\s*/\s*(\d+)", text)
-  arrived = int(m.group(1)) if m else None
-  tail = text.split("timed out task names:", 1)
-  if len(tail) < 2:
-    return arrived, []
-  names = tail[1].split("RPC:", 1)[0]
-  ids = [int(x) for x in re.findall(r"(?:task:)?(\d+)\s*(?:\n|$)", names)]
-  return arrived, sorted(set(ids))
+# (processes that arrived, ids of those that didn't) from a barrier's timeout error text.
+barrier_absentees = _compat.barrier_absentees
 
 
 def exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
@@ -123,6 +113,7 @@ def exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
   text = f"{type(error).__module__}.{type(error).__name__}: {error}"
   try:
     _compiler.release_stderr()
+    _liveness.leave()  # on purpose: the others must not report this process lost
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     sys.stdout.flush()

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from fnscale import _compat
 from fnscale._targets import Hardware
 from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
 
@@ -105,12 +106,7 @@ def _nbytes(tree) -> float:
 
 
 def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jcore.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jcore.Jaxpr):
-        yield x
+  return jcore.jaxprs_in_params(eqn.params)
 
 
 class FlopCount(NamedTuple):
@@ -140,24 +136,24 @@ def _eqn_flops(eqn, outer: str) -> FlopCount:
   branch, every other body once). `outer`: the name scopes of the equations around this
   jaxpr (a `jit` or `custom_vjp` body's names start afresh)."""
   name = eqn.primitive.name
-  scope = outer + "/" + str(eqn.source_info.name_stack)
+  scope = outer + "/" + _compat.name_scopes(eqn)
   in_attention = SCOPE in scope
   if name == "dot_general":
-    (lc, _), _ = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval.shape
-    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in lc)
+    contracted = math.prod(lhs[i] for i in _compat.dot_contracting_dims(eqn))
+    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
     return FlopCount(f, f if in_attention else 0.0, f if CAUSAL_SCOPE in scope else 0.0)
   if name == "pallas_call":
-    cost = getattr(eqn.params.get("cost_estimate"), "flops", None)
-    uncounted = () if cost else (str(eqn.params.get("name") or name),)
-    return FlopCount(float(cost or 0), 0.0, 0.0, int(in_attention), uncounted)
+    kernel = _compat.kernel_cost(eqn)
+    uncounted = () if kernel.flops else (kernel.name,)
+    return FlopCount(kernel.flops or 0.0, 0.0, 0.0, int(in_attention), uncounted)
   subs = [count_flops(j, scope) for j in _sub_jaxprs(eqn)]
   if not subs:
     return FlopCount()
   if name == "cond":
     return max(subs, key=lambda c: c.total)
   total = sum(subs, FlopCount())
-  return total.times(eqn.params.get("length", 1)) if name == "scan" else total
+  return total.times(_compat.scan_parts(eqn).length) if name == "scan" else total
 
 
 def count_flops(jaxpr, outer: str = "") -> FlopCount:
@@ -176,8 +172,8 @@ def _longest_scan(jaxpr, best=None):
   """(length, carry avals) of the longest `scan` in the jaxpr, nested ones included."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
-      n, nc = eqn.params["length"], eqn.params["num_consts"]
-      carry = [v.aval for v in eqn.invars[nc:nc + eqn.params["num_carry"]]]
+      scan = _compat.scan_parts(eqn)
+      n, carry = scan.length, [v.aval for v in scan.carry]
       if best is None or n > best[0]:
         best = (n, carry)
     for j in _sub_jaxprs(eqn):

@@ -67,6 +67,7 @@ import numpy as np
 from absl import logging
 
 from fnscale import _agreement
+from fnscale import _coordination
 from fnscale import _checkpoint_tree as ct
 from fnscale import _tree
 from fnscale.errors import CheckpointError, DistributedError, StorageError
@@ -314,11 +315,9 @@ def _step_meta(orbax_manager, step: int) -> dict:
   return dict(custom.get(_META) or {})
 
 
-def _problem(ckpt: Manager, step: int) -> str | None:
-  """Why `step` can't be a complete checkpoint, or None if it looks complete.
-
-  Reads orbax's markers and metadata, not the arrays, so every process reaches the same
-  verdict on a shared file system."""
+def _uncommitted(ckpt: Manager, step: int) -> str | None:
+  """Why `step` isn't a committed step directory, or None: files only, no orbax call (which
+  could wait for the other processes)."""
   ocp = _orbax()
   step_dir = _step_dir(ckpt, step)
   if not step_dir.exists():
@@ -328,6 +327,18 @@ def _problem(ckpt: Manager, step: int) -> str | None:
           and ocp.step.is_checkpoint_finalized(step_dir, temporary_path_cls=marker)):
     return ("incomplete: orbax's commit marker is missing (the save never finished, or the "
             "directory was damaged or copied partially)")
+  return None
+
+
+def _problem(ckpt: Manager, step: int) -> str | None:
+  """Why `step` can't be a complete checkpoint, or None if it looks complete.
+
+  Reads orbax's markers and metadata, not the arrays, so every process reaches the same
+  verdict on a shared file system."""
+  ocp = _orbax()
+  problem = _uncommitted(ckpt, step)
+  if problem:
+    return problem
   try:
     if ckpt.orbax.metadata(step).commit_timestamp_nsecs is None:
       return "corrupt: orbax's step metadata is missing"
@@ -768,6 +779,8 @@ def restore(where, target, *, step: int | None = None, data=None,
     DistributedError: several processes and step=None: a process that doesn't see process
       0's chosen step complete (named, on every process), or no coordination service.
   """
+  if step is None and jax.process_count() > 1:  # the agreement needs the service: say so first
+    _coordination.job_runtime(f"the checkpoint step to restore from {where}")
   abstract, treedef = ct.abstract_target(target)
   step = ct.check_step(step, allow_none=True)
   if data is not None:
@@ -793,9 +806,15 @@ def restore(where, target, *, step: int | None = None, data=None,
 def _agreed_latest_step(ckpt: Manager) -> int:
   """Several processes: process 0's newest complete finite step, once every process sees it
   complete (`fnscale._agreement`), so that no process restores a step of its own."""
+  # Every process lists and reads through orbax (whose calls synchronise the processes);
+  # only then is process 0's answer checked, from the files alone, everywhere.
+  mine = latest_step(ckpt)
+
+  def unusable(step):
+    problem = None if step is None else _uncommitted(ckpt, step)
+    return problem and f"step {step} at {_step_dir(ckpt, step)} is {problem}"
   step = _agreement.agreed_choice(
-      f"the checkpoint step to restore from {ckpt.directory}", lambda: latest_step(ckpt),
-      lambda s: None if s is None else _problem(ckpt, s))
+      f"the checkpoint step to restore from {ckpt.directory}", lambda: mine, unusable)
   if step is None:
     raise CheckpointError(
         f"no complete checkpoint in {ckpt.directory} as process 0 sees it. Check the path, or "

@@ -22,7 +22,7 @@ from fnscale import _tree
 from fnscale import sharding as _sh
 from fnscale import state as _state
 from fnscale import step as _step
-from fnscale.errors import FnscaleError, StepError
+from fnscale.errors import FnscaleError, ShardingError, StepError
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]
 
@@ -106,6 +106,43 @@ def _own_sharding(leaf, derived, mesh):
   """A leaf's own NamedSharding on `mesh` (a born-sharded state's), else the derived one."""
   s = getattr(leaf, "sharding", None)
   return s if isinstance(s, NamedSharding) and s.mesh == mesh else derived
+
+
+def _disagreement(state, carried: list, derived, what: str):
+  """Refuses a carried sharding that the passed `what` would change (never a silent reshard
+  of the whole state)."""
+  for (path, leaf), own, want in zip(_tree.leaves_with_paths(state), carried,
+                                     jax.tree.leaves(derived)):
+    if own is not None and not _same_sharding(own, want, len(_tree.aval(leaf)[0])):
+      raise ShardingError(
+          f"state leaf '{path}' carries PartitionSpec {tuple(own.spec)} on the mesh, but the "
+          f"{what} passed to shard_step give {tuple(want.spec)}; fix: leave them out (the "
+          "step uses the shardings the state carries), pass the ones the state was built "
+          "with (init_state's), or pass state_shardings= to reshard on purpose.")
+
+
+def _carried_shardings(state, mesh, rules, logical_axes, optimizer, sharding_options):
+  """The state's shardings: each leaf's own NamedSharding on `mesh` (a state born sharded by
+  `init_state`, arrays or ShapeDtypeStructs), else derived as `fnscale.state_shardings`
+  derives them; the optimizer state follows the params' carried shardings."""
+  derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
+                                   sharding_options=sharding_options)
+  carried = [_own_sharding(leaf, None, mesh) for leaf in jax.tree.leaves(state)]
+  n_params = len(jax.tree.leaves(state.params))
+  if rules or logical_axes is not None or sharding_options:
+    _disagreement(state.params, carried[:n_params], derived.params,
+                  "rules / logical_axes / sharding_options")
+  psh = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(state.params),
+      [d if c is None else c for c, d in zip(carried, jax.tree.leaves(derived.params))])
+  derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
+                                   optimizer=optimizer, sharding_options=sharding_options,
+                                   param_shardings=psh)
+  if optimizer is not None:
+    _disagreement(state.opt_state, carried[n_params:], derived.opt_state, "optimizer")
+  return jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(derived),
+      [d if c is None else c for c, d in zip(carried, jax.tree.leaves(derived))])
 
 
 def _buffer(leaf) -> tuple:
@@ -215,13 +252,8 @@ class ShardedStep:
   def _state_shardings(self, state):
     if self.state_shardings is not None:
       return self.state_shardings
-    ssh = _state.state_shardings(state, self.mesh, self.rules, logical_axes=self.logical_axes,
-                                 optimizer=self.optimizer,
-                                 sharding_options=self.sharding_options)
-    # The optimizer state keeps the shardings it was born with (init_state's), so the
-    # program doesn't depend on whether the optimizer could be found.
-    return ssh._replace(opt_state=jax.tree.map(
-        lambda leaf, s: _own_sharding(leaf, s, self.mesh), state.opt_state, ssh.opt_state))
+    return _carried_shardings(state, self.mesh, self.rules, self.logical_axes,
+                              self.optimizer, self.sharding_options)
 
   def _resolve(self, state, batch):
     ssh = self._state_shardings(state)
@@ -329,12 +361,14 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   (`jax.ShapeDtypeStruct` with shardings), and calls run the kept executable, so step 0
   never compiles again. Compiling involves no other process; in a multi-process job call
   `fnscale.distributed.agree_on_step(compiled)` after `.compile(...)` (a barrier that also
-  checks every process compiled the same program). Shardings: `state_shardings` if given,
-  else derived from the state (`fnscale.state_shardings`: params by rules / automatic FSDP,
-  step and loss scale replicated) with the same arguments `init_state` takes, so a state
-  from `init_state` is used in place. Optimizer-state leaves that already carry a
-  NamedSharding on `mesh` (a born-sharded state's arrays or ShapeDtypeStructs) keep it;
-  others follow the params (found with `optimizer` when given, else by structure). The step
+  checks every process compiled the same program). Shardings flow with the values: a
+  state leaf that carries a NamedSharding on `mesh` (a state born sharded by `init_state`,
+  its arrays or ShapeDtypeStructs) is compiled in that sharding, so `shard_step(step, mesh)`
+  needs no rules again and never reshards such a state. Leaves without one (numpy arrays,
+  another mesh) are derived as `fnscale.state_shardings` derives them from `rules`,
+  `logical_axes` and `sharding_options` (params; automatic FSDP without rules), the
+  optimizer state following the params (found with `optimizer` when given, else by
+  structure), step and loss scale replicated; `state_shardings` overrides all. The step
   is never inspected: a wrapper around it compiles the same program. The batch's leading
   dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
   `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its
@@ -345,7 +379,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     mesh: the `jax.sharding.Mesh`, with Auto or Explicit axis types (`jax.make_mesh`'s
       default); a mesh over `jax.experimental.topologies` devices compiles for hardware
       that isn't here.
-    rules, logical_axes, sharding_options: as in `init_state`.
+    rules, logical_axes, sharding_options: as in `init_state`, for leaves that carry no
+      sharding on `mesh`; when given they must agree with the ones that do.
     state_shardings: a TrainState of NamedShardings (or a prefix) to use instead.
     batch_sharding: a NamedSharding for every batch leaf, or a pytree of them.
     donate: donate the state argument.
@@ -358,7 +393,8 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     example: `(state, batch)` (arrays or ShapeDtypeStructs): compile now and return the
       `CompiledStep` (same as `shard_step(...).compile(state, batch)`).
     optimizer: the optax optimizer, to find the param-shaped parts of a state whose
-      optimizer leaves carry no sharding on `mesh` (e.g. numpy arrays); optional.
+      optimizer leaves carry no sharding on `mesh` (e.g. numpy arrays); optional, and when
+      given it must agree with the optimizer leaves that carry one.
     compiler_options: XLA compile options (DebugOptions names) for `Lowered.compile`.
     fast_compile: add `fnscale.report.fast_compile_options()` (debugging: slower programs).
 
@@ -373,7 +409,9 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
     StepError: a bad step, mesh, mode or option (named, with what was given); a state or
       batch that doesn't match the compiled step (naming the leaf path, expected and got).
     ShardingError: a batch leaf not divisible by the data axes, a state leaf that doesn't
-      fit its sharding (naming the leaf path and axes).
+      fit its sharding (naming the leaf path and axes), a state leaf whose carried sharding
+      disagrees with the rules / logical axes / sharding options / optimizer passed (naming
+      the leaf and both PartitionSpecs).
   """
   _check_args(step, mesh, mode, donate, optimizer, compiler_options)
   options = dict(compiler_options or {})

@@ -10,10 +10,13 @@ wait on that service. `peer_guard` turns a collective that failed because anothe
 died into a `DistributedError` naming it. `global_batch` turns each process's slice of a batch into
 global `jax.Array`s (`jax.make_array_from_process_local_data`).
 
-How a job ends when a process dies (measured with jax 0.10.2, CPU/gloo collectives):
-  * the survivors' next collective usually fails at once ("Gloo all-reduce failed ...
-    Connection closed by peer"); inside `peer_guard` that becomes a `DistributedError` naming
-    the processes that no longer answer;
+How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo collectives):
+  * with jax 0.10.2 the survivors' next collective usually fails at once ("Gloo all-gather
+    failed ... Connection closed by peer"); inside `peer_guard` that becomes a
+    `DistributedError` naming the processes that no longer answer;
+  * with jax 0.12 (and NCCL) it blocks instead; inside `peer_guard` a helper thread sees the
+    dead process's signs of life stop (`fnscale._liveness`) and ends each survivor with the
+    same kind of `DistributedError` and status 75, `timeout_s` after;
   * a survivor blocked elsewhere is ended by JAX itself, from C++, `heartbeat_timeout_s`
     after the last heartbeat of the dead process: SIGABRT (exit status 134 / -6) with
     "Terminating process because the JAX distributed service detected fatal errors ...
@@ -43,12 +46,15 @@ from jax.sharding import NamedSharding
 import numpy as np
 
 from fnscale import _agreement as _ag
+from fnscale import _compat
 from fnscale import _coordination as _co
+from fnscale import _liveness
+from fnscale import _rollcall
 from fnscale import checkpoint
 from fnscale import compile as _compile
 from fnscale import preemption
 from fnscale._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
-from fnscale.errors import DistributedError, ShardingError
+from fnscale.errors import DistributedError, FnscaleError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
 from fnscale._tree import path_str
@@ -125,15 +131,12 @@ def _detect(coordinator_address, num_processes, process_id, method, launcher, ti
   if None not in (coordinator_address, num_processes, process_id) or method == "deactivate":
     return (coordinator_address, num_processes, process_id,
             coordinator_address or f"auto-detected ({launcher})", timeout_s)
-  # Private: jax offers its detection only inside initialize, and fnscale needs the
-  # coordinator first, to bound the wait for it and to name it.
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
   t0 = time.monotonic()
   try:
-    coordinator_address, num_processes, process_id, _ = (
-        clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            coordinator_address, num_processes, process_id, None, method,
-            max(1, math.ceil(timeout_s))))
+    coordinator_address, num_processes, process_id = _compat.detect_cluster(
+        coordinator_address, num_processes, process_id, method, max(1, math.ceil(timeout_s)))
+  except FnscaleError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     raise DistributedError(
@@ -172,18 +175,13 @@ def _from_env(coordinator_address, num_processes, process_id):
 
 
 def _state_info() -> DistributedInfo:
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   return DistributedInfo(int(st.process_id), int(st.num_processes or 1),
                          st.coordinator_address, True)
 
 
 def _backends_initialized() -> bool:
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    return False
+  return _compat.backends_initialized()
 
 
 def _plain_int(value):
@@ -336,6 +334,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   JAX's coordination service, and all compare: a difference is a `DistributedError` on
   every process naming it ("process 1 has --model=tiny, process 0 --model=nano").
 
+  Before joining, a roll call (`fnscale._rollcall`: process 0 listens at the coordinator's
+  port + 1, `FNSCALE_ROLLCALL_PORT` moves it, "off" skips it) names a `process_id` given to
+  two processes, on every process, within seconds.
+
   A SIGTERM (preemption notice) while the job forms ends the process at once: the message
   on stderr, status 143 (`fnscale.preemption.EXIT_PREEMPTED`).
 
@@ -346,8 +348,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     DistributedError: bad arguments; already initialised with different arguments; called
       after jax initialised its backend; the job couldn't form within `timeout_s` (the
       message names the expected process count, the coordinator and the fix; JAX 0.10.2
-      can't tell which processes are missing before all joined); or processes that
-      disagree on versions, devices or `config`.
+      can't tell which processes are missing before all joined); a `process_id` given to
+      several processes (named with their hosts and pids); or processes that disagree on
+      versions, devices or `config`.
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}
@@ -390,6 +393,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   coordinator_address, num_processes, process_id, where, timeout_s = _detect(
       coordinator_address, num_processes, process_id, method,
       launcher or f"cluster_detection_method={method!r}", timeout_s)
+  timeout_s = _rollcall.check(coordinator_address, num_processes, process_id, timeout_s)
   if coordinator_address is not None and process_id:
     # JAX ends the process (a fatal log, not an exception) when it can't reach the
     # coordinator in time; probing first turns the common case into a clear error.
@@ -429,8 +433,7 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   if _co.job_runtime(f"barrier({name!r})") is None:
     logging.debug("barrier %s: single process", name)
     return
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   if (st.num_processes or 1) == 1:
     return
   try:
@@ -707,8 +710,7 @@ _PEER_FAILURE = re.compile(
 
 def _lost_processes(timeout_s: float) -> tuple[list[int], str]:
   """Which processes don't reach a bounded check-in barrier: (ids, the runtime's words)."""
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  st = _jd.global_state
+  st = _compat.distributed_state()
   try:
     st.client.wait_at_barrier("fnscale:peer-check", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
@@ -732,8 +734,12 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   When the block raises a runtime error from JAX (a failed all-reduce, an unreachable
   coordination service) in a multi-process job, every surviving process checks in at a
   barrier for at most `timeout_s` seconds; those that don't arrive are named. Errors of
-  other kinds, or when every process checks in, pass through unchanged. In one process it
-  does nothing.
+  other kinds, or when every process checks in, pass through unchanged. A collective that
+  blocks on the dead process instead of failing (jax 0.12's gloo, NCCL) is covered by a
+  helper thread (`fnscale._liveness`): every process inside `peer_guard` shows signs of life
+  in the coordination service, and one silent for `timeout_s` seconds ends the others with
+  the same error on stderr and status 75 (`EXIT_JOB_FAILED`). In one process it does
+  nothing.
 
   Keep `timeout_s` below `initialize`'s `heartbeat_timeout_s`: once the coordination service
   notices the missing heartbeats, JAX ends every process at once from C++ (see the module
@@ -747,30 +753,46 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
-  _co.job_runtime("peer_guard")
+  rt = _co.job_runtime("peer_guard")
+
+  def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
+    _co.exit_with(DistributedError(
+        f"lost {_processes(missing)} of {rt[2]}: {_processes(missing)} gave no sign of life "
+        f"for {timeout_s} s while process {rt[1]} ran inside peer_guard (a collective waiting "
+        "for a lost process blocks instead of failing), so process "
+        f"{rt[1]} stops now, before JAX's coordination service would abort it."
+        + _LOST_FIX.format(named=_processes(missing))))
+
   try:
-    yield
+    with _liveness.watch(*rt[:2], timeout_s, silent) if rt else contextlib.nullcontext():
+      yield
   except Exception as e:  # pylint: disable=broad-except
     if (isinstance(e, DistributedError) or not jax.distributed.is_initialized()
         or not _PEER_FAILURE.search(f"{type(e).__name__} {e}")):
       raise
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    st = _jd.global_state
+    st = _compat.distributed_state()
     if (st.num_processes or 1) == 1:
       raise
     missing, words = _lost_processes(timeout_s)
     if not missing:
       raise
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    named = ("an unknown process" if missing == [-1] else
-             f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+    named = _processes(missing)
     raise DistributedError(
         f"lost {named} of {st.num_processes}: a collective failed in process "
         f"{st.process_id} ({type(e).__name__}: {first}) and {named} did not check in within "
-        f"{timeout_s} s ({words}). The job can't go on: every collective needs every process. "
-        f"Fix: look at the log of {named} for why it stopped (killed, out of memory, "
-        "preempted, crashed), then restart every process; resume from the last checkpoint "
-        "(fnscale.checkpoint.latest_step).") from e
+        f"{timeout_s} s ({words})." + _LOST_FIX.format(named=named)) from e
+
+
+_LOST_FIX = (" The job can't go on: every collective needs every process. Fix: look at the "
+             "log of {named} for why it stopped (killed, out of memory, preempted, crashed), "
+             "then restart every process; resume from the last checkpoint "
+             "(fnscale.checkpoint.latest_step).")
+
+
+def _processes(ids: list[int]) -> str:
+  return ("an unknown process" if ids == [-1] else
+          f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}")
 
 
 def _leaf_global_shape(path: str, local_shape, sharding) -> tuple[int, ...]:

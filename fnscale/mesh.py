@@ -3,10 +3,13 @@
 Axes within a slice ride the ICI (inter-chip interconnect); axes across slices ride the DCN
 (data-centre network). On TPU, devices are ordered by `mesh_utils.create_device_mesh` (one
 slice) or `create_hybrid_device_mesh` (several), which map mesh axes onto physical torus
-dimensions so each ICI axis runs over neighbouring chips; elsewhere in device-id order. On
-GPU/CPU a DCN group spans processes (`process_is_granule`), as across nodes of a cluster.
+dimensions so each ICI axis runs over neighbouring chips (where they return a tray's fixed
+ring for a mesh of several axes, fnscale orders the chips by coordinates instead: see
+`_on_torus`); elsewhere in device-id order. On GPU/CPU a DCN group spans processes
+(`process_is_granule`), as across nodes of a cluster.
 """
 import contextlib
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -228,19 +231,68 @@ def _granules(devices) -> list[list]:
 def _device_grid(devices, ici_shape, dcn_shape) -> np.ndarray:
   tpu = devices[0].platform == "tpu" and getattr(devices[0], "coords", None) is not None
   if dcn_shape is not None:
-    return mesh_utils.create_hybrid_device_mesh(
+    grid = mesh_utils.create_hybrid_device_mesh(
         ici_shape, dcn_shape, devices,
         process_is_granule=getattr(devices[0], "slice_index", None) is None,
         allow_split_physical_axes=True)
+    return _on_torus(grid, ici_shape) if tpu else grid
   if tpu:
     try:
-      return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+      grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
     except AssertionError as e:
       if "megacore" not in str(e):
         raise
-      return _per_core_grid(devices, ici_shape)
+      grid = _per_core_grid(devices, ici_shape)
+    return _on_torus(grid, ici_shape)
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
   return np.array(ordered, dtype=object).reshape(ici_shape)
+
+
+def _on_torus(grid: np.ndarray, ici_shape) -> np.ndarray:
+  """`mesh_utils`' TPU order, slice by slice, unless it puts the chips of an ICI axis off a box
+  of neighbouring chips where an order by physical coordinates keeps every axis on one.
+
+  mesh_utils lays most meshes out on the torus, but for some whole trays it returns one fixed
+  ring reshaped to any mesh shape (v5e/v6e 2x2 and 2x4; in jax 0.12, which recognises v5p by
+  its device kind "TPU v5" where 0.10.2 did not, the v5p 2x2x2 cube too): right for a mesh
+  with one axis (a ring of neighbours, kept), but the outer axes of a multi-axis mesh then
+  pair chips two hops apart.
+  """
+  # DCN axes come first and have ICI size 1: the axes before the first ICI one > 1 index
+  # the slices (or are of size 1).
+  first = next((i for i, s in enumerate(ici_shape) if s > 1), len(ici_shape))
+  if first == grid.ndim:
+    return grid  # one chip per slice: no ICI axis to lay out
+  blocks = [b if _axes_on_boxes(b) else _coordinate_order(b)
+            for b in grid.reshape((-1,) + grid.shape[first:])]
+  return np.stack(blocks).reshape(grid.shape)
+
+
+def _coordinate_order(block: np.ndarray) -> np.ndarray:
+  """The block's devices sorted by torus coordinates (each priority of the physical
+  dimensions in turn, x fastest first; a chip's cores adjacent), reshaped to the block's
+  shape: the first such order that puts every axis on a box, else the block unchanged."""
+  dims = len(block.flat[0].coords)
+  for major in itertools.permutations(reversed(range(dims))):
+    ordered = sorted(block.flat, key=lambda d: ([d.coords[k] for k in major],
+                                                getattr(d, "core_on_chip", 0)))
+    candidate = np.array(ordered, dtype=object).reshape(block.shape)
+    if _axes_on_boxes(candidate):
+      return candidate
+  return block
+
+
+def _axes_on_boxes(block: np.ndarray) -> bool:
+  """Whether along every axis each line of devices covers a box of consecutive torus
+  coordinates (a sub-torus: every chip's neighbours along the axis are one hop away)."""
+  for i, size in enumerate(block.shape):
+    for line in np.moveaxis(block, i, -1).reshape(-1, size):
+      coords = {tuple(d.coords) for d in line}
+      spans = [{c[k] for c in coords} for k in range(len(line[0].coords))]
+      if (len(coords) != math.prod(map(len, spans))
+          or any(max(s) - min(s) + 1 != len(s) for s in spans)):
+        return False
+  return True
 
 
 def _per_core_grid(devices, shape) -> np.ndarray:

@@ -48,6 +48,7 @@ from typing import Callable, Iterator, NamedTuple
 from absl import logging
 import jax
 
+from fnscale import _compat
 from fnscale import _coordination as _co
 from fnscale.errors import DistributedError
 
@@ -56,8 +57,8 @@ from fnscale.errors import DistributedError
 EXIT_PREEMPTED = 143
 # From the notice to the end of the process at most (Cloud TPU and GKE give about 30 s).
 DEFAULT_GRACE_S = 20.0
-# Where JAX's preemption sync manager (jaxlib 0.10.2) publishes a notice: the time it came.
-_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+# Where JAX's preemption sync manager publishes a notice: the time it came.
+_NOTICE_KEY = _compat.PREEMPTION_NOTICE_KEY
 # Where a process that stopped without the agreed step says so (its id), and where each
 # process that leaves for that reason checks out.
 _ABORT_KEY = "fnscale/preemption/abort"
@@ -228,8 +229,7 @@ def check_service() -> None:
   """
   if _co.runtime() is None:
     return
-  from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-  if _jd.global_state.preemption_sync_manager is None:
+  if not _compat.distributed_state().preemption_sync:
     env = os.environ.get("JAX_ENABLE_PREEMPTION_SERVICE")
     raise DistributedError(
         "preemption_guard needs JAX's preemption service in a multi-process job, and it is "
@@ -334,8 +334,7 @@ def _sigterm_ends_join(describe: Callable[[], str]):
   finally:
     g.closed.set()
     signal.set_wakeup_fd(old_fd)
-    from jax._src import distributed as _jd  # pylint: disable=g-import-not-at-top
-    if _jd.global_state.preemption_sync_manager is None:
+    if not _compat.distributed_state().preemption_sync:
       signal.signal(signal.SIGTERM, old_handler)
     os.close(write_fd)
     os.close(read_fd)

@@ -115,7 +115,8 @@ def _structural_opt_shardings(opt_state, param_shardings, non_param):
 
 
 def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
-                    sharding_options: Mapping | None = None) -> TrainState:
+                    sharding_options: Mapping | None = None,
+                    param_shardings=None) -> TrainState:
   """Shardings for a `TrainState` (concrete or abstract): params by `fnscale.shardings`
   (logical rules, else automatic FSDP), optimizer state following the params
   (`opt_state_shardings`; by structure when `optimizer` is None), step and loss scale
@@ -128,6 +129,9 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
     optimizer: the optax optimizer (lets optax find the param-shaped parts of its state).
     sharding_options: extra keyword arguments for `fnscale.shardings` (`fsdp_axis`,
       `min_shard_bytes`, `max_replicated_bytes`).
+    param_shardings: the params' shardings when already known (a pytree of NamedSharding
+      matching `state.params`, e.g. the ones a born-sharded state carries): used instead of
+      the rules, and the optimizer state follows them.
 
   Returns:
     A TrainState whose leaves are NamedShardings.
@@ -142,7 +146,8 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
                     "it with fnscale.init_state.")
   _tree.check_mesh(mesh, "mesh")
   opts = _options(sharding_options)
-  psh = _sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
+  psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
+         if param_shardings is None else param_shardings)
   osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale))

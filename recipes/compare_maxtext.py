@@ -10,12 +10,12 @@ calls) in the program.
 MaxText runs in its own Python 3.12 virtual environment (never a dependency of fnscale),
 made once (about 12 minutes; it pulls its own jax):
 
-  /path/to/python3.12 -m venv /work/venvs/maxtext
-  /work/venvs/maxtext/bin/pip install "maxtext[tpu]==0.2.5"
+  python3.12 -m venv maxtext-venv
+  maxtext-venv/bin/pip install "maxtext[tpu]==0.2.5"
 
 Then, from the repository root, in fnscale's environment:
 
-  python recipes/compare_maxtext.py --maxtext_python=/work/venvs/maxtext/bin/python \\
+  python recipes/compare_maxtext.py --maxtext_python=maxtext-venv/bin/python \\
       --target=v5p-8 --mesh=fsdp=4 --layers=2 --batch=1 --seq=4096
   python recipes/compare_maxtext.py ... --mesh=data=2,fsdp=2
   python recipes/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=replica=2
@@ -192,8 +192,9 @@ def table(sides: dict[str, dict]) -> str:
 
 def _flags(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--maxtext_python", default="/work/venvs/maxtext/bin/python",
-                 help="the Python of the MaxText virtual environment (see the module doc)")
+  p.add_argument("--maxtext_python", default="maxtext-venv/bin/python",
+                 help="the Python of the MaxText virtual environment (see the module doc); "
+                 "default: maxtext-venv/ under the current directory")
   p.add_argument("--target", default="v5p-8", help='TPU target, e.g. v5p-8 or "2x v5p-8"')
   p.add_argument("--mesh", default="fsdp=4", help="ICI axes, e.g. fsdp=4 or data=2,fsdp=2")
   p.add_argument("--dcn", default="", help="DCN axes across slices, e.g. replica=2")

@@ -227,8 +227,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
 
-  `fnscale.cross_entropy` walks the vocabulary in blocks (online logsumexp, logits
-  recomputed in the backward pass: one more [tokens, d] x [d, vocab] matmul): the float32
+  `fnscale.cross_entropy` walks the tokens in chunks and computes the gradients in its
+  forward pass (the plain loss's matmul FLOPs, no logits recomputed): the float32
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
   the output layer is split on (`VOCAB_OUT_AXES`)."""

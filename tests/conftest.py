@@ -83,6 +83,17 @@ def tpu_devices():
   return get
 
 
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+  """Runs the test under each of XLA's sharding propagations: Shardy (jax's default) and
+  GSPMD (`jax_use_shardy_partitioner` off); `parametrize(..., indirect=True)` picks one."""
+  import jax
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+  yield request.param
+  jax.config.update("jax_use_shardy_partitioner", before)
+
+
 def pytest_terminal_summary(terminalreporter, config):
   """The random order's seed under the results, also with -q (which hides pytest-randomly's
   header line): `--randomly-seed=N` repeats the order."""

@@ -230,13 +230,14 @@ def main(argv) -> int:
   os.makedirs(args.out, exist_ok=True)
   if args.slow_commit_s:
     _slow_commits(args.slow_commit_s)
+  ckpt_dir = os.path.join(args.out, "ckpt")
+  fs.distributed.check_shared_directory(ckpt_dir)  # every process sees the same one
   # One checkpoint manager for the run; leaving the block waits for the last save.
   with preemption.preemption_guard(grace_s=args.grace_s) as should_stop, checkpoint.manager(
-      os.path.join(args.out, "ckpt"), async_save=bool(args.async_ckpt)) as ckpt:
+      ckpt_dir, async_save=bool(args.async_ckpt)) as ckpt:
     mesh, _, step, init = build(args.mesh, args.model, args.lr)
     _emit(event="start", process=pid, processes=jax.process_count(),
           devices=jax.device_count(), mesh=dict(mesh.shape), info=list(info), join_s=join_s)
-    fs.distributed.check_shared_directory(ckpt_dir)  # every process sees the same one
     state = init()
     start = checkpoint.latest_step(ckpt)
     if start is not None:

@@ -124,6 +124,7 @@ def test_accumulation_modes_on_a_described_tpu(target, axes, tpu_devices):
     _check_data_axis(target, axes)
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_per_microbatch_gathers_params_in_every_microbatch_tpu(tpu_devices):
   # With rows enough that XLA gathers the weights (rather than moving activations), the
@@ -138,9 +139,12 @@ def test_per_microbatch_gathers_params_in_every_microbatch_tpu(tpu_devices):
   assert ago.count == ag1.count
 
 
-@pytest.mark.parametrize("gather", ["per_microbatch", "once"])
-@pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=4", "data=8"])
-def test_accumulated_step_equals_full_batch_step(gather, mesh_spec):
+@pytest.mark.parametrize("mesh_spec, gather", [
+    ("data=2,fsdp=4", "once"),
+    *(pytest.param(m, g, marks=pytest.mark.slow) for m, g in [
+        ("data=2,fsdp=4", "per_microbatch"), ("data=8", "per_microbatch"), ("data=8", "once")]),
+])
+def test_accumulated_step_equals_full_batch_step(mesh_spec, gather):
   mesh = fs.make_mesh(mesh_spec)
   opt = optax.sgd(0.5)
   init = functools.partial(bench.init_mlp, d=64, m=256, layers=L)
@@ -157,6 +161,7 @@ def test_accumulated_step_equals_full_batch_step(gather, mesh_spec):
   assert out[4][1] == pytest.approx(out[1][1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulated_step_equals_full_batch_step_in_a_plain_jit():
   # Traced outside shard_step (no param shardings known): the same params.
   mesh = fs.make_mesh("data=2,fsdp=4")
@@ -182,6 +187,7 @@ def _attention_loss(params, batch):
   return jnp.mean((y.astype(jnp.float32) - x.astype(jnp.float32)) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 @pytest.mark.parametrize("gather", ["per_microbatch", "once"])
 def test_splash_stays_on_under_accumulation_tpu(gather, tpu_devices):

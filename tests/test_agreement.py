@@ -62,6 +62,7 @@ def test_start_up_disagreements_are_named_on_every_process(tmp_path):
     assert r.elapsed_s < BOUND_S, mp.describe(results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("odd,named", [
     # tests/models.py: w_in is [d_model, d_mlp]; nano (32, 64), tiny (64, 128). Params come
     # first (pytree order), six per process, then a count.

@@ -104,5 +104,6 @@ def test_report_and_checkpoint_arguments(tmp_path):
   with _raises(fs.StepError, "min_entry_size_bytes=-1 (int), expected an int >= 0."):
     freport.compilation_cache(str(tmp_path), min_entry_size_bytes=-1)
   with _raises(fs.CheckpointError, "checkpoint directory is an int (3), expected a str or "
-               "os.PathLike path such as 'runs/lm/ckpt' or 'gs://bucket/run/ckpt'."):
+               "os.PathLike path such as 'runs/lm/ckpt' or 'gs://bucket/run/ckpt', or a "
+               "fnscale.checkpoint.Manager."):
     ckpt.latest_step(3)

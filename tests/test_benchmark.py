@@ -89,6 +89,7 @@ def rows(tmp_path_factory):
   return out, over
 
 
+@pytest.mark.slow
 def test_hlo_matmul_flops_equal_the_hand_count(rows):
   measured, _ = rows
   for spec, r in measured.items():
@@ -102,6 +103,7 @@ def test_hlo_matmul_flops_equal_the_hand_count(rows):
     assert r.hlo_dot_flops_once < r.hlo_dot_flops
 
 
+@pytest.mark.slow
 def test_flop_check_rejects_a_replicated_matmul(rows):
   r = rows[0]["fsdp=-1"]
   more = dataclasses.replace(r, hlo_dot_flops=r.hlo_dot_flops * 1.1)
@@ -111,6 +113,7 @@ def test_flop_check_rejects_a_replicated_matmul(rows):
   assert not ok and "less than the formula" in why
 
 
+@pytest.mark.slow
 def test_step_figures(rows):
   measured, _ = rows
   for r in measured.values():
@@ -121,6 +124,7 @@ def test_step_figures(rows):
     assert r.mfu == pytest.approx(STEP_FLOPS / r.step_s / (N * 1e9))
 
 
+@pytest.mark.slow
 def test_params_and_arguments_per_device(rows):
   measured, _ = rows
   batch_bytes = 2 * ROWS * SEQ * 4 // N  # int32 inputs and targets, rows split over 2
@@ -134,6 +138,7 @@ def test_params_and_arguments_per_device(rows):
     assert low <= r.argument_bytes <= low + 64, (spec, r.argument_bytes, low)
 
 
+@pytest.mark.slow
 def test_wire_bytes_against_the_textbook_volume(rows):
   measured, _ = rows
   ring = (N - 1) / N
@@ -165,12 +170,14 @@ def test_wire_bytes_against_the_textbook_volume(rows):
   assert smap.wire_bytes <= 3 * ring * SHARDED_BYTES + 2 * ring * PARAM_BYTES + 64
 
 
+@pytest.mark.slow
 def test_compile_report_and_benchmark_read_the_same_collectives(rows):
   for r in rows[0].values():
     assert {k: v[:2] for k, v in r.report_collectives.items()} == {
         k: v[:2] for k, v in r.collectives.items()}
 
 
+@pytest.mark.slow
 def test_overhead_is_the_same_program(rows):
   _, over = rows
   # Same math: the fnscale step and the hand-written jax.jit step give the same params.
@@ -182,6 +189,7 @@ def test_overhead_is_the_same_program(rows):
   assert over.ratio > 0 and over.ratio_p10 <= over.ratio <= over.ratio_p90
 
 
+@pytest.mark.slow
 def test_tables(rows):
   measured, over = rows
   text = bm.tables(list(measured.values()), [over], peak_note="peak: test", header="test")

@@ -278,6 +278,7 @@ def _run_child(fake, tmp_path, body, extra_env=None):
                         text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   keep = os.fspath(tmp_path / "keep")
   proc = _run_child(fake, tmp_path,

@@ -18,9 +18,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 4
 
 
-@pytest.mark.parametrize("recipe, framework", [("embed_flax_nnx", "flax"),
-                                               ("embed_flax_linen", "flax"),
-                                               ("embed_equinox", "equinox")])
+@pytest.mark.parametrize("recipe, framework", [
+    ("embed_flax_nnx", "flax"),
+    pytest.param("embed_flax_linen", "flax", marks=pytest.mark.slow),
+    pytest.param("embed_equinox", "equinox", marks=pytest.mark.slow)])
 def test_embed_recipe_command_line_loss_falls(recipe, framework):
   if importlib.util.find_spec(framework) is None:
     pytest.skip(f"{framework} is a test extra: pip install -e '.[test]'")

@@ -103,8 +103,9 @@ def _plain_loss(p, b):
   return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
 
 
-@pytest.mark.parametrize("accum,gather", [(1, "per_microbatch"), (2, "per_microbatch"),
-                                          (2, "once")])
+@pytest.mark.parametrize("accum,gather", [
+    (1, "per_microbatch"), pytest.param(2, "per_microbatch", marks=pytest.mark.slow),
+    (2, "once")])
 def test_fsdp_params_on_explicit_axes_give_the_auto_mesh_losses_and_grads(accum, gather):
   # w1 is born split over "fsdp" on its 256 dim and the batch over ("data", "fsdp"): on
   # Explicit axes `x @ w1` alone would be an illegally sharded result

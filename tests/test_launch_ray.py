@@ -183,6 +183,7 @@ def uninterrupted(cluster, work):
   return rc, lines, run_dir
 
 
+@pytest.mark.slow
 @needs_ray
 @pytest.mark.multiprocess
 def test_train_lm_runs_to_the_end_one_process_per_host(uninterrupted):
@@ -198,6 +199,7 @@ def test_train_lm_runs_to_the_end_one_process_per_host(uninterrupted):
   assert (summary["processes"], summary["devices"], summary["final_step"]) == (2, 8, STEPS)
 
 
+@pytest.mark.slow
 @needs_ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
@@ -238,6 +240,7 @@ def test_preempted_then_lost_process_restarts_and_ends_bitwise_equal(cluster, wo
                jax.device_get(reference.params))
 
 
+@pytest.mark.slow
 @needs_ray
 @pytest.mark.multiprocess
 def test_bad_flag_exits_2_without_restart(cluster, work, tmp_path):

@@ -1,5 +1,6 @@
 """Meshes on 8 simulated CPU devices and on real TPU device sets (ahead of time, no TPU)."""
 import itertools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -211,6 +212,72 @@ def test_multislice_without_dcn_names_the_slices_and_the_fix(tpu_devices, target
   # The devices of one slice need no DCN axis.
   one = [d for d in devices if _slice(d) == slices - 1]
   assert dict(fs.make_mesh({"fsdp": -1}, devices=one).shape) == {"fsdp": 4}
+
+
+def _cube(kind):
+  """A 2x2x2 cube of one-core chips with device kind `kind`, listed in id order."""
+  return [_Dev(i, "tpu", coords=(i % 2, i // 2 % 2, i // 4), core_on_chip=0, device_kind=kind)
+          for i in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["TPU v5p", "TPU v5"])
+def test_tpu_tray_ring_reshaped_to_several_axes_is_laid_on_the_torus(kind):
+  # mesh_utils orders a whole v5p cube as one ring and reshapes it to any mesh shape ("TPU
+  # v5p" in every supported jax; "TPU v5", what libtpu reports, from jax 0.12): for (2, 2, 2)
+  # two of its axes would pair chips two hops apart. fnscale keeps every axis on neighbours.
+  from jax.experimental import mesh_utils
+  from fnscale.mesh import _device_grid
+  devs = _cube(kind)
+  for shape in ([2, 2, 2], [2, 4], [4, 2]):
+    grid = _device_grid(devs, shape, None)
+    assert grid.shape == tuple(shape) and sorted(d.id for d in grid.flat) == list(range(8))
+    names = "abc"[:len(shape)]
+    for axis in names:
+      _assert_ici_neighbours(_Laid(grid, tuple(names)), axis, (2, 2, 2))
+  # One chip: itself.
+  assert _ids(_device_grid(devs[:1], [1], None)) == [0]
+  # One axis: mesh_utils' order, whatever it is (in jax 0.12 a ring: 8 one-hop steps).
+  line = _device_grid(devs, [8], None)
+  assert _ids(line) == _ids(mesh_utils.create_device_mesh([8], devs,
+                                                          allow_split_physical_axes=True))
+
+
+class _Laid(NamedTuple):
+  """What `_assert_ici_neighbours` reads of a mesh, for stand-in devices."""
+  devices: np.ndarray
+  axis_names: tuple[str, ...]
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name,axes", [
+    ("v5e:2x2", {"data": 2, "tensor": 2}),
+    ("v5e:2x4", {"data": 2, "tensor": 4}),
+    ("v6e:2x4", {"fsdp": 4, "tensor": 2}),
+    ("v5p:2x2x2", {"fsdp": 4, "tensor": 2}),
+])
+def test_tpu_tray_meshes_of_several_axes_follow_the_torus(tpu_devices, name, axes):
+  # Trays for which mesh_utils returns one ring reshaped (v5e/v6e in jax 0.10.2 and 0.12,
+  # v5p in 0.12): each axis of a two-axis mesh still runs over neighbouring chips.
+  devices = tpu_devices(name)
+  grid = tuple(max(d.coords[k] for d in devices) + 1 for k in range(3))
+  mesh = fs.make_mesh(axes, devices=devices)
+  assert dict(mesh.shape) == axes
+  for axis in axes:
+    _assert_ici_neighbours(mesh, axis, grid)
+
+
+@pytest.mark.tpu
+def test_tpu_meshes_mesh_utils_lays_on_the_torus_keep_its_order(tpu_devices):
+  # Where mesh_utils' order already follows the torus, or no order can put every axis on a
+  # box (8 x 2 on a 4x4 grid), fnscale's mesh is exactly mesh_utils'.
+  from jax.experimental import mesh_utils
+  for name, shape in [("v5e:4x4", [4, 4]), ("v5e:4x4", [8, 2]), ("v5e:2x4", [8]),
+                      ("v5p:4x4x4", [4, 4, 4])]:
+    devices = tpu_devices(name)
+    names = tuple(f"a{i}" for i in range(len(shape)))
+    mesh = fs.make_mesh(dict(zip(names, shape)), devices=devices)
+    want = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in want.flat], (name, shape)
 
 
 def test_dcn_over_processes_on_cpu():

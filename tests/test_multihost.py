@@ -83,6 +83,7 @@ def run_4x2(tmp_path_factory):
   return out, _train(out, 4, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["run_2x4", "run_4x2"])
 def test_layouts_match_one_process(layout, reference, request):
   out, results = request.getfixturevalue(layout)
@@ -103,6 +104,7 @@ def test_layouts_match_one_process(layout, reference, request):
   assert _max_diff(final, reference["params"][0]) > 1e-3  # it did train
 
 
+@pytest.mark.slow
 def test_elastic_restore_2x4_checkpoint_into_1x8_and_1x2(run_2x4, reference, tmp_path):
   out, _ = run_2x4
   ckpt = out / "ckpt"
@@ -129,6 +131,7 @@ def test_elastic_restore_2x4_checkpoint_into_1x8_and_1x2(run_2x4, reference, tmp
 PREEMPT_BOUND_S = 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notices", [
     ((1, 0.0),),  # only process 1 gets the notice
     ((0, 0.0), (1, 0.4)),  # both, at different moments
@@ -193,9 +196,9 @@ def test_notice_while_waiting_at_a_barrier_ends_every_process(tmp_path):
 
 
 def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
-  """kill -9 of process 1 mid-run: process 0's next collective fails and peer_guard names
-  the lost process within its check-in time (2 s here) plus a step: fnscale's error and
-  status 75, long before JAX's own heartbeat abort (30 s here) could fire."""
+  """kill -9 of process 1 mid-run: process 0's next collective fails (or blocks) and
+  peer_guard names the lost process within its check-in time (2 s here) plus a step:
+  fnscale's error and status 75, long before JAX's own heartbeat abort (30 s here)."""
   out = tmp_path / "lost"
   peer_check_s, heartbeat_s = 2, 30
   args = [WORKER, f"--out={out}", f"--steps={LOST_STEPS}", "--ckpt_every=1", "--slow_after=2",
@@ -212,9 +215,11 @@ def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
         f"{survivor.returncode}")
   assert results[1].returncode == -signal.SIGKILL, mp.describe(results)
   assert survivor.returncode == 75, mp.describe(results)
-  assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: a collective "
-                   r"failed in process 0 .* did not check in within 2(\.0)? s", survivor.stderr), (
-                       mp.describe(results))
+  # jax 0.10.2: the collective fails and process 1 misses the check-in; jax 0.12: the
+  # collective blocks and process 1's signs of life stop.
+  assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: (a collective "
+                   r"failed in process 0 .* did not check in within|process 1 gave no sign "
+                   r"of life for) 2(\.0)? s", survivor.stderr), mp.describe(results)
   assert "Fix: look at the log of process 1" in survivor.stderr
   assert "stopped sending heartbeats" not in survivor.stderr  # not JAX's own abort
   # The design: the next step's collective fails at once, then a 2-s check-in.
@@ -311,5 +316,5 @@ def test_restore_agrees_on_process_0s_step(tmp_path):
     assert out["shared"] == {"extra": {"step": 4}, "w": (np.arange(8) * 4.0).tolist()}, out
     assert out["own"]["error"].startswith(
         f"DistributedError: the checkpoint step to restore from {own[p]}: process 0 chose 4, "
-        "which not every process can use (process 1: incomplete: its commit marker "
-        "commit_success.txt is missing"), out
+        f"which not every process can use (process 1: step 4 at {own[1] / '4'} is incomplete: "
+        "orbax's commit marker is missing"), out

@@ -184,6 +184,7 @@ def test_bad_arguments_raise_plan_errors():
     plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   del tpu_devices  # the fixture skips where libtpu is absent; plan() describes the devices

@@ -26,6 +26,7 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -346,12 +347,31 @@ def _run(co: Checkout, argv: list[str], stdin: str | None = None, timeout: float
                         text=True, timeout=timeout)
 
 
-@functools.cache
-def _help(co: Checkout, recipe: str, as_module: bool = False) -> tuple[int, str]:
-  """`python recipes/RECIPE.py --help` (or `-m recipes.RECIPE`): exit status, output."""
+def _help_alone(co: Checkout, recipe: str, as_module: bool = False) -> tuple[int, str]:
+  """`python recipes/RECIPE.py --help` (or `-m recipes.RECIPE`) in a process of its own:
+  exit status, output."""
   argv = ["-m", f"recipes.{recipe}"] if as_module else [f"recipes/{recipe}.py"]
   r = _run(co, [sys.executable, *argv, "--help"], timeout=180)
   return r.returncode, r.stdout + r.stderr
+
+
+@functools.cache
+def _all_help(co: Checkout, as_module: bool) -> dict[str, tuple[int, str]]:
+  """`--help` of every recipe in one form: one process imports jax and fnscale once, then
+  forks a fresh child per recipe (tests/recipe_help.py), 50 interpreter start-ups saved."""
+  r = _run(co, [sys.executable, "tests/recipe_help.py", "module" if as_module else "script",
+                *RECIPES], timeout=600)
+  rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+  found = {row["recipe"]: (row["rc"], row["out"]) for row in rows}
+  return {name: found.get(name, (r.returncode, f"recipe_help.py gave nothing: {r.stderr[-600:]}"))
+          for name in RECIPES}
+
+
+def _help(co: Checkout, recipe: str, as_module: bool = False) -> tuple[int, str]:
+  """`python recipes/RECIPE.py --help` (or `-m recipes.RECIPE`): exit status, output."""
+  if recipe in RECIPES:
+    return _all_help(co, as_module)[recipe]
+  return _help_alone(co, recipe, as_module)
 
 
 def _recipe_flags(co: Checkout, recipe: str) -> Flags | str:
@@ -420,6 +440,7 @@ def _do(co: Checkout, block: Block, kind: str, text: str, extras) -> tuple[str, 
   return "ran", problems
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_readme_commands_run_in_order(checkout):
   readme = (checkout.root / "README.md").read_text(encoding="utf-8")
@@ -443,11 +464,17 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py")
                  if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_recipe_runs_as_a_script_and_as_a_module(checkout):
-  jobs = [(r, m) for r in RECIPES for m in (False, True)]
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at a time: mostly imports
-    outs = dict(zip(jobs, pool.map(lambda j: _help(checkout, *j), jobs)))
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two forms side by side
+    forms = dict(zip((False, True), pool.map(lambda m: _all_help(checkout, m), (False, True))))
+  outs = {(r, m): forms[m][r] for r in RECIPES for m in (False, True)}
+  # The forked children answer as a process of its own does (one recipe, both forms).
+  for as_module in (False, True):
+    rc, out = _help_alone(checkout, "train_lm", as_module)
+    assert (rc, help_flags(out)) == (outs["train_lm", as_module][0],
+                                     help_flags(outs["train_lm", as_module][1]))
   problems = []
   for recipe in RECIPES:
     script, module = outs[recipe, False], outs[recipe, True]

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _axes
+from fnscale import _compat
 from fnscale.errors import KernelError
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
@@ -466,11 +467,7 @@ def _platform(platform: str | None, mesh) -> str:
 
 
 def _concrete_mesh_known() -> bool:
-  try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    return not mesh_lib.get_concrete_mesh().empty
-  except (ImportError, AttributeError):  # Other jax versions: trust the abstract mesh.
-    return True
+  return not _compat.concrete_mesh().empty
 
 
 def _call_mesh(mesh, q):

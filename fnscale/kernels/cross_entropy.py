@@ -1,19 +1,25 @@
 """Softmax cross-entropy over a large vocabulary without materialising the logits.
 
-The unembedding is applied one vocabulary block at a time with an online logsumexp (the
-running max/sum rescaling of Milakov & Gimelshein, 2018, arXiv:1805.02867, as used by flash
-attention), and a custom gradient recomputes each block's logits in the backward pass, so
-neither pass holds more than [tokens, block_size] logits at once. Under a mesh with a
-"tensor" axis the vocabulary is split over it (vocab-parallel cross-entropy as in
-Megatron-LM, Shoeybi et al. 2019): each device walks its own vocabulary shard, and the
-per-token logsumexp and label logit are combined across the axis, so a vocab-sharded
-unembedding is never gathered.
+The tokens are taken a chunk at a time: a chunk's logits over the whole vocabulary, their
+logsumexp and its loss, and, when a gradient is asked for, the gradients with respect to
+the chunk's hidden states and (summed over chunks) the unembedding, all in the forward
+pass. No pass holds more than [chunk, vocab] float32 logits, and the backward pass only
+scales the stored gradients by the incoming cotangent, which is exact because a scalar
+loss is linear in its per-token terms: 6 x tokens x d x vocab matmul FLOPs in all (the
+logits and one matmul per gradient), as for the plain loss. Per-token losses
+(reduction="none") take an arbitrary cotangent per token, so their backward pass recomputes
+each chunk's logits instead (8 x tokens x d x vocab).
+
+Under a mesh with a "tensor" axis the vocabulary is split over it (vocab-parallel
+cross-entropy as in Megatron-LM, Shoeybi et al. 2019): each device scores its chunk against
+its own vocabulary shard, and per token only the shards' max, sum of exponentials and label
+logit cross devices, so a vocab-sharded unembedding is never gathered.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -23,23 +29,28 @@ from fnscale import _axes
 from fnscale.errors import KernelError
 from fnscale.kernels.attention import _call_mesh, _varying_axes
 
-# Default vocabulary block: at most this many float32 logits live at once (64 MiB).
-_BLOCK_ELEMENTS = 1 << 24
+# Default chunk: at most this many float32 logits live at once (32 MiB). A chunk also holds
+# the [d, vocab] float32 gradient accumulator, so the chunk is kept at half the logits the
+# vocabulary-blocked loss this replaced used: compiled temporaries no larger than before.
+_CHUNK_ELEMENTS = 1 << 23
 _REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
-                  where: jax.Array | None = None, block_size: int | None = None,
+                  where: jax.Array | None = None, chunk_size: int | None = None,
                   z_loss: float = 0.0, reduction: str = "mean",
                   mesh: jax.sharding.Mesh | None = None,
-                  vocab_axes: tuple[str, ...] | None = None) -> jax.Array:
-  """Cross-entropy of `softmax(hidden @ unembed)` against integer labels, blockwise.
+                  vocab_axes: tuple[str, ...] | None = None,
+                  block_size: int | None = None) -> jax.Array:
+  """Cross-entropy of `softmax(hidden @ unembed)` against integer labels, chunk by chunk.
 
   Equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ unembed, labels)`
   (then reduced), value and gradients with respect to `hidden` and `unembed`, but the
-  [tokens, vocab] logits are never materialised: the forward and the backward pass each
-  walk the vocabulary in blocks of `block_size` columns, holding [tokens, block_size]
-  float32 logits at a time, and the backward recomputes them.
+  [tokens, vocab] logits are never materialised: the tokens are walked in chunks of
+  `chunk_size`, holding [chunk_size, vocab] float32 logits at a time. For "mean" and "sum"
+  the gradients are computed in the forward pass and the backward pass scales them (6 x
+  tokens x d x vocab matmul FLOPs, as the plain loss); "none" recomputes each chunk's
+  logits in the backward pass (8 x tokens x d x vocab).
 
   Args:
     hidden: final hidden states [tokens, d], float (bfloat16 or float32).
@@ -47,23 +58,26 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
     labels: target ids [tokens], integer in [0, vocab) (ids outside give a loss of
       logsumexp, as if the label logit were 0; they are not checked inside jit).
     where: optional bool [tokens]; False marks padding, which adds no loss or gradient.
-    block_size: vocabulary columns per block; default: the largest multiple of 128 that
-      keeps a block's logits under 2**24 float32 values (64 MiB), at most vocab.
+    chunk_size: tokens per chunk (of each device's tokens under a mesh); default: the
+      largest that keeps a chunk's logits under 2**23 float32 values (32 MiB), preferring
+      a divisor of the tokens (no shorter last chunk) down to half of that, at most tokens.
     z_loss: weight of the auxiliary `z_loss * logsumexp**2` term (PaLM, Chowdhery et al.,
       2022, arXiv:2204.02311) added per token; 0 disables it.
     reduction: "mean" (over tokens where `where` is True), "sum", or "none" (per-token
       [tokens], zero where masked).
-    mesh: split the vocabulary over this mesh's "tensor" axis (and tokens over its data
-      axes) in a `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the
-      mesh the arguments' shardings name, else none. Used when vocab is divisible by the
-      tensor axis size; `block_size` then counts columns of each device's shard.
+    mesh: split the vocabulary over this mesh's "tensor" axis and tokens over its data
+      axes in a `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the
+      mesh the arguments' shardings name, else none. The vocabulary is split when it is
+      divisible by the vocab axes' size; tokens when divisible by the data axes' size.
     vocab_axes: the mesh axes the unembedding's vocabulary dim is split over (those in the
       mesh, of size > 1 and not manual count); default the mesh's "tensor" axis. A data
       axis here (e.g. "fsdp", for an unembedding stored split by vocabulary under FSDP)
       gathers the hidden states and labels over it instead of the unembedding: each device
       scores every token of its group against its own vocabulary columns (the hidden
-      states are d / vocab of the unembedding's size), and its gradient is never reduced
-      over that axis.
+      states are d / vocab of the unembedding's size), the hidden states' gradient is
+      reduce-scattered back over it, and the unembedding's is never reduced over it.
+    block_size: removed (it counted vocabulary columns when the loss walked the
+      vocabulary); raises KernelError naming `chunk_size`.
 
   Returns:
     float32 scalar, or [tokens] for reduction="none".
@@ -71,22 +85,23 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   Raises:
     KernelError: shapes, dtypes or arguments that don't fit, naming the bad one.
   """
-  tokens, vocab = _check(hidden, unembed, labels, where, block_size, z_loss, reduction,
-                         vocab_axes)
-  per_token = _per_token(hidden, unembed, labels.astype(jnp.int32), block_size,
-                         float(z_loss), _call_mesh(mesh, hidden), vocab_axes)
-  if where is not None:
-    per_token = jnp.where(where, per_token, 0.0)
+  tokens, _ = _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction,
+                     vocab_axes, block_size)
+  layout = _layout(hidden, unembed, mesh, vocab_axes, chunk_size, float(z_loss))
+  labels = labels.astype(jnp.int32)
   if reduction == "none":
-    return per_token
-  total = jnp.sum(per_token)
-  if reduction == "sum":
-    return total
-  count = tokens if where is None else jnp.maximum(jnp.sum(where), 1)
-  return total / count
+    per_token = _per_token(hidden, unembed, labels, layout)
+    return per_token if where is None else jnp.where(where, per_token, 0.0)
+  # The mean's denominator goes into the per-token weights, so a plain `grad` of the loss
+  # scales the gradients computed in the forward pass by exactly 1.
+  mask = jnp.ones((tokens,), jnp.float32) if where is None else where.astype(jnp.float32)
+  if reduction == "mean":
+    mask = mask / (tokens if where is None else jnp.maximum(jnp.sum(mask), 1.0))
+  return _weighted_sum(hidden, unembed, labels, mask, layout)
 
 
-def _check(hidden, unembed, labels, where, block_size, z_loss, reduction, vocab_axes=None):
+def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_axes=None,
+           block_size=None):
   for name, x in (("hidden", hidden), ("unembed", unembed), ("labels", labels)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise KernelError(f"cross_entropy: {name} must be an array, got {type(x).__name__}.")
@@ -108,10 +123,16 @@ def _check(hidden, unembed, labels, where, block_size, z_loss, reduction, vocab_
     raise KernelError(
         f"cross_entropy: where {getattr(where, 'shape', type(where))} "
         f"{getattr(where, 'dtype', '')}; expected bool [tokens] = ({tokens},).")
-  if block_size is not None and (not isinstance(block_size, int) or isinstance(
-      block_size, bool) or not 0 < block_size <= vocab):
+  if block_size is not None:
     raise KernelError(
-        f"cross_entropy(block_size={block_size!r}): expected an int in [1, vocab={vocab}].")
+        f"cross_entropy(block_size={block_size!r}): the loss walks tokens, not vocabulary "
+        "columns, since its gradient is computed in the forward pass; pass "
+        "chunk_size=<tokens per chunk> (a chunk holds chunk_size x vocab float32 logits), "
+        "or nothing for the 2**23-logit default.")
+  if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(
+      chunk_size, bool) or not 0 < chunk_size <= max(tokens, 1)):
+    raise KernelError(
+        f"cross_entropy(chunk_size={chunk_size!r}): expected an int in [1, tokens={tokens}].")
   if not isinstance(z_loss, (int, float)) or z_loss < 0:
     raise KernelError(f"cross_entropy(z_loss={z_loss!r}): expected a float >= 0.")
   if vocab_axes is not None and not (isinstance(vocab_axes, (tuple, list)) and all(
@@ -124,121 +145,227 @@ def _check(hidden, unembed, labels, where, block_size, z_loss, reduction, vocab_
   return tokens, vocab
 
 
-def _walk_vocab(vocab: int, block: int, step, carry):
-  """Runs step(start, size, carry) over [0, vocab) in blocks; a last short block if needed."""
-  full = vocab // block
-  carry = lax.fori_loop(0, full, lambda i, c: step(i * block, block, c), carry)
-  if vocab % block:
-    carry = step(full * block, vocab % block, carry)
+class _Layout(NamedTuple):
+  """How the loss runs: on whole arrays (`mesh` None) or per device in a shard_map over
+  `mesh`, tokens split over `token_axes`, vocabulary over `vocab_axes`; the hidden states'
+  gradient is reduce-scattered over `scatter_axes` (vocab axes the tokens arrive split
+  over) and summed over the other vocab axes."""
+  mesh: Any
+  token_axes: tuple[str, ...]
+  vocab_axes: tuple[str, ...]
+  scatter_axes: tuple[str, ...]
+  chunk_size: int | None
+  z_loss: float
+
+
+def _layout(hidden, unembed, mesh, vocab_axes, chunk_size, z_loss) -> _Layout:
+  plain = _Layout(None, (), (), (), chunk_size, z_loss)
+  mesh = _call_mesh(mesh, hidden)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or _varying_axes(hidden):
+    # (Inside a shard_map that checks varying axes the arrays are already per device.)
+    return plain
+  manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
+  free = lambda a: a in mesh.axis_names and mesh.shape[a] > 1 and a not in manual
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  wanted = _axes.head_axes(mesh) if vocab_axes is None else vocab_axes
+  vocab = tuple(a for a in wanted if free(a))
+  if unembed.shape[1] % size(vocab):
+    vocab = ()
+  tok = tuple(a for a in _axes.data_axes(mesh) if free(a) and a not in vocab)
+  if hidden.shape[0] % size(tok):
+    tok = ()
+  if not vocab and not tok:
+    return plain
+  # Data axes among the vocab axes: the caller's tokens are split over them (the batch
+  # convention), so the hidden states' gradient goes back split, in the batch's axis order.
+  scatter = tuple(a for a in vocab if a in _axes.data_axes(mesh))
+  order = [a for a in _axes.data_axes(mesh) if a in tok or a in scatter]
+  if (hidden.shape[0] // size(tok)) % size(scatter) or order != list(tok + scatter):
+    scatter = ()
+  return _Layout(mesh, tok, vocab, scatter, chunk_size, z_loss)
+
+
+def _chunk(chunk_size, tokens, vocab) -> int:
+  """Tokens per chunk: the given size, else the largest under the logits budget, a divisor
+  of `tokens` if one lies within half of it (no second, shorter loop body)."""
+  if chunk_size is not None:
+    return min(chunk_size, tokens)
+  most = min(tokens, max(1, _CHUNK_ELEMENTS // max(vocab, 1)))
+  return next((c for c in range(most, most // 2, -1) if tokens % c == 0), most)
+
+
+def _walk_tokens(tokens: int, chunk: int, step, carry):
+  """Runs step(start, size, carry) over [0, tokens) in chunks; a last short one if needed."""
+  full = tokens // chunk
+  carry = lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), carry)
+  if tokens % chunk:
+    carry = step(full * chunk, tokens % chunk, carry)
   return carry
 
 
-def _block_logits(hidden, unembed, start, size):
-  w = lax.dynamic_slice_in_dim(unembed, start, size, axis=1)
-  return w, jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+def _first_column(unembed, vocab_axes):
+  """Global index of this device's first vocabulary column."""
+  return lax.axis_index(vocab_axes) * unembed.shape[1] if vocab_axes else 0
 
 
-def _per_token(hidden, unembed, labels, block_size, z_loss, mesh, vocab_axes=None):
-  """Per-token loss; vocab-parallel in a shard_map when the vocabulary is split over mesh
-  axes (`vocab_axes`, default the tensor axis)."""
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
-  wanted = _axes.head_axes(mesh) if vocab_axes is None or mesh.empty else vocab_axes
-  vocab_axes = tuple(a for a in wanted if a in mesh.axis_names and mesh.shape[a] > 1
-                     and a not in manual) if not mesh.empty else ()
-  shards = math.prod(mesh.shape[a] for a in vocab_axes)
-  if not vocab_axes or unembed.shape[1] % shards or _varying_axes(hidden):
-    # (Inside a shard_map that checks varying axes the plain path is used: XLA partitions it.)
-    return _loss(*_stats(hidden, unembed, labels, _block(block_size, hidden, unembed)),
-                 z_loss)
-  token_axes = tuple(a for a in _axes.data_axes(mesh) if mesh.shape[a] > 1
-                     and a not in manual and a not in vocab_axes)
-  if hidden.shape[0] % math.prod(mesh.shape[a] for a in token_axes):
-    token_axes = ()
-  tok = token_axes or None
-
-  def local(hidden, unembed, labels):
-    # This device's vocabulary columns start at its index along the vocab axes.
-    first = lax.axis_index(vocab_axes) * unembed.shape[1]
-    lse, label_logit = _stats(hidden, unembed, labels - first,
-                              _block(block_size, hidden, unembed))
-    top = lax.pmax(lax.stop_gradient(lse), vocab_axes)  # The result doesn't depend on it.
-    lse = top + jnp.log(lax.psum(jnp.exp(lse - top), vocab_axes))
-    return _loss(lse, lax.psum(label_logit, vocab_axes), z_loss)
-
-  free = frozenset(a for a in mesh.axis_names if a not in manual)
-  return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(tok, None), jax.P(None, vocab_axes),
-                                                   jax.P(tok)),
-                       out_specs=jax.P(tok), axis_names=free, check_vma=False)(
-                           hidden, unembed, labels)
-
-
-def _block(block_size, hidden, unembed) -> int:
-  tokens, vocab = hidden.shape[0], unembed.shape[1]
-  if block_size is None:
-    return min(vocab, max(128, (_BLOCK_ELEMENTS // max(tokens, 1)) // 128 * 128))
-  return min(block_size, vocab)
+def _chunk_stats(h, unembed, labels, first, vocab_axes):
+  """One chunk: logits [C, V_local] float32, and per token the logsumexp over the whole
+  vocabulary and the label's logit (0 outside [0, vocab)), [C] each."""
+  logits = jnp.dot(h, unembed, preferred_element_type=jnp.float32)
+  size = unembed.shape[1]
+  top = jnp.max(logits, axis=-1)
+  total = jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
+  offset = labels - first
+  picked = jnp.take_along_axis(logits, jnp.clip(offset, 0, size - 1)[:, None], axis=1)[:, 0]
+  label_logit = jnp.where((offset >= 0) & (offset < size), picked, 0.0)
+  if vocab_axes:  # Each shard's max, sum and label logit, in one collective.
+    tops, totals, label_logits = lax.all_gather(
+        jnp.stack([top, total, label_logit]), vocab_axes, axis=1)
+    top = jnp.max(tops, axis=0)
+    total = jnp.sum(totals * jnp.exp(tops - top), axis=0)
+    label_logit = jnp.sum(label_logits, axis=0)
+  return logits, top + jnp.log(total), label_logit
 
 
 def _loss(lse, label_logit, z_loss):
   return lse - label_logit + z_loss * lse * lse
 
 
-def _forward(hidden, unembed, labels, block):
-  tokens = hidden.shape[0]
+def _local_loss(hidden, unembed, labels, layout):
+  """Per-token loss and logsumexp, float32 [tokens] each, on this device's arrays."""
+  first = _first_column(unembed, layout.vocab_axes)
 
   def step(start, size, carry):
-    running_max, running_sum, label_logit = carry
-    _, logits = _block_logits(hidden, unembed, start, size)
-    new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
-    running_sum = (running_sum * jnp.exp(running_max - new_max)
-                   + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1))
-    offset = labels - start
-    inside = (offset >= 0) & (offset < size)
-    picked = jnp.take_along_axis(logits, jnp.clip(offset, 0, size - 1)[:, None], axis=1)
-    label_logit = label_logit + jnp.where(inside, picked[:, 0], 0.0)
-    return new_max, running_sum, label_logit
+    h, y = (lax.dynamic_slice_in_dim(x, start, size) for x in (hidden, labels))
+    _, lse, label_logit = _chunk_stats(h, unembed, y, first, layout.vocab_axes)
+    return tuple(lax.dynamic_update_slice_in_dim(c, x, start, 0) for c, x in zip(
+        carry, (_loss(lse, label_logit, layout.z_loss), lse)))
 
-  init = (jnp.full((tokens,), -jnp.inf, jnp.float32), jnp.zeros((tokens,), jnp.float32),
-          jnp.zeros((tokens,), jnp.float32))
-  running_max, running_sum, label_logit = _walk_vocab(unembed.shape[1], block, step, init)
-  return running_max + jnp.log(running_sum), label_logit
+  tokens = hidden.shape[0]
+  chunk = _chunk(layout.chunk_size, tokens, unembed.shape[1])
+  return _walk_tokens(tokens, chunk, step, (jnp.zeros((tokens,), jnp.float32),) * 2)
+
+
+def _local_grads(hidden, unembed, labels, g, lse, layout):
+  """Per-token loss [tokens], and the gradients of sum_t g_t loss_t with respect to hidden
+  (its dtype) and unembed (its dtype), on this device's arrays. `lse` (saved by a forward
+  pass) spares recomputing each chunk's statistics; None computes them."""
+  first, vocab_axes = _first_column(unembed, layout.vocab_axes), layout.vocab_axes
+  size = unembed.shape[1]
+
+  def step(start, rows, carry):
+    loss, d_hidden, d_unembed = carry
+    h, y, g_c = (lax.dynamic_slice_in_dim(x, start, rows) for x in (hidden, labels, g))
+    if lse is None:
+      logits, lse_c, label_logit = _chunk_stats(h, unembed, y, first, vocab_axes)
+      loss = lax.dynamic_update_slice_in_dim(
+          loss, _loss(lse_c, label_logit, layout.z_loss), start, 0)
+    else:
+      lse_c = lax.dynamic_slice_in_dim(lse, start, rows)
+      logits = jnp.dot(h, unembed, preferred_element_type=jnp.float32)
+    # d loss / d logits = softmax (1 + 2 z_loss lse) - onehot(label), scaled by g.
+    onehot = (y - first)[:, None] == jnp.arange(size)[None, :]
+    d_logits = (jnp.exp(logits - lse_c[:, None]) * (g_c * (1 + 2 * layout.z_loss * lse_c))[
+        :, None] - jnp.where(onehot, g_c[:, None], 0.0))
+    d_h = jnp.dot(d_logits.astype(unembed.dtype), unembed.T,
+                  preferred_element_type=jnp.float32)
+    d_unembed = d_unembed + lax.dot_general(
+        h, d_logits.astype(h.dtype), (((0,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32)
+    d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(hidden.dtype), start, 0)
+    return loss, d_hidden, d_unembed
+
+  tokens = hidden.shape[0]
+  init = (jnp.zeros((tokens,), jnp.float32), jnp.zeros_like(hidden),
+          jnp.zeros(unembed.shape, jnp.float32))
+  loss, d_hidden, d_unembed = _walk_tokens(
+      tokens, _chunk(layout.chunk_size, tokens, size), step, init)
+  summed = tuple(a for a in vocab_axes if a not in layout.scatter_axes)
+  if layout.scatter_axes:  # Back to the caller's token split: a reduce-scatter.
+    d_hidden = lax.psum_scatter(d_hidden, layout.scatter_axes, scatter_dimension=0,
+                                tiled=True)
+  if summed:
+    d_hidden = lax.psum(d_hidden, summed)
+  d_unembed = d_unembed.astype(unembed.dtype)
+  if layout.token_axes:
+    d_unembed = lax.psum(d_unembed, layout.token_axes)
+  return loss, d_hidden, d_unembed
+
+
+def _run(layout, fn, args, in_specs, out_specs):
+  """fn(*args) on whole arrays, or per device in a shard_map over the layout's mesh."""
+  if layout.mesh is None:
+    return fn(*args)
+  manual = set(getattr(getattr(layout.mesh, "abstract_mesh", layout.mesh), "manual_axes", ()))
+  free = frozenset(a for a in layout.mesh.axis_names if a not in manual)
+  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=free, check_vma=False)(*args)
+
+
+def _specs(layout):
+  """PartitionSpecs: per token, hidden states, unembedding, scattered hidden gradient."""
+  tok, vocab = layout.token_axes or None, layout.vocab_axes or None
+  back = (layout.token_axes + layout.scatter_axes) or None
+  return jax.P(tok), jax.P(tok, None), jax.P(None, vocab), jax.P(back, None)
+
+
+def _run_loss(layout, hidden, unembed, labels):
+  per_token, rows, columns, _ = _specs(layout)
+  return _run(layout, lambda h, u, y: _local_loss(h, u, y, layout), (hidden, unembed, labels),
+              (rows, columns, per_token), (per_token, per_token))
+
+
+def _run_grads(layout, hidden, unembed, labels, g, lse=None):
+  per_token, rows, columns, back = _specs(layout)
+  if lse is None:
+    fn = lambda h, u, y, g: _local_grads(h, u, y, g, None, layout)
+    args, specs = (hidden, unembed, labels, g), (rows, columns, per_token, per_token)
+  else:
+    fn = lambda h, u, y, g, lse: _local_grads(h, u, y, g, lse, layout)
+    args = (hidden, unembed, labels, g, lse)
+    specs = (rows, columns, per_token, per_token, per_token)
+  return _run(layout, fn, args, specs, (per_token, back, columns))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_sum(hidden, unembed, labels, weights, layout):
+  """sum_t weights_t loss_t, float32 scalar. Its forward pass for a gradient computes the
+  gradient too (the loss is linear in the per-token terms); the backward pass scales it."""
+  return jnp.sum(weights * _run_loss(layout, hidden, unembed, labels)[0])
+
+
+def _weighted_sum_fwd(hidden, unembed, labels, weights, layout):
+  loss, d_hidden, d_unembed = _run_grads(layout, hidden, unembed, labels, weights)
+  return jnp.sum(weights * loss), (loss, d_hidden, d_unembed)
+
+
+def _weighted_sum_bwd(layout, residuals, g) -> tuple[Any, Any, None, Any]:
+  del layout
+  loss, d_hidden, d_unembed = residuals
+  scale = lambda x: (g * x.astype(jnp.float32)).astype(x.dtype)
+  return scale(d_hidden), scale(d_unembed), None, g * loss
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _stats(hidden, unembed, labels, block):
-  """Per token: logsumexp of hidden @ unembed, and the logit at the label (0 if the label
-  is outside [0, vocab)), float32 [tokens] each, without materialising the logits."""
-  return _forward(hidden, unembed, labels, block)
+def _per_token(hidden, unembed, labels, layout):
+  """Per-token loss, float32 [tokens]; the backward pass recomputes each chunk's logits."""
+  return _run_loss(layout, hidden, unembed, labels)[0]
 
 
-def _stats_fwd(hidden, unembed, labels, block):
-  lse, label_logit = _forward(hidden, unembed, labels, block)
-  return (lse, label_logit), (hidden, unembed, labels, lse)
+def _per_token_fwd(hidden, unembed, labels, layout):
+  loss, lse = _run_loss(layout, hidden, unembed, labels)
+  return loss, (hidden, unembed, labels, lse)
 
 
-def _stats_bwd(block, residuals, grads) -> tuple[Any, Any, None]:
+def _per_token_bwd(layout, residuals, g) -> tuple[Any, Any, None]:
   hidden, unembed, labels, lse = residuals
-  g_lse, g_label = grads
-  # d lse / d logits = softmax; d label_logit / d logits = onehot(label).
-
-  def step(start, size, carry):
-    d_hidden, d_unembed = carry
-    w, logits = _block_logits(hidden, unembed, start, size)
-    onehot = (labels[:, None] - start) == jnp.arange(size)[None, :]
-    d_logits = jnp.exp(logits - lse[:, None]) * g_lse[:, None] + jnp.where(
-        onehot, g_label[:, None], 0.0)
-    d_hidden = d_hidden + jnp.dot(d_logits.astype(w.dtype), w.T,
-                                  preferred_element_type=jnp.float32)
-    d_w = jnp.dot(hidden.T, d_logits.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    d_unembed = lax.dynamic_update_slice_in_dim(d_unembed, d_w.astype(d_unembed.dtype),
-                                                start, axis=1)
-    return d_hidden, d_unembed
-
-  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(unembed))
-  d_hidden, d_unembed = _walk_vocab(unembed.shape[1], block, step, init)
-  return d_hidden.astype(hidden.dtype), d_unembed, None
+  _, d_hidden, d_unembed = _run_grads(layout, hidden, unembed, labels, g, lse)
+  return d_hidden, d_unembed, None
 
 
-_stats.defvjp(_stats_fwd, _stats_bwd)
+_per_token.defvjp(_per_token_fwd, _per_token_bwd)

@@ -1,0 +1,243 @@
+"""Every JAX interface fnscale relies on that JAX does not promise to keep, in one module.
+
+fnscale is tested with jax 0.10.2 (Python 3.11) and jax 0.12 (Python 3.12+): `TESTED_JAX`,
+the range pyproject.toml states. Each entry here is private to JAX (`jax._src`), a parameter
+layout of JAX's program representation (jaxpr), or a text format of XLA's logs and of the
+coordination service's errors. `tests/test_compat.py` has a test per entry that fails,
+naming the entry, when a JAX release changes it; an entry that finds JAX changed at run time
+raises `FnscaleError` naming itself, the installed jax and the tested range.
+
+Where JAX has a public interface fnscale uses it and it is not here:
+`jax.distributed.is_initialized`, `jax.process_count`, `jax.experimental.multihost_utils`
+(barriers over devices, the preemption sync point), `jax.extend.core.jaxprs_in_params`
+(the programs inside an equation, open in both releases), `jax.sharding.get_abstract_mesh`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+
+from fnscale.errors import FnscaleError
+
+# The JAX releases fnscale is tested with; pyproject.toml's `jax` requirement says the same.
+TESTED_JAX = ">=0.10.2,<0.13"
+
+
+def _changed(entry: str, what: str) -> FnscaleError:
+  return FnscaleError(
+      f"fnscale._compat.{entry}: {what} in jax {jax.__version__}; fnscale is tested with jax "
+      f"{TESTED_JAX}. Fix: install a jax in that range (pip install 'jax{TESTED_JAX}'), or "
+      "adapt this entry of fnscale/_compat.py to the new release.")
+
+
+# ------------------------------------------------ multi-process runtime (jax._src.distributed)
+
+class DistributedState(NamedTuple):
+  """What `jax.distributed.initialize` set up in this process (a snapshot).
+
+  `client`: the coordination service's client (key-value store: `key_value_set(key, value,
+  allow_overwrite=)`, `key_value_try_get`, `blocking_key_value_get(key, timeout_ms)`,
+  `key_value_dir_get(prefix)`; `wait_at_barrier(name, timeout_ms)`), None when not joined.
+  `preemption_sync`: JAX's preemption sync manager runs (`jax_enable_preemption_service`).
+  """
+  client: Any
+  process_id: int
+  num_processes: int
+  coordinator_address: str | None
+  preemption_sync: bool
+
+
+def distributed_state() -> DistributedState:
+  """JAX's distributed runtime in this process (`jax._src.distributed.global_state`): there
+  is no public accessor for the client, and `jax.process_count` would start the backends.
+
+  Raises:
+    FnscaleError: JAX moved or renamed it.
+  """
+  try:
+    from jax._src import distributed as jd  # pylint: disable=g-import-not-at-top
+    st = jd.global_state
+    return DistributedState(st.client, int(st.process_id or 0), int(st.num_processes or 1),
+                            st.coordinator_address, st.preemption_sync_manager is not None)
+  except (ImportError, AttributeError) as e:
+    raise _changed("distributed_state", f"jax._src.distributed.global_state is gone ({e})"
+                   ) from None
+
+
+def detect_cluster(coordinator_address, num_processes, process_id, method, timeout_s: int):
+  """JAX's own cluster detection (Cloud TPU VMs and GKE, SLURM, Open MPI, ...), as
+  `jax.distributed.initialize` runs it for what it isn't given: `(coordinator_address,
+  num_processes, process_id)`, each None where it found nothing. Public jax offers it only
+  inside `initialize`, and fnscale needs the coordinator first, to bound the wait for it.
+
+  Raises:
+    FnscaleError: JAX moved or renamed `clusters.ClusterEnv.auto_detect_unset_distributed_params`.
+    Whatever the detection itself raises (a metadata service that doesn't answer, ...).
+  """
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+  except (ImportError, AttributeError) as e:
+    raise _changed("detect_cluster", f"jax._src.clusters' detection is gone ({e})") from None
+  found = detect(coordinator_address, num_processes, process_id, None, method, timeout_s)
+  return tuple(found[:3])
+
+
+def backends_initialized() -> bool:
+  """Whether JAX has started its backends (then `jax.distributed.initialize` is too late).
+
+  Raises:
+    FnscaleError: JAX moved or renamed `xla_bridge.backends_are_initialized`.
+  """
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError) as e:
+    raise _changed("backends_initialized",
+                   f"jax._src.xla_bridge.backends_are_initialized is gone ({e})") from None
+
+
+# Where JAX's preemption sync manager (in jaxlib's C++) publishes a notice, in the
+# coordination service's key-value store: the time it came.
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+# A coordination-service barrier that timed out: "... # of tasks that reached the barrier:
+# 1/3 ... Some timed out task names: 1 2 ... RPC: ..." (task names bare ids or
+# "/job:jax_worker/replica:0/task:1").
+_BARRIER_REACHED = re.compile(r"reached the barrier:\s*(\d+)\s*/\s*(\d+)")
+_BARRIER_TASK = re.compile(r"(?:task:)?(\d+)\s*(?:\n|$)")
+
+
+def barrier_absentees(text: str) -> tuple[int | None, list[int]]:
+  """(how many processes arrived, ids of those that didn't) from the error text of a
+  coordination-service barrier that timed out; (None, []) for other text."""
+  m = _BARRIER_REACHED.search(text)
+  arrived = int(m.group(1)) if m else None
+  tail = text.split("timed out task names:", 1)
+  if len(tail) < 2:
+    return arrived, []
+  names = tail[1].split("RPC:", 1)[0]
+  return arrived, sorted({int(x) for x in _BARRIER_TASK.findall(names)})
+
+
+# ------------------------------------------------------------------------- meshes
+
+def concrete_mesh():
+  """The concrete mesh `jax.set_mesh` put in force (an empty Mesh if none), also while
+  tracing, where the public `jax.sharding.get_mesh` refuses.
+
+  Raises:
+    FnscaleError: JAX moved or renamed `jax._src.mesh.get_concrete_mesh`.
+  """
+  try:
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    return mesh_lib.get_concrete_mesh()
+  except (ImportError, AttributeError) as e:
+    raise _changed("concrete_mesh", f"jax._src.mesh.get_concrete_mesh is gone ({e})") from None
+
+
+# ------------------------------------------------------------------------- jaxprs
+
+class ScanParts(NamedTuple):
+  """A `lax.scan` equation: its `length` and its operands split into (consts, carry, xs)."""
+  length: int
+  consts: list
+  carry: list
+  xs: list
+
+
+def scan_parts(eqn) -> ScanParts:
+  """Reads a `scan` equation: jax 0.10.2 counts consts and carry (`num_consts`,
+  `num_carry`); jax 0.12 describes the operands as a flat tree of (consts, carry, xs)
+  (`ft_in`), each group's `len` its number of operands.
+
+  Raises:
+    FnscaleError: neither layout (a JAX release changed scan's params).
+  """
+  p = eqn.params
+  if "num_consts" in p and "num_carry" in p:
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+  elif hasattr(p.get("ft_in"), "unpack"):
+    groups = p["ft_in"].unpack()
+    if len(groups) != 3:
+      raise _changed("scan_parts", f"scan's ft_in has {len(groups)} groups, not 3")
+    n_consts, n_carry = len(groups[0]), len(groups[1])
+  else:
+    raise _changed("scan_parts", f"scan's params are {sorted(p)} (neither num_consts/"
+                   "num_carry nor ft_in)")
+  ops = list(eqn.invars)
+  return ScanParts(int(p["length"]), ops[:n_consts], ops[n_consts:n_consts + n_carry],
+                   ops[n_consts + n_carry:])
+
+
+def name_scopes(eqn) -> str:
+  """The `jax.named_scope` names an equation was traced under, "/"-joined (its
+  `source_info.name_stack`; a `jit` or `custom_vjp` body's equations start afresh).
+
+  Raises:
+    FnscaleError: the equation carries no `source_info.name_stack`.
+  """
+  try:
+    return str(eqn.source_info.name_stack)
+  except AttributeError as e:
+    raise _changed("name_scopes", f"a jaxpr equation has no source_info.name_stack ({e})"
+                   ) from None
+
+
+def dot_contracting_dims(eqn) -> tuple[int, ...]:
+  """The lhs dimensions a `dot_general` equation contracts (its `dimension_numbers`,
+  ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)) as `lax.dot_general` takes).
+
+  Raises:
+    FnscaleError: the params hold no such `dimension_numbers`.
+  """
+  try:
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    return tuple(int(i) for i in lc)
+  except (KeyError, TypeError, ValueError) as e:
+    raise _changed("dot_contracting_dims", f"dot_general's params are {sorted(eqn.params)} "
+                   f"({e!r})") from None
+
+
+class KernelCost(NamedTuple):
+  """A `pallas_call` equation: its kernel's `name` and the FLOPs its `cost_estimate`
+  declares (None: it declares none)."""
+  name: str
+  flops: float | None
+
+
+def kernel_cost(eqn) -> KernelCost:
+  """Reads a `pallas_call` equation's `name` and `cost_estimate` (`pl.CostEstimate` or None).
+
+  Raises:
+    FnscaleError: the params hold no `name` or no `cost_estimate` entry.
+  """
+  p = eqn.params
+  if "name" not in p or "cost_estimate" not in p:
+    raise _changed("kernel_cost", f"pallas_call's params are {sorted(p)} (no name or "
+                   "cost_estimate)")
+  cost = getattr(p["cost_estimate"], "flops", None)
+  return KernelCost(str(p["name"] or "pallas_call"), float(cost) if cost else None)
+
+
+# ------------------------------------------------------------------------- XLA's logs
+
+# An absl/glog line from XLA's C++ code: severity W or E, date, time, thread, file:line].
+_LOG_LINE = re.compile(r"^([WE])\d{4} [\d:.]+\s+\d+ [^\]]+\] (.*)$")
+# Messages about JAX's configuration, not the program compiled: with GSPMD propagation
+# (jax_use_shardy_partitioner off) XLA says that GSPMD is going away, on every compile (jax
+# 0.10.2) or the first one (0.12).
+_CONFIGURATION_NOTICE = re.compile(r"GSPMD sharding propagation is going to be deprecated")
+
+
+def xla_log_messages(text: str) -> list[str]:
+  """The messages of the warning and error lines XLA's C++ code logged in `text`, in order,
+  without XLA's notices about JAX's configuration."""
+  out = []
+  for line in text.splitlines():
+    m = _LOG_LINE.match(line.strip())
+    if m and not _CONFIGURATION_NOTICE.match(m.group(2)):
+      out.append(m.group(2))
+  return out

@@ -1,0 +1,198 @@
+"""fnscale._compat, entry by entry, against the installed jax: each test fails, naming its
+entry, when a JAX release changes what fnscale relies on (see the module docstring)."""
+import json
+import pathlib
+import re
+import tomllib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.extend import core as jcore
+
+import fnscale as fs
+from fnscale import _compat
+
+import multiprocess as mp
+
+WORKER = str(pathlib.Path(__file__).with_name("compat_worker.py"))
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _worker(mode: str, processes: int = 1) -> list[dict]:
+  results = mp.run([WORKER, mode], processes, 1, timeout_s=120)
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+
+
+def test_tested_range_is_pyproject_s_and_holds_the_installed_jax():
+  deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+  assert f"jax{_compat.TESTED_JAX}" in deps and f"jaxlib{_compat.TESTED_JAX}" in deps
+  low, high = re.fullmatch(r">=([\d.]+),<([\d.]+)", _compat.TESTED_JAX).groups()
+  version = tuple(int(x) for x in jax.__version__.split(".")[:3])
+  assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split("."))), (
+      f"jax {jax.__version__} is outside the tested range {_compat.TESTED_JAX}")
+
+
+@pytest.mark.multiprocess
+def test_distributed_state_backends_and_preemption_key():
+  (r,) = _worker("runtime")
+  # Before the join: no client, one process, no preemption service, no backends yet.
+  assert r["before"] == [False, True, 0, 1, False]
+  assert r["after"] == [0, 1, r["coordinator"], True]
+  # The client's key-value store and barrier, as fnscale uses them.
+  assert r["try_get"] == "2" and r["blocking_get"] == "3" and r["missing"] != "returned"
+  assert r["dir"] == [["t/a", "2"], ["t/b", "3"]]
+  # JAX's preemption notifier published the SIGTERM under PREEMPTION_NOTICE_KEY.
+  assert r["notice"]
+  assert r["backends_after"] is True
+
+
+@pytest.mark.multiprocess
+def test_barrier_absentees_read_a_real_barrier_timeout():
+  first, _ = _worker("barrier", processes=2)
+  assert "reached the barrier" in first["text"], first["text"]
+  assert first["parsed"] == [1, [1]], first["text"]
+
+
+def test_barrier_absentees_of_other_text():
+  assert _compat.barrier_absentees("something else") == (None, [])
+  text = ("DEADLINE_EXCEEDED: Barrier timed out. # of tasks that reached the barrier: 1/3. "
+          "Some timed out task names:\n/job:jax_worker/replica:0/task:1\n"
+          "/job:jax_worker/replica:0/task:2\nRPC: /tensorflow.CoordinationService/Barrier")
+  assert _compat.barrier_absentees(text) == (1, [1, 2])
+
+
+def test_concrete_mesh_outside_inside_and_under_a_trace():
+  mesh = fs.make_mesh({"data": 8})
+  assert _compat.concrete_mesh().empty
+  with jax.set_mesh(mesh):
+    assert _compat.concrete_mesh() == mesh
+    seen = []
+    jax.jit(lambda x: seen.append(_compat.concrete_mesh()) or x)(1.0)
+    assert seen == [mesh]  # while tracing, where jax.sharding.get_mesh refuses
+  # Only an abstract mesh (a described target): no concrete one.
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    assert _compat.concrete_mesh().empty
+
+
+def _scan_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+    for sub in jcore.jaxprs_in_params(eqn.params):
+      yield from _scan_eqns(sub)
+
+
+def test_scan_parts_split_consts_carry_and_xs():
+  w, v = jnp.ones((3,)), jnp.ones((3,)) * 2
+
+  def f(carry, xs):
+    body = lambda c, x: ((c[0] * w * v + x[0], c[1] + x[2]), c[0] + x[1][:3])
+    return jax.lax.scan(body, carry, xs)
+
+  xs = (jnp.ones((5, 3)), jnp.ones((5, 4)), jnp.ones((5,)))
+  (eqn,) = _scan_eqns(jax.make_jaxpr(f)((jnp.ones(3), jnp.float32(1)), xs).jaxpr)
+  parts = _compat.scan_parts(eqn)
+  assert parts.length == 5
+  assert [v.aval.shape for v in parts.consts] == [(3,), (3,)]  # w and v, closed over
+  assert [v.aval.shape for v in parts.carry] == [(3,), ()]
+  assert [v.aval.shape for v in parts.xs] == [(5, 3), (5, 4), (5,)]
+
+
+def test_scan_parts_inside_a_gradient():
+  # The planner reads the scan of value_and_grad's program (forward and transposed scans).
+  def loss(layers, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, layers)[0].sum()
+
+  jx = jax.make_jaxpr(jax.value_and_grad(loss))(jnp.ones((4, 8, 8)), jnp.ones((2, 8)))
+  scans = [_compat.scan_parts(e) for e in _scan_eqns(jx.jaxpr)]
+  assert scans and {s.length for s in scans} == {4}
+  assert all(any(v.aval.shape == (2, 8) for v in s.carry) for s in scans)
+
+
+def test_scan_parts_of_an_unknown_layout_names_the_entry():
+  class Eqn:  # what a future release might hand over
+    params = {"length": 3, "layout": object()}
+    invars = []
+
+  with pytest.raises(fs.FnscaleError, match=r"fnscale._compat.scan_parts: scan's params are "
+                                            r"\['layout', 'length'\].* tested with jax >="):
+    _compat.scan_parts(Eqn())
+
+
+@pytest.fixture(scope="module")
+def log_lines():
+  (r,) = _worker("log")
+  return r
+
+
+def test_xla_log_lines_and_the_gspmd_notice(log_lines):
+  gspmd = log_lines["gspmd"]
+  # XLA's C++ log format, and GSPMD's notice on a process's first GSPMD compile.
+  assert re.search(r"^W\d{4} [\d:.]+\s+\d+ \S+\.cc:\d+\] GSPMD sharding propagation is going "
+                   r"to be deprecated", gspmd["raw"], re.M), gspmd["raw"][-2000:]
+  for name in ("gspmd", "shardy"):
+    messages = log_lines[name]["messages"]
+    assert len(messages) == 1, (name, messages)
+    assert messages[0].startswith("[SPMD] Involuntary full rematerialization. The compiler "
+                                  "cannot go from sharding {"), (name, messages)
+
+
+def _eqns(jaxpr, name):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      yield eqn
+    for sub in jcore.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub, name)
+
+
+def test_name_scopes_and_dot_contracting_dims():
+  def f(a, b):
+    with jax.named_scope("outer"):
+      with jax.named_scope("inner"):
+        return jax.lax.dot_general(a, b, (((0, 2), (1, 0)), ((), ())))
+
+  jx = jax.make_jaxpr(f)(jnp.ones((3, 5, 4)), jnp.ones((4, 3, 7)))
+  (eqn,) = _eqns(jx.jaxpr, "dot_general")
+  assert _compat.name_scopes(eqn) == "outer/inner"
+  assert _compat.dot_contracting_dims(eqn) == (0, 2)
+  (plain,) = _eqns(jax.make_jaxpr(jnp.dot)(jnp.ones((2, 6)), jnp.ones((6, 3))).jaxpr,
+                   "dot_general")
+  assert _compat.name_scopes(plain) == "" and _compat.dot_contracting_dims(plain) == (1,)
+
+
+def test_kernel_cost_of_a_pallas_call_with_and_without_an_estimate():
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def call(name, cost):
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                       interpret=True, name=name, cost_estimate=cost)
+    (eqn,) = _eqns(jax.make_jaxpr(f)(jnp.ones((8, 128))).jaxpr, "pallas_call")
+    return _compat.kernel_cost(eqn)
+
+  cost = pl.CostEstimate(flops=1234, transcendentals=0, bytes_accessed=8192)
+  assert call("doubler", cost) == _compat.KernelCost("doubler", 1234.0)
+  assert call("plain", None) == _compat.KernelCost("plain", None)
+
+
+def test_jaxpr_entries_of_an_unknown_layout_name_themselves():
+  class Eqn:  # what a future release might hand over
+    params = {"spec": object()}
+    source_info = None
+
+  for entry in ("dot_contracting_dims", "kernel_cost", "name_scopes"):
+    with pytest.raises(fs.FnscaleError, match=rf"fnscale._compat.{entry}: .* tested with jax"):
+      getattr(_compat, entry)(Eqn())
+
+
+def test_detect_cluster_returns_what_it_was_given_and_finds_nothing_off_a_cluster(monkeypatch):
+  # Given everything, JAX's detection keeps it; on this machine (no launcher, no metadata
+  # service: "deactivate" skips the probes) it finds nothing to add.
+  for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "TPU_SKIP_MDS_QUERY"):
+    monkeypatch.delenv(name, raising=False)
+  assert _compat.detect_cluster("127.0.0.1:1234", 2, 1, None, 5) == ("127.0.0.1:1234", 2, 1)
+  assert _compat.detect_cluster(None, None, None, "deactivate", 5) == (None, None, None)
