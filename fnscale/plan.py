@@ -37,7 +37,7 @@ from fnscale import step as _step
 from fnscale.errors import PlanError
 from fnscale.mesh import MeshAxes, make_mesh
 
-__all__ = ["Candidate", "Compiled", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
+__all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
            "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
            "mesh_str", "plan", "predict", "profile_model", "summary"]
 
@@ -46,7 +46,7 @@ ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale._for
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
 
-class Compiled(NamedTuple):
+class CompileCheck(NamedTuple):
   """What an ahead-of-time compile for the target says about one candidate.
 
   `bytes`: XLA's per-device footprint (arguments + outputs + temporaries - aliased);
@@ -75,7 +75,7 @@ class Candidate(NamedTuple):
   remat: bool
   accum: int
   estimate: _cost.Estimate
-  compiled: Compiled | None
+  compiled: CompileCheck | None
   fits: bool
   forecast: _forecast.Forecast | None = None
   accum_gather: str = "per_microbatch"
@@ -244,7 +244,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     need = _oom_bytes(str(e))
-    c = Compiled(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
+    c = CompileCheck(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
     return cand._replace(compiled=c, fits=False)
   seconds = time.perf_counter() - t0
   report = _report.compile_report(compiled, state, batch)
@@ -259,7 +259,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
                                              ("comm", comm, est.comm_total_s))
                 if want and abs(got / want - 1) > DISAGREE)
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
-  c = Compiled(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
+  c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
   fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
   return cand._replace(compiled=c, fits=nbytes <= cap, forecast=fc)
 

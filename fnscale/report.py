@@ -282,8 +282,8 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
 
   Args:
     tree: the pytree the shardings are for (arrays or ShapeDtypeStructs).
-    shardings_or_plan: a `ShardPlan` (from `shard_plan`; gives the reason column) or a pytree
-      of NamedSharding (reason inferred: "sharded" or "replicated").
+    shardings_or_plan: a `ShardingLayout` (from `shard_plan`; gives the reason column) or a
+      pytree of NamedSharding (reason inferred: "sharded" or "replicated").
     logical_axes: as in `shardings`, shown in the logical-axes column when the second
       argument is a plain shardings tree.
 
@@ -294,7 +294,7 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
     ShardingError: a plan for another tree, shardings that don't match the tree.
   """
   n = jax.tree_util.tree_structure(tree).num_leaves
-  if isinstance(shardings_or_plan, _sh.ShardPlan):
+  if isinstance(shardings_or_plan, _sh.ShardingLayout):
     plan = shardings_or_plan
     if len(plan.leaves) != n:
       raise ShardingError(

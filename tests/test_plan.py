@@ -225,7 +225,7 @@ def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
 
   def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
     fits = cand.accum > 1
-    c = plan_module.Compiled(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
+    c = plan_module.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
                              () if fits else ("memory",))
     return cand._replace(compiled=c, fits=fits)
 
