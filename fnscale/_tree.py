@@ -17,20 +17,9 @@ from fnscale.errors import FnscaleError, MeshError, ShardingError
 
 
 def path_str(path) -> str:
-  """A pytree key path as 'a/0/b' (dict keys, sequence indices and attribute names)."""
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(k.name)
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+  """A pytree key path as 'a/0/b' (dict keys, sequence indices and attribute names):
+  `jax.tree_util.keystr`'s simple spelling, '/'-joined (the same on jax 0.10 and 0.12)."""
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def leaves_with_paths(tree) -> list[tuple[str, Any]]:

@@ -66,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from fnscale import _agreement
+from fnscale import _coordination
 from fnscale import _checkpoint_tree as ct
 from fnscale import _tree
 from fnscale.errors import CheckpointError, DistributedError, StorageError
@@ -778,9 +780,7 @@ def restore(where, target, *, step: int | None = None, data=None,
       0's chosen step complete (named, on every process), or no coordination service.
   """
   if step is None and jax.process_count() > 1:  # the agreement needs the service: say so first
-    from fnscale import distributed  # pylint: disable=import-outside-toplevel
-    distributed._job_runtime(  # pylint: disable=protected-access
-        f"the checkpoint step to restore from {where}")
+    _coordination.job_runtime(f"the checkpoint step to restore from {where}")
   abstract, treedef = ct.abstract_target(target)
   step = ct.check_step(step, allow_none=True)
   if data is not None:
@@ -805,8 +805,7 @@ def restore(where, target, *, step: int | None = None, data=None,
 
 def _agreed_latest_step(ckpt: Manager) -> int:
   """Several processes: process 0's newest complete finite step, once every process sees it
-  complete (`fnscale.distributed`), so that no process restores a step of its own."""
-  from fnscale import distributed  # pylint: disable=import-outside-toplevel
+  complete (`fnscale._agreement`), so that no process restores a step of its own."""
   # Every process lists and reads through orbax (whose calls synchronise the processes);
   # only then is process 0's answer checked, from the files alone, everywhere.
   mine = latest_step(ckpt)
@@ -814,7 +813,7 @@ def _agreed_latest_step(ckpt: Manager) -> int:
   def unusable(step):
     problem = None if step is None else _uncommitted(ckpt, step)
     return problem and f"step {step} at {_step_dir(ckpt, step)} is {problem}"
-  step = distributed._agreed_choice(  # pylint: disable=protected-access
+  step = _agreement.agreed_choice(
       f"the checkpoint step to restore from {ckpt.directory}", lambda: mine, unusable)
   if step is None:
     raise CheckpointError(

@@ -8,7 +8,7 @@ access token from the metadata server, refreshed when it expires), the client's 
 transient errors and its long-running operation for the delete. The pieces are pure and
 public so callers can inspect them:
 
-  plan = shutdown_plan()     # metadata (+ a read-only node lookup) -> ShutdownPlan value
+  plan = shutdown_plan()     # metadata (+ a read-only node lookup) -> ShutdownRequest value
   result = execute(plan)     # sentinel check, then TpuClient.delete_* -> ShutdownResult
 
 Rules, in order:
@@ -56,7 +56,7 @@ _METADATA_TIMEOUT_S = 2.0
 _INSTALL = "install the cloud extra: pip install 'fnscale[cloud]' (google-cloud-tpu)"
 
 
-class ShutdownPlan(NamedTuple):
+class ShutdownRequest(NamedTuple):
   """What `execute` will do; holds no credentials (they are fetched when sending).
 
   Attributes:
@@ -263,7 +263,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
                   sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
                   api_url: str | None = None, node: str | None = None,
                   queued_resource: str | None = None, worker: int | None = None,
-                  timeout_s: float = 10.0, credentials: Any = None) -> ShutdownPlan:
+                  timeout_s: float = 10.0, credentials: Any = None) -> ShutdownRequest:
   """Plans the call that deletes this Cloud TPU VM, from the metadata service.
 
   Makes at most one read-only API call (`get_node`, to find its queued resource), never a
@@ -286,7 +286,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
       (`google.auth.compute_engine.Credentials`).
 
   Returns:
-    A `ShutdownPlan`; action "none" with the reason when nothing should be deleted from here.
+    A `ShutdownRequest`; action "none" with the reason when nothing should be deleted from here.
 
   Raises:
     InputError: a malformed argument (named), a non-https endpoint off loopback.
@@ -296,9 +296,9 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
   _check_plan_args(delay_s, timeout_s, worker)
   sentinel = os.path.expanduser(os.fspath(sentinel))
   meta = _metadata_base(metadata_url)
-  base = ShutdownPlan(action="none", reason="", endpoint=api_endpoint(api_url),
-                      delay_s=float(delay_s), sentinel=sentinel, dry_run=bool(dry_run),
-                      metadata_url=meta, timeout_s=float(timeout_s))
+  base = ShutdownRequest(action="none", reason="", endpoint=api_endpoint(api_url),
+                         delay_s=float(delay_s), sentinel=sentinel, dry_run=bool(dry_run),
+                         metadata_url=meta, timeout_s=float(timeout_s))
   base = _locate(base, node, worker)
   if base.reason:
     return base
@@ -317,7 +317,7 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
              "node.")
 
 
-def _locate(base: ShutdownPlan, node, worker) -> ShutdownPlan:
+def _locate(base: ShutdownRequest, node, worker) -> ShutdownRequest:
   """`base` with the VM's project, zone, node and worker from the metadata service, and a
   `reason` when this process must not delete anything (empty when it should)."""
   meta, timeout_s = base.metadata_url, base.timeout_s
@@ -355,7 +355,7 @@ def _locate(base: ShutdownPlan, node, worker) -> ShutdownPlan:
   return base
 
 
-def describe(plan: ShutdownPlan) -> str:
+def describe(plan: ShutdownRequest) -> str:
   """One line with the exact call of `plan` (no credentials), or why there is none."""
   if plan.action == "none":
     return f"no shutdown request: {plan.reason}"
@@ -364,7 +364,7 @@ def describe(plan: ShutdownPlan) -> str:
           "google-auth credentials of the VM's service account)")
 
 
-def execute(plan: ShutdownPlan, *, credentials: Any = None) -> ShutdownResult:
+def execute(plan: ShutdownRequest, *, credentials: Any = None) -> ShutdownResult:
   """Carries out `plan` now: unless its sentinel exists or it is a dry run, makes the delete.
 
   The delete returns a long-running operation; its name is in the result (the VM goes away
@@ -406,7 +406,7 @@ def execute(plan: ShutdownPlan, *, credentials: Any = None) -> ShutdownResult:
   return ShutdownResult(True, plan.reason, name)
 
 
-def _at_exit(plan: ShutdownPlan, credentials):
+def _at_exit(plan: ShutdownRequest, credentials):
   """The atexit hook: wait, then execute; log every failure, never raise into exit."""
   try:
     if plan.delay_s > 0:
@@ -423,7 +423,7 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
                      api_url: str | None = None, node: str | None = None,
                      queued_resource: str | None = None, worker: int | None = None,
                      timeout_s: float = 10.0, credentials: Any = None,
-                     register: bool = True) -> ShutdownPlan:
+                     register: bool = True) -> ShutdownRequest:
   """On a Cloud TPU VM, deletes the VM (or its queued resource) when this program exits.
 
   Call it once, early, on every worker (only worker 0 acts). Off a Cloud TPU VM it does
@@ -439,7 +439,7 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
     register: register the atexit hook (False: only build and return the plan).
 
   Returns:
-    The `ShutdownPlan` (action "none" with the reason when nothing will be deleted).
+    The `ShutdownRequest` (action "none" with the reason when nothing will be deleted).
 
   Raises:
     InputError: a malformed argument. CloudError: google-cloud-tpu missing (see

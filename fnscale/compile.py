@@ -17,8 +17,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fnscale import _axes
+from fnscale import _compiler
 from fnscale import _tree
-from fnscale import report as _report
 from fnscale import sharding as _sh
 from fnscale import state as _state
 from fnscale import step as _step
@@ -311,7 +311,7 @@ class ShardedStep:
           f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
           f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
           "expects.") from e
-    compiled, seconds, warnings = _report.compile_lowered(lowered, self.compiler_options)
+    compiled, seconds, warnings = _compiler.compile_lowered(lowered, self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(self.mesh.shape), self.mode)
@@ -416,7 +416,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   _check_args(step, mesh, mode, donate, optimizer, compiler_options)
   options = dict(compiler_options or {})
   if fast_compile:
-    options = {**_report.fast_compile_options(), **options}
+    options = {**_compiler.fast_compile_options(), **options}
   sharded = ShardedStep(step, mesh, rules, logical_axes, state_shardings, batch_sharding,
                         donate, mode, optimizer, sharding_options, options)
   if example is None:

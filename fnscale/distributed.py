@@ -34,7 +34,6 @@ import numbers
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from importlib import metadata
@@ -46,20 +45,23 @@ import jax
 from jax.sharding import NamedSharding
 import numpy as np
 
+from fnscale import _agreement as _ag
 from fnscale import _compat
+from fnscale import _coordination as _co
 from fnscale import _liveness
 from fnscale import _rollcall
+from fnscale import checkpoint
+from fnscale import compile as _compile
+from fnscale import preemption
+from fnscale._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
 from fnscale.errors import DistributedError, FnscaleError, ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
 from fnscale._tree import path_str
 
-DEFAULT_TIMEOUT_S = 300
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 DEFAULT_PEER_CHECK_TIMEOUT_S = 10
-# Exit status when the job can't form or continue (EX_TEMPFAIL: restarting may succeed).
-EXIT_JOB_FAILED = 75
 # JAX's own join deadline runs this much past fnscale's, so fnscale's message comes first.
 _JOIN_GRACE_S = 10
 
@@ -228,21 +230,10 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> float | None:
       time.sleep(min(0.2, max(0.0, timeout_s - (time.monotonic() - start))))
 
 
-def _exit_with(error: DistributedError, status: int = EXIT_JOB_FAILED) -> None:
-  """Ends this process from a helper thread (the main thread is blocked inside JAX's C++
-  code, where no Python exception can reach it): the error on stderr, then `status`."""
-  text = f"{type(error).__module__}.{type(error).__name__}: {error}"
-  try:
-    _liveness.leave()  # on purpose: the others must not report this process lost
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-  finally:
-    os._exit(status)  # pylint: disable=protected-access
 
 
 def _join_timed_out(num_processes, process_id, where, timeout_s) -> None:
-  _exit_with(DistributedError(
+  _co.exit_with(DistributedError(
       f"could not form the multi-process job within {timeout_s:g} s: expected "
       f"{num_processes or 'auto-detected'} processes at coordinator {where}; this process "
       f"({process_id if process_id is not None else '?'}) is in, but not all "
@@ -267,7 +258,6 @@ def _join(coordinator_address, num_processes, process_id, where, timeout_s, aske
       num_processes, process_id, where, asked_timeout_s))
   watchdog.daemon = True
   watchdog.start()
-  from fnscale import preemption  # pylint: disable=g-import-not-at-top
   try:
     with preemption._sigterm_ends_join(lambda: (  # pylint: disable=protected-access
         f"preemption notice (SIGTERM) while the {num_processes or 'detected'}-process job "
@@ -440,21 +430,21 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     raise DistributedError(f"barrier name {name!r}, expected a non-empty string.")
   if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
     raise DistributedError(f"barrier timeout_s={timeout_s!r}, expected a positive number.")
-  if _job_runtime(f"barrier({name!r})") is None:
+  if _co.job_runtime(f"barrier({name!r})") is None:
     logging.debug("barrier %s: single process", name)
     return
   st = _compat.distributed_state()
   if (st.num_processes or 1) == 1:
     return
   try:
-    with _waiting(name):
+    with _co.waiting(name):
       st.client.wait_at_barrier(f"fnscale:{name}", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    arrived, missing = _barrier_absentees(str(e))
+    arrived, missing = _co.barrier_absentees(str(e))
     who = (f"{arrived} of {st.num_processes} arrived; missing: processes "
            f"{', '.join(map(str, missing))}; " if missing else "")
-    where = _where_others(st.client, st.process_id, st.num_processes, name)
+    where = _co.where_others(st.client, st.process_id, st.num_processes, name)
     raise DistributedError(
         f"barrier {name!r}: not all {st.num_processes} processes arrived within {timeout_s} s "
         f"({who}{''.join(w + '; ' for w in where)}this is process {st.process_id}; {first}); "
@@ -487,7 +477,6 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
       arrive in `timeout_s` (where it last was and whether its heartbeats still come); or
       several processes without JAX's coordination service (`fnscale.initialize`).
   """
-  from fnscale import compile as _compile  # pylint: disable=g-import-not-at-top
   if not isinstance(compiled, _compile.CompiledStep):
     raise DistributedError(
         f"agree_on_step(compiled={type(compiled).__name__}): expected the CompiledStep that "
@@ -495,7 +484,7 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         "batch), then fnscale.distributed.agree_on_step(step) on every process.")
   text = compiled.lowered.as_text()
   name = f"compiled step {hashlib.sha256(text.encode()).hexdigest()[:12]}"
-  rt = _job_runtime(f"agree_on_step ({name})")
+  rt = _co.job_runtime(f"agree_on_step ({name})")
   if rt is None:
     return
   client, pid, n = rt
@@ -506,13 +495,13 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
                   for treedef, leaves in ((sig.state_def, sig.state_leaves),
                                           (sig.batch_def, sig.batch_leaves)))
   facts = _step_facts(text, state, batch, compiled.mesh, compiled.compiler_options)
-  with _waiting(name):
-    got, diffs, waited = _exchange(f"step/{next(_agree_count)}", facts, timeout_s)
+  with _co.waiting(name):
+    got, diffs, waited = _ag.exchange(f"step/{next(_agree_count)}", facts, timeout_s)
   if diffs:
-    raise _disagreement(f"the step they compiled ({name})", diffs, _late(got, n))
+    raise _ag.disagreement(f"the step they compiled ({name})", diffs, _ag.late(got, n))
   missing = [p for p in range(n) if p not in got]
   if missing:
-    where = _where_others(client, pid, n, name)
+    where = _co.where_others(client, pid, n, name)
     raise DistributedError(
         f"{name}: process(es) {', '.join(map(str, missing))} of {n} did not finish compiling "
         f"the step within {timeout_s} s ({'; '.join(where) or 'no word from them'}; this is "
@@ -546,15 +535,14 @@ def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
       system mounted at the same path everywhere); or several processes without JAX's
       coordination service (`fnscale.initialize`).
   """
-  rt = _job_runtime(f"check_shared_directory({directory!r})")
+  rt = _co.job_runtime(f"check_shared_directory({directory!r})")
   if rt is None:
     return
   client, pid, n = rt
-  from fnscale import checkpoint  # pylint: disable=g-import-not-at-top
   path = checkpoint._path(directory)  # pylint: disable=protected-access  # as save sees it
   what = f"the shared-directory check of {directory}"
-  token = _from_process_0(what, lambda: _write_token(path), f"token/{next(_choice_count)}",
-                          timeout_s)
+  token = _ag.from_process_0(what, lambda: _write_token(path),
+                             f"token/{next(_ag.choice_count)}", timeout_s)
   if token.startswith("error:"):
     raise DistributedError(f"{what}: process 0 could not write to {path}: {token[6:]}; fix: "
                            "give a directory every process can write (gs://... or a shared "
@@ -562,8 +550,8 @@ def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
   # Equal entries from every process that sees it: only a difference ends the wait early.
   found = {"sees": "yes"} if (path / token).exists() else {
       "sees": "no", "host": socket.gethostname(), "looked_at": str(path / token)}
-  with _waiting(what):
-    got, _, _ = _exchange(f"shared/{token}", found, timeout_s)
+  with _co.waiting(what):
+    got, _, _ = _ag.exchange(f"shared/{token}", found, timeout_s)
   if pid == 0:
     with contextlib.suppress(OSError):
       (path / token).unlink()
@@ -595,63 +583,22 @@ def _write_token(path) -> str:
   return name
 
 
-def _from_process_0(what: str, choose, topic: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-  """`choose()` as process 0 computes it (a JSON value), on every process: a broadcast
-  through the coordination service under `topic`, the same on every process."""
-  rt = _job_runtime(what)
-  if rt is None:
-    return choose()
-  client, pid, _ = rt
-  key = f"{_KEY}/{topic}"
-  if pid == 0:
-    value = choose()
-    client.key_value_set(key, json.dumps(value))
-    return value
-  try:
-    with _waiting(what):
-      return json.loads(client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
-  except Exception as e:  # pylint: disable=broad-except
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    raise DistributedError(
-        f"{what}: process {pid} waited {timeout_s} s for process 0's choice ({type(e).__name__}: "
-        f"{first}); fix: make every process make the same calls, check process 0's log.") from e
 
 
-def _agreed_choice(what: str, choose, check, timeout_s: float = DEFAULT_TIMEOUT_S):
-  """Process 0's `choose()` on every process, after every process found it usable: `check(value)`
-  is None there, else says why not. Raises a DistributedError naming each process that
-  can't use it, on every process (so none goes on into a collective alone)."""
-  k = next(_choice_count)
-  value = _from_process_0(what, choose, f"choice/{k}", timeout_s)
-  rt = _runtime()
-  if rt is None:
-    return value
-  _, _, n = rt
-  with _waiting(what):
-    got, _, _ = _exchange(f"choice/{k}/check",
-                          {"problem": check(value) or ""}, timeout_s)
-  bad = [f"process {p}: {e['problem']}" for p, e in sorted(got.items()) if e["problem"]]
-  bad += [f"process {p}: no answer within {timeout_s} s" for p in range(n) if p not in got]
-  if bad:
-    raise DistributedError(
-        f"{what}: process 0 chose {value!r}, which not every process can use ({'; '.join(bad)}); "
-        "fix: give every process the same view (a directory shared by all, "
-        "fnscale.distributed.check_shared_directory), then restart every process.")
-  return value
 
 
 def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
   """Right after joining: versions, local devices and `config` must agree everywhere."""
-  rt = _runtime()
+  rt = _co.runtime()
   if rt is None:
     return
   _, pid, n = rt
   jax.local_devices()  # starts the backend, as the program's first jax call would anyway
   t0 = time.perf_counter()
-  with _waiting("start-up check"):
-    got, diffs, waited = _exchange("start", _start_facts(config), timeout_s)
+  with _co.waiting("start-up check"):
+    got, diffs, waited = _ag.exchange("start", _start_facts(config), timeout_s)
   if diffs:
-    raise _disagreement("their set-up", diffs, _late(got, n))
+    raise _ag.disagreement("their set-up", diffs, _ag.late(got, n))
   missing = [p for p in range(n) if p not in got]
   if missing:
     raise DistributedError(
@@ -663,75 +610,22 @@ def _agree_at_start(config: dict[str, str], timeout_s: float) -> None:
                1000 * (time.perf_counter() - t0 - waited), 1000 * waited)
 
 
-# (processes that arrived, ids of those that didn't) from a barrier's timeout error text.
-_barrier_absentees = _compat.barrier_absentees
 
 
 # ------------------------------------------------------------- agreement between processes
-# Every process publishes what must agree as one JSON entry under fnscale/<topic>/<process id>
-# in the key-value store of JAX's coordination service and reads everyone else's, so a
-# difference is named in seconds instead of surfacing as a hang inside a collective.
+# (fnscale._agreement: one JSON entry per process in the coordination service, compared)
 
-_KEY = "fnscale"
-_MAX_NAMED = 6  # differences spelled out per process; the rest are counted
-_SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # The k-th agree_on_step call of this process is compared with the k-th of every other.
 _agree_count = itertools.count()
-# Numbers the broadcasts from process 0 (`_from_process_0`), the same on every process.
-_choice_count = itertools.count()
-# What the main thread is blocked in ("at": a barrier's name, or None) and since when
-# (time.monotonic()); the preemption watcher (fnscale.preemption) reads it.
-_WAIT: dict[str, Any] = {"at": None, "since": 0.0}
 
 
-def _runtime():
-  """(client, process_id, num_processes) of JAX's distributed runtime, or None when this is
-  a single process or the runtime isn't up."""
-  st = _compat.distributed_state()
-  if st.client is None or (st.num_processes or 1) == 1:
-    return None
-  return st.client, int(st.process_id), int(st.num_processes)
 
 
-def _job_runtime(what: str):
-  """`_runtime()`, or a DistributedError when this is one of several processes (libtpu runs
-  a pod slice across hosts on its own) but JAX's coordination service is not up: `what`
-  needs it, and falling back to per-process behaviour would be silently wrong."""
-  rt = _runtime()
-  if rt is None and jax.process_count() > 1:
-    raise DistributedError(
-        f"{what} needs JAX's coordination service, but this is process "
-        f"{jax.process_index()} of {jax.process_count()} and jax.distributed was never "
-        "initialised (no barriers, agreement checks, preemption sync or lost-process checks "
-        "work without it); fix: call fnscale.initialize() first thing in every process, "
-        "before any other jax call (it joins from the environment, the Cloud TPU metadata "
-        "service, SLURM or Open MPI).")
-  return rt
 
 
-@contextlib.contextmanager
-def _waiting(what: str):
-  """Marks the main thread as blocked in `what` (the preemption watcher ends the process at
-  once on a notice then) and tells the others where this process is (barrier timeouts)."""
-  rt = _runtime()
-  if rt is not None:
-    client, pid, _ = rt
-    _say_where(client, pid, what, left=False)
-  _WAIT["at"], _WAIT["since"] = what, time.monotonic()
-  try:
-    yield
-  finally:
-    _WAIT["at"] = None
-    if rt is not None:
-      _say_where(client, pid, what, left=True)
 
 
-def _say_where(client, pid: int, what: str, *, left: bool) -> None:
-  with contextlib.suppress(Exception):  # only for messages: never fail a wait over it
-    client.key_value_set(f"{_KEY}/where/{pid}",
-                         json.dumps({"at": what, "t": time.time(), "left": left}),
-                         allow_overwrite=True)
 
 
 def _source_digest() -> str:
@@ -795,113 +689,16 @@ def _step_facts(program_text: str, state, batch, mesh, compiler_options) -> dict
   return facts
 
 
-def _say(field: str, p: int, value: str, ref: int, ref_value: str) -> str:
-  if field.startswith("state:"):
-    return f"process {p}: {field[6:]} {value}, process {ref}: {ref_value}"
-  if field.startswith("batch:"):
-    return f"process {p}: batch {field[6:]} {value}, process {ref}: {ref_value}"
-  if field == "program":
-    return (f"process {p} compiled program {value}, process {ref} program {ref_value}, with "
-            "the same shapes, mesh and compiler options: the code or a setting that changes "
-            "no shape differs (compare the command lines, checkouts and XLA_FLAGS)")
-  return f"process {p} has {field}={value}, process {ref} {field}={ref_value}"
 
 
-def _differences(entries: dict[int, dict[str, str]]) -> list[str]:
-  """One line per field where a process differs from the lowest-numbered one (at most
-  `_MAX_NAMED` per process, then a count); a differing program is named only when nothing
-  else differs (it follows from any other difference)."""
-  if len(entries) < 2:
-    return []
-  ref = min(entries)
-  out = []
-  for p in sorted(entries):
-    if p == ref or entries[p] == entries[ref]:
-      continue
-    # In the entries' own order: set-up fields first, then leaves in pytree order.
-    fields = list(entries[ref]) + [f for f in entries[p] if f not in entries[ref]]
-    diff = [f for f in fields
-            if entries[p].get(f, "absent") != entries[ref].get(f, "absent")]
-    if len(diff) > 1:
-      diff = [f for f in diff if f != "program"]
-    out += [_say(f, p, entries[p].get(f, "absent"), ref, entries[ref].get(f, "absent"))
-            for f in diff[:_MAX_NAMED]]
-    if len(diff) > _MAX_NAMED:
-      out.append(f"and {len(diff) - _MAX_NAMED} more differences of process {p}")
-  return out
 
 
-def _exchange(topic: str, facts: dict[str, str], timeout_s: float):
-  """Publishes `facts` as this process's entry under `topic` and collects every process's.
-
-  Returns (entries by process id, differences, seconds spent waiting for others) when all
-  are there, `_SETTLE_S` after a first difference, or at `timeout_s`.
-  """
-  client, pid, n = _runtime()
-  prefix = f"{_KEY}/{topic}/"
-  deadline = time.monotonic() + timeout_s
-  waited = 0.0
-  try:
-    client.key_value_set(prefix + str(pid), json.dumps(facts))
-    while True:
-      got = {int(k.rsplit("/", 1)[1]): json.loads(v)
-             for k, v in client.key_value_dir_get(prefix)}
-      diffs = _differences(got)
-      missing = [i for i in range(n) if i not in got]
-      if diffs and missing and deadline > time.monotonic() + _SETTLE_S:
-        # The job is lost anyway: wait a moment for the rest, so that every process names
-        # the same differences against the same process.
-        deadline = time.monotonic() + _SETTLE_S
-      left = deadline - time.monotonic()
-      if not missing or left <= 0:
-        return got, diffs, waited
-      t0 = time.monotonic()
-      with contextlib.suppress(Exception):  # not there within the slice: look again
-        client.blocking_key_value_get(prefix + str(missing[0]),
-                                      max(1, int(min(1.0, left) * 1000)))
-      waited += time.monotonic() - t0
-  except Exception as e:  # pylint: disable=broad-except
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    raise DistributedError(
-        f"process {pid}: JAX's coordination service failed while the processes compared "
-        f"{topic} ({type(e).__name__}: {first}); the coordinator (process 0) is probably "
-        "gone: check its log, then restart every process.") from e
 
 
-def _late(got: dict, n: int) -> str:
-  missing = [str(p) for p in range(n) if p not in got]
-  return (f" (process(es) {', '.join(missing)} had not reported within {_SETTLE_S:g} s of the "
-          "first difference; they may differ too)" if missing else "")
 
 
-def _disagreement(what: str, diffs: list[str], late: str = "") -> DistributedError:
-  return DistributedError(
-      f"the processes of this job disagree on {what}: {'; '.join(diffs)}{late}. Every "
-      "process must run the same code, versions and command line on the same kind of host; "
-      "fix the odd ones out and restart every process.")
 
 
-def _where_others(client, pid: int, n: int, name: str) -> list[str]:
-  """Where each other process last said it was (`_waiting` records every fnscale wait)."""
-  try:
-    where = {int(k.rsplit("/", 1)[1]): json.loads(v)
-             for k, v in client.key_value_dir_get(f"{_KEY}/where/")}
-  except Exception:  # pylint: disable=broad-except
-    return []
-  out = []
-  for p in range(n):
-    w = where.get(p)
-    if p == pid or (w and w["at"] == name and not w["left"]):
-      continue
-    if w and not w["left"]:
-      out.append(f"process {p} is waiting at '{w['at']}' instead: the processes reached "
-                 "different barriers")
-    elif w:
-      out.append(f"process {p} has not arrived (last heard from {time.time() - w['t']:.0f} s "
-                 f"ago, leaving '{w['at']}')")
-    else:
-      out.append(f"process {p} has not arrived (no fnscale wait heard from it yet)")
-  return out
 
 
 # Runtime failures of a collective or of the coordination service (gloo over TCP on CPU,
@@ -917,7 +714,7 @@ def _lost_processes(timeout_s: float) -> tuple[list[int], str]:
   try:
     st.client.wait_at_barrier("fnscale:peer-check", max(1, int(timeout_s * 1000)))
   except Exception as e:  # pylint: disable=broad-except
-    _, missing = _barrier_absentees(str(e))
+    _, missing = _co.barrier_absentees(str(e))
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     return missing or [-1], first
   return [], ""
@@ -956,10 +753,10 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
                            "of seconds below initialize's heartbeat_timeout_s.")
-  rt = _job_runtime("peer_guard")
+  rt = _co.job_runtime("peer_guard")
 
   def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
-    _exit_with(DistributedError(
+    _co.exit_with(DistributedError(
         f"lost {_processes(missing)} of {rt[2]}: {_processes(missing)} gave no sign of life "
         f"for {timeout_s} s while process {rt[1]} ran inside peer_guard (a collective waiting "
         "for a lost process blocks instead of failing), so process "

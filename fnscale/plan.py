@@ -29,11 +29,15 @@ import jmp
 from fnscale import _cost
 from fnscale import _forecast
 from fnscale import _targets
+from fnscale import compile as _compile
 from fnscale import hlo as _hlo
+from fnscale import report as _report
+from fnscale import state as _state
+from fnscale import step as _step
 from fnscale.errors import PlanError
-from fnscale.mesh import MeshAxes
+from fnscale.mesh import MeshAxes, make_mesh
 
-__all__ = ["Candidate", "Compiled", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
+__all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
            "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
            "mesh_str", "plan", "predict", "profile_model", "summary"]
 
@@ -42,7 +46,7 @@ ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale._for
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
 
-class Compiled(NamedTuple):
+class CompileCheck(NamedTuple):
   """What an ahead-of-time compile for the target says about one candidate.
 
   `bytes`: XLA's per-device footprint (arguments + outputs + temporaries - aliased);
@@ -71,7 +75,7 @@ class Candidate(NamedTuple):
   remat: bool
   accum: int
   estimate: _cost.Estimate
-  compiled: Compiled | None
+  compiled: CompileCheck | None
   fits: bool
   forecast: _forecast.Forecast | None = None
   accum_gather: str = "per_microbatch"
@@ -224,27 +228,26 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   model costs: the same loss (remat as the row), policy, accumulation steps and mode
   (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
   target's devices (the profile was traced on one)."""
-  import fnscale as fs  # pylint: disable=g-import-not-at-top
   params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap = ctx
-  mesh = fs.make_mesh(cand.axes, devices=hw.devices)
+  mesh = make_mesh(cand.axes, devices=hw.devices)
   zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-  state = fs.init_state(zeros, optimizer, mesh=mesh, rules=rules, logical_axes=logical_axes,
-                        policy=policy, abstract=True)
+  state = _state.init_state(zeros, optimizer, mesh=mesh, rules=rules,
+                            logical_axes=logical_axes, policy=policy, abstract=True)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
-  step = fs.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
-                       accum_gather=cand.accum_gather)
+  step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
+                          accum_gather=cand.accum_gather)
   t0 = time.perf_counter()
   try:
-    compiled = fs.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
+    compiled = _compile.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
         state, batch)
   except jax.errors.JaxRuntimeError as e:  # XLA refuses a program that overflows HBM
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     need = _oom_bytes(str(e))
-    c = Compiled(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
+    c = CompileCheck(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
     return cand._replace(compiled=c, fits=False)
   seconds = time.perf_counter() - t0
-  report = fs.compile_report(compiled, state, batch)
+  report = _report.compile_report(compiled, state, batch)
   summary = _hlo.summarize(compiled.compiled.as_text() or "")
   est = cand.estimate
   by_axis = _compiled_comm(summary, hw, cand.axes)
@@ -256,7 +259,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
                                              ("comm", comm, est.comm_total_s))
                 if want and abs(got / want - 1) > DISAGREE)
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
-  c = Compiled(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
+  c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
   fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
   return cand._replace(compiled=c, fits=nbytes <= cap, forecast=fc)
 
@@ -398,10 +401,9 @@ def _profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
   on one host device with the Pallas kernels in interpret mode standing in for the target's
   flash kernel (nothing runs; the residuals are the kernel's, not the XLA reference's
   [rows, heads, seq, seq] probabilities); on CPU, on one host device."""
-  import fnscale as fs  # pylint: disable=g-import-not-at-top
   described = hw.devices is not None and hw.kind != "cpu"
   devices = list(hw.devices)[:1] if described else jax.devices()[:1]
-  with jax.set_mesh(fs.make_mesh({"data": 1}, devices=devices)):
+  with jax.set_mesh(make_mesh({"data": 1}, devices=devices)):
     return _cost.profile(params, loss_fn, optimizer, batch,
                          pol.compute_dtype if pol is not None else None,
                          interpret=not described and hw.kind != "cpu")

@@ -49,7 +49,7 @@ from absl import logging
 import jax
 
 from fnscale import _compat
-from fnscale import distributed
+from fnscale import _coordination as _co
 from fnscale.errors import DistributedError
 
 # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM: schedulers (GKE Jobs,
@@ -93,7 +93,7 @@ def _leave(text: str, client=None, pid: int = 0, n: int = 1) -> None:
               f"stopped (frozen, killed, or its host is gone). {text} Fix: look at the log "
               f"of {named} for why it stopped, then restart every process (resume from the "
               "last checkpoint).")
-  distributed._exit_with(DistributedError(text), EXIT_PREEMPTED)  # pylint: disable=protected-access
+  _co.exit_with(DistributedError(text), EXIT_PREEMPTED)
 
 
 def _check_out(client, pid: int, n: int) -> list[int]:
@@ -134,7 +134,7 @@ def _after_notice(g: _Guard, grace_s: float, pid: int, n: int, client) -> None:
   """Ends this process when the notice can't lead to the agreed save: the main thread waits
   at an fnscale barrier, another process gave up, or `grace_s` passed."""
   while not g.closed.wait(_POLL_S):
-    at = distributed._WAIT["at"]  # pylint: disable=protected-access
+    at = _co.WAIT["at"]
     if at is not None and not g.stopping.is_set():
       _leave(f"preemption notice while process {pid} waited at '{at}': the job can't reach "
              "a step to save, so it stops now without saving (resume from the last "
@@ -227,7 +227,7 @@ def check_service() -> None:
     DistributedError: several processes but the service is off (`jax_enable_preemption_service`
       false, e.g. from JAX_ENABLE_PREEMPTION_SERVICE=false in the environment).
   """
-  if distributed._runtime() is None:  # pylint: disable=protected-access
+  if _co.runtime() is None:
     return
   if not _compat.distributed_state().preemption_sync:
     env = os.environ.get("JAX_ENABLE_PREEMPTION_SERVICE")
@@ -275,7 +275,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
                            "sets signal handlers only there); fix: wrap the training loop "
                            "of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
-  rt = distributed._job_runtime("preemption_guard")  # pylint: disable=protected-access
+  rt = _co.job_runtime("preemption_guard")
   check_service()
 
   def should_stop(step: int) -> bool:

@@ -5,28 +5,27 @@
   while-loop trip counts applied, `fnscale.hlo`), plus the warnings XLA's SPMD partitioner
   printed while compiling it (e.g. "[SPMD] Involuntary full rematerialization").
 - `sharding_report`: a table of every leaf's spec and bytes.
-- `fast_compile_options`, `compilation_cache`: XLA / jax compile settings.
+- `fast_compile_options`, `compilation_cache`: XLA / jax compile settings (defined in
+  `fnscale._compiler`, which compiles every program fnscale compiles).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-import hashlib
 import math
-import os
-import sys
-import tempfile
-import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from absl import logging
 import jax
 
-from fnscale import _compat
 from fnscale import _tree
+from fnscale import compile as _compile
 from fnscale import hlo as _hlo
 from fnscale import sharding as _sh
 from fnscale.errors import ShardingError, StepError
 from fnscale.hlo import Collective
+# The compile settings are public here; the warnings reader is reached here by its tests.
+from fnscale._compiler import compilation_cache, fast_compile_options  # noqa: F401
+from fnscale._compiler import compile_lowered, xla_warnings  # noqa: F401
 
 __all__ = ["CompileReport", "compilation_cache", "compile_report", "fast_compile_options",
            "format_report", "sharding_report"]
@@ -93,102 +92,6 @@ class CompileReport(NamedTuple):
 
   def __str__(self) -> str:
     return format_report(self)
-
-
-# ----------------------------------------------------------------------------- compiling
-
-def xla_warnings(text: str) -> tuple[str, ...]:
-  """The warning and error messages in XLA's C++ log output, de-duplicated in order (XLA's
-  notices about JAX's configuration, such as GSPMD's deprecation, left out: they stay on
-  stderr). The partitioner's own warnings read the same under Shardy and GSPMD, though the
-  shardings they quote are written in Shardy's notation under Shardy in jax 0.12."""
-  return tuple(dict.fromkeys(_compat.xla_log_messages(text)))
-
-
-# Warnings by program: jax serves a program compiled before in this process from its cache,
-# and XLA logs nothing the second time.
-_SEEN_WARNINGS: dict[str, tuple[str, ...]] = {}
-
-
-def compile_lowered(lowered, compiler_options: Mapping | None = None
-                    ) -> tuple[Any, float, tuple[str, ...]]:
-  """`lowered.compile(...)`, timed, with what XLA logged to stderr meanwhile captured.
-
-  XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
-  descriptor is pointed at a temporary file during the compile; the text is then written
-  back to stderr (nothing is hidden) and parsed. A program compiled again in the same
-  process (jax's in-memory cache) gets the warnings of its first compile; one loaded from
-  the persistent compilation cache has none.
-
-  Returns:
-    (the `jax.stages.Compiled`, compile seconds, XLA's warning messages).
-  """
-  key = hashlib.sha256((lowered.as_text() + repr(sorted((compiler_options or {}).items())))
-                       .encode()).hexdigest()
-  compiled, seconds, text = _compile_capturing(lowered, compiler_options)
-  warnings = xla_warnings(text)
-  if warnings:
-    _SEEN_WARNINGS[key] = warnings
-  return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ())
-
-
-def _compile_capturing(lowered, compiler_options):
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode="w+b") as tmp:
-    os.dup2(tmp.fileno(), 2)
-    try:
-      t0 = time.perf_counter()
-      compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
-      seconds = time.perf_counter() - t0
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      tmp.seek(0)
-      text = tmp.read().decode("utf-8", "replace")
-      if text:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-  return compiled, seconds, text
-
-
-def fast_compile_options() -> dict[str, Any]:
-  """XLA compile options that turn most backend optimisations off, for quick debug compiles.
-
-  `xla_backend_optimization_level=0` and `xla_llvm_disable_expensive_passes=True` (XLA
-  DebugOptions, accepted by `jax.stages.Lowered.compile(compiler_options=...)`). They cut
-  compile time of large programs roughly in half on the CPU backend; the program runs slower.
-  Not for production steps.
-  """
-  return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def compilation_cache(directory: str, *, min_compile_time_s: float = 0.0,
-                      min_entry_size_bytes: int = 0) -> None:
-  """Turns on JAX's persistent compilation cache in `directory` (a local path or gs://...).
-
-  Sets `jax_compilation_cache_dir`, `jax_persistent_cache_min_compile_time_secs` and
-  `jax_persistent_cache_min_entry_size_bytes` (defaults 0: cache every program, even small
-  ones) and resets jax's cache object so the new directory takes effect. This is jax's own
-  process-wide configuration; in multi-process jobs only process 0 writes entries.
-
-  Raises:
-    StepError: an empty directory, thresholds of the wrong type or negative.
-  """
-  if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-    raise StepError(f"compilation cache directory is {_tree.got(directory)}, expected a "
-                    "non-empty path.")
-  if (isinstance(min_compile_time_s, bool) or not isinstance(min_compile_time_s, (int, float))
-      or min_compile_time_s < 0):
-    raise StepError(f"min_compile_time_s={min_compile_time_s!r}, expected a number >= 0.")
-  _tree.check_int(min_entry_size_bytes, "min_entry_size_bytes", StepError, minimum=0)
-  # pylint: disable-next=g-import-not-at-top
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
-  cc.reset_cache()
 
 
 # ----------------------------------------------------------------------------- the report
@@ -284,7 +187,6 @@ def _options(compiler_options, fast_compile) -> dict:
 
 
 def _report(step, state, batch, *, options, model_flops) -> CompileReport:
-  from fnscale import compile as _compile  # pylint: disable=import-outside-toplevel
   if isinstance(step, _compile.ShardedStep) and options:
     step = _replace_options(step, options)
   if isinstance(step, _compile.ShardedStep):
@@ -380,8 +282,8 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
 
   Args:
     tree: the pytree the shardings are for (arrays or ShapeDtypeStructs).
-    shardings_or_plan: a `ShardPlan` (from `shard_plan`; gives the reason column) or a pytree
-      of NamedSharding (reason inferred: "sharded" or "replicated").
+    shardings_or_plan: a `ShardingLayout` (from `shard_plan`; gives the reason column) or a
+      pytree of NamedSharding (reason inferred: "sharded" or "replicated").
     logical_axes: as in `shardings`, shown in the logical-axes column when the second
       argument is a plain shardings tree.
 
@@ -392,7 +294,7 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
     ShardingError: a plan for another tree, shardings that don't match the tree.
   """
   n = jax.tree_util.tree_structure(tree).num_leaves
-  if isinstance(shardings_or_plan, _sh.ShardPlan):
+  if isinstance(shardings_or_plan, _sh.ShardingLayout):
     plan = shardings_or_plan
     if len(plan.leaves) != n:
       raise ShardingError(

@@ -34,7 +34,7 @@ from fnscale.errors import ShardingError
 # bias or norm scale costs a collective's latency and saves almost no memory.
 DEFAULT_MIN_SHARD_BYTES = 1 << 14
 
-# Why a leaf got its sharding (the `reason` field of `LeafPlan`).
+# Why a leaf got its sharding (the `reason` field of `LeafSharding`).
 RULES = "rules"  # from the user's logical axes and rules
 EXPLICIT = "explicit"  # the user gave a PartitionSpec
 AUTO_FSDP = "auto-fsdp"  # no logical axes; largest divisible dim sharded over fsdp
@@ -44,7 +44,7 @@ NO_FSDP = "replicated:no-fsdp-axis"  # no logical axes; the mesh has no fsdp axi
 SCALAR = "replicated:scalar"  # rank 0
 
 
-class LeafPlan(NamedTuple):
+class LeafSharding(NamedTuple):
   """How one leaf is sharded.
 
   Fields: `path` ('/'-joined keys), `shape`, `dtype`, `logical_axes` (tuple of names, a
@@ -65,14 +65,14 @@ class LeafPlan(NamedTuple):
   note: str = ""
 
 
-class ShardPlan(NamedTuple):
+class ShardingLayout(NamedTuple):
   """The shardings of a pytree and how each was chosen.
 
   `shardings` is a pytree of NamedSharding with the tree's structure; `leaves` the
-  `LeafPlan`s in flattening order; `mesh` the mesh.
+  `LeafSharding`s in flattening order; `mesh` the mesh.
   """
   shardings: Any
-  leaves: tuple[LeafPlan, ...]
+  leaves: tuple[LeafSharding, ...]
   mesh: Any
 
 
@@ -367,7 +367,7 @@ def auto_spec(shape, dtype, sizes, fsdp_axes, min_shard_bytes) -> tuple[Partitio
   return PartitionSpec(*entries), AUTO_FSDP
 
 
-def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> LeafPlan:
+def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> LeafSharding:
   sizes = dict(mesh.shape)
   shape, dtype = _shape_dtype(path, leaf)
   note = ""
@@ -383,8 +383,8 @@ def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> Lea
       reason = SCALAR if not any(spec) else reason
     note = "; ".join(notes)
   sharding = NamedSharding(mesh, spec)
-  return LeafPlan(path, shape, dtype, axes, spec, sharding, _tree.nbytes(shape, dtype),
-                  _tree.nbytes(sharding.shard_shape(shape), dtype), reason, note)
+  return LeafSharding(path, shape, dtype, axes, spec, sharding, _tree.nbytes(shape, dtype),
+                      _tree.nbytes(sharding.shard_shape(shape), dtype), reason, note)
 
 
 def _known_axes() -> frozenset[str]:
@@ -418,8 +418,9 @@ def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_byt
 
 def shard_plan(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
                min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
-               max_replicated_bytes: int | None = None) -> ShardPlan:
-  """Like `shardings`, but also returns how each leaf's sharding was chosen (a `ShardPlan`).
+               max_replicated_bytes: int | None = None) -> ShardingLayout:
+  """Like `shardings`, but also returns how each leaf's sharding was chosen (a
+  `ShardingLayout`).
 
   See `shardings` for the arguments and errors.
   """
@@ -431,11 +432,11 @@ def shard_plan(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       _leaf_plan(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
       for p, (_, leaf), axes in zip(paths, pairs, leaf_axes))
   _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes, max_replicated_bytes)
-  return ShardPlan(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in plans]),
-                   plans, mesh)
+  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in plans]),
+                        plans, mesh)
 
 
-def _why_replicated(lp: LeafPlan, fsdp_size: int) -> str:
+def _why_replicated(lp: LeafSharding, fsdp_size: int) -> str:
   if lp.reason == INDIVISIBLE:
     return f"no dimension divisible by the fsdp size {fsdp_size}"
   if lp.reason == NO_FSDP:
@@ -445,7 +446,7 @@ def _why_replicated(lp: LeafPlan, fsdp_size: int) -> str:
   return lp.note or f"its logical axes {lp.logical_axes} map to no mesh axis"
 
 
-def _suspect(lp: LeafPlan, ruled: set) -> bool:
+def _suspect(lp: LeafSharding, ruled: set) -> bool:
   """Whether a replicated leaf looks like a mistake: automatic FSDP found no divisible dim,
   or no rule names any of its logical names. (A name some rule maps to an axis this mesh
   lacks is rules written for several meshes: a bias over "mlp" -> "tensor" on an fsdp-only
@@ -531,8 +532,8 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
                     max_replicated_bytes=max_replicated_bytes).shardings
 
 
-def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardPlan:
-  """A `ShardPlan` describing given shardings (reason "sharded" or "replicated").
+def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardingLayout:
+  """A `ShardingLayout` describing given shardings (reason "sharded" or "replicated").
 
   Raises:
     ShardingError: shardings that don't match the tree, a non-array leaf.
@@ -547,10 +548,10 @@ def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardPlan:
     spec = s.spec if isinstance(s, NamedSharding) else PartitionSpec()
     gb = _tree.nbytes(shape, dtype)
     db = _tree.nbytes(s.shard_shape(shape), dtype)
-    plans.append(LeafPlan(path, shape, dtype, ax, spec, s, gb, db,
-                          "sharded" if db < gb else "replicated"))
+    plans.append(LeafSharding(path, shape, dtype, ax, spec, s, gb, db,
+                              "sharded" if db < gb else "replicated"))
   mesh = next((s.mesh for s in shs if isinstance(s, NamedSharding)), None)
-  return ShardPlan(jax.tree_util.tree_unflatten(treedef, shs), tuple(plans), mesh)
+  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, shs), tuple(plans), mesh)
 
 
 # ----------------------------------------------------------------------------- batches

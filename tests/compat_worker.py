@@ -83,7 +83,7 @@ def log() -> dict:
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   from fnscale import _compat
-  from fnscale import report
+  from fnscale import _compiler
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sh = lambda *spec: NamedSharding(mesh, P(*spec))
   args = (jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=sh("fsdp", "data")),
@@ -93,7 +93,7 @@ def log() -> dict:
   for name, shardy in (("gspmd", False), ("shardy", True)):
     jax.config.update("jax_use_shardy_partitioner", shardy)
     lowered = jax.jit(lambda t, i, u: t.at[i].add(u)).lower(*args)
-    _, _, text = report._compile_capturing(lowered, None)  # pylint: disable=protected-access
+    _, _, text = _compiler._compile_capturing(lowered, None)  # pylint: disable=protected-access
     out[name] = {"raw": text, "messages": _compat.xla_log_messages(text)}
   return out
 

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
+from fnscale import _agreement
 from fnscale import distributed as fsd
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -332,7 +333,7 @@ def test_disagreement_message_names_process_field_and_both_values():
       4: {"jax": "0.10.2", "--model": "nano", "program": "aa", "state:params/w": "(4, 4) f32",
           "batch:tokens": "(8, 9) int32"},
   }
-  assert fsd._differences(entries) == [
+  assert _agreement.differences(entries) == [
       "process 1 has --model=tiny, process 0 --model=nano",
       "process 1: params/w (8, 4) f32, process 0: (4, 4) f32",
       "process 2 has jax=0.9.0, process 0 jax=0.10.2",
@@ -342,9 +343,9 @@ def test_disagreement_message_names_process_field_and_both_values():
   ]
   many = {0: {f"state:w{i}": "(1,) f32" for i in range(9)},
           1: {f"state:w{i}": "(2,) f32" for i in range(9)}}
-  lines = fsd._differences(many)
+  lines = _agreement.differences(many)
   assert len(lines) == 7 and lines[-1] == "and 3 more differences of process 1"
-  assert fsd._differences({0: entries[0]}) == []
+  assert _agreement.differences({0: entries[0]}) == []
   with pytest.raises(fs.DistributedError, match=r"config=\['model'\], expected a mapping"):
     fs.initialize(num_processes=1, config=["model"])
 

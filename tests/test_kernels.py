@@ -76,7 +76,7 @@ def _relative_error(got, want) -> float:
 
 @pytest.fixture
 def plans(monkeypatch):
-  """The KernelPlans `attention` decides during the test, in order."""
+  """The KernelSelections `attention` decides during the test, in order."""
   real, decided = attention_lib.kernel_plan, []
 
   def recording(*args, **kwargs):

@@ -225,7 +225,7 @@ def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
 
   def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
     fits = cand.accum > 1
-    c = plan_module.Compiled(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
+    c = plan_module.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
                              () if fits else ("memory",))
     return cand._replace(compiled=c, fits=fits)
 
@@ -455,8 +455,8 @@ def test_the_forecast_columns_and_the_token_budget():
 def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   """The compile's step has the row's remat and accumulation, the accumulation mode the
   estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
-  import fnscale  # pylint: disable=g-import-not-at-top
   from fnscale import plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale import step as step_module  # pylint: disable=g-import-not-at-top
   seen = {}
 
   class Stop(Exception):
@@ -466,7 +466,7 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
     seen.update(kw, remat=loss.keywords["remat"])
     raise Stop
 
-  monkeypatch.setattr(fnscale, "train_step", train_step)
+  monkeypatch.setattr(step_module, "train_step", train_step)  # as plan calls it
   cfg = llama.model_config("llama-tiny", 128)
   params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   hw = _targets.resolve("cpu", (1e10, 1e9))

@@ -117,3 +117,85 @@ def test_a_notice_while_the_job_forms_ends_initialize_at_once():
   assert "joined" not in out
   print(f"initialize ended {took:.1f} s after SIGTERM")
   assert took < 10
+
+
+def test_a_notice_during_a_compile_reaches_stderr():
+  """While a compile captures file descriptor 2 (for XLA's warnings), the watcher thread ends
+  the process: fnscale's line, and what XLA had written so far, still reach stderr. The
+  stand-in for XLA writes to fd 2 from below Python, as XLA's C++ logging does, then blocks
+  like a long compile."""
+  p = _python("""
+      import os, signal, time
+      from fnscale import _compiler, preemption
+
+      class Lowered:  # XLA's side of a compile: a C++ log line on fd 2, then a long compile
+        def as_text(self):
+          return "module @m {}"
+        def compile(self, compiler_options=None):
+          os.write(2, b"W0101 00:00:00.000000 1 spmd.cc:1] xla line before the notice\\n")
+          os.kill(os.getpid(), signal.SIGTERM)
+          time.sleep(60)
+
+      with preemption.preemption_guard(grace_s=0.5):
+        _compiler.compile_lowered(Lowered())
+      """)
+  try:
+    out, err = p.communicate(timeout=150)
+  finally:
+    _reap(p)
+  assert p.returncode == preemption.EXIT_PREEMPTED, (out, err[-3000:])
+  assert "xla line before the notice" in err
+  assert re.search(r"fnscale\.errors\.DistributedError: preemption notice 0.5 s ago and process "
+                   r"0 is still reaching the agreed step \(a long compile", err), err[-3000:]
+
+
+def test_another_thread_ending_the_process_during_a_compile_reaches_stderr():
+  """A thread that ends the process with a message (`exit_with`, as a lost peer does) while a
+  compile captures fd 2: the message and XLA's lines so far reach stderr."""
+  p = _python("""
+      import os, sys, threading, time
+      from fnscale import _compiler, _coordination
+      from fnscale.errors import DistributedError
+      started = threading.Event()
+
+      class Lowered:
+        def as_text(self):
+          return "module @m {}"
+        def compile(self, compiler_options=None):
+          os.write(2, b"W0101 00:00:00.000000 1 spmd.cc:1] partitioner warning\\n")
+          started.set()
+          time.sleep(60)
+
+      def leave():
+        started.wait()
+        _coordination.exit_with(DistributedError("lost process 1 of 2: peer gone"), 75)
+      threading.Thread(target=leave, daemon=True).start()
+      _compiler.compile_lowered(Lowered())
+      """)
+  try:
+    out, err = p.communicate(timeout=150)
+  finally:
+    _reap(p)
+  assert p.returncode == 75, (out, err[-3000:])
+  assert "partitioner warning" in err
+  assert "fnscale.errors.DistributedError: lost process 1 of 2: peer gone" in err
+
+
+def test_the_capture_gives_the_descriptor_back_and_reads_xla_lines(capfd):
+  """In a process that goes on, the capture returns XLA's lines, echoes them, and leaves fd 2
+  as it was."""
+  from fnscale import _compiler  # pylint: disable=import-outside-toplevel
+
+  class Lowered:
+    def as_text(self):
+      return "module @capture_test {}"
+
+    def compile(self, compiler_options=None):
+      os.write(2, b"W0101 00:00:00.000000 1 spmd.cc:1] involuntary full remat\n")
+      return "compiled"
+
+  compiled, _, warnings = _compiler.compile_lowered(Lowered())
+  assert (compiled, warnings) == ("compiled", ("involuntary full remat",))
+  _compiler.release_stderr()  # nothing captured now: a no-op
+  os.write(2, b"after\n")
+  assert capfd.readouterr().err.endswith("involuntary full remat\nafter\n")

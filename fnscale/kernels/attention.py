@@ -71,7 +71,7 @@ class KernelChoice(NamedTuple):
   interpret: bool = False
 
 
-class KernelPlan(NamedTuple):
+class KernelSelection(NamedTuple):
   """What `attention` runs for a call, and why.
 
   Attributes:
@@ -160,7 +160,7 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
                 implementation: str = "auto", block_sizes: BlockSizes | None = None,
                 platform: str | None = None, interpret: bool | None = None,
                 mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
-                ) -> KernelPlan:
+                ) -> KernelSelection:
   """Decides which attention implementation serves a call, without running it.
 
   Args:
@@ -190,7 +190,7 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
       their custom calls, and their output types carry no varying axes): "auto" falls back.
 
   Returns:
-    A `KernelPlan`.
+    A `KernelSelection`.
 
   Raises:
     KernelError: bad shapes or arguments, or a forced implementation that can't serve the
@@ -199,7 +199,7 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
   call, requested, note = _describe_call(
       q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
       implementation, block_sizes, platform, interpret, mesh)
-  plan = functools.partial(KernelPlan, requested=requested, interpret=call.interpret,
+  plan = functools.partial(KernelSelection, requested=requested, interpret=call.interpret,
                            platform=call.platform)
   if requested == "xla":
     return plan("xla", reason="the xla reference was requested", fallback=False,
@@ -675,7 +675,7 @@ def _cudnn(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
 _KERNELS = {"splash": _splash, "pallas_gpu": _pallas_gpu, "cudnn": _cudnn}
 
 
-def _sharded(kernel, plan: KernelPlan, q, k, v, q_ids, kv_ids, mesh):
+def _sharded(kernel, plan: KernelSelection, q, k, v, q_ids, kv_ids, mesh):
   """Runs `kernel` per shard: batch over plan.batch_axes, heads over plan.head_axes."""
   batch = plan.batch_axes or None
   heads = plan.head_axes or None
