@@ -98,16 +98,6 @@ def known_targets() -> list[str]:
           "2x v5p-128", "2x v6e-256", "8x h200", "16x h100", "v5p:4x4x4", "cpu"]
 
 
-def grid_for(chips: int, dims: int) -> tuple[int, ...]:
-  """Cloud TPU's slice shape for `chips` chips: doubling the smallest dimension, e.g. 64 ->
-  4x4x4, 128 -> 4x4x8, 4 -> 2x2x1, 32 (2-D) -> 4x8 (the shapes in the Cloud TPU v5p / v6e
-  configuration tables)."""
-  grid = [1] * dims
-  while math.prod(grid) < chips:
-    grid[grid.index(min(grid))] *= 2
-  return tuple(sorted((g for g in grid if g > 1)) + [1] * grid.count(1))
-
-
 def _wrap(generation: str, grid: tuple[int, ...]) -> bool:
   """Wrap-around links: v5p/v4 slices of whole 4x4x4 cubes; v5e/v6e full 16x16 pods."""
   if generation in ("v4", "v5p"):
@@ -118,7 +108,7 @@ def _wrap(generation: str, grid: tuple[int, ...]) -> bool:
 def _tpu(name: str, generation: str, chips: int | None, grid: tuple[int, ...] | None,
          slices: int) -> Hardware:
   facts = _topology.TPU_FACTS[generation]
-  grid = grid or grid_for(chips, facts.torus_dims)
+  grid = grid or _topology.standard_grid(generation, chips)  # the one slice-shape rule
   devices, why = _describe(generation, grid, slices)
   per_slice = len(devices) // slices if devices else math.prod(grid)
   # A megacore chip (v4, v5p) is one JAX device; cores_per_chip devices otherwise.

@@ -1,6 +1,8 @@
 """fnscale.plan: targets, the cost model against hand counts, errors, and a plan verified by
 an ahead-of-time compile for v5p:2x2x2."""
 
+import math
+
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -28,13 +30,23 @@ def test_unknown_target_lists_the_known_ones():
     _targets.resolve(128)
 
 
-@pytest.mark.parametrize("chips,dims,grid", [
-    # Cloud TPU configuration tables: v5p 2x2x1, 2x2x2, 2x4x4, 4x4x4, 4x4x8; v6e 4x8, 16x16.
-    (4, 3, (2, 2, 1)), (8, 3, (2, 2, 2)), (32, 3, (2, 4, 4)), (64, 3, (4, 4, 4)),
-    (128, 3, (4, 4, 8)), (32, 2, (4, 8)), (256, 2, (16, 16)),
+@pytest.mark.parametrize("name,grid", [
+    # Cloud TPU configuration tables: v5p 2x2x1, 2x2x2, 2x4x4, 4x4x4, 4x4x8 (v5p names count
+    # TensorCores, two a chip); v6e 1x1, 2x2, 4x8, 16x16 (chips).
+    ("v5p-8", (2, 2, 1)), ("v5p-16", (2, 2, 2)), ("v5p-64", (2, 4, 4)), ("v5p-128", (4, 4, 4)),
+    ("v5p-256", (4, 4, 8)), ("v6e-1", (1, 1)), ("v6e-4", (2, 2)), ("v6e-32", (4, 8)),
+    ("v6e-256", (16, 16)),
 ])
-def test_slice_shapes_follow_the_cloud_tpu_tables(chips, dims, grid):
-  assert _targets.grid_for(chips, dims) == grid
+def test_slice_shapes_follow_the_cloud_tpu_tables(name, grid):
+  # The planner's targets take their shape from topology.standard_grid, the one rule.
+  assert _targets.resolve(name).chip_grid == grid
+  gen = name.split("-")[0]
+  assert fs.topology.standard_grid(gen, math.prod(grid)) == grid
+
+
+def test_a_slice_no_table_has_is_named():
+  with pytest.raises(fs.TopologyError, match=r"2 v5p chips is not a standard slice"):
+    _targets.resolve("v5p-4")
 
 
 def test_gpu_and_multi_slice_targets():
