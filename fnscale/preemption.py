@@ -201,19 +201,34 @@ def _watch_signal(g: _Guard, grace_s: float, read_fd: int) -> None:
 
 
 @contextlib.contextmanager
-def _signal_pipe(g: _Guard):
-  """A SIGTERM handler that records the notice, and a wake-up pipe that shows it to a
-  thread even while the main thread is inside C++ (compiling, waiting)."""
+def _signal_pipe(g: _Guard, watch: Callable[[int], None], restore_handler: Callable[[], bool]):
+  """A SIGTERM handler that records the notice, and a wake-up pipe that `watch(read_fd)`, in
+  a thread, reads even while the main thread is inside C++ (compiling, waiting). On exit the
+  old handler comes back where `restore_handler()` says so."""
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)
   old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
   old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  watcher = threading.Thread(target=watch, args=(read_fd,), daemon=True)
+  watcher.start()
   try:
-    yield read_fd
+    yield
   finally:
     g.closed.set()
     signal.set_wakeup_fd(old_fd)
-    signal.signal(signal.SIGTERM, old_handler)
+    if restore_handler():
+      signal.signal(signal.SIGTERM, old_handler)
+    _close_after(watcher, read_fd, write_fd)
+
+
+def _close_after(watcher: threading.Thread, read_fd: int, write_fd: int) -> None:
+  """Wakes the watcher, waits for it to end, then closes the pipe. Closed under a watcher
+  still in select(), the descriptor numbers go to the next files opened, and its read takes
+  their first bytes (a metrics file read back with its first line cut)."""
+  with contextlib.suppress(OSError):
+    os.write(write_fd, b"\0")  # not a SIGTERM: the watcher sees `closed` and returns
+  watcher.join(timeout=_POLL_S * 20)
+  if not watcher.is_alive():  # else leave the pipe open: two descriptors, not wrong reads
     os.close(write_fd)
     os.close(read_fd)
 
@@ -301,8 +316,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
       g.closed.set()
       watcher.join(timeout=5)
     return
-  with _signal_pipe(g) as read_fd:
-    threading.Thread(target=_watch_signal, args=(g, grace_s, read_fd), daemon=True).start()
+  with _signal_pipe(g, lambda read_fd: _watch_signal(g, grace_s, read_fd), lambda: True):
     yield should_stop
 
 
@@ -315,12 +329,8 @@ def _sigterm_ends_join(describe: Callable[[], str]):
     yield  # signal handlers can only be set from the main thread
     return
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
-  read_fd, write_fd = os.pipe()
-  os.set_blocking(write_fd, False)
-  old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-  old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
-  def watch():
+  def watch(read_fd):
     while not g.closed.is_set():
       got = _sigterm_in_pipe(read_fd)
       if got is None:
@@ -328,13 +338,5 @@ def _sigterm_ends_join(describe: Callable[[], str]):
       if got and not g.closed.is_set():
         _leave(describe())
 
-  threading.Thread(target=watch, daemon=True).start()
-  try:
+  with _signal_pipe(g, watch, lambda: not _compat.distributed_state().preemption_sync):
     yield
-  finally:
-    g.closed.set()
-    signal.set_wakeup_fd(old_fd)
-    if not _compat.distributed_state().preemption_sync:
-      signal.signal(signal.SIGTERM, old_handler)
-    os.close(write_fd)
-    os.close(read_fd)
