@@ -551,8 +551,8 @@ def save(where, step: int, state, *, extra: Mapping[str, Any] | None = None, dat
   Raises:
     CheckpointError: bad `step`/`keep`/`extra`/`data`/leaf (named); a leaf holds NaN or inf
       (named; the state is not saved); a complete checkpoint already exists for `step` (never
-      overwritten); orbax-checkpoint is missing. Damaged step directories are moved aside to `<step>.corrupt-<time>`
-      first.
+      overwritten); orbax-checkpoint is missing. Damaged step directories are moved aside to
+      `<step>.corrupt-<time>` first.
     StorageError: the write failed, or the previous save of this manager did (not a
       `ValueError`).
   """

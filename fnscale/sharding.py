@@ -229,8 +229,8 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
 
   Raises:
     MeshError: a mesh that isn't one.
-    ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an explicit spec
-      longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
+    ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an
+      explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
       dimensions; a dimension not divisible by its mesh axes.
   """
   _check_mesh(mesh)
@@ -505,7 +505,8 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       against each leaf's '/'-joined path (first match wins; unmatched leaves are automatic).
     fsdp_axis: mesh axis name (or tuple of names) that automatic leaves are sharded over;
       a name that is neither a mesh axis nor one a preset of `fnscale.AxisConventions`
-      (fnscale's, MaxText's, Levanter's) or the ambient conventions know is an error (a typo would replicate every automatic leaf).
+      (fnscale's, MaxText's, Levanter's) or the ambient conventions know is an error (a typo
+      would replicate every automatic leaf).
     min_shard_bytes: automatic leaves smaller than this stay replicated (int >= 0, bytes).
     max_replicated_bytes: every leaf of at least `min_shard_bytes` that ends up whole on
       every device counts against this limit (bytes), whatever made it replicated: no

@@ -274,8 +274,8 @@ def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
   o = s.o
   state, start, extra = h.restore_or_init(ckpt, init, batches, dict(
       seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
-      data.resharded_position, f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
-      f"{s.cfg.vocab})")
+      data.resharded_position, f"--run_dir={o.run_dir} (this run: model {o.model_config}, "
+      f"seq {s.cfg.seq}, vocab {s.cfg.vocab})")
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
         "--run_dir=NEW_DIR or more --steps for another run)")
