@@ -230,8 +230,8 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
   Raises:
     MeshError: a mesh that isn't one.
     ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an
-      explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh axis to two
-      dimensions; a dimension not divisible by its mesh axes.
+      explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh
+      axis to two dimensions; a dimension not divisible by its mesh axes.
   """
   _check_mesh(mesh)
   sizes = dict(mesh.shape)
