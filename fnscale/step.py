@@ -604,8 +604,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     change or became non-finite: update_norm 0 or non-finite; training has stalled if it
     stays 1), "weight" (float32, with `weighted`: the batch's total weight), "aux" (with
     `has_aux`; floating leaves averaged over microbatches and shards, integer leaves summed)
-    and "loss_scale" (float32, when the state has a loss scale). With a dynamic `LossScale` in the state
-    (float16 compute, see `init_state`) a step with non-finite gradients leaves params and
+    and "loss_scale" (float32, when the state has a loss scale). With a dynamic `LossScale` in
+    the state (float16 compute, see `init_state`) a step with non-finite gradients leaves params and
     optimizer state unchanged and lowers the scale. Inside `jax.shard_map` over data axes
     (`shard_step(mode="shard_map")`) the step runs per shard and `pmean`s gradients,
     loss and aux over those axes.
