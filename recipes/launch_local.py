@@ -173,19 +173,32 @@ def _define_flags(fv: flags.FlagValues) -> None:
                      flag_values=fv)
 
 
-def main(argv: list[str]) -> int:
-  """`launch_local.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
+def launcher_flags(argv: list[str], define_flags, doc: str):
+  """A launcher's command line: `(flag values, the command after "--")`, or None after
+  printing `doc` and the flags for `--help` (asked before the "--").
+
+  Raises:
+    absl.flags.Error: an unknown or malformed flag.
+  """
   fv = flags.FlagValues()
-  _define_flags(fv)
+  define_flags(fv)
   ours = list(argv[1:argv.index("--")] if "--" in argv else argv[1:])
   if any(a in ("-h", "--help", "-help", "--helpfull") for a in ours):
-    print(__doc__.strip() + "\n\nflags:\n" + fv.get_help(include_special_flags=False))
-    return 0
+    print(doc.strip() + "\n\nflags:\n" + fv.get_help(include_special_flags=False))
+    return None
+  return fv, fv(list(argv))[1:]
+
+
+def main(argv: list[str]) -> int:
+  """`launch_local.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
   try:
-    rest = fv(list(argv))[1:]
+    parsed = launcher_flags(argv, _define_flags, __doc__)
   except flags.Error as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if parsed is None:
+    return 0
+  fv, rest = parsed
   if not rest:
     print("error: no command; usage: launch_local.py --num_processes=2 "
           "--devices_per_process=4 -- recipes/train_lm.py [flags]", file=sys.stderr)

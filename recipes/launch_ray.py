@@ -674,14 +674,11 @@ def _hosts(fv: flags.FlagValues) -> Hosts:
 
 def main(argv: list[str]) -> int:
   """`launch_ray.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
-  fv = flags.FlagValues()
-  _define_flags(fv)
-  ours = list(argv[1:argv.index("--")] if "--" in argv else argv[1:])
-  if any(a in ("-h", "--help", "-help", "--helpfull") for a in ours):
-    print(__doc__.strip() + "\n\nflags:\n" + fv.get_help(include_special_flags=False))
-    return 0
   try:
-    rest = fv(list(argv))[1:]
+    parsed = launch_local.launcher_flags(argv, _define_flags, __doc__)
+    if parsed is None:
+      return 0
+    fv, rest = parsed
     if not rest:
       raise ValueError("launch_ray: no command; usage: launch_ray.py --address=auto "
                        "--hosts=4 -- recipes/train_lm.py [flags]")
