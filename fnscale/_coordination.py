@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -99,6 +100,23 @@ def where_others(client, pid: int, n: int, name: str) -> list[str]:
     else:
       out.append(f"process {p} has not arrived (no fnscale wait heard from it yet)")
   return out
+
+
+def notice_given(client, timeout_s: float = 1.0) -> bool:
+  """Whether JAX's preemption sync manager published a notice (a SIGTERM to any process of
+  the job). Bounded: the coordinator may be the frozen process, so the read runs in a helper
+  thread and no answer within `timeout_s` counts as no notice."""
+  got: list[bool] = []
+
+  def read():
+    with contextlib.suppress(Exception):  # NOT_FOUND: no notice
+      client.key_value_try_get(_compat.PREEMPTION_NOTICE_KEY)
+      got.append(True)
+
+  helper = threading.Thread(target=read, daemon=True)
+  helper.start()
+  helper.join(timeout_s)
+  return bool(got)
 
 
 # (processes that arrived, ids of those that didn't) from a barrier's timeout error text.

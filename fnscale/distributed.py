@@ -738,8 +738,9 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   blocks on the dead process instead of failing (jax 0.12's gloo, NCCL) is covered by a
   helper thread (`fnscale._liveness`): every process inside `peer_guard` shows signs of life
   in the coordination service, and one silent for `timeout_s` seconds ends the others with
-  the same error on stderr and status 75 (`EXIT_JOB_FAILED`). In one process it does
-  nothing.
+  the same error on stderr and status 75 (`EXIT_JOB_FAILED`), or 143
+  (`fnscale.preemption.EXIT_PREEMPTED`) once a preemption notice came to any process (the
+  lost process is then most likely preempted too). In one process it does nothing.
 
   Keep `timeout_s` below `initialize`'s `heartbeat_timeout_s`: once the coordination service
   notices the missing heartbeats, JAX ends every process at once from C++ (see the module
@@ -756,12 +757,17 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   rt = _co.job_runtime("peer_guard")
 
   def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
+    # After a preemption notice a lost peer is most likely that preemption: the job was
+    # preempted (status 143, "restart me"), not broken.
+    preempted = _co.notice_given(rt[0])
     _co.exit_with(DistributedError(
         f"lost {_processes(missing)} of {rt[2]}: {_processes(missing)} gave no sign of life "
-        f"for {timeout_s} s while process {rt[1]} ran inside peer_guard (a collective waiting "
+        f"for {timeout_s} s while process {rt[1]} ran inside peer_guard"
+        f"{' after a preemption notice' if preempted else ''} (a collective waiting "
         "for a lost process blocks instead of failing), so process "
         f"{rt[1]} stops now, before JAX's coordination service would abort it."
-        + _LOST_FIX.format(named=_processes(missing))))
+        + _LOST_FIX.format(named=_processes(missing))),
+        preemption.EXIT_PREEMPTED if preempted else EXIT_JOB_FAILED)
 
   try:
     with _liveness.watch(*rt[:2], timeout_s, silent) if rt else contextlib.nullcontext():

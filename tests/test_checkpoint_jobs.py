@@ -44,8 +44,9 @@ def _reference(steps: int):
 
 def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_path):
   """Every save's commit takes 9 s more (3 s before each of its three renames: slow storage):
-  SIGTERM to process 1 right after step 2's save began. The agreed step's save waits for step 2's commit, is committed itself, and both
-  processes exit 143 within grace_s; both steps restore, the agreed one equal to 1 x 8."""
+  SIGTERM to process 1 right after step 2's save began. The agreed step's save waits for the
+  save in flight, is committed itself, and both processes exit 143 within grace_s; every
+  saved step restores, equal to 1 x 8."""
   out, grace_s = tmp_path / "job", 40
   args = [WORKER, f"--out={out}", "--steps=8", "--ckpt_every=2", "--slow_commit_s=3",
           "--slow_after=0", "--sleep_s=0.2", f"--grace_s={grace_s}"]
@@ -65,9 +66,12 @@ def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_p
   stop = stops[0][0]
   final = [e for e in events[0] if e["event"] == "checkpoint" and e["step"] == stop]
   assert final and final[0]["previous_in_flight"], mp.describe(results)  # step 2 still writing
-  assert 2 < stop < 8 and checkpoint.steps(out / "ckpt")[-2:] == (2, stop)
+  # The notice may reach the loop a few steps later on a loaded machine (step 4 saved too):
+  # the saves are every ckpt_every steps then the agreed step, the newest 3 kept (keep=3).
+  saved = checkpoint.steps(out / "ckpt")
+  assert 2 < stop < 8 and saved == ((*range(2, stop, 2), stop)[-3:]), (saved, stop)
   params, target = _reference(stop)
-  for step in (2, stop):
+  for step in saved:
     state, extra = checkpoint.restore(out / "ckpt", target, step=step)
     assert extra == {"step": step} and int(state.step) == step
     got = mp_worker.gathered_params(state.params)
