@@ -398,17 +398,11 @@ def latest_step(where) -> int | None:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
   """
-  ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
-  if ckpt is None:
-    return None
-  try:
-    for s in reversed(_listed(ckpt)):
-      if _problem(ckpt, s) is None and _step_meta(ckpt.orbax, s).get("finite") is not False:
-        return s
-    return None
-  finally:
-    if opened:
-      ckpt.orbax.close()
+  def usable(ckpt, s):
+    complete = _problem(ckpt, s) is None
+    return s if complete and _step_meta(ckpt.orbax, s).get("finite") is not False else None
+
+  return _newest(where, usable)
 
 
 def last_save_seconds(where) -> tuple[int, float] | None:
@@ -419,15 +413,24 @@ def last_save_seconds(where) -> tuple[int, float] | None:
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
   """
+  def save_seconds(ckpt, s):
+    meta = ckpt.orbax.metadata(s)
+    if meta.init_timestamp_nsecs and meta.commit_timestamp_nsecs:
+      return s, (meta.commit_timestamp_nsecs - meta.init_timestamp_nsecs) / 1e9
+    return None
+
+  return _newest(where, save_seconds)
+
+
+def _newest(where, pick):
+  """The first `pick(ckpt, step)` that is not None over the listed steps of `where`, newest
+  first; None when there is none (or no directory). Opens orbax's manager process-locally."""
   ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
   if ckpt is None:
     return None
   try:
-    for s in reversed(_listed(ckpt)):
-      meta = ckpt.orbax.metadata(s)
-      if meta.init_timestamp_nsecs and meta.commit_timestamp_nsecs:
-        return s, (meta.commit_timestamp_nsecs - meta.init_timestamp_nsecs) / 1e9
-    return None
+    return next((r for r in (pick(ckpt, s) for s in reversed(_listed(ckpt))) if r is not None),
+                None)
   finally:
     if opened:
       ckpt.orbax.close()

@@ -1,5 +1,6 @@
 """Simulated devices must be set before jax initialises its backend."""
 import os
+import pathlib
 
 # Compiling dominates the suite's time: XLA's CPU backend without its LLVM optimisations
 # compiles about twice as fast (fnscale.report.fast_compile_options, here for every program
@@ -65,6 +66,21 @@ def hlo_read_in_full(request):
            for name, u in unread]
   found = [f"{name}: {u}" for name, u in found if isinstance(u, str) or u.count]
   assert not found, "HLO the reader could not read:\n" + "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request):
+  """A module's working directory with a small text corpus (`corpus.txt`: the first stdlib
+  files, ~300 KB) for recipe runs, which also put their shared compile cache there."""
+  from recipes import data  # pylint: disable=import-outside-toplevel
+  d = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+  text = bytearray()
+  for f in data.corpus_files(None):
+    text += pathlib.Path(f).read_bytes()
+    if len(text) > 300_000:
+      break
+  (d / "corpus.txt").write_bytes(bytes(text))
+  return d
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ import pytest
 
 import fnscale as fs
 
-from recipes import data
 from recipes import launch_ray
 from recipes import ray_cluster
 from recipes import train_lm
@@ -118,19 +117,6 @@ def cluster():
     pytest.skip("Ray is not installed: pip install -e '.[ray]'")
   with ray_cluster.local_cluster(2) as address:
     yield address
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-  """A small text corpus (the first stdlib files, ~300 KB) and a shared compile cache."""
-  d = tmp_path_factory.mktemp("launch_ray")
-  text = bytearray()
-  for f in data.corpus_files(None):
-    text += pathlib.Path(f).read_bytes()
-    if len(text) > 300_000:
-      break
-  (d / "corpus.txt").write_bytes(bytes(text))
-  return d
 
 
 def _options(work, run_dir):

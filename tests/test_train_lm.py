@@ -38,19 +38,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-  """A small text corpus (the first stdlib files, ~300 KB) and a shared compile cache."""
-  d = tmp_path_factory.mktemp("train_lm")
-  text = bytearray()
-  for f in data.corpus_files(None):
-    text += pathlib.Path(f).read_bytes()
-    if len(text) > 300_000:
-      break
-  (d / "corpus.txt").write_bytes(bytes(text))
-  return d
-
-
 def _argv(work, run_dir, *extra):
   return ["train_lm", "--model_config=nano", "--mesh=data=-1,fsdp=2", "--seq=32",
           "--global_batch=16",
@@ -570,7 +557,7 @@ def test_no_good_checkpoint_is_an_error(work, capsys):
   assert err[-1].startswith(f"error: --run_dir={run_dir} (this run: model nano, seq 32, vocab "
                             f"256) can't resume from the checkpoints already in {run_dir}")
   assert "no usable checkpoint" in err[-1] and "step 3" in err[-1]
-  assert f"--run_dir=NEW_DIR" in err[-1] and f"remove {run_dir / 'checkpoints'}" in err[-1]
+  assert "--run_dir=NEW_DIR" in err[-1] and f"remove {run_dir / 'checkpoints'}" in err[-1]
   assert "Traceback" not in "\n".join(err)
   assert os.listdir(run_dir / "checkpoints" / "3") == []  # untouched
 
@@ -697,7 +684,7 @@ def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work
   r0 = results[0]
   print(f"{point}: process 0 exited {took:.1f} s after the notice (grace_s {grace_s})")
   assert r0.returncode == 143, mp.describe(results)
-  assert took < min(grace_s, PEER_CHECK_S) + 5, mp.describe(results)
+  assert took < min(grace_s, PEER_CHECK_S) + 8, mp.describe(results)
   if grace_s > PEER_CHECK_S:  # peer_guard's check ended it
     assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: process 1 gave "
                      rf"no sign of life for {PEER_CHECK_S} s while process 0 ran inside "
