@@ -54,7 +54,8 @@ from fnscale import checkpoint
 from fnscale import compile as _compile
 from fnscale import preemption
 from fnscale._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
-from fnscale.errors import DistributedError, FnscaleError, ShardingError
+from fnscale.errors import DistributedArgumentError, DistributedError, FnscaleError
+from fnscale.errors import ShardingError
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
 from fnscale._tree import path_str
@@ -166,8 +167,8 @@ def _from_env(coordinator_address, num_processes, process_id):
     try:
       return int(os.environ[name])
     except ValueError:
-      raise DistributedError(f"{name}={os.environ[name]!r} is not an integer; fix: set it to "
-                             "a whole number or unset it.") from None
+      raise DistributedArgumentError(f"{name}={os.environ[name]!r} is not an integer; fix: set "
+                                     "it to a whole number or unset it.") from None
   if coordinator_address is None:
     coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
   return (coordinator_address, env_int("JAX_NUM_PROCESSES", num_processes),
@@ -194,24 +195,25 @@ def _plain_int(value):
 
 def _check_args(coordinator_address, num_processes, process_id, timeouts) -> None:
   if num_processes is not None and (not isinstance(num_processes, int) or num_processes < 1):
-    raise DistributedError(
+    raise DistributedArgumentError(
         f"num_processes={num_processes!r}, expected a positive int; fix: pass the number of "
         "processes in the job.")
   if process_id is not None:
     if isinstance(process_id, bool) or not isinstance(process_id, int) or process_id < 0 or (
         num_processes is not None and process_id >= num_processes):
-      raise DistributedError(
+      raise DistributedArgumentError(
           f"process_id={process_id!r}, expected an int in [0, {num_processes}); fix: number "
           "the processes 0..num_processes-1, one id each.")
   if coordinator_address is not None:
     host, sep, port = str(coordinator_address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise DistributedError(
+      raise DistributedArgumentError(
           f"coordinator_address={coordinator_address!r}, expected 'host:port' (e.g. "
           "'10.0.0.1:1234'); fix: give process 0's address and a free port.")
   for name, value in timeouts.items():
     if not isinstance(value, (int, float)) or value <= 0:
-      raise DistributedError(f"{name}={value!r}, expected a positive number of seconds.")
+      raise DistributedArgumentError(
+          f"{name}={value!r}, expected a positive number of seconds.")
 
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> float | None:
@@ -345,7 +347,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     A `DistributedInfo`.
 
   Raises:
-    DistributedError: bad arguments; already initialised with different arguments; called
+    DistributedArgumentError: a malformed `num_processes`, `process_id` or
+      `coordinator_address` (given or read from the `JAX_*` variables), a timeout that isn't a
+      positive number of seconds, or a `config` that isn't a mapping of str names.
+    DistributedError: already initialised with different arguments; called
       after jax initialised its backend; the job couldn't form within `timeout_s` (the
       message names the expected process count, the coordinator and the fix; JAX 0.10.2
       can't tell which processes are missing before all joined); a `process_id` given to
@@ -423,13 +428,15 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   A no-op in a single process. Uses the distributed runtime's bounded `wait_at_barrier`.
 
   Raises:
-    DistributedError: a bad name or timeout; not every process arrived in time; or several
-      processes without JAX's coordination service (`fnscale.initialize` was not called).
+    DistributedArgumentError: an empty or non-str name, or a timeout that isn't positive.
+    DistributedError: not every process arrived in time; or several processes without JAX's
+      coordination service (`fnscale.initialize` was not called).
   """
   if not isinstance(name, str) or not name:
-    raise DistributedError(f"barrier name {name!r}, expected a non-empty string.")
+    raise DistributedArgumentError(f"barrier name {name!r}, expected a non-empty string.")
   if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-    raise DistributedError(f"barrier timeout_s={timeout_s!r}, expected a positive number.")
+    raise DistributedArgumentError(
+        f"barrier timeout_s={timeout_s!r}, expected a positive number.")
   if _co.job_runtime(f"barrier({name!r})") is None:
     logging.debug("barrier %s: single process", name)
     return
@@ -471,14 +478,15 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     timeout_s: seconds to wait for every process's fingerprint.
 
   Raises:
-    DistributedError: `compiled` is no CompiledStep; within moments of the first differing
-      fingerprint, on every process, naming the processes and what differs ("process 1:
-      params/w (64, 64) float32, process 0: (32, 32) float32"); a process that didn't
-      arrive in `timeout_s` (where it last was and whether its heartbeats still come); or
-      several processes without JAX's coordination service (`fnscale.initialize`).
+    DistributedArgumentError: `compiled` is no CompiledStep.
+    DistributedError: within moments of the first differing fingerprint, on every process,
+      naming the processes and what differs ("process 1: params/w (64, 64) float32, process
+      0: (32, 32) float32"); a process that didn't arrive in `timeout_s` (where it last was
+      and whether its heartbeats still come); or several processes without JAX's
+      coordination service (`fnscale.initialize`).
   """
   if not isinstance(compiled, _compile.CompiledStep):
-    raise DistributedError(
+    raise DistributedArgumentError(
         f"agree_on_step(compiled={type(compiled).__name__}): expected the CompiledStep that "
         "shard_step(...).compile(state, batch) returns; fix: step = step.compile(state, "
         "batch), then fnscale.distributed.agree_on_step(step) on every process.")
@@ -654,7 +662,7 @@ def _check_config(config) -> dict[str, str]:
   if config is None:
     return {}
   if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
-    raise DistributedError(
+    raise DistributedArgumentError(
         f"config={config!r:.200}, expected a mapping of str names to values (e.g. a recipe's "
         "flags); fix: pass dict(flag=value, ...) or None.")
   return {f"--{k}": str(v) for k, v in config.items()}
@@ -747,13 +755,15 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   docstring), before this check can report.
 
   Raises:
-    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error;
-      a timeout that isn't a positive number; or, on entry, several processes without
-      JAX's coordination service (`fnscale.initialize` was not called).
+    DistributedArgumentError: a timeout that isn't a positive number.
+    DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error; or,
+      on entry, several processes without JAX's coordination service (`fnscale.initialize`
+      was not called).
   """
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-    raise DistributedError(f"peer_guard timeout_s={timeout_s!r}, expected a positive number "
-                           "of seconds below initialize's heartbeat_timeout_s.")
+    raise DistributedArgumentError(
+        f"peer_guard timeout_s={timeout_s!r}, expected a positive number of seconds below "
+        "initialize's heartbeat_timeout_s.")
   rt = _co.job_runtime("peer_guard")
 
   def silent(missing):  # from the watcher thread: the main thread may be blocked in C++
