@@ -7,6 +7,7 @@ Tools around the pipeline are submodules: `fnscale.hlo`, `fnscale.flops`,
 from fnscale.errors import (
     CheckpointError,
     CloudError,
+    DistributedArgumentError,
     DistributedError,
     FnscaleError,
     InputError,
@@ -36,8 +37,9 @@ from fnscale import adapters, checkpoint, cloud, flops, hlo, invariance
 
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
-    "CheckpointError", "CloudError", "DistributedError", "KernelError", "MeshError",
-    "PlanError", "ShardingError", "StepError", "StorageError", "TopologyError",
+    "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
+    "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
+    "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",
     "FNSCALE_AXES", "LEVANTER_AXES", "MAXTEXT_AXES",

@@ -55,6 +55,12 @@ class PlanError(InputError):
   """The planner can't serve the request (nothing fits, a bad target or argument)."""
 
 
+class DistributedArgumentError(InputError):
+  """A malformed argument to a multi-process call: a process id, process count or
+  coordinator address (given or read from `JAX_*` variables), a timeout, a config, a barrier
+  name or a step that isn't compiled. Not a `DistributedError`: nothing was tried yet."""
+
+
 class DistributedError(RuntimeFailure):
   """Multi-process initialisation or a cross-process wait failed (a peer lost or late)."""
 

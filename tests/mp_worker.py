@@ -151,10 +151,10 @@ def gathered_params(params):
 
 def _fake_version(spec: str) -> None:
   """Makes this process report another version of one package (`NAME=VERSION`)."""
-  from fnscale import distributed
+  from fnscale import _agreement  # where the start-up check reads the versions
   name, _, version = spec.partition("=")
-  real = distributed._versions  # pylint: disable=protected-access
-  distributed._versions = lambda: {**real(), name: version}  # pylint: disable=protected-access
+  real = _agreement._versions  # pylint: disable=protected-access
+  _agreement._versions = lambda: {**real(), name: version}  # pylint: disable=protected-access
 
 
 def _join(args):

@@ -71,13 +71,18 @@ def test_launcher_detection(clean_env):
 
 
 def test_initialize_bad_arguments(clean_env):
-  with pytest.raises(fs.DistributedError, match=r"process_id=2, expected an int in \[0, 2\)"):
-    fs.initialize("127.0.0.1:1234", 2, 2)
-  with pytest.raises(fs.DistributedError, match=r"num_processes=0, expected a positive int"):
-    fs.initialize("127.0.0.1:1234", 0, 0)
-  with pytest.raises(fs.DistributedError, match=r"coordinator_address='localhost', expected"):
-    fs.initialize("localhost", 2, 0)
-  with pytest.raises(fs.DistributedError, match=r"timeout_s=0, expected a positive number"):
+  """Bad arguments are bad input (an InputError, a ValueError), not a failed job."""
+  calls = {
+      r"process_id=2, expected an int in \[0, 2\)": ("127.0.0.1:1234", 2, 2),
+      r"num_processes=0, expected a positive int": ("127.0.0.1:1234", 0, 0),
+      r"coordinator_address='localhost', expected": ("localhost", 2, 0),
+  }
+  for match, args in calls.items():
+    with pytest.raises(fs.DistributedArgumentError, match=match) as e:
+      fs.initialize(*args)
+    assert isinstance(e.value, (fs.InputError, ValueError)), match
+    assert not isinstance(e.value, (fs.DistributedError, fs.RuntimeFailure)), match
+  with pytest.raises(fs.DistributedArgumentError, match=r"timeout_s=0, expected a positive"):
     fs.initialize("127.0.0.1:1234", 2, 0, timeout_s=0)
 
 
@@ -85,10 +90,11 @@ def test_numpy_integer_ids_are_the_ints_they_are(clean_env):
   info = fs.initialize(None, np.int32(1), np.int64(0))
   assert info == fs.distributed.DistributedInfo(0, 1, None, False)
   assert type(info.process_id) is int and type(info.num_processes) is int
-  with pytest.raises(fs.DistributedError, match=r"process_id=2, expected an int in \[0, 2\)"):
+  with pytest.raises(fs.DistributedArgumentError,
+                     match=r"process_id=2, expected an int in \[0, 2\)"):
     fs.initialize("127.0.0.1:1234", np.int64(2), np.int64(2))
   for bad in (True, np.bool_(False), 1.0):
-    with pytest.raises(fs.DistributedError, match=r"process_id=.*expected an int"):
+    with pytest.raises(fs.DistributedArgumentError, match=r"process_id=.*expected an int"):
       fs.initialize("127.0.0.1:1234", 2, bad)
 
 
@@ -108,10 +114,13 @@ def test_initialize_after_backend_is_a_clear_error(clean_env):
 
 def test_barrier_single_process():
   fs.barrier("one")  # returns at once
-  with pytest.raises(fs.DistributedError, match=r"barrier name '', expected a non-empty"):
+  with pytest.raises(fs.DistributedArgumentError, match=r"barrier name '', expected a non-"):
     fs.barrier("")
-  with pytest.raises(fs.DistributedError, match=r"barrier timeout_s=-1, expected a positive"):
+  with pytest.raises(fs.DistributedArgumentError, match=r"barrier timeout_s=-1, expected a "):
     fs.barrier("x", timeout_s=-1)
+  with pytest.raises(fs.DistributedArgumentError, match=r"peer_guard timeout_s=0, expected a "):
+    with fs.distributed.peer_guard(timeout_s=0):
+      pass
 
 
 def test_global_batch_single_process(mesh):
@@ -193,7 +202,7 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
 
 def test_agree_on_step_wants_the_compiled_step(mesh):
   sharded = fs.shard_step(lambda s, b: (s, {}), mesh)
-  with pytest.raises(fs.DistributedError, match=r"agree_on_step\(compiled=ShardedStep\): "
+  with pytest.raises(fs.DistributedArgumentError, match=r"agree_on_step\(compiled=ShardedStep\): "
                      r"expected the CompiledStep .*fix: step = step.compile\(state, batch\)"):
     fs.distributed.agree_on_step(sharded)
 
@@ -306,7 +315,8 @@ def test_initialize_reads_launcher_variables(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
   assert fs.initialize() == fs.distributed.DistributedInfo(0, 1, None, False)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
-  with pytest.raises(fs.DistributedError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+  with pytest.raises(fs.DistributedArgumentError,
+                     match="JAX_NUM_PROCESSES='two' is not an integer"):
     fs.initialize()
 
 
@@ -346,7 +356,7 @@ def test_disagreement_message_names_process_field_and_both_values():
   lines = _agreement.differences(many)
   assert len(lines) == 7 and lines[-1] == "and 3 more differences of process 1"
   assert _agreement.differences({0: entries[0]}) == []
-  with pytest.raises(fs.DistributedError, match=r"config=\['model'\], expected a mapping"):
+  with pytest.raises(fs.DistributedArgumentError, match=r"config=\['model'\], expected a mapping"):
     fs.initialize(num_processes=1, config=["model"])
 
 

@@ -9,7 +9,7 @@ from fnscale import errors
 from fnscale import plan as fplan
 
 INPUT = ("TopologyError", "MeshError", "ShardingError", "StepError", "KernelError",
-         "CheckpointError", "PlanError")
+         "CheckpointError", "PlanError", "DistributedArgumentError")
 RUNTIME = ("DistributedError", "CloudError", "StorageError")
 
 
