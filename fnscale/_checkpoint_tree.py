@@ -7,7 +7,6 @@ and rebuilt from the target's own structure on restore.
 """
 import json
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import numpy as np

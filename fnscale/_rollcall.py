@@ -30,7 +30,7 @@ import time
 
 from absl import logging
 
-from fnscale.errors import DistributedError
+from fnscale.errors import DistributedArgumentError, DistributedError
 
 ENV_PORT = "FNSCALE_ROLLCALL_PORT"
 ROLL_WAIT_S = 10.0  # process 0's wait for the whole roll before joining anyway
@@ -46,8 +46,9 @@ def _port(coordinator_address: str) -> int | None:
     return None
   if setting:
     if not setting.isdigit() or not 0 < int(setting) < 65536:
-      raise DistributedError(f"{ENV_PORT}={setting!r}, expected a TCP port in [1, 65535] or "
-                             "'off'; fix: set the same value on every process, or unset it.")
+      raise DistributedArgumentError(
+          f"{ENV_PORT}={setting!r}, expected a TCP port in [1, 65535] or 'off'; fix: set the "
+          "same value on every process, or unset it.")
     return int(setting)
   port = int(coordinator_address.rpartition(":")[2]) + 1
   return port if port < 65536 else None

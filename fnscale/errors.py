@@ -57,8 +57,10 @@ class PlanError(InputError):
 
 class DistributedArgumentError(InputError):
   """A malformed argument to a multi-process call: a process id, process count or
-  coordinator address (given or read from `JAX_*` variables), a timeout, a config, a barrier
-  name or a step that isn't compiled. Not a `DistributedError`: nothing was tried yet."""
+  coordinator address (given or read from `JAX_*` variables, or the roll call's
+  `FNSCALE_ROLLCALL_PORT`), a timeout or grace period, a config, a barrier name, a step that
+  isn't compiled or isn't an int, or `preemption_guard` entered outside the main thread. Not
+  a `DistributedError`: nothing was tried yet."""
 
 
 class DistributedError(RuntimeFailure):

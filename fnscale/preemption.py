@@ -50,7 +50,7 @@ import jax
 
 from fnscale import _compat
 from fnscale import _coordination as _co
-from fnscale.errors import DistributedError
+from fnscale.errors import DistributedArgumentError, DistributedError
 
 # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM: schedulers (GKE Jobs,
 # SLURM --requeue, a restart loop) treat it as "preempted", not "finished".
@@ -278,25 +278,27 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
     `should_stop(step: int) -> bool`.
 
   Raises:
-    DistributedError: `grace_s` not a positive number; several processes but JAX's
-      coordination service is not up (`fnscale.initialize` was not called) or its
-      preemption service is off (`jax_enable_preemption_service`); a step that is not an int.
+    DistributedArgumentError: `grace_s` not a positive number; entered outside the main
+      thread; a step that is not an int.
+    DistributedError: several processes but JAX's coordination service is not up
+      (`fnscale.initialize` was not called) or its preemption service is off
+      (`jax_enable_preemption_service`).
   """
   if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
-    raise DistributedError(f"preemption_guard grace_s={grace_s!r}, expected a positive "
-                           "number of seconds below the platform's notice (about 30 s).")
+    raise DistributedArgumentError(f"preemption_guard grace_s={grace_s!r}, expected a positive "
+                                   "number of seconds below the platform's notice (about 30 s).")
   if threading.current_thread() is not threading.main_thread():
-    raise DistributedError("preemption_guard must be entered in the main thread (Python "
-                           "sets signal handlers only there); fix: wrap the training loop "
-                           "of the main thread.")
+    raise DistributedArgumentError("preemption_guard must be entered in the main thread "
+                                   "(Python sets signal handlers only there); fix: wrap the "
+                                   "training loop of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
   rt = _co.job_runtime("preemption_guard")
   check_service()
 
   def should_stop(step: int) -> bool:
     if isinstance(step, bool) or not isinstance(step, int):
-      raise DistributedError(f"should_stop(step={step!r}): expected the int index of the "
-                             "step just done, the same on every process.")
+      raise DistributedArgumentError(f"should_stop(step={step!r}): expected the int index of "
+                                     "the step just done, the same on every process.")
     stop = _sync_point(step) if rt is not None else g.notice.is_set()
     if stop and not g.stopping.is_set():
       g.stopping.set()

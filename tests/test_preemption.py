@@ -52,12 +52,28 @@ def test_sigterm_makes_should_stop_true_and_the_handler_comes_back():
 
 
 def test_bad_arguments_are_named():
-  with pytest.raises(fs.DistributedError, match=r"grace_s=0, expected a positive number"):
+  with pytest.raises(fs.DistributedArgumentError,
+                     match=r"grace_s=0, expected a positive number"):
     with preemption.preemption_guard(grace_s=0):
       pass
   with preemption.preemption_guard() as should_stop:
-    with pytest.raises(fs.DistributedError, match=r"should_stop\(step='3'\): expected the int"):
+    with pytest.raises(fs.DistributedArgumentError,
+                       match=r"should_stop\(step='3'\): expected the int"):
       should_stop("3")
+  raised = []
+
+  def enter():  # Python sets signal handlers only in the main thread
+    try:
+      with preemption.preemption_guard():
+        pass
+    except fs.FnscaleError as e:
+      raised.append(e)
+
+  worker = threading.Thread(target=enter)
+  worker.start()
+  worker.join()
+  assert (len(raised) == 1 and isinstance(raised[0], fs.InputError)
+          and "must be entered in the main thread" in str(raised[0])), raised
 
 
 def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():

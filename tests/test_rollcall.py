@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from fnscale import _rollcall  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fnscale.errors import DistributedError  # pylint: disable=wrong-import-position
+from fnscale.errors import DistributedArgumentError, DistributedError  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.multiprocess
 
@@ -73,7 +73,7 @@ def test_roll_call_switched_off_is_skipped(monkeypatch):
 
 def test_a_bad_port_setting_is_named(monkeypatch):
   monkeypatch.setenv(_rollcall.ENV_PORT, "70000")
-  with pytest.raises(DistributedError, match=r"FNSCALE_ROLLCALL_PORT='70000'"):
+  with pytest.raises(DistributedArgumentError, match=r"FNSCALE_ROLLCALL_PORT='70000'"):
     _rollcall.check("127.0.0.1:1234", 2, 1, 5)
 
 
