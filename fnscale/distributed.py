@@ -274,6 +274,38 @@ def _join(coordinator_address, num_processes, process_id, where, timeout_s, aske
   return info
 
 
+def _already_joined(coordinator_address, num_processes, process_id) -> DistributedInfo:
+  """The running job's info when it matches what is asked (None asks nothing)."""
+  info = _state_info()
+  asked = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  have = info._asdict()
+  diff = {k: v for k, v in asked.items() if v is not None and v != have[k]}
+  if diff:
+    raise DistributedError(
+        f"jax.distributed is already initialised as process {info.process_id} of "
+        f"{info.num_processes} (coordinator {info.coordinator_address}), but now asked for "
+        f"{diff}; fix: call fnscale.initialize once per process with the same arguments.")
+  logging.info("fnscale.initialize: already initialised (%s)", info)
+  return info
+
+
+def _reach_coordinator(address, num_processes, process_id, where, timeout_s,
+                       asked_timeout_s) -> float:
+  """Waits until process 0's coordinator accepts connections; returns the seconds left.
+  JAX ends the process (a fatal log, not an exception) when it can't reach the coordinator
+  in time; probing first turns the common case into a clear error."""
+  waited = _wait_for_coordinator(address, timeout_s)
+  if waited is None:
+    raise DistributedError(
+        f"could not form the multi-process job: expected {num_processes} processes, this "
+        f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
+        f"accept connections within {asked_timeout_s} s; fix: start process 0 with the same "
+        "coordinator_address, make sure its host and port are reachable from here, or "
+        "raise timeout_s.")
+  return max(1.0, timeout_s - waited)
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids=None,
                cluster_detection_method: str | None = None,
@@ -349,18 +381,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   config_facts = _ag.check_config(config)
   asked_timeout_s = timeout_s
   if jax.distributed.is_initialized():
-    info = _state_info()
-    asked = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-             "process_id": process_id}
-    have = info._asdict()
-    diff = {k: v for k, v in asked.items() if v is not None and v != have[k]}
-    if diff:
-      raise DistributedError(
-          f"jax.distributed is already initialised as process {info.process_id} of "
-          f"{info.num_processes} (coordinator {info.coordinator_address}), but now asked for "
-          f"{diff}; fix: call fnscale.initialize once per process with the same arguments.")
-    logging.info("fnscale.initialize: already initialised (%s)", info)
-    return info
+    return _already_joined(coordinator_address, num_processes, process_id)
   if num_processes == 1:
     logging.info("fnscale.initialize: num_processes=1, nothing to do")
     return DistributedInfo(0, 1, None, False)
@@ -383,17 +404,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       launcher or f"cluster_detection_method={method!r}", timeout_s)
   timeout_s = _rollcall.check(coordinator_address, num_processes, process_id, timeout_s)
   if coordinator_address is not None and process_id:
-    # JAX ends the process (a fatal log, not an exception) when it can't reach the
-    # coordinator in time; probing first turns the common case into a clear error.
-    waited = _wait_for_coordinator(coordinator_address, timeout_s)
-    if waited is None:
-      raise DistributedError(
-          f"could not form the multi-process job: expected {num_processes} processes, this "
-          f"one as process {process_id}, but the coordinator {where} (process 0) didn't "
-          f"accept connections within {asked_timeout_s} s; fix: start process 0 with the same "
-          "coordinator_address, make sure its host and port are reachable from here, or "
-          "raise timeout_s.")
-    timeout_s = max(1.0, timeout_s - waited)
+    timeout_s = _reach_coordinator(coordinator_address, num_processes, process_id, where,
+                                   timeout_s, asked_timeout_s)
   info = _join(coordinator_address, num_processes, process_id, where, timeout_s,
                asked_timeout_s, dict(local_device_ids=local_device_ids,
                                      cluster_detection_method=method,

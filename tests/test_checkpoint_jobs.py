@@ -78,6 +78,7 @@ def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_p
     assert max(float(np.max(np.abs(got[k] - params[step][k]))) for k in got) <= TOL
 
 
+@pytest.mark.slow
 def test_a_lost_process_with_an_async_save_in_flight_ends_the_job_in_seconds(tmp_path):
   """kill -9 of process 1 while step 3's save is being written (commits slowed by 9 s): the
   survivor's loop fails, peer_guard names the lost process and leaving the manager's block

@@ -285,6 +285,7 @@ def test_summary_speed_is_the_whole_runs(uninterrupted):
   assert summary.tokens_per_s != records[-1]["perf/tokens_per_s"]
 
 
+@pytest.mark.slow
 def test_default_run_dirs_are_per_model_and_a_foreign_one_is_refused(work, tmp_path, monkeypatch,
                                                                        capfd):
   """The README's order of commands: runs of other models don't share a default run
