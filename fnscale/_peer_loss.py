@@ -7,7 +7,8 @@ How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo 
     `DistributedError` naming the processes that no longer answer;
   * with jax 0.12 (and NCCL) it blocks instead; inside `peer_guard` a helper thread sees the
     dead process's signs of life stop (`fnscale._liveness`) and ends each survivor with the
-    same kind of `DistributedError` and status 75, `timeout_s` after;
+    same kind of `DistributedError` and status 75 (143 once a preemption notice came: the
+    lost process was most likely preempted too), `timeout_s` after;
   * a survivor blocked elsewhere is ended by JAX itself, from C++, `heartbeat_timeout_s`
     after the last heartbeat of the dead process: SIGABRT (exit status 134 / -6) with
     "Terminating process because the JAX distributed service detected fatal errors ...
