@@ -114,8 +114,13 @@ CASES = {
 
 # Pallas's GPU attention under a causal mask walks key blocks up to a bound that depends on
 # the query block: a loop whose trip count is data, which the HLO reader lists as unread.
+# One case per kernel in the quick tier; the other shapes and masks are slow.
+_QUICK_CASES = ("splash-causal-gqa", "pallas_gpu-causal-gqa")
+
+
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.hlo_unread_loops) if c == "pallas_gpu-causal-gqa" else c
+    pytest.param(c, marks=[pytest.mark.hlo_unread_loops] * (c == "pallas_gpu-causal-gqa")
+                 + [pytest.mark.slow] * (c not in _QUICK_CASES))
     for c in CASES])
 def test_interpret_kernel_matches_reference_forward_and_backward(case):
   implementation, (b, t, h, kh, d), kwargs = CASES[case]

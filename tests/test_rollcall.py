@@ -40,7 +40,9 @@ def _run(num_processes, ids, env=None):
                 process_env=overrides)
 
 
-@pytest.mark.parametrize("ids,dup", [((0, 1, 1), 1), ((0, 0), 0), ((1, 0, 1), 1)])
+@pytest.mark.parametrize("ids,dup", [((0, 1, 1), 1),
+                                     pytest.param((0, 0), 0, marks=pytest.mark.slow),
+                                     pytest.param((1, 0, 1), 1, marks=pytest.mark.slow)])
 def test_a_process_id_given_twice_ends_every_process_named(ids, dup):
   results = _run(len(ids), ids)
   messages = set()

@@ -212,9 +212,11 @@ README_MESHES = ["data=2,fsdp=4", "data=-1,fsdp=2,tensor=2", "data=-1,fsdp=8"]
 
 
 @pytest.mark.parametrize("size, mesh_spec, partitioner", [
-    ("nano", m, "shardy") for m in README_MESHES] + [
-    ("nano", "data=2,fsdp=4", "gspmd"), ("llama-tiny", "data=2,fsdp=4", "shardy"),
-    ("llama-tiny", "data=-1,fsdp=2,tensor=2", "shardy")], indirect=["partitioner"])
+    ("nano", "data=2,fsdp=4", "shardy"), ("nano", "data=2,fsdp=4", "gspmd"),
+    ("llama-tiny", "data=2,fsdp=4", "shardy")] + [
+    pytest.param(size, m, "shardy", marks=pytest.mark.slow)  # the other meshes: repeats
+    for size, m in [("nano", README_MESHES[1]), ("nano", README_MESHES[2]),
+                    ("llama-tiny", "data=-1,fsdp=2,tensor=2")]], indirect=["partitioner"])
 def test_default_rules_draw_no_partitioner_warnings(size, mesh_spec, partitioner,
                                                     no_compile_cache):
   assert _xla_warnings(mesh_spec, size) == ()
@@ -363,8 +365,14 @@ SUCCESS_PATHS = [
 ]
 
 
-@pytest.mark.parametrize("case, extra, rtol, said", SUCCESS_PATHS,
-                         ids=[c[0] for c in SUCCESS_PATHS])
+# Each option's feature has its own tests in the library's files (accumulation, remat,
+# kernels, precision): the run through train_lm repeats them, so those cases are slow.
+_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision")
+
+
+@pytest.mark.parametrize("case, extra, rtol, said", [
+    pytest.param(*c, marks=pytest.mark.slow) if c[0] in _SLOW_PATHS else c
+    for c in SUCCESS_PATHS], ids=[c[0] for c in SUCCESS_PATHS])
 def test_option_success_paths(work, uninterrupted, capsys, case, extra, rtol, said):
   run_dir = work / f"option_{case}"
   summary = _run(_argv(work, run_dir, "--steps=2", "--nocheckpoint", *extra))
