@@ -440,6 +440,12 @@ def _do(co: Checkout, block: Block, kind: str, text: str, extras) -> tuple[str, 
   return "ran", problems
 
 
+def _inline_commands(readme: str) -> list[str]:
+  """The recipe commands quoted in the text; a capitalised name (`python recipes/X.py`) is a
+  placeholder."""
+  return re.findall(r"`(python (?:recipes/|-m recipes\.)(?![A-Z])[^`]*)`", readme)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_readme_commands_run_in_order(checkout):
@@ -452,11 +458,29 @@ def test_readme_commands_run_in_order(checkout):
       first = text.strip().splitlines()[0][:90] if text.strip() else ""
       rows.append(f"{time.time() - t:7.1f} s  {done:7}  line {block.line:4}  {first}")
       problems += [f"README line {block.line} ({first}): {p}" for p in found]
-  # Inline commands; a capitalised name (`python recipes/X.py`) is a placeholder.
-  for command in re.findall(r"`(python (?:recipes/|-m recipes\.)(?![A-Z])[^`]*)`", readme):
+  for command in _inline_commands(readme):
     problems += [f"inline `{command}`: {p}" for p in check_command(checkout, command, extras)]
   print(f"README commands (load average {os.getloadavg()[0]:.1f} at the end):\n  "
         + "\n  ".join(rows))
+  assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+def test_readme_commands_are_checked(checkout):
+  """The quick tier's share of the test above: every step of every block checked (flags
+  against the recipe's --help, extras, Python names and keywords), none run, so a renamed
+  flag, recipe, extra or function fails `python -m pytest -q` as well."""
+  readme = (checkout.root / "README.md").read_text(encoding="utf-8")
+  extras, problems, steps = _extras(), [], 0
+  for block in read_blocks(readme):
+    for kind, text in _steps(block):
+      steps += 1
+      found = (python_problems(text) if kind == "python"
+               else check_command(checkout, text, extras))
+      problems += [f"README line {block.line}: {p}" for p in found]
+  for command in _inline_commands(readme):
+    problems += [f"inline `{command}`: {p}" for p in check_command(checkout, command, extras)]
+  assert steps > 20  # the README's blocks were read (a parser that finds none checks nothing)
   assert not problems, "\n".join(problems)
 
 

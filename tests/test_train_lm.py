@@ -664,9 +664,9 @@ PEER_CHECK_S = fs.distributed.DEFAULT_PEER_CHECK_TIMEOUT_S
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("point,mark,grace_s", [
     # process 0's start-up lines end just before "compile:"
-    pytest.param("start-up eval", r"\ncompile: ", 5, marks=pytest.mark.slow),
+    ("start-up eval", r"\ncompile: ", 5),
     # grace_s above peer_guard's check: the lost peer is seen before the grace ends
-    ("loop", r"\nstep +2/", 3 * PEER_CHECK_S),
+    pytest.param("loop", r"\nstep +2/", 3 * PEER_CHECK_S, marks=pytest.mark.slow),
     pytest.param("final save and eval", rf"\nstep +{STEPS}/", 5, marks=pytest.mark.slow),
 ])
 def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work, tmp_path,
@@ -693,7 +693,8 @@ def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work
   r0 = results[0]
   print(f"{point}: process 0 exited {took:.1f} s after the notice (grace_s {grace_s})")
   assert r0.returncode == 143, mp.describe(results)
-  assert took < min(grace_s, PEER_CHECK_S) + 8, mp.describe(results)
+  # The notice is honoured within the grace (or peer_guard's check) and 5 s to exit.
+  assert took < min(grace_s, PEER_CHECK_S) + 5, mp.describe(results)
   if grace_s > PEER_CHECK_S:  # peer_guard's check ended it
     assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: process 1 gave "
                      rf"no sign of life for {PEER_CHECK_S} s while process 0 ran inside "
