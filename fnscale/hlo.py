@@ -13,18 +13,22 @@ Where a loop has no `known_trip_count` (the TPU compiler drops it), the count is
 its condition `i < N` (`Loop.from_condition`), looking through copies and the one-op fusions
 XLA's CPU backend wraps the compare and the counter's increment in.
 
-Matmuls are `dot` and `convolution` ops (what XLA emits on CPU and TPU, and inside GPU Triton
-and cuDNN fusions) and the GPU library calls that replace them: cuBLAS GEMMs
-(`__cublas$gemm`, `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`), cuDNN convolutions
-(forward, backward input, backward filter) and cuDNN fused attention (`__cudnn$fmha*`).
+Matmuls are `dot`, `ragged-dot` (grouped matmuls, `lax.ragged_dot`) and `convolution` ops
+(what XLA emits on CPU and TPU, and inside GPU Triton and cuDNN fusions) and the GPU library
+calls that replace them: cuBLAS GEMMs (`__cublas$gemm`, `__cublas$lt$matmul`,
+`__cublas$lt$matmul$f8`), cuDNN convolutions (forward, backward input, backward filter) and
+cuDNN fused attention (`__cudnn$fmha*`).
 Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counted
 (`HloSummary.kernels`). Nothing is skipped silently: what could not be read is returned in
-`HloSummary.unread` (instructions by opcode, loops without a trip count, collectives whose
-replica groups were guessed). Every branch of a `conditional` counts as if it ran.
+`HloSummary.unread` (instructions by opcode, among them every opcode whose work is not
+counted here, such as `fft`, `triangular-solve`, `cholesky` or `scaled-dot`, and any opcode
+not known here; loops without a trip count; collectives whose replica groups were
+guessed). Every branch of a `conditional` counts as if it ran.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import re
 from typing import NamedTuple
@@ -101,10 +105,12 @@ class Kernel(NamedTuple):
 class Unread(NamedTuple):
   """What `summarize` could not read; each part is left out of (or guessed in) the figures.
 
-  `ops`: (opcode, instructions) whose FLOPs or bytes count as 0: a `dot`/`convolution` whose
-  operand shape or dimension labels are missing, a `custom-call` to a target not known here
-  (named as `custom-call <target>`), a GEMM/cuDNN call whose config lacks what its FLOPs
-  need, a collective whose result size can't be read, a device-to-device `send`/`recv` or
+  `ops`: (opcode, instructions) whose FLOPs or bytes count as 0: an op whose work is not
+  counted here (`fft`, `triangular-solve`, `cholesky`, `scaled-dot`, ...) or whose opcode is
+  not known here, a `dot`/`ragged-dot`/`convolution` whose operand shapes or dimension
+  numbers are missing, a `custom-call` to a target not known here (named as
+  `custom-call <target>`), a GEMM/cuDNN call whose config lacks what its FLOPs need, a
+  collective whose result size can't be read, a device-to-device `send`/`recv` or
   `ragged-all-to-all` (sizes known only at run time), a line in a computation that is not
   an instruction (`unparsed line`); `loops`: bodies of while loops without a known trip count
   (each body counted once); `groups`: (collective kind, instructions) whose replica groups
@@ -133,16 +139,20 @@ class Unread(NamedTuple):
 class HloSummary(NamedTuple):
   """What `summarize` reads from one optimized HLO module; numbers are per device per step.
 
-  `matmul_flops`: 2 x result elements x contracted size summed over every `dot` and
-  `convolution` and GPU library matmul (cuBLAS GEMM, cuDNN convolution and fused attention),
-  loop trip counts applied (FLOPs); `matmul_flops_once`: the same with every reachable loop
-  body counted once, as XLA's cost analysis does; `collectives`: tuple of `Collective` in
-  `COLLECTIVE_KINDS` order; `loops`: every while loop; `num_devices`: devices a collective
+  `matmul_flops`: 2 x result elements x contracted size summed over every `dot`,
+  `ragged-dot` (2 x lhs elements x rhs free elements) and `convolution` and GPU library
+  matmul (cuBLAS GEMM, cuDNN convolution and fused attention), loop trip counts applied
+  (FLOPs); `matmul_flops_once`: the same with every reachable loop body counted once, as
+  XLA's cost analysis does; `collectives`: tuple of `Collective` in `COLLECTIVE_KINDS`
+  order; `loops`: every while loop; `num_devices`: devices a collective
   without replica groups spans (the module's replicas x partitions unless given); `groups`:
   (kind, devices per replica group, ring bytes sent per device per step) for each kind and
   group size present (a group size names the mesh axis a collective runs on); `unread`: what
   could not be read (`Unread`; `unread.count == 0` when the figures cover the whole program);
-  `kernels`: custom kernels called, whose work no figure includes (`Kernel`).
+  `kernels`: custom kernels called, whose work no figure includes (`Kernel`);
+  `dcn_bytes_sent`: of the ring bytes, those sent across slices (a multi-slice TPU program's
+  collectives over the data-center network; also in `collectives` and `groups`, with the
+  slice count as group size).
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -152,6 +162,7 @@ class HloSummary(NamedTuple):
   groups: tuple[tuple[str, int, float], ...] = ()
   unread: Unread = Unread()
   kernels: tuple[Kernel, ...] = ()
+  dcn_bytes_sent: float = 0.0
 
   @property
   def unknown_trip_counts(self) -> int:
@@ -417,11 +428,13 @@ class _Graph(NamedTuple):
   kernels: dict  # comp -> [(name, target, declared FLOPs or None)]
   unread: dict  # comp -> [opcode]
   guessed: dict  # comp -> [collective kind]
+  dcn: dict  # comp -> [(kind, result bytes, slices)]: the collectives across slices
 
 
 def _graph() -> _Graph:
   dd = collections.defaultdict
-  return _Graph(dd(dict), {}, dd(list), [], dd(float), dd(list), dd(list), dd(list), dd(list))
+  return _Graph(dd(dict), {}, dd(list), [], dd(float), dd(list), dd(list), dd(list), dd(list),
+                dd(list))
 
 
 def _index(comps: dict[str, list[str]], g: _Graph) -> None:
@@ -608,6 +621,53 @@ def _dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
   return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in contract)
 
 
+_RAGGED_DIMS = ("lhs_batch", "rhs_batch", "lhs_contracting", "rhs_contracting", "lhs_ragged",
+                "rhs_group")
+
+
+def _dim_lists(attrs: str, keys: tuple[str, ...]) -> dict[str, list[int]] | None:
+  """`{key}_dims={...}` of each key ([] where absent); None where one is present but not
+  spelled as a list of dims."""
+  out = {}
+  for key in keys:
+    m = re.search(rf"\b{key}_dims=\{{([\d,]*)\}}", attrs)
+    if not m and f"{key}_dims=" in attrs:
+      return None
+    out[key] = _ints(m.group(1)) if m else []
+  return out
+
+
+def _ragged_dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
+  """FLOPs of a ragged dot (lhs, rhs, group_sizes): each lhs element meets each element of
+  the rhs's free dims (not batch, contracting or group) once, 2 x lhs elements x rhs free
+  elements, in each of XLA's three modes. Ragged in an lhs free dim: lhs [m,k], rhs [g,k,n]
+  -> [m,n], a row meets its group's [k,n], 2mkn; in the contracting dim: lhs [m,k], rhs
+  [k,n] -> [g,m,n], group j multiplies its slice of k, 2mkn in all; in a batch dim: a dot.
+
+  None where an operand's shape or a dimension list can't be read, or the lists don't fit
+  the shapes (one ragged lhs dim, paired lhs/rhs dims of one size, the result's rank).
+  """
+  out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
+  rhs, d = _operand_dims(g, comp, ins, 1), _dim_lists(ins.attrs, _RAGGED_DIMS)
+  if not out or lhs is None or rhs is None or d is None or len(d["lhs_ragged"]) != 1:
+    return None
+  pairs = [(a, b) for kind in ("batch", "contracting")
+           for a, b in itertools.zip_longest(d[f"lhs_{kind}"], d[f"rhs_{kind}"])]
+  rhs_used = [b for _, b in pairs] + d["rhs_group"]
+  if (any(a is None or b is None or a >= len(lhs) or b >= len(rhs) or lhs[a] != rhs[b]
+          for a, b in pairs)
+      or len({a for a, _ in pairs}) != len(pairs) or len(set(rhs_used)) != len(rhs_used)
+      or d["lhs_ragged"][0] >= len(lhs) or any(i >= len(rhs) for i in d["rhs_group"])):
+    return None
+  rhs_free = [n for i, n in enumerate(rhs) if i not in rhs_used]
+  # The result: batch, lhs free and rhs free dims, and a leading group dim when k is ragged.
+  rank = (len(lhs) - len(d["lhs_contracting"]) + len(rhs_free)
+          + (d["lhs_ragged"][0] in d["lhs_contracting"]))
+  if len(out[0][1]) != rank:
+    return None
+  return 2.0 * math.prod(lhs) * math.prod(rhs_free)
+
+
 # cuBLAS GEMMs (`gemm_backend_config.dot_dimension_numbers` holds the contraction) and cuDNN
 # convolutions by which operand or result holds the forward convolution's input and output
 # (their `window` and `dim_labels` describe the forward convolution; XLA's cublas_cudnn.cc).
@@ -627,7 +687,7 @@ _KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mos
 _NO_MATMUL_TARGETS = (
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
     "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
-    "ConcatBitcast",
+    "ConcatBitcast", "SliceId", "ZeroCrop",  # TPU: this slice's index; a buffer's padding
     "MoveToHost", "MoveToDevice", "PadToStatic", "SliceToDynamic", "LayoutConstraint",
     "TopK", "ApproxTopK", "PartialReduce", "Eigh", "Qr",
     "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "shape_assertion",
@@ -702,6 +762,51 @@ def _custom_call(g: _Graph, comp: str, name: str, ins: _Instr) -> None:
 
 # ----------------------------------------------------------------------------- reading
 
+# Opcodes that do no matmul and move no device-to-device bytes (XLA's HLO_OPCODE_LIST,
+# xla/hlo/ir/hlo_opcode.h, less what is read above or below): any other opcode is unread,
+# so work in an op the reader doesn't count (fft, triangular-solve, cholesky, scaled-dot,
+# scan's repeated body, collective-reduce's traffic) or an opcode newer than this list is
+# never skipped silently. Computations an op calls (fusion, call, while, conditional, async,
+# map, reduce and sort comparators) are read themselves.
+_NO_COUNTED_WORK = frozenset((
+    # elementwise
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "bitcast-convert", "cbrt", "ceil", "clamp", "compare", "complex", "convert", "cosine",
+    "cosh", "count-leading-zeros", "divide", "erf", "exponential", "exponential-minus-one",
+    "floor", "imag", "is-finite", "log", "log-plus-one", "logistic", "maximum", "minimum",
+    "mulhi", "multiply", "negate", "not", "or", "popcnt", "power", "real",
+    "reduce-precision", "remainder", "round-nearest-afz", "round-nearest-even", "rsqrt",
+    "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sine",
+    "sinh", "sqrt", "stochastic-convert", "subtract", "tan", "tanh", "xor",
+    # data movement within a device
+    "bitcast", "broadcast", "concatenate", "copy", "copy-start", "copy-done",
+    "dynamic-reshape", "dynamic-slice", "dynamic-update-slice", "gather", "iota", "pad",
+    "reshape", "reverse", "scatter", "slice", "transpose",
+    # reductions, windows, sorting, normalisation
+    "batch-norm-grad", "batch-norm-inference", "batch-norm-training", "map", "reduce",
+    "reduce-window", "select-and-scatter", "sort", "topk",
+    # random numbers
+    "rng", "rng-bit-generator", "rng-get-and-update-state",
+    # structure, control flow, scheduling
+    "add-dependency", "after-all", "async-done", "async-start", "async-update", "call",
+    "conditional", "constant", "domain", "fusion", "get-tuple-element", "opt-barrier",
+    "parameter", "tuple", "while",
+    # host transfers, device ids, dynamic shapes (a device `send`/`recv` is read below)
+    "get-dimension-size", "infeed", "outfeed", "partition-id", "recv-done", "replica-id",
+    "send-done", "set-dimension-size"))
+# Wrappers that call computations which may hold matmuls: never read as async sugar.
+_CALLS_WORK = ("call", "conditional", "fusion", "while")
+
+
+def _does_no_counted_work(op: str) -> bool:
+  """`op` is in `_NO_COUNTED_WORK`, or is XLA's async spelling of one that calls no
+  computation: an async op wrapping a single instruction prints as that instruction's
+  `-start`/`-update`/`-done` (TPU: `slice-start`, `slice-done`)."""
+  base, _, stage = op.rpartition("-")
+  return op in _NO_COUNTED_WORK or (stage in ("start", "update", "done")
+                                    and base in _NO_COUNTED_WORK and base not in _CALLS_WORK)
+
+
 
 def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
                 dev: _Devices) -> None:
@@ -728,6 +833,57 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
   g.colls[comp].append((base, nbytes, n))
 
 
+# A multi-slice TPU program (one program per slice) runs each collective across slices
+# (over DCN) as a host-transfer send/recv pair that the megascale runtime carries out; the
+# send's attributes name the collective and its slices, e.g.
+# `_xla_megascale_transfer_type="ALL_REDUCE"`, `_xla_megascale_target="{1,2}x{0:3}"` (slices
+# 1 and 2, chips 0 to 3 of each; libtpu with jax 0.10.2 and 0.12). The recv brings the result
+# back: the send alone is the collective, its data (the tuple's first array) the buffer.
+_MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
+
+
+def _slice_count(listed: str) -> int | None:
+  """Slices in a megascale target's first set: "1,2,3" -> 3, "1:4" -> 4 (inclusive)."""
+  n = 0
+  for part in listed.split(","):
+    ends = _ints(part)
+    if len(ends) == 1 and ":" not in part:
+      n += 1
+    elif len(ends) == 2 and ":" in part and ends[1] >= ends[0]:
+      n += ends[1] - ends[0] + 1
+    else:
+      return None
+  return n or None
+
+
+def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
+  """Adds a megascale send (a collective across slices) to `g`'s collectives, its group the
+  slices it spans; unread where its kind, slices or data can't be read."""
+  kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs)
+  target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attrs)
+  data = _arrays(ins.shape)[:1]
+  base = _MEGASCALE_KINDS.get(kind.group(1)) if kind else None
+  slices = _slice_count(target.group(1)) if target else None
+  if base is None or slices is None or not data:
+    g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
+    return
+  (dtype, dims), = data
+  entry = (base, math.prod(dims) * _dtype_bytes(dtype), slices)
+  g.colls[comp].append(entry)
+  g.dcn[comp].append(entry)
+
+
+def _conv_op_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
+  out = _arrays(ins.shape)
+  return _conv_flops(_operand_dims(g, comp, ins, 0), out[0][1] if out else None, ins.attrs)
+
+
+# Opcodes counted as matmuls -> their FLOPs (None: not readable).
+_MATMUL_OPS = {"dot": _dot_flops, "ragged-dot": _ragged_dot_flops, "convolution": _conv_op_flops}
+
+
 def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
   """Adds one computation's calls, loops, matmuls, kernels and collectives to `g`."""
   starts: dict[str, tuple[int, bool]] = {}
@@ -744,20 +900,23 @@ def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
       g.edges[comp].extend((c, 1) for c in _CALL_RE.findall(ins.attrs))
     for listed in _CALL_LIST_RE.findall(ins.attrs):
       g.edges[comp].extend((c.strip().lstrip("%"), 1) for c in listed.split(",") if c.strip())
-    if op in ("dot", "convolution"):
-      out = _arrays(ins.shape)
-      flops = (_dot_flops(g, comp, ins) if op == "dot" else _conv_flops(
-          _operand_dims(g, comp, ins, 0), out[0][1] if out else None, ins.attrs))
+    if op in _MATMUL_OPS:
+      flops = _MATMUL_OPS[op](g, comp, ins)
       if flops is None:
         g.unread[comp].append(op)
       else:
         g.dots[comp] += flops
     elif op == "custom-call":
       _custom_call(g, comp, name, ins)
-    elif op in ("send", "recv", "ragged-all-to-all") and "is_host_transfer=true" not in ins.attrs:
-      g.unread[comp].append(op)
+    elif op in ("send", "recv", "ragged-all-to-all"):
+      if "is_host_transfer=true" not in ins.attrs:  # device traffic of a run-time size
+        g.unread[comp].append(op)
+      elif _MEGASCALE in ins.attrs and op == "send":  # a collective across slices (DCN)
+        _dcn_collective(g, comp, ins)
     elif any(op in (c, c + "-start", c + "-done") for c in COLLECTIVE_KINDS):
       _collective(g, comp, ins, starts, name, dev)
+    elif not _does_no_counted_work(op):
+      g.unread[comp].append(op)
 
 
 def _devices(hlo_text: str, num_devices: int | None) -> _Devices:
@@ -845,6 +1004,8 @@ def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: i
       loops=loops, num_devices=int(num_devices),
       groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b),
       unread=Unread(count(g.unread), unknown, count(g.guessed)),
+      dcn_bytes_sent=sum(ring_bytes_sent(k, b, n) * mult[c]
+                         for c, items in g.dcn.items() for k, b, n in items),
       kernels=tuple(Kernel(n, t, v[0], v[1], v[2] if v[3] else None)
                     for (n, t), v in sorted(kernels.items())))
 
@@ -887,8 +1048,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Collecti
 
 
 def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
-  """Matmul FLOPs per device per step of an optimized HLO module (`dot`, `convolution` and
-  GPU library matmuls, as `summarize`).
+  """Matmul FLOPs per device per step of an optimized HLO module (`dot`, `ragged-dot`,
+  `convolution` and GPU library matmuls, as `summarize`).
 
   2 x result elements x contracted elements per op; with `apply_trip_counts` each op is
   multiplied by the runs of its computation (while-loop trip counts), else every reachable

@@ -49,7 +49,9 @@ class CompileReport(NamedTuple):
   `hlo_unread` (what the HLO reader could not read, `fnscale.hlo.Unread`: instructions by
   opcode, loops without a trip count, collectives whose groups were guessed; empty when the
   HLO figures cover the whole program), `kernels` (custom kernels the program calls, whose
-  work the HLO figures leave out; `fnscale.hlo.Kernel`).
+  work the HLO figures leave out; `fnscale.hlo.Kernel`), `dcn_bytes_sent` (of the ring
+  bytes sent per device per step, those across slices: the data-center network of a
+  multi-slice TPU job).
   """
   compile_seconds: float
   flops: float | None
@@ -69,6 +71,7 @@ class CompileReport(NamedTuple):
   model_flops: float | None = None
   hlo_unread: _hlo.Unread = _hlo.Unread()
   kernels: tuple[_hlo.Kernel, ...] = ()
+  dcn_bytes_sent: float = 0.0
 
   @property
   def flops_ratio(self) -> float | None:
@@ -140,7 +143,7 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       collectives=hlo.collectives, platform=platform, num_devices=int(num),
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
-      kernels=hlo.kernels)
+      kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent)
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -235,6 +238,8 @@ def format_report(report: CompileReport) -> str:
                  "per device)")
     lines += [f"    {c.kind:<20} {c.count:>4} [{c.ops}]  {fb(c.bytes)} / {fb(c.bytes_sent)}"
               for c in report.collectives]
+    if report.dcn_bytes_sent:
+      lines.append(f"    of which across slices (DCN): {fb(report.dcn_bytes_sent)} ring-sent")
   else:
     lines.append("  collectives: none")
   lines += _hlo_notes(report)

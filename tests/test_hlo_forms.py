@@ -3,7 +3,8 @@
 Replica groups (explicit lists, iota lists with and without transposes, `mesh[...]` lists
 with and without `device_ids`), tuple elements as XLA dump files write them (`%param#0`),
 GPU library calls (cuBLAS GEMMs, cuDNN convolutions and fused attention), custom kernels,
-and what `summarize` reports when it can't read something. The snippets copy the spelling
+ragged dots, and what `summarize` reports when it can't read something (among it every
+opcode whose work it doesn't count or that it doesn't know). The snippets copy the spelling
 of real compiler output (this machine's jax 0.10.2 and 0.12 programs, XLA's own GPU tests).
 """
 import pytest
@@ -419,3 +420,279 @@ def test_any_truncated_line_is_read_without_error(text):
     for cut in range(0, len(line), 3):
       s = hlo.summarize("\n".join(lines[:i] + [line[:cut]] + lines[i + 1:]))
       assert s.matmul_flops >= 0 and s.unread.count >= 0
+
+
+# ----------------------------------------------------------------------------- every opcode
+
+# XLA's three ragged-dot modes, each with its FLOPs by hand (spelling: jax 0.10.2 and 0.12
+# lowering `lax.ragged_dot_general` for TPU).
+@pytest.mark.parametrize("lhs,rhs,result,dims,flops", [
+    # jax.lax.ragged_dot: 12 rows in 3 groups, each row times its group's [8,5]:
+    # 2 x 12 x 8 x 5 = 960 (reading the group dim as free would give 3x that).
+    ("f32[12,8]", "f32[3,8,5]", "f32[12,5]", "lhs_contracting_dims={1}, "
+     "rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}", 960),
+    # The same per batch of 2, rhs [group, batch, k, n]: 2 x 2 x 12 x 8 x 5 = 1920.
+    ("f32[2,12,8]", "f32[3,2,8,5]", "f32[2,12,5]", "lhs_batch_dims={0}, "
+     "lhs_contracting_dims={2}, rhs_batch_dims={1}, rhs_contracting_dims={2}, "
+     "lhs_ragged_dims={1}, rhs_group_dims={0}", 1920),
+    # Ragged k: [12,8] x [8,5] -> one [12,5] per group, each group multiplying its own slice
+    # of k, 2 x 12 x 8 x 5 = 960 in all; dot's 2 x result x k (2 x 180 x 8 = 2880) is 3x over.
+    ("f32[12,8]", "f32[8,5]", "f32[3,12,5]", "lhs_contracting_dims={1}, "
+     "rhs_contracting_dims={0}, lhs_ragged_dims={1}", 960),
+    # Ragged batch: 4 batch rows split into groups, a batched dot: 2 x 4 x 6 x 8 x 5 = 1920.
+    ("f32[4,6,8]", "f32[4,8,5]", "f32[4,6,5]", "lhs_batch_dims={0}, "
+     "lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, "
+     "lhs_ragged_dims={0}", 1920),
+])
+def test_ragged_dot_flops(lhs, rhs, result, dims, flops):
+  # Catches a ragged-dot left uncounted (the reader once gave 0 and "nothing" unread), the
+  # group dim counted as an rhs free dim, and dot's formula on a ragged-k result.
+  text = _module(f"%x = {lhs} parameter(0)", f"%w = {rhs} parameter(1)",
+                 "%g = s32[3]{0} parameter(2)",
+                 f"%r = {result} ragged-dot(%x, %w, %g), {dims}",
+                 "ROOT %p = f32[] parameter(3)")
+  s = hlo.summarize(text)
+  assert s.matmul_flops == flops and s.unread == hlo.Unread()
+  # An inline operand shape reads the same.
+  inline = f"%r = {result} ragged-dot({lhs} %x, {rhs} %w, s32[3] %g), {dims}"
+  assert hlo.matmul_flops(inline) == flops
+
+
+@pytest.mark.parametrize("line", [
+    # No shape for the lhs.
+    "%r = f32[12,5] ragged-dot(%missing, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}",
+    # No ragged dim: XLA always prints one.
+    "%r = f32[12,5] ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={1}, rhs_group_dims={0}",
+    # No group dim, so the result's rank (2) can't hold rhs's two free dims: the 3 groups
+    # would count as a free dim, 3x the work.
+    "%r = f32[12,5] ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={1}, lhs_ragged_dims={0}",
+    # Contracting 8 against 3.
+    "%r = f32[12,8] ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={0}, lhs_ragged_dims={0}, rhs_group_dims={1}",
+    # A dim beyond the rhs's rank, and a list not spelled as dims.
+    "%r = f32[12,5] ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={3}, lhs_ragged_dims={0}, rhs_group_dims={0}",
+    "%r = f32[12,5] ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims=[0]",
+])
+def test_ragged_dot_that_cant_be_read_is_unread(line):
+  # Catches a guess (0, or the group dim as free) where the text doesn't say the work.
+  text = _module("%x = f32[12,8]{1,0} parameter(0)", "%w = f32[3,8,5]{2,1,0} parameter(1)",
+                 "%g = s32[3]{0} parameter(2)", line, "ROOT %p = f32[] parameter(3)")
+  s = hlo.summarize(text)
+  assert s.unread == hlo.Unread(ops=(("ragged-dot", 1),)) and s.matmul_flops == 0
+
+
+def test_work_the_reader_does_not_count_is_unread():
+  # Catches a reader that counts a fixed list of opcodes and passes over the rest: an FFT, a
+  # triangular solve, a Cholesky factorisation, a block-scaled dot (2 x 4 x 4 x 4 = 128 FLOPs
+  # of matmul it doesn't read) and an opcode XLA may add later each count 0 FLOPs, so each is
+  # named, once per instruction; the ordinary dot beside them still counts 128.
+  text = _module(
+      "%a = f32[4,4]{1,0} parameter(0)",
+      "%b = f32[4,4]{1,0} parameter(1)",
+      "%z = c64[4,4]{1,0} parameter(2)",
+      "%f = c64[4,4]{1,0} fft(%z), fft_type=FFT, fft_length={4}",
+      "%i = c64[4,4]{1,0} fft(%f), fft_type=IFFT, fft_length={4}",
+      "%t = f32[4,4]{1,0} triangular-solve(%a, %b), left_side=true, lower=true, "
+      "transpose_a=NO_TRANSPOSE",
+      "%c = f32[4,4]{1,0} cholesky(%a), lower=true",
+      "%sa = f8e8m0fnu[4,1]{1,0} parameter(3)",
+      "%sb = f8e8m0fnu[1,4]{1,0} parameter(4)",
+      "%sd = f32[4,4]{1,0} scaled-dot(%a, %b, %sa, %sb), lhs_contracting_dims={1}, "
+      "rhs_contracting_dims={0}",
+      "%q = f32[4,4]{1,0} quantum-matmul(%a, %b)",
+      # An async FFT in XLA's one-instruction spelling is still an FFT.
+      "%fs = ((c64[4,4]{1,0}), c64[4,4]{1,0}, s32[]) fft-start(%z), fft_type=FFT, "
+      "fft_length={4}",
+      "%fd = c64[4,4]{1,0} fft-done(%fs)",
+      "%d = f32[4,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+      "ROOT %p = f32[] parameter(5)")
+  s = hlo.summarize(text)
+  assert s.unread.ops == (("cholesky", 1), ("fft", 2), ("fft-done", 1), ("fft-start", 1),
+                          ("quantum-matmul", 1), ("scaled-dot", 1), ("triangular-solve", 1))
+  assert s.unread.count == 8 and s.matmul_flops == 128
+  assert "2 fft" in str(s.unread) and "1 quantum-matmul" in str(s.unread)
+
+
+# An ordinary program in the spellings of this machine's CPU and TPU programs: a loop of 3
+# trips around a [4,4] x [4,4] dot (2 x 4 x 4 x 4 = 128 FLOPs a trip), elementwise math,
+# reductions, sorting, gathers and scatters, random bits, host transfers, async copies and
+# slices (the TPU compiler's `slice-start`/`slice-done`) and an async all-reduce of f32[4,4]
+# (64 bytes) over 2 partitions.
+COMMON = """HloModule common, num_partitions=2
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%less (p: f32[], q: f32[]) -> pred[] {
+  %p = f32[] parameter(0)
+  %q = f32[] parameter(1)
+  ROOT %lt = pred[] compare(%p, %q), direction=LT
+}
+
+%fused (param_0: f32[4,4]) -> f32[4,4] {
+  %param_0 = f32[4,4]{1,0} parameter(0)
+  %two = f32[] constant(2)
+  %b2 = f32[4,4]{1,0} broadcast(%two), dimensions={}
+  %m = f32[4,4]{1,0} multiply(%param_0, %b2)
+  %e = f32[4,4]{1,0} exponential(%m)
+  %n = f32[4,4]{1,0} negate(%e)
+  %mx = f32[4,4]{1,0} maximum(%n, %param_0)
+  %th = f32[4,4]{1,0} tanh(%mx)
+  %rs = f32[4,4]{1,0} rsqrt(%e)
+  %dv = f32[4,4]{1,0} divide(%th, %rs)
+  %cv = bf16[4,4]{1,0} convert(%dv)
+  %bc = s16[4,4]{1,0} bitcast-convert(%cv)
+  %back = bf16[4,4]{1,0} bitcast-convert(%bc)
+  ROOT %f32 = f32[4,4]{1,0} convert(%back)
+}
+
+%body (w: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
+  %w = (s32[], f32[4,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%w), index=0
+  %v = f32[4,4]{1,0} get-tuple-element(%w), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %d = f32[4,4]{1,0} dot(%v, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[4,4]{1,0}) tuple(%next, %d)
+}
+
+%cond (c: (s32[], f32[4,4])) -> pred[] {
+  %c = (s32[], f32[4,4]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %three = s32[] constant(3)
+  ROOT %more = pred[] compare(%ci, %three), direction=LT
+}
+
+%then (a0: f32[4,4]) -> f32[4,4] {
+  %a0 = f32[4,4]{1,0} parameter(0)
+  ROOT %ab = f32[4,4]{1,0} abs(%a0)
+}
+
+%else (a1: f32[4,4]) -> f32[4,4] {
+  %a1 = f32[4,4]{1,0} parameter(0)
+  ROOT %fl = f32[4,4]{1,0} floor(%a1)
+}
+
+ENTRY %main (a: f32[4,4], k: u32[2], j: s32[]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0), sharding={replicated}
+  %k = u32[2]{0} parameter(1)
+  %j = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %fz = f32[] constant(0)
+  %pid = u32[] partition-id()
+  %rid = u32[] replica-id()
+  %tok = token[] after-all()
+  %fu = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%fused
+  %init = (s32[], f32[4,4]{1,0}) tuple(%zero, %fu)
+  %loop = (s32[], f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %lv = f32[4,4]{1,0} get-tuple-element(%loop), index=1
+  %ob = f32[4,4]{1,0} opt-barrier(%lv)
+  %red = f32[4]{0} reduce(%ob, %fz), dimensions={1}, to_apply=%add
+  %win = f32[4,4]{1,0} reduce-window(%ob, %fz), window={size=1x3 pad=0_0x2_0}, to_apply=%add
+  %srt = f32[4,4]{1,0} sort(%win), dimensions={0}, is_stable=true, to_apply=%less
+  %tr = f32[4,4]{0,1} transpose(%srt), dimensions={1,0}
+  %cp = f32[4,4]{1,0} copy(%tr)
+  %rsh = f32[16]{0} reshape(%cp)
+  %bt = f32[2,8]{1,0} bitcast(%rsh)
+  %sl = f32[2,4]{1,0} slice(%bt), slice={[0:2], [0:4]}
+  %cat = f32[4,4]{1,0} concatenate(%sl, %sl), dimensions={0}
+  %pd = f32[6,6]{1,0} pad(%cat, %fz), padding=1_1x1_1
+  %ds = f32[4,4]{1,0} dynamic-slice(%pd, %j, %j), dynamic_slice_sizes={4,4}
+  %dus = f32[6,6]{1,0} dynamic-update-slice(%pd, %ds, %j, %j)
+  %io = s32[2,1]{1,0} iota(), iota_dimension=0
+  %ga = f32[2,6]{1,0} gather(%dus, %io), offset_dims={1}, collapsed_slice_dims={0}, \
+start_index_map={0}, index_vector_dim=1, slice_sizes={1,6}
+  %sc = f32[6,6]{1,0} scatter(%dus, %io, %ga), update_window_dims={1}, \
+inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  %rv = f32[6,6]{1,0} reverse(%sc), dimensions={0}
+  %rng = (u32[2]{0}, u32[4,4]{1,0}) rng-bit-generator(%k), algorithm=rng_default
+  %bits = u32[4,4]{1,0} get-tuple-element(%rng), index=1
+  %sh = u32[4,4]{1,0} shift-right-logical(%bits, %bits)
+  %fb = f32[4,4]{1,0} convert(%sh)
+  %cmp = pred[4,4]{1,0} compare(%fb, %lv), direction=GT
+  %sel = f32[4,4]{1,0} select(%cmp, %fb, %lv)
+  %cl = f32[4,4]{1,0} clamp(%a, %sel, %a)
+  %ss = ((f32[6,6]{1,0}), f32[4,4]{1,0}, s32[]) slice-start(%rv), slice={[0:4], [0:4]}
+  %sld = f32[4,4]{1,0} slice-done(%ss)
+  %mn = f32[4,4]{1,0} minimum(%cl, %sld)
+  %cs = (f32[4,4]{1,0}, f32[4,4]{1,0}, u32[]) copy-start(%mn)
+  %cd = f32[4,4]{1,0} copy-done(%cs)
+  %neg = pred[] compare(%j, %zero), direction=LT
+  %br = f32[4,4]{1,0} conditional(%neg, %cd, %cd), true_computation=%then, \
+false_computation=%else
+  %ars = f32[4,4]{1,0} all-reduce-start(%br), channel_id=1, replica_groups={{0,1}}, \
+use_global_device_ids=true, to_apply=%add
+  %ard = f32[4,4]{1,0} all-reduce-done(%ars)
+  %snd = (f32[4,4]{1,0}, u32[], token[]) send(%ard, %tok), channel_id=2, is_host_transfer=true
+  %sd = token[] send-done(%snd), channel_id=2, is_host_transfer=true
+  %rcv = (f32[4,4]{1,0}, u32[], token[]) recv(%tok), channel_id=3, is_host_transfer=true
+  %rd = (f32[4,4]{1,0}, token[]) recv-done(%rcv), channel_id=3, is_host_transfer=true
+  %got = f32[4,4]{1,0} get-tuple-element(%rd), index=0
+  %sh2 = f32[4,4]{1,0} custom-call(%got), custom_call_target="Sharding", sharding={replicated}
+  ROOT %out = f32[4,4]{1,0} add(%sh2, %ard)
+}
+"""
+
+
+def test_an_ordinary_program_reads_in_full():
+  # Catches a list of known opcodes that misses a common one, spells one as it is not
+  # printed (XLA writes `opt-barrier`, not `optimization-barrier`) or misses an async
+  # spelling (`slice-start`): that one would be reported unread here and in every compiled
+  # program of the suite that holds it.
+  s = hlo.summarize(COMMON)
+  assert s.unread == hlo.Unread()
+  assert s.matmul_flops == 3 * 128 and s.loops == (hlo.Loop("body", 3),)
+  # A ring all-reduce over 2 devices sends 2 x 1/2 of its 64 bytes.
+  assert s.collective("all-reduce") == hlo.Collective("all-reduce", 1, 64, 1, 64.0)
+
+
+def _megascale_send(shape: str, kind: str, target: str, n: int) -> str:
+  attrs = (f'is_host_transfer=true, frontend_attributes={{_xla_host_transfer_handler_name='
+           f'"xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.{n}_0",'
+           f'_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{target}",'
+           f'_xla_megascale_transfer_type="{kind}"}}')
+  return "\n".join([
+      f"  %a{n} = token[] after-all()",
+      f"  %s{n} = ({shape}, u32[], token[]) send(%x, %a{n}), channel_id={2 * n}, {attrs}",
+      f"  %r{n} = ({shape}, u32[], token[]) recv(%a{n}), channel_id={2 * n + 1}, {attrs}",
+      f"  %sd{n} = token[] send-done(%s{n}), channel_id={2 * n}, {attrs}",
+      f"  %rd{n} = ({shape}, token[]) recv-done(%r{n}), channel_id={2 * n + 1}, {attrs}"])
+
+
+def test_collectives_across_slices_are_the_megascale_sends():
+  # A multi-slice TPU program (libtpu, as in test_hlo's multi-slice test) runs its
+  # collectives across slices as host-transfer send/recv pairs of the megascale runtime:
+  # each send is one collective over the slices of its target (the recv is its result).
+  # Hand counts: bf16[96,8,128] over 2 slices = 196608 bytes, ring 2 (1/2) x that = 196608;
+  # f32[1024] over 4 slices ({1:4}, a range) = 4096 bytes, ring 2 (3/4) x 4096 = 6144;
+  # ALL_GATHER of f32[2,256] over slices {1,2,3} = 2048 bytes, ring 2/3 x 2048.
+  # A transfer of a kind not known here, or a target that can't be read, is unread.
+  text = "\n".join([
+      "HloModule m, num_partitions=4", "", "ENTRY %main (x: bf16[96,8,128]) -> bf16[96,8,128] {",
+      "  %x = bf16[96,8,128]{2,1,0} parameter(0)",
+      _megascale_send("bf16[96,8,128]{2,1,0:T(8,128)(2,1)}", "ALL_REDUCE", "{1,2}x{0:3}", 1),
+      _megascale_send("f32[1024]{0}", "ALL_REDUCE", "{1:4}x{0:3}", 2),
+      _megascale_send("f32[2,256]{1,0}", "ALL_GATHER", "{1,2,3}x{0:3}", 3),
+      _megascale_send("f32[8]{0}", "BROADCAST_SOMEHOW", "{1,2}x{0:3}", 4),
+      _megascale_send("f32[8]{0}", "ALL_REDUCE", "{a,b}", 5),
+      "  ROOT %y = bf16[96,8,128]{2,1,0} copy(%x)", "}"])
+  s = hlo.summarize(text)
+  assert s.dcn_bytes_sent == 196608 + 6144 + 2048 * 2 / 3
+  assert s.collective("all-reduce") == hlo.Collective("all-reduce", 2, 196608 + 4096, 2,
+                                                      196608 + 6144)
+  assert s.collective("all-gather").bytes == 2048
+  assert s.groups == (("all-gather", 3, 2048 * 2 / 3), ("all-reduce", 2, 196608.0),
+                      ("all-reduce", 4, 6144.0))
+  assert s.unread.ops == (("send ALL_REDUCE", 1), ("send BROADCAST_SOMEHOW", 1))
+  # Host transfers that are not the megascale runtime's (infeed-like) move no device bytes.
+  plain = text.replace('"xla_megascale_runtime"', '"host_callback"')
+  assert hlo.summarize(plain).dcn_bytes_sent == 0 and hlo.summarize(plain).collectives == ()
