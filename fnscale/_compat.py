@@ -2,10 +2,11 @@
 
 fnscale is tested with jax 0.10.2 (Python 3.11) and jax 0.12 (Python 3.12+): `TESTED_JAX`,
 the range pyproject.toml states. Each entry here is private to JAX (`jax._src`), a parameter
-layout of JAX's program representation (jaxpr), or a text format of XLA's logs and of the
-coordination service's errors. `tests/test_compat.py` has a test per entry that fails,
-naming the entry, when a JAX release changes it; an entry that finds JAX changed at run time
-raises `FnscaleError` naming itself, the installed jax and the tested range.
+layout of JAX's program representation (jaxpr), or a text format: XLA's logs and errors, the
+collectives' and the coordination service's errors, `mesh_utils`' refusals.
+`tests/test_compat.py` has a test per entry that fails, naming the entry, when a JAX release
+changes it; an entry that finds JAX changed at run time raises `FnscaleError` naming itself,
+the installed jax and the tested range.
 
 Where JAX has a public interface fnscale uses it and it is not here:
 `jax.distributed.is_initialized`, `jax.process_count`, `jax.experimental.multihost_utils`
@@ -14,6 +15,7 @@ Where JAX has a public interface fnscale uses it and it is not here:
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, NamedTuple
 
@@ -138,6 +140,14 @@ def concrete_mesh():
     raise _changed("concrete_mesh", f"jax._src.mesh.get_concrete_mesh is gone ({e})") from None
 
 
+def is_megacore_error(err: BaseException) -> bool:
+  """Whether `jax.experimental.mesh_utils.create_device_mesh` refused TPU devices exposed one
+  per TensorCore rather than one per chip: its AssertionError "Creating meshes for TPU >v3
+  requires one device per chip ("megacore" mode). Got device id 1 for a device of kind TPU
+  v4: ..." (jax 0.10.2 and 0.12)."""
+  return isinstance(err, AssertionError) and "megacore" in str(err)
+
+
 # ------------------------------------------------------------------------- jaxprs
 
 class ScanParts(NamedTuple):
@@ -241,3 +251,45 @@ def xla_log_messages(text: str) -> list[str]:
     if m and not _CONFIGURATION_NOTICE.match(m.group(2)):
       out.append(m.group(2))
   return out
+
+
+# ------------------------------------------------------- error text of XLA and the runtime
+
+# A collective's or the coordination service's failure that can mean another process is gone
+# ("peer" a word of its own: "TypeError" holds "peEr").
+_PEER_FAILURE = re.compile(
+    r"gloo|nccl|connection (closed|reset|refused)|socket closed|unavailable|"
+    r"deadline_exceeded|coordination service|heartbeat|\bpeers?\b", re.IGNORECASE)
+
+
+def is_peer_failure(text: str) -> bool:
+  """Whether an error's text (its type name and message) reads as a failed collective or
+  coordination-service call, which can mean another process is gone: gloo's over TCP on CPU
+  ("UNKNOWN: Gloo AllGather failed: [.../tcp/pair.cc:547] Connection closed by peer
+  [127.0.0.1]:3261", jax 0.10.2; under jax 0.12 such a collective blocks instead), NCCL's,
+  and the coordination service's status codes (UNAVAILABLE: "... tasks are unhealthy
+  (stopped sending heartbeats)", jax 0.10.2; DEADLINE_EXCEEDED: a barrier timed out, jax
+  0.10.2 and 0.12)."""
+  return bool(_PEER_FAILURE.search(text))
+
+
+# XLA's status code for a program too big for the device's memory.
+_OOM_STATUS = "RESOURCE_EXHAUSTED"
+# "... required for HLO temporaries (18.35G) exceeds available HBM (15.75G)."
+_OOM_NEED = re.compile(r"\(([\d.]+)([KMGT])\) exceeds")
+
+
+def is_oom_error(text: str) -> bool:
+  """Whether an error's text is XLA refusing a program too big for the device's memory:
+  status RESOURCE_EXHAUSTED. A TPU compile (libtpu) says "RESOURCE_EXHAUSTED: Ran out of
+  memory on HBM, the total memory required for HLO temporaries (18.35G) exceeds available
+  HBM (15.75G)." with jax 0.10.2; jax 0.12's adds "E1000: CompileTimeHbmOom: " after the
+  status and " HLO module: <name>." plus a link after the sentence."""
+  return _OOM_STATUS in text
+
+
+def oom_bytes(text: str) -> float:
+  """Bytes XLA said the program needs in an out-of-memory error (`is_oom_error`: the
+  "(18.35G) exceeds" figure, binary units), or inf where the text gives none."""
+  m = _OOM_NEED.search(text)
+  return float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024 if m else math.inf

@@ -2,8 +2,8 @@
 collective error.
 
 How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo collectives):
-  * with jax 0.10.2 the survivors' next collective usually fails at once ("Gloo all-gather
-    failed ... Connection closed by peer"); inside `peer_guard` that becomes a
+  * with jax 0.10.2 the survivors' next collective usually fails at once ("Gloo AllGather
+    failed: ... Connection closed by peer"); inside `peer_guard` that becomes a
     `DistributedError` naming the processes that no longer answer;
   * with jax 0.12 (and NCCL) it blocks instead; inside `peer_guard` a helper thread sees the
     dead process's signs of life stop (`fnscale._liveness`) and ends each survivor with the
@@ -20,7 +20,6 @@ How a job ends when a process dies (measured with jax 0.10.2 and 0.12, CPU/gloo 
 from __future__ import annotations
 
 import contextlib
-import re
 
 import jax
 
@@ -33,11 +32,6 @@ from fnscale.errors import DistributedArgumentError, DistributedError
 
 # Seconds `peer_guard` gives the other processes to check in (and to show signs of life).
 DEFAULT_PEER_CHECK_TIMEOUT_S = 10
-# Runtime failures of a collective or of the coordination service (gloo over TCP on CPU,
-# NCCL/ICI elsewhere) that can mean another process is gone.
-_PEER_FAILURE = re.compile(
-    r"gloo|nccl|connection (closed|reset|refused)|socket closed|unavailable|"
-    r"deadline_exceeded|coordination service|heartbeat|peer", re.IGNORECASE)
 _LOST_FIX = (" The job can't go on: every collective needs every process. Fix: look at the "
              "log of {named} for why it stopped (killed, out of memory, preempted, crashed), "
              "then restart every process; resume from the last checkpoint "
@@ -117,7 +111,7 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
       yield
   except Exception as e:  # pylint: disable=broad-except
     if (isinstance(e, DistributedError) or not jax.distributed.is_initialized()
-        or not _PEER_FAILURE.search(f"{type(e).__name__} {e}")):
+        or not _compat.is_peer_failure(f"{type(e).__name__} {e}")):
       raise
     st = _compat.distributed_state()
     if (st.num_processes or 1) == 1:

@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from fnscale import _compat
 from fnscale.errors import MeshError
 from fnscale.topology import Topology, check_devices
 
@@ -240,7 +241,7 @@ def _device_grid(devices, ici_shape, dcn_shape) -> np.ndarray:
     try:
       grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
     except AssertionError as e:
-      if "megacore" not in str(e):
+      if not _compat.is_megacore_error(e):
         raise
       grid = _per_core_grid(devices, ici_shape)
     return _on_torus(grid, ici_shape)

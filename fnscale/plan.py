@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
 import statistics
 import time
 from typing import NamedTuple
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from fnscale import _compat
 from fnscale import _cost
 from fnscale import _forecast
 from fnscale import _targets
@@ -215,13 +215,6 @@ def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
   return out
 
 
-def _oom_bytes(message: str) -> float:
-  """Bytes XLA said it needed in an out-of-HBM error ("... required for HLO temporaries
-  (18.35G) exceeds ..."), or inf where the message gives none."""
-  m = re.search(r"\(([\d.]+)([KMGT])\) exceeds", message)
-  return float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024 if m else math.inf
-
-
 def _verify(cand: Candidate, hw, ctx) -> Candidate:
   """Compiles the candidate for the target's described devices; returns it with `compiled`
   and the forecast redone with the compiled communication. The program is the one the cost
@@ -241,9 +234,9 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
     compiled = _compile.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
         state, batch)
   except jax.errors.JaxRuntimeError as e:  # XLA refuses a program that overflows HBM
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    if not _compat.is_oom_error(str(e)):
       raise
-    need = _oom_bytes(str(e))
+    need = _compat.oom_bytes(str(e))
     c = CompileCheck(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
     return cand._replace(compiled=c, fits=False)
   seconds = time.perf_counter() - t0

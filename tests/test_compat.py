@@ -8,6 +8,7 @@ import tomllib
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import mesh_utils
 from jax.extend import core as jcore
 
 import fnscale as fs
@@ -49,10 +50,12 @@ def test_distributed_state_backends_and_preemption_key():
 
 
 @pytest.mark.multiprocess
-def test_barrier_absentees_read_a_real_barrier_timeout():
+def test_barrier_absentees_and_is_peer_failure_read_a_real_barrier_timeout():
   first, _ = _worker("barrier", processes=2)
   assert "reached the barrier" in first["text"], first["text"]
   assert first["parsed"] == [1, [1]], first["text"]
+  # The coordination service's own error text reads as a lost peer (peer_guard's check).
+  assert _compat.is_peer_failure(first["text"]), first["text"]
 
 
 def test_barrier_absentees_of_other_text():
@@ -196,3 +199,87 @@ def test_detect_cluster_returns_what_it_was_given_and_finds_nothing_off_a_cluste
     monkeypatch.delenv(name, raising=False)
   assert _compat.detect_cluster("127.0.0.1:1234", 2, 1, None, 5) == ("127.0.0.1:1234", 2, 1)
   assert _compat.detect_cluster(None, None, None, "deactivate", 5) == (None, None, None)
+
+
+# ------------------------------------------------------- error text of XLA and the runtime
+
+# What a survivor's collective raised in tests/test_multihost.py's lost-process job, jax 0.10.2
+# on CPU (gloo over TCP): type name and message, as peer_guard reads them.
+GLOO_LOST_PEER = ("JaxRuntimeError UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/"
+                  "tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:3261")
+# JAX's coordination service on a survivor's stderr (jax 0.10.2) once another process was
+# killed while a collective waited for it.
+HEARTBEAT_LOST = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):"
+                  "\n1\nThe tasks have crashed. Check the task logs for an earlier error, or "
+                  "scheduler events (e.g. preemption, eviction) to debug further.")
+
+
+def test_is_peer_failure_of_collective_and_coordination_service_text():
+  # The last: the unreachable service tests/test_liveness.py's stand-in store reports.
+  for text in (GLOO_LOST_PEER, HEARTBEAT_LOST,
+               "RuntimeError UNAVAILABLE: failed to connect to the coordination service"):
+    assert _compat.is_peer_failure(text), text
+  with pytest.raises(TypeError) as e:  # jax's own text for a program error: not a lost peer
+    jnp.ones(3) + jnp.ones(4)
+  assert not _compat.is_peer_failure(f"{e.type.__name__} {e.value}"), str(e.value)
+
+
+GiB = 1024 ** 3
+# XLA's refusal of a program too big for a TPU's HBM: the compile below, with jax 0.10.2
+# (libtpu 0.0.42.1) and jax 0.12.0.1 (libtpu 0.0.50.1).
+OOM_TEXT = {
+    "0.10.2": "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+              "temporaries (48.00G) exceeds available HBM (15.75G).",
+    "0.12": "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+            "memory required for HLO temporaries (48.00G) exceeds available HBM (15.75G). HLO "
+            "module: jit__lambda.\nSee https://openxla.org/xla/errors/error_1000 for more "
+            "details.",
+}
+
+
+def test_oom_text_of_a_real_tpu_compile(tpu_devices):
+  # A 24 GiB argument and its double on one v5e chip (16 GiB): libtpu refuses at compile time.
+  x = jax.ShapeDtypeStruct((6 * 2 ** 30,), jnp.float32,
+                           sharding=jax.sharding.SingleDeviceSharding(tpu_devices("v5e:2x2")[0]))
+  with pytest.raises(jax.errors.JaxRuntimeError) as e:
+    jax.jit(lambda x: x * 2).lower(x).compile()
+  text = str(e.value)
+  assert _compat.is_oom_error(text), text
+  assert 48 * GiB <= _compat.oom_bytes(text) < 49 * GiB, text
+
+
+def test_oom_text_quoted_and_other_text():
+  for text in OOM_TEXT.values():
+    assert _compat.is_oom_error(text) and _compat.oom_bytes(text) == 48 * GiB, text
+  assert _compat.oom_bytes("RESOURCE_EXHAUSTED: temporaries (512.5M) exceeds") == 512.5 * 2 ** 20
+  assert _compat.oom_bytes("RESOURCE_EXHAUSTED: Out of memory") == float("inf")
+  assert not _compat.is_oom_error("INVALID_ARGUMENT: Executable expected shape f32[4]")
+
+
+class _TpuCore:
+  """A stand-in for a TPU v4 device: what mesh_utils reads."""
+  platform, device_kind, process_index = "tpu", "TPU v4", 0
+
+  def __init__(self, id, coords, core):
+    self.id, self.coords, self.core_on_chip = id, coords, core
+
+  def __repr__(self):
+    return f"Dev({self.id})"
+
+
+def _mesh_utils_error(devices, shape) -> AssertionError:
+  with pytest.raises(AssertionError) as e:
+    mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  return e.value
+
+
+def test_is_megacore_error_reads_mesh_utils_refusal():
+  # Two devices per chip (TensorCores exposed one by one) on a 2x2 chip grid: refused.
+  cores = [_TpuCore(2 * (x + 2 * y) + c, (x, y, 0), c)
+           for y in range(2) for x in range(2) for c in range(2)]
+  assert _compat.is_megacore_error(_mesh_utils_error(cores, [2, 4]))
+  # Three chips of a 2x2 grid leave a hole: mesh_utils' other refusal.
+  chips = [_TpuCore(i, (i % 2, i // 2, 0), 0) for i in range(3)]
+  hole = _mesh_utils_error(chips, [3])
+  assert "dims=(2, 2, 1)" in str(hole) and not _compat.is_megacore_error(hole)
+  assert not _compat.is_megacore_error(ValueError("megacore"))
