@@ -51,8 +51,9 @@ class Options:
   weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
   grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
   max_stalled_steps: int = h.option(20, "stop with an error after this many consecutive steps "
-                                    "that left the params unchanged or non-finite although "
-                                    "the loss was finite (0: never)")
+                                    "that left the params unchanged or non-finite, or were "
+                                    "skipped for non-finite gradients (float16's loss "
+                                    "scale), although the loss was finite (0: never)")
   accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
   accum_gather: str = h.option("per_microbatch", "with accum_steps > 1: 'per_microbatch' "
                                "(params stay sharded) or 'once' (whole params on each device)")

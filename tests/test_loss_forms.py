@@ -77,6 +77,39 @@ def test_weighted_loss_equals_single_device_whole_batch(mesh_axes, mode, gather)
                params, ref_params)
 
 
+def _sum_weight_aux(params, batch):
+  """`((sum, weight), aux)`: aux counts the call's tokens as an int and as a float."""
+  tokens = jnp.sum(batch["mask"])
+  return _sum_weight(params, batch), {"tokens": tokens.astype(jnp.int32), "mean_tokens": tokens}
+
+
+@pytest.mark.parametrize("mesh_axes,mode,gather,calls", [
+    ("data=8", "shard_map", "per_microbatch", 32),  # 4 microbatches x 8 shards, per shard
+    ("data=8", "auto", "per_microbatch", 4),  # the loss sees each whole microbatch
+    ("fsdp=8", "auto", "once", 32),  # its microbatch loop runs per shard
+])
+def test_weighted_loss_with_aux(mesh_axes, mode, gather, calls):
+  # The loss and params as without aux (one device's whole-batch mean); aux's int leaf is
+  # summed over the loss's calls (the batch's tokens), its float leaf averaged over them.
+  batch = _masked_batch(5)
+  ref_loss, ref_params = _reference(batch)
+  mesh = fnscale.make_mesh(mesh_axes)
+  opt = optax.sgd(LR)
+  kw = dict(rules=models.RULES, logical_axes=models.mlp_logical_axes())
+  state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0), **kw)
+  step = fnscale.train_step(_sum_weight_aux, opt, accum_steps=4, accum_gather=gather,
+                            weighted=True, has_aux=True)
+  state, m = fnscale.shard_step(step, mesh, mode=mode, **kw)(state, batch)
+  m, params = jax.device_get((m, state.params))
+  tokens = int(np.sum(batch["mask"]))
+  assert float(m["weight"]) == tokens and int(m["aux"]["tokens"]) == tokens
+  assert m["aux"]["tokens"].dtype == np.int32
+  np.testing.assert_allclose(float(m["aux"]["mean_tokens"]), tokens / calls, rtol=1e-6)
+  np.testing.assert_allclose(float(m["loss"]), ref_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               params, ref_params)
+
+
 def test_plain_mean_loss_is_biased_under_uneven_masks():
   # What `weighted` fixes: the mean of 32 per-shard, per-microbatch means is not the mean.
   batch = _masked_batch(2)
@@ -103,7 +136,7 @@ def test_weighted_loss_must_be_two_scalars():
 # ----------------------------------------------------------------------------- PRNG key
 
 
-def _dropout_run(mesh_axes, mode, steps=2, accum=2):
+def _dropout_run(mesh_axes, mode, steps=2, accum=2, gather="per_microbatch"):
   """Runs `steps` steps of a dropout loss; returns (masks seen: a list of bool arrays,
   final params)."""
   seen = []
@@ -118,7 +151,8 @@ def _dropout_run(mesh_axes, mode, steps=2, accum=2):
   opt = optax.sgd(0.1)
   state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0))
   step = fnscale.shard_step(
-      fnscale.train_step(loss_fn, opt, accum_steps=accum, key=jax.random.key(42)),
+      fnscale.train_step(loss_fn, opt, accum_steps=accum, accum_gather=gather,
+                         key=jax.random.key(42)),
       mesh, mode=mode)
   for i in range(steps):
     state, _ = step(state, models.mlp_batch(jax.random.key(10 + i), 32))
@@ -136,6 +170,14 @@ def test_dropout_masks_differ_by_step_microbatch_and_shard():
   assert _distinct(seen) == len(seen)
   seen, _ = _dropout_run("data=8", "auto", accum=4)
   assert len(seen) == 2 * 4 and _distinct(seen) == len(seen)  # one global mask each
+
+
+def test_once_gather_dropout_masks_differ_by_microbatch_and_shard():
+  # accum_gather="once" runs the microbatch loop per shard under jax.shard_map, also in the
+  # default mode: each call sees its shard's 2 rows (32 / 2 microbatches / 8) and its own key.
+  seen, _ = _dropout_run("data=8", "auto", gather="once")
+  assert len(seen) == 2 * 2 * 8 and {m.shape for m in seen} == {(2, models.MLP.d_hidden)}
+  assert _distinct(seen) == len(seen)
 
 
 def test_dropout_run_is_bitwise_reproducible():

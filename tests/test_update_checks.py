@@ -1,8 +1,11 @@
-"""Updates that do not train: the step's update_norm / bad_update metrics, and loss-scale
-unscaling that is exact at the edges of float32's range (8 CPU devices).
+"""Updates that do not train: the step's update_norm / bad_update / skipped metrics, loss
+scaling at the edges of float32's range, and train_lm's stop after consecutive steps that
+did not train (8 CPU devices).
 
 References are hand-known gradients (a linear loss) and numpy differences of the params.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import jmp
@@ -113,12 +116,56 @@ def test_float16_dynamic_scale_above_float16_range_skips_and_halves():
   np.testing.assert_array_equal(before["w"] - after["w"], np.full(4, 2.0**-4, np.float32))
 
 
+def _scaled_sum(params, batch):
+  """loss = g * sum(w), g the batch's (constant) mean: the gradient is g for each w, taken
+  whole (no sum over rows or shards that could overflow on the way)."""
+  return jnp.mean(batch["g"]) * jnp.sum(params["w"])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_scaled_gradient_past_float32_range_is_skipped_or_flagged(dynamic):
+  # At scale 2**127 a gradient of 1.5 scales to 1.5 * 2**127, below float32's largest
+  # (2 - 2**-23) * 2**127, and is applied exactly; a gradient of 2 scales to 2**128: inf.
+  from recipes import harness  # pylint: disable=import-outside-toplevel
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(2.0**-4)
+  step = fnscale.shard_step(fnscale.train_step(_scaled_sum, opt), mesh)
+
+  def run(g, steps=1):
+    scale = jnp.float32(2.0**127)
+    ls = jmp.DynamicLossScale(scale) if dynamic else jmp.StaticLossScale(scale)
+    state = fnscale.init_state({"w": jnp.ones((4,), jnp.float32)}, opt, mesh=mesh,
+                               loss_scale=ls)
+    for _ in range(steps):
+      state, m = step(state, {"g": jnp.full((8,), g, jnp.float32)})
+    return jax.device_get(m), jax.device_get(state.params["w"])
+
+  m, w = run(1.5)
+  np.testing.assert_array_equal(w, np.full(4, 1 - 1.5 / 16, np.float32))
+  assert float(m["grad_norm"]) == 3.0 and int(m["skipped"]) == 0 and int(m["bad_update"]) == 0
+  m, w = run(2.0)
+  assert float(m["loss"]) == 8.0  # the unscaled loss is finite
+  if dynamic:  # skipped: params unchanged, the scale halved; at 2**126 it fits and applies
+    assert int(m["skipped"]) == 1 and int(m["bad_update"]) == 0
+    assert float(m["loss_scale"]) == 2.0**126
+    np.testing.assert_array_equal(w, np.ones(4, np.float32))
+    m, w = run(2.0, steps=2)
+    assert int(m["skipped"]) == 0
+    np.testing.assert_array_equal(w, np.full(4, 1 - 2 / 16, np.float32))
+  else:  # a static scale applies the inf: flagged, and train_lm's stop names it
+    assert int(m["skipped"]) == 0 and int(m["bad_update"]) == 1
+    assert float(m["update_norm"]) == np.inf and np.all(w == -np.inf)
+    with pytest.raises(fnscale.StepError, match=r"likely cause: the params became non-finite"):
+      harness.check_update(harness.Stall(), 1, m, 1)
+
+
 # ----------------------------------------------------------------------------- train_lm's stop
 
 
-def _metrics(bad, grad_norm=1.0, update_norm=0.0, loss=2.5):
-  return {"bad_update": np.int32(bad), "grad_norm": np.float32(grad_norm),
-          "update_norm": np.float32(update_norm), "loss": np.float32(loss)}
+def _metrics(bad, grad_norm=1.0, update_norm=0.0, loss=2.5, skipped=0, loss_scale=None):
+  m = {"bad_update": np.int32(bad), "grad_norm": np.float32(grad_norm), "skipped":
+       np.int32(skipped), "update_norm": np.float32(update_norm), "loss": np.float32(loss)}
+  return m if loss_scale is None else dict(m, loss_scale=np.float32(loss_scale))
 
 
 @pytest.mark.parametrize("grad_norm, update_norm, cause", [
@@ -137,3 +184,89 @@ def test_consecutive_bad_updates_raise_naming_steps_and_cause(grad_norm, update_
   with pytest.raises(fnscale.StepError, match=r"at 3 consecutive steps 8\.\.10 .*" + cause):
     harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 3)
   assert harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 0).steps == 3
+
+
+def _skip(loss=2.5):  # a step a dynamic scale at its floor skipped: params unchanged
+  return _metrics(0, grad_norm=np.inf, update_norm=0.0, loss=loss, skipped=1, loss_scale=1.0)
+
+
+def test_skipped_steps_with_a_finite_loss_count_toward_the_stop():
+  from recipes import harness  # pylint: disable=import-outside-toplevel
+  # Step 2's skip has a NaN loss (the non-finite check's to stop): it resets the count, as
+  # the good step 4 does; skips and bad updates in a row count together: 5, 6, 7 (limit 3).
+  seq = [(1, _skip()), (2, _skip(np.nan)), (3, _skip()), (4, _metrics(0, update_norm=0.1)),
+         (5, _skip()), (6, _metrics(1, 3.0, 0.0))]
+  stall = harness.Stall()
+  counts = []
+  for done, m in seq:
+    stall = harness.check_update(stall, done, m, 3)
+    counts.append(stall.steps)
+  assert counts == [1, 0, 1, 0, 1, 2] and stall == harness.Stall(2, 5)
+  with pytest.raises(fnscale.StepError, match=r"at 3 consecutive steps 5\.\.7 .*grad_norm inf, "
+                     r"update_norm 0, loss_scale 1\); likely cause: the updates were skipped: "
+                     r"their gradients were non-finite .*overflow the compute dtype"):
+    harness.check_update(stall, 7, _skip(), 3)
+
+
+def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=float32"):
+  """`steps` steps on data=8 from params {"w": w} (float16 compute: init_state's default
+  dynamic scale, 2**15); returns each step's metrics and the params before and after."""
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.sgd(2.0**-30)
+  state = fnscale.init_state({"w": jnp.asarray(w, jnp.float32)}, opt, mesh=mesh,
+                             policy=policy)
+  before = jax.device_get(state.params["w"])
+  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt, policy=policy), mesh)
+  ms = []
+  for _ in range(steps):
+    state, m = step(state, {"x": jnp.ones((8, 4), jnp.float32)})
+    ms.append(jax.device_get(m))
+  return ms, before, jax.device_get(state.params["w"])
+
+
+def _stop_at(ms, limit):
+  """(step, message) where train_lm's check stops these metrics (steps from 1), or (None, None)."""
+  from recipes import harness  # pylint: disable=import-outside-toplevel
+  stall = harness.Stall()
+  for done, m in enumerate(ms, 1):
+    try:
+      stall = harness.check_update(stall, done, m, limit)
+    except fnscale.StepError as e:
+      return done, str(e)
+  return None, None
+
+
+def test_float16_run_that_skips_every_step_stops_at_the_default_limit():
+  # loss = mean(x / w) = 4096 at x = 1, w = 2**-12: finite in float16, but its gradient,
+  # -2**22 per element (float32), overflows float16 (max 65504) at every scale down to the
+  # dynamic scale's floor, 1: every step is skipped while the scale halves 2**15 -> 1.
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  limit = train_lm.Options.max_stalled_steps
+  loss_fn = lambda p, b: jnp.mean(b["x"] / p["w"])
+  ms, before, after = _run_each(loss_fn, np.full(4, 2.0**-12), limit)
+  assert [float(m["loss"]) for m in ms] == [4096.0] * limit
+  assert [int(m["skipped"]) for m in ms] == [1] * limit
+  assert [int(m["bad_update"]) for m in ms] == [0] * limit  # the metric alone says nothing
+  assert [float(m["loss_scale"]) for m in ms] == [2.0**max(14 - i, 0) for i in range(limit)]
+  np.testing.assert_array_equal(after, before)
+  done, message = _stop_at(ms, limit)
+  assert done == limit and re.search(
+      rf"at {limit} consecutive steps 1\.\.{limit} .*loss 4096, grad_norm inf, update_norm 0, "
+      r"loss_scale 1\); likely cause: the updates were skipped.*precision=float32", message)
+  # The advice holds: in float32 the gradient is finite, -2**22 per element.
+  ms, _, _ = _run_each(loss_fn, np.full(4, 2.0**-12), 1, policy=None)
+  assert float(ms[0]["grad_norm"]) == 2.0**23 and int(ms[0]["skipped"]) == 0
+
+
+def test_float16_dynamic_scale_that_halves_to_a_working_scale_does_not_stop():
+  # loss = sum(w * 2**15) = 4 at w = 2**-15; its gradient 2**15 times a scale s fits float16
+  # only at s = 1: the default scale 2**15 is skipped and halved 15 times, then step 16
+  # applies -2**-30 * 2**15 = -2**-15, taking w to 0. train_lm's default limit lets it.
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  ms, _, after = _run_each(lambda p, b: jnp.sum(p["w"] * 2.0**15), np.full(4, 2.0**-15), 16)
+  assert [int(m["skipped"]) for m in ms] == [1] * 15 + [0]
+  assert float(ms[-1]["loss_scale"]) == 1.0 and int(ms[-1]["bad_update"]) == 0
+  np.testing.assert_array_equal(after, np.zeros(4, np.float32))
+  assert train_lm.Options.max_stalled_steps > 15
+  assert _stop_at(ms, train_lm.Options.max_stalled_steps) == (None, None)
+  assert _stop_at(ms, 15)[0] == 15  # a limit at the halvings' count stops it
