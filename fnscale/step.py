@@ -430,8 +430,9 @@ def _gather_once(cfg: _Config, params, micro, scale, step, axes, specs):
   dtype first, are all-gathered once at its entry; every device sums its own microbatches'
   float32 gradients in a whole-size accumulator, reduced once after the loop:
   reduce-scattered to the params' sharding `specs` (all-reduced over axes the params are
-  replicated on). check_vma=False: a Pallas kernel inside (splash attention) has no
-  varying-axes type; the gradients are taken inside the body, so no reduction is implied.
+  replicated on: every axis when the specs are unknown, all P()). check_vma=False: a
+  Pallas kernel inside (splash attention) has no varying-axes type; the gradients are
+  taken inside the body, so no reduction is implied.
   """
   if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
@@ -467,6 +468,8 @@ def _gradients(cfg: _Config, params, batch, ls, step):
     # (Not per shard over the data axes the params are whole on, which would reduce those
     # once: XLA's partitioner aborts on a table lookup inside such a partly manual loop.)
     return _grad_sum(cfg, params, micro, scale, step)
+  # Unknown under a plain jit on Auto axes (Auto types carry no sharding, and the trace
+  # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
   specs = _known_specs(params) or [PartitionSpec()] * len(jax.tree.leaves(params))
   return _gather_once(cfg, params, micro, scale, step, axes, specs)
 
@@ -573,13 +576,15 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     key: a `jax.random.key` (or None): `loss_fn` is then called as
       `loss_fn(params, batch, key)` with `key` folded (`jax.random.fold_in`) by the state's
       step, the microbatch index (0 without accumulation) and, per shard under
-      `jax.shard_map` (`shard_step(mode="shard_map")`), the shard's position over the data
-      axes: distinct for each, and reproducible. Without shard_map the loss sees the whole
-      global batch and one key per microbatch, so its random bits (jax's partitionable
-      threefry) are the same under any mesh.
+      `jax.shard_map` (`shard_step(mode="shard_map")`, and `accum_gather="once"`, whose
+      microbatch loop runs per shard in any mode), the shard's position over the data
+      axes: distinct for each, and reproducible. Otherwise the loss sees the whole global
+      batch and one key per microbatch, so its random bits (jax's partitionable threefry)
+      are the same under any mesh; per shard they depend on the data-shard count.
     accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
       between microbatches. FSDP semantics either way: the gradients end in the params'
-      sharding, never in a whole-size accumulator that is all-reduced at the end.
+      sharding, never in a whole-size accumulator that is all-reduced at the end (for
+      "once", where the step knows that sharding; see below).
       "per_microbatch" (default, ZeRO-3): params stay sharded and are gathered inside each
       microbatch, as without accumulation (accum x the all-gather traffic); each
       microbatch's gradient is reduced into a float32 accumulator sharded as the params are
@@ -591,7 +596,12 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       its own float32 gradients in a whole-size accumulator, reduce-scattered once after
       the loop (all-reduced over data axes the params are replicated on). Traffic as at
       accum 1; memory: whole compute-dtype params and a whole float32 accumulator per
-      device. `fnscale.plan` chooses between them.
+      device. The reduce-scatter needs the params' shardings: `shard_step` tells the step
+      them, Explicit mesh axes carry them in the types. Under a plain `jax.jit` on Auto
+      axes the step cannot know them (Auto types carry no sharding), so the whole float32
+      gradients are all-reduced over the data axes (2 (n-1)/n of their bytes sent per
+      device, twice the reduce-scatter's) and then sliced to the params' sharding.
+      `fnscale.plan` chooses between the modes.
       Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
 
   Returns:

@@ -100,6 +100,41 @@ def _check_data_axis(target, axes):
   assert 4 * (p / 2 / 8) <= _sent(per, "all-reduce", 2) <= 4 * p / 4 + 64
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_jit(axis_types):
+  """HLO summary of the "once" step (accum 4) traced by a plain `jax.jit`, no shard_step."""
+  mesh = fs.make_mesh({"data": 2, "fsdp": 4}, axis_types=axis_types)
+  opt = optax.sgd(0.1)
+  init = functools.partial(bench.init_mlp, d=256, m=1024, layers=L)
+  state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=rows)}
+  step = fs.train_step(bench.mlp_loss, opt, accum_steps=4, policy=POLICY, accum_gather="once")
+  with fs.with_mesh(mesh):
+    return hlo.summarize(jax.jit(step).lower(state, batch).compile().as_text())
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_once_in_a_plain_jit_reduce_scatters_where_the_shardings_are_known(axis_types):
+  # data=2,fsdp=4, f32 params P. Params gathered once over fsdp either way (bf16 or f32).
+  p = _param_bytes(256, 1024)
+  s = _plain_jit(axis_types)
+  ag = s.collective("all-gather")
+  assert ag.count == 4 and ag.bytes_sent in [pytest.approx(3 / 4 * p / k) for k in (1, 2)]
+  rs = s.collective("reduce-scatter")
+  if axis_types == "auto":
+    # The trace knows no param sharding: every whole f32 gradient all-reduced over all 8
+    # devices once, 2 x 7/8 x P sent; the update then takes its slice.
+    assert rs.count == 0
+    assert _sent(s, "all-reduce", 8) == pytest.approx(2 * 7 / 8 * p, abs=64)
+  else:
+    # Explicit types carry the shardings: as under shard_step, reduce-scattered over fsdp
+    # (3/4 P) and the f32 fsdp shards all-reduced over data (2 x 1/2 x P/4).
+    assert rs.count == 4 and rs.bytes_sent == pytest.approx(3 / 4 * p)
+    assert _sent(s, "all-reduce", 2) == pytest.approx(2 * 0.5 * p / 4, abs=64)
+    assert _sent(s, "all-reduce", 8) <= 64  # scalars
+
+
 @pytest.mark.parametrize("target, axes", CASES)
 def test_default_keeps_the_accumulator_sharded_cpu(target, axes):
   _check_default_memory(target, axes)

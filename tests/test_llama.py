@@ -108,6 +108,20 @@ def test_loss_is_the_cross_entropy_of_the_reference_logits_under_a_mesh():
                grads, ref_grads)
 
 
+def test_loss_never_holds_the_float32_logits():
+  # 16,384 tokens x a 16,384-token vocabulary: the float32 [batch, seq, vocab] logits are
+  # 1 GiB, the model's own activations a few MiB. A loss that builds them (optax over
+  # `apply`: the same value and FLOPs) needs them as a temporary of the gradient, so the
+  # compiled temporaries reach 1 GiB; walked in chunks (`fs.cross_entropy`) they stay below.
+  B, S, V = 256, 64, 16384
+  cfg = llama.model_config("llama-tiny", S, layers=1, d_model=64, heads=4, kv_heads=2,
+                           d_mlp=128, vocab=V)
+  params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+  batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32) for k in ("inputs", "targets")}
+  compiled = jax.jit(jax.value_and_grad(llama.loss_fn)).lower(params, batch).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < B * S * V * 4
+
+
 def test_rope_keeps_norms_and_scores_depend_on_relative_position():
   x = jax.random.normal(jax.random.key(3), (1, 16, 2, 8))
   r = llama.rope(x, 10_000.0)
