@@ -558,6 +558,19 @@ def test_a_save_slower_than_the_preemption_window_is_said_at_start_up(work, stop
   assert said and out.index(said.group(0)) < out.index("step      4/4"), out
 
 
+def test_a_save_slower_than_the_preemption_window_is_said_in_a_fresh_run(work, tmp_path,
+                                                                         capsys):
+  # No checkpoint to time at start-up: the run says it once its saves are timed (from the
+  # second on, the first's time holding one-off compiles), before the third is written,
+  # and only once. A check that runs only at start-up never says it in a fresh run.
+  _run(_argv(work, tmp_path / "run", "--checkpoint_every=1", "--grace_s=0.001"))
+  out = capsys.readouterr().out
+  said = re.findall(r"warning: a checkpoint save takes ~[\d.]+ s here \(step 2\); .* but "
+                    r"grace_s is 0.001 s: raise grace_s", out)
+  assert len(said) == 1 and "checkpoint save takes" not in out.split(said[0])[1], out
+  assert out.index(said[0]) < out.index("checkpoint: step 3 saving"), out
+
+
 def test_no_good_checkpoint_is_an_error(work, capsys):
   run_dir = work / "all_corrupt"
   (run_dir / "checkpoints" / "3").mkdir(parents=True)  # empty: no marker, no metadata
