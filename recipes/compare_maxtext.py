@@ -160,7 +160,7 @@ def read_side(out: str, side: str) -> dict:
     facts = json.load(f)
   s = fhlo.summarize(text)
   facts.update(matmul_flops=s.matmul_flops, unknown_trip_counts=s.unknown_trip_counts,
-               kernels=_kernels(text),
+               kernels=_kernels(text), dcn_sent=s.dcn_bytes_sent,
                collectives={c.kind: (c.count, c.bytes_sent) for c in s.collectives if c.count})
   return facts
 
@@ -179,6 +179,8 @@ def table(sides: dict[str, dict]) -> str:
         s["collectives"].get(k, (0, 0.0))))
     rows.append((f"  {kind}", cell, lambda k=kind: ratio(
         m["collectives"].get(k, (0, 0))[1], f["collectives"].get(k, (0, 0))[1])))
+  rows.append(("  of which across slices (DCN)", lambda s: f"{s['dcn_sent'] / MIB:,.0f} MiB",
+               lambda: ratio(m["dcn_sent"], f["dcn_sent"])))
   for key in ("argument", "temp"):
     rows.append((f"{key} memory", lambda s, k=key: f"{(s[k] or 0) / 2**30:.2f} GiB",
                  lambda k=key: ratio(m[k] or 0, f[k] or 0)))
@@ -228,6 +230,10 @@ def main(argv=None) -> None:
                       if not x.startswith("--maxtext_python")], check=True, env=env)
   if "fnscale" in todo:
     fnscale_side(a)
+  missing = [s for s in SIDES if not os.path.exists(os.path.join(a.out, f"{s}.hlo.txt"))]
+  if missing:
+    raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
+                     f"there first (--sides={','.join(missing)}, same flags)")
   sides = {s: read_side(a.out, s) for s in SIDES}
   text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, Llama-3-8B shapes x "
           f"{a.layers} layers, {a.batch} row(s) x {a.seq} tokens per device\n\n" + table(sides))
