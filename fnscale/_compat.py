@@ -5,7 +5,7 @@ the range pyproject.toml states. Each entry here is private to JAX (`jax._src`),
 layout of JAX's program representation (jaxpr), or a text format: XLA's logs and errors, the
 collectives' and the coordination service's errors, `mesh_utils`' refusals.
 `tests/test_compat.py` has a test per entry that fails, naming the entry, when a JAX release
-changes it; an entry that finds JAX changed at run time raises `FnscaleError` naming itself,
+changes it; an entry that finds JAX changed at run time raises `RuntimeFailure` naming itself,
 the installed jax and the tested range.
 
 Where JAX has a public interface fnscale uses it and it is not here:
@@ -21,14 +21,15 @@ from typing import Any, NamedTuple
 
 import jax
 
-from fnscale.errors import FnscaleError
+from fnscale.errors import RuntimeFailure
 
 # The JAX releases fnscale is tested with; pyproject.toml's `jax` requirement says the same.
 TESTED_JAX = ">=0.10.2,<0.13"
 
 
-def _changed(entry: str, what: str) -> FnscaleError:
-  return FnscaleError(
+def _changed(entry: str, what: str) -> RuntimeFailure:
+  # Not bad input: the installed JAX is not the one this entry was written for.
+  return RuntimeFailure(
       f"fnscale._compat.{entry}: {what} in jax {jax.__version__}; fnscale is tested with jax "
       f"{TESTED_JAX}. Fix: install a jax in that range (pip install 'jax{TESTED_JAX}'), or "
       "adapt this entry of fnscale/_compat.py to the new release.")
@@ -56,7 +57,7 @@ def distributed_state() -> DistributedState:
   is no public accessor for the client, and `jax.process_count` would start the backends.
 
   Raises:
-    FnscaleError: JAX moved or renamed it.
+    RuntimeFailure: JAX moved or renamed it.
   """
   try:
     from jax._src import distributed as jd  # pylint: disable=g-import-not-at-top
@@ -75,7 +76,7 @@ def detect_cluster(coordinator_address, num_processes, process_id, method, timeo
   inside `initialize`, and fnscale needs the coordinator first, to bound the wait for it.
 
   Raises:
-    FnscaleError: JAX moved or renamed `clusters.ClusterEnv.auto_detect_unset_distributed_params`.
+    RuntimeFailure: JAX moved or renamed `clusters.ClusterEnv.auto_detect_unset_distributed_params`.
     Whatever the detection itself raises (a metadata service that doesn't answer, ...).
   """
   try:
@@ -91,7 +92,7 @@ def backends_initialized() -> bool:
   """Whether JAX has started its backends (then `jax.distributed.initialize` is too late).
 
   Raises:
-    FnscaleError: JAX moved or renamed `xla_bridge.backends_are_initialized`.
+    RuntimeFailure: JAX moved or renamed `xla_bridge.backends_are_initialized`.
   """
   try:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
@@ -131,7 +132,7 @@ def concrete_mesh():
   tracing, where the public `jax.sharding.get_mesh` refuses.
 
   Raises:
-    FnscaleError: JAX moved or renamed `jax._src.mesh.get_concrete_mesh`.
+    RuntimeFailure: JAX moved or renamed `jax._src.mesh.get_concrete_mesh`.
   """
   try:
     from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
@@ -164,7 +165,7 @@ def scan_parts(eqn) -> ScanParts:
   (`ft_in`), each group's `len` its number of operands.
 
   Raises:
-    FnscaleError: neither layout (a JAX release changed scan's params).
+    RuntimeFailure: neither layout (a JAX release changed scan's params).
   """
   p = eqn.params
   if "num_consts" in p and "num_carry" in p:
@@ -187,7 +188,7 @@ def name_scopes(eqn) -> str:
   `source_info.name_stack`; a `jit` or `custom_vjp` body's equations start afresh).
 
   Raises:
-    FnscaleError: the equation carries no `source_info.name_stack`.
+    RuntimeFailure: the equation carries no `source_info.name_stack`.
   """
   try:
     return str(eqn.source_info.name_stack)
@@ -201,7 +202,7 @@ def dot_contracting_dims(eqn) -> tuple[int, ...]:
   ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)) as `lax.dot_general` takes).
 
   Raises:
-    FnscaleError: the params hold no such `dimension_numbers`.
+    RuntimeFailure: the params hold no such `dimension_numbers`.
   """
   try:
     (lc, _), _ = eqn.params["dimension_numbers"]
@@ -222,7 +223,7 @@ def kernel_cost(eqn) -> KernelCost:
   """Reads a `pallas_call` equation's `name` and `cost_estimate` (`pl.CostEstimate` or None).
 
   Raises:
-    FnscaleError: the params hold no `name` or no `cost_estimate` entry.
+    RuntimeFailure: the params hold no `name` or no `cost_estimate` entry.
   """
   p = eqn.params
   if "name" not in p or "cost_estimate" not in p:

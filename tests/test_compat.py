@@ -188,8 +188,11 @@ def test_jaxpr_entries_of_an_unknown_layout_name_themselves():
     source_info = None
 
   for entry in ("dot_contracting_dims", "kernel_cost", "name_scopes"):
-    with pytest.raises(fs.FnscaleError, match=rf"fnscale._compat.{entry}: .* tested with jax"):
+    with pytest.raises(fs.FnscaleError, match=rf"fnscale._compat.{entry}: .* tested with jax"
+                       ) as e:
       getattr(_compat, entry)(Eqn())
+    # The environment failed, not the input: no `except ValueError` swallows it.
+    assert isinstance(e.value, fs.RuntimeFailure) and not isinstance(e.value, ValueError)
 
 
 def test_detect_cluster_returns_what_it_was_given_and_finds_nothing_off_a_cluster(monkeypatch):
