@@ -2,10 +2,12 @@
 compiling captured from stderr, plus the compile settings (`fast_compile_options`, jax's
 persistent `compilation_cache`). `fnscale.compile` compiles steps with it and
 `fnscale.report` reads what it returns; the settings are public as
-`fnscale.report.fast_compile_options` and `fnscale.report.compilation_cache`."""
+`fnscale.report.fast_compile_options`, `fnscale.report.compilation_cache` and
+`fnscale.report.compilation_cache_restored`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+import contextlib
 import hashlib
 import os
 import sys
@@ -142,3 +144,24 @@ def compilation_cache(directory: str, *, min_compile_time_s: float = 0.0,
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
   cc.reset_cache()
 
+
+
+# The process-wide jax settings `compilation_cache` changes (and the switch a caller may set).
+_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
+
+
+@contextlib.contextmanager
+def compilation_cache_restored():
+  """A block after which jax's persistent compilation cache is configured as before it:
+  `compilation_cache` inside it (a run that caches its own programs) doesn't leave later
+  compiles of the process writing to, or reading stale entries from, that directory."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  try:
+    yield
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+    cc.reset_cache()

@@ -24,11 +24,12 @@ from fnscale import sharding as _sh
 from fnscale.errors import ShardingError, StepError
 from fnscale.hlo import Collective
 # The compile settings are public here; the warnings reader is reached here by its tests.
-from fnscale._compiler import compilation_cache, fast_compile_options  # noqa: F401
+from fnscale._compiler import compilation_cache, compilation_cache_restored  # noqa: F401
+from fnscale._compiler import fast_compile_options  # noqa: F401
 from fnscale._compiler import compile_lowered, xla_warnings  # noqa: F401
 
-__all__ = ["CompileReport", "compilation_cache", "compile_report", "fast_compile_options",
-           "format_report", "sharding_report"]
+__all__ = ["CompileReport", "compilation_cache", "compilation_cache_restored", "compile_report",
+           "fast_compile_options", "format_report", "sharding_report"]
 
 
 class CompileReport(NamedTuple):

@@ -139,19 +139,10 @@ def persistent_cache(directory: str):
   """jax's persistent compilation cache in `directory` (every program cached: thresholds 0),
   restoring the previous settings afterwards."""
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  # pylint: disable-next=g-import-not-at-top,import-outside-toplevel
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
-  old = {n: getattr(jax.config, n) for n in names}
-  jax.config.update("jax_enable_compilation_cache", True)
-  fs.report.compilation_cache(directory)  # thresholds 0: even sub-second programs are cached
-  try:
+  with fs.report.compilation_cache_restored():
+    jax.config.update("jax_enable_compilation_cache", True)
+    fs.report.compilation_cache(directory)  # thresholds 0: even sub-second programs cached
     yield
-  finally:
-    for n, v in old.items():
-      jax.config.update(n, v)
-    cc.reset_cache()
 
 
 _EVENTS = collections.Counter()

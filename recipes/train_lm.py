@@ -178,15 +178,18 @@ def checkpoint_directory(o: Options) -> str:
 
 def run(o: Options) -> h.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
-  # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
-  t0, say = time.time(), h.start(o)
-  # From here to the end (data, compile, start-up eval, loop, evals, final save), a notice
-  # (SIGTERM to any process) stops every process after one step, or within grace_s wherever
-  # it is, and a process lost in a collective is named, not left to a runtime error.
-  preemption.check_service()  # the guard needs it: say so now, not after the compile
-  with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
-      fs.distributed.peer_guard():
-    return _start(o, t0, say, should_stop)
+  # --compile_cache_dir is this run's: the caller's later compiles don't use it.
+  with fs.report.compilation_cache_restored():
+    # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
+    t0, say = time.time(), h.start(o)
+    # From here to the end (data, compile, start-up eval, loop, evals, final save), a notice
+    # (SIGTERM to any process) stops every process after one step, or within grace_s
+    # wherever it is, and a process lost in a collective is named, not left to a runtime
+    # error.
+    preemption.check_service()  # the guard needs it: say so now, not after the compile
+    with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
+        fs.distributed.peer_guard():
+      return _start(o, t0, say, should_stop)
 
 
 def _start(o: Options, t0: float, say, should_stop) -> h.Summary:

@@ -394,6 +394,22 @@ def test_persistent_compilation_cache(tmp_path):
     freport.compilation_cache("")
 
 
+def test_compilation_cache_restored_puts_the_settings_back(tmp_path):
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
+  before = {k: jax.config.values[k] for k in names}
+  with freport.compilation_cache_restored():
+    jax.config.update("jax_enable_compilation_cache", not before["jax_enable_compilation_cache"])
+    freport.compilation_cache(str(tmp_path), min_compile_time_s=2.5, min_entry_size_bytes=7)
+    assert jax.config.values["jax_compilation_cache_dir"] == str(tmp_path)
+  assert {k: jax.config.values[k] for k in names} == before
+  with pytest.raises(RuntimeError, match="inside"):  # restored on an error too
+    with freport.compilation_cache_restored():
+      freport.compilation_cache(str(tmp_path))
+      raise RuntimeError("inside")
+  assert {k: jax.config.values[k] for k in names} == before
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

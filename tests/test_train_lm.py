@@ -96,7 +96,11 @@ def test_model_sizes_and_logical_axes(size, layers, d_model):
 def uninterrupted(work):
   """6 steps without a stop, on a data=4,fsdp=2 mesh (FSDP-sharded params)."""
   run_dir = work / "uninterrupted"
-  return _run(_argv(work, run_dir, "--nocheckpoint", "--sample_len=24")), run_dir
+  before = jax.config.jax_compilation_cache_dir
+  summary = _run(_argv(work, run_dir, "--nocheckpoint", "--sample_len=24"))
+  # The run's --compile_cache_dir is its own: the caller's later compiles don't use it.
+  assert jax.config.jax_compilation_cache_dir == before != str(work / "cache")
+  return summary, run_dir
 
 
 def test_nano_run_trains_and_writes_metrics(work, uninterrupted):
