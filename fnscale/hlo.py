@@ -150,9 +150,9 @@ class HloSummary(NamedTuple):
   group size present (a group size names the mesh axis a collective runs on); `unread`: what
   could not be read (`Unread`; `unread.count == 0` when the figures cover the whole program);
   `kernels`: custom kernels called, whose work no figure includes (`Kernel`);
-  `dcn_bytes_sent`: of the ring bytes, those sent across slices (a multi-slice TPU program's
-  collectives over the data-center network; also in `collectives` and `groups`, with the
-  slice count as group size).
+  `dcn_groups`: the part of `groups` sent across slices (a multi-slice TPU program's
+  collectives over the data-center network, their group size the slice count; also in
+  `collectives` and `groups`), and `dcn_bytes_sent` its total.
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -162,12 +162,17 @@ class HloSummary(NamedTuple):
   groups: tuple[tuple[str, int, float], ...] = ()
   unread: Unread = Unread()
   kernels: tuple[Kernel, ...] = ()
-  dcn_bytes_sent: float = 0.0
+  dcn_groups: tuple[tuple[str, int, float], ...] = ()
 
   @property
   def unknown_trip_counts(self) -> int:
     """While loops without a known trip count (their bodies counted once)."""
     return sum(l.trip_count is None for l in self.loops)
+
+  @property
+  def dcn_bytes_sent(self) -> float:
+    """Ring bytes sent across slices per device per step (`dcn_groups`' total)."""
+    return sum(b for _, _, b in self.dcn_groups)
 
   def collective(self, kind: str) -> Collective:
     """The entry for `kind`, or a zero one."""
@@ -428,7 +433,7 @@ class _Graph(NamedTuple):
   kernels: dict  # comp -> [(name, target, declared FLOPs or None)]
   unread: dict  # comp -> [opcode]
   guessed: dict  # comp -> [collective kind]
-  dcn: dict  # comp -> [(kind, result bytes, slices)]: the collectives across slices
+  dcn: dict  # comp -> [(kind, result bytes, slices)]: those of `colls` across slices
 
 
 def _graph() -> _Graph:
@@ -973,14 +978,21 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
   return _summary(g, mult, tuple(loops), unknown, dev.total)
 
 
+def _ring_groups(colls: dict, mult: dict) -> tuple[tuple[str, int, float], ...]:
+  """(kind, group size, ring bytes sent per step) of `colls` (comp -> [(kind, bytes, n)])."""
+  groups: dict[tuple[str, int], float] = collections.defaultdict(float)
+  for c, items in colls.items():
+    for kind, nbytes, n in items:
+      groups[(kind, n)] += ring_bytes_sent(kind, nbytes, n) * mult[c]
+  return tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b)
+
+
 def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: int
              ) -> HloSummary:
   """The per-step figures of a read module, each computation weighted by its runs."""
   out: dict[str, list] = {}
-  groups: dict[tuple[str, int], float] = collections.defaultdict(float)
   for c, items in g.colls.items():
     for kind, nbytes, n in items:
-      groups[(kind, n)] += ring_bytes_sent(kind, nbytes, n) * mult[c]
       e = out.setdefault(kind, [0, 0.0, 0, 0.0])
       e[0] += mult[c]
       e[1] += nbytes * mult[c]
@@ -1002,10 +1014,9 @@ def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: i
       collectives=tuple(Collective(k, int(v[0]), int(v[1]), v[2], float(v[3]))
                         for k in COLLECTIVE_KINDS if (v := out.get(k)) and v[2]),
       loops=loops, num_devices=int(num_devices),
-      groups=tuple((k, n, b) for (k, n), b in sorted(groups.items()) if b),
+      groups=_ring_groups(g.colls, mult),
       unread=Unread(count(g.unread), unknown, count(g.guessed)),
-      dcn_bytes_sent=sum(ring_bytes_sent(k, b, n) * mult[c]
-                         for c, items in g.dcn.items() for k, b, n in items),
+      dcn_groups=_ring_groups(g.dcn, mult),
       kernels=tuple(Kernel(n, t, v[0], v[1], v[2] if v[3] else None)
                     for (n, t), v in sorted(kernels.items())))
 

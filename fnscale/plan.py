@@ -199,19 +199,24 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
   """Seconds of the compiled collectives by mesh axis: each replica group's ring bytes over
-  the bandwidth of the mesh axis of that size (DCN axes first); collective-permutes (XLA's
-  windowed einsums) and groups no single axis matches go to the slowest ICI axis."""
+  the bandwidth of the mesh axis of that size, the bytes sent across slices
+  (`summary.dcn_groups`) on the DCN axes and the rest on the ICI axes; collective-permutes
+  (XLA's windowed einsums) and groups no single axis matches go to the slowest axis there."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
   bw = _cost.axis_bandwidth(hw, ici, axes.dcn)
-  sizes = {**{a: axes.dcn[a] for a in axes.dcn}, **ici}
-  slowest = min(ici, key=bw.get, default=None)
+  across = {(kind, n): b for kind, n, b in summary.dcn_groups}
   out = {}
   for kind, n, sent in summary.groups:
-    axis = next((a for a, k in sizes.items() if k == n), None)
-    if axis is None or kind == "collective-permute":
-      axis = slowest
-    rate = bw[axis] if axis else min(bw.values(), default=hw.links.ici_link)
-    out[axis or "ici"] = out.get(axis or "ici", 0.0) + sent / rate
+    for sizes, part in ((axes.dcn, across.get((kind, n), 0.0)),
+                        (ici, sent - across.get((kind, n), 0.0))):
+      if not part:
+        continue
+      slowest = min(sizes, key=bw.get, default=None)
+      axis = next((a for a, k in sizes.items() if k == n), None)
+      if axis is None or kind == "collective-permute":
+        axis = slowest
+      rate = bw[axis] if axis else min(bw.values(), default=hw.links.ici_link)
+      out[axis or "ici"] = out.get(axis or "ici", 0.0) + part / rate
   return out
 
 

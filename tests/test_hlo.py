@@ -309,5 +309,7 @@ def test_tpu_multislice_gradients_cross_slices_over_dcn(tpu_devices, slices):
   ring = 2 * (slices - 1) / slices
   # The gradient shard, plus the loss's few scalars (under 1 KiB) reduced with it.
   assert ring * shard <= s.dcn_bytes_sent <= ring * (shard + 1024)
-  across = [b for k, n, b in s.groups if k == "all-reduce" and n == slices]
-  assert (sum(across) >= s.dcn_bytes_sent) if slices > 1 else s.dcn_bytes_sent == 0
+  # Every byte across slices is an all-reduce over all of them; the groups hold them too.
+  assert all((k, n) == ("all-reduce", slices) for k, n, _ in s.dcn_groups)
+  assert dict(((k, n), b) for k, n, b in s.groups).get(("all-reduce", slices), 0) >= (
+      s.dcn_bytes_sent)

@@ -692,6 +692,7 @@ def test_collectives_across_slices_are_the_megascale_sends():
   assert s.collective("all-gather").bytes == 2048
   assert s.groups == (("all-gather", 3, 2048 * 2 / 3), ("all-reduce", 2, 196608.0),
                       ("all-reduce", 4, 6144.0))
+  assert s.dcn_groups == s.groups  # every collective of this module crosses slices
   assert s.unread.ops == (("send ALL_REDUCE", 1), ("send BROADCAST_SOMEHOW", 1))
   # Host transfers that are not the megascale runtime's (infeed-like) move no device bytes.
   plain = text.replace('"xla_megascale_runtime"', '"host_callback"')

@@ -491,3 +491,20 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   with pytest.raises(Stop):
     plan_module._verify(once, hw, ctx)
   assert seen["accum_gather"] == "once"
+
+
+def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
+  # 2x v5p-8, fsdp=4 in each slice, replica=2 across: 300 ring bytes of all-reduce in groups
+  # of 2, of which the HLO reader saw 200 cross slices. Those 200 go at the DCN rate; the
+  # other 100 (no ICI axis has size 2) at the slowest ICI axis's, with the fsdp all-gather.
+  # Charging every size-2 group to the DCN axis (its size matches) would put 300 there.
+  from fnscale import hlo, plan as plan_module  # pylint: disable=import-outside-toplevel
+  hw = _targets.resolve("2x v5p-8")
+  axes = fs.mesh.MeshAxes({"fsdp": 4}, {"replica": 2})
+  bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)
+  summary = hlo.HloSummary(0.0, 0.0, (), (), 8,
+                           groups=(("all-gather", 4, 400.0), ("all-reduce", 2, 300.0)),
+                           dcn_groups=(("all-reduce", 2, 200.0),))
+  out = plan_module._compiled_comm(summary, hw, axes)
+  assert out == pytest.approx({"fsdp": 500.0 / bw["fsdp"], "replica": 200.0 / bw["replica"]})
+  assert summary.dcn_bytes_sent == 200.0
