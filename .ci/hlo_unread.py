@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reads every XLA dump file under a directory with `fnscale.hlo.summarize` and lists what it
+"""Reads every XLA dump file under a directory with `fnscale.analysis.hlo.summarize` and lists what it
 could not read. Exit status 1 if anything was unread.
 
   XLA_FLAGS=--xla_dump_to=/tmp/hlo python -m pytest -q tests/test_step.py ...
@@ -12,7 +12,7 @@ import collections
 import pathlib
 import sys
 
-from fnscale import hlo
+from fnscale.analysis import hlo
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """fnscale: a single-device JAX train step as one SPMD program on every chip.
 
 Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step.
-Tools around the pipeline are submodules: `fnscale.hlo`, `fnscale.flops`,
-`fnscale.checkpoint`, `fnscale.cloud`, `fnscale.adapters`, `fnscale.invariance`, ...
+Tools around the pipeline are submodules: `fnscale.analysis.hlo`, `fnscale.analysis.flops`,
+`fnscale.checkpoint`, `fnscale.cloud`, `fnscale.adapters`, `fnscale.analysis.invariance`, ...
 """
 from fnscale.errors import (
     CheckpointError,
@@ -29,11 +29,13 @@ from fnscale.sharding import batch_sharding, constrain_batch, shard_plan, shardi
 from fnscale.step import TrainState, train_step
 from fnscale.state import init_state, state_shardings
 from fnscale.compile import shard_step
-from fnscale.report import CompileReport, compile_report, sharding_report
+from fnscale.analysis.report import CompileReport, compile_report, sharding_report
 from fnscale.kernels import attention, cross_entropy, with_kernel
-from fnscale.distributed import barrier, global_batch, initialize
-# Tools around the pipeline, reached as namespaces (`fs.checkpoint.save`, `fs.hlo`, ...).
-from fnscale import adapters, checkpoint, cloud, flops, hlo, invariance
+from fnscale.multihost import barrier, global_batch, initialize
+# The layers above the pipeline, reached as namespaces (`fs.checkpoint.save`, ...).
+from fnscale import adapters, analysis, checkpoint, cloud, kernels, multihost, parallel
+# Short names for the analysis tools (`fs.hlo` is `fs.analysis.hlo`).
+from fnscale.analysis import flops, hlo, invariance, plan, report
 
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",

@@ -1,9 +1,9 @@
 """Compiling a lowered program with XLA: timed, with the warnings XLA's C++ code logs while
 compiling captured from stderr, plus the compile settings (`fast_compile_options`, jax's
 persistent `compilation_cache`). `fnscale.compile` compiles steps with it and
-`fnscale.report` reads what it returns; the settings are public as
-`fnscale.report.fast_compile_options`, `fnscale.report.compilation_cache` and
-`fnscale.report.compilation_cache_restored`."""
+`fnscale.analysis.report` reads what it returns; the settings are public as
+`fnscale.analysis.report.fast_compile_options`, `fnscale.analysis.report.compilation_cache` and
+`fnscale.analysis.report.compilation_cache_restored`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -42,7 +42,7 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
   XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
   descriptor is pointed at a temporary file during the compile; the text is then written
   back to stderr (nothing is hidden) and parsed. A thread that ends the process meanwhile
-  (`fnscale._coordination.exit_with`: a preemption notice, a lost peer) gives the descriptor
+  (`fnscale.multihost._coordination.exit_with`: a preemption notice, a lost peer) gives the descriptor
   back first (`release_stderr`), so its message and XLA's lines reach stderr. A program
   compiled again in the same process (jax's in-memory cache) gets the warnings of its first
   compile; one loaded from the persistent compilation cache has none.

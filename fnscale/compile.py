@@ -188,7 +188,7 @@ class CompiledStep:
   and `batch_shardings` (pytrees of NamedSharding), `xla_warnings` (XLA's partitioner
   warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
   `signature` (the leaves it was compiled for), `compiler_options` (the XLA options it was
-  compiled with). In a multi-process job, `fnscale.distributed.agree_on_step(compiled)`
+  compiled with). In a multi-process job, `fnscale.multihost.agree_on_step(compiled)`
   checks that every process compiled the same step.
   """
   compiled: Any
@@ -297,7 +297,7 @@ class ShardedStep:
   def compile(self, state, batch) -> CompiledStep:
     """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
     report or a plan on process 0 alone is fine); a job checks that every process compiled
-    the same step with `fnscale.distributed.agree_on_step(compiled)`."""
+    the same step with `fnscale.multihost.agree_on_step(compiled)`."""
     ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     sig = _signature(state, batch, state_flat, batch_flat)
     try:
@@ -360,7 +360,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   The step is lowered and compiled ahead of time from abstract inputs
   (`jax.ShapeDtypeStruct` with shardings), and calls run the kept executable, so step 0
   never compiles again. Compiling involves no other process; in a multi-process job call
-  `fnscale.distributed.agree_on_step(compiled)` after `.compile(...)` (a barrier that also
+  `fnscale.multihost.agree_on_step(compiled)` after `.compile(...)` (a barrier that also
   checks every process compiled the same program). Shardings flow with the values: a
   state leaf that carries a NamedSharding on `mesh` (a state born sharded by `init_state`,
   its arrays or ShapeDtypeStructs) is compiled in that sharding, so `shard_step(step, mesh)`
@@ -396,7 +396,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
       optimizer leaves carry no sharding on `mesh` (e.g. numpy arrays); optional, and when
       given it must agree with the optimizer leaves that carry one.
     compiler_options: XLA compile options (DebugOptions names) for `Lowered.compile`.
-    fast_compile: add `fnscale.report.fast_compile_options()` (debugging: slower programs).
+    fast_compile: add `fnscale.analysis.report.fast_compile_options()` (debugging: slower programs).
 
   Returns:
     A `ShardedStep` (or a `CompiledStep` with `example`). Batch or state leaves placed

@@ -601,7 +601,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       axes the step cannot know them (Auto types carry no sharding), so the whole float32
       gradients are all-reduced over the data axes (2 (n-1)/n of their bytes sent per
       device, twice the reduce-scatter's) and then sliced to the params' sharding.
-      `fnscale.plan` chooses between the modes.
+      `fnscale.analysis.plan` chooses between the modes.
       Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
 
   Returns:

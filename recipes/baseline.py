@@ -20,7 +20,7 @@ from absl import flags
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes import data  # noqa: E402
+from recipes.lm import data  # noqa: E402
 
 def describe(dataset: str, tokenizer: str = "") -> str:
   """The corpus and its two baselines as lines of text. Raises FnscaleError on a bad corpus."""

@@ -5,7 +5,7 @@
   python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
   python recipes/plan.py --measure                # CPU: predicted vs measured step-time order
 
-`fnscale.plan` ranks the candidates by its forecast (step time, tokens/s, MFU beside the
+`fnscale.analysis.plan` ranks the candidates by its forecast (step time, tokens/s, MFU beside the
 roofline's bound; with `--tokens`, days and chip-hours to train on that many tokens) and
 compiles the best `--verify` of them for the target's described devices (TPU targets; libtpu
 does this without the hardware; default: 1 where it can, none elsewhere). `--measure` plans for this host's 8 simulated CPU devices with the cost model
@@ -36,10 +36,10 @@ import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-pos
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-# By name from the module, so a top-level `fnscale.plan` function can't shadow it.
-from fnscale.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+# By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
+from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
     Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
-from recipes import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes.lm import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
@@ -50,7 +50,7 @@ def _batch(rows: int, seq: int) -> dict:
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, policy=POLICY,
               **kw) -> Plan:
-  """`fnscale.plan` for a named Llama size (`recipes/llama.py`) and AdamW."""
+  """`fnscale.analysis.plan` for a named Llama size (`recipes/lm/llama.py`) and AdamW."""
   cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
   return plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
                     _batch(rows, seq), target, policy=policy, rules=llama.RULES,

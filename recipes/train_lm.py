@@ -26,8 +26,9 @@ import numpy as np
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale import mesh as fs_mesh, preemption, sharding  # noqa: E402
-from recipes import data, gpt, harness as h, llama, run_log as rl  # noqa: E402
+from fnscale import mesh as fs_mesh, sharding  # noqa: E402
+from fnscale.multihost import preemption  # noqa: E402
+from recipes.lm import data, gpt, harness as h, llama, run_log as rl  # noqa: E402
 
 # Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
 MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
@@ -63,7 +64,7 @@ class Options:
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
-                       "rest); 'auto': fnscale.plan's choice of mesh, remat and accumulation "
+                       "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and accumulation "
                        "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
@@ -188,7 +189,7 @@ def run(o: Options) -> h.Summary:
     # error.
     preemption.check_service()  # the guard needs it: say so now, not after the compile
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
-        fs.distributed.peer_guard():
+        fs.multihost.peer_guard():
       return _start(o, t0, say, should_stop)
 
 
@@ -197,7 +198,7 @@ def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
-    fs.distributed.check_shared_directory(s.o.checkpoint_dir)
+    fs.checkpoint.check_shared_directory(s.o.checkpoint_dir)
   # One checkpoint manager for the whole run; leaving the block waits for the last save.
   # orbax's warnings go to RUN_DIR/log.txt, not the console.
   with h.library_log(s.o.run_dir), (
@@ -246,7 +247,7 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
-    fs.distributed.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
+    fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     report = fs.compile_report(step_fn, state, first)
     log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
     n_params = h.describe(s, state, (corpus.describe, base), report, policy, (peak, peak_note),

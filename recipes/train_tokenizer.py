@@ -8,7 +8,7 @@ Byte-level BPE as GPT-2 uses it (Radford et al. 2019, "Language Models are Unsup
 Multitask Learners", sec. 2.2): the base alphabet is the 256 byte values, so any text encodes
 and decodes back exactly with no unknown token, and merges of frequent pairs are learned on
 the corpus. The `tokenizers` library does the training; this file picks the files and checks
-the result. The corpus is named as train_lm's --dataset is (`recipes.data.corpus_files`:
+the result. The corpus is named as train_lm's --dataset is (`recipes.lm.data.corpus_files`:
 'tiny_corpus', 'stdlib', a file, directory or glob); the default, 'tiny_corpus' (about 1 MB
 of standard-library modules), is on every machine, no download.
 """
@@ -23,7 +23,7 @@ from absl import flags
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
+from recipes.lm.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
 MIN_VOCAB = 256 + 1  # every byte, plus END_OF_TEXT

@@ -3,7 +3,7 @@ import os
 import pathlib
 
 # Compiling dominates the suite's time: XLA's CPU backend without its LLVM optimisations
-# compiles about twice as fast (fnscale.report.fast_compile_options, here for every program
+# compiles about twice as fast (fnscale.analysis.report.fast_compile_options, here for every program
 # and, through the environment, every process the tests start). The optimized HLO, and so
 # every FLOP, byte and sharding the tests count, is unchanged; the programs run slower.
 os.environ["XLA_FLAGS"] = (
@@ -24,17 +24,17 @@ import pytest
 
 
 # Every program the tests compile (jit calls and ahead-of-time compiles, CPU and TPU) is read
-# by `fnscale.hlo.summarize` as it is compiled, and a test whose programs hold anything the
+# by `fnscale.analysis.hlo.summarize` as it is compiled, and a test whose programs hold anything the
 # reader could not read fails at teardown: the suite's programs are the reader's corpus, at
 # no extra compile. `MeshComputation.compile` is the one place every jit and AOT compile
 # passes (private jax, jax 0.10 and 0.12 alike; tests only).
-_UNREAD: list = []  # (program, fnscale.hlo.Unread or the error reading it) of the running test
+_UNREAD: list = []  # (program, fnscale.analysis.hlo.Unread or the error reading it) of the running test
 
 
 def _read_every_compile():
   import functools  # pylint: disable=import-outside-toplevel
   from jax._src.interpreters import pxla  # pylint: disable=import-outside-toplevel
-  from fnscale import hlo  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import hlo  # pylint: disable=import-outside-toplevel
   compile_ = pxla.MeshComputation.compile
 
   @functools.wraps(compile_)
@@ -56,7 +56,7 @@ _read_every_compile()
 
 @pytest.fixture(autouse=True)
 def hlo_read_in_full(request):
-  """Fails a test whose compiled programs `fnscale.hlo.summarize` could not read in full;
+  """Fails a test whose compiled programs `fnscale.analysis.hlo.summarize` could not read in full;
   `@pytest.mark.hlo_unread_loops` allows loops whose trip count is data (none to read)."""
   yield
   # Programs compiled since the last test's end, so a module fixture's count to its first test.
@@ -72,7 +72,7 @@ def hlo_read_in_full(request):
 def work(tmp_path_factory, request):
   """A module's working directory with a small text corpus (`corpus.txt`: the first stdlib
   files, ~300 KB) for recipe runs, which also put their shared compile cache there."""
-  from recipes import data  # pylint: disable=import-outside-toplevel
+  from recipes.lm import data  # pylint: disable=import-outside-toplevel
   d = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
   text = bytearray()
   for f in data.corpus_files(None):

@@ -1,4 +1,4 @@
-"""One process of a job that reads recipes/data.py's batches through grain and checkpoints its
+"""One process of a job that reads recipes/lm/data.py's batches through grain and checkpoints its
 data position with fnscale.checkpoint, as tests/test_checkpoint_jobs.py runs it.
 
   python tests/grain_worker.py --ckpt=DIR --mode=stop --advance=3,5
@@ -42,7 +42,7 @@ def main(argv) -> int:
   import jax.numpy as jnp
   import numpy as np
   import fnscale as fs
-  from recipes import data
+  from recipes.lm import data
   rng = np.random.default_rng(0)
   corpus = data.Corpus(rng.integers(0, 256, 20000).astype(np.uint8),
                        rng.integers(0, 256, 700).astype(np.uint8), 256, 1.0, None, None, "")

@@ -5,13 +5,13 @@
 It is also the reference for how a training program uses fnscale's multi-host pieces:
 `fnscale.initialize(config=flags)` (every process must run the same flags, versions and
 device count), `shard_step` (every process must compile the same step),
-`fnscale.preemption.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
-process) and `fnscale.distributed.peer_guard` (a lost process becomes a DistributedError, exit 75).
+`fnscale.multihost.preemption.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
+process) and `fnscale.multihost.peer_guard` (a lost process becomes a DistributedError, exit 75).
 
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
 mesh over every process's devices (ordered by process, so "data" and for 4 processes also
 "fsdp" run across processes), trains tests/models.py's transformer with fnscale's
-`train_step` / `init_state` / `shard_step`, `fnscale.distributed.agree_on_step` (the
+`train_step` / `init_state` / `shard_step`, `fnscale.multihost.agree_on_step` (the
 barrier after compiling, which checks every process compiled the same step),
 feeding only this process's rows of each global batch through `fnscale.global_batch`.
 
@@ -27,7 +27,7 @@ step to stop at; all save a checkpoint there (after a save still in flight has c
 wait for its commit and exit 143 (`preemption.EXIT_PREEMPTED`).
 Rerunning resumes from the newest checkpoint. `--restore_only` restores the newest
 checkpoint onto this job's mesh and writes its params to DIR/restored.npz. A lost process
-ends the loop in a `fnscale.DistributedError` (`fnscale.distributed.peer_guard`), exit
+ends the loop in a `fnscale.DistributedError` (`fnscale.multihost.peer_guard`), exit
 status 75; so do processes that disagree (start-up or compiled step). Each event's wall time also goes to
 stderr ("<unix time> <event>").
 """
@@ -126,7 +126,7 @@ def build(mesh_axes: str, model: str = "nano", lr: float = LEARNING_RATE):
 
 def compiled(step, state, mesh, args):
   """The step compiled for this run's batch, then checked to be the same on every process
-  (`fnscale.distributed.agree_on_step`, the barrier after compiling)."""
+  (`fnscale.multihost.agree_on_step`, the barrier after compiling)."""
   import jax
   import numpy as np
   import fnscale as fs
@@ -135,7 +135,7 @@ def compiled(step, state, mesh, args):
   rows = jax.ShapeDtypeStruct((args.batch, cfg.seq + 1), np.int32,
                               sharding=fs.batch_sharding(mesh))
   step = step.compile(state, {"tokens": rows})
-  fs.distributed.agree_on_step(step)
+  fs.multihost.agree_on_step(step)
   return step
 
 
@@ -151,7 +151,7 @@ def gathered_params(params):
 
 def _fake_version(spec: str) -> None:
   """Makes this process report another version of one package (`NAME=VERSION`)."""
-  from fnscale import _agreement  # where the start-up check reads the versions
+  from fnscale.multihost import _agreement  # where the start-up check reads the versions
   name, _, version = spec.partition("=")
   real = _agreement._versions  # pylint: disable=protected-access
   _agreement._versions = lambda: {**real(), name: version}  # pylint: disable=protected-access
@@ -188,13 +188,14 @@ def _slow_commits(seconds: float) -> None:
 def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
   """The loop: one step, its loss, the preemption check, a checkpoint when due."""
   import fnscale as fs
-  from fnscale import checkpoint, preemption
+  from fnscale import checkpoint
+  from fnscale.multihost import preemption
   import models
   cfg = models.TRANSFORMER._replace(**MODELS[args.model])
   bs = fs.batch_sharding(mesh)
   rows = local_rows(bs, args.batch)
   log = open(os.path.join(args.out, "losses.jsonl"), "a") if pid == 0 else None
-  with fs.distributed.peer_guard(timeout_s=args.peer_check_s):
+  with fs.multihost.peer_guard(timeout_s=args.peer_check_s):
     for s in range(start, args.steps):
       tokens = global_tokens(s, args.batch, cfg.seq, cfg.vocab)[rows]
       state, metrics = step(state, fs.global_batch({"tokens": tokens}, bs))
@@ -225,13 +226,14 @@ def main(argv) -> int:
   import jax
   import numpy as np
   import fnscale as fs
-  from fnscale import checkpoint, preemption
+  from fnscale import checkpoint
+  from fnscale.multihost import preemption
   pid = jax.process_index()
   os.makedirs(args.out, exist_ok=True)
   if args.slow_commit_s:
     _slow_commits(args.slow_commit_s)
   ckpt_dir = os.path.join(args.out, "ckpt")
-  fs.distributed.check_shared_directory(ckpt_dir)  # every process sees the same one
+  fs.checkpoint.check_shared_directory(ckpt_dir)  # every process sees the same one
   # One checkpoint manager for the run; leaving the block waits for the last save.
   with preemption.preemption_guard(grace_s=args.grace_s) as should_stop, checkpoint.manager(
       ckpt_dir, async_save=bool(args.async_ckpt)) as ckpt:

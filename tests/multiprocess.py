@@ -1,7 +1,7 @@
 """Runs a multi-process JAX job on this machine: N processes on 127.0.0.1, M CPU devices each.
 
 Each process is an ordinary Python program (a script path or `-m module` plus arguments) that
-finds its place in the job in the environment `recipes/launch_local.py` gives (its `child_env`:
+finds its place in the job in the environment `recipes/launch/launch_local.py` gives (its `child_env`:
 JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES, JAX_PROCESS_ID, XLA_FLAGS
 with M simulated CPU devices, JAX_PLATFORMS=cpu) and passes them to `fnscale.initialize`
 (`initialize_from_env` does it). Launcher variables of an enclosing job (SLURM, Open MPI, TPU
@@ -49,9 +49,9 @@ _POLL_S = 0.05
 
 
 def _launch_local():
-  """recipes/launch_local.py (a script, not a package), loaded from its path."""
+  """recipes/launch/launch_local.py (a script, not a package), loaded from its path."""
   spec = importlib.util.spec_from_file_location(
-      "fnscale_recipes_launch_local", _REPO / "recipes" / "launch_local.py")
+      "fnscale_recipes_launch_local", _REPO / "recipes" / "launch" / "launch_local.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

@@ -24,13 +24,13 @@ def _child(form: str, name: str, base_path: list[str]) -> int:
   try:
     if form == "script":
       path = os.path.join("recipes", f"{name}.py")  # as typed: argv[0] is relative
-      sys.path[:] = [os.path.join(root, "recipes"), *base_path]
+      sys.path[:] = [os.path.dirname(os.path.join(root, path)), *base_path]
       sys.argv = [path, "--help"]
       runpy.run_path(path, run_name="__main__")
     else:
       sys.path[:] = [root, *base_path]
       sys.argv = ["-m", "--help"]  # run_module puts the module's path in argv[0], as -m does
-      runpy.run_module(f"recipes.{name}", run_name="__main__", alter_sys=True)
+      runpy.run_module("recipes." + name.replace("/", "."), run_name="__main__", alter_sys=True)
     return 0
   except SystemExit as e:
     if e.code is None or isinstance(e.code, int):

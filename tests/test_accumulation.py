@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale import hlo
-from recipes import bench_accumulation as bench
+from fnscale.analysis import hlo
+from recipes.bench import accumulation as bench
 
 L = 2
 POLICY = "params=float32,compute=bfloat16,output=float32"

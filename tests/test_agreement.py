@@ -105,15 +105,15 @@ import multiprocess, mp_worker, models
 multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
 import jax, numpy as np, optax
 import fnscale as fs
-from fnscale import plan as fs_plan
-from fnscale.invariance import check_mesh_invariance
+from fnscale.analysis import plan as fs_plan
+from fnscale.analysis.invariance import check_mesh_invariance
 mesh, _, sharded, init = mp_worker.build("data=2,fsdp=2")
 state = init()
 cfg, bs = models.TRANSFORMER, fs.batch_sharding(mesh)
 tokens = mp_worker.global_tokens(0, 8, cfg.seq, cfg.vocab)[mp_worker.local_rows(bs, 8)]
 batch = fs.global_batch({{"tokens": tokens}}, bs)
 step = sharded.compile(state, batch)
-fs.distributed.agree_on_step(step)
+fs.multihost.agree_on_step(step)
 rows = jax.ShapeDtypeStruct((8, cfg.seq + 1), np.int32)
 local = jax.local_devices()  # invariance over this process's own devices
 meshes = [fs.make_mesh({{"data": 1}}, devices=local[:1]),

@@ -9,7 +9,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint as ckpt
-from fnscale import report as freport
+from fnscale.analysis import report as freport
 from fnscale import sharding as fsh
 
 MESH_FIX = ("expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), e.g. "

@@ -1,4 +1,4 @@
-"""recipes/benchmark.py and fnscale.flops against hand counts: the `nano` model on 2 devices.
+"""recipes/bench/step.py and fnscale.analysis.flops against hand counts: the `nano` model on 2 devices.
 
 Every expected number below is counted by hand from the model's shapes (the GPT of
 recipes/train_lm.py), not recomputed with the benchmark's or fnscale's own formulas.
@@ -9,10 +9,10 @@ import jax
 import pytest
 
 import fnscale as fs
-from fnscale import flops
+from fnscale.analysis import flops
 
-from recipes import benchmark as bm
-from recipes import gpt as tl
+from recipes.bench import step as bm
+from recipes.lm import gpt as tl
 
 # nano: 2 layers, d_model 64, 4 heads of 16, MLP 256, byte vocab 256; seq 32, 4 rows, 2 devices.
 L, D, H, K, F, V = 2, 64, 4, 16, 256, 256

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from fnscale import checkpoint, preemption
+from fnscale import checkpoint
+from fnscale.multihost import preemption
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mp_worker  # pylint: disable=g-import-not-at-top,wrong-import-position

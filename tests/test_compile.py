@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale
 from fnscale import compile as fcompile
-from fnscale import report as freport
+from fnscale.analysis import report as freport
 
 
 def _loss(p, b):

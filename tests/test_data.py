@@ -1,4 +1,4 @@
-"""recipes/data.py: corpora, the held-out split, grain windows, per-process rows, iterator state
+"""recipes/lm/data.py: corpora, the held-out split, grain windows, per-process rows, iterator state
 and tokenizers, checked against hand counts and the `tokenizers` library itself."""
 import math
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from recipes import data
+from recipes.lm import data
 
 
 def _window_set(tokens, seq):

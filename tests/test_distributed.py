@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
-from fnscale import _agreement
-from fnscale import distributed as fsd
+from fnscale.multihost import _agreement
+from fnscale import multihost as fsd
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 AUTO = jax.sharding.AxisType.Auto
@@ -50,9 +50,9 @@ def _free_port() -> int:
 
 
 def test_initialize_noop_single_process(clean_env):
-  assert fs.initialize() == fs.distributed.DistributedInfo(0, 1, None, False)
-  assert fs.initialize(num_processes=1) == fs.distributed.DistributedInfo(0, 1, None, False)
-  assert fs.initialize("127.0.0.1:1234", 1, 0) == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert fs.initialize() == fs.multihost.DistributedInfo(0, 1, None, False)
+  assert fs.initialize(num_processes=1) == fs.multihost.DistributedInfo(0, 1, None, False)
+  assert fs.initialize("127.0.0.1:1234", 1, 0) == fs.multihost.DistributedInfo(0, 1, None, False)
   assert not jax.distributed.is_initialized()
 
 
@@ -88,7 +88,7 @@ def test_initialize_bad_arguments(clean_env):
 
 def test_numpy_integer_ids_are_the_ints_they_are(clean_env):
   info = fs.initialize(None, np.int32(1), np.int64(0))
-  assert info == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert info == fs.multihost.DistributedInfo(0, 1, None, False)
   assert type(info.process_id) is int and type(info.num_processes) is int
   with pytest.raises(fs.DistributedArgumentError,
                      match=r"process_id=2, expected an int in \[0, 2\)"):
@@ -119,7 +119,7 @@ def test_barrier_single_process():
   with pytest.raises(fs.DistributedArgumentError, match=r"barrier timeout_s=-1, expected a "):
     fs.barrier("x", timeout_s=-1)
   with pytest.raises(fs.DistributedArgumentError, match=r"peer_guard timeout_s=0, expected a "):
-    with fs.distributed.peer_guard(timeout_s=0):
+    with fs.multihost.peer_guard(timeout_s=0):
       pass
 
 
@@ -171,9 +171,9 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
   """What libtpu gives a pod whose hosts never called initialize: jax sees 2 processes, JAX's
   coordination service is off. Every feature that needs it refuses, naming the fix, instead
   of running per process."""
-  from fnscale import preemption  # pylint: disable=import-outside-toplevel
+  from fnscale.multihost import preemption  # pylint: disable=import-outside-toplevel
   compiled = _tiny_compiled(mesh)
-  fs.distributed.agree_on_step(compiled)  # one process: returns at once
+  fs.multihost.agree_on_step(compiled)  # one process: returns at once
   assert not jax.distributed.is_initialized()
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
@@ -183,12 +183,12 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
       pass
   calls = {
       "barrier('x')": lambda: fs.barrier("x"),
-      "agree_on_step (compiled step ": lambda: fs.distributed.agree_on_step(compiled),
+      "agree_on_step (compiled step ": lambda: fs.multihost.agree_on_step(compiled),
       "preemption_guard": lambda: guard(preemption.preemption_guard()),
-      "peer_guard": lambda: guard(fs.distributed.peer_guard()),
+      "peer_guard": lambda: guard(fs.multihost.peer_guard()),
       "the checkpoint step to restore from": lambda: fs.checkpoint.restore(
           tmp_path, {"w": jax.ShapeDtypeStruct((2,), np.float32)}),
-      "check_shared_directory(": lambda: fs.distributed.check_shared_directory(tmp_path),
+      "check_shared_directory(": lambda: fs.checkpoint.check_shared_directory(tmp_path),
   }
   for what, call in calls.items():
     with pytest.raises(fs.DistributedError) as e:
@@ -204,7 +204,7 @@ def test_agree_on_step_wants_the_compiled_step(mesh):
   sharded = fs.shard_step(lambda s, b: (s, {}), mesh)
   with pytest.raises(fs.DistributedArgumentError, match=r"agree_on_step\(compiled=ShardedStep\): "
                      r"expected the CompiledStep .*fix: step = step.compile\(state, batch\)"):
-    fs.distributed.agree_on_step(sharded)
+    fs.multihost.agree_on_step(sharded)
 
 
 # ------------------------------------------------------------------------- two processes
@@ -313,7 +313,7 @@ def test_missing_coordinator_is_a_bounded_clear_error(tmp_path):
 
 def test_initialize_reads_launcher_variables(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
-  assert fs.initialize() == fs.distributed.DistributedInfo(0, 1, None, False)
+  assert fs.initialize() == fs.multihost.DistributedInfo(0, 1, None, False)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
   with pytest.raises(fs.DistributedArgumentError,
                      match="JAX_NUM_PROCESSES='two' is not an integer"):
@@ -321,7 +321,7 @@ def test_initialize_reads_launcher_variables(monkeypatch):
 
 
 def test_launch_local_help_lists_its_flags():
-  r = subprocess.run([sys.executable, str(REPO / "recipes" / "launch_local.py"), "--help"],
+  r = subprocess.run([sys.executable, str(REPO / "recipes" / "launch" / "launch_local.py"), "--help"],
                      capture_output=True, text=True, timeout=120, check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.startswith("Runs a recipe as N processes on this machine")

@@ -25,7 +25,7 @@ from flax import nnx  # pylint: disable=g-import-not-at-top
 import flax.linen as nn  # pylint: disable=g-import-not-at-top
 from flax.training import train_state  # pylint: disable=g-import-not-at-top
 
-RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes" / "examples"
 MESH = "fsdp=4,tensor=2"
 STEPS = 5
 

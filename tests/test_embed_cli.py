@@ -26,7 +26,7 @@ def test_embed_recipe_command_line_loss_falls(recipe, framework):
   if importlib.util.find_spec(framework) is None:
     pytest.skip(f"{framework} is a test extra: pip install -e '.[test]'")
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"),
+  r = subprocess.run([sys.executable, str(ROOT / "recipes" / "examples" / f"{recipe}.py"),
                       f"--steps={STEPS}", "--log_every=1", "--mesh=fsdp=4,tensor=2"],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
                      check=False)

@@ -1,4 +1,4 @@
-"""fnscale.flops against hand counts and a controlled clock."""
+"""fnscale.analysis.flops against hand counts and a controlled clock."""
 import dataclasses
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 
 import fnscale as fs
-from fnscale import flops
+from fnscale.analysis import flops
 from fnscale.errors import FnscaleError
 
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from fnscale import _cost
-from fnscale import _forecast
-from fnscale import _targets
-from recipes import forecast_fit as ff
+from fnscale.analysis import _cost
+from fnscale.analysis import _forecast
+from fnscale.analysis import _targets
+from recipes.bench import forecast_fit as ff
 
 # MaxText's v5p table, github.com/AI-Hypercomputer/maxtext, MaxText/configs/v5p/README.md at
 # commit 76bd53b0f44caf989c88189afadeb1062f9254f0 (unchanged at e591f30cb, now

@@ -1,11 +1,11 @@
-"""Tests for fnscale.hlo: collectives and matmul FLOPs of optimized HLO, loop trip counts applied."""
+"""Tests for fnscale.analysis.hlo: collectives and matmul FLOPs of optimized HLO, loop trip counts applied."""
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
 import fnscale
-from fnscale import hlo
+from fnscale.analysis import hlo
 
 # A module in the shape XLA prints: a while loop (known trip count 4) whose body holds a
 # dot and an all-reduce, called from ENTRY next to an async all-gather pair and a dot.
@@ -238,8 +238,8 @@ def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices, tmp_path
   # traced step (each device runs one of the 8 rows), no more and no fewer.
   import functools  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from recipes import llama  # pylint: disable=g-import-not-at-top
-  from fnscale import _cost  # pylint: disable=g-import-not-at-top
+  from recipes.lm import llama  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _cost  # pylint: disable=g-import-not-at-top
   devices = tpu_devices("v5p:2x2x2")
   cfg = llama.ModelConfig(layers=2, d_model=256, heads=2, kv_heads=1, d_mlp=512, seq=512,
                           vocab=512)

@@ -1,4 +1,4 @@
-"""fnscale.hlo on every spelling XLA writes, each count worked out by hand in the comments.
+"""fnscale.analysis.hlo on every spelling XLA writes, each count worked out by hand in the comments.
 
 Replica groups (explicit lists, iota lists with and without transposes, `mesh[...]` lists
 with and without `device_ids`), tuple elements as XLA dump files write them (`%param#0`),
@@ -9,7 +9,7 @@ of real compiler output (this machine's jax 0.10.2 and 0.12 programs, XLA's own 
 """
 import pytest
 
-from fnscale import hlo
+from fnscale.analysis import hlo
 
 # ----------------------------------------------------------------------------- replica groups
 

@@ -1,7 +1,7 @@
-"""fnscale.hlo.summarize on small hand-written HLO: the counts a reader must get exactly."""
+"""fnscale.analysis.hlo.summarize on small hand-written HLO: the counts a reader must get exactly."""
 import pytest
 
-from fnscale import hlo
+from fnscale.analysis import hlo
 from fnscale.errors import StepError
 
 # Two dots (one with two contracting dims) and a reduce-scatter over groups of 4, no loop.

@@ -119,3 +119,48 @@ def test_the_readme_layout_names_every_module_and_only_those():
   files = {f.relative_to(ROOT).as_posix() for f in ROOT.glob("*.py") if f.name != "__init__.py"}
   files |= {d.name + "/" for d in ROOT.iterdir() if (d / "__init__.py").exists()}
   assert named == files
+
+
+# What each layer may import: the core pipeline (the root modules) imports only itself; a
+# subpackage imports the core, itself and the layers named here (DESIGN: core <- kernels,
+# parallel <- multihost, checkpoint <- analysis). `cloud` and `adapters` are core-level glue.
+MAY_IMPORT = {
+    "core": {"core"},
+    "kernels": {"core", "kernels"},
+    "parallel": {"core", "kernels", "parallel"},
+    "multihost": {"core", "multihost"},
+    "checkpoint": {"core", "multihost", "checkpoint"},
+    "analysis": {"core", "kernels", "parallel", "analysis"},
+}
+
+
+def layer(module: str) -> str:
+  """The layer of a dotted fnscale module: its subpackage, or "core" for a root module."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 2 or parts[1:] and parts[1] in MAY_IMPORT else "core"
+
+
+def layering_violations(graph: dict) -> list:
+  """(module, imported module) pairs where a layer imports one above or beside it."""
+  return [(m, d) for m, deps in sorted(graph.items()) if m != "fnscale"
+          for d in deps if d != "fnscale" and layer(d) not in MAY_IMPORT[layer(m)]]
+
+
+def test_the_layering_check_catches_an_upward_import(tmp_path):
+  pkg = tmp_path / "fnscale"
+  for sub in ("multihost", "checkpoint", "kernels"):
+    (pkg / sub).mkdir(parents=True)
+    (pkg / sub / "__init__.py").write_text("")
+  (pkg / "__init__.py").write_text("")
+  (pkg / "mesh.py").write_text("from fnscale.kernels import attention\n")      # core -> kernels
+  (pkg / "kernels" / "attention.py").write_text("from fnscale import mesh\n")  # fine
+  (pkg / "multihost" / "sync.py").write_text("from fnscale.checkpoint import x\n")  # beside
+  (pkg / "checkpoint" / "x.py").write_text("from fnscale.multihost import sync\n")  # fine
+  assert layering_violations(import_graph(pkg)) == [
+      ("fnscale.mesh", "fnscale.kernels.attention"),
+      ("fnscale.multihost.sync", "fnscale.checkpoint.x")]
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+  assert set(ROOT.iterdir()) >= {ROOT / name for name in MAY_IMPORT if name != "core"}
+  assert layering_violations(import_graph()) == []

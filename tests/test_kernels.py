@@ -850,7 +850,7 @@ def test_cross_entropy_with_vocab_sharded_unembedding_matches_unsharded(form):
 
 
 def test_cross_entropy_vocab_parallel_over_fsdp_gathers_tokens_not_the_unembedding():
-  # An unembedding stored split by vocabulary over "fsdp" (as recipes/llama.py stores its
+  # An unembedding stored split by vocabulary over "fsdp" (as recipes/lm/llama.py stores its
   # output layer): the hidden states and labels are gathered over fsdp (48 x 32 float32,
   # 6 KiB), never the [32, 1024] unembedding (128 KiB), whose gradient stays split.
   mesh = fs.make_mesh({"data": 2, "fsdp": 4})
@@ -978,7 +978,7 @@ def test_vocab_parallel_cross_entropy_matmul_flops_per_device():
 @pytest.mark.tpu
 def test_vocab_parallel_cross_entropy_matmul_flops_on_a_tpu_target(tpu_devices):
   # v5p:2x2x2 as {data 2, fsdp 2, tensor 2}, bfloat16, the vocabulary over fsdp and tensor
-  # (as recipes/llama.py stores its output layer): per device 1024 / 2 = 512 tokens of its
+  # (as recipes/lm/llama.py stores its output layer): per device 1024 / 2 = 512 tokens of its
   # data shard (default chunks of 2**23 / 8192 = 1024 -> all 512 at once) and 32768 / 4
   # = 8192 columns; 6 T d V per device.
   mesh = fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=tpu_devices("v5p:2x2x2"))
@@ -1015,7 +1015,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _bench_attention(*flags):
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, str(ROOT / "recipes" / "bench_attention.py"), *flags],
+  return subprocess.run([sys.executable, str(ROOT / "recipes" / "bench" / "attention.py"), *flags],
                         env=env, capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -1,4 +1,4 @@
-"""recipes/launch_ray.py: one JAX process per host on a Ray cluster, supervised by exit status.
+"""recipes/launch/launch_ray.py: one JAX process per host on a Ray cluster, supervised by exit status.
 
 The jobs run on a Ray cluster of two `ray start` nodes on this machine standing for two hosts
 (`ray_cluster.local_cluster`), with 4 simulated CPU devices per process, through the
@@ -21,12 +21,12 @@ import pytest
 
 import fnscale as fs
 
-from recipes import launch_ray
-from recipes import ray_cluster
+from recipes.launch import launch_ray
+from recipes.launch import ray_cluster
 from recipes import train_lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAUNCHER = str(ROOT / "recipes" / "launch_ray.py")
+LAUNCHER = str(ROOT / "recipes" / "launch" / "launch_ray.py")
 STEPS = 16
 LAUNCH_TIMEOUT_S = 600  # the launcher's own bound (--timeout_s), restarts included
 CPU_HOSTS = ("--hosts=2", "--devices_per_process=4")  # 2 hosts x 4 simulated CPU devices
@@ -49,7 +49,7 @@ E = launch_ray.Exit
 def test_supervision_rule(exit_, restart, status, words):
   # The launcher doesn't import fnscale (jax): its statuses are fnscale's.
   assert launch_ray.EXIT_PREEMPTED == fs.preemption.EXIT_PREEMPTED
-  assert launch_ray.EXIT_JOB_FAILED == fs.distributed.EXIT_JOB_FAILED
+  assert launch_ray.EXIT_JOB_FAILED == fs.multihost.EXIT_JOB_FAILED
   verdict = launch_ray.classify(exit_)
   assert (verdict.restart, verdict.status) == (restart, status)
   assert words in verdict.why
@@ -71,7 +71,7 @@ def test_cause_is_the_root_failure_not_its_symptoms(exits, cause):
 
 
 def test_importing_fnscale_or_the_launcher_imports_no_ray():
-  code = ("import sys, fnscale; from recipes import launch_ray; "
+  code = ("import sys, fnscale; from recipes.launch import launch_ray; "
           "assert 'ray' not in sys.modules, 'ray imported'")
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT,
                  env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -1,11 +1,11 @@
-"""fnscale._liveness: which processes still show signs of life, judged from a key-value store
+"""fnscale.multihost._liveness: which processes still show signs of life, judged from a key-value store
 (a stand-in for the coordination service's, whose real use tests/test_multihost.py covers)."""
 import threading
 import time
 
 import pytest
 
-from fnscale import _liveness
+from fnscale.multihost import _liveness
 
 
 class _Store:

@@ -1,4 +1,4 @@
-"""recipes/llama.py: published param counts, a float64 numpy reference forward, RoPE and GQA
+"""recipes/lm/llama.py: published param counts, a float64 numpy reference forward, RoPE and GQA
 properties, and a few training steps on simulated CPU devices."""
 import math
 
@@ -10,7 +10,7 @@ import pytest
 
 import fnscale as fs
 
-from recipes import llama
+from recipes.lm import llama
 
 SMALL = llama.ModelConfig(layers=2, d_model=32, heads=4, kv_heads=2, d_mlp=48, seq=8,
                           vocab=19, rope_theta=10_000.0)

@@ -1,4 +1,4 @@
-"""The token-embedding lookup (`recipes/gpt.py:embed_lookup`, Llama's too) moves token ids and
+"""The token-embedding lookup (`recipes/lm/gpt.py:embed_lookup`, Llama's too) moves token ids and
 activations between devices, never the table: the collectives of compiled programs
 (`fs.hlo.summarize`, bytes per device per step) against hand counts of the shapes below.
 
@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale import hlo
-from recipes import gpt, llama
+from fnscale.analysis import hlo
+from recipes.lm import gpt, llama
 
 B, T, D = 16, 32, 64
 F32 = I32 = 4

@@ -1,4 +1,4 @@
-"""fnscale.preemption in one process: SIGTERM becomes should_stop, and a notice the loop can't
+"""fnscale.multihost.preemption in one process: SIGTERM becomes should_stop, and a notice the loop can't
 honour in time (or one while the job forms) ends the process with status 143 and a message.
 The multi-process cases (one notice, staggered notices, a notice at a barrier) are in
 tests/test_multihost.py."""
@@ -16,7 +16,7 @@ import time
 import pytest
 
 import fnscale as fs
-from fnscale import preemption
+from fnscale.multihost import preemption
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
   process grace_s later, with the message and status 143."""
   p = _python("""
       import os, signal, sys, time
-      from fnscale import preemption
+      from fnscale.multihost import preemption
       with preemption.preemption_guard(grace_s=1) as should_stop:
         print("in", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -143,7 +143,8 @@ def test_a_notice_during_a_compile_reaches_stderr():
   like a long compile."""
   p = _python("""
       import os, signal, time
-      from fnscale import _compiler, preemption
+      from fnscale import _compiler
+      from fnscale.multihost import preemption
 
       class Lowered:  # XLA's side of a compile: a C++ log line on fd 2, then a long compile
         def as_text(self):
@@ -171,7 +172,8 @@ def test_another_thread_ending_the_process_during_a_compile_reaches_stderr():
   compile captures fd 2: the message and XLA's lines so far reach stderr."""
   p = _python("""
       import os, sys, threading, time
-      from fnscale import _compiler, _coordination
+      from fnscale import _compiler
+      from fnscale.multihost import _coordination
       from fnscale.errors import DistributedError
       started = threading.Event()
 

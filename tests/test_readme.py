@@ -147,11 +147,11 @@ def recipe_calls(command: str) -> list[tuple[str, list[str]]]:
   toks, calls = _tokens(command), []
   for i, tok in enumerate(toks):
     name = None
-    m = re.fullmatch(r"(?:.*/)?recipes/(\w+)\.py", tok)
+    m = re.fullmatch(r"(?:.*/)?recipes/([\w/]+)\.py", tok)
     if m:
       name, rest = m[1], toks[i + 1:]
     elif tok == "-m" and i + 1 < len(toks) and toks[i + 1].startswith("recipes."):
-      name, rest = toks[i + 1][len("recipes."):], toks[i + 2:]
+      name, rest = toks[i + 1][len("recipes."):].replace(".", "/"), toks[i + 2:]
     elif " " in tok and "recipes" in tok:  # a command inside an argument
       calls += recipe_calls(tok.split("=", 1)[1] if tok.startswith("-") else tok)
     if name:
@@ -350,7 +350,8 @@ def _run(co: Checkout, argv: list[str], stdin: str | None = None, timeout: float
 def _help_alone(co: Checkout, recipe: str, as_module: bool = False) -> tuple[int, str]:
   """`python recipes/RECIPE.py --help` (or `-m recipes.RECIPE`) in a process of its own:
   exit status, output."""
-  argv = ["-m", f"recipes.{recipe}"] if as_module else [f"recipes/{recipe}.py"]
+  argv = (["-m", "recipes." + recipe.replace("/", ".")] if as_module
+          else [f"recipes/{recipe}.py"])
   r = _run(co, [sys.executable, *argv, "--help"], timeout=180)
   return r.returncode, r.stdout + r.stderr
 
@@ -484,7 +485,8 @@ def test_readme_commands_are_checked(checkout):
   assert not problems, "\n".join(problems)
 
 
-RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py")
+RECIPES = sorted(p.relative_to(ROOT / "recipes").with_suffix("").as_posix()
+                 for p in (ROOT / "recipes").rglob("*.py")
                  if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
 
 
@@ -502,9 +504,10 @@ def test_every_recipe_runs_as_a_script_and_as_a_module(checkout):
   problems = []
   for recipe in RECIPES:
     script, module = outs[recipe, False], outs[recipe, True]
-    for how, (rc, out) in (("python recipes/%s.py", script), ("python -m recipes.%s", module)):
+    for how, (rc, out) in ((f"python recipes/{recipe}.py", script),
+                           ("python -m recipes." + recipe.replace("/", "."), module)):
       if rc not in (0, 1) or "Traceback" in out or not help_flags(out).names:
-        problems.append(f"{how % recipe} --help: exit {rc}: {out[-800:]}")
+        problems.append(f"{how} --help: exit {rc}: {out[-800:]}")
     if help_flags(script[1]) != help_flags(module[1]):
       problems.append(f"recipes/{recipe}.py: --help lists other flags as a module")
   assert not problems, "\n".join(problems)
@@ -561,7 +564,7 @@ def test_read_blocks_refuses_markers_it_cant_follow(readme, message):
 
 
 def test_recipe_calls_finds_recipes_inside_launchers_and_quoted_commands():
-  assert recipe_calls("python recipes/launch_local.py --num_processes=2 -- recipes/train_lm.py "
+  assert recipe_calls("python recipes/launch/launch_local.py --num_processes=2 -- recipes/train_lm.py "
                       "--steps=3 && echo done") == [
                           ("launch_local", ["--num_processes=2"]), ("train_lm", ["--steps=3"])]
   assert recipe_calls('gcloud ssh X --worker=all --command="cd fnscale && python '
@@ -617,11 +620,11 @@ def test_python_names_and_keywords_are_checked():
         "checkpoint.save(d, 3, state, keep=3)\ntrain_lm(model_config='nano', steps=3)\n"
         "step = fs.train_step(my_loss, optax.adamw(1e-3), accum_steps=4)\nmy_loss.anything(1)\n")
   assert python_problems(ok) == []
-  bad = ("import fnscale as fs\nfrom fnscale.plan import plan, no_such_name\n"
+  bad = ("import fnscale as fs\nfrom fnscale.analysis.plan import plan, no_such_name\n"
          "from recipes.train_lm import train_lm\nfs.make_mesh({'data': -1}, topo=None)\n"
          "fs.not_a_function(1)\nfs.checkpoint.latest_step(d, e, f)\ntrain_lm(model='tiny')\n")
   problems = python_problems(bad)
-  assert any("fnscale.plan.no_such_name does not exist" in p for p in problems)
+  assert any("fnscale.analysis.plan.no_such_name does not exist" in p for p in problems)
   assert any("fs.not_a_function does not exist" in p for p in problems)
   assert any(p.startswith("fs.make_mesh(") and "topo" in p for p in problems)
   assert any(p.startswith("fs.checkpoint.latest_step(") for p in problems)

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from fnscale import _rollcall  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fnscale.multihost import _rollcall  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fnscale.errors import DistributedArgumentError, DistributedError  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.multiprocess

@@ -20,7 +20,7 @@ from fnscale.errors import FnscaleError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 from recipes import plot_run as pr
-from recipes import run_log as rl
+from recipes.lm import run_log as rl
 from recipes import train_tokenizer as tt
 
 

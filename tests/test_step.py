@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fnscale
-from fnscale import report as freport
+from fnscale.analysis import report as freport
 from fnscale import step as fstep
 import models
 

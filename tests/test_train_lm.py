@@ -1,4 +1,4 @@
-"""recipes/train_lm.py and recipes/launch_local.py end to end, on simulated CPU devices.
+"""recipes/train_lm.py and recipes/launch/launch_local.py end to end, on simulated CPU devices.
 
 Runs go through the recipe's public entry points (`main(argv)` for exit codes and messages,
 `run(parse_flags(argv))` and `train_lm(**options)` for the summary and final state) with the
@@ -25,10 +25,10 @@ import tokenizers
 
 import fnscale as fs
 
-from recipes import data
-from recipes import gpt
-from recipes import harness
-from recipes import launch_local
+from recipes.lm import data
+from recipes.lm import gpt
+from recipes.lm import harness
+from recipes.launch import launch_local
 from recipes import plot_run
 from recipes import train_lm
 from recipes import train_tokenizer
@@ -675,7 +675,7 @@ def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_
   assert os.listdir(tmp_path / "host0" / "runs" / "nano-corpus" / "checkpoints") == []
 
 
-PEER_CHECK_S = fs.distributed.DEFAULT_PEER_CHECK_TIMEOUT_S
+PEER_CHECK_S = fs.multihost.DEFAULT_PEER_CHECK_TIMEOUT_S
 
 
 @pytest.mark.multiprocess

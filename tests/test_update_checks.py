@@ -126,7 +126,7 @@ def _scaled_sum(params, batch):
 def test_scaled_gradient_past_float32_range_is_skipped_or_flagged(dynamic):
   # At scale 2**127 a gradient of 1.5 scales to 1.5 * 2**127, below float32's largest
   # (2 - 2**-23) * 2**127, and is applied exactly; a gradient of 2 scales to 2**128: inf.
-  from recipes import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
   mesh = fnscale.make_mesh("data=8")
   opt = optax.sgd(2.0**-4)
   step = fnscale.shard_step(fnscale.train_step(_scaled_sum, opt), mesh)
@@ -175,7 +175,7 @@ def _metrics(bad, grad_norm=1.0, update_norm=0.0, loss=2.5, skipped=0, loss_scal
     (3.0, 0.0, r"rounded away by the params' dtype"),
 ])
 def test_consecutive_bad_updates_raise_naming_steps_and_cause(grad_norm, update_norm, cause):
-  from recipes import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
   stall = harness.Stall()
   # A good step in between resets the count: steps 5, 6 then 8, 9, 10 (limit 3).
   for done, bad in [(5, 1), (6, 1), (7, 0), (8, 1), (9, 1)]:
@@ -191,7 +191,7 @@ def _skip(loss=2.5):  # a step a dynamic scale at its floor skipped: params unch
 
 
 def test_skipped_steps_with_a_finite_loss_count_toward_the_stop():
-  from recipes import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
   # Step 2's skip has a NaN loss (the non-finite check's to stop): it resets the count, as
   # the good step 4 does; skips and bad updates in a row count together: 5, 6, 7 (limit 3).
   seq = [(1, _skip()), (2, _skip(np.nan)), (3, _skip()), (4, _metrics(0, update_norm=0.1)),
@@ -226,7 +226,7 @@ def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=f
 
 def _stop_at(ms, limit):
   """(step, message) where train_lm's check stops these metrics (steps from 1), or (None, None)."""
-  from recipes import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
   stall = harness.Stall()
   for done, m in enumerate(ms, 1):
     try:

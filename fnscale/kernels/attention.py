@@ -36,7 +36,7 @@ from fnscale.errors import KernelError
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 # Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
-# traced program's attention can be told from its other matmuls (`fnscale._cost`).
+# traced program's attention can be told from its other matmuls (`fnscale.analysis._cost`).
 SCOPE = "fnscale_attention"
 CAUSAL_SCOPE = SCOPE + "_causal"
 # Candidate block sizes, largest first: the largest that divides the sequence wins.

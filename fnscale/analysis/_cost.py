@@ -1,0 +1,414 @@
+"""The planner's analytic model: what one training step needs, and what it costs on a mesh.
+
+`profile` reads the model off its own traced program (no model description needed): FLOPs
+of every `dot_general` in the jaxpr of `value_and_grad(loss)` (scan bodies times their
+length), traced with `fnscale.attention`'s XLA reference so that attention counts whatever
+kernel serves it on the target (a Pallas kernel's FLOPs are not visible in a jaxpr unless it
+declares a `cost_estimate`; jax's splash attention declares none), and activation bytes as
+the residuals `jax.vjp` keeps, per batch row, traced as the loss runs on the target. `estimate`
+turns a profile into per-device bytes and step time for one mesh, following "How to Scale
+Your Model" (Austin et al., 2025; jax-ml.github.io/scaling-book), parts 3 "Sharded
+Matmuls" and 5 "Training":
+
+- FSDP (ZeRO-3, Rajbhandari et al. 2020): per microbatch every device all-gathers the
+  compute-dtype weights twice (forward, and again in the backward pass) and reduce-scatters
+  the gradients once; an all-gather or reduce-scatter of V bytes over an axis of n devices
+  moves V (n-1)/n per device. With accumulation in `train_step`'s accum_gather="once" the
+  whole compute-dtype params are gathered once per step and the gradients reduce-scattered
+  once, at the memory of whole params and a whole float32 accumulator per device.
+- Data parallel: one gradient all-reduce per step, 2 V (n-1)/n per device (Patarasuk &
+  Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation.
+- Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
+  residual stream forward and two backward (two more forward with remat).
+- Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
+  with wrap-around, k without (one direction idles at the ends); through a switch (NVSwitch)
+  one link's rate; DCN axes the per-chip DCN rate.
+- Overlap assumption (written down because it decides the ranking): on TPU and GPU, XLA's
+  async collectives and latency-hiding scheduler overlap all communication with compute,
+  so step = max(compute, communication) (the scaling book's roofline); on simulated CPU
+  devices the same cores copy and compute, so step = compute + communication.
+- Memory traffic at HBM bandwidth, added to compute (the vector work that moves it runs
+  between the matmuls): `memory_traffic`. It matters where the optimizer update is
+  replicated (data parallel), and on CPU, where memory is slow.
+- Attention: the score and value matmuls, 4 B T S H Q FLOPs forward per layer (B rows, T
+  queries, S keys, H heads of Q dims; twice that backward), counted over the whole score
+  matrix as PaLM's MFU does. A kernel (splash, cuDNN, Pallas flash) under a causal mask
+  skips the blocks above the diagonal, so the program executes about half of that
+  (`CAUSAL_SAVING`; exactly (T+1)/2T of the scores are unmasked, and whole diagonal blocks
+  run, so the executed share is slightly above one half); the XLA reference computes it all.
+- Matmuls at the device's peak: predicted MFU is therefore an upper bound (the roofline);
+  `fnscale.analysis._forecast` adds the efficiency terms it leaves out.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from fnscale import _compat
+from fnscale.analysis._targets import Hardware
+from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
+
+# Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
+CAUSAL_SAVING = 0.5
+
+
+class Profile(NamedTuple):
+  """What one step needs, read from the traced loss. Bytes and FLOPs; `*_row` per batch row.
+
+  `params`: param count; `param_bytes`, `opt_bytes` (optimizer state), `compute_bytes`
+  (params in the compute dtype), `grad_bytes` (gradients, param dtype); `flops_row`: model
+  FLOPs per row (matmuls of forward + backward, no remat); `flops_row_remat`: with remat's
+  recomputation; `act_row` / `act_row_remat`: activation residuals per row without / with
+  remat; `layers`: length of the longest `lax.scan` (1 without); `stream_row`: bytes of that
+  scan's carry per row (the residual stream a tensor-parallel layer all-reduces); `rows`:
+  the global batch; `has_remat`: the loss takes `remat=`; `attn_row` / `attn_row_remat`:
+  the attention score and value FLOPs inside `flops_row` / `flops_row_remat` (over the whole
+  score matrix); `causal_share`: the fraction of those from causal calls; `attn_kernel`:
+  attention runs in a kernel on the target (so a causal mask saves work);
+  `tokens_row`: elements of one row of the batch's first leaf (its sequence length, for a
+  language model's [rows, seq] tokens); `uncounted`: Pallas kernels that declare no
+  `cost_estimate` (their FLOPs are missing); `act_row_stream` / `act_row_remat_stream`: the
+  part of `act_row` / `act_row_remat` shaped like the residual stream (last dim the scan
+  carry's), which tensor parallelism replicates; it splits the rest (heads, MLP columns).
+  """
+  params: int
+  param_bytes: float
+  opt_bytes: float
+  compute_bytes: float
+  grad_bytes: float
+  flops_row: float
+  flops_row_remat: float
+  act_row: float
+  act_row_remat: float
+  layers: int
+  stream_row: float
+  rows: int
+  has_remat: bool
+  attn_row: float = 0.0
+  attn_row_remat: float = 0.0
+  causal_share: float = 0.0
+  attn_kernel: bool = False
+  tokens_row: int = 1
+  uncounted: tuple[str, ...] = ()
+  act_row_stream: float = 0.0
+  act_row_remat_stream: float = 0.0
+
+
+def _nbytes(tree) -> float:
+  return float(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def _sub_jaxprs(eqn):
+  return jcore.jaxprs_in_params(eqn.params)
+
+
+class FlopCount(NamedTuple):
+  """FLOPs of a jaxpr. `total`: every `dot_general` (2 x output elements x contracted size)
+  and every `pallas_call`'s declared `cost_estimate`; `attention`, `causal`: the dots under
+  `fnscale.attention`'s named scope (causal calls); `scoped_kernels`: Pallas calls under that
+  scope (the attention ran in a kernel); `uncounted`: names of Pallas calls that declare no
+  cost (their FLOPs are in no figure)."""
+  total: float = 0.0
+  attention: float = 0.0
+  causal: float = 0.0
+  scoped_kernels: int = 0
+  uncounted: tuple[str, ...] = ()
+
+  def __add__(self, o):
+    return FlopCount(self.total + o.total, self.attention + o.attention, self.causal + o.causal,
+                     self.scoped_kernels + o.scoped_kernels,
+                     tuple(dict.fromkeys(self.uncounted + o.uncounted)))
+
+  def times(self, k: float) -> "FlopCount":
+    return self._replace(total=k * self.total, attention=k * self.attention,
+                         causal=k * self.causal, scoped_kernels=int(k) * self.scoped_kernels)
+
+
+def _eqn_flops(eqn, outer: str) -> FlopCount:
+  """One equation's FlopCount (sub-jaxprs: scan bodies times `length`, a cond's costliest
+  branch, every other body once). `outer`: the name scopes of the equations around this
+  jaxpr (a `jit` or `custom_vjp` body's names start afresh)."""
+  name = eqn.primitive.name
+  scope = outer + "/" + _compat.name_scopes(eqn)
+  in_attention = SCOPE in scope
+  if name == "dot_general":
+    lhs = eqn.invars[0].aval.shape
+    contracted = math.prod(lhs[i] for i in _compat.dot_contracting_dims(eqn))
+    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+    return FlopCount(f, f if in_attention else 0.0, f if CAUSAL_SCOPE in scope else 0.0)
+  if name == "pallas_call":
+    kernel = _compat.kernel_cost(eqn)
+    uncounted = () if kernel.flops else (kernel.name,)
+    return FlopCount(kernel.flops or 0.0, 0.0, 0.0, int(in_attention), uncounted)
+  subs = [count_flops(j, scope) for j in _sub_jaxprs(eqn)]
+  if not subs:
+    return FlopCount()
+  if name == "cond":
+    return max(subs, key=lambda c: c.total)
+  total = sum(subs, FlopCount())
+  return total.times(_compat.scan_parts(eqn).length) if name == "scan" else total
+
+
+def count_flops(jaxpr, outer: str = "") -> FlopCount:
+  """The `FlopCount` of a jaxpr (see `FlopCount`); `outer`: enclosing name scopes."""
+  return sum((_eqn_flops(e, outer) for e in jaxpr.eqns), FlopCount())
+
+
+def jaxpr_matmul_flops(jaxpr) -> float:
+  """2 x output elements x contracted size over every `dot_general`, scan bodies times their
+  `length`, the largest branch of a `cond`; a `pallas_call` counts its `cost_estimate`
+  FLOPs where it declares one (`count_flops(jaxpr).total`)."""
+  return count_flops(jaxpr).total
+
+
+def _longest_scan(jaxpr, best=None):
+  """(length, carry avals) of the longest `scan` in the jaxpr, nested ones included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      scan = _compat.scan_parts(eqn)
+      n, carry = scan.length, [v.aval for v in scan.carry]
+      if best is None or n > best[0]:
+        best = (n, carry)
+    for j in _sub_jaxprs(eqn):
+      best = _longest_scan(j, best)
+  return best
+
+
+def takes_remat(loss_fn) -> bool:
+  """Whether `loss_fn` accepts a `remat` keyword (then the planner chooses it)."""
+  try:
+    return "remat" in inspect.signature(loss_fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def _rows(batch, n: int):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype), batch)
+
+
+def _as_run(loss_fn, remat, interpret):
+  """The loss as the target runs it: `remat` bound (None: the loss takes none), the Pallas
+  kernels in interpret mode if `interpret` (`profile`)."""
+  f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
+  return with_kernel(f, interpret=True) if interpret else f
+
+
+def _traced(loss_fn, params, batch, remat, interpret):
+  """(FlopCount with the reference attention, Pallas kernels under the attention scope as
+  the loss runs, the reference jaxpr) of the loss's value and gradient on one row."""
+  f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
+  grad = lambda fn: jax.make_jaxpr(jax.value_and_grad(fn))(params, _rows(batch, 1)).jaxpr
+  reference = grad(with_kernel(f, attention="xla"))
+  kernels = count_flops(grad(_as_run(loss_fn, remat, interpret))).scoped_kernels
+  return count_flops(reference), kernels, reference
+
+
+def _residuals(loss_fn, params, batch, remat, width, interpret) -> tuple[float, float]:
+  """(bytes per row of the residuals `jax.vjp` keeps for the backward pass, of which those
+  shaped like the residual stream: last dim `width`, replicated by tensor parallelism)."""
+  f = _as_run(loss_fn, remat, interpret)
+  vjp = lambda p, b: jax.vjp(lambda p: f(p, b), p)[1]
+
+  def at(n):
+    leaves = jax.tree.leaves(jax.eval_shape(vjp, params, _rows(batch, n)))
+    stream = [x for x in leaves if width and x.shape and x.shape[-1] == width]
+    return _nbytes(leaves), _nbytes(stream)
+  (t1, s1), (t2, s2) = at(1), at(2)
+  return t2 - t1, s2 - s1
+
+
+def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
+            interpret: bool = False) -> Profile:
+  """Traces `loss_fn` on one and two abstract rows (nothing runs). `params`: abstract params
+  in their stored dtype; `compute_dtype`: the policy's compute dtype (None: as stored).
+  Call it inside `jax.set_mesh` of one target device so kernels choose as they will there.
+  FLOPs are counted with `fnscale.attention`'s XLA reference (`with_kernel(attention="xla")`),
+  residual bytes with the kernels the loss chooses; `interpret`: with the Pallas kernels in
+  interpret mode (`with_kernel(interpret=True)`: on a host standing in for an accelerator)."""
+  cast = (lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)
+          if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x)
+  cparams = jax.tree.map(cast, params)
+  remat = takes_remat(loss_fn)
+  c0, kernels, jx = _traced(loss_fn, cparams, batch, False if remat else None, interpret)
+  c1 = _traced(loss_fn, cparams, batch, True, interpret)[0] if remat else c0
+  scan = _longest_scan(jx)
+  layers = scan[0] if scan else 1
+  stream_row = _nbytes(scan[1]) if scan else 0.0  # traced with one row
+  width = scan[1][0].shape[-1] if scan and scan[1] and scan[1][0].shape else 0
+  a0 = _residuals(loss_fn, cparams, batch, False if remat else None, width, interpret)
+  a1 = _residuals(loss_fn, cparams, batch, True, width, interpret) if remat else a0
+  opt = jax.eval_shape(optimizer.init, params)
+  first = jax.tree.leaves(batch)[0]
+  return Profile(
+      params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+      param_bytes=_nbytes(params), opt_bytes=_nbytes(opt), compute_bytes=_nbytes(cparams),
+      grad_bytes=_nbytes(params), flops_row=c0.total, flops_row_remat=c1.total,
+      act_row=a0[0], act_row_remat=a1[0], layers=layers, stream_row=stream_row,
+      rows=int(first.shape[0]), has_remat=remat, attn_row=c0.attention,
+      attn_row_remat=c1.attention, causal_share=c0.causal / c0.attention if c0.attention else 0.0,
+      attn_kernel=kernels > 0, tokens_row=math.prod(first.shape[1:]),
+      uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
+      act_row_stream=a0[1], act_row_remat_stream=a1[1])
+
+
+class Estimate(NamedTuple):
+  """One candidate's predicted cost. Bytes per device; seconds per step.
+
+  `params`, `opt`, `grads` (with the accumulator), `weights` (gathered compute-dtype weights
+  in flight), `acts` (activations): the parts of `bytes`; `compute_s` at peak; `comm_s`:
+  axis name -> seconds of its collectives; `step_s` per the overlap assumption; `mfu`:
+  model FLOPs / (step x devices x peak), an upper bound; `comm_ratio`: communication /
+  compute time; `memory_s`: the memory traffic's seconds (`memory_traffic`), part of
+  `compute_s`; `recompute_s`: remat's recomputation at peak, part of `compute_s`.
+  """
+  params: float
+  opt: float
+  grads: float
+  weights: float
+  acts: float
+  compute_s: float
+  comm_s: dict
+  step_s: float
+  mfu: float
+  memory_s: float = 0.0
+  recompute_s: float = 0.0
+
+  @property
+  def bytes(self) -> float:
+    return self.params + self.opt + self.grads + self.weights + self.acts
+
+  @property
+  def comm_total_s(self) -> float:
+    return sum(self.comm_s.values())
+
+  @property
+  def comm_ratio(self) -> float:
+    return self.comm_total_s / self.compute_s if self.compute_s else math.inf
+
+
+def axis_bandwidth(hw: Hardware, ici: dict, dcn: dict) -> dict:
+  """Bytes/s per device for a collective on each mesh axis.
+
+  ICI axes are laid on the torus largest first, each taking whole grid dimensions where its
+  size allows (as `mesh_utils.create_device_mesh` does); an axis over k dimensions drives 2k
+  links with wrap-around, k without. Switched links (NVSwitch, CPU copies): one link's rate.
+  DCN axes: the per-chip DCN rate.
+  """
+  bw = {a: hw.links.dcn for a in dcn}
+  if hw.links.switched or not hw.chip_grid:
+    return {**bw, **{a: hw.links.ici_link for a in ici}}
+  free = sorted((g for g in hw.chip_grid if g > 1), reverse=True)
+  for a in sorted(ici, key=ici.get, reverse=True):
+    n, dims, whole = ici[a], 0, True
+    for g in list(free):
+      if n > 1 and n % g == 0:
+        free.remove(g)
+        n //= g
+        dims += 1
+    if n > 1:  # part of a dimension: no wrap-around on that ring
+      g = next((g for g in free if g % n == 0), None)
+      if g is not None:
+        free[free.index(g)] = g // n
+      dims, whole = dims + 1, False
+    bw[a] = max(dims, 1) * hw.links.ici_link * (2 if hw.wrap and whole else 1)
+  return bw
+
+
+def executed_flops_row(prof: Profile, remat: bool) -> tuple[float, float]:
+  """(FLOPs per row the program executes, of which remat's recomputation). Model FLOPs
+  (`flops_row`, `flops_row_remat` with remat) less what a causal attention kernel skips
+  (`CAUSAL_SAVING` of the causal calls' attention, only where a kernel serves them)."""
+  def run(r):
+    attn = prof.attn_row_remat if r else prof.attn_row
+    skipped = attn * prof.causal_share * CAUSAL_SAVING if prof.attn_kernel else 0.0
+    return (prof.flops_row_remat if r else prof.flops_row) - skipped
+  return run(remat), (run(True) - run(False) if remat else 0.0)
+
+
+def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
+  """(live activation bytes, activation bytes written and read) per row of a microbatch on
+  one device of a `tensor`-way tensor-parallel group: residuals shaped like the residual
+  stream are replicated over the group, the rest split. Without remat both are the
+  residuals; with remat the live ones are the checkpoints plus one block's residuals, and
+  the traffic is the checkpoints' plus every residual's again (`memory_traffic`)."""
+  split = lambda total, stream: stream + (total - stream) / tensor
+  full = split(prof.act_row, prof.act_row_stream)
+  if not remat:
+    return full, full
+  kept = split(prof.act_row_remat, prof.act_row_remat_stream)
+  return kept + full / max(prof.layers, 1), kept + full
+
+
+def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
+                   shard: int, tensor: int = 1) -> float:
+  """Bytes one device moves through HBM per step outside its matmuls.
+
+  The optimizer update reads params, gradients and optimizer state and writes params and
+  state once per step (the device's 1/`shard`). Activations, per row of each of `accum`
+  microbatches of `rows_mb` rows: without remat, the forward pass writes the residuals and
+  the backward reads them (2 x `act_row`). Remat keeps only the checkpoints between blocks
+  (written and read: 2 x `act_row_remat`), but recomputation writes the same intermediates
+  again and the backward reads them (2 x `act_row` more): remat never moves fewer bytes.
+  `rows_mb` counts the rows of the device's tensor-parallel group (`act_per_row`).
+  """
+  update = (2 * prof.param_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
+  return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum
+
+
+def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
+             accum: int, gather: str = "per_microbatch") -> Estimate:
+  """Per-device bytes and step time of one candidate (see the module docstring for the
+  formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
+  "tensor"; "replica" across slices); the global batch must divide over the data axes and
+  `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch"
+  keeps params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp
+  in every microbatch, and reduces over the data and DCN axes in every microbatch too (the
+  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
+  holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
+  gathers and reduces once per step."""
+  once = gather == "once" and accum > 1
+  reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
+  d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
+  r = math.prod(dcn.values()) if dcn else 1
+  n = hw.num_devices
+  shard = f * t
+  rows_mb = prof.rows / (r * d * f) / accum
+  frac = lambda k: (k - 1) / k
+  layer_w = prof.compute_bytes / max(prof.layers, 1) / t
+  parts = dict(params=prof.param_bytes / shard, opt=prof.opt_bytes / shard,
+               grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
+               weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
+               acts=act_per_row(prof, remat, t)[0] * rows_mb)
+  if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
+    parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
+                 weights=prof.compute_bytes / t)
+  model_flops = prof.flops_row * prof.rows
+  memory = memory_traffic(prof, remat, rows_mb, accum, shard, t) / hw.links.hbm
+  run, recompute = (x * prof.rows / n / hw.peak_flops for x in executed_flops_row(prof, remat))
+  compute = run + memory
+  bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
+  comm = {}
+  if f > 1:
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+        2 * prof.compute_bytes + prof.grad_bytes)
+    comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
+  if d > 1:
+    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
+  if t > 1:
+    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb
+    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
+  for a, k in dcn.items():
+    if k > 1:
+      comm[a] = reductions * 2 * frac(k) * prof.grad_bytes / shard / bw[a]
+  total = sum(comm.values())
+  step = max(compute, total) if hw.overlap else compute + total
+  return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
+                  mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
+                  memory_s=memory, recompute_s=recompute)

@@ -1,0 +1,87 @@
+"""The planner's forecast: the roofline of `fnscale.analysis._cost` plus what the bound leaves out.
+
+The roofline runs every matmul at peak and hides every collective behind compute, so its MFU
+is an upper bound (93% for Llama-3-8B on v5p-128, where MaxText measures about 70%). The
+forecast adds three named efficiency terms (`Terms`):
+
+- `matmul`: the fraction of peak FLOP/s the step's matmuls (attention kernels included)
+  sustain.
+- `exposed`: the fraction of the ICI collectives' time (`fnscale.analysis._cost.estimate`'s FSDP
+  gathers and reduce-scatters, data-parallel all-reduce, tensor-parallel all-reduces) that
+  compute does not hide. Remat's recomputation needs no collective, so it runs while the
+  backward pass waits on one: the step pays max(exposed communication, recomputation), never
+  less than without remat.
+- `per_doubling`: the step time each doubling of the slice count adds (cross-slice
+  synchronisation: the DCN all-reduce at the end of the step and the slowest slice setting
+  the pace). Measured runs lose a similar share going from one slice to two whatever their
+  DCN bytes, so the bytes stay in the bound and this term carries the loss.
+
+step = max(bound, (first pass / matmul + memory + max(exposed x ICI, recompute / matmul))
+           x (1 + per_doubling x log2(slices)))
+
+where the first pass is the executed FLOPs without remat at peak and memory the bound's
+memory traffic (`fnscale.analysis._cost.memory_traffic`). The terms were fitted on MaxText's published
+v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them and checks the
+forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never sees). On simulated
+CPU devices the cost model's rates are measured on the host, so the forecast is the bound.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from fnscale.analysis import _cost
+from fnscale.analysis._targets import Hardware
+
+
+class Terms(NamedTuple):
+  """Efficiency terms of the forecast (see the module docstring). `matmul` in (0, 1];
+  `exposed` >= 0 (a fraction of the ICI collectives' seconds); `per_doubling` >= 0 (a
+  fraction of the step per doubling of slices)."""
+  matmul: float
+  exposed: float
+  per_doubling: float
+
+
+# Fitted by `python recipes/bench/forecast_fit.py`: the largest |forecast - published| MFU over the
+# 16 runs of MaxText's v5p table (MaxText/configs/v5p/README.md, with the model shapes, meshes
+# and remat of its configs at the table's commit) is 4.99 points, rms 3.5.
+FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
+
+
+class Forecast(NamedTuple):
+  """A candidate's forecast. `step_s`: seconds per step; `tokens_s`: tokens per second of
+  the whole job (rows x `Profile.tokens_row` / step); `mfu`: model FLOPs (PaLM's count, no
+  remat) / (step x devices x peak)."""
+  step_s: float
+  tokens_s: float
+  mfu: float
+
+
+def forecast(prof: _cost.Profile, hw: Hardware, est: _cost.Estimate, dcn: dict,
+             comm_s: dict | None = None, terms: Terms = FITTED) -> Forecast:
+  """The forecast for one candidate.
+
+  Args:
+    prof, hw, est: the candidate's profile, target and roofline estimate.
+    dcn: the candidate's DCN axes (name -> size); their collectives stay in the bound.
+    comm_s: axis name -> seconds of collectives to use instead of the estimate's (the
+      compiled program's, after verification).
+    terms: the efficiency terms (default the fitted ones).
+
+  Returns:
+    A `Forecast`; never faster than the roofline with the same communication.
+  """
+  comm = est.comm_s if comm_s is None else comm_s
+  total = sum(comm.values())
+  bound = max(est.compute_s, total) if hw.overlap else est.compute_s + total
+  step = bound
+  if hw.kind != "cpu":
+    ici = sum(s for a, s in comm.items() if a not in dcn)
+    first = (est.compute_s - est.memory_s - est.recompute_s) / terms.matmul + est.memory_s
+    late = max(terms.exposed * ici, est.recompute_s / terms.matmul)
+    slices = math.prod(dcn.values()) if dcn else 1
+    step = max(bound, (first + late) * (1 + terms.per_doubling * math.log2(slices)))
+  model = prof.flops_row * prof.rows
+  return Forecast(step, prof.rows * prof.tokens_row / step,
+                  model / (step * hw.num_devices * hw.peak_flops))

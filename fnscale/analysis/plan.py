@@ -1,0 +1,637 @@
+"""fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
+
+Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
+up to `max_tensor`, the size ICI neighbours serve well), data parallel ("replica") across
+slices, remat on/off, and the fewest accumulation steps that fit. Each gets an analytic
+estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time from compute at peak and
+each collective over its axis's links: a roofline, whose MFU is an upper bound) and a forecast
+(`fnscale.analysis._forecast`: the roofline plus efficiency terms fitted on measured runs); rows are
+ranked by the forecast. The best few are compiled ahead of time for the target's described
+devices (TPU targets, through libtpu, from any machine): XLA's per-device memory must fit
+HBM, its collectives are set beside the estimate, a disagreement over 25% is flagged, and
+the ranking uses the compiled figures where it has them. A plan that could not compile says
+so (`Plan.verification`); asking for compiles where none can be made is a `PlanError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jmp
+
+from fnscale import _compat
+from fnscale.analysis import _cost
+from fnscale.analysis import _forecast
+from fnscale.analysis import _targets
+from fnscale import compile as _compile
+from fnscale.analysis import hlo as _hlo
+from fnscale.analysis import report as _report
+from fnscale import state as _state
+from fnscale import step as _step
+from fnscale.errors import PlanError
+from fnscale.mesh import MeshAxes, make_mesh
+
+__all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
+           "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
+           "mesh_str", "plan", "predict", "profile_model", "summary"]
+
+DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
+ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale.analysis._forecast)
+FORECAST_TERMS = _forecast.FITTED  # their fitted values
+
+
+class CompileCheck(NamedTuple):
+  """What an ahead-of-time compile for the target says about one candidate.
+
+  `bytes`: XLA's per-device footprint (arguments + outputs + temporaries - aliased);
+  `matmul_flops`: HLO matmul FLOPs per device per step (`fnscale.analysis.hlo`); `comm_s`: its
+  collectives' ring bytes over the bandwidth of the axis whose size matches each replica
+  group; `step_s`, `mfu`: the estimate's with compiled communication and FLOPs; `seconds`:
+  compile wall time; `flags`: disagreements over 25% ("memory", "comm").
+  """
+  bytes: float
+  matmul_flops: float
+  comm_s: float
+  step_s: float
+  mfu: float
+  seconds: float
+  flags: tuple[str, ...]
+
+
+class Candidate(NamedTuple):
+  """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
+  compile (or None), `fits` (per the compile where present, else the estimate, against HBM x
+  headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the compiled communication
+  where compiled) and `accum_gather` (`train_step`'s mode, costed and compiled as chosen).
+  `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
+  compiled)."""
+  axes: MeshAxes
+  remat: bool
+  accum: int
+  estimate: _cost.Estimate
+  compiled: CompileCheck | None
+  fits: bool
+  forecast: _forecast.Forecast | None = None
+  accum_gather: str = "per_microbatch"
+
+  @property
+  def step_s(self) -> float:
+    if self.forecast is not None:
+      return self.forecast.step_s
+    return self.compiled.step_s if self.compiled else self.estimate.step_s
+
+  @property
+  def mfu(self) -> float:
+    return self.forecast.mfu if self.forecast is not None else self.bound_mfu
+
+  @property
+  def bound_mfu(self) -> float:
+    return self.compiled.mfu if self.compiled else self.estimate.mfu
+
+  @property
+  def tokens_s(self) -> float:
+    return self.forecast.tokens_s if self.forecast is not None else math.nan
+
+
+class Plan(NamedTuple):
+  """The planner's answer: `rows` ranked best first (fitting rows by step time, then those
+  that don't fit); the chosen `axes` (a `MeshAxes` for `fnscale.make_mesh`), `remat`,
+  `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
+  the resolved target; `profile` what the model needs per step; `verification` what was
+  compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
+  are for (None: not shown). `str(plan)` is the table
+  (`format_plan`)."""
+  rows: tuple[Candidate, ...]
+  axes: MeshAxes
+  remat: bool
+  accum: int
+  why: str
+  hardware: _targets.Hardware
+  profile: _cost.Profile
+  verification: str = ""
+  tokens: float | None = None
+  accum_gather: str = "per_microbatch"
+
+  def __str__(self) -> str:
+    return format_plan(self)
+
+
+def calibrate_cpu(n: int = 1024, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
+  """Measured (matmul FLOP/s, memory-copy bytes/s) of this host's first device: the CPU cost
+  model's rates. Matmul: `fnscale.analysis.flops.measure_matmul_peak(n)` (float32). Copy: the median
+  time of `x + 1` over a `mib` MiB float32 array, counting the bytes written."""
+  from fnscale.analysis import flops  # pylint: disable=g-import-not-at-top
+  rate = flops.measure_matmul_peak(n, repeats=repeats)
+  x = jnp.zeros((mib * 2**18,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  f(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return rate, x.nbytes / statistics.median(times)
+
+
+def _abstract_params(state_or_init, key):
+  """Abstract params from a TrainState, an init function or a params pytree."""
+  sds = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  if hasattr(state_or_init, "params") and hasattr(state_or_init, "opt_state"):
+    return sds(state_or_init.params)
+  if callable(state_or_init):
+    key = jax.random.key(0) if key is None else key
+    try:
+      return jax.eval_shape(state_or_init, key)
+    except TypeError:
+      return jax.eval_shape(state_or_init)
+  leaves = jax.tree.leaves(state_or_init)
+  if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+    raise PlanError(f"state_or_init is a {type(state_or_init).__name__}, expected a "
+                    "TrainState, an init function init_fn(key) -> params or a pytree of arrays")
+  return sds(state_or_init)
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]:
+  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor), "replica"
+  across slices, keeping those whose data axes divide the global batch."""
+  n = hw.devices_per_slice
+  dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
+  out = []
+  for t in (k for k in _divisors(n) if k <= max_tensor):
+    for f in _divisors(n // t):
+      d = n // t // f
+      if rows % (d * f * hw.num_slices):
+        continue
+      ici = {k: v for k, v in (("data", d), ("fsdp", f), ("tensor", t)) if v > 1}
+      out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
+  return out
+
+
+def _best_accum(prof, hw, axes, remat, cap, accums):
+  """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
+  `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
+  slower (it moves params and gradients once per step: less communication, more slack when
+  overlap is imperfect), else "per_microbatch"."""
+  rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
+                           * axes.ici.get("fsdp", 1))
+  est = None
+  for a in (a for a in accums if rows_dev % a == 0):
+    modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
+    ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
+    fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
+    if fit:
+      _, gather, best = min(fit, key=lambda x: x[0])
+      return a, gather, best, True
+    last, est = a, ests[0][1]
+  return (last, "per_microbatch", est, False) if est is not None else (
+      1, "per_microbatch", None, False)
+
+
+def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
+  """Seconds of the compiled collectives by mesh axis: each replica group's ring bytes over
+  the bandwidth of the mesh axis of that size, the bytes sent across slices
+  (`summary.dcn_groups`) on the DCN axes and the rest on the ICI axes; collective-permutes
+  (XLA's windowed einsums) and groups no single axis matches go to the slowest axis there."""
+  ici = {k: v for k, v in axes.ici.items() if v > 1}
+  bw = _cost.axis_bandwidth(hw, ici, axes.dcn)
+  across = {(kind, n): b for kind, n, b in summary.dcn_groups}
+  out = {}
+  for kind, n, sent in summary.groups:
+    for sizes, part in ((axes.dcn, across.get((kind, n), 0.0)),
+                        (ici, sent - across.get((kind, n), 0.0))):
+      if not part:
+        continue
+      slowest = min(sizes, key=bw.get, default=None)
+      axis = next((a for a, k in sizes.items() if k == n), None)
+      if axis is None or kind == "collective-permute":
+        axis = slowest
+      rate = bw[axis] if axis else min(bw.values(), default=hw.links.ici_link)
+      out[axis or "ici"] = out.get(axis or "ici", 0.0) + part / rate
+  return out
+
+
+def _verify(cand: Candidate, hw, ctx) -> Candidate:
+  """Compiles the candidate for the target's described devices; returns it with `compiled`
+  and the forecast redone with the compiled communication. The program is the one the cost
+  model costs: the same loss (remat as the row), policy, accumulation steps and mode
+  (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
+  target's devices (the profile was traced on one)."""
+  params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap = ctx
+  mesh = make_mesh(cand.axes, devices=hw.devices)
+  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+  state = _state.init_state(zeros, optimizer, mesh=mesh, rules=rules,
+                            logical_axes=logical_axes, policy=policy, abstract=True)
+  loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
+  step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
+                          accum_gather=cand.accum_gather)
+  t0 = time.perf_counter()
+  try:
+    compiled = _compile.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(
+        state, batch)
+  except jax.errors.JaxRuntimeError as e:  # XLA refuses a program that overflows HBM
+    if not _compat.is_oom_error(str(e)):
+      raise
+    need = _compat.oom_bytes(str(e))
+    c = CompileCheck(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
+    return cand._replace(compiled=c, fits=False)
+  seconds = time.perf_counter() - t0
+  report = _report.compile_report(compiled, state, batch)
+  summary = _hlo.summarize(compiled.compiled.as_text() or "")
+  est = cand.estimate
+  by_axis = _compiled_comm(summary, hw, cand.axes)
+  comm = sum(by_axis.values())
+  compute = max(est.compute_s, summary.matmul_flops / hw.peak_flops)
+  step_s = max(compute, comm) if hw.overlap else compute + comm
+  nbytes = float(report.peak_bytes or 0)
+  flags = tuple(name for name, got, want in (("memory", nbytes, est.bytes),
+                                             ("comm", comm, est.comm_total_s))
+                if want and abs(got / want - 1) > DISAGREE)
+  mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
+  c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
+  fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
+  return cand._replace(compiled=c, fits=nbytes <= cap, forecast=fc)
+
+
+def _verify_best(rows: list, hw, ctx, verify: int) -> None:
+  """Compiles, best first, until the top `verify` rows that fit are all compiled, then leaves
+  `rows` ranked. At most verify + 2 compiles: a candidate XLA finds too big for HBM, or whose
+  compiled figures rank it lower, makes room for the next."""
+  for _ in range(verify + 2):
+    rows.sort(key=_rank_key)
+    todo = next((i for i, r in enumerate(rows[:verify]) if r.fits and r.compiled is None), None)
+    if todo is None:
+      break
+    rows[todo] = _verify(rows[todo], hw, ctx)
+  rows.sort(key=_rank_key)
+
+
+def _rank_key(c: Candidate):
+  """Fits first, then forecast step time; ties go to less work (executed compute, so no
+  remat before remat), then less communication per compute (slack if overlap is
+  imperfect), then fewer bytes."""
+  comm = c.compiled.comm_s if c.compiled else c.estimate.comm_total_s
+  return (not c.fits, round(c.step_s, 9), c.estimate.compute_s, comm,
+          c.compiled.bytes if c.compiled else c.estimate.bytes)
+
+
+def _why(rows: list[Candidate]) -> str:
+  best = rows[0]
+  src = "compiled" if best.compiled else "estimated"
+  fit = sum(r.fits for r in rows)
+  text = (f"lowest forecast step time ({best.step_s * 1e3:.4g} ms, MFU {best.mfu:.0%}; "
+          f"{src} roofline {best.bound_mfu:.0%}) of the {fit} candidates that fit")
+  nxt = next((r for r in rows[1:] if r.fits), None)
+  if nxt is not None:
+    comm = lambda r: (r.compiled.comm_s if r.compiled else r.estimate.comm_total_s)
+    if nxt.step_s <= best.step_s * 1.005:
+      cause = ("same step time, but more work (remat recomputation)" if nxt.remat and
+               not best.remat else
+               f"same step time, but communication/compute "
+               f"{comm(nxt) / nxt.estimate.compute_s:.2f} vs "
+               f"{comm(best) / best.estimate.compute_s:.2f}: more slack if overlap is "
+               "imperfect")
+    else:
+      cause = ("{:.0%} slower: ".format(nxt.step_s / best.step_s - 1) + (
+          "more communication" if comm(nxt) > comm(best) * 1.05 else
+          "remat recomputation" if nxt.remat and not best.remat else
+          "more accumulation steps" if nxt.accum > best.accum else "more compute"))
+    text += f"; next best {mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum}: {cause}"
+  return text
+
+
+def mesh_str(axes: MeshAxes) -> str:
+  """"data=2 fsdp=4 | replica=2": ICI axes, then DCN axes after a bar."""
+  ici = " ".join(f"{k}={v}" for k, v in axes.ici.items())
+  return ici + ("".join(f" | {k}={v}" for k, v in axes.dcn.items()) if axes.dcn else "")
+
+
+def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
+  rows = []
+  for axes in _meshes(hw, prof.rows, max_tensor):
+    for remat in ((False, True) if prof.has_remat else (False,)):
+      accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
+      if est is not None:
+        fc = _forecast.forecast(prof, hw, est, axes.dcn)
+        rows.append(Candidate(axes, remat, accum, est, None, fits, fc, gather))
+  return rows
+
+
+def _no_fit_error(rows, hw, cap) -> PlanError:
+  low = min(rows, key=lambda r: r.estimate.bytes)
+  gib = lambda b: f"{b / 2**30:.1f} GiB"
+  return PlanError(
+      f"the model fits nowhere on {hw.name}: the smallest candidate ({mesh_str(low.axes)}, "
+      f"remat={low.remat}, accum={low.accum}) needs {gib(low.estimate.bytes)} per device, and "
+      f"the target has {gib(hw.hbm_bytes)} of HBM per device ({gib(cap)} usable); fix: a "
+      "target with more devices or slices, a smaller global batch, or a smaller model.")
+
+
+def _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens=None):
+  if not callable(loss_fn):
+    raise PlanError(f"loss_fn is a {type(loss_fn).__name__}, expected loss_fn(params, batch)")
+  if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+    raise PlanError(f"optimizer is a {type(optimizer).__name__}, expected an optax "
+                    "GradientTransformation")
+  leaves = jax.tree.leaves(batch)
+  if not leaves or not all(getattr(x, "ndim", 0) >= 1 for x in leaves):
+    raise PlanError("batch must be a pytree of arrays or jax.ShapeDtypeStructs with a "
+                    "leading batch dim, e.g. {'inputs': ShapeDtypeStruct((256, 4096), int32)}")
+  for name, v, lo in (("verify", verify, 0), ("max_tensor", max_tensor, 1)):
+    if v is None and name == "verify":
+      continue
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      raise PlanError(f"{name}={v!r}, expected an int >= {lo}" + (
+          " (or None: compile where the target's devices can be described)"
+          if name == "verify" else ""))
+  if not 0 < headroom <= 1:
+    raise PlanError(f"headroom={headroom!r}, expected a fraction of HBM in (0, 1]")
+  if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, (int, float))
+                             or not tokens > 0):
+    raise PlanError(f"tokens={tokens!r}, expected a positive token budget such as 2e12")
+
+
+def _verification(hw, verify: int | None) -> tuple[int, str]:
+  """(candidates to compile, why none are) for `verify` on `hw`.
+
+  Raises:
+    PlanError: `verify` > 0 where no program can be compiled for the target (no described
+      TPU devices: libtpu's reason; a GPU or CPU target).
+  """
+  if verify == 0:
+    return 0, "not verified: verify=0"
+  if hw.kind == "tpu" and hw.devices is not None:
+    return (3 if verify is None else verify), ""
+  why = hw.no_devices or ("a CPU target is not compiled ahead of time: time its candidates "
+                          "instead (recipes/plan.py --measure)")
+  if verify:
+    raise PlanError(
+        f"verify={verify} asks for ahead-of-time compiles for {hw.name}, but {why}. Fix: "
+        + ("install libtpu (pip install 'fnscale[tpu]') and check the target name, or "
+           if hw.kind == "tpu" else "") + "pass verify=0 to plan without compiling.")
+  return 0, f"not verified: {why}"
+
+
+def cannot_verify(target, cpu_rates: tuple[float, float] | None = None) -> str:
+  """Why `plan(..., verify=N)` could not compile candidates for `target` ("" if it can):
+  libtpu's error for a TPU target it can't describe, or that the target is a GPU or CPU.
+  `cpu_rates` as for `plan` (measured when None and the target is "cpu")."""
+  hw = _resolve(target, cpu_rates)
+  try:
+    _verification(hw, 1)
+  except PlanError:
+    return _verification(hw, None)[1].removeprefix("not verified: ")
+  return ""
+
+
+def _profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
+  """`fnscale.analysis._cost.profile` traced as the loss will run on `hw`: on one described target
+  device (kernels choose as they will there); on an accelerator without described devices,
+  on one host device with the Pallas kernels in interpret mode standing in for the target's
+  flash kernel (nothing runs; the residuals are the kernel's, not the XLA reference's
+  [rows, heads, seq, seq] probabilities); on CPU, on one host device."""
+  described = hw.devices is not None and hw.kind != "cpu"
+  devices = list(hw.devices)[:1] if described else jax.devices()[:1]
+  with jax.set_mesh(make_mesh({"data": 1}, devices=devices)):
+    return _cost.profile(params, loss_fn, optimizer, batch,
+                         pol.compute_dtype if pol is not None else None,
+                         interpret=not described and hw.kind != "cpu")
+
+
+def _resolve(target, cpu_rates):
+  on_cpu = target == "cpu" or getattr(target, "platform", None) == "cpu"
+  return _targets.resolve(target, calibrate_cpu() if on_cpu and cpu_rates is None else cpu_rates)
+
+
+def hardware(target, cpu_rates: tuple[float, float] | None = None) -> _targets.Hardware:
+  """The target `plan` plans for: devices (per slice, slices), chips, peak FLOP/s and HBM per
+  device, link bandwidths, described devices. `target`, `cpu_rates` as for `plan`.
+
+  Raises:
+    TopologyError: an unknown target name.
+  """
+  return _resolve(target, cpu_rates)
+
+
+def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, key=None,
+                  cpu_rates: tuple[float, float] | None = None) -> _cost.Profile:
+  """What one training step of `loss_fn` needs, traced as it will run on `target` (nothing
+  runs): params, bytes, model FLOPs per row (attention counted over the whole score matrix),
+  activation residuals per row, layers. The arguments are `plan`'s.
+
+  Raises:
+    PlanError: bad arguments. TopologyError: an unknown target.
+  """
+  _check_args(loss_fn, optimizer, batch, 0, 1, 1.0)
+  hw = _resolve(target, cpu_rates)
+  pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
+  return _profile(hw, _abstract_params(state_or_init, key), loss_fn, optimizer, batch, pol)
+
+
+def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
+            accum: int = 1, accum_gather: str = "per_microbatch", headroom: float = 0.8,
+            cpu_rates: tuple[float, float] | None = None,
+            terms: _forecast.Terms = _forecast.FITTED) -> Candidate:
+  """The roofline estimate and the forecast of one configuration, as `plan` makes them for
+  its rows (nothing is compiled).
+
+  Args:
+    prof: `profile_model(...)` of the step (its `rows` is the global batch; use
+      `prof._replace(rows=n)` for another batch of the same sequences).
+    target: as for `plan`.
+    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor", DCN "replica").
+    remat, accum: remat on/off and accumulation steps.
+    accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
+    headroom: usable fraction of HBM for `fits`.
+    terms: the forecast's efficiency terms (default the fitted ones).
+
+  Returns:
+    A `Candidate` (`estimate`, `forecast`, `fits`; `compiled` None).
+
+  Raises:
+    PlanError: axes that don't cover the target's devices or split the batch.
+  """
+  hw = _resolve(target, cpu_rates)
+  ici = {k: v for k, v in axes.ici.items() if v > 1}
+  if math.prod(axes.ici.values()) * math.prod(axes.dcn.values() or [1]) != hw.num_devices:
+    raise PlanError(f"axes {mesh_str(axes)} cover {math.prod(axes.ici.values())} x "
+                    f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
+                    f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
+  split = math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
+  if prof.rows % (split * accum):
+    raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
+                    f"devices x accum={accum}: use a multiple of {split * accum} rows")
+  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather)
+  return Candidate(axes, remat, accum, est, None, est.bytes <= hw.hbm_bytes * headroom,
+                   _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather)
+
+
+def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
+         logical_axes=None, key=None, verify: int | None = None, max_tensor: int = 8,
+         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = 0.8,
+         cpu_rates: tuple[float, float] | None = None, tokens: float | None = None) -> Plan:
+  """Ranks meshes, remat and accumulation for training on `target`; compiles the best few.
+
+  Args:
+    state_or_init: a `TrainState` (abstract or not), `init_fn(key) -> params`, or params.
+    loss_fn: `loss_fn(params, batch) -> loss`; if it takes a `remat` keyword, remat on/off
+      are candidates (e.g. `recipes/lm/llama.py`'s `loss_fn(params, batch, *, remat)`).
+    optimizer: the optax optimizer (its state counts against memory).
+    batch: the global batch, arrays or `jax.ShapeDtypeStruct`s, leading dim = rows.
+    target: a `fnscale.Topology` or a name: "v5p-128", "v6e-256", "v5p:4x4x4", "2x v5p-128"
+      (two slices), "8x h200", "cpu" (this host's devices), e.g. `fnscale.detect_topology()`
+      for the machine the job runs on (`train_lm.py --mesh=auto`).
+    policy: the jmp policy (or string) the step will use; its compute dtype sizes the
+      gathered weights and activations.
+    rules, logical_axes: sharding rules, as for `fnscale.init_state`.
+    verify: how many of the best candidates to compile for the target's described TPU
+      devices (libtpu); None (default): 3 where the devices can be described, else none
+      (the plan says why); 0: none.
+    max_tensor: largest tensor-parallel axis.
+    accum_steps: accumulation steps to try (the fewest that fits is kept).
+    headroom: usable fraction of HBM for the estimate (XLA's compiled footprint ran up to
+      13% above the estimate for Llama-8B on v5p-128; 0.8 keeps such a plan inside HBM).
+    cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
+    tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
+      to train on it at the forecast's tokens/s.
+
+  Returns:
+    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`, `why`,
+    `verification`);
+    `print(plan)` shows the table.
+
+  Raises:
+    PlanError: bad arguments; a model that fits nowhere (the message gives the smallest
+      per-device memory any candidate needs and the target's HBM); `verify` > 0 where no
+      program can be compiled for the target (the message gives libtpu's reason).
+    TopologyError: an unknown target name (the message lists known ones).
+  """
+  _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens)
+  hw = _resolve(target, cpu_rates)
+  n_verify, note = _verification(hw, verify)
+  params = _abstract_params(state_or_init, key)
+  pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
+  prof = _profile(hw, params, loss_fn, optimizer, batch, pol)
+  cap = hw.hbm_bytes * headroom
+  rows = _candidates(prof, hw, cap, max_tensor, tuple(accum_steps))
+  if not rows or not any(r.fits for r in rows):
+    raise _no_fit_error(rows, hw, cap) if rows else PlanError(
+        f"no mesh of {hw.num_devices} devices splits a batch of {prof.rows} rows; use a "
+        "global batch divisible by the device count")
+  rows.sort(key=_rank_key)
+  if n_verify:
+    ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap)
+    _verify_best(rows, hw, ctx, n_verify)
+    done = sum(r.compiled is not None for r in rows)
+    note = (f"compiled {done} candidate(s) for {hw.name}'s described devices (the best "
+            f"{n_verify} that fit, and any XLA found too big)")
+  best = rows[0]
+  return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof, note,
+              tokens, best.accum_gather)
+
+
+def _hardware_line(p: Plan) -> str:
+  hw, prof = p.hardware, p.profile
+  gib = lambda b: f"{b / 2**30:.1f}"
+  batch = f"{prof.params / 1e9:.3g}B params, batch {prof.rows} rows of {prof.tokens_row} tokens"
+  if hw.kind == "cpu":
+    n = hw.num_devices
+    return (f"plan for {hw.name}: {n} simulated devices sharing this host (measured for the "
+            f"host: {hw.peak_flops * n / 1e9:.1f} GFLOP/s matmul, {hw.links.hbm * n / 1e9:.2f} "
+            f"GB/s memory copy; 1/{n} each; memory not limited); {batch}")
+  return (f"plan for {hw.name}: {hw.num_devices} devices ({hw.num_slices} slice(s)), "
+          f"{gib(hw.hbm_bytes)} GiB HBM and {hw.peak_flops / 1e12:.0f} TFLOP/s per device; "
+          f"{batch}")
+
+
+def _budget(p: Plan, r: Candidate) -> tuple[str, str]:
+  """(days, chip-hours) to train on `p.tokens` at the row's forecast tokens/s."""
+  if not p.tokens or not r.tokens_s > 0:
+    return "-", "-"
+  seconds = p.tokens / r.tokens_s
+  return f"{seconds / 86400:,.1f}", f"{seconds / 3600 * p.hardware.chips:,.0f}"
+
+
+def format_plan(p: Plan, top: int = 12) -> str:
+  """The plan as a table: mesh, remat, accumulation, GiB/device (estimate; compiled) vs HBM,
+  the forecast (step time, tokens/s, MFU) beside the roofline's MFU bound, communication /
+  compute, days and chip-hours for `p.tokens` (when given), verified (and flags); then what
+  was compiled, kernels whose FLOPs are not counted, and why the winner won."""
+  budget = ("days", "chip-h") if p.tokens else ()
+  cols = ("#", "mesh", "remat", "accum", "GiB/dev est", "compiled", "fits", "step ms",
+          "tokens/s", "MFU", "bound", "comm/comp", *budget, "verified")
+  lines = []
+  for i, r in enumerate(p.rows[:top]):
+    c = r.compiled
+    accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum,
+                  f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
+                  "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
+                  f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
+                  f"{(c.comm_s / r.estimate.compute_s if c else r.estimate.comm_ratio):.2f}",
+                  *(_budget(p, r) if p.tokens else ()),
+                  (f"yes {c.seconds:.0f}s" + (" FLAG:" + ",".join(c.flags) if c.flags else ""))
+                  if c else "no"))
+  widths = [max(len(x) for x in col) for col in zip(cols, *lines)]
+  fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths))
+  more = f"\n... {len(p.rows) - top} more" if len(p.rows) > top else ""
+  notes = [f"for {p.tokens:.3g} tokens: days and chip-hours at the forecast tokens/s"
+           if p.tokens else "", p.verification]
+  if p.profile.uncounted:
+    notes.append("FLOPs not counted (Pallas kernels without a cost_estimate): "
+                 + ", ".join(p.profile.uncounted))
+  return "\n".join([_hardware_line(p), fmt(cols), *map(fmt, lines)]) + more + "".join(
+      f"\n{n}" for n in notes if n) + (
+          f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
+          + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "") + f": {p.why}")
+
+
+def _dot_flops_row(prof: _cost.Profile, remat: bool) -> float:
+  """Matmul FLOPs per row an HLO reader sees as dots: the model's, less the attention a
+  kernel (a custom call) computes."""
+  attn = (prof.attn_row_remat if remat else prof.attn_row) if prof.attn_kernel else 0.0
+  return (prof.flops_row_remat if remat else prof.flops_row) - attn
+
+
+def summary(p: Plan) -> dict:
+  """The plan as plain data (for JSON): target facts, the chosen row and every row's
+  estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm; HLO
+  matmul FLOPs over the traced step's dots with this row's remat, and without remat; attention
+  in a kernel is not a dot) and its forecast (step, tokens/s, MFU; days and chip-hours for
+  `p.tokens`)."""
+  rows, prof, n = [], p.profile, p.hardware.num_devices
+  for r in p.rows:
+    c, e, f = r.compiled, r.estimate, r.forecast
+    program = _dot_flops_row(prof, r.remat) * prof.rows / n
+    plain = _dot_flops_row(prof, False) * prof.rows / n
+    rows.append(dict(
+        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
+        fits=r.fits,
+        est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
+        compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
+        memory_ratio=c.bytes / e.bytes if c else None, compiled_comm_s=c.comm_s if c else None,
+        compiled_step_s=c.step_s if c else None, compiled_mfu=c.mfu if c else None,
+        hlo_matmul_flops=c.matmul_flops if c else None, compile_s=c.seconds if c else None,
+        flags=list(c.flags) if c else None,
+        hlo_over_traced_no_remat=c.matmul_flops / plain if c else None,
+        hlo_over_program=c.matmul_flops / program if c else None,
+        forecast_step_s=f.step_s if f else None, forecast_tokens_s=f.tokens_s if f else None,
+        forecast_mfu=f.mfu if f else None, bound_mfu=r.bound_mfu,
+        days=p.tokens / f.tokens_s / 86400 if p.tokens and f else None,
+        chip_hours=p.tokens / f.tokens_s / 3600 * p.hardware.chips if p.tokens and f else None))
+  hw = p.hardware
+  return dict(target=hw.name, devices=hw.num_devices, chips=hw.chips, hbm_bytes=hw.hbm_bytes,
+              peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
+              accum_gather=p.accum_gather,
+              why=p.why, verification=p.verification, tokens=p.tokens,
+              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.FITTED._asdict(),
+              model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)

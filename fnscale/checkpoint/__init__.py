@@ -1,0 +1,30 @@
+"""Checkpoints: save and restore a sharded train state with orbax, on any mesh.
+
+`save` / `restore` / `manager` write and read a state through orbax's CheckpointManager (the
+state's shardings decide where each restored shard lands, so a state saved on one mesh
+restores onto another); `steps`, `latest_step` and `last_save_seconds` read a directory;
+`all_finite` / `nonfinite_leaves` guard what is saved; `check_shared_directory` makes sure
+every process of a job sees the same directory before anything trains.
+
+Layer: imports the core pipeline and `fnscale.multihost` (to agree on a step across
+processes); never `fnscale.analysis` or the package root.
+"""
+from fnscale.checkpoint._shared_dir import check_shared_directory
+from fnscale.checkpoint.store import (
+    Manager,
+    all_finite,
+    close,
+    last_save_seconds,
+    latest_step,
+    manager,
+    nonfinite_leaves,
+    restore,
+    save,
+    steps,
+    wait,
+)
+
+__all__ = [
+    "save", "restore", "manager", "Manager", "wait", "close", "steps", "latest_step",
+    "last_save_seconds", "all_finite", "nonfinite_leaves", "check_shared_directory",
+]

@@ -1,0 +1,30 @@
+"""Multi-process jobs: join the job, agree, wait, survive preemption, assemble global batches.
+
+One process per host joins one job through JAX's coordination service (`initialize`); every
+wait on another process is bounded and a lost or disagreeing peer is a `DistributedError`
+naming it, never a hang. `barrier`, `agree_on_step` (every process compiled the same step),
+`peer_guard` (a collective that failed because a peer died), `preemption` (a SIGTERM becomes
+"save and exit 143" on every process) and `global_batch` (each process's rows as global
+`jax.Array`s) are the parts a training loop calls.
+
+Layer: imports the core pipeline (`fnscale.*` modules at the package root) only; never
+`fnscale.checkpoint`, `fnscale.analysis` or the package root.
+"""
+from fnscale.multihost._agreement import agree_on_step, barrier
+from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
+from fnscale.multihost._global_batch import global_batch
+from fnscale.multihost._peer_loss import DEFAULT_PEER_CHECK_TIMEOUT_S, peer_guard
+from fnscale.multihost import preemption
+from fnscale.multihost.cluster import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DistributedInfo,
+    initialize,
+)
+
+__all__ = [
+    "initialize", "DistributedInfo", "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_SHUTDOWN_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "EXIT_JOB_FAILED",
+    "barrier", "agree_on_step", "peer_guard", "DEFAULT_PEER_CHECK_TIMEOUT_S",
+    "global_batch", "preemption",
+]

@@ -1,0 +1,81 @@
+"""Collectives and temporaries per step, accum 1 vs 4, from compile_report (no timing).
+
+The model: 2 layers, d 256, mlp 1024 (4 MiB of f32 params), batch 8192 rows, FSDP over every
+device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips).
+
+  python recipes/bench/accumulation.py [cpu] [tpu] [--large]      # default: both
+
+`--large`: 2 layers of d 1024, mlp 4096 (64 MiB of f32 params), batch 64.
+"""
+import argparse
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fnscale as fs
+
+D, M, L, B = 256, 1024, 2, 8192
+MIB = 2**20
+# 4 chips: on 8 or more v5p/v6e chips this libtpu writes a reduce-scatter as an all-reduce
+# and a slice (measured with a lone psum_scatter), which would hide the mode's reduction.
+TPU = "v5p-8"
+
+
+def init_mlp(key, d: int = D, m: int = M, layers: int = L) -> dict:
+  """Residual ReLU MLP params: per layer "l{i}" float32 w1 [d, m] and w2 [m, d] ~ N(0, 0.02²)."""
+  ks = jax.random.split(key, 2 * layers)
+  return {f"l{i}": {"w1": jax.random.normal(ks[2 * i], (d, m)) * 0.02,
+                    "w2": jax.random.normal(ks[2 * i + 1], (m, d)) * 0.02}
+          for i in range(layers)}
+
+
+def mlp_loss(p: dict, b: dict) -> jax.Array:
+  """Mean square of the residual stack's output; b["x"]: float32 [batch, d] -> scalar."""
+  x = b["x"]
+  for i in range(len(p)):
+    x = x + jax.nn.relu(x @ p[f"l{i}"]["w1"]) @ p[f"l{i}"]["w2"]
+  return jnp.mean(x ** 2)
+
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def row(mesh, accum: int, gather: str, d: int = D, m: int = M, rows: int = B) -> str:
+  opt = optax.sgd(0.1)
+  init = lambda key: init_mlp(key, d, m)
+  state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  batch = {"x": jax.ShapeDtypeStruct((rows, d), jnp.float32)}
+  step = fs.train_step(mlp_loss, opt, accum_steps=accum, accum_gather=gather)
+  r = fs.compile_report(fs.shard_step(step, mesh), state, batch)
+  cells = [f"{c.count} / {c.bytes_sent / MIB:.2f} MiB" for c in map(r.collective, KINDS)]
+  return " | ".join([f"accum {accum} {gather}"] + cells + [f"{(r.temp_bytes or 0) / MIB:.2f}"])
+
+
+def main(targets, d: int = D, m: int = M, rows: int = B) -> None:
+  print(f"{L} layers, d {d}, mlp {m}, batch {rows}: runs / bytes sent per device per step")
+  print("| target | step | " + " | ".join(KINDS) + " | temp MiB |")
+  for target in targets:
+    devices = fs.topology.target_devices(TPU) if target == "tpu" else None
+    mesh = fs.make_mesh({"fsdp": -1}, devices=devices)
+    name = f"{TPU} (AOT)" if target == "tpu" else "CPU"
+    for accum, gather in ((1, "per_microbatch"), (4, "per_microbatch"), (4, "once")):
+      print(f"| {name}, fsdp={mesh.size} | {row(mesh, accum, gather, d, m, rows)} |", flush=True)
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("targets", nargs="*", metavar="{cpu,tpu}", help="where to compile: 8 "
+                      "simulated CPU devices, TPU v5p-8 (libtpu); default both")
+  parser.add_argument("--large", action="store_true", help="2 layers of d 1024, mlp 4096 "
+                      "(64 MiB of f32 params), batch 64")
+  args = parser.parse_args()
+  if set(args.targets) - {"cpu", "tpu"}:
+    parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
+                 "expected cpu and/or tpu")
+  fs.topology.quiet_libtpu()
+  fs.simulate_cpu_devices(8)
+  if args.large:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
+    main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)
+  else:
+    main(args.targets or ["cpu", "tpu"])

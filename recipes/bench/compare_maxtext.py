@@ -1,0 +1,246 @@
+"""fnscale's Llama step beside MaxText's, compiled for the same described TPU target.
+
+Both programs are compiled ahead of time on this machine for a TPU target's described devices
+(libtpu), for the same model shape, mesh, batch, precision (float32 params, bfloat16
+compute), full remat and flash/splash attention, and both optimized HLO modules are counted
+by `fnscale.analysis.hlo`: matmul FLOPs, each collective kind's runs and ring bytes sent per device per
+step, argument and temporary memory per device, compile seconds, and the kernels (custom
+calls) in the program.
+
+MaxText runs in its own Python 3.12 virtual environment (never a dependency of fnscale),
+made once (about 12 minutes; it pulls its own jax):
+
+  python3.12 -m venv maxtext-venv
+  maxtext-venv/bin/pip install "maxtext[tpu]==0.2.5"
+
+Then, from the repository root, in fnscale's environment:
+
+  python recipes/bench/compare_maxtext.py --maxtext_python=maxtext-venv/bin/python \\
+      --target=v5p-8 --mesh=fsdp=4 --layers=2 --batch=1 --seq=4096
+  python recipes/bench/compare_maxtext.py ... --mesh=data=2,fsdp=2
+  python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=replica=2
+
+MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_compile.main`
+with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
+wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
+(it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor` ->
+MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`.
+`--batch` is rows per device. Each side's HLO, memory and a JSON of the table land in `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+MIB = 2**20
+SIDES = ("maxtext", "fnscale")
+
+
+# ----------------------------------------------------------------------- MaxText's side
+
+
+def _maxtext_argv(a) -> list[str]:
+  """MaxText's `key=value` config for the same model, mesh, batch, precision and remat."""
+  ici = _axes(a.mesh)
+  dcn = _axes(a.dcn)
+  slices = dcn.get("replica", 1)
+  topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
+  return [
+      "model_name=llama3-8b", "override_model_config=true",
+      f"base_num_decoder_layers={a.layers}",
+      f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
+      f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
+      "weight_dtype=float32", "dtype=bfloat16", "remat_policy=full", "attention=flash",
+      f"ici_data_parallelism={ici.get('data', 1)}", f"ici_fsdp_parallelism={ici.get('fsdp', 1)}",
+      f"ici_tensor_parallelism={ici.get('tensor', 1)}", f"dcn_data_parallelism={slices}",
+      "dcn_fsdp_parallelism=1", "dataset_type=synthetic", "enable_checkpointing=false",
+      "enable_tensorboard=false", "run_name=compare_maxtext", f"base_output_directory={a.out}",
+  ]
+
+
+def maxtext_side(a) -> None:
+  """Runs MaxText's `train_compile` and writes its compiled program (text, memory, seconds)."""
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  kept = {}
+  compile_ = train_compile.jit_and_compile
+
+  def keep(*args, **kwargs):
+    t0 = time.perf_counter()
+    compiled = compile_(*args, **kwargs)
+    kept.update(compiled=compiled, seconds=time.perf_counter() - t0)
+    return compiled
+
+  train_compile.jit_and_compile = keep
+  config = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+  train_compile.main(["train_compile", config] + _maxtext_argv(a))
+  _write(a.out, "maxtext", kept["compiled"], kept["seconds"])
+
+
+# ----------------------------------------------------------------------- fnscale's side
+
+
+def fnscale_side(a) -> None:
+  """Compiles `recipes/lm/llama.py`'s step with fnscale for the same target and writes it."""
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  import fnscale as fs  # pylint: disable=import-outside-toplevel
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
+  devices = fs.topology.target_devices(a.target)
+  mesh = fs.make_mesh(_axes(a.mesh), dcn=_axes(a.dcn) or None, devices=devices)
+  cfg = llama.model_config("llama-8b", a.seq, layers=a.layers)
+  # MaxText's defaults: AdamW (b2 0.95, weight decay 0.1) after clipping the global norm at 1.
+  opt = optax.chain(optax.clip_by_global_norm(1.0),
+                    optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+  policy = "params=float32,compute=bfloat16,output=float32"
+  axes = llama.logical_axes(cfg)
+  rows = a.batch * len(devices)
+  batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in ("inputs", "targets")}
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
+                          rules=llama.RULES, logical_axes=axes, policy=policy,
+                          key=jax.random.key(0), abstract=True)
+    step = fs.train_step(functools.partial(llama.loss_fn, remat=True), opt, policy=policy,
+                         accum_steps=a.accum)
+    compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=llama.RULES,
+                             logical_axes=axes).compile(state, batch)
+  _write(a.out, "fnscale", compiled.compiled, compiled.compile_seconds)
+
+
+# ----------------------------------------------------------------------- both
+
+
+def _write(out: str, side: str, compiled, seconds: float) -> None:
+  """The compiled program's optimized HLO and memory analysis, for the table."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"{side}.hlo.txt"), "w", encoding="utf-8") as f:
+    f.write(compiled.as_text())
+  mem = compiled.memory_analysis()
+  facts = {k: getattr(mem, f"{k}_size_in_bytes", None)
+           for k in ("argument", "output", "temp", "alias", "generated_code")}
+  with open(os.path.join(out, f"{side}.json"), "w", encoding="utf-8") as f:
+    json.dump(dict(facts, compile_seconds=seconds), f)
+
+
+def _axes(text: str | None) -> dict[str, int]:
+  """"data=2,fsdp=2" -> {"data": 2, "fsdp": 2}."""
+  if not text:
+    return {}
+  out = {}
+  for part in text.split(","):
+    name, _, size = part.partition("=")
+    if not size.strip().lstrip("-").isdigit():
+      raise SystemExit(f"error: mesh axis {part!r} is not name=size (e.g. fsdp=4)")
+    out[name.strip()] = int(size)
+  return out
+
+
+def _kernels(hlo: str) -> dict[str, int]:
+  """Custom calls in the program by target (a Pallas kernel is a `tpu_custom_call`)."""
+  counts: dict[str, int] = {}
+  for target in re.findall(r'custom_call_target="([^"]+)"', hlo):
+    counts[target] = counts.get(target, 0) + 1
+  return counts
+
+
+def read_side(out: str, side: str) -> dict:
+  """One side's figures: `fnscale.analysis.hlo.summarize` of its HLO plus its memory analysis."""
+  from fnscale.analysis import hlo as fhlo  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(out, f"{side}.hlo.txt"), encoding="utf-8") as f:
+    text = f.read()
+  with open(os.path.join(out, f"{side}.json"), encoding="utf-8") as f:
+    facts = json.load(f)
+  s = fhlo.summarize(text)
+  facts.update(matmul_flops=s.matmul_flops, unknown_trip_counts=s.unknown_trip_counts,
+               kernels=_kernels(text), dcn_sent=s.dcn_bytes_sent,
+               collectives={c.kind: (c.count, c.bytes_sent) for c in s.collectives if c.count})
+  return facts
+
+
+def table(sides: dict[str, dict]) -> str:
+  """Markdown: one row per figure, one column per side (and fnscale / MaxText)."""
+  m, f = sides["maxtext"], sides["fnscale"]
+  ratio = lambda a, b: f"{b / a:.2f}x" if a else ("same" if not b else "-")
+  rows = [("HLO matmul FLOPs", lambda s: f"{s['matmul_flops'] / 1e12:.3f} T",
+           lambda: ratio(m["matmul_flops"], f["matmul_flops"]))]
+  sent = lambda s: sum(b for _, b in s["collectives"].values())
+  rows.append(("collective bytes sent (ring)", lambda s: f"{sent(s) / MIB:,.0f} MiB",
+               lambda: ratio(sent(m), sent(f))))
+  for kind in sorted(set(m["collectives"]) | set(f["collectives"])):
+    cell = lambda s, k=kind: "runs {} / {:,.0f} MiB".format(*(lambda c: (c[0], c[1] / MIB))(
+        s["collectives"].get(k, (0, 0.0))))
+    rows.append((f"  {kind}", cell, lambda k=kind: ratio(
+        m["collectives"].get(k, (0, 0))[1], f["collectives"].get(k, (0, 0))[1])))
+  rows.append(("  of which across slices (DCN)", lambda s: f"{s['dcn_sent'] / MIB:,.0f} MiB",
+               lambda: ratio(m["dcn_sent"], f["dcn_sent"])))
+  for key in ("argument", "temp"):
+    rows.append((f"{key} memory", lambda s, k=key: f"{(s[k] or 0) / 2**30:.2f} GiB",
+                 lambda k=key: ratio(m[k] or 0, f[k] or 0)))
+  rows.append(("compile s", lambda s: f"{s['compile_seconds']:.0f}", lambda: ""))
+  rows.append(("kernels (custom calls)", lambda s: ", ".join(
+      f"{k} x{n}" for k, n in sorted(s["kernels"].items())) or "none", lambda: ""))
+  lines = ["| per device per step | MaxText | fnscale | fnscale / MaxText |", "|---|---|---|---|"]
+  lines += [f"| {name} | {cell(m)} | {cell(f)} | {r()} |" for name, cell, r in rows]
+  return "\n".join(lines)
+
+
+def _flags(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--maxtext_python", default="maxtext-venv/bin/python",
+                 help="the Python of the MaxText virtual environment (see the module doc); "
+                 "default: maxtext-venv/ under the current directory")
+  p.add_argument("--target", default="v5p-8", help='TPU target, e.g. v5p-8 or "2x v5p-8"')
+  p.add_argument("--mesh", default="fsdp=4", help="ICI axes, e.g. fsdp=4 or data=2,fsdp=2")
+  p.add_argument("--dcn", default="", help="DCN axes across slices, e.g. replica=2")
+  p.add_argument("--layers", type=int, default=2, help="decoder layers (Llama-3-8B shapes)")
+  p.add_argument("--batch", type=int, default=1, help="rows per device")
+  p.add_argument("--seq", type=int, default=4096, help="tokens per row")
+  p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
+  p.add_argument("--sides", default="maxtext,fnscale",
+                 help="which programs to compile now (the others are read from --out)")
+  p.add_argument("--out", default="runs/compare_maxtext", help="directory for HLO and JSON")
+  p.add_argument("--maxtext_side", action="store_true", help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  a = _flags(argv)
+  if a.maxtext_side:
+    maxtext_side(a)
+    return
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if not __package__:  # run as a script: import `recipes` from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  todo = [s for s in a.sides.split(",") if s]
+  if "maxtext" in todo:
+    if not os.path.exists(a.maxtext_python):
+      raise SystemExit(f"error: --maxtext_python={a.maxtext_python} does not exist; make the "
+                       "MaxText environment first (see the module doc)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
+    subprocess.run([a.maxtext_python, os.path.abspath(__file__), "--maxtext_side"]
+                   + [x for x in (argv if argv is not None else sys.argv[1:])
+                      if not x.startswith("--maxtext_python")], check=True, env=env)
+  if "fnscale" in todo:
+    fnscale_side(a)
+  missing = [s for s in SIDES if not os.path.exists(os.path.join(a.out, f"{s}.hlo.txt"))]
+  if missing:
+    raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
+                     f"there first (--sides={','.join(missing)}, same flags)")
+  sides = {s: read_side(a.out, s) for s in SIDES}
+  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, Llama-3-8B shapes x "
+          f"{a.layers} layers, {a.batch} row(s) x {a.seq} tokens per device\n\n" + table(sides))
+  with open(os.path.join(a.out, "table.md"), "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,302 @@
+"""A GPT-2-style decoder as a plain pytree and pure functions (the model of `train_lm.py`).
+
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners": pre-LayerNorm
+blocks, learned positions, GELU MLP and an output layer tied to the token embedding. Every param
+carries logical axis names that fnscale's rules map onto the mesh.
+
+The model-module interface `train_lm.py` relies on (a Llama module offers the same names):
+`ModelConfig` (a NamedTuple with at least `layers, d_model, heads, seq, vocab`), `SIZES`,
+`model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
+`apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
+`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq].
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import fnscale as fs
+from fnscale.analysis import flops
+
+VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=n)`)
+
+
+class ModelConfig(NamedTuple):
+  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2."""
+  layers: int
+  d_model: int
+  heads: int
+  seq: int
+  vocab: int = VOCAB
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.heads
+
+  @property
+  def d_mlp(self) -> int:
+    return 4 * self.d_model
+
+
+# GPT-2 small and medium shapes (Radford et al. 2019); with a byte vocabulary their embedding
+# tables are tiny, so `small` has 86M params rather than GPT-2's 124M (50257-token vocabulary).
+# `tiny_gpt2` is the same layout at a size that trains in minutes on a 2-core CPU.
+SIZES = {
+    "nano": dict(layers=2, d_model=64, heads=4),
+    "tiny_gpt2": dict(layers=4, d_model=128, heads=4),
+    "tiny": dict(layers=4, d_model=256, heads=4),
+    "small": dict(layers=12, d_model=768, heads=12),
+    "medium": dict(layers=24, d_model=1024, heads=16),
+}
+
+
+def model_config(size: str, seq: int) -> ModelConfig:
+  """The config of a named size at sequence length `seq` (tokens).
+
+  Raises:
+    FnscaleError: an unknown size (the message lists the known ones).
+  """
+  if size not in SIZES:
+    raise fs.InputError(f"model_config={size!r} is not a known GPT size; expected one of "
+                          f"{list(SIZES)}")
+  return ModelConfig(seq=seq, **SIZES[size])
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+  """Returns float32 params; block params are stacked along a leading `layers` axis for scan.
+
+  Init follows GPT-2: N(0, 0.02) weights, residual output projections scaled by
+  1/sqrt(2 * layers), zero biases, unit LayerNorm scales.
+  """
+  L, D, H, K, F = cfg.layers, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_mlp
+  ks = jax.random.split(key, 6)
+  std, res_std = 0.02, 0.02 / math.sqrt(2 * L)
+  normal = lambda k, shape, s: s * jax.random.normal(k, shape, jnp.float32)
+  ln = lambda: {"scale": jnp.ones((L, D)), "bias": jnp.zeros((L, D))}
+  return {
+      "wte": normal(ks[0], (cfg.vocab, D), std),
+      "wpe": normal(ks[1], (cfg.seq, D), std),
+      "blocks": {
+          "ln1": ln(),
+          "attn": {
+              "w_qkv": normal(ks[2], (L, D, 3, H, K), std),
+              "b_qkv": jnp.zeros((L, 3, H, K)),
+              "w_out": normal(ks[3], (L, H, K, D), res_std),
+              "b_out": jnp.zeros((L, D)),
+          },
+          "ln2": ln(),
+          "mlp": {
+              "w_fc": normal(ks[4], (L, D, F), std),
+              "b_fc": jnp.zeros((L, F)),
+              "w_proj": normal(ks[5], (L, F, D), res_std),
+              "b_proj": jnp.zeros((L, D)),
+          },
+      },
+      "ln_f": {"scale": jnp.ones((D,)), "bias": jnp.zeros((D,))},
+  }
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+  """Logical axis names of every param (same tree as `init_params`)."""
+  del cfg
+  ln = {"scale": ("layers", "norm"), "bias": ("layers", "norm")}
+  return {
+      "wte": ("vocab", "embed"),
+      "wpe": ("position", "embed"),
+      "blocks": {
+          "ln1": ln,
+          "attn": {
+              "w_qkv": ("layers", "embed", "qkv", "heads", "head_dim"),
+              "b_qkv": ("layers", "qkv", "heads", "head_dim"),
+              "w_out": ("layers", "heads", "head_dim", "embed"),
+              "b_out": ("layers", "norm"),
+          },
+          "ln2": ln,
+          "mlp": {
+              "w_fc": ("layers", "embed", "mlp"),
+              "b_fc": ("layers", "mlp"),
+              "w_proj": ("layers", "mlp", "embed"),
+              "b_proj": ("layers", "norm"),
+          },
+      },
+      "ln_f": {"scale": ("norm",), "bias": ("norm",)},
+  }
+
+
+# Logical axis -> mesh axes. "embed" over fsdp gives ZeRO-3-style sharded params and optimizer
+# state; heads/mlp/vocab over tensor give Megatron-style tensor parallelism (Shoeybi et al. 2019).
+RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+def _layer_norm(x, p, eps=1e-5):
+  # Statistics in float32 whatever the compute dtype, for stability under bfloat16.
+  xf = x.astype(jnp.float32)
+  mean = xf.mean(-1, keepdims=True)
+  var = jnp.square(xf - mean).mean(-1, keepdims=True)
+  y = (xf - mean) * jax.lax.rsqrt(var + eps)
+  return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+
+
+def _block(x, p):
+  """One pre-LN transformer block. x: [batch, seq, d_model]."""
+  # Keep the residual stream split by batch; otherwise GSPMD may follow the FSDP params'
+  # d_model sharding and run attention for the whole batch on every device.
+  x = fs.constrain_batch(x)
+  h = _layer_norm(x, p["ln1"])
+  a = p["attn"]
+  qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
+  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True)
+  x = x + jnp.einsum("bshk,hkd->bsd", o, a["w_out"]) + a["b_out"]
+  h = _layer_norm(x, p["ln2"])
+  m = p["mlp"]
+  h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", h, m["w_fc"]) + m["b_fc"])
+  return x + jnp.einsum("bsf,fd->bsd", h, m["w_proj"]) + m["b_proj"]
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """`table[tokens]` ([vocab, d] at int [batch, seq] -> [batch, seq, d]), batch-split, with
+  only token ids and activations crossing devices: the table is never gathered.
+
+  The table is stored as the rules put it: d over "fsdp", vocab over "tensor". Under a mesh
+  the lookup runs in a `jax.shard_map` over the axes the trace sees whole: each device
+  all-gathers its fsdp group's token ids (int32 [rows x fsdp, seq]), looks them up in its own
+  [vocab / tensor, d / fsdp] block (ids outside the block give 0, summed over "tensor"), and
+  an all-to-all over "fsdp" turns the [rows x fsdp, seq, d / fsdp] result into this
+  device's [rows, seq, d]. The backward pass is the same in reverse: an all-to-all of the
+  activations' gradient and a local scatter-add into the table's block. Left to the
+  partitioner (`table[tokens]`, one mesh axis on two dims of the gather), jax 0.10.2's GSPMD
+  replicates the output ("[SPMD] Involuntary full rematerialization"); gathering the table's
+  d first (what FSDP does for a weight) moves the whole table forward and its whole gradient
+  backward. Inside a `shard_map` that is manual over the data axes the ids are already local
+  and the table whole there: a plain lookup.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return table[tokens]
+  manual = set(mesh.manual_axes)
+  free = lambda names: tuple(a for a in names if a in mesh.axis_names and a not in manual
+                             and mesh.shape[a] > 1)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  rows = free(("replica", "data", "fsdp"))
+  if tokens.shape[0] % size(rows):
+    rows = ()
+  fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)
+  vocab = free(("tensor",))
+  if table.shape[0] % size(vocab):
+    vocab = ()
+  if not rows and not vocab:
+    return fs.constrain_batch(table[tokens])
+
+  def local(table, tokens):
+    if fsdp:
+      tokens = jax.lax.all_gather(tokens, fsdp, axis=0, tiled=True)
+    if vocab:  # this device's vocabulary rows start at its index along "tensor"
+      ids = tokens - jax.lax.axis_index(vocab) * table.shape[0]
+      inside = (ids >= 0) & (ids < table.shape[0])
+      x = jnp.where(inside[..., None], table[jnp.clip(ids, 0, table.shape[0] - 1)], 0)
+      x = jax.lax.psum(x, vocab)
+    else:
+      x = table[tokens]
+    if fsdp:  # [rows x fsdp, seq, d / fsdp] -> [rows, seq, d]
+      x = jax.lax.all_to_all(x, fsdp, split_axis=0, concat_axis=2, tiled=True)
+    return x
+
+  spec_rows = _spec(rows)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(fsdp)),
+                                                   P(spec_rows, None)),
+                       out_specs=P(spec_rows, None, None), axis_names=frozenset(
+                           free(mesh.axis_names)), check_vma=True)(table, tokens)
+
+
+def _spec(axes: tuple[str, ...]):
+  """A PartitionSpec entry for mesh axes: None, one name, or a tuple."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+  """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
+
+  Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
+  logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
+  block whatever the depth); `remat=True` recomputes each block's activations in the backward
+  pass (`jax.checkpoint`) to trade FLOPs for memory.
+  """
+  seq = tokens.shape[1]
+  x = embed_lookup(params["wte"], tokens) + params["wpe"][:seq]
+  block = jax.checkpoint(_block) if remat else _block
+  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+  x = _layer_norm(x, params["ln_f"])
+  return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
+
+
+def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
+  """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
+  ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
+  raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`."""
+  logits = apply(params, batch["inputs"], remat=remat)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """Weights that multiply activations: 12 d^2 per block (qkv, out, 2 MLP) plus the tied
+  output layer; embedding lookups and positions are not matmuls."""
+  return cfg.layers * 12 * cfg.d_model**2 + cfg.vocab * cfg.d_model
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+  """Training FLOPs per token (forward + backward): `fnscale.analysis.flops.model_flops_per_token`
+  (PaLM appendix B) for this model. Remat's recomputation is not counted (MFU, not hardware
+  utilisation)."""
+  return flops.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
+                                     d_model=cfg.d_model, seq=cfg.seq)
+
+
+def generate(apply_fn, params: dict, prompt: list[int], length: int, *, seq: int,
+             temperature: float, seed: int, attention: str = "auto") -> list[int]:
+  """Continues `prompt` (token ids) by `length` tokens: greedy at temperature 0, else sampled.
+
+  Model-agnostic (`apply_fn(params, tokens)` -> logits [batch, seq, vocab]). Each new token
+  is predicted from the last `seq` tokens (a sliding window; a model this small needs no KV
+  cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
+  across processes); all get the same tokens.
+  """
+  prompt = list(prompt or [0])[-seq:]
+  p = len(prompt)
+  total = max(seq, p + length)
+  buf = np.zeros((1, total), np.int32)
+  buf[0, :p] = prompt
+  mesh = jax.tree.leaves(params)[0].sharding.mesh
+
+  def _run(params):
+    def body(pos, carry):
+      tokens, key = carry
+      start = jnp.clip(pos - seq, 0, total - seq)
+      window = jax.lax.dynamic_slice(tokens, (0, start), (1, seq))
+      logits = apply_fn(params, window)[0]
+      logits = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, keepdims=False)
+      key, sub = jax.random.split(key)
+      if temperature > 0:
+        nxt = jax.random.categorical(sub, logits / temperature)
+      else:
+        nxt = jnp.argmax(logits)
+      return tokens.at[0, pos].set(nxt.astype(jnp.int32)), key
+
+    init = (jnp.asarray(buf), jax.random.key(seed))
+    return jax.lax.fori_loop(p, p + length, body, init)[0]
+
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  run = jax.jit(fs.with_kernel(_run, attention=attention), out_shardings=replicated)
+  out = np.asarray(run(params).addressable_data(0))
+  return out[0, p:p + length].tolist()
