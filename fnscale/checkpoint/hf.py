@@ -338,11 +338,14 @@ def _read_shard(lf: _Leaf, index: Index, read, shard: Sequence[slice]) -> np.nda
     stacked = tuple(bounds[i][0] + p for i, p in enumerate(pos))
     key = lf.src.key.format(**dict(zip(lf.src.fields, stacked)))
     entry = index.tensors[key]
-    part = np.empty(split_shape, st.DTYPES[entry.dtype])
-    for source_index, where in reads:
-      data = read(entry, key, source_index)
-      part[where] = data.reshape(part[where].shape)
+    if len(reads) == 1:  # one contiguous read: no staging copy
+      part = read(entry, key, reads[0][0]).reshape(split_shape)
+    else:
+      part = np.empty(split_shape, st.DTYPES[entry.dtype])
+      for source_index, where in reads:
+        part[where] = read(entry, key, source_index).reshape(part[where].shape)
     out[pos] = part.transpose(perm)  # cast to the leaf's dtype on assignment
+    del part
   return out
 
 
