@@ -394,23 +394,26 @@ def load(path, target, cmap: CheckpointMap):
 # Exporting
 
 
-def _piece_reader(leaf: jax.Array, n: int):
+def _piece_reader(leaf: jax.Array, n: int, held: dict):
   """pos -> the leaf's [pos] (pos over its first n axes) on host, whole.
 
-  A leaf this process holds entirely is assembled on the host from its own shards (no device
-  work); one spread over processes is gathered one stacked index at a time onto every device
-  (a jitted index with a replicated output) and read from this process's copy."""
+  A leaf this process holds entirely is copied to the host shard by shard once (`held`
+  keeps the last such leaf only: host memory holds one leaf) and cut there; one spread over
+  processes is gathered one stacked index at a time onto every device (a jitted index with a
+  replicated output) and read from this process's copy."""
   if leaf.is_fully_addressable:
-    shards = {}
-    for s in leaf.addressable_shards:
-      shards.setdefault(_bounds(s.index, leaf.shape), s)
-
     def host(pos):
+      if held.get("leaf") is not leaf:
+        held.clear()
+        shards = {}
+        for s in leaf.addressable_shards:
+          shards.setdefault(_bounds(s.index, leaf.shape), s)
+        held.update(leaf=leaf, shards={b: np.asarray(s.data) for b, s in shards.items()})
       out = np.empty(leaf.shape[n:], leaf.dtype)
-      for b, s in shards.items():
+      for b, data in held["shards"].items():
         if all(a <= p < e for p, (a, e) in zip(pos, b[:n])):
           local = tuple(p - a for p, (a, _) in zip(pos, b[:n]))
-          out[tuple(slice(a, e) for a, e in b[n:])] = np.asarray(s.data[local])
+          out[tuple(slice(a, e) for a, e in b[n:])] = data[local]
       return out
     return host
   replicated = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
@@ -470,8 +473,9 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   and the tokenizer's files, readable by `transformers`' `from_pretrained`.
 
   Every process calls it (a leaf spread over processes is gathered one stacked index at a
-  time); process 0 writes. Host memory holds one checkpoint tensor at a time; no device ever
-  holds the whole model.
+  time); process 0 writes. Host memory holds one leaf (a leaf this process holds whole) or one
+  checkpoint tensor (a leaf spread over processes) at a time; no device ever holds the whole
+  model.
 
   Args:
     path: output directory (local or `gs://...`), created if missing.
@@ -499,7 +503,9 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   fs, inner = st.filesystem(path)
   if writer:
     fs.makedirs(inner, exist_ok=True)
-  readers = {p: _piece_reader(leaf, len(cmap.tensors[p].fields)) for p, leaf in flat.items()}
+  held = {}  # the host copy of one fully addressable leaf at a time
+  readers = {p: _piece_reader(leaf, len(cmap.tensors[p].fields), held)
+             for p, leaf in flat.items()}
   for name, items in zip(names, files):
     by_key = {t.key: (p, idx) for t, p, idx in items}
 
