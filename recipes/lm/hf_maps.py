@@ -191,12 +191,9 @@ def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
   tensors = {f"blocks/{k}": v for k, v in blocks.items()}
   tensors |= {"embed": hf.Tensor("model.embed_tokens.weight"),
               "final_norm": hf.Tensor("model.norm.weight")}
-  ignore = ("*rotary_emb.inv_freq",)
-  if cfg.tie_embeddings:  # a tied output layer some checkpoints still store: transformers ties it
-    ignore += ("lm_head.weight",)
-  else:
+  if not cfg.tie_embeddings:  # tied: an lm_head.weight in the files is an error (unused)
     tensors["unembed"] = hf.Tensor("lm_head.weight", perm=(1, 0))
-  return hf.CheckpointMap(tensors, ignore)
+  return hf.CheckpointMap(tensors, ("*rotary_emb.inv_freq",))
 
 
 def _gpt2_prefix(path) -> str:
@@ -223,8 +220,8 @@ def _gpt2_map(cfg: gpt.ModelConfig, prefix: str = "transformer.") -> hf.Checkpoi
               "w_proj": T(h + "mlp.c_proj.weight"), "b_proj": T(h + "mlp.c_proj.bias")},
   }
   flat = dict(_flatten({**tensors, "blocks": blocks}))
-  # The causal-mask buffers old GPT-2 checkpoints store; the output layer is the embedding.
-  return hf.CheckpointMap(flat, ("*attn.bias", "*attn.masked_bias", "lm_head.weight"))
+  # The causal-mask buffers the original GPT-2 checkpoints store (no params).
+  return hf.CheckpointMap(flat, ("*attn.bias", "*attn.masked_bias"))
 
 
 def _flatten(tree: dict, prefix: str = ""):
