@@ -261,3 +261,32 @@ def test_a_config_with_more_layers_than_the_weights_is_named_before_loading(made
   tied = m._replace(cfg=m.cfg._replace(layers=2, tie_embeddings=True))
   with pytest.raises(fs.errors.CheckpointError, match="'lm_head.weight' .* is not loaded"):
     hf.load(d, _one_device(tied), hf_maps.checkpoint_map(tied, d))
+
+
+@pytest.mark.slow
+def test_train_lm_continues_from_a_checkpoint_and_exports_it(torch_hf, work, tmp_path):
+  # A tiny Qwen2 (q/k/v biases) with a BPE tokenizer of 300 ids: train_lm(init_from=...)
+  # trains its weights (at a learning rate too small to move them: the export still computes
+  # the original model's logits, which random weights would not) and exports what
+  # transformers loads, with fnscale's final logits and the tokenizer.
+  from recipes import train_lm, train_tokenizer  # pylint: disable=import-outside-toplevel
+  torch, transformers = torch_hf
+  src, out = tmp_path / "qwen", tmp_path / "export"
+  model = _randomize(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+      **dict(_COMMON, vocab_size=300))), torch)
+  model.save_pretrained(src, max_shard_size="50KB")
+  train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 300, str(src / "tokenizer.json"))
+  summary = train_lm.train_lm(
+      init_from=str(src), export_hf=str(out), mesh="data=-1,fsdp=2", seq=SEQ, global_batch=16,
+      steps=2, lr=1e-9, dataset=str(work / "corpus.txt"), run_dir=str(tmp_path / "run"),
+      eval_batches=1, sample_len=0, checkpoint=False)
+  tokens = np.random.default_rng(0).integers(0, 300, (2, SEQ))
+  exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  with torch.no_grad():
+    theirs = exported(torch.tensor(tokens)).logits.numpy()
+    original = model(torch.tensor(tokens)).logits.numpy()
+  m = hf_maps.read(src, SEQ)
+  ours = _logits(m, jax.device_get(summary.state.params), tokens)
+  np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(theirs, original, atol=1e-3)
+  assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
