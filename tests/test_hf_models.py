@@ -18,27 +18,13 @@ import pytest
 
 import fnscale as fs
 from fnscale.checkpoint import hf
+from recipes.bench import hf_checkpoint as bench
 from recipes.lm import gpt, hf_maps, llama
 
 NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for Python < 3.12 "
             "(pyproject's test extra); the comparisons with transformers run on that line")
 SEQ, ATOL = 32, 1e-4
-_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=8192)
-# family -> (transformers config class, model class, config fields)
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, head_dim=16, rope_theta=1e4)),
-    "llama3.2": ("LlamaConfig", "LlamaForCausalLM", dict(
-        _COMMON, hidden_size=64, head_dim=16, tie_word_embeddings=True, rope_theta=5e5,
-        rope_scaling=LLAMA3, max_position_embeddings=131072)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=64, n_embd=32, n_layer=2,
-                                                    n_head=4, n_positions=64)),
-}
+FAMILIES, LLAMA3, _COMMON = bench.FAMILIES, bench.LLAMA3, bench.COMMON
 QUICK_8 = "llama3.2"  # the family loaded on 8 devices and round-tripped in the quick tier
 
 
@@ -50,32 +36,14 @@ def torch_hf():
   return torch, transformers
 
 
-def _randomize(model, torch):
-  """Every weight random (norm scales around 1, biases nonzero), so a dropped or misplaced
-  tensor shows in the logits."""
-  g = torch.Generator().manual_seed(0)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=g)
-      is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
-      p.copy_(1 + 0.2 * noise if is_scale else 0.2 * noise)
-  return model.eval()
-
-
 @pytest.fixture(scope="module")
 def made(torch_hf, tmp_path_factory):
   """family -> (directory, reference logits float32 [2, SEQ, vocab]), saved in files of
   ~20 KB (several per model, with an index)."""
-  torch, transformers = torch_hf
-  tokens = np.random.default_rng(0).integers(0, 64, (2, SEQ))
-  out = {}
-  for name, (config_cls, model_cls, fields) in FAMILIES.items():
-    model = _randomize(getattr(transformers, model_cls)(
-        getattr(transformers, config_cls)(**fields)), torch)
-    d = tmp_path_factory.mktemp(name.replace(".", "_"))
-    model.save_pretrained(d, max_shard_size="20KB")
-    with torch.no_grad():
-      out[name] = (d, model(torch.tensor(tokens)).logits.numpy())
+  del torch_hf
+  tokens = bench.tokens(SEQ)
+  out = {name: (d, bench.make_family(name, d, tokens))
+         for name in FAMILIES for d in [tmp_path_factory.mktemp(name.replace(".", "_"))]}
   return out, tokens
 
 
@@ -272,8 +240,8 @@ def test_train_lm_continues_from_a_checkpoint_and_exports_it(torch_hf, work, tmp
   from recipes import train_lm, train_tokenizer  # pylint: disable=import-outside-toplevel
   torch, transformers = torch_hf
   src, out = tmp_path / "qwen", tmp_path / "export"
-  model = _randomize(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-      **dict(_COMMON, vocab_size=300))), torch)
+  model = bench.randomize(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+      **dict(_COMMON, vocab_size=300))))
   model.save_pretrained(src, max_shard_size="50KB")
   train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 300, str(src / "tokenizer.json"))
   summary = train_lm.train_lm(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import re
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -555,7 +554,3 @@ def _write_json(path: str, value) -> None:
   except OSError as e:
     raise StorageError(f"could not write {path}: {e}") from e
 
-
-def keys_like(index: Index, pattern: str) -> list[str]:
-  """The checkpoint's keys matching a regular expression (e.g. to detect a key prefix)."""
-  return sorted(k for k in index.tensors if re.search(pattern, k))

@@ -2,6 +2,7 @@
 
   python recipes/bench/hf_checkpoint.py --size=llama-1b --dir=/tmp/hf-bench   # ~1.24B params
   python recipes/bench/hf_checkpoint.py --size=llama-tiny --dir=/tmp/hf-bench  # seconds
+  python recipes/bench/hf_checkpoint.py --families --dir=/tmp/hf-bench  # max |dlogit| each
 
 Writes a random checkpoint shaped like the named size of recipes/lm/llama.py (keys and shapes
 from transformers' own model built on the `meta` device, so nothing is allocated there;
@@ -38,6 +39,81 @@ import optax  # noqa: E402
 import fnscale as fs  # noqa: E402
 from fnscale.checkpoint import hf  # noqa: E402
 from recipes.lm import hf_maps, llama  # noqa: E402
+
+
+# Tiny random models of each family (transformers' classes and config fields), what
+# tests/test_hf_models.py and `--families` compare fnscale against.
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, head_dim=16, rope_theta=1e4)),
+    "llama3.2": ("LlamaConfig", "LlamaForCausalLM", dict(
+        COMMON, hidden_size=64, head_dim=16, tie_word_embeddings=True, rope_theta=5e5,
+        rope_scaling=LLAMA3, max_position_embeddings=131072)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=64, n_embd=32, n_layer=2,
+                                                    n_head=4, n_positions=64)),
+}
+
+
+def tokens(seq: int, vocab: int = 64) -> np.ndarray:
+  return np.random.default_rng(0).integers(0, vocab, (2, seq))
+
+
+def randomize(model):
+  """Every weight of a torch model random (norm scales around 1, biases nonzero), so a
+  dropped or misplaced tensor shows in the logits; the model in eval mode."""
+  import torch  # pylint: disable=import-outside-toplevel
+  g = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=g)
+      is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
+      p.copy_(1 + 0.2 * noise if is_scale else 0.2 * noise)
+  return model.eval()
+
+
+def make_family(name: str, directory, toks: np.ndarray) -> np.ndarray:
+  """Saves a tiny random model of family `name` in `directory` (files of ~20 KB, with an
+  index) and returns transformers' float32 logits [batch, seq, vocab] for `toks`."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  transformers.logging.set_verbosity_error()
+  config_cls, model_cls, fields = FAMILIES[name]
+  model = randomize(getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)))
+  model.save_pretrained(directory, max_shard_size="20KB")
+  with torch.no_grad():
+    return model(torch.tensor(toks)).logits.numpy()
+
+
+def family_errors(directory: str) -> dict:
+  """Max |fnscale logit - transformers logit| per family, loaded on 1 device and on 8
+  (data x FSDP x tensor)."""
+  out, toks = {}, tokens(32)
+  mesh = fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  for name in FAMILIES:
+    d = os.path.join(directory, name)
+    want = make_family(name, d, toks)
+    m = hf_maps.read(d, 32)
+    run = jax.jit(hf_maps.apply_fn(m))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(functools.partial(m.model.init_params, m.cfg), jax.random.key(0))
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), shapes)
+    got1 = run(hf.load(d, target, hf_maps.checkpoint_map(m, d)), toks)
+    target8 = fs.init_state(functools.partial(m.model.init_params, m.cfg), optax.sgd(0.1),
+                            mesh=mesh, rules=m.model.RULES,
+                            logical_axes=m.model.logical_axes(m.cfg), key=jax.random.key(0),
+                            abstract=True).params
+    with fs.with_mesh(mesh):
+      got8 = run(hf.load(d, target8, hf_maps.checkpoint_map(m, d)), toks)
+    out[name] = {"1_device": float(np.abs(np.asarray(got1) - want).max()),
+                 "8_devices": float(np.abs(np.asarray(got8) - want).max()),
+                 "max_abs_logit": float(np.abs(want).max())}
+  return out
 
 
 def hf_shapes(cfg: llama.ModelConfig) -> dict:
@@ -143,7 +219,15 @@ def main(argv) -> int:
   p.add_argument("--dir", required=True, help="scratch directory (removed at the end)")
   p.add_argument("--shard_gb", type=float, default=1.0)
   p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--families", action="store_true",
+                 help="instead: each family's max |dlogit| against transformers")
   a = p.parse_args(argv)
+  if a.families:
+    try:
+      print(json.dumps(family_errors(a.dir)))
+    finally:
+      shutil.rmtree(a.dir, ignore_errors=True)
+    return 0
   cfg = llama.model_config(a.size, a.seq)
   src, out = os.path.join(a.dir, "in"), os.path.join(a.dir, "out")
   try:
