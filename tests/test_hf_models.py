@@ -4,7 +4,7 @@ Qwen2, Qwen3 and GPT-2 models made here with transformers and PyTorch's CPU buil
 multi-file safetensors; fnscale's logits after loading them on 1 and 8 devices, the export
 read back by `from_pretrained`, and configs the models can't express.
 
-transformers and torch come with the test extra on Python < 3.12 only (PyTorch's CPU wheel;
+transformers and torch come with the hf-test extra on Python < 3.12 only (PyTorch's CPU wheel;
 its default Linux build pulls several GB of CUDA libraries): on 3.12 the comparisons skip,
 saying so; the config checks run on both lines.
 """
@@ -22,7 +22,7 @@ from recipes.bench import hf_checkpoint as bench
 from recipes.lm import gpt, hf_maps, llama
 
 NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for Python < 3.12 "
-            "(pyproject's test extra); the comparisons with transformers run on that line")
+            "(pyproject's hf-test extra); the comparisons with transformers run on that line")
 SEQ, ATOL = 32, 1e-4
 FAMILIES, LLAMA3, _COMMON = bench.FAMILIES, bench.LLAMA3, bench.COMMON
 QUICK_8 = "llama3.2"  # the family loaded on 8 devices and round-tripped in the quick tier

@@ -13,7 +13,7 @@ other field, e.g. `{expert}`) for leaves stacked over leading axes, and the tran
 the checkpoint's layout to the leaf's: `split` of source dims (e.g. q_proj's [heads *
 head_dim, d] into [heads, head_dim, d]) then `perm` (a transpose). A leaf's shard index maps
 back through them to slices of the source tensors, so only those slices are read. Model
-families' maps live with the models (recipes/lm/hf_models.py).
+families' maps live with the models (recipes/lm/hf_maps.py).
 
 Paths are local directories or fsspec URLs (`gs://...` with gcsfs installed). Layer:
 checkpoint (imports core and multihost only). Needs the `hf` extra (safetensors, fsspec).
