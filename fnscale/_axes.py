@@ -4,14 +4,15 @@ Every module that asks "which axes split the batch?" or "which axes split attent
 reads it here, so the batch sharding, the activation constraint and the attention kernel's
 `shard_map` specs always agree. The conventions are a value (`AxisConventions`) with presets
 for fnscale's own axis names, MaxText's and Levanter's; `axis_conventions(preset)` makes one
-the ambient convention for a block, the way `jax.set_mesh` makes a mesh ambient.
+the ambient convention for a block (`fnscale._context.AXIS_CONVENTIONS`), the way
+`jax.set_mesh` makes a mesh ambient.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import NamedTuple
 
+from fnscale import _context
 from fnscale.errors import MeshError
 
 
@@ -66,10 +67,6 @@ KNOWN_AXES = frozenset().union(*(c.names() for c in PRESETS.values()))
 # The axis automatic FSDP shards unannotated params over by default.
 FSDP_AXIS = "fsdp"
 
-_ACTIVE: contextvars.ContextVar[AxisConventions] = contextvars.ContextVar(
-    "fnscale_axis_conventions", default=FNSCALE)
-
-
 def as_conventions(value) -> AxisConventions:
   """An `AxisConventions` from itself or a preset name ("fnscale", "maxtext", "levanter").
 
@@ -99,16 +96,17 @@ def axis_conventions(conventions):
   Raises:
     MeshError: a value that is neither (see `as_conventions`).
   """
-  token = _ACTIVE.set(as_conventions(conventions))
+  token = _context.AXIS_CONVENTIONS.set(as_conventions(conventions))
   try:
-    yield _ACTIVE.get()
+    yield current()
   finally:
-    _ACTIVE.reset(token)
+    _context.AXIS_CONVENTIONS.reset(token)
 
 
 def current() -> AxisConventions:
   """The ambient conventions (`FNSCALE` unless inside `axis_conventions`)."""
-  return _ACTIVE.get()
+  active = _context.AXIS_CONVENTIONS.get()
+  return FNSCALE if active is None else active
 
 
 def data_axes(mesh) -> tuple[str, ...]:

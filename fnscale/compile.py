@@ -23,6 +23,7 @@ from fnscale import sharding as _sh
 from fnscale import state as _state
 from fnscale import step as _step
 from fnscale.errors import FnscaleError, ShardingError, StepError
+from fnscale.mesh import check_mesh
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]
 
@@ -94,12 +95,6 @@ def _conform(tree, treedef, expected, what: str):
     log("resharded %d %s leaves to the compiled shardings (e.g. %s)", len(moved), what,
         moved[0])
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _strip_spec(spec: PartitionSpec, keep: tuple[str, ...]) -> PartitionSpec:
-  """Only the mesh axes in `keep` (shard_map's manual axes) of each spec entry."""
-  return PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if a in keep))
-                         for e in spec))
 
 
 def _own_sharding(leaf, derived, mesh):
@@ -277,7 +272,8 @@ class ShardedStep:
                      dict(self.mesh.shape))
       return self.step
     batch_specs = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(batch), [_strip_spec(s.spec, daxes) for s in batch_flat])
+        jax.tree_util.tree_structure(batch),
+        [_tree.filter_spec(s.spec, lambda a: a in daxes) for s in batch_flat])
     return jax.shard_map(self.step, mesh=self.mesh, in_specs=(PartitionSpec(), batch_specs),
                          out_specs=(PartitionSpec(), PartitionSpec()),
                          axis_names=set(daxes), check_vma=True)
@@ -336,7 +332,7 @@ class ShardedStep:
 def _check_args(step, mesh, mode, donate, optimizer, compiler_options) -> None:
   if not callable(step):
     raise StepError(f"step is {_tree.got(step)}, expected a callable step(state, batch).")
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "shard_step")
   if mode not in _MODES:
     raise StepError(f"mode={mode!r}, expected one of {_MODES}.")
   if not isinstance(donate, bool):

@@ -19,6 +19,7 @@ import optax
 from fnscale import _tree
 from fnscale import sharding as _sh
 from fnscale.errors import ShardingError, StepError
+from fnscale.mesh import check_mesh
 from fnscale.step import TrainState, as_policy, check_optimizer, default_loss_scale
 
 __all__ = ["init_state", "opt_state_shardings", "state_shardings"]
@@ -59,7 +60,7 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh, *, fsdp_axi
     ShardingError: the state's param-shaped subtrees don't match `param_shardings`.
     MeshError: a mesh that isn't one.
   """
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "opt_state_shardings")
   if optimizer is not None:
     check_optimizer(optimizer)
 
@@ -144,7 +145,7 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   if not isinstance(state, TrainState):
     raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
                     "it with fnscale.init_state.")
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "state_shardings")
   opts = _options(sharding_options)
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
@@ -243,7 +244,7 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   """
   check_optimizer(optimizer)
   policy = as_policy(policy)
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "init_state")
   if not isinstance(abstract, bool):
     raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
   loss_scale = default_loss_scale(policy, loss_scale)

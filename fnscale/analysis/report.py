@@ -282,14 +282,14 @@ def _fmt_spec(spec) -> str:
   return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")"
 
 
-def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
+def sharding_report(tree, shardings_or_layout, *, logical_axes=None) -> str:
   """A readable table: per leaf its path, shape, dtype, logical axes, PartitionSpec,
   global and per-device bytes and how the sharding was chosen; then totals.
 
   Args:
     tree: the pytree the shardings are for (arrays or ShapeDtypeStructs).
-    shardings_or_plan: a `ShardingLayout` (from `shard_plan`; gives the reason column) or a
-      pytree of NamedSharding (reason inferred: "sharded" or "replicated").
+    shardings_or_layout: a `ShardingLayout` (from `sharding_layout`; gives the reason
+      column) or a pytree of NamedSharding (reason inferred: "sharded" or "replicated").
     logical_axes: as in `shardings`, shown in the logical-axes column when the second
       argument is a plain shardings tree.
 
@@ -297,44 +297,44 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
     Multi-line text. Per-device bytes are one device's shard (jax's `shard_shape`).
 
   Raises:
-    ShardingError: a plan for another tree, shardings that don't match the tree.
+    ShardingError: a layout for another tree, shardings that don't match the tree.
   """
   n = jax.tree_util.tree_structure(tree).num_leaves
-  if isinstance(shardings_or_plan, _sh.ShardingLayout):
-    plan = shardings_or_plan
-    if len(plan.leaves) != n:
+  if isinstance(shardings_or_layout, _sh.ShardingLayout):
+    layout = shardings_or_layout
+    if len(layout.leaves) != n:
       raise ShardingError(
-          f"the plan has {len(plan.leaves)} leaves but the tree has {n}; fix: report on "
-          "the tree the plan was made for.")
+          f"the layout has {len(layout.leaves)} leaves but the tree has {n}; fix: report on "
+          "the tree the layout was made for.")
   else:
-    plan = _sh.plan_of(tree, shardings_or_plan, logical_axes=logical_axes)
-  return "\n".join(_table(plan.leaves) + [""] + _totals(plan))
+    layout = _sh.layout_of(tree, shardings_or_layout, logical_axes=logical_axes)
+  return "\n".join(_table(layout.leaves) + [""] + _totals(layout))
 
 
-def _table(plans) -> list[str]:
+def _table(leaves) -> list[str]:
   header = ("path", "shape", "dtype", "logical axes", "spec", "global", "per device", "how")
   rows = [(lp.path or "<root>", "x".join(map(str, lp.shape)) or "scalar", str(lp.dtype),
            _fmt_axes(lp.logical_axes), _fmt_spec(lp.spec), _tree.fmt_bytes(lp.global_bytes),
            _tree.fmt_bytes(lp.device_bytes), lp.reason + (f" ({lp.note})" if lp.note else ""))
-          for lp in plans]
+          for lp in leaves]
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
   return lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _totals(plan) -> list[str]:
-  plans, fb = plan.leaves, _tree.fmt_bytes
-  mesh = plan.mesh
-  repl = [lp for lp in plans if lp.device_bytes == lp.global_bytes and lp.global_bytes]
-  indiv = [lp for lp in plans if lp.reason == _sh.INDIVISIBLE]
+def _totals(layout) -> list[str]:
+  leaves, fb = layout.leaves, _tree.fmt_bytes
+  mesh = layout.mesh
+  repl = [lp for lp in leaves if lp.device_bytes == lp.global_bytes and lp.global_bytes]
+  indiv = [lp for lp in leaves if lp.reason == _sh.INDIVISIBLE]
   lines = []
   if mesh is not None:
     sizes = dict(mesh.shape)
     lines.append("mesh: " + " ".join(f"{a}={n}" for a, n in sizes.items())
                  + f" ({math.prod(sizes.values())} devices)")
-  lines.append(f"leaves: {len(plans)}  total: {fb(sum(lp.global_bytes for lp in plans))}  "
-               f"per device: {fb(sum(lp.device_bytes for lp in plans))}  replicated: "
+  lines.append(f"leaves: {len(leaves)}  total: {fb(sum(lp.global_bytes for lp in leaves))}  "
+               f"per device: {fb(sum(lp.device_bytes for lp in leaves))}  replicated: "
                f"{len(repl)} leaves ({fb(sum(lp.global_bytes for lp in repl))})")
   if indiv:
     lines.append(f"large leaves replicated because no dimension divides the fsdp size: "
