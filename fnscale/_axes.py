@@ -29,6 +29,15 @@ class AxisConventions(NamedTuple):
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
     other: further names the convention gives a meaning (sequence, context, ...), so rules
       naming them aren't flagged as typos on a mesh without them.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.LEVANTER_AXES.data, fs.LEVANTER_AXES.head
+    (('replica', 'data'), ('model',))
+    >>> mine = fs.AxisConventions(data=("dp",), replica=("dp",), head=("tp",))
+    >>> with fs.axis_conventions(mine):
+    ...   fs.batch_sharding(fs.make_mesh({"dp": 4, "tp": 2})).spec
+    P('dp',)
   """
   data: tuple[str, ...]
   replica: tuple[str, ...]
@@ -95,6 +104,15 @@ def axis_conventions(conventions):
 
   Raises:
     MeshError: a value that is neither (see `as_conventions`).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"replica": 2, "data": 4})
+    >>> fs.batch_sharding(mesh).spec  # fnscale's names: replica and data split the batch
+    P(('replica', 'data'),)
+    >>> with fs.axis_conventions("maxtext"):  # MaxText's "data" only
+    ...   fs.batch_sharding(mesh).spec
+    P('data',)
   """
   token = _context.AXIS_CONVENTIONS.set(as_conventions(conventions))
   try:

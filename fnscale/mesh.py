@@ -29,7 +29,14 @@ AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]
 
 
 class MeshAxes(NamedTuple):
-  """Axis sizes within a slice (`ici`) and across slices (`dcn`); -1 means "the rest"."""
+  """Axis sizes within a slice (`ici`) and across slices (`dcn`); -1 means "the rest".
+
+  Examples:
+    >>> import fnscale as fs
+    >>> axes = fs.MeshAxes(ici={"fsdp": -1, "tensor": 2}, dcn={})
+    >>> dict(fs.make_mesh(axes).shape)
+    {'fsdp': 4, 'tensor': 2}
+  """
   ici: dict[str, int]
   dcn: dict[str, int]
 
@@ -55,6 +62,16 @@ def parallelism(strategy: str, topology: Topology | None = None, *,
   Raises:
     MeshError: unknown strategy, a topology that isn't a `Topology`, or a tensor size that
       isn't a positive int.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallelism("tensor", tensor=2)
+    MeshAxes(ici={'fsdp': -1, 'tensor': 2}, dcn={})
+
+    Two slices (here described by an override over the 8 devices): data parallel across them.
+
+    >>> fs.parallelism("hybrid", fs.detect_topology("2x1x2x2"))
+    MeshAxes(ici={'fsdp': -1}, dcn={'replica': 2})
   """
   if not isinstance(strategy, str):
     raise MeshError(f"strategy={strategy!r} ({type(strategy).__name__}): expected one of "
@@ -160,6 +177,18 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
       axis types, or an argument
       of the wrong type (devices that aren't `jax.Device`s, a topology that isn't a
       `Topology`).
+
+  Examples:
+    On 8 devices, -1 takes what the other axes leave:
+
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": -1, "tensor": 2})
+    >>> dict(mesh.shape)
+    {'data': 4, 'tensor': 2}
+    >>> fs.make_mesh("data=2,fsdp=4").axis_names
+    ('data', 'fsdp')
+    >>> dict(fs.make_mesh("fsdp").shape)  # a preset (see `parallelism`)
+    {'fsdp': 8}
   """
   if topology is not None and not isinstance(topology, Topology):
     raise MeshError(f"topology={topology!r} ({type(topology).__name__}): expected None or a "
@@ -347,6 +376,24 @@ def with_mesh(mesh: Mesh):
 
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> with fs.with_mesh(mesh):
+    ...   print(dict(jax.sharding.get_abstract_mesh().shape))
+    {'data': 8}
+
+    As a wrapper around a jitted function, whose batch rows `constrain_batch` splits:
+
+    >>> @fs.with_mesh(mesh)
+    ... @jax.jit
+    ... def double(x):
+    ...   return fs.constrain_batch(x * 2)
+    >>> y = double(jnp.ones((8, 4)))
+    >>> y.sharding.spec, y.addressable_shards[0].data.shape
+    (P('data',), (1, 4))
   """
   check_mesh(mesh, "with_mesh")
   with contextlib.ExitStack() as stack:

@@ -420,6 +420,17 @@ def sharding_layout(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp"
   `ShardingLayout`).
 
   See `shardings` for the arguments and errors.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+    ...           "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+    >>> layout = fs.sharding_layout(params, fs.make_mesh({"fsdp": 8}))
+    >>> for leaf in layout.leaves:
+    ...   print(leaf.path, leaf.spec, leaf.reason, leaf.device_bytes)
+    b P() replicated:small 1024
+    w P('fsdp', None) auto-fsdp 131072
   """
   fsdp_axes = _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -524,6 +535,21 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
       matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
       many replicated bytes.
+
+  Examples:
+    Logical axes and rules (MaxText's scheme): "embed" over fsdp, "mlp" over tensor.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+    >>> rules = (("embed", "fsdp"), ("mlp", "tensor"))
+    >>> params = {"w_in": jnp.zeros((64, 256)), "w_out": jnp.zeros((256, 64))}
+    >>> axes = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
+    >>> shardings = fs.shardings(params, mesh, rules, logical_axes=axes)
+    >>> shardings["w_in"].spec, shardings["w_out"].spec
+    (P('fsdp', 'tensor'), P('tensor', 'fsdp'))
+    >>> jax.device_put(params, shardings)["w_in"].addressable_shards[0].data.shape
+    (16, 128)
   """
   check_mesh(mesh, "shardings", abstract=True)
   return sharding_layout(tree, mesh, rules, logical_axes=logical_axes, fsdp_axis=fsdp_axis,
@@ -564,6 +590,17 @@ def batch_sharding(mesh, *, axes=None) -> NamedSharding:
   Raises:
     MeshError: `mesh` not a Mesh.
     ShardingError: `axes` not axis names, an axis not in the mesh.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    >>> sharding = fs.batch_sharding(mesh)
+    >>> sharding.spec
+    P(('data', 'fsdp'),)
+    >>> x = jax.device_put(jnp.zeros((8, 16)), sharding)
+    >>> x.addressable_shards[0].data.shape  # 8 rows over 4 data shards
+    (2, 16)
   """
   check_mesh(mesh, "batch_sharding", abstract=True)
   axes = _axes.data_axes(mesh) if axes is None else _as_axes(axes, "axes")
@@ -597,6 +634,19 @@ def constrain_batch(tree, *, axes=None):
 
   Raises:
     ShardingError: `axes` not axis names.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> @fs.with_mesh(fs.make_mesh({"fsdp": 8}))
+    ... @jax.jit
+    ... def block(x, w):
+    ...   return fs.constrain_batch(jnp.tanh(x @ w))
+    >>> block(jnp.ones((16, 32)), jnp.ones((32, 32))).sharding.spec
+    P('fsdp',)
+    >>> x = jnp.ones((16, 32))
+    >>> fs.constrain_batch(x) is x  # outside a mesh
+    True
   """
   axes = None if axes is None else _as_axes(axes, "axes")
   mesh = jax.sharding.get_abstract_mesh()

@@ -166,6 +166,15 @@ class Topology:
     sources: field name -> where it came from ("override", "env:TPU_ACCELERATOR_TYPE",
       "metadata:instance/attributes/accelerator-type", "jax.devices()", "devices" for devices
       passed in, "facts table").
+
+  Examples:
+    >>> import fnscale as fs
+    >>> topo = fs.detect_topology()  # 8 simulated CPU devices
+    >>> print(topo)
+    cpu 'cpu' (no accelerator type): 8 devices = 1 slice(s) x chip grid ?,
+    1 process(es) x 8 devices, peak ? bf16 per device
+    >>> topo.devices_per_slice, topo.peak_flops_per_device  # no published peak for a CPU
+    (8, None)
   """
   platform: str
   device_kind: str
@@ -587,6 +596,14 @@ def simulate_cpu_devices(n: int) -> bool:
 
   Raises:
     TopologyError: `n` is not a positive int, or jax already started with another count.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.simulate_cpu_devices(8)  # first thing, before any jax computation
+    True
+    >>> import jax
+    >>> jax.device_count(), jax.devices()[0].platform
+    (8, 'cpu')
   """
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise TopologyError(f"simulated device count n={n!r} ({type(n).__name__}) must be a "
@@ -665,6 +682,22 @@ def detect_topology(override: str | None = None, *, devices=None,
     TopologyError: an argument of the wrong type; malformed override or environment values;
       an unknown accelerator type; a generation that disagrees with the devices; or a layout
       whose device count disagrees with the devices present.
+
+  Examples:
+    On 8 simulated CPU devices (`simulate_cpu_devices(8)`):
+
+    >>> import fnscale as fs
+    >>> topo = fs.detect_topology()
+    >>> topo.platform, topo.num_devices, topo.num_slices, topo.num_processes
+    ('cpu', 8, 1, 1)
+    >>> topo.sources["num_devices"]
+    'jax.devices()'
+
+    An override wins over what the devices show: here 2 slices of 1x2x2 chips.
+
+    >>> two = fs.detect_topology("2x1x2x2")
+    >>> two.num_slices, two.chip_grid, two.sources["chip_grid"]
+    (2, (1, 2, 2), 'override')
   """
   import jax
   _check_detect_args(override, env, metadata_timeout_s)

@@ -126,6 +126,15 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
   Raises:
     KernelError: `attention` is not a known implementation, `interpret` is not a bool, or
       `fn` is not callable.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> def which(shape):
+    ...   return fs.kernels.kernel_selection(shape, shape).implementation
+    >>> which((2, 128, 4, 64))  # on CPU
+    'xla'
+    >>> fs.with_kernel(which, attention="splash", interpret=True)((2, 128, 4, 64))
+    'splash'
   """
   if attention not in IMPLEMENTATIONS:
     raise KernelError(
@@ -299,6 +308,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   Raises:
     KernelError: bad shapes, dtypes or arguments, or a forced implementation that can't
       serve the call (the message names the reason).
+
+  Examples:
+    On CPU "auto" runs the XLA reference (`kernel_selection` says which and why):
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 128, 4, 64))
+    >>> @jax.jit
+    ... def check(q, k, v):
+    ...   out = fs.attention(q, k, v, causal=True)
+    ...   return out, jnp.abs(out - jax.nn.dot_product_attention(q, k, v, is_causal=True)).max()
+    >>> out, error = check(q, k, v)
+    >>> out.shape, out.dtype, bool(error < 1e-5)
+    ((2, 128, 4, 64), dtype('float32'), True)
+    >>> fs.kernels.kernel_selection(q.shape, k.shape).implementation
+    'xla'
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
