@@ -25,7 +25,7 @@ from fnscale.topology import Topology, detect_topology, simulate_cpu_devices
 from fnscale.mesh import MeshAxes, make_mesh, parallelism, with_mesh
 from fnscale._axes import AxisConventions, axis_conventions
 from fnscale._axes import FNSCALE as FNSCALE_AXES, LEVANTER as LEVANTER_AXES, MAXTEXT as MAXTEXT_AXES
-from fnscale.sharding import batch_sharding, constrain_batch, shard_plan, shardings
+from fnscale.sharding import batch_sharding, constrain_batch, sharding_layout, shardings
 from fnscale.step import TrainState, train_step
 from fnscale.state import init_state, state_shardings
 from fnscale.compile import shard_step
@@ -45,7 +45,7 @@ __all__ = [
     "Topology", "detect_topology", "simulate_cpu_devices",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",
     "FNSCALE_AXES", "LEVANTER_AXES", "MAXTEXT_AXES",
-    "batch_sharding", "constrain_batch", "shard_plan", "sharding_report", "shardings",
+    "batch_sharding", "constrain_batch", "sharding_layout", "sharding_report", "shardings",
     "TrainState", "train_step",
     "init_state", "state_shardings",
     "shard_step",

@@ -4,14 +4,15 @@ Every module that asks "which axes split the batch?" or "which axes split attent
 reads it here, so the batch sharding, the activation constraint and the attention kernel's
 `shard_map` specs always agree. The conventions are a value (`AxisConventions`) with presets
 for fnscale's own axis names, MaxText's and Levanter's; `axis_conventions(preset)` makes one
-the ambient convention for a block, the way `jax.set_mesh` makes a mesh ambient.
+the ambient convention for a block (`fnscale._context.AXIS_CONVENTIONS`), the way
+`jax.set_mesh` makes a mesh ambient.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import NamedTuple
 
+from fnscale import _context
 from fnscale.errors import MeshError
 
 
@@ -28,6 +29,15 @@ class AxisConventions(NamedTuple):
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
     other: further names the convention gives a meaning (sequence, context, ...), so rules
       naming them aren't flagged as typos on a mesh without them.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.LEVANTER_AXES.data, fs.LEVANTER_AXES.head
+    (('replica', 'data'), ('model',))
+    >>> mine = fs.AxisConventions(data=("dp",), replica=("dp",), head=("tp",))
+    >>> with fs.axis_conventions(mine):
+    ...   fs.batch_sharding(fs.make_mesh({"dp": 4, "tp": 2})).spec
+    P('dp',)
   """
   data: tuple[str, ...]
   replica: tuple[str, ...]
@@ -66,10 +76,6 @@ KNOWN_AXES = frozenset().union(*(c.names() for c in PRESETS.values()))
 # The axis automatic FSDP shards unannotated params over by default.
 FSDP_AXIS = "fsdp"
 
-_ACTIVE: contextvars.ContextVar[AxisConventions] = contextvars.ContextVar(
-    "fnscale_axis_conventions", default=FNSCALE)
-
-
 def as_conventions(value) -> AxisConventions:
   """An `AxisConventions` from itself or a preset name ("fnscale", "maxtext", "levanter").
 
@@ -98,17 +104,27 @@ def axis_conventions(conventions):
 
   Raises:
     MeshError: a value that is neither (see `as_conventions`).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"replica": 2, "data": 4})
+    >>> fs.batch_sharding(mesh).spec  # fnscale's names: replica and data split the batch
+    P(('replica', 'data'),)
+    >>> with fs.axis_conventions("maxtext"):  # MaxText's "data" only
+    ...   fs.batch_sharding(mesh).spec
+    P('data',)
   """
-  token = _ACTIVE.set(as_conventions(conventions))
+  token = _context.AXIS_CONVENTIONS.set(as_conventions(conventions))
   try:
-    yield _ACTIVE.get()
+    yield current()
   finally:
-    _ACTIVE.reset(token)
+    _context.AXIS_CONVENTIONS.reset(token)
 
 
 def current() -> AxisConventions:
   """The ambient conventions (`FNSCALE` unless inside `axis_conventions`)."""
-  return _ACTIVE.get()
+  active = _context.AXIS_CONVENTIONS.get()
+  return FNSCALE if active is None else active
 
 
 def data_axes(mesh) -> tuple[str, ...]:

@@ -1,9 +1,12 @@
 """Every JAX interface fnscale relies on that JAX does not promise to keep, in one module.
 
 fnscale is tested with jax 0.10.2 (Python 3.11) and jax 0.12 (Python 3.12+): `TESTED_JAX`,
-the range pyproject.toml states. Each entry here is private to JAX (`jax._src`), a parameter
-layout of JAX's program representation (jaxpr), or a text format: XLA's logs and errors, the
-collectives' and the coordination service's errors, `mesh_utils`' refusals.
+the range pyproject.toml states. Each entry here is private to JAX (`jax._src`), an
+attribute JAX renamed between releases or keeps undocumented (an array type's varying axes,
+a device's runtime client), a parameter layout of JAX's program representation (jaxpr), or a
+text format: XLA's logs and errors, the collectives' and the coordination service's errors,
+`mesh_utils`' refusals. No other module of fnscale reaches into `jax._src` or probes jax for
+an attribute or a version (`tests/test_compat.py` also checks that).
 `tests/test_compat.py` has a test per entry that fails, naming the entry, when a JAX release
 changes it; an entry that finds JAX changed at run time raises `RuntimeFailure` naming itself,
 the installed jax and the tested range.
@@ -147,6 +150,38 @@ def is_megacore_error(err: BaseException) -> bool:
   requires one device per chip ("megacore" mode). Got device id 1 for a device of kind TPU
   v4: ..." (jax 0.10.2 and 0.12)."""
   return isinstance(err, AssertionError) and "megacore" in str(err)
+
+
+# ------------------------------------------------------------ array types and devices
+
+def varying_axes(x) -> frozenset[str]:
+  """The manual mesh axes `x` varies over inside a `jax.shard_map` that checks them (jax's
+  varying-manual-axes type; empty outside one): `jax.typeof(x).manual_axis_type.varying` in
+  jax 0.10.2 and 0.12 (the documented `.vma` of earlier releases is gone).
+
+  Raises:
+    RuntimeFailure: the value's type carries no `manual_axis_type.varying`.
+  """
+  aval = jax.typeof(x)
+  try:
+    return frozenset(aval.manual_axis_type.varying)
+  except AttributeError as e:
+    raise _changed("varying_axes", f"{type(aval).__name__} has no manual_axis_type.varying "
+                   f"({e})") from None
+
+
+def platform_version(device) -> str:
+  """The version string of the runtime behind `device` (`device.client.platform_version`:
+  "cpu" on CPU; on GPUs it names CUDA or ROCm), which public jax doesn't offer.
+
+  Raises:
+    RuntimeFailure: the device carries no `client.platform_version`.
+  """
+  try:
+    return str(device.client.platform_version)
+  except AttributeError as e:
+    raise _changed("platform_version", f"a {type(device).__name__} has no "
+                   f"client.platform_version ({e})") from None
 
 
 # ------------------------------------------------------------------------- jaxprs

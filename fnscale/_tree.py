@@ -6,6 +6,7 @@ Leaf paths are '/'-joined pytree keys: `{"blocks": [{"attn": {"wq": w}}]}` gives
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from typing import Any
 
@@ -13,7 +14,7 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from fnscale.errors import FnscaleError, MeshError, ShardingError
+from fnscale.errors import FnscaleError, ShardingError
 
 
 def path_str(path) -> str:
@@ -84,6 +85,14 @@ def spec_entry(axes: tuple[str, ...]):
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def filter_spec(spec: PartitionSpec, keep: Callable[[str], bool]) -> PartitionSpec:
+  """`spec` with only the mesh axes for which `keep(axis)` holds, entry by entry (an entry
+  left with none, or `UNCONSTRAINED`, becomes None): the one filter of specs, e.g. to the
+  manual axes of a `jax.shard_map`, or without the axes a value is gathered over."""
+  return PartitionSpec(*(spec_entry(tuple(a for a in entry_axes(e) if keep(a)))
+                         for e in spec))
+
+
 def nbytes(shape, dtype) -> int:
   return int(math.prod(shape)) * np.dtype(dtype).itemsize
 
@@ -135,11 +144,3 @@ def check_int(value, name: str, error: type[FnscaleError], *, minimum: int | Non
     want += " or None" if allow_none else ""
     raise error(f"{name}={value!r} ({type_name(value)}), expected {want}.")
 
-
-def check_mesh(mesh, name: str, *, abstract: bool = False) -> None:
-  """Raises `MeshError` unless `mesh` is a `jax.sharding.Mesh` (or, with `abstract`, an
-  `AbstractMesh`): the same error type from every function that takes a mesh."""
-  kinds = (jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract else jax.sharding.Mesh
-  if not isinstance(mesh, kinds):
-    raise MeshError(f"{name} is {got(mesh)}, expected a jax.sharding.Mesh; fix: "
-                    "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")

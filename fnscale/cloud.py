@@ -1,23 +1,23 @@
 """Deletes the Cloud TPU VM (or its queued resource) when a job ends, so idle chips stop billing.
 
 `shutdown_at_exit()` reads who and where it runs from the GCE metadata service that every
-Cloud TPU VM answers, plans the Cloud TPU API v2 call that deletes it, and registers it with
+Cloud TPU VM answers, builds the Cloud TPU API v2 call that deletes it, and registers it with
 `atexit`. The calls go through Google's client (`google.cloud.tpu_v2.TpuClient`, the `cloud`
 extra: `pip install 'fnscale[cloud]'`) with google-auth's Compute Engine credentials (an
 access token from the metadata server, refreshed when it expires), the client's retries of
 transient errors and its long-running operation for the delete. The pieces are pure and
 public so callers can inspect them:
 
-  plan = shutdown_plan()     # metadata (+ a read-only node lookup) -> ShutdownRequest value
-  result = execute(plan)     # sentinel check, then TpuClient.delete_* -> ShutdownResult
+  request = shutdown_request()  # metadata (+ a read-only node lookup) -> ShutdownRequest
+  result = execute(request)     # sentinel check, then TpuClient.delete_* -> ShutdownResult
 
 Rules, in order:
 - Off a Cloud TPU VM (metadata unreachable, or no `accelerator-type` attribute) nothing is
-  planned and the plan's `reason` says so.
+  requested and the request's `reason` says so.
 - Only one process acts: `jax.process_index()` 0 when `jax.distributed` is initialised,
   otherwise worker 0 by `TPU_WORKER_ID`, the metadata attribute `agent-worker-number` or the
   `WORKER_ID` of the `tpu-env` attribute (and slice 0 by `MEGASCALE_SLICE_ID` in multi-slice
-  jobs). Other workers plan nothing.
+  jobs). Other workers request nothing.
 - The VM's node name is `NODE_ID` from the `tpu-env` metadata attribute (the GCE instance name
   of a TPU VM is an internal `t1v-...` name); project from `project/project-id`, zone from the
   last segment of `instance/zone`.
@@ -227,11 +227,11 @@ def _queued_resource(given, node_name, client, timeout_s) -> tuple[str | None, s
     return node.queued_resource or None, "from the node's queued_resource field"
   except CloudError as e:
     logging.warning("fnscale: couldn't look up whether TPU VM %s came from a queued "
-                    "resource (%s); planning to delete the node itself.", node_name, e)
+                    "resource (%s); deleting the node itself.", node_name, e)
     return None, None
 
 
-def _check_plan_args(delay_s, timeout_s, worker) -> None:
+def _check_request_args(delay_s, timeout_s, worker) -> None:
   if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not delay_s >= 0:
     raise InputError(f"delay_s must be a number of seconds >= 0, got {delay_s!r}.")
   if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -259,18 +259,18 @@ def _worker_index(worker, get, tpu_env) -> tuple[int, str]:
   return 0, "no worker index found (a single-host VM)"
 
 
-def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
-                  sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
-                  api_url: str | None = None, node: str | None = None,
-                  queued_resource: str | None = None, worker: int | None = None,
-                  timeout_s: float = 10.0, credentials: Any = None) -> ShutdownRequest:
-  """Plans the call that deletes this Cloud TPU VM, from the metadata service.
+def shutdown_request(*, delay_s: float = 60.0, dry_run: bool = False,
+                     sentinel: str = DEFAULT_SENTINEL, metadata_url: str | None = None,
+                     api_url: str | None = None, node: str | None = None,
+                     queued_resource: str | None = None, worker: int | None = None,
+                     timeout_s: float = 10.0, credentials: Any = None) -> ShutdownRequest:
+  """The call that deletes this Cloud TPU VM, from the metadata service (not yet sent).
 
   Makes at most one read-only API call (`get_node`, to find its queued resource), never a
   delete.
 
   Args:
-    delay_s: seconds to wait at exit before sending (recorded in the plan).
+    delay_s: seconds to wait at exit before sending (recorded in the request).
     dry_run: record that `execute` should log the call instead of making it.
     sentinel: file whose existence at exit cancels the deletion.
     metadata_url: metadata base URL for fnscale's reads (`http://HOST[:PORT]`, optionally
@@ -291,9 +291,9 @@ def shutdown_plan(*, delay_s: float = 60.0, dry_run: bool = False,
   Raises:
     InputError: a malformed argument (named), a non-https endpoint off loopback.
     CloudError: google-cloud-tpu is not installed (the cloud extra) on worker 0 of a TPU VM.
-    Other environment problems never raise: they give an action "none" plan with the reason.
+    Other environment problems never raise: they give an action "none" request with the reason.
   """
-  _check_plan_args(delay_s, timeout_s, worker)
+  _check_request_args(delay_s, timeout_s, worker)
   sentinel = os.path.expanduser(os.fspath(sentinel))
   meta = _metadata_base(metadata_url)
   base = ShutdownRequest(action="none", reason="", endpoint=api_endpoint(api_url),
@@ -355,23 +355,23 @@ def _locate(base: ShutdownRequest, node, worker) -> ShutdownRequest:
   return base
 
 
-def describe(plan: ShutdownRequest) -> str:
-  """One line with the exact call of `plan` (no credentials), or why there is none."""
-  if plan.action == "none":
-    return f"no shutdown request: {plan.reason}"
-  force = ", force=True" if plan.action == "delete_queued_resource" else ""
-  return (f"TpuClient.{plan.action}(name={plan.name!r}{force}) at {plan.endpoint} (REST, "
+def describe(request: ShutdownRequest) -> str:
+  """One line with the exact call of `request` (no credentials), or why there is none."""
+  if request.action == "none":
+    return f"no shutdown request: {request.reason}"
+  force = ", force=True" if request.action == "delete_queued_resource" else ""
+  return (f"TpuClient.{request.action}(name={request.name!r}{force}) at {request.endpoint} (REST, "
           "google-auth credentials of the VM's service account)")
 
 
-def execute(plan: ShutdownRequest, *, credentials: Any = None) -> ShutdownResult:
-  """Carries out `plan` now: unless its sentinel exists or it is a dry run, makes the delete.
+def execute(request: ShutdownRequest, *, credentials: Any = None) -> ShutdownResult:
+  """Carries out `request` now: unless its sentinel exists or it is a dry run, makes the delete.
 
   The delete returns a long-running operation; its name is in the result (the VM goes away
   while it runs, so nothing waits for it).
 
   Args:
-    plan: from `shutdown_plan`.
+    request: from `shutdown_request`.
     credentials: google-auth credentials; default the VM's service account (an access token
       from the metadata server, fetched now: tokens expire).
 
@@ -382,38 +382,38 @@ def execute(plan: ShutdownRequest, *, credentials: Any = None) -> ShutdownResult
     CloudError: google-cloud-tpu missing, no credentials, a network failure or an API error
       after the client's retries (its `status` and `body` attributes hold the answer).
   """
-  if plan.action == "none":
-    logging.info("fnscale: %s", describe(plan))
-    return ShutdownResult(False, plan.reason)
-  if os.path.exists(plan.sentinel):
-    reason = f"sentinel {plan.sentinel} exists: keeping the VM (remove it to allow deletion)."
+  if request.action == "none":
+    logging.info("fnscale: %s", describe(request))
+    return ShutdownResult(False, request.reason)
+  if os.path.exists(request.sentinel):
+    reason = f"sentinel {request.sentinel} exists: keeping the VM (remove it to allow deletion)."
     logging.warning("fnscale: %s", reason)
     return ShutdownResult(False, reason)
-  if plan.dry_run:
-    reason = f"dry run, not sent: {describe(plan)}"
+  if request.dry_run:
+    reason = f"dry run, not sent: {describe(request)}"
     logging.warning("fnscale: %s", reason)
     print(f"fnscale shutdown_at_exit {reason}", file=sys.stderr, flush=True)
     return ShutdownResult(False, reason)
-  logging.warning("fnscale: sending %s", describe(plan))
-  client = _client(plan.endpoint, credentials)
-  request = {"name": plan.name}
-  if plan.action == "delete_queued_resource":
-    request["force"] = True
-  operation = _call(f"TpuClient.{plan.action}({plan.name})", getattr(client, plan.action),
-                    request=request, retry=_retry(plan.timeout_s), timeout=plan.timeout_s)
+  logging.warning("fnscale: sending %s", describe(request))
+  client = _client(request.endpoint, credentials)
+  body = {"name": request.name}
+  if request.action == "delete_queued_resource":
+    body["force"] = True
+  operation = _call(f"TpuClient.{request.action}({request.name})", getattr(client, request.action),
+                    request=body, retry=_retry(request.timeout_s), timeout=request.timeout_s)
   name = operation.operation.name
-  logging.warning("fnscale: %s accepted: operation %s", plan.name, name)
-  return ShutdownResult(True, plan.reason, name)
+  logging.warning("fnscale: %s accepted: operation %s", request.name, name)
+  return ShutdownResult(True, request.reason, name)
 
 
-def _at_exit(plan: ShutdownRequest, credentials):
+def _at_exit(request: ShutdownRequest, credentials):
   """The atexit hook: wait, then execute; log every failure, never raise into exit."""
   try:
-    if plan.delay_s > 0:
-      logging.warning("fnscale: job ended; %s in %.0f s unless %s exists.", describe(plan),
-                      plan.delay_s, plan.sentinel)
-      time.sleep(plan.delay_s)
-    execute(plan, credentials=credentials)
+    if request.delay_s > 0:
+      logging.warning("fnscale: job ended; %s in %.0f s unless %s exists.", describe(request),
+                      request.delay_s, request.sentinel)
+      time.sleep(request.delay_s)
+    execute(request, credentials=credentials)
   except Exception as e:  # pylint: disable=broad-except  # the program is exiting anyway
     logging.error("fnscale: deleting the TPU VM failed: %s", e)
 
@@ -435,26 +435,26 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
     dry_run: log the exact call at exit instead of making it.
     sentinel: a file that, if it exists at exit, keeps the VM. Default `/tmp/fnscale-keep-vm`.
     metadata_url, api_url, node, queued_resource, worker, timeout_s, credentials: as in
-      `shutdown_plan`.
-    register: register the atexit hook (False: only build and return the plan).
+      `shutdown_request`.
+    register: register the atexit hook (False: only build and return the request).
 
   Returns:
     The `ShutdownRequest` (action "none" with the reason when nothing will be deleted).
 
   Raises:
     InputError: a malformed argument. CloudError: google-cloud-tpu missing (see
-      `shutdown_plan`). Environment and network problems are logged instead.
+      `shutdown_request`). Environment and network problems are logged instead.
   """
-  plan = shutdown_plan(delay_s=delay_s, dry_run=dry_run, sentinel=sentinel,
-                       metadata_url=metadata_url, api_url=api_url, node=node,
-                       queued_resource=queued_resource, worker=worker, timeout_s=timeout_s,
-                       credentials=credentials)
-  if plan.action == "none":
-    logging.info("fnscale shutdown_at_exit: nothing to do: %s", plan.reason)
-    return plan
+  request = shutdown_request(delay_s=delay_s, dry_run=dry_run, sentinel=sentinel,
+                          metadata_url=metadata_url, api_url=api_url, node=node,
+                          queued_resource=queued_resource, worker=worker, timeout_s=timeout_s,
+                          credentials=credentials)
+  if request.action == "none":
+    logging.info("fnscale shutdown_at_exit: nothing to do: %s", request.reason)
+    return request
   logging.warning("fnscale shutdown_at_exit: at exit, after %.0f s, %s%s unless %s exists.",
-                  plan.delay_s, "(dry run) " if plan.dry_run else "", describe(plan),
-                  plan.sentinel)
+                  request.delay_s, "(dry run) " if request.dry_run else "", describe(request),
+                  request.sentinel)
   if register:
-    atexit.register(_at_exit, plan, credentials)
-  return plan
+    atexit.register(_at_exit, request, credentials)
+  return request

@@ -21,6 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from fnscale import _compat
+from fnscale import _tree
 from fnscale.errors import MeshError
 from fnscale.topology import Topology, check_devices
 
@@ -28,7 +29,14 @@ AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]
 
 
 class MeshAxes(NamedTuple):
-  """Axis sizes within a slice (`ici`) and across slices (`dcn`); -1 means "the rest"."""
+  """Axis sizes within a slice (`ici`) and across slices (`dcn`); -1 means "the rest".
+
+  Examples:
+    >>> import fnscale as fs
+    >>> axes = fs.MeshAxes(ici={"fsdp": -1, "tensor": 2}, dcn={})
+    >>> dict(fs.make_mesh(axes).shape)
+    {'fsdp': 4, 'tensor': 2}
+  """
   ici: dict[str, int]
   dcn: dict[str, int]
 
@@ -54,6 +62,16 @@ def parallelism(strategy: str, topology: Topology | None = None, *,
   Raises:
     MeshError: unknown strategy, a topology that isn't a `Topology`, or a tensor size that
       isn't a positive int.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallelism("tensor", tensor=2)
+    MeshAxes(ici={'fsdp': -1, 'tensor': 2}, dcn={})
+
+    Two slices (here described by an override over the 8 devices): data parallel across them.
+
+    >>> fs.parallelism("hybrid", fs.detect_topology("2x1x2x2"))
+    MeshAxes(ici={'fsdp': -1}, dcn={'replica': 2})
   """
   if not isinstance(strategy, str):
     raise MeshError(f"strategy={strategy!r} ({type(strategy).__name__}): expected one of "
@@ -159,6 +177,18 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
       axis types, or an argument
       of the wrong type (devices that aren't `jax.Device`s, a topology that isn't a
       `Topology`).
+
+  Examples:
+    On 8 devices, -1 takes what the other axes leave:
+
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": -1, "tensor": 2})
+    >>> dict(mesh.shape)
+    {'data': 4, 'tensor': 2}
+    >>> fs.make_mesh("data=2,fsdp=4").axis_names
+    ('data', 'fsdp')
+    >>> dict(fs.make_mesh("fsdp").shape)  # a preset (see `parallelism`)
+    {'fsdp': 8}
   """
   if topology is not None and not isinstance(topology, Topology):
     raise MeshError(f"topology={topology!r} ({type(topology).__name__}): expected None or a "
@@ -335,14 +365,37 @@ def with_mesh(mesh: Mesh):
   """Makes `mesh` the ambient mesh (`jax.set_mesh`), as a context manager or a wrapper.
 
   `with with_mesh(mesh): ...` scopes a block; `with_mesh(mesh)(fn)` returns a function with
-  `fn`'s signature that runs each call under the mesh. This is the only ambient state
-  fnscale keeps; kernels and sharding constraints read it via
-  `jax.sharding.get_abstract_mesh()`.
+  `fn`'s signature that runs each call under the mesh. Traced code (the train step, sharding
+  constraints, `constrain_batch`, kernels) reads it with `jax.sharding.get_abstract_mesh()`.
+  The mesh is one of the four ambient values fnscale reads, all listed in `fnscale._context`
+  (the others: the axis conventions of `axis_conventions`, the kernel choice of
+  `with_kernel`, the params' specs `shard_step` sets while it traces). Like the kernel
+  choice it is jax's thread-local state and part of `jax.jit`'s cache key. A mesh over
+  described devices (an ahead-of-time target) is set as an abstract mesh: traced code sees
+  it, while eager operations keep running on this machine's devices.
 
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> with fs.with_mesh(mesh):
+    ...   print(dict(jax.sharding.get_abstract_mesh().shape))
+    {'data': 8}
+
+    As a wrapper around a jitted function, whose batch rows `constrain_batch` splits:
+
+    >>> @fs.with_mesh(mesh)
+    ... @jax.jit
+    ... def double(x):
+    ...   return fs.constrain_batch(x * 2)
+    >>> y = double(jnp.ones((8, 4)))
+    >>> y.sharding.spec, y.addressable_shards[0].data.shape
+    (P('data',), (1, 4))
   """
-  _check_mesh(mesh, "with_mesh")
+  check_mesh(mesh, "with_mesh")
   with contextlib.ExitStack() as stack:
     if not _runs_here(mesh):
       # A described target (AOT for a TPU from this machine): traced code sees its abstract
@@ -368,10 +421,25 @@ def _runs_here(mesh: Mesh) -> bool:
     return False
 
 
-def _check_mesh(mesh, fn: str) -> None:
-  if not isinstance(mesh, Mesh):
-    raise MeshError(f"{fn} needs a jax.sharding.Mesh (from fnscale.make_mesh), got "
-                    f"mesh={mesh!r} ({type(mesh).__name__}).")
+def check_mesh(mesh, fn: str, *, arg: str = "mesh", abstract: bool = False) -> None:
+  """The one check of a mesh argument, for every function that takes one.
+
+  Args:
+    mesh: the value passed.
+    fn: the function it was passed to, as messages name it ("shard_step").
+    arg: the argument's name ("mesh", "meshes[1]").
+    abstract: a `jax.sharding.AbstractMesh` is accepted too (shardings and specs can be
+      derived over one; nothing can be placed on it).
+
+  Raises:
+    MeshError: naming `fn`, `arg` and what was passed, e.g. "batch_sharding: mesh is a str
+      ('data=8'), expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), ...".
+  """
+  kinds = (Mesh, jax.sharding.AbstractMesh) if abstract else Mesh
+  if not isinstance(mesh, kinds):
+    what = "a jax.sharding.Mesh" + (" or AbstractMesh" if abstract else "")
+    raise MeshError(f"{fn}: {arg} is {_tree.got(mesh)}, expected {what}; fix: "
+                    "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")
 
 
 def describe(mesh: Mesh) -> str:
@@ -380,7 +448,7 @@ def describe(mesh: Mesh) -> str:
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
   """
-  _check_mesh(mesh, "describe")
+  check_mesh(mesh, "describe")
   lines = []
   devs = mesh.devices
   for i, name in enumerate(mesh.axis_names):

@@ -29,6 +29,7 @@ from fnscale import _axes
 from fnscale._axes import data_axes  # noqa: F401  (public here: the batch dim's axes)
 from fnscale import _tree
 from fnscale.errors import ShardingError
+from fnscale.mesh import check_mesh
 
 # Leaves smaller than this many bytes stay replicated under auto-FSDP: gathering a tiny
 # bias or norm scale costs a collective's latency and saves almost no memory.
@@ -81,10 +82,6 @@ class ShardingLayout(NamedTuple):
 
 def _where(path: str) -> str:
   return f"leaf '{path}'" if path else "array"
-
-
-def _check_mesh(mesh, name: str = "mesh") -> None:
-  _tree.check_mesh(mesh, name, abstract=True)
 
 
 def _shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
@@ -233,7 +230,7 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
       explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh
       axis to two dimensions; a dimension not divisible by its mesh axes.
   """
-  _check_mesh(mesh)
+  check_mesh(mesh, "logical_to_spec", abstract=True)
   sizes = dict(mesh.shape)
   if isinstance(logical_axes, PartitionSpec):
     check_spec(path, logical_axes, shape, sizes)
@@ -367,7 +364,7 @@ def auto_spec(shape, dtype, sizes, fsdp_axes, min_shard_bytes) -> tuple[Partitio
   return PartitionSpec(*entries), AUTO_FSDP
 
 
-def _leaf_plan(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> LeafSharding:
+def _leaf_sharding(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) -> LeafSharding:
   sizes = dict(mesh.shape)
   shape, dtype = _shape_dtype(path, leaf)
   note = ""
@@ -393,8 +390,8 @@ def _known_axes() -> frozenset[str]:
   return _axes.KNOWN_AXES | _axes.current().names()
 
 
-def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
-  _check_mesh(mesh)
+def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes) -> tuple:
+  check_mesh(mesh, "sharding_layout", abstract=True)
   fsdp_axes = _as_axes(fsdp_axis, "fsdp_axis")
   _tree.check_int(min_shard_bytes, "min_shard_bytes", ShardingError, minimum=0)
   _tree.check_int(max_replicated_bytes, "max_replicated_bytes", ShardingError, minimum=0,
@@ -416,24 +413,35 @@ def _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_byt
   return fsdp_axes
 
 
-def shard_plan(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
-               min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
-               max_replicated_bytes: int | None = None) -> ShardingLayout:
+def sharding_layout(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
+                    min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+                    max_replicated_bytes: int | None = None) -> ShardingLayout:
   """Like `shardings`, but also returns how each leaf's sharding was chosen (a
   `ShardingLayout`).
 
   See `shardings` for the arguments and errors.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+    ...           "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
+    >>> layout = fs.sharding_layout(params, fs.make_mesh({"fsdp": 8}))
+    >>> for leaf in layout.leaves:
+    ...   print(leaf.path, leaf.spec, leaf.reason, leaf.device_bytes)
+    b P() replicated:small 1024
+    w P('fsdp', None) auto-fsdp 131072
   """
-  fsdp_axes = _check_plan_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes)
+  fsdp_axes = _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = [_tree.path_str(p) for p, _ in pairs]
   leaf_axes = leaf_logical_axes(tree, paths, logical_axes)
-  plans = tuple(
-      _leaf_plan(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
+  leaves = tuple(
+      _leaf_sharding(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
       for p, (_, leaf), axes in zip(paths, pairs, leaf_axes))
-  _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes, max_replicated_bytes)
-  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in plans]),
-                        plans, mesh)
+  _guard_replicated(leaves, mesh, rules, fsdp_axes, min_shard_bytes, max_replicated_bytes)
+  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in leaves]),
+                        leaves, mesh)
 
 
 def _why_replicated(lp: LeafSharding, fsdp_size: int) -> str:
@@ -458,13 +466,13 @@ def _suspect(lp: LeafSharding, ruled: set) -> bool:
   return not any(n in ruled for n in lp.logical_axes or () if n)
 
 
-def _guard_replicated(plans, mesh, rules, fsdp_axes, min_shard_bytes,
+def _guard_replicated(leaves, mesh, rules, fsdp_axes, min_shard_bytes,
                       max_replicated_bytes) -> None:
   """Every whole-array-on-every-device leaf of at least `min_shard_bytes` counts against
   `max_replicated_bytes`, whatever made it replicated; likely mistakes are logged."""
   sizes = dict(mesh.shape)
   n = math.prod(sizes[a] for a in fsdp_axes if a in sizes)
-  big = [lp for lp in plans if lp.shape and lp.global_bytes >= max(min_shard_bytes, 1)
+  big = [lp for lp in leaves if lp.shape and lp.global_bytes >= max(min_shard_bytes, 1)
          and lp.device_bytes == lp.global_bytes and math.prod(sizes.values()) > 1]
   total = sum(lp.global_bytes for lp in big)
   listing = ", ".join(f"{lp.path} {lp.shape} ({lp.global_bytes} B) [{_why_replicated(lp, n)}]"
@@ -527,13 +535,29 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
       matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
       many replicated bytes.
+
+  Examples:
+    Logical axes and rules (MaxText's scheme): "embed" over fsdp, "mlp" over tensor.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+    >>> rules = (("embed", "fsdp"), ("mlp", "tensor"))
+    >>> params = {"w_in": jnp.zeros((64, 256)), "w_out": jnp.zeros((256, 64))}
+    >>> axes = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
+    >>> shardings = fs.shardings(params, mesh, rules, logical_axes=axes)
+    >>> shardings["w_in"].spec, shardings["w_out"].spec
+    (P('fsdp', 'tensor'), P('tensor', 'fsdp'))
+    >>> jax.device_put(params, shardings)["w_in"].addressable_shards[0].data.shape
+    (16, 128)
   """
-  return shard_plan(tree, mesh, rules, logical_axes=logical_axes, fsdp_axis=fsdp_axis,
-                    min_shard_bytes=min_shard_bytes,
-                    max_replicated_bytes=max_replicated_bytes).shardings
+  check_mesh(mesh, "shardings", abstract=True)
+  return sharding_layout(tree, mesh, rules, logical_axes=logical_axes, fsdp_axis=fsdp_axis,
+                         min_shard_bytes=min_shard_bytes,
+                         max_replicated_bytes=max_replicated_bytes).shardings
 
 
-def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardingLayout:
+def layout_of(tree, shardings_tree, *, logical_axes=None) -> ShardingLayout:
   """A `ShardingLayout` describing given shardings (reason "sharded" or "replicated").
 
   Raises:
@@ -543,16 +567,16 @@ def plan_of(tree, shardings_tree, *, logical_axes=None) -> ShardingLayout:
   paths = [_tree.path_str(p) for p, _ in pairs]
   shs = _tree.leaf_shardings(tree, shardings_tree, "tree")
   axes = leaf_logical_axes(tree, paths, logical_axes)
-  plans = []
+  leaves = []
   for path, (_, leaf), s, ax in zip(paths, pairs, shs, axes):
     shape, dtype = _shape_dtype(path, leaf)
     spec = s.spec if isinstance(s, NamedSharding) else PartitionSpec()
     gb = _tree.nbytes(shape, dtype)
     db = _tree.nbytes(s.shard_shape(shape), dtype)
-    plans.append(LeafSharding(path, shape, dtype, ax, spec, s, gb, db,
+    leaves.append(LeafSharding(path, shape, dtype, ax, spec, s, gb, db,
                               "sharded" if db < gb else "replicated"))
   mesh = next((s.mesh for s in shs if isinstance(s, NamedSharding)), None)
-  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, shs), tuple(plans), mesh)
+  return ShardingLayout(jax.tree_util.tree_unflatten(treedef, shs), tuple(leaves), mesh)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -566,8 +590,19 @@ def batch_sharding(mesh, *, axes=None) -> NamedSharding:
   Raises:
     MeshError: `mesh` not a Mesh.
     ShardingError: `axes` not axis names, an axis not in the mesh.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    >>> sharding = fs.batch_sharding(mesh)
+    >>> sharding.spec
+    P(('data', 'fsdp'),)
+    >>> x = jax.device_put(jnp.zeros((8, 16)), sharding)
+    >>> x.addressable_shards[0].data.shape  # 8 rows over 4 data shards
+    (2, 16)
   """
-  _check_mesh(mesh)
+  check_mesh(mesh, "batch_sharding", abstract=True)
   axes = _axes.data_axes(mesh) if axes is None else _as_axes(axes, "axes")
   for a in axes:
     if a not in mesh.axis_names:
@@ -599,6 +634,19 @@ def constrain_batch(tree, *, axes=None):
 
   Raises:
     ShardingError: `axes` not axis names.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> @fs.with_mesh(fs.make_mesh({"fsdp": 8}))
+    ... @jax.jit
+    ... def block(x, w):
+    ...   return fs.constrain_batch(jnp.tanh(x @ w))
+    >>> block(jnp.ones((16, 32)), jnp.ones((32, 32))).sharding.spec
+    P('fsdp',)
+    >>> x = jnp.ones((16, 32))
+    >>> fs.constrain_batch(x) is x  # outside a mesh
+    True
   """
   axes = None if axes is None else _as_axes(axes, "axes")
   mesh = jax.sharding.get_abstract_mesh()
@@ -615,8 +663,7 @@ def constrain_batch(tree, *, axes=None):
     if jnp.ndim(x) == 0:
       return x
     if explicit:  # keep the other dims' axes, minus the batch's
-      rest = [_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if a not in axes))
-              for e in tuple(jax.typeof(x).sharding.spec)[1:]]
+      rest = list(_tree.filter_spec(jax.typeof(x).sharding.spec, lambda a: a not in axes))[1:]
       rest += [None] * (jnp.ndim(x) - 1 - len(rest))
       return jax.sharding.reshard(x, PartitionSpec(_tree.spec_entry(axes), *rest))
     spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - 1)))

@@ -19,6 +19,7 @@ import optax
 from fnscale import _tree
 from fnscale import sharding as _sh
 from fnscale.errors import ShardingError, StepError
+from fnscale.mesh import check_mesh
 from fnscale.step import TrainState, as_policy, check_optimizer, default_loss_scale
 
 __all__ = ["init_state", "opt_state_shardings", "state_shardings"]
@@ -59,7 +60,7 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh, *, fsdp_axi
     ShardingError: the state's param-shaped subtrees don't match `param_shardings`.
     MeshError: a mesh that isn't one.
   """
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "opt_state_shardings")
   if optimizer is not None:
     check_optimizer(optimizer)
 
@@ -140,11 +141,23 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
     StepError: state is not a TrainState, bad sharding_options.
     MeshError: a mesh that isn't one.
     ShardingError: from `fnscale.shardings`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 8})
+    >>> abstract = fs.init_state({"w": jnp.zeros((1024, 64))}, optax.adamw(1e-3), mesh=mesh,
+    ...                          abstract=True)  # ShapeDtypeStructs: nothing allocated
+    >>> abstract.params["w"].shape
+    (1024, 64)
+    >>> shardings = fs.state_shardings(abstract, mesh)
+    >>> shardings.params["w"].spec, shardings.opt_state[0].nu["w"].spec, shardings.step.spec
+    (P('fsdp', None), P('fsdp', None), P())
   """
   if not isinstance(state, TrainState):
     raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
                     "it with fnscale.init_state.")
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "state_shardings")
   opts = _options(sharding_options)
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
@@ -240,10 +253,26 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     StepError: a bad optimizer, policy, loss_scale or option, or params that are not
       arrays.
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
+
+  Examples:
+    Each device holds 1/8 of the weight and of adamw's moments, from the start:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 8})
+    >>> def init(key):
+    ...   return {"w": jax.random.normal(key, (1024, 64)), "b": jnp.zeros(64)}
+    >>> state = fs.init_state(init, optax.adamw(1e-3), mesh=mesh, key=jax.random.key(0))
+    >>> state.params["w"].sharding.spec, state.params["b"].sharding.spec
+    (P('fsdp', None), P())
+    >>> state.params["w"].addressable_shards[0].data.shape
+    (128, 64)
+    >>> state.opt_state[0].mu["w"].sharding.spec
+    P('fsdp', None)
   """
   check_optimizer(optimizer)
   policy = as_policy(policy)
-  _tree.check_mesh(mesh, "mesh")
+  check_mesh(mesh, "init_state")
   if not isinstance(abstract, bool):
     raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
   loss_scale = default_loss_scale(policy, loss_scale)

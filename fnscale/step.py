@@ -25,6 +25,8 @@ import numpy as np
 import optax
 
 from fnscale import _axes
+from fnscale import _compat
+from fnscale import _context
 from fnscale import _tree
 from fnscale.errors import StepError
 
@@ -39,6 +41,16 @@ class TrainState(NamedTuple):
     opt_state: the optax optimizer state.
     step: int32 scalar, the number of steps taken (skipped float16 steps included).
     loss_scale: a `LossScale` when loss scaling is used, else None (an empty subtree).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> state = fs.init_state({"w": jnp.zeros((64, 8))}, optax.adam(1e-3),
+    ...                       mesh=fs.make_mesh({"fsdp": 8}))
+    >>> type(state).__name__, int(state.step), state.loss_scale
+    ('TrainState', 0, None)
+    >>> state.params["w"].shape, state.opt_state[0].mu["w"].shape
+    ((64, 8), (64, 8))
   """
   params: Any
   opt_state: Any
@@ -129,9 +141,7 @@ def _vary(tree, axes: tuple[str, ...]):
     return tree
 
   def f(x):
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: aval.vma
-    varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    varying = _compat.varying_axes(x)
     missing = tuple(a for a in axes if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
   return jax.tree.map(f, tree)
@@ -307,9 +317,8 @@ def _for_compute(params):
 
   def gather(x):
     spec = getattr(jax.typeof(x), "sharding", None)
-    spec = tuple(spec.spec) if spec is not None else ()
-    kept = PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e)
-                                                  if a not in explicit)) for e in spec))
+    spec = spec.spec if spec is not None else PartitionSpec()
+    kept = _tree.filter_spec(spec, lambda a: a not in explicit)
     return jax.sharding.reshard(x, kept) if kept != PartitionSpec(*spec) else x
   return jax.tree.map(gather, params)
 
@@ -361,17 +370,12 @@ def _normalize(grads, loss, weight):
   return jax.tree.map(lambda g: g / w, grads), loss / w
 
 
-# The params' PartitionSpecs while `shard_step` traces the step: (treedef, specs), or None.
-# A jax user context, so it is part of jit's cache key like `with_kernel`'s choice.
-_PARAM_SPECS = jax.make_user_context(None)
-
-
 def param_specs(params, shardings: list):
   """A context in which the traced step knows the params' shardings (`shard_step` enters it
   while lowering; `shardings`: one per leaf of `params`, in order): gradient accumulators
-  and reduced gradients are pinned to them."""
+  and reduced gradients are pinned to them. It sets `fnscale._context.PARAM_SPECS`."""
   treedef = jax.tree.structure(params)
-  return _PARAM_SPECS((treedef, tuple(s.spec for s in shardings)))
+  return _context.PARAM_SPECS((treedef, tuple(s.spec for s in shardings)))
 
 
 def _known_specs(params) -> list | None:
@@ -382,16 +386,10 @@ def _known_specs(params) -> list | None:
     return None
   if not mesh.auto_axes:  # every axis Explicit: the params' types carry their shardings
     return [jax.typeof(p).sharding.spec for p in jax.tree.leaves(params)]
-  known = _PARAM_SPECS.value
+  known = _context.PARAM_SPECS.value
   if known is None or known[0] != jax.tree.structure(params):
     return None
   return list(known[1])
-
-
-def _only(spec: PartitionSpec, keep) -> PartitionSpec:
-  """`spec` with only the mesh axes for which `keep(axis)` holds."""
-  return PartitionSpec(*(_tree.spec_entry(tuple(a for a in _tree.entry_axes(e) if keep(a)))
-                         for e in spec))
 
 
 def _like_params(tree, params):
@@ -406,7 +404,7 @@ def _like_params(tree, params):
     pin = jax.sharding.reshard
   else:
     pin = jax.lax.with_sharding_constraint
-  return jax.tree.unflatten(treedef, [pin(x, _only(s, lambda a: a not in manual))
+  return jax.tree.unflatten(treedef, [pin(x, _tree.filter_spec(s, lambda a: a not in manual))
                                       for x, s in zip(leaves, specs)])
 
 
@@ -439,7 +437,7 @@ def _gather_once(cfg: _Config, params, micro, scale, step, axes, specs):
   params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
   treedef = jax.tree.structure(params)
   mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
-  gspec = jax.tree.unflatten(treedef, [_only(s, lambda a: a in axes) for s in specs])
+  gspec = jax.tree.unflatten(treedef, [_tree.filter_spec(s, lambda a: a in axes) for s in specs])
 
   def local(params, micro, scale, step):
     grads, loss, weight, aux = _grad_sum(cfg, params, micro, scale, step, reduce=False)
@@ -625,6 +623,27 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       policy, accum_steps or key; when traced, a batch whose leaves' leading dims differ or
       are not divisible by accum_steps (naming the leaf), a non-scalar loss (or, with
       `weighted`, a loss that is not two scalars), a state that is not a TrainState.
+
+  Examples:
+    Least squares on one device: the loss, then the same batch again after one SGD step (the
+    gradient is -2 per weight, so each weight moves to 0.2).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> opt = optax.sgd(0.1)
+    >>> params = {"w": jnp.zeros((4, 1))}
+    >>> state = fs.TrainState(params, opt.init(params), jnp.zeros((), jnp.int32))
+    >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 1))}
+    >>> step = jax.jit(fs.train_step(loss_fn, opt))
+    >>> state, metrics = step(state, batch)
+    >>> print(f"{metrics['loss']:.4f}", state.params["w"].ravel(), int(state.step))
+    1.0000 [0.2 0.2 0.2 0.2] 1
+    >>> print(f"{step(state, batch)[1]['loss']:.4f}")
+    0.0400
+    >>> sorted(metrics)
+    ['bad_update', 'grad_norm', 'loss', 'skipped', 'update_norm']
   """
   if not callable(loss_fn):
     raise StepError(f"loss_fn is {_tree.got(loss_fn)}, expected a callable "

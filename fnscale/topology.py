@@ -5,9 +5,23 @@ environment variables a Cloud TPU VM or GKE sets, the Cloud TPU metadata service
 finally the devices (`jax.devices()` or libtpu's described devices). The result is an
 immutable `Topology` value; the precedence and its reasons are in `detect_topology`.
 
-Chip facts (`TPU_FACTS`, `GPU_FACTS`) are the vendors' published figures: Google Cloud's
-"TPU versions" pages (v2, v3, v4, v5e, v5p, v6e Trillium, TPU7x Ironwood) and NVIDIA's data
-sheets (A100, H100 SXM, H100 PCIe, H200, B200). Peak FLOP/s are dense bf16 per chip.
+The chip facts (`CHIP_FACTS`, one row per TPU generation or NVIDIA GPU) are the only
+place fnscale states a chip's published figures; the topology, the planner's targets, MFU and
+the recipes all read them there. Peak FLOP/s are dense bf16 per chip; each row's `source`
+names where each of its figures comes from:
+
+- Google Cloud's "TPU versions" pages (v2, v3, v4, v5e, v5p, v6e Trillium, TPU7x Ironwood):
+  peak, HBM, HBM bandwidth; DCN per chip from the v5p page (50 Gbps per chip) and the v6e page
+  (NIC per 8-chip host: v5e 2 x 100 Gbps, v6e 4 x 200 Gbps, i.e. 25 and 100 Gbps per chip).
+  v4 has no published per-chip DCN figure: taken as v5e's (an assumption its row says).
+- ICI, one direction per link: "How to Scale Your Model" (Austin et al., 2025, Google
+  DeepMind; jax-ml.github.io/scaling-book, part 2 "TPUs", table of ICI bandwidths). A 2-D
+  torus chip has 4 ports, a 3-D torus chip 6.
+- NVIDIA's data sheets (A100, H100 SXM, H100 PCIe, H200, B200): peak, HBM, HBM bandwidth;
+  H100/H200 SXM: NVLink 900 GB/s per GPU both directions, 450 GB/s one way to the NVSwitch;
+  between nodes one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100/H200 data sheets), 5e10 B/s.
+- libtpu's topology names ("v5p:2x2x2", "tpu7x:2x2x1"), as
+  `jax.experimental.topologies.get_topology_desc` takes them.
 """
 import dataclasses
 import glob
@@ -27,37 +41,91 @@ from fnscale.errors import TopologyError
 GiB = 2**30
 
 
-class TpuFacts(NamedTuple):
-  """Published facts of one TPU generation.
+class ChipFacts(NamedTuple):
+  """Published facts of one chip: a TPU generation or an NVIDIA GPU. Figures are per chip.
 
   Attributes:
-    cores_per_chip: TensorCores per chip.
-    chips_per_host: chips attached to one host VM in a multi-host slice.
-    hbm_bytes: HBM per chip, bytes.
-    peak_flops: peak dense bf16 FLOP/s per chip.
-    torus_dims: 2 for a 2-D torus (v2, v3, v5e, v6e), 3 for a 3-D torus (v4, v5p, v7).
+    platform: "tpu" or "gpu".
+    peak_flops: peak dense bf16 FLOP/s.
+    hbm_bytes: HBM, bytes.
+    hbm_bandwidth: HBM bytes/s, or None (no figure here).
+    ici_link: bytes/s one way per ICI link (on GPUs: per GPU to the NVSwitch), or None.
+    dcn: bytes/s per chip across slices (on GPUs: between nodes), or None.
+    torus_dims: the ICI torus: 2 (v2, v3, v5e, v6e) or 3 (v4, v5p, v7); 0 where links go
+      through a switch (NVSwitch: every axis gets `ici_link` whatever its shape).
+    chips_per_host: chips attached to one host VM in a multi-host slice (GPUs per node),
+      or None (no fixed figure).
+    cores_per_chip: TensorCores per chip (1 on GPUs).
     type_counts: "cores" if accelerator types like `v5p-128` count TensorCores, "chips" if
-      they count chips (`v5litepod-16`, `v6e-16`).
-    device_kinds: `jax.Device.device_kind` strings this generation reports.
+      they count chips (`v5litepod-16`, `v6e-16`); None on GPUs.
+    device_kinds: TPU: the exact `jax.Device.device_kind` strings this generation reports;
+      GPU: a substring of it ("H100" in "NVIDIA H100 80GB HBM3"; the first row that matches,
+      in table order, wins).
+    libtpu_name: the generation in libtpu's topology names ("v5p" in "v5p:2x2x2"); None on
+      GPUs.
+    source: where each figure of the row comes from.
   """
-  cores_per_chip: int
-  chips_per_host: int
-  hbm_bytes: int
+  platform: str
   peak_flops: float
+  hbm_bytes: int
+  hbm_bandwidth: float | None
+  ici_link: float | None
+  dcn: float | None
   torus_dims: int
-  type_counts: str
+  chips_per_host: int | None
+  cores_per_chip: int
+  type_counts: str | None
   device_kinds: tuple[str, ...]
+  libtpu_name: str | None
+  source: str
 
 
-TPU_FACTS: Mapping[str, TpuFacts] = types.MappingProxyType({
-    "v2": TpuFacts(2, 4, 16 * GiB, 45e12, 2, "cores", ("TPU v2",)),
-    "v3": TpuFacts(2, 4, 32 * GiB, 123e12, 2, "cores", ("TPU v3",)),
-    "v4": TpuFacts(2, 4, 32 * GiB, 275e12, 3, "cores", ("TPU v4",)),
-    "v5e": TpuFacts(1, 4, 16 * GiB, 197e12, 2, "chips", ("TPU v5 lite", "TPU v5e")),
-    "v5p": TpuFacts(2, 4, 95 * GiB, 459e12, 3, "cores", ("TPU v5", "TPU v5p")),
-    "v6e": TpuFacts(1, 4, 32 * GiB, 918e12, 2, "chips", ("TPU v6 lite", "TPU v6e")),
-    "v7": TpuFacts(2, 4, 192 * GiB, 2307e12, 3, "cores", ("TPU7x", "TPU v7")),
+def _tpu_row(kinds, peak, hbm, *, torus, cores, counts, hbm_bw=None, ici=None, dcn=None,
+             libtpu, source) -> ChipFacts:
+  return ChipFacts("tpu", peak, hbm, hbm_bw, ici, dcn, torus, 4, cores, counts, kinds, libtpu,
+                   source)
+
+
+def _gpu_row(kind, peak, hbm, *, hbm_bw=None, ici=None, dcn=None, per_node=None,
+             source) -> ChipFacts:
+  return ChipFacts("gpu", peak, hbm, hbm_bw, ici, dcn, 0, per_node, 1, None, (kind,), None,
+                   source)
+
+
+_ICI = "ICI: How to Scale Your Model, part 2"
+# Rows: device kinds, peak dense bf16 FLOP/s, HBM bytes; then torus dims, TensorCores per
+# chip, what accelerator types count, HBM B/s, ICI B/s one way per link, DCN B/s per chip.
+# GPUs are matched by a substring of `device_kind`, first row first: "H100 PCIe" before "H100".
+CHIP_FACTS: Mapping[str, ChipFacts] = types.MappingProxyType({
+    "v2": _tpu_row(("TPU v2",), 45e12, 16 * GiB, torus=2, cores=2, counts="cores",
+                   libtpu="v2", source="Cloud TPU v2 page"),
+    "v3": _tpu_row(("TPU v3",), 123e12, 32 * GiB, torus=2, cores=2, counts="cores",
+                   libtpu="v3", source="Cloud TPU v3 page"),
+    "v4": _tpu_row(("TPU v4",), 275e12, 32 * GiB, torus=3, cores=2, counts="cores",
+                   hbm_bw=1.2e12, ici=4.5e10, dcn=25e9 / 8, libtpu="v4",
+                   source=f"Cloud TPU v4 page; {_ICI}; DCN: none published, taken as v5e's"),
+    "v5e": _tpu_row(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GiB, torus=2, cores=1,
+                    counts="chips", hbm_bw=8.19e11, ici=4.5e10, dcn=25e9 / 8, libtpu="v5e",
+                    source=f"Cloud TPU v5e page; {_ICI}; DCN: Cloud TPU v6e page"),
+    "v5p": _tpu_row(("TPU v5", "TPU v5p"), 459e12, 95 * GiB, torus=3, cores=2,
+                    counts="cores", hbm_bw=2.765e12, ici=9e10, dcn=50e9 / 8, libtpu="v5p",
+                    source=f"Cloud TPU v5p page (DCN: 50 Gbps per chip); {_ICI}"),
+    "v6e": _tpu_row(("TPU v6 lite", "TPU v6e"), 918e12, 32 * GiB, torus=2, cores=1,
+                    counts="chips", hbm_bw=1.64e12, ici=9e10, dcn=100e9 / 8, libtpu="v6e",
+                    source=f"Cloud TPU v6e page (DCN: 4 x 200 Gbps per 8-chip host); {_ICI}"),
+    "v7": _tpu_row(("TPU7x", "TPU v7"), 2307e12, 192 * GiB, torus=3, cores=2,
+                   counts="cores", libtpu="tpu7x", source="Cloud TPU7x (Ironwood) page"),
+    "H100 PCIe": _gpu_row("H100 PCIe", 756e12, 80 * 10**9,
+                          source="NVIDIA H100 data sheet (PCIe)"),
+    "H200": _gpu_row("H200", 989e12, 141 * 10**9, hbm_bw=4.8e12, ici=4.5e11, dcn=5e10,
+                     per_node=8, source="NVIDIA H200 product page; DGX H200 data sheet"),
+    "H100": _gpu_row("H100", 989e12, 80 * 10**9, hbm_bw=3.35e12, ici=4.5e11, dcn=5e10,
+                     per_node=8, source="NVIDIA H100 (SXM) data sheet; DGX H100 data sheet"),
+    "A100": _gpu_row("A100", 312e12, 80 * 10**9, source="NVIDIA A100 data sheet"),
+    "B200": _gpu_row("B200", 2250e12, 180 * 10**9, source="NVIDIA B200 data sheet"),
 })
+# The TPU generations, in `CHIP_FACTS` order ("v2" ... "v7").
+TPU_GENERATIONS = tuple(k for k, f in CHIP_FACTS.items() if f.platform == "tpu")
 
 # Accelerator-type prefixes as Cloud TPU spells them, mapped to the generation key above. A
 # prefix alone ("tpu7x", as GKE's TPU_ACCELERATOR_TYPE for Ironwood) names only the generation.
@@ -67,21 +135,9 @@ _TYPE_PREFIXES = {"v2": "v2", "v3": "v3", "v4": "v4", "v5litepod": "v5e", "v5e":
 _GRID_PREFIXES = {**_TYPE_PREFIXES, "v5": "v5p"}
 
 
-class GpuFacts(NamedTuple):
-  """Published facts of one NVIDIA GPU: HBM bytes and peak dense bf16 FLOP/s."""
-  hbm_bytes: int
-  peak_flops: float
-
-
-# Keyed by a substring of `device_kind` (e.g. "NVIDIA H100 80GB HBM3"); the first match wins,
-# so the more specific names come first.
-GPU_FACTS: Mapping[str, GpuFacts] = types.MappingProxyType({
-    "H100 PCIe": GpuFacts(80 * 10**9, 756e12),
-    "H200": GpuFacts(141 * 10**9, 989e12),
-    "H100": GpuFacts(80 * 10**9, 989e12),
-    "A100": GpuFacts(80 * 10**9, 312e12),
-    "B200": GpuFacts(180 * 10**9, 2250e12),
-})
+def tpu_prefix_generation(prefix: str) -> str | None:
+  """The generation an accelerator-type prefix names ("v5litepod" -> "v5e"), or None."""
+  return _TYPE_PREFIXES.get(prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +147,7 @@ class Topology:
   Attributes:
     platform: "tpu", "gpu" or "cpu".
     device_kind: `jax.Device.device_kind` of the devices, e.g. "TPU v5", "NVIDIA H200".
-    generation: TPU generation key of `TPU_FACTS` ("v5p"), or None off TPU.
+    generation: TPU generation key of `CHIP_FACTS` ("v5p"), or None off TPU.
     num_devices: JAX devices in the whole job, all slices and processes.
     num_processes: processes (hosts) in the job.
     num_slices: TPU slices joined over DCN (1 on a single slice or off TPU).
@@ -110,6 +166,15 @@ class Topology:
     sources: field name -> where it came from ("override", "env:TPU_ACCELERATOR_TYPE",
       "metadata:instance/attributes/accelerator-type", "jax.devices()", "devices" for devices
       passed in, "facts table").
+
+  Examples:
+    >>> import fnscale as fs
+    >>> topo = fs.detect_topology()  # 8 simulated CPU devices
+    >>> print(topo)
+    cpu 'cpu' (no accelerator type): 8 devices = 1 slice(s) x chip grid ?,
+    1 process(es) x 8 devices, peak ? bf16 per device
+    >>> topo.devices_per_slice, topo.peak_flops_per_device  # no published peak for a CPU
+    (8, None)
   """
   platform: str
   device_kind: str
@@ -177,7 +242,7 @@ def parse_accelerator_type(accelerator_type: str) -> tuple[str, int]:
         "'v5p-128', 'v5litepod-16'); fix TPU_ACCELERATOR_TYPE or the override.")
   generation = _TYPE_PREFIXES[m.group(1)]
   count = int(m.group(2))
-  facts = TPU_FACTS[generation]
+  facts = CHIP_FACTS[generation]
   per_chip = facts.cores_per_chip if facts.type_counts == "cores" else 1
   if count <= 0 or count % per_chip:
     raise TopologyError(
@@ -194,29 +259,25 @@ def _type_or_generation(name: str) -> tuple[str, int | None]:
 
 
 def generation_of(device_kind: str) -> str | None:
-  """The `TPU_FACTS` key for a TPU `device_kind` ("TPU v5" -> "v5p"), or None.
+  """The `CHIP_FACTS` key for a TPU `device_kind` ("TPU v5" -> "v5p"), or None.
 
   Raises:
     TopologyError: `device_kind` is not a str.
   """
   _check_type("device_kind", device_kind, str, "a str such as 'TPU v5'")
-  for gen, facts in TPU_FACTS.items():
-    if device_kind in facts.device_kinds:
-      return gen
-  return None
+  return next((gen for gen in TPU_GENERATIONS
+               if device_kind in CHIP_FACTS[gen].device_kinds), None)
 
 
-def gpu_facts(device_kind: str) -> GpuFacts | None:
-  """Facts for an NVIDIA `device_kind` such as "NVIDIA H100 80GB HBM3", or None.
+def gpu_facts(device_kind: str) -> ChipFacts | None:
+  """The `CHIP_FACTS` row of an NVIDIA `device_kind` such as "NVIDIA H100 80GB HBM3", or None.
 
   Raises:
     TopologyError: `device_kind` is not a str.
   """
   _check_type("device_kind", device_kind, str, "a str such as 'NVIDIA H200'")
-  for name, facts in GPU_FACTS.items():
-    if name in device_kind:
-      return facts
-  return None
+  return next((f for f in CHIP_FACTS.values()
+               if f.platform == "gpu" and f.device_kinds[0] in device_kind), None)
 
 
 def _check_type(name: str, value, types_, expected: str, error=TopologyError) -> None:
@@ -253,11 +314,11 @@ def standard_grid(generation: str, chips: int) -> tuple[int, ...]:
   Raises:
     TopologyError: an unknown generation, or a chip count that isn't such a slice.
   """
-  _check_type("generation", generation, str, f"one of {sorted(TPU_FACTS)}")
+  _check_type("generation", generation, str, f"one of {sorted(TPU_GENERATIONS)}")
   _check_type("chips", chips, int, "a positive int")
-  if generation not in TPU_FACTS:
-    raise TopologyError(f"generation={generation!r}: expected one of {sorted(TPU_FACTS)}.")
-  grid = [1, 1] if TPU_FACTS[generation].torus_dims == 2 else [2, 2, 1]
+  if generation not in TPU_GENERATIONS:
+    raise TopologyError(f"generation={generation!r}: expected one of {sorted(TPU_GENERATIONS)}.")
+  grid = [1, 1] if CHIP_FACTS[generation].torus_dims == 2 else [2, 2, 1]
   if chips == 2 and len(grid) == 2:
     grid = [1, 2]
   while math.prod(grid) < chips:
@@ -271,8 +332,10 @@ def standard_grid(generation: str, chips: int) -> tuple[int, ...]:
   return tuple(grid)
 
 
-# libtpu's names of the generations in topology descriptions ("tpu7x:2x2x1").
-_LIBTPU_NAMES = {"v7": "tpu7x"}
+def libtpu_topology_name(generation: str, grid) -> str:
+  """libtpu's name of a slice of `generation` with chip grid `grid`: ("v7", (2, 2, 1)) ->
+  "tpu7x:2x2x1", as `jax.experimental.topologies.get_topology_desc` takes it."""
+  return f"{CHIP_FACTS[generation].libtpu_name}:{'x'.join(map(str, grid))}"
 
 
 def target_devices(target: str) -> list:
@@ -312,7 +375,7 @@ def target_devices(target: str) -> list:
     kw["chip_config_name"] = "megacore"
   if generation in ("v5e", "v6e") and math.prod(grid) <= 8:
     kw["chips_per_host_bounds"] = tuple(grid) + (1,) * (3 - len(grid))
-  name = f"{_LIBTPU_NAMES.get(generation, generation)}:{'x'.join(map(str, grid))}"
+  name = libtpu_topology_name(generation, grid)
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
   except jax.errors.JaxRuntimeError as e:
@@ -533,6 +596,14 @@ def simulate_cpu_devices(n: int) -> bool:
 
   Raises:
     TopologyError: `n` is not a positive int, or jax already started with another count.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.simulate_cpu_devices(8)  # first thing, before any jax computation
+    True
+    >>> import jax
+    >>> jax.device_count(), jax.devices()[0].platform
+    (8, 'cpu')
   """
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise TopologyError(f"simulated device count n={n!r} ({type(n).__name__}) must be a "
@@ -611,6 +682,22 @@ def detect_topology(override: str | None = None, *, devices=None,
     TopologyError: an argument of the wrong type; malformed override or environment values;
       an unknown accelerator type; a generation that disagrees with the devices; or a layout
       whose device count disagrees with the devices present.
+
+  Examples:
+    On 8 simulated CPU devices (`simulate_cpu_devices(8)`):
+
+    >>> import fnscale as fs
+    >>> topo = fs.detect_topology()
+    >>> topo.platform, topo.num_devices, topo.num_slices, topo.num_processes
+    ('cpu', 8, 1, 1)
+    >>> topo.sources["num_devices"]
+    'jax.devices()'
+
+    An override wins over what the devices show: here 2 slices of 1x2x2 chips.
+
+    >>> two = fs.detect_topology("2x1x2x2")
+    >>> two.num_slices, two.chip_grid, two.sources["chip_grid"]
+    (2, (1, 2, 2), 'override')
   """
   import jax
   _check_detect_args(override, env, metadata_timeout_s)
@@ -654,7 +741,7 @@ def _topology(facts: Facts) -> Topology:
   if grid or acc_chips:
     sources["num_chips"] = sources["chip_grid"] if grid else sources["accelerator_type"]
   process_index, sources["process_index"] = _process_index(facts)
-  tpu = TPU_FACTS.get(generation) if platform == "tpu" else None
+  tpu = CHIP_FACTS[generation] if platform == "tpu" and generation in TPU_GENERATIONS else None
   topo = Topology(
       platform=platform, device_kind=value("device_kind"), generation=generation,
       num_devices=value("num_devices"), num_processes=value("num_processes"),
@@ -695,7 +782,7 @@ def _slice_grid(grid: tuple[int, ...], generation: str | None) -> tuple[int, ...
   """One spelling per slice: 3 dims on 3-D torus generations (v4, v5p, TPU7x), and a
   trailing 1 dropped on 2-D ones (v2, v3, v5e, v6e), whichever source gave the grid."""
   grid = tuple(grid)
-  dims = TPU_FACTS[generation].torus_dims if generation in TPU_FACTS else None
+  dims = CHIP_FACTS[generation].torus_dims if generation in TPU_GENERATIONS else None
   if dims == 2 and len(grid) == 3 and grid[-1] == 1:
     return grid[:2]
   if dims == 3 and 0 < len(grid) < 3:
@@ -717,7 +804,7 @@ def _process_index(facts: Facts) -> tuple[int, str]:
 
 def _per_device(platform, generation, device_kind, devices_per_chip):
   """(peak bf16 FLOP/s, HBM bytes) of one device from the facts tables, or (None, None)."""
-  tpu = TPU_FACTS.get(generation) if generation else None
+  tpu = CHIP_FACTS[generation] if generation in TPU_GENERATIONS else None
   if tpu and platform == "tpu":
     return tpu.peak_flops / devices_per_chip, tpu.hbm_bytes // devices_per_chip
   g = gpu_facts(device_kind) if platform == "gpu" else None

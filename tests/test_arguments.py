@@ -12,8 +12,7 @@ from fnscale import checkpoint as ckpt
 from fnscale.analysis import report as freport
 from fnscale import sharding as fsh
 
-MESH_FIX = ("expected a jax.sharding.Mesh; fix: fnscale.make_mesh(...), e.g. "
-            "fnscale.make_mesh({'data': -1}).")
+MESH_FIX = "; fix: fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1})."
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +30,14 @@ def _raises(error, message):
 
 def test_sharding_arguments(mesh):
   tree = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-  with _raises(fs.MeshError, "mesh is a str ('data=8'), " + MESH_FIX):
+  with _raises(fs.MeshError, "batch_sharding: mesh is a str ('data=8'), expected a "
+               "jax.sharding.Mesh or AbstractMesh" + MESH_FIX):
     fs.batch_sharding("data=8")
   with _raises(fs.ShardingError, "axes is an int (3), expected a mesh axis name, a tuple of "
                "names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
     fs.batch_sharding(mesh, axes=3)
   with _raises(fs.ShardingError, "min_shard_bytes=-1 (int), expected an int >= 0."):
-    fs.shard_plan(tree, mesh, min_shard_bytes=-1)
+    fs.sharding_layout(tree, mesh, min_shard_bytes=-1)
   with _raises(fs.ShardingError, "min_shard_bytes=1.5 (float), expected an int >= 0."):
     fs.shardings(tree, mesh, min_shard_bytes=1.5)
   with _raises(fs.ShardingError,
@@ -50,7 +50,8 @@ def test_sharding_arguments(mesh):
   with _raises(fs.ShardingError, "fsdp_axis is an int (3), expected a mesh axis name, a "
                "tuple of names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
     fs.shardings(tree, mesh, fsdp_axis=3)
-  with _raises(fs.MeshError, "mesh is a dict ({'fsdp': 8}), " + MESH_FIX):
+  with _raises(fs.MeshError, "logical_to_spec: mesh is a dict ({'fsdp': 8}), expected a "
+               "jax.sharding.Mesh or AbstractMesh" + MESH_FIX):
     fsh.logical_to_spec(("embed",), (), {"fsdp": 8})
   with _raises(fs.ShardingError, "axes is a float (1.0), expected a mesh axis name, a tuple "
                "of names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
@@ -67,7 +68,8 @@ def test_step_state_and_compile_arguments(mesh):
   with _raises(fs.StepError, "has_aux is an int (1), expected a bool."):
     fs.train_step(_loss, opt, has_aux=1)
   params = {"w": jnp.ones((64, 4))}
-  with _raises(fs.MeshError, "mesh is a str ('data=8'), " + MESH_FIX):
+  with _raises(fs.MeshError, "init_state: mesh is a str ('data=8'), expected a "
+               "jax.sharding.Mesh" + MESH_FIX):
     fs.init_state(params, opt, mesh="data=8")
   with _raises(fs.StepError, "sharding_options is a dict ({'fsdp': 'x'}), expected a dict "
                "with keys among ('fsdp_axis', 'min_shard_bytes', 'max_replicated_bytes')."):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from fnscale.kernels import attention, kernel_plan, with_kernel
+from fnscale.kernels import attention, kernel_selection, with_kernel
 
 import maxtext_rules
 
@@ -53,12 +53,12 @@ def test_levanter_model_axis_splits_attention_heads():
   spec = jax.sharding.NamedSharding(mesh, P("data", None, "model", None))
   q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
   with fs.with_mesh(mesh):
-    plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
+    sel = with_kernel(kernel_selection, interpret=True)(q.shape, k.shape, causal=True)
     # Under fnscale's names "model" means nothing: every device computes every head.
-    assert (plan.batch_axes, plan.head_axes) == (("data",), ())
+    assert (sel.batch_axes, sel.head_axes) == (("data",), ())
     with fs.axis_conventions("levanter"):
-      plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
-      assert (plan.implementation, plan.batch_axes, plan.head_axes) == (
+      sel = with_kernel(kernel_selection, interpret=True)(q.shape, k.shape, causal=True)
+      assert (sel.implementation, sel.batch_axes, sel.head_axes) == (
           "splash", ("data",), ("model",))
       fn = jax.jit(with_kernel(lambda q, k, v: attention(q, k, v, causal=True),
                                attention="splash", interpret=True))
@@ -81,8 +81,8 @@ def test_maxtext_and_levanter_names_are_not_typos(caplog):
     sh = fs.shardings(tree, full, maxtext_rules.LOGICAL_AXIS_RULES, logical_axes=axes)
     # On a smaller mesh the rules naming stage, sequence, ... are skipped without a word
     # (every "embed" rule names sequence: replicated, as the rules say).
-    small = fs.shard_plan(tree, _mesh((2, 4), ("data", "fsdp")),
-                          maxtext_rules.LOGICAL_AXIS_RULES, logical_axes=axes)
+    small = fs.sharding_layout(tree, _mesh((2, 4), ("data", "fsdp")),
+                               maxtext_rules.LOGICAL_AXIS_RULES, logical_axes=axes)
     fs.shardings(tree, _mesh((2, 4), ("data", "fsdp")), (("embed", "model"), ("mlp", "fsdp")),
                  logical_axes=axes)
   assert sh["w"].spec == P(("fsdp", "sequence", "tensor_transpose", "context", "expert"),

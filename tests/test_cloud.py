@@ -118,10 +118,10 @@ def _credentials():
   return oauth2.Credentials(token=TOKEN)  # a fixed access token: no refresh, no network
 
 
-def _plan(fake, tmp_path, **kw):
+def _request(fake, tmp_path, **kw):
   kw.setdefault("sentinel", tmp_path / "keep")
   kw.setdefault("credentials", _credentials())
-  return cloud.shutdown_plan(metadata_url=fake.url, api_url=fake.url, **kw)
+  return cloud.shutdown_request(metadata_url=fake.url, api_url=fake.url, **kw)
 
 
 def _deletes(fake):
@@ -129,17 +129,17 @@ def _deletes(fake):
 
 
 def test_deletes_the_node_through_the_client(fake, tmp_path):
-  plan = _plan(fake, tmp_path, delay_s=0)
-  assert plan.action == "delete_node"
-  assert (plan.project, plan.zone, plan.node, plan.worker) == (
+  request = _request(fake, tmp_path, delay_s=0)
+  assert request.action == "delete_node"
+  assert (request.project, request.zone, request.node, request.worker) == (
       "my-project", "us-west4-a", "my-tpu", 0)
-  assert plan.name == NODE and plan.endpoint == fake.url
-  assert TOKEN not in repr(plan)  # plans are safe to print
+  assert request.name == NODE and request.endpoint == fake.url
+  assert TOKEN not in repr(request)  # requests are safe to print
   # Planning looked the node up (read-only) and sent no delete.
   assert [(m, p) for m, p, _, _ in fake.requests] == [("GET", "/v2/" + NODE)]
   assert fake.requests[0][2]["authorization"] == f"Bearer {TOKEN}"
 
-  result = cloud.execute(plan, credentials=_credentials())
+  result = cloud.execute(request, credentials=_credentials())
   assert result.sent and result.operation.endswith("/operations/operation-1")
   (method, path, headers, _), = _deletes(fake)
   assert (method, path) == ("DELETE", "/v2/" + NODE)
@@ -149,22 +149,22 @@ def test_deletes_the_node_through_the_client(fake, tmp_path):
 def test_queued_resource_is_deleted_with_force(fake, tmp_path):
   qr = "projects/my-project/locations/us-west4-a/queuedResources/my-qr"
   fake.node["queuedResource"] = qr
-  plan = _plan(fake, tmp_path)
-  assert plan.action == "delete_queued_resource" and plan.queued_resource == qr
-  assert cloud.execute(plan, credentials=_credentials()).sent
+  request = _request(fake, tmp_path)
+  assert request.action == "delete_queued_resource" and request.queued_resource == qr
+  assert cloud.execute(request, credentials=_credentials()).sent
   (method, path, headers, query), = _deletes(fake)
   assert (method, path, query["force"]) == ("DELETE", f"/v2/{qr}", ["true"])
   assert headers["authorization"] == f"Bearer {TOKEN}"
   # Given by name, no lookup is needed.
   fake.requests.clear()
-  plan = _plan(fake, tmp_path, queued_resource="other-qr")
+  request = _request(fake, tmp_path, queued_resource="other-qr")
   assert fake.requests == []
-  assert plan.name == "projects/my-project/locations/us-west4-a/queuedResources/other-qr"
+  assert request.name == "projects/my-project/locations/us-west4-a/queuedResources/other-qr"
 
 
 def test_dry_run_sends_nothing_and_shows_the_call(fake, tmp_path, capsys):
-  plan = _plan(fake, tmp_path, dry_run=True)
-  result = cloud.execute(plan, credentials=_credentials())
+  request = _request(fake, tmp_path, dry_run=True)
+  result = cloud.execute(request, credentials=_credentials())
   assert not result.sent and _deletes(fake) == []
   err = capsys.readouterr().err
   assert f"TpuClient.delete_node(name='{NODE}') at {fake.url}" in err
@@ -172,9 +172,9 @@ def test_dry_run_sends_nothing_and_shows_the_call(fake, tmp_path, capsys):
 
 
 def test_sentinel_cancels(fake, tmp_path):
-  plan = _plan(fake, tmp_path)
+  request = _request(fake, tmp_path)
   (tmp_path / "keep").write_text("")
-  result = cloud.execute(plan, credentials=_credentials())
+  result = cloud.execute(request, credentials=_credentials())
   assert not result.sent and "sentinel" in result.reason and str(tmp_path / "keep") in result.reason
   assert _deletes(fake) == []
 
@@ -183,10 +183,10 @@ def test_sentinel_cancels(fake, tmp_path):
                                  "ftp://127.0.0.1", "tpu.googleapis.com", "https://"])
 def test_the_api_endpoint_must_be_https_off_loopback(fake, tmp_path, monkeypatch, url):
   with pytest.raises(InputError, match="must be an https:// URL"):
-    cloud.shutdown_plan(metadata_url=fake.url, api_url=url, sentinel=tmp_path / "keep")
+    cloud.shutdown_request(metadata_url=fake.url, api_url=url, sentinel=tmp_path / "keep")
   monkeypatch.setenv(cloud.API_URL_ENV, url)
   with pytest.raises(InputError, match=f"{cloud.API_URL_ENV}="):
-    cloud.shutdown_plan(metadata_url=fake.url, sentinel=tmp_path / "keep")
+    cloud.shutdown_request(metadata_url=fake.url, sentinel=tmp_path / "keep")
   assert fake.requests == []  # refused before any request carried a token
 
 
@@ -202,59 +202,59 @@ def test_https_and_loopback_endpoints_are_accepted(monkeypatch):
 def test_only_worker_zero_acts(fake, tmp_path, monkeypatch, how):
   if how == "metadata":
     fake.metadata["instance/attributes/agent-worker-number"] = "3"
-    plan = _plan(fake, tmp_path)
+    request = _request(fake, tmp_path)
   elif how == "env":
     monkeypatch.setenv("TPU_WORKER_ID", "2")
-    plan = _plan(fake, tmp_path)
+    request = _request(fake, tmp_path)
   elif how == "argument":
-    plan = _plan(fake, tmp_path, worker=1)
+    request = _request(fake, tmp_path, worker=1)
   else:
     del fake.metadata["instance/attributes/agent-worker-number"]
     fake.metadata["instance/attributes/tpu-env"] = TPU_ENV.replace("WORKER_ID: '0'",
                                                                    "WORKER_ID: '5'")
-    plan = _plan(fake, tmp_path)
-  assert plan.action == "none" and "only worker 0 deletes" in plan.reason
-  assert not cloud.execute(plan).sent
+    request = _request(fake, tmp_path)
+  assert request.action == "none" and "only worker 0 deletes" in request.reason
+  assert not cloud.execute(request).sent
   assert fake.requests == []
 
 
 def test_other_slices_do_nothing(fake, tmp_path, monkeypatch):
   monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
-  plan = _plan(fake, tmp_path)
-  assert plan.action == "none" and "slice 1" in plan.reason
+  request = _request(fake, tmp_path)
+  assert request.action == "none" and "slice 1" in request.reason
 
 
 def test_off_a_tpu_vm_does_nothing_and_says_why(fake, tmp_path):
   with socket.socket() as s:  # a port nobody listens on
     s.bind(("127.0.0.1", 0))
     closed = f"127.0.0.1:{s.getsockname()[1]}"
-  plan = cloud.shutdown_at_exit(0, metadata_url=closed, api_url=fake.url,
+  request = cloud.shutdown_at_exit(0, metadata_url=closed, api_url=fake.url,
                                 sentinel=tmp_path / "keep", timeout_s=0.5, register=False)
-  assert plan.action == "none" and "unreachable" in plan.reason and closed in plan.reason
+  assert request.action == "none" and "unreachable" in request.reason and closed in request.reason
   del fake.metadata["instance/attributes/accelerator-type"]
-  plan = _plan(fake, tmp_path)
-  assert plan.action == "none" and "not a Cloud TPU VM" in plan.reason
+  request = _request(fake, tmp_path)
+  assert request.action == "none" and "not a Cloud TPU VM" in request.reason
   assert fake.requests == []
 
 
 def test_node_name_missing_says_how_to_fix(fake, tmp_path):
   fake.metadata["instance/attributes/tpu-env"] = "ACCELERATOR_TYPE: 'v4-8'\n"
-  plan = _plan(fake, tmp_path)
-  assert plan.action == "none" and "node not found" in plan.reason and "node=" in plan.reason
-  plan = _plan(fake, tmp_path, node="explicit-name")
-  assert plan.action == "delete_node" and plan.name.endswith("/nodes/explicit-name")
+  request = _request(fake, tmp_path)
+  assert request.action == "none" and "node not found" in request.reason and "node=" in request.reason
+  request = _request(fake, tmp_path, node="explicit-name")
+  assert request.action == "delete_node" and request.name.endswith("/nodes/explicit-name")
 
 
 def test_api_errors_carry_status_and_body(fake, tmp_path, caplog):
   fake.api_status = 403
   with caplog.at_level("WARNING"):
-    plan = _plan(fake, tmp_path)  # the lookup fails: fall back to deleting the node
-  assert plan.action == "delete_node"
+    request = _request(fake, tmp_path)  # the lookup fails: fall back to deleting the node
+  assert request.action == "delete_node"
   assert "couldn't look up" in " ".join(r.getMessage() for r in caplog.records)
   with pytest.raises(CloudError, match=r"TpuClient.delete_node\(.*/nodes/my-tpu\) failed with "
                      r"HTTP 403: Forbidden: .*tpu.nodes.delete.*roles/tpu.admin") as e:
     try:
-      cloud.execute(plan, credentials=_credentials())
+      cloud.execute(request, credentials=_credentials())
     except ValueError:
       pytest.fail("a failed API call must not be caught as a ValueError")
   assert e.value.status == 403 and "tpu.nodes.delete" in e.value.body
@@ -265,12 +265,12 @@ def test_bad_arguments_are_input_errors(tmp_path):
   with pytest.raises(InputError, match=r"delay_s must be a number of seconds >= 0, got -1"):
     cloud.shutdown_at_exit(-1, register=False)
   with pytest.raises(ValueError, match=r"worker must be a non-negative int or None"):
-    cloud.shutdown_plan(worker="0")
+    cloud.shutdown_request(worker="0")
 
 
 def _run_child(fake, tmp_path, body, extra_env=None):
   script = "\n".join([f"import sys; sys.path.insert(0, {REPO!r})", "from fnscale import cloud",
-                       body, "print('PLAN', plan.action, flush=True)"])
+                       body, "print('PLAN', request.action, flush=True)"])
   env = dict(os.environ, GCE_METADATA_HOST=fake.url.split("://")[1],
              FNSCALE_TPU_API_URL=fake.url, JAX_PLATFORMS="cpu", **(extra_env or {}))
   env.pop("TPU_WORKER_ID", None)
@@ -282,7 +282,7 @@ def _run_child(fake, tmp_path, body, extra_env=None):
 def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   keep = os.fspath(tmp_path / "keep")
   proc = _run_child(fake, tmp_path,
-                    f"plan = cloud.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
+                    f"request = cloud.shutdown_at_exit(delay_s=0, sentinel={keep!r})")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout
   (method, path, headers, _), = _deletes(fake)
@@ -294,7 +294,7 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   # exits cleanly with its own status.
   fake.requests.clear()
   fake.api_status = 500
-  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0, "
+  proc = _run_child(fake, tmp_path, f"request = cloud.shutdown_at_exit(delay_s=0, "
                     f"sentinel={keep!r}, queued_resource='qr', timeout_s=1.5)")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "deleting the TPU VM failed" in proc.stderr and "HTTP 500" in proc.stderr
@@ -304,7 +304,7 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   fake.requests.clear()
   fake.api_status = 200
   del fake.metadata["instance/service-accounts/default/token"]
-  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0, "
+  proc = _run_child(fake, tmp_path, f"request = cloud.shutdown_at_exit(delay_s=0, "
                     f"sentinel={keep!r}, queued_resource='qr', timeout_s=1.5)")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "deleting the TPU VM failed" in proc.stderr and "RefreshError" in proc.stderr
@@ -314,7 +314,7 @@ def test_at_exit_deletes_after_the_program_ends(fake, tmp_path):
   # A sentinel that appears while the job runs keeps the VM.
   fake.requests.clear()
   fake.api_status = 200
-  proc = _run_child(fake, tmp_path, f"plan = cloud.shutdown_at_exit(delay_s=0.2, "
+  proc = _run_child(fake, tmp_path, f"request = cloud.shutdown_at_exit(delay_s=0.2, "
                     f"sentinel={keep!r})\nopen({keep!r}, 'w').close()")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "PLAN delete_node" in proc.stdout and f"sentinel {keep} exists" in proc.stderr

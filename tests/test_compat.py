@@ -1,5 +1,6 @@
 """fnscale._compat, entry by entry, against the installed jax: each test fails, naming its
 entry, when a JAX release changes what fnscale relies on (see the module docstring)."""
+import ast
 import json
 import pathlib
 import re
@@ -286,3 +287,70 @@ def test_is_megacore_error_reads_mesh_utils_refusal():
   hole = _mesh_utils_error(chips, [3])
   assert "dims=(2, 2, 1)" in str(hole) and not _compat.is_megacore_error(hole)
   assert not _compat.is_megacore_error(ValueError("megacore"))
+
+
+def test_varying_axes_inside_a_checked_shard_map_and_outside():
+  mesh = fs.make_mesh({"data": 4, "tensor": 2})
+  seen = {}
+
+  def body(x, y):
+    seen["x"], seen["y"] = _compat.varying_axes(x), _compat.varying_axes(y)
+    return x
+
+  jax.shard_map(body, mesh=mesh, in_specs=(jax.P("data"), jax.P()), out_specs=jax.P("data"),
+                check_vma=True)(jnp.ones((8, 2)), jnp.ones(2))
+  # x split over "data" varies over it; y, replicated, varies over nothing.
+  assert seen == {"x": frozenset({"data"}), "y": frozenset()}
+  assert _compat.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def test_varying_axes_and_platform_version_of_an_unknown_layout_name_themselves(monkeypatch):
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.platform_version: .*"
+                                              r"client.platform_version .* tested with jax"):
+    _compat.platform_version(object())
+  monkeypatch.setattr(jax, "typeof", lambda x: object())  # a type without the attribute
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.varying_axes: object has no "
+                                              r"manual_axis_type.varying .* tested with jax"):
+    _compat.varying_axes(1.0)
+
+
+def test_platform_version_of_this_machine_s_devices():
+  # The CPU runtime names itself; a GPU's says CUDA or ROCm (what attention reads it for).
+  assert _compat.platform_version(jax.devices()[0]).lower() == jax.devices()[0].platform
+
+
+def _module_uses(tree) -> list[str]:
+  """What a module does that only _compat may: import from jax._src, compare jax's version."""
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+      found.append(f"from {node.module} import")
+    if isinstance(node, ast.Import):
+      found += [f"import {a.name}" for a in node.names if a.name.startswith("jax._src")]
+    if (isinstance(node, ast.Attribute) and node.attr in ("_src",) + _JAX_RENAMED
+        and getattr(node.value, "id", None) != "_compat"):
+      found.append(f".{node.attr}")
+    if isinstance(node, ast.Compare) and "__version__" in ast.dump(node):
+      found.append("a version comparison")
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr")
+        and len(node.args) > 1 and getattr(node.args[1], "value", None) in _JAX_RENAMED):
+      found.append(f"{node.func.id}(..., {node.args[1].value!r})")
+  return found
+
+
+# Attributes jax renamed between releases: only _compat may read them.
+_JAX_RENAMED = ("vma", "manual_axis_type", "platform_version")
+
+
+def test_only_compat_reaches_into_jax_internals_or_versions():
+  uses = {}
+  for f in sorted((REPO / "fnscale").rglob("*.py")) + sorted((REPO / "recipes").rglob("*.py")):
+    if f.name != "_compat.py":
+      found = _module_uses(ast.parse(f.read_text(), str(f)))
+      if found:
+        uses[str(f.relative_to(REPO))] = found
+  assert not uses, f"private jax or version probes outside fnscale/_compat.py: {uses}"
+  # The scan sees them (a negative control on a line that does each).
+  assert len(_module_uses(ast.parse(
+      "from jax._src import mesh\nimport jax._src.xla_bridge\nif jax.__version__ < '0.11': pass\n"
+      "getattr(aval, 'vma', None)\nd.client.platform_version\n"))) == 5

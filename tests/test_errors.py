@@ -39,7 +39,7 @@ def test_a_bad_mesh_is_a_mesh_error_from_every_entry_point():
       "make_mesh": lambda: fs.make_mesh({"data": 16}),
       "with_mesh": lambda: fs.with_mesh("data=8").__enter__(),
       "shardings": lambda: fs.shardings(params, "data=8"),
-      "shard_plan": lambda: fs.shard_plan(params, {"data": 8}),
+      "sharding_layout": lambda: fs.sharding_layout(params, {"data": 8}),
       "batch_sharding": lambda: fs.batch_sharding(None),
       "init_state": lambda: fs.init_state(params, opt, mesh="data=8"),
       "state_shardings": lambda: fs.state_shardings(state, ["data"]),
@@ -51,6 +51,8 @@ def test_a_bad_mesh_is_a_mesh_error_from_every_entry_point():
       pytest.fail(f"{name} raised nothing")
     assert type(e.value) is fs.MeshError, name
     assert isinstance(e.value, ValueError), name  # an `except ValueError` still catches it
+    if name != "make_mesh":  # one check of a mesh argument: it names the function called
+      assert str(e.value).startswith(f"{name}: mesh is "), (name, str(e.value))
 
 
 def test_a_failed_write_is_a_storage_error_not_a_value_error(tmp_path):

@@ -77,7 +77,7 @@ def test_shardings_state_and_reports_on_an_explicit_mesh():
   abstract = fs.init_state(params, opt, mesh=mesh, abstract=True)
   assert fs.state_shardings(abstract, mesh, optimizer=opt).opt_state[0].mu["w"].spec == P(
       "fsdp", None)
-  assert "P('fsdp', None)" in fs.sharding_report(params, fs.shard_plan(params, mesh))
+  assert "P('fsdp', None)" in fs.sharding_report(params, fs.sharding_layout(params, mesh))
   report = fs.compile_report(fs.shard_step(fs.train_step(_loss, opt), mesh), abstract,
                              {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)})
   assert report.mesh_shape == {"data": 2, "fsdp": 4}

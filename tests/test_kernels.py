@@ -21,7 +21,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.errors import KernelError
-from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_plan, with_kernel
+from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_selection, with_kernel
 from fnscale.mesh import with_mesh
 
 AUTO = jax.sharding.AxisType.Auto
@@ -77,13 +77,13 @@ def _relative_error(got, want) -> float:
 @pytest.fixture
 def plans(monkeypatch):
   """The KernelSelections `attention` decides during the test, in order."""
-  real, decided = attention_lib.kernel_plan, []
+  real, decided = attention_lib.kernel_selection, []
 
   def recording(*args, **kwargs):
     decided.append(real(*args, **kwargs))
     return decided[-1]
 
-  monkeypatch.setattr(attention_lib, "kernel_plan", recording)
+  monkeypatch.setattr(attention_lib, "kernel_selection", recording)
   return decided
 
 
@@ -134,11 +134,11 @@ def test_interpret_kernel_matches_reference_forward_and_backward(case):
 
   fn = with_kernel(functools.partial(attention, implementation=implementation, **call),
                    interpret=True)
-  plan = with_kernel(kernel_plan, interpret=True)(
+  sel = with_kernel(kernel_selection, interpret=True)(
       q.shape, k.shape, q.dtype, implementation=implementation,
       causal=call.get("causal", False), segment_ids=call.get("segment_ids"),
       sliding_window=call.get("sliding_window"))
-  assert plan.implementation == implementation and plan.interpret
+  assert sel.implementation == implementation and sel.interpret
 
   out = fn(q, k, v)
   np.testing.assert_allclose(out, _reference(q, k, v, **ref_kwargs), atol=2e-5, rtol=2e-5)
@@ -185,11 +185,11 @@ def test_sharded_kernel_compiles_without_gathering_qkv():
   step = jax.jit(jax.value_and_grad(with_kernel(loss, attention="splash", interpret=True),
                                     argnums=(0, 1, 2)))
   with with_mesh(mesh):
-    plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
+    sel = with_kernel(kernel_selection, interpret=True)(q.shape, k.shape, causal=True)
     compiled = step.lower(q, k, v).compile()
     value, grads = step(q, k, v)
-  assert plan.implementation == "splash"
-  assert (plan.batch_axes, plan.head_axes) == (("data",), ("tensor",))
+  assert sel.implementation == "splash"
+  assert (sel.batch_axes, sel.head_axes) == (("data",), ("tensor",))
   hlo = compiled.as_text()
   assert "all-gather" not in hlo and "all-to-all" not in hlo
   # The gradients come back sharded like the inputs, and the values are right.
@@ -219,9 +219,9 @@ def test_kernel_keeps_replica_axis_in_batch_spec():
   step = jax.jit(jax.value_and_grad(with_kernel(loss, attention="splash", interpret=True),
                                     argnums=(0, 1, 2)))
   with with_mesh(mesh):
-    plan = with_kernel(kernel_plan, interpret=True)(q.shape, k.shape, causal=True)
+    sel = with_kernel(kernel_selection, interpret=True)(q.shape, k.shape, causal=True)
     compiled = step.lower(q, k, v).compile()
-  assert (plan.implementation, plan.batch_axes, plan.head_axes) == (
+  assert (sel.implementation, sel.batch_axes, sel.head_axes) == (
       "splash", ("replica", "fsdp"), ())
   # A batch spec without "replica" would gather q/k/v over it around the kernel.
   assert _hlo_collectives(compiled.as_text()) == []
@@ -257,9 +257,9 @@ def test_splash_in_shard_map_compiles_for_tpu_v5e(tpu_devices):
   mesh = jax.sharding.Mesh(devices, ("data", "tensor"), axis_types=(AUTO, AUTO))
   spec = jax.sharding.NamedSharding(mesh, jax.P("data", None, "tensor", None))
   shape = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16, sharding=spec)
-  plan = kernel_plan(shape.shape, shape.shape, shape.dtype, causal=True, mesh=mesh)
-  assert plan.platform == "tpu" and plan.implementation == "splash" and not plan.interpret
-  assert plan.block_sizes == BlockSizes(512, 512, 512, 512)
+  sel = kernel_selection(shape.shape, shape.shape, shape.dtype, causal=True, mesh=mesh)
+  assert sel.platform == "tpu" and sel.implementation == "splash" and not sel.interpret
+  assert sel.block_sizes == BlockSizes(512, 512, 512, 512)
 
   def loss(q, k, v):
     return jnp.sum(attention(q, k, v, causal=True, mesh=mesh).astype(jnp.float32))
@@ -359,17 +359,17 @@ def test_pallas_kernel_with_no_mesh_in_sight_falls_back_on_a_multi_device_platfo
   # and a Mosaic kernel there fails to compile ("cannot be automatically partitioned").
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   shape = (8, 256, 4, 128)
-  plan = kernel_plan(shape, shape, jnp.bfloat16, causal=True)
-  assert plan.implementation == "xla" and plan.fallback
+  sel = kernel_selection(shape, shape, jnp.bfloat16, causal=True)
+  assert sel.implementation == "xla" and sel.fallback
   assert ("splash: no mesh in sight while the inputs may be split over 8 devices, and XLA "
-          "can't partition this kernel: set the mesh with fnscale.with_mesh") in plan.reason
+          "can't partition this kernel: set the mesh with fnscale.with_mesh") in sel.reason
   with pytest.raises(KernelError, match="'splash'.* may be split over 8 devices"):
-    kernel_plan(shape, shape, jnp.bfloat16, implementation="splash")
+    kernel_selection(shape, shape, jnp.bfloat16, implementation="splash")
   mesh = fs.make_mesh({"data": 8})
-  assert kernel_plan(shape, shape, jnp.bfloat16, platform="tpu",
-                     mesh=mesh).implementation == "splash"
+  assert kernel_selection(shape, shape, jnp.bfloat16, platform="tpu",
+                          mesh=mesh).implementation == "splash"
   with with_mesh(mesh):  # (The simulated mesh's own platform is cpu: name the platform.)
-    assert kernel_plan(shape, shape, jnp.bfloat16, platform="tpu").batch_axes == ("data",)
+    assert kernel_selection(shape, shape, jnp.bfloat16, platform="tpu").batch_axes == ("data",)
 
 
 def _tpu_loss(mesh=None):
@@ -539,50 +539,50 @@ def test_fallback_gives_reference_result_and_logs_reason_once(case, fresh_log):
   fn = with_kernel(functools.partial(attention, causal=True, sliding_window=window),
                    interpret=True)
   with with_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    plan = with_kernel(kernel_plan, interpret=True)(
+    sel = with_kernel(kernel_selection, interpret=True)(
         q.shape, k.shape, q.dtype, causal=True, sliding_window=window)
     out = fn(q, k, v)
     fn(q, k, v)  # The same reason again: logged once only.
-  assert plan.implementation == "xla" and plan.fallback
+  assert sel.implementation == "xla" and sel.fallback
   for reason in reasons:
-    assert reason in plan.reason
+    assert reason in sel.reason
   expected = _reference(q, k, v, causal=True, window=None if window is None else
                         (window, window))
   tolerance = 2e-3 if q.dtype == jnp.float16 else 1e-5
   np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance)
   logged = [r.getMessage() for r in fresh_log.records if "falls back" in r.getMessage()]
-  assert len(logged) == 1 and plan.reason in logged[0]
+  assert len(logged) == 1 and sel.reason in logged[0]
 
 
 def test_platform_choice_and_reasons_per_platform():
   shape = (2, 512, 8, 128)
-  tpu = kernel_plan(shape, shape, jnp.bfloat16, causal=True, platform="tpu")
+  tpu = kernel_selection(shape, shape, jnp.bfloat16, causal=True, platform="tpu")
   assert (tpu.implementation, tpu.fallback) == ("splash", False)
   assert tpu.block_sizes == BlockSizes(512, 512, 512, 512)
-  cuda = kernel_plan(shape, shape, jnp.bfloat16, causal=True, platform="cuda")
+  cuda = kernel_selection(shape, shape, jnp.bfloat16, causal=True, platform="cuda")
   assert cuda.implementation == "cudnn" and cuda.block_sizes is None
   # cuDNN can't take float32 or segment ids: Pallas-Triton serves instead.
-  cuda32 = kernel_plan(shape, shape, jnp.float32, platform="cuda")
+  cuda32 = kernel_selection(shape, shape, jnp.float32, platform="cuda")
   assert cuda32.implementation == "pallas_gpu"
   assert cuda32.block_sizes == BlockSizes(128, 128, 32, 32)
   ids = jax.ShapeDtypeStruct(shape[:2], jnp.int32)
-  segs = kernel_plan(shape, shape, jnp.bfloat16, segment_ids=ids, platform="cuda")
+  segs = kernel_selection(shape, shape, jnp.bfloat16, segment_ids=ids, platform="cuda")
   assert segs.implementation == "pallas_gpu"
   assert "cudnn: segment_ids are not supported" in segs.reason
   # Neither GPU kernel: a right-hand window without causal, and a q/kv pair of segment ids.
-  neither = kernel_plan(shape, shape, jnp.bfloat16, sliding_window=(8, 8), platform="cuda")
+  neither = kernel_selection(shape, shape, jnp.bfloat16, sliding_window=(8, 8), platform="cuda")
   assert neither.implementation == "xla" and neither.fallback
   assert "needs causal=True on cuDNN" in neither.reason
-  tpu_odd = kernel_plan((1, 200, 2, 64), (1, 200, 2, 64), platform="tpu")
+  tpu_odd = kernel_selection((1, 200, 2, 64), (1, 200, 2, 64), platform="tpu")
   assert tpu_odd.implementation == "xla"
   assert "splash: sequence lengths (200, 200) must be multiples of 128" in tpu_odd.reason
   # Block sizes follow the shape, and can be overridden.
-  assert kernel_plan((1, 768, 2, 64), (1, 768, 2, 64), platform="tpu").block_sizes[:2] == (
+  assert kernel_selection((1, 768, 2, 64), (1, 768, 2, 64), platform="tpu").block_sizes[:2] == (
       256, 256)
-  custom = kernel_plan(shape, shape, platform="tpu", block_sizes=BlockSizes(128, 256))
+  custom = kernel_selection(shape, shape, platform="tpu", block_sizes=BlockSizes(128, 256))
   assert custom.block_sizes == BlockSizes(128, 256, 128, 256)
   # A CPU without interpret mode has no kernel: xla, with no fallback to report.
-  cpu = kernel_plan(shape, shape, platform="cpu")
+  cpu = kernel_selection(shape, shape, platform="cpu")
   assert cpu.implementation == "xla" and not cpu.fallback
   assert "no attention kernel for platform 'cpu'" in cpu.reason
 
@@ -637,8 +637,8 @@ def test_with_kernel_scopes_each_wrapped_function_in_one_program():
   for out in outs:
     np.testing.assert_allclose(out, ref, atol=2e-5)
   # Outside the wrapped calls the choice is back to the default.
-  assert kernel_plan(q.shape, k.shape).requested == "auto"
-  assert not kernel_plan(q.shape, k.shape).interpret
+  assert kernel_selection(q.shape, k.shape).requested == "auto"
+  assert not kernel_selection(q.shape, k.shape).interpret
 
 
 def test_with_kernel_composes_with_mesh_in_either_order():
@@ -649,7 +649,7 @@ def test_with_kernel_composes_with_mesh_in_either_order():
 
   def recording():  # A fresh function per jit: jit caches a trace per function.
     def fn(q, k, v):
-      plans.append(kernel_plan(q.shape, k.shape, q.dtype))
+      plans.append(kernel_selection(q.shape, k.shape, q.dtype))
       return loss(q, k, v)
     return fn
 
@@ -686,7 +686,7 @@ def test_with_kernel_inside_shard_step_trains_like_the_reference():
   def loss_fn(params, batch):
     x = batch["x"]
     q = jnp.einsum("bse,ehd->bshd", x, params["wq"])
-    plans.append(kernel_plan(q.shape, q.shape, q.dtype, causal=True))
+    plans.append(kernel_selection(q.shape, q.shape, q.dtype, causal=True))
     out = attention(q, q, q, causal=True)
     return jnp.mean((jnp.einsum("bshd,hde->bse", out, params["wo"]) - x) ** 2)
 

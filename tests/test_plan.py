@@ -57,7 +57,7 @@ def test_gpu_and_multi_slice_targets():
 
 def test_axis_bandwidth_counts_torus_dimensions_and_wrap():
   v5p = _targets.Hardware("v5p-128", "tpu", "v5p", 1, 64, (4, 4, 4), True, 459e12, 95 * GiB,
-                          _targets.LINK_FACTS["v5p"])
+                          _targets.link_facts("v5p"))
   # fsdp over the whole 4x4x4 cube: 3 dimensions, both directions of each ring.
   assert _cost.axis_bandwidth(v5p, {"fsdp": 64}, {}) == {"fsdp": 3 * 2 * 9e10}
   bw = _cost.axis_bandwidth(v5p, {"fsdp": 16, "tensor": 4}, {"replica": 2})
@@ -65,7 +65,7 @@ def test_axis_bandwidth_counts_torus_dimensions_and_wrap():
   # v5e 4x4 has no wrap-around links: one direction's worth per dimension; a part of a
   # dimension (2 of 4) has no ring either.
   v5e = v5p._replace(generation="v5e", chip_grid=(4, 4), wrap=False, devices_per_slice=16,
-                     links=_targets.LINK_FACTS["v5e"])
+                     links=_targets.link_facts("v5e"))
   assert _cost.axis_bandwidth(v5e, {"fsdp": 8, "tensor": 2}, {}) == {
       "fsdp": 2 * 4.5e10, "tensor": 4.5e10}
 

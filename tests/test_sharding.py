@@ -70,10 +70,10 @@ def test_axis_never_reused_falls_through_to_next_rule(dp_fsdp):
   rules = (("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "data"))
   assert fsh.logical_to_spec(("embed", "mlp"), rules, dp_fsdp) == P("fsdp", "data")
   assert fsh.logical_to_spec(("mlp", "embed"), rules, dp_fsdp) == P("data", "fsdp")
-  # No alternative: the second dim is replicated and the plan says why.
-  plan = fs.shard_plan({"w": jnp.zeros((8, 8))}, dp_fsdp, rules[:2],
-                       logical_axes={"w": ("mlp", "embed")})
-  (leaf,) = plan.leaves
+  # No alternative: the second dim is replicated and the layout says why.
+  layout = fs.sharding_layout({"w": jnp.zeros((8, 8))}, dp_fsdp, rules[:2],
+                            logical_axes={"w": ("mlp", "embed")})
+  (leaf,) = layout.leaves
   assert leaf.spec == P(None, "fsdp")
   assert "dim 0 (mlp) replicated: fsdp already shards dim 1" in leaf.note
 
@@ -174,12 +174,12 @@ def test_auto_fsdp_picks_largest_divisible_dim(dp_fsdp):
       "c": jax.ShapeDtypeStruct((64, 64), jnp.float32),  # tie: the earlier dim
       "d": jax.ShapeDtypeStruct((2, 3, 256), jnp.bfloat16),
   }
-  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=0)
-  specs = {lp.path: lp.spec for lp in plan.leaves}
+  layout = fs.sharding_layout(params, dp_fsdp, min_shard_bytes=0)
+  specs = {lp.path: lp.spec for lp in layout.leaves}
   assert specs == {"a": P(None, "fsdp"), "b": P("fsdp", None), "c": P("fsdp", None),
                    "d": P(None, None, "fsdp")}
-  assert all(lp.reason == fsh.AUTO_FSDP for lp in plan.leaves)
-  assert plan.shardings["a"] == NamedSharding(dp_fsdp, P(None, "fsdp"))
+  assert all(lp.reason == fsh.AUTO_FSDP for lp in layout.leaves)
+  assert layout.shardings["a"] == NamedSharding(dp_fsdp, P(None, "fsdp"))
   # fsdp over several axes (ZeRO-3 over all 8 devices).
   s = fs.shardings(params, dp_fsdp, fsdp_axis=("data", "fsdp"), min_shard_bytes=0)
   assert s["a"].spec == P(None, ("data", "fsdp")) and s["b"].spec == P(("data", "fsdp"), None)
@@ -187,21 +187,21 @@ def test_auto_fsdp_picks_largest_divisible_dim(dp_fsdp):
 
 def test_small_leaves_replicated_scalars_and_no_fsdp_axis(dp_fsdp):
   params = {"bias": jnp.zeros((64,)), "w": jnp.zeros((64, 64)), "step": jnp.zeros(())}
-  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024)
-  got = {lp.path: (lp.spec, lp.reason) for lp in plan.leaves}
+  layout = fs.sharding_layout(params, dp_fsdp, min_shard_bytes=1024)
+  got = {lp.path: (lp.spec, lp.reason) for lp in layout.leaves}
   assert got == {"bias": (P(), fsh.SMALL), "step": (P(), fsh.SCALAR),
                  "w": (P("fsdp", None), fsh.AUTO_FSDP)}
   dp = _mesh((8,), ("data",))
-  plan = fs.shard_plan(params, dp, min_shard_bytes=1024)
-  assert {lp.path: lp.reason for lp in plan.leaves}["w"] == fsh.NO_FSDP
+  layout = fs.sharding_layout(params, dp, min_shard_bytes=1024)
+  assert {lp.path: lp.reason for lp in layout.leaves}["w"] == fsh.NO_FSDP
 
 
 def test_indivisible_large_leaf_reported_and_tolerance(dp_fsdp):
   params = {"odd": jnp.zeros((63, 127)), "ok": jnp.zeros((64, 64)), "tiny": jnp.zeros((3,))}
-  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024, max_replicated_bytes=10**6)
-  got = {lp.path: lp.reason for lp in plan.leaves}
+  layout = fs.sharding_layout(params, dp_fsdp, min_shard_bytes=1024, max_replicated_bytes=10**6)
+  got = {lp.path: lp.reason for lp in layout.leaves}
   assert got == {"odd": fsh.INDIVISIBLE, "ok": fsh.AUTO_FSDP, "tiny": fsh.SMALL}
-  report = fs.sharding_report(params, plan)
+  report = fs.sharding_report(params, layout)
   assert "replicated:indivisible" in report
   assert "large leaves replicated because no dimension divides the fsdp size: 1" in report
   nbytes = 63 * 127 * 4
@@ -244,10 +244,10 @@ def test_bad_logical_axes_inputs(dp_fsdp):
 
 def test_per_device_bytes_match_placed_arrays(three_d):
   params = {"w": jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8), "b": jnp.ones((8,))}
-  plan = fs.shard_plan(params, three_d, RULES, logical_axes={"w": ("vocab", "embed"),
+  layout = fs.sharding_layout(params, three_d, RULES, logical_axes={"w": ("vocab", "embed"),
                                                              "b": None})
-  placed = jax.device_put(params, plan.shardings)
-  for lp in plan.leaves:
+  placed = jax.device_put(params, layout.shardings)
+  for lp in layout.leaves:
     arr = placed[lp.path]
     shard_bytes = {s.data.nbytes for s in arr.addressable_shards}
     assert shard_bytes == {lp.device_bytes}
@@ -330,8 +330,8 @@ def test_report_contents(three_d):
   params = {"emb": jnp.zeros((16, 8)), "w": jnp.zeros((64, 64)),
             "bias": jnp.zeros((8,), jnp.bfloat16), "odd": jnp.zeros((33, 33))}
   axes = {"emb": ("vocab", "embed"), "w": None, "bias": None, "odd": None}
-  plan = fs.shard_plan(params, three_d, RULES, logical_axes=axes, min_shard_bytes=1024)
-  text = fs.sharding_report(params, plan)
+  layout = fs.sharding_layout(params, three_d, RULES, logical_axes=axes, min_shard_bytes=1024)
+  text = fs.sharding_report(params, layout)
   lines = text.splitlines()
   assert lines[0].split() == ["path", "shape", "dtype", "logical", "axes", "spec", "global",
                               "per", "device", "how"]
@@ -344,13 +344,13 @@ def test_report_contents(three_d):
   assert "replicated:indivisible" in row["odd"]
   total = 16 * 8 * 4 + 64 * 64 * 4 + 8 * 2 + 33 * 33 * 4
   per_dev = 16 * 8 * 4 // 4 + 64 * 64 * 4 // 2 + 8 * 2 + 33 * 33 * 4
-  assert sum(lp.global_bytes for lp in plan.leaves) == total
-  assert sum(lp.device_bytes for lp in plan.leaves) == per_dev
+  assert sum(lp.global_bytes for lp in layout.leaves) == total
+  assert sum(lp.device_bytes for lp in layout.leaves) == per_dev
   assert f"total: {total / 1024:.1f} KiB" in text
   assert f"per device: {per_dev / 1024:.1f} KiB" in text
   assert "replicated: 2 leaves" in text
   # From a plain shardings tree: same specs, reason inferred, logical axes if given.
-  text2 = fs.sharding_report(params, plan.shardings, logical_axes=axes)
+  text2 = fs.sharding_report(params, layout.shardings, logical_axes=axes)
   assert "(vocab, embed)" in text2 and "sharded" in text2 and "replicated" in text2
   assert f"per device: {per_dev / 1024:.1f} KiB" in text2
 
@@ -362,7 +362,7 @@ def test_replica_axis_is_data_like():
 
 
 def test_report_names_the_mesh(dp_fsdp):
-  text = fs.sharding_report({"w": jnp.zeros((8, 8))}, fs.shard_plan({"w": jnp.zeros((8, 8))},
+  text = fs.sharding_report({"w": jnp.zeros((8, 8))}, fs.sharding_layout({"w": jnp.zeros((8, 8))},
                                                                      dp_fsdp))
   assert "mesh: data=2 fsdp=4 (8 devices)" in text
 
@@ -374,12 +374,12 @@ def test_shardings_on_a_tpu_topology_compile(tpu_devices):
                            axis_types=(AUTO, AUTO))
   params = {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32),
             "b": jax.ShapeDtypeStruct((128,), jnp.float32)}
-  plan = fs.shard_plan(params, mesh, min_shard_bytes=1024)
-  assert plan.shardings["w"].spec == P("fsdp", None) and plan.shardings["b"].spec == P()
+  layout = fs.sharding_layout(params, mesh, min_shard_bytes=1024)
+  assert layout.shardings["w"].spec == P("fsdp", None) and layout.shardings["b"].spec == P()
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          params, plan.shardings)
+                          params, layout.shardings)
   compiled = jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p),
-                     out_shardings=plan.shardings).trace(abstract).lower().compile()
+                     out_shardings=layout.shardings).trace(abstract).lower().compile()
   mem = compiled.memory_analysis()
   # One device holds half of w (fsdp=2) and all of b, for the argument.
   assert mem.argument_size_in_bytes == 256 * 128 * 4 // 2 + 128 * 4
@@ -424,8 +424,8 @@ def _fsdp8():
 def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
   with caplog.at_level("WARNING"):
     with pytest.raises(fs.ShardingError) as e:
-      fs.shard_plan(BIG, _fsdp8(), (("embed", "fsdp_"),),
-                    logical_axes={"w": ("embed", "mlp")}, max_replicated_bytes=1 << 20)
+      fs.sharding_layout(BIG, _fsdp8(), (("embed", "fsdp_"),),
+                         logical_axes={"w": ("embed", "mlp")}, max_replicated_bytes=1 << 20)
   msg = str(e.value)
   assert msg.startswith(f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: "
                         f"w (4096, 4096) ({BIG_BYTES} B) [dim 0 (embed) replicated: its rules "
@@ -439,9 +439,9 @@ def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
 
 def test_unmapped_logical_name_is_logged_without_a_limit(caplog):
   with caplog.at_level("WARNING"):
-    plan = fs.shard_plan(BIG, _fsdp8(), (("embed", "fsdp"),),
-                         logical_axes={"w": ("mlp", "heads")})
-  assert plan.leaves[0].spec == P(None, None)
+    layout = fs.sharding_layout(BIG, _fsdp8(), (("embed", "fsdp"),),
+                              logical_axes={"w": ("mlp", "heads")})
+  assert layout.leaves[0].spec == P(None, None)
   assert (f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: w (4096, 4096) "
           f"({BIG_BYTES} B) [dim 0 (mlp) replicated: no rule names 'mlp'; dim 1 (heads) "
           "replicated: no rule names 'heads']") in caplog.text
@@ -457,7 +457,7 @@ def test_replicated_params_are_warned_only_where_an_axis_could_shard_them(caplog
   usable for a 'vocab' x 'heads' leaf) is a likely mistake and is logged."""
   rules = (("embed", "fsdp"), ("mlp", "tensor"))
   with caplog.at_level("WARNING"):
-    fs.shard_plan(BIG, _mesh(shape, names), rules, logical_axes={"w": ("vocab", "heads")})
+    fs.sharding_layout(BIG, _mesh(shape, names), rules, logical_axes={"w": ("vocab", "heads")})
   assert ("stay replicated on every device: w (4096, 4096)" in caplog.text) == warned
 
 
@@ -469,8 +469,8 @@ def test_replicated_params_are_warned_only_where_an_axis_could_shard_them(caplog
 def test_replicated_leaf_is_logged_only_when_it_looks_like_a_mistake(caplog, axes, rules,
                                                                       warned):
   with caplog.at_level("WARNING"):
-    plan = fs.shard_plan(BIG, _fsdp8(), rules, logical_axes={"w": axes})
-  assert plan.leaves[0].spec == P(None, None)
+    layout = fs.sharding_layout(BIG, _fsdp8(), rules, logical_axes={"w": axes})
+  assert layout.leaves[0].spec == P(None, None)
   logged = [r.getMessage() for r in caplog.records]
   assert logged == ([f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: w (4096, "
                      f"4096) ({BIG_BYTES} B) [dim 0 (layers) replicated: no rule names "
@@ -480,11 +480,11 @@ def test_replicated_leaf_is_logged_only_when_it_looks_like_a_mistake(caplog, axe
 
 def test_two_devices_are_enough_to_count_a_replicated_leaf():
   with pytest.raises(fs.ShardingError, match=r"^1 leaves \(67108864 bytes\) stay replicated"):
-    fs.shard_plan(BIG, _mesh((2,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
-                  max_replicated_bytes=0)
+    fs.sharding_layout(BIG, _mesh((2,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
+                       max_replicated_bytes=0)
   # One device: nothing is replicated across devices, so nothing counts.
-  fs.shard_plan(BIG, _mesh((1,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
-                max_replicated_bytes=0)
+  fs.sharding_layout(BIG, _mesh((1,), ("fsdp",)), logical_axes={"w": ("mlp", "heads")},
+                     max_replicated_bytes=0)
 
 
 def test_fsdp_axis_not_in_the_mesh_is_an_error():
@@ -492,12 +492,12 @@ def test_fsdp_axis_not_in_the_mesh_is_an_error():
       "fsdp_axis 'zero' names 'zero', which is not an axis of the mesh (axes ('fsdp',)); "
       "automatic leaves would silently stay replicated; fix: name a mesh axis (e.g. "
       "fsdp_axis='fsdp') or pass None to replicate them on purpose.")):
-    fs.shard_plan(BIG, _fsdp8(), fsdp_axis="zero", max_replicated_bytes=1 << 20)
+    fs.sharding_layout(BIG, _fsdp8(), fsdp_axis="zero", max_replicated_bytes=1 << 20)
   # The conventional name on a mesh without it is a choice (data parallel), counted.
   with pytest.raises(fs.ShardingError, match=r"w \(4096, 4096\) \(67108864 B\) \[no logical "
                      r"axes and no fsdp axis in the mesh\]"):
-    fs.shard_plan(BIG, _mesh((8,), ("data",)), max_replicated_bytes=1 << 20)
-  assert fs.shard_plan(BIG, _mesh((8,), ("data",))).leaves[0].reason == fsh.NO_FSDP
+    fs.sharding_layout(BIG, _mesh((8,), ("data",)), max_replicated_bytes=1 << 20)
+  assert fs.sharding_layout(BIG, _mesh((8,), ("data",))).leaves[0].reason == fsh.NO_FSDP
 
 
 def test_malformed_rules_fail_even_when_no_leaf_uses_them():
@@ -517,9 +517,9 @@ def test_every_replicated_leaf_counts_against_the_limit(caplog):
   axes = {"explicit": P(), "none_rule": ("vocab", None), "odd": None, "small": None}
   total = 2 * 64 * 64 * 4 + 63 * 65 * 4
   kw = dict(logical_axes=axes, min_shard_bytes=1024)
-  fs.shard_plan(tree, mesh, (("vocab", None),), max_replicated_bytes=total, **kw)
+  fs.sharding_layout(tree, mesh, (("vocab", None),), max_replicated_bytes=total, **kw)
   with pytest.raises(fs.ShardingError, match=re.escape(f"3 leaves ({total} bytes)")) as e:
-    fs.shard_plan(tree, mesh, (("vocab", None),), max_replicated_bytes=total - 1, **kw)
+    fs.sharding_layout(tree, mesh, (("vocab", None),), max_replicated_bytes=total - 1, **kw)
   assert "explicit (64, 64) (16384 B) [its PartitionSpec P() replicates it]" in str(
       e.value)
   assert "none_rule (64, 64) (16384 B) [its logical axes ('vocab', None) map to no mesh axis]" in (
@@ -533,7 +533,7 @@ def test_every_replicated_leaf_counts_against_the_limit(caplog):
   # A rule mapping to None is deliberate: no warning for it, only for the indivisible leaf.
   caplog.clear()
   with caplog.at_level("WARNING"):
-    fs.shard_plan(tree, mesh, (("vocab", None),), **kw)
+    fs.sharding_layout(tree, mesh, (("vocab", None),), **kw)
   assert "odd (63, 65)" in caplog.text and "none_rule" not in caplog.text
 
 
@@ -678,10 +678,10 @@ def test_tree_mismatch_message_lists_eight_leaf_paths(dp_fsdp):
 
 def test_automatic_leaves_carry_no_note(dp_fsdp):
   params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((4,))}
-  plan = fs.shard_plan(params, dp_fsdp, min_shard_bytes=1024)
-  assert [(lp.reason, lp.note) for lp in plan.leaves] == [(fsh.SMALL, ""), (fsh.AUTO_FSDP, "")]
+  layout = fs.sharding_layout(params, dp_fsdp, min_shard_bytes=1024)
+  assert [(lp.reason, lp.note) for lp in layout.leaves] == [(fsh.SMALL, ""), (fsh.AUTO_FSDP, "")]
   # The report shows a note in parentheses after the reason; none here.
-  assert "auto-fsdp (" not in fs.sharding_report(params, plan)
+  assert "auto-fsdp (" not in fs.sharding_report(params, layout)
 
 
 def test_rule_forms(dp_fsdp):
@@ -695,13 +695,13 @@ def test_rule_forms(dp_fsdp):
 
 
 def test_python_scalars_and_lists_of_names_in_plans(dp_fsdp):
-  plan = fs.shard_plan({"lr": 0.5, "flag": True, "w": jnp.zeros((8, 4))}, dp_fsdp, RULES,
-                       logical_axes={"lr": None, "flag": (), "w": ["embed", None]})
-  got = {lp.path: (lp.shape, lp.dtype, lp.spec, lp.reason) for lp in plan.leaves}
+  layout = fs.sharding_layout({"lr": 0.5, "flag": True, "w": jnp.zeros((8, 4))}, dp_fsdp, RULES,
+                            logical_axes={"lr": None, "flag": (), "w": ["embed", None]})
+  got = {lp.path: (lp.shape, lp.dtype, lp.spec, lp.reason) for lp in layout.leaves}
   assert got == {"lr": ((), np.dtype("float64"), P(), fsh.SCALAR),
                  "flag": ((), np.dtype("bool"), P(), fsh.SCALAR),
                  "w": ((8, 4), np.dtype("float32"), P("fsdp", None), fsh.RULES)}
-  assert plan.leaves[2].logical_axes == ("embed", None)  # the list, as a tuple
+  assert layout.leaves[2].logical_axes == ("embed", None)  # the list, as a tuple
 
 
 def test_notes_say_why_a_dim_is_replicated(dp_fsdp):
@@ -734,30 +734,30 @@ def test_auto_fsdp_boundaries(dp_fsdp):
       P(None, "fsdp", None), fsh.AUTO_FSDP)
 
 
-def test_plan_of_reports_given_shardings(dp_fsdp):
+def test_layout_of_reports_given_shardings(dp_fsdp):
   tree = {"a": jnp.zeros((8, 2)), "b": jnp.zeros((3,)), "c": jnp.zeros((4,))}
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shs = {"a": NamedSharding(dp_fsdp, P("fsdp")), "b": NamedSharding(dp_fsdp, P()), "c": one}
-  plan = fsh.plan_of(tree, shs, logical_axes={"a": ("embed", None), "b": None, "c": None})
+  layout = fsh.layout_of(tree, shs, logical_axes={"a": ("embed", None), "b": None, "c": None})
   got = {lp.path: (lp.spec, lp.global_bytes, lp.device_bytes, lp.reason, lp.logical_axes)
-         for lp in plan.leaves}
+         for lp in layout.leaves}
   assert got == {"a": (P("fsdp"), 64, 16, "sharded", ("embed", None)),
                  "b": (P(), 12, 12, "replicated", None),
                  "c": (P(), 16, 16, "replicated", None)}
-  assert [(lp.shape, lp.dtype) for lp in plan.leaves] == [((8, 2), np.dtype("float32")),
+  assert [(lp.shape, lp.dtype) for lp in layout.leaves] == [((8, 2), np.dtype("float32")),
                                                           ((3,), np.dtype("float32")),
                                                           ((4,), np.dtype("float32"))]
-  assert plan.mesh is dp_fsdp and plan.shardings == shs
-  assert fsh.plan_of({"c": jnp.zeros((4,))}, one).mesh is None
+  assert layout.mesh is dp_fsdp and layout.shardings == shs
+  assert fsh.layout_of({"c": jnp.zeros((4,))}, one).mesh is None
 
 
 def test_one_device_mesh_counts_nothing_as_replicated():
   mesh = _mesh((1,), ("fsdp",))
-  plan = fs.shard_plan(BIG, mesh, max_replicated_bytes=0)
-  assert plan.leaves[0].device_bytes == plan.leaves[0].global_bytes == BIG_BYTES
+  layout = fs.sharding_layout(BIG, mesh, max_replicated_bytes=0)
+  assert layout.leaves[0].device_bytes == layout.leaves[0].global_bytes == BIG_BYTES
   # With 8 devices the same leaf (here unshardable: fsdp_axis=None) is counted.
   with pytest.raises(fs.ShardingError, match=r"^1 leaves \(67108864 bytes\) stay replicated"):
-    fs.shard_plan(BIG, _fsdp8(), fsdp_axis=None, max_replicated_bytes=0)
+    fs.sharding_layout(BIG, _fsdp8(), fsdp_axis=None, max_replicated_bytes=0)
 
 
 def test_constrain_batch_with_explicit_axes_reshards():

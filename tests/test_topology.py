@@ -8,7 +8,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import topology as topo_mod
-from fnscale.topology import GiB, TPU_FACTS
+from fnscale.topology import CHIP_FACTS, GiB
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -53,14 +53,20 @@ def test_odd_core_count_rejected():
 
 def test_facts_table_public_figures():
   # Vendor figures, dense bf16 per chip.
-  assert TPU_FACTS["v4"].peak_flops == 275e12 and TPU_FACTS["v5e"].peak_flops == 197e12
-  assert TPU_FACTS["v5p"].peak_flops == 459e12 and TPU_FACTS["v6e"].peak_flops == 918e12
-  assert TPU_FACTS["v5p"].hbm_bytes == 95 * GiB and TPU_FACTS["v5p"].torus_dims == 3
-  assert TPU_FACTS["v5e"].torus_dims == 2
+  assert CHIP_FACTS["v4"].peak_flops == 275e12 and CHIP_FACTS["v5e"].peak_flops == 197e12
+  assert CHIP_FACTS["v5p"].peak_flops == 459e12 and CHIP_FACTS["v6e"].peak_flops == 918e12
+  assert CHIP_FACTS["v5p"].hbm_bytes == 95 * GiB and CHIP_FACTS["v5p"].torus_dims == 3
+  assert CHIP_FACTS["v5e"].torus_dims == 2
+  # Links: the scaling book's ICI per link one way, Cloud TPU's DCN per chip (Gbps / 8).
+  assert (CHIP_FACTS["v5p"].ici_link, CHIP_FACTS["v5p"].dcn) == (9e10, 50e9 / 8)
+  assert (CHIP_FACTS["v6e"].ici_link, CHIP_FACTS["v6e"].dcn) == (9e10, 100e9 / 8)
+  assert CHIP_FACTS["v7"].libtpu_name == "tpu7x" and CHIP_FACTS["v5e"].libtpu_name == "v5e"
   assert topo_mod.gpu_facts("NVIDIA H200").peak_flops == 989e12
   assert topo_mod.gpu_facts("NVIDIA H100 80GB HBM3").peak_flops == 989e12
   assert topo_mod.gpu_facts("NVIDIA A100-SXM4-80GB").peak_flops == 312e12
   assert topo_mod.gpu_facts("NVIDIA H100 PCIe").peak_flops == 756e12
+  assert topo_mod.gpu_facts("NVIDIA H100 80GB HBM3").torus_dims == 0  # NVSwitch
+  assert all(f.source for f in CHIP_FACTS.values())  # every row names where it comes from
   assert topo_mod.gpu_facts("cpu") is None
 
 

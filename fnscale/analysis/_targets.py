@@ -1,27 +1,14 @@
 """Planning targets: what a pod is made of, from a `Topology` or a name such as "v5p-128".
 
-The link bandwidths below belong beside the chip facts in `fnscale/topology.py` (`TPU_FACTS`,
-`GPU_FACTS`); they live here until the two tables merge. Figures are per chip (per GPU):
-
-- ICI, one direction per link: "How to Scale Your Model" (Austin et al., 2025, Google
-  DeepMind; jax-ml.github.io/scaling-book, part 2 "TPUs", table of ICI bandwidths): v4 and v5e
-  4.5e10 B/s, v5p and v6e 9e10 B/s. A 2-D torus chip has 4 ports, a 3-D torus chip 6.
-- DCN per chip: Google Cloud "TPU v5p" page (50 Gbps per chip); "TPU v6e" page (NIC per
-  8-chip host: v5e 2 x 100 Gbps, v6e 4 x 200 Gbps, i.e. 25 and 100 Gbps per chip). v4 has no
-  published per-chip figure: taken as v5e's (an assumption, flagged in `sources`).
-- HBM bandwidth per chip: the Cloud TPU pages (v4 1200 GB/s, v5e 819 GB/s, v5p 2765 GB/s,
-  v6e 1640 GB/s); NVIDIA data sheets (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
-- NVIDIA H100/H200 SXM: NVLink 900 GB/s per GPU both directions (NVIDIA H200 product page),
-  450 GB/s one way to the NVSwitch; between nodes one 400 Gb/s ConnectX-7 NIC per GPU
-  (NVIDIA DGX H200 data sheet), 5e10 B/s.
+Every figure of a chip (peak FLOP/s, HBM, HBM/ICI/DCN bandwidths, torus, GPUs per node, the
+libtpu name) is read from `fnscale.topology.CHIP_FACTS`, which names its sources; a target
+is planned for only where that table has link figures (TPU v4, v5e, v5p, v6e; H100, H200).
 """
 from __future__ import annotations
 
 import functools
 import math
 import re
-import types
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from fnscale import topology as _topology
@@ -29,10 +16,11 @@ from fnscale.errors import TopologyError
 
 
 class LinkFacts(NamedTuple):
-  """Interconnect and memory bandwidth of one chip kind. `ici_link`: bytes/s one way per ICI
-  (or NVLink) link; `dcn`: bytes/s per chip across slices (or nodes); `hbm`: HBM bytes/s per
-  chip; `switched`: links go through a switch (NVSwitch: every axis gets `ici_link` whatever
-  its shape) rather than a torus."""
+  """Interconnect and memory bandwidth of one chip kind, as the planner charges them.
+  `ici_link`: bytes/s one way per ICI (or NVLink) link; `dcn`: bytes/s per chip across slices
+  (or nodes); `hbm`: HBM bytes/s per chip; `switched`: links go through a switch (NVSwitch:
+  every axis gets `ici_link` whatever its shape) rather than a torus; `source`: where the
+  figures come from (a `CHIP_FACTS` row's, or "measured on this host")."""
   ici_link: float
   dcn: float
   hbm: float
@@ -40,32 +28,34 @@ class LinkFacts(NamedTuple):
   source: str = ""
 
 
-LINK_FACTS: Mapping[str, LinkFacts] = types.MappingProxyType({
-    "v4": LinkFacts(4.5e10, 25e9 / 8, 1.2e12, source="ICI: scaling book; DCN: assumed as v5e"),
-    "v5e": LinkFacts(4.5e10, 25e9 / 8, 8.19e11, source="scaling book; Cloud TPU v6e page"),
-    "v5p": LinkFacts(9e10, 50e9 / 8, 2.765e12, source="scaling book; Cloud TPU v5p page"),
-    "v6e": LinkFacts(9e10, 100e9 / 8, 1.64e12, source="scaling book; Cloud TPU v6e page"),
-    "H100": LinkFacts(4.5e11, 5e10, 3.35e12, True, "NVIDIA H100 / DGX data sheets"),
-    "H200": LinkFacts(4.5e11, 5e10, 4.8e12, True, "NVIDIA H200 / DGX H200 data sheets"),
-})
+def link_facts(chip: str) -> LinkFacts | None:
+  """The `LinkFacts` of a `CHIP_FACTS` key ("v5p", "H100"), or None where the table has no
+  link figures for it."""
+  f = _topology.CHIP_FACTS.get(chip)
+  if f is None or None in (f.ici_link, f.dcn, f.hbm_bandwidth):
+    return None
+  return LinkFacts(f.ici_link, f.dcn, f.hbm_bandwidth, f.torus_dims == 0, f.source)
 
-# Names libtpu's `get_topology_desc` knows, per generation key of `TPU_FACTS`.
-_LIBTPU_NAMES = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
-_PREFIXES = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e"}
-GPUS_PER_NODE = 8
+
+# The chips the planner has link figures for (`CHIP_FACTS` keys): TPU generations, and GPUs
+# by their lower-case target names ("h100").
+_PLANNED = tuple(k for k in _topology.CHIP_FACTS if link_facts(k) is not None)
+_TPUS = tuple(k for k in _PLANNED if k in _topology.TPU_GENERATIONS)
+_GPUS = {k.lower(): k for k in _PLANNED if k not in _TPUS}
 
 
 class Hardware(NamedTuple):
   """One planning target. Figures are per JAX device.
 
-  `name`: as given; `kind`: "tpu", "gpu" or "cpu"; `generation`: key of `LINK_FACTS` (None
-  on CPU); `num_slices`; `devices_per_slice`; `chip_grid`: torus shape of one slice (() off
-  TPU); `wrap`: torus wrap-around links on every grid dimension (full-pod shapes and v5p
-  cubes); `peak_flops` (FLOP/s), `hbm_bytes`; `links`: `LinkFacts` (on CPU `ici_link` is the
-  measured memory-copy rate of the whole host); `devices`: described devices for an
-  ahead-of-time compile (None where there are none); `overlap`: whether collectives overlap
-  compute (async collectives on TPU/GPU; not on simulated CPU devices); `no_devices`: why
-  `devices` is None (libtpu's error, or a GPU target), "" where there are devices.
+  `name`: as given; `kind`: "tpu", "gpu" or "cpu"; `generation`: key of
+  `fnscale.topology.CHIP_FACTS` (None on CPU); `num_slices`; `devices_per_slice`;
+  `chip_grid`: torus shape of one slice (() off TPU); `wrap`: torus wrap-around links on
+  every grid dimension (full-pod shapes and v5p cubes); `peak_flops` (FLOP/s),
+  `hbm_bytes`; `links`: `LinkFacts` (on CPU `ici_link` is the measured memory-copy rate of
+  the whole host); `devices`: described devices for an ahead-of-time compile (None where
+  there are none); `overlap`: whether collectives overlap compute (async collectives on
+  TPU/GPU; not on simulated CPU devices); `no_devices`: why `devices` is None (libtpu's
+  error, or a GPU target), "" where there are devices.
   """
   name: str
   kind: str
@@ -107,7 +97,7 @@ def _wrap(generation: str, grid: tuple[int, ...]) -> bool:
 
 def _tpu(name: str, generation: str, chips: int | None, grid: tuple[int, ...] | None,
          slices: int) -> Hardware:
-  facts = _topology.TPU_FACTS[generation]
+  facts = _topology.CHIP_FACTS[generation]
   grid = grid or _topology.standard_grid(generation, chips)  # the one slice-shape rule
   devices, why = _describe(generation, grid, slices)
   per_slice = len(devices) // slices if devices else math.prod(grid)
@@ -115,14 +105,14 @@ def _tpu(name: str, generation: str, chips: int | None, grid: tuple[int, ...] | 
   chips_per_device = math.prod(grid) / per_slice
   return Hardware(name, "tpu", generation, slices, per_slice, tuple(grid),
                   _wrap(generation, grid), facts.peak_flops * chips_per_device,
-                  facts.hbm_bytes * chips_per_device, LINK_FACTS[generation], devices,
+                  facts.hbm_bytes * chips_per_device, link_facts(generation), devices,
                   no_devices=why)
 
 
 def _describe(generation: str, grid: tuple[int, ...], slices: int):
   """(libtpu's described devices for an ahead-of-time compile, "") or (None, why not): the
   planner still plans without them, and says why it could not compile."""
-  name = f"{_LIBTPU_NAMES[generation]}:{'x'.join(map(str, grid))}"
+  name = _topology.libtpu_topology_name(generation, grid)
   try:
     return list(_described(name, slices)), ""
   except Exception as e:  # pylint: disable=broad-except  # any libtpu failure is reported
@@ -141,10 +131,10 @@ def _described(name: str, slices: int) -> tuple:
 
 
 def _gpu(name: str, kind: str, count: int) -> Hardware:
-  facts = next(v for k, v in _topology.GPU_FACTS.items() if k.lower() == kind.lower())
-  nodes = max(count // GPUS_PER_NODE, 1)
-  return Hardware(name, "gpu", kind.upper(), nodes, count // nodes, (), False,
-                  facts.peak_flops, facts.hbm_bytes, LINK_FACTS[kind.upper()],
+  facts = _topology.CHIP_FACTS[kind]
+  nodes = max(count // facts.chips_per_host, 1)
+  return Hardware(name, "gpu", kind, nodes, count // nodes, (), False,
+                  facts.peak_flops, facts.hbm_bytes, link_facts(kind),
                   no_devices=("jax describes no GPU devices for ahead-of-time compiles (only "
                               "TPUs, through libtpu)"))
 
@@ -185,11 +175,11 @@ def resolve(target, cpu_rates: tuple[float, float] | None = None) -> Hardware:
   count, rest = (int(m.group(1)), m.group(2).strip()) if m else (1, text)
   if rest == "cpu" and cpu_rates is not None:
     return cpu_hardware(*cpu_rates)
-  if rest in ("h100", "h200"):
-    return _gpu(target, rest, count)
+  if rest in _GPUS:
+    return _gpu(target, _GPUS[rest], count)
   t = _TPU_RE.match(rest)
-  gen = _PREFIXES.get(t.group("gen")) if t else None
-  if gen is not None:
+  gen = _topology.tpu_prefix_generation(t.group("gen")) if t else None
+  if gen in _TPUS:
     if t.group("grid"):
       return _tpu(target, gen, None, tuple(int(g) for g in t.group("grid").split("x")), count)
     try:
@@ -209,11 +199,13 @@ def _from_topology(topo, cpu_rates) -> Hardware:
                           "cpu_rates=fnscale.analysis.plan.calibrate_cpu()")
     return cpu_hardware(*cpu_rates)
   if topo.platform == "gpu":
-    kind = next((k for k in ("H200", "H100") if k in topo.device_kind), None)
+    facts = _topology.gpu_facts(topo.device_kind)
+    kind = next((k for k in _GPUS.values() if _topology.CHIP_FACTS[k] is facts), None)
     if kind is None:
-      raise TopologyError(f"no link facts for GPU {topo.device_kind!r}; known: H100, H200")
+      raise TopologyError(f"no link facts for GPU {topo.device_kind!r}; known: "
+                          f"{', '.join(_GPUS.values())}")
     return _gpu(str(topo), kind, topo.num_devices)
-  if topo.generation not in _LIBTPU_NAMES or not topo.chip_grid:
+  if topo.generation not in _TPUS or not topo.chip_grid:
     raise TopologyError(f"topology {topo} has no chip grid or a generation without link "
-                        f"facts; known: {sorted(_LIBTPU_NAMES)}")
+                        f"facts; known: {sorted(_TPUS)}")
   return _tpu(str(topo), topo.generation, None, tuple(topo.chip_grid), topo.num_slices)

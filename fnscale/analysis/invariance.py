@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 
 from fnscale.compile import shard_step
 from fnscale.errors import MeshError, StepError
+from fnscale.mesh import check_mesh
 from fnscale.state import init_state
 from fnscale.step import train_step
 
@@ -101,9 +102,7 @@ def check_mesh_invariance(loss_fn: Callable, optimizer, init_params: Any, batch:
                     f"{len(meshes)}; pass e.g. [make_mesh({{'data': 1}}, devices=jax.devices()"
                     "[:1]), make_mesh({'data': -1})].")
   for i, m in enumerate(meshes):
-    if not isinstance(m, jax.sharding.Mesh):
-      raise MeshError(f"meshes[{i}] is a {type(m).__name__}, expected a jax.sharding.Mesh "
-                      "(fnscale.make_mesh).")
+    check_mesh(m, "check_mesh_invariance", arg=f"meshes[{i}]")
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
     raise StepError(f"steps={steps!r}, expected a positive int.")
   if isinstance(batch, (list, tuple)):

@@ -53,6 +53,16 @@ class CompileReport(NamedTuple):
   work the HLO figures leave out; `fnscale.analysis.hlo.Kernel`), `dcn_bytes_sent` (of the ring
   bytes sent per device per step, those across slices: the data-center network of a
   multi-slice TPU job).
+
+  Examples:
+    A plain function of (state, batch), compiled with `jax.jit` on one device: [8, 4] x [4, 2]
+    is 2 x 8 x 4 x 2 = 128 matmul FLOPs.
+
+    >>> import jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> report = fs.compile_report(lambda w, x: x @ w, jnp.ones((4, 2)), jnp.ones((8, 4)))
+    >>> report.matmul_flops, report.num_devices, report.collectives
+    (128.0, 1, ())
   """
   compile_seconds: float
   flops: float | None
@@ -172,6 +182,23 @@ def compile_report(step: Callable, state, batch, *,
   Raises:
     StepError: `step` not callable, options of the wrong type; and as `shard_step` does for
       inputs that don't fit (ShardingError too).
+
+  Examples:
+    A data-parallel step on 8 devices: one all-reduce (the gradients and the loss, combined).
+
+    >>> import jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> state = fs.init_state({"w": jnp.zeros((4, 1))}, optax.sgd(0.1), mesh=mesh)
+    >>> step = fs.shard_step(fs.train_step(loss_fn, optax.sgd(0.1)), mesh)
+    >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.ones((16, 1))}
+    >>> report = fs.compile_report(step, state, batch)
+    >>> report.platform, report.num_devices, report.mesh_shape
+    ('cpu', 8, {'data': 8})
+    >>> [(c.kind, c.count) for c in report.collectives]
+    [('all-reduce', 1)]
   """
   if not callable(step):
     raise StepError(f"step is {_tree.got(step)}, expected a step function, a ShardedStep or "
@@ -282,14 +309,14 @@ def _fmt_spec(spec) -> str:
   return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")"
 
 
-def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
+def sharding_report(tree, shardings_or_layout, *, logical_axes=None) -> str:
   """A readable table: per leaf its path, shape, dtype, logical axes, PartitionSpec,
   global and per-device bytes and how the sharding was chosen; then totals.
 
   Args:
     tree: the pytree the shardings are for (arrays or ShapeDtypeStructs).
-    shardings_or_plan: a `ShardingLayout` (from `shard_plan`; gives the reason column) or a
-      pytree of NamedSharding (reason inferred: "sharded" or "replicated").
+    shardings_or_layout: a `ShardingLayout` (from `sharding_layout`; gives the reason
+      column) or a pytree of NamedSharding (reason inferred: "sharded" or "replicated").
     logical_axes: as in `shardings`, shown in the logical-axes column when the second
       argument is a plain shardings tree.
 
@@ -297,44 +324,61 @@ def sharding_report(tree, shardings_or_plan, *, logical_axes=None) -> str:
     Multi-line text. Per-device bytes are one device's shard (jax's `shard_shape`).
 
   Raises:
-    ShardingError: a plan for another tree, shardings that don't match the tree.
+    ShardingError: a layout for another tree, shardings that don't match the tree.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+    >>> params = {"w_in": jnp.zeros((64, 256)), "w_out": jnp.zeros((256, 64))}
+    >>> layout = fs.sharding_layout(
+    ...     params, mesh, (("embed", "fsdp"), ("mlp", "tensor")),
+    ...     logical_axes={"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")})
+    >>> print(fs.sharding_report(params, layout))
+    path   shape   dtype    logical axes  spec                 global    per device  how
+    -----  ------  -------  ------------  -------------------  --------  ----------  -----
+    w_in   64x256  float32  (embed, mlp)  P('fsdp', 'tensor')  64.0 KiB  8.0 KiB     rules
+    w_out  256x64  float32  (mlp, embed)  P('tensor', 'fsdp')  64.0 KiB  8.0 KiB     rules
+    <BLANKLINE>
+    mesh: fsdp=4 tensor=2 (8 devices)
+    leaves: 2  total: 128.0 KiB  per device: 16.0 KiB  replicated: 0 leaves (0 B)
   """
   n = jax.tree_util.tree_structure(tree).num_leaves
-  if isinstance(shardings_or_plan, _sh.ShardingLayout):
-    plan = shardings_or_plan
-    if len(plan.leaves) != n:
+  if isinstance(shardings_or_layout, _sh.ShardingLayout):
+    layout = shardings_or_layout
+    if len(layout.leaves) != n:
       raise ShardingError(
-          f"the plan has {len(plan.leaves)} leaves but the tree has {n}; fix: report on "
-          "the tree the plan was made for.")
+          f"the layout has {len(layout.leaves)} leaves but the tree has {n}; fix: report on "
+          "the tree the layout was made for.")
   else:
-    plan = _sh.plan_of(tree, shardings_or_plan, logical_axes=logical_axes)
-  return "\n".join(_table(plan.leaves) + [""] + _totals(plan))
+    layout = _sh.layout_of(tree, shardings_or_layout, logical_axes=logical_axes)
+  return "\n".join(_table(layout.leaves) + [""] + _totals(layout))
 
 
-def _table(plans) -> list[str]:
+def _table(leaves) -> list[str]:
   header = ("path", "shape", "dtype", "logical axes", "spec", "global", "per device", "how")
   rows = [(lp.path or "<root>", "x".join(map(str, lp.shape)) or "scalar", str(lp.dtype),
            _fmt_axes(lp.logical_axes), _fmt_spec(lp.spec), _tree.fmt_bytes(lp.global_bytes),
            _tree.fmt_bytes(lp.device_bytes), lp.reason + (f" ({lp.note})" if lp.note else ""))
-          for lp in plans]
+          for lp in leaves]
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
   return lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _totals(plan) -> list[str]:
-  plans, fb = plan.leaves, _tree.fmt_bytes
-  mesh = plan.mesh
-  repl = [lp for lp in plans if lp.device_bytes == lp.global_bytes and lp.global_bytes]
-  indiv = [lp for lp in plans if lp.reason == _sh.INDIVISIBLE]
+def _totals(layout) -> list[str]:
+  leaves, fb = layout.leaves, _tree.fmt_bytes
+  mesh = layout.mesh
+  repl = [lp for lp in leaves if lp.device_bytes == lp.global_bytes and lp.global_bytes]
+  indiv = [lp for lp in leaves if lp.reason == _sh.INDIVISIBLE]
   lines = []
   if mesh is not None:
     sizes = dict(mesh.shape)
     lines.append("mesh: " + " ".join(f"{a}={n}" for a, n in sizes.items())
                  + f" ({math.prod(sizes.values())} devices)")
-  lines.append(f"leaves: {len(plans)}  total: {fb(sum(lp.global_bytes for lp in plans))}  "
-               f"per device: {fb(sum(lp.device_bytes for lp in plans))}  replicated: "
+  lines.append(f"leaves: {len(leaves)}  total: {fb(sum(lp.global_bytes for lp in leaves))}  "
+               f"per device: {fb(sum(lp.device_bytes for lp in leaves))}  replicated: "
                f"{len(repl)} leaves ({fb(sum(lp.global_bytes for lp in repl))})")
   if indiv:
     lines.append(f"large leaves replicated because no dimension divides the fsdp size: "

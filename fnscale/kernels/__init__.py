@@ -5,7 +5,7 @@ from fnscale.kernels.attention import (
     KernelChoice,
     KernelSelection,
     attention,
-    kernel_plan,
+    kernel_selection,
     with_kernel,
 )
 from fnscale.kernels.cross_entropy import cross_entropy
@@ -17,6 +17,6 @@ __all__ = [
     "KernelSelection",
     "attention",
     "cross_entropy",
-    "kernel_plan",
+    "kernel_selection",
     "with_kernel",
 ]

@@ -2,8 +2,11 @@
 
 `attention` dispatches one call to the TPU Pallas splash-attention kernel, the cuDNN flash
 attention, the Pallas Triton attention or the XLA reference (`jax.nn.dot_product_attention`).
-`kernel_plan` is the pure decision behind it: what would run and why. `with_kernel` scopes a
+`kernel_selection` is the pure decision behind it: what would run and why. `with_kernel` scopes a
 choice to one call of a function (and so to its trace), like `jax.set_mesh` scopes a mesh.
+Two of fnscale's ambient values are read here besides the arguments (all four are declared in
+`fnscale._context`): the mesh and the kernel choice (`KERNEL_CHOICE`); the axis conventions
+(`fnscale.axis_conventions`) decide which mesh axes split batch and heads.
 
 Under a mesh a kernel runs inside `jax.shard_map` over the mesh axes that shard batch (the
 data-like axes of the ambient `fnscale.axis_conventions`: by default "replica", "data",
@@ -32,6 +35,8 @@ import numpy as np
 
 from fnscale import _axes
 from fnscale import _compat
+from fnscale import _context
+from fnscale._context import KernelChoice
 from fnscale.errors import KernelError
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
@@ -65,12 +70,6 @@ class BlockSizes(NamedTuple):
   block_kv_bwd: int | None = None
 
 
-class KernelChoice(NamedTuple):
-  """The kernel choice `with_kernel` makes visible to the calls inside it."""
-  attention: str = "auto"
-  interpret: bool = False
-
-
 class KernelSelection(NamedTuple):
   """What `attention` runs for a call, and why.
 
@@ -96,12 +95,6 @@ class KernelSelection(NamedTuple):
   head_axes: tuple[str, ...] = ()
 
 
-# The one piece of ambient state: the choice of the `with_kernel` call being traced. A jax
-# user context (thread-local) is part of jax.jit's cache key, so a jitted function traced
-# under one choice is traced again under another instead of silently keeping the first.
-_CHOICE = jax.make_user_context(KernelChoice())
-
-
 def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto",
                 interpret: bool = False) -> Callable[..., Any]:
   """Returns `fn` with a kernel choice in force during each of its calls.
@@ -109,10 +102,11 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
   During a call of the returned function (and so while jax traces it), every
   `fnscale.attention(..., implementation="auto")` inside behaves as if called with
   `implementation=attention`; the choice is held in a thread-local jax user context
-  (`jax.make_user_context`) set before and reset after the call, so two differently wrapped
-  functions in one program each keep their own, and it is part of `jax.jit`'s cache key: a
-  jitted function called under another choice is traced again. It composes with
-  `fnscale.with_mesh` / `jax.set_mesh` in either order, inside or outside `jax.jit`.
+  (`fnscale._context.KERNEL_CHOICE`) set before and reset after the call, so two
+  differently wrapped functions in one program each keep their own, and it is part of
+  `jax.jit`'s cache key: a jitted function called under another choice is traced again. It
+  composes with `fnscale.with_mesh` / `jax.set_mesh` in either order, inside or outside
+  `jax.jit`.
 
   Caches that are not jax's own don't see the choice: a `shard_step`'d step keeps its first
   executable, so wrap the step it compiles, `shard_step(with_kernel(step, ...), mesh)`.
@@ -132,6 +126,15 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
   Raises:
     KernelError: `attention` is not a known implementation, `interpret` is not a bool, or
       `fn` is not callable.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> def which(shape):
+    ...   return fs.kernels.kernel_selection(shape, shape).implementation
+    >>> which((2, 128, 4, 64))  # on CPU
+    'xla'
+    >>> fs.with_kernel(which, attention="splash", interpret=True)((2, 128, 4, 64))
+    'splash'
   """
   if attention not in IMPLEMENTATIONS:
     raise KernelError(
@@ -147,20 +150,20 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with _CHOICE(choice):
+    with _context.KERNEL_CHOICE(choice):
       return fn(*args, **kwargs)
 
   return wrapped
 
 
-def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
-                dtype: Any = jnp.float32, *,
-                causal: bool = False, segment_ids: Any = None,
-                sliding_window: int | tuple[int, int] | None = None,
-                implementation: str = "auto", block_sizes: BlockSizes | None = None,
-                platform: str | None = None, interpret: bool | None = None,
-                mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
-                ) -> KernelSelection:
+def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
+                     dtype: Any = jnp.float32, *,
+                     causal: bool = False, segment_ids: Any = None,
+                     sliding_window: int | tuple[int, int] | None = None,
+                     implementation: str = "auto", block_sizes: BlockSizes | None = None,
+                     platform: str | None = None, interpret: bool | None = None,
+                     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+                     ) -> KernelSelection:
   """Decides which attention implementation serves a call, without running it.
 
   Args:
@@ -199,10 +202,10 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
   call, requested, note = _describe_call(
       q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
       implementation, block_sizes, platform, interpret, mesh)
-  plan = functools.partial(KernelSelection, requested=requested, interpret=call.interpret,
+  select = functools.partial(KernelSelection, requested=requested, interpret=call.interpret,
                            platform=call.platform)
   if requested == "xla":
-    return plan("xla", reason="the xla reference was requested", fallback=False,
+    return select("xla", reason="the xla reference was requested", fallback=False,
                 block_sizes=None)
   candidates = (_auto_candidates(call.platform, call.interpret) if requested == "auto"
                 else (requested,))
@@ -215,7 +218,7 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
                 + (" (interpret mode)" if call.interpret and name != "cudnn" else "")
                 + (f" inside shard_map over {axes}" if axes else "") + note
                 + (f"; skipped {'; '.join(reasons)}" if reasons else ""))
-      return plan(name, fallback=False, block_sizes=_block_sizes(name, call), reason=reason,
+      return select(name, fallback=False, block_sizes=_block_sizes(name, call), reason=reason,
                   batch_axes=call.batch_axes, head_axes=call.head_axes)
     if requested != "auto":
       raise KernelError(
@@ -223,8 +226,8 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
           "implementation='auto' to fall back to the xla reference, or change the call.")
     reasons.append(f"{name}: {why}")
   if reasons:
-    return plan("xla", reason="; ".join(reasons), fallback=True, block_sizes=None)
-  return plan("xla", fallback=False, block_sizes=None,
+    return select("xla", reason="; ".join(reasons), fallback=True, block_sizes=None)
+  return select("xla", fallback=False, block_sizes=None,
               reason=(f"no attention kernel for platform {call.platform!r}; use "
                       "with_kernel(..., interpret=True) to run the Pallas kernels on CPU"
                       + note))
@@ -232,7 +235,7 @@ def kernel_plan(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
 
 def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
                    implementation, block_sizes, platform, interpret, mesh):
-  """Checks kernel_plan's arguments; returns (_Call, requested name, unsharded note)."""
+  """Checks kernel_selection's arguments; returns (_Call, requested name, unsharded note)."""
   # An array q (or tracer) also tells the manual axes it varies over (jax's vma type).
   varying = _varying_axes(q_shape) if isinstance(q_shape, jax.Array) else ()
   q_shape, k_shape = tuple(getattr(q_shape, "shape", q_shape)), tuple(k_shape)
@@ -244,7 +247,7 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
   if block_sizes is not None:
     block_sizes = _check_block_sizes(block_sizes)
   segments = _segment_structure(segment_ids, q_shape, k_shape)
-  choice = _CHOICE.value
+  choice = _context.KERNEL_CHOICE.value
   requested = choice.attention if implementation == "auto" else implementation
   interpret = choice.interpret if interpret is None else bool(interpret)
   # A kernel's shard_map needs a concrete mesh when the program is lowered: from the jit
@@ -279,7 +282,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   query head h. "auto" falls back to the XLA reference when a kernel can't serve the call
   (platform, dtype, head_dim or sequence length not a multiple of its tile, mask kind,
   heads not divisible by the "tensor" mesh axis) and logs the reason once per distinct
-  reason; `kernel_plan` reports the same decision without running anything.
+  reason; `kernel_selection` reports the same decision without running anything.
 
   Args:
     q: queries [batch, q_seq, heads, head_dim], float32/bfloat16/float16.
@@ -292,7 +295,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     sliding_window: None, int w (query i sees keys i-w..i+w) or a pair (left, right), as
       `jax.nn.dot_product_attention`'s `local_window_size`; with `causal`, right is 0.
     scale: logit scale; default 1/sqrt(head_dim).
-    implementation: "auto" (see `kernel_plan`), "xla", "splash", "cudnn" or "pallas_gpu".
+    implementation: "auto" (see `kernel_selection`), "xla", "splash", "cudnn" or "pallas_gpu".
     block_sizes: kernel tiles (`BlockSizes`); default chosen from the shapes.
     mesh: shard the kernel over this mesh (a `Mesh`, also over TPU topology-description
       devices, or an `AbstractMesh`); default: the context mesh (`jax.set_mesh` /
@@ -305,6 +308,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   Raises:
     KernelError: bad shapes, dtypes or arguments, or a forced implementation that can't
       serve the call (the message names the reason).
+
+  Examples:
+    On CPU "auto" runs the XLA reference (`kernel_selection` says which and why):
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnscale as fs
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 128, 4, 64))
+    >>> @jax.jit
+    ... def check(q, k, v):
+    ...   out = fs.attention(q, k, v, causal=True)
+    ...   return out, jnp.abs(out - jax.nn.dot_product_attention(q, k, v, is_causal=True)).max()
+    >>> out, error = check(q, k, v)
+    >>> out.shape, out.dtype, bool(error < 1e-5)
+    ((2, 128, 4, 64), dtype('float32'), True)
+    >>> fs.kernels.kernel_selection(q.shape, k.shape).implementation
+    'xla'
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -327,21 +346,22 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
             block_sizes, mesh):
   """`attention` after its argument checks: choose the implementation and run it."""
   mesh = _call_mesh(mesh, q)
-  plan = kernel_plan(q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
-                     sliding_window=sliding_window, implementation=implementation,
-                     block_sizes=block_sizes, mesh=mesh)
-  if plan.fallback:
-    _log_fallback(plan.reason)
+  selection = kernel_selection(
+      q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
+      sliding_window=sliding_window, implementation=implementation, block_sizes=block_sizes,
+      mesh=mesh)
+  if selection.fallback:
+    _log_fallback(selection.reason)
   q_ids, kv_ids = _segment_arrays(segment_ids, q.shape, k.shape)
   window = _normalise_window(sliding_window)
-  if plan.implementation == "xla":
+  if selection.implementation == "xla":
     return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=scale)
-  kernel = functools.partial(_KERNELS[plan.implementation], causal=causal, window=window,
-                             scale=scale, blocks=plan.block_sizes,
-                             interpret=plan.interpret)
-  if not (plan.batch_axes or plan.head_axes):
+  kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
+                             scale=scale, blocks=selection.block_sizes,
+                             interpret=selection.interpret)
+  if not (selection.batch_axes or selection.head_axes):
     return kernel(q, k, v, q_ids, kv_ids)
-  return _sharded(kernel, plan, q, k, v, q_ids, kv_ids, mesh)
+  return _sharded(kernel, selection, q, k, v, q_ids, kv_ids, mesh)
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,7 +479,7 @@ def _platform(platform: str | None, mesh) -> str:
   platform = platform.lower()
   if platform == "gpu":
     try:
-      version = jax.devices("gpu")[0].client.platform_version.lower()
+      version = _compat.platform_version(jax.devices("gpu")[0]).lower()
       platform = "rocm" if "rocm" in version else "cuda"
     except RuntimeError:
       platform = "cuda"
@@ -471,7 +491,7 @@ def _concrete_mesh_known() -> bool:
 
 
 def _call_mesh(mesh, q):
-  """The mesh attention's kernel shards over: `mesh`, else None (kernel_plan reads the
+  """The mesh attention's kernel shards over: `mesh`, else None (kernel_selection reads the
   context) when a concrete mesh is in force, else the mesh q's sharding names."""
   if mesh is not None:
     return mesh
@@ -481,16 +501,14 @@ def _call_mesh(mesh, q):
   sharding = getattr(jax.typeof(q), "sharding", None)
   named = getattr(sharding, "mesh", None)
   if named is None or named.empty:
-    return None  # No mesh at all, or one set inside the trace only (kernel_plan says so).
+    return None  # No mesh at all, or one set inside the trace only (kernel_selection says so).
   # Inputs sharded over a mesh: their jit lowers with it, so shard_map can use it.
   return named if context.empty else context
 
 
 def _varying_axes(x) -> tuple[str, ...]:
   """Manual mesh axes x varies over inside a checked shard_map (jax's varying type)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; "vma" before.
-  return tuple(sorted(getattr(manual, "varying", None) or getattr(aval, "vma", ()) or ()))
+  return tuple(sorted(_compat.varying_axes(x)))
 
 
 def _axis_sizes(mesh) -> dict[str, int]:
@@ -675,10 +693,10 @@ def _cudnn(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
 _KERNELS = {"splash": _splash, "pallas_gpu": _pallas_gpu, "cudnn": _cudnn}
 
 
-def _sharded(kernel, plan: KernelSelection, q, k, v, q_ids, kv_ids, mesh):
-  """Runs `kernel` per shard: batch over plan.batch_axes, heads over plan.head_axes."""
-  batch = plan.batch_axes or None
-  heads = plan.head_axes or None
+def _sharded(kernel, selection: KernelSelection, q, k, v, q_ids, kv_ids, mesh):
+  """Runs `kernel` per shard: batch over selection.batch_axes, heads over its head_axes."""
+  batch = selection.batch_axes or None
+  heads = selection.head_axes or None
   qkv_spec = jax.P(batch, None, heads, None)
   ids_spec = jax.P(batch, None)
   args, specs = [q, k, v], [qkv_spec] * 3

@@ -84,6 +84,23 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
 
   Raises:
     KernelError: shapes, dtypes or arguments that don't fit, naming the bad one.
+
+  Examples:
+    64 tokens in chunks of 16, against optax's loss on the whole [64, 1000] logits:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> hidden = jax.random.normal(jax.random.key(0), (64, 32))
+    >>> unembed = jax.random.normal(jax.random.key(1), (32, 1000))
+    >>> labels = jnp.arange(64) * 7
+    >>> @jax.jit
+    ... def both(hidden, unembed, labels):
+    ...   logits = hidden @ unembed
+    ...   return (fs.cross_entropy(hidden, unembed, labels, chunk_size=16),
+    ...           optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean())
+    >>> loss, reference = both(hidden, unembed, labels)
+    >>> loss.shape, loss.dtype, bool(jnp.allclose(loss, reference, rtol=1e-5))
+    ((), dtype('float32'), True)
   """
   tokens, _ = _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction,
                      vocab_axes, block_size)

@@ -184,6 +184,13 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     DistributedArgumentError: an empty or non-str name, or a timeout that isn't positive.
     DistributedError: not every process arrived in time; or several processes without JAX's
       coordination service (`fnscale.initialize` was not called).
+
+  Examples:
+    >>> import jax
+    >>> import fnscale as fs
+    >>> fs.barrier("checkpoint-saved")  # one process: returns at once
+    >>> jax.process_count()
+    1
   """
   if not isinstance(name, str) or not name:
     raise DistributedArgumentError(f"barrier name {name!r}, expected a non-empty string.")

@@ -353,6 +353,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       can't tell which processes are missing before all joined); a `process_id` given to
       several processes (named with their hosts and pids); or processes that disagree on
       versions, devices or `config`.
+
+  Examples:
+    A single-process script runs unchanged: with no launcher in sight nothing is joined.
+
+    >>> import fnscale as fs
+    >>> fs.initialize()
+    DistributedInfo(process_id=0, num_processes=1, coordinator_address=None, initialized=False)
   """
   timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
               "shutdown_timeout_s": shutdown_timeout_s}

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import fnscale
-from fnscale.kernels import kernel_plan
+from fnscale.kernels import kernel_selection
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",
@@ -63,14 +63,14 @@ def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
   step = jax.jit(jax.value_and_grad(fnscale.with_kernel(loss, interpret=interpret),
                                     argnums=(0, 1, 2)))
   try:
-    plan = fnscale.with_kernel(kernel_plan, interpret=interpret)(
+    sel = fnscale.with_kernel(kernel_selection, interpret=interpret)(
         q.shape, k.shape, dtype, causal=causal, implementation=implementation)
     start = time.perf_counter()
     jax.block_until_ready(step(q, k, v))
     compile_s = time.perf_counter() - start
   except fnscale.KernelError as e:
     return None, None, str(e)
-  blocks = "" if plan.block_sizes is None else "x".join(map(str, plan.block_sizes[:2]))
+  blocks = "" if sel.block_sizes is None else "x".join(map(str, sel.block_sizes[:2]))
   return _time(step, (q, k, v), warmup, iters), compile_s, blocks
 
 

@@ -53,7 +53,8 @@ from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-
 from recipes.lm import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
-H100_PEAK = 989e12  # the A3 table gives TFLOP/s per GPU; MFU is that over the dense bf16 peak
+# The A3 table gives TFLOP/s per GPU; MFU is that over the dense bf16 peak.
+H100_PEAK = fs.topology.CHIP_FACTS["H100"].peak_flops
 
 
 # ------------------------------------------------------------------------------------------

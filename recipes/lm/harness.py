@@ -100,9 +100,9 @@ def start(o):
                     k: v for k, v in dataclasses.asdict(o).items() if k not in PER_PROCESS})
   say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
   if o.shutdown_at_exit:
-    plan = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
+    request = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
     say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
-        + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(plan)}")
+        + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(request)}")
   return say
 
 
