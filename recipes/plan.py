@@ -48,12 +48,13 @@ def _batch(rows: int, seq: int) -> dict:
   return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
 
 
-def make_plan(model: str, target, rows: int, seq: int, verify: int | None, policy=POLICY,
-              **kw) -> Plan:
-  """`fnscale.analysis.plan` for a named Llama size (`recipes/lm/llama.py`) and AdamW."""
+def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
+  """`fnscale.analysis.plan` for a named Llama size (`recipes/lm/llama.py`) and AdamW; `kw`:
+  plan's keywords (policy: POLICY unless given) and `overrides` of the model's config."""
   cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
+  kw.setdefault("policy", POLICY)
   return plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
-                    _batch(rows, seq), target, policy=policy, rules=llama.RULES,
+                    _batch(rows, seq), target, rules=llama.RULES,
                     logical_axes=llama.logical_axes(cfg), verify=verify, **kw)
 
 

@@ -6,8 +6,9 @@
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
 Read top to bottom: options, set-up, run, loop. Models: `gpt.py`, `llama.py`; data: `data.py`;
-plumbing: `harness.py`, `run_log.py`; fnscale does the distribution. Only process 0 prints and
-writes files. Rerunning the same command resumes from the newest good checkpoint, bitwise.
+plumbing: `harness.py`, `checkpoints.py`, `run_log.py` (all in `lm/`); fnscale does the
+distribution. Only process 0 prints and writes files. Rerunning the same command resumes from
+the newest good checkpoint, bitwise.
 """
 from __future__ import annotations
 
@@ -18,20 +19,18 @@ import math
 import os
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import data, gpt, harness as h, hf_maps, llama, run_log as rl  # noqa: E402
+from recipes.lm import checkpoints as ck, data, harness as h, models, run_log as rl  # noqa: E402
 
-# Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
-MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
+MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +68,9 @@ class Options:
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
-                       "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and accumulation "
-                       "for this machine; default data=-1 on CPU, fsdp=-1 on TPU/GPU")
+                       "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
+                       "accumulation for this machine; default data=-1 on CPU, fsdp=-1 on "
+                       "TPU/GPU")
   mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
                       "default replica=<slices> when the devices span several slices")
@@ -124,22 +124,12 @@ _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small
        "medium": 3e-4}
 
 
-class Setup(NamedTuple):
-  """A run: its options with every default filled in (checked), the hardware, mesh, model."""
-  o: Options
-  topo: Any
-  mesh: Any
-  model: Any  # the module of the model: gpt or llama
-  cfg: Any  # its ModelConfig
-  profile: rl.ProfileWindow | None
-
-
-def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
+def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   """Defaults, mesh, batch and schedule. Raises FnscaleError on any bad value."""
   topo = h.topology(o.mesh_shape, o.topology, o.tpu)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
-  model, cfg = _model(o, size, seq, corpus)
+  model, cfg, name = models.choose(o, size, seq, corpus.vocab)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
     batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
@@ -165,53 +155,12 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
                         f"max_stalled_steps={o.max_stalled_steps}: expected lr > 0, "
                         "intervals >= 1 and max_stalled_steps >= 0")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
-  size = _hf_name(o.init_from) if o.init_from else size
-  run_dir = o.run_dir or h.default_run_dir(size, o.dataset, _tokenizer(o), corpus.vocab)
-  ckpt = checkpoint_directory(dataclasses.replace(o, run_dir=run_dir))
-  return Setup(dataclasses.replace(
-      o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
+  run_dir = o.run_dir or h.default_run_dir(name, o.dataset, models.tokenizer(o), corpus.vocab)
+  ckpt = ck.directory(dataclasses.replace(o, run_dir=run_dir))
+  return h.Setup(dataclasses.replace(
+      o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
       lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every, run_dir=run_dir,
-      checkpoint_dir=ckpt), topo, mesh, model, cfg, profile)
-
-
-def _model(o: Options, size: str, seq: int, corpus: data.Corpus):
-  """(model module, its config): --init_from's config.json, else the named size with the
-  corpus's vocabulary."""
-  if not o.init_from:
-    if size not in MODELS:
-      raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
-                          f"{list(MODELS)}")
-    return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
-  if o.model_config:
-    raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
-                        "the checkpoint's config.json chooses the model; leave one out")
-  m = hf_maps.read(o.init_from, seq)
-  if corpus.vocab > m.cfg.vocab:
-    raise fs.InputError(f"the tokenizer has {corpus.vocab} ids and {o.init_from}'s model "
-                        f"{m.cfg.vocab}; fix: use the checkpoint's own tokenizer.json")
-  return m.model, m.cfg
-
-
-def _hf_name(path: str) -> str:
-  """A run name for a Hugging Face directory: its last path component."""
-  return os.path.basename(os.path.normpath(path.split("://")[-1])) or "hf"
-
-
-def _tokenizer(o: Options) -> str:
-  """--tokenizer, else --init_from's tokenizer.json (its model's ids)."""
-  if o.tokenizer or not o.init_from:
-    return o.tokenizer
-  path = os.path.join(o.init_from, "tokenizer.json")
-  if not os.path.isfile(path):
-    raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
-                        "model's tokenizer with --tokenizer=PATH/tokenizer.json")
-  return path
-
-
-def checkpoint_directory(o: Options) -> str:
-  """Where a run with options `o` (its `run_dir` filled in: `harness.default_run_dir`) keeps
-  its checkpoints ("" with --nocheckpoint)."""
-  return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+      checkpoint_dir=ckpt), topo, mesh, model, cfg, profile, corpus)
 
 
 def run(o: Options) -> h.Summary:
@@ -220,294 +169,120 @@ def run(o: Options) -> h.Summary:
   with fs.report.compilation_cache_restored():
     # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
     t0, say = time.time(), h.start(o)
-    # From here to the end (data, compile, start-up eval, loop, evals, final save), a notice
-    # (SIGTERM to any process) stops every process after one step, or within grace_s
-    # wherever it is, and a process lost in a collective is named, not left to a runtime
-    # error.
+    # From here on (data, compile, evals, loop, final save), a notice (SIGTERM to any
+    # process) stops every process after one step, or within grace_s wherever it is, and a
+    # process lost in a collective is named, not left to a runtime error.
     preemption.check_service()  # the guard needs it: say so now, not after the compile
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
-      return _start(o, t0, say, should_stop)
+      s = _setup(o, data.load(o.dataset, models.tokenizer(o)), say)
+      if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
+        fs.checkpoint.check_shared_directory(s.o.checkpoint_dir)
+      # One checkpoint manager for the whole run; leaving the block waits for the last save.
+      # orbax's warnings go to RUN_DIR/log.txt, not the console.
+      with h.library_log(s.o.run_dir), (
+          fs.checkpoint.manager(s.o.checkpoint_dir, keep=s.o.checkpoint_keep)
+          if s.o.checkpoint_dir else contextlib.nullcontext()) as ckpt:
+        return _run(s, ckpt, t0, say, should_stop)
 
 
-def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
-  """`run` after start-up: data, setup, the run's checkpoint manager."""
-  corpus = data.load(o.dataset, _tokenizer(o))
-  s = _setup(o, corpus, say)
-  if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
-    fs.checkpoint.check_shared_directory(s.o.checkpoint_dir)
-  # One checkpoint manager for the whole run; leaving the block waits for the last save.
-  # orbax's warnings go to RUN_DIR/log.txt, not the console.
-  with h.library_log(s.o.run_dir), (
-      fs.checkpoint.manager(s.o.checkpoint_dir, keep=s.o.checkpoint_keep)
-      if s.o.checkpoint_dir else contextlib.nullcontext()) as ckpt:
-    return _run(s, corpus, ckpt, t0, say, should_stop)
-
-
-def _with_finite_flag(step):
-  """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
-  check into the step; the loop reads it before any save)."""
-  def step_with_flag(state, batch):
-    state, metrics = step(state, batch)
-    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
-  return step_with_flag
-
-
-def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
-  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints);
-  `should_stop(step)`: the preemption guard's check."""
-  o, base = s.o, data.baseline(corpus)
-  policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
-  model, axes = s.model, s.model.logical_axes(s.cfg)
+def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
+  """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
+  o, model, axes, base = s.o, s.model, s.model.logical_axes(s.cfg), data.baseline(s.corpus)
+  policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(o)
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
                           policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather)
-  step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
+  step_fn = fs.shard_step(fs.with_kernel(ck.with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg),
                                      attention=o.attention))
-  peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
+  peak = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
-    kw = dict(mesh=s.mesh, rules=model.RULES, logical_axes=axes, policy=policy)
-    init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
-                             optimizer, key=jax.random.key(o.seed), **kw)
-    if o.init_from:
-      init = _from_hf(s, init, functools.partial(fs.init_state, optimizer=optimizer, **kw))
+    init = models.init(s, optimizer, policy, jax.random.key(o.seed))
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
-    batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
+    batches, evals = data.batches(s.corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
                                   o.eval_batches)
-    state, start, extra = _resume(s, ckpt, init, batches, corpus, say)
-    resumed = None if extra is None else start
-    h.say_save_window(ckpt, o.grace_s, say)
-    if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
-      fs.checkpoint.nonfinite_leaves(state)
+    state, start, resumed = ck.resume(s, ckpt, init, batches, say)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
     first = fs.global_batch(next(batches), bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
-    report = fs.compile_report(step_fn, state, first)
-    log = rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say)
-    n_params = h.describe(s, state, (corpus.describe, base), report, policy, (peak, peak_note),
-                          _flops_step(s), resumed, say)
-
-    def evaluate(state, step):
-      # All devices finish each eval program (not just the one a scalar is read from).
-      value = float(np.mean([float(jax.block_until_ready(eval_loss(state.params, b)))
-                             for b in eval_batches]))
-      bpb = value * corpus.tokens_per_byte / math.log(2)
-      say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
-      log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
-      return value
-
-    guard = _checkpointing(s, ckpt, corpus, batches, resumed, say)
-    ev = evaluate(state, 0) if start == 0 else None
-    prof = rl.profiler(s.profile, o.run_dir, say=say)
-    state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
-                                  say, (log, prof), evaluate, guard, should_stop)
-    out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, guard, say)
-    if o.export_hf and not stopped:
-      _export_hf(s, state, say)
-    log.close()
-  return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
+    r = h.Run(s=s, say=say, t0=t0, baseline=base, policy=policy, schedule=schedule, peak=peak,
+              step=step_fn, report=fs.compile_report(step_fn, state, first), batches=batches,
+              eval_loss=eval_loss, eval_batches=eval_batches, start=start, resumed=resumed,
+              log=rl.run_log(o.run_dir, active=jax.process_index() == 0, say=say),
+              prof=rl.profiler(s.profile, o.run_dir, say=say),
+              saver=ck.saver(s, ckpt, batches, resumed, say), should_stop=should_stop)
+    h.describe(r, state)
+    ev = h.evaluate(r, state, 0) if start == 0 else None
+    state, out = _train(r, state, first)
+    out = _finish(r, state, dict(out, eval_loss=ev))
+    if o.export_hf and not out["stopped"]:
+      models.export(s, state, say)
+    r.log.close()
+  return h.summarize(r, state, out)
 
 
-def _from_hf(s: Setup, init, init_with):
-  """`init` whose fresh state holds --init_from's weights, read into their shardings
-  (`fnscale.checkpoint.hf.load`; `init_with(params)` builds the state around them); its
-  abstract state is `init`'s."""
-  def make(abstract: bool = False):
-    shapes = init(abstract=True)
-    if abstract:
-      return shapes
-    m = hf_maps.HFModel(s.model, s.cfg, {})
-    params = fs.checkpoint.hf.load(s.o.init_from, shapes.params,
-                                   hf_maps.checkpoint_map(m, s.o.init_from))
-    return init_with(params)
-  return make
-
-
-def _export_hf(s: Setup, state, say) -> None:
-  """Writes the params as a Hugging Face checkpoint to --export_hf (every process calls it;
-  process 0 writes), with --init_from's config.json and tokenizer files when it has them."""
-  t, o = time.time(), s.o
-  m = (hf_maps.read(o.init_from, s.cfg.seq) if o.init_from else
-       hf_maps.of_model(s.model, s.cfg))
-  tok = _tokenizer(o)
-  fs.checkpoint.hf.export(o.export_hf, state.params,
-                          hf_maps.checkpoint_map(m, o.init_from or None),
-                          config=hf_maps.to_config(m),
-                          tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
-  say(f"exported a Hugging Face checkpoint to {o.export_hf} ({time.time() - t:.1f} s)")
-
-
-def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
-  """(state, start step, checkpoint extra or None): the newest good checkpoint of `ckpt`
-  (the run's manager, or None), with `batches` at each process's saved position, else a
-  fresh init."""
-  o = s.o
-  state, start, extra = h.restore_or_init(ckpt, init, batches, dict(
-      seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
-      data.resharded_position, f"--run_dir={o.run_dir} (this run: model {o.model_config}, "
-      f"seq {s.cfg.seq}, vocab {s.cfg.vocab})")
-  if start >= o.steps:
-    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
-        "--run_dir=NEW_DIR or more --steps for another run)")
-  return state, start, extra
-
-
-class Guard(NamedTuple):
-  """What stands between a step and its checkpoint (`_checkpointing`)."""
-  note: Any  # note(step, metrics): keep the step's on-device finiteness flag
-  check: Any  # check(): StepError naming the first non-finite step and the last good save
-  save: Any  # save(state, step): check(), then save step (once) with the data position
-  commit: Any  # commit(): wait until the last save is committed
-
-
-def _checkpointing(s: Setup, ckpt, corpus, batches, resumed: int | None, say) -> Guard:
-  """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
-  steps since the last check are read before every save and progress line), saves go through
-  `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
-  preemption window is said as soon as its time is known (at start-up from the last run's
-  save; in the run from its second save: the first one's time includes one-off compiles)."""
-  flags, last_saved, warned, saves = [], resumed, False, 0
-
-  def check():
-    bad = h.first_nonfinite(flags)
-    if bad is not None:
-      commit()  # the last good save is on disk before the run stops
-      raise h.nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
-
-  def save(state, step: int):
-    nonlocal last_saved, warned, saves
-    check()
-    if ckpt is None or step == last_saved:
-      return
-    if saves >= 2 and not warned:  # the first save's time includes one-off compiles
-      warned = h.say_save_window(ckpt, s.o.grace_s, say)
-    t = time.time()
-    # Before the next batch is read: the iterator's position is this step's.
-    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
-        step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
-        global_batch=s.o.global_batch, corpus_tokens=len(corpus.train)))
-    last_saved, saves = step, saves + 1
-    say(f"checkpoint: step {step} saving in the background (the loop waited "
-        f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
-
-  def commit():
-    if ckpt is not None:
-      fs.checkpoint.wait(ckpt)
-
-  return Guard(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
-
-
-def _flops_step(s: Setup) -> float:
-  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
-
-
-class _Timing(NamedTuple):
-  """The timed steps so far (`seconds`, `steps`) and where the open window began."""
-  mark_s: float
-  mark_step: int
-  seconds: float = 0.0
-  steps: int = 0
-
-
-def _lap(t: _Timing, done: int) -> tuple[_Timing, float | None]:
-  """Closes the window at step `done` (counted in the totals unless it holds no step: then
-  it only timed a progress line), opens the next one now. Returns the new timing and the
-  window's seconds per step (None for an empty window)."""
-  now, n = time.time(), done - t.mark_step
-  if n <= 0:
-    return t._replace(mark_s=now), None
-  return _Timing(now, done, t.seconds + now - t.mark_s, t.steps + n), (now - t.mark_s) / n
-
-
-EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
-
-
-def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say, log_prof,
-           evaluate, guard: Guard, should_stop):
-  """The loop from `start` to `s.o.steps`: progress lines, evals, checkpoints, profile, stops.
-  `log_prof`: (run_log.RunLog, run_log.Profiler); `should_stop`: the preemption guard's.
+def _train(r: h.Run, state, batch) -> tuple[Any, dict]:
+  """The loop from `r.start` to `o.steps`: progress lines, evals, checkpoints, profile, stops.
   Evals and checkpoints are left out of the timing (tokens/s, MFU, ETA); so is the first
-  step, which includes dispatch warm-up."""
-  (log, prof), m, o = log_prof, None, s.o
-  last, timing, stopped, t_train, stall = {}, None, None, time.time(), h.Stall()
-  batch_sharding, every = fs.batch_sharding(s.mesh), o.checkpoint_every
+  step, which includes dispatch warm-up. Returns the state and the run's figures."""
+  o, m, last, stopped, timing, stall = r.s.o, None, {}, None, None, h.Stall()
+  t_train, batch_sharding, every = time.time(), fs.batch_sharding(r.s.mesh), o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
-  for step in range(start, o.steps):
-    prof.at_step(step, pending=m)
-    prev, (state, m) = m, step_fn(state, batch)
+  for step in range(r.start, o.steps):
+    r.prof.at_step(step, pending=m)
+    prev, (state, m) = m, r.step(state, batch)
     # The previous step's update, read while this one runs (one step stays in flight).
     stall = h.check_update(stall, step, prev, o.max_stalled_steps)
     done = step + 1
-    guard.note(done, m)
+    r.saver.note(done, m)
     # One step in flight on CPU: simulated devices share one pool of host threads, and with
     # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
-    if s.topo.platform == "cpu":
+    if r.s.topo.platform == "cpu":
       jax.block_until_ready((state, m))
-    sigterm = should_stop(step)  # every step, on every process (JAX's sync point)
+    sigterm = r.should_stop(step)  # every step, on every process (JAX's sync point)
     if done < o.steps and (sigterm or done == o.stop_after):
       stopped = "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
     if stopped or (every and done % every == 0 and done < o.steps):
       t_save = time.time()
-      guard.save(state, done)  # before the next batch is read: the position is this step's
-      if timing is not None:  # the save's time stays out of the timing
-        timing = timing._replace(mark_s=timing.mark_s + time.time() - t_save)
+      r.saver.save(state, done)  # before the next batch is read: the position is this step's
+      timing = h.paused(timing, time.time() - t_save)  # the save's time stays out
     if done < o.steps and not stopped:
-      batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
+      batch = fs.global_batch(next(r.batches), batch_sharding)  # while it runs
     if timing is None:
       jax.block_until_ready(m["loss"])
-      timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS
+      timing, early = h.Timing(time.time(), done), done + h.EARLY_ETA_STEPS
     if done % o.log_every == 0 or done == o.steps or done == early:
-      guard.check()
-      timing, dt = _lap(timing, done)
-      last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
+      r.saver.check()
+      timing, dt = h.lap(timing, done)
+      last = h.progress(r, done, m, dt)
     if done % o.eval_every == 0 and done < o.steps:  # its time stays out of the timing
-      timing = _lap(timing, done)[0]
-      evaluate(state, done)
+      timing = h.lap(timing, done)[0]
+      h.evaluate(r, state, done)
       timing = timing._replace(mark_s=time.time())
     if stopped:
-      guard.commit()  # the agreed step is on disk before the process exits
-      say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
+      r.saver.commit()  # the agreed step is on disk before the process exits
+      r.say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
       break
-  prof.close(pending=state)
+  r.prof.close(pending=state)
   h.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
-  return state, dict(last, train_s=time.time() - t_train, **_whole_run(s, timing, peak)), stopped
+  return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
+                     **h.whole_run(r, timing))
 
 
-def _whole_run(s: Setup, timing: _Timing | None, peak) -> dict:
-  """tokens/s and MFU over every timed step (None when fewer than two steps ran)."""
-  if timing is None or timing.steps == 0 or timing.seconds <= 0:
-    return dict(tokens_per_s=None, mfu=None)
-  per_s = timing.steps / timing.seconds
-  return dict(tokens_per_s=s.o.global_batch * s.cfg.seq * per_s,
-              mfu=_flops_step(s) * per_s / peak if peak else None)
-
-
-def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate,
-            guard: Guard, say) -> dict:
-  """Final checkpoint, eval and sample (unless stopped); the summary's run fields."""
-  final_step, sample = int(state.step), None
-  if not stopped:
-    guard.save(state, final_step)  # written while the eval and the sample run
-    ev = evaluate(state, final_step)
-    if s.o.sample_len > 0:
-      t = time.time()
-      sample = corpus.decode(gpt.generate(
-          functools.partial(s.model.apply, cfg=s.cfg), state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
-          seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
-      say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
-          f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")
-    guard.commit()
-  return dict(final_step=final_step, start_step=start, resumed_from=resumed, stopped=stopped,
-              loss=last.get("loss"), eval_loss=ev, tokens_per_s=last["tokens_per_s"],
-              mfu=last["mfu"], train_s=last["train_s"], global_batch=s.o.global_batch,
-              seq=s.cfg.seq, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-              bits_per_byte=None if ev is None else ev * corpus.tokens_per_byte / math.log(2),
-              processes=jax.process_count(), sample=sample)
+def _finish(r: h.Run, state, out: dict) -> dict:
+  """Unless the loop stopped: the final checkpoint, eval and sample, added to `out`."""
+  if out["stopped"]:
+    return dict(out, sample=None)
+  r.saver.save(state, int(state.step))  # written while the eval and the sample run
+  out = dict(out, eval_loss=h.evaluate(r, state, int(state.step)),
+             sample=h.sample(r, state) if r.s.o.sample_len > 0 else None)
+  r.saver.commit()
+  return out
 
 
 def main(argv: list[str]) -> int:

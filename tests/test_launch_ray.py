@@ -21,6 +21,7 @@ import pytest
 
 import fnscale as fs
 
+from recipes.launch import launch_local
 from recipes.launch import launch_ray
 from recipes.launch import ray_cluster
 from recipes import train_lm
@@ -83,6 +84,21 @@ def test_tpu_hosts_take_their_worker_id_as_process_id():
   # Not a TPU slice (or ids that aren't 0..N-1): bundle order.
   assert launch_ray._process_order([{"tpu_worker_id": None}] * 3) == [0, 1, 2]
   assert launch_ray._process_order([{"tpu_worker_id": w} for w in (0, 0)]) == [0, 1]
+
+
+def test_a_misspelt_launcher_keyword_is_named_before_anything_starts(tmp_path):
+  """The launchers' keywords are the fields of their `Options`: a misspelt one is a TypeError
+  naming it, raised before any process starts (and, for launch_ray, before Ray is needed)."""
+  script = tmp_path / "ran.py"
+  script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+  with pytest.raises(TypeError, match="'timeout'"):
+    launch_local.launch([str(script)], 1, 1, timeout=5)
+  with pytest.raises(TypeError, match="'max_restart'"):
+    launch_ray.launch([str(script)], launch_ray.nodes(1), max_restart=1)
+  assert not (tmp_path / "ran").exists()
+  # The control: the keywords spelt right start the process.
+  assert launch_local.launch([str(script)], 1, 1, timeout_s=60, stream=lambda line: None)[0][0] == 0
+  assert (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

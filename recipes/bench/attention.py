@@ -13,6 +13,7 @@ those numbers test that the path works, they say nothing about kernel speed.
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,19 +37,25 @@ def _implementations(platform: str):
   return [("xla", False), ("splash", True), ("pallas_gpu", True)]
 
 
-def _time(fn, args, warmup: int, iters: int) -> float:
-  """Median wall time of fn(*args) in milliseconds, after `warmup` untimed runs."""
-  for _ in range(warmup):
+class Timing(NamedTuple):
+  """How each case is timed: `warmup` untimed runs, then the median of `iters`."""
+  warmup: int
+  iters: int
+
+
+def _time(fn, args, timing: Timing) -> float:
+  """Median wall time of fn(*args) in milliseconds (`timing`)."""
+  for _ in range(timing.warmup):
     jax.block_until_ready(fn(*args))
   times = []
-  for _ in range(iters):
+  for _ in range(timing.iters):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) * 1e3)
   return statistics.median(times)
 
 
-def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
+def bench(shape, implementation, interpret, *, dtype, causal, timing: Timing):
   b, t, h, kh, d = shape
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (b, t, h, d), dtype)
@@ -71,7 +78,7 @@ def bench(shape, implementation, interpret, *, dtype, causal, warmup, iters):
   except fnscale.KernelError as e:
     return None, None, str(e)
   blocks = "" if sel.block_sizes is None else "x".join(map(str, sel.block_sizes[:2]))
-  return _time(step, (q, k, v), warmup, iters), compile_s, blocks
+  return _time(step, (q, k, v), timing), compile_s, blocks
 
 
 def _parse_shape(parser, text):
@@ -122,7 +129,7 @@ def main():
     reference = None
     for implementation, interpret in chosen:
       ms, compile_s, note = bench(shape, implementation, interpret, dtype=dtype,
-                                  causal=args.causal, warmup=args.warmup, iters=iters)
+                                  causal=args.causal, timing=Timing(args.warmup, iters))
       mode = "interpret" if interpret else "native"
       if ms is None:
         print(f"{text:<28} {implementation:<16} {mode:<10} n/a: {note}")

@@ -146,39 +146,48 @@ class Run(NamedTuple):
   count: str
 
 
-def _runs(table, name, model, target, batch, tensor, remat, mfus, count="2023", seq=2048):
+class Knobs(NamedTuple):
+  """A 2023 MaxText run's per_device_batch_size, ici_tensor_parallelism and remat_policy."""
+  batch: int
+  tensor: int
+  remat: str
+
+
+def _runs(table, name, model, target, knobs: Knobs, mfus) -> list[Run]:
+  """The run on 1, 2, 4, ... slices of `target` (seq 2048, 2023 counting), one per MFU."""
   slices = (1, 2, 4, 8, 16, 32)
-  return [Run(table, name, model, target if k == 1 else f"{k}x {target}", batch, seq, tensor,
-              remat, m, count) for k, m in zip(slices, mfus)]
+  return [Run(table, name, model, target if k == 1 else f"{k}x {target}", knobs.batch, 2048,
+              knobs.tensor, knobs.remat, m, "2023") for k, m in zip(slices, mfus)]
 
 
 V5P = "v5p"  # MaxText/configs/v5p/README.md and 32b.sh ... 1024b.sh at 76bd53b0f
 FIT_RUNS = (
-    _runs(V5P, "32B", scaled(32), "v5p-128", 8, 4, "minimal", (71.47, 69.43))
-    + _runs(V5P, "64B", scaled(64), "v5p-128", 4, 4, "minimal", (70.31, 67.26))
-    + _runs(V5P, "128B", scaled(128), "v5p-256", 2, 8, "minimal", (68.68, 66.34))
-    + _runs(V5P, "128B", scaled(128), "v5p-512", 2, 8, "minimal", (68.83, 59.66))
-    + _runs(V5P, "256B", scaled(256), "v5p-1024", 2, 8, "minimal", (67.09, 62.99))
-    + _runs(V5P, "512B", scaled(512), "v5p-1024", 2, 16, "full", (63.99, 61.45))
-    + _runs(V5P, "1024B", scaled(1024), "v5p-2048", 2, 16, "full", (55.35, 51.55))
-    + _runs(V5P, "1024B", scaled(1024), "v5p-4096", 2, 16, "full", (64.80, 60.83)))
+    _runs(V5P, "32B", scaled(32), "v5p-128", Knobs(8, 4, "minimal"), (71.47, 69.43))
+    + _runs(V5P, "64B", scaled(64), "v5p-128", Knobs(4, 4, "minimal"), (70.31, 67.26))
+    + _runs(V5P, "128B", scaled(128), "v5p-256", Knobs(2, 8, "minimal"), (68.68, 66.34))
+    + _runs(V5P, "128B", scaled(128), "v5p-512", Knobs(2, 8, "minimal"), (68.83, 59.66))
+    + _runs(V5P, "256B", scaled(256), "v5p-1024", Knobs(2, 8, "minimal"), (67.09, 62.99))
+    + _runs(V5P, "512B", scaled(512), "v5p-1024", Knobs(2, 16, "full"), (63.99, 61.45))
+    + _runs(V5P, "1024B", scaled(1024), "v5p-2048", Knobs(2, 16, "full"), (55.35, 51.55))
+    + _runs(V5P, "1024B", scaled(1024), "v5p-4096", Knobs(2, 16, "full"), (64.80, 60.83)))
 
 V5E = "v5e"  # MaxText/configs/v5e/README.md and 16b.sh ... 128b.sh at 76bd53b0f
 V4 = "v4"  # MaxText/configs/v4/README.md, 22b.sh and 52b.sh at 76bd53b0f
 A3 = "A3 H100"  # MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh ... 16vm.sh, efb6d9e4a
 TIER = "tiering"  # docs/reference/models/tiering.md (e591f30cb) and the configs it links
 HELD_OUT_RUNS = (
-    _runs(V5E, "16B", scaled(16), "v5e-256", 6, 1, "full",
+    _runs(V5E, "16B", scaled(16), "v5e-256", Knobs(6, 1, "full"),
           (61.10, 59.37, 59.14, 58.27, 56.56, 54.65))
-    + _runs(V5E, "32B", scaled(32), "v5e-256", 4, 1, "full",
+    + _runs(V5E, "32B", scaled(32), "v5e-256", Knobs(4, 1, "full"),
             (66.86, 64.81, 64.10, 63.67, 62.26, 60.40))
-    + _runs(V5E, "64B", scaled(64), "v5e-256", 2, 1, "full",
+    + _runs(V5E, "64B", scaled(64), "v5e-256", Knobs(2, 1, "full"),
             (59.90, 56.66, 55.85, 54.96, 53.29, 50.18))
-    + _runs(V5E, "128B", scaled(128), "v5e-256", 1, 16, "full",
+    + _runs(V5E, "128B", scaled(128), "v5e-256", Knobs(1, 16, "full"),
             (56.06, 55.82, 54.93, 52.93, 50.86, 46.25))
-    + _runs(V4, "22B", Shape(48, 6144, 24, 24576), "v4-128", 16, 1, "full",
+    + _runs(V4, "22B", Shape(48, 6144, 24, 24576), "v4-128", Knobs(16, 1, "full"),
             (56.7, 55.2, 54.3, 53.2))
-    + _runs(V4, "52B", Shape(32, 12288, 32, 49152), "v4:4x4x12", 10, 1, "full", (56.0, 58.9))
+    + _runs(V4, "52B", Shape(32, 12288, 32, 49152), "v4:4x4x12", Knobs(10, 1, "full"),
+            (56.0, 58.9))
     + [Run(A3, "Llama 2 7B", LLAMA2_7B, f"{8 * k}x h100", 4, 4096, 1, "minimal_flash",
            round(100 * tf * 1e12 / H100_PEAK, 2), "2023")
        for k, tf in ((1, 492), (2, 422), (4, 407), (8, 409), (16, 375))]

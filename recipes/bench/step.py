@@ -250,16 +250,28 @@ def mesh_name(mesh) -> str:
   return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
-def measure(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, steps: int,
-            warmup: int, peak_per_device: float | None) -> Row:
+class Timed(NamedTuple):
+  """`measure`'s keywords: steps of `batch` rows x `seq` tokens, `warmup` untimed, then
+  `steps` timed; `peak_per_device`: FLOP/s of one device, the MFU denominator (None: none)."""
+  batch: int
+  seq: int
+  steps: int
+  warmup: int
+  peak_per_device: float | None
+
+
+def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
   """Benchmarks one (model size, mesh spec, device count); see the module docstring.
+  `options`: the fields of `Timed`, as keywords.
 
   Needs the persistent compilation cache on (`persistent_cache`) for the warm compile.
 
   Raises:
     InputError (a subclass): a bad size, mesh or batch for the mesh.
+    TypeError: a missing keyword of `Timed`, or an unknown one.
   """
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  batch, seq, steps, warmup, peak_per_device = Timed(**options)
   _listen()
   cfg = model_config(size, seq)
   axes, mode = split_spec(mesh_spec)
@@ -364,13 +376,24 @@ def _alternate(run_a, run_b, run_c, rounds: int, warmup: int):
   return ta, tb, tc
 
 
-def overhead(size: str, mesh_spec: str, devices: int, *, batch: int, seq: int, rounds: int,
-             warmup: int) -> Overhead:
+class Alternated(NamedTuple):
+  """`overhead`'s keywords: steps of `batch` rows x `seq` tokens, `warmup` untimed rounds,
+  then `rounds` timed ones."""
+  batch: int
+  seq: int
+  rounds: int
+  warmup: int
+
+
+def overhead(size: str, mesh_spec: str, devices: int, **options) -> Overhead:
   """Alternates the fnscale step (A) and a hand-written `jax.jit` step (B) of the same model,
   shardings, optimizer and donation: rounds run A B or B A (alternately), one synchronized
   step each; returns the median of the per-round ratios A / B. Both start from the same params;
-  `max_param_diff` is the largest |difference| of their params afterwards (same math)."""
+  `max_param_diff` is the largest |difference| of their params afterwards (same math).
+  `options`: the fields of `Alternated`, as keywords (TypeError for a missing or unknown one).
+  """
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  batch, seq, rounds, warmup = Alternated(**options)
   tl = _train_lm()
   cfg = model_config(size, seq)
   axes, mode = split_spec(mesh_spec)

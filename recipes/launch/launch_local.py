@@ -17,7 +17,7 @@ the traffic between processes. Process 0's output is streamed; the others' is ke
 (SIGTERM first, so a recipe can checkpoint; SIGKILL after a grace period). The exit status is
 non-zero if any child failed.
 
-`launch(argv, num_processes, devices_per_process, timeout_s)` is the same as a function.
+`launch(argv, num_processes, devices_per_process, timeout_s=...)` is the same as a function.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from absl import flags
 
@@ -88,23 +88,32 @@ def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
       p.wait()
 
 
+class Options(NamedTuple):
+  """`launch`'s keywords: how it runs and stops the children.
+
+  `timeout_s`: wall-clock limit for the whole job in seconds (None: none); on expiry every
+  child is stopped and reported with return code -SIGTERM or -SIGKILL. `env`: the base
+  environment (default this process's). `cwd`: the children's working directory. `stream`:
+  called with each line of process 0's output as it arrives (default: print it; pass
+  `lambda line: None` to stay quiet). `grace_s`: seconds between SIGTERM and SIGKILL when
+  stopping children.
+  """
+  timeout_s: float | None = None
+  env: dict[str, str] | None = None
+  cwd: str | None = None
+  stream: Callable[[str], None] | None = None
+  grace_s: float = GRACE_S
+
+
 def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
-           timeout_s: float | None = None, *, env: dict[str, str] | None = None,
-           cwd: str | None = None, stream: Callable[[str], None] | None = None,
-           grace_s: float = GRACE_S) -> list[tuple[int, str]]:
+           **options) -> list[tuple[int, str]]:
   """Runs `argv` as `num_processes` processes of one JAX job on this machine.
 
   Args:
     argv: the command; a leading `*.py` path runs under this Python interpreter.
     num_processes: processes to start (ids 0..N-1), all with the same command.
     devices_per_process: simulated CPU devices of each process.
-    timeout_s: wall-clock limit for the whole job in seconds (None: none); on expiry every
-      child is stopped and reported with return code -SIGTERM or -SIGKILL.
-    env: base environment (default this process's).
-    cwd: working directory of the children.
-    stream: called with each line of process 0's output as it arrives (default: print it);
-      pass `lambda line: None` to stay quiet.
-    grace_s: seconds between SIGTERM and SIGKILL when stopping children.
+    **options: the fields of `Options` (timeout_s, env, cwd, stream, grace_s).
 
   Returns:
     `[(returncode, output), ...]` per process in id order; output is stdout and stderr
@@ -113,13 +122,15 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
 
   Raises:
     ValueError: a bad count or an empty command.
+    TypeError: a keyword that is not a field of `Options`.
     KeyboardInterrupt: after stopping every child, when interrupted.
   """
+  o = Options(**options)
   for name, v in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"launch: {name}={v!r}, expected a positive int")
   cmd = command(argv)
-  stream = stream or (lambda line: print(line, end="", flush=True))
+  stream = o.stream or (lambda line: print(line, end="", flush=True))
   port = free_port()
   procs, outputs, readers = [], [[] for _ in range(num_processes)], []
 
@@ -133,14 +144,14 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
   try:
     for i in range(num_processes):
       p = subprocess.Popen(
-          cmd, env=child_env(i, num_processes, devices_per_process, port, env), cwd=cwd,
+          cmd, env=child_env(i, num_processes, devices_per_process, port, o.env), cwd=o.cwd,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
           start_new_session=True)  # its own process group: stopped with all its children
       procs.append(p)
       t = threading.Thread(target=read, args=(i, p.stdout), daemon=True)
       t.start()
       readers.append(t)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = None if o.timeout_s is None else time.monotonic() + o.timeout_s
     while True:
       codes = [p.poll() for p in procs]
       if all(c is not None for c in codes):
@@ -149,15 +160,15 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         stream(f"launch_local: process {failed[0]} exited with {codes[failed[0]]}; "
                "stopping the others\n")
-        stop(procs, grace_s)
+        stop(procs, o.grace_s)
         break
       if deadline is not None and time.monotonic() > deadline:
-        stream(f"launch_local: timeout after {timeout_s} s; stopping every process\n")
-        stop(procs, grace_s)
+        stream(f"launch_local: timeout after {o.timeout_s} s; stopping every process\n")
+        stop(procs, o.grace_s)
         break
       time.sleep(0.05)
   except BaseException:
-    stop(procs, grace_s)
+    stop(procs, o.grace_s)
     raise
   finally:
     for t in readers:
@@ -209,7 +220,7 @@ def main(argv: list[str]) -> int:
     raise KeyboardInterrupt
   signal.signal(signal.SIGTERM, on_term)
   try:
-    results = launch(rest, fv.num_processes, fv.devices_per_process, fv.timeout_s)
+    results = launch(rest, fv.num_processes, fv.devices_per_process, timeout_s=fv.timeout_s)
   except KeyboardInterrupt:
     print("launch_local: interrupted; every process stopped", file=sys.stderr)
     return 130

@@ -187,6 +187,15 @@ class Outcome(NamedTuple):
   results: list[tuple[int | None, str]]
 
 
+class Command(NamedTuple):
+  """What every host of a job runs: `argv` in `cwd` (the same path on every host), with `env`
+  added to the host's environment and `devices` simulated CPU devices (None: its own)."""
+  argv: list[str]
+  devices: int | None
+  env: dict[str, str]
+  cwd: str
+
+
 class HostProcess:
   """One process of the job on one host; the launcher runs it as a Ray actor there.
 
@@ -208,18 +217,17 @@ class HostProcess:
     return {"node_id": ctx.get_node_id(), "port": launch_local.free_port(),
             "tpu_worker_id": int(worker) if worker else None}
 
-  def start(self, argv: Sequence[str], process_id: int, num_processes: int,
-            devices: int | None, coordinator: tuple[str, int], env: dict[str, str],
-            cwd: str) -> int:
-    """Starts `argv` (a leading `*.py` runs under this host's Python) as process `process_id`
-    of `num_processes`, with `coordinator` (process 0's host, port) and `devices` simulated CPU
-    devices (None: the host's own), in this host's environment updated by `env`; returns its
-    pid."""
+  def start(self, c: Command, process_id: int, num_processes: int,
+            coordinator: tuple[str, int]) -> int:
+    """Starts `c.argv` (a leading `*.py` runs under this host's Python) as process
+    `process_id` of `num_processes`, with `coordinator` (process 0's host, port) and
+    `c.devices` simulated CPU devices (None: the host's own), in this host's environment
+    updated by `c.env`, in `c.cwd`; returns its pid."""
     host, port = coordinator
-    child = launch_local.child_env(process_id, num_processes, devices, port,
-                                   base={**os.environ, **env}, host=host)
+    child = launch_local.child_env(process_id, num_processes, c.devices, port,
+                                   base={**os.environ, **c.env}, host=host)
     self._proc = subprocess.Popen(
-        launch_local.command(argv), env=child, cwd=cwd, stdin=subprocess.DEVNULL,
+        launch_local.command(c.argv), env=child, cwd=c.cwd, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
         start_new_session=True)  # its own process group: stopped with all its children
     self._reader = threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True)
@@ -332,8 +340,7 @@ def _process_order(places: list[dict]) -> list[int]:
   return list(range(len(places)))
 
 
-def _start(ray, reservation: _Reservation, argv: Sequence[str], devices: int | None,
-           env: dict[str, str], cwd: str) -> _Job:
+def _start(ray, reservation: _Reservation, c: Command) -> _Job:
   """An actor in each bundle; the command started on every host with its place in the job."""
   # pylint: disable=import-outside-toplevel
   from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -354,7 +361,7 @@ def _start(ray, reservation: _Reservation, argv: Sequence[str], devices: int | N
     actors, places = [actors[i] for i in order], [places[i] for i in order]
     n, coordinator = len(actors), places[0]
     where = (coordinator["ip"], coordinator["port"])
-    pids = ray.get([a.start.remote(argv, i, n, devices, where, env, cwd)
+    pids = ray.get([a.start.remote(c, i, n, where)
                     for i, a in enumerate(actors)], timeout=HOST_TIMEOUT_S)
   except BaseException:
     for a in actors:
@@ -436,19 +443,21 @@ def _results(ray, actors, codes) -> list[tuple[int | None, str]]:
   return out
 
 
-class _Options(NamedTuple):
-  """`launch`'s settings for one attempt."""
-  argv: list[str]
+class _Launch(NamedTuple):
+  """A launch's settings, checked and defaulted (`launch`), built once."""
+  command: Command
   hosts: Hosts
-  devices: int | None
-  env: dict[str, str]
-  cwd: str
   grace_s: float
   placement_timeout_s: float
+  max_restarts: int
+  backoff: tuple[float, float]  # (backoff_s, max_backoff_s)
+  checkpoint_dir: str | None
+  stream: Callable[[str], None]  # process 0's lines and (through `say`) the launcher's
+  say: Callable[[str], None]  # one line of the launcher's, prefixed
+  deadline: float | None  # time.monotonic() of the timeout
 
 
-def _attempt(ray, o: _Options, number: int, say, stream,
-             deadline: float | None) -> tuple[Exit | None, list]:
+def _attempt(ray, o: _Launch, number: int) -> tuple[Exit | None, list]:
   """One run of the whole job on a fresh reservation: (the failure that explains its end,
   `cause_of`, or None; `[(returncode, output tail), ...]` per process).
 
@@ -456,17 +465,18 @@ def _attempt(ray, o: _Options, number: int, say, stream,
   finish saving on their own; after another failure they are stopped at once; on the deadline
   or an interrupt every process gets SIGTERM (a preemption notice: it saves) and `grace_s`.
   """
-  left = float("inf") if deadline is None else max(1.0, deadline - time.monotonic())
+  say, stream = o.say, o.stream
+  left = float("inf") if o.deadline is None else max(1.0, o.deadline - time.monotonic())
   reservation = _reserve(ray, o.hosts, min(o.placement_timeout_s, left))
   try:
-    job = _start(ray, reservation, o.argv, o.devices, o.env, o.cwd)
+    job = _start(ray, reservation, o.command)
     say(f"attempt {number}: " + ", ".join(
         f"process {i} pid {pid} on {p['ip']} (node {p['node']})" for i, (p, pid) in enumerate(
             zip(job.places, job.pids))) + f"; coordinator {job.places[0]['ip']}:"
         f"{job.places[0]['port']}")
     wait_s, grace_s, seen = 0.0, o.grace_s, None
     try:
-      ended, seen = _watch(ray, job.actors, stream, deadline)
+      ended, seen = _watch(ray, job.actors, stream, o.deadline)
       preempted = any(e.returncode == EXIT_PREEMPTED for e in ended)
       wait_s, grace_s = (o.grace_s if preempted else 0.0), STOP_GRACE_S
     finally:
@@ -490,7 +500,7 @@ def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
   if not argv or os.path.basename(argv[0]) != "train_lm.py":
     return None
   from recipes import train_lm
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import checkpoints, harness  # pylint: disable=import-outside-toplevel
   try:
     o = harness.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
@@ -500,7 +510,7 @@ def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
       return None                              # vocabulary: known only where it runs
     o = dataclasses.replace(o, run_dir=harness.default_run_dir(o.model_config, o.dataset, "",
                                                                256))
-  d = train_lm.checkpoint_directory(o)
+  d = checkpoints.directory(o)
   return None if not d else d if "://" in d else os.path.join(cwd, d)
 
 
@@ -523,13 +533,13 @@ def _resume_words(step: int | None, directory: str | None) -> str:
   return "resuming from its newest checkpoint (where is unknown here: pass --checkpoint_dir)"
 
 
-def _supervise(ray, o: _Options, max_restarts: int, backoff: tuple[float, float],
-               checkpoint_dir: str | None, say, stream, deadline: float | None) -> Outcome:
+def _supervise(ray, o: _Launch) -> Outcome:
   """Attempts until one ends well, fails for good, or restarts run out (module docstring)."""
   restarts: list[Restart] = []
+  say, max_restarts = o.say, o.max_restarts
   while True:
     try:
-      cause, results = _attempt(ray, o, len(restarts) + 1, say, stream, deadline)
+      cause, results = _attempt(ray, o, len(restarts) + 1)
     except TimeoutError as e:  # the hosts weren't there
       if not restarts:  # never were: the cluster can't hold this job as asked
         say(f"{e}; not starting (check --hosts / --tpu and the cluster)")
@@ -553,15 +563,15 @@ def _supervise(ray, o: _Options, max_restarts: int, backoff: tuple[float, float]
                                 f"giving up after {len(restarts)} restarts "
                                 f"(max_restarts={max_restarts})"))
       return Outcome(verdict.status, tuple(restarts), results)
-    delay = min(backoff[1], backoff[0] * 2 ** len(restarts))
-    directory = checkpoint_dir or _recipe_checkpoint_dir(o.argv, o.cwd)
+    delay = min(o.backoff[1], o.backoff[0] * 2 ** len(restarts))
+    directory = o.checkpoint_dir or _recipe_checkpoint_dir(o.command.argv, o.command.cwd)
     step = _newest_step(directory)
     codes = tuple(code for code, _ in results)
     say(f"restart {len(restarts) + 1} of {max_restarts} in {delay:g} s: {verdict.why} "
         f"(exit statuses {', '.join('lost' if c is None else str(c) for c in codes)}); "
         + _resume_words(step, directory))
     restarts.append(Restart(len(restarts) + 1, cause, verdict.why, codes, step, delay))
-    if deadline is not None and time.monotonic() + delay > deadline:
+    if o.deadline is not None and time.monotonic() + delay > o.deadline:
       say("timeout (timeout_s) reached; every process stopped")
       return Outcome(EXIT_TIMEOUT, tuple(restarts), results)
     time.sleep(delay)
@@ -578,35 +588,57 @@ def _check(name: str, value, *, positive: bool, optional: bool = False, integer:
                      f"{'int' if integer else 'number'}" + (" or None" if optional else ""))
 
 
-def launch(argv: Sequence[str], hosts: Hosts, *, address: str | None = None,
-           devices_per_process: int | None = None, max_restarts: int = 3,
-           backoff_s: float = 10.0, max_backoff_s: float = 300.0, grace_s: float = 30.0,
-           timeout_s: float | None = None, placement_timeout_s: float = 600.0,
-           checkpoint_dir: str | None = None, env: dict[str, str] | None = None,
-           cwd: str | None = None, stream: Callable[[str], None] | None = None) -> Outcome:
+class Options(NamedTuple):
+  """`launch`'s keywords (`launch_ray.py`'s flags of the same names).
+
+  `address`: the Ray cluster ("auto", "host:port"); None: ray.init's default (RAY_ADDRESS, a
+  running local cluster, or a new one-node cluster). Not used if Ray is initialised.
+  `devices_per_process`: simulated CPU devices per process (testing on CPUs); None: each
+  host's real devices. `max_restarts`: restarts after a preemption or a lost host before
+  giving up. `backoff_s`, `max_backoff_s`: seconds before restart k (k = 1, 2, ...):
+  backoff_s x 2^(k-1), at most max_backoff_s. `grace_s`: seconds the other processes get to
+  finish saving after one exits 143, and every process gets after the SIGTERM sent on the
+  timeout or an interrupt. `timeout_s`: wall-clock limit of the whole launch, restarts
+  included (None: none). `placement_timeout_s`: seconds to wait for the hosts of an attempt;
+  the first attempt failing that is a configuration error (status 2), a later one counts as
+  a restart. `checkpoint_dir`: where the job's checkpoints are, for the step a restart
+  resumes from; default: recipes/train_lm.py's own (from its flags), else unknown. `env`:
+  extra environment for every process. `cwd`: the processes' working directory (default
+  this one's); the same path on every host. `stream`: called with each line of process 0's
+  output and of the launcher's reports (default: print).
+  """
+  address: str | None = None
+  devices_per_process: int | None = None
+  max_restarts: int = 3
+  backoff_s: float = 10.0
+  max_backoff_s: float = 300.0
+  grace_s: float = 30.0
+  timeout_s: float | None = None
+  placement_timeout_s: float = 600.0
+  checkpoint_dir: str | None = None
+  env: dict[str, str] | None = None
+  cwd: str | None = None
+  stream: Callable[[str], None] | None = None
+
+
+def _check_options(o: Options) -> None:
+  _check("devices_per_process", o.devices_per_process, positive=True, optional=True,
+         integer=True)
+  _check("max_restarts", o.max_restarts, positive=False, integer=True)
+  for name in ("backoff_s", "max_backoff_s", "grace_s", "placement_timeout_s"):
+    _check(name, getattr(o, name), positive=name != "backoff_s")
+  _check("timeout_s", o.timeout_s, positive=True, optional=True)
+
+
+def launch(argv: Sequence[str], hosts: Hosts, **options) -> Outcome:
   """Runs `argv` as one JAX process per host on a Ray cluster and supervises it.
 
   Args:
     argv: the command; a leading `*.py` path runs under each host's Python.
     hosts: `nodes(count, cpus, gpus)` or `tpu_slice("v5p:2x2x4")`.
-    address: the Ray cluster ("auto", "host:port"); None: ray.init's default (RAY_ADDRESS, a
-      running local cluster, or a new one-node cluster). Not used if Ray is initialised.
-    devices_per_process: simulated CPU devices per process (testing on CPUs); None: each
-      host's real devices.
-    max_restarts: restarts after a preemption or a lost host before giving up.
-    backoff_s, max_backoff_s: seconds before restart k (k = 1, 2, ...): backoff_s x 2^(k-1),
-      at most max_backoff_s.
-    grace_s: seconds the other processes get to finish saving after one exits 143, and every
-      process gets after the SIGTERM sent on the timeout or an interrupt.
-    timeout_s: wall-clock limit of the whole launch, restarts included (None: none).
-    placement_timeout_s: seconds to wait for the hosts of an attempt. The first attempt
-      failing that is a configuration error (status 2); a later one counts as a restart.
-    checkpoint_dir: where the job's checkpoints are, for the step a restart resumes from;
-      default: recipes/train_lm.py's own (from its flags), else unknown.
-    env: extra environment for every process.
-    cwd: the processes' working directory (default this one's); the same path on every host.
-    stream: called with each line of process 0's output and of the launcher's reports
-      (default: print).
+    **options: the fields of `Options` (address, devices_per_process, max_restarts,
+      backoff_s, max_backoff_s, grace_s, timeout_s, placement_timeout_s, checkpoint_dir, env,
+      cwd, stream).
 
   Returns:
     An `Outcome`: exit status 0 done, the cause's status after a failure that isn't
@@ -614,30 +646,28 @@ def launch(argv: Sequence[str], hosts: Hosts, *, address: str | None = None,
 
   Raises:
     ValueError: bad arguments or an empty command.
+    TypeError: a keyword that is not a field of `Options`.
     ImportError: Ray isn't installed.
     KeyboardInterrupt: after SIGTERM to every process and their end, when interrupted.
   """
+  o = Options(**options)
   launch_local.command(argv)  # raises on an empty command
   if not isinstance(hosts, Hosts):
     raise ValueError(f"launch_ray: hosts={hosts!r}, expected nodes(...) or tpu_slice(...)")
-  _check("devices_per_process", devices_per_process, positive=True, optional=True, integer=True)
-  _check("max_restarts", max_restarts, positive=False, integer=True)
-  for name, value in (("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s),
-                      ("grace_s", grace_s), ("placement_timeout_s", placement_timeout_s)):
-    _check(name, value, positive=name != "backoff_s")
-  _check("timeout_s", timeout_s, positive=True, optional=True)
+  _check_options(o)
   ray = _import_ray()
-  o = _Options(list(argv), hosts, devices_per_process, dict(env or {}),
-               os.path.abspath(cwd or os.getcwd()), grace_s, placement_timeout_s)
-  stream = stream or (lambda line: print(line, end="", flush=True))
+  stream = o.stream or (lambda line: print(line, end="", flush=True))
   own = not ray.is_initialized()
   if own:
-    ray.init(address=address, logging_level="warning", log_to_driver=False)
-  deadline = None if timeout_s is None else time.monotonic() + timeout_s
-  say = lambda text: stream(f"{_PREFIX}{text}\n")  # noqa: E731
+    ray.init(address=o.address, logging_level="warning", log_to_driver=False)
+  command = Command(list(argv), o.devices_per_process, dict(o.env or {}),
+                    os.path.abspath(o.cwd or os.getcwd()))
   try:
-    return _supervise(ray, o, max_restarts, (backoff_s, max_backoff_s), checkpoint_dir, say,
-                      stream, deadline)
+    return _supervise(ray, _Launch(
+        command, hosts, o.grace_s, o.placement_timeout_s, o.max_restarts,
+        (o.backoff_s, o.max_backoff_s), o.checkpoint_dir, stream,
+        lambda text: stream(f"{_PREFIX}{text}\n"),
+        None if o.timeout_s is None else time.monotonic() + o.timeout_s))
   finally:
     if own:
       ray.shutdown()

@@ -1,1 +1,2 @@
-"""The main job's pieces: models (`gpt`, `llama`), data, flags and resume (`harness`), metrics (`run_log`)."""
+"""The main job's pieces: models (`gpt`, `llama`), data, set-up and reports (`harness`),
+checkpoints, metrics (`run_log`)."""

@@ -269,15 +269,26 @@ def flops_per_token(cfg: ModelConfig) -> float:
                                      d_model=cfg.d_model, seq=cfg.seq)
 
 
-def generate(apply_fn, params: dict, prompt: list[int], length: int, *, seq: int,
-             temperature: float, seed: int, attention: str = "auto") -> list[int]:
-  """Continues `prompt` (token ids) by `length` tokens: greedy at temperature 0, else sampled.
+class Sampling(NamedTuple):
+  """How `generate` continues a prompt: `length` new tokens, each predicted from the last
+  `seq`; greedy at `temperature` 0, else sampled (key `seed`); `attention`: the kernel."""
+  length: int
+  seq: int
+  temperature: float
+  seed: int
+  attention: str = "auto"
+
+
+def generate(apply_fn, params: dict, prompt: list[int], how: Sampling) -> list[int]:
+  """Continues `prompt` (token ids) by `how.length` tokens: greedy at temperature 0, else
+  sampled.
 
   Model-agnostic (`apply_fn(params, tokens)` -> logits [batch, seq, vocab]). Each new token
   is predicted from the last `seq` tokens (a sliding window; a model this small needs no KV
   cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
   across processes); all get the same tokens.
   """
+  length, seq, temperature, seed, attention = how
   prompt = list(prompt or [0])[-seq:]
   p = len(prompt)
   total = max(seq, p + length)

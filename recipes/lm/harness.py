@@ -1,17 +1,18 @@
 """The plumbing of `train_lm.py` that a user rarely edits: options as flags and keywords,
-device start-up, topology checks, precision, the MFU denominator, resume, the start-up
-report, progress and summary (recorded through run_log.py)."""
+device start-up, topology checks, precision, the MFU denominator, the start-up report, step
+timing, progress and summary (recorded through run_log.py). Checkpoints: checkpoints.py."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from absl import flags
 import jax
@@ -23,7 +24,7 @@ from fnscale.analysis import flops
 from fnscale import mesh as fs_mesh
 from fnscale import sharding
 from fnscale.analysis import report as fs_report
-from recipes.lm import run_log as rl
+from recipes.lm import checkpoints as ck, data, gpt, run_log as rl
 
 
 def option(default, help_: str):
@@ -214,19 +215,26 @@ def _host_matmul_peak() -> float:
   return flops.measure_matmul_peak(clock="cpu")
 
 
-def peak_flops(topo) -> tuple[float | None, str]:
-  """The MFU denominator (FLOP/s of all devices together) and a line saying what it is."""
+class Peak(NamedTuple):
+  """The MFU denominator: the FLOP/s of all devices together (None: unknown), and a line
+  saying what it is."""
+  flops: float | None
+  about: str
+
+
+def peak_flops(topo) -> Peak:
+  """The MFU denominator of the hardware `topo` (on CPU: this host's measured matmul peak)."""
   if topo.platform == "cpu":
     peak = _host_matmul_peak() * jax.process_count()
-    return peak, (f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (the fastest of 10 "
-                  f"runs, per CPU-second x {flops.usable_cores()} cores: other jobs on the "
-                  f"machine lower the MFU, not the peak{_load_average()}), shared by all "
-                  f"{jax.device_count()} simulated devices (one host's cores)")
+    return Peak(peak, f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (the fastest of 10 "
+                f"runs, per CPU-second x {flops.usable_cores()} cores: other jobs on the "
+                f"machine lower the MFU, not the peak{_load_average()}), shared by all "
+                f"{jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:
-    return topo.peak_flops_per_device * jax.device_count(), (
-        f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x {jax.device_count()} "
-        "devices")
-  return None, "unknown peak FLOP/s for this device kind; MFU not reported"
+    return Peak(topo.peak_flops_per_device * jax.device_count(),
+                f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x "
+                f"{jax.device_count()} devices")
+  return Peak(None, "unknown peak FLOP/s for this device kind; MFU not reported")
 
 
 def _load_average() -> str:
@@ -292,7 +300,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
 
 
 # ------------------------------------------------------------------------------------------------
-# Resume, start-up report, progress, summary.
+# The start-up report, step timing, progress lines. `r` is train_lm's `Run`.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -306,136 +314,164 @@ def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str
   return os.path.join("runs", f"{model}-{name}" + (f"-vocab{vocab}" if tokenizer else ""))
 
 
-def restore_or_init(ckpt, init, batches, expect: dict, say, reshard=None, run: str = ""):
-  """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a
-  `fnscale.checkpoint.Manager`; a damaged or non-finite newer step is refused and left as it
-  is), with the data iterator `batches` put at the position each process saved (`reshard`
-  maps positions saved by another process count); or `(init(), 0, None)` when there is none
-  (or `ckpt` is None). Warns when `extra` differs from `expect` (seed, corpus, batch: the data
-  order would differ).
-
-  Raises:
-    CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
-      the message names `run` (this run's directory and model) and how to start afresh.
-  """
-  listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
-  if not listed:
-    return init(), 0, None
-  try:
-    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=batches,
-                                         reshard_data=reshard)
-  except fs.CheckpointError as e:
-    raise fs.CheckpointError(
-        f"{run or ckpt.directory} can't resume from the checkpoints already in "
-        f"{ckpt.directory} (steps {list(listed)}): {e} To keep them and start this run "
-        "afresh, give it another directory (--run_dir=NEW_DIR, or --checkpoint_dir); to start "
-        f"over in this one, remove {ckpt.directory} first.") from None
-  start = int(extra["step"])
-  refused = [d for d in listed if d > start]
-  if refused:
-    say(f"checkpoint: refused step(s) {refused} in {ckpt.directory} (incomplete, corrupt or "
-        "non-finite; left as they are); resuming from the newest good one")
-  changed = [f"{k} {extra.get(k)} -> {v}" for k, v in expect.items()
-             if extra.get(k) not in (None, v)]
-  if changed:
-    say("warning: resuming with a different " + ", ".join(changed) + "; the data order "
-        "differs from the original run")
-  say(f"resumed from step {start} ({ckpt.directory})")
-  return state, start, extra
+class Setup(NamedTuple):
+  """A run as train_lm's options decide it (`train_lm._setup`): the options with every
+  default filled in (checked), the hardware, mesh, model and data."""
+  o: Any  # train_lm.Options
+  topo: fs.Topology
+  mesh: jax.sharding.Mesh
+  model: Any  # the model's module: gpt or llama
+  cfg: Any  # its ModelConfig
+  profile: rl.ProfileWindow | None  # --profile_steps
+  corpus: data.Corpus
 
 
-def say_save_window(ckpt, grace_s: float, say) -> bool:
-  """Says so when a checkpoint save can't fit the preemption window, from the newest step's
-  save time (orbax's step metadata; None `ckpt` or no step yet: nothing to say). After a
-  notice the final save may first wait for one in flight: two saves must fit in `grace_s`.
-  Returns whether it said so."""
-  last = fs.checkpoint.last_save_seconds(ckpt) if ckpt is not None else None
-  if last is None or 2 * last[1] <= grace_s:
-    return False
-  step, seconds = last
-  say(f"warning: a checkpoint save takes ~{seconds:.1f} s here (step {step}); after a "
-      "preemption notice the final save may first wait for one in flight, "
-      f"~{2 * seconds:.0f} s in all, but grace_s is {grace_s:g} s: raise grace_s (within the "
-      "platform's notice) or checkpoint more often (checkpoint_every), so that less is lost "
-      "when the final save can't finish")
-  return True
+class Run(NamedTuple):
+  """What train_lm's loop and its reports share, built once when the step has compiled."""
+  s: Setup
+  say: Callable[..., None]  # print, on process 0 only
+  t0: float  # when the run started (time.time())
+  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+  policy: Any  # the jmp policy (None: float32)
+  schedule: Callable[[int], float]  # the learning rate at a step
+  peak: Peak  # the MFU denominator
+  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
+  report: Any  # its fs.compile_report
+  batches: Any  # this process's batch iterator (each checkpoint saves its position)
+  eval_loss: Callable  # eval_loss(params, batch) -> mean loss (jitted)
+  eval_batches: list  # the held-out global batches of every eval
+  start: int  # the first step this call trains
+  resumed: int | None  # the step it resumed from (None: a fresh run)
+  log: rl.RunLog  # metrics.jsonl and TensorBoard
+  prof: rl.Profiler  # the --profile_steps trace
+  saver: ck.Saver  # checkpoint saves, each after the finiteness check
+  should_stop: Callable[[int], bool]  # the preemption guard's check
 
 
-def first_nonfinite(flags: list) -> int | None:
-  """The first step of `flags` ([(step, on-device bool: its loss and state were finite)])
-  whose flag is False, or None; reads them all in one transfer and empties the list."""
-  if not flags:
-    return None
-  values = jax.device_get([f for _, f in flags])
-  steps = [s for s, _ in flags]
-  flags.clear()
-  return next((s for s, ok in zip(steps, values) if not ok), None)
+def flops_per_step(s: Setup) -> float:
+  """Model FLOPs per step (MFU's numerator, times the step's time)."""
+  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
-def nonfinite_error(bad: int, last_good: int | None, ckpt_dir: str, lr: float):
-  """The StepError that stops a run whose loss or state went non-finite at step `bad`."""
-  if ckpt_dir and last_good is not None:
-    good = (f"the last good checkpoint is step {last_good} in {ckpt_dir} (rerunning resumes "
-            "from it)")
-  else:
-    good = "there is no good checkpoint of this run" if ckpt_dir else "checkpoints are off"
-  return fs.StepError(
-      f"the loss or the train state went non-finite (NaN or inf) at step {bad}; the run stops "
-      f"and saves no step from it on; {good}. Lower lr (peak {lr:g}), raise warmup_steps, or "
-      "use precision=float32")
+def param_count(state) -> int:
+  """The number of parameters of a train state."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 
 
-def describe(s, state, corpus, report, pol, peak, flops_step, resumed, say) -> int:
-  """The start-up lines and the "start" and "data" records of run.json of a run set up as
-  `s`; `corpus` is (its description, its data.Baseline), `peak` is `peak_flops`'s pair.
-  Returns the param count."""
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  c, seq = s.cfg, s.cfg.seq
+def bits_per_byte(r, loss: float) -> float:
+  """A loss in nats per token of run `r`'s corpus, in bits per byte of text."""
+  return loss * r.s.corpus.tokens_per_byte / math.log(2)
+
+
+def describe(r, state) -> None:
+  """The start-up lines and the "start" and "data" records of run.json of run `r`, about to
+  train `state`."""
+  s, o, c, seq, say = r.s, r.s.o, r.s.cfg, r.s.cfg.seq, r.say
+  n_params = param_count(state)
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
-  say(f"fnscale train_lm: model {s.o.model_config} ({c.layers} layers, d_model {c.d_model}, "
+  say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(f"topology: {s.topo}")
   say(fs_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
   axes = sharding.data_axes(s.mesh)
-  say(f"batch: {s.o.global_batch} rows x {seq} tokens = {s.o.global_batch * seq} tokens/step "
-      f"({s.o.global_batch // dp} per data-parallel device x {dp} over {axes})"
-      + (f", {s.o.accum_steps} accumulation steps" if s.o.accum_steps > 1 else ""))
-  say(f"data: {corpus[0]}; held-out bigram baseline {corpus[1].bigram:.4f} nats/token "
-      "(recipes/baseline.py)")
-  say(f"schedule: {s.o.steps} steps, peak lr {s.o.lr:g}, warmup {s.o.warmup_steps}, cosine to "
-      f"{s.o.lr * s.o.min_lr_ratio:g}; precision {s.o.precision}"
-      + (f" ({pol})" if pol is not None else " (float32)"))
-  say("compile: " + str(report).replace("\n", "\n  "))
-  say(f"MFU denominator: {peak[1]}")
-  rl.write_run_record(s.o.run_dir, "start", dict(
-      step=int(state.step), options=dataclasses.asdict(s.o), params=n_params, seq=seq,
-      global_batch=s.o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-      processes=jax.process_count(), compile_s=report.compile_seconds, resumed_from=resumed,
-      peak_flops=peak[0], flops_per_step=flops_step, xla_warnings=list(report.xla_warnings)),
-      active=jax.process_index() == 0)
-  rl.write_run_record(s.o.run_dir, "data", dict(
-      dataset=s.o.dataset, tokenizer=s.o.tokenizer, unigram_loss=corpus[1].unigram,
-      bigram_loss=corpus[1].bigram), active=jax.process_index() == 0)
-  return n_params
+  say(f"batch: {o.global_batch} rows x {seq} tokens = {o.global_batch * seq} tokens/step "
+      f"({o.global_batch // dp} per data-parallel device x {dp} over {axes})"
+      + (f", {o.accum_steps} accumulation steps" if o.accum_steps > 1 else ""))
+  say(f"data: {s.corpus.describe}; held-out bigram baseline {r.baseline.bigram:.4f} "
+      "nats/token (recipes/baseline.py)")
+  say(f"schedule: {o.steps} steps, peak lr {o.lr:g}, warmup {o.warmup_steps}, cosine to "
+      f"{o.lr * o.min_lr_ratio:g}; precision {o.precision}"
+      + (f" ({r.policy})" if r.policy is not None else " (float32)"))
+  say("compile: " + str(r.report).replace("\n", "\n  "))
+  say(f"MFU denominator: {r.peak.about}")
+  rl.write_run_record(o.run_dir, "start", dict(
+      step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
+      global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
+      processes=jax.process_count(), compile_s=r.report.compile_seconds,
+      resumed_from=r.resumed, peak_flops=r.peak.flops, flops_per_step=flops_per_step(r.s),
+      xla_warnings=list(r.report.xla_warnings)), active=jax.process_index() == 0)
+  rl.write_run_record(o.run_dir, "data", dict(
+      dataset=o.dataset, tokenizer=o.tokenizer, unigram_loss=r.baseline.unigram,
+      bigram_loss=r.baseline.bigram), active=jax.process_index() == 0)
 
 
-def progress(s, done: int, m, dt, lr: float, flops_step: float, peak, say, log) -> dict:
-  """One progress line (loss, lr, tokens/s, MFU and its denominator, ETA) and its record in
-  `log` (a run_log.RunLog). `dt`: seconds per step (None: not measured yet).
+def evaluate(r, state, step: int) -> float:
+  """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged."""
+  # All devices finish each eval program (not just the one a scalar is read from).
+  value = float(np.mean([float(jax.block_until_ready(r.eval_loss(state.params, b)))
+                         for b in r.eval_batches]))
+  bpb = bits_per_byte(r, value)
+  r.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
+  r.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
+  return value
+
+
+def sample(r, state) -> str:
+  """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said."""
+  o, c, t = r.s.o, r.s.corpus, time.time()
+  apply = functools.partial(r.s.model.apply, cfg=r.s.cfg)
+  text = c.decode(gpt.generate(apply, state.params, c.encode(o.prompt or "\n"),
+                               gpt.Sampling(o.sample_len, r.s.cfg.seq, o.temperature, o.seed,
+                                            o.attention)))
+  r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "
+        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.prompt}{text}\n{'-' * 60}")
+  return text
+
+
+EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
+
+
+class Timing(NamedTuple):
+  """The timed steps so far (`seconds`, `steps`) and where the open window began."""
+  mark_s: float
+  mark_step: int
+  seconds: float = 0.0
+  steps: int = 0
+
+
+def lap(t: Timing, done: int) -> tuple[Timing, float | None]:
+  """Closes the window at step `done` (counted in the totals unless it holds no step: then
+  it only timed a progress line), opens the next one now. Returns the new timing and the
+  window's seconds per step (None for an empty window)."""
+  now, n = time.time(), done - t.mark_step
+  if n <= 0:
+    return t._replace(mark_s=now), None
+  return Timing(now, done, t.seconds + now - t.mark_s, t.steps + n), (now - t.mark_s) / n
+
+
+def paused(t: Timing | None, seconds: float) -> Timing | None:
+  """`t` with `seconds` (a save's) left out of its open window."""
+  return None if t is None else t._replace(mark_s=t.mark_s + seconds)
+
+
+def whole_run(r, t: Timing | None) -> dict:
+  """tokens/s and MFU of run `r` over every timed step (None when fewer than two steps ran)."""
+  if t is None or t.steps == 0 or t.seconds <= 0:
+    return dict(tokens_per_s=None, mfu=None)
+  per_s = t.steps / t.seconds
+  return dict(tokens_per_s=r.s.o.global_batch * r.s.cfg.seq * per_s,
+              mfu=flops_per_step(r.s) * per_s / r.peak.flops if r.peak.flops else None)
+
+
+def progress(r, done: int, m, dt) -> dict:
+  """One progress line of run `r` at step `done` with metrics `m` (loss, lr, tokens/s, MFU
+  and its denominator, ETA) and its record in `r.log`. `dt`: seconds per step (None: not
+  measured yet).
 
   Raises:
     StepError: a non-finite loss.
   """
-  loss = float(m["loss"])
+  s, peak, loss = r.s, r.peak.flops, float(m["loss"])
   tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
-  mfu = flops_step / dt / peak if dt and peak else None
-  metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
+  mfu = flops_per_step(r.s) / dt / peak if dt and peak else None
+  metrics = {"train/loss": loss, "train/lr": float(r.schedule(done)),
+             "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
   line = rl.progress_line(done, s.o.steps, metrics, dt)
-  say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
-  log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
-                   "train/update_norm": float(m["update_norm"])})
+  r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
+  r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
+                     "train/update_norm": float(m["update_norm"])})
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
@@ -503,20 +539,28 @@ def _stall_cause(m, grad: float, update: float) -> str:
           "precision='params=float32,compute=bfloat16,output=float32') or raise lr")
 
 
-def summarize(fields: dict, s, state, report, n_params: int, t0: float, say) -> "Summary":
-  """The run's Summary from `fields` (train_lm's _finish), said in one line and recorded as
-  the "summary" of run.json."""
-  summary = Summary(**fields, compile_s=report.compile_seconds, wall_s=time.time() - t0,
-                    params=n_params, run_dir=s.o.run_dir, state=state,
-                    checkpoint_dir=s.o.checkpoint_dir or None,
-                    metrics=os.path.join(s.o.run_dir, rl.METRICS_FILE))
+def summarize(r, state, out: dict) -> "Summary":
+  """The Summary of run `r` that ended with `state`; `out`: the loop's figures (train_lm's
+  `_train`, `_finish`). Said in one line and recorded as the "summary" of run.json."""
+  s, ev = r.s, out["eval_loss"]
+  summary = Summary(
+      final_step=int(state.step), start_step=r.start, resumed_from=r.resumed,
+      stopped=out["stopped"], loss=out.get("loss"), eval_loss=ev,
+      bits_per_byte=None if ev is None else bits_per_byte(r, ev),
+      bigram_loss=r.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
+      compile_s=r.report.compile_seconds, train_s=out["train_s"], wall_s=time.time() - r.t0,
+      params=param_count(state), global_batch=s.o.global_batch, seq=s.cfg.seq,
+      mesh=dict(s.mesh.shape), devices=jax.device_count(), processes=jax.process_count(),
+      sample=out["sample"], run_dir=s.o.run_dir, state=state,
+      checkpoint_dir=s.o.checkpoint_dir or None,
+      metrics=os.path.join(s.o.run_dir, rl.METRICS_FILE))
   rl.write_run_record(s.o.run_dir, "summary", summary.record(),
                       active=jax.process_index() == 0)
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token"
-      f"{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
-      if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token"
+        f"{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+        if summary.eval_loss is not None else f"done: step {summary.final_step}")
   return summary
 
 

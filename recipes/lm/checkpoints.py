@@ -1,0 +1,171 @@
+"""A run's checkpoints, as `train_lm.py` keeps them: resume from the newest good one (with the
+data iterator where it was), save only finite states (each with the data position), and say
+when a save can't fit the preemption window. `s` is train_lm's `Setup`; `ckpt` a
+`fnscale.checkpoint.Manager`, or None when checkpoints are off."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, NamedTuple
+
+import jax
+
+import fnscale as fs
+from recipes.lm import data
+
+
+def directory(o) -> str:
+  """Where a run with train_lm options `o` (its `run_dir` filled in:
+  `harness.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
+  return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+
+
+def with_finite_flag(step):
+  """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
+  check into the step; the loop reads it before any save)."""
+  def step_with_flag(state, batch):
+    state, metrics = step(state, batch)
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
+  return step_with_flag
+
+
+def resume(s, ckpt, init, batches, say):
+  """(state, start step, the step resumed from or None): the newest good checkpoint of
+  `ckpt`, with `batches` at each process's saved position, else a fresh `init()`. Says
+  whether a save fits the preemption window and compiles the save's finiteness check."""
+  o = s.o
+  state, start, extra = restore_or_init(ckpt, init, batches, dict(
+      seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
+      f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
+      f"{s.cfg.vocab})")
+  if start >= o.steps:
+    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
+        "--run_dir=NEW_DIR or more --steps for another run)")
+  say_save_window(ckpt, o.grace_s, say)
+  if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
+    fs.checkpoint.nonfinite_leaves(state)
+  return state, start, None if extra is None else start
+
+
+def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
+  """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
+  non-finite newer step is refused and left as it is), with the data iterator `batches` put
+  at the position each process saved (`data.resharded_position` maps positions saved by
+  another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
+  Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
+  differ).
+
+  Raises:
+    CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
+      the message names `run` (this run's directory and model) and how to start afresh.
+  """
+  listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
+  if not listed:
+    return init(), 0, None
+  try:
+    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=batches,
+                                         reshard_data=data.resharded_position)
+  except fs.CheckpointError as e:
+    raise fs.CheckpointError(
+        f"{run or ckpt.directory} can't resume from the checkpoints already in "
+        f"{ckpt.directory} (steps {list(listed)}): {e} To keep them and start this run "
+        "afresh, give it another directory (--run_dir=NEW_DIR, or --checkpoint_dir); to start "
+        f"over in this one, remove {ckpt.directory} first.") from None
+  start = int(extra["step"])
+  refused = [d for d in listed if d > start]
+  if refused:
+    say(f"checkpoint: refused step(s) {refused} in {ckpt.directory} (incomplete, corrupt or "
+        "non-finite; left as they are); resuming from the newest good one")
+  changed = [f"{k} {extra.get(k)} -> {v}" for k, v in expect.items()
+             if extra.get(k) not in (None, v)]
+  if changed:
+    say("warning: resuming with a different " + ", ".join(changed) + "; the data order "
+        "differs from the original run")
+  say(f"resumed from step {start} ({ckpt.directory})")
+  return state, start, extra
+
+
+def say_save_window(ckpt, grace_s: float, say) -> bool:
+  """Says so when a checkpoint save can't fit the preemption window, from the newest step's
+  save time (orbax's step metadata; None `ckpt` or no step yet: nothing to say). After a
+  notice the final save may first wait for one in flight: two saves must fit in `grace_s`.
+  Returns whether it said so."""
+  last = fs.checkpoint.last_save_seconds(ckpt) if ckpt is not None else None
+  if last is None or 2 * last[1] <= grace_s:
+    return False
+  step, seconds = last
+  say(f"warning: a checkpoint save takes ~{seconds:.1f} s here (step {step}); after a "
+      "preemption notice the final save may first wait for one in flight, "
+      f"~{2 * seconds:.0f} s in all, but grace_s is {grace_s:g} s: raise grace_s (within the "
+      "platform's notice) or checkpoint more often (checkpoint_every), so that less is lost "
+      "when the final save can't finish")
+  return True
+
+
+class Saver(NamedTuple):
+  """What stands between a step and its checkpoint (`saver`)."""
+  note: Callable  # note(step, metrics): keep the step's on-device finiteness flag
+  check: Callable  # check(): StepError naming the first non-finite step and the last good save
+  save: Callable  # save(state, step): check(), then save step (once) with the data position
+  commit: Callable  # commit(): wait until the last save is committed
+
+
+def saver(s, ckpt, batches, resumed: int | None, say) -> Saver:
+  """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
+  steps since the last check are read before every save and progress line), saves go through
+  `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
+  preemption window is said as soon as its time is known (at start-up from the last run's
+  save; in the run from its second save: the first one's time includes one-off compiles)."""
+  flags, last_saved, warned, saves = [], resumed, False, 0
+
+  def check():
+    bad = first_nonfinite(flags)
+    if bad is not None:
+      commit()  # the last good save is on disk before the run stops
+      raise nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
+
+  def save(state, step: int):
+    nonlocal last_saved, warned, saves
+    check()
+    if ckpt is None or step == last_saved:
+      return
+    if saves >= 2 and not warned:  # the first save's time includes one-off compiles
+      warned = say_save_window(ckpt, s.o.grace_s, say)
+    t = time.time()
+    # Before the next batch is read: the iterator's position is this step's.
+    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
+        step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
+        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train)))
+    last_saved, saves = step, saves + 1
+    say(f"checkpoint: step {step} saving in the background (the loop waited "
+        f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
+
+  def commit():
+    if ckpt is not None:
+      fs.checkpoint.wait(ckpt)
+
+  return Saver(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
+
+
+def first_nonfinite(flags: list) -> int | None:
+  """The first step of `flags` ([(step, on-device bool: its loss and state were finite)])
+  whose flag is False, or None; reads them all in one transfer and empties the list."""
+  if not flags:
+    return None
+  values = jax.device_get([f for _, f in flags])
+  steps = [s for s, _ in flags]
+  flags.clear()
+  return next((s for s, ok in zip(steps, values) if not ok), None)
+
+
+def nonfinite_error(bad: int, last_good: int | None, ckpt_dir: str, lr: float):
+  """The StepError that stops a run whose loss or state went non-finite at step `bad`."""
+  if ckpt_dir and last_good is not None:
+    good = (f"the last good checkpoint is step {last_good} in {ckpt_dir} (rerunning resumes "
+            "from it)")
+  else:
+    good = "there is no good checkpoint of this run" if ckpt_dir else "checkpoints are off"
+  return fs.StepError(
+      f"the loss or the train state went non-finite (NaN or inf) at step {bad}; the run stops "
+      f"and saves no step from it on; {good}. Lower lr (peak {lr:g}), raise warmup_steps, or "
+      "use precision=float32")

@@ -1,0 +1,85 @@
+"""train_lm's models: the named sizes of every model module, a Hugging Face checkpoint as the
+start of a run (`--init_from`) and as its result (`--export_hf`).
+
+Each model module has one interface: `SIZES`, `model_config(size, seq)`, `init_params`,
+`RULES`, `logical_axes`, `loss_fn(params, batch, *, remat, cfg, ...)`, `apply`,
+`flops_per_token`. `s` below is train_lm's `harness.Setup`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from types import ModuleType
+
+import fnscale as fs
+from recipes.lm import gpt, hf_maps, llama
+
+# Model name -> its module.
+MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
+
+
+def choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
+  """(model module, its config, the run's model name): --init_from's config.json, else the
+  named `size` with the corpus's `vocab`. Raises InputError on an unknown name, both options
+  given, or a tokenizer with more ids than the checkpoint's model."""
+  if not o.init_from:
+    if size not in MODELS:
+      raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
+                          f"{list(MODELS)}")
+    return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=vocab), size
+  if o.model_config:
+    raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
+                        "the checkpoint's config.json chooses the model; leave one out")
+  m = hf_maps.read(o.init_from, seq)
+  if vocab > m.cfg.vocab:
+    raise fs.InputError(f"the tokenizer has {vocab} ids and {o.init_from}'s model "
+                        f"{m.cfg.vocab}; fix: use the checkpoint's own tokenizer.json")
+  name = os.path.basename(os.path.normpath(o.init_from.split("://")[-1])) or "hf"
+  return m.model, m.cfg, name
+
+
+def tokenizer(o) -> str:
+  """--tokenizer, else --init_from's tokenizer.json (its model's ids), else "" (bytes)."""
+  if o.tokenizer or not o.init_from:
+    return o.tokenizer
+  path = os.path.join(o.init_from, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
+                        "model's tokenizer with --tokenizer=PATH/tokenizer.json")
+  return path
+
+
+def init(s, optimizer, policy, seed_key):
+  """`init(abstract=False)` of the run's state, born in its shardings: fresh params, or
+  --init_from's weights read straight into their shardings (`fnscale.checkpoint.hf.load`)."""
+  kw = dict(mesh=s.mesh, rules=s.model.RULES, logical_axes=s.model.logical_axes(s.cfg),
+            policy=policy)
+  fresh = functools.partial(fs.init_state, functools.partial(s.model.init_params, s.cfg),
+                            optimizer, key=seed_key, **kw)
+  if not s.o.init_from:
+    return fresh
+
+  def from_hf(abstract: bool = False):
+    shapes = fresh(abstract=True)
+    if abstract:
+      return shapes
+    m = hf_maps.HFModel(s.model, s.cfg, {})
+    params = fs.checkpoint.hf.load(s.o.init_from, shapes.params,
+                                   hf_maps.checkpoint_map(m, s.o.init_from))
+    return fs.init_state(params, optimizer, **kw)
+  return from_hf
+
+
+def export(s, state, say) -> None:
+  """Writes the params as a Hugging Face checkpoint to --export_hf (every process calls it;
+  process 0 writes), with --init_from's config.json and tokenizer files when it has them."""
+  t, o = time.time(), s.o
+  m = (hf_maps.read(o.init_from, s.cfg.seq) if o.init_from else
+       hf_maps.of_model(s.model, s.cfg))
+  tok = tokenizer(o)
+  fs.checkpoint.hf.export(o.export_hf, state.params,
+                          hf_maps.checkpoint_map(m, o.init_from or None),
+                          config=hf_maps.to_config(m),
+                          tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
+  say(f"exported a Hugging Face checkpoint to {o.export_hf} ({time.time() - t:.1f} s)")
