@@ -67,11 +67,14 @@ def main(argv: list[str]) -> int:
   except fs.FnscaleError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 2
-  t = manifest["tokenize_s"]
+  run = manifest["run"]
+  rate = (f", {run['tokens'] / run['seconds']:,.0f} tokens/s with {run['workers']} "
+          f"process(es)" if run["seconds"] > 0 and run["tokens"] else "")
   print(f"cache: {manifest['docs']} documents, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} with loss weight) in {len(manifest['shards'])} shards, "
         f"tokenizer {manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab']}); "
-        f"this run {t:.1f} s" + (f", {manifest['tokens'] / t:,.0f} tokens/s" if t > 0 else ""))
+        f"this run: {run['shards']} shards, {run['tokens']} tokens in {run['seconds']:.1f} s"
+        + rate)
   return 0
 
 

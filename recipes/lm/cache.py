@@ -76,7 +76,7 @@ def list_files(source: str) -> list[tuple[str, int]]:
     base, pattern = _glob_split(source)
     found = list(epath.Path(base).glob(pattern))
   elif p.is_dir():
-    found = list(p.rglob("*"))
+    found = _walk(p)
   else:
     found = [p] if p.exists() else []
   files = sorted((os.fspath(f), f.stat().length) for f in found if f.is_file())
@@ -84,6 +84,14 @@ def list_files(source: str) -> list[tuple[str, int]]:
     raise fs.InputError(f"source {source!r}: no such file, or no files in that directory or "
                         "glob; pass text, .jsonl or .parquet files, directories or globs")
   return files
+
+
+def _walk(d) -> list:
+  """Every path under directory `d` (epath's rglob refuses `**` on object stores)."""
+  out = []
+  for child in d.iterdir():
+    out += _walk(child) if child.is_dir() else [child]
+  return out
 
 
 def _glob_split(source: str) -> tuple[str, str]:
@@ -105,6 +113,9 @@ def plan(files: list[tuple[str, int]], shard_bytes: int) -> list[shards.Task]:
         tasks.append(shards.Task(tuple(group), "text"))
         group, size = [], 0
       continue
+    if group:  # shards keep the order of the files
+      tasks.append(shards.Task(tuple(group), "text"))
+      group, size = [], 0
     if kind == "jsonl":
       tasks += [shards.Task((path,), "jsonl", a, min(n, a + shard_bytes))
                 for a in range(0, max(n, 1), shard_bytes)]
@@ -177,7 +188,8 @@ def _copy_tokenizer(spec: BuildSpec) -> None:
 
 def build(spec: BuildSpec, say=print) -> dict:
   """Tokenizes `spec.sources` into a cache at `spec.out` (see the module docstring);
-  returns the manifest. Shards already done (a rerun) are kept.
+  returns the manifest plus "run": this run's shards, tokens, seconds and processes. Shards
+  already done (a rerun) are kept.
 
   Raises:
     InputError: missing sources or tokenizer, bad records (naming the file and byte), a
@@ -209,12 +221,14 @@ def build(spec: BuildSpec, say=print) -> dict:
       f"({len(tasks) - len(todo)} already done), {spec.workers} process(es)")
   t0 = time.perf_counter()
   _run(todo, tasks, paths, tokenizer, pj["field"], spec.workers)
+  seconds = time.perf_counter() - t0
   manifest = _manifest(pj, names, paths)
-  manifest["tokenize_s"] = time.perf_counter() - t0
   with open(os.path.join(spec.out, "manifest.json.tmp"), "w") as f:
     json.dump(manifest, f, indent=1)
   os.replace(os.path.join(spec.out, "manifest.json.tmp"), os.path.join(spec.out, "manifest.json"))
-  return manifest
+  done = sum(manifest["shards"][k]["tokens"] for k in todo)
+  return dict(manifest, run={"shards": len(todo), "tokens": done, "seconds": seconds,
+                             "workers": min(spec.workers, max(1, len(todo)))})
 
 
 def _run(todo, tasks, paths, tokenizer, field: str, workers: int) -> None:

@@ -68,14 +68,13 @@ def load_template(tokenizer_spec: str, template_file: str = "") -> Template:
 
 @functools.lru_cache(maxsize=8)
 def _compiled(text: str):
-  import jinja2  # pylint: disable=import-outside-toplevel
-  from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
+  from jinja2 import ext, sandbox  # pylint: disable=import-outside-toplevel
 
   def raise_exception(message):
     raise shards.ShardError(f"the chat template refused the conversation: {message}")
 
   env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                              extensions=[jinja2.ext.loopcontrols])
+                                              extensions=[ext.loopcontrols])
   env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
                                                            indent=indent)
   env.globals["raise_exception"] = raise_exception
