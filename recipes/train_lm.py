@@ -28,7 +28,7 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import data, gpt, harness as h, llama, run_log as rl  # noqa: E402
+from recipes.lm import data, gpt, harness as h, llama, packing, run_log as rl  # noqa: E402
 
 # Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
 MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
@@ -39,7 +39,14 @@ class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
   model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default "
                                     "tiny_gpt2 on CPU, small on TPU/GPU")
-  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
+  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob; "
+                          "or token caches (recipes/pretokenize.py): DIR, 'DIR:0.7,DIR2:0.3' "
+                          "or a JSON file of weights")
+  packing: str = h.option("first_fit", "token caches: packing of documents into rows, "
+                          "first_fit or best_fit")
+  pack_bins: int = h.option(8, "token caches: rows packed at once per row stream")
+  long_docs: str = h.option("split", "token caches: a document longer than a row is split "
+                            "into pieces, truncate-d, or an error")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
   seq: int | None = h.option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
   batch_size: int | None = h.option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
@@ -151,6 +158,11 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  if corpus.packed is not None:
+    packing.check_spec(packing.PackSpec(seq, o.packing, o.pack_bins, o.long_docs))
+    if o.epochs is not None:
+      raise fs.InputError(f"epochs={o.epochs}: token caches are read as an endless mixture; "
+                          "give --steps instead")
   data.check_fits(corpus, seq)
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
@@ -207,6 +219,14 @@ def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
     return _run(s, corpus, ckpt, t0, say, should_stop)
 
 
+def _mean(loss):
+  """A loss as a mean: (sum, weight) of a weighted loss divided (padding-only: 0)."""
+  if isinstance(loss, tuple):
+    total, weight = loss
+    return total / jax.numpy.maximum(weight, 1.0)
+  return loss
+
+
 def _with_finite_flag(step):
   """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
   check into the step; the loop reads it before any save)."""
@@ -222,13 +242,15 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
-  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
-                          policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather)
+  packed = corpus.packed is not None  # packed rows: the loss is weighted (padding has none)
+  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, weighted=packed),
+                          optimizer, policy=policy, accum_steps=o.accum_steps,
+                          accum_gather=o.accum_gather, weighted=packed)
   step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
-  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b),
+  eval_loss = jax.jit(fs.with_kernel(lambda p, b: _mean(model.loss_fn(cast(p), b,
+                                                                      weighted=packed)),
                                      attention=o.attention))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
@@ -237,15 +259,25 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
                              policy=policy, key=jax.random.key(o.seed))
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
-    batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
-                                  o.eval_batches)
+    if packed:
+      batches, evals = data.packed_batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
+                                           o.eval_batches, (o.packing, o.pack_bins, o.long_docs))
+    else:
+      batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
+                                    o.eval_batches)
     state, start, extra = _resume(s, ckpt, init, batches, corpus, say)
     resumed = None if extra is None else start
     h.say_save_window(ckpt, o.grace_s, say)
     if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
       fs.checkpoint.nonfinite_leaves(state)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
-    first = fs.global_batch(next(batches), bsh)
+    first_rows = next(batches)
+    if packed:
+      say(f"packing ({o.packing}, {o.pack_bins} bins, long documents: {o.long_docs}): "
+          f"{packing.padding_fraction(first_rows):.1%} padding in this process's rows of the "
+          f"first batch, {np.mean([packing.padding_fraction(b) for b in evals] or [0]):.1%} in "
+          "the eval batches")
+    first = fs.global_batch(first_rows, bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     report = fs.compile_report(step_fn, state, first)
@@ -279,7 +311,8 @@ def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
   o = s.o
   state, start, extra = h.restore_or_init(ckpt, init, batches, dict(
       seed=o.seed, corpus_tokens=len(corpus.train), global_batch=o.global_batch), say,
-      data.resharded_position, f"--run_dir={o.run_dir} (this run: model {o.model_config}, "
+      packing.resharded_position if corpus.packed is not None else data.resharded_position,
+      f"--run_dir={o.run_dir} (this run: model {o.model_config}, "
       f"seq {s.cfg.seq}, vocab {s.cfg.vocab})")
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "

@@ -12,6 +12,12 @@ process reads only the rows its devices hold, and batched. Each process's iterat
 goes into each checkpoint (`fnscale.checkpoint.save(..., data=iterator)`, grain's own orbax
 handler), so a resumed run reads exactly what the uninterrupted one would, with the same or
 another process count (`resharded_position`).
+
+A token cache (`recipes/pretokenize.py`) or a weighted mixture of caches ("web:0.7,code:0.3",
+or a JSON file of weights) is read through `packing.py` instead: documents packed into rows
+with segment ids, positions and loss weights, every process reading only its rows
+(`fnscale.process_rows`), positions per row (`packing.resharded_position`). `load` tells
+the two apart (`is_packed`).
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class Corpus(NamedTuple):
   encode: Callable[[str], list]
   decode: Callable[[list], str]
   describe: str
+  # A token cache or mixture: (packing.Source list, the run's tokenizer); None for text.
+  packed: tuple | None = None
 
 
 def corpus_files(spec: str | None) -> list[str]:
@@ -110,8 +118,24 @@ def split(text: bytes) -> tuple[bytes, bytes]:
           b"".join(c for i, c in enumerate(pieces) if held(i)))
 
 
+def is_packed(dataset: str) -> bool:
+  """Whether `dataset` names token caches (a cache directory, a mixture of them with
+  weights, or a JSON file of weights) rather than text."""
+  from recipes.lm import cache, packing  # pylint: disable=import-outside-toplevel
+  if not dataset or dataset in CORPORA:
+    return False
+  if dataset.endswith(".json") and os.path.isfile(dataset):
+    return True
+  try:
+    parts = packing.parse_mixture(dataset)
+  except fs.InputError:
+    return True  # weights that don't parse: packing's error says which
+  return len(parts) > 1 or any(w != 1.0 for _, w in parts) or cache.is_cache(parts[0][0])
+
+
 def load(dataset: str, tokenizer: str = "") -> Corpus:
-  """Reads, splits and tokenizes a corpus (see the module docstring).
+  """Reads, splits and tokenizes a corpus (see the module docstring); or opens token caches
+  (`is_packed`: `load_packed`).
 
   Args:
     dataset: a name in CORPORA, a file, a directory or a glob.
@@ -120,6 +144,8 @@ def load(dataset: str, tokenizer: str = "") -> Corpus:
   Raises:
     FnscaleError: a missing, empty or unknown corpus; a missing or unreadable tokenizer.
   """
+  if is_packed(dataset):
+    return load_packed(dataset, tokenizer)
   text = read_bytes(dataset)
   train, held = split(text)
   line = (f"{dataset}: {len(text) / 1e6:.2f} MB, {len(train) / 1e6:.2f} MB train, "
@@ -327,3 +353,60 @@ def resharded_position(saved: list, index: int, count: int) -> dict:
         f"global batch, so they can't be mapped onto another process count; resume with "
         f"{len(saved)} processes")
   return saved[0]
+
+
+SAMPLE_TOKENS = 1 << 20  # tokens of each split read for the baseline and the run's identity
+
+
+def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
+  """Opens the caches of `dataset` (`packing.open_mixture`: tokenizer checked). The Corpus's
+  train / eval arrays are the first ~1M tokens of the mixture's training and held-out
+  documents (for the baseline); tokens_per_byte is the caches' tokens per source byte
+  (JSONL and Parquet sources count their markup too: bits/byte reads a little low there).
+
+  Raises:
+    InputError: see `packing.open_mixture`.
+  """
+  from recipes.lm import packing, shards  # pylint: disable=import-outside-toplevel
+  sources, tok_spec = packing.open_mixture(dataset, tokenizer)
+  m = [s.cache.manifest for s in sources]
+  sample = lambda held: _sample(packing.documents(sources, 0, held))
+  per_byte = (sum(x["tokens"] for x in m) /
+              max(1, sum(s["bytes"] for x in m for s in x["sources"])))
+  if tok_spec == shards.BYTES:
+    encode, decode = (lambda s: list(s.encode()),
+                      lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+  else:
+    tok = shards.load_tokenizer(tok_spec)
+    encode, decode = (lambda s: tok.encode(s).ids), tok.decode
+  vocab = m[0]["tokenizer"]["vocab"]
+  what = ", ".join(f"{s.cache.path} ({s.weight:.0%}, {x['tokens']:,} tokens, {x['kind']})"
+                   for s, x in zip(sources, m))
+  return Corpus(sample(False), sample(True), vocab, per_byte, encode, decode,
+                f"token caches: {what}; tokenizer {m[0]['tokenizer']['name']} (vocab {vocab})",
+                (sources, tok_spec))
+
+
+def _sample(docs) -> np.ndarray:
+  out, n = [], 0
+  for i in range(len(docs)):
+    ids = docs[i]["ids"]
+    out.append(ids)
+    n += len(ids)
+    if n >= SAMPLE_TOKENS or i >= 20_000:
+      break
+  return np.concatenate(out).astype(np.int32)
+
+
+def packed_batches(corpus: Corpus, sharding, seq: int, global_batch: int, seed: int,
+                   eval_batches: int, pack) -> tuple:
+  """`batches` for token caches: (train iterator, eval batches), this process's rows
+  (`fnscale.process_rows`) of packed global batches (`packing.batches`); `pack`:
+  (packing, bins, long_docs)."""
+  from recipes.lm import packing  # pylint: disable=import-outside-toplevel
+  spec = packing.PackSpec(seq, *pack)
+  rows = fs.process_rows(sharding, global_batch)
+  sources = corpus.packed[0]
+  train = packing.batches(sources, rows, global_batch, spec, seed)
+  held = packing.batches(sources, rows, global_batch, spec, seed, held=True)
+  return train, [next(held) for _ in range(eval_batches)]
