@@ -159,10 +159,8 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
   if corpus.packed is not None:
-    packing.check_spec(packing.PackSpec(seq, o.packing, o.pack_bins, o.long_docs))
-    if o.epochs is not None:
-      raise fs.InputError(f"epochs={o.epochs}: token caches are read as an endless mixture; "
-                          "give --steps instead")
+    packing.check_spec(packing.PackSpec(seq, o.packing, o.pack_bins, o.long_docs),
+                       corpus.packed[0])
   data.check_fits(corpus, seq)
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
@@ -207,6 +205,9 @@ def run(o: Options) -> h.Summary:
 
 def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
   """`run` after start-up: data, setup, the run's checkpoint manager."""
+  if o.epochs is not None and data.is_packed(o.dataset):
+    raise fs.InputError(f"epochs={o.epochs}: token caches are read as an endless mixture; "
+                        "give --steps instead")
   corpus = data.load(o.dataset, o.tokenizer)
   s = _setup(o, corpus, say)
   if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it

@@ -2,6 +2,8 @@
 each document alone, attention weights across a boundary, rows per process against the whole
 batch, resumed positions, mixtures by hand counts, and bad input."""
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,9 @@ import pytest
 
 import fnscale as fs
 from recipes.lm import cache, gpt, llama, packing
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SEQ = 32
 
@@ -214,3 +219,47 @@ def test_best_fit_pads_no_more_than_first_fit(text_cache):
     pad[how] = np.mean([packing.padding_fraction(next(it)) for _ in range(6)])
   print(f"padding fraction over 6 batches of 8 x {SEQ}: {pad}")
   assert 0 < pad["best_fit"] <= pad["first_fit"] < 0.5
+
+
+WORKER = str(pathlib.Path(__file__).resolve().parent / "data_worker.py")
+
+
+def _job_batches(results):
+  assert all(r.returncode == 0 for r in results), mp.describe(results)
+  return [json.loads(ln) for ln in results[0].stdout.splitlines() if ln.startswith("{")]
+
+
+def _assert_rows_equal(got: dict, want: dict):
+  for key in want:
+    np.testing.assert_array_equal(np.asarray(got[key]), want[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh_axes", ["data=2,fsdp=4", "fsdp=8", "tensor=8"])
+def test_two_processes_read_the_one_process_batches_row_for_row(text_cache, mesh_axes):
+  path, _ = text_cache
+  results = mp.run([WORKER, f"--cache={path}", f"--mesh={mesh_axes}", "--steps=3"], 2, 4, 300)
+  whole = _batches(path, range(8))
+  for got in _job_batches(results):
+    _assert_rows_equal(got, next(whole))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_two_process_position_resumes_on_two_and_on_one_process(text_cache, tmp_path):
+  path, _ = text_cache
+  ckpt = tmp_path / "ckpt"
+  mp.run([WORKER, f"--cache={path}", f"--ckpt={ckpt}", "--stop_after=2", "--steps=5"], 2, 4,
+         300)
+  whole = _batches(path, range(8))
+  want = [next(whole) for _ in range(5)][2:]
+  again = mp.run([WORKER, f"--cache={path}", f"--ckpt={ckpt}", "--resume", "--steps=5"], 2, 4,
+                 300)
+  one = mp.run([WORKER, f"--cache={path}", f"--ckpt={ckpt}", "--resume", "--steps=5",
+                "--mesh=data=8"], 1, 8, 300)
+  for job in (again, one):
+    got = _job_batches(job)
+    assert [g["step"] for g in got] == [2, 3, 4]
+    for g, w in zip(got, want):
+      _assert_rows_equal(g, w)

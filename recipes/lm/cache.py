@@ -6,8 +6,8 @@ Layout of a cache directory:
   shards/shard-00003-of-00012.array_record (+ .json: its counts, the mark that it is done)
   tokenizer.json (and tokenizer_config.json) copied from the tokenizer used
   manifest.json  written last: format, kind ("text" or "chat"), tokenizer {name, sha256,
-                 vocab}, sources [{path, bytes}], shards [{file, docs, tokens, loss_tokens}],
-                 totals
+                 vocab}, sources [{path, bytes}], shards [{file, docs, tokens, loss_tokens,
+                 max_doc_tokens}], totals
 A killed `build` rerun with the same inputs tokenizes only the shards without a .json.
 Shards are tokenized in parallel processes (`concurrent.futures`; forked on Linux, so they
 start without importing anything again: the command never starts jax's backend; each loads
@@ -256,7 +256,8 @@ def _manifest(pj: dict, names, paths) -> dict:
   return {k: v for k, v in pj.items() if k != "tasks"} | {
       "shards": entries, "docs": sum(e["docs"] for e in entries),
       "tokens": sum(e["tokens"] for e in entries),
-      "loss_tokens": sum(e["loss_tokens"] for e in entries)}
+      "loss_tokens": sum(e["loss_tokens"] for e in entries),
+      "max_doc_tokens": max((e["max_doc_tokens"] for e in entries), default=0)}
 
 
 def is_cache(path: str) -> bool:

@@ -355,13 +355,14 @@ def resharded_position(saved: list, index: int, count: int) -> dict:
   return saved[0]
 
 
-SAMPLE_TOKENS = 1 << 20  # tokens of each split read for the baseline and the run's identity
+# Tokens (at most) and documents of each split read for the baseline and the run's identity.
+SAMPLE_TOKENS, SAMPLE_DOCS = 1 << 20, 2000
 
 
 def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
   """Opens the caches of `dataset` (`packing.open_mixture`: tokenizer checked). The Corpus's
   train / eval arrays are the first ~1M tokens of the mixture's training and held-out
-  documents (for the baseline); tokens_per_byte is the caches' tokens per source byte
+  documents, at most 2000 (for the baseline); tokens_per_byte is the caches' tokens per source byte
   (JSONL and Parquet sources count their markup too: bits/byte reads a little low there).
 
   Raises:
@@ -393,7 +394,7 @@ def _sample(docs) -> np.ndarray:
     ids = docs[i]["ids"]
     out.append(ids)
     n += len(ids)
-    if n >= SAMPLE_TOKENS or i >= 20_000:
+    if n >= SAMPLE_TOKENS or i + 1 >= SAMPLE_DOCS:
       break
   return np.concatenate(out).astype(np.int32)
 

@@ -291,7 +291,17 @@ def batches(sources: list[Source], rows: np.ndarray, global_rows: int, spec: Pac
   return iter(_Rows(streams))
 
 
-def check_spec(spec: PackSpec) -> None:
+def check_spec(spec: PackSpec, sources: list[Source] = ()) -> None:
+  """Raises InputError for a bad spec, or for long_docs="error" with a cache whose longest
+  document (its manifest's max_doc_tokens) is longer than a row: before anything is read."""
+  for s in sources:
+    longest = s.cache.manifest.get("max_doc_tokens", 0)
+    if spec.long_docs == "error" and longest - 1 > spec.seq:
+      raise fs.InputError(
+          f"{s.cache.path} holds a document of {longest} tokens, longer than a row "
+          f"({spec.seq} + 1 tokens), and --long_docs=error; fix: --long_docs=split (pieces, "
+          "each its own segment) or truncate, or a --seq of at least "
+          f"{longest - 1}")
   if spec.packing not in PACKINGS or spec.long_docs not in LONG_DOCS or spec.bins < 1:
     raise fs.InputError(f"packing={spec.packing!r}, long_docs={spec.long_docs!r}, pack_bins="
                         f"{spec.bins}: expected packing in {PACKINGS}, long_docs in "

@@ -168,36 +168,40 @@ def unrecord(data: bytes, weighted: bool) -> tuple[np.ndarray, np.ndarray | None
 def write_shard(task: Task, out: str, tokenizer: Tokenizer, key: str) -> dict:
   """Tokenizes the documents of `task` into the ArrayRecord file `out` (under a temporary
   name, renamed when complete) and writes its counts to `out + ".json"` (last: the mark
-  that the shard is done). Returns the counts: {"docs", "tokens", "loss_tokens"}."""
+  that the shard is done). Returns the counts: {"docs", "tokens", "loss_tokens",
+  "max_doc_tokens"}."""
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per process
   from array_record.python import array_record_module as ar  # pylint: disable=import-outside-toplevel
   tok = None if tokenizer.spec == BYTES else load_tokenizer(tokenizer.spec)
   chat = key == CHAT_KEY
   tmp = out + ".tmp"
   writer = ar.ArrayRecordWriter(tmp, "group_size:1")
-  docs = tokens = loss_tokens = 0
+  counts = {"docs": 0, "tokens": 0, "loss_tokens": 0, "max_doc_tokens": 0}
   try:
     batch = []
     for where, doc in documents(task, key):
       batch.append((where, doc))
       if len(batch) == 256:
-        d, t, w = _write(writer, batch, tokenizer, tok, chat)
-        docs, tokens, loss_tokens, batch = docs + d, tokens + t, loss_tokens + w, []
-    d, t, w = _write(writer, batch, tokenizer, tok, chat)
-    docs, tokens, loss_tokens = docs + d, tokens + t, loss_tokens + w
+        _add(counts, _write(writer, batch, tokenizer, tok, chat))
+        batch = []
+    _add(counts, _write(writer, batch, tokenizer, tok, chat))
   finally:
     writer.close()
   os.replace(tmp, out)
-  counts = {"docs": docs, "tokens": tokens, "loss_tokens": loss_tokens}
   with open(out + ".json.tmp", "w") as f:
     json.dump(counts, f)
   os.replace(out + ".json.tmp", out + ".json")
   return counts
 
 
-def _write(writer, batch: list, tokenizer: Tokenizer, tok, chat: bool) -> tuple[int, int, int]:
+def _add(counts: dict, got: dict) -> None:
+  for k, v in got.items():
+    counts[k] = max(counts[k], v) if k.startswith("max_") else counts[k] + v
+
+
+def _write(writer, batch: list, tokenizer: Tokenizer, tok, chat: bool) -> dict:
   if not batch:
-    return 0, 0, 0
+    return {}
   if chat:
     from recipes.lm import chat as chat_lib  # pylint: disable=import-outside-toplevel
     rows = [chat_lib.tokenize(m, tokenizer.chat_template, tok, where) for where, m in batch]
@@ -210,5 +214,6 @@ def _write(writer, batch: list, tokenizer: Tokenizer, tok, chat: bool) -> tuple[
     rows = [(ids, None) for ids in encode_texts([d for _, d in batch], tokenizer.spec, tok)]
   for ids, weights in rows:
     writer.write(record(ids, weights))
-  return (len(rows), sum(len(i) for i, _ in rows),
-          sum(int(w.sum()) if w is not None else len(i) for i, w in rows))
+  return {"docs": len(rows), "tokens": sum(len(i) for i, _ in rows),
+          "loss_tokens": sum(int(w.sum()) if w is not None else len(i) for i, w in rows),
+          "max_doc_tokens": max(len(i) for i, _ in rows)}
