@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import NamedTuple
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,24 +59,28 @@ def spec(o: Options) -> cache.BuildSpec:
                          o.field, o.workers, int(o.shard_mb * (1 << 20)))
 
 
-def main(argv: list[str]) -> int:
-  if any(a in ("-h", "--help") for a in argv[1:]):
-    print(__doc__)
-    return 0
-  try:
-    manifest = cache.build(spec(h.parse_flags(Options, argv)))
-  except fs.FnscaleError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
-  run = manifest["run"]
-  rate = (f", {run['tokens'] / run['seconds']:,.0f} tokens/s with {run['workers']} "
-          f"process(es)" if run["seconds"] > 0 and run["tokens"] else "")
+class Done(NamedTuple):
+  """What `run` returns to `harness.main`: the manifest (never stopped by a signal)."""
+  manifest: dict
+  stopped: str | None = None
+
+
+def run(o: Options) -> Done:
+  """Builds the cache of options `o` and prints what it holds and this run's speed."""
+  manifest = cache.build(spec(o))
+  r = manifest["run"]
+  rate = (f", {r['tokens'] / r['seconds']:,.0f} tokens/s with {r['workers']} process(es)"
+          if r["seconds"] > 0 and r["tokens"] else "")
   print(f"cache: {manifest['docs']} documents, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} with loss weight) in {len(manifest['shards'])} shards, "
         f"tokenizer {manifest['tokenizer']['name']} (vocab {manifest['tokenizer']['vocab']}); "
-        f"this run: {run['shards']} shards, {run['tokens']} tokens in {run['seconds']:.1f} s"
-        + rate)
-  return 0
+        f"this run: {r['shards']} shards, {r['tokens']} tokens in {r['seconds']:.1f} s{rate}")
+  return Done(manifest)
+
+
+def main(argv: list[str]) -> int:
+  """The command line (exit status 0 done, 2 bad input: one `error:` line)."""
+  return h.main(argv, Options, run, __doc__)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def _tokenizer(spec: BuildSpec) -> shards.Tokenizer:
   template = None
   if spec.chat:
     template = chat.load_template(shards.tokenizer_file(spec.tokenizer)
-                                  if spec.tokenizer != shards.BYTES else ".",
+                                  if spec.tokenizer != shards.BYTES else shards.BYTES,
                                   spec.chat_template)
   return shards.Tokenizer(spec.tokenizer, template)
 

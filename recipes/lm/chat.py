@@ -43,6 +43,8 @@ def load_template(tokenizer_spec: str, template_file: str = "") -> Template:
   base = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
   config = {}
   cfg_path = os.path.join(base, "tokenizer_config.json")
+  if tokenizer_spec == shards.BYTES:  # no tokenizer files: the template file alone
+    cfg_path = base = os.devnull
   if os.path.isfile(cfg_path):
     with open(cfg_path) as f:
       config = json.load(f)
