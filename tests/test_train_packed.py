@@ -81,10 +81,12 @@ def test_an_unreadable_shard_is_named(caches, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_mixture_trains_stops_and_resumes_bitwise(caches, tmp_path):
   """Two caches at 0.7 / 0.3: the loss falls; stopped at step 2 and rerun, the run ends with
   the params of the uninterrupted one (the per-row data positions travel in the checkpoint)."""
-  mix = [f"--dataset={caches / 'code'}:0.7,{caches / 'web'}:0.3"]
+  mix = [f"--dataset={caches / 'code'}:0.7,{caches / 'web'}:0.3",
+         f"--compile_cache_dir={caches / 'xla'}"]
   whole = train_lm.run(harness.parse_flags(train_lm.Options,
                                            _argv(caches, tmp_path / "a", *mix)))
   train_lm.run(harness.parse_flags(train_lm.Options,

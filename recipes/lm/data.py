@@ -371,7 +371,10 @@ def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
   from recipes.lm import packing, shards  # pylint: disable=import-outside-toplevel
   sources, tok_spec = packing.open_mixture(dataset, tokenizer)
   m = [s.cache.manifest for s in sources]
-  sample = lambda held: _sample(packing.documents(sources, 0, held))
+  # At most one pass: each split's documents once (or the first SAMPLE_DOCS).
+  sample = lambda held: _sample(packing.documents(sources, 0, held),
+                                sum(getattr(packing.doc_split(s.cache.manifest["docs"]),
+                                            "held" if held else "train") for s in sources))
   per_byte = (sum(x["tokens"] for x in m) /
               max(1, sum(s["bytes"] for x in m for s in x["sources"])))
   if tok_spec == shards.BYTES:
@@ -388,13 +391,13 @@ def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
                 (sources, tok_spec))
 
 
-def _sample(docs) -> np.ndarray:
+def _sample(docs, limit: int) -> np.ndarray:
   out, n = [], 0
-  for i in range(len(docs)):
+  for i in range(min(limit, SAMPLE_DOCS)):
     ids = docs[i]["ids"]
     out.append(ids)
     n += len(ids)
-    if n >= SAMPLE_TOKENS or i + 1 >= SAMPLE_DOCS:
+    if n >= SAMPLE_TOKENS:
       break
   return np.concatenate(out).astype(np.int32)
 
