@@ -30,12 +30,14 @@ VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=
 
 
 class ModelConfig(NamedTuple):
-  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2."""
+  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2. `positions`: rows of the learned
+  position table (GPT-2's n_positions, 1024); 0: `seq`."""
   layers: int
   d_model: int
   heads: int
   seq: int
   vocab: int = VOCAB
+  positions: int = 0
 
   @property
   def head_dim(self) -> int:
@@ -83,7 +85,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   ln = lambda: {"scale": jnp.ones((L, D)), "bias": jnp.zeros((L, D))}
   return {
       "wte": normal(ks[0], (cfg.vocab, D), std),
-      "wpe": normal(ks[1], (cfg.seq, D), std),
+      "wpe": normal(ks[1], (cfg.positions or cfg.seq, D), std),
       "blocks": {
           "ln1": ln(),
           "attn": {
@@ -228,8 +230,8 @@ def _spec(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False, segment_ids=None,
-          positions=None) -> jax.Array:
+def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
+          cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
   Packed rows: `segment_ids` (int32 [batch, seq]) keep attention inside each document and
@@ -239,8 +241,10 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False, segment_ids=N
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
   block whatever the depth); `remat=True` recomputes each block's activations in the backward
-  pass (`jax.checkpoint`) to trade FLOPs for memory.
+  pass (`jax.checkpoint`) to trade FLOPs for memory. `cfg` is taken for the interface the
+  Llama shares (whose RoPE settings aren't shapes); GPT-2's forward needs only the params.
   """
+  del cfg
   seq = tokens.shape[1]
   pos = params["wpe"][:seq] if positions is None else jnp.take(params["wpe"], positions, 0)
   x = embed_lookup(params["wte"], tokens) + pos
@@ -250,7 +254,8 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False, segment_ids=N
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False, weighted: bool = False):
+def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+            cfg: ModelConfig | None = None, weighted: bool = False):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
@@ -260,8 +265,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False, weighted: bool = 
   weight x cross-entropy, sum of weights) with batch["weights"] (float32 [batch, seq]; 0 on
   padding and on targets without loss; default all 1), so the step divides by the weight of
   the whole batch, whatever the mesh or accumulation."""
-  logits = apply(params, batch["inputs"], remat=remat, segment_ids=batch.get("segment_ids"),
-                 positions=batch.get("positions"))
+  logits = apply(params, batch["inputs"], remat=remat, cfg=cfg,
+                 segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   if not weighted:
     return ce.mean()
