@@ -115,7 +115,7 @@ def test_packed_loss_is_the_sum_of_each_documents_own_loss(packed_batch, model):
 def test_rope_rotates_each_packed_document_from_position_0():
   x = jax.random.normal(jax.random.key(0), (2, 7, 2, 8), jnp.float32)
   positions = jnp.asarray([[0, 1, 2, 3, 0, 1, 2]] * 2)
-  packed = llama.rope(x, 1e4, positions)
+  packed = llama.rope(x, 1e4, positions=positions)
   np.testing.assert_allclose(packed[:, :4], llama.rope(x[:, :4], 1e4), atol=1e-6)
   np.testing.assert_allclose(packed[:, 4:], llama.rope(x[:, 4:], 1e4), atol=1e-6)
   assert float(jnp.abs(llama.rope(x, 1e4)[:, 4:] - packed[:, 4:]).max()) > 0.1
