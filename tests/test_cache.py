@@ -199,6 +199,9 @@ def test_chat_cache_from_a_checkpoints_tokenizer_dir_and_bad_conversations(tmp_p
   c = cache.open_cache(str(tmp_path / "sft"))
   assert c.weighted and c.manifest["loss_tokens"] < c.manifest["tokens"]
   assert os.path.isfile(tmp_path / "sft" / "tokenizer_config.json")
+  # train_lm --init_from=DIR reads DIR/tokenizer.json: the same tokenizer as the cache's.
+  for spec in (str(d), str(d / "tokenizer.json"), ""):
+    assert cache.check_tokenizer(c, spec)
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps({"messages": good}) + "\n" +
                  json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
