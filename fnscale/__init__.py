@@ -31,7 +31,7 @@ from fnscale.state import init_state, state_shardings
 from fnscale.compile import shard_step
 from fnscale.analysis.report import CompileReport, compile_report, sharding_report
 from fnscale.kernels import attention, cross_entropy, with_kernel
-from fnscale.multihost import barrier, global_batch, initialize
+from fnscale.multihost import barrier, global_batch, initialize, process_rows
 # The layers above the pipeline, reached as namespaces (`fs.checkpoint.save`, ...).
 from fnscale import adapters, analysis, checkpoint, cloud, kernels, multihost, parallel
 # Short names for the analysis tools (`fs.hlo` is `fs.analysis.hlo`).
@@ -51,5 +51,5 @@ __all__ = [
     "shard_step",
     "CompileReport", "compile_report",
     "attention", "cross_entropy", "with_kernel",
-    "barrier", "global_batch", "initialize",
+    "barrier", "global_batch", "initialize", "process_rows",
 ]

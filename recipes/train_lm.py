@@ -28,7 +28,8 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import checkpoints as ck, data, harness as h, models, run_log as rl  # noqa: E402
+from recipes.lm import checkpoints as ck, data, harness as h, models, packing  # noqa: E402
+from recipes.lm import run_log as rl  # noqa: E402
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
 
@@ -38,7 +39,14 @@ class Options:
   """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
   model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default "
                                     "tiny_gpt2 on CPU, small on TPU/GPU")
-  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
+  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob; "
+                          "or token caches (recipes/pretokenize.py): DIR, 'DIR:0.7,DIR2:0.3' "
+                          "or a JSON file of weights")
+  packing: str = h.option("first_fit", "token caches: packing of documents into rows, "
+                          "first_fit or best_fit")
+  pack_bins: int = h.option(8, "token caches: rows packed at once per row stream")
+  long_docs: str = h.option("split", "token caches: a document longer than a row is split "
+                            "into pieces, truncate-d, or an error")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
   init_from: str = h.option("", "a Hugging Face model directory (config.json, safetensors, "
                             "tokenizer.json): continue training its model and weights with "
@@ -143,6 +151,8 @@ def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  if corpus.packed is not None:
+    packing.check_spec(packing.spec(o, seq), corpus.packed[0])
   data.check_fits(corpus, seq)
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
@@ -173,6 +183,7 @@ def run(o: Options) -> h.Summary:
     # process) stops every process after one step, or within grace_s wherever it is, and a
     # process lost in a collective is named, not left to a runtime error.
     preemption.check_service()  # the guard needs it: say so now, not after the compile
+    data.check_epochs(o.dataset, o.epochs)
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
       s = _setup(o, data.load(o.dataset, models.tokenizer(o)), say)
@@ -190,24 +201,27 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
   """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
   o, model, axes, base = s.o, s.model, s.model.logical_axes(s.cfg), data.baseline(s.corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(o)
-  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
-                          policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather)
+  packed = s.corpus.packed is not None  # packed rows: the loss is weighted (padding has none)
+  loss_fn = functools.partial(model.loss_fn, cfg=s.cfg, weighted=packed)
+  step_fn = fs.train_step(functools.partial(loss_fn, remat=o.remat), optimizer, policy=policy,
+                          accum_steps=o.accum_steps, accum_gather=o.accum_gather,
+                          weighted=packed)
   step_fn = fs.shard_step(fs.with_kernel(ck.with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
-  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg),
+  eval_loss = jax.jit(fs.with_kernel(lambda p, b: packing.mean(loss_fn(cast(p), b)),
                                      attention=o.attention))
   peak = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
     init = models.init(s, optimizer, policy, jax.random.key(o.seed))
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
-    batches, evals = data.batches(s.corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
-                                  o.eval_batches)
+    batches, evals = data.run_batches(s, bsh)
     state, start, resumed = ck.resume(s, ckpt, init, batches, say)
     eval_batches = [fs.global_batch(b, bsh) for b in evals]
-    first = fs.global_batch(next(batches), bsh)
+    first = next(batches)
+    packing.say_padding(o, first, evals, say)
+    first = fs.global_batch(first, bsh)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     r = h.Run(s=s, say=say, t0=t0, baseline=base, policy=policy, schedule=schedule, peak=peak,

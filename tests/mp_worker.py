@@ -55,6 +55,8 @@ def _args(argv):
   p.add_argument("--mesh", default="data=2,fsdp=4")
   p.add_argument("--batch", type=int, default=16, help="global batch (rows)")
   p.add_argument("--ckpt_every", type=int, default=0)
+  p.add_argument("--rows", default="sharding", choices=("sharding", "halves"),
+                 help="rows each process feeds: its devices' (right) or a per-process split")
   p.add_argument("--slow_after", type=int, default=-1, help="sleep after each later step")
   p.add_argument("--sleep_s", type=float, default=0.0)
   p.add_argument("--init_timeout_s", type=float, default=60)
@@ -78,8 +80,9 @@ def _args(argv):
   return p.parse_args(argv)
 
 
-# Model sizes by name: "tiny" is "nano" twice as wide.
-MODELS = {"nano": {}, "tiny": {"d_model": 64, "d_mlp": 128}}
+# Model sizes by name: "tiny" is "nano" twice as wide; "heads8" has 8 heads (a tensor=8 mesh
+# splits them).
+MODELS = {"nano": {}, "tiny": {"d_model": 64, "d_mlp": 128}, "heads8": {"heads": 8}}
 
 
 def _emit(**event):
@@ -94,12 +97,17 @@ def global_tokens(step: int, batch: int, seq: int, vocab: int):
   return rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
 
 
-def local_rows(sharding, batch: int):
-  """Row indices of the global batch this process holds under `sharding`, in order."""
+def local_rows(sharding, batch: int, how: str = "sharding"):
+  """Row indices of the global batch this process feeds: "sharding", the rows its devices
+  hold (`fnscale.process_rows`); "halves", process i's i-th equal part whatever the mesh
+  (grain's ShardByJaxProcess): wrong where the mesh replicates the batch across processes."""
+  import jax
   import numpy as np
-  idx = sharding.addressable_devices_indices_map((batch,))
-  starts = sorted({(s[0].start or 0, s[0].stop or batch) for s in idx.values()})
-  return np.concatenate([np.arange(a, b) for a, b in starts])
+  import fnscale as fs
+  if how == "halves":
+    n, i = jax.process_count(), jax.process_index()
+    return np.arange(i * batch // n, (i + 1) * batch // n)
+  return fs.process_rows(sharding, batch)
 
 
 def build(mesh_axes: str, model: str = "nano", lr: float = LEARNING_RATE):
@@ -193,7 +201,7 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
   import models
   cfg = models.TRANSFORMER._replace(**MODELS[args.model])
   bs = fs.batch_sharding(mesh)
-  rows = local_rows(bs, args.batch)
+  rows = local_rows(bs, args.batch, args.rows)
   log = open(os.path.join(args.out, "losses.jsonl"), "a") if pid == 0 else None
   with fs.multihost.peer_guard(timeout_s=args.peer_check_s):
     for s in range(start, args.steps):

@@ -12,6 +12,12 @@ process reads only the rows its devices hold, and batched. Each process's iterat
 goes into each checkpoint (`fnscale.checkpoint.save(..., data=iterator)`, grain's own orbax
 handler), so a resumed run reads exactly what the uninterrupted one would, with the same or
 another process count (`resharded_position`).
+
+A token cache (`recipes/pretokenize.py`) or a weighted mixture of caches ("web:0.7,code:0.3",
+or a JSON file of weights) is read through `packing.py` instead: documents packed into rows
+with segment ids, positions and loss weights, every process reading only its rows
+(`fnscale.process_rows`), positions per row (`packing.resharded_position`). `load` tells
+the two apart (`is_packed`).
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class Corpus(NamedTuple):
   encode: Callable[[str], list]
   decode: Callable[[list], str]
   describe: str
+  # A token cache or mixture: (packing.Source list, the run's tokenizer); None for text.
+  packed: tuple | None = None
 
 
 def corpus_files(spec: str | None) -> list[str]:
@@ -110,8 +118,24 @@ def split(text: bytes) -> tuple[bytes, bytes]:
           b"".join(c for i, c in enumerate(pieces) if held(i)))
 
 
+def is_packed(dataset: str) -> bool:
+  """Whether `dataset` names token caches (a cache directory, a mixture of them with
+  weights, or a JSON file of weights) rather than text."""
+  from recipes.lm import cache, packing  # pylint: disable=import-outside-toplevel
+  if not dataset or dataset in CORPORA:
+    return False
+  if dataset.endswith(".json") and os.path.isfile(dataset):
+    return True
+  try:
+    parts = packing.parse_mixture(dataset)
+  except fs.InputError:
+    return True  # weights that don't parse: packing's error says which
+  return len(parts) > 1 or any(w != 1.0 for _, w in parts) or cache.is_cache(parts[0][0])
+
+
 def load(dataset: str, tokenizer: str = "") -> Corpus:
-  """Reads, splits and tokenizes a corpus (see the module docstring).
+  """Reads, splits and tokenizes a corpus (see the module docstring); or opens token caches
+  (`is_packed`: `load_packed`).
 
   Args:
     dataset: a name in CORPORA, a file, a directory or a glob.
@@ -120,6 +144,8 @@ def load(dataset: str, tokenizer: str = "") -> Corpus:
   Raises:
     FnscaleError: a missing, empty or unknown corpus; a missing or unreadable tokenizer.
   """
+  if is_packed(dataset):
+    return load_packed(dataset, tokenizer)
   text = read_bytes(dataset)
   train, held = split(text)
   line = (f"{dataset}: {len(text) / 1e6:.2f} MB, {len(train) / 1e6:.2f} MB train, "
@@ -320,6 +346,9 @@ def resharded_position(saved: list, index: int, count: int) -> dict:
   Raises:
     FnscaleError: the saved positions differ (not a job of `batches`).
   """
+  if saved and isinstance(saved[0], dict) and "rows" in saved[0]:  # packed rows' positions
+    from recipes.lm import packing  # pylint: disable=import-outside-toplevel
+    return packing.resharded_position(saved, index, count)
   del index, count  # every process of the new job starts at the same global batch
   if any(p != saved[0] for p in saved[1:]):
     raise fs.FnscaleError(
@@ -327,3 +356,72 @@ def resharded_position(saved: list, index: int, count: int) -> dict:
         f"global batch, so they can't be mapped onto another process count; resume with "
         f"{len(saved)} processes")
   return saved[0]
+
+
+# Tokens (at most) and documents of each split read for the baseline and the run's identity.
+SAMPLE_TOKENS, SAMPLE_DOCS = 1 << 20, 2000
+
+
+def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
+  """Opens the caches of `dataset` (`packing.open_mixture`: tokenizer checked). The Corpus's
+  train / eval arrays are the first ~1M tokens of the mixture's training and held-out
+  documents, at most 2000 (for the baseline); tokens_per_byte is the caches' tokens per source byte
+  (JSONL and Parquet sources count their markup too: bits/byte reads a little low there).
+
+  Raises:
+    InputError: see `packing.open_mixture`.
+  """
+  from recipes.lm import packing, shards  # pylint: disable=import-outside-toplevel
+  sources, tok_spec = packing.open_mixture(dataset, tokenizer)
+  m = [s.cache.manifest for s in sources]
+  # At most one pass: each split's documents once (or the first SAMPLE_DOCS).
+  sample = lambda held: _sample(packing.documents(sources, 0, held),
+                                sum(getattr(packing.doc_split(s.cache.manifest["docs"]),
+                                            "held" if held else "train") for s in sources))
+  per_byte = (sum(x["tokens"] for x in m) /
+              max(1, sum(s["bytes"] for x in m for s in x["sources"])))
+  if tok_spec == shards.BYTES:
+    encode, decode = (lambda s: list(s.encode()),
+                      lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+  else:
+    tok = shards.load_tokenizer(tok_spec)
+    encode, decode = (lambda s: tok.encode(s).ids), tok.decode
+  vocab = m[0]["tokenizer"]["vocab"]
+  what = ", ".join(f"{s.cache.path} ({s.weight:.0%}, {x['tokens']:,} tokens, {x['kind']})"
+                   for s, x in zip(sources, m))
+  return Corpus(sample(False), sample(True), vocab, per_byte, encode, decode,
+                f"token caches: {what}; tokenizer {m[0]['tokenizer']['name']} (vocab {vocab})",
+                (sources, tok_spec))
+
+
+def _sample(docs, limit: int) -> np.ndarray:
+  out, n = [], 0
+  for i in range(min(limit, SAMPLE_DOCS)):
+    ids = docs[i]["ids"]
+    out.append(ids)
+    n += len(ids)
+    if n >= SAMPLE_TOKENS:
+      break
+  return np.concatenate(out).astype(np.int32)
+
+
+def check_epochs(dataset: str, epochs: int | None) -> None:
+  """Raises InputError for --epochs with token caches (read as an endless mixture)."""
+  if epochs is not None and is_packed(dataset):
+    raise fs.InputError(f"epochs={epochs}: token caches are read as an endless mixture; "
+                        "give --steps instead")
+
+
+def run_batches(s, sharding) -> tuple:
+  """(train iterator, eval batches) of train_lm's run `s` (its `harness.Setup`), this
+  process's rows under `sharding`: packed rows of token caches (`packing.batches`, the rows
+  `fnscale.process_rows` names), else windows of text (`batches`)."""
+  from recipes.lm import packing  # pylint: disable=import-outside-toplevel
+  o, seq = s.o, s.cfg.seq
+  if s.corpus.packed is None:
+    return batches(s.corpus, sharding, seq, o.global_batch, o.seed, o.eval_batches)
+  spec, rows = packing.spec(o, seq), fs.process_rows(sharding, o.global_batch)
+  sources = s.corpus.packed[0]
+  train = packing.batches(sources, rows, o.global_batch, spec, o.seed)
+  held = packing.batches(sources, rows, o.global_batch, spec, o.seed, held=True)
+  return train, [next(held) for _ in range(o.eval_batches)]

@@ -8,7 +8,9 @@ The model-module interface `train_lm.py` relies on (a Llama module offers the sa
 `ModelConfig` (a NamedTuple with at least `layers, d_model, heads, seq, vocab`), `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
-`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq].
+`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq], plus for packed
+rows (`packing.py`) "segment_ids" and "positions" (int32 [batch, seq]) and "weights"
+(float32 [batch, seq], the loss weight of each target).
 """
 from __future__ import annotations
 
@@ -151,15 +153,16 @@ def _layer_norm(x, p, eps=1e-5):
   return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def _block(x, p):
-  """One pre-LN transformer block. x: [batch, seq, d_model]."""
+def _block(x, p, segment_ids=None):
+  """One pre-LN transformer block. x: [batch, seq, d_model]; segment_ids: None or int32
+  [batch, seq] (a token attends only within its segment)."""
   # Keep the residual stream split by batch; otherwise GSPMD may follow the FSDP params'
   # d_model sharding and run attention for the whole batch on every device.
   x = fs.constrain_batch(x)
   h = _layer_norm(x, p["ln1"])
   a = p["attn"]
   qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
-  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True)
+  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True, segment_ids=segment_ids)
   x = x + jnp.einsum("bshk,hkd->bsd", o, a["w_out"]) + a["b_out"]
   h = _layer_norm(x, p["ln2"])
   m = p["mlp"]
@@ -228,8 +231,12 @@ def _spec(axes: tuple[str, ...]):
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          cfg: ModelConfig | None = None) -> jax.Array:
+          cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
+
+  Packed rows: `segment_ids` (int32 [batch, seq]) keep attention inside each document and
+  `positions` (int32 [batch, seq], from 0 in each document) index the learned positions; by
+  default one document per row, positions 0..seq-1.
 
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
@@ -239,20 +246,32 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   """
   del cfg
   seq = tokens.shape[1]
-  x = embed_lookup(params["wte"], tokens) + params["wpe"][:seq]
+  pos = params["wpe"][:seq] if positions is None else jnp.take(params["wpe"], positions, 0)
+  x = embed_lookup(params["wte"], tokens) + pos
   block = jax.checkpoint(_block) if remat else _block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+  x, _ = jax.lax.scan(lambda x, p: (block(x, p, segment_ids), None), x, params["blocks"])
   x = _layer_norm(x, params["ln_f"])
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False,
-            cfg: ModelConfig | None = None) -> jax.Array:
+            cfg: ModelConfig | None = None, weighted: bool = False):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
-  raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`."""
-  logits = apply(params, batch["inputs"], remat=remat, cfg=cfg)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
+  Packed batches add "segment_ids" and "positions" (see `apply`).
+
+  weighted=True (for `fnscale.train_step(..., weighted=True)`): returns (sum over targets of
+  weight x cross-entropy, sum of weights) with batch["weights"] (float32 [batch, seq]; 0 on
+  padding and on targets without loss; default all 1), so the step divides by the weight of
+  the whole batch, whatever the mesh or accumulation."""
+  logits = apply(params, batch["inputs"], remat=remat, cfg=cfg,
+                 segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  if not weighted:
+    return ce.mean()
+  w = batch.get("weights", jnp.ones(ce.shape, jnp.float32)).astype(jnp.float32)
+  return jnp.sum(ce * w), jnp.sum(w)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

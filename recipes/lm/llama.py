@@ -225,21 +225,25 @@ def rope_frequencies(head_dim: int, theta: float,
   return freq.astype(np.float32)
 
 
-def rope(x, theta: float, scaling: RopeScaling | None = None):
+def rope(x, theta: float, scaling: RopeScaling | None = None, positions=None):
   """Rotary positions on x [batch, seq, heads, head_dim]: pair i with i + head_dim/2 and
   rotate the pair at position p by p * `rope_frequencies(...)[i]` (the "rotate half"
-  layout)."""
+  layout). positions: None (0..seq-1 in every row) or int [batch, seq] (packed rows: from 0
+  in each document)."""
   seq, half = x.shape[1], x.shape[-1] // 2
   freq = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
-  ang = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq  # [seq, half]
-  cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+  pos = (jnp.arange(seq, dtype=jnp.float32)[None] if positions is None
+         else positions.astype(jnp.float32))  # [batch or 1, seq]
+  ang = pos[..., None] * freq  # [batch or 1, seq, half]
+  cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
   xf = x.astype(jnp.float32)
   a, b = xf[..., :half], xf[..., half:]
   return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
-def _block(x, p, cfg: ModelConfig):
-  """One pre-norm Llama block. x: [batch, seq, d_model]."""
+def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
+  """One pre-norm Llama block. x: [batch, seq, d_model]; segment_ids, positions: None or
+  int32 [batch, seq] (packed rows: attention within a segment, RoPE at its positions)."""
   # Keep the residual stream split by batch, or GSPMD may follow the FSDP params' sharding.
   x = fs.constrain_batch(x)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
@@ -247,10 +251,10 @@ def _block(x, p, cfg: ModelConfig):
   # k/v projections and the output projection's backward for both slices' rows (Llama-1B on
   # 2 x v5p-8: HLO matmul FLOPs 1.105 x the traced step's without these, 1.033 with).
   q, k, v = (_project(h, p, name, cfg) for name in ("q", "k", "v"))
-  q = fs.constrain_batch(rope(q, cfg.rope_theta, cfg.rope_scaling))
-  k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling))
+  q = fs.constrain_batch(rope(q, cfg.rope_theta, cfg.rope_scaling, positions))
+  k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling, positions))
   v = fs.constrain_batch(v)
-  o = fs.constrain_batch(fs.attention(q, k, v, causal=True))
+  o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["w_gate"]))
@@ -282,13 +286,15 @@ def _config_of(params: dict, tokens, cfg: ModelConfig | None, rope_theta: float
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           rope_theta: float = 500_000.0, cfg: ModelConfig | None = None) -> jax.Array:
+           rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
+           positions=None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
-  (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params."""
+  (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params.
+  Packed rows: `segment_ids` and `positions` (int32 [batch, seq]; see `_block`)."""
   cfg = _config_of(params, tokens, cfg, rope_theta)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
-  block = lambda x, p: _block(x, p, cfg)
+  block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
   block = jax.checkpoint(block) if remat else block
   x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
   return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
@@ -301,19 +307,21 @@ def output_layer(params: dict) -> jax.Array:
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          rope_theta: float = 500_000.0, cfg: ModelConfig | None = None) -> jax.Array:
+          rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
+          positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
   the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`: as in `hidden`.
   """
-  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, cfg=cfg)
+  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, cfg=cfg,
+             segment_ids=segment_ids, positions=positions)
   return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False,
-            cfg: ModelConfig | None = None) -> jax.Array:
+            cfg: ModelConfig | None = None, weighted: bool = False):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
@@ -323,12 +331,25 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
   the output layer is split on (`VOCAB_OUT_AXES`; a tied embedding is split by vocabulary over
-  "tensor" only). `cfg`: as in `hidden` (RoPE and RMSNorm settings; default Llama 3's)."""
-  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg)
+  "tensor" only). `cfg`: as in `hidden` (RoPE and RMSNorm settings; default Llama 3's).
+
+  Packed batches add "segment_ids" and "positions"; weighted=True returns (sum of the
+  cross-entropy over targets whose batch["weights"] is nonzero, their count) for
+  `fnscale.train_step(..., weighted=True)` (weights are 0 or 1: padding and tokens without
+  loss are 0)."""
+  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg,
+             segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
   d = x.shape[-1]
   axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
-  return fs.cross_entropy(x.reshape(-1, d), output_layer(params).astype(x.dtype),
-                          batch["targets"].reshape(-1), vocab_axes=axes)
+  if not weighted:
+    return fs.cross_entropy(x.reshape(-1, d), output_layer(params).astype(x.dtype),
+                            batch["targets"].reshape(-1), vocab_axes=axes)
+  where = (batch["weights"] > 0 if "weights" in batch
+           else jnp.ones(batch["targets"].shape, bool)).reshape(-1)
+  total = fs.cross_entropy(x.reshape(-1, d), output_layer(params).astype(x.dtype),
+                           batch["targets"].reshape(-1), where=where, reduction="sum",
+                           vocab_axes=axes)
+  return total, jnp.sum(where.astype(jnp.float32))
 
 
 def matmul_params(cfg: ModelConfig) -> int:
