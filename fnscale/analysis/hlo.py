@@ -151,8 +151,9 @@ class HloSummary(NamedTuple):
   could not be read (`Unread`; `unread.count == 0` when the figures cover the whole program);
   `kernels`: custom kernels called, whose work no figure includes (`Kernel`);
   `dcn_groups`: the part of `groups` sent across slices (a multi-slice TPU program's
-  collectives over the data-center network, their group size the slice count; also in
-  `collectives` and `groups`), and `dcn_bytes_sent` its total.
+  collectives over the data-center network, their group size the slice count, 2 for a
+  collective-permute such as a pipeline's stage-to-stage sends; also in `collectives` and
+  `groups`), and `dcn_bytes_sent` its total.
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -844,9 +845,16 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
 # `_xla_megascale_transfer_type="ALL_REDUCE"`, `_xla_megascale_target="{1,2}x{0:3}"` (slices
 # 1 and 2, chips 0 to 3 of each; libtpu with jax 0.10.2 and 0.12). The recv brings the result
 # back: the send alone is the collective, its data (the tuple's first array) the buffer.
+# A collective-permute across slices (a pipeline's stage-to-stage send, `lax.ppermute`) is
+# `_xla_megascale_transfer_type="ONE_TO_ONE"` with its pairs as the target, each device
+# written slice x 100000 + chip (slices from 1), e.g. `_xla_megascale_target={{100000->200000},
+# {200000->100000}}`: counted as a collective-permute (each device sends its buffer once).
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
-                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
+                    "ONE_TO_ONE": "collective-permute"}
+_MEGASCALE_PAIRS_RE = re.compile(r"_xla_megascale_target=\{((?:\{\d+->\d+\},?)+)\}")
+_MEGASCALE_SLICE = 100_000  # a megascale device id: slice x 100000 + chip
 
 
 def _slice_count(listed: str) -> int | None:
@@ -863,14 +871,27 @@ def _slice_count(listed: str) -> int | None:
   return n or None
 
 
+def _crosses_slices(attrs: str) -> int | None:
+  """2 (a permute's group, as `_collective` counts one) where a ONE_TO_ONE target's pairs
+  send across slices; None where it lists none that do, or can't be read."""
+  m = _MEGASCALE_PAIRS_RE.search(attrs)
+  pairs = re.findall(r"(\d+)->(\d+)", m.group(1)) if m else []
+  across = any(int(a) // _MEGASCALE_SLICE != int(b) // _MEGASCALE_SLICE for a, b in pairs)
+  return 2 if across else None
+
+
 def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
   """Adds a megascale send (a collective across slices) to `g`'s collectives, its group the
-  slices it spans; unread where its kind, slices or data can't be read."""
+  slices it spans (2 for a collective-permute); unread where its kind, slices or data can't
+  be read."""
   kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs)
   target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attrs)
   data = _arrays(ins.shape)[:1]
   base = _MEGASCALE_KINDS.get(kind.group(1)) if kind else None
-  slices = _slice_count(target.group(1)) if target else None
+  if base == "collective-permute":
+    slices = _crosses_slices(ins.attrs)
+  else:
+    slices = _slice_count(target.group(1)) if target else None
   if base is None or slices is None or not data:
     g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
     return

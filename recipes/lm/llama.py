@@ -10,6 +10,12 @@ Module interface (shared with the GPT in `train_lm.py`): `ModelConfig`, `SIZES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
 `flops_per_token(cfg)`. Blocks are stacked along a leading `layers` axis and run under
 `lax.scan`; every param leaf has logical axis names for fnscale's rules.
+
+On a mesh with a `stage` axis of S > 1 devices the blocks run as a pipeline
+(`fnscale.parallel.pipeline`): the rule ("layers", "stage") splits the layer stack into S
+contiguous stages, and `loss_fn(..., microbatches=M)` cuts the batch into M microbatches
+(default S). A config with `repeats` R > 1 stores the blocks as [stages, R, layers / (S R),
+...] (`fnscale.parallel.pipeline.stage_layers`) and runs the circular schedule.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class ModelConfig(NamedTuple):
   vocab: int = 256
   rope_theta: float = 500_000.0
   norm_eps: float = 1e-5
+  stages: int = 1  # with repeats > 1: the pipeline stages the blocks are stored for
+  repeats: int = 1  # > 1: blocks stored [stages, repeats, layers / (stages repeats), ...]
 
   @property
   def head_dim(self) -> int:
@@ -82,11 +90,25 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-  """float32 params; block params stacked along a leading `layers` axis for `lax.scan`.
+  """float32 params; block params stacked along a leading `layers` axis for `lax.scan`
+  (with `cfg.repeats` > 1 in the circular pipeline's layout, `_stored_blocks`).
 
   Weights N(0, 0.02), the two residual output projections scaled by 1/sqrt(2 layers)
   (GPT-2's scheme), RMSNorm scales one.
   """
+  params = _init_params(cfg, key)
+  return {**params, "blocks": _stored_blocks(params["blocks"], cfg)}
+
+
+def _stored_blocks(blocks: dict, cfg: ModelConfig) -> dict:
+  """The block stack as stored: [layers, ...], or [stages, repeats, layers per stage, ...]
+  for a circular pipeline (`cfg.repeats` > 1)."""
+  if cfg.repeats == 1:
+    return blocks
+  return fs.parallel.pipeline.stage_layers(blocks, cfg.stages, cfg.repeats)
+
+
+def _init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   L, D, H, G, K, F = (cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim,
                       cfg.d_mlp)
   ks = jax.random.split(key, 9)
@@ -112,7 +134,12 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def logical_axes(cfg: ModelConfig) -> dict:
   """Logical axis names of every param (same tree as `init_params`)."""
-  del cfg
+  staged = ("stage", "repeats") if cfg.repeats > 1 else ()
+  names = _logical_axes()
+  return {**names, "blocks": {k: staged + v for k, v in names["blocks"].items()}}
+
+
+def _logical_axes() -> dict:
   return {
       "embed": ("vocab", "embed"),
       "blocks": {
@@ -137,8 +164,13 @@ def logical_axes(cfg: ModelConfig) -> dict:
 # (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
 # over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
 VOCAB_OUT_AXES = ("fsdp", "tensor")
+# Pipeline stages: a circular layout's "stage" dim over the stage axis, else the layer stack
+# split into contiguous stages (as MaxText's ("layers", "stage")); a mesh without "stage"
+# skips both rules.
 RULES = (
-    ("batch", ("replica", "data", "fsdp")),
+    ("batch", ("replica", "stage", "data", "fsdp")),
+    ("stage", "stage"),
+    ("layers", "stage"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -192,37 +224,53 @@ def _block(x, p, cfg: ModelConfig):
 def _config_of(params: dict, tokens) -> ModelConfig:
   """Static shape facts read off the params (so `apply` needs no config argument)."""
   wq, wk = params["blocks"]["wq"], params["blocks"]["wk"]
-  L, D, H, K = wq.shape
-  return ModelConfig(layers=L, d_model=D, heads=H, kv_heads=wk.shape[2],
+  (D, H, K), L = wq.shape[-3:], math.prod(wq.shape[:-3])
+  return ModelConfig(layers=L, d_model=D, heads=H, kv_heads=wk.shape[-2],
                      d_mlp=params["blocks"]["w_up"].shape[-1], seq=tokens.shape[1],
                      vocab=params["unembed"].shape[-1])
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           rope_theta: float = 500_000.0) -> jax.Array:
+           rope_theta: float = 500_000.0, microbatches: int | None = None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
-  params' dtype (after the last RMSNorm, before the output layer)."""
+  params' dtype (after the last RMSNorm, before the output layer). On a mesh with a
+  `stage` axis the blocks run as a pipeline of `microbatches` (default: the stages)."""
   cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
   block = lambda x, p: _block(x, p, cfg)
   block = jax.checkpoint(block) if remat else block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+  layers = lambda ps, x: jax.lax.scan(lambda x, p: (block(x, p), None), x, ps)[0]
+  blocks, stages, pp = params["blocks"], _stages(), fs.parallel.pipeline
+  # A circular layout: [stages, repeats, layers per stage, d_model, heads, head_dim].
+  repeats = blocks["wq"].shape[1] if blocks["wq"].ndim == 6 else 0
+  if stages > 1:
+    staged = blocks if repeats else pp.stage_layers(blocks, stages)
+    x = pp.pipeline(layers, microbatches=microbatches or stages, repeats=repeats or 1)(
+        staged, x)
+  else:
+    x = layers(pp.unstage_layers(blocks, repeats) if repeats else blocks, x)
   return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
 
 
+def _stages() -> int:
+  """Devices on the ambient mesh's "stage" axis (1 without one)."""
+  return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
+
+
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          rope_theta: float = 500_000.0) -> jax.Array:
+          rope_theta: float = 500_000.0, microbatches: int | None = None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
   the backward pass (`jax.checkpoint`, nothing saved inside a block).
   """
-  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta)
+  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, microbatches=microbatches)
   return jnp.einsum("bsd,dv->bsv", x, params["unembed"]).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
+def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+            microbatches: int | None = None) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
@@ -231,8 +279,9 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   forward pass (the plain loss's matmul FLOPs, no logits recomputed): the float32
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
-  the output layer is split on (`VOCAB_OUT_AXES`)."""
-  x = hidden(params, batch["inputs"], remat=remat)
+  the output layer is split on (`VOCAB_OUT_AXES`). `microbatches`: the pipeline's, on a
+  mesh with a `stage` axis (`hidden`)."""
+  x = hidden(params, batch["inputs"], remat=remat, microbatches=microbatches)
   d = x.shape[-1]
   return fs.cross_entropy(x.reshape(-1, d), params["unembed"].astype(x.dtype),
                           batch["targets"].reshape(-1), vocab_axes=VOCAB_OUT_AXES)
