@@ -214,6 +214,12 @@ def test_bad_input_is_an_fnscale_error_naming_the_fix():
     pp.pipeline(_stage, microbatches=0)
 
 
+def test_docstring_examples_run():
+  # The module's Examples (the pipeline against its own layers run in order, on 8 devices).
+  import doctest  # pylint: disable=import-outside-toplevel
+  assert doctest.testmod(pp).failed == 0
+
+
 def test_stage_layers_orders_layers_for_the_circular_schedule():
   # Layer l = (r S + s) K + k runs on stage s at repeat r: with 8 layers, 2 stages and 2
   # repeats (K = 2), stage 0 holds layers 0, 1 (repeat 0) and 4, 5 (repeat 1).
@@ -493,3 +499,23 @@ def test_llama_pipelined_step_equals_one_device(mesh_axes, repeats):
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_explicit_axes_equal_the_sequential_model():
+  # On a mesh of Explicit axes (shardings in the types) the reshapes into and out of the
+  # stages say their shardings: loss and gradients as the sequential model's.
+  mesh = fs.make_mesh({"stage": 4, "data": 2}, axis_types="explicit")
+  ws, x = _weights(), _inputs(False)
+  f = pp.pipeline(_stage, microbatches=8, repeats=2, remat=True)
+  grad = jax.value_and_grad(lambda p, x: jnp.mean(f(p, x) ** 2), argnums=(0, 1))
+  with fs.with_mesh(mesh):
+    staged = jax.device_put(pp.stage_layers(ws, 4, 2), NamedSharding(mesh, P("stage")))
+    loss, (g_w, g_x) = jax.jit(grad)(staged, jax.device_put(x, fs.batch_sharding(mesh)))
+  want_loss, (want_w, want_x) = jax.jit(jax.value_and_grad(
+      lambda w, x: jnp.mean(_sequential(w, x) ** 2), argnums=(0, 1)))(ws, x)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  got_w = pp.unstage_layers(jax.tree.map(np.asarray, g_w), 2)
+  for got, want in zip(jax.tree.leaves(got_w) + [np.asarray(g_x)],
+                       jax.tree.leaves(want_w) + [want_x]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))

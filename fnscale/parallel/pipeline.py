@@ -221,6 +221,7 @@ class _Layout(NamedTuple):
   post: tuple[str, ...]
   sizes: tuple[int, int, int]  # prod(pre), prod(post), rows per device per microbatch
   aligned: bool
+  axis: str
 
 
 def _layout(mesh, axis: str, rows: int, sched: Schedule) -> _Layout:
@@ -235,31 +236,46 @@ def _layout(mesh, axis: str, rows: int, sched: Schedule) -> _Layout:
   per = sched.microbatches // sched.stages
   aligned = rows % (p * sched.stages * q * per) == 0
   return _Layout(pre, post, (p, q, rows // (p * sched.stages * q * per) if aligned else 0),
-                 aligned)
+                 aligned, axis)
 
 
-def _to_stages(x, lay: _Layout, sched: Schedule):
+def _reshape(x, shape, lead: tuple, explicit: bool):
+  """x.reshape(shape); on Explicit axes with the leading dims' mesh axes given (`lead`: one
+  entry per new leading dim) and the trailing dims' kept, as jax asks there."""
+  if not explicit:
+    return x.reshape(shape)
+  rest = tuple(jax.typeof(x).sharding.spec)[x.ndim - (len(shape) - len(lead)):]
+  rest += (None,) * (len(shape) - len(lead) - len(rest))
+  return jax.lax.reshape(x, shape, out_sharding=P(*lead, *rest))
+
+
+def _to_stages(x, lay: _Layout, sched: Schedule, axis: str, explicit: bool):
   """[B, ...] -> [S, M / S, B / M, ...]: stage s's microbatches are rows its devices hold."""
   s, per = sched.stages, sched.microbatches // sched.stages
+  rows = _tree.spec_entry(lay.pre + lay.post)
   if not lay.aligned:
-    return x.reshape((s, per, -1) + x.shape[1:])
+    return _reshape(x, (s, per, -1) + x.shape[1:], (axis, None, None), explicit)
   p, q, k = lay.sizes
-  rest = x.shape[1:]
-  y = x.reshape((p, s, q, k, per) + rest)
+  rest, e = x.shape[1:], _tree.spec_entry
+  y = _reshape(x, (p, s, q, k, per) + rest, (e(lay.pre), axis, e(lay.post), None, None),
+               explicit)
   y = jnp.transpose(y, (1, 4, 0, 2, 3) + tuple(range(5, y.ndim)))
-  return y.reshape((s, per, p * q * k) + rest)
+  return _reshape(y, (s, per, p * q * k) + rest, (axis, None, rows), explicit)
 
 
-def _from_stages(y, lay: _Layout, sched: Schedule, rows: int):
+def _from_stages(y, lay: _Layout, sched: Schedule, rows: int, explicit: bool):
   """The inverse of `_to_stages`."""
   rest = y.shape[3:]
+  batch = _tree.spec_entry(lay.pre + (lay.axis,) + lay.post)
   if not lay.aligned:
-    return y.reshape((rows,) + rest)
+    return _reshape(y, (rows,) + rest, (batch,), explicit)
   p, q, k = lay.sizes
   s, per = sched.stages, sched.microbatches // sched.stages
-  y = y.reshape((s, per, p, q, k) + rest)
+  e = _tree.spec_entry
+  y = _reshape(y, (s, per, p, q, k) + rest, (lay.axis, None, e(lay.pre), e(lay.post), None),
+               explicit)
   y = jnp.transpose(y, (2, 0, 3, 4, 1) + tuple(range(5, y.ndim)))
-  return y.reshape((rows,) + rest)
+  return _reshape(y, (rows,) + rest, (batch,), explicit)
 
 
 def _pin(y, mesh, axis: str, lay: _Layout):
@@ -304,8 +320,8 @@ def _loop(run, params, io, axis: str, sched: Schedule):
   S, M, R = sched.stages, sched.microbatches, sched.repeats
   s = jax.lax.axis_index(axis)
   wait = M - S if R > 1 else 0  # iterations an output waits at stage 0 for its next repeat
-  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), io)
-  fifo = jax.tree.map(lambda a: jnp.zeros((wait,) + a.shape[1:], a.dtype), io)
+  zeros = jax.tree.map(lambda a: jnp.zeros_like(a[0]), io)  # (keeping io's sharding)
+  fifo = jax.tree.map(lambda a: jnp.zeros_like(a[:wait]), io)
   ring = [(i, (i + 1) % S) for i in range(S)] if R > 1 else [(i, i + 1) for i in range(S - 1)]
   send = (lambda y: y if R > 1 else zeros) if S == 1 else (
       lambda y: jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), y))
@@ -441,12 +457,14 @@ def pipeline(stage_fn: Callable, *, microbatches: int, repeats: int = 1,
     _check_params(params, sched)
     rows = _check_batch(x, sched)
     lay = _layout(mesh, name, rows, sched)
+    explicit = name in getattr(mesh, "explicit_axes", ())
     with jax.named_scope(_SCOPE.format(sched.stages, sched.repeats, sched.microbatches)):
-      xs = jax.tree.map(lambda a: _pin(_to_stages(a, lay, sched), mesh, name, lay), x)
+      xs = jax.tree.map(lambda a: _pin(_to_stages(a, lay, sched, name, explicit), mesh, name,
+                                       lay), x)
       body = _per_stage(_stage_call(stage_fn, sched, remat), name, sched)
       ys = jax.shard_map(body, mesh=mesh, in_specs=(P(name), P(name)), out_specs=P(name),
                          axis_names={name}, check_vma=False)(params, xs)
-      return jax.tree.map(lambda a: _from_stages(_pin(a, mesh, name, lay), lay, sched, rows),
-                          ys)
+      return jax.tree.map(
+          lambda a: _from_stages(_pin(a, mesh, name, lay), lay, sched, rows, explicit), ys)
 
   return piped
