@@ -67,6 +67,9 @@ class Options:
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
+  microbatches: int = h.option(0, "pipeline microbatches on a mesh with a 'stage' axis "
+                               "(Llama models: their layers run as stages); default: the "
+                               "stages")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
                        "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and accumulation "
@@ -153,6 +156,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  h.check_microbatches(o.microbatches, model, mesh)
   data.check_fits(corpus, seq)
   steps = data.steps_for(corpus, seq, batch, o.epochs, o.steps)
   steps = d["steps"] if steps is None else steps
@@ -259,13 +263,14 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
-  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
-                          policy=policy, accum_steps=o.accum_steps,
+  pipe = dict(microbatches=o.microbatches) if o.microbatches else {}
+  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg, **pipe),
+                          optimizer, policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather)
   step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
-  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg),
+  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg, **pipe),
                                      attention=o.attention))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):

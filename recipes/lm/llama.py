@@ -314,7 +314,7 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
   (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params. On
   a mesh with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the
-  stages)."""
+  stages, or none for a batch they don't divide, e.g. one row when sampling)."""
   cfg = _config_of(params, tokens, cfg, rope_theta)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
   block = lambda x, p: _block(x, p, cfg)
@@ -323,7 +323,8 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   blocks, stages, pp = params["blocks"], _stages(), fs.parallel.pipeline
   # A circular layout: [stages, repeats, layers per stage, d_model, heads, head_dim].
   repeats = blocks["wq"].shape[1] if blocks["wq"].ndim == 6 else 0
-  if stages > 1:
+  # A batch too small to cut into microbatches (one row, sampling) runs the blocks in order.
+  if stages > 1 and (microbatches or tokens.shape[0] % stages == 0):
     staged = blocks if repeats else pp.stage_layers(blocks, stages)
     x = pp.pipeline(layers, microbatches=microbatches or stages, repeats=repeats or 1)(
         staged, x)
