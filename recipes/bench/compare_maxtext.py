@@ -26,8 +26,8 @@ MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_com
 with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
 wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
 (it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor` ->
-MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`; a `stage` axis (pipeline stages, ICI or
-DCN) -> `ici/dcn_pipeline_parallelism`, with `--microbatches` -> `num_pipeline_microbatches`
+MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`;
+a `stage` axis (pipeline stages, ICI or DCN) -> `ici/dcn_pipeline_parallelism`, with `--microbatches` -> `num_pipeline_microbatches`
 and `--repeats` (circular; default one layer per stage per repeat, MaxText's default) ->
 `num_layers_per_pipeline_stage` = layers / (stages x repeats) on MaxText's side and llama's
 circular layout (`ModelConfig.repeats`) on fnscale's.
