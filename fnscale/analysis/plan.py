@@ -7,10 +7,10 @@ slices, remat on/off, and the fewest accumulation steps that fit; for a loss tha
 the slices of a multi-slice target, and within a slice for a very large model (its
 compute-dtype weights larger than one device's HBM), with as many microbatches (up to 8 per
 stage) as every device's rows split into, costed with the bubble and the stage sends. Each
-gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time from compute at peak and
-each collective over its axis's links: a roofline, whose MFU is an upper bound) and a forecast
-(`fnscale.analysis._forecast`: the roofline plus efficiency terms fitted on measured runs); rows are
-ranked by the forecast. The best few are compiled ahead of time for the target's described
+gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time
+from compute at peak and each collective over its axis's links: a roofline, whose MFU is an
+upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus efficiency
+terms fitted on measured runs); rows are ranked by the forecast. The best few are compiled ahead of time for the target's described
 devices (TPU targets, through libtpu, from any machine): XLA's per-device memory must fit
 HBM, its collectives are set beside the estimate, a disagreement over 25% is flagged, and
 the ranking uses the compiled figures where it has them. A plan that could not compile says
