@@ -549,3 +549,28 @@ def test_train_lm_runs_llama_through_the_pipeline(work, tmp_path):
   with pytest.raises(fs.InputError, match=r"--microbatches=8: pipeline microbatches need .* "
                                           r"a mesh with a 'stage' axis"):
     train_lm.train_lm(mesh="data=8", microbatches=8, run_dir=str(tmp_path / "bad"), **common)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
+  # plan() on 2 slices of v5p-8 for a pipelined Llama: its pipeline rows (stages across the
+  # slices) are compiled for the target's described devices like any row, and the compiled
+  # program's DCN traffic is costed on the stage axis (its sends and the reduction of the
+  # weights outside the stack).
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  del tpu_devices  # (skips without libtpu)
+  cfg = llama.model_config("llama-tiny", 128, layers=4, d_model=128, heads=4, kv_heads=2,
+                           d_mlp=256)
+  batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
+  p = fs.analysis.plan.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
+                            optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
+                            logical_axes=llama.logical_axes(cfg), verify=0)
+  hw = fs.analysis.plan.hardware("2x v5p-8")
+  row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
+  ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
+         llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
+         p.profile, hw.hbm_bytes)
+  done = fs.analysis.plan._verify(row, hw, ctx)  # pylint: disable=protected-access
+  assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
+  assert done.forecast.step_s >= done.compiled.comm_s > 0
