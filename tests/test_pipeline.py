@@ -368,6 +368,13 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
   row = fs.analysis.plan.predict(prof, "2x v5p-8", fs.MeshAxes({"fsdp": 4}, {"stage": 2}),
                                  microbatches=8)
   assert row.stages == 2 and row.bubble == pytest.approx(1 / 9)
+  # Within one slice, stages are candidates only for a model whose compute-dtype weights
+  # exceed one device's HBM (95 GiB on v5p): 2 and 4 stages of v5p-8's 4 chips.
+  meshes = fs.analysis.plan._stage_meshes  # pylint: disable=protected-access
+  one = fs.analysis.plan.hardware("v5p-8")
+  assert meshes(prof, one, 8) == []
+  big = {m.ici.get("stage") for m in meshes(prof._replace(compute_bytes=200e9), one, 8)}
+  assert big == {2, 4}
 
 
 def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
