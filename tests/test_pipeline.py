@@ -581,3 +581,30 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
   done = fs.analysis.plan._verify(row, hw, ctx)  # pylint: disable=protected-access
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0
+
+
+def test_reader_reads_asynchronous_calls_on_the_sparsecore():
+  # libtpu with jax 0.12 runs a pipelined Llama's label gather on the SparseCore as an
+  # asynchronous call (start / update / done; its computation ends with the line
+  # `}, execution_thread="sparsecore"`). The called computation is read once, as any (here
+  # a dot of 2 x 8 x 16 x 4 FLOPs); a reader that ends computations only at "}" merges the
+  # next computation into it, and one that doesn't know the ops leaves them unread.
+  text = "\n".join([
+      "HloModule m, num_partitions=8", "",
+      "%called_computation (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {",
+      "  %p0 = f32[8,16]{1,0} parameter(0)",
+      "  %p1 = f32[16,4]{1,0} parameter(1)",
+      "  ROOT %d = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+      "rhs_contracting_dims={0}",
+      '}, execution_thread="sparsecore"', "",
+      "ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {",
+      "  %a = f32[8,16]{1,0} parameter(0)",
+      "  %b = f32[16,4]{1,0} parameter(1)",
+      "  %start = ((f32[8,16]{1,0}, f32[16,4]{1,0}), f32[8,4]{1,0}, u32[]{:S(8)}) "
+      'call-start(%a, %b), async_execution_thread="sparsecore", '
+      "to_apply=%called_computation",
+      "  %update = ((f32[8,16]{1,0}, f32[16,4]{1,0}), f32[8,4]{1,0}) call-update(%start)",
+      "  %done = f32[8,4]{1,0} call-done(%update)",
+      "  ROOT %out = f32[8,4]{1,0} add(%done, %done)", "}"])
+  s = hlo.summarize(text)
+  assert s.unread == hlo.Unread() and s.matmul_flops == 2 * 8 * 16 * 4
