@@ -65,12 +65,6 @@ class Schedule(NamedTuple):
     """The idle share of a device's iterations: (S - 1) / (R M + S - 1)."""
     return (self.stages - 1) / self.iterations
 
-  @property
-  def sends(self) -> int:
-    """Stage-to-stage sends (collective-permutes) per pass: one per iteration, and S - 1
-    before and S - 1 after the loop (none on one stage). Twice this per training step."""
-    return 0 if self.stages == 1 else self.iterations + 2 * (self.stages - 1)
-
   def __str__(self) -> str:
     return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} "
             f"microbatches: bubble {self.bubble:.3f}")
