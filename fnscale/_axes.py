@@ -29,6 +29,10 @@ class AxisConventions(NamedTuple):
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
     other: further names the convention gives a meaning (sequence, context, ...), so rules
       naming them aren't flagged as typos on a mesh without them.
+    stage: the pipeline axes (`fnscale.parallel.pipeline`): a stacked layer dim's stages
+      are split over the first present; outside the pipeline they split the batch like a
+      data axis (list them in `data` too), and a mesh with several TPU slices lays one
+      across the slices by default (`fnscale.make_mesh`).
 
   Examples:
     >>> import fnscale as fs
@@ -43,17 +47,19 @@ class AxisConventions(NamedTuple):
   replica: tuple[str, ...]
   head: tuple[str, ...]
   other: tuple[str, ...] = ()
+  stage: tuple[str, ...] = ()
 
   def names(self) -> frozenset[str]:
     """Every axis name this convention knows."""
-    return frozenset(self.data + self.replica + self.head + self.other)
+    return frozenset(self.data + self.replica + self.head + self.other + self.stage)
 
 
 # fnscale's names. "replica": data parallel across slices (DCN); "data": data parallel within
 # a slice; "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch;
-# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM").
-FNSCALE = AxisConventions(data=("replica", "data", "fsdp"), replica=("replica", "data"),
-                          head=("tensor",))
+# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"); "stage":
+# pipeline stages, which outside the pipeline split the batch (as MaxText's "stage" does).
+FNSCALE = AxisConventions(data=("replica", "stage", "data", "fsdp"),
+                          replica=("replica", "data"), head=("tensor",), stage=("stage",))
 
 # MaxText's mesh axes (configs/base.yml): the input batch is split over data, stage, fsdp,
 # fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; sequence and
@@ -61,7 +67,7 @@ FNSCALE = AxisConventions(data=("replica", "data", "fsdp"), replica=("replica", 
 MAXTEXT = AxisConventions(
     data=("data", "stage", "fsdp", "fsdp_transpose", "expert"), replica=("data",),
     head=("tensor", "tensor_transpose", "tensor_sequence", "autoregressive"),
-    other=("sequence", "context", "context_autoregressive"))
+    other=("sequence", "context", "context_autoregressive"), stage=("stage",))
 
 # Levanter's mesh axes: the batch over replica and data, params (FSDP) over data, heads and
 # MLP width over "model".
@@ -131,6 +137,11 @@ def data_axes(mesh) -> tuple[str, ...]:
   """The mesh's data-like axes in mesh order (axes of size 1 are kept: harmless)."""
   data = current().data
   return tuple(a for a in mesh.axis_names if a in data)
+
+
+def stage_axis(mesh) -> str | None:
+  """The mesh's pipeline axis (the first of the conventions' stage axes it has), or None."""
+  return next((a for a in current().stage if a in mesh.axis_names), None)
 
 
 def head_axes(mesh) -> tuple[str, ...]:

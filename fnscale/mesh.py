@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from fnscale import _axes
 from fnscale import _compat
 from fnscale import _tree
 from fnscale.errors import MeshError
@@ -160,7 +161,11 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
       `"data=-1,fsdp=4,tensor=2"`, a preset name ("data", "fsdp", "tensor", "hybrid"; see
       `parallelism`), or a `MeshAxes`. -1 takes the devices left over.
     dcn: axis sizes across slices (TPU multi-slice) or processes (GPU/CPU), e.g.
-      `{"replica": 2}`. DCN axes come first (outermost) in the mesh.
+      `{"replica": 2}` or `{"stage": 2}` (pipeline stages across slices). DCN axes come
+      first (outermost) in the mesh. Not given, on devices of several TPU slices, a
+      pipeline axis ("stage") in `axes` as large as the slice count runs across the slices
+      (`make_mesh({"stage": 2, "fsdp": -1})` on 2 slices is `make_mesh({"fsdp": -1},
+      dcn={"stage": 2})`); within a slice where asked (give `dcn`, e.g. `{"replica": 2}`).
     topology: used by presets; otherwise the devices themselves give the physical layout.
     devices: devices to place (default `jax.devices()`); may be TPU devices from
       `jax.experimental.topologies` for ahead-of-time compilation.
@@ -211,6 +216,8 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
   devices = check_devices(jax.devices() if devices is None else devices, "devices", MeshError)
   n = len(devices)
   if not dcn_axes:
+    ici, dcn_axes = _stage_across_slices(devices, ici)
+  if not dcn_axes:
     _check_one_slice(devices, ici)
   groups = _granules(devices) if dcn_axes else [devices]
   unit = "slices" if getattr(devices[0], "slice_index", None) is not None else "processes"
@@ -233,6 +240,17 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
   return Mesh(grid, names, axis_types=types_)
 
 
+def _stage_across_slices(devices, ici: dict) -> tuple[dict, dict]:
+  """(ICI axes, DCN axes) for devices of several TPU slices given no DCN axes: a pipeline
+  axis (`AxisConventions.stage`) of the slice count's size runs across the slices, where
+  stages send only activations over the DCN; else the axes unchanged."""
+  slices = {d.slice_index for d in devices if getattr(d, "slice_index", None) is not None}
+  axis = next((a for a in _axes.current().stage if a in ici), None)
+  if len(slices) < 2 or axis is None or ici[axis] != len(slices):
+    return ici, {}
+  return {k: v for k, v in ici.items() if k != axis}, {axis: ici[axis]}
+
+
 def _check_one_slice(devices, ici: dict) -> None:
   """Refuses ICI-only axes over devices of several TPU slices: ICI ends at a slice's edge."""
   slices = sorted({d.slice_index for d in devices
@@ -246,7 +264,8 @@ def _check_one_slice(devices, ici: dict) -> None:
       f"({len(devices) // k} devices) and an ICI axis can't cross slices; fix: add an axis "
       f"across the slices, e.g. make_mesh({ici}, dcn={{'replica': {k}}}) (or "
       "dcn={'replica': -1}: data parallel across slices; train_lm.py: "
-      f"--dcn=replica={k}).")
+      f"--dcn=replica={k}), or pipeline stages across them with an ICI axis 'stage' of size "
+      f"{k}, which make_mesh then lays across the slices.")
 
 
 def _granules(devices) -> list[list]:

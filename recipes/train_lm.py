@@ -74,6 +74,9 @@ class Options:
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
+  microbatches: int = h.option(0, "pipeline microbatches on a mesh with a 'stage' axis "
+                               "(Llama models: their layers run as stages); default: the "
+                               "stages")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
                        "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
@@ -151,6 +154,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  h.check_microbatches(o.microbatches, model, mesh)
   if corpus.packed is not None:
     packing.check_spec(packing.spec(o, seq), corpus.packed[0])
   data.check_fits(corpus, seq)
@@ -202,7 +206,8 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
   o, model, axes, base = s.o, s.model, s.model.logical_axes(s.cfg), data.baseline(s.corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(o)
   packed = s.corpus.packed is not None  # packed rows: the loss is weighted (padding has none)
-  loss_fn = functools.partial(model.loss_fn, cfg=s.cfg, weighted=packed)
+  pipe = dict(microbatches=o.microbatches) if o.microbatches else {}
+  loss_fn = functools.partial(model.loss_fn, cfg=s.cfg, weighted=packed, **pipe)
   step_fn = fs.train_step(functools.partial(loss_fn, remat=o.remat), optimizer, policy=policy,
                           accum_steps=o.accum_steps, accum_gather=o.accum_gather,
                           weighted=packed)

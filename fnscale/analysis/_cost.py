@@ -38,6 +38,13 @@ Matmuls" and 5 "Training":
   run, so the executed share is slightly above one half); the XLA reference computes it all.
 - Matmuls at the device's peak: predicted MFU is therefore an upper bound (the roofline);
   `fnscale.analysis._forecast` adds the efficiency terms it leaves out.
+- Pipeline stages (a "stage" axis of S devices, M microbatches, `fnscale.parallel.pipeline`):
+  the layer stack (the longest `lax.scan`'s params and FLOPs) is split S ways and runs
+  M + S - 1 iterations for M microbatches' work (the bubble, (S-1)/(M+S-1), executes too);
+  each iteration sends one microbatch's residual stream to the next stage, plus S - 1 sends
+  of M/S microbatches before and after the loop, forward and backward; FSDP gathers a
+  stage's weights (and reduce-scatters its gradients) in every iteration. Outside the stack
+  the stage axis splits the batch like a data axis (its gradients reduced over it too).
 """
 from __future__ import annotations
 
@@ -75,7 +82,11 @@ class Profile(NamedTuple):
   language model's [rows, seq] tokens); `uncounted`: Pallas kernels that declare no
   `cost_estimate` (their FLOPs are missing); `act_row_stream` / `act_row_remat_stream`: the
   part of `act_row` / `act_row_remat` shaped like the residual stream (last dim the scan
-  carry's), which tensor parallelism replicates; it splits the rest (heads, MLP columns).
+  carry's), which tensor parallelism replicates; it splits the rest (heads, MLP columns);
+  the layer stack a pipeline splits into stages, the `lax.scan` over the most bytes:
+  `stack_layers` its length, `stack_bytes` the compute-dtype bytes it runs over (the
+  layers' params), `stack_stream_row` its carry's bytes per row (the residual stream a
+  stage sends on), `stack_flops_row` the part of `flops_row` in it and its transpose.
   """
   params: int
   param_bytes: float
@@ -98,6 +109,10 @@ class Profile(NamedTuple):
   uncounted: tuple[str, ...] = ()
   act_row_stream: float = 0.0
   act_row_remat_stream: float = 0.0
+  stack_layers: int = 0
+  stack_bytes: float = 0.0
+  stack_stream_row: float = 0.0
+  stack_flops_row: float = 0.0
 
 
 def _nbytes(tree) -> float:
@@ -181,10 +196,43 @@ def _longest_scan(jaxpr, best=None):
   return best
 
 
+def _stack_scan(jaxpr, limit: float, best=None):
+  """(bytes scanned over, length, carry avals) of the first scan over the most bytes up to
+  `limit` (the params' bytes: a layer stack's forward scan, not its transpose, which runs
+  over residuals too), nested ones included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      scan = _compat.scan_parts(eqn)
+      xs = _nbytes([v.aval for v in scan.xs])
+      if xs <= limit and (best is None or xs > best[0]):
+        best = (xs, scan.length, [v.aval for v in scan.carry])
+    for j in _sub_jaxprs(eqn):
+      best = _stack_scan(j, limit, best)
+  return best
+
+
+def _stack_flops(jaxpr, length: int, nbytes: float) -> float:
+  """FLOPs of the scans of `length` iterations over at least `nbytes` (the layer stack's
+  forward scan, and its transpose, which runs over the params and residuals)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    scan = _compat.scan_parts(eqn) if eqn.primitive.name == "scan" else None
+    if scan and scan.length == length and _nbytes([v.aval for v in scan.xs]) >= nbytes:
+      total += _eqn_flops(eqn, "").total
+    else:
+      total += sum(_stack_flops(j, length, nbytes) for j in _sub_jaxprs(eqn))
+  return total
+
+
 def takes_remat(loss_fn) -> bool:
   """Whether `loss_fn` accepts a `remat` keyword (then the planner chooses it)."""
+  return takes(loss_fn, "remat")
+
+
+def takes(loss_fn, keyword: str) -> bool:
+  """Whether `loss_fn` accepts `keyword` (`remat`, `microbatches`: the planner chooses it)."""
   try:
-    return "remat" in inspect.signature(loss_fn).parameters
+    return keyword in inspect.signature(loss_fn).parameters
   except (TypeError, ValueError):
     return False
 
@@ -239,6 +287,7 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
   c0, kernels, jx = _traced(loss_fn, cparams, batch, False if remat else None, interpret)
   c1 = _traced(loss_fn, cparams, batch, True, interpret)[0] if remat else c0
   scan = _longest_scan(jx)
+  stack = _stack_scan(jx, _nbytes(cparams)) or (0.0, 0, [])
   layers = scan[0] if scan else 1
   stream_row = _nbytes(scan[1]) if scan else 0.0  # traced with one row
   width = scan[1][0].shape[-1] if scan and scan[1] and scan[1][0].shape else 0
@@ -255,7 +304,9 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       attn_row_remat=c1.attention, causal_share=c0.causal / c0.attention if c0.attention else 0.0,
       attn_kernel=kernels > 0, tokens_row=math.prod(first.shape[1:]),
       uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
-      act_row_stream=a0[1], act_row_remat_stream=a1[1])
+      act_row_stream=a0[1], act_row_remat_stream=a1[1],
+      stack_layers=stack[1], stack_bytes=stack[0], stack_stream_row=_nbytes(stack[2]),
+      stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0)
 
 
 class Estimate(NamedTuple):
@@ -362,36 +413,79 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
   return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum
 
 
+class _Stages(NamedTuple):
+  """A candidate's pipeline as the estimate costs it: `stages` S (1: none), `microbatches`
+  M, `bytes_share` / `flops_share` of the params / FLOPs in the layer stack (0 without
+  stages), `iters` (M + S - 1) / M (the loop's iterations per microbatch's work)."""
+  stages: int
+  microbatches: int
+  bytes_share: float
+  flops_share: float
+  iters: float
+
+  def keep(self, nbytes: float) -> float:
+    """Of a param-shaped tree's bytes, those one stage holds (the stack split S ways)."""
+    return nbytes * (1 - self.bytes_share + self.bytes_share / self.stages)
+
+
+def _stages(prof: Profile, ici: dict, dcn: dict, microbatches: int) -> _Stages:
+  s = ici.get("stage", 1) * dcn.get("stage", 1)
+  if s == 1:
+    return _Stages(1, 1, 0.0, 0.0, 1.0)
+  return _Stages(s, microbatches, prof.stack_bytes / prof.compute_bytes if prof.compute_bytes
+                 else 0.0, prof.stack_flops_row / prof.flops_row if prof.flops_row else 0.0,
+                 (microbatches + s - 1) / microbatches)
+
+
+def _stage_comm(prof: Profile, pp: _Stages, rows_mb: float, f: int, t: int) -> tuple:
+  """Bytes per device per step of a pipeline: (the stage axis's sends, FSDP's gathers and
+  reduce-scatters, the stack's in every iteration and the rest once). `rows_mb`: a
+  device's rows outside the pipeline (the stage axis splits the batch there)."""
+  s, m = pp.stages, pp.microbatches
+  one = rows_mb * s / m * prof.stack_stream_row  # one microbatch of a device's stream
+  sends = 2 * (m + s - 1 + 2 * (s - 1) * m / s) * one
+  stack_c, stack_g = prof.compute_bytes * pp.bytes_share, prof.grad_bytes * pp.bytes_share
+  gathers = ((m + s - 1) * (2 * stack_c + stack_g) / s
+             + 2 * (prof.compute_bytes - stack_c) + prof.grad_bytes - stack_g)
+  return sends, (f - 1) / f * gathers / t
+
+
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
-             accum: int, gather: str = "per_microbatch") -> Estimate:
+             accum: int, gather: str = "per_microbatch", microbatches: int = 1) -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
-  "tensor"; "replica" across slices); the global batch must divide over the data axes and
-  `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch"
-  keeps params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp
-  in every microbatch, and reduces over the data and DCN axes in every microbatch too (the
-  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
-  holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
-  gathers and reduces once per step."""
+  "tensor", "stage"; "replica" or "stage" across slices); the global batch must divide over
+  the data axes and `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles:
+  "per_microbatch" keeps params and the float32 accumulator sharded and gathers /
+  reduce-scatters over fsdp in every microbatch, and reduces over the data and DCN axes in
+  every microbatch too (the accumulator is sharded as the params, so whole over those
+  axes); "once" (with accum > 1) holds whole compute-dtype params and a whole float32
+  accumulator (split by tensor only), gathers and reduces once per step. `microbatches`:
+  the pipeline's, with a "stage" axis (accum 1)."""
   once = gather == "once" and accum > 1
   reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
   d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
   r = math.prod(dcn.values()) if dcn else 1
+  pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices
   shard = f * t
-  rows_mb = prof.rows / (r * d * f) / accum
+  rows_mb = prof.rows / (r * d * f * ici.get("stage", 1)) / accum
   frac = lambda k: (k - 1) / k
   layer_w = prof.compute_bytes / max(prof.layers, 1) / t
-  parts = dict(params=prof.param_bytes / shard, opt=prof.opt_bytes / shard,
-               grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
-               weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
-               acts=act_per_row(prof, remat, t)[0] * rows_mb)
+  io = 2 * prof.stack_stream_row * rows_mb * pp.stages if pp.stages > 1 else 0.0  # stage 0's
+  parts = dict(params=pp.keep(prof.param_bytes) / shard, opt=pp.keep(prof.opt_bytes) / shard,
+               grads=pp.keep(prof.grad_bytes) / shard * (2 if accum > 1 else 1),
+               weights=2 * layer_w if f > 1 else pp.keep(prof.compute_bytes) / t,
+               acts=act_per_row(prof, remat, t)[0] * rows_mb * pp.iters + io)
   if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
     parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
                  weights=prof.compute_bytes / t)
   model_flops = prof.flops_row * prof.rows
-  memory = memory_traffic(prof, remat, rows_mb, accum, shard, t) / hw.links.hbm
-  run, recompute = (x * prof.rows / n / hw.peak_flops for x in executed_flops_row(prof, remat))
+  held = shard / pp.keep(1.0)  # the update's share: the device's part of the state
+  memory = memory_traffic(prof, remat, rows_mb * pp.iters, accum, held, t) / hw.links.hbm
+  bubble = 1 - pp.flops_share + pp.flops_share * pp.iters
+  run, recompute = (x * bubble * prof.rows / n / hw.peak_flops
+                    for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
   comm = {}
@@ -400,13 +494,20 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
         2 * prof.compute_bytes + prof.grad_bytes)
     comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
   if d > 1:
-    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
+    comm["data"] = reductions * 2 * frac(d) * pp.keep(prof.grad_bytes) / shard / bw["data"]
   if t > 1:
-    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb
+    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb * pp.iters
     comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
   for a, k in dcn.items():
-    if k > 1:
-      comm[a] = reductions * 2 * frac(k) * prof.grad_bytes / shard / bw[a]
+    if k > 1 and a != "stage":
+      comm[a] = reductions * 2 * frac(k) * pp.keep(prof.grad_bytes) / shard / bw[a]
+  if pp.stages > 1:
+    sends, gathers = _stage_comm(prof, pp, rows_mb, f, t)
+    if f > 1:
+      comm["fsdp"] = gathers / bw["fsdp"]
+    # Outside the stack the stage axis is a data axis: its gradients are reduced over it.
+    rest = 2 * frac(pp.stages) * prof.grad_bytes * (1 - pp.bytes_share) / shard
+    comm["stage"] = (sends + rest) / bw["stage"]
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,

@@ -151,8 +151,9 @@ class HloSummary(NamedTuple):
   could not be read (`Unread`; `unread.count == 0` when the figures cover the whole program);
   `kernels`: custom kernels called, whose work no figure includes (`Kernel`);
   `dcn_groups`: the part of `groups` sent across slices (a multi-slice TPU program's
-  collectives over the data-center network, their group size the slice count; also in
-  `collectives` and `groups`), and `dcn_bytes_sent` its total.
+  collectives over the data-center network, their group size the slice count, 2 for a
+  collective-permute such as a pipeline's stage-to-stage sends; also in `collectives` and
+  `groups`), and `dcn_bytes_sent` its total.
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -195,6 +196,8 @@ _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _LINE_START_RE = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")
 _DEVICES_RE = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+# A computation's last line: "}", or `}, execution_thread="sparsecore"` (TPU SparseCore code).
+_END_RE = re.compile(r'^\}(?:,\s*execution_thread="[^"]*")?\s*$')
 
 
 class _Instr(NamedTuple):
@@ -397,7 +400,8 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """Computation name -> its instruction lines, and the entry's name. Instruction lines
   outside any computation (a snippet) form the computation named ''. A computation ends at
-  a line that is only "}"; lines that don't start an instruction continue the one above."""
+  a line that is only "}" (or "}" and its `execution_thread`); lines that don't start an
+  instruction continue the one above."""
   comps: dict[str, list[str]] = {"": []}
   entry, cur = None, None
   for line in text.splitlines():
@@ -410,7 +414,7 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
           entry = cur
       else:
         comps[""].append(line)
-    elif line.strip() == "}":
+    elif _END_RE.match(line):
       cur = None
     elif comps[cur] and not _LINE_START_RE.match(line):
       # An attribute that spans lines (a Pallas kernel's `frontend_attributes` JSON, whose
@@ -801,6 +805,10 @@ _NO_COUNTED_WORK = frozenset((
     "send-done", "set-dimension-size"))
 # Wrappers that call computations which may hold matmuls: never read as async sugar.
 _CALLS_WORK = ("call", "conditional", "fusion", "while")
+# An asynchronous call (TPU: a computation run on the SparseCore, `async_execution_thread=
+# "sparsecore"`, e.g. a gather offload): the -start names the computation (`to_apply=`), read
+# as any called computation; its -update and -done only wait for it.
+_ASYNC_CALL = ("call-start", "call-update", "call-done")
 
 
 def _does_no_counted_work(op: str) -> bool:
@@ -844,9 +852,16 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
 # `_xla_megascale_transfer_type="ALL_REDUCE"`, `_xla_megascale_target="{1,2}x{0:3}"` (slices
 # 1 and 2, chips 0 to 3 of each; libtpu with jax 0.10.2 and 0.12). The recv brings the result
 # back: the send alone is the collective, its data (the tuple's first array) the buffer.
+# A collective-permute across slices (a pipeline's stage-to-stage send, `lax.ppermute`) is
+# `_xla_megascale_transfer_type="ONE_TO_ONE"` with its pairs as the target, each device
+# written slice x 100000 + chip (slices from 1), e.g. `_xla_megascale_target={{100000->200000},
+# {200000->100000}}`: counted as a collective-permute (each device sends its buffer once).
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
-                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
+                    "ONE_TO_ONE": "collective-permute"}
+_MEGASCALE_PAIRS_RE = re.compile(r"_xla_megascale_target=\{((?:\{\d+->\d+\},?)+)\}")
+_MEGASCALE_SLICE = 100_000  # a megascale device id: slice x 100000 + chip
 
 
 def _slice_count(listed: str) -> int | None:
@@ -863,14 +878,27 @@ def _slice_count(listed: str) -> int | None:
   return n or None
 
 
+def _crosses_slices(attrs: str) -> int | None:
+  """2 (a permute's group, as `_collective` counts one) where a ONE_TO_ONE target's pairs
+  send across slices; None where it lists none that do, or can't be read."""
+  m = _MEGASCALE_PAIRS_RE.search(attrs)
+  pairs = re.findall(r"(\d+)->(\d+)", m.group(1)) if m else []
+  across = any(int(a) // _MEGASCALE_SLICE != int(b) // _MEGASCALE_SLICE for a, b in pairs)
+  return 2 if across else None
+
+
 def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
   """Adds a megascale send (a collective across slices) to `g`'s collectives, its group the
-  slices it spans; unread where its kind, slices or data can't be read."""
+  slices it spans (2 for a collective-permute); unread where its kind, slices or data can't
+  be read."""
   kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs)
   target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attrs)
   data = _arrays(ins.shape)[:1]
   base = _MEGASCALE_KINDS.get(kind.group(1)) if kind else None
-  slices = _slice_count(target.group(1)) if target else None
+  if base == "collective-permute":
+    slices = _crosses_slices(ins.attrs)
+  else:
+    slices = _slice_count(target.group(1)) if target else None
   if base is None or slices is None or not data:
     g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
     return
@@ -920,6 +948,8 @@ def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
         _dcn_collective(g, comp, ins)
     elif any(op in (c, c + "-start", c + "-done") for c in COLLECTIVE_KINDS):
       _collective(g, comp, ins, starts, name, dev)
+    elif op in _ASYNC_CALL and (op != "call-start" or _CALL_RE.search(ins.attrs)):
+      pass  # the computation it runs is read itself (the -start's edge above)
     elif not _does_no_counted_work(op):
       g.unread[comp].append(op)
 

@@ -2,11 +2,15 @@
 
 Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
 up to `max_tensor`, the size ICI neighbours serve well), data parallel ("replica") across
-slices, remat on/off, and the fewest accumulation steps that fit. Each gets an analytic
-estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time from compute at peak and
-each collective over its axis's links: a roofline, whose MFU is an upper bound) and a forecast
-(`fnscale.analysis._forecast`: the roofline plus efficiency terms fitted on measured runs); rows are
-ranked by the forecast. The best few are compiled ahead of time for the target's described
+slices, remat on/off, and the fewest accumulation steps that fit; for a loss that takes
+`microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline stages too: across
+the slices of a multi-slice target, and within a slice for a very large model (its
+compute-dtype weights larger than one device's HBM), with as many microbatches (up to 8 per
+stage) as every device's rows split into, costed with the bubble and the stage sends. Each
+gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time
+from compute at peak and each collective over its axis's links: a roofline, whose MFU is an
+upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus efficiency
+terms fitted on measured runs); rows are ranked by the forecast. The best few are compiled ahead of time for the target's described
 devices (TPU targets, through libtpu, from any machine): XLA's per-device memory must fit
 HBM, its collectives are set beside the estimate, a disagreement over 25% is flagged, and
 the ranking uses the compiled figures where it has them. A plan that could not compile says
@@ -31,6 +35,7 @@ from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
 from fnscale import compile as _compile
 from fnscale.analysis import hlo as _hlo
+from fnscale.parallel import pipeline as _pipeline
 from fnscale.analysis import report as _report
 from fnscale import state as _state
 from fnscale import step as _step
@@ -68,7 +73,8 @@ class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
   compile (or None), `fits` (per the compile where present, else the estimate, against HBM x
   headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the compiled communication
-  where compiled) and `accum_gather` (`train_step`'s mode, costed and compiled as chosen).
+  where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
+  `microbatches` (the pipeline's, with a "stage" axis: the loss's `microbatches=`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
   compiled)."""
   axes: MeshAxes
@@ -79,6 +85,17 @@ class Candidate(NamedTuple):
   fits: bool
   forecast: _forecast.Forecast | None = None
   accum_gather: str = "per_microbatch"
+  microbatches: int = 1
+
+  @property
+  def stages(self) -> int:
+    """Pipeline stages (the "stage" axis within and across slices; 1: no pipeline)."""
+    return self.axes.ici.get("stage", 1) * self.axes.dcn.get("stage", 1)
+
+  @property
+  def bubble(self) -> float:
+    """The pipeline's idle share of iterations, (S - 1) / (M + S - 1); 0 without stages."""
+    return _pipeline.bubble_fraction(self.stages, self.microbatches)
 
   @property
   def step_s(self) -> float:
@@ -105,8 +122,8 @@ class Plan(NamedTuple):
   `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
   the resolved target; `profile` what the model needs per step; `verification` what was
   compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
-  are for (None: not shown). `str(plan)` is the table
-  (`format_plan`)."""
+  are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`).
+  `str(plan)` is the table (`format_plan`)."""
   rows: tuple[Candidate, ...]
   axes: MeshAxes
   remat: bool
@@ -117,6 +134,7 @@ class Plan(NamedTuple):
   verification: str = ""
   tokens: float | None = None
   accum_gather: str = "per_microbatch"
+  microbatches: int = 1
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -161,20 +179,49 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]:
-  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor), "replica"
-  across slices, keeping those whose data axes divide the global batch."""
-  n = hw.devices_per_slice
-  dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
+def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int, stage: int = 1,
+            dcn: dict | None = None) -> list[MeshAxes]:
+  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor) beside an ICI
+  `stage` axis of that size, "replica" across slices (or the `dcn` axes given), keeping
+  those whose data axes divide the global batch."""
+  n = hw.devices_per_slice // stage
+  if dcn is None:
+    dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
   out = []
   for t in (k for k in _divisors(n) if k <= max_tensor):
     for f in _divisors(n // t):
       d = n // t // f
-      if rows % (d * f * hw.num_slices):
+      if rows % (d * f * stage * hw.num_slices):
         continue
-      ici = {k: v for k, v in (("data", d), ("fsdp", f), ("tensor", t)) if v > 1}
+      ici = {k: v for k, v in (("stage", stage), ("data", d), ("fsdp", f), ("tensor", t))
+             if v > 1}
       out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
   return out
+
+
+def _stage_meshes(prof, hw: _targets.Hardware, max_tensor: int) -> list[MeshAxes]:
+  """Pipeline meshes: stages across the slices of a multi-slice target (all of them, or a
+  divisor with "replica" over the rest); within a slice (2, 4 or 8 stages) where the model's
+  compute-dtype weights exceed one device's HBM. Stages divide the layer stack."""
+  out, k = [], hw.num_slices
+  for s in (s for s in _divisors(k)[1:] if prof.stack_layers % s == 0):
+    dcn = {"stage": s, **({"replica": k // s} if k > s else {})}
+    out += _meshes(hw, prof.rows, max_tensor, dcn=dcn)
+  if prof.compute_bytes > hw.hbm_bytes:
+    for s in (2, 4, 8):
+      if hw.devices_per_slice % s == 0 and prof.stack_layers % s == 0:
+        out += _meshes(hw, prof.rows, max_tensor, stage=s)
+  return out
+
+
+def _microbatches(prof, axes: MeshAxes) -> int | None:
+  """The most microbatches (8, 4, 2 or 1 per stage) into which every device's rows split;
+  None where a device holds no whole row per stage's microbatch."""
+  stages = axes.ici.get("stage", 1) * axes.dcn.get("stage", 1)
+  split = math.prod(axes.dcn.values() or [1]) * math.prod(
+      v for k, v in axes.ici.items() if k in ("stage", "data", "fsdp"))
+  rows = prof.rows // split
+  return next((k * stages for k in (8, 4, 2, 1) if rows and rows % k == 0), None)
 
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
@@ -201,7 +248,8 @@ def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
   """Seconds of the compiled collectives by mesh axis: each replica group's ring bytes over
   the bandwidth of the mesh axis of that size, the bytes sent across slices
   (`summary.dcn_groups`) on the DCN axes and the rest on the ICI axes; collective-permutes
-  (XLA's windowed einsums) and groups no single axis matches go to the slowest axis there."""
+  go to the "stage" axis there (a pipeline's sends), else (XLA's windowed einsums) to the
+  slowest axis, as do groups no single axis matches."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
   bw = _cost.axis_bandwidth(hw, ici, axes.dcn)
   across = {(kind, n): b for kind, n, b in summary.dcn_groups}
@@ -213,7 +261,9 @@ def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
         continue
       slowest = min(sizes, key=bw.get, default=None)
       axis = next((a for a, k in sizes.items() if k == n), None)
-      if axis is None or kind == "collective-permute":
+      if kind == "collective-permute":  # a pipeline's stage sends, else windowed einsums
+        axis = "stage" if "stage" in sizes else slowest
+      elif axis is None:
         axis = slowest
       rate = bw[axis] if axis else min(bw.values(), default=hw.links.ici_link)
       out[axis or "ici"] = out.get(axis or "ici", 0.0) + part / rate
@@ -232,6 +282,8 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   state = _state.init_state(zeros, optimizer, mesh=mesh, rules=rules,
                             logical_axes=logical_axes, policy=policy, abstract=True)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
+  if cand.stages > 1:
+    loss = functools.partial(loss, microbatches=cand.microbatches)
   step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
                           accum_gather=cand.accum_gather)
   t0 = time.perf_counter()
@@ -315,14 +367,21 @@ def mesh_str(axes: MeshAxes) -> str:
   return ici + ("".join(f" | {k}={v}" for k, v in axes.dcn.items()) if axes.dcn else "")
 
 
-def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
+def _candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candidate]:
   rows = []
+  remats = (False, True) if prof.has_remat else (False,)
   for axes in _meshes(hw, prof.rows, max_tensor):
-    for remat in ((False, True) if prof.has_remat else (False,)):
+    for remat in remats:
       accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
         fc = _forecast.forecast(prof, hw, est, axes.dcn)
         rows.append(Candidate(axes, remat, accum, est, None, fits, fc, gather))
+  for axes in _stage_meshes(prof, hw, max_tensor) if pipelined else ():
+    m = _microbatches(prof, axes)
+    for remat in remats if m else ():  # one step: the pipeline's microbatches bound memory
+      est = _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, 1, microbatches=m)
+      fc = _forecast.forecast(prof, hw, est, axes.dcn)
+      rows.append(Candidate(axes, remat, 1, est, None, est.bytes <= cap, fc, microbatches=m))
   return rows
 
 
@@ -440,7 +499,7 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
             accum: int = 1, accum_gather: str = "per_microbatch", headroom: float = 0.8,
             cpu_rates: tuple[float, float] | None = None,
-            terms: _forecast.Terms = _forecast.FITTED) -> Candidate:
+            terms: _forecast.Terms = _forecast.FITTED, microbatches: int = 1) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
   its rows (nothing is compiled).
 
@@ -448,11 +507,13 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     prof: `profile_model(...)` of the step (its `rows` is the global batch; use
       `prof._replace(rows=n)` for another batch of the same sequences).
     target: as for `plan`.
-    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor", DCN "replica").
+    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor"/"stage", DCN
+      "replica"/"stage").
     remat, accum: remat on/off and accumulation steps.
     accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
     headroom: usable fraction of HBM for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones).
+    microbatches: the pipeline's, with a "stage" axis (then accum 1).
 
   Returns:
     A `Candidate` (`estimate`, `forecast`, `fits`; `compiled` None).
@@ -466,13 +527,16 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     raise PlanError(f"axes {mesh_str(axes)} cover {math.prod(axes.ici.values())} x "
                     f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
                     f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
-  split = math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
+  split = (math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
+           * ici.get("stage", 1))
   if prof.rows % (split * accum):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")
-  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather)
+  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather,
+                       microbatches)
   return Candidate(axes, remat, accum, est, None, est.bytes <= hw.hbm_bytes * headroom,
-                   _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather)
+                   _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather,
+                   microbatches)
 
 
 def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
@@ -484,7 +548,11 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
   Args:
     state_or_init: a `TrainState` (abstract or not), `init_fn(key) -> params`, or params.
     loss_fn: `loss_fn(params, batch) -> loss`; if it takes a `remat` keyword, remat on/off
-      are candidates (e.g. `recipes/lm/llama.py`'s `loss_fn(params, batch, *, remat)`).
+      are candidates (e.g. `recipes/lm/llama.py`'s `loss_fn(params, batch, *, remat)`); if it
+      takes `microbatches`, meshes with a "stage" axis are too: the loss must then run its
+      layer stack as a pipeline over the mesh's stage axis with that many microbatches
+      (`fnscale.parallel.pipeline`; llama's does, its rules splitting the stack's "layers"
+      over "stage").
     optimizer: the optax optimizer (its state counts against memory).
     batch: the global batch, arrays or `jax.ShapeDtypeStruct`s, leading dim = rows.
     target: a `fnscale.Topology` or a name: "v5p-128", "v6e-256", "v5p:4x4x4", "2x v5p-128"
@@ -505,8 +573,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       to train on it at the forecast's tokens/s.
 
   Returns:
-    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`, `why`,
-    `verification`);
+    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`/`microbatches`,
+    `why`, `verification`);
     `print(plan)` shows the table.
 
   Raises:
@@ -522,7 +590,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
   prof = _profile(hw, params, loss_fn, optimizer, batch, pol)
   cap = hw.hbm_bytes * headroom
-  rows = _candidates(prof, hw, cap, max_tensor, tuple(accum_steps))
+  rows = _candidates(prof, hw, cap, max_tensor, tuple(accum_steps),
+                     _cost.takes(loss_fn, "microbatches"))
   if not rows or not any(r.fits for r in rows):
     raise _no_fit_error(rows, hw, cap) if rows else PlanError(
         f"no mesh of {hw.num_devices} devices splits a batch of {prof.rows} rows; use a "
@@ -536,7 +605,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof, note,
-              tokens, best.accum_gather)
+              tokens, best.accum_gather, best.microbatches)
 
 
 def _hardware_line(p: Plan) -> str:
@@ -567,13 +636,15 @@ def format_plan(p: Plan, top: int = 12) -> str:
   compute, days and chip-hours for `p.tokens` (when given), verified (and flags); then what
   was compiled, kernels whose FLOPs are not counted, and why the winner won."""
   budget = ("days", "chip-h") if p.tokens else ()
-  cols = ("#", "mesh", "remat", "accum", "GiB/dev est", "compiled", "fits", "step ms",
+  cols = ("#", "mesh", "remat", "accum", "pipeline", "GiB/dev est", "compiled", "fits",
+          "step ms",
           "tokens/s", "MFU", "bound", "comm/comp", *budget, "verified")
   lines = []
   for i, r in enumerate(p.rows[:top]):
     c = r.compiled
     accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum,
+    pipe = f"M={r.microbatches} bubble {r.bubble:.2f}" if r.stages > 1 else "-"
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum, pipe,
                   f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
                   "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
                   f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
@@ -592,7 +663,9 @@ def format_plan(p: Plan, top: int = 12) -> str:
   return "\n".join([_hardware_line(p), fmt(cols), *map(fmt, lines)]) + more + "".join(
       f"\n{n}" for n in notes if n) + (
           f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
-          + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "") + f": {p.why}")
+          + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "")
+          + (f", microbatches={p.microbatches} (bubble {p.rows[0].bubble:.2f})"
+             if p.rows[0].stages > 1 else "") + f": {p.why}")
 
 
 def _dot_flops_row(prof: _cost.Profile, remat: bool) -> float:
@@ -615,7 +688,7 @@ def summary(p: Plan) -> dict:
     plain = _dot_flops_row(prof, False) * prof.rows / n
     rows.append(dict(
         mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
-        fits=r.fits,
+        microbatches=r.microbatches, bubble=r.bubble, fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
         memory_ratio=c.bytes / e.bytes if c else None, compiled_comm_s=c.comm_s if c else None,
@@ -631,7 +704,7 @@ def summary(p: Plan) -> dict:
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, chips=hw.chips, hbm_bytes=hw.hbm_bytes,
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
-              accum_gather=p.accum_gather,
+              accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,
               uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.FITTED._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)

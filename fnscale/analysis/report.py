@@ -23,6 +23,7 @@ from fnscale.analysis import hlo as _hlo
 from fnscale import sharding as _sh
 from fnscale.errors import ShardingError, StepError
 from fnscale.analysis.hlo import Collective
+from fnscale.parallel import pipeline as _pipeline
 # The compile settings are public here; the warnings reader is reached here by its tests.
 from fnscale._compiler import compilation_cache, compilation_cache_restored  # noqa: F401
 from fnscale._compiler import fast_compile_options  # noqa: F401
@@ -52,7 +53,9 @@ class CompileReport(NamedTuple):
   HLO figures cover the whole program), `kernels` (custom kernels the program calls, whose
   work the HLO figures leave out; `fnscale.analysis.hlo.Kernel`), `dcn_bytes_sent` (of the ring
   bytes sent per device per step, those across slices: the data-center network of a
-  multi-slice TPU job).
+  multi-slice TPU job), `pipelines` (the pipeline schedules the program runs,
+  `fnscale.parallel.pipeline.Schedule`: stages, microbatches, repeats and the bubble
+  (S - 1) / (R M + S - 1)).
 
   Examples:
     A plain function of (state, batch), compiled with `jax.jit` on one device: [8, 4] x [4, 2]
@@ -83,6 +86,7 @@ class CompileReport(NamedTuple):
   hlo_unread: _hlo.Unread = _hlo.Unread()
   kernels: tuple[_hlo.Kernel, ...] = ()
   dcn_bytes_sent: float = 0.0
+  pipelines: tuple[_pipeline.Schedule, ...] = ()
 
   @property
   def flops_ratio(self) -> float | None:
@@ -137,7 +141,8 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
     v = cost.get(name)
     return float(v) if v is not None else None
 
-  hlo = _hlo.summarize(compiled.as_text() or "")
+  text = compiled.as_text() or ""
+  hlo = _hlo.summarize(text)
   if mesh is not None:
     platform, num = mesh.devices.flat[0].platform, mesh.devices.size
   else:
@@ -154,7 +159,8 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       collectives=hlo.collectives, platform=platform, num_devices=int(num),
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
-      kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent)
+      kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent,
+      pipelines=_pipeline.schedules_in(text))
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -270,6 +276,8 @@ def format_report(report: CompileReport) -> str:
       lines.append(f"    of which across slices (DCN): {fb(report.dcn_bytes_sent)} ring-sent")
   else:
     lines.append("  collectives: none")
+  lines += [f"  pipeline: {p} ((S-1)/(R*M+S-1) of each device's iterations idle)"
+            for p in report.pipelines]
   lines += _hlo_notes(report)
   if report.xla_warnings:
     lines.append(f"  XLA warnings ({len(report.xla_warnings)})")

@@ -19,12 +19,18 @@ Then, from the repository root, in fnscale's environment:
       --target=v5p-8 --mesh=fsdp=4 --layers=2 --batch=1 --seq=4096
   python recipes/bench/compare_maxtext.py ... --mesh=data=2,fsdp=2
   python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=replica=2
+  python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=stage=2 \\
+      --layers=8 --batch=2 --microbatches=4    # pipeline stages across the slices
 
 MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_compile.main`
 with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
 wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
 (it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor` ->
-MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`.
+MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`;
+a `stage` axis (pipeline stages, ICI or DCN) -> `ici/dcn_pipeline_parallelism`, with `--microbatches` -> `num_pipeline_microbatches`
+and `--repeats` (circular; default one layer per stage per repeat, MaxText's default) ->
+`num_layers_per_pipeline_stage` = layers / (stages x repeats) on MaxText's side and llama's
+circular layout (`ModelConfig.repeats`) on fnscale's.
 `--batch` is rows per device. Each side's HLO, memory and a JSON of the table land in `--out`.
 """
 from __future__ import annotations
@@ -48,19 +54,38 @@ def _maxtext_argv(a) -> list[str]:
   """MaxText's `key=value` config for the same model, mesh, batch, precision and remat."""
   ici = _axes(a.mesh)
   dcn = _axes(a.dcn)
-  slices = dcn.get("replica", 1)
+  slices = dcn.get("replica", 1) * dcn.get("stage", 1)
   topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
-  return [
+  return _pipeline_argv(a, ici, dcn) + [
       "model_name=llama3-8b", "override_model_config=true",
       f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
       f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
       "weight_dtype=float32", "dtype=bfloat16", "remat_policy=full", "attention=flash",
       f"ici_data_parallelism={ici.get('data', 1)}", f"ici_fsdp_parallelism={ici.get('fsdp', 1)}",
-      f"ici_tensor_parallelism={ici.get('tensor', 1)}", f"dcn_data_parallelism={slices}",
+      f"ici_tensor_parallelism={ici.get('tensor', 1)}",
+      f"dcn_data_parallelism={dcn.get('replica', 1)}",
       "dcn_fsdp_parallelism=1", "dataset_type=synthetic", "enable_checkpointing=false",
       "enable_tensorboard=false", "run_name=compare_maxtext", f"base_output_directory={a.out}",
   ]
+
+
+def _pipeline_argv(a, ici: dict, dcn: dict) -> list[str]:
+  """MaxText's pipeline keys for fnscale's `stage` axis: stages over ICI and DCN, the
+  microbatches, and layers per stage from the repeats (layers = stages x repeats x layers
+  per stage)."""
+  stages = ici.get("stage", 1) * dcn.get("stage", 1)
+  if stages == 1:
+    return []
+  return [f"ici_pipeline_parallelism={ici.get('stage', 1)}",
+          f"dcn_pipeline_parallelism={dcn.get('stage', 1)}",
+          f"num_pipeline_microbatches={a.microbatches or stages}",
+          f"num_layers_per_pipeline_stage={a.layers // (stages * _repeats(a, stages))}"]
+
+
+def _repeats(a, stages: int) -> int:
+  """Circular repeats: `--repeats`, else one layer per stage per repeat (MaxText's default)."""
+  return a.repeats or a.layers // stages
 
 
 def maxtext_side(a) -> None:
@@ -96,7 +121,9 @@ def fnscale_side(a) -> None:
   fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
   devices = fs.topology.target_devices(a.target)
   mesh = fs.make_mesh(_axes(a.mesh), dcn=_axes(a.dcn) or None, devices=devices)
-  cfg = llama.model_config("llama-8b", a.seq, layers=a.layers)
+  stages = mesh.shape.get("stage", 1)
+  repeats = _repeats(a, stages) if stages > 1 else 1  # > 1: llama's circular layout
+  cfg = llama.model_config("llama-8b", a.seq, layers=a.layers, stages=stages, repeats=repeats)
   # MaxText's defaults: AdamW (b2 0.95, weight decay 0.1) after clipping the global norm at 1.
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
@@ -108,8 +135,10 @@ def fnscale_side(a) -> None:
     state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
                           rules=llama.RULES, logical_axes=axes, policy=policy,
                           key=jax.random.key(0), abstract=True)
-    step = fs.train_step(functools.partial(llama.loss_fn, remat=True), opt, policy=policy,
-                         accum_steps=a.accum)
+    loss = functools.partial(llama.loss_fn, remat=True)
+    if stages > 1:
+      loss = functools.partial(loss, microbatches=a.microbatches or stages)
+    step = fs.train_step(loss, opt, policy=policy, accum_steps=a.accum)
     compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=llama.RULES,
                              logical_axes=axes).compile(state, batch)
   _write(a.out, "fnscale", compiled.compiled, compiled.compile_seconds)
@@ -204,6 +233,11 @@ def _flags(argv=None):
   p.add_argument("--batch", type=int, default=1, help="rows per device")
   p.add_argument("--seq", type=int, default=4096, help="tokens per row")
   p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
+  p.add_argument("--microbatches", type=int, default=0,
+                 help="pipeline microbatches with a stage axis (default: the stages)")
+  p.add_argument("--repeats", type=int, default=0,
+                 help="circular pipeline repeats with a stage axis (default: layers / stages, "
+                 "one layer per stage per repeat)")
   p.add_argument("--sides", default="maxtext,fnscale",
                  help="which programs to compile now (the others are read from --out)")
   p.add_argument("--out", default="runs/compare_maxtext", help="directory for HLO and JSON")

@@ -194,7 +194,7 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   free = lambda names: tuple(a for a in names if a in mesh.axis_names and a not in manual
                              and mesh.shape[a] > 1)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  rows = free(("replica", "data", "fsdp"))
+  rows = free(fs.sharding.data_axes(mesh))  # the batch's axes (with "stage", if any)
   if tokens.shape[0] % size(rows):
     rows = ()
   fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)

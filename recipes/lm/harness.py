@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import os
@@ -181,10 +182,13 @@ def topology(mesh_shape: str, override: str, tpu: bool | None):
 def make_mesh(axes, dcn: str, topo, say, devices=None):
   """`fs.make_mesh(axes, dcn=dcn)` over `devices` (default `jax.devices()`); over several TPU
   slices without `dcn` (and without a `MeshAxes` of its own), data parallel across the
-  slices: `replica` = the slice count, the `axes` within each slice, said by `say`."""
+  slices: `replica` = the slice count, the `axes` within each slice, said by `say`; unless
+  `axes` has a "stage" axis of the slice count: make_mesh lays the pipeline stages across
+  the slices."""
   devices = jax.devices() if devices is None else devices
   slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
-  if not dcn and slices > 1 and not isinstance(axes, fs.MeshAxes):
+  stages = not isinstance(axes, fs.MeshAxes) and fs_mesh.parse_axes(axes).get("stage") == slices
+  if not dcn and slices > 1 and not isinstance(axes, fs.MeshAxes) and not stages:
     dcn = f"replica={slices}"
     say(f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
         f"across the slices (--dcn={dcn}), the --mesh axes within each slice")
@@ -277,6 +281,19 @@ def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -
         f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
         + (f" in each of {accum_steps} accumulation steps" if accum_steps > 1 else "")
         + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
+
+
+def check_microbatches(microbatches: int, model, mesh) -> None:
+  """Raises FnscaleError for --microbatches without a pipeline to cut: below 0, a model whose
+  loss takes none, or a mesh without a "stage" axis."""
+  if microbatches < 0 or microbatches and (
+      "microbatches" not in inspect.signature(model.loss_fn).parameters
+      or mesh.shape.get("stage", 1) == 1):
+    raise fs.InputError(
+        f"--microbatches={microbatches}: pipeline microbatches need a model whose layers run as "
+        "pipeline stages (--model_config=llama-*) and a mesh with a 'stage' axis, e.g. "
+        f"--mesh=data=2,stage=4 (mesh here: {dict(mesh.shape)}); fix: add the stage axis, "
+        "or leave --microbatches out.")
 
 
 def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):

@@ -13,6 +13,12 @@ Module interface (shared with the GPT in `train_lm.py`): `ModelConfig`, `SIZES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
 `flops_per_token(cfg)`. Blocks are stacked along a leading `layers` axis and run under
 `lax.scan`; every param leaf has logical axis names for fnscale's rules.
+
+On a mesh with a `stage` axis of S > 1 devices the blocks run as a pipeline
+(`fnscale.parallel.pipeline`): the rule ("layers", "stage") splits the layer stack into S
+contiguous stages, and `loss_fn(..., microbatches=M)` cuts the batch into M microbatches
+(default S). A config with `repeats` R > 1 stores the blocks as [stages, R, layers / (S R),
+...] (`fnscale.parallel.pipeline.stage_layers`) and runs the circular schedule.
 """
 from __future__ import annotations
 
@@ -46,7 +52,8 @@ class ModelConfig(NamedTuple):
   `rope_scaling` Llama 3.1's frequency scaling (None: plain RoPE); `norm_eps` RMSNorm's
   epsilon. `tie_embeddings`: the output layer is the token embedding (no `unembed` leaf);
   `qkv_bias`: biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of
-  q and k before RoPE (Qwen3).
+  q and k before RoPE (Qwen3). `repeats` > 1: the blocks are stored for a circular
+  pipeline of `stages` stages, [stages, repeats, layers / (stages repeats), ...].
   """
   layers: int
   d_model: int
@@ -62,6 +69,8 @@ class ModelConfig(NamedTuple):
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  stages: int = 1
+  repeats: int = 1
 
   @property
   def head_dim(self) -> int:
@@ -110,7 +119,8 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-  """float32 params; block params stacked along a leading `layers` axis for `lax.scan`.
+  """float32 params; block params stacked along a leading `layers` axis for `lax.scan`
+  (with `cfg.repeats` > 1 in the circular pipeline's layout, `_stored_blocks`).
 
   Weights N(0, 0.02), the two residual output projections scaled by 1/sqrt(2 layers)
   (GPT-2's scheme), RMSNorm scales one, biases zero. Tied embeddings: no `unembed`; q/k/v
@@ -139,7 +149,16 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   }
   extra = {"bq": jnp.zeros((L, H, K)), "bk": jnp.zeros((L, G, K)), "bv": jnp.zeros((L, G, K)),
            "q_norm": jnp.ones((L, K)), "k_norm": jnp.ones((L, K))}
-  return _variant(params, extra, cfg)
+  params = _variant(params, extra, cfg)
+  return {**params, "blocks": _stored_blocks(params["blocks"], cfg)}
+
+
+def _stored_blocks(blocks: dict, cfg: ModelConfig) -> dict:
+  """The block stack as stored: [layers, ...], or [stages, repeats, layers per stage, ...]
+  for a circular pipeline (`cfg.repeats` > 1)."""
+  if cfg.repeats == 1:
+    return blocks
+  return fs.parallel.pipeline.stage_layers(blocks, cfg.stages, cfg.repeats)
 
 
 def _variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
@@ -154,10 +173,12 @@ def _variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
 
 def logical_axes(cfg: ModelConfig) -> dict:
   """Logical axis names of every param (same tree as `init_params`)."""
-  return _variant(_AXES, {"bq": ("layers", "heads", "head_dim"),
-                          "bk": ("layers", "kv_heads", "head_dim"),
-                          "bv": ("layers", "kv_heads", "head_dim"),
-                          "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}, cfg)
+  names = _variant(_AXES, {"bq": ("layers", "heads", "head_dim"),
+                           "bk": ("layers", "kv_heads", "head_dim"),
+                           "bv": ("layers", "kv_heads", "head_dim"),
+                           "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}, cfg)
+  staged = ("stage", "repeats") if cfg.repeats > 1 else ()
+  return {**names, "blocks": {k: staged + v for k, v in names["blocks"].items()}}
 
 
 _AXES = {
@@ -184,8 +205,13 @@ _AXES = {
 # (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
 # over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
 VOCAB_OUT_AXES = ("fsdp", "tensor")
+# Pipeline stages: a circular layout's "stage" dim over the stage axis, else the layer stack
+# split into contiguous stages (as MaxText's ("layers", "stage")); a mesh without "stage"
+# skips both rules.
 RULES = (
-    ("batch", ("replica", "data", "fsdp")),
+    ("batch", ("replica", "stage", "data", "fsdp")),
+    ("stage", "stage"),
+    ("layers", "stage"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -278,26 +304,47 @@ def _config_of(params: dict, tokens, cfg: ModelConfig | None, rope_theta: float
   """Static shape facts read off the params (so `apply` needs no config argument); RoPE and
   RMSNorm settings from `cfg` (default Llama 3's, with `rope_theta`)."""
   wq, wk = params["blocks"]["wq"], params["blocks"]["wk"]
-  L, D, H, K = wq.shape
+  (D, H, K), L = wq.shape[-3:], math.prod(wq.shape[:-3])  # [layers, ...] or pipeline-stacked
   base = ModelConfig(0, 0, 0, 0, 0, 0, rope_theta=rope_theta) if cfg is None else cfg
-  return base._replace(layers=L, d_model=D, heads=H, kv_heads=wk.shape[2], head_size=K,
+  return base._replace(layers=L, d_model=D, heads=H, kv_heads=wk.shape[-2], head_size=K,
                        d_mlp=params["blocks"]["w_up"].shape[-1], seq=tokens.shape[1],
                        vocab=params["embed"].shape[0])
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
            rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
-           positions=None) -> jax.Array:
+           positions=None, microbatches: int | None = None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
   (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params.
-  Packed rows: `segment_ids` and `positions` (int32 [batch, seq]; see `_block`)."""
+  Packed rows: `segment_ids` and `positions` (int32 [batch, seq]; see `_block`). On a mesh
+  with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the stages,
+  or none for a batch they don't divide, e.g. one row when sampling)."""
   cfg = _config_of(params, tokens, cfg, rope_theta)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
-  block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
+  block = lambda x, p, seg, pos: _block(x, p, cfg, seg, pos)
   block = jax.checkpoint(block) if remat else block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+
+  def layers(ps, carry):  # packed rows' segment ids and positions travel with their rows
+    x, seg, pos = carry
+    return jax.lax.scan(lambda x, p: (block(x, p, seg, pos), None), x, ps)[0], seg, pos
+  blocks, stages, pp = params["blocks"], _stages(), fs.parallel.pipeline
+  # A circular layout: [stages, repeats, layers per stage, d_model, heads, head_dim].
+  repeats = blocks["wq"].shape[1] if blocks["wq"].ndim == 6 else 0
+  # A batch too small to cut into microbatches (one row, sampling) runs the blocks in order.
+  if stages > 1 and (microbatches or tokens.shape[0] % stages == 0):
+    staged = blocks if repeats else pp.stage_layers(blocks, stages)
+    x = pp.pipeline(layers, microbatches=microbatches or stages, repeats=repeats or 1)(
+        staged, (x, segment_ids, positions))[0]
+  else:
+    x = layers(pp.unstage_layers(blocks, repeats) if repeats else blocks,
+               (x, segment_ids, positions))[0]
   return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
+
+
+def _stages() -> int:
+  """Devices on the ambient mesh's "stage" axis (1 without one)."""
+  return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
 def output_layer(params: dict) -> jax.Array:
@@ -308,20 +355,22 @@ def output_layer(params: dict) -> jax.Array:
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
           rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
-          positions=None) -> jax.Array:
+          positions=None, microbatches: int | None = None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
-  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`: as in `hidden`.
+  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`, `microbatches`:
+  as in `hidden`.
   """
   x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, cfg=cfg,
-             segment_ids=segment_ids, positions=positions)
+             segment_ids=segment_ids, positions=positions, microbatches=microbatches)
   return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False,
-            cfg: ModelConfig | None = None, weighted: bool = False):
+            cfg: ModelConfig | None = None, weighted: bool = False,
+            microbatches: int | None = None):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
@@ -331,13 +380,14 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
   the output layer is split on (`VOCAB_OUT_AXES`; a tied embedding is split by vocabulary over
-  "tensor" only). `cfg`: as in `hidden` (RoPE and RMSNorm settings; default Llama 3's).
+  "tensor" only). `cfg`: as in `hidden` (RoPE and RMSNorm settings; default Llama 3's);
+  `microbatches`: the pipeline's, on a mesh with a `stage` axis (`hidden`).
 
   Packed batches add "segment_ids" and "positions"; weighted=True returns (sum of the
   cross-entropy over targets whose batch["weights"] is nonzero, their count) for
   `fnscale.train_step(..., weighted=True)` (weights are 0 or 1: padding and tokens without
   loss are 0)."""
-  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg,
+  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, microbatches=microbatches,
              segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
   d = x.shape[-1]
   axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
