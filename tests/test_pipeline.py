@@ -248,7 +248,7 @@ def test_stage_axis_splits_the_batch_and_kernels_inside_a_stage():
 
   def stage(w, x):
     q = jnp.broadcast_to(x[:, :, None, :1], x.shape[:2] + (2, 128)).astype(jnp.float32)
-    plans.append(fs.kernels.kernel_plan(q, q.shape, causal=True))
+    plans.append(fs.kernels.kernel_selection(q, q.shape, causal=True))
     return x * w
 
   x = jax.ShapeDtypeStruct((16, 128, D), jnp.float32, sharding=fs.batch_sharding(mesh))
