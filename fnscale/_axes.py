@@ -28,22 +28,28 @@ class AxisConventions(NamedTuple):
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
     other: further names the convention gives a meaning (sequence, context, ...), so rules
       naming them aren't flagged as typos on a mesh without them.
+    expert: the expert-parallel axes: a mixture-of-experts layer
+      (`fnscale.parallel.experts`) splits its experts over the first one present and
+      exchanges tokens over it. An expert axis also splits the batch (it is in `data`), as
+      in MaxText, so the layers around the experts stay data parallel over it.
   """
   data: tuple[str, ...]
   replica: tuple[str, ...]
   head: tuple[str, ...]
   other: tuple[str, ...] = ()
+  expert: tuple[str, ...] = ()
 
   def names(self) -> frozenset[str]:
     """Every axis name this convention knows."""
-    return frozenset(self.data + self.replica + self.head + self.other)
+    return frozenset(self.data + self.replica + self.head + self.other + self.expert)
 
 
 # fnscale's names. "replica": data parallel across slices (DCN); "data": data parallel within
 # a slice; "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch;
-# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM").
-FNSCALE = AxisConventions(data=("replica", "data", "fsdp"), replica=("replica", "data"),
-                          head=("tensor",))
+# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM");
+# "expert": expert parallelism (Lepikhin et al. 2020, "GShard"), which also splits the batch.
+FNSCALE = AxisConventions(data=("replica", "data", "fsdp", "expert"),
+                          replica=("replica", "data"), head=("tensor",), expert=("expert",))
 
 # MaxText's mesh axes (configs/base.yml): the input batch is split over data, stage, fsdp,
 # fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; sequence and
@@ -51,7 +57,7 @@ FNSCALE = AxisConventions(data=("replica", "data", "fsdp"), replica=("replica", 
 MAXTEXT = AxisConventions(
     data=("data", "stage", "fsdp", "fsdp_transpose", "expert"), replica=("data",),
     head=("tensor", "tensor_transpose", "tensor_sequence", "autoregressive"),
-    other=("sequence", "context", "context_autoregressive"))
+    other=("sequence", "context", "context_autoregressive"), expert=("expert",))
 
 # Levanter's mesh axes: the batch over replica and data, params (FSDP) over data, heads and
 # MLP width over "model".
@@ -121,3 +127,8 @@ def head_axes(mesh) -> tuple[str, ...]:
   """The mesh's head (tensor-parallel) axes in mesh order."""
   head = current().head
   return tuple(a for a in mesh.axis_names if a in head)
+
+
+def expert_axis(mesh) -> str | None:
+  """The mesh's expert-parallel axis (the convention's first one the mesh has), or None."""
+  return next((a for a in current().expert if a in mesh.axis_names), None)
