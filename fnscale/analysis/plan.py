@@ -1,8 +1,10 @@
 """fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
 
 Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
-up to `max_tensor`, the size ICI neighbours serve well), data parallel ("replica") across
-slices, remat on/off, and the fewest accumulation steps that fit. Each gets an analytic
+up to `max_tensor`, the size ICI neighbours serve well), and x expert for a mixture of
+experts (an expert axis dividing its expert count: `fnscale.parallel.experts`), data
+parallel ("replica") across slices, remat on/off, and the fewest accumulation steps that
+fit. Each gets an analytic
 estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time from compute at peak and
 each collective over its axis's links: a roofline, whose MFU is an upper bound) and a forecast
 (`fnscale.analysis._forecast`: the roofline plus efficiency terms fitted on measured runs); rows are
@@ -161,19 +163,23 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]:
-  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor), "replica"
-  across slices, keeping those whose data axes divide the global batch."""
+def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int,
+            experts: int = 0) -> list[MeshAxes]:
+  """data x fsdp x expert x tensor factorisations of one slice (tensor <= max_tensor, expert
+  dividing the model's `experts`; none without), "replica" across slices, keeping those
+  whose data axes (the expert axis among them) divide the global batch."""
   n = hw.devices_per_slice
   dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
   out = []
   for t in (k for k in _divisors(n) if k <= max_tensor):
-    for f in _divisors(n // t):
-      d = n // t // f
-      if rows % (d * f * hw.num_slices):
-        continue
-      ici = {k: v for k, v in (("data", d), ("fsdp", f), ("tensor", t)) if v > 1}
-      out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
+    for e in (k for k in _divisors(n // t) if k == 1 or (experts and experts % k == 0)):
+      for f in _divisors(n // t // e):
+        d = n // t // e // f
+        if rows % (d * f * e * hw.num_slices):
+          continue
+        ici = {k: v for k, v in (("data", d), ("fsdp", f), ("expert", e), ("tensor", t))
+               if v > 1}
+        out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
   return out
 
 
@@ -183,7 +189,7 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
   slower (it moves params and gradients once per step: less communication, more slack when
   overlap is imperfect), else "per_microbatch"."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
-                           * axes.ici.get("fsdp", 1))
+                           * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
     modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
@@ -317,7 +323,7 @@ def mesh_str(axes: MeshAxes) -> str:
 
 def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
   rows = []
-  for axes in _meshes(hw, prof.rows, max_tensor):
+  for axes in _meshes(hw, prof.rows, max_tensor, prof.experts):
     for remat in ((False, True) if prof.has_remat else (False,)):
       accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
@@ -448,7 +454,8 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     prof: `profile_model(...)` of the step (its `rows` is the global batch; use
       `prof._replace(rows=n)` for another batch of the same sequences).
     target: as for `plan`.
-    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor", DCN "replica").
+    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"expert"/"tensor", DCN
+      "replica").
     remat, accum: remat on/off and accumulation steps.
     accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
     headroom: usable fraction of HBM for `fits`.
@@ -466,7 +473,8 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     raise PlanError(f"axes {mesh_str(axes)} cover {math.prod(axes.ici.values())} x "
                     f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
                     f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
-  split = math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
+  split = (math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
+           * ici.get("expert", 1))
   if prof.rows % (split * accum):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")

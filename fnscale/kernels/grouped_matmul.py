@@ -53,9 +53,11 @@ def gmm_plan(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dtype=jnp.float
              interpret: bool = False) -> GmmSelection:
   """Decides how a grouped matmul runs, without running it.
 
-  "auto" is `jax.lax.ragged_dot` everywhere: XLA compiles it on every backend, and its
-  backward is XLA's too. "megablox" is the TPU Pallas kernel: it serves TPU (or any platform
-  with `interpret=True`), float32/bfloat16, and shapes whose m (rows), k and n tile by
+  "auto" is the megablox kernel on a TPU where it can serve, else `jax.lax.ragged_dot`
+  (XLA's `ragged-dot`, every backend). On a TPU, XLA computes ragged_dot's weight gradient
+  as a masked convolution over every row of the buffer for every group, where megablox's
+  `tgmm` visits only each group's rows. "megablox" serves TPU (or any platform with
+  `interpret=True`), float32/bfloat16, and shapes whose m (rows), k and n tile by
   multiples of 8 (of 128 for k and n on a TPU).
 
   Args:
@@ -81,18 +83,18 @@ def gmm_plan(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dtype=jnp.float
     raise KernelError(f"grouped_matmul(implementation={implementation!r}): expected one of "
                       f"{GMM_IMPLEMENTATIONS}.")
   platform = (platform or jax.default_backend()).lower()
-  if implementation in ("auto", "ragged_dot"):
-    why = ("ragged_dot was requested" if implementation == "ragged_dot" else
-           "ragged_dot by default (XLA's ragged-dot on every backend; megablox on request)")
-    return GmmSelection("ragged_dot", implementation, why, platform)
+  if implementation == "ragged_dot":
+    return GmmSelection("ragged_dot", implementation, "ragged_dot was requested", platform)
   why, tiling = _megablox_cannot_serve(lhs_shape, rhs_shape, np.dtype(dtype).name, platform,
-                                       interpret)
-  if why is not None:
+                                       interpret and implementation == "megablox")
+  if why is None:
+    how = " (interpret mode)" if platform != "tpu" else ""
+    return GmmSelection("megablox", implementation, f"megablox serves this call{how}",
+                        platform, platform != "tpu", tiling)
+  if implementation == "megablox":
     raise KernelError(f"grouped_matmul(implementation='megablox') can't serve this call: "
                       f"{why}; use implementation='ragged_dot' (or 'auto').")
-  return GmmSelection("megablox", "megablox",
-                      "megablox serves this call" + (" (interpret mode)" if interpret else ""),
-                      platform, interpret, tiling)
+  return GmmSelection("ragged_dot", "auto", f"ragged_dot (megablox: {why})", platform)
 
 
 def _megablox_cannot_serve(lhs_shape, rhs_shape, dtype: str, platform: str, interpret: bool):
