@@ -63,6 +63,7 @@ from jax.extend import core as jcore
 from fnscale import _compat
 from fnscale.analysis._targets import Hardware
 from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
+from fnscale.parallel.experts import with_experts
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
@@ -279,11 +280,15 @@ def _as_run(loss_fn, remat, interpret):
 
 
 def _traced(loss_fn, params, batch, remat, interpret):
-  """(FlopCount with the reference attention, Pallas kernels under the attention scope as
-  the loss runs, the reference jaxpr) of the loss's value and gradient on one row."""
+  """(FlopCount with the reference attention and grouped matmuls, Pallas kernels under the
+  attention scope as the loss runs, the reference jaxpr) of the loss's value and gradient on
+  one row."""
   f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
   grad = lambda fn: jax.make_jaxpr(jax.value_and_grad(fn))(params, _rows(batch, 1)).jaxpr
-  reference = grad(with_kernel(f, attention="xla"))
+  # The references: XLA attention, and experts' grouped matmuls as `ragged_dot` (2 x routed
+  # rows x k x n; a kernel's declared cost or the tiled form's padding would be the
+  # buffers').
+  reference = grad(with_kernel(with_experts(f, grouped_matmul="ragged_dot"), attention="xla"))
   kernels = count_flops(grad(_as_run(loss_fn, remat, interpret))).scoped_kernels
   return count_flops(reference), kernels, reference
 

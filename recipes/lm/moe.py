@@ -158,10 +158,15 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 
 # Llama's rules plus the experts: split over the mesh's "expert" axis, and the batch over it
-# too (as MaxText does), so attention and the other layers stay data parallel there.
+# too, so attention and the other layers are data parallel there; their weights (and the
+# expert weights' d_model on an fsdp axis) are FSDP-sharded over fsdp and expert together,
+# as MaxText's "embed" rule does: each expert device holds a share of them, not a replica.
+# (A rule naming an axis the mesh lacks is skipped: on a mesh without "expert" the later
+# ("embed", "fsdp") applies.)
 VOCAB_OUT_AXES = llama.VOCAB_OUT_AXES
-RULES = (("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert")) + tuple(
-    r for r in llama.RULES if r[0] != "batch")
+RULES = (("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert"),
+         ("embed", ("fsdp", "expert")), ("embed", "expert")) + tuple(
+             r for r in llama.RULES if r[0] != "batch")
 
 
 def _moe(h, p, cfg: ModelConfig):

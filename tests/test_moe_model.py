@@ -1,0 +1,146 @@
+"""The Mixtral- and DeepSeek-style models of recipes/lm/moe.py: their counts against the
+published figures and hand counts, a sharded train step against a one-device loss, the
+planner's view of them, and their program for a TPU target (ragged all-to-all bytes by hand).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+from fnscale.analysis import _cost, _targets, hlo
+from fnscale.analysis.plan import plan, predict
+from recipes.lm import moe
+
+GiB = 2**30
+
+
+def test_mixtral_counts_are_mistrals():
+  # Mistral's Mixtral 8x7B: 46.7B params, 12.9B active per token (mistral.ai, "Mixtral of
+  # experts", 2023); the counts here count the embedding lookup as a param, not a matmul.
+  cfg = moe.model_config("moe-mixtral-8x7b", 4096)
+  assert moe.param_count(cfg) == pytest.approx(46.7e9, rel=0.005)
+  active = moe.active_matmul_params(cfg) + cfg.vocab * cfg.d_model  # + the lookup table
+  assert active == pytest.approx(12.9e9, rel=0.01)
+  # 6 x active matmul weights + attention's 12 layers (heads head_dim) seq (PaLM).
+  assert moe.flops_per_token(cfg) == 6 * moe.active_matmul_params(cfg) + 12 * 32 * 4096 * 4096
+
+
+def test_bad_model_configs_name_the_fix():
+  with pytest.raises(fs.ExpertError, match="k=9 .* fix: lower k"):
+    moe.model_config("moe-tiny", 16, k=9)
+  with pytest.raises(fs.ExpertError, match="capacity_factor"):
+    moe.model_config("moe-tiny", 16, capacity_factor=0.0)
+  cfg = moe.model_config("moe-tiny", 16, d_ff=24)  # a shape no size has: say how it routes
+  params = jax.eval_shape(functools.partial(moe.init_params, cfg), jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  with pytest.raises(fs.InputError, match="pass cfg="):
+    jax.eval_shape(moe.apply, params, tokens)
+  assert jax.eval_shape(functools.partial(moe.apply, cfg=cfg), params, tokens).shape == (
+      2, 16, 256)
+
+
+TINY = dict(layers=1, d_model=32, heads=2, kv_heads=2, d_ff=32)
+
+
+def _batch(rows, seq, seed=0):
+  toks = np.random.default_rng(seed).integers(0, 256, (rows, seq + 1)).astype(np.int32)
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+@pytest.mark.parametrize("size", ["moe-deepseek-tiny"])
+def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
+  cfg = moe.model_config(size, 8, **TINY)
+  loss = functools.partial(moe.loss_and_aux, cfg=cfg)
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  opt = optax.adam(1e-2)
+  batch = _batch(16, 8)
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,
+                          rules=moe.RULES, logical_axes=moe.logical_axes(cfg),
+                          key=jax.random.key(0))
+    assert state.params["blocks"]["w_gate"].sharding.spec[1] == "expert"
+    first = jax.device_get(state.params)
+    step = fs.shard_step(fs.train_step(loss, opt, has_aux=True), mesh, rules=moe.RULES,
+                         logical_axes=moe.logical_axes(cfg))
+    b = fs.global_batch(batch, fs.batch_sharding(mesh))
+    losses = []
+    for _ in range(4):
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+  # The first step's loss is the loss of the initial params on one device (no mesh).
+  want, aux = loss(first, batch)
+  np.testing.assert_allclose(losses[0], float(want), rtol=2e-6)
+  assert losses[-1] < losses[0] - 0.1  # it trains
+  # Every token's k copies are counted, on one device and summed over the shards alike.
+  load = np.asarray(m["aux"]["tokens_per_expert"])
+  assert load.shape == (1, cfg.experts) and load.sum() == 16 * 8 * cfg.k
+  assert np.asarray(aux["tokens_per_expert"]).sum() == 16 * 8 * cfg.k
+
+
+def test_the_planner_reads_the_experts_off_the_traced_step():
+  cfg = moe.model_config("moe-tiny", 16, layers=2)
+  rows = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+  prof = fs.analysis.plan.profile_model(
+      functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
+      optax.adam(1e-3), {"inputs": rows, "targets": rows}, "v5p-8")
+  L, E, D, F, k = cfg.layers, cfg.experts, cfg.d_model, cfg.d_ff, cfg.k
+  assert (prof.experts, prof.expert_k) == (E, k)
+  assert prof.expert_params == L * 3 * E * D * F  # all experts' gate, up and down
+  assert prof.exchange_row == L * 16 * k * D * 4  # each layer's copies, float32
+  # Model FLOPs: the active params' (a token's k experts), as the model counts them.
+  assert prof.flops_row == pytest.approx(16 * moe.flops_per_token(cfg), rel=1e-3)
+  # On an expert axis of 4 the expert weights split 4 ways, the rest stays whole: a
+  # replica of the attention, embeddings and router on each device; the buffers hold
+  # 4 x min(k, E / 4) / k = 4 times the routed copies.
+  prof = prof._replace(rows=8)
+  e4 = predict(prof, "v5p-8", fs.MeshAxes({"expert": 4}, {}))
+  d4 = predict(prof, "v5p-8", fs.MeshAxes({"data": 4}, {}))
+  x = prof.expert_params / prof.params
+  assert e4.estimate.params == pytest.approx(prof.param_bytes * ((1 - x) + x / 4))
+  assert d4.estimate.params == pytest.approx(prof.param_bytes)
+  assert _cost.buffer_factor(prof, 4) == 4
+  # Its all-to-alls: 4 passes (dispatch, combine; forward, backward) of 2 rows' copies,
+  # 3/4 of them leaving the device, beside the other params' gradient all-reduce.
+  hw = _targets.resolve("v5p-8")
+  bw = _cost.axis_bandwidth(hw, {"expert": 4}, {})["expert"]
+  a2a = 4 * 3 / 4 * prof.exchange_row * 2
+  allreduce = 2 * 3 / 4 * prof.grad_bytes * (1 - x)
+  assert e4.estimate.comm_s["expert"] == pytest.approx((a2a + allreduce) / bw)
+
+
+@pytest.mark.slow
+def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
+  """Compiled for a described v5p-8 (4 chips), expert=4: each ragged all-to-all moves a
+  device's tokens x k copies of d_model (dispatch) or receives them back (combine):
+  forward, backward and remat's recomputation, per layer."""
+  del tpu_devices
+  seq, rows, layers = 256, 8, 2
+  cfg = moe.model_config("moe-tiny", seq, layers=layers, d_model=256, heads=2, kv_heads=2,
+                         d_ff=512)
+  batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
+  p = plan(functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
+           optax.adamw(1e-3), batch, "v5p-8", policy="params=float32,compute=bfloat16",
+           rules=moe.RULES, logical_axes=moe.logical_axes(cfg), verify=1, max_tensor=1)
+  assert p.profile.experts == 8 and any("expert" in r.axes.ici for r in p.rows)
+  assert p.rows[0].compiled is not None
+  mesh = fs.make_mesh({"expert": 4}, devices=fs.topology.target_devices("v5p-8"))
+  opt = optax.adamw(1e-3)
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,
+                          rules=moe.RULES, logical_axes=moe.logical_axes(cfg),
+                          policy="params=float32,compute=bfloat16", abstract=True)
+    step = fs.train_step(functools.partial(moe.loss_fn, cfg=cfg, remat=True), opt,
+                         policy="params=float32,compute=bfloat16")
+    compiled = fs.shard_step(step, mesh, rules=moe.RULES,
+                             logical_axes=moe.logical_axes(cfg)).compile(state, batch)
+  s = hlo.summarize(compiled.compiled.as_text())
+  assert not s.unread.count
+  ragged = s.collective("ragged-all-to-all")
+  per_pass = rows // 4 * seq * cfg.k * cfg.d_model * 2  # bf16 copies of one device
+  assert ragged.count == layers * 6 and ragged.bytes == layers * 6 * per_pass
+  report = str(fs.compile_report(compiled, state, batch))
+  assert "ragged-all-to-all" in report
