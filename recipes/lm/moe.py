@@ -22,6 +22,7 @@ axis "expert" (rule ("expert", "expert"): split over the mesh's expert axis) bes
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -161,12 +162,15 @@ def logical_axes(cfg: ModelConfig) -> dict:
 # too, so attention and the other layers are data parallel there; their weights (and the
 # expert weights' d_model on an fsdp axis) are FSDP-sharded over fsdp and expert together,
 # as MaxText's "embed" rule does: each expert device holds a share of them, not a replica.
-# (A rule naming an axis the mesh lacks is skipped: on a mesh without "expert" the later
-# ("embed", "fsdp") applies.)
-VOCAB_OUT_AXES = llama.VOCAB_OUT_AXES
+# The output layer is split by vocabulary over every one of fsdp, expert and tensor the
+# mesh has (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`). A rule naming an
+# axis the mesh lacks is skipped, so each list runs from the most axes to the fewest.
+VOCAB_OUT_AXES = ("fsdp", "expert", "tensor")
+_VOCAB_OUT = tuple(("vocab_out", c) for n in (3, 2, 1)
+                   for c in itertools.combinations(VOCAB_OUT_AXES, n))
 RULES = (("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert"),
-         ("embed", ("fsdp", "expert")), ("embed", "expert")) + tuple(
-             r for r in llama.RULES if r[0] != "batch")
+         ("embed", ("fsdp", "expert")), ("embed", "expert")) + _VOCAB_OUT + tuple(
+             r for r in llama.RULES if r[0] not in ("batch", "vocab_out"))
 
 
 def _moe(h, p, cfg: ModelConfig):
