@@ -28,12 +28,14 @@ VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=
 
 
 class ModelConfig(NamedTuple):
-  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2."""
+  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2. `positions`: rows of the learned
+  position table (GPT-2's n_positions, 1024); 0: `seq`."""
   layers: int
   d_model: int
   heads: int
   seq: int
   vocab: int = VOCAB
+  positions: int = 0
 
   @property
   def head_dim(self) -> int:
@@ -81,7 +83,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   ln = lambda: {"scale": jnp.ones((L, D)), "bias": jnp.zeros((L, D))}
   return {
       "wte": normal(ks[0], (cfg.vocab, D), std),
-      "wpe": normal(ks[1], (cfg.seq, D), std),
+      "wpe": normal(ks[1], (cfg.positions or cfg.seq, D), std),
       "blocks": {
           "ln1": ln(),
           "attn": {
@@ -225,14 +227,17 @@ def _spec(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
+          cfg: ModelConfig | None = None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
   block whatever the depth); `remat=True` recomputes each block's activations in the backward
-  pass (`jax.checkpoint`) to trade FLOPs for memory.
+  pass (`jax.checkpoint`) to trade FLOPs for memory. `cfg` is taken for the interface the
+  Llama shares (whose RoPE settings aren't shapes); GPT-2's forward needs only the params.
   """
+  del cfg
   seq = tokens.shape[1]
   x = embed_lookup(params["wte"], tokens) + params["wpe"][:seq]
   block = jax.checkpoint(_block) if remat else _block
@@ -241,11 +246,12 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
+def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+            cfg: ModelConfig | None = None) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`."""
-  logits = apply(params, batch["inputs"], remat=remat)
+  logits = apply(params, batch["inputs"], remat=remat, cfg=cfg)
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
