@@ -144,3 +144,58 @@ def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
   assert ragged.count == layers * 6 and ragged.bytes == layers * 6 * per_pass
   report = str(fs.compile_report(compiled, state, batch))
   assert "ragged-all-to-all" in report
+
+
+# ---------------------------------------------------------------------------- Hugging Face
+
+NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for Python < 3.12 "
+            "(pyproject's hf-test extra); the comparison with transformers runs on that line")
+MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+               num_experts_per_tok=2, max_position_embeddings=64, rope_theta=1e6,
+               router_aux_loss_coef=0.02)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+  """A tiny random MixtralForCausalLM saved in ~20 KB files, its logits for two rows."""
+  torch = pytest.importorskip("torch", reason=NO_TORCH)
+  transformers = pytest.importorskip("transformers", reason=NO_TORCH)
+  from recipes.bench import hf_checkpoint as bench  # pylint: disable=import-outside-toplevel
+  transformers.logging.set_verbosity_error()
+  d = tmp_path_factory.mktemp("mixtral")
+  model = bench.randomize(transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)))
+  model.save_pretrained(d, max_shard_size="20KB")
+  tokens = bench.tokens(16)
+  with torch.no_grad():
+    return d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch, transformers)
+
+
+def test_mixtral_loads_split_over_experts_and_exports_for_transformers(mixtral, tmp_path):
+  from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  d, tokens, want, (torch, transformers) = mixtral
+  m = hf_maps.read(d, 16)
+  assert m.model is moe and (m.cfg.experts, m.cfg.k, m.cfg.d_ff) == (8, 2, 48)
+  assert m.cfg.balance_coef == pytest.approx(0.04)  # HF's coefficient x k: the same loss
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  cmap = hf_maps.checkpoint_map(m, d)
+  target = fs.init_state(functools.partial(moe.init_params, m.cfg), optax.sgd(0.1), mesh=mesh,
+                         rules=moe.RULES, logical_axes=moe.logical_axes(m.cfg),
+                         key=jax.random.key(0), abstract=True).params
+  params = hf.load(d, target, cmap)
+  assert params["blocks"]["w_gate"].sharding.spec[1] == "expert"
+  run = jax.jit(functools.partial(moe.apply, cfg=m.cfg))
+  with fs.with_mesh(mesh):
+    got = np.asarray(run(params, jnp.asarray(tokens)))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  # Changed as training would, exported: transformers reads it and computes its logits.
+  changed = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.003, p))(params)
+  hf.export(tmp_path, changed, cmap, config=hf_maps.to_config(m), max_shard_bytes=20_000)
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+  with fs.with_mesh(mesh):
+    ours = np.asarray(run(changed, jnp.asarray(tokens)))
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+  assert not np.allclose(theirs, want, atol=1e-3)  # the change shows

@@ -146,16 +146,23 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def logical_axes(cfg: ModelConfig) -> dict:
   """Logical axis names of every param (same tree as `init_params`)."""
-  axes = llama.logical_axes(cfg)
-  blocks = {k: v for k, v in axes["blocks"].items() if not k.startswith("w_")}
-  blocks.update(router=("layers", "embed", None),
-                w_gate=("layers", "expert", "embed", "mlp"),
-                w_up=("layers", "expert", "embed", "mlp"),
-                w_down=("layers", "expert", "mlp", "embed"))
+  blocks = {
+      "attn_norm": ("layers", "norm"),
+      "wq": ("layers", "embed", "heads", "head_dim"),
+      "wk": ("layers", "embed", "kv_heads", "head_dim"),
+      "wv": ("layers", "embed", "kv_heads", "head_dim"),
+      "wo": ("layers", "heads", "head_dim", "embed"),
+      "mlp_norm": ("layers", "norm"),
+      "router": ("layers", "embed", None),
+      "w_gate": ("layers", "expert", "embed", "mlp"),
+      "w_up": ("layers", "expert", "embed", "mlp"),
+      "w_down": ("layers", "expert", "mlp", "embed"),
+  }
   if cfg.shared:
     blocks.update(shared_gate=("layers", "embed", "mlp"), shared_up=("layers", "embed", "mlp"),
                   shared_down=("layers", "mlp", "embed"))
-  return {**axes, "blocks": blocks}
+  return {"embed": ("vocab", "embed"), "blocks": blocks, "final_norm": ("norm",),
+          "unembed": (None, "vocab_out")}
 
 
 # Llama's rules plus the experts: split over the mesh's "expert" axis, and the batch over it
