@@ -28,10 +28,10 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import data, gpt, harness as h, hf_maps, llama, run_log as rl  # noqa: E402
+from recipes.lm import data, gpt, harness as h, hf_maps, llama, moe, run_log as rl  # noqa: E402
 
 # Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
-MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
+MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def train_lm(**options) -> h.Summary:
 _CPU = dict(model="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
 _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
-       "medium": 3e-4}
+       "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3}
 
 
 class Setup(NamedTuple):
@@ -259,9 +259,11 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
-  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
+  aux = getattr(model, "HAS_AUX", False)  # a mixture of experts: its load in the metrics
+  step_fn = fs.train_step(functools.partial(model.loss_and_aux if aux else model.loss_fn,
+                                            remat=o.remat, cfg=s.cfg), optimizer,
                           policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather)
+                          accum_gather=o.accum_gather, has_aux=aux)
   step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
@@ -465,6 +467,8 @@ def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say,
       guard.check()
       timing, dt = _lap(timing, done)
       last = h.progress(s, done, m, dt, float(schedule(done)), _flops_step(s), peak, say, log)
+      if "aux" in m:
+        _say_load(s, done, m["aux"], say, log)
     if done % o.eval_every == 0 and done < o.steps:  # its time stays out of the timing
       timing = _lap(timing, done)[0]
       evaluate(state, done)
@@ -476,6 +480,15 @@ def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say,
   prof.close(pending=state)
   h.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   return state, dict(last, train_s=time.time() - t_train, **_whole_run(s, timing, peak)), stopped
+
+
+def _say_load(s: Setup, done: int, aux, say, log) -> None:
+  """A mixture of experts' load at step `done`: one line, and its record in the run's log."""
+  load = s.model.load_metrics(aux)
+  say(f"  experts: busiest {load['moe/load_max_over_mean']:.2f}x the mean load, balance loss "
+      f"{load['moe/load_balance_loss']:.4f}, cross-entropy {load['moe/cross_entropy']:.4f}, "
+      f"{load['moe/dropped']:.0f} copies dropped")
+  log.write(done, load)
 
 
 def _whole_run(s: Setup, timing: _Timing | None, peak) -> dict:

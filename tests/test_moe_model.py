@@ -199,3 +199,22 @@ def test_mixtral_loads_split_over_experts_and_exports_for_transformers(mixtral, 
     ours = np.asarray(run(changed, jnp.asarray(tokens)))
   np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
   assert not np.allclose(theirs, want, atol=1e-3)  # the change shows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["moe-tiny", "moe-deepseek-tiny"])
+def test_train_lm_trains_a_mixture_of_experts_over_the_expert_axis(work, tmp_path, size, capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  summary = train_lm.train_lm(
+      model_config=size, mesh="data=2,expert=4", seq=32, global_batch=32, steps=24,
+      dataset=str(work / "corpus.txt"), run_dir=str(tmp_path / "run"), eval_batches=1,
+      log_every=4, eval_every=12, sample_len=0, checkpoint=False)
+  assert summary.mesh == {"data": 2, "expert": 4}
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+  assert evals[-1] < evals[0] - 1.0  # it learns
+  load = [r for r in records if "moe/load_max_over_mean" in r]
+  assert len(load) >= 6 and all(r["moe/load_max_over_mean"] >= 1.0 and r["moe/dropped"] == 0
+                                for r in load)
+  assert "experts: busiest" in capsys.readouterr().out

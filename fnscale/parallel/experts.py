@@ -426,6 +426,25 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, order, inverse, k: int):
+  """x[order // k]: token copies in sorted order (copy i of token t is row t k + i before the
+  sort), without materialising the k copies; the gradient sums each token's k copies'
+  cotangents, a gather by the inverse and a sum (no scatter-add)."""
+  return x[order // k]
+
+
+def _dispatch_fwd(x, order, inverse, k):
+  return x[order // k], inverse
+
+
+def _dispatch_bwd(k, inverse, g):
+  return g[inverse].reshape(-1, k, g.shape[-1]).sum(1), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
 def _sort(keys):
   """(stable order sorting `keys`, its inverse)."""
   order = jnp.argsort(keys, stable=True)
@@ -448,11 +467,12 @@ def _ffn(xs, w, group_sizes, gmm, tensor):
 
 
 def _combine(y, weights):
-  """[T * k, D] expert outputs in token order -> [T, D], weighted (float32 sum; a product
-  and a sum, not a matmul: no FLOPs beyond the model's 6 x active params are counted)."""
+  """[T * k, D] expert outputs in token order -> [T, D], weighted: the product in y's dtype,
+  summed in float32 (a product and a sum, not a matmul: no FLOPs beyond the model's 6 x
+  active params are counted)."""
   t, k = weights.shape
-  y = y.reshape(t, k, -1).astype(jnp.float32)
-  return jnp.sum(y * weights[..., None], axis=1)
+  y = y.reshape(t, k, -1) * weights[..., None].astype(y.dtype)
+  return jnp.sum(y, axis=1, dtype=jnp.float32)
 
 
 class _Gmm(NamedTuple):
@@ -484,7 +504,7 @@ def _local(x, r: Routing, w, c: _Ctx):
   """Every expert on this device: sort copies by expert, grouped matmuls, unsort."""
   flat = r.experts.reshape(-1)
   order, inverse = _sort(flat)
-  xs = _permute(jnp.repeat(x, c.k, axis=0), order, inverse)
+  xs = _dispatch(x, order, inverse, c.k)
   sizes = jnp.bincount(flat, length=c.experts).astype(jnp.int32)
   ys = _ffn(xs, w, sizes, c.gmm, c.tensor)
   return _combine(_permute(ys, inverse, order), r.weights)
@@ -567,7 +587,7 @@ def _ragged(x, r: Routing, w, c: _Ctx):
   e_local, me = c.experts // c.n, jax.lax.axis_index(c.ax)
   flat = r.experts.reshape(-1)
   order, inverse = _sort(flat)
-  xs = _permute(jnp.repeat(x, c.k, axis=0), order, inverse)
+  xs = _dispatch(x, order, inverse, c.k)
   sizes = jnp.bincount(flat, length=c.experts).astype(jnp.int32)
   every = jax.lax.all_gather(sizes, c.ax)  # [n, E]: what each shard routes to each expert
   sent = every.reshape(c.n, c.n, e_local).sum(-1)  # sent[s, j]: rows shard s sends shard j
@@ -599,7 +619,7 @@ def _gathered(x, r: Routing, w, c: _Ctx):
   keys = jnp.where(eg // e_local == me, eg % e_local, e_local)
   order, inverse = _sort(keys)
   rows = xg.shape[0] * min(c.k, e_local)  # every copy for my experts sorts first
-  xs = _permute(jnp.repeat(xg, c.k, axis=0), order, inverse)[:rows]
+  xs = _dispatch(xg, order, inverse, c.k)[:rows]
   sizes = jnp.bincount(keys, length=e_local + 1)[:e_local].astype(jnp.int32)
   ys = _ffn(xs, w, sizes, c.gmm, c.tensor)
   ys = jnp.pad(ys, ((0, eg.shape[0] - rows), (0, 0)))

@@ -15,8 +15,9 @@ experts (`fnscale.parallel.experts.moe`), in two styles:
 Module interface (shared with `gpt.py` and `llama.py`): `ModelConfig`, `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
-`flops_per_token(cfg)`; and `loss_and_aux(params, batch, *, remat)`, the loss with the
-layers' expert load for the run's metrics (`HAS_AUX`). Expert weights carry the logical
+`flops_per_token(cfg)`; and `loss_and_aux(params, batch, *, remat)`, the training objective
+(cross-entropy plus the router losses) with the layers' expert load for the run's metrics
+(`HAS_AUX`; `load_metrics` reads them). Expert weights carry the logical
 axis "expert" (rule ("expert", "expert"): split over the mesh's expert axis) besides
 "embed" (FSDP) and "mlp" (tensor).
 """
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fnscale as fs
 from fnscale.analysis import flops
@@ -257,12 +259,12 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
 
 def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
                  cfg: ModelConfig | None = None) -> tuple[jax.Array, dict]:
-  """(training loss, aux). The loss: mean next-token cross-entropy (nats) + balance_coef x
-  mean load-balance loss + z_coef x mean router z-loss over layers. aux: "cross_entropy",
-  "load_balance_loss", "router_z_loss" (float32 scalars, layer means), "tokens_per_expert"
-  (int32 [layers, experts], token copies routed), "dropped" (int32, copies the capacity
-  dropped, all layers). `cfg`: routing choices (default from the params' shapes,
-  `_config_of`)."""
+  """(training loss, aux): the step's objective, mean next-token cross-entropy (nats) +
+  balance_coef x the layers' mean load-balance loss + z_coef x their mean router z-loss,
+  and what the run logs. aux: "cross_entropy", "load_balance_loss", "router_z_loss"
+  (float32 scalars, layer means), "tokens_per_expert" (int32 [layers, experts], token copies
+  routed), "dropped" (int32, copies the capacity dropped, all layers). `cfg`: routing
+  choices (default from the params' shapes, `_config_of`)."""
   cfg = _config_of(params, batch["inputs"], cfg)
   x, aux = hidden(params, batch["inputs"], remat=remat, cfg=cfg)
   d = x.shape[-1]
@@ -276,8 +278,22 @@ def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False,
             cfg: ModelConfig | None = None) -> jax.Array:
-  """The training loss of `loss_and_aux` (cross-entropy plus the weighted router losses)."""
-  return loss_and_aux(params, batch, remat=remat, cfg=cfg)[0]
+  """Mean next-token cross-entropy in nats (what evals report; the training objective adds
+  the router losses: `loss_and_aux`). batch: {"inputs", "targets"} int32 [batch, seq]."""
+  return loss_and_aux(params, batch, remat=remat, cfg=cfg)[1]["cross_entropy"]
+
+
+def load_metrics(aux: dict) -> dict:
+  """The expert load of a step's `loss_and_aux` aux (summed over its shards and
+  microbatches), as floats for a run's log: the busiest expert's copies over the mean
+  (1.0: balanced; the worst layer), the balance and z losses, copies dropped."""
+  load = np.asarray(aux["tokens_per_expert"], np.float64)
+  ratio = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
+  return {"moe/load_max_over_mean": float(ratio.max()),
+          "moe/load_balance_loss": float(aux["load_balance_loss"]),
+          "moe/router_z_loss": float(aux["router_z_loss"]),
+          "moe/dropped": float(aux["dropped"]),
+          "moe/cross_entropy": float(aux["cross_entropy"])}
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
