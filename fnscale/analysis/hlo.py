@@ -23,7 +23,8 @@ Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counte
 for it) are also summed apart, over their whole buffers (`HloSummary.grouped_flops`). A
 `ragged-all-to-all` (sync or async) counts as a collective of the smaller of its operand and
 result, and an async `call-start`/`custom-call-start` with its `-update`/`-done` (TPU
-SparseCore offloads) by the computation it calls. Nothing is skipped silently: what could not be read is returned in
+SparseCore offloads) by the computation it calls. Nothing is skipped silently: what could
+not be read is returned in
 `HloSummary.unread` (instructions by opcode, among them every opcode whose work is not
 counted here, such as `fft`, `triangular-solve`, `cholesky` or `scaled-dot`, and any opcode
 not known here; loops without a trip count; collectives whose replica groups were
@@ -382,7 +383,8 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
     Bytes: all-reduce 2 (n - 1) / n x result (reduce-scatter then all-gather, Patarasuk &
     Yuan, 2009, "Bandwidth optimal all-reduce algorithms"); all-gather and all-to-all
     (n - 1) / n x result; ragged-all-to-all the same of its `result_bytes` as `summarize`
-    reads them (the smaller of operand and result: at most what a device sends); reduce-scatter (n - 1) x shard; collective-permute and
+    reads them (the smaller of operand and result: at most what a device sends);
+    reduce-scatter (n - 1) x shard; collective-permute and
     collective-broadcast the result; 0 for a group of one device.
 
   Raises:

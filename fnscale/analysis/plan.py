@@ -551,6 +551,9 @@ def _hardware_line(p: Plan) -> str:
   hw, prof = p.hardware, p.profile
   gib = lambda b: f"{b / 2**30:.1f}"
   batch = f"{prof.params / 1e9:.3g}B params, batch {prof.rows} rows of {prof.tokens_row} tokens"
+  if prof.experts:
+    batch += (f"; a mixture of {prof.experts} experts, {prof.expert_k} per token "
+              f"({prof.expert_params / 1e9:.3g}B expert params)")
   if hw.kind == "cpu":
     n = hw.num_devices
     return (f"plan for {hw.name}: {n} simulated devices sharing this host (measured for the "

@@ -195,7 +195,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if plan.implementation == "tiled":
     return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
   # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
   out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, plan.tiling, None,
                      None, False, plan.interpret)
   # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).

@@ -5,9 +5,10 @@ weighted sum of those experts' feed-forwards. `moe` runs it in one of two ways:
 
 - dropless (`capacity_factor=None`, default): the token copies are sorted by expert, one
   grouped matmul per projection runs every expert over its contiguous rows
-  (`fnscale.kernels.grouped_matmul`: `jax.lax.ragged_dot`, or the TPU megablox kernel), the
-  rows are unsorted and combined with the routing weights; nothing is dropped (MegaBlocks,
-  Gale et al. 2023; MaxText's `sparse_matmul`).
+  (`fnscale.kernels.grouped_matmul`: the TPU megablox kernel, `jax.lax.ragged_dot` on GPUs,
+  a tiled form in plain XLA ops elsewhere), the rows are unsorted and combined with the
+  routing weights; nothing is dropped (MegaBlocks, Gale et al. 2023; MaxText's
+  `sparse_matmul`).
 - capacity (`capacity_factor=c`): each expert takes at most C = ceil(c x seq x k / experts)
   copies per sequence, in token order (a token's first choice before its second); the rest
   are dropped (counted) and add nothing (GShard, Lepikhin et al. 2020; Switch Transformer,
@@ -349,7 +350,7 @@ def _pick_exchange(requested, dropless, n, platform, interpret) -> tuple[str, st
           requested == "auto")
 
 
-def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *,
+def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *, dtype=jnp.float32,
                   capacity_factor: float | None = None, expert_axis: str | None = None,
                   exchange: str = "auto", grouped_matmul: str = "auto",
                   interpret: bool | None = None, platform: str | None = None,
@@ -359,11 +360,12 @@ def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *,
   "auto": no exchange without an expert axis > 1; the capacity path's all_to_all with a
   `capacity_factor`; else "ragged" on TPU and GPU (or anywhere with `interpret`), and
   "all_gather" where the backend has no ragged all-to-all (a fallback, said in `reason`).
-  The grouped matmul is `fnscale.kernels.gmm_plan`'s ("ragged_dot" unless "megablox" is
-  asked for).
+  The grouped matmul is `fnscale.kernels.gmm_plan`'s for the buffer (megablox on a TPU,
+  ragged_dot on GPUs, tiled elsewhere, unless asked for another).
 
   Args:
     x_shape: [batch, seq, d_model].
+    dtype: x's dtype (the grouped matmul's; the expert weights are cast to it).
     params_shapes: the `moe` params (arrays or anything with `.shape`).
     k, capacity_factor, expert_axis, exchange, grouped_matmul, interpret: as `moe`.
     platform: default the mesh's, else jax's default backend.
@@ -395,11 +397,9 @@ def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *,
     rows = {"none": local * k, "ragged": n * local * min(k, e_local),
             "all_gather": n * local * min(k, e_local)}[name]
     f_local = sh.d_ff // (math.prod(mesh.shape[a] for a in tensor) if tensor else 1)
-    g = gmm_plan((rows, sh.d_model), (e_local, sh.d_model, f_local),
-                      params_shapes["w_gate"].dtype if hasattr(params_shapes["w_gate"],
-                                                               "dtype") else jnp.float32,
-                      implementation=gmm, platform=platform, interpret=interpret)
-    impl, reason = g.implementation, f"{reason}; {g.implementation}: {g.reason}"
+    g = gmm_plan((rows, sh.d_model), (e_local, sh.d_model, f_local), dtype,
+                 implementation=gmm, platform=platform, interpret=interpret)
+    impl, reason = g.implementation, f"{reason}; grouped matmul: {g.reason}"
   return ExchangeSelection(name, impl, requested, reason, fallback, platform, interpret,
                            ax if n > 1 else None, n, tokens, tensor, rows)
 
@@ -407,7 +407,7 @@ def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *,
 # ----------------------------------------------------------------------------- helpers
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=())
+@jax.custom_vjp
 def _permute(x, order, inverse):
   """x[order] for a permutation `order` (`inverse` its inverse): its gradient is a gather
   by the inverse, not a scatter-add (scatters are slow on accelerators)."""
@@ -745,7 +745,7 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
     ((2, 3, 8), 12)
   """
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  plan = exchange_plan(jnp.shape(x), params, k, capacity_factor=capacity_factor,
+  plan = exchange_plan(jnp.shape(x), params, k, dtype=x.dtype, capacity_factor=capacity_factor,
                        expert_axis=expert_axis, exchange=exchange,
                        grouped_matmul=grouped_matmul, interpret=interpret, mesh=mesh)
   sh = _check(x, params, k, capacity_factor)
