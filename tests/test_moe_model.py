@@ -132,7 +132,8 @@ def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
   with fs.with_mesh(mesh):
     state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,
                           rules=moe.RULES, logical_axes=moe.logical_axes(cfg),
-                          policy="params=float32,compute=bfloat16", abstract=True)
+                          policy="params=float32,compute=bfloat16", key=jax.random.key(0),
+                          abstract=True)
     step = fs.train_step(functools.partial(moe.loss_fn, cfg=cfg, remat=True), opt,
                          policy="params=float32,compute=bfloat16")
     compiled = fs.shard_step(step, mesh, rules=moe.RULES,

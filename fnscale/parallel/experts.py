@@ -118,6 +118,10 @@ class ExchangeSelection(NamedTuple):
     expert_shards: its size (1: not split).
     token_axes: mesh axes the tokens (batch dim) are split over inside the layer.
     tensor_axes: mesh axes each expert's hidden width is split over.
+    fsdp_axes: mesh axes the expert weights' d_model is stored split over (the token axes
+      that are neither the expert axis nor pure data-parallel ones: FSDP); the layer
+      all-gathers them over these in the compute dtype, their gradients reduce-scattered
+      back.
     buffer_rows: rows each grouped matmul runs over per device (the token copies it may
       receive: the worst case for a dropless exchange, the capacity buffer otherwise).
   """
@@ -133,6 +137,7 @@ class ExchangeSelection(NamedTuple):
   token_axes: tuple[str, ...]
   tensor_axes: tuple[str, ...]
   buffer_rows: int
+  fsdp_axes: tuple[str, ...] = ()
 
 
 _CHOICE = jax.make_user_context(ExpertChoice())
@@ -264,14 +269,14 @@ def _free_axes(mesh) -> list[str]:
 
 
 def _layout(mesh, expert_axis, sh: _Shapes, capacity_path: bool):
-  """(expert axis or None, its size, token axes, tensor axes) of a call; errors on a mesh
-  that doesn't fit."""
+  """(expert axis or None, its size, token axes, tensor axes, fsdp axes) of a call; errors
+  on a mesh that doesn't fit."""
   if mesh is None or mesh.empty:
     if expert_axis is not None:
       raise MeshError(f"moe(expert_axis={expert_axis!r}): there is no mesh; fix: call it "
                       "under fnscale.with_mesh / jax.set_mesh, or pass mesh= or "
                       "expert_axis=None.")
-    return None, 1, (), ()
+    return None, 1, (), (), ()
   if expert_axis is not None and expert_axis not in mesh.axis_names:
     raise MeshError(
         f"moe(expert_axis={expert_axis!r}): the mesh (axes {tuple(mesh.axis_names)}) has no "
@@ -299,7 +304,10 @@ def _layout(mesh, expert_axis, sh: _Shapes, capacity_path: bool):
       raise ShardingError(
           f"moe: {what} ({size}) must be divisible by the mesh axes {axes} ({ways} ways) the "
           f"layer splits it over; fix: a multiple of {ways}, or a mesh with fewer ways.")
-  return ax, n, tokens, tensor
+  fsdp = tuple(a for a in tokens if a != ax and a not in _axes.current().replica)
+  if sh.d_model % math.prod(mesh.shape[a] for a in fsdp):
+    fsdp = ()
+  return ax, n, tokens, tensor, fsdp
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -382,7 +390,7 @@ def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *, dtype=jn
   if exchange not in EXCHANGES:
     raise KernelError(f"moe(exchange={exchange!r}): expected one of {EXCHANGES}.")
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  ax, n, tokens, tensor = _layout(mesh, expert_axis, sh, capacity_factor is not None)
+  ax, n, tokens, tensor, fsdp = _layout(mesh, expert_axis, sh, capacity_factor is not None)
   requested, gmm, interpret = _requested(exchange, grouped_matmul, interpret)
   platform = _platform(platform, None if mesh.empty else mesh)
   name, reason, fallback = _pick_exchange(requested, capacity_factor is None, n, platform,
@@ -401,7 +409,7 @@ def exchange_plan(x_shape, params_shapes: Mapping[str, Any], k: int, *, dtype=jn
                  implementation=gmm, platform=platform, interpret=interpret)
     impl, reason = g.implementation, f"{reason}; grouped matmul: {g.reason}"
   return ExchangeSelection(name, impl, requested, reason, fallback, platform, interpret,
-                           ax if n > 1 else None, n, tokens, tensor, rows)
+                           ax if n > 1 else None, n, tokens, tensor, rows, fsdp)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -491,6 +499,7 @@ class _Ctx(NamedTuple):
   tokens: tuple[str, ...]  # axes splitting the tokens
   shards: int  # ways they split them
   tensor: tuple[str, ...]  # axes splitting each expert's hidden width
+  fsdp: tuple[str, ...]  # axes the weights' d_model is stored split over (FSDP)
   exchange: str
   gmm: _Gmm
   interpret: bool
@@ -676,11 +685,27 @@ def _aux(r: Routing, c: _Ctx, dropped):
   return MoEAux(balance, z / total, counts, dropped)
 
 
+# The dimension of each param that holds d_model (split over the fsdp axes where stored so).
+_D_MODEL_DIM = {"router": 0, "w_gate": 1, "w_up": 1, "w_down": 2}
+
+
+def _gathered_weights(params, c: _Ctx, dtype) -> dict:
+  """The params whole over the fsdp axes (FSDP: all-gathered in the compute dtype, their
+  gradients reduce-scattered by the all-gather's transpose); the router stays float32."""
+  out = {}
+  for key in _PARAM_KEYS:
+    w = params[key] if key == "router" else params[key].astype(dtype)
+    if c.fsdp:
+      w = jax.lax.all_gather(w, c.fsdp, axis=_D_MODEL_DIM[key], tiled=True)
+    out[key] = w
+  return out
+
+
 def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool):
   """The layer on one shard: tokens [T, D] (whole sequences of `seq` on the capacity path)
   -> ([T, D], MoEAux)."""
-  r = route(flat, params["router"], c.k, normalize=normalize)
-  w = {key: params[key].astype(flat.dtype) for key in _PARAM_KEYS[1:]}
+  w = _gathered_weights(params, c, flat.dtype)
+  r = route(flat, w.pop("router"), c.k, normalize=normalize)
   dropped = jnp.zeros((), jnp.int32)
   if c.cap is not None:
     out, dropped = _capacity(flat, r, w, c, seq)
@@ -752,7 +777,7 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
   cap = None if capacity_factor is None else capacity(capacity_factor, sh.seq, k, sh.experts)
   shards = math.prod(mesh.shape[a] for a in plan.token_axes) if plan.token_axes else 1
   c = _Ctx(int(k), sh.experts, plan.expert_axis, plan.expert_shards, plan.token_axes, shards,
-           plan.tensor_axes, plan.exchange,
+           plan.tensor_axes, plan.fsdp_axes, plan.exchange,
            _Gmm(plan.grouped_matmul, plan.interpret, plan.platform), plan.interpret, cap)
   body = functools.partial(_body, c=c, seq=sh.seq, normalize=normalize)
   flat = jnp.reshape(x, (sh.batch * sh.seq, sh.d_model))  # batch-major: rows stay whole
@@ -760,9 +785,9 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
     if not (c.tokens or c.tensor or c.ax):
       out, aux = body(flat, params)
     else:
-      ex, tp = c.ax, _tree.spec_entry(c.tensor)
-      specs = {"router": P(), "w_gate": P(ex, None, tp), "w_up": P(ex, None, tp),
-               "w_down": P(ex, tp, None)}
+      ex, tp, fs = c.ax, _tree.spec_entry(c.tensor), _tree.spec_entry(c.fsdp)
+      specs = {"router": P(fs, None), "w_gate": P(ex, fs, tp), "w_up": P(ex, fs, tp),
+               "w_down": P(ex, tp, fs)}
       xspec = P(_tree.spec_entry(c.tokens), None)
       out, aux = jax.shard_map(
           body, mesh=None if isinstance(mesh, jax.sharding.AbstractMesh) else mesh,
