@@ -72,7 +72,7 @@ def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
       state, m = step(state, b)
       losses.append(float(m["loss"]))
   # The first step's loss is the loss of the initial params on one device (no mesh).
-  want, aux = loss(first, batch)
+  want, aux = jax.jit(loss)(first, batch)
   np.testing.assert_allclose(losses[0], float(want), rtol=2e-6)
   assert losses[-1] < losses[0] - 0.1  # it trains
   # Every token's k copies are counted, on one device and summed over the shards alike.
@@ -172,6 +172,28 @@ def mixtral(tmp_path_factory):
     return d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch, transformers)
 
 
+def test_mixtral_configs_read_as_the_moe_model():
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  c = dict(MIXTRAL, model_type="mixtral", rope_theta=1e6)
+  m = hf_maps.from_config(c, 16)
+  assert m.model is moe and m.cfg == moe.ModelConfig(
+      layers=2, d_model=32, heads=4, kv_heads=2, d_ff=48, experts=8, k=2, seq=16, vocab=64,
+      balance_coef=0.04, rope_theta=1e6, norm_eps=1e-6)
+  # What the MoE model can't compute is named, never a silently different model.
+  for change, field in ((dict(tie_word_embeddings=True), "tie_word_embeddings"),
+                        (dict(head_dim=16), "head_dim=16"),
+                        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                        (dict(num_experts_per_tok=None), "num_experts_per_tok=None")):
+    with pytest.raises(fs.InputError, match=field):
+      hf_maps.from_config(dict(c, **change), 16)
+  # A model trained here exports a config transformers' Mixtral reads as the same model.
+  back = hf_maps.from_config(hf_maps.to_config(hf_maps.of_model(moe, m.cfg)), 16)
+  assert back.cfg == m.cfg
+  with pytest.raises(fs.InputError, match="shared experts"):
+    hf_maps.to_config(hf_maps.of_model(moe, moe.model_config("moe-deepseek-tiny", 16)))
+
+
+@pytest.mark.slow
 def test_mixtral_loads_split_over_experts_and_exports_for_transformers(mixtral, tmp_path):
   from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
   from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
