@@ -64,7 +64,7 @@ def test_an_async_ragged_all_to_all_is_one_collective_at_its_done():
 
 def test_sparsecore_offloads_are_read_through_the_computations_they_call():
   # A bincount's scatter-add offloaded as an async custom call (-start/-update/-done) and a
-  # gather as an async call (call-start/-done), each with its set-up custom calls: no work
+  # gather as an async call (call-start/-update/-done), each with its set-up custom calls: no work
   # of their own; the offloaded computations hold an all-reduce of s32[8] (32 B), read once
   # per start (not again at -update or -done).
   text = (_HEAD + "%offloaded (a: s32[8]) -> s32[8] {\n  %a = s32[8]{0} parameter(0)\n"
@@ -82,7 +82,8 @@ def test_sparsecore_offloads_are_read_through_the_computations_they_call():
           "  %cd = s32[8]{0:T(128)} custom-call-done(%cu)\n"
           '  %as = ((s32[8]{0}), s32[8]{0}, u32[]{:S(8)}) call-start(%cd), async_execution_thread'
           '="sparsecore", to_apply=%offloaded\n'
-          "  ROOT %ad = s32[8]{0} call-done(%as)\n}\n")
+          "  %au = ((s32[8]{0}), s32[8]{0}, u32[]{:S(8)}) call-update(%as)\n"  # libtpu, jax 0.12
+          "  ROOT %ad = s32[8]{0} call-done(%au)\n}\n")
   s = hlo.summarize(text)
   assert s.unread.count == 0
   assert s.collective("all-reduce").count == 2 and s.collective("all-reduce").bytes == 64

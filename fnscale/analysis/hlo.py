@@ -22,7 +22,7 @@ Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counte
 (`HloSummary.kernels`); grouped matmuls (`ragged-dot` and the kernels XLA and megablox run
 for it) are also summed apart, over their whole buffers (`HloSummary.grouped_flops`). A
 `ragged-all-to-all` (sync or async) counts as a collective of the smaller of its operand and
-result, and an async `call-start`/`custom-call-start` with its `-update`/`-done` (TPU
+result, and an async `call-start`/`custom-call-start` with its `-update`s and `-done` (TPU
 SparseCore offloads) by the computation it calls. Nothing is skipped silently: what could
 not be read is returned in
 `HloSummary.unread` (instructions by opcode, among them every opcode whose work is not
@@ -863,8 +863,8 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
 _RAGGED = ("ragged-all-to-all", "ragged-all-to-all-start", "ragged-all-to-all-done")
 # Async calls whose work is the computation they call (`to_apply=` / `called_computations=`
 # on the start, read as such): TPU SparseCore offloads of gathers and scatters.
-_ASYNC_CALLS = ("call-start", "call-done", "custom-call-start", "custom-call-update",
-                "custom-call-done")
+_ASYNC_CALLS = ("call-start", "call-update", "call-done", "custom-call-start",
+                "custom-call-update", "custom-call-done")
 
 
 def _ragged_collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
