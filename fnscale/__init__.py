@@ -9,6 +9,7 @@ from fnscale.errors import (
     CloudError,
     DistributedArgumentError,
     DistributedError,
+    ExpertError,
     FnscaleError,
     InputError,
     KernelError,
@@ -40,7 +41,7 @@ from fnscale.analysis import flops, hlo, invariance, plan, report
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
     "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
-    "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
+    "ExpertError", "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
     "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",

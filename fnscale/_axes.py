@@ -33,6 +33,10 @@ class AxisConventions(NamedTuple):
       are split over the first present; outside the pipeline they split the batch like a
       data axis (list them in `data` too), and a mesh with several TPU slices lays one
       across the slices by default (`fnscale.make_mesh`).
+    expert: the expert-parallel axes: a mixture-of-experts layer
+      (`fnscale.parallel.experts`) splits its experts over the first one present and
+      exchanges tokens over it. An expert axis also splits the batch (it is in `data`), as
+      in MaxText, so the layers around the experts stay data parallel over it.
 
   Examples:
     >>> import fnscale as fs
@@ -48,18 +52,22 @@ class AxisConventions(NamedTuple):
   head: tuple[str, ...]
   other: tuple[str, ...] = ()
   stage: tuple[str, ...] = ()
+  expert: tuple[str, ...] = ()
 
   def names(self) -> frozenset[str]:
     """Every axis name this convention knows."""
-    return frozenset(self.data + self.replica + self.head + self.other + self.stage)
+    return frozenset(self.data + self.replica + self.head + self.other + self.stage
+                     + self.expert)
 
 
 # fnscale's names. "replica": data parallel across slices (DCN); "data": data parallel within
 # a slice; "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch;
 # "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"); "stage":
-# pipeline stages, which outside the pipeline split the batch (as MaxText's "stage" does).
-FNSCALE = AxisConventions(data=("replica", "stage", "data", "fsdp"),
-                          replica=("replica", "data"), head=("tensor",), stage=("stage",))
+# pipeline stages, which outside the pipeline split the batch (as MaxText's "stage" does);
+# "expert": expert parallelism (Lepikhin et al. 2020, "GShard"), which also splits the batch.
+FNSCALE = AxisConventions(data=("replica", "stage", "data", "fsdp", "expert"),
+                          replica=("replica", "data"), head=("tensor",), stage=("stage",),
+                          expert=("expert",))
 
 # MaxText's mesh axes (configs/base.yml): the input batch is split over data, stage, fsdp,
 # fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; sequence and
@@ -67,7 +75,8 @@ FNSCALE = AxisConventions(data=("replica", "stage", "data", "fsdp"),
 MAXTEXT = AxisConventions(
     data=("data", "stage", "fsdp", "fsdp_transpose", "expert"), replica=("data",),
     head=("tensor", "tensor_transpose", "tensor_sequence", "autoregressive"),
-    other=("sequence", "context", "context_autoregressive"), stage=("stage",))
+    other=("sequence", "context", "context_autoregressive"), stage=("stage",),
+    expert=("expert",))
 
 # Levanter's mesh axes: the batch over replica and data, params (FSDP) over data, heads and
 # MLP width over "model".
@@ -148,3 +157,8 @@ def head_axes(mesh) -> tuple[str, ...]:
   """The mesh's head (tensor-parallel) axes in mesh order."""
   head = current().head
   return tuple(a for a in mesh.axis_names if a in head)
+
+
+def expert_axis(mesh) -> str | None:
+  """The mesh's expert-parallel axis (the convention's first one the mesh has), or None."""
+  return next((a for a in current().expert if a in mesh.axis_names), None)

@@ -247,6 +247,32 @@ def dot_contracting_dims(eqn) -> tuple[int, ...]:
                    f"({e!r})") from None
 
 
+class RaggedDims(NamedTuple):
+  """A `ragged_dot_general` equation's dimension numbers: the rhs dimensions it contracts,
+  pairs as batch, and indexes by group."""
+  rhs_contracting: tuple[int, ...]
+  rhs_batch: tuple[int, ...]
+  rhs_group: tuple[int, ...]
+
+
+def ragged_dot_dims(eqn) -> RaggedDims:
+  """The rhs dimension roles of a `ragged_dot_general` equation (its
+  `ragged_dot_dimension_numbers`: `dot_dimension_numbers` as `lax.dot_general` takes them,
+  `lhs_ragged_dimensions`, `rhs_group_dimensions`).
+
+  Raises:
+    RuntimeFailure: the params hold no such `ragged_dot_dimension_numbers`.
+  """
+  try:
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rc), (_, rb) = numbers.dot_dimension_numbers
+    return RaggedDims(tuple(int(i) for i in rc), tuple(int(i) for i in rb),
+                      tuple(int(i) for i in numbers.rhs_group_dimensions))
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise _changed("ragged_dot_dims", f"ragged_dot_general's params are {sorted(eqn.params)} "
+                   f"({e!r})") from None
+
+
 class KernelCost(NamedTuple):
   """A `pallas_call` equation: its kernel's `name` and the FLOPs its `cost_estimate`
   declares (None: it declares none)."""

@@ -47,6 +47,11 @@ class KernelError(InputError):
   """A forced kernel implementation can't serve the call."""
 
 
+class ExpertError(InputError):
+  """A mixture-of-experts layer's arguments can't work: params that don't fit the tokens,
+  k outside [1, experts], a capacity factor <= 0."""
+
+
 class CheckpointError(InputError):
   """A checkpoint is missing, corrupt or doesn't fit the target state, or a bad argument."""
 

@@ -3,6 +3,7 @@
   python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
   python recipes/plan.py --model=llama-8b --target=v5p-128 --tokens=2e12 --verify=0
   python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
+  python recipes/plan.py --model=moe-mixtral-8x7b --target=v5p-128 --batch=2304 --verify=0
   python recipes/plan.py --measure                # CPU: predicted vs measured step-time order
 
 `fnscale.analysis.plan` ranks the candidates by its forecast (step time, tokens/s, MFU beside the
@@ -39,7 +40,7 @@ import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-im
 # By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
 from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
     Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
-from recipes.lm import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes.lm import llama, moe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
@@ -49,13 +50,15 @@ def _batch(rows: int, seq: int) -> dict:
 
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
-  """`fnscale.analysis.plan` for a named Llama size (`recipes/lm/llama.py`) and AdamW; `kw`:
-  plan's keywords (policy: POLICY unless given) and `overrides` of the model's config."""
-  cfg = llama.model_config(model, seq, **kw.pop("overrides", {}))
+  """`fnscale.analysis.plan` for a named Llama or MoE size (`recipes/lm/llama.py`,
+  `recipes/lm/moe.py`: an expert axis joins the candidates) and AdamW; `kw`: plan's keywords
+  (policy: POLICY unless given) and `overrides` of the model's config."""
+  module = moe if model in moe.SIZES else llama
+  cfg = module.model_config(model, seq, **kw.pop("overrides", {}))
   kw.setdefault("policy", POLICY)
-  return plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
-                    _batch(rows, seq), target, rules=llama.RULES,
-                    logical_axes=llama.logical_axes(cfg), verify=verify, **kw)
+  return plan(lambda k: module.init_params(cfg, k), functools.partial(module.loss_fn, cfg=cfg),
+              optax.adamw(3e-4), _batch(rows, seq), target, rules=module.RULES,
+              logical_axes=module.logical_axes(cfg), verify=verify, **kw)
 
 
 def spearman(a, b) -> float:
@@ -109,7 +112,7 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES))
+  ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES) + list(moe.SIZES))
   ap.add_argument("--target", default="v5p-128")
   ap.add_argument("--batch", type=int, default=256, help="global batch, rows")
   ap.add_argument("--seq", type=int, default=4096)

@@ -132,7 +132,7 @@ def train_lm(**options) -> h.Summary:
 _CPU = dict(model="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1")
 _ACCEL = dict(model="small", seq=1024, batch_size=16, steps=5000, mesh="fsdp=-1")
 _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
-       "medium": 3e-4}
+       "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3}
 
 
 def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
@@ -140,7 +140,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   topo = h.topology(o.mesh_shape, o.topology, o.tpu)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
-  model, cfg, name = models.choose(o, size, seq, corpus.vocab)
+  model, cfg, name = models.choose(o, size, seq, corpus)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
     batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
@@ -205,12 +205,10 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
   """The run of `run`, with `ckpt` (a fnscale.checkpoint.Manager, or None: no checkpoints)."""
   o, model, axes, base = s.o, s.model, s.model.logical_axes(s.cfg), data.baseline(s.corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(o)
-  packed = s.corpus.packed is not None  # packed rows: the loss is weighted (padding has none)
-  pipe = dict(microbatches=o.microbatches) if o.microbatches else {}
-  loss_fn = functools.partial(model.loss_fn, cfg=s.cfg, weighted=packed, **pipe)
-  step_fn = fs.train_step(functools.partial(loss_fn, remat=o.remat), optimizer, policy=policy,
-                          accum_steps=o.accum_steps, accum_gather=o.accum_gather,
-                          weighted=packed)
+  train_loss, loss_fn, aux = models.losses(s)  # packed rows: weighted (padding has none)
+  step_fn = fs.train_step(train_loss, optimizer, policy=policy, accum_steps=o.accum_steps,
+                          accum_gather=o.accum_gather, has_aux=aux,
+                          weighted=s.corpus.packed is not None)
   step_fn = fs.shard_step(fs.with_kernel(ck.with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)

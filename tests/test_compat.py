@@ -166,6 +166,16 @@ def test_name_scopes_and_dot_contracting_dims():
   assert _compat.name_scopes(plain) == "" and _compat.dot_contracting_dims(plain) == (1,)
 
 
+def test_ragged_dot_dims_of_the_forward_and_its_weight_gradient():
+  lhs, rhs, sizes = jnp.ones((6, 3)), jnp.ones((2, 3, 4)), jnp.array([2, 4], jnp.int32)
+  jx = jax.make_jaxpr(jax.value_and_grad(
+      lambda r: jax.lax.ragged_dot(lhs, r, sizes).sum()))(rhs)
+  fwd, *bwd = _eqns(jx.jaxpr, "ragged_dot_general")
+  assert _compat.ragged_dot_dims(fwd) == _compat.RaggedDims((1,), (), (0,))
+  # The weight gradient: lhs^T against the cotangent, ragged in the contracted rows.
+  assert [_compat.ragged_dot_dims(e).rhs_group for e in bwd] == [()]
+
+
 def test_kernel_cost_of_a_pallas_call_with_and_without_an_estimate():
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
@@ -188,7 +198,7 @@ def test_jaxpr_entries_of_an_unknown_layout_name_themselves():
     params = {"spec": object()}
     source_info = None
 
-  for entry in ("dot_contracting_dims", "kernel_cost", "name_scopes"):
+  for entry in ("dot_contracting_dims", "kernel_cost", "name_scopes", "ragged_dot_dims"):
     with pytest.raises(fs.FnscaleError, match=rf"fnscale._compat.{entry}: .* tested with jax"
                        ) as e:
       getattr(_compat, entry)(Eqn())

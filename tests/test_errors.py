@@ -9,7 +9,7 @@ from fnscale import errors
 from fnscale.analysis import plan as fplan
 
 INPUT = ("TopologyError", "MeshError", "ShardingError", "StepError", "KernelError",
-         "CheckpointError", "PlanError", "DistributedArgumentError")
+         "CheckpointError", "PlanError", "DistributedArgumentError", "ExpertError")
 RUNTIME = ("DistributedError", "CloudError", "StorageError")
 
 

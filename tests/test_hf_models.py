@@ -198,7 +198,7 @@ def test_config_json_fields_reach_the_model_config():
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(model_type="mistral", sliding_window=4), "sliding_window=4"),
-    (dict(model_type="mixtral"), "model_type='mixtral'.*experts"),
+    (dict(model_type="qwen2_moe"), "model_type='qwen2_moe'.*experts"),
     (dict(model_type="bert"), "model_type='bert'"),
     (dict(quantization_config={"bits": 4}), "quantization_config"),
     (dict(num_hidden_layers=None), "num_hidden_layers=None is missing"),

@@ -45,6 +45,16 @@ Matmuls" and 5 "Training":
   of M/S microbatches before and after the loop, forward and backward; FSDP gathers a
   stage's weights (and reduce-scatters its gradients) in every iteration. Outside the stack
   the stage axis splits the batch like a data axis (its gradients reduced over it too).
+- Mixture of experts (`fnscale.parallel.experts`): a grouped matmul (`ragged_dot`) costs
+  2 x routed rows x k x n, so the model's FLOPs are the active params' (traced on one
+  device, its rows are exactly the routed copies). On an `expert` axis of e devices the
+  expert weights (the forward grouped matmuls' rhs), their optimizer state and gradients
+  are split e ways more; the other params are replicated over it, their gradients
+  all-reduced over it as over a data axis; each MoE layer all-to-alls its token copies to
+  the experts' devices and back, forward and backward (and again under remat), (e-1)/e of
+  them leaving the device; and the dropless receive buffers hold the worst case, e x
+  min(k, E/e) / k times the routed copies, so the grouped matmuls' activations grow by that
+  factor (GShard, Lepikhin et al. 2020; MaxText's dropless buffers).
 """
 from __future__ import annotations
 
@@ -60,6 +70,7 @@ from jax.extend import core as jcore
 from fnscale import _compat
 from fnscale.analysis._targets import Hardware
 from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
+from fnscale.parallel.experts import with_experts
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
@@ -87,6 +98,10 @@ class Profile(NamedTuple):
   `stack_layers` its length, `stack_bytes` the compute-dtype bytes it runs over (the
   layers' params), `stack_stream_row` its carry's bytes per row (the residual stream a
   stage sends on), `stack_flops_row` the part of `flops_row` in it and its transpose.
+  Mixture of experts (0 without): `experts` per layer, `expert_k` experts per token,
+  `expert_params` expert weights (all layers), `exchange_row` bytes per row of one
+  all-to-all pass (the routed copies of every MoE layer, compute dtype), `expert_act_row`
+  the grouped matmuls' inputs and outputs per row (residuals a dropless buffer scales).
   """
   params: int
   param_bytes: float
@@ -113,6 +128,17 @@ class Profile(NamedTuple):
   stack_bytes: float = 0.0
   stack_stream_row: float = 0.0
   stack_flops_row: float = 0.0
+  experts: int = 0
+  expert_k: int = 0
+  expert_params: int = 0
+  exchange_row: float = 0.0
+  expert_act_row: float = 0.0
+
+  @property
+  def expert_share(self) -> float:
+    """The fraction of the params (and so of their bytes, state and gradients) that are
+    expert weights, split over an expert axis."""
+    return self.expert_params / self.params if self.params else 0.0
 
 
 def _nbytes(tree) -> float:
@@ -158,6 +184,9 @@ def _eqn_flops(eqn, outer: str) -> FlopCount:
     contracted = math.prod(lhs[i] for i in _compat.dot_contracting_dims(eqn))
     f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
     return FlopCount(f, f if in_attention else 0.0, f if CAUSAL_SCOPE in scope else 0.0)
+  if name == "ragged_dot_general":
+    f = _ragged_flops(eqn)
+    return FlopCount(f, f if in_attention else 0.0, f if CAUSAL_SCOPE in scope else 0.0)
   if name == "pallas_call":
     kernel = _compat.kernel_cost(eqn)
     uncounted = () if kernel.flops else (kernel.name,)
@@ -169,6 +198,56 @@ def _eqn_flops(eqn, outer: str) -> FlopCount:
     return max(subs, key=lambda c: c.total)
   total = sum(subs, FlopCount())
   return total.times(_compat.scan_parts(eqn).length) if name == "scan" else total
+
+
+def _ragged_flops(eqn) -> float:
+  """A grouped matmul: each lhs element meets each element of the rhs's free dims (not
+  contracted, batch or group) once, 2 x lhs elements x rhs free elements: 2 m k n for
+  rows [m, k] against groups [g, k, n] (each row one group's matrix) and for the weight
+  gradient alike."""
+  d = _compat.ragged_dot_dims(eqn)
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  used = set(d.rhs_contracting + d.rhs_batch + d.rhs_group)
+  return 2.0 * math.prod(lhs) * math.prod(n for i, n in enumerate(rhs) if i not in used)
+
+
+class _Experts(NamedTuple):
+  """What a traced loss's forward grouped matmuls say (see `Profile`)."""
+  experts: int = 0
+  k: int = 0
+  params: int = 0
+  exchange_row: float = 0.0
+  act_row: float = 0.0
+
+
+def _forward_grouped(jaxpr, mult: int = 1, outer: str = ""):
+  """(lhs aval, rhs aval, out aval, runs) of every forward grouped matmul (a
+  `ragged_dot_general` against groups, outside the backward's `transpose`), scan bodies
+  times their length."""
+  for eqn in jaxpr.eqns:
+    scope = outer + "/" + _compat.name_scopes(eqn)
+    if eqn.primitive.name == "ragged_dot_general":
+      if _compat.ragged_dot_dims(eqn).rhs_group and "transpose(" not in scope:
+        yield eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval, mult
+      continue
+    runs = mult * (_compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1)
+    for j in _sub_jaxprs(eqn):
+      yield from _forward_grouped(j, runs, scope)
+
+
+def _experts(jaxpr, width: int, tokens_row: int) -> _Experts:
+  """The expert facts of a value-and-grad jaxpr traced on one row (`_Experts`)."""
+  found = list(_forward_grouped(jaxpr))
+  if not found:
+    return _Experts()
+  size = lambda a: math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+  rows = max(lhs.shape[0] for lhs, _, _, _ in found)
+  return _Experts(
+      experts=max(rhs.shape[0] for _, rhs, _, _ in found),
+      k=max(1, round(rows / max(tokens_row, 1))),
+      params=sum(math.prod(rhs.shape) * n for _, rhs, _, n in found),
+      exchange_row=sum(size(out) * n for _, _, out, n in found if out.shape[-1] == width),
+      act_row=sum((size(lhs) + size(out)) * n for lhs, _, out, n in found))
 
 
 def count_flops(jaxpr, outer: str = "") -> FlopCount:
@@ -249,11 +328,15 @@ def _as_run(loss_fn, remat, interpret):
 
 
 def _traced(loss_fn, params, batch, remat, interpret):
-  """(FlopCount with the reference attention, Pallas kernels under the attention scope as
-  the loss runs, the reference jaxpr) of the loss's value and gradient on one row."""
+  """(FlopCount with the reference attention and grouped matmuls, Pallas kernels under the
+  attention scope as the loss runs, the reference jaxpr) of the loss's value and gradient on
+  one row."""
   f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
   grad = lambda fn: jax.make_jaxpr(jax.value_and_grad(fn))(params, _rows(batch, 1)).jaxpr
-  reference = grad(with_kernel(f, attention="xla"))
+  # The references: XLA attention, and experts' grouped matmuls as `ragged_dot` (2 x routed
+  # rows x k x n; a kernel's declared cost or the tiled form's padding would be the
+  # buffers').
+  reference = grad(with_kernel(with_experts(f, grouped_matmul="ragged_dot"), attention="xla"))
   kernels = count_flops(grad(_as_run(loss_fn, remat, interpret))).scoped_kernels
   return count_flops(reference), kernels, reference
 
@@ -295,6 +378,7 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
   a1 = _residuals(loss_fn, cparams, batch, True, width, interpret) if remat else a0
   opt = jax.eval_shape(optimizer.init, params)
   first = jax.tree.leaves(batch)[0]
+  moe = _experts(jx, width, math.prod(first.shape[1:]))
   return Profile(
       params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
       param_bytes=_nbytes(params), opt_bytes=_nbytes(opt), compute_bytes=_nbytes(cparams),
@@ -306,7 +390,9 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
       act_row_stream=a0[1], act_row_remat_stream=a1[1],
       stack_layers=stack[1], stack_bytes=stack[0], stack_stream_row=_nbytes(stack[2]),
-      stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0)
+      stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
+      experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
+      exchange_row=moe.exchange_row, expert_act_row=moe.act_row)
 
 
 class Estimate(NamedTuple):
@@ -450,66 +536,102 @@ def _stage_comm(prof: Profile, pp: _Stages, rows_mb: float, f: int, t: int) -> t
   return sends, (f - 1) / f * gathers / t
 
 
+def buffer_factor(prof: Profile, e: int) -> float:
+  """How many times the routed copies a dropless layer's receive buffer holds on an expert
+  axis of `e` devices: e x min(k, experts / e) / k (1 without experts or axis)."""
+  if e <= 1 or not prof.experts or not prof.expert_k:
+    return 1.0
+  return e * min(prof.expert_k, prof.experts / e) / prof.expert_k
+
+
+def _split(prof: Profile, shard: int, e: int) -> float:
+  """Per-device share of the params' bytes (or state, gradients): the expert weights split
+  over `shard` x `e` devices, the rest over `shard`."""
+  x = prof.expert_share
+  return (1 - x) / shard + x / (shard * e)
+
+
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
              accum: int, gather: str = "per_microbatch", microbatches: int = 1) -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
-  "tensor", "stage"; "replica" or "stage" across slices); the global batch must divide over
-  the data axes and `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles:
-  "per_microbatch" keeps params and the float32 accumulator sharded and gathers /
-  reduce-scatters over fsdp in every microbatch, and reduces over the data and DCN axes in
-  every microbatch too (the accumulator is sharded as the params, so whole over those
-  axes); "once" (with accum > 1) holds whole compute-dtype params and a whole float32
-  accumulator (split by tensor only), gathers and reduces once per step. `microbatches`:
-  the pipeline's, with a "stage" axis (accum 1)."""
+  "tensor", "stage", "expert"; "replica" or "stage" across slices); the global batch must
+  divide over the data axes (the expert and stage axes among them) and `accum`. `gather`:
+  `train_step`'s accum_gather, costed as it compiles: "per_microbatch" keeps params and the
+  float32 accumulator sharded and gathers / reduce-scatters over fsdp in every microbatch,
+  and reduces over the data and DCN axes in every microbatch too (the accumulator is sharded
+  as the params, so whole over those axes); "once" (with accum > 1) holds whole
+  compute-dtype params and a whole float32 accumulator (split by tensor only), gathers and
+  reduces once per step. `microbatches`: the pipeline's, with a "stage" axis (accum 1)."""
   once = gather == "once" and accum > 1
   reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
   d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
+  e = ici.get("expert", 1)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices
   shard = f * t
-  rows_mb = prof.rows / (r * d * f * ici.get("stage", 1)) / accum
+  # This device's share of params, state and gradients: the expert weights split over the
+  # expert axis too, the layer stack over the pipeline stages.
+  share = pp.keep(_split(prof, shard, e))
+  rows_mb = prof.rows / (r * d * f * e * ici.get("stage", 1)) / accum
   frac = lambda k: (k - 1) / k
-  layer_w = prof.compute_bytes / max(prof.layers, 1) / t
+  moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_mb * pp.iters
+  layer_w = prof.compute_bytes * _split(prof, shard, e) * shard / max(prof.layers, 1) / t
   io = 2 * prof.stack_stream_row * rows_mb * pp.stages if pp.stages > 1 else 0.0  # stage 0's
-  parts = dict(params=pp.keep(prof.param_bytes) / shard, opt=pp.keep(prof.opt_bytes) / shard,
-               grads=pp.keep(prof.grad_bytes) / shard * (2 if accum > 1 else 1),
-               weights=2 * layer_w if f > 1 else pp.keep(prof.compute_bytes) / t,
-               acts=act_per_row(prof, remat, t)[0] * rows_mb * pp.iters + io)
+  parts = dict(params=prof.param_bytes * share, opt=prof.opt_bytes * share,
+               grads=prof.grad_bytes * share * (2 if accum > 1 else 1),
+               weights=2 * layer_w if f > 1 else prof.compute_bytes * share * shard / t,
+               acts=act_per_row(prof, remat, t)[0] * rows_mb * pp.iters + moe_acts + io)
   if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
-    parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
-                 weights=prof.compute_bytes / t)
+    parts.update(grads=prof.grad_bytes * share * shard / t + prof.grad_bytes * share,
+                 weights=prof.compute_bytes * share * shard / t)
   model_flops = prof.flops_row * prof.rows
-  held = shard / pp.keep(1.0)  # the update's share: the device's part of the state
-  memory = memory_traffic(prof, remat, rows_mb * pp.iters, accum, held, t) / hw.links.hbm
+  memory = memory_traffic(prof, remat, rows_mb * pp.iters, accum, 1 / share, t) / hw.links.hbm
   bubble = 1 - pp.flops_share + pp.flops_share * pp.iters
   run, recompute = (x * bubble * prof.rows / n / hw.peak_flops
                     for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
-  comm = {}
-  if f > 1:
-    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
-        2 * prof.compute_bytes + prof.grad_bytes)
-    comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
-  if d > 1:
-    comm["data"] = reductions * 2 * frac(d) * pp.keep(prof.grad_bytes) / shard / bw["data"]
-  if t > 1:
-    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb * pp.iters
-    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
-  for a, k in dcn.items():
-    if k > 1 and a != "stage":
-      comm[a] = reductions * 2 * frac(k) * pp.keep(prof.grad_bytes) / shard / bw[a]
-  if pp.stages > 1:
-    sends, gathers = _stage_comm(prof, pp, rows_mb, f, t)
-    if f > 1:
-      comm["fsdp"] = gathers / bw["fsdp"]
-    # Outside the stack the stage axis is a data axis: its gradients are reduced over it.
-    rest = 2 * frac(pp.stages) * prof.grad_bytes * (1 - pp.bytes_share) / shard
-    comm["stage"] = (sends + rest) / bw["stage"]
+  comm = _comm(prof, bw, (d, f, t, e), dcn, (remat, accum, once, rows_mb), pp)
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
                   mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
                   memory_s=memory, recompute_s=recompute)
+
+
+def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages) -> dict:
+  """Seconds of each axis's collectives per step (`estimate`'s). `sizes`: (data, fsdp,
+  tensor, expert); `run`: (remat, accum, once, rows per device per microbatch); `pp`: the
+  pipeline (`_stages`)."""
+  (d, f, t, e), (remat, accum, once, rows_mb) = sizes, run
+  reductions = 1 if once else accum
+  frac = lambda k: (k - 1) / k
+  share = pp.keep(_split(prof, f * t, e))
+  comm = {}
+  if f > 1:
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+        2 * prof.compute_bytes + prof.grad_bytes)
+    comm["fsdp"] = frac(f) * per_step * _split(prof, f * t, e) * f / bw["fsdp"]
+  if d > 1:
+    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes * share / bw["data"]
+  if t > 1:
+    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb * pp.iters
+    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
+  if e > 1:  # the other params' gradients all-reduced; each layer's copies to and fro
+    rest = pp.keep((1 - prof.expert_share) / (f * t))
+    passes = 6 if remat else 4  # dispatch + combine, forward, backward (and recomputed)
+    comm["expert"] = (reductions * 2 * frac(e) * prof.grad_bytes * rest + accum * passes
+                      * frac(e) * prof.exchange_row * rows_mb * pp.iters) / bw["expert"]
+  for a, k in dcn.items():
+    if k > 1 and a != "stage":
+      comm[a] = reductions * 2 * frac(k) * prof.grad_bytes * share / bw[a]
+  if pp.stages > 1:
+    sends, gathers = _stage_comm(prof, pp, rows_mb, f, t)
+    if f > 1:
+      comm["fsdp"] = gathers / bw["fsdp"]
+    # Outside the stack the stage axis is a data axis: its gradients are reduced over it.
+    rest = 2 * frac(pp.stages) * prof.grad_bytes * (1 - pp.bytes_share) / (f * t)
+    comm["stage"] = (sends + rest) / bw["stage"]
+  return comm

@@ -19,7 +19,12 @@ calls that replace them: cuBLAS GEMMs (`__cublas$gemm`, `__cublas$lt$matmul`,
 `__cublas$lt$matmul$f8`), cuDNN convolutions (forward, backward input, backward filter) and
 cuDNN fused attention (`__cudnn$fmha*`).
 Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counted
-(`HloSummary.kernels`). Nothing is skipped silently: what could not be read is returned in
+(`HloSummary.kernels`); grouped matmuls (`ragged-dot` and the kernels XLA and megablox run
+for it) are also summed apart, over their whole buffers (`HloSummary.grouped_flops`). A
+`ragged-all-to-all` (sync or async) counts as a collective of the smaller of its operand and
+result, and an async `call-start`/`custom-call-start` with its `-update`s and `-done` (TPU
+SparseCore offloads) by the computation it calls. Nothing is skipped silently: what could
+not be read is returned in
 `HloSummary.unread` (instructions by opcode, among them every opcode whose work is not
 counted here, such as `fft`, `triangular-solve`, `cholesky` or `scaled-dot`, and any opcode
 not known here; loops without a trip count; collectives whose replica groups were
@@ -50,7 +55,7 @@ __all__ = [
 ]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                    "collective-permute", "collective-broadcast")
+                    "collective-permute", "collective-broadcast", "ragged-all-to-all")
 
 
 class Collective(NamedTuple):
@@ -110,8 +115,8 @@ class Unread(NamedTuple):
   not known here, a `dot`/`ragged-dot`/`convolution` whose operand shapes or dimension
   numbers are missing, a `custom-call` to a target not known here (named as
   `custom-call <target>`), a GEMM/cuDNN call whose config lacks what its FLOPs need, a
-  collective whose result size can't be read, a device-to-device `send`/`recv` or
-  `ragged-all-to-all` (sizes known only at run time), a line in a computation that is not
+  collective whose result size can't be read, a device-to-device `send`/`recv` (sizes
+  known only at run time), a line in a computation that is not
   an instruction (`unparsed line`); `loops`: bodies of while loops without a known trip count
   (each body counted once); `groups`: (collective kind, instructions) whose replica groups
   were guessed to span every device (a spelling not read here, or text without the module
@@ -154,6 +159,12 @@ class HloSummary(NamedTuple):
   collectives over the data-center network, their group size the slice count, 2 for a
   collective-permute such as a pipeline's stage-to-stage sends; also in `collectives` and
   `groups`), and `dcn_bytes_sent` its total.
+  `grouped_flops`: FLOPs of the grouped matmuls (a mixture of experts' expert matmuls):
+  `ragged-dot` ops (also in `matmul_flops`) plus the FLOPs the grouped-matmul kernels
+  declare (XLA's TPU `ragged-dot` kernels, Pallas megablox `gmm`/`tgmm`; not in
+  `matmul_flops`). Both count every row of their buffers, routed or not: a dropless
+  layer's buffers hold the worst case, so this is an upper bound of the work done (the
+  kernels skip the rows no group holds).
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -164,6 +175,7 @@ class HloSummary(NamedTuple):
   unread: Unread = Unread()
   kernels: tuple[Kernel, ...] = ()
   dcn_groups: tuple[tuple[str, int, float], ...] = ()
+  grouped_flops: float = 0.0
 
   @property
   def unknown_trip_counts(self) -> int:
@@ -373,7 +385,9 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
   Returns:
     Bytes: all-reduce 2 (n - 1) / n x result (reduce-scatter then all-gather, Patarasuk &
     Yuan, 2009, "Bandwidth optimal all-reduce algorithms"); all-gather and all-to-all
-    (n - 1) / n x result; reduce-scatter (n - 1) x shard; collective-permute and
+    (n - 1) / n x result; ragged-all-to-all the same of its `result_bytes` as `summarize`
+    reads them (the smaller of operand and result: at most what a device sends);
+    reduce-scatter (n - 1) x shard; collective-permute and
     collective-broadcast the result; 0 for a group of one device.
 
   Raises:
@@ -387,7 +401,7 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
     return 0.0
   if kind == "all-reduce":
     return 2 * (n - 1) / n * result_bytes
-  if kind in ("all-gather", "all-to-all"):
+  if kind in ("all-gather", "all-to-all", "ragged-all-to-all"):
     return (n - 1) / n * result_bytes
   if kind == "reduce-scatter":
     return (n - 1) * result_bytes
@@ -438,12 +452,13 @@ class _Graph(NamedTuple):
   unread: dict  # comp -> [opcode]
   guessed: dict  # comp -> [collective kind]
   dcn: dict  # comp -> [(kind, result bytes, slices)]: those of `colls` across slices
+  grouped: dict  # comp -> grouped-matmul FLOPs per run (ragged-dot ops, declared by kernels)
 
 
 def _graph() -> _Graph:
   dd = collections.defaultdict
   return _Graph(dd(dict), {}, dd(list), [], dd(float), dd(list), dd(list), dd(list), dd(list),
-                dd(list))
+                dd(list), dd(float))
 
 
 def _index(comps: dict[str, list[str]], g: _Graph) -> None:
@@ -690,6 +705,10 @@ _FMHA_PREFIX = "__cudnn$fmha"
 # Custom kernels: their work is the kernel author's, listed as `Kernel`s.
 _KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2",
                    "triton_kernel_call", "triton_kernel_call_ffi")
+# Grouped-matmul kernels by name: XLA's TPU lowering of `ragged-dot` (`ragged-dot-none`,
+# beside a `ragged-dot-metadata` kernel that computes no product) and Pallas megablox
+# (jax.experimental.pallas.ops.tpu.megablox, and MaxText's copy of it: `gmm`, `tgmm`).
+_GROUPED_KERNEL_RE = re.compile(r"(ragged-dot-(?!metadata)|t?gmm\b)")
 # Targets that do no matmul and no device-to-device traffic: sharding annotations, buffer
 # and layout markers, host offload, random bits, sorting and top-k, linear-algebra solvers
 # (jax's stable targets, `jax._src.export._export`), host callbacks.
@@ -697,6 +716,7 @@ _NO_MATMUL_TARGETS = (
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
     "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
     "ConcatBitcast", "SliceId", "ZeroCrop",  # TPU: this slice's index; a buffer's padding
+    "PrepareAsyncCallStart", "PrepareAsyncCallDone",  # TPU: set-up of an async call-start
     "MoveToHost", "MoveToDevice", "PadToStatic", "SliceToDynamic", "LayoutConstraint",
     "TopK", "ApproxTopK", "PartialReduce", "Eigh", "Qr",
     "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "shape_assertion",
@@ -758,8 +778,10 @@ def _custom_call(g: _Graph, comp: str, name: str, ins: _Instr) -> None:
     flops = _fmha_flops(g, comp, ins, target)
   elif target in _KERNEL_TARGETS:
     declared = re.search(r'"cost_estimate"\s*:\s*\{[^{}]*?"flops"\s*:\s*"?(\d+)', ins.attrs)
-    g.kernels[comp].append((re.sub(r"\.\d+$", "", name), target,
-                            float(declared.group(1)) if declared else None))
+    kernel = re.sub(r"\.\d+$", "", name)
+    g.kernels[comp].append((kernel, target, float(declared.group(1)) if declared else None))
+    if declared and _GROUPED_KERNEL_RE.match(kernel):
+      g.grouped[comp] += float(declared.group(1))
     return
   elif target in _NO_MATMUL_TARGETS or target.startswith(_NO_MATMUL_PREFIXES):
     return
@@ -844,6 +866,42 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
   if guessed:
     g.guessed[comp].append(base)
   g.colls[comp].append((base, nbytes, n))
+
+
+_RAGGED = ("ragged-all-to-all", "ragged-all-to-all-start", "ragged-all-to-all-done")
+# Async calls whose work is the computation they call (`to_apply=` / `called_computations=`
+# on the start, read as such): TPU SparseCore offloads of gathers and scatters.
+_ASYNC_CALLS = ("call-start", "call-update", "call-done", "custom-call-start",
+                "custom-call-update", "custom-call-done")
+
+
+def _ragged_collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
+                       dev: _Devices) -> None:
+  """Adds a ragged all-to-all (or records its async -start) to `g`. Its sizes are known only
+  at run time; its bytes are the smaller of its operand (what a device may send) and its
+  result (the buffer it may receive into): the dropless exchange sends its whole sorted
+  operand one way and fills its whole result on the way back, so that is exact per pair."""
+  op = ins.op
+  if op.endswith("-done"):
+    src = ins.operands[0][0].split("#")[0] if ins.operands else ""
+    (n, guessed), sent = starts.get(src, ((dev.total, not dev.known), None))
+  else:
+    n, guessed = _group_size("all-to-all", ins.attrs, dev)
+    dims = _operand_dims(g, comp, ins, 0)
+    operand = next(iter(_arrays(ins.operands[0][1] or _shape(g, comp, ins.operands[0][0]))),
+                   None) if ins.operands else None
+    sent = math.prod(dims) * _dtype_bytes(operand[0]) if dims is not None and operand else None
+    if op.endswith("-start"):
+      starts[name] = ((n, guessed), sent)
+      return
+  result = _arrays(ins.shape)
+  if sent is None or not result:
+    g.unread[comp].append(op)
+    return
+  got = math.prod(result[-1][1]) * _dtype_bytes(result[-1][0])
+  if guessed:
+    g.guessed[comp].append("ragged-all-to-all")
+  g.colls[comp].append(("ragged-all-to-all", min(sent, got), n))
 
 
 # A multi-slice TPU program (one program per slice) runs each collective across slices
@@ -939,8 +997,14 @@ def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
         g.unread[comp].append(op)
       else:
         g.dots[comp] += flops
+        if op == "ragged-dot":
+          g.grouped[comp] += flops
     elif op == "custom-call":
       _custom_call(g, comp, name, ins)
+    elif op in _RAGGED:
+      _ragged_collective(g, comp, ins, starts, name, dev)
+    elif op in _ASYNC_CALLS:
+      pass  # an async call (TPU: offloaded to a SparseCore): its computation is read itself
     elif op in ("send", "recv", "ragged-all-to-all"):
       if "is_host_transfer=true" not in ins.attrs:  # device traffic of a run-time size
         g.unread[comp].append(op)
@@ -1047,6 +1111,7 @@ def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: i
       groups=_ring_groups(g.colls, mult),
       unread=Unread(count(g.unread), unknown, count(g.guessed)),
       dcn_groups=_ring_groups(g.dcn, mult),
+      grouped_flops=sum(f * mult[c] for c, f in g.grouped.items()),
       kernels=tuple(Kernel(n, t, v[0], v[1], v[2] if v[3] else None)
                     for (n, t), v in sorted(kernels.items())))
 

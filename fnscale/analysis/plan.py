@@ -1,16 +1,18 @@
 """fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
 
 Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
-up to `max_tensor`, the size ICI neighbours serve well), data parallel ("replica") across
-slices, remat on/off, and the fewest accumulation steps that fit; for a loss that takes
-`microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline stages too: across
-the slices of a multi-slice target, and within a slice for a very large model (its
-compute-dtype weights larger than one device's HBM), with as many microbatches (up to 8 per
-stage) as every device's rows split into, costed with the bubble and the stage sends. Each
-gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time
-from compute at peak and each collective over its axis's links: a roofline, whose MFU is an
-upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus efficiency
-terms fitted on measured runs); rows are ranked by the forecast. The best few are compiled ahead of time for the target's described
+up to `max_tensor`, the size ICI neighbours serve well), and x expert for a mixture of
+experts (an expert axis dividing its expert count: `fnscale.parallel.experts`), data parallel
+("replica") across slices, remat on/off, and the fewest accumulation steps that fit; for a
+loss that takes `microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline
+stages too: across the slices of a multi-slice target, and within a slice for a very large
+model (its compute-dtype weights larger than one device's HBM), with as many microbatches (up
+to 8 per stage) as every device's rows split into, costed with the bubble and the stage
+sends. Each gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against
+HBM, step time from compute at peak and each collective over its axis's links: a roofline,
+whose MFU is an upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus
+efficiency terms fitted on measured runs); rows are ranked by the forecast. The best few are
+compiled ahead of time for the target's described
 devices (TPU targets, through libtpu, from any machine): XLA's per-device memory must fit
 HBM, its collectives are set beside the estimate, a disagreement over 25% is flagged, and
 the ranking uses the compiled figures where it has them. A plan that could not compile says
@@ -180,22 +182,24 @@ def _divisors(n: int) -> list[int]:
 
 
 def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int, stage: int = 1,
-            dcn: dict | None = None) -> list[MeshAxes]:
-  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor) beside an ICI
-  `stage` axis of that size, "replica" across slices (or the `dcn` axes given), keeping
-  those whose data axes divide the global batch."""
+            dcn: dict | None = None, experts: int = 0) -> list[MeshAxes]:
+  """data x fsdp x expert x tensor factorisations of one slice (tensor <= max_tensor, expert
+  dividing the model's `experts`; none without) beside an ICI `stage` axis of that size,
+  "replica" across slices (or the `dcn` axes given), keeping those whose data axes (the
+  expert axis among them) divide the global batch."""
   n = hw.devices_per_slice // stage
   if dcn is None:
     dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
   out = []
   for t in (k for k in _divisors(n) if k <= max_tensor):
-    for f in _divisors(n // t):
-      d = n // t // f
-      if rows % (d * f * stage * hw.num_slices):
-        continue
-      ici = {k: v for k, v in (("stage", stage), ("data", d), ("fsdp", f), ("tensor", t))
-             if v > 1}
-      out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
+    for e in (k for k in _divisors(n // t) if k == 1 or (experts and experts % k == 0)):
+      for f in _divisors(n // t // e):
+        d = n // t // e // f
+        if rows % (d * f * e * stage * hw.num_slices):
+          continue
+        ici = {k: v for k, v in (("stage", stage), ("data", d), ("fsdp", f), ("expert", e),
+                                 ("tensor", t)) if v > 1}
+        out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
   return out
 
 
@@ -206,11 +210,11 @@ def _stage_meshes(prof, hw: _targets.Hardware, max_tensor: int) -> list[MeshAxes
   out, k = [], hw.num_slices
   for s in (s for s in _divisors(k)[1:] if prof.stack_layers % s == 0):
     dcn = {"stage": s, **({"replica": k // s} if k > s else {})}
-    out += _meshes(hw, prof.rows, max_tensor, dcn=dcn)
+    out += _meshes(hw, prof.rows, max_tensor, dcn=dcn, experts=prof.experts)
   if prof.compute_bytes > hw.hbm_bytes:
     for s in (2, 4, 8):
       if hw.devices_per_slice % s == 0 and prof.stack_layers % s == 0:
-        out += _meshes(hw, prof.rows, max_tensor, stage=s)
+        out += _meshes(hw, prof.rows, max_tensor, stage=s, experts=prof.experts)
   return out
 
 
@@ -230,7 +234,7 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
   slower (it moves params and gradients once per step: less communication, more slack when
   overlap is imperfect), else "per_microbatch"."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
-                           * axes.ici.get("fsdp", 1))
+                           * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
     modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
@@ -370,7 +374,7 @@ def mesh_str(axes: MeshAxes) -> str:
 def _candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candidate]:
   rows = []
   remats = (False, True) if prof.has_remat else (False,)
-  for axes in _meshes(hw, prof.rows, max_tensor):
+  for axes in _meshes(hw, prof.rows, max_tensor, experts=prof.experts):
     for remat in remats:
       accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
@@ -507,7 +511,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     prof: `profile_model(...)` of the step (its `rows` is the global batch; use
       `prof._replace(rows=n)` for another batch of the same sequences).
     target: as for `plan`.
-    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"tensor"/"stage", DCN
+    axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"expert"/"tensor"/"stage", DCN
       "replica"/"stage").
     remat, accum: remat on/off and accumulation steps.
     accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
@@ -528,7 +532,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
                     f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
                     f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
   split = (math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
-           * ici.get("stage", 1))
+           * ici.get("stage", 1) * ici.get("expert", 1))
   if prof.rows % (split * accum):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")
@@ -612,6 +616,9 @@ def _hardware_line(p: Plan) -> str:
   hw, prof = p.hardware, p.profile
   gib = lambda b: f"{b / 2**30:.1f}"
   batch = f"{prof.params / 1e9:.3g}B params, batch {prof.rows} rows of {prof.tokens_row} tokens"
+  if prof.experts:
+    batch += (f"; a mixture of {prof.experts} experts, {prof.expert_k} per token "
+              f"({prof.expert_params / 1e9:.3g}B expert params)")
   if hw.kind == "cpu":
     n = hw.num_devices
     return (f"plan for {hw.name}: {n} simulated devices sharing this host (measured for the "

@@ -55,7 +55,9 @@ class CompileReport(NamedTuple):
   bytes sent per device per step, those across slices: the data-center network of a
   multi-slice TPU job), `pipelines` (the pipeline schedules the program runs,
   `fnscale.parallel.pipeline.Schedule`: stages, microbatches, repeats and the bubble
-  (S - 1) / (R M + S - 1)).
+  (S - 1) / (R M + S - 1)), `grouped_flops` (the grouped matmuls' FLOPs of a mixture of
+  experts, `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper
+  bound of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`).
 
   Examples:
     A plain function of (state, batch), compiled with `jax.jit` on one device: [8, 4] x [4, 2]
@@ -87,6 +89,7 @@ class CompileReport(NamedTuple):
   kernels: tuple[_hlo.Kernel, ...] = ()
   dcn_bytes_sent: float = 0.0
   pipelines: tuple[_pipeline.Schedule, ...] = ()
+  grouped_flops: float = 0.0
 
   @property
   def flops_ratio(self) -> float | None:
@@ -160,7 +163,7 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
       kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent,
-      pipelines=_pipeline.schedules_in(text))
+      pipelines=_pipeline.schedules_in(text), grouped_flops=hlo.grouped_flops)
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -260,6 +263,9 @@ def format_report(report: CompileReport) -> str:
       "library matmuls, loop trip counts applied)" + (
           "" if report.flops_ratio is None else
           f"; {report.flops_ratio:.3f} x the model's {fn(report.model_flops)}"),
+      *([f"  grouped FLOPs/dev {fn(report.grouped_flops)}  (experts' grouped matmuls: "
+         "ragged-dot and its kernels over their whole buffers, a dropless layer's worst "
+         "case: an upper bound)"] if report.grouped_flops else []),
       "  memory per device",
       f"    arguments       {fb(report.argument_bytes)}",
       f"    outputs         {fb(report.output_bytes)}",

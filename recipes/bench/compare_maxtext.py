@@ -45,6 +45,12 @@ import time
 
 MIB = 2**20
 SIDES = ("maxtext", "fnscale")
+# MaxText model name -> fnscale's recipes/lm model of the same shapes.
+MODELS = {"llama3-8b": "llama-8b", "mixtral-8x7b": "moe-mixtral-8x7b"}
+MOE_MODELS = ("mixtral-8x7b",)
+# MaxText's dropless MoE as its configs/base.yml defaults it (0.2.5): sorted tokens, megablox
+# grouped matmuls, ragged all-to-all over the expert axis, no capacity.
+MOE_MAXTEXT = ["sparse_matmul=true", "megablox=true", "capacity_factor=-1.0"]
 
 
 # ----------------------------------------------------------------------- MaxText's side
@@ -57,7 +63,7 @@ def _maxtext_argv(a) -> list[str]:
   slices = dcn.get("replica", 1) * dcn.get("stage", 1)
   topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
   return _pipeline_argv(a, ici, dcn) + [
-      "model_name=llama3-8b", "override_model_config=true",
+      f"model_name={a.model}", "override_model_config=true",
       f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
       f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
@@ -65,9 +71,10 @@ def _maxtext_argv(a) -> list[str]:
       f"ici_data_parallelism={ici.get('data', 1)}", f"ici_fsdp_parallelism={ici.get('fsdp', 1)}",
       f"ici_tensor_parallelism={ici.get('tensor', 1)}",
       f"dcn_data_parallelism={dcn.get('replica', 1)}",
+      f"ici_expert_parallelism={ici.get('expert', 1)}",
       "dcn_fsdp_parallelism=1", "dataset_type=synthetic", "enable_checkpointing=false",
       "enable_tensorboard=false", "run_name=compare_maxtext", f"base_output_directory={a.out}",
-  ]
+  ] + (MOE_MAXTEXT if a.model in MOE_MODELS else [])
 
 
 def _pipeline_argv(a, ici: dict, dcn: dict) -> list[str]:
@@ -111,35 +118,38 @@ def maxtext_side(a) -> None:
 
 
 def fnscale_side(a) -> None:
-  """Compiles `recipes/lm/llama.py`'s step with fnscale for the same target and writes it."""
+  """Compiles the step of fnscale's model of the same shapes (`recipes/lm/llama.py`, or
+  `recipes/lm/moe.py` for Mixtral) for the same target and writes it."""
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   import fnscale as fs  # pylint: disable=import-outside-toplevel
-  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  from recipes.lm import llama, moe  # pylint: disable=import-outside-toplevel
+  model = moe if a.model in MOE_MODELS else llama
   fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
   devices = fs.topology.target_devices(a.target)
   mesh = fs.make_mesh(_axes(a.mesh), dcn=_axes(a.dcn) or None, devices=devices)
   stages = mesh.shape.get("stage", 1)
   repeats = _repeats(a, stages) if stages > 1 else 1  # > 1: llama's circular layout
-  cfg = llama.model_config("llama-8b", a.seq, layers=a.layers, stages=stages, repeats=repeats)
+  layout = dict(stages=stages, repeats=repeats) if stages > 1 else {}
+  cfg = model.model_config(MODELS[a.model], a.seq, layers=a.layers, **layout)
   # MaxText's defaults: AdamW (b2 0.95, weight decay 0.1) after clipping the global norm at 1.
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
   policy = "params=float32,compute=bfloat16,output=float32"
-  axes = llama.logical_axes(cfg)
+  axes = model.logical_axes(cfg)
   rows = a.batch * len(devices)
   batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in ("inputs", "targets")}
   with fs.with_mesh(mesh):
-    state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
-                          rules=llama.RULES, logical_axes=axes, policy=policy,
+    state = fs.init_state(functools.partial(model.init_params, cfg), opt, mesh=mesh,
+                          rules=model.RULES, logical_axes=axes, policy=policy,
                           key=jax.random.key(0), abstract=True)
-    loss = functools.partial(llama.loss_fn, remat=True)
+    loss = functools.partial(model.loss_fn, remat=True)
     if stages > 1:
       loss = functools.partial(loss, microbatches=a.microbatches or stages)
     step = fs.train_step(loss, opt, policy=policy, accum_steps=a.accum)
-    compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=llama.RULES,
+    compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=model.RULES,
                              logical_axes=axes).compile(state, batch)
   _write(a.out, "fnscale", compiled.compiled, compiled.compile_seconds)
 
@@ -188,7 +198,8 @@ def read_side(out: str, side: str) -> dict:
   with open(os.path.join(out, f"{side}.json"), encoding="utf-8") as f:
     facts = json.load(f)
   s = fhlo.summarize(text)
-  facts.update(matmul_flops=s.matmul_flops, unknown_trip_counts=s.unknown_trip_counts,
+  facts.update(matmul_flops=s.matmul_flops, grouped_flops=s.grouped_flops,
+               unknown_trip_counts=s.unknown_trip_counts,
                kernels=_kernels(text), dcn_sent=s.dcn_bytes_sent,
                collectives={c.kind: (c.count, c.bytes_sent) for c in s.collectives if c.count})
   return facts
@@ -200,6 +211,10 @@ def table(sides: dict[str, dict]) -> str:
   ratio = lambda a, b: f"{b / a:.2f}x" if a else ("same" if not b else "-")
   rows = [("HLO matmul FLOPs", lambda s: f"{s['matmul_flops'] / 1e12:.3f} T",
            lambda: ratio(m["matmul_flops"], f["matmul_flops"]))]
+  if m.get("grouped_flops") or f.get("grouped_flops"):  # experts: declared over whole buffers
+    rows.append(("grouped matmul FLOPs (whole buffers)",
+                 lambda s: f"{s.get('grouped_flops', 0) / 1e12:.3f} T",
+                 lambda: ratio(m.get("grouped_flops", 0), f.get("grouped_flops", 0))))
   sent = lambda s: sum(b for _, b in s["collectives"].values())
   rows.append(("collective bytes sent (ring)", lambda s: f"{sent(s) / MIB:,.0f} MiB",
                lambda: ratio(sent(m), sent(f))))
@@ -229,7 +244,10 @@ def _flags(argv=None):
   p.add_argument("--target", default="v5p-8", help='TPU target, e.g. v5p-8 or "2x v5p-8"')
   p.add_argument("--mesh", default="fsdp=4", help="ICI axes, e.g. fsdp=4 or data=2,fsdp=2")
   p.add_argument("--dcn", default="", help="DCN axes across slices, e.g. replica=2")
-  p.add_argument("--layers", type=int, default=2, help="decoder layers (Llama-3-8B shapes)")
+  p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
+                 help="MaxText's model name (fnscale's of the same shapes: llama-8b, "
+                 "moe-mixtral-8x7b)")
+  p.add_argument("--layers", type=int, default=2, help="decoder layers (of the model's shapes)")
   p.add_argument("--batch", type=int, default=1, help="rows per device")
   p.add_argument("--seq", type=int, default=4096, help="tokens per row")
   p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
@@ -269,7 +287,7 @@ def main(argv=None) -> None:
     raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
                      f"there first (--sides={','.join(missing)}, same flags)")
   sides = {s: read_side(a.out, s) for s in SIDES}
-  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, Llama-3-8B shapes x "
+  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, {a.model} shapes x "
           f"{a.layers} layers, {a.batch} row(s) x {a.seq} tokens per device\n\n" + table(sides))
   with open(os.path.join(a.out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")

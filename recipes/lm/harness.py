@@ -489,9 +489,19 @@ def progress(r, done: int, m, dt) -> dict:
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
   r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
                      "train/update_norm": float(m["update_norm"])})
+  if "aux" in m:  # a mixture of experts: its load
+    _say_load(r, done, s.model.load_metrics(m["aux"]))
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+def _say_load(r, done: int, load: dict) -> None:
+  """A mixture of experts' load at step `done`: one line, and its record in the run's log."""
+  r.say(f"  experts: busiest {load['moe/load_max_over_mean']:.2f}x the mean load, balance "
+        f"loss {load['moe/load_balance_loss']:.4f}, cross-entropy "
+        f"{load['moe/cross_entropy']:.4f}, {load['moe/dropped']:.0f} copies dropped")
+  r.log.write(done, load)
 
 
 class Stall(NamedTuple):

@@ -11,9 +11,9 @@ Families (`model_type`): llama (Llama 2/3/3.1/3.2: plain or "llama3" RoPE, tied 
 embeddings), mistral, qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into
 `llama.py`; gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a
 RoPE type, an activation, biases elsewhere, a sliding window shorter than the sequence) is
-an InputError naming the config.json field, never a silently different model. Mixtral's
-experts fit the map's format (`{layer}` and `{expert}` fields in one key, a leaf [layers,
-experts, ...]) once an MoE block exists.
+an InputError naming the config.json field, never a silently different model. mixtral
+(Mixtral's routed experts) into `moe.py`: its experts' weights are one leaf each per
+projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 
 import fnscale as fs
 from fnscale.checkpoint import hf
-from recipes.lm import gpt, llama
+from recipes.lm import gpt, llama, moe
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = LLAMA_FAMILY + ("gpt2",)
+FAMILIES = LLAMA_FAMILY + ("gpt2", "mixtral")
 
 
 class HFModel(NamedTuple):
@@ -74,8 +74,10 @@ def from_config(c: dict, seq: int) -> HFModel:
     return HFModel(llama, _llama_config(c, seq), dict(c))
   if kind == "gpt2":
     return HFModel(gpt, _gpt2_config(c, seq), dict(c))
-  hint = (" (experts: not yet in fnscale's models)" if kind in ("mixtral", "qwen2_moe",
-                                                                "qwen3_moe") else "")
+  if kind == "mixtral":
+    return HFModel(moe, _mixtral_config(c, seq), dict(c))
+  hint = (" (experts: only Mixtral's are in fnscale's models)" if kind in (
+      "qwen2_moe", "qwen3_moe") else "")
   raise _error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
                f"{list(FAMILIES)}.")
 
@@ -134,6 +136,32 @@ def _llama_config(c: dict, seq: int) -> llama.ModelConfig:
       qkv_bias=c["model_type"] == "qwen2", qk_norm=c["model_type"] == "qwen3")
 
 
+def _mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
+  """Mixtral as `moe.py`'s model: Llama attention, top-k routed SwiGLU experts with their
+  weights renormalised (transformers' MixtralTopKRouter). HF's load-balance loss is k times
+  fnscale's (it counts each token's k copies over tokens, not over copies), so
+  `router_aux_loss_coef` x k weighs the same loss. Router jitter (training noise) is not
+  applied."""
+  _check_llama(c, seq)
+  d, heads = _need(c, "hidden_size"), _need(c, "num_attention_heads")
+  if (c.get("head_dim") or d // heads) != d // heads:
+    raise _error("head_dim", c["head_dim"], f"is not hidden_size / num_attention_heads = "
+                 f"{d // heads}, the head size fnscale's MoE model has.")
+  if c.get("tie_word_embeddings"):
+    raise _error("tie_word_embeddings", True, "ties the output layer to the embedding; "
+                 "fnscale's MoE model has its own output layer.")
+  theta, scaling = _rope(c)
+  if scaling is not None:
+    raise _error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
+  k = _need(c, "num_experts_per_tok")
+  return moe.ModelConfig(
+      layers=_need(c, "num_hidden_layers"), d_model=d, heads=heads,
+      kv_heads=c.get("num_key_value_heads") or heads, d_ff=_need(c, "intermediate_size"),
+      experts=_need(c, "num_local_experts"), k=k, seq=seq, vocab=_need(c, "vocab_size"),
+      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
+      norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+
+
 def _gpt2_config(c: dict, seq: int) -> gpt.ModelConfig:
   d = _need(c, "n_embd")
   checks = (("activation_function", c.get("activation_function", "gelu_new"),
@@ -164,6 +192,8 @@ def checkpoint_map(m: HFModel, path=None) -> hf.CheckpointMap:
   "transformer." prefix (the original checkpoints don't)."""
   if m.model is gpt:
     return _gpt2_map(m.cfg, _gpt2_prefix(path))
+  if m.model is moe:
+    return _mixtral_map(m.cfg)
   return _llama_map(m.cfg)
 
 
@@ -194,6 +224,23 @@ def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
   if not cfg.tie_embeddings:  # tied: an lm_head.weight in the files is an error (unused)
     tensors["unembed"] = hf.Tensor("lm_head.weight", perm=(1, 0))
   return hf.CheckpointMap(tensors, ("*rotary_emb.inv_freq",))
+
+
+def _mixtral_map(cfg: moe.ModelConfig) -> hf.CheckpointMap:
+  """Llama's attention and norms; the router (`block_sparse_moe.gate`, [experts, d]) and each
+  expert's w1 (gate), w3 (up) and w2 (down), torch [out, in], stacked [layers, experts]."""
+  attention = _llama_map(llama.ModelConfig(cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads,
+                                           cfg.d_ff, cfg.seq, cfg.vocab))
+  moe_key = "model.layers.{layer}.block_sparse_moe."
+  expert = moe_key + "experts.{expert}."
+  tensors = {k: v for k, v in attention.tensors.items()
+             if k not in ("blocks/w_gate", "blocks/w_up", "blocks/w_down")}
+  tensors.update({
+      "blocks/router": hf.Tensor(moe_key + "gate.weight", perm=(1, 0)),
+      "blocks/w_gate": hf.Tensor(expert + "w1.weight", perm=(1, 0)),
+      "blocks/w_up": hf.Tensor(expert + "w3.weight", perm=(1, 0)),
+      "blocks/w_down": hf.Tensor(expert + "w2.weight", perm=(1, 0))})
+  return hf.CheckpointMap(tensors, attention.ignore)
 
 
 def _gpt2_prefix(path) -> str:
@@ -240,7 +287,8 @@ def to_config(m: HFModel) -> dict:
   """config.json for `m`'s params: the config it was read from (when it was), else one
   written from `m.cfg`, weights in float32 (`dtype`)."""
   base = dict(m.config) if m.config else (
-      _gpt2_hf_config(m.cfg) if m.model is gpt else _llama_hf_config(m.cfg))
+      _gpt2_hf_config(m.cfg) if m.model is gpt else _mixtral_hf_config(m.cfg)
+      if m.model is moe else _llama_hf_config(m.cfg))
   base.pop("torch_dtype", None)
   return {**base, "dtype": "float32"}
 
@@ -264,6 +312,25 @@ def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
                                original_max_position_embeddings=s.original_max_position)
     out["max_position_embeddings"] = max(cfg.seq, int(s.original_max_position * s.factor))
   return out
+
+
+def _mixtral_hf_config(cfg: moe.ModelConfig) -> dict:
+  """config.json of a Mixtral-style model trained here (`moe.py`, no shared experts, the
+  weights renormalised over the k: what MixtralForCausalLM computes)."""
+  if cfg.shared or not cfg.normalize or cfg.capacity_factor is not None:
+    raise fs.InputError(
+        "export: a Mixtral config.json can't say shared experts, unnormalised routing "
+        f"weights or a capacity (shared={cfg.shared}, normalize={cfg.normalize}, "
+        f"capacity_factor={cfg.capacity_factor}); fix: export a Mixtral-style model.")
+  return dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+              hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+              num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+              intermediate_size=cfg.d_ff, num_local_experts=cfg.experts,
+              num_experts_per_tok=cfg.k, vocab_size=cfg.vocab, hidden_act="silu",
+              rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+              max_position_embeddings=max(cfg.seq, 2048), tie_word_embeddings=False,
+              router_aux_loss_coef=cfg.balance_coef / cfg.k, router_jitter_noise=0.0,
+              sliding_window=None)
 
 
 def _gpt2_hf_config(cfg: gpt.ModelConfig) -> dict:

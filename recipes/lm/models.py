@@ -8,21 +8,32 @@ Each model module has one interface: `SIZES`, `model_config(size, seq)`, `init_p
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from types import ModuleType
 
 import fnscale as fs
-from recipes.lm import gpt, hf_maps, llama
+from recipes.lm import gpt, hf_maps, llama, moe
 
 # Model name -> its module.
-MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
+MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}
 
 
-def choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
+def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
   """(model module, its config, the run's model name): --init_from's config.json, else the
-  named `size` with the corpus's `vocab`. Raises InputError on an unknown name, both options
-  given, or a tokenizer with more ids than the checkpoint's model."""
+  named `size` with the corpus's vocabulary. Raises InputError on an unknown name, both
+  options given, a tokenizer with more ids than the checkpoint's model, or packed rows for a
+  model whose loss takes no weights."""
+  model, cfg, name = _choose(o, size, seq, corpus.vocab)
+  if corpus.packed is not None and "weighted" not in inspect.signature(model.loss_fn).parameters:
+    raise fs.InputError(f"--dataset={o.dataset}: packed rows need a model whose loss masks "
+                        f"documents and weighs tokens; {name} doesn't; fix: a gpt or llama "
+                        "model, or a text dataset")
+  return model, cfg, name
+
+
+def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
   if not o.init_from:
     if size not in MODELS:
       raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
@@ -48,6 +59,18 @@ def tokenizer(o) -> str:
     raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
                         "model's tokenizer with --tokenizer=PATH/tokenizer.json")
   return path
+
+
+def losses(s) -> tuple:
+  """(train loss, eval loss, has_aux) of run `s`'s model: the eval loss is the mean
+  cross-entropy (a (sum, weight) pair on packed rows); the train loss adds a mixture of
+  experts' router losses and returns its load as aux (has_aux)."""
+  o, model = s.o, s.model
+  kw = dict(cfg=s.cfg, **({"weighted": True} if s.corpus.packed is not None else {}),
+            **({"microbatches": o.microbatches} if o.microbatches else {}))
+  aux = getattr(model, "HAS_AUX", False)
+  train = functools.partial(model.loss_and_aux if aux else model.loss_fn, remat=o.remat, **kw)
+  return train, functools.partial(model.loss_fn, **kw), aux
 
 
 def init(s, optimizer, policy, seed_key):

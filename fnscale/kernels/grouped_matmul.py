@@ -1,0 +1,203 @@
+"""Grouped matmul: rows of lhs in consecutive groups, each group times its own rhs matrix.
+
+The expert feed-forward's matmul (`fnscale.parallel.experts`): tokens sorted by expert,
+`out[rows of group g] = lhs[rows of group g] @ rhs[g]`, rows past the last group zero.
+Three implementations, `gmm_selection` choosing (and saying why) as `kernel_selection` does for
+attention:
+
+- "megablox": the TPU Pallas kernel (`jax.experimental.pallas.ops.tpu.megablox`; Gale et
+  al. 2023, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts"), whose tiles
+  visit only the rows each group holds, forward and backward.
+- "ragged_dot": `jax.lax.ragged_dot`, XLA's `ragged-dot` where the backend has one (TPU,
+  GPU). On a TPU its weight gradient is a masked convolution over every row for every
+  group; where the backend has none (XLA:CPU) jax computes it as one dense matmul against
+  every group's matrix, masked: groups x the work.
+- "tiled": the megablox schedule in plain XLA ops: rows in tiles (`TILE`, or less where
+  groups are small: the largest power of two <= rows / (2 groups), at least 8), each
+  (tile, group) pair that meets one batched-matmul item (tiles + groups - 1 items at most),
+  each item gathering its group's matrix; at most (rows + groups x tile) x k x n
+  multiply-adds, on any backend. Its backward is jax's (gathers and their scatter-add
+  transposes).
+
+"auto": megablox on a TPU where it can serve, ragged_dot on GPUs, tiled elsewhere (CPU).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnscale.errors import KernelError
+
+GMM_IMPLEMENTATIONS = ("auto", "ragged_dot", "megablox", "tiled")
+TILE = 128  # the largest row tile of the "tiled" implementation
+_MEGABLOX_DTYPES = ("float32", "bfloat16")
+# Candidate tiles, largest first: the largest that divides the dimension wins.
+_M_TILES = (512, 256, 128, 64, 32, 16, 8)
+_KN_TILES = (1024, 512, 256, 128, 64, 32, 16, 8)
+
+
+class GmmSelection(NamedTuple):
+  """What `grouped_matmul` runs, and why.
+
+  Attributes:
+    implementation: "ragged_dot", "megablox" or "tiled".
+    requested: "auto" or the name asked for.
+    reason: why; for a fallback, why megablox can't serve.
+    platform: the platform decided for ("tpu", "cuda", "cpu", ...).
+    interpret: megablox runs in Pallas interpret mode (any platform, slowly; for tests).
+    tiling: megablox's (m, k, n) tiles (None for the others).
+  """
+  implementation: str
+  requested: str
+  reason: str
+  platform: str
+  interpret: bool = False
+  tiling: tuple[int, int, int] | None = None
+
+
+def _largest_divisor(n: int, candidates: Sequence[int]) -> int | None:
+  return next((c for c in candidates if n % c == 0), None)
+
+
+def gmm_selection(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dtype=jnp.float32, *,
+             implementation: str = "auto", platform: str | None = None,
+             interpret: bool = False) -> GmmSelection:
+  """Decides how a grouped matmul runs, without running it (see the module docstring).
+
+  "megablox" serves a TPU (or any platform with `interpret=True`), float32/bfloat16, and
+  shapes whose m (rows), k and n tile by multiples of 8 (of 128 for k and n on a TPU).
+
+  Args:
+    lhs_shape: [m, k] (rows sorted by group).
+    rhs_shape: [groups, k, n].
+    dtype: the operands' dtype.
+    implementation: "auto" or a name in `GMM_IMPLEMENTATIONS`.
+    platform: default jax's default backend.
+    interpret: run megablox in Pallas interpret mode.
+
+  Returns:
+    A `GmmSelection`.
+
+  Raises:
+    KernelError: bad shapes or implementation, or megablox asked for where it can't serve.
+  """
+  lhs_shape, rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
+  if len(lhs_shape) != 2 or len(rhs_shape) != 3 or lhs_shape[1] != rhs_shape[1]:
+    raise KernelError(
+        f"grouped_matmul: lhs {lhs_shape} and rhs {rhs_shape}; expected lhs [m, k] and rhs "
+        "[groups, k, n] with the same k.")
+  if implementation not in GMM_IMPLEMENTATIONS:
+    raise KernelError(f"grouped_matmul(implementation={implementation!r}): expected one of "
+                      f"{GMM_IMPLEMENTATIONS}.")
+  platform = (platform or jax.default_backend()).lower()
+  if implementation in ("ragged_dot", "tiled"):
+    return GmmSelection(implementation, implementation, f"{implementation} was requested",
+                        platform)
+  if implementation == "auto" and platform != "tpu":
+    if platform in ("cuda", "rocm", "gpu"):
+      return GmmSelection("ragged_dot", "auto", "ragged_dot: XLA's ragged-dot on GPUs",
+                          platform)
+    return GmmSelection("tiled", "auto", f"tiled: XLA:{platform.upper()} has no ragged-dot "
+                        "(jax computes ragged_dot there as a dense matmul against every "
+                        "group)", platform)
+  why, tiling = _megablox_cannot_serve(lhs_shape, rhs_shape, np.dtype(dtype).name, platform,
+                                       interpret and implementation == "megablox")
+  if why is None:
+    how = " (interpret mode)" if platform != "tpu" else ""
+    return GmmSelection("megablox", implementation, f"megablox serves this call{how}",
+                        platform, platform != "tpu", tiling)
+  if implementation == "megablox":
+    raise KernelError(f"grouped_matmul(implementation='megablox') can't serve this call: "
+                      f"{why}; use implementation='ragged_dot' (or 'auto').")
+  return GmmSelection("ragged_dot", "auto", f"ragged_dot (megablox: {why})", platform)
+
+
+def _megablox_cannot_serve(lhs_shape, rhs_shape, dtype: str, platform: str, interpret: bool):
+  """(why megablox can't serve, or None; its tiling)."""
+  if platform != "tpu" and not interpret:
+    return (f"needs platform tpu, this is {platform}; with interpret=True it runs in "
+            "interpret mode anywhere"), None
+  if dtype not in _MEGABLOX_DTYPES:
+    return f"dtype {dtype} not in {_MEGABLOX_DTYPES}", None
+  (m, k), n = lhs_shape, rhs_shape[2]
+  lane = 8 if interpret else 128
+  tiles = (_largest_divisor(m, _M_TILES),
+           *(_largest_divisor(d, tuple(t for t in _KN_TILES if t >= lane)) for d in (k, n)))
+  if None in tiles:
+    return (f"rows {m} must be a multiple of 8 and k {k}, n {n} multiples of {lane}"), None
+  return None, tiles
+
+
+def _tile(m: int, groups: int) -> int:
+  """The "tiled" implementation's row tile for m rows in `groups` groups."""
+  return min(TILE, 2 ** max(3, math.floor(math.log2(max(m // (2 * groups), 1)))))
+
+
+def _tiled(lhs, rhs, group_sizes, tile: int | None = None):
+  """The "tiled" grouped matmul (module docstring). Work item w is (tile t_w, group g_w):
+  groups in order, each over the tiles its rows touch; its rows outside g_w are zeroed."""
+  (m, k), (groups, _, n) = lhs.shape, rhs.shape
+  tile = tile or _tile(m, groups)
+  tiles = math.ceil(m / tile)
+  items = tiles + groups - 1
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  first = starts // tile
+  spans = jnp.where(group_sizes > 0, (ends - 1) // tile - first + 1, 0)
+  begin = jnp.cumsum(spans) - spans  # each group's first work item
+  w = jnp.arange(items)
+  g = jnp.clip(jnp.searchsorted(begin + spans, w, side="right"), 0, groups - 1)
+  t = jnp.clip(first[g] + w - begin[g], 0, tiles - 1)
+  rows = t[:, None] * tile + jnp.arange(tile)  # [items, tile]
+  keep = (rows >= starts[g][:, None]) & (rows < ends[g][:, None]) & (w < jnp.sum(spans))[:, None]
+  x = jnp.pad(lhs, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, k)[t]
+  x = jnp.where(keep[..., None], x, jnp.zeros((), lhs.dtype))
+  y = jnp.einsum("wtk,wkn->wtn", x, rhs[g], preferred_element_type=jnp.float32)
+  out = jax.ops.segment_sum(y, t, num_segments=tiles, indices_are_sorted=True)
+  return out.reshape(tiles * tile, n)[:m].astype(lhs.dtype)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   implementation: str = "auto", interpret: bool = False,
+                   platform: str | None = None) -> jax.Array:
+  """`out[r] = lhs[r] @ rhs[g(r)]` where row r lies in group g(r); rows past the groups 0.
+
+  Groups are consecutive: group g holds rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])).
+
+  Args:
+    lhs: [m, k], rows sorted by group.
+    rhs: [groups, k, n], the lhs's dtype.
+    group_sizes: int32 [groups]; their sum may be below m (the rest is padding).
+    implementation, interpret, platform: see `gmm_selection`.
+
+  Returns:
+    [m, n] in lhs's dtype (float32 accumulation).
+
+  Raises:
+    KernelError: see `gmm_selection`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from fnscale.kernels import grouped_matmul
+    >>> x = jnp.ones((4, 2)); w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
+    >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32))[:, 0].tolist()
+    [1.0, 2.0, 2.0, 0.0]
+  """
+  plan = gmm_selection(lhs.shape, rhs.shape, lhs.dtype, implementation=implementation,
+                  platform=platform, interpret=interpret)
+  group_sizes = group_sizes.astype(jnp.int32)
+  if plan.implementation == "ragged_dot":
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  if plan.implementation == "tiled":
+    return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
+  # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+  out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, plan.tiling, None,
+                     None, False, plan.interpret)
+  # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).
+  rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))

@@ -1,0 +1,243 @@
+"""The Mixtral- and DeepSeek-style models of recipes/lm/moe.py: their counts against the
+published figures and hand counts, a sharded train step against a one-device loss, the
+planner's view of them, and their program for a TPU target (ragged all-to-all bytes by hand).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+from fnscale.analysis import _cost, _targets, hlo
+from fnscale.analysis.plan import plan, predict
+from recipes.lm import moe
+
+GiB = 2**30
+
+
+def test_mixtral_counts_are_mistrals():
+  # Mistral's Mixtral 8x7B: 46.7B params, 12.9B active per token (mistral.ai, "Mixtral of
+  # experts", 2023); the counts here count the embedding lookup as a param, not a matmul.
+  cfg = moe.model_config("moe-mixtral-8x7b", 4096)
+  assert moe.param_count(cfg) == pytest.approx(46.7e9, rel=0.005)
+  active = moe.active_matmul_params(cfg) + cfg.vocab * cfg.d_model  # + the lookup table
+  assert active == pytest.approx(12.9e9, rel=0.01)
+  # 6 x active matmul weights + attention's 12 layers (heads head_dim) seq (PaLM).
+  assert moe.flops_per_token(cfg) == 6 * moe.active_matmul_params(cfg) + 12 * 32 * 4096 * 4096
+
+
+def test_bad_model_configs_name_the_fix():
+  with pytest.raises(fs.ExpertError, match="k=9 .* fix: lower k"):
+    moe.model_config("moe-tiny", 16, k=9)
+  with pytest.raises(fs.ExpertError, match="capacity_factor"):
+    moe.model_config("moe-tiny", 16, capacity_factor=0.0)
+  cfg = moe.model_config("moe-tiny", 16, d_ff=24)  # a shape no size has: say how it routes
+  params = jax.eval_shape(functools.partial(moe.init_params, cfg), jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  with pytest.raises(fs.InputError, match="pass cfg="):
+    jax.eval_shape(moe.apply, params, tokens)
+  assert jax.eval_shape(functools.partial(moe.apply, cfg=cfg), params, tokens).shape == (
+      2, 16, 256)
+
+
+TINY = dict(layers=1, d_model=32, heads=2, kv_heads=2, d_ff=32)
+
+
+def _batch(rows, seq, seed=0):
+  toks = np.random.default_rng(seed).integers(0, 256, (rows, seq + 1)).astype(np.int32)
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+@pytest.mark.parametrize("size", ["moe-deepseek-tiny"])
+def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
+  cfg = moe.model_config(size, 8, **TINY)
+  loss = functools.partial(moe.loss_and_aux, cfg=cfg)
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  opt = optax.adam(1e-2)
+  batch = _batch(16, 8)
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,
+                          rules=moe.RULES, logical_axes=moe.logical_axes(cfg),
+                          key=jax.random.key(0))
+    assert state.params["blocks"]["w_gate"].sharding.spec[1] == "expert"
+    first = jax.device_get(state.params)
+    step = fs.shard_step(fs.train_step(loss, opt, has_aux=True), mesh, rules=moe.RULES,
+                         logical_axes=moe.logical_axes(cfg))
+    b = fs.global_batch(batch, fs.batch_sharding(mesh))
+    losses = []
+    for _ in range(4):
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+  # The first step's loss is the loss of the initial params on one device (no mesh).
+  want, aux = jax.jit(loss)(first, batch)
+  np.testing.assert_allclose(losses[0], float(want), rtol=2e-6)
+  assert losses[-1] < losses[0] - 0.1  # it trains
+  # Every token's k copies are counted, on one device and summed over the shards alike.
+  load = np.asarray(m["aux"]["tokens_per_expert"])
+  assert load.shape == (1, cfg.experts) and load.sum() == 16 * 8 * cfg.k
+  assert np.asarray(aux["tokens_per_expert"]).sum() == 16 * 8 * cfg.k
+
+
+def test_the_planner_reads_the_experts_off_the_traced_step():
+  cfg = moe.model_config("moe-tiny", 16, layers=2)
+  rows = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+  prof = fs.analysis.plan.profile_model(
+      functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
+      optax.adam(1e-3), {"inputs": rows, "targets": rows}, "v5p-8")
+  L, E, D, F, k = cfg.layers, cfg.experts, cfg.d_model, cfg.d_ff, cfg.k
+  assert (prof.experts, prof.expert_k) == (E, k)
+  assert prof.expert_params == L * 3 * E * D * F  # all experts' gate, up and down
+  assert prof.exchange_row == L * 16 * k * D * 4  # each layer's copies, float32
+  # Model FLOPs: the active params' (a token's k experts), as the model counts them.
+  assert prof.flops_row == pytest.approx(16 * moe.flops_per_token(cfg), rel=1e-3)
+  # On an expert axis of 4 the expert weights split 4 ways, the rest stays whole: a
+  # replica of the attention, embeddings and router on each device; the buffers hold
+  # 4 x min(k, E / 4) / k = 4 times the routed copies.
+  prof = prof._replace(rows=8)
+  e4 = predict(prof, "v5p-8", fs.MeshAxes({"expert": 4}, {}))
+  d4 = predict(prof, "v5p-8", fs.MeshAxes({"data": 4}, {}))
+  x = prof.expert_params / prof.params
+  assert e4.estimate.params == pytest.approx(prof.param_bytes * ((1 - x) + x / 4))
+  assert d4.estimate.params == pytest.approx(prof.param_bytes)
+  assert _cost.buffer_factor(prof, 4) == 4
+  # Its all-to-alls: 4 passes (dispatch, combine; forward, backward) of 2 rows' copies,
+  # 3/4 of them leaving the device, beside the other params' gradient all-reduce.
+  hw = _targets.resolve("v5p-8")
+  bw = _cost.axis_bandwidth(hw, {"expert": 4}, {})["expert"]
+  a2a = 4 * 3 / 4 * prof.exchange_row * 2
+  allreduce = 2 * 3 / 4 * prof.grad_bytes * (1 - x)
+  assert e4.estimate.comm_s["expert"] == pytest.approx((a2a + allreduce) / bw)
+
+
+@pytest.mark.slow
+def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
+  """Compiled for a described v5p-8 (4 chips), expert=4: each ragged all-to-all moves a
+  device's tokens x k copies of d_model (dispatch) or receives them back (combine):
+  forward, backward and remat's recomputation, per layer."""
+  del tpu_devices
+  seq, rows, layers = 256, 8, 2
+  cfg = moe.model_config("moe-tiny", seq, layers=layers, d_model=256, heads=2, kv_heads=2,
+                         d_ff=512)
+  batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
+  p = plan(functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
+           optax.adamw(1e-3), batch, "v5p-8", policy="params=float32,compute=bfloat16",
+           rules=moe.RULES, logical_axes=moe.logical_axes(cfg), verify=1, max_tensor=1)
+  assert p.profile.experts == 8 and any("expert" in r.axes.ici for r in p.rows)
+  assert p.rows[0].compiled is not None
+  mesh = fs.make_mesh({"expert": 4}, devices=fs.topology.target_devices("v5p-8"))
+  opt = optax.adamw(1e-3)
+  with fs.with_mesh(mesh):
+    state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,
+                          rules=moe.RULES, logical_axes=moe.logical_axes(cfg),
+                          policy="params=float32,compute=bfloat16", key=jax.random.key(0),
+                          abstract=True)
+    step = fs.train_step(functools.partial(moe.loss_fn, cfg=cfg, remat=True), opt,
+                         policy="params=float32,compute=bfloat16")
+    compiled = fs.shard_step(step, mesh, rules=moe.RULES,
+                             logical_axes=moe.logical_axes(cfg)).compile(state, batch)
+  s = hlo.summarize(compiled.compiled.as_text())
+  assert not s.unread.count
+  ragged = s.collective("ragged-all-to-all")
+  per_pass = rows // 4 * seq * cfg.k * cfg.d_model * 2  # bf16 copies of one device
+  assert ragged.count == layers * 6 and ragged.bytes == layers * 6 * per_pass
+  report = str(fs.compile_report(compiled, state, batch))
+  assert "ragged-all-to-all" in report
+
+
+# ---------------------------------------------------------------------------- Hugging Face
+
+NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for Python < 3.12 "
+            "(pyproject's hf-test extra); the comparison with transformers runs on that line")
+MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+               num_experts_per_tok=2, max_position_embeddings=64, rope_theta=1e6,
+               router_aux_loss_coef=0.02)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+  """A tiny random MixtralForCausalLM saved in ~20 KB files, its logits for two rows."""
+  torch = pytest.importorskip("torch", reason=NO_TORCH)
+  transformers = pytest.importorskip("transformers", reason=NO_TORCH)
+  from recipes.bench import hf_checkpoint as bench  # pylint: disable=import-outside-toplevel
+  transformers.logging.set_verbosity_error()
+  d = tmp_path_factory.mktemp("mixtral")
+  model = bench.randomize(transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)))
+  model.save_pretrained(d, max_shard_size="20KB")
+  tokens = bench.tokens(16)
+  with torch.no_grad():
+    return d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch, transformers)
+
+
+def test_mixtral_configs_read_as_the_moe_model():
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  c = dict(MIXTRAL, model_type="mixtral", rope_theta=1e6)
+  m = hf_maps.from_config(c, 16)
+  assert m.model is moe and m.cfg == moe.ModelConfig(
+      layers=2, d_model=32, heads=4, kv_heads=2, d_ff=48, experts=8, k=2, seq=16, vocab=64,
+      balance_coef=0.04, rope_theta=1e6, norm_eps=1e-6)
+  # What the MoE model can't compute is named, never a silently different model.
+  for change, field in ((dict(tie_word_embeddings=True), "tie_word_embeddings"),
+                        (dict(head_dim=16), "head_dim=16"),
+                        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                        (dict(num_experts_per_tok=None), "num_experts_per_tok=None")):
+    with pytest.raises(fs.InputError, match=field):
+      hf_maps.from_config(dict(c, **change), 16)
+  # A model trained here exports a config transformers' Mixtral reads as the same model.
+  back = hf_maps.from_config(hf_maps.to_config(hf_maps.of_model(moe, m.cfg)), 16)
+  assert back.cfg == m.cfg
+  with pytest.raises(fs.InputError, match="shared experts"):
+    hf_maps.to_config(hf_maps.of_model(moe, moe.model_config("moe-deepseek-tiny", 16)))
+
+
+@pytest.mark.slow
+def test_mixtral_loads_split_over_experts_and_exports_for_transformers(mixtral, tmp_path):
+  from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  d, tokens, want, (torch, transformers) = mixtral
+  m = hf_maps.read(d, 16)
+  assert m.model is moe and (m.cfg.experts, m.cfg.k, m.cfg.d_ff) == (8, 2, 48)
+  assert m.cfg.balance_coef == pytest.approx(0.04)  # HF's coefficient x k: the same loss
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  cmap = hf_maps.checkpoint_map(m, d)
+  target = fs.init_state(functools.partial(moe.init_params, m.cfg), optax.sgd(0.1), mesh=mesh,
+                         rules=moe.RULES, logical_axes=moe.logical_axes(m.cfg),
+                         key=jax.random.key(0), abstract=True).params
+  params = hf.load(d, target, cmap)
+  assert params["blocks"]["w_gate"].sharding.spec[1] == "expert"
+  run = jax.jit(functools.partial(moe.apply, cfg=m.cfg))
+  with fs.with_mesh(mesh):
+    got = np.asarray(run(params, jnp.asarray(tokens)))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  # Changed as training would, exported: transformers reads it and computes its logits.
+  changed = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.003, p))(params)
+  hf.export(tmp_path, changed, cmap, config=hf_maps.to_config(m), max_shard_bytes=20_000)
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+  with fs.with_mesh(mesh):
+    ours = np.asarray(run(changed, jnp.asarray(tokens)))
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+  assert not np.allclose(theirs, want, atol=1e-3)  # the change shows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["moe-tiny", "moe-deepseek-tiny"])
+def test_train_lm_trains_a_mixture_of_experts_over_the_expert_axis(work, tmp_path, size, capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  summary = train_lm.train_lm(
+      model_config=size, mesh="data=2,expert=4", seq=32, global_batch=32, steps=24,
+      dataset=str(work / "corpus.txt"), run_dir=str(tmp_path / "run"), eval_batches=1,
+      log_every=4, eval_every=12, sample_len=0, checkpoint=False)
+  assert summary.mesh == {"data": 2, "expert": 4}
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+  assert evals[-1] < evals[0] - 1.0  # it learns
+  load = [r for r in records if "moe/load_max_over_mean" in r]
+  assert len(load) >= 6 and all(r["moe/load_max_over_mean"] >= 1.0 and r["moe/dropped"] == 0
+                                for r in load)
+  assert "experts: busiest" in capsys.readouterr().out
