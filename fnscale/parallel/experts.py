@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from fnscale import _axes
+from fnscale import _compat
 from fnscale import _tree
 from fnscale.errors import ExpertError, KernelError, MeshError, ShardingError
 from fnscale.kernels.grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, grouped_matmul
@@ -551,16 +552,11 @@ class _Slices(NamedTuple):
   recv: jax.Array
 
 
-def _varying(x) -> frozenset:
-  """The manual mesh axes x varies over (jax's varying-axes type inside a shard_map)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; "vma" before
-  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", ()) or ())
 
 
 def _vary_over(x, axes):
   """x marked varying over the manual `axes` (where it isn't yet)."""
-  missing = tuple(a for a in axes if a not in _varying(x))
+  missing = tuple(a for a in axes if a not in _compat.varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
