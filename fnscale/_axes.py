@@ -26,32 +26,37 @@ class AxisConventions(NamedTuple):
       expected there, not warned about).
     head: the tensor-parallel axes that split attention heads (the attention kernel's
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
-    other: further names the convention gives a meaning (sequence, context, ...), so rules
-      naming them aren't flagged as typos on a mesh without them.
+    other: further names the convention gives a meaning (sequence, ...), so rules naming
+      them aren't flagged as typos on a mesh without them.
+    context: the context-parallel axes: activations are split along the sequence (a batch's
+      second dim) over those present (`batch_sharding`, `constrain_batch`, attention's
+      all-gather or ring forms, `cross_entropy`'s tokens).
   """
   data: tuple[str, ...]
   replica: tuple[str, ...]
   head: tuple[str, ...]
   other: tuple[str, ...] = ()
+  context: tuple[str, ...] = ()
 
   def names(self) -> frozenset[str]:
     """Every axis name this convention knows."""
-    return frozenset(self.data + self.replica + self.head + self.other)
+    return frozenset(self.data + self.replica + self.head + self.other + self.context)
 
 
 # fnscale's names. "replica": data parallel across slices (DCN); "data": data parallel within
 # a slice; "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch;
-# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM").
+# "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM");
+# "context": context parallelism, the sequence split (Liu et al. 2023, "Ring Attention").
 FNSCALE = AxisConventions(data=("replica", "data", "fsdp"), replica=("replica", "data"),
-                          head=("tensor",))
+                          head=("tensor",), context=("context",))
 
 # MaxText's mesh axes (configs/base.yml): the input batch is split over data, stage, fsdp,
-# fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; sequence and
-# context split the sequence.
+# fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; context
+# splits the sequence (its "activation_length" rule), as sequence once did.
 MAXTEXT = AxisConventions(
     data=("data", "stage", "fsdp", "fsdp_transpose", "expert"), replica=("data",),
     head=("tensor", "tensor_transpose", "tensor_sequence", "autoregressive"),
-    other=("sequence", "context", "context_autoregressive"))
+    other=("sequence", "context_autoregressive"), context=("context",))
 
 # Levanter's mesh axes: the batch over replica and data, params (FSDP) over data, heads and
 # MLP width over "model".
@@ -115,6 +120,12 @@ def data_axes(mesh) -> tuple[str, ...]:
   """The mesh's data-like axes in mesh order (axes of size 1 are kept: harmless)."""
   data = current().data
   return tuple(a for a in mesh.axis_names if a in data)
+
+
+def context_axes(mesh) -> tuple[str, ...]:
+  """The mesh's context-parallel (sequence-splitting) axes in mesh order."""
+  context = current().context
+  return tuple(a for a in mesh.axis_names if a in context)
 
 
 def head_axes(mesh) -> tuple[str, ...]:

@@ -5,3 +5,6 @@ The home of sequence (`context`), expert (`expert`) and pipeline (`stage`) paral
 Layer: imports the core pipeline and `fnscale.kernels`; never `fnscale.multihost`,
 `fnscale.checkpoint`, `fnscale.analysis` or the package root.
 """
+from fnscale.parallel import context
+
+__all__ = ["context"]

@@ -8,10 +8,13 @@ The model-module interface `train_lm.py` relies on (a Llama module offers the sa
 `ModelConfig` (a NamedTuple with at least `layers, d_model, heads, seq, vocab`), `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
-`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq].
+`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq], and optional
+"positions" and "segment_ids" (int32 [batch, seq]: packed rows, the order of a sequence split
+over a "context" mesh axis, `fnscale.parallel.context.reorder_batch`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -131,9 +134,12 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 # Logical axis -> mesh axes. "embed" over fsdp gives ZeRO-3-style sharded params and optimizer
 # state; heads/mlp/vocab over tensor give Megatron-style tensor parallelism (Shoeybi et al. 2019).
+# Under a "context" axis (the sequence split) params are split over it as over fsdp.
 RULES = (
     ("batch", ("data", "fsdp")),
+    ("embed", ("fsdp", "context")),
     ("embed", "fsdp"),
+    ("embed", "context"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
@@ -149,15 +155,15 @@ def _layer_norm(x, p, eps=1e-5):
   return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def _block(x, p):
-  """One pre-LN transformer block. x: [batch, seq, d_model]."""
+def _block(x, p, segment_ids=None):
+  """One pre-LN transformer block. x: [batch, seq, d_model]; segment_ids [batch, seq]."""
   # Keep the residual stream split by batch; otherwise GSPMD may follow the FSDP params'
   # d_model sharding and run attention for the whole batch on every device.
   x = fs.constrain_batch(x)
   h = _layer_norm(x, p["ln1"])
   a = p["attn"]
   qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
-  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True)
+  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True, segment_ids=segment_ids)
   x = x + jnp.einsum("bshk,hkd->bsd", o, a["w_out"]) + a["b_out"]
   h = _layer_norm(x, p["ln2"])
   m = p["mlp"]
@@ -192,6 +198,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   rows = free(("replica", "data", "fsdp"))
   if tokens.shape[0] % size(rows):
     rows = ()
+  seq = free(("context",))  # a sequence split over it stays split
+  if tokens.shape[1] % size(seq):
+    seq = ()
   fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)
   vocab = free(("tensor",))
   if table.shape[0] % size(vocab):
@@ -213,10 +222,10 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
       x = jax.lax.all_to_all(x, fsdp, split_axis=0, concat_axis=2, tiled=True)
     return x
 
-  spec_rows = _spec(rows)
+  spec_rows, spec_seq = _spec(rows), _spec(seq)
   return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(fsdp)),
-                                                   P(spec_rows, None)),
-                       out_specs=P(spec_rows, None, None), axis_names=frozenset(
+                                                   P(spec_rows, spec_seq)),
+                       out_specs=P(spec_rows, spec_seq, None), axis_names=frozenset(
                            free(mesh.axis_names)), check_vma=True)(table, tokens)
 
 
@@ -225,17 +234,40 @@ def _spec(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+def check_positions(positions) -> None:
+  """Under a mesh whose "context" axis splits the sequence, a model must be given each
+  token's position: the shards hold the sequence reordered, so 0..seq-1 would be wrong.
+
+  Raises:
+    FnscaleError: no positions under a context axis of size > 1.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else fs.parallel.context.shards(mesh)
+  if positions is None and shards > 1:
+    raise fs.InputError(
+        f"the mesh splits the sequence over its context axes ({shards} shards) and the "
+        "batch has no 'positions'; fix: pass the batch through "
+        "fnscale.parallel.context.reorder_batch(batch, mesh, order) (it adds them) before "
+        "fnscale.global_batch.")
+
+
+def apply(params: dict, tokens: jax.Array, *, remat: bool = False, positions=None,
+          segment_ids=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
   block whatever the depth); `remat=True` recomputes each block's activations in the backward
-  pass (`jax.checkpoint`) to trade FLOPs for memory.
+  pass (`jax.checkpoint`) to trade FLOPs for memory. `positions`, `segment_ids`: int
+  [batch, seq] (default 0..seq-1, one sequence per row); positions are required under a
+  context axis (`check_positions`).
   """
   seq = tokens.shape[1]
-  x = embed_lookup(params["wte"], tokens) + params["wpe"][:seq]
-  block = jax.checkpoint(_block) if remat else _block
+  check_positions(positions)
+  wpe = params["wpe"][:seq] if positions is None else params["wpe"][positions]
+  x = embed_lookup(params["wte"], tokens) + wpe
+  block = functools.partial(_block, segment_ids=segment_ids)
+  block = jax.checkpoint(block) if remat else block
   x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
   x = _layer_norm(x, params["ln_f"])
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
@@ -245,7 +277,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`."""
-  logits = apply(params, batch["inputs"], remat=remat)
+  logits = apply(params, batch["inputs"], remat=remat, positions=batch.get("positions"),
+                 segment_ids=batch.get("segment_ids"))
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

@@ -10,6 +10,12 @@ Module interface (shared with the GPT in `train_lm.py`): `ModelConfig`, `SIZES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
 `flops_per_token(cfg)`. Blocks are stacked along a leading `layers` axis and run under
 `lax.scan`; every param leaf has logical axis names for fnscale's rules.
+
+On a mesh with a `context` axis the sequence is split over it (context parallelism): the
+batch comes in the shards' order (`fnscale.parallel.context.reorder_batch`, which adds the
+"positions" RoPE needs), activations keep the split, attention runs in a context form and
+the loss scores each shard's tokens where they are; params are split over the axis as over
+"fsdp".
 """
 from __future__ import annotations
 
@@ -136,17 +142,28 @@ def logical_axes(cfg: ModelConfig) -> dict:
 # output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
 # (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
 # over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
-VOCAB_OUT_AXES = ("fsdp", "tensor")
+# A "context" axis (the sequence split) holds params split as "fsdp" does (MaxText's "embed"
+# rule names both): its devices see different tokens, so their gradients are reduced over it
+# anyway, and replicated params would hold c times the memory. Rules naming an axis the mesh
+# lacks are skipped, so the combinations come largest first.
+VOCAB_OUT_AXES = ("fsdp", "context", "tensor")
+
+
+def _largest_first(name: str, axes: tuple[str, ...]) -> tuple:
+  """(name, combination) rules for every non-empty combination of `axes`, largest first."""
+  combos = [tuple(a for i, a in enumerate(axes) if mask >> i & 1)
+            for mask in range(2 ** len(axes) - 1, 0, -1)]
+  return tuple((name, c) for c in sorted(combos, key=len, reverse=True))
+
+
 RULES = (
     ("batch", ("replica", "data", "fsdp")),
-    ("embed", "fsdp"),
+    *_largest_first("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    ("vocab_out", VOCAB_OUT_AXES),
-    ("vocab_out", "fsdp"),
-    ("vocab_out", "tensor"),
+    *_largest_first("vocab_out", VOCAB_OUT_AXES),
     ("norm", None),  # RMSNorm scales: small, replicated on purpose
 )
 
@@ -158,30 +175,37 @@ def rms_norm(x, scale, eps: float = 1e-5):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta: float):
+def rope(x, theta: float, positions=None):
   """Rotary positions on x [batch, seq, heads, head_dim]: pair i with i + head_dim/2 and
-  rotate the pair at position p by p * theta^(-2i/head_dim) (the "rotate half" layout)."""
+  rotate the pair at position p by p * theta^(-2i/head_dim) (the "rotate half" layout).
+  `positions`: int [batch, seq], each token's position (default 0..seq-1 in every row; a
+  reordered or packed sequence gives its own)."""
   seq, half = x.shape[1], x.shape[-1] // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  ang = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq  # [seq, half]
-  cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+  if positions is None:
+    positions = jnp.arange(seq)[None]
+  ang = positions.astype(jnp.float32)[..., None] * freq  # [batch or 1, seq, half]
+  cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
   xf = x.astype(jnp.float32)
   a, b = xf[..., :half], xf[..., half:]
   return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
-def _block(x, p, cfg: ModelConfig):
-  """One pre-norm Llama block. x: [batch, seq, d_model]."""
+def _block(x, p, cfg: ModelConfig, positions=None, segment_ids=None):
+  """One pre-norm Llama block. x: [batch, seq, d_model]; positions and segment ids
+  [batch, seq] (None: 0..seq-1, one sequence per row)."""
   # Keep the residual stream split by batch, or GSPMD may follow the FSDP params' sharding.
   x = fs.constrain_batch(x)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
   # q, k, v and the attention output too: on a multi-slice mesh GSPMD otherwise computed the
   # k/v projections and the output projection's backward for both slices' rows (Llama-1B on
   # 2 x v5p-8: HLO matmul FLOPs 1.105 x the traced step's without these, 1.033 with).
-  q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), cfg.rope_theta))
-  k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"]), cfg.rope_theta))
+  q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), cfg.rope_theta,
+                              positions))
+  k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"]), cfg.rope_theta,
+                              positions))
   v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
-  o = fs.constrain_batch(fs.attention(q, k, v, causal=True))
+  o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["w_gate"]))
@@ -199,26 +223,30 @@ def _config_of(params: dict, tokens) -> ModelConfig:
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           rope_theta: float = 500_000.0) -> jax.Array:
+           rope_theta: float = 500_000.0, positions=None, segment_ids=None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
-  params' dtype (after the last RMSNorm, before the output layer)."""
+  params' dtype (after the last RMSNorm, before the output layer). `positions`,
+  `segment_ids`: int [batch, seq] (packed rows, a context-parallel order); under a context
+  axis positions are required (`gpt.check_positions`)."""
   cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
+  gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
-  block = lambda x, p: _block(x, p, cfg)
+  block = lambda x, p: _block(x, p, cfg, positions, segment_ids)
   block = jax.checkpoint(block) if remat else block
   x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
   return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          rope_theta: float = 500_000.0) -> jax.Array:
+          rope_theta: float = 500_000.0, positions=None, segment_ids=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
   the backward pass (`jax.checkpoint`, nothing saved inside a block).
   """
-  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta)
+  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, positions=positions,
+             segment_ids=segment_ids)
   return jnp.einsum("bsd,dv->bsv", x, params["unembed"]).astype(jnp.float32)
 
 
@@ -226,16 +254,19 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
+  Optional "positions" and "segment_ids" int32 [batch, seq] (packed rows, the context
+  shards' order).
 
   `fnscale.cross_entropy` walks the tokens in chunks and computes the gradients in its
   forward pass (the plain loss's matmul FLOPs, no logits recomputed): the float32
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
   the output layer is split on (`VOCAB_OUT_AXES`)."""
-  x = hidden(params, batch["inputs"], remat=remat)
-  d = x.shape[-1]
-  return fs.cross_entropy(x.reshape(-1, d), params["unembed"].astype(x.dtype),
-                          batch["targets"].reshape(-1), vocab_axes=VOCAB_OUT_AXES)
+  x = hidden(params, batch["inputs"], remat=remat, positions=batch.get("positions"),
+             segment_ids=batch.get("segment_ids"))
+  # [batch, seq, d]: the tokens stay where they are, the sequence split too.
+  return fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
+                          vocab_axes=VOCAB_OUT_AXES)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
