@@ -1,0 +1,334 @@
+"""Context parallelism: the sequence split over a `context` mesh axis.
+
+Attention's all-gather and ring forms against jax's one-device attention (float32, causal,
+packed segments), the sequence order and its inverse against hand-written layouts, the
+balance of causal work against hand counts, collectives against hand counts by the HLO
+reader, the loss on a sequence-split batch against optax, a whole Llama step against the
+same step without the axis, and the errors that name the fix.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+from fnscale.analysis import hlo
+from fnscale.errors import KernelError, ShardingError
+from fnscale.kernels import context_attention as ca
+from fnscale.kernels import kernel_plan
+from fnscale.parallel import context as cp
+
+B, S, H, KH, D = 2, 64, 4, 2, 8
+# Meshes over the 8 simulated devices: context 2 beside a batch and a head split, 4 beside a
+# batch split, 8 alone.
+MESHES = {2: {"data": 2, "context": 2, "tensor": 2}, 4: {"data": 2, "context": 4},
+          8: {"context": 8}}
+
+
+def _segments() -> np.ndarray:
+  """Packed rows: three documents in row 0, two in row 1 (ids differ across rows)."""
+  return np.array([[0] * 20 + [1] * 30 + [2] * 14, [5] * 40 + [6] * 24], np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """(q, k, v, segment ids, weight, output, gradients): jax's own attention on one device,
+  float32, causal within each segment, in sequence order."""
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.normal(size=(B, S, h, D)).astype(np.float32) for h in (H, KH, KH))
+  w = rng.normal(size=(B, S, H, D)).astype(np.float32)
+  seg = _segments()
+  mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+  out = attend(q, k, v)
+  grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * w), (0, 1, 2))(q, k, v)
+  return q, k, v, seg, w, np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _split_run(form, order, c, inputs):
+  """Output and q/k/v gradients of fnscale.attention on the sequence split c ways, inputs in
+  sequence order: reordered in, restored out."""
+  q, k, v, seg, w = (ca.reorder(x, c, order) for x in inputs)
+  attend = fs.with_kernel(lambda q, k, v, s: fs.attention(q, k, v, causal=True, segment_ids=s),
+                          context=form, context_order=order)
+  loss = lambda q, k, v: (jnp.sum(attend(q, k, v, seg) * w), attend(q, k, v, seg))
+  with fs.with_mesh(fs.make_mesh(MESHES[c])):
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+  return [ca.restore(np.asarray(x), c, order) for x in (out, *grads)]
+
+
+# Quick: the balanced order at every size and the unbalanced one at 4; the rest is slow.
+@pytest.mark.parametrize("form, c, order", [
+    pytest.param(f, c, o, marks=[pytest.mark.slow] * (o == "striped" or (
+        o == "contiguous" and c != 4)))
+    for f in ca.FORMS for c in (2, 4, 8) for o in ca.ORDERS])
+def test_split_attention_equals_one_device_reference(form, c, order, reference):
+  q, k, v, seg, w, out, grads = reference
+  got = _split_run(form, order, c, (q, k, v, seg, w))
+  for name, g, r in zip(("out", "dq", "dk", "dv"), got, [out, *grads]):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_a_batch_left_in_sequence_order_is_caught_by_the_reference(reference):
+  """Negative control: attention told "zigzag" on a batch that was never reordered is wrong
+  (what the comparison above would catch if the order and the mask disagreed)."""
+  q, k, v, seg, w, out, _ = reference
+  attend = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True, segment_ids=seg),
+                          context_order="zigzag")
+  with fs.with_mesh(fs.make_mesh(MESHES[4])):
+    wrong = np.asarray(jax.jit(attend)(q, k, v))
+  assert np.abs(wrong - out).max() > 0.1
+
+
+# ----------------------------------------------------------------------------- the order
+
+
+def test_the_order_deals_chunks_as_written_and_restore_inverts_it():
+  x = np.arange(8)[None]
+  # zigzag: shard 0 holds chunks 0 and 3 of four, shard 1 chunks 1 and 2.
+  assert ca.reorder(x, 2, "zigzag").tolist() == [[0, 1, 6, 7, 2, 3, 4, 5]]
+  assert ca.reorder(x, 4, "zigzag").tolist() == [[0, 7, 1, 6, 2, 5, 3, 4]]
+  assert ca.reorder(x, 2, "striped").tolist() == [[0, 2, 4, 6, 1, 3, 5, 7]]
+  assert ca.reorder(x, 2, "contiguous").tolist() == x.tolist()
+  y = np.random.default_rng(1).normal(size=(3, 48, 5)).astype(np.float32)
+  for order in ca.ORDERS:
+    for c in (2, 3, 4, 8) if order != "zigzag" else (2, 3, 4):
+      np.testing.assert_array_equal(ca.restore(ca.reorder(y, c, order), c, order), y)
+    # jax arrays take the same path as numpy ones.
+    np.testing.assert_array_equal(ca.reorder(jnp.asarray(y), 4, order),
+                                  ca.reorder(y, 4, order))
+  assert ca.positions(8, 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+def test_reorder_batch_puts_every_sequence_leaf_in_order_with_positions():
+  seg = _segments()
+  batch = {"inputs": np.arange(2 * S).reshape(2, S), "segment_ids": seg,
+           "weight": np.ones(2)}
+  out = cp.reorder_batch(batch, 4, "zigzag")
+  for key in ("inputs", "segment_ids"):
+    np.testing.assert_array_equal(out[key], ca.reorder(batch[key], 4, "zigzag"))
+  np.testing.assert_array_equal(out["weight"], batch["weight"])
+  # Positions restart with each packed segment, and travel with their tokens.
+  expected = np.array([list(range(20)) + list(range(30)) + list(range(14)),
+                       list(range(40)) + list(range(24))])
+  np.testing.assert_array_equal(ca.restore(out["positions"], 4, "zigzag"), expected)
+  with pytest.raises(ShardingError, match="disagree"):
+    cp.reorder_batch({"a": np.zeros((2, 8)), "b": np.zeros((2, 16))}, 2)
+
+
+# ----------------------------------------------------------------------------- balance
+
+
+def _hand_work(c: int, t: int, chunks_of) -> np.ndarray:
+  """Unmasked causal pairs per shard from a mask over the whole sequence, each shard's
+  query rows being the chunks `chunks_of(shard)` (chunks of t / len(chunks) tokens)."""
+  mask = np.tril(np.ones((c * t, c * t), bool))
+  out = []
+  for s in range(c):
+    pieces = chunks_of(s)
+    n = t // len(pieces)
+    out.append(sum(mask[p * n:(p + 1) * n].sum() for p in pieces))
+  return np.array(out)
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_causal_work_is_balanced_by_zigzag_and_not_by_contiguous(c):
+  t = 64
+  zigzag = ca.shard_work(c * t, c, "zigzag")
+  contiguous = ca.shard_work(c * t, c, "contiguous")
+  np.testing.assert_array_equal(zigzag, _hand_work(c, t, lambda s: (s, 2 * c - 1 - s)))
+  np.testing.assert_array_equal(contiguous, _hand_work(c, t, lambda s: (s,)))
+  ratio = lambda w: w.max() / w.mean()
+  assert ratio(zigzag) <= 1.05 and ratio(ca.shard_work(c * t, c, "striped")) <= 1.05
+  # The last shard's share: ((c - 1) t^2 + t (t + 1) / 2) / (c t (c t + 1) / 2 / c), which
+  # tends to (2c - 1) / c.
+  assert ratio(contiguous) == pytest.approx(
+      ((c - 1) * t * t + t * (t + 1) / 2) / ((c * t) * (c * t + 1) / 2 / c))
+  assert ratio(contiguous) == pytest.approx((2 * c - 1) / c, rel=0.02)
+
+
+def test_causal_work_with_packed_segments_counts_each_segment():
+  seg = np.repeat(np.arange(4), 16)  # four 16-token documents
+  work = ca.shard_work(64, 4, "zigzag", seg)
+  mask = np.tril(np.ones((64, 64), bool)) & (seg[:, None] == seg[None, :])
+  rows = ca.positions(64, 4, "zigzag")
+  np.testing.assert_array_equal(work, [mask[r].sum() for r in rows])
+
+
+# ----------------------------------------------------------------------------- traffic
+
+
+@pytest.fixture(scope="module")
+def programs():
+  """Optimized HLO of one attention call (forward, and forward + backward) per form on
+  mesh data=2 x context=4, float32 (XLA's CPU backend computes bfloat16 in float32, and
+  moves it so)."""
+  mesh = fs.make_mesh(MESHES[4])
+  sharded = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.NamedSharding(
+      mesh, jax.P("data", "context")))
+  args = (sharded(B, S, H, D), sharded(B, S, KH, D), sharded(B, S, KH, D))
+  out = {}
+  for form in ca.FORMS:
+    f = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True), context=form)
+    g = jax.grad(lambda *a: jnp.sum(f(*a)), (0, 1, 2))
+    with fs.with_mesh(mesh):
+      out[form] = [hlo.summarize(jax.jit(fn).lower(*args).compile().as_text())
+                   for fn in (f, g)]
+  return out
+
+
+def test_all_gather_form_moves_the_hand_counted_kv_bytes(programs):
+  forward, both = programs["all_gather"]
+  c, rows = 4, B // 2
+  kv = 2 * rows * S * KH * D * 4  # K and V of this device's rows, whole sequence, float32
+  gather = forward.collective("all-gather")
+  assert gather.bytes_sent == (c - 1) / c * kv
+  assert forward.collective("collective-permute").count == 0
+  # Backward: the K/V gradients reduce-scattered back, as many bytes.
+  assert both.collective("reduce-scatter").bytes_sent == (c - 1) / c * kv
+
+
+def test_ring_form_passes_c_minus_1_blocks_and_gathers_no_kv(programs):
+  forward, both = programs["ring"]
+  c, block = 4, 2 * (B // 2) * (S // 4) * KH * D * 4  # one K/V block, float32
+  permute = forward.collective("collective-permute")
+  assert (permute.count, permute.bytes_sent) == (c - 1, (c - 1) * block)
+  assert forward.collective("all-gather").count == 0
+  # Backward: K/V round again (c - 1) and their gradients' float32 accumulators round and
+  # home (c).
+  back = both.collective("collective-permute")
+  assert back.count == 2 * (c - 1) + c
+  assert back.bytes_sent == 2 * (c - 1) * block + c * block
+  assert both.collective("all-gather").count == 0
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_loss_on_a_sequence_split_batch_never_gathers_the_sequence():
+  rng = np.random.default_rng(2)
+  h = rng.normal(size=(4, 16, 8)).astype(np.float32)
+  u = rng.normal(size=(8, 32)).astype(np.float32)
+  y = rng.integers(0, 32, (4, 16)).astype(np.int32)
+  ref = lambda h, u: optax.softmax_cross_entropy_with_integer_labels(
+      jnp.einsum("bsd,dv->bsv", h, u), y).mean()
+  value, grads = jax.value_and_grad(ref, (0, 1))(h, u)
+  mesh = fs.make_mesh(MESHES[4])
+  split = jax.NamedSharding(mesh, jax.P("data", "context"))
+  hh, yy = jax.device_put(h, split), jax.device_put(y, split)
+  f = jax.jit(jax.value_and_grad(lambda h, u: fs.cross_entropy(h, u, yy), (0, 1)))
+  with fs.with_mesh(mesh):
+    got, got_grads = f(hh, u)
+    summary = hlo.summarize(f.lower(hh, u).compile().as_text())
+  np.testing.assert_allclose(got, value, rtol=1e-6)
+  for g, r in zip(got_grads, grads):
+    np.testing.assert_allclose(g, r, atol=1e-6)
+  assert got_grads[0].sharding.spec[:2] == ("data", "context")
+  assert summary.collective("all-gather").count == 0
+  # Per token only: the loss's sum and the unembedding's gradient are all-reduced.
+  assert {c.kind for c in summary.collectives if c.count} == {"all-reduce"}
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+def test_batch_sharding_and_constrain_batch_split_the_sequence():
+  mesh = fs.make_mesh(MESHES[4])
+  assert fs.batch_sharding(mesh).spec == jax.P("data", "context")
+  assert fs.batch_sharding(fs.make_mesh({"data": 8})).spec == jax.P("data")
+  with pytest.raises(ShardingError, match="splits both"):
+    fs.batch_sharding(mesh, axes=("data", "context"))
+  x = jax.ShapeDtypeStruct((B, S, 8), jnp.float32)
+  with fs.with_mesh(mesh):
+    text = jax.jit(lambda x: fs.constrain_batch(x) * 2).lower(x).as_text()
+  assert '{"data"}, {"context"}' in text.replace("'", '"') or "data" in text and (
+      "context" in text)
+  # Rules can name the axis: a "length" dim over context.
+  spec = fs.sharding.logical_to_spec(("batch", "length", "embed"),
+                                     (("batch", "data"), ("length", "context")), mesh)
+  assert spec == jax.P("data", "context", None)
+
+
+# ----------------------------------------------------------------------------- a whole step
+
+
+def test_llama_loss_and_grads_with_context_4_equal_one_device():
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  cfg = llama.ModelConfig(layers=1, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=32,
+                          vocab=20)
+  params = llama.init_params(cfg, jax.random.key(0))
+  tokens = np.random.default_rng(3).integers(0, 20, (4, 33)).astype(np.int32)
+  seg = np.repeat((np.arange(32) * 3 // 32)[None], 4, 0).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg}
+  grad = jax.value_and_grad(llama.loss_fn)
+  loss, grads = jax.jit(grad)(params, cp.reorder_batch(batch, 1))  # one device
+
+  mesh = fs.make_mesh(MESHES[4])
+  shardings = fs.shardings(params, mesh, llama.RULES, logical_axes=llama.logical_axes(cfg))
+  split = fs.global_batch(cp.reorder_batch(batch, mesh), fs.batch_sharding(mesh))
+  with fs.with_mesh(mesh):
+    got, got_grads = jax.jit(grad)(jax.device_put(params, shardings), split)
+  assert float(got) == pytest.approx(float(loss), abs=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(got_grads)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+  # The params (and so their gradients) are split over the context axis, not replicated.
+  wq = shardings["blocks"]["wq"]
+  assert wq.shard_shape(params["blocks"]["wq"].shape)[1] == cfg.d_model // 4
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _plan(axes, *, q=(B, S, H, D), k=(B, S, KH, D), **kernel):
+  """kernel_plan under a mesh with the given with_kernel choice."""
+  attention = kernel.pop("attention", "auto")
+  window = kernel.pop("window", None)
+  with fs.with_mesh(fs.make_mesh(axes)):
+    return fs.with_kernel(kernel_plan, attention=attention, **kernel)(
+        q, k, causal=True, sliding_window=window)
+
+
+@pytest.mark.parametrize("seq, order, needs", [(60, "zigzag", 8), (62, "striped", 4),
+                                              (6, "contiguous", 4)])
+def test_a_sequence_the_shards_cant_split_names_the_multiple(seq, order, needs):
+  with pytest.raises(KernelError, match=f"multiple of {needs}"):
+    _plan(MESHES[4], q=(B, seq, H, D), k=(B, seq, KH, D), context_order=order)
+
+
+def test_a_ring_whose_heads_the_mesh_cant_split_names_the_fix():
+  with pytest.raises(KernelError, match=r"kv heads 2 must be divisible by the head axes"):
+    _plan({"context": 2, "tensor": 4}, context="ring")
+  # The all-gather form attends every head on each device of the head group instead.
+  assert _plan({"context": 2, "tensor": 4}).head_axes == ()
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "pallas_gpu"])
+def test_a_kernel_that_cant_take_a_context_axis_says_so(kernel):
+  with pytest.raises(KernelError, match=f"{kernel}.*can't take a sequence split.*attention="):
+    _plan(MESHES[4], attention=kernel)
+
+
+def test_context_plan_says_what_runs_and_why():
+  plan = _plan(MESHES[4], context="ring", context_order="striped")
+  assert plan.implementation == "xla" and plan.context.form == "ring"
+  assert plan.context.axes == ("context",) and plan.batch_axes == ("data",)
+  assert "ring over ('context',) (4 shards, striped order)" in plan.reason
+  assert "splash: needs platform tpu" in plan.reason
+  with pytest.raises(KernelError, match="sliding_window"):
+    _plan(MESHES[4], window=(4, 0))
+  with pytest.raises(KernelError, match="context='spiral'"):
+    fs.with_kernel(context="spiral")
+
+
+def test_a_model_given_no_positions_under_a_context_axis_says_how_to_add_them():
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  cfg = llama.ModelConfig(layers=1, d_model=16, heads=2, kv_heads=1, d_mlp=16, seq=16,
+                          vocab=16)
+  params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
+  batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
+  with fs.with_mesh(fs.make_mesh(MESHES[4])):
+    with pytest.raises(fs.InputError, match="reorder_batch"):
+      jax.eval_shape(llama.loss_fn, params, batch)
