@@ -286,3 +286,49 @@ def test_is_megacore_error_reads_mesh_utils_refusal():
   hole = _mesh_utils_error(chips, [3])
   assert "dims=(2, 2, 1)" in str(hole) and not _compat.is_megacore_error(hole)
   assert not _compat.is_megacore_error(ValueError("megacore"))
+
+
+def _splash_kernel(t: int = 128):
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  sizes = splash.BlockSizes(block_q=t, block_kv=t, block_kv_compute=t, block_q_dkv=t,
+                            block_kv_dkv=t, block_kv_dkv_compute=t, block_q_dq=t,
+                            block_kv_dq=t)
+  return splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((t, t))]),
+                                block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                interpret=True)
+
+
+@pytest.mark.slow
+def test_splash_block_forward_and_backward_are_a_block_of_flash_attention():
+  """A block's logsumexp and its share of the backward pass given the whole attention's
+  output and logsumexp (here one block: the whole), against plain jax."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(1, 128, 64)), jnp.float32) for _ in range(4))
+  kernel = _splash_kernel()
+  out, lse = _compat.splash_block_forward(kernel, q, k, v, None)
+  logits = jnp.where(jnp.tril(jnp.ones((128, 128), bool)), q[0] @ k[0].T, -jnp.inf)
+  np.testing.assert_allclose(lse[0], jax.nn.logsumexp(logits, -1), atol=1e-5)
+  ref = lambda q, k, v: jax.nn.dot_product_attention(
+      q[:, :, None], k[:, :, None], v[:, :, None], is_causal=True, scale=1.0)[:, :, 0]
+  np.testing.assert_allclose(out, ref(q, k, v), atol=1e-5)
+  grads = _compat.splash_block_backward(kernel, q, k, v, None, out, lse, do)
+  expected = jax.vjp(ref, q, k, v)[1](do)
+  for g, r in zip(grads, expected):
+    np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def test_splash_block_entries_name_themselves_when_jax_changes(monkeypatch):
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as splash)
+  kernel = _splash_kernel()
+  monkeypatch.delattr(splash, "_splash_attention_forward")
+  monkeypatch.delattr(splash, "_splash_attention_bwd")
+  q = jnp.zeros((1, 128, 64))
+  with pytest.raises(fs.RuntimeFailure, match="splash_block_forward"):
+    _compat.splash_block_forward(kernel, q, q, q, None)
+  with pytest.raises(fs.RuntimeFailure, match="splash_block_backward"):
+    _compat.splash_block_backward(kernel, q, q, q, None, q, q[..., 0], q)
+  with pytest.raises(fs.RuntimeFailure, match="splash_block_forward"):
+    _compat.splash_block_forward(object(), q, q, q, None)

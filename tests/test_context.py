@@ -332,3 +332,65 @@ def test_a_model_given_no_positions_under_a_context_axis_says_how_to_add_them():
   with fs.with_mesh(fs.make_mesh(MESHES[4])):
     with pytest.raises(fs.InputError, match="reorder_batch"):
       jax.eval_shape(llama.loss_fn, params, batch)
+
+
+# ----------------------------------------------------------------------------- splash
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form, order", [("all_gather", "zigzag"), ("ring", "zigzag"),
+                                         ("ring", "striped"), ("ring", "contiguous")])
+def test_splash_inside_each_form_equals_the_reference(form, order):
+  """The splash kernel in interpret mode (CPU) inside both forms, on the smallest sequence
+  whose zigzag ring halves fill a 128-token tile: c 2 x 256 tokens, packed, MQA."""
+  c, b, s, h, kh, d = 2, 1, 512, 2, 1, 64
+  rng = np.random.default_rng(4)
+  q, k, v, w = (rng.normal(size=(b, s, n, d)).astype(np.float32) for n in (h, kh, kh, h))
+  seg = (np.arange(s)[None] * 3 // s).astype(np.int32)
+  mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+  out = attend(q, k, v)
+  grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * w), (0, 1, 2))(q, k, v)
+  q_, k_, v_, seg_, w_ = (ca.reorder(x, c, order) for x in (q, k, v, seg, w))
+  split = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True, segment_ids=seg_),
+                         context=form, context_order=order, interpret=True)
+  mesh = fs.make_mesh({"context": c}, devices=jax.devices()[:c])
+  with fs.with_mesh(mesh):
+    plan = fs.with_kernel(kernel_plan, context=form, interpret=True)(
+        q.shape, k.shape, causal=True, segment_ids=seg_)
+    got = jax.jit(split)(q_, k_, v_)
+    got_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(split(q, k, v) * w_), (0, 1, 2)))(
+        q_, k_, v_)
+  assert plan.implementation == "splash", plan.reason
+  np.testing.assert_allclose(ca.restore(np.asarray(got), c, order), out, atol=1e-5)
+  for g, r in zip(got_grads, grads):  # splash's own float32 backward: ~1e-5 here
+    np.testing.assert_allclose(ca.restore(np.asarray(g), c, order), r, atol=3e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ca.FORMS)
+def test_tpu_program_runs_splash_inside_each_form(form, tpu_devices):
+  """Compiled ahead of time for a described v5p-8 (4 chips, context=4): the Mosaic kernels
+  are in the program, and the collectives are the form's."""
+  mesh = fs.make_mesh({"context": 4}, devices=tpu_devices("v5p:2x2x1"))
+  b, s, h, kh, d = 1, 2048, 4, 2, 128
+  split = jax.NamedSharding(mesh, jax.P(None, "context"))
+  arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=split)
+  ids = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=split)
+  f = fs.with_kernel(lambda q, k, v, i: fs.attention(q, k, v, causal=True, segment_ids=i),
+                     context=form)
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
+  with fs.with_mesh(mesh):
+    text = jax.jit(g).lower(arg(b, s, h, d), arg(b, s, kh, d), arg(b, s, kh, d),
+                            ids).compile().as_text()
+  summary = hlo.summarize(text)
+  names = {k.name for k in summary.kernels}
+  assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+          "splash_mha_dkv_segmented_no_residuals"} <= names, names
+  assert all(k.target == "tpu_custom_call" for k in summary.kernels)
+  kv = 2 * b * s * kh * d * 2
+  if form == "ring":
+    assert summary.collective("collective-permute").count == 2 * 3 + 4
+    assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4  # the ids only
+  else:
+    assert summary.collective("all-gather").bytes_sent == 3 / 4 * (kv + b * s * 4)
