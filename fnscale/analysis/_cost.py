@@ -20,6 +20,13 @@ Matmuls" and 5 "Training":
   Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation.
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
+- Context parallel (the sequence split c ways, `fnscale.kernels.context_attention`): every
+  device holds 1/c of each row's activations and does 1/c of its work (balanced by the
+  zigzag order); attention all-gathers K and V over the axis forward ((c-1)/c of their
+  bytes; again in the backward pass with remat) and reduce-scatters their gradients (the
+  same bytes). Params are split over the axis as over "fsdp" (MaxText's "embed" rule, and
+  `recipes/lm/llama.py`'s): their gathers and the gradients' reduce-scatter run over the
+  fsdp x context group, whose collectives drive both axes' links.
 - Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
   with wrap-around, k without (one direction idles at the ends); through a switch (NVSwitch)
   one link's rate; DCN axes the per-chip DCN rate.
@@ -75,7 +82,9 @@ class Profile(NamedTuple):
   language model's [rows, seq] tokens); `uncounted`: Pallas kernels that declare no
   `cost_estimate` (their FLOPs are missing); `act_row_stream` / `act_row_remat_stream`: the
   part of `act_row` / `act_row_remat` shaped like the residual stream (last dim the scan
-  carry's), which tensor parallelism replicates; it splits the rest (heads, MLP columns).
+  carry's), which tensor parallelism replicates; it splits the rest (heads, MLP columns);
+  `kv_row`: bytes of the keys and values every attention call of the forward pass takes,
+  per row (what context parallelism's all-gather form gathers).
   """
   params: int
   param_bytes: float
@@ -98,6 +107,7 @@ class Profile(NamedTuple):
   uncounted: tuple[str, ...] = ()
   act_row_stream: float = 0.0
   act_row_remat_stream: float = 0.0
+  kv_row: float = 0.0
 
 
 def _nbytes(tree) -> float:
@@ -168,10 +178,38 @@ def jaxpr_matmul_flops(jaxpr) -> float:
   return count_flops(jaxpr).total
 
 
-def _longest_scan(jaxpr, best=None):
-  """(length, carry avals) of the longest `scan` in the jaxpr, nested ones included."""
+def attention_kv_bytes(jaxpr, outer: str = "") -> float:
+  """Bytes of the keys and values of every attention call in a forward jaxpr traced with
+  `fnscale.attention`'s XLA reference: the smaller operand of each `dot_general` under its
+  scope (jax.nn's attention contracts q with k, k no larger under grouped-query attention,
+  then the probabilities with v, v the smaller while the queries outnumber head_dim), scan
+  bodies times their length."""
+  total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
+    scope = outer + "/" + _compat.name_scopes(eqn)
+    if eqn.primitive.name == "dot_general" and SCOPE in scope:
+      total += min(math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize
+                   for v in eqn.invars[:2])
+      continue
+    inner = sum(attention_kv_bytes(j, scope) for j in _sub_jaxprs(eqn))
+    total += inner * (_compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1)
+  return total
+
+
+def _kv_row(loss_fn, params, batch, remat) -> float:
+  """`attention_kv_bytes` of the loss's forward pass on one row."""
+  f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
+  jaxpr = jax.make_jaxpr(with_kernel(f, attention="xla"))(params, _rows(batch, 1)).jaxpr
+  return attention_kv_bytes(jaxpr)
+
+
+def _longest_scan(jaxpr, best=None):
+  """(length, carry avals) of the longest `scan` over stacked inputs in the jaxpr (a scan
+  over layers), nested ones included. Loops that only count (`fori_loop`s, e.g. the loss's
+  walk over token chunks, longer than the layers at long sequences) take no stacked
+  inputs and are left out."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and _compat.scan_parts(eqn).xs:
       scan = _compat.scan_parts(eqn)
       n, carry = scan.length, [v.aval for v in scan.carry]
       if best is None or n > best[0]:
@@ -255,7 +293,8 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       attn_row_remat=c1.attention, causal_share=c0.causal / c0.attention if c0.attention else 0.0,
       attn_kernel=kernels > 0, tokens_row=math.prod(first.shape[1:]),
       uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
-      act_row_stream=a0[1], act_row_remat_stream=a1[1])
+      act_row_stream=a0[1], act_row_remat_stream=a1[1],
+      kv_row=_kv_row(loss_fn, cparams, batch, False if remat else None))
 
 
 class Estimate(NamedTuple):
@@ -366,49 +405,65 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
              accum: int, gather: str = "per_microbatch") -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
-  "tensor"; "replica" across slices); the global batch must divide over the data axes and
-  `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch"
-  keeps params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp
-  in every microbatch, and reduces over the data and DCN axes in every microbatch too (the
-  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
-  holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
-  gathers and reduces once per step."""
+  "context", "tensor"; "replica" across slices); the global batch must divide over the
+  data axes and `accum`. `gather`: `train_step`'s accum_gather, costed as it compiles:
+  "per_microbatch" keeps params and the float32 accumulator sharded and gathers /
+  reduce-scatters over fsdp in every microbatch, and reduces over the data and DCN axes in
+  every microbatch too (the accumulator is sharded as the params, so whole over those
+  axes); "once" (with accum > 1) holds whole compute-dtype params and a whole float32
+  accumulator (split by tensor only), gathers and reduces once per step."""
   once = gather == "once" and accum > 1
-  reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
-  d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
+  d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   r = math.prod(dcn.values()) if dcn else 1
   n = hw.num_devices
-  shard = f * t
+  shard = f * c * t  # params split over the fsdp x context group and tensor
   rows_mb = prof.rows / (r * d * f) / accum
-  frac = lambda k: (k - 1) / k
+  rows_act = rows_mb / c  # a row's activations and work are split over context
   layer_w = prof.compute_bytes / max(prof.layers, 1) / t
   parts = dict(params=prof.param_bytes / shard, opt=prof.opt_bytes / shard,
                grads=prof.grad_bytes / shard * (2 if accum > 1 else 1),
-               weights=2 * layer_w if f > 1 else prof.compute_bytes / t,
-               acts=act_per_row(prof, remat, t)[0] * rows_mb)
-  if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
+               weights=2 * layer_w if f * c > 1 else prof.compute_bytes / t,
+               acts=act_per_row(prof, remat, t)[0] * rows_act)
+  if once and f * c > 1:  # the whole accumulator beside the reduced shard; whole params
     parts.update(grads=prof.grad_bytes / t + prof.grad_bytes / shard,
                  weights=prof.compute_bytes / t)
   model_flops = prof.flops_row * prof.rows
-  memory = memory_traffic(prof, remat, rows_mb, accum, shard, t) / hw.links.hbm
+  memory = memory_traffic(prof, remat, rows_act, accum, shard, t) / hw.links.hbm
   run, recompute = (x * prof.rows / n / hw.peak_flops for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
-  comm = {}
-  if f > 1:
-    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
-        2 * prof.compute_bytes + prof.grad_bytes)
-    comm["fsdp"] = frac(f) * per_step / t / bw["fsdp"]
-  if d > 1:
-    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
-  if t > 1:
-    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb
-    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
-  for a, k in dcn.items():
-    if k > 1:
-      comm[a] = reductions * 2 * frac(k) * prof.grad_bytes / shard / bw[a]
+  comm = _comm(prof, bw, (d, f, t, c), dcn, remat, accum, once, rows_mb)
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
                   mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
                   memory_s=memory, recompute_s=recompute)
+
+
+def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, remat: bool, accum: int,
+          once: bool, rows_mb: float) -> dict:
+  """Seconds of each axis's collectives per step (`estimate`); sizes: ICI data, fsdp,
+  tensor, context. Params' collectives over fsdp and context are one group, named
+  "fsdp+context" when both split them."""
+  d, f, t, c = sizes
+  frac = lambda n: (n - 1) / n
+  reductions = 1 if once else accum
+  shard = f * c * t
+  comm = {}
+  group = [a for a, n in (("fsdp", f), ("context", c)) if n > 1]
+  if group:  # a collective over both axes drives both axes' links
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+        2 * prof.compute_bytes + prof.grad_bytes)
+    comm["+".join(group)] = frac(f * c) * per_step / t / sum(bw[a] for a in group)
+  if d > 1:
+    comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes / shard / bw["data"]
+  if t > 1:
+    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb / c
+    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
+  if c > 1:  # K/V gathered forward (again with remat), their gradients reduce-scattered
+    comm["context"] = ((3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * accum
+                       / t / bw["context"])
+  for a, n in dcn.items():
+    if n > 1:
+      comm[a] = reductions * 2 * frac(n) * prof.grad_bytes / shard / bw[a]
+  return comm

@@ -1,8 +1,10 @@
 """fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
 
-Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
-up to `max_tensor`, the size ICI neighbours serve well), data parallel ("replica") across
-slices, remat on/off, and the fewest accumulation steps that fit. Each gets an analytic
+Candidates are the factorisations of one slice's devices into data x fsdp x context x
+tensor (tensor up to `max_tensor`, the size ICI neighbours serve well; context, the sequence
+split, where the sequence is long: at least `CONTEXT_MIN_TOKENS` tokens per shard, and the
+zigzag order's 2c chunks divide it), data parallel ("replica") across slices, remat on/off,
+and the fewest accumulation steps that fit. Each gets an analytic
 estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time from compute at peak and
 each collective over its axis's links: a roofline, whose MFU is an upper bound) and a forecast
 (`fnscale.analysis._forecast`: the roofline plus efficiency terms fitted on measured runs); rows are
@@ -42,6 +44,10 @@ __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan
            "mesh_str", "plan", "predict", "profile_model", "summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
+# Context parallelism is a candidate when each shard keeps at least this many tokens of a
+# row: shorter shards make the per-shard matmuls small, and at sequences this short a batch
+# split (data, fsdp) serves (MaxText's long-context configs split 32k-token rows and up).
+CONTEXT_MIN_TOKENS = 4096
 ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale.analysis._forecast)
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
@@ -161,19 +167,30 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int) -> list[MeshAxes]:
-  """data x fsdp x tensor factorisations of one slice (tensor <= max_tensor), "replica"
-  across slices, keeping those whose data axes divide the global batch."""
+def _context_sizes(n: int, tokens: int) -> list[int]:
+  """Context sizes worth trying for rows of `tokens`: 1, and every c dividing `n` whose
+  zigzag chunks (2c) divide the row and whose shards keep `CONTEXT_MIN_TOKENS`."""
+  return [c for c in _divisors(n) if c == 1 or (
+      tokens % (2 * c) == 0 and tokens // c >= CONTEXT_MIN_TOKENS)]
+
+
+def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int,
+            tokens: int = 1) -> list[MeshAxes]:
+  """data x fsdp x context x tensor factorisations of one slice (tensor <= max_tensor;
+  context where rows of `tokens` are long: `_context_sizes`), "replica" across slices,
+  keeping those whose data axes divide the global batch."""
   n = hw.devices_per_slice
   dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
   out = []
   for t in (k for k in _divisors(n) if k <= max_tensor):
-    for f in _divisors(n // t):
-      d = n // t // f
-      if rows % (d * f * hw.num_slices):
-        continue
-      ici = {k: v for k, v in (("data", d), ("fsdp", f), ("tensor", t)) if v > 1}
-      out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
+    for c in _context_sizes(n // t, tokens):
+      for f in _divisors(n // t // c):
+        d = n // t // c // f
+        if rows % (d * f * hw.num_slices):
+          continue
+        ici = {k: v for k, v in (("data", d), ("fsdp", f), ("context", c), ("tensor", t))
+               if v > 1}
+        out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
   return out
 
 
@@ -317,7 +334,7 @@ def mesh_str(axes: MeshAxes) -> str:
 
 def _candidates(prof, hw, cap, max_tensor, accums) -> list[Candidate]:
   rows = []
-  for axes in _meshes(hw, prof.rows, max_tensor):
+  for axes in _meshes(hw, prof.rows, max_tensor, prof.tokens_row):
     for remat in ((False, True) if prof.has_remat else (False,)):
       accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:

@@ -19,13 +19,22 @@ Then, from the repository root, in fnscale's environment:
       --target=v5p-8 --mesh=fsdp=4 --layers=2 --batch=1 --seq=4096
   python recipes/bench/compare_maxtext.py ... --mesh=data=2,fsdp=2
   python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=replica=2
+  python recipes/bench/compare_maxtext.py ... --mesh=context=4 --batch=0.25 --seq=32768 \
+      --context_strategy=all_gather      # or ring; --no-load_balance: the plain order
 
 MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_compile.main`
 with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
 wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
-(it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor` ->
-MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`.
-`--batch` is rows per device. Each side's HLO, memory and a JSON of the table land in `--out`.
+(it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor`/`context`
+-> MaxText `ici_data/fsdp/tensor/context_parallelism`, fnscale's DCN `replica` ->
+`dcn_data_parallelism`, DCN `context` -> `dcn_context_parallelism`. Context parallelism:
+`--context_strategy` is MaxText's `context_parallel_strategy` and fnscale's
+`with_kernel(context=...)` ("ring" runs MaxText's Tokamax splash, which its ring needs);
+`--load_balance` is MaxText's `context_parallel_load_balance` (its dual-chunk-swap order)
+and fnscale's zigzag order (else contiguous); fnscale's batch carries the positions its
+Llama needs under a context axis. `--batch` is rows per device (a fraction under a context
+axis: 0.25 on 4 devices is one row). Each side's HLO, memory and a JSON of the table land
+in `--out`.
 """
 from __future__ import annotations
 
@@ -48,16 +57,23 @@ def _maxtext_argv(a) -> list[str]:
   """MaxText's `key=value` config for the same model, mesh, batch, precision and remat."""
   ici = _axes(a.mesh)
   dcn = _axes(a.dcn)
-  slices = dcn.get("replica", 1)
+  slices = dcn.get("replica", 1) * dcn.get("context", 1)
   topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
-  return [
+  context = [f"ici_context_parallelism={ici.get('context', 1)}",
+             f"dcn_context_parallelism={dcn.get('context', 1)}",
+             f"context_parallel_strategy={a.context_strategy}",
+             f"context_parallel_load_balance={str(a.load_balance).lower()}"]
+  if a.context_strategy == "ring":
+    context.append("use_tokamax_splash=true")  # MaxText's ring runs only on Tokamax splash
+  return context + [
       "model_name=llama3-8b", "override_model_config=true",
       f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
       f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
       "weight_dtype=float32", "dtype=bfloat16", "remat_policy=full", "attention=flash",
       f"ici_data_parallelism={ici.get('data', 1)}", f"ici_fsdp_parallelism={ici.get('fsdp', 1)}",
-      f"ici_tensor_parallelism={ici.get('tensor', 1)}", f"dcn_data_parallelism={slices}",
+      f"ici_tensor_parallelism={ici.get('tensor', 1)}",
+      f"dcn_data_parallelism={dcn.get('replica', 1)}",
       "dcn_fsdp_parallelism=1", "dataset_type=synthetic", "enable_checkpointing=false",
       "enable_tensorboard=false", "run_name=compare_maxtext", f"base_output_directory={a.out}",
   ]
@@ -102,16 +118,21 @@ def fnscale_side(a) -> None:
                     optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
   policy = "params=float32,compute=bfloat16,output=float32"
   axes = llama.logical_axes(cfg)
-  rows = a.batch * len(devices)
-  batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in ("inputs", "targets")}
+  rows = _rows(a, len(devices))
+  keys = ("inputs", "targets") + (("positions",) if fs.parallel.context.shards(mesh) > 1
+                                  else ())
+  batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in keys}
+  order = "zigzag" if a.load_balance else "contiguous"
   with fs.with_mesh(mesh):
     state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
                           rules=llama.RULES, logical_axes=axes, policy=policy,
                           key=jax.random.key(0), abstract=True)
     step = fs.train_step(functools.partial(llama.loss_fn, remat=True), opt, policy=policy,
                          accum_steps=a.accum)
-    compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=llama.RULES,
-                             logical_axes=axes).compile(state, batch)
+    kernel = fs.with_kernel(step, attention="auto", context=a.context_strategy,
+                            context_order=order)
+    compiled = fs.shard_step(kernel, mesh, rules=llama.RULES, logical_axes=axes).compile(
+        state, batch)
   _write(a.out, "fnscale", compiled.compiled, compiled.compile_seconds)
 
 
@@ -128,6 +149,15 @@ def _write(out: str, side: str, compiled, seconds: float) -> None:
            for k in ("argument", "output", "temp", "alias", "generated_code")}
   with open(os.path.join(out, f"{side}.json"), "w", encoding="utf-8") as f:
     json.dump(dict(facts, compile_seconds=seconds), f)
+
+
+def _rows(a, devices: int) -> int:
+  """Global rows: --batch rows per device (a fraction under a context axis) x devices."""
+  rows = a.batch * devices
+  if rows != int(rows) or rows < 1:
+    raise SystemExit(f"error: --batch={a.batch} x {devices} devices is {rows} rows; give "
+                     "a whole number of rows (e.g. --batch=0.25 on 4 devices)")
+  return int(rows)
 
 
 def _axes(text: str | None) -> dict[str, int]:
@@ -201,7 +231,13 @@ def _flags(argv=None):
   p.add_argument("--mesh", default="fsdp=4", help="ICI axes, e.g. fsdp=4 or data=2,fsdp=2")
   p.add_argument("--dcn", default="", help="DCN axes across slices, e.g. replica=2")
   p.add_argument("--layers", type=int, default=2, help="decoder layers (Llama-3-8B shapes)")
-  p.add_argument("--batch", type=int, default=1, help="rows per device")
+  p.add_argument("--batch", type=float, default=1, help="rows per device (a fraction "
+                 "when a context axis splits the rows: 0.25 on 4 devices is one row)")
+  p.add_argument("--context_strategy", default="all_gather", choices=("all_gather", "ring"),
+                 help="context parallelism's attention (MaxText's context_parallel_strategy)")
+  p.add_argument("--load_balance", default=True, action=argparse.BooleanOptionalAction,
+                 help="causal load balance under a context axis (MaxText's "
+                 "context_parallel_load_balance; fnscale's zigzag order)")
   p.add_argument("--seq", type=int, default=4096, help="tokens per row")
   p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
   p.add_argument("--sides", default="maxtext,fnscale",
@@ -235,8 +271,12 @@ def main(argv=None) -> None:
     raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
                      f"there first (--sides={','.join(missing)}, same flags)")
   sides = {s: read_side(a.out, s) for s in SIDES}
-  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, Llama-3-8B shapes x "
-          f"{a.layers} layers, {a.batch} row(s) x {a.seq} tokens per device\n\n" + table(sides))
+  context = (f", context {a.context_strategy}"
+             f"{' load-balanced' if a.load_balance else ''}" if "context" in a.mesh + a.dcn
+             else "")
+  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}{context}, Llama-3-8B "
+          f"shapes x {a.layers} layers, {a.batch:g} row(s) x {a.seq} tokens per device\n\n"
+          + table(sides))
   with open(os.path.join(a.out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")
   print(text)
