@@ -28,7 +28,7 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import data, gpt, harness as h, llama, run_log as rl  # noqa: E402
+from recipes.lm import data, gpt, harness as h, hf_maps, llama, run_log as rl  # noqa: E402
 
 # Model name -> its module (one interface: model_config, init_params, RULES, loss_fn, ...).
 MODELS = {name: module for module in (gpt, llama) for name in module.SIZES}
@@ -41,6 +41,11 @@ class Options:
                                     "tiny_gpt2 on CPU, small on TPU/GPU")
   dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob")
   tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
+  init_from: str = h.option("", "a Hugging Face model directory (config.json, safetensors, "
+                            "tokenizer.json): continue training its model and weights with "
+                            "its tokenizer (instead of --model_config, --tokenizer)")
+  export_hf: str = h.option("", "at the end, write the params as a Hugging Face checkpoint "
+                            "(safetensors, config.json, tokenizer) to this directory")
   seq: int | None = h.option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
   batch_size: int | None = h.option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
   global_batch: int | None = h.option(None, "global batch in rows (instead of batch_size)")
@@ -134,14 +139,11 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
   topo = h.topology(o.mesh_shape, o.topology, o.tpu)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
-  if size not in MODELS:
-    raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
-                          f"{list(MODELS)}")
-  cfg = MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
+  model, cfg = _model(o, size, seq, corpus)
   per_device = d["batch_size"] if o.batch_size is None else o.batch_size
   if o.mesh == "auto":  # the planner sees the global batch: every device a data-parallel one
     batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-    axes, remat, accum, gather = h.plan_mesh(MODELS[size], cfg, topo, batch, o.precision, say)
+    axes, remat, accum, gather = h.plan_mesh(model, cfg, topo, batch, o.precision, say)
     if accum > o.accum_steps:
       o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
     o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
@@ -163,12 +165,47 @@ def _setup(o: Options, corpus: data.Corpus, say) -> Setup:
                         f"max_stalled_steps={o.max_stalled_steps}: expected lr > 0, "
                         "intervals >= 1 and max_stalled_steps >= 0")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
-  run_dir = o.run_dir or h.default_run_dir(size, o.dataset, o.tokenizer, corpus.vocab)
+  size = _hf_name(o.init_from) if o.init_from else size
+  run_dir = o.run_dir or h.default_run_dir(size, o.dataset, _tokenizer(o), corpus.vocab)
   ckpt = checkpoint_directory(dataclasses.replace(o, run_dir=run_dir))
   return Setup(dataclasses.replace(
       o, model_config=size, seq=seq, batch_size=per_device, global_batch=batch, steps=steps,
       lr=lr, warmup_steps=warmup, log_every=log_every, eval_every=eval_every, run_dir=run_dir,
-      checkpoint_dir=ckpt), topo, mesh, MODELS[size], cfg, profile)
+      checkpoint_dir=ckpt), topo, mesh, model, cfg, profile)
+
+
+def _model(o: Options, size: str, seq: int, corpus: data.Corpus):
+  """(model module, its config): --init_from's config.json, else the named size with the
+  corpus's vocabulary."""
+  if not o.init_from:
+    if size not in MODELS:
+      raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
+                          f"{list(MODELS)}")
+    return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=corpus.vocab)
+  if o.model_config:
+    raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
+                        "the checkpoint's config.json chooses the model; leave one out")
+  m = hf_maps.read(o.init_from, seq)
+  if corpus.vocab > m.cfg.vocab:
+    raise fs.InputError(f"the tokenizer has {corpus.vocab} ids and {o.init_from}'s model "
+                        f"{m.cfg.vocab}; fix: use the checkpoint's own tokenizer.json")
+  return m.model, m.cfg
+
+
+def _hf_name(path: str) -> str:
+  """A run name for a Hugging Face directory: its last path component."""
+  return os.path.basename(os.path.normpath(path.split("://")[-1])) or "hf"
+
+
+def _tokenizer(o: Options) -> str:
+  """--tokenizer, else --init_from's tokenizer.json (its model's ids)."""
+  if o.tokenizer or not o.init_from:
+    return o.tokenizer
+  path = os.path.join(o.init_from, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
+                        "model's tokenizer with --tokenizer=PATH/tokenizer.json")
+  return path
 
 
 def checkpoint_directory(o: Options) -> str:
@@ -195,7 +232,7 @@ def run(o: Options) -> h.Summary:
 
 def _start(o: Options, t0: float, say, should_stop) -> h.Summary:
   """`run` after start-up: data, setup, the run's checkpoint manager."""
-  corpus = data.load(o.dataset, o.tokenizer)
+  corpus = data.load(o.dataset, _tokenizer(o))
   s = _setup(o, corpus, say)
   if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
     fs.checkpoint.check_shared_directory(s.o.checkpoint_dir)
@@ -222,19 +259,21 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
   o, base = s.o, data.baseline(corpus)
   policy, (optimizer, schedule) = h.policy(o.precision, s.topo.platform), h.optimizer(s.o)
   model, axes = s.model, s.model.logical_axes(s.cfg)
-  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat), optimizer,
+  step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
                           policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather)
   step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
-  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b),
+  eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg),
                                      attention=o.attention))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
+    kw = dict(mesh=s.mesh, rules=model.RULES, logical_axes=axes, policy=policy)
     init = functools.partial(fs.init_state, functools.partial(model.init_params, s.cfg),
-                             optimizer, mesh=s.mesh, rules=model.RULES, logical_axes=axes,
-                             policy=policy, key=jax.random.key(o.seed))
+                             optimizer, key=jax.random.key(o.seed), **kw)
+    if o.init_from:
+      init = _from_hf(s, init, functools.partial(fs.init_state, optimizer=optimizer, **kw))
     # grain reads this process's rows; fs.global_batch makes one array over every process.
     bsh = fs.batch_sharding(s.mesh)
     batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
@@ -268,8 +307,39 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
     state, last, stopped = _train(s, state, step_fn, batches, first, start, schedule, peak,
                                   say, (log, prof), evaluate, guard, should_stop)
     out = _finish(s, state, corpus, last, ev, stopped, resumed, start, evaluate, guard, say)
+    if o.export_hf and not stopped:
+      _export_hf(s, state, say)
     log.close()
   return h.summarize(dict(out, bigram_loss=base.bigram), s, state, report, n_params, t0, say)
+
+
+def _from_hf(s: Setup, init, init_with):
+  """`init` whose fresh state holds --init_from's weights, read into their shardings
+  (`fnscale.checkpoint.hf.load`; `init_with(params)` builds the state around them); its
+  abstract state is `init`'s."""
+  def make(abstract: bool = False):
+    shapes = init(abstract=True)
+    if abstract:
+      return shapes
+    m = hf_maps.HFModel(s.model, s.cfg, {})
+    params = fs.checkpoint.hf.load(s.o.init_from, shapes.params,
+                                   hf_maps.checkpoint_map(m, s.o.init_from))
+    return init_with(params)
+  return make
+
+
+def _export_hf(s: Setup, state, say) -> None:
+  """Writes the params as a Hugging Face checkpoint to --export_hf (every process calls it;
+  process 0 writes), with --init_from's config.json and tokenizer files when it has them."""
+  t, o = time.time(), s.o
+  m = (hf_maps.read(o.init_from, s.cfg.seq) if o.init_from else
+       hf_maps.of_model(s.model, s.cfg))
+  tok = _tokenizer(o)
+  fs.checkpoint.hf.export(o.export_hf, state.params,
+                          hf_maps.checkpoint_map(m, o.init_from or None),
+                          config=hf_maps.to_config(m),
+                          tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
+  say(f"exported a Hugging Face checkpoint to {o.export_hf} ({time.time() - t:.1f} s)")
 
 
 def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
@@ -427,7 +497,7 @@ def _finish(s: Setup, state, corpus, last, ev, stopped, resumed, start, evaluate
     if s.o.sample_len > 0:
       t = time.time()
       sample = corpus.decode(gpt.generate(
-          s.model.apply, state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
+          functools.partial(s.model.apply, cfg=s.cfg), state.params, corpus.encode(s.o.prompt or "\n"), s.o.sample_len,
           seq=s.cfg.seq, temperature=s.o.temperature, seed=s.o.seed, attention=s.o.attention))
       say(f"sample ({s.o.sample_len} tokens, temperature {s.o.temperature}, "
           f"{time.time() - t:.1f} s):\n{'-' * 60}\n{s.o.prompt}{sample}\n{'-' * 60}")

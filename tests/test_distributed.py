@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
 from fnscale.multihost import _agreement
-from fnscale import multihost as fsd
+from fnscale.multihost import cluster as fsd
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 AUTO = jax.sharding.AxisType.Auto

@@ -22,7 +22,10 @@ def _count(cfg):
 
 
 @pytest.mark.parametrize("size,published", [
-    # Meta's safetensors totals for Meta-Llama-3-8B and -70B (model cards: 8.03B, 70.6B).
+    # Meta's safetensors totals for Meta-Llama-3-8B and -70B (model cards: 8.03B, 70.6B) and
+    # Llama-3.2-1B and -3B (tied embeddings).
+    ("llama-1b", 1_235_814_400),
+    ("llama-3b", 3_212_749_824),
     ("llama-8b", 8_030_261_248),
     ("llama-70b", 70_553_706_496),
 ])

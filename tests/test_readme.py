@@ -566,11 +566,14 @@ def test_read_blocks_refuses_markers_it_cant_follow(readme, message):
 def test_recipe_calls_finds_recipes_inside_launchers_and_quoted_commands():
   assert recipe_calls("python recipes/launch/launch_local.py --num_processes=2 -- recipes/train_lm.py "
                       "--steps=3 && echo done") == [
-                          ("launch_local", ["--num_processes=2"]), ("train_lm", ["--steps=3"])]
+                          ("launch/launch_local", ["--num_processes=2"]),
+                          ("train_lm", ["--steps=3"])]
   assert recipe_calls('gcloud ssh X --worker=all --command="cd fnscale && python '
                       'recipes/train_lm.py --model=small"') == [("train_lm", ["--model=small"])]
   assert recipe_calls("srun -N 4 python -m recipes.plan --measure # --not_a_flag") == [
       ("plan", ["--measure"])]
+  assert recipe_calls("python -m recipes.bench.step --sizes=nano") == [
+      ("bench/step", ["--sizes=nano"])]
   assert recipe_calls("tensorboard --logdir runs") == []
 
 

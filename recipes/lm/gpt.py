@@ -31,12 +31,14 @@ VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=
 
 
 class ModelConfig(NamedTuple):
-  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2."""
+  """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2. `positions`: rows of the learned
+  position table (GPT-2's n_positions, 1024); 0: `seq`."""
   layers: int
   d_model: int
   heads: int
   seq: int
   vocab: int = VOCAB
+  positions: int = 0
 
   @property
   def head_dim(self) -> int:
@@ -84,7 +86,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   ln = lambda: {"scale": jnp.ones((L, D)), "bias": jnp.zeros((L, D))}
   return {
       "wte": normal(ks[0], (cfg.vocab, D), std),
-      "wpe": normal(ks[1], (cfg.seq, D), std),
+      "wpe": normal(ks[1], (cfg.positions or cfg.seq, D), std),
       "blocks": {
           "ln1": ln(),
           "attn": {
@@ -251,17 +253,19 @@ def check_positions(positions) -> None:
         "fnscale.global_batch.")
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False, positions=None,
-          segment_ids=None) -> jax.Array:
+def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
+          cfg: ModelConfig | None = None, positions=None, segment_ids=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
   block whatever the depth); `remat=True` recomputes each block's activations in the backward
-  pass (`jax.checkpoint`) to trade FLOPs for memory. `positions`, `segment_ids`: int
-  [batch, seq] (default 0..seq-1, one sequence per row); positions are required under a
-  context axis (`check_positions`).
+  pass (`jax.checkpoint`) to trade FLOPs for memory. `cfg` is taken for the interface the
+  Llama shares (whose RoPE settings aren't shapes); GPT-2's forward needs only the params.
+  `positions`, `segment_ids`: int [batch, seq] (default 0..seq-1, one sequence per row);
+  positions are required under a context axis (`check_positions`).
   """
+  del cfg
   seq = tokens.shape[1]
   check_positions(positions)
   wpe = params["wpe"][:seq] if positions is None else params["wpe"][positions]
@@ -273,12 +277,13 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False, positions=Non
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
+def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+            cfg: ModelConfig | None = None) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`."""
-  logits = apply(params, batch["inputs"], remat=remat, positions=batch.get("positions"),
-                 segment_ids=batch.get("segment_ids"))
+  logits = apply(params, batch["inputs"], remat=remat, cfg=cfg,
+                 positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

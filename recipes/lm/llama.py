@@ -3,7 +3,10 @@
 Pre-RMSNorm blocks (Zhang & Sennrich 2019), rotary positions (Su et al. 2021, "RoFormer"),
 a SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer"), grouped-query attention
 (Ainslie et al. 2023, "GQA") through `fnscale.attention`, and an output layer untied from the
-token embedding, as in Llama 3 (Grattafiori et al. 2024, "The Llama 3 Herd of Models").
+token embedding, as in Llama 3 (Grattafiori et al. 2024, "The Llama 3 Herd of Models"). The
+variants of open models are config fields: Llama 3.1/3.2's RoPE frequency scaling and tied
+embeddings, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, a head width other than
+d_model / heads (recipes/lm/hf_maps.py reads them from a Hugging Face config.json).
 
 Module interface (shared with the GPT in `train_lm.py`): `ModelConfig`, `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
@@ -24,17 +27,32 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fnscale as fs
 from fnscale.analysis import flops
 from recipes.lm import gpt
 
 
+class RopeScaling(NamedTuple):
+  """Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"` in a Hugging Face config):
+  wavelengths above original_max_position / low_freq_factor are stretched by `factor`,
+  those below original_max_position / high_freq_factor kept, the band between blended."""
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
 class ModelConfig(NamedTuple):
   """Shape of the decoder.
 
-  `heads` query heads share `kv_heads` key/value heads (GQA); head_dim = d_model / heads.
-  `rope_theta` is the rotary base (500000 in Llama 3); `norm_eps` RMSNorm's epsilon.
+  `heads` query heads share `kv_heads` key/value heads (GQA); head_dim = `head_size` if set,
+  else d_model / heads. `rope_theta` is the rotary base (500000 in Llama 3),
+  `rope_scaling` Llama 3.1's frequency scaling (None: plain RoPE); `norm_eps` RMSNorm's
+  epsilon. `tie_embeddings`: the output layer is the token embedding (no `unembed` leaf);
+  `qkv_bias`: biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of
+  q and k before RoPE (Qwen3).
   """
   layers: int
   d_model: int
@@ -45,10 +63,15 @@ class ModelConfig(NamedTuple):
   vocab: int = 256
   rope_theta: float = 500_000.0
   norm_eps: float = 1e-5
+  head_size: int = 0
+  rope_scaling: RopeScaling | None = None
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.heads
+    return self.head_size or self.d_model // self.heads
 
 
 LLAMA3_VOCAB = 128_256
@@ -56,12 +79,17 @@ LLAMA3_VOCAB = 128_256
 # (arXiv:2407.21783), table 3 (8B: 32 layers, d 4096, FFN 14336, 32 heads, 8 KV heads;
 # 70B: 80 layers, d 8192, FFN 28672, 64 heads, 8 KV heads; vocabulary 128256, RoPE base
 # 500000), and the Llama 3.2 1B model card / params.json (16 layers, d 2048, FFN 8192, 32
-# heads, 8 KV heads). Meta ties the 1B's embeddings; here every size has an untied output
-# layer, so `llama-1b` holds 1.50B params rather than 1.24B. `llama-tiny` is byte-level.
+# heads, 8 KV heads; 3B: 28 layers, d 3072, FFN 8192, 24 heads, 8 KV heads), both with tied
+# embeddings and Llama 3.1's RoPE scaling at factor 32 (their config.json): 1,235,814,400 and
+# 3,212,749,824 params. `llama-tiny` is byte-level.
+LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position=8192)
 SIZES = {
     "llama-tiny": dict(layers=4, d_model=256, heads=8, kv_heads=2, d_mlp=768, vocab=256),
     "llama-1b": dict(layers=16, d_model=2048, heads=32, kv_heads=8, d_mlp=8192,
-                     vocab=LLAMA3_VOCAB),
+                     vocab=LLAMA3_VOCAB, tie_embeddings=True, rope_scaling=LLAMA32_ROPE),
+    "llama-3b": dict(layers=28, d_model=3072, heads=24, kv_heads=8, d_mlp=8192,
+                     vocab=LLAMA3_VOCAB, tie_embeddings=True, rope_scaling=LLAMA32_ROPE),
     "llama-8b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, d_mlp=14336,
                      vocab=LLAMA3_VOCAB),
     "llama-70b": dict(layers=80, d_model=8192, heads=64, kv_heads=8, d_mlp=28672,
@@ -91,14 +119,15 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   """float32 params; block params stacked along a leading `layers` axis for `lax.scan`.
 
   Weights N(0, 0.02), the two residual output projections scaled by 1/sqrt(2 layers)
-  (GPT-2's scheme), RMSNorm scales one.
+  (GPT-2's scheme), RMSNorm scales one, biases zero. Tied embeddings: no `unembed`; q/k/v
+  biases add `bq`, `bk`, `bv`; q/k norm adds `q_norm`, `k_norm` (scales over head_dim).
   """
   L, D, H, G, K, F = (cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim,
                       cfg.d_mlp)
   ks = jax.random.split(key, 9)
   std, res = 0.02, 0.02 / math.sqrt(2 * L)
   normal = lambda k, shape, s: s * jax.random.normal(k, shape, jnp.float32)
-  return {
+  params = {
       "embed": normal(ks[0], (cfg.vocab, D), std),
       "blocks": {
           "attn_norm": jnp.ones((L, D)),
@@ -114,12 +143,30 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
       "final_norm": jnp.ones((D,)),
       "unembed": normal(ks[8], (D, cfg.vocab), std),
   }
+  extra = {"bq": jnp.zeros((L, H, K)), "bk": jnp.zeros((L, G, K)), "bv": jnp.zeros((L, G, K)),
+           "q_norm": jnp.ones((L, K)), "k_norm": jnp.ones((L, K))}
+  return _variant(params, extra, cfg)
+
+
+def _variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
+  """`tree` (params or their axes) for cfg's variant: without `unembed` when tied, with the
+  bias and q/k norm leaves of `extra` when the config has them."""
+  out = {k: v for k, v in tree.items() if not (k == "unembed" and cfg.tie_embeddings)}
+  names = (("bq", "bk", "bv") if cfg.qkv_bias else ()) + (
+      ("q_norm", "k_norm") if cfg.qk_norm else ())
+  out["blocks"] = {**tree["blocks"], **{k: extra[k] for k in names}}
+  return out
 
 
 def logical_axes(cfg: ModelConfig) -> dict:
   """Logical axis names of every param (same tree as `init_params`)."""
-  del cfg
-  return {
+  return _variant(_AXES, {"bq": ("layers", "heads", "head_dim"),
+                          "bk": ("layers", "kv_heads", "head_dim"),
+                          "bv": ("layers", "kv_heads", "head_dim"),
+                          "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}, cfg)
+
+
+_AXES = {
       "embed": ("vocab", "embed"),
       "blocks": {
           "attn_norm": ("layers", "norm"),
@@ -134,7 +181,7 @@ def logical_axes(cfg: ModelConfig) -> dict:
       },
       "final_norm": ("norm",),
       "unembed": (None, "vocab_out"),
-  }
+}
 
 
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
@@ -175,13 +222,33 @@ def rms_norm(x, scale, eps: float = 1e-5):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta: float, positions=None):
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> np.ndarray:
+  """RoPE's inverse frequencies theta^(-2i/head_dim), i < head_dim / 2, float32 [head_dim/2]
+  (computed in float64, then rounded), with Llama 3.1's scaling when given: wavelength
+  2 pi / f above original / low_freq_factor -> f / factor; below original /
+  high_freq_factor -> f; between, (1 - s) f / factor + s f with s = (original / wavelength -
+  low) / (high - low) (Meta's llama-models reference, `apply_scaling`)."""
+  half = head_dim // 2
+  freq = float(theta) ** (-np.arange(half, dtype=np.float64) / half)
+  if scaling is not None:
+    c, lo, hi = (scaling.original_max_position, scaling.low_freq_factor,
+                 scaling.high_freq_factor)
+    wavelength = 2 * math.pi / freq
+    smooth = (c / wavelength - lo) / (hi - lo)
+    blend = (1 - smooth) * freq / scaling.factor + smooth * freq
+    freq = np.where(wavelength < c / hi, freq,
+                    np.where(wavelength > c / lo, freq / scaling.factor, blend))
+  return freq.astype(np.float32)
+
+
+def rope(x, theta: float, scaling: RopeScaling | None = None, positions=None):
   """Rotary positions on x [batch, seq, heads, head_dim]: pair i with i + head_dim/2 and
-  rotate the pair at position p by p * theta^(-2i/head_dim) (the "rotate half" layout).
-  `positions`: int [batch, seq], each token's position (default 0..seq-1 in every row; a
-  reordered or packed sequence gives its own)."""
+  rotate the pair at position p by p * `rope_frequencies(...)[i]` (the "rotate half"
+  layout). `positions`: int [batch, seq], each token's position (default 0..seq-1 in every
+  row; a reordered or packed sequence gives its own)."""
   seq, half = x.shape[1], x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  freq = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
   if positions is None:
     positions = jnp.arange(seq)[None]
   ang = positions.astype(jnp.float32)[..., None] * freq  # [batch or 1, seq, half]
@@ -200,11 +267,10 @@ def _block(x, p, cfg: ModelConfig, positions=None, segment_ids=None):
   # q, k, v and the attention output too: on a multi-slice mesh GSPMD otherwise computed the
   # k/v projections and the output projection's backward for both slices' rows (Llama-1B on
   # 2 x v5p-8: HLO matmul FLOPs 1.105 x the traced step's without these, 1.033 with).
-  q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), cfg.rope_theta,
-                              positions))
-  k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"]), cfg.rope_theta,
-                              positions))
-  v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
+  q, k, v = (_project(h, p, name, cfg) for name in ("q", "k", "v"))
+  q = fs.constrain_batch(rope(q, cfg.rope_theta, cfg.rope_scaling, positions))
+  k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling, positions))
+  v = fs.constrain_batch(v)
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
@@ -213,22 +279,38 @@ def _block(x, p, cfg: ModelConfig, positions=None, segment_ids=None):
   return x + jnp.einsum("bsf,fd->bsd", g * u, p["w_down"])
 
 
-def _config_of(params: dict, tokens) -> ModelConfig:
-  """Static shape facts read off the params (so `apply` needs no config argument)."""
+def _project(h, p, name: str, cfg: ModelConfig):
+  """q, k or v [batch, seq, heads, head_dim]: the projection, its bias and its per-head RMSNorm
+  where the params have them (Qwen2's biases, Qwen3's q/k norm)."""
+  out = jnp.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
+  if f"b{name}" in p:
+    out = out + p[f"b{name}"].astype(out.dtype)
+  if f"{name}_norm" in p:
+    out = rms_norm(out, p[f"{name}_norm"], cfg.norm_eps)
+  return out
+
+
+def _config_of(params: dict, tokens, cfg: ModelConfig | None, rope_theta: float
+               ) -> ModelConfig:
+  """Static shape facts read off the params (so `apply` needs no config argument); RoPE and
+  RMSNorm settings from `cfg` (default Llama 3's, with `rope_theta`)."""
   wq, wk = params["blocks"]["wq"], params["blocks"]["wk"]
   L, D, H, K = wq.shape
-  return ModelConfig(layers=L, d_model=D, heads=H, kv_heads=wk.shape[2],
-                     d_mlp=params["blocks"]["w_up"].shape[-1], seq=tokens.shape[1],
-                     vocab=params["unembed"].shape[-1])
+  base = ModelConfig(0, 0, 0, 0, 0, 0, rope_theta=rope_theta) if cfg is None else cfg
+  return base._replace(layers=L, d_model=D, heads=H, kv_heads=wk.shape[2], head_size=K,
+                       d_mlp=params["blocks"]["w_up"].shape[-1], seq=tokens.shape[1],
+                       vocab=params["embed"].shape[0])
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           rope_theta: float = 500_000.0, positions=None, segment_ids=None) -> jax.Array:
+           rope_theta: float = 500_000.0, cfg: ModelConfig | None = None,
+           positions=None, segment_ids=None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
-  params' dtype (after the last RMSNorm, before the output layer). `positions`,
-  `segment_ids`: int [batch, seq] (packed rows, a context-parallel order); under a context
-  axis positions are required (`gpt.check_positions`)."""
-  cfg = _config_of(params, tokens)._replace(rope_theta=rope_theta)
+  params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
+  (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params.
+  `positions`, `segment_ids`: int [batch, seq] (packed rows, a context-parallel order);
+  under a context axis positions are required (`gpt.check_positions`)."""
+  cfg = _config_of(params, tokens, cfg, rope_theta)
   gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
   block = lambda x, p: _block(x, p, cfg, positions, segment_ids)
@@ -237,20 +319,28 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   return rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps)
 
 
+def output_layer(params: dict) -> jax.Array:
+  """The output projection [d_model, vocab]: `unembed`, or the embedding's transpose when
+  tied (no `unembed` leaf)."""
+  return params["unembed"] if "unembed" in params else params["embed"].T
+
+
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          rope_theta: float = 500_000.0, positions=None, segment_ids=None) -> jax.Array:
+          rope_theta: float = 500_000.0, cfg: ModelConfig | None = None,
+          positions=None, segment_ids=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
-  the backward pass (`jax.checkpoint`, nothing saved inside a block).
+  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`: as in `hidden`.
   """
-  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, positions=positions,
-             segment_ids=segment_ids)
-  return jnp.einsum("bsd,dv->bsv", x, params["unembed"]).astype(jnp.float32)
+  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, cfg=cfg,
+             positions=positions, segment_ids=segment_ids)
+  return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
+def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+            cfg: ModelConfig | None = None) -> jax.Array:
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
@@ -261,12 +351,14 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False) -> jax.Array:
   forward pass (the plain loss's matmul FLOPs, no logits recomputed): the float32
   [batch, seq, vocab] logits never exist, which at Llama 3's 128256-token vocabulary would
   be the step's largest buffer (2 GiB per 4096-token row). Vocab-parallel over the axes
-  the output layer is split on (`VOCAB_OUT_AXES`)."""
-  x = hidden(params, batch["inputs"], remat=remat, positions=batch.get("positions"),
+  the output layer is split on (`VOCAB_OUT_AXES`; a tied embedding is split by vocabulary over
+  "tensor" only). `cfg`: as in `hidden` (RoPE and RMSNorm settings; default Llama 3's)."""
+  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, positions=batch.get("positions"),
              segment_ids=batch.get("segment_ids"))
+  axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
   # [batch, seq, d]: the tokens stay where they are, the sequence split too.
-  return fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
-                          vocab_axes=VOCAB_OUT_AXES)
+  return fs.cross_entropy(x, output_layer(params).astype(x.dtype), batch["targets"],
+                          vocab_axes=axes)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -278,8 +370,13 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-  """Every param: matmul weights, the embedding table and the RMSNorm scales."""
-  return matmul_params(cfg) + cfg.vocab * cfg.d_model + (2 * cfg.layers + 1) * cfg.d_model
+  """Every param: matmul weights, the embedding table (once when tied: it is the output
+  layer), the RMSNorm scales, q/k/v biases and q/k norm scales."""
+  K, L = cfg.head_dim, cfg.layers
+  extra = (L * K * (cfg.heads + 2 * cfg.kv_heads) if cfg.qkv_bias else 0) + (
+      2 * L * K if cfg.qk_norm else 0)
+  embed = 0 if cfg.tie_embeddings else cfg.vocab * cfg.d_model
+  return matmul_params(cfg) + embed + (2 * L + 1) * cfg.d_model + extra
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
