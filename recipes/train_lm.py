@@ -66,6 +66,10 @@ class Options:
   precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
+  context: str = h.option("all_gather", "attention over a sequence split by a 'context' mesh "
+                          "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
+  context_order: str = h.option("zigzag", "the order the context shards hold the sequence "
+                                "in: zigzag (balanced causal work), striped or contiguous")
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
@@ -262,11 +266,12 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
   step_fn = fs.train_step(functools.partial(model.loss_fn, remat=o.remat, cfg=s.cfg), optimizer,
                           policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather)
-  step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), attention=o.attention),
+  kernels = dict(attention=o.attention, context=o.context, context_order=o.context_order)
+  step_fn = fs.shard_step(fs.with_kernel(_with_finite_flag(step_fn), **kernels),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: model.loss_fn(cast(p), b, cfg=s.cfg),
-                                     attention=o.attention))
+                                     **kernels))
   peak, peak_note = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
     kw = dict(mesh=s.mesh, rules=model.RULES, logical_axes=axes, policy=policy)
@@ -275,16 +280,15 @@ def _run(s: Setup, corpus, ckpt, t0: float, say, should_stop) -> h.Summary:
     if o.init_from:
       init = _from_hf(s, init, functools.partial(fs.init_state, optimizer=optimizer, **kw))
     # grain reads this process's rows; fs.global_batch makes one array over every process.
-    bsh = fs.batch_sharding(s.mesh)
-    batches, evals = data.batches(corpus, bsh, s.cfg.seq, o.global_batch, o.seed,
-                                  o.eval_batches)
+    batches, evals = data.batches(corpus, fs.batch_sharding(s.mesh, context_axes=()),
+                                  s.cfg.seq, o.global_batch, o.seed, o.eval_batches)
     state, start, extra = _resume(s, ckpt, init, batches, corpus, say)
     resumed = None if extra is None else start
     h.say_save_window(ckpt, o.grace_s, say)
     if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
       fs.checkpoint.nonfinite_leaves(state)
-    eval_batches = [fs.global_batch(b, bsh) for b in evals]
-    first = fs.global_batch(next(batches), bsh)
+    eval_batches = [_put(s, b) for b in evals]
+    first = _put(s, next(batches))
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     report = fs.compile_report(step_fn, state, first)
@@ -340,6 +344,14 @@ def _export_hf(s: Setup, state, say) -> None:
                           config=hf_maps.to_config(m),
                           tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
   say(f"exported a Hugging Face checkpoint to {o.export_hf} ({time.time() - t:.1f} s)")
+
+
+def _put(s: Setup, batch: dict):
+  """This process's rows as global arrays; under a context axis first put in the order its
+  shards hold the sequence (with the positions the model then needs)."""
+  if fs.parallel.context.shards(s.mesh) > 1:
+    batch = fs.parallel.context.reorder_batch(batch, s.mesh, s.o.context_order)
+  return fs.global_batch(batch, fs.batch_sharding(s.mesh))
 
 
 def _resume(s: Setup, ckpt, init, batches, corpus: data.Corpus, say):
@@ -435,7 +447,7 @@ def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say,
   step, which includes dispatch warm-up."""
   (log, prof), m, o = log_prof, None, s.o
   last, timing, stopped, t_train, stall = {}, None, None, time.time(), h.Stall()
-  batch_sharding, every = fs.batch_sharding(s.mesh), o.checkpoint_every
+  every = o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
   for step in range(start, o.steps):
     prof.at_step(step, pending=m)
@@ -457,7 +469,7 @@ def _train(s: Setup, state, step_fn, batches, batch, start, schedule, peak, say,
       if timing is not None:  # the save's time stays out of the timing
         timing = timing._replace(mark_s=timing.mark_s + time.time() - t_save)
     if done < o.steps and not stopped:
-      batch = fs.global_batch(next(batches), batch_sharding)  # while it runs
+      batch = _put(s, next(batches))  # while it runs
     if timing is None:
       jax.block_until_ready(m["loss"])
       timing, early = _Timing(time.time(), done), done + EARLY_ETA_STEPS

@@ -32,7 +32,9 @@ wraps its `jit_and_compile` to keep the compiled program's text, memory and comp
 `with_kernel(context=...)` ("ring" runs MaxText's Tokamax splash, which its ring needs);
 `--load_balance` is MaxText's `context_parallel_load_balance` (its dual-chunk-swap order)
 and fnscale's zigzag order (else contiguous); fnscale's batch carries the positions its
-Llama needs under a context axis. `--batch` is rows per device (a fraction under a context
+Llama needs under a context axis, and with `--packed` the segment ids MaxText's synthetic
+batches carry (its splash kernels are then the segmented ones on both sides). `--batch` is
+rows per device (a fraction under a context
 axis: 0.25 on 4 devices is one row). Each side's HLO, memory and a JSON of the table land
 in `--out`.
 """
@@ -120,7 +122,7 @@ def fnscale_side(a) -> None:
   axes = llama.logical_axes(cfg)
   rows = _rows(a, len(devices))
   keys = ("inputs", "targets") + (("positions",) if fs.parallel.context.shards(mesh) > 1
-                                  else ())
+                                  else ()) + (("segment_ids",) if a.packed else ())
   batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in keys}
   order = "zigzag" if a.load_balance else "contiguous"
   with fs.with_mesh(mesh):
@@ -235,6 +237,9 @@ def _flags(argv=None):
                  "when a context axis splits the rows: 0.25 on 4 devices is one row)")
   p.add_argument("--context_strategy", default="all_gather", choices=("all_gather", "ring"),
                  help="context parallelism's attention (MaxText's context_parallel_strategy)")
+  p.add_argument("--packed", action="store_true",
+                 help="fnscale's batch carries segment ids, as MaxText's synthetic batches "
+                 "do (its attention runs splash's segmented kernels)")
   p.add_argument("--load_balance", default=True, action=argparse.BooleanOptionalAction,
                  help="causal load balance under a context axis (MaxText's "
                  "context_parallel_load_balance; fnscale's zigzag order)")

@@ -305,9 +305,9 @@ def generate(apply_fn, params: dict, prompt: list[int], length: int, *, seq: int
              temperature: float, seed: int, attention: str = "auto") -> list[int]:
   """Continues `prompt` (token ids) by `length` tokens: greedy at temperature 0, else sampled.
 
-  Model-agnostic (`apply_fn(params, tokens)` -> logits [batch, seq, vocab]). Each new token
-  is predicted from the last `seq` tokens (a sliding window; a model this small needs no KV
-  cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
+  Model-agnostic (`apply_fn(params, tokens, positions=)` -> logits [batch, seq, vocab]). Each
+  new token is predicted from the last `seq` tokens (a sliding window; a model this small
+  needs no KV cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
   across processes); all get the same tokens.
   """
   prompt = list(prompt or [0])[-seq:]
@@ -322,7 +322,8 @@ def generate(apply_fn, params: dict, prompt: list[int], length: int, *, seq: int
       tokens, key = carry
       start = jnp.clip(pos - seq, 0, total - seq)
       window = jax.lax.dynamic_slice(tokens, (0, start), (1, seq))
-      logits = apply_fn(params, window)[0]
+      # Positions given: under a mesh that splits the sequence a model asks for them.
+      logits = apply_fn(params, window, positions=jnp.arange(seq, dtype=jnp.int32)[None])[0]
       logits = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, keepdims=False)
       key, sub = jax.random.split(key)
       if temperature > 0:
@@ -335,6 +336,8 @@ def generate(apply_fn, params: dict, prompt: list[int], length: int, *, seq: int
     return jax.lax.fori_loop(p, p + length, body, init)[0]
 
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  run = jax.jit(fs.with_kernel(_run, attention=attention), out_shardings=replicated)
+  # A window is in sequence order, whatever order training fed a context axis.
+  run = jax.jit(fs.with_kernel(_run, attention=attention, context_order="contiguous"),
+                out_shardings=replicated)
   out = np.asarray(run(params).addressable_data(0))
   return out[0, p:p + length].tolist()
