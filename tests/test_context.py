@@ -394,3 +394,66 @@ def test_tpu_program_runs_splash_inside_each_form(form, tpu_devices):
     assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4  # the ids only
   else:
     assert summary.collective("all-gather").bytes_sent == 3 / 4 * (kv + b * s * 4)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def _long_profile(tokens: int, rows: int = 16) -> "object":
+  """A Llama-8B-like profile at `tokens` per row (per-row figures scale with the tokens;
+  attention quadratically)."""
+  from fnscale.analysis import _cost  # pylint: disable=import-outside-toplevel
+  params, layers, d, kv = 8.03e9, 32, 4096, 8 * 128
+  attn = 12 * layers * d * tokens * tokens
+  return _cost.Profile(
+      params=int(params), param_bytes=4 * params, opt_bytes=8 * params, compute_bytes=2 * params,
+      grad_bytes=4 * params, flops_row=6 * params * tokens + attn,
+      flops_row_remat=8 * params * tokens + attn * 4 / 3, act_row=40 * layers * d * tokens,
+      act_row_remat=2 * layers * d * tokens, layers=layers, stream_row=2 * d * tokens,
+      rows=rows, has_remat=True, attn_row=attn, attn_row_remat=attn * 4 / 3,
+      causal_share=1.0, attn_kernel=True, tokens_row=tokens,
+      act_row_stream=2 * layers * d * tokens, act_row_remat_stream=2 * layers * d * tokens,
+      kv_row=layers * 2 * tokens * kv * 2)
+
+
+def test_planner_considers_context_only_for_long_sequences():
+  from fnscale.analysis import _targets  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis.plan import _meshes  # pylint: disable=import-outside-toplevel
+  hw = _targets.resolve("v5p-128")
+  short = _meshes(hw, 16, 8, 4096)
+  long = _meshes(hw, 16, 8, 131072)
+  assert not any("context" in m.ici for m in short)
+  sizes = sorted({m.ici.get("context", 1) for m in long})
+  assert sizes == [1, 2, 4, 8, 16, 32]  # shards of >= 4096 tokens; 64 would hold 2048
+  # Every mesh covers the slice, and its data axes split the 16 rows.
+  assert all(np.prod(list(m.ici.values())) == 64 for m in long)
+  assert all(16 % (m.ici.get("data", 1) * m.ici.get("fsdp", 1)) == 0 for m in long)
+
+
+def test_planner_costs_the_context_axis_by_hand():
+  from fnscale.analysis import _cost, _targets  # pylint: disable=import-outside-toplevel
+  hw, prof = _targets.resolve("v5p-128"), _long_profile(131072)
+  ici = {"fsdp": 16, "context": 4}
+  est = _cost.estimate(prof, hw, ici, {}, True, 1)
+  bw = _cost.axis_bandwidth(hw, ici, {})
+  rows = 16 / 16  # rows per device of the fsdp group
+  # K/V gathered forward and again under remat, their gradients reduce-scattered.
+  assert est.comm_s["context"] == pytest.approx(3 * 3 / 4 * prof.kv_row * rows / bw["context"])
+  # Params over the 64-device fsdp x context group, on both axes' links.
+  per_step = 2 * prof.compute_bytes + prof.grad_bytes
+  assert est.comm_s["fsdp+context"] == pytest.approx(
+      63 / 64 * per_step / (bw["fsdp"] + bw["context"]))
+  # A device holds a quarter of its row's activations and 1/64 of the state.
+  plain = _cost.estimate(prof, hw, {"fsdp": 16, "tensor": 4}, {}, True, 1)
+  assert est.acts == pytest.approx(_cost.act_per_row(prof, True, 1)[0] * rows / 4)
+  assert est.params == pytest.approx(prof.param_bytes / 64) == plain.params
+
+
+def test_profile_counts_the_keys_and_values_attention_takes():
+  from fnscale.analysis import _cost  # pylint: disable=import-outside-toplevel
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
+  params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
+  batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
+  kv = _cost._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
+  assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32

@@ -325,17 +325,16 @@ def _ordered_causal(seq: int, shards: int, order: str):
   return mask
 
 
-@functools.lru_cache(maxsize=16)
 def _whole_kernel(seq: int, shards: int, order: str, heads: int, kv_heads: int, tile: int,
                   causal: bool, interpret: bool):
   """The splash kernel for the whole [seq, seq] mask, its mask split by query rows into
-  `shards` (cached: building a long sequence's mask metadata takes seconds; pure)."""
+  `shards`. Built in the trace (its metadata arrays are the program's constants); the
+  costly part, the mask's block metadata in numpy, jax caches by mask."""
   splash, masks = _splash_lib()
   mask = _ordered_causal(seq, shards, order) if causal else masks.FullMask((seq, seq))
   make = splash.make_splash_mqa if kv_heads == 1 else splash.make_splash_mha
-  with jax.ensure_compile_time_eval():  # concrete metadata, even when first built in a trace
-    return make(masks.MultiHeadMask([mask] * heads), block_sizes=_blocks(tile, seq, seq),
-                head_shards=1, q_seq_shards=shards, interpret=interpret)
+  return make(masks.MultiHeadMask([mask] * heads), block_sizes=_blocks(tile, seq, seq),
+              head_shards=1, q_seq_shards=shards, interpret=interpret)
 
 
 def _splash_whole(p: ContextPlan, q_shape, kv_heads: int, mesh, causal: bool):
@@ -467,18 +466,16 @@ def _xla_block_grads(q, k, v, q_ids, kv_ids, mask: str, scale, lse, d_out, di):
   return dq, dk, dv
 
 
-@functools.lru_cache(maxsize=64)
 def _block_kernel(mask: str, rows: int, cols: int, heads: int, kv_heads: int, tile: int,
                   interpret: bool):
-  """The splash kernel of one ring case's block (cached: pure)."""
+  """The splash kernel of one ring case's block (built in the trace, as `_whole_kernel`)."""
   splash, masks = _splash_lib()
   shape = (rows, cols)
   m = {"causal": lambda: masks.CausalMask(shape), "strict": lambda: masks.CausalMask(
       shape, offset=-1), "full": lambda: masks.FullMask(shape)}[mask]()
   make = splash.make_splash_mqa if kv_heads == 1 else splash.make_splash_mha
-  with jax.ensure_compile_time_eval():  # concrete metadata, even when first built in a trace
-    return make(masks.MultiHeadMask([m] * heads), block_sizes=_blocks(tile, rows, cols),
-                head_shards=1, q_seq_shards=1, interpret=interpret)
+  return make(masks.MultiHeadMask([m] * heads), block_sizes=_blocks(tile, rows, cols),
+              head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash_operands(q, k, v, q_ids, kv_ids, scale):
