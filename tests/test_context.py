@@ -457,3 +457,26 @@ def test_profile_counts_the_keys_and_values_attention_takes():
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
   kv = _cost._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
+
+
+# ----------------------------------------------------------------------------- the main job
+
+
+@pytest.mark.slow
+def test_train_lm_on_a_context_axis_matches_the_batch_split_run(work, tmp_path):
+  """`train_lm --mesh=data=2,context=4` end to end on 8 CPU devices (Llama, both forms):
+  its losses are those of the same global batch on data=8."""
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  run = lambda name, **kw: train_lm.train_lm(**{**dict(
+      model_config="llama-tiny", seq=64, global_batch=8, steps=3, log_every=1,
+      eval_batches=1, sample_len=8, dataset=str(work / "corpus.txt"),
+      run_dir=str(tmp_path / name), checkpoint=False,
+      compile_cache_dir=str(work / "cache")), **kw})
+  plain = run("data", mesh="data=8")
+  gathered = run("gather", mesh="data=2,context=4")
+  ring = run("ring", mesh="data=2,context=4", context="ring", context_order="striped")
+  assert gathered.mesh == ring.mesh == {"data": 2, "context": 4}
+  for split in (gathered, ring):
+    assert split.final_step == 3 and split.sample
+    assert split.loss == pytest.approx(plain.loss, abs=1e-4)
+    assert split.eval_loss == pytest.approx(plain.eval_loss, abs=1e-4)

@@ -12,7 +12,10 @@ never has to partition a custom call it can't (Mosaic kernels can't be partition
 automatically at all). The mesh is the one passed, else the ambient one (`with_mesh` /
 `jax.set_mesh`, also when set only inside the trace), else the one q's sharding names (a
 jitted call whose arguments carry `NamedSharding`s, also over a TPU topology description).
-Sequence and head_dim stay whole inside each shard.
+Sequence and head_dim stay whole inside each shard, unless the mesh has a context axis:
+then the sequence is split over it and attention runs in one of the context forms of
+`fnscale.kernels.context_attention` (all-gathered K/V or a ring of K/V blocks,
+`with_kernel(..., context=...)`), the kernel inside each shard chosen there.
 
 Kernels: splash attention (Pallas TPU, jax.experimental.pallas.ops.tpu.splash_attention),
 flash attention (Dao et al., 2022, arXiv:2205.14135) through cuDNN and Pallas/Triton
@@ -329,7 +332,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     mesh: shard the kernel over this mesh (a `Mesh`, also over TPU topology-description
       devices, or an `AbstractMesh`); default: the context mesh (`jax.set_mesh` /
       `fnscale.with_mesh`), else the mesh of q's `NamedSharding` (under `jax.jit`, the
-      arguments' shardings), else none.
+      arguments' shardings), else none. A mesh with a context axis (size > 1) splits the
+      sequence: q, k, v and segment_ids come in the order `with_kernel`'s
+      `context_order` names (`fnscale.parallel.context.reorder_batch`), self-attention
+      only, no sliding window.
 
   Returns:
     [batch, q_seq, heads, head_dim] in q's dtype.
