@@ -447,6 +447,11 @@ def test_planner_costs_the_context_axis_by_hand():
   plain = _cost.estimate(prof, hw, {"fsdp": 16, "tensor": 4}, {}, True, 1)
   assert est.acts == pytest.approx(_cost.act_per_row(prof, True, 1)[0] * rows / 4)
   assert est.params == pytest.approx(prof.param_bytes / 64) == plain.params
+  # Context alone: the params' group and the K/V traffic both on its links.
+  alone = _cost.estimate(prof, hw, {"data": 2, "context": 32}, {}, False, 1)
+  bw = _cost.axis_bandwidth(hw, {"data": 2, "context": 32}, {})
+  assert alone.comm_s["context"] == pytest.approx(
+      31 / 32 * per_step / bw["context"] + 2 * 31 / 32 * prof.kv_row * 8 / bw["context"])
 
 
 def test_profile_counts_the_keys_and_values_attention_takes():

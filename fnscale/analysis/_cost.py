@@ -444,7 +444,8 @@ def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, remat: bool, accum: 
           once: bool, rows_mb: float) -> dict:
   """Seconds of each axis's collectives per step (`estimate`); sizes: ICI data, fsdp,
   tensor, context. Params' collectives over fsdp and context are one group, named
-  "fsdp+context" when both split them."""
+  "fsdp+context" when both split them ("context", with the K/V traffic, when only it
+  does)."""
   d, f, t, c = sizes
   frac = lambda n: (n - 1) / n
   reductions = 1 if once else accum
@@ -461,8 +462,8 @@ def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, remat: bool, accum: 
     per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb / c
     comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
   if c > 1:  # K/V gathered forward (again with remat), their gradients reduce-scattered
-    comm["context"] = ((3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * accum
-                       / t / bw["context"])
+    comm["context"] = comm.get("context", 0.0) + (
+        (3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * accum / t / bw["context"])
   for a, n in dcn.items():
     if n > 1:
       comm[a] = reductions * 2 * frac(n) * prof.grad_bytes / shard / bw[a]

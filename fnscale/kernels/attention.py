@@ -298,7 +298,7 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
 def _context_call(call: _Call, requested: str) -> context_attention.ContextCall:
   choice = _CHOICE.value
   return context_attention.ContextCall(
-      call.q_shape, call.k_shape, call.dtype, call.causal, call.segments, call.window,
+      call.q_shape, call.k_shape, call.dtype, call.causal, call.window,
       requested, choice.context, choice.context_order, call.platform, call.interpret,
       call.axis_sizes, call.context_axes, call.batch_axes, call.head_axes)
 

@@ -144,7 +144,6 @@ class ContextCall(NamedTuple):
   k_shape: tuple[int, ...]
   dtype: str
   causal: bool
-  segments: str | None
   window: tuple[int, int] | None
   requested: str
   form: str
