@@ -485,3 +485,48 @@ def test_train_lm_on_a_context_axis_matches_the_batch_split_run(work, tmp_path):
     assert split.final_step == 3 and split.sample
     assert split.loss == pytest.approx(plain.loss, abs=1e-4)
     assert split.eval_loss == pytest.approx(plain.eval_loss, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_planner_ranks_and_compiles_a_context_mesh_for_a_long_row(tpu_devices):
+  """One 32,768-token row of a one-layer Llama-1B on a described v5p-8 (4 chips): no batch
+  split serves it, so the plan ranks context and tensor meshes; context=4 leads the
+  estimate and is compiled, with its HLO matmul FLOPs those of the traced step."""
+  del tpu_devices  # (skips without libtpu)
+  from fnscale.analysis import plan as fs_plan  # pylint: disable=import-outside-toplevel
+  from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
+  p = plan_recipe.make_plan("llama-1b", "v5p-8", 1, 32768, 1, overrides={"layers": 1})
+  rows = {fs_plan.mesh_str(r.axes): r for r in p.rows if not r.remat}
+  assert {"context=4", "context=2 tensor=2", "tensor=4"} <= set(rows)
+  split = rows["context=4"]
+  assert split.compiled is not None and split.fits, p
+  assert split.estimate.comm_s["context"] > 0
+  assert split.compiled.matmul_flops == pytest.approx(
+      fs_plan._dot_flops_row(p.profile, False) * 1 / 4, rel=0.02)  # pylint: disable=protected-access
+  assert p.rows[0].compiled is not None  # the choice is a compiled row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ca.FORMS)
+def test_a_context_axis_across_slices(form, tpu_devices):
+  """`dcn={"context": 2}` over two described v5p-8 slices: the sequence splits across
+  them, and only the form's K/V traffic (and its gradients') crosses the slices."""
+  mesh = fs.make_mesh({"fsdp": 4}, dcn={"context": 2},
+                      devices=tpu_devices("v5p:2x2x1", num_slices=2))
+  b, s, h, kh, d = 4, 1024, 4, 2, 128
+  split = jax.NamedSharding(mesh, jax.P("fsdp", "context"))
+  arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=split)
+  f = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True), context=form)
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
+  with fs.with_mesh(mesh):
+    summary = hlo.summarize(jax.jit(g).lower(arg(b, s, h, d), arg(b, s, kh, d),
+                                             arg(b, s, kh, d)).compile().as_text())
+  kv = 2 * (b // 4) * s * kh * d * 2  # this device's rows' K and V, whole sequence, bf16
+  assert {n for _, n, _ in summary.dcn_groups} == {2}
+  assert summary.collective("all-to-all").count == 0
+  if form == "ring":  # every pass crosses: a K/V block, its float32 dK/dV twice
+    permute = summary.collective("collective-permute")
+    assert summary.dcn_bytes_sent == permute.bytes_sent >= kv / 2 + 2 * kv
+    assert summary.collective("all-gather").count == 0
+  else:  # gathered forward (half of it comes across), the gradients reduce-scattered back
+    assert summary.dcn_bytes_sent == kv / 2 + kv / 2

@@ -843,7 +843,12 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
 # send's attributes name the collective and its slices, e.g.
 # `_xla_megascale_transfer_type="ALL_REDUCE"`, `_xla_megascale_target="{1,2}x{0:3}"` (slices
 # 1 and 2, chips 0 to 3 of each; libtpu with jax 0.10.2 and 0.12). The recv brings the result
-# back: the send alone is the collective, its data (the tuple's first array) the buffer.
+# back: the send alone is the collective, its data (the tuple's first array) its input: the
+# result for an all-reduce or all-to-all, one slice's shard of an all-gather's result, the
+# whole of a reduce-scatter's input (the result's size times the slices). A
+# `ppermute` across slices (a ring over a DCN axis) is a "ONE_TO_ONE" transfer whose target
+# lists device pairs (`{{100000->200000},...}`): a collective-permute, each device sending
+# its buffer once.
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
                     "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
@@ -865,17 +870,22 @@ def _slice_count(listed: str) -> int | None:
 
 def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
   """Adds a megascale send (a collective across slices) to `g`'s collectives, its group the
-  slices it spans; unread where its kind, slices or data can't be read."""
+  slices it spans (2 for a point-to-point transfer); unread where its kind, slices or data
+  can't be read."""
   kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs)
   target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attrs)
   data = _arrays(ins.shape)[:1]
   base = _MEGASCALE_KINDS.get(kind.group(1)) if kind else None
   slices = _slice_count(target.group(1)) if target else None
+  if kind and kind.group(1) == "ONE_TO_ONE" and "_xla_megascale_target={{" in ins.attrs:
+    base, slices = "collective-permute", 2
   if base is None or slices is None or not data:
     g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
     return
   (dtype, dims), = data
-  entry = (base, math.prod(dims) * _dtype_bytes(dtype), slices)
+  sent = math.prod(dims) * _dtype_bytes(dtype)
+  result = {"all-gather": sent * slices, "reduce-scatter": sent / slices}.get(base, sent)
+  entry = (base, result, slices)
   g.colls[comp].append(entry)
   g.dcn[comp].append(entry)
 
