@@ -574,11 +574,11 @@ def batch_sharding(mesh, *, axes=None, context_axes=None) -> NamedSharding:
   axes = _axes.data_axes(mesh) if axes is None else _as_axes(axes, "axes")
   context = (_sequence_axes(mesh) if context_axes is None
              else _as_axes(context_axes, "context_axes"))
-  for a in axes + context:
+  for a, what in [(a, "data-like") for a in axes] + [(a, "context") for a in context]:
     if a not in mesh.axis_names:
       raise ShardingError(
           f"batch axis {a!r} is not in the mesh (axes {tuple(mesh.axis_names)}); fix: pass "
-          "axes that the mesh has, or None for its data-like (context) axes.")
+          f"axes that the mesh has, or None for its {what} axes.")
   both = sorted(set(axes) & set(context))
   if both:
     raise ShardingError(
