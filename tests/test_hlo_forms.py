@@ -98,6 +98,47 @@ def test_guessed_groups_are_reported():
   assert given.unread.count == 0 and given.groups == (("all-reduce", 4, 384.0),)
 
 
+# libtpu under jax 0.12 (a Llama's embedding lookup on v5p): the gather runs on the
+# SparseCore as an asynchronous call whose computations end with their execution thread.
+SPARSECORE = """HloModule m, num_partitions=4
+
+%called_computation (p0: bf16[256,512], p1: s32[64]) -> bf16[64,512] {
+  %p0 = bf16[256,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = s32[64]{0:T(1024)} parameter(1)
+  ROOT %g = bf16[64,512]{1,0:T(8,128)(2,1)} gather(%p0, %p1), offset_dims={1}
+}, execution_thread="sparsecore"
+
+%after (x: bf16[64,512], w: bf16[512,8]) -> bf16[64,8] {
+  %x = bf16[64,512]{1,0} parameter(0)
+  %w = bf16[512,8]{1,0} parameter(1)
+  ROOT %d = bf16[64,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (t: bf16[256,512], i: s32[64], w: bf16[512,8]) -> bf16[64,8] {
+  %t = bf16[256,512]{1,0} parameter(0)
+  %i = s32[64]{0} parameter(1)
+  %w = bf16[512,8]{1,0} parameter(2)
+  %s = ((), (), (s32[1]{0})) call-start(), async_execution_thread="sparsecore", to_apply=%called_computation
+  %u = ((bf16[256,512]{1,0}, s32[64]{0}), bf16[64,512]{1,0}) call-update(%s, %t, %i)
+  %e = bf16[64,512]{1,0} call-done(%u)
+  %r1 = bf16[64,8]{1,0} call(%e, %w), to_apply=%after
+  %r2 = bf16[64,8]{1,0} call(%e, %w), to_apply=%after
+  ROOT %r = bf16[64,8]{1,0} add(%r1, %r2)
+}
+"""
+
+
+def test_an_asynchronous_call_on_another_thread_is_read():
+  s = hlo.summarize(SPARSECORE)
+  assert s.unread == hlo.Unread()
+  # The dot after the offloaded gather, in a computation called twice: 2 x (2 x 64 x 8 x 512).
+  assert s.matmul_flops == 2 * 2 * 64 * 8 * 512
+  # Negative control: a reader that ends computations only at "}" runs the next
+  # computation's lines into this one's, called once: half the FLOPs.
+  legacy = SPARSECORE.replace('}, execution_thread="sparsecore"', '} trailing')
+  assert hlo.summarize(legacy).matmul_flops == 2 * 64 * 8 * 512
+
+
 def test_async_pair_keeps_a_mesh_group_of_its_start():
   # jax 0.10.2 spelling on the -start; the -done carries no groups. 2 x 1/2 x 256 sent.
   text = ("HloModule g, num_partitions=8\n"

@@ -193,6 +193,9 @@ _CALL_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|"
 _CALL_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _LINE_START_RE = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")
+# A computation's last line: "}", or (a computation run on another execution thread, e.g.
+# libtpu's SparseCore gather offload) `}, execution_thread="sparsecore"`.
+_END_RE = re.compile(r'^\}(?:, execution_thread="[\w\-]+")?\s*$')
 _DEVICES_RE = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
 
@@ -397,7 +400,8 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """Computation name -> its instruction lines, and the entry's name. Instruction lines
   outside any computation (a snippet) form the computation named ''. A computation ends at
-  a line that is only "}"; lines that don't start an instruction continue the one above."""
+  a line that is only "}" (or names the execution thread after it: `_END_RE`); lines that
+  don't start an instruction continue the one above."""
   comps: dict[str, list[str]] = {"": []}
   entry, cur = None, None
   for line in text.splitlines():
@@ -410,7 +414,7 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
           entry = cur
       else:
         comps[""].append(line)
-    elif line.strip() == "}":
+    elif _END_RE.match(line):
       cur = None
     elif comps[cur] and not _LINE_START_RE.match(line):
       # An attribute that spans lines (a Pallas kernel's `frontend_attributes` JSON, whose
@@ -801,6 +805,10 @@ _NO_COUNTED_WORK = frozenset((
     "send-done", "set-dimension-size"))
 # Wrappers that call computations which may hold matmuls: never read as async sugar.
 _CALLS_WORK = ("call", "conditional", "fusion", "while")
+# An asynchronous call (libtpu under jax 0.12 offloads an embedding gather to the SparseCore
+# as `call-start(...), to_apply=%called_computation` then `call-update`, `call-done`): the
+# called computation runs once, counted through the start's edge.
+_ASYNC_CALL = ("call-start", "call-update", "call-done")
 
 
 def _does_no_counted_work(op: str) -> bool:
@@ -930,6 +938,8 @@ def _read_computation(comp: str, g: _Graph, dev: _Devices) -> None:
         _dcn_collective(g, comp, ins)
     elif any(op in (c, c + "-start", c + "-done") for c in COLLECTIVE_KINDS):
       _collective(g, comp, ins, starts, name, dev)
+    elif op in _ASYNC_CALL:
+      pass  # Its computation (the -start's to_apply, an edge above) holds the work.
     elif not _does_no_counted_work(op):
       g.unread[comp].append(op)
 
