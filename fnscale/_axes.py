@@ -27,8 +27,8 @@ class AxisConventions(NamedTuple):
       expected there, not warned about).
     head: the tensor-parallel axes that split attention heads (the attention kernel's
       `shard_map` splits heads over those present) and the vocabulary in `cross_entropy`.
-    other: further names the convention gives a meaning (sequence, context, ...), so rules
-      naming them aren't flagged as typos on a mesh without them.
+    other: further names the convention gives a meaning (sequence, ...), so rules naming
+      them aren't flagged as typos on a mesh without them.
     stage: the pipeline axes (`fnscale.parallel.pipeline`): a stacked layer dim's stages
       are split over the first present; outside the pipeline they split the batch like a
       data axis (list them in `data` too), and a mesh with several TPU slices lays one
@@ -37,6 +37,9 @@ class AxisConventions(NamedTuple):
       (`fnscale.parallel.experts`) splits its experts over the first one present and
       exchanges tokens over it. An expert axis also splits the batch (it is in `data`), as
       in MaxText, so the layers around the experts stay data parallel over it.
+    context: the context-parallel axes: activations are split along the sequence (a batch's
+      second dim) over those present (`batch_sharding`, `constrain_batch`, attention's
+      all-gather or ring forms, `cross_entropy`'s tokens).
 
   Examples:
     >>> import fnscale as fs
@@ -53,30 +56,32 @@ class AxisConventions(NamedTuple):
   other: tuple[str, ...] = ()
   stage: tuple[str, ...] = ()
   expert: tuple[str, ...] = ()
+  context: tuple[str, ...] = ()
 
   def names(self) -> frozenset[str]:
     """Every axis name this convention knows."""
     return frozenset(self.data + self.replica + self.head + self.other + self.stage
-                     + self.expert)
+                     + self.expert + self.context)
 
 
 # fnscale's names. "replica": data parallel across slices (DCN); "data": data parallel within
 # a slice; "fsdp": fully sharded data parallel (ZeRO-3), which also splits the batch;
 # "tensor": Megatron-style tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"); "stage":
 # pipeline stages, which outside the pipeline split the batch (as MaxText's "stage" does);
-# "expert": expert parallelism (Lepikhin et al. 2020, "GShard"), which also splits the batch.
+# "expert": expert parallelism (Lepikhin et al. 2020, "GShard"), which also splits the batch;
+# "context": context parallelism, the sequence split (Liu et al. 2023, "Ring Attention").
 FNSCALE = AxisConventions(data=("replica", "stage", "data", "fsdp", "expert"),
                           replica=("replica", "data"), head=("tensor",), stage=("stage",),
-                          expert=("expert",))
+                          expert=("expert",), context=("context",))
 
 # MaxText's mesh axes (configs/base.yml): the input batch is split over data, stage, fsdp,
-# fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; sequence and
-# context split the sequence.
+# fsdp_transpose and expert; heads over the tensor axes its "heads" rule names; context
+# splits the sequence (its "activation_length" rule), as sequence once did.
 MAXTEXT = AxisConventions(
     data=("data", "stage", "fsdp", "fsdp_transpose", "expert"), replica=("data",),
     head=("tensor", "tensor_transpose", "tensor_sequence", "autoregressive"),
-    other=("sequence", "context", "context_autoregressive"), stage=("stage",),
-    expert=("expert",))
+    other=("sequence", "context_autoregressive"), stage=("stage",), expert=("expert",),
+    context=("context",))
 
 # Levanter's mesh axes: the batch over replica and data, params (FSDP) over data, heads and
 # MLP width over "model".
@@ -151,6 +156,12 @@ def data_axes(mesh) -> tuple[str, ...]:
 def stage_axis(mesh) -> str | None:
   """The mesh's pipeline axis (the first of the conventions' stage axes it has), or None."""
   return next((a for a in current().stage if a in mesh.axis_names), None)
+
+
+def context_axes(mesh) -> tuple[str, ...]:
+  """The mesh's context-parallel (sequence-splitting) axes in mesh order."""
+  context = current().context
+  return tuple(a for a in mesh.axis_names if a in context)
 
 
 def head_axes(mesh) -> tuple[str, ...]:

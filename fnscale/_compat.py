@@ -355,3 +355,67 @@ def oom_bytes(text: str) -> float:
   "(18.35G) exceeds" figure, binary units), or inf where the text gives none."""
   m = _OOM_NEED.search(text)
   return float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024 if m else math.inf
+
+
+# ------------------------------------- splash attention's block kernels (pallas.ops.tpu)
+
+def _splash_module():
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as splash)
+  return splash
+
+
+def _splash_masks(kernel):
+  """The kernel's (fwd, dq, dkv) mask infos, each partial-mask-block stack collapsed to one
+  leading dim as the kernel's own entry point does, and its static keyword arguments."""
+  try:
+    infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
+    kwargs = dict(kernel.kwargs)
+  except AttributeError:
+    raise _changed("splash_block_forward", "SplashAttentionKernel has no mask infos") from None
+
+  def collapse(info):
+    if info is None or info.partial_mask_blocks is None:
+      return info
+    blocks = info.partial_mask_blocks
+    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+  return tuple(collapse(i) for i in infos), kwargs
+
+
+def splash_block_forward(kernel, q, k, v, segment_ids):
+  """One splash kernel call that also returns its logsumexp: (out [heads, q_seq, head_dim]
+  in q's dtype, logsumexp float32 [heads, q_seq], natural log of the scaled logits), for one
+  example (`jax.vmap` it). `kernel`: from `make_splash_mha`/`make_splash_mqa`; q already
+  scaled. The public kernel returns the logsumexp only with `save_residuals=True`, which it
+  can't differentiate; a ring of blocks needs it to merge blocks and its own backward pass
+  (`splash_block_backward`). Private: `splash_attention_kernel._splash_attention_forward`.
+  """
+  splash = _splash_module()
+  (fwd, _, _), kw = _splash_masks(kernel)
+  try:
+    out, (lse,) = splash._splash_attention_forward(  # pylint: disable=protected-access
+        fwd, q, k, v, segment_ids, None, mask_value=kw["mask_value"], is_mqa=kw["is_mqa"],
+        block_sizes=kw["block_sizes"], residual_checkpoint_name=None, save_residuals=True,
+        mask_function=kw["mask_function"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
+        interpret=kw["interpret"])
+  except (AttributeError, TypeError, KeyError) as e:
+    raise _changed("splash_block_forward", f"_splash_attention_forward changed ({e})") from None
+  return out, lse
+
+
+def splash_block_backward(kernel, q, k, v, segment_ids, out, lse, d_out):
+  """The gradients (dq, dk, dv) of one splash block given the whole attention's `out` and
+  `lse` (of every block merged), for one example: with those, a block's share of the flash
+  backward pass is exact (Dao et al. 2022, arXiv:2205.14135, algorithm 4), so a ring sums
+  its blocks' shares. dq is for the scaled q. Private:
+  `splash_attention_kernel._splash_attention_bwd`."""
+  splash = _splash_module()
+  (_, dq_info, dkv_info), kw = _splash_masks(kernel)
+  res = (q, k, v, segment_ids, None, out, lse, dq_info, dkv_info)
+  try:
+    grads = splash._splash_attention_bwd(  # pylint: disable=protected-access
+        False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
+        kw["attn_logits_soft_cap"], kw["interpret"], res, d_out)
+  except (AttributeError, TypeError, KeyError, ValueError) as e:
+    raise _changed("splash_block_backward", f"_splash_attention_bwd changed ({e})") from None
+  return grads[3], grads[4], grads[5]

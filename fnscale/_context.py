@@ -40,9 +40,14 @@ class KernelChoice(NamedTuple):
     attention: what `attention(implementation="auto")` runs: "auto" (the best kernel for
       the platform) or one of `fnscale.kernels.IMPLEMENTATIONS`.
     interpret: run the Pallas kernels in interpret mode (any platform; for tests on CPU).
+    context, context_order: the form ("all_gather" or "ring") and the sequence order
+      ("zigzag", "striped" or "contiguous") of attention under a context axis
+      (`fnscale.kernels.context_attention`).
   """
   attention: str = "auto"
   interpret: bool = False
+  context: str = "all_gather"
+  context_order: str = "zigzag"
 
 
 AXIS_CONVENTIONS: contextvars.ContextVar = contextvars.ContextVar(

@@ -256,8 +256,11 @@ class ShardedStep:
     _sh.check_shardings(state, ssh, what="state")
     if self.batch_sharding is None:
       bs = _sh.batch_sharding(self.mesh)
-      rep = NamedSharding(self.mesh, PartitionSpec())
-      batch_flat = [bs if len(_tree.aval(x)[0]) else rep for x in jax.tree.leaves(batch)]
+      # Rank 0 replicated, rank 1 by rows only (a sequence split needs a second dim).
+      by_rank = (NamedSharding(self.mesh, PartitionSpec()),
+                 NamedSharding(self.mesh, PartitionSpec(*bs.spec[:1])))
+      batch_flat = [by_rank[len(_tree.aval(x)[0])] if len(_tree.aval(x)[0]) < 2 else bs
+                    for x in jax.tree.leaves(batch)]
     else:
       batch_flat = _tree.leaf_shardings(batch, self.batch_sharding, "batch", StepError)
     bsh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), batch_flat)

@@ -217,11 +217,16 @@ def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
         f"fix: use a batch size that is a multiple of {accum_steps * ways}.")
 
   explicit = not mesh.empty and not mesh.auto_axes  # shardings are part of the types
+  # A sequence split over context axes stays split (rows [B, seq, ...]).
+  context = () if mesh.empty else tuple(
+      a for a in _axes.context_axes(mesh)
+      if mesh.shape[a] > 1 and a not in set(getattr(mesh, "manual_axes", ())))
 
   def split(x):
     x = jnp.swapaxes(x.reshape((micro, accum_steps) + x.shape[1:]), 0, 1)
     if axes:
-      spec = PartitionSpec(None, _tree.spec_entry(axes))
+      seq = (_tree.spec_entry(context),) if context and x.ndim >= 3 else ()
+      spec = PartitionSpec(None, _tree.spec_entry(axes), *seq)
       x = jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
     return x
   return jax.tree.map(split, batch)

@@ -46,7 +46,10 @@ POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
 def _batch(rows: int, seq: int) -> dict:
-  return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
+  """Tokens, targets and positions (a mesh that splits the sequence needs positions:
+  `fnscale.parallel.context.reorder_batch`)."""
+  return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+          for k in ("inputs", "targets", "positions")}
 
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
@@ -78,8 +81,8 @@ def _compiled(cfg, cand, rows: int):
   step = fs.shard_step(fs.train_step(loss, opt, accum_steps=cand.accum), mesh,
                        rules=llama.RULES, logical_axes=la, donate=False)
   data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
-  batch = fs.global_batch({"inputs": data[:, :-1], "targets": data[:, 1:]},
-                          fs.batch_sharding(mesh))
+  batch = fs.global_batch(fs.parallel.context.reorder_batch(
+      {"inputs": data[:, :-1], "targets": data[:, 1:]}, mesh), fs.batch_sharding(mesh))
   jax.block_until_ready(step(state, batch))
   return step, state, batch
 

@@ -73,6 +73,10 @@ class Options:
   precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
+  context: str = h.option("all_gather", "attention over a sequence split by a 'context' mesh "
+                          "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
+  context_order: str = h.option("zigzag", "the order the context shards hold the sequence "
+                                "in: zigzag (balanced causal work), striped or contiguous")
   remat: bool = h.option(False, "recompute each block's activations in the backward pass")
   microbatches: int = h.option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                                "(Llama models: their layers run as stages); default: the "
@@ -209,22 +213,23 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
   step_fn = fs.train_step(train_loss, optimizer, policy=policy, accum_steps=o.accum_steps,
                           accum_gather=o.accum_gather, has_aux=aux,
                           weighted=s.corpus.packed is not None)
-  step_fn = fs.shard_step(fs.with_kernel(ck.with_finite_flag(step_fn), attention=o.attention),
+  kernels = dict(attention=o.attention, context=o.context, context_order=o.context_order)
+  step_fn = fs.shard_step(fs.with_kernel(ck.with_finite_flag(step_fn), **kernels),
                           s.mesh, rules=model.RULES, logical_axes=axes)
   cast = policy.cast_to_compute if policy is not None else (lambda p: p)
   eval_loss = jax.jit(fs.with_kernel(lambda p, b: packing.mean(loss_fn(cast(p), b)),
-                                     attention=o.attention))
+                                     **kernels))
   peak = h.peak_flops(s.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(s.mesh):
     init = models.init(s, optimizer, policy, jax.random.key(o.seed))
-    # grain reads this process's rows; fs.global_batch makes one array over every process.
-    bsh = fs.batch_sharding(s.mesh)
-    batches, evals = data.run_batches(s, bsh)
+    # grain reads this process's rows (whole rows: `h.put` splits the sequence over a context
+    # axis); fs.global_batch makes one array over every process.
+    batches, evals = data.run_batches(s, fs.batch_sharding(s.mesh, context_axes=()))
     state, start, resumed = ck.resume(s, ckpt, init, batches, say)
-    eval_batches = [fs.global_batch(b, bsh) for b in evals]
+    eval_batches = [h.put(s, b) for b in evals]
     first = next(batches)
     packing.say_padding(o, first, evals, say)
-    first = fs.global_batch(first, bsh)
+    first = h.put(s, first)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     r = h.Run(s=s, say=say, t0=t0, baseline=base, policy=policy, schedule=schedule, peak=peak,
@@ -248,7 +253,7 @@ def _train(r: h.Run, state, batch) -> tuple[Any, dict]:
   Evals and checkpoints are left out of the timing (tokens/s, MFU, ETA); so is the first
   step, which includes dispatch warm-up. Returns the state and the run's figures."""
   o, m, last, stopped, timing, stall = r.s.o, None, {}, None, None, h.Stall()
-  t_train, batch_sharding, every = time.time(), fs.batch_sharding(r.s.mesh), o.checkpoint_every
+  t_train, every = time.time(), o.checkpoint_every
   # A notice (SIGTERM) to any process: every process stops after the same step and saves it.
   for step in range(r.start, o.steps):
     r.prof.at_step(step, pending=m)
@@ -269,7 +274,7 @@ def _train(r: h.Run, state, batch) -> tuple[Any, dict]:
       r.saver.save(state, done)  # before the next batch is read: the position is this step's
       timing = h.paused(timing, time.time() - t_save)  # the save's time stays out
     if done < o.steps and not stopped:
-      batch = fs.global_batch(next(r.batches), batch_sharding)  # while it runs
+      batch = h.put(r.s, next(r.batches))  # while it runs
     if timing is None:
       jax.block_until_ready(m["loss"])
       timing, early = h.Timing(time.time(), done), done + h.EARLY_ETA_STEPS

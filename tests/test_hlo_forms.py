@@ -98,6 +98,47 @@ def test_guessed_groups_are_reported():
   assert given.unread.count == 0 and given.groups == (("all-reduce", 4, 384.0),)
 
 
+# libtpu under jax 0.12 (a Llama's embedding lookup on v5p): the gather runs on the
+# SparseCore as an asynchronous call whose computations end with their execution thread.
+SPARSECORE = """HloModule m, num_partitions=4
+
+%called_computation (p0: bf16[256,512], p1: s32[64]) -> bf16[64,512] {
+  %p0 = bf16[256,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = s32[64]{0:T(1024)} parameter(1)
+  ROOT %g = bf16[64,512]{1,0:T(8,128)(2,1)} gather(%p0, %p1), offset_dims={1}
+}, execution_thread="sparsecore"
+
+%after (x: bf16[64,512], w: bf16[512,8]) -> bf16[64,8] {
+  %x = bf16[64,512]{1,0} parameter(0)
+  %w = bf16[512,8]{1,0} parameter(1)
+  ROOT %d = bf16[64,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (t: bf16[256,512], i: s32[64], w: bf16[512,8]) -> bf16[64,8] {
+  %t = bf16[256,512]{1,0} parameter(0)
+  %i = s32[64]{0} parameter(1)
+  %w = bf16[512,8]{1,0} parameter(2)
+  %s = ((), (), (s32[1]{0})) call-start(), async_execution_thread="sparsecore", to_apply=%called_computation
+  %u = ((bf16[256,512]{1,0}, s32[64]{0}), bf16[64,512]{1,0}) call-update(%s, %t, %i)
+  %e = bf16[64,512]{1,0} call-done(%u)
+  %r1 = bf16[64,8]{1,0} call(%e, %w), to_apply=%after
+  %r2 = bf16[64,8]{1,0} call(%e, %w), to_apply=%after
+  ROOT %r = bf16[64,8]{1,0} add(%r1, %r2)
+}
+"""
+
+
+def test_an_asynchronous_call_on_another_thread_is_read():
+  s = hlo.summarize(SPARSECORE)
+  assert s.unread == hlo.Unread()
+  # The dot after the offloaded gather, in a computation called twice: 2 x (2 x 64 x 8 x 512).
+  assert s.matmul_flops == 2 * 2 * 64 * 8 * 512
+  # Negative control: a reader that ends computations only at "}" runs the next
+  # computation's lines into this one's, called once: half the FLOPs.
+  legacy = SPARSECORE.replace('}, execution_thread="sparsecore"', '} trailing')
+  assert hlo.summarize(legacy).matmul_flops == 2 * 64 * 8 * 512
+
+
 def test_async_pair_keeps_a_mesh_group_of_its_start():
   # jax 0.10.2 spelling on the -start; the -done carries no groups. 2 x 1/2 x 256 sent.
   text = ("HloModule g, num_partitions=8\n"
@@ -674,7 +715,8 @@ def test_collectives_across_slices_are_the_megascale_sends():
   # each send is one collective over the slices of its target (the recv is its result).
   # Hand counts: bf16[96,8,128] over 2 slices = 196608 bytes, ring 2 (1/2) x that = 196608;
   # f32[1024] over 4 slices ({1:4}, a range) = 4096 bytes, ring 2 (3/4) x 4096 = 6144;
-  # ALL_GATHER of f32[2,256] over slices {1,2,3} = 2048 bytes, ring 2/3 x 2048.
+  # ALL_GATHER of f32[2,256] (each slice's shard, 2048 bytes: the result is 3 x that) over
+  # slices {1,2,3}, ring 2/3 x 6144 = 2 x 2048.
   # A transfer of a kind not known here, or a target that can't be read, is unread.
   text = "\n".join([
       "HloModule m, num_partitions=4", "", "ENTRY %main (x: bf16[96,8,128]) -> bf16[96,8,128] {",
@@ -686,14 +728,29 @@ def test_collectives_across_slices_are_the_megascale_sends():
       _megascale_send("f32[8]{0}", "ALL_REDUCE", "{a,b}", 5),
       "  ROOT %y = bf16[96,8,128]{2,1,0} copy(%x)", "}"])
   s = hlo.summarize(text)
-  assert s.dcn_bytes_sent == 196608 + 6144 + 2048 * 2 / 3
+  assert s.dcn_bytes_sent == 196608 + 6144 + 2 * 2048
   assert s.collective("all-reduce") == hlo.Collective("all-reduce", 2, 196608 + 4096, 2,
                                                       196608 + 6144)
-  assert s.collective("all-gather").bytes == 2048
-  assert s.groups == (("all-gather", 3, 2048 * 2 / 3), ("all-reduce", 2, 196608.0),
+  assert s.collective("all-gather").bytes == 3 * 2048
+  assert s.groups == (("all-gather", 3, 2.0 * 2048), ("all-reduce", 2, 196608.0),
                       ("all-reduce", 4, 6144.0))
   assert s.dcn_groups == s.groups  # every collective of this module crosses slices
   assert s.unread.ops == (("send ALL_REDUCE", 1), ("send BROADCAST_SOMEHOW", 1))
+  # REDUCE_SCATTER sends its whole input: f32[2,256] over 3 slices scatters 2048 / 3 bytes
+  # to each, and a device sends 2 of those shards.
+  scatter = hlo.summarize(text.replace('"ALL_GATHER"', '"REDUCE_SCATTER"'))
+  assert scatter.collective("reduce-scatter").bytes_sent == pytest.approx(2 * 2048 / 3)
+  # A ppermute across slices: a ONE_TO_ONE transfer between listed device pairs, each
+  # device sending its buffer once (f32[2,64] = 512 bytes); one without pairs is unread.
+  pairs = text.replace('"ALL_GATHER"', '"ONE_TO_ONE"').replace(
+      '_xla_megascale_target="{1,2,3}x{0:3}"', "_xla_megascale_target={{100000->200000},"
+      "{200000->100000}}").replace("f32[2,256]", "f32[2,64]")
+  p = hlo.summarize(pairs)
+  assert p.collective("collective-permute") == hlo.Collective("collective-permute", 1, 512, 1,
+                                                              512.0)
+  assert ("collective-permute", 2, 512.0) in p.dcn_groups
+  unpaired = hlo.summarize(text.replace('"ALL_GATHER"', '"ONE_TO_ONE"'))
+  assert ("send ONE_TO_ONE", 1) in unpaired.unread.ops
   # Host transfers that are not the megascale runtime's (infeed-like) move no device bytes.
   plain = text.replace('"xla_megascale_runtime"', '"host_callback"')
   assert hlo.summarize(plain).dcn_bytes_sent == 0 and hlo.summarize(plain).collectives == ()

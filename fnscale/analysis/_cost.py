@@ -20,6 +20,13 @@ Matmuls" and 5 "Training":
   Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation.
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
+- Context parallel (the sequence split c ways, `fnscale.kernels.context_attention`): every
+  device holds 1/c of each row's activations and does 1/c of its work (balanced by the
+  zigzag order); attention all-gathers K and V over the axis forward ((c-1)/c of their
+  bytes; again in the backward pass with remat) and reduce-scatters their gradients (the
+  same bytes). Params are split over the axis as over "fsdp" (MaxText's "embed" rule, and
+  `recipes/lm/llama.py`'s): their gathers and the gradients' reduce-scatter run over the
+  fsdp x context group, whose collectives drive both axes' links.
 - Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
   with wrap-around, k without (one direction idles at the ends); through a switch (NVSwitch)
   one link's rate; DCN axes the per-chip DCN rate.
@@ -102,6 +109,8 @@ class Profile(NamedTuple):
   `expert_params` expert weights (all layers), `exchange_row` bytes per row of one
   all-to-all pass (the routed copies of every MoE layer, compute dtype), `expert_act_row`
   the grouped matmuls' inputs and outputs per row (residuals a dropless buffer scales).
+  `kv_row`: bytes of the keys and values every attention call of the forward pass takes,
+  per row (what context parallelism's all-gather form gathers).
   """
   params: int
   param_bytes: float
@@ -133,6 +142,7 @@ class Profile(NamedTuple):
   expert_params: int = 0
   exchange_row: float = 0.0
   expert_act_row: float = 0.0
+  kv_row: float = 0.0
 
   @property
   def expert_share(self) -> float:
@@ -262,10 +272,38 @@ def jaxpr_matmul_flops(jaxpr) -> float:
   return count_flops(jaxpr).total
 
 
-def _longest_scan(jaxpr, best=None):
-  """(length, carry avals) of the longest `scan` in the jaxpr, nested ones included."""
+def attention_kv_bytes(jaxpr, outer: str = "") -> float:
+  """Bytes of the keys and values of every attention call in a forward jaxpr traced with
+  `fnscale.attention`'s XLA reference: the smaller operand of each `dot_general` under its
+  scope (jax.nn's attention contracts q with k, k no larger under grouped-query attention,
+  then the probabilities with v, v the smaller while the queries outnumber head_dim), scan
+  bodies times their length."""
+  total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
+    scope = outer + "/" + _compat.name_scopes(eqn)
+    if eqn.primitive.name == "dot_general" and SCOPE in scope:
+      total += min(math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize
+                   for v in eqn.invars[:2])
+      continue
+    inner = sum(attention_kv_bytes(j, scope) for j in _sub_jaxprs(eqn))
+    total += inner * (_compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1)
+  return total
+
+
+def _kv_row(loss_fn, params, batch, remat) -> float:
+  """`attention_kv_bytes` of the loss's forward pass on one row."""
+  f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
+  jaxpr = jax.make_jaxpr(with_kernel(f, attention="xla"))(params, _rows(batch, 1)).jaxpr
+  return attention_kv_bytes(jaxpr)
+
+
+def _longest_scan(jaxpr, best=None):
+  """(length, carry avals) of the longest `scan` over stacked inputs in the jaxpr (a scan
+  over layers), nested ones included. Loops that only count (`fori_loop`s, e.g. the loss's
+  walk over token chunks, longer than the layers at long sequences) take no stacked
+  inputs and are left out."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and _compat.scan_parts(eqn).xs:
       scan = _compat.scan_parts(eqn)
       n, carry = scan.length, [v.aval for v in scan.carry]
       if best is None or n > best[0]:
@@ -392,7 +430,8 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       stack_layers=stack[1], stack_bytes=stack[0], stack_stream_row=_nbytes(stack[2]),
       stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
       experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
-      exchange_row=moe.exchange_row, expert_act_row=moe.act_row)
+      exchange_row=moe.exchange_row, expert_act_row=moe.act_row,
+      kv_row=_kv_row(loss_fn, cparams, batch, False if remat else None))
 
 
 class Estimate(NamedTuple):
@@ -555,45 +594,46 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
              accum: int, gather: str = "per_microbatch", microbatches: int = 1) -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
-  "tensor", "stage", "expert"; "replica" or "stage" across slices); the global batch must
-  divide over the data axes (the expert and stage axes among them) and `accum`. `gather`:
-  `train_step`'s accum_gather, costed as it compiles: "per_microbatch" keeps params and the
-  float32 accumulator sharded and gathers / reduce-scatters over fsdp in every microbatch,
-  and reduces over the data and DCN axes in every microbatch too (the accumulator is sharded
-  as the params, so whole over those axes); "once" (with accum > 1) holds whole
-  compute-dtype params and a whole float32 accumulator (split by tensor only), gathers and
-  reduces once per step. `microbatches`: the pipeline's, with a "stage" axis (accum 1)."""
+  "tensor", "stage", "expert", "context"; "replica" or "stage" across slices); the global
+  batch must divide over the data axes (the expert and stage axes among them) and `accum`.
+  `gather`: `train_step`'s accum_gather, costed as it compiles: "per_microbatch" keeps
+  params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp in
+  every microbatch, and reduces over the data and DCN axes in every microbatch too (the
+  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
+  holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
+  gathers and reduces once per step. `microbatches`: the pipeline's, with a "stage" axis
+  (accum 1). A context axis splits each row's activations and work, and the params with
+  fsdp (one group)."""
   once = gather == "once" and accum > 1
-  reductions = 1 if once else accum  # gradient reductions per step over data / DCN axes
-  d, f, t = ici.get("data", 1), ici.get("fsdp", 1), ici.get("tensor", 1)
+  d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices
-  shard = f * t
+  shard = f * c * t  # params split over the fsdp x context group and tensor
   # This device's share of params, state and gradients: the expert weights split over the
   # expert axis too, the layer stack over the pipeline stages.
   share = pp.keep(_split(prof, shard, e))
   rows_mb = prof.rows / (r * d * f * e * ici.get("stage", 1)) / accum
-  frac = lambda k: (k - 1) / k
-  moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_mb * pp.iters
+  rows_act = rows_mb / c  # a row's activations and work are split over context
+  moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_act * pp.iters
   layer_w = prof.compute_bytes * _split(prof, shard, e) * shard / max(prof.layers, 1) / t
-  io = 2 * prof.stack_stream_row * rows_mb * pp.stages if pp.stages > 1 else 0.0  # stage 0's
+  io = 2 * prof.stack_stream_row * rows_act * pp.stages if pp.stages > 1 else 0.0  # stage 0's
   parts = dict(params=prof.param_bytes * share, opt=prof.opt_bytes * share,
                grads=prof.grad_bytes * share * (2 if accum > 1 else 1),
-               weights=2 * layer_w if f > 1 else prof.compute_bytes * share * shard / t,
-               acts=act_per_row(prof, remat, t)[0] * rows_mb * pp.iters + moe_acts + io)
-  if once and f > 1:  # the whole accumulator beside the reduced shard; whole params
+               weights=2 * layer_w if f * c > 1 else prof.compute_bytes * share * shard / t,
+               acts=act_per_row(prof, remat, t)[0] * rows_act * pp.iters + moe_acts + io)
+  if once and f * c > 1:  # the whole accumulator beside the reduced shard; whole params
     parts.update(grads=prof.grad_bytes * share * shard / t + prof.grad_bytes * share,
                  weights=prof.compute_bytes * share * shard / t)
   model_flops = prof.flops_row * prof.rows
-  memory = memory_traffic(prof, remat, rows_mb * pp.iters, accum, 1 / share, t) / hw.links.hbm
+  memory = memory_traffic(prof, remat, rows_act * pp.iters, accum, 1 / share, t) / hw.links.hbm
   bubble = 1 - pp.flops_share + pp.flops_share * pp.iters
   run, recompute = (x * bubble * prof.rows / n / hw.peak_flops
                     for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
-  comm = _comm(prof, bw, (d, f, t, e), dcn, (remat, accum, once, rows_mb), pp)
+  comm = _comm(prof, bw, (d, f, t, e, c), dcn, (remat, accum, once, rows_mb), pp)
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
@@ -603,35 +643,44 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
 
 def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages) -> dict:
   """Seconds of each axis's collectives per step (`estimate`'s). `sizes`: (data, fsdp,
-  tensor, expert); `run`: (remat, accum, once, rows per device per microbatch); `pp`: the
-  pipeline (`_stages`)."""
-  (d, f, t, e), (remat, accum, once, rows_mb) = sizes, run
+  tensor, expert, context); `run`: (remat, accum, once, rows per device per microbatch);
+  `pp`: the pipeline (`_stages`). Params' collectives over fsdp and context are one group,
+  named "fsdp+context" when both split them ("context", with the K/V traffic, when only it
+  does)."""
+  (d, f, t, e, c), (remat, accum, once, rows_mb) = sizes, run
   reductions = 1 if once else accum
   frac = lambda k: (k - 1) / k
-  share = pp.keep(_split(prof, f * t, e))
+  split = _split(prof, f * c * t, e)
+  share = pp.keep(split)
+  rows_act = rows_mb / c * pp.iters  # tokens of a device's rows, per microbatch's work
   comm = {}
-  if f > 1:
+  group = [a for a, n in (("fsdp", f), ("context", c)) if n > 1]
+  if group:  # a collective over both axes drives both axes' links
     per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
         2 * prof.compute_bytes + prof.grad_bytes)
-    comm["fsdp"] = frac(f) * per_step * _split(prof, f * t, e) * f / bw["fsdp"]
+    comm["+".join(group)] = frac(f * c) * per_step * split * f * c / sum(bw[a] for a in group)
+  if pp.stages > 1:  # the stack's FSDP gathers run in every iteration
+    sends, gathers = _stage_comm(prof, pp, rows_mb / c, f * c, t)
+    if group:
+      comm["+".join(group)] = gathers / sum(bw[a] for a in group)
+    # Outside the stack the stage axis is a data axis: its gradients are reduced over it.
+    rest = 2 * frac(pp.stages) * prof.grad_bytes * (1 - pp.bytes_share) / (f * c * t)
+    comm["stage"] = (sends + rest) / bw["stage"]
   if d > 1:
     comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes * share / bw["data"]
   if t > 1:
-    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_mb * pp.iters
+    per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_act
     comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
   if e > 1:  # the other params' gradients all-reduced; each layer's copies to and fro
-    rest = pp.keep((1 - prof.expert_share) / (f * t))
+    rest = pp.keep((1 - prof.expert_share) / (f * c * t))
     passes = 6 if remat else 4  # dispatch + combine, forward, backward (and recomputed)
     comm["expert"] = (reductions * 2 * frac(e) * prof.grad_bytes * rest + accum * passes
-                      * frac(e) * prof.exchange_row * rows_mb * pp.iters) / bw["expert"]
+                      * frac(e) * prof.exchange_row * rows_act) / bw["expert"]
+  if c > 1:  # K/V gathered forward (again with remat), their gradients reduce-scattered
+    comm["context"] = comm.get("context", 0.0) + (
+        (3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * pp.iters * accum / t
+        / bw["context"])
   for a, k in dcn.items():
     if k > 1 and a != "stage":
       comm[a] = reductions * 2 * frac(k) * prof.grad_bytes * share / bw[a]
-  if pp.stages > 1:
-    sends, gathers = _stage_comm(prof, pp, rows_mb, f, t)
-    if f > 1:
-      comm["fsdp"] = gathers / bw["fsdp"]
-    # Outside the stack the stage axis is a data axis: its gradients are reduced over it.
-    rest = 2 * frac(pp.stages) * prof.grad_bytes * (1 - pp.bytes_share) / (f * t)
-    comm["stage"] = (sends + rest) / bw["stage"]
   return comm

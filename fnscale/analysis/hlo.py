@@ -909,7 +909,9 @@ def _ragged_collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: st
 # send's attributes name the collective and its slices, e.g.
 # `_xla_megascale_transfer_type="ALL_REDUCE"`, `_xla_megascale_target="{1,2}x{0:3}"` (slices
 # 1 and 2, chips 0 to 3 of each; libtpu with jax 0.10.2 and 0.12). The recv brings the result
-# back: the send alone is the collective, its data (the tuple's first array) the buffer.
+# back: the send alone is the collective, its data (the tuple's first array) its input: the
+# result for an all-reduce or all-to-all, one slice's shard of an all-gather's result, the
+# whole of a reduce-scatter's input (the result's size times the slices).
 # A collective-permute across slices (a pipeline's stage-to-stage send, `lax.ppermute`) is
 # `_xla_megascale_transfer_type="ONE_TO_ONE"` with its pairs as the target, each device
 # written slice x 100000 + chip (slices from 1), e.g. `_xla_megascale_target={{100000->200000},
@@ -961,7 +963,9 @@ def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
     g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
     return
   (dtype, dims), = data
-  entry = (base, math.prod(dims) * _dtype_bytes(dtype), slices)
+  sent = math.prod(dims) * _dtype_bytes(dtype)
+  result = {"all-gather": sent * slices, "reduce-scatter": sent / slices}.get(base, sent)
+  entry = (base, result, slices)
   g.colls[comp].append(entry)
   g.dcn[comp].append(entry)
 

@@ -1,18 +1,20 @@
 """fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
 
-Candidates are the factorisations of one slice's devices into data x fsdp x tensor (tensor
-up to `max_tensor`, the size ICI neighbours serve well), and x expert for a mixture of
-experts (an expert axis dividing its expert count: `fnscale.parallel.experts`), data parallel
-("replica") across slices, remat on/off, and the fewest accumulation steps that fit; for a
-loss that takes `microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline
-stages too: across the slices of a multi-slice target, and within a slice for a very large
-model (its compute-dtype weights larger than one device's HBM), with as many microbatches (up
-to 8 per stage) as every device's rows split into, costed with the bubble and the stage
-sends. Each gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against
-HBM, step time from compute at peak and each collective over its axis's links: a roofline,
-whose MFU is an upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus
-efficiency terms fitted on measured runs); rows are ranked by the forecast. The best few are
-compiled ahead of time for the target's described
+Candidates are the factorisations of one slice's devices into data x fsdp x context x
+tensor (tensor up to `max_tensor`, the size ICI neighbours serve well; context, the sequence
+split, where the sequence is long: at least `CONTEXT_MIN_TOKENS` tokens per shard, and the
+zigzag order's 2c chunks divide it), and x expert for a mixture of experts (an expert axis
+dividing its expert count: `fnscale.parallel.experts`), data parallel ("replica") across
+slices, remat on/off, and the fewest accumulation steps that fit; for a loss that takes
+`microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline stages too: across
+the slices of a multi-slice target, and within a slice for a very large model (its
+compute-dtype weights larger than one device's HBM), with as many microbatches (up to 8 per
+stage) as every device's rows split into, costed with the bubble and the stage sends. Each
+gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time
+from compute at peak and each collective over its axis's links: a roofline, whose MFU is an
+upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus efficiency
+terms fitted on measured runs); rows are ranked by the forecast. The best few are compiled
+ahead of time for the target's described
 devices (TPU targets, through libtpu, from any machine): XLA's per-device memory must fit
 HBM, its collectives are set beside the estimate, a disagreement over 25% is flagged, and
 the ranking uses the compiled figures where it has them. A plan that could not compile says
@@ -49,6 +51,10 @@ __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan
            "mesh_str", "plan", "predict", "profile_model", "summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
+# Context parallelism is a candidate when each shard keeps at least this many tokens of a
+# row: shorter shards make the per-shard matmuls small, and at sequences this short a batch
+# split (data, fsdp) serves (MaxText's long-context configs split 32k-token rows and up).
+CONTEXT_MIN_TOKENS = 4096
 ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale.analysis._forecast)
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
@@ -181,25 +187,34 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _context_sizes(n: int, tokens: int) -> list[int]:
+  """Context sizes worth trying for rows of `tokens`: 1, and every c dividing `n` whose
+  zigzag chunks (2c) divide the row and whose shards keep `CONTEXT_MIN_TOKENS`."""
+  return [c for c in _divisors(n) if c == 1 or (
+      tokens % (2 * c) == 0 and tokens // c >= CONTEXT_MIN_TOKENS)]
+
+
 def _meshes(hw: _targets.Hardware, rows: int, max_tensor: int, stage: int = 1,
-            dcn: dict | None = None, experts: int = 0) -> list[MeshAxes]:
-  """data x fsdp x expert x tensor factorisations of one slice (tensor <= max_tensor, expert
-  dividing the model's `experts`; none without) beside an ICI `stage` axis of that size,
-  "replica" across slices (or the `dcn` axes given), keeping those whose data axes (the
-  expert axis among them) divide the global batch."""
+            dcn: dict | None = None, experts: int = 0, tokens: int = 1) -> list[MeshAxes]:
+  """data x fsdp x expert x context x tensor factorisations of one slice (tensor <=
+  max_tensor; expert dividing the model's `experts`, none without; context where rows of
+  `tokens` are long: `_context_sizes`) beside an ICI `stage` axis of that size, "replica" across slices
+  (or the `dcn` axes given), keeping those whose data axes (the expert axis among them)
+  divide the global batch."""
   n = hw.devices_per_slice // stage
   if dcn is None:
     dcn = {"replica": hw.num_slices} if hw.num_slices > 1 else {}
   out = []
   for t in (k for k in _divisors(n) if k <= max_tensor):
     for e in (k for k in _divisors(n // t) if k == 1 or (experts and experts % k == 0)):
-      for f in _divisors(n // t // e):
-        d = n // t // e // f
-        if rows % (d * f * e * stage * hw.num_slices):
-          continue
-        ici = {k: v for k, v in (("stage", stage), ("data", d), ("fsdp", f), ("expert", e),
-                                 ("tensor", t)) if v > 1}
-        out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
+      for c in _context_sizes(n // t // e, tokens):
+        for f in _divisors(n // t // e // c):
+          d = n // t // e // c // f
+          if rows % (d * f * e * stage * hw.num_slices):
+            continue
+          ici = {k: v for k, v in (("stage", stage), ("data", d), ("fsdp", f), ("expert", e),
+                                   ("context", c), ("tensor", t)) if v > 1}
+          out.append(MeshAxes(ici or {"data": 1}, dict(dcn)))
   return out
 
 
@@ -210,11 +225,11 @@ def _stage_meshes(prof, hw: _targets.Hardware, max_tensor: int) -> list[MeshAxes
   out, k = [], hw.num_slices
   for s in (s for s in _divisors(k)[1:] if prof.stack_layers % s == 0):
     dcn = {"stage": s, **({"replica": k // s} if k > s else {})}
-    out += _meshes(hw, prof.rows, max_tensor, dcn=dcn, experts=prof.experts)
+    out += _meshes(hw, prof.rows, max_tensor, dcn=dcn, experts=prof.experts, tokens=prof.tokens_row)
   if prof.compute_bytes > hw.hbm_bytes:
     for s in (2, 4, 8):
       if hw.devices_per_slice % s == 0 and prof.stack_layers % s == 0:
-        out += _meshes(hw, prof.rows, max_tensor, stage=s, experts=prof.experts)
+        out += _meshes(hw, prof.rows, max_tensor, stage=s, experts=prof.experts, tokens=prof.tokens_row)
   return out
 
 
@@ -374,7 +389,7 @@ def mesh_str(axes: MeshAxes) -> str:
 def _candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candidate]:
   rows = []
   remats = (False, True) if prof.has_remat else (False,)
-  for axes in _meshes(hw, prof.rows, max_tensor, experts=prof.experts):
+  for axes in _meshes(hw, prof.rows, max_tensor, experts=prof.experts, tokens=prof.tokens_row):
     for remat in remats:
       accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:

@@ -15,7 +15,10 @@ never has to partition a custom call it can't (Mosaic kernels can't be partition
 automatically at all). The mesh is the one passed, else the ambient one (`with_mesh` /
 `jax.set_mesh`, also when set only inside the trace), else the one q's sharding names (a
 jitted call whose arguments carry `NamedSharding`s, also over a TPU topology description).
-Sequence and head_dim stay whole inside each shard.
+Sequence and head_dim stay whole inside each shard, unless the mesh has a context axis:
+then the sequence is split over it and attention runs in one of the context forms of
+`fnscale.kernels.context_attention` (all-gathered K/V or a ring of K/V blocks,
+`with_kernel(..., context=...)`), the kernel inside each shard chosen there.
 
 Kernels: splash attention (Pallas TPU, jax.experimental.pallas.ops.tpu.splash_attention),
 flash attention (Dao et al., 2022, arXiv:2205.14135) through cuDNN and Pallas/Triton
@@ -38,6 +41,7 @@ from fnscale import _compat
 from fnscale import _context
 from fnscale._context import KernelChoice
 from fnscale.errors import KernelError
+from fnscale.kernels import context_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 # Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
@@ -83,6 +87,8 @@ class KernelSelection(NamedTuple):
     platform: the platform the decision was made for ("tpu", "cuda", "rocm", "cpu").
     batch_axes: mesh axes the kernel's shard_map splits batch over (empty: none).
     head_axes: mesh axes the kernel's shard_map splits heads over (empty: none).
+    context: under a context axis, how the split sequence is attended
+      (`fnscale.kernels.context_attention.ContextPlan`); None without one.
   """
   implementation: str
   requested: str
@@ -93,10 +99,12 @@ class KernelSelection(NamedTuple):
   platform: str
   batch_axes: tuple[str, ...] = ()
   head_axes: tuple[str, ...] = ()
+  context: Any = None
 
 
 def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto",
-                interpret: bool = False) -> Callable[..., Any]:
+                interpret: bool = False, context: str = "all_gather",
+                context_order: str = "zigzag") -> Callable[..., Any]:
   """Returns `fn` with a kernel choice in force during each of its calls.
 
   During a call of the returned function (and so while jax traces it), every
@@ -119,13 +127,18 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
       serve a call).
     interpret: run the Pallas kernels ("splash", "pallas_gpu") in interpret mode, which
       works on any platform (slowly); for tests on CPU.
+    context: under a mesh with a context axis (the sequence split over it), "all_gather"
+      (each shard gathers K/V) or "ring" (K/V blocks passed round the axis); see
+      `fnscale.kernels.context_attention`.
+    context_order: the order the context shards hold the sequence in, as the batch was put
+      by `fnscale.parallel.context.reorder`: "zigzag" (default), "striped" or "contiguous".
 
   Returns:
     A function with `fn`'s signature and result.
 
   Raises:
-    KernelError: `attention` is not a known implementation, `interpret` is not a bool, or
-      `fn` is not callable.
+    KernelError: `attention`, `context` or `context_order` is not a known value,
+      `interpret` is not a bool, or `fn` is not callable.
 
   Examples:
     >>> import fnscale as fs
@@ -141,12 +154,18 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
         f"with_kernel(attention={attention!r}): expected one of {IMPLEMENTATIONS}.")
   if not isinstance(interpret, bool):
     raise KernelError(f"with_kernel(interpret={interpret!r}): expected True or False.")
+  if context not in context_attention.FORMS or context_order not in context_attention.ORDERS:
+    raise KernelError(
+        f"with_kernel(context={context!r}, context_order={context_order!r}): expected "
+        f"context in {context_attention.FORMS} and context_order in "
+        f"{context_attention.ORDERS}.")
   if fn is None:
-    return functools.partial(with_kernel, attention=attention, interpret=interpret)
+    return functools.partial(with_kernel, attention=attention, interpret=interpret,
+                             context=context, context_order=context_order)
   if not callable(fn):
     raise KernelError(
         f"with_kernel(fn={fn!r}): expected a function to wrap, got {type(fn).__name__}.")
-  choice = KernelChoice(attention, interpret)
+  choice = KernelChoice(attention, interpret, context, context_order)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -204,6 +223,10 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
       implementation, block_sizes, platform, interpret, mesh)
   select = functools.partial(KernelSelection, requested=requested, interpret=call.interpret,
                            platform=call.platform)
+  if call.context_axes:  # the sequence is split: one of the context forms
+    cp = context_attention.selection(_context_call(call, requested))
+    return select(cp.kernel, reason=cp.reason, fallback=False, block_sizes=None,
+                batch_axes=cp.batch_axes, head_axes=cp.head_axes, context=cp)
   if requested == "xla":
     return select("xla", reason="the xla reference was requested", fallback=False,
                 block_sizes=None)
@@ -265,10 +288,19 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
   # inputs may be split over every device of the platform the program runs on.
   unseen = (jax.device_count() if (not shardable or mesh.empty)
             and platform == _platform(None, None) else 0)
+  context = _context_axes(mesh) if shardable else ()
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
                block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes,
-               unseen, varying)
+               unseen, varying, context)
   return call, requested, note
+
+
+def _context_call(call: _Call, requested: str) -> context_attention.ContextCall:
+  choice = _context.KERNEL_CHOICE.value
+  return context_attention.ContextCall(
+      call.q_shape, call.k_shape, call.dtype, call.causal, call.window,
+      requested, choice.context, choice.context_order, call.platform, call.interpret,
+      call.axis_sizes, call.context_axes, call.batch_axes, call.head_axes)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -300,7 +332,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     mesh: shard the kernel over this mesh (a `Mesh`, also over TPU topology-description
       devices, or an `AbstractMesh`); default: the context mesh (`jax.set_mesh` /
       `fnscale.with_mesh`), else the mesh of q's `NamedSharding` (under `jax.jit`, the
-      arguments' shardings), else none.
+      arguments' shardings), else none. A mesh with a context axis (size > 1) splits the
+      sequence: q, k, v and segment_ids come in the order `with_kernel`'s
+      `context_order` names (`fnscale.parallel.context.reorder_batch`), self-attention
+      only, no sliding window.
 
   Returns:
     [batch, q_seq, heads, head_dim] in q's dtype.
@@ -354,6 +389,9 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
     _log_fallback(selection.reason)
   q_ids, kv_ids = _segment_arrays(segment_ids, q.shape, k.shape)
   window = _normalise_window(sliding_window)
+  if selection.context is not None:
+    return context_attention.attend(q, k, v, q_ids, kv_ids, selection.context, mesh,
+                                    causal=causal, scale=scale)
   if selection.implementation == "xla":
     return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=scale)
   kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
@@ -385,6 +423,7 @@ class _Call(NamedTuple):
   head_axes: tuple[str, ...]
   unseen_devices: int  # Devices the inputs may span with no mesh in sight (0: a mesh is).
   varying: tuple[str, ...]  # Manual axes q varies over in a shard_map that checks them.
+  context_axes: tuple[str, ...] = ()  # Free mesh axes (size > 1) splitting the sequence.
 
 
 def _check_shapes(q_shape, k_shape, v_shape) -> None:
@@ -525,6 +564,14 @@ def _kernel_axes(mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
   free = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
   return (tuple(a for a in _axes.data_axes(mesh) if a in free),
           tuple(a for a in _axes.head_axes(mesh) if a in free))
+
+
+def _context_axes(mesh) -> tuple[str, ...]:
+  """Mesh axes (not manual, size > 1) that split the sequence (context parallelism)."""
+  if mesh is None or mesh.empty:
+    return ()
+  manual = set(getattr(getattr(mesh, "abstract_mesh", mesh), "manual_axes", ()))
+  return tuple(a for a in _axes.context_axes(mesh) if a not in manual and mesh.shape[a] > 1)
 
 
 def _auto_candidates(platform: str, interpret: bool) -> tuple[str, ...]:

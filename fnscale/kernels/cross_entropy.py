@@ -13,7 +13,10 @@ each chunk's logits instead (8 x tokens x d x vocab).
 Under a mesh with a "tensor" axis the vocabulary is split over it (vocab-parallel
 cross-entropy as in Megatron-LM, Shoeybi et al. 2019): each device scores its chunk against
 its own vocabulary shard, and per token only the shards' max, sum of exponentials and label
-logit cross devices, so a vocab-sharded unembedding is never gathered.
+logit cross devices, so a vocab-sharded unembedding is never gathered. Hidden states of
+[batch, seq, d] keep their sequence split over a context axis (context parallelism): each
+device scores its own tokens, and only per-token statistics and the unembedding's
+gradient cross it.
 """
 from __future__ import annotations
 
@@ -53,26 +56,33 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   logits in the backward pass (8 x tokens x d x vocab).
 
   Args:
-    hidden: final hidden states [tokens, d], float (bfloat16 or float32).
+    hidden: final hidden states [tokens, d] or [batch, seq, d], float (bfloat16 or
+      float32). Under a mesh, [batch, seq, d] keeps the sequence split over the context
+      axes (`fnscale.constrain_batch`'s layout): tokens are never gathered over them
+      unless `vocab_axes` names one.
     unembed: output projection [d, vocab], float.
-    labels: target ids [tokens], integer in [0, vocab) (ids outside give a loss of
-      logsumexp, as if the label logit were 0; they are not checked inside jit).
-    where: optional bool [tokens]; False marks padding, which adds no loss or gradient.
+    labels: target ids [tokens] ([batch, seq] for 3-d hidden states), integer in
+      [0, vocab) (ids outside give a loss of logsumexp, as if the label logit were 0; they
+      are not checked inside jit).
+    where: optional bool, the labels' shape; False marks padding, which adds no loss or
+      gradient.
     chunk_size: tokens per chunk (of each device's tokens under a mesh); default: the
       largest that keeps a chunk's logits under 2**23 float32 values (32 MiB), preferring
       a divisor of the tokens (no shorter last chunk) down to half of that, at most tokens.
     z_loss: weight of the auxiliary `z_loss * logsumexp**2` term (PaLM, Chowdhery et al.,
       2022, arXiv:2204.02311) added per token; 0 disables it.
-    reduction: "mean" (over tokens where `where` is True), "sum", or "none" (per-token
-      [tokens], zero where masked).
+    reduction: "mean" (over tokens where `where` is True), "sum", or "none" (per-token,
+      the labels' shape, zero where masked).
     mesh: split the vocabulary over this mesh's "tensor" axis and tokens over its data
-      axes in a `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the
-      mesh the arguments' shardings name, else none. The vocabulary is split when it is
-      divisible by the vocab axes' size; tokens when divisible by the data axes' size.
+      axes (and, for [batch, seq, d], the sequence over its context axes) in a
+      `shard_map`; default: the ambient mesh (`fnscale.with_mesh`), else the mesh the
+      arguments' shardings name, else none. The vocabulary is split when it is divisible
+      by the vocab axes' size; a token dim when divisible by its axes' size.
     vocab_axes: the mesh axes the unembedding's vocabulary dim is split over (those in the
       mesh, of size > 1 and not manual count); default the mesh's "tensor" axis. A data
-      axis here (e.g. "fsdp", for an unembedding stored split by vocabulary under FSDP)
-      gathers the hidden states and labels over it instead of the unembedding: each device
+      or context axis here (e.g. "fsdp", for an unembedding stored split by vocabulary
+      under FSDP) gathers the hidden states and labels over it instead of the unembedding:
+      each device
       scores every token of its group against its own vocabulary columns (the hidden
       states are d / vocab of the unembedding's size), the hidden states' gradient is
       reduce-scattered back over it, and the unembedding's is never reduced over it.
@@ -80,7 +90,7 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
       vocabulary); raises KernelError naming `chunk_size`.
 
   Returns:
-    float32 scalar, or [tokens] for reduction="none".
+    float32 scalar, or the labels' shape for reduction="none".
 
   Raises:
     KernelError: shapes, dtypes or arguments that don't fit, naming the bad one.
@@ -104,14 +114,19 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   """
   tokens, _ = _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction,
                      vocab_axes, block_size)
+  shape = labels.shape
+  if hidden.ndim == 2:  # one form inside: [batch, seq, d], here seq 1
+    hidden, labels = hidden[:, None], labels[:, None]
+    where = None if where is None else where[:, None]
   layout = _layout(hidden, unembed, mesh, vocab_axes, chunk_size, float(z_loss))
   labels = labels.astype(jnp.int32)
   if reduction == "none":
     per_token = _per_token(hidden, unembed, labels, layout)
-    return per_token if where is None else jnp.where(where, per_token, 0.0)
+    per_token = per_token if where is None else jnp.where(where, per_token, 0.0)
+    return per_token.reshape(shape)
   # The mean's denominator goes into the per-token weights, so a plain `grad` of the loss
   # scales the gradients computed in the forward pass by exactly 1.
-  mask = jnp.ones((tokens,), jnp.float32) if where is None else where.astype(jnp.float32)
+  mask = jnp.ones(labels.shape, jnp.float32) if where is None else where.astype(jnp.float32)
   if reduction == "mean":
     mask = mask / (tokens if where is None else jnp.maximum(jnp.sum(mask), 1.0))
   return _weighted_sum(hidden, unembed, labels, mask, layout)
@@ -122,24 +137,26 @@ def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_
   for name, x in (("hidden", hidden), ("unembed", unembed), ("labels", labels)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise KernelError(f"cross_entropy: {name} must be an array, got {type(x).__name__}.")
-  if hidden.ndim != 2 or unembed.ndim != 2 or hidden.shape[1] != unembed.shape[0]:
+  if hidden.ndim not in (2, 3) or unembed.ndim != 2 or hidden.shape[-1] != unembed.shape[0]:
     raise KernelError(
         f"cross_entropy: hidden {hidden.shape} and unembed {unembed.shape} must be "
-        "[tokens, d] and [d, vocab]; reshape hidden to [tokens, d] first.")
-  tokens, vocab = hidden.shape[0], unembed.shape[1]
+        "[tokens, d] or [batch, seq, d], and [d, vocab]; reshape hidden first.")
+  token_shape, vocab = tuple(hidden.shape[:-1]), unembed.shape[1]
+  tokens = math.prod(token_shape)
   if not (jnp.issubdtype(hidden.dtype, jnp.floating)
           and jnp.issubdtype(unembed.dtype, jnp.floating)):
     raise KernelError(
         f"cross_entropy: hidden {hidden.dtype} and unembed {unembed.dtype} must be floating.")
-  if labels.shape != (tokens,) or not jnp.issubdtype(labels.dtype, jnp.integer):
+  dims = "[tokens]" if hidden.ndim == 2 else "[batch, seq]"
+  if labels.shape != token_shape or not jnp.issubdtype(labels.dtype, jnp.integer):
     raise KernelError(
         f"cross_entropy: labels {labels.shape} {labels.dtype}; expected integer "
-        f"[tokens] = ({tokens},).")
-  if where is not None and (getattr(where, "shape", None) != (tokens,)
+        f"{dims} = {token_shape}.")
+  if where is not None and (getattr(where, "shape", None) != token_shape
                             or getattr(where, "dtype", None) != jnp.bool_):
     raise KernelError(
         f"cross_entropy: where {getattr(where, 'shape', type(where))} "
-        f"{getattr(where, 'dtype', '')}; expected bool [tokens] = ({tokens},).")
+        f"{getattr(where, 'dtype', '')}; expected bool {dims} = {token_shape}.")
   if block_size is not None:
     raise KernelError(
         f"cross_entropy(block_size={block_size!r}): the loss walks tokens, not vocabulary "
@@ -164,19 +181,30 @@ def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_
 
 class _Layout(NamedTuple):
   """How the loss runs: on whole arrays (`mesh` None) or per device in a shard_map over
-  `mesh`, tokens split over `token_axes`, vocabulary over `vocab_axes`; the hidden states'
-  gradient is reduce-scattered over `scatter_axes` (vocab axes the tokens arrive split
+  `mesh`, hidden states [batch, seq, d] split over `batch_axes` (dim 0) and `seq_axes`
+  (dim 1), vocabulary over `vocab_axes`; the hidden states' gradient is reduce-scattered
+  over `scatter_batch` / `scatter_seq` (vocab axes the caller's dim 0 / dim 1 arrive split
   over) and summed over the other vocab axes."""
   mesh: Any
-  token_axes: tuple[str, ...]
+  batch_axes: tuple[str, ...]
+  seq_axes: tuple[str, ...]
   vocab_axes: tuple[str, ...]
-  scatter_axes: tuple[str, ...]
+  scatter_batch: tuple[str, ...]
+  scatter_seq: tuple[str, ...]
   chunk_size: int | None
   z_loss: float
 
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    return self.batch_axes + self.seq_axes
+
+  @property
+  def scatter_axes(self) -> tuple[str, ...]:
+    return self.scatter_batch + self.scatter_seq
+
 
 def _layout(hidden, unembed, mesh, vocab_axes, chunk_size, z_loss) -> _Layout:
-  plain = _Layout(None, (), (), (), chunk_size, z_loss)
+  plain = _Layout(None, (), (), (), (), (), chunk_size, z_loss)
   mesh = _call_mesh(mesh, hidden)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
@@ -190,18 +218,21 @@ def _layout(hidden, unembed, mesh, vocab_axes, chunk_size, z_loss) -> _Layout:
   vocab = tuple(a for a in wanted if free(a))
   if unembed.shape[1] % size(vocab):
     vocab = ()
-  tok = tuple(a for a in _axes.data_axes(mesh) if free(a) and a not in vocab)
-  if hidden.shape[0] % size(tok):
-    tok = ()
-  if not vocab and not tok:
+  split = []
+  for dim, conventional in ((0, _axes.data_axes(mesh)), (1, _axes.context_axes(mesh))):
+    tok = tuple(a for a in conventional if free(a) and a not in vocab)
+    tok = tok if hidden.shape[dim] % size(tok) == 0 else ()
+    # Vocab axes the caller's dim arrives split over (the batch convention): its gradient
+    # goes back split, in the convention's axis order.
+    scatter = tuple(a for a in vocab if a in conventional)
+    order = [a for a in conventional if a in tok or a in scatter]
+    if (hidden.shape[dim] // size(tok)) % size(scatter) or order != list(tok + scatter):
+      scatter = ()
+    split.append((tok, scatter))
+  (tok_b, scat_b), (tok_s, scat_s) = split
+  if not vocab and not tok_b and not tok_s:
     return plain
-  # Data axes among the vocab axes: the caller's tokens are split over them (the batch
-  # convention), so the hidden states' gradient goes back split, in the batch's axis order.
-  scatter = tuple(a for a in vocab if a in _axes.data_axes(mesh))
-  order = [a for a in _axes.data_axes(mesh) if a in tok or a in scatter]
-  if (hidden.shape[0] // size(tok)) % size(scatter) or order != list(tok + scatter):
-    scatter = ()
-  return _Layout(mesh, tok, vocab, scatter, chunk_size, z_loss)
+  return _Layout(mesh, tok_b, tok_s, vocab, scat_b, scat_s, chunk_size, z_loss)
 
 
 def _chunk(chunk_size, tokens, vocab) -> int:
@@ -251,7 +282,9 @@ def _loss(lse, label_logit, z_loss):
 
 
 def _local_loss(hidden, unembed, labels, layout):
-  """Per-token loss and logsumexp, float32 [tokens] each, on this device's arrays."""
+  """Per-token loss and logsumexp, float32 [batch, seq] each, on this device's arrays."""
+  shape = labels.shape
+  hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
   first = _first_column(unembed, layout.vocab_axes)
 
   def step(start, size, carry):
@@ -262,13 +295,17 @@ def _local_loss(hidden, unembed, labels, layout):
 
   tokens = hidden.shape[0]
   chunk = _chunk(layout.chunk_size, tokens, unembed.shape[1])
-  return _walk_tokens(tokens, chunk, step, (jnp.zeros((tokens,), jnp.float32),) * 2)
+  loss, lse = _walk_tokens(tokens, chunk, step, (jnp.zeros((tokens,), jnp.float32),) * 2)
+  return loss.reshape(shape), lse.reshape(shape)
 
 
 def _local_grads(hidden, unembed, labels, g, lse, layout):
-  """Per-token loss [tokens], and the gradients of sum_t g_t loss_t with respect to hidden
-  (its dtype) and unembed (its dtype), on this device's arrays. `lse` (saved by a forward
-  pass) spares recomputing each chunk's statistics; None computes them."""
+  """Per-token loss [batch, seq], and the gradients of sum_t g_t loss_t with respect to
+  hidden (its dtype) and unembed (its dtype), on this device's arrays. `lse` (saved by a
+  forward pass) spares recomputing each chunk's statistics; None computes them."""
+  shape, hidden_shape = labels.shape, hidden.shape
+  hidden, labels, g = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), g.reshape(-1)
+  lse = None if lse is None else lse.reshape(-1)
   first, vocab_axes = _first_column(unembed, layout.vocab_axes), layout.vocab_axes
   size = unembed.shape[1]
 
@@ -300,15 +337,16 @@ def _local_grads(hidden, unembed, labels, g, lse, layout):
   loss, d_hidden, d_unembed = _walk_tokens(
       tokens, _chunk(layout.chunk_size, tokens, size), step, init)
   summed = tuple(a for a in vocab_axes if a not in layout.scatter_axes)
-  if layout.scatter_axes:  # Back to the caller's token split: a reduce-scatter.
-    d_hidden = lax.psum_scatter(d_hidden, layout.scatter_axes, scatter_dimension=0,
-                                tiled=True)
+  d_hidden = d_hidden.reshape(hidden_shape)
+  for dim, axes in ((0, layout.scatter_batch), (1, layout.scatter_seq)):
+    if axes:  # Back to the caller's token split: a reduce-scatter.
+      d_hidden = lax.psum_scatter(d_hidden, axes, scatter_dimension=dim, tiled=True)
   if summed:
     d_hidden = lax.psum(d_hidden, summed)
   d_unembed = d_unembed.astype(unembed.dtype)
   if layout.token_axes:
     d_unembed = lax.psum(d_unembed, layout.token_axes)
-  return loss, d_hidden, d_unembed
+  return loss.reshape(shape), d_hidden, d_unembed
 
 
 def _run(layout, fn, args, in_specs, out_specs):
@@ -323,9 +361,11 @@ def _run(layout, fn, args, in_specs, out_specs):
 
 def _specs(layout):
   """PartitionSpecs: per token, hidden states, unembedding, scattered hidden gradient."""
-  tok, vocab = layout.token_axes or None, layout.vocab_axes or None
-  back = (layout.token_axes + layout.scatter_axes) or None
-  return jax.P(tok), jax.P(tok, None), jax.P(None, vocab), jax.P(back, None)
+  b, s = layout.batch_axes or None, layout.seq_axes or None
+  vocab = layout.vocab_axes or None
+  back_b = (layout.batch_axes + layout.scatter_batch) or None
+  back_s = (layout.seq_axes + layout.scatter_seq) or None
+  return jax.P(b, s), jax.P(b, s, None), jax.P(None, vocab), jax.P(back_b, back_s, None)
 
 
 def _run_loss(layout, hidden, unembed, labels):

@@ -21,17 +21,28 @@ Then, from the repository root, in fnscale's environment:
   python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=replica=2
   python recipes/bench/compare_maxtext.py ... --target="2x v5p-8" --mesh=fsdp=4 --dcn=stage=2 \\
       --layers=8 --batch=2 --microbatches=4    # pipeline stages across the slices
+  python recipes/bench/compare_maxtext.py ... --mesh=context=4 --batch=0.25 --seq=32768 \\
+      --context_strategy=all_gather      # or ring; --no-load_balance: the plain order
+  python recipes/bench/compare_maxtext.py ... --model=mixtral-8x7b --mesh=expert=4
 
 MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_compile.main`
 with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
 wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
-(it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor` ->
-MaxText `ici_data/fsdp/tensor_parallelism`, fnscale's DCN `replica` -> `dcn_data_parallelism`;
-a `stage` axis (pipeline stages, ICI or DCN) -> `ici/dcn_pipeline_parallelism`, with `--microbatches` -> `num_pipeline_microbatches`
-and `--repeats` (circular; default one layer per stage per repeat, MaxText's default) ->
-`num_layers_per_pipeline_stage` = layers / (stages x repeats) on MaxText's side and llama's
-circular layout (`ModelConfig.repeats`) on fnscale's.
-`--batch` is rows per device. Each side's HLO, memory and a JSON of the table land in `--out`.
+(it imports nothing from fnscale). Mesh axes map as fnscale `data`/`fsdp`/`tensor`/`context`/
+`expert` -> MaxText `ici_data/fsdp/tensor/context/expert_parallelism`, fnscale's DCN
+`replica` -> `dcn_data_parallelism`, DCN `context` -> `dcn_context_parallelism`.
+Pipelines: a `stage` axis (ICI or DCN) -> `ici/dcn_pipeline_parallelism`, `--microbatches`
+-> `num_pipeline_microbatches` and `--repeats` (circular; default one layer per stage per
+repeat, MaxText's default) -> `num_layers_per_pipeline_stage` = layers / (stages x repeats)
+on MaxText's side and llama's circular layout (`ModelConfig.repeats`) on fnscale's.
+Context parallelism: `--context_strategy` is MaxText's `context_parallel_strategy` and
+fnscale's `with_kernel(context=...)` ("ring" runs MaxText's Tokamax splash, which its ring
+needs); `--load_balance` is MaxText's `context_parallel_load_balance` (its dual-chunk-swap
+order) and fnscale's zigzag order (else contiguous); fnscale's batch carries the positions
+its Llama needs under a context axis, and with `--packed` the segment ids MaxText's
+synthetic batches carry (its splash kernels are then the segmented ones on both sides).
+`--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
+row). Each side's HLO, memory and a JSON of the table land in `--out`.
 """
 from __future__ import annotations
 
@@ -60,9 +71,9 @@ def _maxtext_argv(a) -> list[str]:
   """MaxText's `key=value` config for the same model, mesh, batch, precision and remat."""
   ici = _axes(a.mesh)
   dcn = _axes(a.dcn)
-  slices = dcn.get("replica", 1) * dcn.get("stage", 1)
+  slices = dcn.get("replica", 1) * dcn.get("stage", 1) * dcn.get("context", 1)
   topology = a.target.split()[-1]  # "2x v5p-8" -> "v5p-8" and 2 slices
-  return _pipeline_argv(a, ici, dcn) + [
+  return _pipeline_argv(a, ici, dcn) + _context_argv(a, ici, dcn) + [
       f"model_name={a.model}", "override_model_config=true",
       f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
@@ -88,6 +99,17 @@ def _pipeline_argv(a, ici: dict, dcn: dict) -> list[str]:
           f"dcn_pipeline_parallelism={dcn.get('stage', 1)}",
           f"num_pipeline_microbatches={a.microbatches or stages}",
           f"num_layers_per_pipeline_stage={a.layers // (stages * _repeats(a, stages))}"]
+
+
+def _context_argv(a, ici: dict, dcn: dict) -> list[str]:
+  """MaxText's context-parallel keys for fnscale's `context` axis (ICI or DCN)."""
+  out = [f"ici_context_parallelism={ici.get('context', 1)}",
+         f"dcn_context_parallelism={dcn.get('context', 1)}",
+         f"context_parallel_strategy={a.context_strategy}",
+         f"context_parallel_load_balance={str(a.load_balance).lower()}"]
+  if a.context_strategy == "ring":
+    out.append("use_tokamax_splash=true")  # MaxText's ring runs only on Tokamax splash
+  return out
 
 
 def _repeats(a, stages: int) -> int:
@@ -139,8 +161,11 @@ def fnscale_side(a) -> None:
                     optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
   policy = "params=float32,compute=bfloat16,output=float32"
   axes = model.logical_axes(cfg)
-  rows = a.batch * len(devices)
-  batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in ("inputs", "targets")}
+  rows = _rows(a, len(devices))
+  keys = ("inputs", "targets") + (("positions",) if fs.parallel.context.shards(mesh) > 1
+                                  else ()) + (("segment_ids",) if a.packed else ())
+  batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in keys}
+  order = "zigzag" if a.load_balance else "contiguous"
   with fs.with_mesh(mesh):
     state = fs.init_state(functools.partial(model.init_params, cfg), opt, mesh=mesh,
                           rules=model.RULES, logical_axes=axes, policy=policy,
@@ -149,8 +174,10 @@ def fnscale_side(a) -> None:
     if stages > 1:
       loss = functools.partial(loss, microbatches=a.microbatches or stages)
     step = fs.train_step(loss, opt, policy=policy, accum_steps=a.accum)
-    compiled = fs.shard_step(fs.with_kernel(step, attention="auto"), mesh, rules=model.RULES,
-                             logical_axes=axes).compile(state, batch)
+    kernel = fs.with_kernel(step, attention="auto", context=a.context_strategy,
+                            context_order=order)
+    compiled = fs.shard_step(kernel, mesh, rules=model.RULES, logical_axes=axes).compile(
+        state, batch)
   _write(a.out, "fnscale", compiled.compiled, compiled.compile_seconds)
 
 
@@ -167,6 +194,15 @@ def _write(out: str, side: str, compiled, seconds: float) -> None:
            for k in ("argument", "output", "temp", "alias", "generated_code")}
   with open(os.path.join(out, f"{side}.json"), "w", encoding="utf-8") as f:
     json.dump(dict(facts, compile_seconds=seconds), f)
+
+
+def _rows(a, devices: int) -> int:
+  """Global rows: --batch rows per device (a fraction under a context axis) x devices."""
+  rows = a.batch * devices
+  if rows != int(rows) or rows < 1:
+    raise SystemExit(f"error: --batch={a.batch} x {devices} devices is {rows} rows; give "
+                     "a whole number of rows (e.g. --batch=0.25 on 4 devices)")
+  return int(rows)
 
 
 def _axes(text: str | None) -> dict[str, int]:
@@ -248,7 +284,16 @@ def _flags(argv=None):
                  help="MaxText's model name (fnscale's of the same shapes: llama-8b, "
                  "moe-mixtral-8x7b)")
   p.add_argument("--layers", type=int, default=2, help="decoder layers (of the model's shapes)")
-  p.add_argument("--batch", type=int, default=1, help="rows per device")
+  p.add_argument("--batch", type=float, default=1, help="rows per device (a fraction "
+                 "when a context axis splits the rows: 0.25 on 4 devices is one row)")
+  p.add_argument("--context_strategy", default="all_gather", choices=("all_gather", "ring"),
+                 help="context parallelism's attention (MaxText's context_parallel_strategy)")
+  p.add_argument("--packed", action="store_true",
+                 help="fnscale's batch carries segment ids, as MaxText's synthetic batches "
+                 "do (its attention runs splash's segmented kernels)")
+  p.add_argument("--load_balance", default=True, action=argparse.BooleanOptionalAction,
+                 help="causal load balance under a context axis (MaxText's "
+                 "context_parallel_load_balance; fnscale's zigzag order)")
   p.add_argument("--seq", type=int, default=4096, help="tokens per row")
   p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
   p.add_argument("--microbatches", type=int, default=0,
@@ -287,8 +332,12 @@ def main(argv=None) -> None:
     raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
                      f"there first (--sides={','.join(missing)}, same flags)")
   sides = {s: read_side(a.out, s) for s in SIDES}
-  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}, {a.model} shapes x "
-          f"{a.layers} layers, {a.batch} row(s) x {a.seq} tokens per device\n\n" + table(sides))
+  context = (f", context {a.context_strategy}"
+             f"{' load-balanced' if a.load_balance else ''}" if "context" in a.mesh + a.dcn
+             else "")
+  text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}{context}, {a.model} "
+          f"shapes x {a.layers} layers, {a.batch:g} row(s) x {a.seq} tokens per device\n\n"
+          + table(sides))
   with open(os.path.join(a.out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")
   print(text)

@@ -8,12 +8,14 @@ The model-module interface `train_lm.py` relies on (a Llama module offers the sa
 `ModelConfig` (a NamedTuple with at least `layers, d_model, heads, seq, vocab`), `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
-`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq], plus for packed
-rows (`packing.py`) "segment_ids" and "positions" (int32 [batch, seq]) and "weights"
-(float32 [batch, seq], the loss weight of each target).
+`flops_per_token(cfg)`; a batch is {"inputs", "targets"}: int32 [batch, seq], plus optional
+"segment_ids" and "positions" (int32 [batch, seq]: packed rows, `packing.py`, or the order of
+a sequence split over a "context" mesh axis, `fnscale.parallel.context.reorder_batch`) and
+"weights" (float32 [batch, seq], the loss weight of each target).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -135,9 +137,12 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 # Logical axis -> mesh axes. "embed" over fsdp gives ZeRO-3-style sharded params and optimizer
 # state; heads/mlp/vocab over tensor give Megatron-style tensor parallelism (Shoeybi et al. 2019).
+# Under a "context" axis (the sequence split) params are split over it as over fsdp.
 RULES = (
     ("batch", ("data", "fsdp")),
+    ("embed", ("fsdp", "context")),
     ("embed", "fsdp"),
+    ("embed", "context"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
@@ -197,6 +202,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   rows = free(fs.sharding.data_axes(mesh))  # the batch's axes (with "stage", if any)
   if tokens.shape[0] % size(rows):
     rows = ()
+  seq = free(("context",))  # a sequence split over it stays split
+  if tokens.shape[1] % size(seq):
+    seq = ()
   fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)
   vocab = free(("tensor",))
   if table.shape[0] % size(vocab):
@@ -218,16 +226,33 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
       x = jax.lax.all_to_all(x, fsdp, split_axis=0, concat_axis=2, tiled=True)
     return x
 
-  spec_rows = _spec(rows)
+  spec_rows, spec_seq = _spec(rows), _spec(seq)
   return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(fsdp)),
-                                                   P(spec_rows, None)),
-                       out_specs=P(spec_rows, None, None), axis_names=frozenset(
+                                                   P(spec_rows, spec_seq)),
+                       out_specs=P(spec_rows, spec_seq, None), axis_names=frozenset(
                            free(mesh.axis_names)), check_vma=True)(table, tokens)
 
 
 def _spec(axes: tuple[str, ...]):
   """A PartitionSpec entry for mesh axes: None, one name, or a tuple."""
   return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_positions(positions) -> None:
+  """Under a mesh whose "context" axis splits the sequence, a model must be given each
+  token's position: the shards hold the sequence reordered, so 0..seq-1 would be wrong.
+
+  Raises:
+    FnscaleError: no positions under a context axis of size > 1.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else fs.parallel.context.shards(mesh)
+  if positions is None and shards > 1:
+    raise fs.InputError(
+        f"the mesh splits the sequence over its context axes ({shards} shards) and the "
+        "batch has no 'positions'; fix: pass the batch through "
+        "fnscale.parallel.context.reorder_batch(batch, mesh, order) (it adds them) before "
+        "fnscale.global_batch.")
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
@@ -243,13 +268,17 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   block whatever the depth); `remat=True` recomputes each block's activations in the backward
   pass (`jax.checkpoint`) to trade FLOPs for memory. `cfg` is taken for the interface the
   Llama shares (whose RoPE settings aren't shapes); GPT-2's forward needs only the params.
+  `positions`, `segment_ids`: int [batch, seq] (default 0..seq-1, one sequence per row);
+  positions are required under a context axis (`check_positions`).
   """
   del cfg
   seq = tokens.shape[1]
+  check_positions(positions)
   pos = params["wpe"][:seq] if positions is None else jnp.take(params["wpe"], positions, 0)
   x = embed_lookup(params["wte"], tokens) + pos
-  block = jax.checkpoint(_block) if remat else _block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p, segment_ids), None), x, params["blocks"])
+  block = functools.partial(_block, segment_ids=segment_ids)
+  block = jax.checkpoint(block) if remat else block
+  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
   x = _layer_norm(x, params["ln_f"])
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
@@ -302,9 +331,9 @@ def generate(apply_fn, params: dict, prompt: list[int], how: Sampling) -> list[i
   """Continues `prompt` (token ids) by `how.length` tokens: greedy at temperature 0, else
   sampled.
 
-  Model-agnostic (`apply_fn(params, tokens)` -> logits [batch, seq, vocab]). Each new token
-  is predicted from the last `seq` tokens (a sliding window; a model this small needs no KV
-  cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
+  Model-agnostic (`apply_fn(params, tokens, positions=)` -> logits [batch, seq, vocab]). Each
+  new token is predicted from the last `seq` tokens (a sliding window; a model this small
+  needs no KV cache), all in one jitted `lax.fori_loop`. Every process must call it (params may be sharded
   across processes); all get the same tokens.
   """
   length, seq, temperature, seed, attention = how
@@ -320,7 +349,8 @@ def generate(apply_fn, params: dict, prompt: list[int], how: Sampling) -> list[i
       tokens, key = carry
       start = jnp.clip(pos - seq, 0, total - seq)
       window = jax.lax.dynamic_slice(tokens, (0, start), (1, seq))
-      logits = apply_fn(params, window)[0]
+      # Positions given: under a mesh that splits the sequence a model asks for them.
+      logits = apply_fn(params, window, positions=jnp.arange(seq, dtype=jnp.int32)[None])[0]
       logits = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, keepdims=False)
       key, sub = jax.random.split(key)
       if temperature > 0:
@@ -333,6 +363,8 @@ def generate(apply_fn, params: dict, prompt: list[int], how: Sampling) -> list[i
     return jax.lax.fori_loop(p, p + length, body, init)[0]
 
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  run = jax.jit(fs.with_kernel(_run, attention=attention), out_shardings=replicated)
+  # A window is in sequence order, whatever order training fed a context axis.
+  run = jax.jit(fs.with_kernel(_run, attention=attention, context_order="contiguous"),
+                out_shardings=replicated)
   out = np.asarray(run(params).addressable_data(0))
   return out[0, p:p + length].tolist()

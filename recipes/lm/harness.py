@@ -365,6 +365,15 @@ class Run(NamedTuple):
   should_stop: Callable[[int], bool]  # the preemption guard's check
 
 
+def put(s: Setup, rows: dict):
+  """This process's rows as global arrays over run `s`'s mesh; under a context axis first
+  in the order its shards hold the sequence, with the positions the model then needs
+  (`fnscale.parallel.context.reorder_batch`)."""
+  if fs.parallel.context.shards(s.mesh) > 1:
+    rows = fs.parallel.context.reorder_batch(rows, s.mesh, s.o.context_order)
+  return fs.global_batch(rows, fs.batch_sharding(s.mesh))
+
+
 def flops_per_step(s: Setup) -> float:
   """Model FLOPs per step (MFU's numerator, times the step's time)."""
   return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq

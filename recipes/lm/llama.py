@@ -19,6 +19,12 @@ On a mesh with a `stage` axis of S > 1 devices the blocks run as a pipeline
 contiguous stages, and `loss_fn(..., microbatches=M)` cuts the batch into M microbatches
 (default S). A config with `repeats` R > 1 stores the blocks as [stages, R, layers / (S R),
 ...] (`fnscale.parallel.pipeline.stage_layers`) and runs the circular schedule.
+
+On a mesh with a `context` axis the sequence is split over it (context parallelism): the
+batch comes in the shards' order (`fnscale.parallel.context.reorder_batch`, which adds the
+"positions" RoPE needs), activations keep the split, attention runs in a context form and
+the loss scores each shard's tokens where they are; params are split over the axis as over
+"fsdp".
 """
 from __future__ import annotations
 
@@ -204,7 +210,20 @@ _AXES = {
 # output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
 # (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
 # over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
-VOCAB_OUT_AXES = ("fsdp", "tensor")
+# A "context" axis (the sequence split) holds params split as "fsdp" does (MaxText's "embed"
+# rule names both): its devices see different tokens, so their gradients are reduced over it
+# anyway, and replicated params would hold c times the memory. Rules naming an axis the mesh
+# lacks are skipped, so the combinations come largest first.
+VOCAB_OUT_AXES = ("fsdp", "context", "tensor")
+
+
+def _largest_first(name: str, axes: tuple[str, ...]) -> tuple:
+  """(name, combination) rules for every non-empty combination of `axes`, largest first."""
+  combos = [tuple(a for i, a in enumerate(axes) if mask >> i & 1)
+            for mask in range(2 ** len(axes) - 1, 0, -1)]
+  return tuple((name, c) for c in sorted(combos, key=len, reverse=True))
+
+
 # Pipeline stages: a circular layout's "stage" dim over the stage axis, else the layer stack
 # split into contiguous stages (as MaxText's ("layers", "stage")); a mesh without "stage"
 # skips both rules.
@@ -212,14 +231,12 @@ RULES = (
     ("batch", ("replica", "stage", "data", "fsdp")),
     ("stage", "stage"),
     ("layers", "stage"),
-    ("embed", "fsdp"),
+    *_largest_first("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    ("vocab_out", VOCAB_OUT_AXES),
-    ("vocab_out", "fsdp"),
-    ("vocab_out", "tensor"),
+    *_largest_first("vocab_out", VOCAB_OUT_AXES),
     ("norm", None),  # RMSNorm scales: small, replicated on purpose
 )
 
@@ -254,8 +271,9 @@ def rope_frequencies(head_dim: int, theta: float,
 def rope(x, theta: float, scaling: RopeScaling | None = None, positions=None):
   """Rotary positions on x [batch, seq, heads, head_dim]: pair i with i + head_dim/2 and
   rotate the pair at position p by p * `rope_frequencies(...)[i]` (the "rotate half"
-  layout). positions: None (0..seq-1 in every row) or int [batch, seq] (packed rows: from 0
-  in each document)."""
+  layout). `positions`: None (0..seq-1 in every row) or int [batch, seq], each token's
+  position (packed rows: from 0 in each document; a sequence reordered over a context axis:
+  its own)."""
   seq, half = x.shape[1], x.shape[-1] // 2
   freq = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
   pos = (jnp.arange(seq, dtype=jnp.float32)[None] if positions is None
@@ -269,7 +287,8 @@ def rope(x, theta: float, scaling: RopeScaling | None = None, positions=None):
 
 def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   """One pre-norm Llama block. x: [batch, seq, d_model]; segment_ids, positions: None or
-  int32 [batch, seq] (packed rows: attention within a segment, RoPE at its positions)."""
+  int32 [batch, seq] (packed rows: attention within a segment, RoPE at its positions; a
+  context-parallel order: its positions)."""
   # Keep the residual stream split by batch, or GSPMD may follow the FSDP params' sharding.
   x = fs.constrain_batch(x)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
@@ -317,10 +336,12 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
   (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params.
-  Packed rows: `segment_ids` and `positions` (int32 [batch, seq]; see `_block`). On a mesh
-  with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the stages,
-  or none for a batch they don't divide, e.g. one row when sampling)."""
+  `segment_ids`, `positions`: int32 [batch, seq] (packed rows, see `_block`; under a context
+  axis positions are required: `gpt.check_positions`). On a mesh with a `stage` axis the
+  blocks run as a pipeline of `microbatches` (default: the stages, or none for a batch they
+  don't divide, e.g. one row when sampling)."""
   cfg = _config_of(params, tokens, cfg, rope_theta)
+  gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
   block = lambda x, p, seg, pos: _block(x, p, cfg, seg, pos)
   block = jax.checkpoint(block) if remat else block
@@ -374,6 +395,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot
   raise on values); check data of your own with `data.check_token_ids(batch, cfg.vocab)`.
+  Optional "positions" and "segment_ids" int32 [batch, seq] (packed rows, the context
+  shards' order).
 
   `fnscale.cross_entropy` walks the tokens in chunks and computes the gradients in its
   forward pass (the plain loss's matmul FLOPs, no logits recomputed): the float32
@@ -389,16 +412,13 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   loss are 0)."""
   x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, microbatches=microbatches,
              segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
-  d = x.shape[-1]
   axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
+  # [batch, seq, d]: the tokens stay where they are, the sequence split too.
+  w, targets = output_layer(params).astype(x.dtype), batch["targets"]
   if not weighted:
-    return fs.cross_entropy(x.reshape(-1, d), output_layer(params).astype(x.dtype),
-                            batch["targets"].reshape(-1), vocab_axes=axes)
-  where = (batch["weights"] > 0 if "weights" in batch
-           else jnp.ones(batch["targets"].shape, bool)).reshape(-1)
-  total = fs.cross_entropy(x.reshape(-1, d), output_layer(params).astype(x.dtype),
-                           batch["targets"].reshape(-1), where=where, reduction="sum",
-                           vocab_axes=axes)
+    return fs.cross_entropy(x, w, targets, vocab_axes=axes)
+  where = batch["weights"] > 0 if "weights" in batch else jnp.ones(targets.shape, bool)
+  total = fs.cross_entropy(x, w, targets, where=where, reduction="sum", vocab_axes=axes)
   return total, jnp.sum(where.astype(jnp.float32))
 
 
