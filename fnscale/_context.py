@@ -1,6 +1,6 @@
 """The ambient values fnscale reads, all declared here (none elsewhere).
 
-fnscale's functions take what they need as arguments, except four values that are read
+fnscale's functions take what they need as arguments, except five values that are read
 where a step is traced, each set by a scoped wrapper and reset when its scope ends:
 
 - the mesh: the mesh traced code shards over. Set by `fnscale.with_mesh` (or the user's own
@@ -12,18 +12,21 @@ where a step is traced, each set by a scoped wrapper and reset when its scope en
 - `KERNEL_CHOICE`: what `fnscale.attention(implementation="auto")` runs, and Pallas interpret
   mode (a `KernelChoice`). Set by `fnscale.with_kernel` for each call of the function it
   wraps; a jax user context (`jax.make_user_context`).
+- `EXPERT_CHOICE`: how `fnscale.parallel.experts.moe(exchange="auto")` exchanges tokens and
+  runs its grouped matmuls (an `ExpertChoice`). Set by `fnscale.parallel.experts.with_experts`
+  for each call of the function it wraps; a jax user context.
 - `PARAM_SPECS`: the params' PartitionSpecs while `fnscale.shard_step` traces a step
   ((treedef, specs), or None), so that gradient accumulators keep the params' sharding. Set
   by `fnscale.step.param_specs`, which `shard_step` enters; a jax user context.
 
 Threads and asyncio (jax 0.10.2 and 0.12): a new thread starts with none of them set. The
-mesh, `KERNEL_CHOICE` and `PARAM_SPECS` are jax's thread-local state: while set, every
-asyncio task running on that thread sees them. `AXIS_CONVENTIONS` is copied into each
-asyncio task when the task is created, so one task's `axis_conventions` is not seen by
-another. jit: the mesh, `KERNEL_CHOICE` and `PARAM_SPECS` are part of `jax.jit`'s cache key
-(a function traced under one value is traced again under another); `AXIS_CONVENTIONS` is
-not, so enter `axis_conventions` around building and compiling a step, not between calls of
-one jitted function. `tests/test_context.py` checks each of these.
+mesh, `KERNEL_CHOICE`, `EXPERT_CHOICE` and `PARAM_SPECS` are jax's thread-local state: while
+set, every asyncio task running on that thread sees them. `AXIS_CONVENTIONS` is copied into
+each asyncio task when the task is created, so one task's `axis_conventions` is not seen by
+another. jit: the mesh, `KERNEL_CHOICE`, `EXPERT_CHOICE` and `PARAM_SPECS` are part of
+`jax.jit`'s cache key (a function traced under one value is traced again under another);
+`AXIS_CONVENTIONS` is not, so enter `axis_conventions` around building and compiling a step,
+not between calls of one jitted function. `tests/test_ambient.py` checks each of these.
 """
 from __future__ import annotations
 
@@ -50,7 +53,17 @@ class KernelChoice(NamedTuple):
   context_order: str = "zigzag"
 
 
+class ExpertChoice(NamedTuple):
+  """The choice `fnscale.parallel.experts.with_experts` makes visible to the `moe` calls
+  inside it: the token exchange ("auto", "ragged", "all_gather", "all_to_all"), the grouped
+  matmul ("auto", "ragged_dot", "megablox") and Pallas interpret mode."""
+  exchange: str = "auto"
+  grouped_matmul: str = "auto"
+  interpret: bool = False
+
+
 AXIS_CONVENTIONS: contextvars.ContextVar = contextvars.ContextVar(
     "fnscale_axis_conventions", default=None)
 KERNEL_CHOICE = jax.make_user_context(KernelChoice())
+EXPERT_CHOICE = jax.make_user_context(ExpertChoice())
 PARAM_SPECS = jax.make_user_context(None)

@@ -386,7 +386,7 @@ def with_mesh(mesh: Mesh):
   `with with_mesh(mesh): ...` scopes a block; `with_mesh(mesh)(fn)` returns a function with
   `fn`'s signature that runs each call under the mesh. Traced code (the train step, sharding
   constraints, `constrain_batch`, kernels) reads it with `jax.sharding.get_abstract_mesh()`.
-  The mesh is one of the four ambient values fnscale reads, all listed in `fnscale._context`
+  The mesh is one of the five ambient values fnscale reads, all listed in `fnscale._context`
   (the others: the axis conventions of `axis_conventions`, the kernel choice of
   `with_kernel`, the params' specs `shard_step` sets while it traces). Like the kernel
   choice it is jax's thread-local state and part of `jax.jit`'s cache key. A mesh over

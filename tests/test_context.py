@@ -18,7 +18,7 @@ import fnscale as fs
 from fnscale.analysis import hlo
 from fnscale.errors import KernelError, ShardingError
 from fnscale.kernels import context_attention as ca
-from fnscale.kernels import kernel_plan
+from fnscale.kernels import kernel_selection
 from fnscale.parallel import context as cp
 
 B, S, H, KH, D = 2, 64, 4, 2, 8
@@ -283,11 +283,11 @@ def test_llama_loss_and_grads_with_context_4_equal_one_device():
 
 
 def _plan(axes, *, q=(B, S, H, D), k=(B, S, KH, D), **kernel):
-  """kernel_plan under a mesh with the given with_kernel choice."""
+  """kernel_selection under a mesh with the given with_kernel choice."""
   attention = kernel.pop("attention", "auto")
   window = kernel.pop("window", None)
   with fs.with_mesh(fs.make_mesh(axes)):
-    return fs.with_kernel(kernel_plan, attention=attention, **kernel)(
+    return fs.with_kernel(kernel_selection, attention=attention, **kernel)(
         q, k, causal=True, sliding_window=window)
 
 
@@ -356,7 +356,7 @@ def test_splash_inside_each_form_equals_the_reference(form, order):
                          context=form, context_order=order, interpret=True)
   mesh = fs.make_mesh({"context": c}, devices=jax.devices()[:c])
   with fs.with_mesh(mesh):
-    plan = fs.with_kernel(kernel_plan, context=form, interpret=True)(
+    plan = fs.with_kernel(kernel_selection, context=form, interpret=True)(
         q.shape, k.shape, causal=True, segment_ids=seg_)
     got = jax.jit(split)(q_, k_, v_)
     got_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(split(q, k, v) * w_), (0, 1, 2)))(

@@ -4,7 +4,7 @@
 attention, the Pallas Triton attention or the XLA reference (`jax.nn.dot_product_attention`).
 `kernel_selection` is the pure decision behind it: what would run and why. `with_kernel` scopes a
 choice to one call of a function (and so to its trace), like `jax.set_mesh` scopes a mesh.
-Two of fnscale's ambient values are read here besides the arguments (all four are declared in
+Two of fnscale's ambient values are read here besides the arguments (all five are declared in
 `fnscale._context`): the mesh and the kernel choice (`KERNEL_CHOICE`); the axis conventions
 (`fnscale.axis_conventions`) decide which mesh axes split batch and heads.
 

@@ -50,6 +50,8 @@ import numpy as np
 
 from fnscale import _axes
 from fnscale import _compat
+from fnscale import _context
+from fnscale._context import ExpertChoice
 from fnscale import _tree
 from fnscale.errors import ExpertError, KernelError, MeshError, ShardingError
 from fnscale.kernels.grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, grouped_matmul
@@ -96,13 +98,6 @@ class MoEAux(NamedTuple):
   dropped: jax.Array
 
 
-class ExpertChoice(NamedTuple):
-  """The choice `with_experts` makes visible to the `moe` calls inside it."""
-  exchange: str = "auto"
-  grouped_matmul: str = "auto"
-  interpret: bool = False
-
-
 class ExchangeSelection(NamedTuple):
   """How `moe` runs for a call, and why.
 
@@ -139,9 +134,6 @@ class ExchangeSelection(NamedTuple):
   tensor_axes: tuple[str, ...]
   buffer_rows: int
   fsdp_axes: tuple[str, ...] = ()
-
-
-_CHOICE = jax.make_user_context(ExpertChoice())
 
 
 def with_experts(fn: Callable[..., Any] | None = None, *, exchange: str = "auto",
@@ -183,7 +175,7 @@ def with_experts(fn: Callable[..., Any] | None = None, *, exchange: str = "auto"
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with _CHOICE(choice):
+    with _context.EXPERT_CHOICE(choice):
       return fn(*args, **kwargs)
 
   return wrapped
@@ -315,7 +307,7 @@ def _layout(mesh, expert_axis, sh: _Shapes, capacity_path: bool):
 
 
 def _requested(exchange, grouped_matmul, interpret):
-  choice = _CHOICE.value
+  choice = _context.EXPERT_CHOICE.value
   exchange = choice.exchange if exchange == "auto" else exchange
   grouped_matmul = choice.grouped_matmul if grouped_matmul == "auto" else grouped_matmul
   return exchange, grouped_matmul, choice.interpret if interpret is None else bool(interpret)
