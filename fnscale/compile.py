@@ -17,6 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fnscale import _axes
+from fnscale import _closure
 from fnscale import _compiler
 from fnscale import _tree
 from fnscale import sharding as _sh
@@ -277,9 +278,18 @@ class ShardedStep:
     batch_specs = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(batch),
         [_tree.filter_spec(s.spec, lambda a: a in daxes) for s in batch_flat])
-    return jax.shard_map(self.step, mesh=self.mesh, in_specs=(PartitionSpec(), batch_specs),
-                         out_specs=(PartitionSpec(), PartitionSpec()),
-                         axis_names=set(daxes), check_vma=True)
+    per_shard = jax.shard_map(self.step, mesh=self.mesh,
+                              in_specs=(PartitionSpec(), batch_specs),
+                              out_specs=(PartitionSpec(), PartitionSpec()),
+                              axis_names=set(daxes), check_vma=True)
+    explicit = set(daxes) & set(getattr(self.mesh, "explicit_axes", ()))
+    if not explicit:
+      return per_shard  # shard_map gathers FSDP-split state leaves on entry itself
+
+    def body(state, batch):
+      # On Explicit axes the state's types must be whole over the data axes first.
+      return per_shard(jax.tree.map(lambda x: _whole_over(x, explicit), state), batch)
+    return body
 
   def lower(self, state, batch):
     """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
@@ -303,13 +313,17 @@ class ShardedStep:
       lowered = self.lower(state, batch)
     except FnscaleError:
       raise
-    except (TypeError, ValueError) as e:  # the user's step doesn't trace for these shapes
-      shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
-                         for name, shape, dt, _ in sig.batch_leaves)
-      raise StepError(
-          f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
-          f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
-          "expects.") from e
+    except (NotImplementedError, ValueError) as e:
+      closed = _closure.explicit_closure(e, self.step, "the step")
+      if closed is not None and self.mode == "shard_map":
+        raise StepError(closed.message(
+            "shard_step(mode='shard_map') runs the step per shard under jax.shard_map",
+            _closure.FIX + ", or mode='auto'")) from None
+      if isinstance(e, NotImplementedError):
+        raise
+      raise _trace_error(e, sig) from e
+    except TypeError as e:  # the user's step doesn't trace for these shapes
+      raise _trace_error(e, sig) from e
     compiled, seconds, warnings = _compiler.compile_lowered(lowered, self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
@@ -330,6 +344,22 @@ class ShardedStep:
             len(self._executables) + 1)
       fn = self._executables[key] = self.compile(state, batch)
     return fn(state, batch)
+
+
+def _trace_error(e: Exception, sig: _Signature) -> StepError:
+  shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
+                     for name, shape, dt, _ in sig.batch_leaves)
+  return StepError(
+      f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
+      f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
+      "expects.")
+
+
+def _whole_over(x, axes: set):
+  """`x` resharded so that its type no longer splits it over `axes` (Explicit axes)."""
+  spec = jax.typeof(x).sharding.spec
+  kept = _tree.filter_spec(spec, lambda a: a not in axes)
+  return jax.sharding.reshard(x, kept) if kept != PartitionSpec(*spec) else x
 
 
 def _check_args(step, mesh, mode, donate, optimizer, compiler_options) -> None:

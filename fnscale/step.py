@@ -17,6 +17,7 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -25,6 +26,7 @@ import numpy as np
 import optax
 
 from fnscale import _axes
+from fnscale import _closure
 from fnscale import _compat
 from fnscale import _context
 from fnscale import _tree
@@ -251,7 +253,7 @@ class _Config(NamedTuple):
   policy: jmp.Policy | None
   accum_steps: int
   has_aux: bool
-  accum_gather: str = "per_microbatch"
+  accum_gather: str = "auto"
   weighted: bool = False
   key: Any = None  # the base PRNG key of `loss_fn(params, batch, key)`, or None
 
@@ -427,15 +429,19 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _gather_once(cfg: _Config, params, micro, scale, step, axes, specs):
-  """accum_gather="once": the microbatch loop per shard under `jax.shard_map`, manual over
-  the data axes `axes` (other axes stay with the partitioner). Params, cast to the compute
-  dtype first, are all-gathered once at its entry; every device sums its own microbatches'
-  float32 gradients in a whole-size accumulator, reduced once after the loop:
-  reduce-scattered to the params' sharding `specs` (all-reduced over axes the params are
-  replicated on: every axis when the specs are unknown, all P()). check_vma=False: a
-  Pallas kernel inside (splash attention) has no varying-axes type; the gradients are
-  taken inside the body, so no reduction is implied.
+def _splits(spec: PartitionSpec, axes: tuple[str, ...]) -> bool:
+  """Whether `spec` splits a leaf over any of `axes`."""
+  return any(a in axes for e in spec for a in _tree.entry_axes(e))
+
+
+def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs):
+  """The microbatch loop per shard under `jax.shard_map`, manual over the data axes `axes`
+  (other axes stay with the partitioner). Params, cast to the compute dtype first, enter
+  whole (all-gathered once at entry where `specs`, the params' PartitionSpecs, split them
+  over `axes`); every device sums its own microbatches' float32 gradients in a whole-size
+  accumulator, reduced once after the loop: reduce-scattered to `specs` (all-reduced over
+  axes they replicate). check_vma=False: a Pallas kernel inside (splash attention) has no
+  varying-axes type; the gradients are taken inside the body, so no reduction is implied.
   """
   if cfg.policy is not None:
     params = cfg.policy.cast_to_compute(params)
@@ -455,6 +461,19 @@ def _gather_once(cfg: _Config, params, micro, scale, step, axes, specs):
   return f(params, micro, scale, step)
 
 
+def _mode(cfg: _Config, specs, axes) -> str:
+  """Where the microbatch loop runs: "per_shard" (`_per_shard`: gradients reduced once) or
+  "per_microbatch" (the partitioner's loop). "auto" runs per shard when no leaf is split
+  over the data axes `axes` (a split leaf would be gathered whole for the loop, where the
+  partitioner gathers it layer by layer), else with the partitioner; also when the specs
+  are unknown, or with a `key` (whose random bits then don't depend on the mesh)."""
+  if cfg.accum_gather != "auto":
+    return "per_shard" if cfg.accum_gather == "once" else "per_microbatch"
+  if specs is None or cfg.key is not None or any(_splits(s, axes) for s in specs):
+    return "per_microbatch"
+  return "per_shard"
+
+
 def _gradients(cfg: _Config, params, batch, ls, step):
   """float32 gradients (still loss-scaled), loss and weight of the whole batch (sums over
   microbatches and the data axes, not yet divided by the weight; see `train_step`'s
@@ -467,14 +486,29 @@ def _gradients(cfg: _Config, params, batch, ls, step):
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
     return _grad_sum(cfg, params, micro, scale, step)
-  if cfg.accum_gather == "per_microbatch":
-    # (Not per shard over the data axes the params are whole on, which would reduce those
-    # once: XLA's partitioner aborts on a table lookup inside such a partly manual loop.)
+  known = _known_specs(params)
+  mode = _mode(cfg, known, axes)
+  if mode == "per_microbatch":
+    # (Not per shard over only the data axes the params are whole on, which would reduce
+    # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
+    # loop. The per-shard loop is manual over every data axis.)
     return _grad_sum(cfg, params, micro, scale, step)
   # Unknown under a plain jit on Auto axes (Auto types carry no sharding, and the trace
   # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
-  specs = _known_specs(params) or [PartitionSpec()] * len(jax.tree.leaves(params))
-  return _gather_once(cfg, params, micro, scale, step, axes, specs)
+  specs = known or [PartitionSpec()] * len(jax.tree.leaves(params))
+  try:
+    return _per_shard(cfg, params, micro, scale, step, axes, specs)
+  except (NotImplementedError, ValueError) as e:
+    closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")
+    if closed is None:
+      raise
+    if cfg.accum_gather == "once":
+      raise StepError(closed.message(
+          "accum_gather='once' runs the loss per shard under jax.shard_map",
+          _closure.FIX + ", or accum_gather='auto' / 'per_microbatch'")) from None
+  logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
+                  "reduces every leaf's gradients in every microbatch", closed.describe())
+  return _grad_sum(cfg, params, micro, scale, step)
 
 
 def _unscale(grads, ls):
@@ -544,11 +578,11 @@ def _step(cfg: _Config, state, batch):
   return new_state, metrics
 
 
-ACCUM_GATHER = ("per_microbatch", "once")
+ACCUM_GATHER = ("auto", "per_microbatch", "once")
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 1,
-               has_aux: bool = False, accum_gather: str = "per_microbatch",
+               has_aux: bool = False, accum_gather: str = "auto",
                weighted: bool = False, key=None) -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
 
@@ -580,19 +614,36 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       `loss_fn(params, batch, key)` with `key` folded (`jax.random.fold_in`) by the state's
       step, the microbatch index (0 without accumulation) and, per shard under
       `jax.shard_map` (`shard_step(mode="shard_map")`, and `accum_gather="once"`, whose
-      microbatch loop runs per shard in any mode), the shard's position over the data
+      microbatch loop runs per shard in any mode; "auto" keeps the loop with the
+      partitioner when a key is given), the shard's position over the data
       axes: distinct for each, and reproducible. Otherwise the loss sees the whole global
       batch and one key per microbatch, so its random bits (jax's partitionable threefry)
       are the same under any mesh; per shard they depend on the data-shard count.
     accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
-      between microbatches. FSDP semantics either way: the gradients end in the params'
-      sharding, never in a whole-size accumulator that is all-reduced at the end (for
-      "once", where the step knows that sharding; see below).
-      "per_microbatch" (default, ZeRO-3): params stay sharded and are gathered inside each
+      between microbatches and when gradients are reduced over the data axes. FSDP
+      semantics in every mode: the gradients end in the params' sharding, never in a
+      whole-size accumulator that is all-reduced at the end (for "once", where the step
+      knows that sharding; see below).
+      "auto" (default): by what the params' shardings call for. When no leaf is split
+      over the data axes (data parallel: params replicated over them), splitting the loop
+      by microbatch buys no memory (each accumulator is whole on every device either way),
+      so it runs as "once" does, with nothing to gather: every device sums its own float32
+      gradients and they are all-reduced once after the loop, accum_steps times less
+      reduction traffic than "per_microbatch" (on TPU XLA's while-loop all-reduce code
+      motion does this for "per_microbatch" too; CPU's compiler doesn't). When some leaf
+      is split over the data axes (FSDP), as "per_microbatch": a per-shard loop would hold
+      every split leaf whole for the loop where the partitioner gathers it layer by layer,
+      and its replicated leaves are the small ones (biases, norms). Also as
+      "per_microbatch" when the step can't know the params' shardings (under a plain
+      `jax.jit` on Auto axes; `shard_step` tells it them, Explicit axes carry them in the
+      types), with a `key` (whose random bits then stay the same under any mesh), and when
+      the loss closes over an array sharded on Explicit axes (which jax can't take into
+      the per-shard loop's shard_map; a warning says so).
+      "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each
       microbatch, as without accumulation (accum x the all-gather traffic); each
       microbatch's gradient is reduced into a float32 accumulator sharded as the params are
-      (accum x the reduction traffic). Per-device memory as at accum 1 plus the sharded
-      accumulator.
+      (accum x the reduction traffic, replicated leaves included). Per-device memory as at
+      accum 1 plus the sharded accumulator. The loop stays with XLA's partitioner.
       "once": for models whose whole params fit on a device. The microbatch loop runs per
       shard under `jax.shard_map` over the data axes; params, cast to the compute dtype,
       are all-gathered once at its entry and stay whole for the loop; every device sums
@@ -603,7 +654,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       them, Explicit mesh axes carry them in the types. Under a plain `jax.jit` on Auto
       axes the step cannot know them (Auto types carry no sharding), so the whole float32
       gradients are all-reduced over the data axes (2 (n-1)/n of their bytes sent per
-      device, twice the reduce-scatter's) and then sliced to the params' sharding.
+      device, twice the reduce-scatter's) and then sliced to the params' sharding. A loss
+      that closes over an array sharded on Explicit axes raises StepError naming it.
       `fnscale.analysis.plan` chooses between the modes.
       Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
 
@@ -627,7 +679,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
       policy, accum_steps or key; when traced, a batch whose leaves' leading dims differ or
       are not divisible by accum_steps (naming the leaf), a non-scalar loss (or, with
-      `weighted`, a loss that is not two scalars), a state that is not a TrainState.
+      `weighted`, a loss that is not two scalars), a state that is not a TrainState;
+      with accum_gather="once", a loss closing over an array sharded on Explicit axes.
 
   Examples:
     Least squares on one device: the loss, then the same batch again after one SGD step (the

@@ -68,8 +68,10 @@ class Options:
                                     "skipped for non-finite gradients (float16's loss "
                                     "scale), although the loss was finite (0: never)")
   accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  accum_gather: str = h.option("per_microbatch", "with accum_steps > 1: 'per_microbatch' "
-                               "(params stay sharded) or 'once' (whole params on each device)")
+  accum_gather: str = h.option("auto", "with accum_steps > 1: 'auto' (reduce once where the "
+                               "params are replicated over the data axes, else as "
+                               "per_microbatch), 'per_microbatch' (params stay sharded) or "
+                               "'once' (whole params on each device)")
   precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
                           "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")

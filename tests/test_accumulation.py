@@ -245,5 +245,117 @@ def test_splash_stays_on_under_accumulation_tpu(gather, tpu_devices):
 
 def test_accum_gather_is_checked():
   with pytest.raises(fs.StepError, match=r"^accum_gather='twice', expected one of "
-                     r"\('per_microbatch', 'once'\)\.$"):
+                     r"\('auto', 'per_microbatch', 'once'\)\.$"):
     fs.train_step(bench.mlp_loss, optax.sgd(0.1), accum_gather="twice")
+
+
+# ------------------------------------------------- the default, leaf by leaf (accum_gather)
+
+
+def _mlp_init(key):
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (64, 256)) * 0.1, "b1": jnp.zeros((256,)),
+          "w2": jax.random.normal(k2, (256, 64)) * 0.1, "b2": jnp.full((64,), 0.1)}
+
+
+def _mlp(p, b):
+  h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"] + p["b2"] - b["x"]) ** 2)
+
+
+MLP_BATCH = {"x": jax.random.normal(jax.random.key(1), (64, 64))}
+MLP_BYTES = 4 * (64 * 256 + 256 + 256 * 64 + 64)  # float32 params P
+# Megatron's split of the MLP over "tensor": w1 by columns, b1 with them, w2 by rows.
+MLP_AXES = {"w1": (None, "mlp"), "b1": ("mlp",), "w2": ("mlp", None), "b2": (None,)}
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_step(axes, axis_types, gather, accum=4):
+  """(HLO summary, params after one SGD step, loss) of the MLP's step on `axes`."""
+  mesh = fs.make_mesh(dict(axes), axis_types=axis_types)
+  opt = optax.sgd(0.1)
+  tensor = "tensor" in dict(axes)
+  state = fs.init_state(_mlp_init, opt, mesh=mesh, key=jax.random.key(0),
+                        rules=(("mlp", "tensor"),) if tensor else (),
+                        logical_axes=MLP_AXES if tensor else None)
+  step = fs.train_step(_mlp, opt, accum_steps=accum, accum_gather=gather)
+  compiled = fs.shard_step(step, mesh).compile(state, MLP_BATCH)
+  new, metrics = compiled(state, MLP_BATCH)
+  return (hlo.summarize(compiled.compiled.as_text()), jax.device_get(new.params),
+          float(metrics["loss"]))
+
+
+def _mlp_reference():
+  """One SGD step on one device over the whole batch."""
+  params = _mlp_init(jax.random.key(0))
+  loss, grads = jax.value_and_grad(_mlp)(params, MLP_BATCH)
+  return jax.tree.map(lambda p, g: np.asarray(p) - 0.1 * np.asarray(g), params, grads), loss
+
+
+def _equals_reference(params, loss):
+  ref, ref_loss = _mlp_reference()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), params,
+               ref)
+  assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_default_reduces_replicated_params_once_on_a_data_parallel_mesh(axis_types):
+  # data=8, every param replicated: each device sums its microbatches' gradients and one
+  # all-reduce of the float32 gradients (and the loss and weight scalars, fused in) sends
+  # 2 (n-1)/n of their bytes; per_microbatch sends that in every microbatch.
+  axes = (("data", 8),)
+  summary, params, loss = _mlp_step(axes, axis_types, "auto")
+  ring = 2 * 7 / 8
+  assert summary.collective("all-reduce").count == 1
+  assert summary.collective("all-reduce").bytes_sent == pytest.approx(ring * MLP_BYTES, abs=64)
+  assert [c.kind for c in summary.collectives if c.count] == ["all-reduce"]
+  per, per_params, _ = _mlp_step(axes, axis_types, "per_microbatch")
+  assert per.collective("all-reduce").count == 4
+  assert per.collective("all-reduce").bytes_sent == pytest.approx(
+      4 * ring * MLP_BYTES, abs=64)
+  _equals_reference(params, loss)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), params,
+               per_params)
+
+
+def test_default_on_a_data_and_tensor_mesh_reduces_over_data_once():
+  # data=2 x tensor=4, params split over "tensor" only (whole over "data"): the loop runs
+  # per data shard and the gradients (each device's tensor shard: w1, b1, w2 a quarter,
+  # b2 whole) are all-reduced over "data" once; per_microbatch does it in each microbatch.
+  axes = (("data", 2), ("tensor", 4))
+  local = 4 * ((64 * 256 + 256 + 256 * 64) / 4 + 64)
+  summary, params, loss = _mlp_step(axes, "auto", "auto")
+  per, _, _ = _mlp_step(axes, "auto", "per_microbatch")
+  over_data = lambda s: sum(b for k, g, b in s.groups if k == "all-reduce" and g == 2)
+  assert over_data(summary) == pytest.approx(2 * 0.5 * local, abs=64)
+  assert over_data(per) == pytest.approx(4 * 2 * 0.5 * local, abs=64)
+  _equals_reference(params, loss)
+
+
+@pytest.mark.parametrize("axes, axis_types", [
+    ((("fsdp", 8),), "auto"), pytest.param((("fsdp", 8),), "explicit", marks=pytest.mark.slow),
+    pytest.param((("data", 2), ("fsdp", 4)), "auto", marks=pytest.mark.slow),
+    pytest.param((("data", 2), ("fsdp", 4)), "explicit", marks=pytest.mark.slow)])
+def test_default_keeps_the_partitioners_loop_where_the_data_axes_split_params(axes,
+                                                                              axis_types):
+  # w1 and w2 are split over "fsdp" (the biases, small, are whole): the default compiles
+  # per_microbatch's program (FSDP gathers layer by layer, a sharded accumulator), not the
+  # per-shard loop of "once" (its reduce-scatters after the loop, one per split leaf; see
+  # test_once_gathers_once_and_reduce_scatters_cpu).
+  summary, params, loss = _mlp_step(axes, axis_types, "auto")
+  per, _, _ = _mlp_step(axes, axis_types, "per_microbatch")
+  assert summary.collectives == per.collectives and summary.groups == per.groups
+  assert summary.collective("reduce-scatter").count == 0
+  _equals_reference(params, loss)
+
+
+def test_default_with_a_key_keeps_the_partitioners_loop():
+  # A key's random bits stay the same under any mesh only in the partitioner's loop.
+  mesh = fs.make_mesh({"data": 8})
+  opt = optax.sgd(0.1)
+  state = fs.init_state(_mlp_init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  loss = lambda p, b, k: _mlp(p, b) + 0 * jax.random.uniform(k)
+  step = fs.train_step(loss, opt, accum_steps=4, key=jax.random.key(3))
+  text = fs.shard_step(step, mesh).compile(state, MLP_BATCH).compiled.as_text()
+  assert hlo.summarize(text).collective("all-reduce").count == 4

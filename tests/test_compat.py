@@ -299,6 +299,25 @@ def test_is_megacore_error_reads_mesh_utils_refusal():
   assert not _compat.is_megacore_error(ValueError("megacore"))
 
 
+def test_explicit_closure_aval_reads_both_refusals():
+  # jax refuses an array on Explicit axes closed over inside a shard_map in two forms.
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  mesh = fs.make_mesh({"data": 2, "tensor": 4}, axis_types="explicit")
+  x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, jax.P("data")))
+  for manual, spec, form, shape in [({"data", "tensor"}, jax.P("data"), NotImplementedError,
+                                     "f32[8@data,4]"),
+                                    ({"data"}, jax.P(None, "tensor"), ValueError,
+                                     "float32[8,4@tensor]")]:
+    closed = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, spec))
+    f = jax.shard_map(lambda v, c=closed: v * c.sum(), mesh=mesh, in_specs=jax.P("data"),
+                      out_specs=jax.P("data"), axis_names=manual)
+    with pytest.raises(form) as err:
+      jax.jit(f)(x)
+    assert _compat.explicit_closure_aval(err.value).startswith(shape), str(err.value)
+  assert _compat.explicit_closure_aval(ValueError("shapes (2,) and (3,) differ")) is None
+  assert _compat.explicit_closure_aval(NotImplementedError("other")) is None
+
+
 def test_varying_axes_inside_a_checked_shard_map_and_outside():
   mesh = fs.make_mesh({"data": 4, "tensor": 2})
   seen = {}

@@ -154,6 +154,12 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
   assert dp_per.bytes == dp_once.bytes
   assert dp_once.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4e9 / 3e11)
   assert dp_per.comm_s["data"] == pytest.approx(4 * dp_once.comm_s["data"])
+  # "auto" (the default): as "once" where no data axis splits the params, else as
+  # "per_microbatch" (FSDP's memory).
+  assert _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "auto") == dp_once
+  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "auto") == per
+  assert _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "auto") == (
+      _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "once"))
 
 
 def test_planner_chooses_once_only_where_its_memory_fits():
@@ -169,10 +175,9 @@ def test_planner_chooses_once_only_where_its_memory_fits():
   got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
   assert got[:2] == (2, "once") and got[3]
   got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
-  assert got[:2] == (2, "per_microbatch") and got[3]
+  assert got[:2] == (2, "auto") and got[3]
   # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
-  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (
-      1, "per_microbatch")
+  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
@@ -485,7 +490,7 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
          llama.RULES, llama.logical_axes(cfg), prof, 1e12)
   with pytest.raises(Stop):
     plan_module._verify(cand, hw, ctx)
-  assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="per_microbatch",
+  assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="auto",
                       remat=True)
   once = cand._replace(accum_gather="once")
   with pytest.raises(Stop):

@@ -92,7 +92,7 @@ class Candidate(NamedTuple):
   compiled: CompileCheck | None
   fits: bool
   forecast: _forecast.Forecast | None = None
-  accum_gather: str = "per_microbatch"
+  accum_gather: str = "auto"
   microbatches: int = 1
 
   @property
@@ -141,7 +141,7 @@ class Plan(NamedTuple):
   profile: _cost.Profile
   verification: str = ""
   tokens: float | None = None
-  accum_gather: str = "per_microbatch"
+  accum_gather: str = "auto"
   microbatches: int = 1
 
   def __str__(self) -> str:
@@ -247,20 +247,19 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
   """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
   `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
   slower (it moves params and gradients once per step: less communication, more slack when
-  overlap is imperfect), else "per_microbatch"."""
+  overlap is imperfect), else "auto"."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    modes = ("per_microbatch", "once") if a > 1 else ("per_microbatch",)
+    modes = ("auto", "once") if a > 1 else ("auto",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
     fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
     if fit:
       _, gather, best = min(fit, key=lambda x: x[0])
       return a, gather, best, True
     last, est = a, ests[0][1]
-  return (last, "per_microbatch", est, False) if est is not None else (
-      1, "per_microbatch", None, False)
+  return (last, "auto", est, False) if est is not None else (1, "auto", None, False)
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
@@ -516,7 +515,7 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 
 
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
-            accum: int = 1, accum_gather: str = "per_microbatch", headroom: float = 0.8,
+            accum: int = 1, accum_gather: str = "auto", headroom: float = 0.8,
             cpu_rates: tuple[float, float] | None = None,
             terms: _forecast.Terms = _forecast.FITTED, microbatches: int = 1) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
@@ -529,7 +528,8 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"expert"/"tensor"/"stage", DCN
       "replica"/"stage").
     remat, accum: remat on/off and accumulation steps.
-    accum_gather: `fnscale.train_step`'s accumulation mode ("per_microbatch" or "once").
+    accum_gather: `fnscale.train_step`'s accumulation mode ("auto", "per_microbatch" or
+      "once").
     headroom: usable fraction of HBM for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones).
     microbatches: the pipeline's, with a "stage" axis (then accum 1).

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fnscale import _axes
+from fnscale import _closure
 from fnscale import _tree
 from fnscale.errors import MeshError, ShardingError, StepError
 
@@ -456,8 +457,15 @@ def pipeline(stage_fn: Callable, *, microbatches: int, repeats: int = 1,
       xs = jax.tree.map(lambda a: _pin(_to_stages(a, lay, sched, name, explicit), mesh, name,
                                        lay), x)
       body = _per_stage(_stage_call(stage_fn, sched, remat), name, sched)
-      ys = jax.shard_map(body, mesh=mesh, in_specs=(P(name), P(name)), out_specs=P(name),
-                         axis_names={name}, check_vma=False)(params, xs)
+      try:
+        ys = jax.shard_map(body, mesh=mesh, in_specs=(P(name), P(name)), out_specs=P(name),
+                           axis_names={name}, check_vma=False)(params, xs)
+      except (NotImplementedError, ValueError) as e:
+        closed = _closure.explicit_closure(e, stage_fn, "stage_fn")
+        if closed is None:
+          raise
+        raise StepError(closed.message(
+            f"the pipeline runs stage_fn per stage under jax.shard_map over {name!r}")) from None
       return jax.tree.map(
           lambda a: _from_stages(_pin(a, mesh, name, lay), lay, sched, rows, explicit), ys)
 
