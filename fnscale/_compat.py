@@ -209,6 +209,53 @@ def platform_version(device) -> str:
                    f"client.platform_version ({e})") from None
 
 
+# ------------------------------------------------------------------------- autodiff
+
+def _ad_types():
+  """jax's tracer types that tell forward from reverse mode (private in both releases)."""
+  try:
+    from jax._src import core  # pylint: disable=g-import-not-at-top
+    from jax._src.interpreters import ad, batching  # pylint: disable=g-import-not-at-top
+    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+    from jax._src import shard_map  # pylint: disable=g-import-not-at-top
+    return core, ad.JVPTracer, pe.JaxprTracer, (batching.BatchTracer,
+                                                shard_map.ShardMapTracer)
+  except (ImportError, AttributeError) as e:
+    raise _changed("forward_mode", f"jax's tracer types moved ({e})") from None
+
+
+def _unwrapped(x, wrappers):
+  while isinstance(x, wrappers):  # vmap and shard_map tracers hold the value they map
+    x = x.val
+  return x
+
+
+def forward_mode(primals, tangents) -> bool | None:
+  """Inside a `jax.custom_jvp` rule: True when the tangents are pushed forward (`jax.jvp`,
+  `jax.jacfwd`, Hessian-vector products, forward over reverse), False when they are being
+  linearized for a transpose (`jax.grad`, `jax.vjp`, `jax.jacrev`), None when the rule is
+  traced on its own and can't tell (inside a `lax.scan`, `jax.checkpoint`, or a jitted
+  function differentiated from outside: jax traces the rule into a jaxpr first and only
+  later evaluates or transposes it). `tangents` leave out symbolic zeros.
+
+  What tells them apart (jax 0.10.2 and 0.12): reverse mode hands the rule tangents that
+  are partial-evaluation tracers (`JaxprTracer`, possibly under vmap's `BatchTracer`) and
+  primals that carry no forward tangent (`JVPTracer`); a rule traced alone runs in a
+  `DynamicJaxprTrace` whose function was traced for "custom_jvp jvp".
+
+  Raises:
+    RuntimeFailure: jax's tracer types are not where they were.
+  """
+  core, jvp_tracer, linear_tracer, wrappers = _ad_types()
+  if any(isinstance(_unwrapped(p, wrappers), jvp_tracer) for p in primals):
+    return True  # an enclosing jvp differentiates the primals: forward over reverse
+  trace = core.trace_ctx.trace
+  info = getattr(getattr(trace, "frame", None), "debug_info", None)
+  if getattr(info, "traced_for", None) == "custom_jvp jvp":
+    return None
+  return not all(isinstance(_unwrapped(t, wrappers), linear_tracer) for t in tangents)
+
+
 # ------------------------------------------------------------------------- jaxprs
 
 class ScanParts(NamedTuple):

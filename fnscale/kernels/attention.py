@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnscale import _autodiff
 from fnscale import _axes
 from fnscale import _compat
 from fnscale import _context
@@ -397,6 +398,10 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
   kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
                              scale=scale, blocks=selection.block_sizes,
                              interpret=selection.interpret)
+  # The kernels differentiate only in reverse mode; forward mode takes the reference's JVP.
+  kernel = _autodiff.reverse_only(
+      kernel, functools.partial(_xla, causal=causal, window=window, scale=scale),
+      f"fnscale.attention's {selection.implementation} kernel", "the XLA reference")
   if not (selection.batch_axes or selection.head_axes):
     return kernel(q, k, v, q_ids, kv_ids)
   return _sharded(kernel, selection, q, k, v, q_ids, kv_ids, mesh)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from fnscale import _autodiff
 from fnscale import _compat
 from fnscale.errors import KernelError
 
@@ -263,10 +264,18 @@ def attend(q, k, v, q_ids, kv_ids, p: ContextSelection, mesh, *, causal: bool, s
     args.append(extra[0])
     specs.append(extra[1])
 
+  run = lambda q, k, v, q_i, kv_i, kernel: body(q, k, v, q_i, kv_i, p, causal, scale, kernel)
+  if p.form == "ring" or p.kernel == "splash":  # reverse-mode only: forward mode by XLA's
+    xla = p._replace(kernel="xla")
+    run = _autodiff.reverse_only(
+        run, lambda q, k, v, q_i, kv_i, _: _all_gather(q, k, v, q_i, kv_i, xla, causal, scale,
+                                                       None),
+        f"context attention's {p.form} form ({p.kernel})",
+        "the all-gather form with the XLA kernel")
+
   def local(q, k, v, *rest):
     q_i, kv_i = (rest[0], rest[1]) if has_ids else (None, None)
-    kernel = rest[-1] if extra is not None else None
-    return body(q, k, v, q_i, kv_i, p, causal, scale, kernel)
+    return run(q, k, v, q_i, kv_i, rest[-1] if extra is not None else None)
 
   context = jax.sharding.get_abstract_mesh()
   manual = set(context.manual_axes) if not context.empty else set()

@@ -28,6 +28,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from fnscale import _autodiff
 from fnscale import _axes
 from fnscale.errors import KernelError
 from fnscale.kernels.attention import _call_mesh, _varying_axes
@@ -37,6 +38,8 @@ from fnscale.kernels.attention import _call_mesh, _varying_axes
 # vocabulary-blocked loss this replaced used: compiled temporaries no larger than before.
 _CHUNK_ELEMENTS = 1 << 23
 _REDUCTIONS = ("mean", "sum", "none")
+_NAME = "fnscale.cross_entropy"
+_FORWARD = "the JVP of its chunked forward pass"
 
 
 def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
@@ -120,8 +123,12 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
     where = None if where is None else where[:, None]
   layout = _layout(hidden, unembed, mesh, vocab_axes, chunk_size, float(z_loss))
   labels = labels.astype(jnp.int32)
+  # Both forms differentiate only in reverse mode (custom_vjp); forward mode takes the JVP
+  # of the same chunked walk, which jax differentiates forward without materialising logits.
+  plain = lambda h, u, y: _run_loss(layout, h, u, y)[0]
   if reduction == "none":
-    per_token = _per_token(hidden, unembed, labels, layout)
+    per_token = _autodiff.reverse_only(lambda h, u, y: _per_token(h, u, y, layout), plain,
+                                       _NAME, _FORWARD)(hidden, unembed, labels)
     per_token = per_token if where is None else jnp.where(where, per_token, 0.0)
     return per_token.reshape(shape)
   # The mean's denominator goes into the per-token weights, so a plain `grad` of the loss
@@ -129,7 +136,9 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
   mask = jnp.ones(labels.shape, jnp.float32) if where is None else where.astype(jnp.float32)
   if reduction == "mean":
     mask = mask / (tokens if where is None else jnp.maximum(jnp.sum(mask), 1.0))
-  return _weighted_sum(hidden, unembed, labels, mask, layout)
+  return _autodiff.reverse_only(lambda h, u, y, w: _weighted_sum(h, u, y, w, layout),
+                                lambda h, u, y, w: jnp.sum(w * plain(h, u, y)), _NAME,
+                                _FORWARD)(hidden, unembed, labels, mask)
 
 
 def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_axes=None,

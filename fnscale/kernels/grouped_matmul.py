@@ -23,6 +23,7 @@ attention:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnscale import _autodiff
 from fnscale.errors import KernelError
 
 GMM_IMPLEMENTATIONS = ("auto", "ragged_dot", "megablox", "tiled")
@@ -194,10 +196,18 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
   if plan.implementation == "tiled":
     return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
+  # megablox differentiates only in reverse mode; forward mode takes ragged_dot's JVP.
+  return _autodiff.reverse_only(
+      functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret),
+      lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes),
+      "the megablox grouped matmul", "jax.lax.ragged_dot")(lhs, rhs, group_sizes)
+
+
+def _megablox(lhs, rhs, group_sizes, *, tiling, interpret):
   # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-  out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, plan.tiling, None,
-                     None, False, plan.interpret)
+  out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling, None,
+                     None, False, interpret)
   # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).
   rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))

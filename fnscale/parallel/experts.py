@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from fnscale import _autodiff
 from fnscale import _axes
 from fnscale import _compat
 from fnscale import _context
@@ -64,6 +65,9 @@ EXCHANGES = ("auto", "ragged", "all_gather", "all_to_all")
 # and exchanges can be told apart (`fnscale.analysis._cost`).
 SCOPE = "fnscale_experts"
 _PARAM_KEYS = ("router", "w_gate", "w_up", "w_down")
+# What the one log line says when forward-mode autodiff meets the layer's custom_vjps.
+_NAME = "the expert layer's token permutations and exchange"
+_FORWARD = "the JVP of its plain gathers and exchanges"
 
 
 class Routing(NamedTuple):
@@ -409,7 +413,7 @@ def exchange_selection(x_shape, params_shapes: Mapping[str, Any], k: int, *, dty
 
 
 @jax.custom_vjp
-def _permute(x, order, inverse):
+def _permute_rows(x, order, inverse):
   """x[order] for a permutation `order` (`inverse` its inverse): its gradient is a gather
   by the inverse, not a scatter-add (scatters are slow on accelerators)."""
   return x[order]
@@ -424,11 +428,17 @@ def _permute_bwd(res, g):
   return g[inverse], None, None
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+_permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _permute(x, order, inverse):
+  """`_permute_rows` with forward-mode autodiff (the plain gather's JVP)."""
+  return _autodiff.reverse_only(_permute_rows, lambda x, order, _: x[order], _NAME,
+                                _FORWARD)(x, order, inverse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dispatch(x, order, inverse, k: int):
+def _dispatch_rows(x, order, inverse, k: int):
   """x[order // k]: token copies in sorted order (copy i of token t is row t k + i before the
   sort), without materialising the k copies; the gradient sums each token's k copies'
   cotangents, a gather by the inverse and a sum (no scatter-add)."""
@@ -443,7 +453,13 @@ def _dispatch_bwd(k, inverse, g):
   return g[inverse].reshape(-1, k, g.shape[-1]).sum(1), None, None
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _dispatch(x, order, inverse, k: int):
+  """`_dispatch_rows` with forward-mode autodiff (the plain gather's JVP)."""
+  return _autodiff.reverse_only(lambda x, o, i: _dispatch_rows(x, o, i, k),
+                                lambda x, o, _: x[o // k], _NAME, _FORWARD)(x, order, inverse)
 
 
 def _sort(keys):
@@ -552,19 +568,25 @@ def _vary_over(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _send(c: _Ctx, rows: int, x, there: _Slices, back: _Slices):
-  """x's slices sent per `there` into [rows, D] buffers; the gradient returns by `back`
-  (the same rows the other way), one ragged all-to-all each way (jax's own transpose would
-  all-reduce the zero buffer's cotangent over the expert axis)."""
-  # Typed as varying over the token axes, which it does: an invariant buffer would make
-  # the layer's gradients all-reduce their cotangents over the expert axis.
+def _exchange(c: _Ctx, rows: int, x, there: _Slices):
+  """x's slices sent per `there` into [rows, D] buffers (typed as varying over the token
+  axes, which they do: an invariant buffer would make the layer's gradients all-reduce
+  their cotangents over the expert axis)."""
   return _vary_over(_ragged_exchange(x, _vary_over(jnp.zeros((rows, x.shape[1]), x.dtype),
                                                    c.tokens), *there, c), c.tokens)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _send_rows(c: _Ctx, rows: int, x, there: _Slices, back: _Slices):
+  """x's slices sent per `there` into [rows, D] buffers; the gradient returns by `back`
+  (the same rows the other way), one ragged all-to-all each way (jax's own transpose would
+  all-reduce the zero buffer's cotangent over the expert axis)."""
+  del back  # the way back, for the gradient
+  return _exchange(c, rows, x, there)
+
+
 def _send_fwd(c, rows, x, there, back):
-  return _send(c, rows, x, there, back), (x.shape[0], back)
+  return _exchange(c, rows, x, there), (x.shape[0], back)
 
 
 def _send_bwd(c, rows, res, g):
@@ -575,7 +597,14 @@ def _send_bwd(c, rows, res, g):
   return _vary_over(g, c.tokens), None, None  # x's type: varying over the token axes
 
 
-_send.defvjp(_send_fwd, _send_bwd)
+_send_rows.defvjp(_send_fwd, _send_bwd)
+
+
+def _send(c: _Ctx, rows: int, x, there: _Slices, back: _Slices):
+  """`_send_rows` with forward-mode autodiff (the exchange's own JVP)."""
+  return _autodiff.reverse_only(lambda x, t, b: _send_rows(c, rows, x, t, b),
+                                lambda x, t, _: _exchange(c, rows, x, t), _NAME,
+                                _FORWARD)(x, there, back)
 
 
 def _ragged(x, r: Routing, w, c: _Ctx):
