@@ -15,6 +15,7 @@ shardings live in `fnscale.state`, the readable table in `fnscale.analysis.repor
 from __future__ import annotations
 
 from collections.abc import Mapping
+import difflib
 import math
 import re
 from typing import Any, NamedTuple
@@ -401,16 +402,29 @@ def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_b
   if unknown:
     raise ShardingError(
         f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
-        f"{tuple(mesh.axis_names)}); automatic leaves would silently stay replicated; fix: "
+        f"{tuple(mesh.axis_names)}){_closest(unknown[0], tuple(mesh.axis_names))}; automatic leaves would silently stay replicated; fix: "
         "name a mesh axis (e.g. fsdp_axis='fsdp') or pass None to replicate them on purpose.")
+  absent = set()
   for i, (name, axes) in enumerate(normalize_rules(rules)):
     typo = [a for a in axes if a not in mesh.axis_names and a not in known]
     if typo:
-      logging.warning(
-          "rule %d (%r, %r) names mesh axis %r, which the mesh (axes %s) doesn't have and no "
-          "fnscale convention uses; the rule is skipped (a typo?)", i, name, axes, typo[0],
-          tuple(mesh.axis_names))
+      raise ShardingError(
+          f"rule {i} ({name!r}, {axes!r}) names mesh axis {typo[0]!r}, which the mesh (axes "
+          f"{tuple(mesh.axis_names)}) doesn't have and no axis convention gives a meaning"
+          f"{_closest(typo[0], tuple(mesh.axis_names) + tuple(sorted(known)))}; fix: name a "
+          "mesh axis (a rule naming a conventional axis this mesh lacks, e.g. 'tensor' on an "
+          "fsdp-only mesh, is skipped: rules written for several meshes).")
+    absent.update(a for a in axes if a not in mesh.axis_names)
+  if absent:  # once per call, however many rules name them
+    logging.info("rules naming mesh axes %s are skipped: the mesh (axes %s) doesn't have them "
+                 "(rules written for several meshes)", sorted(absent), tuple(mesh.axis_names))
   return fsdp_axes
+
+
+def _closest(name: str, candidates: tuple[str, ...]) -> str:
+  """", did you mean 'fsdp'?" for the candidate closest to `name` (difflib), or ""."""
+  close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def sharding_layout(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
@@ -485,7 +499,7 @@ def _guard_replicated(leaves, mesh, rules, fsdp_axes, min_shard_bytes,
         "choose an fsdp size that divides one of their dimensions, or raise "
         "max_replicated_bytes.")
   # On a data-parallel mesh (every axis of size > 1 splits only the batch) replicated params
-  # are the design, not a likely mistake: nothing to warn about (typo'd axes are warned above).
+  # are the design, not a likely mistake: nothing to warn about (typo'd axes are refused).
   replica = _axes.current().replica
   shards_params = any(size > 1 and a not in replica for a, size in sizes.items())
   ruled = {name for name, _ in normalize_rules(rules)}
@@ -523,8 +537,10 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
       limit, raise naming each leaf and why. None: no limit. Likely mistakes (indivisible
       leaves, leaves none of whose logical names any rule maps) are logged as warnings
       either way on a mesh with an axis other than replica/data (on a data-parallel mesh
-      replicated params are the design), as are rules naming an axis that is neither in
-      the mesh nor conventional.
+      replicated params are the design). A rule naming an axis that is neither in the mesh
+      nor one a convention gives a meaning is an error (a typo: it names the closest
+      axis); a rule naming a conventional axis this mesh lacks is skipped, said once per call
+      at INFO (rules written for several meshes).
 
   Returns:
     A pytree of NamedSharding with `tree`'s structure.
@@ -532,7 +548,8 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
   Raises:
     MeshError: `mesh` not a Mesh.
     ShardingError: an argument of the wrong type (named), malformed rules (even when no
-      leaf uses them), an fsdp_axis not in the mesh, a non-array leaf, logical axes not
+      leaf uses them), a rule or fsdp_axis naming an axis neither in the mesh nor
+      conventional (with the closest name), a non-array leaf, logical axes not
       matching the tree or a leaf's rank, malformed specs, an indivisible dimension, or too
       many replicated bytes.
 

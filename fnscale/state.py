@@ -239,7 +239,8 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
       adds a dynamic `LossScale` (jmp's dynamic scaling from 2**15) to the state.
     key: a PRNG key for `init_fn`.
     loss_scale: a jmp loss scale (or `LossScale`) for the state, overriding the policy's
-      default; `jmp.NoOpLossScale()` means none.
+      default; `jmp.NoOpLossScale()` means no scaling (a fixed scale of 1).
+      A float16 `train_step` needs the state to have one (a `StepError` says so).
     abstract: return `jax.ShapeDtypeStruct`s with their shardings instead of arrays;
       nothing is allocated or run (for `shard_step(...).compile`, `compile_report` on a mesh
       of devices that aren't here, or checkpoint restore targets).

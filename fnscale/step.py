@@ -61,7 +61,7 @@ class TrainState(NamedTuple):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["scale", "counter"],
-                   meta_fields=["dynamic", "period", "factor", "min_scale"])
+                   meta_fields=["dynamic", "period", "factor", "min_scale", "compute"])
 @dataclasses.dataclass(frozen=True)
 class LossScale:
   """Loss-scale state in a `TrainState`: jmp's loss scale as a plain pytree value.
@@ -72,7 +72,9 @@ class LossScale:
 
   Fields: `scale` (float32 scalar), `counter` (int32 scalar, finite steps since the last
   change); static: `dynamic` (False: a fixed scale), `period` (finite steps before the scale
-  grows), `factor` (growth / shrink factor), `min_scale`.
+  grows), `factor` (growth / shrink factor), `min_scale`, `compute` (the compute dtype of
+  the policy that asked for it, "float16", or None for a loss scale given explicitly: the
+  step checks that it computes in that dtype too).
   """
   scale: Any
   counter: Any
@@ -80,6 +82,7 @@ class LossScale:
   period: int = 2000
   factor: int = 2
   min_scale: float = 1.0
+  compute: str | None = None
 
 
 def _to_jmp(ls: LossScale):
@@ -90,8 +93,10 @@ def _to_jmp(ls: LossScale):
 
 
 def as_loss_scale(loss_scale) -> LossScale | None:
-  if loss_scale is None or isinstance(loss_scale, (LossScale, jmp.NoOpLossScale)):
-    return None if isinstance(loss_scale, jmp.NoOpLossScale) else loss_scale
+  if loss_scale is None or isinstance(loss_scale, LossScale):
+    return loss_scale
+  if isinstance(loss_scale, jmp.NoOpLossScale):  # no scaling, chosen: a fixed scale of 1
+    return LossScale(jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32), False)
   if isinstance(loss_scale, jmp.DynamicLossScale):
     return LossScale(jnp.asarray(loss_scale.loss_scale, jnp.float32),
                      jnp.asarray(loss_scale.counter, jnp.int32), True, loss_scale.period,
@@ -238,9 +243,34 @@ def default_loss_scale(policy, loss_scale) -> LossScale | None:
   """`loss_scale` as a `LossScale`, or jmp's dynamic scaling from 2**15 for float16 compute."""
   if loss_scale is not None:
     return as_loss_scale(loss_scale)
-  if policy is not None and jnp.dtype(policy.compute_dtype) == jnp.float16:
-    return LossScale(jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
+  if _computes_float16(policy):
+    return LossScale(jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32),
+                     compute="float16")
   return None
+
+
+def _computes_float16(policy) -> bool:
+  return policy is not None and jnp.dtype(policy.compute_dtype) == jnp.float16
+
+
+def _check_precision(cfg: "_Config", state) -> None:
+  """The step and the state agree on float16: a float16 step needs the state's loss scale
+  (init_state gives one for a float16 policy), and a state built for float16 compute
+  needs a float16 step."""
+  ls, step16 = state.loss_scale, _computes_float16(cfg.policy)
+  if step16 and ls is None:
+    raise StepError(
+        "train_step computes in float16 (its policy) but the state has no loss scale, and "
+        "float16 gradients underflow without one; fix: give fs.init_state the same policy "
+        "(policy=...), which adds jmp's dynamic loss scale to the state, or a loss_scale= "
+        "(jmp.NoOpLossScale() trains unscaled on purpose).")
+  if ls is not None and getattr(ls, "compute", None) == "float16" and not step16:
+    what = "no policy" if cfg.policy is None else (
+        f"a policy computing in {jnp.dtype(cfg.policy.compute_dtype).name}")
+    raise StepError(
+        "the state was built for float16 compute (fs.init_state's policy gave it a dynamic "
+        f"loss scale) but train_step has {what}; fix: give fs.train_step the same policy "
+        "(policy=...), or build the state without the float16 policy.")
 
 
 # ----------------------------------------------------------------------------- train_step
@@ -557,6 +587,7 @@ def _step(cfg: _Config, state, batch):
   if not isinstance(state, TrainState):
     raise StepError(f"state is a {type(state).__name__}, expected fnscale.TrainState; fix: "
                     "build it with fnscale.init_state.")
+  _check_precision(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
   grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step)
   grads, loss = _normalize(grads, loss, weight)
@@ -679,7 +710,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
       policy, accum_steps or key; when traced, a batch whose leaves' leading dims differ or
       are not divisible by accum_steps (naming the leaf), a non-scalar loss (or, with
-      `weighted`, a loss that is not two scalars), a state that is not a TrainState;
+      `weighted`, a loss that is not two scalars), a state that is not a TrainState, a
+      float16 policy with a state that has no loss scale (or a state made for float16
+      compute by init_state's policy with a step that doesn't compute in float16);
       with accum_gather="once", a loss closing over an array sharded on Explicit axes.
 
   Examples:

@@ -14,13 +14,12 @@ import math
 import os
 import sys
 
-from absl import app
 from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import data  # noqa: E402
+from recipes.lm import cli, data  # noqa: E402
 
 def describe(dataset: str, tokenizer: str = "") -> str:
   """The corpus and its two baselines as lines of text. Raises FnscaleError on a bad corpus."""
@@ -52,4 +51,4 @@ if __name__ == "__main__":
                       "or glob (as train_lm's --dataset)")
   flags.DEFINE_string("tokenizer", "", "a Hugging Face tokenizer.json; default: bytes (as "
                       "train_lm's --tokenizer)")
-  app.run(main)
+  sys.exit(cli.absl_run(main))

@@ -15,7 +15,6 @@ reports the Spearman rank correlation between predicted and measured step times.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -40,7 +39,7 @@ import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-im
 # By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
 from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
     Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
-from recipes.lm import llama, moe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes.lm import cli, llama, moe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
@@ -114,20 +113,20 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES) + list(moe.SIZES))
   ap.add_argument("--target", default="v5p-128")
-  ap.add_argument("--batch", type=int, default=256, help="global batch, rows")
-  ap.add_argument("--seq", type=int, default=4096)
-  ap.add_argument("--layers", type=int, default=None, help="override the model's depth")
-  ap.add_argument("--verify", type=int, default=None,
+  ap.add_argument("--batch", type=cli.number(int, minimum=1), default=256, help="global batch, rows")
+  ap.add_argument("--seq", type=cli.number(int, minimum=1), default=4096)
+  ap.add_argument("--layers", type=cli.number(int, minimum=1), default=None, help="override the model's depth")
+  ap.add_argument("--verify", type=cli.number(int, minimum=0), default=None,
                   help="candidates to compile for the target (default: 1 where its devices "
                        "can be described, else none, and the plan says why)")
-  ap.add_argument("--tokens", type=float, default=None,
+  ap.add_argument("--tokens", type=cli.number(float, above=0), default=None,
                   help="token budget, e.g. 2e12: days and chip-hours per candidate")
   ap.add_argument("--measure", action="store_true")
   ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
-  ap.add_argument("--steps", type=int, default=7, help="--measure: interleaved rounds")
+  ap.add_argument("--steps", type=cli.number(int, minimum=1), default=7, help="--measure: interleaved rounds")
   ap.add_argument("--json", default=None, help="write the result here")
   a = ap.parse_args(argv)
   fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
@@ -154,4 +153,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

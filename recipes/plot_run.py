@@ -15,13 +15,13 @@ import numbers
 import os
 import sys
 
-from absl import app
 from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
 from recipes.lm.run_log import METRICS_FILE, RUN_FILE  # noqa: E402
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 # (panel title, y label, scale, tags drawn in it)
 PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),
@@ -147,4 +147,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
   flags.DEFINE_string("out", None, "the PNG's path; default RUN_DIR/metrics.png")
-  app.run(main)
+  sys.exit(cli.absl_run(main))

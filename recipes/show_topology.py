@@ -12,20 +12,25 @@ libtpu's own device descriptions, without the hardware; that needs the tpu extra
 (`pip install "fnscale[tpu]"`). A bare grid ("2x4") overrides the layout of this machine's
 devices instead.
 """
+import os
 import re
 import sys
 
-from absl import app, flags
+from absl import flags
 
-import fnscale as fs
-from fnscale import topology
-from fnscale.mesh import describe
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale import topology  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.mesh import describe  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_string("mesh", "data=-1", "mesh axes 'name=size,...' or a preset name")
 flags.DEFINE_string("dcn", None, "axes across slices/processes, e.g. 'replica=2'")
 flags.DEFINE_string("topology", None, "a TPU target to describe ('v5p-128', '2x v5p-128', "
                     "'v5p:4x4x4') or a chip grid overriding this machine's ('2x4')")
-flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present")
+flags.DEFINE_integer("devices", 8, "simulated CPU devices when no accelerator is present",
+                     lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -42,12 +47,10 @@ def _detect(target):
 
 
 def main(argv):
-  del argv
-  try:
-    topo, devices, what = _detect(FLAGS.topology)
-    mesh = fs.make_mesh(FLAGS.mesh, dcn=FLAGS.dcn, topology=topo, devices=devices)
-  except fs.FnscaleError as e:
-    sys.exit(f"error: {e}")
+  if len(argv) > 1:
+    raise fs.InputError(f"unexpected arguments {argv[1:]}; flags are written --name=value")
+  topo, devices, what = _detect(FLAGS.topology)
+  mesh = fs.make_mesh(FLAGS.mesh, dcn=FLAGS.dcn, topology=topo, devices=devices)
   print(f"describing {what}")
   print("topology:", topo)
   print(f"  chips per slice {topo.num_chips}, grid {'x'.join(map(str, topo.chip_grid)) or '?'}"
@@ -59,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.exit(cli.absl_run(main))

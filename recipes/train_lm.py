@@ -5,16 +5,15 @@
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
-Read top to bottom: options, set-up, run, loop. Models: `gpt.py`, `llama.py`; data: `data.py`;
-plumbing: `harness.py`, `checkpoints.py`, `run_log.py` (all in `lm/`); fnscale does the
-distribution. Only process 0 prints and writes files. Rerunning the same command resumes from
+Read top to bottom: set-up, run, loop. Options: `options.py`; models: `gpt.py`, `llama.py`;
+data: `data.py`; plumbing: `harness.py`, `checkpoints.py`, `run_log.py` (all in `lm/`); fnscale
+does the distribution. Only process 0 prints and writes files. Rerunning the same command resumes from
 the newest good checkpoint, bitwise.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -30,96 +29,9 @@ from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
 from recipes.lm import checkpoints as ck, data, harness as h, models, packing  # noqa: E402
 from recipes.lm import run_log as rl  # noqa: E402
+from recipes.lm.options import Options  # noqa: E402  (every option: flag, default, range)
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
-  model_config: str | None = h.option(None, f"model, one of {list(MODELS)}; default "
-                                    "tiny_gpt2 on CPU, small on TPU/GPU")
-  dataset: str = h.option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob; "
-                          "or token caches (recipes/pretokenize.py): DIR, 'DIR:0.7,DIR2:0.3' "
-                          "or a JSON file of weights")
-  packing: str = h.option("first_fit", "token caches: packing of documents into rows, "
-                          "first_fit or best_fit")
-  pack_bins: int = h.option(8, "token caches: rows packed at once per row stream")
-  long_docs: str = h.option("split", "token caches: a document longer than a row is split "
-                            "into pieces, truncate-d, or an error")
-  tokenizer: str = h.option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
-  init_from: str = h.option("", "a Hugging Face model directory (config.json, safetensors, "
-                            "tokenizer.json): continue training its model and weights with "
-                            "its tokenizer (instead of --model_config, --tokenizer)")
-  export_hf: str = h.option("", "at the end, write the params as a Hugging Face checkpoint "
-                            "(safetensors, config.json, tokenizer) to this directory")
-  seq: int | None = h.option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
-  batch_size: int | None = h.option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
-  global_batch: int | None = h.option(None, "global batch in rows (instead of batch_size)")
-  epochs: int | None = h.option(None, "passes over the training split (instead of steps)")
-  steps: int | None = h.option(None, "train steps; default 200 on CPU, 5000 on TPU/GPU")
-  lr: float | None = h.option(None, "peak lr of the warmup + cosine schedule; default by size")
-  warmup_steps: int | None = h.option(None, "linear warmup steps; default steps / 20, <= 500")
-  min_lr_ratio: float = h.option(0.1, "final learning rate as a fraction of the peak")
-  weight_decay: float = h.option(0.1, "AdamW weight decay on weight matrices and embeddings")
-  grad_clip: float = h.option(1.0, "clip the global gradient norm to this (0: off)")
-  max_stalled_steps: int = h.option(20, "stop with an error after this many consecutive steps "
-                                    "that left the params unchanged or non-finite, or were "
-                                    "skipped for non-finite gradients (float16's loss "
-                                    "scale), although the loss was finite (0: never)")
-  accum_steps: int = h.option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  accum_gather: str = h.option("auto", "with accum_steps > 1: 'auto' (reduce once where the "
-                               "params are replicated over the data axes, else as "
-                               "per_microbatch), 'per_microbatch' (params stay sharded) or "
-                               "'once' (whole params on each device)")
-  precision: str = h.option("auto", f"jmp policy, e.g. '{h.MIXED}', 'float32', 'bfloat16'; "
-                          "auto: float32 on CPU, bfloat16 compute elsewhere")
-  attention: str = h.option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
-  context: str = h.option("all_gather", "attention over a sequence split by a 'context' mesh "
-                          "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
-  context_order: str = h.option("zigzag", "the order the context shards hold the sequence "
-                                "in: zigzag (balanced causal work), striped or contiguous")
-  remat: bool = h.option(False, "recompute each block's activations in the backward pass")
-  microbatches: int = h.option(0, "pipeline microbatches on a mesh with a 'stage' axis "
-                               "(Llama models: their layers run as stages); default: the "
-                               "stages")
-  tpu: bool | None = h.option(None, "True: require a TPU; default: whatever devices there are")
-  mesh: str = h.option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
-                       "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
-                       "accumulation for this machine; default data=-1 on CPU, fsdp=-1 on "
-                       "TPU/GPU")
-  mesh_shape: str = h.option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
-  dcn: str = h.option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
-                      "default replica=<slices> when the devices span several slices")
-  topology: str = h.option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
-  devices: int | None = h.option(None, "simulated CPU devices (CPU-only machines); default 8")
-  seed: int = h.option(0, "seed of the params init, the data order and sampling")
-  run_dir: str = h.option("", "directory of metrics.jsonl, TensorBoard events, run.json, "
-                          "log.txt and checkpoints; default runs/<model>-<dataset> (plus "
-                          "-vocab<V> with a tokenizer)")
-  profile_steps: str = h.option("", "START:STOP: JAX profiler trace of these steps into run_dir")
-  checkpoint: bool = h.option(True, "save checkpoints and resume from the newest good one")
-  checkpoint_dir: str = h.option("", "checkpoints (path or gs://...); default RUN_DIR/checkpoints")
-  checkpoint_every: int = h.option(200, "save every this many steps (0: at the end and SIGTERM)")
-  checkpoint_keep: int = h.option(3, "how many checkpoints to keep")
-  stop_after: int = h.option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
-  grace_s: float = h.option(preemption.DEFAULT_GRACE_S, "seconds from a preemption notice "
-                            "(SIGTERM) to the end of the process, the final save included; "
-                            "keep below the platform's notice (about 30 s on Cloud TPU, GKE)")
-  log_every: int | None = h.option(None, "steps between progress lines; default 25 lines a run")
-  eval_every: int | None = h.option(None, "steps between evals; default 5 evals a run")
-  eval_batches: int = h.option(4, "global batches of held-out text per eval")
-  sample_len: int = h.option(200, "tokens to generate at the end (0: none)")
-  prompt: str = h.option("def ", "prompt of the generated sample")
-  temperature: float = h.option(0.8, "sampling temperature of the sample (0: greedy)")
-  compile_cache_dir: str = h.option("", "persistent XLA compilation cache directory")
-  shutdown_at_exit: bool = h.option(False, "delete this Cloud TPU VM when the job ends")
-  shutdown_delay_s: float = h.option(60.0, "seconds before that shutdown (a sentinel cancels it)")
-  shutdown_dry_run: bool = h.option(False, "print the shutdown request instead of sending it")
-  coordinator_address: str = h.option("", "multi-process: host:port of process 0; default: env "
-                                    "JAX_COORDINATOR_ADDRESS or auto-detected (pods, SLURM)")
-  num_processes: int = h.option(0, "multi-process: process count (env JAX_NUM_PROCESSES)")
-  process_id: int = h.option(-1, "multi-process: this process's id (env JAX_PROCESS_ID)")
 
 
 def train_lm(**options) -> h.Summary:
@@ -170,10 +82,6 @@ def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   warmup = min(500, max(1, steps // 20)) if o.warmup_steps is None else o.warmup_steps
   log_every = max(1, steps // 25) if o.log_every is None else o.log_every
   eval_every = max(1, steps // 5) if o.eval_every is None else o.eval_every
-  if lr <= 0 or log_every < 1 or eval_every < 1 or o.max_stalled_steps < 0:
-    raise fs.InputError(f"lr={lr}, log_every={log_every}, eval_every={eval_every}, "
-                        f"max_stalled_steps={o.max_stalled_steps}: expected lr > 0, "
-                        "intervals >= 1 and max_stalled_steps >= 0")
   profile = rl.parse_profile_steps(o.profile_steps, steps)
   run_dir = o.run_dir or h.default_run_dir(name, o.dataset, models.tokenizer(o), corpus.vocab)
   ckpt = ck.directory(dataclasses.replace(o, run_dir=run_dir))

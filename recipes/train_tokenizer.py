@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app
 from absl import flags
 
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
 from recipes.lm.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
 MIN_VOCAB = 256 + 1  # every byte, plus END_OF_TEXT
@@ -101,4 +101,4 @@ if __name__ == "__main__":
                       "file, directory or glob (as train_lm's --dataset)")
   flags.DEFINE_integer("vocab_size", 4096, "tokens in the vocabulary (>= 257)")
   flags.DEFINE_string("out", "tokenizer.json", "where to write the tokenizer.json")
-  app.run(main)
+  sys.exit(cli.absl_run(main))

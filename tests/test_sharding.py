@@ -421,20 +421,23 @@ def _fsdp8():
   return _mesh((8,), ("fsdp",))
 
 
-def test_rule_with_a_mistyped_axis_counts_and_is_named(caplog):
-  with caplog.at_level("WARNING"):
-    with pytest.raises(fs.ShardingError) as e:
-      fs.sharding_layout(BIG, _fsdp8(), (("embed", "fsdp_"),),
-                         logical_axes={"w": ("embed", "mlp")}, max_replicated_bytes=1 << 20)
-  msg = str(e.value)
-  assert msg.startswith(f"1 leaves ({BIG_BYTES} bytes) stay replicated on every device: "
-                        f"w (4096, 4096) ({BIG_BYTES} B) [dim 0 (embed) replicated: its rules "
-                        "name mesh axes ['fsdp_'] that the mesh doesn't have; dim 1 (mlp) "
-                        "replicated: no rule names 'mlp']")
-  assert f"exceeds max_replicated_bytes={1 << 20}" in msg
-  assert ("rule 0 ('embed', ('fsdp_',)) names mesh axis 'fsdp_', which the mesh (axes "
-          "('fsdp',)) doesn't have and no fnscale convention uses; the rule is skipped (a "
-          "typo?)") in caplog.text
+def test_rule_with_a_mistyped_axis_is_refused_with_the_closest_name():
+  with pytest.raises(fs.ShardingError) as e:
+    fs.sharding_layout(BIG, _fsdp8(), (("embed", "fsdp_"),),
+                       logical_axes={"w": ("embed", "mlp")}, max_replicated_bytes=1 << 20)
+  assert str(e.value).startswith(
+      "rule 0 ('embed', ('fsdp_',)) names mesh axis 'fsdp_', which the mesh (axes "
+      "('fsdp',)) doesn't have and no axis convention gives a meaning; did you mean 'fsdp'?")
+
+
+def test_rule_naming_a_conventional_axis_the_mesh_lacks_is_said_once(caplog):
+  # "tensor" on an fsdp-only mesh: rules written for several meshes, not a typo.
+  rules = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"))
+  with caplog.at_level("INFO"):
+    layout = fs.sharding_layout(BIG, _fsdp8(), rules, logical_axes={"w": ("embed", "mlp")})
+  assert layout.leaves[0].spec == P("fsdp", None)
+  said = [r for r in caplog.records if "axes ['tensor'] are skipped" in r.getMessage()]
+  assert len(said) == 1 and said[0].levelname == "INFO"
 
 
 def test_unmapped_logical_name_is_logged_without_a_limit(caplog):

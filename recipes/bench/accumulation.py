@@ -7,13 +7,18 @@ device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips).
 
 `--large`: 2 layers of d 1024, mlp 4096 (64 MiB of f32 params), batch 64.
 """
-import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import fnscale as fs
+
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 D, M, L, B = 256, 1024, 2, 8192
 MIB = 2**20
@@ -63,13 +68,13 @@ def main(targets, d: int = D, m: int = M, rows: int = B) -> None:
       print(f"| {name}, fsdp={mesh.size} | {row(mesh, accum, gather, d, m, rows)} |", flush=True)
 
 
-if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def _cli(argv=None) -> int:
+  parser = cli.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("targets", nargs="*", metavar="{cpu,tpu}", help="where to compile: 8 "
                       "simulated CPU devices, TPU v5p-8 (libtpu); default both")
   parser.add_argument("--large", action="store_true", help="2 layers of d 1024, mlp 4096 "
                       "(64 MiB of f32 params), batch 64")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if set(args.targets) - {"cpu", "tpu"}:
     parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
                  "expected cpu and/or tpu")
@@ -79,3 +84,8 @@ if __name__ == "__main__":
     main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)
   else:
     main(args.targets or ["cpu", "tpu"])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(cli.run(_cli))

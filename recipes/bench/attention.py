@@ -11,7 +11,9 @@ those numbers test that the path works, they say nothing about kernel speed.
       --iters 1 --warmup 0                              # a quick check that the paths run
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 from typing import NamedTuple
 
@@ -20,6 +22,10 @@ import jax.numpy as jnp
 
 import fnscale
 from fnscale.kernels import kernel_selection
+
+if not __package__:  # run as a script: import `recipes` from the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",
@@ -89,20 +95,21 @@ def _parse_shape(parser, text):
   return tuple(int(p) for p in parts)
 
 
-def main():
+def main(argv=None) -> int:
   fnscale.simulate_cpu_devices(8)  # CPU only, before any jax computation
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", default=None,
                       help="comma-separated BATCHxSEQxHEADSxKV_HEADSxHEAD_DIM")
   parser.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, "
                       "float32 on CPU")
   parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--iters", type=int, default=None, help="default: 20, CPU 5")
+  parser.add_argument("--warmup", type=cli.number(int, minimum=0), default=2)
+  parser.add_argument("--iters", type=cli.number(int, minimum=1), default=None,
+                      help="default: 20, CPU 5")
   parser.add_argument("--implementations", default=None,
                       help="comma-separated subset of the platform's implementations "
                       "(default: all of them)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   platform = jax.default_backend()
   on_cpu = platform not in ("tpu", "gpu")
@@ -110,12 +117,7 @@ def main():
                                          ("tpu" if platform == "tpu" else "cuda")]
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   iters = args.iters or (5 if on_cpu else 20)
-  print(f"platform={platform} device={jax.devices()[0].device_kind} dtype={dtype.name} "
-        f"causal={args.causal} median of {iters} after {args.warmup} warm-up runs")
-  header = (f"{'shape (b x s x h x kvh x d)':<28} {'implementation':<16} {'mode':<10} "
-            f"{'blocks':<9} {'fwd+bwd ms':>11} {'vs xla':>7} {'compile s':>9}")
-  print(header)
-  print("-" * len(header))
+  parsed = [(text, _parse_shape(parser, text)) for text in shapes.split(",")]
   chosen = _implementations(platform)
   if args.implementations:
     wanted = args.implementations.split(",")
@@ -124,8 +126,13 @@ def main():
       parser.error(f"--implementations {unknown} can't run on {platform}; choose from "
                    f"{[name for name, _ in chosen]}")
     chosen = [(name, interpret) for name, interpret in chosen if name in wanted]
-  for text in shapes.split(","):
-    shape = _parse_shape(parser, text)
+  print(f"platform={platform} device={jax.devices()[0].device_kind} dtype={dtype.name} "
+        f"causal={args.causal} median of {iters} after {args.warmup} warm-up runs")
+  header = (f"{'shape (b x s x h x kvh x d)':<28} {'implementation':<16} {'mode':<10} "
+            f"{'blocks':<9} {'fwd+bwd ms':>11} {'vs xla':>7} {'compile s':>9}")
+  print(header)
+  print("-" * len(header))
+  for text, shape in parsed:
     reference = None
     for implementation, interpret in chosen:
       ms, compile_s, note = bench(shape, implementation, interpret, dtype=dtype,
@@ -141,7 +148,8 @@ def main():
   if on_cpu:
     print("interpret mode emulates the Pallas kernels with XLA ops on CPU: it checks the "
           "path, its times are not kernel speed.")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli.run(main))

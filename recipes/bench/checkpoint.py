@@ -25,7 +25,6 @@ created under --dir (default: a temporary directory) and deleted at the end.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import fnscale as fs
+from recipes.lm import cli
 
 LEAVES = 8  # the state is this many equal arrays [rows, 4096] float32
 
@@ -146,19 +146,30 @@ def _table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _sizes(text: str) -> list[int]:
+  try:
+    sizes = [int(s) for s in text.split(",")]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 1:
+    raise fs.InputError(f"--sizes_mib={text!r}: expected positive ints, comma-separated")
+  return sizes
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--sizes_mib", default="1024,256", help="state sizes, MiB, comma-separated")
-  p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--rounds", type=cli.number(int, minimum=1), default=3)
+  p.add_argument("--devices", type=cli.number(int, minimum=1), default=8)
   p.add_argument("--dir", default="", help="where checkpoints go (default: a temp directory)")
   args = p.parse_args(argv)
+  sizes = _sizes(args.sizes_mib)
   fs.simulate_cpu_devices(args.devices)
   mesh = fs.make_mesh({"fsdp": -1})
   root = tempfile.mkdtemp(prefix="fnscale-bench-ckpt-", dir=args.dir or None)
   try:
     rows = []
-    for size in (int(s) for s in args.sizes_mib.split(",")):
+    for size in sizes:
       rows.append(_measure(size, args.rounds, root, mesh))
       print(json.dumps(rows[-1]), flush=True)
   finally:
@@ -169,4 +180,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

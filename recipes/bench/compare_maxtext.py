@@ -272,8 +272,27 @@ def table(sides: dict[str, dict]) -> str:
   return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+  """Refuses bad flags with one `error:` line and exit 2, as every recipe does (this script
+  also runs under MaxText's Python, without fnscale: no `recipes.lm.cli` here)."""
+
+  def error(self, message: str):
+    _refuse(f"{self.prog}: {message}; see --help")
+
+
+def _refuse(message: str):
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _positive(text: str) -> int:
+  if not text.lstrip("-").isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
+  return int(text)
+
+
 def _flags(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = _Parser(description=__doc__.split("\n\n")[0])
   p.add_argument("--maxtext_python", default="maxtext-venv/bin/python",
                  help="the Python of the MaxText virtual environment (see the module doc); "
                  "default: maxtext-venv/ under the current directory")
@@ -283,7 +302,7 @@ def _flags(argv=None):
   p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
                  help="MaxText's model name (fnscale's of the same shapes: llama-8b, "
                  "moe-mixtral-8x7b)")
-  p.add_argument("--layers", type=int, default=2, help="decoder layers (of the model's shapes)")
+  p.add_argument("--layers", type=_positive, default=2, help="decoder layers (of the model's shapes)")
   p.add_argument("--batch", type=float, default=1, help="rows per device (a fraction "
                  "when a context axis splits the rows: 0.25 on 4 devices is one row)")
   p.add_argument("--context_strategy", default="all_gather", choices=("all_gather", "ring"),
@@ -294,8 +313,8 @@ def _flags(argv=None):
   p.add_argument("--load_balance", default=True, action=argparse.BooleanOptionalAction,
                  help="causal load balance under a context axis (MaxText's "
                  "context_parallel_load_balance; fnscale's zigzag order)")
-  p.add_argument("--seq", type=int, default=4096, help="tokens per row")
-  p.add_argument("--accum", type=int, default=1, help="fnscale's accumulation steps")
+  p.add_argument("--seq", type=_positive, default=4096, help="tokens per row")
+  p.add_argument("--accum", type=_positive, default=1, help="fnscale's accumulation steps")
   p.add_argument("--microbatches", type=int, default=0,
                  help="pipeline microbatches with a stage axis (default: the stages)")
   p.add_argument("--repeats", type=int, default=0,
@@ -319,8 +338,8 @@ def main(argv=None) -> None:
   todo = [s for s in a.sides.split(",") if s]
   if "maxtext" in todo:
     if not os.path.exists(a.maxtext_python):
-      raise SystemExit(f"error: --maxtext_python={a.maxtext_python} does not exist; make the "
-                       "MaxText environment first (see the module doc)")
+      _refuse(f"--maxtext_python={a.maxtext_python} does not exist; make the MaxText "
+              "environment first (see the module doc)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
     subprocess.run([a.maxtext_python, os.path.abspath(__file__), "--maxtext_side"]
                    + [x for x in (argv if argv is not None else sys.argv[1:])
@@ -329,8 +348,8 @@ def main(argv=None) -> None:
     fnscale_side(a)
   missing = [s for s in SIDES if not os.path.exists(os.path.join(a.out, f"{s}.hlo.txt"))]
   if missing:
-    raise SystemExit(f"error: no {' or '.join(missing)} program in --out={a.out}: compile it "
-                     f"there first (--sides={','.join(missing)}, same flags)")
+    _refuse(f"no {' or '.join(missing)} program in --out={a.out}: compile it there first "
+            f"(--sides={','.join(missing)}, same flags)")
   sides = {s: read_side(a.out, s) for s in SIDES}
   context = (f", context {a.context_strategy}"
              f"{' load-balanced' if a.load_balance else ''}" if "context" in a.mesh + a.dcn

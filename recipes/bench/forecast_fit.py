@@ -30,7 +30,6 @@ peak gives their MFU to 0.1 point.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -51,6 +50,7 @@ import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-im
 from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
     FORECAST_TERMS, ForecastTerms, hardware, mesh_str, predict, profile_model)
 from recipes.lm import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 # The A3 table gives TFLOP/s per GPU; MFU is that over the dense bf16 peak.
@@ -313,7 +313,7 @@ def _chips(run: Run) -> int:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--json", default=None, help="write the fit and every prediction here")
   ap.add_argument("--nofit", action="store_true", help="use the terms in fnscale.analysis._forecast")
   a = ap.parse_args(argv)
@@ -341,4 +341,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

@@ -18,7 +18,6 @@ Needs the test extra's transformers and torch (for the meta-device shapes) and t
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -39,6 +38,7 @@ import optax  # noqa: E402
 import fnscale as fs  # noqa: E402
 from fnscale.checkpoint import hf  # noqa: E402
 from recipes.lm import hf_maps, llama  # noqa: E402
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # Tiny random models of each family (transformers' classes and config fields), what
@@ -214,11 +214,11 @@ def measure_load(directory: str, seq: int) -> dict:
 
 
 def main(argv) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--size", default="llama-tiny", choices=sorted(llama.SIZES))
   p.add_argument("--dir", required=True, help="scratch directory (removed at the end)")
-  p.add_argument("--shard_gb", type=float, default=1.0)
-  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--shard_gb", type=cli.number(float, above=0), default=1.0)
+  p.add_argument("--seq", type=cli.number(int, minimum=1), default=2048)
   p.add_argument("--families", action="store_true",
                  help="instead: each family's max |dlogit| against transformers")
   a = p.parse_args(argv)
@@ -250,4 +250,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

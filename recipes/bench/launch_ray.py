@@ -14,7 +14,6 @@ Prints one line per measurement and the load average; `--json=PATH` also writes 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -28,6 +27,7 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 # pylint: disable=wrong-import-position
 from recipes.lm import data  # noqa: E402
 from recipes.launch import launch_local, launch_ray, ray_cluster  # noqa: E402
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 _STEP = re.compile(r"step\s+\d+/")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,8 +106,8 @@ def _kill_to_training(work: str, sig: int, address: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--repeats", type=int, default=2,
+  parser = cli.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--repeats", type=cli.number(int, minimum=1), default=2,
                       help="first-step measurements per launcher")
   parser.add_argument("--json", default="", help="also write the measurements here")
   fv = parser.parse_args(argv[1:])
@@ -146,4 +146,4 @@ def _measure(work: str, repeats: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  sys.exit(cli.run(main, sys.argv))

@@ -15,7 +15,6 @@ machine both figures drop; the ratio is what to read.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 from recipes import train_lm  # noqa: E402  pylint: disable=wrong-import-position
 from recipes.lm import cache, data, packing  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 ROWS, SEQ = 64, 64  # the default CPU main job's global batch: 8 rows x 8 devices, seq 64
 
@@ -48,12 +48,12 @@ def loader_tokens_per_s(path: str, batches: int) -> tuple[float, float]:
   return ROWS * SEQ / statistics.median(times), float(np.mean(pad))
 
 
-def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--corpus", default="tiny_corpus")
-  p.add_argument("--batches", type=int, default=60)
-  p.add_argument("--steps", type=int, default=30)
-  args = p.parse_args()
+  p.add_argument("--batches", type=cli.number(int, minimum=1), default=60)
+  p.add_argument("--steps", type=cli.number(int, minimum=1), default=30)
+  args = p.parse_args(argv)
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "cache")
     cache.build(cache.BuildSpec(tuple(data.corpus_files(args.corpus)), path, workers=2,
@@ -71,4 +71,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

@@ -23,7 +23,6 @@ projections offloaded to the host, costed here as full remat).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -41,6 +40,7 @@ if not __package__:  # run as a script: import `recipes` from the repository roo
 import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale.analysis.plan import hardware, mesh_str, predict, profile_model  # noqa: E402
 from recipes.lm import moe  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 POLICY = "params=bfloat16,compute=bfloat16,output=float32"  # weight_dtype=bfloat16
 
@@ -105,7 +105,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--json", default=None, help="write the rows here")
   a = ap.parse_args(argv)
   fs.topology.quiet_libtpu()
@@ -120,4 +120,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

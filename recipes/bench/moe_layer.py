@@ -12,7 +12,6 @@ the machine slows both of a pair alike).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 if not __package__:  # run as a script: import `fnscale` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from fnscale.parallel import experts  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _params(a, key):
@@ -71,14 +71,14 @@ def run(a) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--tokens", type=int, default=4096)
-  ap.add_argument("--d_model", type=int, default=256)
-  ap.add_argument("--d_ff", type=int, default=512, help="each expert's hidden width")
-  ap.add_argument("--experts", type=int, default=8)
-  ap.add_argument("--k", type=int, default=2, help="experts per token")
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--warmup", type=int, default=3)
+  ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--tokens", type=cli.number(int, minimum=1), default=4096)
+  ap.add_argument("--d_model", type=cli.number(int, minimum=1), default=256)
+  ap.add_argument("--d_ff", type=cli.number(int, minimum=1), default=512, help="each expert's hidden width")
+  ap.add_argument("--experts", type=cli.number(int, minimum=1), default=8)
+  ap.add_argument("--k", type=cli.number(int, minimum=1), default=2, help="experts per token")
+  ap.add_argument("--iters", type=cli.number(int, minimum=1), default=20)
+  ap.add_argument("--warmup", type=cli.number(int, minimum=0), default=3)
   a = ap.parse_args(argv)
   r = run(a)
   print(f"{r['platform']}: {a.tokens} tokens, d_model {a.d_model}; MoE {a.experts} x "
@@ -90,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

@@ -15,7 +15,6 @@ off the program, and XLA's temporary memory (the last column: over the first row
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -30,7 +29,7 @@ import optax  # noqa: E402
 
 import fnscale as fs  # noqa: E402
 from fnscale.analysis import hlo  # noqa: E402
-from recipes.lm import llama  # noqa: E402
+from recipes.lm import cli, llama  # noqa: E402
 
 MIB = 2**20
 
@@ -76,18 +75,18 @@ def row(a, mesh, m: int, first_temp: float | None) -> tuple[str, float]:
           f"{dcn} | {bubble} | {temp / MIB:,.1f} ({ratio}) |"), temp
 
 
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+  p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--target", default="cpu", help='"cpu" (8 simulated devices) or a TPU '
                  'target, e.g. "2x v5p-8"')
   p.add_argument("--mesh", default="stage=4,data=2", help="ICI axes")
   p.add_argument("--dcn", default="", help="DCN axes, e.g. stage=2")
   p.add_argument("--model", default="llama-tiny", choices=list(llama.SIZES))
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--repeats", type=int, default=1, help="circular repeats")
-  p.add_argument("--batch", type=int, default=8, help="rows per device")
-  p.add_argument("--seq", type=int, default=64)
-  p.add_argument("--microbatches", default="4,16", help="microbatch counts to compile")
+  p.add_argument("--layers", type=cli.number(int, minimum=1), default=4)
+  p.add_argument("--repeats", type=cli.number(int, minimum=1), default=1, help="circular repeats")
+  p.add_argument("--batch", type=cli.number(int, minimum=1), default=8, help="rows per device")
+  p.add_argument("--seq", type=cli.number(int, minimum=1), default=64)
+  p.add_argument("--microbatches", type=cli.numbers(int, minimum=1), default="4,16", help="microbatch counts to compile")
   p.add_argument("--compute", default=None, help="compute dtype (default: bfloat16 on a TPU "
                  "target, float32 on CPU, whose XLA sends bfloat16 as float32)")
   a = p.parse_args(argv)
@@ -105,11 +104,12 @@ def main(argv=None) -> None:
         "DCN MiB by kind | bubble | temp MiB (x first) |")
   print("|---|---|---|---|---|---|")
   first = None
-  for m in (int(x) for x in a.microbatches.split(",")):
+  for m in a.microbatches:
     text, temp = row(a, mesh, m, first)
     first = first or temp
     print(text, flush=True)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli.run(main))

@@ -15,7 +15,6 @@ time their agreement checks took ("check: X ms of work, Y ms waiting for the oth
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import fnscale as fs
+from recipes.lm import cli
 
 
 def _model(width: int):
@@ -42,11 +42,11 @@ def _model(width: int):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--width", type=int, default=256)
-  ap.add_argument("--batch", type=int, default=256)
-  ap.add_argument("--steps", type=int, default=50)
-  ap.add_argument("--rounds", type=int, default=8)
+  ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--width", type=cli.number(int, minimum=1), default=256)
+  ap.add_argument("--batch", type=cli.number(int, minimum=1), default=256)
+  ap.add_argument("--steps", type=cli.number(int, minimum=1), default=50)
+  ap.add_argument("--rounds", type=cli.number(int, minimum=1), default=8)
   args = ap.parse_args(argv)
   from absl import logging
   logging.set_verbosity(logging.INFO)
@@ -100,4 +100,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

@@ -10,7 +10,6 @@ shard writing are included: the command's own speed, not the tokenizer's alone.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -18,14 +17,14 @@ import tempfile
 if not __package__:  # run as a script: import `recipes` from the repository root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from recipes import train_tokenizer  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cache, data  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cache, cli, data  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--corpus", default="tiny_corpus")
   p.add_argument("--vocab_size", type=int, default=4096)
-  args = p.parse_args()
+  args = p.parse_args(argv)
   files = data.corpus_files(args.corpus)
   mb = sum(os.path.getsize(f) for f in files) / 1e6
   with tempfile.TemporaryDirectory() as tmp:
@@ -44,4 +43,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

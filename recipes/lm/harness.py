@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import logging
@@ -25,19 +26,22 @@ from fnscale.analysis import flops
 from fnscale import mesh as fs_mesh
 from fnscale import sharding
 from fnscale.analysis import report as fs_report
-from recipes.lm import checkpoints as ck, data, gpt, run_log as rl
+from recipes.lm import checkpoints as ck, cli, data, gpt, run_log as rl
 
 
 def option(default, help_: str):
-  """A field of an options dataclass: its default and its `--help` line."""
+  """A field of an options dataclass: its default and its `--help` line (numbers' ranges:
+  the class's `RANGES`, {name: cli.check_range's bounds})."""
   return dataclasses.field(default=default, metadata={"help": help_})
 
 
 def check_options(cls, options: dict):
-  """`cls(**options)` after checking each name and type (an int is a float; a bool is no int).
+  """`cls(**options)` after checking each name, type (an int is a float; a bool is no int)
+  and range.
 
   Raises:
-    FnscaleError: an unknown name (the message lists the known ones) or a wrong type.
+    FnscaleError: an unknown name (the message lists the known ones), a wrong type or a
+      number out of its range (the message names the option and the range).
   """
   known = {f.name: f for f in dataclasses.fields(cls)}
   for name, value in options.items():
@@ -49,7 +53,20 @@ def check_options(cls, options: dict):
         isinstance(value, types) and (kind[0] == "bool" or not isinstance(value, bool)))):
       raise fs.InputError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
                             f"{type(value).__name__}")
-  return cls(**options)
+  return _check_ranges(cls(**options))
+
+
+def _check_ranges(o):
+  """`o` (an options dataclass) after checking each number against its range (the class's
+  `RANGES`; floats must be finite)."""
+  ranges = getattr(type(o), "RANGES", {})
+  for f in dataclasses.fields(o):
+    value = getattr(o, f.name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      problem = cli.check_range(value, **ranges.get(f.name, {}))
+      if problem:
+        raise fs.InputError(f"--{f.name}={value!r} {problem}: {f.metadata['help']}")
+  return o
 
 
 def _flag_values(cls) -> flags.FlagValues:
@@ -70,7 +87,7 @@ def parse_flags(cls, argv: list[str]):
     raise fs.InputError(f"{e}; see --help") from None
   if len(rest) > 1:
     raise fs.InputError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
-  return cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)})
+  return _check_ranges(cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)}))
 
 
 # Options that may differ between the processes of one job.
@@ -150,12 +167,12 @@ def main(argv: list[str], cls, run, doc: str) -> int:
   try:
     summary = run(parse_flags(cls, argv))
   except fs.FnscaleError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    status = cli.report(e)
     if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
       # Python's own exit would wait for the lost process at JAX's shutdown barrier.
       sys.stdout.flush()
       os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
-    return 2
+    return status
   return 143 if summary.stopped == "SIGTERM" else 0
 
 
@@ -186,6 +203,7 @@ def make_mesh(axes, dcn: str, topo, say, devices=None):
   `axes` has a "stage" axis of the slice count: make_mesh lays the pipeline stages across
   the slices."""
   devices = jax.devices() if devices is None else devices
+  _check_axis_names(axes, dcn)
   slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
   stages = not isinstance(axes, fs.MeshAxes) and fs_mesh.parse_axes(axes).get("stage") == slices
   if not dcn and slices > 1 and not isinstance(axes, fs.MeshAxes) and not stages:
@@ -193,6 +211,23 @@ def make_mesh(axes, dcn: str, topo, say, devices=None):
     say(f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
         f"across the slices (--dcn={dcn}), the --mesh axes within each slice")
   return fs.make_mesh(axes, dcn=dcn or None, topology=topo, devices=devices)
+
+
+def _check_axis_names(axes, dcn: str) -> None:
+  """Every mesh axis is one fnscale's conventions give a meaning (the models' rules, the
+  batch split and FSDP use only those): another name, e.g. a typo of "fsdp", would train
+  with its devices holding copies, so it is refused naming the closest known axis."""
+  groups = (axes.ici, axes.dcn) if isinstance(axes, fs.MeshAxes) else (
+      fs_mesh.parse_axes(axes, what="--mesh"), fs_mesh.parse_axes(dcn or {}, what="--dcn"))
+  known = sorted(fs.FNSCALE_AXES.names())
+  for flag, names in zip(("--mesh", "--dcn"), groups):
+    for name in names:
+      if name not in known:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        raise fs.InputError(
+            f"{flag} axis {name!r} is not one fnscale's axis conventions know {known}"
+            + (f"; did you mean {close[0]!r}?" if close else "") + " (no rule, batch split "
+            "or FSDP would use it: its devices would hold copies)")
 
 
 MIXED = "params=float32,compute=bfloat16,output=float32"

@@ -1,0 +1,144 @@
+"""Bad input that would otherwise run, or end in a traceback: every recipe's command line
+refuses it with one `error:` line naming the bad value and exit status 2; a mistyped mesh or
+rule axis is refused with the closest name; a float16 step and its state agree on precision.
+"""
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# One bad command line per recipe: (recipe, argv, what the error line must name).
+CASES = [
+    ("plan", ["--target=v9", "--verify=0"], "'v9'"),
+    ("show_topology", ["--topology=v9-8"], "'v9-8'"),
+    ("baseline", ["--dataset=no_such_corpus"], "'no_such_corpus'"),
+    ("plot_run", ["/no/such/run_dir"], "'/no/such/run_dir'"),
+    ("train_tokenizer", ["--vocab_size=10"], "vocab_size=10"),
+    ("pretokenize", ["--out=unused", "--shard_mb=-1"], "--shard_mb=-1"),
+    ("train_lm", ["--checkpoint_every=-1"], "--checkpoint_every=-1 must be >= 0"),
+    ("train_lm", ["--dataset=tiny_corpus", "--mesh=data=2,fsdpp=4"],
+     "--mesh axis 'fsdpp' is not one fnscale's axis conventions know"),
+    ("bench/accumulation", ["gpu"], "['gpu']"),
+    ("bench/attention", ["--iters=0"], "--iters: 0 must be >= 1"),
+    ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
+    ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
+    ("bench/forecast_fit", ["--bogus=1"], "--bogus=1"),
+    ("bench/hf_checkpoint", ["--dir=unused", "--seq=0"], "--seq: 0 must be >= 1"),
+    ("bench/launch_ray", ["--repeats=0"], "--repeats: 0 must be >= 1"),
+    ("bench/loader", ["--batches=-3"], "--batches: -3 must be >= 1"),
+    ("bench/moe_forecast", ["--json"], "--json: expected one argument"),
+    ("bench/moe_layer", ["--k=0"], "--k: 0 must be >= 1"),
+    ("bench/pipeline", ["--microbatches=4,x"], "'x' is not an int"),
+    ("bench/preemption", ["--steps=0"], "--steps: 0 must be >= 1"),
+    ("bench/step", ["--steps=0"], "--steps=0"),
+    ("bench/tokenizing", ["--vocab_size=10"], "vocab_size=10"),
+    ("launch/launch_local", ["--num_processes=0", "--", "recipes/train_lm.py"],
+     "num_processes=0"),
+    ("launch/launch_ray", ["--hosts=2", "--max_restarts=-1", "--", "recipes/train_lm.py"],
+     "max_restarts=-1"),
+]
+
+
+@pytest.fixture(scope="module")
+def refusals():
+  """Every case run as `python recipes/RECIPE.py ARGS` would, in one Python start-up."""
+  r = subprocess.run([sys.executable, "tests/recipe_help.py", "argv",
+                      json.dumps([[name, args] for name, args, _ in CASES])],
+                     cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+  rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+  assert len(rows) == len(CASES), r.stderr[-2000:]
+  return rows
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
+def test_bad_command_line_is_one_error_line_and_exit_2(refusals, i):
+  name, args, names = CASES[i]
+  row = refusals[i]
+  assert (row["recipe"], row["args"]) == (name, args)
+  err = row["err"]
+  assert "Traceback" not in err and "usage:" not in err, err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, err
+  assert names in errors[0], errors[0]
+  assert row["rc"] == 2, (row["rc"], err)
+
+
+def test_every_recipe_with_a_command_line_has_a_case():
+  mains = {str(p.relative_to(ROOT / "recipes").with_suffix(""))
+           for folder in ("", "bench", "launch") for p in (ROOT / "recipes" / folder).glob("*.py")
+           if '__name__ == "__main__"' in p.read_text()}
+  assert mains == {name for name, _, _ in CASES}
+
+
+def test_mistyped_mesh_axis_of_train_lm_names_the_closest(tmp_path):
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  with pytest.raises(fs.InputError, match=r"--mesh axis 'fsdpp' .*; did you mean 'fsdp'\?"):
+    train_lm.train_lm(dataset="tiny_corpus", mesh="data=2,fsdpp=4", run_dir=str(tmp_path / "r"))
+  assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+# ------------------------------------------------------------------- float16 and the state
+
+F16 = "params=float32,compute=float16,output=float32"
+
+
+def _loss(params, batch):
+  return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def f16_case():
+  mesh = fs.make_mesh("data=8")
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 4)) * 0.1, jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)}
+  return mesh, params, batch
+
+
+def test_float16_step_with_a_state_without_loss_scale_is_refused(f16_case):
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  state = fs.init_state(params, opt, mesh=mesh)  # no policy: no loss scale
+  step = fs.shard_step(fs.train_step(_loss, opt, policy=F16), mesh)
+  with pytest.raises(fs.StepError, match=r"train_step computes in float16 \(its policy\) but "
+                     r"the state has no loss scale.*fix: give fs.init_state the same policy"):
+    step(state, batch)
+
+
+@pytest.mark.parametrize("policy, what", [
+    (None, "no policy"),
+    ("params=float32,compute=bfloat16,output=float32", "a policy computing in bfloat16")])
+def test_state_built_for_float16_with_another_step_is_refused(f16_case, policy, what):
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  state = fs.init_state(params, opt, mesh=mesh, policy=F16)
+  step = fs.shard_step(fs.train_step(_loss, opt, policy=policy), mesh)
+  with pytest.raises(fs.StepError, match=r"the state was built for float16 compute .* but "
+                     rf"train_step has {what}; fix: give fs.train_step the same policy"):
+    step(state, batch)
+
+
+def test_float16_state_and_step_that_agree_scale_the_loss(f16_case):
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  step = fs.shard_step(fs.train_step(_loss, opt, policy=F16), mesh)
+  _, m = step(fs.init_state(params, opt, mesh=mesh, policy=F16), batch)
+  assert float(m["loss_scale"]) == 2.0**15  # jmp's dynamic scale starts at 2**15
+  x, y, w = (np.asarray(a, np.float64) for a in (batch["x"], batch["y"], params["w"]))
+  np.testing.assert_allclose(float(m["loss"]), np.mean((x @ w - y) ** 2), rtol=1e-2)
+  # A loss scale given explicitly (no policy asked for it) goes with any step.
+  plain = fs.shard_step(fs.train_step(_loss, opt), mesh)
+  state = fs.init_state(params, opt, mesh=mesh, loss_scale=jmp.StaticLossScale(jnp.float32(8)))
+  _, m = plain(state, batch)
+  assert float(m["loss_scale"]) == 8.0
