@@ -80,10 +80,10 @@ def test_forward_matches_float64_numpy_reference():
   # Non-trivial norm scales, so a norm that ignores its scale would show.
   params["blocks"]["attn_norm"] = params["blocks"]["attn_norm"] * 1.5
   tokens = np.array(jax.random.randint(jax.random.key(2), (2, SMALL.seq), 0, SMALL.vocab))
-  got = llama.apply(params, jnp.asarray(tokens), rope_theta=SMALL.rope_theta)
+  got = llama.apply(params, jnp.asarray(tokens), cfg=SMALL)
   want = _np_forward(params, tokens, SMALL)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
-  remat = llama.apply(params, jnp.asarray(tokens), remat=True, rope_theta=SMALL.rope_theta)
+  remat = llama.apply(params, jnp.asarray(tokens), remat=True, cfg=SMALL)
   np.testing.assert_allclose(np.asarray(remat), want, rtol=2e-4, atol=2e-5)
 
 

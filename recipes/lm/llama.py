@@ -318,29 +318,29 @@ def _project(h, p, name: str, cfg: ModelConfig):
   return out
 
 
-def _config_of(params: dict, tokens, cfg: ModelConfig | None, rope_theta: float
-               ) -> ModelConfig:
+def _config_of(params: dict, tokens, cfg: ModelConfig | None) -> ModelConfig:
   """Static shape facts read off the params (so `apply` needs no config argument); RoPE and
-  RMSNorm settings from `cfg` (default Llama 3's, with `rope_theta`)."""
+  RMSNorm settings from `cfg` (default Llama 3's)."""
   wq, wk = params["blocks"]["wq"], params["blocks"]["wk"]
   (D, H, K), L = wq.shape[-3:], math.prod(wq.shape[:-3])  # [layers, ...] or pipeline-stacked
-  base = ModelConfig(0, 0, 0, 0, 0, 0, rope_theta=rope_theta) if cfg is None else cfg
+  base = ModelConfig(0, 0, 0, 0, 0, 0) if cfg is None else cfg
   return base._replace(layers=L, d_model=D, heads=H, kv_heads=wk.shape[-2], head_size=K,
                        d_mlp=params["blocks"]["w_up"].shape[-1], seq=tokens.shape[1],
                        vocab=params["embed"].shape[0])
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
-           positions=None, microbatches: int | None = None) -> jax.Array:
+           cfg: ModelConfig | None = None, rows: dict | None = None,
+           microbatches: int | None = None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
-  (theta, scaling) and RMSNorm epsilon, over `rope_theta`; shapes come from the params.
-  `segment_ids`, `positions`: int32 [batch, seq] (packed rows, see `_block`; under a context
-  axis positions are required: `gpt.check_positions`). On a mesh with a `stage` axis the
-  blocks run as a pipeline of `microbatches` (default: the stages, or none for a batch they
-  don't divide, e.g. one row when sampling)."""
-  cfg = _config_of(params, tokens, cfg, rope_theta)
+  (theta, scaling) and RMSNorm epsilon (default Llama 3's); shapes come from the params.
+  `rows`: the batch's optional "segment_ids" and "positions", int32 [batch, seq] (packed
+  rows, see `_block`; under a context axis positions are required: `gpt.check_positions`).
+  On a mesh with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the
+  stages, or none for a batch they don't divide, e.g. one row when sampling)."""
+  cfg = _config_of(params, tokens, cfg)
+  segment_ids, positions = (rows or {}).get("segment_ids"), (rows or {}).get("positions")
   gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
   block = lambda x, p, seg, pos: _block(x, p, cfg, seg, pos)
@@ -375,8 +375,7 @@ def output_layer(params: dict) -> jax.Array:
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          rope_theta: float = 500_000.0, cfg: ModelConfig | None = None, segment_ids=None,
-          positions=None, microbatches: int | None = None) -> jax.Array:
+          cfg: ModelConfig | None = None, microbatches: int | None = None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
@@ -384,8 +383,7 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`, `microbatches`:
   as in `hidden`.
   """
-  x = hidden(params, tokens, remat=remat, rope_theta=rope_theta, cfg=cfg,
-             segment_ids=segment_ids, positions=positions, microbatches=microbatches)
+  x = hidden(params, tokens, remat=remat, cfg=cfg, microbatches=microbatches)
   return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 
@@ -410,8 +408,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   cross-entropy over targets whose batch["weights"] is nonzero, their count) for
   `fnscale.train_step(..., weighted=True)` (weights are 0 or 1: padding and tokens without
   loss are 0)."""
-  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, microbatches=microbatches,
-             segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+  x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, rows=batch,
+             microbatches=microbatches)
   axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
   # [batch, seq, d]: the tokens stay where they are, the sequence split too.
   w, targets = output_layer(params).astype(x.dtype), batch["targets"]
