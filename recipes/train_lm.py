@@ -105,6 +105,7 @@ def run(o: Options) -> h.Summary:
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
       s = _setup(o, data.load(o.dataset, models.tokenizer(o)), say)
+      h.check_same_run(s.o, jax.device_count())  # not another run's directory
       if s.o.checkpoint_dir:  # one directory every process sees, checked before anything opens it
         fs.checkpoint.check_shared_directory(s.o.checkpoint_dir)
       # One checkpoint manager for the whole run; leaving the block waits for the last save.

@@ -6,6 +6,7 @@ Runs go through the recipe's public entry points (`main(argv)` for exit codes an
 cheap. Every test builds what it needs through module fixtures, so each passes alone, with -k
 and in any order.
 """
+import dataclasses
 import functools
 import json
 import os
@@ -859,3 +860,25 @@ def test_wrong_option_names_and_types_are_named(work, tmp_path, kw, message):
   with pytest.raises(fs.FnscaleError, match=message):
     train_lm.train_lm(**{**_kwargs(work, tmp_path / "run"), **kw})
   assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
+  # The uninterrupted run's record (seq 32, global batch 16 on 8 devices), in a fresh dir.
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  shutil.copy(uninterrupted[1] / "run.json", run_dir / "run.json")
+  before = _listing(run_dir)
+  with pytest.raises(fs.InputError, match=re.escape(
+      f"--run_dir={run_dir} holds a run with other options: seq=16 (the run's: 32), "
+      "global_batch=8 (the run's: 16); its checkpoints and data order are that run's. Fix: "
+      "give this run a new --run_dir")):
+    train_lm.train_lm(**_kwargs(work, run_dir, seq=16, global_batch=8))
+  assert _listing(run_dir) == before  # nothing written
+  # The same options resume; on other hardware the default global batch may differ.
+  recorded = json.loads((run_dir / "run.json").read_text())["start"]["options"]
+  same = harness.check_options(train_lm.Options, {k: v for k, v in recorded.items()
+                                                  if k in harness.DEFINING + ("run_dir",)})
+  harness.check_same_run(same, 8)
+  harness.check_same_run(dataclasses.replace(same, global_batch=32), 4)
+  with pytest.raises(fs.InputError, match=r"global_batch=32 \(the run's: 16\)"):
+    harness.check_same_run(dataclasses.replace(same, global_batch=32), 8)

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import logging
 import math
 import os
@@ -364,6 +365,36 @@ def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str
   name = os.path.splitext(os.path.basename(os.path.normpath(os.path.expanduser(plain))))[0]
   name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "data"
   return os.path.join("runs", f"{model}-{name}" + (f"-vocab{vocab}" if tokenizer else ""))
+
+
+# The options that define a run: what its checkpoints hold and the order it reads the data.
+DEFINING = ("model_config", "init_from", "tokenizer", "dataset", "seq", "seed", "global_batch")
+
+
+def check_same_run(o, devices: int) -> None:
+  """Refuses to resume the run recorded in `o.run_dir`'s run.json ("start": its options, with
+  every default filled in) when a defining option differs (`DEFINING`). The global batch
+  counts only on as many devices as the recorded run: on other hardware the default batch
+  follows the devices (resuming there is said by `checkpoints.restore_or_init`).
+
+  Raises:
+    InputError: naming each differing option (this run's value and the recorded one) and
+      the fix.
+  """
+  path = os.path.join(o.run_dir, rl.RUN_FILE)
+  if not os.path.isfile(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    start = json.load(f).get("start", {})
+  then = start.get("options", {})
+  names = DEFINING if start.get("devices") == devices else DEFINING[:-1]
+  diff = [f"{k}={getattr(o, k)!r} (the run's: {then[k]!r})" for k in names
+          if k in then and then[k] != getattr(o, k)]
+  if diff:
+    raise fs.InputError(
+        f"--run_dir={o.run_dir} holds a run with other options: {', '.join(diff)}; its "
+        "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
+        "the run's options to resume it.")
 
 
 class Setup(NamedTuple):
