@@ -1,6 +1,7 @@
 """fnscale.analysis.flops against hand counts and a controlled clock."""
 import dataclasses
 import itertools
+import json
 import math
 
 import pytest
@@ -131,3 +132,27 @@ def test_measure_matmul_peak_rejects_sizes_below_one(kw):
   with pytest.raises(fs.FnscaleError, match=rf"measure_matmul_peak: n={full['n']!r}, "
                      rf"repeats={full['repeats']!r}; both must be ints >= 1\."):
     flops.measure_matmul_peak(**full)
+
+
+def test_host_matmul_peak_is_the_best_measurement_kept_once_per_machine(tmp_path, monkeypatch):
+  runs = iter([150e9, 490e9, 280e9, 999e9])  # three runs on a loaded machine, then a fourth
+  calls = []
+  measure = lambda: calls.append(1) or next(runs)
+  first = flops.host_matmul_peak(str(tmp_path), measure=measure)
+  assert first.flops == 490e9 and first.fresh and len(calls) == 3  # the best of 3 rounds
+  assert first.path == str(tmp_path / "cpu_peak.json")
+  again = flops.host_matmul_peak(str(tmp_path), measure=measure)  # another run: read back
+  assert (again.flops, again.measured, again.fresh, len(calls)) == (490e9, first.measured,
+                                                                    False, 3)
+  # Another machine (here: fewer usable cores) measures its own and keeps both.
+  monkeypatch.setattr(flops, "usable_cores", lambda: 1)
+  other = flops.host_matmul_peak(str(tmp_path), rounds=1, measure=measure)
+  assert other.flops == 999e9 and other.fresh and len(calls) == 4
+  assert len(json.loads((tmp_path / "cpu_peak.json").read_text())) == 2
+  # A cache that can't be written: measured, said so (path None).
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  alone = flops.host_matmul_peak(str(blocked), rounds=1, measure=lambda: 7e9)
+  assert (alone.flops, alone.path, alone.fresh) == (7e9, None, True)
+  with pytest.raises(fs.InputError, match="rounds=0"):
+    flops.host_matmul_peak(str(tmp_path), rounds=0)

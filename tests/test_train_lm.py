@@ -882,3 +882,13 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
   harness.check_same_run(dataclasses.replace(same, global_batch=32), 4)
   with pytest.raises(fs.InputError, match=r"global_batch=32 \(the run's: 16\)"):
     harness.check_same_run(dataclasses.replace(same, global_batch=32), 8)
+
+
+def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
+  # The run divided by this machine's cached peak: read back now, not measured again.
+  start = json.loads((uninterrupted[1] / "run.json").read_text())["start"]
+  host = fs.flops.host_matmul_peak()
+  assert not host.fresh and start["peak_flops"] == host.flops
+  peak = harness.peak_flops(fs.detect_topology())
+  assert peak.flops == host.flops and f"cached in {host.path}" in peak.about
+  assert f"{host.flops / 1e9:.0f} GFLOP/s, measured {host.measured}" in peak.about

@@ -7,16 +7,20 @@ compiled program adds on top are not credited, so MFU compares setups fairly.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import platform
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fnscale.errors import InputError
 
-__all__ = ["measure_matmul_peak", "mfu", "model_flops_per_token", "peak_flops", "usable_cores"]
+__all__ = ["HostPeak", "host_matmul_peak", "measure_matmul_peak", "mfu", "model_flops_per_token",
+           "peak_flops", "usable_cores"]
 
 
 def model_flops_per_token(*, params: int, layers: int, d_model: int, seq: int) -> float:
@@ -108,6 +112,82 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 10,
     best = min(best, timer() - t)
   cores = 1 if clock == "wall" else usable_cores()
   return 2.0 * n**3 * cores / max(best, 1e-12)
+
+
+class HostPeak(NamedTuple):
+  """A CPU host's matmul peak: `flops` (FLOP/s, the whole host), `measured` (when, ISO 8601
+  UTC), `path` (the cache file holding it; None: not cached) and `fresh` (measured by this
+  call)."""
+  flops: float
+  measured: str
+  path: str | None
+  fresh: bool
+
+
+def _cache_dir() -> str:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "fnscale")
+
+
+def _machine_key() -> str:
+  """What the peak belongs to: the host, its CPU model, the cores this process may use and the
+  jax version (its XLA compiles the matmul)."""
+  model = ""
+  if os.path.isfile("/proc/cpuinfo"):
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name")), "")
+  return f"{platform.node()} | {model or platform.processor()} | {usable_cores()} cores | " \
+         f"jax {jax.__version__}"
+
+
+def host_matmul_peak(cache_dir: str | None = None, *, rounds: int = 3,
+                     measure: Callable[[], float] | None = None) -> HostPeak:
+  """This CPU host's matmul peak, measured once per machine and kept on disk: a stable MFU
+  denominator for CPU runs (a peak measured per run varies with the load of the moment).
+
+  The measurement is the best of `rounds` calls of `measure_matmul_peak(clock="cpu")` (each
+  the fastest of 10 runs, in CPU seconds x usable cores), written to `cache_dir/cpu_peak.json`
+  under a key naming the host, CPU model, usable cores and jax version; later calls on the
+  same machine read it back. A cache that can't be written leaves the figure measured, not
+  cached (`path` None).
+
+  Args:
+    cache_dir: where the cache file lives (default `$XDG_CACHE_HOME/fnscale`, else
+      `~/.cache/fnscale`).
+    rounds: measurements whose best is kept (>= 1).
+    measure: the measurement (default `measure_matmul_peak(clock="cpu")`), FLOP/s.
+
+  Returns:
+    A `HostPeak`.
+
+  Raises:
+    InputError: rounds below 1.
+  """
+  if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    raise InputError(f"host_matmul_peak: rounds={rounds!r}, expected an int >= 1.")
+  path = os.path.join(cache_dir or _cache_dir(), "cpu_peak.json")
+  key, known = _machine_key(), {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      known = json.load(f)
+  except (OSError, ValueError):
+    pass  # no cache yet, or an unreadable one: measured afresh below
+  got = known.get(key) if isinstance(known, dict) else None
+  if isinstance(got, dict) and isinstance(got.get("flops"), (int, float)) and got["flops"] > 0:
+    return HostPeak(float(got["flops"]), str(got.get("measured", "")), path, False)
+  measure = measure or (lambda: measure_matmul_peak(clock="cpu"))
+  peak = max(measure() for _ in range(rounds))
+  when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + f".{os.getpid()}.tmp", "w", encoding="utf-8") as f:
+      json.dump({**(known if isinstance(known, dict) else {}),
+                 key: {"flops": peak, "measured": when}}, f, indent=1)
+    os.replace(path + f".{os.getpid()}.tmp", path)
+  except OSError:
+    return HostPeak(peak, when, None, True)
+  return HostPeak(peak, when, path, True)
 
 
 def usable_cores() -> int:

@@ -248,13 +248,6 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-@functools.cache
-def _host_matmul_peak() -> float:
-  # Measured once per process, in CPU seconds: other jobs on the machine take wall time from
-  # the measurement, not CPU time, so they can't lower the peak (and so inflate the MFU).
-  return flops.measure_matmul_peak(clock="cpu")
-
-
 class Peak(NamedTuple):
   """The MFU denominator: the FLOP/s of all devices together (None: unknown), and a line
   saying what it is."""
@@ -264,11 +257,14 @@ class Peak(NamedTuple):
 
 def peak_flops(topo) -> Peak:
   """The MFU denominator of the hardware `topo` (on CPU: this host's measured matmul peak)."""
-  if topo.platform == "cpu":
-    peak = _host_matmul_peak() * jax.process_count()
-    return Peak(peak, f"measured CPU matmul peak {peak / 1e9:.0f} GFLOP/s (the fastest of 10 "
-                f"runs, per CPU-second x {flops.usable_cores()} cores: other jobs on the "
-                f"machine lower the MFU, not the peak{_load_average()}), shared by all "
+  if topo.platform == "cpu":  # measured once per machine (in CPU seconds: load can't lower it)
+    host = flops.host_matmul_peak()
+    peak = host.flops * jax.process_count()
+    kept = f"cached in {host.path}; delete it to measure again" if host.path else "not cached"
+    return Peak(peak, f"CPU matmul peak {peak / 1e9:.0f} GFLOP/s, measured "
+                f"{'now' if host.fresh else host.measured} (the best of 3 x 10 runs, per "
+                f"CPU-second x {flops.usable_cores()} cores: other jobs on the machine lower "
+                f"the MFU, not the peak{_load_average()}; {kept}), shared by all "
                 f"{jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:
     return Peak(topo.peak_flops_per_device * jax.device_count(),
