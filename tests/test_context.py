@@ -554,8 +554,8 @@ def test_train_lm_on_a_context_axis_matches_the_batch_split_run(work, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_lm_on_packed_rows_and_a_context_axis_matches_the_batch_split_run(work,
-                                                                               tmp_path):
+def test_train_lm_on_packed_rows_and_a_context_axis_matches_the_batch_split_run(
+    work, tmp_path, capsys):
   """Packed token-cache rows (segment ids, per-document positions, loss weights) reordered
   over data=2 x context=4: the losses of the same rows on data=8."""
   import json  # pylint: disable=import-outside-toplevel
@@ -569,7 +569,11 @@ def test_train_lm_on_packed_rows_and_a_context_axis_matches_the_batch_split_run(
       model_config="llama-tiny", seq=64, global_batch=8, steps=3, log_every=1,
       eval_batches=1, sample_len=0, dataset=str(tmp_path / "code"), mesh=mesh,
       run_dir=str(tmp_path / name), checkpoint=False, compile_cache_dir=str(work / "cache"))
-  plain, split = run("data", "data=8"), run("context", "data=2,context=4")
+  plain = run("data", "data=8")
+  capsys.readouterr()
+  split = run("context", "data=2,context=4")
+  assert "each row split 4 ways over the context axis (16 tokens per device)" in (
+      capsys.readouterr().out)
   assert split.mesh == {"data": 2, "context": 4} and split.final_step == 3
   assert split.loss == pytest.approx(plain.loss, abs=1e-5)
   assert split.eval_loss == pytest.approx(plain.eval_loss, abs=1e-5)
