@@ -112,16 +112,26 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
   Raises:
     FnscaleError: an unknown size or override field, or a bad seq.
   """
-  if size not in SIZES:
-    raise fs.InputError(f"model {size!r} is not a known Llama size; expected one of "
-                          f"{list(SIZES)}")
-  bad = sorted(set(overrides) - set(ModelConfig._fields))
+  return named_config(ModelConfig, SIZES, "Llama", size, seq, overrides)
+
+
+def named_config(cls, sizes: dict, family: str, size: str, seq: int, overrides: dict):
+  """`cls(seq=seq, **sizes[size], **overrides)` after checking the size, the override
+  fields and seq (shared by the model families' `model_config`).
+
+  Raises:
+    FnscaleError: an unknown size or override field, or a seq that is not an int >= 1.
+  """
+  if size not in sizes:
+    raise fs.InputError(f"model {size!r} is not a known {family} size; expected one of "
+                        f"{list(sizes)}")
+  bad = sorted(set(overrides) - set(cls._fields))
   if bad:
     raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
-                          f"{list(ModelConfig._fields)}")
+                        f"{list(cls._fields)}")
   if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
     raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
-  return ModelConfig(seq=seq, **{**SIZES[size], **overrides})
+  return cls(seq=seq, **{**sizes[size], **overrides})
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:

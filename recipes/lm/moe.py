@@ -95,16 +95,7 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
     FnscaleError: an unknown size or override field, a bad seq, or experts / k / capacity
       that can't work (`fnscale.ExpertError`).
   """
-  if size not in SIZES:
-    raise fs.InputError(f"model {size!r} is not a known MoE size; expected one of "
-                        f"{list(SIZES)}")
-  bad = sorted(set(overrides) - set(ModelConfig._fields))
-  if bad:
-    raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
-                        f"{list(ModelConfig._fields)}")
-  if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-    raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
-  cfg = ModelConfig(seq=seq, **{**SIZES[size], **overrides})
+  cfg = llama.named_config(ModelConfig, SIZES, "MoE", size, seq, overrides)
   if not 1 <= cfg.k <= cfg.experts:
     raise fs.ExpertError(f"model_config: k={cfg.k} experts per token with {cfg.experts} "
                          "experts; expected 1 <= k <= experts; fix: lower k.")
