@@ -146,6 +146,7 @@ print(json.dumps({{"event": "done", "loss": float(metrics["loss"])}}), flush=Tru
 ONE_PROCESS_BOUND_S = 60
 
 
+@pytest.mark.slow
 def test_reports_compiles_and_plans_on_process_0_alone_never_wait_for_the_others(tmp_path):
   from fnscale import checkpoint  # pylint: disable=import-outside-toplevel
   checkpoint.save(tmp_path / "ckpt", 3, {"w": np.zeros(2, np.float32)})

@@ -31,6 +31,7 @@ CASES = [
     ("bench/accumulation", ["gpu"], "['gpu']"),
     ("bench/attention", ["--iters=0"], "--iters: 0 must be >= 1"),
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
+    ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
     ("bench/forecast_fit", ["--bogus=1"], "--bogus=1"),
     ("bench/hf_checkpoint", ["--dir=unused", "--seq=0"], "--seq: 0 must be >= 1"),

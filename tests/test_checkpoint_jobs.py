@@ -43,6 +43,7 @@ def _reference(steps: int):
   return params, state
 
 
+@pytest.mark.slow
 def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_path):
   """Every save's commit takes 9 s more (3 s before each of its three renames: slow storage):
   SIGTERM to process 1 right after step 2's save began. The agreed step's save waits for the
@@ -126,6 +127,7 @@ def test_grain_positions_per_process_survive_a_two_process_stop_and_resume(tmp_p
     assert got[pid]["x"] == list(np.arange(16.0))
 
 
+@pytest.mark.slow
 def test_two_process_positions_resume_in_one_process(tmp_path):
   stopped, saved = _grain_job(tmp_path / "even", 2, "stop", "4,4")
   assert all(r.returncode == 0 for r in stopped), mp.describe(stopped)

@@ -279,6 +279,72 @@ def test_llama_loss_and_grads_with_context_4_equal_one_device():
   assert wq.shard_shape(params["blocks"]["wq"].shape)[1] == cfg.d_model // 4
 
 
+# ------------------------------------------------- beside pipeline stages and experts
+
+
+def _model_step(model, cfg, mesh_axes, batch, loss, **kw):
+  """(loss, grads) of `loss` on one device and on `mesh_axes` (batch reordered for it)."""
+  params = model.init_params(cfg, jax.random.key(0))
+  grad = jax.jit(jax.value_and_grad(loss, has_aux=kw.get("has_aux", False)))
+  one = grad(params, cp.reorder_batch(batch, 1))
+  mesh = fs.make_mesh(mesh_axes)
+  shardings = fs.shardings(params, mesh, model.RULES, logical_axes=model.logical_axes(cfg))
+  split = fs.global_batch(cp.reorder_batch(batch, mesh), fs.batch_sharding(mesh))
+  with fs.with_mesh(mesh):
+    return one, grad(jax.device_put(params, shardings), split)
+
+
+def _packed_batch(rows: int, seq: int, vocab: int) -> dict:
+  tokens = np.random.default_rng(5).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+  seg = np.repeat((np.arange(seq) * 3 // seq)[None], rows, 0).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg}
+
+
+def _assert_same(one, split, atol=1e-6):
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(split)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=atol)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_beside_a_context_axis_equal_one_device():
+  """Llama's layers as 2 pipeline stages (2 microbatches) over stage=2 x context=4, packed
+  rows: loss and gradients equal one device's."""
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  cfg = llama.ModelConfig(layers=2, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=32,
+                          vocab=16)
+  loss = functools.partial(llama.loss_fn, microbatches=2)
+  one, split = _model_step(llama, cfg, {"stage": 2, "context": 4}, _packed_batch(4, 32, 16),
+                           loss)
+  _assert_same(one, split)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_beside_a_context_axis_equals_one_device():
+  """The MoE model (dropless, packed rows) over expert=2 x context=4: each context shard
+  routes its piece of every row; loss, router statistics and gradients equal one device's."""
+  from recipes.lm import moe  # pylint: disable=import-outside-toplevel
+  cfg = moe.model_config("moe-tiny", 32, layers=1, d_model=32, heads=2, kv_heads=2, d_ff=32,
+                         vocab=64)
+  loss = functools.partial(moe.loss_and_aux, cfg=cfg)
+  one, split = _model_step(moe, cfg, {"expert": 2, "context": 4}, _packed_batch(4, 32, 64),
+                           loss, has_aux=True)
+  _assert_same(one, split)
+  assert one[0][1]["tokens_per_expert"].sum() == 4 * 32 * cfg.k
+
+
+def test_the_capacity_path_under_a_context_axis_names_the_fix():
+  from fnscale.parallel import experts  # pylint: disable=import-outside-toplevel
+  p = {"router": (8, 4), "w_gate": (4, 8, 16), "w_up": (4, 8, 16), "w_down": (4, 16, 8)}
+  shapes = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in p.items()}
+  mesh = fs.make_mesh({"expert": 2, "context": 4})
+  with pytest.raises(ShardingError, match="capacity_factor=None"):
+    experts.exchange_selection((2, 64, 8), shapes, 2, capacity_factor=1.0, mesh=mesh)
+  with pytest.raises(ShardingError, match=r"the sequence \(62\).*\('context',\)"):
+    experts.exchange_selection((2, 62, 8), shapes, 2, mesh=mesh)
+  plan = experts.exchange_selection((2, 64, 8), shapes, 2, mesh=mesh)
+  assert plan.token_axes == ("expert", "context")
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -485,6 +551,32 @@ def test_train_lm_on_a_context_axis_matches_the_batch_split_run(work, tmp_path):
     assert split.final_step == 3 and split.sample
     assert split.loss == pytest.approx(plain.loss, abs=1e-4)
     assert split.eval_loss == pytest.approx(plain.eval_loss, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_train_lm_on_packed_rows_and_a_context_axis_matches_the_batch_split_run(
+    work, tmp_path, capsys):
+  """Packed token-cache rows (segment ids, per-document positions, loss weights) reordered
+  over data=2 x context=4: the losses of the same rows on data=8."""
+  import json  # pylint: disable=import-outside-toplevel
+  from recipes import train_lm  # pylint: disable=import-outside-toplevel
+  from recipes.lm import cache  # pylint: disable=import-outside-toplevel
+  docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 3) for i in range(60)]
+  (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  cache.build(cache.BuildSpec((str(tmp_path / "code.jsonl"),), str(tmp_path / "code"),
+                              shard_bytes=2000), say=lambda *a: None)
+  run = lambda name, mesh: train_lm.train_lm(
+      model_config="llama-tiny", seq=64, global_batch=8, steps=3, log_every=1,
+      eval_batches=1, sample_len=0, dataset=str(tmp_path / "code"), mesh=mesh,
+      run_dir=str(tmp_path / name), checkpoint=False, compile_cache_dir=str(work / "cache"))
+  plain = run("data", "data=8")
+  capsys.readouterr()
+  split = run("context", "data=2,context=4")
+  assert "each row split 4 ways over the context axis (16 tokens per device)" in (
+      capsys.readouterr().out)
+  assert split.mesh == {"data": 2, "context": 4} and split.final_step == 3
+  assert split.loss == pytest.approx(plain.loss, abs=1e-5)
+  assert split.eval_loss == pytest.approx(plain.eval_loss, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -254,6 +254,7 @@ def test_bad_flag_exits_2_without_restart(cluster, work, tmp_path):
   assert "exited with 2 (bad input or configuration); not restarting" in lines[-1]
 
 
+@pytest.mark.slow
 @needs_ray
 @pytest.mark.multiprocess
 def test_tpu_slice_one_process_per_host_in_worker_order(tmp_path):

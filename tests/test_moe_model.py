@@ -51,6 +51,24 @@ def _batch(rows, seq, seed=0):
   return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
+def test_sampling_continues_a_prompt_with_the_models_own_argmax():
+  """`gpt.generate` (train_lm's sample) drives the MoE model's apply, positions given:
+  greedy tokens are the argmax of the model's logits, token by token."""
+  from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
+  cfg = moe.model_config("moe-tiny", 8, **TINY)
+  params = moe.init_params(cfg, jax.random.key(1))
+  one = jax.sharding.NamedSharding(fs.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+                                   jax.P())
+  got = gpt.generate(functools.partial(moe.apply, cfg=cfg), jax.device_put(params, one),
+                     [1, 2, 3], gpt.Sampling(length=4, seq=8, temperature=0.0, seed=0))
+  buf = np.zeros((1, 8), np.int32)
+  buf[0, :3] = [1, 2, 3]
+  logits = jax.jit(functools.partial(moe.apply, cfg=cfg))
+  for pos in range(3, 7):  # causal: the zeros after pos don't change its logits
+    buf[0, pos] = int(np.argmax(logits(params, buf)[0, pos - 1]))
+  assert got == buf[0, 3:7].tolist()
+
+
 @pytest.mark.parametrize("size", ["moe-deepseek-tiny"])
 def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
   cfg = moe.model_config(size, 8, **TINY)

@@ -232,6 +232,7 @@ def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
   assert _max_diff(mp_worker.gathered_params(state.params), reference["params"][last]) <= TOL
 
 
+@pytest.mark.slow
 def test_process_that_never_starts_fails_the_others_in_time(tmp_path):
   timeout_s = 8
   results = mp.run([WORKER, f"--out={tmp_path}", f"--init_timeout_s={timeout_s}"], 3, 1,

@@ -101,6 +101,7 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
   assert 1 <= int(re.search(r"preemption notice (\d+) s ago", err).group(1)) <= 10
 
 
+@pytest.mark.slow
 def test_a_notice_while_the_job_forms_ends_initialize_at_once():
   """Process 0 of 2 waits for a process that never comes; SIGTERM ends it within seconds,
   not at the 120-s join timeout."""

@@ -636,6 +636,7 @@ def test_python_names_and_keywords_are_checked():
   assert python_problems("def f(:\n") and python_problems("def f(:\n")[0].startswith("syntax")
 
 
+@pytest.mark.slow
 def test_the_readme_test_command_prints_its_seed():
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"{__file__}::test_pip_extras_are_checked_against_pyproject"]

@@ -143,6 +143,7 @@ def test_llama_tiny_trains_by_name(work, tmp_path):
   assert losses[0] == pytest.approx(np.log(256), abs=0.3) and losses[-1] < losses[0] - 0.3
 
 
+@pytest.mark.slow
 def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
   """--mesh=auto on 8 simulated devices: the run's mesh is the row the planner printed as
   chosen, over all 8 devices, and it trains."""
@@ -528,6 +529,7 @@ def test_corrupt_checkpoint_is_refused_and_kept(work, stopped_at_3, uninterrupte
   assert (run_dir / "checkpoints" / "6" / "commit_success.txt").exists()
 
 
+@pytest.mark.slow
 def test_nonfinite_run_stops_and_keeps_the_last_good_checkpoint(work, capsys):
   """lr=1e30 after one warmup step: step 2's update takes the params to ~1e30 (finite) and
   step 3's loss and params are NaN. With a checkpoint every 2 steps, keep=3 and progress
@@ -682,7 +684,7 @@ PEER_CHECK_S = fs.multihost.DEFAULT_PEER_CHECK_TIMEOUT_S
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("point,mark,grace_s", [
     # process 0's start-up lines end just before "compile:"
-    ("start-up eval", r"\ncompile: ", 5),
+    pytest.param("start-up eval", r"\ncompile: ", 5, marks=pytest.mark.slow),
     # grace_s above peer_guard's check: the lost peer is seen before the grace ends
     pytest.param("loop", r"\nstep +2/", 3 * PEER_CHECK_S, marks=pytest.mark.slow),
     pytest.param("final save and eval", rf"\nstep +{STEPS}/", 5, marks=pytest.mark.slow),

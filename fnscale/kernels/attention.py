@@ -89,7 +89,7 @@ class KernelSelection(NamedTuple):
     batch_axes: mesh axes the kernel's shard_map splits batch over (empty: none).
     head_axes: mesh axes the kernel's shard_map splits heads over (empty: none).
     context: under a context axis, how the split sequence is attended
-      (`fnscale.kernels.context_attention.ContextPlan`); None without one.
+      (`fnscale.kernels.context_attention.ContextSelection`); None without one.
   """
   implementation: str
   requested: str
@@ -709,17 +709,7 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
   make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
                 q_seq_shards=1, interpret=interpret)
-  # Splash takes [heads, seq, head_dim] per example and no scale: scale q up front.
-  q = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
-  k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  if kh == 1:
-    k, v = k[:, 0], v[:, 0]
-  if q_ids is None:
-    out = jax.vmap(kernel)(q, k, v)
-  else:
-    out = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, splash.SegmentIds(a, b)))(
-        q, k, v, q_ids, kv_ids)
-  return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+  return context_attention.run_splash(kernel, q, k, v, q_ids, kv_ids, scale)
 
 
 def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):

@@ -363,9 +363,16 @@ def _sizes(mesh, axes):
 
 def _splash_gathered(q, k, v, q_ids, kv_ids, p: ContextSelection, scale, kernel):
   """Splash for a shard's queries (stored order) against all keys put in sequence order."""
-  splash, _ = _splash_lib()
   k, v = restore(k, p.shards, p.order), restore(v, p.shards, p.order)
   kv_ids = None if kv_ids is None else restore(kv_ids, p.shards, p.order)
+  return run_splash(kernel, q, k, v, q_ids, kv_ids, scale)
+
+
+def run_splash(kernel, q, k, v, q_ids, kv_ids, scale):
+  """A splash `kernel` over [batch, seq, heads, head_dim] q, k, v (one k/v head: MQA) with
+  segment ids or None. Splash takes [heads, seq, head_dim] per example and no scale: q is
+  scaled up front and the batch is a vmap."""
+  splash, _ = _splash_lib()
   qh = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
   kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   if kh.shape[1] == 1:

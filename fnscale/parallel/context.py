@@ -16,6 +16,11 @@ has none), before `fnscale.global_batch`; `restore` undoes it (e.g. for per-toke
 (default; shard i holds chunks i and 2c-1-i of 2c), "striped" (token t on shard t mod c),
 "contiguous" (unbalanced). `shard_work` counts each shard's causal attention work.
 
+Beside the other axes: a pipeline's `stage` axis (`fnscale.parallel.pipeline`: each stage
+attends its microbatches' split sequences) and an `expert` axis (`fnscale.parallel.experts`:
+the dropless layer routes each shard's piece of every row; the capacity path, whose capacity
+is per whole sequence, refuses a context axis) compose with it.
+
 Examples:
   >>> import numpy as np, fnscale as fs
   >>> x = np.arange(8)[None]

@@ -15,7 +15,8 @@ weighted sum of those experts' feed-forwards. `moe` runs it in one of two ways:
   Fedus et al. 2021). Experts run as one batched matmul over a [experts, C x rows] buffer.
 
 Under a mesh the layer runs per shard inside `jax.shard_map`: tokens split over the batch's
-data-like axes (the expert axis among them), experts split over the expert axis
+data-like axes (the expert axis among them) and, for the dropless layer, the sequence over
+the context axes (each shard routes its own piece of every row), experts split over the expert axis
 (`fnscale.axis_conventions`: "expert"), each expert's hidden width over the tensor axes
 (Megatron-style: its down projection's partial sums are all-reduced). Token copies travel
 to their experts' shard and back over the expert axis, by one of three exchanges
@@ -116,7 +117,8 @@ class ExchangeSelection(NamedTuple):
     interpret: the ragged stand-in / megablox interpret mode.
     expert_axis: the mesh axis experts are split over (None: not split).
     expert_shards: its size (1: not split).
-    token_axes: mesh axes the tokens (batch dim) are split over inside the layer.
+    token_axes: mesh axes the tokens are split over inside the layer: the batch dim over
+      the data-like ones, then (dropless layer only) the sequence over the context axes.
     tensor_axes: mesh axes each expert's hidden width is split over.
     fsdp_axes: mesh axes the expert weights' d_model is stored split over (the token axes
       that are neither the expert axis nor pure data-parallel ones: FSDP); the layer
@@ -290,17 +292,26 @@ def _layout(mesh, expert_axis, sh: _Shapes, capacity_path: bool):
         f"{math.gcd(sh.experts, n)}) or a multiple of {n} experts.")
   tokens = tuple(a for a in _axes.data_axes(mesh) if a in free)
   tokens = tokens + ((ax,) if ax and ax not in tokens else ())
-  tensor = tuple(a for a in _axes.head_axes(mesh) if a in free and a not in tokens)
-  # The dropless layer splits tokens (batch x seq); the capacity path whole sequences.
-  what, size = (("rows of the batch", sh.batch) if capacity_path else
+  # Context axes split the sequence: their shards hold pieces of every row.
+  seq = tuple(a for a in _axes.context_axes(mesh) if a in free and a not in tokens)
+  if seq and capacity_path:
+    raise ShardingError(
+        f"moe(capacity_factor=...) on a mesh whose context axes {seq} split the sequence: "
+        "the capacity path keeps a capacity per whole sequence, which no shard holds; fix: "
+        "capacity_factor=None (the dropless layer), or a mesh without a context axis.")
+  tensor = tuple(a for a in _axes.head_axes(mesh) if a in free and a not in tokens + seq)
+  # The dropless layer splits tokens (batch x seq; rows and sequence separately under a
+  # context axis); the capacity path whole sequences.
+  what, size = (("rows of the batch", sh.batch) if capacity_path or seq else
                 ("tokens (batch x seq)", sh.batch * sh.seq))
-  for what, axes, size in ((what, tokens, size),
+  for what, axes, size in ((what, tokens, size), ("the sequence", seq, sh.seq),
                            ("the expert hidden width d_ff", tensor, sh.d_ff)):
     ways = math.prod(mesh.shape[a] for a in axes)
     if size % ways:
       raise ShardingError(
           f"moe: {what} ({size}) must be divisible by the mesh axes {axes} ({ways} ways) the "
           f"layer splits it over; fix: a multiple of {ways}, or a mesh with fewer ways.")
+  tokens += seq
   fsdp = tuple(a for a in tokens if a != ax and a not in _axes.current().replica)
   if sh.d_model % math.prod(mesh.shape[a] for a in fsdp):
     fsdp = ()
@@ -769,8 +780,8 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
 
   Raises:
     ExpertError: params that don't fit x, k outside [1, E], a capacity_factor <= 0.
-    ShardingError: E not divisible by the expert axis; batch rows or F not divisible by
-      the axes that split them.
+    ShardingError: E not divisible by the expert axis; batch rows, the sequence or F not
+      divisible by the axes that split them; a capacity_factor under a context axis.
     MeshError: an `expert_axis` the mesh lacks.
     KernelError: an exchange or grouped matmul that can't serve the call.
 
@@ -805,12 +816,22 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
       ex, tp, fs = c.ax, _tree.spec_entry(c.tensor), _tree.spec_entry(c.fsdp)
       specs = {"router": P(fs, None), "w_gate": P(ex, fs, tp), "w_up": P(ex, fs, tp),
                "w_down": P(ex, tp, fs)}
-      xspec = P(_tree.spec_entry(c.tokens), None)
+      seq = tuple(a for a in c.tokens if a in _axes.context_axes(mesh))
+      rows = _tree.spec_entry(tuple(a for a in c.tokens if a not in seq))
+      # A sequence split over context axes: each shard flattens its own rows' pieces.
+      xspec = P(rows, _tree.spec_entry(seq), None) if seq else P(_tree.spec_entry(c.tokens), None)
       out, aux = jax.shard_map(
-          body, mesh=None if isinstance(mesh, jax.sharding.AbstractMesh) else mesh,
+          functools.partial(_flat_body, body=body) if seq else body,
+          mesh=None if isinstance(mesh, jax.sharding.AbstractMesh) else mesh,
           in_specs=(xspec, {key: specs[key] for key in _PARAM_KEYS}),
           out_specs=(xspec, MoEAux(P(), P(), P(), P())),
           axis_names=frozenset(c.tokens + c.tensor + ((ex,) if ex else ())),
           check_vma=plan.grouped_matmul != "megablox",
-      )(flat, {key: params[key] for key in _PARAM_KEYS})
+      )(x if seq else flat, {key: params[key] for key in _PARAM_KEYS})
   return jnp.reshape(out, jnp.shape(x)), aux
+
+
+def _flat_body(x, params, *, body):
+  """`body` on a shard's [rows, seq piece, D] tokens as [rows x piece, D]."""
+  out, aux = body(jnp.reshape(x, (-1, x.shape[-1])), params)
+  return jnp.reshape(out, x.shape), aux

@@ -464,8 +464,12 @@ def describe(r, state) -> None:
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
   axes = sharding.data_axes(s.mesh)
+  split = fs.parallel.context.shards(s.mesh)
   say(f"batch: {o.global_batch} rows x {seq} tokens = {o.global_batch * seq} tokens/step "
       f"({o.global_batch // dp} per data-parallel device x {dp} over {axes})"
+      + (f", each row split {split} ways over the context axis ({seq // split} tokens per "
+         "device)"
+         if split > 1 else "")
       + (f", {o.accum_steps} accumulation steps" if o.accum_steps > 1 else ""))
   say(f"data: {s.corpus.describe}; held-out bigram baseline {r.baseline.bigram:.4f} "
       "nats/token (recipes/baseline.py)")

@@ -112,16 +112,26 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
   Raises:
     FnscaleError: an unknown size or override field, or a bad seq.
   """
-  if size not in SIZES:
-    raise fs.InputError(f"model {size!r} is not a known Llama size; expected one of "
-                          f"{list(SIZES)}")
-  bad = sorted(set(overrides) - set(ModelConfig._fields))
+  return named_config(ModelConfig, SIZES, "Llama", size, seq, overrides)
+
+
+def named_config(cls, sizes: dict, family: str, size: str, seq: int, overrides: dict):
+  """`cls(seq=seq, **sizes[size], **overrides)` after checking the size, the override
+  fields and seq (shared by the model families' `model_config`).
+
+  Raises:
+    FnscaleError: an unknown size or override field, or a seq that is not an int >= 1.
+  """
+  if size not in sizes:
+    raise fs.InputError(f"model {size!r} is not a known {family} size; expected one of "
+                        f"{list(sizes)}")
+  bad = sorted(set(overrides) - set(cls._fields))
   if bad:
     raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
-                          f"{list(ModelConfig._fields)}")
+                        f"{list(cls._fields)}")
   if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
     raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
-  return ModelConfig(seq=seq, **{**SIZES[size], **overrides})
+  return cls(seq=seq, **{**sizes[size], **overrides})
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -375,15 +385,18 @@ def output_layer(params: dict) -> jax.Array:
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          cfg: ModelConfig | None = None, microbatches: int | None = None) -> jax.Array:
+          cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
   rotary angles and logits are float32. `remat=True` recomputes each block's activations in
-  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`, `microbatches`:
-  as in `hidden`.
+  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`: as in `hidden`;
+  `segment_ids`, `positions`: int32 [batch, seq], `hidden`'s `rows` (packed rows; sampling
+  gives positions). On a mesh with a `stage` axis the pipeline runs the stages' default
+  microbatches (`loss_fn` takes others).
   """
-  x = hidden(params, tokens, remat=remat, cfg=cfg, microbatches=microbatches)
+  x = hidden(params, tokens, remat=remat, cfg=cfg,
+             rows=dict(segment_ids=segment_ids, positions=positions))
   return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 

@@ -95,16 +95,7 @@ def model_config(size: str, seq: int, **overrides) -> ModelConfig:
     FnscaleError: an unknown size or override field, a bad seq, or experts / k / capacity
       that can't work (`fnscale.ExpertError`).
   """
-  if size not in SIZES:
-    raise fs.InputError(f"model {size!r} is not a known MoE size; expected one of "
-                        f"{list(SIZES)}")
-  bad = sorted(set(overrides) - set(ModelConfig._fields))
-  if bad:
-    raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
-                        f"{list(ModelConfig._fields)}")
-  if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-    raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
-  cfg = ModelConfig(seq=seq, **{**SIZES[size], **overrides})
+  cfg = llama.named_config(ModelConfig, SIZES, "MoE", size, seq, overrides)
   if not 1 <= cfg.k <= cfg.experts:
     raise fs.ExpertError(f"model_config: k={cfg.k} experts per token with {cfg.experts} "
                          "experts; expected 1 <= k <= experts; fix: lower k.")
@@ -174,12 +165,14 @@ def logical_axes(cfg: ModelConfig) -> dict:
 # The output layer is split by vocabulary over every one of fsdp, expert and tensor the
 # mesh has (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`). A rule naming an
 # axis the mesh lacks is skipped, so each list runs from the most axes to the fewest.
-VOCAB_OUT_AXES = ("fsdp", "expert", "tensor")
-_VOCAB_OUT = tuple(("vocab_out", c) for n in (3, 2, 1)
-                   for c in itertools.combinations(VOCAB_OUT_AXES, n))
-RULES = (("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert"),
-         ("embed", ("fsdp", "expert")), ("embed", "expert")) + _VOCAB_OUT + tuple(
-             r for r in llama.RULES if r[0] not in ("batch", "vocab_out"))
+# A "context" axis (the sequence split) holds params split as fsdp does (as in llama.py).
+VOCAB_OUT_AXES = ("fsdp", "expert", "context", "tensor")
+_largest_first = lambda name, axes: tuple(
+    (name, c) for n in range(len(axes), 0, -1) for c in itertools.combinations(axes, n))
+RULES = ((("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert"))
+         + _largest_first("embed", ("fsdp", "expert", "context"))
+         + _largest_first("vocab_out", VOCAB_OUT_AXES)
+         + tuple(r for r in llama.RULES if r[0] not in ("batch", "embed", "vocab_out")))
 
 
 def _moe(h, p, cfg: ModelConfig):
@@ -193,14 +186,16 @@ def _moe(h, p, cfg: ModelConfig):
   return out, aux
 
 
-def _block(x, p, cfg: ModelConfig):
-  """One pre-norm block with an MoE feed-forward: x [batch, seq, d] -> (x, MoEAux)."""
+def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
+  """One pre-norm block with an MoE feed-forward: x [batch, seq, d] -> (x, MoEAux).
+  `segment_ids`, `positions`: None or int32 [batch, seq] (as `llama._block`)."""
   x = fs.constrain_batch(x)
   h = llama.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-  q = fs.constrain_batch(llama.rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), cfg.rope_theta))
-  k = fs.constrain_batch(llama.rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"]), cfg.rope_theta))
+  rope = lambda y: llama.rope(y, cfg.rope_theta, positions=positions)
+  q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"])))
+  k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"])))
   v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
-  o = fs.constrain_batch(fs.attention(q, k, v, causal=True))
+  o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
   out, aux = _moe(llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg)
   return x + out, aux
@@ -238,22 +233,27 @@ def _config_of(params: dict, tokens, cfg: ModelConfig | None) -> ModelConfig:
 
 
 def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
-           cfg: ModelConfig | None = None) -> tuple[jax.Array, dict]:
+           cfg: ModelConfig | None = None, segment_ids=None,
+           positions=None) -> tuple[jax.Array, dict]:
   """(final hidden states [batch, seq, d_model] after the last RMSNorm, per-layer aux:
-  `MoEAux` fields stacked over layers)."""
+  `MoEAux` fields stacked over layers). `segment_ids`, `positions`: int32 [batch, seq]
+  (as llama's; positions are required under a context axis: `gpt.check_positions`)."""
   cfg = _config_of(params, tokens, cfg)
+  gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens)
-  block = lambda x, p: _block(x, p, cfg)
+  block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
   block = jax.checkpoint(block) if remat else block
   x, aux = jax.lax.scan(block, x, params["blocks"])
   return llama.rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps), aux
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
-          cfg: ModelConfig | None = None) -> jax.Array:
+          cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab]. `cfg`:
-  the routing choices (default: those of the size of these shapes, `_config_of`)."""
-  x, _ = hidden(params, tokens, remat=remat, cfg=cfg)
+  the routing choices (default: those of the size of these shapes, `_config_of`);
+  `segment_ids`, `positions`: as `hidden`."""
+  x, _ = hidden(params, tokens, remat=remat, cfg=cfg, segment_ids=segment_ids,
+                positions=positions)
   return jnp.einsum("bsd,dv->bsv", x, params["unembed"]).astype(jnp.float32)
 
 
@@ -266,10 +266,11 @@ def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
   routed), "dropped" (int32, copies the capacity dropped, all layers). `cfg`: routing
   choices (default from the params' shapes, `_config_of`)."""
   cfg = _config_of(params, batch["inputs"], cfg)
-  x, aux = hidden(params, batch["inputs"], remat=remat, cfg=cfg)
-  d = x.shape[-1]
-  ce = fs.cross_entropy(x.reshape(-1, d), params["unembed"].astype(x.dtype),
-                        batch["targets"].reshape(-1), vocab_axes=VOCAB_OUT_AXES)
+  x, aux = hidden(params, batch["inputs"], remat=remat, cfg=cfg,
+                  segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+  # [batch, seq, d]: the tokens stay where they are, a sequence split too.
+  ce = fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
+                        vocab_axes=VOCAB_OUT_AXES)
   balance, z = jnp.mean(aux.load_balance_loss), jnp.mean(aux.router_z_loss)
   loss = ce + cfg.balance_coef * balance + cfg.z_coef * z
   return loss, {"cross_entropy": ce, "load_balance_loss": balance, "router_z_loss": z,
@@ -279,7 +280,9 @@ def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
 def loss_fn(params: dict, batch: dict, *, remat: bool = False,
             cfg: ModelConfig | None = None) -> jax.Array:
   """Mean next-token cross-entropy in nats (what evals report; the training objective adds
-  the router losses: `loss_and_aux`). batch: {"inputs", "targets"} int32 [batch, seq]."""
+  the router losses: `loss_and_aux`). batch: {"inputs", "targets"} int32 [batch, seq], and
+  optional "positions", "segment_ids" (int32 [batch, seq]: the context shards' order,
+  `fnscale.parallel.context.reorder_batch`; packed rows' documents)."""
   return loss_and_aux(params, batch, remat=remat, cfg=cfg)[1]["cross_entropy"]
 
 
