@@ -402,8 +402,9 @@ def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_b
   if unknown:
     raise ShardingError(
         f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
-        f"{tuple(mesh.axis_names)}){_closest(unknown[0], tuple(mesh.axis_names))}; automatic leaves would silently stay replicated; fix: "
-        "name a mesh axis (e.g. fsdp_axis='fsdp') or pass None to replicate them on purpose.")
+        f"{tuple(mesh.axis_names)}){_closest(unknown[0], tuple(mesh.axis_names))}; automatic "
+        "leaves would silently stay replicated; fix: name a mesh axis (e.g. "
+        "fsdp_axis='fsdp') or pass None to replicate them on purpose.")
   absent = set()
   for i, (name, axes) in enumerate(normalize_rules(rules)):
     typo = [a for a in axes if a not in mesh.axis_names and a not in known]

@@ -116,9 +116,11 @@ def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES) + list(moe.SIZES))
   ap.add_argument("--target", default="v5p-128")
-  ap.add_argument("--batch", type=cli.number(int, minimum=1), default=256, help="global batch, rows")
+  ap.add_argument("--batch", type=cli.number(int, minimum=1), default=256,
+                  help="global batch, rows")
   ap.add_argument("--seq", type=cli.number(int, minimum=1), default=4096)
-  ap.add_argument("--layers", type=cli.number(int, minimum=1), default=None, help="override the model's depth")
+  ap.add_argument("--layers", type=cli.number(int, minimum=1), default=None,
+                  help="override the model's depth")
   ap.add_argument("--verify", type=cli.number(int, minimum=0), default=None,
                   help="candidates to compile for the target (default: 1 where its devices "
                        "can be described, else none, and the plan says why)")
@@ -126,7 +128,8 @@ def main(argv=None) -> int:
                   help="token budget, e.g. 2e12: days and chip-hours per candidate")
   ap.add_argument("--measure", action="store_true")
   ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
-  ap.add_argument("--steps", type=cli.number(int, minimum=1), default=7, help="--measure: interleaved rounds")
+  ap.add_argument("--steps", type=cli.number(int, minimum=1), default=7,
+                  help="--measure: interleaved rounds")
   ap.add_argument("--json", default=None, help="write the result here")
   a = ap.parse_args(argv)
   fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings

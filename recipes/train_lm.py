@@ -7,8 +7,9 @@
 
 Read top to bottom: set-up, run, loop. Options: `options.py`; models: `gpt.py`, `llama.py`;
 data: `data.py`; plumbing: `harness.py`, `checkpoints.py`, `run_log.py` (all in `lm/`); fnscale
-does the distribution. Only process 0 prints and writes files. Rerunning the same command resumes from
-the newest good checkpoint, bitwise.
+does the distribution. Only process 0 prints and writes files. Rerunning the same command
+resumes from the newest good checkpoint, bitwise (in a run directory of other options: an
+error).
 """
 from __future__ import annotations
 

@@ -187,11 +187,13 @@ def main(argv=None) -> int:
   p.add_argument("--target", default="cpu", help='traffic: "cpu" (8 simulated devices, '
                  'data=2 x context=4) or a TPU target ("v5p-8": context=4, ahead of time)')
   p.add_argument("--batch", type=cli.number(int, minimum=1), default=2, help="rows")
-  p.add_argument("--seq", type=cli.number(int, minimum=16), default=128, help="tokens per row (a multiple of 16)")
+  p.add_argument("--seq", type=cli.number(int, minimum=16), default=128,
+                 help="tokens per row (a multiple of 16)")
   p.add_argument("--heads", type=cli.number(int, minimum=1), default=4)
   p.add_argument("--kv_heads", type=cli.number(int, minimum=1), default=2)
   p.add_argument("--head_dim", type=cli.number(int, minimum=1), default=16)
-  p.add_argument("--balance_seq", type=cli.number(int, minimum=16), default=16384, help="balance: tokens per row")
+  p.add_argument("--balance_seq", type=cli.number(int, minimum=16), default=16384,
+                 help="balance: tokens per row")
   a = p.parse_args(argv)
   if a.target != "cpu":
     fs.topology.quiet_libtpu()

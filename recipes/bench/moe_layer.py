@@ -74,7 +74,8 @@ def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--tokens", type=cli.number(int, minimum=1), default=4096)
   ap.add_argument("--d_model", type=cli.number(int, minimum=1), default=256)
-  ap.add_argument("--d_ff", type=cli.number(int, minimum=1), default=512, help="each expert's hidden width")
+  ap.add_argument("--d_ff", type=cli.number(int, minimum=1), default=512,
+                  help="each expert's hidden width")
   ap.add_argument("--experts", type=cli.number(int, minimum=1), default=8)
   ap.add_argument("--k", type=cli.number(int, minimum=1), default=2, help="experts per token")
   ap.add_argument("--iters", type=cli.number(int, minimum=1), default=20)

@@ -86,7 +86,8 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=cli.number(int, minimum=1), default=1, help="circular repeats")
   p.add_argument("--batch", type=cli.number(int, minimum=1), default=8, help="rows per device")
   p.add_argument("--seq", type=cli.number(int, minimum=1), default=64)
-  p.add_argument("--microbatches", type=cli.numbers(int, minimum=1), default="4,16", help="microbatch counts to compile")
+  p.add_argument("--microbatches", type=cli.numbers(int, minimum=1), default="4,16",
+                 help="microbatch counts to compile")
   p.add_argument("--compute", default=None, help="compute dtype (default: bfloat16 on a TPU "
                  "target, float32 on CPU, whose XLA sends bfloat16 as float32)")
   a = p.parse_args(argv)
