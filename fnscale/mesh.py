@@ -9,6 +9,7 @@ ring for a mesh of several axes, fnscale orders the chips by coordinates instead
 (`process_is_granule`), as across nodes of a cluster.
 """
 import contextlib
+import difflib
 import itertools
 import math
 import re
@@ -178,8 +179,9 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
   Raises:
     MeshError: malformed or duplicate axes, an axis in both groups, sizes that don't match
       the device count (the message gives both counts), devices of several TPU slices
-      without DCN axes (the message gives the slice count and a `dcn=` that fits), unknown
-      axis types, or an argument
+      without DCN axes (the message gives the slice count and a `dcn=` that fits), an axis
+      name the ambient axis conventions don't know (the closest one named), unknown axis
+      types, or an argument
       of the wrong type (devices that aren't `jax.Device`s, a topology that isn't a
       `Topology`).
 
@@ -213,6 +215,8 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
                     "one (e.g. 'replica' across slices, 'data' within).")
   if not ici and not dcn_axes:
     raise MeshError("no mesh axes given: pass e.g. {'data': -1}.")
+  check_axis_names(ici, "ICI axes")
+  check_axis_names(dcn_axes, "DCN axes")
   devices = check_devices(jax.devices() if devices is None else devices, "devices", MeshError)
   n = len(devices)
   if not dcn_axes:
@@ -238,6 +242,25 @@ def make_mesh(axes: AxesLike | MeshAxes, *, dcn: AxesLike | None = None,
     raise MeshError(f"can't lay mesh {shape} "
                     f"onto {n} {devices[0].platform} devices: {e}") from None
   return Mesh(grid, names, axis_types=types_)
+
+
+def check_axis_names(names, what: str = "mesh axes") -> None:
+  """Every name is one the ambient axis conventions give a meaning (`fnscale.axis_conventions`):
+  another, e.g. "dta" for "data", would split neither the batch nor any param, its devices
+  silently holding copies.
+
+  Raises:
+    MeshError: naming the axis, the known names, the closest one and the fix.
+  """
+  known = sorted(_axes.current().names())
+  for name in names:
+    if name not in known:
+      close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+      raise MeshError(
+          f"{what}: axis {name!r} is not one the axis conventions give a meaning {known}"
+          + (f"; did you mean {close[0]!r}?" if close else "") + " (no batch split, rule or "
+          "FSDP would use it: its devices would hold copies); fix: a known name, or declare "
+          "yours around the whole job: with fs.axis_conventions(fs.AxisConventions(...)).")
 
 
 def _stage_across_slices(devices, ici: dict) -> tuple[dict, dict]:

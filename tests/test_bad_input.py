@@ -27,7 +27,7 @@ CASES = [
     ("pretokenize", ["--out=unused", "--shard_mb=-1"], "--shard_mb=-1"),
     ("train_lm", ["--checkpoint_every=-1"], "--checkpoint_every=-1 must be >= 0"),
     ("train_lm", ["--dataset=tiny_corpus", "--mesh=data=2,fsdpp=4"],
-     "--mesh axis 'fsdpp' is not one fnscale's axis conventions know"),
+     "--mesh: axis 'fsdpp' is not one the axis conventions give a meaning"),
     ("bench/accumulation", ["gpu"], "['gpu']"),
     ("bench/attention", ["--iters=0"], "--iters: 0 must be >= 1"),
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
@@ -83,7 +83,7 @@ def test_every_recipe_with_a_command_line_has_a_case():
 
 def test_mistyped_mesh_axis_of_train_lm_names_the_closest(tmp_path):
   from recipes import train_lm  # pylint: disable=import-outside-toplevel
-  with pytest.raises(fs.InputError, match=r"--mesh axis 'fsdpp' .*; did you mean 'fsdp'\?"):
+  with pytest.raises(fs.InputError, match=r"--mesh: axis 'fsdpp' .*; did you mean 'fsdp'\?"):
     train_lm.train_lm(dataset="tiny_corpus", mesh="data=2,fsdpp=4", run_dir=str(tmp_path / "r"))
   assert not (tmp_path / "r").exists()  # refused before anything is written
 

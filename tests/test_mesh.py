@@ -5,7 +5,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 import fnscale as fs
 from fnscale.mesh import describe
@@ -274,7 +274,7 @@ def test_tpu_meshes_mesh_utils_lays_on_the_torus_keep_its_order(tpu_devices):
   for name, shape in [("v5e:4x4", [4, 4]), ("v5e:4x4", [8, 2]), ("v5e:2x4", [8]),
                       ("v5p:4x4x4", [4, 4, 4])]:
     devices = tpu_devices(name)
-    names = tuple(f"a{i}" for i in range(len(shape)))
+    names = ("data", "fsdp", "tensor")[:len(shape)]
     mesh = fs.make_mesh(dict(zip(names, shape)), devices=devices)
     want = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     assert [d.id for d in mesh.devices.flat] == [d.id for d in want.flat], (name, shape)
@@ -669,3 +669,16 @@ def test_describe_names_axes_across_slices_and_processes():
   assert describe(mesh).splitlines()[1:] == [
       "  data       size    4  Auto     across processes",
       "  tensor     size    2  Auto     ICI / local"]
+
+
+def test_an_axis_no_convention_knows_is_refused_naming_the_closest():
+  """{"dta": 8} used to build a mesh whose batch sharding was P(): every device a copy."""
+  with pytest.raises(fs.MeshError, match=r"ICI axes: axis 'dta' .*; did you mean 'data'\?"):
+    fs.make_mesh({"dta": 8})
+  with pytest.raises(fs.MeshError, match=r"DCN axes: axis 'replika' .*did you mean 'replica'"):
+    fs.make_mesh({"data": -1}, dcn={"replika": 1})
+  with pytest.raises(fs.MeshError, match=r"axis .zz. is not one [^;]*\] \(no batch"):
+    fs.make_mesh({"zz": 8})  # nothing close: no suggestion
+  mine = fs.AxisConventions(data=("dp",), replica=("dp",), head=("tp",))
+  with fs.axis_conventions(mine):  # a declared name is fine, and splits the batch
+    assert fs.batch_sharding(fs.make_mesh({"dp": 4, "tp": 2})).spec == P("dp")

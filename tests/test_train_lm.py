@@ -797,7 +797,7 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("min lr ratio above 1", ["--min_lr_ratio=1.5"], dict(min_lr_ratio=1.5), fs.InputError,
      r"--min_lr_ratio=1.5 must be <= 1: final learning rate as a fraction of the peak"),
     ("mistyped mesh axis", ["--mesh=data=2,fsdpp=4"], dict(mesh="data=2,fsdpp=4"),
-     fs.InputError, r"--mesh axis 'fsdpp' is not one fnscale's axis conventions know .*; did "
+     fs.InputError, r"--mesh: axis 'fsdpp' is not one the axis conventions give a meaning .*; did "
      r"you mean 'fsdp'\?"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
      r"epochs=1 and steps=6: give one of them"),

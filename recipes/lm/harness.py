@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import inspect
 import json
@@ -215,20 +214,11 @@ def make_mesh(axes, dcn: str, topo, say, devices=None):
 
 
 def _check_axis_names(axes, dcn: str) -> None:
-  """Every mesh axis is one fnscale's conventions give a meaning (the models' rules, the
-  batch split and FSDP use only those): another name, e.g. a typo of "fsdp", would train
-  with its devices holding copies, so it is refused naming the closest known axis."""
-  groups = (axes.ici, axes.dcn) if isinstance(axes, fs.MeshAxes) else (
-      fs_mesh.parse_axes(axes, what="--mesh"), fs_mesh.parse_axes(dcn or {}, what="--dcn"))
-  known = sorted(fs.FNSCALE_AXES.names())
-  for flag, names in zip(("--mesh", "--dcn"), groups):
-    for name in names:
-      if name not in known:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        raise fs.InputError(
-            f"{flag} axis {name!r} is not one fnscale's axis conventions know {known}"
-            + (f"; did you mean {close[0]!r}?" if close else "") + " (no rule, batch split "
-            "or FSDP would use it: its devices would hold copies)")
+  """The --mesh and --dcn axes are ones fnscale's conventions know, refused before anything
+  is written (a typo of "fsdp" would train with its devices holding copies)."""
+  if not isinstance(axes, fs.MeshAxes):
+    fs_mesh.check_axis_names(fs_mesh.parse_axes(axes, what="--mesh"), "--mesh")
+    fs_mesh.check_axis_names(fs_mesh.parse_axes(dcn or {}, what="--dcn"), "--dcn")
 
 
 MIXED = "params=float32,compute=bfloat16,output=float32"
