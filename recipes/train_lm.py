@@ -73,7 +73,7 @@ def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   h.check_batch(seq, per_device, batch, o.accum_steps, mesh)
-  h.check_microbatches(o.microbatches, model, mesh)
+  h.check_pipeline(o.microbatches, model, mesh)
   if corpus.packed is not None:
     packing.check_spec(packing.spec(o, seq), corpus.packed[0])
   data.check_fits(corpus, seq)

@@ -553,8 +553,8 @@ def test_train_lm_runs_llama_through_the_pipeline(work, tmp_path):
   # order (microbatches, stages) into up to ~1e-6 of a 3e-3 learning rate's steps.
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-  with pytest.raises(fs.InputError, match=r"--microbatches=8: pipeline microbatches need .* "
-                                          r"a mesh with a 'stage' axis"):
+  with pytest.raises(fs.InputError, match=r"--microbatches=8 on mesh .*: pipeline stages need "
+                                          r".* a mesh with a 'stage' axis"):
     train_lm.train_lm(mesh="data=8", microbatches=8, run_dir=str(tmp_path / "bad"), **common)
 
 

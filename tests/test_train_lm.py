@@ -112,6 +112,12 @@ def test_nano_run_trains_and_writes_metrics(work, uninterrupted):
   assert all(np.isfinite(losses))
   assert losses[0] > 5.0  # about ln(256) = 5.55 at init
   assert losses[-1] < losses[0] - 0.5
+  # Each step logs the lr its update used: the one-step warmup from 0 moves nothing at step 1,
+  # step 2 runs at the peak, then the cosine decays (a log one step ahead showed the peak
+  # beside an update of 0).
+  lrs, norms = [r["train/lr"] for r in train], [r["train/update_norm"] for r in train]
+  assert lrs[0] == 0.0 and norms[0] == 0.0 and norms[1] > 0
+  assert lrs[1] == max(lrs) and lrs[1:] == sorted(lrs[1:], reverse=True)
   evals = _records(run_dir, "eval/loss")
   assert [r["step"] for r in evals][0] == 0 and evals[-1]["step"] == STEPS
   assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]

@@ -305,17 +305,19 @@ def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -
         + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
 
 
-def check_microbatches(microbatches: int, model, mesh) -> None:
-  """Raises FnscaleError for --microbatches without a pipeline to cut: below 0, a model whose
-  loss takes none, or a mesh without a "stage" axis."""
-  if microbatches < 0 or microbatches and (
-      "microbatches" not in inspect.signature(model.loss_fn).parameters
-      or mesh.shape.get("stage", 1) == 1):
+def check_pipeline(microbatches: int, model, mesh) -> None:
+  """Raises FnscaleError for a pipeline that can't run as asked: --microbatches below 0 or
+  without a "stage" axis to cut, or either with a model whose layers don't run as stages
+  (its `loss_fn` takes no `microbatches`): a "stage" axis would only split the batch."""
+  stages = mesh.shape.get("stage", 1)
+  staged = "microbatches" in inspect.signature(model.loss_fn).parameters
+  if microbatches < 0 or (microbatches and stages == 1) or ((microbatches or stages > 1)
+                                                            and not staged):
     raise fs.InputError(
-        f"--microbatches={microbatches}: pipeline microbatches need a model whose layers run as "
-        "pipeline stages (--model_config=llama-*) and a mesh with a 'stage' axis, e.g. "
-        f"--mesh=data=2,stage=4 (mesh here: {dict(mesh.shape)}); fix: add the stage axis, "
-        "or leave --microbatches out.")
+        f"--microbatches={microbatches} on mesh {dict(mesh.shape)}: pipeline stages need a "
+        "model whose layers run as stages (--model_config=llama-*; this one's don't) and a "
+        "mesh with a 'stage' axis, e.g. --mesh=data=2,stage=4; fix: a Llama model, or no "
+        "stage axis and no --microbatches.")
 
 
 def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
@@ -548,7 +550,9 @@ def progress(r, done: int, m, dt) -> dict:
   s, peak, loss = r.s, r.peak.flops, float(m["loss"])
   tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
   mfu = flops_per_step(r.s) / dt / peak if dt and peak else None
-  metrics = {"train/loss": loss, "train/lr": float(r.schedule(done)),
+  # The lr that step `done`'s update used (the schedule counts updates from 0: the first
+  # of a warmup from 0, as in MaxText and GPT-3's recipe, moves nothing).
+  metrics = {"train/loss": loss, "train/lr": float(r.schedule(done - 1)),
              "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
   line = rl.progress_line(done, s.o.steps, metrics, dt)
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
