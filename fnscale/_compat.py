@@ -230,6 +230,28 @@ def _unwrapped(x, wrappers):
   return x
 
 
+def pushes_forward(args) -> bool:
+  """Outside any rule: True when a leaf of `args` carries a tangent that an enclosing
+  `jax.jvp` (or jacfwd, or the forward half of a Hessian-vector product) pushes forward;
+  False for plain values, for reverse mode alone (`jax.grad`'s linearize tracers) and where
+  the trace can't tell (inside a jit or scan traced on its own: see `forward_mode`).
+
+  Raises:
+    RuntimeFailure: jax's tracer types are not where they were.
+  """
+  _, jvp_tracer, linear_tracer, wrappers = _ad_types()
+  for x in jax.tree.leaves(args):
+    while x is not None:
+      x = _unwrapped(x, wrappers)
+      if isinstance(x, jvp_tracer) and not isinstance(
+          _unwrapped(x.tangent, wrappers), linear_tracer):
+        return True
+      # A linearize (or reverse-mode JVP) tracer: what it differentiates may be pushed
+      # forward from further out (forward over reverse).
+      x = getattr(x, "primal", None)
+  return False
+
+
 def forward_mode(primals, tangents) -> bool | None:
   """Inside a `jax.custom_jvp` rule: True when the tangents are pushed forward (`jax.jvp`,
   `jax.jacfwd`, Hessian-vector products, forward over reverse), False when they are being

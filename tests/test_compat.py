@@ -383,3 +383,22 @@ def test_only_compat_reaches_into_jax_internals_or_versions():
   assert len(_module_uses(ast.parse(
       "from jax._src import mesh\nimport jax._src.xla_bridge\nif jax.__version__ < '0.11': pass\n"
       "getattr(aval, 'vma', None)\nd.client.platform_version\n"))) == 5
+
+
+def test_pushes_forward_tells_a_forward_tangent_from_reverse_mode():
+  """What it saw at each call of f, against the mode each transform is known to use."""
+  from fnscale import _compat  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def f(x):
+    seen.append(_compat.pushes_forward({"x": x, "other": 1.0}))
+    return jnp.sum(jnp.sin(x))
+
+  x = jnp.arange(3.0)
+  f(x)
+  jax.grad(f)(x)
+  jax.jvp(f, (x,), (x,))
+  jax.jvp(jax.grad(f), (x,), (x,))  # forward over reverse: a Hessian-vector product
+  jax.vmap(lambda v: jax.jvp(f, (x,), (v,))[1])(jnp.eye(3))
+  jax.jit(jax.grad(f))(x)
+  assert seen == [False, False, True, True, True, False]

@@ -1005,7 +1005,7 @@ def test_show_topology_describes_a_target(tpu_devices):
   assert "Mesh {'replica': 2, 'fsdp': 64} over 128 devices" in out.stdout
   assert "replica    size    2  Auto     DCN (across slices)" in out.stdout
   out = _recipe("--topology=v5p-96")
-  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.returncode == 2 and "Traceback" not in out.stderr
   assert "error: 48 v5p chips is not a standard slice" in out.stderr
 
 
