@@ -181,3 +181,16 @@ def test_a_few_steps_lower_the_loss_on_cpu_mesh():
     losses.append(float(m["loss"]))
   assert losses[0] == pytest.approx(math.log(256), rel=0.05)
   assert losses[-1] < 0.6 * losses[0]
+
+
+def test_the_loss_splits_the_vocabulary_over_token_axes_only_where_tokens_are_fewer():
+  """Per device, gathering hidden states costs tokens x d, gathering the output layer's
+  shards vocab x d: Llama 3's 128,256 rows over fsdp=2 x context=4 are 16,032 per device."""
+  mesh = fs.make_mesh({"fsdp": 2, "context": 4})
+  with fs.with_mesh(mesh):
+    # 2 rows x 131,072 tokens: 32,768 a device, more than 16,032: the weight is gathered.
+    assert llama.vocab_axes((2, 131072, 4096), 128256) == ("tensor",)
+    # 2 rows x 32,768: 8,192 a device: the tokens are gathered, the vocabulary split.
+    assert llama.vocab_axes((2, 32768, 4096), 128256) == llama.VOCAB_OUT_AXES
+    assert llama.vocab_axes((2, 64128, 4096), 128256) == llama.VOCAB_OUT_AXES  # equal: 16,032
+  assert llama.vocab_axes((2, 131072, 4096), 128256) == llama.VOCAB_OUT_AXES  # no mesh

@@ -378,6 +378,29 @@ def _stages() -> int:
   return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
+# Mesh axes that split the tokens (a batch's rows, a row's sequence) in RULES and the context
+# convention: the loss gathers the hidden states over those it splits the vocabulary over.
+TOKEN_AXES = ("replica", "stage", "data", "fsdp", "expert", "context")
+
+
+def vocab_axes(hidden_shape, vocab: int, axes: tuple[str, ...] = VOCAB_OUT_AXES
+               ) -> tuple[str, ...]:
+  """The loss's vocabulary axes for hidden states [batch, seq, d] on the ambient mesh:
+  `axes` (the output layer's storage split), less those that also split the tokens when a device holds more tokens than
+  vocabulary rows. Over such an axis the loss gathers either the tokens' hidden states
+  (vocab-parallel) or the output layer's shards (the partitioner, before the loss): it
+  gathers the smaller. (Llama 3 at 2 x 131,072 tokens over fsdp=2 x context=4: 32,768
+  tokens against 16,032 vocabulary rows per device.)"""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return axes
+  size = lambda names: math.prod(mesh.shape.get(a, 1) for a in names)
+  tokens = math.prod(hidden_shape[:-1]) // size(TOKEN_AXES)
+  if tokens <= vocab // size(axes):
+    return axes
+  return tuple(a for a in axes if a not in TOKEN_AXES)
+
+
 def output_layer(params: dict) -> jax.Array:
   """The output projection [d_model, vocab]: `unembed`, or the embedding's transpose when
   tied (no `unembed` leaf)."""
@@ -423,7 +446,8 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
   loss are 0)."""
   x = hidden(params, batch["inputs"], remat=remat, cfg=cfg, rows=batch,
              microbatches=microbatches)
-  axes = VOCAB_OUT_AXES if "unembed" in params else ("tensor",)
+  axes = vocab_axes(x.shape, params["unembed"].shape[1]) if "unembed" in params else (
+      "tensor",)
   # [batch, seq, d]: the tokens stay where they are, the sequence split too.
   w, targets = output_layer(params).astype(x.dtype), batch["targets"]
   if not weighted:

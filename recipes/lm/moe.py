@@ -270,7 +270,8 @@ def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
                   segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
   # [batch, seq, d]: the tokens stay where they are, a sequence split too.
   ce = fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
-                        vocab_axes=VOCAB_OUT_AXES)
+                        vocab_axes=llama.vocab_axes(x.shape, params["unembed"].shape[1],
+                                                    VOCAB_OUT_AXES))
   balance, z = jnp.mean(aux.load_balance_loss), jnp.mean(aux.router_z_loss)
   loss = ce + cfg.balance_coef * balance + cfg.z_coef * z
   return loss, {"cross_entropy": ce, "load_balance_loss": balance, "router_z_loss": z,
