@@ -805,6 +805,14 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("mistyped mesh axis", ["--mesh=data=2,fsdpp=4"], dict(mesh="data=2,fsdpp=4"),
      fs.InputError, r"--mesh: axis 'fsdpp' is not one the axis conventions give a meaning .*; did "
      r"you mean 'fsdp'\?"),
+    ("mistyped context form", ["--context=rnig"], dict(context="rnig"), fs.InputError,
+     r"--context='rnig': expected one of \['all_gather', 'ring'\]; did you mean 'ring'\?"),
+    ("mistyped packing", ["--packing=bestfit"], dict(packing="bestfit"), fs.InputError,
+     r"--packing='bestfit': expected one of \['first_fit', 'best_fit'\]; did you mean "
+     r"'best_fit'\?"),
+    ("unknown accum_gather", ["--accum_gather=never"], dict(accum_gather="never"),
+     fs.InputError, r"--accum_gather='never': expected one of \['auto', 'per_microbatch', "
+     r"'once'\]$"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
      r"epochs=1 and steps=6: give one of them"),
     ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import json
@@ -58,10 +59,14 @@ def check_options(cls, options: dict):
 
 def _check_ranges(o):
   """`o` (an options dataclass) after checking each number against its range (the class's
-  `RANGES`; floats must be finite)."""
-  ranges = getattr(type(o), "RANGES", {})
+  `RANGES`; floats must be finite) and each word against its `CHOICES`."""
+  ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
   for f in dataclasses.fields(o):
     value = getattr(o, f.name)
+    if f.name in choices and value not in choices[f.name]:
+      close = difflib.get_close_matches(str(value), choices[f.name], n=1, cutoff=0.6)
+      raise fs.InputError(f"--{f.name}={value!r}: expected one of {list(choices[f.name])}"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       problem = cli.check_range(value, **ranges.get(f.name, {}))
       if problem:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from fnscale.kernels import context_attention
+from fnscale.kernels.attention import IMPLEMENTATIONS
 from fnscale.multihost import preemption
-from recipes.lm import data, models
+from fnscale.step import ACCUM_GATHER
+from recipes.lm import data, models, packing
 from recipes.lm import harness
 from recipes.lm.harness import option
 
@@ -27,6 +30,12 @@ class Options:
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
                             "process_id": dict(minimum=-1)}
+  # option -> the values it takes (a word of --help is no substitute for a check)
+  CHOICES: ClassVar[dict] = {"packing": packing.PACKINGS, "long_docs": packing.LONG_DOCS,
+                             "accum_gather": ACCUM_GATHER,
+                             "attention": IMPLEMENTATIONS,
+                             "context": context_attention.FORMS,
+                             "context_order": context_attention.ORDERS}
   model_config: str | None = option(None, f"model, one of {list(models.MODELS)}; default "
                                   "tiny_gpt2 on CPU, small on TPU/GPU")
   dataset: str = option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob; "
