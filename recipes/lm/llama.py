@@ -134,6 +134,18 @@ def named_config(cls, sizes: dict, family: str, size: str, seq: int, overrides: 
   return cls(seq=seq, **{**sizes[size], **overrides})
 
 
+def attention_blocks(keys, shape: tuple[int, ...]) -> dict:
+  """An attention block's stacked float32 params for shape (layers, d_model, heads,
+  kv_heads, head_dim): the pre-norm scale (ones), wq/wk/wv N(0, 0.02) and wo scaled by
+  1/sqrt(2 layers) (GPT-2's scheme), from four keys."""
+  L, D, H, G, K = shape
+  std, res = 0.02, 0.02 / math.sqrt(2 * L)
+  normal = lambda k, shape, s: s * jax.random.normal(k, shape, jnp.float32)
+  return {"attn_norm": jnp.ones((L, D)), "wq": normal(keys[0], (L, D, H, K), std),
+          "wk": normal(keys[1], (L, D, G, K), std), "wv": normal(keys[2], (L, D, G, K), std),
+          "wo": normal(keys[3], (L, H, K, D), res)}
+
+
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   """float32 params; block params stacked along a leading `layers` axis for `lax.scan`
   (with `cfg.repeats` > 1 in the circular pipeline's layout, `_stored_blocks`).
@@ -150,11 +162,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   params = {
       "embed": normal(ks[0], (cfg.vocab, D), std),
       "blocks": {
-          "attn_norm": jnp.ones((L, D)),
-          "wq": normal(ks[1], (L, D, H, K), std),
-          "wk": normal(ks[2], (L, D, G, K), std),
-          "wv": normal(ks[3], (L, D, G, K), std),
-          "wo": normal(ks[4], (L, H, K, D), res),
+          **attention_blocks(ks[1:5], (L, D, H, G, K)),
           "mlp_norm": jnp.ones((L, D)),
           "w_gate": normal(ks[5], (L, D, F), std),
           "w_up": normal(ks[6], (L, D, F), std),

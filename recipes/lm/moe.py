@@ -117,11 +117,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   std, res = 0.02, 0.02 / math.sqrt(2 * L)
   normal = lambda k, shape, s: s * jax.random.normal(k, shape, jnp.float32)
   blocks = {
-      "attn_norm": jnp.ones((L, D)),
-      "wq": normal(ks[1], (L, D, H, K), std),
-      "wk": normal(ks[2], (L, D, G, K), std),
-      "wv": normal(ks[3], (L, D, G, K), std),
-      "wo": normal(ks[4], (L, H, K, D), res),
+      **llama.attention_blocks(ks[1:5], (L, D, H, G, K)),
       "mlp_norm": jnp.ones((L, D)),
       "router": normal(ks[5], (L, D, E), std),
       "w_gate": normal(ks[6], (L, E, D, F), std),
