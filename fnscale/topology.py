@@ -400,10 +400,18 @@ def _lookup(kv: Mapping[str, str], prefix: str, short_names: bool):
     keys = (name, name.removeprefix("TPU_")) if short_names else (name,)
     for key in keys:
       value = kv.get(key)
-      if value is not None and str(value).strip():
+      if value is not None and str(value).strip() and not _is_libtpu_note(str(value)):
         return str(value).strip(), prefix + key
     return None, None
   return get
+
+
+def _is_libtpu_note(value: str) -> bool:
+  """libtpu, initialised on a machine without TPU metadata (ahead-of-time compiles for a
+  described TPU), writes its warning into the variable it couldn't fill, e.g.
+  TPU_WORKER_ID='WARNING: could not determine TPU worker number, ...': no value, so unset
+  (every process the job starts afterwards inherits it)."""
+  return value.lstrip().startswith("WARNING:")
 
 
 def _as_ints(value: str, source: str, sep: str, minimum: int) -> tuple[int, ...]:

@@ -706,6 +706,11 @@ def test_env_layout_precedence_on_cpu_devices(env, grid, source):
     # set but empty is unset (as libtpu and JAX read them)
     ({"TPU_WORKER_ID": " ", "MEGASCALE_SLICE_ID": ""}, 0, "jax.process_index()"),
     ({"WORKER_ID": "3"}, 0, "jax.process_index()"),  # tpu-env's short name is no env variable
+    # libtpu's note where it found no worker number (after a compile for a described TPU,
+    # inherited by every process started later) is no value
+    ({"TPU_WORKER_ID": "WARNING: could not determine TPU worker number, please set env var "
+                       "`TPU_WORKER_ID` manually, otherwise libtpu.so may not properly "
+                       "initialize."}, 0, "jax.process_index()"),
 ])
 def test_process_index_from_env(env, index, source):
   t = fs.detect_topology(env=env)
