@@ -242,6 +242,7 @@ def test_preempted_then_lost_process_restarts_and_ends_bitwise_equal(cluster, wo
                jax.device_get(reference.params))
 
 
+@pytest.mark.slow
 @needs_ray
 @pytest.mark.multiprocess
 def test_bad_flag_exits_2_without_restart(cluster, work, tmp_path):

@@ -195,6 +195,7 @@ def test_notice_while_waiting_at_a_barrier_ends_every_process(tmp_path):
   assert all(not [e for e in _events(r.stdout) if e["event"] == "step"] for r in results)
 
 
+@pytest.mark.slow
 def test_lost_process_ends_the_others_with_a_named_error(reference, tmp_path):
   """kill -9 of process 1 mid-run: process 0's next collective fails (or blocks) and
   peer_guard names the lost process within its check-in time (2 s here) plus a step:

@@ -256,6 +256,7 @@ def test_aot_compile_for_tpu_v5p(tpu_devices):
 # ----------------------------------------------------------------------------- shard_map
 
 
+@pytest.mark.slow
 def test_shard_map_mode_matches_auto():
   mesh = fnscale.make_mesh("data=2,fsdp=2,tensor=2")
   opt = _optimizer()

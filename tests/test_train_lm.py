@@ -432,6 +432,7 @@ def test_tokenizer_vocabulary_flows_into_the_model(work, tmp_path):
   assert isinstance(summary.sample, str) and summary.sample
 
 
+@pytest.mark.slow
 def test_pruned_tokenizer_trains_with_a_vocabulary_of_its_largest_id(work, tmp_path, capsys):
   """A tokenizer.json of 298 entries with ids up to 299: the model gets 300 rows (said at
   start-up) and a finite loss near ln(300) at step 0 (out-of-range ids gave nan)."""
@@ -571,6 +572,7 @@ def test_a_save_slower_than_the_preemption_window_is_said_at_start_up(work, stop
   assert said and out.index(said.group(0)) < out.index("step      4/4"), out
 
 
+@pytest.mark.slow
 def test_a_save_slower_than_the_preemption_window_is_said_in_a_fresh_run(work, tmp_path,
                                                                          capsys):
   # No checkpoint to time at start-up: the run says it once its saves are timed (from the
