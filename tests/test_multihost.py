@@ -240,9 +240,15 @@ def test_process_that_never_starts_fails_the_others_in_time(tmp_path):
                    JOB_TIMEOUT_S, process_ids=[0, 1])
   for r in results:
     assert r.returncode == 75, mp.describe(results)
-    assert ("fnscale.errors.DistributedError: could not form the multi-process job within "
-            f"{timeout_s} s: expected 3 processes") in r.stderr, mp.describe(results)
-    assert f"this process ({r.process_id}) is in" in r.stderr
+    formed = ("fnscale.errors.DistributedError: could not form the multi-process job within "
+              f"{timeout_s} s: expected 3 processes")
+    # Process 0 holds the roll call first: on a loaded machine a peer can spend its whole
+    # timeout reaching the coordinator, and ends with that error instead (named, in time).
+    unreached = ("fnscale.errors.DistributedError: could not form the multi-process job: "
+                 f"expected 3 processes, this one as process {r.process_id}, but the "
+                 "coordinator 127.0.0.1:")
+    assert (formed in r.stderr and f"this process ({r.process_id}) is in" in r.stderr) or (
+        r.process_id and unreached in r.stderr), mp.describe(results)
     assert not _events(r.stdout)  # never got as far as training
 
 

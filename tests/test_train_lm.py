@@ -319,6 +319,12 @@ def test_default_run_dirs_are_per_model_and_a_foreign_one_is_refused(work, tmp_p
   capfd.readouterr()
   foreign = tmp_path / "runs" / "llama-tiny-corpus"
   assert train_lm.main(common + [f"--run_dir={foreign}"]) == 2  # resuming with nano: refused
+  err = capfd.readouterr().err  # by the options run.json remembers
+  assert err.startswith(f"error: --run_dir={foreign} holds a run with other options: "), err
+  assert "model_config" in err and "give this run a new --run_dir" in err
+  assert len(err.strip().splitlines()) == 1, err
+  (foreign / "run.json").unlink()  # and without them, by the checkpoints themselves
+  assert train_lm.main(common + [f"--run_dir={foreign}"]) == 2
   err = capfd.readouterr().err
   assert err.startswith(f"error: --run_dir={foreign} (this run: model nano, seq 32, vocab 256) "
                         f"can't resume from the checkpoints already in {foreign}/checkpoints "
