@@ -5,10 +5,13 @@ attention, cuDNN attention, the ring form of context attention, the blockwise
 cross-entropy, megablox grouped matmuls, the expert exchange's sends and permutations)
 differentiate by a `jax.custom_vjp`: the backward pass that makes them fast. jax can't push
 a tangent forward through a custom_vjp (`jax.jvp`, `jax.jacfwd`, Hessian-vector products:
-forward over reverse), so `reverse_only` wraps a kernel in a `jax.custom_jvp` whose rule
-takes the kernel's own derivative when jax is linearizing for a transpose (reverse mode)
-and the JVP of a reference (the XLA form, or the kernel's forward computation without its
-custom_vjp) when it is pushing tangents forward, and says so once per kernel.
+forward over reverse), so where a call's arguments carry a tangent pushed forward from
+outside (`_compat.pushes_forward`) `reverse_only` wraps the kernel in a `jax.custom_jvp`
+whose rule takes the kernel's own derivative when jax is linearizing for a transpose
+(reverse mode) and the JVP of a reference (the XLA form, or the kernel's forward
+computation without its custom_vjp) when it is pushing tangents forward, and says so once
+per kernel. Elsewhere the kernel runs as it is: a custom_jvp around its custom_vjp costs
+reverse mode memory (it doubled the blockwise cross-entropy's temporaries).
 
 jax traces a rule on its own inside a `lax.scan`, a `jax.checkpoint` or a jitted function
 differentiated from outside (`jax.jvp(jax.jit(f))`), before it knows which mode will use
