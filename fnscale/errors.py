@@ -15,6 +15,16 @@ Every error fnscale raises is a `FnscaleError`, in one of two kinds:
 """
 
 
+import difflib
+
+
+def did_you_mean(name, candidates) -> str:
+  """"; did you mean 'fsdp'?" for the candidate closest to `name` (difflib's ratio >= 0.6), or
+  "" when none is close: the suffix of a message refusing an unknown name."""
+  close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
 class FnscaleError(Exception):
   """Base class of every error fnscale raises."""
 

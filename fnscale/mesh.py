@@ -9,7 +9,6 @@ ring for a mesh of several axes, fnscale orders the chips by coordinates instead
 (`process_is_granule`), as across nodes of a cluster.
 """
 import contextlib
-import difflib
 import itertools
 import math
 import re
@@ -24,7 +23,7 @@ from jax.sharding import AxisType, Mesh
 from fnscale import _axes
 from fnscale import _compat
 from fnscale import _tree
-from fnscale.errors import MeshError
+from fnscale.errors import MeshError, did_you_mean
 from fnscale.topology import Topology, check_devices
 
 AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]
@@ -255,10 +254,9 @@ def check_axis_names(names, what: str = "mesh axes") -> None:
   known = sorted(_axes.current().names())
   for name in names:
     if name not in known:
-      close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
       raise MeshError(
           f"{what}: axis {name!r} is not one the axis conventions give a meaning {known}"
-          + (f"; did you mean {close[0]!r}?" if close else "") + " (no batch split, rule or "
+          f"{did_you_mean(name, known)} (no batch split, rule or "
           "FSDP would use it: its devices would hold copies); fix: a known name, or declare "
           "yours around the whole job: with fs.axis_conventions(fs.AxisConventions(...)).")
 

@@ -15,7 +15,6 @@ shardings live in `fnscale.state`, the readable table in `fnscale.analysis.repor
 from __future__ import annotations
 
 from collections.abc import Mapping
-import difflib
 import math
 import re
 from typing import Any, NamedTuple
@@ -29,7 +28,7 @@ import numpy as np
 from fnscale import _axes
 from fnscale._axes import data_axes  # noqa: F401  (public here: the batch dim's axes)
 from fnscale import _tree
-from fnscale.errors import ShardingError
+from fnscale.errors import ShardingError, did_you_mean
 from fnscale.mesh import check_mesh
 
 # Leaves smaller than this many bytes stay replicated under auto-FSDP: gathering a tiny
@@ -402,7 +401,7 @@ def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_b
   if unknown:
     raise ShardingError(
         f"fsdp_axis {fsdp_axis!r} names {unknown[0]!r}, which is not an axis of the mesh (axes "
-        f"{tuple(mesh.axis_names)}){_closest(unknown[0], tuple(mesh.axis_names))}; automatic "
+        f"{tuple(mesh.axis_names)}){did_you_mean(unknown[0], tuple(mesh.axis_names))}; automatic "
         "leaves would silently stay replicated; fix: name a mesh axis (e.g. "
         "fsdp_axis='fsdp') or pass None to replicate them on purpose.")
   absent = set()
@@ -412,7 +411,7 @@ def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_b
       raise ShardingError(
           f"rule {i} ({name!r}, {axes!r}) names mesh axis {typo[0]!r}, which the mesh (axes "
           f"{tuple(mesh.axis_names)}) doesn't have and no axis convention gives a meaning"
-          f"{_closest(typo[0], tuple(mesh.axis_names) + tuple(sorted(known)))}; fix: name a "
+          f"{did_you_mean(typo[0], tuple(mesh.axis_names) + tuple(sorted(known)))}; fix: name a "
           "mesh axis (a rule naming a conventional axis this mesh lacks, e.g. 'tensor' on an "
           "fsdp-only mesh, is skipped: rules written for several meshes).")
     absent.update(a for a in axes if a not in mesh.axis_names)
@@ -420,12 +419,6 @@ def _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_b
     logging.info("rules naming mesh axes %s are skipped: the mesh (axes %s) doesn't have them "
                  "(rules written for several meshes)", sorted(absent), tuple(mesh.axis_names))
   return fsdp_axes
-
-
-def _closest(name: str, candidates: tuple[str, ...]) -> str:
-  """", did you mean 'fsdp'?" for the candidate closest to `name` (difflib), or ""."""
-  close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def sharding_layout(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",

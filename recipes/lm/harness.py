@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import inspect
 import json
@@ -23,6 +22,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
+from fnscale.errors import did_you_mean
 from fnscale.analysis import flops
 from fnscale import mesh as fs_mesh
 from fnscale import sharding
@@ -64,9 +64,8 @@ def _check_ranges(o):
   for f in dataclasses.fields(o):
     value = getattr(o, f.name)
     if f.name in choices and value not in choices[f.name]:
-      close = difflib.get_close_matches(str(value), choices[f.name], n=1, cutoff=0.6)
       raise fs.InputError(f"--{f.name}={value!r}: expected one of {list(choices[f.name])}"
-                          + (f"; did you mean {close[0]!r}?" if close else ""))
+                          + did_you_mean(value, choices[f.name]))
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       problem = cli.check_range(value, **ranges.get(f.name, {}))
       if problem:

@@ -7,7 +7,6 @@ Each model module has one interface: `SIZES`, `model_config(size, seq)`, `init_p
 """
 from __future__ import annotations
 
-import difflib
 
 import functools
 import inspect
@@ -16,6 +15,7 @@ import time
 from types import ModuleType
 
 import fnscale as fs
+from fnscale.errors import did_you_mean
 from recipes.lm import gpt, hf_maps, llama, moe
 
 # Model name -> its module.
@@ -38,9 +38,8 @@ def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
 def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
   if not o.init_from:
     if size not in MODELS:
-      close = difflib.get_close_matches(size, list(MODELS), n=1, cutoff=0.6)
       raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
-                          f"{list(MODELS)}" + (f"; did you mean {close[0]!r}?" if close else ""))
+                          f"{list(MODELS)}{did_you_mean(size, MODELS)}")
     return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=vocab), size
   if o.model_config:
     raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
