@@ -157,20 +157,30 @@ _MESH_MISMATCH = re.compile(
     r"for shape (\S+)")
 
 
+# jax 0.12 lowers a shard_map (check_vma=True) whose body closes over an array split over
+# one of its manual axes, then its verifier refuses the operand jax hoisted for it.
+_HOISTED_OPERAND = "'sdy.manual_computation' op operand shape, corresponding sharding"
+
+
 def explicit_closure_aval(err: BaseException) -> str | None:
   """The type jax names when code traced inside a `jax.shard_map` closes over an array
   sharded on Explicit mesh axes, or None for any other error. jax 0.10.2 and 0.12 say it
-  two ways: a NotImplementedError "Closing over inputs to shard_map where the input is
+  three ways: a NotImplementedError "Closing over inputs to shard_map where the input is
   sharded on `Explicit` axes is not implemented. ... Got input with shape
-  f32[64@fsdp,64]({Explicit: ('data', 'fsdp')})" where every other axis is Auto or Manual,
-  and a ValueError "For primitive dot_general, context mesh AbstractMesh(... Manual ...)
+  f32[64@fsdp,64]({Explicit: ('data', 'fsdp')})" where every other axis is Auto or Manual;
+  a ValueError "For primitive dot_general, context mesh AbstractMesh(... Manual ...)
   should match the aval mesh AbstractMesh(... Explicit ...) for shape float32[16@data,16]"
-  where some other axis is Explicit. Returns that type's text ("" if the message has none).
+  where some other axis is Explicit; and (jax 0.12, at lowering, the array split over a
+  manual axis) a ValueError "Cannot lower jaxpr with verifier errors: 'sdy.manual_computation'
+  op operand shape, corresponding sharding, and region operand shape at index 0 must
+  match", which names no type. Returns that type's text ("" if the message has none).
   """
   text = str(err)
   if isinstance(err, NotImplementedError) and "Closing over inputs to shard_map" in text:
     found = re.search(r"Got input with shape (.+)", text)
     return found.group(1).strip() if found else ""
+  if isinstance(err, ValueError) and _HOISTED_OPERAND in text:
+    return ""
   found = _MESH_MISMATCH.search(text) if isinstance(err, ValueError) else None
   if found and "Manual" in found.group(1) and "Explicit" in found.group(2):
     return found.group(3).rstrip(".")

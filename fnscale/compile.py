@@ -319,6 +319,10 @@ class ShardedStep:
         raise StepError(closed.message(
             "shard_step(mode='shard_map') runs the step per shard under jax.shard_map",
             _closure.FIX + ", or mode='auto'")) from None
+      if closed is not None:  # met where train_step's microbatch loop runs per shard
+        raise StepError(closed.message(
+            "the step's microbatch loop runs per shard under jax.shard_map",
+            _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
       if isinstance(e, NotImplementedError):
         raise
       raise _trace_error(e, sig) from e

@@ -318,6 +318,27 @@ def test_explicit_closure_aval_reads_both_refusals():
   assert _compat.explicit_closure_aval(NotImplementedError("other")) is None
 
 
+def test_explicit_closure_aval_reads_the_refusal_at_lowering():
+  # jax 0.12 traces a checked shard_map whose gradient closes over an array split over a
+  # manual axis, then its verifier refuses the operand it hoisted (jax 0.10.2 runs it).
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  mesh = fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, axis_types="explicit")
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  x, w = put(jnp.ones((8, 4)), jax.P(("data", "fsdp"))), put(jnp.ones((4, 4)), jax.P())
+  closed = put(jnp.ones((4, 4)), jax.P("fsdp"))
+  loss = lambda w, v: jnp.sum(jnp.tanh(v @ w) @ closed)
+  f = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(jax.P(), jax.P(("data", "fsdp"))),
+                    out_specs=jax.P(), axis_names={"data", "fsdp"}, check_vma=True)
+  try:
+    jax.jit(f).lower(w, x)
+  except ValueError as e:
+    assert _compat.explicit_closure_aval(e) == "", str(e)
+  else:
+    assert jax.__version_info__ < (0, 12), "jax 0.12 lowered it: the refusal is gone"
+  assert _compat.explicit_closure_aval(ValueError("Cannot lower jaxpr with verifier "
+                                                  "errors: 'stablehlo.add' op")) is None
+
+
 def test_varying_axes_inside_a_checked_shard_map_and_outside():
   mesh = fs.make_mesh({"data": 4, "tensor": 2})
   seen = {}

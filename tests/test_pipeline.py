@@ -512,6 +512,19 @@ def test_llama_pipelined_step_equals_one_device(mesh_axes, repeats):
                                err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("spec", [P(), P(None, None, "stage")], ids=["whole", "stage-on-d"])
+def test_explicit_axes_take_params_not_split_over_the_stages(spec):
+  # On Explicit axes jax's shard_map takes only params whose stage dim is on the stage
+  # axis: params replicated, or split over "stage" on another dim, are moved there first.
+  mesh = fs.make_mesh({"stage": 4, "data": 2}, axis_types="explicit")
+  ws, x = _weights(), _inputs(False)
+  with fs.with_mesh(mesh):
+    staged = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
+        mesh, P(*tuple(spec)[:a.ndim]))), pp.stage_layers(ws, 4))
+    y = jax.jit(pp.pipeline(_stage, microbatches=8))(staged, x)
+  np.testing.assert_allclose(y, _sequential(ws, x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_explicit_axes_equal_the_sequential_model():
   # On a mesh of Explicit axes (shardings in the types) the reshapes into and out of the

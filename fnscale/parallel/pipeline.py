@@ -273,6 +273,22 @@ def _from_stages(y, lay: _Layout, sched: Schedule, rows: int, explicit: bool):
   return _reshape(y, (rows,) + rest, (batch,), explicit)
 
 
+def _on_stages(params, axis: str, explicit: bool):
+  """On Explicit axes jax's shard_map takes only params whose stage dim is already split
+  over the stage axis (jax 0.12 refuses others): reshard them there, the other dims keeping
+  their mesh axes but the stage axis."""
+  if not explicit:
+    return params
+
+  def one(p):
+    spec = tuple(jax.typeof(p).sharding.spec) + (None,) * p.ndim
+    if spec[0] == axis:
+      return p
+    rest = _tree.filter_spec(P(*spec[1:p.ndim]), lambda a: a != axis)
+    return jax.sharding.reshard(p, P(axis, *rest))
+  return jax.tree.map(one, params)
+
+
 def _pin(y, mesh, axis: str, lay: _Layout):
   """Stage dim over the stage axis, microbatch rows over the other data axes (Auto axes)."""
   if mesh.auto_axes and set(mesh.auto_axes) >= {axis, *lay.pre, *lay.post}:
@@ -459,7 +475,8 @@ def pipeline(stage_fn: Callable, *, microbatches: int, repeats: int = 1,
       body = _per_stage(_stage_call(stage_fn, sched, remat), name, sched)
       try:
         ys = jax.shard_map(body, mesh=mesh, in_specs=(P(name), P(name)), out_specs=P(name),
-                           axis_names={name}, check_vma=False)(params, xs)
+                           axis_names={name}, check_vma=False)(
+                               _on_stages(params, name, explicit), xs)
       except (NotImplementedError, ValueError) as e:
         closed = _closure.explicit_closure(e, stage_fn, "stage_fn")
         if closed is None:
