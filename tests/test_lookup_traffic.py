@@ -2,13 +2,15 @@
 activations between devices, never the table: the collectives of compiled programs
 (`fs.hlo.summarize`, bytes per device per step) against hand counts of the shapes below.
 
-The table is stored as the models' rules put it, d over "fsdp", replicated over "data". A
-lookup that gathered it (FSDP's treatment of a weight) or reduced its whole gradient would
+The table is stored as the models' rules put it: d over "fsdp" (and, for the MoE and
+context rules, over "expert" and "context" too), replicated over "data". A lookup that
+gathered it (FSDP's treatment of a weight) or reduced its whole gradient would
 move V x D x 4 bytes; what may move is the ids, the activations (all-to-alls over "fsdp")
 and, over "data", the gradient of each device's own [V, D / fsdp] block.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import optax
 import pytest
@@ -94,3 +96,40 @@ def test_llama_step_moves_no_table():
   assert s.collective("all-gather").bytes < other
   assert s.collective("reduce-scatter").bytes < other
   assert s.collective("all-reduce").bytes < 2 * table // f + other
+
+
+@pytest.mark.parametrize("mesh_spec, model, ids, a2a", [
+    # The MoE rules split d over fsdp and expert, which both split the rows: the ids of all
+    # 8 devices' rows gathered, int32 [B, T]; one all-to-all each way of this device's
+    # [B / 8, T, D].
+    ("fsdp=2,expert=4", "moe", B * T * I32, 2 * B // 8 * T * D * F32),
+    # Llama's split d over fsdp (rows) and context (the sequence): the rows gathered over
+    # fsdp ([B, T / 4]), then the sequence over context ([B, T]); the all-to-all over
+    # context gives [B, T / 4, D / 2], the one over fsdp [B / 2, T / 4, D]; both each way.
+    ("fsdp=2,context=4", "llama", B * T // 4 * I32 + B * T * I32,
+     2 * 2 * B * T // 4 * D // 2 * F32),
+])
+def test_lookup_over_every_column_axis_moves_ids_not_the_table(mesh_spec, model, ids, a2a):
+  # The table split as the model's rules split it, over every FSDP-like axis: value and
+  # gradient as table[tokens] on one device; only ids and activations move.
+  from recipes.lm import moe  # pylint: disable=import-outside-toplevel
+  rules = {"moe": moe.RULES, "llama": llama.RULES}[model]
+  V = 512
+  table = jax.random.normal(jax.random.key(0), (V, D))
+  tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+  cot = jax.random.normal(jax.random.key(2), (B, T, D))
+  loss = lambda t, x, r=None: jnp.sum(gpt.embed_lookup(t, x, r) * cot)
+  want = jax.value_and_grad(lambda t: jnp.sum(t[tokens] * cot))(table)
+  mesh = fs.make_mesh(mesh_spec)
+  spec = fs.sharding.logical_to_spec(("vocab", "embed"), rules, mesh)
+  with fs.with_mesh(mesh):
+    args = (jax.device_put(table, NamedSharding(mesh, spec)),
+            jax.device_put(tokens, fs.batch_sharding(mesh)))
+    fn = jax.jit(jax.value_and_grad(lambda t, x: loss(t, x, rules)))
+    got = fn(*args)
+    s = hlo.summarize(fn.lower(*args).compile().as_text())
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+  assert s.collective("all-gather").bytes == ids
+  assert s.collective("all-to-all").bytes == a2a
+  assert s.collective("all-reduce").bytes <= 8  # the loss; never the table's gradient

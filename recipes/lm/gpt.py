@@ -175,16 +175,19 @@ def _block(x, p, segment_ids=None):
   return x + jnp.einsum("bsf,fd->bsd", h, m["w_proj"]) + m["b_proj"]
 
 
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
   """`table[tokens]` ([vocab, d] at int [batch, seq] -> [batch, seq, d]), batch-split, with
   only token ids and activations crossing devices: the table is never gathered.
 
-  The table is stored as the rules put it: d over "fsdp", vocab over "tensor". Under a mesh
-  the lookup runs in a `jax.shard_map` over the axes the trace sees whole: each device
-  all-gathers its fsdp group's token ids (int32 [rows x fsdp, seq]), looks them up in its own
-  [vocab / tensor, d / fsdp] block (ids outside the block give 0, summed over "tensor"), and
-  an all-to-all over "fsdp" turns the [rows x fsdp, seq, d / fsdp] result into this
-  device's [rows, seq, d]. The backward pass is the same in reverse: an all-to-all of the
+  `rules`: the model's logical rules (default this module's `RULES`), which split the table
+  ("vocab", "embed"): d over the FSDP-like axes (fsdp, expert, context), vocab over
+  "tensor". Under a mesh the lookup runs in a `jax.shard_map` over the axes the trace sees
+  whole. Each device all-gathers the token ids of the devices that share its ids but hold
+  other columns of the table (int32: over d's axes that split the batch rows, along the
+  rows; over those that split the sequence, along it), looks them up in its own
+  [vocab / tensor, d / ...] block (ids outside the block give 0, summed over "tensor"), and
+  all-to-alls turn the result back into this device's tokens with every column, the minor
+  axis of d first. The backward pass is the same in reverse: all-to-alls of the
   activations' gradient and a local scatter-add into the table's block. Left to the
   partitioner (`table[tokens]`, one mesh axis on two dims of the gather), jax 0.10.2's GSPMD
   replicates the output ("[SPMD] Involuntary full rematerialization"); gathering the table's
@@ -205,16 +208,17 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   seq = free(("context",))  # a sequence split over it stays split
   if tokens.shape[1] % size(seq):
     seq = ()
-  fsdp = tuple(a for a in free(("fsdp",)) if a in rows and table.shape[1] % mesh.shape[a] == 0)
-  vocab = free(("tensor",))
+  spec = fs.sharding.logical_to_spec(("vocab", "embed"), RULES if rules is None else rules, mesh)
+  runs = _column_runs(free(_axes_of(spec[1])), rows, seq)
+  vocab = free(_axes_of(spec[0]))
   if table.shape[0] % size(vocab):
     vocab = ()
   if not rows and not vocab:
     return fs.constrain_batch(table[tokens])
 
   def local(table, tokens):
-    if fsdp:
-      tokens = jax.lax.all_gather(tokens, fsdp, axis=0, tiled=True)
+    for axes, dim in runs:
+      tokens = jax.lax.all_gather(tokens, axes, axis=dim, tiled=True)
     if vocab:  # this device's vocabulary rows start at its index along "tensor"
       ids = tokens - jax.lax.axis_index(vocab) * table.shape[0]
       inside = (ids >= 0) & (ids < table.shape[0])
@@ -222,15 +226,37 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
       x = jax.lax.psum(x, vocab)
     else:
       x = table[tokens]
-    if fsdp:  # [rows x fsdp, seq, d / fsdp] -> [rows, seq, d]
-      x = jax.lax.all_to_all(x, fsdp, split_axis=0, concat_axis=2, tiled=True)
+    for axes, dim in reversed(runs):  # [.., tokens x n, .., d / n] -> [.., tokens, .., d]
+      x = jax.lax.all_to_all(x, axes, split_axis=dim, concat_axis=2, tiled=True)
     return x
 
+  columns = tuple(a for axes, _ in runs for a in axes)
   spec_rows, spec_seq = _spec(rows), _spec(seq)
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(fsdp)),
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(columns)),
                                                    P(spec_rows, spec_seq)),
                        out_specs=P(spec_rows, spec_seq, None), axis_names=frozenset(
                            free(mesh.axis_names)), check_vma=True)(table, tokens)
+
+
+def _column_runs(columns: tuple[str, ...], rows: tuple[str, ...], seq: tuple[str, ...]):
+  """The table's column (d) axes as runs of (axes, token dim): consecutive axes that split
+  the batch rows (dim 0) or the sequence (dim 1), at most one run per dim. Columns after
+  the first axis that fits neither are left out (the partitioner gathers those)."""
+  runs: list[tuple[tuple[str, ...], int]] = []
+  for a in columns:
+    dim = 0 if a in rows else 1 if a in seq else None
+    if dim is None or (runs and runs[-1][1] != dim and any(d == dim for _, d in runs)):
+      break
+    if runs and runs[-1][1] == dim:
+      runs[-1] = (runs[-1][0] + (a,), dim)
+    else:
+      runs.append(((a,), dim))
+  return tuple(runs)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _spec(axes: tuple[str, ...]):

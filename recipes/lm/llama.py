@@ -360,7 +360,7 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   cfg = _config_of(params, tokens, cfg)
   segment_ids, positions = (rows or {}).get("segment_ids"), (rows or {}).get("positions")
   gpt.check_positions(positions)
-  x = gpt.embed_lookup(params["embed"], tokens)  # ids and activations move, not the table
+  x = gpt.embed_lookup(params["embed"], tokens, RULES)  # ids and activations move
   block = lambda x, p, seg, pos: _block(x, p, cfg, seg, pos)
   block = jax.checkpoint(block) if remat else block
 

@@ -236,7 +236,7 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   (as llama's; positions are required under a context axis: `gpt.check_positions`)."""
   cfg = _config_of(params, tokens, cfg)
   gpt.check_positions(positions)
-  x = gpt.embed_lookup(params["embed"], tokens)
+  x = gpt.embed_lookup(params["embed"], tokens, RULES)
   block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
   block = jax.checkpoint(block) if remat else block
   x, aux = jax.lax.scan(block, x, params["blocks"])
