@@ -299,7 +299,8 @@ def _equals_reference(params, loss):
   assert loss == pytest.approx(float(ref_loss), rel=1e-5)
 
 
-@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.parametrize("axis_types", [pytest.param("auto", marks=pytest.mark.slow),
+                                        "explicit"])
 def test_default_reduces_replicated_params_once_on_a_data_parallel_mesh(axis_types):
   # data=8, every param replicated: each device sums its microbatches' gradients and one
   # all-reduce of the float32 gradients (and the loss and weight scalars, fused in) sends

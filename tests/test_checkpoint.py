@@ -406,6 +406,7 @@ def test_nonfinite_state_is_never_saved_unless_allowed(tmp_path):
   assert np.isnan(np.asarray(kept["w"])[2, 3]) and np.isfinite(np.asarray(kept["w"])).sum() == 15
 
 
+@pytest.mark.slow
 def test_async_save_blocks_the_loop_less_than_a_synchronous_save(tmp_path):
   """256 MiB on 8 devices: the synchronous save (write and commit) against the time an async
   save keeps the loop (finiteness check, copy to host); the loop computes while it writes."""

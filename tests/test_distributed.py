@@ -460,6 +460,7 @@ def _tpu_vm_job(tmp_path, metadata_hosts, coordinator_port, timeout_s):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_metadata_only_tpu_vm_worker_tries_to_join(tmp_path, metadata_servers):
   """Worker 1 of a v4-16 whose environment says nothing: initialize asks JAX's Cloud TPU
   detection, which names worker 0 as the coordinator; nobody serves it, so a bounded

@@ -78,6 +78,7 @@ def nnx_run():
   return r, r.train(STEPS, MESH)
 
 
+@pytest.mark.slow
 def test_nnx_matches_single_device_training(nnx_run):
   r, (losses, params) = nnx_run
   model = r.ByteLM(nnx.Rngs(0))
@@ -190,6 +191,7 @@ def eqx_run():
   return r, r.train(STEPS, MESH)
 
 
+@pytest.mark.slow
 def test_equinox_matches_single_device_training(eqx_run):
   r, (losses, params) = eqx_run
   model = r.ByteLM(jax.random.key(0))

@@ -38,7 +38,8 @@ def _hvp(attend, q):
 
 
 @pytest.mark.hlo_unread_loops  # Pallas interpret mode: loops over the kernel's grid
-@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+@pytest.mark.parametrize("kernel", [pytest.param("splash", marks=pytest.mark.slow),
+                                    "pallas_gpu"])  # splash runs quick in test_kernels
 def test_attention_kernels_push_tangents_forward(kernel, caplog):
   attend = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True),
                           attention=kernel, interpret=True)

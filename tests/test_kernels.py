@@ -114,8 +114,9 @@ CASES = {
 
 # Pallas's GPU attention under a causal mask walks key blocks up to a bound that depends on
 # the query block: a loop whose trip count is data, which the HLO reader lists as unread.
-# One case per kernel in the quick tier; the other shapes and masks are slow.
-_QUICK_CASES = ("splash-causal-gqa", "pallas_gpu-causal-gqa")
+# One case in the quick tier (Pallas's GPU kernel runs quick in test_forward_mode); the
+# other kernels, shapes and masks are slow.
+_QUICK_CASES = ("splash-causal-gqa",)
 
 
 @pytest.mark.parametrize("case", [
@@ -206,6 +207,7 @@ def _hlo_collectives(hlo: str) -> list[str]:
   return re.findall(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
 
 
+@pytest.mark.slow
 def test_kernel_keeps_replica_axis_in_batch_spec():
   # The axis names of the "hybrid" preset and of make_mesh(..., dcn={"replica": 2}), within
   # one process of 8 simulated devices (one process can't have two DCN groups).
@@ -776,6 +778,7 @@ def test_chunked_cross_entropy_matches_plain_value_and_gradient(chunk_size, z_lo
 BF16_GRAD_TOLERANCE = 2e-2
 
 
+@pytest.mark.slow
 def test_chunked_cross_entropy_bfloat16_gradient_dtypes():
   hidden = jnp.ones((16, 8), jnp.bfloat16)
   unembed = jnp.linspace(-1, 1, 8 * 300, dtype=jnp.float32).reshape(8, 300).astype(
@@ -976,6 +979,7 @@ def test_vocab_parallel_cross_entropy_matmul_flops_per_device():
 
 
 @pytest.mark.tpu
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy_matmul_flops_on_a_tpu_target(tpu_devices):
   # v5p:2x2x2 as {data 2, fsdp 2, tensor 2}, bfloat16, the vocabulary over fsdp and tensor
   # (as recipes/lm/llama.py stores its output layer): per device 1024 / 2 = 512 tokens of its
@@ -1019,6 +1023,7 @@ def _bench_attention(*flags):
                         env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_bench_attention_command_line():
   out = _bench_attention("--shapes", "1x128x1x1x32,1x100x1x1x32", "--implementations",
                          "xla,splash", "--iters", "1", "--warmup", "0", "--no-causal")

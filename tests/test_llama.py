@@ -163,6 +163,7 @@ def test_unknown_size_names_the_known_ones():
     llama.model_config("llama-9b", 128)
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss_on_cpu_mesh():
   cfg = llama.model_config("llama-tiny", 32, layers=1, d_model=64, d_mlp=128)
   mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})

@@ -180,6 +180,7 @@ def test_once_gather_dropout_masks_differ_by_microbatch_and_shard():
   assert _distinct(seen) == len(seen)
 
 
+@pytest.mark.slow
 def test_dropout_run_is_bitwise_reproducible():
   for mode in ("shard_map", "auto"):
     seen1, p1 = _dropout_run("data=8", mode)

@@ -51,6 +51,7 @@ def _batch(rows, seq, seed=0):
   return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
+@pytest.mark.slow
 def test_sampling_continues_a_prompt_with_the_models_own_argmax():
   """`gpt.generate` (train_lm's sample) drives the MoE model's apply, positions given:
   greedy tokens are the argmax of the model's logits, token by token."""

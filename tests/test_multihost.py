@@ -169,6 +169,7 @@ def test_preempted_job_saves_one_step_everywhere_and_resumes_bitwise(run_2x4, tm
   assert _max_diff(final, uninterrupted) == 0.0
 
 
+@pytest.mark.slow
 def test_notice_while_waiting_at_a_barrier_ends_every_process(tmp_path):
   """Process 0 waits at a barrier while process 1 is held back (a slow host); SIGTERM to
   process 1 alone: both end within seconds, not at the barrier's timeout, saving nothing."""

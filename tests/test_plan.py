@@ -270,7 +270,7 @@ def _small_llama(seq, layers=2, d=256, heads=2, kv=1, mlp=512):
                            seq=seq, vocab=256)
 
 
-@pytest.mark.parametrize("target", ["v5p-8", "cpu"])
+@pytest.mark.parametrize("target", [pytest.param("v5p-8", marks=pytest.mark.slow), "cpu"])
 def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
   """Counted whatever serves attention: splash on a TPU target (a Pallas kernel without a
   cost_estimate), the XLA reference on CPU. By hand, per row of T tokens: 6 x matmul weights

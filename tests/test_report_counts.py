@@ -129,6 +129,7 @@ LEVEL_0 = b"\n\x1exla_backend_optimization_level\x12\x02\x18\x00"
 NO_EXPENSIVE_PASSES = b"\n!xla_llvm_disable_expensive_passes\x12\x02\x10\x01"
 
 
+@pytest.mark.slow
 def test_fast_compile_reaches_the_executable_and_trains_like_jax_jit():
   opt = optax.adam(1e-2)
   ref = _reference_params(opt, 3)

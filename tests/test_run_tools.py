@@ -104,6 +104,7 @@ def _run(args, timeout=240):
                         text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_train_tokenizer_command_line(tmp_path, tokenizers):
   out = tmp_path / "tokenizer.json"
   script = str(ROOT / "recipes" / "train_tokenizer.py")
@@ -372,6 +373,7 @@ def test_plot_run_errors_name_the_path(tmp_path):
   assert not (tmp_path / "metrics.png").exists()
 
 
+@pytest.mark.slow
 def test_plot_run_command_line(tmp_path, matplotlib):
   script = str(ROOT / "recipes" / "plot_run.py")
   r = _run([script, str(_falling_run(tmp_path / "run", 0.95))], timeout=120)

@@ -414,6 +414,7 @@ def test_simulate_cpu_devices_rejects_a_bad_count(jax_config, n):
   assert jax_config == []
 
 
+@pytest.mark.slow
 def test_show_topology_recipe():
   out = _recipe("--devices=4", "--mesh=data=-1,tensor=2")
   assert out.returncode == 0, out.stderr

@@ -224,7 +224,8 @@ README_MESHES = ["data=2,fsdp=4", "data=-1,fsdp=2,tensor=2", "data=-1,fsdp=8"]
 
 
 @pytest.mark.parametrize("size, mesh_spec, partitioner", [
-    ("nano", "data=2,fsdp=4", "shardy"), ("nano", "data=2,fsdp=4", "gspmd"),
+    ("nano", "data=2,fsdp=4", "shardy"),
+    pytest.param("nano", "data=2,fsdp=4", "gspmd", marks=pytest.mark.slow),
     ("llama-tiny", "data=2,fsdp=4", "shardy")] + [
     pytest.param(size, m, "shardy", marks=pytest.mark.slow)  # the other meshes: repeats
     for size, m in [("nano", README_MESHES[1]), ("nano", README_MESHES[2]),
@@ -385,7 +386,7 @@ SUCCESS_PATHS = [
 
 # Each option's feature has its own tests in the library's files (accumulation, remat,
 # kernels, precision): the run through train_lm repeats them, so those cases are slow.
-_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision")
+_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision", "topology")
 
 
 @pytest.mark.parametrize("case, extra, rtol, said", [
@@ -568,6 +569,7 @@ def test_nonfinite_run_stops_and_keeps_the_last_good_checkpoint(work, capsys):
   assert fs.checkpoint.steps(ckpt) == (2,)
 
 
+@pytest.mark.slow
 def test_a_save_slower_than_the_preemption_window_is_said_at_start_up(work, stopped_at_3,
                                                                       capsys):
   run_dir = _checkpointed_at_3(work, stopped_at_3, "save_window")
