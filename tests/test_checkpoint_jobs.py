@@ -115,6 +115,7 @@ def _grain_job(directory, processes: int, mode: str, advance: str = "0"):
   return results, {e["process"]: e for r in results for e in _events(r.stdout)}
 
 
+@pytest.mark.slow
 def test_grain_positions_per_process_survive_a_two_process_stop_and_resume(tmp_path):
   stopped, saved = _grain_job(tmp_path / "ckpt", 2, "stop", "3,5")
   assert all(r.returncode == 0 for r in stopped), mp.describe(stopped)

@@ -19,7 +19,7 @@ STEPS = 4
 
 
 @pytest.mark.parametrize("recipe, framework", [
-    ("embed_flax_nnx", "flax"),
+    pytest.param("embed_flax_nnx", "flax", marks=pytest.mark.slow),
     pytest.param("embed_flax_linen", "flax", marks=pytest.mark.slow),
     pytest.param("embed_equinox", "equinox", marks=pytest.mark.slow)])
 def test_embed_recipe_command_line_loss_falls(recipe, framework):

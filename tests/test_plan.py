@@ -301,6 +301,7 @@ def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
   assert got[256] - got[128] == 12 * 2 * 2 * 128 * 128
 
 
+@pytest.mark.slow
 def test_llama_8b_per_token_flops_count_attention_on_a_tpu_target():
   """Llama-3-8B on v5p-128: 6N + 12 L H Q T per token (51.47 GFLOP at seq 4096, where the
   splash kernel's missing cost_estimate once left 45.03), and seq 8192 adds 12 L H Q 4096."""

@@ -998,6 +998,7 @@ def _recipe(*args):
 
 
 @pytest.mark.tpu
+@pytest.mark.slow
 def test_show_topology_describes_a_target(tpu_devices):
   out = _recipe("--topology=v5p-128", "--mesh=fsdp=-1,tensor=4")
   assert out.returncode == 0, out.stderr

@@ -386,7 +386,7 @@ SUCCESS_PATHS = [
 
 # Each option's feature has its own tests in the library's files (accumulation, remat,
 # kernels, precision): the run through train_lm repeats them, so those cases are slow.
-_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision", "topology")
+_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision", "topology", "profile_steps")
 
 
 @pytest.mark.parametrize("case, extra, rtol, said", [
@@ -455,6 +455,7 @@ def test_pruned_tokenizer_trains_with_a_vocabulary_of_its_largest_id(work, tmp_p
   assert first == pytest.approx(np.log(300), rel=0.05)
 
 
+@pytest.mark.slow
 def test_stalled_updates_stop_the_run_with_the_cause(work, tmp_path):
   # lr 1e-45 is a float32 subnormal, 0 on a device that flushes them: finite loss and
   # gradients, params that never move; the run names it at the 3rd such step, not at the end.
@@ -648,6 +649,7 @@ def test_processes_with_different_options_are_named_at_start(work, tmp_path):
     assert "compile:" not in out  # named before anything compiled
 
 
+@pytest.mark.slow
 def test_preemption_service_off_is_named_at_start(work, tmp_path):
   """JAX_ENABLE_PREEMPTION_SERVICE=false in a two-process job: the guard of the training loop
   cannot work; both processes say so at start-up (before any compile), naming the variable."""

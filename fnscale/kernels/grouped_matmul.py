@@ -165,7 +165,7 @@ def _tiled(lhs, rhs, group_sizes, tile: int | None = None):
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str = "auto", interpret: bool = False,
-                   platform: str | None = None) -> jax.Array:
+                   platform: str | None = None, zero_padding: bool = True) -> jax.Array:
   """`out[r] = lhs[r] @ rhs[g(r)]` where row r lies in group g(r); rows past the groups 0.
 
   Groups are consecutive: group g holds rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])).
@@ -175,6 +175,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     rhs: [groups, k, n], the lhs's dtype.
     group_sizes: int32 [groups]; their sum may be below m (the rest is padding).
     implementation, interpret, platform: see `gmm_selection`.
+    zero_padding: False leaves the rows past the groups unspecified where the kernel
+      doesn't write them (megablox): no masking select, which in a fused backward pass
+      keeps XLA from writing its results over the operands' buffers. The caller then masks
+      those rows itself (as `fnscale.parallel.experts` does once around its whole FFN).
 
   Returns:
     [m, n] in lhs's dtype (float32 accumulation).
@@ -198,16 +202,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
   # megablox differentiates only in reverse mode; forward mode takes ragged_dot's JVP.
   return _autodiff.reverse_only(
-      functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret),
+      functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret,
+                        zero_padding=zero_padding),
       lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes),
       "the megablox grouped matmul", "jax.lax.ragged_dot")(lhs, rhs, group_sizes)
 
 
-def _megablox(lhs, rhs, group_sizes, *, tiling, interpret):
+def _megablox(lhs, rhs, group_sizes, *, tiling, interpret, zero_padding):
   # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
   out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling, None,
                      None, False, interpret)
+  if not zero_padding:
+    return out
   # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).
   rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))

@@ -483,15 +483,34 @@ def _psum(x, axes):
   return jax.lax.psum(x, axes) if axes else x
 
 
+@jax.custom_jvp
+def _padding_without_gradient(x, rows):
+  """x, whose rows where `rows` is False get no tangent (nor cotangent): no copy of x."""
+  del rows
+  return x
+
+
+@_padding_without_gradient.defjvp
+def _padding_without_gradient_jvp(primals, tangents):
+  x, rows = primals
+  return x, jnp.where(rows, tangents[0], jnp.zeros((), tangents[0].dtype))
+
+
 def _ffn(xs, w, group_sizes, gmm, tensor):
   """SwiGLU experts over sorted rows: silu(x Wg) * (x Wu) Wd, rows past the groups zero.
   With `tensor` axes the hidden width is split: the down projection's partial sums are
-  all-reduced over them."""
+  all-reduced over them. The padding rows are zeroed once, in the output and in the
+  input's gradient, not after each grouped matmul (which megablox leaves unwritten there):
+  without a mask in them XLA's fused backward of silu and the product writes its results
+  over its operands' buffers."""
+  rows = (jnp.arange(xs.shape[0]) < jnp.sum(group_sizes))[:, None]
   mm = functools.partial(grouped_matmul, group_sizes=group_sizes,
                          implementation=gmm.implementation, interpret=gmm.interpret,
-                         platform=gmm.platform)
+                         platform=gmm.platform, zero_padding=False)
+  xs = _padding_without_gradient(xs, rows)
   h = jax.nn.silu(mm(xs, w["w_gate"])) * mm(xs, w["w_up"])
-  return _psum(mm(h, w["w_down"]), tensor)
+  y = _psum(mm(h, w["w_down"]), tensor)
+  return jnp.where(rows, y, jnp.zeros((), y.dtype))
 
 
 def _combine(y, weights):
