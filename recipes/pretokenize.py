@@ -69,7 +69,7 @@ def run(o: Options) -> Done:
   """Builds the cache of options `o` and prints what it holds and this run's speed."""
   manifest = cache.build(spec(o))
   r = manifest["run"]
-  rate = (f", {r['tokens'] / r['seconds']:,.0f} tokens/s with {r['workers']} process(es)"
+  rate = (f", {r['tokens'] / r['seconds']:,.0f} tokens/s with {cache.processes(r['workers'])}"
           if r["seconds"] > 0 and r["tokens"] else "")
   print(f"cache: {manifest['docs']} documents, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} with loss weight) in {len(manifest['shards'])} shards, "

@@ -103,6 +103,19 @@ def test_gs_sources_read_through_fsspec(tmp_path, monkeypatch):
   assert [bytes(ids.astype(np.uint8).tolist()).decode() for ids, _ in got] == TEXTS
 
 
+def test_the_processes_said_are_the_ones_used(tmp_path):
+  # Four worker processes asked for, one shard to write: one process runs it, and both the
+  # start line and the run's record say so.
+  src = tmp_path / "d.jsonl"
+  src.write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+  said = []
+  built = cache.build(cache.BuildSpec((str(src),), str(tmp_path / "out"), workers=4),
+                      say=said.append)
+  assert said[0].endswith(", 1 process"), said[0]
+  assert built["run"]["workers"] == 1
+  assert cache.processes(2) == "2 processes"
+
+
 def test_a_killed_build_reruns_only_its_missing_shards(tmp_path):
   src = tmp_path / "d.jsonl"
   src.write_text("".join(json.dumps({"text": t * 4}) + "\n" for t in TEXTS * 6))

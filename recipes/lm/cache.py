@@ -217,10 +217,11 @@ def build(spec: BuildSpec, say=print) -> dict:
   names = [_shard_name(k, len(tasks)) for k in range(len(tasks))]
   paths = [os.path.join(spec.out, "shards", n) for n in names]
   todo = [k for k, p in enumerate(paths) if not os.path.exists(p + ".json")]
+  used = min(spec.workers, max(1, len(todo)))  # no more processes than shards to write
   say(f"tokenizing {len(files)} files into {len(tasks)} shards with {identity['name']} "
-      f"({len(tasks) - len(todo)} already done), {spec.workers} process(es)")
+      f"({len(tasks) - len(todo)} already done), {processes(used)}")
   t0 = time.perf_counter()
-  _run(todo, tasks, paths, tokenizer, pj["field"], spec.workers)
+  _run(todo, tasks, paths, tokenizer, pj["field"], used)
   seconds = time.perf_counter() - t0
   manifest = _manifest(pj, names, paths)
   with open(os.path.join(spec.out, "manifest.json.tmp"), "w") as f:
@@ -228,7 +229,12 @@ def build(spec: BuildSpec, say=print) -> dict:
   os.replace(os.path.join(spec.out, "manifest.json.tmp"), os.path.join(spec.out, "manifest.json"))
   done = sum(manifest["shards"][k]["tokens"] for k in todo)
   return dict(manifest, run={"shards": len(todo), "tokens": done, "seconds": seconds,
-                             "workers": min(spec.workers, max(1, len(todo)))})
+                             "workers": used})
+
+
+def processes(n: int) -> str:
+  """"1 process", "4 processes"."""
+  return f"{n} process" + ("es" if n != 1 else "")
 
 
 def _run(todo, tasks, paths, tokenizer, field: str, workers: int) -> None:
