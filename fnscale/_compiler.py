@@ -90,7 +90,28 @@ def _restore(saved: int, tmp) -> str:
   return text
 
 
+# jax.monitoring (public) reports each program jax loads from its persistent compilation
+# cache with this event; the count is per thread, read after each compile.
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_HITS = threading.local()
+
+
+def _count_cache_hit(event: str, **_) -> None:
+  if event == _CACHE_HIT:
+    _HITS.count = getattr(_HITS, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+def loaded_from_cache() -> bool:
+  """Whether this thread's last `compile_lowered` was served by jax's persistent
+  compilation cache (its seconds are then a load's, not XLA's)."""
+  return getattr(_HITS, "last", False)
+
+
 def _compile_capturing(lowered, compiler_options):
+  _HITS.count = 0
   with tempfile.TemporaryFile(mode="w+b") as tmp:
     with _CAPTURE_LOCK:
       sys.stderr.flush()
@@ -104,6 +125,7 @@ def _compile_capturing(lowered, compiler_options):
       with _CAPTURE_LOCK:
         # Empty when another thread released stderr: the process is leaving anyway.
         text = _restore(_CAPTURE.pop("saved"), _CAPTURE.pop("tmp")) if _CAPTURE else ""
+      _HITS.last = _HITS.count > 0
   return compiled, seconds, text
 
 

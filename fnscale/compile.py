@@ -184,7 +184,8 @@ class CompiledStep:
   and `batch_shardings` (pytrees of NamedSharding), `xla_warnings` (XLA's partitioner
   warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
   `signature` (the leaves it was compiled for), `compiler_options` (the XLA options it was
-  compiled with). In a multi-process job, `fnscale.multihost.agree_on_step(compiled)`
+  compiled with), `from_cache` (loaded from jax's persistent compilation cache: then
+  `compile_seconds` is the load's). In a multi-process job, `fnscale.multihost.agree_on_step(compiled)`
   checks that every process compiled the same step.
   """
   compiled: Any
@@ -198,6 +199,7 @@ class CompiledStep:
   signature: _Signature
   donate: bool = True
   compiler_options: Mapping | None = None
+  from_cache: bool = False
   # ids of the leaves of the state the last call returned: that state is made of fresh
   # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
   _returned: list = dataclasses.field(default_factory=lambda: [None], init=False,
@@ -333,7 +335,8 @@ class ShardedStep:
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(self.mesh.shape), self.mode)
     return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
-                        sig, self.donate, self.compiler_options)
+                        sig, self.donate, self.compiler_options,
+                        _compiler.loaded_from_cache())
 
   def __call__(self, state, batch):
     key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),

@@ -60,3 +60,20 @@ def test_log_lines_parsed_and_deduplicated():
   assert freport.xla_warnings(text) == (
       "[SPMD] Involuntary full rematerialization. The compiler cannot go from sharding {a} "
       "to {b}", "an error line")
+
+
+def test_a_step_loaded_from_the_persistent_cache_is_said_so(tmp_path):
+  # The same step compiled twice by fresh ShardedSteps with jax's persistent cache on: XLA
+  # compiles the first, the second is a load from the cache, and only its report says so.
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  mesh = fs.make_mesh({"data": 8})
+  opt = optax.sgd(0.1)
+  state = fs.init_state({"w": jnp.zeros((4, 1))}, opt, mesh=mesh)
+  batch = {"x": jnp.ones((16, 4)), "y": jnp.ones((16, 1))}
+  with freport.compilation_cache_restored():
+    freport.compilation_cache(str(tmp_path))
+    first, again = [fs.compile_report(fs.shard_step(fs.train_step(loss, opt), mesh), state,
+                                      batch) for _ in range(2)]
+  assert (first.from_cache, again.from_cache) == (False, True)
+  assert "persistent compilation cache" not in str(first)
+  assert "(loaded from jax's persistent compilation cache)" in str(again)

@@ -27,7 +27,7 @@ from fnscale.parallel import pipeline as _pipeline
 # The compile settings are public here; the warnings reader is reached here by its tests.
 from fnscale._compiler import compilation_cache, compilation_cache_restored  # noqa: F401
 from fnscale._compiler import fast_compile_options  # noqa: F401
-from fnscale._compiler import compile_lowered, xla_warnings  # noqa: F401
+from fnscale._compiler import compile_lowered, loaded_from_cache, xla_warnings  # noqa: F401
 
 __all__ = ["CompileReport", "compilation_cache", "compilation_cache_restored", "compile_report",
            "fast_compile_options", "format_report", "sharding_report"]
@@ -57,7 +57,9 @@ class CompileReport(NamedTuple):
   `fnscale.parallel.pipeline.Schedule`: stages, microbatches, repeats and the bubble
   (S - 1) / (R M + S - 1)), `grouped_flops` (the grouped matmuls' FLOPs of a mixture of
   experts, `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper
-  bound of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`).
+  bound of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`),
+  `from_cache` (the program was loaded from jax's persistent compilation cache, so
+  `compile_seconds` is the load's).
 
   Examples:
     A plain function of (state, batch), compiled with `jax.jit` on one device: [8, 4] x [4, 2]
@@ -90,6 +92,7 @@ class CompileReport(NamedTuple):
   dcn_bytes_sent: float = 0.0
   pipelines: tuple[_pipeline.Schedule, ...] = ()
   grouped_flops: float = 0.0
+  from_cache: bool = False
 
   @property
   def flops_ratio(self) -> float | None:
@@ -127,9 +130,10 @@ def _analysis(compiled, name: str):
 
 
 def report_from_compiled(compiled, compile_seconds: float, mesh=None,
-                         warnings: tuple[str, ...] = ()) -> CompileReport:
-  """A `CompileReport` from a `jax.stages.Compiled`, its measured compile time and the
-  warnings XLA logged while compiling it."""
+                         warnings: tuple[str, ...] = (), from_cache: bool = False
+                         ) -> CompileReport:
+  """A `CompileReport` from a `jax.stages.Compiled`, its measured compile time, the
+  warnings XLA logged while compiling it and whether it came from the persistent cache."""
   cost = _analysis(compiled, "cost_analysis")
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
@@ -163,7 +167,8 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       mesh_shape=dict(mesh.shape) if mesh is not None else None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
       kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent,
-      pipelines=_pipeline.schedules_in(text), grouped_flops=hlo.grouped_flops)
+      pipelines=_pipeline.schedules_in(text), grouped_flops=hlo.grouped_flops,
+      from_cache=bool(from_cache))
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -233,10 +238,10 @@ def _report(step, state, batch, *, options, model_flops) -> CompileReport:
     step = step.compile(state, batch)
   if isinstance(step, _compile.CompiledStep):
     report = report_from_compiled(step.compiled, step.compile_seconds, step.mesh,
-                                  step.xla_warnings)
+                                  step.xla_warnings, step.from_cache)
   else:
     compiled, seconds, warnings = compile_lowered(jax.jit(step).lower(state, batch), options)
-    report = report_from_compiled(compiled, seconds, None, warnings)
+    report = report_from_compiled(compiled, seconds, None, warnings, loaded_from_cache())
   return report._replace(model_flops=None if model_flops is None else float(model_flops))
 
 
@@ -255,7 +260,8 @@ def format_report(report: CompileReport) -> str:
           if report.mesh_shape else "")
   lines = [
       f"compiled step: {report.platform} x{report.num_devices}{mesh}",
-      f"  compile time      {report.compile_seconds:.2f} s",
+      f"  compile time      {report.compile_seconds:.2f} s"
+      + (" (loaded from jax's persistent compilation cache)" if report.from_cache else ""),
       f"  FLOPs per device  {fn(report.flops)}  (XLA cost analysis, loop bodies once; "
       f"transcendentals {fn(report.transcendentals)}, bytes accessed "
       f"{fb(report.bytes_accessed)})",
