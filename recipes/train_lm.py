@@ -139,9 +139,8 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
     batches, evals = data.run_batches(s, fs.batch_sharding(s.mesh, context_axes=()))
     state, start, resumed = ck.resume(s, ckpt, init, batches, say)
     eval_batches = [h.put(s, b) for b in evals]
-    first = next(batches)
-    packing.say_padding(o, first, evals, say)
-    first = h.put(s, first)
+    rows = next(batches)  # this process's rows, as numpy
+    first = h.put(s, rows)
     step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     r = h.Run(s=s, say=say, t0=t0, baseline=base, policy=policy, schedule=schedule, peak=peak,
@@ -151,6 +150,7 @@ def _run(s: h.Setup, ckpt, t0: float, say, should_stop) -> h.Summary:
               prof=rl.profiler(s.profile, o.run_dir, say=say),
               saver=ck.saver(s, ckpt, batches, resumed, say), should_stop=should_stop)
     h.describe(r, state)
+    packing.say_padding(o, rows, evals, say)
     ev = h.evaluate(r, state, 0) if start == 0 else None
     state, out = _train(r, state, first)
     out = _finish(r, state, dict(out, eval_loss=ev))

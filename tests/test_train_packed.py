@@ -82,13 +82,16 @@ def test_an_unreadable_shard_is_named(caches, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_mixture_trains_stops_and_resumes_bitwise(caches, tmp_path):
+def test_a_mixture_trains_stops_and_resumes_bitwise(caches, tmp_path, capsys):
   """Two caches at 0.7 / 0.3: the loss falls; stopped at step 2 and rerun, the run ends with
   the params of the uninterrupted one (the per-row data positions travel in the checkpoint)."""
   mix = [f"--dataset={caches / 'code'}:0.7,{caches / 'web'}:0.3",
          f"--compile_cache_dir={caches / 'xla'}"]
   whole = train_lm.run(harness.parse_flags(train_lm.Options,
                                            _argv(caches, tmp_path / "a", *mix)))
+  said = capsys.readouterr().out.splitlines()
+  at = lambda start: next(i for i, line in enumerate(said) if line.startswith(start))
+  assert at("fnscale train_lm:") < at("packing (first_fit, 8 bins"), said  # after the banner
   train_lm.run(harness.parse_flags(train_lm.Options,
                                    _argv(caches, tmp_path / "b", *mix, "--stop_after=2")))
   resumed = train_lm.run(harness.parse_flags(train_lm.Options,
