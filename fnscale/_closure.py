@@ -50,7 +50,10 @@ def explicit_closure(err: BaseException, fn, owner: str = "the function") -> Clo
   aval = _compat.explicit_closure_aval(err)
   if aval is None:
     return None
-  return Closure(tuple(name for name, _ in closed_arrays(fn)), aval, owner)
+  names = tuple(name for name, _ in closed_arrays(fn))
+  if not aval and not names and isinstance(err, ValueError):
+    return None  # jax's lowering refusal names no array: without one found, not a closure
+  return Closure(names, aval, owner)
 
 
 def _explicit(x) -> bool:

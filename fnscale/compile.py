@@ -185,8 +185,9 @@ class CompiledStep:
   warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
   `signature` (the leaves it was compiled for), `compiler_options` (the XLA options it was
   compiled with), `from_cache` (loaded from jax's persistent compilation cache: then
-  `compile_seconds` is the load's). In a multi-process job, `fnscale.multihost.agree_on_step(compiled)`
-  checks that every process compiled the same step.
+  `compile_seconds` is the load's). In a multi-process job,
+  `fnscale.multihost.agree_on_step(compiled)` checks that every process compiled the same
+  step.
   """
   compiled: Any
   lowered: Any
@@ -321,9 +322,9 @@ class ShardedStep:
         raise StepError(closed.message(
             "shard_step(mode='shard_map') runs the step per shard under jax.shard_map",
             _closure.FIX + ", or mode='auto'")) from None
-      if closed is not None:  # met where train_step's microbatch loop runs per shard
+      if closed is not None:  # e.g. train_step's per-shard microbatch loop
         raise StepError(closed.message(
-            "the step's microbatch loop runs per shard under jax.shard_map",
+            "a jax.shard_map in the step (e.g. train_step's per-shard microbatch loop)",
             _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
       if isinstance(e, NotImplementedError):
         raise

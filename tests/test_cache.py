@@ -114,6 +114,10 @@ def test_the_processes_said_are_the_ones_used(tmp_path):
   assert said[0].endswith(", 1 process"), said[0]
   assert built["run"]["workers"] == 1
   assert cache.processes(2) == "2 processes"
+  # Run again, nothing left to write: no process runs.
+  said.clear()
+  cache.build(cache.BuildSpec((str(src),), str(tmp_path / "out"), workers=4), say=said.append)
+  assert said[0].endswith("(1 already done), 0 processes"), said[0]
 
 
 def test_a_killed_build_reruns_only_its_missing_shards(tmp_path):

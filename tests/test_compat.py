@@ -335,6 +335,9 @@ def test_explicit_closure_aval_reads_the_refusal_at_lowering():
     assert _compat.explicit_closure_aval(e) == "", str(e)
   else:
     assert jax.__version_info__ < (0, 12), "jax 0.12 lowered it: the refusal is gone"
+  assert _compat.explicit_closure_aval(ValueError(
+      "Cannot lower jaxpr with verifier errors:\n\t'sdy.manual_computation' op operand shape, "
+      "corresponding sharding, and region operand shape at index 0 must match.")) == ""
   assert _compat.explicit_closure_aval(ValueError("Cannot lower jaxpr with verifier "
                                                   "errors: 'stablehlo.add' op")) is None
 

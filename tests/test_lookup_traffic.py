@@ -108,12 +108,16 @@ def test_llama_step_moves_no_table():
     # context gives [B, T / 4, D / 2], the one over fsdp [B / 2, T / 4, D]; both each way.
     ("fsdp=2,context=4", "llama", B * T // 4 * I32 + B * T * I32,
      2 * 2 * B * T // 4 * D // 2 * F32),
+    # d split the other way round (context major): the same ids and activations move.
+    ("fsdp=2,context=4", "context-major", B * T // 4 * I32 + B * T * I32,
+     2 * 2 * B * T // 4 * D // 2 * F32),
 ])
 def test_lookup_over_every_column_axis_moves_ids_not_the_table(mesh_spec, model, ids, a2a):
   # The table split as the model's rules split it, over every FSDP-like axis: value and
   # gradient as table[tokens] on one device; only ids and activations move.
   from recipes.lm import moe  # pylint: disable=import-outside-toplevel
-  rules = {"moe": moe.RULES, "llama": llama.RULES}[model]
+  rules = {"moe": moe.RULES, "llama": llama.RULES,
+           "context-major": (("embed", ("context", "fsdp")),) + llama.RULES}[model]
   V = 512
   table = jax.random.normal(jax.random.key(0), (V, D))
   tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
@@ -133,3 +137,23 @@ def test_lookup_over_every_column_axis_moves_ids_not_the_table(mesh_spec, model,
   assert s.collective("all-gather").bytes == ids
   assert s.collective("all-to-all").bytes == a2a
   assert s.collective("all-reduce").bytes <= 8  # the loss; never the table's gradient
+
+
+def test_a_vocabulary_split_over_a_token_axis_still_looks_up_each_token():
+  # Rules that split the vocabulary over "data", which also splits the rows: the blocks of
+  # different devices hold different tokens, so they are never summed over it; the values
+  # and gradients stay table[tokens]'s.
+  rules = (("vocab", "data"),) + llama.RULES
+  mesh = fs.make_mesh("data=2,fsdp=4")
+  table = jax.random.normal(jax.random.key(0), (512, D))
+  tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 512)
+  cot = jax.random.normal(jax.random.key(2), (B, T, D))
+  spec = fs.sharding.logical_to_spec(("vocab", "embed"), rules, mesh)
+  assert spec == P("data", "fsdp")
+  with fs.with_mesh(mesh):
+    loss = lambda t, x: jnp.sum(gpt.embed_lookup(t, x, rules) * cot)
+    got = jax.jit(jax.value_and_grad(loss))(jax.device_put(table, NamedSharding(mesh, spec)),
+                                            jax.device_put(tokens, fs.batch_sharding(mesh)))
+  want = jax.value_and_grad(lambda t: jnp.sum(t[tokens] * cot))(table)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], atol=1e-5)

@@ -515,7 +515,8 @@ def test_llama_pipelined_step_equals_one_device(mesh_axes, repeats):
 @pytest.mark.parametrize("spec", [P(), P(None, None, "stage")], ids=["whole", "stage-on-d"])
 def test_explicit_axes_take_params_not_split_over_the_stages(spec):
   # On Explicit axes jax's shard_map takes only params whose stage dim is on the stage
-  # axis: params replicated, or split over "stage" on another dim, are moved there first.
+  # axis: params replicated, or split over "stage" on another dim, are moved there first
+  # (jax 0.12 refuses them otherwise; 0.10.2 checks only a shard_map manual over every axis).
   mesh = fs.make_mesh({"stage": 4, "data": 2}, axis_types="explicit")
   ws, x = _weights(), _inputs(False)
   with fs.with_mesh(mesh):

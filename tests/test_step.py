@@ -87,7 +87,8 @@ def _state_device_bytes(state):
 # ----------------------------------------------------------------------------- equivalence
 
 
-# The transformer on the mesh that has every kind of axis runs quick, the others slow.
+# The MLP on every mesh and the transformer on the one with every kind of axis run quick;
+# the transformer's other meshes are slow.
 EQUIVALENCE = [pytest.param(model, mesh, marks=() if model == "mlp" or mesh == MESHES[2]
                             else pytest.mark.slow) for model in sorted(MODELS) for mesh in MESHES]
 

@@ -166,7 +166,8 @@ def _tiled(lhs, rhs, group_sizes, tile: int | None = None):
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str = "auto", interpret: bool = False,
                    platform: str | None = None, zero_padding: bool = True) -> jax.Array:
-  """`out[r] = lhs[r] @ rhs[g(r)]` where row r lies in group g(r); rows past the groups 0.
+  """`out[r] = lhs[r] @ rhs[g(r)]` where row r lies in group g(r); rows past the groups 0
+  (unless `zero_padding=False`).
 
   Groups are consecutive: group g holds rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])).
 

@@ -217,7 +217,7 @@ def build(spec: BuildSpec, say=print) -> dict:
   names = [_shard_name(k, len(tasks)) for k in range(len(tasks))]
   paths = [os.path.join(spec.out, "shards", n) for n in names]
   todo = [k for k, p in enumerate(paths) if not os.path.exists(p + ".json")]
-  used = min(spec.workers, max(1, len(todo)))  # no more processes than shards to write
+  used = min(spec.workers, len(todo))  # no more processes than shards to write
   say(f"tokenizing {len(files)} files into {len(tasks)} shards with {identity['name']} "
       f"({len(tasks) - len(todo)} already done), {processes(used)}")
   t0 = time.perf_counter()
@@ -240,7 +240,7 @@ def processes(n: int) -> str:
 def _run(todo, tasks, paths, tokenizer, field: str, workers: int) -> None:
   """Runs the shards `todo`: in this process for one worker, else in worker processes."""
   try:
-    if workers == 1 or len(todo) <= 1:
+    if workers <= 1 or len(todo) <= 1:
       for k in todo:
         shards.write_shard(tasks[k], paths[k], tokenizer, field)
       return

@@ -182,8 +182,8 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
   `rules`: the model's logical rules (default this module's `RULES`), which split the table
   ("vocab", "embed"): d over the FSDP-like axes (fsdp, expert, context), vocab over
   "tensor". Under a mesh the lookup runs in a `jax.shard_map` over the axes the trace sees
-  whole. Each device all-gathers the token ids of the devices that share its ids but hold
-  other columns of the table (int32: over d's axes that split the batch rows, along the
+  whole. Each device all-gathers the token ids of the devices that hold the table's other
+  columns (and other tokens: int32, over d's axes that split the batch rows, along the
   rows; over those that split the sequence, along it), looks them up in its own
   [vocab / tensor, d / ...] block (ids outside the block give 0, summed over "tensor"), and
   all-to-alls turn the result back into this device's tokens with every column, the minor
@@ -209,15 +209,16 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
   if tokens.shape[1] % size(seq):
     seq = ()
   spec = fs.sharding.logical_to_spec(("vocab", "embed"), RULES if rules is None else rules, mesh)
-  runs = _column_runs(free(_axes_of(spec[1])), rows, seq)
-  vocab = free(_axes_of(spec[0]))
+  runs = _column_runs(free(_axes_of(spec[1])), rows, seq, table.shape[1], mesh.shape)
+  # Vocabulary blocks are summed over their axes: never over axes that split the tokens.
+  vocab = tuple(a for a in free(_axes_of(spec[0])) if a not in rows + seq)
   if table.shape[0] % size(vocab):
     vocab = ()
   if not rows and not vocab:
     return fs.constrain_batch(table[tokens])
 
   def local(table, tokens):
-    for axes, dim in runs:
+    for axes, dim in sorted(runs, key=lambda r: size(r[0])):  # the smaller gather first
       tokens = jax.lax.all_gather(tokens, axes, axis=dim, tiled=True)
     if vocab:  # this device's vocabulary rows start at its index along "tensor"
       ids = tokens - jax.lax.axis_index(vocab) * table.shape[0]
@@ -231,21 +232,29 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
     return x
 
   columns = tuple(a for axes, _ in runs for a in axes)
-  spec_rows, spec_seq = _spec(rows), _spec(seq)
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(_spec(vocab), _spec(columns)),
-                                                   P(spec_rows, spec_seq)),
-                       out_specs=P(spec_rows, spec_seq, None), axis_names=frozenset(
+  table_spec, token_spec = P(_spec(vocab), _spec(columns)), P(_spec(rows), _spec(seq))
+  if set(free(mesh.axis_names)) & set(getattr(mesh, "explicit_axes", ())):
+    # Explicit axes: shard_map takes only arrays already split as its specs say.
+    table = jax.sharding.reshard(table, table_spec)
+    tokens = jax.sharding.reshard(tokens, token_spec)
+  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, token_spec),
+                       out_specs=P(_spec(rows), _spec(seq), None), axis_names=frozenset(
                            free(mesh.axis_names)), check_vma=True)(table, tokens)
 
 
-def _column_runs(columns: tuple[str, ...], rows: tuple[str, ...], seq: tuple[str, ...]):
+def _column_runs(columns: tuple[str, ...], rows: tuple[str, ...], seq: tuple[str, ...],
+                 width: int, sizes) -> tuple:
   """The table's column (d) axes as runs of (axes, token dim): consecutive axes that split
-  the batch rows (dim 0) or the sequence (dim 1), at most one run per dim. Columns after
-  the first axis that fits neither are left out (the partitioner gathers those)."""
+  the batch rows (dim 0) or the sequence (dim 1), at most one run per dim, their sizes'
+  product dividing `width` (d). The columns from the first axis that fits none of these on
+  are whole inside the lookup (gathered on entry)."""
   runs: list[tuple[tuple[str, ...], int]] = []
+  split = 1
   for a in columns:
     dim = 0 if a in rows else 1 if a in seq else None
-    if dim is None or (runs and runs[-1][1] != dim and any(d == dim for _, d in runs)):
+    split *= sizes[a]
+    if (dim is None or width % split
+        or (runs and runs[-1][1] != dim and any(d == dim for _, d in runs))):
       break
     if runs and runs[-1][1] == dim:
       runs[-1] = (runs[-1][0] + (a,), dim)
