@@ -36,7 +36,7 @@ _SEEN_WARNINGS: dict[str, tuple[str, ...]] = {}
 
 
 def compile_lowered(lowered, compiler_options: Mapping | None = None
-                    ) -> tuple[Any, float, tuple[str, ...]]:
+                    ) -> tuple[Any, float, tuple[str, ...], bool]:
   """`lowered.compile(...)`, timed, with what XLA logged to stderr meanwhile captured.
 
   XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
@@ -48,15 +48,16 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
   compile; one loaded from the persistent compilation cache has none.
 
   Returns:
-    (the `jax.stages.Compiled`, compile seconds, XLA's warning messages).
+    (the `jax.stages.Compiled`, compile seconds, XLA's warning messages, whether jax loaded
+    it from its persistent compilation cache: the seconds are then a load's).
   """
   key = hashlib.sha256((lowered.as_text() + repr(sorted((compiler_options or {}).items())))
                        .encode()).hexdigest()
-  compiled, seconds, text = _compile_capturing(lowered, compiler_options)
+  compiled, seconds, text, from_cache = _compile_capturing(lowered, compiler_options)
   warnings = xla_warnings(text)
   if warnings:
     _SEEN_WARNINGS[key] = warnings
-  return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ())
+  return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ()), from_cache
 
 
 # The compile whose stderr is being captured, if any: {"saved": the real stderr's duplicate
@@ -91,42 +92,42 @@ def _restore(saved: int, tmp) -> str:
 
 
 # jax.monitoring (public) reports each program jax loads from its persistent compilation
-# cache with this event; the count is per thread, read after each compile.
+# cache with this event.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_HITS = threading.local()
 
 
-def _count_cache_hit(event: str, **_) -> None:
-  if event == _CACHE_HIT:
-    _HITS.count = getattr(_HITS, "count", 0) + 1
+@contextlib.contextmanager
+def _cache_hits():
+  """A list that gets one entry per program this thread loads from jax's persistent
+  compilation cache inside the block (a listener for the block only: no module state)."""
+  hits, thread = [], threading.get_ident()
 
-
-jax.monitoring.register_event_listener(_count_cache_hit)
-
-
-def loaded_from_cache() -> bool:
-  """Whether this thread's last `compile_lowered` was served by jax's persistent
-  compilation cache (its seconds are then a load's, not XLA's)."""
-  return getattr(_HITS, "last", False)
+  def listen(event: str, **_) -> None:
+    if event == _CACHE_HIT and threading.get_ident() == thread:
+      hits.append(event)
+  jax.monitoring.register_event_listener(listen)
+  try:
+    yield hits
+  finally:
+    jax.monitoring.unregister_event_listener(listen)
 
 
 def _compile_capturing(lowered, compiler_options):
-  _HITS.count = 0
   with tempfile.TemporaryFile(mode="w+b") as tmp:
     with _CAPTURE_LOCK:
       sys.stderr.flush()
       _CAPTURE.update(saved=os.dup(2), tmp=tmp)
       os.dup2(tmp.fileno(), 2)
     try:
-      t0 = time.perf_counter()
-      compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
-      seconds = time.perf_counter() - t0
+      with _cache_hits() as hits:
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
+        seconds = time.perf_counter() - t0
     finally:
       with _CAPTURE_LOCK:
         # Empty when another thread released stderr: the process is leaving anyway.
         text = _restore(_CAPTURE.pop("saved"), _CAPTURE.pop("tmp")) if _CAPTURE else ""
-      _HITS.last = _HITS.count > 0
-  return compiled, seconds, text
+  return compiled, seconds, text, bool(hits)
 
 
 def fast_compile_options() -> dict[str, Any]:

@@ -331,13 +331,13 @@ class ShardedStep:
       raise _trace_error(e, sig) from e
     except TypeError as e:  # the user's step doesn't trace for these shapes
       raise _trace_error(e, sig) from e
-    compiled, seconds, warnings = _compiler.compile_lowered(lowered, self.compiler_options)
+    compiled, seconds, warnings, from_cache = _compiler.compile_lowered(lowered,
+                                                                       self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
                  dict(self.mesh.shape), self.mode)
     return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
-                        sig, self.donate, self.compiler_options,
-                        _compiler.loaded_from_cache())
+                        sig, self.donate, self.compiler_options, from_cache)
 
   def __call__(self, state, batch):
     key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),

@@ -93,7 +93,7 @@ def log() -> dict:
   for name, shardy in (("gspmd", False), ("shardy", True)):
     jax.config.update("jax_use_shardy_partitioner", shardy)
     lowered = jax.jit(lambda t, i, u: t.at[i].add(u)).lower(*args)
-    _, _, text = _compiler._compile_capturing(lowered, None)  # pylint: disable=protected-access
+    _, _, text, _ = _compiler._compile_capturing(lowered, None)  # pylint: disable=protected-access
     out[name] = {"raw": text, "messages": _compat.xla_log_messages(text)}
   return out
 

@@ -27,7 +27,7 @@ from fnscale.parallel import pipeline as _pipeline
 # The compile settings are public here; the warnings reader is reached here by its tests.
 from fnscale._compiler import compilation_cache, compilation_cache_restored  # noqa: F401
 from fnscale._compiler import fast_compile_options  # noqa: F401
-from fnscale._compiler import compile_lowered, loaded_from_cache, xla_warnings  # noqa: F401
+from fnscale._compiler import compile_lowered, xla_warnings  # noqa: F401
 
 __all__ = ["CompileReport", "compilation_cache", "compilation_cache_restored", "compile_report",
            "fast_compile_options", "format_report", "sharding_report"]
@@ -240,8 +240,9 @@ def _report(step, state, batch, *, options, model_flops) -> CompileReport:
     report = report_from_compiled(step.compiled, step.compile_seconds, step.mesh,
                                   step.xla_warnings, step.from_cache)
   else:
-    compiled, seconds, warnings = compile_lowered(jax.jit(step).lower(state, batch), options)
-    report = report_from_compiled(compiled, seconds, None, warnings, loaded_from_cache())
+    compiled, seconds, warnings, from_cache = compile_lowered(
+        jax.jit(step).lower(state, batch), options)
+    report = report_from_compiled(compiled, seconds, None, warnings, from_cache)
   return report._replace(model_flops=None if model_flops is None else float(model_flops))
 
 
