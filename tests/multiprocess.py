@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -278,6 +279,28 @@ def run(argv: Sequence[str], num_processes: int, devices_per_process: int, timeo
   """
   with job(argv, num_processes, devices_per_process, **kwargs) as j:
     return wait(j, timeout_s)
+
+
+def records(text: str) -> list[dict]:
+  """The JSON objects printed in `text`, one per line, in order.
+
+  Another library can write into the same stream at the same moment (Gloo's C++ lines, from
+  a thread of its own, land mid-line), so a record is found wherever on its line it starts
+  and whatever follows it; a line without one is skipped.
+  """
+  found, decoder = [], json.JSONDecoder()
+  for line in text.splitlines():
+    start = line.find("{")
+    while start >= 0:
+      try:
+        value, _ = decoder.raw_decode(line, start)
+      except json.JSONDecodeError:
+        start = line.find("{", start + 1)
+        continue
+      if isinstance(value, dict):
+        found.append(value)
+      break
+  return found
 
 
 def describe(results: Sequence[Result], tail: int = 3000) -> str:

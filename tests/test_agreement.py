@@ -155,8 +155,7 @@ def test_reports_compiles_and_plans_on_process_0_alone_never_wait_for_the_others
                                               ckpt=str(tmp_path / "ckpt")))
   results = mp.run([script], 2, 2, JOB_TIMEOUT_S)
   assert all(r.returncode == 0 for r in results), mp.describe(results)
-  events = [[json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-            for r in results]
+  events = [mp.records(r.stdout) for r in results]
   took = {e["event"]: e["s"] for e in events[0] if "s" in e}
   print(f"process 0 alone: {took}")
   assert sorted(took) == ["check_mesh_invariance", "compile", "compile_report", "latest_step",

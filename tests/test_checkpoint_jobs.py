@@ -1,7 +1,6 @@
 """fnscale.checkpoint in multi-process jobs on 127.0.0.1 (tests/multiprocess.py, 2 processes x 4
 CPU devices): a preemption notice while an async save is still being written, and grain data
 positions per process across a stop and a resume with the same or another process count."""
-import json
 import pathlib
 import signal
 import sys
@@ -27,7 +26,7 @@ TOL = 1e-6
 
 
 def _events(stdout: str) -> list[dict]:
-  return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+  return mp.records(stdout)
 
 
 def _reference(steps: int):

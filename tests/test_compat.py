@@ -1,7 +1,6 @@
 """fnscale._compat, entry by entry, against the installed jax: each test fails, naming its
 entry, when a JAX release changes what fnscale relies on (see the module docstring)."""
 import ast
-import json
 import pathlib
 import re
 import tomllib
@@ -24,7 +23,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _worker(mode: str, processes: int = 1) -> list[dict]:
   results = mp.run([WORKER, mode], processes, 1, timeout_s=120)
   assert all(r.returncode == 0 for r in results), mp.describe(results)
-  return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+  return [mp.records(r.stdout)[-1] for r in results]
 
 
 def test_tested_range_is_pyproject_s_and_holds_the_installed_jax():

@@ -21,6 +21,9 @@ import fnscale as fs
 from fnscale.multihost import _agreement
 from fnscale.multihost import cluster as fsd
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 AUTO = jax.sharding.AxisType.Auto
 LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NPROCS",
@@ -272,9 +275,9 @@ def _run_workers(tmp_path, pids, timeout_s, init_timeout_s=20):
         p.wait()
   results = []
   for p, (stdout, stderr) in zip(procs, outs):
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    lines = mp.records(stdout)
     assert p.returncode == 0 and lines, f"rc={p.returncode}\n{stdout}\n{stderr[-3000:]}"
-    results.append(json.loads(lines[-1]))
+    results.append(lines[-1])
   return results
 
 
@@ -415,16 +418,15 @@ _TPU_VM_WORKER = textwrap.dedent("""
       info = fs.initialize(timeout_s=float(sys.argv[1]), heartbeat_timeout_s=10,
                            shutdown_timeout_s=10)
     except fs.DistributedError as e:
-      print("RESULT", json.dumps({"error": str(e)}), flush=True)
+      print(json.dumps({"error": str(e)}), flush=True)
       sys.exit(0)
     import jax, numpy as np
     from jax.experimental import multihost_utils
     fs.barrier("joined", timeout_s=30)
     pid = jax.process_index()
     total = multihost_utils.process_allgather(np.array([pid + 1]), tiled=True).sum()
-    print("RESULT", json.dumps({"info": list(info), "processes": jax.process_count(),
-                                "devices": jax.device_count(), "total": int(total)}),
-          flush=True)
+    print(json.dumps({"info": list(info), "processes": jax.process_count(),
+                      "devices": jax.device_count(), "total": int(total)}), flush=True)
 """)
 
 
@@ -448,9 +450,9 @@ def _tpu_vm_job(tmp_path, metadata_hosts, coordinator_port, timeout_s):
   try:
     for p in procs:
       out, err = p.communicate(timeout=150)
-      lines = [ln for ln in out.splitlines() if ln.startswith("RESULT {")]
+      lines = mp.records(out)
       assert p.returncode == 0 and lines, f"rc={p.returncode}\n{out}\n{err[-3000:]}"
-      results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+      results.append(lines[-1])
   finally:
     for p in procs:
       if p.poll() is None:

@@ -79,7 +79,7 @@ def test_two_processes_each_read_their_own_shards(ckpt, tmp_path):
                    num_processes=2, devices_per_process=4, timeout_s=240)
   assert all(r.returncode == 0 for r in results), mp.describe(results)
   for r in results:
-    m = json.loads(r.stdout.strip().splitlines()[-1])
+    m = mp.records(r.stdout)[-1]
     assert m["bytes_read"] == m["addressable"] < ckpt[1], m
     assert 0 < m["leaf_peak"] <= 2 * m["largest_leaf"], m
   _check_export(out, w.tensors())

@@ -35,7 +35,7 @@ JOB_TIMEOUT_S = 240
 
 
 def _events(stdout: str) -> list[dict]:
-  return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+  return mp.records(stdout)
 
 
 def _losses(stdout: str) -> list[float]:
@@ -260,6 +260,17 @@ def test_harness_kills_a_hung_job(tmp_path):
   assert time.monotonic() - t0 < 30
 
 
+def test_records_survive_another_library_writing_mid_line():
+  """What a CI run's worker printed while Gloo wrote from its own thread: a record after
+  foreign text on its line, foreign text after a record, and lines without one."""
+  out = ('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks'
+         ' is : 1\n[Gloo] Rank {"info": [0, 2, "127.0.0.1:56065", true], "total": 3}0\n is '
+         'connected to 1 peer ranks.\n{"event": "step", "loss": 1.5}[Gloo] {x\n'
+         '{"a": {"b": [1]}}\n[1, 2]\n')
+  assert mp.records(out) == [{"info": [0, 2, "127.0.0.1:56065", True], "total": 3},
+                             {"event": "step", "loss": 1.5}, {"a": {"b": [1]}}]
+
+
 def test_per_process_checkpoint_directories_are_refused_before_training(tmp_path):
   """Each process given its own directory (per-host disks): every process ends with a
   DistributedError naming the process that can't see process 0's token, before any step."""
@@ -319,8 +330,7 @@ def test_restore_agrees_on_process_0s_step(tmp_path):
   results = mp.run([script], 2, 2, JOB_TIMEOUT_S,
                    process_args={p: [str(d)] for p, d in own.items()})
   assert all(r.returncode == 0 for r in results), mp.describe(results)
-  outs = [json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
-          for r in results]
+  outs = [mp.records(r.stdout)[-1] for r in results]
   for p, out in enumerate(outs):
     assert out["shared"] == {"extra": {"step": 4}, "w": (np.arange(8) * 4.0).tolist()}, out
     assert out["own"]["error"].startswith(

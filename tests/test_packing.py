@@ -226,7 +226,7 @@ WORKER = str(pathlib.Path(__file__).resolve().parent / "data_worker.py")
 
 def _job_batches(results):
   assert all(r.returncode == 0 for r in results), mp.describe(results)
-  return [json.loads(ln) for ln in results[0].stdout.splitlines() if ln.startswith("{")]
+  return mp.records(results[0].stdout)
 
 
 def _assert_rows_equal(got: dict, want: dict):

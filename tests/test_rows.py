@@ -2,7 +2,6 @@
 processes (`fnscale.global_batch`, `fnscale.multihost.check_batch_replicas`): hand counts
 of each mesh's rows on 8 devices, a 2-process job of tests/rows_worker.py, and (slow) whole
 training jobs of tests/mp_worker.py against the one-process run."""
-import json
 import pathlib
 import sys
 
@@ -52,7 +51,7 @@ def test_two_processes_feed_their_devices_rows_and_a_split_replica_is_named(tmp_
   want = {"data=2,tensor=4": half, "tensor=8": [list(range(16))] * 2, "fsdp=8": half,
           "tensor=4,data=2": [list(range(16))] * 2}
   for r in results:
-    lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    lines = mp.records(r.stdout)
     for ln in lines[:-1]:
       name = ",".join(f"{k}={v}" for k, v in ln["mesh"].items())
       assert ln["rows"] == want[name][r.process_id], (name, ln)
@@ -95,9 +94,7 @@ def test_training_on_two_processes_equals_the_whole_batch_run(mesh_axes, tmp_pat
   assert all(r.returncode == 0 for r in results), mp.describe(results)
   losses, params = _reference(mesh_axes)
   for r in results:
-    got = [e["loss"] for e in map(json.loads, filter(lambda ln: ln.startswith("{"),
-                                                     r.stdout.splitlines()))
-           if e["event"] == "step"]
+    got = [e["loss"] for e in mp.records(r.stdout) if e["event"] == "step"]
     np.testing.assert_allclose(got, losses, rtol=0, atol=1e-6)
   final = dict(np.load(tmp_path / "params.npz"))
   assert sorted(final) == sorted(params)
