@@ -33,6 +33,8 @@ CASES = [
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
     ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
+    ("bench/compare_maxtext", ["--fnscale_python=/nope/python", "--sides=fnscale"],
+     "--fnscale_python=/nope/python does not exist"),
     ("bench/forecast_fit", ["--bogus=1"], "--bogus=1"),
     ("bench/hf_checkpoint", ["--dir=unused", "--seq=0"], "--seq: 0 must be >= 1"),
     ("bench/launch_ray", ["--repeats=0"], "--repeats: 0 must be >= 1"),

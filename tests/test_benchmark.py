@@ -209,3 +209,21 @@ def test_bad_size_and_flags():
     bm.parse_flags(["benchmark", "--steps=0"])
   with pytest.raises(fs.MeshError, match="16 devices requested"):
     bm._mesh("data=-1", 16)
+
+
+def test_compare_maxtext_says_when_two_compilers_made_the_programs():
+  """Temp memory depends on the libtpu release as much as on the program: the table names each
+  side's compiler and says how to get one compiler for both when they differ."""
+  from recipes.bench import compare_maxtext as cm  # pylint: disable=import-outside-toplevel
+  side = dict(matmul_flops=2e12, collectives={"all-gather": (2, 4 * 2**20)}, dcn_sent=0,
+              argument=2**30, temp=2**31, compile_seconds=3.0, kernels={},
+              compiler="jax 0.12.0.1, libtpu 0.0.52")
+  same = cm.table({"maxtext": side, "fnscale": dict(side, temp=2**30)})
+  assert "| compiler | jax 0.12.0.1, libtpu 0.0.52 | jax 0.12.0.1, libtpu 0.0.52 | same |" in same
+  assert "| temp memory | 2.00 GiB | 1.00 GiB | 0.50x |" in same
+  assert "--fnscale_python" not in same
+  other = cm.table({"maxtext": side, "fnscale": dict(side, compiler="jax 0.10.2, libtpu 0.0.42")})
+  assert "| **differ** |" in other and "--fnscale_python=maxtext-venv/bin/python" in other
+  old = {k: v for k, v in side.items() if k != "compiler"}  # written before compilers were kept
+  assert "| compiler | unknown | jax 0.12.0.1" in cm.table({"maxtext": old, "fnscale": side})
+  assert cm._compiler().startswith(f"jax {jax.__version__}, libtpu ")  # pylint: disable=protected-access

@@ -25,6 +25,11 @@ Then, from the repository root, in fnscale's environment:
       --context_strategy=all_gather      # or ring; --no-load_balance: the plain order
   python recipes/bench/compare_maxtext.py ... --model=mixtral-8x7b --mesh=expert=4
 
+Each side is compiled by its own interpreter's jax and libtpu, and the table says which.
+Buffer assignment and scheduling change between libtpu releases, so for a same-compiler
+table give fnscale's side MaxText's Python too (`maxtext-venv/bin/pip install jmp` first):
+`--fnscale_python=maxtext-venv/bin/python`.
+
 MaxText's side is its own `train_compile` (`maxtext.trainers.pre_train.train_compile.main`
 with `compile_topology=...`); this file, run by MaxText's interpreter with `--maxtext_side`,
 wraps its `jit_and_compile` to keep the compiled program's text, memory and compile time
@@ -193,7 +198,19 @@ def _write(out: str, side: str, compiled, seconds: float) -> None:
   facts = {k: getattr(mem, f"{k}_size_in_bytes", None)
            for k in ("argument", "output", "temp", "alias", "generated_code")}
   with open(os.path.join(out, f"{side}.json"), "w", encoding="utf-8") as f:
-    json.dump(dict(facts, compile_seconds=seconds), f)
+    json.dump(dict(facts, compile_seconds=seconds, compiler=_compiler()), f)
+
+
+def _compiler() -> str:
+  """"jax X, libtpu Y": the compiler of this interpreter. XLA's buffer assignment and
+  schedule change between libtpu releases, so temp memory is only comparable under one."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    libtpu = importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    libtpu = "none"
+  return f"jax {jax.__version__}, libtpu {libtpu}"
 
 
 def _rows(a, devices: int) -> int:
@@ -265,10 +282,18 @@ def table(sides: dict[str, dict]) -> str:
     rows.append((f"{key} memory", lambda s, k=key: f"{(s[k] or 0) / 2**30:.2f} GiB",
                  lambda k=key: ratio(m[k] or 0, f[k] or 0)))
   rows.append(("compile s", lambda s: f"{s['compile_seconds']:.0f}", lambda: ""))
+  compiler = lambda s: s.get("compiler", "unknown")
+  rows.append(("compiler", compiler, lambda: "same" if compiler(m) == compiler(f) else
+               "**differ**"))
   rows.append(("kernels (custom calls)", lambda s: ", ".join(
       f"{k} x{n}" for k, n in sorted(s["kernels"].items())) or "none", lambda: ""))
   lines = ["| per device per step | MaxText | fnscale | fnscale / MaxText |", "|---|---|---|---|"]
   lines += [f"| {name} | {cell(m)} | {cell(f)} | {r()} |" for name, cell, r in rows]
+  if compiler(m) != compiler(f):
+    lines += ["", "Two compilers made these programs: memory and schedules differ between "
+              "libtpu releases. For a same-compiler table run fnscale's side under MaxText's "
+              "Python: --fnscale_python=maxtext-venv/bin/python (after `maxtext-venv/bin/pip "
+              "install jmp`)."]
   return "\n".join(lines)
 
 
@@ -296,6 +321,9 @@ def _flags(argv=None):
   p.add_argument("--maxtext_python", default="maxtext-venv/bin/python",
                  help="the Python of the MaxText virtual environment (see the module doc); "
                  "default: maxtext-venv/ under the current directory")
+  p.add_argument("--fnscale_python", default="",
+                 help="the Python that compiles fnscale's side (default: this one); MaxText's "
+                 "gives both sides one compiler (it needs `pip install jmp` there)")
   p.add_argument("--target", default="v5p-8", help='TPU target, e.g. v5p-8 or "2x v5p-8"')
   p.add_argument("--mesh", default="fsdp=4", help="ICI axes, e.g. fsdp=4 or data=2,fsdp=2")
   p.add_argument("--dcn", default="", help="DCN axes across slices, e.g. replica=2")
@@ -325,6 +353,7 @@ def _flags(argv=None):
                  help="which programs to compile now (the others are read from --out)")
   p.add_argument("--out", default="runs/compare_maxtext", help="directory for HLO and JSON")
   p.add_argument("--maxtext_side", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--fnscale_side", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
@@ -336,16 +365,29 @@ def main(argv=None) -> None:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   if not __package__:  # run as a script: import `recipes` from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  if a.fnscale_side:
+    try:
+      import fnscale  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError as e:
+      _refuse(f"{sys.executable} lacks the module {e.name!r}, which fnscale needs: install "
+              f"fnscale's dependencies there (MaxText's environment lacks only jmp: "
+              f"{sys.executable} -m pip install jmp)")
+    fnscale_side(a)
+    return
   todo = [s for s in a.sides.split(",") if s]
-  if "maxtext" in todo:
-    if not os.path.exists(a.maxtext_python):
-      _refuse(f"--maxtext_python={a.maxtext_python} does not exist; make the MaxText "
-              "environment first (see the module doc)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
-    subprocess.run([a.maxtext_python, os.path.abspath(__file__), "--maxtext_side"]
-                   + [x for x in (argv if argv is not None else sys.argv[1:])
-                      if not x.startswith("--maxtext_python")], check=True, env=env)
-  if "fnscale" in todo:
+  args = list(argv if argv is not None else sys.argv[1:])  # a side's run returns first
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
+  for side, python in (("maxtext", a.maxtext_python), ("fnscale", a.fnscale_python)):
+    if side not in todo or not python:
+      continue
+    if not os.path.exists(python):
+      _refuse(f"--{side}_python={python} does not exist; give a Python that has "
+              f"{side}'s packages (the module doc makes MaxText's)")
+    rc = subprocess.run([python, os.path.abspath(__file__), f"--{side}_side"] + args,
+                        check=False, env=env).returncode
+    if rc:
+      _refuse(f"{side}'s side under {python} ended with exit status {rc}: its error is above")
+  if "fnscale" in todo and not a.fnscale_python:
     fnscale_side(a)
   missing = [s for s in SIDES if not os.path.exists(os.path.join(a.out, f"{s}.hlo.txt"))]
   if missing:
