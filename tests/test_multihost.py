@@ -261,7 +261,7 @@ def test_harness_kills_a_hung_job(tmp_path):
 
 
 def test_records_survive_another_library_writing_mid_line():
-  """What a CI run's worker printed while Gloo wrote from its own thread: a record after
+  """What a worker printed while Gloo wrote from its own thread: a record after
   foreign text on its line, foreign text after a record, and lines without one."""
   out = ('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks'
          ' is : 1\n[Gloo] Rank {"info": [0, 2, "127.0.0.1:56065", true], "total": 3}0\n is '
