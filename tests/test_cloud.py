@@ -6,13 +6,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import urllib.parse
 
 import pytest
 
 from fnscale import cloud
 from fnscale.errors import CloudError, InputError
+from local_server import serving
 
 pytest.importorskip("google.cloud.tpu_v2", reason="the cloud extra (google-cloud-tpu)")
 from google.oauth2 import credentials as oauth2  # noqa: E402  (after the skip)
@@ -99,13 +99,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake():
-  server = _Fake()
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  server.url = f"http://127.0.0.1:{server.server_address[1]}"
-  yield server
-  server.shutdown()
-  server.server_close()
+  with serving(_Fake()) as server:
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,6 @@
 """Topology detection: parsing, environment, a real HTTP metadata server, jax.devices()."""
 import dataclasses
 import http.server
-import threading
 
 import jax
 import pytest
@@ -9,6 +8,7 @@ import pytest
 import fnscale as fs
 from fnscale import topology as topo_mod
 from fnscale.topology import CHIP_FACTS, GiB
+from local_server import serving
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -180,17 +180,13 @@ class _Metadata(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def metadata_server():
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
   _Metadata.seen = []
   _Metadata.answers = {
       _md("accelerator-type"): "v5litepod-8",
       _md("tpu-env"): "ACCELERATOR_TYPE: 'v5litepod-8'\nTOPOLOGY: '2x4'\nWORKER_ID: '0'\n",
   }
-  yield f"127.0.0.1:{server.server_address[1]}"
-  server.shutdown()
-  server.server_close()
+  with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)) as server:
+    yield f"127.0.0.1:{server.server_address[1]}"
 
 
 def test_detect_from_metadata_server(metadata_server):
