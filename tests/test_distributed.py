@@ -1,6 +1,6 @@
 """Multi-process helpers: single-process no-ops, global_batch, and a real 2-process job."""
+import contextlib
 import http.server
-import json
 import os
 import pathlib
 import re
@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ from fnscale.multihost import cluster as fsd
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from local_server import serving  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 AUTO = jax.sharding.AxisType.Auto
@@ -241,14 +241,14 @@ _WORKER = textwrap.dedent("""
     fs.barrier("step", timeout_s=20)
     fs.barrier("step", timeout_s=20)  # the same name can be reused
     if pid == 0:  # process 1 comes late, then to another barrier: bounded, named waits
-      for name, timeout_s in (("lonely", 1.5), ("lonely2", 6)):
+      for name, timeout_s in (("lonely", 1), ("lonely2", 4)):
         try:
           fs.barrier(name, timeout_s=timeout_s)
         except fs.DistributedError as e:
           out[name] = str(e)
     else:
       import time
-      time.sleep(3)
+      time.sleep(2)  # then at 'end' from 2 s on; process 0's 'lonely2' ends at 5 s
     fs.barrier("end", timeout_s=20)
     print(json.dumps(out), flush=True)
 """)
@@ -296,10 +296,10 @@ def test_two_processes_global_batch_and_barrier(tmp_path):
     np.testing.assert_array_equal(np.array(r["full"]), expected)
     assert r["sum"] == float(expected.sum())
   # Process 1 was busy after the second 'step', then waited at 'end': each case named.
-  assert "barrier 'lonely': not all 2 processes arrived within 1.5 s" in r0["lonely"]
+  assert "barrier 'lonely': not all 2 processes arrived within 1 s" in r0["lonely"]
   assert re.search(r"process 1 has not arrived \(last heard from \d+ s ago, leaving 'step'\)",
                    r0["lonely"]), r0["lonely"]
-  assert ("barrier 'lonely2': not all 2 processes arrived within 6 s" in r0["lonely2"])
+  assert ("barrier 'lonely2': not all 2 processes arrived within 4 s" in r0["lonely2"])
   assert ("process 1 is waiting at 'end' instead: the processes reached different barriers"
           in r0["lonely2"]), r0["lonely2"]
   assert "fix: make every process call barrier('lonely2') in the same order" in r0["lonely2"]
@@ -308,10 +308,10 @@ def test_two_processes_global_batch_and_barrier(tmp_path):
 @pytest.mark.multiprocess
 def test_missing_coordinator_is_a_bounded_clear_error(tmp_path):
   # Process 1 of 2 alone: nobody serves the coordinator port.
-  (r1,) = _run_workers(tmp_path, [1], timeout_s=40, init_timeout_s=3)
+  (r1,) = _run_workers(tmp_path, [1], timeout_s=40, init_timeout_s=1.5)
   msg = r1["init_error"]
   assert "expected 2 processes, this one as process 1, but the coordinator 127.0.0.1:" in msg
-  assert "didn't accept connections within 3.0 s" in msg and "fix: start process 0" in msg
+  assert "didn't accept connections within 1.5 s" in msg and "fix: start process 0" in msg
 
 
 def test_initialize_reads_launcher_variables(monkeypatch):
@@ -397,18 +397,14 @@ def _v4_16_worker(worker: int) -> dict[str, str]:
 @pytest.fixture
 def metadata_servers():
   """`start(answers) -> "127.0.0.1:port"`: local metadata servers, shut down afterwards."""
-  servers = []
+  with contextlib.ExitStack() as stack:
 
-  def start(answers):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
-    server.answers = answers
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    servers.append(server)
-    return f"127.0.0.1:{server.server_address[1]}"
-  yield start
-  for server in servers:
-    server.shutdown()
-    server.server_close()
+    def start(answers):
+      server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
+      server.answers = answers
+      stack.enter_context(serving(server))
+      return f"127.0.0.1:{server.server_address[1]}"
+    yield start
 
 
 _TPU_VM_WORKER = textwrap.dedent("""
