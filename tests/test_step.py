@@ -108,7 +108,19 @@ def test_sharded_losses_equal_single_device(model, mesh_axes):
 
 def test_fsdp_state_bytes_per_device():
   n = 8
-  _, compiled, state = _trained("transformer", "fsdp=8")
+  init, loss_fn, logical, _, has_aux = MODELS["transformer"]
+  opt = _optimizer()
+
+  def placed(mesh_axes):
+    mesh = fnscale.make_mesh(mesh_axes)
+    return mesh, fnscale.init_state(init, opt, mesh=mesh, rules=models.RULES,
+                                    logical_axes=logical(), key=jax.random.key(0))
+  mesh, state = placed("fsdp=8")
+  batch = _batches("transformer", 1)[0]
+  compiled = fnscale.shard_step(fnscale.train_step(loss_fn, opt, has_aux=has_aux), mesh,
+                                rules=models.RULES, logical_axes=logical(),
+                                example=(state, batch))
+  state, _ = compiled(state, batch)  # the state a step gives back, in the step's shardings
   total = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
   replicated = sum(x.nbytes for x in jax.tree_util.tree_leaves(state)
                    if x.sharding.is_fully_replicated)
@@ -118,12 +130,11 @@ def test_fsdp_state_bytes_per_device():
   assert len(per) == n
   assert max(per.values()) <= bound, (per, total, replicated)
   # The compiled program's arguments per device: the state shard plus the batch shard.
-  batch = _batches("transformer", 1)[0]
   batch_per_device = sum(x.nbytes for x in jax.tree_util.tree_leaves(batch)) // n
   report = fnscale.compile_report(compiled, state, batch)
   assert report.argument_bytes - batch_per_device <= bound, (report, bound)
   # Pure data parallelism holds the whole state on every device.
-  _, _, dp_state = _trained("transformer", "data=8")
+  _, dp_state = placed("data=8")
   assert max(_state_device_bytes(dp_state).values()) == total
 
 
