@@ -1,14 +1,35 @@
 """Simulated devices must be set before jax initialises its backend."""
 import os
 import pathlib
+import subprocess
+import sys
 
 # Compiling dominates the suite's time: XLA's CPU backend without its LLVM optimisations
-# compiles about twice as fast (fnscale.analysis.report.fast_compile_options, here for every program
-# and, through the environment, every process the tests start). The optimized HLO, and so
-# every FLOP, byte and sharding the tests count, is unchanged; the programs run slower.
+# compiles about twice as fast (fnscale.analysis.report.fast_compile_options, here for every
+# program and, through the environment, every process the tests start). The optimized HLO, and
+# so every FLOP, byte and sharding the tests count, is unchanged; the programs run slower.
+_FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Where XLA still has its older CPU code generator (jax 0.10; later XLAs dropped the flag),
+# programs compile in about 0.6x the time with it. Matmul FLOPs, collectives and shardings
+# are unchanged, temporaries within 0.1% (a GPT and a Llama step on 8 devices, both ways);
+# elementwise ops fuse differently, and scatters become while loops (it has no scatter
+# kernel): a test that counts loops compiles with `default_cpu_codegen` (below).
+_LEGACY_EMITTERS = " --xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+  """Whether this jaxlib's XLA takes `flags` in XLA_FLAGS: it ends the process on one it
+  doesn't know, so a child process tries (about a second, once per run)."""
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                     capture_output=True, timeout=300, check=False)
+  return r.returncode == 0
+
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST
+    + ("" if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", "")
+       or not _xla_accepts(_LEGACY_EMITTERS) else _LEGACY_EMITTERS)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes may load libtpu (for TPU ahead-of-time compiles) at once; its
@@ -97,6 +118,15 @@ def tpu_devices():
     return topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices
 
   return get
+
+
+@pytest.fixture(scope="session")
+def default_cpu_codegen():
+  """Compiler options that give a program XLA's default CPU code generator, for a test that
+  counts what the older one changes (its scatter loops); {} where the suite runs the
+  default."""
+  return ({"xla_cpu_use_fusion_emitters": True}
+          if _LEGACY_EMITTERS.strip() in os.environ["XLA_FLAGS"] else {})
 
 
 @pytest.fixture(params=["shardy", "gspmd"])

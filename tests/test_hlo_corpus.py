@@ -30,9 +30,9 @@ CFG = gpt.model_config("nano", 128)
 ROWS = 32
 
 
-def _texts(compile_fn, dump_dir):
+def _texts(compile_fn, dump_dir, options):
   """(as_text, dump text) of one compile; `compile_fn(compiler_options)` -> Compiled."""
-  compiled = compile_fn({"xla_dump_to": str(dump_dir)})
+  compiled = compile_fn({**options, "xla_dump_to": str(dump_dir)})
   dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
   assert len(dumps) == 1, dumps
   with open(dumps[0]) as f:
@@ -79,10 +79,10 @@ PROGRAMS = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, default_cpu_codegen):
   out = {}
   for name, compile_fn in PROGRAMS.items():
-    as_text, dump = _texts(compile_fn, tmp_path_factory.mktemp("dump"))
+    as_text, dump = _texts(compile_fn, tmp_path_factory.mktemp("dump"), default_cpu_codegen)
     out[name] = (hlo.summarize(as_text), hlo.summarize(dump), dump)
   return out
 
