@@ -1045,12 +1045,3 @@ def test_bench_attention_command_line():
   assert " ".join(rows[("1x100x1x1x32", "splash", "interpret")]).startswith(
       "n/a: attention(implementation='splash') can't serve this call: sequence lengths "
       "(100, 100) must be multiples of 128")
-
-
-@pytest.mark.parametrize("flags,message", [
-    (("--implementations", "cudnn"), "--implementations ['cudnn'] can't run on cpu"),
-    (("--shapes", "1x128"), "--shapes entry '1x128': expected BATCHxSEQxHEADSxKV_HEADSxHEAD"),
-])
-def test_bench_attention_bad_flags_exit_with_usage(flags, message):
-  out = _bench_attention(*flags)
-  assert out.returncode == 2 and message in out.stderr
