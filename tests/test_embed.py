@@ -4,8 +4,10 @@ single-device training, and their params come out sharded as their annotations a
 Each recipe trains 5 steps on an 8-device mesh (fsdp=4, tensor=2) through `fs.train_step` +
 `fs.shard_step`; the reference is the same model trained on one device the framework's own
 way (nnx.Optimizer + nnx.jit, Linen TrainState + jax.jit, eqx.filter_jit), with its loss
-written here rather than taken from the recipe.
+written here rather than taken from the recipe. The NNX and Equinox sharding tests read
+the params `fs.init_state` places (`train(0)`); Linen's, the trained ones.
 """
+import functools
 import importlib.util
 import pathlib
 import subprocess
@@ -30,7 +32,8 @@ MESH = "fsdp=4,tensor=2"
 STEPS = 5
 
 
-def _recipe(name):
+@functools.lru_cache(maxsize=None)
+def _recipe(name):  # one module per recipe: its classes are the ones its params were built with
   spec = importlib.util.spec_from_file_location(f"fnscale_recipe_{name}", RECIPES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses (Equinox modules) look their module up there
@@ -78,6 +81,14 @@ def nnx_run():
   return r, r.train(STEPS, MESH)
 
 
+@pytest.fixture(scope="module")
+def nnx_placed():
+  """The recipe's params as `fs.init_state` places them (no step: `train(0)`). The step
+  keeps its state's shardings (the Linen test, tests/test_step.py)."""
+  r = _recipe("embed_flax_nnx")
+  return r, r.train(0, MESH)
+
+
 @pytest.mark.slow
 def test_nnx_matches_single_device_training(nnx_run):
   r, (losses, params) = nnx_run
@@ -98,8 +109,8 @@ def test_nnx_matches_single_device_training(nnx_run):
   _assert_close_trees(params, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def test_nnx_params_sharded_as_annotated(nnx_run):
-  r, (_, params) = nnx_run
+def test_nnx_params_sharded_as_annotated(nnx_placed):
+  r, (_, params) = nnx_placed
   assert _spec(params["blocks"][0]["up"]["kernel"]) == P("fsdp", "tensor")  # (embed, mlp)
   assert _spec(params["blocks"][1]["down"]["kernel"]) == P("tensor", "fsdp")  # (mlp, embed)
   assert _spec(params["blocks"][0]["q"]["kernel"]) == P("fsdp", "tensor")  # (embed, heads)
@@ -191,6 +202,13 @@ def eqx_run():
   return r, r.train(STEPS, MESH)
 
 
+@pytest.fixture(scope="module")
+def eqx_placed():
+  """As `nnx_placed`, for the Equinox recipe."""
+  r = _recipe("embed_equinox")
+  return r, r.train(0, MESH)
+
+
 @pytest.mark.slow
 def test_equinox_matches_single_device_training(eqx_run):
   r, (losses, params) = eqx_run
@@ -215,8 +233,8 @@ def test_equinox_matches_single_device_training(eqx_run):
   _assert_close_trees(params, eqx.filter(model, eqx.is_inexact_array))
 
 
-def test_equinox_params_sharded_by_path_rules(eqx_run):
-  _, (_, params) = eqx_run
+def test_equinox_params_sharded_by_path_rules(eqx_placed):
+  _, (_, params) = eqx_placed
   block = params.blocks[0]
   assert _spec(block.up.weight) == P("tensor", "fsdp")  # [out, in] = (mlp, embed)
   assert _spec(block.down.weight) == P("fsdp", "tensor")  # (embed, mlp)
