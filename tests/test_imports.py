@@ -1,9 +1,13 @@
 """The package's modules import one another in one direction: no import cycle, counting the
 imports inside functions too (a function-level import hides a cycle from Python, not from
-the reader), and no module inside the package imports the package root."""
+the reader), and no module inside the package imports the package root. Importing fnscale or
+a launcher imports no optional framework (Flax, Equinox, Ray)."""
 import ast
+import os
 import re
 import pathlib
+import subprocess
+import sys
 
 import fnscale
 
@@ -164,3 +168,14 @@ def test_the_layering_check_catches_an_upward_import(tmp_path):
 def test_each_layer_imports_only_the_layers_below_it():
   assert set(ROOT.iterdir()) >= {ROOT / name for name in MAY_IMPORT if name != "core"}
   assert layering_violations(import_graph()) == []
+
+
+def test_importing_fnscale_or_a_launcher_imports_no_optional_framework():
+  # Flax and Equinox (what users embed fnscale in) and Ray (the Ray launcher's extra) are
+  # imported by the code that uses them, never by `import fnscale` or a launcher's import.
+  code = ("import sys, fnscale; from recipes.launch import launch_local, launch_ray; "
+          "print([m for m in ('flax', 'equinox', 'ray') if m in sys.modules])")
+  repo = ROOT.parent
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), check=False)
+  assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["[]"], (r.stdout, r.stderr[-2000:])

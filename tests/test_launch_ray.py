@@ -71,13 +71,6 @@ def test_cause_is_the_root_failure_not_its_symptoms(exits, cause):
   assert launch_ray.cause_of(exits) == cause
 
 
-def test_importing_fnscale_or_the_launcher_imports_no_ray():
-  code = ("import sys, fnscale; from recipes.launch import launch_ray; "
-          "assert 'ray' not in sys.modules, 'ray imported'")
-  subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT,
-                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
-
-
 def test_tpu_hosts_take_their_worker_id_as_process_id():
   places = [{"tpu_worker_id": w} for w in (2, 0, 3, 1)]
   assert launch_ray._process_order(places) == [1, 3, 0, 2]  # bundle of worker 0 first
