@@ -14,7 +14,8 @@ _FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes
 # are unchanged, temporaries within 0.1% (a GPT and a Llama step on 8 devices, both ways);
 # elementwise ops fuse differently, and scatters become while loops (it has no scatter
 # kernel): a test that counts loops compiles with `default_cpu_codegen` (below).
-_LEGACY_EMITTERS = " --xla_cpu_use_fusion_emitters=false"
+_EMITTERS = "xla_cpu_use_fusion_emitters"
+_LEGACY_EMITTERS = f" --{_EMITTERS}=false"
 
 
 def _xla_accepts(flags: str) -> bool:
@@ -26,10 +27,10 @@ def _xla_accepts(flags: str) -> bool:
   return r.returncode == 0
 
 
+_CHOSEN = _EMITTERS in os.environ.get("XLA_FLAGS", "")  # the user's choice stands
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST
-    + ("" if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", "")
-       or not _xla_accepts(_LEGACY_EMITTERS) else _LEGACY_EMITTERS)
+    + ("" if _CHOSEN or not _xla_accepts(_LEGACY_EMITTERS) else _LEGACY_EMITTERS)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes may load libtpu (for TPU ahead-of-time compiles) at once; its
@@ -125,8 +126,7 @@ def default_cpu_codegen():
   """Compiler options that give a program XLA's default CPU code generator, for a test that
   counts what the older one changes (its scatter loops); {} where the suite runs the
   default."""
-  return ({"xla_cpu_use_fusion_emitters": True}
-          if _LEGACY_EMITTERS.strip() in os.environ["XLA_FLAGS"] else {})
+  return {_EMITTERS: True} if _LEGACY_EMITTERS.strip() in os.environ["XLA_FLAGS"] else {}
 
 
 @pytest.fixture(params=["shardy", "gspmd"])
