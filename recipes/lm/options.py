@@ -67,10 +67,10 @@ class Options:
                                   "skipped for non-finite gradients (float16's loss "
                                   "scale), although the loss was finite (0: never)")
   accum_steps: int = option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (reduce once where the "
-                             "params are replicated over the data axes, else as "
-                             "per_microbatch), 'per_microbatch' (params stay sharded) or "
-                             "'once' (whole params on each device)")
+  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (as 'once', but as "
+                             "per_microbatch for a loss that takes a key), 'per_microbatch' "
+                             "(params stay sharded, gradients reduced every microbatch) or "
+                             "'once' (whole params on each device, gradients reduced once)")
   precision: str = option("auto", f"jmp policy, e.g. '{harness.MIXED}', 'float32', 'bfloat16'; "
                         "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
