@@ -153,3 +153,24 @@ def test_ring_bytes_of_each_form():
   assert hlo.ring_bytes_sent("all-reduce", mib, 4) == 1.5 * mib
   assert hlo.ring_bytes_sent("all-gather", mib, 4) == 0.75 * mib
   assert hlo.ring_bytes_sent("reduce-scatter", mib / 4, 4) == 0.75 * mib
+
+
+def test_compare_maxtext_counts_both_sides_fused_reduce_scatters_as_reduce_scatters(tmp_path):
+  # fnscale's side reduce-scatters an 8 MiB gradient over 4 devices in libtpu's fused form
+  # (3/4 x 8 MiB = 6 MiB sent; read as an all-reduce it was 12 MiB), MaxText's side
+  # all-gathers 8 MiB over 4 (6 MiB): the same bytes, 1.00x (2.00x when read as all-reduce).
+  import json  # pylint: disable=import-outside-toplevel
+  from recipes.bench import compare_maxtext as cm  # pylint: disable=import-outside-toplevel
+  gather = _HEAD + f"""ENTRY %main (p: bf16[1024,1024]) -> bf16[4096,1024] {{
+  %p = bf16[1024,1024]{{1,0}} parameter(0)
+  ROOT %ag = bf16[4096,1024]{{1,0}} all-gather(%p), channel_id=1, {_GROUPS4}, dimensions={{0}}
+}}
+"""
+  facts = dict(argument=2**30, temp=2**30, compile_seconds=1.0, compiler="jax, libtpu")
+  for side, text in (("fnscale", _fused()), ("maxtext", gather)):
+    (tmp_path / f"{side}.hlo.txt").write_text(text)
+    (tmp_path / f"{side}.json").write_text(json.dumps(facts))
+  sides = {s: cm.read_side(str(tmp_path), s) for s in cm.SIDES}
+  assert sides["fnscale"]["collectives"] == {"reduce-scatter": (1, 3 / 4 * _S)}
+  table = cm.table(sides)
+  assert "| collective bytes sent (ring) | 6 MiB | 6 MiB | 1.00x |" in table
