@@ -650,10 +650,10 @@ def test_the_readme_test_command_prints_its_seed():
 
 def test_summary_fields_the_readme_names_exist():
   # `train_lm(...)`'s Summary, as the README's text and code reach it (`Summary.x`, `summary.x`).
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import summary  # pylint: disable=import-outside-toplevel
   text = (ROOT / "README.md").read_text(encoding="utf-8")
   named = set(re.findall(r"\b[Ss]ummary\.([a-z_]+)\b", text))
   assert "final_step" in named and "bigram_loss" in named
   # summary.unread and summary.dcn_* are compile_report's Summary, a different value.
   report = {"unread", "dcn_bytes_sent", "dcn_groups"}
-  assert not named - report - set(harness.Summary._fields), named - report
+  assert not named - report - set(summary.Summary._fields), named - report
