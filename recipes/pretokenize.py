@@ -21,10 +21,9 @@ import os
 import sys
 from typing import NamedTuple
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cache, cli, data  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from recipes.lm import cache, cli, data
+from recipes.lm.options import CORPORA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,7 @@ def spec(o: Options) -> cache.BuildSpec:
     raise fs.InputError(f"--shard_mb={o.shard_mb}: expected > 0")
   sources = []
   for s in filter(None, (x.strip() for x in o.sources.split(","))):
-    sources += data.corpus_files(s) if s in data.CORPORA else [s]
+    sources += data.corpus_files(s) if s in CORPORA else [s]
   if not sources:
     raise fs.InputError(f"--sources={o.sources!r}: no source named")
   return cache.BuildSpec(tuple(sources), o.out, o.tokenizer, o.chat, o.chat_template,

@@ -2,6 +2,7 @@
 
   python recipes/train_lm.py                      # CPU: 8 simulated devices, `tiny_gpt2`
   python recipes/train_lm.py --model_config=small --mesh="data=-1,fsdp=4"    # a TPU/GPU host
+  python -m recipes.train_lm --steps=50           # the same command, run as a module
   from recipes.train_lm import train_lm           # the same options as keywords, in Python
   train_lm(model_config="tiny_gpt2", dataset="tiny_corpus", epochs=1)
 
@@ -18,22 +19,18 @@ options: an error).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
 import jax
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale.analysis.report import compilation_cache_restored  # noqa: E402
-from fnscale.multihost import preemption  # noqa: E402
-from recipes.lm import batches, checkpoints, cli, data, evaluation, models  # noqa: E402
-from recipes.lm import progress, run_log, run_setup, rundir, stalls, startup  # noqa: E402
-from recipes.lm import summary  # noqa: E402
-from recipes.lm.options import Options  # noqa: E402  (every option: flag, default, range)
+import fnscale as fs
+from fnscale.analysis.report import compilation_cache_restored
+from fnscale.multihost import preemption
+from recipes.lm import batches, checkpoints, cli, data, evaluation, models, progress, run_log
+from recipes.lm import run_setup, rundir, stalls, startup, summary
+from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
 

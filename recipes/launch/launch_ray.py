@@ -55,9 +55,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.launch import launch_local, ray_cluster  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.launch import launch_local, ray_cluster
 
 EXIT_PREEMPTED = 143  # fnscale.multihost.preemption.EXIT_PREEMPTED (not imported: no jax here)
 EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
