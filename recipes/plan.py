@@ -29,7 +29,7 @@ import optax
 
 import fnscale as fs
 # By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
-from fnscale.analysis.plan import (
+from fnscale.analysis._plan import (
     Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
 from recipes.lm import cli, llama, moe
 

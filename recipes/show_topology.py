@@ -18,8 +18,8 @@ import sys
 from absl import flags
 
 import fnscale as fs
-from fnscale import topology
-from fnscale.mesh import describe
+from fnscale import _topology as topology
+from fnscale._mesh import describe
 from recipes.lm import cli
 
 flags.DEFINE_string("mesh", "data=-1", "mesh axes 'name=size,...' or a preset name")

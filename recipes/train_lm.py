@@ -26,8 +26,8 @@ from typing import Any
 import jax
 
 import fnscale as fs
-from fnscale.analysis.report import compilation_cache_restored
-from fnscale.multihost import preemption
+from fnscale.analysis._report import compilation_cache_restored
+from fnscale.multihost import _preemption as preemption
 from recipes.lm import batches, checkpoints, cli, data, evaluation, models, progress, run_log
 from recipes.lm import run_setup, rundir, stalls, startup, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range

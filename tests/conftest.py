@@ -38,7 +38,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Without a TPU, libtpu (loaded for those compiles) prints host-lookup warnings unless told
 # this is one host; importing fnscale changes no environment variable, so ask for it here.
-import fnscale.topology  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale._topology  # noqa: E402  pylint: disable=wrong-import-position
 fnscale.topology.quiet_libtpu()
 
 

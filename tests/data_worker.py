@@ -41,7 +41,7 @@ def main(argv) -> int:
   from jax.experimental import multihost_utils
   import numpy as np
   import fnscale as fs
-  from fnscale import mesh as fs_mesh
+  from fnscale import _mesh as fs_mesh
   from recipes.lm import packing
   mesh = fs.make_mesh(fs_mesh.parse_axes(args.mesh, what="--mesh"))
   bsh = fs.batch_sharding(mesh)

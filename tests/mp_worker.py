@@ -197,7 +197,7 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
   """The loop: one step, its loss, the preemption check, a checkpoint when due."""
   import fnscale as fs
   from fnscale import checkpoint
-  from fnscale.multihost import preemption
+  from fnscale.multihost import _preemption as preemption
   import models
   cfg = models.TRANSFORMER._replace(**MODELS[args.model])
   bs = fs.batch_sharding(mesh)
@@ -235,7 +235,7 @@ def main(argv) -> int:
   import numpy as np
   import fnscale as fs
   from fnscale import checkpoint
-  from fnscale.multihost import preemption
+  from fnscale.multihost import _preemption as preemption
   pid = jax.process_index()
   os.makedirs(args.out, exist_ok=True)
   if args.slow_commit_s:

@@ -105,8 +105,8 @@ import multiprocess, mp_worker, models
 multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
 import jax, numpy as np, optax
 import fnscale as fs
-from fnscale.analysis import plan as fs_plan
-from fnscale.analysis.invariance import check_mesh_invariance
+from fnscale.analysis import _plan as fs_plan
+from fnscale.analysis._invariance import check_mesh_invariance
 mesh, _, sharded, init = mp_worker.build("data=2,fsdp=2")
 state = init()
 cfg, bs = models.TRANSFORMER, fs.batch_sharding(mesh)

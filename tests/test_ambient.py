@@ -13,7 +13,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import _axes, _context
-from fnscale import step as fstep
+from fnscale import _step as fstep
 
 ROOT = pathlib.Path(fs.__file__).parent
 SHAPE = (8, 128, 2, 64)

@@ -9,8 +9,8 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint as ckpt
-from fnscale.analysis import report as freport
-from fnscale import sharding as fsh
+from fnscale.analysis import _report as freport
+from fnscale import _sharding as fsh
 
 MESH_FIX = "; fix: fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1})."
 

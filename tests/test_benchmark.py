@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import fnscale as fs
-from fnscale.analysis import flops
+from fnscale.analysis import _flops as flops
 
 from recipes.bench import step as bm
 from recipes.lm import gpt as tl

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale as fs
 from fnscale import _closure
-from fnscale.parallel import pipeline
+from fnscale.parallel import _pipeline as pipeline
 
 LR = 0.1
 RNG = np.random.default_rng(0)

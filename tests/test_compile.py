@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale
-from fnscale import compile as fcompile
-from fnscale.analysis import report as freport
+from fnscale import _compile as fcompile
+from fnscale.analysis import _report as freport
 
 
 def _loss(p, b):

@@ -333,7 +333,7 @@ def test_a_mixture_of_experts_beside_a_context_axis_equals_one_device():
 
 
 def test_the_capacity_path_under_a_context_axis_names_the_fix():
-  from fnscale.parallel import experts  # pylint: disable=import-outside-toplevel
+  from fnscale.parallel import _experts as experts  # pylint: disable=import-outside-toplevel
   p = {"router": (8, 4), "w_gate": (4, 8, 16), "w_up": (4, 8, 16), "w_down": (4, 16, 8)}
   shapes = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in p.items()}
   mesh = fs.make_mesh({"expert": 2, "context": 4})
@@ -484,7 +484,7 @@ def _long_profile(tokens: int, rows: int = 16) -> "object":
 
 def test_planner_considers_context_only_for_long_sequences():
   from fnscale.analysis import _targets  # pylint: disable=import-outside-toplevel
-  from fnscale.analysis.plan import _meshes  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis._plan import _meshes  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("v5p-128")
   short = _meshes(hw, 16, 8, tokens=4096)
   long = _meshes(hw, 16, 8, tokens=131072)
@@ -585,7 +585,7 @@ def test_planner_ranks_and_compiles_a_context_mesh_for_a_long_row(tpu_devices):
   split serves it, so the plan ranks context and tensor meshes; context=4 leads the
   estimate and is compiled, with its HLO matmul FLOPs those of the traced step."""
   del tpu_devices  # (skips without libtpu)
-  from fnscale.analysis import plan as fs_plan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _plan as fs_plan  # pylint: disable=import-outside-toplevel
   from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
   p = plan_recipe.make_plan("llama-1b", "v5p-8", 1, 32768, 1, overrides={"layers": 1})
   rows = {fs_plan.mesh_str(r.axes): r for r in p.rows if not r.remat}

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
 from fnscale.multihost import _agreement
-from fnscale.multihost import cluster as fsd
+from fnscale.multihost import _cluster as fsd
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -174,7 +174,7 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
   """What libtpu gives a pod whose hosts never called initialize: jax sees 2 processes, JAX's
   coordination service is off. Every feature that needs it refuses, naming the fix, instead
   of running per process."""
-  from fnscale.multihost import preemption  # pylint: disable=import-outside-toplevel
+  from fnscale.multihost import _preemption as preemption  # pylint: disable=import-outside-toplevel
   compiled = _tiny_compiled(mesh)
   fs.multihost.agree_on_step(compiled)  # one process: returns at once
   assert not jax.distributed.is_initialized()

@@ -6,7 +6,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import errors
-from fnscale.analysis import plan as fplan
+from fnscale.analysis import _plan as fplan
 
 INPUT = ("TopologyError", "MeshError", "ShardingError", "StepError", "KernelError",
          "CheckpointError", "PlanError", "DistributedArgumentError", "ExpertError")

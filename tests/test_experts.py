@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from fnscale.parallel import experts as ex
+from fnscale.parallel import _experts as ex
 
 B, S, D, E, F = 8, 4, 8, 8, 16
 EMPTY, TIE = 7, (2, 3)  # expert 7 gets no token; experts 2 and 3 tie on every token

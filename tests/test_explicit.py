@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale as fs
-from fnscale.analysis import report as freport
+from fnscale.analysis import _report as freport
 
 LR = 0.1
 

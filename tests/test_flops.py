@@ -7,7 +7,7 @@ import math
 import pytest
 
 import fnscale as fs
-from fnscale.analysis import flops
+from fnscale.analysis import _flops as flops
 from fnscale.errors import FnscaleError
 
 

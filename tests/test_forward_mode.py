@@ -15,7 +15,7 @@ import fnscale as fs
 from fnscale import _autodiff
 from fnscale.kernels import context_attention as ca
 from fnscale.kernels import grouped_matmul
-from fnscale.parallel import experts as ex
+from fnscale.parallel import _experts as ex
 
 attention_module = importlib.import_module("fnscale.kernels.attention")
 RNG = np.random.default_rng(0)

@@ -22,7 +22,7 @@ import pytest
 import fnscale as fs
 from fnscale.errors import KernelError
 from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_selection, with_kernel
-from fnscale.mesh import with_mesh
+from fnscale._mesh import with_mesh
 
 AUTO = jax.sharding.AxisType.Auto
 # The package exports the function `attention`, which hides the module of the same name.

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import fnscale as fs
-from fnscale.mesh import describe
+from fnscale._mesh import describe
 
 
 @pytest.mark.parametrize("axes,shape", [
@@ -226,7 +226,7 @@ def test_tpu_tray_ring_reshaped_to_several_axes_is_laid_on_the_torus(kind):
   # v5p" in every supported jax; "TPU v5", what libtpu reports, from jax 0.12): for (2, 2, 2)
   # two of its axes would pair chips two hops apart. fnscale keeps every axis on neighbours.
   from jax.experimental import mesh_utils
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   devs = _cube(kind)
   for shape in ([2, 2, 2], [2, 4], [4, 2]):
     grid = _device_grid(devs, shape, None)
@@ -449,7 +449,7 @@ def test_error_messages_in_full(call, message):
 
 
 def test_parse_axes_forms():
-  from fnscale.mesh import parse_axes
+  from fnscale._mesh import parse_axes
   assert parse_axes(" data = -1 , fsdp=2,, tensor=2 ") == {"data": -1, "fsdp": 2, "tensor": 2}
   assert list(parse_axes("tensor=2,data=-1")) == ["tensor", "data"]  # order kept
   assert parse_axes({"data": np.int64(4)}) == {"data": 4}
@@ -510,7 +510,7 @@ def _ids(grid):
 
 
 def test_granules_group_by_slice_else_process():
-  from fnscale.mesh import _granules
+  from fnscale._mesh import _granules
   # Two processes, listed out of order: grouped by process, ascending, order kept within.
   devs = [_Dev(i, process_index=p) for i, p in [(5, 1), (0, 0), (4, 1), (1, 0), (6, 2)]]
   assert [[d.id for d in g] for g in _granules(devs)] == [[0, 1], [5, 4], [6]]
@@ -521,7 +521,7 @@ def test_granules_group_by_slice_else_process():
 
 
 def test_off_tpu_devices_are_laid_out_in_process_then_id_order():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   devs = [_Dev(i, process_index=1 - i // 4) for i in range(8)][::-1]
   # Process 0 holds ids 4..7, process 1 ids 0..3.
   assert _ids(_device_grid(devs, [2, 4], None)) == [[4, 5, 6, 7], [0, 1, 2, 3]]
@@ -529,13 +529,13 @@ def test_off_tpu_devices_are_laid_out_in_process_then_id_order():
 
 
 def test_devices_without_coordinates_are_laid_out_in_id_order():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   devs = [_Dev(i, "tpu") for i in range(4)][::-1]  # a TPU device set that gives no coords
   assert _ids(_device_grid(devs, [2, 2], None)) == [[0, 1], [2, 3]]
 
 
 def test_dcn_axis_over_processes_puts_each_process_on_one_row():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   devs = [_Dev(i, process_index=i // 4) for i in range(8)]
   grid = _device_grid(devs, [1, 4], [2, 1])
   assert grid.shape == (2, 4)
@@ -553,7 +553,7 @@ def _v4_per_core(chips_x, chips_y):
 
 
 def test_tpu_cores_as_devices_keep_a_chip_s_cores_adjacent():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   devs = _v4_per_core(2, 2)
   grid = _device_grid(devs, [2, 4], None)
   assert grid.shape == (2, 4)
@@ -576,7 +576,7 @@ def test_tpu_cores_as_devices_keep_a_chip_s_cores_adjacent():
 
 
 def test_tpu_cores_as_devices_need_the_last_axis_a_multiple_of_the_cores():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   with pytest.raises(ValueError) as e:
     _device_grid(_v4_per_core(2, 2), [8, 1], None)
   assert str(e.value) == ("the last mesh axis (1) must be a multiple of the 2 cores per chip "
@@ -586,7 +586,7 @@ def test_tpu_cores_as_devices_need_the_last_axis_a_multiple_of_the_cores():
 
 
 def test_tpu_chips_in_a_line_split_into_a_square():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   # 4 one-core chips in a row (4x1x1): a 2x2 mesh splits the physical axis in two.
   devs = [_Dev(i, "tpu", coords=(i, 0, 0), core_on_chip=0) for i in range(4)][::-1]
   grid = _device_grid(devs, [2, 2], None)
@@ -605,7 +605,7 @@ def test_tpu_chips_in_a_line_split_into_a_square():
 
 
 def test_tpu_layout_errors_other_than_megacore_propagate():
-  from fnscale.mesh import _device_grid
+  from fnscale._mesh import _device_grid
   # Three chips of a 2x2 grid leave a hole: mesh_utils' own error, not a per-core retry.
   devs = [_Dev(i, "tpu", coords=(i % 2, i // 2, 0), core_on_chip=0) for i in range(3)]
   with pytest.raises(AssertionError, match="dims=\\(2, 2, 1\\)"):
@@ -613,7 +613,7 @@ def test_tpu_layout_errors_other_than_megacore_propagate():
 
 
 def test_make_mesh_over_slices_names_slices(monkeypatch):
-  import fnscale.mesh as fm
+  import fnscale._mesh as fm
   # Two slices of 4 one-core chips each, 2 processes per slice (stand-ins let through the
   # jax.Device check): the DCN axis runs across slices, not processes.
   monkeypatch.setattr(fm, "check_devices", lambda d, name, error: list(d))
@@ -634,7 +634,7 @@ def test_make_mesh_over_slices_names_slices(monkeypatch):
 
 
 def test_make_mesh_names_the_layout_that_failed(monkeypatch):
-  import fnscale.mesh as fm
+  import fnscale._mesh as fm
   monkeypatch.setattr(fm, "check_devices", lambda d, name, error: list(d))
   with pytest.raises(fs.MeshError) as e:
     fs.make_mesh({"data": 2, "tensor": 3}, devices=_v4_per_core(3, 1))

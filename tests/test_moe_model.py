@@ -12,7 +12,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, _targets, hlo
-from fnscale.analysis.plan import plan, predict
+from fnscale.analysis._plan import plan, predict
 from recipes.lm import moe
 
 GiB = 2**30

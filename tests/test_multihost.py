@@ -19,7 +19,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint
-from fnscale.multihost import preemption
+from fnscale.multihost import _preemption as preemption
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mp_worker  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -12,8 +12,8 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, hlo
-from fnscale.analysis import report as fs_report
-from fnscale.parallel import pipeline as pp
+from fnscale.analysis import _report as fs_report
+from fnscale.parallel import _pipeline as pp
 
 L, T, D, B = 8, 4, 8, 16  # layers, tokens per row, width, rows
 
@@ -401,7 +401,7 @@ def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
 
 def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   # Verifying a pipeline row compiles the loss with that row's microbatches on its mesh.
-  from fnscale import step as step_module  # pylint: disable=import-outside-toplevel
+  from fnscale import _step as step_module  # pylint: disable=import-outside-toplevel
   from fnscale.analysis import _targets  # pylint: disable=import-outside-toplevel
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   seen = {}

@@ -12,7 +12,7 @@ import pytest
 import fnscale as fs
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
-from fnscale.analysis.plan import PlanError, mesh_str, plan, summary
+from fnscale.analysis._plan import PlanError, mesh_str, plan, summary
 
 from recipes.lm import llama
 
@@ -174,7 +174,7 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
 
 
 def test_planner_chooses_once_only_where_its_memory_fits():
-  from fnscale.analysis import plan as fplan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _plan as fplan  # pylint: disable=import-outside-toplevel
   prof, hw = _fsdp_profile_and_hardware()
   axes = fs.mesh.MeshAxes({"fsdp": 8}, {})
   per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
@@ -245,7 +245,7 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
 
 
 def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
-  from fnscale.analysis import plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
   est = lambda s: _cost.Estimate(1.0, 1.0, 1.0, 1.0, 1.0, s, {}, s, 0.5)
   rows = [plan_module.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
           for a, s in ((1, 1.0), (2, 1.1), (4, 1.2))]
@@ -276,7 +276,7 @@ def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
   x T, plus the score and value matmuls, 4 T^2 (heads head_dim) forward per layer and twice
   that backward; remat recomputes the blocks' forward but the last matmul (w_down: its
   output is the block's, which the next block keeps) and not the output layer."""
-  from fnscale.analysis.plan import profile_model  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._plan import profile_model  # pylint: disable=g-import-not-at-top
   got = {}
   for seq in (128, 256):
     cfg = _small_llama(seq)
@@ -304,7 +304,7 @@ def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
 def test_llama_8b_per_token_flops_count_attention_on_a_tpu_target():
   """Llama-3-8B on v5p-128: 6N + 12 L H Q T per token (51.47 GFLOP at seq 4096, where the
   splash kernel's missing cost_estimate once left 45.03), and seq 8192 adds 12 L H Q 4096."""
-  from fnscale.analysis.plan import profile_model  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._plan import profile_model  # pylint: disable=g-import-not-at-top
   per_token = {}
   for seq in (4096, 8192):
     cfg = llama.model_config("llama-8b", seq)
@@ -360,7 +360,7 @@ def test_remat_is_never_predicted_faster_at_equal_accumulation():
   """Over random profiles, every target kind, mesh and accumulation: remat's bound and
   forecast are never below no remat's, and remat's memory traffic never below."""
   from fnscale.analysis import _forecast  # pylint: disable=g-import-not-at-top
-  from fnscale.analysis.plan import _meshes  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._plan import _meshes  # pylint: disable=g-import-not-at-top
   targets = [_targets.resolve(t) for t in ("v5p-128", "2x v5e-16", "16x h200")]
   targets.append(_targets.cpu_hardware(1e11, 1e10, devices=list(range(8))))
   checked = 0
@@ -437,7 +437,7 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
 
 
 def test_gpu_and_cpu_targets_cannot_be_verified():
-  from fnscale.analysis.plan import cannot_verify  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._plan import cannot_verify  # pylint: disable=g-import-not-at-top
   cfg = llama.model_config("llama-tiny", 128)
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128))
@@ -480,8 +480,8 @@ def test_the_forecast_columns_and_the_token_budget():
 def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   """The compile's step has the row's remat and accumulation, the accumulation mode the
   estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
-  from fnscale.analysis import plan as plan_module  # pylint: disable=g-import-not-at-top
-  from fnscale import step as step_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale import _step as step_module  # pylint: disable=g-import-not-at-top
   seen = {}
 
   class Stop(Exception):
@@ -515,7 +515,7 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   # of 2, of which the HLO reader saw 200 cross slices. Those 200 go at the DCN rate; the
   # other 100 (no ICI axis has size 2) at the slowest ICI axis's, with the fsdp all-gather.
   # Charging every size-2 group to the DCN axis (its size matches) would put 300 there.
-  from fnscale.analysis import hlo, plan as plan_module  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import hlo, _plan as plan_module  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("2x v5p-8")
   axes = fs.mesh.MeshAxes({"fsdp": 4}, {"replica": 2})
   bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import fnscale as fs
-from fnscale.multihost import preemption
+from fnscale.multihost import _preemption as preemption
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
   process grace_s later, with the message and status 143."""
   p = _python("""
       import os, signal, sys, time
-      from fnscale.multihost import preemption
+      from fnscale.multihost import _preemption as preemption
       with preemption.preemption_guard(grace_s=1) as should_stop:
         print("in", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -145,7 +145,7 @@ def test_a_notice_during_a_compile_reaches_stderr():
   p = _python("""
       import os, signal, time
       from fnscale import _compiler
-      from fnscale.multihost import preemption
+      from fnscale.multihost import _preemption as preemption
 
       class Lowered:  # XLA's side of a compile: a C++ log line on fd 2, then a long compile
         def as_text(self):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import optax
 
 import fnscale as fs
-from fnscale.analysis import report as freport
+from fnscale.analysis import _report as freport
 
 # An embedding's gradient written back: rows split over the batch axes added into a table
 # whose rows and columns are split over other axes. Under both sharding propagations

@@ -3,7 +3,7 @@ reference), over generated rules and names and over MaxText's default rule list.
 from jax.sharding import AbstractMesh
 import pytest
 
-from fnscale import sharding as fsh
+from fnscale import _sharding as fsh
 
 import maxtext_rules
 

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
-from fnscale import sharding as fsh
-from fnscale import state as fst
+from fnscale import _sharding as fsh
+from fnscale import _state as fst
 from fnscale._axes import data_axes
 
 AUTO = jax.sharding.AxisType.Auto

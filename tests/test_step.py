@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import fnscale
-from fnscale.analysis import report as freport
-from fnscale import step as fstep
+from fnscale.analysis import _report as freport
+from fnscale import _step as fstep
 import models
 
 STEPS = 10

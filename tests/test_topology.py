@@ -6,8 +6,8 @@ import jax
 import pytest
 
 import fnscale as fs
-from fnscale import topology as topo_mod
-from fnscale.topology import CHIP_FACTS, GiB
+from fnscale import _topology as topo_mod
+from fnscale._topology import CHIP_FACTS, GiB
 from local_server import serving
 
 

@@ -196,7 +196,7 @@ def _xla_warnings(mesh_spec, size="nano"):
   `mesh_spec`, compiled from abstract inputs with the persistent compile cache off (a cached
   program is not partitioned again, so it would warn about nothing)."""
   import optax  # pylint: disable=import-outside-toplevel
-  from fnscale import mesh as fs_mesh  # pylint: disable=import-outside-toplevel
+  from fnscale import _mesh as fs_mesh  # pylint: disable=import-outside-toplevel
   model = train_lm.MODELS[size]
   mesh = fs.make_mesh(fs_mesh.parse_axes(mesh_spec))
   cfg = model.model_config(size, 32)

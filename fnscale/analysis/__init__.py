@@ -9,6 +9,6 @@ accumulation for a model on a described target and verifies the best by compilin
 Layer: the top of the library; imports the core pipeline, `fnscale.kernels` and
 `fnscale.parallel`; never `fnscale.multihost`, `fnscale.checkpoint` or the package root.
 """
-from fnscale.analysis import flops, hlo, invariance, plan, report
+from fnscale.analysis import _flops as flops, hlo, _invariance as invariance, _plan as plan, _report as report
 
 __all__ = ["flops", "hlo", "invariance", "plan", "report"]

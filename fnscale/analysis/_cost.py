@@ -78,7 +78,7 @@ from jax.extend import core as jcore
 from fnscale import _compat
 from fnscale.analysis._targets import Hardware
 from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
-from fnscale.parallel.experts import with_experts
+from fnscale.parallel._experts import with_experts
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
-from fnscale import topology as _topology
+from fnscale import _topology
 from fnscale.errors import TopologyError
 
 

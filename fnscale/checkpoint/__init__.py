@@ -13,7 +13,7 @@ processes); never `fnscale.analysis` or the package root.
 """
 from fnscale.checkpoint import hf
 from fnscale.checkpoint._shared_dir import check_shared_directory
-from fnscale.checkpoint.store import (
+from fnscale.checkpoint._store import (
     Manager,
     all_finite,
     close,

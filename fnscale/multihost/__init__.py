@@ -15,8 +15,8 @@ from fnscale.multihost._agreement import agree_on_step, barrier
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
 from fnscale.multihost._global_batch import check_batch_replicas, global_batch, process_rows
 from fnscale.multihost._peer_loss import DEFAULT_PEER_CHECK_TIMEOUT_S, peer_guard
-from fnscale.multihost import preemption
-from fnscale.multihost.cluster import (
+from fnscale.multihost import _preemption as preemption
+from fnscale.multihost._cluster import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DistributedInfo,

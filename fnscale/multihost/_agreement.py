@@ -29,7 +29,7 @@ import numpy as np
 
 from fnscale import _compat
 from fnscale.multihost import _coordination as _co
-from fnscale import compile as _compile
+from fnscale import _compile
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S
 from fnscale._tree import path_str
 from fnscale.errors import DistributedArgumentError, DistributedError

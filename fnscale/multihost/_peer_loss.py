@@ -26,7 +26,7 @@ import jax
 from fnscale import _compat
 from fnscale.multihost import _coordination as _co
 from fnscale.multihost import _liveness
-from fnscale.multihost import preemption
+from fnscale.multihost import _preemption as preemption
 from fnscale.multihost._coordination import EXIT_JOB_FAILED
 from fnscale.errors import DistributedArgumentError, DistributedError
 

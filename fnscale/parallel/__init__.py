@@ -5,6 +5,6 @@ The home of sequence (`context`), expert (`expert`) and pipeline (`stage`) paral
 Layer: imports the core pipeline and `fnscale.kernels`; never `fnscale.multihost`,
 `fnscale.checkpoint`, `fnscale.analysis` or the package root.
 """
-from fnscale.parallel import context, experts, pipeline
+from fnscale.parallel import context, _experts as experts, _pipeline as pipeline
 
 __all__ = ["context", "experts", "pipeline"]

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.analysis.plan import (
+from fnscale.analysis._plan import (
     FORECAST_TERMS, ForecastTerms, hardware, mesh_str, predict, profile_model)
 from recipes.lm import llama
 from recipes.lm import cli

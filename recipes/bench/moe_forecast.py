@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 import fnscale as fs
-from fnscale.analysis.plan import hardware, mesh_str, predict, profile_model
+from fnscale.analysis._plan import hardware, mesh_str, predict, profile_model
 from recipes.lm import moe
 from recipes.lm import cli
 

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fnscale.parallel import experts
+from fnscale.parallel import _experts as experts
 from recipes.lm import cli
 
 

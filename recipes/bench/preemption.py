@@ -53,7 +53,7 @@ def main(argv=None) -> int:
   import jax
   import numpy as np
   import optax
-  from fnscale.multihost import preemption
+  from fnscale.multihost import _preemption as preemption
   init, loss = _model(args.width)
   mesh = fs.make_mesh({"fsdp": jax.device_count()})
   opt = optax.sgd(1e-3)

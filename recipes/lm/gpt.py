@@ -26,7 +26,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
-from fnscale.analysis import flops
+from fnscale.analysis import _flops as flops
 
 VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=n)`)
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import flops
+from fnscale.analysis import _flops as flops
 from recipes.lm import gpt
 
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import flops
-from fnscale.parallel import experts
+from fnscale.analysis import _flops as flops
+from fnscale.parallel import _experts as experts
 from recipes.lm import gpt, llama
 
 HAS_AUX = True  # `loss_and_aux` returns the expert load beside the loss

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from fnscale.kernels import context_attention
 from fnscale.kernels.attention import IMPLEMENTATIONS
-from fnscale.multihost import preemption
-from fnscale.step import ACCUM_GATHER
+from fnscale.multihost import _preemption as preemption
+from fnscale._step import ACCUM_GATHER
 from recipes.lm.cli import option
 
 CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import flops
+from fnscale.analysis import _flops as flops
 from recipes.lm import run_log
 
 

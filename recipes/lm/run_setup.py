@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale import sharding
+from fnscale import _sharding as sharding
 from recipes.lm import batches, checkpoints, data, models, packing, progress, run_log, rundir
 from recipes.lm import startup
 from recipes.lm.options import Options, platform_default, schedule_defaults

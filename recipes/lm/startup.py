@@ -12,8 +12,8 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale import mesh as fnscale_mesh
-from fnscale.analysis.report import compilation_cache
+from fnscale import _mesh as fnscale_mesh
+from fnscale.analysis._report import compilation_cache
 from recipes.lm.options import MIXED
 
 # Options that may differ between the processes of one job.
@@ -124,7 +124,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
   """
-  from fnscale.analysis import plan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _plan as plan  # pylint: disable=import-outside-toplevel
   rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
   p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
                 optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,

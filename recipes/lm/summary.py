@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from fnscale import mesh as fnscale_mesh
-from fnscale import sharding
+from fnscale import _mesh as fnscale_mesh
+from fnscale import _sharding as sharding
 from recipes.lm import evaluation, progress, run_log
 
 

@@ -20,11 +20,11 @@ from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compiler
 from fnscale import _tree
-from fnscale import sharding as _sh
-from fnscale import state as _state
-from fnscale import step as _step
+from fnscale import _sharding as _sh
+from fnscale import _state
+from fnscale import _step
 from fnscale.errors import FnscaleError, ShardingError, StepError
-from fnscale.mesh import check_mesh
+from fnscale._mesh import check_mesh
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]
 

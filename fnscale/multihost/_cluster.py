@@ -24,7 +24,7 @@ from fnscale.multihost import _agreement as _ag
 from fnscale import _compat
 from fnscale.multihost import _coordination as _co
 from fnscale.multihost import _rollcall
-from fnscale.multihost import preemption
+from fnscale.multihost import _preemption as preemption
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
 from fnscale.errors import DistributedArgumentError, DistributedError, FnscaleError
 
@@ -74,7 +74,7 @@ def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
   elsewhere. Asked only on a TPU VM or where GCE_METADATA_HOST names a server. (`gcloud
   compute tpus tpu-vm create` VMs keep the worker id and hosts there, not in the environment.)
   """
-  from fnscale import _metadata, topology  # pylint: disable=g-import-not-at-top
+  from fnscale import _metadata, _topology as topology  # pylint: disable=g-import-not-at-top
   from fnscale.errors import TopologyError  # pylint: disable=g-import-not-at-top
   if not topology._on_tpu_vm(os.environ):  # pylint: disable=protected-access
     return None

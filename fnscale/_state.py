@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 import optax
 
 from fnscale import _tree
-from fnscale import sharding as _sh
+from fnscale import _sharding as _sh
 from fnscale.errors import ShardingError, StepError
-from fnscale.mesh import check_mesh
-from fnscale.step import TrainState, as_policy, check_optimizer, default_loss_scale
+from fnscale._mesh import check_mesh
+from fnscale._step import TrainState, as_policy, check_optimizer, default_loss_scale
 
 __all__ = ["init_state", "opt_state_shardings", "state_shardings"]
 

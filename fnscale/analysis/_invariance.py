@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from fnscale.compile import shard_step
+from fnscale._compile import shard_step
 from fnscale.errors import MeshError, StepError
-from fnscale.mesh import check_mesh
-from fnscale.state import init_state
-from fnscale.step import train_step
+from fnscale._mesh import check_mesh
+from fnscale._state import init_state
+from fnscale._step import train_step
 
 
 class InvarianceReport(NamedTuple):

@@ -37,14 +37,14 @@ from fnscale import _compat
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
-from fnscale import compile as _compile
+from fnscale import _compile
 from fnscale.analysis import hlo as _hlo
-from fnscale.parallel import pipeline as _pipeline
-from fnscale.analysis import report as _report
-from fnscale import state as _state
-from fnscale import step as _step
+from fnscale.parallel import _pipeline
+from fnscale.analysis import _report
+from fnscale import _state
+from fnscale import _step
 from fnscale.errors import PlanError
-from fnscale.mesh import MeshAxes, make_mesh
+from fnscale._mesh import MeshAxes, make_mesh
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
            "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
@@ -152,7 +152,7 @@ def calibrate_cpu(n: int = 1024, mib: int = 64, repeats: int = 5) -> tuple[float
   """Measured (matmul FLOP/s, memory-copy bytes/s) of this host's first device: the CPU cost
   model's rates. Matmul: `fnscale.analysis.flops.measure_matmul_peak(n)` (float32). Copy: the median
   time of `x + 1` over a `mib` MiB float32 array, counting the bytes written."""
-  from fnscale.analysis import flops  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _flops as flops  # pylint: disable=g-import-not-at-top
   rate = flops.measure_matmul_peak(n, repeats=repeats)
   x = jnp.zeros((mib * 2**18,), jnp.float32)
   f = jax.jit(lambda a: a + 1.0)

@@ -59,7 +59,7 @@ def peak_flops(topology=None) -> float | None:
     for device kinds fnscale has no figure for (use `measure_matmul_peak` there).
   """
   if topology is None:
-    from fnscale.topology import detect_topology  # pylint: disable=g-import-not-at-top
+    from fnscale._topology import detect_topology  # pylint: disable=g-import-not-at-top
     topology = detect_topology()
   return topology.peak_flops_per_device
 

@@ -18,12 +18,12 @@ from absl import logging
 import jax
 
 from fnscale import _tree
-from fnscale import compile as _compile
+from fnscale import _compile
 from fnscale.analysis import hlo as _hlo
-from fnscale import sharding as _sh
+from fnscale import _sharding as _sh
 from fnscale.errors import ShardingError, StepError
 from fnscale.analysis.hlo import Collective
-from fnscale.parallel import pipeline as _pipeline
+from fnscale.parallel import _pipeline
 # The compile settings are public here; the warnings reader is reached here by its tests.
 from fnscale._compiler import compilation_cache, compilation_cache_restored  # noqa: F401
 from fnscale._compiler import fast_compile_options  # noqa: F401
