@@ -1,9 +1,12 @@
 """fnscale: a single-device JAX train step as one SPMD program on every chip.
 
-Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step.
-Tools around the pipeline are submodules: `fnscale.analysis.hlo`, `fnscale.analysis.flops`,
-`fnscale.checkpoint`, `fnscale.cloud`, `fnscale.adapters`, `fnscale.analysis.invariance`, ...
+Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step; this
+namespace holds that pipeline and its errors. The tools around it are namespaces, each name
+with one spelling: `fnscale.analysis` (cost, planning, HLO), `fnscale.checkpoint`,
+`fnscale.kernels`, `fnscale.multihost`, `fnscale.parallel`, `fnscale.cloud`,
+`fnscale.adapters`. Modules whose names start with `_` are the implementation.
 """
+from fnscale import _deprecation
 from fnscale.errors import (
     CheckpointError,
     CloudError,
@@ -22,35 +25,65 @@ from fnscale.errors import (
     TopologyError,
 )
 # The pipeline, in order: topology -> mesh -> shardings -> compiled step.
-from fnscale._topology import Topology, detect_topology, simulate_cpu_devices
-from fnscale._mesh import MeshAxes, make_mesh, parallelism, with_mesh
-from fnscale._axes import AxisConventions, axis_conventions
+from fnscale._topology import (CHIP_FACTS, ChipFacts, Topology, detect_topology, quiet_libtpu,
+                               simulate_cpu_devices, target_devices)
+from fnscale._mesh import (MeshAxes, check_axis_names, describe_mesh, make_mesh, parallelism,
+                           parse_axes, with_mesh)
+from fnscale._axes import AxisConventions, axis_conventions, data_axes
 from fnscale._axes import FNSCALE as FNSCALE_AXES, LEVANTER as LEVANTER_AXES, MAXTEXT as MAXTEXT_AXES
-from fnscale._sharding import batch_sharding, constrain_batch, sharding_layout, shardings
-from fnscale._step import TrainState, train_step
+from fnscale._sharding import (batch_sharding, constrain_batch, logical_to_spec, sharding_layout,
+                               shardings)
+from fnscale._step import ACCUM_GATHER, LossScale, TrainState, train_step
 from fnscale._state import init_state, state_shardings
 from fnscale._compile import shard_step
+from fnscale._compiler import compilation_cache, compilation_cache_restored, fast_compile_options
 from fnscale.analysis._report import CompileReport, compile_report, sharding_report
 from fnscale.kernels import attention, cross_entropy, with_kernel
-from fnscale.multihost import barrier, global_batch, initialize, process_rows
+from fnscale.multihost._agreement import barrier
+from fnscale.multihost._cluster import initialize
+from fnscale.multihost._global_batch import global_batch, process_rows
 # The layers above the pipeline, reached as namespaces (`fs.checkpoint.save`, ...).
 from fnscale import adapters, analysis, checkpoint, cloud, kernels, multihost, parallel
-# Short names for the analysis tools (`fs.hlo` is `fs.analysis.hlo`).
-from fnscale.analysis import _flops as flops, hlo, _invariance as invariance, _plan as plan, _report as report
 
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
     "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
     "ExpertError", "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
     "TopologyError",
-    "Topology", "detect_topology", "simulate_cpu_devices",
-    "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",
+    "Topology", "detect_topology", "simulate_cpu_devices", "target_devices", "quiet_libtpu",
+    "ChipFacts", "CHIP_FACTS",
+    "MeshAxes", "make_mesh", "parallelism", "with_mesh", "parse_axes", "check_axis_names",
+    "describe_mesh", "AxisConventions", "axis_conventions", "data_axes",
     "FNSCALE_AXES", "LEVANTER_AXES", "MAXTEXT_AXES",
-    "batch_sharding", "constrain_batch", "sharding_layout", "sharding_report", "shardings",
-    "TrainState", "train_step",
+    "batch_sharding", "constrain_batch", "logical_to_spec", "sharding_layout", "sharding_report",
+    "shardings",
+    "TrainState", "LossScale", "train_step", "ACCUM_GATHER",
     "init_state", "state_shardings",
-    "shard_step",
+    "shard_step", "compilation_cache", "compilation_cache_restored", "fast_compile_options",
     "CompileReport", "compile_report",
     "attention", "cross_entropy", "with_kernel",
     "barrier", "global_batch", "initialize", "process_rows",
+    "adapters", "analysis", "checkpoint", "cloud", "kernels", "multihost", "parallel",
 ]
+
+_PIPELINE = "fnscale.{} (the pipeline's names are fnscale's own)"
+__getattr__ = _deprecation.moved(__name__, {
+    "plan": ("fnscale.analysis._plan", "fnscale.analysis.plan (the planner's names are in "
+             "fnscale.analysis)"),
+    "hlo": ("fnscale.analysis.hlo", "fnscale.analysis.hlo"),
+    "flops": ("fnscale.analysis._flops", "fnscale.analysis.mfu, .peak_flops, "
+              ".model_flops_per_token, ... (fnscale.analysis)"),
+    "report": ("fnscale.analysis._report", "fnscale.compile_report, fnscale.sharding_report, "
+               "fnscale.analysis.format_report"),
+    "invariance": ("fnscale.analysis._invariance", "fnscale.analysis.check_mesh_invariance"),
+    "topology": ("fnscale._topology", _PIPELINE.format(
+        "detect_topology, fnscale.target_devices, fnscale.quiet_libtpu, fnscale.CHIP_FACTS")),
+    "mesh": ("fnscale._mesh", _PIPELINE.format(
+        "make_mesh, fnscale.with_mesh, fnscale.parse_axes, fnscale.describe_mesh")),
+    "sharding": ("fnscale._sharding", _PIPELINE.format(
+        "shardings, fnscale.logical_to_spec, fnscale.data_axes, fnscale.batch_sharding")),
+    "step": ("fnscale._step", _PIPELINE.format("train_step, fnscale.TrainState, "
+                                               "fnscale.LossScale, fnscale.ACCUM_GATHER")),
+    "state": ("fnscale._state", _PIPELINE.format("init_state, fnscale.state_shardings")),
+    "compile": ("fnscale._compile", _PIPELINE.format("shard_step, fnscale.compile_report")),
+})

@@ -34,7 +34,7 @@ class AxisConventions(NamedTuple):
       data axis (list them in `data` too), and a mesh with several TPU slices lays one
       across the slices by default (`fnscale.make_mesh`).
     expert: the expert-parallel axes: a mixture-of-experts layer
-      (`fnscale.parallel.experts`) splits its experts over the first one present and
+      (`fnscale.parallel.moe`) splits its experts over the first one present and
       exchanges tokens over it. An expert axis also splits the batch (it is in `data`), as
       in MaxText, so the layers around the experts stay data parallel over it.
     context: the context-parallel axes: activations are split along the sequence (a batch's

@@ -433,7 +433,7 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
       optimizer leaves carry no sharding on `mesh` (e.g. numpy arrays); optional, and when
       given it must agree with the optimizer leaves that carry one.
     compiler_options: XLA compile options (DebugOptions names) for `Lowered.compile`.
-    fast_compile: add `fnscale.analysis.report.fast_compile_options()` (debugging: slower programs).
+    fast_compile: add `fnscale.fast_compile_options()` (debugging: slower programs).
 
   Returns:
     A `ShardedStep` (or a `CompiledStep` with `example`). Batch or state leaves placed

@@ -1,9 +1,9 @@
 """Compiling a lowered program with XLA: timed, with the warnings XLA's C++ code logs while
 compiling captured from stderr, plus the compile settings (`fast_compile_options`, jax's
-persistent `compilation_cache`). `fnscale.compile` compiles steps with it and
-`fnscale.analysis.report` reads what it returns; the settings are public as
-`fnscale.analysis.report.fast_compile_options`, `fnscale.analysis.report.compilation_cache` and
-`fnscale.analysis.report.compilation_cache_restored`."""
+persistent `compilation_cache`). `fnscale.shard_step` compiles steps with it and
+`fnscale.compile_report` reads what it returns; the settings are public as
+`fnscale.fast_compile_options`, `fnscale.compilation_cache` and
+`fnscale.compilation_cache_restored`."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -12,12 +12,12 @@ where a step is traced, each set by a scoped wrapper and reset when its scope en
 - `KERNEL_CHOICE`: what `fnscale.attention(implementation="auto")` runs, and Pallas interpret
   mode (a `KernelChoice`). Set by `fnscale.with_kernel` for each call of the function it
   wraps; a jax user context (`jax.make_user_context`).
-- `EXPERT_CHOICE`: how `fnscale.parallel.experts.moe(exchange="auto")` exchanges tokens and
-  runs its grouped matmuls (an `ExpertChoice`). Set by `fnscale.parallel.experts.with_experts`
+- `EXPERT_CHOICE`: how `fnscale.parallel.moe(exchange="auto")` exchanges tokens and
+  runs its grouped matmuls (an `ExpertChoice`). Set by `fnscale.parallel.with_experts`
   for each call of the function it wraps; a jax user context.
 - `PARAM_SPECS`: the params' PartitionSpecs while `fnscale.shard_step` traces a step
   ((treedef, specs), or None), so that gradient accumulators keep the params' sharding. Set
-  by `fnscale.step.param_specs`, which `shard_step` enters; a jax user context.
+  by `fnscale._step.param_specs`, which `shard_step` enters; a jax user context.
 
 Threads and asyncio (jax 0.10.2 and 0.12): a new thread starts with none of them set. The
 mesh, `KERNEL_CHOICE`, `EXPERT_CHOICE` and `PARAM_SPECS` are jax's thread-local state: while
@@ -54,7 +54,7 @@ class KernelChoice(NamedTuple):
 
 
 class ExpertChoice(NamedTuple):
-  """The choice `fnscale.parallel.experts.with_experts` makes visible to the `moe` calls
+  """The choice `fnscale.parallel.with_experts` makes visible to the `moe` calls
   inside it: the exchange ("auto", "ragged", "gather_experts", "all_gather",
   "all_to_all"), the grouped matmul ("auto", "ragged_dot", "megablox") and Pallas
   interpret mode."""

@@ -482,13 +482,13 @@ def check_mesh(mesh, fn: str, *, arg: str = "mesh", abstract: bool = False) -> N
                     "fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1}).")
 
 
-def describe(mesh: Mesh) -> str:
+def describe_mesh(mesh: Mesh) -> str:
   """One line per axis: name, size, axis type, and whether it crosses slices or processes.
 
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
   """
-  check_mesh(mesh, "describe")
+  check_mesh(mesh, "describe_mesh")
   lines = []
   devs = mesh.devices
   for i, name in enumerate(mesh.axis_names):

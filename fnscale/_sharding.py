@@ -10,7 +10,7 @@ as used by T5X/MaxText.
 
 Leaf paths are '/'-joined pytree keys (`fnscale._tree.path_str`). Path patterns in
 `logical_axes` are matched with `re.search` against that string. The optimizer state's
-shardings live in `fnscale.state`, the readable table in `fnscale.analysis.report.sharding_report`.
+shardings come from `fnscale.state_shardings`, the readable table in `fnscale.sharding_report`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 state's shardings.
 
 `init_state` traces the params (or takes them), derives their shardings
-(`fnscale.sharding`), and builds params and optimizer state directly in those shardings
+(`fnscale.shardings`), and builds params and optimizer state directly in those shardings
 (`jax.eval_shape` -> shardings -> `jax.jit(..., out_shardings=...)`, as in nanodo), so a
 model bigger than one device never lives on one device.
 """

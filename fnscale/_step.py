@@ -4,8 +4,8 @@
 Precision Training"), dynamic loss scaling with non-finite steps skipped, gradient
 accumulation over microbatches with `lax.scan`. Inside `jax.shard_map` over data axes the
 step runs per shard and `pmean`s gradients (the data-parallel all-reduce of Goyal et al.,
-2017, "Accurate, Large Minibatch SGD"). The state is built by `fnscale.state`, the step
-compiled by `fnscale.compile`.
+2017, "Accurate, Large Minibatch SGD"). The state is built by `fnscale.init_state`, the
+step compiled by `fnscale.shard_step`.
 
 Leaf paths in messages are '/'-joined pytree keys (`params/blocks/0/wq`).
 """

@@ -15,7 +15,7 @@ import sys
 
 from absl import flags
 
-from fnscale.errors import FnscaleError
+from fnscale import FnscaleError
 from recipes.lm import cli, data
 from recipes.lm.options import CORPORA
 

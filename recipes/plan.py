@@ -28,9 +28,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-# By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
-from fnscale.analysis._plan import (
-    Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
+from fnscale.analysis import Plan, calibrate_cpu, cannot_verify, mesh_str, plan, plan_summary
 from recipes.lm import cli, llama, moe
 
 if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
@@ -131,7 +129,7 @@ def main(argv=None) -> int:
                   help="--measure: interleaved rounds")
   ap.add_argument("--json", default=None, help="write the result here")
   a = ap.parse_args(argv)
-  fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
+  fs.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
   if a.measure:
     res = measure(a.batch if a.batch != 256 else 16, a.seq if a.seq != 4096 else 64, a.steps,
                   a.remat)
@@ -147,7 +145,7 @@ def main(argv=None) -> int:
                   tokens=a.tokens)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
-    res = summary(p)
+    res = plan_summary(p)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1, default=str)

@@ -17,7 +17,7 @@ import sys
 
 from absl import flags
 
-from fnscale.errors import FnscaleError, InputError
+from fnscale import FnscaleError, InputError
 from recipes.lm.run_log import METRICS_FILE, RUN_FILE
 from recipes.lm import cli
 

@@ -18,8 +18,6 @@ import sys
 from absl import flags
 
 import fnscale as fs
-from fnscale import _topology as topology
-from fnscale._mesh import describe
 from recipes.lm import cli
 
 flags.DEFINE_string("mesh", "data=-1", "mesh axes 'name=size,...' or a preset name")
@@ -33,10 +31,10 @@ FLAGS = flags.FLAGS
 
 def _detect(target):
   """(topology, devices, what it describes)."""
-  topology.quiet_libtpu()  # describing a TPU loads libtpu: no host-lookup warnings
+  fs.quiet_libtpu()  # describing a TPU loads libtpu: no host-lookup warnings
   fs.simulate_cpu_devices(FLAGS.devices)  # only where no accelerator is present
   if target and re.search(r"[a-z]", target):  # names a TPU generation: describe the target
-    devices = topology.target_devices(target)
+    devices = fs.target_devices(target)
     # This machine's environment says nothing about the target: env={}.
     return fs.detect_topology(target, devices=devices, env={}), devices, \
         f"target {target!r} (libtpu's described devices; no TPU needed)"
@@ -55,7 +53,7 @@ def main(argv):
         f"{topo.num_slices}")
   for field, source in topo.sources.items():
     print(f"  {field:<22} from {source}")
-  print(describe(mesh))
+  print(fs.describe_mesh(mesh))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ from typing import Any
 import jax
 
 import fnscale as fs
-from fnscale.analysis._report import compilation_cache_restored
-from fnscale.multihost import _preemption as preemption
 from recipes.lm import batches, checkpoints, cli, data, evaluation, models, progress, run_log
 from recipes.lm import run_setup, rundir, stalls, startup, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
@@ -50,15 +48,15 @@ def train_lm(**options) -> summary.Summary:
 def run(o: Options) -> summary.Summary:
   """Trains per `o` (see `train_lm`); returns the summary with the final state."""
   # --compile_cache_dir is this run's: the caller's later compiles don't use it.
-  with compilation_cache_restored():
+  with fs.compilation_cache_restored():
     # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
     t0, say = time.time(), startup.start(o)
     # From here on (data, compile, evals, loop, final save), a notice (SIGTERM to any
     # process) stops every process after one step, or within grace_s wherever it is, and a
     # process lost in a collective is named, not left to a runtime error.
-    preemption.check_service()  # the guard needs it: say so now, not after the compile
+    fs.multihost.check_preemption_service()  # the guard needs it: say so now, not after the compile
     data.check_epochs(o.dataset, o.epochs)
-    with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
+    with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
       setup = run_setup.decide(o, data.load(o.dataset, models.tokenizer(o)), say)
       rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory

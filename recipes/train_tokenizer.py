@@ -19,7 +19,7 @@ import sys
 
 from absl import flags
 
-from fnscale.errors import FnscaleError, InputError
+from fnscale import FnscaleError, InputError
 from recipes.lm.data import corpus_files  # noqa: F401  (one definition)
 from recipes.lm import cli
 

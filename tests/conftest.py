@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 # Compiling dominates the suite's time: XLA's CPU backend without its LLVM optimisations
-# compiles about twice as fast (fnscale.analysis.report.fast_compile_options, here for every
+# compiles about twice as fast (fnscale.fast_compile_options, here for every
 # program and, through the environment, every process the tests start). The optimized HLO, and
 # so every FLOP, byte and sharding the tests count, is unchanged; the programs run slower.
 _FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -39,7 +39,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Without a TPU, libtpu (loaded for those compiles) prints host-lookup warnings unless told
 # this is one host; importing fnscale changes no environment variable, so ask for it here.
 import fnscale._topology  # noqa: E402  pylint: disable=wrong-import-position
-fnscale.topology.quiet_libtpu()
+fnscale.quiet_libtpu()
 
 
 import pytest

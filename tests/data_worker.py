@@ -41,9 +41,8 @@ def main(argv) -> int:
   from jax.experimental import multihost_utils
   import numpy as np
   import fnscale as fs
-  from fnscale import _mesh as fs_mesh
   from recipes.lm import packing
-  mesh = fs.make_mesh(fs_mesh.parse_axes(args.mesh, what="--mesh"))
+  mesh = fs.make_mesh(fs.parse_axes(args.mesh, what="--mesh"))
   bsh = fs.batch_sharding(mesh)
   sources, _ = packing.open_mixture(args.cache, "")
   it = packing.batches(sources, fs.process_rows(bsh, ROWS), ROWS, packing.PackSpec(SEQ), 0)

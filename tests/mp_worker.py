@@ -5,7 +5,7 @@
 It is also the reference for how a training program uses fnscale's multi-host pieces:
 `fnscale.initialize(config=flags)` (every process must run the same flags, versions and
 device count), `shard_step` (every process must compile the same step),
-`fnscale.multihost.preemption.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
+`fnscale.multihost.preemption_guard` (a SIGTERM becomes "save step N and exit 143" on every
 process) and `fnscale.multihost.peer_guard` (a lost process becomes a DistributedError, exit 75).
 
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds the
@@ -24,7 +24,7 @@ DIR/losses.jsonl and DIR/params.npz (the final params, gathered from every proce
 
 On SIGTERM (a preemption notice) JAX's preemption service agrees with every process on one
 step to stop at; all save a checkpoint there (after a save still in flight has committed),
-wait for its commit and exit 143 (`preemption.EXIT_PREEMPTED`).
+wait for its commit and exit 143 (`fs.multihost.EXIT_PREEMPTED`).
 Rerunning resumes from the newest checkpoint. `--restore_only` restores the newest
 checkpoint onto this job's mesh and writes its params to DIR/restored.npz. A lost process
 ends the loop in a `fnscale.DistributedError` (`fnscale.multihost.peer_guard`), exit
@@ -197,7 +197,6 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
   """The loop: one step, its loss, the preemption check, a checkpoint when due."""
   import fnscale as fs
   from fnscale import checkpoint
-  from fnscale.multihost import _preemption as preemption
   import models
   cfg = models.TRANSFORMER._replace(**MODELS[args.model])
   bs = fs.batch_sharding(mesh)
@@ -220,7 +219,7 @@ def _train(args, pid, state, step, mesh, should_stop, ckpt, start):
       if stop:
         checkpoint.wait(ckpt)  # committed before the process exits
         _emit(event="preempted", step=s + 1)
-        return state, preemption.EXIT_PREEMPTED
+        return state, fs.multihost.EXIT_PREEMPTED
       if 0 <= args.slow_after <= s:
         time.sleep(args.sleep_s)
   if log:
@@ -235,7 +234,6 @@ def main(argv) -> int:
   import numpy as np
   import fnscale as fs
   from fnscale import checkpoint
-  from fnscale.multihost import _preemption as preemption
   pid = jax.process_index()
   os.makedirs(args.out, exist_ok=True)
   if args.slow_commit_s:
@@ -243,7 +241,7 @@ def main(argv) -> int:
   ckpt_dir = os.path.join(args.out, "ckpt")
   fs.checkpoint.check_shared_directory(ckpt_dir)  # every process sees the same one
   # One checkpoint manager for the run; leaving the block waits for the last save.
-  with preemption.preemption_guard(grace_s=args.grace_s) as should_stop, checkpoint.manager(
+  with fs.multihost.preemption_guard(grace_s=args.grace_s) as should_stop, checkpoint.manager(
       ckpt_dir, async_save=bool(args.async_ckpt)) as ckpt:
     mesh, _, step, init = build(args.mesh, args.model, args.lr)
     _emit(event="start", process=pid, processes=jax.process_count(),

@@ -321,5 +321,5 @@ def initialize_from_env(**kwargs):
   """
   import fnscale  # pylint: disable=import-outside-toplevel
   # The launcher drops TPU layout variables: libtpu, if a TPU target loads it, stays quiet.
-  fnscale.topology.quiet_libtpu()
+  fnscale.quiet_libtpu()
   return fnscale.initialize(**kwargs)  # reads the JAX_* variables the launcher set

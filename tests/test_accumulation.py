@@ -5,7 +5,7 @@ a whole-size accumulator, every leaf's gradient reduced once after the loop
 (reduce-scattered where the leaf is split). "per_microbatch": params stay sharded and are
 gathered inside each microbatch; the float32 accumulator is sharded as the params are, so
 each microbatch's gradient is reduced into it (FSDP's memory). Memory and collectives are
-read from the compiled program (`fs.hlo.summarize`, memory analysis) and set against hand
+read from the compiled program (`fs.analysis.hlo.summarize`, memory analysis) and set against hand
 counts of the model's float32 param bytes P.
 """
 import functools
@@ -31,7 +31,7 @@ def _param_bytes(d, m):
 @functools.lru_cache(maxsize=None)
 def _compiled(target, axes, accum, gather, d=256, m=1024, rows=64):
   """(CompiledStep, its HLO summary) of the residual MLP's step; target "cpu" or a TPU."""
-  devices = None if target == "cpu" else fs.topology.target_devices(target)
+  devices = None if target == "cpu" else fs.target_devices(target)
   mesh = fs.make_mesh(dict(axes), devices=devices)
   opt = optax.sgd(0.1)
   init = functools.partial(bench.init_mlp, d=d, m=m, layers=L)
@@ -352,7 +352,7 @@ TREE_BATCH = {"x": jax.random.normal(jax.random.key(2), (64, 256))}
 @functools.lru_cache(maxsize=None)
 def _tree_step(target, axis_types, gather, accum=4, rows=64):
   """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4."""
-  devices = None if target == "cpu" else fs.topology.target_devices(target)
+  devices = None if target == "cpu" else fs.target_devices(target)
   mesh = fs.make_mesh({"data": 2, "fsdp": 4}, devices=devices, axis_types=axis_types)
   opt = optax.sgd(0.1)
   state = fs.init_state(_tree_init, opt, mesh=mesh, key=jax.random.key(0),

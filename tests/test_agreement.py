@@ -105,8 +105,7 @@ import multiprocess, mp_worker, models
 multiprocess.initialize_from_env(timeout_s=60, heartbeat_timeout_s=30)
 import jax, numpy as np, optax
 import fnscale as fs
-from fnscale.analysis import _plan as fs_plan
-from fnscale.analysis._invariance import check_mesh_invariance
+from fnscale.analysis import check_mesh_invariance
 mesh, _, sharded, init = mp_worker.build("data=2,fsdp=2")
 state = init()
 cfg, bs = models.TRANSFORMER, fs.batch_sharding(mesh)
@@ -122,7 +121,7 @@ mlp_batch = jax.tree.map(np.asarray, models.mlp_batch(jax.random.key(1), 8))
 calls = {{
     "compile_report": lambda: fs.compile_report(sharded, state, batch),
     "compile": lambda: sharded.compile(state, batch),
-    "plan_verify": lambda: fs_plan.plan(
+    "plan_verify": lambda: fs.analysis.plan(
         functools.partial(models.transformer_init, cfg=cfg),
         lambda p, b: models.transformer_loss(p, b)[0], optax.adam(1e-3), {{"tokens": rows}},
         "v5p-8", rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),

@@ -9,7 +9,6 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint as ckpt
-from fnscale.analysis import _report as freport
 from fnscale import _sharding as fsh
 
 MESH_FIX = "; fix: fnscale.make_mesh(...), e.g. fnscale.make_mesh({'data': -1})."
@@ -52,7 +51,7 @@ def test_sharding_arguments(mesh):
     fs.shardings(tree, mesh, fsdp_axis=3)
   with _raises(fs.MeshError, "logical_to_spec: mesh is a dict ({'fsdp': 8}), expected a "
                "jax.sharding.Mesh or AbstractMesh" + MESH_FIX):
-    fsh.logical_to_spec(("embed",), (), {"fsdp": 8})
+    fs.logical_to_spec(("embed",), (), {"fsdp": 8})
   with _raises(fs.ShardingError, "axes is a float (1.0), expected a mesh axis name, a tuple "
                "of names or None; fix: e.g. 'fsdp' or ('data', 'fsdp')."):
     fs.constrain_batch(jnp.ones((8, 2)), axes=1.0)
@@ -99,12 +98,12 @@ def test_report_and_checkpoint_arguments(tmp_path):
   with _raises(fs.StepError, "compiler_options is a str ('O3'), expected a dict."):
     fs.compile_report(lambda x: x, jnp.ones(2), None, compiler_options="O3")
   with _raises(fs.StepError, "report is a str ('x'), expected a CompileReport."):
-    freport.format_report("x")
+    fs.analysis.format_report("x")
   with _raises(fs.StepError, "compilation cache directory is an int (3), expected a "
                "non-empty path."):
-    freport.compilation_cache(3)
+    fs.compilation_cache(3)
   with _raises(fs.StepError, "min_entry_size_bytes=-1 (int), expected an int >= 0."):
-    freport.compilation_cache(str(tmp_path), min_entry_size_bytes=-1)
+    fs.compilation_cache(str(tmp_path), min_entry_size_bytes=-1)
   with _raises(fs.CheckpointError, "checkpoint directory is an int (3), expected a str or "
                "os.PathLike path such as 'runs/lm/ckpt' or 'gs://bucket/run/ckpt', or a "
                "fnscale.checkpoint.Manager."):

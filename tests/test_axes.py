@@ -30,7 +30,7 @@ def test_presets_name_the_batch_and_head_axes():
   with fs.axis_conventions(fs.LEVANTER_AXES) as conv:
     assert conv is fs.LEVANTER_AXES
     assert fs.batch_sharding(levanter).spec == P(("replica", "data"))
-    assert fs.sharding.data_axes(levanter) == ("replica", "data")
+    assert fs.data_axes(levanter) == ("replica", "data")
   # The block ended: the default is back.
   assert fs.batch_sharding(maxtext).spec == P(("data", "fsdp"))
   custom = fs.AxisConventions(data=("dp",), replica=("dp",), head=("tp",))

@@ -1,4 +1,4 @@
-"""recipes/bench/step.py and fnscale.analysis.flops against hand counts: the `nano` model on 2 devices.
+"""recipes/bench/step.py and fnscale.analysis's FLOP counts against hand counts: the `nano` model on 2 devices.
 
 Every expected number below is counted by hand from the model's shapes (the GPT of
 recipes/train_lm.py), not recomputed with the benchmark's or fnscale's own formulas.
@@ -9,7 +9,6 @@ import jax
 import pytest
 
 import fnscale as fs
-from fnscale.analysis import _flops as flops
 
 from recipes.bench import step as bm
 from recipes.lm import gpt as tl
@@ -66,14 +65,15 @@ def test_model_flops_per_token_against_hand_count():
   assert tl.flops_per_token(nano) == 3 * FWD_PER_TOKEN
   assert bm.model_flops_per_step(nano, ROWS) == STEP_FLOPS
   # PaLM appendix B: 6 N + 12 L d seq with N the matmul weights (blocks + tied output layer).
-  assert flops.model_flops_per_token(params=L * 12 * D * D + V * D, layers=L, d_model=D,
+  assert fs.analysis.model_flops_per_token(params=L * 12 * D * D + V * D, layers=L, d_model=D,
                                      seq=SEQ) == 3 * FWD_PER_TOKEN
   with pytest.raises(fs.FnscaleError, match="layers=-1"):
-    flops.model_flops_per_token(params=1, layers=-1, d_model=1, seq=1)
-  assert flops.mfu(1e9, 0.5, 2, 1e9) == pytest.approx(1.0)  # 1 GFLOP in 0.5 s on 2 x 1 GFLOP/s
-  assert flops.mfu(3e9, 2.0, 4, 1e9) == pytest.approx(0.375)
+    fs.analysis.model_flops_per_token(params=1, layers=-1, d_model=1, seq=1)
+  # 1 GFLOP in 0.5 s on 2 x 1 GFLOP/s
+  assert fs.analysis.mfu(1e9, 0.5, 2, 1e9) == pytest.approx(1.0)
+  assert fs.analysis.mfu(3e9, 2.0, 4, 1e9) == pytest.approx(0.375)
   with pytest.raises(fs.FnscaleError, match="step_seconds=0"):
-    flops.mfu(1e9, 0, 2, 1e9)
+    fs.analysis.mfu(1e9, 0, 2, 1e9)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint
-from fnscale.multihost import _preemption as preemption
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mp_worker  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -56,7 +55,7 @@ def test_sigterm_while_an_async_save_is_in_flight_leaves_a_restorable_step(tmp_p
     mp.signal_process(job, 1, signal.SIGTERM)
     noticed = time.monotonic()
     results = mp.wait(job, 120)
-  assert all(r.returncode == preemption.EXIT_PREEMPTED for r in results), mp.describe(results)
+  assert all(r.returncode == fs.multihost.EXIT_PREEMPTED for r in results), mp.describe(results)
   for r, p in zip(results, job.processes):
     took = p.started + r.elapsed_s - noticed
     print(f"process {r.process_id} exited {took:.1f} s after the notice")

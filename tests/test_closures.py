@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale as fs
 from fnscale import _closure
-from fnscale.parallel import _pipeline as pipeline
 
 LR = 0.1
 RNG = np.random.default_rng(0)
@@ -129,14 +128,14 @@ def test_a_pipeline_stage_closing_over_a_sharded_array(axis_types):
 
   ws = jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4
   x = jax.random.normal(jax.random.key(1), (32, 16))
-  piped = jax.jit(pipeline.pipeline(stack(shared), microbatches=8))
+  piped = jax.jit(fs.parallel.pipeline(stack(shared), microbatches=8))
   with fs.with_mesh(mesh):
     if axis_types == "explicit":
       with pytest.raises(fs.StepError, match=r"stage_fn closes over 'f' \(float32\[16@data,"
                          r"16\]\).*fix: give that array Auto axis types"):
-        piped(pipeline.stage_layers(ws, stages=4), x)
+        piped(fs.parallel.stage_layers(ws, stages=4), x)
       return
-    y = piped(pipeline.stage_layers(ws, stages=4), x)
+    y = piped(fs.parallel.stage_layers(ws, stages=4), x)
   np.testing.assert_allclose(np.asarray(y), np.asarray(stack(scale)(ws, x)), atol=1e-5)
 
 

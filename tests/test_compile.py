@@ -1,4 +1,4 @@
-"""fnscale.compile: the compiled step is a declared value, and the step itself is never
+"""fnscale.shard_step: the compiled step is a declared value, and the step itself is never
 inspected (a user's wrapper compiles the same program as the bare step)."""
 import dataclasses
 import re
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fnscale
+import fnscale as fs
 from fnscale import _compile as fcompile
-from fnscale.analysis import _report as freport
 
 
 def _loss(p, b):
@@ -85,7 +85,7 @@ def test_steps_are_declared_values_not_function_attributes():
   assert report.compile_seconds == compiled.compile_seconds
   assert report.mesh_shape == {"fsdp": 8}
   # ... and a plain function is compiled with jax.jit.
-  plain = freport.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
+  plain = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
   assert plain.matmul_flops == 2 * 8 * 8 * 4 and plain.num_devices == 1
 
 

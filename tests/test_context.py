@@ -247,7 +247,7 @@ def test_batch_sharding_and_constrain_batch_split_the_sequence():
   assert '{"data"}, {"context"}' in text.replace("'", '"') or "data" in text and (
       "context" in text)
   # Rules can name the axis: a "length" dim over context.
-  spec = fs.sharding.logical_to_spec(("batch", "length", "embed"),
+  spec = fs.logical_to_spec(("batch", "length", "embed"),
                                      (("batch", "data"), ("length", "context")), mesh)
   assert spec == jax.P("data", "context", None)
 
@@ -333,15 +333,14 @@ def test_a_mixture_of_experts_beside_a_context_axis_equals_one_device():
 
 
 def test_the_capacity_path_under_a_context_axis_names_the_fix():
-  from fnscale.parallel import _experts as experts  # pylint: disable=import-outside-toplevel
   p = {"router": (8, 4), "w_gate": (4, 8, 16), "w_up": (4, 8, 16), "w_down": (4, 16, 8)}
   shapes = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in p.items()}
   mesh = fs.make_mesh({"expert": 2, "context": 4})
   with pytest.raises(ShardingError, match="capacity_factor=None"):
-    experts.exchange_selection((2, 64, 8), shapes, 2, capacity_factor=1.0, mesh=mesh)
+    fs.parallel.exchange_selection((2, 64, 8), shapes, 2, capacity_factor=1.0, mesh=mesh)
   with pytest.raises(ShardingError, match=r"the sequence \(62\).*\('context',\)"):
-    experts.exchange_selection((2, 62, 8), shapes, 2, mesh=mesh)
-  plan = experts.exchange_selection((2, 64, 8), shapes, 2, mesh=mesh)
+    fs.parallel.exchange_selection((2, 62, 8), shapes, 2, mesh=mesh)
+  plan = fs.parallel.exchange_selection((2, 64, 8), shapes, 2, mesh=mesh)
   assert plan.token_axes == ("expert", "context")
 
 
@@ -588,7 +587,7 @@ def test_planner_ranks_and_compiles_a_context_mesh_for_a_long_row(tpu_devices):
   from fnscale.analysis import _plan as fs_plan  # pylint: disable=import-outside-toplevel
   from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
   p = plan_recipe.make_plan("llama-1b", "v5p-8", 1, 32768, 1, overrides={"layers": 1})
-  rows = {fs_plan.mesh_str(r.axes): r for r in p.rows if not r.remat}
+  rows = {fs.analysis.mesh_str(r.axes): r for r in p.rows if not r.remat}
   assert {"context=4", "context=2 tensor=2", "tensor=4"} <= set(rows)
   split = rows["context=4"]
   assert split.compiled is not None and split.fits, p

@@ -174,7 +174,6 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
   """What libtpu gives a pod whose hosts never called initialize: jax sees 2 processes, JAX's
   coordination service is off. Every feature that needs it refuses, naming the fix, instead
   of running per process."""
-  from fnscale.multihost import _preemption as preemption  # pylint: disable=import-outside-toplevel
   compiled = _tiny_compiled(mesh)
   fs.multihost.agree_on_step(compiled)  # one process: returns at once
   assert not jax.distributed.is_initialized()
@@ -187,7 +186,7 @@ def test_several_processes_without_the_coordination_service_raise(mesh, monkeypa
   calls = {
       "barrier('x')": lambda: fs.barrier("x"),
       "agree_on_step (compiled step ": lambda: fs.multihost.agree_on_step(compiled),
-      "preemption_guard": lambda: guard(preemption.preemption_guard()),
+      "preemption_guard": lambda: guard(fs.multihost.preemption_guard()),
       "peer_guard": lambda: guard(fs.multihost.peer_guard()),
       "the checkpoint step to restore from": lambda: fs.checkpoint.restore(
           tmp_path, {"w": jax.ShapeDtypeStruct((2,), np.float32)}),

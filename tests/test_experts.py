@@ -109,7 +109,7 @@ def want(case):
 def _got(x, params, cot, mesh=None, **kw):
   """The layer's (out, aux) and gradients, compiled once under `mesh` (None: one device)."""
   def f(x, params):
-    out, aux = ex.moe(x, params, **kw)
+    out, aux = fs.parallel.moe(x, params, **kw)
     return _objective(out, aux.load_balance_loss, aux.router_z_loss, cot), (out, aux)
   step = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))
   with fs.with_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -152,7 +152,7 @@ _SLOW_MESHES = [({"expert": 8}, "all_gather"), ({"data": 2, "expert": 4}, "ragge
     pytest.param(*m, marks=pytest.mark.slow) for m in _SLOW_MESHES])
 def test_dropless_over_the_expert_axis_equals_the_loop(case, want, axes, exchange):
   mesh = fs.make_mesh(axes)
-  assert ex.exchange_selection((B, S, D), case[1], 2, exchange=exchange, interpret=True,
+  assert fs.parallel.exchange_selection((B, S, D), case[1], 2, exchange=exchange, interpret=True,
                           mesh=mesh).exchange == exchange
   _check_dropless(case, want, mesh=mesh, exchange=exchange, interpret=exchange == "ragged")
 
@@ -190,7 +190,7 @@ def _oracle_drops(top, seq, cap, choice_major=False):
 def test_capacity_drops_what_the_oracle_drops(case, axes):
   x, params, cot = case
   top, _ = _top(x, params, 2)
-  cap = ex.capacity(1.0, S, 2, E)
+  cap = fs.parallel.capacity(1.0, S, 2, E)
   assert cap == 1  # 4 tokens x 2 copies over 8 experts, factor 1
   kept = _oracle_drops(top, S, cap)
   assert 0 < (~kept).sum() < kept.size  # some dropped, some kept
@@ -208,32 +208,33 @@ def test_capacity_drops_what_the_oracle_drops(case, axes):
 
 def test_a_large_capacity_drops_nothing(case, want):
   x, params, _ = case
-  out, aux = jax.jit(functools.partial(ex.moe, k=2, capacity_factor=float(E)))(x, params)
+  out, aux = jax.jit(functools.partial(fs.parallel.moe, k=2, capacity_factor=float(E)))(x, params)
   _assert_close(out, want[2][0])
   assert int(aux.dropped) == 0
 
 
 def test_the_plan_says_why(case):
   params = case[1]
-  cpu = ex.exchange_selection((B, S, D), params, 2, mesh=fs.make_mesh({"data": 2, "expert": 4}))
+  cpu = fs.parallel.exchange_selection((B, S, D), params, 2,
+                                       mesh=fs.make_mesh({"data": 2, "expert": 4}))
   assert (cpu.exchange, cpu.fallback, cpu.expert_axis, cpu.expert_shards) == (
       "gather_experts", True, "expert", 4)
   assert "ragged-all-to-all" in cpu.reason and cpu.token_axes == ("data", "expert")
   assert cpu.buffer_rows == (B * S // 8) * 2  # local tokens x k: every expert local
-  tokens = ex.exchange_selection((B, S, D), params, 2, exchange="all_gather",
+  tokens = fs.parallel.exchange_selection((B, S, D), params, 2, exchange="all_gather",
                                  mesh=fs.make_mesh({"data": 2, "expert": 4}))
   assert tokens.buffer_rows == 4 * (B * S // 8) * 2  # n x local tokens x min(k, local experts)
-  tpu = ex.exchange_selection((B, S, D), params, 2, platform="tpu",
+  tpu = fs.parallel.exchange_selection((B, S, D), params, 2, platform="tpu",
                          mesh=fs.make_mesh({"data": 2, "expert": 4}))
   assert tpu.exchange == "ragged" and not tpu.fallback
-  chosen = ex.with_experts(lambda: ex.exchange_selection(
+  chosen = fs.parallel.with_experts(lambda: fs.parallel.exchange_selection(
       (B, S, D), params, 2, platform="tpu", mesh=fs.make_mesh({"expert": 8})),
       exchange="all_gather")()
   assert chosen.exchange == "all_gather" and chosen.requested == "all_gather"
-  local = ex.exchange_selection((B, S, D), params, 2)
+  local = fs.parallel.exchange_selection((B, S, D), params, 2)
   assert local.exchange == "none" and local.grouped_matmul == "tiled"  # XLA:CPU
   assert "no ragged-dot" in local.reason
-  capped = ex.exchange_selection((B, S, D), params, 2, capacity_factor=1.25,
+  capped = fs.parallel.exchange_selection((B, S, D), params, 2, capacity_factor=1.25,
                             mesh=fs.make_mesh({"expert": 8}))
   assert capped.exchange == "all_to_all" and capped.grouped_matmul == "einsum"
 
@@ -265,27 +266,27 @@ def test_grouped_matmuls_equal_a_loop_over_groups(implementation):
 def test_bad_input_names_the_fix(case):
   x, params, _ = case
   with pytest.raises(fs.ShardingError, match="not divisible by the expert axis"):
-    ex.exchange_selection((B, S, D), {**params, "router": jnp.zeros((D, 6)),
+    fs.parallel.exchange_selection((B, S, D), {**params, "router": jnp.zeros((D, 6)),
                                  "w_gate": jnp.zeros((6, D, F)), "w_up": jnp.zeros((6, D, F)),
                                  "w_down": jnp.zeros((6, F, D))}, 2,
                      mesh=fs.make_mesh({"data": 2, "expert": 4}))
   with pytest.raises(fs.ExpertError, match=r"k=9 .* fix: lower k"):
-    ex.moe(x, params, k=9)
+    fs.parallel.moe(x, params, k=9)
   for bad in (0, -1.0, float("nan")):
     with pytest.raises(fs.ExpertError, match="capacity_factor"):
-      ex.moe(x, params, k=2, capacity_factor=bad)
+      fs.parallel.moe(x, params, k=2, capacity_factor=bad)
   with pytest.raises(fs.MeshError, match="has no such axis.*fix"):
-    ex.moe(x, params, k=2, expert_axis="experts", mesh=fs.make_mesh({"data": 8}))
+    fs.parallel.moe(x, params, k=2, expert_axis="experts", mesh=fs.make_mesh({"data": 8}))
   with pytest.raises(fs.ExpertError, match="don't fit x"):
-    ex.moe(x, {**params, "w_down": jnp.zeros((E, D, F))}, k=2)
+    fs.parallel.moe(x, {**params, "w_down": jnp.zeros((E, D, F))}, k=2)
   with pytest.raises(fs.KernelError, match="no ragged-all-to-all"):
-    ex.moe(x, params, k=2, exchange="ragged", mesh=fs.make_mesh({"expert": 8}))
+    fs.parallel.moe(x, params, k=2, exchange="ragged", mesh=fs.make_mesh({"expert": 8}))
   with pytest.raises(fs.KernelError, match="megablox.*platform tpu"):
-    ex.moe(x, params, k=2, grouped_matmul="megablox")
+    fs.parallel.moe(x, params, k=2, grouped_matmul="megablox")
   with pytest.raises(fs.ShardingError, match=r"tokens \(batch x seq\)"):
-    ex.moe(x[:1, :1], params, k=2, mesh=fs.make_mesh({"data": 2, "expert": 4}))
+    fs.parallel.moe(x[:1, :1], params, k=2, mesh=fs.make_mesh({"data": 2, "expert": 4}))
   with pytest.raises(fs.KernelError, match="exchange"):
-    ex.with_experts(exchange="ring")
+    fs.parallel.with_experts(exchange="ring")
 
 
 def test_padding_rows_pass_no_gradient_either_way():
@@ -302,11 +303,11 @@ def test_padding_rows_pass_no_gradient_either_way():
 
 
 def _layer_flops(mesh, exchange, x_shape):
-  """Matmul FLOPs per device of the layer's forward and backward (`fs.hlo.summarize`)."""
+  """Matmul FLOPs per device of the layer's forward and backward (`fs.analysis.hlo.summarize`)."""
   from fnscale.analysis import hlo  # pylint: disable=import-outside-toplevel
   params = _params()
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
-  f = lambda x, p: jnp.sum(ex.moe(x, p, k=2, exchange=exchange)[0])
+  f = lambda x, p: jnp.sum(fs.parallel.moe(x, p, k=2, exchange=exchange)[0])
   with fs.with_mesh(mesh):
     text = jax.jit(jax.grad(f, (0, 1))).lower(x, params).compile().as_text()
   return hlo.summarize(text).matmul_flops

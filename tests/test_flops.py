@@ -1,4 +1,4 @@
-"""fnscale.analysis.flops against hand counts and a controlled clock."""
+"""fnscale.analysis's FLOP counts (fnscale.analysis._flops) against hand counts and a controlled clock."""
 import dataclasses
 import itertools
 import json

@@ -292,7 +292,7 @@ def test_tpu_multislice_gradients_cross_slices_over_dcn(tpu_devices, slices):
   import optax  # pylint: disable=g-import-not-at-top
   del tpu_devices  # (skips without libtpu)
   target = "v5p:2x2x1" if slices == 1 else f"{slices}x v5p:2x2x1"
-  devices = fnscale.topology.target_devices(target)
+  devices = fnscale.target_devices(target)
   mesh = fnscale.make_mesh({"fsdp": 4}, dcn={"replica": slices} if slices > 1 else None,
                            devices=devices)
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)

@@ -99,7 +99,7 @@ def test_read_in_full_in_both_spellings(corpus, name):
 
 def test_gpt_step_matmul_flops_are_palm_flops(corpus):
   text, _, _ = corpus["gpt data=2,fsdp=4 accum 2"]
-  # PaLM's count (fnscale.analysis.flops, a formula of the config): 6 x 114688 matmul params
+  # PaLM's count (fnscale.analysis.model_flops_per_token, a formula of the config): 6 x 114688 matmul params
   # (2 x 12 x 64^2 in blocks + the tied 256 x 64 output layer) + 12 x 2 layers x 64 x 128
   # (attention) = 884736 FLOPs per token; 32 x 128 tokens over 8 devices.
   assert gpt.flops_per_token(CFG) == 6 * 114688 + 12 * 2 * 64 * 128 == 884736

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale.analysis._invariance import check_mesh_invariance
+from fnscale.analysis import check_mesh_invariance
 import models
 
 

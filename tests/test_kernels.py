@@ -846,7 +846,7 @@ def test_cross_entropy_with_vocab_sharded_unembedding_matches_unsharded(form):
   # Each device keeps its vocabulary shard: no all-gather of the unembedding, only of each
   # token's statistics (max, sum of exponentials, label logit: 3 float32 from each of the
   # 4 shards for the device's 24 tokens), and its gradient comes back split the same way.
-  s = fs.hlo.summarize(compiled.as_text())
+  s = fs.analysis.hlo.summarize(compiled.as_text())
   assert s.collective("all-gather").bytes == 24 * 3 * 4 * 4
   assert _hlo_collectives(compiled.as_text().replace("all-gather", "")) == []
   assert d_unembed.sharding.spec == jax.P(None, "tensor")
@@ -875,7 +875,7 @@ def test_cross_entropy_vocab_parallel_over_fsdp_gathers_tokens_not_the_unembeddi
   assert _relative_error(d_hidden, want_grads[0]) < 1e-5
   assert _relative_error(d_unembed, want_grads[1]) < 1e-5
   assert d_unembed.sharding.spec == jax.P(None, "fsdp")
-  s = fs.hlo.summarize(compiled.as_text())
+  s = fs.analysis.hlo.summarize(compiled.as_text())
   # Gathered: this data shard's 24 rows of hidden states (3 KiB) and labels, and per token
   # 3 float32 statistics from each of the 4 shards, far below the unembedding's 128 KiB;
   # the hidden states' gradient is reduce-scattered back to the device's 6 rows; the
@@ -927,7 +927,7 @@ def test_cross_entropy_gradient_under_any_cotangent(reduction, outer, sharded):
 def _ce_step_matmul_flops(loss, *args):
   """HLO matmul FLOPs per device of value_and_grad(loss) over its first two arguments."""
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower().compile()
-  s = fs.hlo.summarize(compiled.as_text())
+  s = fs.analysis.hlo.summarize(compiled.as_text())
   assert s.unknown_trip_counts == 0
   return s.matmul_flops
 

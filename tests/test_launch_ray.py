@@ -49,7 +49,7 @@ E = launch_ray.Exit
 ])
 def test_supervision_rule(exit_, restart, status, words):
   # The launcher doesn't import fnscale (jax): its statuses are fnscale's.
-  assert launch_ray.EXIT_PREEMPTED == fs.multihost.preemption.EXIT_PREEMPTED
+  assert launch_ray.EXIT_PREEMPTED == fs.multihost.EXIT_PREEMPTED
   assert launch_ray.EXIT_JOB_FAILED == fs.multihost.EXIT_JOB_FAILED
   verdict = launch_ray.classify(exit_)
   assert (verdict.restart, verdict.status) == (restart, status)

@@ -1,6 +1,6 @@
 """The token-embedding lookup (`recipes/lm/gpt.py:embed_lookup`, Llama's too) moves token ids and
 activations between devices, never the table: the collectives of compiled programs
-(`fs.hlo.summarize`, bytes per device per step) against hand counts of the shapes below.
+(`fs.analysis.hlo.summarize`, bytes per device per step) against hand counts of the shapes below.
 
 The table is stored as the models' rules put it: d over "fsdp" (and, for the MoE and
 context rules, over "expert" and "context" too), replicated over "data". A lookup that
@@ -125,7 +125,7 @@ def test_lookup_over_every_column_axis_moves_ids_not_the_table(mesh_spec, model,
   loss = lambda t, x, r=None: jnp.sum(gpt.embed_lookup(t, x, r) * cot)
   want = jax.value_and_grad(lambda t: jnp.sum(t[tokens] * cot))(table)
   mesh = fs.make_mesh(mesh_spec)
-  spec = fs.sharding.logical_to_spec(("vocab", "embed"), rules, mesh)
+  spec = fs.logical_to_spec(("vocab", "embed"), rules, mesh)
   with fs.with_mesh(mesh):
     args = (jax.device_put(table, NamedSharding(mesh, spec)),
             jax.device_put(tokens, fs.batch_sharding(mesh)))
@@ -148,7 +148,7 @@ def test_a_vocabulary_split_over_a_token_axis_still_looks_up_each_token():
   table = jax.random.normal(jax.random.key(0), (512, D))
   tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 512)
   cot = jax.random.normal(jax.random.key(2), (B, T, D))
-  spec = fs.sharding.logical_to_spec(("vocab", "embed"), rules, mesh)
+  spec = fs.logical_to_spec(("vocab", "embed"), rules, mesh)
   assert spec == P("data", "fsdp")
   with fs.with_mesh(mesh):
     loss = lambda t, x: jnp.sum(gpt.embed_lookup(t, x, rules) * cot)

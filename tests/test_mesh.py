@@ -8,7 +8,6 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import fnscale as fs
-from fnscale._mesh import describe
 
 
 @pytest.mark.parametrize("axes,shape", [
@@ -195,7 +194,7 @@ def test_tpu_multislice_dcn_axes_cross_slices(tpu_devices):
 @pytest.mark.tpu
 @pytest.mark.parametrize("target,slices", [("2x v5p-8", 2), ("4x v5p-8", 4)])
 def test_multislice_without_dcn_names_the_slices_and_the_fix(tpu_devices, target, slices):
-  devices = fs.topology.target_devices(target)  # v5p-8: 4 chips (one device each) a slice
+  devices = fs.target_devices(target)  # v5p-8: 4 chips (one device each) a slice
   for axes in ({"fsdp": -1}, "data=-1", {"data": 2, "tensor": -1}):
     with pytest.raises(fs.MeshError) as e:
       fs.make_mesh(axes, devices=devices)
@@ -323,7 +322,8 @@ def test_no_devices():
      r"tensor parallel size tensor=True \(bool\) must be a positive int"),
     (lambda: fs.parallelism("tensor", None, tensor=2.0),
      r"tensor parallel size tensor=2.0 \(float\) must be a positive int"),
-    (lambda: describe("mesh"), r"describe: mesh is a str \('mesh'\), expected a jax.sharding.Mesh"),
+    (lambda: fs.describe_mesh("mesh"),
+     r"describe_mesh: mesh is a str \('mesh'\), expected a jax.sharding.Mesh"),
 ])
 def test_wrong_types_are_mesh_errors(call, pattern):
   with pytest.raises(fs.MeshError, match=pattern):
@@ -449,16 +449,15 @@ def test_error_messages_in_full(call, message):
 
 
 def test_parse_axes_forms():
-  from fnscale._mesh import parse_axes
-  assert parse_axes(" data = -1 , fsdp=2,, tensor=2 ") == {"data": -1, "fsdp": 2, "tensor": 2}
-  assert list(parse_axes("tensor=2,data=-1")) == ["tensor", "data"]  # order kept
-  assert parse_axes({"data": np.int64(4)}) == {"data": 4}
-  assert type(parse_axes({"data": np.int64(4)})["data"]) is int
-  assert parse_axes([("data", -1)]) == {"data": -1}
-  assert parse_axes("") == {}
-  assert parse_axes("Data=2,TP=-1") == {"Data": 2, "TP": -1}  # names are identifiers
+  assert fs.parse_axes(" data = -1 , fsdp=2,, tensor=2 ") == {"data": -1, "fsdp": 2, "tensor": 2}
+  assert list(fs.parse_axes("tensor=2,data=-1")) == ["tensor", "data"]  # order kept
+  assert fs.parse_axes({"data": np.int64(4)}) == {"data": 4}
+  assert type(fs.parse_axes({"data": np.int64(4)})["data"]) is int
+  assert fs.parse_axes([("data", -1)]) == {"data": -1}
+  assert fs.parse_axes("") == {}
+  assert fs.parse_axes("Data=2,TP=-1") == {"Data": 2, "TP": -1}  # names are identifiers
   with pytest.raises(fs.MeshError) as e:
-    parse_axes("data")
+    fs.parse_axes("data")
   assert str(e.value) == ("axes entry 'data' in 'data' is not NAME=SIZE: write e.g. "
                           "'data=-1,fsdp=4,tensor=2'.")
 
@@ -647,7 +646,7 @@ def test_make_mesh_names_the_layout_that_failed(monkeypatch):
 
 def test_describe_a_local_mesh():
   mesh = fs.make_mesh("data=2,tensor=4", axis_types=(AxisType.Auto, AxisType.Explicit))
-  assert describe(mesh) == (
+  assert fs.describe_mesh(mesh) == (
       "Mesh {'data': 2, 'tensor': 4} over 8 devices\n"
       "  data       size    2  Auto     ICI / local\n"
       "  tensor     size    4  Explicit ICI / local")
@@ -658,7 +657,7 @@ def test_describe_names_axes_across_slices_and_processes():
   devs = [_Dev(i, process_index=i // 2, slice_index=i // 4) for i in range(8)]
   mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(2, 2, 2),
                            ("replica", "fsdp", "tensor"))
-  assert describe(mesh).splitlines() == [
+  assert fs.describe_mesh(mesh).splitlines() == [
       "Mesh {'replica': 2, 'fsdp': 2, 'tensor': 2} over 8 devices",
       "  replica    size    2  Auto     DCN (across slices)",
       "  fsdp       size    2  Auto     across processes",
@@ -666,7 +665,7 @@ def test_describe_names_axes_across_slices_and_processes():
   # Slice 0 reported as slice_index 0 (or None off TPU) counts as one slice.
   devs = [_Dev(i, process_index=i // 4, slice_index=None if i < 4 else 0) for i in range(8)]
   mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(4, 2), ("data", "tensor"))
-  assert describe(mesh).splitlines()[1:] == [
+  assert fs.describe_mesh(mesh).splitlines()[1:] == [
       "  data       size    4  Auto     across processes",
       "  tensor     size    2  Auto     ICI / local"]
 

@@ -12,7 +12,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, _targets, hlo
-from fnscale.analysis._plan import plan, predict
+from fnscale.analysis import plan, predict
 from recipes.lm import moe
 
 GiB = 2**30
@@ -103,7 +103,7 @@ def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
 def test_the_planner_reads_the_experts_off_the_traced_step():
   cfg = moe.model_config("moe-tiny", 16, layers=2)
   rows = jax.ShapeDtypeStruct((1, 16), jnp.int32)
-  prof = fs.analysis.plan.profile_model(
+  prof = fs.analysis.profile_model(
       functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
       optax.adam(1e-3), {"inputs": rows, "targets": rows}, "v5p-8")
   L, E, D, F, k = cfg.layers, cfg.experts, cfg.d_model, cfg.d_ff, cfg.k
@@ -146,7 +146,7 @@ def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
            rules=moe.RULES, logical_axes=moe.logical_axes(cfg), verify=1, max_tensor=1)
   assert p.profile.experts == 8 and any("expert" in r.axes.ici for r in p.rows)
   assert p.rows[0].compiled is not None
-  mesh = fs.make_mesh({"expert": 4}, devices=fs.topology.target_devices("v5p-8"))
+  mesh = fs.make_mesh({"expert": 4}, devices=fs.target_devices("v5p-8"))
   opt = optax.adamw(1e-3)
   with fs.with_mesh(mesh):
     state = fs.init_state(functools.partial(moe.init_params, cfg), opt, mesh=mesh,

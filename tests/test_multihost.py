@@ -19,7 +19,6 @@ import pytest
 
 import fnscale as fs
 from fnscale import checkpoint
-from fnscale.multihost import _preemption as preemption
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mp_worker  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -148,7 +147,7 @@ def test_preempted_job_saves_one_step_everywhere_and_resumes_bitwise(run_2x4, tm
       mp.signal_process(job, pid, signal.SIGTERM)
     last_notice = time.monotonic()
     results = mp.wait(job, 120)
-  assert all(r.returncode == preemption.EXIT_PREEMPTED for r in results), mp.describe(results)
+  assert all(r.returncode == fs.multihost.EXIT_PREEMPTED for r in results), mp.describe(results)
   for r, p in zip(results, job.processes):
     took = p.started + r.elapsed_s - last_notice
     print(f"process {r.process_id} exited {took:.1f} s after the last notice")
@@ -185,7 +184,7 @@ def test_notice_while_waiting_at_a_barrier_ends_every_process(tmp_path):
   for r, p in zip(results, job.processes):
     took = p.started + r.elapsed_s - noticed
     print(f"process {r.process_id} exited {took:.1f} s after the notice")
-    assert r.returncode == preemption.EXIT_PREEMPTED, mp.describe(results)
+    assert r.returncode == fs.multihost.EXIT_PREEMPTED, mp.describe(results)
     assert took < PREEMPT_BOUND_S, mp.describe(results)
   assert ("fnscale.errors.DistributedError: preemption notice while process 0 waited at "
           "'ready': the job can't reach a step to save" in results[0].stderr), mp.describe(

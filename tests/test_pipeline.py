@@ -12,8 +12,9 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, hlo
+from fnscale.analysis import _plan
 from fnscale.analysis import _report as fs_report
-from fnscale.parallel import _pipeline as pp
+from fnscale.parallel import _pipeline
 
 L, T, D, B = 8, 4, 8, 16  # layers, tokens per row, width, rows
 
@@ -65,7 +66,7 @@ def _program(stages: int, tree: bool):
   """One compiled program: loss and gradients of each schedule of `SCHEDULES` on a mesh of
   `stages` stages with FSDP inside them (each stage's weights split over "fsdp")."""
   mesh = fs.make_mesh({"stage": stages, "fsdp": 8 // stages})
-  fns = [pp.pipeline(_stage, microbatches=stages * m, repeats=r, remat=remat)
+  fns = [fs.parallel.pipeline(_stage, microbatches=stages * m, repeats=r, remat=remat)
          for r, m, remat in SCHEDULES]
 
   def losses(params, xs):  # one input each, so XLA shares no send between schedules
@@ -73,7 +74,7 @@ def _program(stages: int, tree: bool):
             for f, p, x in zip(fns, params, xs)]
 
   ws, x = _weights(), _inputs(tree)
-  staged = [pp.stage_layers(ws, stages, r) for r, _, _ in SCHEDULES]
+  staged = [fs.parallel.stage_layers(ws, stages, r) for r, _, _ in SCHEDULES]
   spec = lambda r: {"a": P("stage", *([None] * r), None, "fsdp"), "b": P("stage")}
   with fs.with_mesh(mesh):
     params = [jax.device_put(p, jax.tree.map(lambda s: NamedSharding(mesh, s), spec(r)))
@@ -102,7 +103,7 @@ def test_loss_and_gradients_equal_the_sequential_model(program):
   for (r, m, _), (loss, (g_w, g_x)) in zip(SCHEDULES, results):
     where = f"stages {stages} repeats {r} microbatches {stages * m}"
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
-    got_w = pp.unstage_layers(g_w, r)
+    got_w = fs.parallel.unstage_layers(g_w, r)
     for k in ("a", "b"):
       np.testing.assert_allclose(got_w[k], want_w[k], rtol=1e-5,
                                  atol=1e-6 * float(jnp.abs(want_w[k]).max()), err_msg=where)
@@ -144,13 +145,13 @@ def test_compile_report_gives_the_schedules_and_bubbles(program):
     assert "pipeline: 4 stages x 2 repeat(s), 8 microbatches: bubble 0.158" in str(report)
   else:
     assert set(got) == {(2, r, 2 * m) for r, m, _ in SCHEDULES}
-  assert pp.bubble_fraction(4, 8, 2) == 3 / 19
+  assert fs.parallel.bubble_fraction(4, 8, 2) == 3 / 19
 
 
 def _memory_program(microbatches: int) -> int:
   mesh = fs.make_mesh({"stage": 2, "data": 4})
-  f = pp.pipeline(_stage, microbatches=microbatches, remat=True)
-  ws = pp.stage_layers(_weights(), 2)
+  f = fs.parallel.pipeline(_stage, microbatches=microbatches, remat=True)
+  ws = fs.parallel.stage_layers(_weights(), 2)
   x = jax.ShapeDtypeStruct((256, 16, D), jnp.float32, sharding=fs.batch_sharding(mesh))
   with fs.with_mesh(mesh):
     ws = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -178,8 +179,8 @@ def _trace(f, params, x):
 def test_bad_input_is_an_fnscale_error_naming_the_fix():
   mesh = fs.make_mesh({"stage": 4, "data": 2})
   ws, x = _weights(), _inputs(False)
-  staged = pp.stage_layers(ws, 4)
-  f = pp.pipeline(_stage, microbatches=4)
+  staged = fs.parallel.stage_layers(ws, 4)
+  f = fs.parallel.pipeline(_stage, microbatches=4)
   with pytest.raises(fs.MeshError, match=r"none is set; fix: call the pipelined function "
                                          r"under fnscale.with_mesh"):
     _trace(f, staged, x)
@@ -190,22 +191,22 @@ def test_bad_input_is_an_fnscale_error_naming_the_fix():
   with fs.with_mesh(mesh):
     with pytest.raises(fs.StepError, match=r"microbatches=2 with 4 stages.*fix: "
                                            r"microbatches=4"):
-      _trace(pp.pipeline(_stage, microbatches=2), staged, x)
+      _trace(fs.parallel.pipeline(_stage, microbatches=2), staged, x)
     with pytest.raises(fs.StepError, match=r"microbatches=6 with 4 stages.*fix: "
                                            r"microbatches=8"):
-      _trace(pp.pipeline(_stage, microbatches=6), staged, x)
+      _trace(fs.parallel.pipeline(_stage, microbatches=6), staged, x)
     with pytest.raises(fs.StepError, match=r"a batch of 12 rows does not split into "
                                            r"microbatches=8"):
-      _trace(pp.pipeline(_stage, microbatches=8), staged, x[:12])
+      _trace(fs.parallel.pipeline(_stage, microbatches=8), staged, x[:12])
     with pytest.raises(fs.ShardingError, match=r"leaf 'a' has shape \(8, 8, 8\), expected "
                                                r"leading dims \(4,\).*stage_layers"):
       _trace(f, ws, x)  # the layer stack, not stacked by stage
     with pytest.raises(fs.ShardingError, match=r"leaf 'b' has shape \(4, 8\), expected "
                                                r"leading dims \(4, 2\)"):
-      _trace(pp.pipeline(_stage, microbatches=4, repeats=2),
-             {"a": pp.stage_layers(ws, 4, 2)["a"], "b": ws["b"][:4]}, x)
+      _trace(fs.parallel.pipeline(_stage, microbatches=4, repeats=2),
+             {"a": fs.parallel.stage_layers(ws, 4, 2)["a"], "b": ws["b"][:4]}, x)
     with pytest.raises(fs.StepError, match=r"stage_fn maps a microbatch .* to .*float16"):
-      _trace(pp.pipeline(lambda w, h: _stage(w, h).astype(jnp.float16), microbatches=4),
+      _trace(fs.parallel.pipeline(lambda w, h: _stage(w, h).astype(jnp.float16), microbatches=4),
              staged, x)
     inside = jax.shard_map(lambda p, x: f(p, x), mesh=mesh, in_specs=P("stage"),
                            out_specs=P("stage"), axis_names={"stage"})
@@ -213,24 +214,25 @@ def test_bad_input_is_an_fnscale_error_naming_the_fix():
       _trace(inside, staged, x)
   with pytest.raises(fs.ShardingError, match=r"8 layers are not divisible by stages x "
                                              r"repeats = 4 x 3"):
-    pp.stage_layers(ws, 4, 3)
+    fs.parallel.stage_layers(ws, 4, 3)
   with pytest.raises(fs.StepError, match=r"microbatches=0"):
-    pp.pipeline(_stage, microbatches=0)
+    fs.parallel.pipeline(_stage, microbatches=0)
 
 
 def test_docstring_examples_run():
   # The module's Examples (the pipeline against its own layers run in order, on 8 devices).
   import doctest  # pylint: disable=import-outside-toplevel
-  assert doctest.testmod(pp).failed == 0
+  assert doctest.testmod(_pipeline).failed == 0
 
 
 def test_stage_layers_orders_layers_for_the_circular_schedule():
   # Layer l = (r S + s) K + k runs on stage s at repeat r: with 8 layers, 2 stages and 2
   # repeats (K = 2), stage 0 holds layers 0, 1 (repeat 0) and 4, 5 (repeat 1).
   layers = jnp.arange(8)
-  assert pp.stage_layers(layers, 2, 2).tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
-  assert pp.stage_layers(layers, 4).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-  assert pp.unstage_layers(pp.stage_layers(layers, 2, 2), 2).tolist() == list(range(8))
+  assert fs.parallel.stage_layers(layers, 2, 2).tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+  assert fs.parallel.stage_layers(layers, 4).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  staged = fs.parallel.stage_layers(layers, 2, 2)
+  assert fs.parallel.unstage_layers(staged, 2).tolist() == list(range(8))
 
 
 # ----------------------------------------------------------------------------- the axis
@@ -254,7 +256,7 @@ def test_stage_axis_splits_the_batch_and_kernels_inside_a_stage():
   x = jax.ShapeDtypeStruct((16, 128, D), jnp.float32, sharding=fs.batch_sharding(mesh))
   w = jax.ShapeDtypeStruct((2, D), jnp.float32, sharding=NamedSharding(mesh, P("stage")))
   with fs.with_mesh(mesh):
-    fn = fs.with_kernel(pp.pipeline(stage, microbatches=2), interpret=True)
+    fn = fs.with_kernel(fs.parallel.pipeline(stage, microbatches=2), interpret=True)
     jax.jit(fn).trace(w, x)
   (plan,) = plans
   assert (plan.implementation, plan.fallback, plan.batch_axes) == ("splash", False, ("data",))
@@ -263,11 +265,11 @@ def test_stage_axis_splits_the_batch_and_kernels_inside_a_stage():
 @pytest.mark.tpu
 def test_stages_run_across_slices_by_default(tpu_devices):
   del tpu_devices  # (skips without libtpu)
-  devices = fs.topology.target_devices("2x v5p-8")
+  devices = fs.target_devices("2x v5p-8")
   mesh = fs.make_mesh({"stage": 2, "fsdp": 4}, devices=devices)
   assert dict(mesh.shape) == {"stage": 2, "fsdp": 4}
   assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
-  assert "stage      size    2  Auto     DCN (across slices)" in fs.mesh.describe(mesh)
+  assert "stage      size    2  Auto     DCN (across slices)" in fs.describe_mesh(mesh)
   # Within a slice where asked: data parallel across the slices, stages inside each.
   mesh = fs.make_mesh({"stage": 4}, dcn={"replica": 2}, devices=devices)
   assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
@@ -353,7 +355,7 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
   # (8 + 2 - 1 iterations + 2 x (2 - 1) x 8 / 2 microbatches at the edges) = 2 x 17 = 34.
   # The stack is 1.5 of the 2 GB compute-dtype params (0.75). Outside it the stage axis is a
   # data axis: a ring all-reduce of the rest's gradients' fsdp shard, 2 x 1/2 x 4e9 x 0.25 / 4.
-  hw = fs.analysis.plan.hardware("2x v5p-8")
+  hw = fs.analysis.hardware("2x v5p-8")
   prof = _profile()
   est = _cost.estimate(prof, hw, {"fsdp": 4}, {"stage": 2}, False, 1, microbatches=8)
   sends = 34 * 4096 * 4096 * 2
@@ -365,13 +367,13 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
       (plain.compute_s - plain.memory_s) * (0.25 + 0.75 * 9 / 8))
   # A stage holds its half of the stack: params 4e9 x (0.25 + 0.75 / 2) / 4 (fsdp).
   assert est.params == pytest.approx(4e9 * 0.625 / 4)
-  row = fs.analysis.plan.predict(prof, "2x v5p-8", fs.MeshAxes({"fsdp": 4}, {"stage": 2}),
+  row = fs.analysis.predict(prof, "2x v5p-8", fs.MeshAxes({"fsdp": 4}, {"stage": 2}),
                                  microbatches=8)
   assert row.stages == 2 and row.bubble == pytest.approx(1 / 9)
   # Within one slice, stages are candidates only for a model whose compute-dtype weights
   # exceed one device's HBM (95 GiB on v5p): 2 and 4 stages of v5p-8's 4 chips.
-  meshes = fs.analysis.plan._stage_meshes  # pylint: disable=protected-access
-  one = fs.analysis.plan.hardware("v5p-8")
+  meshes = _plan._stage_meshes  # pylint: disable=protected-access
+  one = fs.analysis.hardware("v5p-8")
   assert meshes(prof, one, 8) == []
   big = {m.ici.get("stage") for m in meshes(prof._replace(compute_bytes=200e9), one, 8)}
   assert big == {2, 4}
@@ -385,7 +387,7 @@ def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
   cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
                            d_mlp=64)
   batch = {k: jax.ShapeDtypeStruct((32, 16), jnp.int32) for k in ("inputs", "targets")}
-  p = fs.analysis.plan.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
+  p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
                             optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
                             logical_axes=llama.logical_axes(cfg), verify=0)
   staged = [r for r in p.rows if r.stages > 1]
@@ -395,7 +397,7 @@ def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
     assert r.microbatches == 2 * min(8, rows), r
   assert {r.axes.dcn.get("replica") for r in p.rows if r.stages == 1} == {2}
   assert p.profile.stack_layers == 2
-  table = fs.analysis.plan.format_plan(p, top=len(p.rows))
+  table = fs.analysis.format_plan(p, top=len(p.rows))
   assert "M=8 bubble 0.11" in table and "M=16 bubble 0.06" in table
 
 
@@ -421,12 +423,12 @@ def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   batch = {k: jax.ShapeDtypeStruct((32, 16), jnp.int32) for k in ("inputs", "targets")}
   prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), batch)
   hw = _targets.resolve("cpu", (1e10, 1e9))
-  cand = fs.analysis.plan.predict(prof, "cpu", fs.MeshAxes({"stage": 2, "data": 4}, {}),
+  cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"stage": 2, "data": 4}, {}),
                                   remat=True, microbatches=4, cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES,
          llama.logical_axes(cfg), prof, 1e12)
   with pytest.raises(Stop):
-    fs.analysis.plan._verify(cand, hw, ctx)  # pylint: disable=protected-access
+    _plan._verify(cand, hw, ctx)  # pylint: disable=protected-access
   assert seen == dict(remat=True, microbatches=4)
 
 
@@ -447,12 +449,12 @@ def test_two_slice_step_sends_only_stage_activations_and_the_data_parallel_reduc
   # it), with the loss's scalars. Nothing else crosses: the stack's gradients stay on their
   # stage.
   del tpu_devices  # (skips without libtpu)
-  devices = fs.topology.target_devices("2x v5p:2x2x1")
+  devices = fs.target_devices("2x v5p:2x2x1")
   mesh = fs.make_mesh({"stage": 2, "fsdp": 4}, devices=devices)
   assert mesh.axis_names == ("stage", "fsdp")
   d, t, b, m = 256, 128, 32, 4
   stage_fn = lambda ws, h: jax.lax.scan(lambda h, w: (_layer(w, h), None), h, ws)[0]
-  f = pp.pipeline(stage_fn, microbatches=m, repeats=2)
+  f = fs.parallel.pipeline(stage_fn, microbatches=m, repeats=2)
   loss = lambda p, batch: jnp.mean(f(p["stack"], batch["x"] @ p["w_in"]) ** 2)
   init = lambda k: {"w_in": jnp.zeros((d, d)), "stack": {"a": jnp.zeros((2, 2, 2, d, d)),
                                                          "b": jnp.zeros((2, 2, 2, d))}}
@@ -472,7 +474,7 @@ def test_two_slice_step_sends_only_stage_activations_and_the_data_parallel_reduc
   assert across[("collective-permute", 2)] == 26 * (b // m // 4) * t * d * 4
   assert 64 * 1024 <= across[("all-reduce", 2)] <= 64 * 1024 + 1024
   report = fs.compile_report(compiled, state, batch)
-  assert report.pipelines == (pp.Schedule(2, 4, 2),)
+  assert report.pipelines == (fs.parallel.Schedule(2, 4, 2),)
 
 
 @pytest.mark.slow
@@ -490,7 +492,7 @@ def test_llama_pipelined_step_equals_one_device(mesh_axes, repeats):
   params = llama.init_params(cfg, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (16, 17), 0, 256)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  flat = {**params, "blocks": pp.unstage_layers(params["blocks"], repeats)
+  flat = {**params, "blocks": fs.parallel.unstage_layers(params["blocks"], repeats)
           if repeats > 1 else params["blocks"]}
   want = jax.jit(jax.grad(llama.loss_fn))(flat, batch)
   mesh = fs.make_mesh(mesh_axes)
@@ -506,7 +508,7 @@ def test_llama_pipelined_step_equals_one_device(mesh_axes, repeats):
         state, batch)
   got = new.opt_state
   if repeats > 1:
-    got = {**got, "blocks": pp.unstage_layers(got["blocks"], repeats)}
+    got = {**got, "blocks": fs.parallel.unstage_layers(got["blocks"], repeats)}
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()),
                                err_msg=jax.tree_util.keystr(path))
@@ -521,8 +523,8 @@ def test_explicit_axes_take_params_not_split_over_the_stages(spec):
   ws, x = _weights(), _inputs(False)
   with fs.with_mesh(mesh):
     staged = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
-        mesh, P(*tuple(spec)[:a.ndim]))), pp.stage_layers(ws, 4))
-    y = jax.jit(pp.pipeline(_stage, microbatches=8))(staged, x)
+        mesh, P(*tuple(spec)[:a.ndim]))), fs.parallel.stage_layers(ws, 4))
+    y = jax.jit(fs.parallel.pipeline(_stage, microbatches=8))(staged, x)
   np.testing.assert_allclose(y, _sequential(ws, x), rtol=1e-5, atol=1e-5)
 
 
@@ -532,15 +534,15 @@ def test_explicit_axes_equal_the_sequential_model():
   # stages say their shardings: loss and gradients as the sequential model's.
   mesh = fs.make_mesh({"stage": 4, "data": 2}, axis_types="explicit")
   ws, x = _weights(), _inputs(False)
-  f = pp.pipeline(_stage, microbatches=8, repeats=2, remat=True)
+  f = fs.parallel.pipeline(_stage, microbatches=8, repeats=2, remat=True)
   grad = jax.value_and_grad(lambda p, x: jnp.mean(f(p, x) ** 2), argnums=(0, 1))
   with fs.with_mesh(mesh):
-    staged = jax.device_put(pp.stage_layers(ws, 4, 2), NamedSharding(mesh, P("stage")))
+    staged = jax.device_put(fs.parallel.stage_layers(ws, 4, 2), NamedSharding(mesh, P("stage")))
     loss, (g_w, g_x) = jax.jit(grad)(staged, jax.device_put(x, fs.batch_sharding(mesh)))
   want_loss, (want_w, want_x) = jax.jit(jax.value_and_grad(
       lambda w, x: jnp.mean(_sequential(w, x) ** 2), argnums=(0, 1)))(ws, x)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  got_w = pp.unstage_layers(jax.tree.map(np.asarray, g_w), 2)
+  got_w = fs.parallel.unstage_layers(jax.tree.map(np.asarray, g_w), 2)
   for got, want in zip(jax.tree.leaves(got_w) + [np.asarray(g_x)],
                        jax.tree.leaves(want_w) + [want_x]):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
@@ -584,15 +586,15 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
   cfg = llama.model_config("llama-tiny", 128, layers=4, d_model=128, heads=4, kv_heads=2,
                            d_mlp=256)
   batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
-  p = fs.analysis.plan.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
+  p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
                             optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
                             logical_axes=llama.logical_axes(cfg), verify=0)
-  hw = fs.analysis.plan.hardware("2x v5p-8")
+  hw = fs.analysis.hardware("2x v5p-8")
   row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
          llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
          p.profile, hw.hbm_bytes)
-  done = fs.analysis.plan._verify(row, hw, ctx)  # pylint: disable=protected-access
+  done = _plan._verify(row, hw, ctx)  # pylint: disable=protected-access
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0
 

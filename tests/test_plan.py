@@ -10,9 +10,10 @@ import optax
 import pytest
 
 import fnscale as fs
+from fnscale import _topology
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
-from fnscale.analysis._plan import PlanError, mesh_str, plan, summary
+from fnscale.analysis import mesh_str, plan, plan_summary
 
 from recipes.lm import llama
 
@@ -41,7 +42,7 @@ def test_slice_shapes_follow_the_cloud_tpu_tables(name, grid):
   # The planner's targets take their shape from topology.standard_grid, the one rule.
   assert _targets.resolve(name).chip_grid == grid
   gen = name.split("-")[0]
-  assert fs.topology.standard_grid(gen, math.prod(grid)) == grid
+  assert _topology.standard_grid(gen, math.prod(grid)) == grid
 
 
 def test_a_slice_no_table_has_is_named():
@@ -176,7 +177,7 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
 def test_planner_chooses_once_only_where_its_memory_fits():
   from fnscale.analysis import _plan as fplan  # pylint: disable=import-outside-toplevel
   prof, hw = _fsdp_profile_and_hardware()
-  axes = fs.mesh.MeshAxes({"fsdp": 8}, {})
+  axes = fs.MeshAxes({"fsdp": 8}, {})
   per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
   once = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "once")
   # Compute-bound here: the same step time, "once" with a quarter of the communication.
@@ -193,7 +194,7 @@ def test_planner_chooses_once_only_where_its_memory_fits():
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
   cfg = llama.model_config("llama-70b", 4096)
-  with pytest.raises(PlanError, match=r"needs \d+\.\d GiB per device.*16\.0 GiB of HBM"):
+  with pytest.raises(fs.PlanError, match=r"needs \d+\.\d GiB per device.*16\.0 GiB of HBM"):
     plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
                _batch(16, 4096), "v5e-4", verify=0)
 
@@ -201,13 +202,13 @@ def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
 def test_bad_arguments_raise_plan_errors():
   cfg = llama.model_config("llama-tiny", 16)
   init = lambda k: llama.init_params(cfg, k)
-  with pytest.raises(PlanError, match="loss_fn"):
+  with pytest.raises(fs.PlanError, match="loss_fn"):
     plan(init, "loss", optax.adam(1e-3), _batch(8, 16), "v5p-8")
-  with pytest.raises(PlanError, match="optax"):
+  with pytest.raises(fs.PlanError, match="optax"):
     plan(init, llama.loss_fn, "adam", _batch(8, 16), "v5p-8")
-  with pytest.raises(PlanError, match="leading batch dim"):
+  with pytest.raises(fs.PlanError, match="leading batch dim"):
     plan(init, llama.loss_fn, optax.adam(1e-3), {"inputs": 3}, "v5p-8")
-  with pytest.raises(PlanError, match="verify"):
+  with pytest.raises(fs.PlanError, match="verify"):
     plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
 
 
@@ -240,7 +241,7 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   assert program - recomputed <= best.compiled.matmul_flops * 1.01 <= program * 1.02
   text = str(p)
   assert "chosen:" in text and "yes" in text and mesh_str(p.axes) in text
-  s = summary(p)
+  s = plan_summary(p)
   assert s["rows"][0]["memory_ratio"] == pytest.approx(best.compiled.bytes / best.estimate.bytes)
 
 
@@ -276,7 +277,7 @@ def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
   x T, plus the score and value matmuls, 4 T^2 (heads head_dim) forward per layer and twice
   that backward; remat recomputes the blocks' forward but the last matmul (w_down: its
   output is the block's, which the next block keeps) and not the output layer."""
-  from fnscale.analysis._plan import profile_model  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import profile_model  # pylint: disable=g-import-not-at-top
   got = {}
   for seq in (128, 256):
     cfg = _small_llama(seq)
@@ -304,7 +305,7 @@ def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
 def test_llama_8b_per_token_flops_count_attention_on_a_tpu_target():
   """Llama-3-8B on v5p-128: 6N + 12 L H Q T per token (51.47 GFLOP at seq 4096, where the
   splash kernel's missing cost_estimate once left 45.03), and seq 8192 adds 12 L H Q 4096."""
-  from fnscale.analysis._plan import profile_model  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import profile_model  # pylint: disable=g-import-not-at-top
   per_token = {}
   for seq in (4096, 8192):
     cfg = llama.model_config("llama-8b", seq)
@@ -425,7 +426,7 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
   cfg = llama.model_config("llama-tiny", 128)
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128), "v5e:4x4")
-  with pytest.raises(PlanError, match=r"verify=1 .*libtpu could not describe the devices of "
+  with pytest.raises(fs.PlanError, match=r"verify=1 .*libtpu could not describe the devices of "
                      r"v5e:4x4: RuntimeError: TPU backend setup failed for v5e:4x4 \(as libtpu "
                      r"says\).*pip install 'fnscale\[tpu\]'.*verify=0"):
     plan(*args, verify=1)
@@ -437,15 +438,15 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
 
 
 def test_gpu_and_cpu_targets_cannot_be_verified():
-  from fnscale.analysis._plan import cannot_verify  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import cannot_verify  # pylint: disable=g-import-not-at-top
   cfg = llama.model_config("llama-tiny", 128)
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128))
-  with pytest.raises(PlanError, match="verify=2 .*8x h200.*no GPU devices.*verify=0"):
+  with pytest.raises(fs.PlanError, match="verify=2 .*8x h200.*no GPU devices.*verify=0"):
     plan(*args, "8x h200", verify=2)
   assert "no GPU devices" in cannot_verify("8x h200")
   assert "not verified: jax describes no GPU devices" in str(plan(*args, "8x h200"))
-  with pytest.raises(PlanError, match="CPU target is not compiled"):
+  with pytest.raises(fs.PlanError, match="CPU target is not compiled"):
     plan(*args, "cpu", verify=1, cpu_rates=(1e10, 1e9))
 
 
@@ -469,7 +470,7 @@ def test_the_forecast_columns_and_the_token_budget():
   # tokens/s of the whole job: 16 rows x 128 tokens per forecast step.
   assert best.tokens_s == pytest.approx(16 * 128 / best.step_s)
   assert best.step_s >= best.estimate.step_s and best.mfu <= best.bound_mfu
-  s = summary(p)["rows"][0]
+  s = plan_summary(p)["rows"][0]
   assert s["days"] == pytest.approx(2e12 / best.tokens_s / 86400)
   assert s["chip_hours"] == pytest.approx(2e12 / best.tokens_s / 3600 * 4)  # v5p-8: 4 chips
   text = str(p)
@@ -517,7 +518,7 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   # Charging every size-2 group to the DCN axis (its size matches) would put 300 there.
   from fnscale.analysis import hlo, _plan as plan_module  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("2x v5p-8")
-  axes = fs.mesh.MeshAxes({"fsdp": 4}, {"replica": 2})
+  axes = fs.MeshAxes({"fsdp": 4}, {"replica": 2})
   bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)
   summary = hlo.HloSummary(0.0, 0.0, (), (), 8,
                            groups=(("all-gather", 4, 400.0), ("all-reduce", 2, 300.0)),

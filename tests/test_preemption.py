@@ -1,4 +1,4 @@
-"""fnscale.multihost.preemption in one process: SIGTERM becomes should_stop, and a notice the loop can't
+"""fnscale.multihost.preemption_guard in one process: SIGTERM becomes should_stop, and a notice the loop can't
 honour in time (or one while the job forms) ends the process with status 143 and a message.
 The multi-process cases (one notice, staggered notices, a notice at a barrier) are in
 tests/test_multihost.py."""
@@ -16,7 +16,6 @@ import time
 import pytest
 
 import fnscale as fs
-from fnscale.multihost import _preemption as preemption
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,7 +38,7 @@ def _reap(p: subprocess.Popen) -> None:
 
 def test_sigterm_makes_should_stop_true_and_the_handler_comes_back():
   before = signal.getsignal(signal.SIGTERM)
-  with preemption.preemption_guard(grace_s=60) as should_stop:
+  with fs.multihost.preemption_guard(grace_s=60) as should_stop:
     assert should_stop(0) is False
     os.kill(os.getpid(), signal.SIGTERM)  # without the guard this would end pytest
     deadline = time.monotonic() + 10
@@ -54,9 +53,9 @@ def test_sigterm_makes_should_stop_true_and_the_handler_comes_back():
 def test_bad_arguments_are_named():
   with pytest.raises(fs.DistributedArgumentError,
                      match=r"grace_s=0, expected a positive number"):
-    with preemption.preemption_guard(grace_s=0):
+    with fs.multihost.preemption_guard(grace_s=0):
       pass
-  with preemption.preemption_guard() as should_stop:
+  with fs.multihost.preemption_guard() as should_stop:
     with pytest.raises(fs.DistributedArgumentError,
                        match=r"should_stop\(step='3'\): expected the int"):
       should_stop("3")
@@ -64,7 +63,7 @@ def test_bad_arguments_are_named():
 
   def enter():  # Python sets signal handlers only in the main thread
     try:
-      with preemption.preemption_guard():
+      with fs.multihost.preemption_guard():
         pass
     except fs.FnscaleError as e:
       raised.append(e)
@@ -81,8 +80,8 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
   process grace_s later, with the message and status 143."""
   p = _python("""
       import os, signal, sys, time
-      from fnscale.multihost import _preemption as preemption
-      with preemption.preemption_guard(grace_s=1) as should_stop:
+      import fnscale as fs
+      with fs.multihost.preemption_guard(grace_s=1) as should_stop:
         print("in", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         t0 = time.monotonic()
@@ -93,7 +92,7 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
     out, err = p.communicate(timeout=150)
   finally:
     _reap(p)
-  assert p.returncode == preemption.EXIT_PREEMPTED, (out, err[-3000:])
+  assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, err[-3000:])
   assert out == "in\n"
   # grace_s=1: the watcher ends it a second after the notice (more when the machine is busy).
   assert re.search(r"fnscale\.errors\.DistributedError: preemption notice (\d+) s ago and "
@@ -129,7 +128,7 @@ def test_a_notice_while_the_job_forms_ends_initialize_at_once():
     took = time.monotonic() - t0
   finally:
     _reap(p)
-  assert p.returncode == preemption.EXIT_PREEMPTED, (out, (seen + err)[-3000:])
+  assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, (seen + err)[-3000:])
   assert ("fnscale.errors.DistributedError: preemption notice (SIGTERM) while the 2-process job "
           f"was forming at 127.0.0.1:{port} (this is process 0): stopping now") in seen + err
   assert "joined" not in out
@@ -144,8 +143,8 @@ def test_a_notice_during_a_compile_reaches_stderr():
   like a long compile."""
   p = _python("""
       import os, signal, time
+      import fnscale as fs
       from fnscale import _compiler
-      from fnscale.multihost import _preemption as preemption
 
       class Lowered:  # XLA's side of a compile: a C++ log line on fd 2, then a long compile
         def as_text(self):
@@ -155,14 +154,14 @@ def test_a_notice_during_a_compile_reaches_stderr():
           os.kill(os.getpid(), signal.SIGTERM)
           time.sleep(60)
 
-      with preemption.preemption_guard(grace_s=0.5):
+      with fs.multihost.preemption_guard(grace_s=0.5):
         _compiler.compile_lowered(Lowered())
       """)
   try:
     out, err = p.communicate(timeout=150)
   finally:
     _reap(p)
-  assert p.returncode == preemption.EXIT_PREEMPTED, (out, err[-3000:])
+  assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, err[-3000:])
   assert "xla line before the notice" in err
   assert re.search(r"fnscale\.errors\.DistributedError: preemption notice 0.5 s ago and process "
                    r"0 is still reaching the agreed step \(a long compile", err), err[-3000:]
@@ -229,7 +228,7 @@ def test_a_guard_ends_its_watcher_before_its_pipe_is_closed(tmp_path):
   (tmp_path / "m.jsonl").write_text(text)
   threads = threading.active_count()
   for _ in range(20):
-    with preemption.preemption_guard() as should_stop:
+    with fs.multihost.preemption_guard() as should_stop:
       should_stop(0)
     assert threading.active_count() == threads  # the watcher ended with the guard
     assert (tmp_path / "m.jsonl").read_text() == text

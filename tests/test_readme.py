@@ -638,11 +638,11 @@ def test_python_names_and_keywords_are_checked():
         "checkpoint.save(d, 3, state, keep=3)\ntrain_lm(model_config='nano', steps=3)\n"
         "step = fs.train_step(my_loss, optax.adamw(1e-3), accum_steps=4)\nmy_loss.anything(1)\n")
   assert python_problems(ok) == []
-  bad = ("import fnscale as fs\nfrom fnscale.analysis._plan import plan, no_such_name\n"
+  bad = ("import fnscale as fs\nfrom fnscale.analysis.hlo import summarize, no_such_name\n"
          "from recipes.train_lm import train_lm\nfs.make_mesh({'data': -1}, topo=None)\n"
          "fs.not_a_function(1)\nfs.checkpoint.latest_step(d, e, f)\ntrain_lm(model='tiny')\n")
   problems = python_problems(bad)
-  assert any("fnscale.analysis.plan.no_such_name does not exist" in p for p in problems)
+  assert any("fnscale.analysis.hlo.no_such_name does not exist" in p for p in problems)
   assert any("fs.not_a_function does not exist" in p for p in problems)
   assert any(p.startswith("fs.make_mesh(") and "topo" in p for p in problems)
   assert any(p.startswith("fs.checkpoint.latest_step(") for p in problems)

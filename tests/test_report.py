@@ -70,8 +70,8 @@ def test_a_step_loaded_from_the_persistent_cache_is_said_so(tmp_path):
   opt = optax.sgd(0.1)
   state = fs.init_state({"w": jnp.zeros((4, 1))}, opt, mesh=mesh)
   batch = {"x": jnp.ones((16, 4)), "y": jnp.ones((16, 1))}
-  with freport.compilation_cache_restored():
-    freport.compilation_cache(str(tmp_path))
+  with fs.compilation_cache_restored():
+    fs.compilation_cache(str(tmp_path))
     first, again = [fs.compile_report(fs.shard_step(fs.train_step(loss, opt), mesh), state,
                                       batch) for _ in range(2)]
   assert (first.from_cache, again.from_cache) == (False, True)

@@ -196,14 +196,14 @@ def test_report_prints_what_the_hlo_reader_could_not_read():
   assert f"    loop without a trip count (body {report.hlo_unread.loops[0]}), counted once" in text
   # A program read in full prints no such section.
   clean = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
-  assert clean.hlo_unread == fs.hlo.Unread() and "HLO not read" not in str(clean)
+  assert clean.hlo_unread == fs.analysis.hlo.Unread() and "HLO not read" not in str(clean)
 
 
 def test_report_lines_for_each_kind_of_unread_item_and_kernels():
-  unread = fs.hlo.Unread(ops=(("custom-call __onednn$matmul", 2), ("dot", 1)),
+  unread = fs.analysis.hlo.Unread(ops=(("custom-call __onednn$matmul", 2), ("dot", 1)),
                          loops=("body.7",), groups=(("all-gather", 3),))
-  kernels = (fs.hlo.Kernel("splash_mqa_fwd", "tpu_custom_call", 1, 2),
-             fs.hlo.Kernel("my_matmul", "tpu_custom_call", 1, 4, 4 * 2 * 128**3))
+  kernels = (fs.analysis.hlo.Kernel("splash_mqa_fwd", "tpu_custom_call", 1, 2),
+             fs.analysis.hlo.Kernel("my_matmul", "tpu_custom_call", 1, 4, 4 * 2 * 128**3))
   report = fs.compile_report(lambda x, y: x @ y, jnp.ones((8, 4)), jnp.ones((4, 8)))
   text = str(report._replace(hlo_unread=unread, kernels=kernels))
   assert ("  HLO not read (7; the figures above leave it out or guess)\n"

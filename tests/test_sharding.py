@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 import fnscale as fs
 from fnscale import _sharding as fsh
 from fnscale import _state as fst
-from fnscale._axes import data_axes
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -292,9 +291,9 @@ def test_opt_state_structural_fallback(dp_fsdp):
 
 
 def test_data_axes_and_batch_sharding(three_d):
-  assert data_axes(three_d) == ("data", "fsdp")
-  assert data_axes(_mesh((4, 2), ("fsdp", "data"))) == ("fsdp", "data")
-  assert data_axes(_mesh((8,), ("tensor",))) == ()
+  assert fs.data_axes(three_d) == ("data", "fsdp")
+  assert fs.data_axes(_mesh((4, 2), ("fsdp", "data"))) == ("fsdp", "data")
+  assert fs.data_axes(_mesh((8,), ("tensor",))) == ()
   assert fs.batch_sharding(three_d) == NamedSharding(three_d, P(("data", "fsdp")))
   assert fs.batch_sharding(three_d, axes="data").spec == P("data")
   assert fs.batch_sharding(_mesh((8,), ("tensor",))).spec == P()
@@ -357,7 +356,7 @@ def test_report_contents(three_d):
 
 def test_replica_axis_is_data_like():
   mesh = _mesh((2, 4), ("replica", "fsdp"))
-  assert data_axes(mesh) == ("replica", "fsdp")
+  assert fs.data_axes(mesh) == ("replica", "fsdp")
   assert fs.batch_sharding(mesh).spec == P(("replica", "fsdp"))
 
 

@@ -1,4 +1,4 @@
-"""Tests for fnscale.step: train_step, init_state, shard_step, compile_report (8 CPU devices)."""
+"""Tests for the step: train_step, init_state, shard_step, compile_report (8 CPU devices)."""
 import functools
 import os
 import re
@@ -10,8 +10,7 @@ import optax
 import pytest
 
 import fnscale
-from fnscale.analysis import _report as freport
-from fnscale import _step as fstep
+import fnscale as fs
 import models
 
 STEPS = 10
@@ -216,7 +215,7 @@ def test_float16_inf_gradient_skips_step():
   policy = "params=float32,compute=float16,output=float32"
   state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0),
                              policy=policy)
-  assert isinstance(state.loss_scale, fstep.LossScale) and state.loss_scale.dynamic
+  assert isinstance(state.loss_scale, fs.LossScale) and state.loss_scale.dynamic
   scale0 = float(state.loss_scale.scale)
   assert scale0 == 2.0**15
   step = fnscale.shard_step(fnscale.train_step(models.mlp_loss, opt, policy=policy), mesh)
@@ -403,7 +402,7 @@ def test_persistent_compilation_cache(tmp_path):
       "jax_persistent_cache_min_entry_size_bytes")}
   from jax.experimental.compilation_cache import compilation_cache as cc
   try:
-    freport.compilation_cache(str(tmp_path))
+    fs.compilation_cache(str(tmp_path))
     jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25).lower(jnp.ones((7, 3))).compile()
     assert any(os.scandir(tmp_path)), "nothing was written to the cache directory"
   finally:
@@ -411,21 +410,21 @@ def test_persistent_compilation_cache(tmp_path):
       jax.config.update(k, v)
     cc.reset_cache()
   with pytest.raises(fnscale.StepError, match="directory"):
-    freport.compilation_cache("")
+    fs.compilation_cache("")
 
 
 def test_compilation_cache_restored_puts_the_settings_back(tmp_path):
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
   before = {k: jax.config.values[k] for k in names}
-  with freport.compilation_cache_restored():
+  with fs.compilation_cache_restored():
     jax.config.update("jax_enable_compilation_cache", not before["jax_enable_compilation_cache"])
-    freport.compilation_cache(str(tmp_path), min_compile_time_s=2.5, min_entry_size_bytes=7)
+    fs.compilation_cache(str(tmp_path), min_compile_time_s=2.5, min_entry_size_bytes=7)
     assert jax.config.values["jax_compilation_cache_dir"] == str(tmp_path)
   assert {k: jax.config.values[k] for k in names} == before
   with pytest.raises(RuntimeError, match="inside"):  # restored on an error too
-    with freport.compilation_cache_restored():
-      freport.compilation_cache(str(tmp_path))
+    with fs.compilation_cache_restored():
+      fs.compilation_cache(str(tmp_path))
       raise RuntimeError("inside")
   assert {k: jax.config.values[k] for k in names} == before
 

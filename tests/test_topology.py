@@ -16,20 +16,20 @@ from local_server import serving
 @pytest.mark.parametrize("text,dims", [("4x4", (4, 4)), ("2x4x8", (2, 4, 8)), (" 8 ", (8,)),
                                        ("2x4x4x8", (2, 4, 4, 8))])
 def test_parse_shape(text, dims):
-  assert fs.topology.parse_shape(text) == dims
+  assert _topology.parse_shape(text) == dims
 
 
 @pytest.mark.parametrize("bad", ["", "4x", "x4", "4by4", "2x4x8x2x2", "-2x4", "4x-1", "abc", None])
 def test_parse_shape_rejects_malformed(bad):
   with pytest.raises(fs.TopologyError, match="is not a chip grid") as e:
-    fs.topology.parse_shape(bad)
+    _topology.parse_shape(bad)
   assert repr(bad) in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["0x4", "2x0x2"])
 def test_parse_shape_rejects_zero(bad):
   with pytest.raises(fs.TopologyError, match="zero or negative dimension"):
-    fs.topology.parse_shape(bad)
+    _topology.parse_shape(bad)
 
 
 @pytest.mark.parametrize("acc,gen,chips", [("v5p-128", "v5p", 64), ("v4-8", "v4", 4),
@@ -38,17 +38,17 @@ def test_parse_shape_rejects_zero(bad):
                                            # single-chip slices (Google's v5e/v6e tables)
                                            ("v5litepod-1", "v5e", 1), ("v6e-1", "v6e", 1)])
 def test_parse_accelerator_type(acc, gen, chips):
-  assert fs.topology.parse_accelerator_type(acc) == (gen, chips)
+  assert _topology.parse_accelerator_type(acc) == (gen, chips)
 
 
 def test_unknown_accelerator_type():
   with pytest.raises(fs.TopologyError, match=r"unknown accelerator type 'v9x-8'.*v5p-128"):
-    fs.topology.parse_accelerator_type("v9x-8")
+    _topology.parse_accelerator_type("v9x-8")
 
 
 def test_odd_core_count_rejected():
   with pytest.raises(fs.TopologyError, match="not a whole number of v5p chips"):
-    fs.topology.parse_accelerator_type("v5p-3")
+    _topology.parse_accelerator_type("v5p-3")
 
 
 def test_facts_table_public_figures():
@@ -314,7 +314,7 @@ def test_simulate_cpu_devices_after_start(monkeypatch):
 # --- accelerator device files and simulated CPU devices (no backend started) ----------------
 
 def _device_files(monkeypatch, *files):
-  """Makes `glob.glob` in fnscale.topology see only `files`, matched as the shell would."""
+  """Makes `glob.glob` in fnscale._topology see only `files`, matched as the shell would."""
   import fnmatch
   monkeypatch.setattr(topo_mod.glob, "glob",
                       lambda pattern: [f for f in files if fnmatch.fnmatch(f, pattern)])
@@ -1048,7 +1048,7 @@ def test_quiet_libtpu_silences_libtpu_without_a_tpu(tpu_devices):
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS", *topo_mod.QUIET_LIBTPU_ENV)}
   env["PYTHONPATH"] = os.path.dirname(os.path.dirname(__file__))
-  code = ("import fnscale, jax; fnscale.topology.quiet_libtpu(); jax.devices(); "
+  code = ("import fnscale, jax; fnscale.quiet_libtpu(); jax.devices(); "
           "from jax.experimental import topologies; "
           "print(len(topologies.get_topology_desc(platform='tpu', topology_name='v5p:2x2x2')"
           ".devices))")
@@ -1090,7 +1090,7 @@ def test_import_fnscale_changes_no_environment_variable():
   # first, importing fnscale and every submodule changes nothing; the quieting is an
   # explicit call, and it does change the environment.
   jax_import, fnscale_after_jax, quiet = _environ_changes(
-      "import jax", _IMPORT_FNSCALE, "fnscale.topology.quiet_libtpu()")
+      "import jax", _IMPORT_FNSCALE, "fnscale.quiet_libtpu()")
   assert fnscale_after_jax == {}
   assert quiet == {k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items()}
   # Imported first, fnscale changes exactly what its import of jax does.
@@ -1116,7 +1116,7 @@ def test_import_fnscale_changes_no_environment_variable():
      r"metadata_timeout_s='1' \(str\): expected a number of seconds > 0"),
     (lambda: fs.detect_topology(env={}, metadata_timeout_s=0),
      r"metadata_timeout_s=0: expected seconds > 0"),
-    (lambda: fs.topology.parse_accelerator_type(128),
+    (lambda: _topology.parse_accelerator_type(128),
      r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
     (lambda: topo_mod.generation_of(None),
      r"device_kind=None \(NoneType\): expected a str such as 'TPU v5'\.$"),

@@ -170,7 +170,7 @@ def test_without_dcn_a_multislice_run_is_data_parallel_across_slices(
     work, monkeypatch, tpu_devices, target, slices):
   """train_lm's set-up on the devices of several v5p-8 slices (described by libtpu): no
   --dcn gives replica = the slice count, said in a start-up line; --dcn still wins."""
-  devices = fs.topology.target_devices(target)
+  devices = fs.target_devices(target)
   monkeypatch.setattr(jax, "devices", lambda *a: devices)  # the job's devices, as on the pod
   corpus = data.load(str(work / "corpus.txt"), "")
   for mesh_flag, dcn, shape in (("", "", {"replica": slices, "fsdp": 4}),
@@ -196,9 +196,8 @@ def _xla_warnings(mesh_spec, size="nano"):
   `mesh_spec`, compiled from abstract inputs with the persistent compile cache off (a cached
   program is not partitioned again, so it would warn about nothing)."""
   import optax  # pylint: disable=import-outside-toplevel
-  from fnscale import _mesh as fs_mesh  # pylint: disable=import-outside-toplevel
   model = train_lm.MODELS[size]
-  mesh = fs.make_mesh(fs_mesh.parse_axes(mesh_spec))
+  mesh = fs.make_mesh(fs.parse_axes(mesh_spec))
   cfg = model.model_config(size, 32)
   opt, axes = optax.adamw(1e-3), model.logical_axes(cfg)
   rows = jax.ShapeDtypeStruct((16, 32), np.int32)
@@ -915,7 +914,7 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
 def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
   # The run divided by this machine's cached peak: read back now, not measured again.
   start = json.loads((uninterrupted[1] / "run.json").read_text())["start"]
-  host = fs.flops.host_matmul_peak()
+  host = fs.analysis.host_matmul_peak()
   assert not host.fresh and start["peak_flops"] == host.flops
   peak = progress.peak_flops(fs.detect_topology())
   assert peak.flops == host.flops and f"cached in {host.path}" in peak.about

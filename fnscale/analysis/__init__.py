@@ -1,14 +1,48 @@
 """Analysis: what a compiled step costs, and which mesh a model should use on a target.
 
-`hlo` reads an optimized HLO module (matmul FLOPs with loop trip counts, each collective's
-runs and bytes, what crosses slices); `flops` counts model FLOPs and measures a CPU peak;
-`report` turns a compiled step into a `CompileReport`; `plan` ranks meshes, remat and
-accumulation for a model on a described target and verifies the best by compiling for it;
-`invariance` checks that a step computes the same thing on several meshes.
+One flat namespace, as optax's are, plus the HLO reader's vocabulary:
+
+- the planner: `plan` ranks meshes, remat and accumulation for a model on a described target
+  and verifies the best by compiling for it (`Plan`, `Candidate`, `CompileCheck`,
+  `format_plan`, `plan_summary`); its parts `profile_model`, `predict`, `hardware`,
+  `calibrate_cpu`, `cannot_verify`, `mesh_str`, `ForecastTerms`, `FORECAST_TERMS`;
+- FLOPs: `model_flops_per_token`, `peak_flops`, `mfu`, `measure_matmul_peak`,
+  `host_matmul_peak` (`HostPeak`), `usable_cores`;
+- `format_report` prints a `fnscale.CompileReport` (`fnscale.compile_report` makes one);
+- `check_mesh_invariance` checks that a step computes the same thing on several meshes
+  (`InvarianceReport`);
+- `hlo` reads an optimized HLO module: matmul FLOPs with loop trip counts, each collective's
+  runs and bytes, what crosses slices (`hlo.summarize`, `hlo.collectives`, ...).
 
 Layer: the top of the library; imports the core pipeline, `fnscale.kernels` and
 `fnscale.parallel`; never `fnscale.multihost`, `fnscale.checkpoint` or the package root.
 """
-from fnscale.analysis import _flops as flops, hlo, _invariance as invariance, _plan as plan, _report as report
+from fnscale import _deprecation
+from fnscale.analysis import hlo
+from fnscale.analysis._flops import (HostPeak, host_matmul_peak, measure_matmul_peak, mfu,
+                                     model_flops_per_token, peak_flops, usable_cores)
+from fnscale.analysis._invariance import InvarianceReport, check_mesh_invariance
+from fnscale.analysis._plan import (FORECAST_TERMS, Candidate, CompileCheck, ForecastTerms, Plan,
+                                    calibrate_cpu, cannot_verify, format_plan, hardware,
+                                    mesh_str, plan, plan_summary, predict, profile_model)
+from fnscale.analysis._report import format_report
 
-__all__ = ["flops", "hlo", "invariance", "plan", "report"]
+__all__ = [
+    "plan", "Plan", "Candidate", "CompileCheck", "format_plan", "plan_summary", "profile_model",
+    "predict", "hardware", "calibrate_cpu", "cannot_verify", "mesh_str", "ForecastTerms",
+    "FORECAST_TERMS",
+    "model_flops_per_token", "peak_flops", "mfu", "measure_matmul_peak", "host_matmul_peak",
+    "HostPeak", "usable_cores",
+    "format_report",
+    "check_mesh_invariance", "InvarianceReport",
+    "hlo",
+]
+
+__getattr__ = _deprecation.moved(__name__, {
+    "flops": ("fnscale.analysis._flops", "fnscale.analysis.mfu, .peak_flops, "
+              ".model_flops_per_token, ... (fnscale.analysis)"),
+    "report": ("fnscale.analysis._report", "fnscale.compile_report, fnscale.sharding_report, "
+               "fnscale.analysis.format_report"),
+    "invariance": ("fnscale.analysis._invariance", "fnscale.analysis.check_mesh_invariance"),
+    "summary": ("fnscale.analysis._plan:plan_summary", "fnscale.analysis.plan_summary"),
+})

@@ -53,7 +53,7 @@ Matmuls" and 5 "Training":
   of M/S microbatches before and after the loop, forward and backward; FSDP gathers a
   stage's weights (and reduce-scatters its gradients) in every iteration. Outside the stack
   the stage axis splits the batch like a data axis (its gradients reduced over it too).
-- Mixture of experts (`fnscale.parallel.experts`): a grouped matmul (`ragged_dot`) costs
+- Mixture of experts (`fnscale.parallel.moe`): a grouped matmul (`ragged_dot`) costs
   2 x routed rows x k x n, so the model's FLOPs are the active params' (traced on one
   device, its rows are exactly the routed copies). On an `expert` axis of e devices the
   expert weights (the forward grouped matmuls' rhs), their optimizer state and gradients

@@ -1,10 +1,10 @@
-"""fs.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
+"""fnscale.analysis.plan: choose the mesh, remat and gradient accumulation for a model on a target pod.
 
 Candidates are the factorisations of one slice's devices into data x fsdp x context x
 tensor (tensor up to `max_tensor`, the size ICI neighbours serve well; context, the sequence
 split, where the sequence is long: at least `CONTEXT_MIN_TOKENS` tokens per shard, and the
 zigzag order's 2c chunks divide it), and x expert for a mixture of experts (an expert axis
-dividing its expert count: `fnscale.parallel.experts`), data parallel ("replica") across
+dividing its expert count: `fnscale.parallel.moe`), data parallel ("replica") across
 slices, remat on/off, and the fewest accumulation steps that fit; for a loss that takes
 `microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline stages too: across
 the slices of a multi-slice target, and within a slice for a very large model (its
@@ -48,7 +48,7 @@ from fnscale._mesh import MeshAxes, make_mesh
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
            "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
-           "mesh_str", "plan", "predict", "profile_model", "summary"]
+           "mesh_str", "plan", "predict", "profile_model", "plan_summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
 # Context parallelism is a candidate when each shard keeps at least this many tokens of a
@@ -150,7 +150,7 @@ class Plan(NamedTuple):
 
 def calibrate_cpu(n: int = 1024, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
   """Measured (matmul FLOP/s, memory-copy bytes/s) of this host's first device: the CPU cost
-  model's rates. Matmul: `fnscale.analysis.flops.measure_matmul_peak(n)` (float32). Copy: the median
+  model's rates. Matmul: `fnscale.analysis.measure_matmul_peak(n)` (float32). Copy: the median
   time of `x + 1` over a `mib` MiB float32 array, counting the bytes written."""
   from fnscale.analysis import _flops as flops  # pylint: disable=g-import-not-at-top
   rate = flops.measure_matmul_peak(n, repeats=repeats)
@@ -700,7 +700,7 @@ def _dot_flops_row(prof: _cost.Profile, remat: bool) -> float:
   return (prof.flops_row_remat if remat else prof.flops_row) - attn
 
 
-def summary(p: Plan) -> dict:
+def plan_summary(p: Plan) -> dict:
   """The plan as plain data (for JSON): target facts, the chosen row and every row's
   estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm; HLO
   matmul FLOPs over the traced step's dots with this row's remat, and without remat; attention

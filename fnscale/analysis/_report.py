@@ -54,7 +54,7 @@ class CompileReport(NamedTuple):
   work the HLO figures leave out; `fnscale.analysis.hlo.Kernel`), `dcn_bytes_sent` (of the ring
   bytes sent per device per step, those across slices: the data-center network of a
   multi-slice TPU job), `pipelines` (the pipeline schedules the program runs,
-  `fnscale.parallel.pipeline.Schedule`: stages, microbatches, repeats and the bubble
+  `fnscale.parallel.Schedule`: stages, microbatches, repeats and the bubble
   (S - 1) / (R M + S - 1)), `grouped_flops` (the grouped matmuls' FLOPs of a mixture of
   experts, `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper
   bound of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`),
@@ -186,7 +186,7 @@ def compile_report(step: Callable, state, batch, *,
       compiled on a CPU machine).
     compiler_options, fast_compile: as in `shard_step` (ignored for a `CompiledStep`).
     model_flops: the model's FLOPs per device per step (e.g. PaLM's 6N + attention from
-      `fnscale.analysis.flops.model_flops_per_token` x tokens per step / devices); the report then
+      `fnscale.analysis.model_flops_per_token` x tokens per step / devices); the report then
       gives HLO matmul FLOPs / model FLOPs (`flops_ratio`), which exposes redundant compute.
 
   Returns:

@@ -1,7 +1,7 @@
 """Planning targets: what a pod is made of, from a `Topology` or a name such as "v5p-128".
 
 Every figure of a chip (peak FLOP/s, HBM, HBM/ICI/DCN bandwidths, torus, GPUs per node, the
-libtpu name) is read from `fnscale.topology.CHIP_FACTS`, which names its sources; a target
+libtpu name) is read from `fnscale.CHIP_FACTS`, which names its sources; a target
 is planned for only where that table has link figures (TPU v4, v5e, v5p, v6e; H100, H200).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Hardware(NamedTuple):
   """One planning target. Figures are per JAX device.
 
   `name`: as given; `kind`: "tpu", "gpu" or "cpu"; `generation`: key of
-  `fnscale.topology.CHIP_FACTS` (None on CPU); `num_slices`; `devices_per_slice`;
+  `fnscale.CHIP_FACTS` (None on CPU); `num_slices`; `devices_per_slice`;
   `chip_grid`: torus shape of one slice (() off TPU); `wrap`: torus wrap-around links on
   every grid dimension (full-pod shapes and v5p cubes); `peak_flops` (FLOP/s),
   `hbm_bytes`; `links`: `LinkFacts` (on CPU `ici_link` is the measured memory-copy rate of
@@ -141,7 +141,7 @@ def _gpu(name: str, kind: str, count: int) -> Hardware:
 
 def cpu_hardware(matmul_flops: float, copy_bytes_per_s: float, devices=None) -> Hardware:
   """Simulated CPU devices: they share the host's cores, so each device gets 1/n of the
-  measured matmul rate and of the measured memory-copy rate (`fnscale.analysis.plan.calibrate_cpu`)
+  measured matmul rate and of the measured memory-copy rate (`fnscale.analysis.calibrate_cpu`)
   for collectives and memory traffic alike, and collectives do not overlap compute."""
   import jax  # pylint: disable=g-import-not-at-top
   devices = list(jax.devices() if devices is None else devices)
@@ -196,7 +196,7 @@ def _from_topology(topo, cpu_rates) -> Hardware:
   if topo.platform == "cpu":
     if cpu_rates is None:
       raise TopologyError("planning for CPU devices needs measured rates: pass "
-                          "cpu_rates=fnscale.analysis.plan.calibrate_cpu()")
+                          "cpu_rates=fnscale.analysis.calibrate_cpu()")
     return cpu_hardware(*cpu_rates)
   if topo.platform == "gpu":
     facts = _topology.gpu_facts(topo.device_kind)

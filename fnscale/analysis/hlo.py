@@ -1234,7 +1234,7 @@ def flops_ratio(hlo_text: str, model_flops: float) -> float:
 
   With `model_flops` the FLOPs the step's own matmuls need (`fnscale.analysis._cost.jaxpr_matmul_flops`
   of the traced step, remat included), 1.0 says the compiled program does the model's work
-  and no more; with PaLM's 6N + attention (`fnscale.analysis.flops.model_flops_per_token` x tokens /
+  and no more; with PaLM's 6N + attention (`fnscale.analysis.model_flops_per_token` x tokens /
   devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
   custom kernel, `HloSummary.kernels`, not counted here) below.
 

@@ -11,6 +11,7 @@ Face safetensors checkpoints into sharded params and writes them back (`hf.load`
 Layer: imports the core pipeline and `fnscale.multihost` (to agree on a step across
 processes); never `fnscale.analysis` or the package root.
 """
+from fnscale import _deprecation
 from fnscale.checkpoint import hf
 from fnscale.checkpoint._shared_dir import check_shared_directory
 from fnscale.checkpoint._store import (
@@ -31,3 +32,7 @@ __all__ = [
     "save", "restore", "manager", "Manager", "wait", "close", "steps", "latest_step",
     "last_save_seconds", "all_finite", "nonfinite_leaves", "check_shared_directory", "hf",
 ]
+
+__getattr__ = _deprecation.moved(__name__, {
+    "store": ("fnscale.checkpoint._store", "fnscale.checkpoint.save, .restore, .manager, ..."),
+})

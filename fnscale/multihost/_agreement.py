@@ -257,7 +257,7 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   compared with the k-th of every other. In one process it returns at once.
 
   Args:
-    compiled: the `fnscale.compile.CompiledStep` (`shard_step(...).compile(state, batch)`).
+    compiled: the compiled step (`shard_step(...).compile(state, batch)`).
     timeout_s: seconds to wait for every process's fingerprint.
 
   Raises:

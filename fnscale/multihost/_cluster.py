@@ -338,7 +338,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   two processes, on every process, within seconds.
 
   A SIGTERM (preemption notice) while the job forms ends the process at once: the message
-  on stderr, status 143 (`fnscale.multihost.preemption.EXIT_PREEMPTED`).
+  on stderr, status 143 (`fnscale.multihost.EXIT_PREEMPTED`).
 
   Returns:
     A `DistributedInfo`.

@@ -1,7 +1,7 @@
 """JAX's coordination service as fnscale's multi-process code uses it: the runtime (client,
 process id, process count), where each process is waiting (for messages that name where the
 others are, and for the preemption watcher), and leaving from a helper thread with a message.
-Shared by `fnscale.multihost`, `fnscale.multihost.preemption` and the agreement checks
+Shared by `fnscale.multihost`, `fnscale.multihost.preemption_guard` and the agreement checks
 (`fnscale.multihost._agreement`)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ DEFAULT_TIMEOUT_S = 300  # seconds any wait for the other processes lasts at mos
 # fnscale's entries in the coordination service's key-value store live under this prefix.
 KEY = "fnscale"
 # What the main thread is blocked in ("at": a barrier's name, or None) and since when
-# (time.monotonic()); the preemption watcher (fnscale.multihost.preemption) reads it.
+# (time.monotonic()); the preemption watcher (fnscale.multihost._preemption) reads it.
 WAIT: dict[str, Any] = {"at": None, "since": 0.0}
 
 

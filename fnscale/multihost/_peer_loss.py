@@ -74,7 +74,7 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
   helper thread (`fnscale.multihost._liveness`): every process inside `peer_guard` shows signs of life
   in the coordination service, and one silent for `timeout_s` seconds ends the others with
   the same error on stderr and status 75 (`EXIT_JOB_FAILED`), or 143
-  (`fnscale.multihost.preemption.EXIT_PREEMPTED`) once a preemption notice came to any process (the
+  (`fnscale.multihost.EXIT_PREEMPTED`) once a preemption notice came to any process (the
   lost process is then most likely preempted too). In one process it does nothing.
 
   Keep `timeout_s` below `initialize`'s `heartbeat_timeout_s`: once the coordination service

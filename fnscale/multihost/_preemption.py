@@ -233,7 +233,7 @@ def _close_after(watcher: threading.Thread, read_fd: int, write_fd: int) -> None
     os.close(read_fd)
 
 
-def check_service() -> None:
+def check_preemption_service() -> None:
   """Raises unless `preemption_guard` can work here: in a multi-process job it needs JAX's
   preemption service. Call it right after `fnscale.initialize` to learn that at start-up,
   not after the compile (the guard itself calls it too).
@@ -293,7 +293,7 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
                                    "training loop of the main thread.")
   g = _Guard(threading.Event(), threading.Event(), threading.Event(), [0.0])
   rt = _co.job_runtime("preemption_guard")
-  check_service()
+  check_preemption_service()
 
   def should_stop(step: int) -> bool:
     if isinstance(step, bool) or not isinstance(step, int):

@@ -183,7 +183,7 @@ def _check_params(params, sched: Schedule) -> None:
           f"pipeline param leaf '{path}' has shape {shape}, expected leading dims {lead} "
           f"({names}: {sched.stages} stages on the mesh's stage axis"
           + (f", {sched.repeats} repeats" if sched.repeats > 1 else "") + "); fix: stack the "
-          "stages' params, e.g. fnscale.parallel.pipeline.stage_layers(layers, "
+          "stages' params, e.g. fnscale.parallel.stage_layers(layers, "
           f"stages={sched.stages}, repeats={sched.repeats}).")
 
 
@@ -445,8 +445,8 @@ def pipeline(stage_fn: Callable, *, microbatches: int, repeats: int = 1,
     >>> ws = jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4   # 8 layers
     >>> x = jax.random.normal(jax.random.key(1), (32, 16))
     >>> with fs.with_mesh(mesh):
-    ...   y = jax.jit(fs.parallel.pipeline.pipeline(stage, microbatches=8))(
-    ...       fs.parallel.pipeline.stage_layers(ws, stages=4), x)
+    ...   y = jax.jit(fs.parallel.pipeline(stage, microbatches=8))(
+    ...       fs.parallel.stage_layers(ws, stages=4), x)
     >>> bool(jnp.allclose(y, stage(ws, x), atol=1e-5))
     True
   """

@@ -17,7 +17,7 @@ has none), before `fnscale.global_batch`; `restore` undoes it (e.g. for per-toke
 "contiguous" (unbalanced). `shard_work` counts each shard's causal attention work.
 
 Beside the other axes: a pipeline's `stage` axis (`fnscale.parallel.pipeline`: each stage
-attends its microbatches' split sequences) and an `expert` axis (`fnscale.parallel.experts`:
+attends its microbatches' split sequences) and an `expert` axis (`fnscale.parallel.moe`:
 the dropless layer routes each shard's piece of every row; the capacity path, whose capacity
 is per whole sequence, refuses a context axis) compose with it.
 

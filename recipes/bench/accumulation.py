@@ -58,7 +58,7 @@ def main(targets, d: int = D, m: int = M, rows: int = B) -> None:
   print(f"{L} layers, d {d}, mlp {m}, batch {rows}: runs / bytes sent per device per step")
   print("| target | step | " + " | ".join(KINDS) + " | temp MiB |")
   for target in targets:
-    devices = fs.topology.target_devices(TPU) if target == "tpu" else None
+    devices = fs.target_devices(TPU) if target == "tpu" else None
     mesh = fs.make_mesh({"fsdp": -1}, devices=devices)
     name = f"{TPU} (AOT)" if target == "tpu" else "CPU"
     for accum, gather in ((1, "per_microbatch"), (4, "per_microbatch"), (4, "once")):
@@ -75,7 +75,7 @@ def _cli(argv=None) -> int:
   if set(args.targets) - {"cpu", "tpu"}:
     parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
                  "expected cpu and/or tpu")
-  fs.topology.quiet_libtpu()
+  fs.quiet_libtpu()
   fs.simulate_cpu_devices(8)
   if args.large:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
     main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)

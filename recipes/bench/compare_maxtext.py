@@ -157,8 +157,8 @@ def fnscale_side(a) -> None:
   import fnscale as fs  # pylint: disable=import-outside-toplevel
   from recipes.lm import llama, moe  # pylint: disable=import-outside-toplevel
   model = moe if a.model in MOE_MODELS else llama
-  fs.topology.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
-  devices = fs.topology.target_devices(a.target)
+  fs.quiet_libtpu()  # describing the target loads libtpu: no host-lookup warnings
+  devices = fs.target_devices(a.target)
   mesh = fs.make_mesh(_axes(a.mesh), dcn=_axes(a.dcn) or None, devices=devices)
   stages = mesh.shape.get("stage", 1)
   repeats = _repeats(a, stages) if stages > 1 else 1  # > 1: llama's circular layout

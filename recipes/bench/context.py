@@ -156,7 +156,7 @@ def traffic(a) -> list[str]:
   if a.target == "cpu":
     mesh, dtype = fs.make_mesh(MESHES[4]), jnp.float32
   else:
-    mesh = fs.make_mesh({"context": 4}, devices=fs.topology.target_devices(a.target))
+    mesh = fs.make_mesh({"context": 4}, devices=fs.target_devices(a.target))
     dtype = jnp.bfloat16
   c, rows = mesh.shape["context"], a.batch // mesh.shape.get("data", 1)
   nbytes = jnp.dtype(dtype).itemsize
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                  help="balance: tokens per row")
   a = p.parse_args(argv)
   if a.target != "cpu":
-    fs.topology.quiet_libtpu()
+    fs.quiet_libtpu()
   names = a.figures.split(",")
   for name in names:  # all checked before any runs
     if name not in FIGURES:

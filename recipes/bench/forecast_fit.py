@@ -9,7 +9,7 @@ on published runs the fit never sees: MaxText's v5e, v4 and A3 (H100) tables and
 v5p model tiering. Each run is described here as MaxText's configuration at the time of
 the table: the model shape, per-chip batch, sequence length, mesh and remat policy; fnscale
 traces an equivalent model (`parallel_decoder` for MaxText's 2023 default model, the Llama
-of `recipes/lm/llama.py` for the Llama runs) and predicts it with `fnscale.analysis.plan.predict`.
+of `recipes/lm/llama.py` for the Llama runs) and predicts it with `fnscale.analysis.predict`.
 
 Sources (github.com/AI-Hypercomputer/maxtext): the v5p, v5e and v4 tables and their configs
 as of commit 76bd53b0f44caf989c88189afadeb1062f9254f0 (2023-12-15; `MaxText/configs/v5p/
@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.analysis._plan import (
+from fnscale.analysis import (
     FORECAST_TERMS, ForecastTerms, hardware, mesh_str, predict, profile_model)
 from recipes.lm import llama
 from recipes.lm import cli
@@ -52,7 +52,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loa
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 # The A3 table gives TFLOP/s per GPU; MFU is that over the dense bf16 peak.
-H100_PEAK = fs.topology.CHIP_FACTS["H100"].peak_flops
+H100_PEAK = fs.CHIP_FACTS["H100"].peak_flops
 
 
 # ------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the fit and every prediction here")
   ap.add_argument("--nofit", action="store_true", help="use the terms in fnscale.analysis._forecast")
   a = ap.parse_args(argv)
-  fs.topology.quiet_libtpu()  # TPU profiles load libtpu: no host-lookup warnings
+  fs.quiet_libtpu()  # TPU profiles load libtpu: no host-lookup warnings
   terms = FORECAST_TERMS if a.nofit else fit()
   print(f"terms: {terms} (in fnscale/analysis/_forecast.py: {FORECAST_TERMS})\n")
   fitted = [predict_run(r, terms) for r in FIT_RUNS]

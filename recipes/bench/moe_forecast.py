@@ -6,7 +6,7 @@
 MaxText publishes three Mixtral 8x7B runs; each is described here as MaxText's configuration
 for it, and fnscale traces its own Mixtral (`recipes/lm/moe.py`, the same shapes: 32 layers,
 d 4096, 8 experts of width 14336, 2 per token) and forecasts it with
-`fnscale.analysis.plan.predict` (the roofline plus the efficiency terms fitted on MaxText's
+`fnscale.analysis.predict` (the roofline plus the efficiency terms fitted on MaxText's
 dense v5p table, `recipes/bench/forecast_fit.py`; no term was fitted on a mixture of
 experts). MFU counts 6 x the active matmul weights (the two routed experts, the router, the
 unembedding) plus all of the attention per token, as MaxText's tables of 2024-2025 do.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 import fnscale as fs
-from fnscale.analysis._plan import hardware, mesh_str, predict, profile_model
+from fnscale.analysis import hardware, mesh_str, predict, profile_model
 from recipes.lm import moe
 from recipes.lm import cli
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--json", default=None, help="write the rows here")
   a = ap.parse_args(argv)
-  fs.topology.quiet_libtpu()
+  fs.quiet_libtpu()
   rows = [forecast(r) for r in RUNS]
   print(table(rows))
   print(f"\nmodel FLOPs/token (6 x active + attention): {rows[0]['model_flops_token']:.4g}; "

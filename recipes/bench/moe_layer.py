@@ -1,6 +1,6 @@
 """Benchmark: one MoE layer's forward+backward beside a dense layer of the same active FLOPs.
 
-The MoE layer (`fnscale.parallel.experts.moe`, dropless: route, sort, grouped matmuls,
+The MoE layer (`fnscale.parallel.moe`, dropless: route, sort, grouped matmuls,
 unsort, combine) with E experts of width F, k per token, and a dense SwiGLU of width k x F:
 the same matmul FLOPs per token (2 x 3 x d x k F forward), so their time ratio is what the
 routing, sorting and grouped matmul cost over plain matmuls. One device, float32; the two
@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fnscale.parallel import _experts as experts
+import fnscale as fs
 from recipes.lm import cli
 
 
@@ -37,7 +37,7 @@ def _params(a, key):
 def _steps(a):
   """(moe step, dense step): jitted value and gradient of sum(out^2) in x and the params."""
   def moe_loss(x, p):
-    out, aux = experts.moe(x, p, a.k)
+    out, aux = fs.parallel.moe(x, p, a.k)
     return jnp.sum(out**2) + aux.load_balance_loss
 
   def dense_loss(x, p):

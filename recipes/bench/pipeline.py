@@ -93,8 +93,8 @@ def main(argv=None) -> int:
   a.compute = a.compute or ("float32" if a.target == "cpu" else "bfloat16")
   if a.target != "cpu":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other jobs may hold libtpu
-    fs.topology.quiet_libtpu()
-  devices = None if a.target == "cpu" else fs.topology.target_devices(a.target)
+    fs.quiet_libtpu()
+  devices = None if a.target == "cpu" else fs.target_devices(a.target)
   mesh = fs.make_mesh(a.mesh, dcn=a.dcn or None, devices=devices)
   a.d_model = llama.SIZES[a.model]["d_model"]
   print(f"{a.target}, mesh {dict(mesh.shape)}, {a.model} x {a.layers} layers, repeats "

@@ -53,7 +53,6 @@ def main(argv=None) -> int:
   import jax
   import numpy as np
   import optax
-  from fnscale.multihost import _preemption as preemption
   init, loss = _model(args.width)
   mesh = fs.make_mesh({"fsdp": jax.device_count()})
   opt = optax.sgd(1e-3)
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
   times = {True: [], False: []}
   ratios = []
   counter = 0
-  with preemption.preemption_guard() as should_stop:
+  with fs.multihost.preemption_guard() as should_stop:
     for r in range(args.rounds):
       per = {}
       for check in ((True, False) if r % 2 == 0 else (False, True)):
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
           state, metrics = step(state, batch)
           float(metrics["loss"])
           if check and should_stop(counter):
-            return preemption.EXIT_PREEMPTED
+            return fs.multihost.EXIT_PREEMPTED
           counter += 1  # the same step indices on every process, in both arms
         per[check] = (time.perf_counter() - t0) / args.steps
         times[check].append(per[check])

@@ -15,7 +15,7 @@ width 512) and each mesh spec and device count, one row:
   (`block_until_ready` on the new state and metrics) after `--warmup` steps; tokens/s;
 - MFU (PaLM, Chowdhery et al. 2022, appendix B): model FLOPs per step
   `(6 N + 12 L d_model seq) * tokens` (N: matmul weights, blocks plus the tied output layer;
-  `fnscale.analysis.flops.model_flops_per_token`) / step time / (devices x peak FLOP/s per device). On
+  `fnscale.analysis.model_flops_per_token`) / step time / (devices x peak FLOP/s per device). On
   CPU the peak is a 2048x2048 float32 matmul measured at the start of the same run (fastest of
   10 runs); the simulated devices share the host's cores, so devices x peak per device = that
   one rate.
@@ -111,7 +111,7 @@ def theory_bytes(params, cfg, batch: int, mesh) -> dict[str, float]:
   [batch / data ways, seq, d_model] float32 at 2 (t - 1) / t each.
   """
   jax = sys.modules["jax"]
-  daxes = fs.sharding.data_axes(mesh)
+  daxes = fs.data_axes(mesh)
   other = tuple(a for a in mesh.axis_names if a not in daxes)
   dp = fsdp = 0.0
   for x in jax.tree.leaves(params):
@@ -137,9 +137,9 @@ def persistent_cache(directory: str):
   """jax's persistent compilation cache in `directory` (every program cached: thresholds 0),
   restoring the previous settings afterwards."""
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  with fs.report.compilation_cache_restored():
+  with fs.compilation_cache_restored():
     jax.config.update("jax_enable_compilation_cache", True)
-    fs.report.compilation_cache(directory)  # thresholds 0: even sub-second programs cached
+    fs.compilation_cache(directory)  # thresholds 0: even sub-second programs cached
     yield
 
 
@@ -280,7 +280,7 @@ def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
     step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
     cold = step.compile_seconds
     report = fs.compile_report(step, state, b)
-    counts = fs.hlo.summarize(step.compiled.as_text() or "", devices)
+    counts = fs.analysis.hlo.summarize(step.compiled.as_text() or "", devices)
     # Warm: no in-memory executable left, a new shard_step; the compile reads the cache.
     jax.clear_caches()
     hits = _EVENTS["/jax/compilation_cache/cache_hits"]
@@ -307,7 +307,7 @@ def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
       compile_cold_s=cold, compile_warm_s=warm, warm_from_cache=bool(from_cache),
       step_s=med, step_p10_s=_percentile(times, 0.1), step_p90_s=_percentile(times, 0.9),
       tokens_per_s=batch * seq / med, model_flops=flops,
-      mfu=fs.flops.mfu(flops, med, devices, peak_per_device) if peak_per_device else None,
+      mfu=fs.analysis.mfu(flops, med, devices, peak_per_device) if peak_per_device else None,
       xla_flops=report.flops * devices if report.flops is not None else None,
       xla_flops_per_device=report.flops,
       hlo_dot_flops=counts.matmul_flops * devices,
@@ -665,15 +665,15 @@ def run(cfg: Config, *, say=print) -> dict:
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   platform = jax.devices()[0].platform
   if platform == "cpu":
-    host = fs.flops.host_matmul_peak()  # measured once per machine, cached
+    host = fs.analysis.host_matmul_peak()  # measured once per machine, cached
     peak_host = host.flops
     note = (f"Peak FLOP/s (MFU denominator): a 2048x2048 float32 matmul, {peak_host / 1e9:.0f} "
-            f"GFLOP/s for the whole host (fs.flops.host_matmul_peak, measured {host.measured}"
+            f"GFLOP/s for the whole host (fs.analysis.host_matmul_peak, measured {host.measured}"
             f"{', cached in ' + host.path if host.path else ''}); the simulated devices share "
             "it (devices x peak per device = that rate). CPU numbers are relative.")
   else:
     peak_host = None
-    per = fs.flops.peak_flops()
+    per = fs.analysis.peak_flops()
     note = (f"Peak FLOP/s per device: {per / 1e12:.0f} TFLOP/s (bf16 facts table)" if per else
             "Peak FLOP/s unknown for this device kind: MFU not reported")
   rows, skipped = [], []
@@ -684,7 +684,7 @@ def run(cfg: Config, *, say=print) -> dict:
         for n in cfg.devices:
           if n == 1 and spec != cfg.meshes[0]:
             continue  # on one device every mesh is the same program
-          per_device = peak_host / n if peak_host else fs.flops.peak_flops()
+          per_device = peak_host / n if peak_host else fs.analysis.peak_flops()
           try:
             row = measure(size, spec, n, batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
                           warmup=cfg.warmup, peak_per_device=per_device)

@@ -57,7 +57,7 @@ from absl import flags
 
 from recipes.launch import launch_local, ray_cluster
 
-EXIT_PREEMPTED = 143  # fnscale.multihost.preemption.EXIT_PREEMPTED (not imported: no jax here)
+EXIT_PREEMPTED = 143  # fnscale.multihost.EXIT_PREEMPTED (not imported: no jax here)
 EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
 EXIT_BAD_INPUT = 2
 EXIT_TIMEOUT = 124

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -22,9 +23,16 @@ import sys
 from absl import flags
 
 import fnscale as fs
-from fnscale.errors import FnscaleError, InputError, did_you_mean
+from fnscale import FnscaleError, InputError
 
 EXIT_BAD_INPUT = 2
+
+
+def did_you_mean(name, candidates) -> str:
+  """"; did you mean 'gpt'?" for the candidate closest to `name` (difflib's ratio >= 0.6),
+  or "" when none is close: the end of a message refusing an unknown word."""
+  close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1)
+  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def report(e: BaseException) -> int:

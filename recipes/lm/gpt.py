@@ -26,7 +26,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
-from fnscale.analysis import _flops as flops
 
 VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=n)`)
 
@@ -202,13 +201,13 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
   free = lambda names: tuple(a for a in names if a in mesh.axis_names and a not in manual
                              and mesh.shape[a] > 1)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  rows = free(fs.sharding.data_axes(mesh))  # the batch's axes (with "stage", if any)
+  rows = free(fs.data_axes(mesh))  # the batch's axes (with "stage", if any)
   if tokens.shape[0] % size(rows):
     rows = ()
   seq = free(("context",))  # a sequence split over it stays split
   if tokens.shape[1] % size(seq):
     seq = ()
-  spec = fs.sharding.logical_to_spec(("vocab", "embed"), RULES if rules is None else rules, mesh)
+  spec = fs.logical_to_spec(("vocab", "embed"), RULES if rules is None else rules, mesh)
   runs = _column_runs(free(_axes_of(spec[1])), rows, seq, table.shape[1], mesh.shape)
   # Vocabulary blocks are summed over their axes: never over axes that split the tokens.
   vocab = tuple(a for a in free(_axes_of(spec[0])) if a not in rows + seq)
@@ -345,11 +344,11 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-  """Training FLOPs per token (forward + backward): `fnscale.analysis.flops.model_flops_per_token`
+  """Training FLOPs per token (forward + backward): `fnscale.analysis.model_flops_per_token`
   (PaLM appendix B) for this model. Remat's recomputation is not counted (MFU, not hardware
   utilisation)."""
-  return flops.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
-                                     d_model=cfg.d_model, seq=cfg.seq)
+  return fs.analysis.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
+                                           d_model=cfg.d_model, seq=cfg.seq)
 
 
 class Sampling(NamedTuple):

@@ -18,7 +18,7 @@ On a mesh with a `stage` axis of S > 1 devices the blocks run as a pipeline
 (`fnscale.parallel.pipeline`): the rule ("layers", "stage") splits the layer stack into S
 contiguous stages, and `loss_fn(..., microbatches=M)` cuts the batch into M microbatches
 (default S). A config with `repeats` R > 1 stores the blocks as [stages, R, layers / (S R),
-...] (`fnscale.parallel.pipeline.stage_layers`) and runs the circular schedule.
+...] (`fnscale.parallel.stage_layers`) and runs the circular schedule.
 
 On a mesh with a `context` axis the sequence is split over it (context parallelism): the
 batch comes in the shards' order (`fnscale.parallel.context.reorder_batch`, which adds the
@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import _flops as flops
 from recipes.lm import gpt
 
 
@@ -182,7 +181,7 @@ def _stored_blocks(blocks: dict, cfg: ModelConfig) -> dict:
   for a circular pipeline (`cfg.repeats` > 1)."""
   if cfg.repeats == 1:
     return blocks
-  return fs.parallel.pipeline.stage_layers(blocks, cfg.stages, cfg.repeats)
+  return fs.parallel.stage_layers(blocks, cfg.stages, cfg.repeats)
 
 
 def _variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
@@ -485,6 +484,6 @@ def param_count(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig) -> float:
   """Training FLOPs per token (forward + backward): 6 N + 12 layers (heads head_dim) seq
-  (`fnscale.analysis.flops.model_flops_per_token`, PaLM appendix B). Remat is not counted (MFU)."""
-  return flops.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
-                                     d_model=cfg.heads * cfg.head_dim, seq=cfg.seq)
+  (`fnscale.analysis.model_flops_per_token`, PaLM appendix B). Remat is not counted (MFU)."""
+  return fs.analysis.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
+                                           d_model=cfg.heads * cfg.head_dim, seq=cfg.seq)

@@ -15,8 +15,8 @@ import time
 from types import ModuleType
 
 import fnscale as fs
-from fnscale.errors import did_you_mean
 from recipes.lm import gpt, hf_maps, llama, moe
+from recipes.lm.cli import did_you_mean
 
 # Model name -> its module.
 MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}

@@ -2,7 +2,7 @@
 
 Llama-style blocks (`recipes/lm/llama.py`: pre-RMSNorm, rotary positions, grouped-query
 attention through `fnscale.attention`) whose feed-forward is a routed mixture of SwiGLU
-experts (`fnscale.parallel.experts.moe`), in two styles:
+experts (`fnscale.parallel.moe`), in two styles:
 
 - Mixtral (Jiang et al. 2024, "Mixtral of Experts"): 8 experts as wide as a dense MLP, 2 per
   token, their weights renormalised over the two.
@@ -32,8 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import _flops as flops
-from fnscale.parallel import _experts as experts
 from recipes.lm import gpt, llama
 
 HAS_AUX = True  # `loss_and_aux` returns the expert load beside the loss
@@ -173,7 +171,7 @@ RULES = ((("batch", ("replica", "data", "fsdp", "expert")), ("expert", "expert")
 
 def _moe(h, p, cfg: ModelConfig):
   """The feed-forward: routed experts (+ shared ones). h: [batch, seq, d_model]."""
-  out, aux = experts.moe(h, {k: p[k] for k in ("router", "w_gate", "w_up", "w_down")}, cfg.k,
+  out, aux = fs.parallel.moe(h, {k: p[k] for k in ("router", "w_gate", "w_up", "w_down")}, cfg.k,
                          capacity_factor=cfg.capacity_factor, normalize=cfg.normalize)
   if cfg.shared:
     g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["shared_gate"]))
@@ -318,7 +316,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig) -> float:
   """Training FLOPs per token from the active params: 6 x active + 12 layers (heads
-  head_dim) seq (`fnscale.analysis.flops.model_flops_per_token`, PaLM appendix B); the
+  head_dim) seq (`fnscale.analysis.model_flops_per_token`, PaLM appendix B); the
   experts a token doesn't visit cost it nothing. Remat is not counted (MFU)."""
-  return flops.model_flops_per_token(params=active_matmul_params(cfg), layers=cfg.layers,
-                                     d_model=cfg.heads * cfg.head_dim, seq=cfg.seq)
+  return fs.analysis.model_flops_per_token(params=active_matmul_params(cfg), layers=cfg.layers,
+                                           d_model=cfg.heads * cfg.head_dim, seq=cfg.seq)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import fnscale as fs
 from fnscale.kernels import context_attention
 from fnscale.kernels.attention import IMPLEMENTATIONS
-from fnscale.multihost import _preemption as preemption
-from fnscale._step import ACCUM_GATHER
 from recipes.lm.cli import option
 
 CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
@@ -56,7 +55,7 @@ class Options:
                             "process_id": dict(minimum=-1)}
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
-                             "accum_gather": ACCUM_GATHER,
+                             "accum_gather": fs.ACCUM_GATHER,
                              "attention": IMPLEMENTATIONS,
                              "context": context_attention.FORMS,
                              "context_order": context_attention.ORDERS}
@@ -128,7 +127,7 @@ class Options:
   checkpoint_every: int = option(200, "save every this many steps (0: at the end and SIGTERM)")
   checkpoint_keep: int = option(3, "how many checkpoints to keep")
   stop_after: int = option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
-  grace_s: float = option(preemption.DEFAULT_GRACE_S, "seconds from a preemption notice "
+  grace_s: float = option(fs.multihost.DEFAULT_GRACE_S, "seconds from a preemption notice "
                           "(SIGTERM) to the end of the process, the final save included; "
                           "keep below the platform's notice (about 30 s on Cloud TPU, GKE)")
   log_every: int | None = option(None, "steps between progress lines; default 25 lines a run")

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from fnscale.analysis import _flops as flops
 from recipes.lm import run_log
 
 
@@ -26,12 +25,12 @@ class Peak(NamedTuple):
 def peak_flops(topo) -> Peak:
   """The MFU denominator of the hardware `topo` (on CPU: this host's measured matmul peak)."""
   if topo.platform == "cpu":  # measured once per machine (in CPU seconds: load can't lower it)
-    host = flops.host_matmul_peak()
+    host = fs.analysis.host_matmul_peak()
     peak = host.flops * jax.process_count()
     kept = f"cached in {host.path}; delete it to measure again" if host.path else "not cached"
     return Peak(peak, f"CPU matmul peak {peak / 1e9:.0f} GFLOP/s, measured "
                 f"{'now' if host.fresh else host.measured} (the best of 3 x 10 runs, per "
-                f"CPU-second x {flops.usable_cores()} cores: other jobs on the machine lower "
+                f"CPU-second x {fs.analysis.usable_cores()} cores: other jobs on the machine lower "
                 f"the MFU, not the peak{_load_average()}; {kept}), shared by all "
                 f"{jax.device_count()} simulated devices (one host's cores)")
   if topo.peak_flops_per_device:

@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from fnscale.errors import InputError
+from fnscale import InputError
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -13,7 +13,6 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale import _sharding as sharding
 from recipes.lm import batches, checkpoints, data, models, packing, progress, run_log, rundir
 from recipes.lm import startup
 from recipes.lm.options import Options, platform_default, schedule_defaults
@@ -40,7 +39,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)
   o, mesh = _mesh(o, model, cfg, topo, per_device, say)
-  dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
+  dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
   check_pipeline(o.microbatches, model, mesh)
@@ -95,11 +94,11 @@ def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -
   if seq < 1 or per_device < 1 or batch < 1 or accum_steps < 1:
     raise fs.InputError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
                           f"accum_steps={accum_steps}: each must be >= 1")
-  dp = int(np.prod([mesh.shape[a] for a in sharding.data_axes(mesh)]))
+  dp = int(np.prod([mesh.shape[a] for a in fs.data_axes(mesh)]))
   if batch % (dp * accum_steps):
     raise fs.ShardingError(
         f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
-        f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
+        f" splits the batch {dp} ways over {fs.data_axes(mesh)}"
         + (f" in each of {accum_steps} accumulation steps" if accum_steps > 1 else "")
         + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
 

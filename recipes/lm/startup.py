@@ -12,8 +12,6 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale import _mesh as fnscale_mesh
-from fnscale.analysis._report import compilation_cache
 from recipes.lm.options import MIXED
 
 # Options that may differ between the processes of one job.
@@ -32,10 +30,10 @@ def start(o):
     if not str(count).isdigit():
       raise fs.InputError(f"simulated device count {count!r} (XLA_FLAGS / "
                             "JAX_NUM_CPU_DEVICES) is not an int")
-  fs.topology.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
+  fs.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
   fs.simulate_cpu_devices(int(count))
   if o.compile_cache_dir:
-    compilation_cache(o.compile_cache_dir)
+    fs.compilation_cache(o.compile_cache_dir)
   # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
   # Every process checks the others ran with the same options (fields that differ per
@@ -79,8 +77,8 @@ def mesh_axes(text: str, flag: str) -> dict[str, int]:
   Raises:
     MeshError: naming `flag`, the bad axis and the closest known name.
   """
-  axes = fnscale_mesh.parse_axes(text or {}, what=flag)
-  fnscale_mesh.check_axis_names(axes, flag)
+  axes = fs.parse_axes(text or {}, what=flag)
+  fs.check_axis_names(axes, flag)
   return axes
 
 
@@ -124,11 +122,10 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
   """
-  from fnscale.analysis import _plan as plan  # pylint: disable=import-outside-toplevel
   rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
-  p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
-                optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
-                policy=policy(precision, topo.platform), rules=model.RULES,
-                logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
-  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
+  p = fs.analysis.plan(functools.partial(model.init_params, cfg), model.loss_fn,
+                       optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                       policy=policy(precision, topo.platform), rules=model.RULES,
+                       logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
+  say("mesh=auto: " + fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
   return p.axes, p.remat, p.accum, p.accum_gather

@@ -12,8 +12,6 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from fnscale import _mesh as fnscale_mesh
-from fnscale import _sharding as sharding
 from recipes.lm import evaluation, progress, run_log
 
 
@@ -27,14 +25,14 @@ def describe(r, state) -> None:
   train `state`."""
   s, o, c, seq, say = r.setup, r.setup.o, r.setup.cfg, r.setup.cfg.seq, r.say
   n_params = param_count(state)
-  dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
+  dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(f"topology: {s.topo}")
-  say(fnscale_mesh.describe(s.mesh))
+  say(fs.describe_mesh(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
-  axes = sharding.data_axes(s.mesh)
+  axes = fs.data_axes(s.mesh)
   split = fs.parallel.context.shards(s.mesh)
   say(f"batch: {o.global_batch} rows x {seq} tokens = {o.global_batch * seq} tokens/step "
       f"({o.global_batch // dp} per data-parallel device x {dp} over {axes})"
