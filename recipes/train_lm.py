@@ -29,7 +29,7 @@ import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
 from fnscale import mesh as fs_mesh, sharding  # noqa: E402
 from fnscale.multihost import preemption  # noqa: E402
 from recipes.lm import checkpoints as ck, data, harness as h, models, packing  # noqa: E402
-from recipes.lm import run_log as rl  # noqa: E402
+from recipes.lm import hardware, run_log as rl  # noqa: E402
 from recipes.lm.options import Options  # noqa: E402  (every option: flag, default, range)
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -56,7 +56,7 @@ _LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small
 
 def _setup(o: Options, corpus: data.Corpus, say) -> h.Setup:
   """Defaults, mesh, batch and schedule. Raises FnscaleError on any bad value."""
-  topo = h.topology(o.mesh_shape, o.topology, o.tpu)
+  topo = hardware.detect(o)
   d = _CPU if topo.platform == "cpu" else _ACCEL
   size, seq = o.model_config or d["model"], d["seq"] if o.seq is None else o.seq
   model, cfg, name = models.choose(o, size, seq, corpus)

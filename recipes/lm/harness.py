@@ -27,7 +27,7 @@ from fnscale.analysis import flops
 from fnscale import mesh as fs_mesh
 from fnscale import sharding
 from fnscale.analysis import report as fs_report
-from recipes.lm import checkpoints as ck, cli, data, gpt, run_log as rl
+from recipes.lm import checkpoints as ck, cli, data, gpt, hardware, run_log as rl
 
 
 def option(default, help_: str):
@@ -178,26 +178,6 @@ def main(argv: list[str], cls, run, doc: str) -> int:
       os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return status
   return 143 if summary.stopped == "SIGTERM" else 0
-
-
-def topology(mesh_shape: str, override: str, tpu: bool | None):
-  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override.
-
-  Raises:
-    TopologyError: both overrides given, one that doesn't match the devices, or tpu=True
-      where no TPU was found (the message says what was).
-  """
-  if mesh_shape and override:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r} and topology={override!r} both "
-                           "override the detected hardware; give one of them")
-  try:
-    topo = fs.detect_topology(override=(mesh_shape or override) or None)
-  except fs.TopologyError as e:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r}: {e}" if mesh_shape else str(e)) from None
-  if tpu and topo.platform != "tpu":
-    raise fs.TopologyError(f"tpu=True but no TPU was found: {topo}. Run on a TPU VM with "
-                           "jax[tpu] installed, or leave tpu unset to use these devices")
-  return topo
 
 
 def make_mesh(axes, dcn: str, topo, say, devices=None):
@@ -455,7 +435,7 @@ def describe(r, state) -> None:
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
-  say(f"topology: {s.topo}")
+  say(hardware.describe(s.topo))
   say(fs_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
