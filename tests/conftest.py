@@ -158,6 +158,15 @@ def pytest_configure(config):
     _simulated_cpu_devices()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+  """A test that asks for libtpu's described devices (`tpu_devices`) is a `tpu` test: the
+  marker selects (or leaves out) exactly what needs the tpu extra."""
+  for item in items:
+    if "tpu_devices" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("tpu"):
+      item.add_marker(pytest.mark.tpu)
+
+
 def pytest_ignore_collect(collection_path, config):
   """Under -m chip, only the chip tier's modules: the others expect 8 simulated devices."""
   if (_chip_tier(config.option.markexpr) and collection_path.suffix == ".py"
