@@ -60,10 +60,8 @@ from typing import NamedTuple
 from absl import flags
 from absl import logging
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import hardware  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from recipes.lm import hardware
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,7 +1,7 @@
 """The options that say what hardware a recipe runs on: `--topology`, `--mesh_shape`,
-`--tpu`. Defined once: train_lm's `Options` inherits them as fields (flags and keywords), the
-benchmarks add them to their absl flags (`define_flags`) or argparse parser (`add_arguments`),
-and `detect` turns them into a `fnscale.Topology` the same way for all of them.
+`--tpu`. Defined once (`recipes.lm.options.Hardware`): train_lm's `Options` inherit them (flags
+and keywords), the benchmarks add them to their absl flags (`define_flags`) or argparse parser
+(`add_arguments`), and `detect` turns them into a `fnscale.Topology` the same way for all.
 
 Without them a recipe runs on what `fnscale.detect_topology` finds: on a VM whose TPU_*
 variables describe more chips than JAX has (one chip of a host), the devices present.
@@ -14,20 +14,7 @@ import dataclasses
 from absl import flags
 
 import fnscale as fs
-
-
-def _option(default, help_: str):
-  """A field with its `--help` line in `metadata["help"]`, as train_lm's options have."""
-  return dataclasses.field(default=default, metadata={"help": help_})
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  """What the recipe runs on; the defaults detect it."""
-  mesh_shape: str = _option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
-  topology: str = _option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
-  tpu: bool | None = _option(None, "True: require a TPU; default: whatever devices there are")
-
+from recipes.lm.options import Hardware
 
 FIELDS = tuple(dataclasses.fields(Hardware))
 
