@@ -48,6 +48,7 @@ CASES = [
     ("bench/moe_layer", ["--k=0"], "--k: 0 must be >= 1"),
     ("bench/pipeline", ["--microbatches=4,x"], "'x' is not an int"),
     ("bench/preemption", ["--steps=0"], "--steps: 0 must be >= 1"),
+    ("bench/replica_check", ["--calls=0"], "--calls: 0 must be >= 1"),
     ("bench/step", ["--steps=0"], "--steps=0"),
     ("bench/step", ["--topology=2x2x4"], "topology from override says 1 slice(s) x 2x2x4 = 16 "
      "devices, but 8 cpu devices are present; fix: leave the override out"),
