@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec
 
 from fnscale.errors import ShardingError
 
+__all__ = ["unbox_flax"]
+
 
 def _is_linen_box(x) -> bool:
   # flax.core.meta.Partitioned and its subclass flax.linen.LogicallyPartitioned.

@@ -49,6 +49,9 @@ from absl import logging
 from fnscale import _metadata
 from fnscale.errors import CloudError, InputError
 
+__all__ = ["shutdown_at_exit", "shutdown_request", "execute", "describe", "ShutdownRequest",
+           "ShutdownResult"]
+
 DEFAULT_SENTINEL = "/tmp/fnscale-keep-vm"
 DEFAULT_API_URL = "https://tpu.googleapis.com"
 API_URL_ENV = "FNSCALE_TPU_API_URL"

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from fnscale import _tree
-from fnscale.checkpoint import _safetensors as st
+from fnscale.checkpoint import _safetensors
 from fnscale.errors import CheckpointError, StorageError
 
 __all__ = ["Tensor", "CheckpointMap", "Index", "read_index", "read_config", "check", "load",
@@ -77,7 +77,7 @@ class CheckpointMap(NamedTuple):
 class Index(NamedTuple):
   """A checkpoint directory's tensors (key -> file, dtype, shape, byte range)."""
   path: str
-  tensors: Mapping[str, st.Entry]
+  tensors: Mapping[str, _safetensors.Entry]
 
   @property
   def nbytes(self) -> int:
@@ -89,12 +89,12 @@ def _join(path: str, name: str) -> str:
 
 
 def _exists(path: str) -> bool:
-  fs, inner = st.filesystem(path)
+  fs, inner = _safetensors.filesystem(path)
   return fs.exists(inner)
 
 
 def _read_json(path: str) -> Any:
-  fs, inner = st.filesystem(path)
+  fs, inner = _safetensors.filesystem(path)
   try:
     with fs.open(inner, "r") as f:
       return json.load(f)
@@ -142,7 +142,7 @@ def read_index(path) -> Index:
                           "checkpoints are not read: convert them with transformers first).")
   tensors = {}
   for name in files:
-    tensors.update(st.read_header(_join(path, name)))
+    tensors.update(_safetensors.read_header(_join(path, name)))
   for key, name in (weight_map or {}).items():
     if key not in tensors or not tensors[key].file.endswith("/" + name):
       raise CheckpointError(f"{INDEX_FILE} puts {key!r} in {name}, which doesn't hold it; "
@@ -232,7 +232,7 @@ def _plan_leaf(path, leaf, src: Tensor, index: Index) -> _Leaf:
     if e.shape != source:
       raise CheckpointError(f"{k!r} has shape {list(e.shape)}, unlike {keys[0][1]!r}'s "
                             f"{list(source)}; leaf '{path}' stacks them: fix the map.")
-    if e.dtype not in st.FLOAT_CODES or not np.issubdtype(dtype, np.floating):
+    if e.dtype not in _safetensors.FLOAT_CODES or not np.issubdtype(dtype, np.floating):
       raise CheckpointError(
           f"{k!r} is {e.dtype} and leaf '{path}' {dtype}: only float tensors (F32, F16, BF16, "
           "F64) load into float leaves; fix: map this key to a float leaf, or ignore it.")
@@ -317,7 +317,7 @@ def _group_reads(sizes, bounds):
   """One source dim split into `sizes`, cut to `bounds` per split axis: [(source slice,
   split-layout position)] with one contiguous source range each."""
   out = []
-  for start, stop, pos in st.runs(sizes, [slice(a, b) for a, b in bounds]):
+  for start, stop, pos in _safetensors.runs(sizes, [slice(a, b) for a, b in bounds]):
     k = len(pos)
     inner = math.prod(sizes[k + 1:])
     where = tuple(slice(p, p + 1) for p in pos) + (slice(0, (stop - start) // inner),) + tuple(
@@ -340,7 +340,7 @@ def _read_shard(lf: _Leaf, index: Index, read, shard: Sequence[slice]) -> np.nda
     if len(reads) == 1:  # one contiguous read: no staging copy
       part = read(entry, key, reads[0][0]).reshape(split_shape)
     else:
-      part = np.empty(split_shape, st.DTYPES[entry.dtype])
+      part = np.empty(split_shape, _safetensors.DTYPES[entry.dtype])
       for source_index, where in reads:
         part[where] = read(entry, key, source_index).reshape(part[where].shape)
     out[pos] = part.transpose(perm)  # cast to the leaf's dtype on assignment
@@ -384,7 +384,7 @@ def load(path, target, cmap: CheckpointMap):
   """
   index = read_index(path)
   plan = check(index, target, cmap)
-  with st.reader() as read:
+  with _safetensors.reader() as read:
     leaves = [_build(lf, index, read) for lf in plan]
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
 
@@ -437,9 +437,9 @@ def _export_plan(params, cmap: CheckpointMap, dtype):
     for j, q in enumerate(perm):
       split_shape[q] = body[j]
     source = _merge_split(split_shape, src.split)
-    code = st.CODES[np.dtype(dtype or leaf.dtype)]
+    code = _safetensors.CODES[np.dtype(dtype or leaf.dtype)]
     for idx, key in _keys(src, leaf.shape[:n]):
-      out.append((st.Planned(key, code, source), p, idx))
+      out.append((_safetensors.Planned(key, code, source), p, idx))
   return out, flat
 
 
@@ -499,7 +499,7 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   names = ([SINGLE_FILE] if len(files) == 1 else
            [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
   writer = jax.process_index() == 0
-  fs, inner = st.filesystem(path)
+  fs, inner = _safetensors.filesystem(path)
   if writer:
     fs.makedirs(inner, exist_ok=True)
   held = {}  # the host copy of one fully addressable leaf at a time
@@ -513,7 +513,8 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
       return _to_source(readers[p](idx), cmap.tensors[p], t)
 
     if writer:
-      st.write_file(_join(path, name), [t for t, _, _ in items], produce, {"format": "pt"})
+      _safetensors.write_file(_join(path, name), [t for t, _, _ in items], produce,
+                              {"format": "pt"})
     else:  # the other processes take part in the gathers of leaves spread over processes
       for t, p, idx in items:
         if not flat[p].is_fully_addressable:
@@ -523,14 +524,14 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   return names + [CONFIG_FILE] + ([INDEX_FILE] if len(names) > 1 else [])
 
 
-def _to_source(piece: np.ndarray, src: Tensor, t: st.Planned) -> np.ndarray:
+def _to_source(piece: np.ndarray, src: Tensor, t: _safetensors.Planned) -> np.ndarray:
   """A leaf's piece (its axes after the stacked ones) in the checkpoint's layout and dtype."""
   perm = src.perm if src.perm is not None else tuple(range(piece.ndim))
-  return piece.transpose(np.argsort(perm)).reshape(t.shape).astype(st.DTYPES[t.dtype])
+  return piece.transpose(np.argsort(perm)).reshape(t.shape).astype(_safetensors.DTYPES[t.dtype])
 
 
 def _write_side_files(path, names, files, config, tokenizer_from) -> None:
-  fs, inner = st.filesystem(path)
+  fs, inner = _safetensors.filesystem(path)
   if len(names) > 1:
     total = sum(t.nbytes for items in files for t, _, _ in items)
     weight_map = {t.key: name for name, items in zip(names, files) for t, _, _ in items}
@@ -541,13 +542,13 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
     src = _text(tokenizer_from)
     for name in TOKENIZER_FILES:
       if _exists(_join(src, name)):
-        sfs, sinner = st.filesystem(_join(src, name))
+        sfs, sinner = _safetensors.filesystem(_join(src, name))
         with sfs.open(sinner, "rb") as f, fs.open(_join(inner, name), "wb") as g:
           g.write(f.read())
 
 
 def _write_json(path: str, value) -> None:
-  fs, inner = st.filesystem(path)
+  fs, inner = _safetensors.filesystem(path)
   try:
     with fs.open(inner, "w") as f:
       json.dump(value, f, indent=2, sort_keys=True)
