@@ -42,9 +42,13 @@ class AxisConventions(NamedTuple):
       all-gather or ring forms, `cross_entropy`'s tokens).
 
   Examples:
+    The presets: fnscale's own (the default), MaxText's and Levanter's axis names.
+
     >>> import fnscale as fs
-    >>> fs.LEVANTER_AXES.data, fs.LEVANTER_AXES.head
-    (('replica', 'data'), ('model',))
+    >>> fs.FNSCALE_AXES.data, fs.FNSCALE_AXES.head
+    (('replica', 'stage', 'data', 'fsdp', 'expert'), ('tensor',))
+    >>> fs.MAXTEXT_AXES.context, fs.LEVANTER_AXES.data, fs.LEVANTER_AXES.head
+    (('context',), ('replica', 'data'), ('model',))
     >>> mine = fs.AxisConventions(data=("dp",), replica=("dp",), head=("tp",))
     >>> with fs.axis_conventions(mine):
     ...   fs.batch_sharding(fs.make_mesh({"dp": 4, "tp": 2})).spec
@@ -148,7 +152,17 @@ def current() -> AxisConventions:
 
 
 def data_axes(mesh) -> tuple[str, ...]:
-  """The mesh's data-like axes in mesh order (axes of size 1 are kept: harmless)."""
+  """The mesh's axes that split the batch under the ambient axis conventions
+  (`fnscale.axis_conventions`), in mesh order; axes of size 1 are kept (harmless).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.data_axes(fs.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+    ('data', 'fsdp')
+    >>> with fs.axis_conventions(fs.LEVANTER_AXES):
+    ...   fs.data_axes(fs.make_mesh({"data": 4, "model": 2}))
+    ('data',)
+  """
   data = current().data
   return tuple(a for a in mesh.axis_names if a in data)
 

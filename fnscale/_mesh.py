@@ -98,10 +98,25 @@ def parallelism(strategy: str, topology: Topology | None = None, *,
 
 
 def parse_axes(axes: AxesLike, *, what: str = "axes") -> dict[str, int]:
-  """Normalises `{"data": -1, "tensor": 2}`, `"data=-1,tensor=2"` or pairs to an ordered dict.
+  """Normalises `{"data": -1, "tensor": 2}`, `"data=-1,tensor=2"` or pairs to an ordered dict
+  {name: size}, a size of -1 taking the devices left over (as `make_mesh` reads it).
+
+  Args:
+    axes: a mapping name -> size, a "name=size,..." string (spaces and empty entries
+      allowed) or (name, size) pairs.
+    what: how messages name `axes`, e.g. "--mesh".
 
   Raises:
     MeshError: malformed string, duplicate names, non-int or invalid sizes, two -1s.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parse_axes("data=-1, fsdp=2")
+    {'data': -1, 'fsdp': 2}
+    >>> fs.parse_axes("data=2,data=4", what="--mesh")
+    Traceback (most recent call last):
+    ...
+    fnscale.MeshError: --mesh name 'data' appears twice in 'data=2,data=4': each axis ...
   """
   if isinstance(axes, str):
     pairs = []
@@ -250,6 +265,14 @@ def check_axis_names(names, what: str = "mesh axes") -> None:
 
   Raises:
     MeshError: naming the axis, the known names, the closest one and the fix.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.check_axis_names(["data", "fsdp"])  # known: returns None
+    >>> fs.check_axis_names(["data", "fsdpp"], what="--mesh")
+    Traceback (most recent call last):
+    ...
+    fnscale.MeshError: --mesh: axis 'fsdpp' is not one ... did you mean 'fsdp'? ...
   """
   known = sorted(_axes.current().names())
   for name in names:
@@ -483,10 +506,18 @@ def check_mesh(mesh, fn: str, *, arg: str = "mesh", abstract: bool = False) -> N
 
 
 def describe_mesh(mesh: Mesh) -> str:
-  """One line per axis: name, size, axis type, and whether it crosses slices or processes.
+  """The mesh in words: its shape and device count, then one line per axis: name, size, axis
+  type, and the links it runs over (ICI / local, across processes, or DCN across slices).
 
   Raises:
     MeshError: if `mesh` is not a `jax.sharding.Mesh`.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> print(fs.describe_mesh(fs.make_mesh({"data": 4, "tensor": 2})))
+    Mesh {'data': 4, 'tensor': 2} over 8 devices
+      data       size    4  Auto     ICI / local
+      tensor     size    2  Auto     ICI / local
   """
   check_mesh(mesh, "describe_mesh")
   lines = []

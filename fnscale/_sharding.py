@@ -229,6 +229,15 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an
       explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh
       axis to two dimensions; a dimension not divisible by its mesh axes.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+    >>> rules = [("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor")]
+    >>> fs.logical_to_spec(("embed", "mlp"), rules, mesh)
+    P('fsdp', 'tensor')
+    >>> fs.logical_to_spec(("vocab", "mlp"), rules, mesh)  # tensor went to vocab first
+    P('tensor', None)
   """
   check_mesh(mesh, "logical_to_spec", abstract=True)
   sizes = dict(mesh.shape)

@@ -3,11 +3,52 @@
 `train_step` builds the step: jmp mixed precision (Micikevicius et al., 2018, "Mixed
 Precision Training"), dynamic loss scaling with non-finite steps skipped, gradient
 accumulation over microbatches with `lax.scan`. Inside `jax.shard_map` over data axes the
-step runs per shard and `pmean`s gradients (the data-parallel all-reduce of Goyal et al.,
-2017, "Accurate, Large Minibatch SGD"). The state is built by `fnscale.init_state`, the
-step compiled by `fnscale.shard_step`.
+step runs per shard and `pmean`s gradients, loss and aux over those axes (the data-parallel
+all-reduce of Goyal et al., 2017, "Accurate, Large Minibatch SGD"). The state is built by
+`fnscale.init_state`, the step compiled by `fnscale.shard_step`.
 
 Leaf paths in messages are '/'-joined pytree keys (`params/blocks/0/wq`).
+
+Loss scaling. With a dynamic `LossScale` in the state (float16 compute, see `init_state`) a
+step whose gradients are not finite leaves params and optimizer state unchanged, lowers the
+scale and reports `skipped` 1; jmp's `adjust` raises the scale after `period` finite steps.
+
+Random keys. With `key`, the loss is called as `loss_fn(params, batch, key)`, the key folded
+(`jax.random.fold_in`) by the state's step, the microbatch index (0 without accumulation) and,
+when the microbatch loop runs per shard (under `shard_step(mode="shard_map")`, or with
+`accum_gather="once"`), the shard's position over the data axes: distinct for each, and
+reproducible. Otherwise the loss sees the whole global batch and one key per microbatch, so
+its random bits (jax's partitionable threefry) are the same under any mesh. "auto" keeps the
+loop with the partitioner when a key is given, for that reason.
+
+Accumulation over a mesh (`accum_gather`, with `accum_steps > 1` and data axes). The
+gradients end in the params' sharding in every mode. Measure the modes with
+`fnscale.compile_report(...).collectives` and `.temp_bytes`; `fnscale.analysis.plan` chooses.
+
+- "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each microbatch, as
+  without accumulation (accum x the all-gather traffic); each microbatch's gradient is
+  reduced into a float32 accumulator sharded as the params are (accum x the reduction
+  traffic, replicated leaves included). Per-device memory as at accum 1 plus the sharded
+  accumulator. The loop stays with XLA's partitioner, which carries its accumulator in one
+  sharding, never as a partial sum, so it reduces every microbatch's gradient before adding
+  it (on TPU, XLA's while-loop all-reduce code motion moves some of those all-reduces out of
+  the loop; CPU's compiler doesn't).
+- "once": for models whose whole params fit on a device. The microbatch loop runs per shard
+  under `jax.shard_map` over the data axes; params, cast to the compute dtype, are
+  all-gathered once at its entry and stay whole for the loop; every device sums its own
+  float32 gradients in a whole-size accumulator, reduce-scattered once after the loop
+  (all-reduced over data axes the params are replicated on). Traffic as at accum 1; memory:
+  whole compute-dtype params and a whole float32 accumulator per device. The reduce-scatter
+  needs the params' shardings: `shard_step` tells the step them, Explicit mesh axes carry
+  them in the types. Under a plain `jax.jit` on Auto axes the step cannot know them (Auto
+  types carry no sharding), so the whole float32 gradients are all-reduced over the data
+  axes (2 (n-1)/n of their bytes sent per device, twice the reduce-scatter's) and then
+  sliced to the params' sharding. A loss that closes over an array sharded on Explicit axes
+  (which jax can't take into the per-shard loop's shard_map) raises StepError naming it.
+- "auto" (the default): as "once", except with a `key` and when the loss closes over an
+  array sharded on Explicit axes (a warning says so): then as "per_microbatch". For an FSDP
+  model whose whole params and whole float32 gradients don't fit on a device, pass
+  "per_microbatch" (the planner chooses it where "once" doesn't fit).
 """
 from __future__ import annotations
 
@@ -75,6 +116,16 @@ class LossScale:
   grows), `factor` (growth / shrink factor), `min_scale`, `compute` (the compute dtype of
   the policy that asked for it, "float16", or None for a loss scale given explicitly: the
   step checks that it computes in that dtype too).
+
+  Examples:
+    `init_state` gives a float16 policy a dynamic scale of 2**15:
+
+    >>> import fnscale as fs, jax.numpy as jnp, optax
+    >>> state = fs.init_state({"w": jnp.zeros(4)}, optax.sgd(0.1), policy="compute=float16",
+    ...                       mesh=fs.make_mesh({"data": 8}))
+    >>> ls = state.loss_scale
+    >>> type(ls).__name__, float(ls.scale), int(ls.counter), ls.dynamic, ls.compute
+    ('LossScale', 32768.0, 0, True, 'float16')
   """
   scale: Any
   counter: Any
@@ -620,91 +671,46 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       packing); for an exact mean use `weighted`.
     optimizer: an `optax.GradientTransformation`.
     policy: a `jmp.Policy` or policy string, e.g.
-      'params=float32,compute=bfloat16,output=float32': params (and gradients) stay in the
-      param dtype; params and floating batch leaves are cast to the compute dtype for the
-      loss; the loss is cast to the output dtype, then to float32. None: no casts.
-    accum_steps: split the batch (leading dim B, which must be divisible by it) into this
-      many microbatches of B / accum_steps rows, run them with `lax.scan` and sum their
-      gradients in float32 before one optimizer update. Microbatch i holds rows
-      i, i + accum_steps, ..., so under a mesh (the step traced inside `jax.set_mesh`, as
-      `shard_step` does) every microbatch stays spread over the data axes.
+      'params=float32,compute=bfloat16,output=float32': params and floating batch leaves
+      are cast to the compute dtype for the loss, the loss to the output dtype, then to
+      float32; params and gradients stay in the param dtype. None: no casts.
+    accum_steps: microbatches per step: the batch (leading dim B, divisible by it) split into
+      microbatches of B / accum_steps rows (microbatch i holds rows i, i + accum_steps, ...,
+      so each stays spread over the data axes), run with `lax.scan`, their gradients summed
+      in float32 before one optimizer update.
     has_aux: whether `loss_fn` returns `(loss, aux)`.
-    weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over the
-      tokens (or examples) of its batch and their count or total weight (e.g.
-      `(jnp.sum(nll * mask), jnp.sum(mask))`). The step sums both over microbatches and
-      shards and divides once: the loss and gradients are those of the whole batch's
-      weighted mean, whatever the mesh or accum_steps. A total weight of 0 gives a zero
-      loss and zero gradients. The gradients are those of the sum until that division, so
-      with float16 compute they overflow sooner (dynamic loss scaling lowers the scale).
-    key: a `jax.random.key` (or None): `loss_fn` is then called as
-      `loss_fn(params, batch, key)` with `key` folded (`jax.random.fold_in`) by the state's
-      step, the microbatch index (0 without accumulation) and, per shard under
-      `jax.shard_map` (`shard_step(mode="shard_map")`, and `accum_gather="once"`, whose
-      microbatch loop runs per shard in any mode; "auto" keeps the loop with the
-      partitioner when a key is given), the shard's position over the data
-      axes: distinct for each, and reproducible. Otherwise the loss sees the whole global
-      batch and one key per microbatch, so its random bits (jax's partitionable threefry)
-      are the same under any mesh; per shard they depend on the data-shard count.
-    accum_gather: with `accum_steps > 1` under a mesh with data axes, when gradients are
-      reduced over the data axes and what stays sharded between microbatches. The
-      gradients end in the params' sharding in every mode (for "once" and "auto", where
-      the step knows that sharding; see below).
-      "auto" (default): as "once" (each leaf's gradient reduced once per step,
-      reduce-scattered where the leaf is split over the data axes, all-reduced where it is
-      replicated over them), except with a `key` (whose random bits then stay the same
-      under any mesh) and when the loss closes over an array sharded on Explicit axes
-      (which jax can't take into the per-shard loop's shard_map; a warning says so): then
-      as "per_microbatch". Reducing once needs each device's own unreduced sum, a
-      whole-size float32 accumulator: the partitioner's loop carries its accumulator in one
-      sharding, never as a partial sum, so it reduces every microbatch's gradient before
-      adding it (on TPU, XLA's while-loop all-reduce code motion moves some of those
-      all-reduces out of the loop; CPU's compiler doesn't). For an FSDP model whose whole
-      params and whole float32 gradients don't fit on a device, pass "per_microbatch"
-      (`fnscale.analysis.plan` chooses it where "once" doesn't fit).
-      "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each
-      microbatch, as without accumulation (accum x the all-gather traffic); each
-      microbatch's gradient is reduced into a float32 accumulator sharded as the params are
-      (accum x the reduction traffic, replicated leaves included). Per-device memory as at
-      accum 1 plus the sharded accumulator. The loop stays with XLA's partitioner.
-      "once": for models whose whole params fit on a device. The microbatch loop runs per
-      shard under `jax.shard_map` over the data axes; params, cast to the compute dtype,
-      are all-gathered once at its entry and stay whole for the loop; every device sums
-      its own float32 gradients in a whole-size accumulator, reduce-scattered once after
-      the loop (all-reduced over data axes the params are replicated on). Traffic as at
-      accum 1; memory: whole compute-dtype params and a whole float32 accumulator per
-      device. The reduce-scatter needs the params' shardings: `shard_step` tells the step
-      them, Explicit mesh axes carry them in the types. Under a plain `jax.jit` on Auto
-      axes the step cannot know them (Auto types carry no sharding), so the whole float32
-      gradients are all-reduced over the data axes (2 (n-1)/n of their bytes sent per
-      device, twice the reduce-scatter's) and then sliced to the params' sharding. A loss
-      that closes over an array sharded on Explicit axes raises StepError naming it.
-      `fnscale.analysis.plan` chooses between the modes.
-      Measure either with `fnscale.compile_report(...).collectives` and `.temp_bytes`.
+    accum_gather: one of `fnscale.ACCUM_GATHER`: with accum_steps > 1 under a mesh with data
+      axes, when gradients are reduced over the data axes: "once" once per step (whole params
+      and a whole float32 accumulator per device), "per_microbatch" in every microbatch
+      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key` or a loss closing
+      over an Explicit-sharded array needs "per_microbatch". The modes' traffic and memory:
+      this module's docstring.
+    weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over its
+      batch's tokens and their count or total weight (e.g. `(jnp.sum(nll * mask),
+      jnp.sum(mask))`). The step sums both over microbatches and shards and divides once:
+      the loss and gradients of the whole batch's weighted mean, whatever the mesh or
+      accum_steps; a total weight of 0 gives zero loss and gradients.
+    key: a `jax.random.key` or None: the loss is then `loss_fn(params, batch, key)`, `key`
+      folded by the step, the microbatch and (per shard) the shard: distinct for each and
+      reproducible (the module docstring says when they depend on the mesh).
 
   Returns:
-    `step(state: TrainState, batch) -> (TrainState, metrics)`, a plain function; metrics is
-    a dict with "loss" (float32, the mean loss), "grad_norm" (float32, `optax.tree.norm` of
-    the unscaled gradients), "skipped" (int32, 1 if this step was skipped because its
-    gradients were not finite, else 0; sum it for a count), "update_norm" (float32, the
-    norm of the change made to the params, after rounding to their dtype), "bad_update"
-    (int32, 1 when the loss is finite and the step not skipped but the params did not
-    change or became non-finite: update_norm 0 or non-finite; training has stalled if it
-    stays 1), "weight" (float32, with `weighted`: the batch's total weight), "aux" (with
-    `has_aux`; floating leaves averaged over microbatches and shards, integer leaves summed)
-    and "loss_scale" (float32, when the state has a loss scale). With a dynamic `LossScale` in
-    the state (float16 compute, see `init_state`) a step with non-finite gradients leaves params and
-    optimizer state unchanged and lowers the scale. Inside `jax.shard_map` over data axes
-    (`shard_step(mode="shard_map")`) the step runs per shard and `pmean`s gradients,
-    loss and aux over those axes.
+    `step(state: TrainState, batch) -> (TrainState, metrics)`, a plain function. `metrics`:
+    "loss" (float32, the mean loss), "grad_norm" (float32, of the unscaled gradients),
+    "update_norm" (float32, of the change to the params after rounding to their dtype),
+    "skipped" (int32, 1 when non-finite gradients skipped the step), "bad_update" (int32, 1
+    when a finite, unskipped step left the params unchanged or non-finite: training has
+    stalled if it stays 1); with `weighted` "weight" (float32, the batch's total weight);
+    with `has_aux` "aux" (floating leaves averaged over microbatches and shards, integer
+    leaves summed); with a loss scale in the state "loss_scale" (float32).
 
   Raises:
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
-      policy, accum_steps or key; when traced, a batch whose leaves' leading dims differ or
-      are not divisible by accum_steps (naming the leaf), a non-scalar loss (or, with
-      `weighted`, a loss that is not two scalars), a state that is not a TrainState, a
-      float16 policy with a state that has no loss scale (or a state made for float16
-      compute by init_state's policy with a step that doesn't compute in float16);
-      with accum_gather="once", a loss closing over an array sharded on Explicit axes.
+      policy, accum_steps, accum_gather or key; when traced, a batch whose leaves' leading
+      dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
+      (or, with `weighted`, not two scalars), a state that is not a TrainState, a float16
+      policy with a state that has no loss scale (or the reverse); with
+      accum_gather="once", a loss closing over an array sharded on Explicit axes.
 
   Examples:
     Least squares on one device: the loss, then the same batch again after one SGD step (the
@@ -726,6 +732,14 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     0.0400
     >>> sorted(metrics)
     ['bad_update', 'grad_norm', 'loss', 'skipped', 'update_norm']
+
+    Four microbatches of two rows, reduced once per step:
+
+    >>> fs.ACCUM_GATHER
+    ('auto', 'per_microbatch', 'once')
+    >>> step4 = jax.jit(fs.train_step(loss_fn, opt, accum_steps=4, accum_gather="once"))
+    >>> print(f"{step4(state, batch)[1]['loss']:.4f}")
+    0.0400
   """
   if not callable(loss_fn):
     raise StepError(f"loss_fn is {_tree.got(loss_fn)}, expected a callable "

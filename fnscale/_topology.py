@@ -64,6 +64,14 @@ class ChipFacts(NamedTuple):
     libtpu_name: the generation in libtpu's topology names ("v5p" in "v5p:2x2x2"); None on
       GPUs.
     source: where each figure of the row comes from.
+
+  Examples:
+    `fnscale.CHIP_FACTS` holds one row per chip, by generation ("v5e") or GPU name ("H100"):
+
+    >>> import fnscale as fs
+    >>> v5e = fs.CHIP_FACTS["v5e"]
+    >>> v5e.peak_flops / 1e12, v5e.hbm_bytes / 2**30, v5e.torus_dims, v5e.device_kinds
+    (197.0, 16.0, 2, ('TPU v5 lite', 'TPU v5e'))
   """
   platform: str
   peak_flops: float
@@ -356,6 +364,14 @@ def target_devices(target: str) -> list:
   Raises:
     TopologyError: a target that names no TPU generation, or libtpu is not installed
       (`pip install "fnscale[tpu]"`).
+
+  Examples:
+    Two v5p-8 slices, described here (no TPU needed; the tpu extra):
+
+    >>> import fnscale as fs
+    >>> devices = fs.target_devices("2x v5p-8")
+    >>> len(devices), devices[0].platform, sorted({d.slice_index for d in devices})
+    (8, 'tpu', [0, 1])
   """
   _check_type("target", target, str, "a str such as 'v5p-128', 'v5p:4x4x4' or '2x v5p-128'")
   facts = _override_facts(target)
@@ -595,6 +611,14 @@ def quiet_libtpu(env: dict[str, str] | None = None) -> dict[str, str]:
 
   Returns:
     The variables it set ({} when it did nothing).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.quiet_libtpu({"TPU_ACCELERATOR_TYPE": "v5p-8"})  # a TPU layout: nothing to quiet
+    {}
+    >>> env = {}
+    >>> set(fs.quiet_libtpu(env)) <= set(env)  # what it set (if anything) is in env
+    True
   """
   env = os.environ if env is None else env
   if (_tpu_device_files() or any(env.get(v) for v in _LIBTPU_LAYOUT_VARS)

@@ -26,48 +26,148 @@ def did_you_mean(name, candidates) -> str:
 
 
 class FnscaleError(Exception):
-  """Base class of every error fnscale raises."""
+  """Base class of every error fnscale raises: an `InputError` or a `RuntimeFailure`.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> try:
+    ...   fs.make_mesh({"data": 3})  # 8 devices here
+    ... except fs.FnscaleError as e:
+    ...   print(type(e).__name__, "|", e)
+    MeshError | ICI axes {'data': 3} multiply to 3 devices but there are 8; make the ...
+  """
 
 
 class InputError(FnscaleError, ValueError):
-  """Bad input: an argument, config or value that can't work (a `ValueError`)."""
+  """Bad input: an argument, config or value that can't work (a `ValueError`): fix the input
+  and call again. Each kind below is one.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> issubclass(fs.MeshError, fs.InputError), issubclass(fs.InputError, ValueError)
+    (True, True)
+    >>> fs.parse_axes("data:2")
+    Traceback (most recent call last):
+    ...
+    fnscale.MeshError: axes entry 'data:2' in 'data:2' is not NAME=SIZE: write e.g. ...
+  """
 
 
 class RuntimeFailure(FnscaleError, RuntimeError):
-  """The environment failed while the input was right (not a `ValueError`)."""
+  """The environment failed while the input was right (not a `ValueError`): a lost peer, a
+  failed request or storage operation. Retrying (or restarting the job) may succeed.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> [issubclass(e, fs.RuntimeFailure) for e in (fs.DistributedError, fs.CloudError,
+    ...                                             fs.StorageError, fs.MeshError)]
+    [True, True, True, False]
+    >>> issubclass(fs.RuntimeFailure, ValueError)  # `except ValueError` doesn't catch these
+    False
+  """
 
 
 class TopologyError(InputError):
-  """The hardware description is malformed or disagrees with the devices present."""
+  """The hardware description is malformed or disagrees with the devices present.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.detect_topology("v9-8")
+    Traceback (most recent call last):
+    ...
+    fnscale.TopologyError: unknown accelerator type 'v9-8': expected one of v2-N, ...
+  """
 
 
 class MeshError(InputError):
-  """Mesh axes don't fit the devices or each other, or a `mesh=` that is not a Mesh."""
+  """Mesh axes don't fit the devices or each other, or a `mesh=` that is not a Mesh.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.make_mesh({"data": -1, "fsdp": -1})
+    Traceback (most recent call last):
+    ...
+    fnscale.MeshError: ICI axes {'data': -1, 'fsdp': -1} has more than one -1; ...
+  """
 
 
 class ShardingError(InputError):
-  """Logical rules, PartitionSpecs or array shapes don't fit the mesh."""
+  """Logical rules, PartitionSpecs or array shapes don't fit the mesh.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> fs.logical_to_spec(("embed",), [("embed", "data")], mesh, shape=(3,))
+    Traceback (most recent call last):
+    ...
+    fnscale.ShardingError: array: dimension 0 has size 3, not divisible by mesh axes ...
+  """
 
 
 class StepError(InputError):
-  """A train step, its state or its batch is malformed."""
+  """A train step, its state or its batch is malformed.
+
+  Examples:
+    >>> import fnscale as fs, optax
+    >>> fs.train_step("loss", optax.sgd(0.1))
+    Traceback (most recent call last):
+    ...
+    fnscale.StepError: loss_fn is a str ('loss'), expected a callable loss_fn(params, ...
+  """
 
 
 class KernelError(InputError):
-  """A forced kernel implementation can't serve the call."""
+  """A forced kernel implementation can't serve the call, or a kernel name fnscale doesn't
+  know.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.with_kernel(lambda q, k, v: q, attention="flash")
+    Traceback (most recent call last):
+    ...
+    fnscale.KernelError: with_kernel(attention='flash'): expected one of ('auto', 'xla', ...
+  """
 
 
 class ExpertError(InputError):
   """A mixture-of-experts layer's arguments can't work: params that don't fit the tokens,
-  k outside [1, experts], a capacity factor <= 0."""
+  k outside [1, experts], a capacity factor <= 0.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> params = {"router": jnp.ones((4, 2)), "w_gate": jnp.ones((2, 4, 8)),
+    ...           "w_up": jnp.ones((2, 4, 8)), "w_down": jnp.ones((2, 8, 4))}
+    >>> fs.parallel.moe(jnp.ones((1, 2, 4)), params, k=3)
+    Traceback (most recent call last):
+    ...
+    fnscale.ExpertError: moe: k=3 experts per token with 2 experts; expected an int in ...
+  """
 
 
 class CheckpointError(InputError):
-  """A checkpoint is missing, corrupt or doesn't fit the target state, or a bad argument."""
+  """A checkpoint is missing, corrupt or doesn't fit the target state, or a bad argument.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.checkpoint.hf.read_config("/no/such/model")
+    Traceback (most recent call last):
+    ...
+    fnscale.CheckpointError: /no/such/model has no config.json; fix: pass a Hugging Face ...
+  """
 
 
 class PlanError(InputError):
-  """The planner can't serve the request (nothing fits, a bad target or argument)."""
+  """The planner can't serve the request (nothing fits, a bad target or argument).
+
+  Examples:
+    >>> import fnscale as fs, jax, optax
+    >>> batch = {"x": jax.ShapeDtypeStruct((8, 4), "float32")}
+    >>> fs.analysis.plan(lambda key: {"w": jax.numpy.zeros(4)}, lambda p, b: 0.0,
+    ...                  optax.sgd(0.1), batch, "v5p-8", headroom=2)
+    Traceback (most recent call last):
+    ...
+    fnscale.PlanError: headroom=2, expected a fraction of HBM in (0, 1]
+  """
 
 
 class DistributedArgumentError(InputError):
@@ -75,16 +175,52 @@ class DistributedArgumentError(InputError):
   coordinator address (given or read from `JAX_*` variables, or the roll call's
   `FNSCALE_ROLLCALL_PORT`), a timeout or grace period, a config, a barrier name, a step that
   isn't compiled or isn't an int, or `preemption_guard` entered outside the main thread. Not
-  a `DistributedError`: nothing was tried yet."""
+  a `DistributedError`: nothing was tried yet.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.barrier("checkpoint saved", timeout_s=-1)
+    Traceback (most recent call last):
+    ...
+    fnscale.DistributedArgumentError: barrier timeout_s=-1, expected a positive number.
+  """
 
 
 class DistributedError(RuntimeFailure):
-  """Multi-process initialisation or a cross-process wait failed (a peer lost or late)."""
+  """Multi-process initialisation or a cross-process wait failed (a peer lost or late). A
+  job that gets one should exit with `fnscale.multihost.EXIT_JOB_FAILED` (75), which the
+  launchers restart from the last checkpoint.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> issubclass(fs.DistributedError, fs.RuntimeFailure), fs.multihost.EXIT_JOB_FAILED
+    (True, 75)
+  """
 
 
 class CloudError(RuntimeFailure):
-  """A Cloud API request failed (HTTP error, network, credentials)."""
+  """A Cloud API request failed (HTTP error, network, credentials); `fnscale.cloud`'s
+  functions raise it, naming the call and the status.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> issubclass(fs.CloudError, fs.RuntimeFailure), issubclass(fs.CloudError, ValueError)
+    (True, False)
+  """
 
 
 class StorageError(RuntimeFailure):
-  """Writing or reading files (e.g. a checkpoint) failed in the storage layer."""
+  """Writing or reading files (e.g. a checkpoint) failed in the storage layer: a full disk,
+  a lost connection to a bucket. What was already committed is still there.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> issubclass(fs.StorageError, fs.RuntimeFailure), issubclass(fs.StorageError, OSError)
+    (True, False)
+  """
+
+
+# Tracebacks and reprs name each error by its one public spelling: `fnscale.MeshError`.
+for _error in [v for v in dict(globals()).values()
+               if isinstance(v, type) and issubclass(v, FnscaleError)]:
+  _error.__module__ = "fnscale"

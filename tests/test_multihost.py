@@ -186,10 +186,10 @@ def test_notice_while_waiting_at_a_barrier_ends_every_process(tmp_path):
     print(f"process {r.process_id} exited {took:.1f} s after the notice")
     assert r.returncode == fs.multihost.EXIT_PREEMPTED, mp.describe(results)
     assert took < PREEMPT_BOUND_S, mp.describe(results)
-  assert ("fnscale.errors.DistributedError: preemption notice while process 0 waited at "
+  assert ("fnscale.DistributedError: preemption notice while process 0 waited at "
           "'ready': the job can't reach a step to save" in results[0].stderr), mp.describe(
               results)
-  assert ("fnscale.errors.DistributedError: preemption notice: process 0 stopped without "
+  assert ("fnscale.DistributedError: preemption notice: process 0 stopped without "
           "saving" in results[1].stderr), mp.describe(results)
   assert not checkpoint.steps(out / "ckpt")
   assert all(not [e for e in _events(r.stdout) if e["event"] == "step"] for r in results)
@@ -240,11 +240,11 @@ def test_process_that_never_starts_fails_the_others_in_time(tmp_path):
                    JOB_TIMEOUT_S, process_ids=[0, 1])
   for r in results:
     assert r.returncode == 75, mp.describe(results)
-    formed = ("fnscale.errors.DistributedError: could not form the multi-process job within "
+    formed = ("fnscale.DistributedError: could not form the multi-process job within "
               f"{timeout_s} s: expected 3 processes")
     # Process 0 holds the roll call first: on a loaded machine a peer can spend its whole
     # timeout reaching the coordinator, and ends with that error instead (named, in time).
-    unreached = ("fnscale.errors.DistributedError: could not form the multi-process job: "
+    unreached = ("fnscale.DistributedError: could not form the multi-process job: "
                  f"expected 3 processes, this one as process {r.process_id}, but the "
                  "coordinator 127.0.0.1:")
     assert (formed in r.stderr and f"this process ({r.process_id}) is in" in r.stderr) or (

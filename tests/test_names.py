@@ -2,6 +2,7 @@
 public spelling (`fs.make_mesh`, `fs.analysis.plan`, `fs.analysis.hlo.summarize`), no function
 shadows a module, and an old spelling a user may have typed still works with a
 DeprecationWarning that names the new one (tests/surface.py reads the surface)."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -74,8 +75,11 @@ def test_the_namespaces_users_reach():
   # The names that were stutters or shadowed their modules are the functions now.
   assert callable(fs.analysis.plan) and callable(fs.parallel.pipeline)
   assert callable(fs.kernels.grouped_matmul)
-  assert not [n for n in names if n.rsplit(".", 2)[-2] in n.rsplit(".", 1)[1]
-              and n.count(".") > 1]  # no fs.X.X_thing: a module's name repeated in a member
+  # No stutter: a namespace's name as a word of a member's (fs.plan.plan, hlo.HloSummary).
+  words = lambda name: {w.lower() for w in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)}
+  assert not [n for n in names if n.count(".") > 1
+              and n.rsplit(".", 2)[-2] in words(n.rsplit(".", 1)[1])]
+  assert words("HloSummary") == {"hlo", "summary"} and "kernels" not in words("KernelSelection")
 
 
 # (old spelling, what it gives, a spelling its warning must name)
@@ -115,6 +119,8 @@ OLD = [
     ("parallel.experts", lambda: fs.parallel.experts.moe, fs.parallel.moe, "fnscale.parallel.moe"),
     ("checkpoint.store", lambda: fs.checkpoint.store.save, fs.checkpoint.save,
      "fnscale.checkpoint.save"),
+    ("analysis.hlo.HloSummary", lambda: fs.analysis.hlo.HloSummary, fs.analysis.hlo.Summary,
+     "fnscale.analysis.hlo.Summary"),
     ("kernels.attention", lambda: fs.kernels.attention, fs.attention, "fnscale.attention"),
     ("kernels.cross_entropy", lambda: fs.kernels.cross_entropy, fs.cross_entropy,
      "fnscale.cross_entropy"),

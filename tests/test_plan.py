@@ -520,7 +520,7 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   hw = _targets.resolve("2x v5p-8")
   axes = fs.MeshAxes({"fsdp": 4}, {"replica": 2})
   bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)
-  summary = hlo.HloSummary(0.0, 0.0, (), (), 8,
+  summary = hlo.Summary(0.0, 0.0, (), (), 8,
                            groups=(("all-gather", 4, 400.0), ("all-reduce", 2, 300.0)),
                            dcn_groups=(("all-reduce", 2, 200.0),))
   out = plan_module._compiled_comm(summary, hw, axes)

@@ -129,7 +129,7 @@ def test_a_notice_while_the_job_forms_ends_initialize_at_once():
   finally:
     _reap(p)
   assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, (seen + err)[-3000:])
-  assert ("fnscale.errors.DistributedError: preemption notice (SIGTERM) while the 2-process job "
+  assert ("fnscale.DistributedError: preemption notice (SIGTERM) while the 2-process job "
           f"was forming at 127.0.0.1:{port} (this is process 0): stopping now") in seen + err
   assert "joined" not in out
   print(f"initialize ended {took:.1f} s after SIGTERM")
@@ -197,7 +197,7 @@ def test_another_thread_ending_the_process_during_a_compile_reaches_stderr():
     _reap(p)
   assert p.returncode == 75, (out, err[-3000:])
   assert "partitioner warning" in err
-  assert "fnscale.errors.DistributedError: lost process 1 of 2: peer gone" in err
+  assert "fnscale.DistributedError: lost process 1 of 2: peer gone" in err
 
 
 def test_the_capture_gives_the_descriptor_back_and_reads_xla_lines(capfd):

@@ -26,7 +26,7 @@ from fnscale.errors import DistributedError
 try:
   info = fnscale.initialize(timeout_s=60)
 except DistributedError as e:
-  print(f"fnscale.errors.DistributedError: {e}", file=sys.stderr, flush=True)
+  print(f"fnscale.DistributedError: {e}", file=sys.stderr, flush=True)
   sys.exit(75)
 print(f"joined {info.process_id} of {info.num_processes}", flush=True)
 """

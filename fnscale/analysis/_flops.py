@@ -41,6 +41,13 @@ def model_flops_per_token(*, params: int, layers: int, d_model: int, seq: int) -
 
   Raises:
     InputError: a negative or non-integer argument.
+
+  Examples:
+    GPT-2 small (124M matmul params, 12 layers of width 768) over 1024-token rows:
+
+    >>> import fnscale as fs
+    >>> fs.analysis.model_flops_per_token(params=124_000_000, layers=12, d_model=768, seq=1024)
+    857246208.0
   """
   for name, v in (("params", params), ("layers", layers), ("d_model", d_model), ("seq", seq)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -57,6 +64,14 @@ def peak_flops(topology=None) -> float | None:
   Returns:
     FLOP/s per JAX device (a TPU chip with two cores counts per core), or None on CPU and
     for device kinds fnscale has no figure for (use `measure_matmul_peak` there).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.peak_flops(fs.detect_topology()) is None  # CPU: no vendor figure
+    True
+    >>> v5e = fs.detect_topology("v5e-8", devices=fs.target_devices("v5e-8"), env={})
+    >>> fs.analysis.peak_flops(v5e) / 1e12  # TFLOP/s per chip (the tpu extra describes it)
+    197.0
   """
   if topology is None:
     from fnscale._topology import detect_topology  # pylint: disable=g-import-not-at-top
@@ -93,6 +108,11 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 10,
 
   Raises:
     InputError: n or repeats below 1, or an unknown clock.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.measure_matmul_peak(n=128, repeats=2) > 1e6  # FLOP/s of this host
+    True
   """
   if isinstance(n, bool) or isinstance(repeats, bool) or not isinstance(n, int) or (
       not isinstance(repeats, int)) or n < 1 or repeats < 1:
@@ -117,7 +137,15 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 10,
 class HostPeak(NamedTuple):
   """A CPU host's matmul peak: `flops` (FLOP/s, the whole host), `measured` (when, ISO 8601
   UTC), `path` (the cache file holding it; None: not cached) and `fresh` (measured by this
-  call)."""
+  call).
+
+  Examples:
+    >>> import fnscale as fs, tempfile
+    >>> with tempfile.TemporaryDirectory() as cache:
+    ...   peak = fs.analysis.host_matmul_peak(cache, measure=lambda: 5e10)
+    >>> type(peak).__name__, peak.flops, peak.fresh, peak.path.endswith("cpu_peak.json")
+    ('HostPeak', 50000000000.0, True, True)
+  """
   flops: float
   measured: str
   path: str | None
@@ -163,6 +191,16 @@ def host_matmul_peak(cache_dir: str | None = None, *, rounds: int = 3,
 
   Raises:
     InputError: rounds below 1.
+
+  Examples:
+    Measured once (here a stand-in measurement), then read back from the cache:
+
+    >>> import fnscale as fs, tempfile
+    >>> with tempfile.TemporaryDirectory() as cache:
+    ...   first = fs.analysis.host_matmul_peak(cache, rounds=2, measure=lambda: 5e10)
+    ...   again = fs.analysis.host_matmul_peak(cache, measure=lambda: 1.0)
+    >>> first.fresh, again.flops, again.fresh
+    (True, 50000000000.0, False)
   """
   if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
     raise InputError(f"host_matmul_peak: rounds={rounds!r}, expected an int >= 1.")
@@ -192,7 +230,13 @@ def host_matmul_peak(cache_dir: str | None = None, *, rounds: int = 3,
 
 def usable_cores() -> int:
   """The CPU cores this process may run on: its affinity mask where the OS has one (Linux),
-  else `os.cpu_count()`."""
+  else `os.cpu_count()`.
+
+  Examples:
+    >>> import fnscale as fs, os
+    >>> 1 <= fs.analysis.usable_cores() <= os.cpu_count()
+    True
+  """
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -211,6 +255,13 @@ def mfu(flops_per_step: float, step_seconds: float, num_devices: int,
 
   Raises:
     InputError: a non-positive time, device count or peak.
+
+  Examples:
+    4e14 model FLOPs in half a second on 4 devices of 1 PFLOP/s each:
+
+    >>> import fnscale as fs
+    >>> fs.analysis.mfu(4e14, step_seconds=0.5, num_devices=4, peak_flops_per_device=1e15)
+    0.2
   """
   if step_seconds <= 0 or num_devices < 1 or not peak_flops_per_device or (
       peak_flops_per_device <= 0):

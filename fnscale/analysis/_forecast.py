@@ -37,7 +37,17 @@ from fnscale.analysis._targets import Hardware
 class Terms(NamedTuple):
   """Efficiency terms of the forecast (see the module docstring). `matmul` in (0, 1];
   `exposed` >= 0 (a fraction of the ICI collectives' seconds); `per_doubling` >= 0 (a
-  fraction of the step per doubling of slices)."""
+  fraction of the step per doubling of slices).
+
+  Examples:
+    The fitted terms (`fnscale.analysis.FORECAST_TERMS`), and a forecast with others:
+
+    >>> import fnscale as fs
+    >>> terms = fs.analysis.FORECAST_TERMS
+    >>> type(terms) is fs.analysis.ForecastTerms, 0 < terms.matmul <= 1, terms.exposed >= 0
+    (True, True, True)
+    >>> slower = terms._replace(matmul=terms.matmul / 2)  # pass as predict(..., terms=slower)
+  """
   matmul: float
   exposed: float
   per_doubling: float

@@ -67,6 +67,18 @@ class CompileCheck(NamedTuple):
   collectives' ring bytes over the bandwidth of the axis whose size matches each replica
   group; `step_s`, `mfu`: the estimate's with compiled communication and FLOPs; `seconds`:
   compile wall time; `flags`: disagreements over 25% ("memory", "comm").
+
+  Examples:
+    The best candidate compiled for a v5p-8's described devices (the tpu extra):
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=1)
+    >>> check = p.rows[0].compiled
+    >>> type(check).__name__, check.bytes > 0, check.matmul_flops > 0, check.seconds > 0
+    ('CompileCheck', True, True, True)
   """
   bytes: float
   matmul_flops: float
@@ -84,7 +96,19 @@ class Candidate(NamedTuple):
   where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
   `microbatches` (the pipeline's, with a "stage" axis: the loss's `microbatches=`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
-  compiled)."""
+  compiled).
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> row = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0).rows[0]
+    >>> row.fits, row.remat, row.accum, row.compiled, row.stages, row.bubble
+    (True, False, 1, None, 1, 0.0)
+    >>> 0 < row.mfu <= row.bound_mfu  # the forecast under its roofline
+    True
+  """
   axes: MeshAxes
   remat: bool
   accum: int
@@ -131,7 +155,19 @@ class Plan(NamedTuple):
   the resolved target; `profile` what the model needs per step; `verification` what was
   compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
   are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`).
-  `str(plan)` is the table (`format_plan`)."""
+  `str(plan)` is the table (`format_plan`).
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> p.axes == p.rows[0].axes, p.remat, p.accum, p.accum_gather, p.verification
+    (True, False, 1, 'auto', 'not verified: verify=0')
+    >>> p.hardware.num_devices, p.profile.rows
+    (4, 64)
+  """
   rows: tuple[Candidate, ...]
   axes: MeshAxes
   remat: bool
@@ -151,7 +187,14 @@ class Plan(NamedTuple):
 def calibrate_cpu(n: int = 1024, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
   """Measured (matmul FLOP/s, memory-copy bytes/s) of this host's first device: the CPU cost
   model's rates. Matmul: `fnscale.analysis.measure_matmul_peak(n)` (float32). Copy: the median
-  time of `x + 1` over a `mib` MiB float32 array, counting the bytes written."""
+  time of `x + 1` over a `mib` MiB float32 array, counting the bytes written.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> matmul_flops, copy_bytes = fs.analysis.calibrate_cpu(n=128, mib=1, repeats=2)
+    >>> matmul_flops > 0 and copy_bytes > 0  # per second, on this host
+    True
+  """
   from fnscale.analysis import _flops as flops  # pylint: disable=g-import-not-at-top
   rate = flops.measure_matmul_peak(n, repeats=repeats)
   x = jnp.zeros((mib * 2**18,), jnp.float32)
@@ -383,7 +426,13 @@ def _why(rows: list[Candidate]) -> str:
 
 
 def mesh_str(axes: MeshAxes) -> str:
-  """"data=2 fsdp=4 | replica=2": ICI axes, then DCN axes after a bar."""
+  """"data=2 fsdp=4 | replica=2": ICI axes, then DCN axes after a bar.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.mesh_str(fs.MeshAxes({"data": 2, "fsdp": 4}, {"replica": 2}))
+    'data=2 fsdp=4 | replica=2'
+  """
   ici = " ".join(f"{k}={v}" for k, v in axes.ici.items())
   return ici + ("".join(f" | {k}={v}" for k, v in axes.dcn.items()) if axes.dcn else "")
 
@@ -464,7 +513,13 @@ def _verification(hw, verify: int | None) -> tuple[int, str]:
 def cannot_verify(target, cpu_rates: tuple[float, float] | None = None) -> str:
   """Why `plan(..., verify=N)` could not compile candidates for `target` ("" if it can):
   libtpu's error for a TPU target it can't describe, or that the target is a GPU or CPU.
-  `cpu_rates` as for `plan` (measured when None and the target is "cpu")."""
+  `cpu_rates` as for `plan` (measured when None and the target is "cpu").
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.cannot_verify("8x h200")
+    'jax describes no GPU devices for ahead-of-time compiles (only TPUs, through libtpu)'
+  """
   hw = _resolve(target, cpu_rates)
   try:
     _verification(hw, 1)
@@ -498,6 +553,12 @@ def hardware(target, cpu_rates: tuple[float, float] | None = None) -> _targets.H
 
   Raises:
     TopologyError: an unknown target name.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> hw = fs.analysis.hardware("2x v5p-8")
+    >>> hw.num_slices, hw.num_devices, hw.peak_flops / 1e12, hw.hbm_bytes / 2**30
+    (2, 8, 459.0, 95.0)
   """
   return _resolve(target, cpu_rates)
 
@@ -510,6 +571,15 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 
   Raises:
     PlanError: bad arguments. TopologyError: an unknown target.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> prof = fs.analysis.profile_model(init, loss, optax.adam(1e-3), batch, "v5p-8")
+    >>> prof.params, prof.rows, prof.flops_row  # 2 x 256 x 256 FLOPs a row, forward and back
+    (65536, 64, 262144.0)
   """
   _check_args(loss_fn, optimizer, batch, 0, 1, 1.0)
   hw = _resolve(target, cpu_rates)
@@ -542,6 +612,16 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
 
   Raises:
     PlanError: axes that don't cover the target's devices or split the batch.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> prof = fs.analysis.profile_model(init, loss, optax.adam(1e-3), batch, "v5p-8")
+    >>> row = fs.analysis.predict(prof, "v5p-8", fs.MeshAxes({"fsdp": 4}, {}), accum=2)
+    >>> row.fits, row.accum, row.compiled, row.step_s > 0
+    (True, 2, None, True)
   """
   hw = _resolve(target, cpu_rates)
   ici = {k: v for k, v in axes.ici.items() if v > 1}
@@ -604,6 +684,17 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       per-device memory any candidate needs and the target's HBM); `verify` > 0 where no
       program can be compiled for the target (the message gives libtpu's reason).
     TopologyError: an unknown target name (the message lists known ones).
+
+  Examples:
+    A 256 x 256 linear model on a v5p-8 (4 devices): every factorisation of the devices fits.
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> len(p.rows), all(row.fits for row in p.rows), type(p.axes).__name__
+    (6, True, 'MeshAxes')
   """
   _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens)
   hw = _resolve(target, cpu_rates)
@@ -659,7 +750,18 @@ def format_plan(p: Plan, top: int = 12) -> str:
   """The plan as a table: mesh, remat, accumulation, GiB/device (estimate; compiled) vs HBM,
   the forecast (step time, tokens/s, MFU) beside the roofline's MFU bound, communication /
   compute, days and chip-hours for `p.tokens` (when given), verified (and flags); then what
-  was compiled, kernels whose FLOPs are not counted, and why the winner won."""
+  was compiled, kernels whose FLOPs are not counted, and why the winner won.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> lines = fs.analysis.format_plan(p, top=2).splitlines()
+    >>> lines[1].split()[:5], lines[-1].startswith("chosen: " + fs.analysis.mesh_str(p.axes))
+    (['#', 'mesh', 'remat', 'accum', 'pipeline'], True)
+  """
   budget = ("days", "chip-h") if p.tokens else ()
   cols = ("#", "mesh", "remat", "accum", "pipeline", "GiB/dev est", "compiled", "fits",
           "step ms",
@@ -705,7 +807,18 @@ def plan_summary(p: Plan) -> dict:
   estimate beside its compile (bytes, memory ratio compiled / estimated, step, comm; HLO
   matmul FLOPs over the traced step's dots with this row's remat, and without remat; attention
   in a kernel is not a dot) and its forecast (step, tokens/s, MFU; days and chip-hours for
-  `p.tokens`)."""
+  `p.tokens`).
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, optax
+    >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> s = fs.analysis.plan_summary(p)
+    >>> s["target"], s["devices"], s["chosen"] == fs.analysis.mesh_str(p.axes), len(s["rows"])
+    ('v5p-8', 4, True, 6)
+  """
   rows, prof, n = [], p.profile, p.hardware.num_devices
   for r in p.rows:
     c, e, f = r.compiled, r.estimate, r.forecast

@@ -57,7 +57,7 @@ class CompileReport(NamedTuple):
   `fnscale.parallel.Schedule`: stages, microbatches, repeats and the bubble
   (S - 1) / (R M + S - 1)), `grouped_flops` (the grouped matmuls' FLOPs of a mixture of
   experts, `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper
-  bound of the work for a dropless layer; `fnscale.analysis.hlo.HloSummary.grouped_flops`),
+  bound of the work for a dropless layer; `fnscale.analysis.hlo.Summary.grouped_flops`),
   `from_cache` (the program was loaded from jax's persistent compilation cache, so
   `compile_seconds` is the load's).
 
@@ -253,7 +253,23 @@ def _replace_options(step, options):
 
 
 def format_report(report: CompileReport) -> str:
-  """Readable multi-line text for a `CompileReport`."""
+  """Readable multi-line text for a `CompileReport` (`str(report)` gives the same): the
+  platform and mesh, compile time, FLOPs, memory per device, the collectives and what XLA
+  warned about.
+
+  Raises:
+    StepError: `report` is not a CompileReport.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, optax
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> state = fs.init_state({"w": jnp.zeros((4, 1))}, optax.sgd(0.1), mesh=mesh)
+    >>> step = fs.shard_step(fs.train_step(loss, optax.sgd(0.1)), mesh)
+    >>> report = fs.compile_report(step, state, {"x": jnp.ones((16, 4))})
+    >>> print(fs.analysis.format_report(report).splitlines()[0])
+    compiled step: cpu x8 mesh data=8
+  """
   if not isinstance(report, CompileReport):
     raise StepError(f"report is {_tree.got(report)}, expected a CompileReport.")
   fb, fn = _tree.fmt_bytes, _tree.fmt_num

@@ -19,13 +19,13 @@ calls that replace them: cuBLAS GEMMs (`__cublas$gemm`, `__cublas$lt$matmul`,
 `__cublas$lt$matmul$f8`), cuDNN convolutions (forward, backward input, backward filter) and
 cuDNN fused attention (`__cudnn$fmha*`).
 Custom kernels (Pallas on TPU or GPU, Mosaic GPU, Triton) are listed, not counted
-(`HloSummary.kernels`); grouped matmuls (`ragged-dot` and the kernels XLA and megablox run
-for it) are also summed apart, over their whole buffers (`HloSummary.grouped_flops`). A
+(`Summary.kernels`); grouped matmuls (`ragged-dot` and the kernels XLA and megablox run
+for it) are also summed apart, over their whole buffers (`Summary.grouped_flops`). A
 `ragged-all-to-all` (sync or async) counts as a collective of the smaller of its operand and
 result, and an async `call-start`/`custom-call-start` with its `-update`s and `-done` (TPU
 SparseCore offloads) by the computation it calls. Nothing is skipped silently: what could
 not be read is returned in
-`HloSummary.unread` (instructions by opcode, among them every opcode whose work is not
+`Summary.unread` (instructions by opcode, among them every opcode whose work is not
 counted here, such as `fft`, `triangular-solve`, `cholesky` or `scaled-dot`, and any opcode
 not known here; loops without a trip count; collectives whose replica groups were
 guessed). Every branch of a `conditional` counts as if it ran.
@@ -34,6 +34,19 @@ The TPU compiler writes many reduce-scatters as a fusion whose computation retur
 `dynamic-slice` of an `all-reduce` (libtpu names it `all-reduce-scatter`, its emitter
 `AllReduceScatterFusion`): each is counted as the reduce-scatter it runs, (n-1)/n of the
 reduced bytes sent, not as its inner all-reduce's 2 (n-1)/n.
+
+Examples:
+  Instruction lines without computations read as one computation that runs once; a
+  compiled step's `as_text()` is read the same way, whole.
+
+  >>> import fnscale as fs
+  >>> hlo = fs.analysis.hlo
+  >>> text = ("%d = f32[8,32] dot(f32[8,16] %x, f32[16,32] %w), lhs_contracting_dims={1}, "
+  ...         "rhs_contracting_dims={0}\\n"
+  ...         "%s = f32[8,32] all-reduce(f32[8,32] %d), replica_groups={{0,1,2,3}}, to_apply=%add")
+  >>> s = hlo.summarize(text)
+  >>> s.matmul_flops, [(c.kind, c.count, c.bytes) for c in s.collectives], s.unread.count
+  (8192.0, [('all-reduce', 1, 1024)], 0)
 """
 from __future__ import annotations
 
@@ -43,12 +56,13 @@ import math
 import re
 from typing import NamedTuple
 
+from fnscale import _deprecation
 from fnscale.errors import StepError
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
-    "HloSummary",
+    "Summary",
     "Kernel",
     "Loop",
     "Unread",
@@ -58,6 +72,9 @@ __all__ = [
     "ring_bytes_sent",
     "summarize",
 ]
+
+__getattr__ = _deprecation.moved(__name__, {
+    "HloSummary": ("fnscale.analysis.hlo:Summary", "fnscale.analysis.hlo.Summary")})
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute", "collective-broadcast", "ragged-all-to-all")
@@ -72,6 +89,15 @@ class Collective(NamedTuple):
   reduce-scatter the scattered shard), trip counts applied; `ops`: ops of that kind in the
   module text, each counted once; `bytes_sent`: bytes one device sends per step under ring
   algorithms (`ring_bytes_sent`), trip counts applied.
+
+  Examples:
+    An all-reduce over groups of 4 devices (`bytes_sent`: 2 (n-1)/n x 1024 bytes):
+
+    >>> import fnscale as fs
+    >>> text = "%s = f32[8,32] all-reduce(f32[8,32] %d), replica_groups={{0,1,2,3}}, to_apply=%a"
+    >>> (c,) = fs.analysis.hlo.collectives(text)
+    >>> c, c.kind in fs.analysis.hlo.COLLECTIVE_KINDS
+    (Collective(kind='all-reduce', count=1, bytes=1024, ops=1, bytes_sent=1536.0), True)
   """
   kind: str
   count: int
@@ -89,6 +115,15 @@ class Loop(NamedTuple):
   constant initial value (0 where it is not a constant) and `step` its constant increment in
   the body (1 where the increment is not a constant), as `lax.scan`, `lax.fori_loop` and
   XLA's unrolled windowed-einsum loops lower.
+
+  Examples:
+    A `fori_loop` of 5 matmuls: its body's 1024 FLOPs count 5 times.
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp
+    >>> scan = jax.jit(lambda x: jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ x), x))
+    >>> s = fs.analysis.hlo.summarize(scan.lower(jnp.ones((8, 8))).compile().as_text())
+    >>> [(loop.trip_count, loop.from_condition) for loop in s.loops], s.matmul_flops
+    ([(5, False)], 5120.0)
   """
   body: str
   trip_count: int | None
@@ -97,13 +132,19 @@ class Loop(NamedTuple):
 
 class Kernel(NamedTuple):
   """A custom kernel the program calls (a Pallas kernel on TPU or GPU, Mosaic GPU, Triton);
-  its work is in no `HloSummary` figure.
+  its work is in no `Summary` figure.
 
   `name`: the instruction's name without XLA's `.N` suffix (jax names it after the kernel,
   e.g. `splash_mqa_fwd_residuals`); `target`: the custom-call target (`tpu_custom_call`,
   `__gpu$xla.gpu.triton`, `mosaic_gpu_v2`, ...); `ops`: calls in the module text; `runs`:
   calls per step, trip counts applied; `declared_flops`: FLOPs per step from the kernel's own
   cost estimate (`pallas_call(..., cost_estimate=...)`), None where a call declares none.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = '%k = f32[8,32] custom-call(f32[8,32] %x), custom_call_target="tpu_custom_call"'
+    >>> fs.analysis.hlo.summarize(text).kernels
+    (Kernel(name='k', target='tpu_custom_call', ops=1, runs=1, declared_flops=None),)
   """
   name: str
   target: str
@@ -127,6 +168,13 @@ class Unread(NamedTuple):
   were guessed to span every device (a spelling not read here, or text without the module
   header that gives the device count). Instructions are counted once each, in computations
   that run.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = "%f = c64[8,32] fft(c64[8,32] %x), fft_length={32}"
+    >>> unread = fs.analysis.hlo.summarize(text).unread
+    >>> unread.ops, unread.count, str(unread)
+    ((('fft', 1),), 1, '1 fft')
   """
   ops: tuple[tuple[str, int], ...] = ()
   loops: tuple[str, ...] = ()
@@ -146,7 +194,7 @@ class Unread(NamedTuple):
     return "; ".join(parts) if parts else "nothing"
 
 
-class HloSummary(NamedTuple):
+class Summary(NamedTuple):
   """What `summarize` reads from one optimized HLO module; numbers are per device per step.
 
   `matmul_flops`: 2 x result elements x contracted size summed over every `dot`,
@@ -170,6 +218,15 @@ class HloSummary(NamedTuple):
   `matmul_flops`). Both count every row of their buffers, routed or not: a dropless
   layer's buffers hold the worst case, so this is an upper bound of the work done (the
   kernels skip the rows no group holds).
+
+  Examples:
+    A `fori_loop` of 5 matmuls, as compiled for this host:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp
+    >>> scan = jax.jit(lambda x: jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ x), x))
+    >>> s = fs.analysis.hlo.summarize(scan.lower(jnp.ones((8, 8))).compile().as_text())
+    >>> s.matmul_flops, s.matmul_flops_once, s.num_devices, s.unread.count
+    (5120.0, 1024.0, 1, 0)
   """
   matmul_flops: float
   matmul_flops_once: float
@@ -396,6 +453,13 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
     `result_bytes` as `summarize` reads them (the smaller of operand and result: at most
     what a device sends); collective-permute and collective-broadcast the result; 0 for a
     group of one device.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.hlo.ring_bytes_sent("all-reduce", 1024, 4)  # 2 (n-1)/n x 1024
+    1536.0
+    >>> fs.analysis.hlo.ring_bytes_sent("all-gather", 1024, 4)  # (n-1)/n x 1024
+    768.0
 
   Raises:
     StepError: an unknown `kind`.
@@ -1090,7 +1154,7 @@ def _devices(hlo_text: str, num_devices: int | None) -> _Devices:
   return _Devices(int(num_devices), partitions, True)
 
 
-def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
+def summarize(hlo_text: str, num_devices: int | None = None) -> Summary:
   """Matmul FLOPs and collective traffic of one optimized HLO module, loops unrolled by count.
 
   Args:
@@ -1102,11 +1166,19 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
       collectives are then listed in `unread.groups`).
 
   Returns:
-    An `HloSummary` (FLOPs and bytes per device per step), with what could not be read in
+    An `Summary` (FLOPs and bytes per device per step), with what could not be read in
     its `unread` field.
 
   Raises:
     StepError: `hlo_text` is not a string or `num_devices` is below 1.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = ("%d = f32[8,32] dot(f32[8,16] %x, f32[16,32] %w), lhs_contracting_dims={1}, "
+    ...         "rhs_contracting_dims={0}")
+    >>> s = fs.analysis.hlo.summarize(text)  # 2 x 8 x 32 x 16
+    >>> s.matmul_flops, s.collectives, s.unread.count
+    (8192.0, (), 0)
   """
   if not isinstance(hlo_text, str):
     raise StepError(f"hlo_text is a {type(hlo_text).__name__}, expected the str of "
@@ -1146,7 +1218,7 @@ def _ring_groups(colls: dict, mult: dict) -> tuple[tuple[str, int, float], ...]:
 
 
 def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: int
-             ) -> HloSummary:
+             ) -> Summary:
   """The per-step figures of a read module, each computation weighted by its runs."""
   out: dict[str, list] = {}
   for c, items in g.colls.items():
@@ -1166,7 +1238,7 @@ def _summary(g: _Graph, mult: dict, loops: tuple, unknown: tuple, num_devices: i
         k[0], k[1] = k[0] + 1, k[1] + mult[c]
         k[2] += (declared or 0.0) * mult[c]
         k[3] = k[3] and declared is not None
-  return HloSummary(
+  return Summary(
       matmul_flops=sum(f * mult[c] for c, f in g.dots.items()),
       matmul_flops_once=sum(f for c, f in g.dots.items() if mult[c]),
       collectives=tuple(Collective(k, int(v[0]), int(v[1]), v[2], float(v[3]))
@@ -1213,6 +1285,12 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Collecti
   Each op counts once per run of its computation (while-loop trip counts applied); async
   pairs count at their `-done` op, whose result is the collective's output. Returns one
   `Collective` per kind present, in `COLLECTIVE_KINDS` order. Args and errors as `summarize`.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = "%s = f32[8,32] all-reduce(f32[8,32] %d), replica_groups={{0,1,2,3}}, to_apply=%a"
+    >>> [(c.kind, c.count, c.bytes, c.ops) for c in fs.analysis.hlo.collectives(text)]
+    [('all-reduce', 1, 1024, 1)]
   """
   return summarize(hlo_text, num_devices).collectives
 
@@ -1224,6 +1302,13 @@ def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
   2 x result elements x contracted elements per op; with `apply_trip_counts` each op is
   multiplied by the runs of its computation (while-loop trip counts), else every reachable
   loop body counts once (as XLA's `cost_analysis()` does). Errors as `summarize`.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = ("%d = f32[8,32] dot(f32[8,16] %x, f32[16,32] %w), lhs_contracting_dims={1}, "
+    ...         "rhs_contracting_dims={0}")
+    >>> fs.analysis.hlo.matmul_flops(text)  # 2 x 8 x 32 x 16
+    8192.0
   """
   s = summarize(hlo_text)
   return s.matmul_flops if apply_trip_counts else s.matmul_flops_once
@@ -1236,10 +1321,17 @@ def flops_ratio(hlo_text: str, model_flops: float) -> float:
   of the traced step, remat included), 1.0 says the compiled program does the model's work
   and no more; with PaLM's 6N + attention (`fnscale.analysis.model_flops_per_token` x tokens /
   devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
-  custom kernel, `HloSummary.kernels`, not counted here) below.
+  custom kernel, `Summary.kernels`, not counted here) below.
 
   Raises:
     StepError: `model_flops` not a positive number, or a bad `hlo_text` (as `summarize`).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> text = ("%d = f32[8,32] dot(f32[8,16] %x, f32[16,32] %w), lhs_contracting_dims={1}, "
+    ...         "rhs_contracting_dims={0}")
+    >>> fs.analysis.hlo.flops_ratio(text, model_flops=8192.0)  # the model's work, no more
+    1.0
   """
   if isinstance(model_flops, bool) or not isinstance(model_flops, (int, float)) or not (
       model_flops > 0):
