@@ -154,6 +154,23 @@ def test_experts_stack_over_two_fields(tmp_path):
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_bfloat16_and_float16_leaves_load_rounded_as_numpy_rounds(tmp_path):
+  # bfloat16 is not a numpy floating type (np.issubdtype says no): a check that asked numpy
+  # refused every bfloat16 target leaf as "not a float leaf".
+  rng = np.random.default_rng(2)
+  t = {"w": rng.normal(size=(8, 6)).astype(np.float32),
+       "v": rng.normal(size=(8, 6)).astype(ml_dtypes.bfloat16)}
+  save_file(t, str(tmp_path / "model.safetensors"))
+  mesh = fs.make_mesh({"fsdp": 8})
+  for dtype in (jnp.bfloat16, jnp.float16):
+    tree = {k: jax.ShapeDtypeStruct((8, 6), dtype, sharding=NamedSharding(mesh, P("fsdp")))
+            for k in t}
+    got = hf.load(tmp_path, tree, hf.CheckpointMap({k: hf.Tensor(k) for k in t}))
+    for k, v in t.items():
+      assert got[k].dtype == dtype
+      np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v).astype(dtype), err_msg=k)
+
+
 def test_reads_within_split_axes_touch_only_their_runs():
   # A split dim cut inside: [3 x heads x dim] rows with heads split over 2 devices reads 3
   # runs per device (not the whole rows); an axis cut inside its inner part reads one run

@@ -42,6 +42,13 @@ def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
       file and the path it looked at, with the fix (a bucket, `gs://...`, or a shared file
       system mounted at the same path everywhere); or several processes without JAX's
       coordination service (`fnscale.initialize`).
+
+  Examples:
+    In one process there is nobody to disagree: it returns at once.
+
+    >>> import fnscale as fs, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   fs.checkpoint.check_shared_directory(d)
   """
   rt = _co.job_runtime(f"check_shared_directory({directory!r})")
   if rt is None:

@@ -182,6 +182,16 @@ class Manager(NamedTuple):
   Use it in a `with` block, or call `close` at the end: both wait for the last save (the
   block doesn't when it ends in a DistributedError: the job lost a process, and the save's
   cross-process commit can't finish).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d, fs.checkpoint.manager(d, keep=2) as ckpt:
+    ...   for step in (1, 2, 3):
+    ...     _ = fs.checkpoint.save(ckpt, step, state)  # in the background
+    ...   fs.checkpoint.wait(ckpt)
+    ...   type(ckpt).__name__, ckpt.orbax.all_steps(), ckpt.finite
+    ('Manager', [2, 3], {1: True, 2: True, 3: True})
   """
   directory: Any  # etils.epath.Path
   orbax: Any  # orbax.checkpoint.CheckpointManager
@@ -222,6 +232,18 @@ def manager(directory, *, keep: int | None = 3, keep_period: int | None = None,
   Raises:
     CheckpointError: a bad option (named), `directory` is a file (or, read-only, missing),
       orbax-checkpoint is missing.
+
+  Examples:
+    Keep the newest 2 steps, and every 10th:
+
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   with fs.checkpoint.manager(d, keep=2, keep_period=10) as ckpt:
+    ...     for step in (10, 11, 12, 13):
+    ...       _ = fs.checkpoint.save(ckpt, step, state)
+    ...   fs.checkpoint.steps(d)  # the block waited for the last save
+    (10, 12, 13)
   """
   ocp = _orbax()
   ct.check_count(keep, "keep")
@@ -256,6 +278,15 @@ def wait(ckpt: Manager) -> None:
   Raises:
     StorageError: a background write failed (the step stays an unfinished temporary
       directory that is never read); not a `ValueError`.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d, fs.checkpoint.manager(d) as ckpt:
+    ...   _ = fs.checkpoint.save(ckpt, 1, state)
+    ...   fs.checkpoint.wait(ckpt)  # committed from here on
+    ...   fs.checkpoint.latest_step(d)
+    1
   """
   _require_manager(ckpt, "wait")
   try:
@@ -267,7 +298,22 @@ def wait(ckpt: Manager) -> None:
 
 
 def close(ckpt: Manager) -> None:
-  """Waits for the last save (see `wait`), then closes orbax's manager."""
+  """Waits for the last save (see `wait`), then closes orbax's manager (what leaving a
+  `with` block does).
+
+  Raises:
+    StorageError: as `wait`. CheckpointError: `ckpt` is not a `Manager`.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   ckpt = fs.checkpoint.manager(d)
+    ...   _ = fs.checkpoint.save(ckpt, 5, state)
+    ...   fs.checkpoint.close(ckpt)
+    ...   fs.checkpoint.steps(d)
+    (5,)
+  """
   _require_manager(ckpt, "close")
   try:
     wait(ckpt)
@@ -375,6 +421,15 @@ def steps(where, *, complete: bool = True) -> tuple[int, ...]:
 
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   for step in (100, 200):
+    ...     _ = fs.checkpoint.save(d, step, state)
+    ...   fs.checkpoint.steps(d), fs.checkpoint.steps(d + "/missing")
+    ((100, 200), ())
   """
   ckpt, opened = _open(where, read_only=True, must_exist=False, local=True)
   if ckpt is None:
@@ -397,6 +452,16 @@ def latest_step(where) -> int | None:
 
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
+
+  Examples:
+    A non-finite state (saved for inspection) is passed over:
+
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = fs.checkpoint.save(d, 1, {"w": jnp.ones(2)})
+    ...   _ = fs.checkpoint.save(d, 2, {"w": jnp.array([1.0, jnp.nan])}, allow_nonfinite=True)
+    ...   fs.checkpoint.latest_step(d), fs.checkpoint.latest_step(d + "/missing")
+    (1, None)
   """
   def usable(ckpt, s):
     complete = _problem(ckpt, s) is None
@@ -412,6 +477,15 @@ def last_save_seconds(where) -> tuple[int, float] | None:
 
   Raises:
     CheckpointError: orbax-checkpoint is missing, or `where` is a file.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, tempfile
+    >>> state = {"w": jnp.arange(4.0)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = fs.checkpoint.save(d, 7, state)
+    ...   step, seconds = fs.checkpoint.last_save_seconds(d)
+    >>> step, seconds > 0
+    (7, True)
   """
   def save_seconds(ckpt, s):
     meta = ckpt.orbax.metadata(s)
@@ -457,6 +531,13 @@ def all_finite(tree) -> jax.Array:
   Traceable: inside a jitted step (over the new state and the loss) it is one read of each
   leaf, which XLA can fuse with the step's own outputs. Integer and bool leaves count as
   finite.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> fs.checkpoint.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
+    Array(True, dtype=bool)
+    >>> fs.checkpoint.all_finite({"w": jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
   """
   flags = [_leaf_finite(x) for x in jax.tree.leaves(tree)
            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
@@ -478,7 +559,14 @@ def _to_host(x) -> np.ndarray:
 def nonfinite_leaves(tree) -> list[str]:
   """The names (`params.w`, orbax's spelling) of the floating leaves of `tree` that hold a NaN
   or an inf, in tree order; [] when all are finite. The reduction runs where the arrays are
-  (one small program per device set); one bool per leaf comes back to the host."""
+  (one small program per device set); one bool per leaf comes back to the host.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> tree = {"params": {"b": jnp.zeros(2), "w": jnp.array([1.0, jnp.nan])}}
+    >>> fs.checkpoint.nonfinite_leaves(tree)
+    ['params.w']
+  """
   names, groups, bad = [], {}, set()
   for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
     names.append(ct.leaf_name(path))
@@ -558,6 +646,17 @@ def save(where, step: int, state, *, extra: Mapping[str, Any] | None = None, dat
       `<step>.corrupt-<time>` first.
     StorageError: the write failed, or the previous save of this manager did (not a
       `ValueError`).
+
+  Examples:
+    A train state saved on 8 devices, with its learning rate, to a directory:
+
+    >>> import fnscale as fs, jax.numpy as jnp, optax, tempfile
+    >>> state = fs.init_state({"w": jnp.ones((8, 4))}, optax.adam(1e-3),
+    ...                       mesh=fs.make_mesh({"fsdp": 8}))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   path = fs.checkpoint.save(d, 100, state, extra={"lr": 1e-3})
+    ...   path.endswith("/100"), fs.checkpoint.steps(d)
+    (True, (100,))
   """
   step = ct.check_step(step)
   extra = ct.check_extra(extra)
@@ -781,6 +880,21 @@ def restore(where, target, *, step: int | None = None, data=None,
       `reshard_data`; orbax-checkpoint is missing.
     DistributedError: several processes and step=None: a process that doesn't see process
       0's chosen step complete (named, on every process), or no coordination service.
+
+  Examples:
+    Saved from 8 devices, restored onto one:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> mesh = fs.make_mesh({"fsdp": 8})
+    >>> values = jnp.arange(16.0).reshape(8, 2)
+    >>> w = jax.device_put(values, fs.shardings(values, mesh))
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = fs.checkpoint.save(d, 1, {"w": w}, extra={"note": "hi"})
+    ...   state, extra = fs.checkpoint.restore(d, {"w": jax.ShapeDtypeStruct((8, 2), "float32",
+    ...                                                                     sharding=one)})
+    >>> state["w"].sharding == one, bool((state["w"] == values).all()), extra
+    (True, True, {'note': 'hi'})
   """
   if step is None and jax.process_count() > 1:  # the agreement needs the service: say so first
     _coordination.job_runtime(f"the checkpoint step to restore from {where}")

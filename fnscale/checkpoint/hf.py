@@ -17,6 +17,23 @@ families' maps live with the models (recipes/lm/hf_maps.py).
 
 Paths are local directories or fsspec URLs (`gs://...` with gcsfs installed). Layer:
 checkpoint (imports core and multihost only). Needs the `hf` extra (safetensors, fsspec).
+
+Examples:
+  A two-layer stack written as Hugging Face tensors and read back, born split over "fsdp":
+
+  >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+  >>> hf = fs.checkpoint.hf
+  >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+  >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+  >>> mesh = fs.make_mesh({"fsdp": 2, "data": 4})
+  >>> sharding = fs.shardings(params, mesh, rules=[("layers", "fsdp")],
+  ...                         logical_axes={"wq": ("layers", None, None)})
+  >>> target = {"wq": jax.ShapeDtypeStruct((2, 3, 4), "float32", sharding=sharding["wq"])}
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...   _ = hf.export(d, params, cmap, config={"model_type": "toy"})
+  ...   loaded = hf.load(d, target, cmap)
+  >>> bool((loaded["wq"] == params["wq"]).all()), loaded["wq"].sharding.spec
+  (True, P('fsdp', None, None))
 """
 from __future__ import annotations
 
@@ -28,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _tree
@@ -56,6 +74,15 @@ class Tensor(NamedTuple):
     nothing split.
   perm: the leaf's axes (after the stacked ones) as a permutation of the split axes
     (`np.transpose`'s `axes`); None: unchanged.
+
+  Examples:
+    A stacked leaf [layers, heads, head_dim, d] from each layer's q_proj [heads * head_dim, d]:
+
+    >>> import fnscale as fs
+    >>> q = fs.checkpoint.hf.Tensor("model.layers.{layer}.self_attn.q_proj.weight",
+    ...                             split=((4, 16), None))
+    >>> q.fields
+    ('layer',)
   """
   key: str
   split: tuple = ()
@@ -69,13 +96,36 @@ class Tensor(NamedTuple):
 class CheckpointMap(NamedTuple):
   """Every param leaf's `Tensor` by leaf path, and the checkpoint keys that are not params
   (`ignore`: fnmatch patterns, e.g. rotary buffers); any other key the map doesn't use is an
-  error (its weights would be dropped)."""
+  error (its weights would be dropped).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"embed": hf.Tensor("model.embed_tokens.weight"),
+    ...                          "wq": hf.Tensor("model.layers.{layer}.q.weight", perm=(1, 0))},
+    ...                         ignore=("*.rotary_emb.inv_freq",))
+    >>> sorted(cmap.tensors), cmap.ignore
+    (['embed', 'wq'], ('*.rotary_emb.inv_freq',))
+  """
   tensors: Mapping[str, Tensor]
   ignore: tuple[str, ...] = ()
 
 
 class Index(NamedTuple):
-  """A checkpoint directory's tensors (key -> file, dtype, shape, byte range)."""
+  """A checkpoint directory's tensors (key -> file, dtype, shape, byte range); `nbytes` their
+  total size.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = hf.export(d, params, cmap, config={})
+    ...   index = hf.read_index(d)
+    >>> sorted(index.tensors), index.tensors["layers.0.q.weight"].shape, index.nbytes
+    (['layers.0.q.weight', 'layers.1.q.weight'], (4, 3), 96)
+  """
   path: str
   tensors: Mapping[str, _safetensors.Entry]
 
@@ -107,6 +157,16 @@ def read_config(path) -> dict:
 
   Raises:
     CheckpointError: no config.json in `path`.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = hf.export(d, params, cmap, config={"model_type": "llama", "num_hidden_layers": 2})
+    ...   hf.read_config(d)
+    {'model_type': 'llama', 'num_hidden_layers': 2}
   """
   path = _text(path)
   if not _exists(_join(path, CONFIG_FILE)):
@@ -129,6 +189,19 @@ def read_index(path) -> Index:
   Raises:
     CheckpointError: neither file exists, or the index names a key its file doesn't hold.
     StorageError: a file can't be read.
+
+  Examples:
+    Two files of at most 48 bytes, and the index naming them:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   files = hf.export(d, params, cmap, config={}, max_shard_bytes=48)
+    ...   index = hf.read_index(d)
+    >>> hf.INDEX_FILE in files, sorted({e.file.rsplit("/", 1)[1] for e in index.tensors.values()})
+    (True, ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
   """
   path = _text(path)
   if _exists(_join(path, INDEX_FILE)):
@@ -232,7 +305,7 @@ def _plan_leaf(path, leaf, src: Tensor, index: Index) -> _Leaf:
     if e.shape != source:
       raise CheckpointError(f"{k!r} has shape {list(e.shape)}, unlike {keys[0][1]!r}'s "
                             f"{list(source)}; leaf '{path}' stacks them: fix the map.")
-    if e.dtype not in _safetensors.FLOAT_CODES or not np.issubdtype(dtype, np.floating):
+    if e.dtype not in _safetensors.FLOAT_CODES or not jnp.issubdtype(dtype, jnp.floating):
       raise CheckpointError(
           f"{k!r} is {e.dtype} and leaf '{path}' {dtype}: only float tensors (F32, F16, BF16, "
           "F64) load into float leaves; fix: map this key to a float leaf, or ignore it.")
@@ -253,6 +326,23 @@ def check(path, target, cmap: CheckpointMap) -> list[_Leaf]:
 
   Raises:
     CheckpointError: the first mismatch, naming the leaf path or checkpoint key and the fix.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> target = {"wq": jax.ShapeDtypeStruct((2, 3, 4), jnp.float32, sharding=one)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = hf.export(d, params, cmap, config={})
+    ...   plan = hf.check(d, target, cmap)
+    ...   hf.check(d, target, hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.k.weight")}))
+    Traceback (most recent call last):
+    ...
+    fnscale.CheckpointError: the checkpoint in ... has no tensor 'layers.0.k.weight' (for leaf ...
+    >>> len(plan)
+    1
   """
   if not isinstance(cmap, CheckpointMap):
     raise CheckpointError(f"cmap is {_tree.got(cmap)}, expected a fnscale.checkpoint.hf."
@@ -381,6 +471,21 @@ def load(path, target, cmap: CheckpointMap):
       without a source or sharding (everything checked from the headers before any array is
       built; `check`).
     StorageError: a file can't be read.
+
+  Examples:
+    Saved in float32, loaded as bfloat16 (the target's dtype):
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> target = {"wq": jax.ShapeDtypeStruct((2, 3, 4), jnp.bfloat16, sharding=one)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   _ = hf.export(d, params, cmap, config={})
+    ...   loaded = hf.load(d, target, cmap)
+    >>> loaded["wq"].dtype, bool((loaded["wq"] == params["wq"]).all())
+    (dtype(bfloat16), True)
   """
   index = read_index(path)
   plan = check(index, target, cmap)
@@ -491,6 +596,19 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   Raises:
     CheckpointError: a leaf without a key in `cmap`, a bad max_shard_bytes.
     StorageError: a file can't be written.
+
+  Examples:
+    The tokenizer's files (`TOKENIZER_FILES`) come from `tokenizer_from` when given:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> "tokenizer.json" in hf.TOKENIZER_FILES
+    True
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   sorted(hf.export(d, params, cmap, config={"model_type": "toy"}))
+    ['config.json', 'model.safetensors']
   """
   path = _text(path)
   _tree.check_int(max_shard_bytes, "max_shard_bytes", CheckpointError, minimum=1)
