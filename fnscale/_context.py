@@ -57,7 +57,13 @@ class ExpertChoice(NamedTuple):
   """The choice `fnscale.parallel.with_experts` makes visible to the `moe` calls
   inside it: the exchange ("auto", "ragged", "gather_experts", "all_gather",
   "all_to_all"), the grouped matmul ("auto", "ragged_dot", "megablox") and Pallas
-  interpret mode."""
+  interpret mode.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallel.ExpertChoice()  # outside any with_experts: the layer decides
+    ExpertChoice(exchange='auto', grouped_matmul='auto', interpret=False)
+  """
   exchange: str = "auto"
   grouped_matmul: str = "auto"
   interpret: bool = False

@@ -6,6 +6,20 @@ keeps partitioning annotations in boxes around the arrays: Linen's `LogicallyPar
 `Variable` metadata (`nnx.with_partitioning`). `unbox_flax` reads them by duck typing, so
 importing fnscale never imports flax. Equinox needs no adapter: `eqx.partition(model,
 eqx.is_inexact_array)` already gives a params pytree, and logical axes go by path regex.
+
+Examples:
+  A Linen layer's logical annotations become fnscale's logical axes, mapped by fnscale's
+  rules:
+
+  >>> import fnscale as fs, jax, jax.numpy as jnp, flax.linen as nn
+  >>> kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+  >>> variables = jax.eval_shape(nn.Dense(8, kernel_init=kernel).init, jax.random.key(0),
+  ...                            jnp.ones((1, 4)))
+  >>> params, axes = fs.adapters.unbox_flax(variables["params"])
+  >>> mesh = fs.make_mesh({"fsdp": 4, "tensor": 2})
+  >>> fs.shardings(params, mesh, rules=[("embed", "fsdp"), ("mlp", "tensor")],
+  ...              logical_axes=axes)["kernel"].spec
+  P('fsdp', 'tensor')
 """
 from __future__ import annotations
 
@@ -79,5 +93,20 @@ def unbox_flax(tree) -> tuple[Any, Any]:
 
   Raises:
     ShardingError: an annotation naming a dimension with something other than a str or None.
+
+  Examples:
+    Logical names (`with_logical_partitioning`), mesh axes (`with_partitioning`, kept as a
+    PartitionSpec) and no annotation (None: fnscale's automatic FSDP):
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, flax.linen as nn
+    >>> kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    >>> bias = nn.with_partitioning(nn.initializers.zeros_init(), ("tensor",))
+    >>> variables = jax.eval_shape(nn.Dense(8, kernel_init=kernel, bias_init=bias).init,
+    ...                            jax.random.key(0), jnp.ones((1, 4)))
+    >>> params, axes = fs.adapters.unbox_flax(variables["params"])
+    >>> params["kernel"].shape, axes
+    ((4, 8), {'bias': P('tensor',), 'kernel': ('embed', 'mlp')})
+    >>> fs.adapters.unbox_flax({"w": jnp.zeros(3)})[1]
+    {'w': None}
   """
   return _unbox(tree, "")

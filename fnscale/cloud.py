@@ -35,6 +35,13 @@ Endpoints are overridable: the metadata service through `GCE_METADATA_HOST` (rea
 google-auth and by fnscale) or `metadata_url` (fnscale's reads only), the TPU API through
 `FNSCALE_TPU_API_URL` or `api_url`. The API endpoint must be https (the requests carry an
 access token), except on the loopback interface (a local fake of the API in tests).
+
+Examples:
+  Off a Cloud TPU VM (no metadata service answers here), nothing is requested:
+
+  >>> import fnscale as fs
+  >>> fs.cloud.shutdown_at_exit(metadata_url="127.0.0.1:9", register=False).action
+  'none'
 """
 import atexit
 import ipaddress
@@ -75,6 +82,13 @@ class ShutdownRequest(NamedTuple):
     dry_run: log the call instead of making it.
     metadata_url: metadata base URL fnscale read the VM's facts from.
     timeout_s: per-request timeout in seconds (also the retry deadline).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> request = fs.cloud.ShutdownRequest(
+    ...     "delete_node", "worker 0 of a Cloud TPU VM", name="projects/p/locations/z/nodes/n1")
+    >>> request.action, request.endpoint, request.delay_s, request.sentinel
+    ('delete_node', 'https://tpu.googleapis.com', 60.0, '/tmp/fnscale-keep-vm')
   """
   action: str
   reason: str
@@ -94,7 +108,13 @@ class ShutdownRequest(NamedTuple):
 
 class ShutdownResult(NamedTuple):
   """What `execute` did: `sent` with the long-running `operation` name the API answered,
-  or why not."""
+  or why not.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.cloud.execute(fs.cloud.ShutdownRequest("none", "not a Cloud TPU VM"))
+    ShutdownResult(sent=False, reason='not a Cloud TPU VM', operation='')
+  """
   sent: bool
   reason: str
   operation: str = ""
@@ -295,6 +315,12 @@ def shutdown_request(*, delay_s: float = 60.0, dry_run: bool = False,
     InputError: a malformed argument (named), a non-https endpoint off loopback.
     CloudError: google-cloud-tpu is not installed (the cloud extra) on worker 0 of a TPU VM.
     Other environment problems never raise: they give an action "none" request with the reason.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> request = fs.cloud.shutdown_request(metadata_url="127.0.0.1:9")  # nothing answers
+    >>> request.action, request.reason
+    ('none', 'the metadata service at http://127.0.0.1:9/computeMetadata/v1 is unreachable: ...')
   """
   _check_request_args(delay_s, timeout_s, worker)
   sentinel = os.path.expanduser(os.fspath(sentinel))
@@ -359,7 +385,17 @@ def _locate(base: ShutdownRequest, node, worker) -> ShutdownRequest:
 
 
 def describe(request: ShutdownRequest) -> str:
-  """One line with the exact call of `request` (no credentials), or why there is none."""
+  """One line with the exact call of `request` (no credentials), or why there is none.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> request = fs.cloud.ShutdownRequest(
+    ...     "delete_node", "worker 0 of a Cloud TPU VM", name="projects/p/locations/z/nodes/n1")
+    >>> fs.cloud.describe(request)
+    "TpuClient.delete_node(name='projects/p/locations/z/nodes/n1') at https://tpu.googleapis.com..."
+    >>> fs.cloud.describe(fs.cloud.ShutdownRequest("none", "off a Cloud TPU VM"))
+    'no shutdown request: off a Cloud TPU VM'
+  """
   if request.action == "none":
     return f"no shutdown request: {request.reason}"
   force = ", force=True" if request.action == "delete_queued_resource" else ""
@@ -384,6 +420,18 @@ def execute(request: ShutdownRequest, *, credentials: Any = None) -> ShutdownRes
   Raises:
     CloudError: google-cloud-tpu missing, no credentials, a network failure or an API error
       after the client's retries (its `status` and `body` attributes hold the answer).
+
+  Examples:
+    The sentinel file keeps the VM (nothing is sent):
+
+    >>> import fnscale as fs
+    >>> request = fs.cloud.ShutdownRequest(
+    ...     "delete_node", "worker 0 of a Cloud TPU VM", name="projects/p/locations/z/nodes/n1")
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile() as keep:
+    ...   result = fs.cloud.execute(request._replace(sentinel=keep.name))
+    >>> result.sent, result.reason.startswith("sentinel")
+    (False, True)
   """
   if request.action == "none":
     logging.info("fnscale: %s", describe(request))
@@ -447,6 +495,12 @@ def shutdown_at_exit(delay_s: float = 60.0, dry_run: bool = False, *,
   Raises:
     InputError: a malformed argument. CloudError: google-cloud-tpu missing (see
       `shutdown_request`). Environment and network problems are logged instead.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> request = fs.cloud.shutdown_at_exit(delay_s=30, metadata_url="127.0.0.1:9")
+    >>> request.action, request.delay_s  # off a Cloud TPU VM: nothing registered
+    ('none', 30.0)
   """
   request = shutdown_request(delay_s=delay_s, dry_run=dry_run, sentinel=sentinel,
                           metadata_url=metadata_url, api_url=api_url, node=node,

@@ -148,25 +148,27 @@ def test_from_imports_of_old_names_warn_and_a_name_nowhere_is_an_attribute_error
     from fnscale import nope  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
 
-def test_an_old_spelling_warns_once_per_line_that_uses_it():
-  # Python's default filter, in a fresh interpreter (pytest records every warning): a loop in
-  # the user's script (__main__, where Python shows DeprecationWarnings) through an old
-  # spelling says so once, at the user's line, not fnscale's.
-  code = "import fnscale as fs\nfor _ in range(3):\n  fs.hlo.summarize\n"
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                     check=False)
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert r.stderr.count("DeprecationWarning") == 1, r.stderr[-2000:]
-  assert "<string>:3: DeprecationWarning: fnscale.hlo is deprecated: use fnscale.analysis.hlo" \
-      in r.stderr
-
-
-def test_no_module_of_the_package_warns_on_import():
-  # The package reaches its own names by their one spelling: importing every module raises
-  # no DeprecationWarning of fnscale's.
-  code = ("import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
-          "import sys; sys.path.insert(0, 'tests')\nimport surface\n"
-          "surface.submodules('fnscale')\nimport fnscale.analysis.hlo, fnscale.parallel.context\n")
+def test_the_package_uses_no_old_spelling_and_a_user_s_warns_once_per_line():
+  # In a fresh interpreter (pytest records every warning): importing every module of the
+  # package raises none of fnscale's DeprecationWarnings (it reaches its own names by their
+  # one spelling); then, with warnings shown once per line (the "default" action, Python's
+  # own for a script's __main__), a loop through an old spelling says so once, at the
+  # user's line, not fnscale's.
+  code = textwrap.dedent("""\
+      import sys, warnings
+      warnings.filterwarnings("error", message=r"fnscale\\.", category=DeprecationWarning)
+      sys.path.insert(0, "tests")
+      import surface
+      surface.submodules("fnscale")
+      warnings.resetwarnings()
+      warnings.simplefilter("default")
+      import fnscale as fs
+      for _ in range(3):
+        fs.hlo.summarize
+      """)
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                      check=False, cwd=surface.__file__.rsplit("/tests/", 1)[0])
   assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stderr.count("DeprecationWarning") == 1, r.stderr[-2000:]
+  assert "<string>:10: DeprecationWarning: fnscale.hlo is deprecated: use fnscale.analysis.hlo" \
+      in r.stderr

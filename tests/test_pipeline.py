@@ -14,7 +14,6 @@ import fnscale as fs
 from fnscale.analysis import _cost, hlo
 from fnscale.analysis import _plan
 from fnscale.analysis import _report as fs_report
-from fnscale.parallel import _pipeline
 
 L, T, D, B = 8, 4, 8, 16  # layers, tokens per row, width, rows
 
@@ -217,12 +216,6 @@ def test_bad_input_is_an_fnscale_error_naming_the_fix():
     fs.parallel.stage_layers(ws, 4, 3)
   with pytest.raises(fs.StepError, match=r"microbatches=0"):
     fs.parallel.pipeline(_stage, microbatches=0)
-
-
-def test_docstring_examples_run():
-  # The module's Examples (the pipeline against its own layers run in order, on 8 devices).
-  import doctest  # pylint: disable=import-outside-toplevel
-  assert doctest.testmod(_pipeline).failed == 0
 
 
 def test_stage_layers_orders_layers_for_the_circular_schedule():

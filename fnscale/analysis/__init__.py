@@ -16,6 +16,17 @@ One flat namespace, as optax's are, plus the HLO reader's vocabulary:
 
 Layer: the top of the library; imports the core pipeline, `fnscale.kernels` and
 `fnscale.parallel`; never `fnscale.multihost`, `fnscale.checkpoint` or the package root.
+
+Examples:
+  What a v5p-128 offers, and the MFU of a step that does 6 x 8e9 FLOPs per token for 1M
+  tokens in 10 s on it:
+
+  >>> import fnscale as fs
+  >>> hw = fs.analysis.hardware("v5p-128")
+  >>> hw.num_devices, hw.peak_flops / 1e12
+  (64, 459.0)
+  >>> round(fs.analysis.mfu(6 * 8e9 * 1e6, 10.0, hw.num_devices, hw.peak_flops), 3)
+  0.163
 """
 from fnscale import _deprecation
 from fnscale.analysis import hlo

@@ -10,6 +10,21 @@ Face safetensors checkpoints into sharded params and writes them back (`hf.load`
 
 Layer: imports the core pipeline and `fnscale.multihost` (to agree on a step across
 processes); never `fnscale.analysis` or the package root.
+
+Examples:
+  A run's loop: restore when there is a checkpoint, save every few steps.
+
+  >>> import fnscale as fs, jax.numpy as jnp, tempfile
+  >>> state = {"w": jnp.zeros((8, 4))}
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...   with fs.checkpoint.manager(d, keep=2) as ckpt:
+  ...     if fs.checkpoint.latest_step(ckpt) is not None:
+  ...       state, extra = fs.checkpoint.restore(ckpt, state)
+  ...     for step in range(1, 5):
+  ...       if step % 2 == 0:
+  ...         _ = fs.checkpoint.save(ckpt, step, state, extra={"step": step})
+  ...   fs.checkpoint.steps(d), fs.checkpoint.restore(d, state)[1]
+  ((2, 4), {'step': 4})
 """
 from fnscale import _deprecation
 from fnscale.checkpoint import hf

@@ -533,11 +533,10 @@ def all_finite(tree) -> jax.Array:
   finite.
 
   Examples:
-    >>> import fnscale as fs, jax.numpy as jnp
-    >>> fs.checkpoint.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
-    Array(True, dtype=bool)
-    >>> fs.checkpoint.all_finite({"w": jnp.array([1.0, jnp.inf])})
-    Array(False, dtype=bool)
+    >>> import fnscale as fs, jax, numpy as np
+    >>> finite = jax.jit(fs.checkpoint.all_finite)  # as inside a step
+    >>> finite({"w": np.ones(2), "step": np.int32(7)}), finite({"w": np.array([1.0, np.inf])})
+    (Array(True, dtype=bool), Array(False, dtype=bool))
   """
   flags = [_leaf_finite(x) for x in jax.tree.leaves(tree)
            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
@@ -648,11 +647,11 @@ def save(where, step: int, state, *, extra: Mapping[str, Any] | None = None, dat
       `ValueError`).
 
   Examples:
-    A train state saved on 8 devices, with its learning rate, to a directory:
+    A state split over 8 devices, with its learning rate, saved to a directory:
 
-    >>> import fnscale as fs, jax.numpy as jnp, optax, tempfile
-    >>> state = fs.init_state({"w": jnp.ones((8, 4))}, optax.adam(1e-3),
-    ...                       mesh=fs.make_mesh({"fsdp": 8}))
+    >>> import fnscale as fs, jax, numpy as np, tempfile
+    >>> w = np.ones((8, 4), np.float32)
+    >>> state = {"w": jax.device_put(w, fs.shardings(w, fs.make_mesh({"fsdp": 8})))}
     >>> with tempfile.TemporaryDirectory() as d:
     ...   path = fs.checkpoint.save(d, 100, state, extra={"lr": 1e-3})
     ...   path.endswith("/100"), fs.checkpoint.steps(d)
@@ -884,10 +883,9 @@ def restore(where, target, *, step: int | None = None, data=None,
   Examples:
     Saved from 8 devices, restored onto one:
 
-    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
-    >>> mesh = fs.make_mesh({"fsdp": 8})
-    >>> values = jnp.arange(16.0).reshape(8, 2)
-    >>> w = jax.device_put(values, fs.shardings(values, mesh))
+    >>> import fnscale as fs, jax, numpy as np, tempfile
+    >>> values = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+    >>> w = jax.device_put(values, fs.shardings(values, fs.make_mesh({"fsdp": 8})))
     >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     >>> with tempfile.TemporaryDirectory() as d:
     ...   _ = fs.checkpoint.save(d, 1, {"w": w}, extra={"note": "hi"})

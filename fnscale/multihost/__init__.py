@@ -12,6 +12,18 @@ the package root's names; this namespace holds the rest.
 
 Layer: imports the core pipeline (`fnscale.*` modules at the package root) only; never
 `fnscale.checkpoint`, `fnscale.analysis` or the package root.
+
+Examples:
+  The exit statuses a launcher reads (`recipes/launch`: 143 and 75 restart the job from its
+  newest checkpoint) and the default bounds, in seconds, of every wait:
+
+  >>> import fnscale as fs
+  >>> fs.multihost.EXIT_PREEMPTED, fs.multihost.EXIT_JOB_FAILED
+  (143, 75)
+  >>> (fs.multihost.DEFAULT_TIMEOUT_S, fs.multihost.DEFAULT_HEARTBEAT_TIMEOUT_S,
+  ...  fs.multihost.DEFAULT_SHUTDOWN_TIMEOUT_S, fs.multihost.DEFAULT_PEER_CHECK_TIMEOUT_S,
+  ...  fs.multihost.DEFAULT_GRACE_S)
+  (300, 100, 300, 10, 20.0)
 """
 from fnscale import _deprecation
 from fnscale.multihost._agreement import agree_on_step

@@ -267,6 +267,19 @@ def agree_on_step(compiled, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
       0: (32, 32) float32"); a process that didn't arrive in `timeout_s` (where it last was
       and whether its heartbeats still come); or several processes without JAX's
       coordination service (`fnscale.initialize`).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, optax
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> state = fs.init_state({"w": jnp.ones((4, 1))}, optax.sgd(0.1), mesh=mesh)
+    >>> step = fs.shard_step(fs.train_step(loss, optax.sgd(0.1)), mesh)
+    >>> step = step.compile(state, {"x": jnp.ones((16, 4))})
+    >>> fs.multihost.agree_on_step(step)  # one process: nobody to disagree
+    >>> fs.multihost.agree_on_step("step")
+    Traceback (most recent call last):
+    ...
+    fnscale.DistributedArgumentError: agree_on_step(compiled=str): expected the CompiledStep ...
   """
   if not isinstance(compiled, _compile.CompiledStep):
     raise DistributedArgumentError(

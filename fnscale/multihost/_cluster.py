@@ -36,7 +36,15 @@ _JOIN_GRACE_S = 10
 
 class DistributedInfo(NamedTuple):
   """Where this process stands: `process_id` of `num_processes`, the coordinator's
-  "host:port" (None when single-process) and whether JAX's distributed runtime is up."""
+  "host:port" (None when single-process) and whether JAX's distributed runtime is up.
+
+  Examples:
+    A process started without a launcher is a job of one:
+
+    >>> import fnscale as fs
+    >>> fs.initialize()
+    DistributedInfo(process_id=0, num_processes=1, coordinator_address=None, initialized=False)
+  """
   process_id: int
   num_processes: int
   coordinator_address: str | None

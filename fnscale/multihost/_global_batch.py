@@ -265,6 +265,16 @@ def check_batch_replicas(batch, *, timeout_s: float = _co.DEFAULT_TIMEOUT_S) -> 
       the rows, the processes and the fix: feed `process_rows(sharding, rows)`), or the
       others did not answer within `timeout_s`.
     DistributedArgumentError: a leaf that is not a jax.Array.
+
+  Examples:
+    >>> import fnscale as fs, numpy as np
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> batch = fs.global_batch({"x": np.ones((16, 4))}, fs.batch_sharding(mesh))
+    >>> fs.multihost.check_batch_replicas(batch)  # one process: no replica to compare
+    >>> fs.multihost.check_batch_replicas({"x": np.ones(4)})
+    Traceback (most recent call last):
+    ...
+    fnscale.DistributedArgumentError: check_batch_replicas: leaf 'x' is ndarray; expected ...
   """
   for p, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
     if not isinstance(leaf, jax.Array):

@@ -86,6 +86,12 @@ def peer_guard(*, timeout_s: float = DEFAULT_PEER_CHECK_TIMEOUT_S):
     DistributedError: "lost process(es) [1] of 2 ...", chained from the runtime's error; or,
       on entry, several processes without JAX's coordination service (`fnscale.initialize`
       was not called).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> with fs.multihost.peer_guard(timeout_s=10):  # one process: nothing to watch
+    ...   float(jnp.ones(4).sum())
+    4.0
   """
   if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
     raise DistributedArgumentError(

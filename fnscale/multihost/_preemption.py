@@ -241,6 +241,10 @@ def check_preemption_service() -> None:
   Raises:
     DistributedError: several processes but the service is off (`jax_enable_preemption_service`
       false, e.g. from JAX_ENABLE_PREEMPTION_SERVICE=false in the environment).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.multihost.check_preemption_service()  # one process: a Python handler serves
   """
   if _co.runtime() is None:
     return
@@ -283,6 +287,19 @@ def preemption_guard(*, grace_s: float = DEFAULT_GRACE_S) -> Iterator[Callable[[
     DistributedError: several processes but JAX's coordination service is not up
       (`fnscale.initialize` was not called) or its preemption service is off
       (`jax_enable_preemption_service`).
+
+  Examples:
+    One process: a SIGTERM makes `should_stop` True at the next step.
+
+    >>> import fnscale as fs, os, signal, time
+    >>> with fs.multihost.preemption_guard(grace_s=20) as should_stop:
+    ...   os.kill(os.getpid(), signal.SIGTERM)  # the notice: this process keeps running
+    ...   for step in range(10_000):  # the training loop
+    ...     time.sleep(0.001)
+    ...     if should_stop(step):
+    ...       break  # save step + 1, then exit with fs.multihost.EXIT_PREEMPTED (143)
+    >>> step < 10_000
+    True
   """
   if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0:
     raise DistributedArgumentError(f"preemption_guard grace_s={grace_s!r}, expected a positive "

@@ -11,6 +11,17 @@
 
 Layer: imports the core pipeline and `fnscale.kernels`; never `fnscale.multihost`,
 `fnscale.checkpoint`, `fnscale.analysis` or the package root.
+
+Examples:
+  The modes as mesh axes: a pipeline's bubble, an expert layer's capacity, a context split.
+
+  >>> import fnscale as fs
+  >>> round(fs.parallel.bubble_fraction(stages=4, microbatches=16), 3)
+  0.158
+  >>> fs.parallel.capacity(1.0, seq=4096, k=2, num_experts=8)
+  1024
+  >>> fs.parallel.context.shards(fs.make_mesh({"data": 2, "context": 4}))
+  4
 """
 from fnscale import _deprecation
 from fnscale.parallel import context

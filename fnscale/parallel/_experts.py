@@ -89,6 +89,14 @@ class Routing(NamedTuple):
     experts: int32 [T, k], each token's experts, most probable first (ties: lower index).
     weights: float32 [T, k], their combine weights (the probs, renormalised to sum to 1
       over the k when `normalize`).
+
+  Examples:
+    >>> import fnscale as fs, jax, numpy as np
+    >>> router = np.array([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]])  # [D=2, E=3]
+    >>> route = jax.jit(fs.parallel.route, static_argnames=("k", "normalize"))
+    >>> r = route(np.array([[1.0, 0.0], [0.0, 1.0]]), router, k=2)
+    >>> r.experts.tolist(), r.weights.sum(axis=-1).tolist()
+    ([[0, 1], [1, 0]], [1.0, 1.0])
   """
   logits: jax.Array
   probs: jax.Array
@@ -105,6 +113,21 @@ class MoEAux(NamedTuple):
     router_z_loss: float32 scalar, mean over tokens of logsumexp(logits)^2.
     tokens_per_expert: int32 [E], token copies routed to each expert (before any drop).
     dropped: int32 scalar, token copies the capacity dropped (0 when dropless).
+
+  Examples:
+    Two capacity slots per expert (capacity_factor 1 over 4 tokens, k = 2, 4 experts) and
+    routers that send every token to the same two experts: half the copies are dropped.
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> E, D, F = 4, 8, 16  # experts, d_model, expert hidden width
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"router": rng.normal(size=(D, E)), "w_gate": rng.normal(size=(E, D, F)),
+    ...           "w_up": rng.normal(size=(E, D, F)), "w_down": rng.normal(size=(E, F, D))}
+    >>> params["router"] = jnp.zeros((D, E)).at[:, :2].set(1.0)
+    >>> x = jnp.ones((1, 4, D))
+    >>> _, aux = jax.jit(lambda x, p: fs.parallel.moe(x, p, k=2, capacity_factor=1.0))(x, params)
+    >>> aux.tokens_per_expert.tolist(), int(aux.dropped), round(float(aux.load_balance_loss), 2)
+    ([4, 4, 0, 0], 4, 2.0)
   """
   load_balance_loss: jax.Array
   router_z_loss: jax.Array
@@ -136,6 +159,17 @@ class ExchangeSelection(NamedTuple):
       back.
     buffer_rows: rows each grouped matmul runs over per device (the token copies it may
       receive: the worst case for a dropless exchange, the capacity buffer otherwise).
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> E, D, F = 4, 8, 16  # experts, d_model, expert hidden width
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"router": rng.normal(size=(D, E)), "w_gate": rng.normal(size=(E, D, F)),
+    ...           "w_up": rng.normal(size=(E, D, F)), "w_down": rng.normal(size=(E, F, D))}
+    >>> with fs.with_mesh(fs.make_mesh({"data": 2, "expert": 4})):
+    ...   sel = fs.parallel.exchange_selection((8, 16, D), params, k=2, exchange="all_gather")
+    >>> sel.exchange, sel.expert_axis, sel.expert_shards, sel.token_axes
+    ('all_gather', 'expert', 4, ('data', 'expert'))
   """
   exchange: str
   grouped_matmul: str
@@ -175,6 +209,24 @@ def with_experts(fn: Callable[..., Any] | None = None, *, exchange: str = "auto"
   Raises:
     KernelError: an unknown exchange or grouped matmul, `interpret` not a bool, `fn` not
       callable.
+
+  Examples:
+    The `moe` calls inside the wrapped function exchange tokens by all-gather
+    (`exchange_selection` reads the same choice):
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> E, D, F = 4, 8, 16  # experts, d_model, expert hidden width
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"router": rng.normal(size=(D, E)), "w_gate": rng.normal(size=(E, D, F)),
+    ...           "w_up": rng.normal(size=(E, D, F)), "w_down": rng.normal(size=(E, F, D))}
+    >>> pick = fs.parallel.with_experts(
+    ...     lambda: fs.parallel.exchange_selection((8, 16, D), params, k=2).exchange,
+    ...     exchange="all_gather")
+    >>> with fs.with_mesh(fs.make_mesh({"data": 2, "expert": 4})):
+    ...   pick(), fs.parallel.exchange_selection((8, 16, D), params, k=2).exchange
+    ('all_gather', 'gather_experts')
+    >>> fs.parallel.EXCHANGES
+    ('auto', 'ragged', 'gather_experts', 'all_gather', 'all_to_all')
   """
   if exchange not in EXCHANGES:
     raise KernelError(f"with_experts(exchange={exchange!r}): expected one of {EXCHANGES}.")
@@ -213,6 +265,14 @@ def route(x: jax.Array, router: jax.Array, k: int, *, normalize: bool = True) ->
 
   Returns:
     A `Routing`.
+
+  Examples:
+    >>> import fnscale as fs, jax, numpy as np
+    >>> router = np.array([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]])  # [D=2, E=3]
+    >>> route = jax.jit(fs.parallel.route, static_argnames=("k", "normalize"))
+    >>> r = route(np.array([[1.0, 0.0], [0.0, 1.0]]), router, k=2, normalize=False)
+    >>> r.experts.tolist(), [round(w, 3) for w in r.weights[0].tolist()]
+    ([[0, 1], [1, 0]], [0.665, 0.245])
   """
   logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
@@ -225,7 +285,13 @@ def route(x: jax.Array, router: jax.Array, k: int, *, normalize: bool = True) ->
 
 def capacity(capacity_factor: float, seq: int, k: int, num_experts: int) -> int:
   """Token copies each expert takes per sequence: ceil(capacity_factor x seq x k /
-  experts), at least 1 (GShard's expert capacity per group, a group being a sequence)."""
+  experts), at least 1 (GShard's expert capacity per group, a group being a sequence).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallel.capacity(1.25, seq=512, k=2, num_experts=8)  # 1.25 x 512 x 2 / 8
+    160
+  """
   return max(1, math.ceil(capacity_factor * seq * k / num_experts - 1e-9))
 
 
@@ -406,6 +472,19 @@ def exchange_selection(x_shape, params_shapes: Mapping[str, Any], k: int, *, dty
 
   Raises:
     ExpertError, ShardingError, MeshError, KernelError: as `moe`.
+
+  Examples:
+    On CPU (no ragged all-to-all) "auto" gathers the experts' weights instead:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> E, D, F = 4, 8, 16  # experts, d_model, expert hidden width
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"router": rng.normal(size=(D, E)), "w_gate": rng.normal(size=(E, D, F)),
+    ...           "w_up": rng.normal(size=(E, D, F)), "w_down": rng.normal(size=(E, F, D))}
+    >>> with fs.with_mesh(fs.make_mesh({"data": 2, "expert": 4})):
+    ...   sel = fs.parallel.exchange_selection((8, 16, D), params, k=2)
+    >>> sel.exchange, sel.fallback, sel.reason.split(":")[0]
+    ('gather_experts', True, 'ragged')
   """
   sh = _check(jax.ShapeDtypeStruct(tuple(x_shape), jnp.float32), params_shapes, k,
               capacity_factor)
@@ -828,16 +907,16 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
     KernelError: an exchange or grouped matmul that can't serve the call.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from fnscale.parallel import experts
-    >>> ks = jax.random.split(jax.random.key(0), 4)
-    >>> p = {"router": jax.random.normal(ks[0], (8, 4)),
-    ...      "w_gate": jax.random.normal(ks[1], (4, 8, 16)),
-    ...      "w_up": jax.random.normal(ks[2], (4, 8, 16)),
-    ...      "w_down": jax.random.normal(ks[3], (4, 16, 8))}
-    >>> out, aux = experts.moe(jnp.ones((2, 3, 8)), p, k=2)
-    >>> out.shape, int(aux.tokens_per_expert.sum())
-    ((2, 3, 8), 12)
+    Dropless, 6 tokens x 2 experts each:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> E, D, F = 4, 8, 16  # experts, d_model, expert hidden width
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"router": rng.normal(size=(D, E)), "w_gate": rng.normal(size=(E, D, F)),
+    ...           "w_up": rng.normal(size=(E, D, F)), "w_down": rng.normal(size=(E, F, D))}
+    >>> out, aux = jax.jit(fs.parallel.moe, static_argnames="k")(jnp.ones((2, 3, D)), params, k=2)
+    >>> out.shape, int(aux.tokens_per_expert.sum()), int(aux.dropped)
+    ((2, 3, 8), 12, 0)
   """
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   plan = exchange_selection(jnp.shape(x), params, k, dtype=x.dtype, capacity_factor=capacity_factor,

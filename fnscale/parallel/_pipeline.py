@@ -51,7 +51,15 @@ __all__ = ["Schedule", "bubble_fraction", "pipeline", "schedules_in", "stage_lay
 
 class Schedule(NamedTuple):
   """A pipeline's shape: `stages` S (devices along the stage axis), `microbatches` M, and
-  `repeats` R (passes of each microbatch around the stages; R > 1 is circular)."""
+  `repeats` R (passes of each microbatch around the stages; R > 1 is circular);
+  `iterations` R M + S - 1 and `bubble` (S - 1) / (R M + S - 1) follow.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> s = fs.parallel.Schedule(stages=4, microbatches=8, repeats=2)
+    >>> s.iterations, round(s.bubble, 3), str(s)
+    (19, 0.158, '4 stages x 2 repeat(s), 8 microbatches: bubble 0.158')
+  """
   stages: int
   microbatches: int
   repeats: int = 1
@@ -76,6 +84,14 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 
   Raises:
     StepError: sizes that are not positive ints.
+
+  Examples:
+    GPipe's 4 stages over 8 microbatches idle 3 of 11 iterations; two repeats (circular)
+    halve that:
+
+    >>> import fnscale as fs
+    >>> round(fs.parallel.bubble_fraction(4, 8), 3), round(fs.parallel.bubble_fraction(4, 8, 2), 3)
+    (0.273, 0.158)
   """
   for name, v in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
     _tree.check_int(v, name, StepError, minimum=1)
@@ -89,7 +105,17 @@ _SCOPE_RE = re.compile(r"fnscale_pipeline_s(\d+)_r(\d+)_m(\d+)")
 
 
 def schedules_in(hlo_text: str) -> tuple[Schedule, ...]:
-  """The pipeline schedules a compiled program runs (from its ops' name scopes), in order."""
+  """The pipeline schedules a compiled program runs (from its ops' name scopes), in order.
+
+  Examples:
+    A compiled program's ops name the pipeline's scope in their metadata:
+
+    >>> import fnscale as fs
+    >>> text = ('%t = f32[8] tanh(f32[8] %x), '
+    ...         'metadata={op_name="jit(f)/fnscale_pipeline_s4_r2_m8/tanh"}')
+    >>> fs.parallel.schedules_in(text)
+    (Schedule(stages=4, microbatches=8, repeats=2),)
+  """
   found = dict.fromkeys(_SCOPE_RE.findall(hlo_text or ""))
   return tuple(Schedule(int(s), int(m), int(r)) for s, r, m in found)
 
@@ -107,6 +133,15 @@ def stage_layers(layers, stages: int, repeats: int = 1):
 
   Raises:
     ShardingError: a leaf without a leading layer dim, or L not divisible by S x R.
+
+  Examples:
+    8 layers over 2 stages and 2 repeats: stage 0 runs layers 0, 1 then 4, 5.
+
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> fs.parallel.stage_layers(jnp.arange(8), stages=2, repeats=2).tolist()
+    [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    >>> fs.parallel.stage_layers(jnp.arange(8), stages=4).shape
+    (4, 2)
   """
   _tree.check_int(stages, "stages", ShardingError, minimum=1)
   _tree.check_int(repeats, "repeats", ShardingError, minimum=1)
@@ -126,7 +161,17 @@ def stage_layers(layers, stages: int, repeats: int = 1):
 
 
 def unstage_layers(params, repeats: int = 1):
-  """The inverse of `stage_layers`: [S, K, ...] or [S, R, K, ...] -> [L, ...] in run order."""
+  """The inverse of `stage_layers`: [S, K, ...] or [S, R, K, ...] -> [L, ...] in run order.
+
+  Raises:
+    ShardingError: `repeats` not a positive int.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> staged = fs.parallel.stage_layers(jnp.arange(8), stages=2, repeats=2)
+    >>> fs.parallel.unstage_layers(staged, repeats=2).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7]
+  """
   _tree.check_int(repeats, "repeats", ShardingError, minimum=1)
   if repeats == 1:
     return jax.tree.map(lambda x: jnp.reshape(x, (-1,) + x.shape[2:]), params)
@@ -438,15 +483,15 @@ def pipeline(stage_fn: Callable, *, microbatches: int, repeats: int = 1,
     ShardingError: params without the leading [S] (or [S, R]) dims.
 
   Examples:
-    >>> import fnscale as fs, jax, jax.numpy as jnp
-    >>> mesh = fs.make_mesh({"stage": 4, "data": 2})
-    >>> layer = lambda w, x: jnp.tanh(x @ w)
-    >>> stage = lambda ws, x: jax.lax.scan(lambda x, w: (layer(w, x), None), x, ws)[0]
-    >>> ws = jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4   # 8 layers
-    >>> x = jax.random.normal(jax.random.key(1), (32, 16))
-    >>> with fs.with_mesh(mesh):
-    ...   y = jax.jit(fs.parallel.pipeline(stage, microbatches=8))(
-    ...       fs.parallel.stage_layers(ws, stages=4), x)
+    Four layers as 2 stages over 4 microbatches, against the layers run in order:
+
+    >>> import fnscale as fs, jax, jax.numpy as jnp, numpy as np
+    >>> stage = lambda ws, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)[0]
+    >>> rng = np.random.default_rng(0)
+    >>> ws, x = rng.normal(size=(4, 8, 8)) / 3, rng.normal(size=(16, 8))  # 4 layers, 16 rows
+    >>> with fs.with_mesh(fs.make_mesh({"stage": 2, "data": 4})):
+    ...   y = jax.jit(fs.parallel.pipeline(stage, microbatches=4))(
+    ...       fs.parallel.stage_layers(ws, stages=2), x)
     >>> bool(jnp.allclose(y, stage(ws, x), atol=1e-5))
     True
   """
