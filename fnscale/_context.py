@@ -45,7 +45,14 @@ class KernelChoice(NamedTuple):
     interpret: run the Pallas kernels in interpret mode (any platform; for tests on CPU).
     context, context_order: the form ("all_gather" or "ring") and the sequence order
       ("zigzag", "striped" or "contiguous") of attention under a context axis
-      (`fnscale.kernels.context_attention`).
+      (`fnscale.parallel.context`).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.kernels.KernelChoice()  # outside any with_kernel: each call decides
+    KernelChoice(attention='auto', interpret=False, context='all_gather', context_order='zigzag')
+    >>> fs.kernels.KernelChoice(attention="xla")._replace(context="ring").context
+    'ring'
   """
   attention: str = "auto"
   interpret: bool = False

@@ -30,7 +30,7 @@ BOUND_S = 30
 
 
 def _error(r: mp.Result) -> str:
-  m = re.search(r"fnscale\.errors\.DistributedError: (.*)", r.stderr)
+  m = re.search(r"fnscale\.DistributedError: (.*)", r.stderr)
   return m.group(1) if m else ""
 
 

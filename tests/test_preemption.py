@@ -95,7 +95,7 @@ def test_a_notice_the_loop_does_not_honour_ends_the_process_after_grace():
   assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, err[-3000:])
   assert out == "in\n"
   # grace_s=1: the watcher ends it a second after the notice (more when the machine is busy).
-  assert re.search(r"fnscale\.errors\.DistributedError: preemption notice (\d+) s ago and "
+  assert re.search(r"fnscale\.DistributedError: preemption notice (\d+) s ago and "
                    r"process 0 is still reaching the agreed step", err), err[-3000:]
   assert 1 <= int(re.search(r"preemption notice (\d+) s ago", err).group(1)) <= 10
 
@@ -163,7 +163,7 @@ def test_a_notice_during_a_compile_reaches_stderr():
     _reap(p)
   assert p.returncode == fs.multihost.EXIT_PREEMPTED, (out, err[-3000:])
   assert "xla line before the notice" in err
-  assert re.search(r"fnscale\.errors\.DistributedError: preemption notice 0.5 s ago and process "
+  assert re.search(r"fnscale\.DistributedError: preemption notice 0.5 s ago and process "
                    r"0 is still reaching the agreed step \(a long compile", err), err[-3000:]
 
 

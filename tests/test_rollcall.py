@@ -49,7 +49,7 @@ def test_a_process_id_given_twice_ends_every_process_named(ids, dup):
   for r in results:
     print(f"process {r.process_id}: status {r.returncode} after {r.elapsed_s:.1f} s")
     assert r.returncode == 75, mp.describe(results)
-    m = re.search(r"fnscale\.errors\.DistributedError: (.*)", r.stderr)
+    m = re.search(r"fnscale\.DistributedError: (.*)", r.stderr)
     assert m and f"process_id {dup} was given to 2 processes" in m.group(1), mp.describe(results)
     assert "newer incarnation" not in r.stderr and "joined" not in r.stdout
     assert r.elapsed_s < BOUND_S, mp.describe(results)

@@ -16,20 +16,20 @@ from local_server import serving
 @pytest.mark.parametrize("text,dims", [("4x4", (4, 4)), ("2x4x8", (2, 4, 8)), (" 8 ", (8,)),
                                        ("2x4x4x8", (2, 4, 4, 8))])
 def test_parse_shape(text, dims):
-  assert _topology.parse_shape(text) == dims
+  assert topo_mod.parse_shape(text) == dims
 
 
 @pytest.mark.parametrize("bad", ["", "4x", "x4", "4by4", "2x4x8x2x2", "-2x4", "4x-1", "abc", None])
 def test_parse_shape_rejects_malformed(bad):
   with pytest.raises(fs.TopologyError, match="is not a chip grid") as e:
-    _topology.parse_shape(bad)
+    topo_mod.parse_shape(bad)
   assert repr(bad) in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["0x4", "2x0x2"])
 def test_parse_shape_rejects_zero(bad):
   with pytest.raises(fs.TopologyError, match="zero or negative dimension"):
-    _topology.parse_shape(bad)
+    topo_mod.parse_shape(bad)
 
 
 @pytest.mark.parametrize("acc,gen,chips", [("v5p-128", "v5p", 64), ("v4-8", "v4", 4),
@@ -38,17 +38,17 @@ def test_parse_shape_rejects_zero(bad):
                                            # single-chip slices (Google's v5e/v6e tables)
                                            ("v5litepod-1", "v5e", 1), ("v6e-1", "v6e", 1)])
 def test_parse_accelerator_type(acc, gen, chips):
-  assert _topology.parse_accelerator_type(acc) == (gen, chips)
+  assert topo_mod.parse_accelerator_type(acc) == (gen, chips)
 
 
 def test_unknown_accelerator_type():
   with pytest.raises(fs.TopologyError, match=r"unknown accelerator type 'v9x-8'.*v5p-128"):
-    _topology.parse_accelerator_type("v9x-8")
+    topo_mod.parse_accelerator_type("v9x-8")
 
 
 def test_odd_core_count_rejected():
   with pytest.raises(fs.TopologyError, match="not a whole number of v5p chips"):
-    _topology.parse_accelerator_type("v5p-3")
+    topo_mod.parse_accelerator_type("v5p-3")
 
 
 def test_facts_table_public_figures():
@@ -1303,7 +1303,7 @@ def test_import_fnscale_changes_no_environment_variable():
      r"metadata_timeout_s='1' \(str\): expected a number of seconds > 0"),
     (lambda: fs.detect_topology(env={}, metadata_timeout_s=0),
      r"metadata_timeout_s=0: expected seconds > 0"),
-    (lambda: _topology.parse_accelerator_type(128),
+    (lambda: topo_mod.parse_accelerator_type(128),
      r"accelerator_type=128 \(int\): expected a str such as 'v5p-128'"),
     (lambda: topo_mod.generation_of(None),
      r"device_kind=None \(NoneType\): expected a str such as 'TPU v5'\.$"),

@@ -733,11 +733,11 @@ def test_notice_with_a_frozen_peer_ends_the_run_with_the_lost_process_named(work
   # The notice is honoured within the grace (or peer_guard's check) and 5 s to exit.
   assert took < min(grace_s, PEER_CHECK_S) + 5, mp.describe(results)
   if grace_s > PEER_CHECK_S:  # peer_guard's check ended it
-    assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: process 1 gave "
+    assert re.search(r"fnscale\.DistributedError: lost process 1 of 2: process 1 gave "
                      rf"no sign of life for {PEER_CHECK_S} s while process 0 ran inside "
                      "peer_guard after a preemption notice", r0.stderr), mp.describe(results)
   else:
-    assert re.search(r"fnscale\.errors\.DistributedError: lost process 1 of 2: (no answer "
+    assert re.search(r"fnscale\.DistributedError: lost process 1 of 2: (no answer "
                      r"within \d+ s when process 0 stopped \(frozen, killed, or its host is "
                      r"gone\)|process 1 gave no sign of life)", r0.stderr), mp.describe(results)
   assert "Fix: look at the log of process 1" in r0.stderr
