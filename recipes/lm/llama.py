@@ -318,17 +318,17 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling, positions))
   v = fs.constrain_batch(v)
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
-  x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
+  x = x + fs.lora.einsum("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["w_gate"]))
-  u = jnp.einsum("bsd,df->bsf", h, p["w_up"])
-  return x + jnp.einsum("bsf,fd->bsd", g * u, p["w_down"])
+  g = jax.nn.silu(fs.lora.einsum("bsd,df->bsf", h, p["w_gate"]))
+  u = fs.lora.einsum("bsd,df->bsf", h, p["w_up"])
+  return x + fs.lora.einsum("bsf,fd->bsd", g * u, p["w_down"])
 
 
 def _project(h, p, name: str, cfg: ModelConfig):
   """q, k or v [batch, seq, heads, head_dim]: the projection, its bias and its per-head RMSNorm
   where the params have them (Qwen2's biases, Qwen3's q/k norm)."""
-  out = jnp.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
+  out = fs.lora.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
   if f"b{name}" in p:
     out = out + p[f"b{name}"].astype(out.dtype)
   if f"{name}_norm" in p:
