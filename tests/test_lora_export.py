@@ -52,6 +52,7 @@ def _fnscale_logits(m, base, adapters, tokens):
   return np.asarray(jax.jit(lambda p, t: llama.apply(p, t, cfg=m.cfg))(bound, tokens))
 
 
+@pytest.mark.slow
 def test_peft_loads_the_adapter_onto_transformers_with_fnscale_logits(trained, tmp_path):
   torch = pytest.importorskip("torch", reason=NO_TORCH)
   transformers = pytest.importorskip("transformers", reason=NO_TORCH)
@@ -75,6 +76,7 @@ def test_peft_loads_the_adapter_onto_transformers_with_fnscale_logits(trained, t
   assert len(adapted) == 2 * 7
 
 
+@pytest.mark.slow
 def test_merged_export_holds_base_plus_scale_b_a(trained, tmp_path):
   safetensors = pytest.importorskip("safetensors.numpy")
   d, m, cmap, base, adapters = trained
@@ -103,6 +105,7 @@ def test_merged_export_holds_base_plus_scale_b_a(trained, tmp_path):
   assert changed == 2 * 7
 
 
+@pytest.mark.slow
 def test_a_target_that_is_no_linear_weight_is_refused(trained, tmp_path):
   d, m, cmap, base, adapters = trained
   del d, m
