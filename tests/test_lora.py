@@ -122,6 +122,33 @@ def test_factored_einsum_and_its_gradients_equal_the_merged_weights():
     np.testing.assert_allclose(g1["wo"][k], g2["wo"][k], rtol=1e-4, atol=1e-5)
 
 
+def test_train_step_moves_only_the_adapters_down_the_merged_models_gradient():
+  import models  # pylint: disable=import-outside-toplevel  # tests/models.py
+  base = models.mlp_init(jax.random.key(0))
+  cfg = fs.lora.LoraConfig(rank=2, alpha=4.0, targets=("w1", "w2"))
+  adapters = {k: {"a": v["a"], "b": v["b"] + 0.1}
+              for k, v in fs.lora.init(base, cfg, jax.random.key(1)).items()}
+  batch = models.mlp_batch(jax.random.key(2), 8)
+  # The reference: jax.grad of the model's loss at W + scale A B, one SGD step by hand.
+  grads = jax.jit(jax.grad(lambda ad: models.mlp_loss(fs.lora.merge(base, ad, cfg), batch)))(
+      adapters)
+  want = jax.tree.map(lambda p, g: p - 0.5 * g, adapters, grads)
+  opt = optax.sgd(0.5)
+  for accum in (1,):  # (accum_steps > 1: the slow tier's meshes)
+    state = fs.TrainState(adapters, opt.init(adapters), jnp.zeros((), jnp.int32), None, base)
+    step = jax.jit(fs.train_step(fs.lora.with_lora(models.mlp_loss, cfg, merged=True), opt,
+                                 accum_steps=accum))
+    new, m = step(state, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 new.params, want)
+    assert float(m["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+    for x, y in zip(jax.tree.leaves(new.frozen), jax.tree.leaves(base)):
+      np.testing.assert_array_equal(x, y)
+  adam = optax.adam(1e-3)
+  slots = jax.tree.leaves(adam.init(adapters))
+  assert sum(x.size for x in slots) == 1 + 2 * sum(x.size for x in jax.tree.leaves(adapters))
+
+
 # ----------------------------------------------------------------- a tiny Llama, trained
 
 CFG = llama.model_config("llama-tiny", 16, layers=2, d_model=64, heads=4, kv_heads=2,
