@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 import dataclasses
 import functools
+import inspect
 import math
 import re
 from typing import Any, NamedTuple
@@ -555,6 +556,8 @@ def with_lora(loss_fn: Callable, config: LoraConfig, *, merged: bool = False) ->
 
   Returns:
     `lora_loss`. With `config.dropout > 0` it needs a key (`train_step(..., key=...)`).
+    Keywords after `frozen` go to `loss_fn`; its signature names those `loss_fn` takes
+    with defaults (e.g. `remat`, for `fnscale.analysis.plan`).
 
   Raises:
     LoraError: a bad config; dropout with `merged` (dropout acts on a weight's inputs, which
@@ -569,14 +572,32 @@ def with_lora(loss_fn: Callable, config: LoraConfig, *, merged: bool = False) ->
                     "dropout=0, or the factored form (merged=False, the model multiplying "
                     "through fs.lora.einsum).")
 
-  def lora_loss(adapters, batch, key=None, *, frozen):
+  def lora_loss(adapters, batch, key=None, *, frozen, **kwargs):
     if merged:
-      return loss_fn(merge(frozen, adapters, config), batch)
+      return loss_fn(merge(frozen, adapters, config), batch, **kwargs)
     if config.dropout > 0 and key is None:
       raise LoraError(f"LoraConfig.dropout={config.dropout} needs a key; fix: "
                       "fs.train_step(..., key=jax.random.key(seed)), or dropout=0.")
-    return loss_fn(bind(frozen, adapters, config, key), batch)
+    return loss_fn(bind(frozen, adapters, config, key), batch, **kwargs)
+  lora_loss.__signature__ = _signature(loss_fn)
   return lora_loss
+
+
+def _signature(loss_fn) -> inspect.Signature:
+  """lora_loss's signature: (adapters, batch, key=None, *, frozen) and the keywords with
+  defaults that `loss_fn` takes after its two arguments (e.g. remat, which
+  `fnscale.analysis.plan` then chooses)."""
+  p = inspect.Parameter
+  try:
+    extra = [q.replace(kind=p.KEYWORD_ONLY)
+             for q in list(inspect.signature(loss_fn).parameters.values())[2:]
+             if q.default is not p.empty and q.kind != p.VAR_KEYWORD]
+  except (TypeError, ValueError):
+    extra = []
+  return inspect.Signature(
+      [p("adapters", p.POSITIONAL_OR_KEYWORD), p("batch", p.POSITIONAL_OR_KEYWORD),
+       p("key", p.POSITIONAL_OR_KEYWORD, default=None), p("frozen", p.KEYWORD_ONLY)]
+      + [q for q in extra if q.name not in ("key", "frozen")])
 
 
 def init_state(base, config: LoraConfig, optimizer, *, key, policy=None, base_dtype=None,
