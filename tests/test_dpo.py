@@ -94,15 +94,16 @@ def test_weights_fall_on_the_responses_only_and_pairs_pack_whole(tmp_path, templ
 def test_bad_preference_rows_are_named_with_the_fix(tmp_path, template, row, words):
   path = _write(tmp_path / "prefs.jsonl", [row])
   with pytest.raises(fs.InputError) as e:
-    preference.load(path, "", template, seq=64, max_pairs=2)
+    preference.load(path, "", template)
   for w in words:
     assert w in str(e.value)
 
 
 def test_a_pair_longer_than_a_row_is_named(tmp_path, template):
   path = _write(tmp_path / "prefs.jsonl", ROWS[:1] + [{**ROWS[0], "chosen": "x" * 100}])
+  train, _ = preference.load(path, "", template)
   with pytest.raises(fs.InputError, match=r"prefs.jsonl line 2: .* more than a row of --seq=64"):
-    preference.load(path, "", template, seq=64, max_pairs=2)
+    preference.rows(train, 64, 2)
 
 
 CFG = llama.model_config("llama-tiny", 160, layers=2, d_model=32, heads=4, kv_heads=2,

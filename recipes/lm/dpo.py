@@ -102,25 +102,40 @@ def pair_logps(logps, segment_ids, pairs: int):
   return sums[:, 0::2], sums[:, 1::2], present
 
 
-def loss_fn(model, lora: fs.lora.LoraConfig, config: DPOConfig, *, cfg, remat: bool = False):
+def pair_loss(model, policy, reference, batch: dict, config: DPOConfig, *, cfg,
+              remat: bool = False):
+  """((sum of the batch's pairs' losses, pair count), aux) of `policy` params (bound LoRA
+  params, `fnscale.lora.bind`) against `reference` params (the frozen base): aux
+  {"chosen_reward", "rejected_reward", "reward_accuracy", "reward_margin"}, means over the
+  batch's pairs."""
+  logps = functools.partial(token_logps, model, batch=batch, cfg=cfg)
+  pol = pair_logps(logps(policy, remat=remat), batch["segment_ids"], config.pairs)
+  ref = pair_logps(logps(reference), batch["segment_ids"], config.pairs)
+  losses, r_w, r_l = preference_loss(pol[0], pol[1], ref[0], ref[1], config)
+  present = pol[2].astype(jnp.float32)
+  n = jnp.sum(present)
+  mean = lambda x: jnp.sum(x * present) / jnp.maximum(n, 1.0)
+  aux = {"chosen_reward": mean(r_w), "rejected_reward": mean(r_l),
+         "reward_accuracy": mean((r_w > r_l).astype(jnp.float32)),
+         "reward_margin": mean(r_w - r_l)}
+  return (jnp.sum(losses * present), n), aux
+
+
+def loss_fn(model, lora: fs.lora.LoraConfig, config: DPOConfig, *, cfg):
   """The DPO train loss of a LoRA state, as `fnscale.train_step(..., weighted=True,
-  has_aux=True)` calls it: `loss(adapters, batch, key=None, *, frozen)` -> ((sum of the
-  pairs' losses, pair count), aux) with aux {"chosen_reward", "rejected_reward",
-  "reward_accuracy", "reward_margin"} (means over the batch's pairs). The reference is
-  `frozen` (the base) without adapters."""
+  has_aux=True)` calls it: `loss(adapters, batch, key=None, *, frozen, remat=False)` ->
+  `pair_loss` of the adapted model against `frozen` (the base, without adapters)."""
   check(config)
 
-  def loss(adapters, batch, key=None, *, frozen):
-    logps = functools.partial(token_logps, model, batch=batch, cfg=cfg)
-    policy = pair_logps(logps(fs.lora.bind(frozen, adapters, lora, key), remat=remat),
-                        batch["segment_ids"], config.pairs)
-    ref = pair_logps(logps(frozen), batch["segment_ids"], config.pairs)
-    losses, r_w, r_l = preference_loss(policy[0], policy[1], ref[0], ref[1], config)
-    present = policy[2].astype(jnp.float32)
-    n = jnp.sum(present)
-    mean = lambda x: jnp.sum(x * present) / jnp.maximum(n, 1.0)
-    aux = {"chosen_reward": mean(r_w), "rejected_reward": mean(r_l),
-           "reward_accuracy": mean((r_w > r_l).astype(jnp.float32)),
-           "reward_margin": mean(r_w - r_l)}
-    return (jnp.sum(losses * present), n), aux
+  def loss(adapters, batch, key=None, *, frozen, remat: bool = False):
+    return pair_loss(model, fs.lora.bind(frozen, adapters, lora, key), frozen, batch, config,
+                     cfg=cfg, remat=remat)
   return loss
+
+
+def eval_loss_fn(model, config: DPOConfig, *, cfg):
+  """`loss(bound, batch) -> (sum, count)`: `pair_loss` of bound LoRA params (`fnscale.lora.bind`)
+  against their own base (each `LoraWeight` read as its frozen weight)."""
+  base = lambda t: jax.tree.map(lambda x: x.w if isinstance(x, fs.lora.LoraWeight) else x, t,
+                                is_leaf=lambda x: isinstance(x, fs.lora.LoraWeight))
+  return lambda bound, batch: pair_loss(model, bound, base(bound), batch, config, cfg=cfg)[0]

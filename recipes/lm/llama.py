@@ -223,6 +223,20 @@ _AXES = {
 }
 
 
+# The weights LoRA adapts (`fnscale.lora`), by name: the layout of one layer's weight ('i' its
+# dims contracted with the activations, 'o' those it produces); the stored layer dims lead.
+LORA_WEIGHTS = {"wq": "ioo", "wk": "ioo", "wv": "ioo", "wo": "iio", "w_gate": "io",
+                "w_up": "io", "w_down": "io"}
+
+
+def lora_targets(cfg: ModelConfig, names=None) -> tuple:
+  """`fnscale.lora.LoraConfig.targets` for the block weights `names` (default every one of
+  `LORA_WEIGHTS`): ("blocks/<name>", layout) pairs, with the stored layer dims ([layers],
+  or a circular pipeline's [stages, repeats, layers per stage]) as 'l's."""
+  stacked = "l" if cfg.repeats == 1 else "lll"
+  return tuple((f"blocks/{n}", stacked + LORA_WEIGHTS[n]) for n in (names or LORA_WEIGHTS))
+
+
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
 # heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
 # output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss

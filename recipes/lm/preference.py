@@ -12,8 +12,8 @@ side) then 2k (its rejected side), each with its own positions from 0, so attent
 crosses sides or pairs; a row holds at most `pairs` pairs (the loss's static bound), a pair
 longer than a row is an error naming it. Every 20th pair is held out for evaluation.
 
-Batches mirror `data.batches` (grain, each process reading its rows of every global batch;
-positions saved with checkpoints).
+Batches mirror `batches.text_batches` (grain, each process reading its rows of every global
+batch; positions saved with checkpoints).
 """
 from __future__ import annotations
 
@@ -37,16 +37,6 @@ class Pair(NamedTuple):
   chosen_weights: np.ndarray
   rejected: np.ndarray
   rejected_weights: np.ndarray
-
-
-class Preferences(NamedTuple):
-  """Packed train and held-out rows ({"inputs", "targets", "weights", "segment_ids",
-  "positions"}, numpy [seq] each) and what was read."""
-  train: list
-  held: list
-  pairs: int
-  tokens: int
-  line: str
 
 
 def read_rows(path: str) -> list[tuple[str, dict]]:
@@ -176,38 +166,56 @@ def _row(segments: list, seq: int) -> dict:
   return out
 
 
-def load(path: str, tokenizer: str, template_file: str, seq: int, max_pairs: int
-         ) -> Preferences:
-  """Reads, tokenizes and packs the preference file at `path`.
+def load(path: str, tokenizer: str, template_file: str) -> tuple[list, list]:
+  """The preference file at `path` tokenized: ((train pairs, their names), (held-out pairs,
+  their names)), every `HELD_EVERY`th pair held out (at least one).
 
   Raises:
-    InputError: see `read_rows`, `tokenize` and `pack`; a template that can't be found.
+    InputError: see `read_rows` and `tokenize`; a chat template that can't be found.
   """
   records = read_rows(path)
   try:
     template = chat.load_template(tokenizer or shards.BYTES, template_file)
+    tok = shards.load_tokenizer(tokenizer) if tokenizer else None
   except shards.ShardError as e:
     raise fs.InputError(str(e)) from None
+  pairs = [(tokenize(r, template, tok, where), where) for where, r in records]
+  if not pairs:
+    raise fs.InputError(f"--dataset={path} holds no preference rows")
+  held = [p for i, p in enumerate(pairs) if i % HELD_EVERY == HELD_EVERY - 1] or pairs[-1:]
+  train = [p for i, p in enumerate(pairs) if i % HELD_EVERY != HELD_EVERY - 1] or pairs
+  return train, held
+
+
+def corpus(path: str, tokenizer: str, template_file: str) -> data.Corpus:
+  """A `data.Corpus` of the preference file: `preference` (train, held-out) pairs with their
+  names, packed once the row length is known (`run_batches`); `train` / `eval` every pair's
+  tokens end to end (the counts and baselines a run reports)."""
+  train, held = load(path, tokenizer, template_file)
   tok = shards.load_tokenizer(tokenizer) if tokenizer else None
-  pairs = [tokenize(r, template, tok, where) for where, r in records]
-  names = [where for where, _ in records]
-  held_i = [i for i in range(len(pairs)) if i % HELD_EVERY == HELD_EVERY - 1]
-  train_i = [i for i in range(len(pairs)) if i % HELD_EVERY != HELD_EVERY - 1]
-  part = lambda idx: pack([pairs[i] for i in idx], seq, max_pairs,
-                          [names[i] for i in idx])
-  train, held = part(train_i), part(held_i) or part(train_i[:1])
-  tokens = sum(len(p.chosen) + len(p.rejected) for p in pairs)
-  return Preferences(train, held, len(pairs), tokens,
-                     f"{path}: {len(pairs)} preference pairs ({len(held_i)} held out), "
-                     f"{tokens:,} tokens, {len(train)} packed rows of {seq}")
+  vocab = data.tokenizer_vocab(tok)[0] if tok is not None else 256
+  ends = lambda ps: np.concatenate([np.concatenate([p.chosen, p.rejected]) for p, _ in ps])
+  encode = (lambda s: tok.encode(s).ids) if tok is not None else (lambda s: list(s.encode()))
+  decode = tok.decode if tok is not None else (
+      lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+  n = sum(len(p.chosen) + len(p.rejected) for p, _ in train + held)
+  return data.Corpus(ends(train), ends(held), vocab, 1.0, encode, decode,
+                     f"{path}: {len(train) + len(held)} preference pairs ({len(held)} held "
+                     f"out), {n:,} tokens", preference=(train, held))
 
 
-def batches(rows: list, sharding, global_batch: int, seed: int, held: bool = False):
-  """A grain iterator over this process's rows of each global batch of packed rows
-  (shuffled from `seed`, repeated forever), as `data.batches` gives windows."""
-  index, count = data.process_shard(sharding, global_batch)
+def rows(pairs: list, seq: int, max_pairs: int) -> list[dict]:
+  """`pack` of (pair, name) pairs."""
+  return pack([p for p, _ in pairs], seq, max_pairs, [w for _, w in pairs])
+
+
+def batches(packed: list, index: int, count: int, global_batch: int, seed: int,
+            held: bool = False):
+  """This process's rows (process `index` of `count`, as `batches.process_shard` gives) of
+  each global batch of `packed` rows, shuffled from `seed` and repeated forever: a grain
+  iterator (its position saved with checkpoints), or for `held` a grain MapDataset."""
   local = global_batch // count
-  ds = grain.MapDataset.source(rows).shuffle(seed=seed + int(held)).repeat(None)
+  ds = grain.MapDataset.source(packed).shuffle(seed=seed + int(held)).repeat(None)
   ds = ds[index::count].batch(local, drop_remainder=True)
   if held:
     return ds
