@@ -105,6 +105,14 @@ def _side(prompt: list, response: list, template, tok, where: str):
   return ids, weights
 
 
+def _check_fields(record: dict, where: str) -> None:
+  missing = [f for f in FIELDS if record.get(f) in (None, "", [])]
+  if missing:
+    raise fs.InputError(f"{where}: a preference row without {' and '.join(map(repr, missing))}"
+                        f" (it has {sorted(record)}); fix: every row needs \"prompt\", "
+                        "\"chosen\" (the preferred response) and \"rejected\"")
+
+
 def tokenize(record: dict, template, tok, where: str) -> Pair:
   """One record as a `Pair`.
 
@@ -112,11 +120,7 @@ def tokenize(record: dict, template, tok, where: str) -> Pair:
     InputError: a missing field (named, with the fix), or a field that is not a string or
       messages; ShardError (from the template) as InputError.
   """
-  missing = [f for f in FIELDS if record.get(f) in (None, "", [])]
-  if missing:
-    raise fs.InputError(f"{where}: a preference row without {' and '.join(map(repr, missing))}"
-                        f" (it has {sorted(record)}); fix: every row needs \"prompt\", "
-                        "\"chosen\" (the preferred response) and \"rejected\"")
+  _check_fields(record, where)
   prompt = _messages(record["prompt"], "user", "prompt", where)
   try:
     sides = [_side(prompt, _messages(record[f], "assistant", f, where), template, tok,
@@ -174,6 +178,8 @@ def load(path: str, tokenizer: str, template_file: str) -> tuple[list, list]:
     InputError: see `read_rows` and `tokenize`; a chat template that can't be found.
   """
   records = read_rows(path)
+  for where, r in records:  # every row's fields first: before the template and tokenizer
+    _check_fields(r, where)
   try:
     template = chat.load_template(tokenizer or shards.BYTES, template_file)
     tok = shards.load_tokenizer(tokenizer) if tokenizer else None
