@@ -171,3 +171,27 @@ def test_dpo_from_a_preference_file_learns_the_preferred_answers(tmp_path):
   assert evals[0] == pytest.approx(np.log(2), abs=1e-5)  # the policy starts as its reference
   assert s.eval_loss < evals[0] - 0.05
   assert any("dpo/reward_accuracy" in r for r in records)
+
+
+@pytest.mark.slow
+def test_the_prepared_chip_run_trains_at_a_tiny_size(tmp_path):
+  # recipes/bench/lora.py --prepare at llama-tiny: a random HF checkpoint written by fnscale,
+  # its tokenizer, a chat cache; the command it prints runs (2 steps here) and the planner
+  # (--mesh=auto) chooses for the LoRA state.
+  from recipes.bench import lora  # pylint: disable=import-outside-toplevel
+  command = lora.prepare(str(tmp_path), "llama-tiny", 64, 40)
+  args = dict(a[2:].split("=", 1) for a in command.split()[2:] if "=" in a)
+  assert args["lora_rank"] == "16" and args["mesh"] == "auto"
+  s = train_lm.train_lm(init_from=args["init_from"], lora_rank=16, dataset=args["dataset"],
+                        seq=64, global_batch=8, mesh="auto", steps=2, eval_batches=1,
+                        sample_len=0, checkpoint=False, run_dir=args["run_dir"])
+  assert s.final_step == 2 and np.isfinite(s.loss)
+  frozen = sum(x.size for x in jax.tree.leaves(s.state.frozen))
+  assert frozen == sum(x.size for x in jax.tree.leaves(
+      fs.checkpoint.hf.load(args["init_from"], target_like(s.state.frozen), _map(args))))
+
+
+def _map(args):
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  m = hf_maps.read(args["init_from"], 64)
+  return hf_maps.checkpoint_map(m, args["init_from"])

@@ -85,7 +85,24 @@ def summarize(r, state, out: dict) -> "Summary":
   r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
         f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
         if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  hbm = device_memory()
+  if hbm is not None:
+    r.say(f"device memory: peak {hbm[0] / 2**30:.2f} GiB in use of {hbm[1] / 2**30:.2f} GiB "
+          "(the busiest of this process's devices, as the runtime counts it)")
+    run_log.write_run_record(s.o.run_dir, "device_memory", dict(
+        peak_bytes_in_use=hbm[0], bytes_limit=hbm[1]), active=jax.process_index() == 0)
   return summary
+
+
+def device_memory() -> tuple[int, int] | None:
+  """(peak bytes in use, bytes limit) of the busiest local device, from the runtime's own
+  counters (`Device.memory_stats`: TPU and GPU); None where it keeps none (CPU)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  stats = [s for s in stats if "peak_bytes_in_use" in s]
+  if not stats:
+    return None
+  top = max(stats, key=lambda s: s["peak_bytes_in_use"])
+  return int(top["peak_bytes_in_use"]), int(top.get("bytes_limit", 0))
 
 
 class Summary(NamedTuple):
