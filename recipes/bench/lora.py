@@ -110,16 +110,22 @@ def compile_memory(size: str, target: str, seq: int, batch: int, rank: int,
                              abstract=True)
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg, remat=remat), lora)
   rows = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=fs.batch_sharding(mesh))
-  t = time.time()
+  t, batch_ = time.time(), {"inputs": rows, "targets": rows}
   step = fs.shard_step(fs.train_step(loss, opt, policy=MIXED), mesh)
-  report = fs.compile_report(step.compile(state, {"inputs": rows, "targets": rows}), state,
-                             {"inputs": rows, "targets": rows})
-  hbm = fs.analysis.plan.hardware(target).hbm_bytes
   count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))
-  return dict(size=size, target=target, seq=seq, global_batch=batch, rank=rank, remat=remat,
-              trainable_params=count(state.params), frozen_params=count(state.frozen),
-              argument_bytes=report.argument_bytes, temp_bytes=report.temp_bytes,
-              peak_bytes=report.peak_bytes, hbm_bytes=hbm, compile_s=time.time() - t)
+  out = dict(size=size, target=target, seq=seq, global_batch=batch, rank=rank, remat=remat,
+             trainable_params=count(state.params), frozen_params=count(state.frozen),
+             hbm_bytes=fs.analysis.plan.hardware(target).hbm_bytes)
+  try:
+    report = fs.compile_report(step.compile(state, batch_), state, batch_)
+  except jax.errors.JaxRuntimeError as e:  # XLA refuses a program over the chip's HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return dict(out, fits=False, refused=str(e).splitlines()[0][:300],
+                compile_s=time.time() - t)
+  return dict(out, fits=True, argument_bytes=report.argument_bytes,
+              temp_bytes=report.temp_bytes, peak_bytes=report.peak_bytes,
+              compile_s=time.time() - t)
 
 
 def main(argv=None) -> int:
