@@ -71,13 +71,14 @@ def prepare(out: str, size: str, seq: int, n: int) -> str:
   """Writes the checkpoint, tokenizer, conversations and cache (see the module docstring);
   returns the train_lm command."""
   cfg = llama.model_config(size, seq)
+  cfg = cfg._replace(vocab=max(cfg.vocab, 512))  # room for a BPE tokenizer's merges
   model_dir, chats = os.path.join(out, "model"), os.path.join(out, "chats.jsonl")
   os.makedirs(model_dir, exist_ok=True)
   with open(chats, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(c) + "\n" for c in conversations(n))
   with open(os.path.join(out, "chat.jinja"), "w", encoding="utf-8") as f:
     f.write(TEMPLATE)
-  vocab = min(4096, cfg.vocab - 1)
+  vocab = min(4096, cfg.vocab - 12)
   train_tokenizer.train_tokenizer([chats], vocab, os.path.join(model_dir, "tokenizer.json"))
   m = hf_maps.of_model(llama, cfg)
   params = jax.jit(functools.partial(llama.init_params, cfg))(jax.random.key(0))
