@@ -334,3 +334,28 @@ def test_merged_lora_trains_alike_on_explicit_axes_and_per_shard(axis_types, mod
   state = fs.lora.init_state(placed, cfg, opt, key=jax.random.key(1))
   step = fs.shard_step(fs.train_step(loss, opt, accum_steps=accum), mesh, mode=mode)
   np.testing.assert_allclose(run(state, step), want, rtol=2e-5)
+
+
+def test_dropout_zeroes_adapter_inputs_and_keeps_their_mean():
+  # Inverted dropout on the adapters' inputs: each key drops some of x's entries from the
+  # low-rank path (not from x W), and the mean over keys is the undropped product.
+  w, x = _random([(3, 6, 4), (5, 6)])
+  cfg = fs.lora.LoraConfig(rank=2, alpha=2.0, dropout=0.5, targets=("w",))  # stacked "lio"
+  a, b = _random([(3, 6, 2), (3, 2, 4)], seed=3)
+  base, ad = {"w": jnp.asarray(w)}, {"w": {"a": jnp.asarray(a), "b": jnp.asarray(b)}}
+
+  def y(key):
+    bound = fs.lora.bind(base, ad, cfg, key)["w"]
+    assert bound.key.shape == (3,)  # one key per stacked layer
+    return jax.lax.map(lambda wl: fs.lora.einsum("bd,df->bf", x, wl), bound)
+  keys = jax.random.split(jax.random.key(0), 2000)
+  ys = jax.jit(jax.vmap(y))(keys)
+  plain = np.einsum("bd,ldf->lbf", x, w)
+  full = plain + np.einsum("bd,ldr,lrf->lbf", x, a, b)
+  assert not np.allclose(ys[0], full, atol=1e-3)  # one key drops some inputs
+  err = np.abs(np.mean(ys, axis=0) - full) / (np.std(ys, axis=0) / np.sqrt(len(keys)))
+  assert err.max() < 5  # within 5 standard errors of the mean everywhere
+  # A key with dropout 0 is no dropout: exactly the merged weights' product.
+  exact = jax.lax.map(lambda wl: fs.lora.einsum("bd,df->bf", x, wl),
+                      fs.lora.bind(base, ad, cfg._replace(dropout=0.0), keys[0])["w"])
+  np.testing.assert_allclose(exact, full, rtol=1e-5, atol=1e-5)
