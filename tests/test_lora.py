@@ -359,3 +359,32 @@ def test_dropout_zeroes_adapter_inputs_and_keeps_their_mean():
   exact = jax.lax.map(lambda wl: fs.lora.einsum("bd,df->bf", x, wl),
                       fs.lora.bind(base, ad, cfg._replace(dropout=0.0), keys[0])["w"])
   np.testing.assert_allclose(exact, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["targets", "init", "merge", "einsum", "init_state"])
+def test_the_examples_of_fnscale_lora_run(name):
+  from test_doctests import run_examples  # pylint: disable=import-outside-toplevel
+  results, report = run_examples(getattr(fs.lora, name), f"fnscale.lora.{name}")
+  assert results.attempted > 0 and results.failed == 0, report
+
+
+def test_the_examples_of_the_checkpoint_fingerprint_run():
+  from test_doctests import run_examples  # pylint: disable=import-outside-toplevel
+  results, report = run_examples(fs.checkpoint.fingerprint, "fnscale.checkpoint.fingerprint")
+  assert results.attempted > 0 and results.failed == 0, report
+
+
+def test_a_fingerprint_is_the_same_on_any_mesh_and_changes_with_any_element():
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  tree = {"w": jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8).astype(jnp.bfloat16),
+          "n": jnp.arange(5, dtype=jnp.int32)}
+  one = fs.checkpoint.fingerprint(tree)
+  mesh = fs.make_mesh({"fsdp": 8})
+  placed = {"w": jax.device_put(tree["w"], NamedSharding(mesh, P("fsdp", None))),
+            "n": jax.device_put(tree["n"], NamedSharding(mesh, P()))}
+  assert fs.checkpoint.fingerprint(placed) == one
+  for other in ({**tree, "w": tree["w"].at[63, 7].set(0)},      # one element
+                {**tree, "w": tree["w"].astype(jnp.float32)},   # the dtype
+                {**tree, "w": tree["w"].reshape(8, 64)},        # the shape
+                {"v": tree["w"], "n": tree["n"]}):              # a path
+    assert fs.checkpoint.fingerprint(other) != one
