@@ -388,3 +388,30 @@ def test_a_fingerprint_is_the_same_on_any_mesh_and_changes_with_any_element():
                 {**tree, "w": tree["w"].reshape(8, 64)},        # the shape
                 {"v": tree["w"], "n": tree["n"]}):              # a path
     assert fs.checkpoint.fingerprint(other) != one
+
+
+def test_the_compiled_lora_step_computes_no_weight_gradient_of_the_frozen_base():
+  # The HLO's matmul FLOPs of a LoRA step, every block matmul adapted: each frozen matmul
+  # weight's forward and input gradient (4 N, the output layer's too), the adapters' 6 N,
+  # attention's 12 layers heads head_dim seq per token: what train_lm's MFU counts
+  # (recipes/lm/finetune.py). A step that formed the base's weight gradients would be 6 N.
+  import types  # pylint: disable=import-outside-toplevel
+  from recipes.lm import finetune  # pylint: disable=import-outside-toplevel
+  cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
+                           d_mlp=64, vocab=40)
+  lora = fs.lora.LoraConfig(rank=4, targets=llama.lora_targets(cfg))
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  base = fs.init_state(lambda k: llama.init_params(cfg, k), optax.sgd(0.0), mesh=mesh,
+                       key=jax.random.key(0), abstract=True).params
+  state = fs.lora.init_state(base, lora, OPT, key=jax.random.key(1), abstract=True)
+  rows = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  step = fs.shard_step(fs.train_step(fs.lora.with_lora(
+      functools.partial(llama.loss_fn, cfg=cfg), lora), OPT), mesh)
+  got = fs.hlo.summarize(step.compile(state, {"inputs": rows, "targets": rows})
+                         .compiled.as_text()).matmul_flops
+  n, tokens = llama.matmul_params(cfg), 4 * 16
+  adapters = sum(x.size for x in jax.tree.leaves(state.params))
+  attn = 12 * cfg.layers * cfg.heads * cfg.head_dim * 16
+  assert got == tokens * (4 * n + 6 * adapters + attn)
+  setup = types.SimpleNamespace(cfg=cfg, model=llama, o=types.SimpleNamespace(objective="lm"))
+  assert got == tokens * finetune.flops_per_token(setup, lora)
