@@ -3,8 +3,8 @@
 Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step; this
 namespace holds that pipeline and its errors. The tools around it are namespaces, each name
 with one spelling: `fnscale.analysis` (cost, planning, HLO), `fnscale.checkpoint`,
-`fnscale.kernels`, `fnscale.multihost`, `fnscale.parallel`, `fnscale.cloud`,
-`fnscale.adapters`. Modules whose names start with `_` are the implementation.
+`fnscale.kernels`, `fnscale.multihost`, `fnscale.parallel`, `fnscale.lora`,
+`fnscale.cloud`, `fnscale.adapters`. Modules whose names start with `_` are the implementation.
 """
 from fnscale import _deprecation
 from fnscale.errors import (
@@ -16,6 +16,7 @@ from fnscale.errors import (
     FnscaleError,
     InputError,
     KernelError,
+    LoraError,
     MeshError,
     PlanError,
     RuntimeFailure,
@@ -43,13 +44,13 @@ from fnscale.multihost._agreement import barrier
 from fnscale.multihost._cluster import initialize
 from fnscale.multihost._global_batch import global_batch, process_rows
 # The layers above the pipeline, reached as namespaces (`fs.checkpoint.save`, ...).
-from fnscale import adapters, analysis, checkpoint, cloud, kernels, multihost, parallel
+from fnscale import adapters, analysis, checkpoint, cloud, kernels, lora, multihost, parallel
 
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
     "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
-    "ExpertError", "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
-    "TopologyError",
+    "ExpertError", "KernelError", "LoraError", "MeshError", "PlanError", "ShardingError", "StepError",
+    "StorageError", "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices", "target_devices", "quiet_libtpu",
     "ChipFacts", "CHIP_FACTS",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "parse_axes", "check_axis_names",
@@ -63,7 +64,7 @@ __all__ = [
     "CompileReport", "compile_report",
     "attention", "cross_entropy", "with_kernel",
     "barrier", "global_batch", "initialize", "process_rows",
-    "adapters", "analysis", "checkpoint", "cloud", "kernels", "multihost", "parallel",
+    "adapters", "analysis", "checkpoint", "cloud", "kernels", "lora", "multihost", "parallel",
 ]
 
 _PIPELINE = "fnscale.{} (the pipeline's names are fnscale's own)"

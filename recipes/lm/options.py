@@ -18,6 +18,9 @@ CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
 PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documents into rows
 LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
 MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
+OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
+DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
+TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
 # default run in ~2-3 minutes on 2 cores (README, "The main job").
@@ -41,7 +44,8 @@ _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "accum_step
              "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
-                 "temperature", "shutdown_delay_s", "num_processes")
+                 "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
+                 "dpo_label_smoothing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +66,18 @@ class Options(Hardware):
                             **dict.fromkeys(_NON_NEGATIVE, dict(minimum=0)),
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
+                            "lora_alpha": dict(above=0), "dpo_beta": dict(above=0),
+                            "lora_dropout": dict(minimum=0, maximum=0.99),
+                            "dpo_pairs": dict(minimum=1),
                             "process_id": dict(minimum=-1)}
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
                              "accum_gather": fs.ACCUM_GATHER,
                              "attention": IMPLEMENTATIONS,
                              "context": context_attention.FORMS,
-                             "context_order": context_attention.ORDERS}
+                             "context_order": context_attention.ORDERS,
+                             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
+                             "tracker": TRACKERS}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -86,6 +95,29 @@ class Options(Hardware):
                           "its tokenizer (instead of --model_config, --tokenizer)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
+  export_adapter: str = option("", "with --lora_rank: also write the adapters as a Hugging "
+                               "Face PEFT adapter here; default EXPORT_HF/adapter")
+  objective: str = option("lm", "lm: next-token loss on --dataset; dpo: preference pairs "
+                          "(DPO) from a JSONL/Parquet file of prompt, chosen, rejected rows, "
+                          "the frozen base as the reference (needs --lora_rank)")
+  lora_rank: int = option(0, "LoRA rank: train low-rank adapters of the model's matmul "
+                          "weights, the base frozen (0: full fine-tuning)")
+  lora_alpha: float | None = option(None, "LoRA alpha: adapters add alpha / rank x A B; "
+                                    "default 2 x rank")
+  lora_dropout: float = option(0.0, "LoRA dropout on the adapted weights' inputs")
+  lora_targets: str = option("", "LoRA targets: the model's weight names (wq,wk,wv,wo,"
+                             "w_gate,w_up,w_down) or regexes over its leaf paths, "
+                             "comma-separated; default all of them")
+  chat_template: str = option("", "--objective=dpo: a Jinja chat template file; default the "
+                              "tokenizer's")
+  dpo_beta: float = option(0.1, "DPO's beta (the reference KL penalty's inverse temperature)")
+  dpo_label_smoothing: float = option(0.0, "DPO's label smoothing, the fraction of flipped "
+                                      "preferences in [0, 0.5): cDPO (sigmoid) or rDPO")
+  dpo_loss: str = option("sigmoid", "DPO loss: sigmoid (DPO, cDPO) or robust (rDPO)")
+  dpo_pairs: int = option(8, "--objective=dpo: at most this many pairs packed in a row")
+  tracker: str = option("tensorboard", "where scalars go besides metrics.jsonl: "
+                        "tensorboard (event files in run_dir) or wandb (Weights & Biases; "
+                        "WANDB_MODE=offline works without a network)")
   seq: int | None = option(None, f"sequence length in tokens; {_by_platform('seq')}")
   batch_size: int | None = option(None, "rows per data-parallel device; "
                                   + _by_platform("batch_size"))
