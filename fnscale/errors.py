@@ -146,7 +146,15 @@ class ExpertError(InputError):
 
 class LoraError(InputError):
   """LoRA's arguments can't work: a target pattern that matches no leaf, a leaf its layout
-  doesn't fit (not a matmul weight), adapters that don't match the base or the config."""
+  doesn't fit (not a matmul weight), adapters that don't match the base or the config.
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> fs.lora.targets({"wq": jnp.zeros((8, 4))}, fs.lora.LoraConfig(targets=("wk",)))
+    Traceback (most recent call last):
+    ...
+    fnscale.LoraError: LoRA target 'wk' matches no leaf of the params (paths: wq); fix: ...
+  """
 
 
 class CheckpointError(InputError):

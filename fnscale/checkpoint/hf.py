@@ -630,6 +630,16 @@ def write_tensors(path, params, cmap: CheckpointMap, *, dtype=None, name: str | 
   Raises:
     CheckpointError: a leaf without a key in `cmap`.
     StorageError: a file can't be written.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q.weight", perm=(1, 0))})
+    >>> params = {"wq": jnp.arange(24.0).reshape(2, 3, 4)}  # [layer, d, d_q]; HF's [d_q, d]
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   names, files = hf.write_tensors(d, params, cmap)
+    >>> names, [t.key for t, *_ in files[0]]
+    (['model.safetensors'], ['layers.0.q.weight', 'layers.1.q.weight'])
   """
   path = _text(path)
   plan, flat = _export_plan(params, cmap, dtype)
@@ -685,7 +695,19 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
 
 
 def write_json(path: str, value) -> None:
-  """Writes `value` as indented JSON at `path` (local or fsspec URL); StorageError if not."""
+  """Writes `value` as indented JSON at `path` (local or fsspec URL); StorageError if not.
+
+  Examples:
+    >>> import fnscale as fs, json, os, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   fs.checkpoint.hf.write_json(os.path.join(d, "config.json"), {"b": 2, "a": 1})
+    ...   with open(os.path.join(d, "config.json")) as f:
+    ...     print(f.read())
+    {
+      "a": 1,
+      "b": 2
+    }
+  """
   fs, inner = _safetensors.filesystem(path)
   try:
     with fs.open(inner, "w") as f:

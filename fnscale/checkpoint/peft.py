@@ -11,6 +11,24 @@ the base leaf's layout, so each target's checkpoint tensors follow from the base
 say which of the leaf's dims make the Linear's input and output features, in which order.
 The files are written as `hf.export` writes (one tensor in host memory at a time; every
 process of a job calls it, process 0 writes). Needs the `hf` extra.
+
+Examples:
+  Adapters on a stack of q projections, written where peft looks for them:
+
+  >>> import fnscale as fs, jax, jax.numpy as jnp, json, os, tempfile
+  >>> hf = fs.checkpoint.hf
+  >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q_proj.weight", perm=(1, 0))})
+  >>> base = {"wq": jnp.zeros((2, 8, 4))}  # [layer, d, d_q]; HF's q_proj [d_q, d]
+  >>> config = fs.lora.LoraConfig(rank=2, alpha=4.0, targets=("wq",))
+  >>> adapters = fs.lora.init(base, config, jax.random.key(0))
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...   files = fs.checkpoint.peft.export(d, adapters, config, base, cmap)
+  ...   with open(os.path.join(d, fs.checkpoint.peft.CONFIG_FILE)) as f:
+  ...     written = json.load(f)
+  >>> files == [fs.checkpoint.peft.WEIGHTS_FILE, fs.checkpoint.peft.CONFIG_FILE]
+  True
+  >>> print(written["r"], written["lora_alpha"], written["target_modules"])
+  2 4.0 ^(layers\\.\\d+\\.q_proj)$
 """
 from __future__ import annotations
 
@@ -20,7 +38,7 @@ from collections.abc import Mapping
 import jax
 
 from fnscale import lora as _lora
-from fnscale.checkpoint import hf
+from fnscale.checkpoint import hf as _hf
 from fnscale.errors import CheckpointError
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "adapter_map", "export"]
@@ -30,7 +48,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # peft's name for the wrapped transformers model
 
 
-def _groups(src: hf.Tensor, t: _lora.Target) -> tuple[int, tuple, tuple]:
+def _groups(src: _hf.Tensor, t: _lora.Target) -> tuple[int, tuple, tuple]:
   """(size of the output group in the split layout, the source split of the output and
   input features), after checking that W is a Linear's [out, in] weight whose input
   features are the leaf's 'i' dims and output features its 'o' dims."""
@@ -51,7 +69,7 @@ def _groups(src: hf.Tensor, t: _lora.Target) -> tuple[int, tuple, tuple]:
   return out_n, split[0], split[1]
 
 
-def adapter_map(targets, cmap: hf.CheckpointMap) -> hf.CheckpointMap:
+def adapter_map(targets, cmap: _hf.CheckpointMap) -> _hf.CheckpointMap:
   """The checkpoint map of the adapters: leaf `PATH/a` from `...lora_A.weight` and `PATH/b`
   from `...lora_B.weight` of the base leaf PATH's Linear, in peft's layout.
 
@@ -62,6 +80,16 @@ def adapter_map(targets, cmap: hf.CheckpointMap) -> hf.CheckpointMap:
   Raises:
     CheckpointError: a target without a key in `cmap`, or whose key is not a Linear's
       [out, in] weight with the target's input and output dims (named, with the fix).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"wq": hf.Tensor("layers.{layer}.q_proj.weight", perm=(1, 0))})
+    >>> targets = fs.lora.targets({"wq": jnp.zeros((2, 8, 4))}, fs.lora.LoraConfig(targets=("wq",)))
+    >>> amap = fs.checkpoint.peft.adapter_map(targets, cmap)
+    >>> print(amap.tensors["wq/a"].key, amap.tensors["wq/b"].key, sep="\\n")
+    base_model.model.layers.{layer}.q_proj.lora_A.weight
+    base_model.model.layers.{layer}.q_proj.lora_B.weight
   """
   out = {}
   for t in targets:
@@ -78,12 +106,12 @@ def adapter_map(targets, cmap: hf.CheckpointMap) -> hf.CheckpointMap:
     a_perm = tuple(1 + perm[j] - out_n for j, c in body if c == "i") + (0,)
     # B [*l, r, *o] from lora_B.weight [out, r]: split layout (*out axes, r).
     b_perm = (out_n,) + tuple(perm[j] for j, c in body if c == "o")
-    out[f"{t.path}/a"] = hf.Tensor(module + ".lora_A.weight", (None, in_split), a_perm)
-    out[f"{t.path}/b"] = hf.Tensor(module + ".lora_B.weight", (out_split, None), b_perm)
-  return hf.CheckpointMap(out)
+    out[f"{t.path}/a"] = _hf.Tensor(module + ".lora_A.weight", (None, in_split), a_perm)
+    out[f"{t.path}/b"] = _hf.Tensor(module + ".lora_B.weight", (out_split, None), b_perm)
+  return _hf.CheckpointMap(out)
 
 
-def _modules_regex(amap: hf.CheckpointMap) -> str:
+def _modules_regex(amap: _hf.CheckpointMap) -> str:
   """A regex (peft's `target_modules` as a str, matched in full) of exactly the adapted
   modules' names, stacked fields as digits."""
   names = sorted({t.key[len(PREFIX):-len(".lora_A.weight")] for t in amap.tensors.values()
@@ -92,7 +120,7 @@ def _modules_regex(amap: hf.CheckpointMap) -> str:
   return "^(" + "|".join(parts) + ")$"
 
 
-def export(path, adapters, config: _lora.LoraConfig, base, cmap: hf.CheckpointMap, *,
+def export(path, adapters, config: _lora.LoraConfig, base, cmap: _hf.CheckpointMap, *,
            base_model: str | None = None, extra_config: Mapping | None = None) -> list[str]:
   """Writes `adapters` as a PEFT LoRA adapter directory.
 
@@ -114,16 +142,26 @@ def export(path, adapters, config: _lora.LoraConfig, base, cmap: hf.CheckpointMa
     LoraError: from `fnscale.lora.targets`; adapters that don't fit the base.
     CheckpointError: from `adapter_map`.
     StorageError: a file can't be written.
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
+    >>> hf = fs.checkpoint.hf
+    >>> cmap = hf.CheckpointMap({"w": hf.Tensor("mlp.up_proj.weight", perm=(1, 0))})
+    >>> base, config = {"w": jnp.zeros((8, 16))}, fs.lora.LoraConfig(rank=2, targets=("w",))
+    >>> adapters = fs.lora.init(base, config, jax.random.key(0))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...   fs.checkpoint.peft.export(d, adapters, config, base, cmap, base_model="my/base")
+    ['adapter_model.safetensors', 'adapter_config.json']
   """
   ts = _lora.targets(base, config)
   _lora.check_adapters(ts, adapters, config.rank)
   amap = adapter_map(ts, cmap)
-  hf.write_tensors(path, adapters, amap, name=WEIGHTS_FILE)
+  _hf.write_tensors(path, adapters, amap, name=WEIGHTS_FILE)
   fields = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(config.rank),
             "lora_alpha": float(config.alpha), "lora_dropout": float(config.dropout),
             "target_modules": _modules_regex(amap), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "inference_mode": True, "base_model_name_or_path": base_model,
             **dict(extra_config or {})}
   if jax.process_index() == 0:
-    hf.write_json(str(path).rstrip("/") + "/" + CONFIG_FILE, fields)
+    _hf.write_json(str(path).rstrip("/") + "/" + CONFIG_FILE, fields)
   return [WEIGHTS_FILE, CONFIG_FILE]
