@@ -14,7 +14,7 @@ import fnscale as fs
 from fnscale import _topology
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
-from fnscale.analysis import mesh_str, _plan as plan, plan_summary
+from fnscale.analysis import mesh_str, plan, plan_summary
 
 from recipes.lm import llama
 
