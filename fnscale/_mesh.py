@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from fnscale import _deprecation
 from fnscale import _axes
 from fnscale import _compat
 from fnscale import _tree
@@ -531,3 +532,7 @@ def describe_mesh(mesh: Mesh) -> str:
         "across processes" if len(procs) > 1 else "ICI / local")
     lines.append(f"  {name:<10} size {devs.shape[i]:>4}  {mesh.axis_types[i].name:<8} {link}")
   return f"Mesh {dict(mesh.shape)} over {devs.size} devices\n" + "\n".join(lines)
+
+
+__getattr__ = _deprecation.moved(__name__, {
+    "describe": ("fnscale:describe_mesh", "fnscale.describe_mesh")})

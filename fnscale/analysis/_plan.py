@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from fnscale import _deprecation
 from fnscale import _compat
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
@@ -905,3 +906,7 @@ def plan_summary(p: Plan) -> dict:
               why=p.why, verification=p.verification, tokens=p.tokens,
               uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.FITTED._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)
+
+
+__getattr__ = _deprecation.moved(__name__, {
+    "summary": ("fnscale.analysis:plan_summary", "fnscale.analysis.plan_summary")})

@@ -48,6 +48,7 @@ from typing import Callable, Iterator, NamedTuple
 from absl import logging
 import jax
 
+from fnscale import _deprecation
 from fnscale import _compat
 from fnscale.multihost import _coordination as _co
 from fnscale.errors import DistributedArgumentError, DistributedError
@@ -359,3 +360,8 @@ def _sigterm_ends_join(describe: Callable[[], str]):
 
   with _signal_pipe(g, watch, lambda: not _compat.distributed_state().preemption_sync):
     yield
+
+
+__getattr__ = _deprecation.moved(__name__, {
+    "check_service": ("fnscale.multihost:check_preemption_service",
+                      "fnscale.multihost.check_preemption_service")})
