@@ -37,10 +37,12 @@ from fnscale.analysis._targets import Hardware
 class Terms(NamedTuple):
   """Efficiency terms of the forecast (see the module docstring). `matmul` in (0, 1];
   `exposed` >= 0 (a fraction of the ICI collectives' seconds); `per_doubling` >= 0 (a
-  fraction of the step per doubling of slices)."""
+  fraction of the step per doubling of slices); `memory` >= 0: the memory traffic's
+  seconds are multiplied by it (1: at the HBM bandwidth)."""
   matmul: float
   exposed: float
   per_doubling: float
+  memory: float = 1.0
 
 
 # Fitted by `python recipes/bench/forecast_fit.py`: the largest |forecast - published| MFU over the
@@ -78,7 +80,8 @@ def forecast(prof: _cost.Profile, hw: Hardware, est: _cost.Estimate, dcn: dict,
   step = bound
   if hw.kind != "cpu":
     ici = sum(s for a, s in comm.items() if a not in dcn)
-    first = (est.compute_s - est.memory_s - est.recompute_s) / terms.matmul + est.memory_s
+    first = ((est.compute_s - est.memory_s - est.recompute_s) / terms.matmul
+             + terms.memory * est.memory_s)
     late = max(terms.exposed * ici, est.recompute_s / terms.matmul)
     slices = math.prod(dcn.values()) if dcn else 1
     step = max(bound, (first + late) * (1 + terms.per_doubling * math.log2(slices)))
