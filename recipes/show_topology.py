@@ -12,18 +12,15 @@ libtpu's own device descriptions, without the hardware; that needs the tpu extra
 (`pip install "fnscale[tpu]"`). A bare grid ("2x4") overrides the layout of this machine's
 devices instead.
 """
-import os
 import re
 import sys
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale import topology  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale.mesh import describe  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from fnscale import topology
+from fnscale.mesh import describe
+from recipes.lm import cli
 
 flags.DEFINE_string("mesh", "data=-1", "mesh axes 'name=size,...' or a preset name")
 flags.DEFINE_string("dcn", None, "axes across slices/processes, e.g. 'replica=2'")

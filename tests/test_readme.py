@@ -323,8 +323,9 @@ def _repository_files() -> list[str]:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Checkout:
   """The repository's tracked (and new, unignored) files copied to a temporary directory.
-  fnscale is importable through a directory holding only a link to it, as an editable
-  install makes it; `recipes` is not (the commands run from the copy's root, as written)."""
+  The packages pyproject.toml installs (fnscale, recipes) are importable through a directory
+  holding only links to them, as an editable install makes them, and nothing else of the
+  copy is (the commands run from the copy's root, as written)."""
   base = tmp_path_factory.mktemp("readme")
   root = base / "fnscale-repo"
   for f in _repository_files():
@@ -332,7 +333,8 @@ def checkout(tmp_path_factory) -> Checkout:
     shutil.copy2(ROOT / f, root / f)
   site = base / "site"
   site.mkdir()
-  (site / "fnscale").symlink_to(root / "fnscale", target_is_directory=True)
+  for package in _installed_packages():
+    (site / package).symlink_to(root / package, target_is_directory=True)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   # One persistent compile cache for all the commands (a program several of them compile,
   # such as the default run's step, compiles once), also for quick compiles.
@@ -408,6 +410,13 @@ def _never_run(command: str) -> bool:
   toks = [t for t in _tokens(command) if not re.fullmatch(r"\w+=\S*", t)]  # env assignments
   return (toks[:2] == ["pip", "install"] or toks[:1] == ["pytest"]
           or toks[1:3] == ["-m", "pytest"] or (bool(toks) and toks[0].startswith(".ci/")))
+
+
+def _installed_packages() -> list[str]:
+  """The top-level packages pyproject.toml's `packages.find` installs ("fnscale*" -> fnscale)."""
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+  return sorted({pattern.rstrip("*").split(".")[0] for pattern in include})
 
 
 def _extras() -> set[str]:
@@ -603,6 +612,12 @@ def test_flags_are_checked_against_the_help_section():
   assert help_flags(argparse_help).names == {"help", "target"}
 
 
+def test_the_install_holds_the_recipes_beside_fnscale():
+  # `python recipes/X.py` finds `recipes` through the install, as `-m recipes.X` does from the
+  # checkout's root: no recipe sets up a path of its own (tests/test_imports.py).
+  assert _installed_packages() == ["fnscale", "recipes"]
+
+
 def test_pip_extras_are_checked_against_pyproject():
   extras = _extras()
   assert {"test", "tpu", "cuda12", "cuda13", "recipes"} <= extras
@@ -650,10 +665,10 @@ def test_the_readme_test_command_prints_its_seed():
 
 def test_summary_fields_the_readme_names_exist():
   # `train_lm(...)`'s Summary, as the README's text and code reach it (`Summary.x`, `summary.x`).
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import summary  # pylint: disable=import-outside-toplevel
   text = (ROOT / "README.md").read_text(encoding="utf-8")
   named = set(re.findall(r"\b[Ss]ummary\.([a-z_]+)\b", text))
   assert "final_step" in named and "bigram_loss" in named
   # summary.unread and summary.dcn_* are compile_report's Summary, a different value.
   report = {"unread", "dcn_bytes_sent", "dcn_groups"}
-  assert not named - report - set(harness.Summary._fields), named - report
+  assert not named - report - set(summary.Summary._fields), named - report

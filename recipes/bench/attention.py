@@ -11,7 +11,6 @@ those numbers test that the path works, they say nothing about kernel speed.
       --iters 1 --warmup 0                              # a quick check that the paths run
 """
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,9 +22,7 @@ import jax.numpy as jnp
 import fnscale
 from fnscale.kernels import kernel_selection
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",

@@ -60,9 +60,7 @@ from typing import NamedTuple
 from absl import flags
 from absl import logging
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

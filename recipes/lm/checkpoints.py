@@ -1,9 +1,10 @@
 """A run's checkpoints, as `train_lm.py` keeps them: resume from the newest good one (with the
 data iterator where it was), save only finite states (each with the data position), and say
-when a save can't fit the preemption window. `s` is train_lm's `Setup`; `ckpt` a
+when a save can't fit the preemption window. `s` is train_lm's `run_setup.Setup`; `ckpt` a
 `fnscale.checkpoint.Manager`, or None when checkpoints are off."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable, NamedTuple
@@ -11,13 +12,22 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import data
+from recipes.lm import batches
 
 
 def directory(o) -> str:
   """Where a run with train_lm options `o` (its `run_dir` filled in:
-  `harness.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
+  `rundir.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
   return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+
+
+def manager(o):
+  """A context of the run's one checkpoint manager (`fnscale.checkpoint.manager` over
+  `o.checkpoint_dir`, keeping `o.checkpoint_keep`), or of None with checkpoints off;
+  leaving it waits for the last save."""
+  if not o.checkpoint_dir:
+    return contextlib.nullcontext()
+  return fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep)
 
 
 def with_finite_flag(step):
@@ -29,12 +39,12 @@ def with_finite_flag(step):
   return step_with_flag
 
 
-def resume(s, ckpt, init, batches, say):
+def resume(s, ckpt, init, train_rows, say):
   """(state, start step, the step resumed from or None): the newest good checkpoint of
-  `ckpt`, with `batches` at each process's saved position, else a fresh `init()`. Says
+  `ckpt`, with `train_rows` at each process's saved position, else a fresh `init()`. Says
   whether a save fits the preemption window and compiles the save's finiteness check."""
   o = s.o
-  state, start, extra = restore_or_init(ckpt, init, batches, dict(
+  state, start, extra = restore_or_init(ckpt, init, train_rows, dict(
       seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
       f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
       f"{s.cfg.vocab})")
@@ -47,10 +57,10 @@ def resume(s, ckpt, init, batches, say):
   return state, start, None if extra is None else start
 
 
-def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
+def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
   """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
-  non-finite newer step is refused and left as it is), with the data iterator `batches` put
-  at the position each process saved (`data.resharded_position` maps positions saved by
+  non-finite newer step is refused and left as it is), with the data iterator `train_rows` put
+  at the position each process saved (`batches.resharded_position` maps positions saved by
   another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
   Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
   differ).
@@ -63,8 +73,8 @@ def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
   if not listed:
     return init(), 0, None
   try:
-    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=batches,
-                                         reshard_data=data.resharded_position)
+    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=train_rows,
+                                         reshard_data=batches.resharded_position)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
         f"{run or ckpt.directory} can't resume from the checkpoints already in "
@@ -110,7 +120,7 @@ class Saver(NamedTuple):
   commit: Callable  # commit(): wait until the last save is committed
 
 
-def saver(s, ckpt, batches, resumed: int | None, say) -> Saver:
+def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
   """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
   steps since the last check are read before every save and progress line), saves go through
   `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
@@ -133,7 +143,7 @@ def saver(s, ckpt, batches, resumed: int | None, say) -> Saver:
       warned = say_save_window(ckpt, s.o.grace_s, say)
     t = time.time()
     # Before the next batch is read: the iterator's position is this step's.
-    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
+    fs.checkpoint.save(ckpt, step, state, data=train_rows, extra=dict(
         step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
         global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train)))
     last_saved, saves = step, saves + 1
