@@ -44,7 +44,7 @@ def _losses_peer(loss_fn, params, batch, steps):
   return out
 
 
-@pytest.mark.parametrize("which", ["gpt", "llama"])
+@pytest.mark.parametrize("which", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_the_plain_jax_step_trains_as_fnscales_from_the_same_init_and_data(which):
   """Three float32 steps of each from one init: the same loss at every step. The second and
   third losses follow the gradients (a peer with a wrong RoPE, attention scale, bias, loss
@@ -71,6 +71,7 @@ def test_the_peers_init_has_the_models_tree_and_shapes():
     assert jax.tree.map(jnp.shape, mine) == jax.tree.map(jnp.shape, theirs)
 
 
+@pytest.mark.slow
 def test_a_tiny_case_runs_both_steps_alternately_with_the_palm_mfu():
   """gpt-nano on the CPU devices: both sides timed, tokens/s = tokens / step time, and the
   MFU over the hand count of PaLM's formula: N = 2 layers x 12 x 64^2 + 256 x 64 matmul

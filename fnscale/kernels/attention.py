@@ -708,11 +708,7 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
     mask = splash.CausalMask((t, s))
   else:
     mask = splash.FullMask((t, s))
-  sizes = splash.BlockSizes(
-      block_q=blocks.block_q, block_kv=blocks.block_kv, block_kv_compute=blocks.block_kv,
-      block_q_dkv=blocks.block_q_bwd, block_kv_dkv=blocks.block_kv_bwd,
-      block_kv_dkv_compute=blocks.block_kv_bwd, block_q_dq=blocks.block_q_bwd,
-      block_kv_dq=blocks.block_kv_bwd)
+  sizes = _splash_tiles.kernel_block_sizes(splash, blocks)
   make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
                 q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret)

@@ -38,15 +38,38 @@ synchronised; the step time is the median over rounds of a group's time per step
   FLOP/s from fnscale's chip facts (TPU v5e: 197 TFLOP/s per chip); on CPU the host's
   measured matmul rate (`fnscale.analysis.flops.host_matmul_peak`).
 - HBM: the compiled program's arguments + outputs - aliased + temporaries
-  (`memory_analysis`), per device; and the device's peak bytes in use (TPU).
+  (`memory_analysis`), per device. (The TPU allocator's `memory_stats` peak leaves the
+  program's temporaries out: 1 GiB for a 15.6 GiB program.)
 
 `--aot=v5e:1x1` compiles each case for a described chip here (no TPU needed) and reports
 the program's HBM only. `--json=PATH` writes every row.
+
+Measured on one TPU v5e (2026-12-05, JAX 0.10.2, libtpu 0.0.42.1; `--rounds=3 --steps=2
+--warmup=1`, one process; splash then with two backward kernels and 512 tiles), fnscale's
+step, tokens/s, MFU, program HBM (recipes/bench/chip_v5e.json holds the rows):
+
+| case | tokens/s | MFU | HBM GiB |
+|---|---|---|---|
+| gpt-small (16 x 1024, no remat) | 93.3k | 29.6% | 15.60 |
+| gpt-small,remat=dots,batch=32 | 120.1k | 38.0% | 11.39 |
+| gpt-medium (32 x 1024, full remat) | 34.2k | 36.7% | 9.84 |
+| gpt-medium,remat=qkv,batch=24 | 37.5k | 40.3% | 15.29 |
+| gpt-medium,remat=dots,batch=12 | 40.6k | 43.6% | 13.85 |
+| llama (8 x 2048, full remat), 64-token loss chunks | 9.6k | 24.4% | 15.32 |
+| llama,loss_chunk=1024 | 22.8k | 57.9% | 15.32 |
+| llama,mu=bfloat16,remat=qkv_attn,batch=4,loss_chunk=1024 | 23.6k | 59.8% | 13.25 |
+
+Time split of the first three (profile=1): gpt-small matmul 44.7%, attention 21.8%,
+elementwise 33.5%; gpt-medium 54.3 / 27.6 / 18.2% (full remat runs the attention forward
+twice); llama with 64-token chunks 90.2 / 3.9 / 5.9%, of which 47% in the loss's matmul
+loop (its [2048, 128256] weight streamed 256 times a pass). No collectives (one chip),
+no idle time. MaxText's v5e XLA flags (`MAXTEXT_V5E`) leave the one-chip programs
+unchanged: the optimized HLO of gpt-small and gpt-nano compiled for v5e:1x1 is the same
+text with and without them.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import json
@@ -59,10 +82,17 @@ import time
 from typing import NamedTuple
 
 from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from fnscale import topology
+from fnscale.kernels import _splash_tiles
+from recipes.bench import plain_jax as pj
+from recipes.bench import trace_split
+from recipes.lm import models
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
 # Llama sized for one v5e chip, and tiny ones for a CPU.
@@ -166,8 +196,6 @@ class Env(NamedTuple):
 
 def environment(aot: str = "") -> Env:
   """The mesh of every device ("fsdp") and the peak; `aot`: a TPU target to compile for."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from fnscale import topology  # pylint: disable=import-outside-toplevel
   devices = topology.target_devices(aot) if aot else jax.devices()
   mesh = fs.make_mesh({"fsdp": len(devices)}, devices=devices)
   d = devices[0]
@@ -185,7 +213,6 @@ def environment(aot: str = "") -> Env:
 
 def model_of(case: Case):
   """(train_lm's model module, its config) for the case's model, seq and levers."""
-  from recipes.lm import models  # pylint: disable=import-outside-toplevel
   if case.model not in models.MODELS:
     raise fs.InputError(f"model {case.model!r} is not one of train_lm's {list(models.MODELS)}")
   module = models.MODELS[case.model]
@@ -199,8 +226,6 @@ def optimizer(case: Case):
   """AdamW with global-norm clipping as train_lm's (b2 0.95, weight decay 0.1), its first
   moment in `case.mu`; the learning rate warms up to 6e-4 over a tenth of `case.loss_steps`
   (else 100 steps) and decays to 6e-5 by a cosine."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
   steps = case.loss_steps or 1000
   lr = optax.warmup_cosine_decay_schedule(0.0, 6e-4, steps // 10, steps, 6e-5)
   return optax.chain(optax.clip_by_global_norm(1.0),
@@ -237,7 +262,6 @@ def program_bytes(compiled) -> dict:
 def splash_tiles(case: Case, cfg):
   """The case's splash tiles in force for its shape while its steps are traced (fnscale's
   measured table, `fnscale.kernels._splash_tiles`, holds the defaults)."""
-  from fnscale.kernels import _splash_tiles  # pylint: disable=import-outside-toplevel
   key = (case.seq, case.seq, cfg.head_dim)
   old = _splash_tiles.MEASURED.get(key)
   if case.blocks is not None:
@@ -284,12 +308,11 @@ def fnscale_side(case: Case, env: Env, state, batch) -> Side:
 def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
   """The plain-JAX step of the same model (recipes/bench/plain_jax.py), compiled for the
   shared state's shardings; it reads and returns (params, opt_state) of that state."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from recipes.bench import plain_jax as pj  # pylint: disable=import-outside-toplevel
   module, cfg = model_of(case)
   tokens = case.batch * case.seq
   opts = pj.Options(attention="splash" if env.attention == "splash" else "xla",
-                    blocks=tiles or pj.Options().blocks, remat=case.remat, unroll=case.unroll,
+                    blocks=tiles or pj.Options().blocks,
+                    fused_bwd=_splash_tiles.FUSED_BACKWARD, remat=case.remat, unroll=case.unroll,
                     loss_chunk=case.loss_chunk or default_chunk(tokens, cfg.vocab))
   if hasattr(cfg, "kv_heads"):
     loss = functools.partial(pj.llama_loss, theta=cfg.rope_theta, options=opts)
@@ -312,9 +335,10 @@ def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
 
 
 def default_chunk(tokens: int, vocab: int) -> int:
-  """`fnscale.cross_entropy`'s default chunk: the most tokens whose float32 logits stay under
-  2**23 values, a divisor of `tokens` within half of that when there is one."""
-  most = min(tokens, max(1, (1 << 23) // vocab))
+  """`fnscale.cross_entropy`'s default chunk, for the peer: the most tokens whose float32
+  logits stay under 2**23 values but at least 1024, a divisor of `tokens` within half of
+  that when there is one."""
+  most = min(tokens, max(1024, (1 << 23) // vocab))
   return next((c for c in range(most, most // 2, -1) if tokens % c == 0), most)
 
 
@@ -323,7 +347,6 @@ def default_chunk(tokens: int, vocab: int) -> int:
 
 def random_batch(case: Case, vocab: int, mesh):
   """{"inputs", "targets"}: int32 [batch, seq] random token ids, split over the mesh."""
-  import jax  # pylint: disable=import-outside-toplevel
   ids = jax.random.randint(jax.random.key(1), (case.batch, case.seq + 1), 0, vocab)
   ids = jax.device_put(ids, fs.batch_sharding(mesh))
   return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
@@ -332,7 +355,6 @@ def random_batch(case: Case, vocab: int, mesh):
 def alternate(sides: dict, state, batch, rounds: int, steps: int, warmup: int):
   """Runs the sides in turn on one state (even rounds in `sides` order, odd ones reversed);
   returns (state, {name: [seconds per step of each round]})."""
-  import jax  # pylint: disable=import-outside-toplevel
   names = list(sides)
   for name in names:
     for _ in range(warmup):
@@ -361,8 +383,6 @@ def figures(side: Side, seconds: list, tokens: int, flops_token: float, env: Env
 def profile(side: Side, state, batch, keep: str = "", steps: int = 3):
   """Traces `steps` steps of `side`; returns (state, trace_split.Split). `keep`: a path to
   copy the trace's XSpace (.xplane.pb) to."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from recipes.bench import trace_split  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory(prefix="fnscale-trace-") as d:
     jax.profiler.start_trace(d)
     for _ in range(steps):
@@ -378,7 +398,6 @@ def profile(side: Side, state, batch, keep: str = "", steps: int = 3):
 def text_batches(case: Case, steps: int):
   """`steps` batches of byte-level text: windows of the Python standard library's sources at
   positions drawn with a fixed seed (the same for every case)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
   root = os.path.dirname(os.__file__)
   data, size = [], 0
   for name in sorted(os.listdir(root)):
@@ -396,7 +415,6 @@ def text_batches(case: Case, steps: int):
 
 def train_losses(side: Side, case: Case, env: Env) -> list[float]:
   """The loss of each of `case.loss_steps` steps of `side` from a fresh init (seed 0)."""
-  import jax  # pylint: disable=import-outside-toplevel
   state, losses = init(case, env), []
   for b in text_batches(case, case.loss_steps):
     state, loss = side.run(state, jax.device_put(b, fs.batch_sharding(env.mesh)))
@@ -406,7 +424,6 @@ def train_losses(side: Side, case: Case, env: Env) -> list[float]:
 
 def init(case: Case, env: Env, abstract: bool = False):
   """fnscale's state for the case, born in its shardings (seed 0)."""
-  import jax  # pylint: disable=import-outside-toplevel
   module, cfg = model_of(case)
   return fs.init_state(functools.partial(module.init_params, cfg),
                        optimizer(case), mesh=env.mesh, rules=module.RULES,
@@ -421,7 +438,6 @@ def _file_name(label: str) -> str:
 def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
             trace_dir: str = "") -> dict:
   """One row: each side's figures (and the split, the losses), as the docstring says."""
-  import jax  # pylint: disable=import-outside-toplevel
   module, cfg = model_of(case)
   tokens = case.batch * case.seq
   row = {"case": case.label, "levers": case._asdict(), "tokens_step": tokens,
@@ -453,8 +469,6 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
       state, split = profile(sides["fnscale"], state, batch, keep)
       row["split"] = {"fractions": split.fractions(), "step_ms": 1e3 * split.step_s,
                       "unmatched": split.unmatched, "line": split.line(), "top": split.top}
-    stats = jax.devices()[0].memory_stats() or {}
-    row["device_peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
     del state, batch
     gc.collect()
     if case.loss_steps:  # the same compiled step, from a fresh init on text
@@ -490,15 +504,9 @@ def describe(row: dict) -> str:
 
 def _splash_grad(shape, tiles, fused: bool):
   """A jitted fwd + bwd of causal splash attention on bf16 q [b, s, h, d], k, v [b, s, kv, d]."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=import-outside-toplevel
   b, h, kv, s, d = shape
-  bq, bkv, bq_bwd, bkv_bwd = tiles
-  sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd,
-                        block_kv_dkv=bkv_bwd, block_kv_dkv_compute=bkv_bwd,
-                        block_q_dq=None if fused else bq_bwd,
-                        block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
+  sizes = _splash_tiles.kernel_block_sizes(sa, _splash_tiles.Tiles(*tiles), fused)
   kernel = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((s, s))] * h), block_sizes=sizes,
                               head_shards=1, q_seq_shards=1,
                               interpret=jax.devices()[0].platform != "tpu")
@@ -510,7 +518,6 @@ def _splash_grad(shape, tiles, fused: bool):
 
 
 def _time(fn, args, reps: int = 5) -> float:
-  import jax  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
@@ -557,15 +564,16 @@ def search_splash(spec: str) -> dict:
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_multi_string("case", [], "BASE[,KEY=VALUE...] (module docstring); repeatable",
-                            flag_values=fv)
+  flags.DEFINE_multi_string("case", [], "BASE[,KEY=VALUE...] (module docstring), or "
+                            "search:BxHxKVxSxD (a splash tile search in this place); "
+                            "repeatable, run in order", flag_values=fv)
   flags.DEFINE_integer("rounds", 5, "alternating rounds", flag_values=fv)
   flags.DEFINE_integer("steps", 3, "steps per side per round", flag_values=fv)
   flags.DEFINE_integer("warmup", 2, "steps per side before timing", flag_values=fv)
   flags.DEFINE_string("aot", "", "compile for this TPU target (e.g. v5e:1x1) instead of "
                       "running: HBM only", flag_values=fv)
   flags.DEFINE_multi_string("search_splash", [], "BxHxKVxSxD: time splash tiles for this "
-                            "shape (TPU); repeatable", flag_values=fv)
+                            "shape (TPU), after the cases; repeatable", flag_values=fv)
   flags.DEFINE_string("json", "", "append each row to this file (JSON lines)", flag_values=fv)
   flags.DEFINE_string("trace_dir", "", "keep each profiled case's trace (.xplane.pb) here",
                       flag_values=fv)
@@ -578,17 +586,20 @@ def run(argv: list[str], say=print) -> list[dict]:
   fv = flags.FlagValues()
   _define_flags(fv)
   fv(argv)
-  cases = [parse_case(c) for c in fv.case]
+  items = [("search", c.removeprefix("search:")) if c.startswith("search:") else
+           ("case", parse_case(c)) for c in fv.case]
+  items += [("search", spec) for spec in fv.search_splash]
   t0, rows = time.time(), []
-  for spec in fv.search_splash:
-    say(f"splash tiles for {spec}:")
-    rows.append(_write(fv.json, {"search_splash": search_splash(spec)}))
-    say(f"  best: {rows[-1]['search_splash']['best']}")
   env = environment(fv.aot)
   say(f"chip.py: jax {_versions()}; {env.peak_note}")
-  for case in cases:
+  for kind, case in items:
     if fv.budget_s and time.time() - t0 > fv.budget_s:
-      say(f"{case.label}: skipped (past --budget_s={fv.budget_s:.0f})")
+      say(f"{getattr(case, 'label', case)}: skipped (past --budget_s={fv.budget_s:.0f})")
+      continue
+    if kind == "search":
+      say(f"splash tiles for {case}:")
+      rows.append(_write(fv.json, {"search_splash": search_splash(case)}))
+      say(f"  best: {rows[-1]['search_splash']['best']}")
       continue
     try:
       row = measure(case, env, fv.rounds, fv.steps, fv.warmup, fv.trace_dir)
@@ -604,7 +615,6 @@ def run(argv: list[str], say=print) -> list[dict]:
 
 
 def _versions() -> str:
-  import jax  # pylint: disable=import-outside-toplevel
   try:
     import libtpu  # pylint: disable=import-outside-toplevel
     tpu = f", libtpu {getattr(libtpu, '__version__', '?')}"

@@ -51,11 +51,13 @@ class Llama(NamedTuple):
 
 class Options(NamedTuple):
   """How the step computes: `attention` "splash" or "xla"; `blocks`: splash's (block_q,
-  block_kv, block_q_bwd, block_kv_bwd); `remat`: "none", "full", "dots" (matmul outputs and
-  attention residuals saved) or "qkv_attn"; `unroll` the layer loop; `loss_chunk`: tokens per
-  chunk of the chunked cross-entropy (0: whole logits)."""
+  block_kv, block_q_bwd, block_kv_bwd); `fused_bwd`: splash's fused backward kernel;
+  `remat`: "none", "full", "dots" (matmul outputs and attention residuals saved) or
+  "qkv_attn"; `unroll` the layer loop; `loss_chunk`: tokens per chunk of the chunked
+  cross-entropy (0: whole logits)."""
   attention: str = "xla"
   blocks: tuple[int, int, int, int] = (512, 512, 512, 512)
+  fused_bwd: bool = True
   remat: str = "none"
   unroll: bool = False
   loss_chunk: int = 0
@@ -131,14 +133,15 @@ def _rope(x, theta):
   return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
-def _splash(q, k, v, blocks):
+def _splash(q, k, v, blocks, fused: bool):
   """Causal splash attention on [batch, seq, heads, head_dim] (k, v may have fewer heads)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
-  b, s, h, d = q.shape
+  _, s, h, d = q.shape
   bq, bkv, bq_bwd, bkv_bwd = blocks
   sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd,
-                        block_kv_dkv=bkv_bwd, block_kv_dkv_compute=bkv_bwd, block_q_dq=bq_bwd,
-                        block_kv_dq=bkv_bwd)
+                        block_kv_dkv=bkv_bwd, block_kv_dkv_compute=bkv_bwd,
+                        block_q_dq=None if fused else bq_bwd,
+                        block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
   kernel = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((s, s))] * h), block_sizes=sizes,
                               head_shards=1, q_seq_shards=1,
                               residual_checkpoint_name=SPLASH_RESIDUALS)
@@ -154,7 +157,7 @@ def attention(q, k, v, options: Options):
     if k.shape[2] != q.shape[2]:
       k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-  run = functools.partial(_splash, blocks=options.blocks)
+  run = functools.partial(_splash, blocks=options.blocks, fused=options.fused_bwd)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or "fsdp" not in mesh.axis_names or mesh.shape["fsdp"] == 1:
     return run(q, k, v)

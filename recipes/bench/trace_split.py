@@ -36,12 +36,18 @@ import os
 import re
 from typing import NamedTuple
 
+import jax
+
 CATEGORIES = ("matmul", "attention", "elementwise", "collective", "idle")
+# Ops whose trace events span the ops they run (a loop's event covers its body's): not
+# counted themselves.
+_CONTROL = ("while", "conditional", "call")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                 "collective-permute", "collective-broadcast", "ragged-all-to-all")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 _HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_EVENT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s")
 
 
 class Split(NamedTuple):
@@ -107,6 +113,8 @@ def _computations_with_dots(comps: dict) -> set[str]:
 
 
 def _category(op: str, line: str, matmul_comps: set[str]) -> str:
+  if op in _CONTROL:
+    return "control"
   base = op.removesuffix("-start").removesuffix("-done")
   if base in _COLLECTIVES:
     return "collective"
@@ -119,15 +127,25 @@ def _category(op: str, line: str, matmul_comps: set[str]) -> str:
   return "elementwise"
 
 
+def op_name(event_name: str) -> str:
+  """The HLO instruction name of a trace event: a TPU's "XLA Ops" events are named by the
+  instruction's whole text ("%fusion.285 = s32[2,8]{...} fusion(...), kind=kLoop, ..."),
+  a CPU's by the bare name."""
+  m = _EVENT.match(event_name)
+  return m.group(1) if m else event_name
+
+
 def _device_events(data):
   """(op name, start ns, duration ns) of executed HLO ops, and the module runs' wall span
-  (ns) on the first device plane that has them; else (CPU) host events with an hlo_op."""
+  (ns) on the first device plane that has them; else (CPU) host events with an hlo_op. The
+  device's "Async XLA Ops" line (copies and slices in flight beside the compute) is left
+  out: its spans overlap the ops that run."""
   for plane in data.planes:
     if not plane.name.startswith("/device:") or "CUSTOM" in plane.name:
       continue
     lines = {line.name: list(line.events) for line in plane.lines}
     if "XLA Ops" in lines:
-      ops = [(e.name, e.start_ns, e.duration_ns) for e in lines["XLA Ops"]]
+      ops = [(op_name(e.name), e.start_ns, e.duration_ns) for e in lines["XLA Ops"]]
       mods = lines.get("XLA Modules") or []
       return ops, [(e.start_ns, e.start_ns + e.duration_ns) for e in mods]
   ops = []
@@ -156,23 +174,24 @@ def _union_ns(intervals) -> float:
 def split(xplane_path: str, hlo_text: str, runs: int) -> Split:
   """The per-step split of the `runs` program runs traced in `xplane_path` (see the module
   docstring); `hlo_text`: the optimized HLO of the traced program."""
-  import jax  # deferred: reading a trace needs no backend until here
   data = jax.profiler.ProfileData.from_file(xplane_path)
   ops, modules = _device_events(data)
   names = categories(hlo_text)
   busy = {k: [] for k in CATEGORIES[:-1]}
-  unmatched, per_op = 0.0, {}
+  unmatched, total, per_op = 0.0, 0.0, {}
   for name, start, dur in ops:
-    key = names.get(name) or names.get(name.split(" ")[0])
+    key = names.get(name)
+    if key == "control":
+      continue
     if key is None:
       unmatched += dur
       key = "elementwise"
     busy[key].append((start, start + dur))
+    total += dur
     per_op[(name, key)] = per_op.get((name, key), 0.0) + dur
   seconds = {k: _union_ns(v) * 1e-9 / runs for k, v in busy.items()}
   spans = modules or [(s, s + d) for _, s, d in ops]
   wall = (max(b for _, b in spans) - min(a for a, _ in spans)) * 1e-9 / runs if spans else 0.0
   seconds["idle"] = max(0.0, wall - sum(seconds.values()))
-  total = sum(d for _, _, d in ops)
   top = sorted(((n, k, d * 1e-9 / runs) for (n, k), d in per_op.items()), key=lambda t: -t[2])
   return Split(seconds, wall, unmatched / total if total else 0.0, tuple(top[:15]))

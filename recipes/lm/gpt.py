@@ -30,6 +30,7 @@ from fnscale.analysis import flops
 from recipes.lm import int8, remat as remat_lib
 
 VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=n)`)
+REMAT_POLICIES = remat_lib.POLICIES  # what `remat=` takes besides True / False
 
 
 class ModelConfig(NamedTuple):

@@ -92,6 +92,7 @@ class ModelConfig(NamedTuple):
 
 
 LLAMA3_VOCAB = 128_256
+REMAT_POLICIES = remat_lib.POLICIES  # what `remat=` takes besides True / False
 # Llama 3 shapes from Meta's published configurations: "The Llama 3 Herd of Models"
 # (arXiv:2407.21783), table 3 (8B: 32 layers, d 4096, FFN 14336, 32 heads, 8 KV heads;
 # 70B: 80 layers, d 8192, FFN 28672, 64 heads, 8 KV heads; vocabulary 128256, RoPE base

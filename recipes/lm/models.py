@@ -71,8 +71,17 @@ def losses(s) -> tuple:
   kw = dict(cfg=s.cfg, **({"weighted": True} if s.corpus.packed is not None else {}),
             **({"microbatches": o.microbatches} if o.microbatches else {}))
   aux = getattr(model, "HAS_AUX", False)
-  train = functools.partial(model.loss_and_aux if aux else model.loss_fn, remat=o.remat, **kw)
+  train = functools.partial(model.loss_and_aux if aux else model.loss_fn,
+                            remat=remat_of(o, model), **kw)
   return train, functools.partial(model.loss_fn, **kw), aux
+
+
+def remat_of(o, model) -> bool | str:
+  """The loss's `remat` for options `o` (--remat_policy resolved, `run_setup.decide`): the
+  policy's name for a model that takes one (gpt, llama: `REMAT_POLICIES`), else on for
+  "full" and off for the others (moe recomputes a block whole or not at all)."""
+  policy = "full" if o.remat else o.remat_policy
+  return policy if hasattr(model, "REMAT_POLICIES") else policy == "full"
 
 
 def init(s, optimizer, policy, seed_key):

@@ -31,11 +31,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import fnscale as fs
 from fnscale.kernels.attention import RESIDUALS
+from recipes.lm.options import REMAT_POLICIES as POLICIES
 
 QKV = "qkv"  # the q, k and v projections (after RoPE)
 ATTENTION = RESIDUALS  # the attention kernel's output and logsumexp
-
-POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
 
 
 def _policy(name: str):

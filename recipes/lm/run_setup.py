@@ -16,7 +16,7 @@ import fnscale as fs
 from fnscale import sharding
 from recipes.lm import batches, checkpoints, data, models, packing, progress, run_log, rundir
 from recipes.lm import startup
-from recipes.lm.options import Options, platform_default, schedule_defaults
+from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -40,6 +40,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)
   o, mesh = _mesh(o, model, cfg, topo, per_device, say)
+  if o.remat and o.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+                        "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
@@ -52,6 +55,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
       o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
+      remat_policy=remat_policy(o, topo.platform),
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
