@@ -63,12 +63,12 @@ def test_the_plain_jax_step_trains_as_fnscales_from_the_same_init_and_data(which
 
 
 def test_the_peers_init_has_the_models_tree_and_shapes():
-  for mine, theirs in ((pj.init_gpt(pj.GPT(2, 32, 2, 16, 256), jax.random.key(0)),
-                        gpt.init_params(GPT_CFG, jax.random.key(0))),
-                       (pj.init_llama(pj.Llama(2, 32, 4, 2, 64, 16, 256), jax.random.key(0)),
-                        llama.init_params(LLAMA_CFG, jax.random.key(0)))):
-    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
-    assert jax.tree.map(jnp.shape, mine) == jax.tree.map(jnp.shape, theirs)
+  shapes = lambda f, cfg: jax.eval_shape(functools.partial(f, cfg), jax.random.key(0))
+  for mine, theirs in ((shapes(pj.init_gpt, pj.GPT(2, 32, 2, 16, 256)),
+                        shapes(gpt.init_params, GPT_CFG)),
+                       (shapes(pj.init_llama, pj.Llama(2, 32, 4, 2, 64, 16, 256)),
+                        shapes(llama.init_params, LLAMA_CFG))):
+    assert mine == theirs  # same tree, shapes and dtypes
 
 
 @pytest.mark.slow
@@ -103,3 +103,73 @@ def test_case_levers_parse_and_say_whether_the_peer_has_them():
       "llama-766m", 8, 2048, "dots", (1024, 512, 512, 512), True, 512)
   assert not c.peer_levers  # int8 is fnscale's alone
   assert chip.parse_case("gpt-medium,remat=qkv_attn").peer_levers
+
+
+# A TPU-like optimized module: a convolution fusion, a loop fusion, the splash kernel, an
+# async all-gather, a while loop (whose event spans its body's) and a copy.
+_HLO = """HloModule jit_step, is_scheduled=true
+
+%fc.1 (p0: bf16[8,8], p1: bf16[8,8]) -> bf16[8,8] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,8]{1,0} parameter(1)
+  ROOT %convolution.9 = bf16[8,8]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%fc.2 (p0.1: bf16[8,8]) -> bf16[8,8] {
+  %p0.1 = bf16[8,8]{1,0} parameter(0)
+  ROOT %tanh.1 = bf16[8,8]{1,0} tanh(%p0.1)
+}
+
+ENTRY %main.3 (a: bf16[8,8], b: bf16[8,8]) -> bf16[8,8] {
+  %a = bf16[8,8]{1,0} parameter(0)
+  %b = bf16[8,8]{1,0} parameter(1)
+  %fusion.1 = bf16[8,8]{1,0} fusion(%a, %b), kind=kOutput, calls=%fc.1
+  %fusion.2 = bf16[8,8]{1,0} fusion(%fusion.1), kind=kLoop, calls=%fc.2
+  %splash_mha_fwd.3 = bf16[8,8]{1,0} custom-call(%fusion.2), custom_call_target="tpu_custom_call"
+  %all-gather-start.4 = (bf16[8,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%a), dimensions={0}
+  %while.5 = (s32[], bf16[8,8]{1,0}) while(%t), condition=%cond, body=%body
+  ROOT %copy.6 = bf16[8,8]{1,0} copy(%splash_mha_fwd.3)
+}
+"""
+
+
+def _trace(events, module_ps):
+  """An XSpace as a TPU writes it: per op, its instruction's text as the event name."""
+  meta = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}\n'
+                 for i, (n, _, _) in enumerate(events, 1))
+  ops = "".join(f"events {{ metadata_id: {i} offset_ps: {t} duration_ps: {d} }}\n"
+                for i, (_, t, d) in enumerate(events, 1))
+  text = (f'planes {{ id: 1 name: "/device:TPU:0"\n'
+          f'lines {{ id: 1 name: "XLA Modules" timestamp_ns: 0\n'
+          f'events {{ metadata_id: 99 offset_ps: 0 duration_ps: {module_ps} }} }}\n'
+          f'lines {{ id: 2 name: "XLA Ops" timestamp_ns: 0\n{ops}}}\n{meta}'
+          f'event_metadata {{ key: 99 value {{ id: 99 name: "jit_step(1)" }} }} }}\n')
+  return jax.profiler.ProfileData.from_text_proto(text)
+
+
+def test_the_trace_split_sorts_a_tpus_ops_by_what_their_hlo_computes():
+  """Times in ps of one 100 us step: the convolution fusion 40 (matmul), the tanh fusion 10,
+  the copy 5 (elementwise), the splash kernel 20 (attention), the all-gather 5 (collective);
+  the while loop's event spans its body (the convolution) and counts nothing itself; 20 us
+  with no op is idle; the root's event name starts with ROOT. A split that read the fusion
+  by its kind, counted the loop, or missed the kernel would give other shares."""
+  from recipes.bench import trace_split
+  text = lambda name: next(line.strip() for line in _HLO.splitlines() if f"%{name} =" in line)
+  us = 1_000_000  # ps
+  events = [(text("fusion.1"), 0, 40 * us), (text("while.5"), 0, 40 * us),
+            (text("fusion.2"), 40 * us, 10 * us), (text("splash_mha_fwd.3"), 50 * us, 20 * us),
+            (text("all-gather-start.4"), 70 * us, 5 * us), (text("copy.6"), 75 * us, 5 * us)]
+  s = trace_split.split(_trace([(n.replace('"', '\\"'), t, d) for n, t, d in events],
+                               100 * us), _HLO, runs=1)
+  assert s.step_s == pytest.approx(100e-6)
+  assert {k: round(v * 1e6, 3) for k, v in s.seconds.items()} == {
+      "matmul": 40, "attention": 20, "elementwise": 15, "collective": 5, "idle": 20}
+  assert s.unmatched == 0 and s.top[0] == ("fusion.1", "matmul", pytest.approx(40e-6))
+
+
+@pytest.mark.slow
+def test_the_trace_splits_example_runs_on_a_cpu_trace():
+  import doctest  # pylint: disable=import-outside-toplevel
+  from recipes.bench import trace_split
+  result = doctest.testmod(trace_split)
+  assert result.attempted > 0 and result.failed == 0

@@ -28,8 +28,8 @@ def _grads(policy, cfg=CFG):
       params, _batch(cfg))
 
 
-@pytest.mark.parametrize("policy", ["dots", *(pytest.param(p, marks=pytest.mark.slow)
-                                              for p in ("full", "qkv_attn", "qkv", True))])
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "dots", "qkv_attn", "qkv", True])
 def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy):
   (loss, grads), (want, want_grads) = _grads(policy), _grads("none")
   assert float(loss) == pytest.approx(float(want), rel=1e-6)
@@ -68,8 +68,8 @@ def test_int8_dense_is_close_to_the_float_matmul_forward_and_input_gradient():
   x = jax.random.normal(jax.random.key(0), (64, 128))
   w = jax.random.normal(jax.random.key(1), (128, 96)) * 0.05
   g = jax.random.normal(jax.random.key(2), (64, 96))
-  y, vjp = jax.vjp(int8.dense, x, w)
-  dx, dw = vjp(g)
+  y, dx, dw = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(int8.dense, x, w)))(
+      x, w, g)
   rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
   assert rel(y, x @ w) < 0.02 and rel(dx, g @ w.T) < 0.02
   assert rel(y, x @ w) > 1e-4  # it did round
@@ -78,6 +78,7 @@ def test_int8_dense_is_close_to_the_float_matmul_forward_and_input_gradient():
   assert jaxpr.count("preferred_element_type=int32") == 2  # forward and input gradient
 
 
+@pytest.mark.slow
 def test_int8_dense_contracts_several_dims_as_tensordot():
   x = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
   w = jax.random.normal(jax.random.key(1), (4, 8, 16))
@@ -87,6 +88,7 @@ def test_int8_dense_contracts_several_dims_as_tensordot():
   assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 0.03
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,cfg", [(llama, CFG), (gpt, gpt.ModelConfig(2, 32, 2, 16, 64))])
 def test_the_int8_and_unrolled_models_train_the_same_function(module, cfg):
   params = module.init_params(cfg, jax.random.key(0))
@@ -132,3 +134,10 @@ def test_train_lms_remat_policy_defaults_by_platform_and_remat_means_full():
   for policy, want in (("full", True), ("dots", False), ("none", False)):
     o = options.Options(remat_policy=policy)
     assert models.remat_of(o, moe) is want and models.remat_of(o, llama) == policy
+
+
+@pytest.mark.parametrize("module", [remat, int8], ids=lambda m: m.__name__)
+def test_the_lever_modules_examples_run(module):
+  import doctest  # pylint: disable=import-outside-toplevel
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0

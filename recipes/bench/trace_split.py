@@ -47,7 +47,7 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 _HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_EVENT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s")
+_EVENT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s")
 
 
 class Split(NamedTuple):
@@ -171,10 +171,12 @@ def _union_ns(intervals) -> float:
   return total
 
 
-def split(xplane_path: str, hlo_text: str, runs: int) -> Split:
-  """The per-step split of the `runs` program runs traced in `xplane_path` (see the module
-  docstring); `hlo_text`: the optimized HLO of the traced program."""
-  data = jax.profiler.ProfileData.from_file(xplane_path)
+def split(trace, hlo_text: str, runs: int) -> Split:
+  """The per-step split of the `runs` program runs traced in `trace` (an .xplane.pb path or
+  a `jax.profiler.ProfileData`; see the module docstring); `hlo_text`: the optimized HLO of
+  the traced program."""
+  data = (trace if isinstance(trace, jax.profiler.ProfileData)
+          else jax.profiler.ProfileData.from_file(trace))
   ops, modules = _device_events(data)
   names = categories(hlo_text)
   busy = {k: [] for k in CATEGORIES[:-1]}

@@ -25,13 +25,18 @@ MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}
 def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
   """(model module, its config, the run's model name): --init_from's config.json, else the
   named `size` with the corpus's vocabulary. Raises InputError on an unknown name, both
-  options given, a tokenizer with more ids than the checkpoint's model, or packed rows for a
-  model whose loss takes no weights."""
+  options given, a tokenizer with more ids than the checkpoint's model, packed rows for a
+  model whose loss takes no weights, or --int8 for a model without int8 matmuls."""
   model, cfg, name = _choose(o, size, seq, corpus.vocab)
   if corpus.packed is not None and "weighted" not in inspect.signature(model.loss_fn).parameters:
     raise fs.InputError(f"--dataset={o.dataset}: packed rows need a model whose loss masks "
                         f"documents and weighs tokens; {name} doesn't; fix: a gpt or llama "
                         "model, or a text dataset")
+  if o.int8:
+    if "int8" not in cfg._fields:
+      raise fs.InputError(f"--int8: {name} has no int8 matmuls; fix: a gpt or llama model, "
+                          "or leave --int8 out")
+    cfg = cfg._replace(int8=True)
   return model, cfg, name
 
 

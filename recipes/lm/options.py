@@ -113,6 +113,9 @@ class Options:
                               "in: zigzag (balanced causal work), striped or contiguous")
   remat: bool = option(False, "recompute each block's activations in the backward pass "
                        "(--remat_policy=full)")
+  int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
+                      "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
+                      "llama models)")
   remat_policy: str = option("auto", "what each block keeps for its backward pass "
                              f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
                              f"{_by_platform('remat_policy')}, full with --remat")
