@@ -85,3 +85,21 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
   y = _matmul(x.reshape(-1, math.prod(inner)),
               w.astype(x.dtype).reshape(math.prod(inner), math.prod(out)))
   return y.reshape(*lead, *out)
+
+
+def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """`jnp.einsum(subscripts, x, w)` through `dense`, for a weight w whose leading dims are
+  contracted with x's trailing ones and whose other dims follow x's in the output
+  ("bsd,dhk->bshk", "bshk,hkd->bsd").
+
+  Raises:
+    ValueError: subscripts of another form (or a w that is no array, e.g. a LoRA-bound one).
+  """
+  lhs, _, out = subscripts.partition("->")
+  xs, ws = lhs.split(",")
+  n = len(xs) - len(xs.rstrip(ws))  # x's trailing dims that w has
+  if (not isinstance(w, jax.Array) or n == 0 or ws[:n] != xs[len(xs) - n:]
+      or out != xs[:len(xs) - n] + ws[n:]):
+    raise ValueError(f"int8 einsum {subscripts!r} on {type(w).__name__}: expected a weight "
+                     "array contracted over its leading dims, e.g. 'bsd,dhk->bshk'")
+  return dense(x, w, n)

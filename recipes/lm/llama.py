@@ -240,6 +240,20 @@ _AXES = {
 }
 
 
+# The weights LoRA adapts (`fnscale.lora`), by name: the layout of one layer's weight ('i' its
+# dims contracted with the activations, 'o' those it produces); the stored layer dims lead.
+LORA_WEIGHTS = {"wq": "ioo", "wk": "ioo", "wv": "ioo", "wo": "iio", "w_gate": "io",
+                "w_up": "io", "w_down": "io"}
+
+
+def lora_targets(cfg: ModelConfig, names=None) -> tuple:
+  """`fnscale.lora.LoraConfig.targets` for the block weights `names` (default every one of
+  `LORA_WEIGHTS`): ("blocks/<name>", layout) pairs, with the stored layer dims ([layers],
+  or a circular pipeline's [stages, repeats, layers per stage]) as 'l's."""
+  stacked = "l" if cfg.repeats == 1 else "lll"
+  return tuple((f"blocks/{n}", stacked + LORA_WEIGHTS[n]) for n in (names or LORA_WEIGHTS))
+
+
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
 # heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
 # output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
@@ -336,21 +350,23 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   q, k, v = (remat_lib.name_qkv(a) for a in (q, k, fs.constrain_batch(v)))
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   mm = _matmul(cfg)
-  x = x + mm(o, p["wo"], 2)
+  x = x + mm("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  g = jax.nn.silu(mm(h, p["w_gate"], 1))
-  return x + mm(g * mm(h, p["w_up"], 1), p["w_down"], 1)
+  g = jax.nn.silu(mm("bsd,df->bsf", h, p["w_gate"]))
+  u = mm("bsd,df->bsf", h, p["w_up"])
+  return x + mm("bsf,fd->bsd", g * u, p["w_down"])
 
 
 def _matmul(cfg: ModelConfig):
-  """x [..., c_1..c_n] @ w [c_1..c_n, ...] (n given): int8 when `cfg.int8`, else as einsum."""
-  return int8.dense if cfg.int8 else jnp.tensordot
+  """einsum(subscripts, x, w) for a block's weight: int8 (`recipes.lm.int8.einsum`) when
+  `cfg.int8`, else `fnscale.lora.einsum` (a plain einsum, or a LoRA-bound weight's)."""
+  return int8.einsum if cfg.int8 else fs.lora.einsum
 
 
 def _project(h, p, name: str, cfg: ModelConfig):
   """q, k or v [batch, seq, heads, head_dim]: the projection, its bias and its per-head RMSNorm
   where the params have them (Qwen2's biases, Qwen3's q/k norm)."""
-  out = _matmul(cfg)(h, p[f"w{name}"], 1)
+  out = _matmul(cfg)("bsd,dhk->bshk", h, p[f"w{name}"])
   if f"b{name}" in p:
     out = out + p[f"b{name}"].astype(out.dtype)
   if f"{name}_norm" in p:

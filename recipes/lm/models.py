@@ -36,6 +36,9 @@ def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
     if "int8" not in cfg._fields:
       raise fs.InputError(f"--int8: {name} has no int8 matmuls; fix: a gpt or llama model, "
                           "or leave --int8 out")
+    if o.lora_rank:
+      raise fs.InputError("--int8 with --lora_rank: the int8 matmuls take plain weights, "
+                          "not a base with adapters; give one of them")
     cfg = cfg._replace(int8=True)
   return model, cfg, name
 

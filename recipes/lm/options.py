@@ -21,6 +21,9 @@ LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
 MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
 # What each block keeps for its backward pass (recipes/lm/remat.py says what each saves).
 REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
+OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
+DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
+TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
 # default run in ~2-3 minutes on 2 cores (README, "The main job"). Accelerators: GPT small at
@@ -47,17 +50,31 @@ _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "accum_step
              "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
-                 "temperature", "shutdown_delay_s", "num_processes")
+                 "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
+                 "dpo_label_smoothing")
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
+class Hardware:
+  """The options that say what hardware a recipe runs on, train_lm's and the benchmarks'
+  (`recipes.lm.hardware` adds them to a benchmark's flags and detects the topology)."""
+  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
+  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
+  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(Hardware):
+  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default.
+  The hardware options (`--topology`, `--mesh_shape`, `--tpu`) are `Hardware`'s."""
   # option -> its range (cli.check_range's minimum / above / maximum)
   RANGES: ClassVar[dict] = {**dict.fromkeys(_POSITIVE, dict(minimum=1)),
                             **dict.fromkeys(_NON_NEGATIVE, dict(minimum=0)),
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
+                            "lora_alpha": dict(above=0), "dpo_beta": dict(above=0),
+                            "lora_dropout": dict(minimum=0, maximum=0.99),
+                            "dpo_pairs": dict(minimum=1),
                             "process_id": dict(minimum=-1)}
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
@@ -65,7 +82,8 @@ class Options:
                              "attention": IMPLEMENTATIONS,
                              "context": context_attention.FORMS,
                              "context_order": context_attention.ORDERS,
-                             "remat_policy": ("auto",) + REMAT_POLICIES}
+                             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
+                             "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -83,6 +101,29 @@ class Options:
                           "its tokenizer (instead of --model_config, --tokenizer)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
+  export_adapter: str = option("", "with --lora_rank: also write the adapters as a Hugging "
+                               "Face PEFT adapter here; default EXPORT_HF/adapter")
+  objective: str = option("lm", "lm: next-token loss on --dataset; dpo: preference pairs "
+                          "(DPO) from a JSONL/Parquet file of prompt, chosen, rejected rows, "
+                          "the frozen base as the reference (needs --lora_rank)")
+  lora_rank: int = option(0, "LoRA rank: train low-rank adapters of the model's matmul "
+                          "weights, the base frozen (0: full fine-tuning)")
+  lora_alpha: float | None = option(None, "LoRA alpha: adapters add alpha / rank x A B; "
+                                    "default 2 x rank")
+  lora_dropout: float = option(0.0, "LoRA dropout on the adapted weights' inputs")
+  lora_targets: str = option("", "LoRA targets: the model's weight names (wq,wk,wv,wo,"
+                             "w_gate,w_up,w_down) or regexes over its leaf paths, "
+                             "comma-separated; default all of them")
+  chat_template: str = option("", "--objective=dpo: a Jinja chat template file; default the "
+                              "tokenizer's")
+  dpo_beta: float = option(0.1, "DPO's beta (the reference KL penalty's inverse temperature)")
+  dpo_label_smoothing: float = option(0.0, "DPO's label smoothing, the fraction of flipped "
+                                      "preferences in [0, 0.5): cDPO (sigmoid) or rDPO")
+  dpo_loss: str = option("sigmoid", "DPO loss: sigmoid (DPO, cDPO) or robust (rDPO)")
+  dpo_pairs: int = option(8, "--objective=dpo: at most this many pairs packed in a row")
+  tracker: str = option("tensorboard", "where scalars go besides metrics.jsonl: "
+                        "tensorboard (event files in run_dir) or wandb (Weights & Biases; "
+                        "WANDB_MODE=offline works without a network)")
   seq: int | None = option(None, f"sequence length in tokens; {_by_platform('seq')}")
   batch_size: int | None = option(None, "rows per data-parallel device; "
                                   + _by_platform("batch_size"))
@@ -122,14 +163,11 @@ class Options:
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                              "(Llama models: their layers run as stages); default: the "
                              "stages")
-  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
                      "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
                      f"accumulation for this machine; {_by_platform('mesh')}")
-  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
                     "default replica=<slices> when the devices span several slices")
-  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = option(0, "seed of the params init, the data order and sampling")
   run_dir: str = option("", "directory of metrics.jsonl, TensorBoard events, run.json, "

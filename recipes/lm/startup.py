@@ -1,6 +1,6 @@
 """train_lm's start-up: simulated CPU devices, the compile cache, the processes of a job and
-the shutdown at exit (`start`), then the hardware (`topology`), the mesh (`mesh_axes`,
-`make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
+the shutdown at exit (`start`), then (after the hardware, `recipes.lm.hardware.detect`) the
+mesh (`mesh_axes`, `make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,26 +51,6 @@ def start(o):
   return say
 
 
-def topology(mesh_shape: str, override: str, tpu: bool | None):
-  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override.
-
-  Raises:
-    TopologyError: both overrides given, one that doesn't match the devices, or tpu=True
-      where no TPU was found (the message says what was).
-  """
-  if mesh_shape and override:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r} and topology={override!r} both "
-                           "override the detected hardware; give one of them")
-  try:
-    topo = fs.detect_topology(override=(mesh_shape or override) or None)
-  except fs.TopologyError as e:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r}: {e}" if mesh_shape else str(e)) from None
-  if tpu and topo.platform != "tpu":
-    raise fs.TopologyError(f"tpu=True but no TPU was found: {topo}. Run on a TPU VM with "
-                           "jax[tpu] installed, or leave tpu unset to use these devices")
-  return topo
-
-
 def mesh_axes(text: str, flag: str) -> dict[str, int]:
   """The axes of a --mesh or --dcn value ("data=-1,fsdp=2": {"data": -1, "fsdp": 2}; ""
   none), parsed once, their names checked: ones fnscale's conventions know, refused before
@@ -114,9 +94,12 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say, lora=None):
   """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's abstract
-  params and the global batch; prints the top of the table and why the winner won.
+  params and the global batch; prints the top of the table and why the winner won. With
+  `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
+  gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
+  its reference pass adds a forward pass, no residuals).
 
   Returns:
     (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
@@ -126,9 +109,26 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
   """
   from fnscale.analysis import plan  # pylint: disable=import-outside-toplevel
   rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
-  p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
-                optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
-                policy=policy(precision, topo.platform), rules=model.RULES,
-                logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
+  pol = policy(precision, topo.platform)
+  init, loss = functools.partial(model.init_params, cfg), model.loss_fn
+  if lora is not None:
+    init, loss = _lora_plan(model, cfg, pol, lora)
+  p = plan.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
+                key=jax.random.key(0))
   say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
   return p.axes, p.remat, p.accum, p.accum_gather
+
+
+def _lora_plan(model, cfg, pol, lora):
+  """(abstract LoRA state, LoRA loss) for `plan_mesh`: the base abstract in the compute
+  dtype on one device (the planner places it on each candidate mesh)."""
+  dtype = pol.compute_dtype if pol is not None else np.float32
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  base = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec())),
+      jax.eval_shape(functools.partial(model.init_params, cfg), jax.random.key(0)))
+  state = fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
+                             policy=pol, abstract=True)
+  return state, fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)

@@ -14,12 +14,12 @@ import numpy as np
 import fnscale as fs
 from fnscale import mesh as fnscale_mesh
 from fnscale import sharding
-from recipes.lm import evaluation, progress, run_log
+from recipes.lm import evaluation, finetune, hardware, progress, run_log
 
 
 def param_count(state) -> int:
-  """The number of parameters of a train state."""
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  """The number of parameters of a train state, trained and frozen."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves((state.params, state.frozen)))
 
 
 def describe(r, state) -> None:
@@ -30,7 +30,7 @@ def describe(r, state) -> None:
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
-  say(f"topology: {s.topo}")
+  say(hardware.describe(s.topo))
   say(fnscale_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
@@ -49,12 +49,13 @@ def describe(r, state) -> None:
       + (f" ({r.policy})" if r.policy is not None else " (float32)"))
   say("compile: " + str(r.report).replace("\n", "\n  "))
   say(f"MFU denominator: {r.peak.about}")
+  lora = finetune.describe(state, s.lora, say) if s.lora is not None else None
   run_log.write_run_record(o.run_dir, "start", dict(
       step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
       global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
       processes=jax.process_count(), compile_s=r.report.compile_seconds,
       resumed_from=r.resumed, peak_flops=r.peak.flops,
-      flops_per_step=progress.flops_per_step(r.setup),
+      flops_per_step=progress.flops_per_step(r.setup), lora=lora,
       xla_warnings=list(r.report.xla_warnings)), active=jax.process_index() == 0)
   run_log.write_run_record(o.run_dir, "data", dict(
       dataset=o.dataset, tokenizer=o.tokenizer, unigram_loss=r.baseline.unigram,
@@ -80,10 +81,28 @@ def summarize(r, state, out: dict) -> "Summary":
                       active=jax.process_index() == 0)
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token"
-        f"{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+  unit = (" (DPO)" if s.o.objective == "dpo" else f" nats/token{base}")
+  r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
+        f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
         if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  hbm = device_memory()
+  if hbm is not None:
+    r.say(f"device memory: peak {hbm[0] / 2**30:.2f} GiB in use of {hbm[1] / 2**30:.2f} GiB "
+          "(the busiest of this process's devices, as the runtime counts it)")
+    run_log.write_run_record(s.o.run_dir, "device_memory", dict(
+        peak_bytes_in_use=hbm[0], bytes_limit=hbm[1]), active=jax.process_index() == 0)
   return summary
+
+
+def device_memory() -> tuple[int, int] | None:
+  """(peak bytes in use, bytes limit) of the busiest local device, from the runtime's own
+  counters (`Device.memory_stats`: TPU and GPU); None where it keeps none (CPU)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  stats = [s for s in stats if "peak_bytes_in_use" in s]
+  if not stats:
+    return None
+  top = max(stats, key=lambda s: s["peak_bytes_in_use"])
+  return int(top["peak_bytes_in_use"]), int(top.get("bytes_limit", 0))
 
 
 class Summary(NamedTuple):
