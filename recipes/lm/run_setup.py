@@ -15,7 +15,7 @@ import optax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, data, finetune, hardware, models, packing
 from recipes.lm import progress, run_log, rundir, startup
-from recipes.lm.options import Options, platform_default, schedule_defaults
+from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -44,6 +44,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   if o.objective == "dpo":
     finetune.dpo_config(o)
   o, mesh = _mesh(o, model, cfg, topo, per_device, say, lora)
+  if o.remat and o.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+                        "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
@@ -56,6 +59,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
       o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
+      remat_policy=remat_policy(o, topo.platform),
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
