@@ -177,6 +177,27 @@ def test_run_log_appends_when_a_run_resumes(tmp_path):
   assert _tensorboard_scalars(tmp_path) == _float32(SCALARS)
 
 
+def test_a_run_resumed_from_a_step_logs_no_step_twice(tmp_path):
+  # A run stopped with its log at step 20 but its checkpoint at step 10 trains steps 11..20
+  # again: resuming from 10 drops the records after 10 (TensorBoard hides the events), and
+  # the records it writes follow, each step once.
+  pytest.importorskip("tensorboardX")
+  pytest.importorskip("tensorboard")
+  _write(tmp_path)
+  said = []
+  _write(tmp_path, [(20, {"train/loss": 2.0})], keep_through=10, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:2] + [{"step": 20, "train/loss": 2.0}]
+  assert said == [f"run_log: 2 records of steps 20..20 dropped from {tmp_path}/metrics.jsonl "
+                  "(this run continues from step 10: no step is logged twice)"]
+  scalars = _tensorboard_scalars(tmp_path)
+  assert scalars["train/loss"] == [(10, 3.25), (20, 2.0)] and scalars["eval/loss"] == [(0, 5.5)]
+  # Starting afresh (-1): a fresh log; nothing to drop: nothing said.
+  _write(tmp_path, RECORDS[:1], keep_through=-1, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:1] and len(said) == 2 and "a fresh log" in said[1]
+  _write(tmp_path, RECORDS[1:2], keep_through=0, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:2] and len(said) == 2
+
+
 def test_run_log_without_tensorboardx_writes_jsonl_and_says_so_once(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
   said = []

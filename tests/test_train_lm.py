@@ -28,7 +28,7 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import gpt
-from recipes.lm import cli, progress, run_setup, rundir
+from recipes.lm import cli, progress, run_setup, rundir, stopping
 from recipes.launch import launch_local
 from recipes import plot_run
 from recipes import train_lm
@@ -486,12 +486,98 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   thread = threading.Thread(target=preempt, daemon=True)
   thread.start()
   previous = signal.getsignal(signal.SIGTERM)
-  assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0")) == 143
+  assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0",
+                              "--eval_every=1")) == 143
   thread.join()
   assert signal.getsignal(signal.SIGTERM) is previous  # the handler is uninstalled
   summary = _summary(run_dir)
   assert summary["stopped"] == "SIGTERM" and 0 < summary["final_step"] < 100000
   assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
+  # The summary's eval loss is the run's last eval, not the one at step 0.
+  evals = _records(run_dir, "eval/loss")
+  assert len(evals) > 1 and summary["eval_loss"] == evals[-1]["eval/loss"]
+
+
+def _interrupt_after(metrics: pathlib.Path, records: int, signum=signal.SIGINT):
+  """A thread that sends `signum` to this process once `metrics` holds `records` train
+  records (the loop is running)."""
+  def send():
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if metrics.exists() and metrics.read_text().count('"train/loss"') >= records:
+        os.kill(os.getpid(), signum)
+        return
+      time.sleep(0.02)
+  thread = threading.Thread(target=send, daemon=True)
+  thread.start()
+  return thread
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_the_rerun_continues_its_log(work, capfd):
+  """Ctrl-C mid-run stops after the step under way, saved (exit 130, no traceback); the same
+  command resumes from it and the log holds every step once; with nothing saved the rerun
+  says so and starts a fresh log."""
+  run_dir, steps = work / "ctrl_c", 40
+  argv = _argv(work, run_dir, f"--steps={steps}", "--checkpoint_every=0", "--eval_every=3")
+  previous = signal.getsignal(signal.SIGINT)
+  thread = _interrupt_after(run_dir / "metrics.jsonl", 4)
+  assert train_lm.main(argv) == 130
+  thread.join()
+  assert signal.getsignal(signal.SIGINT) is previous  # the handler is uninstalled
+  out = capfd.readouterr()
+  stopped = _summary(run_dir)
+  done = stopped["final_step"]
+  assert stopped["stopped"] == "Ctrl-C" and 4 <= done < steps, stopped
+  assert f"stopped at step {done} (Ctrl-C); rerun the same command to resume" in out.out
+  assert "Ctrl-C: stopping after this step and saving it" in out.err
+  assert "Traceback" not in out.err
+  assert (run_dir / "checkpoints" / str(done) / "commit_success.txt").exists()
+  assert stopped["eval_loss"] == _records(run_dir, "eval/loss")[-1]["eval/loss"]
+
+  assert train_lm.main(argv) == 0  # the same command: resumes
+  resumed = _summary(run_dir)
+  assert (resumed["resumed_from"], resumed["final_step"]) == (done, steps)
+  for tag in ("train/loss", "eval/loss"):
+    logged = [r["step"] for r in _records(run_dir, tag)]
+    assert logged == sorted(set(logged)), (tag, logged)  # each step once, in order
+  assert [r["step"] for r in _records(run_dir, "train/loss")] == list(range(1, steps + 1))
+
+  shutil.rmtree(run_dir / "checkpoints")  # an earlier start that saved nothing
+  capfd.readouterr()
+  assert train_lm.main(_argv(work, run_dir, "--steps=3")) == 0
+  said = capfd.readouterr().out
+  assert "holds an earlier start of this run that saved no checkpoint" in said
+  assert "(this run starts afresh: a fresh log)" in said
+  assert [r["step"] for r in _records(run_dir, "train/loss")] == [1, 2, 3]
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_command_line_says_so_in_one_line(capsys):
+  with stopping.ctrl_c() as asked:
+    assert not asked()
+    os.kill(os.getpid(), signal.SIGINT)  # the first: a request the loop reads
+    time.sleep(0.01)
+    assert asked()
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+      time.sleep(1)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+  def interrupted(o):
+    raise KeyboardInterrupt
+  assert cli.options_main(["train_lm"], train_lm.Options, interrupted, "") == 130
+  err = capsys.readouterr().err
+  assert err.strip().splitlines() == [
+      "stopped by Ctrl-C: what was saved is kept; rerun the same command to resume"]
+
+
+@pytest.mark.parametrize("done, notice, ctrl_c, stop_after, why", [
+    (3, False, False, 0, None), (3, True, False, 0, "SIGTERM"), (3, True, True, 0, "Ctrl-C"),
+    (3, False, True, 0, "Ctrl-C"),  # one process: its own Ctrl-C
+    (3, False, False, 3, "--stop_after=3"), (3, False, False, 4, None),
+    (10, True, True, 10, None)])  # the last step: no stop, the run ends
+def test_why_a_run_stops(done, notice, ctrl_c, stop_after, why):
+  assert stopping.reason(done, 10, notice, ctrl_c, stop_after) == why
 
 
 def _checkpointed_at_3(work, stopped_at_3, name):

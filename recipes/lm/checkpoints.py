@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import batches
+from recipes.lm import batches, run_log
 
 
 def directory(o) -> str:
@@ -51,6 +51,10 @@ def resume(s, ckpt, init, train_rows, say):
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
         "--run_dir=NEW_DIR or more --steps for another run)")
+  if extra is None and os.path.isfile(os.path.join(o.run_dir, run_log.RUN_FILE)):
+    say(f"{o.run_dir} holds an earlier start of this run that saved no checkpoint"
+        + (f" ({o.checkpoint_dir})" if o.checkpoint_dir else " (--nocheckpoint)")
+        + ": this run starts at step 0")
   say_save_window(ckpt, o.grace_s, say)
   if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
     fs.checkpoint.nonfinite_leaves(state)

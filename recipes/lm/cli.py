@@ -25,6 +25,10 @@ import fnscale as fs
 from fnscale.errors import FnscaleError, InputError, did_you_mean
 
 EXIT_BAD_INPUT = 2
+# A run stopped early, by what stopped it (its Summary's `stopped`): 128 + the signal, what a
+# shell reports for a command the signal ended; schedulers read 143 as "preempted".
+CTRL_C = "Ctrl-C"
+EXIT_STOPPED = {"SIGTERM": 143, CTRL_C: 130}
 
 
 def report(e: BaseException) -> int:
@@ -172,12 +176,17 @@ def parse_flags(cls, argv: list[str]):
 def options_main(argv: list[str], cls, run, doc: str) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
   Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
-  by SIGTERM (`run`'s result has `stopped`)."""
+  by SIGTERM, 130 by Ctrl-C (`run`'s result has `stopped`; a Ctrl-C `run` did not turn
+  into a stop, a KeyboardInterrupt, is one line too, not a traceback)."""
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(doc + "\nflags:\n" + _flag_values(cls).get_help())
     return 0
   try:
     summary = run(parse_flags(cls, argv))
+  except KeyboardInterrupt:
+    print(f"\nstopped by {CTRL_C}: what was saved is kept; rerun the same command to resume",
+          file=sys.stderr, flush=True)
+    return EXIT_STOPPED[CTRL_C]
   except fs.FnscaleError as e:
     status = report(e)
     if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
@@ -185,4 +194,4 @@ def options_main(argv: list[str], cls, run, doc: str) -> int:
       sys.stdout.flush()
       os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return status
-  return 143 if summary.stopped == "SIGTERM" else 0
+  return EXIT_STOPPED.get(summary.stopped, 0)

@@ -139,3 +139,4 @@ class Run(NamedTuple):
   prof: run_log.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
   should_stop: Callable[[int], bool]  # the preemption guard's check
+  ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop
