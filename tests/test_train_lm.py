@@ -912,7 +912,23 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      fs.InputError, r"--accum_gather='never': expected one of \['auto', 'per_microbatch', "
      r"'once'\]$"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
-     r"epochs=1 and steps=6: give one of them"),
+     r"--epochs=1 and --steps=6: give one of them"),
+    # The same rule for every pair of options that ask for one thing two ways.
+    ("global batch and batch size", ["--batch_size=4"], dict(batch_size=4), fs.InputError,
+     r"--global_batch=16 and --batch_size=4: give one of them \(--global_batch: global batch"),
+    ("init_from and model_config", ["--init_from={tmp}/emptydir"],
+     dict(init_from="{tmp}/emptydir"), fs.InputError,
+     r"--init_from='.*emptydir' and --model_config='nano': give one of them"),
+    # --init_from is checked as a model directory before its tokenizer is looked for.
+    ("init_from missing", ["--init_from={tmp}/no_such_dir", "--model_config="],
+     dict(init_from="{tmp}/no_such_dir", model_config=None), fs.InputError,
+     r"--init_from=.*no_such_dir: no such directory; expected a Hugging Face model directory"),
+    ("init_from without config.json", ["--init_from={tmp}/emptydir", "--model_config="],
+     dict(init_from="{tmp}/emptydir", model_config=None), fs.InputError,
+     r"--init_from=.*emptydir: no config.json; expected a Hugging Face model directory"),
+    ("token caches that don't exist", ["--dataset={tmp}/cod:0.7,{tmp}/doc:0.3"],
+     dict(dataset="{tmp}/cod:0.7,{tmp}/doc:0.3"), fs.InputError,
+     r"dataset '.*cod': no such directory \(a token cache is a directory"),
     ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),
     ("bad profile window", ["--profile_steps=4:9"], dict(profile_steps="4:9"), fs.FnscaleError,
      r"--profile_steps='4:9': expected START:STOP, two ints with 0 <= START < STOP <= 6"),
@@ -951,6 +967,15 @@ def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, kw, er
   assert _listing(run_dir) == before  # nothing written
 
 
+def test_a_run_refused_at_compile_leaves_no_directory_behind(work, tmp_path, capsys):
+  # cudnn attention can't run on CPU: found when the step compiles, after the checkpoint
+  # manager opened (which makes the directory).
+  run_dir = tmp_path / "new" / "run"
+  assert train_lm.main(_argv(work, run_dir, "--attention=cudnn")) == 2
+  assert "can't serve this call: needs platform cuda" in capsys.readouterr().err
+  assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("case, extra, kw, error, message", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
 def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, extra, kw, error,
                                                        message):
@@ -967,8 +992,8 @@ def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, ext
     (dict(steps="10"), r"option steps='10': expected int or None, got str"),
     (dict(remat=1), r"option remat=1: expected bool, got int"),
     (dict(seq=True), r"option seq=True: expected int or None, got bool"),
-    (dict(modle_config="nano"), r"unknown option modle_config='nano'; known options: \[.*"
-     r"'model_config'"),
+    (dict(modle_config="nano"), r"unknown option modle_config='nano'; did you mean "
+     r"'model_config'\?; known options: \[.*'model_config'"),
 ])
 def test_wrong_option_names_and_types_are_named(work, tmp_path, kw, message):
   with pytest.raises(fs.FnscaleError, match=message):

@@ -21,13 +21,33 @@ def directory(o) -> str:
   return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
 
 
+@contextlib.contextmanager
 def manager(o):
   """A context of the run's one checkpoint manager (`fnscale.checkpoint.manager` over
   `o.checkpoint_dir`, keeping `o.checkpoint_keep`), or of None with checkpoints off;
-  leaving it waits for the last save."""
+  leaving it waits for the last save. A run that fails before its first save (refused at
+  compile, say) leaves no directory it made: those still empty are removed."""
   if not o.checkpoint_dir:
-    return contextlib.nullcontext()
-  return fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep)
+    yield None
+    return
+  made = _missing_directories(o.checkpoint_dir)
+  try:
+    with fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep) as ckpt:
+      yield ckpt
+  except BaseException:
+    for d in made:  # innermost first; a directory holding anything stays
+      with contextlib.suppress(OSError):
+        os.rmdir(d)
+    raise
+
+
+def _missing_directories(path: str) -> list[str]:
+  """The local directories that making `path` creates, innermost first (none for gs://)."""
+  missing, path = [], os.path.abspath(path) if "://" not in path else ""
+  while path and not os.path.exists(path):
+    missing.append(path)
+    path = os.path.dirname(path)
+  return missing
 
 
 def with_finite_flag(step):

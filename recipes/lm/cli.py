@@ -126,7 +126,8 @@ def check_options(cls, options: dict):
   known = {f.name: f for f in dataclasses.fields(cls)}
   for name, value in options.items():
     if name not in known:
-      raise fs.InputError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
+      raise fs.InputError(f"unknown option {name}={value!r}{did_you_mean(name, known)}; known "
+                          f"options: {sorted(known)}")
     kind = known[name].type.split(" | ")
     types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind[0]]
     if not ((value is None and "None" in kind) or (
@@ -138,7 +139,8 @@ def check_options(cls, options: dict):
 
 def _check_ranges(o):
   """`o` (an options dataclass) after checking each number against its range (the class's
-  `RANGES`; floats must be finite) and each word against its `CHOICES`."""
+  `RANGES`; floats must be finite), each word against its `CHOICES` and that of each pair
+  of its `EXCLUSIVE` options at most one is given (neither its default, None nor "")."""
   ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
   for f in dataclasses.fields(o):
     value = getattr(o, f.name)
@@ -149,6 +151,12 @@ def _check_ranges(o):
       problem = check_range(value, **ranges.get(f.name, {}))
       if problem:
         raise fs.InputError(f"--{f.name}={value!r} {problem}: {f.metadata['help']}")
+  fields = {f.name: f for f in dataclasses.fields(o)}
+  given = lambda name: getattr(o, name) not in (fields[name].default, None, "")
+  for a, b in getattr(type(o), "EXCLUSIVE", ()):
+    if given(a) and given(b):
+      raise fs.InputError(f"--{a}={getattr(o, a)!r} and --{b}={getattr(o, b)!r}: give one "
+                          f"of them (--{a}: {fields[a].metadata['help']})")
   return o
 
 

@@ -54,6 +54,9 @@ class Options:
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
                             "process_id": dict(minimum=-1)}
+  # Options that ask for one thing two ways: a run takes one of each pair (`cli`).
+  EXCLUSIVE: ClassVar[tuple] = (("global_batch", "batch_size"), ("epochs", "steps"),
+                                ("init_from", "model_config"), ("mesh_shape", "topology"))
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
                              "accum_gather": ACCUM_GATHER,
@@ -74,7 +77,8 @@ class Options:
   tokenizer: str = option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
   init_from: str = option("", "a Hugging Face model directory (config.json, safetensors, "
                           "tokenizer.json): continue training its model and weights with "
-                          "its tokenizer (instead of --model_config, --tokenizer)")
+                          "its tokenizer (instead of --model_config; --tokenizer replaces "
+                          "its tokenizer.json)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
   seq: int | None = option(None, f"sequence length in tokens; {_by_platform('seq')}")

@@ -112,11 +112,14 @@ def check_pipeline(microbatches: int, model, mesh) -> None:
   staged = "microbatches" in inspect.signature(model.loss_fn).parameters
   if microbatches < 0 or (microbatches and stages == 1) or ((microbatches or stages > 1)
                                                             and not staged):
+    given = ([f"--microbatches={microbatches}"] if microbatches else []) + (
+        [f"a 'stage' axis of {stages}"] if stages > 1 else [])
     raise fs.InputError(
-        f"--microbatches={microbatches} on mesh {dict(mesh.shape)}: pipeline stages need a "
-        "model whose layers run as stages (--model_config=llama-*; this one's don't) and a "
-        "mesh with a 'stage' axis, e.g. --mesh=data=2,stage=4; fix: a Llama model, or no "
-        "stage axis and no --microbatches.")
+        f"{' and '.join(given)} on mesh {dict(mesh.shape)}: pipeline stages need a model "
+        "whose layers run as stages (--model_config=llama-*"
+        + ("" if staged else "; this one's don't") + ") and a mesh with a 'stage' axis, "
+        "e.g. --mesh=data=2,stage=4; fix: a Llama model, or no stage axis and no "
+        "--microbatches.")
 
 
 class Run(NamedTuple):

@@ -52,15 +52,13 @@ def start(o):
 
 
 def topology(mesh_shape: str, override: str, tpu: bool | None):
-  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override.
+  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override
+  (one of them: `Options.EXCLUSIVE`).
 
   Raises:
-    TopologyError: both overrides given, one that doesn't match the devices, or tpu=True
-      where no TPU was found (the message says what was).
+    TopologyError: an override that doesn't match the devices, or tpu=True where no TPU was
+      found (the message says what was).
   """
-  if mesh_shape and override:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r} and topology={override!r} both "
-                           "override the detected hardware; give one of them")
   try:
     topo = fs.detect_topology(override=(mesh_shape or override) or None)
   except fs.TopologyError as e:
