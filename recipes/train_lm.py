@@ -60,7 +60,7 @@ def run(o: Options) -> summary.Summary:
     data.check_epochs(o.dataset, o.epochs)
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
-      setup = run_setup.decide(o, data.load(o.dataset, models.tokenizer(o)), say)
+      setup = run_setup.decide(o, data.load(o.dataset, models.tokenizer(o), say), say)
       rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
       if setup.o.checkpoint_dir:  # one directory every process sees, checked before use
         fs.checkpoint.check_shared_directory(setup.o.checkpoint_dir)

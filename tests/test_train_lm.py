@@ -354,6 +354,31 @@ def test_orbax_warnings_go_to_the_run_log_and_others_to_the_console(tmp_path, ca
   assert "Given directory is read only" in caplog.text
 
 
+XLA_LINE = ("W1205 17:24:59.622298    2817 spmd_partitioner.cc:656] [SPMD] Involuntary full "
+            "rematerialization.")
+
+
+def test_xla_lines_go_to_the_run_log_and_python_lines_to_the_console(tmp_path, capfd):
+  """XLA's C++ code writes its log straight to file descriptor 2, and fnscale's compile
+  hands the lines it captured back through sys.stderr: while `library_log` is open both go
+  to RUN_DIR/log.txt; Python's own stderr lines still reach the console. An empty log is
+  removed, with the run dir the block made."""
+  run_dir = tmp_path / "run"
+  with rundir.library_log(str(run_dir)):
+    os.write(2, (XLA_LINE + " (from C++)\n").encode())
+    print(XLA_LINE + " (handed back)", file=sys.stderr)
+    print("error: a line of the run itself", file=sys.stderr)
+  err = capfd.readouterr().err
+  assert err.splitlines() == ["error: a line of the run itself"]
+  assert (run_dir / "log.txt").read_text().splitlines() == [
+      XLA_LINE + " (from C++)", XLA_LINE + " (handed back)"]
+  os.write(2, b"after\n")  # descriptor 2 is the console's again
+  assert capfd.readouterr().err == "after\n"
+  with rundir.library_log(str(tmp_path / "quiet")):
+    print("nothing from XLA", file=sys.stderr)
+  assert not (tmp_path / "quiet").exists()
+
+
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
   """train_lm(**keywords) and the flags are one set of options: the same run, bitwise."""
   run_dir = work / "function"
@@ -710,6 +735,11 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
   assert two["loss"] == pytest.approx(one.loss, rel=1e-5)
   assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
+  # Two processes on one machine share its cores: the MFU denominator is the one-process
+  # run's, not twice it.
+  start = lambda d: json.loads((d / "run.json").read_text())["start"]
+  assert start(run_dir)["peak_flops"] == start(uninterrupted[1])["peak_flops"] > 0
+  assert "simulated devices (one host's cores, 2 processes)" in results[0][1]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import batches, run_log
+from recipes.lm import batches, run_log, rundir
 
 
 def directory(o) -> str:
@@ -30,24 +30,13 @@ def manager(o):
   if not o.checkpoint_dir:
     yield None
     return
-  made = _missing_directories(o.checkpoint_dir)
+  made = rundir.missing_directories(o.checkpoint_dir)
   try:
     with fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep) as ckpt:
       yield ckpt
   except BaseException:
-    for d in made:  # innermost first; a directory holding anything stays
-      with contextlib.suppress(OSError):
-        os.rmdir(d)
+    rundir.remove_empty(made)
     raise
-
-
-def _missing_directories(path: str) -> list[str]:
-  """The local directories that making `path` creates, innermost first (none for gs://)."""
-  missing, path = [], os.path.abspath(path) if "://" not in path else ""
-  while path and not os.path.exists(path):
-    missing.append(path)
-    path = os.path.dirname(path)
-  return missing
 
 
 def with_finite_flag(step):

@@ -14,7 +14,7 @@ import numpy as np
 import fnscale as fs
 from fnscale import mesh as fnscale_mesh
 from fnscale import sharding
-from recipes.lm import evaluation, progress, run_log
+from recipes.lm import evaluation, progress, run_log, rundir
 
 
 def param_count(state) -> int:
@@ -49,6 +49,7 @@ def describe(r, state) -> None:
       + (f" ({r.policy})" if r.policy is not None else " (float32)"))
   say("compile: " + str(r.report).replace("\n", "\n  "))
   say(f"MFU denominator: {r.peak.about}")
+  say(where(o.run_dir, o.checkpoint_dir))
   run_log.write_run_record(o.run_dir, "start", dict(
       step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
       global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
@@ -80,10 +81,19 @@ def summarize(r, state, out: dict) -> "Summary":
                       active=jax.process_index() == 0)
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} nats/token"
-        f"{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
-        if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  r.say((f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} "
+         f"nats/token{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+         if summary.eval_loss is not None else f"done: step {summary.final_step}")
+        + f"; metrics in {summary.metrics}")
   return summary
+
+
+def where(run_dir: str, checkpoint_dir: str) -> str:
+  """The line that says what a run writes where."""
+  return (f"run directory {run_dir}: {run_log.METRICS_FILE} and TensorBoard events "
+          f"(tensorboard --logdir {run_dir}), {run_log.RUN_FILE}, {rundir.LOG_FILE} (the "
+          "libraries' and XLA's warnings), "
+          + (f"checkpoints in {checkpoint_dir}" if checkpoint_dir else "no checkpoints"))
 
 
 class Summary(NamedTuple):
