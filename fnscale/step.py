@@ -459,11 +459,6 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _splits(spec: PartitionSpec, axes: tuple[str, ...]) -> bool:
-  """Whether `spec` splits a leaf over any of `axes`."""
-  return any(a in axes for e in spec for a in _tree.entry_axes(e))
-
-
 def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs):
   """The microbatch loop per shard under `jax.shard_map`, manual over the data axes `axes`
   (other axes stay with the partitioner). Params, cast to the compute dtype first, enter
@@ -491,17 +486,18 @@ def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs):
   return f(params, micro, scale, step)
 
 
-def _mode(cfg: _Config, specs, axes) -> str:
-  """Where the microbatch loop runs: "per_shard" (`_per_shard`: gradients reduced once) or
-  "per_microbatch" (the partitioner's loop). "auto" runs per shard when no leaf is split
-  over the data axes `axes` (a split leaf would be gathered whole for the loop, where the
-  partitioner gathers it layer by layer), else with the partitioner; also when the specs
-  are unknown, or with a `key` (whose random bits then don't depend on the mesh)."""
+def _mode(cfg: _Config) -> str:
+  """Where the microbatch loop runs: "per_shard" (`_per_shard`: each device sums its own
+  microbatches' gradients, reduced once after the loop) or "per_microbatch" (the
+  partitioner's loop). "auto" runs per shard unless a `key` is given (whose random bits
+  then don't depend on the mesh). Why the partitioner's loop reduces every microbatch: the
+  loop carries the accumulator in one sharding (split or replicated, never a partial sum),
+  so each microbatch's gradient, a sum over every device's rows, is reduced before it is
+  added (all-reduced over the axes that replicate the leaf, reduce-scattered where the
+  accumulator is split); no sharding of the accumulator avoids it."""
   if cfg.accum_gather != "auto":
     return "per_shard" if cfg.accum_gather == "once" else "per_microbatch"
-  if specs is None or cfg.key is not None or any(_splits(s, axes) for s in specs):
-    return "per_microbatch"
-  return "per_shard"
+  return "per_microbatch" if cfg.key is not None else "per_shard"
 
 
 def _gradients(cfg: _Config, params, batch, ls, step):
@@ -517,8 +513,7 @@ def _gradients(cfg: _Config, params, batch, ls, step):
   if not axes:
     return _grad_sum(cfg, params, micro, scale, step)
   known = _known_specs(params)
-  mode = _mode(cfg, known, axes)
-  if mode == "per_microbatch":
+  if _mode(cfg) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
     # loop. The per-shard loop is manual over every data axis.)
@@ -650,26 +645,22 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       axes: distinct for each, and reproducible. Otherwise the loss sees the whole global
       batch and one key per microbatch, so its random bits (jax's partitionable threefry)
       are the same under any mesh; per shard they depend on the data-shard count.
-    accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
-      between microbatches and when gradients are reduced over the data axes. FSDP
-      semantics in every mode: the gradients end in the params' sharding, never in a
-      whole-size accumulator that is all-reduced at the end (for "once", where the step
-      knows that sharding; see below).
-      "auto" (default): by what the params' shardings call for. When no leaf is split
-      over the data axes (data parallel: params replicated over them), splitting the loop
-      by microbatch buys no memory (each accumulator is whole on every device either way),
-      so it runs as "once" does, with nothing to gather: every device sums its own float32
-      gradients and they are all-reduced once after the loop, accum_steps times less
-      reduction traffic than "per_microbatch" (on TPU XLA's while-loop all-reduce code
-      motion does this for "per_microbatch" too; CPU's compiler doesn't). When some leaf
-      is split over the data axes (FSDP), as "per_microbatch": a per-shard loop would hold
-      every split leaf whole for the loop where the partitioner gathers it layer by layer,
-      and its replicated leaves are the small ones (biases, norms). Also as
-      "per_microbatch" when the step can't know the params' shardings (under a plain
-      `jax.jit` on Auto axes; `shard_step` tells it them, Explicit axes carry them in the
-      types), with a `key` (whose random bits then stay the same under any mesh), and when
-      the loss closes over an array sharded on Explicit axes (which jax can't take into
-      the per-shard loop's shard_map; a warning says so).
+    accum_gather: with `accum_steps > 1` under a mesh with data axes, when gradients are
+      reduced over the data axes and what stays sharded between microbatches. The
+      gradients end in the params' sharding in every mode (for "once" and "auto", where
+      the step knows that sharding; see below).
+      "auto" (default): as "once" (each leaf's gradient reduced once per step,
+      reduce-scattered where the leaf is split over the data axes, all-reduced where it is
+      replicated over them), except with a `key` (whose random bits then stay the same
+      under any mesh) and when the loss closes over an array sharded on Explicit axes
+      (which jax can't take into the per-shard loop's shard_map; a warning says so): then
+      as "per_microbatch". Reducing once needs each device's own unreduced sum, a
+      whole-size float32 accumulator: the partitioner's loop carries its accumulator in one
+      sharding, never as a partial sum, so it reduces every microbatch's gradient before
+      adding it (on TPU, XLA's while-loop all-reduce code motion moves some of those
+      all-reduces out of the loop; CPU's compiler doesn't). For an FSDP model whose whole
+      params and whole float32 gradients don't fit on a device, pass "per_microbatch"
+      (`fnscale.analysis.plan` chooses it where "once" doesn't fit).
       "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each
       microbatch, as without accumulation (accum x the all-gather traffic); each
       microbatch's gradient is reduced into a float32 accumulator sharded as the params are

@@ -35,7 +35,7 @@ def _detect(target):
   """(topology, devices, what it describes)."""
   topology.quiet_libtpu()  # describing a TPU loads libtpu: no host-lookup warnings
   fs.simulate_cpu_devices(FLAGS.devices)  # only where no accelerator is present
-  if target and re.search(r"[a-z]", target):  # names a TPU generation: describe the target
+  if target and not re.fullmatch(r"[\dx\s]+", target):  # names a TPU: describe the target
     devices = topology.target_devices(target)
     # This machine's environment says nothing about the target: env={}.
     return fs.detect_topology(target, devices=devices, env={}), devices, \
@@ -55,6 +55,8 @@ def main(argv):
         f"{topo.num_slices}")
   for field, source in topo.sources.items():
     print(f"  {field:<22} from {source}")
+  if topo.set_aside:  # the environment described other hardware than the devices present
+    print(f"  set aside: {topo.set_aside}")
   print(describe(mesh))
 
 

@@ -114,7 +114,7 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
                        act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
   hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
                          _targets.LinkFacts(1e11, 1e10, 1e12))
-  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2)
+  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2, gather="per_microbatch")
   # Per device: params, adam state and gradients (plus an accumulator) split 8 ways; two
   # layers of gathered bf16 weights; activations of 64 / 8 / 2 = 4 rows.
   assert e.params == 0.5e9 and e.opt == 1e9 and e.grads == 1e9
@@ -130,7 +130,7 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
   assert e.step_s == max(e.compute_s, e.comm_s["fsdp"])
   assert e.mfu == pytest.approx(6e12 * 64 / (e.step_s * 8 * 1e14))
   # Data parallel replicates the optimizer update: 8x its memory traffic.
-  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2)
+  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2, gather="per_microbatch")
   assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
 
 
@@ -166,10 +166,9 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
   assert dp_per.bytes == dp_once.bytes
   assert dp_once.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4e9 / 3e11)
   assert dp_per.comm_s["data"] == pytest.approx(4 * dp_once.comm_s["data"])
-  # "auto" (the default): as "once" where no data axis splits the params, else as
-  # "per_microbatch" (FSDP's memory).
+  # "auto" (the default): as "once", whether or not a data axis splits the params.
   assert _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "auto") == dp_once
-  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "auto") == per
+  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "auto") == once
   assert _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "auto") == (
       _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "once"))
 
@@ -183,11 +182,11 @@ def test_planner_chooses_once_only_where_its_memory_fits():
   # Compute-bound here: the same step time, "once" with a quarter of the communication.
   assert per.bytes < once.bytes and once.step_s <= per.step_s
   assert once.comm_total_s < per.comm_total_s
-  # At 2 steps "once" where its memory fits, else the default.
+  # At 2 steps "once" where its memory fits, else per_microbatch (FSDP's memory).
   got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
   assert got[:2] == (2, "once") and got[3]
   got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
-  assert got[:2] == (2, "auto") and got[3]
+  assert got[:2] == (2, "per_microbatch") and got[3]
   # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
   assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
 

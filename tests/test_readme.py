@@ -10,6 +10,10 @@ directly above it is a marker:
                                                         (smaller sizes for the test)
   <!-- readme-test: check: WHY -->                      not run (needs a TPU, GPU, cluster,
                                                         network, or minutes); checked
+  <!-- readme-test: extra: EXTRA,... -->                runs where these extras of
+                                                        pyproject.toml are installed (a block
+                                                        that needs libtpu: `tpu`), else
+                                                        checked only
 
 Checked means: each `python recipes/X.py --flag` (or `-m recipes.X`) has its flags looked up
 in that recipe's `--help`; each Python name reached through `fnscale` or `recipes` exists and
@@ -25,6 +29,7 @@ import ast
 import concurrent.futures
 import functools
 import importlib
+import importlib.metadata
 import inspect
 import json
 import os
@@ -41,7 +46,7 @@ from typing import NamedTuple
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- readme-test: (run|check): (.+?) -->")
+MARKER = re.compile(r"<!-- readme-test: (run|check|extra): (.+?) -->")
 SHELL, PYTHON = ("bash", "sh", "shell"), ("python",)
 
 
@@ -51,13 +56,15 @@ class ReadmeError(Exception):
 
 class Block(NamedTuple):
   """One fenced code block: its first line in the README, language, text, and what the test
-  does with it: "run" (with `subs`, (old, new) pairs), "check" (`why`) or "text"."""
+  does with it: "run" (with `subs`, (old, new) pairs; only where the extras `needs` names
+  are installed), "check" (`why`) or "text"."""
   line: int
   lang: str
   code: str
   mode: str
   subs: tuple = ()
   why: str = ""
+  needs: tuple = ()
 
 
 def read_blocks(text: str) -> list[Block]:
@@ -74,8 +81,8 @@ def read_blocks(text: str) -> list[Block]:
       m = MARKER.fullmatch(line)
       if not m:
         raise ReadmeError(f"README line {i + 1}: malformed marker {line!r}; write "
-                          "<!-- readme-test: run: OLD => NEW --> or <!-- readme-test: check: "
-                          "WHY -->")
+                          "<!-- readme-test: run: OLD => NEW -->, <!-- readme-test: check: "
+                          "WHY --> or <!-- readme-test: extra: EXTRA -->")
       marker = (i + 1, m[1], m[2].strip())
       if i + 1 >= len(lines) or not lines[i + 1].strip().startswith("```"):
         raise ReadmeError(f"README line {i + 1}: the marker must be directly above a code "
@@ -99,6 +106,8 @@ def _block(line: int, lang: str, code: str, marker) -> Block:
                       "bash and python blocks")
   if mode == "check":
     return Block(line, lang, code, "check", why=detail)
+  if mode == "extra":
+    return Block(line, lang, code, "run", needs=tuple(e.strip() for e in detail.split(",")))
   subs = []
   for part in detail.split(";"):
     old, sep, new = part.partition("=>")
@@ -420,8 +429,46 @@ def _installed_packages() -> list[str]:
 
 
 def _extras() -> set[str]:
+  return set(_optional_dependencies())
+
+
+def _optional_dependencies() -> dict[str, list[str]]:
   with open(ROOT / "pyproject.toml", "rb") as f:
-    return set(tomllib.load(f)["project"]["optional-dependencies"])
+    return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def missing_packages(extra: str) -> list[str]:
+  """The distributions fnscale's `extra` asks for that are not installed, with those of the
+  extras it asks of them (`jax[tpu]`: libtpu), its markers applied.
+
+  Raises:
+    ReadmeError: an extra pyproject.toml does not define.
+  """
+  from packaging.requirements import Requirement  # pytest's own dependency
+  extras = _optional_dependencies()
+  if extra not in extras:
+    raise ReadmeError(f"extra {extra!r}: pyproject.toml defines {sorted(extras)}")
+  missing = []
+  for req in map(Requirement, extras[extra]):
+    if req.marker is not None and not req.marker.evaluate():
+      continue
+    if req.name == "fnscale":
+      missing += [m for e in sorted(req.extras) for m in missing_packages(e)]
+      continue
+    try:
+      asks = [Requirement(r) for r in importlib.metadata.requires(req.name) or ()]
+    except importlib.metadata.PackageNotFoundError:
+      missing.append(req.name)
+      continue
+    for sub in asks:  # what req's own extras add (extra == "tpu": libtpu)
+      if sub.marker is None or sub.marker.evaluate({"extra": ""}) or not any(
+          sub.marker.evaluate({"extra": e}) for e in req.extras):
+        continue
+      try:
+        importlib.metadata.version(sub.name)
+      except importlib.metadata.PackageNotFoundError:
+        missing.append(f"{sub.name} ({req.name}[{','.join(sorted(req.extras))}])")
+  return missing
 
 
 def _steps(block: Block) -> list[tuple[str, str]]:
@@ -436,6 +483,9 @@ def _steps(block: Block) -> list[tuple[str, str]]:
 
 def _do(co: Checkout, block: Block, kind: str, text: str, extras) -> tuple[str, list[str]]:
   """Runs or checks one step; returns (what was done, problems)."""
+  missing = [m for e in block.needs for m in missing_packages(e)]
+  if missing:  # a block of an extra not installed here: checked, as a "check" block is
+    block = block._replace(mode="check", why=f"{', '.join(missing)} not installed")
   if kind == "python":
     if block.mode == "check":
       return "checked", python_problems(text)
@@ -501,6 +551,10 @@ def test_readme_commands_are_checked(checkout):
   readme = (checkout.root / "README.md").read_text(encoding="utf-8")
   extras, problems, steps = _extras(), [], 0
   for block in read_blocks(readme):
+    for extra in block.needs:  # a marker's extras are pyproject.toml's
+      if extra not in extras:
+        problems.append(f"README line {block.line}: readme-test extra {extra!r} is not one "
+                        f"of pyproject.toml's {sorted(extras)}")
     for kind, text in _steps(block):
       steps += 1
       found = (python_problems(text) if kind == "python"
@@ -564,11 +618,16 @@ output line
 ```python
 import fnscale as fs
 ```
+
+<!-- readme-test: extra: tpu, ray -->
+```bash
+python recipes/show_topology.py --topology=v5p-8
+```
 """
 
 
 def test_read_blocks_applies_markers():
-  run, text, check = read_blocks(SAMPLE)
+  run, text, check, extra = read_blocks(SAMPLE)
   assert (run.line, run.lang, run.mode, run.subs) == (
       4, "bash", "run", (("--steps=100", "--steps=2"), ("20:25", "2:3")))
   assert _steps(run) == [("shell", "python recipes/train_lm.py --steps=2   --profile_steps=2:3"
@@ -576,6 +635,17 @@ def test_read_blocks_applies_markers():
   assert (text.mode, _steps(text)) == ("text", [("shell", 'python -c "import fnscale"')])
   assert (check.mode, check.why, _steps(check)) == (
       "check", "needs a TPU pod", [("python", "import fnscale as fs")])
+  assert (extra.mode, extra.needs, run.needs) == ("run", ("tpu", "ray"), ())
+
+
+def test_missing_packages_of_an_extra():
+  import importlib.util
+  libtpu = importlib.util.find_spec("libtpu") is not None
+  missing = missing_packages("tpu")
+  assert ("libtpu (jax[tpu])" in missing) is not libtpu and (missing == []) is libtpu
+  assert missing_packages("test") == []  # this suite runs: its extra is installed
+  with pytest.raises(ReadmeError, match=r"extra 'tpux': pyproject.toml defines \['checkpoint'"):
+    missing_packages("tpux")
 
 
 @pytest.mark.parametrize("readme, message", [

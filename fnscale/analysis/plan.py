@@ -247,19 +247,22 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
   """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
   `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
   slower (it moves params and gradients once per step: less communication, more slack when
-  overlap is imperfect), else "auto"."""
+  overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
+  accumulation."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    modes = ("auto", "once") if a > 1 else ("auto",)
+    modes = ("per_microbatch", "once") if a > 1 else ("auto",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
     fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
     if fit:
       _, gather, best = min(fit, key=lambda x: x[0])
       return a, gather, best, True
     last, est = a, ests[0][1]
-  return (last, "auto", est, False) if est is not None else (1, "auto", None, False)
+  if est is None:
+    return 1, "auto", None, False
+  return last, "per_microbatch" if last > 1 else "auto", est, False
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:

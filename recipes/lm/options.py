@@ -46,8 +46,18 @@ _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
+class Hardware:
+  """The options that say what hardware a recipe runs on, train_lm's and the benchmarks'
+  (`recipes.lm.hardware` adds them to a benchmark's flags and detects the topology)."""
+  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
+  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
+  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(Hardware):
+  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default.
+  The hardware options (`--topology`, `--mesh_shape`, `--tpu`) are `Hardware`'s."""
   # option -> its range (cli.check_range's minimum / above / maximum)
   RANGES: ClassVar[dict] = {**dict.fromkeys(_POSITIVE, dict(minimum=1)),
                             **dict.fromkeys(_NON_NEGATIVE, dict(minimum=0)),
@@ -98,10 +108,10 @@ class Options:
                                   "skipped for non-finite gradients (float16's loss "
                                   "scale), although the loss was finite (0: never)")
   accum_steps: int = option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (reduce once where the "
-                             "params are replicated over the data axes, else as "
-                             "per_microbatch), 'per_microbatch' (params stay sharded) or "
-                             "'once' (whole params on each device)")
+  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (as 'once', but as "
+                             "per_microbatch for a loss that takes a key), 'per_microbatch' "
+                             "(params stay sharded, gradients reduced every microbatch) or "
+                             "'once' (whole params on each device, gradients reduced once)")
   precision: str = option("auto", f"jmp policy, e.g. '{MIXED}', 'float32', 'bfloat16'; "
                         "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
@@ -113,14 +123,11 @@ class Options:
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                              "(Llama models: their layers run as stages); default: the "
                              "stages")
-  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
                      "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
                      f"accumulation for this machine; {_by_platform('mesh')}")
-  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
   dcn: str = option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
                     "default replica=<slices> when the devices span several slices")
-  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = option(0, "seed of the params init, the data order and sampling")
   run_dir: str = option("", "directory of metrics.jsonl, TensorBoard events, run.json, "

@@ -15,7 +15,7 @@ import optax
 import fnscale as fs
 from fnscale import sharding
 from recipes.lm import batches, checkpoints, data, models, packing, progress, run_log, rundir
-from recipes.lm import startup
+from recipes.lm import hardware, startup
 from recipes.lm.options import Options, platform_default, schedule_defaults
 
 
@@ -35,7 +35,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   """The run options `o` ask for on these devices over `corpus`: every default filled in
   (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`), the mesh built, every size
   checked. Raises FnscaleError on any bad value, before anything is written."""
-  topo = startup.topology(o.mesh_shape, o.topology, o.tpu)
+  topo = hardware.detect(o)
   default = lambda name: platform_default(o, name, topo.platform)
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)

@@ -1,6 +1,6 @@
 """train_lm's start-up: simulated CPU devices, the compile cache, the processes of a job and
-the shutdown at exit (`start`), then the hardware (`topology`), the mesh (`mesh_axes`,
-`make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
+the shutdown at exit (`start`), then (after the hardware, `recipes.lm.hardware.detect`) the
+mesh (`mesh_axes`, `make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,24 +49,6 @@ def start(o):
     say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
         + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(request)}")
   return say
-
-
-def topology(mesh_shape: str, override: str, tpu: bool | None):
-  """`fs.detect_topology` with the seed-style `mesh_shape` ("2x4x8") or a hardware override
-  (one of them: `Options.EXCLUSIVE`).
-
-  Raises:
-    TopologyError: an override that doesn't match the devices, or tpu=True where no TPU was
-      found (the message says what was).
-  """
-  try:
-    topo = fs.detect_topology(override=(mesh_shape or override) or None)
-  except fs.TopologyError as e:
-    raise fs.TopologyError(f"mesh_shape={mesh_shape!r}: {e}" if mesh_shape else str(e)) from None
-  if tpu and topo.platform != "tpu":
-    raise fs.TopologyError(f"tpu=True but no TPU was found: {topo}. Run on a TPU VM with "
-                           "jax[tpu] installed, or leave tpu unset to use these devices")
-  return topo
 
 
 def mesh_axes(text: str, flag: str) -> dict[str, int]:

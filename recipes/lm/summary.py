@@ -14,7 +14,7 @@ import numpy as np
 import fnscale as fs
 from fnscale import mesh as fnscale_mesh
 from fnscale import sharding
-from recipes.lm import evaluation, progress, run_log, rundir
+from recipes.lm import evaluation, hardware, progress, run_log, rundir
 
 
 def param_count(state) -> int:
@@ -30,7 +30,7 @@ def describe(r, state) -> None:
   dp = int(np.prod([s.mesh.shape[a] for a in sharding.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
       f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
-  say(f"topology: {s.topo}")
+  say(hardware.describe(s.topo))
   say(fnscale_mesh.describe(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
