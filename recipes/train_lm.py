@@ -12,13 +12,15 @@ input checked before anything is written), `_run` builds the step, restores and 
 of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), startup.py
 (devices, processes, topology, precision), data.py and batches.py, checkpoints.py,
 evaluation.py, progress.py (the progress line and clock), summary.py, rundir.py and
-run_log.py (what the run directory holds), stalls.py; the models are gpt.py, llama.py and
+run_log.py (what the run directory holds), stalls.py, finetune.py (LoRA: --lora_rank; DPO:
+--objective=dpo, with dpo.py and preference.py); the models are gpt.py, llama.py and
 moe.py. fnscale does the distribution. Only process 0 prints and writes files. Rerunning the
 same command resumes from the newest good checkpoint, bitwise (in a run directory of other
 options: an error).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -28,8 +30,8 @@ import jax
 import fnscale as fs
 from fnscale.analysis.report import compilation_cache_restored
 from fnscale.multihost import preemption
-from recipes.lm import batches, checkpoints, cli, data, evaluation, models, progress, run_log
-from recipes.lm import run_setup, rundir, stalls, startup, stopping, summary
+from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, models, progress
+from recipes.lm import run_log, run_setup, rundir, stalls, startup, stopping, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -60,7 +62,7 @@ def run(o: Options) -> summary.Summary:
     data.check_epochs(o.dataset, o.epochs)
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
-      setup = run_setup.decide(o, data.load(o.dataset, models.tokenizer(o), say), say)
+      setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
       rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
       if setup.o.checkpoint_dir:  # one directory every process sees, checked before use
         fs.checkpoint.check_shared_directory(setup.o.checkpoint_dir)
@@ -73,14 +75,18 @@ def run(o: Options) -> summary.Summary:
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   """(the sharded train step, not yet compiled; the jitted eval loss) of the run."""
   o, model = setup.o, setup.model
-  train_loss, loss_fn, aux = models.losses(setup)  # packed rows: weighted (padding has none)
+  if setup.lora is not None:  # adapters trained, the base frozen (finetune.py)
+    train_loss, loss_fn, aux, weighted = finetune.losses(setup, setup.lora)
+  else:  # packed rows: weighted (padding has none)
+    (train_loss, loss_fn, aux), weighted = models.losses(setup), setup.corpus.packed is not None
   step_fn = fs.train_step(train_loss, optimizer, policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather, has_aux=aux,
-                          weighted=setup.corpus.packed is not None)
+                          accum_gather=o.accum_gather, has_aux=aux, weighted=weighted)
   kernels = dict(attention=o.attention, context=o.context, context_order=o.context_order)
+  # A LoRA state is born in its shardings (the adapters follow the base's): none to derive.
+  rules = {} if setup.lora is not None else dict(
+      rules=model.RULES, logical_axes=model.logical_axes(setup.cfg))
   step_fn = fs.shard_step(fs.with_kernel(checkpoints.with_finite_flag(step_fn), **kernels),
-                          setup.mesh, rules=model.RULES,
-                          logical_axes=model.logical_axes(setup.cfg))
+                          setup.mesh, **rules)
   return step_fn, evaluation.eval_loss(loss_fn, policy, kernels)
 
 
@@ -93,7 +99,9 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
   step_fn, eval_loss = _step(setup, optimizer, policy)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
-    init = models.init(setup, optimizer, policy, jax.random.key(o.seed))
+    key = jax.random.key(o.seed)
+    init = (finetune.init(setup, optimizer, policy, key, setup.lora) if setup.lora is not None
+            else models.init(setup, optimizer, policy, key))
     # grain reads this process's rows (whole rows: `batches.put` splits the sequence over a
     # context axis); fs.global_batch makes one array over every process.
     train_rows, evals = batches.run_batches(setup, fs.batch_sharding(setup.mesh,
@@ -111,10 +119,11 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
         start=start, resumed=resumed,
         # A resumed run's log continues from its step; a fresh one starts a fresh log.
         log=run_log.run_log(o.run_dir, active=jax.process_index() == 0, say=say,
+                            tracker=o.tracker, config=dataclasses.asdict(o),
                             keep_through=-1 if resumed is None else start),
         prof=run_log.profiler(setup.profile, o.run_dir, say=say),
         saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say),
-        should_stop=should_stop)
+        should_stop=should_stop, params_of=finetune.params_of(setup.lora))
     summary.describe(job, state)
     batches.say_padding(o, rows, evals, say)
     ev = evaluation.evaluate(job, state, 0) if start == 0 else None
@@ -122,7 +131,10 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
       state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
     out = _finish(job, state, out)
     if o.export_hf and not out["stopped"]:
-      models.export(setup, state, say)
+      if setup.lora is not None:  # merged weights, and the adapters as a PEFT adapter
+        finetune.export(setup, state, setup.lora, say)
+      else:
+        models.export(setup, state, say)
     job.log.close()
   return summary.summarize(job, state, out)
 

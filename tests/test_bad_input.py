@@ -44,6 +44,7 @@ CASES = [
     ("bench/hf_checkpoint", ["--dir=unused", "--seq=0"], "--seq: 0 must be >= 1"),
     ("bench/launch_ray", ["--repeats=0"], "--repeats: 0 must be >= 1"),
     ("bench/loader", ["--batches=-3"], "--batches: -3 must be >= 1"),
+    ("bench/lora", ["--prepare=unused", "--compile"], "give one of --prepare=DIR and --compile"),
     ("bench/moe_forecast", ["--json"], "--json: expected one argument"),
     ("bench/moe_layer", ["--k=0"], "--k: 0 must be >= 1"),
     ("bench/pipeline", ["--microbatches=4,x"], "'x' is not an int"),

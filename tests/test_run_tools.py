@@ -222,7 +222,7 @@ def test_run_log_inactive_writes_nothing(tmp_path):
     (1, {3: 1.0}, "metric 3=1.0"),
 ])
 def test_run_log_rejects_bad_records(tmp_path, step, metrics, match):
-  log = rl.run_log(str(tmp_path), tensorboard=False)
+  log = rl.run_log(str(tmp_path), tracker="none")
   with pytest.raises(FnscaleError, match=match):
     log.write(step, metrics)
   log.close()
@@ -372,7 +372,7 @@ def test_plot_run_draws_the_bigram_baseline_train_lm_recorded(tmp_path, matplotl
 
 
 def test_plot_run_draws_a_run_logged_by_run_log(tmp_path, matplotlib):
-  _write(tmp_path, tensorboard=False)
+  _write(tmp_path, tracker="none")
   with open(pr.plot_run(str(tmp_path)), "rb") as f:
     assert f.read(8) == PNG_MAGIC
 

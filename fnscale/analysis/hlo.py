@@ -570,16 +570,28 @@ def _element(value, k: int):
   return None
 
 
-def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
+def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0, memo=None):
   """What instruction `name` of `comp` computes, as far as loop counts need: ("const", v),
   ("param", i), ("elem", k) (element k of the tuple parameter), ("tuple", values),
   ("add" | "compare", direction, operand values...); None otherwise. Copies, bitcasts,
-  converts and fusions are looked through (`args`: the values a fusion passes its callee)."""
+  converts and fusions are looked through (`args`: the values a fusion passes its callee).
+  Each (computation, instruction, args) is read once (`memo`): a loop carrying many values
+  through fusions and tuples would otherwise be re-read along every path, exponentially
+  many in the depth."""
+  memo = {} if memo is None else memo
+  key = (comp, name, args)
+  if key not in memo:
+    memo[key] = _read_value(g, comp, name, args, depth, memo)
+  return memo[key]
+
+
+def _read_value(g: _Graph, comp: str, name: str, args, depth: int, memo):
+  """`_value`, unmemoized."""
   base, *index = name.split("#")
   ins = g.instrs.get(comp, {}).get(base)
   if ins is None or depth > 16:
     return None
-  sub = lambda n: _value(g, comp, n, args, depth + 1)
+  sub = lambda n: _value(g, comp, n, args, depth + 1, memo)
   operands = [n for n, _ in ins.operands]
   out = None
   if ins.op == "constant" and re.fullmatch(r"[su]\d+\[\]", ins.shape.split("{")[0]):
@@ -601,7 +613,7 @@ def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
     callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
     root = g.roots.get(callee.group(1)) if callee else None
     if root:
-      out = _value(g, callee.group(1), root, tuple(sub(o) for o in operands), depth + 1)
+      out = _value(g, callee.group(1), root, tuple(sub(o) for o in operands), depth + 1, memo)
   for k in index:
     out = _element(out, int(k))
   return out

@@ -17,7 +17,7 @@ import grain
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import packing
+from recipes.lm import packing, preference
 from recipes.lm.data import Corpus
 
 
@@ -125,6 +125,8 @@ def run_batches(s, sharding) -> tuple:
   process's rows under `sharding`: packed rows of token caches (`packing.batches`, the rows
   `fnscale.process_rows` names), else windows of text (`batches`)."""
   o, seq = s.o, s.cfg.seq
+  if s.corpus.preference is not None:  # DPO: whole pairs packed into rows
+    return _preference_batches(s, sharding)
   if s.corpus.packed is None:
     return text_batches(s.corpus, sharding, seq, o.global_batch, o.seed, o.eval_batches)
   spec, rows = pack_spec(o, seq), fs.process_rows(sharding, o.global_batch)
@@ -132,6 +134,17 @@ def run_batches(s, sharding) -> tuple:
   train = packing.batches(sources, rows, o.global_batch, spec, o.seed)
   held = packing.batches(sources, rows, o.global_batch, spec, o.seed, held=True)
   return train, [next(held) for _ in range(o.eval_batches)]
+
+
+def _preference_batches(s, sharding) -> tuple:
+  """`run_batches` of preference pairs (`preference.py`): whole pairs packed into rows of
+  seq tokens, at most --dpo_pairs a row."""
+  o, (train, held) = s.o, s.corpus.preference
+  index, count = process_shard(sharding, o.global_batch)
+  pack = lambda pairs: preference.rows(pairs, s.cfg.seq, o.dpo_pairs)
+  held_rows = preference.batches(pack(held), index, count, o.global_batch, o.seed, True)
+  return (preference.batches(pack(train), index, count, o.global_batch, o.seed),
+          [held_rows[i] for i in range(o.eval_batches)])
 
 
 def pack_spec(o, seq: int) -> packing.PackSpec:
@@ -152,6 +165,11 @@ def say_padding(o, first: dict, evals: list, say) -> None:
   """With token caches: the padding in this process's rows of the first train batch and in
   the eval batches (text windows have none: nothing said)."""
   if "segment_ids" not in first:
+    return
+  if o.objective == "dpo":
+    say(f"preference pairs packed whole, at most {o.dpo_pairs} a row: "
+        f"{packing.padding_fraction(first):.1%} padding in this process's rows of the first "
+        "batch")
     return
   held = np.mean([packing.padding_fraction(b) for b in evals] or [0])
   say(f"packing ({o.packing}, {o.pack_bins} bins, long documents: {o.long_docs}): "

@@ -1,6 +1,10 @@
 """A run's checkpoints, as `train_lm.py` keeps them: resume from the newest good one (with the
 data iterator where it was), save only finite states (each with the data position), and say
-when a save can't fit the preemption window. `s` is train_lm's `run_setup.Setup`; `ckpt` a
+when a save can't fit the preemption window. A state's frozen params (a LoRA run's base,
+`TrainState.frozen`) are never saved: they are the run's input (--init_from, or the seed),
+named in each checkpoint's extra by where they came from and their fingerprint
+(`fnscale.checkpoint.fingerprint`), and taken from a fresh init on resume after checking that
+fingerprint. `s` is train_lm's `run_setup.Setup`; `ckpt` a
 `fnscale.checkpoint.Manager`, or None when checkpoints are off."""
 from __future__ import annotations
 
@@ -41,10 +45,12 @@ def manager(o):
 
 def with_finite_flag(step):
   """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
-  check into the step; the loop reads it before any save)."""
+  check into the step; the loop reads it before any save). Frozen params, which the step
+  never changes, are not read."""
   def step_with_flag(state, batch):
     state, metrics = step(state, batch)
-    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
+    kept = state._replace(frozen=None)
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((kept, metrics["loss"]))}
   return step_with_flag
 
 
@@ -85,8 +91,9 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
   listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
   if not listed:
     return init(), 0, None
+  target = init(abstract=True)
   try:
-    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=train_rows,
+    state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None), data=train_rows,
                                          reshard_data=batches.resharded_position)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
@@ -94,6 +101,8 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
         f"{ckpt.directory} (steps {list(listed)}): {e} To keep them and start this run "
         "afresh, give it another directory (--run_dir=NEW_DIR, or --checkpoint_dir); to start "
         f"over in this one, remove {ckpt.directory} first.") from None
+  if target.frozen is not None:
+    state = state._replace(frozen=frozen_params(init, extra, ckpt.directory))
   start = int(extra["step"])
   refused = [d for d in listed if d > start]
   if refused:
@@ -106,6 +115,25 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
         "differs from the original run")
   say(f"resumed from step {start} ({ckpt.directory})")
   return state, start, extra
+
+
+def frozen_params(init, extra: dict, directory: str):
+  """The frozen params of a fresh `init()`, checked against the fingerprint the checkpoint's
+  `extra` recorded of those it was trained beside.
+
+  Raises:
+    CheckpointError: they differ (another base model), naming both and the fix.
+  """
+  frozen = init().frozen
+  saved = (extra.get("frozen") or {}).get("fingerprint")
+  got = fs.checkpoint.fingerprint(frozen)
+  if saved is not None and saved != got:
+    raise fs.CheckpointError(
+        f"the checkpoints in {directory} were trained beside frozen params "
+        f"{extra['frozen'].get('source')!r} of fingerprint {saved}, but this run's are "
+        f"fingerprint {got}: another base model. Fix: resume with the same --init_from (and "
+        "--precision) as the saved run, or start afresh in another --run_dir")
+  return frozen
 
 
 def say_save_window(ckpt, grace_s: float, say) -> bool:
@@ -139,7 +167,7 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
   `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
   preemption window is said as soon as its time is known (at start-up from the last run's
   save; in the run from its second save: the first one's time includes one-off compiles)."""
-  flags, last_saved, warned, saves = [], resumed, False, 0
+  flags, last_saved, warned, saves, frozen = [], resumed, False, 0, {}
 
   def check():
     bad = first_nonfinite(flags)
@@ -155,10 +183,14 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
     if saves >= 2 and not warned:  # the first save's time includes one-off compiles
       warned = say_save_window(ckpt, s.o.grace_s, say)
     t = time.time()
+    if state.frozen is not None and not frozen:  # named once: they never change
+      frozen.update(source=s.o.init_from or f"fresh, seed {s.o.seed}",
+                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
     # Before the next batch is read: the iterator's position is this step's.
-    fs.checkpoint.save(ckpt, step, state, data=train_rows, extra=dict(
+    fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows, extra=dict(
         step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
-        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train)))
+        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train),
+        **({"frozen": dict(frozen)} if frozen else {})))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
         f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")

@@ -53,6 +53,8 @@ class Corpus(NamedTuple):
   describe: str
   # A token cache or mixture: (packing.Source list, the run's tokenizer); None for text.
   packed: tuple | None = None
+  # DPO's preference pairs: (train, held out), each [(preference.Pair, its name)]; None else.
+  preference: tuple | None = None
 
 
 def corpus_files(spec: str | None) -> list[str]:

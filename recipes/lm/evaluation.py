@@ -29,8 +29,13 @@ def bits_per_byte(r, loss: float) -> float:
 def evaluate(r, state, step: int) -> float:
   """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged."""
   # All devices finish each eval program (not just the one a scalar is read from).
-  value = float(np.mean([float(jax.block_until_ready(r.eval_loss(state.params, b)))
+  params = r.params_of(state)
+  value = float(np.mean([float(jax.block_until_ready(r.eval_loss(params, b)))
                          for b in r.eval_batches]))
+  if r.setup.o.objective == "dpo":
+    r.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
+    r.log.write(step, {"eval/dpo_loss": value})
+    return value
   bpb = bits_per_byte(r, value)
   r.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
   r.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
@@ -41,7 +46,7 @@ def sample(r, state) -> str:
   """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said."""
   o, c, t = r.setup.o, r.setup.corpus, time.time()
   apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
-  text = c.decode(gpt.generate(apply, state.params, c.encode(o.prompt or "\n"),
+  text = c.decode(gpt.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
                                gpt.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
                                             o.attention)))
   r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "

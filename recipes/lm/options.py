@@ -19,13 +19,21 @@ CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
 PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documents into rows
 LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
 MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
+# What each block keeps for its backward pass (recipes/lm/remat.py says what each saves).
+REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
+OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
+DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
+TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
-# default run in ~2-3 minutes on 2 cores (README, "The main job").
+# default run in ~2-3 minutes on 2 cores (README, "The main job"). Accelerators: GPT small at
+# 32 rows of 1024 tokens keeping its matmul outputs ("dots"), 120k tokens/s on one TPU v5e
+# where 16 rows keeping everything (what fits without remat) ran 93k (recipes/bench/chip.py).
 PLATFORM_DEFAULTS = {
-    "cpu": dict(model_config="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1"),
-    "accelerator": dict(model_config="small", seq=1024, batch_size=16, steps=5000,
-                        mesh="fsdp=-1")}
+    "cpu": dict(model_config="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1",
+                remat_policy="none"),
+    "accelerator": dict(model_config="small", seq=1024, batch_size=32, steps=5000,
+                        mesh="fsdp=-1", remat_policy="dots")}
 # Peak learning rate by model; other models 3e-4.
 LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
       "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3}
@@ -42,7 +50,8 @@ _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "accum_step
              "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
-                 "temperature", "shutdown_delay_s", "num_processes")
+                 "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
+                 "dpo_label_smoothing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,9 @@ class Options(Hardware):
                             **dict.fromkeys(_NON_NEGATIVE, dict(minimum=0)),
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
+                            "lora_alpha": dict(above=0), "dpo_beta": dict(above=0),
+                            "lora_dropout": dict(minimum=0, maximum=0.99),
+                            "dpo_pairs": dict(minimum=1),
                             "process_id": dict(minimum=-1)}
   # Options that ask for one thing two ways: a run takes one of each pair (`cli`).
   EXCLUSIVE: ClassVar[tuple] = (("global_batch", "batch_size"), ("epochs", "steps"),
@@ -72,7 +84,9 @@ class Options(Hardware):
                              "accum_gather": ACCUM_GATHER,
                              "attention": IMPLEMENTATIONS,
                              "context": context_attention.FORMS,
-                             "context_order": context_attention.ORDERS}
+                             "context_order": context_attention.ORDERS,
+                             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
+                             "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -91,6 +105,29 @@ class Options(Hardware):
                           "its tokenizer.json)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
+  export_adapter: str = option("", "with --lora_rank: also write the adapters as a Hugging "
+                               "Face PEFT adapter here; default EXPORT_HF/adapter")
+  objective: str = option("lm", "lm: next-token loss on --dataset; dpo: preference pairs "
+                          "(DPO) from a JSONL/Parquet file of prompt, chosen, rejected rows, "
+                          "the frozen base as the reference (needs --lora_rank)")
+  lora_rank: int = option(0, "LoRA rank: train low-rank adapters of the model's matmul "
+                          "weights, the base frozen (0: full fine-tuning)")
+  lora_alpha: float | None = option(None, "LoRA alpha: adapters add alpha / rank x A B; "
+                                    "default 2 x rank")
+  lora_dropout: float = option(0.0, "LoRA dropout on the adapted weights' inputs")
+  lora_targets: str = option("", "LoRA targets: the model's weight names (wq,wk,wv,wo,"
+                             "w_gate,w_up,w_down) or regexes over its leaf paths, "
+                             "comma-separated; default all of them")
+  chat_template: str = option("", "--objective=dpo: a Jinja chat template file; default the "
+                              "tokenizer's")
+  dpo_beta: float = option(0.1, "DPO's beta (the reference KL penalty's inverse temperature)")
+  dpo_label_smoothing: float = option(0.0, "DPO's label smoothing, the fraction of flipped "
+                                      "preferences in [0, 0.5): cDPO (sigmoid) or rDPO")
+  dpo_loss: str = option("sigmoid", "DPO loss: sigmoid (DPO, cDPO) or robust (rDPO)")
+  dpo_pairs: int = option(8, "--objective=dpo: at most this many pairs packed in a row")
+  tracker: str = option("tensorboard", "where scalars go besides metrics.jsonl: "
+                        "tensorboard (event files in run_dir) or wandb (Weights & Biases; "
+                        "WANDB_MODE=offline works without a network)")
   seq: int | None = option(None, f"sequence length in tokens; {_by_platform('seq')}")
   batch_size: int | None = option(None, "rows per data-parallel device; "
                                   + _by_platform("batch_size"))
@@ -119,7 +156,14 @@ class Options(Hardware):
                         "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
   context_order: str = option("zigzag", "the order the context shards hold the sequence "
                               "in: zigzag (balanced causal work), striped or contiguous")
-  remat: bool = option(False, "recompute each block's activations in the backward pass")
+  remat: bool = option(False, "recompute each block's activations in the backward pass "
+                       "(--remat_policy=full)")
+  int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
+                      "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
+                      "llama models)")
+  remat_policy: str = option("auto", "what each block keeps for its backward pass "
+                             f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
+                             f"{_by_platform('remat_policy')}, full with --remat")
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                              "(Llama models: their layers run as stages); default: the "
                              "stages")
@@ -165,6 +209,15 @@ def platform_default(o: Options, name: str, platform: str):
   if given not in (None, ""):
     return given
   return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"][name]
+
+
+def remat_policy(o: Options, platform: str) -> str:
+  """--remat_policy, auto resolved: full with --remat, else the platform's default."""
+  if o.remat_policy != "auto":
+    return o.remat_policy
+  if o.remat:
+    return "full"
+  return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"]["remat_policy"]
 
 
 def schedule_defaults(o: Options, model: str, steps: int) -> Options:

@@ -15,7 +15,7 @@ import numpy as np
 
 import fnscale as fs
 from fnscale.analysis import flops
-from recipes.lm import run_log
+from recipes.lm import finetune, run_log
 
 
 class Peak(NamedTuple):
@@ -79,6 +79,8 @@ def peak_name(topo, peak: float) -> str:
 def flops_per_step(s) -> float:
   """Model FLOPs per step of run `s` (a `run_setup.Setup`): MFU's numerator, times the
   step's time."""
+  if s.lora is not None:  # frozen weights: forward and input gradient only
+    return finetune.flops_per_token(s, s.lora) * s.o.global_batch * s.cfg.seq
   return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
 
 
@@ -175,12 +177,26 @@ def progress(r, done: int, m, dt) -> dict:
   line = run_log.progress_line(done, s.o.steps, metrics, dt)
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
   r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
-                     "train/update_norm": float(m["update_norm"])})
-  if "aux" in m:  # a mixture of experts: its load
+                     "train/update_norm": float(m["update_norm"]),
+                     **({"train/loss_scale": float(m["loss_scale"])}
+                        if "loss_scale" in m else {})})
+  if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
+    _say_rewards(r, done, m["aux"])
+  elif "aux" in m:  # a mixture of experts: its load
     _say_load(r, done, s.model.load_metrics(m["aux"]))
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+def _say_rewards(r, done: int, aux: dict) -> None:
+  """DPO's implicit rewards at step `done` (beta x log-ratio to the reference, means over the
+  batch's pairs): one line, and their record in the run's log."""
+  got = {f"dpo/{k}": float(v) for k, v in aux.items()}
+  r.say(f"  dpo: reward accuracy {got['dpo/reward_accuracy']:.2f}, margin "
+        f"{got['dpo/reward_margin']:.4f} (chosen {got['dpo/chosen_reward']:.4f}, rejected "
+        f"{got['dpo/rejected_reward']:.4f})")
+  r.log.write(done, got)
 
 
 def _say_load(r, done: int, load: dict) -> None:

@@ -14,9 +14,9 @@ import optax
 
 import fnscale as fs
 from fnscale import sharding
-from recipes.lm import batches, checkpoints, data, models, packing, progress, run_log, rundir
-from recipes.lm import hardware, startup
-from recipes.lm.options import Options, platform_default, schedule_defaults
+from recipes.lm import batches, checkpoints, data, finetune, hardware, models, packing
+from recipes.lm import progress, run_log, rundir, startup
+from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -29,6 +29,7 @@ class Setup(NamedTuple):
   cfg: Any  # its ModelConfig
   profile: run_log.ProfileWindow | None  # --profile_steps
   corpus: data.Corpus
+  lora: Any = None  # the fnscale.lora.LoraConfig of --lora_rank (None: full fine-tuning)
 
 
 def decide(o: Options, corpus: data.Corpus, say) -> Setup:
@@ -39,7 +40,14 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   default = lambda name: platform_default(o, name, topo.platform)
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)
-  o, mesh = _mesh(o, model, cfg, topo, per_device, say)
+  run_log.check_tracker(o.tracker)
+  lora = finetune.lora_config(o, model, cfg)
+  if o.objective == "dpo":
+    finetune.dpo_config(o)
+  o, mesh = _mesh(o, model, cfg, topo, say, lora)
+  if o.remat and o.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+                        "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
@@ -52,22 +60,26 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
       o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
+      remat_policy=remat_policy(o, topo.platform),
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
-             model, cfg, profile, corpus)
+             model, cfg, profile, corpus, lora)
 
 
-def _mesh(o: Options, model, cfg, topo, per_device: int, say) -> tuple[Options, Any]:
+def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
   """(options, mesh): the --mesh and --dcn axes (each parsed once), or with --mesh=auto the
   planner's mesh, remat and accumulation for the global batch, every device a data-parallel
-  one (the options then hold the planner's choices)."""
+  one (the options then hold the planner's choices; its table is said)."""
   dcn = startup.mesh_axes(o.dcn, "--dcn")
   if o.mesh != "auto":
     axes = startup.mesh_axes(platform_default(o, "mesh", topo.platform), "--mesh")
     return o, startup.make_mesh(axes, dcn, topo, say)
+  per_device = platform_default(o, "batch_size", topo.platform)
   batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-  axes, remat, accum, gather = startup.plan_mesh(model, cfg, topo, batch, o.precision, say)
+  (axes, remat, accum, gather), table = startup.plan_mesh(model, cfg, topo, batch,
+                                                          o.precision, lora)
+  say("mesh=auto: " + table)
   if accum > o.accum_steps:
     o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
   o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
@@ -142,4 +154,5 @@ class Run(NamedTuple):
   prof: run_log.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
   should_stop: Callable[[int], bool]  # the preemption guard's check
+  params_of: Callable = lambda state: state.params  # the params evaluation and samples use
   ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop

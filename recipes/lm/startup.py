@@ -94,21 +94,42 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say):
-  """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's abstract
-  params and the global batch; prints the top of the table and why the winner won.
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
+  """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's
+  abstract params and the global batch, and the top of its table with why the winner won. With
+  `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
+  gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
+  its reference pass adds a forward pass, no residuals).
 
   Returns:
-    (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
+    ((MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row, the
+    table's text).
 
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
   """
   from fnscale.analysis import plan  # pylint: disable=import-outside-toplevel
   rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
-  p = plan.plan(functools.partial(model.init_params, cfg), model.loss_fn,
-                optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
-                policy=policy(precision, topo.platform), rules=model.RULES,
-                logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
-  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
-  return p.axes, p.remat, p.accum, p.accum_gather
+  pol = policy(precision, topo.platform)
+  init, loss = functools.partial(model.init_params, cfg), model.loss_fn
+  if lora is not None:
+    init, loss = _lora_plan(model, cfg, pol, lora)
+  p = plan.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
+                key=jax.random.key(0))
+  return ((p.axes, p.remat, p.accum, p.accum_gather),
+          plan.format_plan(p, top=6).replace("\n", "\n  "))
+
+
+def _lora_plan(model, cfg, pol, lora):
+  """(abstract LoRA state, LoRA loss) for `plan_mesh`: the base abstract in the compute
+  dtype on one device (the planner places it on each candidate mesh)."""
+  dtype = pol.compute_dtype if pol is not None else np.float32
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  base = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec())),
+      jax.eval_shape(functools.partial(model.init_params, cfg), jax.random.key(0)))
+  state = fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
+                             policy=pol, abstract=True)
+  return state, fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)

@@ -14,12 +14,12 @@ import numpy as np
 import fnscale as fs
 from fnscale import mesh as fnscale_mesh
 from fnscale import sharding
-from recipes.lm import evaluation, hardware, progress, run_log, rundir
+from recipes.lm import evaluation, finetune, hardware, progress, run_log, rundir
 
 
 def param_count(state) -> int:
-  """The number of parameters of a train state."""
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  """The number of parameters of a train state, trained and frozen."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves((state.params, state.frozen)))
 
 
 def describe(r, state) -> None:
@@ -49,13 +49,14 @@ def describe(r, state) -> None:
       + (f" ({r.policy})" if r.policy is not None else " (float32)"))
   say("compile: " + str(r.report).replace("\n", "\n  "))
   say(f"MFU denominator: {r.peak.about}")
-  say(where(o.run_dir, o.checkpoint_dir))
+  say(where(o.run_dir, o.checkpoint_dir, o.tracker))
+  lora = finetune.describe(state, s.lora, say) if s.lora is not None else None
   run_log.write_run_record(o.run_dir, "start", dict(
       step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
       global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
       processes=jax.process_count(), compile_s=r.report.compile_seconds,
       resumed_from=r.resumed, peak_flops=r.peak.flops,
-      flops_per_step=progress.flops_per_step(r.setup),
+      flops_per_step=progress.flops_per_step(r.setup), lora=lora,
       xla_warnings=list(r.report.xla_warnings)), active=jax.process_index() == 0)
   run_log.write_run_record(o.run_dir, "data", dict(
       dataset=o.dataset, tokenizer=o.tokenizer, unigram_loss=r.baseline.unigram,
@@ -81,19 +82,39 @@ def summarize(r, state, out: dict) -> "Summary":
                       active=jax.process_index() == 0)
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  r.say((f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f} "
-         f"nats/token{base}, {summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+  unit = (" (DPO)" if s.o.objective == "dpo" else f" nats/token{base}")
+  r.say((f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
+         f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
          if summary.eval_loss is not None else f"done: step {summary.final_step}")
         + f"; metrics in {summary.metrics}")
+  hbm = device_memory()
+  if hbm is not None:
+    r.say(f"device memory: peak {hbm[0] / 2**30:.2f} GiB in use of {hbm[1] / 2**30:.2f} GiB "
+          "(the busiest of this process's devices, as the runtime counts it)")
+    run_log.write_run_record(s.o.run_dir, "device_memory", dict(
+        peak_bytes_in_use=hbm[0], bytes_limit=hbm[1]), active=jax.process_index() == 0)
   return summary
 
 
-def where(run_dir: str, checkpoint_dir: str) -> str:
+def where(run_dir: str, checkpoint_dir: str, tracker: str = "tensorboard") -> str:
   """The line that says what a run writes where."""
-  return (f"run directory {run_dir}: {run_log.METRICS_FILE} and TensorBoard events "
-          f"(tensorboard --logdir {run_dir}), {run_log.RUN_FILE}, {rundir.LOG_FILE} (the "
-          "libraries' and XLA's warnings), "
+  events = (f"TensorBoard events (tensorboard --logdir {run_dir})" if tracker == "tensorboard"
+            else "a W&B run (wandb/)" if tracker == "wandb" else "")
+  return (f"run directory {run_dir}: {run_log.METRICS_FILE}"
+          + (f" and {events}" if events else "") + f", {run_log.RUN_FILE}, {rundir.LOG_FILE} "
+          "(the libraries' and XLA's warnings), "
           + (f"checkpoints in {checkpoint_dir}" if checkpoint_dir else "no checkpoints"))
+
+
+def device_memory() -> tuple[int, int] | None:
+  """(peak bytes in use, bytes limit) of the busiest local device, from the runtime's own
+  counters (`Device.memory_stats`: TPU and GPU); None where it keeps none (CPU)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  stats = [s for s in stats if "peak_bytes_in_use" in s]
+  if not stats:
+    return None
+  top = max(stats, key=lambda s: s["peak_bytes_in_use"])
+  return int(top["peak_bytes_in_use"]), int(top.get("bytes_limit", 0))
 
 
 class Summary(NamedTuple):
