@@ -60,6 +60,7 @@ def run(o: Options) -> summary.Summary:
     # process lost in a collective is named, not left to a runtime error.
     preemption.check_service()  # the guard needs it: say so now, not after the compile
     data.check_epochs(o.dataset, o.epochs)
+    startup.check_init_from(o.init_from)  # a model directory, before its tokenizer is read
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
       setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)

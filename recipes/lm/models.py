@@ -49,6 +49,9 @@ def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str
       raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
                           f"{list(MODELS)}{did_you_mean(size, MODELS)}")
     return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=vocab), size
+  if o.model_config:
+    raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
+                        "the checkpoint's config.json chooses the model; leave one out")
   m = hf_maps.read(o.init_from, seq)
   if vocab > m.cfg.vocab:
     raise fs.InputError(f"the tokenizer has {vocab} ids and {o.init_from}'s model "
@@ -58,15 +61,7 @@ def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str
 
 
 def tokenizer(o) -> str:
-  """--tokenizer, else --init_from's tokenizer.json (its model's ids), else "" (bytes).
-  Raises InputError for an --init_from that is no Hugging Face model directory (checked
-  first: the fix is another directory, not --tokenizer)."""
-  if o.init_from and "://" not in o.init_from:
-    for missing, what in ((o.init_from, "no such directory"),
-                          (os.path.join(o.init_from, "config.json"), "no config.json")):
-      if not os.path.exists(missing):
-        raise fs.InputError(f"--init_from={o.init_from}: {what}; expected a Hugging Face "
-                            "model directory (config.json, *.safetensors, tokenizer.json)")
+  """--tokenizer, else --init_from's tokenizer.json (its model's ids), else "" (bytes)."""
   if o.tokenizer or not o.init_from:
     return o.tokenizer
   path = os.path.join(o.init_from, "tokenizer.json")

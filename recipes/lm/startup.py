@@ -51,6 +51,20 @@ def start(o):
   return say
 
 
+def check_init_from(init_from: str) -> None:
+  """Raises InputError for an --init_from that is no Hugging Face model directory: checked
+  before anything reads its tokenizer.json or weights, so the message says what is wrong
+  with the directory (a missing tokenizer.json's fix would be --tokenizer, a minute before
+  the missing config.json). gs:// paths are left to the readers."""
+  if not init_from or "://" in init_from:
+    return
+  for path, what in ((init_from, "no such directory"),
+                     (os.path.join(init_from, "config.json"), "no config.json")):
+    if not os.path.exists(path):
+      raise fs.InputError(f"--init_from={init_from}: {what}; expected a Hugging Face model "
+                          "directory (config.json, *.safetensors, tokenizer.json)")
+
+
 def mesh_axes(text: str, flag: str) -> dict[str, int]:
   """The axes of a --mesh or --dcn value ("data=-1,fsdp=2": {"data": -1, "fsdp": 2}; ""
   none), parsed once, their names checked: ones fnscale's conventions know, refused before
