@@ -36,6 +36,8 @@ CASES = [
      "--shapes entry '1x128': expected BATCHxSEQxHEADSxKV_HEADSxHEAD"),
     ("bench/attention", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
+    ("bench/chip", ["--case=gpt-small,remat=sometimes"], "'sometimes'"),
+    ("bench/chip", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
     ("bench/compare_maxtext", ["--fnscale_python=/nope/python", "--sides=fnscale"],
