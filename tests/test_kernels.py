@@ -1045,3 +1045,29 @@ def test_bench_attention_command_line():
   assert " ".join(rows[("1x100x1x1x32", "splash", "interpret")]).startswith(
       "n/a: attention(implementation='splash') can't serve this call: sequence lengths "
       "(100, 100) must be multiples of 128")
+
+
+@pytest.mark.hlo_unread_loops  # megablox in Pallas interpret mode: loops over its grid
+def test_megablox_gradient_is_zero_on_the_rows_past_the_groups():
+  # 220 of 256 rows in groups: the kernel writes no gradient for the other 36 (NaN in
+  # interpret mode where it once returned them); ragged_dot's, by masks, is zero there.
+  from fnscale.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(0), 3)
+  lhs, rhs = jax.random.normal(keys[0], (256, 128)), jax.random.normal(keys[1], (2, 128, 128))
+  weight = jax.random.normal(keys[2], (256, 128))
+  sizes = jnp.array([100, 120], jnp.int32)
+  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(256), side="right")
+
+  def masked(lhs, rhs):
+    out = jnp.einsum("mk,mkn->mn", lhs, rhs[jnp.minimum(group, 1)])
+    return jnp.where((group < 2)[:, None], out, 0.0)
+
+  loss = lambda mm: jax.jit(jax.value_and_grad(
+      lambda l, r: jnp.sum(mm(l, r) * weight), argnums=(0, 1)))(lhs, rhs)
+  got = loss(lambda l, r: grouped_matmul(l, r, sizes, implementation="megablox",
+                                         interpret=True))
+  want = loss(masked)
+  assert not np.isnan(np.asarray(got[1][0])).any()
+  assert np.all(np.asarray(got[1][0])[220:] == 0.0)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert _relative_error(g, w) < 1e-5

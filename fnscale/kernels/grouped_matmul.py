@@ -201,21 +201,24 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
   if plan.implementation == "tiled":
     return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
-  # megablox differentiates only in reverse mode; forward mode takes ragged_dot's JVP.
+  # megablox differentiates only in reverse mode; forward mode takes the tiled form's JVP
+  # (plain XLA ops, which jax also batches: its ragged_dot has no batching rule).
   return _autodiff.reverse_only(
       functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret,
                         zero_padding=zero_padding),
-      lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes),
-      "the megablox grouped matmul", "jax.lax.ragged_dot")(lhs, rhs, group_sizes)
+      lambda lhs, rhs, sizes: _tiled(lhs, rhs.astype(lhs.dtype), sizes),
+      "the megablox grouped matmul", "the tiled grouped matmul")(lhs, rhs, group_sizes)
 
 
 def _megablox(lhs, rhs, group_sizes, *, tiling, interpret, zero_padding):
   # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-  out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling, None,
-                     None, False, interpret)
+  gmm = lambda lhs: megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling,
+                                 None, None, False, interpret)
   if not zero_padding:
-    return out
-  # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).
-  rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
+    return gmm(lhs)
+  # Rows past the groups: zero, as ragged_dot leaves them, in the output and in lhs's
+  # gradient (the kernel writes neither: the selects drop what it left there).
+  rows = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
+  zero = jnp.zeros((), lhs.dtype)
+  return jnp.where(rows, gmm(jnp.where(rows, lhs, zero)), zero)
