@@ -18,11 +18,14 @@ Where JAX has a public interface fnscale uses it and it is not here:
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 
 from fnscale.errors import RuntimeFailure
 
@@ -221,71 +224,109 @@ def platform_version(device) -> str:
 
 # ------------------------------------------------------------------------- autodiff
 
-def _ad_types():
-  """jax's tracer types that tell forward from reverse mode (private in both releases)."""
+def _primitive_tables():
+  """jax's primitive class and rule tables (`jax.extend.core`, `jax.interpreters`: public
+  modules whose contents JAX does not promise to keep)."""
   try:
-    from jax._src import core  # pylint: disable=g-import-not-at-top
-    from jax._src.interpreters import ad, batching  # pylint: disable=g-import-not-at-top
-    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
-    from jax._src import shard_map  # pylint: disable=g-import-not-at-top
-    return core, ad.JVPTracer, pe.JaxprTracer, (batching.BatchTracer,
-                                                shard_map.ShardMapTracer)
+    from jax.extend import core  # pylint: disable=g-import-not-at-top
+    from jax.interpreters import ad, batching, mlir  # pylint: disable=g-import-not-at-top
+    return (core.Primitive, ad.Zero, ad.instantiate_zeros,
+            ad.primitive_jvps, ad.primitive_transposes, batching.primitive_batchers,
+            mlir.register_lowering, mlir.lower_fun)
   except (ImportError, AttributeError) as e:
-    raise _changed("forward_mode", f"jax's tracer types moved ({e})") from None
+    raise _changed("kernel_call", f"jax's primitive rule tables moved ({e})") from None
 
 
-def _unwrapped(x, wrappers):
-  while isinstance(x, wrappers):  # vmap and shard_map tracers hold the value they map
-    x = x.val
-  return x
+@functools.lru_cache(maxsize=None)
+def _kernel_primitive():
+  """The primitive behind `kernel_call`, defined on first use (cached so that it is defined
+  once: a primitive is a name with rules, and a second one would be a second name)."""
+  (primitive, zero, instantiate, jvps, transposes, batchers, register,
+   lower_fun) = _primitive_tables()
+  p = primitive("fnscale_kernel_call")
+  p.multiple_results = True
+
+  def evaluate(*args, jaxpr, on_evaluate, **_):
+    if on_evaluate is not None:
+      on_evaluate()
+    return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+
+  def jvp_rule(primals, tangents, **params):
+    outs, fixed = p.bind(*primals, **params), params["fixed"]
+    if params["jvp"] is not None:
+      t_out = params["jvp"](list(primals), list(map(instantiate, tangents)))
+      return outs, [zero(a.to_tangent_aval()) if t is None else t
+                    for a, t in zip(params["out_avals"], t_out)]
+    # A linear map: itself in its linear arguments (its transpose kept), and jax's JVP of
+    # the function in the fixed ones.
+    parts = []
+    if any(type(t) is not zero for t in tangents[fixed:]):
+      parts.append(p.bind(*primals[:fixed], *map(instantiate, tangents[fixed:]), **params))
+    if any(type(t) is not zero for t in tangents[:fixed]):
+      parts.append(jax.jvp(jax.extend.core.jaxpr_as_fun(params["jaxpr"]), list(primals),
+                           [*map(instantiate, tangents[:fixed]),
+                            *(jnp.zeros_like(x) for x in primals[fixed:])])[1])
+    if not parts:
+      return outs, [zero(a.to_tangent_aval()) for a in params["out_avals"]]
+    return outs, [sum(ts[1:], ts[0]) for ts in zip(*parts)]
+
+  def transpose_rule(cts, *args, transpose, fixed, **_):
+    return [None] * fixed + list(transpose(*args[:fixed], *map(instantiate, cts)))
+
+  def batch_rule(args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate):
+    # The same primitive of the batched functions, so that its rules hold under vmap; a
+    # linear map's linear arguments all batched, so its transpose's outputs match them.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    if transpose is not None:
+      args[fixed:] = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+                      for a, d in zip(args[fixed:], dims[fixed:])]
+      dims = [*dims[:fixed], *[0] * (len(args) - fixed)]
+    axes = [None if d is None else 0 for d in dims]
+    batched = jax.make_jaxpr(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes))(
+        *args)
+    outs = p.bind(
+        *args, jaxpr=batched,
+        jvp=None if jvp is None else jax.vmap(jvp, in_axes=(axes, axes)),
+        transpose=None if transpose is None else jax.vmap(
+            transpose, in_axes=(*axes[:fixed], *[0] * len(out_avals))),
+        fixed=fixed, out_avals=tuple(batched.out_avals), on_evaluate=on_evaluate)
+    return outs, [0] * len(outs)
+
+  p.def_impl(evaluate)
+  p.def_abstract_eval(lambda *args, out_avals, **_: out_avals)
+  register(p, lower_fun(evaluate, multiple_results=True))
+  jvps[p] = jvp_rule
+  transposes[p] = transpose_rule
+  batchers[p] = batch_rule
+  return p
 
 
-def pushes_forward(args) -> bool:
-  """Outside any rule: True when a leaf of `args` carries a tangent that an enclosing
-  `jax.jvp` (or jacfwd, or the forward half of a Hessian-vector product) pushes forward;
-  False for plain values, for reverse mode alone (`jax.grad`'s linearize tracers) and where
-  the trace can't tell (inside a jit or scan traced on its own: see `forward_mode`).
+def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evaluate=None
+                ) -> list:
+  """`fn(*args)` (flat lists of arrays in and out) as one jax primitive with the
+  derivative rules given, which jax keeps wherever it traces (a `jax.custom_jvp` can be
+  inlined, its rule dropped, where jax hoists a scan's loop-invariant work after
+  linearizing it):
+
+  - `jvp(primals, tangents)` -> the outputs' tangents (None for a zero), for a function
+    with a reverse-mode rule of its own elsewhere; jax never transposes it.
+  - `transpose(*args[:fixed], *cotangents)` -> the cotangents of `args[fixed:]`, for `fn`
+    linear in those (its other arguments fixed): jax transposes it by this function instead
+    of by its own rules (`jax.custom_derivatives.linear_call`, which jax can neither batch
+    nor differentiate in its fixed arguments), and differentiates it as `fn`.
+
+  Evaluated or compiled it runs `fn` (traced once, here: `fn` must not close over traced
+  values) and calls `on_evaluate()` first (None: nothing); under `jax.vmap`, the same
+  primitive of the batched functions.
 
   Raises:
-    RuntimeFailure: jax's tracer types are not where they were.
+    RuntimeFailure: jax's primitive rule tables are not where they were.
   """
-  _, jvp_tracer, linear_tracer, wrappers = _ad_types()
-  for x in jax.tree.leaves(args):
-    while x is not None:
-      x = _unwrapped(x, wrappers)
-      if isinstance(x, jvp_tracer) and not isinstance(
-          _unwrapped(x.tangent, wrappers), linear_tracer):
-        return True
-      # A linearize (or reverse-mode JVP) tracer: what it differentiates may be pushed
-      # forward from further out (forward over reverse).
-      x = getattr(x, "primal", None)
-  return False
-
-
-def forward_mode(primals, tangents) -> bool | None:
-  """Inside a `jax.custom_jvp` rule: True when the tangents are pushed forward (`jax.jvp`,
-  `jax.jacfwd`, Hessian-vector products, forward over reverse), False when they are being
-  linearized for a transpose (`jax.grad`, `jax.vjp`, `jax.jacrev`), None when the rule is
-  traced on its own and can't tell (inside a `lax.scan`, `jax.checkpoint`, or a jitted
-  function differentiated from outside: jax traces the rule into a jaxpr first and only
-  later evaluates or transposes it). `tangents` leave out symbolic zeros.
-
-  What tells them apart (jax 0.10.2 and 0.12): reverse mode hands the rule tangents that
-  are partial-evaluation tracers (`JaxprTracer`, possibly under vmap's `BatchTracer`) and
-  primals that carry no forward tangent (`JVPTracer`); a rule traced alone runs in a
-  `DynamicJaxprTrace` whose function was traced for "custom_jvp jvp".
-
-  Raises:
-    RuntimeFailure: jax's tracer types are not where they were.
-  """
-  core, jvp_tracer, linear_tracer, wrappers = _ad_types()
-  if any(isinstance(_unwrapped(p, wrappers), jvp_tracer) for p in primals):
-    return True  # an enclosing jvp differentiates the primals: forward over reverse
-  trace = core.trace_ctx.trace
-  info = getattr(getattr(trace, "frame", None), "debug_info", None)
-  if getattr(info, "traced_for", None) == "custom_jvp jvp":
-    return None
-  return not all(isinstance(_unwrapped(t, wrappers), linear_tracer) for t in tangents)
+  traced = jax.make_jaxpr(lambda *a: list(fn(*a)))(*args)
+  return _kernel_primitive().bind(*args, jaxpr=traced, jvp=jvp, transpose=transpose,
+                                  fixed=fixed, out_avals=tuple(traced.out_avals),
+                                  on_evaluate=on_evaluate)
 
 
 # ------------------------------------------------------------------------- jaxprs
