@@ -35,6 +35,7 @@ import functools
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 from fnscale import _compat
@@ -121,6 +122,17 @@ def _kernel_backward(reference: Callable, live: Sequence[int], n: int, r: int,
   return lambda *a: _compat.kernel_call(backward, list(a), jvp=jvp)
 
 
+def _same_varying_axes(leaves: list) -> list:
+  """The float arguments typed as varying over every manual axis one of them varies over
+  (inside a shard_map that checks them), as jax types the operands of one of its own
+  operations: the kernel's results and gradients vary over all of those, and jax's
+  transpose of that cast reduces an argument's gradient over the axes it did not vary
+  over. Integer arguments (ids, sizes) take no gradient and keep their types."""
+  axes = set().union(*(_compat.varying_axes(x) for x in leaves))
+  return [jax.lax.pcast(x, tuple(sorted(axes - _compat.varying_axes(x))), to="varying")
+          if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves]
+
+
 def reverse_only(kernel: Callable, reference: Callable, name: str, reference_name: str
                  ) -> Callable:
   """`kernel` with every derivative: `kernel(*args)`'s value, its own backward pass in
@@ -132,9 +144,21 @@ def reverse_only(kernel: Callable, reference: Callable, name: str, reference_nam
 
   def call(*args):
     leaves, tree = jax.tree.flatten(args)
+    leaves = _same_varying_axes(leaves)
     run = lambda *xs: kernel(*jax.tree.unflatten(tree, xs))
     ref = lambda *xs: reference(*jax.tree.unflatten(tree, xs))
-    f = jax.custom_jvp(run)
+
+    def value(*xs):  # the kernel alone, as a primitive too (see _compat.kernel_call)
+      trees = []
+
+      def leaves(*a):
+        y = run(*a)
+        trees.append(jax.tree.structure(y))
+        return jax.tree.leaves(y)
+      out = _compat.kernel_call(leaves, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts))
+      return jax.tree.unflatten(trees[-1], out)
+
+    f = jax.custom_jvp(value)
     f.defjvp(functools.partial(_rule, run, ref, label), symbolic_zeros=True)
     return f(*leaves)
 
@@ -156,5 +180,5 @@ def _rule(run: Callable, ref: Callable, label: str, primals, tangents):
   backward = _kernel_backward(ref, live, n, r, tree, y_tree)
   t_y = _compat.kernel_call(forward, [*primals, *residuals, *(tangents[i] for i in live)],
                             transpose=backward, fixed=n + r,
-                            on_evaluate=functools.partial(_say, label))
+                            on_evaluate=functools.partial(_say, label), kernels=False)
   return y, jax.tree.unflatten(y_tree, t_y)

@@ -232,9 +232,71 @@ def _primitive_tables():
     from jax.interpreters import ad, batching, mlir  # pylint: disable=g-import-not-at-top
     return (core.Primitive, ad.Zero, ad.instantiate_zeros,
             ad.primitive_jvps, ad.primitive_transposes, batching.primitive_batchers,
-            mlir.register_lowering, mlir.lower_fun)
+            mlir.register_lowering, mlir.core_call_lowering)
   except (ImportError, AttributeError) as e:
     raise _changed("kernel_call", f"jax's primitive rule tables moved ({e})") from None
+
+
+def _lower_jaxpr(jaxpr):
+  """`jaxpr` with jax's high-level operations in low-level ones
+  (`jax._src.interpreters.partial_eval.lower_jaxpr2`, as jax lowers a jit's).
+
+  Raises:
+    RuntimeFailure: JAX moved or renamed it.
+  """
+  try:
+    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+    return pe.lower_jaxpr2(jaxpr)
+  except (ImportError, AttributeError) as e:
+    raise _changed("kernel_call", f"jax's lower_jaxpr2 is gone ({e})") from None
+
+
+def _vma_unchecked():
+  """A context in which jax checks no varying manual axes (as inside `jax.shard_map(...,
+  check_vma=False)`): `jax._src.config._check_vma`, which shard_map itself sets.
+
+  Raises:
+    RuntimeFailure: JAX moved or renamed it.
+  """
+  try:
+    from jax._src import config  # pylint: disable=g-import-not-at-top
+    return config._check_vma(False)  # pylint: disable=protected-access
+  except (ImportError, AttributeError, TypeError) as e:
+    raise _changed("kernel_call", f"jax._src.config._check_vma is gone ({e})") from None
+
+
+def _untyped(x):
+  """`x` without varying axes in its type, where none are checked: there an operation of
+  two operands varies over no axis (`core.standard_vma_rule`; one of one operand keeps its
+  operand's). max(x, x): the same bits, for every dtype, which XLA folds away."""
+  return jax.lax.max(x, x)
+
+
+class _Traced(NamedTuple):
+  jaxpr: Any  # the ClosedJaxpr of fn
+  out_avals: tuple  # the primitive's output types
+  unchecked: bool  # traced and run where no varying axes are checked
+
+
+def _trace(fn, args, kernels: bool) -> _Traced:
+  """`fn` on `args` as a jaxpr. Where an argument varies over manual axes of a shard_map
+  that checks them and `fn` holds kernels (Pallas calls, whose output types can't say
+  so), `fn` is traced on the arguments' shapes alone where nothing is checked, and its
+  outputs are typed as varying over every axis an argument varies over: per-device
+  results of per-device data."""
+  varying = tuple(sorted(set().union(*(varying_axes(a) for a in args))))
+  whole = lambda *a: list(fn(*a))
+  if not (kernels and varying):
+    traced = jax.make_jaxpr(whole)(*args)
+    return _Traced(traced, tuple(traced.out_avals), False)
+  def shape(x):  # an argument's or an output's type without its varying axes
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding)
+  with _vma_unchecked():
+    traced = jax.make_jaxpr(whole)(*map(shape, args))
+  typed = jax.make_jaxpr(lambda *a: [jax.lax.pcast(x, varying, to="varying") for x in a])(
+      *map(shape, traced.out_avals))
+  return _Traced(traced, tuple(typed.out_avals), True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,14 +304,17 @@ def _kernel_primitive():
   """The primitive behind `kernel_call`, defined on first use (cached so that it is defined
   once: a primitive is a name with rules, and a second one would be a second name)."""
   (primitive, zero, instantiate, jvps, transposes, batchers, register,
-   lower_fun) = _primitive_tables()
+   call_lowering) = _primitive_tables()
   p = primitive("fnscale_kernel_call")
   p.multiple_results = True
 
-  def evaluate(*args, jaxpr, on_evaluate, **_):
+  def evaluate(*args, jaxpr, on_evaluate, unchecked, **_):
     if on_evaluate is not None:
       on_evaluate()
-    return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+    if not unchecked:
+      return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+    with _vma_unchecked():  # the arguments' types as the jaxpr was traced for: no axes
+      return jax.extend.core.jaxpr_as_fun(jaxpr)(*map(_untyped, args))
 
   def jvp_rule(primals, tangents, **params):
     outs, fixed = p.bind(*primals, **params), params["fixed"]
@@ -273,7 +338,8 @@ def _kernel_primitive():
   def transpose_rule(cts, *args, transpose, fixed, **_):
     return [None] * fixed + list(transpose(*args[:fixed], *map(instantiate, cts)))
 
-  def batch_rule(args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate):
+  def batch_rule(args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate,
+                 unchecked):
     # The same primitive of the batched functions, so that its rules hold under vmap; a
     # linear map's linear arguments all batched, so its transpose's outputs match them.
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -283,27 +349,41 @@ def _kernel_primitive():
                       for a, d in zip(args[fixed:], dims[fixed:])]
       dims = [*dims[:fixed], *[0] * (len(args) - fixed)]
     axes = [None if d is None else 0 for d in dims]
-    batched = jax.make_jaxpr(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes))(
-        *args)
+    batched = _trace(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes), args,
+                     unchecked)
     outs = p.bind(
-        *args, jaxpr=batched,
+        *args, jaxpr=batched.jaxpr,
         jvp=None if jvp is None else jax.vmap(jvp, in_axes=(axes, axes)),
         transpose=None if transpose is None else jax.vmap(
             transpose, in_axes=(*axes[:fixed], *[0] * len(out_avals))),
-        fixed=fixed, out_avals=tuple(batched.out_avals), on_evaluate=on_evaluate)
+        fixed=fixed, out_avals=batched.out_avals, on_evaluate=on_evaluate,
+        unchecked=batched.unchecked)
     return outs, [0] * len(outs)
+
+  def lower(ctx, *args, jaxpr, on_evaluate, **_):
+    # The jaxpr as traced (a call), not traced again with the lowering's types: a kernel's
+    # was traced without the varying axes its arguments have there.
+    if on_evaluate is not None:
+      on_evaluate()
+    return call_lowering(ctx, *args, name="fnscale_kernel_call", call_jaxpr=jaxpr)
+
+  def to_lojax(*args, jaxpr, **params):
+    # A jaxpr holding jax's high-level operations (jax 0.12's searchsorted, inside
+    # megablox), lowered before compiling like a jit's.
+    return p.bind(*args, jaxpr=_lower_jaxpr(jaxpr), **params)
 
   p.def_impl(evaluate)
   p.def_abstract_eval(lambda *args, out_avals, **_: out_avals)
-  register(p, lower_fun(evaluate, multiple_results=True))
+  p.to_lojax = to_lojax
+  register(p, lower)
   jvps[p] = jvp_rule
   transposes[p] = transpose_rule
   batchers[p] = batch_rule
   return p
 
 
-def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evaluate=None
-                ) -> list:
+def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evaluate=None,
+                kernels: bool = True) -> list:
   """`fn(*args)` (flat lists of arrays in and out) as one jax primitive with the
   derivative rules given, which jax keeps wherever it traces (a `jax.custom_jvp` can be
   inlined, its rule dropped, where jax hoists a scan's loop-invariant work after
@@ -318,15 +398,16 @@ def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evalua
 
   Evaluated or compiled it runs `fn` (traced once, here: `fn` must not close over traced
   values) and calls `on_evaluate()` first (None: nothing); under `jax.vmap`, the same
-  primitive of the batched functions.
+  primitive of the batched functions. `kernels`: `fn` may hold Pallas calls, which inside
+  a `jax.shard_map` that checks varying axes run where none is checked (`_trace`).
 
   Raises:
     RuntimeFailure: jax's primitive rule tables are not where they were.
   """
-  traced = jax.make_jaxpr(lambda *a: list(fn(*a)))(*args)
-  return _kernel_primitive().bind(*args, jaxpr=traced, jvp=jvp, transpose=transpose,
-                                  fixed=fixed, out_avals=tuple(traced.out_avals),
-                                  on_evaluate=on_evaluate)
+  traced = _trace(fn, args, kernels)
+  return _kernel_primitive().bind(*args, jaxpr=traced.jaxpr, jvp=jvp, transpose=transpose,
+                                  fixed=fixed, out_avals=traced.out_avals,
+                                  on_evaluate=on_evaluate, unchecked=traced.unchecked)
 
 
 # ------------------------------------------------------------------------- jaxprs
