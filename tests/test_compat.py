@@ -448,6 +448,41 @@ def test_kernel_call_keeps_a_declared_jvp_and_its_jaxpr_in_sight():
           ] == ["sin"]
 
 
+def test_kernel_call_runs_a_pallas_call_inside_a_checked_shard_map():
+  # A Pallas call refuses to trace where varying types are checked (its output types
+  # can't say it varies); as a kernel_call it runs there, its result typed as varying.
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  kernel = lambda x: [pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                     interpret=True)(x)]
+  seen = []
+
+  def body(x):
+    y, = _compat.kernel_call(kernel, [x], jvp=lambda p, t: [2.0 * t[0]])
+    seen.append(_compat.varying_axes(y))
+    return y
+
+  mesh = fs.make_mesh({"data": 8})
+  f = jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"),
+                    check_vma=True)
+  x = jnp.arange(16.0)
+  assert jax.jit(f)(x).tolist() == (2 * x).tolist()
+  assert seen[-1] == frozenset({"data"})
+  assert jax.jit(jax.grad(lambda x: jnp.sum(f(x) * x)))(x).tolist() == (4 * x).tolist()
+  with pytest.raises(ValueError, match="check_vma"):  # the refusal kernel_call avoids
+    jax.jit(jax.shard_map(lambda x: kernel(x)[0], mesh=mesh, in_specs=jax.P("data"),
+                          out_specs=jax.P("data"), check_vma=True))(x)
+
+
+def test_lower_jaxpr_keeps_what_a_jaxpr_computes():
+  jaxpr = jax.make_jaxpr(lambda x: jnp.searchsorted(jnp.arange(4.0), x))(jnp.ones(3))
+  lowered = _compat._lower_jaxpr(jaxpr)
+  assert jcore.jaxpr_as_fun(lowered)(jnp.array([0.5, 2.0, 9.0]))[0].tolist() == [1, 2, 4]
+
+
 def test_kernel_call_of_an_unknown_layout_names_itself(monkeypatch):
   from jax.interpreters import ad  # pylint: disable=import-outside-toplevel
   _compat._kernel_primitive.cache_clear()
@@ -457,3 +492,12 @@ def test_kernel_call_of_an_unknown_layout_names_itself(monkeypatch):
       _compat.kernel_call(lambda x: [x], [jnp.ones(2)])
   finally:
     _compat._kernel_primitive.cache_clear()
+
+  from jax._src import config  # pylint: disable=import-outside-toplevel
+  from jax._src.interpreters import partial_eval  # pylint: disable=import-outside-toplevel
+  monkeypatch.delattr(config, "_check_vma")
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .*_check_vma"):
+    _compat._vma_unchecked()
+  monkeypatch.delattr(partial_eval, "lower_jaxpr2")
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .*lower_jaxpr2"):
+    _compat._lower_jaxpr(None)
