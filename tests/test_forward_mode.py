@@ -257,7 +257,8 @@ def test_attention_kernel_s_reverse_mode_is_its_own(plans):
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
           yield from outside_kernels(sub)
   found = list(outside_kernels(jaxpr.jaxpr))
-  assert [e.primitive.name for e in found].count("pallas_call") == 3  # forward, dq, dkv
+  # The forward kernel and the backward one(s): splash's fused dq-dkv kernel, or two.
+  assert [e.primitive.name for e in found].count("pallas_call") >= 2
   assert not [e for e in found if e.primitive.name == "dot_general"
               and e.outvars[0].aval.shape[-2:] == (T, T)]
 
