@@ -1067,6 +1067,7 @@ def test_bench_attention_command_line():
       "(100, 100) must be multiples of 128")
 
 
+@pytest.mark.slow  # (the quick tier's megablox forward-mode test reads this gradient too)
 @pytest.mark.hlo_unread_loops  # megablox in Pallas interpret mode: loops over its grid
 def test_megablox_gradient_is_zero_on_the_rows_past_the_groups():
   # 220 of 256 rows in groups: the kernel writes no gradient for the other 36 (NaN in
@@ -1129,10 +1130,12 @@ def _per_device_cases():
 
 
 @pytest.mark.hlo_unread_loops  # Pallas interpret mode: loops over the kernels' grids
-@pytest.mark.parametrize("where", ["checked shard_map", "explicit axes"])
-@pytest.mark.parametrize("name", ["splash", "cross_entropy",
-                                  pytest.param("pallas_gpu", marks=pytest.mark.slow),
-                                  pytest.param("megablox", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, where", [
+    ("splash", "checked shard_map"), ("cross_entropy", "explicit axes"),
+    *(pytest.param(n, w, marks=pytest.mark.slow) for n, w in (
+        ("splash", "explicit axes"), ("cross_entropy", "checked shard_map"),
+        ("pallas_gpu", "checked shard_map"), ("pallas_gpu", "explicit axes"),
+        ("megablox", "checked shard_map"), ("megablox", "explicit axes")))])
 def test_kernels_inside_a_checked_shard_map_and_on_explicit_axes(name, where):
   # Inside a shard_map over "data" that checks varying types (a Pallas call's types can't
   # say it varies) and on Explicit axes (shardings in the types, a Pallas call only where
