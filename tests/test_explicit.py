@@ -133,3 +133,35 @@ def test_fsdp_params_on_explicit_axes_give_the_auto_mesh_losses_and_grads(accum,
   ref = jax.tree.map(lambda p, g: p - LR * g, _fsdp_params(jax.random.key(0)), ref_grads)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
                jax.device_get(ref))
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_abstract_state_inside_with_mesh_of_a_tpu_target(axis_types, tpu_devices):
+  # Under with_mesh of described devices (which hold no arrays) even a constant can't run
+  # on Explicit axes: init_state(abstract=True) only traces, and the step compiles from it.
+  del tpu_devices  # (skips without libtpu)
+  mesh = fs.make_mesh({"data": 2, "fsdp": 2}, devices=fs.topology.target_devices("v5p-8"),
+                      axis_types=axis_types)
+  key, params = jax.random.key(0), {"w": jnp.ones((1024, 256)), "b": jnp.zeros((256,))}
+  init = lambda k: {"w": jax.random.normal(k, (1024, 256)), "b": jnp.zeros((256,))}
+  opt = optax.adamw(1e-3)
+  small = _params()
+  with fs.with_mesh(mesh):
+    for source, kwargs in ((init, dict(key=key)), (params, {}),
+                           (init, dict(key=key, policy="params=float32,compute=float16"))):
+      state = fs.init_state(source, opt, mesh=mesh, abstract=True, **kwargs)
+      assert isinstance(state.params["w"], jax.ShapeDtypeStruct)
+      assert state.params["w"].sharding.spec == P("fsdp", None)
+      assert state.opt_state[0].mu["w"].sharding.spec == P("fsdp", None)
+      assert (state.step.shape, state.step.dtype) == ((), jnp.int32)
+    # The float16 policy's dynamic loss scale, abstract too.
+    assert state.loss_scale.scale.shape == () and state.loss_scale.scale.sharding.spec == P()
+    report = fs.compile_report(fs.shard_step(fs.train_step(_loss, opt), mesh),
+                               fs.init_state(small, opt, mesh=mesh, abstract=True),
+                               {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)})
+    assert report.mesh_shape == {"data": 2, "fsdp": 2}
+    # Arrays there can't be: an fnscale error naming the fix, not an AttributeError.
+    with pytest.raises(fs.MeshError, match=r"described ones .* fix: init_state\(\.\.\., "
+                                           r"abstract=True\)"):
+      fs.init_state(small, opt, mesh=mesh)
