@@ -49,6 +49,30 @@ def test_a_slice_no_table_has_is_named():
     _targets.resolve("v5p-4")
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("target,chips,kind", [
+    ("v5e:1x1", 1, "TPU v5 lite"), ("v6e-4", 4, "TPU v6 lite"),
+    *(pytest.param(*t, marks=pytest.mark.slow) for t in (  # the same bounds, other names
+        ("v5litepod-1", 1, "TPU v5 lite"), ("v5litepod-4", 4, "TPU v5 lite"),
+        ("v6e-1", 1, "TPU v6 lite")))])
+def test_one_chip_and_one_host_targets_compile_a_step(tpu_devices, target, chips, kind):
+  """libtpu describes one chip or one host only with chips-per-host bounds that fit it
+  (its default, 2x2x1, does not divide a 1x1 slice): the planner's devices are
+  fnscale.topology.target_devices', and a step compiles for them."""
+  del tpu_devices  # skips without libtpu
+  hw = _targets.resolve(target)
+  assert hw.no_devices == "" and fs.plan.cannot_verify(target) == ""
+  assert [(d.device_kind, tuple(d.coords)) for d in hw.devices] == [
+      (d.device_kind, tuple(d.coords)) for d in fs.topology.target_devices(target)]
+  assert len(hw.devices) == chips and {d.device_kind for d in hw.devices} == {kind}
+  mesh = fs.make_mesh({"data": chips}, devices=hw.devices)
+  opt = optax.sgd(0.1)
+  state = fs.init_state(lambda: {"w": jnp.zeros((128, 128))}, opt, mesh=mesh, abstract=True)
+  step = fs.shard_step(fs.train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), opt), mesh)
+  compiled = step.compile(state, {"x": jax.ShapeDtypeStruct((8 * chips, 128), jnp.float32)})
+  assert compiled.compiled.memory_analysis().argument_size_in_bytes >= 128 * 128 * 4
+
+
 def test_gpu_and_multi_slice_targets():
   h = _targets.resolve("16x h200")
   assert (h.kind, h.num_slices, h.devices_per_slice, h.hbm_bytes) == ("gpu", 2, 8, 141e9)
