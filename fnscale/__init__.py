@@ -2,7 +2,7 @@
 
 Pure functions compose in one direction: topology -> mesh -> shardings -> compiled step.
 Tools around the pipeline are submodules: `fnscale.analysis.hlo`, `fnscale.analysis.flops`,
-`fnscale.checkpoint`, `fnscale.cloud`, `fnscale.adapters`, `fnscale.analysis.invariance`, ...
+`fnscale.checkpoint`, `fnscale.cloud`, `fnscale.adapters`, `fnscale.lora`, `fnscale.analysis.invariance`, ...
 """
 from fnscale.errors import (
     CheckpointError,
@@ -13,6 +13,7 @@ from fnscale.errors import (
     FnscaleError,
     InputError,
     KernelError,
+    LoraError,
     MeshError,
     PlanError,
     RuntimeFailure,
@@ -34,14 +35,14 @@ from fnscale.analysis.report import CompileReport, compile_report, sharding_repo
 from fnscale.kernels import attention, cross_entropy, with_kernel
 from fnscale.multihost import barrier, global_batch, initialize, process_rows
 # The layers above the pipeline, reached as namespaces (`fs.checkpoint.save`, ...).
-from fnscale import adapters, analysis, checkpoint, cloud, kernels, multihost, parallel
+from fnscale import adapters, analysis, checkpoint, cloud, kernels, lora, multihost, parallel
 # Short names for the analysis tools (`fs.hlo` is `fs.analysis.hlo`).
 from fnscale.analysis import flops, hlo, invariance, plan, report
 
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
     "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
-    "ExpertError", "KernelError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
+    "ExpertError", "KernelError", "LoraError", "MeshError", "PlanError", "ShardingError", "StepError", "StorageError",
     "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "AxisConventions", "axis_conventions",

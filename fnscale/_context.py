@@ -55,8 +55,9 @@ class KernelChoice(NamedTuple):
 
 class ExpertChoice(NamedTuple):
   """The choice `fnscale.parallel.experts.with_experts` makes visible to the `moe` calls
-  inside it: the token exchange ("auto", "ragged", "all_gather", "all_to_all"), the grouped
-  matmul ("auto", "ragged_dot", "megablox") and Pallas interpret mode."""
+  inside it: the exchange ("auto", "ragged", "gather_experts", "all_gather",
+  "all_to_all"), the grouped matmul ("auto", "ragged_dot", "megablox") and Pallas
+  interpret mode."""
   exchange: str = "auto"
   grouped_matmul: str = "auto"
   interpret: bool = False

@@ -62,6 +62,11 @@ class ExpertError(InputError):
   k outside [1, experts], a capacity factor <= 0."""
 
 
+class LoraError(InputError):
+  """LoRA's arguments can't work: a target pattern that matches no leaf, a leaf its layout
+  doesn't fit (not a matmul weight), adapters that don't match the base or the config."""
+
+
 class CheckpointError(InputError):
   """A checkpoint is missing, corrupt or doesn't fit the target state, or a bad argument."""
 

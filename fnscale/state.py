@@ -121,7 +121,8 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   """Shardings for a `TrainState` (concrete or abstract): params by `fnscale.shardings`
   (logical rules, else automatic FSDP), optimizer state following the params
   (`opt_state_shardings`; by structure when `optimizer` is None), step and loss scale
-  replicated.
+  replicated, frozen params (`TrainState.frozen`) where they are placed on `mesh`, else by
+  automatic FSDP.
 
   Args:
     state: a TrainState of arrays or ShapeDtypeStructs.
@@ -163,7 +164,19 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
          if param_shardings is None else param_shardings)
   osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
   rep = _replicated(mesh)
-  return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale))
+  return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
+                    frozen_shardings(state.frozen, mesh, opts))
+
+
+def frozen_shardings(frozen, mesh, opts: dict | None = None):
+  """The frozen params' shardings: each leaf's own NamedSharding on `mesh` (a base placed
+  when it was loaded), else automatic FSDP; None without frozen params."""
+  if frozen is None:
+    return None
+  derived = _sh.shardings(frozen, mesh, **(opts or {}))
+  return jax.tree.map(lambda leaf, d: leaf.sharding if isinstance(
+      getattr(leaf, "sharding", None), NamedSharding) and leaf.sharding.mesh == mesh else d,
+                      frozen, derived)
 
 
 _OPTION_NAMES = ("fsdp_axis", "min_shard_bytes", "max_replicated_bytes")

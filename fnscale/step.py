@@ -43,6 +43,10 @@ class TrainState(NamedTuple):
     opt_state: the optax optimizer state.
     step: int32 scalar, the number of steps taken (skipped float16 steps included).
     loss_scale: a `LossScale` when loss scaling is used, else None (an empty subtree).
+    frozen: params the loss reads but the step never trains (a LoRA's base model,
+      `fnscale.lora`): any pytree of arrays, or None. The step takes no gradient of them and
+      the optimizer holds no state for them; `train_step` passes them to the loss as its
+      `frozen` keyword, cast to the compute dtype, and returns them unchanged.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -58,6 +62,7 @@ class TrainState(NamedTuple):
   opt_state: Any
   step: Any
   loss_scale: Any = None
+  frozen: Any = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["scale", "counter"],
@@ -288,14 +293,15 @@ class _Config(NamedTuple):
   key: Any = None  # the base PRNG key of `loss_fn(params, batch, key)`, or None
 
 
-def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None):
+def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None, frozen=None):
   """What is differentiated: the loss (a mean; with `weighted`, the sum) in float32, scaled
-  when a loss scale is used; and (loss or sum, weight, aux) with weight 1 for a mean."""
+  when a loss scale is used; and (loss or sum, weight, aux) with weight 1 for a mean.
+  `frozen`: the state's frozen params (None: the loss takes no `frozen` keyword)."""
   if cfg.policy is not None:
-    params = cfg.policy.cast_to_compute(params)
+    params, frozen = cfg.policy.cast_to_compute((params, frozen))
     batch = cfg.policy.cast_to_compute(batch)
   args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
-  out = cfg.loss_fn(*args)
+  out = cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
@@ -360,23 +366,25 @@ def _for_compute(params):
   return jax.tree.map(gather, params)
 
 
-def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True):
+def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, frozen=None):
   """Summed gradients, loss and weight of the batch, or of the microbatches `micro`
   ([accum, rows, ...], a `lax.scan`), and aux; summed once over the manual data axes (if
   any; the gradients only when `reduce`). Divide by the weight (`_normalize`) for the mean.
-  A scalar loss weighs 1 per call. The float32 accumulator keeps the params' sharding."""
+  A scalar loss weighs 1 per call. The float32 accumulator keeps the params' sharding.
+  `frozen` params reach the loss undifferentiated."""
   axes = _manual_data_axes()
   params = _vary(params, axes)  # per-shard gradients are local (varying) until reduced
   ls = None if scale is None else jmp.StaticLossScale(scale)
   grad_fn = jax.grad(functools.partial(_scaled_loss, cfg), has_aux=True)
   if cfg.accum_steps == 1:
-    grads, (loss, weight, aux) = grad_fn(params, micro, ls, _loss_key(cfg, step, 0, axes))
+    grads, (loss, weight, aux) = grad_fn(params, micro, ls, _loss_key(cfg, step, 0, axes),
+                                         frozen)
     return _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, weight, aux, axes, reduce)
 
   def body(carry, mb_i):
     gsum, lsum, wsum = carry
     mb, i = mb_i
-    g, (l, w, a) = grad_fn(params, mb, ls, _loss_key(cfg, step, i, axes))
+    g, (l, w, a) = grad_fn(params, mb, ls, _loss_key(cfg, step, i, axes), frozen)
     gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
     return (_like_params(gsum, params), lsum + l, wsum + w), a
 
@@ -459,12 +467,7 @@ def _scatter(g, spec: PartitionSpec, axes: tuple[str, ...]):
   return jax.lax.psum(g, rest) if rest else g
 
 
-def _splits(spec: PartitionSpec, axes: tuple[str, ...]) -> bool:
-  """Whether `spec` splits a leaf over any of `axes`."""
-  return any(a in axes for e in spec for a in _tree.entry_axes(e))
-
-
-def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs):
+def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs, frozen=None):
   """The microbatch loop per shard under `jax.shard_map`, manual over the data axes `axes`
   (other axes stay with the partitioner). Params, cast to the compute dtype first, enter
   whole (all-gathered once at entry where `specs`, the params' PartitionSpecs, split them
@@ -472,62 +475,67 @@ def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs):
   accumulator, reduced once after the loop: reduce-scattered to `specs` (all-reduced over
   axes they replicate). check_vma=False: a Pallas kernel inside (splash attention) has no
   varying-axes type; the gradients are taken inside the body, so no reduction is implied.
+  `frozen` params enter whole too.
   """
   if cfg.policy is not None:
-    params = cfg.policy.cast_to_compute(params)
-  params = _for_compute(params)  # on Explicit axes the types must be whole over `axes`
+    params, frozen = cfg.policy.cast_to_compute((params, frozen))
+  # On Explicit axes the types must be whole over `axes`.
+  params, frozen = _for_compute(params), _for_compute(frozen)
   treedef = jax.tree.structure(params)
   mspec = jax.tree.map(lambda _: PartitionSpec(None, _tree.spec_entry(axes)), micro)
   gspec = jax.tree.unflatten(treedef, [_tree.filter_spec(s, lambda a: a in axes) for s in specs])
 
-  def local(params, micro, scale, step):
-    grads, loss, weight, aux = _grad_sum(cfg, params, micro, scale, step, reduce=False)
+  def local(params, micro, scale, step, frozen):
+    grads, loss, weight, aux = _grad_sum(cfg, params, micro, scale, step, False, frozen)
     leaves = [_scatter(g, s, axes) for g, s in zip(jax.tree.leaves(grads), specs)]
     return jax.tree.unflatten(treedef, leaves), loss, weight, aux
 
   rep = PartitionSpec()
-  f = jax.shard_map(local, in_specs=(rep, mspec, rep, rep), out_specs=(gspec, rep, rep, rep),
-                    axis_names=set(axes), check_vma=False)
-  return f(params, micro, scale, step)
+  f = jax.shard_map(local, in_specs=(rep, mspec, rep, rep, rep),
+                    out_specs=(gspec, rep, rep, rep), axis_names=set(axes), check_vma=False)
+  return f(params, micro, scale, step, frozen)
 
 
-def _mode(cfg: _Config, specs, axes) -> str:
-  """Where the microbatch loop runs: "per_shard" (`_per_shard`: gradients reduced once) or
-  "per_microbatch" (the partitioner's loop). "auto" runs per shard when no leaf is split
-  over the data axes `axes` (a split leaf would be gathered whole for the loop, where the
-  partitioner gathers it layer by layer), else with the partitioner; also when the specs
-  are unknown, or with a `key` (whose random bits then don't depend on the mesh)."""
+def _mode(cfg: _Config, frozen=None) -> str:
+  """Where the microbatch loop runs: "per_shard" (`_per_shard`: each device sums its own
+  microbatches' gradients, reduced once after the loop) or "per_microbatch" (the
+  partitioner's loop). "auto" runs per shard unless a `key` is given (whose random bits
+  then don't depend on the mesh) or the state has `frozen` params (the per-shard loop would
+  hold a frozen base, usually the bulk of the model, whole on every device, and the
+  trained params whose reductions it saves are small). Why the partitioner's loop reduces
+  every microbatch: the loop carries the accumulator in one sharding (split or replicated,
+  never a partial sum), so each microbatch's gradient, a sum over every device's rows, is
+  reduced before it is added (all-reduced over the axes that replicate the leaf,
+  reduce-scattered where the accumulator is split); no sharding of the accumulator avoids
+  it."""
   if cfg.accum_gather != "auto":
     return "per_shard" if cfg.accum_gather == "once" else "per_microbatch"
-  if specs is None or cfg.key is not None or any(_splits(s, axes) for s in specs):
-    return "per_microbatch"
-  return "per_shard"
+  return "per_microbatch" if cfg.key is not None or frozen is not None else "per_shard"
 
 
-def _gradients(cfg: _Config, params, batch, ls, step):
+def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
   """float32 gradients (still loss-scaled), loss and weight of the whole batch (sums over
   microbatches and the data axes, not yet divided by the weight; see `train_step`'s
-  accum_gather), and aux."""
+  accum_gather), and aux. `frozen`: the state's frozen params, for the loss."""
   scale = None if ls is None else ls.loss_scale
   if cfg.accum_steps == 1:
-    return _grad_sum(cfg, params, batch, scale, step)
+    return _grad_sum(cfg, params, batch, scale, step, frozen=frozen)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
-    return _grad_sum(cfg, params, micro, scale, step)
+    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
   known = _known_specs(params)
-  mode = _mode(cfg, known, axes)
-  if mode == "per_microbatch":
+  if _mode(cfg, frozen) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
     # loop. The per-shard loop is manual over every data axis.)
-    return _grad_sum(cfg, params, micro, scale, step)
+    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
   # Unknown under a plain jit on Auto axes (Auto types carry no sharding, and the trace
   # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
   specs = known or [PartitionSpec()] * len(jax.tree.leaves(params))
   try:
-    return _per_shard(cfg, params, micro, scale, step, axes, specs)
+    return _per_shard(cfg, params, micro, scale, step, axes, specs, frozen)
   except (NotImplementedError, ValueError) as e:
     closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")
     if closed is None:
@@ -538,7 +546,7 @@ def _gradients(cfg: _Config, params, batch, ls, step):
           _closure.FIX + ", or accum_gather='auto' / 'per_microbatch'")) from None
   logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
                   "reduces every leaf's gradients in every microbatch", closed.describe())
-  return _grad_sum(cfg, params, micro, scale, step)
+  return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
 
 
 def _unscale(grads, ls):
@@ -570,7 +578,9 @@ def _update(cfg: _Config, state, grads, ls):
                                  counter=jnp.asarray(ls.counter, jnp.int32))
   applied = jax.tree.map(_change, new_params, params)
   update_norm = optax.tree.norm(applied).astype(jnp.float32)
-  return TrainState(new_params, opt_state, state.step + 1, new_ls), skipped, update_norm
+  new_state = state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
+                             loss_scale=new_ls)
+  return new_state, skipped, update_norm
 
 
 def _change(new, old):
@@ -589,7 +599,8 @@ def _step(cfg: _Config, state, batch):
                     "build it with fnscale.init_state.")
   _check_precision(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
-  grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step)
+  grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
+                                        state.frozen)
   grads, loss = _normalize(grads, loss, weight)
   grads = _unscale(grads, ls)
   grad_norm = optax.tree.norm(grads).astype(jnp.float32)
@@ -619,7 +630,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
 
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (a scalar), or `-> (loss, aux)` with
-      `has_aux=True`; `loss_fn(params, batch, key)` when `key` is given. A scalar loss
+      `has_aux=True`; `loss_fn(params, batch, key)` when `key` is given; with the
+      keyword `frozen=` (the state's frozen params, cast to the compute dtype, never
+      differentiated) when the state has them (`TrainState.frozen`, `fnscale.lora`). A scalar loss
       should be a mean over the batch: the step averages the means of the microbatches
       and shards, which is biased when they hold different numbers of tokens (masks,
       packing); for an exact mean use `weighted`.
@@ -650,26 +663,22 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       axes: distinct for each, and reproducible. Otherwise the loss sees the whole global
       batch and one key per microbatch, so its random bits (jax's partitionable threefry)
       are the same under any mesh; per shard they depend on the data-shard count.
-    accum_gather: with `accum_steps > 1` under a mesh with data axes, what stays sharded
-      between microbatches and when gradients are reduced over the data axes. FSDP
-      semantics in every mode: the gradients end in the params' sharding, never in a
-      whole-size accumulator that is all-reduced at the end (for "once", where the step
-      knows that sharding; see below).
-      "auto" (default): by what the params' shardings call for. When no leaf is split
-      over the data axes (data parallel: params replicated over them), splitting the loop
-      by microbatch buys no memory (each accumulator is whole on every device either way),
-      so it runs as "once" does, with nothing to gather: every device sums its own float32
-      gradients and they are all-reduced once after the loop, accum_steps times less
-      reduction traffic than "per_microbatch" (on TPU XLA's while-loop all-reduce code
-      motion does this for "per_microbatch" too; CPU's compiler doesn't). When some leaf
-      is split over the data axes (FSDP), as "per_microbatch": a per-shard loop would hold
-      every split leaf whole for the loop where the partitioner gathers it layer by layer,
-      and its replicated leaves are the small ones (biases, norms). Also as
-      "per_microbatch" when the step can't know the params' shardings (under a plain
-      `jax.jit` on Auto axes; `shard_step` tells it them, Explicit axes carry them in the
-      types), with a `key` (whose random bits then stay the same under any mesh), and when
-      the loss closes over an array sharded on Explicit axes (which jax can't take into
-      the per-shard loop's shard_map; a warning says so).
+    accum_gather: with `accum_steps > 1` under a mesh with data axes, when gradients are
+      reduced over the data axes and what stays sharded between microbatches. The
+      gradients end in the params' sharding in every mode (for "once" and "auto", where
+      the step knows that sharding; see below).
+      "auto" (default): as "once" (each leaf's gradient reduced once per step,
+      reduce-scattered where the leaf is split over the data axes, all-reduced where it is
+      replicated over them), except with a `key` (whose random bits then stay the same
+      under any mesh) and when the loss closes over an array sharded on Explicit axes
+      (which jax can't take into the per-shard loop's shard_map; a warning says so): then
+      as "per_microbatch". Reducing once needs each device's own unreduced sum, a
+      whole-size float32 accumulator: the partitioner's loop carries its accumulator in one
+      sharding, never as a partial sum, so it reduces every microbatch's gradient before
+      adding it (on TPU, XLA's while-loop all-reduce code motion moves some of those
+      all-reduces out of the loop; CPU's compiler doesn't). For an FSDP model whose whole
+      params and whole float32 gradients don't fit on a device, pass "per_microbatch"
+      (`fnscale.analysis.plan` chooses it where "once" doesn't fit).
       "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each
       microbatch, as without accumulation (accum x the all-gather traffic); each
       microbatch's gradient is reduced into a float32 accumulator sharded as the params are

@@ -166,6 +166,9 @@ class Topology:
     sources: field name -> where it came from ("override", "env:TPU_ACCELERATOR_TYPE",
       "metadata:instance/attributes/accelerator-type", "jax.devices()", "devices" for devices
       passed in, "facts table").
+    set_aside: "" when every source agreed; else what the environment or the metadata said
+      that the devices present contradict (the variable, its layout, the devices' count)
+      and that the topology was built from the devices instead (`detect_topology`).
 
   Examples:
     >>> import fnscale as fs
@@ -192,6 +195,7 @@ class Topology:
   peak_flops_per_device: float | None
   hbm_bytes_per_device: int | None
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+  set_aside: str = dataclasses.field(default="", compare=False)
 
   @property
   def devices_per_slice(self) -> int:
@@ -504,12 +508,22 @@ def _device_facts(devices: list, src: str) -> Facts:
       "processes_per_slice": (max(len(by_process) // len(slices), 1), procs),
   }
   if d0.platform == "tpu" and getattr(d0, "coords", None) is not None:
-    coords = [tuple(d.coords) for d in devices if slice_of(d) == slices[0]]
-    grid = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0])))
-    facts["chip_grid"] = (grid, src + " coords")
+    grid = _coords_grid([tuple(d.coords) for d in devices if slice_of(d) == slices[0]])
+    if grid:
+      facts["chip_grid"] = (grid, src + " coords")
     facts["devices_per_chip"] = (max(getattr(d, "core_on_chip", 0) for d in devices) + 1,
                                  src + " core_on_chip")
   return facts
+
+
+def _coords_grid(coords: list[tuple[int, ...]]) -> tuple[int, ...]:
+  """The box the chips' coordinates span, e.g. (2, 2, 1); () where the chips don't fill it
+  (some chips of a host, such as TPU_VISIBLE_CHIPS=0,3 of a 2x2: no grid to name). A part
+  of a host need not start at the origin: one chip at (1, 1, 0) is a 1x1x1 grid."""
+  chips = set(coords)
+  grid = tuple(max(c[i] for c in chips) - min(c[i] for c in chips) + 1
+               for i in range(len(coords[0])))
+  return grid if math.prod(grid) == len(chips) else ()
 
 
 def _override_facts(override: str) -> Facts:
@@ -669,6 +683,15 @@ def detect_topology(override: str | None = None, *, devices=None,
      `jax.distributed.initialize` a process may see only its own; they fill every fact the
      sources above leave out, and the device count checks those sources.
 
+  Where the environment or the metadata disagrees with the devices present - a layout or
+  accelerator type of more (or fewer) devices, or another TPU generation - the devices are
+  the truth: a VM's or node's variables describe its whole host while a job may get part
+  of it (one chip of a v5e/v6e host in a notebook or container, GKE's `google.com/tpu: 1`
+  on a bigger node, TPU_VISIBLE_CHIPS, several processes per host). The topology is then
+  built from the override and the devices alone, `Topology.set_aside` says which variable
+  said what, and one INFO line is logged. Only an override the caller typed that
+  contradicts the devices is refused.
+
   The generation comes from an override's "GEN:", else the devices' `device_kind`, else the
   accelerator type (which may name the generation alone, as "tpu7x", taking the count from
   the layout). `process_index` is worker id + slice id x processes per slice (as JAX's
@@ -688,8 +711,8 @@ def detect_topology(override: str | None = None, *, devices=None,
 
   Raises:
     TopologyError: an argument of the wrong type; malformed override or environment values;
-      an unknown accelerator type; a generation that disagrees with the devices; or a layout
-      whose device count disagrees with the devices present.
+      an unknown accelerator type; or an override whose generation or device count
+      disagrees with the devices (the message gives the devices' own layout as the fix).
 
   Examples:
     On 8 simulated CPU devices (`simulate_cpu_devices(8)`):
@@ -706,22 +729,47 @@ def detect_topology(override: str | None = None, *, devices=None,
     >>> two = fs.detect_topology("2x1x2x2")
     >>> two.num_slices, two.chip_grid, two.sources["chip_grid"]
     (2, (1, 2, 2), 'override')
+
+    Variables describing a whole 2x2 host while one device is present: the device decides.
+
+    >>> import jax
+    >>> one = fs.detect_topology(devices=jax.devices()[:1], env={
+    ...     "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "TPU_HOST_BOUNDS": "1,1,1"})
+    >>> one.num_devices, one.set_aside.partition(" says ")[0]
+    (1, 'env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS')
   """
   import jax
   _check_detect_args(override, env, metadata_timeout_s)
   env = os.environ if env is None else env
   src = "jax.devices()" if devices is None else "devices"
   devices = check_devices(jax.devices() if devices is None else devices)
-  facts: Facts = {}
-  for new in (_override_facts(override) if override is not None else {}, _env_facts(env),
-              _metadata_facts(metadata_timeout_s, _metadata.base_url(env))
-              if _on_tpu_vm(env) else {},
-              _device_facts(devices, src)):
-    for k, v in new.items():
-      facts.setdefault(k, v)
+  typed = _override_facts(override) if override is not None else {}
+  said = _merged(_env_facts(env), _metadata_facts(metadata_timeout_s, _metadata.base_url(env))
+                 if _on_tpu_vm(env) else {})
+  seen = _device_facts(devices, src)
+  facts = _merged(typed, said, seen)
   topo = _topology(facts)
+  problem = _disagreement(topo, facts)
+  if problem and problem[0] != "override":
+    # The environment or the metadata said it: the devices present are the truth.
+    facts = _merged(typed, seen)
+    topo = _topology(facts)
+    topo = dataclasses.replace(topo, set_aside=_set_aside_note(problem[1], topo))
+    logging.info("topology: %s", topo.set_aside)
+    problem = _disagreement(topo, facts)
+  if problem:
+    raise TopologyError(f"{problem[1]}; fix: {_override_fix(seen)}")
   logging.debug("detected topology %s from %s", topo, dict(topo.sources))
   return topo
+
+
+def _merged(*sources: Facts) -> Facts:
+  """The facts of `sources`, the first that states each one winning."""
+  facts: Facts = {}
+  for new in sources:
+    for k, v in new.items():
+      facts.setdefault(k, v)
+  return facts
 
 
 def _check_detect_args(override, env, metadata_timeout_s) -> None:
@@ -735,7 +783,7 @@ def _check_detect_args(override, env, metadata_timeout_s) -> None:
 
 
 def _topology(facts: Facts) -> Topology:
-  """The merged facts as a `Topology`, checked against the devices present."""
+  """The merged facts as a `Topology` (unchecked: `_disagreement` checks it)."""
   value = lambda k, default=None: facts[k][0] if k in facts else default
   sources = {k: s for k, (_, s) in facts.items()}
   generation, acc_chips = _generation(facts, sources)
@@ -750,7 +798,7 @@ def _topology(facts: Facts) -> Topology:
     sources["num_chips"] = sources["chip_grid"] if grid else sources["accelerator_type"]
   process_index, sources["process_index"] = _process_index(facts)
   tpu = CHIP_FACTS[generation] if platform == "tpu" and generation in TPU_GENERATIONS else None
-  topo = Topology(
+  return Topology(
       platform=platform, device_kind=value("device_kind"), generation=generation,
       num_devices=value("num_devices"), num_processes=value("num_processes"),
       num_slices=value("num_slices"), devices_per_process=value("devices_per_process"),
@@ -759,26 +807,19 @@ def _topology(facts: Facts) -> Topology:
       accelerator_type=value("accelerator_type"), process_index=process_index,
       slice_index=value("slice_index"), peak_flops_per_device=peak, hbm_bytes_per_device=hbm,
       sources=types.MappingProxyType({k: sources[k] for k in _FIELDS if k in sources}))
-  _check_consistent(topo, devices_per_chip)
-  return topo
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Topology) if f.name != "sources")
+_FIELDS = tuple(f.name for f in dataclasses.fields(Topology)
+                if f.name not in ("sources", "set_aside"))
 
 
 def _generation(facts: Facts, sources: dict[str, str]) -> tuple[str | None, int | None]:
   """(generation, chips per slice from the accelerator type or None); records the source."""
   acc = facts.get("accelerator_type", (None,))[0]
   acc_gen, acc_chips = _type_or_generation(acc) if acc else (None, None)
-  kind = facts["device_kind"][0]
-  dev_gen = generation_of(kind) if facts["platform"][0] == "tpu" else None
-  if acc_gen and dev_gen and acc_gen != dev_gen:
-    raise TopologyError(
-        f"accelerator type {acc!r} (from {facts['accelerator_type'][1]}) is a {acc_gen}, but "
-        f"the devices are {kind!r} ({dev_gen}); fix TPU_ACCELERATOR_TYPE or pass the devices "
-        "of that accelerator.")
   if "generation" in facts:
     return facts["generation"][0], acc_chips
+  dev_gen = _device_generation(facts)
   generation = dev_gen or acc_gen
   if generation:
     sources["generation"] = (facts["device_kind"][1] + " device_kind" if dev_gen
@@ -819,17 +860,64 @@ def _per_device(platform, generation, device_kind, devices_per_chip):
   return (g.peak_flops, g.hbm_bytes) if g else (None, None)
 
 
-def _check_consistent(topo: Topology, devices_per_chip: int) -> None:
-  """The chips a layout or accelerator type implies must match the devices present."""
+def _device_generation(facts: Facts) -> str | None:
+  return generation_of(facts["device_kind"][0]) if facts["platform"][0] == "tpu" else None
+
+
+def _disagreement(topo: Topology, facts: Facts) -> tuple[str, str] | None:
+  """(the source that disagrees with the devices, what it says), or None: a generation
+  other than the TPU devices', or a layout (chips x slices) of another device count."""
+  return _other_generation(topo, facts) or _other_count(topo, facts)
+
+
+def _other_generation(topo: Topology, facts: Facts) -> tuple[str, str] | None:
+  dev_gen = _device_generation(facts)
+  for field in ("generation", "accelerator_type"):
+    if field not in facts or not dev_gen:
+      continue
+    value, where = facts[field]
+    gen = value if field == "generation" else _type_or_generation(value)[0]
+    if gen != dev_gen:
+      what = f"{value!r}" if field == "accelerator_type" else f"generation {value!r}"
+      return where, (f"{'topology override' if where == 'override' else where} {what} is a "
+                     f"{gen}, but the devices are {topo.device_kind!r} ({dev_gen})")
+  return None
+
+
+def _other_count(topo: Topology, facts: Facts) -> tuple[str, str] | None:
   if not topo.num_chips:
-    return
-  per_chip = devices_per_chip if topo.platform == "tpu" else 1  # off TPU a grid is devices
-  expected = topo.num_chips * per_chip * topo.num_slices
-  if expected != topo.num_devices:
-    where = topo.sources.get("chip_grid") if topo.chip_grid else \
-        topo.sources.get("accelerator_type")
-    raise TopologyError(
-        f"topology from {where} says {topo.num_slices} slice(s) x "
-        f"{'x'.join(map(str, topo.chip_grid)) or topo.num_chips} = {expected} devices, but "
-        f"{topo.num_devices} {topo.platform} devices are present; fix the override (or the "
-        "TPU_* environment variables) to match, or run on the hardware it describes.")
+    return None
+  per_chip = facts.get("devices_per_chip", (1,))[0] if topo.platform == "tpu" else 1
+  expected = topo.num_chips * per_chip * topo.num_slices  # off TPU a grid is devices
+  # The sources of the chips and of the slices, but for the devices' own (never at fault).
+  said = list(dict.fromkeys(
+      where for where in (facts["chip_grid" if topo.chip_grid else "accelerator_type"][1],
+                          facts["num_slices"][1])
+      if not where.startswith(facts["num_devices"][1])))
+  if expected == topo.num_devices or not said:
+    return None
+  many = "device is" if topo.num_devices == 1 else "devices are"
+  return next((where for where in said if where != "override"), "override"), (
+      f"topology from {' and '.join(said)} say{'s' * (len(said) == 1)} {topo.num_slices} "
+      f"slice(s) x {'x'.join(map(str, topo.chip_grid)) or topo.num_chips} = {expected} "
+      f"devices, but {topo.num_devices} {topo.platform} {many} present")
+
+
+def _set_aside_note(said: str, topo: Topology) -> str:
+  grid = "x".join(map(str, topo.chip_grid)) or "?"
+  return (f"{said.removeprefix('topology from ')}: topology from the devices present (chip "
+          f"grid {grid}), the TPU_* variables and the metadata set aside")
+
+
+def _override_fix(seen: Facts) -> str:
+  """How to write an override the devices agree with, or to leave it out."""
+  n, platform, slices = seen["num_devices"][0], seen["platform"][0], seen["num_slices"][0]
+  gen = _device_generation(seen)
+  grid = seen.get("chip_grid", ((),))[0]
+  if gen and grid:
+    mine = f"{gen}:{'x'.join(map(str, _slice_grid(grid, gen)))}"
+    mine = f"'{slices}x {mine}'" if slices > 1 else f"'{mine}'"
+  else:
+    mine = f"a layout of {n} {platform} device(s) such as '{n}'"
+  return (f"leave the override out (the devices give the topology), give theirs ({mine}), "
+          "or run on the hardware it describes")

@@ -11,15 +11,13 @@ held-out split in nats per token (`train_lm`'s eval loss) and bits per byte.
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fnscale.errors import FnscaleError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli, data  # noqa: E402
+from fnscale.errors import FnscaleError
+from recipes.lm import cli, data
+from recipes.lm.options import CORPORA
 
 def describe(dataset: str, tokenizer: str = "") -> str:
   """The corpus and its two baselines as lines of text. Raises FnscaleError on a bad corpus."""
@@ -47,7 +45,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("dataset", "stdlib", f"corpus: {list(data.CORPORA)}, a file, directory "
+  flags.DEFINE_string("dataset", "stdlib", f"corpus: {list(CORPORA)}, a file, directory "
                       "or glob (as train_lm's --dataset)")
   flags.DEFINE_string("tokenizer", "", "a Hugging Face tokenizer.json; default: bytes (as "
                       "train_lm's --tokenizer)")

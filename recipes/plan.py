@@ -23,24 +23,23 @@ import statistics
 import sys
 import time
 
-if "--measure" in sys.argv:  # simulated devices must be set before jax starts
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fnscale as fs
+# By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
+from fnscale.analysis.plan import (
+    Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
+from recipes.lm import cli, gpt, llama, models
+
+if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
+  if "JAX_PLATFORMS" not in os.environ:  # read when jax was imported: the config now
+    jax.config.update("jax_platforms", "cpu")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-# By name from the module, so a top-level `fnscale.analysis.plan` function can't shadow it.
-from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-    Plan, calibrate_cpu, cannot_verify, mesh_str, plan, summary)
-from recipes.lm import cli, gpt, llama, models  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 

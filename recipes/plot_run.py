@@ -17,11 +17,9 @@ import sys
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm.run_log import METRICS_FILE, RUN_FILE  # noqa: E402
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.errors import FnscaleError, InputError
+from recipes.lm.run_log import METRICS_FILE, RUN_FILE
+from recipes.lm import cli
 
 # (panel title, y label, scale, tags drawn in it)
 PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),

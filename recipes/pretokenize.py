@@ -21,27 +21,26 @@ import os
 import sys
 from typing import NamedTuple
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cache, data, harness as h  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from recipes.lm import cache, cli, data
+from recipes.lm.options import CORPORA
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """The command's flags."""
-  sources: str = h.option("tiny_corpus", "comma-separated files, directories or globs (local "
+  sources: str = cli.option("tiny_corpus", "comma-separated files, directories or globs (local "
                           "or gs://), or 'tiny_corpus' / 'stdlib'")
-  out: str = h.option("", "the cache directory to write (local)")
-  tokenizer: str = h.option("bytes", "'bytes', a Hugging Face tokenizer.json, or a directory "
+  out: str = cli.option("", "the cache directory to write (local)")
+  tokenizer: str = cli.option("bytes", "'bytes', a Hugging Face tokenizer.json, or a directory "
                             "holding one (a Hugging Face checkpoint)")
-  chat: bool = h.option(False, "records are conversations (`messages`): chat template, "
+  chat: bool = cli.option(False, "records are conversations (`messages`): chat template, "
                         "loss on assistant turns only")
-  chat_template: str = h.option("", "a Jinja chat template file (default: the tokenizer's)")
-  field: str = h.option("", "record field of the documents; default 'text' ('messages' "
+  chat_template: str = cli.option("", "a Jinja chat template file (default: the tokenizer's)")
+  field: str = cli.option("", "record field of the documents; default 'text' ('messages' "
                         "with --chat)")
-  workers: int = h.option(max(1, (os.cpu_count() or 1)), "tokenizing processes")
-  shard_mb: float = h.option(64.0, "source megabytes per shard")
+  workers: int = cli.option(max(1, (os.cpu_count() or 1)), "tokenizing processes")
+  shard_mb: float = cli.option(64.0, "source megabytes per shard")
 
 
 def spec(o: Options) -> cache.BuildSpec:
@@ -52,7 +51,7 @@ def spec(o: Options) -> cache.BuildSpec:
     raise fs.InputError(f"--shard_mb={o.shard_mb}: expected > 0")
   sources = []
   for s in filter(None, (x.strip() for x in o.sources.split(","))):
-    sources += data.corpus_files(s) if s in data.CORPORA else [s]
+    sources += data.corpus_files(s) if s in CORPORA else [s]
   if not sources:
     raise fs.InputError(f"--sources={o.sources!r}: no source named")
   return cache.BuildSpec(tuple(sources), o.out, o.tokenizer, o.chat, o.chat_template,
@@ -60,7 +59,7 @@ def spec(o: Options) -> cache.BuildSpec:
 
 
 class Done(NamedTuple):
-  """What `run` returns to `harness.main`: the manifest (never stopped by a signal)."""
+  """What `run` returns to `cli.options_main`: the manifest (never stopped by a signal)."""
   manifest: dict
   stopped: str | None = None
 
@@ -80,7 +79,7 @@ def run(o: Options) -> Done:
 
 def main(argv: list[str]) -> int:
   """The command line (exit status 0 done, 2 bad input: one `error:` line)."""
-  return h.main(argv, Options, run, __doc__)
+  return cli.options_main(argv, Options, run, __doc__)
 
 
 if __name__ == "__main__":

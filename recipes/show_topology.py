@@ -12,18 +12,15 @@ libtpu's own device descriptions, without the hardware; that needs the tpu extra
 (`pip install "fnscale[tpu]"`). A bare grid ("2x4") overrides the layout of this machine's
 devices instead.
 """
-import os
 import re
 import sys
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale import topology  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale.mesh import describe  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from fnscale import topology
+from fnscale.mesh import describe
+from recipes.lm import cli
 
 flags.DEFINE_string("mesh", "data=-1", "mesh axes 'name=size,...' or a preset name")
 flags.DEFINE_string("dcn", None, "axes across slices/processes, e.g. 'replica=2'")
@@ -38,7 +35,7 @@ def _detect(target):
   """(topology, devices, what it describes)."""
   topology.quiet_libtpu()  # describing a TPU loads libtpu: no host-lookup warnings
   fs.simulate_cpu_devices(FLAGS.devices)  # only where no accelerator is present
-  if target and re.search(r"[a-z]", target):  # names a TPU generation: describe the target
+  if target and not re.fullmatch(r"[\dx\s]+", target):  # names a TPU: describe the target
     devices = topology.target_devices(target)
     # This machine's environment says nothing about the target: env={}.
     return fs.detect_topology(target, devices=devices, env={}), devices, \
@@ -58,6 +55,8 @@ def main(argv):
         f"{topo.num_slices}")
   for field, source in topo.sources.items():
     print(f"  {field:<22} from {source}")
+  if topo.set_aside:  # the environment described other hardware than the devices present
+    print(f"  set aside: {topo.set_aside}")
   print(describe(mesh))
 
 

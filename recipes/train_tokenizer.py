@@ -19,11 +19,9 @@ import sys
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fnscale.errors import FnscaleError, InputError  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm.data import corpus_files  # noqa: E402,F401  pylint: disable=C0413  (one definition)
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.errors import FnscaleError, InputError
+from recipes.lm.data import corpus_files  # noqa: F401  (one definition)
+from recipes.lm import cli
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
 MIN_VOCAB = 256 + 1  # every byte, plus END_OF_TEXT

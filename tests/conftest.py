@@ -1,6 +1,16 @@
-"""Simulated devices must be set before jax initialises its backend."""
+"""Simulated devices must be set before jax initialises its backend.
+
+Two ways to run the suite:
+- the CPU tiers (`python -m pytest -q`, `-m slow`): every process on 8 simulated CPU devices
+  (JAX_PLATFORMS=cpu), compiled with XLA's quicker CPU options (below);
+- the chip tier (`python -m pytest -q -m chip` on a TPU VM): only the `test_chip*.py`
+  modules, in one process on JAX's default platform, the TPU, with its CPU backend beside it;
+  nothing of this file's CPU set-up applies (tests/test_chip.py says what the tier checks).
+  Where the machine has no accelerator, it runs as the CPU tiers do and its tests skip.
+"""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,6 +26,7 @@ _FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes
 # kernel): a test that counts loops compiles with `default_cpu_codegen` (below).
 _EMITTERS = "xla_cpu_use_fusion_emitters"
 _LEGACY_EMITTERS = f" --{_EMITTERS}=false"
+_CHIP_MODULES = "test_chip*.py"  # the chip tier's modules, collected alone under -m chip
 
 
 def _xla_accepts(flags: str) -> bool:
@@ -27,17 +38,32 @@ def _xla_accepts(flags: str) -> bool:
   return r.returncode == 0
 
 
-_CHOSEN = _EMITTERS in os.environ.get("XLA_FLAGS", "")  # the user's choice stands
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST
-    + ("" if _CHOSEN or not _xla_accepts(_LEGACY_EMITTERS) else _LEGACY_EMITTERS)
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Several test processes may load libtpu (for TPU ahead-of-time compiles) at once; its
-# machine-wide lock would otherwise fail all but the first.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+def _chip_tier(markexpr: str) -> bool:
+  """Whether a `-m` expression asks for the chip tier: it names `chip`, not as `not chip`."""
+  words = re.findall(r"\w+", markexpr or "")
+  return any(w == "chip" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
+
+def _simulated_cpu_devices() -> None:
+  """The CPU tiers' environment, for this process (jax imported, no backend started yet)
+  and every process the tests start."""
+  import jax  # pylint: disable=import-outside-toplevel
+  chosen = _EMITTERS in os.environ.get("XLA_FLAGS", "")  # the user's choice stands
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST
+      + ("" if chosen or not _xla_accepts(_LEGACY_EMITTERS) else _LEGACY_EMITTERS)
+  ).strip()
+  if not os.environ.get("JAX_PLATFORMS"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")  # jax read the variable at its import
+  # Several test processes may load libtpu (for TPU ahead-of-time compiles) at once; its
+  # machine-wide lock would otherwise fail all but the first.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 # Without a TPU, libtpu (loaded for those compiles) prints host-lookup warnings unless told
 # this is one host; importing fnscale changes no environment variable, so ask for it here.
+# (On a TPU VM it does nothing.)
 import fnscale.topology  # noqa: E402  pylint: disable=wrong-import-position
 fnscale.topology.quiet_libtpu()
 
@@ -121,12 +147,41 @@ def tpu_devices():
   return get
 
 
+_ON_THE_CHIP = pytest.StashKey[bool]()
+
+
+def pytest_configure(config):
+  """The chip tier where asked for on a machine with an accelerator, else the CPU tiers."""
+  chip = _chip_tier(config.option.markexpr) and fnscale.topology.has_accelerator()
+  config.stash[_ON_THE_CHIP] = chip
+  if not chip:
+    _simulated_cpu_devices()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+  """A test that asks for libtpu's described devices (`tpu_devices`) is a `tpu` test: the
+  marker selects (or leaves out) exactly what needs the tpu extra."""
+  for item in items:
+    if "tpu_devices" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("tpu"):
+      item.add_marker(pytest.mark.tpu)
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Under -m chip, only the chip tier's modules: the others expect 8 simulated devices."""
+  if (_chip_tier(config.option.markexpr) and collection_path.suffix == ".py"
+      and not collection_path.match(_CHIP_MODULES)):
+    return True
+  return None
+
+
 @pytest.fixture(scope="session")
 def default_cpu_codegen():
   """Compiler options that give a program XLA's default CPU code generator, for a test that
   counts what the older one changes (its scatter loops); {} where the suite runs the
   default."""
-  return {_EMITTERS: True} if _LEGACY_EMITTERS.strip() in os.environ["XLA_FLAGS"] else {}
+  return {_EMITTERS: True} if _LEGACY_EMITTERS.strip() in os.environ.get("XLA_FLAGS", "") \
+      else {}
 
 
 @pytest.fixture(params=["shardy", "gspmd"])

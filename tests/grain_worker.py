@@ -6,12 +6,12 @@ data position with fnscale.checkpoint, as tests/test_checkpoint_jobs.py runs it.
 
 Joins the job from the environment `tests/multiprocess.py` sets (or runs alone), builds a
 mesh over every device of the job and a grain iterator over this process's rows of each global
-batch (`data.batches`, 16 rows of 16 tokens of a fixed random corpus).
+batch (`batches.text_batches`, 16 rows of 16 tokens of a fixed random corpus).
 
 stop: process i reads advance[i] batches, saves step 1 (a small sharded state, and its own
 position through grain's orbax handler) and prints {"saved": its position, "next": the batch
 it would read next}. resume: restores the newest step onto this job's mesh with `data=`
-(`data.resharded_position` when the process count changed) and prints {"restored": its
+(`batches.resharded_position` when the process count changed) and prints {"restored": its
 position, "next": the batch it reads next, "x": the restored state}.
 """
 from __future__ import annotations
@@ -42,28 +42,28 @@ def main(argv) -> int:
   import jax.numpy as jnp
   import numpy as np
   import fnscale as fs
-  from recipes.lm import data
+  from recipes.lm import batches, data
   rng = np.random.default_rng(0)
   corpus = data.Corpus(rng.integers(0, 256, 20000).astype(np.uint8),
                        rng.integers(0, 256, 700).astype(np.uint8), 256, 1.0, None, None, "")
   mesh = fs.make_mesh({"data": -1})
-  batches, _ = data.batches(corpus, fs.batch_sharding(mesh), SEQ, GLOBAL_BATCH, 0, 0)
+  train, _ = batches.text_batches(corpus, fs.batch_sharding(mesh), SEQ, GLOBAL_BATCH, 0, 0)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   state = {"x": jax.jit(lambda: jnp.arange(16.0), out_shardings=sharding)()}
   pid = jax.process_index()
   with fs.checkpoint.manager(args.ckpt) as ckpt:
     if args.mode == "stop":
       for _ in range(int(args.advance.split(",")[pid])):
-        next(batches)
-      fs.checkpoint.save(ckpt, 1, state, data=batches)
-      out = {"saved": batches.get_state()}
+        next(train)
+      fs.checkpoint.save(ckpt, 1, state, data=train)
+      out = {"saved": train.get_state()}
     else:
-      restored, _ = fs.checkpoint.restore(ckpt, state, data=batches,
-                                          reshard_data=data.resharded_position)
-      out = {"restored": batches.get_state(),
+      restored, _ = fs.checkpoint.restore(ckpt, state, data=train,
+                                          reshard_data=batches.resharded_position)
+      out = {"restored": train.get_state(),
              "x": np.asarray(multihost_utils.process_allgather(restored["x"],
                                                                tiled=True)).tolist()}
-  out["next"] = next(batches)["inputs"].tolist()
+  out["next"] = next(train)["inputs"].tolist()
   print(json.dumps({"process": pid, **out}), flush=True)
   return 0
 

@@ -7,8 +7,11 @@ For each mesh of MESHES: the rows `fnscale.process_rows` names for a 16-row batc
 batch built from exactly those rows of one fixed array (`fnscale.global_batch(..., check=True)`:
 the replicated blocks' fingerprints are compared across processes), and that global array
 gathered back. Then the batch split per process (process i's i-th half, as grain's
-`ShardByJaxProcess` does) on a mesh that replicates the batch across processes: the check
-must raise. Prints one JSON line per case.
+`ShardByJaxProcess` does) on a mesh that replicates the batch across processes, with the
+default check (a layout not fed before is checked): it must raise. Then, on a new layout
+checked with the right rows, each process feeds the batch rolled by its own offset (same
+shape, other rows) with `check_every=4` until the check raises. Prints one JSON line per
+case.
 """
 from __future__ import annotations
 
@@ -42,10 +45,21 @@ def main() -> int:
   sh = fs.batch_sharding(fs.make_mesh({"tensor": 8}))
   i, n = jax.process_index(), jax.process_count()
   try:
-    fs.global_batch({"x": whole[i * ROWS // n:(i + 1) * ROWS // n]}, sh, check=True)
+    fs.global_batch({"x": whole[i * ROWS // n:(i + 1) * ROWS // n]}, sh)
     print(json.dumps({"halves": "no error"}), flush=True)
   except fs.DistributedError as e:
     print(json.dumps({"halves": str(e)}), flush=True)
+  wide = np.arange(ROWS * 5, dtype=np.int32).reshape(ROWS, 5)  # a layout not fed before
+  fs.global_batch({"x": wide}, sh, check_every=4)  # checked: right rows
+  rolled = np.roll(wide, i * ROWS // n, axis=0)
+  for calls in range(1, 9):
+    try:
+      fs.global_batch({"x": rolled}, sh, check_every=4)
+    except fs.DistributedError as e:
+      print(json.dumps({"rolled": calls, "error": str(e)}), flush=True)
+      break
+  else:
+    print(json.dumps({"rolled": 8, "error": None}), flush=True)
   return 0
 
 

@@ -1,10 +1,12 @@
-"""Gradient accumulation keeps FSDP's memory: what stays sharded is a declared choice.
+"""Gradient accumulation: when gradients are reduced and what stays sharded is a declared choice.
 
-"per_microbatch" (the default): params stay sharded and are gathered inside each microbatch;
-the float32 accumulator is sharded as the params are. "once": params gathered once, a
-whole-size accumulator, one reduce-scatter at the end. Memory and collectives are read from
-the compiled program (`fs.hlo.summarize`, memory analysis) and set against hand counts of the
-model's float32 param bytes P.
+"auto" (the default) and "once": the microbatch loop runs per shard, params gathered once,
+a whole-size accumulator, every leaf's gradient reduced once after the loop
+(reduce-scattered where the leaf is split). "per_microbatch": params stay sharded and are
+gathered inside each microbatch; the float32 accumulator is sharded as the params are, so
+each microbatch's gradient is reduced into it (FSDP's memory). Memory and collectives are
+read from the compiled program (`fs.hlo.summarize`, memory analysis) and set against hand
+counts of the model's float32 param bytes P.
 """
 import functools
 
@@ -54,14 +56,14 @@ CASES = [("cpu", (("fsdp", 8),)), ("cpu", (("data", 2), ("fsdp", 4)))]
 TPU_CASES = [("v5p-8", (("fsdp", 4),)), ("v5p:2x2x2", (("data", 2), ("fsdp", 4)))]
 
 
-def _check_default_memory(target, axes):
-  # The default keeps FSDP's memory: over accum 1 it adds the float32 accumulator sharded as
-  # the params (P / fsdp) and the partitioner's per-microbatch buffers, never a whole-size
-  # accumulator (P alone). The old default held whole params and a whole accumulator:
-  # 2.3 P more here. Measured: 0.18 P (fsdp=8), 0.3 P (v5p-8), 0.72 P (data=2,fsdp=4).
+def _check_per_microbatch_memory(target, axes):
+  # per_microbatch keeps FSDP's memory: over accum 1 it adds the float32 accumulator sharded
+  # as the params (P / fsdp) and the partitioner's per-microbatch buffers, never a
+  # whole-size accumulator (P alone); "once" (and the default) hold whole params and a whole
+  # accumulator. Measured: 0.18 P (fsdp=8), 0.3 P (v5p-8), 0.72 P (data=2,fsdp=4).
   p = _param_bytes(256, 1024)
   one, _ = _compiled(target, axes, 1, None)
-  four, _ = _compiled(target, axes, 4, None)
+  four, _ = _compiled(target, axes, 4, "per_microbatch")
   assert _temp(four) - _temp(one) < p, (_temp(four) / p, _temp(one) / p)
 
 
@@ -94,7 +96,7 @@ def _check_data_axis(target, axes):
   # most the float32 fsdp shard (P/4) and at least the bfloat16 one split 8 ways (XLA may
   # reduce before the cast, over pieces); "once" sends the float32 shard once, P/4.
   p = _param_bytes(256, 1024)
-  _, per = _compiled(target, axes, 4, None)
+  _, per = _compiled(target, axes, 4, "per_microbatch")
   _, once = _compiled(target, axes, 4, "once")
   assert _sent(once, "all-reduce", 2) == pytest.approx(2 * 0.5 * p / 4, abs=64)
   assert 4 * (p / 2 / 8) <= _sent(per, "all-reduce", 2) <= 4 * p / 4 + 64
@@ -136,8 +138,8 @@ def test_once_in_a_plain_jit_reduce_scatters_where_the_shardings_are_known(axis_
 
 
 @pytest.mark.parametrize("target, axes", CASES)
-def test_default_keeps_the_accumulator_sharded_cpu(target, axes):
-  _check_default_memory(target, axes)
+def test_per_microbatch_keeps_the_accumulator_sharded_cpu(target, axes):
+  _check_per_microbatch_memory(target, axes)
 
 
 @pytest.mark.parametrize("target, axes", CASES)
@@ -153,7 +155,7 @@ def test_data_axis_reductions_per_mode_cpu():
 @pytest.mark.parametrize("target, axes", TPU_CASES)
 def test_accumulation_modes_on_a_described_tpu(target, axes, tpu_devices):
   del tpu_devices  # skips without libtpu
-  _check_default_memory(target, axes)
+  _check_per_microbatch_memory(target, axes)
   _check_once(target, axes)
   if "data" in dict(axes):
     _check_data_axis(target, axes)
@@ -162,12 +164,12 @@ def test_accumulation_modes_on_a_described_tpu(target, axes, tpu_devices):
 @pytest.mark.slow
 @pytest.mark.tpu
 def test_per_microbatch_gathers_params_in_every_microbatch_tpu(tpu_devices):
-  # With rows enough that XLA gathers the weights (rather than moving activations), the
-  # default gathers them in every microbatch: accum x the all-gathers of accum 1.
+  # With rows enough that XLA gathers the weights (rather than moving activations),
+  # per_microbatch gathers them in every microbatch: accum x the all-gathers of accum 1.
   del tpu_devices
   axes = (("fsdp", 8),)
   _, one = _compiled("v5p:2x2x2", axes, 1, None, 64, 256, 256)
-  _, four = _compiled("v5p:2x2x2", axes, 4, None, 64, 256, 256)
+  _, four = _compiled("v5p:2x2x2", axes, 4, "per_microbatch", 64, 256, 256)
   _, once = _compiled("v5p:2x2x2", axes, 4, "once", 64, 256, 256)
   ag1, ag4, ago = (s.collective("all-gather") for s in (one, four, once))
   assert ag1.count > 0 and ag4.count == 4 * ag1.count
@@ -334,21 +336,84 @@ def test_default_on_a_data_and_tensor_mesh_reduces_over_data_once():
   _equals_reference(params, loss)
 
 
-@pytest.mark.parametrize("axes, axis_types", [
-    ((("fsdp", 8),), "auto"), pytest.param((("fsdp", 8),), "explicit", marks=pytest.mark.slow),
-    pytest.param((("data", 2), ("fsdp", 4)), "auto", marks=pytest.mark.slow),
-    pytest.param((("data", 2), ("fsdp", 4)), "explicit", marks=pytest.mark.slow)])
-def test_default_keeps_the_partitioners_loop_where_the_data_axes_split_params(axes,
-                                                                              axis_types):
-  # w1 and w2 are split over "fsdp" (the biases, small, are whole): the default compiles
-  # per_microbatch's program (FSDP gathers layer by layer, a sharded accumulator), not the
-  # per-shard loop of "once" (its reduce-scatters after the loop, one per split leaf; see
-  # test_once_gathers_once_and_reduce_scatters_cpu).
-  summary, params, loss = _mlp_step(axes, axis_types, "auto")
-  per, _, _ = _mlp_step(axes, axis_types, "per_microbatch")
-  assert summary.collectives == per.collectives and summary.groups == per.groups
-  assert summary.collective("reduce-scatter").count == 0
-  _equals_reference(params, loss)
+# A tree of FSDP-split leaves (w1, w2: float32, 512 KiB each, over 16 KiB so split over
+# "fsdp") and replicated ones (b1, b2: under 16 KiB), sized so that a TPU's tiles divide
+# each shard (128 lanes).
+def _tree_init(key):
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (256, 512)) * 0.05, "b1": jnp.zeros((512,)),
+          "w2": jax.random.normal(k2, (512, 256)) * 0.05, "b2": jnp.full((256,), 0.1)}
+
+
+TREE_SPLIT, TREE_REPLICATED = 2 * 256 * 512 * 4, (512 + 256) * 4  # float32 bytes
+TREE_BATCH = {"x": jax.random.normal(jax.random.key(2), (64, 256))}
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_step(target, axis_types, gather, accum=4, rows=64):
+  """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4."""
+  devices = None if target == "cpu" else fs.topology.target_devices(target)
+  mesh = fs.make_mesh({"data": 2, "fsdp": 4}, devices=devices, axis_types=axis_types)
+  opt = optax.sgd(0.1)
+  state = fs.init_state(_tree_init, opt, mesh=mesh, key=jax.random.key(0),
+                        abstract=target != "cpu")
+  batch = {"x": jax.ShapeDtypeStruct((rows, 256), jnp.float32)}
+  step = fs.train_step(_mlp, opt, accum_steps=accum,
+                       **({"accum_gather": gather} if gather else {}))
+  compiled = fs.shard_step(step, mesh).compile(state, batch)
+  return hlo.summarize(compiled.compiled.as_text()), compiled, state
+
+
+def _check_reduced_once(summary):
+  """Every leaf's gradient reduced once per step (hand count, ring bytes: all-reduce
+  2 (n-1)/n S, reduce-scatter and all-gather (n-1)/n S; d=2, f=4, n=8): w1 and w2
+  reduce-scattered over fsdp, their float32 shards all-reduced over data, b1 and b2 (with
+  the loss and weight scalars) all-reduced over all 8 devices; params gathered once over
+  fsdp (float32, or bfloat16 where the TPU compiler casts before gathering for its matmuls).
+  Nothing else but a few scalars (the update's norms)."""
+  d, f, n = 2, 4, 8
+  groups = {(k, g): b for k, g, b in summary.groups}
+  assert groups.pop(("reduce-scatter", f)) == (f - 1) / f * TREE_SPLIT
+  assert groups.pop(("all-reduce", d)) == 2 * (d - 1) / d * TREE_SPLIT / f
+  assert groups.pop(("all-reduce", n)) == pytest.approx(
+      2 * (n - 1) / n * TREE_REPLICATED, abs=16)
+  assert groups.pop(("all-gather", f)) in ((f - 1) / f * TREE_SPLIT, (f - 1) / f * TREE_SPLIT / 2)
+  assert sum(groups.values()) <= 64, groups  # scalars
+  counts = {c.kind: c.count for c in summary.collectives}
+  # One per split leaf (libtpu may reduce-scatter both in one fusion).
+  assert counts["reduce-scatter"] in (1, 2) and counts["all-gather"] == 2
+
+
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_reduces_every_leaf_once_reduce_scattered_where_split(axis_types):
+  # The partitioner's microbatch loop (per_microbatch) reduces in each of the 4 microbatches:
+  # b1 and b2 over all devices, the w shards over data, and on CPU w1 and w2 whole over fsdp
+  # (no reduce-scatter); one SGD step equals the one-device step on the whole batch.
+  summary, compiled, state = _tree_step("cpu", axis_types, None)
+  _check_reduced_once(summary)
+  new, metrics = compiled(state, TREE_BATCH)
+  ref = _tree_init(jax.random.key(0))
+  loss, grads = jax.value_and_grad(_mlp)(ref, TREE_BATCH)
+  jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - 0.1 * g, rtol=2e-5, atol=1e-6),
+               jax.device_get(new.params), ref, grads)
+  assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_reduces_every_leaf_once_on_a_described_tpu(axis_types, tpu_devices):
+  del tpu_devices  # skips without libtpu
+  _check_reduced_once(_tree_step("v5p:2x2x2", axis_types, None)[0])
+
+
+@pytest.mark.tpu
+def test_accum_1_on_a_described_tpu_sends_what_the_default_sends_at_accum_4(tpu_devices):
+  # Without accumulation, with rows enough that XLA moves the weights (not activations),
+  # libtpu reduce-scatters w1 and w2 in one fused all-reduce-scatter (an all-reduce and a
+  # slice inside a fusion): counted as the reduce-scatter it is, the same hand count as the
+  # default's per-shard loop at accum 4 (read as an all-reduce it was twice the bytes).
+  del tpu_devices
+  _check_reduced_once(_tree_step("v5p:2x2x2", "auto", None, accum=1, rows=2048)[0])
 
 
 def test_default_with_a_key_keeps_the_partitioners_loop():

@@ -34,6 +34,7 @@ CASES = [
      "--implementations ['cudnn'] can't run on cpu"),
     ("bench/attention", ["--shapes", "1x128"],
      "--shapes entry '1x128': expected BATCHxSEQxHEADSxKV_HEADSxHEAD"),
+    ("bench/attention", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
     ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
@@ -43,11 +44,15 @@ CASES = [
     ("bench/hf_checkpoint", ["--dir=unused", "--seq=0"], "--seq: 0 must be >= 1"),
     ("bench/launch_ray", ["--repeats=0"], "--repeats: 0 must be >= 1"),
     ("bench/loader", ["--batches=-3"], "--batches: -3 must be >= 1"),
+    ("bench/lora", ["--prepare=unused", "--compile"], "give one of --prepare=DIR and --compile"),
     ("bench/moe_forecast", ["--json"], "--json: expected one argument"),
     ("bench/moe_layer", ["--k=0"], "--k: 0 must be >= 1"),
     ("bench/pipeline", ["--microbatches=4,x"], "'x' is not an int"),
     ("bench/preemption", ["--steps=0"], "--steps: 0 must be >= 1"),
+    ("bench/replica_check", ["--calls=0"], "--calls: 0 must be >= 1"),
     ("bench/step", ["--steps=0"], "--steps=0"),
+    ("bench/step", ["--topology=2x2x4"], "topology from override says 1 slice(s) x 2x2x4 = 16 "
+     "devices, but 8 cpu devices are present; fix: leave the override out"),
     ("bench/tokenizing", ["--vocab_size=10"], "vocab_size=10"),
     ("launch/launch_local", ["--num_processes=0", "--", "recipes/train_lm.py"],
      "num_processes=0"),

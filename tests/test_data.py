@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from recipes.lm import data
+from recipes.lm import batches, data
 
 
 def _window_set(tokens, seq):
@@ -17,14 +17,14 @@ def _window_set(tokens, seq):
 
 def test_each_epoch_reads_every_window_once_in_a_new_order():
   tokens = np.arange(1000, dtype=np.int32)  # 999 // 8 = 124 windows of 9 tokens
-  ds = data.windows(tokens, 8, seed=3, epochs=2)
+  ds = batches.windows(tokens, 8, seed=3, epochs=2)
   assert len(ds) == 2 * 124
   first = [tuple(ds[i]) for i in range(124)]
   second = [tuple(ds[i]) for i in range(124, 248)]
   assert sorted(first) == _window_set(tokens, 8) == sorted(second)
   assert first != sorted(first) and first != second  # shuffled, and anew each epoch
-  same = [tuple(w) for w in data.windows(tokens, 8, seed=3, epochs=1)]
-  other = [tuple(w) for w in data.windows(tokens, 8, seed=4, epochs=1)]
+  same = [tuple(w) for w in batches.windows(tokens, 8, seed=3, epochs=1)]
+  other = [tuple(w) for w in batches.windows(tokens, 8, seed=4, epochs=1)]
   assert same == first and other != first  # the order is a function of the seed
 
 
@@ -32,12 +32,12 @@ def test_steps_for_epochs_is_whole_global_batches():
   corpus = data.Corpus(np.zeros(3801, np.uint8), np.zeros(200, np.uint8), 256, 1.0, None, None,
                        "")
   # (3801 - 1) // 32 = 118 windows; 3 epochs = 354 rows = 22 batches of 16 (2 rows dropped).
-  assert data.steps_for(corpus, 32, 16, 3, None) == 22
-  assert data.steps_for(corpus, 32, 16, None, 7) == 7
-  assert data.steps_for(corpus, 32, 16, None, None) is None
+  assert batches.steps_for(corpus, 32, 16, 3, None) == 22
+  assert batches.steps_for(corpus, 32, 16, None, 7) == 7
+  assert batches.steps_for(corpus, 32, 16, None, None) is None
   with pytest.raises(fs.FnscaleError, match=r"epochs=1 makes no step: the training split has "
                      r"118 windows of seq \+ 1 = 33 tokens, fewer than one global batch of 128"):
-    data.steps_for(corpus, 32, 128, 1, None)
+    batches.steps_for(corpus, 32, 128, 1, None)
 
 
 class _Rows:
@@ -58,9 +58,9 @@ def _corpus(n=5000):
 
 def test_two_processes_read_disjoint_halves_of_the_one_process_batch():
   corpus = _corpus()
-  one, _ = data.batches(corpus, _Rows((0, 8), (8, 16)), 16, 16, 0, 0)
-  p0, ev0 = data.batches(corpus, _Rows((0, 4), (4, 8)), 16, 16, 0, 1)
-  p1, ev1 = data.batches(corpus, _Rows((8, 12), (12, 16)), 16, 16, 0, 1)
+  one, _ = batches.text_batches(corpus, _Rows((0, 8), (8, 16)), 16, 16, 0, 0)
+  p0, ev0 = batches.text_batches(corpus, _Rows((0, 4), (4, 8)), 16, 16, 0, 1)
+  p1, ev1 = batches.text_batches(corpus, _Rows((8, 12), (12, 16)), 16, 16, 0, 1)
   for _ in range(3):
     whole, a, b = next(one), next(p0), next(p1)
     assert a["inputs"].shape == (8, 16) and a["inputs"].dtype == np.int32
@@ -74,19 +74,19 @@ def test_two_processes_read_disjoint_halves_of_the_one_process_batch():
 def test_rows_that_are_not_one_block_are_refused():
   with pytest.raises(fs.ShardingError, match=r"rows \[0, 1, 4, 5\]... of the global batch of 16:"
                      r" not one contiguous block"):
-    data.process_shard(_Rows((0, 2), (4, 6)), 16)
+    batches.process_shard(_Rows((0, 2), (4, 6)), 16)
 
 
 def test_iterator_position_travels_in_a_checkpoint(tmp_path):
   """The position goes through fnscale.checkpoint (grain's own orbax handler): a fresh
   iterator restored from it reads exactly the batches the saved one would have read next."""
   corpus = _corpus()
-  it, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
+  it, _ = batches.text_batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
   for _ in range(3):
     next(it)
   fs.checkpoint.save(tmp_path, 3, {"x": np.zeros(2, np.float32)}, data=it)
   expected = [next(it)["inputs"] for _ in range(2)]
-  again, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
+  again, _ = batches.text_batches(corpus, _Rows((0, 16)), 16, 16, 7, 0)
   target = {"x": jax.ShapeDtypeStruct((2,), np.float32,
                                       sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
   fs.checkpoint.restore(tmp_path, target, data=again)
@@ -99,18 +99,18 @@ def test_resharded_position_is_the_common_global_batch():
   """Batch k of the 2-process slices covers the windows of batch k of the 1-process order, so
   positions saved by 2 processes at one step are the 1-process position."""
   corpus = _corpus()
-  p0, _ = data.batches(corpus, _Rows((0, 8)), 16, 16, 0, 0)  # process 0 of 2: rows 0-7
-  p1, _ = data.batches(corpus, _Rows((8, 16)), 16, 16, 0, 0)
+  p0, _ = batches.text_batches(corpus, _Rows((0, 8)), 16, 16, 0, 0)  # process 0 of 2: rows 0-7
+  p1, _ = batches.text_batches(corpus, _Rows((8, 16)), 16, 16, 0, 0)
   for _ in range(2):
     next(p0), next(p1)
   saved = [p0.get_state(), p1.get_state()]
-  one, _ = data.batches(corpus, _Rows((0, 16)), 16, 16, 0, 0)
-  one.set_state(data.resharded_position(saved, 0, 1))
+  one, _ = batches.text_batches(corpus, _Rows((0, 16)), 16, 16, 0, 0)
+  one.set_state(batches.resharded_position(saved, 0, 1))
   rows = lambda x: sorted(map(tuple, x["inputs"]))
   assert rows(next(one)) == sorted(rows(next(p0)) + rows(next(p1)))
   with pytest.raises(fs.FnscaleError, match=r"the 2 saved data positions differ .*resume with "
                      r"2 processes"):
-    data.resharded_position([{"next_index": 2}, {"next_index": 3}], 0, 1)
+    batches.resharded_position([{"next_index": 2}, {"next_index": 3}], 0, 1)
 
 
 def test_split_holds_out_every_20th_chunk():

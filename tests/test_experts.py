@@ -139,12 +139,13 @@ def test_dropless_on_one_device_equals_the_loop_over_experts(case, want, k):
   _check_dropless(case, want, k)
 
 
-# Each mesh runs the exchange XLA:CPU can ("all_gather") or the ragged one through its
-# stand-in (interpret); the other pairing is in the slow tier.
-_MESHES = [({"expert": 8}, "ragged"), ({"data": 2, "expert": 4}, "all_gather"),
-           ({"fsdp": 2, "expert": 4}, "ragged")]
+# Each mesh runs an exchange XLA:CPU can ("gather_experts", "all_gather") or the ragged one
+# through its stand-in (interpret); the other pairings are in the slow tier.
+_MESHES = [({"expert": 8}, "ragged"), ({"data": 2, "expert": 4}, "gather_experts"),
+           ({"fsdp": 2, "expert": 4}, "all_gather")]
 _SLOW_MESHES = [({"expert": 8}, "all_gather"), ({"data": 2, "expert": 4}, "ragged"),
-                ({"fsdp": 2, "expert": 4}, "all_gather")]
+                ({"fsdp": 2, "expert": 4}, "gather_experts"), ({"expert": 8}, "gather_experts"),
+                ({"data": 2, "expert": 4}, "all_gather"), ({"fsdp": 2, "expert": 4}, "ragged")]
 
 
 @pytest.mark.parametrize("axes,exchange", _MESHES + [
@@ -216,9 +217,12 @@ def test_the_plan_says_why(case):
   params = case[1]
   cpu = ex.exchange_selection((B, S, D), params, 2, mesh=fs.make_mesh({"data": 2, "expert": 4}))
   assert (cpu.exchange, cpu.fallback, cpu.expert_axis, cpu.expert_shards) == (
-      "all_gather", True, "expert", 4)
+      "gather_experts", True, "expert", 4)
   assert "ragged-all-to-all" in cpu.reason and cpu.token_axes == ("data", "expert")
-  assert cpu.buffer_rows == 4 * (B * S // 8) * 2  # n x local tokens x min(k, local experts)
+  assert cpu.buffer_rows == (B * S // 8) * 2  # local tokens x k: every expert local
+  tokens = ex.exchange_selection((B, S, D), params, 2, exchange="all_gather",
+                                 mesh=fs.make_mesh({"data": 2, "expert": 4}))
+  assert tokens.buffer_rows == 4 * (B * S // 8) * 2  # n x local tokens x min(k, local experts)
   tpu = ex.exchange_selection((B, S, D), params, 2, platform="tpu",
                          mesh=fs.make_mesh({"data": 2, "expert": 4}))
   assert tpu.exchange == "ragged" and not tpu.fallback
@@ -295,3 +299,32 @@ def test_padding_rows_pass_no_gradient_either_way():
   want = np.where(np.arange(4)[:, None] < 3, 2.0, 0.0) * np.ones((4, 3))
   np.testing.assert_array_equal(jax.vjp(f, x)[1](ct)[0], want)
   np.testing.assert_array_equal(jax.jvp(f, (x,), (ct,))[1], want)
+
+
+def _layer_flops(mesh, exchange, x_shape):
+  """Matmul FLOPs per device of the layer's forward and backward (`fs.hlo.summarize`)."""
+  from fnscale.analysis import hlo  # pylint: disable=import-outside-toplevel
+  params = _params()
+  x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+  f = lambda x, p: jnp.sum(ex.moe(x, p, k=2, exchange=exchange)[0])
+  with fs.with_mesh(mesh):
+    text = jax.jit(jax.grad(f, (0, 1))).lower(x, params).compile().as_text()
+  return hlo.summarize(text).matmul_flops
+
+
+def test_an_expert_axis_on_cpu_does_the_matmul_work_of_none():
+  # 8 x 64 tokens of d 8 (64 per device), k = 2 of 8 experts, hidden 16; each dot's backward
+  # is two dots of its FLOPs: 3 x the forward. Forward, per device, by hand:
+  # - router: 2 x 64 tokens x 8 x 8 experts = 8,192;
+  # - the experts as the tiled grouped matmul runs them (a static buffer: work items of
+  #   8 rows, items = ceil(rows / 8) + groups - 1), three matmuls of 2 x rows x 8 x 16:
+  #   data=8 or gather_experts: 128 copies, 8 groups: 16 + 7 = 23 items, 184 rows;
+  #   all_gather (tokens): 4 x 64 x min(2, 2) = 512 rows, 2 groups, 128-row items: 4 + 1 =
+  #   5 items, 640 rows (n x the rows routed there: 3.5x the work).
+  def hand(rows):
+    return 3 * (2 * 64 * 8 * 8 + 3 * 2 * rows * 8 * 16)
+  shape = (8, 64, D)
+  assert _layer_flops(fs.make_mesh({"data": 8}), "auto", shape) == hand(184)
+  split = fs.make_mesh({"data": 2, "expert": 4})
+  assert _layer_flops(split, "auto", shape) == hand(184)  # gather_experts
+  assert _layer_flops(split, "all_gather", shape) == hand(640)

@@ -313,3 +313,17 @@ def test_tpu_multislice_gradients_cross_slices_over_dcn(tpu_devices, slices):
   assert all((k, n) == ("all-reduce", slices) for k, n, _ in s.dcn_groups)
   assert dict(((k, n), b) for k, n, b in s.groups).get(("all-reduce", slices), 0) >= (
       s.dcn_bytes_sent)
+
+
+def test_a_counter_carried_through_wide_tuples_is_read_once_per_instruction():
+  # The counter passes through 6 tuples of 40 copies each before `i + 1` (as a LoRA step's
+  # loop carries dozens of adapter values through fusions): read along every path that is
+  # 40**6 readings, which never finished; each instruction read once, the trip count stands.
+  lines, prev = [], "%i"
+  for level in range(6):
+    lines.append(f"  %c{level} = ({', '.join(['s32[]'] * 40)}) tuple({', '.join([prev] * 40)})")
+    lines.append(f"  %g{level} = s32[] get-tuple-element(%c{level}), index={level}")
+    prev = f"%g{level}"
+  text = (LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+          .replace("  %j = s32[] add(%i, %one)", "\n".join(lines) + f"\n  %j = s32[] add({prev}, %one)"))
+  assert hlo.summarize(text).loops == (hlo.Loop("body", 4, from_condition=True),)

@@ -1,7 +1,13 @@
 """The package's modules import one another in one direction: no import cycle, counting the
 imports inside functions too (a function-level import hides a cycle from Python, not from
 the reader), and no module inside the package imports the package root. Importing fnscale or
-a launcher imports no optional framework (Flax, Equinox, Ray)."""
+a launcher imports no optional framework (Flax, Equinox, Ray).
+
+recipes/ is a package with the same rules and one of its own: the jobs and tools (train_lm,
+the commands beside it, bench/, launch/, examples/) import `recipes.lm`, `recipes.lm` imports
+only itself and fnscale, and fnscale never imports recipes. Each recipe runs as a script and
+as a module through the install alone: no recipe edits `sys.path` and every import is at the
+top of its module."""
 import ast
 import os
 import re
@@ -12,13 +18,15 @@ import sys
 import fnscale
 
 ROOT = pathlib.Path(fnscale.__file__).parent
+RECIPES = ROOT.parent / "recipes"
 
 
 def _modules(root: pathlib.Path = ROOT) -> dict:
-  """{dotted module name: file} for every .py file under `root` (packages by __init__)."""
+  """{dotted module name: file} for every .py file under `root` (packages by __init__; the
+  package is named as its folder)."""
   out = {}
   for f in sorted(root.rglob("*.py")):
-    parts = ("fnscale",) + f.relative_to(root).with_suffix("").parts
+    parts = (root.name,) + f.relative_to(root).with_suffix("").parts
     out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
   return out
 
@@ -179,3 +187,106 @@ def test_importing_fnscale_or_a_launcher_imports_no_optional_framework():
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                      cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), check=False)
   assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["[]"], (r.stdout, r.stderr[-2000:])
+
+
+# ------------------------------------------------------------------------------------------------
+# recipes/: a package with a rule of its own
+# ------------------------------------------------------------------------------------------------
+
+
+def recipe_layer(module: str) -> str:
+  """"lm" for recipes.lm and its modules, "job" for every other recipes module (train_lm,
+  the tools beside it, bench/, launch/, examples/)."""
+  return "lm" if module.split(".")[:2] == ["recipes", "lm"] else "job"
+
+
+def recipe_violations(graph: dict) -> list:
+  """(module, imported module) pairs where recipes.lm imports a job or tool."""
+  return [(m, d) for m, deps in sorted(graph.items()) for d in deps
+          if recipe_layer(m) == "lm" and recipe_layer(d) == "job"]
+
+
+def path_edits(tree: ast.AST) -> list[int]:
+  """Lines of a module that change `sys.path` (a call of one of its methods, an assignment
+  to it or to a slice of it)."""
+  def is_path(node):
+    return isinstance(node, ast.Attribute) and node.attr == "path" and (
+        isinstance(node.value, ast.Name) and node.value.id == "sys")
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_path(
+        node.func.value):
+      lines.append(node.lineno)
+    targets = node.targets if isinstance(node, ast.Assign) else (
+        [node.target] if isinstance(node, ast.AugAssign) else [])
+    for t in targets:
+      if is_path(t) or (isinstance(t, ast.Subscript) and is_path(t.value)):
+        lines.append(node.lineno)
+  return sorted(lines)
+
+
+def late_imports(tree: ast.Module) -> list[int]:
+  """Lines of module-level imports that follow other code (what a linter calls E402): the
+  docstring and `from __future__` aside, a recipe's imports come first."""
+  seen_code, lines = False, []
+  for i, node in enumerate(tree.body):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      if seen_code:
+        lines.append(node.lineno)
+    elif not (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+      seen_code = True
+  return lines
+
+
+# The one path edit recipes/ holds: compare_maxtext.py's fnscale side runs in MaxText's own
+# interpreter (another virtual environment, where fnscale is not installed).
+PATH_EDITS_ALLOWED = {"recipes/bench/compare_maxtext.py"}
+
+
+def test_the_recipe_checks_catch_a_cycle_an_upward_import_and_a_path_edit(tmp_path):
+  pkg = tmp_path / "recipes"
+  (pkg / "lm").mkdir(parents=True)
+  for f in ("__init__.py", "lm/__init__.py"):
+    (pkg / f).write_text("")
+  (pkg / "train.py").write_text("from recipes.lm import a\n")                      # fine
+  (pkg / "lm" / "a.py").write_text("def f():\n  from recipes.lm import b\n")
+  (pkg / "lm" / "b.py").write_text("from recipes.lm import a\nfrom recipes import tool\n")
+  (pkg / "tool.py").write_text("X = 1\n")
+  g = import_graph(pkg)
+  assert cycles(g) == [["recipes.lm.a", "recipes.lm.b"]]
+  assert recipe_violations(g) == [("recipes.lm.b", "recipes.tool")]
+  script = ("import os, sys\nif not __package__:\n  sys.path.insert(0, '..')\n"
+            "import jax\nsys.path[:0] = ['x']\nsys.path = []\nprint(sys.path[0])\n")
+  tree = ast.parse(script)
+  assert path_edits(tree) == [3, 5, 6] and late_imports(tree) == [4]
+  assert late_imports(ast.parse('"""doc."""\nfrom __future__ import annotations\nimport os\n'
+                                "X = 1\n")) == []
+
+
+def test_recipes_import_in_one_direction_without_cycles():
+  graph = import_graph(RECIPES)
+  assert {"recipes.train_lm", "recipes.lm.options", "recipes.bench.step"} <= set(graph)
+  assert cycles(graph) == []
+  assert recipe_violations(graph) == []
+  # fnscale, below every recipe, imports none.
+  assert not [m for m, f in _modules().items()
+              if re.search(r"^\s*(from|import) recipes\b", f.read_text(), re.M)]
+
+
+def test_no_recipe_edits_sys_path_or_imports_after_code():
+  files = sorted(RECIPES.rglob("*.py"))
+  edits = {f.relative_to(ROOT.parent).as_posix(): path_edits(ast.parse(f.read_text()))
+           for f in files}
+  assert {f for f, lines in edits.items() if lines} == PATH_EDITS_ALLOWED
+  late = {f.relative_to(ROOT.parent).as_posix(): late_imports(ast.parse(f.read_text()))
+          for f in files}
+  assert {f: lines for f, lines in late.items() if lines} == {}
+  assert not [f for f in files if "noqa: E402" in f.read_text()]
+
+
+def test_train_lm_options_import_nothing_that_runs():
+  # The options are the bottom of recipes.lm: the run's machinery depends on them, never the
+  # reverse (their words come from fnscale's constants and their own module).
+  graph = import_graph(RECIPES)
+  assert [d for d in graph["recipes.lm.options"] if d != "recipes.lm.cli"] == []
+  assert graph["recipes.lm.cli"] == []

@@ -29,6 +29,19 @@ AUTO = jax.sharding.AxisType.Auto
 attention_lib = importlib.import_module("fnscale.kernels.attention")
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls(request):
+  """The tolerances below are float32's. On a TPU backend, whose default precision
+  contracts float32 in one bfloat16 pass, each test that runs a program (all but the
+  ahead-of-time compiles marked `tpu`) runs under "highest" precision; on the CPU, whose
+  matmuls are float32 anyway, nothing changes. (The chip itself: tests/test_chip.py.)"""
+  if jax.default_backend() != "tpu" or request.node.get_closest_marker("tpu"):
+    yield
+    return
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _mask(b, t, s, *, causal=False, segments=None, window=None):
   """[b, 1, t, s] bool: which keys each query sees, from the definitions (numpy)."""
   i, j = np.arange(t)[:, None], np.arange(s)[None, :]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from recipes.lm import cache, gpt, llama, packing
+from recipes.lm import cache, gpt, llama, options, packing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -214,7 +214,7 @@ def test_long_documents_split_truncate_or_stop(text_cache):
 def test_best_fit_pads_no_more_than_first_fit(text_cache):
   path, _ = text_cache
   pad = {}
-  for how in packing.PACKINGS:
+  for how in options.PACKINGS:
     it = _batches(path, range(8), spec=packing.PackSpec(SEQ, packing=how))
     pad[how] = np.mean([packing.padding_fraction(next(it)) for _ in range(6)])
   print(f"padding fraction over 6 batches of 8 x {SEQ}: {pad}")

@@ -140,7 +140,7 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
                        act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
   hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
                          _targets.LinkFacts(1e11, 1e10, 1e12))
-  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2)
+  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2, gather="per_microbatch")
   # Per device: params, adam state, the backward's bf16 gradients and the float32
   # accumulator split 8 ways; two layers of gathered bf16 weights; activations of
   # 64 / 8 / 2 = 4 rows.
@@ -157,7 +157,7 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
   assert e.step_s == max(e.compute_s, e.comm_s["fsdp"])
   assert e.mfu == pytest.approx(6e12 * 64 / (e.step_s * 8 * 1e14))
   # Data parallel replicates the optimizer update: 8x its memory traffic.
-  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2)
+  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2, gather="per_microbatch")
   assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
 
 
@@ -193,10 +193,9 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
   assert dp_per.bytes == dp_once.bytes
   assert dp_once.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4e9 / 3e11)
   assert dp_per.comm_s["data"] == pytest.approx(4 * dp_once.comm_s["data"])
-  # "auto" (the default): as "once" where no data axis splits the params, else as
-  # "per_microbatch" (FSDP's memory).
+  # "auto" (the default): as "once", whether or not a data axis splits the params.
   assert _cost.estimate(prof, hw, {"data": 8}, {}, False, 4, "auto") == dp_once
-  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "auto") == per
+  assert _cost.estimate(prof, hw, {"fsdp": 8}, {}, False, 4, "auto") == once
   assert _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "auto") == (
       _cost.estimate(prof, hw, {"data": 2, "tensor": 4}, {}, False, 4, "once"))
 
@@ -210,11 +209,11 @@ def test_planner_chooses_once_only_where_its_memory_fits():
   # Compute-bound here: the same step time, "once" with a quarter of the communication.
   assert per.bytes < once.bytes and once.step_s <= per.step_s
   assert once.comm_total_s < per.comm_total_s
-  # At 2 steps "once" where its memory fits, else the default.
+  # At 2 steps "once" where its memory fits, else per_microbatch (FSDP's memory).
   got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
   assert got[:2] == (2, "once") and got[3]
   got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
-  assert got[:2] == (2, "auto") and got[3]
+  assert got[:2] == (2, "per_microbatch") and got[3]
   # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
   assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
 
@@ -603,3 +602,59 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   out = plan_module._compiled_comm(summary, hw, axes)
   assert out == pytest.approx({"fsdp": 500.0 / bw["fsdp"], "replica": 200.0 / bw["replica"]})
   assert summary.dcn_bytes_sent == 200.0
+
+
+def _lora_state(cfg, lora, base_dtype=jnp.bfloat16, devices=None):
+  """An abstract LoRA state of `cfg`'s Llama: the base in `base_dtype`, adapters float32."""
+  mesh = fs.make_mesh({"fsdp": 1}, devices=(devices or jax.devices())[:1])
+  base = fs.init_state(lambda k: llama.init_params(cfg, k), optax.sgd(0.0), mesh=mesh,
+                       key=jax.random.key(0), abstract=True).params
+  return fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
+                            base_dtype=base_dtype, abstract=True)
+
+
+LORA_ALL = fs.lora.LoraConfig(rank=4, targets=(
+    ("blocks/w(q|k|v)", "lioo"), ("blocks/wo", "liio"), ("blocks/w_(gate|up|down)", "lio")))
+
+
+def test_profile_of_a_lora_state_counts_no_gradient_or_state_for_the_frozen_base():
+  cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
+                           d_mlp=64, vocab=40)
+  state = _lora_state(cfg, LORA_ALL)
+  loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), LORA_ALL)
+  prof = fs.analysis.plan.profile_model(state, loss, optax.adamw(1e-3), _batch(4, 16), "cpu",
+                            cpu_rates=(1e11, 1e10))
+  n, K = llama.param_count(cfg), cfg.head_dim
+  D, F, L, r = cfg.d_model, cfg.d_mlp, cfg.layers, LORA_ALL.rank
+  ad = L * r * ((D + cfg.heads * K) + 2 * (D + cfg.kv_heads * K) + (cfg.heads * K + D)
+                + 2 * (D + F) + (F + D))
+  assert prof.param_bytes == 2 * n + 4 * ad and prof.grad_bytes == 4 * ad
+  assert prof.opt_bytes == 2 * 4 * ad + 4
+  assert prof.has_remat  # with_lora passes remat on, and says so
+  m = llama.matmul_params(cfg)
+  blocks = m - D * cfg.vocab  # the adapted matmuls; the output layer is frozen too
+  attn = 2 * 2 * 16 * 16 * 32
+  # Frozen matmuls: forward and input gradient (4 N); the output layer's weight gradient is
+  # still formed in fs.cross_entropy's forward pass; adapters: 6 N.
+  assert prof.flops_row == 16 * (6 * m - 2 * blocks + 6 * ad) + 3 * 2 * attn
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():
+  pytest.importorskip("libtpu", reason="libtpu (the tpu extra) describes the v5e chip")
+  cfg = llama.model_config("llama-1b", 2048)
+  batch = _batch(8, 2048)
+  opt = optax.adamw(1e-4)
+  policy = "params=float32,compute=bfloat16,output=float32"
+  full = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
+  with pytest.raises(fs.PlanError, match="fits nowhere"):
+    plan(full, functools.partial(llama.loss_fn, cfg=cfg), opt, batch, "v5litepod-1",
+              policy=policy, verify=0)
+  lora = LORA_ALL._replace(rank=16)
+  state = _lora_state(cfg, lora, devices=fs.topology.target_devices("v5litepod-1"))
+  loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), lora)
+  p = plan(state, loss, opt, batch, "v5litepod-1", policy=policy, verify=0)
+  best = p.rows[0]
+  assert best.fits and best.estimate.bytes < 0.8 * 16 * 2**30
+  assert best.estimate.params < 2.6e9 and best.estimate.opt < 0.2e9  # bf16 base, adapters' state

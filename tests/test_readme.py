@@ -10,6 +10,10 @@ directly above it is a marker:
                                                         (smaller sizes for the test)
   <!-- readme-test: check: WHY -->                      not run (needs a TPU, GPU, cluster,
                                                         network, or minutes); checked
+  <!-- readme-test: extra: EXTRA,... -->                runs where these extras of
+                                                        pyproject.toml are installed (a block
+                                                        that needs libtpu: `tpu`), else
+                                                        checked only
 
 Checked means: each `python recipes/X.py --flag` (or `-m recipes.X`) has its flags looked up
 in that recipe's `--help`; each Python name reached through `fnscale` or `recipes` exists and
@@ -25,6 +29,7 @@ import ast
 import concurrent.futures
 import functools
 import importlib
+import importlib.metadata
 import inspect
 import json
 import os
@@ -41,7 +46,7 @@ from typing import NamedTuple
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- readme-test: (run|check): (.+?) -->")
+MARKER = re.compile(r"<!-- readme-test: (run|check|extra): (.+?) -->")
 SHELL, PYTHON = ("bash", "sh", "shell"), ("python",)
 
 
@@ -51,13 +56,15 @@ class ReadmeError(Exception):
 
 class Block(NamedTuple):
   """One fenced code block: its first line in the README, language, text, and what the test
-  does with it: "run" (with `subs`, (old, new) pairs), "check" (`why`) or "text"."""
+  does with it: "run" (with `subs`, (old, new) pairs; only where the extras `needs` names
+  are installed), "check" (`why`) or "text"."""
   line: int
   lang: str
   code: str
   mode: str
   subs: tuple = ()
   why: str = ""
+  needs: tuple = ()
 
 
 def read_blocks(text: str) -> list[Block]:
@@ -74,8 +81,8 @@ def read_blocks(text: str) -> list[Block]:
       m = MARKER.fullmatch(line)
       if not m:
         raise ReadmeError(f"README line {i + 1}: malformed marker {line!r}; write "
-                          "<!-- readme-test: run: OLD => NEW --> or <!-- readme-test: check: "
-                          "WHY -->")
+                          "<!-- readme-test: run: OLD => NEW -->, <!-- readme-test: check: "
+                          "WHY --> or <!-- readme-test: extra: EXTRA -->")
       marker = (i + 1, m[1], m[2].strip())
       if i + 1 >= len(lines) or not lines[i + 1].strip().startswith("```"):
         raise ReadmeError(f"README line {i + 1}: the marker must be directly above a code "
@@ -99,6 +106,8 @@ def _block(line: int, lang: str, code: str, marker) -> Block:
                       "bash and python blocks")
   if mode == "check":
     return Block(line, lang, code, "check", why=detail)
+  if mode == "extra":
+    return Block(line, lang, code, "run", needs=tuple(e.strip() for e in detail.split(",")))
   subs = []
   for part in detail.split(";"):
     old, sep, new = part.partition("=>")
@@ -323,8 +332,9 @@ def _repository_files() -> list[str]:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Checkout:
   """The repository's tracked (and new, unignored) files copied to a temporary directory.
-  fnscale is importable through a directory holding only a link to it, as an editable
-  install makes it; `recipes` is not (the commands run from the copy's root, as written)."""
+  The packages pyproject.toml installs (fnscale, recipes) are importable through a directory
+  holding only links to them, as an editable install makes them, and nothing else of the
+  copy is (the commands run from the copy's root, as written)."""
   base = tmp_path_factory.mktemp("readme")
   root = base / "fnscale-repo"
   for f in _repository_files():
@@ -332,7 +342,8 @@ def checkout(tmp_path_factory) -> Checkout:
     shutil.copy2(ROOT / f, root / f)
   site = base / "site"
   site.mkdir()
-  (site / "fnscale").symlink_to(root / "fnscale", target_is_directory=True)
+  for package in _installed_packages():
+    (site / package).symlink_to(root / package, target_is_directory=True)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   # One persistent compile cache for all the commands (a program several of them compile,
   # such as the default run's step, compiles once), also for quick compiles.
@@ -410,9 +421,54 @@ def _never_run(command: str) -> bool:
           or toks[1:3] == ["-m", "pytest"] or (bool(toks) and toks[0].startswith(".ci/")))
 
 
-def _extras() -> set[str]:
+def _installed_packages() -> list[str]:
+  """The top-level packages pyproject.toml's `packages.find` installs ("fnscale*" -> fnscale)."""
   with open(ROOT / "pyproject.toml", "rb") as f:
-    return set(tomllib.load(f)["project"]["optional-dependencies"])
+    include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+  return sorted({pattern.rstrip("*").split(".")[0] for pattern in include})
+
+
+def _extras() -> set[str]:
+  return set(_optional_dependencies())
+
+
+def _optional_dependencies() -> dict[str, list[str]]:
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def missing_packages(extra: str) -> list[str]:
+  """The distributions fnscale's `extra` asks for that are not installed, with those of the
+  extras it asks of them (`jax[tpu]`: libtpu), its markers applied.
+
+  Raises:
+    ReadmeError: an extra pyproject.toml does not define.
+  """
+  from packaging.requirements import Requirement  # pytest's own dependency
+  extras = _optional_dependencies()
+  if extra not in extras:
+    raise ReadmeError(f"extra {extra!r}: pyproject.toml defines {sorted(extras)}")
+  missing = []
+  for req in map(Requirement, extras[extra]):
+    if req.marker is not None and not req.marker.evaluate():
+      continue
+    if req.name == "fnscale":
+      missing += [m for e in sorted(req.extras) for m in missing_packages(e)]
+      continue
+    try:
+      asks = [Requirement(r) for r in importlib.metadata.requires(req.name) or ()]
+    except importlib.metadata.PackageNotFoundError:
+      missing.append(req.name)
+      continue
+    for sub in asks:  # what req's own extras add (extra == "tpu": libtpu)
+      if sub.marker is None or sub.marker.evaluate({"extra": ""}) or not any(
+          sub.marker.evaluate({"extra": e}) for e in req.extras):
+        continue
+      try:
+        importlib.metadata.version(sub.name)
+      except importlib.metadata.PackageNotFoundError:
+        missing.append(f"{sub.name} ({req.name}[{','.join(sorted(req.extras))}])")
+  return missing
 
 
 def _steps(block: Block) -> list[tuple[str, str]]:
@@ -427,6 +483,9 @@ def _steps(block: Block) -> list[tuple[str, str]]:
 
 def _do(co: Checkout, block: Block, kind: str, text: str, extras) -> tuple[str, list[str]]:
   """Runs or checks one step; returns (what was done, problems)."""
+  missing = [m for e in block.needs for m in missing_packages(e)]
+  if missing:  # a block of an extra not installed here: checked, as a "check" block is
+    block = block._replace(mode="check", why=f"{', '.join(missing)} not installed")
   if kind == "python":
     if block.mode == "check":
       return "checked", python_problems(text)
@@ -474,6 +533,10 @@ def test_readme_commands_are_checked(checkout):
   readme = (checkout.root / "README.md").read_text(encoding="utf-8")
   extras, problems, steps = _extras(), [], 0
   for block in read_blocks(readme):
+    for extra in block.needs:  # a marker's extras are pyproject.toml's
+      if extra not in extras:
+        problems.append(f"README line {block.line}: readme-test extra {extra!r} is not one "
+                        f"of pyproject.toml's {sorted(extras)}")
     for kind, text in _steps(block):
       steps += 1
       found = (python_problems(text) if kind == "python"
@@ -537,11 +600,16 @@ output line
 ```python
 import fnscale as fs
 ```
+
+<!-- readme-test: extra: tpu, ray -->
+```bash
+python recipes/show_topology.py --topology=v5p-8
+```
 """
 
 
 def test_read_blocks_applies_markers():
-  run, text, check = read_blocks(SAMPLE)
+  run, text, check, extra = read_blocks(SAMPLE)
   assert (run.line, run.lang, run.mode, run.subs) == (
       4, "bash", "run", (("--steps=100", "--steps=2"), ("20:25", "2:3")))
   assert _steps(run) == [("shell", "python recipes/train_lm.py --steps=2   --profile_steps=2:3"
@@ -549,6 +617,17 @@ def test_read_blocks_applies_markers():
   assert (text.mode, _steps(text)) == ("text", [("shell", 'python -c "import fnscale"')])
   assert (check.mode, check.why, _steps(check)) == (
       "check", "needs a TPU pod", [("python", "import fnscale as fs")])
+  assert (extra.mode, extra.needs, run.needs) == ("run", ("tpu", "ray"), ())
+
+
+def test_missing_packages_of_an_extra():
+  import importlib.util
+  libtpu = importlib.util.find_spec("libtpu") is not None
+  missing = missing_packages("tpu")
+  assert ("libtpu (jax[tpu])" in missing) is not libtpu and (missing == []) is libtpu
+  assert missing_packages("test") == []  # this suite runs: its extra is installed
+  with pytest.raises(ReadmeError, match=r"extra 'tpux': pyproject.toml defines \['checkpoint'"):
+    missing_packages("tpux")
 
 
 @pytest.mark.parametrize("readme, message", [
@@ -603,6 +682,12 @@ def test_flags_are_checked_against_the_help_section():
   assert help_flags(argparse_help).names == {"help", "target"}
 
 
+def test_the_install_holds_the_recipes_beside_fnscale():
+  # `python recipes/X.py` finds `recipes` through the install, as `-m recipes.X` does from the
+  # checkout's root: no recipe sets up a path of its own (tests/test_imports.py).
+  assert _installed_packages() == ["fnscale", "recipes"]
+
+
 def test_pip_extras_are_checked_against_pyproject():
   extras = _extras()
   assert {"test", "tpu", "cuda12", "cuda13", "recipes"} <= extras
@@ -650,10 +735,10 @@ def test_the_readme_test_command_prints_its_seed():
 
 def test_summary_fields_the_readme_names_exist():
   # `train_lm(...)`'s Summary, as the README's text and code reach it (`Summary.x`, `summary.x`).
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import summary  # pylint: disable=import-outside-toplevel
   text = (ROOT / "README.md").read_text(encoding="utf-8")
   named = set(re.findall(r"\b[Ss]ummary\.([a-z_]+)\b", text))
   assert "final_step" in named and "bigram_loss" in named
   # summary.unread and summary.dcn_* are compile_report's Summary, a different value.
   report = {"unread", "dcn_bytes_sent", "dcn_groups"}
-  assert not named - report - set(harness.Summary._fields), named - report
+  assert not named - report - set(summary.Summary._fields), named - report

@@ -43,8 +43,10 @@ def test_check_needs_global_arrays():
 @pytest.mark.multiprocess
 def test_two_processes_feed_their_devices_rows_and_a_split_replica_is_named(tmp_path):
   """2 processes x 4 devices: each process's rows by hand (process 0 holds devices 0-3), the
-  global array equal to the whole one, and per-process halves on {"tensor": 8} refused on
-  both processes with the rows and the fix named."""
+  global array equal to the whole one; per-process halves on {"tensor": 8}, a layout not fed
+  before, refused by the default check on both processes with the rows and the fix named
+  (a check on a process's first call only let them through); rows that differ from a later
+  call on refused at the next multiple of check_every."""
   results = mp.run([str(HERE / "rows_worker.py")], 2, 4, 120, log_dir=tmp_path)
   assert all(r.returncode == 0 for r in results), mp.describe(results)
   half = [list(range(8)), list(range(8, 16))]
@@ -52,14 +54,20 @@ def test_two_processes_feed_their_devices_rows_and_a_split_replica_is_named(tmp_
           "tensor=4,data=2": [list(range(16))] * 2}
   for r in results:
     lines = mp.records(r.stdout)
-    for ln in lines[:-1]:
+    for ln in lines[:-2]:
       name = ",".join(f"{k}={v}" for k, v in ln["mesh"].items())
       assert ln["rows"] == want[name][r.process_id], (name, ln)
       assert ln["shape"] == [16, 3] and ln["equal"], ln
-    err = lines[-1]["halves"]
+    err = lines[-2]["halves"]
     assert "processes fed different values for rows the mesh replicates" in err, err
     assert "batch leaf x rows 0-8: process(es) 1 hold other values than process 0" in err
     assert "fnscale.process_rows(sharding, global_rows)" in err
+    # The worker's calls: 4 meshes and the halves (k = 0-4), the new layout checked at k = 5;
+    # rolled rows from k = 6: unchecked at 6 and 7, refused at 8 (a multiple of 4).
+    rolled = lines[-1]
+    assert rolled["rolled"] == 3, rolled
+    assert "batch leaf x rows 0-16: process(es) 1 hold other values than process 0" in (
+        rolled["error"] or ""), rolled
 
 
 STEPS = 2

@@ -419,6 +419,19 @@ def test_show_topology_recipe():
   assert bad.returncode != 0
   assert "error: ICI axes {'data': 3} multiply to 3 devices but there are 4" in bad.stderr
   assert "Traceback" not in bad.stderr
+  # The one-chip VM's variables with one device: the report says what it set aside; a grid
+  # typed for the whole host (not a TPU target: no generation named) is refused.
+  out = _recipe("--devices=1", env_vars=_CHIP_VM_ENV)
+  assert out.returncode == 0, out.stderr
+  assert "Mesh {'data': 1} over 1 devices" in out.stdout
+  assert ("  set aside: env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS says 1 slice(s) x 2x2 "
+          "= 4 devices, but 1 cpu device is present: topology from the devices present"
+          ) in out.stdout
+  bad = _recipe("--devices=1", "--topology=2x2", env_vars=_CHIP_VM_ENV)
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr
+  assert bad.stderr.startswith("error: topology from override says 1 slice(s) x 2x2 = 4 "
+                               "devices, but 1 cpu device is present; fix: leave the override "
+                               "out"), bad.stderr
 
 
 # --- real setups: every field against Google's tables and libtpu's described devices -------
@@ -590,18 +603,22 @@ def test_layout_precedence(tpu_devices, metadata_server, env, metadata, override
 @pytest.mark.tpu
 def test_layout_sources_that_disagree_with_the_devices(tpu_devices, metadata_server):
   devices = tpu_devices("v5p:2x2x1")
-  with pytest.raises(fs.TopologyError, match=r"topology from env:TPU_TOPOLOGY says 1 slice\(s\) "
-                                             r"x 2x2x2 = 8 devices, but 4 tpu devices"):
-    fs.detect_topology(env={"TPU_TOPOLOGY": "2x2x2"}, devices=devices)
+  t = fs.detect_topology(env={"TPU_TOPOLOGY": "2x2x2"}, devices=devices)
+  assert (t.chip_grid, t.num_chips, t.sources["chip_grid"]) == ((2, 2, 1), 4, "devices coords")
+  assert t.set_aside.startswith("env:TPU_TOPOLOGY says 1 slice(s) x 2x2x2 = 8 devices, but 4 "
+                                "tpu devices are present: topology from the devices present")
   _Metadata.answers = {_md("tpu-env"): "CHIPS_PER_HOST_BOUNDS: '2,2,1'\nHOST_BOUNDS: '1,1,2'\n"}
-  with pytest.raises(fs.TopologyError, match=r"from metadata:instance/attributes/tpu-env:"
-                                             r"CHIPS_PER_HOST_BOUNDS\*.* = 8 devices, but 4"):
-    fs.detect_topology(env={"GCE_METADATA_HOST": metadata_server}, devices=devices,
-                       metadata_timeout_s=2)
-  with pytest.raises(fs.TopologyError, match=r"accelerator type 'v6e-8' \(from env:TPU_ACCELER"
-                                             r"ATOR_TYPE\) is a v6e, but the devices are 'TPU "
-                                             r"v5' \(v5p\)"):
-    fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v6e-8"}, devices=devices)
+  t = fs.detect_topology(env={"GCE_METADATA_HOST": metadata_server}, devices=devices,
+                         metadata_timeout_s=2)
+  assert t.chip_grid == (2, 2, 1) and t.set_aside.startswith(
+      "metadata:instance/attributes/tpu-env:CHIPS_PER_HOST_BOUNDS*")
+  t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v6e-8"}, devices=devices)
+  assert (t.generation, t.accelerator_type) == ("v5p", None) and t.set_aside.startswith(
+      "env:TPU_ACCELERATOR_TYPE 'v6e-8' is a v6e, but the devices are 'TPU v5' (v5p)")
+  with pytest.raises(fs.TopologyError, match=r"^topology from override says 1 slice\(s\) x "
+                                             r"2x2x2 = 8 devices, but 4 tpu devices are "
+                                             r"present; fix: .*give theirs \('v5p:2x2x1'\)"):
+    fs.detect_topology("v5p:2x2x2", env={}, devices=devices)
 
 
 @pytest.mark.tpu
@@ -846,19 +863,182 @@ def test_detect_from_tpu_devices_two_per_chip(fake_devices_ok):
       "v5e", (2, 4), 8, 197e12)
 
 
-def test_accelerator_type_must_match_the_tpu_devices(fake_devices_ok):
-  devices = _fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2)
+def test_variables_that_disagree_with_the_tpu_devices_are_set_aside(fake_devices_ok, caplog):
+  import logging
+  caplog.set_level(logging.INFO, logger="absl")
+  devices = _fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2)  # 2 x v5p-16: 2x2x2 chips each
   t = fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v5p-16"}, devices=devices)
-  assert (t.accelerator_type, t.generation, t.sources["generation"]) == (
-      "v5p-16", "v5p", "devices device_kind")
-  with pytest.raises(fs.TopologyError, match=r"^accelerator type 'v6e-8' \(from env:TPU_ACCELE"
-                                             r"RATOR_TYPE\) is a v6e, but the devices are 'TPU "
-                                             r"v5' \(v5p\); fix TPU_ACCELERATOR_TYPE or pass "
-                                             r"the devices of that accelerator\.$"):
-    fs.detect_topology(env={"TPU_ACCELERATOR_TYPE": "v6e-8"}, devices=devices)
-  with pytest.raises(fs.TopologyError, match=r"topology from env:TPU_TOPOLOGY says 2 slice\(s\) "
-                                             r"x 2x2x4 = 32 devices, but 16 tpu devices"):
-    fs.detect_topology(env={"TPU_TOPOLOGY": "2x2x4"}, devices=devices)
+  assert (t.accelerator_type, t.generation, t.sources["generation"], t.set_aside) == (
+      "v5p-16", "v5p", "devices device_kind", "")
+  assert not [r for r in caplog.records if r.levelno == logging.INFO]
+  # Another generation, another grid, another slice count: the devices decide, every
+  # variable of the environment is set aside (its worker id too), and the note says which.
+  for env, note in [
+      ({"TPU_ACCELERATOR_TYPE": "v6e-8", "TPU_WORKER_ID": "1"},
+       "env:TPU_ACCELERATOR_TYPE 'v6e-8' is a v6e, but the devices are 'TPU v5' (v5p)"),
+      ({"TPU_TOPOLOGY": "2x2x4", "TPU_WORKER_ID": "1"},
+       "env:TPU_TOPOLOGY says 2 slice(s) x 2x2x4 = 32 devices, but 16 tpu devices are present"),
+      ({"TPU_TOPOLOGY": "2x2x2", "MEGASCALE_NUM_SLICES": "4"},
+       "env:TPU_TOPOLOGY and env:MEGASCALE_NUM_SLICES say 4 slice(s) x 2x2x2 = 32 devices, "
+       "but 16 tpu devices are present"),
+  ]:
+    caplog.clear()
+    t = fs.detect_topology(env=env, devices=devices)
+    assert (t.accelerator_type, t.generation, t.chip_grid, t.num_slices, t.num_devices,
+            t.process_index, t.sources["chip_grid"]) == (
+        None, "v5p", (2, 2, 2), 2, 16, 0, "devices coords")
+    assert t.set_aside == (note + ": topology from the devices present (chip grid 2x2x2), "
+                           "the TPU_* variables and the metadata set aside")
+    # One INFO line, no warning.
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.levelno >= logging.INFO] == [("INFO", "topology: " + t.set_aside)]
+
+
+@pytest.mark.parametrize("override,said,theirs", [
+    ("v6e-8", "topology override 'v6e-8' is a v6e, but the devices are 'TPU v5' (v5p)",
+     "2x v5p:2x2x2"),
+    ("v6e:2x4", "topology override generation 'v6e' is a v6e, but the devices are 'TPU v5' "
+     "(v5p)", "2x v5p:2x2x2"),
+    ("v5p:2x2x4", "topology from override says 2 slice(s) x 2x2x4 = 32 devices, but 16 tpu "
+     "devices are present", "2x v5p:2x2x2"),
+    ("3x v5p-16", "topology from override says 3 slice(s) x 2x2x2 = 24 devices, but 16 tpu "
+     "devices are present", "2x v5p:2x2x2"),
+])
+def test_an_override_that_contradicts_the_tpu_devices_is_refused(fake_devices_ok, override,
+                                                                 said, theirs):
+  devices = _fake_tpu("TPU v5", _V5P_16_HOSTS, slices=2)
+  with pytest.raises(fs.TopologyError) as e:
+    fs.detect_topology(override, env={}, devices=devices)
+  assert str(e.value) == (f"{said}; fix: leave the override out (the devices give the "
+                          f"topology), give theirs ('{theirs}'), or run on the hardware it "
+                          "describes")
+  # What the fix says detects the same devices without complaint.
+  t = fs.detect_topology(theirs, env={}, devices=devices)
+  assert (t.num_slices, t.chip_grid, t.sources["chip_grid"]) == (2, (2, 2, 2), "override")
+
+
+def test_coords_grid_of_part_of_a_host():
+  assert topo_mod._coords_grid([(1, 1, 0)]) == (1, 1, 1)  # one chip, not at the origin
+  assert topo_mod._coords_grid([(0, 1, 0), (1, 1, 0)]) == (2, 1, 1)
+  assert topo_mod._coords_grid([(0, 0, 0), (1, 1, 0)]) == ()  # a diagonal: no box
+  assert topo_mod._coords_grid([(0, 0, 0)] * 2) == (1, 1, 1)  # two devices of one chip
+
+
+# --- part of a host: the variables describe more chips than the job was given ---------------
+#
+# Each row: the environment a real job finds (as its VM, GKE node or launcher sets it) and
+# the devices JAX reports there, with the right value of every field. Sources of the
+# variables: this project's one-chip TPU v5e VM (jax.devices() printed there: one 'TPU v5
+# lite' at (0,0,0)); a GKE pod on a v5e 2x2 node (its TPU_* variables, printed in the pod);
+# Ray's TPU accelerator manager (python/ray/_private/accelerators/tpu.py: an actor of 1 or 2
+# chips gets TPU_VISIBLE_CHIPS and TPU_CHIPS_PER_HOST_BOUNDS 1,1,1 / 1,2,1 with
+# TPU_HOST_BOUNDS 1,1,1, beside the node's GKE variables); libtpu's several-processes-per-
+# host variables (TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES,
+# TPU_PROCESS_PORT, TPU_VISIBLE_DEVICES), as pytorch/xla's launcher and JAX's own examples
+# set them on a v4-8 / v5e-4 VM, whose metadata still describes the whole VM. The devices
+# are `_fake_tpu` stand-ins with what JAX reports there (kind, coords, processes).
+
+_CHIP_VM_ENV = {  # the project's one-chip v5e VM: its variables describe the 4-chip host
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "TPU_HOST_BOUNDS": "1,1,1", "TPU_TOPOLOGY": "2x2", "TPU_WORKER_ID": "0",
+    "TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "true"}
+_GKE_V5E_2X2 = {  # a GKE pod on a v5e 2x2 node (ct5lp-hightpu-4t)
+    "TPU_TOPOLOGY": "2x2", "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "true",
+    "TPU_TOPOLOGY_WRAP": "false,false,false", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_RUNTIME_METRICS_PORTS": "8431,8432,8433,8434",
+    "TPU_TOPOLOGY_ALT": "false", "TPU_HOST_BOUNDS": "1,1,1", "TPU_SOFT_SLICE": "true",
+    "TPU_WORKER_HOSTNAMES": "job-0.job"}
+_GKE_V6E_2X4 = dict(_GKE_V5E_2X2, TPU_TOPOLOGY="2x4", TPU_CHIPS_PER_HOST_BOUNDS="2,4,1",
+                    TPU_ACCELERATOR_TYPE="v6e-8")
+_V4_8_METADATA = {"accelerator-type": "v4-8", "agent-worker-number": "0",
+                  "tpu-env": "ACCELERATOR_TYPE: 'v4-8'\nCHIPS_PER_HOST_BOUNDS: '2,2,1'\n"
+                             "HOST_BOUNDS: '1,1,1'\nTOPOLOGY: '2x2x1'\nWORKER_ID: '0'\n"}
+_SQUARE = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+
+PARTIAL_HOSTS = [
+    # (name, where, env, metadata, devices: (kind, chips of each process, cores per chip),
+    #  want: (grid, chips, devices, processes, devices per process, process index,
+    #         accelerator type, peak FLOP/s per device, HBM per device), set_aside begins)
+    ("chip-vm-v5e-1-of-4", "one-chip v5e VM, the host's variables",
+     _CHIP_VM_ENV, None, ("TPU v5 lite", [[(0, 0, 0)]], 1),
+     ((1, 1), 1, 1, 1, 1, 0, None, 197e12, 16 * GiB),
+     "env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS says 1 slice(s) x 2x2 = 4 devices, "
+     "but 1 tpu device is present"),
+    ("chip-vm-v5e-chip-3", "the same, given the host's last chip",
+     _CHIP_VM_ENV, None, ("TPU v5 lite", [[(1, 1, 0)]], 1),
+     ((1, 1), 1, 1, 1, 1, 0, None, 197e12, 16 * GiB), "env:TPU_CHIPS_PER_HOST_BOUNDS"),
+    ("v6e-1-of-8", "one chip of a v6e 2x4 node or VM, the host's variables",
+     _GKE_V6E_2X4, None, ("TPU v6 lite", [[(0, 0, 0)]], 1),
+     ((1, 1), 1, 1, 1, 1, 0, None, 918e12, 32 * GiB),
+     "env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS says 1 slice(s) x 2x4 = 8 devices"),
+    ("gke-v5e-2x2-whole-node", "GKE, google.com/tpu: 4 on the 2x2 node: all agree",
+     _GKE_V5E_2X2, None, ("TPU v5 lite", [_SQUARE], 1),
+     ((2, 2), 4, 4, 1, 4, 0, "v5litepod-4", 197e12, 16 * GiB), ""),
+    ("gke-v5e-1x1-node", "GKE, google.com/tpu: 1 on a 1x1 node: all agree",
+     dict(_GKE_V5E_2X2, TPU_TOPOLOGY="1x1", TPU_CHIPS_PER_HOST_BOUNDS="1,1,1",
+          TPU_ACCELERATOR_TYPE="v5litepod-1"), None, ("TPU v5 lite", [[(0, 0, 0)]], 1),
+     ((1, 1), 1, 1, 1, 1, 0, "v5litepod-1", 197e12, 16 * GiB), ""),
+    ("ray-1-chip-of-v6e-8", "Ray actor of TPU: 1 on a GKE v6e-8 node",
+     dict(_GKE_V6E_2X4, TPU_VISIBLE_CHIPS="3", TPU_CHIPS_PER_HOST_BOUNDS="1,1,1"), None,
+     ("TPU v6 lite", [[(0, 0, 0)]], 1), ((1, 1), 1, 1, 1, 1, 0, "v6e-8", 918e12, 32 * GiB),
+     ""),
+    ("ray-2-chips-of-v6e-8", "Ray actor of TPU: 2 on a GKE v6e-8 node",
+     dict(_GKE_V6E_2X4, TPU_VISIBLE_CHIPS="0,1", TPU_CHIPS_PER_HOST_BOUNDS="1,2,1"), None,
+     ("TPU v6 lite", [[(0, 0, 0), (0, 1, 0)]], 1),
+     ((1, 2), 2, 2, 1, 2, 0, "v6e-8", 918e12, 32 * GiB), ""),
+    ("v4-8-one-chip-per-process", "4 independent processes of one chip on a v4-8 VM",
+     {"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1",
+      "TPU_VISIBLE_DEVICES": "2", "TPU_PROCESS_PORT": "8478",
+      "TPU_PROCESS_ADDRESSES": "localhost:8478"}, _V4_8_METADATA,
+     ("TPU v4", [[(0, 0, 0)]], 1), ((1, 1, 1), 1, 1, 1, 1, 0, "v4-8", 275e12, 32 * GiB), ""),
+    ("v4-8-visible-chip-host-bounds", "one chip of a v4-8 VM by TPU_VISIBLE_DEVICES alone",
+     {"TPU_VISIBLE_DEVICES": "2"}, _V4_8_METADATA, ("TPU v4", [[(0, 1, 0)]], 1),
+     ((1, 1, 1), 1, 1, 1, 1, 0, None, 275e12, 32 * GiB),
+     "metadata:instance/attributes/tpu-env:CHIPS_PER_HOST_BOUNDS*"),
+    ("v5e-4-four-processes-one-job", "4 processes of one chip joined in one job (v5e-4)",
+     {"TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+      "TPU_PROCESS_ADDRESSES": "localhost:8476,localhost:8477,localhost:8478,localhost:8479",
+      "TPU_PROCESS_PORT": "8476", "TPU_VISIBLE_CHIPS": "0", "TPU_ACCELERATOR_TYPE":
+      "v5litepod-4"}, None, ("TPU v5 lite", [[c] for c in _SQUARE], 1),
+     ((2, 2), 4, 4, 4, 1, 0, "v5litepod-4", 197e12, 16 * GiB), ""),
+]
+_PARTIAL_FIELDS = ("chip_grid", "num_chips", "num_devices", "num_processes",
+                   "devices_per_process", "process_index", "accelerator_type",
+                   "peak_flops_per_device", "hbm_bytes_per_device")
+
+
+@pytest.mark.parametrize("name,where,env,metadata,devs,want,note", PARTIAL_HOSTS,
+                         ids=[row[0] for row in PARTIAL_HOSTS])
+def test_part_of_a_host(fake_devices_ok, monkeypatch, name, where, env, metadata, devs, want,
+                        note):
+  if metadata is not None:  # a Cloud TPU VM: its metadata describes the whole VM
+    monkeypatch.setattr(topo_mod._metadata, "get", lambda path, *, timeout_s, url:
+                        metadata.get(path.removeprefix("instance/attributes/")))
+    env = dict(env, GCE_METADATA_HOST="metadata.local")
+  kind, hosts, cores = devs
+  t = fs.detect_topology(env=env, devices=_fake_tpu(kind, hosts, cores=cores))
+  assert tuple(getattr(t, f) for f in _PARTIAL_FIELDS) == want, where
+  assert t.set_aside.startswith(note) and bool(t.set_aside) == bool(note), t.set_aside
+  if note:  # the devices' own layout answered
+    assert t.sources["chip_grid"] == "devices coords"
+  # The same machine with the override the message of a refusal gives: no note.
+  theirs = f"{t.generation}:{'x'.join(map(str, t.chip_grid))}"
+  assert fs.detect_topology(theirs, env=env, devices=_fake_tpu(kind, hosts)).set_aside == ""
+
+
+def test_one_chip_vm_variables_on_one_cpu_device_build_a_mesh():
+  # The one-chip VM's variables where one simulated device is present: detection, then the
+  # mesh over the devices present (show_topology's and train_lm's path on that VM).
+  t = fs.detect_topology(env=_CHIP_VM_ENV, devices=jax.devices()[:1])
+  assert (t.platform, t.num_devices, t.chip_grid, t.accelerator_type) == ("cpu", 1, (), None)
+  assert t.set_aside.startswith("env:TPU_CHIPS_PER_HOST_BOUNDS*env:TPU_HOST_BOUNDS says 1 "
+                                "slice(s) x 2x2 = 4 devices, but 1 cpu device is present")
+  mesh = fs.make_mesh("fsdp=-1", topology=t, devices=jax.devices()[:1])
+  assert dict(mesh.shape) == {"fsdp": 1}
+  with pytest.raises(fs.TopologyError, match=r"^topology from override says 1 slice\(s\) x "
+                                             r"2x2 = 4 devices, but 1 cpu device is present; "
+                                             r"fix: leave the override out .*such as '1'\)"):
+    fs.detect_topology("v5e:2x2", env=_CHIP_VM_ENV, devices=jax.devices()[:1])
 
 
 def test_detect_from_gpu_devices(fake_devices_ok):
@@ -985,9 +1165,10 @@ def test_target_devices_libtpu_failure(monkeypatch):
     topo_mod.target_devices("v4-8")
 
 
-def _recipe(*args):
+def _recipe(*args, env_vars=()):
   import os, subprocess, sys
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env.update(env_vars)
   root = os.path.dirname(os.path.dirname(__file__))
   return subprocess.run([sys.executable, os.path.join(root, "recipes", "show_topology.py"),
                          *args], env=env, timeout=120, capture_output=True, text=True)
@@ -1016,6 +1197,9 @@ def test_show_topology_describes_a_target(tpu_devices):
 
 def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
   monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
+  real = topo_mod.importlib.util.find_spec  # libtpu installed (the tpu extra) or not
+  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+                      lambda name, *a: object() if name == "libtpu" else real(name, *a))
   env = {}
   assert topo_mod.quiet_libtpu(env) == {"TPU_WORKER_HOSTNAMES": "localhost",
                                                     "TPU_PROCESS_BOUNDS": "1,1,1"}
@@ -1088,11 +1272,14 @@ def _environ_changes(*steps: str) -> list[dict]:
 def test_import_fnscale_changes_no_environment_variable():
   # jax's own import sets a few variables (TPU_SKIP_MDS_QUERY, ...): with jax imported
   # first, importing fnscale and every submodule changes nothing; the quieting is an
-  # explicit call, and it does change the environment.
+  # explicit call, and it does change the environment where libtpu is installed (the tpu
+  # extra; without it there is nothing to quiet).
+  import importlib.util
   jax_import, fnscale_after_jax, quiet = _environ_changes(
       "import jax", _IMPORT_FNSCALE, "fnscale.topology.quiet_libtpu()")
   assert fnscale_after_jax == {}
-  assert quiet == {k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items()}
+  libtpu = importlib.util.find_spec("libtpu") is not None
+  assert quiet == {k: [None, v] for k, v in topo_mod.QUIET_LIBTPU_ENV.items() if libtpu}
   # Imported first, fnscale changes exactly what its import of jax does.
   assert _environ_changes(_IMPORT_FNSCALE) == [jax_import]
 

@@ -28,7 +28,7 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import gpt
-from recipes.lm import harness
+from recipes.lm import cli, progress, run_setup, rundir
 from recipes.launch import launch_local
 from recipes import plot_run
 from recipes import train_lm
@@ -57,7 +57,7 @@ def _kwargs(work, run_dir, **extra):
 
 
 def _run(argv):
-  return train_lm.run(harness.parse_flags(train_lm.Options, argv))
+  return train_lm.run(cli.parse_flags(train_lm.Options, argv))
 
 
 def _params(summary):
@@ -178,10 +178,10 @@ def test_without_dcn_a_multislice_run_is_data_parallel_across_slices(
                                                           "tensor": 2}),
                                 ("fsdp=-1", f"data={slices}", {"data": slices, "fsdp": 4})):
     said = []
-    o = harness.check_options(train_lm.Options, dict(
+    o = cli.check_options(train_lm.Options, dict(
         dataset=str(work / "corpus.txt"), model_config="nano", seq=32, topology=target,
         mesh=mesh_flag, dcn=dcn, steps=2))
-    s = train_lm._setup(o, corpus, said.append)  # pylint: disable=protected-access
+    s = run_setup.decide(o, corpus, said.append)
     assert dict(s.mesh.shape) == shape and s.topo.num_slices == slices
     outer = s.mesh.devices.reshape(slices, -1)
     assert [{d.slice_index for d in row} for row in outer] == [{i} for i in range(slices)]
@@ -342,7 +342,7 @@ def test_orbax_warnings_go_to_the_run_log_and_others_to_the_console(tmp_path, ca
   fs.checkpoint.save(tmp_path / "ckpt", 1, {"x": np.ones(3, np.float32)})
   run_dir = tmp_path / "run"
   caplog.clear()
-  with harness.library_log(str(run_dir)):
+  with rundir.library_log(str(run_dir)):
     assert fs.checkpoint.steps(tmp_path / "ckpt") == (1,)
     absl_logging.warning("a warning of the run itself")
   passed_on = caplog.text
@@ -904,12 +904,12 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
   assert _listing(run_dir) == before  # nothing written
   # The same options resume; on other hardware the default global batch may differ.
   recorded = json.loads((run_dir / "run.json").read_text())["start"]["options"]
-  same = harness.check_options(train_lm.Options, {k: v for k, v in recorded.items()
-                                                  if k in harness.DEFINING + ("run_dir",)})
-  harness.check_same_run(same, 8)
-  harness.check_same_run(dataclasses.replace(same, global_batch=32), 4)
+  same = cli.check_options(train_lm.Options, {k: v for k, v in recorded.items()
+                                                  if k in rundir.DEFINING + ("run_dir",)})
+  rundir.check_same_run(same, 8)
+  rundir.check_same_run(dataclasses.replace(same, global_batch=32), 4)
   with pytest.raises(fs.InputError, match=r"global_batch=32 \(the run's: 16\)"):
-    harness.check_same_run(dataclasses.replace(same, global_batch=32), 8)
+    rundir.check_same_run(dataclasses.replace(same, global_batch=32), 8)
 
 
 def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
@@ -917,6 +917,6 @@ def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
   start = json.loads((uninterrupted[1] / "run.json").read_text())["start"]
   host = fs.flops.host_matmul_peak()
   assert not host.fresh and start["peak_flops"] == host.flops
-  peak = harness.peak_flops(fs.detect_topology())
+  peak = progress.peak_flops(fs.detect_topology())
   assert peak.flops == host.flops and f"cached in {host.path}" in peak.about
   assert f"{host.flops / 1e9:.0f} GFLOP/s, measured {host.measured}" in peak.about

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from recipes import train_lm
-from recipes.lm import cache, harness
+from recipes.lm import cache, cli
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 3) for i in range(60)]
 
@@ -87,14 +87,14 @@ def test_a_mixture_trains_stops_and_resumes_bitwise(caches, tmp_path, capsys):
   the params of the uninterrupted one (the per-row data positions travel in the checkpoint)."""
   mix = [f"--dataset={caches / 'code'}:0.7,{caches / 'web'}:0.3",
          f"--compile_cache_dir={caches / 'xla'}"]
-  whole = train_lm.run(harness.parse_flags(train_lm.Options,
+  whole = train_lm.run(cli.parse_flags(train_lm.Options,
                                            _argv(caches, tmp_path / "a", *mix)))
   said = capsys.readouterr().out.splitlines()
   at = lambda start: next(i for i, line in enumerate(said) if line.startswith(start))
   assert at("fnscale train_lm:") < at("packing (first_fit, 8 bins"), said  # after the banner
-  train_lm.run(harness.parse_flags(train_lm.Options,
+  train_lm.run(cli.parse_flags(train_lm.Options,
                                    _argv(caches, tmp_path / "b", *mix, "--stop_after=2")))
-  resumed = train_lm.run(harness.parse_flags(train_lm.Options,
+  resumed = train_lm.run(cli.parse_flags(train_lm.Options,
                                              _argv(caches, tmp_path / "b", *mix)))
   assert resumed.start_step == 2 and whole.final_step == resumed.final_step == 4
   import jax  # pylint: disable=g-import-not-at-top

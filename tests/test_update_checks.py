@@ -126,7 +126,7 @@ def _scaled_sum(params, batch):
 def test_scaled_gradient_past_float32_range_is_skipped_or_flagged(dynamic):
   # At scale 2**127 a gradient of 1.5 scales to 1.5 * 2**127, below float32's largest
   # (2 - 2**-23) * 2**127, and is applied exactly; a gradient of 2 scales to 2**128: inf.
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import stalls  # pylint: disable=import-outside-toplevel
   mesh = fnscale.make_mesh("data=8")
   opt = optax.sgd(2.0**-4)
   step = fnscale.shard_step(fnscale.train_step(_scaled_sum, opt), mesh)
@@ -156,7 +156,7 @@ def test_scaled_gradient_past_float32_range_is_skipped_or_flagged(dynamic):
     assert int(m["skipped"]) == 0 and int(m["bad_update"]) == 1
     assert float(m["update_norm"]) == np.inf and np.all(w == -np.inf)
     with pytest.raises(fnscale.StepError, match=r"likely cause: the params became non-finite"):
-      harness.check_update(harness.Stall(), 1, m, 1)
+      stalls.check_update(stalls.Stall(), 1, m, 1)
 
 
 # ----------------------------------------------------------------------------- train_lm's stop
@@ -175,15 +175,15 @@ def _metrics(bad, grad_norm=1.0, update_norm=0.0, loss=2.5, skipped=0, loss_scal
     (3.0, 0.0, r"rounded away by the params' dtype"),
 ])
 def test_consecutive_bad_updates_raise_naming_steps_and_cause(grad_norm, update_norm, cause):
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
-  stall = harness.Stall()
+  from recipes.lm import stalls  # pylint: disable=import-outside-toplevel
+  stall = stalls.Stall()
   # A good step in between resets the count: steps 5, 6 then 8, 9, 10 (limit 3).
   for done, bad in [(5, 1), (6, 1), (7, 0), (8, 1), (9, 1)]:
-    stall = harness.check_update(stall, done, _metrics(bad, grad_norm, update_norm), 3)
-  assert stall == harness.Stall(2, 8)
+    stall = stalls.check_update(stall, done, _metrics(bad, grad_norm, update_norm), 3)
+  assert stall == stalls.Stall(2, 8)
   with pytest.raises(fnscale.StepError, match=r"at 3 consecutive steps 8\.\.10 .*" + cause):
-    harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 3)
-  assert harness.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 0).steps == 3
+    stalls.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 3)
+  assert stalls.check_update(stall, 10, _metrics(1, grad_norm, update_norm), 0).steps == 3
 
 
 def _skip(loss=2.5):  # a step a dynamic scale at its floor skipped: params unchanged
@@ -191,21 +191,21 @@ def _skip(loss=2.5):  # a step a dynamic scale at its floor skipped: params unch
 
 
 def test_skipped_steps_with_a_finite_loss_count_toward_the_stop():
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import stalls  # pylint: disable=import-outside-toplevel
   # Step 2's skip has a NaN loss (the non-finite check's to stop): it resets the count, as
   # the good step 4 does; skips and bad updates in a row count together: 5, 6, 7 (limit 3).
   seq = [(1, _skip()), (2, _skip(np.nan)), (3, _skip()), (4, _metrics(0, update_norm=0.1)),
          (5, _skip()), (6, _metrics(1, 3.0, 0.0))]
-  stall = harness.Stall()
+  stall = stalls.Stall()
   counts = []
   for done, m in seq:
-    stall = harness.check_update(stall, done, m, 3)
+    stall = stalls.check_update(stall, done, m, 3)
     counts.append(stall.steps)
-  assert counts == [1, 0, 1, 0, 1, 2] and stall == harness.Stall(2, 5)
+  assert counts == [1, 0, 1, 0, 1, 2] and stall == stalls.Stall(2, 5)
   with pytest.raises(fnscale.StepError, match=r"at 3 consecutive steps 5\.\.7 .*grad_norm inf, "
                      r"update_norm 0, loss_scale 1\); likely cause: the updates were skipped: "
                      r"their gradients were non-finite .*overflow the compute dtype"):
-    harness.check_update(stall, 7, _skip(), 3)
+    stalls.check_update(stall, 7, _skip(), 3)
 
 
 def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=float32"):
@@ -226,11 +226,11 @@ def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=f
 
 def _stop_at(ms, limit):
   """(step, message) where train_lm's check stops these metrics (steps from 1), or (None, None)."""
-  from recipes.lm import harness  # pylint: disable=import-outside-toplevel
-  stall = harness.Stall()
+  from recipes.lm import stalls  # pylint: disable=import-outside-toplevel
+  stall = stalls.Stall()
   for done, m in enumerate(ms, 1):
     try:
-      stall = harness.check_update(stall, done, m, limit)
+      stall = stalls.check_update(stall, done, m, limit)
     except fnscale.StepError as e:
       return done, str(e)
   return None, None

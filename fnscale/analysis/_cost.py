@@ -17,9 +17,8 @@ Matmuls" and 5 "Training":
   whole compute-dtype params are gathered once per step and the gradients reduce-scattered
   once, at the memory of whole params and a whole float32 accumulator per device.
 - Data parallel: one gradient all-reduce per step, 2 V (n-1)/n per device (Patarasuk &
-  Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation, and with
-  "auto" where the data axes split some params (fsdp, context or expert > 1): "auto"
-  reduces once where they split none.
+  Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation ("auto",
+  the default, reduces once as "once" does).
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
 - Context parallel (the sequence split c ways, `fnscale.kernels.context_attention`): every
@@ -651,9 +650,8 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor", "stage", "expert", "context"; "replica" or "stage" across slices); the global
   batch must divide over the data axes (the expert and stage axes among them) and `accum`.
-  `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once" where no
-  data axis splits the params (fsdp, context, expert and stage all 1: nothing to gather)
-  and "per_microbatch" elsewhere; "per_microbatch" keeps
+  `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once";
+  "per_microbatch" keeps
   params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp in
   every microbatch, and reduces over the data and DCN axes in every microbatch too (the
   accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
@@ -663,8 +661,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   fsdp (one group)."""
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
-  unsplit = f * c * e * ici.get("stage", 1) * dcn.get("stage", 1) == 1
-  once = accum > 1 and (gather == "once" or (gather == "auto" and unsplit))
+  once = accum > 1 and gather in ("once", "auto")
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices

@@ -29,6 +29,11 @@ not be read is returned in
 counted here, such as `fft`, `triangular-solve`, `cholesky` or `scaled-dot`, and any opcode
 not known here; loops without a trip count; collectives whose replica groups were
 guessed). Every branch of a `conditional` counts as if it ran.
+
+The TPU compiler writes many reduce-scatters as a fusion whose computation returns a
+`dynamic-slice` of an `all-reduce` (libtpu names it `all-reduce-scatter`, its emitter
+`AllReduceScatterFusion`): each is counted as the reduce-scatter it runs, (n-1)/n of the
+reduced bytes sent, not as its inner all-reduce's 2 (n-1)/n.
 """
 from __future__ import annotations
 
@@ -385,10 +390,12 @@ def ring_bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
   Returns:
     Bytes: all-reduce 2 (n - 1) / n x result (reduce-scatter then all-gather, Patarasuk &
     Yuan, 2009, "Bandwidth optimal all-reduce algorithms"); all-gather and all-to-all
-    (n - 1) / n x result; ragged-all-to-all the same of its `result_bytes` as `summarize`
-    reads them (the smaller of operand and result: at most what a device sends);
-    reduce-scatter (n - 1) x shard; collective-permute and
-    collective-broadcast the result; 0 for a group of one device.
+    (n - 1) / n x result and reduce-scatter (n - 1) x shard, i.e. (n - 1) / n of the array
+    reduced (the ring algorithms of Thakur, Rabenseifner & Gropp, 2005, "Optimization of
+    Collective Communication Operations in MPICH"); ragged-all-to-all (n - 1) / n of its
+    `result_bytes` as `summarize` reads them (the smaller of operand and result: at most
+    what a device sends); collective-permute and collective-broadcast the result; 0 for a
+    group of one device.
 
   Raises:
     StepError: an unknown `kind`.
@@ -453,12 +460,13 @@ class _Graph(NamedTuple):
   guessed: dict  # comp -> [collective kind]
   dcn: dict  # comp -> [(kind, result bytes, slices)]: those of `colls` across slices
   grouped: dict  # comp -> grouped-matmul FLOPs per run (ragged-dot ops, declared by kernels)
+  scatters: dict  # (comp, all-reduce name) -> its shard's bytes: a fused reduce-scatter
 
 
 def _graph() -> _Graph:
   dd = collections.defaultdict
   return _Graph(dd(dict), {}, dd(list), [], dd(float), dd(list), dd(list), dd(list), dd(list),
-                dd(list), dd(float))
+                dd(list), dd(float), {})
 
 
 def _index(comps: dict[str, list[str]], g: _Graph) -> None:
@@ -478,6 +486,54 @@ def _index(comps: dict[str, list[str]], g: _Graph) -> None:
         g.roots[comp] = name
     if comp not in g.roots and g.instrs.get(comp):
       g.roots[comp] = next(reversed(g.instrs[comp]))
+
+
+_VIEWS = ("bitcast", "copy")
+
+
+def _through(g: _Graph, comp: str, name: str) -> tuple[str, _Instr | None]:
+  """(name, instruction) of `name` in `comp`, looking through bitcasts and copies."""
+  for _ in range(8):
+    ins = g.instrs.get(comp, {}).get(name)
+    if ins is None or ins.op not in _VIEWS or len(ins.operands) != 1:
+      return name, ins
+    name = ins.operands[0][0]
+  return name, None
+
+
+def _sliced_all_reduce(g: _Graph, comp: str, out: str) -> tuple[str, float] | None:
+  """(all-reduce name, bytes of the slice) where `out` is a dynamic-slice of an all-reduce
+  of `comp` (of one element of a tuple all-reduce), through bitcasts and copies."""
+  _, ds = _through(g, comp, out)
+  if ds is None or ds.op != "dynamic-slice" or not ds.operands:
+    return None
+  src, ins = _through(g, comp, ds.operands[0][0].split("#")[0])
+  if ins is not None and ins.op == "get-tuple-element" and ins.operands:
+    src, ins = _through(g, comp, ins.operands[0][0])
+  if ins is None or ins.op != "all-reduce":
+    return None
+  return src, _shape_bytes(ds.shape)
+
+
+def _fused_scatters(g: _Graph) -> None:
+  """Finds the TPU compiler's fused reduce-scatters (`g.scatters`): a fusion (libtpu names
+  its computation `all-reduce-scatter`, its emitter `SingleInputAllReduceScatterFusion`)
+  whose computation returns a `dynamic-slice` of an `all-reduce`, or a tuple of slices of
+  all-reduces. The device sends a reduce-scatter's bytes for it (`_collective` checks that
+  each slice is 1 / n of the array reduced over n devices). An all-reduce sliced outside a
+  fusion stays an all-reduce: libtpu runs those with its all-reduce emitters, whole."""
+  fused = {c.lstrip("%") for m in g.instrs.values() for ins in m.values()
+           if ins.op == "fusion" for c in _CALL_RE.findall(ins.attrs)}
+  for comp in fused:
+    root = g.roots.get(comp)
+    _, top = _through(g, comp, root) if root else (None, None)
+    if top is None:
+      continue
+    outs = [n for n, _ in top.operands] if top.op == "tuple" else [root]
+    found = [_sliced_all_reduce(g, comp, o) for o in outs]
+    if all(found):
+      for src, shard in found:
+        g.scatters[(comp, src)] = g.scatters.get((comp, src), 0.0) + shard
 
 
 def _shape(g: _Graph, comp: str, name: str) -> str:
@@ -514,16 +570,28 @@ def _element(value, k: int):
   return None
 
 
-def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
+def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0, memo=None):
   """What instruction `name` of `comp` computes, as far as loop counts need: ("const", v),
   ("param", i), ("elem", k) (element k of the tuple parameter), ("tuple", values),
   ("add" | "compare", direction, operand values...); None otherwise. Copies, bitcasts,
-  converts and fusions are looked through (`args`: the values a fusion passes its callee)."""
+  converts and fusions are looked through (`args`: the values a fusion passes its callee).
+  Each (computation, instruction, args) is read once (`memo`): a loop carrying many values
+  through fusions and tuples would otherwise be re-read along every path, exponentially
+  many in the depth."""
+  memo = {} if memo is None else memo
+  key = (comp, name, args)
+  if key not in memo:
+    memo[key] = _read_value(g, comp, name, args, depth, memo)
+  return memo[key]
+
+
+def _read_value(g: _Graph, comp: str, name: str, args, depth: int, memo):
+  """`_value`, unmemoized."""
   base, *index = name.split("#")
   ins = g.instrs.get(comp, {}).get(base)
   if ins is None or depth > 16:
     return None
-  sub = lambda n: _value(g, comp, n, args, depth + 1)
+  sub = lambda n: _value(g, comp, n, args, depth + 1, memo)
   operands = [n for n, _ in ins.operands]
   out = None
   if ins.op == "constant" and re.fullmatch(r"[su]\d+\[\]", ins.shape.split("{")[0]):
@@ -545,7 +613,7 @@ def _value(g: _Graph, comp: str, name: str, args=None, depth: int = 0):
     callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
     root = g.roots.get(callee.group(1)) if callee else None
     if root:
-      out = _value(g, callee.group(1), root, tuple(sub(o) for o in operands), depth + 1)
+      out = _value(g, callee.group(1), root, tuple(sub(o) for o in operands), depth + 1, memo)
   for k in index:
     out = _element(out, int(k))
   return out
@@ -863,6 +931,9 @@ def _collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: str,
   if not _arrays(ins.shape):
     g.unread[comp].append(op)
     return
+  shard = g.scatters.get((comp, name)) if base == "all-reduce" else None
+  if shard is not None and math.isclose(shard * n, nbytes):  # a fused reduce-scatter
+    base, nbytes = "reduce-scatter", shard
   if guessed:
     g.guessed[comp].append(base)
   g.colls[comp].append((base, nbytes, n))
@@ -1060,6 +1131,7 @@ def summarize(hlo_text: str, num_devices: int | None = None) -> HloSummary:
   comps, entry = _computations(hlo_text)
   g = _graph()
   _index(comps, g)
+  _fused_scatters(g)
   for name in comps:
     _read_computation(name, g, dev)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import statistics
 import time
@@ -166,10 +167,61 @@ def calibrate_cpu(n: int = 1024, mib: int = 64, repeats: int = 5) -> tuple[float
   return rate, x.nbytes / statistics.median(times)
 
 
+class _Frozen(NamedTuple):
+  """A state with frozen params (a LoRA state: `TrainState.frozen`), as the planner sees it:
+  the trained params and the frozen ones, abstract."""
+  params: object
+  frozen: object
+
+
+def _with_frozen(loss_fn):
+  """`loss_fn(params, batch, *, frozen, ...)` as a loss of the pair (params, frozen) whose
+  frozen half carries no gradient (`jax.lax.stop_gradient`), for the profile: traced through
+  it, frozen weights take their forward and input-gradient matmuls and no weight gradient,
+  and keep no residuals for one (the step's own FLOPs and activations)."""
+  keywords = [k for k in ("remat", "microbatches") if _cost.takes(loss_fn, k)]
+
+  def loss(pair, batch, **kw):
+    return loss_fn(pair[0], batch, frozen=jax.lax.stop_gradient(pair[1]), **kw)
+  p = inspect.Parameter
+  loss.__signature__ = inspect.Signature(
+      [p("pair", p.POSITIONAL_OR_KEYWORD), p("batch", p.POSITIONAL_OR_KEYWORD)]
+      + [p(k, p.KEYWORD_ONLY, default=None) for k in keywords])
+  return loss
+
+
+def _lora_profile(hw, tree: _Frozen, loss_fn, optimizer, batch, pol) -> _cost.Profile:
+  """The profile of a step that trains `tree.params` beside frozen params: bytes, FLOPs and
+  residuals of both, gradients and optimizer state of the trained params only."""
+  prof = _profile(hw, (tree.params, tree.frozen), _with_frozen(loss_fn), optimizer, batch,
+                  pol)
+  nbytes = lambda t: float(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                               for x in jax.tree.leaves(t)))
+  return prof._replace(grad_bytes=nbytes(tree.params),
+                       opt_bytes=nbytes(jax.eval_shape(optimizer.init, tree.params)))
+
+
+def _abstract_state(params, optimizer, mesh, rules, logical_axes, policy):
+  """The abstract TrainState `_verify` compiles: born in its shardings by `rules` and
+  `logical_axes`; for a `_Frozen` tree, the frozen params so (the axes are theirs) and the
+  trained params by automatic FSDP, with the optimizer state theirs alone."""
+  zeros = lambda t: (lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t))
+  if not isinstance(params, _Frozen):
+    return _state.init_state(zeros(params), optimizer, mesh=mesh, rules=rules,
+                             logical_axes=logical_axes, policy=policy, abstract=True)
+  frozen = _state.init_state(zeros(params.frozen), optimizer, mesh=mesh, rules=rules,
+                             logical_axes=logical_axes, abstract=True).params
+  state = _state.init_state(zeros(params.params), optimizer, mesh=mesh, policy=policy,
+                            abstract=True)
+  return state._replace(frozen=frozen)
+
+
 def _abstract_params(state_or_init, key):
   """Abstract params from a TrainState, an init function or a params pytree."""
   sds = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
   if hasattr(state_or_init, "params") and hasattr(state_or_init, "opt_state"):
+    if getattr(state_or_init, "frozen", None) is not None:
+      return _Frozen(sds(state_or_init.params), sds(state_or_init.frozen))
     return sds(state_or_init.params)
   if callable(state_or_init):
     key = jax.random.key(0) if key is None else key
@@ -248,19 +300,22 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
   """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
   `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
   slower (it moves params and gradients once per step: less communication, more slack when
-  overlap is imperfect), else "auto"."""
+  overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
+  accumulation."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
   est = None
   for a in (a for a in accums if rows_dev % a == 0):
-    modes = ("auto", "once") if a > 1 else ("auto",)
+    modes = ("per_microbatch", "once") if a > 1 else ("auto",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
     fit = [((round(e.step_s, 9), e.comm_total_s), g, e) for g, e in ests if e.bytes <= cap]
     if fit:
       _, gather, best = min(fit, key=lambda x: x[0])
       return a, gather, best, True
     last, est = a, ests[0][1]
-  return (last, "auto", est, False) if est is not None else (1, "auto", None, False)
+  if est is None:
+    return 1, "auto", None, False
+  return last, "per_microbatch" if last > 1 else "auto", est, False
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
@@ -297,9 +352,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   target's devices (the profile was traced on one)."""
   params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof = ctx
   mesh = make_mesh(cand.axes, devices=hw.devices)
-  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-  state = _state.init_state(zeros, optimizer, mesh=mesh, rules=rules,
-                            logical_axes=logical_axes, policy=policy, abstract=True)
+  state = _abstract_state(params, optimizer, mesh, rules, logical_axes, policy)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
   if cand.stages > 1:
     loss = functools.partial(loss, microbatches=cand.microbatches)
@@ -514,7 +567,10 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
   _check_args(loss_fn, optimizer, batch, 0, 1, 1.0)
   hw = _resolve(target, cpu_rates)
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
-  return _profile(hw, _abstract_params(state_or_init, key), loss_fn, optimizer, batch, pol)
+  params = _abstract_params(state_or_init, key)
+  if isinstance(params, _Frozen):
+    return _lora_profile(hw, params, loss_fn, optimizer, batch, pol)
+  return _profile(hw, params, loss_fn, optimizer, batch, pol)
 
 
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
@@ -575,13 +631,14 @@ def data_parallel(axes: MeshAxes) -> int:
 
 def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
                 remat: bool | None = None, accum: int | None = None, rows: int | None = None,
-                accum_steps=(1, 2, 4, 8, 16, 32, 64),
+                accum_steps=(1, 2, 4, 8, 16, 32, 64), accum_gather: str = "auto",
                 cpu_rates: tuple[float, float] | None = None) -> tuple[FitOption, ...]:
   """The configurations of a step on `axes` whose estimated bytes per device are at most
   `limit`, fastest first (the forecast's tokens/s): remat off and on, each with the fewest
   of `accum_steps` that fit and divide the rows, at the most rows per device that any fits:
   `prof.rows / data_parallel(axes)`, else each halving of it. `remat`, `accum`, `rows` fix
-  that choice (the user's). Nothing is compiled.
+  that choice (the user's); `accum_gather` is the step's (`fnscale.train_step`). Nothing is
+  compiled.
 
   Args:
     prof: `profile_model(...)` of the step (its `rows`: the global batch).
@@ -617,7 +674,7 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
     out = []
     for rm in remats:
       for a in [a for a in (accum_steps if accum is None else (accum,)) if r % a == 0]:
-        c = _predict(prof._replace(rows=r * split), hw, axes, rm, a)
+        c = _predict(prof._replace(rows=r * split), hw, axes, rm, a, accum_gather)
         if c.estimate.bytes <= limit:
           out.append(FitOption(rm, a, r, c.estimate.bytes, c.tokens_s))
           break
@@ -634,6 +691,11 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
 
   Args:
     state_or_init: a `TrainState` (abstract or not), `init_fn(key) -> params`, or params.
+      A state with frozen params (`TrainState.frozen`, e.g. `fnscale.lora.init_state(...,
+      abstract=True)`) is planned as it trains: `loss_fn` takes them as its `frozen`
+      keyword, they hold no gradient or optimizer state and take no weight gradient (their
+      forward and input-gradient matmuls count), and the compiled candidates place them by
+      `rules` / `logical_axes` (theirs) and the trained params by automatic FSDP.
     loss_fn: `loss_fn(params, batch) -> loss`; if it takes a `remat` keyword, remat on/off
       are candidates (e.g. `recipes/lm/llama.py`'s `loss_fn(params, batch, *, remat)`); if it
       takes `microbatches`, meshes with a "stage" axis are too: the loss must then run its
@@ -676,7 +738,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
   n_verify, note = _verification(hw, verify)
   params = _abstract_params(state_or_init, key)
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
-  prof = _profile(hw, params, loss_fn, optimizer, batch, pol)
+  prof = (_lora_profile if isinstance(params, _Frozen) else _profile)(
+      hw, params, loss_fn, optimizer, batch, pol)
   cap = hw.hbm_bytes * headroom
   rows = _candidates(prof, hw, cap, max_tensor, tuple(accum_steps),
                      _cost.takes(loss_fn, "microbatches"))

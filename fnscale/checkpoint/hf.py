@@ -35,7 +35,7 @@ from fnscale.checkpoint import _safetensors as st
 from fnscale.errors import CheckpointError, StorageError
 
 __all__ = ["Tensor", "CheckpointMap", "Index", "read_index", "read_config", "check", "load",
-           "export", "INDEX_FILE", "TOKENIZER_FILES"]
+           "export", "write_tensors", "write_json", "INDEX_FILE", "TOKENIZER_FILES"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -494,10 +494,31 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
   """
   path = _text(path)
   _tree.check_int(max_shard_bytes, "max_shard_bytes", CheckpointError, minimum=1)
+  names, files = write_tensors(path, params, cmap, dtype=dtype,
+                               max_shard_bytes=max_shard_bytes)
+  if jax.process_index() == 0:
+    _write_side_files(path, names, files, config, tokenizer_from)
+  return names + [CONFIG_FILE] + ([INDEX_FILE] if len(names) > 1 else [])
+
+
+def write_tensors(path, params, cmap: CheckpointMap, *, dtype=None, name: str | None = None,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+  """Writes `params`' tensors as `cmap` names them into safetensors files in `path`: one
+  file `name`, or `model.safetensors` / `model-0000i-of-0000n.safetensors` of at most
+  `max_shard_bytes` each. Process 0 creates `path` and writes; every process takes part in
+  the gathers of leaves spread over processes. Returns (file names, the tensors planned in
+  each file).
+
+  Raises:
+    CheckpointError: a leaf without a key in `cmap`.
+    StorageError: a file can't be written.
+  """
+  path = _text(path)
   plan, flat = _export_plan(params, cmap, dtype)
-  files = _shards(plan, max_shard_bytes)
-  names = ([SINGLE_FILE] if len(files) == 1 else
-           [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+  files = [plan] if name else _shards(plan, max_shard_bytes)
+  names = [name] if name else (
+      [SINGLE_FILE] if len(files) == 1 else
+      [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
   writer = jax.process_index() == 0
   fs, inner = st.filesystem(path)
   if writer:
@@ -518,9 +539,7 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
       for t, p, idx in items:
         if not flat[p].is_fully_addressable:
           readers[p](idx)
-  if writer:
-    _write_side_files(path, names, files, config, tokenizer_from)
-  return names + [CONFIG_FILE] + ([INDEX_FILE] if len(names) > 1 else [])
+  return names, files
 
 
 def _to_source(piece: np.ndarray, src: Tensor, t: st.Planned) -> np.ndarray:
@@ -534,9 +553,9 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
   if len(names) > 1:
     total = sum(t.nbytes for items in files for t, _, _ in items)
     weight_map = {t.key: name for name, items in zip(names, files) for t, _, _ in items}
-    _write_json(_join(path, INDEX_FILE), {"metadata": {"total_size": total},
+    write_json(_join(path, INDEX_FILE), {"metadata": {"total_size": total},
                                           "weight_map": weight_map})
-  _write_json(_join(path, CONFIG_FILE), dict(config))
+  write_json(_join(path, CONFIG_FILE), dict(config))
   if tokenizer_from is not None:
     src = _text(tokenizer_from)
     for name in TOKENIZER_FILES:
@@ -546,7 +565,8 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
           g.write(f.read())
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
+  """Writes `value` as indented JSON at `path` (local or fsspec URL); StorageError if not."""
   fs, inner = st.filesystem(path)
   try:
     with fs.open(inner, "w") as f:

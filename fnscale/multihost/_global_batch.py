@@ -8,8 +8,10 @@ processes those are disjoint blocks; where it replicates the batch across proces
 that splits the batch per process anyway (grain's `ShardByJaxProcess`) makes the "replicas" of
 one global array disagree: each process would train on its own rows without a word. So
 `global_batch` compares a fingerprint of every block several processes hold through JAX's
-coordination service on its first call (and on request, `check_batch_replicas`); a difference
-is a `DistributedError` naming the rows, the processes and the fix.
+coordination service: on the first batch of every layout (leaf shardings and shapes) a
+process feeds, and every `check_every`-th call after (and on request,
+`check_batch_replicas`); a difference is a `DistributedError` naming the rows, the processes
+and the fix. `recipes/bench/replica_check.py` measures what a check costs.
 `fnscale.multihost` re-exports these (as does the package root).
 """
 from __future__ import annotations
@@ -30,10 +32,14 @@ from fnscale.errors import DistributedArgumentError, DistributedError, ShardingE
 from fnscale.multihost import _agreement
 from fnscale.multihost import _coordination as _co
 
-# The k-th check of this process is compared with the k-th of every other; `global_batch`
-# checks on its first call in the process (`_calls`).
+# The k-th check of this process is compared with the k-th of every other. `global_batch`
+# checks the first batch of each layout this process feeds (`_layouts`) and every
+# `check_every`-th call (`_calls`): the same decisions on every process, which make the same
+# calls in the same order.
 _check_count = itertools.count()
 _calls = itertools.count()
+_layouts: set = set()
+CHECK_EVERY = 100
 
 
 def _named(sharding, what: str) -> NamedSharding:
@@ -124,7 +130,8 @@ def _leaf_global_shape(path: str, local_shape, sharding) -> tuple[int, ...]:
   return tuple(global_shape)
 
 
-def global_batch(local, sharding, *, check: bool | None = None) -> Any:
+def global_batch(local, sharding, *, check: bool | None = None,
+                 check_every: int = CHECK_EVERY) -> Any:
   """Builds global `jax.Array`s from each process's rows of a batch.
 
   Every process calls it with the rows `process_rows(sharding, rows)` names, in that order
@@ -137,8 +144,13 @@ def global_batch(local, sharding, *, check: bool | None = None) -> Any:
     sharding: one NamedSharding for every leaf (usually `fnscale.batch_sharding(mesh)`) or
       a pytree of them with `local`'s structure.
     check: compare the blocks several processes hold (`check_batch_replicas`): None (the
-      default) on this process's first call only, True now, False never. Every process must
-      pass the same value (the check is an exchange between them).
+      default) on the first batch of each layout (the leaves' shardings, meshes and global
+      shapes) this process feeds and on every `check_every`-th call; True now, False never.
+      Every process must pass the same values (the check is an exchange between them).
+    check_every: with `check=None`, also check every this many calls (an int >= 1; counted
+      over all of this process's calls). A check where no block is held by several
+      processes costs no exchange; where some are, one round trip through JAX's coordination
+      service and a sha256 of those blocks (`recipes/bench/replica_check.py` measures it).
 
   Returns:
     Pytree of global jax.Arrays; a leaf of local shape [b, ...] on a process holding k of
@@ -164,6 +176,12 @@ def global_batch(local, sharding, *, check: bool | None = None) -> Any:
     >>> batch["tokens"].addressable_shards[1].data.tolist()
     [[8, 9, 10, 11], [12, 13, 14, 15]]
   """
+  if check not in (None, True, False):
+    raise DistributedArgumentError(f"global_batch(check={check!r}): expected None, True or "
+                                   "False.")
+  if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+    raise DistributedArgumentError(f"global_batch(check_every={check_every!r}): expected an "
+                                   "int >= 1 (calls between replica checks).")
   pairs, treedef = jax.tree_util.tree_flatten_with_path(local)
   shs = _broadcast_shardings(local, sharding, "batch")
   out = []
@@ -174,10 +192,21 @@ def global_batch(local, sharding, *, check: bool | None = None) -> Any:
     gshape = _leaf_global_shape(path, tuple(leaf.shape), s)
     out.append(jax.make_array_from_process_local_data(s, leaf, gshape))
   batch = jax.tree_util.tree_unflatten(treedef, out)
-  first = next(_calls) == 0
-  if check or (check is None and first):
+  if _due(check, check_every, treedef, out):
     check_batch_replicas(batch)
   return batch
+
+
+def _due(check: bool | None, every: int, treedef, leaves) -> bool:
+  """Whether this call checks: as `check` says, or (None) on a layout (tree structure,
+  leaf shardings and global shapes) not checked before in this process, or on every
+  `every`-th call. Every call counts, so every process decides the same."""
+  k = next(_calls)
+  layout = (treedef, tuple((a.sharding, a.shape) for a in leaves))
+  due = check if check is not None else layout not in _layouts or k % every == 0
+  if due:
+    _layouts.add(layout)
+  return due
 
 
 def _shared_blocks(arr: jax.Array) -> dict[tuple, list[int]]:
@@ -223,8 +252,9 @@ def check_batch_replicas(batch, *, timeout_s: float = _co.DEFAULT_TIMEOUT_S) -> 
   through JAX's coordination service; any two that differ for one block are an error on
   every process. Where no block is held by more than one process (the batch split across
   processes, or a single process) it returns at once without an exchange. `global_batch`
-  calls it on its first call; call it again at any step to check that step's batch. Every
-  process must make the same calls in the same order.
+  calls it on the first batch of each layout and every `check_every`-th call; call it at
+  any step to check that step's batch. Every process must make the same calls in the same
+  order.
 
   Args:
     batch: pytree of global jax.Arrays (`global_batch`'s result).

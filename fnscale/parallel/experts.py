@@ -19,17 +19,26 @@ data-like axes (the expert axis among them) and, for the dropless layer, the seq
 the context axes (each shard routes its own piece of every row), experts split over the expert axis
 (`fnscale.axis_conventions`: "expert"), each expert's hidden width over the tensor axes
 (Megatron-style: its down projection's partial sums are all-reduced). Token copies travel
-to their experts' shard and back over the expert axis, by one of three exchanges
-(`exchange_selection` decides, and says why):
+to their experts' shard and back over the expert axis, or the experts to the tokens, by one
+of four exchanges (`exchange_selection` decides, and says why):
 
 - "ragged": `jax.lax.ragged_all_to_all` sends each shard exactly its copies (TPU, GPU);
   the receiving buffer holds the worst case, n x tokens x min(k, local experts) rows, as
   MaxText's dropless default does. `interpret=True` runs it anywhere through a stand-in
   built from an all-gather (the same offsets and sizes; for tests on CPU).
+- "gather_experts": the experts' weights are all-gathered over the expert axis (in the
+  compute dtype, layer by layer; their gradients reduce-scattered back, as FSDP does) and
+  every shard runs every expert over its own tokens, which never move: the matmul work of
+  the layer without an expert axis, the weights' memory still split. Where the backend has
+  no ragged all-to-all (XLA:CPU, jax#34755) "auto" takes it.
 - "all_gather": every shard of the expert axis gathers the tokens and routing of its
   group, runs its own experts over the copies routed to them, and a reduce-scatter
-  (`psum_scatter`) sums each token's outputs back to its shard; dropless on any backend
-  (XLA:CPU has no ragged-all-to-all, jax#34755).
+  (`psum_scatter`) sums each token's outputs back to its shard; dropless on any backend.
+  Its static buffer holds the worst case, n x tokens x min(k, local experts) rows, and
+  without a ragged kernel the grouped matmul computes over all of it: with k <= local
+  experts, n times the rows the layer routes there (n = 4, k = 2 of 8 experts, 512 tokens
+  a shard: 640 rows against 184 for every expert run locally), so splitting the experts
+  costs more matmul work than it saves; hence "gather_experts" on such backends.
 - "all_to_all": the capacity path's fixed-size buffers, one `all_to_all` each way.
 
 The auxiliaries (`MoEAux`) are over the whole global batch (their partial sums are
@@ -61,7 +70,7 @@ from fnscale.kernels.grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, g
 __all__ = ["EXCHANGES", "ExchangeSelection", "ExpertChoice", "MoEAux", "Routing",
            "capacity", "exchange_selection", "moe", "route", "with_experts"]
 
-EXCHANGES = ("auto", "ragged", "all_gather", "all_to_all")
+EXCHANGES = ("auto", "ragged", "gather_experts", "all_gather", "all_to_all")
 # The layer's work runs under this `jax.named_scope`, so a traced program's expert matmuls
 # and exchanges can be told apart (`fnscale.analysis._cost`).
 SCOPE = "fnscale_experts"
@@ -107,7 +116,8 @@ class ExchangeSelection(NamedTuple):
   """How `moe` runs for a call, and why.
 
   Attributes:
-    exchange: "none" (no expert axis > 1), "ragged", "all_gather" or "all_to_all".
+    exchange: "none" (no expert axis > 1), "ragged", "gather_experts", "all_gather" or
+      "all_to_all".
     grouped_matmul: "ragged_dot" or "megablox" (dropless), "einsum" (capacity).
     requested: the exchange asked for, after `with_experts` ("auto" or a name).
     reason: why this exchange (and grouped matmul); a fallback names why the preferred
@@ -153,7 +163,8 @@ def with_experts(fn: Callable[..., Any] | None = None, *, exchange: str = "auto"
 
   Args:
     fn: the function to wrap; omitted: returns a decorator.
-    exchange: "auto" or one of "ragged", "all_gather", "all_to_all" (`exchange_selection`).
+    exchange: "auto" or one of "ragged", "gather_experts", "all_gather", "all_to_all"
+      (`exchange_selection`).
     grouped_matmul: "auto", "ragged_dot" or "megablox" (`fnscale.kernels.gmm_selection`).
     interpret: run the ragged exchange through its all-gather stand-in and megablox in
       Pallas interpret mode (any backend; for tests).
@@ -350,20 +361,22 @@ def _pick_exchange(requested, dropless, n, platform, interpret) -> tuple[str, st
   if requested == "ragged" and not ragged_runs:
     raise KernelError(
         f"moe(exchange='ragged') can't serve this call: XLA:{platform.upper()} has no "
-        "ragged-all-to-all (jax#34755); use exchange='all_gather' (or 'auto'), or "
+        "ragged-all-to-all (jax#34755); use exchange='gather_experts' (or 'auto'), or "
         "with_experts(..., interpret=True) for its stand-in.")
   if requested == "all_to_all":
     raise KernelError("moe(exchange='all_to_all') is the capacity path's; pass a "
-                      "capacity_factor, or use 'ragged' / 'all_gather' for a dropless layer.")
-  if requested == "all_gather":
-    return "all_gather", "all_gather was requested", False
+                      "capacity_factor, or use 'ragged' / 'gather_experts' / 'all_gather' for "
+                      "a dropless layer.")
+  if requested in ("all_gather", "gather_experts"):
+    return requested, f"{requested} was requested", False
   if ragged_runs:
     how = " (its all-gather stand-in, interpret mode)" if platform not in (
         "tpu", "cuda", "rocm") else ""
     return "ragged", f"ragged_all_to_all serves this call{how}", False
-  return ("all_gather", f"ragged: XLA:{platform.upper()} has no ragged-all-to-all "
-          "(jax#34755); all-gather of the group's tokens and reduce-scatter of the outputs",
-          requested == "auto")
+  return ("gather_experts", f"ragged: XLA:{platform.upper()} has no ragged-all-to-all "
+          "(jax#34755); the experts' weights all-gathered, every expert run over the "
+          "shard's own tokens (gathering the tokens instead runs the experts over a "
+          "worst-case buffer of n x the routed rows)", requested == "auto")
 
 
 def exchange_selection(x_shape, params_shapes: Mapping[str, Any], k: int, *, dtype=jnp.float32,
@@ -375,7 +388,8 @@ def exchange_selection(x_shape, params_shapes: Mapping[str, Any], k: int, *, dty
 
   "auto": no exchange without an expert axis > 1; the capacity path's all_to_all with a
   `capacity_factor`; else "ragged" on TPU and GPU (or anywhere with `interpret`), and
-  "all_gather" where the backend has no ragged all-to-all (a fallback, said in `reason`).
+  "gather_experts" where the backend has no ragged all-to-all (a fallback, said in
+  `reason`).
   The grouped matmul is `fnscale.kernels.gmm_selection`'s for the buffer (megablox on a TPU,
   ragged_dot on GPUs, tiled elsewhere, unless asked for another).
 
@@ -405,12 +419,13 @@ def exchange_selection(x_shape, params_shapes: Mapping[str, Any], k: int, *, dty
                                           interpret)
   shards = math.prod(mesh.shape[a] for a in tokens) if tokens else 1
   local = sh.batch * sh.seq // shards
-  e_local = sh.experts // n
+  e_local = sh.experts if name == "gather_experts" else sh.experts // n
   if capacity_factor is not None:
     rows = n * sh.batch // shards * capacity(capacity_factor, sh.seq, k, sh.experts)
     impl = "einsum"
   else:
-    rows = {"none": local * k, "ragged": n * local * min(k, e_local),
+    rows = {"none": local * k, "gather_experts": local * k,
+            "ragged": n * local * min(k, e_local),
             "all_gather": n * local * min(k, e_local)}[name]
     f_local = sh.d_ff // (math.prod(mesh.shape[a] for a in tensor) if tensor else 1)
     g = gmm_selection((rows, sh.d_model), (e_local, sh.d_model, f_local), dtype,
@@ -748,6 +763,12 @@ def _gathered_weights(params, c: _Ctx, dtype) -> dict:
   return out
 
 
+def _all_experts(w: dict, c: _Ctx) -> dict:
+  """Every expert's weights on this shard: all-gathered over the expert axis (their
+  gradients reduce-scattered back by the all-gather's transpose)."""
+  return {key: jax.lax.all_gather(v, c.ax, axis=0, tiled=True) for key, v in w.items()}
+
+
 def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool):
   """The layer on one shard: tokens [T, D] (whole sequences of `seq` on the capacity path)
   -> ([T, D], MoEAux)."""
@@ -760,6 +781,8 @@ def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool):
     out = _local(flat, r, w, c)
   elif c.exchange == "ragged":
     out = _ragged(flat, r, w, c)
+  elif c.exchange == "gather_experts":
+    out = _local(flat, r, _all_experts(w, c), c)
   else:
     out = _gathered(flat, r, w, c)
   return out.astype(flat.dtype), _aux(r, c, dropped)

@@ -7,7 +7,6 @@ device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips).
 
 `--large`: 2 layers of d 1024, mlp 4096 (64 MiB of f32 params), batch 64.
 """
-import os
 import sys
 
 import jax
@@ -16,9 +15,7 @@ import optax
 
 import fnscale as fs
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli
 
 D, M, L, B = 256, 1024, 2, 8192
 MIB = 2**20

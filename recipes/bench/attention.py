@@ -11,7 +11,6 @@ those numbers test that the path works, they say nothing about kernel speed.
       --iters 1 --warmup 0                              # a quick check that the paths run
 """
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,9 +22,7 @@ import jax.numpy as jnp
 import fnscale
 from fnscale.kernels import kernel_selection
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import cli, hardware
 
 DEFAULT_SHAPES = {  # batch x seq x heads x kv_heads x head_dim
     "tpu": "4x2048x16x16x128,4x4096x16x4x128,1x8192x8x8x128",
@@ -109,7 +106,9 @@ def main(argv=None) -> int:
   parser.add_argument("--implementations", default=None,
                       help="comma-separated subset of the platform's implementations "
                       "(default: all of them)")
+  hardware.add_arguments(parser)  # train_lm's hardware options
   args = parser.parse_args(argv)
+  topo = hardware.detect(hardware.from_values(args))
 
   platform = jax.default_backend()
   on_cpu = platform not in ("tpu", "gpu")
@@ -126,6 +125,7 @@ def main(argv=None) -> int:
       parser.error(f"--implementations {unknown} can't run on {platform}; choose from "
                    f"{[name for name, _ in chosen]}")
     chosen = [(name, interpret) for name, interpret in chosen if name in wanted]
+  print(hardware.describe(topo))
   print(f"platform={platform} device={jax.devices()[0].device_kind} dtype={dtype.name} "
         f"causal={args.causal} median of {iters} after {args.warmup} warm-up runs")
   header = (f"{'shape (b x s x h x kvh x d)':<28} {'implementation':<16} {'mode':<10} "

@@ -33,9 +33,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import fnscale as fs
 from recipes.lm import cli
 

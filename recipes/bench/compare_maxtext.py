@@ -47,7 +47,10 @@ order) and fnscale's zigzag order (else contiguous); fnscale's batch carries the
 its Llama needs under a context axis, and with `--packed` the segment ids MaxText's
 synthetic batches carry (its splash kernels are then the segmented ones on both sides).
 `--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
-row). Each side's HLO, memory and a JSON of the table land in `--out`.
+row). Each side's HLO, memory and a JSON of the table land in `--out`; `--sides=` (none)
+compiles nothing and counts the programs kept there again, e.g. after a change to
+`fnscale.analysis.hlo` (which counts libtpu's fused all-reduce-scatters as the
+reduce-scatters they run: (n-1)/n of the bytes, where an all-reduce sends 2 (n-1)/n).
 """
 from __future__ import annotations
 

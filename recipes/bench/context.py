@@ -26,19 +26,18 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fnscale as fs
+from fnscale.analysis import hlo
+from fnscale.kernels import context_attention as ca
+from recipes.lm import cli
+from recipes.lm import llama
+
+# 8 simulated CPU devices: read when jax's backend starts (first device use), not at import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import fnscale as fs  # noqa: E402
-from fnscale.analysis import hlo  # noqa: E402
-from fnscale.kernels import context_attention as ca  # noqa: E402
-from recipes.lm import cli  # noqa: E402
-from recipes.lm import llama  # noqa: E402
 
 FIGURES = ("correctness", "step", "balance", "traffic")
 # Meshes over 8 devices for each context size: beside a batch and a head split, a batch

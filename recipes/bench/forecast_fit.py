@@ -37,20 +37,18 @@ import os
 import sys
 from typing import NamedTuple
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from fnscale.analysis.plan import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import fnscale as fs
+from fnscale.analysis.plan import (
     FORECAST_TERMS, ForecastTerms, hardware, mesh_str, predict, profile_model)
-from recipes.lm import llama  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import llama
+from recipes.lm import cli
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 # The A3 table gives TFLOP/s per GPU; MFU is that over the dense bf16 peak.

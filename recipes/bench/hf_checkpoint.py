@@ -25,20 +25,18 @@ import shutil
 import sys
 import time
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))))
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+
+import fnscale as fs
+from fnscale.checkpoint import hf
+from recipes.lm import hf_maps, llama
+from recipes.lm import cli
+
+# 8 simulated CPU devices: read when jax's backend starts (first device use), not at import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import fnscale as fs  # noqa: E402
-from fnscale.checkpoint import hf  # noqa: E402
-from recipes.lm import hf_maps, llama  # noqa: E402
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # Tiny random models of each family (transformers' classes and config fields), what

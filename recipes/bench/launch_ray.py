@@ -22,12 +22,9 @@ import sys
 import tempfile
 import time
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-# pylint: disable=wrong-import-position
-from recipes.lm import data  # noqa: E402
-from recipes.launch import launch_local, launch_ray, ray_cluster  # noqa: E402
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.lm import data
+from recipes.launch import launch_local, launch_ray, ray_cluster
+from recipes.lm import cli
 
 _STEP = re.compile(r"step\s+\d+/")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

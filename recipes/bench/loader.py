@@ -21,14 +21,13 @@ import sys
 import tempfile
 import time
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np
 
-from recipes import train_lm  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cache, data, packing  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from recipes import train_lm
+from recipes.lm import cache, cli, data, packing
+
+# 8 simulated CPU devices: read when jax's backend starts (first device use), not at import.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 ROWS, SEQ = 64, 64  # the default CPU main job's global batch: 8 rows x 8 devices, seq 64
 

@@ -29,18 +29,16 @@ import os
 import sys
 from typing import NamedTuple
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax
+import jax.numpy as jnp
+import optax
 
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=wrong-import-position
-import optax  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from fnscale.analysis.plan import hardware, mesh_str, predict, profile_model
+from recipes.lm import moe
+from recipes.lm import cli
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
-from fnscale.analysis.plan import hardware, mesh_str, predict, profile_model  # noqa: E402
-from recipes.lm import moe  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
 
 POLICY = "params=bfloat16,compute=bfloat16,output=float32"  # weight_dtype=bfloat16
 

@@ -12,7 +12,6 @@ the machine slows both of a pair alike).
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -20,10 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-if not __package__:  # run as a script: import `fnscale` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from fnscale.parallel import experts  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cli  # noqa: E402  pylint: disable=wrong-import-position
+from fnscale.parallel import experts
+from recipes.lm import cli
 
 
 def _params(a, key):

@@ -19,17 +19,16 @@ import functools
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import optax
+
+import fnscale as fs
+from fnscale.analysis import hlo
+from recipes.lm import cli, llama
+
+# 8 simulated CPU devices: read when jax's backend starts (first device use), not at import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import fnscale as fs  # noqa: E402
-from fnscale.analysis import hlo  # noqa: E402
-from recipes.lm import cli, llama  # noqa: E402
 
 MIB = 2**20
 

@@ -15,14 +15,11 @@ time their agreement checks took ("check: X ms of work, Y ms waiting for the oth
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import fnscale as fs
 from recipes.lm import cli
 

@@ -60,9 +60,8 @@ from typing import NamedTuple
 from absl import flags
 from absl import logging
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import fnscale as fs  # noqa: E402  pylint: disable=wrong-import-position
+import fnscale as fs
+from recipes.lm import hardware
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -597,6 +596,7 @@ class Config:
   max_devices: int = 8
   json: str = ""
   full: bool = False
+  hardware: hardware.Hardware = hardware.Hardware()  # --topology, --mesh_shape, --tpu
 
 
 FULL = dict(sizes=("nano", "tiny", "wide", "small"),
@@ -627,6 +627,7 @@ def _define_flags(fv):
   flags.DEFINE_string("json", d.json, "also write every number to this JSON file",
                       flag_values=fv)
   flags.DEFINE_boolean("full", d.full, f"more sizes, steps and rounds: {FULL}", flag_values=fv)
+  hardware.define_flags(fv)  # train_lm's hardware options
 
 
 def parse_flags(argv) -> Config:
@@ -641,7 +642,7 @@ def parse_flags(argv) -> Config:
             devices=tuple(int(x) for x in fv.devices), steps=fv.steps, warmup=fv.warmup,
             batch=fv.batch, seq=fv.seq, overhead=tuple(o for o in fv.overhead if o),
             overhead_rounds=fv.overhead_rounds, max_devices=fv.max_devices, json=fv.json,
-            full=fv.full)
+            full=fv.full, hardware=hardware.from_values(fv))
   if fv.full:
     kw.update({k: v for k, v in FULL.items() if k not in given})
   cfg = Config(**kw)
@@ -665,6 +666,7 @@ def run(cfg: Config, *, say=print) -> dict:
   """Runs the benchmark per `cfg`; returns {"rows", "overhead", "peak", "text"}."""
   fs.simulate_cpu_devices(cfg.max_devices)
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  topo = hardware.detect(cfg.hardware)
   platform = jax.devices()[0].platform
   if platform == "cpu":
     host = fs.flops.host_matmul_peak()  # measured once per machine, cached
@@ -675,7 +677,7 @@ def run(cfg: Config, *, say=print) -> dict:
             "it (devices x peak per device = that rate). CPU numbers are relative.")
   else:
     peak_host = None
-    per = fs.flops.peak_flops()
+    per = topo.peak_flops_per_device
     note = (f"Peak FLOP/s per device: {per / 1e12:.0f} TFLOP/s (bf16 facts table)" if per else
             "Peak FLOP/s unknown for this device kind: MFU not reported")
   rows, skipped = [], []
@@ -686,7 +688,7 @@ def run(cfg: Config, *, say=print) -> dict:
         for n in cfg.devices:
           if n == 1 and spec != cfg.meshes[0]:
             continue  # on one device every mesh is the same program
-          per_device = peak_host / n if peak_host else fs.flops.peak_flops()
+          per_device = peak_host / n if peak_host else topo.peak_flops_per_device
           try:
             row = measure(size, spec, n, batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
                           warmup=cfg.warmup, peak_per_device=per_device)
@@ -705,7 +707,8 @@ def run(cfg: Config, *, say=print) -> dict:
       overheads.append(overhead(size, spec or "fsdp=-1", n, batch=cfg.batch, seq=cfg.seq,
                                 rounds=rounds, warmup=max(cfg.warmup, 2)))
       say(f"# overhead {size}: {overheads[-1].ratio:.3f}")
-  text = tables(rows, overheads, peak_note=note, header=_machine())
+  text = tables(rows, overheads, peak_note=note,
+                header=_machine() + "\n" + hardware.describe(topo))
   if skipped:
     text += "\n\nSkipped (the mesh does not fit):\n" + "\n".join(f"- {s}" for s in skipped)
   result = {"rows": [dataclasses.asdict(r) for r in rows],

@@ -14,10 +14,8 @@ import os
 import sys
 import tempfile
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes import train_tokenizer  # noqa: E402  pylint: disable=wrong-import-position
-from recipes.lm import cache, cli, data  # noqa: E402  pylint: disable=wrong-import-position
+from recipes import train_tokenizer
+from recipes.lm import cache, cli, data
 
 
 def main(argv=None) -> int:

@@ -55,9 +55,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from absl import flags
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.launch import launch_local, ray_cluster  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.launch import launch_local, ray_cluster
 
 EXIT_PREEMPTED = 143  # fnscale.multihost.preemption.EXIT_PREEMPTED (not imported: no jax here)
 EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
@@ -500,16 +498,16 @@ def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
   if not argv or os.path.basename(argv[0]) != "train_lm.py":
     return None
   from recipes import train_lm
-  from recipes.lm import checkpoints, harness  # pylint: disable=import-outside-toplevel
+  from recipes.lm import checkpoints, cli, rundir  # pylint: disable=import-outside-toplevel
   try:
-    o = harness.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
+    o = cli.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
     return None
   if not (o.run_dir or o.checkpoint_dir):  # train_lm's default: per model and vocabulary
     if o.model_config is None or o.tokenizer:  # the platform's default model, a tokenizer's
       return None                              # vocabulary: known only where it runs
-    o = dataclasses.replace(o, run_dir=harness.default_run_dir(o.model_config, o.dataset, "",
-                                                               256))
+    o = dataclasses.replace(o, run_dir=rundir.default_run_dir(o.model_config, o.dataset, "",
+                                                              256))
   d = checkpoints.directory(o)
   return None if not d else d if "://" in d else os.path.join(cwd, d)
 

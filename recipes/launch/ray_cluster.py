@@ -22,9 +22,7 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-if not __package__:  # run as a script: import `recipes` from the repository root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from recipes.launch import launch_local  # noqa: E402  pylint: disable=wrong-import-position
+from recipes.launch import launch_local
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL when the cluster is stopped
 

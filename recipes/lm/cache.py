@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -168,12 +169,12 @@ def _check_same(out: str, new: dict) -> None:
 
 
 def _tokenizer(spec: BuildSpec) -> shards.Tokenizer:
-  template = None
-  if spec.chat:
-    template = chat.load_template(shards.tokenizer_file(spec.tokenizer)
-                                  if spec.tokenizer != shards.BYTES else shards.BYTES,
-                                  spec.chat_template)
-  return shards.Tokenizer(spec.tokenizer, template)
+  if not spec.chat:
+    return shards.Tokenizer(spec.tokenizer)
+  template = chat.load_template(shards.tokenizer_file(spec.tokenizer)
+                                if spec.tokenizer != shards.BYTES else shards.BYTES,
+                                spec.chat_template)
+  return shards.Tokenizer(spec.tokenizer, functools.partial(chat.tokenize, template=template))
 
 
 def _copy_tokenizer(spec: BuildSpec) -> None:

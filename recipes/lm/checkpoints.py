@@ -1,9 +1,14 @@
 """A run's checkpoints, as `train_lm.py` keeps them: resume from the newest good one (with the
 data iterator where it was), save only finite states (each with the data position), and say
-when a save can't fit the preemption window. `s` is train_lm's `Setup`; `ckpt` a
+when a save can't fit the preemption window. A state's frozen params (a LoRA run's base,
+`TrainState.frozen`) are never saved: they are the run's input (--init_from, or the seed),
+named in each checkpoint's extra by where they came from and their fingerprint
+(`fnscale.checkpoint.fingerprint`), and taken from a fresh init on resume after checking that
+fingerprint. `s` is train_lm's `run_setup.Setup`; `ckpt` a
 `fnscale.checkpoint.Manager`, or None when checkpoints are off."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable, NamedTuple
@@ -11,30 +16,41 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import data
+from recipes.lm import batches
 
 
 def directory(o) -> str:
   """Where a run with train_lm options `o` (its `run_dir` filled in:
-  `harness.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
+  `rundir.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
   return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+
+
+def manager(o):
+  """A context of the run's one checkpoint manager (`fnscale.checkpoint.manager` over
+  `o.checkpoint_dir`, keeping `o.checkpoint_keep`), or of None with checkpoints off;
+  leaving it waits for the last save."""
+  if not o.checkpoint_dir:
+    return contextlib.nullcontext()
+  return fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep)
 
 
 def with_finite_flag(step):
   """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
-  check into the step; the loop reads it before any save)."""
+  check into the step; the loop reads it before any save). Frozen params, which the step
+  never changes, are not read."""
   def step_with_flag(state, batch):
     state, metrics = step(state, batch)
-    return state, {**metrics, "finite": fs.checkpoint.all_finite((state, metrics["loss"]))}
+    kept = state._replace(frozen=None)
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((kept, metrics["loss"]))}
   return step_with_flag
 
 
-def resume(s, ckpt, init, batches, say):
+def resume(s, ckpt, init, train_rows, say):
   """(state, start step, the step resumed from or None): the newest good checkpoint of
-  `ckpt`, with `batches` at each process's saved position, else a fresh `init()`. Says
+  `ckpt`, with `train_rows` at each process's saved position, else a fresh `init()`. Says
   whether a save fits the preemption window and compiles the save's finiteness check."""
   o = s.o
-  state, start, extra = restore_or_init(ckpt, init, batches, dict(
+  state, start, extra = restore_or_init(ckpt, init, train_rows, dict(
       seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
       f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
       f"{s.cfg.vocab})")
@@ -47,10 +63,10 @@ def resume(s, ckpt, init, batches, say):
   return state, start, None if extra is None else start
 
 
-def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
+def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
   """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
-  non-finite newer step is refused and left as it is), with the data iterator `batches` put
-  at the position each process saved (`data.resharded_position` maps positions saved by
+  non-finite newer step is refused and left as it is), with the data iterator `train_rows` put
+  at the position each process saved (`batches.resharded_position` maps positions saved by
   another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
   Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
   differ).
@@ -62,15 +78,18 @@ def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
   listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
   if not listed:
     return init(), 0, None
+  target = init(abstract=True)
   try:
-    state, extra = fs.checkpoint.restore(ckpt, init(abstract=True), data=batches,
-                                         reshard_data=data.resharded_position)
+    state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None), data=train_rows,
+                                         reshard_data=batches.resharded_position)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
         f"{run or ckpt.directory} can't resume from the checkpoints already in "
         f"{ckpt.directory} (steps {list(listed)}): {e} To keep them and start this run "
         "afresh, give it another directory (--run_dir=NEW_DIR, or --checkpoint_dir); to start "
         f"over in this one, remove {ckpt.directory} first.") from None
+  if target.frozen is not None:
+    state = state._replace(frozen=frozen_params(init, extra, ckpt.directory))
   start = int(extra["step"])
   refused = [d for d in listed if d > start]
   if refused:
@@ -83,6 +102,25 @@ def restore_or_init(ckpt, init, batches, expect: dict, say, run: str = ""):
         "differs from the original run")
   say(f"resumed from step {start} ({ckpt.directory})")
   return state, start, extra
+
+
+def frozen_params(init, extra: dict, directory: str):
+  """The frozen params of a fresh `init()`, checked against the fingerprint the checkpoint's
+  `extra` recorded of those it was trained beside.
+
+  Raises:
+    CheckpointError: they differ (another base model), naming both and the fix.
+  """
+  frozen = init().frozen
+  saved = (extra.get("frozen") or {}).get("fingerprint")
+  got = fs.checkpoint.fingerprint(frozen)
+  if saved is not None and saved != got:
+    raise fs.CheckpointError(
+        f"the checkpoints in {directory} were trained beside frozen params "
+        f"{extra['frozen'].get('source')!r} of fingerprint {saved}, but this run's are "
+        f"fingerprint {got}: another base model. Fix: resume with the same --init_from (and "
+        "--precision) as the saved run, or start afresh in another --run_dir")
+  return frozen
 
 
 def say_save_window(ckpt, grace_s: float, say) -> bool:
@@ -110,13 +148,13 @@ class Saver(NamedTuple):
   commit: Callable  # commit(): wait until the last save is committed
 
 
-def saver(s, ckpt, batches, resumed: int | None, say) -> Saver:
+def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
   """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
   steps since the last check are read before every save and progress line), saves go through
   `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
   preemption window is said as soon as its time is known (at start-up from the last run's
   save; in the run from its second save: the first one's time includes one-off compiles)."""
-  flags, last_saved, warned, saves = [], resumed, False, 0
+  flags, last_saved, warned, saves, frozen = [], resumed, False, 0, {}
 
   def check():
     bad = first_nonfinite(flags)
@@ -132,10 +170,14 @@ def saver(s, ckpt, batches, resumed: int | None, say) -> Saver:
     if saves >= 2 and not warned:  # the first save's time includes one-off compiles
       warned = say_save_window(ckpt, s.o.grace_s, say)
     t = time.time()
+    if state.frozen is not None and not frozen:  # named once: they never change
+      frozen.update(source=s.o.init_from or f"fresh, seed {s.o.seed}",
+                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
     # Before the next batch is read: the iterator's position is this step's.
-    fs.checkpoint.save(ckpt, step, state, data=batches, extra=dict(
+    fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows, extra=dict(
         step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
-        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train)))
+        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train),
+        **({"frozen": dict(frozen)} if frozen else {})))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
         f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")

@@ -5,17 +5,24 @@ stderr and exit status 2, never a traceback or a usage block.
 refusals, absl flag errors); `ArgumentParser` is argparse's, refusing by raising;
 `number(...)` is an argparse `type=` that also checks the range; `absl_run(main)` replaces
 `absl.app.run` for recipes whose flags are absl's.
+
+A recipe whose options are a frozen dataclass (train_lm's `Options`, pretokenize's) declares
+each field with `option(default, help)` and gets, from the class alone, its flags
+(`parse_flags`), its keywords (`check_options`) and its command line (`options_main`).
 """
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+import dataclasses
 import math
+import os
 import sys
 
 from absl import flags
 
-from fnscale.errors import FnscaleError, InputError
+import fnscale as fs
+from fnscale.errors import FnscaleError, InputError, did_you_mean
 
 EXIT_BAD_INPUT = 2
 
@@ -91,3 +98,91 @@ def check_range(value, *, minimum=None, above=None, maximum=None) -> str | None:
     if bound is not None and not ok(bound):
       return f"must be {word} {bound:g}"
   return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Options as a frozen dataclass: its flags, its keywords, its command line
+# ------------------------------------------------------------------------------------------------
+
+
+def option(default, help_: str):
+  """A field of an options dataclass: its default and its `--help` line (numbers' ranges:
+  the class's `RANGES`, {name: check_range's bounds}; words' values: its `CHOICES`)."""
+  return dataclasses.field(default=default, metadata={"help": help_})
+
+
+def check_options(cls, options: dict):
+  """`cls(**options)` after checking each name, type (an int is a float; a bool is no int)
+  and range.
+
+  Raises:
+    FnscaleError: an unknown name (the message lists the known ones), a wrong type or a
+      number out of its range (the message names the option and the range).
+  """
+  known = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in options.items():
+    if name not in known:
+      raise fs.InputError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
+    kind = known[name].type.split(" | ")
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind[0]]
+    if not ((value is None and "None" in kind) or (
+        isinstance(value, types) and (kind[0] == "bool" or not isinstance(value, bool)))):
+      raise fs.InputError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
+                            f"{type(value).__name__}")
+  return _check_ranges(cls(**options))
+
+
+def _check_ranges(o):
+  """`o` (an options dataclass) after checking each number against its range (the class's
+  `RANGES`; floats must be finite) and each word against its `CHOICES`."""
+  ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
+  for f in dataclasses.fields(o):
+    value = getattr(o, f.name)
+    if f.name in choices and value not in choices[f.name]:
+      raise fs.InputError(f"--{f.name}={value!r}: expected one of {list(choices[f.name])}"
+                          + did_you_mean(value, choices[f.name]))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      problem = check_range(value, **ranges.get(f.name, {}))
+      if problem:
+        raise fs.InputError(f"--{f.name}={value!r} {problem}: {f.metadata['help']}")
+  return o
+
+
+def _flag_values(cls) -> flags.FlagValues:
+  fv = flags.FlagValues()
+  define = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer,
+            "float": flags.DEFINE_float, "str": flags.DEFINE_string}
+  for f in dataclasses.fields(cls):
+    define[f.type.split(" | ")[0]](f.name, f.default, f.metadata["help"], flag_values=fv)
+  return fv
+
+
+def parse_flags(cls, argv: list[str]):
+  """absl flags (argv[0] is the program name) -> `cls`. Raises FnscaleError on a bad flag."""
+  fv = _flag_values(cls)
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    raise fs.InputError(f"{e}; see --help") from None
+  if len(rest) > 1:
+    raise fs.InputError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
+  return _check_ranges(cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)}))
+
+
+def options_main(argv: list[str], cls, run, doc: str) -> int:
+  """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
+  Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
+  by SIGTERM (`run`'s result has `stopped`)."""
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(doc + "\nflags:\n" + _flag_values(cls).get_help())
+    return 0
+  try:
+    summary = run(parse_flags(cls, argv))
+  except fs.FnscaleError as e:
+    status = report(e)
+    if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
+      # Python's own exit would wait for the lost process at JAX's shutdown barrier.
+      sys.stdout.flush()
+      os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
+    return status
+  return 143 if summary.stopped == "SIGTERM" else 0

@@ -1,4 +1,4 @@
-"""The data of `train_lm.py`: a text corpus as tokens, a held-out split, batches through grain.
+"""The data of `train_lm.py`: a text corpus as tokens, a held-out split, the baseline to beat.
 
 Corpora (`dataset=`): "stdlib", every .py file of the running interpreter's standard library
 (about 30 MB on CPython 3.11); "tiny_corpus", the fixed list of standard-library modules in
@@ -6,12 +6,7 @@ Corpora (`dataset=`): "stdlib", every .py file of the running interpreter's stan
 offline); or a text file, a directory or a glob. Tokens are bytes (vocabulary 256) unless a
 Hugging Face `tokenizer.json` is given.
 
-Batches come from grain (`grain.MapDataset`): the split is cut into windows of seq + 1 tokens,
-shuffled from the seed (a new order each epoch), repeated for the epochs asked, sliced so each
-process reads only the rows its devices hold, and batched. Each process's iterator position
-goes into each checkpoint (`fnscale.checkpoint.save(..., data=iterator)`, grain's own orbax
-handler), so a resumed run reads exactly what the uninterrupted one would, with the same or
-another process count (`resharded_position`).
+Batches of a corpus: `batches.py`.
 
 A token cache (`recipes/pretokenize.py`) or a weighted mixture of caches ("web:0.7,code:0.3",
 or a JSON file of weights) is read through `packing.py` instead: documents packed into rows
@@ -21,18 +16,16 @@ the two apart (`is_packed`).
 """
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import sysconfig
 from typing import Callable, NamedTuple
 
-import grain
 import numpy as np
 
 import fnscale as fs
-
-CORPORA = ("stdlib", "tiny_corpus")
+from recipes.lm import cache, packing, shards
+from recipes.lm.options import CORPORA
 
 # Standard-library modules of `tiny_corpus`: general-purpose pure-Python code, about 1 MB.
 TINY_CORPUS = (
@@ -60,6 +53,8 @@ class Corpus(NamedTuple):
   describe: str
   # A token cache or mixture: (packing.Source list, the run's tokenizer); None for text.
   packed: tuple | None = None
+  # DPO's preference pairs: (train, held out), each [(preference.Pair, its name)]; None else.
+  preference: tuple | None = None
 
 
 def corpus_files(spec: str | None) -> list[str]:
@@ -121,7 +116,6 @@ def split(text: bytes) -> tuple[bytes, bytes]:
 def is_packed(dataset: str) -> bool:
   """Whether `dataset` names token caches (a cache directory, a mixture of them with
   weights, or a JSON file of weights) rather than text."""
-  from recipes.lm import cache, packing  # pylint: disable=import-outside-toplevel
   if not dataset or dataset in CORPORA:
     return False
   if dataset.endswith(".json") and os.path.isfile(dataset):
@@ -258,106 +252,6 @@ def check_fits(corpus: Corpus, seq: int) -> None:
         f"at least seq + 1 = {seq + 1} tokens. Use a smaller seq or more data")
 
 
-def _window(tokens: np.ndarray, seq: int, i: int) -> np.ndarray:
-  return tokens[i * seq:i * seq + seq + 1]
-
-
-def _inputs_targets(rows: np.ndarray) -> dict:
-  rows = rows.astype(np.int32)
-  return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-
-
-def windows(tokens: np.ndarray, seq: int, seed: int, epochs: int | None) -> grain.MapDataset:
-  """Windows of seq + 1 tokens (consecutive windows share one token: inputs and targets),
-  shuffled from `seed` with a new order each epoch, repeated `epochs` times (None: forever)."""
-  n = (len(tokens) - 1) // seq
-  ds = grain.MapDataset.range(n).map(functools.partial(_window, tokens, seq))
-  return ds.shuffle(seed=seed).repeat(epochs)
-
-
-def steps_for(corpus: Corpus, seq: int, global_batch: int, epochs: int | None,
-              steps: int | None) -> int | None:
-  """Train steps: `steps`, or the global batches grain makes of `epochs` passes over the train
-  split; None when neither is given (the caller's default).
-
-  Raises:
-    FnscaleError: both given, epochs < 1, steps < 0, or epochs too short for one batch.
-  """
-  if epochs is not None and epochs < 1:
-    raise fs.InputError(f"epochs={epochs}: expected >= 1 passes over the training split "
-                          "(or give steps instead)")
-  if steps is not None and steps < 0:
-    raise fs.InputError(f"steps={steps}: expected >= 0")
-  if epochs is not None and steps is not None:
-    raise fs.InputError(f"epochs={epochs} and steps={steps}: give one of them")
-  if epochs is None:
-    return steps
-  n = len(windows(corpus.train, seq, 0, epochs).batch(global_batch, drop_remainder=True))
-  if n < 1:
-    raise fs.InputError(
-        f"epochs={epochs} makes no step: the training split has "
-        f"{(len(corpus.train) - 1) // seq} windows of seq + 1 = {seq + 1} tokens, fewer than "
-        f"one global batch of {global_batch} rows; use more epochs, a smaller batch or seq")
-  return n
-
-
-def process_shard(sharding, global_batch: int) -> tuple[int, int]:
-  """`(index, count)`: this process holds rows [index * n, (index + 1) * n) of every global
-  batch, n = global_batch / count (processes sharing rows, as over a tensor axis, share an
-  index). Raises ShardingError when its rows are not one contiguous block."""
-  rows = set()
-  for idx in sharding.addressable_devices_indices_map((global_batch, 1)).values():
-    rows.update(range(*idx[0].indices(global_batch)))
-  rows = sorted(rows)
-  if rows != list(range(rows[0], rows[0] + len(rows))) or global_batch % len(rows):
-    raise fs.ShardingError(f"this process holds rows {rows[:4]}... of the global batch of "
-                           f"{global_batch}: not one contiguous block; order the mesh's "
-                           "devices by process")
-  return rows[0] // len(rows), global_batch // len(rows)
-
-
-def batches(corpus: Corpus, sharding, seq: int, global_batch: int, seed: int,
-            eval_batches: int):
-  """`(train, evals)`: a grain iterator over this process's rows of each training batch
-  ({"inputs", "targets"} int32 [global_batch / count, seq]; `get_state()` / `set_state()`
-  give its position: `fnscale.checkpoint` saves and restores it), and `eval_batches`
-  held-out batches likewise.
-  """
-  index, count = process_shard(sharding, global_batch)
-  local = global_batch // count
-  shard = lambda ds: ds[index::count].batch(local, drop_remainder=True).map(_inputs_targets)
-  # One reader thread a little ahead is plenty for windows; more would take the CPU's cores.
-  read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
-  train = iter(shard(windows(corpus.train, seq, seed, None)).to_iter_dataset(read))
-  held = shard(windows(corpus.eval, seq, seed + 1, None))
-  return train, [held[i] for i in range(eval_batches)]
-
-
-def resharded_position(saved: list, index: int, count: int) -> dict:
-  """The position of process `index` of `count` in a job resumed with another process count
-  than the one that saved `saved` (one position per saved process):
-  `fnscale.checkpoint.restore(..., data=train, reshard_data=resharded_position)`.
-
-  `batches` gives process i of n the batches of its slice [i::n] of one window order,
-  global_batch / n rows each, so batch k of every slicing covers the same windows, global
-  batch k, and a job's processes all stand at the same k. Each new process starts at batch k
-  of its own slice: the saved position itself.
-
-  Raises:
-    FnscaleError: the saved positions differ (not a job of `batches`).
-  """
-  if saved and isinstance(saved[0], dict) and "rows" in saved[0]:  # packed rows' positions
-    from recipes.lm import packing  # pylint: disable=import-outside-toplevel
-    return packing.resharded_position(saved, index, count)
-  del index, count  # every process of the new job starts at the same global batch
-  if any(p != saved[0] for p in saved[1:]):
-    raise fs.FnscaleError(
-        f"the {len(saved)} saved data positions differ ({saved[:4]}): they don't stand at one "
-        f"global batch, so they can't be mapped onto another process count; resume with "
-        f"{len(saved)} processes")
-  return saved[0]
-
-
 # Tokens (at most) and documents of each split read for the baseline and the run's identity.
 SAMPLE_TOKENS, SAMPLE_DOCS = 1 << 20, 2000
 
@@ -371,7 +265,6 @@ def load_packed(dataset: str, tokenizer: str = "") -> Corpus:
   Raises:
     InputError: see `packing.open_mixture`.
   """
-  from recipes.lm import packing, shards  # pylint: disable=import-outside-toplevel
   sources, tok_spec = packing.open_mixture(dataset, tokenizer)
   m = [s.cache.manifest for s in sources]
   # At most one pass: each split's documents once (or the first SAMPLE_DOCS).
@@ -410,18 +303,3 @@ def check_epochs(dataset: str, epochs: int | None) -> None:
   if epochs is not None and is_packed(dataset):
     raise fs.InputError(f"epochs={epochs}: token caches are read as an endless mixture; "
                         "give --steps instead")
-
-
-def run_batches(s, sharding) -> tuple:
-  """(train iterator, eval batches) of train_lm's run `s` (its `harness.Setup`), this
-  process's rows under `sharding`: packed rows of token caches (`packing.batches`, the rows
-  `fnscale.process_rows` names), else windows of text (`batches`)."""
-  from recipes.lm import packing  # pylint: disable=import-outside-toplevel
-  o, seq = s.o, s.cfg.seq
-  if s.corpus.packed is None:
-    return batches(s.corpus, sharding, seq, o.global_batch, o.seed, o.eval_batches)
-  spec, rows = packing.spec(o, seq), fs.process_rows(sharding, o.global_batch)
-  sources = s.corpus.packed[0]
-  train = packing.batches(sources, rows, o.global_batch, spec, o.seed)
-  held = packing.batches(sources, rows, o.global_batch, spec, o.seed, held=True)
-  return train, [next(held) for _ in range(o.eval_batches)]

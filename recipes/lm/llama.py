@@ -223,6 +223,20 @@ _AXES = {
 }
 
 
+# The weights LoRA adapts (`fnscale.lora`), by name: the layout of one layer's weight ('i' its
+# dims contracted with the activations, 'o' those it produces); the stored layer dims lead.
+LORA_WEIGHTS = {"wq": "ioo", "wk": "ioo", "wv": "ioo", "wo": "iio", "w_gate": "io",
+                "w_up": "io", "w_down": "io"}
+
+
+def lora_targets(cfg: ModelConfig, names=None) -> tuple:
+  """`fnscale.lora.LoraConfig.targets` for the block weights `names` (default every one of
+  `LORA_WEIGHTS`): ("blocks/<name>", layout) pairs, with the stored layer dims ([layers],
+  or a circular pipeline's [stages, repeats, layers per stage]) as 'l's."""
+  stacked = "l" if cfg.repeats == 1 else "lll"
+  return tuple((f"blocks/{n}", stacked + LORA_WEIGHTS[n]) for n in (names or LORA_WEIGHTS))
+
+
 # Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
 # heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
 # output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
@@ -318,17 +332,17 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling, positions))
   v = fs.constrain_batch(v)
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
-  x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
+  x = x + fs.lora.einsum("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  g = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, p["w_gate"]))
-  u = jnp.einsum("bsd,df->bsf", h, p["w_up"])
-  return x + jnp.einsum("bsf,fd->bsd", g * u, p["w_down"])
+  g = jax.nn.silu(fs.lora.einsum("bsd,df->bsf", h, p["w_gate"]))
+  u = fs.lora.einsum("bsd,df->bsf", h, p["w_up"])
+  return x + fs.lora.einsum("bsf,fd->bsd", g * u, p["w_down"])
 
 
 def _project(h, p, name: str, cfg: ModelConfig):
   """q, k or v [batch, seq, heads, head_dim]: the projection, its bias and its per-head RMSNorm
   where the params have them (Qwen2's biases, Qwen3's q/k norm)."""
-  out = jnp.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
+  out = fs.lora.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
   if f"b{name}" in p:
     out = out + p[f"b{name}"].astype(out.dtype)
   if f"{name}_norm" in p:

@@ -3,7 +3,7 @@ start of a run (`--init_from`) and as its result (`--export_hf`).
 
 Each model module has one interface: `SIZES`, `model_config(size, seq)`, `init_params`,
 `RULES`, `logical_axes`, `loss_fn(params, batch, *, remat, cfg, ...)`, `apply`,
-`flops_per_token`. `s` below is train_lm's `harness.Setup`.
+`flops_per_token`. `s` below is train_lm's `run_setup.Setup`.
 """
 from __future__ import annotations
 

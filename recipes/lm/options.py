@@ -1,6 +1,9 @@
 """train_lm's options: each one's flag `--name`, keyword of `train_lm`, default, `--help`
-line and, for a number, its range (`Options.RANGES`, checked by `harness.check_options` and
-`harness.parse_flags` before anything runs)."""
+line and, for a number, its range (`Options.RANGES`), for a word, its values
+(`Options.CHOICES`), all checked by `cli.check_options` (keywords) and `cli.parse_flags`
+(flags) before anything runs; and the defaults that follow the hardware and the run's length,
+in one place (`PLATFORM_DEFAULTS`, `schedule_defaults`). Nothing here runs: the words an
+option takes are defined here and used by the modules that act on them."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,35 +13,76 @@ from fnscale.kernels import context_attention
 from fnscale.kernels.attention import IMPLEMENTATIONS
 from fnscale.multihost import preemption
 from fnscale.step import ACCUM_GATHER
-from recipes.lm import data, models, packing
-from recipes.lm import harness
-from recipes.lm.harness import option
+from recipes.lm.cli import option
+
+CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
+PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documents into rows
+LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
+MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
+OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
+DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
+TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
+
+# The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
+# default run in ~2-3 minutes on 2 cores (README, "The main job").
+PLATFORM_DEFAULTS = {
+    "cpu": dict(model_config="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1"),
+    "accelerator": dict(model_config="small", seq=1024, batch_size=16, steps=5000,
+                        mesh="fsdp=-1")}
+# Peak learning rate by model; other models 3e-4.
+LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
+      "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3}
+DEFAULT_LR = 3e-4
+
+
+def _by_platform(name: str) -> str:
+  """'default X on CPU, Y on TPU/GPU' for option `name`'s `PLATFORM_DEFAULTS`."""
+  cpu, accel = PLATFORM_DEFAULTS["cpu"][name], PLATFORM_DEFAULTS["accelerator"][name]
+  return f"default {cpu} on CPU, {accel} on TPU/GPU"
+
 
 _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "accum_steps", "devices",
              "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
-                 "temperature", "shutdown_delay_s", "num_processes")
+                 "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
+                 "dpo_label_smoothing")
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default."""
+class Hardware:
+  """The options that say what hardware a recipe runs on, train_lm's and the benchmarks'
+  (`recipes.lm.hardware` adds them to a benchmark's flags and detects the topology)."""
+  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
+  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
+  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(Hardware):
+  """Every option: a flag `--name` and a keyword of `train_lm`. None: the platform default.
+  The hardware options (`--topology`, `--mesh_shape`, `--tpu`) are `Hardware`'s."""
   # option -> its range (cli.check_range's minimum / above / maximum)
   RANGES: ClassVar[dict] = {**dict.fromkeys(_POSITIVE, dict(minimum=1)),
                             **dict.fromkeys(_NON_NEGATIVE, dict(minimum=0)),
                             "lr": dict(above=0), "grace_s": dict(above=0),
                             "min_lr_ratio": dict(minimum=0, maximum=1),
+                            "lora_alpha": dict(above=0), "dpo_beta": dict(above=0),
+                            "lora_dropout": dict(minimum=0, maximum=0.99),
+                            "dpo_pairs": dict(minimum=1),
                             "process_id": dict(minimum=-1)}
   # option -> the values it takes (a word of --help is no substitute for a check)
-  CHOICES: ClassVar[dict] = {"packing": packing.PACKINGS, "long_docs": packing.LONG_DOCS,
+  CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
                              "accum_gather": ACCUM_GATHER,
                              "attention": IMPLEMENTATIONS,
                              "context": context_attention.FORMS,
-                             "context_order": context_attention.ORDERS}
-  model_config: str | None = option(None, f"model, one of {list(models.MODELS)}; default "
-                                  "tiny_gpt2 on CPU, small on TPU/GPU")
-  dataset: str = option("stdlib", f"corpus: {list(data.CORPORA)}, a file, directory or glob; "
+                             "context_order": context_attention.ORDERS,
+                             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
+                             "tracker": TRACKERS}
+  model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
+                                    "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
+                                    f"moe-tiny, ...); {_by_platform('model_config')}")
+  dataset: str = option("stdlib", f"corpus: {list(CORPORA)}, a file, directory or glob; "
                         "or token caches (recipes/pretokenize.py): DIR, 'DIR:0.7,DIR2:0.3' "
                         "or a JSON file of weights")
   packing: str = option("first_fit", "token caches: packing of documents into rows, "
@@ -52,12 +96,37 @@ class Options:
                           "its tokenizer (instead of --model_config, --tokenizer)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
-  seq: int | None = option(None, "sequence length in tokens; default 64 on CPU, 1024 TPU/GPU")
-  batch_size: int | None = option(None, "rows per data-parallel device; default 8 CPU, 16 TPU")
+  export_adapter: str = option("", "with --lora_rank: also write the adapters as a Hugging "
+                               "Face PEFT adapter here; default EXPORT_HF/adapter")
+  objective: str = option("lm", "lm: next-token loss on --dataset; dpo: preference pairs "
+                          "(DPO) from a JSONL/Parquet file of prompt, chosen, rejected rows, "
+                          "the frozen base as the reference (needs --lora_rank)")
+  lora_rank: int = option(0, "LoRA rank: train low-rank adapters of the model's matmul "
+                          "weights, the base frozen (0: full fine-tuning)")
+  lora_alpha: float | None = option(None, "LoRA alpha: adapters add alpha / rank x A B; "
+                                    "default 2 x rank")
+  lora_dropout: float = option(0.0, "LoRA dropout on the adapted weights' inputs")
+  lora_targets: str = option("", "LoRA targets: the model's weight names (wq,wk,wv,wo,"
+                             "w_gate,w_up,w_down) or regexes over its leaf paths, "
+                             "comma-separated; default all of them")
+  chat_template: str = option("", "--objective=dpo: a Jinja chat template file; default the "
+                              "tokenizer's")
+  dpo_beta: float = option(0.1, "DPO's beta (the reference KL penalty's inverse temperature)")
+  dpo_label_smoothing: float = option(0.0, "DPO's label smoothing, the fraction of flipped "
+                                      "preferences in [0, 0.5): cDPO (sigmoid) or rDPO")
+  dpo_loss: str = option("sigmoid", "DPO loss: sigmoid (DPO, cDPO) or robust (rDPO)")
+  dpo_pairs: int = option(8, "--objective=dpo: at most this many pairs packed in a row")
+  tracker: str = option("tensorboard", "where scalars go besides metrics.jsonl: "
+                        "tensorboard (event files in run_dir) or wandb (Weights & Biases; "
+                        "WANDB_MODE=offline works without a network)")
+  seq: int | None = option(None, f"sequence length in tokens; {_by_platform('seq')}")
+  batch_size: int | None = option(None, "rows per data-parallel device; "
+                                  + _by_platform("batch_size"))
   global_batch: int | None = option(None, "global batch in rows (instead of batch_size)")
   epochs: int | None = option(None, "passes over the training split (instead of steps)")
-  steps: int | None = option(None, "train steps; default 200 on CPU, 5000 on TPU/GPU")
-  lr: float | None = option(None, "peak lr of the warmup + cosine schedule; default by size")
+  steps: int | None = option(None, f"train steps; {_by_platform('steps')}")
+  lr: float | None = option(None, "peak lr of the warmup + cosine schedule; default by model "
+                            f"(e.g. tiny_gpt2 {LR['tiny_gpt2']:g}, small {LR['small']:g})")
   warmup_steps: int | None = option(None, "linear warmup steps; default steps / 20, <= 500")
   min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak")
   weight_decay: float = option(0.1, "AdamW weight decay on weight matrices and embeddings")
@@ -67,11 +136,11 @@ class Options:
                                   "skipped for non-finite gradients (float16's loss "
                                   "scale), although the loss was finite (0: never)")
   accum_steps: int = option(1, "gradient accumulation micro-steps per step (splits the batch)")
-  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (reduce once where the "
-                             "params are replicated over the data axes, else as "
-                             "per_microbatch), 'per_microbatch' (params stay sharded) or "
-                             "'once' (whole params on each device)")
-  precision: str = option("auto", f"jmp policy, e.g. '{harness.MIXED}', 'float32', 'bfloat16'; "
+  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (as 'once', but as "
+                             "per_microbatch for a loss that takes a key), 'per_microbatch' "
+                             "(params stay sharded, gradients reduced every microbatch) or "
+                             "'once' (whole params on each device, gradients reduced once)")
+  precision: str = option("auto", f"jmp policy, e.g. '{MIXED}', 'float32', 'bfloat16'; "
                         "auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
   context: str = option("all_gather", "attention over a sequence split by a 'context' mesh "
@@ -82,15 +151,11 @@ class Options:
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                              "(Llama models: their layers run as stages); default: the "
                              "stages")
-  tpu: bool | None = option(None, "True: require a TPU; default: whatever devices there are")
   mesh: str = option("", "mesh axes in a slice, e.g. 'data=-1,fsdp=2,tensor=2' (-1: the "
                      "rest); 'auto': fnscale.analysis.plan's choice of mesh, remat and "
-                     "accumulation for this machine; default data=-1 on CPU, fsdp=-1 on "
-                     "TPU/GPU")
-  mesh_shape: str = option("", "topology override: chip grid '2x4x8', slices first '2x4x4x8'")
+                     f"accumulation for this machine; {_by_platform('mesh')}")
   dcn: str = option("", "mesh axes across slices (TPU multi-slice), e.g. 'replica=2'; "
                     "default replica=<slices> when the devices span several slices")
-  topology: str = option("", "hardware override, e.g. 'v5p:2x2x2' or 'v5p-16'")
   devices: int | None = option(None, "simulated CPU devices (CPU-only machines); default 8")
   seed: int = option(0, "seed of the params init, the data order and sampling")
   run_dir: str = option("", "directory of metrics.jsonl, TensorBoard events, run.json, "
@@ -119,3 +184,24 @@ class Options:
                                   "JAX_COORDINATOR_ADDRESS or auto-detected (pods, SLURM)")
   num_processes: int = option(0, "multi-process: process count (env JAX_NUM_PROCESSES)")
   process_id: int = option(-1, "multi-process: this process's id (env JAX_PROCESS_ID)")
+
+
+def platform_default(o: Options, name: str, platform: str):
+  """Option `name` of `o`, or its default on `platform` ("cpu": CPU, else TPU/GPU) where
+  not given (None or "")."""
+  given = getattr(o, name)
+  if given not in (None, ""):
+    return given
+  return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"][name]
+
+
+def schedule_defaults(o: Options, model: str, steps: int) -> Options:
+  """`o` with `steps` and the options that follow the run's length and model filled in
+  where not given: peak lr by model (`LR`), warmup steps / 20 (at most 500), 25 progress
+  lines and 5 evals a run."""
+  return dataclasses.replace(
+      o, steps=steps, lr=LR.get(model, DEFAULT_LR) if o.lr is None else o.lr,
+      warmup_steps=(min(500, max(1, steps // 20)) if o.warmup_steps is None
+                    else o.warmup_steps),
+      log_every=max(1, steps // 25) if o.log_every is None else o.log_every,
+      eval_every=max(1, steps // 5) if o.eval_every is None else o.eval_every)

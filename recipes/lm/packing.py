@@ -34,10 +34,9 @@ import numpy as np
 import fnscale as fs
 from recipes.lm import cache as cache_lib
 from recipes.lm import shards
+from recipes.lm.options import LONG_DOCS, PACKINGS
 
 HELD_OUT_EVERY = 20  # every 20th document of each cache is held out (at least one)
-LONG_DOCS = ("split", "truncate", "error")
-PACKINGS = ("first_fit", "best_fit")
 
 
 class PackSpec(NamedTuple):
@@ -338,11 +337,6 @@ def padding_fraction(batch: dict) -> float:
   return float(np.mean(seg == 0))
 
 
-def spec(o, seq: int) -> PackSpec:
-  """train_lm's options `o` (--packing, --pack_bins, --long_docs) at `seq` tokens a row."""
-  return PackSpec(seq, o.packing, o.pack_bins, o.long_docs)
-
-
 def mean(loss):
   """A loss as a mean: a weighted loss's (sum, weight) divided (a padding-only batch: 0);
   a plain mean as it is."""
@@ -350,14 +344,3 @@ def mean(loss):
     total, weight = loss
     return total / jnp.maximum(weight, 1.0)
   return loss
-
-
-def say_padding(o, first: dict, evals: list, say) -> None:
-  """With token caches: the padding in this process's rows of the first train batch and in
-  the eval batches (text windows have none: nothing said)."""
-  if "segment_ids" not in first:
-    return
-  held = np.mean([padding_fraction(b) for b in evals] or [0])
-  say(f"packing ({o.packing}, {o.pack_bins} bins, long documents: {o.long_docs}): "
-      f"{padding_fraction(first):.1%} padding in this process's rows of the first batch, "
-      f"{held:.1%} in the eval batches")

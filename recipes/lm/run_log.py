@@ -1,5 +1,5 @@
-"""Recording a training run: scalars to metrics.jsonl and TensorBoard, a profiler window and
-progress lines.
+"""Recording a training run: scalars to metrics.jsonl and TensorBoard (or Weights & Biases),
+a profiler window and progress lines.
 
   log = run_log(run_dir)                                   # RunLog(write, close)
   log.write(step, {"train/loss": 2.31, "perf/tokens_per_s": 4471.0, "perf/mfu": 0.327})
@@ -13,6 +13,7 @@ GradientTransformation's: small NamedTuples of functions, no objects with method
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import hashlib
 import json
 import numbers
 import os
@@ -64,30 +65,82 @@ def _tensorboard(run_dir: str, say: Callable[[str], None]):
   return SummaryWriter(logdir=run_dir, filename_suffix=f".{time.time_ns()}")
 
 
+def check_tracker(tracker: str) -> None:
+  """Raises InputError for a tracker that can't record here: "wandb" without the wandb
+  package (before a run writes anything)."""
+  if tracker == "wandb":
+    try:
+      import wandb  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+    except ImportError:
+      raise InputError("--tracker=wandb needs the wandb package, which can't be imported; "
+                       "fix: pip install 'fnscale[wandb]' (WANDB_MODE=offline records "
+                       "without a network), or --tracker=tensorboard") from None
+
+
+class _Tracker(NamedTuple):
+  """Where scalars go besides metrics.jsonl: add(step, scalars), close()."""
+  add: Callable[[int, dict], None]
+  close: Callable[[], None]
+
+
+def _tensorboard_tracker(run_dir: str, say) -> _Tracker | None:
+  tb = _tensorboard(run_dir, say)
+  if tb is None:
+    return None
+
+  def add(step: int, scalars: dict) -> None:
+    for tag, value in scalars.items():
+      tb.add_scalar(tag, value, global_step=step)
+    tb.flush()
+  return _Tracker(add, tb.close)
+
+
+def _wandb_tracker(run_dir: str, config: Mapping[str, Any] | None) -> _Tracker:
+  """A Weights & Biases run in `run_dir/wandb` (WANDB_MODE=offline: no network; `wandb
+  sync` uploads it later), named after the run directory, resumed under the same id when the
+  run resumes; `config` is its config. Project: WANDB_PROJECT, default "fnscale"."""
+  check_tracker("wandb")
+  import wandb  # pylint: disable=import-outside-toplevel
+  name = os.path.basename(os.path.normpath(run_dir)) or "run"
+  run_id = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:40] + "-" + hashlib.sha256(
+      os.path.abspath(run_dir).encode()).hexdigest()[:8]
+  run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fnscale"), name=name, id=run_id,
+                   dir=run_dir, config=dict(config or {}), resume="allow")
+  return _Tracker(lambda step, scalars: run.log(scalars, step=step), run.finish)
+
+
 def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
-            say: Callable[[str], None] = print) -> RunLog:
+            say: Callable[[str], None] = print, tracker: str = "tensorboard",
+            config: Mapping[str, Any] | None = None) -> RunLog:
   """Opens a run's metric outputs in `run_dir` (made if missing; appended to on resume).
 
   Each `write(step, metrics)` appends one JSON object `{"step": step, tag: value, ...}` as a
-  line of `run_dir/metrics.jsonl` and, when tensorboardX is installed, the same scalars to
-  TensorBoard event files in `run_dir` (`tensorboard --logdir run_dir`). Both are flushed
-  on every write, so a run can be watched while it trains.
+  line of `run_dir/metrics.jsonl` and the same scalars to the tracker: TensorBoard event
+  files in `run_dir` (`tensorboard --logdir run_dir`; when tensorboardX is installed), or a
+  Weights & Biases run (`tracker="wandb"`, with `config` as its config). All are flushed on
+  every write, so a run can be watched while it trains.
 
   Args:
     run_dir: the run's directory.
     active: False gives a log that records nothing (processes other than the first).
-    tensorboard: False writes metrics.jsonl only.
+    tensorboard: False writes metrics.jsonl only (no tracker).
     say: where the one line about a missing tensorboardX goes.
+    tracker: "tensorboard" or "wandb".
+    config: the run's options, for the W&B run's config.
 
   Raises:
-    InputError (from `write`): a step that is not an int >= 0, a value that is not a real
-      number, or a write after `close`.
+    InputError: tracker="wandb" without the wandb package (`check_tracker`); from `write`,
+      a step that is not an int >= 0, a value that is not a real number, or a write after
+      `close`.
   """
   if not active:
     return RunLog(write=lambda step, metrics: None, close=lambda: None)
   os.makedirs(run_dir, exist_ok=True)
   jsonl = open(os.path.join(run_dir, METRICS_FILE), "a", encoding="utf-8")
-  tb = _tensorboard(run_dir, say) if tensorboard else None
+  tb = None
+  if tensorboard:
+    tb = (_wandb_tracker(run_dir, config) if tracker == "wandb" else
+          _tensorboard_tracker(run_dir, say))
 
   def write(step: int, metrics: Mapping[str, Any]) -> None:
     scalars = _scalars(step, metrics)
@@ -96,9 +149,7 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
     jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
     jsonl.flush()
     if tb is not None:
-      for tag, value in scalars.items():
-        tb.add_scalar(tag, value, global_step=int(step))
-      tb.flush()
+      tb.add(int(step), scalars)
 
   def close() -> None:
     jsonl.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -44,9 +44,11 @@ class Task(NamedTuple):
 
 class Tokenizer(NamedTuple):
   """What tokenizes: `spec` ("bytes", or a tokenizer.json / a directory holding one) and,
-  for chat data, the chat template (`chat.Template`)."""
+  for chat data, `chat(messages, tok=, where=) -> (ids, weights)`, a conversation's ids and
+  loss weights (`chat.tokenize` with its template; a module-level function or a
+  `functools.partial` of one, so it reaches the tokenizing processes)."""
   spec: str
-  chat_template: object = None
+  chat: Callable | None = None
 
 
 def kind_of(path: str) -> str:
@@ -203,8 +205,7 @@ def _write(writer, batch: list, tokenizer: Tokenizer, tok, chat: bool) -> dict:
   if not batch:
     return {}
   if chat:
-    from recipes.lm import chat as chat_lib  # pylint: disable=import-outside-toplevel
-    rows = [chat_lib.tokenize(m, tokenizer.chat_template, tok, where) for where, m in batch]
+    rows = [tokenizer.chat(m, tok=tok, where=where) for where, m in batch]
   else:
     for where, doc in batch:
       if not isinstance(doc, str):

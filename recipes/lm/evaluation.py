@@ -1,0 +1,54 @@
+"""The held-out loss of a train state (`evaluate`, in nats per token and bits per byte) and
+the text its model writes (`sample`). `r` is train_lm's `run_setup.Run`."""
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import numpy as np
+
+import fnscale as fs
+from recipes.lm import gpt, packing
+
+
+def eval_loss(loss_fn, policy, kernels: dict):
+  """`eval_loss(params, batch) -> mean loss` (nats/token; jitted, under the run's
+  `kernels`): `loss_fn` in the policy's compute dtype, a packed batch's (sum, weight) made a
+  mean."""
+  cast = policy.cast_to_compute if policy is not None else (lambda p: p)
+  return jax.jit(fs.with_kernel(lambda p, b: packing.mean(loss_fn(cast(p), b)), **kernels))
+
+
+def bits_per_byte(r, loss: float) -> float:
+  """A loss in nats per token of run `r`'s corpus, in bits per byte of text."""
+  return loss * r.setup.corpus.tokens_per_byte / math.log(2)
+
+
+def evaluate(r, state, step: int) -> float:
+  """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged."""
+  # All devices finish each eval program (not just the one a scalar is read from).
+  params = r.params_of(state)
+  value = float(np.mean([float(jax.block_until_ready(r.eval_loss(params, b)))
+                         for b in r.eval_batches]))
+  if r.setup.o.objective == "dpo":
+    r.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
+    r.log.write(step, {"eval/dpo_loss": value})
+    return value
+  bpb = bits_per_byte(r, value)
+  r.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
+  r.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
+  return value
+
+
+def sample(r, state) -> str:
+  """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said."""
+  o, c, t = r.setup.o, r.setup.corpus, time.time()
+  apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
+  text = c.decode(gpt.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
+                               gpt.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
+                                            o.attention)))
+  r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "
+        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.prompt}{text}\n{'-' * 60}")
+  return text

@@ -1,0 +1,184 @@
+"""The progress line and the clock: each line's loss, lr, tokens/s, MFU and ETA (`progress`),
+timed by the loop's `Clock` (the first step, evals and saves left out), over the MFU
+denominator of the hardware (`peak_flops`). `r` is train_lm's `run_setup.Run`."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+import fnscale as fs
+from fnscale.analysis import flops
+from recipes.lm import finetune, run_log
+
+
+class Peak(NamedTuple):
+  """The MFU denominator: the FLOP/s of all devices together (None: unknown), and a line
+  saying what it is."""
+  flops: float | None
+  about: str
+
+
+def peak_flops(topo) -> Peak:
+  """The MFU denominator of the hardware `topo` (on CPU: this host's measured matmul peak)."""
+  if topo.platform == "cpu":  # measured once per machine (in CPU seconds: load can't lower it)
+    host = flops.host_matmul_peak()
+    peak = host.flops * jax.process_count()
+    kept = f"cached in {host.path}; delete it to measure again" if host.path else "not cached"
+    return Peak(peak, f"CPU matmul peak {peak / 1e9:.0f} GFLOP/s, measured "
+                f"{'now' if host.fresh else host.measured} (the best of 3 x 10 runs, per "
+                f"CPU-second x {flops.usable_cores()} cores: other jobs on the machine lower "
+                f"the MFU, not the peak{_load_average()}; {kept}), shared by all "
+                f"{jax.device_count()} simulated devices (one host's cores)")
+  if topo.peak_flops_per_device:
+    return Peak(topo.peak_flops_per_device * jax.device_count(),
+                f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x "
+                f"{jax.device_count()} devices")
+  return Peak(None, "unknown peak FLOP/s for this device kind; MFU not reported")
+
+
+def _load_average() -> str:
+  return f"; load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+
+
+def peak_name(topo, peak: float) -> str:
+  """The MFU denominator in a few words, e.g. 'measured CPU peak 281 GFLOP/s'."""
+  what = "measured CPU peak" if topo.platform == "cpu" else "bf16 peak"
+  if peak < 1e13:
+    return f"{what} {peak / 1e9:,.0f} GFLOP/s"
+  return f"{what} {peak / 1e12:,.0f} TFLOP/s"
+
+
+def flops_per_step(s) -> float:
+  """Model FLOPs per step of run `s` (a `run_setup.Setup`): MFU's numerator, times the
+  step's time."""
+  if s.lora is not None:  # frozen weights: forward and input gradient only
+    return finetune.flops_per_token(s, s.lora) * s.o.global_batch * s.cfg.seq
+  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
+
+
+EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
+
+
+class Timing(NamedTuple):
+  """The timed steps so far (`seconds`, `steps`) and where the open window began."""
+  mark_s: float
+  mark_step: int
+  seconds: float = 0.0
+  steps: int = 0
+
+
+def lap(t: Timing, done: int) -> tuple[Timing, float | None]:
+  """Closes the window at step `done` (counted in the totals unless it holds no step: then
+  it only timed a progress line), opens the next one now. Returns the new timing and the
+  window's seconds per step (None for an empty window)."""
+  now, n = time.time(), done - t.mark_step
+  if n <= 0:
+    return t._replace(mark_s=now), None
+  return Timing(now, done, t.seconds + now - t.mark_s, t.steps + n), (now - t.mark_s) / n
+
+
+class Clock(NamedTuple):
+  """The loop's clock, from `clock()`: the steps it times and their seconds, the first step
+  (dispatch warm-up), evals and checkpoint saves left out.
+
+  `start(done, pending)`: after each step; the first call waits for `pending` (the first
+  step's outputs) and starts timing there. `lap(done)`: seconds per step since the last lap
+  (None: no step timed yet), for a progress line. `paused()`: a context whose time stays out
+  (an eval, a save). `due(done)`: whether step `done` is the early progress line's
+  (`EARLY_ETA_STEPS` timed steps in: a first ETA). `totals()`: the `Timing` so far (None
+  before the first step).
+  """
+  start: Callable[[int, Any], None]
+  lap: Callable[[int], float | None]
+  paused: Callable[[], Any]
+  due: Callable[[int], bool]
+  totals: Callable[[], Timing | None]
+
+
+def clock() -> Clock:
+  """A `Clock` that has timed nothing yet."""
+  timing, early = [None], [None]
+
+  def start(done: int, pending) -> None:
+    if timing[0] is None:
+      jax.block_until_ready(pending)
+      timing[0], early[0] = Timing(time.time(), done), done + EARLY_ETA_STEPS
+
+  def lap_(done: int) -> float | None:
+    if timing[0] is None:
+      return None
+    timing[0], dt = lap(timing[0], done)
+    return dt
+
+  @contextlib.contextmanager
+  def paused():
+    began = time.time()
+    try:
+      yield
+    finally:
+      if timing[0] is not None:
+        timing[0] = timing[0]._replace(mark_s=timing[0].mark_s + time.time() - began)
+
+  return Clock(start, lap_, paused, lambda done: done == early[0], lambda: timing[0])
+
+
+def whole_run(r, t: Timing | None) -> dict:
+  """tokens/s and MFU of run `r` over every timed step (None when fewer than two steps ran)."""
+  if t is None or t.steps == 0 or t.seconds <= 0:
+    return dict(tokens_per_s=None, mfu=None)
+  per_s = t.steps / t.seconds
+  return dict(tokens_per_s=r.setup.o.global_batch * r.setup.cfg.seq * per_s,
+              mfu=flops_per_step(r.setup) * per_s / r.peak.flops if r.peak.flops else None)
+
+
+def progress(r, done: int, m, dt) -> dict:
+  """One progress line of run `r` at step `done` with metrics `m` (loss, lr, tokens/s, MFU
+  and its denominator, ETA) and its record in `r.log`. `dt`: seconds per step (None: not
+  measured yet).
+
+  Raises:
+    StepError: a non-finite loss.
+  """
+  s, peak, loss = r.setup, r.peak.flops, float(m["loss"])
+  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
+  mfu = flops_per_step(s) / dt / peak if dt and peak else None
+  # The lr that step `done`'s update used (the schedule counts updates from 0: the first
+  # of a warmup from 0, as in MaxText and GPT-3's recipe, moves nothing).
+  metrics = {"train/loss": loss, "train/lr": float(r.schedule(done - 1)),
+             "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
+  line = run_log.progress_line(done, s.o.steps, metrics, dt)
+  r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
+  r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
+                     "train/update_norm": float(m["update_norm"]),
+                     **({"train/loss_scale": float(m["loss_scale"])}
+                        if "loss_scale" in m else {})})
+  if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
+    _say_rewards(r, done, m["aux"])
+  elif "aux" in m:  # a mixture of experts: its load
+    _say_load(r, done, s.model.load_metrics(m["aux"]))
+  if not np.isfinite(loss):
+    raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
+  return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
+
+
+def _say_rewards(r, done: int, aux: dict) -> None:
+  """DPO's implicit rewards at step `done` (beta x log-ratio to the reference, means over the
+  batch's pairs): one line, and their record in the run's log."""
+  got = {f"dpo/{k}": float(v) for k, v in aux.items()}
+  r.say(f"  dpo: reward accuracy {got['dpo/reward_accuracy']:.2f}, margin "
+        f"{got['dpo/reward_margin']:.4f} (chosen {got['dpo/chosen_reward']:.4f}, rejected "
+        f"{got['dpo/rejected_reward']:.4f})")
+  r.log.write(done, got)
+
+
+def _say_load(r, done: int, load: dict) -> None:
+  """A mixture of experts' load at step `done`: one line, and its record in the run's log."""
+  r.say(f"  experts: busiest {load['moe/load_max_over_mean']:.2f}x the mean load, balance "
+        f"loss {load['moe/load_balance_loss']:.4f}, cross-entropy "
+        f"{load['moe/cross_entropy']:.4f}, {load['moe/dropped']:.0f} copies dropped")
+  r.log.write(done, load)

@@ -1,0 +1,149 @@
+"""What one run of train_lm is, decided and checked before anything is written: the options
+with every default filled in, the hardware, the mesh, the model and the data (`Setup`, from
+`decide`), the optimizer, and what the loop shares once the step has compiled (`Run`)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+import fnscale as fs
+from fnscale import sharding
+from recipes.lm import batches, checkpoints, data, finetune, hardware, models, packing
+from recipes.lm import progress, run_log, rundir, startup
+from recipes.lm.options import Options, platform_default, schedule_defaults
+
+
+class Setup(NamedTuple):
+  """A run as train_lm's options decide it (`decide`): the options with every default filled
+  in (checked), the hardware, mesh, model and data."""
+  o: Options
+  topo: fs.Topology
+  mesh: jax.sharding.Mesh
+  model: Any  # the model's module: gpt, llama or moe
+  cfg: Any  # its ModelConfig
+  profile: run_log.ProfileWindow | None  # --profile_steps
+  corpus: data.Corpus
+  lora: Any = None  # the fnscale.lora.LoraConfig of --lora_rank (None: full fine-tuning)
+
+
+def decide(o: Options, corpus: data.Corpus, say) -> Setup:
+  """The run options `o` ask for on these devices over `corpus`: every default filled in
+  (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`), the mesh built, every size
+  checked. Raises FnscaleError on any bad value, before anything is written."""
+  topo = hardware.detect(o)
+  default = lambda name: platform_default(o, name, topo.platform)
+  size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
+  model, cfg, name = models.choose(o, size, seq, corpus)
+  run_log.check_tracker(o.tracker)
+  lora = finetune.lora_config(o, model, cfg)
+  if o.objective == "dpo":
+    finetune.dpo_config(o)
+  o, mesh = _mesh(o, model, cfg, topo, per_device, say, lora)
+  dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
+  batch = per_device * dp if o.global_batch is None else o.global_batch
+  check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  check_pipeline(o.microbatches, model, mesh)
+  if corpus.packed is not None:
+    packing.check_spec(batches.pack_spec(o, seq), corpus.packed[0])
+  data.check_fits(corpus, seq)
+  steps = batches.steps_for(corpus, seq, batch, o.epochs, o.steps)
+  o = schedule_defaults(o, size, default("steps") if steps is None else steps)
+  profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
+  o = dataclasses.replace(
+      o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
+      run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
+                                                  corpus.vocab))
+  return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
+             model, cfg, profile, corpus, lora)
+
+
+def _mesh(o: Options, model, cfg, topo, per_device: int, say, lora=None
+          ) -> tuple[Options, Any]:
+  """(options, mesh): the --mesh and --dcn axes (each parsed once), or with --mesh=auto the
+  planner's mesh, remat and accumulation for the global batch, every device a data-parallel
+  one (the options then hold the planner's choices)."""
+  dcn = startup.mesh_axes(o.dcn, "--dcn")
+  if o.mesh != "auto":
+    axes = startup.mesh_axes(platform_default(o, "mesh", topo.platform), "--mesh")
+    return o, startup.make_mesh(axes, dcn, topo, say)
+  batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
+  axes, remat, accum, gather = startup.plan_mesh(model, cfg, topo, batch, o.precision, say,
+                                                 lora)
+  if accum > o.accum_steps:
+    o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
+  o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
+  return o, startup.make_mesh(axes, dcn, topo, say)
+
+
+def optimizer(o):
+  """(optax transformation, lr schedule) for train_lm options `o`: AdamW with global-norm
+  clipping; linear warmup then cosine decay (GPT-3's recipe)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, o.lr, warmup_steps=o.warmup_steps, decay_steps=max(o.steps, o.warmup_steps + 1),
+      end_value=o.lr * o.min_lr_ratio)
+  # Decay weight matrices and embeddings ("w*" leaves), not biases or LayerNorm params.
+  decay = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: str(getattr(path[-1], "key", "")).startswith("w"), params)
+  chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay,
+                           mask=decay))
+  return optax.chain(*chain), schedule
+
+
+def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -> None:
+  """Raises FnscaleError for sizes < 1, ShardingError for a global `batch` that doesn't split
+  over `mesh`'s data axes in each of `accum_steps` steps (the message gives a multiple)."""
+  if seq < 1 or per_device < 1 or batch < 1 or accum_steps < 1:
+    raise fs.InputError(f"seq={seq}, batch_size={per_device}, global_batch={batch}, "
+                          f"accum_steps={accum_steps}: each must be >= 1")
+  dp = int(np.prod([mesh.shape[a] for a in sharding.data_axes(mesh)]))
+  if batch % (dp * accum_steps):
+    raise fs.ShardingError(
+        f"global batch {batch} does not divide over the data axes: the mesh {dict(mesh.shape)}"
+        f" splits the batch {dp} ways over {sharding.data_axes(mesh)}"
+        + (f" in each of {accum_steps} accumulation steps" if accum_steps > 1 else "")
+        + f"; use a global_batch that is a multiple of {dp * accum_steps} (or batch_size)")
+
+
+def check_pipeline(microbatches: int, model, mesh) -> None:
+  """Raises FnscaleError for a pipeline that can't run as asked: --microbatches below 0 or
+  without a "stage" axis to cut, or either with a model whose layers don't run as stages
+  (its `loss_fn` takes no `microbatches`): a "stage" axis would only split the batch."""
+  stages = mesh.shape.get("stage", 1)
+  staged = "microbatches" in inspect.signature(model.loss_fn).parameters
+  if microbatches < 0 or (microbatches and stages == 1) or ((microbatches or stages > 1)
+                                                            and not staged):
+    raise fs.InputError(
+        f"--microbatches={microbatches} on mesh {dict(mesh.shape)}: pipeline stages need a "
+        "model whose layers run as stages (--model_config=llama-*; this one's don't) and a "
+        "mesh with a 'stage' axis, e.g. --mesh=data=2,stage=4; fix: a Llama model, or no "
+        "stage axis and no --microbatches.")
+
+
+class Run(NamedTuple):
+  """What train_lm's loop and its reports share, built once when the step has compiled."""
+  setup: Setup
+  say: Callable[..., None]  # print, on process 0 only
+  t0: float  # when the run started (time.time())
+  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+  policy: Any  # the jmp policy (None: float32)
+  schedule: Callable[[int], float]  # the learning rate at a step
+  peak: progress.Peak  # the MFU denominator
+  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
+  report: Any  # its fs.compile_report
+  batches: Any  # this process's batch iterator (each checkpoint saves its position)
+  eval_loss: Callable  # eval_loss(params, batch) -> mean loss (jitted)
+  eval_batches: list  # the held-out global batches of every eval
+  start: int  # the first step this call trains
+  resumed: int | None  # the step it resumed from (None: a fresh run)
+  log: run_log.RunLog  # metrics.jsonl and TensorBoard
+  prof: run_log.Profiler  # the --profile_steps trace
+  saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
+  should_stop: Callable[[int], bool]  # the preemption guard's check
+  params_of: Callable = lambda state: state.params  # the params evaluation and samples use

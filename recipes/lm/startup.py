@@ -1,0 +1,134 @@
+"""train_lm's start-up: simulated CPU devices, the compile cache, the processes of a job and
+the shutdown at exit (`start`), then (after the hardware, `recipes.lm.hardware.detect`) the
+mesh (`mesh_axes`, `make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import numpy as np
+import optax
+
+import fnscale as fs
+from fnscale import mesh as fnscale_mesh
+from fnscale.analysis.report import compilation_cache
+from recipes.lm.options import MIXED
+
+# Options that may differ between the processes of one job.
+PER_PROCESS = ("coordinator_address", "num_processes", "process_id")
+
+
+def start(o):
+  """Simulated CPU devices, compile cache, multi-process start-up and the shutdown at exit of
+  a run with options `o`, before anything touches a device. Returns `say`, a print on process 0.
+  """
+  count = o.devices
+  if count is None:  # keep a device count the environment already asks for
+    flag = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if f.startswith("--xla_force_host_platform_device_count=")]
+    count = flag[-1].split("=", 1)[1] if flag else os.environ.get("JAX_NUM_CPU_DEVICES", "8")
+    if not str(count).isdigit():
+      raise fs.InputError(f"simulated device count {count!r} (XLA_FLAGS / "
+                            "JAX_NUM_CPU_DEVICES) is not an int")
+  fs.topology.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
+  fs.simulate_cpu_devices(int(count))
+  if o.compile_cache_dir:
+    compilation_cache(o.compile_cache_dir)
+  # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+  # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
+  # Every process checks the others ran with the same options (fields that differ per
+  # process left out), so a mismatch is named at start-up, not found as a hang later.
+  fs.initialize(o.coordinator_address or None, o.num_processes or None,
+                o.process_id if o.process_id >= 0 else None, config={
+                    k: v for k, v in dataclasses.asdict(o).items() if k not in PER_PROCESS})
+  say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
+  if o.shutdown_at_exit:
+    request = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
+    say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
+        + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(request)}")
+  return say
+
+
+def mesh_axes(text: str, flag: str) -> dict[str, int]:
+  """The axes of a --mesh or --dcn value ("data=-1,fsdp=2": {"data": -1, "fsdp": 2}; ""
+  none), parsed once, their names checked: ones fnscale's conventions know, refused before
+  anything is written (a typo of "fsdp" would train with its devices holding copies).
+
+  Raises:
+    MeshError: naming `flag`, the bad axis and the closest known name.
+  """
+  axes = fnscale_mesh.parse_axes(text or {}, what=flag)
+  fnscale_mesh.check_axis_names(axes, flag)
+  return axes
+
+
+def make_mesh(axes, dcn: dict, topo, say, devices=None):
+  """`fs.make_mesh(axes, dcn=dcn)` over `devices` (default `jax.devices()`), `axes` a dict
+  (`mesh_axes`) or the planner's `MeshAxes`; over several TPU slices without `dcn` (and
+  without a `MeshAxes` of its own), data parallel across the slices: `replica` = the slice
+  count, the `axes` within each slice, said by `say`; unless `axes` has a "stage" axis of the
+  slice count: make_mesh lays the pipeline stages across the slices."""
+  devices = jax.devices() if devices is None else devices
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  planned = isinstance(axes, fs.MeshAxes)
+  if not dcn and slices > 1 and not planned and axes.get("stage") != slices:
+    dcn = {"replica": slices}
+    say(f"mesh: the devices span {slices} TPU slices and --dcn is not set: data parallel "
+        f"across the slices (--dcn=replica={slices}), the --mesh axes within each slice")
+  return fs.make_mesh(axes, dcn=dcn or None, topology=topo, devices=devices)
+
+
+def policy(precision: str, platform: str):
+  """A jmp policy (None: float32). auto: float32 on CPU, bfloat16 compute elsewhere."""
+  import jmp  # pylint: disable=import-outside-toplevel
+  precision = {"auto": "float32" if platform == "cpu" else MIXED, "bfloat16": MIXED,
+               "bf16": MIXED, "f32": "float32"}.get(precision, precision)
+  if precision == "float32":
+    return None
+  try:
+    return jmp.get_policy(precision)
+  except ValueError as e:
+    raise fs.InputError(f"precision={precision!r} is not a jmp policy ({e}); write e.g. "
+                          f"'{MIXED}', 'float32' or 'bfloat16'") from None
+
+
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say, lora=None):
+  """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's abstract
+  params and the global batch; prints the top of the table and why the winner won. With
+  `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
+  gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
+  its reference pass adds a forward pass, no residuals).
+
+  Returns:
+    (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
+
+  Raises:
+    PlanError (an FnscaleError): the model fits no mesh of these devices.
+  """
+  from fnscale.analysis import plan  # pylint: disable=import-outside-toplevel
+  rows = jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32)
+  pol = policy(precision, topo.platform)
+  init, loss = functools.partial(model.init_params, cfg), model.loss_fn
+  if lora is not None:
+    init, loss = _lora_plan(model, cfg, pol, lora)
+  p = plan.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
+                policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
+                key=jax.random.key(0))
+  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
+  return p.axes, p.remat, p.accum, p.accum_gather
+
+
+def _lora_plan(model, cfg, pol, lora):
+  """(abstract LoRA state, LoRA loss) for `plan_mesh`: the base abstract in the compute
+  dtype on one device (the planner places it on each candidate mesh)."""
+  dtype = pol.compute_dtype if pol is not None else np.float32
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  base = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec())),
+      jax.eval_shape(functools.partial(model.init_params, cfg), jax.random.key(0)))
+  state = fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
+                             policy=pol, abstract=True)
+  return state, fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)

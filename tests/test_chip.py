@@ -1,0 +1,331 @@
+"""The chip tier: what the CPU tiers can only simulate, checked on a real TPU chip.
+
+On a TPU VM, in one process (a chip runs one program at a time), from the repository root:
+
+    python -m pytest -q -m chip
+
+Under `-m chip` conftest.py collects only the `test_chip*.py` modules (the others expect 8
+simulated CPU devices) and leaves JAX on its default platform, the TPU, with the CPU backend
+beside it; it needs no network, socket or optional framework (torch, transformers, flax).
+Where JAX has no TPU (CI, a laptop, the CPU tiers) every test skips, saying why. About two
+minutes on one TPU v5e chip, most of it compiling.
+
+What it checks, a section each (a new check of the chip adds a section):
+- splash attention, forward and backward, against XLA's attention;
+- the megablox grouped matmul against `jax.lax.ragged_dot`;
+- the blockwise cross-entropy against the plain one on the whole logits;
+- a train step on the chip against the same step on the CPU backend, in float32 and with
+  the bf16 policy;
+- a checkpoint saved from the chip, restored onto the chip and onto the CPU.
+
+Tolerances. The truth is the float32 computation under `jax.default_matmul_precision(
+"highest")` (on a TPU, float32 contractions in six bfloat16 passes: float32's accuracy, give
+or take a unit). The kernels run at the default precision, as a user's program runs them:
+Mosaic refuses bfloat16 operands under "highest" ("Bad lhs type"; on a TPU
+`jax.lax.ragged_dot` is a Mosaic kernel too). The chip's matrix unit multiplies bfloat16: a
+bf16 kernel rounds its operands and softmax probabilities to 8 significand bits (unit
+roundoff 2**-9), and a float32 kernel at the default precision contracts in bfloat16 passes.
+So a kernel passes when its error, ||got - truth|| / ||truth|| for the output and each
+gradient, is at most 3x that of XLA's own computation from the bfloat16-rounded inputs, plus
+1e-3 (`_bound`): the same rounding in another order and tiling. A wrong mask, scale, head or
+group mapping is off by more than 0.1. Computations of XLA ops only (the cross-entropy, a
+float32 step with XLA's attention) run under "highest" on both sides and agree to 1e-4 (the
+step's loss to 1e-5): float32 rounding in another order.
+"""
+import contextlib
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fnscale as fs
+from fnscale.kernels import gmm_selection, grouped_matmul, kernel_selection
+
+pytestmark = pytest.mark.chip
+_HOW = "on a TPU VM: python -m pytest -q -m chip"
+if not fs.topology.has_accelerator():  # no device file: no backend need start to know
+  pytest.skip(f"the chip tier runs on a TPU; this machine has none ({_HOW})",
+              allow_module_level=True)
+
+HIGHEST = functools.partial(jax.default_matmul_precision, "highest")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _on_a_tpu():
+  """Skips the module where JAX's default platform is not a TPU (the CPU tiers on a TPU VM
+  force the CPU)."""
+  platform = jax.default_backend()
+  if platform != "tpu":
+    pytest.skip(f"the chip tier runs on a TPU; JAX runs on {platform} here ({_HOW})")
+
+
+def _error(got, truth) -> float:
+  """||got - truth|| / ||truth|| in float64 on the host: an all-zero `got` scores 1."""
+  got, truth = np.asarray(got, np.float64), np.asarray(truth, np.float64)
+  return float(np.linalg.norm(got - truth) / np.linalg.norm(truth))
+
+
+def _bound(bf16_reference, truth) -> float:
+  """The error a kernel may have (module docstring): 3x XLA's from bf16 inputs, + 1e-3."""
+  return 3 * _error(bf16_reference, truth) + 1e-3
+
+
+def _check_within_bound(names, got, bf16_reference, truth):
+  for name, g, r, t in zip(names, got, bf16_reference, truth):
+    error, bound = _error(g, t), _bound(r, t)
+    assert error <= bound, f"{name}: error {error:.2e} > {bound:.2e} (3x XLA bf16's + 1e-3)"
+
+
+def _rounded(*xs):
+  return tuple(x.astype(jnp.bfloat16) for x in xs)
+
+
+def _upcast(*xs):
+  return tuple(x.astype(jnp.float32) for x in xs)
+
+
+def _cosine_weights(shape):
+  """Loss weights that make every output element's gradient different."""
+  return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape))
+
+
+# --- splash attention -----------------------------------------------------------------------
+
+ATTENTION = {  # name: ((batch, seq, heads, kv_heads, head_dim), fs.attention keywords)
+    "causal-gqa": ((2, 512, 4, 2, 128), dict(causal=True)),
+    "full-mha": ((1, 256, 2, 2, 128), dict()),
+    "causal-window": ((1, 512, 2, 2, 128), dict(causal=True, sliding_window=(128, 0))),
+    "segments-mqa": ((2, 256, 4, 1, 128), dict(causal=True, segments=True)),
+}
+ATTENTION_CASES = [(n, "bfloat16") for n in ATTENTION] + [("causal-gqa", "float32")]
+
+
+def _mask(b, t, *, causal=False, sliding_window=None, segment_ids=None):
+  """[b, 1, t, t] bool: which keys each query sees, from the definitions (numpy)."""
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  mask = np.ones((b, 1, t, t), bool)
+  if causal:
+    mask &= j <= i
+  if sliding_window is not None:
+    left, right = sliding_window
+    mask &= (j >= i - left) & (j <= i + right)
+  if segment_ids is not None:
+    ids = np.asarray(segment_ids)
+    mask &= ids[:, None, :, None] == ids[:, None, None, :]
+  return mask
+
+
+def _attention_and_grads(attend, shape):
+  """jit of (q, k, v) -> (output, dq, dk, dv) of a loss weighting each output element."""
+  weights = _cosine_weights(shape)
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * weights)
+  return jax.jit(lambda q, k, v: (attend(q, k, v),
+                                  *jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
+
+
+@pytest.mark.parametrize("case,dtype", ATTENTION_CASES,
+                         ids=[f"{n}-{d}" for n, d in ATTENTION_CASES])
+def test_splash_attention_matches_xla_attention(case, dtype):
+  (b, t, h, kh, d), kw = ATTENTION[case]
+  kw = dict(kw)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+  k, v = (jax.random.normal(key, (b, t, kh, d), dtype) for key in keys[1:])
+  ids = None
+  if kw.pop("segments", False):  # three documents per row, starting at other places
+    ids = jnp.asarray(np.arange(t)[None, :] * 3 // t + np.arange(b)[:, None], jnp.int32)
+  mask = jnp.asarray(_mask(b, t, causal=kw.get("causal", False),
+                           sliding_window=kw.get("sliding_window"), segment_ids=ids))
+  splash = lambda q, k, v: fs.attention(q, k, v, implementation="splash", segment_ids=ids,
+                                        **kw)
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                     implementation="xla")
+  sel = kernel_selection(q.shape, k.shape, q.dtype, implementation="splash",
+                         segment_ids=ids, **kw)
+  assert (sel.implementation, sel.platform, sel.interpret) == ("splash", "tpu", False)
+  compiled = _attention_and_grads(splash, q.shape).lower(q, k, v).compile()
+  got = compiled(q, k, v)
+  with HIGHEST():
+    truth = _attention_and_grads(xla, q.shape)(*_upcast(q, k, v))
+  reference = _attention_and_grads(xla, q.shape)(*_rounded(q, k, v))
+  assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, not a fallback
+  assert got[0].dtype == q.dtype
+  _check_within_bound(("output", "dq", "dk", "dv"), got, reference, truth)
+
+
+# --- megablox grouped matmul ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_megablox_matches_ragged_dot(dtype):
+  m, k, n, sizes = 512, 256, 256, (100, 0, 250, 130)  # an empty group; 32 padding rows
+  lhs = jax.random.normal(jax.random.key(1), (m, k), dtype)
+  rhs = jax.random.normal(jax.random.key(2), (len(sizes), k, n), dtype) / 16
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  weights = _cosine_weights((m, n))
+
+  def product_and_grads(matmul):
+    loss = lambda l, r: jnp.sum(matmul(l, r, group_sizes).astype(jnp.float32) * weights)
+    return jax.jit(lambda l, r: (matmul(l, r, group_sizes),
+                                 *jax.grad(loss, argnums=(0, 1))(l, r)))
+
+  megablox = functools.partial(grouped_matmul, implementation="megablox")
+  assert gmm_selection(lhs.shape, rhs.shape, lhs.dtype,
+                       implementation="megablox").implementation == "megablox"
+  compiled = product_and_grads(megablox).lower(lhs, rhs).compile()
+  got = compiled(lhs, rhs)
+  with HIGHEST():
+    truth = product_and_grads(jax.lax.ragged_dot)(*_upcast(lhs, rhs))
+  reference = product_and_grads(jax.lax.ragged_dot)(*_rounded(lhs, rhs))
+  assert "tpu_custom_call" in compiled.as_text()
+  # The lhs gradient's rows past the groups are what the kernel leaves unwritten (the
+  # experts' FFN masks them once, fnscale.parallel.experts): compared up to the groups' end.
+  used = sum(sizes)
+  part = lambda out, d_lhs, d_rhs: (out, d_lhs[:used], d_rhs)
+  _check_within_bound(("output", "d lhs", "d rhs"), part(*got), part(*reference),
+                      part(*truth))
+  assert not np.asarray(got[0][used:]).any()  # the output's rows past the groups: zero
+
+
+# --- blockwise cross-entropy ----------------------------------------------------------------
+
+def test_blockwise_cross_entropy_matches_the_plain_one():
+  tokens, d, vocab, z_loss = 1024, 256, 8192, 1e-4
+  keys = jax.random.split(jax.random.key(3), 3)
+  hidden = jax.random.normal(keys[0], (tokens, d), jnp.float32)
+  unembed = jax.random.normal(keys[1], (d, vocab), jnp.float32) / 16
+  labels = jax.random.randint(keys[2], (tokens,), 0, vocab)
+  where = jnp.arange(tokens) < tokens - 100  # the last 100 tokens are padding
+
+  def plain(h, u):  # the whole [tokens, vocab] logits, the loss from its definition
+    logits = h @ u
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    label = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    per_token = lse - label + z_loss * lse ** 2
+    return jnp.sum(jnp.where(where, per_token, 0.0)) / jnp.sum(where)
+
+  blockwise = lambda h, u: fs.cross_entropy(h, u, labels, where=where, chunk_size=256,
+                                            z_loss=z_loss)
+  with HIGHEST():
+    got = jax.jit(jax.value_and_grad(blockwise, argnums=(0, 1)))(hidden, unembed)
+    want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, unembed)
+  (loss, grads), (want_loss, want_grads) = got, want
+  assert abs(float(loss) - float(want_loss)) <= 1e-4 * abs(float(want_loss))
+  for name, g, w in zip(("d hidden", "d unembed"), grads, want_grads):
+    assert _error(g, w) <= 1e-4, name
+  assert not np.asarray(grads[0][-100:]).any()  # padding adds no gradient
+
+
+# --- a train step: the chip against the CPU backend -----------------------------------------
+
+VOCAB, D_MODEL, HEADS, HEAD_DIM, MLP = 512, 256, 2, 128, 512
+ROWS, SEQ = 4, 256
+BF16 = "params=float32,compute=bfloat16,output=float32"
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[0])).astype(np.float32)
+  return {"embed": normal(VOCAB, D_MODEL) * 8, "qkv": normal(D_MODEL, 3 * HEADS * HEAD_DIM),
+          "out": normal(HEADS * HEAD_DIM, D_MODEL), "up": normal(D_MODEL, MLP),
+          "down": normal(MLP, D_MODEL), "unembed": normal(D_MODEL, VOCAB)}
+
+
+def _batch():
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (ROWS, SEQ + 1), dtype=np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _loss(params, batch):
+  """One causal attention block and an MLP, then the blockwise cross-entropy."""
+  x = params["embed"][batch["inputs"]]
+  qkv = (x @ params["qkv"]).reshape(ROWS, SEQ, 3, HEADS, HEAD_DIM)
+  attended = fs.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+  x = x + attended.reshape(ROWS, SEQ, HEADS * HEAD_DIM) @ params["out"]
+  x = x + jax.nn.gelu(x @ params["up"]) @ params["down"]
+  return fs.cross_entropy(x, params["unembed"], batch["targets"])
+
+
+def _keep_gradients():
+  """An optimizer that leaves the params as they are and keeps the step's gradients as its
+  state: the step's gradients come back exactly, in the params' dtype."""
+  return optax.GradientTransformation(
+      lambda params: jax.tree.map(jnp.zeros_like, params),
+      lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def _one_step(devices, *, policy=None, attention="xla"):
+  """(loss, gradients, the state after the step, the compiled step) of one train step on
+  `devices`: float32 under "highest" matmul precision; a bf16 policy at the default one
+  (its bfloat16 operands make the precision moot, and Mosaic refuses them under "highest")."""
+  mesh = fs.make_mesh({"data": 1}, devices=devices)
+  opt = _keep_gradients()
+  state = fs.init_state(_params(), opt, mesh=mesh)
+  batch = fs.global_batch(_batch(), fs.batch_sharding(mesh))
+  step = fs.shard_step(fs.with_kernel(fs.train_step(_loss, opt, policy=policy),
+                                      attention=attention), mesh)
+  with HIGHEST() if policy is None else contextlib.nullcontext():
+    compiled = step.compile(state, batch)
+    state, metrics = compiled(state, batch)
+  return float(metrics["loss"]), state.opt_state, state, compiled
+
+
+@pytest.fixture(scope="module")
+def cpu_float32():
+  """The float32 step on the CPU backend: the truth both chip steps are held to."""
+  return _one_step(jax.devices("cpu")[:1])
+
+
+@pytest.fixture(scope="module")
+def chip_float32():
+  return _one_step(jax.devices()[:1])
+
+
+def _bf16_matmuls(hlo: str) -> int:
+  """Matmuls of an optimized TPU program with a bfloat16 result (operands print untyped)."""
+  return len(re.findall(r"= bf16\[[^\]]*\]\S* (?:dot|convolution)\(", hlo))
+
+
+def test_float32_train_step_matches_the_cpu_backend(chip_float32, cpu_float32):
+  (loss, grads, state, compiled), (want_loss, want_grads, _, _) = chip_float32, cpu_float32
+  assert {d.platform for d in state.params["embed"].devices()} == {"tpu"}
+  assert _bf16_matmuls(compiled.compiled.as_text()) == 0
+  assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+  for name in want_grads:
+    assert _error(grads[name], want_grads[name]) <= 1e-4, name
+
+
+def test_bf16_policy_train_step_on_the_chip(cpu_float32):
+  """bfloat16 compute (splash attention, bf16 matmuls), float32 params and gradients, within
+  the bound the same policy's step on the CPU gives against float32 (module docstring)."""
+  loss, grads, state, compiled = _one_step(jax.devices()[:1], policy=BF16, attention="auto")
+  cpu_loss, cpu_grads, _, _ = _one_step(jax.devices("cpu")[:1], policy=BF16)
+  want_loss, want_grads, _, _ = cpu_float32
+  assert {x.dtype for x in jax.tree.leaves((state.params, grads))} == {jnp.dtype("float32")}
+  hlo = compiled.compiled.as_text()
+  assert "tpu_custom_call" in hlo  # splash ran, in bf16
+  assert _bf16_matmuls(hlo) >= 4  # the model's matmuls in bfloat16 (a TPU dot: convolution)
+  assert abs(loss - want_loss) <= 3 * abs(cpu_loss - want_loss) + 1e-3 * abs(want_loss)
+  _check_within_bound(list(want_grads), [grads[n] for n in want_grads],
+                      [cpu_grads[n] for n in want_grads], [want_grads[n] for n in want_grads])
+
+
+# --- a checkpoint saved from the chip -------------------------------------------------------
+
+def test_checkpoint_saved_on_the_chip_restores_on_the_chip_and_the_cpu(chip_float32,
+                                                                       tmp_path):
+  _, _, state, _ = chip_float32
+  saved = jax.tree.map(np.asarray, state)
+  with fs.checkpoint.manager(str(tmp_path / "ckpt")) as ckpt:
+    fs.checkpoint.save(ckpt, 1, state, extra={"on": "tpu"})
+  for devices, platform in ((jax.devices()[:1], "tpu"), (jax.devices("cpu")[:1], "cpu")):
+    target = fs.init_state(_params(), _keep_gradients(), abstract=True,
+                           mesh=fs.make_mesh({"data": 1}, devices=devices))
+    with fs.checkpoint.manager(str(tmp_path / "ckpt")) as ckpt:
+      restored, extra = fs.checkpoint.restore(ckpt, target)
+    assert extra == {"on": "tpu"}
+    assert {d.platform for x in jax.tree.leaves(restored) for d in x.devices()} == {platform}
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), saved)
