@@ -30,8 +30,8 @@ import jax
 import fnscale as fs
 from fnscale.analysis.report import compilation_cache_restored
 from fnscale.multihost import preemption
-from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, models, progress
-from recipes.lm import run_log
+from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
+from recipes.lm import progress, run_log
 from recipes.lm import run_setup, rundir, stalls, startup, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
@@ -110,7 +110,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
     state, start, resumed = checkpoints.resume(setup, ckpt, init, train_rows, say)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
-    step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
+    # Ahead of time (step 0 doesn't compile again), held against the device's memory.
+    step_fn = memory.compile_step(setup, step_fn, state, first)
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     job = run_setup.Run(
         setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,

@@ -320,6 +320,23 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
   assert p.rows[0].estimate.bytes == pytest.approx(76.5 * GiB, rel=0.05)
 
 
+@pytest.mark.tpu
+def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
+  """recipes/plan.py --model=small --target=v5litepod-1 --batch=64 --seq=1024: the GPT's own
+  params, and 64 rows of 1024 tokens (XLA: 56.2 GiB without remat or accumulation) planned
+  within one v5e chip's 16 GiB."""
+  del tpu_devices  # skips without libtpu
+  from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
+  from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
+  p = plan_recipe.make_plan("small", "v5litepod-1", 64, 1024, 0)
+  params = jax.eval_shape(functools.partial(gpt.init_params, gpt.model_config("small", 1024)),
+                          jax.random.key(0))
+  assert p.profile.params == sum(x.size for x in jax.tree.leaves(params))
+  assert (p.profile.rows, p.profile.tokens_row) == (64, 1024)
+  assert p.rows[0].fits and p.rows[0].estimate.bytes <= 0.8 * 16 * GiB
+  assert p.remat or p.accum > 1
+
+
 def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
   from fnscale.analysis import plan as plan_module  # pylint: disable=g-import-not-at-top
   est = lambda s: _cost.Estimate(1.0, 1.0, 1.0, 1.0, 1.0, s, {}, s, 0.5)
