@@ -9,10 +9,11 @@
 Read top to bottom: `run` decides the run (every default filled in, the mesh built, every
 input checked before anything is written), `_run` builds the step, restores and compiles,
 `_loop` steps, logs, evaluates and saves, `_finish` ends the run. Each job lives in a module
-of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), startup.py
-(devices, processes, topology, precision), data.py and batches.py, checkpoints.py,
-evaluation.py, progress.py (the progress line and clock), summary.py, rundir.py and
-run_log.py (what the run directory holds), stalls.py, finetune.py (LoRA: --lora_rank; DPO:
+of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), memory.py (the
+step fits the device's memory), startup.py (devices, processes, topology, precision),
+data.py and batches.py, checkpoints.py, evaluation.py, progress.py (the progress line and
+clock), summary.py, rundir.py and run_log.py (what the run directory holds), stalls.py,
+finetune.py (LoRA: --lora_rank; DPO:
 --objective=dpo, with dpo.py and preference.py); the models are gpt.py, llama.py and
 moe.py. fnscale does the distribution. Only process 0 prints and writes files. Rerunning the
 same command resumes from the newest good checkpoint, bitwise (in a run directory of other

@@ -6,10 +6,8 @@ import pytest
 
 import fnscale as fs
 from fnscale.errors import FitError
-from recipes.lm import gpt, llama, memory
+from recipes.lm import cli, gpt, llama, memory
 from recipes.lm.options import Options
-
-pytestmark = pytest.mark.tpu
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +27,7 @@ def _choose(v5e, name, rows, **options):
   return o, rows, said
 
 
+@pytest.mark.tpu
 def test_the_default_that_does_not_fit_becomes_what_the_planner_fits(v5e):
   """GPT small at 64 rows of 1024 tokens: about 55 GiB by the estimate (XLA: 56.2 GiB) on a
   16 GiB chip. Left to the defaults, the step takes the planner's fastest option within
@@ -46,11 +45,13 @@ def test_the_default_that_does_not_fit_becomes_what_the_planner_fits(v5e):
   assert (o.remat, o.accum_steps, rows, said) == (False, 1, 16, [])
 
 
+@pytest.mark.tpu
 def test_what_the_user_fixed_is_left_to_the_compile(v5e):
   o, rows, said = _choose(v5e, "small", 64, batch_size=64, remat=False, accum_steps=1)
   assert (o.remat, o.accum_steps, rows, said) == (False, 1, 64, [])
 
 
+@pytest.mark.tpu
 def test_a_batch_or_a_model_that_nothing_fits_stops_before_anything_runs(v5e):
   with pytest.raises(FitError, match=r"medium on mesh \{'data': 1\} needs .* GiB per device "
                      r"by the planner's estimate, and the device has 16.00 GiB; with "
@@ -61,3 +62,11 @@ def test_a_batch_or_a_model_that_nothing_fits_stops_before_anything_runs(v5e):
   with pytest.raises(FitError, match=r"fix: a smaller model, or more devices to split it "
                      r"over \(--mesh=fsdp=N\)"):
     _choose(v5e, "llama-3b", 16)
+
+
+def test_the_memory_benchmark_refuses_bad_flags(capsys):
+  from recipes.bench import memory as bench  # pylint: disable=import-outside-toplevel
+  assert cli.run(bench.main, ["--models=small,gpt-9"]) == 2
+  assert "--models: ['gpt-9'] unknown" in capsys.readouterr().err
+  assert cli.run(bench.main, ["--run"]) == 2
+  assert "add --target=device" in capsys.readouterr().err

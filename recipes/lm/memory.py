@@ -39,17 +39,18 @@ def limit(mesh) -> float | None:
   return fit.device_memory(mesh.devices.flat[0])
 
 
-def _profile(model, cfg, topo, rows: int, precision: str, lora):
-  """The planner's profile of the run's step for `rows` global rows (its traced FLOPs,
-  residuals, params and AdamW state), on `topo`."""
+def profile(model, cfg, target, rows: int, policy, lora=None, **kw):
+  """The planner's profile of the run's step (`fnscale.analysis.plan.profile_model`: its
+  traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
+  the jmp `policy` (or None) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
   shape = jax.ShapeDtypeStruct((rows, cfg.seq), np.int32)
   init, loss = functools.partial(model.init_params, cfg), functools.partial(model.loss_fn,
                                                                            cfg=cfg)
-  pol = startup.policy(precision, topo.platform)
   if lora is not None:
-    init, loss = startup._lora_plan(model, cfg, pol, lora)  # pylint: disable=protected-access
+    init, loss = startup._lora_plan(model, cfg, policy, lora)  # pylint: disable=protected-access
   return fs.plan.profile_model(init, loss, optax.adamw(1e-3),
-                               {"inputs": shape, "targets": shape}, topo, policy=pol)
+                               {"inputs": shape, "targets": shape}, target, policy=policy,
+                               **kw)
 
 
 def flags(o: fit.FitOption) -> str:
@@ -85,7 +86,8 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
   dp = fs.plan.data_parallel(_mesh_axes(mesh))
   now = dict(remat=bool(o.remat), accum=o.accum_steps or 1, rows=per_device)
   try:
-    prof = _profile(model, cfg, topo, per_device * dp, o.precision, lora)
+    prof = profile(model, cfg, topo, per_device * dp, startup.policy(o.precision, topo.platform),
+                   lora)
     ask = lambda room, **kw: fs.plan.fit_options(prof, topo, _mesh_axes(mesh), room,
                                                  accum_gather=o.accum_gather, **kw)
     need = ask(float("inf"), **now)[0].bytes
@@ -129,8 +131,8 @@ def compile_step(setup, step, state, batch):
   except FitError as e:
     dp = fs.plan.data_parallel(_mesh_axes(mesh))
     try:
-      prof = _profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp, o.precision,
-                      setup.lora)
+      prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
+                     startup.policy(o.precision, setup.topo.platform), setup.lora)
       options = fs.plan.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):
