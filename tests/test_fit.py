@@ -146,6 +146,7 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_its_fix_fits_and_ru
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_xla_refusing_a_program_as_too_big_is_a_fit_error_with_the_options(tpu_devices):
   """Compiled for one v5e chip, 2048 rows of 1024 tokens overflow its HBM in XLA's own
