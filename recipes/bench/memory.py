@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 import time
 
@@ -41,6 +42,8 @@ import optax
 import fnscale as fs
 from fnscale.analysis import fit
 from recipes.lm import cli, gpt, hardware, llama, memory
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 MODELS = {**{n: gpt for n in gpt.SIZES}, **{n: llama for n in llama.SIZES if n != "llama-70b"}}
@@ -54,7 +57,11 @@ def _target(args):
     topo = hardware.detect(hardware.from_values(args))
     devices = jax.devices()[:1]
   else:
-    topo, devices = args.target, fs.plan.hardware(args.target).devices[:1]
+    hw = fs.plan.hardware(args.target)
+    if hw.devices is None:
+      raise fs.InputError(f"--target={args.target}: {hw.no_devices}; fix: install libtpu "
+                          "(pip install 'fnscale[tpu]'), or --target=device")
+    topo, devices = args.target, hw.devices[:1]
   kw = {"cpu_rates": fs.plan.calibrate_cpu()} if devices[0].platform == "cpu" else {}
   limit = args.limit_gib * GiB if args.limit_gib else fit.device_memory(devices[0])
   return topo, kw, devices, limit
