@@ -171,3 +171,10 @@ def test_xla_refusing_a_program_as_too_big_is_a_fit_error_with_the_options(tpu_d
   assert e.value.options and all(o.rows == 2048 and o.bytes <= 16 * GiB
                                  for o in e.value.options)
   assert "RESOURCE_EXHAUSTED" not in str(e.value)
+
+
+@pytest.mark.parametrize("obj", [fit.check, fit_options], ids=["check", "fit_options"])
+def test_the_examples_run(obj):
+  from test_doctests import run_examples  # pylint: disable=import-outside-toplevel
+  results, report = run_examples(obj, obj.__name__)
+  assert results.attempted > 0 and results.failed == 0, report

@@ -11,10 +11,9 @@ same mesh). Nothing runs on the device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
-
-from typing import NamedTuple
 
 from fnscale import _compat
 from fnscale import topology as _topology
@@ -54,10 +53,10 @@ def device_memory(device) -> float | None:
     gen = _topology.generation_of(device.device_kind)
     if gen is None:
       return None
-    # A chip's JAX devices share its HBM: one on a megacore chip, one per core otherwise.
-    per_chip = 1 if getattr(device, "core_on_chip", 0) == 0 and gen in ("v4", "v5p", "v7") \
-        else _topology.CHIP_FACTS[gen].cores_per_chip
-    return float(_topology.CHIP_FACTS[gen].hbm_bytes // per_chip)
+    # A chip's JAX devices share its HBM: a megacore chip (v4, v5p) is one device, other
+    # chips one per TensorCore (as the planner's targets count them).
+    facts = _topology.CHIP_FACTS[gen]
+    return float(facts.hbm_bytes // (1 if gen in ("v4", "v5p") else facts.cores_per_chip))
   facts = _topology.gpu_facts(device.device_kind)
   return float(facts.hbm_bytes) if facts else None
 
