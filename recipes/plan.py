@@ -1,4 +1,4 @@
-"""Plan the mesh, remat and accumulation for a GPT, Llama or MoE model on a target, from this machine.
+"""Plan the mesh, remat and accumulation of a GPT, Llama or MoE model on a target, from here.
 
   python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
   python recipes/plan.py --model=medium --target=v5litepod-1 --batch=16 --seq=1024

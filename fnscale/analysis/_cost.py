@@ -35,6 +35,13 @@ Matmuls" and 5 "Training":
   async collectives and latency-hiding scheduler overlap all communication with compute,
   so step = max(compute, communication) (the scaling book's roofline); on simulated CPU
   devices the same cores copy and compute, so step = compute + communication.
+- Bytes per device (`Estimate`): params and optimizer state (split as the params are); the
+  backward's gradients in the compute dtype, the float32 accumulator beside them with
+  accumulation; the compute-dtype weights in flight (two layers gathered under FSDP, else a
+  whole cast copy where the compute dtype is not the params'); activations: the residuals
+  `jax.vjp` keeps, in the tiles a TPU holds them in on a TPU target (`tiled_nbytes`), and
+  under remat the checkpoints plus the share of one recomputed layer XLA keeps
+  (`REMAT_LIVE`). Set against XLA's peak by `recipes/bench/memory.py`.
 - Memory traffic at HBM bandwidth, added to compute (the vector work that moves it runs
   between the matmuls): `memory_traffic`. It matters where the optimizer update is
   replicated (data parallel), and on CPU, where memory is slow.
@@ -563,8 +570,8 @@ def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
   stream are replicated over the group, the rest split. Without remat both are the
   residuals. With remat the live ones are the checkpoints and, at the peak, the larger of
   the head's residuals (its backward runs first) and the `REMAT_LIVE` share of one layer's
-  recomputed ones (each layer's backward); the traffic is the checkpoints' plus every residual's again
-  (`memory_traffic`)."""
+  recomputed ones (each layer's backward); the traffic is the checkpoints' plus every
+  residual's again (`memory_traffic`)."""
   split = lambda total, stream: stream + (total - stream) / tensor
   full = split(prof.act_row, prof.act_row_stream)
   if not remat:

@@ -82,8 +82,8 @@ class CompileCheck(NamedTuple):
 class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
   compile (or None), `fits` (XLA's peak against HBM where compiled, else the estimate
-  against HBM x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the compiled communication
-  where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
+  against HBM x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the
+  compiled communication where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
   `microbatches` (the pipeline's, with a "stage" axis: the loss's `microbatches=`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
   compiled)."""
