@@ -795,7 +795,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      r"multiple of 8"),
     ("unknown model", ["--model_config=huge"], dict(model_config="huge"), fs.FnscaleError,
      r"model_config='huge' is not a known model; expected one of \['nano', 'tiny_gpt2', "
-     r"'tiny', 'small', 'medium', 'llama-tiny', 'llama-1b', 'llama-3b', 'llama-8b', 'llama-70b', "
+     r"'tiny', 'small', 'medium', 'llama-tiny', 'llama-766m', 'llama-1b', 'llama-3b', 'llama-8b', "
+     r"'llama-70b', "
      r"'moe-tiny', 'moe-deepseek-tiny', 'moe-mixtral-8x7b', 'moe-deepseek-16b'\]"),
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),

@@ -15,15 +15,18 @@ forecast adds three named efficiency terms (`Terms`):
   synchronisation: the DCN all-reduce at the end of the step and the slowest slice setting
   the pace). Measured runs lose a similar share going from one slice to two whatever their
   DCN bytes, so the bytes stay in the bound and this term carries the loss.
+- `memory`: a multiplier on the memory traffic's seconds (1 on pods: at the HBM bandwidth).
 
-step = max(bound, (first pass / matmul + memory + max(exposed x ICI, recompute / matmul))
-           x (1 + per_doubling x log2(slices)))
+step = max(bound, (first pass / matmul + memory x traffic
+                   + max(exposed x ICI, recompute / matmul)) x (1 + per_doubling x log2(slices)))
 
-where the first pass is the executed FLOPs without remat at peak and memory the bound's
-memory traffic (`fnscale.analysis._cost.memory_traffic`). The terms were fitted on MaxText's published
-v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them and checks the
-forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never sees). On simulated
-CPU devices the cost model's rates are measured on the host, so the forecast is the bound.
+where the first pass is the executed FLOPs without remat at peak and traffic the bound's
+memory traffic (`fnscale.analysis._cost.memory_traffic`). The pod terms were fitted on MaxText's
+published v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them
+and checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
+sees). A one-device target of a generation measured on one chip uses that chip's fit
+(`CHIP`, `terms_for`). On simulated CPU devices the cost model's rates are measured on the
+host, so the forecast is the bound.
 """
 from __future__ import annotations
 
@@ -37,16 +40,38 @@ from fnscale.analysis._targets import Hardware
 class Terms(NamedTuple):
   """Efficiency terms of the forecast (see the module docstring). `matmul` in (0, 1];
   `exposed` >= 0 (a fraction of the ICI collectives' seconds); `per_doubling` >= 0 (a
-  fraction of the step per doubling of slices)."""
+  fraction of the step per doubling of slices); `memory` >= 0: the memory traffic's
+  seconds are multiplied by it (1: at the HBM bandwidth)."""
   matmul: float
   exposed: float
   per_doubling: float
+  memory: float = 1.0
 
 
 # Fitted by `python recipes/bench/forecast_fit.py`: the largest |forecast - published| MFU over the
 # 16 runs of MaxText's v5p table (MaxText/configs/v5p/README.md, with the model shapes, meshes
 # and remat of its configs at the table's commit) is 4.99 points, rms 3.5.
 FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
+
+# One chip of a generation, measured: fitted by `python recipes/bench/forecast_fit.py --chip`
+# on the steps `recipes/bench/chip.py` timed on that chip (recipes/bench/chip_v5e.json: GPT
+# small and medium and the one-chip Llama, without remat, with "dots" and with full remat).
+# One chip has no collectives, so only `matmul` and `memory` are fitted (the others are
+# FITTED's). On v5e the steps are explained by matmuls at the roofline's rate and the
+# memory traffic at about a third of the HBM bandwidth (the vector work around the matmuls:
+# norms, activations, the attention kernel's softmax, the optimizer update): largest
+# |forecast - measured| 4.9 points over the 5 rows. FITTED's terms were 10-22 points high
+# on the GPT rows.
+CHIP = {"v5e": Terms(matmul=1.0, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
+                     memory=2.9416)}
+
+
+def terms_for(hw: Hardware) -> Terms:
+  """The forecast's terms for `hw`: its generation's one-chip fit (`CHIP`) on one device,
+  else `FITTED` (pods: the terms carry the communication the one-chip fit never saw)."""
+  if hw.num_devices == 1 and hw.generation in CHIP:
+    return CHIP[hw.generation]
+  return FITTED
 
 
 class Forecast(NamedTuple):
@@ -59,7 +84,7 @@ class Forecast(NamedTuple):
 
 
 def forecast(prof: _cost.Profile, hw: Hardware, est: _cost.Estimate, dcn: dict,
-             comm_s: dict | None = None, terms: Terms = FITTED) -> Forecast:
+             comm_s: dict | None = None, terms: Terms | None = None) -> Forecast:
   """The forecast for one candidate.
 
   Args:
@@ -67,18 +92,20 @@ def forecast(prof: _cost.Profile, hw: Hardware, est: _cost.Estimate, dcn: dict,
     dcn: the candidate's DCN axes (name -> size); their collectives stay in the bound.
     comm_s: axis name -> seconds of collectives to use instead of the estimate's (the
       compiled program's, after verification).
-    terms: the efficiency terms (default the fitted ones).
+    terms: the efficiency terms (default `terms_for(hw)`).
 
   Returns:
     A `Forecast`; never faster than the roofline with the same communication.
   """
+  terms = terms_for(hw) if terms is None else terms
   comm = est.comm_s if comm_s is None else comm_s
   total = sum(comm.values())
   bound = max(est.compute_s, total) if hw.overlap else est.compute_s + total
   step = bound
   if hw.kind != "cpu":
     ici = sum(s for a, s in comm.items() if a not in dcn)
-    first = (est.compute_s - est.memory_s - est.recompute_s) / terms.matmul + est.memory_s
+    first = ((est.compute_s - est.memory_s - est.recompute_s) / terms.matmul
+             + terms.memory * est.memory_s)
     late = max(terms.exposed * ici, est.recompute_s / terms.matmul)
     slices = math.prod(dcn.values()) if dcn else 1
     step = max(bound, (first + late) * (1 + terms.per_doubling * math.log2(slices)))

@@ -576,7 +576,7 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
             accum: int = 1, accum_gather: str = "auto", headroom: float = 0.8,
             cpu_rates: tuple[float, float] | None = None,
-            terms: _forecast.Terms = _forecast.FITTED, microbatches: int = 1) -> Candidate:
+            terms: _forecast.Terms | None = None, microbatches: int = 1) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
   its rows (nothing is compiled).
 
@@ -590,7 +590,8 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     accum_gather: `fnscale.train_step`'s accumulation mode ("auto", "per_microbatch" or
       "once").
     headroom: usable fraction of HBM for `fits`.
-    terms: the forecast's efficiency terms (default the fitted ones).
+    terms: the forecast's efficiency terms (default the fitted ones for the target:
+      `fnscale.analysis._forecast.terms_for`).
     microbatches: the pipeline's, with a "stage" axis (then accum 1).
 
   Returns:
@@ -860,5 +861,5 @@ def summary(p: Plan) -> dict:
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
               accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,
-              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.FITTED._asdict(),
+              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.terms_for(hw)._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)

@@ -42,13 +42,16 @@ from fnscale import _compat
 from fnscale import _context
 from fnscale._context import KernelChoice
 from fnscale.errors import KernelError
-from fnscale.kernels import context_attention
+from fnscale.kernels import _splash_tiles, context_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 # Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
 # traced program's attention can be told from its other matmuls (`fnscale.analysis._cost`).
 SCOPE = "fnscale_attention"
 CAUSAL_SCOPE = SCOPE + "_causal"
+# The splash kernel's output and logsumexp carry this `checkpoint_name`: a remat policy that
+# saves it (`jax.checkpoint_policies.save_only_these_names`) spares the forward kernel's rerun.
+RESIDUALS = SCOPE + "_residuals"
 # Candidate block sizes, largest first: the largest that divides the sequence wins.
 _SPLASH_BLOCKS = (512, 256, 128)
 _GPU_BLOCKS = (128, 64, 32, 16)
@@ -201,7 +204,8 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
     implementation: "auto" or a name in `IMPLEMENTATIONS`. "auto" takes the choice of an
       enclosing `with_kernel`, then tries splash on TPU, cudnn then pallas_gpu on NVIDIA
       GPUs, splash then pallas_gpu in interpret mode, else "xla".
-    block_sizes: override the kernel tiles (`BlockSizes`); default: the largest tile that
+    block_sizes: override the kernel tiles (`BlockSizes`); default: splash's measured
+      tiles for the shape (`fnscale.kernels._splash_tiles`), else the largest tile that
       divides the sequence (splash 512/256/128, pallas_gpu 128/64/32/16).
     platform: "tpu", "cuda", "rocm", "gpu" or "cpu"; default: the mesh's, else jax's
       default backend.
@@ -670,6 +674,9 @@ def _block_sizes(name: str, call: _Call) -> BlockSizes | None:
   t, s = call.q_shape[1], call.k_shape[1]
   given = call.block_sizes
   if name == "splash":
+    tiles = None if given else _splash_tiles.measured(t, s, call.q_shape[3])
+    if tiles is not None:
+      return BlockSizes(*tiles)
     bq = given.block_q if given else _largest_divisor(t, _SPLASH_BLOCKS)
     bkv = given.block_kv if given else _largest_divisor(s, _SPLASH_BLOCKS)
     return BlockSizes(bq, bkv, (given and given.block_q_bwd) or bq,
@@ -701,14 +708,10 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
     mask = splash.CausalMask((t, s))
   else:
     mask = splash.FullMask((t, s))
-  sizes = splash.BlockSizes(
-      block_q=blocks.block_q, block_kv=blocks.block_kv, block_kv_compute=blocks.block_kv,
-      block_q_dkv=blocks.block_q_bwd, block_kv_dkv=blocks.block_kv_bwd,
-      block_kv_dkv_compute=blocks.block_kv_bwd, block_q_dq=blocks.block_q_bwd,
-      block_kv_dq=blocks.block_kv_bwd)
+  sizes = _splash_tiles.kernel_block_sizes(splash, blocks)
   make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
-                q_seq_shards=1, interpret=interpret)
+                q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret)
   return context_attention.run_splash(kernel, q, k, v, q_ids, kv_ids, scale)
 
 

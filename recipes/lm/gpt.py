@@ -27,19 +27,25 @@ from jax.sharding import PartitionSpec as P
 
 import fnscale as fs
 from fnscale.analysis import flops
+from recipes.lm import int8, remat as remat_lib
 
 VOCAB = 256  # bytes; a tokenizer's vocabulary replaces it (`cfg._replace(vocab=n)`)
+REMAT_POLICIES = remat_lib.POLICIES  # what `remat=` takes besides True / False
 
 
 class ModelConfig(NamedTuple):
   """Shape of the decoder. d_mlp is 4 * d_model as in GPT-2. `positions`: rows of the learned
-  position table (GPT-2's n_positions, 1024); 0: `seq`."""
+  position table (GPT-2's n_positions, 1024); 0: `seq`. `int8`: the blocks' projections and
+  MLP multiply in int8 (`recipes.lm.int8.dense`); `unroll`: the layer loop unrolled instead of
+  one `lax.scan` body."""
   layers: int
   d_model: int
   heads: int
   seq: int
   vocab: int = VOCAB
   positions: int = 0
+  int8: bool = False
+  unroll: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -158,21 +164,27 @@ def _layer_norm(x, p, eps=1e-5):
   return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def _block(x, p, segment_ids=None):
+def _block(x, p, segment_ids=None, int8_matmuls: bool = False):
   """One pre-LN transformer block. x: [batch, seq, d_model]; segment_ids: None or int32
-  [batch, seq] (a token attends only within its segment)."""
+  [batch, seq] (a token attends only within its segment); int8_matmuls: the four weight
+  matmuls in int8 (`recipes.lm.int8.dense`)."""
   # Keep the residual stream split by batch; otherwise GSPMD may follow the FSDP params'
   # d_model sharding and run attention for the whole batch on every device.
   x = fs.constrain_batch(x)
   h = _layer_norm(x, p["ln1"])
   a = p["attn"]
-  qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
-  o = fs.attention(qkv[0], qkv[1], qkv[2], causal=True, segment_ids=segment_ids)
-  x = x + jnp.einsum("bshk,hkd->bsd", o, a["w_out"]) + a["b_out"]
+  if int8_matmuls:
+    qkv = jnp.moveaxis(int8.dense(h, a["w_qkv"]), 2, 0) + a["b_qkv"][:, None, None]
+  else:
+    qkv = jnp.einsum("bsd,dthk->tbshk", h, a["w_qkv"]) + a["b_qkv"][:, None, None]
+  q, k, v = (remat_lib.name_qkv(t) for t in (qkv[0], qkv[1], qkv[2]))
+  o = fs.attention(q, k, v, causal=True, segment_ids=segment_ids)
+  mm = int8.dense if int8_matmuls else jnp.tensordot
+  x = x + mm(o, a["w_out"], 2) + a["b_out"]
   h = _layer_norm(x, p["ln2"])
   m = p["mlp"]
-  h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", h, m["w_fc"]) + m["b_fc"])
-  return x + jnp.einsum("bsf,fd->bsd", h, m["w_proj"]) + m["b_proj"]
+  h = jax.nn.gelu(mm(h, m["w_fc"], 1) + m["b_fc"])
+  return x + mm(h, m["w_proj"], 1) + m["b_proj"]
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array, rules=None) -> jax.Array:
@@ -290,7 +302,7 @@ def check_positions(positions) -> None:
         "fnscale.global_batch.")
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
+def apply(params: dict, tokens: jax.Array, *, remat: bool | str = False,
           cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq <= cfg.seq] -> float32 [batch, seq, vocab].
 
@@ -300,25 +312,27 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
 
   Computes in the dtype of `params` (a precision policy casts them); LayerNorm statistics and
   logits are float32. Blocks run under `lax.scan` over the stacked layer axis (one compiled
-  block whatever the depth); `remat=True` recomputes each block's activations in the backward
-  pass (`jax.checkpoint`) to trade FLOPs for memory. `cfg` is taken for the interface the
-  Llama shares (whose RoPE settings aren't shapes); GPT-2's forward needs only the params.
-  `positions`, `segment_ids`: int [batch, seq] (default 0..seq-1, one sequence per row);
-  positions are required under a context axis (`check_positions`).
+  block whatever the depth); `remat` trades FLOPs for memory: what each block saves for the
+  backward pass, a policy of `recipes.lm.remat` (True: "full", recompute the whole block;
+  False: "none"; "dots": keep the matmul outputs, ...). `cfg`: its `int8` and `unroll`
+  choices (default neither); GPT-2's shapes come from the params. `positions`,
+  `segment_ids`: int [batch, seq] (default 0..seq-1, one sequence per row); positions are
+  required under a context axis (`check_positions`).
   """
-  del cfg
   seq = tokens.shape[1]
   check_positions(positions)
   pos = params["wpe"][:seq] if positions is None else jnp.take(params["wpe"], positions, 0)
   x = embed_lookup(params["wte"], tokens) + pos
-  block = functools.partial(_block, segment_ids=segment_ids)
-  block = jax.checkpoint(block) if remat else block
-  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+  block = functools.partial(_block, segment_ids=segment_ids,
+                            int8_matmuls=cfg is not None and cfg.int8)
+  block = remat_lib.checkpointed(block, remat)
+  x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"],
+                      unroll=cfg is not None and cfg.unroll)
   x = _layer_norm(x, params["ln_f"])
   return jnp.einsum("bsd,vd->bsv", x, params["wte"]).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+def loss_fn(params: dict, batch: dict, *, remat: bool | str = False,
             cfg: ModelConfig | None = None, weighted: bool = False):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
   ids in [0, cfg.vocab): an id outside gives a nan or wrong loss, not an error (jit cannot

@@ -37,7 +37,8 @@ import numpy as np
 
 import fnscale as fs
 from fnscale.analysis import flops
-from recipes.lm import gpt
+from recipes.lm import gpt, int8
+from recipes.lm import remat as remat_lib
 
 
 class RopeScaling(NamedTuple):
@@ -60,6 +61,10 @@ class ModelConfig(NamedTuple):
   `qkv_bias`: biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of
   q and k before RoPE (Qwen3). `repeats` > 1: the blocks are stored for a circular
   pipeline of `stages` stages, [stages, repeats, layers / (stages repeats), ...].
+  `int8`: the blocks' projections and MLP multiply in int8 (`recipes.lm.int8.dense`; the
+  output layer and attention stay in the compute dtype). `unroll`: the layer loop is
+  unrolled in the compiled program instead of one `lax.scan` body. `loss_chunk`: tokens per
+  chunk of the loss (`fnscale.cross_entropy`'s chunk_size; 0: its default).
   """
   layers: int
   d_model: int
@@ -77,6 +82,9 @@ class ModelConfig(NamedTuple):
   qk_norm: bool = False
   stages: int = 1
   repeats: int = 1
+  int8: bool = False
+  unroll: bool = False
+  loss_chunk: int = 0
 
   @property
   def head_dim(self) -> int:
@@ -84,17 +92,26 @@ class ModelConfig(NamedTuple):
 
 
 LLAMA3_VOCAB = 128_256
+REMAT_POLICIES = remat_lib.POLICIES  # what `remat=` takes besides True / False
 # Llama 3 shapes from Meta's published configurations: "The Llama 3 Herd of Models"
 # (arXiv:2407.21783), table 3 (8B: 32 layers, d 4096, FFN 14336, 32 heads, 8 KV heads;
 # 70B: 80 layers, d 8192, FFN 28672, 64 heads, 8 KV heads; vocabulary 128256, RoPE base
 # 500000), and the Llama 3.2 1B model card / params.json (16 layers, d 2048, FFN 8192, 32
 # heads, 8 KV heads; 3B: 28 layers, d 3072, FFN 8192, 24 heads, 8 KV heads), both with tied
 # embeddings and Llama 3.1's RoPE scaling at factor 32 (their config.json): 1,235,814,400 and
-# 3,212,749,824 params. `llama-tiny` is byte-level.
+# 3,212,749,824 params. `llama-tiny` is byte-level. `llama-766m` is the largest of these
+# shapes one TPU v5e chip (15.75 GiB HBM) trains with float32 params and AdamW state: Llama
+# 3.2 1B's width, MLP and vocabulary at 8 layers, with 16 heads of 128 (the v5e MXU's
+# 128 x 128 tiles; 32 heads of 64 run the attention kernel at half width), 766,019,584
+# params. At 8 rows of 2048 tokens with full remat it trained at 22.8k tokens/s, 57.9% MFU
+# (`python recipes/bench/chip.py --case=llama`); float32 params and AdamW state leave no room
+# for less remat at that batch (15.3 of 15.75 GiB).
 LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position=8192)
 SIZES = {
     "llama-tiny": dict(layers=4, d_model=256, heads=8, kv_heads=2, d_mlp=768, vocab=256),
+    "llama-766m": dict(layers=8, d_model=2048, heads=16, kv_heads=8, d_mlp=8192,
+                       vocab=LLAMA3_VOCAB, tie_embeddings=True),
     "llama-1b": dict(layers=16, d_model=2048, heads=32, kv_heads=8, d_mlp=8192,
                      vocab=LLAMA3_VOCAB, tie_embeddings=True, rope_scaling=LLAMA32_ROPE),
     "llama-3b": dict(layers=28, d_model=3072, heads=24, kv_heads=8, d_mlp=8192,
@@ -330,19 +347,26 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   q, k, v = (_project(h, p, name, cfg) for name in ("q", "k", "v"))
   q = fs.constrain_batch(rope(q, cfg.rope_theta, cfg.rope_scaling, positions))
   k = fs.constrain_batch(rope(k, cfg.rope_theta, cfg.rope_scaling, positions))
-  v = fs.constrain_batch(v)
+  q, k, v = (remat_lib.name_qkv(a) for a in (q, k, fs.constrain_batch(v)))
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
-  x = x + fs.lora.einsum("bshk,hkd->bsd", o, p["wo"])
+  mm = _matmul(cfg)
+  x = x + mm("bshk,hkd->bsd", o, p["wo"])
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  g = jax.nn.silu(fs.lora.einsum("bsd,df->bsf", h, p["w_gate"]))
-  u = fs.lora.einsum("bsd,df->bsf", h, p["w_up"])
-  return x + fs.lora.einsum("bsf,fd->bsd", g * u, p["w_down"])
+  g = jax.nn.silu(mm("bsd,df->bsf", h, p["w_gate"]))
+  u = mm("bsd,df->bsf", h, p["w_up"])
+  return x + mm("bsf,fd->bsd", g * u, p["w_down"])
+
+
+def _matmul(cfg: ModelConfig):
+  """einsum(subscripts, x, w) for a block's weight: int8 (`recipes.lm.int8.einsum`) when
+  `cfg.int8`, else `fnscale.lora.einsum` (a plain einsum, or a LoRA-bound weight's)."""
+  return int8.einsum if cfg.int8 else fs.lora.einsum
 
 
 def _project(h, p, name: str, cfg: ModelConfig):
   """q, k or v [batch, seq, heads, head_dim]: the projection, its bias and its per-head RMSNorm
   where the params have them (Qwen2's biases, Qwen3's q/k norm)."""
-  out = fs.lora.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
+  out = _matmul(cfg)("bsd,dhk->bshk", h, p[f"w{name}"])
   if f"b{name}" in p:
     out = out + p[f"b{name}"].astype(out.dtype)
   if f"{name}_norm" in p:
@@ -361,7 +385,7 @@ def _config_of(params: dict, tokens, cfg: ModelConfig | None) -> ModelConfig:
                        vocab=params["embed"].shape[0])
 
 
-def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
+def hidden(params: dict, tokens: jax.Array, *, remat: bool | str = False,
            cfg: ModelConfig | None = None, rows: dict | None = None,
            microbatches: int | None = None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
@@ -375,12 +399,12 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   segment_ids, positions = (rows or {}).get("segment_ids"), (rows or {}).get("positions")
   gpt.check_positions(positions)
   x = gpt.embed_lookup(params["embed"], tokens, RULES)  # ids and activations move
-  block = lambda x, p, seg, pos: _block(x, p, cfg, seg, pos)
-  block = jax.checkpoint(block) if remat else block
+  block = remat_lib.checkpointed(lambda x, p, seg, pos: _block(x, p, cfg, seg, pos), remat)
 
   def layers(ps, carry):  # packed rows' segment ids and positions travel with their rows
     x, seg, pos = carry
-    return jax.lax.scan(lambda x, p: (block(x, p, seg, pos), None), x, ps)[0], seg, pos
+    return jax.lax.scan(lambda x, p: (block(x, p, seg, pos), None), x, ps,
+                        unroll=cfg.unroll)[0], seg, pos
   blocks, stages, pp = params["blocks"], _stages(), fs.parallel.pipeline
   # A circular layout: [stages, repeats, layers per stage, d_model, heads, head_dim].
   repeats = blocks["wq"].shape[1] if blocks["wq"].ndim == 6 else 0
@@ -429,13 +453,14 @@ def output_layer(params: dict) -> jax.Array:
   return params["unembed"] if "unembed" in params else params["embed"].T
 
 
-def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
+def apply(params: dict, tokens: jax.Array, *, remat: bool | str = False,
           cfg: ModelConfig | None = None, segment_ids=None, positions=None) -> jax.Array:
   """Next-token logits. tokens: int32 [batch, seq] -> float32 [batch, seq, vocab].
 
   Computes in the dtype of `params` (a precision policy casts them); RMSNorm statistics,
-  rotary angles and logits are float32. `remat=True` recomputes each block's activations in
-  the backward pass (`jax.checkpoint`, nothing saved inside a block). `cfg`: as in `hidden`;
+  rotary angles and logits are float32. `remat`: what each block saves for the backward pass,
+  a policy of `recipes.lm.remat` (True: "full", nothing inside a block; False: "none",
+  everything; "dots": the matmul outputs, ...). `cfg`: as in `hidden`;
   `segment_ids`, `positions`: int32 [batch, seq], `hidden`'s `rows` (packed rows; sampling
   gives positions). On a mesh with a `stage` axis the pipeline runs the stages' default
   microbatches (`loss_fn` takes others).
@@ -445,7 +470,7 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
   return jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
 
 
-def loss_fn(params: dict, batch: dict, *, remat: bool = False,
+def loss_fn(params: dict, batch: dict, *, remat: bool | str = False,
             cfg: ModelConfig | None = None, weighted: bool = False,
             microbatches: int | None = None):
   """Mean next-token cross-entropy in nats. batch: {"inputs", "targets"} int32 [batch, seq],
@@ -472,10 +497,12 @@ def loss_fn(params: dict, batch: dict, *, remat: bool = False,
       "tensor",)
   # [batch, seq, d]: the tokens stay where they are, the sequence split too.
   w, targets = output_layer(params).astype(x.dtype), batch["targets"]
+  chunk = (cfg.loss_chunk if cfg is not None else 0) or None
   if not weighted:
-    return fs.cross_entropy(x, w, targets, vocab_axes=axes)
+    return fs.cross_entropy(x, w, targets, vocab_axes=axes, chunk_size=chunk)
   where = batch["weights"] > 0 if "weights" in batch else jnp.ones(targets.shape, bool)
-  total = fs.cross_entropy(x, w, targets, where=where, reduction="sum", vocab_axes=axes)
+  total = fs.cross_entropy(x, w, targets, where=where, reduction="sum", vocab_axes=axes,
+                           chunk_size=chunk)
   return total, jnp.sum(where.astype(jnp.float32))
 
 

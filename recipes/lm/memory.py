@@ -26,6 +26,7 @@ import fnscale as fs
 from fnscale.analysis import fit
 from fnscale.errors import FitError
 from recipes.lm import startup
+from recipes.lm.options import remat_policy
 
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
@@ -39,13 +40,24 @@ def limit(mesh) -> float | None:
   return fit.device_memory(mesh.devices.flat[0])
 
 
-def profile(model, cfg, target, rows: int, policy, lora=None, **kw):
+def _loss(model, cfg, keep: str):
+  """The model's loss with the `remat` the planner toggles: off is the run's policy `keep`
+  (`recipes/lm/remat.py`; a model without policies: off unless "full"), on is "full"."""
+  named = hasattr(model, "REMAT_POLICIES")
+
+  def loss(params, batch, *, remat=False):
+    policy = "full" if remat else keep
+    return model.loss_fn(params, batch, cfg=cfg, remat=policy if named else policy == "full")
+  return loss
+
+
+def profile(model, cfg, target, rows: int, policy, keep: str = "none", lora=None, **kw):
   """The planner's profile of the run's step (`fnscale.analysis.plan.profile_model`: its
   traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
-  the jmp `policy` (or None) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
+  the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps without
+  remat (`_loss`) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
   shape = jax.ShapeDtypeStruct((rows, cfg.seq), np.int32)
-  init, loss = functools.partial(model.init_params, cfg), functools.partial(model.loss_fn,
-                                                                           cfg=cfg)
+  init, loss = functools.partial(model.init_params, cfg), _loss(model, cfg, keep)
   if lora is not None:
     init, loss = startup._lora_plan(model, cfg, policy, lora)  # pylint: disable=protected-access
   return fs.plan.profile_model(init, loss, optax.adamw(1e-3),
@@ -75,7 +87,10 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
       nothing on this mesh fits at all, the state alone being too big); the message gives
       the estimate, the memory and the fix.
   """
-  fixed = dict(remat=o.remat, accum=o.accum_steps,
+  # Without remat the blocks keep what the run's policy keeps; remat is "full".
+  base = remat_policy(dataclasses.replace(o, remat=False), topo.platform)
+  fixed = dict(remat=o.remat if o.remat_policy == "auto" else o.remat_policy == "full",
+               accum=o.accum_steps,
                rows=per_device if o.batch_size is not None or o.global_batch is not None
                else None)
   filled = lambda remat, accum, rows: (dataclasses.replace(
@@ -84,10 +99,10 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
   if cap is None:
     return filled(o.remat, o.accum_steps, per_device)
   dp = fs.plan.data_parallel(_mesh_axes(mesh))
-  now = dict(remat=bool(o.remat), accum=o.accum_steps or 1, rows=per_device)
+  now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
   try:
     prof = profile(model, cfg, topo, per_device * dp, startup.policy(o.precision, topo.platform),
-                   lora)
+                   base, lora)
     ask = lambda room, **kw: fs.plan.fit_options(prof, topo, _mesh_axes(mesh), room,
                                                  accum_gather=o.accum_gather, **kw)
     need = ask(float("inf"), **now)[0].bytes
@@ -131,8 +146,10 @@ def compile_step(setup, step, state, batch):
   except FitError as e:
     dp = fs.plan.data_parallel(_mesh_axes(mesh))
     try:
+      base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
+          dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
       prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
-                     startup.policy(o.precision, setup.topo.platform), setup.lora)
+                     startup.policy(o.precision, setup.topo.platform), base, setup.lora)
       options = fs.plan.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):

@@ -25,13 +25,21 @@ MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}
 def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
   """(model module, its config, the run's model name): --init_from's config.json, else the
   named `size` with the corpus's vocabulary. Raises InputError on an unknown name, both
-  options given, a tokenizer with more ids than the checkpoint's model, or packed rows for a
-  model whose loss takes no weights."""
+  options given, a tokenizer with more ids than the checkpoint's model, packed rows for a
+  model whose loss takes no weights, or --int8 for a model without int8 matmuls."""
   model, cfg, name = _choose(o, size, seq, corpus.vocab)
   if corpus.packed is not None and "weighted" not in inspect.signature(model.loss_fn).parameters:
     raise fs.InputError(f"--dataset={o.dataset}: packed rows need a model whose loss masks "
                         f"documents and weighs tokens; {name} doesn't; fix: a gpt or llama "
                         "model, or a text dataset")
+  if o.int8:
+    if "int8" not in cfg._fields:
+      raise fs.InputError(f"--int8: {name} has no int8 matmuls; fix: a gpt or llama model, "
+                          "or leave --int8 out")
+    if o.lora_rank:
+      raise fs.InputError("--int8 with --lora_rank: the int8 matmuls take plain weights, "
+                          "not a base with adapters; give one of them")
+    cfg = cfg._replace(int8=True)
   return model, cfg, name
 
 
@@ -71,8 +79,17 @@ def losses(s) -> tuple:
   kw = dict(cfg=s.cfg, **({"weighted": True} if s.corpus.packed is not None else {}),
             **({"microbatches": o.microbatches} if o.microbatches else {}))
   aux = getattr(model, "HAS_AUX", False)
-  train = functools.partial(model.loss_and_aux if aux else model.loss_fn, remat=o.remat, **kw)
+  train = functools.partial(model.loss_and_aux if aux else model.loss_fn,
+                            remat=remat_of(o, model), **kw)
   return train, functools.partial(model.loss_fn, **kw), aux
+
+
+def remat_of(o, model) -> bool | str:
+  """The loss's `remat` for options `o` (--remat_policy resolved, `run_setup.decide`): the
+  policy's name for a model that takes one (gpt, llama: `REMAT_POLICIES`), else on for
+  "full" and off for the others (moe recomputes a block whole or not at all)."""
+  policy = "full" if o.remat else o.remat_policy
+  return policy if hasattr(model, "REMAT_POLICIES") else policy == "full"
 
 
 def init(s, optimizer, policy, seed_key):

@@ -19,16 +19,21 @@ CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
 PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documents into rows
 LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
 MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
+# What each block keeps for its backward pass (recipes/lm/remat.py says what each saves).
+REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
 OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
 DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
 TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
-# default run in ~2-3 minutes on 2 cores (README, "The main job").
+# default run in ~2-3 minutes on 2 cores (README, "The main job"). Accelerators: GPT small at
+# 32 rows of 1024 tokens keeping its matmul outputs ("dots"), 120k tokens/s on one TPU v5e
+# where 16 rows keeping everything (what fits without remat) ran 93k (recipes/bench/chip.py).
 PLATFORM_DEFAULTS = {
-    "cpu": dict(model_config="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1"),
-    "accelerator": dict(model_config="small", seq=1024, batch_size=16, steps=5000,
-                        mesh="fsdp=-1")}
+    "cpu": dict(model_config="tiny_gpt2", seq=64, batch_size=8, steps=200, mesh="data=-1",
+                remat_policy="none"),
+    "accelerator": dict(model_config="small", seq=1024, batch_size=32, steps=5000,
+                        mesh="fsdp=-1", remat_policy="dots")}
 # Peak learning rate by model; other models 3e-4.
 LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
       "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3}
@@ -78,7 +83,7 @@ class Options(Hardware):
                              "context": context_attention.FORMS,
                              "context_order": context_attention.ORDERS,
                              "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
-                             "tracker": TRACKERS}
+                             "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -149,7 +154,14 @@ class Options(Hardware):
   context_order: str = option("zigzag", "the order the context shards hold the sequence "
                               "in: zigzag (balanced causal work), striped or contiguous")
   remat: bool | None = option(None, "recompute each block's activations in the backward "
-                             "pass; default off, or on where that is what fits the memory")
+                             "pass (--remat_policy=full); default off, or on where that is "
+                             "what fits the device's memory")
+  int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
+                      "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
+                      "llama models)")
+  remat_policy: str = option("auto", "what each block keeps for its backward pass "
+                             f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
+                             f"{_by_platform('remat_policy')}, full with --remat")
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
                              "(Llama models: their layers run as stages); default: the "
                              "stages")
@@ -195,6 +207,15 @@ def platform_default(o: Options, name: str, platform: str):
   if given not in (None, ""):
     return given
   return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"][name]
+
+
+def remat_policy(o: Options, platform: str) -> str:
+  """--remat_policy, auto resolved: full with --remat, else the platform's default."""
+  if o.remat_policy != "auto":
+    return o.remat_policy
+  if o.remat:
+    return "full"
+  return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"]["remat_policy"]
 
 
 def schedule_defaults(o: Options, model: str, steps: int) -> Options:

@@ -16,7 +16,7 @@ import fnscale as fs
 from fnscale import sharding
 from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
 from recipes.lm import packing, progress, run_log, rundir, startup
-from recipes.lm.options import Options, platform_default, schedule_defaults
+from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -45,6 +45,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   if o.objective == "dpo":
     finetune.dpo_config(o)
   o, mesh = _mesh(o, model, cfg, topo, per_device, say, lora)
+  if o.remat and o.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+                        "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in sharding.data_axes(mesh))
   if o.global_batch is not None:
     per_device = max(1, o.global_batch // dp)
@@ -61,6 +64,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
       o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
+      remat_policy=remat_policy(o, topo.platform),
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,

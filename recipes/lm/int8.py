@@ -1,0 +1,105 @@
+"""Int8 matmuls for training: symmetric per-channel quantization with straight-through gradients.
+
+TPU v5e multiplies int8 at twice its bf16 rate (394 vs 197 TOP/s per chip). `dense(x, w, n)`
+computes `x @ w` (the last n dims of x against the first n of w) as
+
+  forward        y  = (q(x) @ q(w)) * s_x * s_w      x per row (token), w per output column
+  input grad     dx = (q(g) @ q(w)^T) * s_g * s_w'   g per row, w per input row
+  weight grad    dw = x^T @ g                        in x's dtype, float32 accumulation
+
+where q(a) = round(a / s) in int8, s = max|a| / 127 over the contracted dim (the scale of
+each row or column), and the int8 products accumulate in int32 (`lax.dot_general`'s
+`preferred_element_type`). The gradients treat the rounding as the identity
+(straight-through: Bengio et al. 2013; Jacob et al. 2018 for per-channel int8 training); the
+weight gradient stays in bf16 because it sums over every token, where int8's rounding of
+rows would add up. Two of a layer's three matmuls run in int8.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.random.normal(jax.random.key(0), (8, 64))
+  >>> w = jax.random.normal(jax.random.key(1), (64, 32))
+  >>> err = jnp.abs(dense(x, w) - x @ w).max() / jnp.abs(x @ w).max()
+  >>> bool(err < 0.02)
+  True
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_LEVELS = 127.0
+
+
+def quantize(a: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """(int8 values, float32 scales) of a 2-d array, symmetric, one scale per slice along the
+  other axis: `a ~= q * s` with s = max|a| / 127 over `axis` (kept as a size-1 dim)."""
+  a = a.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(a), axis=axis, keepdims=True) / _LEVELS
+  scale = jnp.where(scale > 0, scale, 1.0)
+  return jnp.clip(jnp.round(a / scale), -_LEVELS, _LEVELS).astype(jnp.int8), scale
+
+
+def _int8_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [m, k] @ b [k, n] in float32 through int8: a quantized per row, b per column."""
+  qa, sa = quantize(a, 1)
+  qb, sb = quantize(b, 0)
+  y = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+  return y.astype(jnp.float32) * sa * sb
+
+
+@jax.custom_vjp
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  return _int8_matmul(x, w).astype(x.dtype)
+
+
+def _matmul_fwd(x, w):
+  return _matmul(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, g):
+  x, w = residuals
+  dx = _int8_matmul(g, w.T).astype(x.dtype)
+  dw = lax.dot_general(x, g.astype(x.dtype), (((0,), (0,)), ((), ())),
+                       preferred_element_type=jnp.float32).astype(w.dtype)
+  return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+  """`jnp.tensordot(x, w, contract)` with int8 forward and input-gradient matmuls (above).
+
+  Args:
+    x: activations [..., c_1..c_n] (bfloat16 or float32).
+    w: weights [c_1..c_n, o_1..o_m], cast to x's dtype.
+    contract: n, the trailing dims of x contracted with the leading dims of w.
+
+  Returns:
+    [..., o_1..o_m] in x's dtype.
+  """
+  lead, inner, out = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:], w.shape[contract:]
+  y = _matmul(x.reshape(-1, math.prod(inner)),
+              w.astype(x.dtype).reshape(math.prod(inner), math.prod(out)))
+  return y.reshape(*lead, *out)
+
+
+def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """`jnp.einsum(subscripts, x, w)` through `dense`, for a weight w whose leading dims are
+  contracted with x's trailing ones and whose other dims follow x's in the output
+  ("bsd,dhk->bshk", "bshk,hkd->bsd").
+
+  Raises:
+    ValueError: subscripts of another form (or a w that is no array, e.g. a LoRA-bound one).
+  """
+  lhs, _, out = subscripts.partition("->")
+  xs, ws = lhs.split(",")
+  n = len(xs) - len(xs.rstrip(ws))  # x's trailing dims that w has
+  if (not isinstance(w, jax.Array) or n == 0 or ws[:n] != xs[len(xs) - n:]
+      or out != xs[:len(xs) - n] + ws[n:]):
+    raise ValueError(f"int8 einsum {subscripts!r} on {type(w).__name__}: expected a weight "
+                     "array contracted over its leading dims, e.g. 'bsd,dhk->bshk'")
+  return dense(x, w, n)

@@ -1,0 +1,143 @@
+"""The models' speed levers: remat policies, int8 matmuls, the unrolled layer loop, the loss
+chunk. Each computes the model's own function (checked against the plain model) and does
+what its name says (checked on what it saves, or on the program it lowers to)."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+import fnscale as fs
+from recipes.lm import gpt, int8, llama, remat
+
+CFG = llama.ModelConfig(layers=2, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=16, vocab=64)
+
+
+def _batch(cfg, rows=2):
+  ids = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1)).astype(np.int32)
+  return {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+
+
+@functools.lru_cache(maxsize=None)
+def _grads(policy, cfg=CFG):
+  params = llama.init_params(cfg, jax.random.key(0))
+  return jax.jit(jax.value_and_grad(functools.partial(llama.loss_fn, remat=policy, cfg=cfg)))(
+      params, _batch(cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "dots", "qkv_attn", "qkv", True])
+def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy):
+  (loss, grads), (want, want_grads) = _grads(policy), _grads("none")
+  assert float(loss) == pytest.approx(float(want), rel=1e-6)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def _saved_bytes(policy) -> int:
+  params = llama.init_params(CFG, jax.random.key(0))["blocks"]
+  one = jax.tree.map(lambda a: a[0], params)
+  x = jnp.ones((2, CFG.seq, CFG.d_model))
+  block = remat.checkpointed(lambda x, p: llama._block(x, p, CFG), policy)
+  return sum(a.size * a.dtype.itemsize for a, why in saved_residuals(
+      lambda x, p: block(x, p).sum(), x, one) if "argument" not in why)
+
+
+def test_the_policies_save_less_in_the_order_of_their_documentation():
+  """none > dots > qkv_attn >= qkv > full in bytes saved per block (arguments aside; off
+  a TPU the attention has no kernel residuals, so qkv_attn saves what qkv does); full saves
+  only constants: a mapping that swapped two policies fails the order."""
+  sizes = [_saved_bytes(p) for p in ("none", "dots", "qkv_attn", "qkv", "full")]
+  assert sizes[0] > sizes[1] > sizes[2] >= sizes[3] > 100 * sizes[4], sizes
+  # "qkv" saves exactly q, k and v: [2, 16, 4 + 2 + 2 heads, 8] float32.
+  assert sizes[3] == 2 * 16 * (4 + 2 + 2) * 8 * 4 + sizes[4]
+
+
+def test_an_unknown_remat_policy_is_refused_with_the_names():
+  with pytest.raises(fs.InputError, match="'dotz' is not a remat policy.*dots"):
+    remat.checkpointed(lambda x: x, "dotz")
+
+
+def test_int8_dense_is_close_to_the_float_matmul_forward_and_input_gradient():
+  """Per-row / per-column int8 (127 levels): relative error well under 2% on Gaussian data;
+  the weight gradient is the float one exactly. A scale over the wrong axis or no rounding
+  to int8 at all would fail the first or the jaxpr check below."""
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  w = jax.random.normal(jax.random.key(1), (128, 96)) * 0.05
+  g = jax.random.normal(jax.random.key(2), (64, 96))
+  y, dx, dw = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(int8.dense, x, w)))(
+      x, w, g)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(y, x @ w) < 0.02 and rel(dx, g @ w.T) < 0.02
+  assert rel(y, x @ w) > 1e-4  # it did round
+  np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-5)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: int8.dense(x, w).sum(), (0, 1)))(x, w))
+  assert jaxpr.count("preferred_element_type=int32") == 2  # forward and input gradient
+
+
+@pytest.mark.slow
+def test_int8_dense_contracts_several_dims_as_tensordot():
+  x = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
+  w = jax.random.normal(jax.random.key(1), (4, 8, 16))
+  got = int8.dense(x, w, 2)
+  assert got.shape == (2, 5, 16)
+  want = jnp.tensordot(x, w, 2)
+  assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 0.03
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,cfg", [(llama, CFG), (gpt, gpt.ModelConfig(2, 32, 2, 16, 64))])
+def test_the_int8_and_unrolled_models_train_the_same_function(module, cfg):
+  params = module.init_params(cfg, jax.random.key(0))
+  loss = lambda c: float(jax.jit(functools.partial(module.loss_fn, cfg=c))(params, _batch(cfg)))
+  base = loss(cfg)
+  assert loss(cfg._replace(unroll=True)) == pytest.approx(base, rel=1e-6)
+  assert loss(cfg._replace(int8=True)) == pytest.approx(base, rel=2e-3)
+  assert loss(cfg._replace(int8=True)) != base
+
+
+@pytest.mark.slow
+def test_the_loss_chunk_reaches_the_cross_entropy():
+  """loss_chunk=8 walks the 32 tokens in 4 chunks (a loop of length 4 beside the layers' 2;
+  the default chunk, at least 1024 tokens, takes all 32 at once: length 1); same loss."""
+  params = llama.init_params(CFG, jax.random.key(0))
+  f = lambda c: functools.partial(llama.loss_fn, cfg=c)
+  chunked = CFG._replace(loss_chunk=8)
+  assert float(f(chunked)(params, _batch(CFG))) == pytest.approx(
+      float(f(CFG)(params, _batch(CFG))), rel=1e-6)
+  lengths = lambda c: set(re.findall(r"length=(\d+)", str(jax.make_jaxpr(
+      jax.value_and_grad(f(c)))(params, _batch(CFG)))))
+  assert lengths(chunked) == {"2", "4"} and lengths(CFG) == {"1", "2"}
+
+
+def test_the_one_chip_llama_has_the_params_its_name_says():
+  """llama-766m by hand: 8 layers x (q, o 2048 x 2048; k, v 2048 x 1024; three MLP matrices
+  2048 x 8192; two norms) + the tied 128256 x 2048 embedding + the final norm."""
+  cfg = llama.model_config("llama-766m", 2048)
+  per_layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 8192 + 2 * 2048
+  assert llama.param_count(cfg) == 8 * per_layer + 128256 * 2048 + 2048 == 766_019_584
+  assert cfg.head_dim == 128 and cfg.tie_embeddings
+
+
+def test_train_lms_remat_policy_defaults_by_platform_and_remat_means_full():
+  from recipes.lm import cli, models, moe, options  # pylint: disable=import-outside-toplevel
+  o = options.Options()
+  assert options.remat_policy(o, "cpu") == "none" and options.remat_policy(o, "tpu") == "dots"
+  assert options.remat_policy(options.Options(remat=True), "tpu") == "full"
+  assert options.remat_policy(options.Options(remat_policy="qkv"), "cpu") == "qkv"
+  with pytest.raises(fs.InputError, match="remat_policy='dot'.*did you mean 'dots'"):
+    cli.check_options(options.Options, {"remat_policy": "dot"})
+  # A model whose blocks recompute whole or not at all (moe) gets on/off from the policy.
+  for policy, want in (("full", True), ("dots", False), ("none", False)):
+    o = options.Options(remat_policy=policy)
+    assert models.remat_of(o, moe) is want and models.remat_of(o, llama) == policy
+
+
+@pytest.mark.parametrize("module", [remat, int8], ids=lambda m: m.__name__)
+def test_the_lever_modules_examples_run(module):
+  import doctest  # pylint: disable=import-outside-toplevel
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
