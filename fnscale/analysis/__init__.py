@@ -4,11 +4,12 @@
 runs and bytes, what crosses slices); `flops` counts model FLOPs and measures a CPU peak;
 `report` turns a compiled step into a `CompileReport`; `plan` ranks meshes, remat and
 accumulation for a model on a described target and verifies the best by compiling for it;
-`invariance` checks that a step computes the same thing on several meshes.
+`invariance` checks that a step computes the same thing on several meshes; `fit` holds a
+compiled step against its devices' memory before it runs, naming what would fit.
 
 Layer: the top of the library; imports the core pipeline, `fnscale.kernels` and
 `fnscale.parallel`; never `fnscale.multihost`, `fnscale.checkpoint` or the package root.
 """
-from fnscale.analysis import flops, hlo, invariance, plan, report
+from fnscale.analysis import fit, flops, hlo, invariance, plan, report
 
-__all__ = ["flops", "hlo", "invariance", "plan", "report"]
+__all__ = ["fit", "flops", "hlo", "invariance", "plan", "report"]
