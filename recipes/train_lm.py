@@ -31,14 +31,8 @@ import jax
 import fnscale as fs
 from fnscale.analysis.report import compilation_cache_restored
 from fnscale.multihost import preemption
-<<<<<<< HEAD
-from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, models, progress
-from recipes.lm import run_log, run_setup, rundir, stalls, startup, stopping, summary
-=======
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
-from recipes.lm import progress, run_log
-from recipes.lm import run_setup, rundir, stalls, startup, summary
->>>>>>> memory
+from recipes.lm import progress, run_log, run_setup, rundir, stalls, startup, stopping, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _tree
@@ -232,7 +233,7 @@ def _plan_leaf(path, leaf, src: Tensor, index: Index) -> _Leaf:
     if e.shape != source:
       raise CheckpointError(f"{k!r} has shape {list(e.shape)}, unlike {keys[0][1]!r}'s "
                             f"{list(source)}; leaf '{path}' stacks them: fix the map.")
-    if e.dtype not in st.FLOAT_CODES or not np.issubdtype(dtype, np.floating):
+    if e.dtype not in st.FLOAT_CODES or not jnp.issubdtype(dtype, jnp.floating):
       raise CheckpointError(
           f"{k!r} is {e.dtype} and leaf '{path}' {dtype}: only float tensors (F32, F16, BF16, "
           "F64) load into float leaves; fix: map this key to a float leaf, or ignore it.")
