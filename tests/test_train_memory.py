@@ -29,20 +29,20 @@ def _choose(v5e, name, rows, **options):
 
 @pytest.mark.tpu
 def test_the_default_that_does_not_fit_becomes_what_the_planner_fits(v5e):
-  """GPT small at 64 rows of 1024 tokens: about 55 GiB by the estimate (XLA: 56.2 GiB) on a
-  16 GiB chip. Left to the defaults, the step takes the planner's fastest option within
-  90% of the memory, keeping the 64 rows, and says so; a batch size the user gave is kept
-  the same way."""
+  """GPT small at 64 rows of 1024 tokens keeping its matmul outputs (train_lm's default on
+  a TPU): 23 GiB by the estimate (XLA: 19.5 GiB) on a 16 GiB chip. Left to the defaults,
+  the step takes the planner's fastest option within 90% of the memory, keeping the 64
+  rows, and says so; a batch size the user gave is kept the same way."""
   for given in ({}, dict(batch_size=64)):
     o, rows, said = _choose(v5e, "small", 64, **given)
     assert rows == 64 and (o.remat or o.accum_steps > 1)
     assert len(said) == 1 and said[0].startswith("memory: batch_size=64, accum_steps=1, "
-                                                 "remat=False needs 5") and "16.00 GiB" in said[0]
+                                                 "remat=False needs 2") and "16.00 GiB" in said[0]
     assert (f"chose --batch_size=64 --accum_steps={o.accum_steps} "
             f"{'--remat' if o.remat else '--noremat'} (") in said[0]
-  # Where it fits (16 rows: 14.7 GiB by the estimate, XLA 15.0 GiB), nothing changes.
-  o, rows, said = _choose(v5e, "small", 16)
-  assert (o.remat, o.accum_steps, rows, said) == (False, 1, 16, [])
+  # Where it fits (32 rows: 12.3 GiB by the estimate, XLA 10.3 GiB), nothing changes.
+  o, rows, said = _choose(v5e, "small", 32)
+  assert (o.remat, o.accum_steps, rows, said) == (False, 1, 32, [])
 
 
 @pytest.mark.tpu
@@ -51,6 +51,7 @@ def test_what_the_user_fixed_is_left_to_the_compile(v5e):
   assert (o.remat, o.accum_steps, rows, said) == (False, 1, 64, [])
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
 def test_a_batch_or_a_model_that_nothing_fits_stops_before_anything_runs(v5e):
   with pytest.raises(FitError, match=r"medium on mesh \{'data': 1\} needs .* GiB per device "

@@ -3,6 +3,7 @@
   python recipes/bench/memory.py                            # described v5e:1x1, compiled here
   python recipes/bench/memory.py --models=small,medium --rows=16,64
   python recipes/bench/memory.py --target=device --run      # the attached chip: run each step
+  python recipes/bench/memory.py --remat_policy=dots        # train_lm's default on a TPU
   python recipes/bench/memory.py --target=device --limit_gib=0.05 --models=nano --rows=8 \\
       --seq=64 --run                                        # on CPU, with a made-up limit
 
@@ -11,7 +12,8 @@ tokens, with AdamW and the bf16 policy, on one device of `--target` (a described
 default one v5e chip, compiled ahead of time from this machine; or `device`, this machine's
 first device):
 
-- plain: the step without remat or accumulation. `est`: the planner's bytes per device
+- plain: the step without remat or accumulation, its blocks keeping what `--remat_policy`
+  keeps (train_lm's default on an accelerator is dots). `est`: the planner's bytes per device
   (`fnscale.analysis.plan.predict`); `xla`: XLA's peak bytes per device of the compiled step
   (`fnscale.analysis.fit.step_bytes`; where XLA refuses the program at compile time, the
   figure of its refusal); `ratio` est / xla; the pre-flight's verdict against the device's
@@ -42,6 +44,7 @@ import optax
 import fnscale as fs
 from fnscale.analysis import fit
 from recipes.lm import cli, gpt, hardware, llama, memory
+from recipes.lm.options import REMAT_POLICIES
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
 
@@ -67,15 +70,17 @@ def _target(args):
   return topo, kw, devices, limit
 
 
-def _compile(model, cfg, devices, rows: int, remat: bool, accum: int, *, place: bool):
-  """(compiled step or None, XLA's bytes, state or None) of the step on `devices`."""
+def _compile(model, cfg, devices, rows: int, remat: bool, accum: int, *, place: bool,
+             keep: str):
+  """(compiled step or None, XLA's bytes, state or None) of the step on `devices`, the
+  blocks keeping what remat policy `keep` keeps (remat: "full")."""
   mesh = fs.make_mesh({"data": 1}, devices=devices)
   opt, init = optax.adamw(1e-3), functools.partial(model.init_params, cfg)
   kw = dict(rules=model.RULES, logical_axes=model.logical_axes(cfg))
   state = fs.init_state(init, opt, mesh=mesh, policy=POLICY, key=jax.random.key(0),
                         abstract=not place, **kw)
-  step = fs.shard_step(fs.train_step(functools.partial(model.loss_fn, cfg=cfg, remat=remat),
-                                     opt, policy=POLICY, accum_steps=accum), mesh, **kw)
+  loss = functools.partial(memory.remat_loss(model, cfg, keep), remat=remat)
+  step = fs.shard_step(fs.train_step(loss, opt, policy=POLICY, accum_steps=accum), mesh, **kw)
   try:
     compiled = fit.compile_fitting(step, state, _shapes(rows, cfg.seq), limit=math.inf)
   except fs.errors.FitError as e:  # XLA's own refusal: its figure
@@ -103,14 +108,15 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
   """One row of the table (the module docstring)."""
   model, t0 = MODELS[name], time.perf_counter()
   cfg = model.model_config(name, args.seq)
-  prof = memory.profile(model, cfg, target, rows, POLICY, **kw)
+  prof = memory.profile(model, cfg, target, rows, POLICY, args.remat_policy, **kw)
   one = fs.MeshAxes({"data": 1}, {})
   est = lambda remat, accum: fs.plan.predict(prof, target, one, remat=remat, accum=accum,
                                              **kw).estimate.bytes
   state_bytes = prof.param_bytes + prof.opt_bytes
   place = args.run and (limit is None or state_bytes < limit)
   out = dict(model=name, rows=rows, seq=args.seq, limit=limit, est=est(False, 1))
-  compiled, out["xla"], state = _compile(model, cfg, devices, rows, False, 1, place=place)
+  compiled, out["xla"], state = _compile(model, cfg, devices, rows, False, 1, place=place,
+                                         keep=args.remat_policy)
   out["fits"] = limit is None or out["xla"] <= limit
   if args.run and state is not None:
     out["ran"] = _run(compiled, state, cfg, rows) if compiled is not None else "refused by XLA"
@@ -119,7 +125,7 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
     out["choice"] = options[0]._asdict() if options else None
     if options:
       c, xla, state = _compile(model, cfg, devices, rows, options[0].remat, options[0].accum,
-                               place=place)
+                               place=place, keep=args.remat_policy)
       out["choice"].update(xla=xla, fits=xla <= limit)
       if args.run and state is not None and c is not None:
         out["choice"]["ran"] = _run(c, state, cfg, rows)
@@ -150,6 +156,9 @@ def main(argv=None) -> int:
   ap.add_argument("--seq", type=cli.number(int, minimum=1), default=1024)
   ap.add_argument("--limit_gib", type=cli.number(float, above=0), default=None,
                   help="the device's memory (default: the device's own; none on CPU)")
+  ap.add_argument("--remat_policy", default="none", choices=REMAT_POLICIES[:-1],
+                  help="what each block keeps without remat (train_lm's --remat_policy; on "
+                       "TPU/GPU it defaults to dots)")
   ap.add_argument("--run", action="store_true", help="run each step on --target=device")
   ap.add_argument("--json", default=None, help="write the rows here")
   hardware.add_arguments(ap)  # train_lm's hardware options, for --target=device

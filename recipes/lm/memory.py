@@ -31,6 +31,11 @@ from recipes.lm.options import remat_policy
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
 HEADROOM = 0.9
+# Under a remat policy that saves part of each block ("dots": the matmul outputs), XLA's
+# peak exceeds the saved residuals by 1.1 (GPT small) to 1.9 (GPT medium) of one whole
+# layer's residuals per row, at 16-64 rows of 1024 tokens on v5e (recipes/bench/memory.py,
+# --remat_policy=dots): 2, so that a default the estimate keeps fits.
+POLICY_LIVE = 2.0
 GiB = 2**30
 
 
@@ -40,7 +45,7 @@ def limit(mesh) -> float | None:
   return fit.device_memory(mesh.devices.flat[0])
 
 
-def _loss(model, cfg, keep: str):
+def remat_loss(model, cfg, keep: str):
   """The model's loss with the `remat` the planner toggles: off is the run's policy `keep`
   (`recipes/lm/remat.py`; a model without policies: off unless "full"), on is "full"."""
   named = hasattr(model, "REMAT_POLICIES")
@@ -55,14 +60,25 @@ def profile(model, cfg, target, rows: int, policy, keep: str = "none", lora=None
   """The planner's profile of the run's step (`fnscale.analysis.plan.profile_model`: its
   traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
   the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps without
-  remat (`_loss`) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
-  shape = jax.ShapeDtypeStruct((rows, cfg.seq), np.int32)
-  init, loss = functools.partial(model.init_params, cfg), _loss(model, cfg, keep)
-  if lora is not None:
-    init, loss = startup._lora_plan(model, cfg, policy, lora)  # pylint: disable=protected-access
-  return fs.plan.profile_model(init, loss, optax.adamw(1e-3),
-                               {"inputs": shape, "targets": shape}, target, policy=policy,
-                               **kw)
+  remat (`remat_loss`) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
+  return _per_row(model, cfg, target, policy, keep, lora, tuple(kw.items()))._replace(rows=rows)
+
+
+@functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
+def _per_row(model, cfg, target, policy, keep: str, lora, kw: tuple):
+  shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
+  init = functools.partial(model.init_params, cfg)
+  run = lambda keep: fs.plan.profile_model(
+      *((init, remat_loss(model, cfg, keep)) if lora is None
+        else startup._lora_plan(model, cfg, policy, lora)),  # pylint: disable=protected-access
+      optax.adamw(1e-3), {"inputs": shape, "targets": shape}, target, policy=policy,
+      **dict(kw))
+  prof = run(keep)
+  if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
+    return prof
+  # A policy that saves some of a block recomputes the rest in each layer's backward pass:
+  # XLA's peak held POLICY_LIVE of a whole layer's residuals more than the saved ones.
+  return prof._replace(act_row=prof.act_row + POLICY_LIVE * run("none").act_row_layer)
 
 
 def flags(o: fit.FitOption) -> str:
