@@ -585,9 +585,12 @@ def _update(cfg: _Config, state, grads, ls):
 
 def _change(new, old):
   """new - old in float32, `new` rounded to its dtype explicitly: XLA may otherwise keep
-  the excess precision of the float32 sum that it rounds (xla_allow_excess_precision)."""
+  the excess precision of the float32 sum that it rounds (xla_allow_excess_precision). A
+  float32 leaf is its own rounding: no pass over it for that (on CPU one more per leaf)."""
   if not _is_float(new):
     return jnp.zeros((), jnp.float32)
+  if new.dtype == jnp.float32:
+    return new - old.astype(jnp.float32)
   info = jnp.finfo(new.dtype)
   rounded = jax.lax.reduce_precision(new.astype(jnp.float32), info.nexp, info.nmant)
   return rounded - old.astype(jnp.float32)

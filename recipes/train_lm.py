@@ -31,8 +31,7 @@ import fnscale as fs
 from fnscale.analysis.report import compilation_cache_restored
 from fnscale.multihost import preemption
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, models, progress
-from recipes.lm import run_log
-from recipes.lm import run_setup, rundir, stalls, startup, summary
+from recipes.lm import run_log, run_setup, rundir, stalls, startup, stopping, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -61,9 +60,10 @@ def run(o: Options) -> summary.Summary:
     # process lost in a collective is named, not left to a runtime error.
     preemption.check_service()  # the guard needs it: say so now, not after the compile
     data.check_epochs(o.dataset, o.epochs)
+    startup.check_init_from(o.init_from)  # a model directory, before its tokenizer is read
     with preemption.preemption_guard(grace_s=o.grace_s) as should_stop, \
         fs.multihost.peer_guard():
-      setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o)), say)
+      setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
       rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
       if setup.o.checkpoint_dir:  # one directory every process sees, checked before use
         fs.checkpoint.check_shared_directory(setup.o.checkpoint_dir)
@@ -118,16 +118,19 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
         report=fs.compile_report(step_fn, state, first), batches=train_rows,
         eval_loss=eval_loss, eval_batches=[batches.put(setup, b) for b in evals],
         start=start, resumed=resumed,
+        # A resumed run's log continues from its step; a fresh one starts a fresh log.
         log=run_log.run_log(o.run_dir, active=jax.process_index() == 0, say=say,
-                            tracker=o.tracker, config=dataclasses.asdict(o)),
+                            tracker=o.tracker, config=dataclasses.asdict(o),
+                            keep_through=-1 if resumed is None else start),
         prof=run_log.profiler(setup.profile, o.run_dir, say=say),
         saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say),
         should_stop=should_stop, params_of=finetune.params_of(setup.lora))
     summary.describe(job, state)
     batches.say_padding(o, rows, evals, say)
     ev = evaluation.evaluate(job, state, 0) if start == 0 else None
-    state, out = _loop(job, state, first)
-    out = _finish(job, state, dict(out, eval_loss=ev))
+    with stopping.ctrl_c() as ctrl_c:  # the first Ctrl-C: stop after this step, saved
+      state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
+    out = _finish(job, state, out)
     if o.export_hf and not out["stopped"]:
       if setup.lora is not None:  # merged weights, and the adapters as a PEFT adapter
         finetune.export(setup, state, setup.lora, say)
@@ -137,10 +140,11 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
   return summary.summarize(job, state, out)
 
 
-def _loop(job: run_setup.Run, state, batch) -> tuple[Any, dict]:
+def _loop(job: run_setup.Run, state, batch, eval_loss: float | None) -> tuple[Any, dict]:
   """The loop from `job.start` to `o.steps`: step, log, evaluate, save. Evals, checkpoints
   and the first step (dispatch warm-up) are left out of the timing (tokens/s, MFU, ETA).
-  Returns the state and the run's figures."""
+  Returns the state and the run's figures (`eval_loss`: the last eval's, from `eval_loss`
+  at the start on)."""
   o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.checkpoint_every
   for step in range(job.start, o.steps):
@@ -154,7 +158,9 @@ def _loop(job: run_setup.Run, state, batch) -> tuple[Any, dict]:
     # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
     if job.setup.topo.platform == "cpu":
       jax.block_until_ready((state, m))
-    stopped = _stop_reason(job, step)
+    # Every step, on every process (the preemption guard's sync point).
+    stopped = stopping.reason(done, o.steps, job.should_stop(step), job.ctrl_c(),
+                              o.stop_after)
     if stopped or (every and done % every == 0 and done < o.steps):
       with clock.paused():  # before the next batch is read: the position is this step's
         job.saver.save(state, done)
@@ -166,7 +172,7 @@ def _loop(job: run_setup.Run, state, batch) -> tuple[Any, dict]:
       last = progress.progress(job, done, m, clock.lap(done))
     if done % o.eval_every == 0 and done < o.steps:
       with clock.paused():
-        evaluation.evaluate(job, state, done)
+        eval_loss = evaluation.evaluate(job, state, done)
     if stopped:
       job.saver.commit()  # the agreed step is on disk before the process exits
       job.say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
@@ -174,16 +180,7 @@ def _loop(job: run_setup.Run, state, batch) -> tuple[Any, dict]:
   job.prof.close(pending=state)
   stalls.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
-                     **progress.whole_run(job, clock.totals()))
-
-
-def _stop_reason(job: run_setup.Run, step: int) -> str | None:
-  """Why every process stops after `step` ("SIGTERM": a notice to any process, or
-  --stop_after), or None. Asked every step, on every process (JAX's sync point)."""
-  o, done, sigterm = job.setup.o, step + 1, job.should_stop(step)
-  if done < o.steps and (sigterm or done == o.stop_after):
-    return "SIGTERM" if sigterm else f"--stop_after={o.stop_after}"
-  return None
+                     eval_loss=eval_loss, **progress.whole_run(job, clock.totals()))
 
 
 def _finish(job: run_setup.Run, state, out: dict) -> dict:
@@ -198,7 +195,8 @@ def _finish(job: run_setup.Run, state, out: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-  """The command line (exit status 0 done, 2 bad input, 143 stopped by SIGTERM)."""
+  """The command line (exit status 0 done, 2 bad input, 143 stopped by SIGTERM, 130 by
+  Ctrl-C)."""
   return cli.options_main(argv, Options, run, __doc__)
 
 

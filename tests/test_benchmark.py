@@ -187,6 +187,9 @@ def test_overhead_is_the_same_program(rows):
   # twice the work would not fit).
   assert 0 < over.program_ratio < 1.5, over
   assert over.ratio > 0 and over.ratio_p10 <= over.ratio <= over.ratio_p90
+  # Beside the hand-written step that computes fnscale's metrics too, its program is that
+  # computation (a program with a second step's work would not fit under 1.5).
+  assert 0 < over.program_vs_metrics_cpu < 1.5 and over.metrics_cpu_ratio > 0, over
 
 
 @pytest.mark.slow
@@ -195,7 +198,8 @@ def test_tables(rows):
   text = bm.tables(list(measured.values()), [over], peak_note="peak: test", header="test")
   for field in ("compile cold s", "warm s (cache)", "step ms median", "tokens/s", "MFU",
                 "model FLOPs/step", "HLO matmul FLOPs", "XLA cost analysis", "params/dev",
-                "temporaries", "sent per step", "textbook", "ratio median"):
+                "temporaries", "sent per step", "textbook", "ratio median",
+                "jax.jit + metrics ms", "CPU s ratio"):
     assert field in text
   assert "(1.00x)" in text and "largest difference +0.0%" in text
   assert "| nano | data=2 | 2 | 463.00 KiB | 1/1.00 |" in text  # 474,112 bytes

@@ -154,6 +154,35 @@ def test_tokenizer_json_gives_ids_vocab_and_tokens_per_byte(tmp_path):
   assert corpus.encode(line) == tok.encode(line).ids
 
 
+def test_token_ids_are_kept_for_the_next_run_and_their_progress_said(tmp_path, monkeypatch):
+  # Tokenizing the stdlib corpus took about 90 s in silence on every run: the ids are kept
+  # per machine (keyed by the text and the tokenizer), the first run says what it does.
+  from recipes.lm import tokens  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  text = data.read_bytes("tiny_corpus")[:100_000]
+  (tmp_path / "c.txt").write_bytes(text)
+  tok, path = _bpe(tmp_path, text.decode("utf-8", errors="replace"))
+  said = []
+  first = data.load(str(tmp_path / "c.txt"), str(path), said.append)
+  assert said[0].startswith(f"data: tokenizing {tmp_path / 'c.txt'} with {path} (0.1 MB; "
+                            f"kept in {tmp_path / 'cache' / 'fnscale' / 'tokens'}")
+  # The ids of one encode_batch over every chunk of the split (a run's, before the ids were
+  # kept and encoded a few MB at a time).
+  train, _ = data.split(text)
+  chunks = tokens._text_chunks(train)  # pylint: disable=protected-access
+  want = [i for e in tok.encode_batch(chunks) for i in e.ids]
+  assert first.train.tolist() == want
+  monkeypatch.setattr(tokens, "_encode", lambda *a: pytest.fail("encoded again"))
+  said.clear()
+  again = data.load(str(tmp_path / "c.txt"), str(path), said.append)
+  np.testing.assert_array_equal(again.train, first.train)
+  np.testing.assert_array_equal(again.eval, first.eval)
+  assert len(said) == 1 and said[0].startswith("data: the token ids of")
+  (tmp_path / "d.txt").write_bytes(text[:50_000])  # other text: not the kept ids
+  with pytest.raises(pytest.fail.Exception, match="encoded again"):
+    data.load(str(tmp_path / "d.txt"), str(path))
+
+
 def pruned_tokenizer(path, skip=(5, 7), top=299):
   """A word-level tokenizer.json whose vocabulary lost the ids `skip` but kept the others:
   get_vocab_size() is top + 1 - len(skip), the largest id `top`. Text: 'w1 w2 ...'."""

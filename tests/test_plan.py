@@ -460,6 +460,17 @@ def test_a_cpu_plan_prints_the_measured_host_rates():
   assert "8 simulated devices sharing this host" in head
   assert "10.0 GFLOP/s matmul, 0.23 GB/s memory copy" in head
   assert "inf" not in head and "0 TFLOP/s" not in head
+  # The params counted from the shapes, in millions (it printed "0.00164B params").
+  n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: llama.init_params(cfg, jax.random.key(0)))))
+  assert 1e6 < n < 1e7 and f"{n / 1e6:.3g}M params, batch 16 rows" in head, head
+
+
+@pytest.mark.parametrize("n, said", [(834_000, "834k"), (1_639_680, "1.64M"), (8.03e9, "8.03B"),
+                                     (46.7e9, "46.7B"), (512, "512"), (2.5e12, "2.5T")])
+def test_the_plan_counts_params_in_the_unit_that_reads(n, said):
+  from fnscale.analysis import plan as plan_module  # pylint: disable=import-outside-toplevel
+  assert plan_module._count(n) == said  # pylint: disable=protected-access
 
 
 def test_the_forecast_columns_and_the_token_budget():

@@ -523,6 +523,24 @@ def test_readme_commands_run_in_order(checkout):
   print(f"README commands (load average {os.getloadavg()[0]:.1f} at the end):\n  "
         + "\n  ".join(rows))
   assert not problems, "\n".join(problems)
+  # What the commands wrote lies where .gitignore keeps it out of a commit (runs/, caches/,
+  # ...), not beside the repository's own files.
+  assert _left_in_the_tree(checkout) == []
+
+
+def _left_in_the_tree(co: Checkout) -> list[str]:
+  """The files in the checkout that are neither the repository's nor ignored by its
+  .gitignore (a command's output left beside the sources)."""
+  copied = set(_repository_files())
+  new = sorted(p.relative_to(co.root).as_posix() for p in co.root.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts)
+  new = [f for f in new if f not in copied]
+  if not new:
+    return []
+  r = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "--stdin"],
+                     input="\n".join(new), capture_output=True, text=True, check=False)
+  ignored = set(r.stdout.splitlines())
+  return [f for f in new if f not in ignored]
 
 
 @pytest.mark.timeout(600)
@@ -680,6 +698,13 @@ def test_flags_are_checked_against_the_help_section():
   assert flag_problems("train_lm", ["--nosteps"], flags)  # not a boolean
   argparse_help = "usage: plan.py [-h]\n\noptions:\n  -h, --help  show\n  --target TARGET  where\n"
   assert help_flags(argparse_help).names == {"help", "target"}
+
+
+def test_files_left_beside_the_sources_are_found(tmp_path):
+  for f in ("chats.jsonl", "caches/chats.jsonl", "runs/x/metrics.jsonl", "recipes/chat.jinja"):
+    (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / f).write_text("x")
+  assert _left_in_the_tree(Checkout(tmp_path, ())) == ["chats.jsonl", "recipes/chat.jinja"]
 
 
 def test_the_install_holds_the_recipes_beside_fnscale():

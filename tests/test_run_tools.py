@@ -177,6 +177,27 @@ def test_run_log_appends_when_a_run_resumes(tmp_path):
   assert _tensorboard_scalars(tmp_path) == _float32(SCALARS)
 
 
+def test_a_run_resumed_from_a_step_logs_no_step_twice(tmp_path):
+  # A run stopped with its log at step 20 but its checkpoint at step 10 trains steps 11..20
+  # again: resuming from 10 drops the records after 10 (TensorBoard hides the events), and
+  # the records it writes follow, each step once.
+  pytest.importorskip("tensorboardX")
+  pytest.importorskip("tensorboard")
+  _write(tmp_path)
+  said = []
+  _write(tmp_path, [(20, {"train/loss": 2.0})], keep_through=10, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:2] + [{"step": 20, "train/loss": 2.0}]
+  assert said == [f"run_log: 2 records of steps 20..20 dropped from {tmp_path}/metrics.jsonl "
+                  "(this run continues from step 10: no step is logged twice)"]
+  scalars = _tensorboard_scalars(tmp_path)
+  assert scalars["train/loss"] == [(10, 3.25), (20, 2.0)] and scalars["eval/loss"] == [(0, 5.5)]
+  # Starting afresh (-1): a fresh log; nothing to drop: nothing said.
+  _write(tmp_path, RECORDS[:1], keep_through=-1, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:1] and len(said) == 2 and "a fresh log" in said[1]
+  _write(tmp_path, RECORDS[1:2], keep_through=0, say=said.append)
+  assert _jsonl(tmp_path) == JSONL[:2] and len(said) == 2
+
+
 def test_run_log_without_tensorboardx_writes_jsonl_and_says_so_once(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
   said = []
@@ -201,7 +222,7 @@ def test_run_log_inactive_writes_nothing(tmp_path):
     (1, {3: 1.0}, "metric 3=1.0"),
 ])
 def test_run_log_rejects_bad_records(tmp_path, step, metrics, match):
-  log = rl.run_log(str(tmp_path), tensorboard=False)
+  log = rl.run_log(str(tmp_path), tracker="none")
   with pytest.raises(FnscaleError, match=match):
     log.write(step, metrics)
   log.close()
@@ -351,7 +372,7 @@ def test_plot_run_draws_the_bigram_baseline_train_lm_recorded(tmp_path, matplotl
 
 
 def test_plot_run_draws_a_run_logged_by_run_log(tmp_path, matplotlib):
-  _write(tmp_path, tensorboard=False)
+  _write(tmp_path, tracker="none")
   with open(pr.plot_run(str(tmp_path)), "rb") as f:
     assert f.read(8) == PNG_MAGIC
 

@@ -28,7 +28,7 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import gpt
-from recipes.lm import cli, progress, run_setup, rundir
+from recipes.lm import cli, progress, run_setup, rundir, stopping
 from recipes.launch import launch_local
 from recipes import plot_run
 from recipes import train_lm
@@ -354,6 +354,31 @@ def test_orbax_warnings_go_to_the_run_log_and_others_to_the_console(tmp_path, ca
   assert "Given directory is read only" in caplog.text
 
 
+XLA_LINE = ("W1205 17:24:59.622298    2817 spmd_partitioner.cc:656] [SPMD] Involuntary full "
+            "rematerialization.")
+
+
+def test_xla_lines_go_to_the_run_log_and_python_lines_to_the_console(tmp_path, capfd):
+  """XLA's C++ code writes its log straight to file descriptor 2, and fnscale's compile
+  hands the lines it captured back through sys.stderr: while `library_log` is open both go
+  to RUN_DIR/log.txt; Python's own stderr lines still reach the console. An empty log is
+  removed, with the run dir the block made."""
+  run_dir = tmp_path / "run"
+  with rundir.library_log(str(run_dir)):
+    os.write(2, (XLA_LINE + " (from C++)\n").encode())
+    print(XLA_LINE + " (handed back)", file=sys.stderr)
+    print("error: a line of the run itself", file=sys.stderr)
+  err = capfd.readouterr().err
+  assert err.splitlines() == ["error: a line of the run itself"]
+  assert (run_dir / "log.txt").read_text().splitlines() == [
+      XLA_LINE + " (from C++)", XLA_LINE + " (handed back)"]
+  os.write(2, b"after\n")  # descriptor 2 is the console's again
+  assert capfd.readouterr().err == "after\n"
+  with rundir.library_log(str(tmp_path / "quiet")):
+    print("nothing from XLA", file=sys.stderr)
+  assert not (tmp_path / "quiet").exists()
+
+
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
   """train_lm(**keywords) and the flags are one set of options: the same run, bitwise."""
   run_dir = work / "function"
@@ -486,12 +511,98 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   thread = threading.Thread(target=preempt, daemon=True)
   thread.start()
   previous = signal.getsignal(signal.SIGTERM)
-  assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0")) == 143
+  assert train_lm.main(_argv(work, run_dir, "--steps=100000", "--checkpoint_every=0",
+                              "--eval_every=1")) == 143
   thread.join()
   assert signal.getsignal(signal.SIGTERM) is previous  # the handler is uninstalled
   summary = _summary(run_dir)
   assert summary["stopped"] == "SIGTERM" and 0 < summary["final_step"] < 100000
   assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
+  # The summary's eval loss is the run's last eval, not the one at step 0.
+  evals = _records(run_dir, "eval/loss")
+  assert len(evals) > 1 and summary["eval_loss"] == evals[-1]["eval/loss"]
+
+
+def _interrupt_after(metrics: pathlib.Path, records: int, signum=signal.SIGINT):
+  """A thread that sends `signum` to this process once `metrics` holds `records` train
+  records (the loop is running)."""
+  def send():
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if metrics.exists() and metrics.read_text().count('"train/loss"') >= records:
+        os.kill(os.getpid(), signum)
+        return
+      time.sleep(0.02)
+  thread = threading.Thread(target=send, daemon=True)
+  thread.start()
+  return thread
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_the_rerun_continues_its_log(work, capfd):
+  """Ctrl-C mid-run stops after the step under way, saved (exit 130, no traceback); the same
+  command resumes from it and the log holds every step once; with nothing saved the rerun
+  says so and starts a fresh log."""
+  run_dir, steps = work / "ctrl_c", 40
+  argv = _argv(work, run_dir, f"--steps={steps}", "--checkpoint_every=0", "--eval_every=3")
+  previous = signal.getsignal(signal.SIGINT)
+  thread = _interrupt_after(run_dir / "metrics.jsonl", 4)
+  assert train_lm.main(argv) == 130
+  thread.join()
+  assert signal.getsignal(signal.SIGINT) is previous  # the handler is uninstalled
+  out = capfd.readouterr()
+  stopped = _summary(run_dir)
+  done = stopped["final_step"]
+  assert stopped["stopped"] == "Ctrl-C" and 4 <= done < steps, stopped
+  assert f"stopped at step {done} (Ctrl-C); rerun the same command to resume" in out.out
+  assert "Ctrl-C: stopping after this step and saving it" in out.err
+  assert "Traceback" not in out.err
+  assert (run_dir / "checkpoints" / str(done) / "commit_success.txt").exists()
+  assert stopped["eval_loss"] == _records(run_dir, "eval/loss")[-1]["eval/loss"]
+
+  assert train_lm.main(argv) == 0  # the same command: resumes
+  resumed = _summary(run_dir)
+  assert (resumed["resumed_from"], resumed["final_step"]) == (done, steps)
+  for tag in ("train/loss", "eval/loss"):
+    logged = [r["step"] for r in _records(run_dir, tag)]
+    assert logged == sorted(set(logged)), (tag, logged)  # each step once, in order
+  assert [r["step"] for r in _records(run_dir, "train/loss")] == list(range(1, steps + 1))
+
+  shutil.rmtree(run_dir / "checkpoints")  # an earlier start that saved nothing
+  capfd.readouterr()
+  assert train_lm.main(_argv(work, run_dir, "--steps=3")) == 0
+  said = capfd.readouterr().out
+  assert "holds an earlier start of this run that saved no checkpoint" in said
+  assert "(this run starts afresh: a fresh log)" in said
+  assert [r["step"] for r in _records(run_dir, "train/loss")] == [1, 2, 3]
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_command_line_says_so_in_one_line(capsys):
+  with stopping.ctrl_c() as asked:
+    assert not asked()
+    os.kill(os.getpid(), signal.SIGINT)  # the first: a request the loop reads
+    time.sleep(0.01)
+    assert asked()
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+      time.sleep(1)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+  def interrupted(o):
+    raise KeyboardInterrupt
+  assert cli.options_main(["train_lm"], train_lm.Options, interrupted, "") == 130
+  err = capsys.readouterr().err
+  assert err.strip().splitlines() == [
+      "stopped by Ctrl-C: what was saved is kept; rerun the same command to resume"]
+
+
+@pytest.mark.parametrize("done, notice, ctrl_c, stop_after, why", [
+    (3, False, False, 0, None), (3, True, False, 0, "SIGTERM"), (3, True, True, 0, "Ctrl-C"),
+    (3, False, True, 0, "Ctrl-C"),  # one process: its own Ctrl-C
+    (3, False, False, 3, "--stop_after=3"), (3, False, False, 4, None),
+    (10, True, True, 10, None)])  # the last step: no stop, the run ends
+def test_why_a_run_stops(done, notice, ctrl_c, stop_after, why):
+  assert stopping.reason(done, 10, notice, ctrl_c, stop_after) == why
 
 
 def _checkpointed_at_3(work, stopped_at_3, name):
@@ -624,6 +735,11 @@ def test_launcher_two_processes_match_one(work, uninterrupted):
   assert two["processes"] == 2 and two["devices"] == 8 and two["sample"]
   assert two["loss"] == pytest.approx(one.loss, rel=1e-5)
   assert two["eval_loss"] == pytest.approx(one.eval_loss, rel=1e-5)
+  # Two processes on one machine share its cores: the MFU denominator is the one-process
+  # run's, not twice it.
+  start = lambda d: json.loads((d / "run.json").read_text())["start"]
+  assert start(run_dir)["peak_flops"] == start(uninterrupted[1])["peak_flops"] > 0
+  assert "simulated devices (one host's cores, 2 processes)" in results[0][1]
 
 
 @pytest.mark.slow
@@ -827,7 +943,23 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      fs.InputError, r"--accum_gather='never': expected one of \['auto', 'per_microbatch', "
      r"'once'\]$"),
     ("epochs and steps", ["--epochs=1"], dict(epochs=1), fs.FnscaleError,
-     r"epochs=1 and steps=6: give one of them"),
+     r"--epochs=1 and --steps=6: give one of them"),
+    # The same rule for every pair of options that ask for one thing two ways.
+    ("global batch and batch size", ["--batch_size=4"], dict(batch_size=4), fs.InputError,
+     r"--global_batch=16 and --batch_size=4: give one of them \(--global_batch: global batch"),
+    ("init_from and model_config", ["--init_from={tmp}/emptydir"],
+     dict(init_from="{tmp}/emptydir"), fs.InputError,
+     r"--init_from='.*emptydir' and --model_config='nano': give one of them"),
+    # --init_from is checked as a model directory before its tokenizer is looked for.
+    ("init_from missing", ["--init_from={tmp}/no_such_dir", "--model_config="],
+     dict(init_from="{tmp}/no_such_dir", model_config=None), fs.InputError,
+     r"--init_from=.*no_such_dir: no such directory; expected a Hugging Face model directory"),
+    ("init_from without config.json", ["--init_from={tmp}/emptydir", "--model_config="],
+     dict(init_from="{tmp}/emptydir", model_config=None), fs.InputError,
+     r"--init_from=.*emptydir: no config.json; expected a Hugging Face model directory"),
+    ("token caches that don't exist", ["--dataset={tmp}/cod:0.7,{tmp}/doc:0.3"],
+     dict(dataset="{tmp}/cod:0.7,{tmp}/doc:0.3"), fs.InputError,
+     r"dataset '.*cod': no such directory \(a token cache is a directory"),
     ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),
     ("bad profile window", ["--profile_steps=4:9"], dict(profile_steps="4:9"), fs.FnscaleError,
      r"--profile_steps='4:9': expected START:STOP, two ints with 0 <= START < STOP <= 6"),
@@ -866,6 +998,15 @@ def test_bad_input_is_one_clear_line(work, tmp_path, capsys, case, extra, kw, er
   assert _listing(run_dir) == before  # nothing written
 
 
+def test_a_run_refused_at_compile_leaves_no_directory_behind(work, tmp_path, capsys):
+  # cudnn attention can't run on CPU: found when the step compiles, after the checkpoint
+  # manager opened (which makes the directory).
+  run_dir = tmp_path / "new" / "run"
+  assert train_lm.main(_argv(work, run_dir, "--attention=cudnn")) == 2
+  assert "can't serve this call: needs platform cuda" in capsys.readouterr().err
+  assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("case, extra, kw, error, message", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
 def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, extra, kw, error,
                                                        message):
@@ -882,8 +1023,8 @@ def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, ext
     (dict(steps="10"), r"option steps='10': expected int or None, got str"),
     (dict(remat=1), r"option remat=1: expected bool, got int"),
     (dict(seq=True), r"option seq=True: expected int or None, got bool"),
-    (dict(modle_config="nano"), r"unknown option modle_config='nano'; known options: \[.*"
-     r"'model_config'"),
+    (dict(modle_config="nano"), r"unknown option modle_config='nano'; did you mean "
+     r"'model_config'\?; known options: \[.*'model_config'"),
 ])
 def test_wrong_option_names_and_types_are_named(work, tmp_path, kw, message):
   with pytest.raises(fs.FnscaleError, match=message):

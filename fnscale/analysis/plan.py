@@ -690,13 +690,22 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
               tokens, best.accum_gather, best.microbatches)
 
 
+def _count(n: float) -> str:
+  """A count in 3 significant digits and the unit that keeps it above 1: 834k, 1.24B."""
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return f"{n:.0f}"
+
+
 def _hardware_line(p: Plan) -> str:
   hw, prof = p.hardware, p.profile
   gib = lambda b: f"{b / 2**30:.1f}"
-  batch = f"{prof.params / 1e9:.3g}B params, batch {prof.rows} rows of {prof.tokens_row} tokens"
+  batch = (f"{_count(prof.params)} params, batch {prof.rows} rows of {prof.tokens_row} "
+           "tokens")
   if prof.experts:
     batch += (f"; a mixture of {prof.experts} experts, {prof.expert_k} per token "
-              f"({prof.expert_params / 1e9:.3g}B expert params)")
+              f"({_count(prof.expert_params)} expert params)")
   if hw.kind == "cpu":
     n = hw.num_devices
     return (f"plan for {hw.name}: {n} simulated devices sharing this host (measured for the "

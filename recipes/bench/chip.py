@@ -92,7 +92,7 @@ from fnscale import topology
 from fnscale.kernels import _splash_tiles
 from recipes.bench import plain_jax as pj
 from recipes.bench import trace_split
-from recipes.lm import models
+from recipes.lm import hardware, models
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
 # Llama sized for one v5e chip, and tiny ones for a CPU.
@@ -579,19 +579,24 @@ def _define_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv)
   flags.DEFINE_float("budget_s", 0.0, "skip the cases left once this many seconds have "
                      "passed (0: none)", flag_values=fv)
+  hardware.define_flags(fv)  # train_lm's hardware options
 
 
 def run(argv: list[str], say=print) -> list[dict]:
   """Parses `argv` and runs each search and case in order; returns the rows."""
   fv = flags.FlagValues()
   _define_flags(fv)
-  fv(argv)
+  try:
+    fv(list(argv))
+  except flags.Error as e:
+    raise fs.InputError(f"{e}; see --help") from None
+  topo = hardware.detect(hardware.from_values(fv))
   items = [("search", c.removeprefix("search:")) if c.startswith("search:") else
            ("case", parse_case(c)) for c in fv.case]
   items += [("search", spec) for spec in fv.search_splash]
   t0, rows = time.time(), []
   env = environment(fv.aot)
-  say(f"chip.py: jax {_versions()}; {env.peak_note}")
+  say(f"chip.py: jax {_versions()}; {env.peak_note}\n{hardware.describe(topo)}")
   for kind, case in items:
     if fv.budget_s and time.time() - t0 > fv.budget_s:
       say(f"{getattr(case, 'label', case)}: skipped (past --budget_s={fv.budget_s:.0f})")
@@ -631,6 +636,11 @@ def _write(path: str, row: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    fv = flags.FlagValues()
+    _define_flags(fv)
+    print(__doc__ + "\nflags:\n" + fv.get_help())
+    return 0
   try:
     run(argv, say=lambda s: print(s, flush=True))
   except (fs.FnscaleError, flags.Error) as e:

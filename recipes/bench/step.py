@@ -324,7 +324,9 @@ def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
 
 
 class Overhead(NamedTuple):
-  """fnscale step vs a hand-written jax.jit step; seconds are medians over rounds."""
+  """fnscale step vs a hand-written jax.jit step; seconds are medians over rounds, ratios
+  medians of the per-round ratios (wall-clock; `cpu_ratio`: the process's CPU seconds, which
+  other jobs on a shared machine disturb less)."""
   size: str
   mesh: str
   rounds: int
@@ -336,17 +338,32 @@ class Overhead(NamedTuple):
   ratio_p10: float
   ratio_p90: float
   max_param_diff: float
+  cpu_ratio: float
+  metrics_jit_s: float  # the hand-written step computing fnscale's metrics too
+  metrics_cpu_ratio: float  # its CPU seconds / the plain jax.jit step's
+  program_vs_metrics_cpu: float  # fnscale's executable / it, CPU seconds
 
 
-def _hand_step(loss_fn, optimizer, state, batch, mesh):
-  """A hand-written `jax.jit` train step with `state`'s shardings and donation, compiled."""
+def _hand_step(loss_fn, optimizer, state, batch, mesh, metrics: bool = False):
+  """A hand-written `jax.jit` train step with `state`'s shardings and donation, compiled.
+  With `metrics`, it also computes what fnscale's step reports beside the loss, written out
+  here: the gradients' global norm, the norm of the change made to the params and whether
+  that change is 0 or non-finite while the loss is finite."""
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   import optax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
 
   def hand(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    new = optax.apply_updates(params, updates)
+    if not metrics:
+      return new, opt_state, loss
+    sq = lambda tree: sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                          for x in jax.tree.leaves(tree))
+    change = jnp.sqrt(sq(jax.tree.map(lambda n, p: n - p, new, params)))
+    bad = jnp.isfinite(loss) & ((change == 0) | ~jnp.isfinite(change))
+    return new, opt_state, (loss, jnp.sqrt(sq(grads)), change, bad)
 
   psh = jax.tree.map(lambda x: x.sharding, state.params)
   osh = jax.tree.map(lambda x: x.sharding, state.opt_state)
@@ -356,23 +373,20 @@ def _hand_step(loss_fn, optimizer, state, batch, mesh):
                  donate_argnums=(0, 1)).lower(state.params, state.opt_state, batch).compile()
 
 
-def _alternate(run_a, run_b, run_c, rounds: int, warmup: int):
-  """Seconds of each of three step runners over `rounds`, in A C B / B C A order by turns
-  (so neither A nor B always runs first), after `warmup` untimed rounds."""
+def _alternate(runners: list, rounds: int, warmup: int) -> list[list[tuple[float, float]]]:
+  """(wall, CPU) seconds of each of `runners` in each of `rounds`, after `warmup` untimed
+  rounds; round i runs them in an order rotated by i and reversed every other round, so no
+  runner always runs first or after the same one."""
   for _ in range(warmup):
-    run_a()
-    run_b()
-    run_c()
-  ta, tb, tc = [], [], []
+    for run in runners:
+      run()
+  times = [[] for _ in runners]
+  n = len(runners)
   for i in range(rounds):
-    if i % 2:
-      b_s, c_s, a_s = run_b(), run_c(), run_a()
-    else:
-      a_s, c_s, b_s = run_a(), run_c(), run_b()
-    ta.append(a_s)
-    tb.append(b_s)
-    tc.append(c_s)
-  return ta, tb, tc
+    order = [(i + k) % n for k in range(n)][::-1 if i % 2 else 1]
+    for k in order:
+      times[k].append(runners[k]())
+  return times
 
 
 class Alternated(NamedTuple):
@@ -384,12 +398,28 @@ class Alternated(NamedTuple):
   warmup: int
 
 
+def _runner(step, state: list):
+  """A function that runs one synchronized `step(*state)` (its outputs: the new `state`,
+  then metrics), threads the new state through, and returns its (wall, CPU) seconds; the
+  state stays readable as `run.state`."""
+
+  def run():
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = _block(step(*state))
+    state[:] = out[:len(state)]
+    return time.perf_counter() - t0, time.process_time() - c0
+  run.state = state
+  return run
+
+
 def overhead(size: str, mesh_spec: str, devices: int, **options) -> Overhead:
-  """Alternates the fnscale step (A) and a hand-written `jax.jit` step (B) of the same model,
-  shardings, optimizer and donation: rounds run A B or B A (alternately), one synchronized
-  step each; returns the median of the per-round ratios A / B. Both start from the same params;
-  `max_param_diff` is the largest |difference| of their params afterwards (same math).
-  `options`: the fields of `Alternated`, as keywords (TypeError for a missing or unknown one).
+  """Alternates the fnscale step (A), its executable without fnscale's per-call checks (C),
+  a hand-written `jax.jit` step of the same model, shardings, optimizer and donation (B) and
+  that step computing fnscale's metrics too (D), one synchronized step each per round;
+  returns the medians of the per-round ratios (A / B: fnscale's overhead; D / B: what its
+  metrics cost; C / D: its program beside the same computation written by hand). All start
+  from the same params; `max_param_diff` is the largest |difference| of A's and B's params
+  afterwards (same math). `options`: the fields of `Alternated`, as keywords.
   """
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   batch, seq, rounds, warmup = Alternated(**options)
@@ -399,40 +429,28 @@ def overhead(size: str, mesh_spec: str, devices: int, **options) -> Overhead:
   mesh = _mesh(axes, devices)
   optimizer = _optimizer()
   with fs.with_mesh(mesh):
-    state, b = _state_and_batch(cfg, mesh, optimizer, batch)
-    hand_state, _ = _state_and_batch(cfg, mesh, optimizer, batch)
-    c_state, _ = _state_and_batch(cfg, mesh, optimizer, batch)
-    fn_step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
-    hand_step = _hand_step(tl.loss_fn, optimizer, hand_state, b, mesh)
-    p, o = hand_state.params, hand_state.opt_state
-
-    def run_a():
-      nonlocal state
-      t0 = time.perf_counter()
-      state, _ = _block(fn_step(state, b))
-      return time.perf_counter() - t0
-
-    def run_c():  # fnscale's executable without its Python input checks
-      nonlocal c_state
-      t0 = time.perf_counter()
-      c_state, _ = _block(fn_step.compiled(c_state, b))
-      return time.perf_counter() - t0
-
-    def run_b():
-      nonlocal p, o
-      t0 = time.perf_counter()
-      p, o, _ = _block(hand_step(p, o, b))
-      return time.perf_counter() - t0
-
-    ta, tb, tc = _alternate(run_a, run_b, run_c, rounds, warmup)
+    states = [_state_and_batch(cfg, mesh, optimizer, batch) for _ in range(4)]
+    b = states[0][1]
+    fn_step = _fnscale_step(cfg, mesh, optimizer, mode).compile(states[0][0], b)
+    hand = [_hand_step(tl.loss_fn, optimizer, s, b, mesh, metrics=m)
+            for s, m in ((states[2][0], False), (states[3][0], True))]
+    runners = [_runner(lambda st: fn_step(st, b), [states[0][0]]),
+               _runner(lambda st: fn_step.compiled(st, b), [states[1][0]]),
+               *[_runner(lambda p, o, h=h: h(p, o, b), [s.params, s.opt_state])
+                 for h, (s, _) in zip(hand, states[2:])]]
+    ta, tc, tb, td = _alternate(runners, rounds, warmup)
     diff = max(float(abs(x - y).max()) for x, y in
-               zip(jax.tree.leaves(state.params), jax.tree.leaves(p)))
-  ratios = [a / b_ for a, b_ in zip(ta, tb)]
-  pratios = [c / b_ for c, b_ in zip(tc, tb)]
+               zip(jax.tree.leaves(runners[0].state[0].params),
+                   jax.tree.leaves(runners[2].state[0])))
+  wall = lambda xs, ys: [x[0] / y[0] for x, y in zip(xs, ys)]
+  cpu = lambda xs, ys: statistics.median(x[1] / y[1] for x, y in zip(xs, ys))
+  median = lambda xs: statistics.median(x[0] for x in xs)
+  ratios = wall(ta, tb)
   return Overhead(size, mesh_name(mesh) + ("" if mode == "auto" else f" ({mode})"), rounds,
-                  statistics.median(ta), statistics.median(tc), statistics.median(tb),
-                  statistics.median(ratios), statistics.median(pratios),
-                  _percentile(ratios, 0.1), _percentile(ratios, 0.9), diff)
+                  median(ta), median(tc), median(tb), statistics.median(ratios),
+                  statistics.median(wall(tc, tb)), _percentile(ratios, 0.1),
+                  _percentile(ratios, 0.9), diff, cpu(ta, tb), median(td), cpu(td, tb),
+                  cpu(tc, td))
 
 
 # ------------------------------------------------------------------------------ output
@@ -553,19 +571,28 @@ def _flop_notes(rows: list[Row]) -> list[str]:
 def _overhead_table(overheads: list[Overhead]) -> list[str]:
   """fnscale's step against the hand-written jax.jit one."""
   out = ["### Overhead: fnscale step vs hand-written jax.jit step", "",
-          "| model | mesh | rounds | fnscale ms | its executable alone ms | jax.jit ms "
-          "| ratio median [p10, p90] | executable alone / jax.jit | max param diff |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "| model | mesh | rounds | fnscale ms | its executable alone ms | jax.jit ms "
+         "| ratio median [p10, p90] | executable alone / jax.jit | CPU s ratio "
+         "| jax.jit + metrics ms | its CPU s / jax.jit | executable / it, CPU s "
+         "| max param diff |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for o in overheads:
     out.append(f"| {o.size} | {o.mesh} | {o.rounds} | {1e3 * o.fnscale_s:.2f} "
                f"| {1e3 * o.program_s:.2f} | {1e3 * o.jit_s:.2f} "
                f"| {o.ratio:.3f} [{o.ratio_p10:.3f}, {o.ratio_p90:.3f}] "
-               f"| {o.program_ratio:.3f} | {o.max_param_diff:.1e} |")
+               f"| {o.program_ratio:.3f} | {o.cpu_ratio:.3f} | {1e3 * o.metrics_jit_s:.2f} "
+               f"| {o.metrics_cpu_ratio:.3f} | {o.program_vs_metrics_cpu:.3f} "
+               f"| {o.max_param_diff:.1e} |")
   out += ["", "fnscale = `shard_step(train_step(loss, adamw))` called as users call it; its "
           "executable alone = the same compiled program called without fnscale's per-call "
           "input checks (structure, shape, dtype and sharding of every state and batch leaf, "
           "which move a misplaced input instead of recompiling); jax.jit = a hand-written "
-          "step with the same shardings, optimizer and donation (no grad-norm metric)."]
+          "step with the same shardings, optimizer and donation, returning the loss only; "
+          "jax.jit + metrics = the same step computing, by hand, what fnscale's step reports "
+          "beside the loss (gradient norm, norm of the params' change, its stall flag): the "
+          "cost of those metrics, and fnscale's program beside the same computation. CPU s: "
+          "the process's CPU seconds per step, which other jobs on a shared machine disturb "
+          "less than wall-clock time."]
   return out
 
 

@@ -280,6 +280,9 @@ def open_cache(path: str) -> Cache:
       unreadable or short shard (named).
   """
   mpath = os.path.join(path, "manifest.json")
+  if "://" not in path and not os.path.isdir(path):
+    raise fs.InputError(f"dataset {path!r}: no such directory (a token cache is a directory "
+                        "recipes/pretokenize.py --out=DIR made)")
   if not os.path.isfile(mpath):
     what = ("an unfinished build (plan.json but no manifest.json): rerun the same pretokenize "
             "command to finish it" if os.path.isfile(os.path.join(path, "plan.json")) else

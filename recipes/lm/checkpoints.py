@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import batches
+from recipes.lm import batches, run_log, rundir
 
 
 def directory(o) -> str:
@@ -25,13 +25,22 @@ def directory(o) -> str:
   return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
 
 
+@contextlib.contextmanager
 def manager(o):
   """A context of the run's one checkpoint manager (`fnscale.checkpoint.manager` over
   `o.checkpoint_dir`, keeping `o.checkpoint_keep`), or of None with checkpoints off;
-  leaving it waits for the last save."""
+  leaving it waits for the last save. A run that fails before its first save (refused at
+  compile, say) leaves no directory it made: those still empty are removed."""
   if not o.checkpoint_dir:
-    return contextlib.nullcontext()
-  return fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep)
+    yield None
+    return
+  made = rundir.missing_directories(o.checkpoint_dir)
+  try:
+    with fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep) as ckpt:
+      yield ckpt
+  except BaseException:
+    rundir.remove_empty(made)
+    raise
 
 
 def with_finite_flag(step):
@@ -57,6 +66,10 @@ def resume(s, ckpt, init, train_rows, say):
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
         "--run_dir=NEW_DIR or more --steps for another run)")
+  if extra is None and os.path.isfile(os.path.join(o.run_dir, run_log.RUN_FILE)):
+    say(f"{o.run_dir} holds an earlier start of this run that saved no checkpoint"
+        + (f" ({o.checkpoint_dir})" if o.checkpoint_dir else " (--nocheckpoint)")
+        + ": this run starts at step 0")
   say_save_window(ckpt, o.grace_s, say)
   if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
     fs.checkpoint.nonfinite_leaves(state)

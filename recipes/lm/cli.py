@@ -25,6 +25,10 @@ import fnscale as fs
 from fnscale.errors import FnscaleError, InputError, did_you_mean
 
 EXIT_BAD_INPUT = 2
+# A run stopped early, by what stopped it (its Summary's `stopped`): 128 + the signal, what a
+# shell reports for a command the signal ended; schedulers read 143 as "preempted".
+CTRL_C = "Ctrl-C"
+EXIT_STOPPED = {"SIGTERM": 143, CTRL_C: 130}
 
 
 def report(e: BaseException) -> int:
@@ -122,7 +126,8 @@ def check_options(cls, options: dict):
   known = {f.name: f for f in dataclasses.fields(cls)}
   for name, value in options.items():
     if name not in known:
-      raise fs.InputError(f"unknown option {name}={value!r}; known options: {sorted(known)}")
+      raise fs.InputError(f"unknown option {name}={value!r}{did_you_mean(name, known)}; known "
+                          f"options: {sorted(known)}")
     kind = known[name].type.split(" | ")
     types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind[0]]
     if not ((value is None and "None" in kind) or (
@@ -134,7 +139,8 @@ def check_options(cls, options: dict):
 
 def _check_ranges(o):
   """`o` (an options dataclass) after checking each number against its range (the class's
-  `RANGES`; floats must be finite) and each word against its `CHOICES`."""
+  `RANGES`; floats must be finite), each word against its `CHOICES` and that of each pair
+  of its `EXCLUSIVE` options at most one is given (neither its default, None nor "")."""
   ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
   for f in dataclasses.fields(o):
     value = getattr(o, f.name)
@@ -145,6 +151,12 @@ def _check_ranges(o):
       problem = check_range(value, **ranges.get(f.name, {}))
       if problem:
         raise fs.InputError(f"--{f.name}={value!r} {problem}: {f.metadata['help']}")
+  fields = {f.name: f for f in dataclasses.fields(o)}
+  given = lambda name: getattr(o, name) not in (fields[name].default, None, "")
+  for a, b in getattr(type(o), "EXCLUSIVE", ()):
+    if given(a) and given(b):
+      raise fs.InputError(f"--{a}={getattr(o, a)!r} and --{b}={getattr(o, b)!r}: give one "
+                          f"of them (--{a}: {fields[a].metadata['help']})")
   return o
 
 
@@ -172,12 +184,17 @@ def parse_flags(cls, argv: list[str]):
 def options_main(argv: list[str], cls, run, doc: str) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
   Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
-  by SIGTERM (`run`'s result has `stopped`)."""
+  by SIGTERM, 130 by Ctrl-C (`run`'s result has `stopped`; a Ctrl-C `run` did not turn
+  into a stop, a KeyboardInterrupt, is one line too, not a traceback)."""
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(doc + "\nflags:\n" + _flag_values(cls).get_help())
     return 0
   try:
     summary = run(parse_flags(cls, argv))
+  except KeyboardInterrupt:
+    print(f"\nstopped by {CTRL_C}: what was saved is kept; rerun the same command to resume",
+          file=sys.stderr, flush=True)
+    return EXIT_STOPPED[CTRL_C]
   except fs.FnscaleError as e:
     status = report(e)
     if isinstance(e, fs.DistributedError) and str(e).startswith("lost "):
@@ -185,4 +202,4 @@ def options_main(argv: list[str], cls, run, doc: str) -> int:
       sys.stdout.flush()
       os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return status
-  return 143 if summary.stopped == "SIGTERM" else 0
+  return EXIT_STOPPED.get(summary.stopped, 0)

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import cache, packing, shards
+from recipes.lm import cache, packing, shards, tokens
 from recipes.lm.options import CORPORA
 
 # Standard-library modules of `tiny_corpus`: general-purpose pure-Python code, about 1 MB.
@@ -127,13 +127,16 @@ def is_packed(dataset: str) -> bool:
   return len(parts) > 1 or any(w != 1.0 for _, w in parts) or cache.is_cache(parts[0][0])
 
 
-def load(dataset: str, tokenizer: str = "") -> Corpus:
+def load(dataset: str, tokenizer: str = "", say: Callable[[str], None] | None = None
+         ) -> Corpus:
   """Reads, splits and tokenizes a corpus (see the module docstring); or opens token caches
-  (`is_packed`: `load_packed`).
+  (`is_packed`: `load_packed`). Token ids of a tokenizer are kept per machine
+  (`tokens.ids`): the next run with the same text and tokenizer reads them back.
 
   Args:
     dataset: a name in CORPORA, a file, a directory or a glob.
     tokenizer: path of a Hugging Face `tokenizer.json` (the `tokenizers` library); "" = bytes.
+    say: where the tokenizing's progress goes (None: nowhere).
 
   Raises:
     FnscaleError: a missing, empty or unknown corpus; a missing or unreadable tokenizer.
@@ -148,31 +151,16 @@ def load(dataset: str, tokenizer: str = "") -> Corpus:
     as_ids = lambda b: np.frombuffer(b, np.uint8)
     return Corpus(as_ids(train), as_ids(held), 256, 1.0, lambda s: list(s.encode()),
                   lambda ids: bytes(ids).decode("utf-8", errors="replace"), line + ", bytes")
-  tok = _tokenizer(tokenizer)
-  ids = lambda b: np.array([i for e in tok.encode_batch(_text_chunks(b)) for i in e.ids],
-                           np.int32)
-  train_ids, eval_ids = ids(train), ids(held)
-  vocab, said = tokenizer_vocab(tok)
+  tok = tokens.read(tokenizer)
+  train_ids, eval_ids = tokens.ids((train, held), tok, f"{dataset} with {tokenizer}",
+                                  say or (lambda line: None))
+  vocab, said = tokens.vocabulary(tok)
   for name, split_ids in (("training", train_ids), ("held-out", eval_ids)):
     check_token_ids(split_ids, vocab, f"tokenizer={tokenizer!r}'s {name} split")
   return Corpus(train_ids, eval_ids, vocab, len(eval_ids) / max(1, len(held)),
                 lambda s: tok.encode(s).ids, tok.decode,
                 f"{line}, tokenizer {tokenizer} ({said}, "
                 f"{len(eval_ids) / max(1, len(held)):.3f} tokens/byte)")
-
-
-def tokenizer_vocab(tok) -> tuple[int, str]:
-  """The model vocabulary a `tokenizers.Tokenizer` needs, its largest id + 1 (added tokens
-  included), and how to say it. `get_vocab_size()` counts entries: less than that for a
-  pruned vocabulary that kept its original ids, whose largest ids would index past the
-  embedding (a nan loss)."""
-  ids = tok.get_vocab(with_added_tokens=True).values()
-  size = tok.get_vocab_size(with_added_tokens=True)
-  vocab = max(max(ids, default=-1) + 1, size)
-  if vocab == size:
-    return vocab, f"vocab {vocab}"
-  return vocab, (f"vocab {vocab}: ids up to {vocab - 1}, though the tokenizer holds {size} "
-                 "entries (ids not contiguous)")
 
 
 def check_token_ids(ids, vocab: int, what: str = "token ids") -> None:
@@ -218,29 +206,6 @@ def baseline(corpus: Corpus) -> Baseline:
   before = np.bincount(train[:-1], minlength=v)[held[:-1]]
   bigram = -np.mean(np.log((seen + 1) / (before + v)))
   return Baseline(float(unigram), float(bigram))
-
-
-def _tokenizer(path: str):
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  if not os.path.isfile(path):
-    raise fs.InputError(f"tokenizer={path!r}: no such file; pass a Hugging Face "
-                          "tokenizer.json (or leave it empty for bytes)")
-  try:
-    return tokenizers.Tokenizer.from_file(path)
-  except Exception as e:  # pylint: disable=broad-except  (the library raises plain Exception)
-    raise fs.InputError(f"tokenizer={path!r} is not a readable tokenizer.json: {e}") from None
-
-
-def _text_chunks(b: bytes, size: int = 1 << 16) -> list[str]:
-  """Text of `b` in pieces cut at line ends (for parallel encoding without splitting words)."""
-  lines, out, n = b.decode("utf-8", errors="replace").splitlines(keepends=True), [], 0
-  for line in lines:
-    if not out or n >= size:
-      out.append("")
-      n = 0
-    out[-1] += line
-    n += len(line)
-  return out
 
 
 def check_fits(corpus: Corpus, seq: int) -> None:

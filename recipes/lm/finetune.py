@@ -72,11 +72,11 @@ def dpo_config(o) -> dpo.DPOConfig:
   return dpo.check(dpo.DPOConfig(o.dpo_beta, o.dpo_label_smoothing, o.dpo_loss, o.dpo_pairs))
 
 
-def corpus(o, tokenizer: str) -> data.Corpus:
+def corpus(o, tokenizer: str, say=None) -> data.Corpus:
   """The run's data: preference pairs for --objective=dpo (`preference.corpus`), else
-  `data.load`'s corpus."""
+  `data.load`'s corpus (its tokenizing's progress said by `say`)."""
   if o.objective != "dpo":
-    return data.load(o.dataset, tokenizer)
+    return data.load(o.dataset, tokenizer, say)
   if o.epochs is not None:
     raise fs.InputError(f"--epochs={o.epochs} with --objective=dpo: preference pairs are "
                         "read as an endless shuffle; give --steps instead")

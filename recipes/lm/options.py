@@ -76,6 +76,9 @@ class Options(Hardware):
                             "lora_dropout": dict(minimum=0, maximum=0.99),
                             "dpo_pairs": dict(minimum=1),
                             "process_id": dict(minimum=-1)}
+  # Options that ask for one thing two ways: a run takes one of each pair (`cli`).
+  EXCLUSIVE: ClassVar[tuple] = (("global_batch", "batch_size"), ("epochs", "steps"),
+                                ("init_from", "model_config"), ("mesh_shape", "topology"))
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
                              "accum_gather": ACCUM_GATHER,
@@ -98,7 +101,8 @@ class Options(Hardware):
   tokenizer: str = option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
   init_from: str = option("", "a Hugging Face model directory (config.json, safetensors, "
                           "tokenizer.json): continue training its model and weights with "
-                          "its tokenizer (instead of --model_config, --tokenizer)")
+                          "its tokenizer (instead of --model_config; --tokenizer replaces "
+                          "its tokenizer.json)")
   export_hf: str = option("", "at the end, write the params as a Hugging Face checkpoint "
                           "(safetensors, config.json, tokenizer) to this directory")
   export_adapter: str = option("", "with --lora_rank: also write the adapters as a Hugging "

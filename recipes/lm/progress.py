@@ -4,7 +4,9 @@ denominator of the hardware (`peak_flops`). `r` is train_lm's `run_setup.Run`.""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import socket
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -24,21 +26,42 @@ class Peak(NamedTuple):
 
 
 def peak_flops(topo) -> Peak:
-  """The MFU denominator of the hardware `topo` (on CPU: this host's measured matmul peak)."""
+  """The MFU denominator of the hardware `topo` (on CPU: the measured matmul peak of each
+  host the job's processes run on, counted once per host: processes on one machine, as
+  launch_local.py starts them, share its cores). Every process calls it (on CPU with several
+  processes, a collective)."""
   if topo.platform == "cpu":  # measured once per machine (in CPU seconds: load can't lower it)
     host = flops.host_matmul_peak()
-    peak = host.flops * jax.process_count()
+    peak, hosts = hosts_peak(host.flops)
     kept = f"cached in {host.path}; delete it to measure again" if host.path else "not cached"
     return Peak(peak, f"CPU matmul peak {peak / 1e9:.0f} GFLOP/s, measured "
                 f"{'now' if host.fresh else host.measured} (the best of 3 x 10 runs, per "
                 f"CPU-second x {flops.usable_cores()} cores: other jobs on the machine lower "
                 f"the MFU, not the peak{_load_average()}; {kept}), shared by all "
-                f"{jax.device_count()} simulated devices (one host's cores)")
+                f"{jax.device_count()} simulated devices ("
+                + ("one host's cores" if hosts == 1 else f"{hosts} hosts' cores")
+                + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+                + ")")
   if topo.peak_flops_per_device:
     return Peak(topo.peak_flops_per_device * jax.device_count(),
                 f"{topo.peak_flops_per_device / 1e12:.0f} TFLOP/s bf16 peak x "
                 f"{jax.device_count()} devices")
   return Peak(None, "unknown peak FLOP/s for this device kind; MFU not reported")
+
+
+def hosts_peak(host_flops: float) -> tuple[float, int]:
+  """(the sum of `host_flops` over the job's hosts, each counted once; the host count): every
+  process gives its host's name (a 31-bit hash) and peak, and processes of one host count as
+  one."""
+  if jax.process_count() == 1:
+    return host_flops, 1
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  name = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], "little")
+  names, peaks = multihost_utils.process_allgather(
+      (np.int32(name >> 1), np.float32(host_flops)))
+  by_host = dict(zip(np.asarray(names).tolist(), np.asarray(peaks).tolist()))
+  by_host[name >> 1] = host_flops  # this host's as measured, not rounded to float32
+  return float(sum(by_host.values())), len(by_host)
 
 
 def _load_average() -> str:

@@ -52,7 +52,27 @@ def _scalars(step, metrics) -> dict[str, float]:
   return out
 
 
-def _tensorboard(run_dir: str, say: Callable[[str], None]):
+def _drop_after(path: str, keep_through: int, say: Callable[[str], None]) -> None:
+  """Rewrites the metrics file `path` without its records of steps after `keep_through`
+  (all of them for -1), saying what went; a missing file or one with no such record is left
+  as it is. Written whole then renamed: a reader never sees half a file."""
+  if not os.path.isfile(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = [line for line in f if line.strip()]
+  steps = [json.loads(line).get("step", -1) for line in lines]
+  gone = [s for s in steps if s > keep_through]
+  if not gone:
+    return
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.writelines(line for line, s in zip(lines, steps) if s <= keep_through)
+  os.replace(path + ".tmp", path)
+  say(f"run_log: {len(gone)} records of steps {min(gone)}..{max(gone)} dropped from {path} "
+      + ("(this run starts afresh: a fresh log)" if keep_through < 0 else
+         f"(this run continues from step {keep_through}: no step is logged twice)"))
+
+
+def _tensorboard(run_dir: str, say: Callable[[str], None], purge_step: int | None):
   try:
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -62,7 +82,9 @@ def _tensorboard(run_dir: str, say: Callable[[str], None]):
   # tensorboardX names event files by the second and host: a writer reopened within the same
   # second (a quick resume) would overwrite the first file. A ns suffix keeps them apart, in
   # time order (TensorBoard reads a directory's event files in name order).
-  return SummaryWriter(logdir=run_dir, filename_suffix=f".{time.time_ns()}")
+  # purge_step: TensorBoard hides the earlier events of that step on (a resumed run's).
+  return SummaryWriter(logdir=run_dir, filename_suffix=f".{time.time_ns()}",
+                       purge_step=purge_step)
 
 
 def check_tracker(tracker: str) -> None:
@@ -83,8 +105,8 @@ class _Tracker(NamedTuple):
   close: Callable[[], None]
 
 
-def _tensorboard_tracker(run_dir: str, say) -> _Tracker | None:
-  tb = _tensorboard(run_dir, say)
+def _tensorboard_tracker(run_dir: str, say, purge_step: int | None) -> _Tracker | None:
+  tb = _tensorboard(run_dir, say, purge_step)
   if tb is None:
     return None
 
@@ -109,10 +131,11 @@ def _wandb_tracker(run_dir: str, config: Mapping[str, Any] | None) -> _Tracker:
   return _Tracker(lambda step, scalars: run.log(scalars, step=step), run.finish)
 
 
-def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
+def run_log(run_dir: str, *, active: bool = True,
             say: Callable[[str], None] = print, tracker: str = "tensorboard",
-            config: Mapping[str, Any] | None = None) -> RunLog:
-  """Opens a run's metric outputs in `run_dir` (made if missing; appended to on resume).
+            config: Mapping[str, Any] | None = None, keep_through: int | None = None
+            ) -> RunLog:
+  """Opens a run's metric outputs in `run_dir` (made if missing; appended to).
 
   Each `write(step, metrics)` appends one JSON object `{"step": step, tag: value, ...}` as a
   line of `run_dir/metrics.jsonl` and the same scalars to the tracker: TensorBoard event
@@ -123,10 +146,12 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
   Args:
     run_dir: the run's directory.
     active: False gives a log that records nothing (processes other than the first).
-    tensorboard: False writes metrics.jsonl only (no tracker).
-    say: where the one line about a missing tensorboardX goes.
-    tracker: "tensorboard" or "wandb".
+    say: where the line about a missing tensorboardX, or about dropped records, goes.
+    tracker: "tensorboard", "wandb" or "none" (metrics.jsonl only).
     config: the run's options, for the W&B run's config.
+    keep_through: None appends to what is there; a step k keeps only the records of steps
+      up to k and hides TensorBoard's later events: a run that resumes from step k (-1:
+      starts afresh) logs no step twice.
 
   Raises:
     InputError: tracker="wandb" without the wandb package (`check_tracker`); from `write`,
@@ -136,11 +161,13 @@ def run_log(run_dir: str, *, active: bool = True, tensorboard: bool = True,
   if not active:
     return RunLog(write=lambda step, metrics: None, close=lambda: None)
   os.makedirs(run_dir, exist_ok=True)
-  jsonl = open(os.path.join(run_dir, METRICS_FILE), "a", encoding="utf-8")
-  tb = None
-  if tensorboard:
-    tb = (_wandb_tracker(run_dir, config) if tracker == "wandb" else
-          _tensorboard_tracker(run_dir, say))
+  path = os.path.join(run_dir, METRICS_FILE)
+  if keep_through is not None:
+    _drop_after(path, keep_through, say)
+  jsonl = open(path, "a", encoding="utf-8")
+  purge = None if keep_through is None else keep_through + 1
+  tb = (_wandb_tracker(run_dir, config) if tracker == "wandb" else
+        _tensorboard_tracker(run_dir, say, purge) if tracker == "tensorboard" else None)
 
   def write(step: int, metrics: Mapping[str, Any]) -> None:
     scalars = _scalars(step, metrics)

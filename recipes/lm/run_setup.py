@@ -44,7 +44,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   lora = finetune.lora_config(o, model, cfg)
   if o.objective == "dpo":
     finetune.dpo_config(o)
-  o, mesh = _mesh(o, model, cfg, topo, per_device, say, lora)
+  o, mesh = _mesh(o, model, cfg, topo, say, lora)
   if o.remat and o.remat_policy not in ("auto", "full"):
     raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
                         "--remat_policy=full; give one of them")
@@ -67,18 +67,19 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
              model, cfg, profile, corpus, lora)
 
 
-def _mesh(o: Options, model, cfg, topo, per_device: int, say, lora=None
-          ) -> tuple[Options, Any]:
+def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
   """(options, mesh): the --mesh and --dcn axes (each parsed once), or with --mesh=auto the
   planner's mesh, remat and accumulation for the global batch, every device a data-parallel
-  one (the options then hold the planner's choices)."""
+  one (the options then hold the planner's choices; its table is said)."""
   dcn = startup.mesh_axes(o.dcn, "--dcn")
   if o.mesh != "auto":
     axes = startup.mesh_axes(platform_default(o, "mesh", topo.platform), "--mesh")
     return o, startup.make_mesh(axes, dcn, topo, say)
+  per_device = platform_default(o, "batch_size", topo.platform)
   batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-  axes, remat, accum, gather = startup.plan_mesh(model, cfg, topo, batch, o.precision, say,
-                                                 lora)
+  (axes, remat, accum, gather), table = startup.plan_mesh(model, cfg, topo, batch,
+                                                          o.precision, lora)
+  say("mesh=auto: " + table)
   if accum > o.accum_steps:
     o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
   o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
@@ -123,11 +124,14 @@ def check_pipeline(microbatches: int, model, mesh) -> None:
   staged = "microbatches" in inspect.signature(model.loss_fn).parameters
   if microbatches < 0 or (microbatches and stages == 1) or ((microbatches or stages > 1)
                                                             and not staged):
+    given = ([f"--microbatches={microbatches}"] if microbatches else []) + (
+        [f"a 'stage' axis of {stages}"] if stages > 1 else [])
     raise fs.InputError(
-        f"--microbatches={microbatches} on mesh {dict(mesh.shape)}: pipeline stages need a "
-        "model whose layers run as stages (--model_config=llama-*; this one's don't) and a "
-        "mesh with a 'stage' axis, e.g. --mesh=data=2,stage=4; fix: a Llama model, or no "
-        "stage axis and no --microbatches.")
+        f"{' and '.join(given)} on mesh {dict(mesh.shape)}: pipeline stages need a model "
+        "whose layers run as stages (--model_config=llama-*"
+        + ("" if staged else "; this one's don't") + ") and a mesh with a 'stage' axis, "
+        "e.g. --mesh=data=2,stage=4; fix: a Llama model, or no stage axis and no "
+        "--microbatches.")
 
 
 class Run(NamedTuple):
@@ -151,3 +155,4 @@ class Run(NamedTuple):
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
   should_stop: Callable[[int], bool]  # the preemption guard's check
   params_of: Callable = lambda state: state.params  # the params evaluation and samples use
+  ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop

@@ -1,14 +1,16 @@
 """Where a run lives: its directory by default (`default_run_dir`), the check that a
 directory holds this run and not another (`check_same_run`), and the file the libraries'
-log records go to instead of the console (`library_log`). What goes into the directory:
+log goes to instead of the console (`library_log`). What goes into the directory:
 `run_log.py` (metrics.jsonl, TensorBoard, run.json), `checkpoints.py`."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import re
+import sys
 
 import jax
 
@@ -60,17 +62,27 @@ LOG_FILE = "log.txt"
 
 
 _ORBAX = os.sep + "orbax" + os.sep
+# A line XLA's C++ code logs: "W1205 17:24:59.622298    2817 spmd_partitioner.cc:656] ...".
+_XLA_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")
+
+
+def log_path(run_dir: str) -> str:
+  """This process's library log: `run_dir/log.txt` (`log.<i>.txt` on process i > 0)."""
+  i = jax.process_index()
+  return os.path.join(run_dir, LOG_FILE if i == 0 else f"log.{i}.txt")
 
 
 @contextlib.contextmanager
 def library_log(run_dir: str):
-  """While open, orbax's absl log records ("Given directory is read only=...", "`read` option
-  is deprecated" on every resume) go to `run_dir/log.txt` (`log.<i>.txt` on process i > 0),
-  made on the first record, instead of the console; other libraries' records pass as before.
+  """While open, the libraries' log goes to `log_path(run_dir)` instead of the console:
+  orbax's absl records ("Given directory is read only=...", "`read` option is deprecated" on
+  every resume) and what XLA's C++ code logs (the partitioner's warnings, written straight
+  to file descriptor 2; fnscale's compile report lists a step's anyway). Python's own stderr
+  (`error:` lines, other libraries' records, tracebacks) still reaches the console. A log
+  left empty is removed, and the directories this made for it that are left empty.
   """
-  i = jax.process_index()
-  handler = logging.FileHandler(os.path.join(run_dir, LOG_FILE if i == 0 else f"log.{i}.txt"),
-                                encoding="utf-8", delay=True)
+  made = missing_directories(run_dir)
+  handler = logging.FileHandler(log_path(run_dir), encoding="utf-8", delay=True)
   handler.setFormatter(logging.Formatter(
       "%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] %(message)s"))
 
@@ -84,7 +96,86 @@ def library_log(run_dir: str):
   logger = logging.getLogger("absl")  # absl.logging's records, orbax's among them
   logger.addFilter(to_file)
   try:
-    yield
+    with _xla_to(log_path(run_dir)):
+      yield
   finally:
     logger.removeFilter(to_file)
     handler.close()
+    with contextlib.suppress(OSError):
+      if os.path.getsize(log_path(run_dir)) == 0:
+        os.remove(log_path(run_dir))
+    remove_empty(made)
+
+
+@contextlib.contextmanager
+def _xla_to(path: str):
+  """File descriptor 2 (where C++ code writes) appends to `path`; `sys.stderr` becomes a
+  `_Stderr` that keeps Python's lines on the console."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  sys.stderr.flush()
+  console_fd, log_fd = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  previous = sys.stderr
+  try:
+    redirected = previous.fileno() == 2  # else a capture of its own: keep writing to it
+  except (AttributeError, ValueError, io.UnsupportedOperation):
+    redirected = False
+  console = (open(console_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                 closefd=False) if redirected else previous)
+  with open(log_fd, "a", buffering=1, encoding="utf-8", errors="backslashreplace") as log:
+    os.dup2(log_fd, 2)
+    sys.stderr = _Stderr(console, log)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      sys.stderr = previous
+      os.dup2(console_fd, 2)
+      os.close(console_fd)
+
+
+class _Stderr(io.TextIOBase):
+  """sys.stderr while file descriptor 2 goes to the log: XLA's lines handed back through it
+  (fnscale's compile captures them and writes them back) go to the log too, every other
+  line to the console."""
+
+  def __init__(self, console, log):
+    super().__init__()
+    self._console, self._log, self._pending = console, log, ""
+
+  def write(self, s: str) -> int:
+    *lines, self._pending = (self._pending + s).split("\n")
+    for line in lines:
+      (self._log if _XLA_LINE.match(line) else self._console).write(line + "\n")
+    return len(s)
+
+  def flush(self) -> None:
+    if self._pending:
+      self._console.write(self._pending)
+      self._pending = ""
+    self._console.flush()
+    self._log.flush()
+
+  def fileno(self) -> int:
+    return self._console.fileno()
+
+  def writable(self) -> bool:
+    return True
+
+  def isatty(self) -> bool:
+    return self._console.isatty()
+
+
+def missing_directories(path: str) -> list[str]:
+  """The local directories that making `path` creates, innermost first (none for gs://)."""
+  missing, path = [], os.path.abspath(path) if "://" not in path else ""
+  while path and not os.path.exists(path):
+    missing.append(path)
+    path = os.path.dirname(path)
+  return missing
+
+
+def remove_empty(directories: list[str]) -> None:
+  """Removes each of `directories` (innermost first) that is empty; the others stay."""
+  for d in directories:
+    with contextlib.suppress(OSError):
+      os.rmdir(d)

@@ -51,6 +51,20 @@ def start(o):
   return say
 
 
+def check_init_from(init_from: str) -> None:
+  """Raises InputError for an --init_from that is no Hugging Face model directory: checked
+  before anything reads its tokenizer.json or weights, so the message says what is wrong
+  with the directory (a missing tokenizer.json's fix would be --tokenizer, a minute before
+  the missing config.json). gs:// paths are left to the readers."""
+  if not init_from or "://" in init_from:
+    return
+  for path, what in ((init_from, "no such directory"),
+                     (os.path.join(init_from, "config.json"), "no config.json")):
+    if not os.path.exists(path):
+      raise fs.InputError(f"--init_from={init_from}: {what}; expected a Hugging Face model "
+                          "directory (config.json, *.safetensors, tokenizer.json)")
+
+
 def mesh_axes(text: str, flag: str) -> dict[str, int]:
   """The axes of a --mesh or --dcn value ("data=-1,fsdp=2": {"data": -1, "fsdp": 2}; ""
   none), parsed once, their names checked: ones fnscale's conventions know, refused before
@@ -94,15 +108,16 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say, lora=None):
-  """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's abstract
-  params and the global batch; prints the top of the table and why the winner won. With
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
+  """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's
+  abstract params and the global batch, and the top of its table with why the winner won. With
   `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
   gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
   its reference pass adds a forward pass, no residuals).
 
   Returns:
-    (MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row.
+    ((MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row, the
+    table's text).
 
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
@@ -116,8 +131,8 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, say, lora=Non
   p = plan.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
                 policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
                 key=jax.random.key(0))
-  say("mesh=auto: " + plan.format_plan(p, top=6).replace("\n", "\n  "))
-  return p.axes, p.remat, p.accum, p.accum_gather
+  return ((p.axes, p.remat, p.accum, p.accum_gather),
+          plan.format_plan(p, top=6).replace("\n", "\n  "))
 
 
 def _lora_plan(model, cfg, pol, lora):

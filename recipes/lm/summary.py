@@ -14,7 +14,7 @@ import numpy as np
 import fnscale as fs
 from fnscale import mesh as fnscale_mesh
 from fnscale import sharding
-from recipes.lm import evaluation, finetune, hardware, progress, run_log
+from recipes.lm import evaluation, finetune, hardware, progress, run_log, rundir
 
 
 def param_count(state) -> int:
@@ -49,6 +49,7 @@ def describe(r, state) -> None:
       + (f" ({r.policy})" if r.policy is not None else " (float32)"))
   say("compile: " + str(r.report).replace("\n", "\n  "))
   say(f"MFU denominator: {r.peak.about}")
+  say(where(o.run_dir, o.checkpoint_dir, o.tracker))
   lora = finetune.describe(state, s.lora, say) if s.lora is not None else None
   run_log.write_run_record(o.run_dir, "start", dict(
       step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
@@ -82,9 +83,10 @@ def summarize(r, state, out: dict) -> "Summary":
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
   unit = (" (DPO)" if s.o.objective == "dpo" else f" nats/token{base}")
-  r.say(f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
-        f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
-        if summary.eval_loss is not None else f"done: step {summary.final_step}")
+  r.say((f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
+         f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
+         if summary.eval_loss is not None else f"done: step {summary.final_step}")
+        + f"; metrics in {summary.metrics}")
   hbm = device_memory()
   if hbm is not None:
     r.say(f"device memory: peak {hbm[0] / 2**30:.2f} GiB in use of {hbm[1] / 2**30:.2f} GiB "
@@ -92,6 +94,16 @@ def summarize(r, state, out: dict) -> "Summary":
     run_log.write_run_record(s.o.run_dir, "device_memory", dict(
         peak_bytes_in_use=hbm[0], bytes_limit=hbm[1]), active=jax.process_index() == 0)
   return summary
+
+
+def where(run_dir: str, checkpoint_dir: str, tracker: str = "tensorboard") -> str:
+  """The line that says what a run writes where."""
+  events = (f"TensorBoard events (tensorboard --logdir {run_dir})" if tracker == "tensorboard"
+            else "a W&B run (wandb/)" if tracker == "wandb" else "")
+  return (f"run directory {run_dir}: {run_log.METRICS_FILE}"
+          + (f" and {events}" if events else "") + f", {run_log.RUN_FILE}, {rundir.LOG_FILE} "
+          "(the libraries' and XLA's warnings), "
+          + (f"checkpoints in {checkpoint_dir}" if checkpoint_dir else "no checkpoints"))
 
 
 def device_memory() -> tuple[int, int] | None:
