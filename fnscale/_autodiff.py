@@ -151,11 +151,11 @@ def reverse_only(kernel: Callable, reference: Callable, name: str, reference_nam
     def value(*xs):  # the kernel alone, as a primitive too (see _compat.kernel_call)
       trees = []
 
-      def leaves(*a):
+      def flat(*a):
         y = run(*a)
         trees.append(jax.tree.structure(y))
         return jax.tree.leaves(y)
-      out = _compat.kernel_call(leaves, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts))
+      out = _compat.kernel_call(flat, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts))
       return jax.tree.unflatten(trees[-1], out)
 
     f = jax.custom_jvp(value)

@@ -165,3 +165,43 @@ def test_abstract_state_inside_with_mesh_of_a_tpu_target(axis_types, tpu_devices
     with pytest.raises(fs.MeshError, match=r"described ones .* fix: init_state\(\.\.\., "
                                            r"abstract=True\)"):
       fs.init_state(small, opt, mesh=mesh)
+
+
+def _dense_moe(x, params, top):
+  """A loop over every expert for the fixed routing `top` [tokens, k] (one-hot gates)."""
+  t = x.reshape(-1, x.shape[-1])
+  probs = jax.nn.softmax(t @ params["router"], axis=-1)
+  w = jnp.take_along_axis(probs, top, axis=-1)
+  gate = jnp.einsum("tk,tke->te", w / w.sum(-1, keepdims=True),
+                    jax.nn.one_hot(top, params["router"].shape[1]))
+  out = jnp.zeros_like(t)
+  for e in range(params["router"].shape[1]):
+    h = jax.nn.silu(t @ params["w_gate"][e]) * (t @ params["w_up"][e])
+    out = out + gate[:, e:e + 1] * (h @ params["w_down"][e])
+  return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4},
+                                  pytest.param({"data": 4, "tensor": 2},
+                                               marks=pytest.mark.slow)])
+def test_expert_layer_on_explicit_axes(axes):
+  # Its shard_map takes each argument by the spec it names: on Explicit axes they are
+  # resharded to it first (jax refused the arrays' own shardings there).
+  from fnscale.parallel import experts  # pylint: disable=import-outside-toplevel
+  d, e, f = 8, 8, 16
+  ks = jax.random.split(jax.random.key(0), 5)
+  params = {"router": jax.random.normal(ks[0], (d, e)),
+            "w_gate": 0.4 * jax.random.normal(ks[1], (e, d, f)),
+            "w_up": 0.4 * jax.random.normal(ks[2], (e, d, f)),
+            "w_down": 0.4 * jax.random.normal(ks[3], (e, f, d))}
+  x = jax.random.normal(ks[4], (8, 4, d))
+  top = jnp.argsort(-(x.reshape(-1, d) @ params["router"]), axis=-1, stable=True)[:, :2]
+  mesh = fs.make_mesh(axes, axis_types="explicit")
+  layer = lambda x: experts.moe(x, params, k=2, exchange="ragged", interpret=True)[0]
+  loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x))))
+  with fs.with_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    value, grad = jax.jit(jax.value_and_grad(loss(layer)))(sharded)
+  want, want_grad = jax.value_and_grad(loss(lambda x: _dense_moe(x, params, top)))(x)
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, atol=1e-5)
