@@ -686,3 +686,21 @@ def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():
   best = p.rows[0]
   assert best.fits and best.estimate.bytes < 0.8 * 16 * 2**30
   assert best.estimate.params < 2.6e9 and best.estimate.opt < 0.2e9  # bf16 base, adapters' state
+
+
+def test_residuals_are_what_the_backward_pass_reads():
+  """Splash attention's backward reads its own residuals (q, k, v in its [heads, seq, dim]
+  layout, the output and the log-sum-exp); its forward-mode rule also holds the primals in
+  the caller's layout, which the backward never reads (XLA drops them). Counted by hand per
+  row, 4 heads x 256 tokens x 64 dims in float32: the kernel's 4 x 256 KiB + 4 KiB, and the
+  input x (256 KiB, for the scale's gradient); none of the caller-layout copies of q, k, v
+  (which would add 3 x 256 KiB)."""
+  def loss(params, batch):
+    x = batch["x"] * params["scale"]
+    return fs.attention(x, x * 2, x * 3, causal=True, implementation="splash").sum()
+  f = fs.with_kernel(loss, interpret=True)
+  params = {"scale": jax.ShapeDtypeStruct((), jnp.float32)}
+  batch = {"x": jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)}
+  res = _cost._residuals(f, params, batch, None, width=0, interpret=False)
+  kib = 1024
+  assert res.total == 5 * 256 * kib + 4 * kib

@@ -420,21 +420,47 @@ class Residuals(NamedTuple):
   stack: float
 
 
+def _inputs_read(jaxpr) -> list[bool]:
+  """Which of `jaxpr`'s inputs its equations or outputs read. A call whose body is a jaxpr
+  of the call's own operands (a jit, a kernel's pass) reads an operand only where its body
+  does: a kernel's backward takes the reference's primals for forward mode over it, and
+  reads none of them in reverse mode (XLA drops them)."""
+  read = {id(v) for v in jaxpr.outvars}
+  for eqn in jaxpr.eqns:
+    body = eqn.params.get("jaxpr")
+    body = getattr(body, "jaxpr", body)
+    if isinstance(body, jcore.Jaxpr) and len(body.invars) == len(eqn.invars):
+      read.update(id(v) for v, r in zip(eqn.invars, _inputs_read(body)) if r)
+    else:
+      read.update(id(v) for v in eqn.invars)
+  return [id(v) in read for v in jaxpr.invars]
+
+
+def _saved(f, params, rows) -> list:
+  """The residuals of `jax.vjp(f)` at (params, rows) that its backward pass reads."""
+  vjp = jax.eval_shape(lambda p, b: jax.vjp(lambda p: f(p, b), p)[1], params, rows)
+  leaves, tree = jax.tree.flatten(vjp)
+  out = jax.eval_shape(f, params, rows)
+  backward = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(tree, res)(ct))(leaves, out)
+  return [leaf if read else None
+          for leaf, read in zip(leaves, _inputs_read(backward.jaxpr)[:len(leaves)])]
+
+
 def _residuals(loss_fn, params, batch, remat, width, interpret, layers: int = 0,
                tiled: bool = False) -> Residuals:
-  """The `Residuals` per row of the loss run as `_as_run` runs it: traced on one row and on
-  two, a leaf's bytes on two less on one (`tiled`: in TPU tiles, `tiled_nbytes`)."""
+  """The `Residuals` per row of the loss run as `_as_run` runs it (those its backward pass
+  reads, `_saved`): traced on one row and on two, a leaf's bytes on two less on one
+  (`tiled`: in TPU tiles, `tiled_nbytes`)."""
   f = _as_run(loss_fn, remat, interpret)
-  vjp = lambda p, b: jax.vjp(lambda p: f(p, b), p)[1]
   size = tiled_nbytes if tiled else (lambda x: _nbytes([x]))
-  one, two = (jax.tree.leaves(jax.eval_shape(vjp, params, _rows(batch, n))) for n in (1, 2))
-  per_row = [(size(b) - size(a), b) for a, b in zip(one, two)]
+  one, two = (_saved(f, params, _rows(batch, n)) for n in (1, 2))
+  per_row = [(size(b) - size(a), a, b) for a, b in zip(one, two) if a is not None]
   stacked = lambda a, b: (layers > 1 and a.ndim > 1 and a.shape[0] == b.shape[0] == layers
                           and a.shape[1] != b.shape[1])
   return Residuals(
-      sum(d for d, _ in per_row),
-      sum(d for d, x in per_row if width and x.shape and x.shape[-1] == width),
-      sum(d for (d, b), a in zip(per_row, one) if stacked(a, b)))
+      sum(d for d, _, _ in per_row),
+      sum(d for d, _, x in per_row if width and x.shape and x.shape[-1] == width),
+      sum(d for d, a, b in per_row if stacked(a, b)))
 
 
 def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
