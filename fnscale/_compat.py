@@ -18,11 +18,14 @@ Where JAX has a public interface fnscale uses it and it is not here:
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 
 from fnscale.errors import RuntimeFailure
 
@@ -221,71 +224,190 @@ def platform_version(device) -> str:
 
 # ------------------------------------------------------------------------- autodiff
 
-def _ad_types():
-  """jax's tracer types that tell forward from reverse mode (private in both releases)."""
+def _primitive_tables():
+  """jax's primitive class and rule tables (`jax.extend.core`, `jax.interpreters`: public
+  modules whose contents JAX does not promise to keep)."""
   try:
-    from jax._src import core  # pylint: disable=g-import-not-at-top
-    from jax._src.interpreters import ad, batching  # pylint: disable=g-import-not-at-top
-    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
-    from jax._src import shard_map  # pylint: disable=g-import-not-at-top
-    return core, ad.JVPTracer, pe.JaxprTracer, (batching.BatchTracer,
-                                                shard_map.ShardMapTracer)
+    from jax.extend import core  # pylint: disable=g-import-not-at-top
+    from jax.interpreters import ad, batching, mlir  # pylint: disable=g-import-not-at-top
+    return (core.Primitive, ad.Zero, ad.instantiate_zeros,
+            ad.primitive_jvps, ad.primitive_transposes, batching.primitive_batchers,
+            mlir.register_lowering, mlir.core_call_lowering)
   except (ImportError, AttributeError) as e:
-    raise _changed("forward_mode", f"jax's tracer types moved ({e})") from None
+    raise _changed("kernel_call", f"jax's primitive rule tables moved ({e})") from None
 
 
-def _unwrapped(x, wrappers):
-  while isinstance(x, wrappers):  # vmap and shard_map tracers hold the value they map
-    x = x.val
-  return x
-
-
-def pushes_forward(args) -> bool:
-  """Outside any rule: True when a leaf of `args` carries a tangent that an enclosing
-  `jax.jvp` (or jacfwd, or the forward half of a Hessian-vector product) pushes forward;
-  False for plain values, for reverse mode alone (`jax.grad`'s linearize tracers) and where
-  the trace can't tell (inside a jit or scan traced on its own: see `forward_mode`).
+def _lower_jaxpr(jaxpr):
+  """`jaxpr` with jax's high-level operations in low-level ones
+  (`jax._src.interpreters.partial_eval.lower_jaxpr2`, as jax lowers a jit's).
 
   Raises:
-    RuntimeFailure: jax's tracer types are not where they were.
+    RuntimeFailure: JAX moved or renamed it.
   """
-  _, jvp_tracer, linear_tracer, wrappers = _ad_types()
-  for x in jax.tree.leaves(args):
-    while x is not None:
-      x = _unwrapped(x, wrappers)
-      if isinstance(x, jvp_tracer) and not isinstance(
-          _unwrapped(x.tangent, wrappers), linear_tracer):
-        return True
-      # A linearize (or reverse-mode JVP) tracer: what it differentiates may be pushed
-      # forward from further out (forward over reverse).
-      x = getattr(x, "primal", None)
-  return False
+  try:
+    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+    return pe.lower_jaxpr2(jaxpr)
+  except (ImportError, AttributeError) as e:
+    raise _changed("kernel_call", f"jax's lower_jaxpr2 is gone ({e})") from None
 
 
-def forward_mode(primals, tangents) -> bool | None:
-  """Inside a `jax.custom_jvp` rule: True when the tangents are pushed forward (`jax.jvp`,
-  `jax.jacfwd`, Hessian-vector products, forward over reverse), False when they are being
-  linearized for a transpose (`jax.grad`, `jax.vjp`, `jax.jacrev`), None when the rule is
-  traced on its own and can't tell (inside a `lax.scan`, `jax.checkpoint`, or a jitted
-  function differentiated from outside: jax traces the rule into a jaxpr first and only
-  later evaluates or transposes it). `tangents` leave out symbolic zeros.
-
-  What tells them apart (jax 0.10.2 and 0.12): reverse mode hands the rule tangents that
-  are partial-evaluation tracers (`JaxprTracer`, possibly under vmap's `BatchTracer`) and
-  primals that carry no forward tangent (`JVPTracer`); a rule traced alone runs in a
-  `DynamicJaxprTrace` whose function was traced for "custom_jvp jvp".
+def _vma_unchecked():
+  """A context in which jax checks no varying manual axes (as inside `jax.shard_map(...,
+  check_vma=False)`): `jax._src.config._check_vma`, which shard_map itself sets.
 
   Raises:
-    RuntimeFailure: jax's tracer types are not where they were.
+    RuntimeFailure: JAX moved or renamed it.
   """
-  core, jvp_tracer, linear_tracer, wrappers = _ad_types()
-  if any(isinstance(_unwrapped(p, wrappers), jvp_tracer) for p in primals):
-    return True  # an enclosing jvp differentiates the primals: forward over reverse
-  trace = core.trace_ctx.trace
-  info = getattr(getattr(trace, "frame", None), "debug_info", None)
-  if getattr(info, "traced_for", None) == "custom_jvp jvp":
-    return None
-  return not all(isinstance(_unwrapped(t, wrappers), linear_tracer) for t in tangents)
+  try:
+    from jax._src import config  # pylint: disable=g-import-not-at-top
+    return config._check_vma(False)  # pylint: disable=protected-access
+  except (ImportError, AttributeError, TypeError) as e:
+    raise _changed("kernel_call", f"jax._src.config._check_vma is gone ({e})") from None
+
+
+def _untyped(x):
+  """`x` without varying axes in its type, where none are checked: there an operation of
+  two operands varies over no axis (`core.standard_vma_rule`; one of one operand keeps its
+  operand's). max(x, x): the same bits, for every dtype, which XLA folds away."""
+  return jax.lax.max(x, x)
+
+
+class _Traced(NamedTuple):
+  jaxpr: Any  # the ClosedJaxpr of fn
+  out_avals: tuple  # the primitive's output types
+  unchecked: bool  # traced and run where no varying axes are checked
+
+
+def _trace(fn, args, kernels: bool) -> _Traced:
+  """`fn` on `args` as a jaxpr. Where an argument varies over manual axes of a shard_map
+  that checks them and `fn` holds kernels (Pallas calls, whose output types can't say
+  so), `fn` is traced on the arguments' shapes alone where nothing is checked, and its
+  outputs are typed as varying over every axis an argument varies over: per-device
+  results of per-device data."""
+  varying = tuple(sorted(set().union(*(varying_axes(a) for a in args))))
+  whole = lambda *a: list(fn(*a))
+  if not (kernels and varying):
+    traced = jax.make_jaxpr(whole)(*args)
+    return _Traced(traced, tuple(traced.out_avals), False)
+  def shape(x):  # an argument's or an output's type without its varying axes
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding)
+  with _vma_unchecked():
+    traced = jax.make_jaxpr(whole)(*map(shape, args))
+  typed = jax.make_jaxpr(lambda *a: [jax.lax.pcast(x, varying, to="varying") for x in a])(
+      *map(shape, traced.out_avals))
+  return _Traced(traced, tuple(typed.out_avals), True)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_primitive():
+  """The primitive behind `kernel_call`, defined on first use (cached so that it is defined
+  once: a primitive is a name with rules, and a second one would be a second name)."""
+  (primitive, zero, instantiate, jvps, transposes, batchers, register,
+   call_lowering) = _primitive_tables()
+  p = primitive("fnscale_kernel_call")
+  p.multiple_results = True
+
+  def evaluate(*args, jaxpr, on_evaluate, unchecked, **_):
+    if on_evaluate is not None:
+      on_evaluate()
+    if not unchecked:
+      return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+    with _vma_unchecked():  # the arguments' types as the jaxpr was traced for: no axes
+      return jax.extend.core.jaxpr_as_fun(jaxpr)(*map(_untyped, args))
+
+  def jvp_rule(primals, tangents, **params):
+    outs, fixed = p.bind(*primals, **params), params["fixed"]
+    if params["jvp"] is not None:
+      t_out = params["jvp"](list(primals), list(map(instantiate, tangents)))
+      return outs, [zero(a.to_tangent_aval()) if t is None else t
+                    for a, t in zip(params["out_avals"], t_out)]
+    # A linear map: itself in its linear arguments (its transpose kept), and jax's JVP of
+    # the function in the fixed ones.
+    parts = []
+    if any(type(t) is not zero for t in tangents[fixed:]):
+      parts.append(p.bind(*primals[:fixed], *map(instantiate, tangents[fixed:]), **params))
+    if any(type(t) is not zero for t in tangents[:fixed]):
+      parts.append(jax.jvp(jax.extend.core.jaxpr_as_fun(params["jaxpr"]), list(primals),
+                           [*map(instantiate, tangents[:fixed]),
+                            *(jnp.zeros_like(x) for x in primals[fixed:])])[1])
+    if not parts:
+      return outs, [zero(a.to_tangent_aval()) for a in params["out_avals"]]
+    return outs, [sum(ts[1:], ts[0]) for ts in zip(*parts)]
+
+  def transpose_rule(cts, *args, transpose, fixed, **_):
+    return [None] * fixed + list(transpose(*args[:fixed], *map(instantiate, cts)))
+
+  def batch_rule(args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate,
+                 unchecked):
+    # The same primitive of the batched functions, so that its rules hold under vmap; a
+    # linear map's linear arguments all batched, so its transpose's outputs match them.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    if transpose is not None:
+      args[fixed:] = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+                      for a, d in zip(args[fixed:], dims[fixed:])]
+      dims = [*dims[:fixed], *[0] * (len(args) - fixed)]
+    axes = [None if d is None else 0 for d in dims]
+    batched = _trace(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes), args,
+                     unchecked)
+    outs = p.bind(
+        *args, jaxpr=batched.jaxpr,
+        jvp=None if jvp is None else jax.vmap(jvp, in_axes=(axes, axes)),
+        transpose=None if transpose is None else jax.vmap(
+            transpose, in_axes=(*axes[:fixed], *[0] * len(out_avals))),
+        fixed=fixed, out_avals=batched.out_avals, on_evaluate=on_evaluate,
+        unchecked=batched.unchecked)
+    return outs, [0] * len(outs)
+
+  def lower(ctx, *args, jaxpr, on_evaluate, **_):
+    # The jaxpr as traced (a call), not traced again with the lowering's types: a kernel's
+    # was traced without the varying axes its arguments have there.
+    if on_evaluate is not None:
+      on_evaluate()
+    return call_lowering(ctx, *args, name="fnscale_kernel_call", call_jaxpr=jaxpr)
+
+  def to_lojax(*args, jaxpr, **params):
+    # A jaxpr holding jax's high-level operations (jax 0.12's searchsorted, inside
+    # megablox), lowered before compiling like a jit's.
+    return p.bind(*args, jaxpr=_lower_jaxpr(jaxpr), **params)
+
+  p.def_impl(evaluate)
+  p.def_abstract_eval(lambda *args, out_avals, **_: out_avals)
+  p.to_lojax = to_lojax
+  register(p, lower)
+  jvps[p] = jvp_rule
+  transposes[p] = transpose_rule
+  batchers[p] = batch_rule
+  return p
+
+
+def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evaluate=None,
+                kernels: bool = True) -> list:
+  """`fn(*args)` (flat lists of arrays in and out) as one jax primitive with the
+  derivative rules given, which jax keeps wherever it traces (a `jax.custom_jvp` can be
+  inlined, its rule dropped, where jax hoists a scan's loop-invariant work after
+  linearizing it):
+
+  - `jvp(primals, tangents)` -> the outputs' tangents (None for a zero), for a function
+    with a reverse-mode rule of its own elsewhere; jax never transposes it.
+  - `transpose(*args[:fixed], *cotangents)` -> the cotangents of `args[fixed:]`, for `fn`
+    linear in those (its other arguments fixed): jax transposes it by this function instead
+    of by its own rules (`jax.custom_derivatives.linear_call`, which jax can neither batch
+    nor differentiate in its fixed arguments), and differentiates it as `fn`.
+
+  Evaluated or compiled it runs `fn` (traced once, here: `fn` must not close over traced
+  values) and calls `on_evaluate()` first (None: nothing); under `jax.vmap`, the same
+  primitive of the batched functions. `kernels`: `fn` may hold Pallas calls, which inside
+  a `jax.shard_map` that checks varying axes run where none is checked (`_trace`).
+
+  Raises:
+    RuntimeFailure: jax's primitive rule tables are not where they were.
+  """
+  traced = _trace(fn, args, kernels)
+  return _kernel_primitive().bind(*args, jaxpr=traced.jaxpr, jvp=jvp, transpose=transpose,
+                                  fixed=fixed, out_avals=traced.out_avals,
+                                  on_evaluate=on_evaluate, unchecked=traced.unchecked)
 
 
 # ------------------------------------------------------------------------- jaxprs

@@ -18,8 +18,8 @@ import optax
 
 from fnscale import _tree
 from fnscale import _sharding as _sh
-from fnscale.errors import ShardingError, StepError
-from fnscale._mesh import check_mesh
+from fnscale.errors import MeshError, ShardingError, StepError
+from fnscale._mesh import _runs_here, check_mesh
 from fnscale._step import TrainState, as_policy, check_optimizer, default_loss_scale
 
 __all__ = ["init_state", "opt_state_shardings", "state_shardings"]
@@ -211,7 +211,7 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
       raise StepError(
           f"params leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
           "pass arrays (jnp/np) or an init function.")
-  params = cast(init_fn_or_params)
+  params = jax.eval_shape(cast, init_fn_or_params) if abstract else cast(init_fn_or_params)
   psh = _sh.shardings(params, mesh, rules, logical_axes=logical_axes, **opts)
   if abstract:
     return _sds(params, psh), psh
@@ -263,7 +263,8 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     as `state_shardings(...)` says (or its ShapeDtypeStruct with `abstract=True`).
 
   Raises:
-    MeshError: a mesh that isn't one.
+    MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
+      devices that can't hold arrays (`fnscale.topology.target_devices`).
     StepError: a bad optimizer, policy, loss_scale or option, or params that are not
       arrays.
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
@@ -289,7 +290,17 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   check_mesh(mesh, "init_state")
   if not isinstance(abstract, bool):
     raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
-  loss_scale = default_loss_scale(policy, loss_scale)
+  if not abstract and not _runs_here(mesh):
+    raise MeshError(
+        f"init_state: the mesh's devices ({mesh.devices.flat[0].device_kind}, "
+        f"{mesh.devices.size} of them) are described ones (an ahead-of-time target), which "
+        "can compile a program but hold no arrays; fix: init_state(..., abstract=True) for "
+        "a state to compile against (shard_step(...).compile, compile_report), or a mesh "
+        "over this machine's devices (jax.devices()) to train.")
+  # Abstract: traced only, never run. Under `with_mesh` of devices that aren't here (a TPU
+  # target described by libtpu) jax can't run even a constant.
+  make_scale = lambda: default_loss_scale(policy, loss_scale)
+  loss_scale = jax.eval_shape(make_scale) if abstract else make_scale()
   cast = policy.cast_to_param if policy is not None else (lambda t: t)
   opts = _options(sharding_options)
   params, psh = _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts,
@@ -297,10 +308,10 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   abstract_opt = jax.eval_shape(optimizer.init, params)
   osh = opt_state_shardings(optimizer, abstract_opt, psh, mesh, **_opt_options(opts))
   rep = _replicated(mesh)
-  step = jnp.zeros((), jnp.int32)
   if abstract:
-    return TrainState(params, _sds(abstract_opt, osh), _sds(step, rep),
-                      _sds(jax.eval_shape(lambda t: t, loss_scale), rep))
+    return TrainState(params, _sds(abstract_opt, osh),
+                      _sds(jax.ShapeDtypeStruct((), jnp.int32), rep), _sds(loss_scale, rep))
+  step = jnp.zeros((), jnp.int32)
   # Copied: an optimizer state that holds the params themselves (a slow-weights copy)
   # must not share their buffers, or donating the state would donate one buffer twice.
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)),

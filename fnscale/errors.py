@@ -183,6 +183,18 @@ class PlanError(InputError):
   """
 
 
+class FitError(PlanError):
+  """A step does not fit its devices' memory (`fnscale.analysis.fit`). Fields: `needed`
+  (bytes per device), `limit` (the device's bytes, or None where XLA refused the program
+  without one given), `options` (`fnscale.analysis.plan.FitOption`s that would fit by the
+  planner's estimate, best first)."""
+
+  def __init__(self, message: str, *, needed: float = 0.0, limit: float | None = None,
+               options: tuple = ()):
+    super().__init__(message)
+    self.needed, self.limit, self.options = needed, limit, tuple(options)
+
+
 class DistributedArgumentError(InputError):
   """A malformed argument to a multi-process call: a process id, process count or
   coordinator address (given or read from `JAX_*` variables, or the roll call's

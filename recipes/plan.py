@@ -1,6 +1,7 @@
-"""Plan the mesh, remat and accumulation for a Llama model on a target pod, from this machine.
+"""Plan the mesh, remat and accumulation of a GPT, Llama or MoE model on a target, from here.
 
   python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
+  python recipes/plan.py --model=medium --target=v5litepod-1 --batch=16 --seq=1024
   python recipes/plan.py --model=llama-8b --target=v5p-128 --tokens=2e12 --verify=0
   python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
   python recipes/plan.py --model=moe-mixtral-8x7b --target=v5p-128 --batch=2304 --verify=0
@@ -29,7 +30,7 @@ import optax
 
 import fnscale as fs
 from fnscale.analysis import Plan, calibrate_cpu, cannot_verify, mesh_str, plan, plan_summary
-from recipes.lm import cli, llama, moe
+from recipes.lm import cli, gpt, llama, models
 
 if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
   if "JAX_PLATFORMS" not in os.environ:  # read when jax was imported: the config now
@@ -41,23 +42,26 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loa
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
-def _batch(rows: int, seq: int) -> dict:
+def _batch(rows: int, seq: int, positions: bool = True) -> dict:
   """Tokens, targets and positions (a mesh that splits the sequence needs positions:
-  `fnscale.parallel.context.reorder_batch`)."""
+  `fnscale.parallel.context.reorder_batch`; GPT's learned positions take none)."""
   return {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32)
-          for k in ("inputs", "targets", "positions")}
+          for k in ("inputs", "targets") + (("positions",) if positions else ())}
 
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
-  """`fnscale.analysis.plan` for a named Llama or MoE size (`recipes/lm/llama.py`,
-  `recipes/lm/moe.py`: an expert axis joins the candidates) and AdamW; `kw`: plan's keywords
-  (policy: POLICY unless given) and `overrides` of the model's config."""
-  module = moe if model in moe.SIZES else llama
-  cfg = module.model_config(model, seq, **kw.pop("overrides", {}))
+  """`fnscale.analysis.plan` for a named GPT, Llama or MoE size (`recipes/lm/gpt.py`,
+  `llama.py`, `moe.py`: an expert axis joins the candidates for a mixture of experts) and
+  AdamW; `kw`: plan's keywords (policy: POLICY unless given) and `overrides` of the model's
+  config (e.g. layers)."""
+  module = models.MODELS[model]
+  overrides = kw.pop("overrides", {})
+  cfg = (module.model_config(model, seq)._replace(**overrides) if module is gpt
+         else module.model_config(model, seq, **overrides))
   kw.setdefault("policy", POLICY)
   return plan(lambda k: module.init_params(cfg, k), functools.partial(module.loss_fn, cfg=cfg),
-              optax.adamw(3e-4), _batch(rows, seq), target, rules=module.RULES,
-              logical_axes=module.logical_axes(cfg), verify=verify, **kw)
+              optax.adamw(3e-4), _batch(rows, seq, positions=module is not gpt), target,
+              rules=module.RULES, logical_axes=module.logical_axes(cfg), verify=verify, **kw)
 
 
 def spearman(a, b) -> float:
@@ -111,7 +115,7 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
 
 def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default="llama-8b", choices=list(llama.SIZES) + list(moe.SIZES))
+  ap.add_argument("--model", default="llama-8b", choices=list(models.MODELS))
   ap.add_argument("--target", default="v5p-128")
   ap.add_argument("--batch", type=cli.number(int, minimum=1), default=256,
                   help="global batch, rows")

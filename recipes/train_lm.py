@@ -9,10 +9,11 @@
 Read top to bottom: `run` decides the run (every default filled in, the mesh built, every
 input checked before anything is written), `_run` builds the step, restores and compiles,
 `_loop` steps, logs, evaluates and saves, `_finish` ends the run. Each job lives in a module
-of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), startup.py
-(devices, processes, topology, precision), data.py and batches.py, checkpoints.py,
-evaluation.py, progress.py (the progress line and clock), summary.py, rundir.py and
-run_log.py (what the run directory holds), stalls.py, finetune.py (LoRA: --lora_rank; DPO:
+of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), memory.py (the
+step fits the device's memory), startup.py (devices, processes, topology, precision),
+data.py and batches.py, checkpoints.py, evaluation.py, progress.py (the progress line and
+clock), summary.py, rundir.py and run_log.py (what the run directory holds), stalls.py,
+finetune.py (LoRA: --lora_rank; DPO:
 --objective=dpo, with dpo.py and preference.py); the models are gpt.py, llama.py and
 moe.py. fnscale does the distribution. Only process 0 prints and writes files. Rerunning the
 same command resumes from the newest good checkpoint, bitwise (in a run directory of other
@@ -28,8 +29,8 @@ from typing import Any
 import jax
 
 import fnscale as fs
-from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, models, progress
-from recipes.lm import run_log, run_setup, rundir, stalls, startup, stopping, summary
+from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
+from recipes.lm import progress, run_log, run_setup, rundir, stalls, startup, stopping, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -108,7 +109,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
     state, start, resumed = checkpoints.resume(setup, ckpt, init, train_rows, say)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
-    step_fn = step_fn.compile(state, first)  # ahead of time: step 0 doesn't compile again
+    # Ahead of time (step 0 doesn't compile again), held against the device's memory.
+    step_fn = memory.compile_step(setup, step_fn, state, first)
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     job = run_setup.Run(
         setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,

@@ -47,6 +47,7 @@ CASES = [
     ("bench/launch_ray", ["--repeats=0"], "--repeats: 0 must be >= 1"),
     ("bench/loader", ["--batches=-3"], "--batches: -3 must be >= 1"),
     ("bench/lora", ["--prepare=unused", "--compile"], "give one of --prepare=DIR and --compile"),
+    ("bench/memory", ["--seq=0"], "--seq: 0 must be >= 1"),
     ("bench/moe_forecast", ["--json"], "--json: expected one argument"),
     ("bench/moe_layer", ["--k=0"], "--k: 0 must be >= 1"),
     ("bench/pipeline", ["--microbatches=4,x"], "'x' is not an int"),

@@ -16,7 +16,9 @@ What it checks, a section each (a new check of the chip adds a section):
 - the blockwise cross-entropy against the plain one on the whole logits;
 - a train step on the chip against the same step on the CPU backend, in float32 and with
   the bf16 policy;
-- a checkpoint saved from the chip, restored onto the chip and onto the CPU.
+- a checkpoint saved from the chip, restored onto the chip and onto the CPU;
+- the memory pre-flight: a step that does not fit the chip is refused before it runs, and
+  the planner's fix compiles within the chip's memory and trains.
 
 Tolerances. The truth is the float32 computation under `jax.default_matmul_precision(
 "highest")` (on a TPU, float32 contractions in six bfloat16 passes: float32's accuracy, give
@@ -330,3 +332,38 @@ def test_checkpoint_saved_on_the_chip_restores_on_the_chip_and_the_cpu(chip_floa
     assert extra == {"on": "tpu"}
     assert {d.platform for x in jax.tree.leaves(restored) for d in x.devices()} == {platform}
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), saved)
+
+
+# --- the memory pre-flight ------------------------------------------------------------------
+
+def test_a_step_that_does_not_fit_is_refused_before_it_runs_and_its_fix_runs():
+  """GPT small, 64 rows of 1024 tokens, no remat, no accumulation: XLA needs about 56 GiB
+  (compiled for a described v5e chip), more than the chip's memory. `compile_fitting`
+  refuses it with the planner's options (estimated within 90% of the memory, as train_lm
+  asks); the first compiles within the memory and trains a step."""
+  from fnscale.analysis import fit  # pylint: disable=import-outside-toplevel
+  from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
+  cfg, device = gpt.model_config("small", 1024), jax.devices()[0]
+  limit = fit.device_memory(device)  # the runtime's limit: 15.75 GiB on a v5e
+  mesh, opt, policy = fs.make_mesh({"data": 1}, devices=[device]), optax.adamw(1e-3), BF16
+  init, loss = functools.partial(gpt.init_params, cfg), functools.partial(gpt.loss_fn, cfg=cfg)
+  kw = dict(rules=gpt.RULES, logical_axes=gpt.logical_axes(cfg))
+  state = fs.init_state(init, opt, mesh=mesh, policy=policy, key=jax.random.key(0), **kw)
+  shapes = {k: jax.ShapeDtypeStruct((64, 1024), jnp.int32) for k in ("inputs", "targets")}
+  step = lambda remat, accum: fs.shard_step(fs.train_step(
+      functools.partial(loss, remat=remat), opt, policy=policy, accum_steps=accum), mesh, **kw)
+  topo = fs.detect_topology()
+  prof = fs.analysis.profile_model(init, loss, opt, shapes, topo, policy=policy)
+  options = lambda: fs.plan.fit_options(prof, topo, fs.MeshAxes({"data": 1}, {}),
+                                        0.9 * limit, rows=64)
+  with pytest.raises(fs.errors.FitError) as refused:
+    fit.compile_fitting(step(False, 1), state, shapes, options=options)
+  assert refused.value.needed > limit == refused.value.limit and refused.value.options
+  best = refused.value.options[0]
+  fixed = fit.compile_fitting(step(best.remat, best.accum), state, shapes)
+  assert fit.step_bytes(fixed) <= limit
+  tokens = np.random.default_rng(2).integers(0, cfg.vocab, (64, 1025), dtype=np.int32)
+  batch = fs.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                          fs.batch_sharding(mesh))
+  _, metrics = fixed(state, batch)
+  assert np.isfinite(float(metrics["loss"]))

@@ -408,20 +408,96 @@ def test_only_compat_reaches_into_jax_internals_or_versions():
       "getattr(aval, 'vma', None)\nd.client.platform_version\n"))) == 5
 
 
-def test_pushes_forward_tells_a_forward_tangent_from_reverse_mode():
-  """What it saw at each call of f, against the mode each transform is known to use."""
-  from fnscale import _compat  # pylint: disable=import-outside-toplevel
-  seen = []
+def test_kernel_call_keeps_a_declared_transpose_under_every_transformation():
+  # x -> a * x, declared to transpose to ct -> 3 ct (not its true transpose, a * ct):
+  # where jax transposes by its own rules, the gradients read a, not 3.
+  def scale(a, x):
+    return _compat.kernel_call(lambda a, x: [a * x], [a, x], fixed=1,
+                               transpose=lambda a, ct: [3.0 * ct])[0]
 
+  a, x = jnp.full(3, 2.0), jnp.arange(3.0)
+  assert scale(a, x).tolist() == [0.0, 2.0, 4.0]  # evaluated: the function itself
+  assert jax.jit(scale)(a, x).tolist() == [0.0, 2.0, 4.0]  # compiled
+  grad = lambda f: jax.grad(lambda x: jnp.sum(f(x)))(x).tolist()
+  assert grad(lambda x: scale(a, x)) == [3.0] * 3
+  assert grad(jax.jit(lambda x: scale(a, x))) == [3.0] * 3
+  # Batched: the same primitive of the batched functions, the declared transpose kept.
+  stacked = jnp.stack([x, 2 * x])
+  assert jax.vmap(scale, in_axes=(None, 0))(a, stacked).tolist() == (a * stacked).tolist()
+  assert jax.grad(lambda s: jnp.sum(jax.vmap(scale, in_axes=(None, 0))(a, s)))(
+      stacked).tolist() == [[3.0] * 3] * 2
+  # Differentiated in its fixed argument (jax.custom_derivatives.linear_call refuses): x.
+  assert jax.jvp(lambda a: scale(a, x), (a,), (jnp.ones(3),))[1].tolist() == x.tolist()
+
+
+def test_kernel_call_keeps_a_declared_jvp_and_its_jaxpr_in_sight():
+  # sin, declared to have the JVP t -> 5 t: jax's own JVP would give cos(x) t.
   def f(x):
-    seen.append(_compat.pushes_forward({"x": x, "other": 1.0}))
-    return jnp.sum(jnp.sin(x))
+    return _compat.kernel_call(lambda x: [jnp.sin(x)], [x],
+                               jvp=lambda p, t: [5.0 * t[0]])[0]
 
   x = jnp.arange(3.0)
-  f(x)
-  jax.grad(f)(x)
-  jax.jvp(f, (x,), (x,))
-  jax.jvp(jax.grad(f), (x,), (x,))  # forward over reverse: a Hessian-vector product
-  jax.vmap(lambda v: jax.jvp(f, (x,), (v,))[1])(jnp.eye(3))
-  jax.jit(jax.grad(f))(x)
-  assert seen == [False, False, True, True, True, False]
+  assert jnp.allclose(f(x), jnp.sin(x)) and jnp.allclose(jax.jit(f)(x), jnp.sin(x))
+  assert jax.jvp(f, (x,), (x,))[1].tolist() == (5 * x).tolist()
+  assert jax.jvp(jax.jit(f), (x,), (x,))[1].tolist() == (5 * x).tolist()
+  assert jax.jacfwd(f)(x).tolist() == (5 * jnp.eye(3)).tolist()  # vmap of the JVP
+  assert jax.grad(lambda x: jnp.sum(f(x)))(x).tolist() == [5.0] * 3  # linearized, transposed
+  # The function's equations stay in a jaxpr param, where readers of jaxprs find them.
+  eqn, = jax.make_jaxpr(f)(x).jaxpr.eqns
+  assert [e.primitive.name for j in jcore.jaxprs_in_params(eqn.params) for e in j.eqns
+          ] == ["sin"]
+
+
+def test_kernel_call_runs_a_pallas_call_inside_a_checked_shard_map():
+  # A Pallas call refuses to trace where varying types are checked (its output types
+  # can't say it varies); as a kernel_call it runs there, its result typed as varying.
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  kernel = lambda x: [pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                     interpret=True)(x)]
+  seen = []
+
+  def body(x):
+    y, = _compat.kernel_call(kernel, [x], jvp=lambda p, t: [2.0 * t[0]])
+    seen.append(_compat.varying_axes(y))
+    return y
+
+  mesh = fs.make_mesh({"data": 8})
+  f = jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"),
+                    check_vma=True)
+  x = jnp.arange(16.0)
+  assert jax.jit(f)(x).tolist() == (2 * x).tolist()
+  assert seen[-1] == frozenset({"data"})
+  assert jax.jit(jax.grad(lambda x: jnp.sum(f(x) * x)))(x).tolist() == (4 * x).tolist()
+  with pytest.raises(ValueError, match="check_vma"):  # the refusal kernel_call avoids
+    jax.jit(jax.shard_map(lambda x: kernel(x)[0], mesh=mesh, in_specs=jax.P("data"),
+                          out_specs=jax.P("data"), check_vma=True))(x)
+
+
+def test_lower_jaxpr_keeps_what_a_jaxpr_computes():
+  jaxpr = jax.make_jaxpr(lambda x: jnp.searchsorted(jnp.arange(4.0), x))(jnp.ones(3))
+  lowered = _compat._lower_jaxpr(jaxpr)
+  assert jcore.jaxpr_as_fun(lowered)(jnp.array([0.5, 2.0, 9.0]))[0].tolist() == [1, 2, 4]
+
+
+def test_kernel_call_of_an_unknown_layout_names_itself(monkeypatch):
+  from jax.interpreters import ad  # pylint: disable=import-outside-toplevel
+  _compat._kernel_primitive.cache_clear()
+  monkeypatch.delattr(ad, "primitive_transposes")
+  try:
+    with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .* tested with"):
+      _compat.kernel_call(lambda x: [x], [jnp.ones(2)])
+  finally:
+    _compat._kernel_primitive.cache_clear()
+
+  from jax._src import config  # pylint: disable=import-outside-toplevel
+  from jax._src.interpreters import partial_eval  # pylint: disable=import-outside-toplevel
+  monkeypatch.delattr(config, "_check_vma")
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .*_check_vma"):
+    _compat._vma_unchecked()
+  monkeypatch.delattr(partial_eval, "lower_jaxpr2")
+  with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .*lower_jaxpr2"):
+    _compat._lower_jaxpr(None)

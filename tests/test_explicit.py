@@ -133,3 +133,75 @@ def test_fsdp_params_on_explicit_axes_give_the_auto_mesh_losses_and_grads(accum,
   ref = jax.tree.map(lambda p, g: p - LR * g, _fsdp_params(jax.random.key(0)), ref_grads)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
                jax.device_get(ref))
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_abstract_state_inside_with_mesh_of_a_tpu_target(axis_types, tpu_devices):
+  # Under with_mesh of described devices (which hold no arrays) even a constant can't run
+  # on Explicit axes: init_state(abstract=True) only traces, and the step compiles from it.
+  del tpu_devices  # (skips without libtpu)
+  mesh = fs.make_mesh({"data": 2, "fsdp": 2}, devices=fs.target_devices("v5p-8"),
+                      axis_types=axis_types)
+  key, params = jax.random.key(0), {"w": jnp.ones((1024, 256)), "b": jnp.zeros((256,))}
+  init = lambda k: {"w": jax.random.normal(k, (1024, 256)), "b": jnp.zeros((256,))}
+  opt = optax.adamw(1e-3)
+  small = _params()
+  with fs.with_mesh(mesh):
+    for source, kwargs in ((init, dict(key=key)), (params, {}),
+                           (init, dict(key=key, policy="params=float32,compute=float16"))):
+      state = fs.init_state(source, opt, mesh=mesh, abstract=True, **kwargs)
+      assert isinstance(state.params["w"], jax.ShapeDtypeStruct)
+      assert state.params["w"].sharding.spec == P("fsdp", None)
+      assert state.opt_state[0].mu["w"].sharding.spec == P("fsdp", None)
+      assert (state.step.shape, state.step.dtype) == ((), jnp.int32)
+    # The float16 policy's dynamic loss scale, abstract too.
+    assert state.loss_scale.scale.shape == () and state.loss_scale.scale.sharding.spec == P()
+    report = fs.compile_report(fs.shard_step(fs.train_step(_loss, opt), mesh),
+                               fs.init_state(small, opt, mesh=mesh, abstract=True),
+                               {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)})
+    assert report.mesh_shape == {"data": 2, "fsdp": 2}
+    # Arrays there can't be: an fnscale error naming the fix, not an AttributeError.
+    with pytest.raises(fs.MeshError, match=r"described ones .* fix: init_state\(\.\.\., "
+                                           r"abstract=True\)"):
+      fs.init_state(small, opt, mesh=mesh)
+
+
+def _dense_moe(x, params, top):
+  """A loop over every expert for the fixed routing `top` [tokens, k] (one-hot gates)."""
+  t = x.reshape(-1, x.shape[-1])
+  probs = jax.nn.softmax(t @ params["router"], axis=-1)
+  w = jnp.take_along_axis(probs, top, axis=-1)
+  gate = jnp.einsum("tk,tke->te", w / w.sum(-1, keepdims=True),
+                    jax.nn.one_hot(top, params["router"].shape[1]))
+  out = jnp.zeros_like(t)
+  for e in range(params["router"].shape[1]):
+    h = jax.nn.silu(t @ params["w_gate"][e]) * (t @ params["w_up"][e])
+    out = out + gate[:, e:e + 1] * (h @ params["w_down"][e])
+  return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4},
+                                  pytest.param({"data": 4, "tensor": 2},
+                                               marks=pytest.mark.slow)])
+def test_expert_layer_on_explicit_axes(axes):
+  # Its shard_map takes each argument by the spec it names: on Explicit axes they are
+  # resharded to it first (jax refused the arrays' own shardings there).
+  from fnscale.parallel import experts  # pylint: disable=import-outside-toplevel
+  d, e, f = 8, 8, 16
+  ks = jax.random.split(jax.random.key(0), 5)
+  params = {"router": jax.random.normal(ks[0], (d, e)),
+            "w_gate": 0.4 * jax.random.normal(ks[1], (e, d, f)),
+            "w_up": 0.4 * jax.random.normal(ks[2], (e, d, f)),
+            "w_down": 0.4 * jax.random.normal(ks[3], (e, f, d))}
+  x = jax.random.normal(ks[4], (8, 4, d))
+  top = jnp.argsort(-(x.reshape(-1, d) @ params["router"]), axis=-1, stable=True)[:, :2]
+  mesh = fs.make_mesh(axes, axis_types="explicit")
+  layer = lambda x: experts.moe(x, params, k=2, exchange="ragged", interpret=True)[0]
+  loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x))))
+  with fs.with_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    value, grad = jax.jit(jax.value_and_grad(loss(layer)))(sharded)
+  want, want_grad = jax.value_and_grad(loss(lambda x: _dense_moe(x, params, top)))(x)
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, atol=1e-5)

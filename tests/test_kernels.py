@@ -440,17 +440,24 @@ def _attention_model(heads, head_dim, embed):
     x = batch["x"]
     q = jnp.einsum("bse,ehd->bshd", x, params["wq"].astype(x.dtype))
     out = attention(q, q, q, causal=True)
-    y = jnp.einsum("bshd,hde->bse", out, params["wo"].astype(x.dtype))
+    # On Explicit axes a contraction over split heads names its result's sharding.
+    explicit = jax.sharding.get_abstract_mesh().explicit_axes
+    y = jnp.einsum("bshd,hde->bse", out, params["wo"].astype(x.dtype),
+                   **({"out_sharding": jax.typeof(x).sharding} if explicit else {}))
     return jnp.mean((y.astype(jnp.float32) - x.astype(jnp.float32)) ** 2)
 
   return init, loss_fn
 
 
 @pytest.mark.tpu
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit",
+                                                            marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["auto", "shard_map"])
-def test_shard_step_with_kernel_compiles_for_a_tpu_topology(mode, tpu_devices, plans):
+def test_shard_step_with_kernel_compiles_for_a_tpu_topology(mode, axis_types, tpu_devices,
+                                                            plans):
   # The README's form: with_mesh around shard_step(with_kernel(step), mesh).compile(...).
-  mesh = fs.make_mesh({"data": 4, "tensor": 2}, devices=tpu_devices("v5p:2x2x2"))
+  mesh = fs.make_mesh({"data": 4, "tensor": 2}, devices=tpu_devices("v5p:2x2x2"),
+                      axis_types=axis_types)
   init, loss_fn = _attention_model(heads=4, head_dim=128, embed=128)
   optimizer = optax.sgd(0.1)
   rules = (("heads", "tensor"),)
@@ -468,21 +475,16 @@ def test_shard_step_with_kernel_compiles_for_a_tpu_topology(mode, tpu_devices, p
           state, batch).compiled.as_text()
 
   hlo = compile_with("auto")
+  # Splash in either mode; under mode="shard_map" (a shard_map over the data axes that
+  # checks varying types, which a Pallas call's can't carry) the kernel runs where none is
+  # checked, its heads split over the tensor axis by its own shard_map.
+  assert "tpu_custom_call" in hlo
+  batch_axes = ("data",) if mode == "auto" else ()
+  assert {(p.implementation, p.batch_axes, p.head_axes) for p in plans} == {
+      ("splash", batch_axes, ("tensor",))}
   if mode == "auto":
-    assert "tpu_custom_call" in hlo and _hlo_collectives(hlo) == []
-    assert {(p.implementation, p.batch_axes, p.head_axes) for p in plans} == {
-        ("splash", ("data",), ("tensor",))}
-    return
-  # mode="shard_map" traces the step in a shard_map that checks varying axes, which the
-  # Pallas kernel's types can't carry: the xla reference, with the reason; forced, an error.
-  assert "tpu_custom_call" not in hlo
-  assert {(p.implementation, p.fallback) for p in plans} == {("xla", True)}
-  assert ("splash: q varies over manual axes ('data',) of an enclosing shard_map that "
-          "checks them (check_vma=True)") in plans[0].reason
-  with pytest.raises(KernelError, match=re.escape(
-      "attention(implementation='splash') can't serve this call: q varies over manual "
-      "axes ('data',)")):
-    compile_with("splash")
+    assert _hlo_collectives(hlo) == []
+  assert "tpu_custom_call" in compile_with("splash")
 
 
 @pytest.mark.tpu
@@ -686,7 +688,10 @@ def test_with_kernel_composes_with_mesh_in_either_order():
   assert decorated.__name__ == "<lambda>" and decorated.__wrapped__ is loss
 
 
-def test_with_kernel_inside_shard_step_trains_like_the_reference():
+@pytest.mark.parametrize("mode", ["auto", "shard_map"])
+def test_with_kernel_inside_shard_step_trains_like_the_reference(mode):
+  # mode="shard_map": the step per data shard in a shard_map that checks varying types,
+  # where splash once fell back to XLA (forced: an error advising check_vma=False).
   import fnscale  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top,reimported
   mesh = _mesh()
@@ -711,10 +716,11 @@ def test_with_kernel_inside_shard_step_trains_like_the_reference():
   for choice in (dict(attention="splash", interpret=True), dict(attention="xla")):
     state = fnscale.init_state(init, optimizer, mesh=mesh, key=jax.random.key(0))
     step = fnscale.shard_step(with_kernel(fnscale.train_step(loss_fn, optimizer), **choice),
-                              mesh)
+                              mesh, mode=mode)
     results.append(step(state, batch))
     assert plans and {p.implementation for p in plans} == {choice["attention"]}
-    sharded = (("data",), ("tensor",)) if choice["attention"] == "splash" else ((), ())
+    batch_axes = ("data",) if mode == "auto" else ()  # shard_map: data axes already manual
+    sharded = (batch_axes, ("tensor",)) if choice["attention"] == "splash" else ((), ())
     assert all((p.batch_axes, p.head_axes) == sharded for p in plans)
     plans.clear()
   (state, metrics), (ref_state, ref_metrics) = results
@@ -1059,3 +1065,101 @@ def test_bench_attention_command_line():
   assert " ".join(rows[("1x100x1x1x32", "splash", "interpret")]).startswith(
       "n/a: attention(implementation='splash') can't serve this call: sequence lengths "
       "(100, 100) must be multiples of 128")
+
+
+@pytest.mark.slow  # (the quick tier's megablox forward-mode test reads this gradient too)
+@pytest.mark.hlo_unread_loops  # megablox in Pallas interpret mode: loops over its grid
+def test_megablox_gradient_is_zero_on_the_rows_past_the_groups():
+  # 220 of 256 rows in groups: the kernel writes no gradient for the other 36 (NaN in
+  # interpret mode where it once returned them); ragged_dot's, by masks, is zero there.
+  from fnscale.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(0), 3)
+  lhs, rhs = jax.random.normal(keys[0], (256, 128)), jax.random.normal(keys[1], (2, 128, 128))
+  weight = jax.random.normal(keys[2], (256, 128))
+  sizes = jnp.array([100, 120], jnp.int32)
+  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(256), side="right")
+
+  def masked(lhs, rhs):
+    out = jnp.einsum("mk,mkn->mn", lhs, rhs[jnp.minimum(group, 1)])
+    return jnp.where((group < 2)[:, None], out, 0.0)
+
+  loss = lambda mm: jax.jit(jax.value_and_grad(
+      lambda l, r: jnp.sum(mm(l, r) * weight), argnums=(0, 1)))(lhs, rhs)
+  got = loss(lambda l, r: grouped_matmul(l, r, sizes, implementation="megablox",
+                                         interpret=True))
+  want = loss(masked)
+  assert not np.isnan(np.asarray(got[1][0])).any()
+  assert np.all(np.asarray(got[1][0])[220:] == 0.0)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert _relative_error(g, w) < 1e-5
+
+
+def _per_device_cases():
+  """name -> (kernel fn, reference fn, input): each a function of one array, per device."""
+  rng = np.random.default_rng(3)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))
+  unembed, rhs = normal(32, 300), normal(2, 128, 128)
+  sizes = jnp.array([100, 120], jnp.int32)
+  labels = lambda h: (jnp.arange(h.shape[0] * h.shape[1]) % 300).reshape(h.shape[:2])
+
+  def attend(kernel):
+    return with_kernel(lambda q: attention(q, q, q, causal=True), attention=kernel,
+                       interpret=True)
+
+  def group_of(rows):  # each row's group, by the cumulative sizes (rows past them: 2)
+    return jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)
+
+  def masked_gmm(x):  # every row times every group's matrix, the row's group kept
+    g = group_of(x.shape[0])
+    return sum(jnp.where((g == i)[:, None], x @ rhs[i], 0.0) for i in range(2))
+
+  plain_ce = lambda h: -jnp.take_along_axis(jax.nn.log_softmax(h @ unembed), labels(h)[
+      ..., None], axis=-1)[..., 0]
+  return {
+      "splash": (attend("splash"), lambda q: jax.nn.dot_product_attention(
+          q, q, q, is_causal=True), normal(4, 128, 4, 64)),
+      "pallas_gpu": (attend("pallas_gpu"), lambda q: jax.nn.dot_product_attention(
+          q, q, q, is_causal=True), normal(4, 128, 4, 64)),
+      "cross_entropy": (lambda h: cross_entropy(h, unembed, labels(h), chunk_size=64,
+                                                reduction="none"), plain_ce,
+                        normal(4, 64, 32)),
+      "megablox": (lambda x: fs.kernels.grouped_matmul(x, rhs, sizes, implementation="megablox",
+                                                      interpret=True), masked_gmm,
+                   normal(4 * 256, 128)),
+  }
+
+
+@pytest.mark.hlo_unread_loops  # Pallas interpret mode: loops over the kernels' grids
+@pytest.mark.parametrize("name, where", [
+    ("splash", "checked shard_map"), ("cross_entropy", "explicit axes"),
+    *(pytest.param(n, w, marks=pytest.mark.slow) for n, w in (
+        ("splash", "explicit axes"), ("cross_entropy", "checked shard_map"),
+        ("pallas_gpu", "checked shard_map"), ("pallas_gpu", "explicit axes"),
+        ("megablox", "checked shard_map"), ("megablox", "explicit axes")))])
+def test_kernels_inside_a_checked_shard_map_and_on_explicit_axes(name, where):
+  # Inside a shard_map over "data" that checks varying types (a Pallas call's types can't
+  # say it varies) and on Explicit axes (shardings in the types, a Pallas call only where
+  # every axis is manual): value, gradient and JVP against the same of the XLA reference.
+  # They once raised (a refusal advising check_vma=False, jax's type errors) there.
+  kernel, reference, x = _per_device_cases()[name]
+  if where == "checked shard_map":
+    mesh = fs.make_mesh({"data": 4, "tensor": 2})
+    wrap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=jax.P("data"),
+                                   out_specs=jax.P("data"), axis_names={"data"},
+                                   check_vma=True)
+  else:
+    mesh = fs.make_mesh({"data": 4, "tensor": 2}, axis_types="explicit")
+    wrap = lambda f: f
+    x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+  t = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+  def all_three(f, x, t):
+    f = wrap(f)
+    return (f(x), jax.grad(lambda x: jnp.sum(f(x) * jnp.sin(f(x))))(x),
+            jax.jvp(f, (x,), (t,))[1])
+
+  with fs.with_mesh(mesh):
+    got = jax.jit(all_three, static_argnums=0)(kernel, x, t)
+    want = jax.jit(all_three, static_argnums=0)(reference, x, t)
+  for what, g, w in zip(("value", "gradient", "jvp"), got, want):
+    assert _relative_error(g, w) < 1e-4, what

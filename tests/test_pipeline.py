@@ -419,7 +419,7 @@ def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"stage": 2, "data": 4}, {}),
                                   remat=True, microbatches=4, cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES,
-         llama.logical_axes(cfg), prof, 1e12)
+         llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
     _plan._verify(cand, hw, ctx)  # pylint: disable=protected-access
   assert seen == dict(remat=True, microbatches=4)
@@ -586,7 +586,7 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
   row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
          llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
-         p.profile, hw.hbm_bytes)
+         p.profile)
   done = _plan._verify(row, hw, ctx)  # pylint: disable=protected-access
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0

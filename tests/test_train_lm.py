@@ -1020,7 +1020,7 @@ def test_bad_input_to_the_function_is_an_fnscale_error(work, tmp_path, case, ext
 
 @pytest.mark.parametrize("kw, message", [
     (dict(steps="10"), r"option steps='10': expected int or None, got str"),
-    (dict(remat=1), r"option remat=1: expected bool, got int"),
+    (dict(remat=1), r"option remat=1: expected bool or None, got int"),
     (dict(seq=True), r"option seq=True: expected int or None, got bool"),
     (dict(modle_config="nano"), r"unknown option modle_config='nano'; did you mean "
      r"'model_config'\?; known options: \[.*'model_config'"),

@@ -29,7 +29,7 @@ Examples:
   0.163
 """
 from fnscale import _deprecation
-from fnscale.analysis import hlo
+from fnscale.analysis import fit, hlo
 from fnscale.analysis._flops import (HostPeak, host_matmul_peak, measure_matmul_peak, mfu,
                                      model_flops_per_token, peak_flops, usable_cores)
 from fnscale.analysis._invariance import InvarianceReport, check_mesh_invariance
@@ -46,7 +46,7 @@ __all__ = [
     "HostPeak", "usable_cores",
     "format_report",
     "check_mesh_invariance", "InvarianceReport",
-    "hlo",
+    "fit", "hlo",
 ]
 
 __getattr__ = _deprecation.moved(__name__, {

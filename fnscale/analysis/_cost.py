@@ -35,6 +35,13 @@ Matmuls" and 5 "Training":
   async collectives and latency-hiding scheduler overlap all communication with compute,
   so step = max(compute, communication) (the scaling book's roofline); on simulated CPU
   devices the same cores copy and compute, so step = compute + communication.
+- Bytes per device (`Estimate`): params and optimizer state (split as the params are); the
+  backward's gradients in the compute dtype, the float32 accumulator beside them with
+  accumulation; the compute-dtype weights in flight (two layers gathered under FSDP, else a
+  whole cast copy where the compute dtype is not the params'); activations: the residuals
+  `jax.vjp` keeps, in the tiles a TPU holds them in on a TPU target (`tiled_nbytes`), and
+  under remat the checkpoints plus the share of one recomputed layer XLA keeps
+  (`REMAT_LIVE`). Set against XLA's peak by `recipes/bench/memory.py`.
 - Memory traffic at HBM bandwidth, added to compute (the vector work that moves it runs
   between the matmuls): `memory_traffic`. It matters where the optimizer update is
   replicated (data parallel), and on CPU, where memory is slow.
@@ -112,6 +119,10 @@ class Profile(NamedTuple):
   the grouped matmuls' inputs and outputs per row (residuals a dropless buffer scales).
   `kv_row`: bytes of the keys and values every attention call of the forward pass takes,
   per row (what context parallelism's all-gather form gathers).
+  `act_row_layer`: one layer's residuals per row without remat (the layer scan's stacked
+  residuals over its length: what remat recomputes at once); `act_row_head`: the residuals
+  outside the layer scan per row (embedding, final norm, output layer); 0 where unknown.
+  On a TPU target every residual figure counts the tiles a TPU holds (`tiled_nbytes`).
   """
   params: int
   param_bytes: float
@@ -144,6 +155,8 @@ class Profile(NamedTuple):
   exchange_row: float = 0.0
   expert_act_row: float = 0.0
   kv_row: float = 0.0
+  act_row_layer: float = 0.0
+  act_row_head: float = 0.0
 
   @property
   def expert_share(self) -> float:
@@ -380,28 +393,85 @@ def _traced(loss_fn, params, batch, remat, interpret):
   return count_flops(reference), kernels, reference
 
 
-def _residuals(loss_fn, params, batch, remat, width, interpret) -> tuple[float, float]:
-  """(bytes per row of the residuals `jax.vjp` keeps for the backward pass, of which those
-  shaped like the residual stream: last dim `width`, replicated by tensor parallelism)."""
-  f = _as_run(loss_fn, remat, interpret)
-  vjp = lambda p, b: jax.vjp(lambda p: f(p, b), p)[1]
+# TPU memory holds an array in tiles whose minor dimension has 128 lanes. XLA lays out most
+# arrays so that little is padded (it may make another dim minor), but an array in a
+# kernel's layout, such as the [rows, heads, seq, head_dim] operands of splash attention, keeps
+# head_dim minor: at head_dim 64 it takes twice its bytes.
+TPU_LANES = 128
 
-  def at(n):
-    leaves = jax.tree.leaves(jax.eval_shape(vjp, params, _rows(batch, n)))
-    stream = [x for x in leaves if width and x.shape and x.shape[-1] == width]
-    return _nbytes(leaves), _nbytes(stream)
-  (t1, s1), (t2, s2) = at(1), at(2)
-  return t2 - t1, s2 - s1
+
+def tiled_nbytes(aval) -> float:
+  """Bytes of `aval` as a TPU holds it: dims of size 1 dropped, then a minor dim under
+  `TPU_LANES` rounded up to it where the dim before it has at least that many elements (the
+  kernel-operand case above; a smaller minor pair is laid out the other way round)."""
+  shape = [n for n in aval.shape if n != 1]
+  if len(shape) > 1 and shape[-1] < TPU_LANES <= shape[-2]:
+    shape[-1] = TPU_LANES
+  return float(math.prod(shape) * jnp.dtype(aval.dtype).itemsize)
+
+
+class Residuals(NamedTuple):
+  """Bytes per batch row of what `jax.vjp` keeps for the backward pass (`_residuals`):
+  `total`; `stream`: those shaped like the residual stream (last dim the scan carry's width,
+  replicated by tensor parallelism); `stack`: those stacked over the layer scan (leading dim
+  the layer count, the rows second), the rest being the model's head and embedding."""
+  total: float
+  stream: float
+  stack: float
+
+
+def _inputs_read(jaxpr) -> list[bool]:
+  """Which of `jaxpr`'s inputs its equations or outputs read. A call whose body is a jaxpr
+  of the call's own operands (a jit, a kernel's pass) reads an operand only where its body
+  does: a kernel's backward takes the reference's primals for forward mode over it, and
+  reads none of them in reverse mode (XLA drops them)."""
+  read = {id(v) for v in jaxpr.outvars}
+  for eqn in jaxpr.eqns:
+    body = eqn.params.get("jaxpr")
+    body = getattr(body, "jaxpr", body)
+    if isinstance(body, jcore.Jaxpr) and len(body.invars) == len(eqn.invars):
+      read.update(id(v) for v, r in zip(eqn.invars, _inputs_read(body)) if r)
+    else:
+      read.update(id(v) for v in eqn.invars)
+  return [id(v) in read for v in jaxpr.invars]
+
+
+def _saved(f, params, rows) -> list:
+  """The residuals of `jax.vjp(f)` at (params, rows) that its backward pass reads."""
+  vjp = jax.eval_shape(lambda p, b: jax.vjp(lambda p: f(p, b), p)[1], params, rows)
+  leaves, tree = jax.tree.flatten(vjp)
+  out = jax.eval_shape(f, params, rows)
+  backward = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(tree, res)(ct))(leaves, out)
+  return [leaf if read else None
+          for leaf, read in zip(leaves, _inputs_read(backward.jaxpr)[:len(leaves)])]
+
+
+def _residuals(loss_fn, params, batch, remat, width, interpret, layers: int = 0,
+               tiled: bool = False) -> Residuals:
+  """The `Residuals` per row of the loss run as `_as_run` runs it (those its backward pass
+  reads, `_saved`): traced on one row and on two, a leaf's bytes on two less on one
+  (`tiled`: in TPU tiles, `tiled_nbytes`)."""
+  f = _as_run(loss_fn, remat, interpret)
+  size = tiled_nbytes if tiled else (lambda x: _nbytes([x]))
+  one, two = (_saved(f, params, _rows(batch, n)) for n in (1, 2))
+  per_row = [(size(b) - size(a), a, b) for a, b in zip(one, two) if a is not None]
+  stacked = lambda a, b: (layers > 1 and a.ndim > 1 and a.shape[0] == b.shape[0] == layers
+                          and a.shape[1] != b.shape[1])
+  return Residuals(
+      sum(d for d, _, _ in per_row),
+      sum(d for d, _, x in per_row if width and x.shape and x.shape[-1] == width),
+      sum(d for d, a, b in per_row if stacked(a, b)))
 
 
 def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
-            interpret: bool = False) -> Profile:
+            interpret: bool = False, tiled: bool = False) -> Profile:
   """Traces `loss_fn` on one and two abstract rows (nothing runs). `params`: abstract params
   in their stored dtype; `compute_dtype`: the policy's compute dtype (None: as stored).
   Call it inside `jax.set_mesh` of one target device so kernels choose as they will there.
   FLOPs are counted with `fnscale.attention`'s XLA reference (`with_kernel(attention="xla")`),
   residual bytes with the kernels the loss chooses; `interpret`: with the Pallas kernels in
-  interpret mode (`with_kernel(interpret=True)`: on a host standing in for an accelerator)."""
+  interpret mode (`with_kernel(interpret=True)`: on a host standing in for an accelerator);
+  `tiled`: residual bytes as a TPU holds them (`tiled_nbytes`)."""
   cast = (lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)
           if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x)
   cparams = jax.tree.map(cast, params)
@@ -413,8 +483,10 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
   layers = scan[0] if scan else 1
   stream_row = _nbytes(scan[1]) if scan else 0.0  # traced with one row
   width = scan[1][0].shape[-1] if scan and scan[1] and scan[1][0].shape else 0
-  a0 = _residuals(loss_fn, cparams, batch, False if remat else None, width, interpret)
-  a1 = _residuals(loss_fn, cparams, batch, True, width, interpret) if remat else a0
+  res = functools.partial(_residuals, loss_fn, cparams, batch, width=width,
+                          interpret=interpret, layers=layers, tiled=tiled)
+  a0 = res(False if remat else None)
+  a1 = res(True) if remat else a0
   opt = jax.eval_shape(optimizer.init, params)
   first = jax.tree.leaves(batch)[0]
   moe = _experts(jx, width, math.prod(first.shape[1:]))
@@ -422,12 +494,13 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
       param_bytes=_nbytes(params), opt_bytes=_nbytes(opt), compute_bytes=_nbytes(cparams),
       grad_bytes=_nbytes(params), flops_row=c0.total, flops_row_remat=c1.total,
-      act_row=a0[0], act_row_remat=a1[0], layers=layers, stream_row=stream_row,
+      act_row=a0.total, act_row_remat=a1.total, layers=layers, stream_row=stream_row,
       rows=int(first.shape[0]), has_remat=remat, attn_row=c0.attention,
       attn_row_remat=c1.attention, causal_share=c0.causal / c0.attention if c0.attention else 0.0,
       attn_kernel=kernels > 0, tokens_row=math.prod(first.shape[1:]),
       uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
-      act_row_stream=a0[1], act_row_remat_stream=a1[1],
+      act_row_stream=a0.stream, act_row_remat_stream=a1.stream,
+      act_row_layer=a0.stack / layers, act_row_head=a0.total - a0.stack,
       stack_layers=stack[1], stack_bytes=stack[0], stack_stream_row=_nbytes(stack[2]),
       stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
       experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
@@ -509,18 +582,31 @@ def executed_flops_row(prof: Profile, remat: bool) -> tuple[float, float]:
   return run(remat), (run(True) - run(False) if remat else 0.0)
 
 
+# The share of one layer's residuals live at the peak of its recomputed backward pass under
+# remat: XLA fuses the elementwise ones into the backward's kernels instead of keeping them.
+# Fitted on XLA:TPU's peak memory of compiled steps (GPT small and medium at 8-32 rows of
+# 1024 tokens, Llama-3.2-1B, on v5e: 0.33-0.53 per program); `recipes/bench/memory.py`
+# measures it.
+REMAT_LIVE = 0.4
+
+
 def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
   """(live activation bytes, activation bytes written and read) per row of a microbatch on
   one device of a `tensor`-way tensor-parallel group: residuals shaped like the residual
   stream are replicated over the group, the rest split. Without remat both are the
-  residuals; with remat the live ones are the checkpoints plus one block's residuals, and
-  the traffic is the checkpoints' plus every residual's again (`memory_traffic`)."""
+  residuals. With remat the live ones are the checkpoints and, at the peak, the larger of
+  the head's residuals (its backward runs first) and the `REMAT_LIVE` share of one layer's
+  recomputed ones (each layer's backward); the traffic is the checkpoints' plus every
+  residual's again (`memory_traffic`)."""
   split = lambda total, stream: stream + (total - stream) / tensor
   full = split(prof.act_row, prof.act_row_stream)
   if not remat:
     return full, full
   kept = split(prof.act_row_remat, prof.act_row_remat_stream)
-  return kept + full / max(prof.layers, 1), kept + full
+  share = full / prof.act_row if prof.act_row else 1.0  # the head and a layer split alike
+  layer = prof.act_row_layer * share or full / max(prof.layers, 1)
+  head = prof.act_row_head * share
+  return kept - head + max(head, REMAT_LIVE * layer), kept + full
 
 
 def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
@@ -621,9 +707,13 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_act * pp.iters
   layer_w = prof.compute_bytes * _split(prof, shard, e) * shard / max(prof.layers, 1) / t
   io = 2 * prof.stack_stream_row * rows_act * pp.stages if pp.stages > 1 else 0.0  # stage 0's
+  # The backward's gradients are in the compute dtype (the cast to the params' dtype fuses
+  # into the update), beside a float32 accumulator with accumulation; without FSDP the
+  # weights are cast to the compute dtype whole (none where the params are in it already).
+  cast = prof.compute_bytes * share * shard / t if prof.compute_bytes < prof.param_bytes else 0.0
   parts = dict(params=prof.param_bytes * share, opt=prof.opt_bytes * share,
-               grads=prof.grad_bytes * share * (2 if accum > 1 else 1),
-               weights=2 * layer_w if f * c > 1 else prof.compute_bytes * share * shard / t,
+               grads=(prof.compute_bytes + (prof.grad_bytes if accum > 1 else 0.0)) * share,
+               weights=2 * layer_w if f * c > 1 else cast,
                acts=act_per_row(prof, remat, t)[0] * rows_act * pp.iters + moe_acts + io)
   if once and f * c > 1:  # the whole accumulator beside the reduced shard; whole params
     parts.update(grads=prof.grad_bytes * share * shard / t + prof.grad_bytes * share,

@@ -39,18 +39,19 @@ from fnscale import _compat
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
+from fnscale.analysis import fit as _fit
+from fnscale.analysis.fit import FitOption
 from fnscale import _compile
 from fnscale.analysis import hlo as _hlo
 from fnscale.parallel import _pipeline
-from fnscale.analysis import _report
 from fnscale import _state
 from fnscale import _step
 from fnscale.errors import PlanError
 from fnscale._mesh import MeshAxes, make_mesh
 
-__all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "ForecastTerms", "Plan", "PlanError",
-           "calibrate_cpu", "cannot_verify", "format_plan", "hardware",
-           "mesh_str", "plan", "predict", "profile_model", "plan_summary"]
+__all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "ForecastTerms", "Plan",
+           "PlanError", "calibrate_cpu", "cannot_verify", "data_parallel", "fit_options",
+           "format_plan", "hardware", "mesh_str", "plan", "predict", "profile_model", "plan_summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
 # Context parallelism is a candidate when each shard keeps at least this many tokens of a
@@ -64,7 +65,7 @@ FORECAST_TERMS = _forecast.FITTED  # their fitted values
 class CompileCheck(NamedTuple):
   """What an ahead-of-time compile for the target says about one candidate.
 
-  `bytes`: XLA's per-device footprint (arguments + outputs + temporaries - aliased);
+  `bytes`: XLA's peak bytes per device (`fnscale.analysis.fit.step_bytes`);
   `matmul_flops`: HLO matmul FLOPs per device per step (`fnscale.analysis.hlo`); `comm_s`: its
   collectives' ring bytes over the bandwidth of the axis whose size matches each replica
   group; `step_s`, `mfu`: the estimate's with compiled communication and FLOPs; `seconds`:
@@ -93,9 +94,9 @@ class CompileCheck(NamedTuple):
 
 class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
-  compile (or None), `fits` (per the compile where present, else the estimate, against HBM x
-  headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the compiled communication
-  where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
+  compile (or None), `fits` (XLA's peak against HBM where compiled, else the estimate
+  against HBM x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the
+  compiled communication where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
   `microbatches` (the pipeline's, with a "stage" axis: the loss's `microbatches=`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
   compiled).
@@ -393,7 +394,7 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   model costs: the same loss (remat as the row), policy, accumulation steps and mode
   (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
   target's devices (the profile was traced on one)."""
-  params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap = ctx
+  params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof = ctx
   mesh = make_mesh(cand.axes, devices=hw.devices)
   state = _abstract_state(params, optimizer, mesh, rules, logical_axes, policy)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
@@ -412,21 +413,22 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
     c = CompileCheck(need, 0.0, 0.0, math.inf, 0.0, time.perf_counter() - t0, ("memory",))
     return cand._replace(compiled=c, fits=False)
   seconds = time.perf_counter() - t0
-  report = _report.compile_report(compiled, state, batch)
   summary = _hlo.summarize(compiled.compiled.as_text() or "")
   est = cand.estimate
   by_axis = _compiled_comm(summary, hw, cand.axes)
   comm = sum(by_axis.values())
   compute = max(est.compute_s, summary.matmul_flops / hw.peak_flops)
   step_s = max(compute, comm) if hw.overlap else compute + comm
-  nbytes = float(report.peak_bytes or 0)
+  nbytes = _fit.step_bytes(compiled)
   flags = tuple(name for name, got, want in (("memory", nbytes, est.bytes),
                                              ("comm", comm, est.comm_total_s))
                 if want and abs(got / want - 1) > DISAGREE)
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
   c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
   fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
-  return cand._replace(compiled=c, fits=nbytes <= cap, forecast=fc)
+  # XLA's peak is the step's footprint, not an estimate of it: held to HBM, not to the
+  # headroom kept for the estimate's error.
+  return cand._replace(compiled=c, fits=nbytes <= hw.hbm_bytes, forecast=fc)
 
 
 def _verify_best(rows: list, hw, ctx, verify: int) -> None:
@@ -590,7 +592,8 @@ def _profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
   with jax.set_mesh(make_mesh({"data": 1}, devices=devices)):
     return _cost.profile(params, loss_fn, optimizer, batch,
                          pol.compute_dtype if pol is not None else None,
-                         interpret=not described and hw.kind != "cpu")
+                         interpret=not described and hw.kind != "cpu",
+                         tiled=hw.kind == "tpu")
 
 
 def _resolve(target, cpu_rates):
@@ -678,14 +681,19 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     >>> row.fits, row.accum, row.compiled, row.step_s > 0
     (True, 2, None, True)
   """
-  hw = _resolve(target, cpu_rates)
+  return _predict(prof, _resolve(target, cpu_rates), axes, remat, accum, accum_gather,
+                  headroom, terms, microbatches)
+
+
+def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=0.8,
+             terms=_forecast.FITTED, microbatches=1) -> Candidate:
+  """`predict` on a resolved target."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
   if math.prod(axes.ici.values()) * math.prod(axes.dcn.values() or [1]) != hw.num_devices:
     raise PlanError(f"axes {mesh_str(axes)} cover {math.prod(axes.ici.values())} x "
                     f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
                     f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
-  split = (math.prod(axes.dcn.values() or [1]) * ici.get("data", 1) * ici.get("fsdp", 1)
-           * ici.get("stage", 1) * ici.get("expert", 1))
+  split = data_parallel(axes)
   if prof.rows % (split * accum):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")
@@ -694,6 +702,67 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
   return Candidate(axes, remat, accum, est, None, est.bytes <= hw.hbm_bytes * headroom,
                    _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather,
                    microbatches)
+
+
+def data_parallel(axes: MeshAxes) -> int:
+  """Devices that split a batch's rows on `axes`: the DCN axes, "data", "fsdp", "expert" and
+  "stage" (`estimate`'s data axes)."""
+  return math.prod(axes.dcn.values() or [1]) * math.prod(
+      axes.ici.get(a, 1) for a in ("data", "fsdp", "expert", "stage"))
+
+
+def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
+                remat: bool | None = None, accum: int | None = None, rows: int | None = None,
+                accum_steps=(1, 2, 4, 8, 16, 32, 64), accum_gather: str = "auto",
+                cpu_rates: tuple[float, float] | None = None) -> tuple[FitOption, ...]:
+  """The configurations of a step on `axes` whose estimated bytes per device are at most
+  `limit`, fastest first (the forecast's tokens/s): remat off and on, each with the fewest
+  of `accum_steps` that fit and divide the rows, at the most rows per device that any fits:
+  `prof.rows / data_parallel(axes)`, else each halving of it. `remat`, `accum`, `rows` fix
+  that choice (the user's); `accum_gather` is the step's (`fnscale.train_step`). Nothing is
+  compiled.
+
+  Args:
+    prof: `profile_model(...)` of the step (its `rows`: the global batch).
+    target, cpu_rates: as for `plan`.
+    axes: the mesh (`fnscale.MeshAxes`), fixed.
+    limit: bytes per device (e.g. `fnscale.analysis.fit.device_memory`).
+
+  Returns:
+    A tuple of `FitOption`s, empty where nothing fits.
+
+  Example:
+    A matmul step with Adam on one H100: 4 MiB of float32 weights, Adam's two moments and
+    the gradients (16 MiB), and 16 KiB of activations a row. 17.5 MB hold 32 of the 64
+    rows (accumulation would add a float32 accumulator: more, not less).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fnscale as fs
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) ** 2)
+    >>> batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32)}
+    >>> prof = fs.plan.profile_model({"w": jnp.zeros((1024, 1024))}, loss_fn,
+    ...                             optax.adam(1e-3), batch, "h100")
+    >>> one = fs.MeshAxes({"data": 1}, {})
+    >>> [(o.remat, o.accum, o.rows) for o in fs.plan.fit_options(prof, "h100", one, 17.5e6)]
+    [(False, 1, 32)]
+  """
+  hw = _resolve(target, cpu_rates)
+  split = data_parallel(axes)
+  top = prof.rows // split if rows is None else rows
+  remats = ((False, True) if prof.has_remat else (False,)) if remat is None else (remat,)
+  for r in [top >> k for k in range(top.bit_length()) if top % (1 << k) == 0][
+      :None if rows is None else 1]:
+    out = []
+    for rm in remats:
+      for a in [a for a in (accum_steps if accum is None else (accum,)) if r % a == 0]:
+        c = _predict(prof._replace(rows=r * split), hw, axes, rm, a, accum_gather)
+        if c.estimate.bytes <= limit:
+          out.append(FitOption(rm, a, r, c.estimate.bytes, c.tokens_s))
+          break
+    if out:
+      return tuple(sorted(out, key=lambda o: -o.tokens_s))
+  return ()
 
 
 def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
@@ -728,8 +797,9 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       (the plan says why); 0: none.
     max_tensor: largest tensor-parallel axis.
     accum_steps: accumulation steps to try (the fewest that fits is kept).
-    headroom: usable fraction of HBM for the estimate (XLA's compiled footprint ran up to
-      13% above the estimate for Llama-8B on v5p-128; 0.8 keeps such a plan inside HBM).
+    headroom: usable fraction of HBM for an estimate (it tracks XLA's peak within about 5%
+      for GPT and Llama steps of 86M-8B params, `recipes/bench/memory.py`; small models and
+      other shapes stray further); a compiled candidate is held to HBM itself.
     cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
     tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
       to train on it at the forecast's tokens/s.
@@ -772,7 +842,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
         "global batch divisible by the device count")
   rows.sort(key=_rank_key)
   if n_verify:
-    ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, cap)
+    ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof)
     _verify_best(rows, hw, ctx, n_verify)
     done = sum(r.compiled is not None for r in rows)
     note = (f"compiled {done} candidate(s) for {hw.name}'s described devices (the best "

@@ -114,7 +114,7 @@ def _describe(generation: str, grid: tuple[int, ...], slices: int):
   planner still plans without them, and says why it could not compile."""
   name = _topology.libtpu_topology_name(generation, grid)
   try:
-    return list(_described(name, slices)), ""
+    return list(_described(generation, tuple(grid), slices)), ""
   except Exception as e:  # pylint: disable=broad-except  # any libtpu failure is reported
     text = " ".join(str(e).split())[:400] or "(no message)"
     return None, (f"libtpu could not describe the devices of {name}"
@@ -123,11 +123,11 @@ def _describe(generation: str, grid: tuple[int, ...], slices: int):
 
 
 @functools.lru_cache(maxsize=64)  # a big topology takes libtpu a while; failures raise
-def _described(name: str, slices: int) -> tuple:
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  return tuple(topologies.get_topology_desc(
-      platform="tpu", topology_name=name,
-      **({"num_slices": slices} if slices > 1 else {})).devices)
+def _described(generation: str, grid: tuple[int, ...], slices: int) -> tuple:
+  """`fnscale.target_devices` of the slice: the one description of a target's
+  devices (v4 as megacore, the host bounds libtpu needs for one chip or one host)."""
+  spec = f"{generation}:{'x'.join(map(str, grid))}"
+  return tuple(_topology.target_devices(f"{slices}x {spec}" if slices > 1 else spec))
 
 
 def _gpu(name: str, kind: str, count: int) -> Hardware:

@@ -43,6 +43,7 @@ from fnscale import _context
 from fnscale._context import KernelChoice
 from fnscale.errors import KernelError
 from fnscale.kernels import _splash_tiles, context_attention
+from fnscale.kernels._per_device import per_device
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 # Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
@@ -212,9 +213,9 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
     interpret: Pallas interpret mode; default: the enclosing `with_kernel`'s (else False).
     mesh: the mesh to shard the kernel over; default: the context mesh
       (`jax.sharding.get_abstract_mesh()`), none outside one. With no mesh at all on a
-      platform with several devices, or with q varying over the manual axes of a
-      `shard_map(..., check_vma=True)`, the Pallas kernels can't serve (XLA can't partition
-      their custom calls, and their output types carry no varying axes): "auto" falls back.
+      platform with several devices the Pallas kernels can't serve (XLA can't partition
+      their custom calls): "auto" falls back. Inside a `jax.shard_map` that checks varying
+      axes (check_vma=True, as `shard_step(mode="shard_map")`'s) they serve.
 
   Returns:
     A `KernelSelection`.
@@ -264,8 +265,6 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
 def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
                    implementation, block_sizes, platform, interpret, mesh):
   """Checks kernel_selection's arguments; returns (_Call, requested name, unsharded note)."""
-  # An array q (or tracer) also tells the manual axes it varies over (jax's vma type).
-  varying = _varying_axes(q_shape) if isinstance(q_shape, jax.Array) else ()
   q_shape, k_shape = tuple(getattr(q_shape, "shape", q_shape)), tuple(k_shape)
   _check_shapes(q_shape, k_shape, k_shape)
   if implementation not in IMPLEMENTATIONS:
@@ -296,7 +295,7 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
   context = _context_axes(mesh) if shardable else ()
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
                block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes,
-               unseen, varying, context)
+               unseen, context)
   return call, requested, note
 
 
@@ -402,13 +401,15 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
   kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
                              scale=scale, blocks=selection.block_sizes,
                              interpret=selection.interpret)
+  if selection.batch_axes or selection.head_axes:
+    kernel = functools.partial(_sharded, kernel, selection, mesh=mesh)
   # The kernels differentiate only in reverse mode; forward mode takes the reference's JVP.
-  kernel = _autodiff.reverse_only(
+  # Around the shard_map: inside one that checks varying axes (shard_step's), the kernel
+  # and its own shard_map run where no type is checked (_compat.kernel_call).
+  return _autodiff.reverse_only(
       kernel, functools.partial(_xla, causal=causal, window=window, scale=scale),
-      f"fnscale.attention's {selection.implementation} kernel", "the XLA reference")
-  if not (selection.batch_axes or selection.head_axes):
-    return kernel(q, k, v, q_ids, kv_ids)
-  return _sharded(kernel, selection, q, k, v, q_ids, kv_ids, mesh)
+      f"fnscale.attention's {selection.implementation} kernel", "the XLA reference")(
+          q, k, v, q_ids, kv_ids)
 
 
 @functools.lru_cache(maxsize=None)
@@ -431,7 +432,6 @@ class _Call(NamedTuple):
   batch_axes: tuple[str, ...]
   head_axes: tuple[str, ...]
   unseen_devices: int  # Devices the inputs may span with no mesh in sight (0: a mesh is).
-  varying: tuple[str, ...]  # Manual axes q varies over in a shard_map that checks them.
   context_axes: tuple[str, ...] = ()  # Free mesh axes (size > 1) splitting the sequence.
 
 
@@ -613,10 +613,6 @@ def _cannot_serve(name: str, call: _Call) -> str | None:
     return (f"no mesh in sight while the inputs may be split over {call.unseen_devices} "
             "devices, and XLA can't partition this kernel: set the mesh with "
             "fnscale.with_mesh, give the arguments NamedShardings or pass mesh=")
-  if name != "cudnn" and call.varying:
-    return (f"q varies over manual axes {call.varying} of an enclosing shard_map that "
-            "checks them (check_vma=True), which a Pallas kernel's output type can't say: "
-            "use check_vma=False on that shard_map")
   if call.dtype not in _DTYPES[name]:
     return f"dtype {call.dtype} not in {_DTYPES[name]}"
   size = lambda axes: math.prod(call.axis_sizes[a] for a in axes)
@@ -758,10 +754,4 @@ def _sharded(kernel, selection: KernelSelection, q, k, v, q_ids, kv_ids, mesh):
       return kernel(q, k, v, None, None)
     return kernel(q, k, v, ids[0], ids[0] if shared else ids[1])
 
-  context = jax.sharding.get_abstract_mesh()
-  manual = set(context.manual_axes) if not context.empty else set()
-  target = mesh if mesh is not None else context
-  free = frozenset(a for a in target.axis_names if a not in manual)
-  # Pallas kernels carry no varying-manual-axes annotations, so don't check them.
-  return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
-                       axis_names=free, check_vma=False)(*args)
+  return per_device(body, args, specs, qkv_spec, mesh, like=q)

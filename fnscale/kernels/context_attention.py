@@ -44,6 +44,7 @@ import numpy as np
 from fnscale import _autodiff
 from fnscale import _compat
 from fnscale.errors import KernelError
+from fnscale.kernels._per_device import per_device
 
 FORMS = ("all_gather", "ring")
 ORDERS = ("zigzag", "striped", "contiguous")
@@ -277,12 +278,7 @@ def attend(q, k, v, q_ids, kv_ids, p: ContextSelection, mesh, *, causal: bool, s
     q_i, kv_i = (rest[0], rest[1]) if has_ids else (None, None)
     return run(q, k, v, q_i, kv_i, rest[-1] if extra is not None else None)
 
-  context = jax.sharding.get_abstract_mesh()
-  manual = set(context.manual_axes) if not context.empty else set()
-  target = mesh if mesh is not None else context
-  free = frozenset(a for a in target.axis_names if a not in manual)
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv,
-                       axis_names=free, check_vma=False)(*args)
+  return per_device(local, args, specs, qkv, mesh, like=q)
 
 
 def _shard_positions(p: ContextSelection, t: int) -> tuple[jax.Array, jax.Array]:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from fnscale import _autodiff
 from fnscale import _axes
 from fnscale.errors import KernelError
+from fnscale.kernels._per_device import per_device
 from fnscale.kernels.attention import _call_mesh, _varying_axes
 
 # Default chunk: at most this many float32 logits live at once (32 MiB). A chunk also holds
@@ -313,8 +314,18 @@ def _local_loss(hidden, unembed, labels, layout):
 
   tokens = hidden.shape[0]
   chunk = _chunk(layout.chunk_size, tokens, unembed.shape[1])
-  loss, lse = _walk_tokens(tokens, chunk, step, (jnp.zeros((tokens,), jnp.float32),) * 2)
+  init = _zeros_varying_as((tokens,), jnp.float32, hidden, unembed, labels)
+  loss, lse = _walk_tokens(tokens, chunk, step, (init, init))
   return loss.reshape(shape), lse.reshape(shape)
+
+
+def _zeros_varying_as(shape, dtype, *arrays):
+  """Zeros typed as varying over every manual axis one of `arrays` varies over: a loop's
+  carry that per-device data updates (inside a shard_map that checks varying axes its
+  type must be that from the start)."""
+  axes = tuple(sorted(set().union(*(_varying_axes(x) for x in arrays))))
+  zeros = jnp.zeros(shape, dtype)
+  return lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _local_grads(hidden, unembed, labels, g, lse, layout):
@@ -350,8 +361,10 @@ def _local_grads(hidden, unembed, labels, g, lse, layout):
     return loss, d_hidden, d_unembed
 
   tokens = hidden.shape[0]
-  init = (jnp.zeros((tokens,), jnp.float32), jnp.zeros_like(hidden),
-          jnp.zeros(unembed.shape, jnp.float32))
+  data = (hidden, unembed, labels, g) + (() if lse is None else (lse,))
+  init = (_zeros_varying_as((tokens,), jnp.float32, *data),
+          _zeros_varying_as(hidden.shape, hidden.dtype, *data),
+          _zeros_varying_as(unembed.shape, jnp.float32, *data))
   loss, d_hidden, d_unembed = _walk_tokens(
       tokens, _chunk(layout.chunk_size, tokens, size), step, init)
   summed = tuple(a for a in vocab_axes if a not in layout.scatter_axes)
@@ -371,10 +384,7 @@ def _run(layout, fn, args, in_specs, out_specs):
   """fn(*args) on whole arrays, or per device in a shard_map over the layout's mesh."""
   if layout.mesh is None:
     return fn(*args)
-  manual = set(getattr(getattr(layout.mesh, "abstract_mesh", layout.mesh), "manual_axes", ()))
-  free = frozenset(a for a in layout.mesh.axis_names if a not in manual)
-  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
-                       axis_names=free, check_vma=False)(*args)
+  return per_device(fn, args, in_specs, out_specs, layout.mesh)
 
 
 def _specs(layout):

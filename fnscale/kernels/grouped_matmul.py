@@ -33,6 +33,7 @@ import numpy as np
 
 from fnscale import _autodiff
 from fnscale.errors import KernelError
+from fnscale.kernels._per_device import explicit_free_axes, per_device
 
 GMM_IMPLEMENTATIONS = ("auto", "ragged_dot", "megablox", "tiled")
 TILE = 128  # the largest row tile of the "tiled" implementation
@@ -152,7 +153,9 @@ def _tiled(lhs, rhs, group_sizes, tile: int | None = None):
   spans = jnp.where(group_sizes > 0, (ends - 1) // tile - first + 1, 0)
   begin = jnp.cumsum(spans) - spans  # each group's first work item
   w = jnp.arange(items)
-  g = jnp.clip(jnp.searchsorted(begin + spans, w, side="right"), 0, groups - 1)
+  # Each item's group: how many groups end at or before it ([items, groups] compares, not
+  # jnp.searchsorted, which jax 0.12 builds from an operation its custom calls can't hold).
+  g = jnp.clip(jnp.sum(begin + spans <= w[:, None], axis=1), 0, groups - 1)
   t = jnp.clip(first[g] + w - begin[g], 0, tiles - 1)
   rows = t[:, None] * tile + jnp.arange(tile)  # [items, tile]
   keep = (rows >= starts[g][:, None]) & (rows < ends[g][:, None]) & (w < jnp.sum(spans))[:, None]
@@ -199,23 +202,39 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   group_sizes = group_sizes.astype(jnp.int32)
   if plan.implementation == "ragged_dot":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  tiled = _whole(lambda lhs, rhs, sizes: _tiled(lhs, rhs.astype(lhs.dtype), sizes))
   if plan.implementation == "tiled":
-    return _tiled(lhs, rhs.astype(lhs.dtype), group_sizes)
-  # megablox differentiates only in reverse mode; forward mode takes ragged_dot's JVP.
+    return tiled(lhs, rhs, group_sizes)
+  # megablox differentiates only in reverse mode; forward mode takes the tiled form's JVP
+  # (plain XLA ops, which jax also batches: its ragged_dot has no batching rule).
   return _autodiff.reverse_only(
-      functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret,
-                        zero_padding=zero_padding),
-      lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes),
-      "the megablox grouped matmul", "jax.lax.ragged_dot")(lhs, rhs, group_sizes)
+      _whole(functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret,
+                               zero_padding=zero_padding)),
+      tiled, "the megablox grouped matmul", "the tiled grouped matmul")(lhs, rhs, group_sizes)
+
+
+def _whole(fn):
+  """`fn(lhs, rhs, group_sizes)`, on Explicit mesh axes run whole on every device in a
+  shard_map (its result split as lhs is): a Pallas call runs only where every axis is
+  manual, and the tiled form's gathers of rows have no sharding rule there. A group's
+  rows may lie anywhere, so a device needs them all; on Auto axes the partitioner
+  decides the same."""
+  if not explicit_free_axes():
+    return fn
+  rep = jax.P()
+  return lambda lhs, rhs, sizes: per_device(fn, (lhs, rhs, sizes), (rep, rep, rep), rep,
+                                            None, like=lhs)
 
 
 def _megablox(lhs, rhs, group_sizes, *, tiling, interpret, zero_padding):
   # Pallas is imported only when the kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-  out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling, None,
-                     None, False, interpret)
+  gmm = lambda lhs: megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, tiling,
+                                 None, None, False, interpret)
   if not zero_padding:
-    return out
-  # Rows past the groups: zero, as ragged_dot leaves them (the kernel may not write them).
-  rows = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-  return jnp.where(rows[:, None], out, jnp.zeros((), out.dtype))
+    return gmm(lhs)
+  # Rows past the groups: zero, as ragged_dot leaves them, in the output and in lhs's
+  # gradient (the kernel writes neither: the selects drop what it left there).
+  rows = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]
+  zero = jnp.zeros((), lhs.dtype)
+  return jnp.where(rows, gmm(jnp.where(rows, lhs, zero)), zero)

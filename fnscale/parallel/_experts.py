@@ -65,6 +65,7 @@ from fnscale import _context
 from fnscale._context import ExpertChoice
 from fnscale import _tree
 from fnscale.errors import ExpertError, KernelError, MeshError, ShardingError
+from fnscale.kernels._per_device import explicit_free_axes
 from fnscale.kernels.grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, grouped_matmul
 
 __all__ = ["EXCHANGES", "ExchangeSelection", "ExpertChoice", "MoEAux", "Routing",
@@ -941,14 +942,19 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
       rows = _tree.spec_entry(tuple(a for a in c.tokens if a not in seq))
       # A sequence split over context axes: each shard flattens its own rows' pieces.
       xspec = P(rows, _tree.spec_entry(seq), None) if seq else P(_tree.spec_entry(c.tokens), None)
+      in_specs = (xspec, {key: specs[key] for key in _PARAM_KEYS})
+      args = (x if seq else flat, {key: params[key] for key in _PARAM_KEYS})
+      if explicit_free_axes(mesh):  # shardings in the types: each enters by its spec
+        args = jax.tree.map(lambda s, a: jax.sharding.reshard(a, s), in_specs, args,
+                            is_leaf=lambda s: isinstance(s, P))
       out, aux = jax.shard_map(
           functools.partial(_flat_body, body=body) if seq else body,
           mesh=None if isinstance(mesh, jax.sharding.AbstractMesh) else mesh,
-          in_specs=(xspec, {key: specs[key] for key in _PARAM_KEYS}),
+          in_specs=in_specs,
           out_specs=(xspec, MoEAux(P(), P(), P(), P())),
           axis_names=frozenset(c.tokens + c.tensor + ((ex,) if ex else ())),
-          check_vma=plan.grouped_matmul != "megablox",
-      )(x if seq else flat, {key: params[key] for key in _PARAM_KEYS})
+          check_vma=True,  # megablox, a Pallas call, runs where none is checked (kernel_call)
+      )(*args)
   return jnp.reshape(out, jnp.shape(x)), aux
 
 

@@ -389,7 +389,8 @@ def profile(side: Side, state, batch, keep: str = "", steps: int = 3):
     jax.block_until_ready((state, loss))
     jax.profiler.stop_trace()
     xplane = trace_split.find_xplane(d)
-    if keep:
+    if keep:  # --trace_dir need not exist yet
+      os.makedirs(os.path.dirname(keep) or ".", exist_ok=True)
       shutil.copyfile(xplane, keep)
     return state, trace_split.split(xplane, side.hlo(), runs=steps)
 

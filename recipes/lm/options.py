@@ -143,7 +143,8 @@ class Options(Hardware):
                                   "that left the params unchanged or non-finite, or were "
                                   "skipped for non-finite gradients (float16's loss "
                                   "scale), although the loss was finite (0: never)")
-  accum_steps: int = option(1, "gradient accumulation micro-steps per step (splits the batch)")
+  accum_steps: int | None = option(None, "gradient accumulation micro-steps per step (splits "
+                                   "the batch); default 1, or what fits the device's memory")
   accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (as 'once', but as "
                              "per_microbatch for a loss that takes a key), 'per_microbatch' "
                              "(params stay sharded, gradients reduced every microbatch) or "
@@ -155,8 +156,9 @@ class Options(Hardware):
                         "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
   context_order: str = option("zigzag", "the order the context shards hold the sequence "
                               "in: zigzag (balanced causal work), striped or contiguous")
-  remat: bool = option(False, "recompute each block's activations in the backward pass "
-                       "(--remat_policy=full)")
+  remat: bool | None = option(None, "recompute each block's activations in the backward "
+                             "pass (--remat_policy=full); default off, or on where that is "
+                             "what fits the device's memory")
   int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
                       "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
                       "llama models)")

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from recipes.lm import batches, checkpoints, data, finetune, hardware, models, packing
-from recipes.lm import progress, run_log, rundir, startup
+from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
+from recipes.lm import packing, progress, run_log, rundir, startup
 from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
@@ -48,6 +48,10 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
     raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
                         "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
+  if o.global_batch is not None:
+    per_device = max(1, o.global_batch // dp)
+  # remat, accumulation and rows the user left open: what fits the device's memory.
+  o, per_device = memory.choose(o, model, cfg, name, topo, mesh, per_device, say, lora)
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
   check_pipeline(o.microbatches, model, mesh)
@@ -79,9 +83,9 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
   (axes, remat, accum, gather), table = startup.plan_mesh(model, cfg, topo, batch,
                                                           o.precision, lora)
   say("mesh=auto: " + table)
-  if accum > o.accum_steps:
+  if accum > (o.accum_steps or 1):
     o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
-  o = dataclasses.replace(o, remat=o.remat or remat, global_batch=batch)
+  o = dataclasses.replace(o, remat=bool(o.remat or remat), global_batch=batch)
   return o, startup.make_mesh(axes, dcn, topo, say)
 
 

@@ -1,0 +1,164 @@
+"""Memory pre-flight: a compiled step held against its devices' memory before it runs.
+
+A step whose buffers exceed a device's HBM fails at its first call (or in XLA's compile, with
+a RESOURCE_EXHAUSTED status and a figure, but no fix). `compile_fitting` compiles a step and
+compares XLA's peak bytes per device (`step_bytes`) with the device's memory
+(`device_memory`): a step that does not fit raises a `FitError` naming the bytes it needs,
+the bytes there are and the options that would fit, each with the planner's estimate
+(`fnscale.analysis.plan.fit_options`: remat, accumulation steps, rows per device, on the
+same mesh). Nothing runs on the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+
+from fnscale import _compat
+from fnscale import _topology
+from fnscale.errors import FitError
+
+__all__ = ["FitError", "FitOption", "check", "compile_fitting", "device_memory", "step_bytes"]
+
+GiB = 2**30
+
+
+class FitOption(NamedTuple):
+  """One way to run a step on a fixed mesh (`fnscale.analysis.plan.fit_options`): `remat`,
+  `accum` (accumulation steps), `rows` (per data-parallel device per step), `bytes` (per
+  device, the planner's estimate) and `tokens_s` (the forecast's tokens/s of the job)."""
+  remat: bool
+  accum: int
+  rows: int
+  bytes: float
+  tokens_s: float
+
+
+def device_memory(device) -> float | None:
+  """Bytes a step may use on `device` (a `jax.Device`): the runtime's limit on an attached
+  accelerator (`memory_stats()["bytes_limit"]`, e.g. 15.75 GiB on a 16 GiB TPU v5e); the
+  published HBM per device (`fnscale.CHIP_FACTS`) for a TPU described for an
+  ahead-of-time compile or a GPU without memory statistics; None on CPU, whose memory has no
+  limit worth holding a step to (pass one to `check` or `compile_fitting` to test)."""
+  if device.platform == "cpu":
+    return None
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  # described devices have no statistics
+    stats = {}
+  if stats.get("bytes_limit"):
+    return float(stats["bytes_limit"])
+  if device.platform == "tpu":
+    gen = _topology.generation_of(device.device_kind)
+    if gen is None:
+      return None
+    # A chip's JAX devices share its HBM: a megacore chip (v4, v5p) is one device, other
+    # chips one per TensorCore (as the planner's targets count them).
+    facts = _topology.CHIP_FACTS[gen]
+    return float(facts.hbm_bytes // (1 if gen in ("v4", "v5p") else facts.cores_per_chip))
+  facts = _topology.gpu_facts(device.device_kind)
+  return float(facts.hbm_bytes) if facts else None
+
+
+def _platform(compiled) -> str:
+  """The platform a `jax.stages.Compiled` runs on (its first input's devices; the default
+  backend for a program without inputs)."""
+  shardings = jax.tree.leaves(compiled.input_shardings)
+  return next(iter(shardings[0].device_set)).platform if shardings else jax.default_backend()
+
+
+def step_bytes(compiled) -> float:
+  """XLA's peak bytes per device of a compiled program (`jax.stages.Compiled` or a
+  `fnscale.CompiledStep`): `memory_analysis().peak_memory_in_bytes`, the most its buffers
+  hold at once (the figure XLA:TPU's own out-of-memory check uses); on CPU, whose peak
+  leaves the temporaries out, and where a backend reports none, arguments + outputs +
+  temporaries - aliased (an upper bound: temporaries never live together count together)."""
+  compiled = getattr(compiled, "compiled", compiled)
+  m = compiled.memory_analysis()
+  peak = float(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  if peak and _platform(compiled) != "cpu":
+    return peak
+  return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def _size(nbytes: float) -> str:
+  return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _describe(o: FitOption) -> str:
+  return f"remat={o.remat}, accum_steps={o.accum}, {o.rows} rows per device: {_size(o.bytes)}"
+
+
+def _error(needed: float, limit: float | None, options: Sequence[FitOption],
+           what: str) -> FitError:
+  options = tuple(options)
+  fix = ("; ".join(_describe(o) for o in options[:4]) + " (the planner's estimates)"
+         if options else "a smaller batch per device, remat or gradient accumulation (no "
+         "option on this mesh fits by the planner's estimate: more devices, or a smaller model)")
+  has = f"the device has {_size(limit)}" if limit else "XLA found it too big"
+  return FitError(f"{what} needs {_size(needed)} per device and {has}; fix: {fix}",
+                  needed=needed, limit=limit, options=options)
+
+
+def check(needed: float, limit: float | None, options: Sequence[FitOption] = (),
+          what: str = "the step") -> None:
+  """Raises `FitError` if `needed` bytes per device exceed `limit` (None: no limit).
+
+  Args:
+    needed: bytes per device (`step_bytes`, or XLA's out-of-memory figure).
+    limit: the device's bytes (`device_memory`), or None.
+    options: what would fit (`fit_options`), best first; the first four are named.
+    what: the thing that needs the bytes, for the message.
+
+  Raises:
+    FitError: `needed` > `limit`; its message and fields (`needed`, `limit`, `options`)
+      give the bytes, the memory and the options.
+
+  Example:
+    >>> import fnscale as fs
+    >>> fs.analysis.fit.check(10 * 2**30, 16 * 2**30)  # fits: nothing happens
+    >>> fs.analysis.fit.check(20 * 2**30, 16 * 2**30)
+    Traceback (most recent call last):
+    ...
+    fnscale.errors.FitError: the step needs 20.00 GiB per device and the device has 16.00 GiB; fix: a smaller batch per device, remat or gradient accumulation (no option on this mesh fits by the planner's estimate: more devices, or a smaller model)
+  """
+  if limit is not None and needed > limit:
+    raise _error(needed, limit, options, what)
+
+
+def compile_fitting(step, state, batch, *, limit: float | None = None,
+                    options: Sequence[FitOption] | Callable[[], Sequence[FitOption]] = ()):
+  """Compiles `step` (a `fnscale.shard_step` result) for `(state, batch)` and checks that it
+  fits the memory of its mesh's devices before anything runs.
+
+  Args:
+    step: a `fnscale.ShardedStep`.
+    state, batch: as for `step.compile` (arrays or `jax.ShapeDtypeStruct`s).
+    limit: bytes per device; default `device_memory` of the mesh's first device (none on
+      CPU: then nothing is checked unless a limit is given).
+    options: what would fit (`fit_options`), or a function returning them, called only
+      for the error.
+
+  Returns:
+    The `fnscale.CompiledStep`.
+
+  Raises:
+    FitError: XLA's peak bytes per device (`step_bytes`) exceed `limit`, or XLA refused the
+      program as too big for the device while compiling (then `needed` is the figure XLA
+      gives, arguments and temporaries).
+  """
+  if limit is None:
+    limit = device_memory(step.mesh.devices.flat[0])
+  get = options if callable(options) else (lambda: options)
+  try:
+    compiled = step.compile(state, batch)
+  except jax.errors.JaxRuntimeError as e:
+    if not _compat.is_oom_error(str(e)):
+      raise
+    raise _error(_compat.oom_bytes(str(e)), limit, get(), "the step") from None
+  needed = step_bytes(compiled)
+  if limit is not None and needed > limit:
+    raise _error(needed, limit, get(), "the step")
+  return compiled

@@ -1,0 +1,179 @@
+"""train_lm's memory pre-flight: the run fits its devices' memory before the first step, or
+says how it would.
+
+Before anything is built (`choose`): the planner estimates the step's bytes per device
+(`fnscale.analysis.plan`); where the default configuration's estimate exceeds the device's
+memory, the remat, accumulation steps and rows per device the user left to their defaults
+(no `--remat`/`--noremat`, `--accum_steps`, `--batch_size` or `--global_batch`) become the
+fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. A run
+that nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
+user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
+fix. After compiling (`compile_step`): XLA's peak bytes per device against the memory
+(`fnscale.analysis.fit.compile_fitting`), never a raw RESOURCE_EXHAUSTED; a step that doesn't
+fit is refused with the options that would, as flags. On CPU (no memory limit) nothing is
+checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import optax
+
+import fnscale as fs
+from fnscale.analysis import fit
+from fnscale.errors import FitError
+from recipes.lm import startup
+from recipes.lm.options import remat_policy
+
+# Options are chosen by estimates within this share of the device's memory: the estimate
+# tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
+HEADROOM = 0.9
+# Under a remat policy that saves part of each block ("dots": the matmul outputs), XLA's
+# peak exceeds the saved residuals by 1.1 (GPT small) to 1.9 (GPT medium) of one whole
+# layer's residuals per row, at 16-64 rows of 1024 tokens on v5e (recipes/bench/memory.py,
+# --remat_policy=dots): 2, so that a default the estimate keeps fits.
+POLICY_LIVE = 2.0
+GiB = 2**30
+
+
+def limit(mesh) -> float | None:
+  """Bytes a step may use on each of `mesh`'s devices (`fnscale.analysis.fit.device_memory`;
+  None on CPU)."""
+  return fit.device_memory(mesh.devices.flat[0])
+
+
+def remat_loss(model, cfg, keep: str):
+  """The model's loss with the `remat` the planner toggles: off is the run's policy `keep`
+  (`recipes/lm/remat.py`; a model without policies: off unless "full"), on is "full"."""
+  named = hasattr(model, "REMAT_POLICIES")
+
+  def loss(params, batch, *, remat=False):
+    policy = "full" if remat else keep
+    return model.loss_fn(params, batch, cfg=cfg, remat=policy if named else policy == "full")
+  return loss
+
+
+def profile(model, cfg, target, rows: int, policy, keep: str = "none", lora=None, **kw):
+  """The planner's profile of the run's step (`fnscale.analysis.profile_model`: its
+  traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
+  the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps without
+  remat (`remat_loss`) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
+  return _per_row(model, cfg, target, policy, keep, lora, tuple(kw.items()))._replace(rows=rows)
+
+
+@functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
+def _per_row(model, cfg, target, policy, keep: str, lora, kw: tuple):
+  shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
+  init = functools.partial(model.init_params, cfg)
+  run = lambda keep: fs.analysis.profile_model(
+      *((init, remat_loss(model, cfg, keep)) if lora is None
+        else startup._lora_plan(model, cfg, policy, lora)),  # pylint: disable=protected-access
+      optax.adamw(1e-3), {"inputs": shape, "targets": shape}, target, policy=policy,
+      **dict(kw))
+  prof = run(keep)
+  if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
+    return prof
+  # A policy that saves some of a block recomputes the rest in each layer's backward pass:
+  # XLA's peak held POLICY_LIVE of a whole layer's residuals more than the saved ones.
+  return prof._replace(act_row=prof.act_row + POLICY_LIVE * run("none").act_row_layer)
+
+
+def flags(o: fit.FitOption) -> str:
+  """The train_lm flags of an option, with the planner's estimate."""
+  return (f"--batch_size={o.rows} --accum_steps={o.accum} {'--remat' if o.remat else '--noremat'}"
+          f" ({o.bytes / GiB:.2f} GiB)")
+
+
+def _mesh_axes(mesh) -> fs.MeshAxes:
+  return fs.MeshAxes(dict(mesh.shape), {})
+
+
+def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None):
+  """(options, rows per device) with `o.remat` and `o.accum_steps` filled in: the defaults
+  (off, 1), or where the default's estimate exceeds the device's memory, the planner's
+  fastest option within `HEADROOM` of it among the choices the user left open (the module
+  docstring), said in one line. What the user fixed is left to the compiled check
+  (`compile_step`). `name`: the model's, for messages.
+
+  Raises:
+    FitError: nothing the user left open fits by the estimate (with every choice fixed:
+      nothing on this mesh fits at all, the state alone being too big); the message gives
+      the estimate, the memory and the fix.
+  """
+  # Without remat the blocks keep what the run's policy keeps; remat is "full".
+  base = remat_policy(dataclasses.replace(o, remat=False), topo.platform)
+  fixed = dict(remat=o.remat if o.remat_policy == "auto" else o.remat_policy == "full",
+               accum=o.accum_steps,
+               rows=per_device if o.batch_size is not None or o.global_batch is not None
+               else None)
+  filled = lambda remat, accum, rows: (dataclasses.replace(
+      o, remat=bool(remat), accum_steps=accum or 1), rows)
+  cap = limit(mesh)
+  if cap is None:
+    return filled(o.remat, o.accum_steps, per_device)
+  dp = fs.plan.data_parallel(_mesh_axes(mesh))
+  now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
+  try:
+    prof = profile(model, cfg, topo, per_device * dp, startup.policy(o.precision, topo.platform),
+                   base, lora)
+    ask = lambda room, **kw: fs.plan.fit_options(prof, topo, _mesh_axes(mesh), room,
+                                                 accum_gather=o.accum_gather, **kw)
+    need = ask(float("inf"), **now)[0].bytes
+  except (fs.TopologyError, fs.PlanError):  # no figures for this target: the compile judges
+    return filled(o.remat, o.accum_steps, per_device)
+  if need <= cap:
+    return filled(o.remat, o.accum_steps, per_device)
+  free = [k for k, v in fixed.items() if v is None]
+  chosen = ask(HEADROOM * cap, **{k: v for k, v in fixed.items() if v is not None})
+  if chosen and free:
+    say(f"memory: batch_size={per_device}, accum_steps={now['accum']}, remat={now['remat']} "
+        f"needs {need / GiB:.2f} GiB per device by the planner's estimate, more than the "
+        f"device's {cap / GiB:.2f} GiB; chose {flags(chosen[0])}")
+    return filled(chosen[0].remat, chosen[0].accum, chosen[0].rows)
+  anything = ask(HEADROOM * cap)
+  if not free and anything:  # the user's choice: XLA's compile has the last word
+    return filled(o.remat, o.accum_steps, per_device)
+  spell = dict(remat=lambda v: "--remat" if v else "--noremat",
+               accum=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
+  held = " ".join(spell[k](v) for k, v in fixed.items() if v is not None)
+  raise FitError(
+      f"{name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
+      f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
+      + (f"; with {held} nothing fits, whatever the remat and accumulation" if held else "")
+      + "; fix: " + ("; ".join(map(flags, anything[:3])) if anything else
+                     "a smaller model, or more devices to split it over (--mesh=fsdp=N)"),
+      needed=need, limit=cap, options=anything)
+
+
+def compile_step(setup, step, state, batch):
+  """`step.compile(state, batch)` held against the device's memory
+  (`fnscale.analysis.fit.compile_fitting`).
+
+  Raises:
+    FitError: XLA's peak exceeds the memory; the message names the bytes, the memory and
+      the options on this mesh that would fit, as train_lm flags.
+  """
+  o, mesh = setup.o, setup.mesh
+  try:
+    return fit.compile_fitting(step, state, batch, limit=limit(mesh))
+  except FitError as e:
+    dp = fs.plan.data_parallel(_mesh_axes(mesh))
+    try:
+      base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
+          dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
+      prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
+                     startup.policy(o.precision, setup.topo.platform), base, setup.lora)
+      options = fs.plan.fit_options(prof, setup.topo, _mesh_axes(mesh),
+                                    HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
+    except (fs.TopologyError, fs.PlanError):
+      options = ()
+    fix = "; ".join(map(flags, options[:3])) or "a smaller model or batch, or more devices"
+    raise FitError(f"the step (batch_size={o.batch_size}, accum_steps={o.accum_steps}, "
+                   f"remat={o.remat}) needs {e.needed / GiB:.2f} GiB per device (XLA's peak) "
+                   + (f"and the device has {e.limit / GiB:.2f} GiB" if e.limit else
+                      "and XLA refused it as too big for the device") + f"; fix: {fix}",
+                   needed=e.needed,
+                   limit=e.limit, options=options) from None
