@@ -15,6 +15,7 @@ from fnscale.errors import (
     ExpertError,
     FnscaleError,
     InputError,
+    FitError,
     KernelError,
     LoraError,
     MeshError,
@@ -49,8 +50,8 @@ from fnscale import adapters, analysis, checkpoint, cloud, kernels, lora, multih
 __all__ = [
     "FnscaleError", "InputError", "RuntimeFailure",
     "CheckpointError", "CloudError", "DistributedArgumentError", "DistributedError",
-    "ExpertError", "KernelError", "LoraError", "MeshError", "PlanError", "ShardingError", "StepError",
-    "StorageError", "TopologyError",
+    "ExpertError", "FitError", "KernelError", "LoraError", "MeshError", "PlanError",
+    "ShardingError", "StepError", "StorageError", "TopologyError",
     "Topology", "detect_topology", "simulate_cpu_devices", "target_devices", "quiet_libtpu",
     "ChipFacts", "CHIP_FACTS",
     "MeshAxes", "make_mesh", "parallelism", "with_mesh", "parse_axes", "check_axis_names",

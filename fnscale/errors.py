@@ -184,10 +184,19 @@ class PlanError(InputError):
 
 
 class FitError(PlanError):
-  """A step does not fit its devices' memory (`fnscale.analysis.fit`). Fields: `needed`
-  (bytes per device), `limit` (the device's bytes, or None where XLA refused the program
-  without one given), `options` (`fnscale.analysis.plan.FitOption`s that would fit by the
-  planner's estimate, best first)."""
+  """A step does not fit its devices' memory (`fnscale.analysis.compile_fitting`). Fields:
+  `needed` (bytes per device), `limit` (the device's bytes, or None where XLA refused the
+  program without one given), `options` (`fnscale.analysis.FitOption`s that would fit by the
+  planner's estimate, best first).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> try:
+    ...   fs.analysis.check_fit(20 * 2**30, 16 * 2**30)
+    ... except fs.FitError as e:
+    ...   print(e.needed / 2**30, e.limit / 2**30, e.options, isinstance(e, fs.PlanError))
+    20.0 16.0 () True
+  """
 
   def __init__(self, message: str, *, needed: float = 0.0, limit: float | None = None,
                options: tuple = ()):

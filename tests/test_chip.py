@@ -341,10 +341,9 @@ def test_a_step_that_does_not_fit_is_refused_before_it_runs_and_its_fix_runs():
   (compiled for a described v5e chip), more than the chip's memory. `compile_fitting`
   refuses it with the planner's options (estimated within 90% of the memory, as train_lm
   asks); the first compiles within the memory and trains a step."""
-  from fnscale.analysis import fit  # pylint: disable=import-outside-toplevel
   from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
   cfg, device = gpt.model_config("small", 1024), jax.devices()[0]
-  limit = fit.device_memory(device)  # the runtime's limit: 15.75 GiB on a v5e
+  limit = fs.analysis.device_memory(device)  # the runtime's limit: 15.75 GiB on a v5e
   mesh, opt, policy = fs.make_mesh({"data": 1}, devices=[device]), optax.adamw(1e-3), BF16
   init, loss = functools.partial(gpt.init_params, cfg), functools.partial(gpt.loss_fn, cfg=cfg)
   kw = dict(rules=gpt.RULES, logical_axes=gpt.logical_axes(cfg))
@@ -354,14 +353,14 @@ def test_a_step_that_does_not_fit_is_refused_before_it_runs_and_its_fix_runs():
       functools.partial(loss, remat=remat), opt, policy=policy, accum_steps=accum), mesh, **kw)
   topo = fs.detect_topology()
   prof = fs.analysis.profile_model(init, loss, opt, shapes, topo, policy=policy)
-  options = lambda: fs.plan.fit_options(prof, topo, fs.MeshAxes({"data": 1}, {}),
+  options = lambda: fs.analysis.fit_options(prof, topo, fs.MeshAxes({"data": 1}, {}),
                                         0.9 * limit, rows=64)
-  with pytest.raises(fs.errors.FitError) as refused:
-    fit.compile_fitting(step(False, 1), state, shapes, options=options)
+  with pytest.raises(fs.FitError) as refused:
+    fs.analysis.compile_fitting(step(False, 1), state, shapes, options=options)
   assert refused.value.needed > limit == refused.value.limit and refused.value.options
   best = refused.value.options[0]
-  fixed = fit.compile_fitting(step(best.remat, best.accum), state, shapes)
-  assert fit.step_bytes(fixed) <= limit
+  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum), state, shapes)
+  assert fs.analysis.step_bytes(fixed) <= limit
   tokens = np.random.default_rng(2).integers(0, cfg.vocab, (64, 1025), dtype=np.int32)
   batch = fs.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                           fs.batch_sharding(mesh))

@@ -1,4 +1,4 @@
-"""fnscale.analysis.fit: a compiled step held against its devices' memory before it runs, and
+"""fnscale.analysis.compile_fitting and check_fit: a compiled step held against its devices' memory before it runs, and
 the planner's options that would fit."""
 
 import functools
@@ -10,10 +10,9 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale.analysis import _cost, fit
-from fnscale.analysis.fit import FitOption
-from fnscale.analysis._plan import fit_options, profile_model
-from fnscale.errors import FitError
+from fnscale.analysis import _cost
+from fnscale.analysis import fit_options, profile_model
+from fnscale import FitError
 
 from recipes.lm import gpt
 
@@ -37,18 +36,20 @@ def test_tpu_tiles_pad_a_kernel_operands_head_dim_and_drop_unit_dims():
 def test_step_bytes_counts_what_is_live_by_hand():
   x = jnp.ones((256, 256))  # 256 KiB
   # tanh(x @ x) @ x: the argument, one temporary and the output.
-  assert fit.step_bytes(jax.jit(lambda x: jnp.tanh(x @ x) @ x).lower(x).compile()) == 3 * 2**18
+  compiled = jax.jit(lambda x: jnp.tanh(x @ x) @ x).lower(x).compile()
+  assert fs.analysis.step_bytes(compiled) == 3 * 2**18
   # A donated argument's buffer is the output's.
   plus = jax.jit(lambda x: x + 1, donate_argnums=0).lower(x).compile()
-  assert fit.step_bytes(plus) == 2**18
+  assert fs.analysis.step_bytes(plus) == 2**18
 
 
 def test_check_names_the_bytes_the_memory_and_each_option():
-  opts = (FitOption(True, 1, 16, 5.7 * GiB, 3e4), FitOption(False, 8, 16, 10.3 * GiB, 5e4))
-  fit.check(10 * GiB, 16 * GiB, opts)  # fits: nothing to say
-  fit.check(99 * GiB, None, opts)  # no limit (CPU)
+  opts = (fs.analysis.FitOption(True, 1, 16, 5.7 * GiB, 3e4),
+          fs.analysis.FitOption(False, 8, 16, 10.3 * GiB, 5e4))
+  fs.analysis.check_fit(10 * GiB, 16 * GiB, opts)  # fits: nothing to say
+  fs.analysis.check_fit(99 * GiB, None, opts)  # no limit (CPU)
   with pytest.raises(fs.PlanError) as e:
-    fit.check(40.43 * GiB, 15.75 * GiB, opts)
+    fs.analysis.check_fit(40.43 * GiB, 15.75 * GiB, opts)
   assert type(e.value) is FitError and isinstance(e.value, ValueError)
   assert (e.value.needed, e.value.limit, e.value.options) == (40.43 * GiB, 15.75 * GiB, opts)
   assert str(e.value) == (
@@ -56,10 +57,10 @@ def test_check_names_the_bytes_the_memory_and_each_option():
       "accum_steps=1, 16 rows per device: 5.70 GiB; remat=False, accum_steps=8, 16 rows per "
       "device: 10.30 GiB (the planner's estimates)")
   with pytest.raises(FitError, match="no option on this mesh fits"):
-    fit.check(2 * GiB, GiB)
+    fs.analysis.check_fit(2 * GiB, GiB)
 
 
-class _Device:  # what fit.device_memory reads of a jax.Device
+class _Device:  # what fs.analysis.device_memory reads of a jax.Device
   def __init__(self, platform, kind, stats=None):
     self.platform, self.device_kind, self._stats = platform, kind, stats
 
@@ -70,14 +71,14 @@ class _Device:  # what fit.device_memory reads of a jax.Device
 
 
 def test_device_memory_is_the_runtimes_limit_else_the_published_hbm():
-  assert fit.device_memory(jax.devices()[0]) is None  # CPU: no limit
+  assert fs.analysis.device_memory(jax.devices()[0]) is None  # CPU: no limit
   # A v5e chip attached: its runtime's limit (the 16 GiB chip gives a program 15.75 GiB).
-  assert fit.device_memory(_Device("tpu", "TPU v5 lite", {"bytes_limit": 15.75 * GiB})) == (
+  assert fs.analysis.device_memory(_Device("tpu", "TPU v5 lite", {"bytes_limit": 15.75 * GiB})) == (
       15.75 * GiB)
   # Described for an ahead-of-time compile: no statistics; the Cloud TPU pages' HBM.
-  assert fit.device_memory(_Device("tpu", "TPU v5 lite")) == 16 * GiB
-  assert fit.device_memory(_Device("tpu", "TPU v5")) == 95 * GiB
-  assert fit.device_memory(_Device("gpu", "NVIDIA H100 80GB HBM3", {})) == 80e9
+  assert fs.analysis.device_memory(_Device("tpu", "TPU v5 lite")) == 16 * GiB
+  assert fs.analysis.device_memory(_Device("tpu", "TPU v5")) == 95 * GiB
+  assert fs.analysis.device_memory(_Device("gpu", "NVIDIA H100 80GB HBM3", {})) == 80e9
 
 
 def _nano(seq=32):
@@ -96,7 +97,7 @@ def test_fit_options_keep_what_the_user_fixed_and_fit_the_limit():
   axes = fs.MeshAxes({"data": 8}, {})  # 8 rows per device
   est = lambda o: fs.analysis.predict(prof._replace(rows=o.rows * 8), "cpu", axes, remat=o.remat,
                                   accum=o.accum, cpu_rates=RATES).estimate.bytes
-  plain = est(FitOption(False, 1, 8, 0, 0))
+  plain = est(fs.analysis.FitOption(False, 1, 8, 0, 0))
   limit = plain * 0.7
   opts = fit_options(prof, "cpu", axes, limit, cpu_rates=RATES)
   assert opts and all(o.bytes <= limit and o.bytes == est(o) and o.rows == 8 for o in opts)
@@ -126,19 +127,19 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_its_fix_fits_and_ru
       fs.train_step(functools.partial(loss, remat=remat), opt, accum_steps=accum), mesh,
       rules=gpt.RULES, logical_axes=gpt.logical_axes(cfg))
   batch = _batch(rows, cfg.seq)
-  plain = fit.compile_fitting(step(False, 1), state, batch)  # CPU: no limit, compiles
-  limit = fit.step_bytes(plain) * 0.6
+  plain = fs.analysis.compile_fitting(step(False, 1), state, batch)  # CPU: no limit, compiles
+  limit = fs.analysis.step_bytes(plain) * 0.6
   prof = profile_model(init, loss, opt, batch, "cpu", cpu_rates=RATES)
   options = lambda: fit_options(prof, "cpu", fs.MeshAxes({"data": 8}, {}), 0.9 * limit,
                                 cpu_rates=RATES)
   with pytest.raises(FitError) as e:
-    fit.compile_fitting(step(False, 1), state, batch, limit=limit, options=options)
-  assert e.value.needed == fit.step_bytes(plain) and e.value.limit == limit
+    fs.analysis.compile_fitting(step(False, 1), state, batch, limit=limit, options=options)
+  assert e.value.needed == fs.analysis.step_bytes(plain) and e.value.limit == limit
   best = e.value.options[0]
   assert f"has {limit / 2**20:.2f} MiB" in str(e.value)
   assert f"remat={best.remat}, accum_steps={best.accum}" in str(e.value)
-  fixed = fit.compile_fitting(step(best.remat, best.accum), state, batch, limit=limit)
-  assert fit.step_bytes(fixed) <= limit
+  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum), state, batch, limit=limit)
+  assert fs.analysis.step_bytes(fixed) <= limit
   data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
   real = fs.global_batch({"inputs": data[:, :-1], "targets": data[:, 1:]},
                          fs.batch_sharding(mesh))
@@ -166,15 +167,8 @@ def test_xla_refusing_a_program_as_too_big_is_a_fit_error_with_the_options(tpu_d
   options = lambda: fit_options(prof, "v5e:1x1", fs.MeshAxes({"data": 1}, {}), 16 * GiB,
                                 rows=2048)
   with pytest.raises(FitError) as e:
-    fit.compile_fitting(step, state, batch, options=options)
+    fs.analysis.compile_fitting(step, state, batch, options=options)
   assert e.value.limit == 16 * GiB and e.value.needed > 16 * GiB
   assert e.value.options and all(o.rows == 2048 and o.bytes <= 16 * GiB
                                  for o in e.value.options)
   assert "RESOURCE_EXHAUSTED" not in str(e.value)
-
-
-@pytest.mark.parametrize("obj", [fit.check, fit_options], ids=["check", "fit_options"])
-def test_the_examples_run(obj):
-  from test_doctests import run_examples  # pylint: disable=import-outside-toplevel
-  results, report = run_examples(obj, obj.__name__)
-  assert results.attempted > 0 and results.failed == 0, report

@@ -277,13 +277,12 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
 @pytest.mark.parametrize("family,target,axes,rows,remat", [
     ("llama", "v5p-8", {"fsdp": 4}, 16, False), ("gpt", "v5e:1x1", {"data": 1}, 8, True)])
 def test_the_memory_estimate_tracks_xlas_peak(tpu_devices, family, target, axes, rows, remat):
-  """Against XLA's peak for the compiled step (`fnscale.analysis.fit.step_bytes`): 8 layers
+  """Against XLA's peak for the compiled step (`fnscale.analysis.step_bytes`): 8 layers
   of width 256 at 512 tokens, FSDP over v5p-8 (heads of 128) and remat on one v5e chip
   (heads of 64, in TPU tiles of 128). The estimate that counted float32 gradients and a
   whole layer's recomputed residuals was 1.4x XLA's remat figure; small models stray more
   than large ones (GPT small to Llama-8B: within 5%), hence 15%."""
   del tpu_devices  # skips without libtpu
-  from fnscale.analysis import fit  # pylint: disable=import-outside-toplevel
   from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
   model = {"llama": llama, "gpt": gpt}[family]
   cfg = (llama.ModelConfig(layers=8, d_model=256, heads=2, kv_heads=2, d_mlp=768, seq=512,
@@ -299,7 +298,7 @@ def test_the_memory_estimate_tracks_xlas_peak(tpu_devices, family, target, axes,
                         key=jax.random.key(0), **kw)
   step = fs.train_step(functools.partial(loss, remat=remat), opt, policy=policy)
   compiled = fs.shard_step(step, mesh, **kw).compile(state, _batch(rows, 512))
-  assert est == pytest.approx(fit.step_bytes(compiled), rel=0.15)
+  assert est == pytest.approx(fs.analysis.step_bytes(compiled), rel=0.15)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ fit stops before anything is built, naming the fix."""
 import pytest
 
 import fnscale as fs
-from fnscale.errors import FitError
+from fnscale import FitError
 from recipes.lm import cli, gpt, llama, memory
 from recipes.lm.options import Options
 

@@ -11,6 +11,10 @@ One flat namespace, as optax's are, plus the HLO reader's vocabulary:
 - `format_report` prints a `fnscale.CompileReport` (`fnscale.compile_report` makes one);
 - `check_mesh_invariance` checks that a step computes the same thing on several meshes
   (`InvarianceReport`);
+- memory before a step runs: `compile_fitting` compiles a step and holds XLA's peak bytes
+  (`step_bytes`) against its devices' memory (`device_memory`), `check_fit` any figure;
+  `fit_options` (`FitOption`s) are what would fit on a mesh, `data_parallel` the devices that
+  split its batch;
 - `hlo` reads an optimized HLO module: matmul FLOPs with loop trip counts, each collective's
   runs and bytes, what crosses slices (`hlo.summarize`, `hlo.collectives`, ...).
 
@@ -29,13 +33,15 @@ Examples:
   0.163
 """
 from fnscale import _deprecation
-from fnscale.analysis import fit, hlo
+from fnscale.analysis import hlo
+from fnscale.analysis._fit import FitOption, check_fit, compile_fitting, device_memory, step_bytes
 from fnscale.analysis._flops import (HostPeak, host_matmul_peak, measure_matmul_peak, mfu,
                                      model_flops_per_token, peak_flops, usable_cores)
 from fnscale.analysis._invariance import InvarianceReport, check_mesh_invariance
 from fnscale.analysis._plan import (FORECAST_TERMS, Candidate, CompileCheck, ForecastTerms, Plan,
-                                    calibrate_cpu, cannot_verify, format_plan, hardware,
-                                    mesh_str, plan, plan_summary, predict, profile_model)
+                                    calibrate_cpu, cannot_verify, data_parallel, fit_options,
+                                    format_plan, hardware, mesh_str, plan, plan_summary,
+                                    predict, profile_model)
 from fnscale.analysis._report import format_report
 
 __all__ = [
@@ -46,7 +52,9 @@ __all__ = [
     "HostPeak", "usable_cores",
     "format_report",
     "check_mesh_invariance", "InvarianceReport",
-    "fit", "hlo",
+    "compile_fitting", "check_fit", "device_memory", "step_bytes", "fit_options", "FitOption",
+    "data_parallel",
+    "hlo",
 ]
 
 __getattr__ = _deprecation.moved(__name__, {
@@ -56,4 +64,6 @@ __getattr__ = _deprecation.moved(__name__, {
                "fnscale.analysis.format_report"),
     "invariance": ("fnscale.analysis._invariance", "fnscale.analysis.check_mesh_invariance"),
     "summary": ("fnscale.analysis._plan:plan_summary", "fnscale.analysis.plan_summary"),
+    "fit": ("fnscale.analysis._fit", "fnscale.analysis.compile_fitting, .check_fit, "
+            ".device_memory, .step_bytes, .FitOption (fnscale.analysis)"),
 })

@@ -39,8 +39,8 @@ from fnscale import _compat
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
-from fnscale.analysis import fit as _fit
-from fnscale.analysis.fit import FitOption
+from fnscale.analysis import _fit
+from fnscale.analysis._fit import FitOption
 from fnscale import _compile
 from fnscale.analysis import hlo as _hlo
 from fnscale.parallel import _pipeline
@@ -65,7 +65,7 @@ FORECAST_TERMS = _forecast.FITTED  # their fitted values
 class CompileCheck(NamedTuple):
   """What an ahead-of-time compile for the target says about one candidate.
 
-  `bytes`: XLA's peak bytes per device (`fnscale.analysis.fit.step_bytes`);
+  `bytes`: XLA's peak bytes per device (`fnscale.analysis.step_bytes`);
   `matmul_flops`: HLO matmul FLOPs per device per step (`fnscale.analysis.hlo`); `comm_s`: its
   collectives' ring bytes over the bandwidth of the axis whose size matches each replica
   group; `step_s`, `mfu`: the estimate's with compiled communication and FLOPs; `seconds`:
@@ -706,7 +706,13 @@ def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=0.8,
 
 def data_parallel(axes: MeshAxes) -> int:
   """Devices that split a batch's rows on `axes`: the DCN axes, "data", "fsdp", "expert" and
-  "stage" (`estimate`'s data axes)."""
+  "stage" (`estimate`'s data axes).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.data_parallel(fs.MeshAxes({"fsdp": 4, "tensor": 2}, {"replica": 2}))
+    8
+  """
   return math.prod(axes.dcn.values() or [1]) * math.prod(
       axes.ici.get(a, 1) for a in ("data", "fsdp", "expert", "stage"))
 
@@ -726,12 +732,12 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
     prof: `profile_model(...)` of the step (its `rows`: the global batch).
     target, cpu_rates: as for `plan`.
     axes: the mesh (`fnscale.MeshAxes`), fixed.
-    limit: bytes per device (e.g. `fnscale.analysis.fit.device_memory`).
+    limit: bytes per device (e.g. `fnscale.analysis.device_memory`).
 
   Returns:
     A tuple of `FitOption`s, empty where nothing fits.
 
-  Example:
+  Examples:
     A matmul step with Adam on one H100: 4 MiB of float32 weights, Adam's two moments and
     the gradients (16 MiB), and 16 KiB of activations a row. 17.5 MB hold 32 of the 64
     rows (accumulation would add a float32 accumulator: more, not less).
@@ -741,10 +747,10 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
     >>> def loss_fn(params, batch):
     ...   return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) ** 2)
     >>> batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32)}
-    >>> prof = fs.plan.profile_model({"w": jnp.zeros((1024, 1024))}, loss_fn,
-    ...                             optax.adam(1e-3), batch, "h100")
+    >>> prof = fs.analysis.profile_model({"w": jnp.zeros((1024, 1024))}, loss_fn,
+    ...                                  optax.adam(1e-3), batch, "h100")
     >>> one = fs.MeshAxes({"data": 1}, {})
-    >>> [(o.remat, o.accum, o.rows) for o in fs.plan.fit_options(prof, "h100", one, 17.5e6)]
+    >>> [(o.remat, o.accum, o.rows) for o in fs.analysis.fit_options(prof, "h100", one, 17.5e6)]
     [(False, 1, 32)]
   """
   hw = _resolve(target, cpu_rates)

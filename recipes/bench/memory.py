@@ -15,9 +15,9 @@ first device):
 - plain: the step without remat or accumulation, its blocks keeping what `--remat_policy`
   keeps (train_lm's default on an accelerator is dots). `est`: the planner's bytes per device
   (`fnscale.analysis.predict`); `xla`: XLA's peak bytes per device of the compiled step
-  (`fnscale.analysis.fit.step_bytes`; where XLA refuses the program at compile time, the
+  (`fnscale.analysis.step_bytes`; where XLA refuses the program at compile time, the
   figure of its refusal); `ratio` est / xla; the pre-flight's verdict against the device's
-  memory (`fnscale.analysis.fit.device_memory`, or `--limit_gib`): fits or refused.
+  memory (`fnscale.analysis.device_memory`, or `--limit_gib`): fits or refused.
 - choice: where plain is refused, train_lm's choice for those rows (the planner's fastest
   option within 90% of the memory, `recipes/lm/memory.py`), its est, xla and verdict; "none"
   where nothing fits (the state alone too big).
@@ -42,7 +42,6 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.analysis import fit
 from recipes.lm import cli, gpt, hardware, llama, memory
 from recipes.lm.options import REMAT_POLICIES
 
@@ -66,7 +65,7 @@ def _target(args):
                           "(pip install 'fnscale[tpu]'), or --target=device")
     topo, devices = args.target, hw.devices[:1]
   kw = {"cpu_rates": fs.analysis.calibrate_cpu()} if devices[0].platform == "cpu" else {}
-  limit = args.limit_gib * GiB if args.limit_gib else fit.device_memory(devices[0])
+  limit = args.limit_gib * GiB if args.limit_gib else fs.analysis.device_memory(devices[0])
   return topo, kw, devices, limit
 
 
@@ -82,10 +81,10 @@ def _compile(model, cfg, devices, rows: int, remat: bool, accum: int, *, place: 
   loss = functools.partial(memory.remat_loss(model, cfg, keep), remat=remat)
   step = fs.shard_step(fs.train_step(loss, opt, policy=POLICY, accum_steps=accum), mesh, **kw)
   try:
-    compiled = fit.compile_fitting(step, state, _shapes(rows, cfg.seq), limit=math.inf)
-  except fs.errors.FitError as e:  # XLA's own refusal: its figure
+    compiled = fs.analysis.compile_fitting(step, state, _shapes(rows, cfg.seq), limit=math.inf)
+  except fs.FitError as e:  # XLA's own refusal: its figure
     return None, e.needed, None
-  return compiled, fit.step_bytes(compiled), state if place else None
+  return compiled, fs.analysis.step_bytes(compiled), state if place else None
 
 
 def _shapes(rows: int, seq: int) -> dict:
@@ -121,7 +120,7 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
   if args.run and state is not None:
     out["ran"] = _run(compiled, state, cfg, rows) if compiled is not None else "refused by XLA"
   if not out["fits"]:
-    options = fs.plan.fit_options(prof, target, one, memory.HEADROOM * limit, rows=rows, **kw)
+    options = fs.analysis.fit_options(prof, target, one, memory.HEADROOM * limit, rows=rows, **kw)
     out["choice"] = options[0]._asdict() if options else None
     if options:
       c, xla, state = _compile(model, cfg, devices, rows, options[0].remat, options[0].accum,

@@ -7,7 +7,8 @@ adapter). `s` is train_lm's `run_setup.Setup`.
 MFU of a LoRA step counts what the step must compute (Hu et al. 2021, sec. 4.2): every
 frozen matmul weight's forward and input gradient, 4 N FLOPs per token for N frozen matmul
 params (no weight gradient: 6 N would be full fine-tuning's), the adapters' 6 N_adapters, and
-attention's 12 layers x heads x head_dim x seq (PaLM's count, `fnscale.analysis.model_flops_per_token`). DPO
+attention's 12 layers x heads x head_dim x seq (PaLM's count,
+`fnscale.analysis.model_flops_per_token`). DPO
 adds the reference's forward pass over the same tokens: 2 N + 4 layers x heads x head_dim x
 seq.
 """
@@ -24,7 +25,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from recipes.lm import data, dpo, hf_maps, models, preference
+from recipes.lm import cli, data, dpo, hf_maps, models, preference
 
 
 def lora_config(o, model, cfg) -> fs.lora.LoraConfig | None:
@@ -53,7 +54,7 @@ def lora_config(o, model, cfg) -> fs.lora.LoraConfig | None:
     if not hits:
       raise fs.InputError(
           f"--lora_targets: {item!r} matches no weight LoRA can adapt in this model; its "
-          f"weights are {','.join(names)} (leaf paths blocks/<name>){fs.errors.did_you_mean(item, names)}"
+          f"weights are {','.join(names)} (leaf paths blocks/<name>){cli.did_you_mean(item, names)}"
           "; fix: name some of them")
     chosen += [n for n in hits if n not in chosen]
   alpha = 2.0 * o.lora_rank if o.lora_alpha is None else o.lora_alpha

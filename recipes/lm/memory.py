@@ -9,7 +9,7 @@ fastest the planner estimates within `HEADROOM` of it, and the run says what it 
 that nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
 user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
 fix. After compiling (`compile_step`): XLA's peak bytes per device against the memory
-(`fnscale.analysis.fit.compile_fitting`), never a raw RESOURCE_EXHAUSTED; a step that doesn't
+(`fnscale.analysis.compile_fitting`), never a raw RESOURCE_EXHAUSTED; a step that doesn't
 fit is refused with the options that would, as flags. On CPU (no memory limit) nothing is
 checked.
 """
@@ -23,8 +23,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.analysis import fit
-from fnscale.errors import FitError
+from fnscale import FitError
 from recipes.lm import startup
 from recipes.lm.options import remat_policy
 
@@ -40,9 +39,9 @@ GiB = 2**30
 
 
 def limit(mesh) -> float | None:
-  """Bytes a step may use on each of `mesh`'s devices (`fnscale.analysis.fit.device_memory`;
+  """Bytes a step may use on each of `mesh`'s devices (`fnscale.analysis.device_memory`;
   None on CPU)."""
-  return fit.device_memory(mesh.devices.flat[0])
+  return fs.analysis.device_memory(mesh.devices.flat[0])
 
 
 def remat_loss(model, cfg, keep: str):
@@ -81,7 +80,7 @@ def _per_row(model, cfg, target, policy, keep: str, lora, kw: tuple):
   return prof._replace(act_row=prof.act_row + POLICY_LIVE * run("none").act_row_layer)
 
 
-def flags(o: fit.FitOption) -> str:
+def flags(o: fs.analysis.FitOption) -> str:
   """The train_lm flags of an option, with the planner's estimate."""
   return (f"--batch_size={o.rows} --accum_steps={o.accum} {'--remat' if o.remat else '--noremat'}"
           f" ({o.bytes / GiB:.2f} GiB)")
@@ -114,12 +113,12 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
   cap = limit(mesh)
   if cap is None:
     return filled(o.remat, o.accum_steps, per_device)
-  dp = fs.plan.data_parallel(_mesh_axes(mesh))
+  dp = fs.analysis.data_parallel(_mesh_axes(mesh))
   now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
   try:
     prof = profile(model, cfg, topo, per_device * dp, startup.policy(o.precision, topo.platform),
                    base, lora)
-    ask = lambda room, **kw: fs.plan.fit_options(prof, topo, _mesh_axes(mesh), room,
+    ask = lambda room, **kw: fs.analysis.fit_options(prof, topo, _mesh_axes(mesh), room,
                                                  accum_gather=o.accum_gather, **kw)
     need = ask(float("inf"), **now)[0].bytes
   except (fs.TopologyError, fs.PlanError):  # no figures for this target: the compile judges
@@ -150,7 +149,7 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
 
 def compile_step(setup, step, state, batch):
   """`step.compile(state, batch)` held against the device's memory
-  (`fnscale.analysis.fit.compile_fitting`).
+  (`fnscale.analysis.compile_fitting`).
 
   Raises:
     FitError: XLA's peak exceeds the memory; the message names the bytes, the memory and
@@ -158,15 +157,15 @@ def compile_step(setup, step, state, batch):
   """
   o, mesh = setup.o, setup.mesh
   try:
-    return fit.compile_fitting(step, state, batch, limit=limit(mesh))
+    return fs.analysis.compile_fitting(step, state, batch, limit=limit(mesh))
   except FitError as e:
-    dp = fs.plan.data_parallel(_mesh_axes(mesh))
+    dp = fs.analysis.data_parallel(_mesh_axes(mesh))
     try:
       base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
           dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
       prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
                      startup.policy(o.precision, setup.topo.platform), base, setup.lora)
-      options = fs.plan.fit_options(prof, setup.topo, _mesh_axes(mesh),
+      options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):
       options = ()

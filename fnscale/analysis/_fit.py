@@ -5,7 +5,7 @@ a RESOURCE_EXHAUSTED status and a figure, but no fix). `compile_fitting` compile
 compares XLA's peak bytes per device (`step_bytes`) with the device's memory
 (`device_memory`): a step that does not fit raises a `FitError` naming the bytes it needs,
 the bytes there are and the options that would fit, each with the planner's estimate
-(`fnscale.analysis.plan.fit_options`: remat, accumulation steps, rows per device, on the
+(`fnscale.analysis.fit_options`: remat, accumulation steps, rows per device, on the
 same mesh). Nothing runs on the device.
 """
 from __future__ import annotations
@@ -19,15 +19,24 @@ from fnscale import _compat
 from fnscale import _topology
 from fnscale.errors import FitError
 
-__all__ = ["FitError", "FitOption", "check", "compile_fitting", "device_memory", "step_bytes"]
+__all__ = ["FitOption", "check_fit", "compile_fitting", "device_memory", "step_bytes"]
 
 GiB = 2**30
 
 
 class FitOption(NamedTuple):
-  """One way to run a step on a fixed mesh (`fnscale.analysis.plan.fit_options`): `remat`,
+  """One way to run a step on a fixed mesh (`fnscale.analysis.fit_options`): `remat`,
   `accum` (accumulation steps), `rows` (per data-parallel device per step), `bytes` (per
-  device, the planner's estimate) and `tokens_s` (the forecast's tokens/s of the job)."""
+  device, the planner's estimate) and `tokens_s` (the forecast's tokens/s of the job).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> option = fs.analysis.FitOption(remat=True, accum=2, rows=16, bytes=12e9, tokens_s=4e4)
+    >>> fs.analysis.check_fit(20 * 2**30, 16 * 2**30, options=[option])
+    Traceback (most recent call last):
+    ...
+    fnscale.FitError: the step needs 20.00 GiB ... fix: remat=True, accum_steps=2, 16 rows per device: 11.18 GiB (the planner's estimates)
+  """
   remat: bool
   accum: int
   rows: int
@@ -40,7 +49,16 @@ def device_memory(device) -> float | None:
   accelerator (`memory_stats()["bytes_limit"]`, e.g. 15.75 GiB on a 16 GiB TPU v5e); the
   published HBM per device (`fnscale.CHIP_FACTS`) for a TPU described for an
   ahead-of-time compile or a GPU without memory statistics; None on CPU, whose memory has no
-  limit worth holding a step to (pass one to `check` or `compile_fitting` to test)."""
+  limit worth holding a step to (pass one to `check_fit` or `compile_fitting` to test).
+
+  Examples:
+    >>> import fnscale as fs, jax
+    >>> fs.analysis.device_memory(jax.devices()[0]) is None  # CPU: no limit
+    True
+    >>> v5e = fs.target_devices("v5e-8")[0]  # described (the tpu extra): the published HBM
+    >>> fs.analysis.device_memory(v5e) / 2**30
+    16.0
+  """
   if device.platform == "cpu":
     return None
   try:
@@ -73,7 +91,14 @@ def step_bytes(compiled) -> float:
   `fnscale.CompiledStep`): `memory_analysis().peak_memory_in_bytes`, the most its buffers
   hold at once (the figure XLA:TPU's own out-of-memory check uses); on CPU, whose peak
   leaves the temporaries out, and where a backend reports none, arguments + outputs +
-  temporaries - aliased (an upper bound: temporaries never live together count together)."""
+  temporaries - aliased (an upper bound: temporaries never live together count together).
+
+  Examples:
+    >>> import fnscale as fs, jax, jax.numpy as jnp
+    >>> compiled = jax.jit(lambda x: x @ x.T).lower(jnp.ones((256, 128))).compile()
+    >>> fs.analysis.step_bytes(compiled) >= (256 * 128 + 256 * 256) * 4  # argument + output
+    True
+  """
   compiled = getattr(compiled, "compiled", compiled)
   m = compiled.memory_analysis()
   peak = float(getattr(m, "peak_memory_in_bytes", 0) or 0)
@@ -102,8 +127,8 @@ def _error(needed: float, limit: float | None, options: Sequence[FitOption],
                   needed=needed, limit=limit, options=options)
 
 
-def check(needed: float, limit: float | None, options: Sequence[FitOption] = (),
-          what: str = "the step") -> None:
+def check_fit(needed: float, limit: float | None, options: Sequence[FitOption] = (),
+              what: str = "the step") -> None:
   """Raises `FitError` if `needed` bytes per device exceed `limit` (None: no limit).
 
   Args:
@@ -116,13 +141,13 @@ def check(needed: float, limit: float | None, options: Sequence[FitOption] = (),
     FitError: `needed` > `limit`; its message and fields (`needed`, `limit`, `options`)
       give the bytes, the memory and the options.
 
-  Example:
+  Examples:
     >>> import fnscale as fs
-    >>> fs.analysis.fit.check(10 * 2**30, 16 * 2**30)  # fits: nothing happens
-    >>> fs.analysis.fit.check(20 * 2**30, 16 * 2**30)
+    >>> fs.analysis.check_fit(10 * 2**30, 16 * 2**30)  # fits: nothing happens
+    >>> fs.analysis.check_fit(20 * 2**30, 16 * 2**30)
     Traceback (most recent call last):
     ...
-    fnscale.errors.FitError: the step needs 20.00 GiB per device and the device has 16.00 GiB; fix: a smaller batch per device, remat or gradient accumulation (no option on this mesh fits by the planner's estimate: more devices, or a smaller model)
+    fnscale.FitError: the step needs 20.00 GiB per device and the device has 16.00 GiB; fix: ...
   """
   if limit is not None and needed > limit:
     raise _error(needed, limit, options, what)
@@ -148,6 +173,17 @@ def compile_fitting(step, state, batch, *, limit: float | None = None,
     FitError: XLA's peak bytes per device (`step_bytes`) exceed `limit`, or XLA refused the
       program as too big for the device while compiling (then `needed` is the figure XLA
       gives, arguments and temporaries).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp, optax
+    >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
+    >>> mesh = fs.make_mesh({"data": 8})
+    >>> state = fs.init_state({"w": jnp.ones((64, 64))}, optax.sgd(0.1), mesh=mesh)
+    >>> step = fs.shard_step(fs.train_step(loss, optax.sgd(0.1)), mesh)
+    >>> fs.analysis.compile_fitting(step, state, {"x": jnp.ones((16, 64))}, limit=1024)
+    Traceback (most recent call last):
+    ...
+    fnscale.FitError: the step needs ... per device and the device has 0.00 MiB; fix: ...
   """
   if limit is None:
     limit = device_memory(step.mesh.devices.flat[0])
