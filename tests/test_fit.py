@@ -1,5 +1,5 @@
-"""fnscale.analysis.compile_fitting and check_fit: a compiled step held against its devices' memory before it runs, and
-the planner's options that would fit."""
+"""fnscale.analysis.compile_fitting and check_fit: a compiled step held against its devices'
+memory before it runs, and the planner's options that would fit."""
 
 import functools
 
