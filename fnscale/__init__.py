@@ -7,7 +7,7 @@ with one spelling: `fnscale.analysis` (cost, planning, HLO), `fnscale.checkpoint
 `fnscale.cloud`, `fnscale.adapters`. Modules whose names start with `_` are the implementation.
 """
 from fnscale import _deprecation
-from fnscale.errors import (
+from fnscale._errors import (
     CheckpointError,
     CloudError,
     DistributedArgumentError,
@@ -40,7 +40,8 @@ from fnscale._state import init_state, state_shardings
 from fnscale._compile import shard_step
 from fnscale._compiler import compilation_cache, compilation_cache_restored, fast_compile_options
 from fnscale.analysis._report import CompileReport, compile_report, sharding_report
-from fnscale.kernels import attention, cross_entropy, with_kernel
+from fnscale.kernels._attention import attention, with_kernel
+from fnscale.kernels._cross_entropy import cross_entropy
 from fnscale.multihost._agreement import barrier
 from fnscale.multihost._cluster import initialize
 from fnscale.multihost._global_batch import global_batch, process_rows
@@ -88,4 +89,6 @@ __getattr__ = _deprecation.moved(__name__, {
                                                "fnscale.LossScale, fnscale.ACCUM_GATHER")),
     "state": ("fnscale._state", _PIPELINE.format("init_state, fnscale.state_shardings")),
     "compile": ("fnscale._compile", _PIPELINE.format("shard_step, fnscale.compile_report")),
+    "errors": ("fnscale._errors", "fnscale.MeshError, fnscale.InputError, ... (fnscale's own "
+               "names)"),
 })

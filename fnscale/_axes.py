@@ -13,7 +13,7 @@ import contextlib
 from typing import NamedTuple
 
 from fnscale import _context
-from fnscale.errors import MeshError
+from fnscale._errors import MeshError
 
 
 class AxisConventions(NamedTuple):

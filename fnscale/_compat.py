@@ -27,7 +27,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from fnscale.errors import RuntimeFailure
+from fnscale._errors import RuntimeFailure
 
 # The JAX releases fnscale is tested with; pyproject.toml's `jax` requirement says the same.
 TESTED_JAX = ">=0.10.2,<0.13"

@@ -23,7 +23,7 @@ from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale import _state
 from fnscale import _step
-from fnscale.errors import FnscaleError, ShardingError, StepError
+from fnscale._errors import FnscaleError, ShardingError, StepError
 from fnscale._mesh import check_mesh
 
 __all__ = ["CompiledStep", "ShardedStep", "shard_step"]

@@ -20,7 +20,7 @@ import jax
 
 from fnscale import _compat
 from fnscale import _tree
-from fnscale.errors import StepError
+from fnscale._errors import StepError
 
 def xla_warnings(text: str) -> tuple[str, ...]:
   """The warning and error messages in XLA's C++ log output, de-duplicated in order (XLA's

@@ -24,7 +24,7 @@ from fnscale import _deprecation
 from fnscale import _axes
 from fnscale import _compat
 from fnscale import _tree
-from fnscale.errors import MeshError, did_you_mean
+from fnscale._errors import MeshError, did_you_mean
 from fnscale._topology import Topology, check_devices
 
 AxesLike = Mapping[str, int] | str | Sequence[tuple[str, int]]

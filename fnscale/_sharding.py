@@ -28,7 +28,7 @@ import numpy as np
 from fnscale import _axes
 from fnscale._axes import data_axes  # noqa: F401  (public here: the batch dim's axes)
 from fnscale import _tree
-from fnscale.errors import ShardingError, did_you_mean
+from fnscale._errors import ShardingError, did_you_mean
 from fnscale._mesh import check_mesh
 
 # Leaves smaller than this many bytes stay replicated under auto-FSDP: gathering a tiny

@@ -18,7 +18,7 @@ import optax
 
 from fnscale import _tree
 from fnscale import _sharding as _sh
-from fnscale.errors import MeshError, ShardingError, StepError
+from fnscale._errors import MeshError, ShardingError, StepError
 from fnscale._mesh import _runs_here, check_mesh
 from fnscale._step import TrainState, as_policy, check_optimizer, default_loss_scale
 
@@ -264,7 +264,7 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
 
   Raises:
     MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
-      devices that can't hold arrays (`fnscale.topology.target_devices`).
+      devices that can't hold arrays (`fnscale.target_devices`).
     StepError: a bad optimizer, policy, loss_scale or option, or params that are not
       arrays.
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).

@@ -71,7 +71,7 @@ from fnscale import _closure
 from fnscale import _compat
 from fnscale import _context
 from fnscale import _tree
-from fnscale.errors import StepError
+from fnscale._errors import StepError
 
 __all__ = ["LossScale", "TrainState", "train_step"]
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from absl import logging
 
 from fnscale import _metadata
-from fnscale.errors import TopologyError
+from fnscale._errors import TopologyError
 
 GiB = 2**30
 

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from fnscale.errors import FnscaleError, ShardingError
+from fnscale._errors import FnscaleError, ShardingError
 
 
 def path_str(path) -> str:

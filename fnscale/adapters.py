@@ -28,7 +28,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from fnscale.errors import ShardingError
+from fnscale._errors import ShardingError
 
 __all__ = ["unbox_flax"]
 

@@ -54,7 +54,7 @@ import urllib.parse
 from absl import logging
 
 from fnscale import _metadata
-from fnscale.errors import CloudError, InputError
+from fnscale._errors import CloudError, InputError
 
 __all__ = ["shutdown_at_exit", "shutdown_request", "execute", "describe", "ShutdownRequest",
            "ShutdownResult"]

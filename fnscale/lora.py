@@ -71,7 +71,7 @@ import numpy as np
 from fnscale import _axes
 from fnscale import _tree
 from fnscale import _state
-from fnscale.errors import LoraError, did_you_mean
+from fnscale._errors import LoraError, did_you_mean
 from fnscale._step import TrainState, as_policy, check_optimizer, default_loss_scale
 
 __all__ = ["LoraConfig", "LoraWeight", "Target", "targets", "init", "shardings",

@@ -278,7 +278,7 @@ if __name__ == "__main__":
   try:
     sys.exit(main(sys.argv[1:]))
   except Exception as e:  # pylint: disable=broad-except
-    from fnscale.errors import DistributedError
+    from fnscale import DistributedError
     if not isinstance(e, DistributedError):
       raise
     import traceback

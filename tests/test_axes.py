@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from fnscale.kernels import attention, kernel_selection, with_kernel
+from fnscale import attention, with_kernel
+from fnscale.kernels import kernel_selection
 
 import maxtext_rules
 

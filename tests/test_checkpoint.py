@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import fnscale
 from fnscale import checkpoint as ckpt
-from fnscale.errors import CheckpointError
+from fnscale import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import urllib.parse
 import pytest
 
 from fnscale import cloud
-from fnscale.errors import CloudError, InputError
+from fnscale import CloudError, InputError
 from local_server import serving
 
 pytest.importorskip("google.cloud.tpu_v2", reason="the cloud extra (google-cloud-tpu)")

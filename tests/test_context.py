@@ -16,8 +16,8 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import hlo
-from fnscale.errors import KernelError, ShardingError
-from fnscale.kernels import context_attention as ca
+from fnscale import KernelError, ShardingError
+from fnscale.parallel import context as ca
 from fnscale.kernels import kernel_selection
 from fnscale.parallel import context as cp
 

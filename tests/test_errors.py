@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale import errors
+from fnscale import _errors as errors
 
 INPUT = ("TopologyError", "MeshError", "ShardingError", "StepError", "KernelError",
          "CheckpointError", "PlanError", "DistributedArgumentError", "ExpertError")

@@ -187,7 +187,6 @@ def _dense_moe(x, params, top):
 def test_expert_layer_on_explicit_axes(axes):
   # Its shard_map takes each argument by the spec it names: on Explicit axes they are
   # resharded to it first (jax refused the arrays' own shardings there).
-  from fnscale.parallel import experts  # pylint: disable=import-outside-toplevel
   d, e, f = 8, 8, 16
   ks = jax.random.split(jax.random.key(0), 5)
   params = {"router": jax.random.normal(ks[0], (d, e)),
@@ -197,7 +196,7 @@ def test_expert_layer_on_explicit_axes(axes):
   x = jax.random.normal(ks[4], (8, 4, d))
   top = jnp.argsort(-(x.reshape(-1, d) @ params["router"]), axis=-1, stable=True)[:, :2]
   mesh = fs.make_mesh(axes, axis_types="explicit")
-  layer = lambda x: experts.moe(x, params, k=2, exchange="ragged", interpret=True)[0]
+  layer = lambda x: fs.parallel.moe(x, params, k=2, exchange="ragged", interpret=True)[0]
   loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x))))
   with fs.with_mesh(mesh):
     sharded = jax.device_put(x, NamedSharding(mesh, P("data")))

@@ -8,7 +8,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _flops as flops
-from fnscale.errors import FnscaleError
+from fnscale import FnscaleError
 
 
 def test_model_flops_per_token_by_hand():

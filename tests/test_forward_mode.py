@@ -14,11 +14,11 @@ import pytest
 
 import fnscale as fs
 from fnscale import _autodiff
-from fnscale.kernels import context_attention as ca
+from fnscale.parallel import context as ca
 from fnscale.kernels import grouped_matmul
 from fnscale.parallel import _experts as ex
 
-attention_module = importlib.import_module("fnscale.kernels.attention")
+attention_module = importlib.import_module("fnscale.kernels._attention")
 RNG = np.random.default_rng(0)
 
 

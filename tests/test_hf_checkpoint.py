@@ -218,7 +218,7 @@ def test_bad_checkpoints_are_named(ckpt, mesh, tmp_path, no_arrays, case, patter
          "stacked_shape": dict(add={"layers.3.up.weight": np.zeros((F, 32), np.float32)}),
          "dtype": dict(add={"layers.0.up.bias": np.zeros(F, np.int64)})}[case]
   path = _copy_without(ckpt[0], tmp_path, **bad)
-  with pytest.raises(fs.errors.CheckpointError, match=pattern):
+  with pytest.raises(fs.CheckpointError, match=pattern):
     hf.load(path, w.target(mesh), w.cmap(hf))
 
 
@@ -228,18 +228,18 @@ F = w.F
 def test_bad_maps_and_targets_are_named(ckpt, mesh, no_arrays):
   del no_arrays
   tree, cmap = w.target(mesh), w.cmap(hf)
-  with pytest.raises(fs.errors.CheckpointError, match="param leaf 'wq' has no source"):
+  with pytest.raises(fs.CheckpointError, match="param leaf 'wq' has no source"):
     hf.load(ckpt[0], tree, cmap._replace(tensors={k: v for k, v in cmap.tensors.items()
                                                    if k != "wq"}))
-  with pytest.raises(fs.errors.CheckpointError, match="names leaf 'extra'"):
+  with pytest.raises(fs.CheckpointError, match="names leaf 'extra'"):
     hf.load(ckpt[0], tree, cmap._replace(tensors={**cmap.tensors, "extra": hf.Tensor("x")}))
   wrong = {**cmap.tensors, "wq": hf.Tensor("layers.{layer}.q.weight", split=((H3 := 3, 11),
                                                                              None))}
-  with pytest.raises(fs.errors.CheckpointError, match=f"32 can't split into \\[{H3}, 11\\]"):
+  with pytest.raises(fs.CheckpointError, match=f"32 can't split into \\[{H3}, 11\\]"):
     hf.load(ckpt[0], tree, cmap._replace(tensors=wrong))
-  with pytest.raises(fs.errors.CheckpointError, match="leaf 'embed' has no sharding"):
+  with pytest.raises(fs.CheckpointError, match="leaf 'embed' has no sharding"):
     hf.load(ckpt[0], {**tree, "embed": np.zeros((w.V, w.D), np.float32)}, cmap)
-  with pytest.raises(fs.errors.CheckpointError, match="holds neither"):
+  with pytest.raises(fs.CheckpointError, match="holds neither"):
     hf.load(ckpt[0] / "nowhere", tree, cmap)
-  with pytest.raises(fs.errors.CheckpointError, match="max_shard_bytes=0"):
+  with pytest.raises(fs.CheckpointError, match="max_shard_bytes=0"):
     hf.export(ckpt[0] / "x", {}, cmap, config={}, max_shard_bytes=0)

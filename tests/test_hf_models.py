@@ -224,10 +224,10 @@ def test_a_config_with_more_layers_than_the_weights_is_named_before_loading(made
   (d, _), _ = made[0]["qwen2"], made[1]
   m = hf_maps.read(d, SEQ)
   m = m._replace(cfg=m.cfg._replace(layers=3))
-  with pytest.raises(fs.errors.CheckpointError, match="model.layers.2.input_layernorm.weight"):
+  with pytest.raises(fs.CheckpointError, match="model.layers.2.input_layernorm.weight"):
     hf.load(d, _one_device(m), hf_maps.checkpoint_map(m, d))
   tied = m._replace(cfg=m.cfg._replace(layers=2, tie_embeddings=True))
-  with pytest.raises(fs.errors.CheckpointError, match="'lm_head.weight' .* is not loaded"):
+  with pytest.raises(fs.CheckpointError, match="'lm_head.weight' .* is not loaded"):
     hf.load(d, _one_device(tied), hf_maps.checkpoint_map(tied, d))
 
 

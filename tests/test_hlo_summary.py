@@ -2,7 +2,7 @@
 import pytest
 
 from fnscale.analysis import hlo
-from fnscale.errors import StepError
+from fnscale import StepError
 
 # Two dots (one with two contracting dims) and a reduce-scatter over groups of 4, no loop.
 FLAT = """HloModule flat, replica_count=1, num_partitions=8

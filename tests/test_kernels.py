@@ -20,13 +20,14 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale.errors import KernelError
-from fnscale.kernels import BlockSizes, attention, cross_entropy, kernel_selection, with_kernel
+from fnscale import KernelError
+from fnscale import attention, cross_entropy, with_kernel
+from fnscale.kernels import BlockSizes, kernel_selection
 from fnscale._mesh import with_mesh
 
 AUTO = jax.sharding.AxisType.Auto
 # The package exports the function `attention`, which hides the module of the same name.
-attention_lib = importlib.import_module("fnscale.kernels.attention")
+attention_lib = importlib.import_module("fnscale.kernels._attention")
 
 
 @pytest.fixture(autouse=True)

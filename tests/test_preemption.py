@@ -174,7 +174,7 @@ def test_another_thread_ending_the_process_during_a_compile_reaches_stderr():
       import os, sys, threading, time
       from fnscale import _compiler
       from fnscale.multihost import _coordination
-      from fnscale.errors import DistributedError
+      from fnscale import DistributedError
       started = threading.Event()
 
       class Lowered:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multiprocess as mp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from fnscale.multihost import _rollcall  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fnscale.errors import DistributedArgumentError, DistributedError  # pylint: disable=wrong-import-position
+from fnscale import DistributedArgumentError, DistributedError  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 # join timeout (60 s) is far above the bound, so only the roll call can end a process in time.
 JOIN = """
 import sys, fnscale
-from fnscale.errors import DistributedError
+from fnscale import DistributedError
 try:
   info = fnscale.initialize(timeout_s=60)
 except DistributedError as e:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fnscale.errors import FnscaleError
+from fnscale import FnscaleError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 from recipes import plot_run as pr

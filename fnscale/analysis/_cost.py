@@ -21,7 +21,7 @@ Matmuls" and 5 "Training":
   the default, reduces once as "once" does).
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
-- Context parallel (the sequence split c ways, `fnscale.kernels.context_attention`): every
+- Context parallel (the sequence split c ways, `fnscale.parallel.context`): every
   device holds 1/c of each row's activations and does 1/c of its work (balanced by the
   zigzag order); attention all-gathers K and V over the axis forward ((c-1)/c of their
   bytes; again in the backward pass with remat) and reduce-scatters their gradients (the
@@ -84,7 +84,7 @@ from jax.extend import core as jcore
 
 from fnscale import _compat
 from fnscale.analysis._targets import Hardware
-from fnscale.kernels.attention import CAUSAL_SCOPE, SCOPE, with_kernel
+from fnscale.kernels._attention import CAUSAL_SCOPE, SCOPE, with_kernel
 from fnscale.parallel._experts import with_experts
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).

@@ -17,7 +17,7 @@ import jax
 
 from fnscale import _compat
 from fnscale import _topology
-from fnscale.errors import FitError
+from fnscale._errors import FitError
 
 __all__ = ["FitOption", "check_fit", "compile_fitting", "device_memory", "step_bytes"]
 

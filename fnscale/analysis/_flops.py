@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fnscale.errors import InputError
+from fnscale._errors import InputError
 
 __all__ = ["HostPeak", "host_matmul_peak", "measure_matmul_peak", "mfu", "model_flops_per_token",
            "peak_flops", "usable_cores"]

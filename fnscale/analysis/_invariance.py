@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from fnscale._compile import shard_step
-from fnscale.errors import MeshError, StepError
+from fnscale._errors import MeshError, StepError
 from fnscale._mesh import check_mesh
 from fnscale._state import init_state
 from fnscale._step import train_step

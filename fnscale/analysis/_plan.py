@@ -46,7 +46,7 @@ from fnscale.analysis import hlo as _hlo
 from fnscale.parallel import _pipeline
 from fnscale import _state
 from fnscale import _step
-from fnscale.errors import PlanError
+from fnscale._errors import PlanError
 from fnscale._mesh import MeshAxes, make_mesh
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "ForecastTerms", "Plan",

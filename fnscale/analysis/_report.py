@@ -21,7 +21,7 @@ from fnscale import _tree
 from fnscale import _compile
 from fnscale.analysis import hlo as _hlo
 from fnscale import _sharding as _sh
-from fnscale.errors import ShardingError, StepError
+from fnscale._errors import ShardingError, StepError
 from fnscale.analysis.hlo import Collective
 from fnscale.parallel import _pipeline
 # The compile settings are public here; the warnings reader is reached here by its tests.

@@ -12,7 +12,7 @@ import re
 from typing import Any, NamedTuple
 
 from fnscale import _topology
-from fnscale.errors import TopologyError
+from fnscale._errors import TopologyError
 
 
 class LinkFacts(NamedTuple):

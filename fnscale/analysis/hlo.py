@@ -57,7 +57,7 @@ import re
 from typing import NamedTuple
 
 from fnscale import _deprecation
-from fnscale.errors import StepError
+from fnscale._errors import StepError
 
 __all__ = [
     "COLLECTIVE_KINDS",

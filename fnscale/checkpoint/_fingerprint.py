@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _tree
-from fnscale.errors import CheckpointError
+from fnscale._errors import CheckpointError
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 

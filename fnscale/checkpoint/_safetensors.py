@@ -24,7 +24,7 @@ from typing import NamedTuple
 import ml_dtypes  # registers bfloat16 with numpy (safetensors' numpy reader needs it)
 import numpy as np
 
-from fnscale.errors import CheckpointError, StorageError
+from fnscale._errors import CheckpointError, StorageError
 
 # safetensors dtype codes <-> numpy dtypes (the float and int types models hold).
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),

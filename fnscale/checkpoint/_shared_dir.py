@@ -18,7 +18,7 @@ from fnscale.multihost import _agreement as _ag
 from fnscale.multihost import _coordination as _co
 from fnscale.checkpoint import _store as checkpoint
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S
-from fnscale.errors import DistributedError
+from fnscale._errors import DistributedError
 
 
 def check_shared_directory(directory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

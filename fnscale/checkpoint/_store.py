@@ -70,7 +70,7 @@ from fnscale.multihost import _agreement
 from fnscale.multihost import _coordination
 from fnscale.checkpoint import _tree as ct
 from fnscale import _tree
-from fnscale.errors import CheckpointError, DistributedError, StorageError
+from fnscale._errors import CheckpointError, DistributedError, StorageError
 
 _STATE, _EXTRA, _DATA = "state", "extra", "data"
 _META = "fnscale"  # fnscale's entry in orbax's custom step metadata

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from fnscale.errors import CheckpointError
+from fnscale._errors import CheckpointError
 
 MAX_LISTED = 6
 

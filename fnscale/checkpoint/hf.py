@@ -50,7 +50,7 @@ import numpy as np
 
 from fnscale import _tree
 from fnscale.checkpoint import _safetensors
-from fnscale.errors import CheckpointError, StorageError
+from fnscale._errors import CheckpointError, StorageError
 
 __all__ = ["Tensor", "CheckpointMap", "Index", "read_index", "read_config", "check", "load",
            "export", "write_tensors", "write_json", "INDEX_FILE", "TOKENIZER_FILES"]

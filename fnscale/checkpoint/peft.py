@@ -39,7 +39,7 @@ import jax
 
 from fnscale import lora as _lora
 from fnscale.checkpoint import hf as _hf
-from fnscale.errors import CheckpointError
+from fnscale._errors import CheckpointError
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "adapter_map", "export"]
 

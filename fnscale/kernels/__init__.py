@@ -1,33 +1,51 @@
 """Kernels: attention on Pallas/cuDNN with a reasoned fallback, blockwise cross-entropy,
-grouped matmul (ragged_dot or megablox) for experts."""
-from fnscale.kernels.attention import (
-    IMPLEMENTATIONS,
-    BlockSizes,
-    KernelChoice,
-    KernelSelection,
-    attention,
-    kernel_selection,
-    with_kernel,
-)
-from fnscale.kernels.cross_entropy import cross_entropy
-from fnscale.kernels.grouped_matmul import (
-    GMM_IMPLEMENTATIONS,
-    GmmSelection,
-    gmm_selection,
-    grouped_matmul,
-)
+grouped matmul (ragged_dot or megablox) for experts.
+
+`fnscale.attention`, `fnscale.cross_entropy` and `fnscale.with_kernel` (the pipeline's names)
+run them; this namespace says what runs and why: `kernel_selection` (a `KernelSelection`:
+attention's implementation, `IMPLEMENTATIONS`, with its `BlockSizes`), `gmm_selection` (a
+`GmmSelection` among `GMM_IMPLEMENTATIONS`) and the ambient `KernelChoice` that
+`with_kernel` sets; `RESIDUALS`, the checkpoint name of the attention kernel's output and
+logsumexp (a remat policy that saves it spares the forward kernel's rerun); and
+`grouped_matmul`, the experts' matmul.
+
+Layer: imports the core pipeline only; never `fnscale.parallel`, `fnscale.multihost`,
+`fnscale.checkpoint`, `fnscale.analysis` or the package root.
+
+Examples:
+  What attention runs on this host, and on a TPU:
+
+  >>> import fnscale as fs
+  >>> fs.kernels.IMPLEMENTATIONS
+  ('auto', 'xla', 'splash', 'cudnn', 'pallas_gpu')
+  >>> q = (2, 1024, 8, 128)  # [batch, seq, heads, head_dim]
+  >>> fs.kernels.kernel_selection(q, q).implementation, fs.kernels.kernel_selection(
+  ...     q, q, platform="tpu").implementation
+  ('xla', 'splash')
+
+  A remat policy that keeps attention's residuals:
+
+  >>> import jax
+  >>> policy = jax.checkpoint_policies.save_only_these_names(fs.kernels.RESIDUALS)
+"""
+from fnscale import _deprecation
+from fnscale._context import KernelChoice
+from fnscale.kernels._attention import (IMPLEMENTATIONS, RESIDUALS, BlockSizes, KernelSelection,
+                                       kernel_selection)
+from fnscale.kernels._grouped_matmul import (GMM_IMPLEMENTATIONS, GmmSelection, gmm_selection,
+                                             grouped_matmul)
 
 __all__ = [
-    "IMPLEMENTATIONS",
-    "BlockSizes",
-    "KernelChoice",
-    "KernelSelection",
-    "attention",
-    "GMM_IMPLEMENTATIONS",
-    "GmmSelection",
-    "cross_entropy",
-    "gmm_selection",
-    "grouped_matmul",
-    "kernel_selection",
-    "with_kernel",
+    "IMPLEMENTATIONS", "BlockSizes", "KernelChoice", "KernelSelection", "kernel_selection",
+    "RESIDUALS",
+    "GMM_IMPLEMENTATIONS", "GmmSelection", "gmm_selection", "grouped_matmul",
 ]
+
+_ROOT = "fnscale.{0} (the pipeline's name)"
+__getattr__ = _deprecation.moved(__name__, {
+    "attention": ("fnscale:attention", _ROOT.format("attention")),
+    "cross_entropy": ("fnscale:cross_entropy", _ROOT.format("cross_entropy")),
+    "with_kernel": ("fnscale:with_kernel", _ROOT.format("with_kernel")),
+    "context_attention": ("fnscale.kernels._context_attention",
+                          "fnscale.parallel.context (its orders, forms and reorderings)"),
+})

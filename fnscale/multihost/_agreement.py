@@ -32,7 +32,7 @@ from fnscale.multihost import _coordination as _co
 from fnscale import _compile
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S
 from fnscale._tree import path_str
-from fnscale.errors import DistributedArgumentError, DistributedError
+from fnscale._errors import DistributedArgumentError, DistributedError
 
 _MAX_NAMED = 6  # differences spelled out per process; the rest are counted
 _SETTLE_S = 10.0  # after a first difference, how long to wait for the other processes' entries

@@ -26,7 +26,7 @@ from fnscale.multihost import _coordination as _co
 from fnscale.multihost import _rollcall
 from fnscale.multihost import _preemption as preemption
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S, EXIT_JOB_FAILED
-from fnscale.errors import DistributedArgumentError, DistributedError, FnscaleError
+from fnscale._errors import DistributedArgumentError, DistributedError, FnscaleError
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
@@ -83,7 +83,7 @@ def _metadata_launcher(timeout_s: float = 2.0) -> str | None:
   compute tpus tpu-vm create` VMs keep the worker id and hosts there, not in the environment.)
   """
   from fnscale import _metadata, _topology as topology  # pylint: disable=g-import-not-at-top
-  from fnscale.errors import TopologyError  # pylint: disable=g-import-not-at-top
+  from fnscale._errors import TopologyError  # pylint: disable=g-import-not-at-top
   if not topology._on_tpu_vm(os.environ):  # pylint: disable=protected-access
     return None
   try:

@@ -18,7 +18,7 @@ import jax
 from fnscale import _compat
 from fnscale import _compiler
 from fnscale.multihost import _liveness
-from fnscale.errors import DistributedError
+from fnscale._errors import DistributedError
 
 # Exit status when the job can't form or continue (EX_TEMPFAIL: restarting may succeed).
 EXIT_JOB_FAILED = 75

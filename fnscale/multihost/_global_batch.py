@@ -28,7 +28,7 @@ import numpy as np
 from fnscale._tree import entry_axes as _entry_axes
 from fnscale._tree import leaf_shardings as _broadcast_shardings
 from fnscale._tree import path_str
-from fnscale.errors import DistributedArgumentError, DistributedError, ShardingError
+from fnscale._errors import DistributedArgumentError, DistributedError, ShardingError
 from fnscale.multihost import _agreement
 from fnscale.multihost import _coordination as _co
 

@@ -28,7 +28,7 @@ from fnscale.multihost import _coordination as _co
 from fnscale.multihost import _liveness
 from fnscale.multihost import _preemption as preemption
 from fnscale.multihost._coordination import EXIT_JOB_FAILED
-from fnscale.errors import DistributedArgumentError, DistributedError
+from fnscale._errors import DistributedArgumentError, DistributedError
 
 # Seconds `peer_guard` gives the other processes to check in (and to show signs of life).
 DEFAULT_PEER_CHECK_TIMEOUT_S = 10

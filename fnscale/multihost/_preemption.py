@@ -51,7 +51,7 @@ import jax
 from fnscale import _deprecation
 from fnscale import _compat
 from fnscale.multihost import _coordination as _co
-from fnscale.errors import DistributedArgumentError, DistributedError
+from fnscale._errors import DistributedArgumentError, DistributedError
 
 # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM: schedulers (GKE Jobs,
 # SLURM --requeue, a restart loop) treat it as "preempted", not "finished".

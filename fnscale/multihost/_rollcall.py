@@ -30,7 +30,7 @@ import time
 
 from absl import logging
 
-from fnscale.errors import DistributedArgumentError, DistributedError
+from fnscale._errors import DistributedArgumentError, DistributedError
 
 ENV_PORT = "FNSCALE_ROLLCALL_PORT"
 ROLL_WAIT_S = 10.0  # process 0's wait for the whole roll before joining anyway

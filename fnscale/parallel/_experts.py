@@ -64,9 +64,9 @@ from fnscale import _compat
 from fnscale import _context
 from fnscale._context import ExpertChoice
 from fnscale import _tree
-from fnscale.errors import ExpertError, KernelError, MeshError, ShardingError
+from fnscale._errors import ExpertError, KernelError, MeshError, ShardingError
 from fnscale.kernels._per_device import explicit_free_axes
-from fnscale.kernels.grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, grouped_matmul
+from fnscale.kernels._grouped_matmul import GMM_IMPLEMENTATIONS, gmm_selection, grouped_matmul
 
 __all__ = ["EXCHANGES", "ExchangeSelection", "ExpertChoice", "MoEAux", "Routing",
            "capacity", "exchange_selection", "moe", "route", "with_experts"]

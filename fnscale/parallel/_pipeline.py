@@ -26,7 +26,7 @@ iteration sends one microbatch of activations to the next stage (with R > 1 the 
 to the first, which keeps the M - S it can't start yet in a buffer). Bytes per send:
 microbatch rows x the row's bytes; the backward pass sends as many again.
 
-Layer: imports the core pipeline (`fnscale._axes`, `fnscale.errors`, `fnscale._tree`) only.
+Layer: imports the core pipeline (`fnscale._axes`, `fnscale._errors`, `fnscale._tree`) only.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from fnscale import _axes
 from fnscale import _closure
 from fnscale import _tree
-from fnscale.errors import MeshError, ShardingError, StepError
+from fnscale._errors import MeshError, ShardingError, StepError
 
 __all__ = ["Schedule", "bubble_fraction", "pipeline", "schedules_in", "stage_layers",
            "unstage_layers"]

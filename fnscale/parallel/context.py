@@ -41,8 +41,8 @@ import math
 import numpy as np
 
 from fnscale import _axes
-from fnscale.errors import ShardingError
-from fnscale.kernels.context_attention import (FORMS, ORDERS, positions, reorder, restore,
+from fnscale._errors import ShardingError
+from fnscale.kernels._context_attention import (FORMS, ORDERS, positions, reorder, restore,
                                                ring_cases, shard_work)
 
 __all__ = ["FORMS", "ORDERS", "positions", "reorder", "reorder_batch", "restore",

@@ -32,7 +32,7 @@ import numpy as np
 
 import fnscale as fs
 from fnscale.analysis import hlo
-from fnscale.kernels import context_attention as ca
+from fnscale.parallel import context as ca
 from recipes.lm import cli
 from recipes.lm import llama
 

@@ -10,8 +10,6 @@ import dataclasses
 from typing import ClassVar
 
 import fnscale as fs
-from fnscale.kernels import context_attention
-from fnscale.kernels.attention import IMPLEMENTATIONS
 from recipes.lm.cli import option
 
 CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
@@ -81,9 +79,9 @@ class Options(Hardware):
   # option -> the values it takes (a word of --help is no substitute for a check)
   CHOICES: ClassVar[dict] = {"packing": PACKINGS, "long_docs": LONG_DOCS,
                              "accum_gather": fs.ACCUM_GATHER,
-                             "attention": IMPLEMENTATIONS,
-                             "context": context_attention.FORMS,
-                             "context_order": context_attention.ORDERS,
+                             "attention": fs.kernels.IMPLEMENTATIONS,
+                             "context": fs.parallel.context.FORMS,
+                             "context_order": fs.parallel.context.ORDERS,
                              "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
                              "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "

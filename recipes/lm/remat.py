@@ -30,11 +30,10 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 import fnscale as fs
-from fnscale.kernels.attention import RESIDUALS
 from recipes.lm.options import REMAT_POLICIES as POLICIES
 
 QKV = "qkv"  # the q, k and v projections (after RoPE)
-ATTENTION = RESIDUALS  # the attention kernel's output and logsumexp
+ATTENTION = fs.kernels.RESIDUALS  # the attention kernel's output and logsumexp
 
 
 def _policy(name: str):

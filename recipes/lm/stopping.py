@@ -1,5 +1,5 @@
 """How a run stops before its last step, losing nothing it saved: a preemption notice
-(SIGTERM, `fnscale.multihost.preemption`), Ctrl-C (SIGINT) and --stop_after each stop every
+(SIGTERM, `fnscale.multihost.preemption_guard`), Ctrl-C (SIGINT) and --stop_after each stop every
 process after the same step, which is saved (`reason`).
 
 Ctrl-C while the loop runs (`ctrl_c`) is a request like a notice: the first stops after the

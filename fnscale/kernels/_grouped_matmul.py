@@ -1,6 +1,6 @@
 """Grouped matmul: rows of lhs in consecutive groups, each group times its own rhs matrix.
 
-The expert feed-forward's matmul (`fnscale.parallel.experts`): tokens sorted by expert,
+The expert feed-forward's matmul (`fnscale.parallel.moe`): tokens sorted by expert,
 `out[rows of group g] = lhs[rows of group g] @ rhs[g]`, rows past the last group zero.
 Three implementations, `gmm_selection` choosing (and saying why) as `kernel_selection` does for
 attention:
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _autodiff
-from fnscale.errors import KernelError
+from fnscale._errors import KernelError
 from fnscale.kernels._per_device import explicit_free_axes, per_device
 
 GMM_IMPLEMENTATIONS = ("auto", "ragged_dot", "megablox", "tiled")
@@ -53,6 +53,12 @@ class GmmSelection(NamedTuple):
     platform: the platform decided for ("tpu", "cuda", "cpu", ...).
     interpret: megablox runs in Pallas interpret mode (any platform, slowly; for tests).
     tiling: megablox's (m, k, n) tiles (None for the others).
+
+  Examples:
+    >>> import fnscale as fs
+    >>> sel = fs.kernels.gmm_selection((512, 256), (4, 256, 512), platform="tpu")
+    >>> sel.implementation, sel.tiling, sel.reason
+    ('megablox', (512, 256, 512), 'megablox serves this call')
   """
   implementation: str
   requested: str
@@ -87,6 +93,13 @@ def gmm_selection(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dtype=jnp.
 
   Raises:
     KernelError: bad shapes or implementation, or megablox asked for where it can't serve.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.kernels.gmm_selection((512, 256), (4, 256, 512)).implementation  # XLA:CPU
+    'tiled'
+    >>> fs.kernels.GMM_IMPLEMENTATIONS
+    ('auto', 'ragged_dot', 'megablox', 'tiled')
   """
   lhs_shape, rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
   if len(lhs_shape) != 2 or len(rhs_shape) != 3 or lhs_shape[1] != rhs_shape[1]:
@@ -182,7 +195,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     zero_padding: False leaves the rows past the groups unspecified where the kernel
       doesn't write them (megablox): no masking select, which in a fused backward pass
       keeps XLA from writing its results over the operands' buffers. The caller then masks
-      those rows itself (as `fnscale.parallel.experts` does once around its whole FFN).
+      those rows itself (as `fnscale.parallel.moe` does once around its whole FFN).
 
   Returns:
     [m, n] in lhs's dtype (float32 accumulation).
@@ -191,10 +204,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     KernelError: see `gmm_selection`.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> from fnscale.kernels import grouped_matmul
-    >>> x = jnp.ones((4, 2)); w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
-    >>> grouped_matmul(x, w, jnp.array([1, 2], jnp.int32))[:, 0].tolist()
+    Rows 0, 1-2 and 3 in groups of sizes 1, 2 and 0 (row 3 is past the groups: zero):
+
+    >>> import fnscale as fs, jax, numpy as np
+    >>> x, w = np.ones((4, 2), np.float32), np.stack([np.eye(2), 2 * np.eye(2)]).astype(np.float32)
+    >>> jax.jit(fs.kernels.grouped_matmul)(x, w, np.array([1, 2], np.int32))[:, 0].tolist()
     [1.0, 2.0, 2.0, 0.0]
   """
   plan = gmm_selection(lhs.shape, rhs.shape, lhs.dtype, implementation=implementation,

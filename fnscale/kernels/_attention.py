@@ -17,7 +17,7 @@ automatically at all). The mesh is the one passed, else the ambient one (`with_m
 jitted call whose arguments carry `NamedSharding`s, also over a TPU topology description).
 Sequence and head_dim stay whole inside each shard, unless the mesh has a context axis:
 then the sequence is split over it and attention runs in one of the context forms of
-`fnscale.kernels.context_attention` (all-gathered K/V or a ring of K/V blocks,
+`fnscale.parallel.context` (all-gathered K/V or a ring of K/V blocks,
 `with_kernel(..., context=...)`), the kernel inside each shard chosen there.
 
 Kernels: splash attention (Pallas TPU, jax.experimental.pallas.ops.tpu.splash_attention),
@@ -41,8 +41,8 @@ from fnscale import _axes
 from fnscale import _compat
 from fnscale import _context
 from fnscale._context import KernelChoice
-from fnscale.errors import KernelError
-from fnscale.kernels import _splash_tiles, context_attention
+from fnscale._errors import KernelError
+from fnscale.kernels import _context_attention as context_attention, _splash_tiles
 from fnscale.kernels._per_device import per_device
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
@@ -72,6 +72,17 @@ class BlockSizes(NamedTuple):
     block_kv: key/value rows per forward tile; must divide the key length.
     block_q_bwd: query rows per backward tile (None: the kernel's default for the shape).
     block_kv_bwd: key/value rows per backward tile (None: the kernel's default).
+
+  Examples:
+    The splash kernel's tiles for a 1024-token call on a TPU, and tiles asked for:
+
+    >>> import fnscale as fs
+    >>> q = (2, 1024, 8, 128)  # [batch, seq, heads, head_dim]
+    >>> fs.kernels.kernel_selection(q, q, platform="tpu").block_sizes
+    BlockSizes(block_q=512, block_kv=512, block_q_bwd=512, block_kv_bwd=512)
+    >>> blocks = fs.kernels.BlockSizes(256, 128)
+    >>> fs.kernels.kernel_selection(q, q, platform="tpu", block_sizes=blocks).block_sizes[:2]
+    (256, 128)
   """
   block_q: int
   block_kv: int
@@ -93,7 +104,16 @@ class KernelSelection(NamedTuple):
     batch_axes: mesh axes the kernel's shard_map splits batch over (empty: none).
     head_axes: mesh axes the kernel's shard_map splits heads over (empty: none).
     context: under a context axis, how the split sequence is attended
-      (`fnscale.kernels.context_attention.ContextSelection`); None without one.
+      (a `ContextSelection`, `fnscale.kernels._context_attention`); None without one.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> sel = fs.kernels.kernel_selection((2, 1024, 8, 128), (2, 1024, 2, 128), causal=True)
+    >>> sel.implementation, sel.fallback, sel.platform, sel.block_sizes
+    ('xla', False, 'cpu', None)
+    >>> print(sel.reason)
+    no attention kernel for platform 'cpu'; use with_kernel(..., interpret=True) to run the
+    Pallas kernels on CPU
   """
   implementation: str
   requested: str
@@ -134,7 +154,7 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
       works on any platform (slowly); for tests on CPU.
     context: under a mesh with a context axis (the sequence split over it), "all_gather"
       (each shard gathers K/V) or "ring" (K/V blocks passed round the axis); see
-      `fnscale.kernels.context_attention`.
+      `fnscale.parallel.context`.
     context_order: the order the context shards hold the sequence in, as the batch was put
       by `fnscale.parallel.context.reorder`: "zigzag" (default), "striped" or "contiguous".
 
@@ -223,6 +243,20 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
   Raises:
     KernelError: bad shapes or arguments, or a forced implementation that can't serve the
       call (the message names the reason).
+
+  Examples:
+    Splash on a TPU; here on CPU, the Pallas kernel in interpret mode or the XLA reference:
+
+    >>> import fnscale as fs
+    >>> q = (2, 1024, 8, 128)  # [batch, seq, heads, head_dim]
+    >>> fs.kernels.kernel_selection(q, q, platform="tpu").reason
+    'splash serves this call'
+    >>> fs.kernels.kernel_selection(q, q, interpret=True).implementation
+    'splash'
+    >>> fs.kernels.kernel_selection(q, q, implementation="cudnn")
+    Traceback (most recent call last):
+    ...
+    fnscale.KernelError: ...cudnn...
   """
   call, requested, note = _describe_call(
       q_shape, k_shape, dtype, causal, segment_ids, sliding_window,

@@ -43,7 +43,7 @@ import numpy as np
 
 from fnscale import _autodiff
 from fnscale import _compat
-from fnscale.errors import KernelError
+from fnscale._errors import KernelError
 from fnscale.kernels._per_device import per_device
 
 FORMS = ("all_gather", "ring")
@@ -85,6 +85,12 @@ def reorder(x, shards: int, order: str, axis: int = 1):
 
   Raises:
     KernelError: an unknown order, a length it can't split.
+
+  Examples:
+    >>> import fnscale as fs, numpy as np
+    >>> x = np.arange(8)[None]  # [batch, seq]
+    >>> fs.parallel.context.reorder(x, 2, "zigzag"), fs.parallel.context.reorder(x, 2, "striped")
+    (array([[0, 1, 6, 7, 2, 3, 4, 5]]), array([[0, 2, 4, 6, 1, 3, 5, 7]]))
   """
   check_order(order, x.shape[axis], shards)
   xp = np if isinstance(x, np.ndarray) else jnp
@@ -99,7 +105,18 @@ def reorder(x, shards: int, order: str, axis: int = 1):
 
 
 def restore(x, shards: int, order: str, axis: int = 1):
-  """The inverse of `reorder`: `x`'s `axis` back in sequence order."""
+  """The inverse of `reorder`: `x`'s `axis` back in sequence order (per-token outputs of a
+  context-parallel model, e.g. its logits, back where the tokens were).
+
+  Raises:
+    KernelError: an unknown order, a length it can't split.
+
+  Examples:
+    >>> import fnscale as fs, numpy as np
+    >>> held = np.array([[0, 1, 6, 7, 2, 3, 4, 5]])  # as two zigzag shards hold it
+    >>> fs.parallel.context.restore(held, 2, "zigzag")
+    array([[0, 1, 2, 3, 4, 5, 6, 7]])
+  """
   check_order(order, x.shape[axis], shards)
   xp = np if isinstance(x, np.ndarray) else jnp
   y = xp.moveaxis(x, axis, 0)
@@ -113,7 +130,14 @@ def restore(x, shards: int, order: str, axis: int = 1):
 
 
 def positions(seq: int, shards: int, order: str) -> np.ndarray:
-  """int32 [shards, seq / shards]: the place in the sequence of each token a shard holds."""
+  """int32 [shards, seq / shards]: the place in the sequence of each token a shard holds.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallel.context.positions(8, 2, "zigzag")
+    array([[0, 1, 6, 7],
+           [2, 3, 4, 5]], dtype=int32)
+  """
   return reorder(np.arange(seq, dtype=np.int32), shards, order, axis=0).reshape(shards, -1)
 
 
@@ -397,7 +421,22 @@ def ring_cases(order: str, causal: bool) -> dict[str, _Case]:
   """The block each step computes: "diagonal" (a shard's own K/V), "earlier" (K/V of a
   shard before this one in the stored order) and "later". Within one case the mask is the
   same for every pair of shards (tested against the positions), so a kernel with a static
-  mask serves it and masked halves are never computed."""
+  mask serves it and masked halves are never computed. Each case names the query rows
+  ("all", "front" or "back" half), the key columns and the mask ("full", "causal",
+  "strict" or "skip").
+
+  Examples:
+    Zigzag: an earlier shard's front chunk is before both of ours, so only its front half is
+    attended, unmasked:
+
+    >>> import fnscale as fs
+    >>> cases = fs.parallel.context.ring_cases("zigzag", causal=True)
+    >>> for name, case in cases.items():
+    ...   print(name, tuple(case))
+    diagonal ('all', 'all', 'causal')
+    earlier ('all', 'front', 'full')
+    later ('back', 'all', 'full')
+  """
   if not causal:
     full = _Case("all", "all", "full")
     return {"diagonal": full, "earlier": full, "later": full}
@@ -662,7 +701,15 @@ def _ring(q, k, v, q_ids, kv_ids, p: ContextSelection, causal, scale, kernel):
 def shard_work(seq: int, shards: int, order: str, segment_ids=None) -> np.ndarray:
   """Unmasked query-key pairs of causal attention each shard computes, int64 [shards]:
   per stored token, the tokens at or before its place (of its segment, when `segment_ids`
-  [seq] in sequence order is given). Load balance is max / mean."""
+  [seq] in sequence order is given). Load balance is max / mean.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.parallel.context.shard_work(8, 2, "striped").tolist()
+    [16, 20]
+    >>> fs.parallel.context.shard_work(8, 2, "contiguous", segment_ids=[0] * 4 + [1] * 4).tolist()
+    [10, 10]
+  """
   place = positions(seq, shards, order)
   if segment_ids is None:
     return (place + 1).sum(axis=1, dtype=np.int64)
