@@ -1050,6 +1050,9 @@ def test_bench_attention_command_line():
                          "xla,splash", "--iters", "1", "--warmup", "0", "--no-causal")
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   lines = out.stdout.splitlines()
+  # The topology report (the same options as the main job) comes first, then the header.
+  assert lines[0].startswith("topology: cpu") and "8 devices" in lines[0]
+  lines = lines[1:]
   assert lines[0].startswith("platform=cpu") and "causal=False median of 1 after 0" in lines[0]
   rows = {tuple(line.split()[:3]): line.split()[3:] for line in lines[3:]
           if line.startswith("1x")}

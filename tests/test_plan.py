@@ -2,7 +2,9 @@
 an ahead-of-time compile for v5p:2x2x2."""
 
 import functools
+import importlib.util
 import math
+import re
 
 import jax
 import numpy as np
@@ -508,8 +510,11 @@ def test_a_model_that_fits_without_remat_is_planned_without_it(model):
 
 # --- verification ----------------------------------------------------------------------------
 
+@pytest.mark.tpu
 def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(monkeypatch):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu not installed (the case without it is the test below); fnscale[tpu]")
 
   def broken(**kw):
     raise RuntimeError(f"TPU backend setup failed for {kw['topology_name']} (as libtpu says)")
@@ -527,6 +532,26 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
   p = plan(*args)
   assert all(r.compiled is None for r in p.rows)
   assert "not verified: libtpu could not describe" in str(p)
+  _targets._described.cache_clear()
+
+
+def test_verify_without_libtpu_names_the_install(monkeypatch):
+  # The CPU-only install: no libtpu to describe a TPU target. verify=1 says what to install
+  # (one sentence, no doubled stop); left to choose, the planner plans uncompiled.
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  _targets._described.cache_clear()
+  cfg = llama.model_config("llama-tiny", 128)
+  args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
+          _batch(16, 128), "v5e:2x4")
+  with pytest.raises(PlanError) as e:
+    plan(*args, verify=1)
+  assert re.search(r"verify=1 .*libtpu could not describe the devices of v5e:2x4: "
+                   r"TopologyError: .*needs libtpu, which is not installed.*run again\. Fix: "
+                   r"install libtpu \(pip install 'fnscale\[tpu\]'\).*verify=0", str(e.value))
+  assert ".." not in str(e.value)
+  assert "not verified: libtpu could not describe" in str(plan(*args))
   _targets._described.cache_clear()
 
 

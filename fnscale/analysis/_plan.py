@@ -557,7 +557,8 @@ def _verification(hw, verify: int | None) -> tuple[int, str]:
                           "instead (recipes/plan.py --measure)")
   if verify:
     raise PlanError(
-        f"verify={verify} asks for ahead-of-time compiles for {hw.name}, but {why}. Fix: "
+        f"verify={verify} asks for ahead-of-time compiles for {hw.name}, but {why.rstrip('.')}. "
+        "Fix: "
         + ("install libtpu (pip install 'fnscale[tpu]') and check the target name, or "
            if hw.kind == "tpu" else "") + "pass verify=0 to plan without compiling.")
   return 0, f"not verified: {why}"
