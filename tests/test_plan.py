@@ -545,7 +545,7 @@ def test_verify_without_libtpu_names_the_install(monkeypatch):
   cfg = llama.model_config("llama-tiny", 128)
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128), "v5e:2x4")
-  with pytest.raises(PlanError) as e:
+  with pytest.raises(fs.PlanError) as e:
     plan(*args, verify=1)
   assert re.search(r"verify=1 .*libtpu could not describe the devices of v5e:2x4: "
                    r"TopologyError: .*needs libtpu, which is not installed.*run again\. Fix: "
