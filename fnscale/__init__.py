@@ -5,6 +5,23 @@ namespace holds that pipeline and its errors. The tools around it are namespaces
 with one spelling: `fnscale.analysis` (cost, planning, HLO), `fnscale.checkpoint`,
 `fnscale.kernels`, `fnscale.multihost`, `fnscale.parallel`, `fnscale.lora`,
 `fnscale.cloud`, `fnscale.adapters`. Modules whose names start with `_` are the implementation.
+
+Layout of the package: the core pipeline sits at the root, each layer above it is a folder,
+and a layer imports only the layers below it, with no cycle (tests/test_imports.py checks
+every import and that this table names every module):
+
+  core (the root modules)  <-  kernels/, parallel/  <-  multihost/, checkpoint/  <-  analysis/
+
+| module | job |
+|---|---|
+| `_errors.py`, `_compat.py`, `_tree.py`, `_deprecation.py` | error types by kind; every JAX interface JAX doesn't promise to keep; pytree helpers; old spellings that warn |
+| `_topology.py`, `_metadata.py`, `_mesh.py`, `_axes.py`, `_context.py` | the hardware (environment, libtpu, GCE metadata); named device axes; the axis conventions; the ambient values, declared in one place |
+| `_sharding.py`, `_step.py`, `_state.py`, `lora.py` | logical rules -> PartitionSpecs, FSDP, batch shardings; the pure train step; the state born sharded; low-rank adapters over a frozen base |
+| `_compile.py`, `_compiler.py`, `_closure.py`, `_autodiff.py` | `shard_step`; compiling with XLA's warnings captured; closed-over arrays; forward-mode autodiff through kernels |
+| `cloud.py`, `adapters.py` | deleting the Cloud TPU VM when the job ends; params from flax/equinox models |
+| `kernels/`, `parallel/` | attention, cross-entropy and grouped-matmul kernels, `with_kernel`; context, expert and pipeline parallelism |
+| `multihost/`, `checkpoint/` | joining the job, agreement, lost peers, preemption, global batches; orbax and Hugging Face checkpoints |
+| `analysis/` | the HLO reader, FLOPs and MFU, compile reports, the planner and its cost model, mesh invariance |
 """
 from fnscale import _deprecation
 from fnscale._errors import (

@@ -121,9 +121,8 @@ def test_no_module_imports_the_package_root():
   assert [m for m, deps in graph.items() if m != "fnscale" and "fnscale" in deps] == []
 
 
-def test_the_readme_layout_names_every_module_and_only_those():
-  readme = (ROOT.parent / "README.md").read_text()
-  table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_the_package_layout_names_every_module_and_only_those():
+  table = fnscale.__doc__.split("Layout of the package:", 1)[1]
   named = set()
   for row in table.splitlines():
     if row.startswith("| `"):

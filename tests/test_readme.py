@@ -3,7 +3,8 @@ repository's files, with fnscale importable the way `pip install -e .` makes it 
 else (so `python recipes/X.py` has to find `recipes` itself, from any directory).
 
 What runs and what is checked (the README's Tests section says the same, for whoever adds a
-command): every ```bash and ```python block runs as written, in order, unless the line
+command): every ```bash and ```python block of README.md, recipes/README.md and
+recipes/bench/README.md (`READMES`, in that order) runs as written, in order, unless the line
 directly above it is a marker:
 
   <!-- readme-test: run: OLD => NEW; OLD2 => NEW2 -->   runs, with these text substitutions
@@ -506,20 +507,39 @@ def _inline_commands(readme: str) -> list[str]:
   return re.findall(r"`(python (?:recipes/|-m recipes\.)(?![A-Z])[^`]*)`", readme)
 
 
+# The READMEs, in the order their commands run (recipes/README.md continues from the guide's
+# runs: the plot of the Quick start run, the caches its data section writes).
+READMES = ("README.md", "recipes/README.md", "recipes/bench/README.md")
+
+
+def _readmes(co: Checkout):
+  """(name, text) of each README in the checkout."""
+  return [(name, (co.root / name).read_text(encoding="utf-8")) for name in READMES]
+
+
+def test_readmes_are_read_in_one_sitting():
+  # The guide: at most 300 lines and 16 KB; the others at most 300 lines.
+  sizes = {name: (len(text.splitlines()), len(text.encode()))
+           for name, text in ((n, (ROOT / n).read_text(encoding="utf-8")) for n in READMES)}
+  assert sizes["README.md"][0] <= 300 and sizes["README.md"][1] <= 16 * 1024, sizes
+  assert all(lines <= 300 for lines, _ in sizes.values()), sizes
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_readme_commands_run_in_order(checkout):
-  readme = (checkout.root / "README.md").read_text(encoding="utf-8")
   extras, problems, rows = _extras(), [], []
-  for block in read_blocks(readme):
-    for kind, text in _steps(block):
-      t = time.time()
-      done, found = _do(checkout, block, kind, text, extras)
-      first = text.strip().splitlines()[0][:90] if text.strip() else ""
-      rows.append(f"{time.time() - t:7.1f} s  {done:7}  line {block.line:4}  {first}")
-      problems += [f"README line {block.line} ({first}): {p}" for p in found]
-  for command in _inline_commands(readme):
-    problems += [f"inline `{command}`: {p}" for p in check_command(checkout, command, extras)]
+  for name, readme in _readmes(checkout):
+    for block in read_blocks(readme):
+      for kind, text in _steps(block):
+        t = time.time()
+        done, found = _do(checkout, block, kind, text, extras)
+        first = text.strip().splitlines()[0][:90] if text.strip() else ""
+        rows.append(f"{time.time() - t:7.1f} s  {done:7}  {name} {block.line:4}  {first}")
+        problems += [f"{name} line {block.line} ({first}): {p}" for p in found]
+    for command in _inline_commands(readme):
+      problems += [f"{name}: inline `{command}`: {p}"
+                   for p in check_command(checkout, command, extras)]
   print(f"README commands (load average {os.getloadavg()[0]:.1f} at the end):\n  "
         + "\n  ".join(rows))
   assert not problems, "\n".join(problems)
@@ -548,21 +568,22 @@ def test_readme_commands_are_checked(checkout):
   """The quick tier's share of the test above: every step of every block checked (flags
   against the recipe's --help, extras, Python names and keywords), none run, so a renamed
   flag, recipe, extra or function fails `python -m pytest -q` as well."""
-  readme = (checkout.root / "README.md").read_text(encoding="utf-8")
   extras, problems, steps = _extras(), [], 0
-  for block in read_blocks(readme):
-    for extra in block.needs:  # a marker's extras are pyproject.toml's
-      if extra not in extras:
-        problems.append(f"README line {block.line}: readme-test extra {extra!r} is not one "
-                        f"of pyproject.toml's {sorted(extras)}")
-    for kind, text in _steps(block):
-      steps += 1
-      found = (python_problems(text) if kind == "python"
-               else check_command(checkout, text, extras))
-      problems += [f"README line {block.line}: {p}" for p in found]
-  for command in _inline_commands(readme):
-    problems += [f"inline `{command}`: {p}" for p in check_command(checkout, command, extras)]
-  assert steps > 20  # the README's blocks were read (a parser that finds none checks nothing)
+  for name, readme in _readmes(checkout):
+    for block in read_blocks(readme):
+      for extra in block.needs:  # a marker's extras are pyproject.toml's
+        if extra not in extras:
+          problems.append(f"{name} line {block.line}: readme-test extra {extra!r} is not one "
+                          f"of pyproject.toml's {sorted(extras)}")
+      for kind, text in _steps(block):
+        steps += 1
+        found = (python_problems(text) if kind == "python"
+                 else check_command(checkout, text, extras))
+        problems += [f"{name} line {block.line}: {p}" for p in found]
+    for command in _inline_commands(readme):
+      problems += [f"{name}: inline `{command}`: {p}"
+                   for p in check_command(checkout, command, extras)]
+  assert steps > 20  # the READMEs' blocks were read (a parser that finds none checks nothing)
   assert not problems, "\n".join(problems)
 
 
