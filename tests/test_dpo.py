@@ -159,3 +159,22 @@ def test_dpo_steps_start_at_log_2_and_learn_the_preference(template):
   assert losses[-1] < 0.5 * losses[0] and float(m["aux"]["reward_accuracy"]) == 1.0
   for x, y in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(base)):
     np.testing.assert_array_equal(x, y)
+
+
+def test_a_preference_corpus_with_a_tokenizer_takes_its_vocabulary(tmp_path, template):
+  # A BPE tokenizer of 300 ids (as --init_from brings): the corpus's vocabulary is the
+  # tokenizer's, and its encode / decode are the tokenizer's.
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from recipes import train_tokenizer  # pylint: disable=import-outside-toplevel
+  text = tmp_path / "text.txt"
+  text.write_text("".join(f"{a} + {b} is {a + b}. No.\n" for a in range(40) for b in range(9)))
+  tok = tokenizers.Tokenizer.from_file(
+      train_tokenizer.train_tokenizer([str(text)], 300, str(tmp_path / "tokenizer.json")))
+  rows = [{"prompt": f"{a}+1?", "chosen": f"It is {a + 1}.", "rejected": "No."}
+          for a in range(12)]
+  c = preference.corpus(_write(tmp_path / "prefs.jsonl", rows), str(tmp_path / "tokenizer.json"),
+                        template)
+  assert c.vocab == tok.get_vocab_size() == 300
+  assert c.encode("It is 5.") == tok.encode("It is 5.").ids
+  assert c.decode(c.encode("It is 5.")) == tok.decode(tok.encode("It is 5.").ids)
+  assert max(c.train.max(), c.eval.max()) < 300

@@ -1098,6 +1098,41 @@ def test_megablox_gradient_is_zero_on_the_rows_past_the_groups():
     assert _relative_error(g, w) < 1e-5
 
 
+
+@pytest.mark.hlo_unread_loops  # megablox in Pallas interpret mode: loops over its grid
+def test_megablox_output_is_zero_on_the_rows_past_the_groups():
+  # The chip test's case (tests/test_chip.py): one 512-row tile, an empty group, 32 rows past
+  # the groups, which the kernel leaves unwritten (NaN in interpret mode) and grouped_matmul
+  # selects to zero. The reference is ragged_dot with those rows selected to zero too: what
+  # ragged_dot itself leaves there is unspecified (on a TPU, not zero).
+  from jax.experimental.pallas.ops.tpu.megablox import ops  # pylint: disable=import-outside-toplevel
+  from fnscale.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+  m, k, n, sizes = 512, 256, 256, (100, 0, 250, 130)
+  used = sum(sizes)
+  lhs = jax.random.normal(jax.random.key(1), (m, k))
+  rhs = jax.random.normal(jax.random.key(2), (len(sizes), k, n)) / 16
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  weights = jnp.cos(jnp.arange(m * n, dtype=jnp.float32).reshape(m, n))
+  rows = (jnp.arange(m) < used)[:, None]
+
+  def product_and_grads(matmul):
+    loss = lambda l, r: jnp.sum(matmul(l, r, group_sizes) * weights)
+    return jax.jit(lambda l, r: (matmul(l, r, group_sizes),
+                                 *jax.grad(loss, argnums=(0, 1))(l, r)))
+
+  unwritten = ops.gmm(lhs, rhs, group_sizes, jnp.float32, (512, 256, 256), None, None, False,
+                      True)
+  assert np.array_equal(np.nonzero(np.isnan(np.asarray(unwritten)).any(axis=1))[0],
+                        np.arange(used, m))
+  got = product_and_grads(functools.partial(grouped_matmul, implementation="megablox",
+                                            interpret=True))(lhs, rhs)
+  with jax.default_matmul_precision("highest"):
+    want = product_and_grads(lambda l, r, s: jnp.where(rows, jax.lax.ragged_dot(l, r, s), 0))(
+        lhs, rhs)
+  assert not np.asarray(got[0][used:]).any()
+  for g, w in zip((got[0], got[1][:used], got[2]), (want[0], want[1][:used], want[2])):
+    assert _relative_error(g, w) < 1e-5
+
 def _per_device_cases():
   """name -> (kernel fn, reference fn, input): each a function of one array, per device."""
   rng = np.random.default_rng(3)

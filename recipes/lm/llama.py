@@ -404,7 +404,7 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool | str = False,
     x, seg, pos = carry
     return jax.lax.scan(lambda x, p: (block(x, p, seg, pos), None), x, ps,
                         unroll=cfg.unroll)[0], seg, pos
-  blocks, stages, pp = params["blocks"], _stages(), fs.parallel.pipeline
+  blocks, stages, pp = params["blocks"], _stages(), fs.parallel
   # A circular layout: [stages, repeats, layers per stage, d_model, heads, head_dim].
   repeats = blocks["wq"].shape[1] if blocks["wq"].ndim == 6 else 0
   # A batch too small to cut into microbatches (one row, sampling) runs the blocks in order.

@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import chat, data, shards
+from recipes.lm import chat, data, shards, tokens
 
 HELD_EVERY = 20  # pair i is held out when i % HELD_EVERY == HELD_EVERY - 1
 FIELDS = ("prompt", "chosen", "rejected")
@@ -199,7 +199,7 @@ def corpus(path: str, tokenizer: str, template_file: str) -> data.Corpus:
   tokens end to end (the counts and baselines a run reports)."""
   train, held = load(path, tokenizer, template_file)
   tok = shards.load_tokenizer(tokenizer) if tokenizer else None
-  vocab = data.tokenizer_vocab(tok)[0] if tok is not None else 256
+  vocab = tokens.vocabulary(tok)[0] if tok is not None else 256
   ends = lambda ps: np.concatenate([np.concatenate([p.chosen, p.rejected]) for p, _ in ps])
   encode = (lambda s: tok.encode(s).ids) if tok is not None else (lambda s: list(s.encode()))
   decode = tok.decode if tok is not None else (
