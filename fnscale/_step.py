@@ -611,40 +611,74 @@ def _unscale(grads, ls):
 
 def _update(cfg: _Config, state, grads, ls):
   """The optimizer update; with a dynamic loss scale, a non-finite step is skipped.
-  Returns the new state, `skipped` and the float32 norm of the change applied to the
-  params (the update after rounding to the param dtype)."""
+  Returns the new state, `skipped`, and the float32 norms of `grads` (float32, unscaled)
+  and of the change applied to the params (the update after rounding to the param dtype).
+
+  Both norms come from one reduction per leaf (`_square_sums`), taken before the new
+  params are written: the change is computed from the old params and the updates, and the
+  new params read the change's norm (`_apply`), which orders that reduction first. The
+  new params then take the old params' (donated) buffers in place. Measured afterwards as
+  new - old, the old params would have to outlive the update: XLA copies every param
+  first, then reads old and new again."""
   params = state.params
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  updates, opt_state = cfg.optimizer.update(grads, state.opt_state, params)
-  new_params = optax.apply_updates(params, updates)
+  cast = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  updates, opt_state = cfg.optimizer.update(cast, state.opt_state, params)
   skipped = jnp.zeros((), jnp.int32)
   new_ls = state.loss_scale
+  finite = None
   if isinstance(ls, jmp.DynamicLossScale):
-    finite = jmp.all_finite(grads)
-    new_params, opt_state = jmp.select_tree(
-        finite, (new_params, opt_state), (params, state.opt_state))
+    finite = jmp.all_finite(cast)
+    opt_state = jmp.select_tree(finite, opt_state, state.opt_state)
     ls = ls.adjust(finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,
                                  counter=jnp.asarray(ls.counter, jnp.int32))
-  applied = jax.tree.map(_change, new_params, params)
-  update_norm = optax.tree.norm(applied).astype(jnp.float32)
+  sums = [_square_sums(g, _applied(p, u, finite)) for g, p, u in
+          zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(updates))]
+  grad_norm = jnp.sqrt(sum((g for g, _ in sums), jnp.zeros((), jnp.float32)))
+  update_norm = jnp.sqrt(sum((c for _, c in sums), jnp.zeros((), jnp.float32)))
+  new_params = jax.tree.map(lambda p, u: _apply(p, u, finite, update_norm), params, updates)
   new_state = state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                              loss_scale=new_ls)
-  return new_state, skipped, update_norm
+  return new_state, skipped, grad_norm, update_norm
 
 
-def _change(new, old):
-  """new - old in float32, `new` rounded to its dtype explicitly: XLA may otherwise keep
-  the excess precision of the float32 sum that it rounds (xla_allow_excess_precision). A
-  float32 leaf is its own rounding: no pass over it for that (on CPU one more per leaf)."""
-  if not _is_float(new):
+def _apply(p, u, finite, update_norm):
+  """`p` updated by `u` as optax applies it (p + u in p's dtype); `p` itself where a
+  dynamic loss scale skips the step (`finite` False). Also `p` where `update_norm` < 0,
+  which never holds (a norm is not negative, NaN compares False): the select makes the
+  update read the norm, so XLA reduces the old params before overwriting them."""
+  new = optax.apply_updates(p, u)
+  keep = update_norm < 0
+  if finite is not None:
+    keep = keep | jnp.logical_not(finite)
+  return jnp.where(keep, p, new)
+
+
+def _applied(p, u, finite):
+  """The change `_apply` makes to `p`, in float32: p + u rounded to p's dtype explicitly
+  (XLA may otherwise keep the excess precision of a float32 sum that it rounds,
+  xla_allow_excess_precision), minus p; a float32 leaf is its own rounding. 0 where the
+  step is skipped; a 0-d 0 for a non-floating leaf."""
+  if not _is_float(p):
     return jnp.zeros((), jnp.float32)
-  if new.dtype == jnp.float32:
-    return new - old.astype(jnp.float32)
-  info = jnp.finfo(new.dtype)
-  rounded = jax.lax.reduce_precision(new.astype(jnp.float32), info.nexp, info.nmant)
-  return rounded - old.astype(jnp.float32)
+  new = optax.apply_updates(p, u).astype(jnp.float32)
+  if p.dtype != jnp.float32:
+    info = jnp.finfo(p.dtype)
+    new = jax.lax.reduce_precision(new, info.nexp, info.nmant)
+  change = new - p.astype(jnp.float32)
+  return change if finite is None else jnp.where(finite, change, 0.0)
+
+
+def _square_sums(g, c):
+  """(sum of g**2, sum of c**2) in float32, in one reduction over both (a variadic
+  reduce: one pass, where two sums would be two)."""
+  g = jnp.asarray(g, jnp.float32)
+  c = jnp.broadcast_to(jnp.asarray(c, jnp.float32), g.shape)
+  if g.ndim == 0:
+    return g * g, c * c
+  return jax.lax.reduce((g * g, c * c), (jnp.float32(0), jnp.float32(0)),
+                        lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
 
 
 def _step(cfg: _Config, state, batch):
@@ -657,8 +691,7 @@ def _step(cfg: _Config, state, batch):
                                         state.frozen)
   grads, loss = _normalize(grads, loss, weight)
   grads = _unscale(grads, ls)
-  grad_norm = optax.tree.norm(grads).astype(jnp.float32)
-  new_state, skipped, update_norm = _update(cfg, state, grads, ls)
+  new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
   # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
   # change to the params.
   bad = (jnp.isfinite(loss) & (skipped == 0)

@@ -53,6 +53,42 @@ def test_bfloat16_params_that_round_every_update_away_are_flagged():
   assert float(m["update_norm"]) == 0.0 and int(m["bad_update"]) == 1
 
 
+def test_update_norm_counts_only_what_survives_rounding_to_bfloat16():
+  # bfloat16 params of 1.0 (ulp below 1: 2**-8) moved by sgd(1e-2) x gradients 1, 1e-3,
+  # 0.5, 0: the first and third change (by a rounded amount), the second rounds away, the
+  # fourth gets no update. update_norm is the norm of the rounded change, not of lr x grad;
+  # grad_norm that of the float32 gradients.
+  x = np.array([1.0, 1e-3, 0.5, 0.0], np.float32)
+  params = {"w": jnp.ones((4,), jnp.float32)}
+  policy = "params=bfloat16,compute=float32,output=float32"
+  batch = {"x": jnp.asarray(np.tile(x, (8, 1)))}
+  m, before, after = _run(_linear, params, optax.sgd(1e-2), policy=policy, batch=batch)
+  change = np.asarray(after["w"], np.float64) - np.asarray(before["w"], np.float64)
+  assert list(change != 0) == [True, False, True, False]
+  np.testing.assert_allclose(float(m["update_norm"]), np.linalg.norm(change), rtol=1e-6)
+  assert abs(float(m["update_norm"]) - np.linalg.norm(1e-2 * x)) > 1e-4  # rounding shows
+  np.testing.assert_allclose(float(m["grad_norm"]), np.linalg.norm(x), rtol=1e-6)
+  assert int(m["bad_update"]) == 0 and int(m["skipped"]) == 0
+
+
+def test_params_are_updated_in_place_without_copies():
+  # The change is measured before the new params overwrite the old (donated) buffers: the
+  # compiled step copies no param (measured as new - old it copied every one first).
+  def loss_fn(params, batch):
+    return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) @ params["v"] + params["b"])
+
+  mesh = fnscale.make_mesh("data=8")
+  opt = optax.adamw(1e-3)
+  params = {"w": jnp.ones((4, 16)) / 4, "v": jnp.ones((16,)), "b": jnp.zeros(())}
+  state = fnscale.init_state(params, opt, mesh=mesh)
+  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt), mesh)
+  hlo = step.compile(state, {"x": jnp.ones((8, 4))}).compiled.as_text()
+  names = re.findall(r"(%[\w.-]+) = [^\n]*parameter\(\d+\)[^\n]*op_name=\"state\.params", hlo)
+  assert len(names) == 3, hlo
+  copied = [n for n in names if re.search(rf" copy\({re.escape(n)}\)", hlo)]
+  assert not copied, hlo
+
+
 def test_non_finite_update_with_finite_loss_is_flagged():
   # sqrt(|w|) at w = 0: a finite loss, an infinite gradient, no loss scale to skip the step.
   params = {"w": jnp.zeros((4,), jnp.float32)}
