@@ -1,4 +1,4 @@
-"""The token-embedding lookup (`recipes/lm/gpt.py:embed_lookup`, Llama's too) moves token ids and
+"""The token-embedding lookup (`recipes/lm/embedding.py:lookup`, Llama's too) moves token ids and
 activations between devices, never the table: the collectives of compiled programs
 (`fs.analysis.hlo.summarize`, bytes per device per step) against hand counts of the shapes below.
 
@@ -17,7 +17,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import hlo
-from recipes.lm import gpt, llama
+from recipes.lm import embedding, gpt, llama
 
 B, T, D = 16, 32, 64
 F32 = I32 = 4
@@ -33,7 +33,7 @@ def _lookup_summary(mesh_spec, vocab):
   rows = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
 
   def loss(table, tokens):
-    return jnp.mean(jnp.square(gpt.embed_lookup(table, tokens)))
+    return jnp.mean(jnp.square(embedding.lookup(table, tokens, gpt.RULES)))
 
   table = jax.ShapeDtypeStruct((vocab, D), jnp.float32,
                                sharding=NamedSharding(mesh, P(None, "fsdp")))
@@ -122,7 +122,7 @@ def test_lookup_over_every_column_axis_moves_ids_not_the_table(mesh_spec, model,
   table = jax.random.normal(jax.random.key(0), (V, D))
   tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
   cot = jax.random.normal(jax.random.key(2), (B, T, D))
-  loss = lambda t, x, r=None: jnp.sum(gpt.embed_lookup(t, x, r) * cot)
+  loss = lambda t, x, r=None: jnp.sum(embedding.lookup(t, x, gpt.RULES if r is None else r) * cot)
   want = jax.value_and_grad(lambda t: jnp.sum(t[tokens] * cot))(table)
   mesh = fs.make_mesh(mesh_spec)
   spec = fs.logical_to_spec(("vocab", "embed"), rules, mesh)
@@ -151,7 +151,7 @@ def test_a_vocabulary_split_over_a_token_axis_still_looks_up_each_token():
   spec = fs.logical_to_spec(("vocab", "embed"), rules, mesh)
   assert spec == P("data", "fsdp")
   with fs.with_mesh(mesh):
-    loss = lambda t, x: jnp.sum(gpt.embed_lookup(t, x, rules) * cot)
+    loss = lambda t, x: jnp.sum(embedding.lookup(t, x, rules) * cot)
     got = jax.jit(jax.value_and_grad(loss))(jax.device_put(table, NamedSharding(mesh, spec)),
                                             jax.device_put(tokens, fs.batch_sharding(mesh)))
   want = jax.value_and_grad(lambda t: jnp.sum(t[tokens] * cot))(table)

@@ -53,15 +53,15 @@ def _batch(rows, seq, seed=0):
 
 @pytest.mark.slow
 def test_sampling_continues_a_prompt_with_the_models_own_argmax():
-  """`gpt.generate` (train_lm's sample) drives the MoE model's apply, positions given:
+  """`sampling.generate` (train_lm's sample) drives the MoE model's apply, positions given:
   greedy tokens are the argmax of the model's logits, token by token."""
-  from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
+  from recipes.lm import sampling  # pylint: disable=import-outside-toplevel
   cfg = moe.model_config("moe-tiny", 8, **TINY)
   params = moe.init_params(cfg, jax.random.key(1))
   one = jax.sharding.NamedSharding(fs.make_mesh({"data": 1}, devices=jax.devices()[:1]),
                                    jax.P())
-  got = gpt.generate(functools.partial(moe.apply, cfg=cfg), jax.device_put(params, one),
-                     [1, 2, 3], gpt.Sampling(length=4, seq=8, temperature=0.0, seed=0))
+  got = sampling.generate(functools.partial(moe.apply, cfg=cfg), jax.device_put(params, one),
+                     [1, 2, 3], sampling.Sampling(length=4, seq=8, temperature=0.0, seed=0))
   buf = np.zeros((1, 8), np.int32)
   buf[0, :3] = [1, 2, 3]
   logits = jax.jit(functools.partial(moe.apply, cfg=cfg))

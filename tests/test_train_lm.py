@@ -27,7 +27,7 @@ import tokenizers
 import fnscale as fs
 
 from recipes.lm import data
-from recipes.lm import gpt
+from recipes.lm import embedding, gpt
 from recipes.lm import cli, progress, run_setup, rundir, stopping
 from recipes.launch import launch_local
 from recipes import plot_run
@@ -240,7 +240,7 @@ def test_plain_embedding_lookup_draws_the_warning(monkeypatch, partitioner, no_c
   shard_map), the same step on data=2,fsdp=4 draws XLA's involuntary rematerialization under
   GSPMD propagation (in jax 0.10.2 under Shardy too; jax 0.12's Shardy places this gather
   without it), and the report carries it."""
-  monkeypatch.setattr(gpt, "embed_lookup", lambda table, tokens, rules=None: table[tokens])
+  monkeypatch.setattr(embedding, "lookup", lambda table, tokens, rules: table[tokens])
   warnings = _xla_warnings("data=2,fsdp=4")
   assert any("Involuntary full rematerialization" in w for w in warnings), warnings
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import gpt, packing
+from recipes.lm import packing, sampling
 
 
 def eval_loss(loss_fn, policy, kernels: dict):
@@ -46,8 +46,8 @@ def sample(r, state) -> str:
   """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said."""
   o, c, t = r.setup.o, r.setup.corpus, time.time()
   apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
-  text = c.decode(gpt.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
-                               gpt.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
+  text = c.decode(sampling.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
+                               sampling.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
                                             o.attention)))
   r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "
         f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.prompt}{text}\n{'-' * 60}")

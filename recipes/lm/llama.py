@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import gpt, int8
+from recipes.lm import embedding, int8
 from recipes.lm import remat as remat_lib
 
 
@@ -391,13 +391,13 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool | str = False,
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
   (theta, scaling) and RMSNorm epsilon (default Llama 3's); shapes come from the params.
   `rows`: the batch's optional "segment_ids" and "positions", int32 [batch, seq] (packed
-  rows, see `_block`; under a context axis positions are required: `gpt.check_positions`).
+  rows, see `_block`; under a context axis positions are required: `embedding.check_positions`).
   On a mesh with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the
   stages, or none for a batch they don't divide, e.g. one row when sampling)."""
   cfg = _config_of(params, tokens, cfg)
   segment_ids, positions = (rows or {}).get("segment_ids"), (rows or {}).get("positions")
-  gpt.check_positions(positions)
-  x = gpt.embed_lookup(params["embed"], tokens, RULES)  # ids and activations move
+  embedding.check_positions(positions)
+  x = embedding.lookup(params["embed"], tokens, RULES)  # ids and activations move
   block = remat_lib.checkpointed(lambda x, p, seg, pos: _block(x, p, cfg, seg, pos), remat)
 
   def layers(ps, carry):  # packed rows' segment ids and positions travel with their rows

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import gpt, llama
+from recipes.lm import embedding, llama
 
 HAS_AUX = True  # `loss_and_aux` returns the expert load beside the loss
 
@@ -231,10 +231,10 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
            positions=None) -> tuple[jax.Array, dict]:
   """(final hidden states [batch, seq, d_model] after the last RMSNorm, per-layer aux:
   `MoEAux` fields stacked over layers). `segment_ids`, `positions`: int32 [batch, seq]
-  (as llama's; positions are required under a context axis: `gpt.check_positions`)."""
+  (as llama's; positions are required under a context axis: `embedding.check_positions`)."""
   cfg = _config_of(params, tokens, cfg)
-  gpt.check_positions(positions)
-  x = gpt.embed_lookup(params["embed"], tokens, RULES)
+  embedding.check_positions(positions)
+  x = embedding.lookup(params["embed"], tokens, RULES)
   block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
   block = jax.checkpoint(block) if remat else block
   x, aux = jax.lax.scan(block, x, params["blocks"])
