@@ -147,8 +147,8 @@ class Options(Hardware):
                              "per_microbatch for a loss that takes a key), 'per_microbatch' "
                              "(params stay sharded, gradients reduced every microbatch) or "
                              "'once' (whole params on each device, gradients reduced once)")
-  precision: str = option("auto", f"jmp policy, e.g. '{MIXED}', 'float32', 'bfloat16'; "
-                        "auto: float32 on CPU, bfloat16 compute elsewhere")
+  precision: str = option("auto", f"jmp policy, e.g. '{MIXED}', 'float32', 'bfloat16' "
+                        "(or 'bf16', 'f32'); auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
   context: str = option("all_gather", "attention over a sequence split by a 'context' mesh "
                         "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
