@@ -22,8 +22,9 @@ def _choose(v5e, name, rows, **options):
   topo, mesh = v5e
   model = gpt if name in gpt.SIZES else llama
   said = []
-  o, rows = memory.choose(Options(model_config=name, **options), model,
-                          model.model_config(name, 1024), name, topo, mesh, rows, said.append)
+  o, rows = memory.choose(Options(model_config=name, **options),
+                          memory.Model(model, model.model_config(name, 1024), name), topo, mesh,
+                          rows, said.append)
   return o, rows, said
 
 

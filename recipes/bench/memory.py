@@ -107,7 +107,7 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
   """One row of the table (the module docstring)."""
   model, t0 = MODELS[name], time.perf_counter()
   cfg = model.model_config(name, args.seq)
-  prof = memory.profile(model, cfg, target, rows, POLICY, args.remat_policy, **kw)
+  prof = memory.profile(memory.Model(model, cfg), target, rows, POLICY, args.remat_policy, **kw)
   one = fs.MeshAxes({"data": 1}, {})
   est = lambda remat, accum: fs.analysis.predict(prof, target, one, remat=remat, accum=accum,
                                              **kw).estimate.bytes

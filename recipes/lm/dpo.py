@@ -102,15 +102,14 @@ def pair_logps(logps, segment_ids, pairs: int):
   return sums[:, 0::2], sums[:, 1::2], present
 
 
-def pair_loss(model, policy, reference, batch: dict, config: DPOConfig, *, cfg,
-              remat: bool = False):
+def pair_loss(logps, policy, reference, batch: dict, config: DPOConfig, remat: bool = False):
   """((sum of the batch's pairs' losses, pair count), aux) of `policy` params (bound LoRA
-  params, `fnscale.lora.bind`) against `reference` params (the frozen base): aux
+  params, `fnscale.lora.bind`) against `reference` params (the frozen base), their token
+  log-probabilities by `logps(params, batch, remat=)` (`token_logps` of the model): aux
   {"chosen_reward", "rejected_reward", "reward_accuracy", "reward_margin"}, means over the
   batch's pairs."""
-  logps = functools.partial(token_logps, model, batch=batch, cfg=cfg)
-  pol = pair_logps(logps(policy, remat=remat), batch["segment_ids"], config.pairs)
-  ref = pair_logps(logps(reference), batch["segment_ids"], config.pairs)
+  pol = pair_logps(logps(policy, batch, remat=remat), batch["segment_ids"], config.pairs)
+  ref = pair_logps(logps(reference, batch), batch["segment_ids"], config.pairs)
   losses, r_w, r_l = preference_loss(pol[0], pol[1], ref[0], ref[1], config)
   present = pol[2].astype(jnp.float32)
   n = jnp.sum(present)
@@ -126,10 +125,11 @@ def loss_fn(model, lora: fs.lora.LoraConfig, config: DPOConfig, *, cfg):
   has_aux=True)` calls it: `loss(adapters, batch, key=None, *, frozen, remat=False)` ->
   `pair_loss` of the adapted model against `frozen` (the base, without adapters)."""
   check(config)
+  logps = functools.partial(token_logps, model, cfg=cfg)
 
   def loss(adapters, batch, key=None, *, frozen, remat: bool = False):
-    return pair_loss(model, fs.lora.bind(frozen, adapters, lora, key), frozen, batch, config,
-                     cfg=cfg, remat=remat)
+    return pair_loss(logps, fs.lora.bind(frozen, adapters, lora, key), frozen, batch, config,
+                     remat=remat)
   return loss
 
 
@@ -138,4 +138,5 @@ def eval_loss_fn(model, config: DPOConfig, *, cfg):
   against their own base (each `LoraWeight` read as its frozen weight)."""
   base = lambda t: jax.tree.map(lambda x: x.w if isinstance(x, fs.lora.LoraWeight) else x, t,
                                 is_leaf=lambda x: isinstance(x, fs.lora.LoraWeight))
-  return lambda bound, batch: pair_loss(model, bound, base(bound), batch, config, cfg=cfg)[0]
+  logps = functools.partial(token_logps, model, cfg=cfg)
+  return lambda bound, batch: pair_loss(logps, bound, base(bound), batch, config)[0]

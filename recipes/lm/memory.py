@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -55,16 +56,26 @@ def remat_loss(model, cfg, keep: str):
   return loss
 
 
-def profile(model, cfg, target, rows: int, policy, keep: str = "none", lora=None, **kw):
+class Model(NamedTuple):
+  """The run's model as the planner sees it: its module (`recipes.lm.gpt`, `llama`, `moe`),
+  config, name (for messages) and LoRA config (None: every param trained)."""
+  module: object
+  cfg: object
+  name: str = ""
+  lora: object = None
+
+
+def profile(m: Model, target, rows: int, policy, keep: str = "none", **kw):
   """The planner's profile of the run's step (`fnscale.analysis.profile_model`: its
   traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
   the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps without
-  remat (`remat_loss`) and `lora` (a LoraConfig: its state's). `kw`: profile_model's."""
-  return _per_row(model, cfg, target, policy, keep, lora, tuple(kw.items()))._replace(rows=rows)
+  remat (`remat_loss`) and `m.lora`'s state. `kw`: profile_model's."""
+  return _per_row(m, target, policy, keep, tuple(kw.items()))._replace(rows=rows)
 
 
 @functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
-def _per_row(model, cfg, target, policy, keep: str, lora, kw: tuple):
+def _per_row(m: Model, target, policy, keep: str, kw: tuple):
+  model, cfg, lora = m.module, m.cfg, m.lora
   shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
   init = functools.partial(model.init_params, cfg)
   run = lambda keep: fs.analysis.profile_model(
@@ -90,12 +101,12 @@ def _mesh_axes(mesh) -> fs.MeshAxes:
   return fs.MeshAxes(dict(mesh.shape), {})
 
 
-def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None):
+def choose(o, m: Model, topo, mesh, per_device: int, say):
   """(options, rows per device) with `o.remat` and `o.accum_steps` filled in: the defaults
   (off, 1), or where the default's estimate exceeds the device's memory, the planner's
   fastest option within `HEADROOM` of it among the choices the user left open (the module
   docstring), said in one line. What the user fixed is left to the compiled check
-  (`compile_step`). `name`: the model's, for messages.
+  (`compile_step`).
 
   Raises:
     FitError: nothing the user left open fits by the estimate (with every choice fixed:
@@ -116,8 +127,7 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
   dp = fs.analysis.data_parallel(_mesh_axes(mesh))
   now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
   try:
-    prof = profile(model, cfg, topo, per_device * dp, startup.policy(o.precision, topo.platform),
-                   base, lora)
+    prof = profile(m, topo, per_device * dp, startup.policy(o.precision, topo.platform), base)
     ask = lambda room, **kw: fs.analysis.fit_options(prof, topo, _mesh_axes(mesh), room,
                                                  accum_gather=o.accum_gather, **kw)
     need = ask(float("inf"), **now)[0].bytes
@@ -139,7 +149,7 @@ def choose(o, model, cfg, name: str, topo, mesh, per_device: int, say, lora=None
                accum=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
   held = " ".join(spell[k](v) for k, v in fixed.items() if v is not None)
   raise FitError(
-      f"{name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
+      f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
       + (f"; with {held} nothing fits, whatever the remat and accumulation" if held else "")
       + "; fix: " + ("; ".join(map(flags, anything[:3])) if anything else

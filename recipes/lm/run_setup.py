@@ -51,7 +51,8 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   if o.global_batch is not None:
     per_device = max(1, o.global_batch // dp)
   # remat, accumulation and rows the user left open: what fits the device's memory.
-  o, per_device = memory.choose(o, model, cfg, name, topo, mesh, per_device, say, lora)
+  o, per_device = memory.choose(o, memory.Model(model, cfg, name, lora), topo, mesh,
+                                per_device, say)
   batch = per_device * dp if o.global_batch is None else o.global_batch
   check_batch(seq, per_device, batch, o.accum_steps, mesh)
   check_pipeline(o.microbatches, model, mesh)
