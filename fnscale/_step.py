@@ -614,7 +614,7 @@ def _update(cfg: _Config, state, grads, ls):
   Returns the new state, `skipped`, and the float32 norms of `grads` (float32, unscaled)
   and of the change applied to the params (the update after rounding to the param dtype).
 
-  Both norms come from one reduction per leaf (`_square_sums`), taken before the new
+  Both norms come from sums over each leaf (`_square_sums`), taken before the new
   params are written: the change is computed from the old params and the updates, and the
   new params read the change's norm (`_apply`), which orders that reduction first. The
   new params then take the old params' (donated) buffers in place. Measured afterwards as
@@ -671,14 +671,11 @@ def _applied(p, u, finite):
 
 
 def _square_sums(g, c):
-  """(sum of g**2, sum of c**2) in float32, in one reduction over both (a variadic
-  reduce: one pass, where two sums would be two)."""
+  """(sum of g**2, sum of c**2) in float32. Two sums, not one variadic reduce over both:
+  GSPMD partitions a variadic reduce of sharded operands by gathering them first."""
   g = jnp.asarray(g, jnp.float32)
-  c = jnp.broadcast_to(jnp.asarray(c, jnp.float32), g.shape)
-  if g.ndim == 0:
-    return g * g, c * c
-  return jax.lax.reduce((g * g, c * c), (jnp.float32(0), jnp.float32(0)),
-                        lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(g.ndim)))
+  c = jnp.asarray(c, jnp.float32)
+  return jnp.sum(g * g), jnp.sum(c * c)
 
 
 def _step(cfg: _Config, state, batch):
