@@ -91,7 +91,7 @@ import fnscale as fs
 from fnscale.kernels import _splash_tiles
 from recipes.bench import plain_jax as pj
 from recipes.bench import trace_split
-from recipes.lm import hardware, models
+from recipes.lm import cli, hardware, models
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
 # Llama sized for one v5e chip, and tiny ones for a CPU.
@@ -586,10 +586,7 @@ def run(argv: list[str], say=print) -> list[dict]:
   """Parses `argv` and runs each search and case in order; returns the rows."""
   fv = flags.FlagValues()
   _define_flags(fv)
-  try:
-    fv(list(argv))
-  except flags.Error as e:
-    raise fs.InputError(f"{e}; see --help") from None
+  cli.parse_values(fv, argv)
   topo = hardware.detect(hardware.from_values(fv))
   items = [("search", c.removeprefix("search:")) if c.startswith("search:") else
            ("case", parse_case(c)) for c in fv.case]

@@ -61,7 +61,7 @@ from absl import flags
 from absl import logging
 
 import fnscale as fs
-from recipes.lm import hardware
+from recipes.lm import cli, hardware
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -660,10 +660,7 @@ def _define_flags(fv):
 def parse_flags(argv) -> Config:
   fv = flags.FlagValues()
   _define_flags(fv)
-  try:
-    fv(list(argv))
-  except flags.Error as e:
-    raise fs.InputError(f"{e}; see --help") from None
+  cli.parse_values(fv, argv)
   given = {n for n in fv if fv[n].present}
   kw = dict(sizes=tuple(fv.sizes), meshes=tuple(fv.meshes),
             devices=tuple(int(x) for x in fv.devices), steps=fv.steps, warmup=fv.warmup,

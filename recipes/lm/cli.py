@@ -177,13 +177,19 @@ def _flag_values(cls) -> flags.FlagValues:
   return fv
 
 
+def parse_values(fv: flags.FlagValues, argv: list[str]) -> list[str]:
+  """`fv` parsed from `argv` (argv[0] is the program name); returns what isn't a flag.
+  Raises InputError on a bad flag (absl's message, and where the flags are listed)."""
+  try:
+    return fv(list(argv))
+  except flags.Error as e:
+    raise fs.InputError(f"{e}; see --help") from None
+
+
 def parse_flags(cls, argv: list[str]):
   """absl flags (argv[0] is the program name) -> `cls`. Raises FnscaleError on a bad flag."""
   fv = _flag_values(cls)
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    raise fs.InputError(f"{e}; see --help") from None
+  rest = parse_values(fv, argv)
   if len(rest) > 1:
     raise fs.InputError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
   return _check_ranges(cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)}))
