@@ -31,6 +31,7 @@ JVP for the tangent, and says so once per kernel in the log.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import contextlib
 import functools
 
 from absl import logging
@@ -76,6 +77,17 @@ def _vjp_in(fn: Callable, args: Sequence, live: Sequence[int], cotangent) -> lis
   return list(jax.vjp(of_live, *[args[i] for i in live])[1](cotangent))
 
 
+def _kernel_precision(leaves):
+  """Where a kernel's passes are traced: at jax's default matmul precision when an argument
+  is a float narrower than 32 bits, whatever `jax.default_matmul_precision` the caller set.
+  Mosaic can't lower a "highest" dot of bfloat16 operands ("Bad lhs type"), and the
+  product of two bfloat16 values is exact in the float32 accumulator, so the setting asks
+  nothing of such a dot; float32 kernels keep the caller's precision."""
+  half = any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+             for x in leaves if hasattr(x, "dtype"))
+  return jax.default_matmul_precision(None) if half else contextlib.nullcontext()
+
+
 def _kernel_forward(run: Callable, reference: Callable, primals: Sequence):
   """(value, residual leaves, a thunk giving the residuals' tree) of the kernel's forward
   pass at `primals`, differentiable: the value's tangent is the reference's, the
@@ -85,7 +97,8 @@ def _kernel_forward(run: Callable, reference: Callable, primals: Sequence):
   found = []  # (value's tree, residuals' tree, which argument each residual is), per trace
 
   def forward(*xs):
-    y, pullback = jax.vjp(run, *xs)
+    with _kernel_precision(xs):
+      y, pullback = jax.vjp(run, *xs)
     residuals, tree = jax.tree.flatten(pullback)
     same = [next((i for i, x in enumerate(xs) if r is x), None) for r in residuals]
     y_leaves, y_tree = jax.tree.flatten(y)
@@ -108,7 +121,8 @@ def _kernel_backward(reference: Callable, live: Sequence[int], n: int, r: int,
   kernel's backward pass, differentiable: its tangent is that of the reference's VJP
   (in the primals and the cotangent; the residuals follow the primals)."""
   def backward(*a):
-    grads = jax.tree.unflatten(tree(), a[n:n + r])(jax.tree.unflatten(y_tree, a[n + r:]))
+    with _kernel_precision(a[:n]):  # the kernel's backward pass is traced here
+      grads = jax.tree.unflatten(tree(), a[n:n + r])(jax.tree.unflatten(y_tree, a[n + r:]))
     return [grads[i] for i in live]
 
   def reference_vjp(*a):
@@ -152,7 +166,8 @@ def reverse_only(kernel: Callable, reference: Callable, name: str, reference_nam
       trees = []
 
       def flat(*a):
-        y = run(*a)
+        with _kernel_precision(a):
+          y = run(*a)
         trees.append(jax.tree.structure(y))
         return jax.tree.leaves(y)
       out = _compat.kernel_call(flat, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts))

@@ -1202,3 +1202,20 @@ def test_kernels_inside_a_checked_shard_map_and_on_explicit_axes(name, where):
     want = jax.jit(all_three, static_argnums=0)(reference, x, t)
   for what, g, w in zip(("value", "gradient", "jvp"), got, want):
     assert _relative_error(g, w) < 1e-4, what
+
+
+@pytest.mark.tpu
+def test_megablox_on_a_multi_device_auto_mesh_compiles_for_tpu(tpu_devices):
+  # A direct call under a 4-device mesh of Auto axes: XLA can't partition a Mosaic kernel
+  # ("cannot be automatically partitioned"), so each device runs it whole on all the rows;
+  # the program holds the kernel, value and gradient.
+  mesh = fs.make_mesh({"data": 4}, devices=tpu_devices("v5e:2x2"))
+  rows = jax.NamedSharding(mesh, jax.P("data"))
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16, sharding=jax.NamedSharding(mesh, jax.P()))
+  gmm = lambda x, w: fs.kernels.grouped_matmul(x, w, jnp.array([256, 200], jnp.int32),
+                                               implementation="megablox", platform="tpu")
+  loss = lambda x, w: jnp.sum(gmm(x, w).astype(jnp.float32))
+  with fs.with_mesh(mesh):
+    text = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w).compile().as_text()
+  assert "tpu_custom_call" in text

@@ -9,6 +9,10 @@ attention's implementation, `IMPLEMENTATIONS`, with its `BlockSizes`), `gmm_sele
 logsumexp (a remat policy that saves it spares the forward kernel's rerun); and
 `grouped_matmul`, the experts' matmul.
 
+Under `jax.default_matmul_precision`, a kernel on bfloat16 or float16 operands runs at the
+default precision (its products are exact in the float32 accumulator, and Mosaic lowers no
+"highest" bfloat16 dot); a float32 kernel and the caller's own matmuls keep the setting.
+
 Layer: imports the core pipeline only; never `fnscale.parallel`, `fnscale.multihost`,
 `fnscale.checkpoint`, `fnscale.analysis` or the package root.
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from fnscale import _autodiff
 from fnscale._errors import KernelError
-from fnscale.kernels._per_device import explicit_free_axes, per_device
+from fnscale.kernels._per_device import explicit_free_axes, free_axes, per_device
 
 GMM_IMPLEMENTATIONS = ("auto", "ragged_dot", "megablox", "tiled")
 TILE = 128  # the largest row tile of the "tiled" implementation
@@ -223,17 +223,20 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   # (plain XLA ops, which jax also batches: its ragged_dot has no batching rule).
   return _autodiff.reverse_only(
       _whole(functools.partial(_megablox, tiling=plan.tiling, interpret=plan.interpret,
-                               zero_padding=zero_padding)),
+                               zero_padding=zero_padding), pallas=True),
       tiled, "the megablox grouped matmul", "the tiled grouped matmul")(lhs, rhs, group_sizes)
 
 
-def _whole(fn):
-  """`fn(lhs, rhs, group_sizes)`, on Explicit mesh axes run whole on every device in a
-  shard_map (its result split as lhs is): a Pallas call runs only where every axis is
-  manual, and the tiled form's gathers of rows have no sharding rule there. A group's
-  rows may lie anywhere, so a device needs them all; on Auto axes the partitioner
-  decides the same."""
-  if not explicit_free_axes():
+def _whole(fn, pallas: bool = False):
+  """`fn(lhs, rhs, group_sizes)` run whole on every device in a shard_map (its result split
+  as lhs is) on Explicit mesh axes and, for a Pallas call (`pallas`), on any free axis of
+  more than one device: a Pallas call runs only where every axis is manual (XLA can't
+  partition it), and the tiled form's gathers of rows have no sharding rule on Explicit
+  axes. A group's rows may lie anywhere, so a device needs them all; on Auto axes the
+  partitioner decides the same for the tiled form."""
+  mesh = jax.sharding.get_abstract_mesh()
+  split = pallas and any(mesh.shape[a] > 1 for a in free_axes(None))
+  if not (explicit_free_axes() or split):
     return fn
   rep = jax.P()
   return lambda lhs, rhs, sizes: per_device(fn, (lhs, rhs, sizes), (rep, rep, rep), rep,
