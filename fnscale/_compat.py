@@ -520,6 +520,20 @@ def kernel_cost(eqn) -> KernelCost:
   return KernelCost(str(p["name"] or "pallas_call"), float(cost) if cost else None)
 
 
+# ------------------------------------------------------------------------- compiles
+
+def memoized_executable(lowered):
+  """The executable jax keeps on `lowered`'s computation (`jax.stages.Lowered._lowering.
+  _executable`) from an earlier compile in this process, which a later `compile()` without
+  compiler options returns again, or None."""
+  return getattr(getattr(lowered, "_lowering", None), "_executable", None)
+
+
+def compiled_executable(compiled):
+  """The executable a `jax.stages.Compiled` runs (`Compiled._executable`), or None."""
+  return getattr(compiled, "_executable", None)
+
+
 # ------------------------------------------------------------------------- XLA's logs
 
 # An absl/glog line from XLA's C++ code: severity W or E, date, time, thread, file:line].

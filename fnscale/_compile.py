@@ -185,7 +185,8 @@ class CompiledStep:
   warnings printed while compiling, e.g. "[SPMD] Involuntary full rematerialization"),
   `signature` (the leaves it was compiled for), `compiler_options` (the XLA options it was
   compiled with), `from_cache` (loaded from jax's persistent compilation cache: then
-  `compile_seconds` is the load's). In a multi-process job,
+  `compile_seconds` is the load's), `reused` (the executable jax compiled for the same
+  program earlier in this process: `compile_seconds` is the lookup's). In a multi-process job,
   `fnscale.multihost.agree_on_step(compiled)` checks that every process compiled the same
   step.
   """
@@ -201,6 +202,7 @@ class CompiledStep:
   donate: bool = True
   compiler_options: Mapping | None = None
   from_cache: bool = False
+  reused: bool = False
   # ids of the leaves of the state the last call returned: that state is made of fresh
   # buffers, so the donation check (a few microseconds a leaf) is skipped for it.
   _returned: list = dataclasses.field(default_factory=lambda: [None], init=False,
@@ -331,13 +333,14 @@ class ShardedStep:
       raise _trace_error(e, sig) from e
     except TypeError as e:  # the user's step doesn't trace for these shapes
       raise _trace_error(e, sig) from e
-    compiled, seconds, warnings, from_cache = _compiler.compile_lowered(lowered,
-                                                                       self.compiler_options)
+    c = _compiler.compile_lowered(lowered, self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
-    logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)", name, seconds,
-                 dict(self.mesh.shape), self.mode)
-    return CompiledStep(compiled, lowered, seconds, self.mesh, self.mode, ssh, bsh, warnings,
-                        sig, self.donate, self.compiler_options, from_cache)
+    logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)%s", name, c.seconds,
+                 dict(self.mesh.shape), self.mode, " (compiled earlier in this process)"
+                 if c.reused else "")
+    return CompiledStep(c.compiled, lowered, c.seconds, self.mesh, self.mode, ssh, bsh,
+                        c.warnings, sig, self.donate, self.compiler_options, c.from_cache,
+                        c.reused)
 
   def __call__(self, state, batch):
     key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -35,8 +35,19 @@ def xla_warnings(text: str) -> tuple[str, ...]:
 _SEEN_WARNINGS: dict[str, tuple[str, ...]] = {}
 
 
-def compile_lowered(lowered, compiler_options: Mapping | None = None
-                    ) -> tuple[Any, float, tuple[str, ...], bool]:
+class Compilation(NamedTuple):
+  """`compile_lowered`'s result: the `jax.stages.Compiled`, its wall time in seconds, XLA's
+  warning messages, `from_cache` (jax loaded it from its persistent compilation cache: the
+  seconds are a load's) and `reused` (jax returned the executable it compiled for the same
+  program earlier in this process: the seconds are a lookup's)."""
+  compiled: Any
+  seconds: float
+  warnings: tuple[str, ...]
+  from_cache: bool
+  reused: bool
+
+
+def compile_lowered(lowered, compiler_options: Mapping | None = None) -> Compilation:
   """`lowered.compile(...)`, timed, with what XLA logged to stderr meanwhile captured.
 
   XLA's partitioner writes its warnings from C++ straight to file descriptor 2, so that
@@ -46,18 +57,17 @@ def compile_lowered(lowered, compiler_options: Mapping | None = None
   back first (`release_stderr`), so its message and XLA's lines reach stderr. A program
   compiled again in the same process (jax's in-memory cache) gets the warnings of its first
   compile; one loaded from the persistent compilation cache has none.
-
-  Returns:
-    (the `jax.stages.Compiled`, compile seconds, XLA's warning messages, whether jax loaded
-    it from its persistent compilation cache: the seconds are then a load's).
   """
   key = hashlib.sha256((lowered.as_text() + repr(sorted((compiler_options or {}).items())))
                        .encode()).hexdigest()
+  earlier = _compat.memoized_executable(lowered)
   compiled, seconds, text, from_cache = _compile_capturing(lowered, compiler_options)
   warnings = xla_warnings(text)
   if warnings:
     _SEEN_WARNINGS[key] = warnings
-  return compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ()), from_cache
+  reused = earlier is not None and _compat.compiled_executable(compiled) is earlier
+  return Compilation(compiled, seconds, warnings or _SEEN_WARNINGS.get(key, ()), from_cache,
+                     reused)
 
 
 # The compile whose stderr is being captured, if any: {"saved": the real stderr's duplicate

@@ -501,3 +501,20 @@ def test_kernel_call_of_an_unknown_layout_names_itself(monkeypatch):
   monkeypatch.delattr(partial_eval, "lower_jaxpr2")
   with pytest.raises(fs.RuntimeFailure, match=r"fnscale._compat.kernel_call: .*lower_jaxpr2"):
     _compat._lower_jaxpr(None)
+
+
+def test_memoized_and_compiled_executable_name_jax_s_reuse_of_a_compile():
+  # A lowering holds no executable until compiled; a second lowering of the same program
+  # holds the first compile's, and its compile() returns that very executable. Both read
+  # None from objects of another layout (a jax upgrade): reuse is then never claimed.
+  f = jax.jit(lambda x: 3 * x + 1)
+  x = jnp.arange(5.0)
+  lowered = f.lower(x)
+  assert _compat.memoized_executable(lowered) is None
+  first = _compat.compiled_executable(lowered.compile())
+  assert first is not None
+  again = f.lower(x)
+  assert _compat.memoized_executable(again) is first
+  assert _compat.compiled_executable(again.compile()) is first
+  assert _compat.memoized_executable(object()) is None
+  assert _compat.compiled_executable(object()) is None

@@ -213,8 +213,8 @@ def test_the_capture_gives_the_descriptor_back_and_reads_xla_lines(capfd):
       os.write(2, b"W0101 00:00:00.000000 1 spmd.cc:1] involuntary full remat\n")
       return "compiled"
 
-  compiled, _, warnings, from_cache = _compiler.compile_lowered(Lowered())
-  assert not from_cache
+  compiled, _, warnings, from_cache, reused = _compiler.compile_lowered(Lowered())
+  assert not from_cache and not reused
   assert (compiled, warnings) == ("compiled", ("involuntary full remat",))
   _compiler.release_stderr()  # nothing captured now: a no-op
   os.write(2, b"after\n")

@@ -77,3 +77,20 @@ def test_a_step_loaded_from_the_persistent_cache_is_said_so(tmp_path):
   assert (first.from_cache, again.from_cache) == (False, True)
   assert "persistent compilation cache" not in str(first)
   assert "(loaded from jax's persistent compilation cache)" in str(again)
+
+
+def test_a_step_compiled_earlier_in_the_process_is_said_so():
+  # The same ShardedStep compiled twice: jax hands back the executable of the first compile
+  # (its in-memory cache: the second "compile" takes microseconds), and only the second
+  # report says so; a different batch shape compiles afresh.
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  mesh = fs.make_mesh({"data": 8})
+  opt = optax.sgd(0.1)
+  state = fs.init_state({"w": jnp.zeros((4, 1))}, opt, mesh=mesh)
+  step = fs.shard_step(fs.train_step(loss, opt), mesh)
+  first, again, other = [fs.compile_report(step, state, {"x": jnp.ones((n, 4))})
+                         for n in (16, 16, 32)]
+  assert (first.reused, again.reused, other.reused) == (False, True, False)
+  assert first.compile_seconds > 10 * again.compile_seconds
+  assert "in-memory cache" not in str(first) + str(other)
+  assert "(compiled earlier in this process: jax's in-memory cache)" in str(again)

@@ -59,7 +59,8 @@ class CompileReport(NamedTuple):
   experts, `ragged-dot` ops and the kernels that run them, over their whole buffers: an upper
   bound of the work for a dropless layer; `fnscale.analysis.hlo.Summary.grouped_flops`),
   `from_cache` (the program was loaded from jax's persistent compilation cache, so
-  `compile_seconds` is the load's).
+  `compile_seconds` is the load's), `reused` (jax returned the executable it compiled for
+  the same program earlier in this process: `compile_seconds` is the lookup's).
 
   Examples:
     A plain function of (state, batch), compiled with `jax.jit` on one device: [8, 4] x [4, 2]
@@ -93,6 +94,7 @@ class CompileReport(NamedTuple):
   pipelines: tuple[_pipeline.Schedule, ...] = ()
   grouped_flops: float = 0.0
   from_cache: bool = False
+  reused: bool = False
 
   @property
   def flops_ratio(self) -> float | None:
@@ -130,10 +132,11 @@ def _analysis(compiled, name: str):
 
 
 def report_from_compiled(compiled, compile_seconds: float, mesh=None,
-                         warnings: tuple[str, ...] = (), from_cache: bool = False
-                         ) -> CompileReport:
+                         warnings: tuple[str, ...] = (), from_cache: bool = False,
+                         reused: bool = False) -> CompileReport:
   """A `CompileReport` from a `jax.stages.Compiled`, its measured compile time, the
-  warnings XLA logged while compiling it and whether it came from the persistent cache."""
+  warnings XLA logged while compiling it, whether it came from the persistent cache and
+  whether jax reused an executable compiled earlier in this process."""
   cost = _analysis(compiled, "cost_analysis")
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
@@ -168,7 +171,7 @@ def report_from_compiled(compiled, compile_seconds: float, mesh=None,
       matmul_flops=hlo.matmul_flops, xla_warnings=tuple(warnings), hlo_unread=hlo.unread,
       kernels=hlo.kernels, dcn_bytes_sent=hlo.dcn_bytes_sent,
       pipelines=_pipeline.schedules_in(text), grouped_flops=hlo.grouped_flops,
-      from_cache=bool(from_cache))
+      from_cache=bool(from_cache), reused=bool(reused))
 
 
 def compile_report(step: Callable, state, batch, *,
@@ -238,11 +241,11 @@ def _report(step, state, batch, *, options, model_flops) -> CompileReport:
     step = step.compile(state, batch)
   if isinstance(step, _compile.CompiledStep):
     report = report_from_compiled(step.compiled, step.compile_seconds, step.mesh,
-                                  step.xla_warnings, step.from_cache)
+                                  step.xla_warnings, step.from_cache, step.reused)
   else:
-    compiled, seconds, warnings, from_cache = compile_lowered(
-        jax.jit(step).lower(state, batch), options)
-    report = report_from_compiled(compiled, seconds, None, warnings, from_cache)
+    c = compile_lowered(jax.jit(step).lower(state, batch), options)
+    report = report_from_compiled(c.compiled, c.seconds, None, c.warnings, c.from_cache,
+                                  c.reused)
   return report._replace(model_flops=None if model_flops is None else float(model_flops))
 
 
@@ -278,7 +281,9 @@ def format_report(report: CompileReport) -> str:
   lines = [
       f"compiled step: {report.platform} x{report.num_devices}{mesh}",
       f"  compile time      {report.compile_seconds:.2f} s"
-      + (" (loaded from jax's persistent compilation cache)" if report.from_cache else ""),
+      + (" (loaded from jax's persistent compilation cache)" if report.from_cache else
+         " (compiled earlier in this process: jax's in-memory cache)" if report.reused
+         else ""),
       f"  FLOPs per device  {fn(report.flops)}  (XLA cost analysis, loop bodies once; "
       f"transcendentals {fn(report.transcendentals)}, bytes accessed "
       f"{fb(report.bytes_accessed)})",
