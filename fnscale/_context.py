@@ -31,7 +31,7 @@ not between calls of one jitted function. `tests/test_ambient.py` checks each of
 from __future__ import annotations
 
 import contextvars
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -46,11 +46,14 @@ class KernelChoice(NamedTuple):
     context, context_order: the form ("all_gather" or "ring") and the sequence order
       ("zigzag", "striped" or "contiguous") of attention under a context axis
       (`fnscale.parallel.context`).
+    block_sizes: the kernel tiles (`fnscale.kernels.BlockSizes`) of every attention call
+      that gives none itself; None: chosen per call from its shapes.
 
   Examples:
     >>> import fnscale as fs
-    >>> fs.kernels.KernelChoice()  # outside any with_kernel: each call decides
-    KernelChoice(attention='auto', interpret=False, context='all_gather', context_order='zigzag')
+    >>> c = fs.kernels.KernelChoice()  # outside any with_kernel: each call decides
+    >>> c.attention, c.context, c.block_sizes
+    ('auto', 'all_gather', None)
     >>> fs.kernels.KernelChoice(attention="xla")._replace(context="ring").context
     'ring'
   """
@@ -58,6 +61,7 @@ class KernelChoice(NamedTuple):
   interpret: bool = False
   context: str = "all_gather"
   context_order: str = "zigzag"
+  block_sizes: Any = None
 
 
 class ExpertChoice(NamedTuple):

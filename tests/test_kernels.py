@@ -1219,3 +1219,37 @@ def test_megablox_on_a_multi_device_auto_mesh_compiles_for_tpu(tpu_devices):
   with fs.with_mesh(mesh):
     text = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w).compile().as_text()
   assert "tpu_custom_call" in text
+
+
+def _pallas_grids(jaxpr) -> list:
+  """The grid of every pallas_call in `jaxpr` (nested jaxprs included), in order."""
+  from jax.extend import core as jcore  # pylint: disable=import-outside-toplevel
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      out.append(tuple(e.params["grid_mapping"].grid))
+    for sub in jcore.jaxprs_in_params(e.params):
+      out += _pallas_grids(sub)
+  return out
+
+
+def test_with_kernel_block_sizes_tile_every_call_that_gives_none():
+  # Splash (interpret mode) on a 512-token causal call, 2 heads: its forward grid is
+  # (heads, q tiles, kv tiles), its fused backward's (kv tiles, heads, q tiles).
+  # with_kernel's tiles (128, 256) give (2, 4, 2) and (2, 2, 4); a call's own tiles win over
+  # them; without either, splash's default 512 tiles: one block.
+  q = jnp.ones((1, 512, 2, 128), jnp.float32)
+
+  def grids(block_sizes=None, own=None):
+    f = with_kernel(lambda q: attention(q, q, q, causal=True, block_sizes=own),
+                    attention="splash", interpret=True, block_sizes=block_sizes)
+    return _pallas_grids(jax.make_jaxpr(jax.value_and_grad(lambda q: f(q).sum()))(q).jaxpr)
+
+  assert grids(BlockSizes(128, 256)) == [(2, 4, 2), (2, 2, 4)]
+  assert grids(BlockSizes(128, 256), own=BlockSizes(256, 128)) == [(2, 2, 4), (4, 2, 2)]
+  assert grids() == [(2, 1, 1), (1, 2, 1)]
+  with pytest.raises(KernelError, match=r"with_kernel\(block_sizes=\(128, 256\)\): expected "
+                     "fnscale.kernels.BlockSizes"):
+    with_kernel(lambda q: q, block_sizes=(128, 256))
+  with pytest.raises(KernelError, match=r"with_kernel: BlockSizes.block_kv=0"):
+    with_kernel(block_sizes=BlockSizes(128, 0))

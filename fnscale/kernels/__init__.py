@@ -7,7 +7,8 @@ attention's implementation, `IMPLEMENTATIONS`, with its `BlockSizes`), `gmm_sele
 `GmmSelection` among `GMM_IMPLEMENTATIONS`) and the ambient `KernelChoice` that
 `with_kernel` sets; `RESIDUALS`, the checkpoint name of the attention kernel's output and
 logsumexp (a remat policy that saves it spares the forward kernel's rerun); and
-`grouped_matmul`, the experts' matmul.
+`grouped_matmul`, the experts' matmul; `splash_block_sizes`, the splash tiles attention runs
+for a `BlockSizes` (with the fused backward kernel when `SPLASH_FUSED_BACKWARD`).
 
 Under `jax.default_matmul_precision`, a kernel on bfloat16 or float16 operands runs at the
 default precision (its products are exact in the float32 accumulator, and Mosaic lowers no
@@ -27,6 +28,13 @@ Examples:
   ...     q, q, platform="tpu").implementation
   ('xla', 'splash')
 
+  The splash tiles attention runs for 512-row query and 1024-row key tiles, with one fused
+  backward kernel:
+
+  >>> sizes = fs.kernels.splash_block_sizes(fs.kernels.BlockSizes(512, 1024))
+  >>> sizes.use_fused_bwd_kernel == fs.kernels.SPLASH_FUSED_BACKWARD == True
+  True
+
   A remat policy that keeps attention's residuals:
 
   >>> import jax
@@ -38,11 +46,13 @@ from fnscale.kernels._attention import (IMPLEMENTATIONS, RESIDUALS, BlockSizes, 
                                        kernel_selection)
 from fnscale.kernels._grouped_matmul import (GMM_IMPLEMENTATIONS, GmmSelection, gmm_selection,
                                              grouped_matmul)
+from fnscale.kernels._splash_tiles import SPLASH_FUSED_BACKWARD, splash_block_sizes
 
 __all__ = [
     "IMPLEMENTATIONS", "BlockSizes", "KernelChoice", "KernelSelection", "kernel_selection",
     "RESIDUALS",
     "GMM_IMPLEMENTATIONS", "GmmSelection", "gmm_selection", "grouped_matmul",
+    "SPLASH_FUSED_BACKWARD", "splash_block_sizes",
 ]
 
 _ROOT = "fnscale.{0} (the pipeline's name)"

@@ -129,7 +129,8 @@ class KernelSelection(NamedTuple):
 
 def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto",
                 interpret: bool = False, context: str = "all_gather",
-                context_order: str = "zigzag") -> Callable[..., Any]:
+                context_order: str = "zigzag",
+                block_sizes: BlockSizes | None = None) -> Callable[..., Any]:
   """Returns `fn` with a kernel choice in force during each of its calls.
 
   During a call of the returned function (and so while jax traces it), every
@@ -157,13 +158,18 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
       `fnscale.parallel.context`.
     context_order: the order the context shards hold the sequence in, as the batch was put
       by `fnscale.parallel.context.reorder`: "zigzag" (default), "striped" or "contiguous".
+    block_sizes: the kernel tiles (`BlockSizes`) of every attention call inside that gives
+      none itself (default: chosen per call: splash's measured tiles for the shape, else
+      the largest tile that divides the sequence); tiles that don't divide a call's
+      sequence make it fall back (or raise, where a kernel was forced) saying so.
 
   Returns:
     A function with `fn`'s signature and result.
 
   Raises:
     KernelError: `attention`, `context` or `context_order` is not a known value,
-      `interpret` is not a bool, or `fn` is not callable.
+      `interpret` is not a bool, `block_sizes` not a `BlockSizes` of positive ints, or
+      `fn` is not callable.
 
   Examples:
     >>> import fnscale as fs
@@ -173,6 +179,10 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
     'xla'
     >>> fs.with_kernel(which, attention="splash", interpret=True)((2, 128, 4, 64))
     'splash'
+    >>> blocks = fs.kernels.BlockSizes(256, 512)
+    >>> sel = fs.with_kernel(fs.kernels.kernel_selection, block_sizes=blocks)
+    >>> sel((2, 1024, 4, 64), (2, 1024, 4, 64), platform="tpu").block_sizes[:2]
+    (256, 512)
   """
   if attention not in IMPLEMENTATIONS:
     raise KernelError(
@@ -184,13 +194,16 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
         f"with_kernel(context={context!r}, context_order={context_order!r}): expected "
         f"context in {context_attention.FORMS} and context_order in "
         f"{context_attention.ORDERS}.")
+  if block_sizes is not None:
+    block_sizes = _check_block_sizes(block_sizes, "with_kernel")
   if fn is None:
     return functools.partial(with_kernel, attention=attention, interpret=interpret,
-                             context=context, context_order=context_order)
+                             context=context, context_order=context_order,
+                             block_sizes=block_sizes)
   if not callable(fn):
     raise KernelError(
         f"with_kernel(fn={fn!r}): expected a function to wrap, got {type(fn).__name__}.")
-  choice = KernelChoice(attention, interpret, context, context_order)
+  choice = KernelChoice(attention, interpret, context, context_order, block_sizes)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -305,10 +318,10 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
     raise KernelError(
         f"attention(implementation={implementation!r}): expected one of {IMPLEMENTATIONS}.")
   window = _normalise_window(sliding_window)
-  if block_sizes is not None:
-    block_sizes = _check_block_sizes(block_sizes)
-  segments = _segment_structure(segment_ids, q_shape, k_shape)
   choice = _context.KERNEL_CHOICE.value
+  block_sizes = (choice.block_sizes if block_sizes is None
+                 else _check_block_sizes(block_sizes, "attention"))
+  segments = _segment_structure(segment_ids, q_shape, k_shape)
   requested = choice.attention if implementation == "auto" else implementation
   interpret = choice.interpret if interpret is None else bool(interpret)
   # A kernel's shard_map needs a concrete mesh when the program is lowered: from the jit
@@ -501,15 +514,15 @@ def _normalise_window(window) -> tuple[int, int] | None:
   return int(window[0]), int(window[1])
 
 
-def _check_block_sizes(blocks) -> BlockSizes:
+def _check_block_sizes(blocks, where: str) -> BlockSizes:
   if not isinstance(blocks, BlockSizes):
     raise KernelError(
-        f"attention(block_sizes={blocks!r}): expected fnscale.kernels.BlockSizes(block_q, "
+        f"{where}(block_sizes={blocks!r}): expected fnscale.kernels.BlockSizes(block_q, "
         "block_kv).")
   for field, value in blocks._asdict().items():
     if value is not None and (not isinstance(value, int) or value <= 0):
       raise KernelError(
-          f"attention: BlockSizes.{field}={value!r}; expected a positive int.")
+          f"{where}: BlockSizes.{field}={value!r}; expected a positive int.")
   return blocks
 
 
@@ -738,7 +751,7 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
     mask = splash.CausalMask((t, s))
   else:
     mask = splash.FullMask((t, s))
-  sizes = _splash_tiles.kernel_block_sizes(splash, blocks)
+  sizes = _splash_tiles.splash_block_sizes(blocks)
   make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
                 q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret)

@@ -15,13 +15,13 @@ Measured on one TPU v5e (JAX 0.10.2, libtpu 0.0.42.1, bf16, causal, fwd + bwd):
 
 The fused backward kernel (dq, dk and dv in one pass over the blocks: `BlockSizes(
 use_fused_bwd_kernel=True)`) was 22% faster at both shapes, so it is the default
-(`FUSED_BACKWARD`); other tiles moved the time by under 5%.
+(`SPLASH_FUSED_BACKWARD`); other tiles moved the time by under 5%.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-FUSED_BACKWARD = True
+SPLASH_FUSED_BACKWARD = True
 
 
 class Tiles(NamedTuple):
@@ -43,14 +43,28 @@ def measured(q_len: int, kv_len: int, head_dim: int) -> Tiles | None:
   return MEASURED.get((q_len, kv_len, head_dim))
 
 
-def kernel_block_sizes(splash, tiles, fused: bool | None = None):
-  """jax's `splash.BlockSizes` for `tiles` (anything with block_q, block_kv, block_q_bwd,
-  block_kv_bwd): with the fused backward kernel (no dq tiles) when `fused` (default
-  `FUSED_BACKWARD`)."""
-  fused = FUSED_BACKWARD if fused is None else fused
+def splash_block_sizes(block_sizes, fused_backward: bool | None = None):
+  """jax's splash-attention tiles (`jax.experimental.pallas.ops.tpu.splash_attention.
+  BlockSizes`) that `fnscale.attention` runs for `block_sizes` (anything with block_q,
+  block_kv, block_q_bwd, block_kv_bwd, e.g. `fnscale.kernels.BlockSizes`): the backward
+  tiles the forward's where None, and the fused backward kernel (dq, dk and dv in one pass:
+  no dq tiles) when `fused_backward` (default `SPLASH_FUSED_BACKWARD`, measured faster).
+
+  Raises:
+    ImportError: jax's Pallas TPU ops can't be imported here.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> sizes = fs.kernels.splash_block_sizes(fs.kernels.BlockSizes(512, 1024))
+    >>> sizes.block_q, sizes.block_kv, sizes.block_kv_dkv, sizes.use_fused_bwd_kernel
+    (512, 1024, 1024, True)
+  """
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
+  fused = SPLASH_FUSED_BACKWARD if fused_backward is None else fused_backward
+  bq, bkv = block_sizes.block_q, block_sizes.block_kv
+  bq_bwd, bkv_bwd = block_sizes.block_q_bwd or bq, block_sizes.block_kv_bwd or bkv
   return splash.BlockSizes(
-      block_q=tiles.block_q, block_kv=tiles.block_kv, block_kv_compute=tiles.block_kv,
-      block_q_dkv=tiles.block_q_bwd, block_kv_dkv=tiles.block_kv_bwd,
-      block_kv_dkv_compute=tiles.block_kv_bwd,
-      block_q_dq=None if fused else tiles.block_q_bwd,
-      block_kv_dq=None if fused else tiles.block_kv_bwd, use_fused_bwd_kernel=fused)
+      block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd,
+      block_kv_dkv=bkv_bwd, block_kv_dkv_compute=bkv_bwd,
+      block_q_dq=None if fused else bq_bwd, block_kv_dq=None if fused else bkv_bwd,
+      use_fused_bwd_kernel=fused)

@@ -69,7 +69,6 @@ text with and without them.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import json
@@ -88,7 +87,6 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.kernels import _splash_tiles
 from recipes.bench import plain_jax as pj
 from recipes.bench import trace_split
 from recipes.lm import cli, hardware, models
@@ -257,34 +255,22 @@ def program_bytes(compiled) -> dict:
   return {"hbm": parts["argument"] + parts["output"] - parts["alias"] + parts["temp"], **parts}
 
 
-@contextlib.contextmanager
-def splash_tiles(case: Case, cfg):
-  """The case's splash tiles in force for its shape while its steps are traced (fnscale's
-  measured table, `fnscale.kernels._splash_tiles`, holds the defaults)."""
-  key = (case.seq, case.seq, cfg.head_dim)
-  old = _splash_tiles.MEASURED.get(key)
-  if case.blocks is not None:
-    _splash_tiles.MEASURED[key] = _splash_tiles.Tiles(*case.blocks)
-  try:
-    yield tiles_for(case, cfg)
-  finally:
-    if case.blocks is not None:
-      if old is None:
-        _splash_tiles.MEASURED.pop(key)
-      else:
-        _splash_tiles.MEASURED[key] = old
-
-
 def tiles_for(case: Case, cfg) -> tuple[int, int, int, int] | None:
-  """The splash tiles fnscale's attention runs for this case on a TPU (the peer gets the
-  same), or None where splash can't serve the shape (a CPU's tiny sequences)."""
+  """The splash tiles fnscale's attention runs for this case on a TPU (the case's `blocks`,
+  else fnscale's choice for the shape; the peer gets the same), or None where splash can't
+  serve the shape (a CPU's tiny sequences)."""
   shape = (case.batch, case.seq, cfg.heads, cfg.head_dim)
   try:
     sel = fs.kernels.kernel_selection(shape, shape, "bfloat16", causal=True,
-                                      implementation="splash", platform="tpu")
+                                      implementation="splash", platform="tpu",
+                                      block_sizes=blocks(case))
   except fs.KernelError:
     return None
   return tuple(sel.block_sizes)
+
+
+def blocks(case: Case) -> fs.kernels.BlockSizes | None:
+  return None if case.blocks is None else fs.kernels.BlockSizes(*case.blocks)
 
 
 def fnscale_side(case: Case, env: Env, state, batch) -> Side:
@@ -293,7 +279,8 @@ def fnscale_side(case: Case, env: Env, state, batch) -> Side:
   loss = functools.partial(module.loss_fn, remat=case.remat, cfg=cfg)
   step = fs.train_step(loss, optimizer(case), policy=policy(case),
                        accum_steps=case.accum)
-  step = fs.shard_step(fs.with_kernel(step, attention=env.attention), env.mesh,
+  step = fs.shard_step(fs.with_kernel(step, attention=env.attention, block_sizes=blocks(case)),
+                       env.mesh,
                        rules=module.RULES, logical_axes=module.logical_axes(cfg),
                        compiler_options=_XLA[case.xla])
   c = step.compile(state, batch)
@@ -311,7 +298,7 @@ def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
   tokens = case.batch * case.seq
   opts = pj.Options(attention="splash" if env.attention == "splash" else "xla",
                     blocks=tiles or pj.Options().blocks,
-                    fused_bwd=_splash_tiles.FUSED_BACKWARD, remat=case.remat, unroll=case.unroll,
+                    fused_bwd=fs.kernels.SPLASH_FUSED_BACKWARD, remat=case.remat, unroll=case.unroll,
                     loss_chunk=case.loss_chunk or default_chunk(tokens, cfg.vocab))
   if hasattr(cfg, "kv_heads"):
     loss = functools.partial(pj.llama_loss, theta=cfg.rope_theta, options=opts)
@@ -451,28 +438,27 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
     batch = {"inputs": spec, "targets": spec}
   else:
     state, batch = init(case, env), random_batch(case, cfg.vocab, env.mesh)
-  with splash_tiles(case, cfg) as tiles:
-    row["tiles"] = tiles
-    sides = {"fnscale": fnscale_side(case, env, state, batch)}
-    if peer:
-      sides["plain_jax"] = peer_side(case, env, state, batch, tiles)
-    if env.aot:
-      return {**row, **{n: {"hbm_gib": s.hbm / 2**30, "compile_s": s.compile_s,
-                            "memory": s.memory} for n, s in sides.items()}}
-    state, times = alternate(sides, state, batch, rounds, steps, warmup)
-    for name, side in sides.items():
-      row[name] = figures(side, times[name], tokens, row["flops_token"], env)
-    if peer:
-      row["ratio"] = row["fnscale"]["tokens_s"] / row["plain_jax"]["tokens_s"]
-    if case.profile:
-      keep = os.path.join(trace_dir, _file_name(case.label) + ".xplane.pb") if trace_dir else ""
-      state, split = profile(sides["fnscale"], state, batch, keep)
-      row["split"] = {"fractions": split.fractions(), "step_ms": 1e3 * split.step_s,
-                      "unmatched": split.unmatched, "line": split.line(), "top": split.top}
-    del state, batch
-    gc.collect()
-    if case.loss_steps:  # the same compiled step, from a fresh init on text
-      row["losses"] = train_losses(sides["fnscale"], case, env)
+  tiles = row["tiles"] = tiles_for(case, cfg)
+  sides = {"fnscale": fnscale_side(case, env, state, batch)}
+  if peer:
+    sides["plain_jax"] = peer_side(case, env, state, batch, tiles)
+  if env.aot:
+    return {**row, **{n: {"hbm_gib": s.hbm / 2**30, "compile_s": s.compile_s,
+                          "memory": s.memory} for n, s in sides.items()}}
+  state, times = alternate(sides, state, batch, rounds, steps, warmup)
+  for name, side in sides.items():
+    row[name] = figures(side, times[name], tokens, row["flops_token"], env)
+  if peer:
+    row["ratio"] = row["fnscale"]["tokens_s"] / row["plain_jax"]["tokens_s"]
+  if case.profile:
+    keep = os.path.join(trace_dir, _file_name(case.label) + ".xplane.pb") if trace_dir else ""
+    state, split = profile(sides["fnscale"], state, batch, keep)
+    row["split"] = {"fractions": split.fractions(), "step_ms": 1e3 * split.step_s,
+                    "unmatched": split.unmatched, "line": split.line(), "top": split.top}
+  del state, batch
+  gc.collect()
+  if case.loss_steps:  # the same compiled step, from a fresh init on text
+    row["losses"] = train_losses(sides["fnscale"], case, env)
   return row
 
 
@@ -506,7 +492,7 @@ def _splash_grad(shape, tiles, fused: bool):
   """A jitted fwd + bwd of causal splash attention on bf16 q [b, s, h, d], k, v [b, s, kv, d]."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=import-outside-toplevel
   b, h, kv, s, d = shape
-  sizes = _splash_tiles.kernel_block_sizes(sa, _splash_tiles.Tiles(*tiles), fused)
+  sizes = fs.kernels.splash_block_sizes(fs.kernels.BlockSizes(*tiles), fused)
   kernel = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((s, s))] * h), block_sizes=sizes,
                               head_shards=1, q_seq_shards=1,
                               interpret=jax.devices()[0].platform != "tpu")
