@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import fnscale as fs
 from fnscale.checkpoint import hf
-from recipes.lm import gpt, llama, moe
+from recipes.lm import gpt, layers, llama, moe
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = LLAMA_FAMILY + ("gpt2", "mixtral")
@@ -82,7 +82,7 @@ def from_config(c: dict, seq: int) -> HFModel:
                f"{list(FAMILIES)}.")
 
 
-def _rope(c: dict) -> tuple[float, llama.RopeScaling | None]:
+def _rope(c: dict) -> tuple[float, layers.RopeScaling | None]:
   """(theta, scaling) from `rope_theta` + `rope_scaling` (config.json as published) or
   `rope_parameters` (as transformers 5 writes it)."""
   params = c.get("rope_parameters") or {}
@@ -94,9 +94,9 @@ def _rope(c: dict) -> tuple[float, llama.RopeScaling | None]:
   if kind != "llama3":
     raise _error("rope_scaling.rope_type", kind, "is not implemented: fnscale's Llama has "
                  "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
-                 "add the frequency rule to recipes/lm/llama.py's rope_frequencies.")
+                 "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
   try:
-    return theta, llama.RopeScaling(
+    return theta, layers.RopeScaling(
         float(scaling["factor"]), float(scaling["low_freq_factor"]),
         float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
   except KeyError as e:

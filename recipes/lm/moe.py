@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import embedding, llama
+from recipes.lm import embedding, layers, llama
 
 HAS_AUX = True  # `loss_and_aux` returns the expert load beside the loss
 
@@ -184,14 +184,14 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   """One pre-norm block with an MoE feed-forward: x [batch, seq, d] -> (x, MoEAux).
   `segment_ids`, `positions`: None or int32 [batch, seq] (as `llama._block`)."""
   x = fs.constrain_batch(x)
-  h = llama.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-  rope = lambda y: llama.rope(y, cfg.rope_theta, positions=positions)
+  h = layers.rms_norm(x, p["attn_norm"], cfg.norm_eps)
+  rope = lambda y: layers.rope(y, cfg.rope_theta, positions=positions)
   q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"])))
   k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"])))
   v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
-  out, aux = _moe(llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg)
+  out, aux = _moe(layers.rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg)
   return x + out, aux
 
 
@@ -238,7 +238,7 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool = False,
   block = lambda x, p: _block(x, p, cfg, segment_ids, positions)
   block = jax.checkpoint(block) if remat else block
   x, aux = jax.lax.scan(block, x, params["blocks"])
-  return llama.rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps), aux
+  return layers.rms_norm(fs.constrain_batch(x), params["final_norm"], cfg.norm_eps), aux
 
 
 def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
