@@ -91,6 +91,33 @@ def test_wandb_records_the_scalars_and_config_metrics_jsonl_has(tmp_path, monkey
   assert inits[0]["resume"] == "allow" and inits[0]["id"].startswith(tmp_path.name[:40])
 
 
+def test_a_wandb_run_resumed_before_its_last_step_says_which_points_it_keeps(tmp_path,
+                                                                           monkeypatch):
+  # A first attempt logged steps 1..5; the run resumes from a checkpoint at step 3. W&B
+  # (resumed under the same id) rejects steps 4 and 5 again: the line says its points for
+  # them are the first attempt's; metrics.jsonl keeps steps 1..3. A resume from the last
+  # step logged, or with TensorBoard (which hides them), says nothing of W&B.
+  monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+      init=lambda **kw: types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)))
+  log = run_log.run_log(str(tmp_path), tracker="wandb")
+  for step in range(1, 6):
+    log.write(step, {"train/loss": float(step)})
+  log.close()
+  said = []
+  for keep, tracker in ((5, "wandb"), (3, "wandb"), (2, "none")):
+    said.append([])
+    run_log.run_log(str(tmp_path), tracker=tracker, keep_through=keep,
+                    say=said[-1].append).close()
+  assert not said[0]
+  assert [line for line in said[1] if "W&B" in line] == [
+      "run_log: the W&B run keeps the points it got for steps 4..5 before this resume (W&B "
+      "takes no step below its last one), so it shows this run's only from step 6; "
+      "metrics.jsonl and TensorBoard hold this run's"]
+  assert said[2] and not any("W&B" in line for line in said[2])
+  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2]
+
+
 @pytest.mark.slow
 def test_train_lm_records_to_wandb_offline(tmp_path, monkeypatch):
   pytest.importorskip("wandb")

@@ -52,24 +52,26 @@ def _scalars(step, metrics) -> dict[str, float]:
   return out
 
 
-def _drop_after(path: str, keep_through: int, say: Callable[[str], None]) -> None:
+def _drop_after(path: str, keep_through: int, say: Callable[[str], None]) -> list[int]:
   """Rewrites the metrics file `path` without its records of steps after `keep_through`
-  (all of them for -1), saying what went; a missing file or one with no such record is left
-  as it is. Written whole then renamed: a reader never sees half a file."""
+  (all of them for -1), saying what went, and returns their steps; a missing file or one
+  with no such record is left as it is. Written whole then renamed: a reader never sees half
+  a file."""
   if not os.path.isfile(path):
-    return
+    return []
   with open(path, encoding="utf-8") as f:
     lines = [line for line in f if line.strip()]
   steps = [json.loads(line).get("step", -1) for line in lines]
   gone = [s for s in steps if s > keep_through]
   if not gone:
-    return
+    return []
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.writelines(line for line, s in zip(lines, steps) if s <= keep_through)
   os.replace(path + ".tmp", path)
   say(f"run_log: {len(gone)} records of steps {min(gone)}..{max(gone)} dropped from {path} "
       + ("(this run starts afresh: a fresh log)" if keep_through < 0 else
          f"(this run continues from step {keep_through}: no step is logged twice)"))
+  return gone
 
 
 def _tensorboard(run_dir: str, say: Callable[[str], None], purge_step: int | None):
@@ -162,8 +164,11 @@ def run_log(run_dir: str, *, active: bool = True,
     return RunLog(write=lambda step, metrics: None, close=lambda: None)
   os.makedirs(run_dir, exist_ok=True)
   path = os.path.join(run_dir, METRICS_FILE)
-  if keep_through is not None:
-    _drop_after(path, keep_through, say)
+  gone = [] if keep_through is None else _drop_after(path, keep_through, say)
+  if gone and tracker == "wandb":
+    say(f"run_log: the W&B run keeps the points it got for steps {min(gone)}..{max(gone)} "
+        "before this resume (W&B takes no step below its last one), so it shows this run's "
+        f"only from step {max(gone) + 1}; {METRICS_FILE} and TensorBoard hold this run's")
   jsonl = open(path, "a", encoding="utf-8")
   purge = None if keep_through is None else keep_through + 1
   tb = (_wandb_tracker(run_dir, config) if tracker == "wandb" else
