@@ -111,6 +111,26 @@ def test_a_lora_runs_profile_keeps_what_its_remat_policy_keeps():
     assert prof.act_row == prof.act_row_remat
 
 
+def test_a_compiled_step_over_the_memory_is_refused_naming_the_fix(monkeypatch):
+  """After compiling (`compile_step`), XLA's bytes against the device's memory (a made-up
+  1 MiB for the CPU devices): a step over it is a FitError naming its bytes and the fix."""
+  monkeypatch.setattr(memory, "limit", lambda mesh: 2**20)
+  cfg, mesh = gpt.model_config("nano", 64), fs.make_mesh({"data": 8})
+  kw = dict(rules=gpt.RULES, logical_axes=gpt.logical_axes(cfg))
+  opt = optax.adamw(1e-3)
+  state = fs.init_state(functools.partial(gpt.init_params, cfg), opt, mesh=mesh,
+                        key=jax.random.key(0), abstract=True, **kw)
+  step = fs.shard_step(fs.train_step(functools.partial(gpt.loss_fn, cfg=cfg), opt), mesh, **kw)
+  setup = types.SimpleNamespace(
+      o=Options(model_config="nano", batch_size=8, accum_steps=1, remat=False,
+                remat_policy="none"),
+      topo=fs.detect_topology(), mesh=mesh, model=gpt, cfg=cfg, lora=None)
+  rows = jax.ShapeDtypeStruct((64, 64), jnp.int32)
+  with pytest.raises(FitError, match=r"the step \(batch_size=8, accum_steps=1, remat=False\) "
+                     r"needs .* per device \(XLA's peak\) and the device has 0.00 GiB; fix: "):
+    memory.compile_step(setup, step, state, {"inputs": rows, "targets": rows})
+
+
 def test_the_memory_benchmark_refuses_bad_flags(capsys):
   from recipes.bench import memory as bench  # pylint: disable=import-outside-toplevel
   assert cli.run(bench.main, ["--models=small,gpt-9"]) == 2

@@ -175,8 +175,8 @@ def compile_step(setup, step, state, batch):
     try:
       base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
           dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
-      prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
-                     startup.policy(o.precision, setup.topo.platform), base, setup.lora)
+      prof = profile(Model(setup.model, setup.cfg, o.model_config, setup.lora), setup.topo,
+                     o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base)
       options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):
