@@ -692,6 +692,26 @@ def test_profile_of_a_lora_state_counts_no_gradient_or_state_for_the_frozen_base
   assert prof.flops_row == 16 * (6 * m - 2 * blocks + 6 * ad) + 3 * 2 * attn
 
 
+def test_a_lora_estimate_holds_gradients_and_a_cast_copy_of_the_adapters_only():
+  # Hand counts on one device's share (data=8: whole params): the bfloat16 base is held as
+  # stored, with no gradient, no cast copy and no optimizer update; the float32 adapters
+  # take bfloat16 gradients (and a float32 accumulator), a bfloat16 copy and the update.
+  # The estimate that gave the base gradients and a cast copy was 2 x its bytes higher.
+  cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
+                           d_mlp=64, vocab=40)
+  state, rates = _lora_state(cfg, LORA_ALL), (1e11, 1e10)
+  loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), LORA_ALL)
+  prof = fs.analysis.profile_model(state, loss, optax.adamw(1e-3), _batch(16, 16), "cpu",
+                                   policy="params=float32,compute=bfloat16", cpu_rates=rates)
+  n, ad = llama.param_count(cfg), sum(x.size for x in jax.tree.leaves(state.params))
+  one = fs.MeshAxes({"data": 8}, {})
+  for accum, grads in ((1, 2 * ad), (2, 2 * ad + 4 * ad)):
+    est = fs.analysis.predict(prof, "cpu", one, accum=accum, cpu_rates=rates).estimate
+    assert (est.params, est.grads, est.weights) == (2 * n + 4 * ad, grads, 2 * ad)
+  opt = 2 * 4 * ad + 4  # AdamW's two float32 moments and its step count
+  assert _cost.memory_traffic(prof, False, 0, 1, 1) == 2 * 4 * ad + 4 * ad + 2 * opt
+
+
 @pytest.mark.tpu
 @pytest.mark.slow
 def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():

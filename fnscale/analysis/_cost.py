@@ -36,9 +36,10 @@ Matmuls" and 5 "Training":
   so step = max(compute, communication) (the scaling book's roofline); on simulated CPU
   devices the same cores copy and compute, so step = compute + communication.
 - Bytes per device (`Estimate`): params and optimizer state (split as the params are); the
-  backward's gradients in the compute dtype, the float32 accumulator beside them with
-  accumulation; the compute-dtype weights in flight (two layers gathered under FSDP, else a
-  whole cast copy where the compute dtype is not the params'); activations: the residuals
+  backward's gradients of the trained params (not of frozen ones, e.g. a LoRA base) in the
+  compute dtype, the float32 accumulator beside them with accumulation; the compute-dtype
+  weights in flight (two layers gathered under FSDP, else a whole cast copy of the params
+  stored in another dtype than the compute dtype); activations: the residuals
   `jax.vjp` keeps, in the tiles a TPU holds them in on a TPU target (`tiled_nbytes`), and
   under remat the checkpoints plus the share of one recomputed layer XLA keeps
   (`REMAT_LIVE`). Set against XLA's peak by `recipes/bench/memory.py`.
@@ -123,6 +124,8 @@ class Profile(NamedTuple):
   residuals over its length: what remat recomputes at once); `act_row_head`: the residuals
   outside the layer scan per row (embedding, final norm, output layer); 0 where unknown.
   On a TPU target every residual figure counts the tiles a TPU holds (`tiled_nbytes`).
+  Frozen params (a LoRA base: no gradient, no optimizer state; 0 without):
+  `frozen_bytes` / `frozen_compute_bytes`, their part of `param_bytes` / `compute_bytes`.
   """
   params: int
   param_bytes: float
@@ -157,12 +160,32 @@ class Profile(NamedTuple):
   kv_row: float = 0.0
   act_row_layer: float = 0.0
   act_row_head: float = 0.0
+  frozen_bytes: float = 0.0
+  frozen_compute_bytes: float = 0.0
 
   @property
   def expert_share(self) -> float:
     """The fraction of the params (and so of their bytes, state and gradients) that are
     expert weights, split over an expert axis."""
     return self.expert_params / self.params if self.params else 0.0
+
+  @property
+  def trained_bytes(self) -> float:
+    """Bytes of the trained params as stored (what the optimizer update reads and writes)."""
+    return self.param_bytes - self.frozen_bytes
+
+  @property
+  def trained_compute_bytes(self) -> float:
+    """Bytes of the trained params in the compute dtype: the backward's gradients."""
+    return self.compute_bytes - self.frozen_compute_bytes
+
+  @property
+  def cast_bytes(self) -> float:
+    """Bytes of the compute-dtype copy of the params stored in another dtype, trained and
+    frozen apart (a LoRA base stored in the compute dtype needs none; its adapters do)."""
+    parts = ((self.trained_compute_bytes, self.trained_bytes),
+             (self.frozen_compute_bytes, self.frozen_bytes))
+    return sum(c for c, stored in parts if c < stored)
 
 
 def _nbytes(tree) -> float:
@@ -463,6 +486,14 @@ def _residuals(loss_fn, params, batch, remat, width, interpret, layers: int = 0,
       sum(d for d, a, b in per_row if stacked(a, b)))
 
 
+def in_compute_dtype(tree, compute_dtype):
+  """Abstract `tree` as the step computes with it: floating leaves in `compute_dtype` (None:
+  as stored), others as they are."""
+  cast = lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype) if (
+      compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)) else x
+  return jax.tree.map(cast, tree)
+
+
 def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
             interpret: bool = False, tiled: bool = False) -> Profile:
   """Traces `loss_fn` on one and two abstract rows (nothing runs). `params`: abstract params
@@ -472,9 +503,7 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
   residual bytes with the kernels the loss chooses; `interpret`: with the Pallas kernels in
   interpret mode (`with_kernel(interpret=True)`: on a host standing in for an accelerator);
   `tiled`: residual bytes as a TPU holds them (`tiled_nbytes`)."""
-  cast = (lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype)
-          if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x)
-  cparams = jax.tree.map(cast, params)
+  cparams = in_compute_dtype(params, compute_dtype)
   remat = takes_remat(loss_fn)
   c0, kernels, jx = _traced(loss_fn, cparams, batch, False if remat else None, interpret)
   c1 = _traced(loss_fn, cparams, batch, True, interpret)[0] if remat else c0
@@ -613,15 +642,16 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
                    shard: int, tensor: int = 1) -> float:
   """Bytes one device moves through HBM per step outside its matmuls.
 
-  The optimizer update reads params, gradients and optimizer state and writes params and
-  state once per step (the device's 1/`shard`). Activations, per row of each of `accum`
-  microbatches of `rows_mb` rows: without remat, the forward pass writes the residuals and
-  the backward reads them (2 x `act_row`). Remat keeps only the checkpoints between blocks
-  (written and read: 2 x `act_row_remat`), but recomputation writes the same intermediates
-  again and the backward reads them (2 x `act_row` more): remat never moves fewer bytes.
-  `rows_mb` counts the rows of the device's tensor-parallel group (`act_per_row`).
+  The optimizer update reads the trained params (not frozen ones), gradients and optimizer
+  state and writes params and state once per step (the device's 1/`shard`). Activations, per
+  row of each of `accum` microbatches of `rows_mb` rows: without remat, the forward pass
+  writes the residuals and the backward reads them (2 x `act_row`). Remat keeps only the
+  checkpoints between blocks (written and read: 2 x `act_row_remat`), but recomputation
+  writes the same intermediates again and the backward reads them (2 x `act_row` more):
+  remat never moves fewer bytes. `rows_mb` counts the rows of the device's tensor-parallel
+  group (`act_per_row`).
   """
-  update = (2 * prof.param_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
+  update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
   return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum
 
 
@@ -707,13 +737,13 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_act * pp.iters
   layer_w = prof.compute_bytes * _split(prof, shard, e) * shard / max(prof.layers, 1) / t
   io = 2 * prof.stack_stream_row * rows_act * pp.stages if pp.stages > 1 else 0.0  # stage 0's
-  # The backward's gradients are in the compute dtype (the cast to the params' dtype fuses
-  # into the update), beside a float32 accumulator with accumulation; without FSDP the
-  # weights are cast to the compute dtype whole (none where the params are in it already).
-  cast = prof.compute_bytes * share * shard / t if prof.compute_bytes < prof.param_bytes else 0.0
+  # The backward's gradients (of the trained params only) are in the compute dtype (the cast
+  # to the params' dtype fuses into the update), beside a float32 accumulator with
+  # accumulation; without FSDP the weights stored in another dtype are cast whole.
   parts = dict(params=prof.param_bytes * share, opt=prof.opt_bytes * share,
-               grads=(prof.compute_bytes + (prof.grad_bytes if accum > 1 else 0.0)) * share,
-               weights=2 * layer_w if f * c > 1 else cast,
+               grads=(prof.trained_compute_bytes + (prof.grad_bytes if accum > 1 else 0.0))
+               * share,
+               weights=2 * layer_w if f * c > 1 else prof.cast_bytes * share * shard / t,
                acts=act_per_row(prof, remat, t)[0] * rows_act * pp.iters + moe_acts + io)
   if once and f * c > 1:  # the whole accumulator beside the reduced shard; whole params
     parts.update(grads=prof.grad_bytes * share * shard / t + prof.grad_bytes * share,

@@ -236,13 +236,15 @@ def _with_frozen(loss_fn):
 
 def _lora_profile(hw, tree: _Frozen, loss_fn, optimizer, batch, pol) -> _cost.Profile:
   """The profile of a step that trains `tree.params` beside frozen params: bytes, FLOPs and
-  residuals of both, gradients and optimizer state of the trained params only."""
+  residuals of both, gradients and optimizer state of the trained params only, the frozen
+  params' bytes as stored and in the compute dtype (`Profile.frozen_bytes`)."""
   prof = _profile(hw, (tree.params, tree.frozen), _with_frozen(loss_fn), optimizer, batch,
                   pol)
-  nbytes = lambda t: float(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                               for x in jax.tree.leaves(t)))
+  nbytes = _cost._nbytes  # pylint: disable=protected-access
+  frozen = _cost.in_compute_dtype(tree.frozen, pol.compute_dtype if pol is not None else None)
   return prof._replace(grad_bytes=nbytes(tree.params),
-                       opt_bytes=nbytes(jax.eval_shape(optimizer.init, tree.params)))
+                       opt_bytes=nbytes(jax.eval_shape(optimizer.init, tree.params)),
+                       frozen_bytes=nbytes(tree.frozen), frozen_compute_bytes=nbytes(frozen))
 
 
 def _abstract_state(params, optimizer, mesh, rules, logical_axes, policy):

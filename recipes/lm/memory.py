@@ -77,12 +77,14 @@ def profile(m: Model, target, rows: int, policy, keep: str = "none", **kw):
 def _per_row(m: Model, target, policy, keep: str, kw: tuple):
   model, cfg, lora = m.module, m.cfg, m.lora
   shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
-  init = functools.partial(model.init_params, cfg)
+  init = (functools.partial(model.init_params, cfg) if lora is None
+          else startup.lora_state(model, cfg, policy, lora))
+  # A LoRA loss keeps what the run's policy keeps, as the full model's does.
+  loss = lambda keep: (remat_loss(model, cfg, keep) if lora is None
+                       else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
   run = lambda keep: fs.analysis.profile_model(
-      *((init, remat_loss(model, cfg, keep)) if lora is None
-        else startup._lora_plan(model, cfg, policy, lora)),  # pylint: disable=protected-access
-      optax.adamw(1e-3), {"inputs": shape, "targets": shape}, target, policy=policy,
-      **dict(kw))
+      init, loss(keep), optax.adamw(1e-3), {"inputs": shape, "targets": shape}, target,
+      policy=policy, **dict(kw))
   prof = run(keep)
   if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
     return prof
@@ -173,8 +175,8 @@ def compile_step(setup, step, state, batch):
     try:
       base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
           dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
-      prof = profile(setup.model, setup.cfg, setup.topo, o.batch_size * dp,
-                     startup.policy(o.precision, setup.topo.platform), base, setup.lora)
+      prof = profile(Model(setup.model, setup.cfg, o.model_config, setup.lora), setup.topo,
+                     o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base)
       options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):

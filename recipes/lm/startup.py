@@ -124,7 +124,8 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
   pol = policy(precision, topo.platform)
   init, loss = functools.partial(model.init_params, cfg), model.loss_fn
   if lora is not None:
-    init, loss = _lora_plan(model, cfg, pol, lora)
+    init = lora_state(model, cfg, pol, lora)
+    loss = fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
   p = fs.analysis.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
                        policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
                        key=jax.random.key(0))
@@ -132,15 +133,15 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
           fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
 
 
-def _lora_plan(model, cfg, pol, lora):
-  """(abstract LoRA state, LoRA loss) for `plan_mesh`: the base abstract in the compute
-  dtype on one device (the planner places it on each candidate mesh)."""
+def lora_state(model, cfg, pol, lora):
+  """The abstract LoRA state the planner profiles (`plan_mesh`, `memory.profile`): the base
+  abstract in the compute dtype (as `finetune.init` stores it) on one device (the planner
+  places it on each candidate mesh), the adapters and their AdamW state."""
   dtype = pol.compute_dtype if pol is not None else np.float32
   mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
   base = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=jax.sharding.NamedSharding(
           mesh, jax.sharding.PartitionSpec())),
       jax.eval_shape(functools.partial(model.init_params, cfg), jax.random.key(0)))
-  state = fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
-                             policy=pol, abstract=True)
-  return state, fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
+  return fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
+                            policy=pol, abstract=True)
