@@ -88,7 +88,7 @@ def _kernel_precision(leaves):
   return jax.default_matmul_precision(None) if half else contextlib.nullcontext()
 
 
-def _kernel_forward(run: Callable, reference: Callable, primals: Sequence):
+def _kernel_forward(run: Callable, reference: Callable, primals: Sequence, kernels: bool):
   """(value, residual leaves, a thunk giving the residuals' tree) of the kernel's forward
   pass at `primals`, differentiable: the value's tangent is the reference's, the
   residuals' is zero (they are functions of the arguments, whose tangents the backward
@@ -108,7 +108,7 @@ def _kernel_forward(run: Callable, reference: Callable, primals: Sequence):
   def jvp(xs, ts):  # the residuals' tangents: None (zero)
     return _jvp_in(reference, xs, ts) + [None] * found[-1][2].count(None)
 
-  out = _compat.kernel_call(forward, list(primals), jvp=jvp)
+  out = _compat.kernel_call(forward, list(primals), jvp=jvp, kernels=kernels)
   y_tree, tree, same = found[-1]
   y, own = jax.tree.unflatten(y_tree, out[:y_tree.num_leaves]), iter(out[y_tree.num_leaves:])
   residuals = [next(own) if i is None else primals[i] for i in same]
@@ -116,7 +116,7 @@ def _kernel_forward(run: Callable, reference: Callable, primals: Sequence):
 
 
 def _kernel_backward(reference: Callable, live: Sequence[int], n: int, r: int,
-                     tree: Callable, y_tree) -> Callable:
+                     tree: Callable, y_tree, kernels: bool) -> Callable:
   """`(*primals, *residuals, *cotangent leaves) -> live primals' cotangents` by the
   kernel's backward pass, differentiable: its tangent is that of the reference's VJP
   (in the primals and the cotangent; the residuals follow the primals)."""
@@ -133,7 +133,7 @@ def _kernel_backward(reference: Callable, live: Sequence[int], n: int, r: int,
                                       zero_from_primal(x, symbolic_zeros=True)
                                       for i, (x, t) in enumerate(zip(a, ts))])
 
-  return lambda *a: _compat.kernel_call(backward, list(a), jvp=jvp)
+  return lambda *a: _compat.kernel_call(backward, list(a), jvp=jvp, kernels=kernels)
 
 
 def _same_varying_axes(leaves: list) -> list:
@@ -147,13 +147,15 @@ def _same_varying_axes(leaves: list) -> list:
           if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in leaves]
 
 
-def reverse_only(kernel: Callable, reference: Callable, name: str, reference_name: str
-                 ) -> Callable:
+def reverse_only(kernel: Callable, reference: Callable, name: str, reference_name: str, *,
+                 kernels: bool = True) -> Callable:
   """`kernel` with every derivative: `kernel(*args)`'s value, its own backward pass in
   reverse mode, and `reference`'s derivatives wherever a tangent is pushed forward (see
   the module docstring). `reference` computes the same function of the same arguments
   (arrays, None, pytrees). `name` and `reference_name` are what the one log line calls
-  them."""
+  them. `kernels=False`: its passes are traced with their arguments' varying types, as a
+  checked shard_map inside them must be (a Pallas call inside then needs a kernel_call of
+  its own; `_compat.kernel_call`)."""
   label = f"{name}|{reference_name}"
 
   def call(*args):
@@ -170,21 +172,22 @@ def reverse_only(kernel: Callable, reference: Callable, name: str, reference_nam
           y = run(*a)
         trees.append(jax.tree.structure(y))
         return jax.tree.leaves(y)
-      out = _compat.kernel_call(flat, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts))
+      out = _compat.kernel_call(flat, list(xs), jvp=lambda a, ts: _jvp_in(ref, a, ts),
+                                kernels=kernels)
       return jax.tree.unflatten(trees[-1], out)
 
     f = jax.custom_jvp(value)
-    f.defjvp(functools.partial(_rule, run, ref, label), symbolic_zeros=True)
+    f.defjvp(functools.partial(_rule, run, ref, label, kernels), symbolic_zeros=True)
     return f(*leaves)
 
   return call
 
 
-def _rule(run: Callable, ref: Callable, label: str, primals, tangents):
+def _rule(run: Callable, ref: Callable, label: str, kernels: bool, primals, tangents):
   """The custom_jvp rule of `reverse_only`: the kernel's value, and its tangent as one
   linear map that jax evaluates by the reference and transposes by the kernel."""
   live, n = _live(tangents), len(primals)
-  y, residuals, tree = _kernel_forward(run, ref, primals)
+  y, residuals, tree = _kernel_forward(run, ref, primals, kernels)
   y_tree, r = jax.tree.structure(y), len(residuals)
 
   def forward(*a):  # (*primals, *residuals, *live tangents) -> the output's tangent leaves
@@ -192,8 +195,12 @@ def _rule(run: Callable, ref: Callable, label: str, primals, tangents):
                                 zero_from_primal(a[i], symbolic_zeros=True)
                                 for i in range(n)])
 
-  backward = _kernel_backward(ref, live, n, r, tree, y_tree)
+  backward = _kernel_backward(ref, live, n, r, tree, y_tree, kernels)
   t_y = _compat.kernel_call(forward, [*primals, *residuals, *(tangents[i] for i in live)],
                             transpose=backward, fixed=n + r,
                             on_evaluate=functools.partial(_say, label), kernels=False)
+  # An integer output's tangent: a symbolic zero of its type (the map's float0 leaf is
+  # typed as varying over no manual axis, whatever the output varies over).
+  t_y = [t if jnp.issubdtype(v.dtype, jnp.inexact) else
+         zero_from_primal(v, symbolic_zeros=True) for v, t in zip(jax.tree.leaves(y), t_y)]
   return y, jax.tree.unflatten(y_tree, t_y)

@@ -329,3 +329,32 @@ def test_an_expert_axis_on_cpu_does_the_matmul_work_of_none():
   split = fs.make_mesh({"data": 2, "expert": 4})
   assert _layer_flops(split, "auto", shape) == hand(184)  # gather_experts
   assert _layer_flops(split, "all_gather", shape) == hand(640)
+
+
+# ------------------------------------------------------------- inside a user's shard_map
+
+
+@pytest.mark.parametrize("exchange", ["gather_experts", "ragged"])
+def test_the_gradient_inside_a_users_shard_map_equals_one_device_runs(case, exchange):
+  # The user's own checked shard_map is manual over "data"; the layer's over "expert" nests
+  # in it. The layer sees each data shard's rows (its auxiliaries cover those): the
+  # reference runs it on one device per shard and sums.
+  x, params, cot = case
+
+  def f(x, p, c):
+    out, aux = fs.parallel.moe(x, p, k=2, exchange=exchange, interpret=True)
+    return _objective(out, aux.load_balance_loss, aux.router_z_loss, c)
+  half = B // 2
+  want = jax.jit(jax.grad(lambda x, p: sum(
+      f(x[i * half:(i + 1) * half], p, cot[i * half:(i + 1) * half]) for i in range(2)),
+      (0, 1)))(x, params)
+  step = jax.shard_map(jax.grad(f, (0, 1)), in_specs=(P("data"), P(), P("data")),
+                       out_specs=(P("data"), P()), axis_names={"data"})
+  # Forward mode too: a directional derivative along the cotangent, summed over the shards.
+  along = lambda x, p, c: jax.lax.psum(jax.jvp(lambda x: f(x, p, c), (x,), (c,))[1], "data")
+  jvp = jax.shard_map(along, in_specs=(P("data"), P(), P("data")), out_specs=P(),
+                      axis_names={"data"})
+  with fs.with_mesh(fs.make_mesh({"data": 2, "expert": 4})):
+    got, tangent = jax.jit(step)(x, params, cot), jax.jit(jvp)(x, params, cot)
+  _assert_close(got, want, atol=1e-4)
+  np.testing.assert_allclose(tangent, jnp.sum(want[0] * cot), rtol=1e-4)

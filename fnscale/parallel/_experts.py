@@ -41,6 +41,11 @@ of four exchanges (`exchange_selection` decides, and says why):
   costs more matmul work than it saves; hence "gather_experts" on such backends.
 - "all_to_all": the capacity path's fixed-size buffers, one `all_to_all` each way.
 
+Inside a caller's own checked `jax.shard_map` over some axes (a data axis, say) the layer's
+shard_map nests in it, over the rest; its reverse-mode derivative then passes its residuals
+itself (`_nested_shard_map`: jax's own specs name the outer axes, which XLA refuses), and
+its auxiliaries cover the rows it sees.
+
 The auxiliaries (`MoEAux`) are over the whole global batch (their partial sums are
 all-reduced), so they equal a one-device run's: the load-balance loss (Switch Transformer
 eq. 4, experts x sum_e f_e P_e: 1 when balanced; HF's Mixtral loss is k times this), the
@@ -947,15 +952,74 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
       if explicit_free_axes(mesh):  # shardings in the types: each enters by its spec
         args = jax.tree.map(lambda s, a: jax.sharding.reshard(a, s), in_specs, args,
                             is_leaf=lambda s: isinstance(s, P))
-      out, aux = jax.shard_map(
-          functools.partial(_flat_body, body=body) if seq else body,
+      out, aux = _shard_map(
+          functools.partial(_flat_body, body=body) if seq else body, args,
           mesh=None if isinstance(mesh, jax.sharding.AbstractMesh) else mesh,
           in_specs=in_specs,
           out_specs=(xspec, MoEAux(P(), P(), P(), P())),
-          axis_names=frozenset(c.tokens + c.tensor + ((ex,) if ex else ())),
-          check_vma=True,  # megablox, a Pallas call, runs where none is checked (kernel_call)
-      )(*args)
+          axis_names=tuple(a for a in mesh.axis_names if a in c.tokens + c.tensor + (ex,)))
   return jnp.reshape(out, jnp.shape(x)), aux
+
+
+def _shard_map(fn, args, *, in_specs, out_specs, axis_names, **kw):
+  """`jax.shard_map(fn)(*args)`, checked (megablox, a Pallas call, runs where nothing is:
+  `_compat.kernel_call`). Nested in a checked shard_map whose axes the args vary over, its
+  reverse-mode derivative passes its residuals itself (`_nested_shard_map`)."""
+  sm = lambda f, i, o: jax.shard_map(f, in_specs=i, out_specs=o, axis_names=set(axis_names),
+                                     check_vma=True, **kw)
+  outer = set().union(*map(_compat.varying_axes, jax.tree.leaves(args))) - set(axis_names)
+  if not outer:
+    return sm(fn, in_specs, out_specs)(*args)
+  return _nested_shard_map(fn, sm, in_specs, out_specs, axis_names)(*args)
+
+
+def _nested_shard_map(fn, sm, in_specs, out_specs, axes):
+  """`sm(fn, in_specs, out_specs)` differentiated in reverse mode with its residuals passed
+  from one shard_map to the other as outputs, each device's [1, ...] split over the axes it
+  varies over. jax's partial evaluation of a shard_map nested in another checked one specs
+  a residual by every axis it varies over, the outer shard_map's too, which its lowering
+  refuses ("operates on axis "data" which is already bound by a parent
+  sdy.manual_computation op"; jax 0.10.2 and 0.12). Forward mode takes jax's JVP."""
+  specs = jax.tree.leaves(out_specs, is_leaf=lambda s: isinstance(s, P))  # one per output
+  found = []  # (the pullback's tree, the outputs' types, the residuals' specs), per trace
+
+  def forward(*args):
+    out, pullback = jax.vjp(fn, *args)
+    residuals, tree = jax.tree.flatten(pullback)
+    split = [P(tuple(a for a in axes if a in _compat.varying_axes(r)) or None)
+             for r in residuals]
+    found.append((tree, jax.tree.map(jax.typeof, out), split))
+    return out, [r[None] for r in residuals]
+
+  def fwd(*args):
+    # Each residual split over exactly the axes it varies over: split over another, it
+    # would come back typed as varying over that one too, which its pullback refuses. A
+    # first trace, every residual split over every axis, finds them.
+    jax.eval_shape(sm(forward, in_specs, (out_specs, P(tuple(axes)))), *args)
+    return sm(forward, in_specs, (out_specs, found[-1][2]))(*args)
+
+  def backward(residuals, cts):  # cts: the float outputs' cotangents
+    tree, outs, _ = found[-1]
+    cts = iter(cts)
+    full = [next(cts) if _floating(o) else np.zeros(o.shape, jax.dtypes.float0)
+            for o in jax.tree.leaves(outs)]
+    pullback = jax.tree.unflatten(tree, [r[0] for r in residuals])
+    return pullback(jax.tree.unflatten(jax.tree.structure(outs), full))
+
+  def bwd(residuals, ct):  # integer outputs' (float0) cotangents don't enter a shard_map
+    kept = [(t, s) for t, s in zip(jax.tree.leaves(ct), specs) if _floating(t)]
+    return sm(backward, (found[-1][2], [s for _, s in kept]), in_specs)(
+        residuals, [t for t, _ in kept])
+
+  plain = sm(fn, in_specs, out_specs)
+  run = jax.custom_vjp(plain)
+  run.defvjp(fwd, bwd)
+  return _autodiff.reverse_only(run, plain, "the expert layer's shard_map nested in another",
+                                "jax's JVP of the shard_map", kernels=False)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _flat_body(x, params, *, body):
