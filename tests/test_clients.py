@@ -16,6 +16,8 @@ gradient), with some param split over the mesh.
   axes ("embedding", "neurons", "heads", "vocabulary") are the logical axes.
 - esm2quinox (Equinox): the `ESM2` masked language model, params from `eqx.partition`; on the
   tensor mesh logical axes by leaf path, Equinox having no sharding metadata.
+- mamba2-jax (Flax NNX): `Mamba2ForCausalLM` with its own loss (an unmasked mean), params
+  from `nnx.split`; no sharding metadata, so automatic FSDP.
 
 Rows of different lengths give the microbatches different token counts, so a mean of
 microbatch means is not the batch's mean: the `weighted=True` form, `(sum, count)`, is exact.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import sys
 from typing import Callable, NamedTuple
 
@@ -56,25 +59,29 @@ EQX_PARAMS = ("Equinox params rejected: init_state takes an Equinox module of pa
 class Client(NamedTuple):
   """A package's model as its users train it.
 
-  init_fn: key -> params. token_loss: (params, batch) -> (masked loss sum, mask count), the
-  two scalars the masked mean divides. batches: STEPS numpy batches of BATCH rows.
-  meshes: the mesh axes it is trained on. sharding: rules and logical_axes for meshes
-  with a tensor axis (the model's own names), else automatic FSDP.
+  init_fn: key -> params. loss_fn: (params, batch) -> the scalar its users train on.
+  token_loss: None, or (params, batch) -> (masked loss sum, mask count), the two scalars
+  `loss_fn` divides. batches: STEPS numpy batches of BATCH rows. meshes: the mesh axes it is
+  trained on. sharding: rules and logical_axes for meshes with a tensor axis (the model's
+  own names), else automatic FSDP.
   """
   init_fn: Callable
-  token_loss: Callable
+  loss_fn: Callable
+  token_loss: Callable | None
   batches: list
   meshes: tuple
   sharding: dict
 
-  def loss_fn(self, params, batch):  # what the packages' users write: the masked mean
-    total, count = self.token_loss(params, batch)
-    return total / count
+
+def _masked_mean(token_loss):
+  """The loss the packages' users write: the masked sum divided by the count."""
+  return lambda params, batch: operator.truediv(*token_loss(params, batch))
 
 
 def _needs(name):
-  return pytest.importorskip(name, reason=f"{name} is in the clients extra: pip install -e "
-                             "'.[test,clients]' (README: Tests)")
+  return pytest.importorskip(name, reason=f"{name} is not installed: pip install -e "
+                             "'.[test,clients]' && pip install --no-deps recurrentgemma==1.0.1 "
+                             "(pyproject.toml: clients)")
 
 
 def _padded_tokens(seed):
@@ -111,7 +118,8 @@ def _griffin() -> Client:
     return jnp.sum(nll * target_mask), jnp.sum(target_mask)
 
   batches = [dict(zip(("tokens", "mask"), _padded_tokens(i))) for i in range(STEPS)]
-  return Client(init_fn, token_loss, batches, (FSDP, DATA_FSDP), {})
+  return Client(init_fn, _masked_mean(token_loss), token_loss, batches, (FSDP, DATA_FSDP),
+                {})
 
 
 # ------------------------------------------------------------------------------- penzai
@@ -159,7 +167,7 @@ def _penzai() -> Client:
   rules = (("embedding", "fsdp"), ("neurons", "tensor"), ("heads", "tensor"),
            ("vocabulary", "tensor"))
   batches = [dict(zip(("tokens", "mask"), _padded_tokens(10 + i))) for i in range(STEPS)]
-  return Client(init_fn, token_loss, batches, (FSDP, TENSOR),
+  return Client(init_fn, _masked_mean(token_loss), token_loss, batches, (FSDP, TENSOR),
                 {"rules": rules, "logical_axes": logical_axes})
 
 
@@ -204,14 +212,45 @@ def _esm2() -> Client:
       (r"layers/linear1/weight$", ("layer", "mlp", "embed")),
       (r"layers/linear2/weight$", ("layer", "embed", "mlp")))
   rules = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"))
-  return Client(lambda key: params, token_loss, batches, (FSDP, TENSOR),
+  return Client(lambda key: params, _masked_mean(token_loss), token_loss, batches,
+                (FSDP, TENSOR),
                 {"rules": rules, "logical_axes": logical_axes})
 
 
-CLIENTS = {"recurrentgemma": _griffin, "penzai": _penzai, "esm2quinox": _esm2}
+# ------------------------------------------------------------------ mamba2-jax (Flax NNX)
+
+
+def _mamba2() -> Client:
+  """A one-layer Mamba2ForCausalLM and its own loss (`labels=`: the mean next-token
+  cross-entropy over every position, no mask), params from `nnx.split`."""
+  _needs("mamba2_jax")
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from mamba2_jax import modeling  # pylint: disable=g-import-not-at-top
+  config = modeling.Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=16, head_dim=16,
+                                 chunk_size=SEQ, num_hidden_layers=1)
+
+  def init_fn(key):
+    return nnx.split(modeling.Mamba2ForCausalLM(config, rngs=nnx.Rngs(key)), nnx.Param)[1]
+
+  graphdef, _ = nnx.split(nnx.eval_shape(
+      lambda: modeling.Mamba2ForCausalLM(config, rngs=nnx.Rngs(0))), nnx.Param)
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    return model(batch["tokens"], labels=batch["tokens"])["loss"]
+
+  batches = [{"tokens": np.random.default_rng(30 + i).integers(0, VOCAB, (BATCH, SEQ),
+                                                               dtype=np.int32)}
+             for i in range(STEPS)]
+  return Client(init_fn, loss_fn, None, batches, (FSDP, DATA_FSDP), {})
+
+
+CLIENTS = {"recurrentgemma": _griffin, "penzai": _penzai, "esm2quinox": _esm2,
+           "mamba2-jax": _mamba2}
 # Meshes per client, known before its package is imported (ids are read at collection).
 MESHES = {"recurrentgemma": (FSDP, DATA_FSDP), "penzai": (FSDP, TENSOR),
-          "esm2quinox": (FSDP, TENSOR)}
+          "esm2quinox": (FSDP, TENSOR), "mamba2-jax": (FSDP, DATA_FSDP)}
+MASKED = ("recurrentgemma", "penzai", "esm2quinox")  # those whose loss is a masked mean
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,7 +325,8 @@ def _cases():
   for name, meshes in MESHES.items():
     for axes in meshes:
       for accum in (1, 2):
-        reasons = [MASKED_MEAN] + [EAGER_CONSTANT] * (name == "esm2quinox") if accum > 1 else []
+        reasons = ([MASKED_MEAN] * (name in MASKED) + [EAGER_CONSTANT] * (name == "esm2quinox")
+                   if accum > 1 else [])
         marks = [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
         ident = "-".join([name] + [f"{k}{v}" for k, v in axes.items()] + [f"accum{accum}"])
         cases.append(pytest.param(name, axes, accum, id=ident, marks=marks))
@@ -304,7 +344,7 @@ def test_masked_mean_trains_like_one_device(name, axes, accum_steps):
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=EAGER_CONSTANT)] * (
-        n == "esm2quinox")) for n in MESHES])
+        n == "esm2quinox")) for n in MASKED])
 def test_weighted_sum_and_count_are_exact_under_accumulation(name):
   # The masked loss as `(sum, count)` with weighted=True: the full batch's mean at any
   # accumulation, on the client's last mesh.
