@@ -126,7 +126,8 @@ def _penzai() -> Client:
   """A two-block Llama-like TransformerLM; the loss a penzai `StatefulTrainer` takes."""
   _needs("penzai")
   from penzai import pz  # pylint: disable=g-import-not-at-top
-  from penzai.models.transformer.variants import llamalike_common  # pylint: disable=g-import-not-at-top
+  from penzai.models.transformer.variants import (  # pylint: disable=g-import-not-at-top
+      llamalike_common)
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=2, query_head_multiplier=1, embedding_dim=32, projection_dim=16,
       mlp_hidden_dim=128, num_decoder_blocks=2, vocab_size=VOCAB, mlp_variant="swiglu",
