@@ -334,6 +334,9 @@ class ShardedStep:
     except FnscaleError:
       raise
     except (NotImplementedError, ValueError) as e:
+      boxed = _flax.constraint_failure(e)
+      if boxed is not None:
+        raise StepError(boxed) from None
       closed = _closure.explicit_closure(e, self.step, "the step")
       if closed is not None and self.mode == "shard_map":
         raise StepError(closed.message(

@@ -20,6 +20,8 @@ activations constrains them as the params are laid out.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 
 import jax
@@ -168,3 +170,46 @@ def rules_scope(rules):
   if not norm:
     return contextlib.nullcontext()
   return spmd.logical_axis_rules(_MeshRules(norm))
+
+
+def _raised_in_flax_unbox(e: BaseException) -> bool:
+  tb = e.__traceback__
+  while tb is not None:
+    code = tb.tb_frame.f_code
+    if code.co_name == "unbox" and f"flax{os.sep}core" in code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def constraint_failure(e: BaseException) -> str | None:
+  """What to say when tracing failed in a sharding constraint Flax made of a Linen box the
+  model unboxes in its own code (DenseGeneral and MultiHeadDotProductAttention initialize
+  their kernels flat and unbox them; Flax's apply runs that init again to check shapes, and
+  under a mesh `Partitioned.unbox` is `with_sharding_constraint` on the box's names); None for
+  any other failure."""
+  if not isinstance(e, ValueError) or not _raised_in_flax_unbox(e):
+    return None
+  text = str(e)
+  missing = re.search(r"Resource axis: (\S+) of (P\(.*?\)) is not found", text)
+  if missing:
+    fix = (f"give the mesh an axis {missing.group(1)!r} of size 1 (it splits nothing), e.g. "
+           f"fs.make_mesh({{..., {missing.group(1)!r}: 1}})")
+  elif "can only refer to Auto axes" in text:
+    fix = ("train_step(..., accum_gather='per_microbatch'): the per-shard microbatch loop "
+           "makes the data axes manual, and a constraint can't name a manual axis")
+  elif "only valid for values of rank" in text:
+    fix = ("give the box at most one name per dimension of the flat 2-D kernel the layer "
+           "initializes (e.g. (None, 'data')): fnscale and Flax leave the trailing dimensions "
+           "of the full kernel unsharded")
+  else:
+    fix = "box the kernel with nn.with_logical_partitioning and map its names by the rules"
+  return (
+      "tracing the step failed in a sharding constraint Flax made of a Linen box "
+      "(nn.with_partitioning) that the model unboxes in its own code: DenseGeneral and "
+      "MultiHeadDotProductAttention initialize their kernels flat and unbox them, Flax's "
+      "apply runs that init again to check shapes, and under the step's mesh the box becomes "
+      "jax.lax.with_sharding_constraint on its names (fnscale lays the params out from the "
+      f"names itself, but can't take this constraint out): {text.splitlines()[0]}; fix: "
+      f"{fix}; or box the kernel with nn.with_logical_partitioning (Flax then maps its names "
+      "through the rules, on the axes the mesh has).")

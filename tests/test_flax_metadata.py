@@ -48,10 +48,11 @@ def _reference(loss_fn, params):
   return losses, params
 
 
-def _fnscale(loss_fn, init, mesh_axes, accum, rules=()):
+def _fnscale(loss_fn, init, mesh_axes, accum, rules=(), **options):
   mesh = fs.make_mesh(mesh_axes)
   state = fs.init_state(init, OPT, mesh=mesh, rules=rules, key=jax.random.key(0))
-  step = fs.shard_step(fs.train_step(loss_fn, OPT, accum_steps=accum), mesh, rules=rules)
+  step = fs.shard_step(fs.train_step(loss_fn, OPT, accum_steps=accum, **options), mesh,
+                       rules=rules)
   losses = []
   for b in _batches():
     state, metrics = step(state, fs.global_batch(b, fs.batch_sharding(mesh)))
@@ -184,6 +185,38 @@ def test_activation_constraints_follow_the_rules_on_the_mesh(logical_block):
   step = fs.shard_step(fs.train_step(loss_fn, OPT), mesh, rules=RULES)
   text = step.lower(state, _batches()[0]).as_text()
   assert '[{"data", "fsdp"}, {}, {}]> : tensor<16x4x16xf32>' in text
+
+
+class FlatKernelMLP(nn.Module):
+  """DenseGeneral initializes its kernel flat and unboxes it itself: Flax's apply runs that
+  init again to check shapes, and under a mesh the box becomes a sharding constraint."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "data"))
+    h = nn.DenseGeneral((2, 8), kernel_init=init)(x)
+    return nn.DenseGeneral(1, axis=(-2, -1))(nn.relu(h))
+
+
+@pytest.fixture(scope="module")
+def flat_kernel_mlp():
+  loss_fn, init, params = _linen(FlatKernelMLP())
+  return loss_fn, init, _reference(loss_fn, params)
+
+
+def test_constraint_flax_keeps_is_named_with_a_fix_that_works(flat_kernel_mlp):
+  loss_fn, init, want = flat_kernel_mlp
+  with pytest.raises(fs.StepError, match=r"Linen box.*DenseGeneral.*Resource axis: data.*"
+                     r"fix: give the mesh an axis 'data' of size 1"):
+    _fnscale(loss_fn, init, {"fsdp": 8}, 1)
+  got = _fnscale(loss_fn, init, {"fsdp": 8, "data": 1}, 2)
+  _check(got, want)
+  with pytest.raises(fs.StepError, match=r"Linen box.*fix: train_step\(\.\.\., "
+                     r"accum_gather='per_microbatch'\)"):
+    _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
+  got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2, accum_gather="per_microbatch")
+  _check(got, want)
+  assert _specs(got[1])["DenseGeneral_0"]["kernel"] == P(None, "data", None)
 
 
 # ----------------------------------------------------------------------------- NNX
