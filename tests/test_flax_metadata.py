@@ -176,6 +176,15 @@ def test_linen_logical_boxes_every_mesh(logical_block, mesh_axes, accum):
   test_linen_logical_boxes_and_constraints(logical_block, mesh_axes, accum)
 
 
+def test_flax_rules_of_the_caller_are_kept_to_the_mesh(logical_block):
+  # No fnscale rules: Flax's own rules in effect drive the constraints, on the axes the mesh
+  # has ("tensor" absent) and not the manual ones of the per-shard microbatch loop.
+  loss_fn, init, want = logical_block
+  with nn.logical_axis_rules(RULES):
+    got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
+  _check(got, want)
+
+
 def test_activation_constraints_follow_the_rules_on_the_mesh(logical_block):
   # Under shard_step, nn.with_logical_constraint constrains activations by fnscale's rules
   # (only the axes this mesh has): the batch over ("data", "fsdp"), "mlp" over tensor.
@@ -185,6 +194,26 @@ def test_activation_constraints_follow_the_rules_on_the_mesh(logical_block):
   step = fs.shard_step(fs.train_step(loss_fn, OPT), mesh, rules=RULES)
   text = step.lower(state, _batches()[0]).as_text()
   assert '[{"data", "fsdp"}, {}, {}]> : tensor<16x4x16xf32>' in text
+
+
+def test_a_state_built_with_boxes_runs_on_their_arrays(mesh_axes_mlp, caplog):
+  # A TrainState built by hand from model.init's boxes: the step lays it out from their
+  # names, runs on their arrays (no constraint from model.apply) and returns a plain state,
+  # which the same executable takes again.
+  loss_fn, init, want = mesh_axes_mlp
+  boxed = init(jax.random.key(0))
+  state = fs.TrainState(boxed, OPT.init(boxed), jnp.zeros((), jnp.int32), None)
+  mesh = fs.make_mesh({"data": 2, "fsdp": 4})
+  assert fs.state_shardings(state, mesh).params["Dense_0"]["kernel"].spec == P(None, "data")
+  step = fs.shard_step(fs.train_step(loss_fn, OPT), mesh)
+  losses = []
+  for b in _batches():
+    state, metrics = step(state, fs.global_batch(b, fs.batch_sharding(mesh)))
+    losses.append(float(metrics["loss"]))
+  _check((losses, state.params), want)
+  assert _specs(state.params)["Dense_0"]["kernel"] == P(None, "data")
+  assert jax.tree.structure(state.params) == jax.tree.structure(nn.unbox(boxed))
+  assert not [r for r in caplog.records if "compiling again" in r.getMessage()]
 
 
 class FlatKernelMLP(nn.Module):
