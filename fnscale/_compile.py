@@ -320,7 +320,7 @@ class ShardedStep:
     params = getattr(state, "params", None)  # a TrainState's first leaves
     specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
     # Flax's logical constraints on activations follow the rules, on this mesh's axes.
-    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(self.rules):
+    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:
@@ -435,7 +435,11 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   another mesh) are derived as `fnscale.state_shardings` derives them from `rules`,
   `logical_axes` and `sharding_options` (params; automatic FSDP without rules), the
   optimizer state following the params (found with `optimizer` when given, else by
-  structure), step and loss scale replicated; `state_shardings` overrides all. The step
+  structure), step and loss scale replicated; `state_shardings` overrides all. A state
+  whose params hold Flax Linen boxes is laid out by their names and the step runs on their
+  plain arrays (it returns a state without boxes). While the step is traced, Flax's logical
+  rules are `rules` (else Flax's own in effect), each kept to the mesh axes a constraint may
+  name there, so `nn.with_logical_constraint` follows the layout. The step
   is never inspected: a wrapper around it compiles the same program. The batch's leading
   dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
   `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its

@@ -155,21 +155,32 @@ class _MeshRules(tuple):
     return len(self) > 0
 
 
+def _flax_pairs(rules) -> tuple:
+  """Flax's rules, (name, mesh axis | tuple of them | None) pairs, as (name, (axes...))."""
+  out = []
+  for name, axes in rules:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    if not isinstance(name, str) or not all(isinstance(a, str) for a in axes):
+      raise ValueError(name)
+    out.append((name, axes))
+  return tuple(out)
+
+
 def rules_scope(rules):
-  """Flax's logical axis rules while a step is traced: `rules` (fnscale's, normalized), else
-  Flax's own rules in effect, as `_MeshRules`; a null context where flax isn't imported or
-  there are no rules."""
+  """Flax's logical axis rules while a step is traced: `rules` (fnscale's, normalized:
+  (name, (axes...)) pairs), else Flax's own rules in effect, as `_MeshRules`; a null context
+  where flax isn't imported or there are no rules."""
   spmd = sys.modules.get("flax.core.spmd")
   if spmd is None or not hasattr(spmd, "logical_axis_rules"):
     return contextlib.nullcontext()
-  from fnscale._sharding import normalize_rules  # pylint: disable=g-import-not-at-top
-  try:
-    norm = normalize_rules(rules or tuple(spmd.get_logical_axis_rules()))
-  except ShardingError:  # Flax's own rules in a form fnscale doesn't read: left as they are
+  if not rules:
+    try:
+      rules = _flax_pairs(spmd.get_logical_axis_rules() or ())
+    except (TypeError, ValueError):  # Flax's own rules in a form fnscale doesn't read
+      return contextlib.nullcontext()
+  if not rules:
     return contextlib.nullcontext()
-  if not norm:
-    return contextlib.nullcontext()
-  return spmd.logical_axis_rules(_MeshRules(norm))
+  return spmd.logical_axis_rules(_MeshRules(rules))
 
 
 def _raised_in_flax_unbox(e: BaseException) -> bool:

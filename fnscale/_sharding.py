@@ -605,7 +605,9 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
 
   Args:
     tree: pytree whose leaves are arrays or `jax.ShapeDtypeStruct`s (e.g. from
-      `jax.eval_shape(init_fn, key)`).
+      `jax.eval_shape(init_fn, key)`), possibly in Flax Linen boxes or NNX Variables: their
+      names are the leaves' logical axes or `MeshNames` where `logical_axes` gives none
+      (`fnscale.adapters`), and the shardings have the tree's structure without Linen boxes.
     mesh: the `jax.sharding.Mesh`.
     rules: ordered (logical_name, mesh_axis | tuple | None) pairs; see `logical_to_spec`.
     logical_axes: per-leaf logical axes, either a pytree with `tree`'s structure whose

@@ -261,7 +261,10 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
 
   Args:
     init_fn_or_params: `init_fn(key) -> params` (or `init_fn()` when `key` is None), or a
-      pytree of arrays.
+      pytree of arrays. A Flax model's own sharding metadata is read as the layout where
+      `logical_axes` names none (`lambda k: model.init(k, x)["params"]` with Linen boxes, an
+      NNX State with Variable metadata: `fnscale.adapters`); the state holds plain arrays
+      (Linen boxes taken off, NNX Variables kept).
     optimizer: an `optax.GradientTransformation`.
     mesh: the `jax.sharding.Mesh`.
     rules, logical_axes, sharding_options: as in `state_shardings`.
