@@ -193,17 +193,28 @@ def _raised_in_flax_unbox(e: BaseException) -> bool:
   return False
 
 
-def constraint_failure(e: BaseException) -> str | None:
-  """What to say when tracing failed in a sharding constraint Flax made of a Linen box the
-  model unboxes in its own code (DenseGeneral and MultiHeadDotProductAttention initialize
-  their kernels flat and unbox them; Flax's apply runs that init again to check shapes, and
-  under a mesh `Partitioned.unbox` is `with_sharding_constraint` on the box's names); None for
-  any other failure."""
+def constraint_failure(e: BaseException, *, init: bool = False) -> str | None:
+  """What to say when tracing failed in a sharding constraint Flax made of a Linen box
+  (under a mesh, `Partitioned.unbox` is `with_sharding_constraint` on the box's names): in
+  the step (`init=False`), a box the model unboxes in its own code (DenseGeneral and
+  MultiHeadDotProductAttention initialize their kernels flat and unbox them, and Flax's
+  apply runs that init again to check shapes); in `init_state`'s init function under an
+  ambient mesh (`init=True`). None for any other failure."""
   if not isinstance(e, ValueError) or not _raised_in_flax_unbox(e):
     return None
   text = str(e)
+  head = ("tracing the init function failed in a sharding constraint Flax made of a Linen "
+          "box under the ambient mesh" if init else
+          "tracing the step failed in a sharding constraint Flax made of a Linen box "
+          "(nn.with_partitioning) that the model unboxes in its own code: DenseGeneral and "
+          "MultiHeadDotProductAttention initialize their kernels flat and unbox them, Flax's "
+          "apply runs that init again to check shapes, and under the step's mesh the box "
+          "becomes jax.lax.with_sharding_constraint on its names")
   missing = re.search(r"Resource axis: (\S+) of (P\(.*?\)) is not found", text)
-  if missing:
+  if init:
+    fix = ("call init_state outside the mesh context (`with fs.with_mesh(...)`, "
+           "`jax.set_mesh`): it lays the params out from the names itself")
+  elif missing:
     fix = (f"give the mesh an axis {missing.group(1)!r} of size 1 (it splits nothing), e.g. "
            f"fs.make_mesh({{..., {missing.group(1)!r}: 1}})")
   elif "can only refer to Auto axes" in text:
@@ -215,12 +226,7 @@ def constraint_failure(e: BaseException) -> str | None:
            "of the full kernel unsharded")
   else:
     fix = "box the kernel with nn.with_logical_partitioning and map its names by the rules"
-  return (
-      "tracing the step failed in a sharding constraint Flax made of a Linen box "
-      "(nn.with_partitioning) that the model unboxes in its own code: DenseGeneral and "
-      "MultiHeadDotProductAttention initialize their kernels flat and unbox them, Flax's "
-      "apply runs that init again to check shapes, and under the step's mesh the box becomes "
-      "jax.lax.with_sharding_constraint on its names (fnscale lays the params out from the "
-      f"names itself, but can't take this constraint out): {text.splitlines()[0]}; fix: "
-      f"{fix}; or box the kernel with nn.with_logical_partitioning (Flax then maps its names "
-      "through the rules, on the axes the mesh has).")
+  return (f"{head} (fnscale lays the params out from the names itself, but can't take this "
+          f"constraint out): {text.splitlines()[0]}; fix: {fix}"
+          + ("" if init else "; or box the kernel with nn.with_logical_partitioning (Flax "
+             "then maps its names through the rules, on the axes the mesh has)") + ".")

@@ -203,7 +203,13 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
   if callable(init_fn_or_params):
     args = () if key is None else (key,)
     make = lambda *a: cast(init_fn_or_params(*a))
-    shapes = jax.eval_shape(make, *args)
+    try:
+      shapes = jax.eval_shape(make, *args)
+    except ValueError as e:
+      boxed = _flax.constraint_failure(e, init=True)
+      if boxed is None:
+        raise
+      raise StepError(boxed) from None
     # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
     psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
     shapes = _unboxed(shapes)

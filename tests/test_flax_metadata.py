@@ -240,6 +240,10 @@ def test_constraint_flax_keeps_is_named_with_a_fix_that_works(flat_kernel_mlp):
     _fnscale(loss_fn, init, {"fsdp": 8}, 1)
   got = _fnscale(loss_fn, init, {"fsdp": 8, "data": 1}, 2)
   _check(got, want)
+  mesh = fs.make_mesh({"fsdp": 8})
+  with pytest.raises(fs.StepError, match=r"init function.*Resource axis: data.*fix: call "
+                     r"init_state outside the mesh context"), fs.with_mesh(mesh):
+    fs.init_state(init, OPT, mesh=mesh, key=jax.random.key(0))
   with pytest.raises(fs.StepError, match=r"Linen box.*fix: train_step\(\.\.\., "
                      r"accum_gather='per_microbatch'\)"):
     _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
