@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compiler
+from fnscale import _flax
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale import _state
@@ -66,6 +67,9 @@ def _conform(tree, treedef, expected, what: str):
       and (leaf.sharding is s or leaf.sharding == s) and not leaf.is_deleted()
       for leaf, (_, shape, dtype, s) in zip(leaves, expected)):
     return tree
+  if what == "state":  # a state holding Linen boxes runs on their plain arrays
+    tree = _flax.strip(tree)
+    leaves, got_def = jax.tree_util.tree_flatten(tree)
   pairs = _tree.leaves_with_paths(tree)
   for path, leaf in pairs:
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -123,9 +127,12 @@ def _carried_shardings(state, mesh, rules, logical_axes, optimizer, sharding_opt
   derives them; the optimizer state follows the params' carried shardings."""
   derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
                                    sharding_options=sharding_options)
+  state = _flax.strip(state)  # the Linen boxes' names are in `derived`
   carried = [_own_sharding(leaf, None, mesh) for leaf in jax.tree.leaves(state)]
   n_params = len(jax.tree.leaves(state.params))
-  if rules or logical_axes is not None or sharding_options:
+  # Rules alone place no leaf without logical axes (a state built from a Flax model's
+  # metadata carries its names only in its shardings): nothing to compare then.
+  if logical_axes is not None or sharding_options:
     _disagreement(state.params, carried[:n_params], derived.params,
                   "rules / logical_axes / sharding_options")
   psh = jax.tree_util.tree_unflatten(
@@ -247,7 +254,7 @@ class ShardedStep:
   def shardings(self, state, batch):
     """(state shardings, batch shardings) the step is compiled with, checked against the
     leaves (rank, divisibility)."""
-    ssh, _, bsh, _ = self._resolve(state, batch)
+    _, ssh, _, bsh, _ = self._resolve(state, batch)
     return ssh, bsh
 
   def _state_shardings(self, state):
@@ -257,7 +264,14 @@ class ShardedStep:
                               self.optimizer, self.sharding_options)
 
   def _resolve(self, state, batch):
+    """(plain state, state shardings, their leaves, batch shardings, their leaves): a
+    state's Linen boxes give their names to its layout, and the step runs on their arrays."""
     ssh = self._state_shardings(state)
+    if _flax.has_linen_boxes(state):
+      logging.info("shard_step: the state's params hold Flax Linen boxes; the step runs on "
+                   "their plain arrays (laid out as their names say), so model.apply applies "
+                   "no sharding constraint of its own, and returns a state without boxes")
+      state = _flax.strip(state)
     state_flat = _tree.leaf_shardings(state, ssh, "state", StepError)
     _sh.check_shardings(state, ssh, what="state")
     if self.batch_sharding is None:
@@ -271,7 +285,7 @@ class ShardedStep:
       batch_flat = _tree.leaf_shardings(batch, self.batch_sharding, "batch", StepError)
     bsh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), batch_flat)
     _sh.check_batch(batch, bsh)
-    return ssh, state_flat, bsh, batch_flat
+    return state, ssh, state_flat, bsh, batch_flat
 
   def _body(self, batch, batch_flat):
     daxes = _axes.data_axes(self.mesh)
@@ -298,27 +312,31 @@ class ShardedStep:
 
   def lower(self, state, batch):
     """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
-    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    state, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     rep = NamedSharding(self.mesh, PartitionSpec())
     jitted = jax.jit(self._body(batch, batch_flat), in_shardings=(ssh, bsh),
                      out_shardings=(ssh, rep), donate_argnums=(0,) if self.donate else ())
     # The step knows the params' shardings (gradient accumulators are pinned to them).
     params = getattr(state, "params", None)  # a TrainState's first leaves
     specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
-    with jax.set_mesh(self.mesh), specs:
+    # Flax's logical constraints on activations follow the rules, on this mesh's axes.
+    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:
     """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
     report or a plan on process 0 alone is fine); a job checks that every process compiled
     the same step with `fnscale.multihost.agree_on_step(compiled)`."""
-    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
-    sig = _signature(state, batch, state_flat, batch_flat)
+    plain, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    sig = _signature(plain, batch, state_flat, batch_flat)
     try:
       lowered = self.lower(state, batch)
     except FnscaleError:
       raise
     except (NotImplementedError, ValueError) as e:
+      boxed = _flax.constraint_failure(e)
+      if boxed is not None:
+        raise StepError(boxed) from None
       closed = _closure.explicit_closure(e, self.step, "the step")
       if closed is not None and self.mode == "shard_map":
         raise StepError(closed.message(
@@ -343,18 +361,27 @@ class ShardedStep:
                         c.reused)
 
   def __call__(self, state, batch):
-    key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
-           tuple(_tree.aval(x) for x in jax.tree.leaves(state)),
-           tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
+    key = _inputs_key(state, batch)
     fn = self._executables.get(key)
     if fn is None:
-      if self._executables:
-        logging.warning(
-            "shard_step: compiling again for new input shapes/dtypes (executable %d); call "
-            "step.compile(state, batch) to pin one and get an error instead",
-            len(self._executables) + 1)
-      fn = self._executables[key] = self.compile(state, batch)
+      # A state with Linen boxes runs the executable of its plain arrays (what it returns).
+      plain_key = _inputs_key(_flax.strip(state), batch)
+      fn = self._executables.get(plain_key)
+      if fn is None:
+        if self._executables:
+          logging.warning(
+              "shard_step: compiling again for new input shapes/dtypes (executable %d); "
+              "call step.compile(state, batch) to pin one and get an error instead",
+              len(self._executables) + 1)
+        fn = self._executables[plain_key] = self.compile(state, batch)
+      self._executables[key] = fn
     return fn(state, batch)
+
+
+def _inputs_key(state, batch) -> tuple:
+  return (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
+          tuple(_tree.aval(x) for x in jax.tree.leaves(state)),
+          tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
 
 
 def _trace_error(e: Exception, sig: _Signature) -> StepError:
@@ -408,7 +435,11 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   another mesh) are derived as `fnscale.state_shardings` derives them from `rules`,
   `logical_axes` and `sharding_options` (params; automatic FSDP without rules), the
   optimizer state following the params (found with `optimizer` when given, else by
-  structure), step and loss scale replicated; `state_shardings` overrides all. The step
+  structure), step and loss scale replicated; `state_shardings` overrides all. A state
+  whose params hold Flax Linen boxes is laid out by their names and the step runs on their
+  plain arrays (it returns a state without boxes). While the step is traced, Flax's logical
+  rules are `rules` (else Flax's own in effect), each kept to the mesh axes a constraint may
+  name there, so `nn.with_logical_constraint` follows the layout. The step
   is never inspected: a wrapper around it compiles the same program. The batch's leading
   dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
   `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import optax
 
+from fnscale import _flax
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale._errors import MeshError, ShardingError, StepError
@@ -162,6 +163,7 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   opts = _options(sharding_options)
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
+  state = _flax.strip(state)  # the shardings of the plain state, as init_state builds it
   osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
@@ -201,11 +203,19 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
   if callable(init_fn_or_params):
     args = () if key is None else (key,)
     make = lambda *a: cast(init_fn_or_params(*a))
-    shapes = jax.eval_shape(make, *args)
+    try:
+      shapes = jax.eval_shape(make, *args)
+    except ValueError as e:
+      boxed = _flax.constraint_failure(e, init=True)
+      if boxed is None:
+        raise
+      raise StepError(boxed) from None
+    # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
     psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
+    shapes = _unboxed(shapes)
     if abstract:
       return _sds(shapes, psh), psh
-    return jax.jit(make, out_shardings=psh)(*args), psh
+    return jax.jit(lambda *a: _flax.strip(make(*a)), out_shardings=psh)(*args), psh
   for path, leaf in _tree.leaves_with_paths(init_fn_or_params):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
       raise StepError(
@@ -213,9 +223,22 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
           "pass arrays (jnp/np) or an init function.")
   params = jax.eval_shape(cast, init_fn_or_params) if abstract else cast(init_fn_or_params)
   psh = _sh.shardings(params, mesh, rules, logical_axes=logical_axes, **opts)
+  params = _unboxed(params)
   if abstract:
     return _sds(params, psh), psh
   return _copy(params, psh), psh
+
+
+def _unboxed(params):
+  """`params` without Linen boxes, said once: under a mesh `model.apply` would turn each box
+  into a sharding constraint (and fail on a mesh without its axes)."""
+  if not _flax.has_linen_boxes(params):
+    return params
+  logging.info("init_state: the params' Flax Linen boxes (nn.with_partitioning, "
+               "nn.with_logical_partitioning) are taken off: the state holds their plain "
+               "arrays, laid out as their names say, and model.apply({'params': params}) "
+               "takes them as they are (no sharding constraint of its own)")
+  return _flax.strip(params)
 
 
 def _copy(tree, shardings_tree):
@@ -244,7 +267,10 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
 
   Args:
     init_fn_or_params: `init_fn(key) -> params` (or `init_fn()` when `key` is None), or a
-      pytree of arrays.
+      pytree of arrays. A Flax model's own sharding metadata is read as the layout where
+      `logical_axes` names none (`lambda k: model.init(k, x)["params"]` with Linen boxes, an
+      NNX State with Variable metadata: `fnscale.adapters`); the state holds plain arrays
+      (Linen boxes taken off, NNX Variables kept).
     optimizer: an `optax.GradientTransformation`.
     mesh: the `jax.sharding.Mesh`.
     rules, logical_axes, sharding_options: as in `state_shardings`.
