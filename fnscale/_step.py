@@ -70,6 +70,7 @@ from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compat
 from fnscale import _context
+from fnscale import _ratio
 from fnscale import _tree
 from fnscale._errors import StepError
 
@@ -342,30 +343,95 @@ class _Config(NamedTuple):
   accum_gather: str = "auto"
   weighted: bool = False
   key: Any = None  # the base PRNG key of `loss_fn(params, batch, key)`, or None
+  ratio: Any = None  # a scalar loss read as (sum, count): `_ratio.Ratio` (see `_find_ratio`)
 
 
-def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None, frozen=None):
-  """What is differentiated: the loss (a mean; with `weighted`, the sum) in float32, scaled
-  when a loss scale is used; and (loss or sum, weight, aux) with weight 1 for a mean.
-  `frozen`: the state's frozen params (None: the loss takes no `frozen` keyword)."""
+def _call_loss(cfg: _Config, params, batch, key, frozen):
+  """`loss_fn`'s output for params and batch cast to the compute dtype."""
   if cfg.policy is not None:
     params, frozen = cfg.policy.cast_to_compute((params, frozen))
     batch = cfg.policy.cast_to_compute(batch)
   args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
-  out = cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+  return cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+
+
+def _loss_aux(cfg: _Config, out):
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
                       "return (loss, aux).")
-    loss, aux = out
+    return out
+  return out, None
+
+
+def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None, frozen=None):
+  """What is differentiated: the loss (a mean; with `weighted` or a `ratio`, the sum) in
+  float32, scaled when a loss scale is used; and (loss or sum, weight, aux) with weight 1
+  for a mean. `frozen`: the state's frozen params (None: the loss takes no `frozen`
+  keyword)."""
+  if cfg.ratio is None:
+    loss, aux = _loss_aux(cfg, _call_loss(cfg, params, batch, key, frozen))
+    loss, weight = _split_weighted(cfg, loss)
   else:
-    loss, aux = out, None
-  loss, weight = _split_weighted(cfg, loss)
+    out, loss, weight = _split_ratio(cfg, params, batch, key, frozen)
+    aux = _loss_aux(cfg, out)[1]
+    weight = jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
   if cfg.policy is not None:
     loss = cfg.policy.cast_to_output(loss)
   loss = jnp.asarray(loss).astype(jnp.float32)
   scaled = loss_scale.scale(loss) if loss_scale is not None else loss
   return scaled, (loss, weight, aux)
+
+
+def _ratio_args(cfg: _Config, params, batch, key, frozen):
+  """The loss's arguments and each flat leaf's dependence for `_ratio` (params: P; batch and
+  key: B; frozen params, the same in every part of the batch: none)."""
+  n = [len(jax.tree.leaves(x)) for x in (params, batch, key, frozen)]
+  ins = [_ratio.P] * n[0] + [_ratio.B] * (n[1] + n[2]) + [0] * n[3]
+  return functools.partial(_call_loss, cfg), (params, batch, key, frozen), ins
+
+
+def _split_ratio(cfg: _Config, params, batch, key, frozen):
+  fn, args, ins = _ratio_args(cfg, params, batch, key, frozen)
+  try:
+    return _ratio.split(fn, args, ins, cfg.ratio)
+  except _ratio.Unsplittable as e:
+    raise StepError(f"{e}; fix: {_RATIO_FIX}.") from None
+
+
+_RATIO_FIX = (
+    "return (sum, weight) from loss_fn and pass train_step(..., weighted=True), e.g. "
+    "(jnp.sum(nll * mask), jnp.sum(mask)) for jnp.sum(nll * mask) / jnp.sum(mask): the step "
+    "sums both over microbatches and shards and divides once")
+
+
+def _find_ratio(cfg: _Config, state, batch) -> _Config:
+  """`cfg` with its `ratio` where the loss runs on parts of the batch (accum_steps > 1, or
+  per shard) and is a batch sum over a batch count (a token-normalized mean): averaging the
+  parts' means would differ from the batch's mean, so the step sums (sum, count) as
+  `weighted` does. The loss is traced once on the whole batch here, before any loop.
+
+  Raises:
+    StepError: the loss divides by a count of the batch in a way that can't be split.
+  """
+  if cfg.weighted or (cfg.accum_steps == 1 and not _manual_data_axes()):
+    return cfg
+  key = _loss_key(cfg, state.step, 0, _manual_data_axes())
+  fn, args, ins = _ratio_args(cfg, state.params, batch, key, state.frozen)
+  try:
+    ratio = _ratio.find(fn, args, ins)
+  except _ratio.Unsplittable as e:
+    raise StepError(
+        f"{e}, and train_step runs it on parts of the batch (accum_steps={cfg.accum_steps}"
+        f"{', per shard' if _manual_data_axes() else ''}), whose means averaged are not the "
+        f"batch's mean; fix: {_RATIO_FIX}.") from None
+  if ratio is None:
+    return cfg
+  logging.info("train_step: the loss is a sum over a count of the batch's tokens (a masked "
+               "mean); both are summed over microbatches and shards and divided once, as "
+               "weighted=True does%s", "" if ratio.floor is None else
+               f" (the total count clipped at {ratio.floor:g}, as the loss clips it)")
+  return cfg._replace(ratio=ratio)
 
 
 def _split_weighted(cfg: _Config, loss):
@@ -459,10 +525,11 @@ def _reduce(cfg: _Config, grads, loss, weight, aux, axes, reduce_grads: bool = T
   return grads, loss, weight, aux
 
 
-def _normalize(grads, loss, weight):
+def _normalize(grads, loss, weight, floor=None):
   """Summed gradients and loss divided once by the summed weight (a weight of 0, every
-  token masked: zero gradients and loss, not nan)."""
-  w = jnp.where(weight == 0, 1.0, weight)
+  token masked: zero gradients and loss, not nan); by max(weight, floor) for a loss that
+  clips its count so (`_ratio.Ratio.floor`)."""
+  w = jnp.where(weight == 0, 1.0, weight) if floor is None else jnp.maximum(weight, floor)
   return jax.tree.map(lambda g: g / w, grads), loss / w
 
 
@@ -684,9 +751,10 @@ def _step(cfg: _Config, state, batch):
                     "build it with fnscale.init_state.")
   _check_precision(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
+  cfg = _find_ratio(cfg, state, batch)
   grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
                                         state.frozen)
-  grads, loss = _normalize(grads, loss, weight)
+  grads, loss = _normalize(grads, loss, weight, None if cfg.ratio is None else cfg.ratio.floor)
   grads = _unscale(grads, ls)
   new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
   # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
