@@ -268,9 +268,13 @@ def _global_data_axes() -> tuple[str, ...]:
   return tuple(a for a in _axes.data_axes(mesh) if a not in manual and mesh.shape[a] > 1)
 
 
-def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
+def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...],
+                  own_rows: bool = False):
   """[B, ...] leaves -> [accum_steps, B // accum_steps, ...]; microbatch i holds rows i,
-  i + accum_steps, ... so that each keeps a share of every device's rows (no resharding)."""
+  i + accum_steps, ... so that each keeps a share of every device's rows (no resharding).
+  Rows are split over the data axes `axes`; with `own_rows`, on Explicit axes, over the
+  data axes the leaf's rows are split over already (a `batch_sharding` that a model's
+  `out_sharding` asks for), where it has any."""
   micro = n // accum_steps
   mesh = jax.sharding.get_abstract_mesh()
   ways = math.prod(mesh.shape[a] for a in axes) if axes else 1
@@ -288,12 +292,22 @@ def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
 
   def split(x):
     x = jnp.swapaxes(x.reshape((micro, accum_steps) + x.shape[1:]), 0, 1)
-    if axes:
+    rows = _row_axes(x, axes) if own_rows and explicit else axes
+    if rows:
       seq = (_tree.spec_entry(context),) if context and x.ndim >= 3 else ()
-      spec = PartitionSpec(None, _tree.spec_entry(axes), *seq)
+      spec = PartitionSpec(None, _tree.spec_entry(rows), *seq)
       x = jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
     return x
   return jax.tree.map(split, batch)
+
+
+def _row_axes(x, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of `axes` that the rows of `x` ([accum, rows, ...]) are split over in its type,
+  or `axes` where none are."""
+  spec = getattr(jax.typeof(x), "sharding", None)
+  spec = spec.spec if spec is not None else PartitionSpec()
+  own = tuple(a for a in _tree.entry_axes(spec[1] if len(spec) > 1 else None) if a in axes)
+  return own or axes
 
 
 def default_loss_scale(policy, loss_scale) -> LossScale | None:
@@ -352,7 +366,57 @@ def _call_loss(cfg: _Config, params, batch, key, frozen):
     params, frozen = cfg.policy.cast_to_compute((params, frozen))
     batch = cfg.policy.cast_to_compute(batch)
   args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
-  return cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+  try:
+    return cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+  except Exception as e:  # pylint: disable=broad-except
+    refusal = _compat.typed_refusal(e)
+    error = None if refusal is None else _typed_error(refusal)
+    if error is None:
+      raise
+    raise error from None
+
+
+class _ManualTyped(StepError):
+  """The loss shards its ops by type over an axis that is Manual where it runs (inside a
+  `jax.shard_map`): `_gradients` runs it with the partitioner's loop instead."""
+
+
+def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
+  """The StepError for jax's refusal `r` of a loss's sharding in types (`out_sharding=`,
+  `jax.sharding.reshard`), naming the mesh or option that works; None where fnscale can't
+  say (an axis missing from an Auto mesh: no sharding in types involved)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shape = dict(mesh.shape)
+  daxes = _axes.data_axes(mesh) if not mesh.empty else ()
+  jaxsays = f"(jax: {r.text})"
+  if r.kind == "manual":
+    return _ManualTyped(
+        f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
+        f"axis {r.axis or 'of the data axes'!r}) and runs per shard inside jax.shard_map, "
+        f"where the data axes {daxes} are Manual, which jax refuses {jaxsays}; fix: "
+        "shard_step(..., mode='auto') and train_step(..., accum_gather='per_microbatch'), "
+        "which run the loss on the whole global batch")
+  if r.kind == "auto":
+    return StepError(
+        f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
+        f"axis {r.axis!r}), which jax allows only on Explicit mesh axes, and mesh {shape} "
+        f"has Auto axes {jaxsays}; fix: fs.make_mesh({shape}, axis_types='explicit')")
+  if mesh.empty or not getattr(mesh, "explicit_axes", ()):
+    return None
+  others = {a: n for a, n in shape.items() if a not in daxes}
+  if r.kind == "missing":
+    return StepError(
+        f"the loss shards its ops by type over mesh axis {r.axis!r}, which mesh {shape} "
+        f"doesn't have {jaxsays}; fix: a mesh with the model's axes, e.g. "
+        f"fs.make_mesh({ {r.axis: -1, **others} }, axis_types='explicit'), or out_sharding= "
+        "naming this mesh's axes")
+  return StepError(
+      f"the loss's ops, sharded by type, disagree with the batch, whose rows fnscale splits "
+      f"over the mesh's data axes {daxes} of mesh {shape} {jaxsays}; fix: a mesh whose data "
+      f"axes are the ones the model's out_sharding= splits the batch over (e.g. "
+      f"fs.make_mesh({ {'data': -1, **others} }, axis_types='explicit') for a model that "
+      "names 'data'), or shard_step(..., batch_sharding=jax.NamedSharding(mesh, P(<those "
+      "axes>)))")
 
 
 def _loss_aux(cfg: _Config, out):
@@ -640,20 +704,35 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
     return _grad_sum(cfg, params, batch, scale, step, frozen=frozen)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
-  micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
-    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+    return _grad_sum(cfg, params, _microbatches(batch, cfg.accum_steps, n, axes), scale,
+                     step, frozen=frozen)
   known = _known_specs(params)
+  partitioned = functools.partial(_grad_sum, cfg, params, _microbatches(
+      batch, cfg.accum_steps, n, axes, own_rows=True), scale, step, frozen=frozen)
   if _mode(cfg, frozen) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
     # loop. The per-shard loop is manual over every data axis.)
-    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+    return partitioned()
   # Unknown under a plain jit on Auto axes (Auto types carry no sharding, and the trace
   # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
   specs = known or [PartitionSpec()] * len(jax.tree.leaves(params))
+  micro = _microbatches(batch, cfg.accum_steps, n, axes)
   try:
     return _per_shard(cfg, params, micro, scale, step, axes, specs, frozen)
+  except _ManualTyped as e:
+    # A loss sharding its ops by type (Explicit axes) can't run where the data axes are
+    # Manual: "auto" keeps the loop with the partitioner.
+    if cfg.accum_gather == "once":
+      raise StepError(f"accum_gather='once' runs the loss per shard under jax.shard_map: "
+                      f"{str(e).split('; fix:')[0]}; fix: train_step(..., accum_gather="
+                      "'per_microbatch') or 'auto'.") from None
+    logging.warning("train_step: the loss shards its ops by type (out_sharding=, "
+                    "jax.sharding.reshard), which jax refuses per shard; the microbatch loop "
+                    "stays with the partitioner (accum_gather='per_microbatch'), which "
+                    "reduces every leaf's gradients in every microbatch")
+    return partitioned()
   except (NotImplementedError, ValueError) as e:
     closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")
     if closed is None:
@@ -664,7 +743,7 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
           _closure.FIX + ", or accum_gather='auto' / 'per_microbatch'")) from None
   logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
                   "reduces every leaf's gradients in every microbatch", closed.describe())
-  return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+  return partitioned()
 
 
 def _unscale(grads, ls):
