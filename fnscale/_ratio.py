@@ -43,10 +43,15 @@ class Ratio(NamedTuple):
   floor: float | None
 
 
+class _Div(NamedTuple):
+  """The division of a split: by `den`, the count unclipped (a variable of its jaxpr)."""
+  den: object
+
+
 class _Path(NamedTuple):
-  """One jaxpr's part of a split: `roles` maps equation index -> "div" (the division),
-  "linear" (linear in the split value) or a `_Path` (a call whose jaxpr holds it); `den` is
-  the count (unclipped) where the division is in this jaxpr, `floor` its clip."""
+  """One jaxpr's part of a split: `roles` maps equation index -> a `_Div`, "linear" (linear
+  in the split value) or a `_Path` (a call whose jaxpr holds it); `den` is the count
+  (unclipped) where the division is in this jaxpr, `floor` its clip."""
   roles: dict
   den: object = None
   floor: float | None = None
@@ -181,7 +186,7 @@ def _walk(jaxpr, taint, prod, var) -> _Path | None:
     if not _additive(jaxpr, prod, taint, den):
       raise Unsplittable(f"the loss divides by a count of the batch that is not a sum over "
                          f"its rows ({_describe(prod, ops[1])})")
-    return _Path({i: "div"}, den, floor)
+    return _Path({i: _Div(den)}, den, floor)
   if name in ("add", "sub"):
     paths = [_walk(jaxpr, taint, prod, v) for v in ops]
     found = [p for p in paths if p is not None]
@@ -191,7 +196,7 @@ def _walk(jaxpr, taint, prod, var) -> _Path | None:
       if p is None and _read_taint(taint, v) & B:
         raise Unsplittable("the loss adds a mean over a batch count to a term that depends "
                            "on the batch otherwise")
-    return _extend(_merge(found), i)
+    return _extend(_merge(found, prod), i)
   if name in _CALLS and _inner(eqn) is not None:
     sub, _ = _inner(eqn)
     subtaint = _taints(sub, [_read_taint(taint, v) for v in ops])
@@ -208,16 +213,42 @@ def _extend(path: _Path | None, i: int) -> _Path | None:
   return path._replace(roles={**path.roles, i: path.roles.get(i, "linear")})
 
 
-def _merge(paths: list[_Path]) -> _Path:
-  dens = {(id(p.den), p.floor) for p in paths if p.den is not None}
-  if len(dens) > 1:
-    raise Unsplittable("the loss adds means over different counts of the batch")
+def _merge(paths: list[_Path], prod) -> _Path:
+  """Paths of the terms of a sum: one count for all (the same computation in this jaxpr's
+  equations `prod`), or Unsplittable."""
+  dens = [d for p in paths for d in _dens(p)]
+  own = [p.den for p in paths if p.den is not None]
+  if len(own) != len(dens) or not all(_same(d, own[0], prod) for d in own[1:]):
+    if len({id(d) for d in dens}) > 1:
+      raise Unsplittable("the loss adds means over different counts of the batch")
   roles = {}
   for p in paths:
     for i, r in p.roles.items():
-      roles[i] = _merge([roles[i], r]) if isinstance(r, _Path) and i in roles else r
+      roles[i] = _merge([roles[i], r], {}) if isinstance(r, _Path) and i in roles else r
   den = next((p for p in paths if p.den is not None), paths[0])
   return _Path(roles, den.den, den.floor)
+
+
+def _same(a, b, prod, depth: int = 12) -> bool:
+  """Whether `a` and `b` are computed alike (the same equations over the same inputs), as
+  two `jnp.mean(x, where=mask)` count one mask twice."""
+  if a is b:
+    return True
+  if isinstance(a, core.Literal) or isinstance(b, core.Literal):
+    return (isinstance(a, core.Literal) and isinstance(b, core.Literal)
+            and np.array_equal(a.val, b.val))
+  if depth == 0 or a not in prod or b not in prod:
+    return False
+  (_, ea), (_, eb) = prod[a], prod[b]
+  return (ea.primitive is eb.primitive and ea.params == eb.params
+          and ea.outvars.index(a) == eb.outvars.index(b) and len(ea.invars) == len(eb.invars)
+          and all(_same(x, y, prod, depth - 1) for x, y in zip(ea.invars, eb.invars)))
+
+
+def _dens(path: _Path) -> list:
+  """The counts a path divides by, in its jaxpr and the calls it goes into."""
+  inner = [d for r in path.roles.values() if isinstance(r, _Path) for d in _dens(r)]
+  return ([path.den] if path.den is not None else []) + inner
 
 
 def _floor(path: _Path):
@@ -324,13 +355,13 @@ def _eval(jaxpr, consts, args, path: _Path):
       outs, subshadow, den = _eval(sub, subconsts, invals, role)
       shadow.update({o: subshadow[s] for o, s in zip(eqn.outvars, sub.outvars)
                      if s in subshadow})
-    elif role == "div":  # its value isn't differentiated (the numerator is): a count of 0
-      outs = _bind(eqn, jax.lax.stop_gradient(invals))  # would make its gradient nan
+    elif isinstance(role, _Div):  # its value isn't differentiated (the numerator is): a
+      outs = _bind(eqn, jax.lax.stop_gradient(invals))  # count of 0 would make it nan
     else:
       outs = _bind(eqn, invals)
     env.update(zip(eqn.outvars, outs))
-    if role == "div":
-      den = read(path.den)
+    if isinstance(role, _Div):
+      den = read(role.den)
       shadow[eqn.outvars[0]] = invals[0]
     elif role == "linear":
       shadow[eqn.outvars[0]] = _bind(eqn, [_shadow_of(eqn, v, x, shadow, den)

@@ -45,8 +45,10 @@ gradients end in the params' sharding in every mode. Measure the modes with
   axes (2 (n-1)/n of their bytes sent per device, twice the reduce-scatter's) and then
   sliced to the params' sharding. A loss that closes over an array sharded on Explicit axes
   (which jax can't take into the per-shard loop's shard_map) raises StepError naming it.
-- "auto" (the default): as "once", except with a `key` and when the loss closes over an
-  array sharded on Explicit axes (a warning says so): then as "per_microbatch". For an FSDP
+- "auto" (the default): as "once", except with a `key`, and when the loss closes over an
+  array sharded on Explicit axes or shards its ops by type (`out_sharding=`,
+  `jax.sharding.reshard`, `auto_axes`: jax refuses them where the data axes are Manual; a
+  warning says so): then as "per_microbatch". For an FSDP
   model whose whole params and whole float32 gradients don't fit on a device, pass
   "per_microbatch" (the planner chooses it where "once" doesn't fit).
 """
@@ -684,7 +686,8 @@ def _mode(cfg: _Config, frozen=None) -> str:
   partitioner's loop). "auto" runs per shard unless a `key` is given (whose random bits
   then don't depend on the mesh) or the state has `frozen` params (the per-shard loop would
   hold a frozen base, usually the bulk of the model, whole on every device, and the
-  trained params whose reductions it saves are small). Why the partitioner's loop reduces
+  trained params whose reductions it saves are small); `_gradients` also falls back to the
+  partitioner's loop where the loss can't run per shard. Why the partitioner's loop reduces
   every microbatch: the loop carries the accumulator in one sharding (split or replicated,
   never a partial sum), so each microbatch's gradient, a sum over every device's rows, is
   reduced before it is added (all-reduced over the axes that replicate the leaf,
@@ -865,8 +868,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       keyword `frozen=` (the state's frozen params, cast to the compute dtype, never
       differentiated) when the state has them (`TrainState.frozen`, `fnscale.lora`). A scalar loss
       should be a mean over the batch: the step averages the means of the microbatches
-      and shards, which is biased when they hold different numbers of tokens (masks,
-      packing); for an exact mean use `weighted`.
+      and shards. Where they hold different numbers of tokens, a loss that divides a sum
+      over the batch by a count of it (`jnp.sum(nll * mask) / jnp.sum(mask)`,
+      `jnp.mean(nll, where=mask)`, a count clipped by `jnp.maximum(., c)`, plus terms
+      that don't depend on the batch) is read from its jaxpr as (sum, count) and run as
+      `weighted` runs it, when accum_steps > 1 or it runs per shard: the whole batch's
+      mean (an info line says so). Other divisions by a count of the batch raise
+      StepError naming `weighted`.
     optimizer: an `optax.GradientTransformation`.
     policy: a `jmp.Policy` or policy string, e.g.
       'params=float32,compute=bfloat16,output=float32': params and floating batch leaves
@@ -880,9 +888,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     accum_gather: one of `fnscale.ACCUM_GATHER`: with accum_steps > 1 under a mesh with data
       axes, when gradients are reduced over the data axes: "once" once per step (whole params
       and a whole float32 accumulator per device), "per_microbatch" in every microbatch
-      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key` or a loss closing
-      over an Explicit-sharded array needs "per_microbatch". The modes' traffic and memory:
-      this module's docstring.
+      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key`, or a loss
+      closing over an Explicit-sharded array or sharding its ops by type, needs
+      "per_microbatch". The modes' traffic and memory: this module's docstring.
     weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over its
       batch's tokens and their count or total weight (e.g. `(jnp.sum(nll * mask),
       jnp.sum(mask))`). The step sums both over microbatches and shards and divides once:
@@ -908,7 +916,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
       (or, with `weighted`, not two scalars), a state that is not a TrainState, a float16
       policy with a state that has no loss scale (or the reverse); with
-      accum_gather="once", a loss closing over an array sharded on Explicit axes.
+      accum_gather="once", a loss closing over an array sharded on Explicit axes or
+      sharding its ops by type; a loss run on parts of the batch that divides by a count
+      of the batch in a way that can't be summed (naming `weighted`); a loss whose typed
+      shardings (`out_sharding=`) jax refuses on this mesh (Auto axes, an axis the mesh
+      lacks, batch axes other than the model's), naming the mesh or option that works.
 
   Examples:
     Least squares on one device: the loss, then the same batch again after one SGD step (the

@@ -63,6 +63,24 @@ def one_hot_clip(params, batch):
   return jnp.sum(nll * batch["mask"]) / jnp.clip(jnp.sum(batch["mask"]), 1)
 
 
+def with_z_loss(params, batch):
+  """Cross entropy and a z-loss (log-partition squared), each a jnp.mean(where=)."""
+  logits = MODEL.apply({"params": params}, batch["inputs"])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  z = jax.nn.logsumexp(logits, axis=-1) ** 2
+  where = batch["mask"] > 0
+  return jnp.mean(ce, where=where) + 1e-2 * jnp.mean(z, where=where)
+
+
+@jax.jit
+def masked_mean(x, mask):
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def jitted_helper(params, batch):
+  return masked_mean(_ce(params, batch), batch["mask"])
+
+
 def with_l2(params, batch):
   """A masked mean plus a weight penalty (the same in every microbatch)."""
   l2 = sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params))
@@ -74,7 +92,7 @@ def plain_mean(params, batch):
 
 
 LOSSES = {f.__name__: f for f in (sum_over_count, clipped_count, mean_where, one_hot_clip,
-                                  with_l2, plain_mean)}
+                                  with_z_loss, jitted_helper, with_l2, plain_mean)}
 
 
 def _batch(seed=0):
@@ -128,9 +146,9 @@ CASES = [  # (mesh, accum_steps, accum_gather, loss)
     ("fsdp=8", 1, "auto", "sum_over_count"),
     ("fsdp=8", 2, "auto", "clipped_count"),
     ("fsdp=8", 4, "per_microbatch", "mean_where"),
-    ("data=2,fsdp=4", 2, "once", "sum_over_count"),
+    ("data=2,fsdp=4", 2, "once", "jitted_helper"),
     ("data=2,fsdp=4", 4, "per_microbatch", "one_hot_clip"),
-    ("data=2,fsdp=2,tensor=2", 2, "per_microbatch", "mean_where"),
+    ("data=2,fsdp=2,tensor=2", 2, "per_microbatch", "with_z_loss"),
     ("data=2,fsdp=2,tensor=2", 4, "once", "clipped_count"),
     ("data=2,fsdp=2,tensor=2", 2, "auto", "with_l2"),
 ]
@@ -200,10 +218,17 @@ def _nested(params, batch):
   return jnp.log(sum_over_count(params, batch))
 
 
+def _two_counts(params, batch):
+  """Means over two different masks, added."""
+  first = (batch["inputs"] > VOCAB // 2).astype(jnp.float32) * batch["mask"]
+  return sum_over_count(params, batch) + jnp.sum(_ce(params, batch) * first) / jnp.sum(first)
+
+
 @pytest.mark.parametrize("loss_fn,what", [
     (_mixed, "adds a mean over a batch count to a term that depends on the batch"),
     (_root_count, "not a sum over its rows"),
     (_nested, "inside a larger expression"),
+    (_two_counts, "adds means over different counts"),
 ])
 def test_a_loss_that_cannot_be_split_stops_before_training(loss_fn, what):
   mesh = fs.make_mesh("fsdp=8")
