@@ -486,6 +486,28 @@ def scan_parts(eqn) -> ScanParts:
                    ops[n_consts + n_carry:])
 
 
+def bind_equation(eqn, invals) -> list:
+  """The outputs of a jaxpr equation applied to `invals`, as `jax.core.eval_jaxpr` binds it
+  (jax 0.10.2 and 0.12: `primitive.get_bind_params`, under the equation's `ctx.manager`).
+
+  Raises:
+    RuntimeFailure: the equation has neither (a JAX release changed them).
+  """
+  try:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    manager = eqn.ctx.manager
+  except AttributeError as e:
+    raise _changed("bind_equation", f"a jaxpr equation can't be bound as before ({e})"
+                   ) from None
+  if isinstance(params, tuple):  # older jax: (subfuns, params)
+    subfuns, params = params
+  else:
+    subfuns = ()
+  with manager:
+    ans = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
 def name_scopes(eqn) -> str:
   """The `jax.named_scope` names an equation was traced under, "/"-joined (its
   `source_info.name_stack`; a `jit` or `custom_vjp` body's equations start afresh).

@@ -24,6 +24,8 @@ from jax.extend import core
 import jax.numpy as jnp
 import numpy as np
 
+from fnscale import _compat
+
 P, B = 1, 2
 _CASTS = {"convert_element_type", "pvary", "pcast"}  # a value unchanged (dtype, vma type)
 _UNARY = _CASTS | {"neg", "copy", "copy_p", "reduce_precision"}
@@ -96,7 +98,8 @@ def _taints(jaxpr, ins: list[int]) -> dict:
 def _scan_taints(eqn, got: list[int]) -> list[int]:
   """A scan's outputs' dependence: its body's, the carry taken to a fixed point."""
   body = eqn.params["jaxpr"].jaxpr
-  nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+  parts = _compat.scan_parts(eqn)
+  nc, ncarry = len(parts.consts), len(parts.carry)
   carry = got[nc:nc + ncarry]
   while True:
     sub = _taints(body, got[:nc] + carry + got[nc + ncarry:])
@@ -333,13 +336,6 @@ def split(fn, args, ins: list[int], ratio: Ratio):
   return jax.tree.unflatten(tree, outs), shadow[closed.jaxpr.outvars[0]], den
 
 
-def _bind(eqn, invals):
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with eqn.ctx.manager:
-    ans = eqn.primitive.bind(*invals, **params)
-  return list(ans) if eqn.primitive.multiple_results else [ans]
-
-
 def _eval(jaxpr, consts, args, path: _Path):
   """Evaluates `jaxpr` as `jax.core.eval_jaxpr` does, and along `path` also the split's
   numerator (the `shadow` of each variable on the path). Returns (outputs, shadow, count)."""
@@ -355,17 +351,18 @@ def _eval(jaxpr, consts, args, path: _Path):
       outs, subshadow, den = _eval(sub, subconsts, invals, role)
       shadow.update({o: subshadow[s] for o, s in zip(eqn.outvars, sub.outvars)
                      if s in subshadow})
-    elif isinstance(role, _Div):  # its value isn't differentiated (the numerator is): a
-      outs = _bind(eqn, jax.lax.stop_gradient(invals))  # count of 0 would make it nan
+    elif isinstance(role, _Div):
+      # Its value isn't differentiated (the numerator is): a count of 0 would make it nan.
+      outs = _compat.bind_equation(eqn, jax.lax.stop_gradient(invals))
     else:
-      outs = _bind(eqn, invals)
+      outs = _compat.bind_equation(eqn, invals)
     env.update(zip(eqn.outvars, outs))
     if isinstance(role, _Div):
       den = read(role.den)
       shadow[eqn.outvars[0]] = invals[0]
     elif role == "linear":
-      shadow[eqn.outvars[0]] = _bind(eqn, [_shadow_of(eqn, v, x, shadow, den)
-                                           for v, x in zip(eqn.invars, invals)])[0]
+      ops = [_shadow_of(eqn, v, x, shadow, den) for v, x in zip(eqn.invars, invals)]
+      shadow[eqn.outvars[0]] = _compat.bind_equation(eqn, ops)[0]
   return [read(v) for v in jaxpr.outvars], shadow, den
 
 
