@@ -224,11 +224,20 @@ def _two_counts(params, batch):
   return sum_over_count(params, batch) + jnp.sum(_ce(params, batch) * first) / jnp.sum(first)
 
 
+def _kernel_mean(params, batch):
+  """fnscale's own cross entropy, its default mean over the tokens `where` keeps (each
+  token weighted by 1 / count inside the kernel)."""
+  x = params["Embed_0"]["embedding"][batch["inputs"]]
+  return fs.cross_entropy(x, params["Dense_2"]["kernel"], batch["targets"],
+                          where=batch["mask"] > 0)
+
+
 @pytest.mark.parametrize("loss_fn,what", [
     (_mixed, "adds a mean over a batch count to a term that depends on the batch"),
     (_root_count, "not a sum over its rows"),
     (_nested, "inside a larger expression"),
     (_two_counts, "adds means over different counts"),
+    (_kernel_mean, "inside a larger expression"),
 ])
 def test_a_loss_that_cannot_be_split_stops_before_training(loss_fn, what):
   mesh = fs.make_mesh("fsdp=8")
