@@ -391,7 +391,7 @@ def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
   shape = dict(mesh.shape)
   daxes = _axes.data_axes(mesh) if not mesh.empty else ()
   jaxsays = f"(jax: {r.text})"
-  if r.kind == "manual":
+  if r.kind == "manual" and (r.axis is None or r.axis in daxes):
     return _ManualTyped(
         f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
         f"axis {r.axis or 'of the data axes'!r}) and runs per shard inside jax.shard_map, "
@@ -403,8 +403,8 @@ def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
         f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
         f"axis {r.axis!r}), which jax allows only on Explicit mesh axes, and mesh {shape} "
         f"has Auto axes {jaxsays}; fix: fs.make_mesh({shape}, axis_types='explicit')")
-  if mesh.empty or not getattr(mesh, "explicit_axes", ()):
-    return None
+  if r.kind == "manual" or mesh.empty or not getattr(mesh, "explicit_axes", ()):
+    return None  # a shard_map of the loss's own, or an Auto mesh
   others = {a: n for a, n in shape.items() if a not in daxes}
   if r.kind == "missing":
     return StepError(
@@ -711,8 +711,10 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
     return _grad_sum(cfg, params, _microbatches(batch, cfg.accum_steps, n, axes), scale,
                      step, frozen=frozen)
   known = _known_specs(params)
-  partitioned = functools.partial(_grad_sum, cfg, params, _microbatches(
-      batch, cfg.accum_steps, n, axes, own_rows=True), scale, step, frozen=frozen)
+
+  def partitioned():  # the partitioner's loop
+    micro = _microbatches(batch, cfg.accum_steps, n, axes, own_rows=True)
+    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
   if _mode(cfg, frozen) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
