@@ -87,12 +87,20 @@ def with_l2(params, batch):
   return sum_over_count(params, batch) + 1e-3 * l2
 
 
+def kernel_mean(params, batch):
+  """fnscale's own cross entropy, its default mean over the tokens `where` keeps."""
+  x = params["Embed_0"]["embedding"][batch["inputs"]]
+  return fs.cross_entropy(x, params["Dense_2"]["kernel"], batch["targets"],
+                          where=batch["mask"] > 0)
+
+
 def plain_mean(params, batch):
   return jnp.mean(_ce(params, batch))
 
 
 LOSSES = {f.__name__: f for f in (sum_over_count, clipped_count, mean_where, one_hot_clip,
-                                  with_z_loss, jitted_helper, with_l2, plain_mean)}
+                                  with_z_loss, jitted_helper, with_l2, kernel_mean,
+                                  plain_mean)}
 
 
 def _batch(seed=0):
@@ -151,6 +159,8 @@ CASES = [  # (mesh, accum_steps, accum_gather, loss)
     ("data=2,fsdp=2,tensor=2", 2, "per_microbatch", "with_z_loss"),
     ("data=2,fsdp=2,tensor=2", 4, "once", "clipped_count"),
     ("data=2,fsdp=2,tensor=2", 2, "auto", "with_l2"),
+    ("data=2,fsdp=4", 2, "auto", "kernel_mean"),
+    ("fsdp=8", 4, "per_microbatch", "kernel_mean"),
 ]
 
 
@@ -224,20 +234,11 @@ def _two_counts(params, batch):
   return sum_over_count(params, batch) + jnp.sum(_ce(params, batch) * first) / jnp.sum(first)
 
 
-def _kernel_mean(params, batch):
-  """fnscale's own cross entropy, its default mean over the tokens `where` keeps (each
-  token weighted by 1 / count inside the kernel)."""
-  x = params["Embed_0"]["embedding"][batch["inputs"]]
-  return fs.cross_entropy(x, params["Dense_2"]["kernel"], batch["targets"],
-                          where=batch["mask"] > 0)
-
-
 @pytest.mark.parametrize("loss_fn,what", [
     (_mixed, "adds a mean over a batch count to a term that depends on the batch"),
     (_root_count, "not a sum over its rows"),
     (_nested, "inside a larger expression"),
     (_two_counts, "adds means over different counts"),
-    (_kernel_mean, "inside a larger expression"),
 ])
 def test_a_loss_that_cannot_be_split_stops_before_training(loss_fn, what):
   mesh = fs.make_mesh("fsdp=8")
