@@ -223,3 +223,18 @@ def test_haiku_style_params_train_like_one_device_on_every_mesh(axes, accum):
   _assert_trains_like_one_device(
       _sharded(hk_init, hk_loss, axes, accum, HK_AXES, jax.random.key(0)), _hk_reference(),
       axes)
+
+
+def test_a_flax_struct_with_call_is_params():
+  struct = pytest.importorskip("flax.struct")
+
+  class Affine(struct.PyTreeNode):
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+      return x @ self.w + self.b
+
+  state = fs.init_state(Affine(jnp.ones((8, 2)), jnp.zeros(2)), optax.sgd(0.1),
+                        mesh=fs.make_mesh({"fsdp": 8}), abstract=True)
+  assert isinstance(state.params, Affine) and state.params.w.shape == (8, 2)
