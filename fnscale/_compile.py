@@ -376,10 +376,13 @@ def _user_frame(e: BaseException) -> str:
   while tb is not None:
     frames.append(tb)
     tb = tb.tb_next
+
   def library(tb) -> bool:
     module = tb.tb_frame.f_globals.get("__name__", "") or ""
-    return (module.split(".")[0] in _LIBRARIES
-            or tb.tb_frame.f_code.co_filename.startswith(_STDLIB))
+    path = tb.tb_frame.f_code.co_filename
+    # A model installed as a package may sit under the stdlib's folder (site-packages).
+    return module.split(".")[0] in _LIBRARIES or (
+        path.startswith(_STDLIB) and "-packages" not in path)
   tb = next((t for t in reversed(frames) if not library(t)), frames[-1] if frames else None)
   if tb is None:
     return ""
