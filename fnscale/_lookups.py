@@ -44,6 +44,8 @@ def _walk(jaxpr, origin: dict, found: dict) -> None:
       found.setdefault(src, set()).update(d for d in range(len(shape)) if sizes[d] < shape[d])
     elif name in _SAME and src is not None:
       origin[eqn.outvars[0]] = src
+    if "shard_map" in name or "pmap" in name:
+      continue  # a lookup per shard (manual axes) is local: nothing for the partitioner
     for sub in _subjaxprs(eqn):
       # Operands pass positionally (jit, custom_vjp, remat, scan); cond's skip the index.
       outer = eqn.invars[len(eqn.invars) - len(sub.invars):]

@@ -182,3 +182,15 @@ def test_only_looked_up_tables_split_off_their_indexed_dim_are_gathered():
     seen = {}
     jax.make_jaxpr(lambda p: seen.update(constrained(p)) or 0)(params)
   assert kept and seen == {"rows": True, "table": False, "w": True}
+
+
+def test_a_lookup_per_shard_is_left_split():
+  # Inside a shard_map (manual axes) the lookup is local: the table must not be gathered.
+  P = jax.sharding.PartitionSpec
+  mesh = fs.make_mesh(MESH)
+  rows = ("data", "fsdp")
+  local = jax.shard_map(lambda t, i: t[i], mesh=mesh, in_specs=(P(None, "tensor"), P(rows)),
+                        out_specs=P(rows, None, "tensor"), check_vma=False)
+  loss = lambda p, tokens: jnp.mean(local(p["table"], tokens))
+  assert _lookups.indexed(loss, {"table": jnp.ones((VOCAB, D))},
+                          jnp.zeros((BATCH, SEQ), jnp.int32)) == {}
