@@ -48,7 +48,9 @@ def _walk(jaxpr, origin: dict, found: dict) -> None:
       continue  # a lookup per shard (manual axes) is local: nothing for the partitioner
     for sub in _subjaxprs(eqn):
       # Operands pass positionally (jit, custom_vjp, remat, scan); cond's skip the index.
-      outer = eqn.invars[len(eqn.invars) - len(sub.invars):]
+      outer = list(eqn.invars[len(eqn.invars) - len(sub.invars):])
+      if name == "scan":  # its xs enter sliced (stacked layers): not the leaf itself
+        del outer[eqn.params["num_consts"] + eqn.params["num_carry"]:]
       inner = {v: get(o) for v, o in zip(sub.invars, outer) if get(o) is not None}
       if inner:
         _walk(sub, inner, found)

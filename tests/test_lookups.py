@@ -194,3 +194,15 @@ def test_a_lookup_per_shard_is_left_split():
   loss = lambda p, tokens: jnp.mean(local(p["table"], tokens))
   assert _lookups.indexed(loss, {"table": jnp.ones((VOCAB, D))},
                           jnp.zeros((BATCH, SEQ), jnp.int32)) == {}
+
+
+def test_a_lookup_in_a_scanned_layer_follows_the_table_not_the_stack():
+  params = {"table": jnp.ones((VOCAB, D)), "stack": jnp.ones((3, VOCAB, D))}
+
+  def loss(p, tokens):
+    def layer(x, table_i):  # a per-layer table from the stack, and the shared table
+      return x + table_i[tokens] + p["table"][tokens], None
+    return jnp.mean(jax.lax.scan(layer, jnp.zeros((BATCH, SEQ, D)), p["stack"])[0])
+
+  # The stack's slices are looked up, the stack itself is not: only the table is found.
+  assert _lookups.indexed(loss, params, jnp.zeros((BATCH, SEQ), jnp.int32)) == {1: {0}}
