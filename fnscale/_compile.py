@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 import dataclasses
 import hashlib
+import linecache
+import sysconfig
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -310,6 +312,10 @@ class ShardedStep:
       return per_shard(jax.tree.map(lambda x: _whole_over(x, explicit), state), batch)
     return body
 
+  def _signatures(self) -> list[_Signature]:
+    """The signatures this step compiled for before."""
+    return [c.signature for c in self._executables.values()]
+
   def lower(self, state, batch):
     """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
     state, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
@@ -346,11 +352,9 @@ class ShardedStep:
         raise StepError(closed.message(
             "a jax.shard_map in the step (e.g. train_step's per-shard microbatch loop)",
             _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
-      if isinstance(e, NotImplementedError):
-        raise
-      raise _trace_error(e, sig) from e
-    except TypeError as e:  # the user's step doesn't trace for these shapes
-      raise _trace_error(e, sig) from e
+      raise _trace_error(e, sig, self._signatures()) from e
+    except Exception as e:  # pylint: disable=broad-except  # the user's step failed to trace
+      raise _trace_error(e, sig, self._signatures()) from e
     c = _compiler.compile_lowered(lowered, self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)%s", name, c.seconds,
@@ -384,13 +388,67 @@ def _inputs_key(state, batch) -> tuple:
           tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
 
 
-def _trace_error(e: Exception, sig: _Signature) -> StepError:
-  shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
-                     for name, shape, dt, _ in sig.batch_leaves)
-  return StepError(
-      f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
-      f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
-      "expects.")
+# Frames of these packages (and Python's own library) are not where a model failed: the
+# innermost frame outside them is the user's line (a Linen layer's call, not flax's check).
+_LIBRARIES = frozenset({"jax", "jaxlib", "fnscale", "flax", "equinox", "optax", "jmp",
+                        "numpy", "chex", "haiku", "einops", "absl"})
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _user_frame(e: BaseException) -> str:
+  """'file:line, in fn (`source`)' for the innermost frame of `e`'s traceback in the user's
+  code, else the innermost frame; '' without a traceback."""
+  frames = []
+  tb = e.__traceback__
+  while tb is not None:
+    frames.append(tb)
+    tb = tb.tb_next
+
+  def library(tb) -> bool:
+    module = tb.tb_frame.f_globals.get("__name__", "") or ""
+    path = tb.tb_frame.f_code.co_filename
+    # A model installed as a package may sit under the stdlib's folder (site-packages).
+    return module.split(".")[0] in _LIBRARIES or (
+        path.startswith(_STDLIB) and "-packages" not in path)
+  tb = next((t for t in reversed(frames) if not library(t)), frames[-1] if frames else None)
+  if tb is None:
+    return ""
+  code, line = tb.tb_frame.f_code, tb.tb_lineno
+  source = linecache.getline(code.co_filename, line).strip()
+  source = source if len(source) <= 80 else source[:77] + "..."
+  return f" in {code.co_filename}:{line}, in {code.co_name}" + (
+      f" (`{source}`)" if source else "")
+
+
+def _batch_text(leaves) -> str:
+  return "{" + ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
+                         for name, shape, dt, _ in leaves) + "}"
+
+
+def _changed_batch(sig: _Signature, earlier: list[_Signature]) -> str:
+  """The known fix for a step that traced before and fails now: the batch leaf whose shape
+  or dtype changed (same state, same structure), else ''."""
+  for old in earlier:
+    if (old.batch_def, old.state_def, old.state_leaves) != (
+        sig.batch_def, sig.state_def, sig.state_leaves):
+      continue
+    for (name, shape, dt, _), (_, gshape, gdt, _) in zip(old.batch_leaves, sig.batch_leaves):
+      if (shape, dt) != (gshape, gdt):
+        return (f"fix: this step traced for batch {_batch_text(old.batch_leaves)}; {name} is "
+                f"{gdt}{list(gshape)} where it was {dt}{list(shape)}: give the batch the "
+                "shapes and dtypes it traced with, or make the model take the new ones.")
+  return ""
+
+
+def _trace_error(e: Exception, sig: _Signature, earlier: list[_Signature]) -> StepError:
+  """The step's own failure while tracing: where (the user's frame), the model's or jax's
+  message whole, and a fix only where one is known (`_changed_batch`)."""
+  message = f"{type(e).__name__}: {e}"
+  fix = _changed_batch(sig, earlier)
+  if fix:
+    fix = ("\n" if "\n" in message else "; ") + fix
+  return StepError(f"tracing the step failed for batch {_batch_text(sig.batch_leaves)}"
+                   f"{_user_frame(e)}: {message}{fix}")
 
 
 def _whole_over(x, axes: set):

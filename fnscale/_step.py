@@ -72,6 +72,7 @@ from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compat
 from fnscale import _context
+from fnscale import _lookups
 from fnscale import _ratio
 from fnscale import _tree
 from fnscale._errors import StepError
@@ -367,9 +368,11 @@ def _call_loss(cfg: _Config, params, batch, key, frozen):
   if cfg.policy is not None:
     params, frozen = cfg.policy.cast_to_compute((params, frozen))
     batch = cfg.policy.cast_to_compute(batch)
-  args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
+  rest = (key,) if cfg.key is not None else ()
+  kwargs = {} if frozen is None else {"frozen": _for_compute(frozen)}
   try:
-    return cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+    params = _tables_gathered(cfg, _for_compute(params), (batch,) + rest, kwargs)
+    return cfg.loss_fn(params, batch, *rest, **kwargs)
   except Exception as e:  # pylint: disable=broad-except
     refusal = _compat.typed_refusal(e)
     error = None if refusal is None else _typed_error(refusal)
@@ -547,6 +550,20 @@ def _for_compute(params):
     kept = _tree.filter_spec(spec, lambda a: a not in explicit)
     return jax.sharding.reshard(x, kept) if kept != PartitionSpec(*spec) else x
   return jax.tree.map(gather, params)
+
+
+def _tables_gathered(cfg: _Config, params, args: tuple, kwargs: dict):
+  """On Auto data axes, with the params' shardings known (`shard_step`): the tables the
+  loss looks up in gathered over the data axes that split their other dims
+  (`fnscale._lookups`), else `params`."""
+  specs = _known_specs(params)
+  mesh = jax.sharding.get_abstract_mesh()
+  if specs is None or mesh.empty:
+    return params
+  axes = set(_axes.current().data) & set(mesh.auto_axes) - set(mesh.manual_axes)
+  # Every traced value an argument (none closed over) for the second trace.
+  loss = lambda p, a, kw: cfg.loss_fn(p, *a, **kw)
+  return _lookups.gather_tables(loss, params, (args, kwargs), specs, axes) if axes else params
 
 
 def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, frozen=None):
@@ -863,6 +880,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
                has_aux: bool = False, accum_gather: str = "auto",
                weighted: bool = False, key=None) -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
+
+  Under `shard_step` on Auto axes, a params table the loss looks up in (`table[tokens]`, an
+  `Embed`) whose looked-up rows are split over a data axis is gathered over the data axes
+  before the loss (`fnscale._lookups`), as FSDP gathers any weight it uses.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (a scalar), or `-> (loss, aux)` with
