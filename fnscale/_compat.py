@@ -190,6 +190,48 @@ def explicit_closure_aval(err: BaseException) -> str | None:
   return None
 
 
+class TypedRefusal(NamedTuple):
+  """jax refusing an op's sharding in types (`out_sharding=`, `jax.sharding.reshard`):
+  `kind` "manual" (the op names an axis that is Manual: inside `jax.shard_map`), "auto"
+  (an Auto axis), "missing" (an axis the mesh lacks) or "mismatch" (operands sharded
+  differently, a ShardingTypeError); `axis` the axis named, or None; `text` jax's message's
+  first line."""
+  kind: str
+  axis: str | None
+  text: str
+
+
+_TYPED_AXIS = re.compile(r"cannot contain axis names that are of type Auto or Manual\..*? "
+                         r"with axis name: (\S+) of type: AxisType\.(\w+)", re.S)
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of .*? is not found in mesh", re.S)
+
+
+def typed_refusal(err: BaseException) -> TypedRefusal | None:
+  """The `TypedRefusal` behind `err`, or None for any other error. jax 0.10.2 says: a
+  ValueError "PartitionSpec passed to dot_general cannot contain axis names that are of type
+  Auto or Manual. Got PartitionSpec: P('data', None) with axis name: data of type:
+  AxisType.Manual"; a NotImplementedError "Going from `Manual` AxisType to `Auto` or
+  `Explicit` AxisType is not allowed"; a ValueError "Resource axis: data of P('data', None)
+  is not found in mesh: ('fsdp',)"; a `ShardingTypeError` (no public class: read by name)
+  "sub got incompatible shardings for broadcasting: ...".
+  """
+  text = str(err)
+  first = text.split(" This error occurs at source")[0].splitlines()[0] if text else ""
+  if isinstance(err, NotImplementedError) and "Going from `Manual` AxisType" in text:
+    return TypedRefusal("manual", None, first)
+  if type(err).__name__ == "ShardingTypeError":
+    return TypedRefusal("mismatch", None, first)
+  if not isinstance(err, ValueError):
+    return None
+  found = _TYPED_AXIS.search(text)
+  if found and found.group(2) in ("Manual", "Auto"):
+    return TypedRefusal(found.group(2).lower(), found.group(1), first)
+  found = _MISSING_AXIS.search(text)
+  if found:
+    return TypedRefusal("missing", found.group(1), first)
+  return None
+
+
 # ------------------------------------------------------------ array types and devices
 
 def varying_axes(x) -> frozenset[str]:
@@ -442,6 +484,28 @@ def scan_parts(eqn) -> ScanParts:
   ops = list(eqn.invars)
   return ScanParts(int(p["length"]), ops[:n_consts], ops[n_consts:n_consts + n_carry],
                    ops[n_consts + n_carry:])
+
+
+def bind_equation(eqn, invals) -> list:
+  """The outputs of a jaxpr equation applied to `invals`, as `jax.core.eval_jaxpr` binds it
+  (jax 0.10.2 and 0.12: `primitive.get_bind_params`, under the equation's `ctx.manager`).
+
+  Raises:
+    RuntimeFailure: the equation has neither (a JAX release changed them).
+  """
+  try:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    manager = eqn.ctx.manager
+  except AttributeError as e:
+    raise _changed("bind_equation", f"a jaxpr equation can't be bound as before ({e})"
+                   ) from None
+  if isinstance(params, tuple):  # older jax: (subfuns, params)
+    subfuns, params = params
+  else:
+    subfuns = ()
+  with manager:
+    ans = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
 def name_scopes(eqn) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 import dataclasses
 import hashlib
+import linecache
+import sysconfig
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -19,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compiler
+from fnscale import _flax
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale import _state
@@ -66,6 +69,9 @@ def _conform(tree, treedef, expected, what: str):
       and (leaf.sharding is s or leaf.sharding == s) and not leaf.is_deleted()
       for leaf, (_, shape, dtype, s) in zip(leaves, expected)):
     return tree
+  if what == "state":  # a state holding Linen boxes runs on their plain arrays
+    tree = _flax.strip(tree)
+    leaves, got_def = jax.tree_util.tree_flatten(tree)
   pairs = _tree.leaves_with_paths(tree)
   for path, leaf in pairs:
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -123,9 +129,12 @@ def _carried_shardings(state, mesh, rules, logical_axes, optimizer, sharding_opt
   derives them; the optimizer state follows the params' carried shardings."""
   derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
                                    sharding_options=sharding_options)
+  state = _flax.strip(state)  # the Linen boxes' names are in `derived`
   carried = [_own_sharding(leaf, None, mesh) for leaf in jax.tree.leaves(state)]
   n_params = len(jax.tree.leaves(state.params))
-  if rules or logical_axes is not None or sharding_options:
+  # Rules alone place no leaf without logical axes (a state built from a Flax model's
+  # metadata carries its names only in its shardings): nothing to compare then.
+  if logical_axes is not None or sharding_options:
     _disagreement(state.params, carried[:n_params], derived.params,
                   "rules / logical_axes / sharding_options")
   psh = jax.tree_util.tree_unflatten(
@@ -247,7 +256,7 @@ class ShardedStep:
   def shardings(self, state, batch):
     """(state shardings, batch shardings) the step is compiled with, checked against the
     leaves (rank, divisibility)."""
-    ssh, _, bsh, _ = self._resolve(state, batch)
+    _, ssh, _, bsh, _ = self._resolve(state, batch)
     return ssh, bsh
 
   def _state_shardings(self, state):
@@ -257,7 +266,14 @@ class ShardedStep:
                               self.optimizer, self.sharding_options)
 
   def _resolve(self, state, batch):
+    """(plain state, state shardings, their leaves, batch shardings, their leaves): a
+    state's Linen boxes give their names to its layout, and the step runs on their arrays."""
     ssh = self._state_shardings(state)
+    if _flax.has_linen_boxes(state):
+      logging.info("shard_step: the state's params hold Flax Linen boxes; the step runs on "
+                   "their plain arrays (laid out as their names say), so model.apply applies "
+                   "no sharding constraint of its own, and returns a state without boxes")
+      state = _flax.strip(state)
     state_flat = _tree.leaf_shardings(state, ssh, "state", StepError)
     _sh.check_shardings(state, ssh, what="state")
     if self.batch_sharding is None:
@@ -271,7 +287,7 @@ class ShardedStep:
       batch_flat = _tree.leaf_shardings(batch, self.batch_sharding, "batch", StepError)
     bsh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), batch_flat)
     _sh.check_batch(batch, bsh)
-    return ssh, state_flat, bsh, batch_flat
+    return state, ssh, state_flat, bsh, batch_flat
 
   def _body(self, batch, batch_flat):
     daxes = _axes.data_axes(self.mesh)
@@ -296,29 +312,37 @@ class ShardedStep:
       return per_shard(jax.tree.map(lambda x: _whole_over(x, explicit), state), batch)
     return body
 
+  def _signatures(self) -> list[_Signature]:
+    """The signatures this step compiled for before."""
+    return [c.signature for c in self._executables.values()]
+
   def lower(self, state, batch):
     """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
-    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    state, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     rep = NamedSharding(self.mesh, PartitionSpec())
     jitted = jax.jit(self._body(batch, batch_flat), in_shardings=(ssh, bsh),
                      out_shardings=(ssh, rep), donate_argnums=(0,) if self.donate else ())
     # The step knows the params' shardings (gradient accumulators are pinned to them).
     params = getattr(state, "params", None)  # a TrainState's first leaves
     specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
-    with jax.set_mesh(self.mesh), specs:
+    # Flax's logical constraints on activations follow the rules, on this mesh's axes.
+    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
       return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
 
   def compile(self, state, batch) -> CompiledStep:
     """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
     report or a plan on process 0 alone is fine); a job checks that every process compiled
     the same step with `fnscale.multihost.agree_on_step(compiled)`."""
-    ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
-    sig = _signature(state, batch, state_flat, batch_flat)
+    plain, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
+    sig = _signature(plain, batch, state_flat, batch_flat)
     try:
       lowered = self.lower(state, batch)
     except FnscaleError:
       raise
     except (NotImplementedError, ValueError) as e:
+      boxed = _flax.constraint_failure(e)
+      if boxed is not None:
+        raise StepError(boxed) from None
       closed = _closure.explicit_closure(e, self.step, "the step")
       if closed is not None and self.mode == "shard_map":
         raise StepError(closed.message(
@@ -328,11 +352,9 @@ class ShardedStep:
         raise StepError(closed.message(
             "a jax.shard_map in the step (e.g. train_step's per-shard microbatch loop)",
             _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
-      if isinstance(e, NotImplementedError):
-        raise
-      raise _trace_error(e, sig) from e
-    except TypeError as e:  # the user's step doesn't trace for these shapes
-      raise _trace_error(e, sig) from e
+      raise _trace_error(e, sig, self._signatures()) from e
+    except Exception as e:  # pylint: disable=broad-except  # the user's step failed to trace
+      raise _trace_error(e, sig, self._signatures()) from e
     c = _compiler.compile_lowered(lowered, self.compiler_options)
     name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
     logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)%s", name, c.seconds,
@@ -343,27 +365,90 @@ class ShardedStep:
                         c.reused)
 
   def __call__(self, state, batch):
-    key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
-           tuple(_tree.aval(x) for x in jax.tree.leaves(state)),
-           tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
+    key = _inputs_key(state, batch)
     fn = self._executables.get(key)
     if fn is None:
-      if self._executables:
-        logging.warning(
-            "shard_step: compiling again for new input shapes/dtypes (executable %d); call "
-            "step.compile(state, batch) to pin one and get an error instead",
-            len(self._executables) + 1)
-      fn = self._executables[key] = self.compile(state, batch)
+      # A state with Linen boxes runs the executable of its plain arrays (what it returns).
+      plain_key = _inputs_key(_flax.strip(state), batch)
+      fn = self._executables.get(plain_key)
+      if fn is None:
+        if self._executables:
+          logging.warning(
+              "shard_step: compiling again for new input shapes/dtypes (executable %d); "
+              "call step.compile(state, batch) to pin one and get an error instead",
+              len(self._executables) + 1)
+        fn = self._executables[plain_key] = self.compile(state, batch)
+      self._executables[key] = fn
     return fn(state, batch)
 
 
-def _trace_error(e: Exception, sig: _Signature) -> StepError:
-  shapes = ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
-                     for name, shape, dt, _ in sig.batch_leaves)
-  return StepError(
-      f"tracing the step failed for batch {{{shapes}}}: {type(e).__name__}: "
-      f"{str(e).splitlines()[0]}; fix: give the batch the shapes and dtypes the loss "
-      "expects.")
+def _inputs_key(state, batch) -> tuple:
+  return (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch),
+          tuple(_tree.aval(x) for x in jax.tree.leaves(state)),
+          tuple(_tree.aval(x) for x in jax.tree.leaves(batch)))
+
+
+# Frames of these packages (and Python's own library) are not where a model failed: the
+# innermost frame outside them is the user's line (a Linen layer's call, not flax's check).
+_LIBRARIES = frozenset({"jax", "jaxlib", "fnscale", "flax", "equinox", "optax", "jmp",
+                        "numpy", "chex", "haiku", "einops", "absl"})
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _user_frame(e: BaseException) -> str:
+  """'file:line, in fn (`source`)' for the innermost frame of `e`'s traceback in the user's
+  code, else the innermost frame; '' without a traceback."""
+  frames = []
+  tb = e.__traceback__
+  while tb is not None:
+    frames.append(tb)
+    tb = tb.tb_next
+
+  def library(tb) -> bool:
+    module = tb.tb_frame.f_globals.get("__name__", "") or ""
+    path = tb.tb_frame.f_code.co_filename
+    # A model installed as a package may sit under the stdlib's folder (site-packages).
+    return module.split(".")[0] in _LIBRARIES or (
+        path.startswith(_STDLIB) and "-packages" not in path)
+  tb = next((t for t in reversed(frames) if not library(t)), frames[-1] if frames else None)
+  if tb is None:
+    return ""
+  code, line = tb.tb_frame.f_code, tb.tb_lineno
+  source = linecache.getline(code.co_filename, line).strip()
+  source = source if len(source) <= 80 else source[:77] + "..."
+  return f" in {code.co_filename}:{line}, in {code.co_name}" + (
+      f" (`{source}`)" if source else "")
+
+
+def _batch_text(leaves) -> str:
+  return "{" + ", ".join(f"'{name.split(chr(39))[1]}': {dt}{list(shape)}"
+                         for name, shape, dt, _ in leaves) + "}"
+
+
+def _changed_batch(sig: _Signature, earlier: list[_Signature]) -> str:
+  """The known fix for a step that traced before and fails now: the batch leaf whose shape
+  or dtype changed (same state, same structure), else ''."""
+  for old in earlier:
+    if (old.batch_def, old.state_def, old.state_leaves) != (
+        sig.batch_def, sig.state_def, sig.state_leaves):
+      continue
+    for (name, shape, dt, _), (_, gshape, gdt, _) in zip(old.batch_leaves, sig.batch_leaves):
+      if (shape, dt) != (gshape, gdt):
+        return (f"fix: this step traced for batch {_batch_text(old.batch_leaves)}; {name} is "
+                f"{gdt}{list(gshape)} where it was {dt}{list(shape)}: give the batch the "
+                "shapes and dtypes it traced with, or make the model take the new ones.")
+  return ""
+
+
+def _trace_error(e: Exception, sig: _Signature, earlier: list[_Signature]) -> StepError:
+  """The step's own failure while tracing: where (the user's frame), the model's or jax's
+  message whole, and a fix only where one is known (`_changed_batch`)."""
+  message = f"{type(e).__name__}: {e}"
+  fix = _changed_batch(sig, earlier)
+  if fix:
+    fix = ("\n" if "\n" in message else "; ") + fix
+  return StepError(f"tracing the step failed for batch {_batch_text(sig.batch_leaves)}"
+                   f"{_user_frame(e)}: {message}{fix}")
 
 
 def _whole_over(x, axes: set):
@@ -408,7 +493,11 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   another mesh) are derived as `fnscale.state_shardings` derives them from `rules`,
   `logical_axes` and `sharding_options` (params; automatic FSDP without rules), the
   optimizer state following the params (found with `optimizer` when given, else by
-  structure), step and loss scale replicated; `state_shardings` overrides all. The step
+  structure), step and loss scale replicated; `state_shardings` overrides all. A state
+  whose params hold Flax Linen boxes is laid out by their names and the step runs on their
+  plain arrays (it returns a state without boxes). While the step is traced, Flax's logical
+  rules are `rules` (else Flax's own in effect), each kept to the mesh axes a constraint may
+  name there, so `nn.with_logical_constraint` follows the layout. The step
   is never inspected: a wrapper around it compiles the same program. The batch's leading
   dim is split over the mesh's data axes (`fnscale.batch_sharding`) unless
   `batch_sharding` is given; rank-0 batch leaves are replicated. The state is donated (its

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from fnscale import _axes
+from fnscale import _flax
 from fnscale._axes import data_axes  # noqa: F401  (public here: the batch dim's axes)
 from fnscale import _tree
 from fnscale._errors import ShardingError, did_you_mean
@@ -43,6 +44,7 @@ SMALL = "replicated:small"  # no logical axes; under min_shard_bytes
 INDIVISIBLE = "replicated:indivisible"  # no logical axes; no dim divisible by fsdp size
 NO_FSDP = "replicated:no-fsdp-axis"  # no logical axes; the mesh has no fsdp axis > 1
 SCALAR = "replicated:scalar"  # rank 0
+MESH_NAMES = "mesh-names"  # Flax metadata naming axes of this mesh (`MeshNames`)
 
 
 class LeafSharding(NamedTuple):
@@ -51,7 +53,8 @@ class LeafSharding(NamedTuple):
   Fields: `path` ('/'-joined keys), `shape`, `dtype`, `logical_axes` (tuple of names, a
   PartitionSpec, or None), `spec` (PartitionSpec), `sharding` (NamedSharding),
   `global_bytes` and `device_bytes` (bytes of the whole array and of one device's shard),
-  `reason` (one of RULES, EXPLICIT, AUTO_FSDP, SMALL, INDIVISIBLE, NO_FSDP, SCALAR) and
+  `reason` (one of RULES, EXPLICIT, MESH_NAMES, AUTO_FSDP, SMALL, INDIVISIBLE, NO_FSDP,
+  SCALAR) and
   `note` (free text, e.g. a dimension that fell through to replicated).
   """
   path: str
@@ -204,8 +207,11 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
   """Resolves one array's logical axis names to a PartitionSpec on `mesh`.
 
   Args:
-    logical_axes: a tuple with one logical name (str) or None per dimension, or a
-      `PartitionSpec` (taken as explicit mesh axes and only validated).
+    logical_axes: a tuple with one logical name (str) or None per leading dimension (fewer
+      names than the rank leave the trailing dimensions unsharded, as in Flax and jax), a
+      `PartitionSpec` (taken as explicit mesh axes and only validated), or
+      `fnscale.adapters.MeshNames` (Flax metadata meant as mesh axes: an axis of this mesh
+      where it is one, else a logical name for the rules).
     rules: ordered (logical_name, mesh_axis | tuple of mesh axes | None) pairs, or a mapping.
       Resolved rule by rule, as `flax.linen.logical_to_mesh_axes` and MaxText do: going
       down the list, a rule claims the dimension carrying its name when that dimension is
@@ -226,9 +232,9 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
 
   Raises:
     MeshError: a mesh that isn't one.
-    ShardingError: malformed rules; rank mismatch; one logical name on two dimensions; an
-      explicit spec longer than the rank, naming axes not in the mesh, or binding one mesh
-      axis to two dimensions; a dimension not divisible by its mesh axes.
+    ShardingError: malformed rules; more names than the rank; one logical name on two
+      dimensions; an explicit spec longer than the rank, naming axes not in the mesh, or
+      binding one mesh axis to two dimensions; a dimension not divisible by its mesh axes.
 
   Examples:
     >>> import fnscale as fs
@@ -241,6 +247,8 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
   """
   check_mesh(mesh, "logical_to_spec", abstract=True)
   sizes = dict(mesh.shape)
+  if isinstance(logical_axes, _flax.MeshNames):
+    return mesh_names_spec(logical_axes, rules, mesh, shape=shape, path=path)[0]
   if isinstance(logical_axes, PartitionSpec):
     check_spec(path, logical_axes, shape, sizes)
     return logical_axes
@@ -249,12 +257,13 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
     raise ShardingError(
         f"{_where(path)}: logical axes {logical_axes!r} must be a tuple of names (str or "
         "None), one per dimension, or a PartitionSpec; fix: e.g. ('embed', 'mlp').")
-  if shape is not None and len(logical_axes) != len(shape):
+  if shape is not None and len(logical_axes) > len(shape):
     raise ShardingError(
         f"{_where(path)}: logical axes {tuple(logical_axes)} have {len(logical_axes)} names but "
-        f"the array has rank {len(shape)} (shape {tuple(shape)}); fix: give one name (or None) "
-        "per dimension.")
-  names = tuple(logical_axes)
+        f"the array has rank {len(shape)} (shape {tuple(shape)}); fix: give at most one name "
+        "(or None) per dimension.")
+  # Fewer names than dimensions: the trailing ones unsharded (Flax's and jax's reading).
+  names = tuple(logical_axes) + (None,) * (len(shape) - len(logical_axes) if shape else 0)
   dup = next((n for i, n in enumerate(names) if n is not None and n in names[:i]), None)
   if dup is not None:
     raise ShardingError(
@@ -266,6 +275,49 @@ def logical_to_spec(logical_axes, rules, mesh, *, shape=None, path: str = "",
   if shape is not None:
     _check_divisible(path, shape, spec, sizes)
   return spec
+
+
+def mesh_names_spec(names, rules, mesh, *, shape=None, path: str = "",
+                    _notes: list | None = None) -> tuple[PartitionSpec, str | None]:
+  """`(spec, how)` for `MeshNames` (Flax metadata meant as mesh axes) on `mesh`: a name
+  that is an axis of the mesh is that axis, a name the mesh lacks a logical name mapped by
+  `rules` (those whose axes are still free), a tuple entry the axes of it the mesh has;
+  trailing dimensions without a name unsharded. `how` is "rules" when a rule placed a
+  dimension, else "mesh"; None when names were given but none landed on an axis of this mesh
+  (the caller's automatic FSDP then decides).
+
+  A dimension not divisible by its axes is left unsharded (the names were written for
+  another mesh). `how` is None also when only axes of size 1 were named.
+
+  Raises:
+    ShardingError: more names than the rank, one mesh axis on two dimensions.
+  """
+  sizes = dict(mesh.shape)
+  if shape is not None and len(names) > len(shape):
+    raise ShardingError(
+        f"{_where(path)}: Flax names {tuple(names)} have {len(names)} entries but the array "
+        f"has rank {len(shape)} (shape {tuple(shape)}); fix: give at most one name (or None) "
+        "per dimension.")
+  names = tuple(names) + (None,) * (len(shape) - len(names) if shape is not None else 0)
+  direct = [tuple(a for a in n if a in sizes) if isinstance(n, tuple)
+            else (n,) if n in sizes else () for n in names]
+  used = {a for axes in direct for a in axes}
+  logical = tuple(n if isinstance(n, str) and n not in sizes else None for n in names)
+  free = [(r, axes) for r, axes in normalize_rules(rules) if not set(axes) & used]
+  ruled = _resolve(logical, free, sizes, _notes)
+  chosen = [d or r for d, r in zip(direct, ruled)]
+  for i, axes in enumerate(chosen):  # names written for another mesh or shape: a hint
+    n = math.prod(sizes[a] for a in axes)
+    if shape is not None and shape[i] % n:
+      chosen[i] = ()
+      if _notes is not None:
+        _notes.append(f"dim {i} ({names[i]}) unsharded: size {shape[i]} not divisible by "
+                      f"{axes} ({n})")
+  spec = PartitionSpec(*(_tree.spec_entry(axes) for axes in chosen))
+  check_spec(path, spec, shape, sizes)
+  if any(names) and not any(sizes[a] > 1 for axes in chosen for a in axes):
+    return spec, None  # nothing split here (axes of size 1 split nothing)
+  return spec, "rules" if any(ruled) else "mesh"
 
 
 def _resolve(names, norm, sizes, notes) -> list[tuple[str, ...]]:
@@ -306,7 +358,7 @@ def _resolve(names, norm, sizes, notes) -> list[tuple[str, ...]]:
 
 
 def _is_axes_leaf(x) -> bool:
-  return x is None or isinstance(x, PartitionSpec) or (
+  return x is None or isinstance(x, (PartitionSpec, _flax.MeshNames)) or (
       isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x))
 
 
@@ -379,6 +431,14 @@ def _leaf_sharding(path, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes) ->
   note = ""
   if axes is None:
     spec, reason = auto_spec(shape, dtype, sizes, fsdp_axes, min_shard_bytes)
+  elif isinstance(axes, _flax.MeshNames):
+    notes: list[str] = []
+    spec, how = mesh_names_spec(axes, rules, mesh, shape=shape, path=path, _notes=notes)
+    reason = RULES if how == "rules" else MESH_NAMES
+    if how is None:
+      spec, reason = auto_spec(shape, dtype, sizes, fsdp_axes, min_shard_bytes)
+      notes = [f"its Flax names {tuple(axes)} name no axis of this mesh and no rule maps them"]
+    note = "; ".join(notes)
   else:
     notes: list[str] = []
     if isinstance(axes, list):
@@ -450,15 +510,39 @@ def sharding_layout(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp"
     w P('fsdp', None) auto-fsdp 131072
   """
   fsdp_axes = _check_layout_args(mesh, rules, fsdp_axis, min_shard_bytes, max_replicated_bytes)
+  tree, flax_names = _flax.read(tree)  # Linen boxes off; their names and NNX metadata read
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = [_tree.path_str(p) for p, _ in pairs]
   leaf_axes = leaf_logical_axes(tree, paths, logical_axes)
+  if flax_names is not None:  # the caller's logical axes first, then the model's own
+    leaf_axes = [a if a is not None else f for a, f in zip(leaf_axes, flax_names)]
   leaves = tuple(
       _leaf_sharding(p, leaf, axes, mesh, rules, fsdp_axes, min_shard_bytes)
       for p, (_, leaf), axes in zip(paths, pairs, leaf_axes))
+  if flax_names is not None:
+    _log_flax_names(leaves, flax_names, mesh)
   _guard_replicated(leaves, mesh, rules, fsdp_axes, min_shard_bytes, max_replicated_bytes)
   return ShardingLayout(jax.tree_util.tree_unflatten(treedef, [lp.sharding for lp in leaves]),
                         leaves, mesh)
+
+
+def _log_flax_names(leaves, flax_names, mesh) -> None:
+  """One INFO line per way the Flax metadata was taken, with a count and an example."""
+  kinds: dict[str, list[LeafSharding]] = {}
+  for lp, names in zip(leaves, flax_names):
+    if names is None or lp.logical_axes is not names:
+      continue  # no metadata, or the caller's logical axes won
+    kind = ("logical names mapped by the rules" if not isinstance(names, _flax.MeshNames)
+            else "names of this mesh's axes, taken as those axes" if lp.reason == MESH_NAMES
+            else "names this mesh lacks, mapped by the rules as logical names"
+            if lp.reason == RULES else
+            "names of no axis of this mesh and no rule: automatic FSDP instead")
+    kinds.setdefault(kind, []).append(lp)
+  for kind, lps in kinds.items():
+    lp = lps[0]
+    logging.info("%d leaves carry Flax sharding metadata with %s on mesh %s (e.g. '%s' %s -> "
+                 "%s)", len(lps), kind, dict(mesh.shape), lp.path, tuple(lp.logical_axes),
+                 lp.spec)
 
 
 def _why_replicated(lp: LeafSharding, fsdp_size: int) -> str:
@@ -521,7 +605,9 @@ def shardings(tree, mesh, rules=(), *, logical_axes=None, fsdp_axis="fsdp",
 
   Args:
     tree: pytree whose leaves are arrays or `jax.ShapeDtypeStruct`s (e.g. from
-      `jax.eval_shape(init_fn, key)`).
+      `jax.eval_shape(init_fn, key)`), possibly in Flax Linen boxes or NNX Variables: their
+      names are the leaves' logical axes or `MeshNames` where `logical_axes` gives none
+      (`fnscale.adapters`), and the shardings have the tree's structure without Linen boxes.
     mesh: the `jax.sharding.Mesh`.
     rules: ordered (logical_name, mesh_axis | tuple | None) pairs; see `logical_to_spec`.
     logical_axes: per-leaf logical axes, either a pytree with `tree`'s structure whose

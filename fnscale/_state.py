@@ -9,6 +9,7 @@ model bigger than one device never lives on one device.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import functools
 
 from absl import logging
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import optax
 
+from fnscale import _flax
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale._errors import MeshError, ShardingError, StepError
@@ -162,6 +164,7 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   opts = _options(sharding_options)
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
+  state = _flax.strip(state)  # the shardings of the plain state, as init_state builds it
   osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
@@ -196,26 +199,87 @@ def _opt_options(opts: dict) -> dict:
   return {k: v for k, v in opts.items() if k in ("fsdp_axis", "min_shard_bytes")}
 
 
+def _is_init_fn(x) -> bool:
+  """Whether `init_state` was given an init function (else params). A callable that is a
+  pytree with array leaves is a model object holding its params (an Equinox module, from
+  `eqx.partition(model, eqx.is_inexact_array)[0]`, or a flax struct with `__call__`): params.
+  A callable that flattens to itself (a function, `functools.partial`, a jitted function) or
+  a bound method is an init function. A callable pytree without array leaves is neither."""
+  if not callable(x):
+    return False
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  if treedef.num_nodes == 1 and treedef.num_leaves == 1 or isinstance(
+      x, functools.partial) or hasattr(x, "__func__"):
+    return True
+  if any(hasattr(leaf, "shape") and hasattr(leaf, "dtype") for leaf in leaves):
+    return False
+  raise StepError(
+      f"init_fn_or_params is a callable {type(x).__name__} pytree with no array leaves: "
+      "neither params (nothing to train) nor a plain init function; fix: pass the params' "
+      "arrays (an Equinox model: `eqx.partition(model, eqx.is_inexact_array)[0]`), or wrap "
+      "an init function in a plain one: `lambda key: init(key)`.")
+
+
+def _check_static(params) -> None:
+  """A jax array in a pytree node's metadata (a static field) would fail every jit over the
+  params with a message naming no field: name it here."""
+  where = _tree.static_arrays(params)
+  if where:
+    raise StepError(
+        f"params field {where[0]} is a static field holding a jax array: jax compares static "
+        "fields between pytrees, which an array can't do, so the params can't be compiled; "
+        "fix: make it a normal field (a leaf: `eqx.partition(model, eqx.is_inexact_array)` "
+        "puts a float array in the params, others in the static part), or keep a numpy "
+        "array or a tuple in the static field.")
+
+
 def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstract):
   """(params, their shardings): traced and built sharded, or copied into their shardings."""
-  if callable(init_fn_or_params):
+  if _is_init_fn(init_fn_or_params):
     args = () if key is None else (key,)
     make = lambda *a: cast(init_fn_or_params(*a))
-    shapes = jax.eval_shape(make, *args)
+    try:
+      shapes = jax.eval_shape(make, *args)
+    except ValueError as e:
+      boxed = _flax.constraint_failure(e, init=True)
+      if boxed is None:
+        raise
+      raise StepError(boxed) from None
+    _check_static(shapes)
+    # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
     psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
+    shapes = _unboxed(shapes)
     if abstract:
       return _sds(shapes, psh), psh
-    return jax.jit(make, out_shardings=psh)(*args), psh
+    return jax.jit(lambda *a: _flax.strip(make(*a)), out_shardings=psh)(*args), psh
+  model = callable(init_fn_or_params)
   for path, leaf in _tree.leaves_with_paths(init_fn_or_params):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
       raise StepError(
           f"params leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
-          "pass arrays (jnp/np) or an init function.")
+          "pass arrays (jnp/np) or an init function" + (
+              " (an Equinox model: its arrays, `params, static = eqx.partition(model, "
+              "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in the loss)"
+              if model else "") + ".")
+  _check_static(init_fn_or_params)
   params = jax.eval_shape(cast, init_fn_or_params) if abstract else cast(init_fn_or_params)
   psh = _sh.shardings(params, mesh, rules, logical_axes=logical_axes, **opts)
+  params = _unboxed(params)
   if abstract:
     return _sds(params, psh), psh
   return _copy(params, psh), psh
+
+
+def _unboxed(params):
+  """`params` without Linen boxes, said once: under a mesh `model.apply` would turn each box
+  into a sharding constraint (and fail on a mesh without its axes)."""
+  if not _flax.has_linen_boxes(params):
+    return params
+  logging.info("init_state: the params' Flax Linen boxes (nn.with_partitioning, "
+               "nn.with_logical_partitioning) are taken off: the state holds their plain "
+               "arrays, laid out as their names say, and model.apply({'params': params}) "
+               "takes them as they are (no sharding constraint of its own)")
+  return _flax.strip(params)
 
 
 def _copy(tree, shardings_tree):
@@ -244,7 +308,13 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
 
   Args:
     init_fn_or_params: `init_fn(key) -> params` (or `init_fn()` when `key` is None), or a
-      pytree of arrays.
+      pytree of arrays. A callable pytree with array leaves is params (an Equinox model's
+      `eqx.partition(model, eqx.is_inexact_array)[0]`, a flax struct with `__call__`); a
+      function, partial, jitted function or bound method is an init function. A Flax
+      model's own sharding metadata is read as the layout where `logical_axes` names none
+      (`lambda k: model.init(k, x)["params"]` with Linen boxes, an NNX State with Variable
+      metadata: `fnscale.adapters`); the state holds plain arrays (Linen boxes taken off,
+      NNX Variables kept).
     optimizer: an `optax.GradientTransformation`.
     mesh: the `jax.sharding.Mesh`.
     rules, logical_axes, sharding_options: as in `state_shardings`.
@@ -265,8 +335,9 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   Raises:
     MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
       devices that can't hold arrays (`fnscale.target_devices`).
-    StepError: a bad optimizer, policy, loss_scale or option, or params that are not
-      arrays.
+    StepError: a bad optimizer, policy, loss_scale or option, params that are not
+      arrays, a callable pytree with no array leaves (neither params nor a plain init
+      function), or params keeping a jax array in a static field (naming it).
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
 
   Examples:

@@ -45,8 +45,10 @@ gradients end in the params' sharding in every mode. Measure the modes with
   axes (2 (n-1)/n of their bytes sent per device, twice the reduce-scatter's) and then
   sliced to the params' sharding. A loss that closes over an array sharded on Explicit axes
   (which jax can't take into the per-shard loop's shard_map) raises StepError naming it.
-- "auto" (the default): as "once", except with a `key` and when the loss closes over an
-  array sharded on Explicit axes (a warning says so): then as "per_microbatch". For an FSDP
+- "auto" (the default): as "once", except with a `key`, and when the loss closes over an
+  array sharded on Explicit axes or shards its ops by type (`out_sharding=`,
+  `jax.sharding.reshard`, `auto_axes`: jax refuses them where the data axes are Manual; a
+  warning says so): then as "per_microbatch". For an FSDP
   model whose whole params and whole float32 gradients don't fit on a device, pass
   "per_microbatch" (the planner chooses it where "once" doesn't fit).
 """
@@ -70,6 +72,8 @@ from fnscale import _axes
 from fnscale import _closure
 from fnscale import _compat
 from fnscale import _context
+from fnscale import _lookups
+from fnscale import _ratio
 from fnscale import _tree
 from fnscale._errors import StepError
 
@@ -267,9 +271,13 @@ def _global_data_axes() -> tuple[str, ...]:
   return tuple(a for a in _axes.data_axes(mesh) if a not in manual and mesh.shape[a] > 1)
 
 
-def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
+def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...],
+                  own_rows: bool = False):
   """[B, ...] leaves -> [accum_steps, B // accum_steps, ...]; microbatch i holds rows i,
-  i + accum_steps, ... so that each keeps a share of every device's rows (no resharding)."""
+  i + accum_steps, ... so that each keeps a share of every device's rows (no resharding).
+  Rows are split over the data axes `axes`; with `own_rows`, on Explicit axes, over the
+  data axes the leaf's rows are split over already (a `batch_sharding` that a model's
+  `out_sharding` asks for), where it has any."""
   micro = n // accum_steps
   mesh = jax.sharding.get_abstract_mesh()
   ways = math.prod(mesh.shape[a] for a in axes) if axes else 1
@@ -287,12 +295,22 @@ def _microbatches(batch, accum_steps: int, n: int, axes: tuple[str, ...]):
 
   def split(x):
     x = jnp.swapaxes(x.reshape((micro, accum_steps) + x.shape[1:]), 0, 1)
-    if axes:
+    rows = _row_axes(x, axes) if own_rows and explicit else axes
+    if rows:
       seq = (_tree.spec_entry(context),) if context and x.ndim >= 3 else ()
-      spec = PartitionSpec(None, _tree.spec_entry(axes), *seq)
+      spec = PartitionSpec(None, _tree.spec_entry(rows), *seq)
       x = jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
     return x
   return jax.tree.map(split, batch)
+
+
+def _row_axes(x, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of `axes` that the rows of `x` ([accum, rows, ...]) are split over in its type,
+  or `axes` where none are."""
+  spec = getattr(jax.typeof(x), "sharding", None)
+  spec = spec.spec if spec is not None else PartitionSpec()
+  own = tuple(a for a in _tree.entry_axes(spec[1] if len(spec) > 1 else None) if a in axes)
+  return own or axes
 
 
 def default_loss_scale(policy, loss_scale) -> LossScale | None:
@@ -342,30 +360,147 @@ class _Config(NamedTuple):
   accum_gather: str = "auto"
   weighted: bool = False
   key: Any = None  # the base PRNG key of `loss_fn(params, batch, key)`, or None
+  ratio: Any = None  # a scalar loss read as (sum, count): `_ratio.Ratio` (see `_find_ratio`)
 
 
-def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None, frozen=None):
-  """What is differentiated: the loss (a mean; with `weighted`, the sum) in float32, scaled
-  when a loss scale is used; and (loss or sum, weight, aux) with weight 1 for a mean.
-  `frozen`: the state's frozen params (None: the loss takes no `frozen` keyword)."""
+def _call_loss(cfg: _Config, params, batch, key, frozen):
+  """`loss_fn`'s output for params and batch cast to the compute dtype."""
   if cfg.policy is not None:
     params, frozen = cfg.policy.cast_to_compute((params, frozen))
     batch = cfg.policy.cast_to_compute(batch)
-  args = (_for_compute(params), batch) + ((key,) if cfg.key is not None else ())
-  out = cfg.loss_fn(*args, **({} if frozen is None else {"frozen": _for_compute(frozen)}))
+  rest = (key,) if cfg.key is not None else ()
+  kwargs = {} if frozen is None else {"frozen": _for_compute(frozen)}
+  try:
+    params = _tables_gathered(cfg, _for_compute(params), (batch,) + rest, kwargs)
+    return cfg.loss_fn(params, batch, *rest, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    refusal = _compat.typed_refusal(e)
+    error = None if refusal is None else _typed_error(refusal)
+    if error is None:
+      raise
+    raise error from None
+
+
+class _ManualTyped(StepError):
+  """The loss shards its ops by type over an axis that is Manual where it runs (inside a
+  `jax.shard_map`): `_gradients` runs it with the partitioner's loop instead."""
+
+
+def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
+  """The StepError for jax's refusal `r` of a loss's sharding in types (`out_sharding=`,
+  `jax.sharding.reshard`), naming the mesh or option that works; None where fnscale can't
+  say (an axis missing from an Auto mesh: no sharding in types involved)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shape = dict(mesh.shape)
+  daxes = _axes.data_axes(mesh) if not mesh.empty else ()
+  jaxsays = f"(jax: {r.text})"
+  if r.kind == "manual" and (r.axis is None or r.axis in daxes):
+    return _ManualTyped(
+        f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
+        f"axis {r.axis or 'of the data axes'!r}) and runs per shard inside jax.shard_map, "
+        f"where the data axes {daxes} are Manual, which jax refuses {jaxsays}; fix: "
+        "shard_step(..., mode='auto') and train_step(..., accum_gather='per_microbatch'), "
+        "which run the loss on the whole global batch")
+  if r.kind == "auto":
+    return StepError(
+        f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
+        f"axis {r.axis!r}), which jax allows only on Explicit mesh axes, and mesh {shape} "
+        f"has Auto axes {jaxsays}; fix: fs.make_mesh({shape}, axis_types='explicit')")
+  if r.kind == "manual" or mesh.empty or not getattr(mesh, "explicit_axes", ()):
+    return None  # a shard_map of the loss's own, or an Auto mesh
+  others = {a: n for a, n in shape.items() if a not in daxes}
+  if r.kind == "missing":
+    return StepError(
+        f"the loss shards its ops by type over mesh axis {r.axis!r}, which mesh {shape} "
+        f"doesn't have {jaxsays}; fix: a mesh with the model's axes, e.g. "
+        f"fs.make_mesh({ {r.axis: -1, **others} }, axis_types='explicit'), or out_sharding= "
+        "naming this mesh's axes")
+  return StepError(
+      f"the loss's ops, sharded by type, disagree with the batch, whose rows fnscale splits "
+      f"over the mesh's data axes {daxes} of mesh {shape} {jaxsays}; fix: a mesh whose data "
+      f"axes are the ones the model's out_sharding= splits the batch over (e.g. "
+      f"fs.make_mesh({ {'data': -1, **others} }, axis_types='explicit') for a model that "
+      "names 'data'), or shard_step(..., batch_sharding=jax.NamedSharding(mesh, P(<those "
+      "axes>)))")
+
+
+def _loss_aux(cfg: _Config, out):
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
                       "return (loss, aux).")
-    loss, aux = out
+    return out
+  return out, None
+
+
+def _scaled_loss(cfg: _Config, params, batch, loss_scale, key=None, frozen=None):
+  """What is differentiated: the loss (a mean; with `weighted` or a `ratio`, the sum) in
+  float32, scaled when a loss scale is used; and (loss or sum, weight, aux) with weight 1
+  for a mean. `frozen`: the state's frozen params (None: the loss takes no `frozen`
+  keyword)."""
+  if cfg.ratio is None:
+    loss, aux = _loss_aux(cfg, _call_loss(cfg, params, batch, key, frozen))
+    loss, weight = _split_weighted(cfg, loss)
   else:
-    loss, aux = out, None
-  loss, weight = _split_weighted(cfg, loss)
+    out, loss, weight = _split_ratio(cfg, params, batch, key, frozen)
+    aux = _loss_aux(cfg, out)[1]
+    weight = jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
   if cfg.policy is not None:
     loss = cfg.policy.cast_to_output(loss)
   loss = jnp.asarray(loss).astype(jnp.float32)
   scaled = loss_scale.scale(loss) if loss_scale is not None else loss
   return scaled, (loss, weight, aux)
+
+
+def _ratio_args(cfg: _Config, params, batch, key, frozen):
+  """The loss's arguments and each flat leaf's dependence for `_ratio` (params: P; batch and
+  key: B; frozen params, the same in every part of the batch: none)."""
+  n = [len(jax.tree.leaves(x)) for x in (params, batch, key, frozen)]
+  ins = [_ratio.P] * n[0] + [_ratio.B] * (n[1] + n[2]) + [0] * n[3]
+  return functools.partial(_call_loss, cfg), (params, batch, key, frozen), ins
+
+
+def _split_ratio(cfg: _Config, params, batch, key, frozen):
+  fn, args, ins = _ratio_args(cfg, params, batch, key, frozen)
+  try:
+    return _ratio.split(fn, args, ins, cfg.ratio)
+  except _ratio.Unsplittable as e:
+    raise StepError(f"{e}; fix: {_RATIO_FIX}.") from None
+
+
+_RATIO_FIX = (
+    "return (sum, weight) from loss_fn and pass train_step(..., weighted=True), e.g. "
+    "(jnp.sum(nll * mask), jnp.sum(mask)) for jnp.sum(nll * mask) / jnp.sum(mask): the step "
+    "sums both over microbatches and shards and divides once")
+
+
+def _find_ratio(cfg: _Config, state, batch) -> _Config:
+  """`cfg` with its `ratio` where the loss runs on parts of the batch (accum_steps > 1, or
+  per shard) and is a batch sum over a batch count (a token-normalized mean): averaging the
+  parts' means would differ from the batch's mean, so the step sums (sum, count) as
+  `weighted` does. The loss is traced once on the whole batch here, before any loop.
+
+  Raises:
+    StepError: the loss divides by a count of the batch in a way that can't be split.
+  """
+  if cfg.weighted or (cfg.accum_steps == 1 and not _manual_data_axes()):
+    return cfg
+  key = _loss_key(cfg, state.step, 0, _manual_data_axes())
+  fn, args, ins = _ratio_args(cfg, state.params, batch, key, state.frozen)
+  try:
+    ratio = _ratio.find(fn, args, ins)
+  except _ratio.Unsplittable as e:
+    raise StepError(
+        f"{e}, and train_step runs it on parts of the batch (accum_steps={cfg.accum_steps}"
+        f"{', per shard' if _manual_data_axes() else ''}), whose means averaged are not the "
+        f"batch's mean; fix: {_RATIO_FIX}.") from None
+  if ratio is None:
+    return cfg
+  logging.info("train_step: the loss is a sum over a count of the batch's tokens (a masked "
+               "mean); both are summed over microbatches and shards and divided once, as "
+               "weighted=True does%s", "" if ratio.floor is None else
+               f" (the total count clipped at {ratio.floor:g}, as the loss clips it)")
+  return cfg._replace(ratio=ratio)
 
 
 def _split_weighted(cfg: _Config, loss):
@@ -417,6 +552,20 @@ def _for_compute(params):
   return jax.tree.map(gather, params)
 
 
+def _tables_gathered(cfg: _Config, params, args: tuple, kwargs: dict):
+  """On Auto data axes, with the params' shardings known (`shard_step`): the tables the
+  loss looks up in gathered over the data axes that split their other dims
+  (`fnscale._lookups`), else `params`."""
+  specs = _known_specs(params)
+  mesh = jax.sharding.get_abstract_mesh()
+  if specs is None or mesh.empty:
+    return params
+  axes = set(_axes.current().data) & set(mesh.auto_axes) - set(mesh.manual_axes)
+  # Every traced value an argument (none closed over) for the second trace.
+  loss = lambda p, a, kw: cfg.loss_fn(p, *a, **kw)
+  return _lookups.gather_tables(loss, params, (args, kwargs), specs, axes) if axes else params
+
+
 def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, frozen=None):
   """Summed gradients, loss and weight of the batch, or of the microbatches `micro`
   ([accum, rows, ...], a `lax.scan`), and aux; summed once over the manual data axes (if
@@ -459,10 +608,11 @@ def _reduce(cfg: _Config, grads, loss, weight, aux, axes, reduce_grads: bool = T
   return grads, loss, weight, aux
 
 
-def _normalize(grads, loss, weight):
+def _normalize(grads, loss, weight, floor=None):
   """Summed gradients and loss divided once by the summed weight (a weight of 0, every
-  token masked: zero gradients and loss, not nan)."""
-  w = jnp.where(weight == 0, 1.0, weight)
+  token masked: zero gradients and loss, not nan); by max(weight, floor) for a loss that
+  clips its count so (`_ratio.Ratio.floor`)."""
+  w = jnp.where(weight == 0, 1.0, weight) if floor is None else jnp.maximum(weight, floor)
   return jax.tree.map(lambda g: g / w, grads), loss / w
 
 
@@ -553,7 +703,8 @@ def _mode(cfg: _Config, frozen=None) -> str:
   partitioner's loop). "auto" runs per shard unless a `key` is given (whose random bits
   then don't depend on the mesh) or the state has `frozen` params (the per-shard loop would
   hold a frozen base, usually the bulk of the model, whole on every device, and the
-  trained params whose reductions it saves are small). Why the partitioner's loop reduces
+  trained params whose reductions it saves are small); `_gradients` also falls back to the
+  partitioner's loop where the loss can't run per shard. Why the partitioner's loop reduces
   every microbatch: the loop carries the accumulator in one sharding (split or replicated,
   never a partial sum), so each microbatch's gradient, a sum over every device's rows, is
   reduced before it is added (all-reduced over the axes that replicate the leaf,
@@ -573,20 +724,37 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
     return _grad_sum(cfg, params, batch, scale, step, frozen=frozen)
   n = _check_accum(batch, cfg.accum_steps)
   axes = _global_data_axes()
-  micro = _microbatches(batch, cfg.accum_steps, n, axes)
   if not axes:
-    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+    return _grad_sum(cfg, params, _microbatches(batch, cfg.accum_steps, n, axes), scale,
+                     step, frozen=frozen)
   known = _known_specs(params)
+
+  def partitioned():  # the partitioner's loop
+    micro = _microbatches(batch, cfg.accum_steps, n, axes, own_rows=True)
+    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
   if _mode(cfg, frozen) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
     # loop. The per-shard loop is manual over every data axis.)
-    return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+    return partitioned()
   # Unknown under a plain jit on Auto axes (Auto types carry no sharding, and the trace
   # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
   specs = known or [PartitionSpec()] * len(jax.tree.leaves(params))
+  micro = _microbatches(batch, cfg.accum_steps, n, axes)
   try:
     return _per_shard(cfg, params, micro, scale, step, axes, specs, frozen)
+  except _ManualTyped as e:
+    # A loss sharding its ops by type (Explicit axes) can't run where the data axes are
+    # Manual: "auto" keeps the loop with the partitioner.
+    if cfg.accum_gather == "once":
+      raise StepError(f"accum_gather='once' runs the loss per shard under jax.shard_map: "
+                      f"{str(e).split('; fix:')[0]}; fix: train_step(..., accum_gather="
+                      "'per_microbatch') or 'auto'.") from None
+    logging.warning("train_step: the loss shards its ops by type (out_sharding=, "
+                    "jax.sharding.reshard), which jax refuses per shard; the microbatch loop "
+                    "stays with the partitioner (accum_gather='per_microbatch'), which "
+                    "reduces every leaf's gradients in every microbatch")
+    return partitioned()
   except (NotImplementedError, ValueError) as e:
     closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")
     if closed is None:
@@ -597,7 +765,7 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
           _closure.FIX + ", or accum_gather='auto' / 'per_microbatch'")) from None
   logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
                   "reduces every leaf's gradients in every microbatch", closed.describe())
-  return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
+  return partitioned()
 
 
 def _unscale(grads, ls):
@@ -684,9 +852,10 @@ def _step(cfg: _Config, state, batch):
                     "build it with fnscale.init_state.")
   _check_precision(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
+  cfg = _find_ratio(cfg, state, batch)
   grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
                                         state.frozen)
-  grads, loss = _normalize(grads, loss, weight)
+  grads, loss = _normalize(grads, loss, weight, None if cfg.ratio is None else cfg.ratio.floor)
   grads = _unscale(grads, ls)
   new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
   # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
@@ -712,14 +881,23 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
                weighted: bool = False, key=None) -> Callable:
   """Builds a pure train step `step(state, batch) -> (state, metrics)`.
 
+  Under `shard_step` on Auto axes, a params table the loss looks up in (`table[tokens]`, an
+  `Embed`) whose looked-up rows are split over a data axis is gathered over the data axes
+  before the loss (`fnscale._lookups`), as FSDP gathers any weight it uses.
+
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (a scalar), or `-> (loss, aux)` with
       `has_aux=True`; `loss_fn(params, batch, key)` when `key` is given; with the
       keyword `frozen=` (the state's frozen params, cast to the compute dtype, never
       differentiated) when the state has them (`TrainState.frozen`, `fnscale.lora`). A scalar loss
       should be a mean over the batch: the step averages the means of the microbatches
-      and shards, which is biased when they hold different numbers of tokens (masks,
-      packing); for an exact mean use `weighted`.
+      and shards. Where they hold different numbers of tokens, a loss that divides a sum
+      over the batch by a count of it (`jnp.sum(nll * mask) / jnp.sum(mask)`,
+      `jnp.mean(nll, where=mask)`, a count clipped by `jnp.maximum(., c)`, plus terms
+      that don't depend on the batch) is read from its jaxpr as (sum, count) and run as
+      `weighted` runs it, when accum_steps > 1 or it runs per shard: the whole batch's
+      mean (an info line says so). Other divisions by a count of the batch raise
+      StepError naming `weighted`.
     optimizer: an `optax.GradientTransformation`.
     policy: a `jmp.Policy` or policy string, e.g.
       'params=float32,compute=bfloat16,output=float32': params and floating batch leaves
@@ -733,9 +911,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     accum_gather: one of `fnscale.ACCUM_GATHER`: with accum_steps > 1 under a mesh with data
       axes, when gradients are reduced over the data axes: "once" once per step (whole params
       and a whole float32 accumulator per device), "per_microbatch" in every microbatch
-      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key` or a loss closing
-      over an Explicit-sharded array needs "per_microbatch". The modes' traffic and memory:
-      this module's docstring.
+      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key`, or a loss
+      closing over an Explicit-sharded array or sharding its ops by type, needs
+      "per_microbatch". The modes' traffic and memory: this module's docstring.
     weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over its
       batch's tokens and their count or total weight (e.g. `(jnp.sum(nll * mask),
       jnp.sum(mask))`). The step sums both over microbatches and shards and divides once:
@@ -761,7 +939,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
       (or, with `weighted`, not two scalars), a state that is not a TrainState, a float16
       policy with a state that has no loss scale (or the reverse); with
-      accum_gather="once", a loss closing over an array sharded on Explicit axes.
+      accum_gather="once", a loss closing over an array sharded on Explicit axes or
+      sharding its ops by type; a loss run on parts of the batch that divides by a count
+      of the batch in a way that can't be summed (naming `weighted`); a loss whose typed
+      shardings (`out_sharding=`) jax refuses on this mesh (Auto axes, an axis the mesh
+      lacks, batch axes other than the model's), naming the mesh or option that works.
 
   Examples:
     Least squares on one device: the loss, then the same batch again after one SGD step (the

@@ -144,3 +144,36 @@ def check_int(value, name: str, error: type[FnscaleError], *, minimum: int | Non
     want += " or None" if allow_none else ""
     raise error(f"{name}={value!r} ({type_name(value)}), expected {want}.")
 
+
+
+def static_arrays(tree) -> list[str]:
+  """'Class.field' for each jax array (or tracer) that a node of `tree` keeps in its pytree
+  metadata rather than as a leaf (an Equinox `eqx.field(static=True)`, a flax struct's
+  `pytree_node=False`): jax compares metadata with `==`, which an array can't answer, so any
+  jit over such a tree fails with a message that names no field. numpy arrays compare fine."""
+  found = []
+
+  def arrays(x) -> list:
+    if isinstance(x, jax.Array):
+      return [x]
+    if isinstance(x, (tuple, list)):
+      return [a for v in x for a in arrays(v)]
+    if isinstance(x, dict):
+      return [a for v in x.values() for a in arrays(v)]
+    return []
+
+  def visit(node):
+    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    data = treedef.node_data()
+    if data is None:
+      return
+    held = {id(a) for a in arrays(data[1])}
+    if held:
+      fields = vars(node) if hasattr(node, "__dict__") else {}
+      names = [k for k, v in fields.items() if held & {id(a) for a in arrays(v)}]
+      found.extend(f"{type_name(node)}.{k}" for k in names or ["<metadata>"])
+    for child in children:
+      visit(child)
+
+  visit(tree)
+  return found

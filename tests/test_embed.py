@@ -255,8 +255,10 @@ def test_unbox_flax_reads_each_kind_of_box():
   nnx_var = nnx.Param(np.ones((4,)), out_sharding=("embed",), eager_sharding=False)
   tree = {"a": mesh_axes, "b": logical, "c": {"d": np.zeros(3), "e": [nnx_var, np.ones(2)]}}
   params, axes = fs.adapters.unbox_flax(tree)
-  assert axes == {"a": P("fsdp", None), "b": ("embed", "mlp"),
-                  "c": {"d": None, "e": [("embed",), None]}}
+  assert axes == {"a": fs.adapters.MeshNames(("fsdp", None)), "b": ("embed", "mlp"),
+                  "c": {"d": None, "e": [fs.adapters.MeshNames(("embed",)), None]}}
+  assert isinstance(axes["a"], fs.adapters.MeshNames)
+  assert not isinstance(axes["b"], fs.adapters.MeshNames)
   assert jax.tree.structure(params) == jax.tree.structure(
       {"a": 0, "b": 0, "c": {"d": 0, "e": [0, 0]}})
   np.testing.assert_array_equal(params["c"]["e"][0], np.ones(4))

@@ -110,12 +110,16 @@ def test_weighted_loss_with_aux(mesh_axes, mode, gather, calls):
                params, ref_params)
 
 
-def test_plain_mean_loss_is_biased_under_uneven_masks():
-  # What `weighted` fixes: the mean of 32 per-shard, per-microbatch means is not the mean.
+def test_masked_mean_loss_per_shard_equals_single_device_whole_batch():
+  # The same loss written as a per-call mean, sum / max(count, 1), run on 32 parts of the
+  # batch (4 microbatches x 8 shards, some parts with no tokens): the step reads it as
+  # (sum, count) and gives the whole batch's mean, not the mean of the parts' means.
   batch = _masked_batch(2)
-  ref_loss, _ = _reference(batch)
-  m, _ = _one_step(_mean, batch, "data=8", "shard_map", weighted=False)
-  assert abs(float(m["loss"]) - ref_loss) > 1e-3 * ref_loss
+  ref_loss, ref_params = _reference(batch)
+  m, params = _one_step(_mean, batch, "data=8", "shard_map", weighted=False)
+  np.testing.assert_allclose(float(m["loss"]), ref_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               params, ref_params)
 
 
 def test_weighted_loss_with_no_tokens_is_zero_not_nan():

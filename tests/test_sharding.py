@@ -148,8 +148,11 @@ def test_bad_rules(dp_fsdp):
 
 
 def test_rank_mismatch_and_bad_logical_axes(dp_fsdp):
-  with pytest.raises(fs.ShardingError, match=r"leaf 'w'.*2 names but the array has rank 3"):
-    fsh.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp, shape=(4, 4, 4), path="w")
+  with pytest.raises(fs.ShardingError, match=r"leaf 'w'.*3 names but the array has rank 2"):
+    fsh.logical_to_spec(("embed", "mlp", None), RULES, dp_fsdp, shape=(4, 4), path="w")
+  # Fewer names than the rank: the trailing dimensions unsharded, as Flax and jax read it.
+  assert fsh.logical_to_spec(("embed", "mlp"), RULES, dp_fsdp, shape=(4, 4, 4)) == \
+      fsh.logical_to_spec(("embed", "mlp", None), RULES, dp_fsdp, shape=(4, 4, 4))
   with pytest.raises(fs.ShardingError, match=r"must be a tuple of names"):
     fsh.logical_to_spec("embed", RULES, dp_fsdp)
 
@@ -618,9 +621,9 @@ def test_check_shardings_names_what_and_skips_non_named(dp_fsdp):
     (lambda m: fsh.logical_to_spec(("embed", 3), RULES, m, path="w"),
      "leaf 'w': logical axes ('embed', 3) must be a tuple of names (str or None), one per "
      "dimension, or a PartitionSpec; fix: e.g. ('embed', 'mlp')."),
-    (lambda m: fsh.logical_to_spec(("embed",), RULES, m, shape=(8, 8)),
-     "array: logical axes ('embed',) have 1 names but the array has rank 2 (shape (8, 8)); "
-     "fix: give one name (or None) per dimension."),
+    (lambda m: fsh.logical_to_spec(("embed", None, None), RULES, m, shape=(8, 8)),
+     "array: logical axes ('embed', None, None) have 3 names but the array has rank 2 (shape "
+     "(8, 8)); fix: give at most one name (or None) per dimension."),
     (lambda m: fsh.logical_to_spec(("embed",), (("embed", ["fsdp", "fsdp"]),), m),
      "rule 0 ('embed') names mesh axis 'fsdp' twice in ('fsdp', 'fsdp'); a mesh axis can "
      "split one dimension only once; fix: list each axis once."),

@@ -141,14 +141,19 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
                                        _NAME, _FORWARD)(hidden, unembed, labels)
     per_token = per_token if where is None else jnp.where(where, per_token, 0.0)
     return per_token.reshape(shape)
-  # The mean's denominator goes into the per-token weights, so a plain `grad` of the loss
-  # scales the gradients computed in the forward pass by exactly 1.
+  # A fixed mean's denominator goes into the per-token weights, so a plain `grad` of the
+  # loss scales the gradients computed in the forward pass by exactly 1. A masked mean
+  # divides the kernel's sum by the count outside it: a sum over tokens over a count of
+  # them, which `train_step` sums exactly over microbatches and shards.
   mask = jnp.ones(labels.shape, jnp.float32) if where is None else where.astype(jnp.float32)
-  if reduction == "mean":
-    mask = mask / (tokens if where is None else jnp.maximum(jnp.sum(mask), 1.0))
-  return _autodiff.reverse_only(lambda h, u, y, w: _weighted_sum(h, u, y, w, layout),
-                                lambda h, u, y, w: jnp.sum(w * plain(h, u, y)), _NAME,
-                                _FORWARD)(hidden, unembed, labels, mask)
+  if reduction == "mean" and where is None:
+    mask = mask / tokens
+  total = _autodiff.reverse_only(lambda h, u, y, w: _weighted_sum(h, u, y, w, layout),
+                                 lambda h, u, y, w: jnp.sum(w * plain(h, u, y)), _NAME,
+                                 _FORWARD)(hidden, unembed, labels, mask)
+  if reduction == "mean" and where is not None:
+    return total / jnp.maximum(jnp.sum(mask), 1.0)
+  return total
 
 
 def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_axes=None,
