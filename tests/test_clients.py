@@ -19,8 +19,12 @@ gradient), with some param split over the mesh.
 - mamba2-jax (Flax NNX): `Mamba2ForCausalLM` with its own loss (an unmasked mean), params
   from `nnx.split`; no sharding metadata, so automatic FSDP.
 
-Rows of different lengths give the microbatches different token counts, so a mean of
-microbatch means is not the batch's mean: the `weighted=True` form, `(sum, count)`, is exact.
+Rows of different lengths give the microbatches different token counts, so with accumulation
+a mean of microbatch means would not be the batch's mean: the masked mean as written must be
+summed exactly, and so must its `(sum, count)` form with `weighted=True`. Each test wraps a
+client built afresh, as a new process would: ESM2's rotary embedding computes its table
+eagerly at its first trace (`jax.ensure_compile_time_eval`), which may be inside the step's
+per-shard accumulation loop.
 """
 from __future__ import annotations
 
@@ -45,15 +49,6 @@ FSDP = {"fsdp": 8}
 DATA_FSDP = {"data": 2, "fsdp": 4}
 TENSOR = {"data": 2, "fsdp": 2, "tensor": 2}
 OPT = optax.adamw(1e-2)
-# What fails today, in the words of the fnscale behaviour it needs (strict: fails once fixed).
-MASKED_MEAN = ("a token-normalized (masked-mean) loss under accumulation drifts silently: "
-               "accum_steps=2 must give the full-batch gradient, or say how to get it")
-EAGER_CONSTANT = ("a constant the model computes eagerly while traced (Equinox's "
-                  "RotaryPositionalEmbedding: jnp.arange under jax.ensure_compile_time_eval) "
-                  "fails in accumulation's per-shard loop with jax's raw error about a manual "
-                  "sharding (NotImplementedError 'Unhandled OpSharding type', AssertionError)")
-EQX_PARAMS = ("Equinox params rejected: init_state takes an Equinox module of params for an "
-              "init function (every Equinox module is callable)")
 
 
 class Client(NamedTuple):
@@ -250,15 +245,19 @@ MESHES = {"recurrentgemma": (FSDP, DATA_FSDP), "penzai": (FSDP, TENSOR),
 MASKED = ("recurrentgemma", "penzai", "esm2quinox")  # those whose loss is a masked mean
 
 
-@functools.lru_cache(maxsize=None)
 def _client(name) -> Client:
+  """A client built afresh, as in a new process: jax's and Equinox's caches empty (ESM2's
+  RoPE table is computed at its first trace)."""
+  jax.clear_caches()
+  if "equinox" in sys.modules:
+    sys.modules["equinox"].clear_caches()
   return CLIENTS[name]()
 
 
 @functools.lru_cache(maxsize=None)
 def _one_device(name):
   """(losses, params): the client's loss trained on device 0 by a hand-written jitted step."""
-  client = _client(name)
+  client = CLIENTS[name]()
   params = client.init_fn(jax.random.key(0))
 
   @jax.jit
@@ -277,8 +276,6 @@ def _one_device(name):
 def _wrapped(client: Client, axes, accum_steps, loss_fn, params=None, **step_options):
   """(losses, params) trained as README's first step wraps a step, on a mesh of `axes`,
   from `client.init_fn` (or from `params` when given)."""
-  if "equinox" in sys.modules:  # each run starts as a new process: Equinox's RoPE table
-    sys.modules["equinox"].clear_caches()  # is computed at the first trace, not at import
   mesh = fs.make_mesh(axes)
   sharding = client.sharding if "tensor" in axes else {}
   if params is None:
@@ -315,18 +312,10 @@ def _assert_trains_like_one_device(got, want, axes):
 
 
 def _cases():
-  """(client, axes, accum_steps) for each client's meshes and accumulation 1 and 2, marked
-  with what fails today."""
-  cases = []
-  for name, meshes in MESHES.items():
-    for axes in meshes:
-      for accum in (1, 2):
-        reasons = ([MASKED_MEAN] * (name in MASKED) + [EAGER_CONSTANT] * (name == "esm2quinox")
-                   if accum > 1 else [])
-        marks = [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
-        ident = "-".join([name] + [f"{k}{v}" for k, v in axes.items()] + [f"accum{accum}"])
-        cases.append(pytest.param(name, axes, accum, id=ident, marks=marks))
-  return cases
+  """(client, axes, accum_steps) for each client's meshes and accumulation 1 and 2."""
+  return [pytest.param(name, axes, accum, id="-".join(
+      [name] + [f"{k}{v}" for k, v in axes.items()] + [f"accum{accum}"]))
+          for name, meshes in MESHES.items() for axes in meshes for accum in (1, 2)]
 
 
 @pytest.mark.parametrize("name,axes,accum_steps", _cases())
@@ -336,6 +325,15 @@ def test_trains_like_one_device(name, axes, accum_steps):
   split = _assert_trains_like_one_device(got, _one_device(name), axes)
   if "tensor" in axes:  # the model's own names mapped by the rules: an MLP weight on tensor
     assert any("tensor" in str(spec) for spec in split.values()), split
+
+
+# ESM2's RoPE table, first computed inside the per-shard loop (accum_gather="auto"), meets
+# jax's sharding of a manual axis; a scalar loss is traced once outside the loop first.
+EAGER_CONSTANT = ("a constant the model computes eagerly while traced (Equinox's "
+                  "RotaryPositionalEmbedding under jax.ensure_compile_time_eval), first traced "
+                  "in the per-shard accumulation loop of a weighted loss, fails with jax's "
+                  "NotImplementedError 'Unhandled OpSharding type' (AssertionError on fsdp=8) "
+                  "and no fix named; accum_gather='per_microbatch' works")
 
 
 @pytest.mark.parametrize("name", [
@@ -349,7 +347,6 @@ def test_weighted_sum_and_count_are_exact_under_accumulation(name):
   _assert_trains_like_one_device(got, _one_device(name), axes)
 
 
-@pytest.mark.xfail(strict=True, reason=EQX_PARAMS)
 def test_equinox_params_as_the_first_step_passes_them():
   # `eqx.partition(model, eqx.is_inexact_array)[0]` is an ESM2 module, and so callable.
   _, eqx, model = _esm2_model()
