@@ -35,7 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from fnscale import _compat
 from fnscale import _tree
-from fnscale._errors import ShardingError
+from fnscale._errors import FnscaleError, ShardingError
 
 
 class MeshNames(tuple):
@@ -265,6 +265,8 @@ def with_box_axes(trace, what: str):
       with _in_scope(mesh):
         out = trace(mesh)
       break
+    except FnscaleError:  # fnscale's own word on the model (it may quote the mesh's axes)
+      raise
     except Exception as e:  # pylint: disable=broad-except
       name = missing_axis(e)
       if (first is not None and not _raised_in_flax_unbox(e)

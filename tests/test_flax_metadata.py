@@ -311,12 +311,13 @@ def test_a_key_made_under_the_mesh_trains_or_names_the_axis_to_add():
 
 
 def test_box_constraints_that_cant_hold_name_the_fix(flat_kernel_block):
-  # A box on an axis the per-shard microbatch loop makes manual: per_microbatch works.
+  # A box on an axis the per-shard microbatch loop makes manual: "auto" runs the loop with
+  # the partitioner (as per_microbatch does); "once" names that option.
   loss_fn, init, want = flat_kernel_block
-  with pytest.raises(fs.StepError, match=r"Linen box.*fix: train_step\(\.\.\., "
-                     r"accum_gather='per_microbatch'\)"):
-    _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
-  got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2, accum_gather="per_microbatch")
+  with pytest.raises(fs.StepError, match=r"sharding constraint in the loss.*fix:.*"
+                     r"accum_gather='per_microbatch'"):
+    _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2, accum_gather="once")
+  got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
   _check(got, want)
   assert _specs(got[1])["DenseGeneral_0"]["kernel"] == P(None, "data", None)
   # Names of the full kernel on the flat one it is initialized as: at most one per dimension.
