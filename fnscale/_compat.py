@@ -192,7 +192,8 @@ def explicit_closure_aval(err: BaseException) -> str | None:
 
 class TypedRefusal(NamedTuple):
   """jax refusing an op's sharding in types (`out_sharding=`, `jax.sharding.reshard`):
-  `kind` "manual" (the op names an axis that is Manual: inside `jax.shard_map`), "auto"
+  `kind` "manual" (the op names an axis that is Manual: inside `jax.shard_map`),
+  "constraint" (a `with_sharding_constraint` naming an axis that is Manual there), "auto"
   (an Auto axis), "missing" (an axis the mesh lacks) or "mismatch" (operands sharded
   differently, a ShardingTypeError); `axis` the axis named, or None; `text` jax's message's
   first line."""
@@ -212,7 +213,9 @@ def typed_refusal(err: BaseException) -> TypedRefusal | None:
   Auto or Manual. Got PartitionSpec: P('data', None) with axis name: data of type:
   AxisType.Manual"; a NotImplementedError "Going from `Manual` AxisType to `Auto` or
   `Explicit` AxisType is not allowed"; a ValueError "Resource axis: data of P('data', None)
-  is not found in mesh: ('fsdp',)"; a `ShardingTypeError` (no public class: read by name)
+  is not found in mesh: ('fsdp',)"; a ValueError "The spec of NamedSharding passed to
+  with_sharding_constraint can only refer to Auto axes of the mesh"; a `ShardingTypeError`
+  (no public class: read by name)
   "sub got incompatible shardings for broadcasting: ...".
   """
   text = str(err)
@@ -223,6 +226,8 @@ def typed_refusal(err: BaseException) -> TypedRefusal | None:
     return TypedRefusal("mismatch", None, first)
   if not isinstance(err, ValueError):
     return None
+  if "can only refer to Auto axes" in text:  # with_sharding_constraint naming a Manual axis
+    return TypedRefusal("constraint", None, first)
   found = _TYPED_AXIS.search(text)
   if found and found.group(2) in ("Manual", "Auto"):
     return TypedRefusal(found.group(2).lower(), found.group(1), first)

@@ -299,8 +299,8 @@ class ShardedStep:
     batch_specs = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(batch),
         [_tree.filter_spec(s.spec, lambda a: a in daxes) for s in batch_flat])
-    per_shard = jax.shard_map(self.step, mesh=self.mesh,
-                              in_specs=(PartitionSpec(), batch_specs),
+    # The mesh in scope when traced: `self.mesh`, or it with a Linen box's size-1 axes.
+    per_shard = jax.shard_map(self.step, in_specs=(PartitionSpec(), batch_specs),
                               out_specs=(PartitionSpec(), PartitionSpec()),
                               axis_names=set(daxes), check_vma=True)
     explicit = set(daxes) & set(getattr(self.mesh, "explicit_axes", ()))
@@ -320,14 +320,21 @@ class ShardedStep:
     """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
     state, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
     rep = NamedSharding(self.mesh, PartitionSpec())
-    jitted = jax.jit(self._body(batch, batch_flat), in_shardings=(ssh, bsh),
-                     out_shardings=(ssh, rep), donate_argnums=(0,) if self.donate else ())
+
+    def lower(mesh):  # built afresh for each mesh traced under (shard_map keeps the first)
+      sf, bf = ([_flax.on_mesh(s, mesh) for s in flat] for flat in (state_flat, batch_flat))
+      in_sh = (jax.tree.unflatten(jax.tree.structure(state), sf),
+               jax.tree.unflatten(jax.tree.structure(batch), bf))
+      jitted = jax.jit(self._body(batch, bf), in_shardings=in_sh, out_shardings=(ssh, rep),
+                       donate_argnums=(0,) if self.donate else ())
+      return jitted.lower(_tree.abstract(state, sf), _tree.abstract(batch, bf))
     # The step knows the params' shardings (gradient accumulators are pinned to them).
     params = getattr(state, "params", None)  # a TrainState's first leaves
     specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
     # Flax's logical constraints on activations follow the rules, on this mesh's axes.
     with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
-      return jitted.lower(_tree.abstract(state, state_flat), _tree.abstract(batch, batch_flat))
+      # A Linen box's constraint on an axis the mesh lacks: traced again with it, of size 1.
+      return _flax.with_box_axes(lower, "shard_step")
 
   def compile(self, state, batch) -> CompiledStep:
     """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
@@ -495,7 +502,10 @@ def shard_step(step: Callable, mesh, *, rules=(), logical_axes=None, state_shard
   optimizer state following the params (found with `optimizer` when given, else by
   structure), step and loss scale replicated; `state_shardings` overrides all. A state
   whose params hold Flax Linen boxes is laid out by their names and the step runs on their
-  plain arrays (it returns a state without boxes). While the step is traced, Flax's logical
+  plain arrays (it returns a state without boxes); where a layer unboxes its own box
+  (DenseGeneral's flat kernel init, run again by `model.apply`) on a mesh axis the mesh
+  lacks, the step is traced on the mesh with that axis of size 1 added (said at INFO; it
+  splits nothing, and the state stays on `mesh`). While the step is traced, Flax's logical
   rules are `rules` (else Flax's own in effect), each kept to the mesh axes a constraint may
   name there, so `nn.with_logical_constraint` follows the layout. The step
   is never inspected: a wrapper around it compiles the same program. The batch's leading

@@ -12,6 +12,11 @@ mapped by fnscale's rules. Linen boxes are taken off the params (`strip`): under
 `model.apply` turns every box it meets into a sharding constraint, which fails on a mesh
 without the box's axes. NNX Variables stay: `nnx.merge` applies no constraint.
 
+A layer that unboxes its own box (flax's DenseGeneral and MultiHeadDotProductAttention
+initialize their kernels flat) still meets Flax's constraint: Flax's apply runs that init
+again to check shapes. Where the mesh lacks an axis the box names, `with_box_axes` traces
+again on the mesh with that axis of size 1 (it splits nothing; the state stays on the mesh).
+
 While a step is traced, `rules_scope` hands Flax the rules in use (fnscale's, else Flax's own),
 each rule keeping only the mesh axes a sharding constraint may name there (present and Auto;
 not the manual ones inside `shard_map`), so a model's `nn.with_logical_constraint` on
@@ -24,11 +29,13 @@ import os
 import re
 import sys
 
+from absl import logging
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from fnscale import _compat
 from fnscale import _tree
-from fnscale._errors import ShardingError
+from fnscale._errors import FnscaleError, ShardingError
 
 
 class MeshNames(tuple):
@@ -193,6 +200,96 @@ def _raised_in_flax_unbox(e: BaseException) -> bool:
   return False
 
 
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (P\(.*?\)) is not found")
+
+
+def missing_axis(e: BaseException) -> str | None:
+  """The mesh axis named by a sharding constraint Flax made of a Linen box when tracing
+  failed because the mesh in scope lacks it (jax: "Resource axis: data of P(None, 'data') is
+  not found in mesh"), else None."""
+  if not isinstance(e, ValueError) or not _raised_in_flax_unbox(e):
+    return None
+  found = _MISSING_AXIS.search(str(e))
+  return found.group(1) if found else None
+
+
+def _with_unit_axes(names: tuple):
+  """The mesh in scope with a size-1 Auto axis appended for each of `names` (the same devices
+  in the same order): a Mesh, or an AbstractMesh where only an abstract one is in scope."""
+  mesh = _compat.concrete_mesh()
+  if mesh.empty:  # `jax.sharding.use_abstract_mesh`
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.sharding.AbstractMesh(
+        tuple(mesh.axis_sizes) + (1,) * len(names), tuple(mesh.axis_names) + names,
+        axis_types=tuple(mesh.axis_types) + (AxisType.Auto,) * len(names))
+  return Mesh(mesh.devices.reshape(mesh.devices.shape + (1,) * len(names)),
+              tuple(mesh.axis_names) + names,
+              axis_types=tuple(mesh.axis_types) + (AxisType.Auto,) * len(names))
+
+
+def _in_scope(mesh):
+  if mesh is None:
+    return contextlib.nullcontext()
+  return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else jax.sharding.use_abstract_mesh(mesh)
+
+
+def on_mesh(x, mesh):
+  """`x` (a NamedSharding, or an array carrying one) on `mesh` where `mesh` is its mesh with
+  size-1 axes appended (`with_box_axes`'s: nothing moves), else `x` as it is. Under such a
+  mesh jax 0.10 refuses to mix a value typed on the mesh without them (`fold_in` of a key)."""
+  s = x if isinstance(x, NamedSharding) else getattr(x, "sharding", None)
+  if not (isinstance(mesh, Mesh) and isinstance(s, NamedSharding)
+          and mesh.axis_names[:len(s.mesh.axis_names)] == s.mesh.axis_names
+          and list(mesh.devices.flat) == list(s.mesh.devices.flat)):
+    return x
+  moved = NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
+  return moved if x is s else jax.device_put(x, moved)
+
+
+_MAX_UNIT_AXES = 8
+
+
+def with_box_axes(trace, what: str):
+  """`trace(None)` under the mesh in scope or, where it fails in a sharding constraint Flax
+  made of a Linen box on an axis that mesh lacks, `trace(mesh)` under `mesh`: that mesh with a
+  size-1 Auto axis appended for each such axis (at most `_MAX_UNIT_AXES`), said once at INFO;
+  `trace` puts its inputs on it (`on_mesh`). A size-1 axis splits nothing: the constraint,
+  which Flax only makes to check shapes (DenseGeneral's flat kernel init, run again by apply),
+  constrains nothing, and outputs keep the shardings they name. Not on a mesh with Explicit
+  axes (the arrays' types name the mesh, which must be the one in scope). Where jax refuses
+  the added axes themselves (jax 0.10's `fold_in` of a key closed over on the mesh without
+  them), the first failure is raised; any other failure as it is."""
+  added, mesh, first = (), None, None
+  while True:
+    try:
+      with _in_scope(mesh):
+        out = trace(mesh)
+      break
+    except FnscaleError:  # fnscale's own word on the model (it may quote the mesh's axes)
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      name = missing_axis(e)
+      if (first is not None and not _raised_in_flax_unbox(e)
+          and any(f"'{a}': 1" in str(e) for a in added)):  # jax refused the added axes
+        logging.info("%s: tracing again with size-1 mesh axes %s failed (%s)", what, added,
+                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise first from None
+      if (name is None or name in added or len(added) == _MAX_UNIT_AXES
+          or jax.sharding.get_abstract_mesh().explicit_axes):
+        raise
+      first = first or e
+      added += (name,)
+      mesh = _with_unit_axes(added)
+  if added:
+    logging.info(
+        "%s: traced under the mesh with size-1 axes %s added (they split nothing): the "
+        "model's Linen boxes (nn.with_partitioning) name them, and Flax turns a box the "
+        "model unboxes itself (DenseGeneral's flat kernel init, run again by apply to check "
+        "shapes) into a sharding constraint on its names; the state stays on the mesh given",
+        what, added)
+  return out
+
+
 def constraint_failure(e: BaseException, *, init: bool = False) -> str | None:
   """What to say when tracing failed in a sharding constraint Flax made of a Linen box
   (under a mesh, `Partitioned.unbox` is `with_sharding_constraint` on the box's names): in
@@ -210,13 +307,15 @@ def constraint_failure(e: BaseException, *, init: bool = False) -> str | None:
           "MultiHeadDotProductAttention initialize their kernels flat and unbox them, Flax's "
           "apply runs that init again to check shapes, and under the step's mesh the box "
           "becomes jax.lax.with_sharding_constraint on its names")
-  missing = re.search(r"Resource axis: (\S+) of (P\(.*?\)) is not found", text)
+  missing = _MISSING_AXIS.search(text)
   if init:
     fix = ("call init_state outside the mesh context (`with fs.with_mesh(...)`, "
            "`jax.set_mesh`): it lays the params out from the names itself")
   elif missing:
-    fix = (f"give the mesh an axis {missing.group(1)!r} of size 1 (it splits nothing), e.g. "
-           f"fs.make_mesh({{..., {missing.group(1)!r}: 1}})")
+    fix = (f"give the mesh an Auto axis {missing.group(1)!r} of size 1 (it splits nothing): "
+           f"jax.sharding.Mesh(mesh.devices[..., None], mesh.axis_names + "
+           f"({missing.group(1)!r},), axis_types=mesh.axis_types + "
+           "(jax.sharding.AxisType.Auto,))")
   elif "can only refer to Auto axes" in text:
     fix = ("train_step(..., accum_gather='per_microbatch'): the per-shard microbatch loop "
            "makes the data axes manual, and a constraint can't name a manual axis")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 
+from fnscale import _compat
 from fnscale import _tree
 
 # Primitives whose output is their first operand's values: a table passes through them.
@@ -50,7 +51,8 @@ def _walk(jaxpr, origin: dict, found: dict) -> None:
       # Operands pass positionally (jit, custom_vjp, remat, scan); cond's skip the index.
       outer = list(eqn.invars[len(eqn.invars) - len(sub.invars):])
       if name == "scan":  # its xs enter sliced (stacked layers): not the leaf itself
-        del outer[eqn.params["num_consts"] + eqn.params["num_carry"]:]
+        parts = _compat.scan_parts(eqn)
+        del outer[len(parts.consts) + len(parts.carry):]
       inner = {v: get(o) for v, o in zip(sub.invars, outer) if get(o) is not None}
       if inner:
         _walk(sub, inner, found)

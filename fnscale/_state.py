@@ -236,22 +236,27 @@ def _check_static(params) -> None:
 def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstract):
   """(params, their shardings): traced and built sharded, or copied into their shardings."""
   if _is_init_fn(init_fn_or_params):
-    args = () if key is None else (key,)
+    keys = () if key is None else (key,)
     make = lambda *a: cast(init_fn_or_params(*a))
-    try:
+
+    def build(unit_mesh):
+      args = tuple(_flax.on_mesh(a, unit_mesh) for a in keys)
       shapes = jax.eval_shape(make, *args)
+      _check_static(shapes)
+      # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
+      psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
+      shapes = _unboxed(shapes)
+      if abstract:
+        return _sds(shapes, psh), psh
+      return jax.jit(lambda *a: _flax.strip(make(*a)), out_shardings=psh)(*args), psh
+    try:
+      # Under an ambient mesh without a Linen box's axis: traced again with it, of size 1.
+      return _flax.with_box_axes(build, "init_state")
     except ValueError as e:
       boxed = _flax.constraint_failure(e, init=True)
       if boxed is None:
         raise
       raise StepError(boxed) from None
-    _check_static(shapes)
-    # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
-    psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
-    shapes = _unboxed(shapes)
-    if abstract:
-      return _sds(shapes, psh), psh
-    return jax.jit(lambda *a: _flax.strip(make(*a)), out_shardings=psh)(*args), psh
   model = callable(init_fn_or_params)
   for path, leaf in _tree.leaves_with_paths(init_fn_or_params):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -314,7 +319,9 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
       model's own sharding metadata is read as the layout where `logical_axes` names none
       (`lambda k: model.init(k, x)["params"]` with Linen boxes, an NNX State with Variable
       metadata: `fnscale.adapters`); the state holds plain arrays (Linen boxes taken off,
-      NNX Variables kept).
+      NNX Variables kept). Under an ambient mesh lacking an axis a Linen box names, the
+      function is traced with that axis of size 1 added (Flax makes a sharding constraint
+      of a box a layer unboxes itself, e.g. DenseGeneral's kernel).
     optimizer: an `optax.GradientTransformation`.
     mesh: the `jax.sharding.Mesh`.
     rules, logical_axes, sharding_options: as in `state_shardings`.

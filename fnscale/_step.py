@@ -401,12 +401,20 @@ def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
         f"where the data axes {daxes} are Manual, which jax refuses {jaxsays}; fix: "
         "shard_step(..., mode='auto') and train_step(..., accum_gather='per_microbatch'), "
         "which run the loss on the whole global batch")
+  if r.kind == "constraint" and set(daxes) & set(getattr(mesh, "manual_axes", ())):
+    return _ManualTyped(
+        f"a sharding constraint in the loss (jax.lax.with_sharding_constraint, a Flax box or "
+        f"nn.with_logical_constraint) names a data axis of {daxes}, and the loss runs per "
+        f"shard inside jax.shard_map, where those axes are Manual {jaxsays}; fix: "
+        "shard_step(..., mode='auto') and train_step(..., accum_gather='per_microbatch'), "
+        "which run the loss on the whole global batch")
   if r.kind == "auto":
     return StepError(
         f"the loss shards its ops by type (out_sharding= or jax.sharding.reshard over mesh "
         f"axis {r.axis!r}), which jax allows only on Explicit mesh axes, and mesh {shape} "
         f"has Auto axes {jaxsays}; fix: fs.make_mesh({shape}, axis_types='explicit')")
-  if r.kind == "manual" or mesh.empty or not getattr(mesh, "explicit_axes", ()):
+  if r.kind in ("manual", "constraint") or mesh.empty or not getattr(
+      mesh, "explicit_axes", ()):
     return None  # a shard_map of the loss's own, or an Auto mesh
   others = {a: n for a, n in shape.items() if a not in daxes}
   if r.kind == "missing":
@@ -750,10 +758,10 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
       raise StepError(f"accum_gather='once' runs the loss per shard under jax.shard_map: "
                       f"{str(e).split('; fix:')[0]}; fix: train_step(..., accum_gather="
                       "'per_microbatch') or 'auto'.") from None
-    logging.warning("train_step: the loss shards its ops by type (out_sharding=, "
-                    "jax.sharding.reshard), which jax refuses per shard; the microbatch loop "
-                    "stays with the partitioner (accum_gather='per_microbatch'), which "
-                    "reduces every leaf's gradients in every microbatch")
+    logging.warning("train_step: the loss shards its ops by type or constrains them over a "
+                    "data axis, which jax refuses per shard; the microbatch loop stays with "
+                    "the partitioner (accum_gather='per_microbatch'), which reduces every "
+                    "leaf's gradients in every microbatch")
     return partitioned()
   except (NotImplementedError, ValueError) as e:
     closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")

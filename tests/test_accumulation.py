@@ -425,3 +425,29 @@ def test_default_with_a_key_keeps_the_partitioners_loop():
   step = fs.train_step(loss, opt, accum_steps=4, key=jax.random.key(3))
   text = fs.shard_step(step, mesh).compile(state, MLP_BATCH).compiled.as_text()
   assert hlo.summarize(text).collective("all-reduce").count == 4
+
+
+def _constrained_mlp(p, b):
+  """The MLP with its hidden activations pinned to the batch's rows, as a user writes it
+  for a data-parallel mesh: a constraint naming "data"."""
+  h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+  h = jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec("data"))
+  return jnp.mean((h @ p["w2"] + p["b2"] - b["x"]) ** 2)
+
+
+def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog):
+  # The per-shard loop makes the data axes Manual, where jax refuses the constraint: "auto"
+  # keeps the loop with the partitioner (said once), "once" names the option that works.
+  mesh = fs.make_mesh({"data": 2, "fsdp": 4})
+  opt = optax.sgd(0.1)
+  state = fs.init_state(_mlp_init, opt, mesh=mesh, key=jax.random.key(0))
+  with caplog.at_level("WARNING"):
+    step = fs.shard_step(fs.train_step(_constrained_mlp, opt, accum_steps=4), mesh)
+    new, metrics = step(state, MLP_BATCH)
+  _equals_reference(jax.device_get(new.params), float(metrics["loss"]))
+  assert "constrains them over a data axis" in caplog.text
+  once = fs.shard_step(fs.train_step(_constrained_mlp, opt, accum_steps=4,
+                                     accum_gather="once"), mesh)
+  with pytest.raises(fs.StepError, match=r"sharding constraint in the loss.*"
+                     r"accum_gather='per_microbatch'"):
+    once.compile(state, MLP_BATCH)

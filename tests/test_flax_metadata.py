@@ -49,7 +49,7 @@ def _reference(loss_fn, params):
 
 
 def _fnscale(loss_fn, init, mesh_axes, accum, rules=(), **options):
-  mesh = fs.make_mesh(mesh_axes)
+  mesh = mesh_axes if isinstance(mesh_axes, jax.sharding.Mesh) else fs.make_mesh(mesh_axes)
   state = fs.init_state(init, OPT, mesh=mesh, rules=rules, key=jax.random.key(0))
   step = fs.shard_step(fs.train_step(loss_fn, OPT, accum_steps=accum, **options), mesh,
                        rules=rules)
@@ -216,40 +216,128 @@ def test_a_state_built_with_boxes_runs_on_their_arrays(mesh_axes_mlp, caplog):
   assert not [r for r in caplog.records if "compiling again" in r.getMessage()]
 
 
-class FlatKernelMLP(nn.Module):
-  """DenseGeneral initializes its kernel flat and unboxes it itself: Flax's apply runs that
-  init again to check shapes, and under a mesh the box becomes a sharding constraint."""
+class FlatKernelBlock(nn.Module):
+  """Boxes over the authors' own mesh {"data": 4, "model": 2} on layers that unbox their own
+  kernels: flax's MultiHeadDotProductAttention and DenseGeneral initialize them flat and
+  unbox them, Flax's apply runs that init again to check shapes, and under a mesh each box
+  becomes a sharding constraint on its names."""
 
   @nn.compact
   def __call__(self, x):
-    init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "data"))
-    h = nn.DenseGeneral((2, 8), kernel_init=init)(x)
+    init = nn.initializers.lecun_normal()
+    a = nn.MultiHeadDotProductAttention(
+        num_heads=2, qkv_features=16, kernel_init=nn.with_partitioning(init, (None, "model")))(x)
+    h = nn.DenseGeneral((2, 8), kernel_init=nn.with_partitioning(init, (None, "data")))(x + a)
     return nn.DenseGeneral(1, axis=(-2, -1))(nn.relu(h))
 
 
 @pytest.fixture(scope="module")
-def flat_kernel_mlp():
-  loss_fn, init, params = _linen(FlatKernelMLP())
+def flat_kernel_block():
+  loss_fn, init, params = _linen(FlatKernelBlock())
   return loss_fn, init, _reference(loss_fn, params)
 
 
-def test_constraint_flax_keeps_is_named_with_a_fix_that_works(flat_kernel_mlp):
-  loss_fn, init, want = flat_kernel_mlp
-  with pytest.raises(fs.StepError, match=r"Linen box.*DenseGeneral.*Resource axis: data.*"
-                     r"fix: give the mesh an axis 'data' of size 1"):
-    _fnscale(loss_fn, init, {"fsdp": 8}, 1)
-  got = _fnscale(loss_fn, init, {"fsdp": 8, "data": 1}, 2)
+@pytest.mark.parametrize("mesh_axes,added", [(MESHES[0], "('model', 'data')"),
+                                             (MESHES[2], "('model',)")])
+def test_boxes_on_axes_the_mesh_lacks_in_layers_that_unbox_them(flat_kernel_block, mesh_axes,
+                                                                added, caplog):
+  # The step is traced on the mesh with a size-1 axis for each name it lacks (said once),
+  # compiled for the state on the caller's mesh, and its executable taken again.
+  loss_fn, init, want = flat_kernel_block
+  caplog.set_level("INFO")
+  got = _fnscale(loss_fn, init, mesh_axes, 1)
   _check(got, want)
+  said = [r.getMessage() for r in caplog.records if "size-1 axes" in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith(f"shard_step: traced under the mesh with "
+                                               f"size-1 axes {added} added"), said
+  assert not [r for r in caplog.records if "compiling again" in r.getMessage()]
+  assert {leaf.sharding.mesh for leaf in jax.tree.leaves(got[1])} == {fs.make_mesh(mesh_axes)}
+  if "data" in mesh_axes:
+    assert _specs(got[1])["DenseGeneral_0"]["kernel"] == P(None, "data", None)
+
+
+def test_init_state_under_a_mesh_without_the_boxes_axes(flat_kernel_block):
+  # The init function is traced under the ambient mesh with the axes it lacks, of size 1.
+  _, init, _ = flat_kernel_block
   mesh = fs.make_mesh({"fsdp": 8})
-  with pytest.raises(fs.StepError, match=r"init function.*Resource axis: data.*fix: call "
-                     r"init_state outside the mesh context"), fs.with_mesh(mesh):
-    fs.init_state(init, OPT, mesh=mesh, key=jax.random.key(0))
-  with pytest.raises(fs.StepError, match=r"Linen box.*fix: train_step\(\.\.\., "
-                     r"accum_gather='per_microbatch'\)"):
-    _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
-  got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2, accum_gather="per_microbatch")
+  with fs.with_mesh(mesh):
+    key = jax.random.key(0)  # a key made under the mesh lives on it
+    state = fs.init_state(init, OPT, mesh=mesh, key=key)
+    abstract = fs.init_state(init, OPT, mesh=mesh, key=key, abstract=True)
+  want = nn.unbox(init(jax.random.key(0)))
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), state.params, want)
+  assert {leaf.sharding.mesh for leaf in jax.tree.leaves(state)} == {mesh}
+  assert jax.tree.map(lambda x: x.sharding, abstract) == jax.tree.map(lambda x: x.sharding,
+                                                                      state)
+
+
+class DropoutBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dropout(0.5, deterministic=False)(FlatKernelBlock()(x))
+
+
+def test_a_key_made_under_the_mesh_trains_or_names_the_axis_to_add():
+  # jax 0.10 refuses to fold a key that lives on the caller's mesh into one traced on the
+  # mesh with size-1 axes (train_step's dropout key, made under the mesh): then the error
+  # names the axes to add, and with them the step trains as it does where jax allows it.
+  model = DropoutBlock()
+  x0 = np.zeros((1, 4, 16), np.float32)
+
+  def loss_fn(params, batch, key):
+    y = model.apply({"params": params}, batch["x"], rngs={"dropout": key})
+    return jnp.mean((y - batch["y"]) ** 2)
+
+  def run(mesh):
+    with fs.with_mesh(mesh):
+      key = jax.random.key(1)
+    return _fnscale(loss_fn, lambda k: model.init(k, x0)["params"], mesh, 1, key=key)
+
+  mesh = fs.make_mesh({"fsdp": 8})
+  try:
+    got = run(mesh)
+  except fs.StepError as e:
+    assert ("fix: give the mesh an Auto axis 'model' of size 1 (it splits nothing): "
+            "jax.sharding.Mesh(mesh.devices[..., None], mesh.axis_names + ('model',), "
+            "axis_types=mesh.axis_types + (jax.sharding.AxisType.Auto,))") in str(e), e
+    got = None
+  for name in ("model", "data"):  # the fix, for each axis the error names in turn
+    mesh = jax.sharding.Mesh(mesh.devices[..., None], mesh.axis_names + (name,),
+                             axis_types=mesh.axis_types + (jax.sharding.AxisType.Auto,))
+  want = run(mesh)
+  if got is not None:
+    _check(got, want)
+
+
+def test_box_constraints_that_cant_hold_name_the_fix(flat_kernel_block):
+  # A box on an axis the per-shard microbatch loop makes manual: "auto" runs the loop with
+  # the partitioner (as per_microbatch does); "once" names that option.
+  loss_fn, init, want = flat_kernel_block
+  with pytest.raises(fs.StepError, match=r"sharding constraint in the loss.*fix:.*"
+                     r"accum_gather='per_microbatch'"):
+    _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2, accum_gather="once")
+  got = _fnscale(loss_fn, init, {"data": 2, "fsdp": 4}, 2)
   _check(got, want)
   assert _specs(got[1])["DenseGeneral_0"]["kernel"] == P(None, "data", None)
+  # Names of the full kernel on the flat one it is initialized as: at most one per dimension.
+
+  class FullNames(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "data", None))
+      return nn.DenseGeneral((2, 8), kernel_init=init)(x)
+
+  model = FullNames()
+  mesh = fs.make_mesh({"fsdp": 8})
+  params = model.init(jax.random.key(0), np.zeros((1, 4, 16), np.float32))["params"]
+  state = fs.init_state(params, OPT, mesh=mesh)
+  step = fs.shard_step(fs.train_step(
+      lambda p, b: jnp.mean(model.apply({"params": p}, b["x"]) ** 2), OPT), mesh)
+  with pytest.raises(fs.StepError, match=r"Linen box.*fix: give the box at most one name per "
+                     r"dimension of the flat 2-D kernel"):
+    step.compile(state, _batches()[0])
 
 
 # ----------------------------------------------------------------------------- NNX
