@@ -3,9 +3,9 @@ repository's files, with fnscale importable the way `pip install -e .` makes it 
 else (so `python recipes/X.py` has to find `recipes` itself, from any directory).
 
 What runs and what is checked (the README's Tests section says the same, for whoever adds a
-command): every ```bash and ```python block of README.md, recipes/README.md and
-recipes/bench/README.md (`READMES`, in that order) runs as written, in order, unless the line
-directly above it is a marker:
+command): every ```bash and ```python block of README.md, recipes/README.md,
+recipes/examples/README.md and recipes/bench/README.md (`READMES`, in that order) runs as
+written, in order, unless the line directly above it is a marker:
 
   <!-- readme-test: run: OLD => NEW; OLD2 => NEW2 -->   runs, with these text substitutions
                                                         (smaller sizes for the test)
@@ -509,7 +509,8 @@ def _inline_commands(readme: str) -> list[str]:
 
 # The READMEs, in the order their commands run (recipes/README.md continues from the guide's
 # runs: the plot of the Quick start run, the caches its data section writes).
-READMES = ("README.md", "recipes/README.md", "recipes/bench/README.md")
+READMES = ("README.md", "recipes/README.md", "recipes/examples/README.md",
+           "recipes/bench/README.md")
 
 
 def _readmes(co: Checkout):
