@@ -763,16 +763,25 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
                     "the partitioner (accum_gather='per_microbatch'), which reduces every "
                     "leaf's gradients in every microbatch")
     return partitioned()
-  except (NotImplementedError, ValueError) as e:
-    closed = _closure.explicit_closure(e, cfg.loss_fn, "the loss")
-    if closed is None:
-      raise
-    if cfg.accum_gather == "once":
+  except StepError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    closed = (_closure.explicit_closure(e, cfg.loss_fn, "the loss")
+              if isinstance(e, (NotImplementedError, ValueError)) else None)
+    if closed is not None and cfg.accum_gather == "once":
       raise StepError(closed.message(
           "accum_gather='once' runs the loss per shard under jax.shard_map",
           _closure.FIX + ", or accum_gather='auto' / 'per_microbatch'")) from None
+    if cfg.accum_gather == "once":
+      raise
+    why = closed.describe() if closed is not None else (
+        f"the loss failed to trace per shard inside jax.shard_map ({type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''})")
+  # "auto" keeps what the loss can run in: a loss jax can't run per shard (a value it built
+  # once and cached inside the per-shard loop, an op without a rule for Manual axes) takes
+  # the partitioner's loop, the same gradients; a bug of the loss's own fails there too.
   logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
-                  "reduces every leaf's gradients in every microbatch", closed.describe())
+                  "reduces every leaf's gradients in every microbatch", why)
   return partitioned()
 
 

@@ -327,18 +327,11 @@ def test_trains_like_one_device(name, axes, accum_steps):
     assert any("tensor" in str(spec) for spec in split.values()), split
 
 
-# ESM2's RoPE table, first computed inside the per-shard loop (accum_gather="auto"), meets
-# jax's sharding of a manual axis; a scalar loss is traced once outside the loop first.
-EAGER_CONSTANT = ("a constant the model computes eagerly while traced (Equinox's "
-                  "RotaryPositionalEmbedding under jax.ensure_compile_time_eval), first traced "
-                  "in the per-shard accumulation loop of a weighted loss, fails with jax's "
-                  "NotImplementedError 'Unhandled OpSharding type' (AssertionError on fsdp=8) "
-                  "and no fix named; accum_gather='per_microbatch' works")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=EAGER_CONSTANT)] * (
-        n == "esm2quinox")) for n in MASKED])
+# ESM2's RoPE table, computed eagerly while traced (Equinox's RotaryPositionalEmbedding under
+# jax.ensure_compile_time_eval), fails inside the per-shard accumulation loop of a weighted
+# loss (jax's "Unhandled OpSharding type", an AssertionError on fsdp=8): "auto" then runs the
+# loop with the partitioner, the same gradients.
+@pytest.mark.parametrize("name", MASKED)
 def test_weighted_sum_and_count_are_exact_under_accumulation(name):
   # The masked loss as `(sum, count)` with weighted=True: the full batch's mean at any
   # accumulation, on the client's last mesh.
