@@ -162,16 +162,7 @@ def test_an_auto_axes_lookup_with_accumulation():
   rng = np.random.default_rng(1)
   batch = {"tokens": rng.integers(0, 16, (16, 4)), "y": rng.normal(size=(16, 4)).astype(
       np.float32)}
-  one = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
-                      devices=jax.devices()[:1])
-  with jax.set_mesh(one):
-    ref_loss, grads = jax.jit(jax.value_and_grad(lm_loss))(params, batch)
-    ref = jax.device_get(jax.tree.map(lambda p, g: p - LR * g, params, grads))
-  mesh = fs.make_mesh({"data": 8}, axis_types="explicit")
-  opt = optax.sgd(LR)
-  step = fs.shard_step(fs.train_step(lm_loss, opt, accum_steps=2), mesh)
-  state, metrics = step(fs.init_state(params, opt, mesh=mesh), batch)
-  _check(([float(metrics["loss"])], jax.device_get(state.params)), ([float(ref_loss)], ref))
+  _check_one_sgd_step(lm_loss, params, batch, 2)
 
 
 def test_a_masked_mean_with_accumulation_on_its_explicit_mesh():
@@ -180,13 +171,18 @@ def test_a_masked_mean_with_accumulation_on_its_explicit_mesh():
     err = jnp.sum((nnx.merge(GRAPHDEF, params)(batch["x"]) - batch["y"]) ** 2, axis=-1)
     return jnp.sum(err * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1)
   batch = dict(_batch(), mask=np.where(np.arange(32) % 8 < 2, 1.0, 0.0).astype(np.float32))
+  _check_one_sgd_step(masked, PARAMS, batch, 4)
+
+
+def _check_one_sgd_step(loss_fn, params, batch, accum_steps):
+  """One SGD step wrapped on an Explicit {"data": 8} mesh equals one on one device."""
   one = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
                       devices=jax.devices()[:1])
   with jax.set_mesh(one):
-    ref_loss, grads = jax.jit(jax.value_and_grad(masked))(PARAMS, batch)
-    ref = jax.device_get(jax.tree.map(lambda p, g: p - LR * g, PARAMS, grads))
+    ref_loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    ref = jax.device_get(jax.tree.map(lambda p, g: p - LR * g, params, grads))
   mesh = fs.make_mesh({"data": 8}, axis_types="explicit")
   opt = optax.sgd(LR)
-  step = fs.shard_step(fs.train_step(masked, opt, accum_steps=4), mesh)
-  state, metrics = step(fs.init_state(PARAMS, opt, mesh=mesh), batch)
+  step = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum_steps), mesh)
+  state, metrics = step(fs.init_state(params, opt, mesh=mesh), batch)
   _check(([float(metrics["loss"])], jax.device_get(state.params)), ([float(ref_loss)], ref))

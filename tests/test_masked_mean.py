@@ -132,16 +132,17 @@ def _reference(loss_fn, batch, opt):
   return losses, params
 
 
-def _train(loss_fn, batch, opt, axes, accum, gather="auto", mode="auto"):
+def _train(loss_fn, batch, opt, axes, accum, gather="auto", mode="auto", **options):
+  """(losses, params, last metrics) of STEPS steps of `loss_fn` wrapped on mesh `axes`."""
   mesh = fs.make_mesh(axes)
   state = fs.init_state(init_fn, opt, mesh=mesh, key=jax.random.key(0))
-  step = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum, accum_gather=gather),
-                       mesh, mode=mode)
+  step = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum, accum_gather=gather,
+                                     **options), mesh, mode=mode)
   losses = []
   for _ in range(STEPS):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  return losses, jax.device_get(state.params)
+  return losses, jax.device_get(state.params), metrics
 
 
 def _check_equal(got, ref):
@@ -187,14 +188,8 @@ def test_masked_mean_with_aux():
     return loss, {"tokens": jnp.sum(m).astype(jnp.int32), "loss": loss}
   batch, opt = _batch(2), optax.sgd(0.5)
   ref = _reference(lambda p, b: loss_aux(p, b)[0], batch, opt)
-  mesh = fs.make_mesh("fsdp=8")
-  state = fs.init_state(init_fn, opt, mesh=mesh, key=jax.random.key(0))
-  step = fs.shard_step(fs.train_step(loss_aux, opt, accum_steps=4, has_aux=True), mesh)
-  losses = []
-  for _ in range(STEPS):
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  _check_equal((losses, jax.device_get(state.params)), ref)
+  *got, metrics = _train(loss_aux, batch, opt, "fsdp=8", 4, has_aux=True)
+  _check_equal(got, ref)
   assert int(metrics["aux"]["tokens"]) == int(batch["mask"].sum())
 
 
@@ -257,11 +252,4 @@ def test_the_named_fix_is_exact():
     return jnp.sum(_ce(params, batch) * batch["mask"]), jnp.sum(batch["mask"])
   batch, opt = _batch(3), optax.sgd(0.5)
   ref = _reference(sum_over_count, batch, opt)
-  mesh = fs.make_mesh("fsdp=8")
-  state = fs.init_state(init_fn, opt, mesh=mesh, key=jax.random.key(0))
-  step = fs.shard_step(fs.train_step(sum_weight, opt, accum_steps=4, weighted=True), mesh)
-  losses = []
-  for _ in range(STEPS):
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  _check_equal((losses, jax.device_get(state.params)), ref)
+  _check_equal(_train(sum_weight, batch, opt, "fsdp=8", 4, weighted=True)[:2], ref)
