@@ -749,20 +749,26 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
   # never sees its arguments'): P() for every leaf, i.e. the gradients all-reduced whole.
   specs = known or [PartitionSpec()] * len(jax.tree.leaves(params))
   micro = _microbatches(batch, cfg.accum_steps, n, axes)
+  per_shard = lambda: _per_shard(cfg, params, micro, scale, step, axes, specs, frozen)
+  return _per_shard_or_partitioned(cfg, per_shard, partitioned)
+
+
+def _per_shard_or_partitioned(cfg: _Config, per_shard: Callable, partitioned: Callable):
+  """`per_shard()`, or where jax can't trace the loss per shard and `accum_gather` is
+  "auto", `partitioned()` (the same gradients, said at WARNING): a loss sharding its ops by
+  type or constraining them over a data axis (Manual per shard), one closing over an array
+  on Explicit axes, a value built once and cached inside the loop, an op without a rule for
+  Manual axes. A bug of the loss's own fails in the partitioner's loop too. With "once",
+  an fnscale error names the option that works where one is known."""
   try:
-    return _per_shard(cfg, params, micro, scale, step, axes, specs, frozen)
+    return per_shard()
   except _ManualTyped as e:
-    # A loss sharding its ops by type (Explicit axes) can't run where the data axes are
-    # Manual: "auto" keeps the loop with the partitioner.
     if cfg.accum_gather == "once":
       raise StepError(f"accum_gather='once' runs the loss per shard under jax.shard_map: "
                       f"{str(e).split('; fix:')[0]}; fix: train_step(..., accum_gather="
                       "'per_microbatch') or 'auto'.") from None
-    logging.warning("train_step: the loss shards its ops by type or constrains them over a "
-                    "data axis, which jax refuses per shard; the microbatch loop stays with "
-                    "the partitioner (accum_gather='per_microbatch'), which reduces every "
-                    "leaf's gradients in every microbatch")
-    return partitioned()
+    why = ("the loss shards its ops by type or constrains them over a data axis, which jax "
+           "refuses per shard")
   except StepError:
     raise
   except Exception as e:  # pylint: disable=broad-except
@@ -777,11 +783,9 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
     why = closed.describe() if closed is not None else (
         f"the loss failed to trace per shard inside jax.shard_map ({type(e).__name__}: "
         f"{str(e).splitlines()[0] if str(e) else ''})")
-  # "auto" keeps what the loss can run in: a loss jax can't run per shard (a value it built
-  # once and cached inside the per-shard loop, an op without a rule for Manual axes) takes
-  # the partitioner's loop, the same gradients; a bug of the loss's own fails there too.
-  logging.warning("train_step: %s; the microbatch loop stays with the partitioner, which "
-                  "reduces every leaf's gradients in every microbatch", why)
+  logging.warning("train_step: %s; the microbatch loop stays with the partitioner "
+                  "(accum_gather='per_microbatch'), which reduces every leaf's gradients in "
+                  "every microbatch", why)
   return partitioned()
 
 
