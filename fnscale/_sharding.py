@@ -88,6 +88,12 @@ def _where(path: str) -> str:
 
 
 def _shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
+  if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+    raise ShardingError(
+        f"{_where(path)} is a PRNG key array ({leaf.dtype}), not a param to shard or train; "
+        "fix: leave keys out of the params (Flax NNX: nnx.split(model, nnx.Param, ...) or "
+        "nnx.state(model, nnx.Param)) and give the loss its key with "
+        "train_step(..., key=...).")
   if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
     return tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)
   if isinstance(leaf, (bool, int, float, complex, np.generic)):

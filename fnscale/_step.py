@@ -438,6 +438,10 @@ def _loss_aux(cfg: _Config, out):
       raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
                       "return (loss, aux).")
     return out
+  if isinstance(out, (tuple, list)) and not cfg.weighted:
+    raise StepError(
+        f"loss_fn returned a {type(out).__name__} of {len(out)}, expected a scalar loss; fix: "
+        "train_step(..., has_aux=True) for (loss, aux), or weighted=True for (sum, weight).")
   return out, None
 
 
@@ -867,11 +871,27 @@ def _square_sums(g, c):
   return jnp.sum(g * g), jnp.sum(c * c)
 
 
+def _check_trainable(params) -> None:
+  """Every params leaf is differentiated: a float array. An integer array or a PRNG key
+  among them (Equinox's `eqx.is_array` filter, NNX's split without a filter, which keeps
+  the Rngs' keys and counts) would fail jax's grad naming no leaf."""
+  for path, leaf in _tree.leaves_with_paths(params):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      raise StepError(
+          f"params leaf '{path}' is {dtype}{list(getattr(leaf, 'shape', ()))}: train_step "
+          "differentiates every params leaf, which needs float arrays; fix: keep only the "
+          "trainable float arrays in the params (Equinox: eqx.partition(model, "
+          "eqx.is_inexact_array); Flax NNX: nnx.split(model, nnx.Param, ...) or "
+          "nnx.state(model, nnx.Param)), the rest in what the loss closes over or the batch.")
+
+
 def _step(cfg: _Config, state, batch):
   if not isinstance(state, TrainState):
     raise StepError(f"state is a {type(state).__name__}, expected fnscale.TrainState; fix: "
                     "build it with fnscale.init_state.")
   _check_precision(cfg, state)
+  _check_trainable(state.params)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
   cfg = _find_ratio(cfg, state, batch)
   grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,

@@ -238,3 +238,44 @@ def test_a_flax_struct_with_call_is_params():
   state = fs.init_state(Affine(jnp.ones((8, 2)), jnp.zeros(2)), optax.sgd(0.1),
                         mesh=fs.make_mesh({"fsdp": 8}), abstract=True)
   assert isinstance(state.params, Affine) and state.params.w.shape == (8, 2)
+
+
+def test_params_that_cant_be_trained_are_named_with_the_fix():
+  # Equinox's `eqx.is_array` filter keeps an int array in the params; jax's grad refused it
+  # naming no leaf.
+  class Indexed(eqx.Module):
+    idx: jax.Array
+    w: jax.Array
+
+    def __call__(self, x):
+      return x[:, self.idx] @ self.w
+
+  model = Indexed(jnp.arange(3), jnp.ones((3, 4)))
+  params, static = eqx.partition(model, eqx.is_array)
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.sgd(0.1)
+  loss = lambda p, b: jnp.mean(eqx.combine(p, static)(b["x"]) ** 2)
+  state = fs.init_state(params, opt, mesh=mesh)
+  with pytest.raises(fs.StepError, match=r"params leaf 'idx' is int32\[3\].*"
+                     r"eqx\.is_inexact_array"):
+    fs.shard_step(fs.train_step(loss, opt), mesh).compile(state, {"x": np.ones((8, 5))})
+
+
+def test_a_loss_returning_a_pair_without_has_aux_names_it():
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.sgd(0.1)
+  state = fs.init_state({"w": jnp.ones((4, 2))}, opt, mesh=mesh)
+  loss = lambda p, b: (jnp.mean(b["x"] @ p["w"]), {"n": 1.0})
+  with pytest.raises(fs.StepError, match=r"returned a tuple of 2.*has_aux=True"):
+    fs.shard_step(fs.train_step(loss, opt), mesh).compile(state, {"x": np.ones((8, 4))})
+
+
+def test_an_nnx_split_keeping_its_rng_keys_is_named_with_the_fix():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  _, state = nnx.split(Net(nnx.Rngs(0)))  # no filter: the Rngs' key and count come along
+  with pytest.raises(fs.ShardingError, match=r"drop/rngs/key.*PRNG key.*nnx\.Param"):
+    fs.init_state(state, optax.sgd(0.1), mesh=fs.make_mesh({"fsdp": 8}))
