@@ -151,17 +151,18 @@ def _check_equal(got, ref):
                jax.device_get(ref[1]))
 
 
+SLOW = pytest.mark.slow  # the other forms and meshes: each a compile of its own
 CASES = [  # (mesh, accum_steps, accum_gather, loss)
     ("fsdp=8", 1, "auto", "sum_over_count"),
     ("fsdp=8", 2, "auto", "clipped_count"),
-    ("fsdp=8", 4, "per_microbatch", "mean_where"),
+    pytest.param("fsdp=8", 4, "per_microbatch", "mean_where", marks=SLOW),
     ("data=2,fsdp=4", 2, "once", "jitted_helper"),
-    ("data=2,fsdp=4", 4, "per_microbatch", "one_hot_clip"),
+    pytest.param("data=2,fsdp=4", 4, "per_microbatch", "one_hot_clip", marks=SLOW),
     ("data=2,fsdp=2,tensor=2", 2, "per_microbatch", "with_z_loss"),
-    ("data=2,fsdp=2,tensor=2", 4, "once", "clipped_count"),
-    ("data=2,fsdp=2,tensor=2", 2, "auto", "with_l2"),
+    pytest.param("data=2,fsdp=2,tensor=2", 4, "once", "clipped_count", marks=SLOW),
+    pytest.param("data=2,fsdp=2,tensor=2", 2, "auto", "with_l2", marks=SLOW),
     ("data=2,fsdp=4", 2, "auto", "kernel_mean"),
-    ("fsdp=8", 4, "per_microbatch", "kernel_mean"),
+    pytest.param("fsdp=8", 4, "per_microbatch", "kernel_mean", marks=SLOW),
 ]
 
 
@@ -231,9 +232,9 @@ def _two_counts(params, batch):
 
 @pytest.mark.parametrize("loss_fn,what", [
     (_mixed, "adds a mean over a batch count to a term that depends on the batch"),
-    (_root_count, "not a sum over its rows"),
+    pytest.param(_root_count, "not a sum over its rows", marks=SLOW),
     (_nested, "inside a larger expression"),
-    (_two_counts, "adds means over different counts"),
+    pytest.param(_two_counts, "adds means over different counts", marks=SLOW),
 ])
 def test_a_loss_that_cannot_be_split_stops_before_training(loss_fn, what):
   mesh = fs.make_mesh("fsdp=8")
