@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from fnscale._errors import RuntimeFailure
 
 # The JAX releases fnscale is tested with; pyproject.toml's `jax` requirement says the same.
-TESTED_JAX = ">=0.10.2,<0.13"
+TESTED_JAX = ">=0.10.2,<0.12.1"
 
 
 def _changed(entry: str, what: str) -> RuntimeFailure:
