@@ -204,7 +204,8 @@ class TypedRefusal(NamedTuple):
 
 _TYPED_AXIS = re.compile(r"cannot contain axis names that are of type Auto or Manual\..*? "
                          r"with axis name: (\S+) of type: AxisType\.(\w+)", re.S)
-_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of .*? is not found in mesh", re.S)
+# jax's refusal of a sharding naming an axis the mesh in scope lacks (group 1: the axis).
+MISSING_AXIS = re.compile(r"Resource axis: (\S+) of .*? is not found in mesh", re.S)
 
 
 def typed_refusal(err: BaseException) -> TypedRefusal | None:
@@ -231,7 +232,7 @@ def typed_refusal(err: BaseException) -> TypedRefusal | None:
   found = _TYPED_AXIS.search(text)
   if found and found.group(2) in ("Manual", "Auto"):
     return TypedRefusal(found.group(2).lower(), found.group(1), first)
-  found = _MISSING_AXIS.search(text)
+  found = MISSING_AXIS.search(text)
   if found:
     return TypedRefusal("missing", found.group(1), first)
   return None

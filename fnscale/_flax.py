@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 
 from absl import logging
@@ -200,16 +199,13 @@ def _raised_in_flax_unbox(e: BaseException) -> bool:
   return False
 
 
-_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (P\(.*?\)) is not found")
-
-
 def missing_axis(e: BaseException) -> str | None:
   """The mesh axis named by a sharding constraint Flax made of a Linen box when tracing
   failed because the mesh in scope lacks it (jax: "Resource axis: data of P(None, 'data') is
   not found in mesh"), else None."""
   if not isinstance(e, ValueError) or not _raised_in_flax_unbox(e):
     return None
-  found = _MISSING_AXIS.search(str(e))
+  found = _compat.MISSING_AXIS.search(str(e))
   return found.group(1) if found else None
 
 
@@ -307,7 +303,7 @@ def constraint_failure(e: BaseException, *, init: bool = False) -> str | None:
           "MultiHeadDotProductAttention initialize their kernels flat and unbox them, Flax's "
           "apply runs that init again to check shapes, and under the step's mesh the box "
           "becomes jax.lax.with_sharding_constraint on its names")
-  missing = _MISSING_AXIS.search(text)
+  missing = _compat.MISSING_AXIS.search(text)
   if init:
     fix = ("call init_state outside the mesh context (`with fs.with_mesh(...)`, "
            "`jax.set_mesh`): it lays the params out from the names itself")
