@@ -91,22 +91,28 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
 
 
 def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.Summary:
-  """Build, restore and compile; then the loop and the end of the run. `ckpt`: a
-  fnscale.checkpoint.Manager, or None (no checkpoints)."""
-  o = setup.o
-  policy, (optimizer, schedule) = startup.policy(o.precision, setup.topo.platform), \
-      run_setup.optimizer(o)
-  step_fn, eval_loss = _step(setup, optimizer, policy)
+  """Restore, build and compile; then the loop and the end of the run. `ckpt`: a
+  fnscale.checkpoint.Manager, or None (no checkpoints). A run that already holds its last
+  step ends after the restore (`checkpoints.finished`): nothing compiled."""
+  policy = startup.policy(setup.o.precision, setup.topo.platform)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
-    key = jax.random.key(o.seed)
-    init = (finetune.init(setup, optimizer, policy, key, setup.lora) if setup.lora is not None
-            else models.init(setup, optimizer, policy, key))
+    key = jax.random.key(setup.o.seed)
+    # The state's shapes: the schedule, decided on restoring, shapes none of it.
+    opt = run_setup.optimizer(setup.o)[0]
+    init = (finetune.init(setup, opt, policy, key, setup.lora) if setup.lora is not None
+            else models.init(setup, opt, policy, key))
     # grain reads this process's rows (whole rows: `batches.put` splits the sequence over a
     # context axis); fs.global_batch makes one array over every process.
     train_rows, evals = batches.run_batches(setup, fs.batch_sharding(setup.mesh,
                                                                      context_axes=()))
-    state, start, resumed = checkpoints.resume(setup, ckpt, init, train_rows, say)
+    state, start, resumed, saved = checkpoints.resume(setup, ckpt, init, train_rows, say)
+    if checkpoints.finished(setup.o, start):
+      _export(setup, state, say)
+      return summary.finished(setup, state, start, t0, say)
+    setup = run_setup.resumed_schedule(setup, saved, start, say)
+    o, (optimizer, schedule) = setup.o, run_setup.optimizer(setup.o)
+    step_fn, eval_loss = _step(setup, optimizer, policy)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
     # Ahead of time (step 0 doesn't compile again), held against the device's memory.
@@ -127,24 +133,33 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
         should_stop=should_stop, params_of=finetune.params_of(setup.lora))
     summary.describe(job, state)
     batches.say_padding(o, rows, evals, say)
-    ev = evaluation.evaluate(job, state, 0) if start == 0 else None
+    ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
     with stopping.ctrl_c() as ctrl_c:  # the first Ctrl-C: stop after this step, saved
       state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
     out = _finish(job, state, out)
-    if o.export_hf and not out["stopped"]:
-      if setup.lora is not None:  # merged weights, and the adapters as a PEFT adapter
-        finetune.export(setup, state, setup.lora, say)
-      else:
-        models.export(setup, state, say)
+    if not out["stopped"]:
+      _export(setup, state, say)
     job.log.close()
   return summary.summarize(job, state, out)
 
 
-def _loop(job: run_setup.Run, state, batch, eval_loss: float | None) -> tuple[Any, dict]:
+def _export(setup: run_setup.Setup, state, say) -> None:
+  """--export_hf: the params as a Hugging Face checkpoint (a LoRA run's merged weights, and
+  its adapters as a PEFT adapter)."""
+  if not setup.o.export_hf:
+    return
+  if setup.lora is not None:
+    finetune.export(setup, state, setup.lora, say)
+  else:
+    models.export(setup, state, say)
+
+
+def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   """The loop from `job.start` to `o.steps`: step, log, evaluate, save. Evals, checkpoints
   and the first step (dispatch warm-up) are left out of the timing (tokens/s, MFU, ETA).
-  Returns the state and the run's figures (`eval_loss`: the last eval's, from `eval_loss`
-  at the start on)."""
+  Returns the state and the run's figures (`eval_loss` and `eval_step`: the last eval's,
+  from `ev`, (loss, step) at the start, on). A stop evaluates its step unless a preemption
+  notice stopped it (its grace_s is for the save)."""
   o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.checkpoint_every
   for step in range(job.start, o.steps):
@@ -159,8 +174,8 @@ def _loop(job: run_setup.Run, state, batch, eval_loss: float | None) -> tuple[An
     if job.setup.topo.platform == "cpu":
       jax.block_until_ready((state, m))
     # Every step, on every process (the preemption guard's sync point).
-    stopped = stopping.reason(done, o.steps, job.should_stop(step), job.ctrl_c(),
-                              o.stop_after)
+    notice = job.should_stop(step)
+    stopped = stopping.reason(done, o.steps, notice, job.ctrl_c(), o.stop_after)
     if stopped or (every and done % every == 0 and done < o.steps):
       with clock.paused():  # before the next batch is read: the position is this step's
         job.saver.save(state, done)
@@ -172,15 +187,18 @@ def _loop(job: run_setup.Run, state, batch, eval_loss: float | None) -> tuple[An
       last = progress.progress(job, done, m, clock.lap(done))
     if done % o.eval_every == 0 and done < o.steps:
       with clock.paused():
-        eval_loss = evaluation.evaluate(job, state, done)
+        ev = evaluation.evaluate(job, state, done), done
     if stopped:
       job.saver.commit()  # the agreed step is on disk before the process exits
+      if ev[1] != done and not notice:  # the stop's own loss, its step saved first
+        ev = evaluation.evaluate(job, state, done), done
       job.say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
       break
   job.prof.close(pending=state)
   stalls.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
-                     eval_loss=eval_loss, **progress.whole_run(job, clock.totals()))
+                     eval_loss=ev[0], eval_step=ev[1],
+                     **progress.whole_run(job, clock.totals()))
 
 
 def _finish(job: run_setup.Run, state, out: dict) -> dict:
@@ -189,7 +207,7 @@ def _finish(job: run_setup.Run, state, out: dict) -> dict:
     return dict(out, sample=None)
   job.saver.save(state, int(state.step))  # written while the eval and the sample run
   out = dict(out, eval_loss=evaluation.evaluate(job, state, int(state.step)),
-             sample=evaluation.sample(job, state) if job.setup.o.sample_len > 0 else None)
+             eval_step=int(state.step), sample=evaluation.sample(job, state) if job.setup.o.sample_len > 0 else None)
   job.saver.commit()
   return out
 

@@ -6,9 +6,12 @@ Runs go through the recipe's public entry points (`main(argv)` for exit codes an
 cheap. Every test builds what it needs through module fixtures, so each passes alone, with -k
 and in any order.
 """
+import contextlib
 import dataclasses
 import functools
+import io
 import json
+import math
 import os
 import pathlib
 import re
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -28,7 +32,8 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import embedding, gpt
-from recipes.lm import cli, progress, run_setup, rundir, stopping
+from recipes.lm import cli, evaluation, memory, progress, run_setup, rundir, stopping
+from recipes.lm import summary as run_summary
 from recipes.launch import launch_local
 from recipes import plot_run
 from recipes import train_lm
@@ -604,6 +609,147 @@ def test_a_second_ctrl_c_stops_at_once_and_the_command_line_says_so_in_one_line(
     (10, True, True, 10, None)])  # the last step: no stop, the run ends
 def test_why_a_run_stops(done, notice, ctrl_c, stop_after, why):
   assert stopping.reason(done, 10, notice, ctrl_c, stop_after) == why
+
+
+@pytest.fixture(scope="module")
+def stopped_between_evals(work):
+  """6 steps stopped by --stop_after=3, evaluating every 2 steps (the last eval before the
+  stop: step 2's). Returns the summary, the run dir, the compiled step (what
+  `memory.compile_step` returned) and what the run said."""
+  run_dir, compiled, said, compile_step = work / "between_evals", [], io.StringIO(), \
+      memory.compile_step
+
+  def kept(*args, **kwargs):
+    compiled.append(compile_step(*args, **kwargs))
+    return compiled[-1]
+  with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
+    patch.setattr(memory, "compile_step", kept)
+    summary = _run(_argv(work, run_dir, "--eval_every=2", "--stop_after=3",
+                         "--checkpoint_every=0"))
+  return summary, run_dir, compiled[0], said.getvalue()
+
+
+def test_the_summary_gives_the_compiled_steps_peak_memory(stopped_between_evals):
+  """The memory line is the compiled step's peak from XLA's memory analysis (on CPU,
+  arguments + outputs + temporaries - aliased), not the runtime's count of live arrays."""
+  summary, run_dir, step, said = stopped_between_evals
+  m = step.compiled.memory_analysis()
+  want = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+  assert summary.step_bytes == want and m.temp_size_in_bytes > 0
+  record = json.loads((run_dir / "run.json").read_text())["device_memory"]
+  assert record == dict(step_peak_bytes=want, bytes_limit=None, runtime_peak_bytes_in_use=None)
+  assert [line for line in said.splitlines() if line.startswith("device memory")] == [
+      f"device memory: the step's peak {want / 2**20:.2f} MiB per device (XLA's memory "
+      "analysis of the compiled step: arguments + outputs + temporaries - aliased)"]
+
+
+def test_on_a_chip_the_runtimes_count_is_labelled_beside_the_steps_peak(monkeypatch, tmp_path):
+  """Where the runtime counts its own peak (TPU, GPU), the line gives the step's peak first and
+  the runtime's count named as what it is (what a v5e run printed: 0.99 GiB "in use" beside a
+  10.7 GiB step)."""
+  GiB = 2**30
+  monkeypatch.setattr(memory, "limit", lambda mesh: 15.75 * GiB)
+  monkeypatch.setattr(run_summary, "runtime_peak", lambda: int(0.99 * GiB))
+  said = []
+  s = types.SimpleNamespace(o=train_lm.Options(run_dir=str(tmp_path)), mesh=None,
+                            topo=types.SimpleNamespace(platform="tpu"))
+  run_summary.say_memory(s, int(10.7 * GiB), said.append)
+  assert said == [
+      "device memory: the step's peak 10.70 GiB per device (XLA's memory analysis of the "
+      "compiled step) of 15.75 GiB; the runtime's peak_bytes_in_use counter, which leaves the "
+      "step's temporaries out, read 0.99 GiB"]
+
+
+def test_a_stop_evaluates_its_step_and_the_summary_names_it(stopped_between_evals):
+  """A stop by --stop_after between evals evaluates the stopped step (step 3, not step 2's
+  loss), and the summary's line names the step of the loss it quotes."""
+  summary, run_dir, _, said = stopped_between_evals
+  assert (summary.stopped, summary.final_step) == ("--stop_after=3", 3)
+  evals = {r["step"]: r["eval/loss"] for r in _records(run_dir, "eval/loss")}
+  assert sorted(evals) == [0, 2, 3] and evals[3] != evals[2]
+  assert (summary.eval_step, summary.eval_loss) == (3, evals[3])
+  assert (_summary(run_dir)["eval_step"], _summary(run_dir)["eval_loss"]) == (3, evals[3])
+  assert (f"stopped: step 3 (--stop_after=3), eval loss {evals[3]:.4f} nats/token (bigram "
+          f"baseline {summary.bigram_loss:.4f}) at step 3, ") in said
+
+
+@pytest.fixture(scope="module")
+def finished_at_4(work):
+  """A finished 4-step run, checkpointed at its last step."""
+  run_dir = work / "finished_at_4"
+  return _run(_argv(work, run_dir, "--steps=4")), run_dir
+
+
+def test_rerunning_a_finished_run_ends_without_compiling(work, finished_at_4, monkeypatch,
+                                                         capsys):
+  """The same command on a run that holds its last step says so and ends: no compile, eval or
+  sample; its summary quotes the run's last eval with its step. --evaluate_finished asks for
+  them again."""
+  first, template = finished_at_4
+  run_dir = work / "rerun_finished"
+  shutil.copytree(template, run_dir)
+
+  def refused(*args, **kwargs):
+    raise AssertionError("a finished run compiled, evaluated or sampled")
+  monkeypatch.setattr(memory, "compile_step", refused)
+  monkeypatch.setattr(evaluation, "evaluate", refused)
+  monkeypatch.setattr(evaluation, "sample", refused)
+  capsys.readouterr()
+  again = _run(_argv(work, run_dir, "--steps=4", "--sample_len=8"))
+  said = capsys.readouterr().out
+  assert "already holds step 4 of 4: nothing left to train; ending here, nothing compiled" \
+      in said
+  assert (again.final_step, again.stopped, again.sample, again.step_bytes) == (4, None, None,
+                                                                               None)
+  _assert_equal_trees(_params(again), _params(first))
+  last = _records(run_dir, "eval/loss")[-1]
+  assert (again.eval_step, again.eval_loss) == (last["step"], last["eval/loss"]) == (
+      4, first.eval_loss)
+  assert f"done: step 4, eval loss {first.eval_loss:.4f} nats/token" in said
+  assert _summary(run_dir) == _summary(template)  # the run's own record stays
+
+  monkeypatch.undo()
+  asked = _run(_argv(work, run_dir, "--steps=4", "--sample_len=8", "--evaluate_finished"))
+  said = capsys.readouterr().out
+  assert "eval  step      4" in said and asked.sample is not None
+  assert asked.eval_loss == first.eval_loss
+
+
+def _lr(count, peak, warmup, length, end_ratio=0.1):
+  """optax's warmup + cosine lr for update `count`, by hand."""
+  if count < warmup:
+    return peak * count / warmup
+  t = min(count - warmup, length - warmup) / (length - warmup)
+  return peak * end_ratio + peak * (1 - end_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def test_more_steps_keep_the_runs_schedule_unless_it_is_stretched(work, finished_at_4, capsys):
+  """--steps=6 on a finished 4-step run keeps its schedule (steps 5-6 at its final lr, no
+  jump) and says so with the other choice; --schedule_steps=6 stretches it over 6 steps."""
+  _, template = finished_at_4
+  peak = 3e-3  # nano's
+  lrs = lambda run_dir: {r["step"]: r["train/lr"] for r in _records(run_dir, "train/lr")}
+  assert [lrs(template)[s] for s in range(1, 5)] == pytest.approx(
+      [_lr(c, peak, 1, 4) for c in range(4)], rel=1e-6)
+  capsys.readouterr()
+  for name, extra, length in (("kept", (), 4), ("stretched", ("--schedule_steps=6",), 6)):
+    run_dir = work / f"schedule_{name}"
+    shutil.copytree(template, run_dir)
+    summary = _run(_argv(work, run_dir, "--steps=6", *extra))
+    said = capsys.readouterr().out
+    assert summary.resumed_from == 4 and summary.final_step == 6
+    assert [lrs(run_dir)[s] for s in (5, 6)] == pytest.approx(
+        [_lr(c, peak, 1, length) for c in (4, 5)], rel=1e-6), name
+    lr5 = (f"{_lr(4, peak, 1, 4):.3g}", f"{_lr(4, peak, 1, 6):.3g}")
+    if name == "kept":
+      assert ("schedule: the run's checkpoint was trained under a 4-step schedule, kept for "
+              f"--steps=6: steps 5-6 train at its final lr {peak * 0.1:.3g} "
+              f"(--schedule_steps=6 stretches it over the run instead: lr {lr5[0]} at step 5 "
+              f"would become {lr5[1]})") in said
+    else:
+      assert ("schedule: --schedule_steps=6 replaces the run's 4-step schedule: the lr at "
+              f"step 5 is {lr5[1]}, where the run's schedule has {lr5[0]}") in said
 
 
 def _checkpointed_at_3(work, stopped_at_3, name):

@@ -55,17 +55,25 @@ def with_finite_flag(step):
 
 
 def resume(s, ckpt, init, train_rows, say):
-  """(state, start step, the step resumed from or None): the newest good checkpoint of
-  `ckpt`, with `train_rows` at each process's saved position, else a fresh `init()`. Says
-  whether a save fits the preemption window and compiles the save's finiteness check."""
+  """(state, start step, the step resumed from or None, the schedule the checkpoint saved
+  or None): the newest good checkpoint of `ckpt`, with `train_rows` at each process's saved
+  position, else a fresh `init()`. Says whether a save fits the preemption window and
+  compiles the save's finiteness check, unless the run is finished (`finished`)."""
   o = s.o
   state, start, extra = restore_or_init(ckpt, init, train_rows, dict(
       seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
       f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
       f"{s.cfg.vocab})")
+  saved = None if extra is None else extra.get("schedule")
   if start >= o.steps:
-    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train (pass "
-        "--run_dir=NEW_DIR or more --steps for another run)")
+    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train"
+        + ("; evaluating and sampling it again (--evaluate_finished)" if o.evaluate_finished
+           else "; ending here, nothing compiled (--evaluate_finished evaluates and samples "
+           "it again)")
+        + "; more --steps extend it (its lr schedule kept unless --schedule_steps is given), "
+        "--run_dir=NEW_DIR starts another run")
+    if finished(o, start):
+      return state, start, start, saved
   if extra is None and os.path.isfile(os.path.join(o.run_dir, run_log.RUN_FILE)):
     say(f"{o.run_dir} holds an earlier start of this run that saved no checkpoint"
         + (f" ({o.checkpoint_dir})" if o.checkpoint_dir else " (--nocheckpoint)")
@@ -73,7 +81,13 @@ def resume(s, ckpt, init, train_rows, say):
   say_save_window(ckpt, o.grace_s, say)
   if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
     fs.checkpoint.nonfinite_leaves(state)
-  return state, start, None if extra is None else start
+  return state, start, None if extra is None else start, saved
+
+
+def finished(o, start: int) -> bool:
+  """Whether a run of options `o` resumed at `start` ends without a step, an eval or a
+  sample: it holds its last step and --evaluate_finished is off."""
+  return start >= o.steps and not o.evaluate_finished
 
 
 def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
@@ -190,6 +204,7 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
     fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows, extra=dict(
         step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
         global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train),
+        schedule=schedule_record(s.o),
         **({"frozen": dict(frozen)} if frozen else {})))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
@@ -200,6 +215,12 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
       fs.checkpoint.wait(ckpt)
 
   return Saver(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
+
+
+def schedule_record(o) -> dict:
+  """What a checkpoint records of the lr schedule of train_lm options `o`, read back on
+  resuming (`run_setup.resumed_schedule`): the options that follow the run's length."""
+  return dict(steps=o.schedule_steps, warmup_steps=o.warmup_steps)
 
 
 def first_nonfinite(flags: list) -> int | None:

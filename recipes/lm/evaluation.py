@@ -21,9 +21,9 @@ def eval_loss(loss_fn, policy, kernels: dict):
   return jax.jit(fs.with_kernel(lambda p, b: packing.mean(loss_fn(cast(p), b)), **kernels))
 
 
-def bits_per_byte(r, loss: float) -> float:
-  """A loss in nats per token of run `r`'s corpus, in bits per byte of text."""
-  return loss * r.setup.corpus.tokens_per_byte / math.log(2)
+def bits_per_byte(corpus, loss: float) -> float:
+  """A loss in nats per token of `corpus` (a `data.Corpus`), in bits per byte of text."""
+  return loss * corpus.tokens_per_byte / math.log(2)
 
 
 def evaluate(r, state, step: int) -> float:
@@ -36,7 +36,7 @@ def evaluate(r, state, step: int) -> float:
     r.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
     r.log.write(step, {"eval/dpo_loss": value})
     return value
-  bpb = bits_per_byte(r, value)
+  bpb = bits_per_byte(r.setup.corpus, value)
   r.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
   r.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
   return value

@@ -43,8 +43,8 @@ def _by_platform(name: str) -> str:
   return f"default {cpu} on CPU, {accel} on TPU/GPU"
 
 
-_POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "accum_steps", "devices",
-             "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
+_POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "schedule_steps",
+             "accum_steps", "devices", "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
                  "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
@@ -133,7 +133,12 @@ class Options(Hardware):
   steps: int | None = option(None, f"train steps; {_by_platform('steps')}")
   lr: float | None = option(None, "peak lr of the warmup + cosine schedule; default by model "
                             f"(e.g. tiny_gpt2 {LR['tiny_gpt2']:g}, small {LR['small']:g})")
-  warmup_steps: int | None = option(None, "linear warmup steps; default steps / 20, <= 500")
+  schedule_steps: int | None = option(
+      None, "length of the lr schedule in steps (past it the lr stays at its final value); "
+      "default --steps, and on resuming the schedule the run's checkpoint was trained under: "
+      "more --steps keep it, --schedule_steps=STEPS stretches it over the longer run")
+  warmup_steps: int | None = option(None, "linear warmup steps; default schedule_steps / 20, "
+                                    "<= 500")
   min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak")
   weight_decay: float = option(0.1, "AdamW weight decay on weight matrices and embeddings")
   grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
@@ -189,6 +194,9 @@ class Options(Hardware):
   eval_every: int | None = option(None, "steps between evals; default 5 evals a run")
   eval_batches: int = option(4, "global batches of held-out text per eval")
   sample_len: int = option(200, "tokens to generate at the end (0: none)")
+  evaluate_finished: bool = option(False, "rerunning a run that holds its last step: compile, "
+                                   "evaluate and sample its final state again (default: say "
+                                   "so and end)")
   prompt: str = option("def ", "prompt of the generated sample")
   temperature: float = option(0.8, "sampling temperature of the sample (0: greedy)")
   compile_cache_dir: str = option("", "persistent XLA compilation cache directory")
@@ -221,11 +229,17 @@ def remat_policy(o: Options, platform: str) -> str:
 
 def schedule_defaults(o: Options, model: str, steps: int) -> Options:
   """`o` with `steps` and the options that follow the run's length and model filled in
-  where not given: peak lr by model (`LR`), warmup steps / 20 (at most 500), 25 progress
-  lines and 5 evals a run."""
+  where not given: peak lr by model (`LR`), a schedule of `steps`, warmup a twentieth of the
+  schedule (at most 500 steps), 25 progress lines and 5 evals a run."""
+  length = steps if o.schedule_steps is None else o.schedule_steps
   return dataclasses.replace(
       o, steps=steps, lr=LR.get(model, DEFAULT_LR) if o.lr is None else o.lr,
-      warmup_steps=(min(500, max(1, steps // 20)) if o.warmup_steps is None
-                    else o.warmup_steps),
+      schedule_steps=length, warmup_steps=warmup_default(length) if o.warmup_steps is None
+      else o.warmup_steps,
       log_every=max(1, steps // 25) if o.log_every is None else o.log_every,
       eval_every=max(1, steps // 5) if o.eval_every is None else o.eval_every)
+
+
+def warmup_default(schedule_steps: int) -> int:
+  """--warmup_steps where not given: a twentieth of the schedule, 1 to 500 steps."""
+  return min(500, max(1, schedule_steps // 20))

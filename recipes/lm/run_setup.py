@@ -29,13 +29,14 @@ class Setup(NamedTuple):
   profile: run_log.ProfileWindow | None  # --profile_steps
   corpus: data.Corpus
   lora: Any = None  # the fnscale.lora.LoraConfig of --lora_rank (None: full fine-tuning)
+  asked: Options | None = None  # the options as given, before any default was filled in
 
 
 def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   """The run options `o` ask for on these devices over `corpus`: every default filled in
   (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`), the mesh built, every size
   checked. Raises FnscaleError on any bad value, before anything is written."""
-  topo = hardware.detect(o)
+  asked, topo = o, hardware.detect(o)
   default = lambda name: platform_default(o, name, topo.platform)
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)
@@ -68,7 +69,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
-             model, cfg, profile, corpus, lora)
+             model, cfg, profile, corpus, lora, asked)
 
 
 def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
@@ -92,10 +93,12 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
 
 def optimizer(o):
   """(optax transformation, lr schedule) for train_lm options `o`: AdamW with global-norm
-  clipping; linear warmup then cosine decay (GPT-3's recipe)."""
+  clipping; linear warmup then cosine decay over `o.schedule_steps` (GPT-3's recipe), the
+  final lr after it. The schedule shapes no state: a state restored under one schedule
+  trains under another."""
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, o.lr, warmup_steps=o.warmup_steps, decay_steps=max(o.steps, o.warmup_steps + 1),
-      end_value=o.lr * o.min_lr_ratio)
+      0.0, o.lr, warmup_steps=o.warmup_steps,
+      decay_steps=max(o.schedule_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
   # Decay weight matrices and embeddings ("w*" leaves), not biases or LayerNorm params.
   decay = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: str(getattr(path[-1], "key", "")).startswith("w"), params)
@@ -103,6 +106,42 @@ def optimizer(o):
   chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay,
                            mask=decay))
   return optax.chain(*chain), schedule
+
+
+def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
+  """`s` with the lr schedule of a run resumed at step `start` from a checkpoint whose
+  schedule was `saved` (`checkpoints.schedule_record`; None: a fresh run, or a checkpoint
+  that records none). The run's own schedule is kept unless --schedule_steps is given (a
+  length apart from --steps, as MaxText's learning_rate_schedule_steps): more --steps then
+  train on at its final lr, so the lr never jumps mid-run and the Adam moments go on at the
+  lr they were trained at; stretching is asked for by name. Says what happens where the
+  run's schedule and this one's differ."""
+  o, asked = s.o, s.asked
+  if not start or start >= o.steps:  # a fresh run, or one with no step left to train
+    return s
+  if saved is None:
+    say(f"schedule: the checkpoint records no schedule; steps {start + 1}-{o.steps} train "
+        f"under this run's {o.schedule_steps}-step schedule")
+    return s
+  kept = dataclasses.replace(o, schedule_steps=saved["steps"], warmup_steps=(
+      saved["warmup_steps"] if asked is None or asked.warmup_steps is None
+      else o.warmup_steps))
+  if asked is None or asked.schedule_steps is None:
+    if kept.schedule_steps != o.steps:
+      say(f"schedule: the run's checkpoint was trained under a {kept.schedule_steps}-step "
+          f"schedule, kept for --steps={o.steps}"
+          + (f": steps {kept.schedule_steps + 1}-{o.steps} train at its final lr "
+             f"{kept.lr * kept.min_lr_ratio:.3g}" if o.steps > kept.schedule_steps else "")
+          + f" (--schedule_steps={o.steps} stretches it over the run instead: lr "
+          f"{float(optimizer(kept)[1](start)):.3g} at step {start + 1} would become "
+          f"{float(optimizer(o)[1](start)):.3g})")
+    return s._replace(o=kept)
+  if o.schedule_steps != saved["steps"]:
+    say(f"schedule: --schedule_steps={o.schedule_steps} replaces the run's "
+        f"{saved['steps']}-step schedule: the lr at step {start + 1} is "
+        f"{float(optimizer(o)[1](start)):.3g}, where the run's schedule has "
+        f"{float(optimizer(kept)[1](start)):.3g}")
+  return s
 
 
 def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -> None:

@@ -4,6 +4,7 @@ records (`describe`), and at the end the `Summary` it returns, said in one line 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, NamedTuple
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import evaluation, finetune, hardware, progress, run_log, rundir
+from recipes.lm import data, evaluation, finetune, hardware, memory, progress, run_log, rundir
 
 
 def param_count(state) -> int:
@@ -42,7 +43,10 @@ def describe(r, state) -> None:
       + (f", {o.accum_steps} accumulation steps" if o.accum_steps > 1 else ""))
   say(f"data: {s.corpus.describe}; held-out bigram baseline {r.baseline.bigram:.4f} "
       "nats/token (recipes/baseline.py)")
-  say(f"schedule: {o.steps} steps, peak lr {o.lr:g}, warmup {o.warmup_steps}, cosine to "
+  say(f"schedule: {o.schedule_steps} steps"
+      + (f" (the run trains {o.steps}; --schedule_steps)" if o.schedule_steps != o.steps
+         else "")
+      + f", peak lr {o.lr:g}, warmup {o.warmup_steps}, cosine to "
       f"{o.lr * o.min_lr_ratio:g}; precision {o.precision}"
       + (f" ({r.policy})" if r.policy is not None else " (float32)"))
   say("compile: " + str(r.report).replace("\n", "\n  "))
@@ -63,35 +67,96 @@ def describe(r, state) -> None:
 
 def summarize(r, state, out: dict) -> "Summary":
   """The Summary of run `r` that ended with `state`; `out`: the loop's figures (train_lm's
-  `_train`, `_finish`). Said in one line and recorded as the "summary" of run.json."""
+  `_loop`, `_finish`). Said in one line and recorded as the "summary" of run.json, with the
+  compiled step's memory in another (`say_memory`)."""
   s, ev = r.setup, out["eval_loss"]
   summary = Summary(
       final_step=int(state.step), start_step=r.start, resumed_from=r.resumed,
-      stopped=out["stopped"], loss=out.get("loss"), eval_loss=ev,
-      bits_per_byte=None if ev is None else evaluation.bits_per_byte(r, ev),
+      stopped=out["stopped"], loss=out.get("loss"), eval_loss=ev, eval_step=out["eval_step"],
+      bits_per_byte=None if ev is None else evaluation.bits_per_byte(s.corpus, ev),
       bigram_loss=r.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
-      compile_s=r.report.compile_seconds, train_s=out["train_s"], wall_s=time.time() - r.t0,
+      compile_s=r.report.compile_seconds, step_bytes=int(fs.analysis.step_bytes(r.step)),
+      train_s=out["train_s"], wall_s=time.time() - r.t0,
       params=param_count(state), global_batch=s.o.global_batch, seq=s.cfg.seq,
       mesh=dict(s.mesh.shape), devices=jax.device_count(), processes=jax.process_count(),
       sample=out["sample"], run_dir=s.o.run_dir, state=state,
       checkpoint_dir=s.o.checkpoint_dir or None,
       metrics=os.path.join(s.o.run_dir, run_log.METRICS_FILE))
   run_log.write_run_record(s.o.run_dir, "summary", summary.record(),
-                      active=jax.process_index() == 0)
+                           active=jax.process_index() == 0)
+  r.say(_line(summary, s.o, f"{summary.train_s:.0f} s training, "))
+  say_memory(s, summary.step_bytes, r.say)
+  return summary
+
+
+def finished(s, state, start: int, t0: float, say) -> "Summary":
+  """The Summary of a rerun of setup `s` that found its last step (`start`) already trained
+  and ended with that `state`: nothing compiled, evaluated or sampled; the losses quoted are
+  the run's last logged ones, each at its step. run.json keeps the run's own summary."""
+  o, base = s.o, data.baseline(s.corpus).bigram
+  loss, ev = (last_logged(o.run_dir, tags, start) for tags in (
+      ("train/loss",), ("eval/loss", "eval/dpo_loss")))
+  summary = Summary(
+      final_step=start, start_step=start, resumed_from=start, stopped=None,
+      loss=loss and loss[1], eval_loss=ev and ev[1], eval_step=ev and ev[0],
+      bits_per_byte=ev and evaluation.bits_per_byte(s.corpus, ev[1]), bigram_loss=base,
+      tokens_per_s=None, mfu=None, compile_s=0.0, step_bytes=None, train_s=0.0,
+      wall_s=time.time() - t0, params=param_count(state), global_batch=o.global_batch,
+      seq=s.cfg.seq, mesh=dict(s.mesh.shape), devices=jax.device_count(),
+      processes=jax.process_count(), sample=None, run_dir=o.run_dir, state=state,
+      checkpoint_dir=o.checkpoint_dir or None,
+      metrics=os.path.join(o.run_dir, run_log.METRICS_FILE))
+  say(_line(summary, o, "nothing trained this time, "))
+  return summary
+
+
+def _line(summary: "Summary", o, timing: str) -> str:
+  """The summary's line: the step, why it stopped, the eval loss and the step it is of."""
+  head = (f"stopped: step {summary.final_step} ({summary.stopped})" if summary.stopped
+          else f"done: step {summary.final_step}")
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  unit = (" (DPO)" if s.o.objective == "dpo" else f" nats/token{base}")
-  r.say((f"done: step {summary.final_step}, last eval loss {summary.eval_loss:.4f}{unit}, "
-         f"{summary.train_s:.0f} s training, {summary.wall_s:.0f} s total"
-         if summary.eval_loss is not None else f"done: step {summary.final_step}")
-        + f"; metrics in {summary.metrics}")
-  hbm = device_memory()
-  if hbm is not None:
-    r.say(f"device memory: peak {hbm[0] / 2**30:.2f} GiB in use of {hbm[1] / 2**30:.2f} GiB "
-          "(the busiest of this process's devices, as the runtime counts it)")
-    run_log.write_run_record(s.o.run_dir, "device_memory", dict(
-        peak_bytes_in_use=hbm[0], bytes_limit=hbm[1]), active=jax.process_index() == 0)
-  return summary
+  unit = " (DPO)" if o.objective == "dpo" else f" nats/token{base}"
+  ev = ("no eval" if summary.eval_loss is None else
+        f"eval loss {summary.eval_loss:.4f}{unit} at step {summary.eval_step}")
+  return (f"{head}, {ev}, {timing}{summary.wall_s:.0f} s total; metrics in "
+          f"{summary.metrics}")
+
+
+def last_logged(run_dir: str, tags: tuple, step: int) -> tuple[int, float] | None:
+  """(step, value) of the last record of `run_dir`'s metrics.jsonl at or before `step` that
+  holds one of `tags` (e.g. "eval/loss"); None where there is none (or no file: a process
+  other than 0)."""
+  path, found = os.path.join(run_dir, run_log.METRICS_FILE), None
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    for record in map(json.loads, filter(str.strip, f)):
+      tag = next((t for t in tags if t in record), None)
+      if tag is not None and record.get("step", step + 1) <= step:
+        found = (int(record["step"]), float(record[tag]))
+  return found
+
+
+def say_memory(s, step_bytes: int, say) -> None:
+  """Says the compiled step's peak bytes per device (XLA's memory analysis,
+  `fnscale.analysis.step_bytes`), against the device's memory where it is known, and the
+  runtime's own peak count where it keeps one (TPU, GPU), labelled as such: that count is
+  of the arrays the runtime allocated, without the step's temporaries. Recorded in run.json
+  as "device_memory"."""
+  limit, runtime = memory.limit(s.mesh), runtime_peak()
+  unit = (2**30, "GiB") if max(step_bytes, limit or 0) >= 2**30 else (2**20, "MiB")
+  size = lambda nbytes: f"{nbytes / unit[0]:.2f} {unit[1]}"  # one unit a line
+  what = ("XLA's memory analysis of the compiled step"
+          + (": arguments + outputs + temporaries - aliased" if s.topo.platform == "cpu"
+             else ""))
+  say(f"device memory: the step's peak {size(step_bytes)} per device ({what})"
+      + (f" of {size(limit)}" if limit else "")
+      + (f"; the runtime's peak_bytes_in_use counter, which leaves the step's temporaries "
+         f"out, read {size(runtime)}" if runtime is not None else ""))
+  run_log.write_run_record(s.o.run_dir, "device_memory", dict(
+      step_peak_bytes=step_bytes, bytes_limit=limit, runtime_peak_bytes_in_use=runtime),
+      active=jax.process_index() == 0)
 
 
 def where(run_dir: str, checkpoint_dir: str, tracker: str = "tensorboard") -> str:
@@ -104,26 +169,26 @@ def where(run_dir: str, checkpoint_dir: str, tracker: str = "tensorboard") -> st
           + (f"checkpoints in {checkpoint_dir}" if checkpoint_dir else "no checkpoints"))
 
 
-def device_memory() -> tuple[int, int] | None:
-  """(peak bytes in use, bytes limit) of the busiest local device, from the runtime's own
-  counters (`Device.memory_stats`: TPU and GPU); None where it keeps none (CPU)."""
+def runtime_peak() -> int | None:
+  """The runtime's own peak count of bytes in use (`Device.memory_stats`:
+  "peak_bytes_in_use", TPU and GPU) on the busiest local device; None where it keeps none
+  (CPU)."""
   stats = [d.memory_stats() or {} for d in jax.local_devices()]
-  stats = [s for s in stats if "peak_bytes_in_use" in s]
-  if not stats:
-    return None
-  top = max(stats, key=lambda s: s["peak_bytes_in_use"])
-  return int(top["peak_bytes_in_use"]), int(top.get("bytes_limit", 0))
+  peaks = [int(s["peak_bytes_in_use"]) for s in stats if "peak_bytes_in_use" in s]
+  return max(peaks) if peaks else None
 
 
 class Summary(NamedTuple):
   """What `train_lm` returns; its printed form leaves out the final `state`.
 
-  `loss` is the last progress line's train loss; `eval_loss` the final eval's held-out loss
-  and `bigram_loss` the corpus's add-one smoothed bigram model's on the whole held-out split
+  `loss` is the last progress line's train loss; `eval_loss` the last eval's held-out loss,
+  of the state at `eval_step` (the final step, or a stop's: a stop by --stop_after or by
+  Ctrl-C evaluates; one by a preemption notice has no time to), and `bigram_loss` the corpus's add-one smoothed bigram model's on the whole held-out split
   (the level to beat, `data.baseline`), both in nats per token. `tokens_per_s` and `mfu` are
   whole-run figures: every timed step this call ran (each step after its first; evals,
   checkpoints and the sample left out), not the last progress window; None when fewer than
-  two steps ran.
+  two steps ran. `step_bytes`: the compiled step's peak bytes per device, from XLA's memory
+  analysis (`fnscale.analysis.step_bytes`; None when no step was compiled).
   """
   final_step: int
   start_step: int
@@ -131,11 +196,13 @@ class Summary(NamedTuple):
   stopped: str | None
   loss: float | None
   eval_loss: float | None
+  eval_step: int | None
   bits_per_byte: float | None
   bigram_loss: float | None
   tokens_per_s: float | None
   mfu: float | None
   compile_s: float
+  step_bytes: int | None
   train_s: float
   wall_s: float
   params: int
