@@ -207,7 +207,8 @@ def _finish(job: run_setup.Run, state, out: dict) -> dict:
     return dict(out, sample=None)
   job.saver.save(state, int(state.step))  # written while the eval and the sample run
   out = dict(out, eval_loss=evaluation.evaluate(job, state, int(state.step)),
-             eval_step=int(state.step), sample=evaluation.sample(job, state) if job.setup.o.sample_len > 0 else None)
+             eval_step=int(state.step),
+             sample=evaluation.sample(job, state) if job.setup.o.sample_len > 0 else None)
   job.saver.commit()
   return out
 

@@ -521,9 +521,11 @@ def test_sigterm_saves_a_checkpoint_and_stops(work):
   summary = _summary(run_dir)
   assert summary["stopped"] == "SIGTERM" and 0 < summary["final_step"] < 100000
   assert (run_dir / "checkpoints" / str(summary["final_step"]) / "commit_success.txt").exists()
-  # The summary's eval loss is the run's last eval, not the one at step 0.
+  # The summary's eval loss is the run's last eval, not the one at step 0, with its step (a
+  # notice leaves no time to evaluate the stopped step: grace_s is for the save).
   evals = _records(run_dir, "eval/loss")
   assert len(evals) > 1 and summary["eval_loss"] == evals[-1]["eval/loss"]
+  assert summary["eval_step"] == evals[-1]["step"] <= summary["final_step"]
 
 
 def _interrupt_after(metrics: pathlib.Path, records: int, signum=signal.SIGINT):
@@ -561,7 +563,10 @@ def test_ctrl_c_saves_the_step_and_the_rerun_continues_its_log(work, capfd):
   assert "Ctrl-C: stopping after this step and saving it" in out.err
   assert "Traceback" not in out.err
   assert (run_dir / "checkpoints" / str(done) / "commit_success.txt").exists()
-  assert stopped["eval_loss"] == _records(run_dir, "eval/loss")[-1]["eval/loss"]
+  # One process's Ctrl-C is no preemption notice: the stopped step is evaluated.
+  last = _records(run_dir, "eval/loss")[-1]
+  assert (stopped["eval_loss"], stopped["eval_step"]) == (last["eval/loss"], done) == (
+      stopped["eval_loss"], last["step"])
 
   assert train_lm.main(argv) == 0  # the same command: resumes
   resumed = _summary(run_dir)

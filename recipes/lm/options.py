@@ -44,7 +44,8 @@ def _by_platform(name: str) -> str:
 
 
 _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "schedule_steps",
-             "accum_steps", "devices", "pack_bins", "checkpoint_keep", "log_every", "eval_every", "eval_batches")
+             "accum_steps", "devices", "pack_bins", "checkpoint_keep", "log_every", "eval_every",
+             "eval_batches")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
                  "temperature", "shutdown_delay_s", "num_processes", "lora_rank",

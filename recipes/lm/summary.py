@@ -183,8 +183,9 @@ class Summary(NamedTuple):
 
   `loss` is the last progress line's train loss; `eval_loss` the last eval's held-out loss,
   of the state at `eval_step` (the final step, or a stop's: a stop by --stop_after or by
-  Ctrl-C evaluates; one by a preemption notice has no time to), and `bigram_loss` the corpus's add-one smoothed bigram model's on the whole held-out split
-  (the level to beat, `data.baseline`), both in nats per token. `tokens_per_s` and `mfu` are
+  Ctrl-C evaluates; one by a preemption notice has no time to); `bigram_loss` the corpus's
+  add-one smoothed bigram model's on the whole held-out split (the level to beat,
+  `data.baseline`); all in nats per token. `tokens_per_s` and `mfu` are
   whole-run figures: every timed step this call ran (each step after its first; evals,
   checkpoints and the sample left out), not the last progress window; None when fewer than
   two steps ran. `step_bytes`: the compiled step's peak bytes per device, from XLA's memory
