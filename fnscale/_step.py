@@ -523,17 +523,17 @@ class _NotScalar(StepError):
 def _whole_batch(cfg: _Config, state, batch, error: _NotScalar) -> StepError:
   """`error` with the loss's output on the whole batch, as the user wrote the loss for it
   (inside the loop it sees a microbatch, per shard a device's rows: shapes like (4, 1) for
-  a 64-row batch); `error` itself if the whole batch's loss can't be traced."""
+  a 64-row batch); `error`'s own message if the whole batch's loss can't be traced."""
   def loss(params, batch, key, frozen):
     out = _loss_aux(cfg, _call_loss(cfg, params, batch, key, frozen))[0]
     return _split_weighted(cfg, out, " on the whole batch")
   try:
     jax.eval_shape(loss, state.params, batch, _loss_key(cfg, state.step, 0, ()), state.frozen)
   except _NotScalar as e:
-    return StepError(str(e))
+    error = e
   except Exception:  # pylint: disable=broad-except  # traced only in the loop's context
     pass
-  return error
+  return StepError(str(error))  # (not the private class, in the user's traceback)
 
 
 def _split_weighted(cfg: _Config, loss, where: str = ""):
@@ -543,15 +543,15 @@ def _split_weighted(cfg: _Config, loss, where: str = ""):
     if not (isinstance(loss, tuple) and len(loss) == 2
             and all(np.ndim(x) == 0 for x in loss)):
       raise _NotScalar(
-          f"loss_fn returned {_tree.got(loss)}{where} as its loss; with weighted=True it must be "
-          "(sum, weight), two scalars: the loss summed over the batch's tokens or examples "
+          f"loss_fn returned {_tree.got(loss)}{where} as its loss; with weighted=True it must "
+          "be (sum, weight), two scalars: the loss summed over the batch's tokens or examples "
           "and their count (e.g. (jnp.sum(nll * mask), jnp.sum(mask))).")
     loss, weight = loss
     return loss, jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
   if np.ndim(loss) != 0:
     raise _NotScalar(
-        f"loss_fn returned a loss of shape {np.shape(loss)}{where}, expected a scalar; fix: take "
-        "the mean over the batch (or pass has_aux=True if it returns (loss, aux), or "
+        f"loss_fn returned a loss of shape {np.shape(loss)}{where}, expected a scalar; fix: "
+        "take the mean over the batch (or pass has_aux=True if it returns (loss, aux), or "
         "weighted=True if it returns (sum, weight)).")
   return loss, jnp.ones((), jnp.float32)
 
@@ -1030,7 +1030,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
       policy, accum_steps, accum_gather or key; when traced, a batch whose leaves' leading
       dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
-      (or, with `weighted`, not two scalars), a state that is not a TrainState, a float16
+      (or, with `weighted`, not two scalars; named by its shape on the whole batch), a
+      state that is not a TrainState, one whose opt_state another optimizer made, a float16
       policy with a state that has no loss scale (or the reverse); with
       accum_gather="once", a loss closing over an array sharded on Explicit axes or
       sharding its ops by type; a loss run on parts of the batch that divides by a count

@@ -41,8 +41,8 @@ from fnscale.analysis._flops import (HostPeak, host_matmul_peak, measure_matmul_
 from fnscale.analysis._invariance import InvarianceReport, check_mesh_invariance
 from fnscale.analysis._plan import (FORECAST_TERMS, Candidate, CompileCheck, ForecastTerms, Plan,
                                     calibrate_cpu, cannot_verify, data_parallel, fit_options,
-                                    forecast_terms, format_plan, hardware, mesh_str, plan, plan_summary,
-                                    predict, profile_model)
+                                    forecast_terms, format_plan, hardware, mesh_str, plan,
+                                    plan_summary, predict, profile_model)
 from fnscale.analysis._report import format_report
 
 __all__ = [

@@ -51,7 +51,8 @@ from fnscale._mesh import MeshAxes, make_mesh
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "ForecastTerms", "Plan",
            "PlanError", "calibrate_cpu", "cannot_verify", "data_parallel", "fit_options",
-           "format_plan", "forecast_terms", "hardware", "mesh_str", "plan", "predict", "profile_model", "plan_summary"]
+           "forecast_terms", "format_plan", "hardware", "mesh_str", "plan", "predict",
+           "profile_model", "plan_summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
 # Context parallelism is a candidate when each shard keeps at least this many tokens of a
