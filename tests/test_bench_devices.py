@@ -3,6 +3,7 @@
 benchmarks of simulated CPU devices (`pipeline.py`, `context.py`) use the 8 CPU devices they
 set up even where jax's default devices are a machine's chips, here one (jax.devices()
 answers with one device, as on a one-chip TPU VM; the CPU backend keeps its eight)."""
+import subprocess
 import sys
 
 import jax
@@ -61,7 +62,6 @@ def test_context_bench_defaults_to_its_simulated_cpu_devices_beside_one_chip(one
 def test_step_bench_on_one_device_runs_its_defaults_to_the_end(tmp_path):
   # A whole process with one device (--max_devices=1, as a one-chip machine has one): the
   # default counts and the overhead comparison on the largest of them.
-  import subprocess  # pylint: disable=import-outside-toplevel
   r = subprocess.run([sys.executable, "recipes/bench/step.py", "--sizes=", "--max_devices=1",
                       "--overhead_rounds=1", "--warmup=0", "--overhead=nano:data=-1"],
                      cwd=bm.__file__.rsplit("/recipes/", 1)[0], capture_output=True, text=True,
