@@ -347,6 +347,81 @@ def _trace(fn, args, kernels: bool) -> _Traced:
   return _Traced(traced, tuple(typed.out_avals), True)
 
 
+def _kernel_evaluate(*args, jaxpr, on_evaluate, unchecked, **_):
+  """`kernel_call`'s primitive run eagerly: its jaxpr."""
+  if on_evaluate is not None:
+    on_evaluate()
+  if not unchecked:
+    return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+  with _vma_unchecked():  # the arguments' types as the jaxpr was traced for: no axes
+    return jax.extend.core.jaxpr_as_fun(jaxpr)(*map(_untyped, args))
+
+
+def _kernel_jvp(p, zero, instantiate, primals, tangents, **params):
+  """The JVP rule of `kernel_call`'s primitive `p` (`zero`, `instantiate`: jax's `ad.Zero`,
+  `ad.instantiate_zeros`)."""
+  outs, fixed = p.bind(*primals, **params), params["fixed"]
+  if params["jvp"] is not None:
+    t_out = params["jvp"](list(primals), list(map(instantiate, tangents)))
+    return outs, [zero(a.to_tangent_aval()) if t is None else t
+                  for a, t in zip(params["out_avals"], t_out)]
+  # A linear map: itself in its linear arguments (its transpose kept), and jax's JVP of
+  # the function in the fixed ones.
+  parts = []
+  if any(type(t) is not zero for t in tangents[fixed:]):
+    parts.append(p.bind(*primals[:fixed], *map(instantiate, tangents[fixed:]), **params))
+  if any(type(t) is not zero for t in tangents[:fixed]):
+    parts.append(jax.jvp(jax.extend.core.jaxpr_as_fun(params["jaxpr"]), list(primals),
+                         [*map(instantiate, tangents[:fixed]),
+                          *(jnp.zeros_like(x) for x in primals[fixed:])])[1])
+  if not parts:
+    return outs, [zero(a.to_tangent_aval()) for a in params["out_avals"]]
+  return outs, [sum(ts[1:], ts[0]) for ts in zip(*parts)]
+
+
+def _kernel_transpose(instantiate, cts, *args, transpose, fixed, **_):
+  """The transpose rule: the linear map's own `transpose`, in its linear arguments."""
+  return [None] * fixed + list(transpose(*args[:fixed], *map(instantiate, cts)))
+
+
+def _kernel_batch(p, args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate,
+                  unchecked):
+  """The batching rule: the same primitive `p` of the batched functions, so that its rules
+  hold under vmap; a linear map's linear arguments all batched, so its transpose's outputs
+  match them."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+  if transpose is not None:
+    args[fixed:] = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+                    for a, d in zip(args[fixed:], dims[fixed:])]
+    dims = [*dims[:fixed], *[0] * (len(args) - fixed)]
+  axes = [None if d is None else 0 for d in dims]
+  batched = _trace(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes), args,
+                   unchecked)
+  outs = p.bind(
+      *args, jaxpr=batched.jaxpr,
+      jvp=None if jvp is None else jax.vmap(jvp, in_axes=(axes, axes)),
+      transpose=None if transpose is None else jax.vmap(
+          transpose, in_axes=(*axes[:fixed], *[0] * len(out_avals))),
+      fixed=fixed, out_avals=batched.out_avals, on_evaluate=on_evaluate,
+      unchecked=batched.unchecked)
+  return outs, [0] * len(outs)
+
+
+def _kernel_lowering(call_lowering, ctx, *args, jaxpr, on_evaluate, **_):
+  """The jaxpr as traced (a call), not traced again with the lowering's types: a kernel's
+  was traced without the varying axes its arguments have there."""
+  if on_evaluate is not None:
+    on_evaluate()
+  return call_lowering(ctx, *args, name="fnscale_kernel_call", call_jaxpr=jaxpr)
+
+
+def _kernel_to_lojax(p, *args, jaxpr, **params):
+  """A jaxpr holding jax's high-level operations (jax 0.12's searchsorted, inside
+  megablox), lowered before compiling like a jit's."""
+  return p.bind(*args, jaxpr=_lower_jaxpr(jaxpr), **params)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_primitive():
   """The primitive behind `kernel_call`, defined on first use (cached so that it is defined
@@ -355,78 +430,13 @@ def _kernel_primitive():
    call_lowering) = _primitive_tables()
   p = primitive("fnscale_kernel_call")
   p.multiple_results = True
-
-  def evaluate(*args, jaxpr, on_evaluate, unchecked, **_):
-    if on_evaluate is not None:
-      on_evaluate()
-    if not unchecked:
-      return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
-    with _vma_unchecked():  # the arguments' types as the jaxpr was traced for: no axes
-      return jax.extend.core.jaxpr_as_fun(jaxpr)(*map(_untyped, args))
-
-  def jvp_rule(primals, tangents, **params):
-    outs, fixed = p.bind(*primals, **params), params["fixed"]
-    if params["jvp"] is not None:
-      t_out = params["jvp"](list(primals), list(map(instantiate, tangents)))
-      return outs, [zero(a.to_tangent_aval()) if t is None else t
-                    for a, t in zip(params["out_avals"], t_out)]
-    # A linear map: itself in its linear arguments (its transpose kept), and jax's JVP of
-    # the function in the fixed ones.
-    parts = []
-    if any(type(t) is not zero for t in tangents[fixed:]):
-      parts.append(p.bind(*primals[:fixed], *map(instantiate, tangents[fixed:]), **params))
-    if any(type(t) is not zero for t in tangents[:fixed]):
-      parts.append(jax.jvp(jax.extend.core.jaxpr_as_fun(params["jaxpr"]), list(primals),
-                           [*map(instantiate, tangents[:fixed]),
-                            *(jnp.zeros_like(x) for x in primals[fixed:])])[1])
-    if not parts:
-      return outs, [zero(a.to_tangent_aval()) for a in params["out_avals"]]
-    return outs, [sum(ts[1:], ts[0]) for ts in zip(*parts)]
-
-  def transpose_rule(cts, *args, transpose, fixed, **_):
-    return [None] * fixed + list(transpose(*args[:fixed], *map(instantiate, cts)))
-
-  def batch_rule(args, dims, *, jaxpr, jvp, transpose, fixed, out_avals, on_evaluate,
-                 unchecked):
-    # The same primitive of the batched functions, so that its rules hold under vmap; a
-    # linear map's linear arguments all batched, so its transpose's outputs match them.
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    if transpose is not None:
-      args[fixed:] = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
-                      for a, d in zip(args[fixed:], dims[fixed:])]
-      dims = [*dims[:fixed], *[0] * (len(args) - fixed)]
-    axes = [None if d is None else 0 for d in dims]
-    batched = _trace(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr), in_axes=axes), args,
-                     unchecked)
-    outs = p.bind(
-        *args, jaxpr=batched.jaxpr,
-        jvp=None if jvp is None else jax.vmap(jvp, in_axes=(axes, axes)),
-        transpose=None if transpose is None else jax.vmap(
-            transpose, in_axes=(*axes[:fixed], *[0] * len(out_avals))),
-        fixed=fixed, out_avals=batched.out_avals, on_evaluate=on_evaluate,
-        unchecked=batched.unchecked)
-    return outs, [0] * len(outs)
-
-  def lower(ctx, *args, jaxpr, on_evaluate, **_):
-    # The jaxpr as traced (a call), not traced again with the lowering's types: a kernel's
-    # was traced without the varying axes its arguments have there.
-    if on_evaluate is not None:
-      on_evaluate()
-    return call_lowering(ctx, *args, name="fnscale_kernel_call", call_jaxpr=jaxpr)
-
-  def to_lojax(*args, jaxpr, **params):
-    # A jaxpr holding jax's high-level operations (jax 0.12's searchsorted, inside
-    # megablox), lowered before compiling like a jit's.
-    return p.bind(*args, jaxpr=_lower_jaxpr(jaxpr), **params)
-
-  p.def_impl(evaluate)
+  p.def_impl(_kernel_evaluate)
   p.def_abstract_eval(lambda *args, out_avals, **_: out_avals)
-  p.to_lojax = to_lojax
-  register(p, lower)
-  jvps[p] = jvp_rule
-  transposes[p] = transpose_rule
-  batchers[p] = batch_rule
+  p.to_lojax = functools.partial(_kernel_to_lojax, p)
+  register(p, functools.partial(_kernel_lowering, call_lowering))
+  jvps[p] = functools.partial(_kernel_jvp, p, zero, instantiate)
+  transposes[p] = functools.partial(_kernel_transpose, instantiate)
+  batchers[p] = functools.partial(_kernel_batch, p)
   return p
 
 

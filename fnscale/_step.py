@@ -515,21 +515,43 @@ def _find_ratio(cfg: _Config, state, batch) -> _Config:
   return cfg._replace(ratio=ratio)
 
 
-def _split_weighted(cfg: _Config, loss):
-  """(loss, weight): a scalar loss has weight 1; `weighted` losses are (sum, weight)."""
+class _NotScalar(StepError):
+  """A loss that is not a scalar (weighted: not two scalars). Raised where the loss ran on a
+  microbatch or one device's shard; `_step` retells it with the whole batch's shapes."""
+
+
+def _whole_batch(cfg: _Config, state, batch, error: _NotScalar) -> StepError:
+  """`error` with the loss's output on the whole batch, as the user wrote the loss for it
+  (inside the loop it sees a microbatch, per shard a device's rows: shapes like (4, 1) for
+  a 64-row batch); `error`'s own message if the whole batch's loss can't be traced."""
+  def loss(params, batch, key, frozen):
+    out = _loss_aux(cfg, _call_loss(cfg, params, batch, key, frozen))[0]
+    return _split_weighted(cfg, out, " on the whole batch")
+  try:
+    jax.eval_shape(loss, state.params, batch, _loss_key(cfg, state.step, 0, ()), state.frozen)
+  except _NotScalar as e:
+    error = e
+  except Exception:  # pylint: disable=broad-except  # traced only in the loop's context
+    pass
+  return StepError(str(error))  # (not the private class, in the user's traceback)
+
+
+def _split_weighted(cfg: _Config, loss, where: str = ""):
+  """(loss, weight): a scalar loss has weight 1; `weighted` losses are (sum, weight).
+  `where`: where the loss ran, for the error (" on the whole batch")."""
   if cfg.weighted:
     if not (isinstance(loss, tuple) and len(loss) == 2
             and all(np.ndim(x) == 0 for x in loss)):
-      raise StepError(
-          f"loss_fn returned {_tree.got(loss)} as its loss; with weighted=True it must be "
-          "(sum, weight), two scalars: the loss summed over the batch's tokens or examples "
+      raise _NotScalar(
+          f"loss_fn returned {_tree.got(loss)}{where} as its loss; with weighted=True it must "
+          "be (sum, weight), two scalars: the loss summed over the batch's tokens or examples "
           "and their count (e.g. (jnp.sum(nll * mask), jnp.sum(mask))).")
     loss, weight = loss
     return loss, jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
   if np.ndim(loss) != 0:
-    raise StepError(
-        f"loss_fn returned a loss of shape {np.shape(loss)}, expected a scalar; fix: take "
-        "the mean over the batch (or pass has_aux=True if it returns (loss, aux), or "
+    raise _NotScalar(
+        f"loss_fn returned a loss of shape {np.shape(loss)}{where}, expected a scalar; fix: "
+        "take the mean over the batch (or pass has_aux=True if it returns (loss, aux), or "
         "weighted=True if it returns (sum, weight)).")
   return loss, jnp.ones((), jnp.float32)
 
@@ -886,16 +908,46 @@ def _check_trainable(params) -> None:
           "nnx.state(model, nnx.Param)), the rest in what the loss closes over or the batch.")
 
 
+def _check_opt_state(cfg: _Config, state) -> None:
+  """The state's optimizer state has the structure and shapes that the step's optimizer
+  gives the params (traced abstractly, no arrays made): a state built with another
+  optimizer would otherwise fail deep inside optax naming neither
+  ("'EmptyState' object has no attribute 'mu'")."""
+  want = jax.eval_shape(cfg.optimizer.init, state.params)
+  shapes = lambda t: [np.shape(x) for x in jax.tree.leaves(t)]
+  have_def, want_def = jax.tree.structure(state.opt_state), jax.tree.structure(want)
+  if have_def == want_def and shapes(state.opt_state) == shapes(want):
+    return
+  raise StepError(
+      f"the state's opt_state is {_opt_kinds(state.opt_state)}, but train_step's optimizer "
+      f"makes {_opt_kinds(want)} for these params: the state was built with another "
+      "optimizer (or other params); fix: give fs.init_state the optimizer given to "
+      "fs.train_step (or restore a checkpoint saved with it).")
+
+
+def _opt_kinds(opt_state) -> str:
+  """'(ScaleByAdamState, EmptyState)': the optimizer state's named parts, for errors."""
+  is_part = lambda x: isinstance(x, tuple) and hasattr(x, "_fields")
+  parts = jax.tree.leaves(opt_state, is_leaf=is_part)
+  names = [type(x).__name__ for x in parts if is_part(x)]
+  n = len(jax.tree.leaves(opt_state))
+  return f"({', '.join(names)}) with {n} array{'s' * (n != 1)}"
+
+
 def _step(cfg: _Config, state, batch):
   if not isinstance(state, TrainState):
     raise StepError(f"state is a {type(state).__name__}, expected fnscale.TrainState; fix: "
                     "build it with fnscale.init_state.")
   _check_precision(cfg, state)
   _check_trainable(state.params)
+  _check_opt_state(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
   cfg = _find_ratio(cfg, state, batch)
-  grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
-                                        state.frozen)
+  try:
+    grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
+                                          state.frozen)
+  except _NotScalar as e:
+    raise _whole_batch(cfg, state, batch, e) from None
   grads, loss = _normalize(grads, loss, weight, None if cfg.ratio is None else cfg.ratio.floor)
   grads = _unscale(grads, ls)
   new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
@@ -978,7 +1030,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
       policy, accum_steps, accum_gather or key; when traced, a batch whose leaves' leading
       dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
-      (or, with `weighted`, not two scalars), a state that is not a TrainState, a float16
+      (or, with `weighted`, not two scalars; named by its shape on the whole batch), a
+      state that is not a TrainState, one whose opt_state another optimizer made, a float16
       policy with a state that has no loss scale (or the reverse); with
       accum_gather="once", a loss closing over an array sharded on Explicit axes or
       sharding its ops by type; a loss run on parts of the batch that divides by a count

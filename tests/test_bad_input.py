@@ -1,12 +1,15 @@
 """Bad input that would otherwise run, or end in a traceback: every recipe's command line
 refuses it with one `error:` line naming the bad value and exit status 2; a mistyped mesh or
-rule axis is refused with the closest name; a float16 step and its state agree on precision.
+rule axis is refused with the closest name; a float16 step and its state agree on precision;
+a loss that is not a scalar is named by its shape on the whole batch; a state built with
+another optimizer is refused naming both.
 """
 import json
 import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -168,3 +171,60 @@ def test_float16_state_and_step_that_agree_scale_the_loss(f16_case):
   state = fs.init_state(params, opt, mesh=mesh, loss_scale=jmp.StaticLossScale(jnp.float32(8)))
   _, m = plain(state, batch)
   assert float(m["loss_scale"]) == 8.0
+
+
+# ------------------------------------------------------------ the loss and the optimizer
+
+
+@pytest.mark.parametrize("accum_steps, accum_gather", [
+    (1, "auto"), (2, "once"), (2, "per_microbatch")])
+def test_a_loss_that_is_not_a_scalar_is_named_by_its_shape_on_the_whole_batch(
+    f16_case, accum_steps, accum_gather):
+  # Per example, not a mean: on the 16-row batch it is (16, 4), whatever part of the batch
+  # one device's microbatch holds (one row per device per microbatch here).
+  mesh, params, batch = f16_case
+  per_example = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2
+  opt = optax.sgd(0.1)
+  step = fs.shard_step(fs.train_step(per_example, opt, accum_steps=accum_steps,
+                                     accum_gather=accum_gather), mesh)
+  with pytest.raises(fs.StepError, match=r"loss_fn returned a loss of shape \(16, 4\) on the "
+                     r"whole batch, expected a scalar; fix: take the mean over the batch"):
+    step(fs.init_state(params, opt, mesh=mesh), batch)
+
+
+def test_a_weighted_loss_that_is_not_two_scalars_is_named_on_the_whole_batch(f16_case):
+  mesh, params, batch = f16_case
+  sums = lambda p, b: (jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=1), 4.0 * len(b["x"]))
+  opt = optax.sgd(0.1)
+  step = fs.shard_step(fs.train_step(sums, opt, weighted=True, accum_steps=2), mesh)
+  with pytest.raises(fs.StepError, match=r"float32\[16\].* on the whole batch as its loss; "
+                     r"with weighted=True it must be \(sum, weight\), two scalars"):
+    step(fs.init_state(params, opt, mesh=mesh), batch)
+
+
+@pytest.mark.parametrize("built_with, stepped_with, have, want", [
+    (optax.sgd(0.1), optax.adam(0.1), r"\(EmptyState, EmptyState\) with 0 arrays",
+     r"\(ScaleByAdamState, EmptyState\) with 3 arrays"),
+    (optax.adam(0.1), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)),
+     r"\(ScaleByAdamState, EmptyState\) with 3 arrays",
+     r"\(EmptyState, ScaleByAdamState, EmptyState\) with 3 arrays")])
+def test_a_state_built_with_another_optimizer_is_refused_naming_both(
+    f16_case, built_with, stepped_with, have, want):
+  mesh, params, batch = f16_case
+  state = fs.init_state(params, built_with, mesh=mesh)
+  step = fs.shard_step(fs.train_step(_loss, stepped_with), mesh)
+  with pytest.raises(fs.StepError, match=rf"the state's opt_state is {have}, but train_step's "
+                     rf"optimizer makes {want} for these params: .* fix: give fs.init_state "
+                     "the optimizer given to fs.train_step"):
+    step(state, batch)
+
+
+def test_a_state_with_the_same_optimizer_built_again_steps(f16_case):
+  # Two optax.adam objects are the same optimizer: the check compares what they make, not
+  # the objects. One sgd step moves w by -lr * the mean-squared-error gradient.
+  mesh, params, batch = f16_case
+  state = fs.init_state(params, optax.sgd(0.1), mesh=mesh)
+  new, _ = jax.jit(fs.train_step(_loss, optax.sgd(0.1)))(state, batch)
+  x, y, w = (np.asarray(a, np.float64) for a in (batch["x"], batch["y"], params["w"]))
+  grad = 2 * x.T @ (x @ w - y) / y.size
+  np.testing.assert_allclose(np.asarray(new.params["w"]), w - 0.1 * grad, rtol=1e-4, atol=1e-6)

@@ -5,9 +5,10 @@ a launcher imports no optional framework (Flax, Equinox, Ray).
 
 recipes/ is a package with the same rules and one of its own: the jobs and tools (train_lm,
 the commands beside it, bench/, launch/, examples/) import `recipes.lm`, `recipes.lm` imports
-only itself and fnscale, and fnscale never imports recipes. Each recipe runs as a script and
-as a module through the install alone: no recipe edits `sys.path` and every import is at the
-top of its module."""
+only itself and fnscale, fnscale never imports recipes, and no recipe imports a private part
+of fnscale (recipes are what users copy). Each recipe runs as a script and as a module
+through the install alone: no recipe edits `sys.path` and every import is at the top of its
+module."""
 import ast
 import os
 import re
@@ -237,6 +238,26 @@ def late_imports(tree: ast.Module) -> list[int]:
   return lines
 
 
+def private_imports(tree: ast.AST) -> list[int]:
+  """Lines of a module that import a private part of fnscale (a dotted name with a part
+  starting with "_": `fnscale.analysis._forecast`, `from fnscale.analysis import _cost`).
+  Recipes are what users copy: they reach fnscale through its public names only."""
+  private = lambda name: name.split(".")[0] == "fnscale" and any(
+      p.startswith("_") for p in name.split("."))
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      names = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                               if a.name[0].islower() or a.name.startswith("_")]
+    else:
+      continue
+    if any(private(n) for n in names):
+      lines.append(node.lineno)
+  return lines
+
+
 # The one path edit recipes/ holds: compare_maxtext.py's fnscale side runs in MaxText's own
 # interpreter (another virtual environment, where fnscale is not installed).
 PATH_EDITS_ALLOWED = {"recipes/bench/compare_maxtext.py"}
@@ -258,6 +279,10 @@ def test_the_recipe_checks_catch_a_cycle_an_upward_import_and_a_path_edit(tmp_pa
             "import jax\nsys.path[:0] = ['x']\nsys.path = []\nprint(sys.path[0])\n")
   tree = ast.parse(script)
   assert path_edits(tree) == [3, 5, 6] and late_imports(tree) == [4]
+  imports = ("import fnscale as fs\nfrom fnscale.analysis import hlo, predict\n"
+             "from fnscale.analysis._forecast import CHIP\nimport fnscale._step\n"
+             "from fnscale.analysis import _cost\ndef f():\n  from fnscale import _tree\n")
+  assert private_imports(ast.parse(imports)) == [3, 4, 5, 7]
   assert late_imports(ast.parse('"""doc."""\nfrom __future__ import annotations\nimport os\n'
                                 "X = 1\n")) == []
 
@@ -281,6 +306,24 @@ def test_no_recipe_edits_sys_path_or_imports_after_code():
           for f in files}
   assert {f: lines for f, lines in late.items() if lines} == {}
   assert not [f for f in files if "noqa: E402" in f.read_text()]
+
+
+# recipes/lm's modules stay readable whole: one job each, at most this many lines. run_log.py
+# is over it by 3 (it holds the run's log and trackers, the run record and the profiler's
+# window): the next split.
+LM_MODULE_LINES = 350
+LM_OVER = {"run_log.py"}
+
+
+def test_recipes_lm_modules_stay_within_their_line_bound():
+  lengths = {f.name: len(f.read_text().splitlines()) for f in (RECIPES / "lm").glob("*.py")}
+  assert {f for f, n in lengths.items() if n > LM_MODULE_LINES} <= LM_OVER
+
+
+def test_no_recipe_imports_a_private_part_of_fnscale():
+  found = {f.relative_to(ROOT.parent).as_posix(): private_imports(ast.parse(f.read_text()))
+           for f in sorted(RECIPES.rglob("*.py"))}
+  assert {f: lines for f, lines in found.items() if lines} == {}
 
 
 def test_train_lm_options_import_nothing_that_runs():

@@ -789,3 +789,40 @@ def test_summary_fields_the_readme_names_exist():
   # summary.unread and summary.dcn_* are compile_report's Summary, a different value.
   report = {"unread", "dcn_bytes_sent", "dcn_groups"}
   assert not named - report - set(summary.Summary._fields), named - report
+
+
+# The README's CPU-only install (`pip install -e ".[test]"`, no libtpu), as a Python start-up
+# that can't find libtpu: importing it fails and `importlib.util.find_spec` says it is absent.
+NO_LIBTPU = """\
+import importlib.abc, importlib.util, sys
+class _NoLibtpu(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] == "libtpu":
+      raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _NoLibtpu())
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] == "libtpu" else _find(name, package))
+"""
+
+
+def _without_libtpu(code: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-c", NO_LIBTPU + code], cwd=ROOT, text=True,
+                        capture_output=True, timeout=300, check=False)
+
+
+def test_the_mesh_section_runs_on_the_cpu_only_install_and_marks_what_needs_libtpu():
+  # The first block a newcomer runs there runs without libtpu; the blocks that describe TPU
+  # targets (`fs.target_devices`) carry the tpu extra's marker.
+  text = (ROOT / "README.md").read_text(encoding="utf-8")
+  section = text.split("## Choose a mesh", 1)[1].split("\n## ", 1)[0]
+  blocks = [b for b in read_blocks(section) if b.lang in PYTHON]
+  assert blocks[0].needs == () and "fs.make_mesh(" in blocks[0].code
+  for b in blocks:
+    assert ("target_devices" in b.code) is ("tpu" in b.needs), b.code
+  plain = [b for b in blocks if not b.needs and b.mode == "run"]
+  r = _without_libtpu("\n".join(f"exec({b.code!r}, {{}})" for b in plain))
+  assert r.returncode == 0, r.stderr[-3000:]
+  # The harness does hide libtpu: describing a TPU target says so.
+  r = _without_libtpu("import fnscale as fs\nfs.target_devices('v5p-8')")
+  assert "needs libtpu, which is not" in r.stderr, r.stderr[-2000:]

@@ -51,7 +51,8 @@ from fnscale._mesh import MeshAxes, make_mesh
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "ForecastTerms", "Plan",
            "PlanError", "calibrate_cpu", "cannot_verify", "data_parallel", "fit_options",
-           "format_plan", "hardware", "mesh_str", "plan", "predict", "profile_model", "plan_summary"]
+           "forecast_terms", "format_plan", "hardware", "mesh_str", "plan", "predict",
+           "profile_model", "plan_summary"]
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
 # Context parallelism is a candidate when each shard keeps at least this many tokens of a
@@ -620,6 +621,24 @@ def hardware(target, cpu_rates: tuple[float, float] | None = None) -> _targets.H
   return _resolve(target, cpu_rates)
 
 
+def forecast_terms(target, cpu_rates: tuple[float, float] | None = None) -> ForecastTerms:
+  """The forecast's efficiency terms that `plan` and `predict` use for `target` by default
+  (the terms `plan_summary` reports): a generation's one-chip fit on one chip, where there
+  is one, else `FORECAST_TERMS`, fitted on pods. `target`, `cpu_rates` as for `plan`.
+
+  Raises:
+    TopologyError: an unknown target name.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.analysis.forecast_terms("v5e-1").matmul, fs.analysis.forecast_terms("v5e-1").memory
+    (0.8264, 2.0998)
+    >>> fs.analysis.forecast_terms("v5e-8") == fs.analysis.FORECAST_TERMS
+    True
+  """
+  return _forecast.terms_for(_resolve(target, cpu_rates))
+
+
 def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, key=None,
                   cpu_rates: tuple[float, float] | None = None) -> _cost.Profile:
   """What one training step of `loss_fn` needs, traced as it will run on `target` (nothing
@@ -665,7 +684,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
       "once").
     headroom: usable fraction of HBM for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones for the target:
-      `fnscale.analysis._forecast.terms_for`).
+      `forecast_terms(target)`).
     microbatches: the pipeline's, with a "stage" axis (then accum 1).
 
   Returns:

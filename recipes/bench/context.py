@@ -46,6 +46,12 @@ MESHES = {2: {"data": 2, "context": 2, "tensor": 2}, 4: {"data": 2, "context": 4
           8: {"context": 8}}
 
 
+def _cpu_mesh(axes: dict):
+  """A mesh over the 8 simulated CPU devices this script sets up: present on a machine with
+  an accelerator too (where jax's default devices are its chips, maybe one)."""
+  return fs.make_mesh(axes, devices=jax.devices("cpu"))
+
+
 def _segments(rows: int, seq: int) -> np.ndarray:
   """Packed rows: row r holds r + 2 documents of unequal lengths (ids differ across rows)."""
   out = np.zeros((rows, seq), np.int32)
@@ -74,7 +80,7 @@ def _split(inputs, form: str, order: str, c: int):
   attend = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True, segment_ids=seg),
                           context=form, context_order=order)
   loss = lambda q, k, v: (jnp.sum(attend(q, k, v) * w), attend(q, k, v))
-  with fs.with_mesh(fs.make_mesh(MESHES[c])):
+  with fs.with_mesh(_cpu_mesh(MESHES[c])):
     (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
   return [ca.restore(np.asarray(x), c, order) for x in (out, *grads)]
 
@@ -103,7 +109,7 @@ def step(a) -> list[str]:
            "segment_ids": _segments(4, a.seq)}
   grad = jax.jit(jax.value_and_grad(llama.loss_fn))
   loss, grads = grad(params, cp.reorder_batch(batch, 1))
-  mesh = fs.make_mesh(MESHES[4])
+  mesh = _cpu_mesh(MESHES[4])
   shardings = fs.shardings(params, mesh, llama.RULES, logical_axes=llama.logical_axes(cfg))
   lines = [f"Llama 2 layers, d 64, seq {a.seq}, 4 packed rows, float32: one device against "
            "data=2 x context=4", "", "| form | loss (one device) | loss (context=4) | "
@@ -154,7 +160,7 @@ def _attention_hlo(a, form: str, mesh, dtype):
 
 def traffic(a) -> list[str]:
   if a.target == "cpu":
-    mesh, dtype = fs.make_mesh(MESHES[4]), jnp.float32
+    mesh, dtype = _cpu_mesh(MESHES[4]), jnp.float32
   else:
     mesh = fs.make_mesh({"context": 4}, devices=fs.target_devices(a.target))
     dtype = jnp.bfloat16
@@ -202,7 +208,8 @@ def main(argv=None) -> int:
       raise fs.InputError(f"--figures: {name!r} is not one of {FIGURES}")
   for name in names:
     print(f"## {name}\n")
-    print("\n".join(globals()[name](a)) + "\n", flush=True)
+    with jax.default_device(jax.devices("cpu")[0]):  # the one-device references too
+      print("\n".join(globals()[name](a)) + "\n", flush=True)
   return 0
 
 

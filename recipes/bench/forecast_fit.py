@@ -3,13 +3,14 @@
   python recipes/bench/forecast_fit.py               # fit, then the fit and held-out tables
   python recipes/bench/forecast_fit.py --json=out.json
 
-`fnscale.analysis._forecast` adds three efficiency terms to the planner's roofline. This recipe fits
-them on the one table they may be fitted on, MaxText's v5p table, and reports the forecast
-on published runs the fit never sees: MaxText's v5e, v4 and A3 (H100) tables and its v6e and
-v5p model tiering. Each run is described here as MaxText's configuration at the time of
-the table: the model shape, per-chip batch, sequence length, mesh and remat policy; fnscale
-traces an equivalent model (`parallel_decoder` for MaxText's 2023 default model, the Llama
-of `recipes/lm/llama.py` for the Llama runs) and predicts it with `fnscale.analysis.predict`.
+The planner's forecast adds three efficiency terms to its roofline
+(`fnscale.analysis.forecast_terms`). This recipe fits them on the one table they may be fitted
+on, MaxText's v5p table, and reports the forecast on published runs the fit never sees:
+MaxText's v5e, v4 and A3 (H100) tables and its v6e and v5p model tiering. Each run is
+described here as MaxText's configuration at the time of the table: the model shape, per-chip
+batch, sequence length, mesh and remat policy; fnscale traces an equivalent model
+(`parallel_decoder` for MaxText's 2023 default model, the Llama of `recipes/lm/llama.py` for
+the Llama runs) and predicts it with `fnscale.analysis.predict`.
 
 Sources (github.com/AI-Hypercomputer/maxtext): the v5p, v5e and v4 tables and their configs
 as of commit 76bd53b0f44caf989c88189afadeb1062f9254f0 (2023-12-15; `MaxText/configs/v5p/
@@ -44,8 +45,7 @@ import optax
 
 import fnscale as fs
 from fnscale.analysis import (
-    FORECAST_TERMS, ForecastTerms, hardware, mesh_str, predict, profile_model)
-from fnscale.analysis._forecast import CHIP as CHIP_TERMS
+    FORECAST_TERMS, ForecastTerms, forecast_terms, hardware, mesh_str, predict, profile_model)
 from recipes.lm import llama
 from recipes.lm import cli
 from recipes.lm.models import MODELS
@@ -401,14 +401,16 @@ def _chips(run: Run) -> int:
 def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--json", default=None, help="write the fit and every prediction here")
-  ap.add_argument("--nofit", action="store_true", help="use the terms in fnscale.analysis._forecast")
+  ap.add_argument("--nofit", action="store_true",
+                  help="use the planner's terms (fnscale.analysis.forecast_terms)")
   ap.add_argument("--chip", action="store_true", help="fit the one-v5e-chip terms on "
                   "recipes/bench/chip_v5e.json instead")
   a = ap.parse_args(argv)
   fs.quiet_libtpu()  # TPU profiles load libtpu: no host-lookup warnings
   if a.chip:
-    terms = CHIP_TERMS["v5e"] if a.nofit else fit_chip()
-    print(f"one v5e chip: {terms} (in fnscale/analysis/_forecast.py: {CHIP_TERMS['v5e']})\n")
+    chip = forecast_terms("v5e-1")
+    terms = chip if a.nofit else fit_chip()
+    print(f"one v5e chip: {terms} (in fnscale/analysis/_forecast.py: {chip})\n")
     print(_chip_table(terms))
     return 0
   terms = FORECAST_TERMS if a.nofit else fit()

@@ -94,7 +94,8 @@ def main(argv=None) -> int:
   if a.target != "cpu":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other jobs may hold libtpu
     fs.quiet_libtpu()
-  devices = None if a.target == "cpu" else fs.target_devices(a.target)
+  # "cpu": the 8 simulated CPU devices set up above, there beside a machine's chips too.
+  devices = jax.devices("cpu") if a.target == "cpu" else fs.target_devices(a.target)
   mesh = fs.make_mesh(a.mesh, dcn=a.dcn or None, devices=devices)
   a.d_model = llama.SIZES[a.model]["d_model"]
   print(f"{a.target}, mesh {dict(mesh.shape)}, {a.model} x {a.layers} layers, repeats "

@@ -1,6 +1,7 @@
 """Benchmark fnscale's compiled train step: compile time, step time, MFU, memory, collectives.
 
   python recipes/bench/step.py                  # CPU: nano/tiny/wide x 1,2,4,8 devices (minutes)
+  python recipes/bench/step.py --sizes=small    # on a TPU VM: x 1, 2, 4, ... up to its chips
   python recipes/bench/step.py --sizes=small --meshes="fsdp=-1" --devices=8 --steps=20
   python recipes/bench/step.py --full --json=bench.json
 
@@ -613,7 +614,7 @@ def tables(rows: list[Row], overheads: list[Overhead], *, peak_note: str, header
 class Config:
   sizes: tuple = ("nano", "tiny", "wide")
   meshes: tuple = ("data=-1", "fsdp=-1", "fsdp=-1@shard_map")
-  devices: tuple = (1, 2, 4, 8)
+  devices: tuple = ()  # () : `device_counts` of the devices present
   steps: int = 4
   warmup: int = 1
   batch: int = 8
@@ -638,8 +639,9 @@ def _define_flags(fv):
   flags.DEFINE_multi_string("meshes", list(d.meshes), "mesh specs (repeat the flag), e.g. "
                             "--meshes=fsdp=-1 --meshes=data=2,tensor=2; '@shard_map' picks "
                             "shard_step's mode (default auto)", flag_values=fv)
-  flags.DEFINE_list("devices", [str(x) for x in d.devices], "device counts; a mesh that needs "
-                    "more devices (or other sizes) than a count is skipped", flag_values=fv)
+  flags.DEFINE_list("devices", [str(x) for x in d.devices], "device counts (default 1, 2, "
+                    "4, ... up to the devices present: --max_devices simulated on CPU); a "
+                    "mesh that needs other sizes than a count is skipped", flag_values=fv)
   flags.DEFINE_integer("steps", d.steps, "timed steps per row", flag_values=fv)
   flags.DEFINE_integer("warmup", d.warmup, "untimed steps before timing", flag_values=fv)
   flags.DEFINE_integer("batch", d.batch, "global batch (rows), the same on every mesh",
@@ -670,11 +672,31 @@ def parse_flags(argv) -> Config:
   if fv.full:
     kw.update({k: v for k, v in FULL.items() if k not in given})
   cfg = Config(**kw)
-  if cfg.steps < 1 or cfg.warmup < 0 or cfg.batch < 1 or cfg.seq < 1 or min(cfg.devices) < 1:
+  if (cfg.steps < 1 or cfg.warmup < 0 or cfg.batch < 1 or cfg.seq < 1
+      or min(cfg.devices, default=1) < 1):
     raise fs.InputError(f"--steps={cfg.steps}, --warmup={cfg.warmup}, --batch={cfg.batch}, "
                           f"--seq={cfg.seq}, --devices={cfg.devices}: expected steps >= 1, "
                           "warmup >= 0, batch, seq and devices >= 1")
   return cfg
+
+
+def device_counts(present: int) -> tuple:
+  """The default device counts: 1, 2, 4, ... up to `present`, and `present` itself."""
+  counts = [1 << i for i in range(present.bit_length()) if 1 << i <= present]
+  return tuple(counts + ([present] if counts[-1] != present else []))
+
+
+def _counts(cfg: Config, present: int) -> tuple:
+  """`cfg.devices`, or the default counts; refuses counts beyond the devices present before
+  anything runs (the overhead rows run on the largest)."""
+  if not cfg.devices:
+    return device_counts(present)
+  if max(cfg.devices) > present:
+    raise fs.InputError(
+        f"--devices={','.join(map(str, cfg.devices))}: {present} device(s) present; fix: "
+        f"leave --devices out (1, 2, 4, ... up to the devices present), give counts up to "
+        f"{present}, or on CPU --max_devices={max(cfg.devices)} (simulated devices).")
+  return cfg.devices
 
 
 def _machine() -> str:
@@ -690,6 +712,7 @@ def run(cfg: Config, *, say=print) -> dict:
   """Runs the benchmark per `cfg`; returns {"rows", "overhead", "peak", "text"}."""
   fs.simulate_cpu_devices(cfg.max_devices)
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  cfg = dataclasses.replace(cfg, devices=_counts(cfg, jax.device_count()))
   topo = hardware.detect(cfg.hardware)
   platform = jax.devices()[0].platform
   if platform == "cpu":

@@ -7,6 +7,8 @@ token embedding, as in Llama 3 (Grattafiori et al. 2024, "The Llama 3 Herd of Mo
 variants of open models are config fields: Llama 3.1/3.2's RoPE frequency scaling and tied
 embeddings, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, a head width other than
 d_model / heads (recipes/lm/hf_maps.py reads them from a Hugging Face config.json).
+This module holds the params and the computation; the shape, sizes and costs are in
+`llama_config`, the layout on a mesh in `llama_layout` (both re-exported here).
 
 Module interface (shared with the GPT in `train_lm.py`): `ModelConfig`, `SIZES`,
 `model_config(size, seq)`, `init_params(cfg, key)`, `logical_axes(cfg)`, `RULES`,
@@ -29,7 +31,6 @@ the loss scores each shard's tokens where they are; params are split over the ax
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,106 +39,12 @@ import fnscale as fs
 from recipes.lm import embedding, int8
 from recipes.lm.layers import RopeScaling, rms_norm, rope, rope_frequencies  # noqa: F401
 from recipes.lm import remat as remat_lib
-
-
-class ModelConfig(NamedTuple):
-  """Shape of the decoder.
-
-  `heads` query heads share `kv_heads` key/value heads (GQA); head_dim = `head_size` if set,
-  else d_model / heads. `rope_theta` is the rotary base (500000 in Llama 3),
-  `rope_scaling` Llama 3.1's frequency scaling (None: plain RoPE); `norm_eps` RMSNorm's
-  epsilon. `tie_embeddings`: the output layer is the token embedding (no `unembed` leaf);
-  `qkv_bias`: biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of
-  q and k before RoPE (Qwen3). `repeats` > 1: the blocks are stored for a circular
-  pipeline of `stages` stages, [stages, repeats, layers / (stages repeats), ...].
-  `int8`: the blocks' projections and MLP multiply in int8 (`recipes.lm.int8.dense`; the
-  output layer and attention stay in the compute dtype). `unroll`: the layer loop is
-  unrolled in the compiled program instead of one `lax.scan` body. `loss_chunk`: tokens per
-  chunk of the loss (`fnscale.cross_entropy`'s chunk_size; 0: its default).
-  """
-  layers: int
-  d_model: int
-  heads: int
-  kv_heads: int
-  d_mlp: int
-  seq: int
-  vocab: int = 256
-  rope_theta: float = 500_000.0
-  norm_eps: float = 1e-5
-  head_size: int = 0
-  rope_scaling: RopeScaling | None = None
-  tie_embeddings: bool = False
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  stages: int = 1
-  repeats: int = 1
-  int8: bool = False
-  unroll: bool = False
-  loss_chunk: int = 0
-
-  @property
-  def head_dim(self) -> int:
-    return self.head_size or self.d_model // self.heads
-
-
-LLAMA3_VOCAB = 128_256
-REMAT_POLICIES = remat_lib.POLICIES  # what `remat=` takes besides True / False
-# Llama 3 shapes from Meta's published configurations: "The Llama 3 Herd of Models"
-# (arXiv:2407.21783), table 3 (8B: 32 layers, d 4096, FFN 14336, 32 heads, 8 KV heads;
-# 70B: 80 layers, d 8192, FFN 28672, 64 heads, 8 KV heads; vocabulary 128256, RoPE base
-# 500000), and the Llama 3.2 1B model card / params.json (16 layers, d 2048, FFN 8192, 32
-# heads, 8 KV heads; 3B: 28 layers, d 3072, FFN 8192, 24 heads, 8 KV heads), both with tied
-# embeddings and Llama 3.1's RoPE scaling at factor 32 (their config.json): 1,235,814,400 and
-# 3,212,749,824 params. `llama-tiny` is byte-level. `llama-766m` is the largest of these
-# shapes one TPU v5e chip (15.75 GiB HBM) trains with float32 params and AdamW state: Llama
-# 3.2 1B's width, MLP and vocabulary at 8 layers, with 16 heads of 128 (the v5e MXU's
-# 128 x 128 tiles; 32 heads of 64 run the attention kernel at half width), 766,019,584
-# params. At 8 rows of 2048 tokens with full remat it trained at 22.8k tokens/s, 57.9% MFU
-# (`python recipes/bench/chip.py --case=llama`); float32 params and AdamW state leave no room
-# for less remat at that batch (15.3 of 15.75 GiB).
-LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                           original_max_position=8192)
-SIZES = {
-    "llama-tiny": dict(layers=4, d_model=256, heads=8, kv_heads=2, d_mlp=768, vocab=256),
-    "llama-766m": dict(layers=8, d_model=2048, heads=16, kv_heads=8, d_mlp=8192,
-                       vocab=LLAMA3_VOCAB, tie_embeddings=True),
-    "llama-1b": dict(layers=16, d_model=2048, heads=32, kv_heads=8, d_mlp=8192,
-                     vocab=LLAMA3_VOCAB, tie_embeddings=True, rope_scaling=LLAMA32_ROPE),
-    "llama-3b": dict(layers=28, d_model=3072, heads=24, kv_heads=8, d_mlp=8192,
-                     vocab=LLAMA3_VOCAB, tie_embeddings=True, rope_scaling=LLAMA32_ROPE),
-    "llama-8b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, d_mlp=14336,
-                     vocab=LLAMA3_VOCAB),
-    "llama-70b": dict(layers=80, d_model=8192, heads=64, kv_heads=8, d_mlp=28672,
-                      vocab=LLAMA3_VOCAB),
-}
-
-
-def model_config(size: str, seq: int, **overrides) -> ModelConfig:
-  """The named shape at sequence length `seq`; `overrides` replace fields (e.g. layers=2).
-
-  Raises:
-    FnscaleError: an unknown size or override field, or a bad seq.
-  """
-  return named_config(ModelConfig, SIZES, "Llama", size, seq, overrides)
-
-
-def named_config(cls, sizes: dict, family: str, size: str, seq: int, overrides: dict):
-  """`cls(seq=seq, **sizes[size], **overrides)` after checking the size, the override
-  fields and seq (shared by the model families' `model_config`).
-
-  Raises:
-    FnscaleError: an unknown size or override field, or a seq that is not an int >= 1.
-  """
-  if size not in sizes:
-    raise fs.InputError(f"model {size!r} is not a known {family} size; expected one of "
-                        f"{list(sizes)}")
-  bad = sorted(set(overrides) - set(cls._fields))
-  if bad:
-    raise fs.InputError(f"model_config: unknown fields {bad}; expected some of "
-                        f"{list(cls._fields)}")
-  if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-    raise fs.InputError(f"model_config: seq={seq!r}, expected an int >= 1")
-  return cls(seq=seq, **{**sizes[size], **overrides})
+# The rest of the module interface, by job: the shape and its costs, the layout on a mesh.
+from recipes.lm.llama_config import (  # noqa: F401
+    LLAMA3_VOCAB, LLAMA32_ROPE, REMAT_POLICIES, SIZES, ModelConfig, flops_per_token,
+    matmul_params, model_config, named_config, param_count, variant)
+from recipes.lm.llama_layout import (  # noqa: F401
+    LORA_WEIGHTS, RULES, TOKEN_AXES, VOCAB_OUT_AXES, logical_axes, lora_targets, vocab_axes)
 
 
 def attention_blocks(keys, shape: tuple[int, ...]) -> dict:
@@ -179,7 +86,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   }
   extra = {"bq": jnp.zeros((L, H, K)), "bk": jnp.zeros((L, G, K)), "bv": jnp.zeros((L, G, K)),
            "q_norm": jnp.ones((L, K)), "k_norm": jnp.ones((L, K))}
-  params = _variant(params, extra, cfg)
+  params = variant(params, extra, cfg)
   return {**params, "blocks": _stored_blocks(params["blocks"], cfg)}
 
 
@@ -189,94 +96,6 @@ def _stored_blocks(blocks: dict, cfg: ModelConfig) -> dict:
   if cfg.repeats == 1:
     return blocks
   return fs.parallel.stage_layers(blocks, cfg.stages, cfg.repeats)
-
-
-def _variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
-  """`tree` (params or their axes) for cfg's variant: without `unembed` when tied, with the
-  bias and q/k norm leaves of `extra` when the config has them."""
-  out = {k: v for k, v in tree.items() if not (k == "unembed" and cfg.tie_embeddings)}
-  names = (("bq", "bk", "bv") if cfg.qkv_bias else ()) + (
-      ("q_norm", "k_norm") if cfg.qk_norm else ())
-  out["blocks"] = {**tree["blocks"], **{k: extra[k] for k in names}}
-  return out
-
-
-def logical_axes(cfg: ModelConfig) -> dict:
-  """Logical axis names of every param (same tree as `init_params`)."""
-  names = _variant(_AXES, {"bq": ("layers", "heads", "head_dim"),
-                           "bk": ("layers", "kv_heads", "head_dim"),
-                           "bv": ("layers", "kv_heads", "head_dim"),
-                           "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}, cfg)
-  staged = ("stage", "repeats") if cfg.repeats > 1 else ()
-  return {**names, "blocks": {k: staged + v for k, v in names["blocks"].items()}}
-
-
-_AXES = {
-      "embed": ("vocab", "embed"),
-      "blocks": {
-          "attn_norm": ("layers", "norm"),
-          "wq": ("layers", "embed", "heads", "head_dim"),
-          "wk": ("layers", "embed", "kv_heads", "head_dim"),
-          "wv": ("layers", "embed", "kv_heads", "head_dim"),
-          "wo": ("layers", "heads", "head_dim", "embed"),
-          "mlp_norm": ("layers", "norm"),
-          "w_gate": ("layers", "embed", "mlp"),
-          "w_up": ("layers", "embed", "mlp"),
-          "w_down": ("layers", "mlp", "embed"),
-      },
-      "final_norm": ("norm",),
-      "unembed": (None, "vocab_out"),
-}
-
-
-# The weights LoRA adapts (`fnscale.lora`), by name: the layout of one layer's weight ('i' its
-# dims contracted with the activations, 'o' those it produces); the stored layer dims lead.
-LORA_WEIGHTS = {"wq": "ioo", "wk": "ioo", "wv": "ioo", "wo": "iio", "w_gate": "io",
-                "w_up": "io", "w_down": "io"}
-
-
-def lora_targets(cfg: ModelConfig, names=None) -> tuple:
-  """`fnscale.lora.LoraConfig.targets` for the block weights `names` (default every one of
-  `LORA_WEIGHTS`): ("blocks/<name>", layout) pairs, with the stored layer dims ([layers],
-  or a circular pipeline's [stages, repeats, layers per stage]) as 'l's."""
-  stacked = "l" if cfg.repeats == 1 else "lll"
-  return tuple((f"blocks/{n}", stacked + LORA_WEIGHTS[n]) for n in (names or LORA_WEIGHTS))
-
-
-# Logical axis -> mesh axes: "embed" over fsdp shards params and optimizer state (ZeRO-3);
-# heads, kv heads, mlp and vocab over tensor are Megatron-style tensor parallelism. The
-# output layer is stored split by vocabulary over fsdp and tensor ("vocab_out"): the loss
-# (`fnscale.cross_entropy(..., vocab_axes=VOCAB_OUT_AXES)`) then gathers the hidden states
-# over fsdp, not the [d, vocab] weight, and never reduces its gradient over fsdp.
-# A "context" axis (the sequence split) holds params split as "fsdp" does (MaxText's "embed"
-# rule names both): its devices see different tokens, so their gradients are reduced over it
-# anyway, and replicated params would hold c times the memory. Rules naming an axis the mesh
-# lacks are skipped, so the combinations come largest first.
-VOCAB_OUT_AXES = ("fsdp", "context", "tensor")
-
-
-def _largest_first(name: str, axes: tuple[str, ...]) -> tuple:
-  """(name, combination) rules for every non-empty combination of `axes`, largest first."""
-  combos = [tuple(a for i, a in enumerate(axes) if mask >> i & 1)
-            for mask in range(2 ** len(axes) - 1, 0, -1)]
-  return tuple((name, c) for c in sorted(combos, key=len, reverse=True))
-
-
-# Pipeline stages: a circular layout's "stage" dim over the stage axis, else the layer stack
-# split into contiguous stages (as MaxText's ("layers", "stage")); a mesh without "stage"
-# skips both rules.
-RULES = (
-    ("batch", ("replica", "stage", "data", "fsdp")),
-    ("stage", "stage"),
-    ("layers", "stage"),
-    *_largest_first("embed", ("fsdp", "context")),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    *_largest_first("vocab_out", VOCAB_OUT_AXES),
-    ("norm", None),  # RMSNorm scales: small, replicated on purpose
-)
 
 
 def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
@@ -369,29 +188,6 @@ def _stages() -> int:
   return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
-# Mesh axes that split the tokens (a batch's rows, a row's sequence) in RULES and the context
-# convention: the loss gathers the hidden states over those it splits the vocabulary over.
-TOKEN_AXES = ("replica", "stage", "data", "fsdp", "expert", "context")
-
-
-def vocab_axes(hidden_shape, vocab: int, axes: tuple[str, ...] = VOCAB_OUT_AXES
-               ) -> tuple[str, ...]:
-  """The loss's vocabulary axes for hidden states [batch, seq, d] on the ambient mesh:
-  `axes` (the output layer's storage split), less those that also split the tokens when a device holds more tokens than
-  vocabulary rows. Over such an axis the loss gathers either the tokens' hidden states
-  (vocab-parallel) or the output layer's shards (the partitioner, before the loss): it
-  gathers the smaller. (Llama 3 at 2 x 131,072 tokens over fsdp=2 x context=4: 32,768
-  tokens against 16,032 vocabulary rows per device.)"""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return axes
-  size = lambda names: math.prod(mesh.shape.get(a, 1) for a in names)
-  tokens = math.prod(hidden_shape[:-1]) // size(TOKEN_AXES)
-  if tokens <= vocab // size(axes):
-    return axes
-  return tuple(a for a in axes if a not in TOKEN_AXES)
-
-
 def output_layer(params: dict) -> jax.Array:
   """The output projection [d_model, vocab]: `unembed`, or the embedding's transpose when
   tied (no `unembed` leaf)."""
@@ -449,28 +245,3 @@ def loss_fn(params: dict, batch: dict, *, remat: bool | str = False,
   total = fs.cross_entropy(x, w, targets, where=where, reduction="sum", vocab_axes=axes,
                            chunk_size=chunk)
   return total, jnp.sum(where.astype(jnp.float32))
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-  """Weights that multiply activations: q, k, v, o and the three MLP matrices per block plus
-  the output layer; the embedding lookup and norm scales are not matmuls."""
-  K = cfg.head_dim
-  attn = cfg.d_model * K * (2 * cfg.heads + 2 * cfg.kv_heads)
-  return cfg.layers * (attn + 3 * cfg.d_model * cfg.d_mlp) + cfg.d_model * cfg.vocab
-
-
-def param_count(cfg: ModelConfig) -> int:
-  """Every param: matmul weights, the embedding table (once when tied: it is the output
-  layer), the RMSNorm scales, q/k/v biases and q/k norm scales."""
-  K, L = cfg.head_dim, cfg.layers
-  extra = (L * K * (cfg.heads + 2 * cfg.kv_heads) if cfg.qkv_bias else 0) + (
-      2 * L * K if cfg.qk_norm else 0)
-  embed = 0 if cfg.tie_embeddings else cfg.vocab * cfg.d_model
-  return matmul_params(cfg) + embed + (2 * L + 1) * cfg.d_model + extra
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-  """Training FLOPs per token (forward + backward): 6 N + 12 layers (heads head_dim) seq
-  (`fnscale.analysis.model_flops_per_token`, PaLM appendix B). Remat is not counted (MFU)."""
-  return fs.analysis.model_flops_per_token(params=matmul_params(cfg), layers=cfg.layers,
-                                           d_model=cfg.heads * cfg.head_dim, seq=cfg.seq)
