@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_ctrl_c_while_the_main_job_compiles_on_the_chip_exits_130_without_a_crash(work,
                                                                                   tmp_path):
+  if os.environ.get("JAX_PLATFORMS") == "cpu":  # the CPU tiers on a TPU VM
+    pytest.skip(f"the chip tier runs on a TPU; these tiers force the CPU ({_HOW})")
   if _compat.backends_initialized():
     pytest.skip(f"this pytest process holds the chip already, and the job needs it ({_HOW})")
   run_dir, hook = tmp_path / "run", tmp_path / "hook"
