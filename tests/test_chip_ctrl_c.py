@@ -32,18 +32,16 @@ if not _topology.has_accelerator():  # no device file: no backend need start to 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_ctrl_c_while_the_main_job_compiles_on_the_chip_exits_130_without_a_crash(work,
-                                                                                  tmp_path):
+def test_ctrl_c_while_the_main_job_compiles_on_the_chip_exits_130_without_a_crash(tmp_path):
   if os.environ.get("JAX_PLATFORMS") == "cpu":  # the CPU tiers on a TPU VM
     pytest.skip(f"the chip tier runs on a TPU; these tiers force the CPU ({_HOW})")
   if _compat.backends_initialized():
     pytest.skip(f"this pytest process holds the chip already, and the job needs it ({_HOW})")
   run_dir, hook = tmp_path / "run", tmp_path / "hook"
-  # The accelerator defaults (GPT-2 small, seq 1024, FSDP over the chip): the step compiles
-  # for tens of seconds, and the signal comes 0.3 s into it.
+  # The command's defaults on a chip (GPT-2 small, seq 1024, the stdlib corpus): the step
+  # compiles for tens of seconds, and the signal comes 0.3 s into it.
   cmd = [sys.executable, os.path.join(ROOT, "tests", "interrupt_worker.py"), "compile",
-         f"--dataset={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--steps=20",
-         "--compile_cache_dir=", "--sample_len=0"]
+         f"--run_dir={run_dir}", "--steps=20", "--compile_cache_dir=", "--sample_len=0"]
   env = dict(os.environ, PYTHONPATH=ROOT, HOOK_FILE=str(hook))
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
   tail = out.stdout[-2000:] + out.stderr[-3000:]
