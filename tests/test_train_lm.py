@@ -626,7 +626,8 @@ CTRL_C_MOMENTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment, extra, saved", CTRL_C_MOMENTS, ids=[m[0] for m in CTRL_C_MOMENTS])
+@pytest.mark.parametrize("moment, extra, saved", CTRL_C_MOMENTS,
+                         ids=[m[0] for m in CTRL_C_MOMENTS])
 def test_ctrl_c_at_any_moment_exits_130_with_one_line_saying_what_is_saved(work, tmp_path, moment,
                                                                          extra, saved):
   """`python recipes/train_lm.py` stopped by Ctrl-C at `moment`: exit 130, one line (no
