@@ -22,7 +22,7 @@ import time
 import jax
 
 import fnscale as fs
-from recipes.lm import evaluation, data, memory, stalls
+from recipes.lm import evaluation, data, memory, stalls, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +85,7 @@ def _inside_the_compile() -> None:
 
 MOMENTS = {
     "data": lambda: _before(data, "read_bytes"),  # reading the corpus
+    "tokenizing": lambda: _before(tokens, "_encode"),  # encoding it (none kept yet)
     "compile": _inside_the_compile,
     "eval": lambda: _before(evaluation, "evaluate"),  # the eval of step 0, before the loop
     "first step": lambda: _before(stalls, "check_update"),  # the first step dispatched

@@ -617,6 +617,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_command_line_says_so_in_one_line(
 # the moment, its flags, and the step then saved (None: nothing yet).
 CTRL_C_MOMENTS = [
     ("data", [], None),  # reading the corpus
+    ("tokenizing", ["--tokenizer={tmp}/tokenizer.json"], None),  # its ids not kept yet
     ("compile", ["--compile_cache_dir="], None),  # compiled afresh: the signal lands inside XLA
     ("eval", [], None),  # step 0's eval, before the loop
     ("first step", [], 1),  # in the loop: a request; the step under way is saved
@@ -636,9 +637,13 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line_saying_what_is_saved(work,
   Ctrl-C cut short goes on in XLA's own thread, and tearing the runtime down under it
   crashed the process on a TPU (SIGSEGV in PjRtLoadedExecutable::Create)."""
   run_dir, hook, ckpt = tmp_path / "run", tmp_path / "hook", tmp_path / "run" / "checkpoints"
-  cmd = [sys.executable, str(ROOT / "tests" / "interrupt_worker.py"), moment,
-         *_argv(work, run_dir, *extra)[1:]]
   env = dict(os.environ, PYTHONPATH=str(ROOT), HOOK_FILE=str(hook))
+  if moment == "tokenizing":  # a cache of token ids of its own: the corpus is encoded
+    train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 300,
+                                    str(tmp_path / "tokenizer.json"))
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+  cmd = [sys.executable, str(ROOT / "tests" / "interrupt_worker.py"), moment,
+         *_argv(work, run_dir, *(e.format(tmp=tmp_path) for e in extra))[1:]]
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
   assert out.returncode == 130, out.stdout[-2000:] + out.stderr[-2000:]
   err = [line for line in out.stderr.splitlines() if line.strip()]
