@@ -21,6 +21,7 @@ options: an error).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -49,27 +50,40 @@ def train_lm(**options) -> summary.Summary:
 
 
 def run(o: Options) -> summary.Summary:
-  """Trains per `o` (see `train_lm`); returns the summary with the final state."""
+  """Trains per `o` (see `train_lm`); returns the summary with the final state.
+
+  Raises:
+    FnscaleError: bad input; stopping.Interrupted: a Ctrl-C that ended the run at once
+      (its text says what is saved).
+  """
   # --compile_cache_dir is this run's: the caller's later compiles don't use it.
   with fs.compilation_cache_restored():
     # Devices, processes, compile cache, shutdown; `say` prints on process 0 only.
     t0, say = time.time(), startup.start(o)
-    # From here on (data, compile, evals, loop, final save), a notice (SIGTERM to any
-    # process) stops every process after one step, or within grace_s wherever it is, and a
-    # process lost in a collective is named, not left to a runtime error.
-    fs.multihost.check_preemption_service()  # the guard needs it: say so now, not after the compile
-    data.check_epochs(o.dataset, o.epochs)
-    startup.check_init_from(o.init_from)  # a model directory, before its tokenizer is read
-    with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
-        fs.multihost.peer_guard():
-      setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
-      rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
-      if setup.o.checkpoint_dir:  # one directory every process sees, checked before use
-        fs.checkpoint.check_shared_directory(setup.o.checkpoint_dir)
-      # One checkpoint manager for the whole run; leaving the block waits for the last save.
-      # orbax's warnings go to RUN_DIR/log.txt, not the console.
-      with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt:
-        return _run(setup, ckpt, t0, say, should_stop)
+    checkpoint_dir = None  # not decided yet
+    try:
+      # From here on (data, compile, evals, loop, final save), a notice (SIGTERM to any
+      # process) stops every process after one step, or within grace_s wherever it is, and
+      # a process lost in a collective is named, not left to a runtime error.
+      fs.multihost.check_preemption_service()  # the guard needs it: now, not after the compile
+      data.check_epochs(o.dataset, o.epochs)
+      startup.check_init_from(o.init_from)  # a model directory, before its tokenizer is read
+      rundir.check_directory(o.run_dir, "--run_dir")  # before the data is read
+      with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
+          fs.multihost.peer_guard():
+        say(f"train_lm: reading the data ({o.dataset}) ...")
+        setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
+        rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
+        checkpoint_dir = setup.o.checkpoint_dir
+        if checkpoint_dir:  # one directory every process sees, checked before use
+          fs.checkpoint.check_shared_directory(checkpoint_dir)
+          checkpoints.remove_unfinished(checkpoint_dir, say)
+        # One checkpoint manager for the whole run; leaving the block waits for the last
+        # save. orbax's warnings go to RUN_DIR/log.txt, not the console.
+        with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt:
+          return _run(setup, ckpt, t0, say, should_stop)
+    except KeyboardInterrupt:  # every block above has closed: what is on disk stays
+      raise stopping.interrupted(checkpoint_dir) from None
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
@@ -116,6 +130,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
     # Ahead of time (step 0 doesn't compile again), held against the device's memory.
+    say(f"train_lm: compiling the train step of {o.model_config} on mesh "
+        f"{dict(setup.mesh.shape)} ...")
     step_fn = memory.compile_step(setup, step_fn, state, first)
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
     job = run_setup.Run(
@@ -131,15 +147,15 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
         prof=run_log.profiler(setup.profile, o.run_dir, say=say),
         saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say),
         should_stop=should_stop, params_of=finetune.params_of(setup.lora))
-    summary.describe(job, state)
-    batches.say_padding(o, rows, evals, say)
-    ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
-    with stopping.ctrl_c() as ctrl_c:  # the first Ctrl-C: stop after this step, saved
-      state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
-    out = _finish(job, state, out)
-    if not out["stopped"]:
-      _export(setup, state, say)
-    job.log.close()
+    with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)
+      summary.describe(job, state)
+      batches.say_padding(o, rows, evals, say)
+      ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
+      with stopping.ctrl_c() as ctrl_c:  # the first Ctrl-C: stop after this step, saved
+        state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
+      out = _finish(job, state, out)
+      if not out["stopped"]:
+        _export(setup, state, say)
   return summary.summarize(job, state, out)
 
 
@@ -192,7 +208,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
       job.saver.commit()  # the agreed step is on disk before the process exits
       if ev[1] != done and not notice:  # the stop's own loss, its step saved first
         ev = evaluation.evaluate(job, state, done), done
-      job.say(f"stopped at step {done} ({stopped}); rerun the same command to resume")
+      job.say(f"stopped at step {done} ({stopped}): {stopping.what_is_saved(o.checkpoint_dir)}")
       break
   job.prof.close(pending=state)
   stalls.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
@@ -213,11 +229,12 @@ def _finish(job: run_setup.Run, state, out: dict) -> dict:
   return out
 
 
-def main(argv: list[str]) -> int:
-  """The command line (exit status 0 done, 2 bad input, 143 stopped by SIGTERM, 130 by
-  Ctrl-C)."""
-  return cli.options_main(argv, Options, run, __doc__)
+def main(argv: list[str], own_process: bool = False) -> int:
+  """The command line (exit status 0 done, 2 bad input, 75 a lost process, 143 stopped by
+  SIGTERM, 130 by Ctrl-C). `own_process`: as `python recipes/train_lm.py`, a Ctrl-C that
+  ends the run at once ends the process (`cli.options_main`)."""
+  return cli.options_main(argv, Options, run, __doc__, own_process=own_process)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  sys.exit(main(sys.argv, own_process=True))

@@ -332,3 +332,20 @@ def test_train_lm_options_import_nothing_that_runs():
   graph = import_graph(RECIPES)
   assert [d for d in graph["recipes.lm.options"] if d != "recipes.lm.cli"] == []
   assert graph["recipes.lm.cli"] == []
+
+
+def test_run_from_the_folder_above_the_clone_the_error_says_the_folder_hides_the_package(
+    tmp_path):
+  """From the folder that holds the clone (named fnscale), Python's first search path is that
+  folder, and `import fnscale` gets the clone's own folder (a namespace package, no names)
+  instead of the package: the main job says so, and how to run it, instead of failing on a
+  missing name."""
+  (tmp_path / "fnscale").symlink_to(ROOT.parent, target_is_directory=True)  # the clone
+  (tmp_path / "recipes").symlink_to(RECIPES, target_is_directory=True)  # as the install finds it
+  out = subprocess.run([sys.executable, "-m", "recipes.train_lm", "--help"], cwd=tmp_path,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode != 0
+  assert (f"ImportError: 'import fnscale' found the folder {tmp_path / 'fnscale'}, not the "
+          "fnscale package") in out.stderr, out.stderr[-2000:]
+  assert "Fix: run from inside the clone" in out.stderr

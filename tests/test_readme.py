@@ -526,6 +526,17 @@ def test_readmes_are_read_in_one_sitting():
   assert all(lines <= 300 for lines, _ in sizes.values()), sizes
 
 
+def test_the_exit_statuses_listed_are_the_main_jobs():
+  """README's list of exit statuses holds every status `python recipes/train_lm.py` ends
+  with, and no other."""
+  from recipes.lm import cli  # pylint: disable=import-outside-toplevel
+  import fnscale as fs  # pylint: disable=import-outside-toplevel
+  said = re.search(r"Exit statuses: ([^.]*)\.", (ROOT / "README.md").read_text()).group(1)
+  listed = {int(n) for n in re.findall(r"\b(\d+) ", said)}
+  assert listed == {0, cli.EXIT_BAD_INPUT, fs.multihost.EXIT_JOB_FAILED,
+                    *cli.EXIT_STOPPED.values()}, said
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_readme_commands_run_in_order(checkout):

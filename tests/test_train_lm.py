@@ -382,6 +382,20 @@ def test_xla_lines_go_to_the_run_log_and_python_lines_to_the_console(tmp_path, c
   assert not (tmp_path / "quiet").exists()
 
 
+def test_the_run_directory_line_names_the_log_as_written_only_on_warnings(tmp_path):
+  """The start-up line names the files of the run directory; log.txt is there only when a
+  library or XLA warned (an empty one is removed), and the line says so."""
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  with rundir.library_log(str(run_dir)):
+    pass  # nothing warned
+  assert not (run_dir / "log.txt").exists()
+  line = run_summary.where(str(run_dir), "", "tensorboard")
+  assert re.findall(r"\b[\w.]+\.(?:jsonl|json|txt)\b", line) == [
+      "metrics.jsonl", "run.json", "log.txt"], line
+  assert "log.txt (only when the libraries or XLA warn)" in line
+
+
 def test_function_and_command_line_give_the_same_run(work, uninterrupted):
   """train_lm(**keywords) and the flags are one set of options: the same run, bitwise."""
   run_dir = work / "function"
@@ -559,7 +573,8 @@ def test_ctrl_c_saves_the_step_and_the_rerun_continues_its_log(work, capfd):
   stopped = _summary(run_dir)
   done = stopped["final_step"]
   assert stopped["stopped"] == "Ctrl-C" and 4 <= done < steps, stopped
-  assert f"stopped at step {done} (Ctrl-C); rerun the same command to resume" in out.out
+  assert (f"stopped at step {done} (Ctrl-C): step {done} is saved in {run_dir / 'checkpoints'}; "
+          "rerun the same command to resume") in out.out
   assert "Ctrl-C: stopping after this step and saving it" in out.err
   assert "Traceback" not in out.err
   assert (run_dir / "checkpoints" / str(done) / "commit_success.txt").exists()
@@ -605,6 +620,78 @@ def test_a_second_ctrl_c_stops_at_once_and_the_command_line_says_so_in_one_line(
   err = capsys.readouterr().err
   assert err.strip().splitlines() == [
       "stopped by Ctrl-C: what was saved is kept; rerun the same command to resume"]
+
+
+# Ctrl-C at each moment of a run (tests/interrupt_worker.py sends it from inside the run):
+# the moment, its flags, and the step then saved (None: nothing yet).
+CTRL_C_MOMENTS = [
+    ("data", [], None),  # reading the corpus
+    ("tokenizing", ["--tokenizer={tmp}/tokenizer.json"], None),  # its ids not kept yet
+    ("compile", ["--compile_cache_dir="], None),  # compiled afresh: the signal lands inside XLA
+    ("eval", [], None),  # step 0's eval, before the loop
+    ("first step", [], 1),  # in the loop: a request; the step under way is saved
+    ("sample", ["--sample_len=8"], STEPS),  # the final sample, the final save in flight
+    ("save", [], STEPS),  # the final save being written
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, extra, saved", CTRL_C_MOMENTS,
+                         ids=[m[0] for m in CTRL_C_MOMENTS])
+def test_ctrl_c_at_any_moment_exits_130_with_one_line_saying_what_is_saved(work, tmp_path, moment,
+                                                                         extra, saved):
+  """`python recipes/train_lm.py` stopped by Ctrl-C at `moment`: exit 130, one line (no
+  traceback) that says which step is saved, and that step committed on disk. Interrupted
+  outside the loop, the process ends without the interpreter's teardown: a compile that
+  Ctrl-C cut short goes on in XLA's own thread, and tearing the runtime down under it
+  crashed the process on a TPU (SIGSEGV in PjRtLoadedExecutable::Create)."""
+  run_dir, hook, ckpt = tmp_path / "run", tmp_path / "hook", tmp_path / "run" / "checkpoints"
+  env = dict(os.environ, PYTHONPATH=str(ROOT), HOOK_FILE=str(hook))
+  if moment == "tokenizing":  # a cache of token ids of its own: the corpus is encoded
+    train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 300,
+                                    str(tmp_path / "tokenizer.json"))
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+  cmd = [sys.executable, str(ROOT / "tests" / "interrupt_worker.py"), moment,
+         *_argv(work, run_dir, *(e.format(tmp=tmp_path) for e in extra))[1:]]
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert out.returncode == 130, out.stdout[-2000:] + out.stderr[-2000:]
+  err = [line for line in out.stderr.splitlines() if line.strip()]
+  notes = hook.read_text().splitlines() if hook.exists() else []
+  if saved is None:
+    assert err == ["stopped by Ctrl-C: nothing was saved yet; rerunning the same command "
+                   "starts afresh"]
+    assert fs.checkpoint.steps(str(ckpt)) == ()
+  else:
+    said = f"step {saved} is saved in {ckpt}; rerun the same command to resume"
+    if moment == "first step":
+      assert err == ["Ctrl-C: stopping after this step and saving it (Ctrl-C again stops at "
+                     "once; what is saved is kept)"]
+      assert f"stopped at step 1 (Ctrl-C): {said}" in out.stdout
+    else:
+      assert err == [f"stopped by Ctrl-C: {said}"]
+    assert fs.checkpoint.steps(str(ckpt))[-1] == saved
+  if moment == "compile":
+    assert notes and notes[0].startswith("KeyboardInterrupt out of the compile"), notes
+  assert ("teardown" in notes) == (moment == "first step"), notes  # the loop's stop: none
+
+
+@pytest.mark.slow
+def test_a_save_cut_short_is_removed_and_the_run_resumes_from_the_last_complete_one(
+    work, stopped_at_3, capsys):
+  """A second Ctrl-C (or a kill) while orbax writes a step leaves
+  `<step>.orbax-checkpoint-tmp-<time>`, which nothing reads: the next run removes it, says
+  so, and resumes from the newest complete step."""
+  run_dir = _checkpointed_at_3(work, stopped_at_3, "cut_short")
+  cut = run_dir / "checkpoints" / "5.orbax-checkpoint-tmp-1796546995"
+  shutil.copytree(run_dir / "checkpoints" / "3", cut)
+  (cut / "commit_success.txt").unlink(missing_ok=True)
+  summary = _run(_argv(work, run_dir))
+  out = capsys.readouterr().out
+  assert (f"checkpoint: removed 1 unfinished save(s) of step(s) [5] in {run_dir / 'checkpoints'}"
+          in out), out
+  assert summary.resumed_from == 3 and summary.final_step == STEPS
+  assert not cut.exists()
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["3", str(STEPS)]
 
 
 @pytest.mark.parametrize("done, notice, ctrl_c, stop_after, why", [
@@ -1115,6 +1202,9 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("no TPU", ["--tpu"], dict(tpu=True), fs.TopologyError, NO_TPU),
     ("bad profile window", ["--profile_steps=4:9"], dict(profile_steps="4:9"), fs.FnscaleError,
      r"--profile_steps='4:9': expected START:STOP, two ints with 0 <= START < STOP <= 6"),
+    ("run_dir a file", ["--run_dir={tmp}/short.txt"], dict(run_dir="{tmp}/short.txt"),
+     fs.InputError, r"--run_dir=.*short.txt: .*short.txt is a file, not a directory; fix: give "
+     r"a directory"),
     ("missing tokenizer", ["--tokenizer={tmp}/nope.json"], dict(tokenizer="{tmp}/nope.json"),
      fs.FnscaleError, r"tokenizer='.*nope.json': no such file; pass a Hugging Face "
      r"tokenizer.json"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import time
 from typing import Callable, NamedTuple
 
@@ -41,6 +43,27 @@ def manager(o):
   except BaseException:
     rundir.remove_empty(made)
     raise
+
+
+# orbax's name for a save under way: `<step>.orbax-checkpoint-tmp-<time>` until it commits.
+_UNFINISHED = re.compile(r"(\d+)\.orbax-checkpoint-tmp")
+
+
+def remove_unfinished(directory: str, say) -> list[str]:
+  """Removes the saves in `directory` that never finished (a process ended while orbax wrote
+  them: a second Ctrl-C, a kill), saying so; nothing reads them, and left there they would
+  stay for good. Process 0 removes them, before this run's manager opens (no save of its
+  own is under way); local directories only. Returns the names removed."""
+  if "://" in directory or jax.process_index() != 0 or not os.path.isdir(directory):
+    return []
+  gone = sorted(n for n in os.listdir(directory) if _UNFINISHED.match(n))
+  for name in gone:
+    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+  if gone:
+    steps = sorted({int(_UNFINISHED.match(n)[1]) for n in gone})
+    say(f"checkpoint: removed {len(gone)} unfinished save(s) of step(s) {steps} in "
+        f"{directory} (a run ended while writing them); the complete steps are kept")
+  return gone
 
 
 def with_finite_flag(step):

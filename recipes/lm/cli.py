@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import sys
@@ -195,19 +197,26 @@ def parse_flags(cls, argv: list[str]):
   return _check_ranges(cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)}))
 
 
-def options_main(argv: list[str], cls, run, doc: str) -> int:
+def options_main(argv: list[str], cls, run, doc: str, *, own_process: bool = False) -> int:
   """Command-line entry: `--help`, flags -> `cls`, `run`, bad input as one `error:` line.
   Exit status 0 done, 2 bad input or a refused checkpoint, 75 a lost process, 143 stopped
   by SIGTERM, 130 by Ctrl-C (`run`'s result has `stopped`; a Ctrl-C `run` did not turn
-  into a stop, a KeyboardInterrupt, is one line too, not a traceback)."""
+  into a stop, a KeyboardInterrupt, is one line too, not a traceback: its text, when it has
+  one, says what was saved).
+
+  `own_process`: the process is this command's (`python recipes/train_lm.py`): after such a
+  KeyboardInterrupt the process ends here (`end_at_once`), not through the interpreter's
+  teardown."""
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(doc + "\nflags:\n" + _flag_values(cls).get_help())
     return 0
   try:
     summary = run(parse_flags(cls, argv))
-  except KeyboardInterrupt:
-    print(f"\nstopped by {CTRL_C}: what was saved is kept; rerun the same command to resume",
-          file=sys.stderr, flush=True)
+  except KeyboardInterrupt as e:
+    said = str(e) or "what was saved is kept; rerun the same command to resume"
+    print(f"\nstopped by {CTRL_C}: {said}", file=sys.stderr, flush=True)
+    if own_process:
+      end_at_once(EXIT_STOPPED[CTRL_C])
     return EXIT_STOPPED[CTRL_C]
   except fs.FnscaleError as e:
     status = report(e)
@@ -217,3 +226,15 @@ def options_main(argv: list[str], cls, run, doc: str) -> int:
       os._exit(fs.multihost.EXIT_JOB_FAILED)  # pylint: disable=protected-access
     return status
   return EXIT_STOPPED.get(summary.stopped, 0)
+
+
+def end_at_once(status: int) -> None:
+  """Ends the process with `status` once Python's output and logs are flushed, skipping the
+  interpreter's teardown: a compile that Ctrl-C interrupted goes on in a thread of XLA's,
+  and tearing the runtime down under it crashes the process (a SIGSEGV in
+  `PjRtLoadedExecutable::Create` on a TPU); a run's files are flushed or closed by then."""
+  logging.shutdown()
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(status)  # pylint: disable=protected-access

@@ -40,8 +40,9 @@ def check_same_run(o, devices: int) -> None:
 
   Raises:
     InputError: naming each differing option (this run's value and the recorded one) and
-      the fix.
+      the fix; a `run_dir` (or a folder above it) that is a file.
   """
+  check_directory(o.run_dir, "--run_dir")
   path = os.path.join(o.run_dir, run_log.RUN_FILE)
   if not os.path.isfile(path):
     return
@@ -56,6 +57,20 @@ def check_same_run(o, devices: int) -> None:
         f"--run_dir={o.run_dir} holds a run with other options: {', '.join(diff)}; its "
         "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
         "the run's options to resume it.")
+
+
+def check_directory(path: str, flag: str) -> None:
+  """Raises InputError when local `path`, or the nearest of the folders above it that exists,
+  is a file: nothing could be made or written there."""
+  if not path or "://" in path:
+    return
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise fs.InputError(
+        f"{flag}={path}: {existing} is a file, not a directory; fix: give a directory (made "
+        "if missing) where no file is, or move the file away")
 
 
 LOG_FILE = "log.txt"

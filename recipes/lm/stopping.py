@@ -6,13 +6,17 @@ Ctrl-C while the loop runs (`ctrl_c`) is a request like a notice: the first stop
 step under way and saves it ("rerun the same command to resume"); with several processes it
 goes through the same notice, so every process stops at the same step. A second Ctrl-C stops
 at once (`KeyboardInterrupt`): what is on disk stays (a save in flight either commits or
-stays a temporary directory that is never read). Outside the loop (start-up, data, compile,
-the final save) Ctrl-C is Python's `KeyboardInterrupt`: nothing trained is left unsaved.
+stays a temporary directory, which the next run removes: `checkpoints.remove_unfinished`).
+Outside the loop (start-up, data, compile, the first eval, the final save and sample) Ctrl-C
+is Python's `KeyboardInterrupt`: nothing trained is left unsaved. A run a Ctrl-C ends at once
+ends as `Interrupted`, whose text says which step is saved (`what_is_saved`, which the
+loop's stop line says too).
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -21,6 +25,7 @@ from typing import Callable, Iterator
 
 import jax
 
+import fnscale as fs
 from recipes.lm.cli import CTRL_C
 
 
@@ -70,3 +75,39 @@ def reason(done: int, steps: int, notice: bool, ctrl_c_asked: bool,
   if notice or (ctrl_c_asked and jax.process_count() == 1):
     return CTRL_C if ctrl_c_asked else "SIGTERM"
   return f"--stop_after={stop_after}" if done == stop_after else None
+
+
+class Interrupted(KeyboardInterrupt):
+  """A Ctrl-C that ended a run at once; `str()` is the end of the line that says so: what is
+  saved and what rerunning does (`cli.options_main` prints it)."""
+
+
+def interrupted(checkpoint_dir: str | None) -> Interrupted:
+  """The `Interrupted` of a run whose checkpoints go to `checkpoint_dir` (`what_is_saved`)."""
+  return Interrupted(what_is_saved(checkpoint_dir))
+
+
+def what_is_saved(checkpoint_dir: str | None) -> str:
+  """What a run that stops now leaves, and what rerunning it does: read from the disk, once
+  the run's checkpoint manager has closed (a save in flight then committed, or stays
+  unfinished and is not counted). `checkpoint_dir`: "" checkpoints off, None not decided
+  yet (nothing saved)."""
+  if checkpoint_dir == "":
+    return ("checkpoints are off (--nocheckpoint): nothing was saved; rerunning the same "
+            "command starts afresh")
+  saved = _complete_steps(checkpoint_dir) if checkpoint_dir else ()
+  if not saved:
+    return "nothing was saved yet; rerunning the same command starts afresh"
+  return f"step {saved[-1]} is saved in {checkpoint_dir}; rerun the same command to resume"
+
+
+def _complete_steps(directory: str) -> tuple[int, ...]:
+  """`fs.checkpoint.steps(directory)`, without orbax's notice that it lists read-only (once
+  the run's library log has closed it would reach the console)."""
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    return fs.checkpoint.steps(directory)
+  finally:
+    absl.setLevel(level)

@@ -165,7 +165,7 @@ def where(run_dir: str, checkpoint_dir: str, tracker: str = "tensorboard") -> st
             else "a W&B run (wandb/)" if tracker == "wandb" else "")
   return (f"run directory {run_dir}: {run_log.METRICS_FILE}"
           + (f" and {events}" if events else "") + f", {run_log.RUN_FILE}, {rundir.LOG_FILE} "
-          "(the libraries' and XLA's warnings), "
+          "(only when the libraries or XLA warn), "
           + (f"checkpoints in {checkpoint_dir}" if checkpoint_dir else "no checkpoints"))
 
 
