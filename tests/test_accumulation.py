@@ -1,14 +1,17 @@
 """Gradient accumulation: when gradients are reduced and what stays sharded is a declared choice.
 
-"auto" (the default) and "once": the microbatch loop runs per shard, params gathered once,
-a whole-size accumulator, every leaf's gradient reduced once after the loop
-(reduce-scattered where the leaf is split). "per_microbatch": params stay sharded and are
-gathered inside each microbatch; the float32 accumulator is sharded as the params are, so
-each microbatch's gradient is reduced into it (FSDP's memory). Memory and collectives are
-read from the compiled program (`fs.analysis.hlo.summarize`, memory analysis) and set against hand
-counts of the model's float32 param bytes P.
+"once": the microbatch loop runs per shard, params gathered once, a whole-size accumulator,
+every leaf's gradient reduced once after the loop (reduce-scattered where the leaf is
+split). "per_microbatch": params stay sharded and are gathered inside each microbatch; the
+float32 accumulator is sharded as the params are, so each microbatch's gradient is reduced
+into it (FSDP's memory). "auto" (the default): "once" where no param is split over a data
+axis, or where whole params and accumulator fit the stated share of the device's memory;
+else "per_microbatch". Memory and collectives are read from the compiled program
+(`fs.analysis.hlo.summarize`, memory analysis) and set against hand counts of the model's
+float32 param bytes P.
 """
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,8 @@ import optax
 import pytest
 
 import fnscale as fs
+from fnscale import _step as fnscale_step
+from fnscale import _topology
 from fnscale.analysis import hlo
 from recipes.bench import accumulation as bench
 
@@ -145,6 +150,20 @@ def test_per_microbatch_keeps_the_accumulator_sharded_cpu(target, axes):
 @pytest.mark.parametrize("target, axes", CASES)
 def test_once_gathers_once_and_reduce_scatters_cpu(target, axes):
   _check_once(target, axes)
+
+
+@pytest.mark.parametrize("axes", [CASES[1][1], (("fsdp", 4), ("tensor", 2)),
+                                  pytest.param(CASES[0][1], marks=pytest.mark.slow)])
+def test_default_keeps_fsdp_memory_where_the_device_memory_is_unknown(axes):
+  # CPU (no device memory known), params split over fsdp, 1024 rows (XLA gathers weights):
+  # the default's temporaries stay within 1.5x of accum 1's, under the whole bfloat16
+  # params and float32 accumulator "once" holds (1.5 P, hand count).
+  p = _param_bytes(256, 1024)
+  one, _ = _compiled("cpu", axes, 1, None, rows=1024)
+  default, s = _compiled("cpu", axes, 4, None, rows=1024)
+  assert _temp(default) <= 1.5 * _temp(one), (_temp(default), _temp(one))
+  assert _temp(default) < 1.5 * p
+  assert s.collective("all-gather").count == 4 * 4  # each weight in each microbatch
 
 
 def test_data_axis_reductions_per_mode_cpu():
@@ -350,8 +369,12 @@ TREE_BATCH = {"x": jax.random.normal(jax.random.key(2), (64, 256))}
 
 
 @functools.lru_cache(maxsize=None)
-def _tree_step(target, axis_types, gather, accum=4, rows=64):
-  """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4."""
+def _tree_step(target, axis_types, gather, accum=4, rows=64, memory=None):
+  """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4; `memory`:
+  the bytes the device is said to have (default: what fnscale reads, none on CPU)."""
+  if memory is not None:
+    with mock.patch.object(_topology, "device_memory", lambda device: memory):
+      return _tree_step.__wrapped__(target, axis_types, gather, accum, rows)
   devices = None if target == "cpu" else fs.target_devices(target)
   mesh = fs.make_mesh({"data": 2, "fsdp": 4}, devices=devices, axis_types=axis_types)
   opt = optax.sgd(0.1)
@@ -384,19 +407,42 @@ def _check_reduced_once(summary):
   assert counts["reduce-scatter"] in (1, 2) and counts["all-gather"] == 2
 
 
-@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
-def test_default_reduces_every_leaf_once_reduce_scattered_where_split(axis_types):
-  # The partitioner's microbatch loop (per_microbatch) reduces in each of the 4 microbatches:
-  # b1 and b2 over all devices, the w shards over data, and on CPU w1 and w2 whole over fsdp
-  # (no reduce-scatter); one SGD step equals the one-device step on the whole batch.
-  summary, compiled, state = _tree_step("cpu", axis_types, None)
-  _check_reduced_once(summary)
+# What "auto" holds whole to run "once", hand counted: every float32 param (8 bytes an
+# element: the param and its float32 accumulator; no policy, so computed in float32).
+TREE_WHOLE = 2 * (TREE_SPLIT + TREE_REPLICATED)
+
+
+def _check_tree_step(compiled, state):
   new, metrics = compiled(state, TREE_BATCH)
   ref = _tree_init(jax.random.key(0))
   loss, grads = jax.value_and_grad(_mlp)(ref, TREE_BATCH)
   jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - 0.1 * g, rtol=2e-5, atol=1e-6),
                jax.device_get(new.params), ref, grads)
   assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_runs_once_where_whole_params_fit_the_stated_share_of_memory(axis_types):
+  # A device said to hold the whole params and accumulator in ONCE_SHARE of its memory: the
+  # per-shard loop, every leaf reduced once; one SGD step equals the one-device step.
+  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 1.01
+  summary, compiled, state = _tree_step("cpu", axis_types, None, memory=memory)
+  _check_reduced_once(summary)
+  _check_tree_step(compiled, state)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_keeps_fsdp_params_split_where_whole_ones_dont_fit(axis_types):
+  # Just over the share, or memory unknown (CPU): the partitioner's loop (per_microbatch),
+  # which gathers in every microbatch (each all-gather op runs 4 times), and holds no
+  # whole-size accumulator. One SGD step equals the one-device step.
+  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 0.99
+  for summary, compiled, state in (_tree_step("cpu", axis_types, None, memory=memory),
+                                   _tree_step("cpu", axis_types, None)):
+    ag = summary.collective("all-gather")
+    assert ag.ops >= 2 and ag.count == 4 * ag.ops
+    assert compiled.compiled.memory_analysis().temp_size_in_bytes < TREE_SPLIT
+    _check_tree_step(compiled, state)
 
 
 @pytest.mark.tpu
@@ -435,9 +481,11 @@ def _constrained_mlp(p, b):
   return jnp.mean((h @ p["w2"] + p["b2"] - b["x"]) ** 2)
 
 
-def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog):
+def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog, monkeypatch):
   # The per-shard loop makes the data axes Manual, where jax refuses the constraint: "auto"
-  # keeps the loop with the partitioner (said once), "once" names the option that works.
+  # (on a device whose memory holds whole params: the per-shard loop) keeps the loop with
+  # the partitioner (said once), "once" names the option that works.
+  monkeypatch.setattr(_topology, "device_memory", lambda device: 2**40)
   mesh = fs.make_mesh({"data": 2, "fsdp": 4})
   opt = optax.sgd(0.1)
   state = fs.init_state(_mlp_init, opt, mesh=mesh, key=jax.random.key(0))
