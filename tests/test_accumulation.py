@@ -499,3 +499,41 @@ def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog, mon
   with pytest.raises(fs.StepError, match=r"sharding constraint in the loss.*"
                      r"accum_gather='per_microbatch'"):
     once.compile(state, MLP_BATCH)
+
+
+# ----------------------------------------------------- a Linen model on an FSDP mesh (CPU)
+
+
+def test_default_keeps_a_linen_models_fsdp_memory_and_trains_like_one_device():
+  # A Linen MLP whose kernels its authors split over "fsdp" (nn.with_partitioning), fsdp=8,
+  # 1024 rows, accum 4 by default: temporaries within 1.5x of accum 1's and under the whole
+  # float32 params and accumulator (8 bytes a param, hand count); one SGD step equals one
+  # device's on the whole batch.
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.initializers.lecun_normal()
+      h = nn.Dense(512, kernel_init=nn.with_partitioning(init, (None, "fsdp")))(x)
+      return nn.Dense(128, kernel_init=nn.with_partitioning(init, ("fsdp", None)))(nn.relu(h))
+
+  model = MLP()
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["x"]) ** 2)
+  init = lambda key: model.init(key, jnp.zeros((1, 128)))["params"]
+  batch = {"x": jax.random.normal(jax.random.key(1), (1024, 128))}
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.sgd(0.1)
+  got = {}
+  for accum in (1, 4):
+    state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0))
+    compiled = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum), mesh).compile(
+        state, batch)
+    new, metrics = compiled(state, batch)
+    got[accum] = (_temp(compiled), jax.device_get(new.params), float(metrics["loss"]))
+  whole = 8 * (128 * 512 + 512 + 512 * 128 + 128)
+  assert got[4][0] <= 1.5 * got[1][0] and got[4][0] < whole, (got[4][0], got[1][0], whole)
+  params = nn.unbox(init(jax.random.key(0)))
+  loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - 0.1 * g, rtol=2e-5, atol=1e-6),
+               got[4][1], params, grads)
+  assert got[4][2] == pytest.approx(float(loss), rel=1e-5)
