@@ -32,7 +32,8 @@ gradients end in the params' sharding in every mode. Measure the modes with
   accumulator. The loop stays with XLA's partitioner, which carries its accumulator in one
   sharding, never as a partial sum, so it reduces every microbatch's gradient before adding
   it (on TPU, XLA's while-loop all-reduce code motion moves some of those all-reduces out of
-  the loop; CPU's compiler doesn't).
+  the loop; CPU's compiler doesn't, and on Explicit axes it moves the params' gathers out of
+  the loop, holding them whole: measure on the target).
 - "once": for models whose whole params fit on a device. The microbatch loop runs per shard
   under `jax.shard_map` over the data axes; params, cast to the compute dtype, are
   all-gathered once at its entry and stay whole for the loop; every device sums its own
