@@ -437,7 +437,7 @@ def test_default_keeps_fsdp_params_split_where_whole_ones_dont_fit(axis_types):
   # which gathers in every microbatch (each all-gather op runs 4 times), and holds no
   # whole-size accumulator. One SGD step equals the one-device step. (On Explicit axes
   # CPU's compiler moves the gathers out of the loop: the memory is checked on a described
-  # TPU, test_default_keeps_fsdp_memory_on_explicit_axes_of_a_described_tpu.)
+  # TPU, test_default_keeps_fsdp_memory_on_a_described_tpu.)
   memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 0.99
   for summary, compiled, state in (_tree_step("cpu", axis_types, None, memory=memory),
                                    _tree_step("cpu", axis_types, None)):
@@ -450,13 +450,16 @@ def test_default_keeps_fsdp_params_split_where_whole_ones_dont_fit(axis_types):
 
 @pytest.mark.slow
 @pytest.mark.tpu
-def test_default_keeps_fsdp_memory_on_explicit_axes_of_a_described_tpu(tpu_devices):
-  # v5p-8, fsdp=4 on Explicit axes, the 64 MiB MLP, 1024 rows, a device said to have
-  # 512 MiB (whole bf16 params and f32 accumulator, 96 MiB, over its 10%): the default
-  # gathers the weights in every microbatch (4 x accum 1's all-gathers) and its temporaries
-  # stay within 1.5x of accum 1's ("once" holds 96 MiB whole: 99 MiB of temporaries).
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_default_keeps_fsdp_memory_on_a_described_tpu(axis_types, tpu_devices):
+  # v5p-8, fsdp=4, the 64 MiB MLP, 1024 rows, a device said to have 512 MiB (whole bf16
+  # params and f32 accumulator, 96 MiB, over its 10%): the default gathers the weights and
+  # reduce-scatters their gradients in every microbatch (4 x accum 1's), all-reduces
+  # nothing but scalars, and its temporaries stay within 1.5x of accum 1's plus the float32
+  # accumulator's shard (P / 4, which accum 1 doesn't have; "once" holds 96 MiB whole: 99
+  # MiB of temporaries).
   del tpu_devices
-  mesh = fs.make_mesh({"fsdp": 4}, axis_types="explicit", devices=fs.target_devices("v5p-8"))
+  mesh = fs.make_mesh({"fsdp": 4}, axis_types=axis_types, devices=fs.target_devices("v5p-8"))
   opt = optax.sgd(0.1)
   init = functools.partial(bench.init_mlp, d=1024, m=4096, layers=L)
   state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
@@ -466,9 +469,12 @@ def test_default_keeps_fsdp_memory_on_explicit_axes_of_a_described_tpu(tpu_devic
     for accum in (1, 4):
       step = fs.train_step(bench.mlp_loss, opt, accum_steps=accum, policy=POLICY)
       c = fs.shard_step(step, mesh).compile(state, batch)
-      got[accum] = (_temp(c), hlo.summarize(c.compiled.as_text()).collective("all-gather"))
-  assert got[4][0] <= 1.5 * got[1][0], (got[4][0], got[1][0])
-  assert got[1][1].count > 0 and got[4][1].count == 4 * got[1][1].count
+      got[accum] = (_temp(c), hlo.summarize(c.compiled.as_text()))
+  assert got[4][0] <= 1.5 * got[1][0] + _param_bytes(1024, 4096) / 4, (got[4][0], got[1][0])
+  for kind in ("all-gather", "reduce-scatter"):
+    one, four = (got[a][1].collective(kind).count for a in (1, 4))
+    assert one > 0 and four == 4 * one, (kind, one, four)
+  assert got[4][1].collective("all-reduce").bytes_sent <= 64  # scalars
 
 
 @pytest.mark.tpu
