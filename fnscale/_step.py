@@ -32,7 +32,8 @@ gradients end in the params' sharding in every mode. Measure the modes with
   accumulator. The loop stays with XLA's partitioner, which carries its accumulator in one
   sharding, never as a partial sum, so it reduces every microbatch's gradient before adding
   it (on TPU, XLA's while-loop all-reduce code motion moves some of those all-reduces out of
-  the loop; CPU's compiler doesn't).
+  the loop; CPU's compiler doesn't, and on Explicit axes it moves the params' gathers out of
+  the loop, holding them whole: measure on the target).
 - "once": for models whose whole params fit on a device. The microbatch loop runs per shard
   under `jax.shard_map` over the data axes; params, cast to the compute dtype, are
   all-gathered once at its entry and stay whole for the loop; every device sums its own
@@ -45,12 +46,16 @@ gradients end in the params' sharding in every mode. Measure the modes with
   axes (2 (n-1)/n of their bytes sent per device, twice the reduce-scatter's) and then
   sliced to the params' sharding. A loss that closes over an array sharded on Explicit axes
   (which jax can't take into the per-shard loop's shard_map) raises StepError naming it.
-- "auto" (the default): as "once", except with a `key`, and when the loss closes over an
+- "auto" (the default): "once" where no param is split over a data axis (data parallel:
+  the same memory as "per_microbatch", the gradients reduced once), or where whole
+  compute-dtype params and a whole float32 accumulator take at most `ONCE_SHARE` (10%) of
+  the device's memory (`fnscale.analysis.device_memory`, the memory pre-flight's figure);
+  otherwise, and where the device's memory is unknown (CPU), "per_microbatch". The choice
+  is said at INFO with its numbers. Under a plain `jax.jit` on Auto axes (param shardings
+  unknown) "once". With a `key`, with `frozen` params, and when the loss closes over an
   array sharded on Explicit axes or shards its ops by type (`out_sharding=`,
   `jax.sharding.reshard`, `auto_axes`: jax refuses them where the data axes are Manual; a
-  warning says so): then as "per_microbatch". For an FSDP
-  model whose whole params and whole float32 gradients don't fit on a device, pass
-  "per_microbatch" (the planner chooses it where "once" doesn't fit).
+  warning says so): "per_microbatch".
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ from fnscale import _compat
 from fnscale import _context
 from fnscale import _lookups
 from fnscale import _ratio
+from fnscale import _topology
 from fnscale import _tree
 from fnscale._errors import StepError
 
@@ -731,7 +737,47 @@ def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs, frozen=Non
   return f(params, micro, scale, step, frozen)
 
 
-def _mode(cfg: _Config, frozen=None) -> str:
+# accum_gather="auto" runs "once" (whole params on every device) only where a device's whole
+# compute-dtype params and whole float32 accumulator take at most this share of its memory
+# (`fnscale._topology.device_memory`, the memory pre-flight's figure); the rest is for
+# activations, optimizer state and the compiler. Above it, or where the device's memory is
+# unknown (CPU), a model with params split over a data axis keeps them split
+# ("per_microbatch", FSDP's memory).
+ONCE_SHARE = 0.1
+
+
+def _whole_bytes(params, specs, axes, policy) -> int:
+  """Bytes per device of the params whole over the data axes `axes`, in the compute dtype,
+  and of a float32 accumulator as whole: each leaf divided by the other axes that split it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  total = 0
+  for p, s in zip(jax.tree.leaves(params), specs):
+    others = math.prod(mesh.shape[a] for e in s for a in _tree.entry_axes(e) if a not in axes)
+    dtype = policy.compute_dtype if policy is not None and _is_float(p) else p.dtype
+    total += math.prod(p.shape) * (jnp.dtype(dtype).itemsize + 4) // others
+  return total
+
+
+def _auto_mode(cfg: _Config, params, specs, axes) -> str:
+  """"per_shard" or "per_microbatch" for accum_gather="auto" by memory (`ONCE_SHARE`),
+  said at INFO: "per_shard" where no leaf is split over a data axis (data parallel, where
+  it reduces once at the same memory)."""
+  if not any(a in axes for s in specs for e in s for a in _tree.entry_axes(e)):
+    return "per_shard"
+  mesh = _compat.concrete_mesh()
+  memory = None if mesh.empty else _topology.device_memory(mesh.devices.flat[0])
+  whole = _whole_bytes(params, specs, axes, cfg.policy)
+  once = memory is not None and whole <= ONCE_SHARE * memory
+  logging.info(
+      "train_step: accum_gather='auto' runs %s: whole compute-dtype params and a whole "
+      "float32 accumulator take %.3g GiB per device, %s %g%% of its memory (%s)",
+      "'once'" if once else "'per_microbatch' (params and accumulator stay split)",
+      whole / 2**30, "within" if once else "over", 100 * ONCE_SHARE,
+      "unknown" if memory is None else f"{memory / 2**30:.3g} GiB")
+  return "per_shard" if once else "per_microbatch"
+
+
+def _mode(cfg: _Config, params, specs, axes, frozen=None) -> str:
   """Where the microbatch loop runs: "per_shard" (`_per_shard`: each device sums its own
   microbatches' gradients, reduced once after the loop) or "per_microbatch" (the
   partitioner's loop). "auto" runs per shard unless a `key` is given (whose random bits
@@ -743,10 +789,13 @@ def _mode(cfg: _Config, frozen=None) -> str:
   never a partial sum), so each microbatch's gradient, a sum over every device's rows, is
   reduced before it is added (all-reduced over the axes that replicate the leaf,
   reduce-scattered where the accumulator is split); no sharding of the accumulator avoids
-  it."""
+  it. Otherwise "auto" chooses by memory where the params' shardings `specs` are known
+  (`_auto_mode`), and runs per shard where they aren't (a plain jit on Auto axes)."""
   if cfg.accum_gather != "auto":
     return "per_shard" if cfg.accum_gather == "once" else "per_microbatch"
-  return "per_microbatch" if cfg.key is not None or frozen is not None else "per_shard"
+  if cfg.key is not None or frozen is not None:
+    return "per_microbatch"
+  return "per_shard" if specs is None else _auto_mode(cfg, params, specs, axes)
 
 
 def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
@@ -766,7 +815,7 @@ def _gradients(cfg: _Config, params, batch, ls, step, frozen=None):
   def partitioned():  # the partitioner's loop
     micro = _microbatches(batch, cfg.accum_steps, n, axes, own_rows=True)
     return _grad_sum(cfg, params, micro, scale, step, frozen=frozen)
-  if _mode(cfg, frozen) == "per_microbatch":
+  if _mode(cfg, params, known, axes, frozen) == "per_microbatch":
     # (Not per shard over only the data axes the params are whole on, which would reduce
     # those once: XLA's partitioner aborts on a table lookup inside such a partly manual
     # loop. The per-shard loop is manual over every data axis.)
@@ -1004,9 +1053,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     accum_gather: one of `fnscale.ACCUM_GATHER`: with accum_steps > 1 under a mesh with data
       axes, when gradients are reduced over the data axes: "once" once per step (whole params
       and a whole float32 accumulator per device), "per_microbatch" in every microbatch
-      (memory as at accum 1, ZeRO-3), "auto" (default) "once" unless a `key`, or a loss
-      closing over an Explicit-sharded array or sharding its ops by type, needs
-      "per_microbatch". The modes' traffic and memory: this module's docstring.
+      (memory as at accum 1, ZeRO-3), "auto" (default) "once" where whole params and
+      accumulator fit 10% of the device's memory (`fnscale._step.ONCE_SHARE`) or no param
+      is split over a data axis, else "per_microbatch" (also with a `key`, or a loss
+      closing over an Explicit-sharded array or sharding its ops by type). The modes'
+      traffic and memory: this module's docstring.
     weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over its
       batch's tokens and their count or total weight (e.g. `(jnp.sum(nll * mask),
       jnp.sum(mask))`). The step sums both over microbatches and shards and divides once:

@@ -1,14 +1,17 @@
 """Gradient accumulation: when gradients are reduced and what stays sharded is a declared choice.
 
-"auto" (the default) and "once": the microbatch loop runs per shard, params gathered once,
-a whole-size accumulator, every leaf's gradient reduced once after the loop
-(reduce-scattered where the leaf is split). "per_microbatch": params stay sharded and are
-gathered inside each microbatch; the float32 accumulator is sharded as the params are, so
-each microbatch's gradient is reduced into it (FSDP's memory). Memory and collectives are
-read from the compiled program (`fs.analysis.hlo.summarize`, memory analysis) and set against hand
-counts of the model's float32 param bytes P.
+"once": the microbatch loop runs per shard, params gathered once, a whole-size accumulator,
+every leaf's gradient reduced once after the loop (reduce-scattered where the leaf is
+split). "per_microbatch": params stay sharded and are gathered inside each microbatch; the
+float32 accumulator is sharded as the params are, so each microbatch's gradient is reduced
+into it (FSDP's memory). "auto" (the default): "once" where no param is split over a data
+axis, or where whole params and accumulator fit the stated share of the device's memory;
+else "per_microbatch". Memory and collectives are read from the compiled program
+(`fs.analysis.hlo.summarize`, memory analysis) and set against hand counts of the model's
+float32 param bytes P.
 """
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,8 @@ import optax
 import pytest
 
 import fnscale as fs
+from fnscale import _step as fnscale_step
+from fnscale import _topology
 from fnscale.analysis import hlo
 from recipes.bench import accumulation as bench
 
@@ -145,6 +150,20 @@ def test_per_microbatch_keeps_the_accumulator_sharded_cpu(target, axes):
 @pytest.mark.parametrize("target, axes", CASES)
 def test_once_gathers_once_and_reduce_scatters_cpu(target, axes):
   _check_once(target, axes)
+
+
+@pytest.mark.parametrize("axes", [CASES[1][1], (("fsdp", 4), ("tensor", 2)),
+                                  pytest.param(CASES[0][1], marks=pytest.mark.slow)])
+def test_default_keeps_fsdp_memory_where_the_device_memory_is_unknown(axes):
+  # CPU (no device memory known), params split over fsdp, 1024 rows (XLA gathers weights):
+  # the default's temporaries stay within 1.5x of accum 1's, under the whole bfloat16
+  # params and float32 accumulator "once" holds (1.5 P, hand count).
+  p = _param_bytes(256, 1024)
+  one, _ = _compiled("cpu", axes, 1, None, rows=1024)
+  default, s = _compiled("cpu", axes, 4, None, rows=1024)
+  assert _temp(default) <= 1.5 * _temp(one), (_temp(default), _temp(one))
+  assert _temp(default) < 1.5 * p
+  assert s.collective("all-gather").count == 4 * 4  # each weight in each microbatch
 
 
 def test_data_axis_reductions_per_mode_cpu():
@@ -350,8 +369,12 @@ TREE_BATCH = {"x": jax.random.normal(jax.random.key(2), (64, 256))}
 
 
 @functools.lru_cache(maxsize=None)
-def _tree_step(target, axis_types, gather, accum=4, rows=64):
-  """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4."""
+def _tree_step(target, axis_types, gather, accum=4, rows=64, memory=None):
+  """(HLO summary, compiled step, state) of the tree's step on data=2 x fsdp=4; `memory`:
+  the bytes the device is said to have (default: what fnscale reads, none on CPU)."""
+  if memory is not None:
+    with mock.patch.object(_topology, "device_memory", lambda device: memory):
+      return _tree_step.__wrapped__(target, axis_types, gather, accum, rows)
   devices = None if target == "cpu" else fs.target_devices(target)
   mesh = fs.make_mesh({"data": 2, "fsdp": 4}, devices=devices, axis_types=axis_types)
   opt = optax.sgd(0.1)
@@ -384,19 +407,74 @@ def _check_reduced_once(summary):
   assert counts["reduce-scatter"] in (1, 2) and counts["all-gather"] == 2
 
 
-@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
-def test_default_reduces_every_leaf_once_reduce_scattered_where_split(axis_types):
-  # The partitioner's microbatch loop (per_microbatch) reduces in each of the 4 microbatches:
-  # b1 and b2 over all devices, the w shards over data, and on CPU w1 and w2 whole over fsdp
-  # (no reduce-scatter); one SGD step equals the one-device step on the whole batch.
-  summary, compiled, state = _tree_step("cpu", axis_types, None)
-  _check_reduced_once(summary)
+# What "auto" holds whole to run "once", hand counted: every float32 param (8 bytes an
+# element: the param and its float32 accumulator; no policy, so computed in float32).
+TREE_WHOLE = 2 * (TREE_SPLIT + TREE_REPLICATED)
+
+
+def _check_tree_step(compiled, state):
   new, metrics = compiled(state, TREE_BATCH)
   ref = _tree_init(jax.random.key(0))
   loss, grads = jax.value_and_grad(_mlp)(ref, TREE_BATCH)
   jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - 0.1 * g, rtol=2e-5, atol=1e-6),
                jax.device_get(new.params), ref, grads)
   assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_runs_once_where_whole_params_fit_the_stated_share_of_memory(axis_types):
+  # A device said to hold the whole params and accumulator in ONCE_SHARE of its memory: the
+  # per-shard loop, every leaf reduced once; one SGD step equals the one-device step.
+  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 1.01
+  summary, compiled, state = _tree_step("cpu", axis_types, None, memory=memory)
+  _check_reduced_once(summary)
+  _check_tree_step(compiled, state)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_default_keeps_fsdp_params_split_where_whole_ones_dont_fit(axis_types):
+  # Just over the share, or memory unknown (CPU): the partitioner's loop (per_microbatch),
+  # which gathers in every microbatch (each all-gather op runs 4 times), and holds no
+  # whole-size accumulator. One SGD step equals the one-device step. (On Explicit axes
+  # CPU's compiler moves the gathers out of the loop: the memory is checked on a described
+  # TPU, test_default_keeps_fsdp_memory_on_a_described_tpu.)
+  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 0.99
+  for summary, compiled, state in (_tree_step("cpu", axis_types, None, memory=memory),
+                                   _tree_step("cpu", axis_types, None)):
+    if axis_types == "auto":
+      ag = summary.collective("all-gather")
+      assert ag.ops >= 2 and ag.count == 4 * ag.ops
+      assert compiled.compiled.memory_analysis().temp_size_in_bytes < TREE_SPLIT
+    _check_tree_step(compiled, state)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_default_keeps_fsdp_memory_on_a_described_tpu(axis_types, tpu_devices):
+  # v5p-8, fsdp=4, the 64 MiB MLP, 1024 rows, a device said to have 512 MiB (whole bf16
+  # params and f32 accumulator, 96 MiB, over its 10%): the default gathers the weights and
+  # reduce-scatters their gradients in every microbatch (4 x accum 1's), all-reduces
+  # nothing but scalars, and its temporaries stay within 1.5x of accum 1's plus the float32
+  # accumulator's shard (P / 4, which accum 1 doesn't have; "once" holds 96 MiB whole: 99
+  # MiB of temporaries).
+  del tpu_devices
+  mesh = fs.make_mesh({"fsdp": 4}, axis_types=axis_types, devices=fs.target_devices("v5p-8"))
+  opt = optax.sgd(0.1)
+  init = functools.partial(bench.init_mlp, d=1024, m=4096, layers=L)
+  state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
+  batch = {"x": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  got = {}
+  with mock.patch.object(_topology, "device_memory", lambda device: 2**29):
+    for accum in (1, 4):
+      step = fs.train_step(bench.mlp_loss, opt, accum_steps=accum, policy=POLICY)
+      c = fs.shard_step(step, mesh).compile(state, batch)
+      got[accum] = (_temp(c), hlo.summarize(c.compiled.as_text()))
+  assert got[4][0] <= 1.5 * got[1][0] + _param_bytes(1024, 4096) / 4, (got[4][0], got[1][0])
+  for kind in ("all-gather", "reduce-scatter"):
+    one, four = (got[a][1].collective(kind).count for a in (1, 4))
+    assert one > 0 and four == 4 * one, (kind, one, four)
+  assert got[4][1].collective("all-reduce").bytes_sent <= 64  # scalars
 
 
 @pytest.mark.tpu
@@ -435,9 +513,11 @@ def _constrained_mlp(p, b):
   return jnp.mean((h @ p["w2"] + p["b2"] - b["x"]) ** 2)
 
 
-def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog):
+def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog, monkeypatch):
   # The per-shard loop makes the data axes Manual, where jax refuses the constraint: "auto"
-  # keeps the loop with the partitioner (said once), "once" names the option that works.
+  # (on a device whose memory holds whole params: the per-shard loop) keeps the loop with
+  # the partitioner (said once), "once" names the option that works.
+  monkeypatch.setattr(_topology, "device_memory", lambda device: 2**40)
   mesh = fs.make_mesh({"data": 2, "fsdp": 4})
   opt = optax.sgd(0.1)
   state = fs.init_state(_mlp_init, opt, mesh=mesh, key=jax.random.key(0))
@@ -451,3 +531,41 @@ def test_a_constraint_on_a_data_axis_runs_with_the_partitioners_loop(caplog):
   with pytest.raises(fs.StepError, match=r"sharding constraint in the loss.*"
                      r"accum_gather='per_microbatch'"):
     once.compile(state, MLP_BATCH)
+
+
+# ----------------------------------------------------- a Linen model on an FSDP mesh (CPU)
+
+
+def test_default_keeps_a_linen_models_fsdp_memory_and_trains_like_one_device():
+  # A Linen MLP whose kernels its authors split over "fsdp" (nn.with_partitioning), fsdp=8,
+  # 1024 rows, accum 4 by default: temporaries within 1.5x of accum 1's and under the whole
+  # float32 params and accumulator (8 bytes a param, hand count); one SGD step equals one
+  # device's on the whole batch.
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.initializers.lecun_normal()
+      h = nn.Dense(512, kernel_init=nn.with_partitioning(init, (None, "fsdp")))(x)
+      return nn.Dense(128, kernel_init=nn.with_partitioning(init, ("fsdp", None)))(nn.relu(h))
+
+  model = MLP()
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["x"]) ** 2)
+  init = lambda key: model.init(key, jnp.zeros((1, 128)))["params"]
+  batch = {"x": jax.random.normal(jax.random.key(1), (1024, 128))}
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.sgd(0.1)
+  got = {}
+  for accum in (1, 4):
+    state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0))
+    compiled = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum), mesh).compile(
+        state, batch)
+    new, metrics = compiled(state, batch)
+    got[accum] = (_temp(compiled), jax.device_get(new.params), float(metrics["loss"]))
+  whole = 8 * (128 * 512 + 512 + 512 * 128 + 128)
+  assert got[4][0] <= 1.5 * got[1][0] and got[4][0] < whole, (got[4][0], got[1][0], whole)
+  params = nn.unbox(init(jax.random.key(0)))
+  loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - 0.1 * g, rtol=2e-5, atol=1e-6),
+               got[4][1], params, grads)
+  assert got[4][2] == pytest.approx(float(loss), rel=1e-5)

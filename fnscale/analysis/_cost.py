@@ -18,7 +18,7 @@ Matmuls" and 5 "Training":
   once, at the memory of whole params and a whole float32 accumulator per device.
 - Data parallel: one gradient all-reduce per step, 2 V (n-1)/n per device (Patarasuk &
   Yuan 2009); one per microbatch with accum_gather="per_microbatch" accumulation ("auto",
-  the default, reduces once as "once" does).
+  the default, reduces once as "once" does where nothing is split over fsdp).
 - Tensor parallel (Megatron, Shoeybi et al. 2019): per layer two all-reduces of the
   residual stream forward and two backward (two more forward with remat).
 - Context parallel (the sequence split c ways, `fnscale.parallel.context`): every
@@ -84,6 +84,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from fnscale import _compat
+from fnscale import _step
 from fnscale.analysis._targets import Hardware
 from fnscale.kernels._attention import CAUSAL_SCOPE, SCOPE, with_kernel
 from fnscale.parallel._experts import with_experts
@@ -713,8 +714,10 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor", "stage", "expert", "context"; "replica" or "stage" across slices); the global
   batch must divide over the data axes (the expert and stage axes among them) and `accum`.
-  `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once";
-  "per_microbatch" keeps
+  `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once" where
+  nothing is split over fsdp or context, or where whole compute-dtype params and a whole
+  accumulator take at most `fnscale._step.ONCE_SHARE` of the device's memory (not on CPU,
+  whose memory the step doesn't know), else "per_microbatch"; "per_microbatch" keeps
   params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp in
   every microbatch, and reduces over the data and DCN axes in every microbatch too (the
   accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
@@ -724,7 +727,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   fsdp (one group)."""
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
-  once = accum > 1 and gather in ("once", "auto")
+  whole = (prof.compute_bytes + prof.grad_bytes) / t  # "once"'s whole params and accumulator
+  auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _step.ONCE_SHARE * hw.hbm_bytes)
+  once = accum > 1 and (gather == "once" or gather == "auto" and auto_once)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices

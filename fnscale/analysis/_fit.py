@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 
 from fnscale import _compat
-from fnscale import _topology
+from fnscale._topology import device_memory
 from fnscale._errors import FitError
 
 __all__ = ["FitOption", "check_fit", "compile_fitting", "device_memory", "step_bytes"]
@@ -42,41 +42,6 @@ class FitOption(NamedTuple):
   rows: int
   bytes: float
   tokens_s: float
-
-
-def device_memory(device) -> float | None:
-  """Bytes a step may use on `device` (a `jax.Device`): the runtime's limit on an attached
-  accelerator (`memory_stats()["bytes_limit"]`, e.g. 15.75 GiB on a 16 GiB TPU v5e); the
-  published HBM per device (`fnscale.CHIP_FACTS`) for a TPU described for an
-  ahead-of-time compile or a GPU without memory statistics; None on CPU, whose memory has no
-  limit worth holding a step to (pass one to `check_fit` or `compile_fitting` to test).
-
-  Examples:
-    >>> import fnscale as fs, jax
-    >>> fs.analysis.device_memory(jax.devices()[0]) is None  # CPU: no limit
-    True
-    >>> v5e = fs.target_devices("v5e-8")[0]  # described (the tpu extra): the published HBM
-    >>> fs.analysis.device_memory(v5e) / 2**30
-    16.0
-  """
-  if device.platform == "cpu":
-    return None
-  try:
-    stats = device.memory_stats() or {}
-  except Exception:  # pylint: disable=broad-except  # described devices have no statistics
-    stats = {}
-  if stats.get("bytes_limit"):
-    return float(stats["bytes_limit"])
-  if device.platform == "tpu":
-    gen = _topology.generation_of(device.device_kind)
-    if gen is None:
-      return None
-    # A chip's JAX devices share its HBM: a megacore chip (v4, v5p) is one device, other
-    # chips one per TensorCore (as the planner's targets count them).
-    facts = _topology.CHIP_FACTS[gen]
-    return float(facts.hbm_bytes // (1 if gen in ("v4", "v5p") else facts.cores_per_chip))
-  facts = _topology.gpu_facts(device.device_kind)
-  return float(facts.hbm_bytes) if facts else None
 
 
 def _platform(compiled) -> str:

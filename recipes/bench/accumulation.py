@@ -1,11 +1,16 @@
-"""Collectives and temporaries per step, accum 1 vs 4, from compile_report (no timing).
+"""Collectives and temporaries per step, accum 1 vs 4 in each accum_gather mode, from
+compile_report (no timing).
 
 The model: 2 layers, d 256, mlp 1024 (4 MiB of f32 params), batch 8192 rows, FSDP over every
-device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips).
+device: 8 simulated CPU devices and, ahead of time, TPU v5p-8 (4 chips). Rows: accum 1, then
+accum 4 with the default ("auto": chosen by the device's memory, none known on CPU), "once"
+and "per_microbatch".
 
-  python recipes/bench/accumulation.py [cpu] [tpu] [--large]      # default: both
+  python recipes/bench/accumulation.py [cpu] [tpu] [--large | --llama8b]   # default: both
 
 `--large`: 2 layers of d 1024, mlp 4096 (64 MiB of f32 params), batch 64.
+`--llama8b`: 2 layers at Llama-3-8B's widths (d 4096, mlp 14336: 896 MiB of f32 params),
+batch 16384 rows, computed in bfloat16.
 """
 import sys
 
@@ -43,26 +48,31 @@ def mlp_loss(p: dict, b: dict) -> jax.Array:
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
-def row(mesh, accum: int, gather: str, d: int = D, m: int = M, rows: int = B) -> str:
+def row(mesh, accum: int, gather: str, d: int = D, m: int = M, rows: int = B,
+        policy: str | None = None) -> str:
   opt = optax.sgd(0.1)
   init = lambda key: init_mlp(key, d, m)
   state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), abstract=True)
   batch = {"x": jax.ShapeDtypeStruct((rows, d), jnp.float32)}
-  step = fs.train_step(mlp_loss, opt, accum_steps=accum, accum_gather=gather)
+  step = fs.train_step(mlp_loss, opt, accum_steps=accum, accum_gather=gather, policy=policy)
   r = fs.compile_report(fs.shard_step(step, mesh), state, batch)
   cells = [f"{c.count} / {c.bytes_sent / MIB:.2f} MiB" for c in map(r.collective, KINDS)]
   return " | ".join([f"accum {accum} {gather}"] + cells + [f"{(r.temp_bytes or 0) / MIB:.2f}"])
 
 
-def main(targets, d: int = D, m: int = M, rows: int = B) -> None:
+MODES = ((1, "auto"), (4, "auto"), (4, "once"), (4, "per_microbatch"))
+
+
+def main(targets, d: int = D, m: int = M, rows: int = B, policy: str | None = None) -> None:
   print(f"{L} layers, d {d}, mlp {m}, batch {rows}: runs / bytes sent per device per step")
   print("| target | step | " + " | ".join(KINDS) + " | temp MiB |")
   for target in targets:
     devices = fs.target_devices(TPU) if target == "tpu" else None
     mesh = fs.make_mesh({"fsdp": -1}, devices=devices)
     name = f"{TPU} (AOT)" if target == "tpu" else "CPU"
-    for accum, gather in ((1, "per_microbatch"), (4, "per_microbatch"), (4, "once")):
-      print(f"| {name}, fsdp={mesh.size} | {row(mesh, accum, gather, d, m, rows)} |", flush=True)
+    for accum, gather in MODES:
+      cells = row(mesh, accum, gather, d, m, rows, policy)
+      print(f"| {name}, fsdp={mesh.size} | {cells} |", flush=True)
 
 
 def _cli(argv=None) -> int:
@@ -71,6 +81,8 @@ def _cli(argv=None) -> int:
                       "simulated CPU devices, TPU v5p-8 (libtpu); default both")
   parser.add_argument("--large", action="store_true", help="2 layers of d 1024, mlp 4096 "
                       "(64 MiB of f32 params), batch 64")
+  parser.add_argument("--llama8b", action="store_true", help="2 layers at Llama-3-8B's "
+                      "widths (d 4096, mlp 14336), batch 16384, bfloat16 compute")
   args = parser.parse_args(argv)
   if set(args.targets) - {"cpu", "tpu"}:
     parser.error(f"unknown target(s) {sorted(set(args.targets) - {'cpu', 'tpu'})}; "
@@ -79,6 +91,9 @@ def _cli(argv=None) -> int:
   fs.simulate_cpu_devices(8)
   if args.large:  # 64 MiB of f32 params, 64 rows: XLA moves activations instead
     main(args.targets or ["cpu", "tpu"], d=1024, m=4096, rows=64)
+  elif args.llama8b:
+    main(args.targets or ["cpu", "tpu"], d=4096, m=14336, rows=16384,
+         policy="params=float32,compute=bfloat16,output=float32")
   else:
     main(args.targets or ["cpu", "tpu"])
   return 0

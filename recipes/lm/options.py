@@ -149,8 +149,9 @@ class Options(Hardware):
                                   "scale), although the loss was finite (0: never)")
   accum_steps: int | None = option(None, "gradient accumulation micro-steps per step (splits "
                                    "the batch); default 1, or what fits the device's memory")
-  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' (as 'once', but as "
-                             "per_microbatch for a loss that takes a key), 'per_microbatch' "
+  accum_gather: str = option("auto", "with accum_steps > 1: 'auto' ('once' where whole params "
+                             "and accumulator fit 10% of device memory, else "
+                             "'per_microbatch'), 'per_microbatch' "
                              "(params stay sharded, gradients reduced every microbatch) or "
                              "'once' (whole params on each device, gradients reduced once)")
   precision: str = option("auto", f"jmp policy, e.g. '{MIXED}', 'float32', 'bfloat16' "
