@@ -3,6 +3,7 @@
 benchmarks of simulated CPU devices (`pipeline.py`, `context.py`) use the 8 CPU devices they
 set up even where jax's default devices are a machine's chips, here one (jax.devices()
 answers with one device, as on a one-chip TPU VM; the CPU backend keeps its eight)."""
+import math
 import subprocess
 import sys
 
@@ -68,3 +69,10 @@ def test_step_bench_on_one_device_runs_its_defaults_to_the_end(tmp_path):
                      timeout=600, check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "| nano | data=1 | 1 |" in r.stdout and "error" not in r.stderr
+
+
+def test_a_round_whose_host_time_read_zero_is_left_out_of_the_cpu_ratio():
+  """On the chip a step's CPU seconds can read 0 (below the clock's resolution): the ratio's
+  median leaves those rounds out instead of dividing by zero."""
+  assert bm._cpu_ratio([(1.0, 2.0), (3.0, 0.0), (2.0, 1.0), (6.0, 2.0)]) == 2.0
+  assert math.isnan(bm._cpu_ratio([(1.0, 0.0)]))

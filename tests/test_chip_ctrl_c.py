@@ -42,7 +42,9 @@ def test_ctrl_c_while_the_main_job_compiles_on_the_chip_exits_130_without_a_cras
   # compiles for tens of seconds, and the signal comes 0.3 s into it.
   cmd = [sys.executable, os.path.join(ROOT, "tests", "interrupt_worker.py"), "compile",
          f"--run_dir={run_dir}", "--steps=20", "--compile_cache_dir=", "--sample_len=0"]
-  env = dict(os.environ, PYTHONPATH=ROOT, HOOK_FILE=str(hook))
+  # The project first, then what the VM's own path holds (where its jax may be installed).
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+  env = dict(os.environ, PYTHONPATH=path, HOOK_FILE=str(hook))
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
   tail = out.stdout[-2000:] + out.stderr[-3000:]
   assert out.returncode == 130, f"exit status {out.returncode} (-11: SIGSEGV)\n{tail}"

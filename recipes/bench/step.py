@@ -390,6 +390,13 @@ def _alternate(runners: list, rounds: int, warmup: int) -> list[list[tuple[float
   return times
 
 
+def _cpu_ratio(pairs: list[tuple[float, float]]) -> float:
+  """The median of the rounds' CPU-second ratios x / y; rounds where y read 0 s are left out
+  (on an accelerator a step's host work can be under the clock's resolution); nan if all."""
+  ratios = [x / y for x, y in pairs if y > 0]
+  return statistics.median(ratios) if ratios else float("nan")
+
+
 class Alternated(NamedTuple):
   """`overhead`'s keywords: steps of `batch` rows x `seq` tokens, `warmup` untimed rounds,
   then `rounds` timed ones."""
@@ -444,7 +451,7 @@ def overhead(size: str, mesh_spec: str, devices: int, **options) -> Overhead:
                zip(jax.tree.leaves(runners[0].state[0].params),
                    jax.tree.leaves(runners[2].state[0])))
   wall = lambda xs, ys: [x[0] / y[0] for x, y in zip(xs, ys)]
-  cpu = lambda xs, ys: statistics.median(x[1] / y[1] for x, y in zip(xs, ys))
+  cpu = lambda xs, ys: _cpu_ratio([(x[1], y[1]) for x, y in zip(xs, ys)])
   median = lambda xs: statistics.median(x[0] for x in xs)
   ratios = wall(ta, tb)
   return Overhead(size, mesh_name(mesh) + ("" if mode == "auto" else f" ({mode})"), rounds,
