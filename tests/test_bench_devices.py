@@ -23,6 +23,9 @@ def one_chip(monkeypatch):
   monkeypatch.setattr(jax, "devices", lambda backend=None: real(backend) if backend
                       else real()[:1])
   monkeypatch.setattr(jax, "device_count", lambda backend=None: len(jax.devices(backend)))
+  # On a chip, asking for simulated CPU devices does nothing (fs.simulate_cpu_devices's
+  # doc), whether or not jax has started.
+  monkeypatch.setattr(fs, "simulate_cpu_devices", lambda n: False)
 
 
 def test_step_bench_device_counts_are_powers_of_two_up_to_the_devices_present():
