@@ -252,6 +252,7 @@ def test_process_that_never_starts_fails_the_others_in_time(tmp_path):
     assert not _events(r.stdout)  # never got as far as training
 
 
+@pytest.mark.slow  # the quick tier's time: a harness check, not fnscale's
 def test_harness_kills_a_hung_job(tmp_path):
   t0 = time.monotonic()
   (r,) = mp.run(["-c", "import time; print('up', flush=True); time.sleep(600)"], 1, 1, 3)

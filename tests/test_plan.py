@@ -371,7 +371,8 @@ def _small_llama(seq, layers=2, d=256, heads=2, kv=1, mlp=512):
                            seq=seq, vocab=256)
 
 
-@pytest.mark.parametrize("target", [pytest.param("v5p-8", marks=pytest.mark.slow), "cpu"])
+@pytest.mark.slow  # the quick tier's time: test_flops.py's hand count of the formula stays quick
+@pytest.mark.parametrize("target", ["v5p-8", "cpu"])
 def test_attention_flops_grow_with_sequence_length_as_the_formula_says(target):
   """Counted whatever serves attention: splash on a TPU target (a Pallas kernel without a
   cost_estimate), the XLA reference on CPU. By hand, per row of T tokens: 6 x matmul weights
@@ -677,6 +678,7 @@ LORA_ALL = fs.lora.LoraConfig(rank=4, targets=(
     ("blocks/w(q|k|v)", "lioo"), ("blocks/wo", "liio"), ("blocks/w_(gate|up|down)", "lio")))
 
 
+@pytest.mark.slow  # the quick tier's time: the LoRA estimate's test below stays quick
 def test_profile_of_a_lora_state_counts_no_gradient_or_state_for_the_frozen_base():
   cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
                            d_mlp=64, vocab=40)

@@ -58,6 +58,7 @@ def test_a_process_id_given_twice_ends_every_process_named(ids, dup):
   assert len(re.findall(r"pid \d+", messages.pop())) == 2
 
 
+@pytest.mark.slow  # the quick tier's time: every quick multi-process test launches through the roll call
 def test_a_normal_launch_joins_with_the_roll_call():
   results = _run(3, (0, 1, 2))
   for r in results:

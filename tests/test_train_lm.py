@@ -170,7 +170,8 @@ def test_mesh_auto_runs_on_the_planners_mesh(work, tmp_path, capsys):
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("target,slices", [("2x v5p-8", 2), ("4x v5p-8", 4)])
+@pytest.mark.parametrize("target,slices", [("2x v5p-8", 2),  # 4 slices: slow (time)
+                                           pytest.param("4x v5p-8", 4, marks=pytest.mark.slow)])
 def test_without_dcn_a_multislice_run_is_data_parallel_across_slices(
     work, monkeypatch, tpu_devices, target, slices):
   """train_lm's set-up on the devices of several v5p-8 slices (described by libtpu): no
@@ -1027,6 +1028,7 @@ def test_preemption_service_off_is_named_at_start(work, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the quick tier's time: test_multihost's refusal of per-process directories stays quick
 def test_per_host_checkpoint_directories_stop_the_job_before_training(work, tmp_path):
   """The default run_dir on every host, each on its own disk (here: each process in its own
   working directory): both stop at start-up, naming process 1 and a shared directory."""

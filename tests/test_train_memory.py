@@ -97,6 +97,7 @@ def test_the_estimate_of_a_lora_run_tracks_xlas_peak(v5e):
   assert est == pytest.approx(fs.analysis.step_bytes(compiled), rel=0.15)
 
 
+@pytest.mark.slow  # the quick tier's time: tests/test_plan.py's LoRA estimates stay quick
 def test_a_lora_runs_profile_keeps_what_its_remat_policy_keeps():
   """A LoRA run's blocks keep what the run's remat policy keeps, as a full fine-tune's do:
   blocks keeping only their inputs ("full") hold remat's residuals. The profile that traced
@@ -111,6 +112,7 @@ def test_a_lora_runs_profile_keeps_what_its_remat_policy_keeps():
     assert prof.act_row == prof.act_row_remat
 
 
+@pytest.mark.slow  # the quick tier's time: tests/test_fit.py's refusal of a compiled step stays quick
 def test_a_compiled_step_over_the_memory_is_refused_naming_the_fix(monkeypatch):
   """After compiling (`compile_step`), XLA's bytes against the device's memory (a made-up
   1 MiB for the CPU devices): a step over it is a FitError naming its bytes and the fix."""
