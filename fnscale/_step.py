@@ -770,10 +770,10 @@ def _auto_mode(cfg: _Config, params, specs, axes) -> str:
   once = memory is not None and whole <= ONCE_SHARE * memory
   logging.info(
       "train_step: accum_gather='auto' runs %s: whole compute-dtype params and a whole "
-      "float32 accumulator take %.3g GiB per device, %s %g%% of its memory (%s)",
+      "float32 accumulator would take %.3g GiB per device, %s",
       "'once'" if once else "'per_microbatch' (params and accumulator stay split)",
-      whole / 2**30, "within" if once else "over", 100 * ONCE_SHARE,
-      "unknown" if memory is None else f"{memory / 2**30:.3g} GiB")
+      whole / 2**30, "the device's memory unknown (CPU): 'once' only when asked" if memory is None
+      else f"{'within' if once else 'over'} {100 * ONCE_SHARE:g}% of its {memory / 2**30:.3g} GiB")
   return "per_shard" if once else "per_microbatch"
 
 

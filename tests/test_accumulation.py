@@ -154,13 +154,16 @@ def test_once_gathers_once_and_reduce_scatters_cpu(target, axes):
 
 @pytest.mark.parametrize("axes", [CASES[1][1], (("fsdp", 4), ("tensor", 2)),
                                   pytest.param(CASES[0][1], marks=pytest.mark.slow)])
-def test_default_keeps_fsdp_memory_where_the_device_memory_is_unknown(axes):
+def test_default_keeps_fsdp_memory_where_the_device_memory_is_unknown(axes, caplog):
   # CPU (no device memory known), params split over fsdp, 1024 rows (XLA gathers weights):
   # the default's temporaries stay within 1.5x of accum 1's, under the whole bfloat16
   # params and float32 accumulator "once" holds (1.5 P, hand count).
   p = _param_bytes(256, 1024)
   one, _ = _compiled("cpu", axes, 1, None, rows=1024)
-  default, s = _compiled("cpu", axes, 4, None, rows=1024)
+  with caplog.at_level("INFO"):  # compiled afresh (not from the cache), so it says its choice
+    default, s = _compiled.__wrapped__("cpu", axes, 4, None, rows=1024)
+  # The choice is said as what it is: no share of an unknown memory.
+  assert "runs 'per_microbatch'" in caplog.text and "memory unknown (CPU)" in caplog.text
   assert _temp(default) <= 1.5 * _temp(one), (_temp(default), _temp(one))
   assert _temp(default) < 1.5 * p
   assert s.collective("all-gather").count == 4 * 4  # each weight in each microbatch

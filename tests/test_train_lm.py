@@ -763,8 +763,8 @@ def test_a_stop_evaluates_its_step_and_the_summary_names_it(stopped_between_eval
   assert sorted(evals) == [0, 2, 3] and evals[3] != evals[2]
   assert (summary.eval_step, summary.eval_loss) == (3, evals[3])
   assert (_summary(run_dir)["eval_step"], _summary(run_dir)["eval_loss"]) == (3, evals[3])
-  assert (f"stopped: step 3 (--stop_after=3), eval loss {evals[3]:.4f} nats/token (bigram "
-          f"baseline {summary.bigram_loss:.4f}) at step 3, ") in said
+  assert (f"stopped: step 3 (--stop_after=3), eval loss {evals[3]:.4f} nats/token at step 3 "
+          f"(bigram baseline {summary.bigram_loss:.4f}), ") in said
 
 
 @pytest.fixture(scope="module")

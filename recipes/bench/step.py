@@ -17,9 +17,9 @@ width 512) and each mesh spec and device count, one row:
 - MFU (PaLM, Chowdhery et al. 2022, appendix B): model FLOPs per step
   `(6 N + 12 L d_model seq) * tokens` (N: matmul weights, blocks plus the tied output layer;
   `fnscale.analysis.model_flops_per_token`) / step time / (devices x peak FLOP/s per device). On
-  CPU the peak is a 2048x2048 float32 matmul measured at the start of the same run (fastest of
-  10 runs); the simulated devices share the host's cores, so devices x peak per device = that
-  one rate.
+  CPU the peak is a 2048x2048 float32 matmul's rate on this machine
+  (`fnscale.analysis.host_matmul_peak`: measured once and cached, the run says when); the
+  simulated devices share the host's cores, so devices x peak per device = that one rate.
 - FLOPs cross-check: XLA's cost analysis of the compiled step (per device for an SPMD
   program, so multiplied by the device count), and the matmul FLOPs read from the optimized HLO
   with each while loop's trip count applied (`fnscale.analysis.hlo.summarize`; XLA's cost analysis

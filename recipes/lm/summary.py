@@ -116,9 +116,9 @@ def _line(summary: "Summary", o, timing: str) -> str:
           else f"done: step {summary.final_step}")
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  unit = " (DPO)" if o.objective == "dpo" else f" nats/token{base}"
-  ev = ("no eval" if summary.eval_loss is None else
-        f"eval loss {summary.eval_loss:.4f}{unit} at step {summary.eval_step}")
+  unit, base = (" (DPO)", "") if o.objective == "dpo" else (" nats/token", base)
+  ev = ("no eval" if summary.eval_loss is None else  # the step next to the loss it is of
+        f"eval loss {summary.eval_loss:.4f}{unit} at step {summary.eval_step}{base}")
   return (f"{head}, {ev}, {timing}{summary.wall_s:.0f} s total; metrics in "
           f"{summary.metrics}")
 
