@@ -471,6 +471,7 @@ def test_metadata_only_tpu_vm_worker_tries_to_join(tmp_path, metadata_servers):
                         "worker-network-endpoints) (process 0) didn't accept connections"), r
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 @pytest.mark.multiprocess
 def test_metadata_only_tpu_vm_workers_form_one_job(tmp_path, metadata_servers):
   """Both workers of that v4-16, each knowing only its metadata server: one 2-process job."""

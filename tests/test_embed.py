@@ -140,6 +140,7 @@ def linen_run():
   return r, r.train(STEPS, MESH)
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_linen_matches_single_device_training(linen_run):
   r, (losses, params) = linen_run
   variables = r.ByteLM().init(jax.random.key(0), np.zeros((1, r.SEQ), np.int32))
@@ -165,6 +166,7 @@ def test_linen_matches_single_device_training(linen_run):
   _assert_close_trees(params, state.params)
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_linen_params_sharded_as_annotated(linen_run):
   r, (_, params) = linen_run
   # Dense kernel annotated ("embed", "mlp") under (("embed", "fsdp"), ("mlp", "tensor")).

@@ -314,6 +314,7 @@ def _layer_flops(mesh, exchange, x_shape):
   return hlo.summarize(text).matmul_flops
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_an_expert_axis_on_cpu_does_the_matmul_work_of_none():
   # 8 x 64 tokens of d 8 (64 per device), k = 2 of 8 experts, hidden 16; each dot's backward
   # is two dots of its FLOPs: 3 x the forward. Forward, per device, by hand:

@@ -659,6 +659,7 @@ def test_with_kernel_scopes_each_wrapped_function_in_one_program():
   assert not kernel_selection(q.shape, k.shape).interpret
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_with_kernel_composes_with_mesh_in_either_order():
   mesh = _mesh((2, 4), ("fsdp", "tensor"))
   q, k, v = _qkv(2, 128, 4, 4, 32)

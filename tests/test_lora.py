@@ -244,6 +244,7 @@ def _device_bytes(tree) -> int:
   return max(per.values())
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_the_placed_lora_state_holds_the_bf16_base_and_adapters_with_two_slots():
   mesh = fs.make_mesh({"fsdp": 8})
   cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=256, heads=8, kv_heads=2,

@@ -210,6 +210,7 @@ def _hk_reference():
   return _one_device(hk_init(jax.random.key(0)), hk_loss)
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_haiku_style_params_train_like_one_device():
   axes = {"fsdp": 8}
   _assert_trains_like_one_device(

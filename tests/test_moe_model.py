@@ -100,6 +100,7 @@ def test_a_step_over_the_expert_axis_trains_and_equals_one_device(size):
   assert np.asarray(aux["tokens_per_expert"]).sum() == 16 * 8 * cfg.k
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_the_planner_reads_the_experts_off_the_traced_step():
   cfg = moe.model_config("moe-tiny", 16, layers=2)
   rows = jax.ShapeDtypeStruct((1, 16), jnp.int32)

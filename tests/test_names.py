@@ -161,6 +161,7 @@ def test_from_imports_of_old_names_warn_and_a_name_nowhere_is_an_attribute_error
     from fnscale import nope  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_the_package_uses_no_old_spelling_and_a_user_s_warns_once_per_line():
   # In a fresh interpreter (pytest records every warning): importing every module of the
   # package raises none of fnscale's DeprecationWarnings (it reaches its own names by their

@@ -372,6 +372,7 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
   assert big == {2, 4}
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
   # A loss that takes `microbatches` gets pipeline rows on a multi-slice target; a stage's
   # microbatches split every device's rows (at most 8 a stage): 32 rows over 2 stages x

@@ -329,6 +329,7 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
   assert p.rows[0].estimate.bytes == pytest.approx(76.5 * GiB, rel=0.05)
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 @pytest.mark.tpu
 def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
   """recipes/plan.py --model=small --target=v5litepod-1 --batch=64 --seq=1024: the GPT's own
@@ -518,6 +519,7 @@ def test_a_model_that_fits_without_remat_is_planned_without_it(model):
 
 # --- verification ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 @pytest.mark.tpu
 def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(monkeypatch):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
@@ -563,6 +565,7 @@ def test_verify_without_libtpu_names_the_install(monkeypatch):
   _targets._described.cache_clear()
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_gpu_and_cpu_targets_cannot_be_verified():
   from fnscale.analysis import cannot_verify  # pylint: disable=g-import-not-at-top
   cfg = llama.model_config("llama-tiny", 128)
@@ -578,6 +581,7 @@ def test_gpu_and_cpu_targets_cannot_be_verified():
 
 # --- output ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_a_cpu_plan_prints_the_measured_host_rates():
   cfg = llama.model_config("llama-tiny", 64, layers=2)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),

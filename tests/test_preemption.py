@@ -167,6 +167,7 @@ def test_a_notice_during_a_compile_reaches_stderr():
                    r"0 is still reaching the agreed step \(a long compile", err), err[-3000:]
 
 
+@pytest.mark.slow  # the quick tier's time on 2 cores: a quick test checks the same path
 def test_another_thread_ending_the_process_during_a_compile_reaches_stderr():
   """A thread that ends the process with a message (`exit_with`, as a lost peer does) while a
   compile captures fd 2: the message and XLA's lines so far reach stderr."""
