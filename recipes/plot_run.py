@@ -18,6 +18,7 @@ import sys
 from absl import flags
 
 from fnscale import FnscaleError, InputError
+from recipes.lm import run_log
 from recipes.lm.run_log import METRICS_FILE, RUN_FILE
 from recipes.lm import cli
 
@@ -28,28 +29,11 @@ PANELS = (("loss", "nats per token", 1.0, ("train/loss", "eval/loss")),
 TAGS = tuple(t for _, _, _, tags in PANELS for t in tags)
 
 
-def _records(path: str) -> list[dict]:
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().splitlines()
-  out = []
-  for i, line in enumerate(lines):
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError as e:
-      if i == len(lines) - 1:
-        break  # the last line may be mid-write while the run goes on
-      raise InputError(f"{path}:{i + 1}: not a JSON line ({e}); metrics.jsonl holds one "
-                         "JSON object per line") from None
-    if isinstance(rec, dict):
-      out.append(rec)
-  return out
-
-
 def read_metrics(path: str) -> dict[str, tuple[list[int], list[float]]]:
   """Per known tag present: (steps ascending, values); a repeated step keeps its last value
   (a resumed run writes again the steps after its checkpoint)."""
   series: dict[str, dict[int, float]] = {}
-  for rec in _records(path):
+  for rec in run_log.records(path):
     step = rec.get("step")
     if isinstance(step, bool) or not isinstance(step, int):
       continue

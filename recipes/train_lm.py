@@ -31,7 +31,8 @@ import jax
 
 import fnscale as fs
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
-from recipes.lm import progress, run_log, run_setup, rundir, stalls, startup, stopping, summary
+from recipes.lm import profiling, progress, run_log, run_setup, rundir, stalls, startup, stopping
+from recipes.lm import summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -144,7 +145,7 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
         log=run_log.run_log(o.run_dir, active=jax.process_index() == 0, say=say,
                             tracker=o.tracker, config=dataclasses.asdict(o),
                             keep_through=-1 if resumed is None else start),
-        prof=run_log.profiler(setup.profile, o.run_dir, say=say),
+        prof=profiling.profiler(setup.profile, o.run_dir, say=say),
         saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say),
         should_stop=should_stop, params_of=finetune.params_of(setup.lora))
     with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)

@@ -20,6 +20,7 @@ from fnscale import FnscaleError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 from recipes import plot_run as pr
+from recipes.lm import profiling as prof_mod
 from recipes.lm import run_log as rl
 from recipes import train_tokenizer as tt
 
@@ -232,21 +233,21 @@ def test_run_log_rejects_bad_records(tmp_path, step, metrics, match):
 
 
 def test_parse_profile_steps():
-  assert rl.parse_profile_steps("10:15") == (10, 15)
-  assert rl.parse_profile_steps(" 0:1 ", steps=1) == (0, 1)
-  assert rl.parse_profile_steps("") is None and rl.parse_profile_steps(None) is None
+  assert prof_mod.parse_profile_steps("10:15") == (10, 15)
+  assert prof_mod.parse_profile_steps(" 0:1 ", steps=1) == (0, 1)
+  assert prof_mod.parse_profile_steps("") is None and prof_mod.parse_profile_steps(None) is None
 
 
 @pytest.mark.parametrize("spec", ["10", "15:10", "5:5", "a:b", "-1:3", "1:2:3", "1.5:3", 12])
 def test_parse_profile_steps_rejects_bad_strings(spec):
   with pytest.raises(FnscaleError) as e:
-    rl.parse_profile_steps(spec)
+    prof_mod.parse_profile_steps(spec)
   assert f"--profile_steps={spec!r}: expected START:STOP" in str(e.value)
 
 
 def test_parse_profile_steps_rejects_a_window_past_the_run():
   with pytest.raises(FnscaleError, match=r"'10:15'.* <= 12 \(the run's steps\)"):
-    rl.parse_profile_steps("10:15", steps=12)
+    prof_mod.parse_profile_steps("10:15", steps=12)
 
 
 def _traced_calls(trace_dir, name):
@@ -274,7 +275,7 @@ def _tiny_steps(prof, n):
 
 def test_profiler_traces_exactly_the_window(tmp_path):
   said = []
-  prof = rl.profiler(rl.ProfileWindow(2, 5), str(tmp_path), say=said.append)
+  prof = prof_mod.profiler(prof_mod.ProfileWindow(2, 5), str(tmp_path), say=said.append)
   returned, x = _tiny_steps(prof, 7)
   where = returned[5]
   assert returned[:5] == [None] * 5 and returned[6] is None and prof.close(7, x) is None
@@ -285,15 +286,15 @@ def test_profiler_traces_exactly_the_window(tmp_path):
 
 
 def test_profiler_close_stops_a_trace_the_loop_ended_inside(tmp_path):
-  prof = rl.profiler(rl.ProfileWindow(1, 100), str(tmp_path), say=lambda s: None)
+  prof = prof_mod.profiler(prof_mod.ProfileWindow(1, 100), str(tmp_path), say=lambda s: None)
   returned, x = _tiny_steps(prof, 3)
   assert returned == [None] * 3
   where = prof.close(3, x)
   assert _traced_calls(where, "tiny_step") == 2
-  assert rl.profiler(None, str(tmp_path / "none")).at_step(0) is None
+  assert prof_mod.profiler(None, str(tmp_path / "none")).at_step(0) is None
   assert not (tmp_path / "none").exists()
   with pytest.raises(FnscaleError, match="profile window '1:3': expected a ProfileWindow"):
-    rl.profiler("1:3", str(tmp_path))
+    prof_mod.profiler("1:3", str(tmp_path))
 
 
 def test_progress_line_is_one_plain_line_with_eta():
@@ -404,3 +405,18 @@ def test_plot_run_command_line(tmp_path, matplotlib):
     assert f.read(8) == PNG_MAGIC
   bad = _run([script, str(tmp_path / "missing")], timeout=120)
   assert bad.returncode == 2 and bad.stderr.startswith("error: run directory")
+
+
+def test_the_last_eval_of_a_run_cut_by_a_kill_is_read_past_its_torn_last_line(tmp_path):
+  """A run killed mid-write leaves half a line at the end of metrics.jsonl: a finished run's
+  rerun still quotes its last eval (summary.last_logged reads run_log.records), and a torn
+  line elsewhere is named."""
+  from recipes.lm import summary  # pylint: disable=import-outside-toplevel
+  lines = ['{"step": 2, "eval/loss": 3.5}', '{"step": 4, "train/loss": 2.0}',
+           '{"step": 4, "eval/loss": 3.25}', '{"step": 5, "eval/lo']
+  run_dir = _metrics_file(tmp_path, lines)
+  assert summary.last_logged(str(run_dir), ("eval/loss",), 4) == (4, 3.25)
+  assert summary.last_logged(str(run_dir), ("eval/loss",), 3) == (2, 3.5)
+  bad = _metrics_file(tmp_path / "bad", [lines[0], lines[3], lines[2]])
+  with pytest.raises(FnscaleError, match="metrics.jsonl:2: not a JSON line"):
+    summary.last_logged(str(bad), ("eval/loss",), 4)

@@ -14,7 +14,7 @@ import optax
 
 import fnscale as fs
 from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
-from recipes.lm import packing, progress, run_log, rundir, startup
+from recipes.lm import packing, profiling, progress, run_log, rundir, startup
 from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
@@ -26,7 +26,7 @@ class Setup(NamedTuple):
   mesh: jax.sharding.Mesh
   model: Any  # the model's module: gpt, llama or moe
   cfg: Any  # its ModelConfig
-  profile: run_log.ProfileWindow | None  # --profile_steps
+  profile: profiling.ProfileWindow | None  # --profile_steps
   corpus: data.Corpus
   lora: Any = None  # the fnscale.lora.LoraConfig of --lora_rank (None: full fine-tuning)
   asked: Options | None = None  # the options as given, before any default was filled in
@@ -62,7 +62,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   data.check_fits(corpus, seq)
   steps = batches.steps_for(corpus, seq, batch, o.epochs, o.steps)
   o = schedule_defaults(o, size, default("steps") if steps is None else steps)
-  profile = run_log.parse_profile_steps(o.profile_steps, o.steps)
+  profile = profiling.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
       o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
       remat_policy=remat_policy(o, topo.platform),
@@ -194,7 +194,7 @@ class Run(NamedTuple):
   start: int  # the first step this call trains
   resumed: int | None  # the step it resumed from (None: a fresh run)
   log: run_log.RunLog  # metrics.jsonl and TensorBoard
-  prof: run_log.Profiler  # the --profile_steps trace
+  prof: profiling.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
   should_stop: Callable[[int], bool]  # the preemption guard's check
   params_of: Callable = lambda state: state.params  # the params evaluation and samples use

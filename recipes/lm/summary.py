@@ -4,7 +4,6 @@ records (`describe`), and at the end the `Summary` it returns, said in one line 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, NamedTuple
@@ -130,11 +129,10 @@ def last_logged(run_dir: str, tags: tuple, step: int) -> tuple[int, float] | Non
   path, found = os.path.join(run_dir, run_log.METRICS_FILE), None
   if not os.path.isfile(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    for record in map(json.loads, filter(str.strip, f)):
-      tag = next((t for t in tags if t in record), None)
-      if tag is not None and record.get("step", step + 1) <= step:
-        found = (int(record["step"]), float(record[tag]))
+  for record in run_log.records(path):
+    tag = next((t for t in tags if t in record), None)
+    if tag is not None and record.get("step", step + 1) <= step:
+      found = (int(record["step"]), float(record[tag]))
   return found
 
 
