@@ -95,7 +95,8 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   else:  # packed rows: weighted (padding has none)
     (train_loss, loss_fn, aux), weighted = models.losses(setup), setup.corpus.packed is not None
   step_fn = fs.train_step(train_loss, optimizer, policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather, has_aux=aux, weighted=weighted)
+                          accum_gather=o.accum_gather, has_aux=aux, weighted=weighted,
+                          update_norm=o.update_norm or None)
   kernels = dict(attention=o.attention, context=o.context, context_order=o.context_order)
   # A LoRA state is born in its shardings (the adapters follow the base's): none to derive.
   rules = {} if setup.lora is not None else dict(

@@ -51,13 +51,13 @@ def _reference(batch):
 
 
 def _one_step(loss_fn, batch, mesh_axes, mode="auto", accum=4, gather="per_microbatch",
-              weighted=True):
+              weighted=True, update_norm=None):
   mesh = fnscale.make_mesh(mesh_axes)
   opt = optax.sgd(LR)
   kw = dict(rules=models.RULES, logical_axes=models.mlp_logical_axes())
   state = fnscale.init_state(models.mlp_init, opt, mesh=mesh, key=jax.random.key(0), **kw)
   step = fnscale.train_step(loss_fn, opt, accum_steps=accum, accum_gather=gather,
-                            weighted=weighted)
+                            weighted=weighted, update_norm=update_norm)
   state, m = fnscale.shard_step(step, mesh, mode=mode, **kw)(state, batch)
   return jax.device_get(m), jax.device_get(state.params)
 
@@ -125,7 +125,7 @@ def test_masked_mean_loss_per_shard_equals_single_device_whole_batch():
 def test_weighted_loss_with_no_tokens_is_zero_not_nan():
   batch = _masked_batch(3)
   batch = dict(batch, mask=jnp.zeros_like(batch["mask"]))
-  m, params = _one_step(_sum_weight, batch, "data=8", accum=2)
+  m, params = _one_step(_sum_weight, batch, "data=8", accum=2, update_norm=True)
   assert float(m["loss"]) == 0.0 and float(m["weight"]) == 0.0
   assert int(m["bad_update"]) == 1  # nothing to learn from: the params did not move
   jax.tree.map(np.testing.assert_array_equal, params,

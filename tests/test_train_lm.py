@@ -44,9 +44,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
+# Every run here measures the change each step applies (--update_norm), which the checks of
+# the warmup's first step and of stalled runs read.
 def _argv(work, run_dir, *extra):
   return ["train_lm", "--model_config=nano", "--mesh=data=-1,fsdp=2", "--seq=32",
-          "--global_batch=16",
+          "--global_batch=16", "--update_norm",
           f"--steps={STEPS}",
           f"--dataset={work / 'corpus.txt'}", f"--run_dir={run_dir}", "--eval_batches=1",
           "--log_every=1", "--sample_len=0", f"--compile_cache_dir={work / 'cache'}",
@@ -57,7 +59,7 @@ def _kwargs(work, run_dir, **extra):
   """`_argv`'s options as train_lm() keywords."""
   return {**dict(model_config="nano", mesh="data=-1,fsdp=2", seq=32, global_batch=16,
                  steps=STEPS, dataset=str(work / "corpus.txt"), run_dir=str(run_dir),
-                 eval_batches=1, log_every=1, sample_len=0,
+                 eval_batches=1, log_every=1, sample_len=0, update_norm=True,
                  compile_cache_dir=str(work / "cache")), **extra}
 
 

@@ -16,12 +16,15 @@ import pytest
 import fnscale
 
 
-def _run(loss_fn, params, opt, *, policy=None, loss_scale=None, batch=None, steps=1):
-  """`steps` steps on data=8; returns (metrics of the last step, params before, after)."""
+def _run(loss_fn, params, opt, *, policy=None, loss_scale=None, batch=None, steps=1,
+         update_norm=True):
+  """`steps` steps on data=8, measuring the change by default; returns (metrics of the last
+  step, params before, after)."""
   mesh = fnscale.make_mesh("data=8")
   state = fnscale.init_state(params, opt, mesh=mesh, policy=policy, loss_scale=loss_scale)
   before = jax.device_get(state.params)
-  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt, policy=policy), mesh)
+  step = fnscale.shard_step(
+      fnscale.train_step(loss_fn, opt, policy=policy, update_norm=update_norm), mesh)
   batch = {"x": jnp.ones((8, 4), jnp.float32)} if batch is None else batch
   for _ in range(steps):
     state, m = step(state, batch)
@@ -40,6 +43,46 @@ def test_update_norm_is_the_norm_of_the_params_change():
   change = np.asarray(after["w"], np.float64) - np.asarray(before["w"], np.float64)
   np.testing.assert_allclose(float(m["update_norm"]), np.linalg.norm(change), rtol=1e-6)
   assert int(m["bad_update"]) == 0 and int(m["skipped"]) == 0
+
+
+BF16_PARAMS = "params=bfloat16,compute=bfloat16,output=float32"
+
+
+def test_the_change_is_measured_by_default_only_where_params_are_narrower_than_float32():
+  # float32 params: no update_norm (a pass of its own over the updates), the SGD step as by
+  # hand (the gradient of the linear loss is the mean row of x, 1 per weight).
+  params = {"w": jnp.full((4,), 1.0, jnp.float32)}
+  m, before, after = _run(_linear, params, optax.sgd(0.25), update_norm=None)
+  assert "update_norm" not in m and int(m["bad_update"]) == 0 and float(m["grad_norm"]) == 2.0
+  np.testing.assert_array_equal(after["w"], before["w"] - 0.25)
+  # bfloat16 params, whose rounding can swallow an update: measured, unless turned off.
+  m, before, after = _run(_linear, params, optax.sgd(0.25), policy=BF16_PARAMS,
+                          update_norm=None)
+  change = after["w"].astype(np.float32) - before["w"].astype(np.float32)
+  np.testing.assert_allclose(float(m["update_norm"]), np.linalg.norm(change), rtol=1e-6)
+  m, _, _ = _run(_linear, params, optax.sgd(0.25), policy=BF16_PARAMS, update_norm=False)
+  assert "update_norm" not in m and int(m["bad_update"]) == 0
+
+
+def test_an_unmeasured_change_is_bad_where_the_gradients_are_non_finite():
+  # float32 params and compute, the change unmeasured: sqrt at 0, a finite loss with an inf
+  # gradient, is bad; a gradient of 2**-100, whose square underflows (grad_norm 0), moves
+  # the params by lr x 2**-100 and is not.
+  params = {"w": jnp.full((4,), 1.0, jnp.float32)}
+  root = lambda p, b: jnp.sum(jnp.sqrt(p["w"])) + 0.0 * jnp.mean(b["x"])
+  m, _, after = _run(root, {"w": jnp.zeros((4,), jnp.float32)}, optax.sgd(1.0),
+                     update_norm=None)
+  assert float(m["loss"]) == 0.0 and float(m["grad_norm"]) == np.inf
+  assert int(m["bad_update"]) == 1 and not np.any(np.isfinite(after["w"]))
+  m, before, after = _run(_linear, params, optax.sgd(2.0**90), update_norm=None,
+                          batch={"x": jnp.full((8, 4), 2.0**-100, jnp.float32)})
+  assert float(m["grad_norm"]) == 0.0 and int(m["bad_update"]) == 0
+  np.testing.assert_array_equal(after["w"], before["w"] - 2.0**-10)
+
+
+def test_update_norm_is_a_bool_or_none():
+  with pytest.raises(fnscale.StepError, match=r"update_norm is .*'yes'.* True, False or None"):
+    fnscale.train_step(_linear, optax.sgd(0.1), update_norm="yes")
 
 
 def test_bfloat16_params_that_round_every_update_away_are_flagged():
@@ -71,9 +114,11 @@ def test_update_norm_counts_only_what_survives_rounding_to_bfloat16():
   assert int(m["bad_update"]) == 0 and int(m["skipped"]) == 0
 
 
-def test_params_are_updated_in_place_without_copies():
+@pytest.mark.parametrize("update_norm", [True, None])
+def test_params_are_updated_in_place_without_copies(update_norm):
   # The change is measured before the new params overwrite the old (donated) buffers: the
   # compiled step copies no param (measured as new - old it copied every one first).
+  # Unmeasured (the default for float32 params), the CPU compiler copies the 0-d one.
   def loss_fn(params, batch):
     return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) @ params["v"] + params["b"])
 
@@ -81,12 +126,13 @@ def test_params_are_updated_in_place_without_copies():
   opt = optax.adamw(1e-3)
   params = {"w": jnp.ones((4, 16)) / 4, "v": jnp.ones((16,)), "b": jnp.zeros(())}
   state = fnscale.init_state(params, opt, mesh=mesh)
-  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt), mesh)
+  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt, update_norm=update_norm), mesh)
   hlo = step.compile(state, {"x": jnp.ones((8, 4))}).compiled.as_text()
-  names = re.findall(r"(%[\w.-]+) = [^\n]*parameter\(\d+\)[^\n]*op_name=\"state\.params", hlo)
+  names = re.findall(r"(%[\w.-]+) = (\w+\[[\d,]*\])[^\n]*parameter\(\d+\)[^\n]*"
+                     r"op_name=\"state\.params", hlo)
   assert len(names) == 3, hlo
-  copied = [n for n in names if re.search(rf" copy\({re.escape(n)}\)", hlo)]
-  assert not copied, hlo
+  copied = [t for n, t in names if re.search(rf" copy\({re.escape(n)}\)", hlo)]
+  assert copied in ([], ["f32[]"] if update_norm is None else []), (copied, hlo)
 
 
 def test_non_finite_update_with_finite_loss_is_flagged():
@@ -165,7 +211,7 @@ def test_scaled_gradient_past_float32_range_is_skipped_or_flagged(dynamic):
   from recipes.lm import stalls  # pylint: disable=import-outside-toplevel
   mesh = fnscale.make_mesh("data=8")
   opt = optax.sgd(2.0**-4)
-  step = fnscale.shard_step(fnscale.train_step(_scaled_sum, opt), mesh)
+  step = fnscale.shard_step(fnscale.train_step(_scaled_sum, opt, update_norm=True), mesh)
 
   def run(g, steps=1):
     scale = jnp.float32(2.0**127)
@@ -244,7 +290,8 @@ def test_skipped_steps_with_a_finite_loss_count_toward_the_stop():
     stalls.check_update(stall, 7, _skip(), 3)
 
 
-def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=float32"):
+def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=float32",
+              update_norm=None):
   """`steps` steps on data=8 from params {"w": w} (float16 compute: init_state's default
   dynamic scale, 2**15); returns each step's metrics and the params before and after."""
   mesh = fnscale.make_mesh("data=8")
@@ -252,7 +299,8 @@ def _run_each(loss_fn, w, steps, policy="params=float32,compute=float16,output=f
   state = fnscale.init_state({"w": jnp.asarray(w, jnp.float32)}, opt, mesh=mesh,
                              policy=policy)
   before = jax.device_get(state.params["w"])
-  step = fnscale.shard_step(fnscale.train_step(loss_fn, opt, policy=policy), mesh)
+  step = fnscale.shard_step(
+      fnscale.train_step(loss_fn, opt, policy=policy, update_norm=update_norm), mesh)
   ms = []
   for _ in range(steps):
     state, m = step(state, {"x": jnp.ones((8, 4), jnp.float32)})

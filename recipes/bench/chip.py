@@ -12,7 +12,9 @@ unroll (0/1: the layer loop unrolled), params / mu (float32 or bfloat16: the par
 of the jmp policy, AdamW's first-moment dtype), loss_chunk (tokens per chunk of the
 Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd, e.g. 1024/512/512/512), xla
 ("maxtext": the XLA flags MaxText sets for v5e, `MAXTEXT_V5E`), accum (microbatches);
-peer=1 times the plain-JAX step too; profile=1 traces 3 steps and prints the time split
+peer=1 times the plain-JAX step too; hand=1 times train_lm's own model under that
+hand-written step (`hand_side`: fnscale / by hand is the wrapper's cost, by hand / plain JAX
+the model code's; not with accum); profile=1 traces 3 steps and prints the time split
 (`recipes/bench/trace_split.py`); loss_steps=N trains N steps on byte-level text (the
 Python standard library's sources) from a fixed init and data order and reports the loss.
 
@@ -133,6 +135,7 @@ class Case(NamedTuple):
   xla: str = ""
   accum: int = 1
   peer: bool = False
+  hand: bool = False
   profile: bool = False
   loss_steps: int = 0
 
@@ -304,7 +307,23 @@ def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
     loss = functools.partial(pj.llama_loss, theta=cfg.rope_theta, options=opts)
   else:
     loss = functools.partial(pj.gpt_loss, options=opts)
-  step = pj.train_step(loss, optimizer(case))
+  return _by_hand(pj.train_step(loss, optimizer(case)), case, env, state, batch)
+
+
+def hand_side(case: Case, env: Env, state, batch) -> Side:
+  """train_lm's own model (loss, remat, attention kernel and tiles: the model's choices)
+  under the hand-written step of the peer (`plain_jax.train_step`: value_and_grad, optax,
+  `jax.jit` with donation): fnscale's side over this one is the wrapper's cost alone."""
+  module, cfg = model_of(case)
+  loss = functools.partial(module.loss_fn, remat=case.remat, cfg=cfg)
+  step = fs.with_kernel(pj.train_step(loss, optimizer(case)), attention=env.attention,
+                        block_sizes=blocks(case))
+  return _by_hand(step, case, env, state, batch)
+
+
+def _by_hand(step, case: Case, env: Env, state, batch) -> Side:
+  """`step((params, opt_state), batch) -> ((params, opt_state), loss)` under `jax.jit`,
+  donated and compiled for the shared state's shardings."""
   shardings = jax.tree.map(lambda a: a.sharding, (state.params, state.opt_state))
   scalar = jax.sharding.NamedSharding(env.mesh, jax.P())
   jitted = jax.jit(step, donate_argnums=0, out_shardings=(shardings, scalar))
@@ -440,6 +459,8 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
     state, batch = init(case, env), random_batch(case, cfg.vocab, env.mesh)
   tiles = row["tiles"] = tiles_for(case, cfg)
   sides = {"fnscale": fnscale_side(case, env, state, batch)}
+  if case.hand and case.accum == 1:
+    sides["by_hand"] = hand_side(case, env, state, batch)
   if peer:
     sides["plain_jax"] = peer_side(case, env, state, batch, tiles)
   if env.aot:
@@ -448,8 +469,13 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
   state, times = alternate(sides, state, batch, rounds, steps, warmup)
   for name, side in sides.items():
     row[name] = figures(side, times[name], tokens, row["flops_token"], env)
+  rate = lambda name: row[name]["tokens_s"]
   if peer:
-    row["ratio"] = row["fnscale"]["tokens_s"] / row["plain_jax"]["tokens_s"]
+    row["ratio"] = rate("fnscale") / rate("plain_jax")
+  if "by_hand" in sides:  # the wrapper's cost, and the model code's against the peer
+    row["wrapper"] = rate("fnscale") / rate("by_hand")
+    if peer:
+      row["model_code"] = rate("by_hand") / rate("plain_jax")
   if case.profile:
     keep = os.path.join(trace_dir, _file_name(case.label) + ".xplane.pb") if trace_dir else ""
     state, split = profile(sides["fnscale"], state, batch, keep)
@@ -466,7 +492,7 @@ def describe(row: dict) -> str:
   """One line per side: tokens/s, MFU, HBM (and the ratio, the split, the final loss)."""
   out = [f"{row['case']}: {row['tokens_step']} tokens/step, {row['params'] / 1e6:.0f}M params, "
          f"tiles {row.get('tiles')}"]
-  for name in ("fnscale", "plain_jax"):
+  for name in ("fnscale", "by_hand", "plain_jax"):
     if name in row and "tokens_s" in row[name]:
       r = row[name]
       out.append(f"  {name:9s} {r['tokens_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
@@ -476,6 +502,10 @@ def describe(row: dict) -> str:
       out.append(f"  {name:9s} HBM {row[name]['hbm_gib']:5.2f} GiB (compiled only)")
   if "ratio" in row:
     out.append(f"  fnscale / plain JAX tokens/s: {row['ratio']:.3f}")
+  if "wrapper" in row:
+    out.append(f"  fnscale / same model by hand (the wrapper): {row['wrapper']:.3f}"
+               + (f"; by hand / plain JAX (the model code): {row['model_code']:.3f}"
+                  if "model_code" in row else ""))
   if "split" in row:
     out.append(f"  split: {row['split']['line']}")
   if "losses" in row:

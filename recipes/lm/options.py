@@ -147,6 +147,10 @@ class Options(Hardware):
                                   "that left the params unchanged or non-finite, or were "
                                   "skipped for non-finite gradients (float16's loss "
                                   "scale), although the loss was finite (0: never)")
+  update_norm: bool = option(False, "measure the change each step applies to the params "
+                             "(train/update_norm; a stall check then sees an update rounded "
+                             "away or an lr of 0): a pass over the updates, 1.7% of a step; "
+                             "always measured with bfloat16 params")
   accum_steps: int | None = option(None, "gradient accumulation micro-steps per step (splits "
                                    "the batch); default 1, or what fits the device's memory")
   accum_gather: str = option("auto", "with accum_steps > 1: 'auto' ('once' where whole params "

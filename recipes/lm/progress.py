@@ -175,10 +175,8 @@ def progress(r, done: int, m, dt) -> dict:
              "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
   line = run_log.progress_line(done, s.o.steps, metrics, dt)
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
-  r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]),
-                     "train/update_norm": float(m["update_norm"]),
-                     **({"train/loss_scale": float(m["loss_scale"])}
-                        if "loss_scale" in m else {})})
+  optional = {f"train/{k}": float(m[k]) for k in ("update_norm", "loss_scale") if k in m}
+  r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]), **optional})
   if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
     _say_rewards(r, done, m["aux"])
   elif "aux" in m:  # a mixture of experts: its load

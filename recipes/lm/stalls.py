@@ -42,18 +42,20 @@ def check_update(stall: Stall, done: int, m, limit: int) -> Stall:
     return Stall()
   stall = Stall(stall.steps + 1, stall.first if stall.steps else done)
   if limit and stall.steps >= limit:
-    grad, update = float(m["grad_norm"]), float(m["update_norm"])
+    grad = float(m["grad_norm"])
+    update = float(m["update_norm"]) if "update_norm" in m else None
     scale = f", loss_scale {float(m['loss_scale']):g}" if "loss_scale" in m else ""
+    norms = f"grad_norm {grad:.3g}" + ("" if update is None else f", update_norm {update:.3g}")
     raise fs.StepError(
         f"training stalled: the update was skipped, changed nothing or made the params "
         f"non-finite at {stall.steps} consecutive steps {stall.first}..{done} although the "
-        f"loss was finite (at step {done}: loss {float(m['loss']):.4g}, grad_norm {grad:.3g}, "
-        f"update_norm {update:.3g}{scale}); likely cause: {_stall_cause(m, grad, update)}; "
+        f"loss was finite (at step {done}: loss {float(m['loss']):.4g}, {norms}{scale}); "
+        f"likely cause: {_stall_cause(m, grad, update)}; "
         "--max_stalled_steps=0 turns this check off")
   return stall
 
 
-def _stall_cause(m, grad: float, update: float) -> str:
+def _stall_cause(m, grad: float, update: float | None) -> str:
   if int(m["skipped"]):
     return ("the updates were skipped: their gradients were non-finite and halving the "
             "dynamic loss scale did not make them finite, so the scaled gradients overflow "
@@ -61,7 +63,7 @@ def _stall_cause(m, grad: float, update: float) -> str:
             "are non-finite at any scale (e.g. sqrt's at 0); use precision=float32 (or "
             "bfloat16 compute, float32's range); if loss_scale is still falling from a high "
             "start, raise --max_stalled_steps")
-  if not np.isfinite(update):
+  if not np.isfinite(grad if update is None else update):
     return ("the params became non-finite: the gradients or the optimizer's update "
             "overflowed (a static loss scale too large for the compute dtype applies them "
             "as inf); lower lr or the static scale, or use precision=float32")
