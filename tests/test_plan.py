@@ -274,6 +274,20 @@ def test_a_step_over_the_v5e_limit_is_refused_with_the_usable_memory_and_its_sou
           "measured on a v5e chip") in text
 
 
+def test_a_refusal_names_the_accumulation_that_needs_least_not_the_most_tried():
+  """A 32768 x 32768 float32 weight with Adam on one v5e chip: weight, gradient and two
+  moments are 16 GiB, over the chip's 15.75; accumulating would add a 4 GiB float32
+  accumulator for activations of a few MiB, so the least any candidate needs is accum=1's."""
+  init = lambda key: {"w": jax.ShapeDtypeStruct((32768, 32768), jnp.float32)}
+  loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
+  batch = {"x": jax.ShapeDtypeStruct((8, 32768), jnp.float32)}
+  with pytest.raises(fs.PlanError, match="fits nowhere") as e:
+    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", verify=0)
+  need = float(re.search(r"needs (\d+\.\d+) GiB per device", str(e.value)).group(1)) * GiB
+  assert "accum=1)" in str(e.value)
+  assert 16 * GiB <= need < 17 * GiB
+
+
 def test_bad_arguments_raise_plan_errors():
   cfg = llama.model_config("llama-tiny", 16)
   init = lambda k: llama.init_params(cfg, k)

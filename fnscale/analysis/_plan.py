@@ -355,13 +355,14 @@ def _microbatches(prof, axes: MeshAxes) -> int | None:
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
   """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
-  `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
-  slower (it moves params and gradients once per step: less communication, more slack when
-  overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
+  `cap` bytes (or, none fitting, the steps and mode that need the fewest bytes: the float32
+  accumulator can outweigh the activations it saves); at those steps "once" where it fits
+  and is no slower (it moves params and gradients once per step: less communication, more
+  slack when overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
   accumulation."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
-  est = None
+  least = None
   for a in (a for a in accums if rows_dev % a == 0):
     modes = ("per_microbatch", "once") if a > 1 else ("auto",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
@@ -369,10 +370,10 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
     if fit:
       _, gather, best = min(fit, key=lambda x: x[0])
       return a, gather, best, True
-    last, est = a, ests[0][1]
-  if est is None:
-    return 1, "auto", None, False
-  return last, "per_microbatch" if last > 1 else "auto", est, False
+    gather, est = min(ests, key=lambda x: x[1].bytes)
+    if least is None or est.bytes < least[2].bytes:
+      least = (a, gather, est)
+  return (*least, False) if least else (1, "auto", None, False)
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
