@@ -179,7 +179,7 @@ class PlanError(InputError):
     ...                  optax.sgd(0.1), batch, "v5p-8", headroom=2)
     Traceback (most recent call last):
     ...
-    fnscale.PlanError: headroom=2, expected a fraction of HBM in (0, 1]
+    fnscale.PlanError: headroom=2, expected a fraction of the device's memory limit in (0, 1]
   """
 
 

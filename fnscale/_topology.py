@@ -47,7 +47,7 @@ class ChipFacts(NamedTuple):
   Attributes:
     platform: "tpu" or "gpu".
     peak_flops: peak dense bf16 FLOP/s.
-    hbm_bytes: HBM, bytes.
+    hbm_bytes: HBM, bytes (published).
     hbm_bandwidth: HBM bytes/s, or None (no figure here).
     ici_link: bytes/s one way per ICI link (on GPUs: per GPU to the NVSwitch), or None.
     dcn: bytes/s per chip across slices (on GPUs: between nodes), or None.
@@ -64,6 +64,9 @@ class ChipFacts(NamedTuple):
     libtpu_name: the generation in libtpu's topology names ("v5p" in "v5p:2x2x2"); None on
       GPUs.
     source: where each figure of the row comes from.
+    hbm_limit: the bytes a program may hold: the allocator's limit (jax
+      `Device.memory_stats()["bytes_limit"]`), below `hbm_bytes` by what the runtime keeps.
+    limit_source: where `hbm_limit` comes from (measured, or how it is derived).
 
   Examples:
     `fnscale.CHIP_FACTS` holds one row per chip, by generation ("v5e") or GPU name ("H100"):
@@ -72,6 +75,8 @@ class ChipFacts(NamedTuple):
     >>> v5e = fs.CHIP_FACTS["v5e"]
     >>> v5e.peak_flops / 1e12, v5e.hbm_bytes / 2**30, v5e.torus_dims, v5e.device_kinds
     (197.0, 16.0, 2, ('TPU v5 lite', 'TPU v5e'))
+    >>> v5e.hbm_limit / 2**30  # what a program may hold of the 16 GiB
+    15.748046875
   """
   platform: str
   peak_flops: float
@@ -86,18 +91,31 @@ class ChipFacts(NamedTuple):
   device_kinds: tuple[str, ...]
   libtpu_name: str | None
   source: str
+  hbm_limit: int
+  limit_source: str
+
+
+# The allocator's limit (`memory_stats()["bytes_limit"]`) measured on one v5e chip (jax
+# 0.10.2, libtpu 0.0.42.1, 2026-12-06): 15.75 GiB of its 16; the runtime keeps 258 MiB.
+V5E_LIMIT = 16_909_336_576
+# TPUs not measured here are taken to keep v5e's reserve per chip.
+_TPU_RESERVE = 16 * GiB - V5E_LIMIT
 
 
 def _tpu_row(kinds, peak, hbm, *, torus, cores, counts, hbm_bw=None, ici=None, dcn=None,
-             libtpu, source) -> ChipFacts:
+             libtpu, source, limit=None) -> ChipFacts:
+  why = ("bytes_limit measured on a v5e chip" if limit else
+         f"HBM less v5e's measured runtime reserve ({_TPU_RESERVE // 2**20} MiB), not measured")
   return ChipFacts("tpu", peak, hbm, hbm_bw, ici, dcn, torus, 4, cores, counts, kinds, libtpu,
-                   source)
+                   source, limit or hbm - _TPU_RESERVE, why)
 
 
 def _gpu_row(kind, peak, hbm, *, hbm_bw=None, ici=None, dcn=None, per_node=None,
              source) -> ChipFacts:
+  # Not measured: the published memory, as a job that raises XLA_PYTHON_CLIENT_MEM_FRACTION
+  # towards 1 gets (JAX's default 0.75 leaves the program less).
   return ChipFacts("gpu", peak, hbm, hbm_bw, ici, dcn, 0, per_node, 1, None, (kind,), None,
-                   source)
+                   source, hbm, "published HBM, not measured")
 
 
 _ICI = "ICI: How to Scale Your Model, part 2"
@@ -114,6 +132,7 @@ CHIP_FACTS: Mapping[str, ChipFacts] = types.MappingProxyType({
                    source=f"Cloud TPU v4 page; {_ICI}; DCN: none published, taken as v5e's"),
     "v5e": _tpu_row(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GiB, torus=2, cores=1,
                     counts="chips", hbm_bw=8.19e11, ici=4.5e10, dcn=25e9 / 8, libtpu="v5e",
+                    limit=V5E_LIMIT,
                     source=f"Cloud TPU v5e page; {_ICI}; DCN: Cloud TPU v6e page"),
     "v5p": _tpu_row(("TPU v5", "TPU v5p"), 459e12, 95 * GiB, torus=3, cores=2,
                     counts="cores", hbm_bw=2.765e12, ici=9e10, dcn=50e9 / 8, libtpu="v5p",
@@ -295,18 +314,19 @@ def gpu_facts(device_kind: str) -> ChipFacts | None:
 
 def device_memory(device) -> float | None:
   """Bytes a step may use on `device` (a `jax.Device`): the runtime's limit on an attached
-  accelerator (`memory_stats()["bytes_limit"]`, e.g. 15.75 GiB on a 16 GiB TPU v5e); the
-  published HBM per device (`fnscale.CHIP_FACTS`) for a TPU described for an
-  ahead-of-time compile or a GPU without memory statistics; None on CPU, whose memory has no
-  limit worth holding a step to (pass one to `check_fit` or `compile_fitting` to test).
+  accelerator (`memory_stats()["bytes_limit"]`, e.g. 15.75 GiB on a 16 GiB TPU v5e); that
+  limit per device from `fnscale.CHIP_FACTS` (`hbm_limit`: measured, or derived as its
+  `limit_source` says) for a TPU described for an ahead-of-time compile or a GPU without
+  memory statistics; None on CPU, whose memory has no limit worth holding a step to (pass
+  one to `check_fit` or `compile_fitting` to test).
 
   Examples:
     >>> import fnscale as fs, jax
     >>> fs.analysis.device_memory(jax.devices()[0]) is None  # CPU: no limit
     True
-    >>> v5e = fs.target_devices("v5e-8")[0]  # described (the tpu extra): the published HBM
+    >>> v5e = fs.target_devices("v5e-8")[0]  # described (the tpu extra): the table's limit
     >>> fs.analysis.device_memory(v5e) / 2**30
-    16.0
+    15.748046875
   """
   if device.platform == "cpu":
     return None
@@ -323,9 +343,9 @@ def device_memory(device) -> float | None:
     # A chip's JAX devices share its HBM: a megacore chip (v4, v5p) is one device, other
     # chips one per TensorCore (as the planner's targets count them).
     facts = CHIP_FACTS[gen]
-    return float(facts.hbm_bytes // (1 if gen in ("v4", "v5p") else facts.cores_per_chip))
+    return float(facts.hbm_limit // (1 if gen in ("v4", "v5p") else facts.cores_per_chip))
   facts = gpu_facts(device.device_kind)
-  return float(facts.hbm_bytes) if facts else None
+  return float(facts.hbm_limit) if facts else None
 
 
 def _check_type(name: str, value, types_, expected: str, error=TopologyError) -> None:

@@ -230,9 +230,62 @@ def test_planner_chooses_once_only_where_its_memory_fits():
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
   cfg = llama.model_config("llama-70b", 4096)
-  with pytest.raises(fs.PlanError, match=r"needs \d+\.\d GiB per device.*16\.0 GiB of HBM"):
+  with pytest.raises(fs.PlanError, match=r"needs \d+\.\d+ GiB per device.*of 16\.00 GiB HBM"):
     plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
                _batch(16, 4096), "v5e-4", verify=0)
+
+
+# Measured on one TPU v5e chip (jax 0.10.2, libtpu 0.0.42.1, 2026-12-06): the allocator's
+# limit, `jax.devices()[0].memory_stats()["bytes_limit"]`, and the footprint (compiled
+# arguments + outputs not aliased + temporaries) of recipes/lm/llama.py's 766M step at 8 rows
+# of 2048 tokens, full remat, AdamW with float32 state, which trained there at 58.6% MFU.
+V5E_BYTES_LIMIT = 16_909_336_576
+LLAMA_766M_STEP_BYTES = 15.03 * GiB
+
+
+def test_the_llama_766m_step_a_v5e_chip_runs_is_planned_to_fit_it():
+  from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
+  p = plan_recipe.make_plan("llama-766m", "v5litepod-1", 8, 2048, 0)
+  # Held to what the chip lets a program hold, not to the 16 GiB on its page.
+  assert p.hardware.memory_limit == V5E_BYTES_LIMIT
+  assert LLAMA_766M_STEP_BYTES <= p.hardware.memory_limit
+  best = p.rows[0]
+  assert best.fits and (best.axes.ici, best.remat, best.accum) == ({"data": 1}, True, 1)
+  # Its estimate (12.9 GiB) within the 5% margin below the limit, and no further than 20%
+  # under the footprint the chip measured.
+  assert LLAMA_766M_STEP_BYTES * 0.8 <= best.estimate.bytes <= 0.95 * V5E_BYTES_LIMIT
+  text = str(p)
+  assert "14.96 GiB usable per device (95% of the 15.75 GiB a program may hold" in text
+  assert "bytes_limit measured on a v5e chip" in text
+
+
+def test_a_step_over_the_v5e_limit_is_refused_with_the_usable_memory_and_its_source():
+  """A Llama-3.2-1B shape with AdamW: 1.24B params, float32 params and two moments alone
+  are 14.9 GB (19.9 GB with the gradients), over the 15.75 GiB a v5e chip lets a step hold."""
+  from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
+  with pytest.raises(fs.PlanError) as e:
+    plan_recipe.make_plan("llama-1b", "v5litepod-1", 8, 2048, 0)
+  text = str(e.value)
+  assert "fits nowhere on v5litepod-1" in text
+  need = float(re.search(r"needs (\d+\.\d+) GiB per device", text).group(1)) * GiB
+  assert need > V5E_BYTES_LIMIT
+  assert (f"{0.95 * V5E_BYTES_LIMIT / GiB:.2f} GiB usable per device (95% of the "
+          f"{V5E_BYTES_LIMIT / GiB:.2f} GiB a program may hold of 16.00 GiB HBM: bytes_limit "
+          "measured on a v5e chip") in text
+
+
+def test_a_refusal_names_the_accumulation_that_needs_least_not_the_most_tried():
+  """A 32768 x 32768 float32 weight with Adam on one v5e chip: weight, gradient and two
+  moments are 16 GiB, over the chip's 15.75; accumulating would add a 4 GiB float32
+  accumulator for activations of a few MiB, so the least any candidate needs is accum=1's."""
+  init = lambda key: {"w": jax.ShapeDtypeStruct((32768, 32768), jnp.float32)}
+  loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
+  batch = {"x": jax.ShapeDtypeStruct((8, 32768), jnp.float32)}
+  with pytest.raises(fs.PlanError, match="fits nowhere") as e:
+    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", verify=0)
+  need = float(re.search(r"needs (\d+\.\d+) GiB per device", str(e.value)).group(1)) * GiB
+  assert "accum=1)" in str(e.value)
+  assert 16 * GiB <= need < 17 * GiB
 
 
 def test_bad_arguments_raise_plan_errors():
@@ -334,7 +387,7 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
 def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
   """recipes/plan.py --model=small --target=v5litepod-1 --batch=64 --seq=1024: the GPT's own
   params, and 64 rows of 1024 tokens (XLA: 56.2 GiB without remat or accumulation) planned
-  within one v5e chip's 16 GiB."""
+  within the 15.75 GiB one v5e chip lets a step hold (less the estimate's 5% margin)."""
   del tpu_devices  # skips without libtpu
   from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
   from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
@@ -343,7 +396,7 @@ def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
                           jax.random.key(0))
   assert p.profile.params == sum(x.size for x in jax.tree.leaves(params))
   assert (p.profile.rows, p.profile.tokens_row) == (64, 1024)
-  assert p.rows[0].fits and p.rows[0].estimate.bytes <= 0.8 * 16 * GiB
+  assert p.rows[0].fits and p.rows[0].estimate.bytes <= 0.95 * V5E_BYTES_LIMIT
   assert p.remat or p.accum > 1
 
 
@@ -742,7 +795,7 @@ def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), lora)
   p = plan(state, loss, opt, batch, "v5litepod-1", policy=policy, verify=0)
   best = p.rows[0]
-  assert best.fits and best.estimate.bytes < 0.8 * 16 * 2**30
+  assert best.fits and best.estimate.bytes < 0.95 * V5E_BYTES_LIMIT
   assert best.estimate.params < 2.6e9 and best.estimate.opt < 0.2e9  # bf16 base, adapters' state
 
 

@@ -728,7 +728,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
   whole = (prof.compute_bytes + prof.grad_bytes) / t  # "once"'s whole params and accumulator
-  auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _step.ONCE_SHARE * hw.hbm_bytes)
+  auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _step.ONCE_SHARE * hw.memory_limit)
   once = accum > 1 and (gather == "once" or gather == "auto" and auto_once)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)

@@ -8,9 +8,10 @@ dividing its expert count: `fnscale.parallel.moe`), data parallel ("replica") ac
 slices, remat on/off, and the fewest accumulation steps that fit; for a loss that takes
 `microbatches` (a pipelined model, `fnscale.parallel.pipeline`), pipeline stages too: across
 the slices of a multi-slice target, and within a slice for a very large model (its
-compute-dtype weights larger than one device's HBM), with as many microbatches (up to 8 per
-stage) as every device's rows split into, costed with the bubble and the stage sends. Each
-gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against HBM, step time
+compute-dtype weights larger than one device's memory limit), with as many microbatches (up
+to 8 per stage) as every device's rows split into, costed with the bubble and the stage
+sends. Each gets an analytic estimate (`fnscale.analysis._cost`: per-device bytes against
+`HEADROOM` of the device's memory limit, the bytes a program may hold there; step time
 from compute at peak and each collective over its axis's links: a roofline, whose MFU is an
 upper bound) and a forecast (`fnscale.analysis._forecast`: the roofline plus efficiency
 terms fitted on measured runs); rows are ranked by the forecast. The best few are compiled
@@ -59,6 +60,11 @@ DISAGREE = 0.25  # relative disagreement between estimate and compile that gets 
 # row: shorter shards make the per-shard matmuls small, and at sequences this short a batch
 # split (data, fsdp) serves (MaxText's long-context configs split 32k-token rows and up).
 CONTEXT_MIN_TOKENS = 4096
+# The share of a device's memory limit (`Hardware.memory_limit`: the allocator's limit,
+# `fnscale.CHIP_FACTS`' `hbm_limit`) an estimate may fill: it tracks XLA's peak within about
+# 5% for GPT and Llama steps of 86M-8B params (`recipes/bench/memory.py`), so 5% is kept for
+# its error.
+HEADROOM = 0.95
 ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale.analysis._forecast)
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
@@ -95,10 +101,12 @@ class CompileCheck(NamedTuple):
 
 class Candidate(NamedTuple):
   """One row of the plan: mesh axes, remat, accumulation steps, estimate (the roofline),
-  compile (or None), `fits` (XLA's peak against HBM where compiled, else the estimate
-  against HBM x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the
-  compiled communication where compiled), `accum_gather` (`train_step`'s mode, costed and compiled as chosen) and
-  `microbatches` (the pipeline's, with a "stage" axis: the loss's `microbatches=`).
+  compile (or None), `fits` (XLA's peak against the device's memory limit,
+  `fnscale.analysis.hardware(target).memory_limit`, where compiled, else the estimate against
+  the limit x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the
+  compiled communication where compiled), `accum_gather` (`train_step`'s mode, costed and
+  compiled as chosen) and `microbatches` (the pipeline's, with a "stage" axis: the loss's
+  `microbatches=`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
   compiled).
 
@@ -158,8 +166,9 @@ class Plan(NamedTuple):
   `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
   the resolved target; `profile` what the model needs per step; `verification` what was
   compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
-  are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`).
-  `str(plan)` is the table (`format_plan`).
+  are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`);
+  `headroom` the share of the memory limit an estimate may fill. `str(plan)` is the table
+  (`format_plan`).
 
   Examples:
     >>> import fnscale as fs, jax, jax.numpy as jnp, optax
@@ -183,6 +192,7 @@ class Plan(NamedTuple):
   tokens: float | None = None
   accum_gather: str = "auto"
   microbatches: int = 1
+  headroom: float = HEADROOM
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -326,7 +336,7 @@ def _stage_meshes(prof, hw: _targets.Hardware, max_tensor: int) -> list[MeshAxes
   for s in (s for s in _divisors(k)[1:] if prof.stack_layers % s == 0):
     dcn = {"stage": s, **({"replica": k // s} if k > s else {})}
     out += _meshes(hw, prof.rows, max_tensor, dcn=dcn, experts=prof.experts, tokens=prof.tokens_row)
-  if prof.compute_bytes > hw.hbm_bytes:
+  if prof.compute_bytes > hw.memory_limit:
     for s in (2, 4, 8):
       if hw.devices_per_slice % s == 0 and prof.stack_layers % s == 0:
         out += _meshes(hw, prof.rows, max_tensor, stage=s, experts=prof.experts, tokens=prof.tokens_row)
@@ -345,13 +355,14 @@ def _microbatches(prof, axes: MeshAxes) -> int | None:
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
   """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
-  `cap` bytes (or the most, not fitting); at those steps "once" where it fits and is no
-  slower (it moves params and gradients once per step: less communication, more slack when
-  overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
+  `cap` bytes (or, none fitting, the steps and mode that need the fewest bytes: the float32
+  accumulator can outweigh the activations it saves); at those steps "once" where it fits
+  and is no slower (it moves params and gradients once per step: less communication, more
+  slack when overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
   accumulation."""
   rows_dev = prof.rows // (math.prod(axes.dcn.values() or [1]) * axes.ici.get("data", 1)
                            * axes.ici.get("fsdp", 1) * axes.ici.get("expert", 1))
-  est = None
+  least = None
   for a in (a for a in accums if rows_dev % a == 0):
     modes = ("per_microbatch", "once") if a > 1 else ("auto",)
     ests = [(g, _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, a, g)) for g in modes]
@@ -359,10 +370,10 @@ def _best_accum(prof, hw, axes, remat, cap, accums):
     if fit:
       _, gather, best = min(fit, key=lambda x: x[0])
       return a, gather, best, True
-    last, est = a, ests[0][1]
-  if est is None:
-    return 1, "auto", None, False
-  return last, "per_microbatch" if last > 1 else "auto", est, False
+    gather, est = min(ests, key=lambda x: x[1].bytes)
+    if least is None or est.bytes < least[2].bytes:
+      least = (a, gather, est)
+  return (*least, False) if least else (1, "auto", None, False)
 
 
 def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
@@ -429,9 +440,9 @@ def _verify(cand: Candidate, hw, ctx) -> Candidate:
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
   c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
   fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
-  # XLA's peak is the step's footprint, not an estimate of it: held to HBM, not to the
-  # headroom kept for the estimate's error.
-  return cand._replace(compiled=c, fits=nbytes <= hw.hbm_bytes, forecast=fc)
+  # XLA's peak is the step's footprint, not an estimate of it: held to the allocator's limit,
+  # not to the headroom kept for the estimate's error.
+  return cand._replace(compiled=c, fits=nbytes <= hw.memory_limit, forecast=fc)
 
 
 def _verify_best(rows: list, hw, ctx, verify: int) -> None:
@@ -511,14 +522,25 @@ def _candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Cand
   return rows
 
 
-def _no_fit_error(rows, hw, cap) -> PlanError:
+def _no_fit_error(rows, hw, headroom) -> PlanError:
   low = min(rows, key=lambda r: r.estimate.bytes)
-  gib = lambda b: f"{b / 2**30:.1f} GiB"
   return PlanError(
       f"the model fits nowhere on {hw.name}: the smallest candidate ({mesh_str(low.axes)}, "
-      f"remat={low.remat}, accum={low.accum}) needs {gib(low.estimate.bytes)} per device, and "
-      f"the target has {gib(hw.hbm_bytes)} of HBM per device ({gib(cap)} usable); fix: a "
-      "target with more devices or slices, a smaller global batch, or a smaller model.")
+      f"remat={low.remat}, accum={low.accum}) needs {_gib(low.estimate.bytes)} per device, "
+      f"and the target has {_usable(hw, headroom)}; fix: a target with more devices or "
+      "slices, a smaller global batch, or a smaller model.")
+
+
+def _gib(b: float) -> str:
+  return f"{b / 2**30:.2f} GiB"
+
+
+def _usable(hw, headroom: float) -> str:
+  """What an estimate may fill per device, and why: "14.96 GiB usable per device (95% of the
+  15.75 GiB a program may hold of 16.00 GiB HBM: bytes_limit measured on a v5e chip; ...)"."""
+  return (f"{_gib(hw.memory_limit * headroom)} usable per device ({headroom:.0%} of the "
+          f"{_gib(hw.memory_limit)} a program may hold of {_gib(hw.hbm_bytes)} HBM: "
+          f"{hw.limit_source or 'the HBM'}; the rest is the estimate's error margin)")
 
 
 def _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens=None):
@@ -539,7 +561,8 @@ def _check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens=
           " (or None: compile where the target's devices can be described)"
           if name == "verify" else ""))
   if not 0 < headroom <= 1:
-    raise PlanError(f"headroom={headroom!r}, expected a fraction of HBM in (0, 1]")
+    raise PlanError(f"headroom={headroom!r}, expected a fraction of the device's memory limit "
+                    "in (0, 1]")
   if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, (int, float))
                              or not tokens > 0):
     raise PlanError(f"tokens={tokens!r}, expected a positive token budget such as 2e12")
@@ -667,7 +690,7 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
 
 
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
-            accum: int = 1, accum_gather: str = "auto", headroom: float = 0.8,
+            accum: int = 1, accum_gather: str = "auto", headroom: float = HEADROOM,
             cpu_rates: tuple[float, float] | None = None,
             terms: _forecast.Terms | None = None, microbatches: int = 1) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
@@ -682,7 +705,8 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     remat, accum: remat on/off and accumulation steps.
     accum_gather: `fnscale.train_step`'s accumulation mode ("auto", "per_microbatch" or
       "once").
-    headroom: usable fraction of HBM for `fits`.
+    headroom: the share of the device's memory limit (`hardware(target).memory_limit`, the
+      allocator's) an estimate may fill for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones for the target:
       `forecast_terms(target)`).
     microbatches: the pipeline's, with a "stage" axis (then accum 1).
@@ -707,7 +731,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
                   headroom, terms, microbatches)
 
 
-def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=0.8,
+def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=HEADROOM,
              terms=_forecast.FITTED, microbatches=1) -> Candidate:
   """`predict` on a resolved target."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
@@ -721,7 +745,7 @@ def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=0.8,
                     f"devices x accum={accum}: use a multiple of {split * accum} rows")
   est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather,
                        microbatches)
-  return Candidate(axes, remat, accum, est, None, est.bytes <= hw.hbm_bytes * headroom,
+  return Candidate(axes, remat, accum, est, None, est.bytes <= hw.memory_limit * headroom,
                    _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather,
                    microbatches)
 
@@ -795,7 +819,7 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
 
 def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
          logical_axes=None, key=None, verify: int | None = None, max_tensor: int = 8,
-         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = 0.8,
+         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = HEADROOM,
          cpu_rates: tuple[float, float] | None = None, tokens: float | None = None) -> Plan:
   """Ranks meshes, remat and accumulation for training on `target`; compiles the best few.
 
@@ -825,9 +849,13 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
       (the plan says why); 0: none.
     max_tensor: largest tensor-parallel axis.
     accum_steps: accumulation steps to try (the fewest that fits is kept).
-    headroom: usable fraction of HBM for an estimate (it tracks XLA's peak within about 5%
-      for GPT and Llama steps of 86M-8B params, `recipes/bench/memory.py`; small models and
-      other shapes stray further); a compiled candidate is held to HBM itself.
+    headroom: the share of the device's memory limit an estimate may fill: the limit is the
+      bytes a program may hold (the allocator's: `hardware(target).memory_limit`, 15.75 GiB
+      measured on a 16 GiB v5e; how other chips' is derived: `fnscale.CHIP_FACTS`'
+      `limit_source`); the default 0.95 keeps 5% for the estimate's error (it tracks XLA's
+      peak within about 5% for GPT and Llama steps of 86M-8B params,
+      `recipes/bench/memory.py`; small models and other shapes stray further); a compiled
+      candidate is held to the limit itself.
     cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
     tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
       to train on it at the forecast's tokens/s.
@@ -839,8 +867,9 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
 
   Raises:
     PlanError: bad arguments; a model that fits nowhere (the message gives the smallest
-      per-device memory any candidate needs and the target's HBM); `verify` > 0 where no
-      program can be compiled for the target (the message gives libtpu's reason).
+      per-device memory any candidate needs, the target's usable memory and where its
+      limit comes from); `verify` > 0 where no program can be compiled for the target (the
+      message gives libtpu's reason).
     TopologyError: an unknown target name (the message lists known ones).
 
   Examples:
@@ -861,11 +890,11 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
   prof = (_lora_profile if isinstance(params, _Frozen) else _profile)(
       hw, params, loss_fn, optimizer, batch, pol)
-  cap = hw.hbm_bytes * headroom
+  cap = hw.memory_limit * headroom
   rows = _candidates(prof, hw, cap, max_tensor, tuple(accum_steps),
                      _cost.takes(loss_fn, "microbatches"))
   if not rows or not any(r.fits for r in rows):
-    raise _no_fit_error(rows, hw, cap) if rows else PlanError(
+    raise _no_fit_error(rows, hw, headroom) if rows else PlanError(
         f"no mesh of {hw.num_devices} devices splits a batch of {prof.rows} rows; use a "
         "global batch divisible by the device count")
   rows.sort(key=_rank_key)
@@ -877,7 +906,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum, _why(rows), hw, prof, note,
-              tokens, best.accum_gather, best.microbatches)
+              tokens, best.accum_gather, best.microbatches, headroom)
 
 
 def _count(n: float) -> str:
@@ -918,7 +947,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
   """The plan as a table: mesh, remat, accumulation, GiB/device (estimate; compiled) vs HBM,
   the forecast (step time, tokens/s, MFU) beside the roofline's MFU bound, communication /
   compute, days and chip-hours for `p.tokens` (when given), verified (and flags); then what
-  was compiled, kernels whose FLOPs are not counted, and why the winner won.
+  was compiled, kernels whose FLOPs are not counted, the memory an estimate may fill (the
+  device's limit, where it comes from, and the headroom kept), and why the winner won.
 
   Examples:
     >>> import fnscale as fs, jax, jax.numpy as jnp, optax
@@ -952,6 +982,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
   more = f"\n... {len(p.rows) - top} more" if len(p.rows) > top else ""
   notes = [f"for {p.tokens:.3g} tokens: days and chip-hours at the forecast tokens/s"
            if p.tokens else "", p.verification]
+  if p.hardware.kind != "cpu":
+    notes.append(f"memory: estimates held to {_usable(p.hardware, p.headroom)}")
   if p.profile.uncounted:
     notes.append("FLOPs not counted (Pallas kernels without a cost_estimate): "
                  + ", ".join(p.profile.uncounted))
@@ -1009,6 +1041,7 @@ def plan_summary(p: Plan) -> dict:
         chip_hours=p.tokens / f.tokens_s / 3600 * p.hardware.chips if p.tokens and f else None))
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, chips=hw.chips, hbm_bytes=hw.hbm_bytes,
+              memory_limit=hw.memory_limit, limit_source=hw.limit_source, headroom=p.headroom,
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
               accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,

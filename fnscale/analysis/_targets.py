@@ -51,11 +51,13 @@ class Hardware(NamedTuple):
   `fnscale.CHIP_FACTS` (None on CPU); `num_slices`; `devices_per_slice`;
   `chip_grid`: torus shape of one slice (() off TPU); `wrap`: torus wrap-around links on
   every grid dimension (full-pod shapes and v5p cubes); `peak_flops` (FLOP/s),
-  `hbm_bytes`; `links`: `LinkFacts` (on CPU `ici_link` is the measured memory-copy rate of
-  the whole host); `devices`: described devices for an ahead-of-time compile (None where
-  there are none); `overlap`: whether collectives overlap compute (async collectives on
-  TPU/GPU; not on simulated CPU devices); `no_devices`: why `devices` is None (libtpu's
-  error, or a GPU target), "" where there are devices.
+  `hbm_bytes` (published); `links`: `LinkFacts` (on CPU `ici_link` is the measured
+  memory-copy rate of the whole host); `devices`: described devices for an ahead-of-time
+  compile (None where there are none); `overlap`: whether collectives overlap compute
+  (async collectives on TPU/GPU; not on simulated CPU devices); `no_devices`: why `devices`
+  is None (libtpu's error, or a GPU target), "" where there are devices; `hbm_limit`: the
+  bytes a program may hold (the allocator's limit, `fnscale.CHIP_FACTS`' `hbm_limit`; None:
+  `hbm_bytes`) and `limit_source` where it comes from.
   """
   name: str
   kind: str
@@ -70,6 +72,13 @@ class Hardware(NamedTuple):
   devices: Any = None
   overlap: bool = True
   no_devices: str = ""
+  hbm_limit: float | None = None
+  limit_source: str = ""
+
+  @property
+  def memory_limit(self) -> float:
+    """Bytes a program may hold per device: `hbm_limit`, or `hbm_bytes` where none is given."""
+    return self.hbm_bytes if self.hbm_limit is None else self.hbm_limit
 
   @property
   def num_devices(self) -> int:
@@ -106,7 +115,8 @@ def _tpu(name: str, generation: str, chips: int | None, grid: tuple[int, ...] | 
   return Hardware(name, "tpu", generation, slices, per_slice, tuple(grid),
                   _wrap(generation, grid), facts.peak_flops * chips_per_device,
                   facts.hbm_bytes * chips_per_device, link_facts(generation), devices,
-                  no_devices=why)
+                  no_devices=why, hbm_limit=facts.hbm_limit * chips_per_device,
+                  limit_source=facts.limit_source)
 
 
 def _describe(generation: str, grid: tuple[int, ...], slices: int):
@@ -136,7 +146,8 @@ def _gpu(name: str, kind: str, count: int) -> Hardware:
   return Hardware(name, "gpu", kind, nodes, count // nodes, (), False,
                   facts.peak_flops, facts.hbm_bytes, link_facts(kind),
                   no_devices=("jax describes no GPU devices for ahead-of-time compiles (only "
-                              "TPUs, through libtpu)"))
+                              "TPUs, through libtpu)"),
+                  hbm_limit=facts.hbm_limit, limit_source=facts.limit_source)
 
 
 def cpu_hardware(matmul_flops: float, copy_bytes_per_s: float, devices=None) -> Hardware:

@@ -315,11 +315,11 @@ class ChipRun(NamedTuple):
   mfu: float
 
 
-# The memory a program may use on the chip (the runtime's limit there, 15.75 GiB), and the
-# share of it past which XLA's rematerialization under memory pressure recomputes work that
-# the forecast counts once: GPT small at 16 rows without remat, 15.60 GiB, measured 29.6%
+# The memory a program may use on the chip (the runtime's limit there, 15.75 GiB:
+# `fnscale.CHIP_FACTS`' measured `hbm_limit`), and the share of it past which XLA's
+# rematerialization under memory pressure recomputes work that the forecast counts once: GPT small at 16 rows without remat, 15.60 GiB, measured 29.6%
 # MFU against a forecast of 34-36% (jax 0.10.2 and 0.12 trace its residuals differently).
-CHIP_HBM_GIB, CHIP_FULL = 15.75, 0.98
+CHIP_HBM_GIB, CHIP_FULL = fs.CHIP_FACTS["v5e"].hbm_limit / 2**30, 0.98
 
 
 def chip_runs(path: str = CHIP_V5E) -> list[ChipRun]:
