@@ -13,6 +13,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import FitError
+from recipes import train_lm
 from recipes.lm import llama, memory, optimizers, run_setup
 from recipes.lm.options import Options
 
@@ -159,3 +160,24 @@ def test_an_optimizer_the_user_named_is_kept_and_the_fix_names_the_others(v5e, m
                      r"\(--mesh=fsdp=N\): nothing fits one device, even with "
                      r"--optimizer=adafactor"):
     _choose(v5e, monkeypatch, 1.5)
+
+
+@pytest.mark.slow
+def test_resuming_with_another_optimizer_is_one_error_naming_the_fix(tmp_path, capfd):
+  """A run checkpointed under AdamW, restarted with --optimizer=adafactor: the checkpoint's
+  state has no place in Adafactor's; one `error:` line says which optimizer and the fix."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("".join(f"def f{i}(x):\n  return x * {i}\n" for i in range(400)))
+  argv = ["train_lm", "--model_config=nano", "--mesh=data=-1", "--seq=32", "--global_batch=8",
+          f"--dataset={corpus}", f"--run_dir={tmp_path / 'run'}", "--eval_batches=1",
+          "--sample_len=0", "--checkpoint_every=2"]
+  assert train_lm.main(argv + ["--steps=2"]) == 0
+  capfd.readouterr()
+  assert train_lm.main(argv + ["--steps=4", "--optimizer=adafactor"]) == 2
+  err = capfd.readouterr().err
+  assert err.startswith(f"error: --run_dir={tmp_path / 'run'} holds a run with other options: "
+                        "optimizer='adafactor' (the run's: 'adamw'), mu_dtype=None (the run's: "
+                        "'float32'); "), err
+  assert err.strip().endswith("the run's options to resume it: --optimizer=adamw "
+                              "--mu_dtype=float32"), err
+  assert len(err.strip().splitlines()) == 1, err

@@ -6,12 +6,12 @@
   python recipes/bench/chip.py --search_splash=16x12x12x1024x64   # splash tiles, TPU
 
 Each `--case=BASE[,KEY=VALUE...]` is one row: a base shape (`BASES`: train_lm's GPT small
-and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B shape `llama-1b`, and tiny
-CPU ones) with levers changed: batch, seq, remat (a policy of `recipes.lm.remat`), int8
-(0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled), params / mu (float32 or
-bfloat16: the param dtype of the jmp policy, AdamW's first-moment dtype), opt (adamw or
-adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`), loss_chunk (tokens per chunk of the
-Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd, e.g. 1024/512/512/512), xla
+and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B and 3B shapes `llama-1b`,
+`llama-3b`, and tiny CPU ones) with levers changed: batch, seq, remat (a policy of
+`recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled),
+params / mu (float32 or bfloat16: the param dtype of the jmp policy, AdamW's first-moment
+dtype), opt (adamw or adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`),
+loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd, e.g. 1024/512/512/512), xla
 ("maxtext": the XLA flags MaxText sets for v5e, `MAXTEXT_V5E`), accum (microbatches);
 peer=1 times the plain-JAX step too; profile=1 traces 3 steps and prints the time split
 (`recipes/bench/trace_split.py`); loss_steps=N trains N steps on byte-level text (the
@@ -100,6 +100,7 @@ BASES = {
     "gpt-medium": dict(model="medium", batch=32, seq=1024, remat="full"),
     "llama": dict(model="llama-766m", batch=8, seq=2048, remat="full"),
     "llama-1b": dict(model="llama-1b", batch=8, seq=2048, remat="full", loss_chunk=1024),
+    "llama-3b": dict(model="llama-3b", batch=2, seq=2048, remat="full", loss_chunk=1024),
     "gpt-nano": dict(model="nano", batch=8, seq=64),
     "llama-tiny": dict(model="llama-tiny", batch=4, seq=64, loss_chunk=64),
 }
