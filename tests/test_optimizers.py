@@ -36,7 +36,8 @@ def test_each_option_keeps_its_optimizers_state():
   for name, mu in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
     adam = states[name][1][0]
     assert isinstance(adam, optax.ScaleByAdamState)
-    assert adam.mu["blocks"]["w_up"].dtype == mu and adam.mu["blocks"]["w_up"].shape == (2, 128, 512)
+    assert adam.mu["blocks"]["w_up"].dtype == mu
+    assert adam.mu["blocks"]["w_up"].shape == (2, 128, 512)
     assert adam.nu["wte"].dtype == jnp.float32
   factored = states["factored"][1][0]
   assert isinstance(factored, optax.FactoredState)
@@ -149,8 +150,9 @@ def test_an_optimizer_the_user_named_is_kept_and_the_fix_names_the_others(v5e, m
   o, said = _choose(v5e, monkeypatch, 3.95, mu_dtype="bfloat16")
   assert (o.optimizer, o.mu_dtype, said) == ("adamw", "bfloat16", [])
   for given in (dict(optimizer="adamw"), dict(mu_dtype="float32")):
-    with pytest.raises(FitError, match=r"with --optimizer=adamw --mu_dtype=float32 nothing fits, whatever the "
-                       r"remat and accumulation; fix: --batch_size=1 --accum_steps=1 "
+    with pytest.raises(FitError, match=r"with --optimizer=adamw --mu_dtype=float32 nothing "
+                       r"fits, whatever the remat and accumulation; fix: --batch_size=1 "
+                       r"--accum_steps=1 "
                        r"--(no)?remat --mu_dtype=bfloat16 \("):
       _choose(v5e, monkeypatch, 3.95, **given)
   with pytest.raises(FitError, match=r"fix: --batch_size=1 --accum_steps=1 --(no)?remat "

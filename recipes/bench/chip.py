@@ -11,8 +11,9 @@ and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B and 3B shapes `lla
 `recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled),
 params / mu (float32 or bfloat16: the param dtype of the jmp policy, AdamW's first-moment
 dtype), opt (adamw or adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`),
-loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd, e.g. 1024/512/512/512), xla
-("maxtext": the XLA flags MaxText sets for v5e, `MAXTEXT_V5E`), accum (microbatches);
+loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd,
+e.g. 1024/512/512/512), xla ("maxtext": the XLA flags MaxText sets for v5e,
+`MAXTEXT_V5E`), accum (microbatches);
 peer=1 times the plain-JAX step too; profile=1 traces 3 steps and prints the time split
 (`recipes/bench/trace_split.py`); loss_steps=N trains N steps on byte-level text (the
 Python standard library's sources) from a fixed init and data order and reports the loss.
@@ -61,6 +62,13 @@ step, tokens/s, MFU, program HBM (recipes/bench/chip_v5e.json holds the rows):
 | llama,loss_chunk=1024 | 22.8k | 57.9% | 15.32 |
 | llama,mu=bfloat16,remat=qkv_attn,batch=4,loss_chunk=1024 | 23.6k | 59.8% | 13.25 |
 
+Compiled for v5e:1x1 (`--aot=v5e:1x1`), program HBM in GiB of the 15.75 the chip's
+compiler allows, Llama 3.2 1B (1236M params) at 2048 tokens a row, full remat, 1024-token
+loss chunks: AdamW's float32 state never fits (the compiler refuses 8 rows: 21.3 GiB of
+temporaries; with its first moment in bfloat16 19.0 at 8 rows, 16.8 at 2); Adafactor: 12.26 (2 rows), 13.68 (4), 15.14 (6),
+16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. Llama 3.2 3B (3213M) fits only
+with Adafactor and bfloat16 params: 14.86 at 2 rows.
+
 Time split of the first three (profile=1): gpt-small matmul 44.7%, attention 21.8%,
 elementwise 33.5%; gpt-medium 54.3 / 27.6 / 18.2% (full remat runs the attention forward
 twice); llama with 64-token chunks 90.2 / 3.9 / 5.9%, of which 47% in the loss's matmul
@@ -94,13 +102,16 @@ from recipes.bench import trace_split
 from recipes.lm import cli, hardware, models, optimizers
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
-# Llama sized for one v5e chip, and tiny ones for a CPU.
+# Llama sized for one v5e chip, the Llama 3.2 1B and 3B shapes under Adafactor (AdamW's
+# state alone outgrows the chip: the module docstring), and tiny ones for a CPU.
 BASES = {
     "gpt-small": dict(model="small", batch=16, seq=1024),
     "gpt-medium": dict(model="medium", batch=32, seq=1024, remat="full"),
     "llama": dict(model="llama-766m", batch=8, seq=2048, remat="full"),
-    "llama-1b": dict(model="llama-1b", batch=8, seq=2048, remat="full", loss_chunk=1024),
-    "llama-3b": dict(model="llama-3b", batch=2, seq=2048, remat="full", loss_chunk=1024),
+    "llama-1b": dict(model="llama-1b", batch=4, seq=2048, remat="full", loss_chunk=1024,
+                     opt="adafactor"),
+    "llama-3b": dict(model="llama-3b", batch=2, seq=2048, remat="full", loss_chunk=1024,
+                     opt="adafactor"),
     "gpt-nano": dict(model="nano", batch=8, seq=64),
     "llama-tiny": dict(model="llama-tiny", batch=4, seq=64, loss_chunk=64),
 }

@@ -203,7 +203,7 @@ def compile_step(setup, step, state, batch):
     FitError: XLA's peak exceeds the memory; the message names the bytes, the memory and
       the options on this mesh that would fit, as train_lm flags.
   """
-  o, mesh = setup.o, setup.mesh
+  o, mesh, opt = setup.o, setup.mesh, asked_optimizers(setup.o)[0]
   try:
     return fs.analysis.compile_fitting(step, state, batch, limit=limit(mesh))
   except FitError as e:
@@ -213,12 +213,13 @@ def compile_step(setup, step, state, batch):
           dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
       prof = profile(Model(setup.model, setup.cfg, o.model_config, setup.lora), setup.topo,
                      o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base,
-                     (o.optimizer, o.mu_dtype))
+                     opt)
       options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):
       options = ()
-    fix = "; ".join(flags(x, (o.optimizer, o.mu_dtype)) for x in options[:3]) or "a smaller model or batch, or more devices"
+    fix = ("; ".join(flags(x, opt) for x in options[:3])
+           or "a smaller model or batch, or more devices")
     raise FitError(f"the step (batch_size={o.batch_size}, accum_steps={o.accum_steps}, "
                    f"remat={o.remat}) needs {e.needed / GiB:.2f} GiB per device (XLA's peak) "
                    + (f"and the device has {e.limit / GiB:.2f} GiB" if e.limit else
