@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adamw", "adafactor")
-MU_DTYPES = ("float32", "bfloat16")
+from recipes.lm.options import MU_DTYPES, OPTIMIZERS
 
 
 def decay_mask(params):

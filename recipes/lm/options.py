@@ -11,7 +11,6 @@ from typing import ClassVar
 
 import fnscale as fs
 from recipes.lm.cli import option
-from recipes.lm.optimizers import MU_DTYPES, OPTIMIZERS
 
 CORPORA = ("stdlib", "tiny_corpus")  # named corpora (data.py reads them)
 PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documents into rows
@@ -22,6 +21,8 @@ REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
 OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
 DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
 TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
+OPTIMIZERS = ("adamw", "adafactor")  # optax's (optimizers.py says what each keeps)
+MU_DTYPES = ("float32", "bfloat16")  # AdamW's first-moment dtype
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
 # default run in ~2-3 minutes on 2 cores (README, "The main job"). Accelerators: GPT small at
