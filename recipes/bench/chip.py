@@ -6,12 +6,14 @@
   python recipes/bench/chip.py --search_splash=16x12x12x1024x64   # splash tiles, TPU
 
 Each `--case=BASE[,KEY=VALUE...]` is one row: a base shape (`BASES`: train_lm's GPT small
-and medium, the one-chip Llama `llama-766m`, and tiny CPU ones) with levers changed:
-batch, seq, remat (a policy of `recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`),
-unroll (0/1: the layer loop unrolled), params / mu (float32 or bfloat16: the param dtype
-of the jmp policy, AdamW's first-moment dtype), loss_chunk (tokens per chunk of the
-Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd, e.g. 1024/512/512/512), xla
-("maxtext": the XLA flags MaxText sets for v5e, `MAXTEXT_V5E`), accum (microbatches);
+and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B and 3B shapes `llama-1b`,
+`llama-3b`, and tiny CPU ones) with levers changed: batch, seq, remat (a policy of
+`recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled),
+params / mu (float32 or bfloat16: the param dtype of the jmp policy, AdamW's first-moment
+dtype), opt (adamw or adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`),
+loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd,
+e.g. 1024/512/512/512), xla ("maxtext": the XLA flags MaxText sets for v5e,
+`MAXTEXT_V5E`), accum (microbatches);
 peer=1 times the plain-JAX step too; hand=1 times train_lm's own model under that
 hand-written step (`hand_side`: fnscale / by hand is the wrapper's cost, by hand / plain JAX
 the model code's; not with accum); profile=1 traces 3 steps and prints the time split
@@ -26,8 +28,9 @@ fnscale or recipes/lm: its own model code with the same shapes, param names, dty
 optimizer and attention kernel (and tiles), plain `value_and_grad`, optax and `jax.jit`
 with donation. It has the levers that are plain JAX (remat policies none/full/dots/
 qkv_attn, unroll, loss chunk, splash tiles, XLA flags, batch, the param and AdamW moment
-dtypes: it runs on the same state with the same optax optimizer); int8, accumulation and
-the other remat policies are fnscale-side levers only (a case with one runs no peer).
+dtypes, the optimizer: it runs on the same state with the same optax optimizer); int8,
+accumulation and the other remat policies are fnscale-side levers only (a case with one
+runs no peer).
 
 Both steps share one state (the same buffers, donated back and forth: one copy in HBM) and
 one batch of random tokens, and run alternately in one process: `--rounds` rounds of
@@ -61,6 +64,13 @@ step, tokens/s, MFU, program HBM (recipes/bench/chip_v5e.json holds the rows):
 | llama,loss_chunk=1024 | 22.8k | 57.9% | 15.32 |
 | llama,mu=bfloat16,remat=qkv_attn,batch=4,loss_chunk=1024 | 23.6k | 59.8% | 13.25 |
 
+Compiled for v5e:1x1 (`--aot=v5e:1x1`), program HBM in GiB of the 15.75 the chip's
+compiler allows, Llama 3.2 1B (1236M params) at 2048 tokens a row, full remat, 1024-token
+loss chunks: AdamW's float32 state never fits (the compiler refuses 8 rows: 21.3 GiB of
+temporaries; with its first moment in bfloat16 19.0 at 8 rows, 16.8 at 2); Adafactor: 12.26 (2 rows), 13.68 (4), 15.14 (6),
+16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. Llama 3.2 3B (3213M) fits only
+with Adafactor and bfloat16 params: 14.86 at 2 rows.
+
 Time split of the first three (profile=1): gpt-small matmul 44.7%, attention 21.8%,
 elementwise 33.5%; gpt-medium 54.3 / 27.6 / 18.2% (full remat runs the attention forward
 twice); llama with 64-token chunks 90.2 / 3.9 / 5.9%, of which 47% in the loss's matmul
@@ -91,14 +101,19 @@ import optax
 import fnscale as fs
 from recipes.bench import plain_jax as pj
 from recipes.bench import trace_split
-from recipes.lm import cli, hardware, models
+from recipes.lm import cli, hardware, models, optimizers
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
-# Llama sized for one v5e chip, and tiny ones for a CPU.
+# Llama sized for one v5e chip, the Llama 3.2 1B and 3B shapes under Adafactor (AdamW's
+# state alone outgrows the chip: the module docstring), and tiny ones for a CPU.
 BASES = {
     "gpt-small": dict(model="small", batch=16, seq=1024),
     "gpt-medium": dict(model="medium", batch=32, seq=1024, remat="full"),
     "llama": dict(model="llama-766m", batch=8, seq=2048, remat="full"),
+    "llama-1b": dict(model="llama-1b", batch=4, seq=2048, remat="full", loss_chunk=1024,
+                     opt="adafactor"),
+    "llama-3b": dict(model="llama-3b", batch=2, seq=2048, remat="full", loss_chunk=1024,
+                     opt="adafactor"),
     "gpt-nano": dict(model="nano", batch=8, seq=64),
     "llama-tiny": dict(model="llama-tiny", batch=4, seq=64, loss_chunk=64),
 }
@@ -130,6 +145,7 @@ class Case(NamedTuple):
   unroll: bool = False
   params: str = "float32"
   mu: str = "float32"
+  opt: str = "adamw"
   loss_chunk: int = 0
   blocks: tuple[int, ...] | None = None
   xla: str = ""
@@ -160,9 +176,9 @@ def parse_case(text: str) -> Case:
     fields[key] = _value(key, value, text)
   case = Case(label=text, **fields)
   if case.xla not in _XLA or case.params not in ("float32", "bfloat16") or case.mu not in (
-      "float32", "bfloat16"):
+      "float32", "bfloat16") or case.opt not in optimizers.OPTIMIZERS:
     raise fs.InputError(f"--case={text!r}: xla in {list(_XLA)}, params and mu float32 or "
-                        "bfloat16")
+                        f"bfloat16, opt in {list(optimizers.OPTIMIZERS)}")
   return case
 
 
@@ -223,14 +239,13 @@ def model_of(case: Case):
 
 
 def optimizer(case: Case):
-  """AdamW with global-norm clipping as train_lm's (b2 0.95, weight decay 0.1), its first
-  moment in `case.mu`; the learning rate warms up to 6e-4 over a tenth of `case.loss_steps`
-  (else 100 steps) and decays to 6e-5 by a cosine."""
+  """train_lm's optimizer `case.opt` (`recipes.lm.optimizers`: AdamW, b2 0.95, its first
+  moment in `case.mu`, or Adafactor) with weight decay 0.1 and global-norm clipping; the
+  learning rate warms up to 6e-4 over a tenth of `case.loss_steps` (else 100 steps) and
+  decays to 6e-5 by a cosine."""
   steps = case.loss_steps or 1000
   lr = optax.warmup_cosine_decay_schedule(0.0, 6e-4, steps // 10, steps, 6e-5)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1,
-                                 mu_dtype=jnp.dtype(case.mu)))
+  return optimizers.transformation(case.opt, lr, mu_dtype=case.mu)
 
 
 def policy(case: Case) -> str:

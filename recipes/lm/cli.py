@@ -154,7 +154,7 @@ def _check_ranges(o):
   ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
   for f in dataclasses.fields(o):
     value = getattr(o, f.name)
-    if f.name in choices and value not in choices[f.name]:
+    if f.name in choices and value is not None and value not in choices[f.name]:
       raise fs.InputError(f"--{f.name}={value!r}: expected one of {list(choices[f.name])}"
                           + did_you_mean(value, choices[f.name]))
     if isinstance(value, (int, float)) and not isinstance(value, bool):

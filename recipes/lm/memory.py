@@ -5,7 +5,10 @@ Before anything is built (`choose`): the planner estimates the step's bytes per 
 (`fnscale.analysis.plan`); where the default configuration's estimate exceeds the device's
 memory, the remat, accumulation steps and rows per device the user left to their defaults
 (no `--remat`/`--noremat`, `--accum_steps`, `--batch_size` or `--global_batch`) become the
-fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. A run
+fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. Where
+none of those fit with AdamW's float32 state and the user left the optimizer to its default
+(no `--optimizer` or `--mu_dtype`), the state shrinks as the step's math changes least:
+AdamW's first moment in bfloat16, then Adafactor (`OPTIMIZERS`), said the same way. A run
 that nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
 user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
 fix. After compiling (`compile_step`): XLA's peak bytes per device against the memory
@@ -21,11 +24,10 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-import optax
 
 import fnscale as fs
 from fnscale import FitError
-from recipes.lm import startup
+from recipes.lm import optimizers, startup
 from recipes.lm.options import remat_policy
 
 # Options are chosen by estimates within this share of the device's memory: the estimate
@@ -37,6 +39,9 @@ HEADROOM = 0.9
 # --remat_policy=dots): 2, so that a default the estimate keeps fits.
 POLICY_LIVE = 2.0
 GiB = 2**30
+# The optimizers the pre-flight tries in turn, (--optimizer, --mu_dtype): the default first,
+# then by their state per param: 2 floats, 1.5 floats' bytes, about 0 (factored).
+OPTIMIZERS = (("adamw", "float32"), ("adamw", "bfloat16"), ("adafactor", None))
 
 
 def limit(mesh) -> float | None:
@@ -65,16 +70,18 @@ class Model(NamedTuple):
   lora: object = None
 
 
-def profile(m: Model, target, rows: int, policy, keep: str = "none", **kw):
+def profile(m: Model, target, rows: int, policy, keep: str = "none",
+            opt: tuple = OPTIMIZERS[0], **kw):
   """The planner's profile of the run's step (`fnscale.analysis.profile_model`: its
-  traced FLOPs, residuals, params and AdamW state) for `rows` global rows on `target`, with
-  the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps without
-  remat (`remat_loss`) and `m.lora`'s state. `kw`: profile_model's."""
-  return _per_row(m, target, policy, keep, tuple(kw.items()))._replace(rows=rows)
+  traced FLOPs, residuals, params and optimizer state) for `rows` global rows on `target`,
+  with the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps
+  without remat (`remat_loss`), the optimizer `opt` (--optimizer, --mu_dtype) and
+  `m.lora`'s state. `kw`: profile_model's."""
+  return _per_row(m, target, policy, keep, opt, tuple(kw.items()))._replace(rows=rows)
 
 
 @functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
-def _per_row(m: Model, target, policy, keep: str, kw: tuple):
+def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
   model, cfg, lora = m.module, m.cfg, m.lora
   shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
   init = (functools.partial(model.init_params, cfg) if lora is None
@@ -83,7 +90,8 @@ def _per_row(m: Model, target, policy, keep: str, kw: tuple):
   loss = lambda keep: (remat_loss(model, cfg, keep) if lora is None
                        else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
   run = lambda keep: fs.analysis.profile_model(
-      init, loss(keep), optax.adamw(1e-3), {"inputs": shape, "targets": shape}, target,
+      init, loss(keep), optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32"),
+      {"inputs": shape, "targets": shape}, target,
       policy=policy, **dict(kw))
   prof = run(keep)
   if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
@@ -93,10 +101,26 @@ def _per_row(m: Model, target, policy, keep: str, kw: tuple):
   return prof._replace(act_row=prof.act_row + POLICY_LIVE * run("none").act_row_layer)
 
 
-def flags(o: fs.analysis.FitOption) -> str:
-  """The train_lm flags of an option, with the planner's estimate."""
+def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:
+  """The train_lm flags of an option (and of optimizer `opt` unless it is the default),
+  with the planner's estimate."""
   return (f"--batch_size={o.rows} --accum_steps={o.accum} {'--remat' if o.remat else '--noremat'}"
-          f" ({o.bytes / GiB:.2f} GiB)")
+          f"{optimizer_flags(opt)} ({o.bytes / GiB:.2f} GiB)")
+
+
+def optimizer_flags(opt: tuple) -> str:
+  """' --optimizer=adafactor', ' --mu_dtype=bfloat16' or '' (the default) for `opt`."""
+  return ("" if opt == OPTIMIZERS[0] else f" --optimizer={opt[0]}" if opt[0] != "adamw"
+          else f" --mu_dtype={opt[1]}")
+
+
+def asked_optimizers(o) -> tuple:
+  """The optimizers the pre-flight may run for options `o`: `OPTIMIZERS`, or the one the
+  user named (--optimizer and/or --mu_dtype)."""
+  if o.optimizer is None and o.mu_dtype is None:
+    return OPTIMIZERS
+  name = o.optimizer or "adamw"
+  return ((name, (o.mu_dtype or "float32") if name == "adamw" else None),)
 
 
 def _mesh_axes(mesh) -> fs.MeshAxes:
@@ -104,16 +128,17 @@ def _mesh_axes(mesh) -> fs.MeshAxes:
 
 
 def choose(o, m: Model, topo, mesh, per_device: int, say):
-  """(options, rows per device) with `o.remat` and `o.accum_steps` filled in: the defaults
-  (off, 1), or where the default's estimate exceeds the device's memory, the planner's
-  fastest option within `HEADROOM` of it among the choices the user left open (the module
-  docstring), said in one line. What the user fixed is left to the compiled check
+  """(options, rows per device) with `o.remat`, `o.accum_steps`, `o.optimizer` and
+  `o.mu_dtype` filled in: the defaults (off, 1, AdamW in float32), or where the default's
+  estimate exceeds the device's memory, the planner's fastest option within `HEADROOM` of it
+  among the choices the user left open, the optimizers tried in `OPTIMIZERS`' order (the
+  module docstring), said in one line. What the user fixed is left to the compiled check
   (`compile_step`).
 
   Raises:
     FitError: nothing the user left open fits by the estimate (with every choice fixed:
       nothing on this mesh fits at all, the state alone being too big); the message gives
-      the estimate, the memory and the fix.
+      the estimate, the memory and the fix (other optimizers' flags among them).
   """
   # Without remat the blocks keep what the run's policy keeps; remat is "full".
   base = remat_policy(dataclasses.replace(o, remat=False), topo.platform)
@@ -121,42 +146,53 @@ def choose(o, m: Model, topo, mesh, per_device: int, say):
                accum=o.accum_steps,
                rows=per_device if o.batch_size is not None or o.global_batch is not None
                else None)
-  filled = lambda remat, accum, rows: (dataclasses.replace(
-      o, remat=bool(remat), accum_steps=accum or 1), rows)
+  opts = asked_optimizers(o)
+  filled = lambda remat, accum, rows, opt=opts[0]: (dataclasses.replace(
+      o, remat=bool(remat), accum_steps=accum or 1, optimizer=opt[0], mu_dtype=opt[1]), rows)
   cap = limit(mesh)
   if cap is None:
     return filled(o.remat, o.accum_steps, per_device)
   dp = fs.analysis.data_parallel(_mesh_axes(mesh))
   now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
+  policy = startup.policy(o.precision, topo.platform)
   try:
-    prof = profile(m, topo, per_device * dp, startup.policy(o.precision, topo.platform), base)
-    ask = lambda room, **kw: fs.analysis.fit_options(prof, topo, _mesh_axes(mesh), room,
-                                                 accum_gather=o.accum_gather, **kw)
-    need = ask(float("inf"), **now)[0].bytes
+    ask = lambda opt, room, **kw: fs.analysis.fit_options(
+        profile(m, topo, per_device * dp, policy, base, opt), topo, _mesh_axes(mesh), room,
+        accum_gather=o.accum_gather, **kw)
+    need = ask(opts[0], float("inf"), **now)[0].bytes
   except (fs.TopologyError, fs.PlanError):  # no figures for this target: the compile judges
     return filled(o.remat, o.accum_steps, per_device)
   if need <= cap:
     return filled(o.remat, o.accum_steps, per_device)
   free = [k for k, v in fixed.items() if v is None]
-  chosen = ask(HEADROOM * cap, **{k: v for k, v in fixed.items() if v is not None})
-  if chosen and free:
-    say(f"memory: batch_size={per_device}, accum_steps={now['accum']}, remat={now['remat']} "
-        f"needs {need / GiB:.2f} GiB per device by the planner's estimate, more than the "
-        f"device's {cap / GiB:.2f} GiB; chose {flags(chosen[0])}")
-    return filled(chosen[0].remat, chosen[0].accum, chosen[0].rows)
-  anything = ask(HEADROOM * cap)
-  if not free and anything:  # the user's choice: XLA's compile has the last word
+  held = {k: v for k, v in fixed.items() if v is not None}
+  for opt in opts:  # the default optimizer with what is free, then the smaller states
+    chosen = ask(opt, HEADROOM * cap, **held)
+    if chosen and (free or opt != opts[0]):
+      say(f"memory: batch_size={per_device}, accum_steps={now['accum']}, remat={now['remat']}"
+          f"{optimizer_flags(opts[0]).replace(' --', ', ')} needs {need / GiB:.2f} GiB per "
+          f"device by the planner's estimate, more than the device's {cap / GiB:.2f} GiB; "
+          f"chose {flags(chosen[0], opt)}")
+      return filled(chosen[0].remat, chosen[0].accum, chosen[0].rows, opt)
+  if not free and ask(opts[0], HEADROOM * cap):  # the user's choice: the compile judges
     return filled(o.remat, o.accum_steps, per_device)
+  # The fix: what fits with the user's optimizer, else with a smaller state.
+  anything = next((a for a in ([(x, opt) for x in ask(opt, HEADROOM * cap)]
+                               for opt in dict.fromkeys(opts[:1] + OPTIMIZERS)) if a), [])
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
                accum=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
-  held = " ".join(spell[k](v) for k, v in fixed.items() if v is not None)
+  pinned = " ".join([spell[k](v) for k, v in held.items()] + (
+      [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
+      if len(opts) == 1 else []))
   raise FitError(
       f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
-      + (f"; with {held} nothing fits, whatever the remat and accumulation" if held else "")
-      + "; fix: " + ("; ".join(map(flags, anything[:3])) if anything else
-                     "a smaller model, or more devices to split it over (--mesh=fsdp=N)"),
-      needed=need, limit=cap, options=anything)
+      + (f"; with {pinned.strip()} nothing fits, whatever the remat and accumulation"
+         if pinned.strip() else "")
+      + "; fix: " + ("; ".join(flags(x, opt) for x, opt in anything[:3]) if anything else
+                     "a smaller model, or more devices to split it over (--mesh=fsdp=N): "
+                     "nothing fits one device, even with --optimizer=adafactor"),
+      needed=need, limit=cap, options=[x for x, _ in anything])
 
 
 def compile_step(setup, step, state, batch):
@@ -167,7 +203,7 @@ def compile_step(setup, step, state, batch):
     FitError: XLA's peak exceeds the memory; the message names the bytes, the memory and
       the options on this mesh that would fit, as train_lm flags.
   """
-  o, mesh = setup.o, setup.mesh
+  o, mesh, opt = setup.o, setup.mesh, asked_optimizers(setup.o)[0]
   try:
     return fs.analysis.compile_fitting(step, state, batch, limit=limit(mesh))
   except FitError as e:
@@ -176,12 +212,14 @@ def compile_step(setup, step, state, batch):
       base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
           dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
       prof = profile(Model(setup.model, setup.cfg, o.model_config, setup.lora), setup.topo,
-                     o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base)
+                     o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base,
+                     opt)
       options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
                                     HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
     except (fs.TopologyError, fs.PlanError):
       options = ()
-    fix = "; ".join(map(flags, options[:3])) or "a smaller model or batch, or more devices"
+    fix = ("; ".join(flags(x, opt) for x in options[:3])
+           or "a smaller model or batch, or more devices")
     raise FitError(f"the step (batch_size={o.batch_size}, accum_steps={o.accum_steps}, "
                    f"remat={o.remat}) needs {e.needed / GiB:.2f} GiB per device (XLA's peak) "
                    + (f"and the device has {e.limit / GiB:.2f} GiB" if e.limit else

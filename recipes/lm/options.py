@@ -21,6 +21,8 @@ REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
 OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
 DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
 TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
+OPTIMIZERS = ("adamw", "adafactor")  # optax's (optimizers.py says what each keeps)
+MU_DTYPES = ("float32", "bfloat16")  # AdamW's first-moment dtype
 
 # The defaults that follow the hardware ("cpu", or "accelerator": TPU or GPU). CPU: the whole
 # default run in ~2-3 minutes on 2 cores (README, "The main job"). Accelerators: GPT small at
@@ -84,7 +86,8 @@ class Options(Hardware):
                              "context": fs.parallel.context.FORMS,
                              "context_order": fs.parallel.context.ORDERS,
                              "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES,
-                             "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES}
+                             "tracker": TRACKERS, "remat_policy": ("auto",) + REMAT_POLICIES,
+                             "optimizer": OPTIMIZERS, "mu_dtype": MU_DTYPES}
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -141,7 +144,15 @@ class Options(Hardware):
   warmup_steps: int | None = option(None, "linear warmup steps; default schedule_steps / 20, "
                                     "<= 500")
   min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak")
-  weight_decay: float = option(0.1, "AdamW weight decay on weight matrices and embeddings")
+  optimizer: str | None = option(None, "adamw (first and second moments: 2 floats per "
+                                 "param) or adafactor (the second moment factored over each "
+                                 "matrix's rows and columns, no first moment: about 0); "
+                                 "default adamw, or what fits the device's memory "
+                                 "(recipes/lm/optimizers.py)")
+  mu_dtype: str | None = option(None, "AdamW's first-moment dtype, float32 or bfloat16 "
+                                "(half its bytes); default float32, or what fits")
+  weight_decay: float = option(0.1, "decoupled weight decay (lr x decay x param) on weight "
+                               "matrices and embeddings")
   grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
   max_stalled_steps: int = option(20, "stop with an error after this many consecutive steps "
                                   "that left the params unchanged or non-finite, or were "

@@ -14,7 +14,7 @@ import optax
 
 import fnscale as fs
 from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
-from recipes.lm import packing, profiling, progress, run_log, rundir, startup
+from recipes.lm import optimizers, packing, profiling, progress, run_log, rundir, startup
 from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
 
 
@@ -36,6 +36,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   """The run options `o` ask for on these devices over `corpus`: every default filled in
   (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`), the mesh built, every size
   checked. Raises FnscaleError on any bad value, before anything is written."""
+  if o.optimizer == "adafactor" and o.mu_dtype is not None:
+    raise fs.InputError(f"--mu_dtype={o.mu_dtype} with --optimizer=adafactor: Adafactor keeps "
+                        "no first moment; fix: drop --mu_dtype, or --optimizer=adamw")
   asked, topo = o, hardware.detect(o)
   default = lambda name: platform_default(o, name, topo.platform)
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
@@ -92,20 +95,17 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
 
 
 def optimizer(o):
-  """(optax transformation, lr schedule) for train_lm options `o`: AdamW with global-norm
+  """(optax transformation, lr schedule) for train_lm options `o`: `o.optimizer` (AdamW, its
+  first moment in `o.mu_dtype`, or Adafactor: `recipes.lm.optimizers`) with global-norm
   clipping; linear warmup then cosine decay over `o.schedule_steps` (GPT-3's recipe), the
   final lr after it. The schedule shapes no state: a state restored under one schedule
   trains under another."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, o.lr, warmup_steps=o.warmup_steps,
       decay_steps=max(o.schedule_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
-  # Decay weight matrices and embeddings ("w*" leaves), not biases or LayerNorm params.
-  decay = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: str(getattr(path[-1], "key", "")).startswith("w"), params)
-  chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-  chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay,
-                           mask=decay))
-  return optax.chain(*chain), schedule
+  return optimizers.transformation(o.optimizer or "adamw", schedule,
+                                   mu_dtype=o.mu_dtype or "float32",
+                                   weight_decay=o.weight_decay, grad_clip=o.grad_clip), schedule
 
 
 def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:

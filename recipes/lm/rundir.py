@@ -29,7 +29,8 @@ def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str
 
 
 # The options that define a run: what its checkpoints hold and the order it reads the data.
-DEFINING = ("model_config", "init_from", "tokenizer", "dataset", "seq", "seed", "global_batch")
+DEFINING = ("model_config", "init_from", "tokenizer", "dataset", "seq", "seed", "optimizer",
+            "mu_dtype", "global_batch")
 
 
 def check_same_run(o, devices: int) -> None:
@@ -56,7 +57,8 @@ def check_same_run(o, devices: int) -> None:
     raise fs.InputError(
         f"--run_dir={o.run_dir} holds a run with other options: {', '.join(diff)}; its "
         "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
-        "the run's options to resume it.")
+        "the run's options to resume it: " + " ".join(
+            f"--{k}={then[k]}" for k in names if k in then and then[k] != getattr(o, k)))
 
 
 def check_directory(path: str, flag: str) -> None:
