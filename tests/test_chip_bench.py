@@ -73,20 +73,43 @@ def test_the_peers_init_has_the_models_tree_and_shapes():
 
 @pytest.mark.slow
 def test_a_tiny_case_runs_both_steps_alternately_with_the_palm_mfu():
-  """gpt-nano on the CPU devices: both sides timed, tokens/s = tokens / step time, and the
+  """gpt-nano on the CPU devices: the three sides timed, tokens/s = tokens / step time, and the
   MFU over the hand count of PaLM's formula: N = 2 layers x 12 x 64^2 + 256 x 64 matmul
   weights, 6 N + 12 x 2 x 64 x 64 FLOPs per token."""
   env = chip.environment()
-  row = chip.measure(chip.parse_case("gpt-nano,batch=8,peer=1"), env, rounds=2, steps=1,
-                     warmup=1)
+  row = chip.measure(chip.parse_case("gpt-nano,batch=8,peer=1,hand=1"), env, rounds=2,
+                     steps=1, warmup=1)
   per_token = 6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 64 * 64
   assert row["flops_token"] == per_token
-  for side in ("fnscale", "plain_jax"):
+  for side in ("fnscale", "by_hand", "plain_jax"):
     r = row[side]
     assert r["tokens_s"] == pytest.approx(8 * 64 / (r["step_ms"] / 1e3))
     assert r["mfu"] == pytest.approx(per_token * r["tokens_s"] / env.peak)
     assert 0 < r["hbm_gib"] < 1
-  assert row["ratio"] == pytest.approx(row["fnscale"]["tokens_s"] / row["plain_jax"]["tokens_s"])
+  rate = lambda n: row[n]["tokens_s"]
+  assert row["ratio"] == pytest.approx(rate("fnscale") / rate("plain_jax"))
+  # hand=1: the wrapper's cost and the model code's, apart.
+  assert row["wrapper"] == pytest.approx(rate("fnscale") / rate("by_hand"))
+  assert row["model_code"] == pytest.approx(rate("by_hand") / rate("plain_jax"))
+
+
+@pytest.mark.slow
+def test_the_hand_side_is_train_lms_model_under_a_plain_jit_step():
+  """hand=1: train_lm's own GPT under the hand-written step makes the same step as
+  fnscale's from the same state (loss, params after it)."""
+  env = chip.environment()
+  case = chip.parse_case("gpt-nano,batch=8,hand=1")
+  module, cfg = chip.model_of(case)
+  batch = chip.random_batch(case, cfg.vocab, env.mesh)
+  out = {}
+  for name, side in (("fnscale", chip.fnscale_side), ("by_hand", chip.hand_side)):
+    state = chip.init(case, env)
+    compiled = side(case, env, state, batch)
+    new, loss = compiled.run(state, batch)
+    out[name] = jax.device_get((loss, new.params))
+  np.testing.assert_allclose(out["fnscale"][0], out["by_hand"][0], rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               out["fnscale"][1], out["by_hand"][1])
 
 
 @pytest.mark.parametrize("text,why", [
