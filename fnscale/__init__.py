@@ -6,6 +6,12 @@ with one spelling: `fnscale.analysis` (cost, planning, HLO), `fnscale.checkpoint
 `fnscale.kernels`, `fnscale.multihost`, `fnscale.parallel`, `fnscale.lora`,
 `fnscale.cloud`, `fnscale.adapters`. Modules whose names start with `_` are the implementation.
 
+Reading order: five files hold the pipeline, each doing its job once. `_topology.py` (what
+hardware is there), `_mesh.py` (named axes over it), `_sharding.py` (logical rules ->
+PartitionSpecs, FSDP), `_step.py` (the pure train step; it names its three parts), and
+`_compile.py` (`shard_step`: the step compiled once for the mesh); then
+`kernels/_attention.py` (`with_kernel`).
+
 Layout of the package: the core pipeline sits at the root, each layer above it is a folder,
 and a layer imports only the layers below it, with no cycle (tests/test_imports.py checks
 every import and that this table names every module):
@@ -16,7 +22,7 @@ every import and that this table names every module):
 |---|---|
 | `_errors.py`, `_compat.py`, `_tree.py`, `_deprecation.py` | error types by kind; every JAX interface JAX doesn't promise to keep; pytree helpers; old spellings that warn |
 | `_topology.py`, `_metadata.py`, `_mesh.py`, `_axes.py`, `_context.py` | the hardware (environment, libtpu, GCE metadata); named device axes; the axis conventions; the ambient values, declared in one place |
-| `_sharding.py`, `_step.py`, `_ratio.py`, `_lookups.py`, `_state.py`, `lora.py` | logical rules -> PartitionSpecs, FSDP, batch shardings; the pure train step; a masked-mean loss read as (sum, count); the tables a loss looks up in, gathered for it; the state born sharded; low-rank adapters over a frozen base |
+| `_sharding.py`, `_step.py`, `_loss.py`, `_accumulate.py`, `_update.py`, `_ratio.py`, `_lookups.py`, `_state.py`, `lora.py` | logical rules -> PartitionSpecs, FSDP, batch shardings; the pure train step, the loss as it calls it, its microbatch loop and reductions, its optimizer update and norms; a masked-mean loss read as (sum, count); the tables a loss looks up in, gathered for it; the state born sharded; low-rank adapters over a frozen base |
 | `_compile.py`, `_compiler.py`, `_closure.py`, `_autodiff.py` | `shard_step`; compiling with XLA's warnings captured; closed-over arrays; forward-mode autodiff through kernels |
 | `cloud.py`, `adapters.py`, `_flax.py` | deleting the Cloud TPU VM when the job ends; params from flax/equinox models; Flax's sharding metadata and logical rules, read by duck typing |
 | `kernels/`, `parallel/` | attention, cross-entropy and grouped-matmul kernels, `with_kernel`; context, expert and pipeline parallelism |

@@ -133,6 +133,14 @@ def test_the_package_layout_names_every_module_and_only_those():
   assert named == files
 
 
+def test_the_main_jobs_map_names_every_module():
+  # recipes/lm's package docstring: every module named, and each line's lead a module.
+  import recipes.lm  # pylint: disable=import-outside-toplevel
+  files = {f.stem for f in (ROOT.parent / "recipes" / "lm").glob("*.py")} - {"__init__"}
+  assert files <= set(re.findall(r"`(\w+)`", recipes.lm.__doc__))
+  assert set(re.findall(r"^- `(\w+)`", recipes.lm.__doc__, re.M)) <= files
+
+
 # What each layer may import: the core pipeline (the root modules) imports only itself; a
 # subpackage imports the core, itself and the layers named here (DESIGN: core <- kernels,
 # parallel <- multihost, checkpoint <- analysis). `cloud` and `adapters` are core-level glue.
