@@ -15,8 +15,8 @@ every import and that this table names every module):
 | module | job |
 |---|---|
 | `_errors.py`, `_compat.py`, `_tree.py`, `_deprecation.py` | error types by kind; every JAX interface JAX doesn't promise to keep; pytree helpers; old spellings that warn |
-| `_topology.py`, `_metadata.py`, `_mesh.py`, `_axes.py`, `_context.py` | the hardware (environment, libtpu, GCE metadata); named device axes; the axis conventions; the ambient values, declared in one place |
-| `_sharding.py`, `_step.py`, `_ratio.py`, `_lookups.py`, `_state.py`, `lora.py` | logical rules -> PartitionSpecs, FSDP, batch shardings; the pure train step; a masked-mean loss read as (sum, count); the tables a loss looks up in, gathered for it; the state born sharded; low-rank adapters over a frozen base |
+| `_topology.py`, `_chips.py`, `_override.py`, `_sources.py`, `_machine.py`, `_metadata.py`, `_mesh.py`, `_axes.py`, `_context.py` | the hardware (environment, libtpu, GCE metadata): the topology, the chips' published facts, the strings that name a topology, the sources it is read from, this machine's device files; named device axes; the axis conventions; the ambient values, declared in one place |
+| `_sharding.py`, `_rules.py`, `_specs.py`, `_batch_sharding.py`, `_step.py`, `_ratio.py`, `_lookups.py`, `_state.py`, `lora.py` | a tree's shardings and automatic FSDP, logical rules -> PartitionSpecs, spec checks, batch shardings; the pure train step; a masked-mean loss read as (sum, count); the tables a loss looks up in, gathered for it; the state born sharded; low-rank adapters over a frozen base |
 | `_compile.py`, `_compiler.py`, `_closure.py`, `_autodiff.py` | `shard_step`; compiling with XLA's warnings captured; closed-over arrays; forward-mode autodiff through kernels |
 | `cloud.py`, `adapters.py`, `_flax.py` | deleting the Cloud TPU VM when the job ends; params from flax/equinox models; Flax's sharding metadata and logical rules, read by duck typing |
 | `kernels/`, `parallel/` | attention, cross-entropy and grouped-matmul kernels, `with_kernel`; context, expert and pipeline parallelism |
