@@ -6,6 +6,7 @@ import jax
 import pytest
 
 import fnscale as fs
+from fnscale import _machine, _override, _sources
 from fnscale import _topology as topo_mod
 from fnscale._topology import CHIP_FACTS, GiB
 from local_server import serving
@@ -258,7 +259,7 @@ def test_metadata_facts(monkeypatch):
 def test_metadata_not_asked_off_tpu(monkeypatch):
   asked = []
   monkeypatch.setattr(topo_mod._metadata, "get", lambda *a, **k: asked.append(a))
-  monkeypatch.setattr(topo_mod.glob, "glob", lambda pattern: [])
+  monkeypatch.setattr(_machine.glob, "glob", lambda pattern: [])
   fs.detect_topology(env={})
   assert asked == []
 
@@ -300,23 +301,23 @@ def test_devices_per_slice():
 
 
 def test_simulate_cpu_devices_after_start(monkeypatch):
-  monkeypatch.setattr(topo_mod, "has_accelerator", lambda: False)
+  monkeypatch.setattr(_machine, "has_accelerator", lambda: False)
   jax.devices()  # the backend is up with 8 devices (conftest)
   assert fs.simulate_cpu_devices(8) is True
   with pytest.raises(fs.TopologyError, match="already started with 8 devices, so 4"):
     fs.simulate_cpu_devices(4)
   with pytest.raises(fs.TopologyError, match=r"simulated device count n=0 \(int\) must be a positive int"):
     fs.simulate_cpu_devices(0)
-  monkeypatch.setattr(topo_mod, "has_accelerator", lambda: True)
+  monkeypatch.setattr(_machine, "has_accelerator", lambda: True)
   assert fs.simulate_cpu_devices(4) is False
 
 
 # --- accelerator device files and simulated CPU devices (no backend started) ----------------
 
 def _device_files(monkeypatch, *files):
-  """Makes `glob.glob` in fnscale._topology see only `files`, matched as the shell would."""
+  """Makes `glob.glob` in fnscale._machine see only `files`, matched as the shell would."""
   import fnmatch
-  monkeypatch.setattr(topo_mod.glob, "glob",
+  monkeypatch.setattr(_machine.glob, "glob",
                       lambda pattern: [f for f in files if fnmatch.fnmatch(f, pattern)])
 
 
@@ -918,10 +919,10 @@ def test_an_override_that_contradicts_the_tpu_devices_is_refused(fake_devices_ok
 
 
 def test_coords_grid_of_part_of_a_host():
-  assert topo_mod._coords_grid([(1, 1, 0)]) == (1, 1, 1)  # one chip, not at the origin
-  assert topo_mod._coords_grid([(0, 1, 0), (1, 1, 0)]) == (2, 1, 1)
-  assert topo_mod._coords_grid([(0, 0, 0), (1, 1, 0)]) == ()  # a diagonal: no box
-  assert topo_mod._coords_grid([(0, 0, 0)] * 2) == (1, 1, 1)  # two devices of one chip
+  assert _sources._coords_grid([(1, 1, 0)]) == (1, 1, 1)  # one chip, not at the origin
+  assert _sources._coords_grid([(0, 1, 0), (1, 1, 0)]) == (2, 1, 1)
+  assert _sources._coords_grid([(0, 0, 0), (1, 1, 0)]) == ()  # a diagonal: no box
+  assert _sources._coords_grid([(0, 0, 0)] * 2) == (1, 1, 1)  # two devices of one chip
 
 
 # --- part of a host: the variables describe more chips than the job was given ---------------
@@ -1106,8 +1107,8 @@ def test_target_devices(tpu_devices, target, want):
 
 
 def test_target_devices_without_libtpu(monkeypatch):
-  real = topo_mod.importlib.util.find_spec
-  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+  real = _override.importlib.util.find_spec
+  monkeypatch.setattr(_override.importlib.util, "find_spec",
                       lambda name, *a: None if name == "libtpu" else real(name, *a))
   with pytest.raises(fs.TopologyError, match=r"describing the TPU target 'v5p-128' without the "
                                              r"hardware needs libtpu, which is not installed: "
@@ -1141,8 +1142,8 @@ def test_target_devices_asks_libtpu_for(monkeypatch, target, name, kw):
     asked.append(kwargs)
     return types.SimpleNamespace(devices=("d0", "d1"))
   monkeypatch.setattr(topologies, "get_topology_desc", describe)
-  real = topo_mod.importlib.util.find_spec  # libtpu need not be installed to run this test
-  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+  real = _override.importlib.util.find_spec  # libtpu need not be installed to run this test
+  monkeypatch.setattr(_override.importlib.util, "find_spec",
                       lambda m, *a: object() if m == "libtpu" else real(m, *a))
   assert topo_mod.target_devices(target) == ["d0", "d1"]
   assert asked == [{"platform": "tpu", "topology_name": name, **kw}]
@@ -1154,8 +1155,8 @@ def test_target_devices_libtpu_failure(monkeypatch):
   def fail(**kwargs):
     raise jax.errors.JaxRuntimeError("lockfile held")
   monkeypatch.setattr(topologies, "get_topology_desc", fail)
-  real = topo_mod.importlib.util.find_spec
-  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+  real = _override.importlib.util.find_spec
+  monkeypatch.setattr(_override.importlib.util, "find_spec",
                       lambda m, *a: object() if m == "libtpu" else real(m, *a))
   with pytest.raises(fs.TopologyError, match=r"^libtpu could not describe 'v4:2x2x1' "
                                              r"\{'chip_config_name': 'megacore'\} for target "
@@ -1196,9 +1197,9 @@ def test_show_topology_describes_a_target(tpu_devices):
 # --- libtpu's start-up warnings on a machine without a TPU ---------------------------------
 
 def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
-  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
-  real = topo_mod.importlib.util.find_spec  # libtpu installed (the tpu extra) or not
-  monkeypatch.setattr(topo_mod.importlib.util, "find_spec",
+  monkeypatch.setattr(_machine, "_tpu_device_files", lambda: False)
+  real = _machine.importlib.util.find_spec  # libtpu installed (the tpu extra) or not
+  monkeypatch.setattr(_machine.importlib.util, "find_spec",
                       lambda name, *a: object() if name == "libtpu" else real(name, *a))
   env = {}
   assert topo_mod.quiet_libtpu(env) == {"TPU_WORKER_HOSTNAMES": "localhost",
@@ -1207,11 +1208,11 @@ def test_quiet_libtpu_env_only_without_a_tpu(monkeypatch):
   for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS"):
     env = {var: "x"}  # a launcher's own layout is never touched
     assert topo_mod.quiet_libtpu(env) == {} and env == {var: "x"}
-  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: True)
+  monkeypatch.setattr(_machine, "_tpu_device_files", lambda: True)
   env = {}
   assert topo_mod.quiet_libtpu(env) == {} and env == {}
-  monkeypatch.setattr(topo_mod, "_tpu_device_files", lambda: False)
-  monkeypatch.setattr(topo_mod.importlib.util, "find_spec", lambda name, *a: None)
+  monkeypatch.setattr(_machine, "_tpu_device_files", lambda: False)
+  monkeypatch.setattr(_machine.importlib.util, "find_spec", lambda name, *a: None)
   env = {}  # without libtpu there is nothing to quiet
   assert topo_mod.quiet_libtpu(env) == {} and env == {}
 
@@ -1227,7 +1228,7 @@ def test_quiet_libtpu_env_does_not_change_detection(tpu_devices):
 @pytest.mark.tpu
 def test_quiet_libtpu_silences_libtpu_without_a_tpu(tpu_devices):
   import os, subprocess, sys
-  if topo_mod._tpu_device_files():
+  if _machine._tpu_device_files():
     pytest.skip("this machine has a TPU: libtpu finds its hosts itself")
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS", *topo_mod.QUIET_LIBTPU_ENV)}
