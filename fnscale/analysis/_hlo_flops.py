@@ -68,16 +68,21 @@ def _conv_flops(lhs: tuple[int, ...] | None, out: tuple[int, ...] | None,
   return 2.0 * math.prod(out) / math.prod(out[out_l.index(c)] for c in spatial) * taps * k
 
 
-def _dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
-  """FLOPs of a dot: 2 x result elements x contracted size (None without the shapes)."""
+def _contracted(g: _Graph, comp: str, ins: _Instr, contract: list[int] | None) -> float | None:
+  """2 x result elements x the sizes of the lhs's `contract` dims: a dot's or a GEMM's FLOPs
+  (None without the shapes or the contracted dims)."""
   out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
-  if not out or lhs is None:
-    return None
-  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-  contract = _ints(m.group(1) if m else "")  # none: an outer product
-  if (not m and "lhs_contracting_dims" in ins.attrs) or any(i >= len(lhs) for i in contract):
+  if not out or lhs is None or contract is None or any(i >= len(lhs) for i in contract):
     return None
   return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in contract)
+
+
+def _dot_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
+  """FLOPs of a dot: 2 x result elements x contracted size (None without the shapes)."""
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+  if not m and "lhs_contracting_dims" in ins.attrs:
+    return None
+  return _contracted(g, comp, ins, _ints(m.group(1) if m else ""))  # none: an outer product
 
 
 _RAGGED_DIMS = ("lhs_batch", "rhs_batch", "lhs_contracting", "rhs_contracting", "lhs_ragged",
@@ -141,12 +146,8 @@ _FMHA_PREFIX = "__cudnn$fmha"
 
 def _gemm_flops(g: _Graph, comp: str, ins: _Instr) -> float | None:
   """A cuBLAS GEMM: 2 x result elements x the lhs's contracted size (from the config)."""
-  out, lhs = _arrays(ins.shape), _operand_dims(g, comp, ins, 0)
-  contract = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
-  if not out or lhs is None or not contract or any(i >= len(lhs) for i in _ints(
-      contract.group(1))):
-    return None
-  return 2.0 * math.prod(out[0][1]) * math.prod(lhs[i] for i in _ints(contract.group(1)))
+  m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
+  return _contracted(g, comp, ins, _ints(m.group(1)) if m else None)
 
 
 def _cudnn_conv_flops(g: _Graph, comp: str, ins: _Instr, target: str) -> float | None:

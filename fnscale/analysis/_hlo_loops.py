@@ -19,7 +19,7 @@ _PASS_THROUGH = ("copy", "bitcast", "convert", "reshape")
 
 def _record_while(g: _Graph, comp: str, ins: _Instr) -> None:
   """Adds a while loop of `comp` to `g.whiles`: (caller, body, condition, init operand, known
-  trip count or None); `hlo.summarize` counts its trips once every computation is indexed."""
+  trip count or None); `hlo.summarize` counts its trips once every computation is read."""
   t = _TRIP_RE.search(ins.attrs)
   body, cond = (re.search(rf"\b{k}=%?([\w.\-]+)", ins.attrs) for k in ("body", "condition"))
   g.whiles.append((comp, body.group(1) if body else "?", cond.group(1) if cond else "?",

@@ -39,7 +39,7 @@ _NO_COUNTED_WORK = frozenset((
     "add-dependency", "after-all", "async-done", "async-start", "async-update", "call",
     "conditional", "constant", "domain", "fusion", "get-tuple-element", "opt-barrier",
     "parameter", "tuple", "while",
-    # host transfers, device ids, dynamic shapes (a device `send`/`recv` is read below)
+    # host transfers, device ids, dynamic shapes (a `send`/`recv` is read by `_transfer`)
     "get-dimension-size", "infeed", "outfeed", "partition-id", "recv-done", "replica-id",
     "send-done", "set-dimension-size"))
 # Wrappers that call computations which may hold matmuls: never read as async sugar.

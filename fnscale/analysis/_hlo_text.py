@@ -154,8 +154,8 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 class _Graph(NamedTuple):
-  """What `_read_computation` collects from every computation of a module (build one with
-  `_graph()`: fresh containers each time)."""
+  """What `_hlo_read._read_computation` collects from every computation of a module (build
+  one with `_graph()`: fresh containers each time)."""
   instrs: dict  # comp -> {name: _Instr}
   roots: dict  # comp -> name of its ROOT instruction
   edges: dict  # comp -> [(callee, factor)]
