@@ -17,7 +17,9 @@ One flat namespace, as optax's are, plus the HLO reader's vocabulary:
   `fit_options` (`FitOption`s) are what would fit on a mesh, `data_parallel` the devices that
   split its batch;
 - `hlo` reads an optimized HLO module: matmul FLOPs with loop trip counts, each collective's
-  runs and bytes, what crosses slices (`hlo.summarize`, `hlo.collectives`, ...).
+  runs and bytes, what crosses slices (`hlo.summarize`, `hlo.collectives`, ...); its
+  docstring maps the files (`_hlo_*.py`) that read the text, loops, FLOPs, kernels and
+  collectives.
 
 Layer: the top of the library; imports the core pipeline, `fnscale.kernels` and
 `fnscale.parallel`; never `fnscale.multihost`, `fnscale.checkpoint` or the package root.
