@@ -50,6 +50,9 @@ Layout (orbax's; fnscale reads it only through orbax's API):
                                    OCDBT), extra/ (the JSON `extra`), data/ (grain's positions)
   <step>.orbax-checkpoint-tmp*/    a save that never finished: never read
   <step>.corrupt-<unix time>/      a damaged step moved aside: kept for inspection
+
+By job: `_manager` (the manager, and the names the others share), `_steps` (what is on disk),
+`_finite` (what may be saved), `_save`, `_restore`; this module gathers their public names.
 """
 from fnscale.checkpoint._finite import all_finite, nonfinite_leaves
 from fnscale.checkpoint._manager import Manager, close, manager, wait
