@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fnscale as fs
-from fnscale.parallel import _experts as ex
+from fnscale.parallel import _expert_exchange as exchange_lib
 
 B, S, D, E, F = 8, 4, 8, 8, 16
 EMPTY, TIE = 7, (2, 3)  # expert 7 gets no token; experts 2 and 3 tie on every token
@@ -295,7 +295,7 @@ def test_padding_rows_pass_no_gradient_either_way():
   # cotangent (reverse mode) and a zero tangent (forward mode), whatever flows in.
   x = jnp.arange(12.0).reshape(4, 3)
   rows = (jnp.arange(4) < 3)[:, None]
-  f = lambda x: ex._padding_without_gradient(x, rows)  # pylint: disable=protected-access
+  f = lambda x: exchange_lib._padding_without_gradient(x, rows)  # pylint: disable=protected-access
   np.testing.assert_array_equal(f(x), x)
   ct = jnp.full((4, 3), 2.0)
   want = np.where(np.arange(4)[:, None] < 3, 2.0, 0.0) * np.ones((4, 3))

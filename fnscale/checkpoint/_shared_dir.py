@@ -16,7 +16,7 @@ from absl import logging
 
 from fnscale.multihost import _agreement as _ag
 from fnscale.multihost import _coordination as _co
-from fnscale.checkpoint import _store as checkpoint
+from fnscale.checkpoint import _manager as checkpoint
 from fnscale.multihost._coordination import DEFAULT_TIMEOUT_S
 from fnscale._errors import DistributedError
 

@@ -32,7 +32,7 @@ from fnscale import _autodiff
 from fnscale import _axes
 from fnscale._errors import KernelError
 from fnscale.kernels._per_device import per_device
-from fnscale.kernels._attention import _call_mesh, _varying_axes
+from fnscale.kernels._attention_call import _call_mesh, _varying_axes
 
 # Default chunk: at most this many float32 logits live at once (32 MiB). A chunk also holds
 # the [d, vocab] float32 gradient accumulator, so the chunk is kept at half the logits the
