@@ -12,7 +12,8 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, hlo
-from fnscale.analysis import _plan
+from fnscale.analysis import _search
+from fnscale.analysis import _verify
 from fnscale.analysis import _report as fs_report
 
 L, T, D, B = 8, 4, 8, 16  # layers, tokens per row, width, rows
@@ -365,7 +366,7 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
   assert row.stages == 2 and row.bubble == pytest.approx(1 / 9)
   # Within one slice, stages are candidates only for a model whose compute-dtype weights
   # exceed one device's HBM (95 GiB on v5p): 2 and 4 stages of v5p-8's 4 chips.
-  meshes = _plan._stage_meshes  # pylint: disable=protected-access
+  meshes = _search._stage_meshes  # pylint: disable=protected-access
   one = fs.analysis.hardware("v5p-8")
   assert meshes(prof, one, 8) == []
   big = {m.ici.get("stage") for m in meshes(prof._replace(compute_bytes=200e9), one, 8)}
@@ -422,7 +423,7 @@ def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES,
          llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
-    _plan._verify(cand, hw, ctx)  # pylint: disable=protected-access
+    _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(remat=True, microbatches=4)
 
 
@@ -588,7 +589,7 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
          llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
          p.profile)
-  done = _plan._verify(row, hw, ctx)  # pylint: disable=protected-access
+  done = _verify.compile_candidate(row, hw, ctx)
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0
 

@@ -17,6 +17,7 @@ import fnscale as fs
 from fnscale import _topology
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
+from fnscale.analysis import _trace
 from fnscale.analysis import mesh_str, plan, plan_summary
 
 from recipes.lm import llama
@@ -104,7 +105,7 @@ def test_jaxpr_flops_multiply_scan_bodies_and_take_the_larger_branch():
     h = jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]  # 3 x [4,8]@[8,8]
     return jax.lax.cond(h.sum() > 0, lambda h: h @ jnp.ones((8, 8)), lambda h: h + 1, h)
   jx = jax.make_jaxpr(f)(jnp.ones((3, 8, 8)), jnp.ones((4, 8)))
-  assert _cost.jaxpr_matmul_flops(jx.jaxpr) == 3 * 2 * 4 * 8 * 8 + 2 * 4 * 8 * 8
+  assert _trace.jaxpr_matmul_flops(jx.jaxpr) == 3 * 2 * 4 * 8 * 8 + 2 * 4 * 8 * 8
 
 
 def test_profile_reads_the_layer_scan_not_the_longer_cross_entropy_scan():
@@ -211,7 +212,7 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
 
 
 def test_planner_chooses_once_only_where_its_memory_fits():
-  from fnscale.analysis import _plan as fplan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _search  # pylint: disable=import-outside-toplevel
   prof, hw = _fsdp_profile_and_hardware()
   axes = fs.MeshAxes({"fsdp": 8}, {})
   per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
@@ -220,12 +221,12 @@ def test_planner_chooses_once_only_where_its_memory_fits():
   assert per.bytes < once.bytes and once.step_s <= per.step_s
   assert once.comm_total_s < per.comm_total_s
   # At 2 steps "once" where its memory fits, else per_microbatch (FSDP's memory).
-  got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
+  got = _search._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
   assert got[:2] == (2, "once") and got[3]
-  got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
+  got = _search._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
   assert got[:2] == (2, "per_microbatch") and got[3]
   # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
-  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
+  assert _search._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
@@ -401,19 +402,19 @@ def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
 
 
 def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _verify  # pylint: disable=g-import-not-at-top
   est = lambda s: _cost.Estimate(1.0, 1.0, 1.0, 1.0, 1.0, s, {}, s, 0.5)
-  rows = [plan_module.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
+  rows = [fs.analysis.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
           for a, s in ((1, 1.0), (2, 1.1), (4, 1.2))]
 
   def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
     fits = cand.accum > 1
-    c = plan_module.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
-                             () if fits else ("memory",))
+    c = fs.analysis.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5,
+                                 1.0, () if fits else ("memory",))
     return cand._replace(compiled=c, fits=fits)
 
-  monkeypatch.setattr(plan_module, "_verify", fake_verify)
-  plan_module._verify_best(rows, None, None, verify=1)
+  monkeypatch.setattr(_verify, "compile_candidate", fake_verify)
+  _verify.verify_best(rows, None, None, verify=1)
   assert [(r.accum, r.fits, r.compiled is not None) for r in rows] == [
       (2, True, True), (4, True, False), (1, False, True)]
 
@@ -517,7 +518,7 @@ def test_remat_is_never_predicted_faster_at_equal_accumulation():
   """Over random profiles, every target kind, mesh and accumulation: remat's bound and
   forecast are never below no remat's, and remat's memory traffic never below."""
   from fnscale.analysis import _forecast  # pylint: disable=g-import-not-at-top
-  from fnscale.analysis._plan import _meshes  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._search import _meshes  # pylint: disable=g-import-not-at-top
   targets = [_targets.resolve(t) for t in ("v5p-128", "2x v5e-16", "16x h200")]
   targets.append(_targets.cpu_hardware(1e11, 1e10, devices=list(range(8))))
   checked = 0
@@ -652,8 +653,8 @@ def test_a_cpu_plan_prints_the_measured_host_rates():
 @pytest.mark.parametrize("n, said", [(834_000, "834k"), (1_639_680, "1.64M"), (8.03e9, "8.03B"),
                                      (46.7e9, "46.7B"), (512, "512"), (2.5e12, "2.5T")])
 def test_the_plan_counts_params_in_the_unit_that_reads(n, said):
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=import-outside-toplevel
-  assert plan_module._count(n) == said  # pylint: disable=protected-access
+  from fnscale.analysis import _table  # pylint: disable=import-outside-toplevel
+  assert _table._count(n) == said  # pylint: disable=protected-access
 
 
 def test_the_forecast_columns_and_the_token_budget():
@@ -675,7 +676,7 @@ def test_the_forecast_columns_and_the_token_budget():
 def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   """The compile's step has the row's remat and accumulation, the accumulation mode the
   estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _verify  # pylint: disable=g-import-not-at-top
   from fnscale import _step as step_module  # pylint: disable=g-import-not-at-top
   seen = {}
 
@@ -691,17 +692,17 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   hw = _targets.resolve("cpu", (1e10, 1e9))
   prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128))
-  cand = plan_module.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
-                             cpu_rates=(1e10, 1e9))
+  cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
+                            cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
          llama.RULES, llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
-    plan_module._verify(cand, hw, ctx)
+    _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="auto",
                       remat=True)
   once = cand._replace(accum_gather="once")
   with pytest.raises(Stop):
-    plan_module._verify(once, hw, ctx)
+    _verify.compile_candidate(once, hw, ctx)
   assert seen["accum_gather"] == "once"
 
 
@@ -710,14 +711,14 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   # of 2, of which the HLO reader saw 200 cross slices. Those 200 go at the DCN rate; the
   # other 100 (no ICI axis has size 2) at the slowest ICI axis's, with the fsdp all-gather.
   # Charging every size-2 group to the DCN axis (its size matches) would put 300 there.
-  from fnscale.analysis import hlo, _plan as plan_module  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import hlo, _verify  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("2x v5p-8")
   axes = fs.MeshAxes({"fsdp": 4}, {"replica": 2})
   bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)
   summary = hlo.Summary(0.0, 0.0, (), (), 8,
                            groups=(("all-gather", 4, 400.0), ("all-reduce", 2, 300.0)),
                            dcn_groups=(("all-reduce", 2, 200.0),))
-  out = plan_module._compiled_comm(summary, hw, axes)
+  out = _verify._compiled_comm(summary, hw, axes)
   assert out == pytest.approx({"fsdp": 500.0 / bw["fsdp"], "replica": 200.0 / bw["replica"]})
   assert summary.dcn_bytes_sent == 200.0
 
@@ -812,6 +813,6 @@ def test_residuals_are_what_the_backward_pass_reads():
   f = fs.with_kernel(loss, interpret=True)
   params = {"scale": jax.ShapeDtypeStruct((), jnp.float32)}
   batch = {"x": jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)}
-  res = _cost._residuals(f, params, batch, None, width=0, interpret=False)
+  res = _trace._residuals(f, params, batch, None, width=0, interpret=False)
   kib = 1024
   assert res.total == 5 * 256 * kib + 4 * kib
