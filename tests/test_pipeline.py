@@ -383,8 +383,9 @@ def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
                            d_mlp=64)
   batch = {k: jax.ShapeDtypeStruct((32, 16), jnp.int32) for k in ("inputs", "targets")}
   p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
-                            optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
-                            logical_axes=llama.logical_axes(cfg), verify=0)
+                       optax.adamw(1e-3), batch, "2x v5p-8",
+                       fs.analysis.PlanOptions(rules=llama.RULES,
+                                               logical_axes=llama.logical_axes(cfg), verify=0))
   staged = [r for r in p.rows if r.stages > 1]
   assert staged and all(r.axes.dcn == {"stage": 2} for r in staged)
   for r in staged:
@@ -582,8 +583,9 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
                            d_mlp=256)
   batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
   p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
-                            optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
-                            logical_axes=llama.logical_axes(cfg), verify=0)
+                       optax.adamw(1e-3), batch, "2x v5p-8",
+                       fs.analysis.PlanOptions(rules=llama.RULES,
+                                               logical_axes=llama.logical_axes(cfg), verify=0))
   hw = fs.analysis.hardware("2x v5p-8")
   row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),

@@ -18,7 +18,7 @@ from fnscale import _topology
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
 from fnscale.analysis import _trace
-from fnscale.analysis import mesh_str, plan, plan_summary
+from fnscale.analysis import PlanOptions, mesh_str, plan, plan_summary
 
 from recipes.lm import llama
 
@@ -233,7 +233,7 @@ def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
   cfg = llama.model_config("llama-70b", 4096)
   with pytest.raises(fs.PlanError, match=r"needs \d+\.\d+ GiB per device.*of 16\.00 GiB HBM"):
     plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-               _batch(16, 4096), "v5e-4", verify=0)
+               _batch(16, 4096), "v5e-4", PlanOptions(verify=0))
 
 
 # Measured on one TPU v5e chip (jax 0.10.2, libtpu 0.0.42.1, 2026-12-06): the allocator's
@@ -283,7 +283,7 @@ def test_a_refusal_names_the_accumulation_that_needs_least_not_the_most_tried():
   loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
   batch = {"x": jax.ShapeDtypeStruct((8, 32768), jnp.float32)}
   with pytest.raises(fs.PlanError, match="fits nowhere") as e:
-    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", verify=0)
+    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", PlanOptions(verify=0))
   need = float(re.search(r"needs (\d+\.\d+) GiB per device", str(e.value)).group(1)) * GiB
   assert "accum=1)" in str(e.value)
   assert 16 * GiB <= need < 17 * GiB
@@ -299,7 +299,11 @@ def test_bad_arguments_raise_plan_errors():
   with pytest.raises(fs.PlanError, match="leading batch dim"):
     plan(init, llama.loss_fn, optax.adam(1e-3), {"inputs": 3}, "v5p-8")
   with pytest.raises(fs.PlanError, match="verify"):
-    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
+    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", PlanOptions(verify=-1))
+  # The options as a dict (the old keywords' habit): named, with the value that works.
+  with pytest.raises(fs.PlanError, match=r"options is a dict, expected a "
+                     r"fnscale\.analysis\.PlanOptions, e\.g\. PlanOptions\(verify=0\)"):
+    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", {"verify": 0})
 
 
 @pytest.mark.slow
@@ -309,9 +313,9 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   cfg = llama.ModelConfig(layers=2, d_model=128, heads=1, kv_heads=1, d_mlp=256, seq=256,
                           vocab=256)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-                 _batch(16, 256), "v5p:2x2x2", policy="params=float32,compute=bfloat16",
-                 rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=1,
-                 max_tensor=1)
+           _batch(16, 256), "v5p:2x2x2",
+           PlanOptions(policy="params=float32,compute=bfloat16", rules=llama.RULES,
+                       logical_axes=llama.logical_axes(cfg), verify=1, max_tensor=1))
   best = p.rows[0]
   assert best.compiled is not None and best.fits
   assert (p.axes, p.remat, p.accum) == (best.axes, best.remat, best.accum)
@@ -377,8 +381,8 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
   cfg = llama.model_config("llama-8b", 4096)
   p = plan(lambda k: llama.init_params(cfg, k), functools.partial(llama.loss_fn, cfg=cfg),
            optax.adamw(3e-4), _batch(8, 4096), "v5p-8",
-           policy="params=float32,compute=bfloat16,output=float32", rules=llama.RULES,
-           logical_axes=llama.logical_axes(cfg), verify=0)
+           PlanOptions(policy="params=float32,compute=bfloat16,output=float32",
+                       rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=0))
   assert (mesh_str(p.axes), p.remat, p.accum) == ("fsdp=4", False, 2)
   assert p.rows[0].estimate.bytes == pytest.approx(76.5 * GiB, rel=0.05)
 
@@ -563,7 +567,7 @@ def test_a_model_that_fits_without_remat_is_planned_without_it(model):
   else:
     cfg = llama.model_config("llama-tiny", 128)
     init, loss = (lambda k: llama.init_params(cfg, k)), llama.loss_fn
-  p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", verify=0)
+  p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", PlanOptions(verify=0))
   assert not p.remat
   rank = {(mesh_str(r.axes), r.remat, r.accum): i for i, r in enumerate(p.rows)}
   for (mesh, remat, accum), i in rank.items():
@@ -591,7 +595,7 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
   with pytest.raises(fs.PlanError, match=r"verify=1 .*libtpu could not describe the devices of "
                      r"v5e:4x4: RuntimeError: TPU backend setup failed for v5e:4x4 \(as libtpu "
                      r"says\).*pip install 'fnscale\[tpu\]'.*verify=0"):
-    plan(*args, verify=1)
+    plan(*args, PlanOptions(verify=1))
   # Left to choose, the planner plans without compiling and says why.
   p = plan(*args)
   assert all(r.compiled is None for r in p.rows)
@@ -610,7 +614,7 @@ def test_verify_without_libtpu_names_the_install(monkeypatch):
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128), "v5e:2x4")
   with pytest.raises(fs.PlanError) as e:
-    plan(*args, verify=1)
+    plan(*args, PlanOptions(verify=1))
   assert re.search(r"verify=1 .*libtpu could not describe the devices of v5e:2x4: "
                    r"TopologyError: .*needs libtpu, which is not installed.*run again\. Fix: "
                    r"install libtpu \(pip install 'fnscale\[tpu\]'\).*verify=0", str(e.value))
@@ -626,11 +630,11 @@ def test_gpu_and_cpu_targets_cannot_be_verified():
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128))
   with pytest.raises(fs.PlanError, match="verify=2 .*8x h200.*no GPU devices.*verify=0"):
-    plan(*args, "8x h200", verify=2)
+    plan(*args, "8x h200", PlanOptions(verify=2))
   assert "no GPU devices" in cannot_verify("8x h200")
   assert "not verified: jax describes no GPU devices" in str(plan(*args, "8x h200"))
   with pytest.raises(fs.PlanError, match="CPU target is not compiled"):
-    plan(*args, "cpu", verify=1, cpu_rates=(1e10, 1e9))
+    plan(*args, "cpu", PlanOptions(verify=1, cpu_rates=(1e10, 1e9)))
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -639,7 +643,7 @@ def test_gpu_and_cpu_targets_cannot_be_verified():
 def test_a_cpu_plan_prints_the_measured_host_rates():
   cfg = llama.model_config("llama-tiny", 64, layers=2)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-           _batch(16, 64), "cpu", cpu_rates=(10e9, 0.23e9), max_tensor=2)
+           _batch(16, 64), "cpu", PlanOptions(cpu_rates=(10e9, 0.23e9), max_tensor=2))
   head = str(p).splitlines()[0]
   assert "8 simulated devices sharing this host" in head
   assert "10.0 GFLOP/s matmul, 0.23 GB/s memory copy" in head
@@ -660,7 +664,7 @@ def test_the_plan_counts_params_in_the_unit_that_reads(n, said):
 def test_the_forecast_columns_and_the_token_budget():
   cfg = llama.model_config("llama-tiny", 128)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-           _batch(16, 128), "v5p-8", verify=0, tokens=2e12)
+           _batch(16, 128), "v5p-8", PlanOptions(verify=0, tokens=2e12))
   best = p.rows[0]
   # tokens/s of the whole job: 16 rows x 128 tokens per forecast step.
   assert best.tokens_s == pytest.approx(16 * 128 / best.step_s)
@@ -790,11 +794,11 @@ def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():
   full = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   with pytest.raises(fs.PlanError, match="fits nowhere"):
     plan(full, functools.partial(llama.loss_fn, cfg=cfg), opt, batch, "v5litepod-1",
-              policy=policy, verify=0)
+              PlanOptions(policy=policy, verify=0))
   lora = LORA_ALL._replace(rank=16)
   state = _lora_state(cfg, lora, devices=fs.target_devices("v5litepod-1"))
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), lora)
-  p = plan(state, loss, opt, batch, "v5litepod-1", policy=policy, verify=0)
+  p = plan(state, loss, opt, batch, "v5litepod-1", PlanOptions(policy=policy, verify=0))
   best = p.rows[0]
   assert best.fits and best.estimate.bytes < 0.95 * V5E_BYTES_LIMIT
   assert best.estimate.params < 2.6e9 and best.estimate.opt < 0.2e9  # bf16 base, adapters' state

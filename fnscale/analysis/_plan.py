@@ -14,6 +14,7 @@ and its table are `fnscale.analysis._table`'s.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jmp
 
@@ -34,7 +35,7 @@ from fnscale._errors import PlanError
 from fnscale._mesh import MeshAxes
 
 __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "ForecastTerms", "Plan",
-           "PlanError", "calibrate_cpu", "cannot_verify", "data_parallel", "fit_options",
+           "PlanError", "PlanOptions", "calibrate_cpu", "cannot_verify", "data_parallel", "fit_options",
            "forecast_terms", "format_plan", "hardware", "mesh_str", "plan", "predict",
            "profile_model", "plan_summary"]
 
@@ -170,10 +171,52 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
   return ()
 
 
-def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules=(),
-         logical_axes=None, key=None, verify: int | None = None, max_tensor: int = 8,
-         accum_steps=(1, 2, 4, 8, 16, 32), headroom: float = HEADROOM,
-         cpu_rates: tuple[float, float] | None = None, tokens: float | None = None) -> Plan:
+class PlanOptions(NamedTuple):
+  """What `plan` takes besides the model and the target, each with its default: how the step
+  runs (`policy`, `rules`, `logical_axes`, `key`) and how the search runs (`verify`,
+  `max_tensor`, `accum_steps`, `headroom`, `cpu_rates`, `tokens`).
+
+  Fields:
+    policy: the jmp policy (or string) the step will use; its compute dtype sizes the
+      gathered weights and activations.
+    rules, logical_axes: sharding rules, as for `fnscale.init_state`.
+    key: the PRNG key an init function is traced with (default `jax.random.key(0)`).
+    verify: how many of the best candidates to compile for the target's described TPU
+      devices (libtpu); None (default): 3 where the devices can be described, else none
+      (the plan says why); 0: none.
+    max_tensor: largest tensor-parallel axis.
+    accum_steps: accumulation steps to try (the fewest that fits is kept).
+    headroom: the share of the device's memory limit an estimate may fill: the limit is the
+      bytes a program may hold (the allocator's: `hardware(target).memory_limit`, 15.75 GiB
+      measured on a 16 GiB v5e; how other chips' is derived: `fnscale.CHIP_FACTS`'
+      `limit_source`); the default 0.95 keeps 5% for the estimate's error (it tracks XLA's
+      peak within about 5% for GPT and Llama steps of 86M-8B params,
+      `recipes/bench/memory.py`; small models and other shapes stray further); a compiled
+      candidate is held to the limit itself.
+    cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
+    tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
+      to train on it at the forecast's tokens/s.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> o = fs.analysis.PlanOptions(verify=0, tokens=2e12)
+    >>> o.verify, o.max_tensor, o.accum_steps, o.headroom
+    (0, 8, (1, 2, 4, 8, 16, 32), 0.95)
+  """
+  policy: object = None
+  rules: tuple = ()
+  logical_axes: object = None
+  key: object = None
+  verify: int | None = None
+  max_tensor: int = 8
+  accum_steps: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+  headroom: float = HEADROOM
+  cpu_rates: tuple[float, float] | None = None
+  tokens: float | None = None
+
+
+def plan(state_or_init, loss_fn, optimizer, batch, target,
+         options: PlanOptions = PlanOptions()) -> Plan:
   """Ranks meshes, remat and accumulation for training on `target`; compiles the best few.
 
   Args:
@@ -194,24 +237,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     target: a `fnscale.Topology` or a name: "v5p-128", "v6e-256", "v5p:4x4x4", "2x v5p-128"
       (two slices), "8x h200", "cpu" (this host's devices), e.g. `fnscale.detect_topology()`
       for the machine the job runs on (`train_lm.py --mesh=auto`).
-    policy: the jmp policy (or string) the step will use; its compute dtype sizes the
-      gathered weights and activations.
-    rules, logical_axes: sharding rules, as for `fnscale.init_state`.
-    verify: how many of the best candidates to compile for the target's described TPU
-      devices (libtpu); None (default): 3 where the devices can be described, else none
-      (the plan says why); 0: none.
-    max_tensor: largest tensor-parallel axis.
-    accum_steps: accumulation steps to try (the fewest that fits is kept).
-    headroom: the share of the device's memory limit an estimate may fill: the limit is the
-      bytes a program may hold (the allocator's: `hardware(target).memory_limit`, 15.75 GiB
-      measured on a 16 GiB v5e; how other chips' is derived: `fnscale.CHIP_FACTS`'
-      `limit_source`); the default 0.95 keeps 5% for the estimate's error (it tracks XLA's
-      peak within about 5% for GPT and Llama steps of 86M-8B params,
-      `recipes/bench/memory.py`; small models and other shapes stray further); a compiled
-      candidate is held to the limit itself.
-    cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
-    tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
-      to train on it at the forecast's tokens/s.
+    options: a `PlanOptions` (the step's policy and sharding rules; what to verify, the
+      search's bounds, the memory headroom, a token budget): its defaults where not given.
 
   Returns:
     A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`/`microbatches`,
@@ -232,33 +259,38 @@ def plan(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, rules
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> opts = fs.analysis.PlanOptions(verify=0)
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
     >>> len(p.rows), all(row.fits for row in p.rows), type(p.axes).__name__
     (6, True, 'MeshAxes')
   """
-  _model.check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens)
-  hw = _model.resolve(target, cpu_rates)
-  n_verify, note = _verify.verification(hw, verify)
-  params = _model.abstract_params(state_or_init, key)
-  pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
+  if not isinstance(options, PlanOptions):
+    raise PlanError(f"options is a {type(options).__name__}, expected a "
+                    "fnscale.analysis.PlanOptions, e.g. PlanOptions(verify=0)")
+  o = options
+  _model.check_args(loss_fn, optimizer, batch, o.verify, o.max_tensor, o.headroom, o.tokens)
+  hw = _model.resolve(target, o.cpu_rates)
+  n_verify, note = _verify.verification(hw, o.verify)
+  params = _model.abstract_params(state_or_init, o.key)
+  pol = jmp.get_policy(o.policy) if isinstance(o.policy, str) else o.policy
   prof = _model.step_profile(hw, params, loss_fn, optimizer, batch, pol)
-  cap = hw.memory_limit * headroom
-  rows = _search.candidates(prof, hw, cap, max_tensor, tuple(accum_steps),
+  cap = hw.memory_limit * o.headroom
+  rows = _search.candidates(prof, hw, cap, o.max_tensor, tuple(o.accum_steps),
                             _trace.takes(loss_fn, "microbatches"))
   if not rows or not any(r.fits for r in rows):
-    raise _table.no_fit_error(rows, hw, headroom) if rows else PlanError(
+    raise _table.no_fit_error(rows, hw, o.headroom) if rows else PlanError(
         f"no mesh of {hw.num_devices} devices splits a batch of {prof.rows} rows; use a "
         "global batch divisible by the device count")
   rows.sort(key=_search.rank_key)
   if n_verify:
-    ctx = (params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof)
+    ctx = (params, loss_fn, optimizer, batch, o.policy, o.rules, o.logical_axes, prof)
     _verify.verify_best(rows, hw, ctx, n_verify)
     done = sum(r.compiled is not None for r in rows)
     note = (f"compiled {done} candidate(s) for {hw.name}'s described devices (the best "
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum, _search.why(rows), hw, prof, note,
-              tokens, best.accum_gather, best.microbatches, headroom)
+              o.tokens, best.accum_gather, best.microbatches, o.headroom)
 
 
 __getattr__ = _deprecation.moved(__name__, {

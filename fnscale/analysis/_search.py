@@ -51,7 +51,8 @@ class CompileCheck(NamedTuple):
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=1)
+    >>> opts = fs.analysis.PlanOptions(verify=1)
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
     >>> check = p.rows[0].compiled
     >>> type(check).__name__, check.bytes > 0, check.matmul_flops > 0, check.seconds > 0
     ('CompileCheck', True, True, True)
@@ -81,7 +82,8 @@ class Candidate(NamedTuple):
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> row = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0).rows[0]
+    >>> opts = fs.analysis.PlanOptions(verify=0)
+    >>> row = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts).rows[0]
     >>> row.fits, row.remat, row.accum, row.compiled, row.stages, row.bubble
     (True, False, 1, None, 1, 0.0)
     >>> 0 < row.mfu <= row.bound_mfu  # the forecast under its roofline

@@ -29,7 +29,8 @@ class Plan(NamedTuple):
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> opts = fs.analysis.PlanOptions(verify=0)
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
     >>> p.axes == p.rows[0].axes, p.remat, p.accum, p.accum_gather, p.verification
     (True, False, 1, 'auto', 'not verified: verify=0')
     >>> p.hardware.num_devices, p.profile.rows
@@ -98,7 +99,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> opts = fs.analysis.PlanOptions(verify=0)
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
     >>> lines = fs.analysis.format_plan(p, top=2).splitlines()
     >>> lines[1].split()[:5], lines[-1].startswith("chosen: " + fs.analysis.mesh_str(p.axes))
     (['#', 'mesh', 'remat', 'accum', 'pipeline'], True)
@@ -157,7 +159,8 @@ def plan_summary(p: Plan) -> dict:
     >>> init = lambda key: {"w": jax.random.normal(key, (256, 256))}
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
-    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", verify=0)
+    >>> opts = fs.analysis.PlanOptions(verify=0)
+    >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
     >>> s = fs.analysis.plan_summary(p)
     >>> s["target"], s["devices"], s["chosen"] == fs.analysis.mesh_str(p.axes), len(s["rows"])
     ('v5p-8', 4, True, 6)

@@ -145,12 +145,12 @@ def verification(hw, verify: int | None) -> tuple[int, str]:
         f"verify={verify} asks for ahead-of-time compiles for {hw.name}, but {why.rstrip('.')}. "
         "Fix: "
         + ("install libtpu (pip install 'fnscale[tpu]') and check the target name, or "
-           if hw.kind == "tpu" else "") + "pass verify=0 to plan without compiling.")
+           if hw.kind == "tpu" else "") + "pass PlanOptions(verify=0) to plan without compiling.")
   return 0, f"not verified: {why}"
 
 
 def cannot_verify(target, cpu_rates: tuple[float, float] | None = None) -> str:
-  """Why `plan(..., verify=N)` could not compile candidates for `target` ("" if it can):
+  """Why `plan(..., PlanOptions(verify=N))` could not compile candidates for `target` ("" if it can):
   libtpu's error for a TPU target it can't describe, or that the target is a GPU or CPU.
   `cpu_rates` as for `plan` (measured when None and the target is "cpu").
 
