@@ -176,7 +176,7 @@ class PlanError(InputError):
     >>> import fnscale as fs, jax, optax
     >>> batch = {"x": jax.ShapeDtypeStruct((8, 4), "float32")}
     >>> fs.analysis.plan(lambda key: {"w": jax.numpy.zeros(4)}, lambda p, b: 0.0,
-    ...                  optax.sgd(0.1), batch, "v5p-8", headroom=2)
+    ...                  optax.sgd(0.1), batch, "v5p-8", fs.analysis.PlanOptions(headroom=2))
     Traceback (most recent call last):
     ...
     fnscale.PlanError: headroom=2, expected a fraction of the device's memory limit in (0, 1]

@@ -29,7 +29,8 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from fnscale.analysis import Plan, calibrate_cpu, cannot_verify, mesh_str, plan, plan_summary
+from fnscale.analysis import (Plan, PlanOptions, calibrate_cpu, cannot_verify, mesh_str, plan,
+                              plan_summary)
 from recipes.lm import cli, gpt, llama, models
 
 if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
@@ -52,7 +53,7 @@ def _batch(rows: int, seq: int, positions: bool = True) -> dict:
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
   """`fnscale.analysis.plan` for a named GPT, Llama or MoE size (`recipes/lm/gpt.py`,
   `llama.py`, `moe.py`: an expert axis joins the candidates for a mixture of experts) and
-  AdamW; `kw`: plan's keywords (policy: POLICY unless given) and `overrides` of the model's
+  AdamW; `kw`: `PlanOptions` fields (policy: POLICY unless given) and `overrides` of the model's
   config (e.g. layers)."""
   module = models.MODELS[model]
   overrides = kw.pop("overrides", {})
@@ -61,7 +62,8 @@ def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw)
   kw.setdefault("policy", POLICY)
   return plan(lambda k: module.init_params(cfg, k), functools.partial(module.loss_fn, cfg=cfg),
               optax.adamw(3e-4), _batch(rows, seq, positions=module is not gpt), target,
-              rules=module.RULES, logical_axes=module.logical_axes(cfg), verify=verify, **kw)
+              PlanOptions(rules=module.RULES, logical_axes=module.logical_axes(cfg), verify=verify,
+                          **kw))
 
 
 def spearman(a, b) -> float:
@@ -95,8 +97,9 @@ def measure(rows: int, seq: int, rounds: int, remat: bool) -> dict:
   rates = calibrate_cpu()
   cfg = llama.model_config("llama-tiny", seq, layers=2)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(3e-4),
-                 _batch(rows, seq), "cpu", rules=llama.RULES,
-                 logical_axes=llama.logical_axes(cfg), verify=0, max_tensor=2, cpu_rates=rates)
+           _batch(rows, seq), "cpu",
+           PlanOptions(rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=0,
+                       max_tensor=2, cpu_rates=rates))
   cands = [r for r in p.rows if r.remat == remat]
   built = [_compiled(cfg, c, rows) for c in cands]
   times = [[] for _ in cands]

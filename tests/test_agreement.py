@@ -124,8 +124,9 @@ calls = {{
     "plan_verify": lambda: fs.analysis.plan(
         functools.partial(models.transformer_init, cfg=cfg),
         lambda p, b: models.transformer_loss(p, b)[0], optax.adam(1e-3), {{"tokens": rows}},
-        "v5p-8", rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),
-        key=jax.random.key(0), verify=1, accum_steps=(1,)),
+        "v5p-8", fs.analysis.PlanOptions(
+            rules=models.RULES, logical_axes=models.transformer_logical_axes(cfg),
+            key=jax.random.key(0), verify=1, accum_steps=(1,))),
     "latest_step": lambda: fs.checkpoint.latest_step({ckpt!r}),
     "check_mesh_invariance": lambda: check_mesh_invariance(
         models.mlp_loss, optax.sgd(0.1), models.mlp_init, mlp_batch, meshes,

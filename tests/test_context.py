@@ -483,7 +483,7 @@ def _long_profile(tokens: int, rows: int = 16) -> "object":
 
 def test_planner_considers_context_only_for_long_sequences():
   from fnscale.analysis import _targets  # pylint: disable=import-outside-toplevel
-  from fnscale.analysis._plan import _meshes  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis._search import _meshes  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("v5p-128")
   short = _meshes(hw, 16, 8, tokens=4096)
   long = _meshes(hw, 16, 8, tokens=131072)
@@ -520,12 +520,12 @@ def test_planner_costs_the_context_axis_by_hand():
 
 
 def test_profile_counts_the_keys_and_values_attention_takes():
-  from fnscale.analysis import _cost  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _trace  # pylint: disable=import-outside-toplevel
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
   params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
-  kv = _cost._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
+  kv = _trace._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
 
 
@@ -584,7 +584,7 @@ def test_planner_ranks_and_compiles_a_context_mesh_for_a_long_row(tpu_devices):
   split serves it, so the plan ranks context and tensor meshes; context=4 leads the
   estimate and is compiled, with its HLO matmul FLOPs those of the traced step."""
   del tpu_devices  # (skips without libtpu)
-  from fnscale.analysis import _plan as fs_plan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _table  # pylint: disable=import-outside-toplevel
   from recipes import plan as plan_recipe  # pylint: disable=import-outside-toplevel
   p = plan_recipe.make_plan("llama-1b", "v5p-8", 1, 32768, 1, overrides={"layers": 1})
   rows = {fs.analysis.mesh_str(r.axes): r for r in p.rows if not r.remat}
@@ -593,7 +593,7 @@ def test_planner_ranks_and_compiles_a_context_mesh_for_a_long_row(tpu_devices):
   assert split.compiled is not None and split.fits, p
   assert split.estimate.comm_s["context"] > 0
   assert split.compiled.matmul_flops == pytest.approx(
-      fs_plan._dot_flops_row(p.profile, False) * 1 / 4, rel=0.02)  # pylint: disable=protected-access
+      _table._dot_flops_row(p.profile, False) * 1 / 4, rel=0.02)  # pylint: disable=protected-access
   assert p.rows[0].compiled is not None  # the choice is a compiled row
 
 

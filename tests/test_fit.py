@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale.analysis import _cost
+from fnscale.analysis import _trace
 from fnscale.analysis import fit_options, profile_model
 from fnscale import FitError
 
@@ -27,10 +27,10 @@ def test_tpu_tiles_pad_a_kernel_operands_head_dim_and_drop_unit_dims():
   f32[12,8,1024,1] in 384 KiB."""
   sds = jax.ShapeDtypeStruct
   mib = 2**20
-  assert _cost.tiled_nbytes(sds((12, 8, 12, 1024, 64), jnp.bfloat16)) == 288 * mib
-  assert _cost.tiled_nbytes(sds((12, 8, 1024, 12, 64), jnp.bfloat16)) == 144 * mib
-  assert _cost.tiled_nbytes(sds((12, 8, 1024, 1), jnp.float32)) == 384 * 1024
-  assert _cost.tiled_nbytes(sds((8, 1024, 3072), jnp.bfloat16)) == 48 * mib
+  assert _trace.tiled_nbytes(sds((12, 8, 12, 1024, 64), jnp.bfloat16)) == 288 * mib
+  assert _trace.tiled_nbytes(sds((12, 8, 1024, 12, 64), jnp.bfloat16)) == 144 * mib
+  assert _trace.tiled_nbytes(sds((12, 8, 1024, 1), jnp.float32)) == 384 * 1024
+  assert _trace.tiled_nbytes(sds((8, 1024, 3072), jnp.bfloat16)) == 48 * mib
 
 
 def test_step_bytes_counts_what_is_live_by_hand():

@@ -239,7 +239,7 @@ def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices, tmp_path
   import functools  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from recipes.lm import llama  # pylint: disable=g-import-not-at-top
-  from fnscale.analysis import _cost  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _trace  # pylint: disable=g-import-not-at-top
   devices = tpu_devices("v5p:2x2x2")
   cfg = llama.ModelConfig(layers=2, d_model=256, heads=2, kv_heads=1, d_mlp=512, seq=512,
                           vocab=512)
@@ -279,7 +279,7 @@ def test_tpu_llama_step_matmul_flops_equal_the_traced_step(tpu_devices, tmp_path
   # The jaxpr counter (the planner's) also sees a tiny dot inside the attention wrapper that
   # XLA removes as dead code (2 x 2 x 512 x 128 per layer); the fused cross-entropy's
   # gradients are in its forward pass, so nothing is recomputed.
-  assert _cost.jaxpr_matmul_flops(jaxpr) == want + 2 * (2 * 2 * 512 * 128)
+  assert _trace.jaxpr_matmul_flops(jaxpr) == want + 2 * (2 * 2 * 512 * 128)
 
 
 @pytest.mark.tpu

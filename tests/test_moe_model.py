@@ -12,7 +12,7 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, _targets, hlo
-from fnscale.analysis import plan, predict
+from fnscale.analysis import PlanOptions, plan, predict
 from recipes.lm import moe
 
 GiB = 2**30
@@ -143,8 +143,9 @@ def test_tpu_program_sends_the_hand_count_and_the_plan_verifies(tpu_devices):
                          d_ff=512)
   batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("inputs", "targets")}
   p = plan(functools.partial(moe.init_params, cfg), functools.partial(moe.loss_fn, cfg=cfg),
-           optax.adamw(1e-3), batch, "v5p-8", policy="params=float32,compute=bfloat16",
-           rules=moe.RULES, logical_axes=moe.logical_axes(cfg), verify=1, max_tensor=1)
+           optax.adamw(1e-3), batch, "v5p-8",
+           PlanOptions(policy="params=float32,compute=bfloat16", rules=moe.RULES,
+                       logical_axes=moe.logical_axes(cfg), verify=1, max_tensor=1))
   assert p.profile.experts == 8 and any("expert" in r.axes.ici for r in p.rows)
   assert p.rows[0].compiled is not None
   mesh = fs.make_mesh({"expert": 4}, devices=fs.target_devices("v5p-8"))

@@ -12,7 +12,8 @@ import pytest
 
 import fnscale as fs
 from fnscale.analysis import _cost, hlo
-from fnscale.analysis import _plan
+from fnscale.analysis import _search
+from fnscale.analysis import _verify
 from fnscale.analysis import _report as fs_report
 
 L, T, D, B = 8, 4, 8, 16  # layers, tokens per row, width, rows
@@ -365,7 +366,7 @@ def test_planner_costs_the_bubble_and_the_stage_sends():
   assert row.stages == 2 and row.bubble == pytest.approx(1 / 9)
   # Within one slice, stages are candidates only for a model whose compute-dtype weights
   # exceed one device's HBM (95 GiB on v5p): 2 and 4 stages of v5p-8's 4 chips.
-  meshes = _plan._stage_meshes  # pylint: disable=protected-access
+  meshes = _search._stage_meshes  # pylint: disable=protected-access
   one = fs.analysis.hardware("v5p-8")
   assert meshes(prof, one, 8) == []
   big = {m.ici.get("stage") for m in meshes(prof._replace(compute_bytes=200e9), one, 8)}
@@ -382,8 +383,9 @@ def test_planner_proposes_stages_across_slices_for_a_pipelined_loss():
                            d_mlp=64)
   batch = {k: jax.ShapeDtypeStruct((32, 16), jnp.int32) for k in ("inputs", "targets")}
   p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
-                            optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
-                            logical_axes=llama.logical_axes(cfg), verify=0)
+                       optax.adamw(1e-3), batch, "2x v5p-8",
+                       fs.analysis.PlanOptions(rules=llama.RULES,
+                                               logical_axes=llama.logical_axes(cfg), verify=0))
   staged = [r for r in p.rows if r.stages > 1]
   assert staged and all(r.axes.dcn == {"stage": 2} for r in staged)
   for r in staged:
@@ -422,7 +424,7 @@ def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES,
          llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
-    _plan._verify(cand, hw, ctx)  # pylint: disable=protected-access
+    _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(remat=True, microbatches=4)
 
 
@@ -581,14 +583,15 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
                            d_mlp=256)
   batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
   p = fs.analysis.plan(functools.partial(llama.init_params, cfg), llama.loss_fn,
-                            optax.adamw(1e-3), batch, "2x v5p-8", rules=llama.RULES,
-                            logical_axes=llama.logical_axes(cfg), verify=0)
+                       optax.adamw(1e-3), batch, "2x v5p-8",
+                       fs.analysis.PlanOptions(rules=llama.RULES,
+                                               logical_axes=llama.logical_axes(cfg), verify=0))
   hw = fs.analysis.hardware("2x v5p-8")
   row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
          llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
          p.profile)
-  done = _plan._verify(row, hw, ctx)  # pylint: disable=protected-access
+  done = _verify.compile_candidate(row, hw, ctx)
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0
 

@@ -17,7 +17,8 @@ import fnscale as fs
 from fnscale import _topology
 from fnscale.analysis import _cost
 from fnscale.analysis import _targets
-from fnscale.analysis import mesh_str, plan, plan_summary
+from fnscale.analysis import _trace
+from fnscale.analysis import PlanOptions, mesh_str, plan, plan_summary
 
 from recipes.lm import llama
 
@@ -104,7 +105,7 @@ def test_jaxpr_flops_multiply_scan_bodies_and_take_the_larger_branch():
     h = jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]  # 3 x [4,8]@[8,8]
     return jax.lax.cond(h.sum() > 0, lambda h: h @ jnp.ones((8, 8)), lambda h: h + 1, h)
   jx = jax.make_jaxpr(f)(jnp.ones((3, 8, 8)), jnp.ones((4, 8)))
-  assert _cost.jaxpr_matmul_flops(jx.jaxpr) == 3 * 2 * 4 * 8 * 8 + 2 * 4 * 8 * 8
+  assert _trace.jaxpr_matmul_flops(jx.jaxpr) == 3 * 2 * 4 * 8 * 8 + 2 * 4 * 8 * 8
 
 
 def test_profile_reads_the_layer_scan_not_the_longer_cross_entropy_scan():
@@ -211,7 +212,7 @@ def test_estimate_costs_each_accumulation_mode_as_it_compiles():
 
 
 def test_planner_chooses_once_only_where_its_memory_fits():
-  from fnscale.analysis import _plan as fplan  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import _search  # pylint: disable=import-outside-toplevel
   prof, hw = _fsdp_profile_and_hardware()
   axes = fs.MeshAxes({"fsdp": 8}, {})
   per = _cost.estimate(prof, hw, axes.ici, {}, False, 2, "per_microbatch")
@@ -220,19 +221,19 @@ def test_planner_chooses_once_only_where_its_memory_fits():
   assert per.bytes < once.bytes and once.step_s <= per.step_s
   assert once.comm_total_s < per.comm_total_s
   # At 2 steps "once" where its memory fits, else per_microbatch (FSDP's memory).
-  got = fplan._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
+  got = _search._best_accum(prof, hw, axes, False, once.bytes, (2, 4))
   assert got[:2] == (2, "once") and got[3]
-  got = fplan._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
+  got = _search._best_accum(prof, hw, axes, False, (per.bytes + once.bytes) / 2, (2, 4))
   assert got[:2] == (2, "per_microbatch") and got[3]
   # Fewer steps first: accum 1 (10.4 GB here) fits where "once" at 2 does.
-  assert fplan._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
+  assert _search._best_accum(prof, hw, axes, False, once.bytes, (1, 2, 4))[:2] == (1, "auto")
 
 
 def test_a_model_that_fits_nowhere_names_its_smallest_need_and_the_hbm():
   cfg = llama.model_config("llama-70b", 4096)
   with pytest.raises(fs.PlanError, match=r"needs \d+\.\d+ GiB per device.*of 16\.00 GiB HBM"):
     plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-               _batch(16, 4096), "v5e-4", verify=0)
+               _batch(16, 4096), "v5e-4", PlanOptions(verify=0))
 
 
 # Measured on one TPU v5e chip (jax 0.10.2, libtpu 0.0.42.1, 2026-12-06): the allocator's
@@ -282,7 +283,7 @@ def test_a_refusal_names_the_accumulation_that_needs_least_not_the_most_tried():
   loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"]) ** 2)
   batch = {"x": jax.ShapeDtypeStruct((8, 32768), jnp.float32)}
   with pytest.raises(fs.PlanError, match="fits nowhere") as e:
-    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", verify=0)
+    plan(init, loss, optax.adam(1e-3), batch, "v5litepod-1", PlanOptions(verify=0))
   need = float(re.search(r"needs (\d+\.\d+) GiB per device", str(e.value)).group(1)) * GiB
   assert "accum=1)" in str(e.value)
   assert 16 * GiB <= need < 17 * GiB
@@ -298,7 +299,11 @@ def test_bad_arguments_raise_plan_errors():
   with pytest.raises(fs.PlanError, match="leading batch dim"):
     plan(init, llama.loss_fn, optax.adam(1e-3), {"inputs": 3}, "v5p-8")
   with pytest.raises(fs.PlanError, match="verify"):
-    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", verify=-1)
+    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", PlanOptions(verify=-1))
+  # The options as a dict (the old keywords' habit): named, with the value that works.
+  with pytest.raises(fs.PlanError, match=r"options is a dict, expected a "
+                     r"fnscale\.analysis\.PlanOptions, e\.g\. PlanOptions\(verify=0\)"):
+    plan(init, llama.loss_fn, optax.adam(1e-3), _batch(8, 16), "v5p-8", {"verify": 0})
 
 
 @pytest.mark.slow
@@ -308,9 +313,9 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
   cfg = llama.ModelConfig(layers=2, d_model=128, heads=1, kv_heads=1, d_mlp=256, seq=256,
                           vocab=256)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-                 _batch(16, 256), "v5p:2x2x2", policy="params=float32,compute=bfloat16",
-                 rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=1,
-                 max_tensor=1)
+           _batch(16, 256), "v5p:2x2x2",
+           PlanOptions(policy="params=float32,compute=bfloat16", rules=llama.RULES,
+                       logical_axes=llama.logical_axes(cfg), verify=1, max_tensor=1))
   best = p.rows[0]
   assert best.compiled is not None and best.fits
   assert (p.axes, p.remat, p.accum) == (best.axes, best.remat, best.accum)
@@ -376,8 +381,8 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
   cfg = llama.model_config("llama-8b", 4096)
   p = plan(lambda k: llama.init_params(cfg, k), functools.partial(llama.loss_fn, cfg=cfg),
            optax.adamw(3e-4), _batch(8, 4096), "v5p-8",
-           policy="params=float32,compute=bfloat16,output=float32", rules=llama.RULES,
-           logical_axes=llama.logical_axes(cfg), verify=0)
+           PlanOptions(policy="params=float32,compute=bfloat16,output=float32",
+                       rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=0))
   assert (mesh_str(p.axes), p.remat, p.accum) == ("fsdp=4", False, 2)
   assert p.rows[0].estimate.bytes == pytest.approx(76.5 * GiB, rel=0.05)
 
@@ -401,19 +406,19 @@ def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
 
 
 def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _verify  # pylint: disable=g-import-not-at-top
   est = lambda s: _cost.Estimate(1.0, 1.0, 1.0, 1.0, 1.0, s, {}, s, 0.5)
-  rows = [plan_module.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
+  rows = [fs.analysis.Candidate(fs.MeshAxes({"fsdp": 8}, {}), False, a, est(s), None, True)
           for a, s in ((1, 1.0), (2, 1.1), (4, 1.2))]
 
   def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
     fits = cand.accum > 1
-    c = plan_module.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5, 1.0,
-                             () if fits else ("memory",))
+    c = fs.analysis.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5,
+                                 1.0, () if fits else ("memory",))
     return cand._replace(compiled=c, fits=fits)
 
-  monkeypatch.setattr(plan_module, "_verify", fake_verify)
-  plan_module._verify_best(rows, None, None, verify=1)
+  monkeypatch.setattr(_verify, "compile_candidate", fake_verify)
+  _verify.verify_best(rows, None, None, verify=1)
   assert [(r.accum, r.fits, r.compiled is not None) for r in rows] == [
       (2, True, True), (4, True, False), (1, False, True)]
 
@@ -517,7 +522,7 @@ def test_remat_is_never_predicted_faster_at_equal_accumulation():
   """Over random profiles, every target kind, mesh and accumulation: remat's bound and
   forecast are never below no remat's, and remat's memory traffic never below."""
   from fnscale.analysis import _forecast  # pylint: disable=g-import-not-at-top
-  from fnscale.analysis._plan import _meshes  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis._search import _meshes  # pylint: disable=g-import-not-at-top
   targets = [_targets.resolve(t) for t in ("v5p-128", "2x v5e-16", "16x h200")]
   targets.append(_targets.cpu_hardware(1e11, 1e10, devices=list(range(8))))
   checked = 0
@@ -562,7 +567,7 @@ def test_a_model_that_fits_without_remat_is_planned_without_it(model):
   else:
     cfg = llama.model_config("llama-tiny", 128)
     init, loss = (lambda k: llama.init_params(cfg, k)), llama.loss_fn
-  p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", verify=0)
+  p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", PlanOptions(verify=0))
   assert not p.remat
   rank = {(mesh_str(r.axes), r.remat, r.accum): i for i, r in enumerate(p.rows)}
   for (mesh, remat, accum), i in rank.items():
@@ -590,7 +595,7 @@ def test_verify_without_described_devices_is_a_plan_error_with_libtpus_reason(mo
   with pytest.raises(fs.PlanError, match=r"verify=1 .*libtpu could not describe the devices of "
                      r"v5e:4x4: RuntimeError: TPU backend setup failed for v5e:4x4 \(as libtpu "
                      r"says\).*pip install 'fnscale\[tpu\]'.*verify=0"):
-    plan(*args, verify=1)
+    plan(*args, PlanOptions(verify=1))
   # Left to choose, the planner plans without compiling and says why.
   p = plan(*args)
   assert all(r.compiled is None for r in p.rows)
@@ -609,7 +614,7 @@ def test_verify_without_libtpu_names_the_install(monkeypatch):
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128), "v5e:2x4")
   with pytest.raises(fs.PlanError) as e:
-    plan(*args, verify=1)
+    plan(*args, PlanOptions(verify=1))
   assert re.search(r"verify=1 .*libtpu could not describe the devices of v5e:2x4: "
                    r"TopologyError: .*needs libtpu, which is not installed.*run again\. Fix: "
                    r"install libtpu \(pip install 'fnscale\[tpu\]'\).*verify=0", str(e.value))
@@ -625,11 +630,11 @@ def test_gpu_and_cpu_targets_cannot_be_verified():
   args = (lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
           _batch(16, 128))
   with pytest.raises(fs.PlanError, match="verify=2 .*8x h200.*no GPU devices.*verify=0"):
-    plan(*args, "8x h200", verify=2)
+    plan(*args, "8x h200", PlanOptions(verify=2))
   assert "no GPU devices" in cannot_verify("8x h200")
   assert "not verified: jax describes no GPU devices" in str(plan(*args, "8x h200"))
   with pytest.raises(fs.PlanError, match="CPU target is not compiled"):
-    plan(*args, "cpu", verify=1, cpu_rates=(1e10, 1e9))
+    plan(*args, "cpu", PlanOptions(verify=1, cpu_rates=(1e10, 1e9)))
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -638,7 +643,7 @@ def test_gpu_and_cpu_targets_cannot_be_verified():
 def test_a_cpu_plan_prints_the_measured_host_rates():
   cfg = llama.model_config("llama-tiny", 64, layers=2)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-           _batch(16, 64), "cpu", cpu_rates=(10e9, 0.23e9), max_tensor=2)
+           _batch(16, 64), "cpu", PlanOptions(cpu_rates=(10e9, 0.23e9), max_tensor=2))
   head = str(p).splitlines()[0]
   assert "8 simulated devices sharing this host" in head
   assert "10.0 GFLOP/s matmul, 0.23 GB/s memory copy" in head
@@ -652,14 +657,14 @@ def test_a_cpu_plan_prints_the_measured_host_rates():
 @pytest.mark.parametrize("n, said", [(834_000, "834k"), (1_639_680, "1.64M"), (8.03e9, "8.03B"),
                                      (46.7e9, "46.7B"), (512, "512"), (2.5e12, "2.5T")])
 def test_the_plan_counts_params_in_the_unit_that_reads(n, said):
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=import-outside-toplevel
-  assert plan_module._count(n) == said  # pylint: disable=protected-access
+  from fnscale.analysis import _table  # pylint: disable=import-outside-toplevel
+  assert _table._count(n) == said  # pylint: disable=protected-access
 
 
 def test_the_forecast_columns_and_the_token_budget():
   cfg = llama.model_config("llama-tiny", 128)
   p = plan(lambda k: llama.init_params(cfg, k), llama.loss_fn, optax.adamw(1e-3),
-           _batch(16, 128), "v5p-8", verify=0, tokens=2e12)
+           _batch(16, 128), "v5p-8", PlanOptions(verify=0, tokens=2e12))
   best = p.rows[0]
   # tokens/s of the whole job: 16 rows x 128 tokens per forecast step.
   assert best.tokens_s == pytest.approx(16 * 128 / best.step_s)
@@ -675,7 +680,7 @@ def test_the_forecast_columns_and_the_token_budget():
 def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   """The compile's step has the row's remat and accumulation, the accumulation mode the
   estimate costs (FSDP params gathered per microbatch) and the plan's policy."""
-  from fnscale.analysis import _plan as plan_module  # pylint: disable=g-import-not-at-top
+  from fnscale.analysis import _verify  # pylint: disable=g-import-not-at-top
   from fnscale import _step as step_module  # pylint: disable=g-import-not-at-top
   seen = {}
 
@@ -691,17 +696,17 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   hw = _targets.resolve("cpu", (1e10, 1e9))
   prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128))
-  cand = plan_module.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
-                             cpu_rates=(1e10, 1e9))
+  cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
+                            cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
          llama.RULES, llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
-    plan_module._verify(cand, hw, ctx)
+    _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="auto",
                       remat=True)
   once = cand._replace(accum_gather="once")
   with pytest.raises(Stop):
-    plan_module._verify(once, hw, ctx)
+    _verify.compile_candidate(once, hw, ctx)
   assert seen["accum_gather"] == "once"
 
 
@@ -710,14 +715,14 @@ def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():
   # of 2, of which the HLO reader saw 200 cross slices. Those 200 go at the DCN rate; the
   # other 100 (no ICI axis has size 2) at the slowest ICI axis's, with the fsdp all-gather.
   # Charging every size-2 group to the DCN axis (its size matches) would put 300 there.
-  from fnscale.analysis import hlo, _plan as plan_module  # pylint: disable=import-outside-toplevel
+  from fnscale.analysis import hlo, _verify  # pylint: disable=import-outside-toplevel
   hw = _targets.resolve("2x v5p-8")
   axes = fs.MeshAxes({"fsdp": 4}, {"replica": 2})
   bw = _cost.axis_bandwidth(hw, axes.ici, axes.dcn)
   summary = hlo.Summary(0.0, 0.0, (), (), 8,
                            groups=(("all-gather", 4, 400.0), ("all-reduce", 2, 300.0)),
                            dcn_groups=(("all-reduce", 2, 200.0),))
-  out = plan_module._compiled_comm(summary, hw, axes)
+  out = _verify._compiled_comm(summary, hw, axes)
   assert out == pytest.approx({"fsdp": 500.0 / bw["fsdp"], "replica": 200.0 / bw["replica"]})
   assert summary.dcn_bytes_sent == 200.0
 
@@ -789,11 +794,11 @@ def test_lora_fits_llama_1b_on_one_v5e_chip_where_full_fine_tuning_does_not():
   full = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   with pytest.raises(fs.PlanError, match="fits nowhere"):
     plan(full, functools.partial(llama.loss_fn, cfg=cfg), opt, batch, "v5litepod-1",
-              policy=policy, verify=0)
+              PlanOptions(policy=policy, verify=0))
   lora = LORA_ALL._replace(rank=16)
   state = _lora_state(cfg, lora, devices=fs.target_devices("v5litepod-1"))
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg), lora)
-  p = plan(state, loss, opt, batch, "v5litepod-1", policy=policy, verify=0)
+  p = plan(state, loss, opt, batch, "v5litepod-1", PlanOptions(policy=policy, verify=0))
   best = p.rows[0]
   assert best.fits and best.estimate.bytes < 0.95 * V5E_BYTES_LIMIT
   assert best.estimate.params < 2.6e9 and best.estimate.opt < 0.2e9  # bf16 base, adapters' state
@@ -812,6 +817,6 @@ def test_residuals_are_what_the_backward_pass_reads():
   f = fs.with_kernel(loss, interpret=True)
   params = {"scale": jax.ShapeDtypeStruct((), jnp.float32)}
   batch = {"x": jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)}
-  res = _cost._residuals(f, params, batch, None, width=0, interpret=False)
+  res = _trace._residuals(f, params, batch, None, width=0, interpret=False)
   kib = 1024
   assert res.total == 5 * 256 * kib + 4 * kib

@@ -3,8 +3,8 @@
 One flat namespace, as optax's are, plus the HLO reader's vocabulary:
 
 - the planner: `plan` ranks meshes, remat and accumulation for a model on a described target
-  and verifies the best by compiling for it (`Plan`, `Candidate`, `CompileCheck`,
-  `format_plan`, `plan_summary`); its parts `profile_model`, `predict`, `hardware`,
+  and verifies the best by compiling for it (`PlanOptions`, `Plan`, `Candidate`,
+  `CompileCheck`, `format_plan`, `plan_summary`); its parts `profile_model`, `predict`, `hardware`,
   `calibrate_cpu`, `cannot_verify`, `mesh_str`, `ForecastTerms`, `FORECAST_TERMS`,
   `forecast_terms` (the terms for a target);
 - FLOPs: `model_flops_per_token`, `peak_flops`, `mfu`, `measure_matmul_peak`,
@@ -42,15 +42,15 @@ from fnscale.analysis._flops import (HostPeak, host_matmul_peak, measure_matmul_
                                      model_flops_per_token, peak_flops, usable_cores)
 from fnscale.analysis._invariance import InvarianceReport, check_mesh_invariance
 from fnscale.analysis._plan import (FORECAST_TERMS, Candidate, CompileCheck, ForecastTerms, Plan,
-                                    calibrate_cpu, cannot_verify, data_parallel, fit_options,
-                                    forecast_terms, format_plan, hardware, mesh_str, plan,
-                                    plan_summary, predict, profile_model)
+                                    PlanOptions, calibrate_cpu, cannot_verify, data_parallel,
+                                    fit_options, forecast_terms, format_plan, hardware, mesh_str,
+                                    plan, plan_summary, predict, profile_model)
 from fnscale.analysis._report import format_report
 
 __all__ = [
-    "plan", "Plan", "Candidate", "CompileCheck", "format_plan", "plan_summary", "profile_model",
-    "predict", "hardware", "calibrate_cpu", "cannot_verify", "mesh_str", "ForecastTerms",
-    "FORECAST_TERMS", "forecast_terms",
+    "plan", "PlanOptions", "Plan", "Candidate", "CompileCheck", "format_plan", "plan_summary",
+    "profile_model", "predict", "hardware", "calibrate_cpu", "cannot_verify", "mesh_str",
+    "ForecastTerms", "FORECAST_TERMS", "forecast_terms",
     "model_flops_per_token", "peak_flops", "mfu", "measure_matmul_peak", "host_matmul_peak",
     "HostPeak", "usable_cores",
     "format_report",

@@ -126,9 +126,10 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
   if lora is not None:
     init = lora_state(model, cfg, pol, lora)
     loss = fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
+  options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES,
+                                    logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   p = fs.analysis.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
-                       policy=pol, rules=model.RULES, logical_axes=model.logical_axes(cfg),
-                       key=jax.random.key(0))
+                       options)
   return ((p.axes, p.remat, p.accum, p.accum_gather),
           fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
 
