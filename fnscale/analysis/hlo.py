@@ -368,8 +368,8 @@ def matmul_flops(hlo_text: str, *, apply_trip_counts: bool = True) -> float:
 def flops_ratio(hlo_text: str, model_flops: float) -> float:
   """HLO matmul FLOPs per device per step (`matmul_flops`) / `model_flops` per device.
 
-  With `model_flops` the FLOPs the step's own matmuls need (`fnscale.analysis._cost.jaxpr_matmul_flops`
-  of the traced step, remat included), 1.0 says the compiled program does the model's work
+  With `model_flops` the FLOPs the step's own matmuls need
+  (`fnscale.analysis._trace.jaxpr_matmul_flops` of the traced step, remat included), 1.0 says the compiled program does the model's work
   and no more; with PaLM's 6N + attention (`fnscale.analysis.model_flops_per_token` x tokens /
   devices), remat's recomputation shows above 1 and attention inside a Pallas kernel (a
   custom kernel, `Summary.kernels`, not counted here) below.

@@ -12,7 +12,7 @@ from fnscale.kernels import _context_attention as context_attention, _splash_til
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "cudnn", "pallas_gpu")
 # Every call's work runs under this `jax.named_scope` ("..._causal" for a causal mask), so a
-# traced program's attention can be told from its other matmuls (`fnscale.analysis._cost`).
+# traced program's attention can be told from its other matmuls (`fnscale.analysis._trace`).
 SCOPE = "fnscale_attention"
 CAUSAL_SCOPE = SCOPE + "_causal"
 # The splash kernel's output and logsumexp carry this `checkpoint_name`: a remat policy that

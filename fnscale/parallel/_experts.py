@@ -82,7 +82,7 @@ __all__ = ["EXCHANGES", "ExchangeSelection", "ExpertChoice", "MoEAux", "Routing"
            "capacity", "exchange_selection", "moe", "route", "with_experts"]
 
 # The layer's work runs under this `jax.named_scope`, so a traced program's expert matmuls
-# and exchanges can be told apart (`fnscale.analysis._cost`).
+# and exchanges can be told apart (`fnscale.analysis._trace`).
 SCOPE = "fnscale_experts"
 
 
