@@ -190,8 +190,9 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
     return _normalize(*out, floor) if reduce else out
   n = jax.tree.leaves(micro)[0].shape[0]
   # Where the loop's sums are whole (no manual axes), its last microbatch divides them by
-  # the weight in the same pass as its add: divided after the loop, every gradient would
-  # be held twice (measured: 1.67x accum 1's temporaries against 1.25x, CPU fsdp=8).
+  # the weight in the same pass as its add: divided after the loop, every gradient was held
+  # twice where the step measures its change (1.67x accum 1's temporaries against 1.25x,
+  # CPU fsdp=8, tests/test_accumulation.py).
   last_divides = reduce and not axes
 
   def body(carry, mb_i):

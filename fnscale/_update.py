@@ -70,15 +70,14 @@ def _update(cfg: _Config, state, grads, ls):
     new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,
                                  counter=jnp.asarray(ls.counter, jnp.int32))
   zero = jnp.zeros((), jnp.float32)
-  if not _measures_change(cfg, params):
+  if _measures_change(cfg, params):
+    sums = [_square_sums(g, _applied(p, u, finite)) for g, p, u in
+            zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(updates))]
+    grad_norm = jnp.sqrt(sum((g for g, _ in sums), zero))
+    update_norm = jnp.sqrt(sum((c for _, c in sums), zero))
+  else:
     grad_norm = jnp.sqrt(sum((_square_sums(g) for g in jax.tree.leaves(grads)), zero))
-    new_params = jax.tree.map(lambda p, u: _apply(p, u, finite), params, updates)
-    return (state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
-                           loss_scale=new_ls), skipped, grad_norm, None)
-  sums = [_square_sums(g, _applied(p, u, finite)) for g, p, u in
-          zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(updates))]
-  grad_norm = jnp.sqrt(sum((g for g, _ in sums), zero))
-  update_norm = jnp.sqrt(sum((c for _, c in sums), zero))
+    update_norm = None
   new_params = jax.tree.map(lambda p, u: _apply(p, u, finite, update_norm), params, updates)
   new_state = state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                              loss_scale=new_ls)
