@@ -322,7 +322,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     "loss" (float32, the mean loss), "grad_norm" (float32, of the unscaled gradients),
     "skipped" (int32, 1 when non-finite gradients skipped the step), "bad_update" (int32, 1
     when a finite, unskipped step left the params unchanged or non-finite, or, where the
-    change isn't measured, had non-finite gradients: training has stalled if it stays 1);
+    change isn't measured, had a non-finite gradient norm (a non-finite gradient, or a
+    norm past float32's range, ~1.8e19): training has stalled if it stays 1);
     where measured "update_norm" (float32, of the change to the params after rounding to
     their dtype); with `weighted` "weight" (float32, the batch's total weight);
     with `has_aux` "aux" (floating leaves averaged over microbatches and shards, integer

@@ -328,7 +328,8 @@ def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
 def hand_side(case: Case, env: Env, state, batch) -> Side:
   """train_lm's own model (loss, remat, attention kernel and tiles: the model's choices)
   under the hand-written step of the peer (`plain_jax.train_step`: value_and_grad, optax,
-  `jax.jit` with donation): fnscale's side over this one is the wrapper's cost alone."""
+  `jax.jit` with donation): on one device fnscale's side over this one is the wrapper's
+  cost alone (on a mesh this side has no logical rules: the partitioner lays it out)."""
   module, cfg = model_of(case)
   loss = functools.partial(module.loss_fn, remat=case.remat, cfg=cfg)
   step = fs.with_kernel(pj.train_step(loss, optimizer(case)), attention=env.attention,

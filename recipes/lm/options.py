@@ -155,9 +155,11 @@ class Options(Hardware):
                                "matrices and embeddings")
   grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
   max_stalled_steps: int = option(20, "stop with an error after this many consecutive steps "
-                                  "that left the params unchanged or non-finite, or were "
-                                  "skipped for non-finite gradients (float16's loss "
-                                  "scale), although the loss was finite (0: never)")
+                                  "whose gradients were non-finite (or, where the change is "
+                                  "measured, --update_norm or bfloat16 params, that left "
+                                  "the params unchanged or non-finite), or were skipped "
+                                  "(float16's loss scale), although the loss was finite "
+                                  "(0: never)")
   update_norm: bool = option(False, "measure the change each step applies to the params "
                              "(train/update_norm; a stall check then sees an update rounded "
                              "away or an lr of 0): a pass over the updates, 1.7% of a step; "

@@ -19,8 +19,8 @@ class Stall(NamedTuple):
 
 def did_not_train(m) -> bool:
   """Whether step metrics `m` show a finite loss with no update that trained: a "bad_update"
-  (params unchanged or non-finite) or a step a dynamic loss scale skipped (non-finite
-  gradients). A non-finite loss is not counted: the non-finite check stops that run."""
+  (non-finite gradients; where the change is measured, params unchanged or non-finite) or
+  a step a dynamic loss scale skipped (non-finite gradients). A non-finite loss is not counted: the non-finite check stops that run."""
   bad, skipped, loss = jax.device_get((m["bad_update"], m["skipped"], m["loss"]))
   # Skips count whatever the scale. A dynamic scale halves per skip, so k skips in a row
   # lower it 2**k: from float16's default 2**15 to its floor, 1, within 15. train_lm's
