@@ -39,6 +39,7 @@ def test_kernel_matmuls_in_both_passes_take_the_precision_their_dtype_allows(dty
   assert _dot_precisions(jaxpr) == {(False, HIGHEST), (True, kernel)}
 
 
+@pytest.mark.slow  # the interpret-mode precision tests beside it stay quick
 @pytest.mark.tpu
 def test_bfloat16_pallas_kernels_compile_for_tpu_under_highest_precision(tpu_devices):
   # Splash attention (whole and as the ring over a context axis) and megablox, value and

@@ -54,6 +54,7 @@ def test_the_default_that_does_not_fit_becomes_what_the_planner_fits(v5e):
   assert (o.remat, o.accum_steps, rows, said) == (False, 1, 32, [])
 
 
+@pytest.mark.slow  # beside the quick pre-flight tests of the same module
 @pytest.mark.tpu
 def test_what_the_user_fixed_is_left_to_the_compile(v5e):
   o, rows, said = _choose(v5e, "small", 64, batch_size=64, remat=False, accum_steps=1)
