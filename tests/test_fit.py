@@ -169,11 +169,12 @@ def test_xla_refusing_a_program_as_too_big_is_a_fit_error_with_the_options(tpu_d
   step = fs.shard_step(fs.train_step(loss, opt), mesh, rules=gpt.RULES,
                        logical_axes=gpt.logical_axes(cfg))
   prof = profile_model(init, loss, opt, batch, "v5e:1x1")
-  options = lambda: fit_options(prof, "v5e:1x1", fs.MeshAxes({"data": 1}, {}), 16 * GiB,
+  limit = 16_909_336_576  # what a v5e chip's allocator allows, measured (jax 0.10.2)
+  options = lambda: fit_options(prof, "v5e:1x1", fs.MeshAxes({"data": 1}, {}), limit,
                                 rows=2048)
   with pytest.raises(FitError) as e:
     fs.analysis.compile_fitting(step, state, batch, options=options)
-  assert e.value.limit == 16 * GiB and e.value.needed > 16 * GiB
-  assert e.value.options and all(o.rows == 2048 and o.bytes <= 16 * GiB
+  assert e.value.limit == limit and e.value.needed > limit
+  assert e.value.options and all(o.rows == 2048 and o.bytes <= limit
                                  for o in e.value.options)
   assert "RESOURCE_EXHAUSTED" not in str(e.value)
