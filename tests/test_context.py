@@ -255,6 +255,7 @@ def test_batch_sharding_and_constrain_batch_split_the_sequence():
 # ----------------------------------------------------------------------------- a whole step
 
 
+@pytest.mark.slow  # the attention-level context tests stay quick
 def test_llama_loss_and_grads_with_context_4_equal_one_device():
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=1, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=32,

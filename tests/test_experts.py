@@ -336,7 +336,8 @@ def test_an_expert_axis_on_cpu_does_the_matmul_work_of_none():
 # ------------------------------------------------------------- inside a user's shard_map
 
 
-@pytest.mark.parametrize("exchange", ["gather_experts", "ragged"])
+@pytest.mark.parametrize("exchange", ["gather_experts",
+                                      pytest.param("ragged", marks=pytest.mark.slow)])
 def test_the_gradient_inside_a_users_shard_map_equals_one_device_runs(case, exchange):
   # The user's own checked shard_map is manual over "data"; the layer's over "expert" nests
   # in it. The layer sees each data shard's rows (its auxiliaries cover those): the

@@ -119,6 +119,7 @@ def test_fit_options_keep_what_the_user_fixed_and_fit_the_limit():
   assert fit_options(prof, "cpu", axes, prof.param_bytes, cpu_rates=RATES) == ()
 
 
+@pytest.mark.slow  # check_fit's and fit_options' quick tests cover the refusal
 def test_a_step_over_the_limit_is_refused_before_it_runs_and_its_fix_fits_and_runs():
   """On CPU with a limit given: the plain step's XLA bytes exceed it (FitError naming the
   planner's options, estimated within 90% of the limit, as train_lm asks); the first option

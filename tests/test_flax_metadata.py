@@ -278,6 +278,7 @@ class DropoutBlock(nn.Module):
     return nn.Dropout(0.5, deterministic=False)(FlatKernelBlock()(x))
 
 
+@pytest.mark.slow  # the other Linen metadata steps stay quick
 def test_a_key_made_under_the_mesh_trains_or_names_the_axis_to_add():
   # jax 0.10 refuses to fold a key that lives on the caller's mesh into one traced on the
   # mesh with size-1 axes (train_step's dropout key, made under the mesh): then the error

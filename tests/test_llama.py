@@ -87,6 +87,7 @@ def test_forward_matches_float64_numpy_reference():
   np.testing.assert_allclose(np.asarray(remat), want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow  # the one-device reference check stays quick
 def test_loss_is_the_cross_entropy_of_the_reference_logits_under_a_mesh():
   # loss_fn (fnscale.cross_entropy over the hidden states) equals softmax cross-entropy of
   # the float64 reference logits, and its gradient optax's on the materialised logits, on

@@ -57,6 +57,7 @@ def _check(init_fn, loss_fn, logical_axes, accum=1):
   return state
 
 
+@pytest.mark.slow  # the plain-table lookups beside it stay quick
 def test_a_linen_embedding_under_fsdp_compiles_without_replicating():
   nn = pytest.importorskip("flax.linen")
   part = nn.with_logical_partitioning
