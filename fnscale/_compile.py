@@ -25,7 +25,7 @@ from fnscale import _flax
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale import _state
-from fnscale import _step
+from fnscale import _loss
 from fnscale._errors import FnscaleError, ShardingError, StepError
 from fnscale._mesh import check_mesh
 
@@ -330,7 +330,7 @@ class ShardedStep:
       return jitted.lower(_tree.abstract(state, sf), _tree.abstract(batch, bf))
     # The step knows the params' shardings (gradient accumulators are pinned to them).
     params = getattr(state, "params", None)  # a TrainState's first leaves
-    specs = _step.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
+    specs = _loss.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
     # Flax's logical constraints on activations follow the rules, on this mesh's axes.
     with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
       # A Linen box's constraint on an axis the mesh lacks: traced again with it, of size 1.

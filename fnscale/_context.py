@@ -17,7 +17,7 @@ where a step is traced, each set by a scoped wrapper and reset when its scope en
   for each call of the function it wraps; a jax user context.
 - `PARAM_SPECS`: the params' PartitionSpecs while `fnscale.shard_step` traces a step
   ((treedef, specs), or None), so that gradient accumulators keep the params' sharding. Set
-  by `fnscale._step.param_specs`, which `shard_step` enters; a jax user context.
+  by `fnscale._loss.param_specs`, which `shard_step` enters; a jax user context.
 
 Threads and asyncio (jax 0.10.2 and 0.12): a new thread starts with none of them set. The
 mesh, `KERNEL_CHOICE`, `EXPERT_CHOICE` and `PARAM_SPECS` are jax's thread-local state: while

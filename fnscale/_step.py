@@ -32,10 +32,8 @@ import jmp
 import numpy as np
 
 from fnscale import _tree
-# ONCE_SHARE and param_specs are read through this module (the planner, shard_step).
-from fnscale._accumulate import ONCE_SHARE, _gradients  # pylint: disable=unused-import
+from fnscale._accumulate import _gradients
 from fnscale._errors import StepError
-from fnscale._loss import param_specs  # pylint: disable=unused-import
 from fnscale._loss import _Config, _find_ratio, _NotScalar, _whole_batch
 from fnscale._update import _computes_float16, _unscale, _update
 

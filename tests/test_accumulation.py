@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import fnscale as fs
-from fnscale import _step as fnscale_step
+from fnscale import _accumulate
 from fnscale import _topology
 from fnscale.analysis import hlo
 from recipes.bench import accumulation as bench
@@ -430,7 +430,7 @@ def _check_tree_step(compiled, state):
 def test_default_runs_once_where_whole_params_fit_the_stated_share_of_memory(axis_types):
   # A device said to hold the whole params and accumulator in ONCE_SHARE of its memory: the
   # per-shard loop, every leaf reduced once; one SGD step equals the one-device step.
-  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 1.01
+  memory = TREE_WHOLE / _accumulate.ONCE_SHARE * 1.01
   summary, compiled, state = _tree_step("cpu", axis_types, None, memory=memory)
   _check_reduced_once(summary)
   _check_tree_step(compiled, state)
@@ -443,7 +443,7 @@ def test_default_keeps_fsdp_params_split_where_whole_ones_dont_fit(axis_types):
   # whole-size accumulator. One SGD step equals the one-device step. (On Explicit axes
   # CPU's compiler moves the gathers out of the loop: the memory is checked on a described
   # TPU, test_default_keeps_fsdp_memory_on_a_described_tpu.)
-  memory = TREE_WHOLE / fnscale_step.ONCE_SHARE * 0.99
+  memory = TREE_WHOLE / _accumulate.ONCE_SHARE * 0.99
   for summary, compiled, state in (_tree_step("cpu", axis_types, None, memory=memory),
                                    _tree_step("cpu", axis_types, None)):
     if axis_types == "auto":

@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from fnscale import _step
+from fnscale import _accumulate
 from fnscale.analysis._targets import Hardware
 from fnscale.analysis._trace import Profile, profile  # the cost model's input, and its maker
 
@@ -261,7 +261,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   batch must divide over the data axes (the expert and stage axes among them) and `accum`.
   `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once" where
   nothing is split over fsdp or context, or where whole compute-dtype params and a whole
-  accumulator take at most `fnscale._step.ONCE_SHARE` of the device's memory (not on CPU,
+  accumulator take at most `fnscale._accumulate.ONCE_SHARE` of the device's memory (not on CPU,
   whose memory the step doesn't know), else "per_microbatch"; "per_microbatch" keeps
   params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp in
   every microbatch, and reduces over the data and DCN axes in every microbatch too (the
@@ -273,7 +273,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
   whole = (prof.compute_bytes + prof.grad_bytes) / t  # "once"'s whole params and accumulator
-  auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _step.ONCE_SHARE * hw.memory_limit)
+  auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _accumulate.ONCE_SHARE * hw.memory_limit)
   once = accum > 1 and (gather == "once" or gather == "auto" and auto_once)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
