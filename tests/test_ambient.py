@@ -13,7 +13,7 @@ import pytest
 
 import fnscale as fs
 from fnscale import _axes, _context
-from fnscale import _step as fstep
+from fnscale import _loss
 
 ROOT = pathlib.Path(fs.__file__).parent
 SHAPE = (8, 128, 2, 64)
@@ -39,7 +39,7 @@ ALL_SET = {"mesh": {"data": 8}, "axes": ("model",), "kernel": "xla", "specs": Tr
 @contextlib.contextmanager
 def _all_but_the_kernel(mesh):
   with fs.with_mesh(mesh), fs.axis_conventions("levanter"):
-    with fstep.param_specs({"w": 1}, [NamedSharding(mesh, P())]):
+    with _loss.param_specs({"w": 1}, [NamedSharding(mesh, P())]):
       yield
 
 
