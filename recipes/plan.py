@@ -31,7 +31,7 @@ import optax
 import fnscale as fs
 from fnscale.analysis import (Plan, PlanOptions, calibrate_cpu, cannot_verify, mesh_str, plan,
                               plan_summary)
-from recipes.lm import cli, gpt, llama, models
+from recipes.lm import cli, gpt, llama, models, optimizers
 
 if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
   if "JAX_PLATFORMS" not in os.environ:  # read when jax was imported: the config now
@@ -50,18 +50,21 @@ def _batch(rows: int, seq: int, positions: bool = True) -> dict:
           for k in ("inputs", "targets") + (("positions",) if positions else ())}
 
 
-def make_plan(model: str, target, rows: int, seq: int, verify: int | None, **kw) -> Plan:
+def make_plan(model: str, target, rows: int, seq: int, verify: int | None, *,
+              optimizer: str = "adamw", mu_dtype: str = "float32", **kw) -> Plan:
   """`fnscale.analysis.plan` for a named GPT, Llama or MoE size (`recipes/lm/gpt.py`,
   `llama.py`, `moe.py`: an expert axis joins the candidates for a mixture of experts) and
-  AdamW; `kw`: `PlanOptions` fields (policy: POLICY unless given) and `overrides` of the model's
-  config (e.g. layers)."""
+  train_lm's optimizer (`recipes.lm.optimizers`: adamw or adafactor, AdamW's first moment
+  in `mu_dtype`); `kw`: `PlanOptions` fields (policy: POLICY unless given) and `overrides`
+  of the model's config (e.g. layers)."""
   module = models.MODELS[model]
   overrides = kw.pop("overrides", {})
   cfg = (module.model_config(model, seq)._replace(**overrides) if module is gpt
          else module.model_config(model, seq, **overrides))
   kw.setdefault("policy", POLICY)
   return plan(lambda k: module.init_params(cfg, k), functools.partial(module.loss_fn, cfg=cfg),
-              optax.adamw(3e-4), _batch(rows, seq, positions=module is not gpt), target,
+              optimizers.transformation(optimizer, 3e-4, mu_dtype=mu_dtype),
+              _batch(rows, seq, positions=module is not gpt), target,
               PlanOptions(rules=module.RULES, logical_axes=module.logical_axes(cfg), verify=verify,
                           **kw))
 
@@ -128,6 +131,10 @@ def main(argv=None) -> int:
   ap.add_argument("--verify", type=cli.number(int, minimum=0), default=None,
                   help="candidates to compile for the target (default: 1 where its devices "
                        "can be described, else none, and the plan says why)")
+  ap.add_argument("--optimizer", default="adamw", choices=optimizers.OPTIMIZERS,
+                  help="train_lm's optimizer (recipes/lm/optimizers.py)")
+  ap.add_argument("--mu_dtype", default="float32", choices=optimizers.MU_DTYPES,
+                  help="AdamW's first-moment dtype")
   ap.add_argument("--tokens", type=cli.number(float, above=0), default=None,
                   help="token budget, e.g. 2e12: days and chip-hours per candidate")
   ap.add_argument("--measure", action="store_true")
@@ -148,8 +155,8 @@ def main(argv=None) -> int:
     verify = a.verify
     if verify is None:  # one compile where the target's devices can be described
       verify = 0 if cannot_verify(a.target) else 1
-    p = make_plan(a.model, a.target, a.batch, a.seq, verify, overrides=overrides,
-                  tokens=a.tokens)
+    p = make_plan(a.model, a.target, a.batch, a.seq, verify, optimizer=a.optimizer,
+                  mu_dtype=a.mu_dtype, overrides=overrides, tokens=a.tokens)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
     res = plan_summary(p)

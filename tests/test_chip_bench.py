@@ -1,11 +1,13 @@
 """The chip benchmark's peer and its CPU path: the plain-JAX step (recipes/bench/plain_jax.py)
 trains as fnscale's step does, and `recipes/bench/chip.py` runs a tiny case end to end."""
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
 import pytest
 
 import fnscale as fs
@@ -112,9 +114,27 @@ def test_the_hand_side_is_train_lms_model_under_a_plain_jit_step():
                out["fnscale"][1], out["by_hand"][1])
 
 
+@pytest.mark.slow
+def test_profile_splits_every_side_and_keeps_its_trace_and_program(tmp_path):
+  """profile=1 traces each side (fnscale, the peer) on its own: both splits hold the model's
+  matmuls, and --trace_dir keeps each side's XSpace and the optimized HLO it ran."""
+  env = chip.environment()
+  row = chip.measure(chip.parse_case("gpt-nano,batch=8,peer=1,profile=1,attn=xla"), env,
+                     rounds=1, steps=1, warmup=1, trace_dir=str(tmp_path))
+  for side in ("fnscale", "plain_jax"):
+    split = row[side]["split"]
+    assert split["step_ms"] > 0 and split["fractions"]["matmul"] > 0
+    prefix = tmp_path / f"gpt-nano_batch_8_peer_1_profile_1_attn_xla.{side}"
+    assert pathlib.Path(f"{prefix}.xplane.pb").stat().st_size > 0
+    assert pathlib.Path(f"{prefix}.hlo.txt").read_text().startswith("HloModule")
+  assert row["split"] == row["fnscale"]["split"]
+  assert "split plain_jax:" in chip.describe(row)
+
+
 @pytest.mark.parametrize("text,why", [
     ("gpt-huge", "unknown base"), ("gpt-nano,batch=x", "not a number"),
-    ("gpt-nano,model=small", "not KEY=VALUE"), ("gpt-nano,xla=fast", "xla in")])
+    ("gpt-nano,model=small", "not KEY=VALUE"), ("gpt-nano,xla=fast", "xla in"),
+    ("gpt-nano,attn=flash", "expected xla or splash")])
 def test_a_bad_case_is_refused_naming_it(text, why):
   with pytest.raises(fs.InputError, match=why):
     chip.parse_case(text)

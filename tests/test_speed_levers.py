@@ -141,3 +141,21 @@ def test_the_lever_modules_examples_run(module):
   import doctest  # pylint: disable=import-outside-toplevel
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_int8_matmul_benchmark_times_each_part_and_its_parts_compute_the_matmul(capsys):
+  """recipes/bench/int8_matmul.py on this host: a row per shape with every part timed, and
+  each part computes what its name says (numpy: x @ w, and int8.dense within 2%)."""
+  from recipes.bench import int8_matmul  # pylint: disable=import-outside-toplevel
+  assert int8_matmul.main(["--shapes=64x32x48", "--reps=1"]) == 0
+  row = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 64x32x48 |")]
+  cells = row[0].strip("|").split("|")
+  assert len(cells) == 9 and all(float(c) > 0 for c in cells[1:7])
+  x, w = (np.random.default_rng(i).normal(size=s).astype(np.float32) for i, s in
+          enumerate(((64, 32), (32, 48))))
+  run = {k: f for k, (f, _) in int8_matmul.parts(64, 32, 48).items()}
+  want = x @ w
+  np.testing.assert_allclose(run["bf16 fwd"](x, w), want, rtol=1e-5, atol=1e-5)
+  got = np.asarray(run["int8.dense fwd"](x, w))
+  assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+  assert int8_matmul.main(["--shapes=64x32"]) == 2

@@ -16,7 +16,8 @@ e.g. 1024/512/512/512), xla ("maxtext": the XLA flags MaxText sets for v5e,
 `MAXTEXT_V5E`), accum (microbatches);
 peer=1 times the plain-JAX step too; hand=1 times train_lm's own model under that
 hand-written step (`hand_side`: fnscale / by hand is the wrapper's cost, by hand / plain JAX
-the model code's; not with accum); profile=1 traces 3 steps and prints the time split
+the model code's; not with accum); attn (xla or splash: every side's attention kernel;
+default splash on TPU); profile=1 traces 3 steps of each side and prints their time splits
 (`recipes/bench/trace_split.py`); loss_steps=N trains N steps on byte-level text (the
 Python standard library's sources) from a fixed init and data order and reports the loss.
 
@@ -150,6 +151,7 @@ class Case(NamedTuple):
   blocks: tuple[int, ...] | None = None
   xla: str = ""
   accum: int = 1
+  attn: str = ""
   peer: bool = False
   hand: bool = False
   profile: bool = False
@@ -175,6 +177,8 @@ def parse_case(text: str) -> Case:
                           f"{[f for f in Case._fields if f not in ('label', 'model')]}")
     fields[key] = _value(key, value, text)
   case = Case(label=text, **fields)
+  if case.attn not in ("", "xla", "splash"):
+    raise fs.InputError(f"--case={text!r}: attn={case.attn!r}; expected xla or splash")
   if case.xla not in _XLA or case.params not in ("float32", "bfloat16") or case.mu not in (
       "float32", "bfloat16") or case.opt not in optimizers.OPTIMIZERS:
     raise fs.InputError(f"--case={text!r}: xla in {list(_XLA)}, params and mu float32 or "
@@ -287,6 +291,11 @@ def tiles_for(case: Case, cfg) -> tuple[int, int, int, int] | None:
   return tuple(sel.block_sizes)
 
 
+def attention(case: Case, env: Env) -> str:
+  """The attention kernel of every side: the case's `attn`, else the platform's."""
+  return case.attn or env.attention
+
+
 def blocks(case: Case) -> fs.kernels.BlockSizes | None:
   return None if case.blocks is None else fs.kernels.BlockSizes(*case.blocks)
 
@@ -297,7 +306,7 @@ def fnscale_side(case: Case, env: Env, state, batch) -> Side:
   loss = functools.partial(module.loss_fn, remat=case.remat, cfg=cfg)
   step = fs.train_step(loss, optimizer(case), policy=policy(case),
                        accum_steps=case.accum)
-  step = fs.shard_step(fs.with_kernel(step, attention=env.attention, block_sizes=blocks(case)),
+  step = fs.shard_step(fs.with_kernel(step, attention=attention(case, env), block_sizes=blocks(case)),
                        env.mesh,
                        rules=module.RULES, logical_axes=module.logical_axes(cfg),
                        compiler_options=_XLA[case.xla])
@@ -314,7 +323,7 @@ def peer_side(case: Case, env: Env, state, batch, tiles) -> Side:
   shared state's shardings; it reads and returns (params, opt_state) of that state."""
   module, cfg = model_of(case)
   tokens = case.batch * case.seq
-  opts = pj.Options(attention="splash" if env.attention == "splash" else "xla",
+  opts = pj.Options(attention="splash" if attention(case, env) == "splash" else "xla",
                     blocks=tiles or pj.Options().blocks,
                     fused_bwd=fs.kernels.SPLASH_FUSED_BACKWARD, remat=case.remat, unroll=case.unroll,
                     loss_chunk=case.loss_chunk or default_chunk(tokens, cfg.vocab))
@@ -332,7 +341,7 @@ def hand_side(case: Case, env: Env, state, batch) -> Side:
   cost alone (on a mesh this side has no logical rules: the partitioner lays it out)."""
   module, cfg = model_of(case)
   loss = functools.partial(module.loss_fn, remat=case.remat, cfg=cfg)
-  step = fs.with_kernel(pj.train_step(loss, optimizer(case)), attention=env.attention,
+  step = fs.with_kernel(pj.train_step(loss, optimizer(case)), attention=attention(case, env),
                         block_sizes=blocks(case))
   return _by_hand(step, case, env, state, batch)
 
@@ -402,8 +411,8 @@ def figures(side: Side, seconds: list, tokens: int, flops_token: float, env: Env
 
 
 def profile(side: Side, state, batch, keep: str = "", steps: int = 3):
-  """Traces `steps` steps of `side`; returns (state, trace_split.Split). `keep`: a path to
-  copy the trace's XSpace (.xplane.pb) to."""
+  """Traces `steps` steps of `side`; returns (state, trace_split.Split). `keep`: a path
+  prefix to copy the trace's XSpace (KEEP.xplane.pb) and the program's HLO to."""
   with tempfile.TemporaryDirectory(prefix="fnscale-trace-") as d:
     jax.profiler.start_trace(d)
     for _ in range(steps):
@@ -411,9 +420,11 @@ def profile(side: Side, state, batch, keep: str = "", steps: int = 3):
     jax.block_until_ready((state, loss))
     jax.profiler.stop_trace()
     xplane = trace_split.find_xplane(d)
-    if keep:  # --trace_dir need not exist yet
+    if keep:  # --trace_dir need not exist yet: KEEP.xplane.pb and its HLO, KEEP.hlo.txt
       os.makedirs(os.path.dirname(keep) or ".", exist_ok=True)
-      shutil.copyfile(xplane, keep)
+      shutil.copyfile(xplane, keep + ".xplane.pb")
+      with open(keep + ".hlo.txt", "w", encoding="utf-8") as f:
+        f.write(side.hlo())
     return state, trace_split.split(xplane, side.hlo(), runs=steps)
 
 
@@ -492,11 +503,14 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
     row["wrapper"] = rate("fnscale") / rate("by_hand")
     if peer:
       row["model_code"] = rate("by_hand") / rate("plain_jax")
-  if case.profile:
-    keep = os.path.join(trace_dir, _file_name(case.label) + ".xplane.pb") if trace_dir else ""
-    state, split = profile(sides["fnscale"], state, batch, keep)
-    row["split"] = {"fractions": split.fractions(), "step_ms": 1e3 * split.step_s,
-                    "unmatched": split.unmatched, "line": split.line(), "top": split.top}
+  if case.profile:  # every side's split; fnscale's also as the row's
+    for name, side in sides.items():
+      keep = os.path.join(trace_dir, f"{_file_name(case.label)}.{name}") if trace_dir else ""
+      state, split = profile(side, state, batch, keep)
+      row[name]["split"] = {"fractions": split.fractions(), "step_ms": 1e3 * split.step_s,
+                            "unmatched": split.unmatched, "line": split.line(),
+                            "top": split.top}
+    row["split"] = row["fnscale"]["split"]
   del state, batch
   gc.collect()
   if case.loss_steps:  # the same compiled step, from a fresh init on text
@@ -522,8 +536,9 @@ def describe(row: dict) -> str:
     out.append(f"  fnscale / same model by hand (the wrapper): {row['wrapper']:.3f}"
                + (f"; by hand / plain JAX (the model code): {row['model_code']:.3f}"
                   if "model_code" in row else ""))
-  if "split" in row:
-    out.append(f"  split: {row['split']['line']}")
+  for name in ("fnscale", "by_hand", "plain_jax"):
+    if "split" in row.get(name, {}):
+      out.append(f"  split {name}: {row[name]['split']['line']}")
   if "losses" in row:
     tail = row["losses"][-10:]
     out.append(f"  loss after {len(row['losses'])} steps: {statistics.mean(tail):.4f} "
@@ -607,7 +622,8 @@ def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_multi_string("search_splash", [], "BxHxKVxSxD: time splash tiles for this "
                             "shape (TPU), after the cases; repeatable", flag_values=fv)
   flags.DEFINE_string("json", "", "append each row to this file (JSON lines)", flag_values=fv)
-  flags.DEFINE_string("trace_dir", "", "keep each profiled case's trace (.xplane.pb) here",
+  flags.DEFINE_string("trace_dir", "", "keep each profiled side's trace (CASE.SIDE.xplane.pb) "
+                      "and optimized HLO (CASE.SIDE.hlo.txt) here",
                       flag_values=fv)
   flags.DEFINE_float("budget_s", 0.0, "skip the cases left once this many seconds have "
                      "passed (0: none)", flag_values=fv)

@@ -1,0 +1,138 @@
+"""Where int8 training pays: one block matmul in bf16 against `recipes.lm.int8.dense`, by part.
+
+  python recipes/bench/int8_matmul.py                      # TPU: times each part on the chip
+  python recipes/bench/int8_matmul.py --aot=v5e:1x1        # here: XLA's own v5e cost model
+  python recipes/bench/int8_matmul.py --shapes=16384x1024x4096,32768x2048x8192
+
+Each `--shapes` entry is MxKxN: M tokens, the contracted width K, the output width N (GPT
+medium's MLP up projection at 16 rows of 1024 tokens: 16384x1024x4096). For each it reports
+the seconds of:
+
+- `bf16`: x [M, K] @ w [K, N] in bfloat16, and the same forward + backward (dx and dw);
+- `int8 dot`: the int8 x int8 -> int32 product alone, inputs already quantized (the MXU's
+  int8 rate: on v5e twice the bf16 rate by the spec sheet);
+- `quantize x`: `int8.quantize` of the activations (a max over K per row, then divide, round
+  and cast per value: vector-unit work that grows with M K, not M K N);
+- `int8.dense`: the whole forward, and forward + backward, as train_lm's `--int8` runs them.
+
+On a TPU each figure is a median of `--reps` timed runs of the compiled program; with `--aot`
+it is the compiler's estimate for the described chip (`compiled.cost_analysis()`'s
+"optimal_seconds"; "n/a" where XLA gives none). The speed-up column is bf16 / int8.dense.
+int8 pays only where the int8 dot's saving exceeds what quantizing costs: with the quantize
+cost proportional to M K and the dot's to M K N, the wider N (and K for the backward), the
+better.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import fnscale as fs
+from recipes.lm import cli, int8
+
+# (M, K, N): GPT small's and medium's MLP up projection at train_lm's TPU batch (32 and 16
+# rows of 1024 tokens), the 766M Llama's gate projection at 8 rows of 2048.
+SHAPES = ((32768, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192))
+
+
+def parts(m: int, k: int, n: int) -> dict:
+  """name -> (function, argument shapes) of each measured part at M x K x N."""
+  bf, i8 = jnp.bfloat16, jnp.int8
+  x, w, g = (m, k), (k, n), (m, n)
+
+  def grads(f):
+    def run(x, w, g):
+      _, pull = jax.vjp(f, x, w)
+      return pull(g)
+    return run
+  dense = lambda x, w: int8.dense(x, w)
+  int_dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.int32)
+  return {"bf16 fwd": (jnp.matmul, [(x, bf), (w, bf)]),
+          "bf16 fwd+bwd": (grads(jnp.matmul), [(x, bf), (w, bf), (g, bf)]),
+          "int8 dot": (int_dot, [(x, i8), (w, i8)]),
+          "quantize x": (lambda a: int8.quantize(a, 1), [(x, bf)]),
+          "int8.dense fwd": (dense, [(x, bf), (w, bf)]),
+          "int8.dense fwd+bwd": (grads(dense), [(x, bf), (w, bf), (g, bf)])}
+
+
+def seconds(fn, specs, device, aot: bool, reps: int) -> float | None:
+  """The compiled `fn`'s seconds on `device`: measured (median of `reps`), or XLA's estimate
+  for a described device (None where it gives none)."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
+  compiled = jax.jit(fn).lower(*args).compile()
+  if aot:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    est = (cost or {}).get("optimal_seconds", -1.0)
+    return est if est > 0 else None
+  key = jax.random.key(0)
+  real = [(jax.random.normal(key, s, jnp.float32) * 3).astype(d) for s, d in specs]
+  real = jax.device_put(real, sharding)
+  jax.block_until_ready(compiled(*real))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*real))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def table(shapes, device, aot: bool, reps: int) -> tuple[str, list[dict]]:
+  """A markdown table (milliseconds per part, the speed-up of int8.dense) and its rows."""
+  names = list(parts(8, 8, 8))
+  lines = ["| M x K x N | " + " | ".join(names) + " | fwd speed-up | fwd+bwd speed-up |",
+           "|---" * (len(names) + 3) + "|"]
+  rows = []
+  for m, k, n in shapes:
+    got = {name: seconds(fn, specs, device, aot, reps)
+           for name, (fn, specs) in parts(m, k, n).items()}
+    ratio = lambda a, b: (f"{got[a] / got[b]:.2f}x" if got[a] and got[b] else "n/a")
+    ms = lambda v: f"{1e3 * v:.3f}" if v else "n/a"
+    lines.append(f"| {m}x{k}x{n} | " + " | ".join(ms(got[p]) for p in names)
+                 + f" | {ratio('bf16 fwd', 'int8.dense fwd')}"
+                 + f" | {ratio('bf16 fwd+bwd', 'int8.dense fwd+bwd')} |")
+    rows.append({"shape": (m, k, n), "seconds": got})
+  return "\n".join(lines), rows
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+  try:
+    m, k, n = (int(v) for v in text.lower().split("x"))
+  except ValueError:
+    raise fs.InputError(f"--shapes entry {text!r} is not MxKxN, e.g. 16384x1024x4096") from None
+  return m, k, n
+
+
+def main(argv=None) -> int:
+  ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--shapes", default="", help="MxKxN entries, comma-separated (default: "
+                  "GPT small's, medium's and the 766M Llama's MLP)")
+  ap.add_argument("--aot", default="", help="describe this TPU (e.g. v5e:1x1): XLA's estimate")
+  ap.add_argument("--reps", type=cli.number(int, minimum=1), default=20,
+                  help="timed runs per part (TPU)")
+  a = ap.parse_args(argv)
+  fs.quiet_libtpu()
+  try:
+    shapes = [_shape(s) for s in a.shapes.split(",") if s] or list(SHAPES)
+    devices = fs.target_devices(a.aot) if a.aot else jax.devices()
+  except fs.FnscaleError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not a.aot and devices[0].platform != "tpu":
+    print("note: not a TPU: these are this host's times, not the chip's (--aot=v5e:1x1 gives "
+          "XLA's estimate for one v5e chip)")
+  text, _ = table(shapes, devices[0], bool(a.aot), a.reps)
+  what = f"XLA's estimate for {a.aot}" if a.aot else f"measured on {devices[0].device_kind}"
+  print(f"milliseconds, {what}, jax {jax.__version__}\n{text}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
