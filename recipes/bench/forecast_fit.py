@@ -47,7 +47,7 @@ import fnscale as fs
 from fnscale.analysis import (
     FORECAST_TERMS, ForecastTerms, forecast_terms, hardware, mesh_str, predict, profile_model)
 from recipes.lm import llama
-from recipes.lm import cli
+from recipes.lm import cli, optimizers
 from recipes.lm.models import MODELS
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
@@ -304,7 +304,8 @@ CHIP_REMAT = {"none": False, "dots": False, "full": True}
 
 class ChipRun(NamedTuple):
   """One measured row of chip_v5e.json: train_lm's `model` at `batch` x `seq`, its remat
-  policy, param and first-moment dtypes, and the measured MFU (percent, PaLM's count)."""
+  policy, param and first-moment dtypes, the measured MFU (percent, PaLM's count) and the
+  optimizer (`recipes.lm.optimizers`)."""
   case: str
   model: str
   batch: int
@@ -313,6 +314,7 @@ class ChipRun(NamedTuple):
   params: str
   mu: str
   mfu: float
+  opt: str = "adamw"
 
 
 # The memory a program may use on the chip (the runtime's limit there, 15.75 GiB:
@@ -323,25 +325,39 @@ CHIP_HBM_GIB, CHIP_FULL = fs.CHIP_FACTS["v5e"].hbm_limit / 2**30, 0.98
 
 
 def chip_runs(path: str = CHIP_V5E) -> list[ChipRun]:
-  """The rows the forecast is held to: those whose program is the one the planner traces
-  and costs (the Llama's loss with fnscale.cross_entropy's default chunk, which is 1024
-  tokens there: the 64-token row measured the old default; a remat policy in `CHIP_REMAT`)
-  and leaves XLA room (below `CHIP_FULL` of the chip's memory)."""
+  """The rows the forecast is held to, of every day's table: those whose program is the
+  one the planner traces and costs (the Llama's loss with fnscale.cross_entropy's default
+  chunk, which is 1024 tokens there: the 64-token row measured the old default; a remat
+  policy in `CHIP_REMAT`; no int8, unrolling or accumulation) and leaves XLA room (below
+  `CHIP_FULL` of the chip's memory)."""
   with open(path, encoding="utf-8") as f:
-    rows = json.load(f)["rows"]
-  return [ChipRun(*(r[k] for k in ChipRun._fields)) for r in rows
+    doc = json.load(f)
+  rows = doc["rows"] + [_flat(r) for k in sorted(doc) if k.startswith("rows_")
+                        for r in doc[k]]
+  return [ChipRun(*(r[k] for k in ChipRun._fields if k in r)) for r in rows
           if r["loss_chunk"] in (0, 1024) and r["remat"] in CHIP_REMAT
-          and r["hbm_gib"] < CHIP_FULL * CHIP_HBM_GIB]
+          and r["hbm_gib"] < CHIP_FULL * CHIP_HBM_GIB and r.get("plain", True)]
+
+
+def _flat(row: dict) -> dict:
+  """A row as chip.py writes it now (its case's levers, each side's figures) in the first
+  table's fields: fnscale's side, MFU in percent, and whether it is a plain step."""
+  lev, side = {"opt": "adamw", "accum": 1, **row["levers"]}, row["fnscale"]  # older rows
+  plain = not (lev["int8"] or lev["unroll"] or lev["accum"] > 1 or lev["xla"] or lev["blocks"])
+  return {**{k: lev[k] for k in ("model", "batch", "seq", "remat", "params", "mu", "opt",
+                                 "loss_chunk")},
+          "case": row["case"], "mfu": 100 * side["mfu"], "hbm_gib": side["hbm_gib"],
+          "plain": plain}
 
 
 @functools.lru_cache(maxsize=None)
-def _chip_profile(model: str, seq: int, params: str, mu: str):
+def _chip_profile(model: str, seq: int, params: str, mu: str, opt: str = "adamw"):
   module = MODELS[model]
   cfg = module.model_config(model, seq)
   rows = jax.ShapeDtypeStruct((1, seq), jnp.int32)
   return profile_model(functools.partial(module.init_params, cfg),
                        functools.partial(module.loss_fn, cfg=cfg),
-                       optax.adamw(1e-4, mu_dtype=jnp.dtype(mu)),
+                       optimizers.transformation(opt, 1e-4, mu_dtype=mu),
                        {"inputs": rows, "targets": rows}, "v5e:1x1",
                        policy=f"params={params},compute=bfloat16,output=float32")
 
@@ -349,7 +365,8 @@ def _chip_profile(model: str, seq: int, params: str, mu: str):
 def predict_chip(run: ChipRun, terms: ForecastTerms | None = None) -> float:
   """The forecast MFU (percent, PaLM's count) of a measured one-chip row; `terms` default:
   the planner's for one v5e chip."""
-  prof = _chip_profile(run.model, run.seq, run.params, run.mu)._replace(rows=run.batch)
+  prof = _chip_profile(run.model, run.seq, run.params, run.mu, run.opt)._replace(
+      rows=run.batch)
   cand = predict(prof, "v5e:1x1", fs.MeshAxes({"fsdp": 1}, {}), remat=CHIP_REMAT[run.remat],
                  terms=terms)
   return 100 * cand.forecast.mfu
