@@ -176,21 +176,40 @@ MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_l
                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                num_experts_per_tok=2, max_position_embeddings=64, rope_theta=1e6,
                router_aux_loss_coef=0.02)
+# Qwen3-MoE: a head size of its own (16, not 32 / 4), q/k norms, narrow experts.
+QWEN3_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+                 max_position_embeddings=64, rope_theta=1e6, router_aux_loss_coef=0.001)
+HF_MOE = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL),
+          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
+          "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                                     dict(QWEN3_MOE, norm_topk_prob=False))}
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-  """A tiny random MixtralForCausalLM saved in ~20 KB files, its logits for two rows."""
+def hf_moe(tmp_path_factory):
+  """family -> a tiny random model of `HF_MOE` saved in ~20 KB files, its logits for two
+  rows; made on first use."""
   torch = pytest.importorskip("torch", reason=NO_TORCH)
   transformers = pytest.importorskip("transformers", reason=NO_TORCH)
   from recipes.bench import hf_checkpoint as bench  # pylint: disable=import-outside-toplevel
   transformers.logging.set_verbosity_error()
-  d = tmp_path_factory.mktemp("mixtral")
-  model = bench.randomize(transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)))
-  model.save_pretrained(d, max_shard_size="20KB")
-  tokens = bench.tokens(16)
-  with torch.no_grad():
-    return d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch, transformers)
+  made = {}
+
+  def make(family):
+    if family not in made:
+      config, model_cls, fields = HF_MOE[family]
+      d = tmp_path_factory.mktemp(family)
+      model = bench.randomize(getattr(transformers, model_cls)(
+          getattr(transformers, config)(**fields)))
+      model.save_pretrained(d, max_shard_size="20KB")
+      tokens = bench.tokens(16)
+      with torch.no_grad():
+        made[family] = d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch,
+                                                                                transformers)
+    return made[family]
+  return make
 
 
 def test_mixtral_configs_read_as_the_moe_model():
@@ -214,14 +233,43 @@ def test_mixtral_configs_read_as_the_moe_model():
     hf_maps.to_config(hf_maps.of_model(moe, moe.model_config("moe-deepseek-tiny", 16)))
 
 
-@pytest.mark.slow
-def test_mixtral_loads_split_over_experts_and_exports_for_transformers(mixtral, tmp_path):
+def test_qwen3_moe_configs_read_as_the_moe_model():
+  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  c = dict(QWEN3_MOE, model_type="qwen3_moe")
+  m = hf_maps.from_config(c, 16)
+  assert m.model is moe and m.cfg == moe.ModelConfig(
+      layers=2, d_model=32, heads=4, kv_heads=2, d_ff=24, experts=8, k=3, seq=16, vocab=64,
+      balance_coef=0.003, rope_theta=1e6, norm_eps=1e-6, head_size=16, qk_norm=True)
+  assert not hf_maps.from_config(dict(c, norm_topk_prob=False), 16).cfg.normalize
+  for change, field in ((dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\]"),
+                        (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+                        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+                        (dict(num_experts=None), "num_experts=None")):
+    with pytest.raises(fs.InputError, match=field):
+      hf_maps.from_config(dict(c, **change), 16)
+  # Trained here (no config.json read): a Qwen3-MoE config.json that reads back the same.
+  for normalize in (True, False):
+    cfg = m.cfg._replace(normalize=normalize)
+    assert hf_maps.from_config(hf_maps.to_config(hf_maps.of_model(moe, cfg)), 16).cfg == cfg
+  tiny = moe.model_config("moe-qwen3-tiny", 16)
+  assert hf_maps.to_config(hf_maps.of_model(moe, tiny))["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("mixtral", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_unnormalised", marks=pytest.mark.slow)])
+def test_hf_moe_loads_split_over_experts_and_exports_for_transformers(hf_moe, tmp_path,
+                                                                       family):
   from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
   from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
-  d, tokens, want, (torch, transformers) = mixtral
+  d, tokens, want, (torch, transformers) = hf_moe(family)
+  fields = HF_MOE[family][2]
   m = hf_maps.read(d, 16)
-  assert m.model is moe and (m.cfg.experts, m.cfg.k, m.cfg.d_ff) == (8, 2, 48)
-  assert m.cfg.balance_coef == pytest.approx(0.04)  # HF's coefficient x k: the same loss
+  k = fields["num_experts_per_tok"]
+  assert m.model is moe and (m.cfg.experts, m.cfg.k) == (8, k)
+  # HF's coefficient x k: the same loss
+  assert m.cfg.balance_coef == pytest.approx(fields["router_aux_loss_coef"] * k)
   mesh = fs.make_mesh({"data": 2, "expert": 4})
   cmap = hf_maps.checkpoint_map(m, d)
   target = fs.init_state(functools.partial(moe.init_params, m.cfg), optax.sgd(0.1), mesh=mesh,

@@ -12,8 +12,10 @@ embeddings), mistral, qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNo
 `llama.py`; gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a
 RoPE type, an activation, biases elsewhere, a sliding window shorter than the sequence) is
 an InputError naming the config.json field, never a silently different model. mixtral
-(Mixtral's routed experts) into `moe.py`: its experts' weights are one leaf each per
-projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys.
+(Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their weights
+renormalised or not) into `moe.py`: the experts' weights are one leaf each per projection,
+[layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's layout, which
+transformers writes too).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from fnscale.checkpoint import hf
 from recipes.lm import gpt, layers, llama, moe
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = LLAMA_FAMILY + ("gpt2", "mixtral")
+MOE_FAMILY = ("mixtral", "qwen3_moe")
+FAMILIES = LLAMA_FAMILY + ("gpt2",) + MOE_FAMILY
 
 
 class HFModel(NamedTuple):
@@ -76,8 +79,10 @@ def from_config(c: dict, seq: int) -> HFModel:
     return HFModel(gpt, _gpt2_config(c, seq), dict(c))
   if kind == "mixtral":
     return HFModel(moe, _mixtral_config(c, seq), dict(c))
-  hint = (" (experts: only Mixtral's are in fnscale's models)" if kind in (
-      "qwen2_moe", "qwen3_moe") else "")
+  if kind == "qwen3_moe":
+    return HFModel(moe, _qwen3_moe_config(c, seq), dict(c))
+  hint = (" (experts: Mixtral's and Qwen3's are in fnscale's models)" if kind in (
+      "qwen2_moe",) else "")
   raise _error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
                f"{list(FAMILIES)}.")
 
@@ -162,6 +167,36 @@ def _mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
       norm_eps=float(c.get("rms_norm_eps", 1e-6)))
 
 
+def _qwen3_moe_config(c: dict, seq: int) -> moe.ModelConfig:
+  """Qwen3-MoE as `moe.py`'s model: Qwen3's attention (q/k RMSNorm per head, its own head
+  size), top-k of the softmax over experts, renormalised when `norm_topk_prob`
+  (transformers' Qwen3MoeSparseMoeBlock). Every layer must be an MoE layer (the model has no
+  dense ones) and the load-balance coefficient is HF's x k (as Mixtral's)."""
+  _check_llama(c, seq)
+  if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
+    field = "mlp_only_layers" if c.get("mlp_only_layers") else "decoder_sparse_step"
+    raise _error(field, c.get(field), "makes some layers dense MLPs; fnscale's MoE model "
+                 "routes every layer (decoder_sparse_step=1, mlp_only_layers=[]).")
+  if c.get("tie_word_embeddings"):
+    raise _error("tie_word_embeddings", True, "ties the output layer to the embedding; "
+                 "fnscale's MoE model has its own output layer.")
+  theta, scaling = _rope(c)
+  if scaling is not None:
+    raise _error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
+  d, heads, k = _need(c, "hidden_size"), _need(c, "num_attention_heads"), _need(
+      c, "num_experts_per_tok")
+  head_dim = c.get("head_dim") or d // heads
+  return moe.ModelConfig(
+      layers=_need(c, "num_hidden_layers"), d_model=d, heads=heads,
+      kv_heads=c.get("num_key_value_heads") or heads, d_ff=_need(c, "moe_intermediate_size"),
+      # The Hub's config.json says num_experts; transformers 5 writes num_local_experts.
+      experts=_need(c, "num_experts" if "num_local_experts" not in c else "num_local_experts"),
+      k=k, seq=seq, vocab=_need(c, "vocab_size"), normalize=bool(c.get("norm_topk_prob", False)),
+      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
+      norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+      head_size=0 if head_dim == d // heads else head_dim, qk_norm=True)
+
+
 def _gpt2_config(c: dict, seq: int) -> gpt.ModelConfig:
   d = _need(c, "n_embd")
   checks = (("activation_function", c.get("activation_function", "gelu_new"),
@@ -193,8 +228,14 @@ def checkpoint_map(m: HFModel, path=None) -> hf.CheckpointMap:
   if m.model is gpt:
     return _gpt2_map(m.cfg, _gpt2_prefix(path))
   if m.model is moe:
-    return _mixtral_map(m.cfg)
+    return _moe_map(m.cfg, _moe_kind(m))
   return _llama_map(m.cfg)
+
+
+def _moe_kind(m: HFModel) -> str:
+  """The family of an MoE model: its config.json's, else Qwen3-MoE's where the model has
+  Qwen3's q/k norms, Mixtral's where not."""
+  return m.config.get("model_type") or ("qwen3_moe" if m.cfg.qk_norm else "mixtral")
 
 
 def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
@@ -226,20 +267,29 @@ def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
   return hf.CheckpointMap(tensors, ("*rotary_emb.inv_freq",))
 
 
-def _mixtral_map(cfg: moe.ModelConfig) -> hf.CheckpointMap:
-  """Llama's attention and norms; the router (`block_sparse_moe.gate`, [experts, d]) and each
-  expert's w1 (gate), w3 (up) and w2 (down), torch [out, in], stacked [layers, experts]."""
-  attention = _llama_map(llama.ModelConfig(cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads,
-                                           cfg.d_ff, cfg.seq, cfg.vocab))
-  moe_key = "model.layers.{layer}.block_sparse_moe."
+# An MoE family's router and experts: (the MLP's key, the router's, the experts' gate, up and
+# down projections), each torch [out, in].
+_MOE_KEYS = {"mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
+             "qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_map(cfg: moe.ModelConfig, kind: str) -> hf.CheckpointMap:
+  """Llama's attention and norms (Qwen3's q/k norms where the model has them); the router
+  ([experts, d]) and each expert's gate, up and down projections, stacked [layers,
+  experts]."""
+  attention = _llama_map(llama.ModelConfig(
+      cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.d_ff, cfg.seq, cfg.vocab,
+      head_size=cfg.head_size, qk_norm=cfg.qk_norm))
+  mlp, router, gate, up, down = _MOE_KEYS[kind]
+  moe_key = "model.layers.{layer}." + mlp
   expert = moe_key + "experts.{expert}."
   tensors = {k: v for k, v in attention.tensors.items()
              if k not in ("blocks/w_gate", "blocks/w_up", "blocks/w_down")}
   tensors.update({
-      "blocks/router": hf.Tensor(moe_key + "gate.weight", perm=(1, 0)),
-      "blocks/w_gate": hf.Tensor(expert + "w1.weight", perm=(1, 0)),
-      "blocks/w_up": hf.Tensor(expert + "w3.weight", perm=(1, 0)),
-      "blocks/w_down": hf.Tensor(expert + "w2.weight", perm=(1, 0))})
+      "blocks/router": hf.Tensor(moe_key + router + ".weight", perm=(1, 0)),
+      "blocks/w_gate": hf.Tensor(expert + gate + ".weight", perm=(1, 0)),
+      "blocks/w_up": hf.Tensor(expert + up + ".weight", perm=(1, 0)),
+      "blocks/w_down": hf.Tensor(expert + down + ".weight", perm=(1, 0))})
   return hf.CheckpointMap(tensors, attention.ignore)
 
 
@@ -287,7 +337,7 @@ def to_config(m: HFModel) -> dict:
   """config.json for `m`'s params: the config it was read from (when it was), else one
   written from `m.cfg`, weights in float32 (`dtype`)."""
   base = dict(m.config) if m.config else (
-      _gpt2_hf_config(m.cfg) if m.model is gpt else _mixtral_hf_config(m.cfg)
+      _gpt2_hf_config(m.cfg) if m.model is gpt else _moe_hf_config(m.cfg)
       if m.model is moe else _llama_hf_config(m.cfg))
   base.pop("torch_dtype", None)
   return {**base, "dtype": "float32"}
@@ -314,23 +364,32 @@ def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
   return out
 
 
-def _mixtral_hf_config(cfg: moe.ModelConfig) -> dict:
-  """config.json of a Mixtral-style model trained here (`moe.py`, no shared experts, the
-  weights renormalised over the k: what MixtralForCausalLM computes)."""
-  if cfg.shared or not cfg.normalize or cfg.capacity_factor is not None:
+def _moe_hf_config(cfg: moe.ModelConfig) -> dict:
+  """config.json of an MoE model trained here (`moe.py`, no shared experts, no capacity):
+  Qwen3-MoE's where the model has Qwen3's q/k norms (its routing weights renormalised or
+  not), else Mixtral's (renormalised: what MixtralForCausalLM computes)."""
+  family = "Qwen3-MoE" if cfg.qk_norm else "Mixtral"
+  if cfg.shared or cfg.capacity_factor is not None or not (cfg.normalize or cfg.qk_norm):
     raise fs.InputError(
-        "export: a Mixtral config.json can't say shared experts, unnormalised routing "
-        f"weights or a capacity (shared={cfg.shared}, normalize={cfg.normalize}, "
-        f"capacity_factor={cfg.capacity_factor}); fix: export a Mixtral-style model.")
-  return dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
-              hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
-              num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        f"export: a {family} config.json can't say shared experts, a capacity"
+        f"{'' if cfg.qk_norm else ' or unnormalised routing weights'} (shared={cfg.shared}, "
+        f"normalize={cfg.normalize}, capacity_factor={cfg.capacity_factor}); fix: export a "
+        "Mixtral- or Qwen3-MoE-style model.")
+  common = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                num_experts_per_tok=cfg.k, vocab_size=cfg.vocab, hidden_act="silu",
+                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                max_position_embeddings=max(cfg.seq, 2048), tie_word_embeddings=False,
+                router_aux_loss_coef=cfg.balance_coef / cfg.k, sliding_window=None)
+  if cfg.qk_norm:
+    return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                head_dim=cfg.head_dim, moe_intermediate_size=cfg.d_ff,
+                intermediate_size=cfg.d_ff, num_experts=cfg.experts,
+                norm_topk_prob=cfg.normalize, decoder_sparse_step=1, mlp_only_layers=[],
+                attention_bias=False, use_sliding_window=False)
+  return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
               intermediate_size=cfg.d_ff, num_local_experts=cfg.experts,
-              num_experts_per_tok=cfg.k, vocab_size=cfg.vocab, hidden_act="silu",
-              rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-              max_position_embeddings=max(cfg.seq, 2048), tie_word_embeddings=False,
-              router_aux_loss_coef=cfg.balance_coef / cfg.k, router_jitter_noise=0.0,
-              sliding_window=None)
+              router_jitter_noise=0.0)
 
 
 def _gpt2_hf_config(cfg: gpt.ModelConfig) -> dict:

@@ -6,6 +6,10 @@ experts (`fnscale.parallel.moe`), in two styles:
 
 - Mixtral (Jiang et al. 2024, "Mixtral of Experts"): 8 experts as wide as a dense MLP, 2 per
   token, their weights renormalised over the two.
+- Qwen3-MoE (Qwen team 2025, "Qwen3 Technical Report"): Mixtral's layer with many narrow
+  experts (128 of width 768, 8 per token in Qwen3-30B-A3B), their weights renormalised or
+  not (`norm_topk_prob`), and Qwen3's attention: an RMSNorm over each head of q and k
+  (`qk_norm`) and a head size of its own (`head_size`).
 - DeepSeekMoE (Dai et al. 2024, "DeepSeekMoE"; DeepSeek-V2): many fine-grained experts
   (a quarter of the width or less), 6 per token with their softmax weights as they are,
   plus shared experts that every token passes through. Attention here is grouped-query,
@@ -44,7 +48,9 @@ class ModelConfig(NamedTuple):
   experts (each `d_ff` wide, run as one SwiGLU of width shared x d_ff) every token passes
   through; `capacity_factor` None for the dropless layer; `normalize` renormalises the k
   routing weights (Mixtral) or keeps the softmax's (DeepSeek); `balance_coef` and `z_coef`
-  weigh the load-balance loss and the router z-loss in the training loss.
+  weigh the load-balance loss and the router z-loss in the training loss. head_dim =
+  `head_size` if set, else d_model / heads; `qk_norm`: RMSNorm over head_dim of q and k
+  before RoPE (Qwen3-MoE).
   """
   layers: int
   d_model: int
@@ -62,10 +68,12 @@ class ModelConfig(NamedTuple):
   z_coef: float = 0.0
   rope_theta: float = 1_000_000.0
   norm_eps: float = 1e-5
+  head_size: int = 0
+  qk_norm: bool = False
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.heads
+    return self.head_size or self.d_model // self.heads
 
 
 # Mixtral-8x7B from Mistral's published config (32 layers, d 4096, 32 heads, 8 KV heads,
@@ -73,6 +81,9 @@ class ModelConfig(NamedTuple):
 # router_aux_loss_coef 0.02). DeepSeekMoE-16B's routed part (arXiv:2401.06066 table; its HF
 # config: 28 layers, d 2048, 16 heads, 64 experts of width 1408, 6 per token, 2 shared,
 # vocabulary 102400, aux loss 0.001), with grouped-query attention in place of its own.
+# Qwen3-30B-A3B from its config.json (48 layers, d 2048, 32 heads of 128, 4 KV heads, 128
+# experts of width 768, 8 per token renormalised, vocabulary 151936, RoPE base 1e6,
+# router_aux_loss_coef 0.001: x k here, as Mixtral's, `hf_maps`).
 # The tiny ones are byte-level and train on a CPU.
 SIZES = {
     "moe-tiny": dict(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=128, experts=8, k=2),
@@ -80,6 +91,11 @@ SIZES = {
                               k=4, shared=1, normalize=False),
     "moe-mixtral-8x7b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, d_ff=14336,
                              experts=8, k=2, vocab=32_000, balance_coef=0.02),
+    "moe-qwen3-tiny": dict(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=32, experts=16,
+                           k=4, head_size=32, qk_norm=True, balance_coef=0.004),
+    "moe-qwen3-30b-a3b": dict(layers=48, d_model=2048, heads=32, kv_heads=4, d_ff=768,
+                              experts=128, k=8, head_size=128, qk_norm=True, vocab=151_936,
+                              balance_coef=0.008, norm_eps=1e-6),
     "moe-deepseek-16b": dict(layers=28, d_model=2048, heads=16, kv_heads=16, d_ff=1408,
                              experts=64, k=6, shared=2, vocab=102_400, normalize=False,
                              balance_coef=0.001, rope_theta=10_000.0),
@@ -122,6 +138,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
       "w_up": normal(ks[7], (L, E, D, F), std),
       "w_down": normal(ks[8], (L, E, F, D), res),
   }
+  if cfg.qk_norm:
+    blocks.update(q_norm=jnp.ones((L, K)), k_norm=jnp.ones((L, K)))
   if cfg.shared:
     S = cfg.shared * F
     blocks.update(shared_gate=normal(ks[9], (L, D, S), std),
@@ -145,6 +163,8 @@ def logical_axes(cfg: ModelConfig) -> dict:
       "w_up": ("layers", "expert", "embed", "mlp"),
       "w_down": ("layers", "expert", "mlp", "embed"),
   }
+  if cfg.qk_norm:
+    blocks.update(q_norm=("layers", "norm"), k_norm=("layers", "norm"))
   if cfg.shared:
     blocks.update(shared_gate=("layers", "embed", "mlp"), shared_up=("layers", "embed", "mlp"),
                   shared_down=("layers", "mlp", "embed"))
@@ -186,9 +206,14 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   x = fs.constrain_batch(x)
   h = layers.rms_norm(x, p["attn_norm"], cfg.norm_eps)
   rope = lambda y: layers.rope(y, cfg.rope_theta, positions=positions)
-  q = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wq"])))
-  k = fs.constrain_batch(rope(jnp.einsum("bsd,dhk->bshk", h, p["wk"])))
-  v = fs.constrain_batch(jnp.einsum("bsd,dhk->bshk", h, p["wv"]))
+
+  def project(name):  # q, k or v [batch, seq, heads, head_dim], Qwen3's per-head norm
+    out = jnp.einsum("bsd,dhk->bshk", h, p[f"w{name}"])
+    norm = p.get(f"{name}_norm")
+    return out if norm is None else layers.rms_norm(out, norm, cfg.norm_eps)
+  q = fs.constrain_batch(rope(project("q")))
+  k = fs.constrain_batch(rope(project("k")))
+  v = fs.constrain_batch(project("v"))
   o = fs.constrain_batch(fs.attention(q, k, v, causal=True, segment_ids=segment_ids))
   x = x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
   out, aux = _moe(layers.rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, cfg)
@@ -213,7 +238,8 @@ def _config_of(params: dict, tokens, cfg: ModelConfig | None) -> ModelConfig:
   L, D, H, K = b["wq"].shape
   E, F = b["w_gate"].shape[1], b["w_gate"].shape[-1]
   shape = dict(d_model=D, heads=H, kv_heads=b["wk"].shape[2], d_ff=F, experts=E,
-               shared=b["shared_gate"].shape[-1] // F if "shared_gate" in b else 0)
+               shared=b["shared_gate"].shape[-1] // F if "shared_gate" in b else 0,
+               head_size=0 if K == D // H else K, qk_norm="q_norm" in b)
   fields = ModelConfig._field_defaults
   sizes = [{**fields, **s} for s in SIZES.values()
            if all({**fields, **s}[k] == v for k, v in shape.items())]
@@ -310,8 +336,11 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-  """Every param: matmul weights, the embedding table and the RMSNorm scales."""
-  return matmul_params(cfg) + cfg.vocab * cfg.d_model + (2 * cfg.layers + 1) * cfg.d_model
+  """Every param: matmul weights, the embedding table and the RMSNorm scales (Qwen3's q
+  and k norms: head_dim each per layer)."""
+  qk = 2 * cfg.layers * cfg.head_dim if cfg.qk_norm else 0
+  return (matmul_params(cfg) + cfg.vocab * cfg.d_model + (2 * cfg.layers + 1) * cfg.d_model
+          + qk)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
