@@ -310,3 +310,65 @@ def test_train_lm_trains_a_mixture_of_experts_over_the_expert_axis(work, tmp_pat
   assert len(load) >= 6 and all(r["moe/load_max_over_mean"] >= 1.0 and r["moe/dropped"] == 0
                                 for r in load)
   assert "experts: busiest" in capsys.readouterr().out
+
+
+# DeepSeek-V3's routed layer: 16 experts in 4 groups, 2 groups a token, 3 experts of them,
+# weights renormalised and scaled by 2.5; a random selection bias that changes the choice.
+V3_MOE = dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+              topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
+              routed_scaling_factor=2.5, n_shared_experts=1, hidden_act="silu")
+
+
+@pytest.mark.parametrize("axes", [{"data": 8}, {"data": 2, "expert": 4}])
+def test_deepseek_v3_routing_matches_transformers_moe_layer(axes):
+  """fs.parallel.moe with Scoring("sigmoid", groups, topk_groups, scale) and a router_bias
+  against transformers' DeepseekV3MoE's routed experts (its output less its shared expert),
+  on one device's split and over an expert axis."""
+  torch = pytest.importorskip("torch", reason=NO_TORCH)
+  transformers = pytest.importorskip("transformers", reason=NO_TORCH)
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  layer = v3.DeepseekV3MoE(transformers.DeepseekV3Config(**V3_MOE)).eval()
+  with torch.no_grad():
+    for p in layer.parameters():
+      p.normal_(0.0, 0.3)
+    layer.gate.e_score_correction_bias.normal_(0.0, 0.2)
+    h = torch.randn(2, 8, 32)
+    want = (layer(h) - layer.shared_experts(h)).numpy()
+    F = V3_MOE["moe_intermediate_size"]
+    gate_up = layer.experts.gate_up_proj.numpy()  # [E, 2F, D]: gate rows, then up rows
+    params = {"router": layer.gate.weight.numpy().T,
+              "router_bias": layer.gate.e_score_correction_bias.numpy(),
+              "w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
+              "w_down": layer.experts.down_proj.numpy().transpose(0, 2, 1)}
+  scoring = fs.parallel.Scoring("sigmoid", groups=4, topk_groups=2, scale=2.5)
+  mesh = fs.make_mesh(axes)
+  run = jax.jit(lambda x, p: fs.parallel.moe(x, p, 3, scoring=scoring)[0])
+  with fs.with_mesh(mesh):
+    got = np.asarray(run(jnp.asarray(h.numpy()), params))
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  # Without the bias the choice differs: the bias is what steers it.
+  with fs.with_mesh(mesh):
+    unbiased = np.asarray(run(jnp.asarray(h.numpy()), {**params, "router_bias": 0 * params[
+        "router_bias"]}))
+  assert not np.allclose(unbiased, want, atol=1e-3)
+
+
+def test_deepseek_v3_scoring_and_bias_that_cant_route_are_named():
+  x = jnp.ones((1, 4, 8))
+  rng = np.random.default_rng(0)
+  params = {"router": rng.normal(size=(8, 6)), "w_gate": rng.normal(size=(6, 8, 4)),
+            "w_up": rng.normal(size=(6, 8, 4)), "w_down": rng.normal(size=(6, 4, 8))}
+  for scoring in (fs.parallel.Scoring("sigmoid", groups=4),  # 4 doesn't divide 6
+                  fs.parallel.Scoring("softplus"), fs.parallel.Scoring(groups=2, topk_groups=3)):
+    with pytest.raises(fs.ExpertError, match="scoring="):
+      fs.parallel.moe(x, params, 2, scoring=scoring)
+  with pytest.raises(fs.ExpertError, match="router_bias has shape"):
+    fs.parallel.moe(x, {**params, "router_bias": np.zeros(5)}, 2)
+
+
+def test_the_bias_update_moves_each_expert_towards_the_mean_load():
+  """DeepSeek-V3's update by hand: mean load 4; expert 0 (6) down, 1 (2) up, 2 (4) still."""
+  new = fs.parallel.update_router_bias(np.full((2, 3), 0.25), np.array([[6, 2, 4],
+                                                                         [4, 4, 4]]), 0.5)
+  np.testing.assert_allclose(new, [[-0.25, 0.75, 0.25], [0.25, 0.25, 0.25]])

@@ -26,14 +26,15 @@ Examples:
 from fnscale import _deprecation
 from fnscale.parallel import context
 from fnscale.parallel._experts import (EXCHANGES, ExchangeSelection, ExpertChoice, MoEAux,
-                                       Routing, capacity, exchange_selection, moe, route,
-                                       with_experts)
+                                       Routing, Scoring, capacity, exchange_selection, moe,
+                                       route, update_router_bias, with_experts)
 from fnscale.parallel._pipeline import (Schedule, bubble_fraction, pipeline, schedules_in,
                                         stage_layers, unstage_layers)
 
 __all__ = [
     "pipeline", "stage_layers", "unstage_layers", "Schedule", "bubble_fraction", "schedules_in",
-    "moe", "route", "Routing", "MoEAux", "capacity", "with_experts", "ExpertChoice",
+    "moe", "route", "Routing", "Scoring", "update_router_bias", "MoEAux", "capacity",
+    "with_experts", "ExpertChoice",
     "EXCHANGES", "ExchangeSelection", "exchange_selection",
     "context",
 ]

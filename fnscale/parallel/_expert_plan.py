@@ -15,6 +15,7 @@ from fnscale import _context
 from fnscale import _tree
 from fnscale._errors import ExpertError, KernelError, MeshError, ShardingError
 from fnscale.kernels._grouped_matmul import gmm_selection
+from fnscale.parallel._expert_routing import SCORES
 
 
 EXCHANGES = ("auto", "ragged", "gather_experts", "all_gather", "all_to_all")
@@ -87,6 +88,21 @@ def capacity(capacity_factor: float, seq: int, k: int, num_experts: int) -> int:
 # ----------------------------------------------------------------------------- checks
 
 
+def _check_scoring(scoring, e: int, params) -> None:
+  """ExpertError naming a `Scoring` or a `router_bias` that can't route `e` experts."""
+  g = scoring.groups
+  if scoring.score not in SCORES or not (isinstance(g, int) and g >= 1 and e % g == 0) or not (
+      0 <= scoring.topk_groups <= g):
+    raise ExpertError(
+        f"moe: scoring={scoring!r} for {e} experts; expected score in {SCORES}, groups an "
+        "int >= 1 dividing the experts, 0 <= topk_groups <= groups; fix: e.g. "
+        "Scoring('sigmoid', groups=8, topk_groups=4) for 256 experts.")
+  bias = params.get("router_bias")
+  if bias is not None and tuple(jnp.shape(bias)) != (e,):
+    raise ExpertError(f"moe: router_bias has shape {tuple(jnp.shape(bias))}; expected [{e}], "
+                      "one selection bias per expert.")
+
+
 class _Shapes(NamedTuple):
   batch: int
   seq: int
@@ -95,7 +111,7 @@ class _Shapes(NamedTuple):
   d_ff: int
 
 
-def _check(x, params, k, capacity_factor) -> _Shapes:
+def _check(x, params, k, capacity_factor, scoring=None) -> _Shapes:
   """Shapes of a call; ExpertError on anything that can't work (before tracing)."""
   if not isinstance(params, Mapping) or any(key not in params for key in _PARAM_KEYS):
     raise ExpertError(
@@ -115,6 +131,8 @@ def _check(x, params, k, capacity_factor) -> _Shapes:
         f"moe: params shapes {shapes} don't fit x {tuple(jnp.shape(x))}; expected router "
         f"[d_model, E], w_gate and w_up [E, d_model, F], w_down [E, F, d_model] with "
         f"d_model {d} (mismatched: {bad}).")
+  if scoring is not None:
+    _check_scoring(scoring, e, params)
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= e:
     raise ExpertError(f"moe: k={k!r} experts per token with {e} experts; expected an int in "
                       f"[1, {e}]; fix: lower k or add experts.")

@@ -76,7 +76,7 @@ from fnscale.parallel._expert_exchange import (
     _Ctx, _Gmm, _capacity, _gathered, _local, _psum, _ragged)
 from fnscale.parallel._expert_plan import (
     _PARAM_KEYS, EXCHANGES, ExchangeSelection, _check, capacity, exchange_selection)
-from fnscale.parallel._expert_routing import Routing, route
+from fnscale.parallel._expert_routing import Routing, Scoring, route, update_router_bias  # noqa: F401
 
 __all__ = ["EXCHANGES", "ExchangeSelection", "ExpertChoice", "MoEAux", "Routing",
            "capacity", "exchange_selection", "moe", "route", "with_experts"]
@@ -217,11 +217,12 @@ def _all_experts(w: dict, c: _Ctx) -> dict:
   return {key: jax.lax.all_gather(v, c.ax, axis=0, tiled=True) for key, v in w.items()}
 
 
-def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool):
+def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool, scoring: Scoring):
   """The layer on one shard: tokens [T, D] (whole sequences of `seq` on the capacity path)
   -> ([T, D], MoEAux)."""
   w = _gathered_weights(params, c, flat.dtype)
-  r = route(flat, w.pop("router"), c.k, normalize=normalize)
+  r = route(flat, w.pop("router"), c.k, normalize=normalize, scoring=scoring,
+            bias=params.get("router_bias"))
   dropped = jnp.zeros((), jnp.int32)
   if c.cap is not None:
     out, dropped = _capacity(flat, r, w, c, seq)
@@ -238,7 +239,7 @@ def _body(flat, params, *, c: _Ctx, seq: int, normalize: bool):
 
 def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
         capacity_factor: float | None = None, normalize: bool = True,
-        expert_axis: str | None = None, exchange: str = "auto",
+        scoring: Scoring = Scoring(), expert_axis: str | None = None, exchange: str = "auto",
         grouped_matmul: str = "auto", interpret: bool | None = None,
         mesh=None) -> tuple[jax.Array, MoEAux]:
   """A mixture-of-experts SwiGLU feed-forward (see the module docstring).
@@ -248,14 +249,17 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
   Args:
     x: [batch, seq, d_model] in the compute dtype (the experts' weights are cast to it).
     params: {"router": [d_model, E], "w_gate": [E, d_model, F], "w_up": [E, d_model, F],
-      "w_down": [E, F, d_model]}; under a mesh give the expert weights logical axes that
-      put E on the expert axis (e.g. a rule ("experts", "expert")), or the layer's
-      shard_map moves them there.
+      "w_down": [E, F, d_model]}, and DeepSeek-V3's selection bias "router_bias" [E]
+      (float32; optional); under a mesh give the expert weights logical axes that put E on
+      the expert axis (e.g. a rule ("experts", "expert")), or the layer's shard_map moves
+      them there.
     k: experts per token, 1 <= k <= E.
     capacity_factor: None for the dropless layer; a number > 0 for the capacity path
       (`capacity`).
     normalize: renormalise the top-k weights to sum to 1 (Mixtral); False keeps the
       softmax probabilities (DeepSeek-V2).
+    scoring: how the router scores and chooses (`Scoring`; DeepSeek-V3's sigmoid, groups
+      and weight scale).
     expert_axis: the mesh axis to split experts over; default the convention's expert axis
       when the mesh has one (none: experts are not split).
     exchange: "auto" or a name in `EXCHANGES` (`exchange_selection`); `with_experts` sets the
@@ -291,13 +295,14 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
   plan = exchange_selection(jnp.shape(x), params, k, dtype=x.dtype, capacity_factor=capacity_factor,
                        expert_axis=expert_axis, exchange=exchange,
                        grouped_matmul=grouped_matmul, interpret=interpret, mesh=mesh)
-  sh = _check(x, params, k, capacity_factor)
+  sh = _check(x, params, k, capacity_factor, scoring)
   cap = None if capacity_factor is None else capacity(capacity_factor, sh.seq, k, sh.experts)
   shards = math.prod(mesh.shape[a] for a in plan.token_axes) if plan.token_axes else 1
   c = _Ctx(int(k), sh.experts, plan.expert_axis, plan.expert_shards, plan.token_axes, shards,
            plan.tensor_axes, plan.fsdp_axes, plan.exchange,
            _Gmm(plan.grouped_matmul, plan.interpret, plan.platform), plan.interpret, cap)
-  body = functools.partial(_body, c=c, seq=sh.seq, normalize=normalize)
+  body = functools.partial(_body, c=c, seq=sh.seq, normalize=normalize, scoring=scoring)
+  keys = _PARAM_KEYS + (("router_bias",) if "router_bias" in params else ())
   flat = jnp.reshape(x, (sh.batch * sh.seq, sh.d_model))  # batch-major: rows stay whole
   with jax.named_scope(SCOPE):
     if not (c.tokens or c.tensor or c.ax):
@@ -305,13 +310,13 @@ def moe(x: jax.Array, params: Mapping[str, jax.Array], k: int, *,
     else:
       ex, tp, fs = c.ax, _tree.spec_entry(c.tensor), _tree.spec_entry(c.fsdp)
       specs = {"router": P(fs, None), "w_gate": P(ex, fs, tp), "w_up": P(ex, fs, tp),
-               "w_down": P(ex, tp, fs)}
+               "w_down": P(ex, tp, fs), "router_bias": P(None)}
       seq = tuple(a for a in c.tokens if a in _axes.context_axes(mesh))
       rows = _tree.spec_entry(tuple(a for a in c.tokens if a not in seq))
       # A sequence split over context axes: each shard flattens its own rows' pieces.
       xspec = P(rows, _tree.spec_entry(seq), None) if seq else P(_tree.spec_entry(c.tokens), None)
-      in_specs = (xspec, {key: specs[key] for key in _PARAM_KEYS})
-      args = (x if seq else flat, {key: params[key] for key in _PARAM_KEYS})
+      in_specs = (xspec, {key: specs[key] for key in keys})
+      args = (x if seq else flat, {key: params[key] for key in keys})
       if explicit_free_axes(mesh):  # shardings in the types: each enters by its spec
         args = jax.tree.map(lambda s, a: jax.sharding.reshard(a, s), in_specs, args,
                             is_leaf=lambda s: isinstance(s, P))
