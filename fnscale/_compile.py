@@ -4,6 +4,10 @@
 per shard under `jax.shard_map` over the data axes. What it returns is a declared value: a
 `ShardedStep` (compiles on first call per input shapes, like `jax.jit`) whose `compile`
 gives a `CompiledStep` holding its one executable, mesh and shardings.
+
+`ShardedStep.compile` reads top to bottom: the layout (`_layout`: the state's shardings,
+derived once, `_carried_shardings`; the batch's), the trace and lowering in it (`_traced`,
+`_lower`), XLA's compile (`fnscale._compiler`).
 """
 from __future__ import annotations
 
