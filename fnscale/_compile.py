@@ -4,6 +4,10 @@
 per shard under `jax.shard_map` over the data axes. What it returns is a declared value: a
 `ShardedStep` (compiles on first call per input shapes, like `jax.jit`) whose `compile`
 gives a `CompiledStep` holding its one executable, mesh and shardings.
+
+`ShardedStep.compile` reads top to bottom: the layout (`_layout`: the state's shardings,
+derived once, `_carried_shardings`; the batch's), the trace and lowering in it (`_traced`,
+`_lower`), XLA's compile (`fnscale._compiler`).
 """
 from __future__ import annotations
 
@@ -40,6 +44,16 @@ class _Signature(NamedTuple):
   batch_def: Any
   state_leaves: tuple
   batch_leaves: tuple
+
+
+class _Layout(NamedTuple):
+  """Where a compile puts the leaves, derived once per compile: the plain state (no Linen
+  boxes), its shardings (a tree and one per leaf), the batch's."""
+  state: Any
+  state_shardings: Any
+  state_flat: list
+  batch_shardings: Any
+  batch_flat: list
 
 
 def _signature(state, batch, state_sh, batch_sh) -> _Signature:
@@ -124,25 +138,26 @@ def _disagreement(state, carried: list, derived, what: str):
 
 
 def _carried_shardings(state, mesh, rules, logical_axes, optimizer, sharding_options):
-  """The state's shardings: each leaf's own NamedSharding on `mesh` (a state born sharded by
-  `init_state`, arrays or ShapeDtypeStructs), else derived as `fnscale.state_shardings`
-  derives them; the optimizer state follows the params' carried shardings."""
-  derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
-                                   sharding_options=sharding_options)
-  state = _flax.strip(state)  # the Linen boxes' names are in `derived`
+  """The state's shardings, derived once: each leaf's own NamedSharding on `mesh` (a state
+  born sharded by `init_state`, arrays or ShapeDtypeStructs), else derived as
+  `fnscale.state_shardings` derives them; the optimizer state follows the params' carried
+  shardings."""
+  # The params' names (a Linen box's too) give their derived shardings.
+  derived_params = _state.derived_param_shardings(state, mesh, rules, logical_axes,
+                                                  sharding_options)
+  state = _flax.strip(state)
   carried = [_own_sharding(leaf, None, mesh) for leaf in jax.tree.leaves(state)]
   n_params = len(jax.tree.leaves(state.params))
   # Rules alone place no leaf without logical axes (a state built from a Flax model's
   # metadata carries its names only in its shardings): nothing to compare then.
   if logical_axes is not None or sharding_options:
-    _disagreement(state.params, carried[:n_params], derived.params,
+    _disagreement(state.params, carried[:n_params], derived_params,
                   "rules / logical_axes / sharding_options")
   psh = jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(state.params),
-      [d if c is None else c for c, d in zip(carried, jax.tree.leaves(derived.params))])
-  derived = _state.state_shardings(state, mesh, rules, logical_axes=logical_axes,
-                                   optimizer=optimizer, sharding_options=sharding_options,
-                                   param_shardings=psh)
+      [d if c is None else c for c, d in zip(carried, jax.tree.leaves(derived_params))])
+  derived = _state.state_shardings(state, mesh, optimizer=optimizer,
+                                   sharding_options=sharding_options, param_shardings=psh)
   if optimizer is not None:
     _disagreement(state.opt_state, carried[n_params:], derived.opt_state, "optimizer")
   return jax.tree_util.tree_unflatten(
@@ -253,22 +268,56 @@ class ShardedStep:
   _executables: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
                                          repr=False)
 
+  def __call__(self, state, batch):
+    key = _inputs_key(state, batch)
+    fn = self._executables.get(key)
+    if fn is None:
+      # A state with Linen boxes runs the executable of its plain arrays (what it returns).
+      plain_key = _inputs_key(_flax.strip(state), batch)
+      fn = self._executables.get(plain_key)
+      if fn is None:
+        if self._executables:
+          logging.warning(
+              "shard_step: compiling again for new input shapes/dtypes (executable %d); "
+              "call step.compile(state, batch) to pin one and get an error instead",
+              len(self._executables) + 1)
+        fn = self._executables[plain_key] = self.compile(state, batch)
+      self._executables[key] = fn
+    return fn(state, batch)
+
+  def compile(self, state, batch) -> CompiledStep:
+    """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
+    report or a plan on process 0 alone is fine); a job checks that every process compiled
+    the same step with `fnscale.multihost.agree_on_step(compiled)`."""
+    layout = self._layout(state, batch)  # the state's shardings, derived once
+    sig = _signature(layout.state, batch, layout.state_flat, layout.batch_flat)
+    lowered = self._traced(layout, batch, sig)
+    c = _compiler.compile_lowered(lowered, self.compiler_options)
+    name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
+    logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)%s", name, c.seconds,
+                 dict(self.mesh.shape), self.mode, " (compiled earlier in this process)"
+                 if c.reused else "")
+    return CompiledStep(c.compiled, lowered, c.seconds, self.mesh, self.mode,
+                        layout.state_shardings, layout.batch_shardings, c.warnings, sig,
+                        self.donate, self.compiler_options, c.from_cache, c.reused)
+
   def shardings(self, state, batch):
     """(state shardings, batch shardings) the step is compiled with, checked against the
     leaves (rank, divisibility)."""
-    _, ssh, _, bsh, _ = self._resolve(state, batch)
-    return ssh, bsh
+    layout = self._layout(state, batch)
+    return layout.state_shardings, layout.batch_shardings
 
-  def _state_shardings(self, state):
-    if self.state_shardings is not None:
-      return self.state_shardings
-    return _carried_shardings(state, self.mesh, self.rules, self.logical_axes,
-                              self.optimizer, self.sharding_options)
+  def lower(self, state, batch):
+    """Lowers for `(state, batch)` (arrays or ShapeDtypeStructs)."""
+    return self._lower(self._layout(state, batch), batch)
 
-  def _resolve(self, state, batch):
-    """(plain state, state shardings, their leaves, batch shardings, their leaves): a
-    state's Linen boxes give their names to its layout, and the step runs on their arrays."""
-    ssh = self._state_shardings(state)
+  def _layout(self, state, batch) -> _Layout:
+    """Where the state and batch leaves go, checked: a state's Linen boxes give their names
+    to its layout, and the step runs on their arrays."""
+    ssh = self.state_shardings
+    if ssh is None:
+      ssh = _carried_shardings(state, self.mesh, self.rules, self.logical_axes,
+                               self.optimizer, self.sharding_options)
     if _flax.has_linen_boxes(state):
       logging.info("shard_step: the state's params hold Flax Linen boxes; the step runs on "
                    "their plain arrays (laid out as their names say), so model.apply applies "
@@ -287,7 +336,50 @@ class ShardedStep:
       batch_flat = _tree.leaf_shardings(batch, self.batch_sharding, "batch", StepError)
     bsh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), batch_flat)
     _sh.check_batch(batch, bsh)
-    return state, ssh, state_flat, bsh, batch_flat
+    return _Layout(state, ssh, state_flat, bsh, batch_flat)
+
+  def _traced(self, layout: _Layout, batch, sig: _Signature):
+    """`_lower`, its failures said as StepErrors (where the user's step failed, and why)."""
+    try:
+      return self._lower(layout, batch)
+    except FnscaleError:
+      raise
+    except (NotImplementedError, ValueError) as e:
+      boxed = _flax.constraint_failure(e)
+      if boxed is not None:
+        raise StepError(boxed) from None
+      closed = _closure.explicit_closure(e, self.step, "the step")
+      if closed is not None and self.mode == "shard_map":
+        raise StepError(closed.message(
+            "shard_step(mode='shard_map') runs the step per shard under jax.shard_map",
+            _closure.FIX + ", or mode='auto'")) from None
+      if closed is not None:  # e.g. train_step's per-shard microbatch loop
+        raise StepError(closed.message(
+            "a jax.shard_map in the step (e.g. train_step's per-shard microbatch loop)",
+            _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
+      raise _trace_error(e, sig, self._signatures()) from e
+    except Exception as e:  # pylint: disable=broad-except  # the user's step failed to trace
+      raise _trace_error(e, sig, self._signatures()) from e
+
+  def _lower(self, layout: _Layout, batch):
+    """`jax.jit(...).lower` of the step in `layout`'s shardings."""
+    state, ssh, state_flat, _, batch_flat = layout
+    rep = NamedSharding(self.mesh, PartitionSpec())
+
+    def lower(mesh):  # built afresh for each mesh traced under (shard_map keeps the first)
+      sf, bf = ([_flax.on_mesh(s, mesh) for s in flat] for flat in (state_flat, batch_flat))
+      in_sh = (jax.tree.unflatten(jax.tree.structure(state), sf),
+               jax.tree.unflatten(jax.tree.structure(batch), bf))
+      jitted = jax.jit(self._body(batch, bf), in_shardings=in_sh, out_shardings=(ssh, rep),
+                       donate_argnums=(0,) if self.donate else ())
+      return jitted.lower(_tree.abstract(state, sf), _tree.abstract(batch, bf))
+    # The step knows the params' shardings (gradient accumulators are pinned to them).
+    params = getattr(state, "params", None)  # a TrainState's first leaves
+    specs = _loss.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
+    # Flax's logical constraints on activations follow the rules, on this mesh's axes.
+    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
+      # A Linen box's constraint on an axis the mesh lacks: traced again with it, of size 1.
+      return _flax.with_box_axes(lower, "shard_step")
 
   def _body(self, batch, batch_flat):
     daxes = _axes.data_axes(self.mesh)
@@ -315,78 +407,6 @@ class ShardedStep:
   def _signatures(self) -> list[_Signature]:
     """The signatures this step compiled for before."""
     return [c.signature for c in self._executables.values()]
-
-  def lower(self, state, batch):
-    """The step lowered for `(state, batch)` (arrays or ShapeDtypeStructs)."""
-    state, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
-    rep = NamedSharding(self.mesh, PartitionSpec())
-
-    def lower(mesh):  # built afresh for each mesh traced under (shard_map keeps the first)
-      sf, bf = ([_flax.on_mesh(s, mesh) for s in flat] for flat in (state_flat, batch_flat))
-      in_sh = (jax.tree.unflatten(jax.tree.structure(state), sf),
-               jax.tree.unflatten(jax.tree.structure(batch), bf))
-      jitted = jax.jit(self._body(batch, bf), in_shardings=in_sh, out_shardings=(ssh, rep),
-                       donate_argnums=(0,) if self.donate else ())
-      return jitted.lower(_tree.abstract(state, sf), _tree.abstract(batch, bf))
-    # The step knows the params' shardings (gradient accumulators are pinned to them).
-    params = getattr(state, "params", None)  # a TrainState's first leaves
-    specs = _loss.param_specs(params, state_flat[:len(jax.tree.leaves(params))])
-    # Flax's logical constraints on activations follow the rules, on this mesh's axes.
-    with jax.set_mesh(self.mesh), specs, _flax.rules_scope(_sh.normalize_rules(self.rules)):
-      # A Linen box's constraint on an axis the mesh lacks: traced again with it, of size 1.
-      return _flax.with_box_axes(lower, "shard_step")
-
-  def compile(self, state, batch) -> CompiledStep:
-    """Compiles for `(state, batch)`. Only this process: nothing waits for the others (a
-    report or a plan on process 0 alone is fine); a job checks that every process compiled
-    the same step with `fnscale.multihost.agree_on_step(compiled)`."""
-    plain, ssh, state_flat, bsh, batch_flat = self._resolve(state, batch)
-    sig = _signature(plain, batch, state_flat, batch_flat)
-    try:
-      lowered = self.lower(state, batch)
-    except FnscaleError:
-      raise
-    except (NotImplementedError, ValueError) as e:
-      boxed = _flax.constraint_failure(e)
-      if boxed is not None:
-        raise StepError(boxed) from None
-      closed = _closure.explicit_closure(e, self.step, "the step")
-      if closed is not None and self.mode == "shard_map":
-        raise StepError(closed.message(
-            "shard_step(mode='shard_map') runs the step per shard under jax.shard_map",
-            _closure.FIX + ", or mode='auto'")) from None
-      if closed is not None:  # e.g. train_step's per-shard microbatch loop
-        raise StepError(closed.message(
-            "a jax.shard_map in the step (e.g. train_step's per-shard microbatch loop)",
-            _closure.FIX + ", or train_step(..., accum_gather='per_microbatch')")) from None
-      raise _trace_error(e, sig, self._signatures()) from e
-    except Exception as e:  # pylint: disable=broad-except  # the user's step failed to trace
-      raise _trace_error(e, sig, self._signatures()) from e
-    c = _compiler.compile_lowered(lowered, self.compiler_options)
-    name = f"compiled step {hashlib.sha256(lowered.as_text().encode()).hexdigest()[:12]}"
-    logging.info("shard_step: %s in %.2f s on mesh %s (mode %s)%s", name, c.seconds,
-                 dict(self.mesh.shape), self.mode, " (compiled earlier in this process)"
-                 if c.reused else "")
-    return CompiledStep(c.compiled, lowered, c.seconds, self.mesh, self.mode, ssh, bsh,
-                        c.warnings, sig, self.donate, self.compiler_options, c.from_cache,
-                        c.reused)
-
-  def __call__(self, state, batch):
-    key = _inputs_key(state, batch)
-    fn = self._executables.get(key)
-    if fn is None:
-      # A state with Linen boxes runs the executable of its plain arrays (what it returns).
-      plain_key = _inputs_key(_flax.strip(state), batch)
-      fn = self._executables.get(plain_key)
-      if fn is None:
-        if self._executables:
-          logging.warning(
-              "shard_step: compiling again for new input shapes/dtypes (executable %d); "
-              "call step.compile(state, batch) to pin one and get an error instead",
-              len(self._executables) + 1)
-        fn = self._executables[plain_key] = self.compile(state, batch)
-      self._executables[key] = fn
-    return fn(state, batch)
 
 
 def _inputs_key(state, batch) -> tuple:

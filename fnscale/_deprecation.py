@@ -43,3 +43,28 @@ def moved(package: str, table: Mapping[str, tuple[str, str]]) -> Callable[[str],
                   stacklevel=2)
     return resolve(where)
   return __getattr__
+
+
+def renamed_field(owner: str, old: str, new: str) -> property:
+  """A read-only attribute `old` of a value whose field is now `new` (a NamedTuple field
+  renamed): reading it warns "Plan.accum is deprecated: use Plan.accum_steps" and gives
+  `new`'s value."""
+  def get(self):
+    warnings.warn(f"{owner}.{old} is deprecated: use {owner}.{new}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(self, new)
+  return property(get, doc=f"Deprecated spelling of `{new}`.")
+
+
+def renamed_keyword(function: str, old: str, new: str, old_value, new_value):
+  """The value of keyword `new` of `function`, given as its old spelling `old` (not None:
+  a `DeprecationWarning`) or as `new_value`; TypeError for both, as Python's own for a
+  keyword given twice."""
+  if old_value is None:
+    return new_value
+  if new_value is not None:
+    raise TypeError(f"{function}() got {old}= and {new}=: {old} is the deprecated "
+                    f"spelling of {new}, give {new} alone")
+  warnings.warn(f"{function}({old}=...) is deprecated: use {new}=", DeprecationWarning,
+                stacklevel=3)
+  return old_value

@@ -157,11 +157,7 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
     >>> shardings.params["w"].spec, shardings.opt_state[0].nu["w"].spec, shardings.step.spec
     (P('fsdp', None), P('fsdp', None), P())
   """
-  if not isinstance(state, TrainState):
-    raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
-                    "it with fnscale.init_state.")
-  check_mesh(mesh, "state_shardings")
-  opts = _options(sharding_options)
+  opts = _checked(state, mesh, sharding_options)
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
   state = _flax.strip(state)  # the shardings of the plain state, as init_state builds it
@@ -169,6 +165,25 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
                     frozen_shardings(state.frozen, mesh, opts))
+
+
+def derived_param_shardings(state, mesh, rules=(), logical_axes=None,
+                            sharding_options: Mapping | None = None):
+  """The params' shardings of a TrainState as `state_shardings` derives them (from `rules`
+  and `logical_axes`, else automatic FSDP), whatever the params carry: a caller that keeps
+  what they carry passes the merged tree back as `state_shardings(param_shardings=...)`."""
+  opts = _checked(state, mesh, sharding_options)
+  return _sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
+
+
+def _checked(state, mesh, sharding_options) -> dict:
+  """`sharding_options` as keyword arguments of `fnscale.shardings`, once `state` is a
+  TrainState and `mesh` a mesh."""
+  if not isinstance(state, TrainState):
+    raise StepError(f"state is {_tree.got(state)}, expected fnscale.TrainState; fix: build "
+                    "it with fnscale.init_state.")
+  check_mesh(mesh, "state_shardings")
+  return _options(sharding_options)
 
 
 def frozen_shardings(frozen, mesh, opts: dict | None = None):

@@ -83,7 +83,7 @@ def _compiled(cfg, cand, rows: int):
   state = fs.init_state(lambda k: llama.init_params(cfg, k), opt, mesh=mesh, rules=llama.RULES,
                         logical_axes=la, key=jax.random.key(0))
   loss = functools.partial(llama.loss_fn, remat=cand.remat)
-  step = fs.shard_step(fs.train_step(loss, opt, accum_steps=cand.accum), mesh,
+  step = fs.shard_step(fs.train_step(loss, opt, accum_steps=cand.accum_steps), mesh,
                        rules=llama.RULES, logical_axes=la, donate=False)
   data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
   batch = fs.global_batch(fs.parallel.context.reorder_batch(

@@ -9,10 +9,10 @@
 Read top to bottom: `run` decides the run (every default filled in, the mesh built, every
 input checked before anything is written), `_run` builds the step, restores and compiles,
 `_loop` steps, logs, evaluates and saves, `_finish` ends the run. Each job lives in a module
-of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), memory.py (the
-step fits the device's memory), startup.py (devices, processes, topology, precision),
-data.py and batches.py, checkpoints.py, evaluation.py, progress.py (the progress line and
-clock), summary.py, rundir.py and run_log.py (what the run directory holds), stalls.py,
+of `lm/`: options.py (every option), run_setup.py (defaults, mesh, batch), memory.py (rows,
+accumulation, remat and optimizer, decided once so that the step fits the device's memory),
+startup.py (devices, processes, topology, precision), data.py and batches.py,
+checkpoints.py, evaluation.py, progress.py (the progress line and clock), summary.py, rundir.py and run_log.py (what the run directory holds), stalls.py,
 finetune.py (LoRA: --lora_rank; DPO:
 --objective=dpo, with dpo.py and preference.py); the models are gpt.py, llama.py and
 moe.py. fnscale does the distribution. Only process 0 prints and writes files. Rerunning the

@@ -78,3 +78,31 @@ def test_numpy_state_leaves_are_still_derived_from_the_rules():
   ssh, _ = fnscale.shard_step(step, mesh, rules=RULES,
                               logical_axes=models.mlp_logical_axes()).shardings(host, batch)
   assert [tuple(s.spec) for s in jax.tree.leaves(ssh)] == _specs(state)
+
+
+def test_one_compile_derives_the_state_shardings_once(monkeypatch):
+  # Counted where they are defined: `fnscale._state.state_shardings` (the whole state) and
+  # `fnscale._sharding.shardings` (a tree's leaves; here the params, the state has no
+  # frozen params). One compile with numpy leaves (nothing carried, all derived) calls each
+  # once; the first call of a ShardedStep compiles once too.
+  from fnscale import _sharding, _state
+  mesh, opt, state, step = _setup()
+  host = jax.device_get(state)
+  batch = models.mlp_batch(jax.random.key(1), 16)
+  calls = {"state": 0, "tree": 0}
+
+  def counted(name, fn):
+    def wrapper(*args, **kwargs):
+      calls[name] += 1
+      return fn(*args, **kwargs)
+    return wrapper
+  monkeypatch.setattr(_state, "state_shardings", counted("state", _state.state_shardings))
+  monkeypatch.setattr(_sharding, "shardings", counted("tree", _sharding.shardings))
+  sharded = fnscale.shard_step(step, mesh, rules=RULES, logical_axes=models.mlp_logical_axes(),
+                               optimizer=opt)
+  compiled = sharded.compile(host, batch)
+  assert calls == {"state": 1, "tree": 1}
+  assert [tuple(s.spec) for s in jax.tree.leaves(compiled.state_shardings)] == _specs(state)
+  calls.update(state=0, tree=0)
+  sharded(state, batch)
+  assert calls == {"state": 1, "tree": 1}

@@ -366,7 +366,7 @@ def test_a_step_that_does_not_fit_is_refused_before_it_runs_and_its_fix_runs():
     fs.analysis.compile_fitting(step(False, 1), state, shapes, options=options)
   assert refused.value.needed > limit == refused.value.limit and refused.value.options
   best = refused.value.options[0]
-  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum), state, shapes)
+  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum_steps), state, shapes)
   assert fs.analysis.step_bytes(fixed) <= limit
   tokens = np.random.default_rng(2).integers(0, cfg.vocab, (64, 1025), dtype=np.int32)
   batch = fs.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},

@@ -101,7 +101,7 @@ def test_fit_options_keep_what_the_user_fixed_and_fit_the_limit():
                        cpu_rates=RATES)
   axes = fs.MeshAxes({"data": 8}, {})  # 8 rows per device
   est = lambda o: fs.analysis.predict(prof._replace(rows=o.rows * 8), "cpu", axes, remat=o.remat,
-                                  accum=o.accum, cpu_rates=RATES).estimate.bytes
+                                  accum_steps=o.accum_steps, cpu_rates=RATES).estimate.bytes
   plain = est(fs.analysis.FitOption(False, 1, 8, 0, 0))
   limit = plain * 0.7
   opts = fit_options(prof, "cpu", axes, limit, cpu_rates=RATES)
@@ -109,11 +109,11 @@ def test_fit_options_keep_what_the_user_fixed_and_fit_the_limit():
   assert {o.remat for o in opts} == {False, True}  # each with the fewest steps that fit
   assert [o.tokens_s for o in opts] == sorted((o.tokens_s for o in opts), reverse=True)
   fixed = fit_options(prof, "cpu", axes, limit, remat=False, cpu_rates=RATES)
-  assert [o.remat for o in fixed] == [False] and fixed[0].accum > 1
+  assert [o.remat for o in fixed] == [False] and fixed[0].accum_steps > 1
   # 8 rows fixed and no accumulation: only remat, where it fits; fewer rows only if free.
-  assert all(o.remat for o in fit_options(prof, "cpu", axes, limit, accum=1, rows=8,
+  assert all(o.remat for o in fit_options(prof, "cpu", axes, limit, accum_steps=1, rows=8,
                                           cpu_rates=RATES))
-  halved = fit_options(prof, "cpu", axes, limit, remat=False, accum=1, cpu_rates=RATES)
+  halved = fit_options(prof, "cpu", axes, limit, remat=False, accum_steps=1, cpu_rates=RATES)
   assert halved and all(o.rows < 8 for o in halved)
   # Less than the params and optimizer state: nothing fits.
   assert fit_options(prof, "cpu", axes, prof.param_bytes, cpu_rates=RATES) == ()
@@ -143,8 +143,8 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_its_fix_fits_and_ru
   assert e.value.needed == fs.analysis.step_bytes(plain) and e.value.limit == limit
   best = e.value.options[0]
   assert f"has {limit / 2**20:.2f} MiB" in str(e.value)
-  assert f"remat={best.remat}, accum_steps={best.accum}" in str(e.value)
-  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum), state, batch, limit=limit)
+  assert f"remat={best.remat}, accum_steps={best.accum_steps}" in str(e.value)
+  fixed = fs.analysis.compile_fitting(step(best.remat, best.accum_steps), state, batch, limit=limit)
   assert fs.analysis.step_bytes(fixed) <= limit
   data = np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq + 1), dtype=np.int32)
   real = fs.global_batch({"inputs": data[:, :-1], "targets": data[:, 1:]},

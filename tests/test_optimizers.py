@@ -119,9 +119,9 @@ def _choose(v5e, monkeypatch, cap, **options):
   topo, mesh, model, P = v5e
   monkeypatch.setattr(memory, "limit", lambda mesh: cap * P)
   said = []
-  o, _ = memory.choose(Options(precision="float32", **options), model, topo, mesh, 1,
+  step = memory.choose(Options(precision="float32", **options), model, topo, mesh, 1,
                        said.append)
-  return o, said
+  return step, said
 
 
 @pytest.mark.slow

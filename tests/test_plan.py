@@ -144,7 +144,8 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
                        act_row_remat=1e8, layers=10, stream_row=1e6, rows=64, has_remat=True)
   hw = _targets.Hardware("t", "tpu", "v5p", 1, 8, (2, 2, 2), False, 1e14, 95 * GiB,
                          _targets.LinkFacts(1e11, 1e10, 1e12))
-  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum=2, gather="per_microbatch")
+  e = _cost.estimate(prof, hw, {"fsdp": 8}, {}, remat=False, accum_steps=2,
+                     gather="per_microbatch")
   # Per device: params, adam state, the backward's bf16 gradients and the float32
   # accumulator split 8 ways; two layers of gathered bf16 weights; activations of
   # 64 / 8 / 2 = 4 rows.
@@ -161,7 +162,8 @@ def test_estimate_is_the_scaling_book_fsdp_roofline():
   assert e.step_s == max(e.compute_s, e.comm_s["fsdp"])
   assert e.mfu == pytest.approx(6e12 * 64 / (e.step_s * 8 * 1e14))
   # Data parallel replicates the optimizer update: 8x its memory traffic.
-  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum=2, gather="per_microbatch")
+  d = _cost.estimate(prof, hw, {"data": 8}, {}, remat=False, accum_steps=2,
+                     gather="per_microbatch")
   assert d.memory_s - e.memory_s == pytest.approx(7 * (2 * 4e9 + 4e9 + 2 * 8e9) / 8 / 1e12)
 
 
@@ -251,7 +253,7 @@ def test_the_llama_766m_step_a_v5e_chip_runs_is_planned_to_fit_it():
   assert p.hardware.memory_limit == V5E_BYTES_LIMIT
   assert LLAMA_766M_STEP_BYTES <= p.hardware.memory_limit
   best = p.rows[0]
-  assert best.fits and (best.axes.ici, best.remat, best.accum) == ({"data": 1}, True, 1)
+  assert best.fits and (best.axes.ici, best.remat, best.accum_steps) == ({"data": 1}, True, 1)
   # Its estimate (12.9 GiB) within the 5% margin below the limit, and no further than 20%
   # under the footprint the chip measured.
   assert LLAMA_766M_STEP_BYTES * 0.8 <= best.estimate.bytes <= 0.95 * V5E_BYTES_LIMIT
@@ -318,7 +320,7 @@ def test_plan_verified_by_compiling_for_v5p(tpu_devices):
                        logical_axes=llama.logical_axes(cfg), verify=1, max_tensor=1))
   best = p.rows[0]
   assert best.compiled is not None and best.fits
-  assert (p.axes, p.remat, p.accum) == (best.axes, best.remat, best.accum)
+  assert (p.axes, p.remat, p.accum_steps) == (best.axes, best.remat, best.accum_steps)
   assert best.compiled.bytes <= p.hardware.hbm_bytes
   # Splash attention serves the target: a kernel, whose work is no HLO dot. The profile
   # still counts it, by hand 12 layers (heads head_dim) seq^2 per row without remat (PaLM),
@@ -383,7 +385,7 @@ def test_llama_8b_on_v5p_8_is_planned_over_fsdp_within_xlas_peak(tpu_devices):
            optax.adamw(3e-4), _batch(8, 4096), "v5p-8",
            PlanOptions(policy="params=float32,compute=bfloat16,output=float32",
                        rules=llama.RULES, logical_axes=llama.logical_axes(cfg), verify=0))
-  assert (mesh_str(p.axes), p.remat, p.accum) == ("fsdp=4", False, 2)
+  assert (mesh_str(p.axes), p.remat, p.accum_steps) == ("fsdp=4", False, 2)
   assert p.rows[0].estimate.bytes == pytest.approx(76.5 * GiB, rel=0.05)
 
 
@@ -402,7 +404,7 @@ def test_the_plan_recipe_plans_the_gpt_sizes(tpu_devices):
   assert p.profile.params == sum(x.size for x in jax.tree.leaves(params))
   assert (p.profile.rows, p.profile.tokens_row) == (64, 1024)
   assert p.rows[0].fits and p.rows[0].estimate.bytes <= 0.95 * V5E_BYTES_LIMIT
-  assert p.remat or p.accum > 1
+  assert p.remat or p.accum_steps > 1
 
 
 def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
@@ -412,14 +414,14 @@ def test_a_candidate_xla_finds_too_big_makes_room_for_the_next(monkeypatch):
           for a, s in ((1, 1.0), (2, 1.1), (4, 1.2))]
 
   def fake_verify(cand, hw, ctx):  # XLA: accum=1 overflows HBM, the others fit
-    fits = cand.accum > 1
+    fits = cand.accum_steps > 1
     c = fs.analysis.CompileCheck(10.0 if fits else 99.0, 0.0, 0.0, cand.estimate.step_s, 0.5,
                                  1.0, () if fits else ("memory",))
     return cand._replace(compiled=c, fits=fits)
 
   monkeypatch.setattr(_verify, "compile_candidate", fake_verify)
   _verify.verify_best(rows, None, None, verify=1)
-  assert [(r.accum, r.fits, r.compiled is not None) for r in rows] == [
+  assert [(r.accum_steps, r.fits, r.compiled is not None) for r in rows] == [
       (2, True, True), (4, True, False), (1, False, True)]
 
 
@@ -569,7 +571,7 @@ def test_a_model_that_fits_without_remat_is_planned_without_it(model):
     init, loss = (lambda k: llama.init_params(cfg, k)), llama.loss_fn
   p = plan(init, loss, optax.adamw(1e-3), _batch(16, 128), "v5p-8", PlanOptions(verify=0))
   assert not p.remat
-  rank = {(mesh_str(r.axes), r.remat, r.accum): i for i, r in enumerate(p.rows)}
+  rank = {(mesh_str(r.axes), r.remat, r.accum_steps): i for i, r in enumerate(p.rows)}
   for (mesh, remat, accum), i in rank.items():
     if remat and (mesh, False, accum) in rank:
       assert rank[(mesh, False, accum)] < i
@@ -696,8 +698,8 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   params = jax.eval_shape(lambda k: llama.init_params(cfg, k), jax.random.key(0))
   hw = _targets.resolve("cpu", (1e10, 1e9))
   prof = _cost.profile(params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128))
-  cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True, accum=2,
-                            cpu_rates=(1e10, 1e9))
+  cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True,
+                             accum_steps=2, cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
          llama.RULES, llama.logical_axes(cfg), prof)
   with pytest.raises(Stop):
@@ -777,7 +779,7 @@ def test_a_lora_estimate_holds_gradients_and_a_cast_copy_of_the_adapters_only():
   n, ad = llama.param_count(cfg), sum(x.size for x in jax.tree.leaves(state.params))
   one = fs.MeshAxes({"data": 8}, {})
   for accum, grads in ((1, 2 * ad), (2, 2 * ad + 4 * ad)):
-    est = fs.analysis.predict(prof, "cpu", one, accum=accum, cpu_rates=rates).estimate
+    est = fs.analysis.predict(prof, "cpu", one, accum_steps=accum, cpu_rates=rates).estimate
     assert (est.params, est.grads, est.weights) == (2 * n + 4 * ad, grads, 2 * ad)
   opt = 2 * 4 * ad + 4  # AdamW's two float32 moments and its step count
   assert _cost.memory_traffic(prof, False, 0, 1, 1) == 2 * 4 * ad + 4 * ad + 2 * opt
@@ -820,3 +822,37 @@ def test_residuals_are_what_the_backward_pass_reads():
   res = _trace._residuals(f, params, batch, None, width=0, interpret=False)
   kib = 1024
   assert res.total == 5 * 256 * kib + 4 * kib
+
+
+def test_the_old_accum_spellings_warn_and_give_accum_steps():
+  # The planner's name for accumulation steps was `accum` (keyword and field); it still
+  # works for a release, saying the one spelling to use.
+  init = lambda key: {"w": jax.random.normal(key, (256, 256))}
+  loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+  batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
+  prof = fs.analysis.profile_model(init, loss, optax.adam(1e-3), batch, "v5p-8")
+  axes = fs.MeshAxes({"fsdp": 4}, {})
+  new = fs.analysis.predict(prof, "v5p-8", axes, accum_steps=2)
+  # Two steps hold a float32 accumulator one step doesn't: the keyword counts.
+  assert new.estimate.grads > fs.analysis.predict(prof, "v5p-8", axes).estimate.grads
+  with pytest.warns(DeprecationWarning, match=r"predict\(accum=\.\.\.\) is deprecated: use "
+                    r"accum_steps="):
+    old = fs.analysis.predict(prof, "v5p-8", axes, accum=2)
+  assert old.estimate == new.estimate
+  with pytest.warns(DeprecationWarning, match=r"Candidate\.accum is deprecated: use "
+                    r"Candidate\.accum_steps"):
+    assert old.accum == 2
+  fixed = fs.analysis.fit_options(prof, "v5p-8", axes, 1e12, accum_steps=2)
+  assert [o.accum_steps for o in fixed] == [2]
+  with pytest.warns(DeprecationWarning, match=r"fit_options\(accum=\.\.\.\)"):
+    # The old call's steps to try beside a fixed `accum`: the fixed one, as before.
+    assert fs.analysis.fit_options(prof, "v5p-8", axes, 1e12, accum=2,
+                                   accum_steps=(1, 4)) == fixed
+  with pytest.warns(DeprecationWarning, match=r"FitOption\.accum is deprecated"):
+    assert fixed[0].accum == 2
+  p = plan(init, loss, optax.adam(1e-3), batch, "v5p-8", PlanOptions(verify=0, accum_steps=2))
+  assert {r.accum_steps for r in p.rows} == {2}
+  with pytest.warns(DeprecationWarning, match=r"Plan\.accum is deprecated"):
+    assert p.accum == p.accum_steps == 2
+  with pytest.raises(TypeError, match=r"predict\(\) got accum= and accum_steps="):
+    fs.analysis.predict(prof, "v5p-8", axes, accum=2, accum_steps=2)

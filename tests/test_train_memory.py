@@ -29,10 +29,10 @@ def _choose(v5e, name, rows, **options):
   topo, mesh = v5e
   model = gpt if name in gpt.SIZES else llama
   said = []
-  o, rows = memory.choose(Options(model_config=name, **options),
-                          memory.Model(model, model.model_config(name, 1024), name), topo, mesh,
-                          rows, said.append)
-  return o, rows, said
+  step = memory.choose(Options(model_config=name, **options),
+                       memory.Model(model, model.model_config(name, 1024), name), topo, mesh,
+                       rows, said.append)
+  return step, step.batch_size, said
 
 
 @pytest.mark.tpu
@@ -142,3 +142,29 @@ def test_the_memory_benchmark_refuses_bad_flags(capsys):
   assert "--models: ['gpt-9'] unknown" in capsys.readouterr().err
   assert cli.run(bench.main, ["--run"]) == 2
   assert "add --target=device" in capsys.readouterr().err
+
+
+def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():
+  """On CPU (no memory limit: nothing is estimated) the choice is what was asked: a
+  --mesh=auto row's accumulation where it has more steps than the user's, its remat where
+  the user gave none, its global batch split over the 8 data-parallel devices; without a
+  row, the defaults (the platform's rows, 1 step, no remat, AdamW in float32)."""
+  topo, mesh = fs.detect_topology(), fs.make_mesh({"data": 8})
+  model = memory.Model(gpt, gpt.model_config("nano", 32), "nano")
+  planned = memory.Planned(global_batch=64, remat=True, accum_steps=2, accum_gather="once")
+  said = []
+  step = memory.choose(Options(), model, topo, mesh, 4, said.append, planned)
+  assert step == memory.Choice(batch_size=8, global_batch=64, accum_steps=2,
+                               accum_gather="once", remat=True, remat_policy="full",
+                               optimizer="adamw", mu_dtype="float32")
+  asked = Options(accum_steps=4, accum_gather="per_microbatch")
+  step = memory.choose(asked, model, topo, mesh, 4, said.append, planned)
+  assert (step.accum_steps, step.accum_gather, step.remat) == (4, "per_microbatch", True)
+  step = memory.choose(Options(), model, topo, mesh, 4, said.append)
+  assert step == memory.Choice(batch_size=4, global_batch=32, accum_steps=1,
+                               accum_gather="auto", remat=False, remat_policy="none",
+                               optimizer="adamw", mu_dtype="float32")
+  assert said == []
+  with pytest.raises(fs.InputError, match=r"--remat with --remat_policy=dots: --remat is "
+                     r"--remat_policy=full; give one of them"):
+    memory.choose(Options(remat=True, remat_policy="dots"), model, topo, mesh, 4, said.append)

@@ -184,13 +184,13 @@ def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
   return kept - head + max(head, REMAT_LIVE * layer), kept + full
 
 
-def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
+def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,
                    shard: int, tensor: int = 1) -> float:
   """Bytes one device moves through HBM per step outside its matmuls.
 
   The optimizer update reads the trained params (not frozen ones), gradients and optimizer
   state and writes params and state once per step (the device's 1/`shard`). Activations, per
-  row of each of `accum` microbatches of `rows_mb` rows: without remat, the forward pass
+  row of each of `accum_steps` microbatches of `rows_mb` rows: without remat, the forward pass
   writes the residuals and the backward reads them (2 x `act_row`). Remat keeps only the
   checkpoints between blocks (written and read: 2 x `act_row_remat`), but recomputation
   writes the same intermediates again and the backward reads them (2 x `act_row` more):
@@ -198,7 +198,7 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum: int,
   group (`act_per_row`).
   """
   update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
-  return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum
+  return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum_steps
 
 
 class _Stages(NamedTuple):
@@ -254,27 +254,27 @@ def _split(prof: Profile, shard: int, e: int) -> float:
 
 
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
-             accum: int, gather: str = "auto", microbatches: int = 1) -> Estimate:
+             accum_steps: int, gather: str = "auto", microbatches: int = 1) -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor", "stage", "expert", "context"; "replica" or "stage" across slices); the global
-  batch must divide over the data axes (the expert and stage axes among them) and `accum`.
+  batch must divide over the data axes (the expert and stage axes among them) and `accum_steps`.
   `gather`: `train_step`'s accum_gather, costed as it compiles: "auto" is "once" where
   nothing is split over fsdp or context, or where whole compute-dtype params and a whole
   accumulator take at most `fnscale._accumulate.ONCE_SHARE` of the device's memory (not on CPU,
   whose memory the step doesn't know), else "per_microbatch"; "per_microbatch" keeps
   params and the float32 accumulator sharded and gathers / reduce-scatters over fsdp in
   every microbatch, and reduces over the data and DCN axes in every microbatch too (the
-  accumulator is sharded as the params, so whole over those axes); "once" (with accum > 1)
+  accumulator is sharded as the params, so whole over those axes); "once" (with accum_steps > 1)
   holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
   gathers and reduces once per step. `microbatches`: the pipeline's, with a "stage" axis
-  (accum 1). A context axis splits each row's activations and work, and the params with
+  (accum_steps 1). A context axis splits each row's activations and work, and the params with
   fsdp (one group)."""
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
   whole = (prof.compute_bytes + prof.grad_bytes) / t  # "once"'s whole params and accumulator
   auto_once = f * c == 1 or (hw.kind != "cpu" and whole <= _accumulate.ONCE_SHARE * hw.memory_limit)
-  once = accum > 1 and (gather == "once" or gather == "auto" and auto_once)
+  once = accum_steps > 1 and (gather == "once" or gather == "auto" and auto_once)
   r = math.prod(dcn.values()) if dcn else 1
   pp = _stages(prof, ici, dcn, microbatches)
   n = hw.num_devices
@@ -282,7 +282,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   # This device's share of params, state and gradients: the expert weights split over the
   # expert axis too, the layer stack over the pipeline stages.
   share = pp.keep(_split(prof, shard, e))
-  rows_mb = prof.rows / (r * d * f * e * ici.get("stage", 1)) / accum
+  rows_mb = prof.rows / (r * d * f * e * ici.get("stage", 1)) / accum_steps
   rows_act = rows_mb / c  # a row's activations and work are split over context
   moe_acts = prof.expert_act_row * (buffer_factor(prof, e) - 1) * rows_act * pp.iters
   layer_w = prof.compute_bytes * _split(prof, shard, e) * shard / max(prof.layers, 1) / t
@@ -291,7 +291,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   # to the params' dtype fuses into the update), beside a float32 accumulator with
   # accumulation; without FSDP the weights stored in another dtype are cast whole.
   parts = dict(params=prof.param_bytes * share, opt=prof.opt_bytes * share,
-               grads=(prof.trained_compute_bytes + (prof.grad_bytes if accum > 1 else 0.0))
+               grads=(prof.trained_compute_bytes + (prof.grad_bytes if accum_steps > 1 else 0.0))
                * share,
                weights=2 * layer_w if f * c > 1 else prof.cast_bytes * share * shard / t,
                acts=act_per_row(prof, remat, t)[0] * rows_act * pp.iters + moe_acts + io)
@@ -299,13 +299,13 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
     parts.update(grads=prof.grad_bytes * share * shard / t + prof.grad_bytes * share,
                  weights=prof.compute_bytes * share * shard / t)
   model_flops = prof.flops_row * prof.rows
-  memory = memory_traffic(prof, remat, rows_act * pp.iters, accum, 1 / share, t) / hw.links.hbm
+  memory = memory_traffic(prof, remat, rows_act * pp.iters, accum_steps, 1 / share, t) / hw.links.hbm
   bubble = 1 - pp.flops_share + pp.flops_share * pp.iters
   run, recompute = (x * bubble * prof.rows / n / hw.peak_flops
                     for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
-  comm = _comm(prof, bw, (d, f, t, e, c), dcn, (remat, accum, once, rows_mb), pp)
+  comm = _comm(prof, bw, (d, f, t, e, c), dcn, (remat, accum_steps, once, rows_mb), pp)
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
@@ -315,12 +315,12 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
 
 def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages) -> dict:
   """Seconds of each axis's collectives per step (`estimate`'s). `sizes`: (data, fsdp,
-  tensor, expert, context); `run`: (remat, accum, once, rows per device per microbatch);
+  tensor, expert, context); `run`: (remat, accum_steps, once, rows per device per microbatch);
   `pp`: the pipeline (`_stages`). Params' collectives over fsdp and context are one group,
   named "fsdp+context" when both split them ("context", with the K/V traffic, when only it
   does)."""
-  (d, f, t, e, c), (remat, accum, once, rows_mb) = sizes, run
-  reductions = 1 if once else accum
+  (d, f, t, e, c), (remat, accum_steps, once, rows_mb) = sizes, run
+  reductions = 1 if once else accum_steps
   frac = lambda k: (k - 1) / k
   split = _split(prof, f * c * t, e)
   share = pp.keep(split)
@@ -328,7 +328,7 @@ def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Sta
   comm = {}
   group = [a for a, n in (("fsdp", f), ("context", c)) if n > 1]
   if group:  # a collective over both axes drives both axes' links
-    per_step = prof.compute_bytes + prof.grad_bytes if once else accum * (
+    per_step = prof.compute_bytes + prof.grad_bytes if once else accum_steps * (
         2 * prof.compute_bytes + prof.grad_bytes)
     comm["+".join(group)] = frac(f * c) * per_step * split * f * c / sum(bw[a] for a in group)
   if pp.stages > 1:  # the stack's FSDP gathers run in every iteration
@@ -342,15 +342,15 @@ def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Sta
     comm["data"] = reductions * 2 * frac(d) * prof.grad_bytes * share / bw["data"]
   if t > 1:
     per_layer = (6 if remat else 4) * 2 * frac(t) * prof.stream_row * rows_act
-    comm["tensor"] = accum * prof.layers * per_layer / bw["tensor"]
+    comm["tensor"] = accum_steps * prof.layers * per_layer / bw["tensor"]
   if e > 1:  # the other params' gradients all-reduced; each layer's copies to and fro
     rest = pp.keep((1 - prof.expert_share) / (f * c * t))
     passes = 6 if remat else 4  # dispatch + combine, forward, backward (and recomputed)
-    comm["expert"] = (reductions * 2 * frac(e) * prof.grad_bytes * rest + accum * passes
+    comm["expert"] = (reductions * 2 * frac(e) * prof.grad_bytes * rest + accum_steps * passes
                       * frac(e) * prof.exchange_row * rows_act) / bw["expert"]
   if c > 1:  # K/V gathered forward (again with remat), their gradients reduce-scattered
     comm["context"] = comm.get("context", 0.0) + (
-        (3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * pp.iters * accum / t
+        (3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * pp.iters * accum_steps / t
         / bw["context"])
   for a, k in dcn.items():
     if k > 1 and a != "stage":

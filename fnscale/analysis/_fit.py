@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 
 from fnscale import _compat
+from fnscale import _deprecation
 from fnscale._topology import device_memory
 from fnscale._errors import FitError
 
@@ -26,22 +27,25 @@ GiB = 2**30
 
 class FitOption(NamedTuple):
   """One way to run a step on a fixed mesh (`fnscale.analysis.fit_options`): `remat`,
-  `accum` (accumulation steps), `rows` (per data-parallel device per step), `bytes` (per
-  device, the planner's estimate) and `tokens_s` (the forecast's tokens/s of the job).
+  `accum_steps`, `rows` (per data-parallel device per step), `bytes` (per device, the
+  planner's estimate) and `tokens_s` (the forecast's tokens/s of the job).
 
   Examples:
     >>> import fnscale as fs
-    >>> option = fs.analysis.FitOption(remat=True, accum=2, rows=16, bytes=12e9, tokens_s=4e4)
+    >>> option = fs.analysis.FitOption(remat=True, accum_steps=2, rows=16, bytes=12e9,
+    ...                                tokens_s=4e4)
     >>> fs.analysis.check_fit(20 * 2**30, 16 * 2**30, options=[option])
     Traceback (most recent call last):
     ...
     fnscale.FitError: the step needs 20.00 GiB ... fix: remat=True, accum_steps=2, 16 rows per device: 11.18 GiB (the planner's estimates)
   """
   remat: bool
-  accum: int
+  accum_steps: int
   rows: int
   bytes: float
   tokens_s: float
+
+  accum = _deprecation.renamed_field("FitOption", "accum", "accum_steps")
 
 
 def _platform(compiled) -> str:
@@ -78,7 +82,8 @@ def _size(nbytes: float) -> str:
 
 
 def _describe(o: FitOption) -> str:
-  return f"remat={o.remat}, accum_steps={o.accum}, {o.rows} rows per device: {_size(o.bytes)}"
+  return (f"remat={o.remat}, accum_steps={o.accum_steps}, {o.rows} rows per device: "
+          f"{_size(o.bytes)}")
 
 
 def _error(needed: float, limit: float | None, options: Sequence[FitOption],

@@ -39,14 +39,17 @@ __all__ = ["Candidate", "CompileCheck", "FORECAST_TERMS", "FitOption", "Forecast
            "forecast_terms", "format_plan", "hardware", "mesh_str", "plan", "predict",
            "profile_model", "plan_summary"]
 
+# The accumulation steps `fit_options` tries by default.
+ACCUM_STEPS = (1, 2, 4, 8, 16, 32, 64)
 ForecastTerms = _forecast.Terms  # the forecast's efficiency terms (fnscale.analysis._forecast)
 FORECAST_TERMS = _forecast.FITTED  # their fitted values
 
 
 def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
-            accum: int = 1, accum_gather: str = "auto", headroom: float = HEADROOM,
-            cpu_rates: tuple[float, float] | None = None,
-            terms: _forecast.Terms | None = None, microbatches: int = 1) -> Candidate:
+            accum_steps: int | None = None, accum_gather: str = "auto",
+            headroom: float = HEADROOM, cpu_rates: tuple[float, float] | None = None,
+            terms: _forecast.Terms | None = None, microbatches: int = 1,
+            accum: int | None = None) -> Candidate:
   """The roofline estimate and the forecast of one configuration, as `plan` makes them for
   its rows (nothing is compiled).
 
@@ -56,14 +59,15 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     target: as for `plan`.
     axes: the mesh (`fnscale.MeshAxes`; ICI "data"/"fsdp"/"expert"/"tensor"/"stage", DCN
       "replica"/"stage").
-    remat, accum: remat on/off and accumulation steps.
+    remat, accum_steps: remat on/off and accumulation steps (default 1; `accum`: their
+      deprecated spelling).
     accum_gather: `fnscale.train_step`'s accumulation mode ("auto", "per_microbatch" or
       "once").
     headroom: the share of the device's memory limit (`hardware(target).memory_limit`, the
       allocator's) an estimate may fill for `fits`.
     terms: the forecast's efficiency terms (default the fitted ones for the target:
       `forecast_terms(target)`).
-    microbatches: the pipeline's, with a "stage" axis (then accum 1).
+    microbatches: the pipeline's, with a "stage" axis (then accum_steps 1).
 
   Returns:
     A `Candidate` (`estimate`, `forecast`, `fits`; `compiled` None).
@@ -77,15 +81,17 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
     >>> loss = lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
     >>> prof = fs.analysis.profile_model(init, loss, optax.adam(1e-3), batch, "v5p-8")
-    >>> row = fs.analysis.predict(prof, "v5p-8", fs.MeshAxes({"fsdp": 4}, {}), accum=2)
-    >>> row.fits, row.accum, row.compiled, row.step_s > 0
+    >>> row = fs.analysis.predict(prof, "v5p-8", fs.MeshAxes({"fsdp": 4}, {}),
+    ...                            accum_steps=2)
+    >>> row.fits, row.accum_steps, row.compiled, row.step_s > 0
     (True, 2, None, True)
   """
-  return _predict(prof, _model.resolve(target, cpu_rates), axes, remat, accum, accum_gather,
-                  headroom, terms, microbatches)
+  steps = _deprecation.renamed_keyword("predict", "accum", "accum_steps", accum, accum_steps)
+  return _predict(prof, _model.resolve(target, cpu_rates), axes, remat,
+                  1 if steps is None else steps, accum_gather, headroom, terms, microbatches)
 
 
-def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=HEADROOM,
+def _predict(prof, hw, axes, remat, accum_steps, accum_gather="auto", headroom=HEADROOM,
              terms=_forecast.FITTED, microbatches=1) -> Candidate:
   """`predict` on a resolved target."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
@@ -94,12 +100,13 @@ def _predict(prof, hw, axes, remat, accum, accum_gather="auto", headroom=HEADROO
                     f"{math.prod(axes.dcn.values() or [1])} devices; {hw.name} has "
                     f"{hw.num_devices} ({hw.num_slices} slice(s)): fix the axis sizes")
   split = data_parallel(axes)
-  if prof.rows % (split * accum):
+  if prof.rows % (split * accum_steps):
     raise PlanError(f"a batch of {prof.rows} rows does not split over {split} data-parallel "
-                    f"devices x accum={accum}: use a multiple of {split * accum} rows")
-  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum, accum_gather,
+                    f"devices x accum_steps={accum_steps}: use a multiple of "
+                    f"{split * accum_steps} rows")
+  est = _cost.estimate(prof, hw, ici, dict(axes.dcn), remat, accum_steps, accum_gather,
                        microbatches)
-  return Candidate(axes, remat, accum, est, None, est.bytes <= hw.memory_limit * headroom,
+  return Candidate(axes, remat, accum_steps, est, None, est.bytes <= hw.memory_limit * headroom,
                    _forecast.forecast(prof, hw, est, axes.dcn, terms=terms), accum_gather,
                    microbatches)
 
@@ -118,21 +125,24 @@ def data_parallel(axes: MeshAxes) -> int:
 
 
 def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
-                remat: bool | None = None, accum: int | None = None, rows: int | None = None,
-                accum_steps=(1, 2, 4, 8, 16, 32, 64), accum_gather: str = "auto",
-                cpu_rates: tuple[float, float] | None = None) -> tuple[FitOption, ...]:
+                remat: bool | None = None, accum_steps: int | tuple[int, ...] | None = None,
+                rows: int | None = None, accum_gather: str = "auto",
+                cpu_rates: tuple[float, float] | None = None,
+                accum: int | None = None) -> tuple[FitOption, ...]:
   """The configurations of a step on `axes` whose estimated bytes per device are at most
   `limit`, fastest first (the forecast's tokens/s): remat off and on, each with the fewest
-  of `accum_steps` that fit and divide the rows, at the most rows per device that any fits:
-  `prof.rows / data_parallel(axes)`, else each halving of it. `remat`, `accum`, `rows` fix
-  that choice (the user's); `accum_gather` is the step's (`fnscale.train_step`). Nothing is
-  compiled.
+  accumulation steps that fit and divide the rows, at the most rows per device that any
+  fits: `prof.rows / data_parallel(axes)`, else each halving of it. `remat`, `rows` and an
+  int `accum_steps` fix that choice (the user's); `accum_gather` is the step's
+  (`fnscale.train_step`). Nothing is compiled.
 
   Args:
     prof: `profile_model(...)` of the step (its `rows`: the global batch).
     target, cpu_rates: as for `plan`.
     axes: the mesh (`fnscale.MeshAxes`), fixed.
     limit: bytes per device (e.g. `fnscale.analysis.device_memory`).
+    accum_steps: an int (fixed), or the steps to try (default `ACCUM_STEPS`); `accum`: the
+      deprecated spelling of a fixed one.
 
   Returns:
     A tuple of `FitOption`s, empty where nothing fits.
@@ -150,9 +160,14 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
     >>> prof = fs.analysis.profile_model({"w": jnp.zeros((1024, 1024))}, loss_fn,
     ...                                  optax.adam(1e-3), batch, "h100")
     >>> one = fs.MeshAxes({"data": 1}, {})
-    >>> [(o.remat, o.accum, o.rows) for o in fs.analysis.fit_options(prof, "h100", one, 17.5e6)]
+    >>> [(o.remat, o.accum_steps, o.rows)
+    ...  for o in fs.analysis.fit_options(prof, "h100", one, 17.5e6)]
     [(False, 1, 32)]
   """
+  if accum is not None and not isinstance(accum_steps, int):
+    accum_steps = None  # the old call's steps to try, overridden by its fixed `accum`
+  tried = _tried(_deprecation.renamed_keyword("fit_options", "accum", "accum_steps", accum,
+                                              accum_steps), ACCUM_STEPS)
   hw = _model.resolve(target, cpu_rates)
   split = data_parallel(axes)
   top = prof.rows // split if rows is None else rows
@@ -161,7 +176,7 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
       :None if rows is None else 1]:
     out = []
     for rm in remats:
-      for a in [a for a in (accum_steps if accum is None else (accum,)) if r % a == 0]:
+      for a in [a for a in tried if r % a == 0]:
         c = _predict(prof._replace(rows=r * split), hw, axes, rm, a, accum_gather)
         if c.estimate.bytes <= limit:
           out.append(FitOption(rm, a, r, c.estimate.bytes, c.tokens_s))
@@ -169,6 +184,14 @@ def fit_options(prof: _cost.Profile, target, axes: MeshAxes, limit: float, *,
     if out:
       return tuple(sorted(out, key=lambda o: -o.tokens_s))
   return ()
+
+
+def _tried(accum_steps, default: tuple[int, ...]) -> tuple[int, ...]:
+  """The accumulation steps a search tries: an int's alone, else the given ones (None: the
+  default)."""
+  if accum_steps is None:
+    return default
+  return (accum_steps,) if isinstance(accum_steps, int) else tuple(accum_steps)
 
 
 class PlanOptions(NamedTuple):
@@ -185,7 +208,8 @@ class PlanOptions(NamedTuple):
       devices (libtpu); None (default): 3 where the devices can be described, else none
       (the plan says why); 0: none.
     max_tensor: largest tensor-parallel axis.
-    accum_steps: accumulation steps to try (the fewest that fits is kept).
+    accum_steps: accumulation steps to try (the fewest that fits is kept); an int fixes
+      them.
     headroom: the share of the device's memory limit an estimate may fill: the limit is the
       bytes a program may hold (the allocator's: `hardware(target).memory_limit`, 15.75 GiB
       measured on a 16 GiB v5e; how other chips' is derived: `fnscale.CHIP_FACTS`'
@@ -209,7 +233,7 @@ class PlanOptions(NamedTuple):
   key: object = None
   verify: int | None = None
   max_tensor: int = 8
-  accum_steps: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+  accum_steps: tuple[int, ...] | int = (1, 2, 4, 8, 16, 32)
   headroom: float = HEADROOM
   cpu_rates: tuple[float, float] | None = None
   tokens: float | None = None
@@ -241,7 +265,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target,
       search's bounds, the memory headroom, a token budget): its defaults where not given.
 
   Returns:
-    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum`/`accum_gather`/`microbatches`,
+    A `Plan` (ranked `rows`, chosen `axes`/`remat`/`accum_steps`/`accum_gather`/`microbatches`,
     `why`, `verification`);
     `print(plan)` shows the table.
 
@@ -275,7 +299,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target,
   pol = jmp.get_policy(o.policy) if isinstance(o.policy, str) else o.policy
   prof = _model.step_profile(hw, params, loss_fn, optimizer, batch, pol)
   cap = hw.memory_limit * o.headroom
-  rows = _search.candidates(prof, hw, cap, o.max_tensor, tuple(o.accum_steps),
+  rows = _search.candidates(prof, hw, cap, o.max_tensor, _tried(o.accum_steps, ()),
                             _trace.takes(loss_fn, "microbatches"))
   if not rows or not any(r.fits for r in rows):
     raise _table.no_fit_error(rows, hw, o.headroom) if rows else PlanError(
@@ -289,8 +313,8 @@ def plan(state_or_init, loss_fn, optimizer, batch, target,
     note = (f"compiled {done} candidate(s) for {hw.name}'s described devices (the best "
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
-  return Plan(tuple(rows), best.axes, best.remat, best.accum, _search.why(rows), hw, prof, note,
-              o.tokens, best.accum_gather, best.microbatches, o.headroom)
+  return Plan(tuple(rows), best.axes, best.remat, best.accum_steps, _search.why(rows), hw,
+              prof, note, o.tokens, best.accum_gather, best.microbatches, o.headroom)
 
 
 __getattr__ = _deprecation.moved(__name__, {

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from fnscale import _deprecation
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
@@ -84,20 +85,22 @@ class Candidate(NamedTuple):
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
     >>> opts = fs.analysis.PlanOptions(verify=0)
     >>> row = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts).rows[0]
-    >>> row.fits, row.remat, row.accum, row.compiled, row.stages, row.bubble
+    >>> row.fits, row.remat, row.accum_steps, row.compiled, row.stages, row.bubble
     (True, False, 1, None, 1, 0.0)
     >>> 0 < row.mfu <= row.bound_mfu  # the forecast under its roofline
     True
   """
   axes: MeshAxes
   remat: bool
-  accum: int
+  accum_steps: int
   estimate: _cost.Estimate
   compiled: CompileCheck | None
   fits: bool
   forecast: _forecast.Forecast | None = None
   accum_gather: str = "auto"
   microbatches: int = 1
+
+  accum = _deprecation.renamed_field("Candidate", "accum", "accum_steps")
 
   @property
   def stages(self) -> int:
@@ -189,9 +192,9 @@ def _microbatches(prof, axes: MeshAxes) -> int | None:
 
 
 def _best_accum(prof, hw, axes, remat, cap, accums):
-  """(accum, accum_gather, estimate, fits): the fewest accumulation steps whose estimate fits
-  `cap` bytes (or, none fitting, the steps and mode that need the fewest bytes: the float32
-  accumulator can outweigh the activations it saves); at those steps "once" where it fits
+  """(accum_steps, accum_gather, estimate, fits): the fewest accumulation steps whose
+  estimate fits `cap` bytes (or, none fitting, the steps and mode that need the fewest
+  bytes: the float32 accumulator can outweigh the activations it saves); at those steps "once" where it fits
   and is no slower (it moves params and gradients once per step: less communication, more
   slack when overlap is imperfect), else "per_microbatch" (FSDP's memory); "auto" without
   accumulation."""
@@ -240,8 +243,9 @@ def why(rows: list[Candidate]) -> str:
       cause = ("{:.0%} slower: ".format(nxt.step_s / best.step_s - 1) + (
           "more communication" if comm(nxt) > comm(best) * 1.05 else
           "remat recomputation" if nxt.remat and not best.remat else
-          "more accumulation steps" if nxt.accum > best.accum else "more compute"))
-    text += f"; next best {mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum}: {cause}"
+          "more accumulation steps" if nxt.accum_steps > best.accum_steps else "more compute"))
+    text += (f"; next best {mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum_steps}: "
+             f"{cause}")
   return text
 
 
@@ -262,10 +266,10 @@ def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candi
   remats = (False, True) if prof.has_remat else (False,)
   for axes in _meshes(hw, prof.rows, max_tensor, experts=prof.experts, tokens=prof.tokens_row):
     for remat in remats:
-      accum, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
+      steps, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
         fc = _forecast.forecast(prof, hw, est, axes.dcn)
-        rows.append(Candidate(axes, remat, accum, est, None, fits, fc, gather))
+        rows.append(Candidate(axes, remat, steps, est, None, fits, fc, gather))
   for axes in _stage_meshes(prof, hw, max_tensor) if pipelined else ():
     m = _microbatches(prof, axes)
     for remat in remats if m else ():  # one step: the pipeline's microbatches bound memory

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fnscale import _deprecation
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
@@ -17,7 +18,7 @@ from fnscale._mesh import MeshAxes
 class Plan(NamedTuple):
   """The planner's answer: `rows` ranked best first (fitting rows by step time, then those
   that don't fit); the chosen `axes` (a `MeshAxes` for `fnscale.make_mesh`), `remat`,
-  `accum` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
+  `accum_steps` and `accum_gather` (for `fnscale.train_step`); `why` the winner won; `hardware`
   the resolved target; `profile` what the model needs per step; `verification` what was
   compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
   are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`);
@@ -31,7 +32,7 @@ class Plan(NamedTuple):
     >>> batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in "xy"}
     >>> opts = fs.analysis.PlanOptions(verify=0)
     >>> p = fs.analysis.plan(init, loss, optax.adam(1e-3), batch, "v5p-8", opts)
-    >>> p.axes == p.rows[0].axes, p.remat, p.accum, p.accum_gather, p.verification
+    >>> p.axes == p.rows[0].axes, p.remat, p.accum_steps, p.accum_gather, p.verification
     (True, False, 1, 'auto', 'not verified: verify=0')
     >>> p.hardware.num_devices, p.profile.rows
     (4, 64)
@@ -39,7 +40,7 @@ class Plan(NamedTuple):
   rows: tuple[Candidate, ...]
   axes: MeshAxes
   remat: bool
-  accum: int
+  accum_steps: int
   why: str
   hardware: _targets.Hardware
   profile: _cost.Profile
@@ -48,6 +49,8 @@ class Plan(NamedTuple):
   accum_gather: str = "auto"
   microbatches: int = 1
   headroom: float = HEADROOM
+
+  accum = _deprecation.renamed_field("Plan", "accum", "accum_steps")
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -112,9 +115,10 @@ def format_plan(p: Plan, top: int = 12) -> str:
   lines = []
   for i, r in enumerate(p.rows[:top]):
     c = r.compiled
-    accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
+    steps = (f"{r.accum_steps} once" if r.accum_gather == "once" and r.accum_steps > 1
+             else str(r.accum_steps))
     pipe = f"M={r.microbatches} bubble {r.bubble:.2f}" if r.stages > 1 else "-"
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum, pipe,
+    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", steps, pipe,
                   f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
                   "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
                   f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
@@ -134,8 +138,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
                  + ", ".join(p.profile.uncounted))
   return "\n".join([_hardware_line(p), fmt(cols), *map(fmt, lines)]) + more + "".join(
       f"\n{n}" for n in notes if n) + (
-          f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
-          + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "")
+          f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum_steps}"
+          + (f", accum_gather={p.accum_gather}" if p.accum_steps > 1 else "")
           + (f", microbatches={p.microbatches} (bubble {p.rows[0].bubble:.2f})"
              if p.rows[0].stages > 1 else "") + f": {p.why}")
 
@@ -171,7 +175,8 @@ def plan_summary(p: Plan) -> dict:
     program = _dot_flops_row(prof, r.remat) * prof.rows / n
     plain = _dot_flops_row(prof, False) * prof.rows / n
     rows.append(dict(
-        mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
+        mesh=mesh_str(r.axes), remat=r.remat, accum_steps=r.accum_steps,
+        accum_gather=r.accum_gather,
         microbatches=r.microbatches, bubble=r.bubble, fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
@@ -188,8 +193,8 @@ def plan_summary(p: Plan) -> dict:
   hw = p.hardware
   return dict(target=hw.name, devices=hw.num_devices, chips=hw.chips, hbm_bytes=hw.hbm_bytes,
               memory_limit=hw.memory_limit, limit_source=hw.limit_source, headroom=p.headroom,
-              peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat, accum=p.accum,
-              accum_gather=p.accum_gather, microbatches=p.microbatches,
+              peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat,
+              accum_steps=p.accum_steps, accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,
               uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.terms_for(hw)._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)
@@ -199,7 +204,8 @@ def no_fit_error(rows, hw, headroom) -> PlanError:
   low = min(rows, key=lambda r: r.estimate.bytes)
   return PlanError(
       f"the model fits nowhere on {hw.name}: the smallest candidate ({mesh_str(low.axes)}, "
-      f"remat={low.remat}, accum={low.accum}) needs {_gib(low.estimate.bytes)} per device, "
+      f"remat={low.remat}, accum={low.accum_steps}) needs {_gib(low.estimate.bytes)} per "
+      "device, "
       f"and the target has {_usable(hw, headroom)}; fix: a target with more devices or "
       "slices, a smaller global batch, or a smaller model.")
 

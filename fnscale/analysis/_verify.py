@@ -83,7 +83,7 @@ def compile_candidate(cand: Candidate, hw, ctx) -> Candidate:
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
   if cand.stages > 1:
     loss = functools.partial(loss, microbatches=cand.microbatches)
-  step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum,
+  step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum_steps,
                           accum_gather=cand.accum_gather)
   t0 = time.perf_counter()
   try:

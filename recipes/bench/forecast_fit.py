@@ -270,7 +270,7 @@ def predict_run(run: Run, terms: ForecastTerms | None = None) -> Predicted:
   hw = hardware(run.target)
   prof = run_profile(run, hw)
   axes = run_axes(run, hw)
-  cand = predict(prof, run.target, axes, remat=REMAT[run.remat], accum=1,
+  cand = predict(prof, run.target, axes, remat=REMAT[run.remat], accum_steps=1,
                  terms=terms or FORECAST_TERMS)
   per_token = counted_flops_per_token(prof, run.count)
   peak = hw.num_devices * hw.peak_flops

@@ -109,8 +109,8 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
   cfg = model.model_config(name, args.seq)
   prof = memory.profile(memory.Model(model, cfg), target, rows, POLICY, args.remat_policy, **kw)
   one = fs.MeshAxes({"data": 1}, {})
-  est = lambda remat, accum: fs.analysis.predict(prof, target, one, remat=remat, accum=accum,
-                                             **kw).estimate.bytes
+  est = lambda remat, steps: fs.analysis.predict(prof, target, one, remat=remat,
+                                                 accum_steps=steps, **kw).estimate.bytes
   state_bytes = prof.param_bytes + prof.opt_bytes
   place = args.run and (limit is None or state_bytes < limit)
   out = dict(model=name, rows=rows, seq=args.seq, limit=limit, est=est(False, 1))
@@ -123,7 +123,8 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
     options = fs.analysis.fit_options(prof, target, one, memory.HEADROOM * limit, rows=rows, **kw)
     out["choice"] = options[0]._asdict() if options else None
     if options:
-      c, xla, state = _compile(model, cfg, devices, rows, options[0].remat, options[0].accum,
+      c, xla, state = _compile(model, cfg, devices, rows, options[0].remat,
+                               options[0].accum_steps,
                                place=place, keep=args.remat_policy)
       out["choice"].update(xla=xla, fits=xla <= limit)
       if args.run and state is not None and c is not None:
@@ -136,7 +137,8 @@ def _row(r: dict) -> str:
   gib = lambda b: f"{b / GiB:.3g}"
   c = r.get("choice", "-")
   choice = ("none fits" if c is None else "-" if c == "-" else
-            f"{'remat' if c['remat'] else 'no remat'}, accum {c['accum']}: est {gib(c['bytes'])}"
+            f"{'remat' if c['remat'] else 'no remat'}, accum {c['accum_steps']}: "
+            f"est {gib(c['bytes'])}"
             f" / xla {gib(c['xla'])} ({'fits' if c['fits'] else 'REFUSED'})"
             + (f", ran {c['ran']}" if "ran" in c else ""))
   return (f"| {r['model']} | {r['rows']} | {gib(r['est'])} | {gib(r['xla'])} | "

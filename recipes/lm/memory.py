@@ -1,9 +1,10 @@
 """train_lm's memory pre-flight: the run fits its devices' memory before the first step, or
 says how it would.
 
-Before anything is built (`choose`): the planner estimates the step's bytes per device
-(`fnscale.analysis.plan`); where the default configuration's estimate exceeds the device's
-memory, the remat, accumulation steps and rows per device the user left to their defaults
+Before anything is built (`choose`, the one place the run's rows per device, accumulation
+steps and mode, remat and optimizer are decided, as a `Choice` the options then hold): the
+planner estimates the step's bytes per device (`fnscale.analysis.plan`); where the default
+configuration's estimate exceeds the device's memory, the remat, accumulation steps and rows per device the user left to their defaults
 (no `--remat`/`--noremat`, `--accum_steps`, `--batch_size` or `--global_batch`) become the
 fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. Where
 none of those fit with AdamW's float32 state and the user left the optimizer to its default
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -104,8 +106,9 @@ def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
 def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:
   """The train_lm flags of an option (and of optimizer `opt` unless it is the default),
   with the planner's estimate."""
-  return (f"--batch_size={o.rows} --accum_steps={o.accum} {'--remat' if o.remat else '--noremat'}"
-          f"{optimizer_flags(opt)} ({o.bytes / GiB:.2f} GiB)")
+  return (f"--batch_size={o.rows} --accum_steps={o.accum_steps} "
+          f"{'--remat' if o.remat else '--noremat'}{optimizer_flags(opt)} "
+          f"({o.bytes / GiB:.2f} GiB)")
 
 
 def optimizer_flags(opt: tuple) -> str:
@@ -127,33 +130,87 @@ def _mesh_axes(mesh) -> fs.MeshAxes:
   return fs.MeshAxes(dict(mesh.shape), {})
 
 
-def choose(o, m: Model, topo, mesh, per_device: int, say):
-  """(options, rows per device) with `o.remat`, `o.accum_steps`, `o.optimizer` and
-  `o.mu_dtype` filled in: the defaults (off, 1, AdamW in float32), or where the default's
-  estimate exceeds the device's memory, the planner's fastest option within `HEADROOM` of it
-  among the choices the user left open, the optimizers tried in `OPTIMIZERS`' order (the
-  module docstring), said in one line. What the user fixed is left to the compiled check
-  (`compile_step`).
+class Planned(NamedTuple):
+  """--mesh=auto's row (`startup.plan_mesh`) for the global batch it was planned for."""
+  global_batch: int
+  remat: bool
+  accum_steps: int
+  accum_gather: str
+
+
+class Choice(NamedTuple):
+  """How each step of the run runs, decided once (`choose`) and only read after: each field
+  is the `Options` field of its name, filled in."""
+  batch_size: int  # rows per device per step
+  global_batch: int
+  accum_steps: int
+  accum_gather: str
+  remat: bool
+  remat_policy: str  # what each block keeps, --remat_policy's auto resolved
+  optimizer: str
+  mu_dtype: str | None
+
+
+def choose(o, m: Model, topo, mesh, per_device: int, say,
+           planned: Planned | None = None) -> Choice:
+  """The run's rows per device, accumulation (steps, gather mode), remat and optimizer,
+  from options `o`, --mesh=auto's `planned` row and the memory pre-flight: what the user
+  gave (the planned row's remat where they gave none, its accumulation where it has more
+  steps), the rest the defaults (`per_device` rows: the platform's where not given; remat
+  off, 1 step, AdamW in float32), or where the default's estimate exceeds the device's
+  memory, the planner's fastest option within `HEADROOM` of it among the choices left
+  open, the optimizers tried in `OPTIMIZERS`' order (the module docstring), said in one
+  line. What the user fixed is left to the compiled check (`compile_step`).
 
   Raises:
+    InputError: --remat with a --remat_policy other than full.
     FitError: nothing the user left open fits by the estimate (with every choice fixed:
       nothing on this mesh fits at all, the state alone being too big); the message gives
       the estimate, the memory and the fix (other optimizers' flags among them).
   """
+  o = _asked(o, planned)
+  if o.remat and o.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+                        "--remat_policy=full; give one of them")
+  dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
+  if o.global_batch is not None:
+    per_device = max(1, o.global_batch // dp)
+  o, rows = _preflight(o, m, topo, mesh, per_device, say)
+  return Choice(rows, rows * dp if o.global_batch is None else o.global_batch,
+                o.accum_steps, o.accum_gather, o.remat, remat_policy(o, topo.platform),
+                o.optimizer, o.mu_dtype)
+
+
+def _asked(o, planned: Planned | None):
+  """Options `o` as the pre-flight takes them: with --mesh=auto, the planned global batch,
+  remat where the user gave none, and accumulation (steps and mode) where the planned row
+  has more steps than the user's."""
+  if planned is None:
+    return o
+  if planned.accum_steps > (o.accum_steps or 1):
+    o = dataclasses.replace(o, accum_steps=planned.accum_steps,
+                            accum_gather=planned.accum_gather)
+  return dataclasses.replace(o, remat=bool(o.remat or planned.remat),
+                             global_batch=planned.global_batch)
+
+
+def _preflight(o, m: Model, topo, mesh, per_device: int, say):
+  """(options, rows per device) with `o.remat`, `o.accum_steps`, `o.optimizer` and
+  `o.mu_dtype` filled in (`choose`)."""
   # Without remat the blocks keep what the run's policy keeps; remat is "full".
   base = remat_policy(dataclasses.replace(o, remat=False), topo.platform)
   fixed = dict(remat=o.remat if o.remat_policy == "auto" else o.remat_policy == "full",
-               accum=o.accum_steps,
+               accum_steps=o.accum_steps,
                rows=per_device if o.batch_size is not None or o.global_batch is not None
                else None)
   opts = asked_optimizers(o)
-  filled = lambda remat, accum, rows, opt=opts[0]: (dataclasses.replace(
-      o, remat=bool(remat), accum_steps=accum or 1, optimizer=opt[0], mu_dtype=opt[1]), rows)
+  filled = lambda remat, steps, rows, opt=opts[0]: (dataclasses.replace(
+      o, remat=bool(remat), accum_steps=steps or 1, optimizer=opt[0], mu_dtype=opt[1]), rows)
   cap = limit(mesh)
   if cap is None:
     return filled(o.remat, o.accum_steps, per_device)
   dp = fs.analysis.data_parallel(_mesh_axes(mesh))
-  now = dict(remat=bool(fixed["remat"]), accum=o.accum_steps or 1, rows=per_device)
+  now = dict(remat=bool(fixed["remat"]), accum_steps=o.accum_steps or 1, rows=per_device)
   policy = startup.policy(o.precision, topo.platform)
   try:
     ask = lambda opt, room, **kw: fs.analysis.fit_options(
@@ -169,18 +226,18 @@ def choose(o, m: Model, topo, mesh, per_device: int, say):
   for opt in opts:  # the default optimizer with what is free, then the smaller states
     chosen = ask(opt, HEADROOM * cap, **held)
     if chosen and (free or opt != opts[0]):
-      say(f"memory: batch_size={per_device}, accum_steps={now['accum']}, remat={now['remat']}"
-          f"{optimizer_flags(opts[0]).replace(' --', ', ')} needs {need / GiB:.2f} GiB per "
+      say(f"memory: batch_size={per_device}, accum_steps={now['accum_steps']}, "
+          f"remat={now['remat']}{optimizer_flags(opts[0]).replace(' --', ', ')} needs {need / GiB:.2f} GiB per "
           f"device by the planner's estimate, more than the device's {cap / GiB:.2f} GiB; "
           f"chose {flags(chosen[0], opt)}")
-      return filled(chosen[0].remat, chosen[0].accum, chosen[0].rows, opt)
+      return filled(chosen[0].remat, chosen[0].accum_steps, chosen[0].rows, opt)
   if not free and ask(opts[0], HEADROOM * cap):  # the user's choice: the compile judges
     return filled(o.remat, o.accum_steps, per_device)
   # The fix: what fits with the user's optimizer, else with a smaller state.
   anything = next((a for a in ([(x, opt) for x in ask(opt, HEADROOM * cap)]
                                for opt in dict.fromkeys(opts[:1] + OPTIMIZERS)) if a), [])
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
-               accum=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
+               accum_steps=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
   pinned = " ".join([spell[k](v) for k, v in held.items()] + (
       [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
       if len(opts) == 1 else []))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -15,7 +14,7 @@ import optax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
 from recipes.lm import optimizers, packing, profiling, progress, run_log, rundir, startup
-from recipes.lm.options import Options, platform_default, remat_policy, schedule_defaults
+from recipes.lm.options import Options, platform_default, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -47,51 +46,43 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   lora = finetune.lora_config(o, model, cfg)
   if o.objective == "dpo":
     finetune.dpo_config(o)
-  o, mesh = _mesh(o, model, cfg, topo, say, lora)
-  if o.remat and o.remat_policy not in ("auto", "full"):
-    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
-                        "--remat_policy=full; give one of them")
-  dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
-  if o.global_batch is not None:
-    per_device = max(1, o.global_batch // dp)
-  # remat, accumulation and rows the user left open: what fits the device's memory.
-  o, per_device = memory.choose(o, memory.Model(model, cfg, name, lora), topo, mesh,
-                                per_device, say)
-  batch = per_device * dp if o.global_batch is None else o.global_batch
-  check_batch(seq, per_device, batch, o.accum_steps, mesh)
+  mesh, planned = _mesh(o, model, cfg, topo, say, lora)
+  # Rows, accumulation, remat and optimizer, decided here once: what the user gave, the rest
+  # what fits the device's memory. The options hold them from here on.
+  step = memory.choose(o, memory.Model(model, cfg, name, lora), topo, mesh, per_device, say,
+                       planned)
+  o = dataclasses.replace(o, **step._asdict())
+  check_batch(seq, step.batch_size, step.global_batch, step.accum_steps, mesh)
   check_pipeline(o.microbatches, model, mesh)
   if corpus.packed is not None:
     packing.check_spec(batches.pack_spec(o, seq), corpus.packed[0])
   data.check_fits(corpus, seq)
-  steps = batches.steps_for(corpus, seq, batch, o.epochs, o.steps)
+  steps = batches.steps_for(corpus, seq, step.global_batch, o.epochs, o.steps)
   o = schedule_defaults(o, size, default("steps") if steps is None else steps)
   profile = profiling.parse_profile_steps(o.profile_steps, o.steps)
   o = dataclasses.replace(
-      o, model_config=name, seq=seq, batch_size=per_device, global_batch=batch,
-      remat_policy=remat_policy(o, topo.platform),
+      o, model_config=name, seq=seq,
       run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
                                                   corpus.vocab))
   return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
              model, cfg, profile, corpus, lora, asked)
 
 
-def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Options, Any]:
-  """(options, mesh): the --mesh and --dcn axes (each parsed once), or with --mesh=auto the
-  planner's mesh, remat and accumulation for the global batch, every device a data-parallel
-  one (the options then hold the planner's choices; its table is said)."""
+def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Planned | None]:
+  """(mesh, None): the --mesh and --dcn axes (each parsed once); or with --mesh=auto (mesh,
+  the planner's row): its mesh, remat and accumulation for the global batch, every device a
+  data-parallel one (its table is said; `memory.choose` takes the row as what was asked)."""
   dcn = startup.mesh_axes(o.dcn, "--dcn")
   if o.mesh != "auto":
     axes = startup.mesh_axes(platform_default(o, "mesh", topo.platform), "--mesh")
-    return o, startup.make_mesh(axes, dcn, topo, say)
+    return startup.make_mesh(axes, dcn, topo, say), None
   per_device = platform_default(o, "batch_size", topo.platform)
   batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-  (axes, remat, accum, gather), table = startup.plan_mesh(model, cfg, topo, batch,
+  (axes, remat, steps, gather), table = startup.plan_mesh(model, cfg, topo, batch,
                                                           o.precision, lora)
   say("mesh=auto: " + table)
-  if accum > (o.accum_steps or 1):
-    o = dataclasses.replace(o, accum_steps=accum, accum_gather=gather)
-  o = dataclasses.replace(o, remat=bool(o.remat or remat), global_batch=batch)
-  return o, startup.make_mesh(axes, dcn, topo, say)
+  return (startup.make_mesh(axes, dcn, topo, say),
+          memory.Planned(batch, remat, steps, gather))
 
 
 def optimizer(o):

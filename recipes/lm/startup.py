@@ -130,7 +130,7 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
                                     logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   p = fs.analysis.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
                        options)
-  return ((p.axes, p.remat, p.accum, p.accum_gather),
+  return ((p.axes, p.remat, p.accum_steps, p.accum_gather),
           fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
 
 
