@@ -82,9 +82,8 @@ class ModelConfig(NamedTuple):
 # config: 28 layers, d 2048, 16 heads, 64 experts of width 1408, 6 per token, 2 shared,
 # vocabulary 102400, aux loss 0.001), with grouped-query attention in place of its own.
 # Qwen3-30B-A3B from its config.json (48 layers, d 2048, 32 heads of 128, 4 KV heads, 128
-# experts of width 768, 8 per token renormalised, vocabulary 151936, RoPE base 1e6,
-# router_aux_loss_coef 0.001: x k here, as Mixtral's, `hf_maps`).
-# The tiny ones are byte-level and train on a CPU.
+# experts of width 768, 8 per token renormalised, vocabulary 151936, RoPE base 1e6, aux loss
+# 0.001: x k here, as Mixtral's, `hf_maps`). The tiny ones are byte-level, for a CPU.
 SIZES = {
     "moe-tiny": dict(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=128, experts=8, k=2),
     "moe-deepseek-tiny": dict(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=32, experts=16,
