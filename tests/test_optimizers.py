@@ -183,3 +183,29 @@ def test_resuming_with_another_optimizer_is_one_error_naming_the_fix(tmp_path, c
   assert err.strip().endswith("the run's options to resume it: --optimizer=adamw "
                               "--mu_dtype=float32"), err
   assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("options,kind", [(dict(optimizer="adafactor"), optax.FactoredState),
+                                          (dict(mu_dtype="bfloat16"), optax.ScaleByAdamState)])
+def test_mesh_auto_plans_the_state_of_the_runs_optimizer(tmp_path, monkeypatch, options, kind):
+  """--mesh=auto hands the planner the optimizer the run asked for (its state is what each
+  candidate mesh must hold), not AdamW in float32: the state it would init, read here."""
+  seen = {}
+
+  class Planned(Exception):
+    pass
+
+  def plan(init, loss, optimizer, batch, target, plan_options):
+    seen["state"] = jax.eval_shape(optimizer.init, _params())
+    raise Planned
+  monkeypatch.setattr(fs.analysis, "plan", plan)
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def f(x):\n  return x\n" * 400)
+  with pytest.raises(Planned):
+    train_lm.train_lm(model_config="nano", mesh="auto", seq=32, global_batch=8,
+                      dataset=str(corpus), run_dir=str(tmp_path / "run"), **options)
+  states = [s for s in jax.tree.leaves(seen["state"], is_leaf=lambda s: isinstance(s, kind))
+            if isinstance(s, kind)]
+  assert states, seen["state"]
+  if kind is optax.ScaleByAdamState:
+    assert {x.dtype for x in jax.tree.leaves(states[0].mu)} == {jnp.dtype("bfloat16")}

@@ -86,13 +86,14 @@ def profile(m: Model, target, rows: int, policy, keep: str = "none",
 def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
   model, cfg, lora = m.module, m.cfg, m.lora
   shape = jax.ShapeDtypeStruct((1, cfg.seq), np.int32)
+  optimizer = optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32")
   init = (functools.partial(model.init_params, cfg) if lora is None
-          else startup.lora_state(model, cfg, policy, lora))
+          else startup.lora_state(model, cfg, policy, lora, optimizer))
   # A LoRA loss keeps what the run's policy keeps, as the full model's does.
   loss = lambda keep: (remat_loss(model, cfg, keep) if lora is None
                        else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
   run = lambda keep: fs.analysis.profile_model(
-      init, loss(keep), optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32"),
+      init, loss(keep), optimizer,
       {"inputs": shape, "targets": shape}, target,
       policy=policy, **dict(kw))
   prof = run(keep)

@@ -78,8 +78,10 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Pla
     return startup.make_mesh(axes, dcn, topo, say), None
   per_device = platform_default(o, "batch_size", topo.platform)
   batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
+  planned_opt = optimizers.transformation(o.optimizer or "adamw", 1e-3,
+                                          mu_dtype=o.mu_dtype or "float32")
   (axes, remat, steps, gather), table = startup.plan_mesh(model, cfg, topo, batch,
-                                                          o.precision, lora)
+                                                          o.precision, planned_opt, lora)
   say("mesh=auto: " + table)
   return (startup.make_mesh(axes, dcn, topo, say),
           memory.Planned(batch, remat, steps, gather))

@@ -9,7 +9,6 @@ import os
 
 import jax
 import numpy as np
-import optax
 
 import fnscale as fs
 from recipes.lm.options import MIXED
@@ -106,9 +105,10 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lora=None):
   """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's
-  abstract params and the global batch, and the top of its table with why the winner won. With
+  abstract params, the run's optimizer (an optax transformation: its state is what the plan
+  holds) and the global batch, and the top of its table with why the winner won. With
   `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
   gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
   its reference pass adds a forward pass, no residuals).
@@ -124,25 +124,24 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, lora=None):
   pol = policy(precision, topo.platform)
   init, loss = functools.partial(model.init_params, cfg), model.loss_fn
   if lora is not None:
-    init = lora_state(model, cfg, pol, lora)
+    init = lora_state(model, cfg, pol, lora, optimizer)
     loss = fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
   options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES,
                                     logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
-  p = fs.analysis.plan(init, loss, optax.adamw(1e-3), {"inputs": rows, "targets": rows}, topo,
-                       options)
+  p = fs.analysis.plan(init, loss, optimizer, {"inputs": rows, "targets": rows}, topo, options)
   return ((p.axes, p.remat, p.accum_steps, p.accum_gather),
           fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
 
 
-def lora_state(model, cfg, pol, lora):
+def lora_state(model, cfg, pol, lora, optimizer):
   """The abstract LoRA state the planner profiles (`plan_mesh`, `memory.profile`): the base
   abstract in the compute dtype (as `finetune.init` stores it) on one device (the planner
-  places it on each candidate mesh), the adapters and their AdamW state."""
+  places it on each candidate mesh), the adapters and their `optimizer`'s state."""
   dtype = pol.compute_dtype if pol is not None else np.float32
   mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
   base = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=jax.sharding.NamedSharding(
           mesh, jax.sharding.PartitionSpec())),
       jax.eval_shape(functools.partial(model.init_params, cfg), jax.random.key(0)))
-  return fs.lora.init_state(base, lora, optax.adamw(1e-3), key=jax.random.key(1),
-                            policy=pol, abstract=True)
+  return fs.lora.init_state(base, lora, optimizer, key=jax.random.key(1), policy=pol,
+                            abstract=True)
