@@ -32,6 +32,12 @@ from jax import lax
 
 _LEVELS = 127.0
 
+# TPU generations where `--int8` ran slower than bfloat16 at train_lm's widths, so the main
+# job says so when asked for it there: on v5e GPT small trained at 0.72x bfloat16's tokens/s,
+# and XLA's cost model for the chip gives int8's product 6-14% over bf16's while quantizing
+# the activations costs a third of the matmul (recipes/bench/int8_matmul.py, its README row).
+SLOWER_ON = ("v5e",)
+
 
 def quantize(a: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """(int8 values, float32 scales) of a 2-d array, symmetric, one scale per slice along the

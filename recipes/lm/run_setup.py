@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 import fnscale as fs
-from recipes.lm import batches, checkpoints, data, finetune, hardware, memory, models
+from recipes.lm import batches, checkpoints, data, finetune, hardware, int8, memory, models
 from recipes.lm import optimizers, packing, profiling, progress, run_log, rundir, startup
 from recipes.lm.options import Options, platform_default, schedule_defaults
 
@@ -42,6 +42,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   default = lambda name: platform_default(o, name, topo.platform)
   size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
   model, cfg, name = models.choose(o, size, seq, corpus)
+  if o.int8 and topo.generation in int8.SLOWER_ON:
+    say(f"note: --int8 runs slower than bfloat16 on a TPU {topo.generation} at these widths "
+        "(0.72x on GPT small; why: recipes/bench/README.md, 'Why --int8 loses on this chip')")
   run_log.check_tracker(o.tracker)
   lora = finetune.lora_config(o, model, cfg)
   if o.objective == "dpo":
