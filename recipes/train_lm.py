@@ -101,8 +101,8 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   # A LoRA state is born in its shardings (the adapters follow the base's): none to derive.
   rules = {} if setup.lora is not None else dict(
       rules=model.RULES, logical_axes=model.logical_axes(setup.cfg))
-  step_fn = fs.shard_step(fs.with_kernel(checkpoints.with_finite_flag(step_fn), **kernels),
-                          setup.mesh, **rules)
+  step_fn = checkpoints.with_finite_flag(models.with_balancing(step_fn, model, setup.cfg))
+  step_fn = fs.shard_step(fs.with_kernel(step_fn, **kernels), setup.mesh, **rules)
   return step_fn, evaluation.eval_loss(loss_fn, policy, kernels)
 
 

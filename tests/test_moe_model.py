@@ -372,3 +372,94 @@ def test_the_bias_update_moves_each_expert_towards_the_mean_load():
   new = fs.parallel.update_router_bias(np.full((2, 3), 0.25), np.array([[6, 2, 4],
                                                                          [4, 4, 4]]), 0.5)
   np.testing.assert_allclose(new, [[-0.25, 0.75, 0.25], [0.25, 0.25, 0.25]])
+
+
+# A tiny DeepSeek-V3: 3 layers (the first dense), multi-head latent attention with a query
+# latent (and without), 8 experts in 4 groups (2 a token), 1 shared; random selection biases.
+DEEPSEEK_V3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                   num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                   qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2,
+                   n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+                   max_position_embeddings=64)
+HF_DEEPSEEK = {"deepseek_v3": DEEPSEEK_V3,
+               "deepseek_v3_no_q_latent": dict(DEEPSEEK_V3, q_lora_rank=None)}
+
+
+@pytest.mark.parametrize("family", [pytest.param("deepseek_v3"), pytest.param(
+    "deepseek_v3_no_q_latent", marks=pytest.mark.slow)])
+def test_deepseek_v3_loads_over_experts_with_transformers_logits_and_exports(tmp_path, family):
+  torch = pytest.importorskip("torch", reason=NO_TORCH)
+  transformers = pytest.importorskip("transformers", reason=NO_TORCH)
+  from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
+  from recipes.bench import hf_checkpoint as bench  # pylint: disable=import-outside-toplevel
+  from recipes.lm import deepseek, hf_maps  # pylint: disable=import-outside-toplevel
+  transformers.logging.set_verbosity_error()
+  model = bench.randomize(transformers.DeepseekV3ForCausalLM(
+      transformers.DeepseekV3Config(**HF_DEEPSEEK[family])))
+  with torch.no_grad():
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+  src = tmp_path / "src"
+  model.save_pretrained(src, max_shard_size="20KB")
+  tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  m = hf_maps.read(src, 16)
+  assert m.model is deepseek and (m.cfg.dense_layers, m.cfg.groups, m.cfg.topk_groups) == (1, 4, 2)
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  cmap = hf_maps.checkpoint_map(m, src)
+  target = fs.init_state(functools.partial(deepseek.init_params, m.cfg), optax.sgd(0.1),
+                         mesh=mesh, rules=deepseek.RULES,
+                         logical_axes=deepseek.logical_axes(m.cfg), key=jax.random.key(0),
+                         abstract=True).params
+  params = hf.load(src, target, cmap)
+  run = jax.jit(functools.partial(deepseek.apply, cfg=m.cfg))
+  with fs.with_mesh(mesh):
+    got = np.asarray(run(params, jnp.asarray(tokens)))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  # Changed as training would, exported: transformers reads it and computes its logits.
+  changed = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.003, p))(params)
+  hf.export(tmp_path / "out", changed, hf_maps.checkpoint_map(hf_maps.of_model(deepseek, m.cfg)),
+            config=hf_maps.to_config(hf_maps.of_model(deepseek, m.cfg)), max_shard_bytes=20_000)
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  with torch.no_grad():
+    theirs = back(torch.tensor(tokens)).logits.numpy()
+  with fs.with_mesh(mesh):
+    ours = np.asarray(run(changed, jnp.asarray(tokens)))
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+  assert not np.allclose(theirs, want, atol=1e-3)  # the change shows
+
+
+@pytest.mark.slow
+def test_a_deepseek_step_moves_each_layers_bias_towards_the_mean_load():
+  """train_lm's step for the DeepSeek model (`models.with_balancing`): after one step from a
+  zero bias, each MoE layer's router_bias is bias_rate x sign(mean load - load), the load
+  being the step's own routing of its batch (the forward pass of the params it started from,
+  read here); every other param is what the optimizer alone gives."""
+  from recipes.lm import deepseek, models  # pylint: disable=import-outside-toplevel
+  cfg = deepseek.model_config("deepseek-tiny", 16, bias_rate=0.25)
+  init = functools.partial(deepseek.init_params, cfg)
+  mesh = fs.make_mesh({"data": 2, "expert": 4})
+  opt = optax.sgd(0.1)
+  loss = functools.partial(deepseek.loss_and_aux, cfg=cfg)
+  kw = dict(rules=deepseek.RULES, logical_axes=deepseek.logical_axes(cfg))
+  tokens = np.random.default_rng(0).integers(0, 256, (8, 17))
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  out = {}
+  for balanced in (True, False):
+    state = fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), **kw)
+    step = fs.train_step(loss, opt, has_aux=True)
+    step = models.with_balancing(step, deepseek, cfg) if balanced else step
+    out[balanced] = jax.device_get(fs.shard_step(step, mesh, donate=False, **kw)(state, batch)[0].params)
+  with fs.with_mesh(mesh):
+    _, aux = jax.jit(loss)(fs.init_state(init, opt, mesh=mesh, key=jax.random.key(0), **kw).params,
+                           batch)
+  load = np.asarray(aux["tokens_per_expert"], np.float64)  # [moe layers, experts]
+  want = 0.25 * np.sign(load.mean(-1, keepdims=True) - load)
+  assert np.any(want != 0)
+  np.testing.assert_allclose(out[True]["blocks"]["router_bias"], want)
+  np.testing.assert_allclose(out[False]["blocks"]["router_bias"], 0)  # no gradient moves it
+  out[True]["blocks"].pop("router_bias"), out[False]["blocks"].pop("router_bias")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), out[True],
+               out[False])  # the same step, up to the two programs' float rounding

@@ -74,6 +74,8 @@ class Tensor(NamedTuple):
     nothing split.
   perm: the leaf's axes (after the stacked ones) as a permutation of the split axes
     (`np.transpose`'s `axes`); None: unchanged.
+  first: per field, the key's index of the leaf's first entry (empty: 0 for each); a
+    stack of a model's later layers, e.g. `first=(3,)`: entry 0 is `{layer}` = 3.
 
   Examples:
     A stacked leaf [layers, heads, head_dim, d] from each layer's q_proj [heads * head_dim, d]:
@@ -87,10 +89,16 @@ class Tensor(NamedTuple):
   key: str
   split: tuple = ()
   perm: tuple[int, ...] | None = None
+  first: tuple[int, ...] = ()
 
   @property
   def fields(self) -> tuple[str, ...]:
     return tuple(f for _, f, _, _ in string.Formatter().parse(self.key) if f)
+
+  def key_at(self, idx: Sequence[int]) -> str:
+    """The key of the stacked entry `idx` (one index per field)."""
+    first = self.first or (0,) * len(idx)
+    return self.key.format(**{f: i + o for f, i, o in zip(self.fields, idx, first)})
 
 
 class CheckpointMap(NamedTuple):
@@ -251,7 +259,7 @@ def _keys(src: Tensor, stack: Sequence[int]) -> list[tuple[tuple[int, ...], str]
   """(stacked index, key) for every source tensor of a leaf."""
   out = []
   for idx in np.ndindex(*stack):
-    out.append((idx, src.key.format(**dict(zip(src.fields, idx)))))
+    out.append((idx, src.key_at(idx)))
   return out
 
 
@@ -425,7 +433,7 @@ def _read_shard(lf: _Leaf, index: Index, read, shard: Sequence[slice]) -> np.nda
   out = np.empty(tuple(b - a for a, b in bounds), lf.dtype)
   for pos in np.ndindex(*out.shape[:n]):
     stacked = tuple(bounds[i][0] + p for i, p in enumerate(pos))
-    key = lf.src.key.format(**dict(zip(lf.src.fields, stacked)))
+    key = lf.src.key_at(stacked)
     entry = index.tensors[key]
     if len(reads) == 1:  # one contiguous read: no staging copy
       part = read(entry, key, reads[0][0]).reshape(split_shape)

@@ -28,7 +28,9 @@ Models:
 - `llama`: a Llama-style decoder (the GPT's interface); `llama_config` its shapes and
   costs; `llama_layout` its params and activations on a mesh; `layers` RMSNorm and RoPE.
 - `moe`: mixture-of-experts decoders (the Llama's interface).
+- `deepseek`: a DeepSeek-V3-style decoder: latent attention, biased routing, dense first layers.
 - `hf_maps`: Hugging Face families: config.json, param names and transforms.
+- `hf_deepseek`: the DeepSeek-V3 family's config.json and param names (through `hf_maps`).
 - `embedding`: the token-embedding lookup of a split table, positions under `context`.
 - `remat`: what a block keeps for its backward pass (the policies).
 - `int8`: int8 matmuls with per-channel scales and straight-through gradients.

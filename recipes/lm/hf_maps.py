@@ -15,7 +15,7 @@ an InputError naming the config.json field, never a silently different model. mi
 (Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their weights
 renormalised or not) into `moe.py`: the experts' weights are one leaf each per projection,
 [layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's layout, which
-transformers writes too).
+transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`).
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import fnscale as fs
 from fnscale.checkpoint import hf
-from recipes.lm import gpt, layers, llama, moe
+from recipes.lm import deepseek, gpt, hf_deepseek, layers, llama, moe
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-MOE_FAMILY = ("mixtral", "qwen3_moe")
+MOE_FAMILY = ("mixtral", "qwen3_moe", "deepseek_v3")
 FAMILIES = LLAMA_FAMILY + ("gpt2",) + MOE_FAMILY
 
 
@@ -81,6 +81,8 @@ def from_config(c: dict, seq: int) -> HFModel:
     return HFModel(moe, _mixtral_config(c, seq), dict(c))
   if kind == "qwen3_moe":
     return HFModel(moe, _qwen3_moe_config(c, seq), dict(c))
+  if kind == "deepseek_v3":
+    return HFModel(deepseek, hf_deepseek.config(c, seq, _need, _error, _rope), dict(c))
   hint = (" (experts: Mixtral's and Qwen3's are in fnscale's models)" if kind in (
       "qwen2_moe",) else "")
   raise _error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
@@ -229,6 +231,8 @@ def checkpoint_map(m: HFModel, path=None) -> hf.CheckpointMap:
     return _gpt2_map(m.cfg, _gpt2_prefix(path))
   if m.model is moe:
     return _moe_map(m.cfg, _moe_kind(m))
+  if m.model is deepseek:
+    return hf_deepseek.checkpoint_map(m.cfg, path)
   return _llama_map(m.cfg)
 
 
@@ -338,7 +342,8 @@ def to_config(m: HFModel) -> dict:
   written from `m.cfg`, weights in float32 (`dtype`)."""
   base = dict(m.config) if m.config else (
       _gpt2_hf_config(m.cfg) if m.model is gpt else _moe_hf_config(m.cfg)
-      if m.model is moe else _llama_hf_config(m.cfg))
+      if m.model is moe else hf_deepseek.hf_config(m.cfg) if m.model is deepseek
+      else _llama_hf_config(m.cfg))
   base.pop("torch_dtype", None)
   return {**base, "dtype": "float32"}
 

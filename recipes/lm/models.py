@@ -15,11 +15,11 @@ import time
 from types import ModuleType
 
 import fnscale as fs
-from recipes.lm import gpt, hf_maps, llama, moe
+from recipes.lm import deepseek, gpt, hf_maps, llama, moe
 from recipes.lm.cli import did_you_mean
 
 # Model name -> its module.
-MODELS = {name: module for module in (gpt, llama, moe) for name in module.SIZES}
+MODELS = {name: module for module in (gpt, llama, moe, deepseek) for name in module.SIZES}
 
 
 def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
@@ -82,6 +82,20 @@ def losses(s) -> tuple:
   train = functools.partial(model.loss_and_aux if aux else model.loss_fn,
                             remat=remat_of(o, model), **kw)
   return train, functools.partial(model.loss_fn, **kw), aux
+
+
+def with_balancing(step, model, cfg):
+  """The train step, then the model's step-to-step balancing where it has one (DeepSeek-V3's
+  selection biases: `deepseek.update_bias` on the step's expert load), in the same program;
+  other models' steps unchanged."""
+  update = getattr(model, "update_bias", None)
+  if update is None:
+    return step
+
+  def balanced(state, batch):
+    state, metrics = step(state, batch)
+    return state._replace(params=update(state.params, metrics["aux"], cfg)), metrics
+  return balanced
 
 
 def remat_of(o, model) -> bool | str:

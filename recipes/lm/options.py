@@ -35,7 +35,8 @@ PLATFORM_DEFAULTS = {
                         mesh="fsdp=-1", remat_policy="dots")}
 # Peak learning rate by model; other models 3e-4.
 LR = {"nano": 3e-3, "tiny_gpt2": 3e-3, "tiny": 3e-3, "llama-tiny": 3e-3, "small": 6e-4,
-      "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3, "moe-qwen3-tiny": 3e-3}
+      "medium": 3e-4, "moe-tiny": 3e-3, "moe-deepseek-tiny": 3e-3, "moe-qwen3-tiny": 3e-3,
+      "deepseek-tiny": 3e-3}
 DEFAULT_LR = 3e-4
 
 
