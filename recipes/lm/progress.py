@@ -160,8 +160,8 @@ def whole_run(r, t: Timing | None) -> dict:
 
 def progress(r, done: int, m, dt) -> dict:
   """One progress line of run `r` at step `done` with metrics `m` (loss, lr, tokens/s, MFU
-  and its denominator, ETA) and its record in `r.log`, and the run's goodput record there. `dt`: seconds per step (None: not
-  measured yet).
+  and its denominator, ETA) and its record in `r.log`, and the run's goodput record there
+  (`r.goodput`). `dt`: seconds per step (None: not measured yet).
 
   Raises:
     StepError: a non-finite loss.
