@@ -374,7 +374,8 @@ def test_a_restart_counts_the_steps_it_redoes_as_lost_work(work, tmp_path, capsy
   redone = [r for r in _records(run_dir, "perf/tokens_per_s") if r["step"] > 3]
   assert g["goodput/lost_s"] >= sum(16 * 32 / r["perf/tokens_per_s"] for r in redone) > 0
   assert all(g[f"goodput/{p}_s"] >= g1[f"goodput/{p}_s"] for p in goodput.PHASES)
-  assert wall - 0.5 <= g["goodput/wall_s"] - g1["goodput/wall_s"] <= wall
+  # This start's share: from its call to its last record (not the summary after it).
+  assert wall - max(1.0, 0.1 * wall) <= g["goodput/wall_s"] - g1["goodput/wall_s"] <= wall
   said = capsys.readouterr().out
   assert f"goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s over 2 starts: " \
       in said and "(4 steps redone)" in said
