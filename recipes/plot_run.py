@@ -1,12 +1,15 @@
-"""Draws a run's loss (train and eval), tokens/s and MFU against steps to a PNG.
+"""Draws a run's loss (train and eval), tokens/s and MFU against steps to a PNG, and where
+its wall time went (its goodput) to another.
 
-  python recipes/plot_run.py RUN_DIR                  # -> RUN_DIR/metrics.png
-  python recipes/plot_run.py RUN_DIR --out=run.png
+  python recipes/plot_run.py RUN_DIR                  # -> RUN_DIR/metrics.png, goodput.png
+  python recipes/plot_run.py RUN_DIR --out=run.png --goodput_out=goodput.png
 
 Reads `RUN_DIR/metrics.jsonl` as `run_log.py` writes it (one JSON object per line: "step"
 and scalars named "train/loss", "eval/loss", "perf/tokens_per_s", "perf/mfu"); lines
 without those are skipped. Works while the run is still writing. The corpus's bigram baseline,
-when `train_lm` recorded it in `RUN_DIR/run.json`, is a dashed line in the loss panel.
+when `train_lm` recorded it in `RUN_DIR/run.json`, is a dashed line in the loss panel. The
+goodput figure draws train_lm's goodput records ("goodput/<phase>_s" over "goodput/wall_s",
+`recipes/lm/goodput.py`): each phase's share of the wall time so far against the step.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import sys
 from absl import flags
 
 from fnscale import FnscaleError, InputError
-from recipes.lm import run_log
+from recipes.lm import goodput, run_log
 from recipes.lm.run_log import METRICS_FILE, RUN_FILE
 from recipes.lm import cli
 
@@ -114,13 +117,62 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
   return out
 
 
+def read_goodput(path: str) -> dict[str, tuple[list[int], list[float]]]:
+  """Per phase of `goodput.PHASES`: (steps ascending, % of the wall time) of the goodput
+  records in the metrics.jsonl at `path`; a repeated step keeps its last record (a restart
+  writes its first again, carrying the earlier starts); {} when there are none."""
+  by_step = {r["step"]: r for r in run_log.records(path)
+             if goodput.WALL in r and isinstance(r.get("step"), int) and r[goodput.WALL] > 0}
+  steps = sorted(by_step)
+  return {p: (steps, [100 * by_step[s][f"{goodput.TAG}{p}_s"] / by_step[s][goodput.WALL]
+                      for s in steps]) for p in goodput.PHASES} if steps else {}
+
+
+def goodput_figure(run_dir: str):
+  """The goodput figure of `run_dir` (a matplotlib Figure, 700x450 pixels): one line per
+  phase (`read_goodput`), titled by the last record's summary line.
+
+  Raises:
+    InputError: `run_dir` or its metrics missing, or no goodput record in them.
+  """
+  path = _metrics_path(run_dir)
+  series = read_goodput(path)
+  if not series:
+    raise InputError(f"{path} has no goodput records ({goodput.WALL}); train_lm writes them "
+                     "at each progress line")
+  last = [r for r in run_log.records(path) if goodput.WALL in r][-1]
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+  ax = fig.subplots()
+  for phase, (steps, shares) in series.items():
+    ax.plot(steps, shares, label=phase, linewidth=2.5 if phase == "productive" else 1.2)
+  ax.set_ylim(0, 100)
+  ax.set_xlabel("step")
+  ax.set_ylabel("% of the wall time so far")
+  ax.legend(loc="best", fontsize="small")
+  ax.grid(alpha=0.3)
+  ax.set_title(goodput.line(last).split(": ", 1)[0], fontsize="medium")
+  fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+  return fig
+
+
+def plot_goodput(run_dir: str, out: str | None = None) -> str:
+  """Draws `goodput_figure(run_dir)` to a PNG at `out` (default `run_dir/goodput.png`);
+  returns its path. Raises as `goodput_figure`."""
+  out = os.fspath(out) if out is not None else os.path.join(run_dir, "goodput.png")
+  goodput_figure(run_dir).savefig(out, format="png")
+  return out
+
+
 def main(argv: list[str]) -> int:
   if len(argv) != 2:
-    print("error: expected one RUN_DIR: python recipes/plot_run.py RUN_DIR [--out=PNG]",
-          file=sys.stderr)
+    print("error: expected one RUN_DIR: python recipes/plot_run.py RUN_DIR [--out=PNG] "
+          "[--goodput_out=PNG]", file=sys.stderr)
     return 2
   try:
     print(plot_run(argv[1], flags.FLAGS.out))
+    if read_goodput(_metrics_path(argv[1])):  # a run of train_lm's (other logs have none)
+      print(plot_goodput(argv[1], flags.FLAGS.goodput_out))
   except FnscaleError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -129,4 +181,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
   flags.DEFINE_string("out", None, "the PNG's path; default RUN_DIR/metrics.png")
+  flags.DEFINE_string("goodput_out", None, "the goodput PNG's path; default RUN_DIR/goodput.png")
   sys.exit(cli.absl_run(main))

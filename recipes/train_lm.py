@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from typing import Any
@@ -32,7 +33,7 @@ import jax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
 from recipes.lm import profiling, progress, run_log, run_setup, rundir, stalls, startup, stopping
-from recipes.lm import summary
+from recipes.lm import goodput, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -50,8 +51,10 @@ def train_lm(**options) -> summary.Summary:
   return run(cli.check_options(Options, options))
 
 
-def run(o: Options) -> summary.Summary:
-  """Trains per `o` (see `train_lm`); returns the summary with the final state.
+def run(o: Options, started: float | None = None) -> summary.Summary:
+  """Trains per `o` (see `train_lm`); returns the summary with the final state. `started`:
+  when the process started (the command line's), the start of its goodput's wall time
+  (default: now).
 
   Raises:
     FnscaleError: bad input; stopping.Interrupted: a Ctrl-C that ended the run at once
@@ -75,6 +78,7 @@ def run(o: Options) -> summary.Summary:
         say(f"train_lm: reading the data ({o.dataset}) ...")
         setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
+        ledger = goodput.ledger(started or t0, setup.o.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.checkpoint_dir
         if checkpoint_dir:  # one directory every process sees, checked before use
           fs.checkpoint.check_shared_directory(checkpoint_dir)
@@ -82,7 +86,7 @@ def run(o: Options) -> summary.Summary:
         # One checkpoint manager for the whole run; leaving the block waits for the last
         # save. orbax's warnings go to RUN_DIR/log.txt, not the console.
         with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt:
-          return _run(setup, ckpt, t0, say, should_stop)
+          return _run(setup, ckpt, t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
 
@@ -106,10 +110,12 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   return step_fn, evaluation.eval_loss(loss_fn, policy, kernels)
 
 
-def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.Summary:
+def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
+         ledger: goodput.Ledger) -> summary.Summary:
   """Restore, build and compile; then the loop and the end of the run. `ckpt`: a
   fnscale.checkpoint.Manager, or None (no checkpoints). A run that already holds its last
-  step ends after the restore (`checkpoints.finished`): nothing compiled."""
+  step ends after the restore (`checkpoints.finished`): nothing compiled. `ledger` books
+  where the time goes (goodput.py), recorded at each progress line and at the end."""
   policy = startup.policy(setup.o.precision, setup.topo.platform)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
@@ -122,7 +128,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
     # context axis); fs.global_batch makes one array over every process.
     train_rows, evals = batches.run_batches(setup, fs.batch_sharding(setup.mesh,
                                                                      context_axes=()))
-    state, start, resumed, saved = checkpoints.resume(setup, ckpt, init, train_rows, say)
+    state, start, resumed, saved = checkpoints.resume(setup, ckpt, init, train_rows, say,
+                                                      ledger)
     if checkpoints.finished(setup.o, start):
       _export(setup, state, say)
       return summary.finished(setup, state, start, t0, say)
@@ -132,10 +139,12 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
     # Ahead of time (step 0 doesn't compile again), held against the device's memory.
+    ledger.enter("compile")
     say(f"train_lm: compiling the train step of {o.model_config} on mesh "
         f"{dict(setup.mesh.shape)} ...")
     step_fn = memory.compile_step(setup, step_fn, state, first)
     fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
+    ledger.enter("other")
     job = run_setup.Run(
         setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,
         schedule=schedule, peak=peak, step=step_fn,
@@ -147,9 +156,10 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
                             tracker=o.tracker, config=dataclasses.asdict(o),
                             keep_through=-1 if resumed is None else start),
         prof=profiling.profiler(setup.profile, o.run_dir, say=say),
-        saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say),
-        should_stop=should_stop, params_of=finetune.params_of(setup.lora))
+        saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say, ledger),
+        should_stop=should_stop, goodput=ledger, params_of=finetune.params_of(setup.lora))
     with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)
+      job.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
       summary.describe(job, state)
       batches.say_padding(o, rows, evals, say)
       ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
@@ -158,6 +168,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop) -> summary.S
       out = _finish(job, state, out)
       if not out["stopped"]:
         _export(setup, state, say)
+      out = dict(out, goodput=ledger.record())
+      job.log.write(int(state.step), out["goodput"])
   return summary.summarize(job, state, out)
 
 
@@ -181,6 +193,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.checkpoint_every
   for step in range(job.start, o.steps):
+    job.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
     job.prof.at_step(step, pending=m)
     prev, (state, m) = m, job.step(state, batch)
     # The previous step's update, read while this one runs (one step stays in flight).
@@ -212,6 +225,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
         ev = evaluation.evaluate(job, state, done), done
       job.say(f"stopped at step {done} ({stopped}): {stopping.what_is_saved(o.checkpoint_dir)}")
       break
+  job.goodput.enter("other")
   job.prof.close(pending=state)
   stalls.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
   return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
@@ -235,7 +249,9 @@ def main(argv: list[str], own_process: bool = False) -> int:
   """The command line (exit status 0 done, 2 bad input, 75 a lost process, 143 stopped by
   SIGTERM, 130 by Ctrl-C). `own_process`: as `python recipes/train_lm.py`, a Ctrl-C that
   ends the run at once ends the process (`cli.options_main`)."""
-  return cli.options_main(argv, Options, run, __doc__, own_process=own_process)
+  # A process of its own: its goodput counts from the process's start (the imports).
+  entry = functools.partial(run, started=goodput.process_start()) if own_process else run
+  return cli.options_main(argv, Options, entry, __doc__, own_process=own_process)
 
 
 if __name__ == "__main__":

@@ -420,3 +420,78 @@ def test_the_last_eval_of_a_run_cut_by_a_kill_is_read_past_its_torn_last_line(tm
   bad = _metrics_file(tmp_path / "bad", [lines[0], lines[3], lines[2]])
   with pytest.raises(FnscaleError, match="metrics.jsonl:2: not a JSON line"):
     summary.last_logged(str(bad), ("eval/loss",), 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# goodput: where a run's wall time goes
+# ------------------------------------------------------------------------------------------------
+
+def _earlier_start(run_dir):
+  """The metrics.jsonl of a start that trained steps 1..5 (its last record at step 4: a kill
+  after step 5 left none) and spent 10 s, 3 of them on 4 steps."""
+  record = {"step": 4, "goodput/productive_s": 3.0, "goodput/startup_s": 4.0,
+            "goodput/compile_s": 2.0, "goodput/checkpoint_s": 0.5, "goodput/eval_s": 0.25,
+            "goodput/lost_s": 0.0, "goodput/other_s": 0.25, "goodput/wall_s": 10.0,
+            "goodput/fraction": 0.3, "goodput/steps": 4.0, "goodput/lost_steps": 0.0,
+            "goodput/trained_through": 4.0, "goodput/starts": 1.0}
+  return _metrics_file(run_dir, [json.dumps({"step": s, "train/loss": 3.0}) for s in (1, 2, 4)]
+                       + [json.dumps(record), json.dumps({"step": 5, "train/loss": 2.9})])
+
+
+def test_a_restart_books_each_second_once_and_redone_steps_as_lost(tmp_path, monkeypatch):
+  """On a clock set by hand: a restart of the run above, resumed from step 2, spends 1 s
+  starting, 2 s compiling, 0.5 s restoring, 1 s on each of steps 3, 4 and 5 (which the earlier
+  start trained: lost) with a 0.25 s save in step 4, then 1 s on step 6 (productive)."""
+  from recipes.lm import goodput  # pylint: disable=import-outside-toplevel
+  now = [100.0]
+  monkeypatch.setattr(goodput.time, "time", lambda: now[0])
+  ledger = goodput.ledger(100.0, str(_earlier_start(tmp_path)))
+
+  def at(t, call, *args):
+    now[0] = 100.0 + t
+    return call(*args)
+  at(1.0, ledger.enter, "compile")
+  at(3.0, ledger.enter, "other")
+  with ledger.during("checkpoint"):
+    now[0] = 103.5
+  for t, done in ((3.5, 3), (4.5, 4)):
+    at(t, ledger.at_step, done)
+  now[0] = 105.0
+  with ledger.during("checkpoint"):
+    now[0] = 105.25
+  at(5.75, ledger.at_step, 5)
+  at(6.75, ledger.at_step, 6)
+  got = at(7.75, ledger.record)
+  assert got == {"goodput/productive_s": 3.0 + 1.0, "goodput/startup_s": 4.0 + 1.0,
+                 "goodput/compile_s": 2.0 + 2.0, "goodput/checkpoint_s": 0.5 + 0.75,
+                 "goodput/eval_s": 0.25, "goodput/lost_s": 3.0, "goodput/other_s": 0.25,
+                 "goodput/wall_s": 10.0 + 7.75, "goodput/fraction": 4.0 / 17.75,
+                 "goodput/steps": 5, "goodput/lost_steps": 3, "goodput/trained_through": 6,
+                 "goodput/starts": 2}
+  assert goodput.line(got) == (
+      "goodput 22.5% of 18 s over 2 starts: start-up 28.2%, compile 22.5%, checkpoints 7.0%, "
+      "eval/sample 1.4%, lost 16.9% (3 steps redone), other 1.4% (5 steps trained)")
+
+
+def test_the_goodput_figure_draws_each_phases_share_of_the_records(tmp_path, matplotlib):
+  """One line per phase, at each step's last record (a restart writes its step again), each
+  phase's seconds over the wall seconds in percent; a log without goodput records is named."""
+  import matplotlib.image  # pylint: disable=import-outside-toplevel,redefined-outer-name
+  from recipes.lm import goodput  # pylint: disable=import-outside-toplevel
+  run_dir = _earlier_start(tmp_path / "run")
+  second = dict(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[3]),
+                **{"goodput/wall_s": 20.0, "goodput/lost_s": 10.0})
+  with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write(json.dumps({**second, "step": 2}) + "\n" + json.dumps(second) + "\n")
+  lines = pr.goodput_figure(str(run_dir)).axes[0].get_lines()
+  want = {"productive": [15.0, 15.0], "startup": [20.0, 20.0], "compile": [10.0, 10.0],
+          "checkpoint": [2.5, 2.5], "eval": [1.25, 1.25], "lost": [50.0, 50.0],
+          "other": [1.25, 1.25]}
+  assert [ln.get_label() for ln in lines] == list(goodput.PHASES)
+  for ln in lines:
+    assert list(ln.get_xdata()) == [2, 4] and list(ln.get_ydata()) == want[ln.get_label()]
+  out = pr.plot_goodput(str(run_dir))
+  assert out == str(run_dir / "goodput.png") and os.path.getsize(out) > 0
+  assert matplotlib.image.imread(out).shape[:2] == (450, 700)
+  with pytest.raises(FnscaleError, match="metrics.jsonl has no goodput records"):
+    pr.goodput_figure(str(_falling_run(tmp_path / "plain", 0.9)))

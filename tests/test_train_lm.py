@@ -32,7 +32,7 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import embedding, gpt
-from recipes.lm import cli, evaluation, memory, progress, run_setup, rundir, stopping
+from recipes.lm import cli, evaluation, goodput, memory, progress, run_setup, rundir, stopping
 from recipes.lm import summary as run_summary
 from recipes.launch import launch_local
 from recipes import plot_run
@@ -304,6 +304,81 @@ def test_summary_speed_is_the_whole_runs(uninterrupted):
   assert summary.tokens_per_s == pytest.approx(whole("perf/tokens_per_s"), rel=1e-9)
   assert summary.mfu == pytest.approx(whole("perf/mfu"), rel=1e-9)
   assert summary.tokens_per_s != records[-1]["perf/tokens_per_s"]
+
+
+def test_goodput_splits_the_runs_wall_time(uninterrupted):
+  """The goodput record at the end splits the wall time the summary measured (from the same
+  start, read after the record is written) into phases that sum to it; the productive time
+  holds every step window the progress lines timed, the compile phase XLA's compile."""
+  summary, run_dir = uninterrupted
+  records = _records(run_dir, "goodput/wall_s")
+  final = records[-1]
+  assert final == {"step": STEPS, **summary.goodput}
+  phases = [final[f"goodput/{p}_s"] for p in goodput.PHASES]
+  assert sum(phases) == pytest.approx(final["goodput/wall_s"], rel=1e-12) and min(phases) >= 0
+  assert summary.wall_s - max(0.5, 0.05 * summary.wall_s) <= final["goodput/wall_s"] \
+      <= summary.wall_s
+  timed = sum(16 * 32 / r["perf/tokens_per_s"] for r in _records(run_dir, "perf/tokens_per_s"))
+  assert timed <= final["goodput/productive_s"] * (1 + 1e-9)
+  assert final["goodput/compile_s"] >= summary.compile_s > 0 and final["goodput/eval_s"] > 0
+  assert final["goodput/fraction"] == final["goodput/productive_s"] / final["goodput/wall_s"]
+  assert (final["goodput/steps"], final["goodput/lost_steps"], final["goodput/lost_s"],
+          final["goodput/starts"]) == (STEPS, 0, 0.0, 1)
+  # One record when the log opens (step 0), one a progress line, one at the end; the time
+  # only grows.
+  assert [r["step"] for r in records] == [0, *range(1, STEPS + 1), STEPS]
+  walls = [r["goodput/wall_s"] for r in records]
+  assert walls == sorted(walls)
+
+
+def test_plot_run_draws_the_goodput_records(uninterrupted, tmp_path):
+  """The goodput figure's lines are the run's records: per phase, at each step's last
+  record, its seconds over the wall seconds."""
+  _, run_dir = uninterrupted
+  last = {r["step"]: r for r in _records(run_dir, "goodput/wall_s")}
+  lines = plot_run.goodput_figure(str(run_dir)).axes[0].get_lines()
+  assert [ln.get_label() for ln in lines] == list(goodput.PHASES)
+  for ln in lines:
+    assert list(ln.get_xdata()) == sorted(last)
+    assert list(ln.get_ydata()) == [100 * last[s][f"goodput/{ln.get_label()}_s"]
+                                    / last[s]["goodput/wall_s"] for s in sorted(last)]
+  out = plot_run.plot_goodput(str(run_dir), str(tmp_path / "goodput.png"))
+  assert pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_restart_counts_the_steps_it_redoes_as_lost_work(work, tmp_path, capsys):
+  """A run that trained 6 steps, whose saves of steps 4 and 6 were lost (a crash before they
+  reached the disk), resumes from step 2: the steps its first start's metrics.jsonl shows
+  trained after step 2 are redone, and their time is lost work; no step adds productive
+  time, and the record carries both starts' time."""
+  run_dir = tmp_path / "run"
+  argv = _argv(work, run_dir, "--checkpoint_every=2")
+  first = _run(argv)
+  before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  for step in (4, 6):
+    shutil.rmtree(run_dir / "checkpoints" / str(step))
+  capsys.readouterr()
+  t = time.time()
+  second = _run(argv)
+  wall = time.time() - t
+  assert second.resumed_from == 2
+  # The hand count: steps each start trained, from the two metrics files.
+  trained = {r["step"] for r in before if "train/loss" in r}
+  again = {r["step"] for r in _records(run_dir, "train/loss") if r["step"] > 2}
+  g, g1 = second.goodput, first.goodput
+  assert (g["goodput/lost_steps"], g["goodput/steps"], g["goodput/starts"]) == (
+      len(trained & again), len(trained | again), 2) == (4, 6, 2)
+  assert g["goodput/productive_s"] == g1["goodput/productive_s"]
+  # The redone steps the second start's progress lines timed (3 is its warm-up) are lost.
+  redone = [r for r in _records(run_dir, "perf/tokens_per_s") if r["step"] > 3]
+  assert g["goodput/lost_s"] >= sum(16 * 32 / r["perf/tokens_per_s"] for r in redone) > 0
+  assert all(g[f"goodput/{p}_s"] >= g1[f"goodput/{p}_s"] for p in goodput.PHASES)
+  # This start's share: from its call to its last record (not the summary after it).
+  assert wall - max(1.0, 0.1 * wall) <= g["goodput/wall_s"] - g1["goodput/wall_s"] <= wall
+  said = capsys.readouterr().out
+  assert f"goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s over 2 starts: " \
+      in said and "(4 steps redone)" in said
 
 
 @pytest.mark.slow

@@ -77,16 +77,17 @@ def with_finite_flag(step):
   return step_with_flag
 
 
-def resume(s, ckpt, init, train_rows, say):
+def resume(s, ckpt, init, train_rows, say, ledger=None):
   """(state, start step, the step resumed from or None, the schedule the checkpoint saved
   or None): the newest good checkpoint of `ckpt`, with `train_rows` at each process's saved
   position, else a fresh `init()`. Says whether a save fits the preemption window and
-  compiles the save's finiteness check, unless the run is finished (`finished`)."""
+  compiles the save's finiteness check, unless the run is finished (`finished`). The
+  restore's time goes to `ledger`'s "checkpoint", the compile's to its "compile"."""
   o = s.o
   state, start, extra = restore_or_init(ckpt, init, train_rows, dict(
       seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
       f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
-      f"{s.cfg.vocab})")
+      f"{s.cfg.vocab})", booked(ledger, "checkpoint"))
   saved = None if extra is None else extra.get("schedule")
   if start >= o.steps:
     say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train"
@@ -103,7 +104,8 @@ def resume(s, ckpt, init, train_rows, say):
         + ": this run starts at step 0")
   say_save_window(ckpt, o.grace_s, say)
   if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
-    fs.checkpoint.nonfinite_leaves(state)
+    with booked(ledger, "compile")():
+      fs.checkpoint.nonfinite_leaves(state)
   return state, start, None if extra is None else start, saved
 
 
@@ -113,13 +115,19 @@ def finished(o, start: int) -> bool:
   return start >= o.steps and not o.evaluate_finished
 
 
-def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
+def booked(ledger, phase: str):
+  """A context maker whose time goes to `ledger`'s `phase` (goodput.py); none without one."""
+  return (lambda: ledger.during(phase)) if ledger is not None else contextlib.nullcontext
+
+
+def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = "",
+                    restoring=contextlib.nullcontext):
   """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
   non-finite newer step is refused and left as it is), with the data iterator `train_rows` put
   at the position each process saved (`batches.resharded_position` maps positions saved by
   another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
   Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
-  differ).
+  differ). `restoring`: a context maker around the restore (a goodput phase: `booked`).
 
   Raises:
     CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
@@ -130,8 +138,10 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = ""):
     return init(), 0, None
   target = init(abstract=True)
   try:
-    state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None), data=train_rows,
-                                         reshard_data=batches.resharded_position)
+    with restoring():  # the time the restore takes (a goodput phase)
+      state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None),
+                                           data=train_rows,
+                                           reshard_data=batches.resharded_position)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
         f"{run or ckpt.directory} can't resume from the checkpoints already in "
@@ -198,13 +208,15 @@ class Saver(NamedTuple):
   commit: Callable  # commit(): wait until the last save is committed
 
 
-def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
+def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None) -> Saver:
   """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
   steps since the last check are read before every save and progress line), saves go through
   `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
   preemption window is said as soon as its time is known (at start-up from the last run's
-  save; in the run from its second save: the first one's time includes one-off compiles)."""
+  save; in the run from its second save: the first one's time includes one-off compiles).
+  The time the loop waits on saves and commits goes to `ledger`'s "checkpoint" (goodput.py)."""
   flags, last_saved, warned, saves, frozen = [], resumed, False, 0, {}
+  waiting = booked(ledger, "checkpoint")
 
   def check():
     bad = first_nonfinite(flags)
@@ -213,10 +225,14 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
       raise nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
 
   def save(state, step: int):
-    nonlocal last_saved, warned, saves
     check()
     if ckpt is None or step == last_saved:
       return
+    with waiting():
+      write(state, step)
+
+  def write(state, step: int):
+    nonlocal last_saved, warned, saves
     if saves >= 2 and not warned:  # the first save's time includes one-off compiles
       warned = say_save_window(ckpt, s.o.grace_s, say)
     t = time.time()
@@ -235,7 +251,8 @@ def saver(s, ckpt, train_rows, resumed: int | None, say) -> Saver:
 
   def commit():
     if ckpt is not None:
-      fs.checkpoint.wait(ckpt)
+      with waiting():
+        fs.checkpoint.wait(ckpt)
 
   return Saver(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
 

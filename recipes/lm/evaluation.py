@@ -27,7 +27,13 @@ def bits_per_byte(corpus, loss: float) -> float:
 
 
 def evaluate(r, state, step: int) -> float:
-  """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged."""
+  """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged; its
+  time is the run's goodput's "eval"."""
+  with r.goodput.during("eval"):
+    return _evaluate(r, state, step)
+
+
+def _evaluate(r, state, step: int) -> float:
   # All devices finish each eval program (not just the one a scalar is read from).
   params = r.params_of(state)
   value = float(np.mean([float(jax.block_until_ready(r.eval_loss(params, b)))
@@ -43,7 +49,13 @@ def evaluate(r, state, step: int) -> float:
 
 
 def sample(r, state) -> str:
-  """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said."""
+  """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said;
+  its time is the run's goodput's "eval"."""
+  with r.goodput.during("eval"):
+    return _sample(r, state)
+
+
+def _sample(r, state) -> str:
   o, c, t = r.setup.o, r.setup.corpus, time.time()
   apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
   text = c.decode(sampling.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),

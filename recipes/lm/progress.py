@@ -160,8 +160,8 @@ def whole_run(r, t: Timing | None) -> dict:
 
 def progress(r, done: int, m, dt) -> dict:
   """One progress line of run `r` at step `done` with metrics `m` (loss, lr, tokens/s, MFU
-  and its denominator, ETA) and its record in `r.log`. `dt`: seconds per step (None: not
-  measured yet).
+  and its denominator, ETA) and its record in `r.log`, and the run's goodput record there
+  (`r.goodput`). `dt`: seconds per step (None: not measured yet).
 
   Raises:
     StepError: a non-finite loss.
@@ -177,6 +177,7 @@ def progress(r, done: int, m, dt) -> dict:
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
   optional = {f"train/{k}": float(m[k]) for k in ("update_norm", "loss_scale") if k in m}
   r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]), **optional})
+  r.log.write(done, r.goodput.record())  # a kill loses only the time since
   if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
     _say_rewards(r, done, m["aux"])
   elif "aux" in m:  # a mixture of experts: its load

@@ -193,5 +193,6 @@ class Run(NamedTuple):
   prof: profiling.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
   should_stop: Callable[[int], bool]  # the preemption guard's check
+  goodput: Any  # the goodput.Ledger that books where the run's time goes
   params_of: Callable = lambda state: state.params  # the params evaluation and samples use
   ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import data, evaluation, finetune, hardware, memory, progress, run_log, rundir
+from recipes.lm import data, evaluation, finetune, goodput, hardware, memory, progress
+from recipes.lm import run_log, rundir
 
 
 def param_count(state) -> int:
@@ -80,10 +81,11 @@ def summarize(r, state, out: dict) -> "Summary":
       mesh=dict(s.mesh.shape), devices=jax.device_count(), processes=jax.process_count(),
       sample=out["sample"], run_dir=s.o.run_dir, state=state,
       checkpoint_dir=s.o.checkpoint_dir or None,
-      metrics=os.path.join(s.o.run_dir, run_log.METRICS_FILE))
+      metrics=os.path.join(s.o.run_dir, run_log.METRICS_FILE), goodput=out["goodput"])
   run_log.write_run_record(s.o.run_dir, "summary", summary.record(),
                            active=jax.process_index() == 0)
   r.say(_line(summary, s.o, f"{summary.train_s:.0f} s training, "))
+  r.say(goodput.line(summary.goodput))
   say_memory(s, summary.step_bytes, r.say)
   return summary
 
@@ -187,7 +189,9 @@ class Summary(NamedTuple):
   whole-run figures: every timed step this call ran (each step after its first; evals,
   checkpoints and the sample left out), not the last progress window; None when fewer than
   two steps ran. `step_bytes`: the compiled step's peak bytes per device, from XLA's memory
-  analysis (`fnscale.analysis.step_bytes`; None when no step was compiled).
+  analysis (`fnscale.analysis.step_bytes`; None when no step was compiled). `goodput`: the
+  run's goodput record (goodput.py: seconds of wall time per phase, over every start of the
+  run directory; None when nothing was trained).
   """
   final_step: int
   start_step: int
@@ -215,6 +219,7 @@ class Summary(NamedTuple):
   metrics: str
   checkpoint_dir: str | None
   state: Any = None
+  goodput: dict | None = None  # the run's cumulative goodput record (goodput.py)
 
   def __repr__(self):
     return "Summary(" + ", ".join(f"{k}={v!r}" for k, v in self.record().items()) + ")"
