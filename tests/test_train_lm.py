@@ -1231,7 +1231,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      r"model_config='huge' is not a known model; expected one of \['nano', 'tiny_gpt2', "
      r"'tiny', 'small', 'medium', 'llama-tiny', 'llama-766m', 'llama-1b', 'llama-3b', 'llama-8b', "
      r"'llama-70b', "
-     r"'moe-tiny', 'moe-deepseek-tiny', 'moe-mixtral-8x7b', 'moe-deepseek-16b'\]"),
+     r"'moe-tiny', 'moe-deepseek-tiny', 'moe-mixtral-8x7b', 'moe-qwen3-tiny', "
+     r"'moe-qwen3-30b-a3b', 'moe-deepseek-16b', 'deepseek-tiny', 'deepseek-v3'\]"),
     ("bad precision", ["--precision=float12"], dict(precision="float12"), fs.FnscaleError,
      r"precision='float12' is not a jmp policy"),
     ("zero seq", ["--seq=0"], dict(seq=0), fs.FnscaleError,

@@ -42,7 +42,7 @@ Training and after:
 - `stalls`: steps that did not train, counted and stopped with the cause.
 - `evaluation`: the held-out loss and the text the model writes; `sampling` the loop.
 - `progress`: the progress line and the clock; `run_log` metrics.jsonl and TensorBoard;
-  `profiling` a window of steps traced.
+  `profiling` a window of steps traced; `goodput` where the run's wall time went.
 
 Imports point one way: the recipes (`train_lm.py`, the tools, `bench/`, `launch/`,
 `examples/`) import `lm/`, `lm/` imports fnscale, never the reverse
