@@ -256,13 +256,7 @@ def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
   balance loss), and the MoE layers' load for the run's metrics and `update_bias`."""
   x, aux = hidden(params, batch["inputs"], remat=remat, cfg=cfg,
                   segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
-  ce = fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
-                        vocab_axes=llama.vocab_axes(x.shape, params["unembed"].shape[1],
-                                                    VOCAB_OUT_AXES))
-  balance, z = jnp.mean(aux.load_balance_loss), jnp.mean(aux.router_z_loss)
-  return ce + cfg.balance_coef * balance, {
-      "cross_entropy": ce, "load_balance_loss": balance, "router_z_loss": z,
-      "tokens_per_expert": aux.tokens_per_expert, "dropped": jnp.sum(aux.dropped)}
+  return moe.objective(x, params["unembed"], batch["targets"], aux, cfg.balance_coef)
 
 
 def loss_fn(params: dict, batch: dict, *, remat: bool = False, cfg: ModelConfig) -> jax.Array:

@@ -278,21 +278,23 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool = False,
 
 def loss_and_aux(params: dict, batch: dict, *, remat: bool = False,
                  cfg: ModelConfig | None = None) -> tuple[jax.Array, dict]:
-  """(training loss, aux): the step's objective, mean next-token cross-entropy (nats) +
-  balance_coef x the layers' mean load-balance loss + z_coef x their mean router z-loss,
-  and what the run logs. aux: "cross_entropy", "load_balance_loss", "router_z_loss"
-  (float32 scalars, layer means), "tokens_per_expert" (int32 [layers, experts], token copies
-  routed), "dropped" (int32, copies the capacity dropped, all layers). `cfg`: routing
-  choices (default from the params' shapes, `_config_of`)."""
+  """(training loss, aux): mean next-token cross-entropy (nats) + balance_coef x the layers'
+  mean load-balance loss + z_coef x their mean router z-loss; aux: "cross_entropy",
+  "load_balance_loss", "router_z_loss" (float32, layer means), "tokens_per_expert" (int32
+  [layers, experts], copies routed), "dropped" (int32). `cfg`: as `apply`'s."""
   cfg = _config_of(params, batch["inputs"], cfg)
   x, aux = hidden(params, batch["inputs"], remat=remat, cfg=cfg,
                   segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
-  # [batch, seq, d]: the tokens stay where they are, a sequence split too.
-  ce = fs.cross_entropy(x, params["unembed"].astype(x.dtype), batch["targets"],
-                        vocab_axes=llama.vocab_axes(x.shape, params["unembed"].shape[1],
-                                                    VOCAB_OUT_AXES))
+  return objective(x, params["unembed"], batch["targets"], aux, cfg.balance_coef, cfg.z_coef)
+
+
+def objective(x, unembed, targets, aux, balance_coef: float, z_coef: float = 0.0):
+  """`loss_and_aux`'s (loss, aux) from the final hidden states x [batch, seq, d], the output
+  layer and the layers' stacked `MoEAux` (shared with `recipes.lm.deepseek`)."""
+  ce = fs.cross_entropy(x, unembed.astype(x.dtype), targets,
+                        vocab_axes=llama.vocab_axes(x.shape, unembed.shape[1], VOCAB_OUT_AXES))
   balance, z = jnp.mean(aux.load_balance_loss), jnp.mean(aux.router_z_loss)
-  loss = ce + cfg.balance_coef * balance + cfg.z_coef * z
+  loss = ce + balance_coef * balance + z_coef * z
   return loss, {"cross_entropy": ce, "load_balance_loss": balance, "router_z_loss": z,
                 "tokens_per_expert": aux.tokens_per_expert, "dropped": jnp.sum(aux.dropped)}
 
