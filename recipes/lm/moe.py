@@ -314,11 +314,9 @@ def load_metrics(aux: dict) -> dict:
   (1.0: balanced; the worst layer), the balance and z losses, copies dropped."""
   load = np.asarray(aux["tokens_per_expert"], np.float64)
   ratio = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
-  return {"moe/load_max_over_mean": float(ratio.max()),
-          "moe/load_balance_loss": float(aux["load_balance_loss"]),
-          "moe/router_z_loss": float(aux["router_z_loss"]),
-          "moe/dropped": float(aux["dropped"]),
-          "moe/cross_entropy": float(aux["cross_entropy"])}
+  return {"moe/load_max_over_mean": float(ratio.max()), **{
+      f"moe/{k}": float(aux[k]) for k in ("load_balance_loss", "router_z_loss", "dropped",
+                                          "cross_entropy")}}
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
