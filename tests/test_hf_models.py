@@ -260,3 +260,19 @@ def test_train_lm_continues_from_a_checkpoint_and_exports_it(torch_hf, work, tmp
   np.testing.assert_allclose(theirs, ours, atol=5e-5, rtol=1e-4)
   np.testing.assert_allclose(theirs, original, atol=1e-3)
   assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("family,option,off", [
+    ("gemma2", "attn_soft_cap", 0.0), ("gemma2", "logit_soft_cap", 0.0),
+    ("gemma2", "windows", ()), ("gemma2", "attn_scale", 0.0), ("gemma2", "embed_scale", False),
+    ("gemma2", "activation", "silu"), ("gemma3", "local_rope_theta", 0.0),
+    ("gemma3", "windows", (8, 8, 0, 0))])
+def test_each_gemma_option_shows_in_the_logits(made, family, option, off):
+  # Negative controls: the random configs exercise every option (caps that bend the
+  # logits, sequences past the window, a layer past the last whole period of the pattern),
+  # so the comparison with transformers fails with any one of them left out.
+  (d, want), tokens = made[0][family], made[1]
+  m = hf_maps.read(d, SEQ)
+  params = hf.load(d, _one_device(m), hf_maps.checkpoint_map(m, d))
+  wrong = m._replace(cfg=m.cfg._replace(**{option: off}))
+  assert np.abs(_logits(wrong, params, tokens) - want).max() > 100 * ATOL

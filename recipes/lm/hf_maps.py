@@ -9,9 +9,14 @@ each param leaf to its safetensors key and transform, and config.json back for a
 
 Families (`model_type`): llama (Llama 2/3/3.1/3.2: plain or "llama3" RoPE, tied or untied
 embeddings), mistral, qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into
-`llama.py`; gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a
-RoPE type, an activation, biases elsewhere, a sliding window shorter than the sequence) is
-an InputError naming the config.json field, never a silently different model. mixtral
+`llama.py`; gemma2 (Gemma 2: attention and final logit soft-capping, sliding-window layers
+alternating with global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five
+sliding-window layers to one global, a RoPE base of their own for the local layers) into
+`llama.py` too, as its Gemma options (GeGLU, RMSNorm by (1 + weight) before and after
+attention and the MLP, the embedding scaled by sqrt(d_model), tied embeddings); gpt2 into
+`gpt.py`. Anything a config asks that these models can't compute (a RoPE type, an
+activation, biases elsewhere, a sliding window shorter than the sequence where the model has
+none) is an InputError naming the config.json field, never a silently different model. mixtral
 (Mixtral's routed experts) into `moe.py`: its experts' weights are one leaf each per
 projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys.
 """
@@ -26,7 +31,12 @@ from fnscale.checkpoint import hf
 from recipes.lm import gpt, layers, llama, moe
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = LLAMA_FAMILY + ("gpt2", "mixtral")
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
+FAMILIES = LLAMA_FAMILY + GEMMA_FAMILY + ("gpt2", "mixtral")
+_GEMMA_HINTS = {
+    "gemma": " (Gemma 1: not read; Gemma 2 and 3 are)",
+    "gemma3": " (a multimodal Gemma 3: its text model's config, model_type gemma3_text, as "
+              "gemma-3-1b has, is read; the vision tower is not)"}
 
 
 class HFModel(NamedTuple):
@@ -72,22 +82,24 @@ def from_config(c: dict, seq: int) -> HFModel:
                  "start from the unquantized checkpoint.")
   if kind in LLAMA_FAMILY:
     return HFModel(llama, _llama_config(c, seq), dict(c))
+  if kind in GEMMA_FAMILY:
+    return HFModel(llama, _gemma_config(c, seq), dict(c))
   if kind == "gpt2":
     return HFModel(gpt, _gpt2_config(c, seq), dict(c))
   if kind == "mixtral":
     return HFModel(moe, _mixtral_config(c, seq), dict(c))
   hint = (" (experts: only Mixtral's are in fnscale's models)" if kind in (
-      "qwen2_moe", "qwen3_moe") else "")
+      "qwen2_moe", "qwen3_moe") else _GEMMA_HINTS.get(kind, ""))
   raise _error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
                f"{list(FAMILIES)}.")
 
 
-def _rope(c: dict) -> tuple[float, layers.RopeScaling | None]:
+def _rope(c: dict, default_theta: float = 10_000.0) -> tuple[float, layers.RopeScaling | None]:
   """(theta, scaling) from `rope_theta` + `rope_scaling` (config.json as published) or
   `rope_parameters` (as transformers 5 writes it)."""
   params = c.get("rope_parameters") or {}
   scaling = c.get("rope_scaling") or params
-  theta = float(c.get("rope_theta") or params.get("rope_theta") or 10_000.0)
+  theta = float(c.get("rope_theta") or params.get("rope_theta") or default_theta)
   kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
   if kind == "default":
     return theta, None
@@ -134,6 +146,55 @@ def _llama_config(c: dict, seq: int) -> llama.ModelConfig:
       head_size=0 if head_dim == d // heads else head_dim, rope_scaling=scaling,
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       qkv_bias=c["model_type"] == "qwen2", qk_norm=c["model_type"] == "qwen3")
+
+
+def _gemma_config(c: dict, seq: int) -> llama.ModelConfig:
+  """Gemma 2 / Gemma 3 text as the Llama's Gemma options; fields a config.json leaves out
+  take transformers' defaults for its model_type (Gemma 2: logits capped at 50 and 30)."""
+  kind, gemma2 = c["model_type"], c["model_type"] == "gemma2"
+  act = c.get("hidden_activation", "gelu_pytorch_tanh")
+  if act not in ("gelu_pytorch_tanh", "gelu_new"):
+    raise _error("hidden_activation", act, "is not GELU's tanh approximation "
+                 "(gelu_pytorch_tanh), the GeGLU fnscale's Gemma computes.")
+  for field in ("attention_bias", "use_bidirectional_attention"):
+    if c.get(field):
+      raise _error(field, c[field], "is not in fnscale's Gemma (causal attention, no biases); "
+                   "fix: a decoder checkpoint without it.")
+  L, heads = _need(c, "num_hidden_layers"), _need(c, "num_attention_heads")
+  kinds = c.get("layer_types") or [
+      "sliding_attention" if (i + 1) % (2 if gemma2 else c.get("sliding_window_pattern", 6))
+      else "full_attention" for i in range(L)]
+  if len(kinds) != L or set(kinds) - {"sliding_attention", "full_attention"}:
+    raise _error("layer_types", kinds, f"is not {L} of 'sliding_attention' and "
+                 "'full_attention' (one per layer).")
+  window = c.get("sliding_window")
+  if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
+    raise _error("sliding_window", window, "is not a positive int, and layer_types has "
+                 "sliding_attention layers.")
+  rope = c.get("rope_parameters") or {}
+  nested = "full_attention" in rope or "sliding_attention" in rope
+  theta, scaling = _rope({"rope_parameters": rope.get("full_attention")} if nested else c,
+                         10_000.0 if gemma2 else 1_000_000.0)
+  local = (rope.get("sliding_attention") or {}) if nested else {}
+  if local.get("rope_type", "default") != "default":
+    raise _error("rope_parameters.sliding_attention.rope_type", local["rope_type"],
+                 "is not 'default', the plain RoPE fnscale's local layers have.")
+  local_theta = 0.0 if gemma2 else float(
+      local.get("rope_theta") or c.get("rope_local_base_freq") or 10_000.0)
+  caps = {f: c.get(f, default if gemma2 else None) for f, default in (
+      ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))}
+  return llama.ModelConfig(
+      layers=L, d_model=_need(c, "hidden_size"), heads=heads,
+      kv_heads=c.get("num_key_value_heads") or heads, d_mlp=_need(c, "intermediate_size"),
+      seq=seq, vocab=_need(c, "vocab_size"), rope_theta=theta, rope_scaling=scaling,
+      norm_eps=float(c.get("rms_norm_eps", 1e-6)), head_size=c.get("head_dim") or 256,
+      tie_embeddings=bool(c.get("tie_word_embeddings", True)), qk_norm=not gemma2,
+      norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+      attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+      attn_soft_cap=float(caps["attn_logit_softcapping"] or 0.0),
+      logit_soft_cap=float(caps["final_logit_softcapping"] or 0.0),
+      windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+      local_rope_theta=local_theta)
 
 
 def _mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
@@ -218,6 +279,10 @@ def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
                for n, h in (("q", H), ("k", G), ("v", G))}
   if cfg.qk_norm:
     blocks |= {f"{n}_norm": T(f"self_attn.{n}_norm.weight") for n in ("q", "k")}
+  if cfg.post_norms:  # Gemma's post_attention_layernorm follows attention, not precedes MLP
+    blocks |= {"post_attn_norm": T("post_attention_layernorm.weight"),
+               "mlp_norm": T("pre_feedforward_layernorm.weight"),
+               "post_mlp_norm": T("post_feedforward_layernorm.weight")}
   tensors = {f"blocks/{k}": v for k, v in blocks.items()}
   tensors |= {"embed": hf.Tensor("model.embed_tokens.weight"),
               "final_norm": hf.Tensor("model.norm.weight")}
@@ -294,6 +359,16 @@ def to_config(m: HFModel) -> dict:
 
 
 def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
+  if cfg.post_norms or cfg.norm_plus_one:
+    return _gemma_hf_config(cfg)
+  plain = llama.ModelConfig(0, 0, 0, 0, 0, 0)
+  odd = [f for f in _GEMMA_OPTIONS if getattr(cfg, f) != getattr(plain, f)]
+  if odd or any(cfg.windows):
+    field = odd[0] if odd else "windows"
+    raise fs.InputError(
+        f"export: ModelConfig.{field}={getattr(cfg, field)!r} without Gemma's norms "
+        "(post_norms, norm_plus_one) is neither a Llama, Qwen nor Gemma config.json; fix: "
+        "export a model with all of Gemma's options, or none.")
   kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM"}[kind]
@@ -312,6 +387,49 @@ def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
                                original_max_position_embeddings=s.original_max_position)
     out["max_position_embeddings"] = max(cfg.seq, int(s.original_max_position * s.factor))
   return out
+
+
+_GEMMA_OPTIONS = ("activation", "embed_scale", "attn_scale", "attn_soft_cap", "logit_soft_cap",
+                  "local_rope_theta")
+
+
+def _gemma_hf_config(cfg: llama.ModelConfig) -> dict:
+  """config.json of a Gemma 2 (no q/k norm) or Gemma 3 text model (q/k norm) trained here."""
+  wanted = dict(norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+                qkv_bias=False, rope_scaling=None)
+  for field, value in wanted.items():
+    if getattr(cfg, field) != value:
+      raise fs.InputError(f"export: ModelConfig.{field}={getattr(cfg, field)!r}, not "
+                          f"Gemma's {value!r}; a Gemma config.json can't say it. Fix: export "
+                          "a model with all of Gemma's options.")
+  windows = cfg.windows or (0,) * cfg.layers
+  if len(set(w for w in windows if w)) > 1:
+    raise fs.InputError(f"export: ModelConfig.windows={windows} has several window sizes; "
+                        "a Gemma config.json has one sliding_window.")
+  kind = "gemma3_text" if cfg.qk_norm else "gemma2"
+  if kind == "gemma2" and cfg.local_rope_theta not in (0.0, cfg.rope_theta):
+    raise fs.InputError(f"export: ModelConfig.local_rope_theta={cfg.local_rope_theta} in a "
+                        "model without q/k norm (Gemma 2): its config.json has one RoPE base; "
+                        "fix: local_rope_theta=0, or qk_norm (Gemma 3).")
+  scalar = (cfg.attn_scale or cfg.head_dim ** -0.5) ** -2
+  out = dict(architectures=["Gemma3ForCausalLM" if cfg.qk_norm else "Gemma2ForCausalLM"],
+             model_type=kind, hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+             num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+             intermediate_size=cfg.d_mlp, head_dim=cfg.head_dim, vocab_size=cfg.vocab,
+             hidden_activation="gelu_pytorch_tanh", rms_norm_eps=cfg.norm_eps,
+             max_position_embeddings=max(cfg.seq, 2048),
+             tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+             query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6
+             else scalar,
+             attn_logit_softcapping=cfg.attn_soft_cap or None,
+             final_logit_softcapping=cfg.logit_soft_cap or None,
+             sliding_window=max(windows) or None,
+             layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+  default = dict(rope_type="default", rope_theta=cfg.rope_theta)
+  if kind == "gemma2":
+    return {**out, "rope_parameters": default}
+  local = dict(rope_type="default", rope_theta=cfg.local_rope_theta or cfg.rope_theta)
+  return {**out, "rope_parameters": {"full_attention": default, "sliding_attention": local}}
 
 
 def _mixtral_hf_config(cfg: moe.ModelConfig) -> dict:
