@@ -1,6 +1,6 @@
 """Hugging Face models in fnscale (recipes/lm/hf_maps.py + fnscale.checkpoint.hf) against
 transformers itself: tiny random Llama (plain and llama3 RoPE at factor 32, tied), Mistral,
-Qwen2, Qwen3 and GPT-2 models made here with transformers and PyTorch's CPU build, saved as
+Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and GPT-2 models made here with transformers and PyTorch's CPU build, saved as
 multi-file safetensors; fnscale's logits after loading them on 1 and 8 devices, the export
 read back by `from_pretrained`, and configs the models can't express.
 
@@ -25,7 +25,8 @@ NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for
             "(pyproject's hf-test extra); the comparisons with transformers run on that line")
 SEQ, ATOL = 32, 1e-4
 FAMILIES, LLAMA3, _COMMON = bench.FAMILIES, bench.LLAMA3, bench.COMMON
-QUICK_8 = "llama3.2"  # the family loaded on 8 devices and round-tripped in the quick tier
+# The families loaded on 8 devices and round-tripped in the quick tier.
+QUICK_8 = ("llama3.2", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_logits_match_transformers_on_one_device(made, family):
 
 
 def _eight(family):
-  marks = () if family == QUICK_8 else (pytest.mark.slow,)
+  marks = () if family in QUICK_8 else (pytest.mark.slow,)
   return pytest.param(family, marks=marks)
 
 
