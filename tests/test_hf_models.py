@@ -1,8 +1,9 @@
 """Hugging Face models in fnscale (recipes/lm/hf_maps.py + fnscale.checkpoint.hf) against
 transformers itself: tiny random Llama (plain and llama3 RoPE at factor 32, tied), Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and GPT-2 models made here with transformers and PyTorch's CPU build, saved as
-multi-file safetensors; fnscale's logits after loading them on 1 and 8 devices, the export
-read back by `from_pretrained`, and configs the models can't express.
+Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and GPT-2 models made here with transformers and
+PyTorch's CPU build, saved as multi-file safetensors; fnscale's logits after loading them on
+1 and 8 devices, the export read back by `from_pretrained`, and configs the models can't
+express.
 
 transformers and torch come with the hf-test extra on Python < 3.12 only (PyTorch's CPU wheel;
 its default Linux build pulls several GB of CUDA libraries): on 3.12 the comparisons skip,
@@ -283,8 +284,9 @@ def test_each_gemma_option_shows_in_the_logits(made, family, option, off):
 GEMMA2_2B = dict(
     model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=2304,
     intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, vocab_size=256000, hidden_activation="gelu_pytorch_tanh",
-    hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+    num_key_value_heads=4, head_dim=256, vocab_size=256000,
+    hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+    query_pre_attn_scalar=256, sliding_window=4096,
     attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
     rms_norm_eps=1e-6, max_position_embeddings=8192, attention_bias=False)
 GEMMA3_1B = dict(

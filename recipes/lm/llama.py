@@ -86,6 +86,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
       "embed": normal(ks[0], (cfg.vocab, D), std),
       "blocks": {
           **attention_blocks(ks[1:5], (L, D, H, G, K)),
+          "attn_norm": norm((L, D)),
           "mlp_norm": norm((L, D)),
           "w_gate": normal(ks[5], (L, D, F), std),
           "w_up": normal(ks[6], (L, D, F), std),
@@ -98,7 +99,6 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
            "q_norm": norm((L, K)), "k_norm": norm((L, K)),
            "post_attn_norm": norm((L, D)), "post_mlp_norm": norm((L, D))}
   params = variant(params, extra, cfg)
-  params["blocks"]["attn_norm"] = norm((L, D))
   return {**params, "blocks": _stored_blocks(params["blocks"], cfg)}
 
 
@@ -182,7 +182,8 @@ def hidden(params: dict, tokens: jax.Array, *, remat: bool | str = False,
            microbatches: int | None = None) -> jax.Array:
   """The final hidden states: tokens int32 [batch, seq] -> [batch, seq, d_model] in the
   params' dtype (after the last RMSNorm, before the output layer). `cfg`: the model's RoPE
-  (theta, scaling) and RMSNorm epsilon (default Llama 3's); shapes come from the params.
+  (theta, scaling), RMSNorm epsilon and variant options (Gemma's; default Llama 3's); shapes
+  come from the params.
   `rows`: the batch's optional "segment_ids" and "positions", int32 [batch, seq] (packed
   rows, see `_block`; under a context axis positions are required: `embedding.check_positions`).
   On a mesh with a `stage` axis the blocks run as a pipeline of `microbatches` (default: the
@@ -281,6 +282,7 @@ def apply(params: dict, tokens: jax.Array, *, remat: bool | str = False,
   """
   x = hidden(params, tokens, remat=remat, cfg=cfg,
              rows=dict(segment_ids=segment_ids, positions=positions))
+  # Gemma 2's final soft-capping, in float32 (transformers caps in the params' dtype).
   logits = jnp.einsum("bsd,dv->bsv", x, output_layer(params)).astype(jnp.float32)
   cap = cfg.logit_soft_cap if cfg is not None else 0.0
   return cap * jnp.tanh(logits / cap) if cap else logits
