@@ -220,9 +220,9 @@ def _pattern(cfg: ModelConfig, ps: dict) -> tuple[int, ...]:
   every share must have the same, as one program runs them all."""
   n, L = ps["wq"].shape[0], cfg.layers
   windows = cfg.windows or (0,) * L
-  if len(windows) != L:
-    raise fs.InputError(f"ModelConfig.windows has {len(windows)} entries for {L} layers; "
-                        "fix: one window (0: none) per layer.")
+  if len(windows) != L or not all(isinstance(w, int) and w >= 0 for w in windows):
+    raise fs.InputError(f"ModelConfig.windows={windows} for {L} layers; expected one int "
+                        ">= 0 per layer (0: no window).")
   if windows != windows[:n] * (L // n):
     raise fs.InputError(
         f"ModelConfig.windows={windows}: a pipeline's every {n} layers run one program, "
