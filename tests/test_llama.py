@@ -220,3 +220,19 @@ def test_gemma_layers_through_pipeline_stages_equal_one_device():
     shapes = jax.eval_shape(functools.partial(llama.init_params, odd), jax.random.key(0))
     with pytest.raises(fs.InputError, match=r"windows=\(4, 0, 4, 0, 4, 0\).* 3 layers"):
       jax.eval_shape(functools.partial(llama.apply, cfg=odd), shapes, tokens)
+
+
+def test_gemma_loss_is_the_cross_entropy_of_its_capped_logits():
+  # The loss (chunked, never holding the logits) scores the soft-capped logits `apply`
+  # returns, not the uncapped ones; a windows tuple that doesn't fit the layers is named.
+  cfg = llama.ModelConfig(2, 32, 4, 2, 48, 16, vocab=64, windows=(4, 0), **_GEMMA)
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape),
+                        llama.init_params(cfg, jax.random.key(0)))
+  tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  logits = llama.apply(params, batch["inputs"], cfg=cfg)
+  assert float(jnp.abs(logits).max()) <= 3.0
+  want = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  np.testing.assert_allclose(llama.loss_fn(params, batch, cfg=cfg), want, rtol=1e-5)
+  with pytest.raises(fs.InputError, match=r"windows=\(4,\) for 2 layers"):
+    llama.loss_fn(params, batch, cfg=cfg._replace(windows=(4,)))
