@@ -151,7 +151,7 @@ def _llama_config(c: dict, seq: int) -> llama.ModelConfig:
 def _gemma_config(c: dict, seq: int) -> llama.ModelConfig:
   """Gemma 2 / Gemma 3 text as the Llama's Gemma options; fields a config.json leaves out
   take transformers' defaults for its model_type (Gemma 2: logits capped at 50 and 30)."""
-  kind, gemma2 = c["model_type"], c["model_type"] == "gemma2"
+  gemma2 = c["model_type"] == "gemma2"
   act = c.get("hidden_activation", "gelu_pytorch_tanh")
   if act not in ("gelu_pytorch_tanh", "gelu_new"):
     raise _error("hidden_activation", act, "is not GELU's tanh approximation "
