@@ -1,8 +1,9 @@
 """Hugging Face models in fnscale (recipes/lm/hf_maps.py + fnscale.checkpoint.hf) against
 transformers itself: tiny random Llama (plain and llama3 RoPE at factor 32, tied), Mistral,
-Qwen2, Qwen3 and GPT-2 models made here with transformers and PyTorch's CPU build, saved as
-multi-file safetensors; fnscale's logits after loading them on 1 and 8 devices, the export
-read back by `from_pretrained`, and configs the models can't express.
+Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and GPT-2 models made here with transformers and
+PyTorch's CPU build, saved as multi-file safetensors; fnscale's logits after loading them on
+1 and 8 devices, the export read back by `from_pretrained`, and configs the models can't
+express.
 
 transformers and torch come with the hf-test extra on Python < 3.12 only (PyTorch's CPU wheel;
 its default Linux build pulls several GB of CUDA libraries): on 3.12 the comparisons skip,
@@ -25,7 +26,8 @@ NO_TORCH = ("transformers and PyTorch's CPU build are test-only dependencies for
             "(pyproject's hf-test extra); the comparisons with transformers run on that line")
 SEQ, ATOL = 32, 1e-4
 FAMILIES, LLAMA3, _COMMON = bench.FAMILIES, bench.LLAMA3, bench.COMMON
-QUICK_8 = "llama3.2"  # the family loaded on 8 devices and round-tripped in the quick tier
+# The families loaded on 8 devices and round-tripped in the quick tier.
+QUICK_8 = ("llama3.2", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_logits_match_transformers_on_one_device(made, family):
 
 
 def _eight(family):
-  marks = () if family == QUICK_8 else (pytest.mark.slow,)
+  marks = () if family in QUICK_8 else (pytest.mark.slow,)
   return pytest.param(family, marks=marks)
 
 
@@ -260,3 +262,124 @@ def test_train_lm_continues_from_a_checkpoint_and_exports_it(torch_hf, work, tmp
   np.testing.assert_allclose(theirs, ours, atol=5e-5, rtol=1e-4)
   np.testing.assert_allclose(theirs, original, atol=1e-3)
   assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("family,option,off", [
+    ("gemma2", "attn_soft_cap", 0.0), ("gemma2", "logit_soft_cap", 0.0),
+    ("gemma2", "windows", ()), ("gemma2", "attn_scale", 0.0), ("gemma2", "embed_scale", False),
+    ("gemma2", "activation", "silu"), ("gemma3", "local_rope_theta", 0.0),
+    ("gemma3", "windows", (8, 8, 0, 0))])
+def test_each_gemma_option_shows_in_the_logits(made, family, option, off):
+  # Negative controls: the random configs exercise every option (caps that bend the
+  # logits, sequences past the window, a layer past the last whole period of the pattern),
+  # so the comparison with transformers fails with any one of them left out.
+  (d, want), tokens = made[0][family], made[1]
+  m = hf_maps.read(d, SEQ)
+  params = hf.load(d, _one_device(m), hf_maps.checkpoint_map(m, d))
+  wrong = m._replace(cfg=m.cfg._replace(**{option: off}))
+  assert np.abs(_logits(wrong, params, tokens) - want).max() > 100 * ATOL
+
+
+# The published config.json of gemma-2-2b and gemma-3-1b-pt (the fields Google released).
+GEMMA2_2B = dict(
+    model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=2304,
+    intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, vocab_size=256000,
+    hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+    query_pre_attn_scalar=256, sliding_window=4096,
+    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+    rms_norm_eps=1e-6, max_position_embeddings=8192, attention_bias=False)
+GEMMA3_1B = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, vocab_size=262144,
+    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+    sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+    rope_scaling=None, attn_logit_softcapping=None, final_logit_softcapping=None,
+    rms_norm_eps=1e-6, max_position_embeddings=32768, attention_bias=False)
+
+
+def test_published_gemma_configs_reach_the_model_config():
+  # Param counts by hand: gemma-2-2b's 2,614,341,888 and gemma-3-1b's 999,885,952 (tied
+  # embeddings, four norms a layer, Gemma 3's q/k norms).
+  g2 = hf_maps.from_config(GEMMA2_2B, 8192).cfg
+  assert llama.param_count(g2) == 2_614_341_888
+  assert (g2.attn_soft_cap, g2.logit_soft_cap, g2.attn_scale, g2.tie_embeddings) == (
+      50.0, 30.0, 1 / 16, True)
+  assert g2.windows == (4096, 0) * 13 and g2.local_rope_theta == 0.0 and not g2.qk_norm
+  g3 = hf_maps.from_config(GEMMA3_1B, 32768).cfg
+  assert llama.param_count(g3) == 999_885_952
+  assert g3.windows == ((512,) * 5 + (0,)) * 4 + (512, 512)
+  assert (g3.rope_theta, g3.local_rope_theta, g3.qk_norm) == (1e6, 1e4, True)
+  assert (g3.attn_soft_cap, g3.logit_soft_cap) == (0.0, 0.0)
+  # A config.json written for a model trained here says the same model.
+  for cfg in (g2, g3):
+    again = hf_maps.to_config(hf_maps.of_model(llama, cfg))
+    assert hf_maps.from_config(again, cfg.seq).cfg == cfg
+
+
+_GEMMA3 = dict(model_type="gemma3_text", hidden_size=32, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, intermediate_size=48,
+               vocab_size=64, head_dim=8, sliding_window=4)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'.*tanh approximation"),
+    (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types="),
+    (dict(layer_types=["full_attention"]), "layer_types=.*one per layer"),
+    (dict(sliding_window=None), "sliding_window=None is not a positive int"),
+    (dict(rope_scaling=dict(rope_type="linear", factor=8.0)),
+     "rope_scaling.rope_type='linear' is not implemented"),
+    (dict(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                               sliding_attention=dict(rope_type="yarn", factor=2.0))),
+     "rope_parameters.sliding_attention.rope_type='yarn'"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(model_type="gemma3"), "model_type='gemma3'.*gemma3_text"),
+    (dict(model_type="gemma"), "model_type='gemma'.*Gemma 1"),
+])
+def test_gemma_configs_the_model_cant_express_are_named(change, field):
+  with pytest.raises(fs.InputError, match=field):
+    hf_maps.from_config(dict(_GEMMA3, **change), 8)
+
+
+def test_a_gemma_export_the_config_cant_say_is_refused():
+  cfg = hf_maps.from_config(_GEMMA3, 8).cfg
+  for change, field in ((dict(windows=(4, 2)), "several window sizes"),
+                        (dict(activation="silu"), "activation='silu'"),
+                        (dict(qk_norm=False, local_rope_theta=5.0), "local_rope_theta=5.0")):
+    with pytest.raises(fs.InputError, match=field):
+      hf_maps.to_config(hf_maps.of_model(llama, cfg._replace(**change)))
+  plain = llama.model_config("llama-tiny", 8)
+  with pytest.raises(fs.InputError, match="logit_soft_cap=30.0 without Gemma's norms"):
+    hf_maps.to_config(hf_maps.of_model(llama, plain._replace(logit_soft_cap=30.0)))
+
+
+@pytest.mark.slow
+def test_train_lm_trains_a_gemma_checkpoint_and_exports_it(torch_hf, work, tmp_path):
+  # A tiny random Gemma 3 (local and global layers, windows shorter than --seq) with a BPE
+  # tokenizer of 300 ids: train_lm(init_from=...) trains it 3 steps on 8 devices (FSDP and
+  # data) at a learning rate too small to move the weights, and exports what transformers
+  # loads with the original model's logits and fnscale's final ones.
+  from recipes import train_lm, train_tokenizer  # pylint: disable=import-outside-toplevel
+  torch, transformers = torch_hf
+  src, out = tmp_path / "gemma", tmp_path / "export"
+  _, _, fields = FAMILIES["gemma3"]
+  model = bench.randomize(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+      **dict(fields, vocab_size=300))))
+  model.save_pretrained(src, max_shard_size="50KB")
+  train_tokenizer.train_tokenizer([str(work / "corpus.txt")], 300, str(src / "tokenizer.json"))
+  summary = train_lm.train_lm(
+      init_from=str(src), export_hf=str(out), mesh="data=-1,fsdp=2", seq=SEQ, global_batch=8,
+      steps=3, lr=1e-9, dataset=str(work / "corpus.txt"), run_dir=str(tmp_path / "run"),
+      eval_batches=1, sample_len=0, checkpoint=False)
+  assert np.isfinite(summary.loss) and np.isfinite(summary.eval_loss)
+  tokens = np.random.default_rng(0).integers(0, 300, (2, SEQ))
+  exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  with torch.no_grad():
+    theirs = exported(torch.tensor(tokens)).logits.numpy()
+    original = model(torch.tensor(tokens)).logits.numpy()
+  m = hf_maps.read(src, SEQ)
+  ours = _logits(m, jax.device_get(summary.state.params), tokens)
+  np.testing.assert_allclose(theirs, ours, atol=5e-5, rtol=1e-4)
+  np.testing.assert_allclose(theirs, original, atol=1e-3)

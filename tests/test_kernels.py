@@ -58,14 +58,18 @@ def _mask(b, t, s, *, causal=False, segments=None, window=None):
   return mask
 
 
-def _reference(q, k, v, *, causal=False, segments=None, window=None, scale=None):
-  """Attention from its definition, in float64 numpy, independent of jax.nn."""
+def _reference(q, k, v, *, causal=False, segments=None, window=None, scale=None,
+               soft_cap=None):
+  """Attention from its definition, in float64 numpy, independent of jax.nn; soft_cap c:
+  the scaled logits become c tanh(logits / c) before the mask."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
   k, v = np.repeat(k, h // kh, axis=2), np.repeat(v, h // kh, axis=2)
   scale = 1 / np.sqrt(d) if scale is None else scale
   logits = np.einsum("bthd,bshd->bhts", q, k) * scale
+  if soft_cap is not None:
+    logits = soft_cap * np.tanh(logits / soft_cap)
   mask = _mask(b, t, s, causal=causal, segments=segments, window=window)
   logits = np.where(mask, logits, -np.inf)
   p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -181,6 +185,67 @@ def test_xla_reference_matches_definition(kwargs):
     call["segment_ids"], ref["segments"] = (q_ids, kv_ids), (q_ids, kv_ids)
   out = attention(q, k, v, implementation="xla", **call)
   np.testing.assert_allclose(out, _reference(q, k, v, **ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_soft_capped_windowed_attention_matches_definition(implementation):
+  # Gemma 2's local layers: logits c tanh(scale q.k / c) (large enough here that the cap
+  # bends them), a causal sliding window, grouped-query heads; the splash kernel in
+  # interpret mode. Values against numpy's definition, gradients against jax's of it.
+  q, k, v = _qkv(1, 128, 4, 2, 64, seed=2)
+  call = dict(causal=True, sliding_window=(39, 0), scale=0.5, soft_cap=5.0)
+  fn = with_kernel(functools.partial(attention, implementation=implementation, **call),
+                   interpret=True)
+  want = _reference(q, k, v, causal=True, window=(39, 0), scale=0.5, soft_cap=5.0)
+  assert np.abs(want - _reference(q, k, v, causal=True, window=(39, 0), scale=0.5)).max() > 0.1
+  np.testing.assert_allclose(fn(q, k, v), want, atol=2e-5, rtol=2e-5)
+
+  def definition(q, k, v):
+    kr, vr = (jnp.repeat(x, 2, axis=2) for x in (k, v))
+    logits = 5.0 * jnp.tanh(jnp.einsum("bthd,bshd->bhts", q, kr) * 0.5 / 5.0)
+    mask = _mask(1, 128, 128, causal=True, window=(39, 0))
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, vr)
+  _, grads = _loss_and_grads(fn, q, k, v)
+  _, ref_grads = _loss_and_grads(definition, q, k, v)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_soft_cap_kernel_selection_says_who_serves_it():
+  q = (2, 1024, 8, 128)
+  gemma = dict(causal=True, sliding_window=(4095, 0), soft_cap=50.0)
+  assert kernel_selection(q, q, jnp.bfloat16, platform="tpu", **gemma).implementation == (
+      "splash")
+  sel = kernel_selection(q, q, jnp.bfloat16, platform="cuda", **gemma)
+  assert sel.implementation == "xla" and sel.fallback
+  assert "cudnn: soft_cap is not supported" in sel.reason
+  assert "pallas_gpu: sliding_window is not supported" in sel.reason
+  with pytest.raises(KernelError, match="context axis, or no soft_cap"):
+    kernel_selection(q, q, mesh=_mesh((2, 4), ("data", "context")), soft_cap=50.0)
+
+
+@pytest.mark.tpu
+def test_gemma_attention_compiles_to_splash_for_tpu_v5e(tpu_devices):
+  # A Gemma 2 local layer's call (window 4096 of 8192 tokens, logits capped at 50) on one
+  # v5e chip, ahead of time: the splash kernel, forward and backward, no fallback.
+  del tpu_devices  # (skips without libtpu) one chip is described by fnscale's own call
+  mesh = jax.sharding.Mesh(np.array(fs.target_devices("v5e:1x1")).reshape(1), ("data",),
+                           axis_types=(AUTO,))
+  spec = jax.sharding.NamedSharding(mesh, jax.P())
+  q = jax.ShapeDtypeStruct((1, 8192, 8, 256), jnp.bfloat16, sharding=spec)
+  kv = jax.ShapeDtypeStruct((1, 8192, 4, 256), jnp.bfloat16, sharding=spec)
+  call = dict(causal=True, sliding_window=(4095, 0), soft_cap=50.0)
+  sel = kernel_selection(q.shape, kv.shape, q.dtype, mesh=mesh, **call)
+  assert (sel.platform, sel.implementation, sel.fallback) == ("tpu", "splash", False)
+
+  def loss(q, k, v):
+    return jnp.sum(attention(q, k, v, mesh=mesh, scale=256 ** -0.5, **call).astype(
+        jnp.float32))
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower().compile(
+      ).as_text()
+  assert hlo.count("tpu_custom_call") >= 2  # the forward kernel and the backward's
 
 
 def _mesh(shape=(2, 4), names=("data", "tensor")):
@@ -741,6 +806,8 @@ def test_with_kernel_inside_shard_step_trains_like_the_reference(mode):
      "implementation='flash'): expected one of"),
     (lambda q, k, v: attention(q, k, v, sliding_window=-1), "sliding_window=-1"),
     (lambda q, k, v: attention(q, k, v, scale=0.0), "scale=0.0"),
+    (lambda q, k, v: attention(q, k, v, soft_cap=-1.0), "soft_cap=-1.0): expected None or"),
+    (lambda q, k, v: attention(q, k, v, soft_cap=True), "soft_cap=True): expected None or"),
     (lambda q, k, v: attention(q, k, v, block_sizes=(128, 128)), "block_sizes=(128, 128)"),
     (lambda q, k, v: attention(q, k, v, block_sizes=BlockSizes(0, 128)),
      "BlockSizes.block_q=0"),
@@ -792,6 +859,35 @@ def test_chunked_cross_entropy_matches_plain_value_and_gradient(chunk_size, z_lo
   np.testing.assert_allclose(
       cross_entropy(hidden, unembed, labels, reduction="sum", chunk_size=chunk_size),
       _plain_ce(hidden, unembed, labels) * tokens, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "vocab-over-tensor"])
+def test_soft_capped_cross_entropy_matches_optax(sharded):
+  # Gemma 2's final logits, c tanh(logits / c), c small enough to bend them: the mean's
+  # value and gradients and a per-token loss's gradient under a cotangent (the backward
+  # that recomputes the chunks' logits), against optax on the capped logits.
+  ks = jax.random.split(jax.random.key(4), 4)
+  hidden = jax.random.normal(ks[0], (2, 24, 32))
+  unembed = jax.random.normal(ks[1], (32, 96))
+  labels = jax.random.randint(ks[2], (2, 24), 0, 96)
+  weight = jax.random.uniform(ks[3], (2, 24))
+  capped = lambda h, u: optax.softmax_cross_entropy_with_integer_labels(
+      3.0 * jnp.tanh(h @ u / 3.0), labels)
+  ours = lambda h, u, **kw: cross_entropy(h, u, labels, soft_cap=3.0, chunk_size=16, **kw)
+  forms = [(lambda h, u: ours(h, u), lambda h, u: capped(h, u).mean()),
+           (lambda h, u: jnp.sum(weight * ours(h, u, reduction="none")),
+            lambda h, u: jnp.sum(weight * capped(h, u)))]
+  for fn, reference in forms:
+    with with_mesh(_mesh()) if sharded else contextlib.nullcontext():
+      got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(hidden, unembed)
+    want = jax.value_and_grad(reference, argnums=(0, 1))(hidden, unembed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+      np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4)
+  plain = optax.softmax_cross_entropy_with_integer_labels(hidden @ unembed, labels).mean()
+  assert abs(float(plain) - float(forms[0][1](hidden, unembed))) > 0.1
+  with pytest.raises(KernelError, match=r"soft_cap=0\): expected None or a positive"):
+    cross_entropy(hidden, unembed, labels, soft_cap=0)
 
 
 # bfloat16 keeps 8 bits of mantissa (relative step 2**-8 = 0.4%); the gradients sum a few

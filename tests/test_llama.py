@@ -1,5 +1,6 @@
 """recipes/lm/llama.py: published param counts, a float64 numpy reference forward, RoPE and GQA
 properties, and a few training steps on simulated CPU devices."""
+import functools
 import math
 
 import jax
@@ -196,3 +197,42 @@ def test_the_loss_splits_the_vocabulary_over_token_axes_only_where_tokens_are_fe
     assert llama.vocab_axes((2, 32768, 4096), 128256) == llama.VOCAB_OUT_AXES
     assert llama.vocab_axes((2, 64128, 4096), 128256) == llama.VOCAB_OUT_AXES  # equal: 16,032
   assert llama.vocab_axes((2, 131072, 4096), 128256) == llama.VOCAB_OUT_AXES  # no mesh
+
+
+_GEMMA = dict(norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+              attn_soft_cap=2.0, logit_soft_cap=3.0, qk_norm=True, local_rope_theta=100.0)
+
+
+def test_gemma_layers_through_pipeline_stages_equal_one_device():
+  # Local and global layers (window 4 of 16 tokens, their own RoPE base) in 2 stages of 2
+  # layers: each stage runs the (local, global) group; the logits are the unpipelined ones.
+  # Windows that differ between the stages' shares can't be one program: named.
+  cfg = llama.ModelConfig(4, 32, 4, 2, 48, 16, vocab=64, windows=(4, 0) * 2, **_GEMMA)
+  params = llama.init_params(cfg, jax.random.key(0))
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape),
+                        params)  # norms away from their zero init
+  tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, 64)
+  run = jax.jit(functools.partial(llama.apply, cfg=cfg))
+  want = run(params, tokens)
+  with fs.with_mesh(fs.make_mesh({"stage": 2, "data": 4})):
+    np.testing.assert_allclose(run(params, tokens), want, atol=1e-5, rtol=1e-5)
+    odd = cfg._replace(layers=6, windows=(4, 0) * 3)
+    shapes = jax.eval_shape(functools.partial(llama.init_params, odd), jax.random.key(0))
+    with pytest.raises(fs.InputError, match=r"windows=\(4, 0, 4, 0, 4, 0\).* 3 layers"):
+      jax.eval_shape(functools.partial(llama.apply, cfg=odd), shapes, tokens)
+
+
+def test_gemma_loss_is_the_cross_entropy_of_its_capped_logits():
+  # The loss (chunked, never holding the logits) scores the soft-capped logits `apply`
+  # returns, not the uncapped ones; a windows tuple that doesn't fit the layers is named.
+  cfg = llama.ModelConfig(2, 32, 4, 2, 48, 16, vocab=64, windows=(4, 0), **_GEMMA)
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape),
+                        llama.init_params(cfg, jax.random.key(0)))
+  tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  logits = llama.apply(params, batch["inputs"], cfg=cfg)
+  assert float(jnp.abs(logits).max()) <= 3.0
+  want = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  np.testing.assert_allclose(llama.loss_fn(params, batch, cfg=cfg), want, rtol=1e-5)
+  with pytest.raises(fs.InputError, match=r"windows=\(4,\) for 2 layers"):
+    llama.loss_fn(params, batch, cfg=cfg._replace(windows=(4,)))

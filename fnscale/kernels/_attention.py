@@ -43,7 +43,8 @@ from fnscale.kernels import _context_attention as context_attention
 from fnscale.kernels._per_device import per_device
 from fnscale.kernels._attention_call import (
     _auto_candidates, _block_sizes, _call_mesh, _cannot_serve, _check_block_sizes,
-    _check_shapes, _context_call, _describe_call, _normalise_window, _segment_arrays)
+    _check_shapes, _check_soft_cap, _context_call, _describe_call, _normalise_window,
+    _segment_arrays)
 from fnscale.kernels._attention_kernels import (
     CAUSAL_SCOPE, IMPLEMENTATIONS, RESIDUALS, SCOPE, _KERNELS, BlockSizes, _xla)
 
@@ -178,6 +179,7 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
                      dtype: Any = jnp.float32, *,
                      causal: bool = False, segment_ids: Any = None,
                      sliding_window: int | tuple[int, int] | None = None,
+                     soft_cap: float | None = None,
                      implementation: str = "auto", block_sizes: BlockSizes | None = None,
                      platform: str | None = None, interpret: bool | None = None,
                      mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
@@ -196,6 +198,8 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
       [batch, kv_seq]). Only the structure matters here.
     sliding_window: None, an int w (query i sees keys i-w..i+w) or a pair (left, right),
       as `jax.nn.dot_product_attention`'s `local_window_size`.
+    soft_cap: None, or a positive float c: the logits capped as c tanh(logits / c) (served
+      by splash and the XLA reference; not by cudnn, pallas_gpu or a context axis).
     implementation: "auto" or a name in `IMPLEMENTATIONS`. "auto" takes the choice of an
       enclosing `with_kernel`, then tries splash on TPU, cudnn then pallas_gpu on NVIDIA
       GPUs, splash then pallas_gpu in interpret mode, else "xla".
@@ -234,10 +238,15 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
   """
   call, requested, note = _describe_call(
       q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
-      implementation, block_sizes, platform, interpret, mesh)
+      implementation, block_sizes, platform, interpret, mesh, soft_cap)
   select = functools.partial(KernelSelection, requested=requested, interpret=call.interpret,
                            platform=call.platform)
   if call.context_axes:  # the sequence is split: one of the context forms
+    if call.soft_cap is not None:
+      raise KernelError(
+          f"attention(soft_cap={call.soft_cap}) over a sequence split on "
+          f"{call.context_axes}: the context forms don't cap logits; fix: a mesh without a "
+          "context axis, or no soft_cap.")
     cp = context_attention.selection(_context_call(call, requested))
     return select(cp.kernel, reason=cp.reason, fallback=False, block_sizes=None,
                 batch_axes=cp.batch_axes, head_axes=cp.head_axes, context=cp)
@@ -272,7 +281,8 @@ def kernel_selection(q_shape: Sequence[int] | jax.Array, k_shape: Sequence[int],
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               segment_ids: Any = None, sliding_window: int | tuple[int, int] | None = None,
-              scale: float | None = None, implementation: str = "auto",
+              scale: float | None = None, soft_cap: float | None = None,
+              implementation: str = "auto",
               block_sizes: BlockSizes | None = None,
               mesh: jax.sharding.Mesh | None = None) -> jax.Array:
   """Scaled dot-product attention on the best kernel that can serve the call.
@@ -294,6 +304,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     sliding_window: None, int w (query i sees keys i-w..i+w) or a pair (left, right), as
       `jax.nn.dot_product_attention`'s `local_window_size`; with `causal`, right is 0.
     scale: logit scale; default 1/sqrt(head_dim).
+    soft_cap: None, or a positive float c: the scaled logits become c tanh(logits / c)
+      before the mask (Gemma 2's attention logit soft-capping); splash and the XLA
+      reference serve it.
     implementation: "auto" (see `kernel_selection`), "xla", "splash", "cudnn" or "pallas_gpu".
     block_sizes: kernel tiles (`BlockSizes`); default chosen from the shapes.
     mesh: shard the kernel over this mesh (a `Mesh`, also over TPU topology-description
@@ -339,19 +352,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     scale = 1.0 / math.sqrt(q.shape[-1])
   elif not isinstance(scale, (int, float)) or not scale > 0:
     raise KernelError(f"attention(scale={scale!r}): expected a positive Python float.")
+  if soft_cap is not None:
+    soft_cap = _check_soft_cap(soft_cap)
   with jax.named_scope(CAUSAL_SCOPE if causal else SCOPE):
     return _attend(q, k, v, causal, segment_ids, sliding_window, float(scale), implementation,
-                   block_sizes, mesh)
+                   block_sizes, mesh, soft_cap)
 
 
 def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
-            block_sizes, mesh):
+            block_sizes, mesh, soft_cap=None):
   """`attention` after its argument checks: choose the implementation and run it."""
   mesh = _call_mesh(mesh, q)
   selection = kernel_selection(
       q, k.shape, q.dtype, causal=causal, segment_ids=segment_ids,
-      sliding_window=sliding_window, implementation=implementation, block_sizes=block_sizes,
-      mesh=mesh)
+      sliding_window=sliding_window, soft_cap=soft_cap, implementation=implementation,
+      block_sizes=block_sizes, mesh=mesh)
   if selection.fallback:
     _log_fallback(selection.reason)
   q_ids, kv_ids = _segment_arrays(segment_ids, q.shape, k.shape)
@@ -360,17 +375,19 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
     return context_attention.attend(q, k, v, q_ids, kv_ids, selection.context, mesh,
                                     causal=causal, scale=scale)
   if selection.implementation == "xla":
-    return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=scale)
+    return _xla(q, k, v, q_ids, kv_ids, causal=causal, window=window, scale=scale,
+                soft_cap=soft_cap)
   kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
                              scale=scale, blocks=selection.block_sizes,
-                             interpret=selection.interpret)
+                             interpret=selection.interpret, soft_cap=soft_cap)
   if selection.batch_axes or selection.head_axes:
     kernel = functools.partial(_sharded, kernel, selection, mesh=mesh)
   # The kernels differentiate only in reverse mode; forward mode takes the reference's JVP.
   # Around the shard_map: inside one that checks varying axes (shard_step's), the kernel
   # and its own shard_map run where no type is checked (_compat.kernel_call).
   return _autodiff.reverse_only(
-      kernel, functools.partial(_xla, causal=causal, window=window, scale=scale),
+      kernel, functools.partial(_xla, causal=causal, window=window, scale=scale,
+                                soft_cap=soft_cap),
       f"fnscale.attention's {selection.implementation} kernel", "the XLA reference")(
           q, k, v, q_ids, kv_ids)
 

@@ -33,10 +33,11 @@ class _Call(NamedTuple):
   head_axes: tuple[str, ...]
   unseen_devices: int  # Devices the inputs may span with no mesh in sight (0: a mesh is).
   context_axes: tuple[str, ...] = ()  # Free mesh axes (size > 1) splitting the sequence.
+  soft_cap: float | None = None  # Logits capped as c tanh(logits / c).
 
 
 def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
-                   implementation, block_sizes, platform, interpret, mesh):
+                   implementation, block_sizes, platform, interpret, mesh, soft_cap=None):
   """Checks kernel_selection's arguments; returns (_Call, requested name, unsharded note)."""
   q_shape, k_shape = tuple(getattr(q_shape, "shape", q_shape)), tuple(k_shape)
   _check_shapes(q_shape, k_shape, k_shape)
@@ -68,7 +69,7 @@ def _describe_call(q_shape, k_shape, dtype, causal, segment_ids, sliding_window,
   context = _context_axes(mesh) if shardable else ()
   call = _Call(q_shape, k_shape, np.dtype(dtype).name, causal, segments, window,
                block_sizes, platform, interpret, _axis_sizes(mesh), batch_axes, head_axes,
-               unseen, context)
+               unseen, context, None if soft_cap is None else _check_soft_cap(soft_cap))
   return call, requested, note
 
 
@@ -110,6 +111,13 @@ def _normalise_window(window) -> tuple[int, int] | None:
         f"attention(sliding_window={given!r}): expected a non-negative int or a pair "
         "(left, right) of them.")
   return int(window[0]), int(window[1])
+
+
+def _check_soft_cap(cap) -> float:
+  if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating)) or not cap > 0:
+    raise KernelError(f"attention(soft_cap={cap!r}): expected None or a positive float "
+                      "(logits become soft_cap * tanh(logits / soft_cap)).")
+  return float(cap)
 
 
 def _check_block_sizes(blocks, where: str) -> BlockSizes:
@@ -291,6 +299,8 @@ def _pallas_gpu_problem(call: _Call) -> str | None:
   t, s, blocks = call.q_shape[1], call.k_shape[1], call.block_sizes
   if call.window is not None:
     return "sliding_window is not supported by the Pallas Triton attention"
+  if call.soft_cap is not None:
+    return "soft_cap is not supported by the Pallas Triton attention"
   if call.segments == "pair":
     return "needs one segment_ids array shared by queries and keys"
   if t != s:
@@ -310,6 +320,8 @@ def _cudnn_problem(call: _Call) -> str | None:
     return f"head_dim {d} must be a multiple of 8 and <= {max_d}"
   if call.segments is not None:
     return "segment_ids are not supported by the cuDNN path"
+  if call.soft_cap is not None:
+    return "soft_cap is not supported by the cuDNN path"
   if call.window is not None and not call.causal and call.window[1] != 0:
     return "a sliding_window with a right side needs causal=True on cuDNN"
   return None

@@ -55,7 +55,9 @@ class BlockSizes(NamedTuple):
   block_kv_bwd: int | None = None
 
 
-def _xla(q, k, v, q_ids, kv_ids, *, causal, window, scale):
+def _xla(q, k, v, q_ids, kv_ids, *, causal, window, scale, soft_cap=None):
+  if soft_cap is not None:
+    return _xla_capped(q, k, v, q_ids, kv_ids, causal, window, scale, soft_cap)
   mask = None
   if q_ids is not None:
     mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
@@ -63,7 +65,30 @@ def _xla(q, k, v, q_ids, kv_ids, *, causal, window, scale):
                                       local_window_size=window, implementation="xla")
 
 
-def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
+def _xla_capped(q, k, v, q_ids, kv_ids, causal, window, scale, cap):
+  """The reference with logits soft-capped, cap * tanh(logits / cap) before the mask
+  (Gemma 2), which `jax.nn.dot_product_attention` has no argument for: logits and softmax
+  in float32, kv head h // (heads // kv_heads) for query head h."""
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, kh, h // kh, d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  logits = cap * jnp.tanh(logits * scale / cap)
+  rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  mask = jnp.ones((1, t, s), bool)
+  if causal:
+    mask &= cols <= rows
+  if window is not None:
+    mask &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+  if q_ids is not None:
+    mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])
+  logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d).astype(q.dtype)
+
+
+def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
+            soft_cap=None):
   # Pallas is imported only when a kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
   _, t, h, _ = q.shape
@@ -77,12 +102,14 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret)
   sizes = _splash_tiles.splash_block_sizes(blocks)
   make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
-                q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret)
+                q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret,
+                attn_logits_soft_cap=soft_cap)
   return context_attention.run_splash(kernel, q, k, v, q_ids, kv_ids, scale)
 
 
-def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
-  del window, kv_ids  # Checked by _cannot_serve.
+def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
+                soft_cap=None):
+  del window, kv_ids, soft_cap  # Checked by _cannot_serve.
   from jax.experimental.pallas.ops.gpu import attention as gpu_attention
   group = q.shape[2] // k.shape[2]
   if group > 1:  # The Triton kernel wants as many kv heads as q heads.
@@ -95,8 +122,9 @@ def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interp
                            block_sizes=sizes, interpret=interpret).astype(q.dtype)
 
 
-def _cudnn(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret):
-  del q_ids, kv_ids, blocks, interpret  # Checked by _cannot_serve.
+def _cudnn(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
+           soft_cap=None):
+  del q_ids, kv_ids, blocks, interpret, soft_cap  # Checked by _cannot_serve.
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                       local_window_size=window, implementation="cudnn")
 

@@ -55,7 +55,7 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
                   z_loss: float = 0.0, reduction: str = "mean",
                   mesh: jax.sharding.Mesh | None = None,
                   vocab_axes: tuple[str, ...] | None = None,
-                  block_size: int | None = None) -> jax.Array:
+                  block_size: int | None = None, soft_cap: float | None = None) -> jax.Array:
   """Cross-entropy of `softmax(hidden @ unembed)` against integer labels, chunk by chunk.
 
   Equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ unembed, labels)`
@@ -101,6 +101,8 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
       reduce-scattered back over it, and the unembedding's is never reduced over it.
     block_size: removed (it counted vocabulary columns when the loss walked the
       vocabulary); raises KernelError naming `chunk_size`.
+    soft_cap: None, or a positive float c: the logits are c tanh(logits / c) (Gemma 2's
+      final logit soft-capping), value and gradients.
 
   Returns:
     float32 scalar, or the labels' shape for reduction="none".
@@ -126,12 +128,13 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
     ((), dtype('float32'), True)
   """
   tokens, _ = _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction,
-                     vocab_axes, block_size)
+                     vocab_axes, block_size, soft_cap)
   shape = labels.shape
   if hidden.ndim == 2:  # one form inside: [batch, seq, d], here seq 1
     hidden, labels = hidden[:, None], labels[:, None]
     where = None if where is None else where[:, None]
-  layout = _layout(hidden, unembed, mesh, vocab_axes, chunk_size, float(z_loss))
+  layout = _layout(hidden, unembed, mesh, vocab_axes, chunk_size, float(z_loss))._replace(
+      soft_cap=float(soft_cap or 0.0))
   labels = labels.astype(jnp.int32)
   # Both forms differentiate only in reverse mode (custom_vjp); forward mode takes the JVP
   # of the same chunked walk, which jax differentiates forward without materialising logits.
@@ -157,7 +160,7 @@ def cross_entropy(hidden: jax.Array, unembed: jax.Array, labels: jax.Array, *,
 
 
 def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_axes=None,
-           block_size=None):
+           block_size=None, soft_cap=None):
   for name, x in (("hidden", hidden), ("unembed", unembed), ("labels", labels)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise KernelError(f"cross_entropy: {name} must be an array, got {type(x).__name__}.")
@@ -197,6 +200,10 @@ def _check(hidden, unembed, labels, where, chunk_size, z_loss, reduction, vocab_
       isinstance(a, str) for a in vocab_axes)):
     raise KernelError(f"cross_entropy(vocab_axes={vocab_axes!r}): expected a tuple of mesh "
                       "axis names, e.g. ('fsdp', 'tensor'), or None.")
+  if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(
+      soft_cap, (int, float)) or not soft_cap > 0):
+    raise KernelError(f"cross_entropy(soft_cap={soft_cap!r}): expected None or a positive "
+                      "float (logits become soft_cap * tanh(logits / soft_cap)).")
   if reduction not in _REDUCTIONS:
     raise KernelError(
         f"cross_entropy(reduction={reduction!r}): expected one of {_REDUCTIONS}.")
@@ -217,6 +224,7 @@ class _Layout(NamedTuple):
   scatter_seq: tuple[str, ...]
   chunk_size: int | None
   z_loss: float
+  soft_cap: float = 0.0  # 0: logits uncapped
 
   @property
   def token_axes(self) -> tuple[str, ...]:
@@ -282,10 +290,16 @@ def _first_column(unembed, vocab_axes):
   return lax.axis_index(vocab_axes) * unembed.shape[1] if vocab_axes else 0
 
 
-def _chunk_stats(h, unembed, labels, first, vocab_axes):
+def _logits(h, unembed, cap: float):
+  """A chunk's float32 logits [C, V_local], soft-capped (cap tanh(logits / cap)) if cap."""
+  logits = jnp.dot(h, unembed, preferred_element_type=jnp.float32)
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def _chunk_stats(h, unembed, labels, first, vocab_axes, cap=0.0):
   """One chunk: logits [C, V_local] float32, and per token the logsumexp over the whole
   vocabulary and the label's logit (0 outside [0, vocab)), [C] each."""
-  logits = jnp.dot(h, unembed, preferred_element_type=jnp.float32)
+  logits = _logits(h, unembed, cap)
   size = unembed.shape[1]
   top = jnp.max(logits, axis=-1)
   total = jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
@@ -313,7 +327,8 @@ def _local_loss(hidden, unembed, labels, layout):
 
   def step(start, size, carry):
     h, y = (lax.dynamic_slice_in_dim(x, start, size) for x in (hidden, labels))
-    _, lse, label_logit = _chunk_stats(h, unembed, y, first, layout.vocab_axes)
+    _, lse, label_logit = _chunk_stats(h, unembed, y, first, layout.vocab_axes,
+                                       layout.soft_cap)
     return tuple(lax.dynamic_update_slice_in_dim(c, x, start, 0) for c, x in zip(
         carry, (_loss(lse, label_logit, layout.z_loss), lse)))
 
@@ -341,22 +356,24 @@ def _local_grads(hidden, unembed, labels, g, lse, layout):
   hidden, labels, g = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), g.reshape(-1)
   lse = None if lse is None else lse.reshape(-1)
   first, vocab_axes = _first_column(unembed, layout.vocab_axes), layout.vocab_axes
-  size = unembed.shape[1]
+  size, cap = unembed.shape[1], layout.soft_cap
 
   def step(start, rows, carry):
     loss, d_hidden, d_unembed = carry
     h, y, g_c = (lax.dynamic_slice_in_dim(x, start, rows) for x in (hidden, labels, g))
     if lse is None:
-      logits, lse_c, label_logit = _chunk_stats(h, unembed, y, first, vocab_axes)
+      logits, lse_c, label_logit = _chunk_stats(h, unembed, y, first, vocab_axes, cap)
       loss = lax.dynamic_update_slice_in_dim(
           loss, _loss(lse_c, label_logit, layout.z_loss), start, 0)
     else:
       lse_c = lax.dynamic_slice_in_dim(lse, start, rows)
-      logits = jnp.dot(h, unembed, preferred_element_type=jnp.float32)
+      logits = _logits(h, unembed, cap)
     # d loss / d logits = softmax (1 + 2 z_loss lse) - onehot(label), scaled by g.
     onehot = (y - first)[:, None] == jnp.arange(size)[None, :]
     d_logits = (jnp.exp(logits - lse_c[:, None]) * (g_c * (1 + 2 * layout.z_loss * lse_c))[
         :, None] - jnp.where(onehot, g_c[:, None], 0.0))
+    if cap:  # through the cap: d (c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+      d_logits = d_logits * (1 - jnp.square(logits / cap))
     d_h = jnp.dot(d_logits.astype(unembed.dtype), unembed.T,
                   preferred_element_type=jnp.float32)
     d_unembed = d_unembed + lax.dot_general(

@@ -53,6 +53,16 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16)),
+    # Sequences of 32 > the window of 8; caps small enough to bend the random logits; a
+    # pattern with a layer past its last whole period (local, global | local).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        COMMON, num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # Two local layers (their own RoPE base) to one global, then a local one.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, rope_theta=1e4,
+        rope_local_base_freq=100.0, layer_types=["sliding_attention", "sliding_attention",
+                                                  "full_attention", "sliding_attention"])),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=64, n_embd=32, n_layer=2,
                                                     n_head=4, n_positions=64)),
 }

@@ -30,7 +30,9 @@ Models:
 - `moe`: mixture-of-experts decoders (the Llama's interface).
 - `deepseek`: a DeepSeek-V3-style decoder: latent attention, biased routing, dense first layers.
 - `hf_maps`: Hugging Face families: config.json, param names and transforms.
-- `hf_deepseek`: the DeepSeek-V3 family's config.json and param names (through `hf_maps`).
+- `hf_fields`: what the families share: config.json fields read or refused, RoPE, the Llama's
+  map; `hf_gemma`, `hf_moe` (Mixtral, Qwen3-MoE), `hf_deepseek`: those families (through
+  `hf_maps`).
 - `embedding`: the token-embedding lookup of a split table, positions under `context`.
 - `remat`: what a block keeps for its backward pass (the policies).
 - `int8`: int8 matmuls with per-channel scales and straight-through gradients.

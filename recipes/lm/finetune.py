@@ -46,8 +46,8 @@ def lora_config(o, model, cfg) -> fs.lora.LoraConfig | None:
     raise fs.InputError(
         f"--lora_rank={o.lora_rank} with model {o.model_config or model.__name__}: its matmul "
         "weights don't multiply through fs.lora.einsum, so LoRA can't adapt its leaves; fix: a "
-        "Llama-family model (--model_config=llama-*, or --init_from a Llama, Mistral or Qwen "
-        "checkpoint), or full fine-tuning (no --lora_rank)")
+        "Llama-family model (--model_config=llama-*, or --init_from a Llama, Mistral, Qwen "
+        "or Gemma checkpoint), or full fine-tuning (no --lora_rank)")
   chosen = []
   for item in [t.strip() for t in o.lora_targets.split(",") if t.strip()] or list(names):
     hits = [n for n in names if n == item or _fullmatch(item, f"blocks/{n}")]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from fnscale.checkpoint import hf
 from recipes.lm import deepseek
+from recipes.lm.hf_fields import error, need, rope
 
 
-def config(c: dict, seq: int, need, error, rope) -> deepseek.ModelConfig:
-  """The model of a deepseek_v3 config.json `c`; `need`, `error` and `rope` are hf_maps'
-  field reader, error maker and RoPE reader. Raises InputError naming a field the model
-  can't compute."""
+def config(c: dict, seq: int) -> deepseek.ModelConfig:
+  """The model of a deepseek_v3 config.json `c` for sequences of `seq`. Raises InputError
+  naming a field the model can't compute."""
   heads = need(c, "num_attention_heads")
   checks = (("hidden_act", c.get("hidden_act", "silu"), ("silu",)),
             ("attention_bias", bool(c.get("attention_bias")), (False,)),

@@ -9,13 +9,18 @@ each param leaf to its safetensors key and transform, and config.json back for a
 
 Families (`model_type`): llama (Llama 2/3/3.1/3.2: plain or "llama3" RoPE, tied or untied
 embeddings), mistral, qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into
-`llama.py`; gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a
-RoPE type, an activation, biases elsewhere, a sliding window shorter than the sequence) is
-an InputError naming the config.json field, never a silently different model. mixtral
-(Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their weights
-renormalised or not) into `moe.py`: the experts' weights are one leaf each per projection,
-[layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's layout, which
-transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`).
+`llama.py`; gemma2 (Gemma 2: attention and final logit soft-capping, sliding-window layers
+alternating with global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five
+sliding-window layers to one global, a RoPE base of their own for the local layers) into
+`llama.py` too, as its Gemma options (GeGLU, RMSNorm by (1 + weight) before and after
+attention and the MLP, the embedding scaled by sqrt(d_model), tied embeddings: `hf_gemma`);
+gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a RoPE type, an
+activation, biases elsewhere, a sliding window shorter than the sequence where the model has
+none) is an InputError naming the config.json field, never a silently different model.
+mixtral (Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their
+weights renormalised or not) into `moe.py`: the experts' weights are one leaf each per
+projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's
+layout, which transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`).
 """
 from __future__ import annotations
 
@@ -25,11 +30,13 @@ from typing import Any, NamedTuple
 
 import fnscale as fs
 from fnscale.checkpoint import hf
-from recipes.lm import deepseek, gpt, hf_deepseek, layers, llama, moe
+from recipes.lm import deepseek, gpt, hf_deepseek, hf_gemma, hf_moe, llama, moe
+from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILY = ("mixtral", "qwen3_moe", "deepseek_v3")
-FAMILIES = LLAMA_FAMILY + ("gpt2",) + MOE_FAMILY
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
+FAMILIES = LLAMA_FAMILY + GEMMA_FAMILY + ("gpt2",) + MOE_FAMILY
 
 
 class HFModel(NamedTuple):
@@ -43,16 +50,6 @@ def apply_fn(m: HFModel):
   """`apply(params, tokens, *, remat=False)` -> float32 logits [batch, seq, vocab] of `m`
   (the model's `apply` with its config: RoPE and RMSNorm settings)."""
   return functools.partial(m.model.apply, cfg=m.cfg)
-
-
-def _error(field: str, value, why: str) -> fs.InputError:
-  return fs.InputError(f"config.json: {field}={value!r} {why}")
-
-
-def _need(c: dict, field: str):
-  if c.get(field) is None:
-    raise _error(field, None, "is missing; fix: a complete Hugging Face config.json has it.")
-  return c[field]
 
 
 def read(path, seq: int) -> HFModel:
@@ -71,136 +68,43 @@ def from_config(c: dict, seq: int) -> HFModel:
     raise fs.InputError(f"seq={seq!r}, expected an int >= 1")
   kind = c.get("model_type")
   if c.get("quantization_config"):
-    raise _error("quantization_config", "...", "is set: quantized weights are not read; fix: "
+    raise error("quantization_config", "...", "is set: quantized weights are not read; fix: "
                  "start from the unquantized checkpoint.")
   if kind in LLAMA_FAMILY:
     return HFModel(llama, _llama_config(c, seq), dict(c))
+  if kind in GEMMA_FAMILY:
+    return HFModel(llama, hf_gemma.config(c, seq), dict(c))
   if kind == "gpt2":
     return HFModel(gpt, _gpt2_config(c, seq), dict(c))
   if kind == "mixtral":
-    return HFModel(moe, _mixtral_config(c, seq), dict(c))
+    return HFModel(moe, hf_moe.mixtral_config(c, seq), dict(c))
   if kind == "qwen3_moe":
-    return HFModel(moe, _qwen3_moe_config(c, seq), dict(c))
+    return HFModel(moe, hf_moe.qwen3_moe_config(c, seq), dict(c))
   if kind == "deepseek_v3":
-    return HFModel(deepseek, hf_deepseek.config(c, seq, _need, _error, _rope), dict(c))
-  hint = (" (experts: Mixtral's and Qwen3's are in fnscale's models)" if kind in (
-      "qwen2_moe",) else "")
-  raise _error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
+    return HFModel(deepseek, hf_deepseek.config(c, seq), dict(c))
+  hint = (" (experts: Mixtral's, Qwen3's and DeepSeek-V3's are in fnscale's models)"
+          if kind in ("qwen2_moe",) else hf_gemma.HINTS.get(kind, ""))
+  raise error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
                f"{list(FAMILIES)}.")
 
 
-def _rope(c: dict) -> tuple[float, layers.RopeScaling | None]:
-  """(theta, scaling) from `rope_theta` + `rope_scaling` (config.json as published) or
-  `rope_parameters` (as transformers 5 writes it)."""
-  params = c.get("rope_parameters") or {}
-  scaling = c.get("rope_scaling") or params
-  theta = float(c.get("rope_theta") or params.get("rope_theta") or 10_000.0)
-  kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-  if kind == "default":
-    return theta, None
-  if kind != "llama3":
-    raise _error("rope_scaling.rope_type", kind, "is not implemented: fnscale's Llama has "
-                 "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
-                 "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
-  try:
-    return theta, layers.RopeScaling(
-        float(scaling["factor"]), float(scaling["low_freq_factor"]),
-        float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-  except KeyError as e:
-    raise _error(f"rope_scaling.{e.args[0]}", None, "is missing: llama3 RoPE needs factor, "
-                 "low_freq_factor, high_freq_factor, original_max_position_embeddings.") from None
-
-
-def _check_llama(c: dict, seq: int) -> None:
-  kind = c["model_type"]
-  if c.get("hidden_act", "silu") != "silu":
-    raise _error("hidden_act", c["hidden_act"], "is not silu, the SwiGLU activation "
-                 "fnscale's Llama computes.")
-  if c.get("mlp_bias"):
-    raise _error("mlp_bias", True, "needs MLP biases, which fnscale's Llama doesn't have.")
-  if c.get("attention_bias") and kind != "qwen2":
-    raise _error("attention_bias", True, "puts a bias on the attention output projection too, "
-                 "which fnscale's Llama doesn't have.")
-  window = c.get("sliding_window")
-  uses_window = c.get("use_sliding_window", kind == "mistral")
-  if uses_window and window is not None and seq > window:
-    raise _error("sliding_window", window, f"is shorter than seq={seq}: fnscale's attention "
-                 f"sees the whole sequence; fix: --seq <= {window} (identical there).")
-
-
 def _llama_config(c: dict, seq: int) -> llama.ModelConfig:
-  _check_llama(c, seq)
-  d, heads = _need(c, "hidden_size"), _need(c, "num_attention_heads")
+  check_llama(c, seq)
+  d, heads = need(c, "hidden_size"), need(c, "num_attention_heads")
   head_dim = c.get("head_dim") or d // heads
-  theta, scaling = _rope(c)
+  theta, scaling = rope(c)
   return llama.ModelConfig(
-      layers=_need(c, "num_hidden_layers"), d_model=d, heads=heads,
-      kv_heads=c.get("num_key_value_heads") or heads, d_mlp=_need(c, "intermediate_size"),
-      seq=seq, vocab=_need(c, "vocab_size"), rope_theta=theta,
+      layers=need(c, "num_hidden_layers"), d_model=d, heads=heads,
+      kv_heads=c.get("num_key_value_heads") or heads, d_mlp=need(c, "intermediate_size"),
+      seq=seq, vocab=need(c, "vocab_size"), rope_theta=theta,
       norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       head_size=0 if head_dim == d // heads else head_dim, rope_scaling=scaling,
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       qkv_bias=c["model_type"] == "qwen2", qk_norm=c["model_type"] == "qwen3")
 
 
-def _mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
-  """Mixtral as `moe.py`'s model: Llama attention, top-k routed SwiGLU experts with their
-  weights renormalised (transformers' MixtralTopKRouter). HF's load-balance loss is k times
-  fnscale's (it counts each token's k copies over tokens, not over copies), so
-  `router_aux_loss_coef` x k weighs the same loss. Router jitter (training noise) is not
-  applied."""
-  _check_llama(c, seq)
-  d, heads = _need(c, "hidden_size"), _need(c, "num_attention_heads")
-  if (c.get("head_dim") or d // heads) != d // heads:
-    raise _error("head_dim", c["head_dim"], f"is not hidden_size / num_attention_heads = "
-                 f"{d // heads}, the head size fnscale's MoE model has.")
-  if c.get("tie_word_embeddings"):
-    raise _error("tie_word_embeddings", True, "ties the output layer to the embedding; "
-                 "fnscale's MoE model has its own output layer.")
-  theta, scaling = _rope(c)
-  if scaling is not None:
-    raise _error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
-  k = _need(c, "num_experts_per_tok")
-  return moe.ModelConfig(
-      layers=_need(c, "num_hidden_layers"), d_model=d, heads=heads,
-      kv_heads=c.get("num_key_value_heads") or heads, d_ff=_need(c, "intermediate_size"),
-      experts=_need(c, "num_local_experts"), k=k, seq=seq, vocab=_need(c, "vocab_size"),
-      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
-      norm_eps=float(c.get("rms_norm_eps", 1e-6)))
-
-
-def _qwen3_moe_config(c: dict, seq: int) -> moe.ModelConfig:
-  """Qwen3-MoE as `moe.py`'s model: Qwen3's attention (q/k RMSNorm per head, its own head
-  size), top-k of the softmax over experts, renormalised when `norm_topk_prob`
-  (transformers' Qwen3MoeSparseMoeBlock). Every layer must be an MoE layer (the model has no
-  dense ones) and the load-balance coefficient is HF's x k (as Mixtral's)."""
-  _check_llama(c, seq)
-  if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-    field = "mlp_only_layers" if c.get("mlp_only_layers") else "decoder_sparse_step"
-    raise _error(field, c.get(field), "makes some layers dense MLPs; fnscale's MoE model "
-                 "routes every layer (decoder_sparse_step=1, mlp_only_layers=[]).")
-  if c.get("tie_word_embeddings"):
-    raise _error("tie_word_embeddings", True, "ties the output layer to the embedding; "
-                 "fnscale's MoE model has its own output layer.")
-  theta, scaling = _rope(c)
-  if scaling is not None:
-    raise _error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
-  d, heads, k = _need(c, "hidden_size"), _need(c, "num_attention_heads"), _need(
-      c, "num_experts_per_tok")
-  head_dim = c.get("head_dim") or d // heads
-  return moe.ModelConfig(
-      layers=_need(c, "num_hidden_layers"), d_model=d, heads=heads,
-      kv_heads=c.get("num_key_value_heads") or heads, d_ff=_need(c, "moe_intermediate_size"),
-      # The Hub's config.json says num_experts; transformers 5 writes num_local_experts.
-      experts=_need(c, "num_experts" if "num_local_experts" not in c else "num_local_experts"),
-      k=k, seq=seq, vocab=_need(c, "vocab_size"), normalize=bool(c.get("norm_topk_prob", False)),
-      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
-      norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-      head_size=0 if head_dim == d // heads else head_dim, qk_norm=True)
-
-
 def _gpt2_config(c: dict, seq: int) -> gpt.ModelConfig:
-  d = _need(c, "n_embd")
+  d = need(c, "n_embd")
   checks = (("activation_function", c.get("activation_function", "gelu_new"),
              ("gelu_new", "gelu_pytorch_tanh"), "GELU's tanh form, what fnscale's GPT computes"),
             ("n_inner", c.get("n_inner") or 4 * d, (4 * d,), "an MLP of 4 x n_embd"),
@@ -210,13 +114,13 @@ def _gpt2_config(c: dict, seq: int) -> gpt.ModelConfig:
             ("tie_word_embeddings", c.get("tie_word_embeddings", True), (True,), "tied"))
   for field, value, ok, what in checks:
     if value not in ok:
-      raise _error(field, value, f"is not {what}; fnscale's GPT can't express it.")
-  positions = _need(c, "n_positions")
+      raise error(field, value, f"is not {what}; fnscale's GPT can't express it.")
+  positions = need(c, "n_positions")
   if seq > positions:
     raise fs.InputError(f"seq={seq} is longer than config.json's n_positions={positions} "
                         "(GPT-2 has a learned position per token); fix: a shorter --seq.")
-  return gpt.ModelConfig(layers=_need(c, "n_layer"), d_model=d, heads=_need(c, "n_head"),
-                         seq=seq, vocab=_need(c, "vocab_size"), positions=positions)
+  return gpt.ModelConfig(layers=need(c, "n_layer"), d_model=d, heads=need(c, "n_head"),
+                         seq=seq, vocab=need(c, "vocab_size"), positions=positions)
 
 
 # ------------------------------------------------------------------------------------------
@@ -230,71 +134,10 @@ def checkpoint_map(m: HFModel, path=None) -> hf.CheckpointMap:
   if m.model is gpt:
     return _gpt2_map(m.cfg, _gpt2_prefix(path))
   if m.model is moe:
-    return _moe_map(m.cfg, _moe_kind(m))
+    return hf_moe.checkpoint_map(m.cfg, hf_moe.family(m))
   if m.model is deepseek:
     return hf_deepseek.checkpoint_map(m.cfg, path)
-  return _llama_map(m.cfg)
-
-
-def _moe_kind(m: HFModel) -> str:
-  """The family of an MoE model: its config.json's, else Qwen3-MoE's where the model has
-  Qwen3's q/k norms, Mixtral's where not."""
-  return m.config.get("model_type") or ("qwen3_moe" if m.cfg.qk_norm else "mixtral")
-
-
-def _llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:
-  H, G, K = cfg.heads, cfg.kv_heads, cfg.head_dim
-  layer = "model.layers.{layer}."
-  T = lambda key, **kw: hf.Tensor(layer + key, **kw)
-  # torch Linear weights are [out, in]; fnscale's are [in, ...out] with heads split.
-  blocks = {
-      "attn_norm": T("input_layernorm.weight"),
-      "wq": T("self_attn.q_proj.weight", split=((H, K), None), perm=(2, 0, 1)),
-      "wk": T("self_attn.k_proj.weight", split=((G, K), None), perm=(2, 0, 1)),
-      "wv": T("self_attn.v_proj.weight", split=((G, K), None), perm=(2, 0, 1)),
-      "wo": T("self_attn.o_proj.weight", split=(None, (H, K)), perm=(1, 2, 0)),
-      "mlp_norm": T("post_attention_layernorm.weight"),
-      "w_gate": T("mlp.gate_proj.weight", perm=(1, 0)),
-      "w_up": T("mlp.up_proj.weight", perm=(1, 0)),
-      "w_down": T("mlp.down_proj.weight", perm=(1, 0)),
-  }
-  if cfg.qkv_bias:
-    blocks |= {f"b{n}": T(f"self_attn.{n}_proj.bias", split=((h, K),))
-               for n, h in (("q", H), ("k", G), ("v", G))}
-  if cfg.qk_norm:
-    blocks |= {f"{n}_norm": T(f"self_attn.{n}_norm.weight") for n in ("q", "k")}
-  tensors = {f"blocks/{k}": v for k, v in blocks.items()}
-  tensors |= {"embed": hf.Tensor("model.embed_tokens.weight"),
-              "final_norm": hf.Tensor("model.norm.weight")}
-  if not cfg.tie_embeddings:  # tied: an lm_head.weight in the files is an error (unused)
-    tensors["unembed"] = hf.Tensor("lm_head.weight", perm=(1, 0))
-  return hf.CheckpointMap(tensors, ("*rotary_emb.inv_freq",))
-
-
-# An MoE family's router and experts: (the MLP's key, the router's, the experts' gate, up and
-# down projections), each torch [out, in].
-_MOE_KEYS = {"mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
-             "qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
-
-
-def _moe_map(cfg: moe.ModelConfig, kind: str) -> hf.CheckpointMap:
-  """Llama's attention and norms (Qwen3's q/k norms where the model has them); the router
-  ([experts, d]) and each expert's gate, up and down projections, stacked [layers,
-  experts]."""
-  attention = _llama_map(llama.ModelConfig(
-      cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.d_ff, cfg.seq, cfg.vocab,
-      head_size=cfg.head_size, qk_norm=cfg.qk_norm))
-  mlp, router, gate, up, down = _MOE_KEYS[kind]
-  moe_key = "model.layers.{layer}." + mlp
-  expert = moe_key + "experts.{expert}."
-  tensors = {k: v for k, v in attention.tensors.items()
-             if k not in ("blocks/w_gate", "blocks/w_up", "blocks/w_down")}
-  tensors.update({
-      "blocks/router": hf.Tensor(moe_key + router + ".weight", perm=(1, 0)),
-      "blocks/w_gate": hf.Tensor(expert + gate + ".weight", perm=(1, 0)),
-      "blocks/w_up": hf.Tensor(expert + up + ".weight", perm=(1, 0)),
-      "blocks/w_down": hf.Tensor(expert + down + ".weight", perm=(1, 0))})
-  return hf.CheckpointMap(tensors, attention.ignore)
+  return llama_map(m.cfg)
 
 
 def _gpt2_prefix(path) -> str:
@@ -341,7 +184,7 @@ def to_config(m: HFModel) -> dict:
   """config.json for `m`'s params: the config it was read from (when it was), else one
   written from `m.cfg`, weights in float32 (`dtype`)."""
   base = dict(m.config) if m.config else (
-      _gpt2_hf_config(m.cfg) if m.model is gpt else _moe_hf_config(m.cfg)
+      _gpt2_hf_config(m.cfg) if m.model is gpt else hf_moe.hf_config(m.cfg)
       if m.model is moe else hf_deepseek.hf_config(m.cfg) if m.model is deepseek
       else _llama_hf_config(m.cfg))
   base.pop("torch_dtype", None)
@@ -349,6 +192,16 @@ def to_config(m: HFModel) -> dict:
 
 
 def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
+  if cfg.post_norms or cfg.norm_plus_one:
+    return hf_gemma.hf_config(cfg)
+  plain = llama.ModelConfig(0, 0, 0, 0, 0, 0)
+  odd = [f for f in hf_gemma.OPTIONS if getattr(cfg, f) != getattr(plain, f)]
+  if odd or any(cfg.windows):
+    field = odd[0] if odd else "windows"
+    raise fs.InputError(
+        f"export: ModelConfig.{field}={getattr(cfg, field)!r} without Gemma's norms "
+        "(post_norms, norm_plus_one) is neither a Llama, Qwen nor Gemma config.json; fix: "
+        "export a model with all of Gemma's options, or none.")
   kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM"}[kind]
@@ -367,34 +220,6 @@ def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
                                original_max_position_embeddings=s.original_max_position)
     out["max_position_embeddings"] = max(cfg.seq, int(s.original_max_position * s.factor))
   return out
-
-
-def _moe_hf_config(cfg: moe.ModelConfig) -> dict:
-  """config.json of an MoE model trained here (`moe.py`, no shared experts, no capacity):
-  Qwen3-MoE's where the model has Qwen3's q/k norms (its routing weights renormalised or
-  not), else Mixtral's (renormalised: what MixtralForCausalLM computes)."""
-  family = "Qwen3-MoE" if cfg.qk_norm else "Mixtral"
-  if cfg.shared or cfg.capacity_factor is not None or not (cfg.normalize or cfg.qk_norm):
-    raise fs.InputError(
-        f"export: a {family} config.json can't say shared experts, a capacity"
-        f"{'' if cfg.qk_norm else ' or unnormalised routing weights'} (shared={cfg.shared}, "
-        f"normalize={cfg.normalize}, capacity_factor={cfg.capacity_factor}); fix: export a "
-        "Mixtral- or Qwen3-MoE-style model.")
-  common = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
-                num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                num_experts_per_tok=cfg.k, vocab_size=cfg.vocab, hidden_act="silu",
-                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                max_position_embeddings=max(cfg.seq, 2048), tie_word_embeddings=False,
-                router_aux_loss_coef=cfg.balance_coef / cfg.k, sliding_window=None)
-  if cfg.qk_norm:
-    return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                head_dim=cfg.head_dim, moe_intermediate_size=cfg.d_ff,
-                intermediate_size=cfg.d_ff, num_experts=cfg.experts,
-                norm_topk_prob=cfg.normalize, decoder_sparse_step=1, mlp_only_layers=[],
-                attention_bias=False, use_sliding_window=False)
-  return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
-              intermediate_size=cfg.d_ff, num_local_experts=cfg.experts,
-              router_jitter_noise=0.0)
 
 
 def _gpt2_hf_config(cfg: gpt.ModelConfig) -> dict:

@@ -22,11 +22,13 @@ class RopeScaling(NamedTuple):
   original_max_position: int = 8192
 
 
-def rms_norm(x, scale, eps: float = 1e-5):
-  """x / rms(x) * scale over the last axis, statistics in float32 (x's dtype out)."""
+def rms_norm(x, scale, eps: float = 1e-5, offset: float = 0.0):
+  """x / rms(x) * (offset + scale) over the last axis, statistics and scale in float32
+  (x's dtype out); Gemma's norms have offset 1."""
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+  scale = scale.astype(jnp.float32)
+  return (y * (scale + offset if offset else scale)).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float,

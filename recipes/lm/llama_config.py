@@ -26,6 +26,17 @@ class ModelConfig(NamedTuple):
   output layer and attention stay in the compute dtype). `unroll`: the layer loop is
   unrolled in the compiled program instead of one `lax.scan` body. `loss_chunk`: tokens per
   chunk of the loss (`fnscale.cross_entropy`'s chunk_size; 0: its default).
+
+  Gemma 2/3's variant: `norm_plus_one`: every RMSNorm scales by (1 + its weight) (the
+  weights start at zero); `post_norms`: the attention and MLP outputs are RMSNormed before
+  their residual adds (leaves `post_attn_norm`, `post_mlp_norm`); `activation`: the gated
+  MLP's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh approximation);
+  `embed_scale`: the embedding is multiplied by sqrt(d_model) in the compute dtype;
+  `attn_scale`: the logits' scale (0: 1/sqrt(head_dim)); `attn_soft_cap`, `logit_soft_cap`:
+  attention logits and output logits capped as c tanh(logits / c) (0: not capped);
+  `windows`: each layer's sliding window w (query i sees keys i-w+1..i; 0: the whole
+  causal prefix), () for none; `local_rope_theta`: the RoPE base of the windowed layers
+  (0: `rope_theta` and `rope_scaling`, as the others).
   """
   layers: int
   d_model: int
@@ -46,6 +57,15 @@ class ModelConfig(NamedTuple):
   int8: bool = False
   unroll: bool = False
   loss_chunk: int = 0
+  norm_plus_one: bool = False
+  post_norms: bool = False
+  activation: str = "silu"
+  embed_scale: bool = False
+  attn_scale: float = 0.0
+  attn_soft_cap: float = 0.0
+  logit_soft_cap: float = 0.0
+  windows: tuple[int, ...] = ()
+  local_rope_theta: float = 0.0
 
   @property
   def head_dim(self) -> int:
@@ -114,10 +134,11 @@ def named_config(cls, sizes: dict, family: str, size: str, seq: int, overrides: 
 
 def variant(tree: dict, extra: dict, cfg: ModelConfig) -> dict:
   """`tree` (params or their axes) for cfg's variant: without `unembed` when tied, with the
-  bias and q/k norm leaves of `extra` when the config has them."""
+  bias, q/k norm and post-norm leaves of `extra` when the config has them."""
   out = {k: v for k, v in tree.items() if not (k == "unembed" and cfg.tie_embeddings)}
   names = (("bq", "bk", "bv") if cfg.qkv_bias else ()) + (
-      ("q_norm", "k_norm") if cfg.qk_norm else ())
+      ("q_norm", "k_norm") if cfg.qk_norm else ()) + (
+      ("post_attn_norm", "post_mlp_norm") if cfg.post_norms else ())
   out["blocks"] = {**tree["blocks"], **{k: extra[k] for k in names}}
   return out
 
@@ -132,10 +153,10 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
   """Every param: matmul weights, the embedding table (once when tied: it is the output
-  layer), the RMSNorm scales, q/k/v biases and q/k norm scales."""
+  layer), the RMSNorm scales, q/k/v biases, q/k norm and post-norm scales."""
   K, L = cfg.head_dim, cfg.layers
   extra = (L * K * (cfg.heads + 2 * cfg.kv_heads) if cfg.qkv_bias else 0) + (
-      2 * L * K if cfg.qk_norm else 0)
+      2 * L * K if cfg.qk_norm else 0) + (2 * L * cfg.d_model if cfg.post_norms else 0)
   embed = 0 if cfg.tie_embeddings else cfg.vocab * cfg.d_model
   return matmul_params(cfg) + embed + (2 * L + 1) * cfg.d_model + extra
 

@@ -17,7 +17,9 @@ def logical_axes(cfg: ModelConfig) -> dict:
   names = variant(_AXES, {"bq": ("layers", "heads", "head_dim"),
                           "bk": ("layers", "kv_heads", "head_dim"),
                           "bv": ("layers", "kv_heads", "head_dim"),
-                          "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}, cfg)
+                          "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm"),
+                          "post_attn_norm": ("layers", "norm"),
+                          "post_mlp_norm": ("layers", "norm")}, cfg)
   staged = ("stage", "repeats") if cfg.repeats > 1 else ()
   return {**names, "blocks": {k: staged + v for k, v in names["blocks"].items()}}
 
