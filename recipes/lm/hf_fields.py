@@ -34,15 +34,15 @@ def rope(c: dict, default_theta: float = 10_000.0
     return theta, None
   if kind != "llama3":
     raise error("rope_scaling.rope_type", kind, "is not implemented: fnscale's Llama has "
-                 "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
-                 "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
+                "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
+                "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
   try:
     return theta, layers.RopeScaling(
         float(scaling["factor"]), float(scaling["low_freq_factor"]),
         float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
   except KeyError as e:
     raise error(f"rope_scaling.{e.args[0]}", None, "is missing: llama3 RoPE needs factor, "
-                 "low_freq_factor, high_freq_factor, original_max_position_embeddings.") from None
+                "low_freq_factor, high_freq_factor, original_max_position_embeddings.") from None
 
 
 def check_llama(c: dict, seq: int) -> None:
@@ -50,17 +50,17 @@ def check_llama(c: dict, seq: int) -> None:
   kind = c["model_type"]
   if c.get("hidden_act", "silu") != "silu":
     raise error("hidden_act", c["hidden_act"], "is not silu, the SwiGLU activation "
-                 "fnscale's Llama computes.")
+                "fnscale's Llama computes.")
   if c.get("mlp_bias"):
     raise error("mlp_bias", True, "needs MLP biases, which fnscale's Llama doesn't have.")
   if c.get("attention_bias") and kind != "qwen2":
     raise error("attention_bias", True, "puts a bias on the attention output projection too, "
-                 "which fnscale's Llama doesn't have.")
+                "which fnscale's Llama doesn't have.")
   window = c.get("sliding_window")
   uses_window = c.get("use_sliding_window", kind == "mistral")
   if uses_window and window is not None and seq > window:
     raise error("sliding_window", window, f"is shorter than seq={seq}: fnscale's attention "
-                 f"sees the whole sequence; fix: --seq <= {window} (identical there).")
+                f"sees the whole sequence; fix: --seq <= {window} (identical there).")
 
 
 def llama_map(cfg: llama.ModelConfig) -> hf.CheckpointMap:

@@ -22,22 +22,22 @@ def config(c: dict, seq: int) -> llama.ModelConfig:
   act = c.get("hidden_activation", "gelu_pytorch_tanh")
   if act not in ("gelu_pytorch_tanh", "gelu_new"):
     raise error("hidden_activation", act, "is not GELU's tanh approximation "
-                 "(gelu_pytorch_tanh), the GeGLU fnscale's Gemma computes.")
+                "(gelu_pytorch_tanh), the GeGLU fnscale's Gemma computes.")
   for field in ("attention_bias", "use_bidirectional_attention"):
     if c.get(field):
       raise error(field, c[field], "is not in fnscale's Gemma (causal attention, no biases); "
-                   "fix: a decoder checkpoint without it.")
+                  "fix: a decoder checkpoint without it.")
   L, heads = need(c, "num_hidden_layers"), need(c, "num_attention_heads")
   kinds = c.get("layer_types") or [
       "sliding_attention" if (i + 1) % (2 if gemma2 else c.get("sliding_window_pattern", 6))
       else "full_attention" for i in range(L)]
   if len(kinds) != L or set(kinds) - {"sliding_attention", "full_attention"}:
     raise error("layer_types", kinds, f"is not {L} of 'sliding_attention' and "
-                 "'full_attention' (one per layer).")
+                "'full_attention' (one per layer).")
   window = c.get("sliding_window")
   if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
     raise error("sliding_window", window, "is not a positive int, and layer_types has "
-                 "sliding_attention layers.")
+                "sliding_attention layers.")
   by_kind = c.get("rope_parameters") or {}
   nested = "full_attention" in by_kind or "sliding_attention" in by_kind
   theta, scaling = rope({"rope_parameters": by_kind.get("full_attention")} if nested else c,
@@ -45,7 +45,7 @@ def config(c: dict, seq: int) -> llama.ModelConfig:
   local = (by_kind.get("sliding_attention") or {}) if nested else {}
   if local.get("rope_type", "default") != "default":
     raise error("rope_parameters.sliding_attention.rope_type", local["rope_type"],
-                 "is not 'default', the plain RoPE fnscale's local layers have.")
+                "is not 'default', the plain RoPE fnscale's local layers have.")
   local_theta = 0.0 if gemma2 else float(
       local.get("rope_theta") or c.get("rope_local_base_freq") or 10_000.0)
   caps = {f: c.get(f, default if gemma2 else None) for f, default in (

@@ -69,7 +69,7 @@ def from_config(c: dict, seq: int) -> HFModel:
   kind = c.get("model_type")
   if c.get("quantization_config"):
     raise error("quantization_config", "...", "is set: quantized weights are not read; fix: "
-                 "start from the unquantized checkpoint.")
+                "start from the unquantized checkpoint.")
   if kind in LLAMA_FAMILY:
     return HFModel(llama, _llama_config(c, seq), dict(c))
   if kind in GEMMA_FAMILY:
@@ -85,7 +85,7 @@ def from_config(c: dict, seq: int) -> HFModel:
   hint = (" (experts: Mixtral's, Qwen3's and DeepSeek-V3's are in fnscale's models)"
           if kind in ("qwen2_moe",) else hf_gemma.HINTS.get(kind, ""))
   raise error("model_type", kind, f"is not a family fnscale reads{hint}; expected one of "
-               f"{list(FAMILIES)}.")
+              f"{list(FAMILIES)}.")
 
 
 def _llama_config(c: dict, seq: int) -> llama.ModelConfig:

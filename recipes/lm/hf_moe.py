@@ -10,23 +10,30 @@ from recipes.lm import llama, moe
 from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope
 
 
+def _checked(c: dict, seq: int) -> float:
+  """The RoPE base of an MoE family's config, after the checks both families share (a
+  Llama's attention, an output layer of its own, plain RoPE)."""
+  check_llama(c, seq)
+  if c.get("tie_word_embeddings"):
+    raise error("tie_word_embeddings", True, "ties the output layer to the embedding; "
+                "fnscale's MoE model has its own output layer.")
+  theta, scaling = rope(c)
+  if scaling is not None:
+    raise error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
+  return theta
+
+
 def mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
   """Mixtral as `moe.py`'s model: Llama attention, top-k routed SwiGLU experts with their
   weights renormalised (transformers' MixtralTopKRouter). HF's load-balance loss is k times
   fnscale's (it counts each token's k copies over tokens, not over copies), so
   `router_aux_loss_coef` x k weighs the same loss. Router jitter (training noise) is not
   applied."""
-  check_llama(c, seq)
+  theta = _checked(c, seq)
   d, heads = need(c, "hidden_size"), need(c, "num_attention_heads")
   if (c.get("head_dim") or d // heads) != d // heads:
     raise error("head_dim", c["head_dim"], f"is not hidden_size / num_attention_heads = "
-                 f"{d // heads}, the head size fnscale's MoE model has.")
-  if c.get("tie_word_embeddings"):
-    raise error("tie_word_embeddings", True, "ties the output layer to the embedding; "
-                 "fnscale's MoE model has its own output layer.")
-  theta, scaling = rope(c)
-  if scaling is not None:
-    raise error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
+                f"{d // heads}, the head size fnscale's MoE model has.")
   k = need(c, "num_experts_per_tok")
   return moe.ModelConfig(
       layers=need(c, "num_hidden_layers"), d_model=d, heads=heads,
@@ -41,17 +48,11 @@ def qwen3_moe_config(c: dict, seq: int) -> moe.ModelConfig:
   size), top-k of the softmax over experts, renormalised when `norm_topk_prob`
   (transformers' Qwen3MoeSparseMoeBlock). Every layer must be an MoE layer (the model has no
   dense ones) and the load-balance coefficient is HF's x k (as Mixtral's)."""
-  check_llama(c, seq)
+  theta = _checked(c, seq)
   if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
     field = "mlp_only_layers" if c.get("mlp_only_layers") else "decoder_sparse_step"
     raise error(field, c.get(field), "makes some layers dense MLPs; fnscale's MoE model "
-                 "routes every layer (decoder_sparse_step=1, mlp_only_layers=[]).")
-  if c.get("tie_word_embeddings"):
-    raise error("tie_word_embeddings", True, "ties the output layer to the embedding; "
-                 "fnscale's MoE model has its own output layer.")
-  theta, scaling = rope(c)
-  if scaling is not None:
-    raise error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
+                "routes every layer (decoder_sparse_step=1, mlp_only_layers=[]).")
   d, heads, k = need(c, "hidden_size"), need(c, "num_attention_heads"), need(
       c, "num_experts_per_tok")
   head_dim = c.get("head_dim") or d // heads
