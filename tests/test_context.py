@@ -61,10 +61,12 @@ def _split_run(form, order, c, inputs):
 
 
 # Quick: the balanced order at every size and the unbalanced one at 4; the rest is slow.
+# Ulysses deals H = 4 heads out over the axis: not at 8 (the error test below). At 2 the
+# tensor axis halves the heads first; at 2 and 4 each device gets a repeat of a kv head.
 @pytest.mark.parametrize("form, c, order", [
     pytest.param(f, c, o, marks=[pytest.mark.slow] * (o == "striped" or (
         o == "contiguous" and c != 4)))
-    for f in ca.FORMS for c in (2, 4, 8) for o in ca.ORDERS])
+    for f in ca.FORMS for c in (2, 4, 8) for o in ca.ORDERS if (f, c) != ("ulysses", 8)])
 def test_split_attention_equals_one_device_reference(form, c, order, reference):
   q, k, v, seg, w, out, grads = reference
   got = _split_run(form, order, c, (q, k, v, seg, w))
@@ -203,6 +205,52 @@ def test_ring_form_passes_c_minus_1_blocks_and_gathers_no_kv(programs):
   assert back.count == 2 * (c - 1) + c
   assert back.bytes_sent == 2 * (c - 1) * block + c * block
   assert both.collective("all-gather").count == 0
+
+
+def test_ulysses_form_trades_the_hand_counted_shards_all_to_all(programs):
+  forward, both = programs["ulysses"]
+  c, rows = 4, B // 2
+  # This device's T = S / c tokens of q (H heads), of K and V (KH = 2 kv heads repeated
+  # twice, so that each of the 4 devices gets one) and of the output, float32.
+  shard = rows * (S // c) * H * D * 4
+  swap = forward.collective("all-to-all")
+  assert swap.bytes_sent == (c - 1) / c * 4 * shard
+  assert forward.collective("all-gather").count == 0  # no K/V gathered (no segment ids)
+  assert forward.collective("collective-permute").count == 0
+  # The gradients alone: q, k, v out, the output's cotangent out and dq, dk, dv home (the
+  # output itself is unused).
+  assert both.collective("all-to-all").bytes_sent == (c - 1) / c * 7 * shard
+
+
+def _ulysses_program(c: int, b=1, s=256, h=4, kh=1, d=8):
+  """Compiled forward + backward of one causal attention call on `context=c` (c = 1: one
+  device), float32: (per-device matmul FLOPs, temporaries in bytes)."""
+  mesh = fs.make_mesh({"context": c}, devices=jax.devices()[:c])
+  split = jax.NamedSharding(mesh, jax.P(None, "context"))
+  arg = lambda n: jax.ShapeDtypeStruct((b, s, n, d), jnp.float32, sharding=split)
+  f = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True), context="ulysses")
+  g = jax.value_and_grad(lambda q, k, v, w: jnp.sum(f(q, k, v) * w), (0, 1, 2))
+  with fs.with_mesh(mesh):
+    compiled = jax.jit(g).lower(arg(h), arg(kh), arg(kh), arg(h)).compile()
+  return (hlo.summarize(compiled.as_text()).matmul_flops,
+          compiled.memory_analysis().temp_size_in_bytes)
+
+
+def test_ulysses_splits_the_attention_work_and_memory_with_the_axis():
+  """Per device, from the compiled program: the XLA reference's matmuls over the whole
+  score matrix, 2 forward (q k^T, p v) and 4 backward of 2 B S^2 (H / c) D FLOPs each, and
+  the temporaries (the float32 scores and their gradients) a c-th of one device's. MQA: the
+  one kv head goes to every device."""
+  b, s, h, d = 1, 256, 4, 8
+  got = {c: _ulysses_program(c, b, s, h, 1, d) for c in (1, 2, 4)}
+  for c, (flops, _) in got.items():
+    assert flops == 12 * b * s * s * h * d / c, c
+  # One device's temporaries are several [B, H, S, S] float32 score-sized buffers; a
+  # context device's, those of its H / c heads (the exchanged shards are 1/32 of a score).
+  temp = {c: t for c, (_, t) in got.items()}
+  assert temp[1] >= 4 * b * h * s * s * 4
+  for c in (2, 4):
+    assert temp[1] / c <= temp[c] <= 1.05 * temp[1] / c, temp
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -369,6 +417,20 @@ def test_a_ring_whose_heads_the_mesh_cant_split_names_the_fix():
     _plan({"context": 2, "tensor": 4}, context="ring")
   # The all-gather form attends every head on each device of the head group instead.
   assert _plan({"context": 2, "tensor": 4}).head_axes == ()
+
+
+def test_ulysses_heads_the_context_axis_cant_split_name_the_fix():
+  with pytest.raises(KernelError, match=r"context='ulysses': 4 heads can't be dealt out over "
+                     r"the context axes \('context',\) \(8 devices\).*fix: a context axis "
+                     r"whose size divides 4, or context='all_gather' or 'ring'"):
+    _plan(MESHES[8], context="ulysses")
+  # Heads split over tensor first: 2 per tensor shard, over 4 context devices.
+  with pytest.raises(KernelError, match=r"2 heads per \('tensor',\) shard"):
+    _plan({"context": 4, "tensor": 2}, context="ulysses")
+  # Fewer kv heads (2) than devices (4): repeated, each device gets the one its heads use.
+  plan = _plan(MESHES[4], context="ulysses")
+  assert plan.context.form == "ulysses" and plan.head_axes == ()
+  assert "ulysses over ('context',) (4 shards, zigzag order)" in plan.reason
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "pallas_gpu"])
