@@ -467,7 +467,8 @@ def test_a_model_given_no_positions_under_a_context_axis_says_how_to_add_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form, order", [("all_gather", "zigzag"), ("ring", "zigzag"),
-                                         ("ring", "striped"), ("ring", "contiguous")])
+                                         ("ring", "striped"), ("ring", "contiguous"),
+                                         ("ulysses", "striped")])
 def test_splash_inside_each_form_equals_the_reference(form, order):
   """The splash kernel in interpret mode (CPU) inside both forms, on the smallest sequence
   whose zigzag ring halves fill a 128-token tile: c 2 x 256 tokens, packed, MQA."""
@@ -513,11 +514,16 @@ def test_tpu_program_runs_splash_inside_each_form(form, tpu_devices):
                             ids).compile().as_text()
   summary = hlo.summarize(text)
   names = {k.name for k in summary.kernels}
-  assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
-          "splash_mha_dkv_segmented_no_residuals"} <= names, names
+  # Ulysses: the 2 kv heads repeated to 4, one per device (MQA within a device).
+  kind = "mqa" if form == "ulysses" else "mha"
+  assert {f"splash_{kind}_fwd_segmented_residuals", f"splash_{kind}_dq_segmented_no_residuals",
+          f"splash_{kind}_dkv_segmented_no_residuals"} <= names, names
   assert all(k.target == "tpu_custom_call" for k in summary.kernels)
   kv = 2 * b * s * kh * d * 2
-  if form == "ring":
+  if form == "ulysses":  # q, k, v (4 heads each) out, dq, dk, dv home; the ids gathered
+    assert summary.collective("all-to-all").bytes_sent == 3 / 4 * 6 * b * s / 4 * h * d * 2
+    assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4
+  elif form == "ring":
     assert summary.collective("collective-permute").count == 2 * 3 + 4
     assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4  # the ids only
   else:
@@ -677,8 +683,13 @@ def test_a_context_axis_across_slices(form, tpu_devices):
                                              arg(b, s, kh, d)).compile().as_text())
   kv = 2 * (b // 4) * s * kh * d * 2  # this device's rows' K and V, whole sequence, bf16
   assert {n for _, n, _ in summary.dcn_groups} == {2}
-  assert summary.collective("all-to-all").count == 0
-  if form == "ring":  # every pass crosses: a K/V block, its float32 dK/dV twice
+  assert summary.collective("all-to-all").count == (6 if form == "ulysses" else 0)
+  if form == "ulysses":  # this device's half of q, k, v out, and of dq, dk, dv home (a
+    # sum's cotangent is built where it is needed): half of each comes across
+    q = (b // 4) * (s // 2) * h * d * 2
+    assert summary.dcn_bytes_sent == summary.collective("all-to-all").bytes_sent == (
+        1 / 2 * 2 * (q + kv / 2))
+  elif form == "ring":  # every pass crosses: a K/V block, its float32 dK/dV twice
     permute = summary.collective("collective-permute")
     assert summary.dcn_bytes_sent == permute.bytes_sent >= kv / 2 + 2 * kv
     assert summary.collective("all-gather").count == 0
