@@ -304,7 +304,8 @@ def test_batch_sharding_and_constrain_batch_split_the_sequence():
 
 
 @pytest.mark.slow  # the attention-level context tests stay quick
-def test_llama_loss_and_grads_with_context_4_equal_one_device():
+@pytest.mark.parametrize("form", ca.FORMS)
+def test_llama_loss_and_grads_with_context_4_equal_one_device(form):
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=1, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=32,
                           vocab=20)
@@ -319,7 +320,8 @@ def test_llama_loss_and_grads_with_context_4_equal_one_device():
   shardings = fs.shardings(params, mesh, llama.RULES, logical_axes=llama.logical_axes(cfg))
   split = fs.global_batch(cp.reorder_batch(batch, mesh), fs.batch_sharding(mesh))
   with fs.with_mesh(mesh):
-    got, got_grads = jax.jit(grad)(jax.device_put(params, shardings), split)
+    got, got_grads = jax.jit(fs.with_kernel(grad, context=form))(
+        jax.device_put(params, shardings), split)
   assert float(got) == pytest.approx(float(loss), abs=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(got_grads)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
