@@ -549,7 +549,8 @@ def _long_profile(tokens: int, rows: int = 16) -> "object":
       rows=rows, has_remat=True, attn_row=attn, attn_row_remat=attn * 4 / 3,
       causal_share=1.0, attn_kernel=True, tokens_row=tokens,
       act_row_stream=2 * layers * d * tokens, act_row_remat_stream=2 * layers * d * tokens,
-      kv_row=layers * 2 * tokens * kv * 2)
+      kv_row=layers * 2 * tokens * kv * 2, q_row=layers * tokens * 32 * 128 * 2, heads=32,
+      kv_heads=8)
 
 
 def test_planner_considers_context_only_for_long_sequences():
@@ -590,14 +591,46 @@ def test_planner_costs_the_context_axis_by_hand():
       31 / 32 * per_step / bw["context"] + 2 * 31 / 32 * prof.kv_row * 8 / bw["context"])
 
 
-def test_profile_counts_the_keys_and_values_attention_takes():
+def test_planner_costs_each_context_form_by_hand_and_picks_the_quickest():
+  from fnscale.analysis import _cost, _search, _targets  # pylint: disable=import-outside-toplevel
+  hw, prof = _targets.resolve("v5p-128"), _long_profile(131072)
+  kv = prof.kv_row  # bytes of one row's K and V (bf16); its queries are twice that
+  traffic = lambda form, c, t=1: _cost.context_traffic(prof, form, c, t, True)
+  # Remat: three passes. All-gather: (c-1)/c of K/V each. Ring: (c-1)/c of K/V each and the
+  # float32 dK/dV accumulators (2x bf16) once round. Ulysses: (c-1)/c of this device's
+  # shards (1/c of the row) of q, output, K, V each; at c=16 the 8 kv heads are doubled.
+  assert traffic("all_gather", 8) == pytest.approx(3 * 7 / 8 * kv)
+  assert traffic("ring", 8) == pytest.approx((3 * 7 / 8 + 2) * kv)
+  assert traffic("ulysses", 8) == pytest.approx(3 * 7 / 8 * (2 * 2 * kv + kv) / 8)
+  assert traffic("ulysses", 16) == pytest.approx(3 * 15 / 16 * (2 * 2 * kv + 2 * kv) / 16)
+  assert traffic("ulysses", 4, t=2) == pytest.approx(3 * 3 / 4 * (4 * kv + kv) / 4 / 2)
+  # The form whose estimate is quickest: Ulysses' all-to-alls move less than the gather
+  # from c = 8, more at 4 (5/4 of K/V a pass against 3/4). Beside tensor=2 at c = 8 each
+  # tensor shard's 4 kv heads are doubled: 6/8 x 7/8 of its K/V a pass against 7/8 (1.33x),
+  # the ring's 3 x 7/8 + 2 against 3 x 6/8 x 7/8 (2.35x).
+  pick = lambda ici, p=prof: _search.context_form(p, hw, fs.MeshAxes(ici, {}), True, 1,
+                                                   "auto")
+  form, est, why = pick({"fsdp": 8, "context": 8, "tensor": 2})
+  assert form == "ulysses" and est.comm_s["context"] > 0
+  assert why.startswith("ulysses, the quickest estimate (the others' context traffic "
+                        "against its: all_gather 1.33x, ring 2.35x)"), why
+  assert pick({"fsdp": 16, "context": 4})[0] == "all_gather"
+  # Heads the axis can't split: Ulysses isn't a candidate, and the plan says why.
+  few = prof._replace(heads=4, kv_heads=4)
+  form, _, why = pick({"fsdp": 8, "context": 8, "tensor": 2}, few)
+  assert form == "all_gather" and why.endswith("ulysses: 2 heads don't divide over context=8")
+  assert pick({"data": 64})[0] == "all_gather"
+
+
+def test_profile_counts_the_queries_keys_and_values_attention_takes():
   from fnscale.analysis import _trace  # pylint: disable=import-outside-toplevel
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
   params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
-  kv = _trace._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
+  kv, q, heads, kv_heads = _trace._attention_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
+  assert q == 3 * 64 * 4 * 8 * 4 and (heads, kv_heads) == (4, 2)
 
 
 # ----------------------------------------------------------------------------- the main job

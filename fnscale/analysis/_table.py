@@ -114,7 +114,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
     c = r.compiled
     accum = f"{r.accum} once" if r.accum_gather == "once" and r.accum > 1 else str(r.accum)
     pipe = f"M={r.microbatches} bubble {r.bubble:.2f}" if r.stages > 1 else "-"
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", accum, pipe,
+    mesh = mesh_str(r.axes) + (f" ({r.context})" if r.context_why else "")
+    lines.append((str(i + 1), mesh, "on" if r.remat else "off", accum, pipe,
                   f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
                   "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
                   f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
