@@ -137,6 +137,7 @@ def format_plan(p: Plan, top: int = 12) -> str:
       f"\n{n}" for n in notes if n) + (
           f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum}"
           + (f", accum_gather={p.accum_gather}" if p.accum > 1 else "")
+          + (f", context={p.rows[0].context}" if p.rows[0].context_why else "")
           + (f", microbatches={p.microbatches} (bubble {p.rows[0].bubble:.2f})"
              if p.rows[0].stages > 1 else "") + f": {p.why}")
 
@@ -173,6 +174,7 @@ def plan_summary(p: Plan) -> dict:
     plain = _dot_flops_row(prof, False) * prof.rows / n
     rows.append(dict(
         mesh=mesh_str(r.axes), remat=r.remat, accum=r.accum, accum_gather=r.accum_gather,
+        context=r.context if r.context_why else None,
         microbatches=r.microbatches, bubble=r.bubble, fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,
