@@ -219,7 +219,8 @@ def test_compare_maxtext_asks_maxtext_for_its_ulysses_as_its_config_spells_it():
   """MaxText 0.2.5's configs/types.py: context_parallel_strategy "ulysses" needs Tokamax
   splash and no load-balancing reorder (it raises otherwise); fnscale's side the plain order."""
   from recipes.bench import compare_maxtext as cm  # pylint: disable=import-outside-toplevel
-  a = cm._flags(["--mesh=context=4", "--context_strategy=ulysses"])  # pylint: disable=protected-access
+  a = cm._flags(  # pylint: disable=protected-access
+      ["--mesh=context=4", "--context_strategy=ulysses"])
   argv = cm._maxtext_argv(a)  # pylint: disable=protected-access
   assert {"context_parallel_strategy=ulysses", "use_tokamax_splash=true",
           "context_parallel_load_balance=false", "ici_context_parallelism=4"} <= set(argv)

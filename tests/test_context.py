@@ -1,10 +1,11 @@
 """Context parallelism: the sequence split over a `context` mesh axis.
 
-Attention's all-gather and ring forms against jax's one-device attention (float32, causal,
-packed segments), the sequence order and its inverse against hand-written layouts, the
-balance of causal work against hand counts, collectives against hand counts by the HLO
-reader, the loss on a sequence-split batch against optax, a whole Llama step against the
-same step without the axis, and the errors that name the fix.
+Attention's all-gather, ring and Ulysses forms against jax's one-device attention (float32,
+causal, packed segments, GQA), the sequence order and its inverse against hand-written
+layouts, the balance of causal work against hand counts, collectives, FLOPs and temporaries
+against hand counts by the HLO reader, the loss on a sequence-split batch against optax, a
+whole Llama step against the same step without the axis, the planner's choice of form
+against hand-costed traffic, and the errors that name the fix.
 """
 import functools
 
@@ -628,7 +629,8 @@ def test_profile_counts_the_queries_keys_and_values_attention_takes():
   cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
   params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
-  kv, q, heads, kv_heads = _trace._attention_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
+  kv, q, heads, kv_heads = _trace._attention_row(  # pylint: disable=protected-access
+      llama.loss_fn, params, batch, False)
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
   assert q == 3 * 64 * 4 * 8 * 4 and (heads, kv_heads) == (4, 2)
 

@@ -21,9 +21,10 @@ parts 3 "Sharded Matmuls" and 5 "Training":
   zigzag order); attention all-gathers K and V over the axis forward ((c-1)/c of their
   bytes; again in the backward pass with remat) and reduce-scatters their gradients (the
   same bytes), or passes them round a ring, or trades the row's shards for heads by
-  all-to-all (Ulysses), as its form moves them (`context_traffic`). Params are split over the axis as over "fsdp" (MaxText's "embed" rule, and
-  `recipes/lm/llama.py`'s): their gathers and the gradients' reduce-scatter run over the
-  fsdp x context group, whose collectives drive both axes' links.
+  all-to-all (Ulysses), as its form moves them (`context_traffic`). Params are split over
+  the axis as over "fsdp" (MaxText's "embed" rule, and `recipes/lm/llama.py`'s): their
+  gathers and the gradients' reduce-scatter run over the fsdp x context group, whose
+  collectives drive both axes' links.
 - Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
   with wrap-around, k without (one direction idles at the ends); through a switch (NVSwitch)
   one link's rate; DCN axes the per-chip DCN rate.

@@ -31,9 +31,10 @@ context-parallel layout) and the "striped" order (token t on shard t mod c; Bran
 query-key pairs (`shard_work`).
 
 Per shard, the TPU splash kernel runs where it can (its block-sparse mask skips masked
-tiles): the all-gather and Ulysses forms builds one kernel for the whole [S, S] mask with the queries'
-places in the sequence as its q sequence, split by query rows over the context axis as the
-kernel allows (`q_seq_shards`; Ulysses holds every row and doesn't split it); the ring form calls its forward and backward block kernels
+tiles): the all-gather and Ulysses forms build one kernel for the whole [S, S] mask with
+the queries' places in the sequence as its q sequence, split by query rows over the context
+axis as the kernel allows (`q_seq_shards`; Ulysses holds every row and doesn't split it);
+the ring form calls its forward and backward block kernels
 (`fnscale._compat.splash_block_forward/backward`) with a mask that is the same for every
 pair of shards of one case (diagonal, earlier or later shard). Elsewhere the XLA reference:
 jax's cuDNN and Pallas GPU attention can't take a shard's mask (its causal diagonal is
@@ -197,7 +198,8 @@ def selection(call: ContextCall) -> ContextSelection:
   Raises:
     KernelError: a form or order not known; a sliding window; q and kv lengths that differ;
       a sequence the order can't split over the shards; a ring whose heads or kv heads the
-      head axes can't split; Ulysses heads the context axes can't split; a requested kernel that can't take a split sequence.
+      head axes can't split; Ulysses heads the context axes can't split; a requested
+      kernel that can't take a split sequence.
   """
   c = math.prod(call.axis_sizes[a] for a in call.axes)
   (b, s, h, _), kh = call.q_shape, call.k_shape[2]
@@ -421,8 +423,9 @@ def _ordered_causal(seq: int, shards: int, order: str):
 def _whole_kernel(seq: int, shards: int, order: str, heads: int, kv_heads: int, tile: int,
                   causal: bool, interpret: bool, rows_split: int | None = None):
   """The splash kernel for the whole [seq, seq] mask (rows in the stored order of
-  `shards`), its mask split by query rows into `rows_split` (default `shards`). Built in the trace (its metadata arrays are the program's constants); the
-  costly part, the mask's block metadata in numpy, jax caches by mask."""
+  `shards`), its mask split by query rows into `rows_split` (default `shards`). Built in
+  the trace (its metadata arrays are the program's constants); the costly part, the mask's
+  block metadata in numpy, jax caches by mask."""
   splash, masks = _splash_lib()
   mask = _ordered_causal(seq, shards, order) if causal else masks.FullMask((seq, seq))
   make = splash.make_splash_mqa if kv_heads == 1 else splash.make_splash_mha

@@ -47,9 +47,10 @@ fnscale's `with_kernel(context=...)` ("ring" and "ulysses" run MaxText's Tokamax
 which both need); `--load_balance` is MaxText's `context_parallel_load_balance` (its
 dual-chunk-swap order) and fnscale's zigzag order (else contiguous); "ulysses" attends the
 whole sequence on every device, needs no balance, and MaxText refuses its reorder there, so
-both sides hold the plain order (and MaxText's Ulysses runs on ICI context axes only); fnscale's batch carries the positions
-its Llama needs under a context axis, and with `--packed` the segment ids MaxText's
-synthetic batches carry (its splash kernels are then the segmented ones on both sides).
+both sides hold the plain order (and MaxText's Ulysses runs on ICI context axes only);
+fnscale's batch carries the positions its Llama needs under a context axis, and with
+`--packed` the segment ids MaxText's synthetic batches carry (its splash kernels are then
+the segmented ones on both sides).
 `--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
 row). Each side's HLO, memory and a JSON of the table land in `--out`; `--sides=` (none)
 compiles nothing and counts the programs kept there again, e.g. after a change to

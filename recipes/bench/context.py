@@ -3,9 +3,10 @@
 Four tables, each against an independent reference (no timing):
 
 - correctness: `fnscale.attention` on a sequence split c ways (c = 2, 4, 8; all-gather,
-  ring and Ulysses forms, Ulysses where the heads divide over c; zigzag, striped and contiguous orders; packed rows of several documents),
-  output and q/k/v gradients against jax's own attention on one device in float32 (causal
-  within each document): the largest absolute difference.
+  ring and Ulysses forms, Ulysses where the heads divide over c; zigzag, striped and
+  contiguous orders; packed rows of several documents), output and q/k/v gradients against
+  jax's own attention on one device in float32 (causal within each document): the largest
+  absolute difference.
 - step: a Llama training step's loss and gradients (`recipes/lm/llama.py`, packed rows) on
   mesh data=2 x context=4 against the same step on one device.
 - balance: unmasked causal query-key pairs per shard, counted from the mask of the whole
