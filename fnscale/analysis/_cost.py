@@ -380,7 +380,8 @@ def context_traffic(prof: Profile, form: str, c: int, t: int, remat: bool) -> fl
   if form == "ring":
     f32 = 4 * prof.params / prof.compute_bytes if prof.compute_bytes else 1.0
     return (passes * frac + f32) * prof.kv_row / t
-  if form == "ulysses":
+  if form == "ulysses":  # heads that don't divide over tensor aren't split by it
+    t = t if prof.heads % t == 0 and prof.kv_heads % t == 0 else 1
     r = kv_repeats(max(prof.kv_heads // t, 1), c)
     return passes * frac * (2 * prof.q_row + r * prof.kv_row) / c / t
   return passes * frac * prof.kv_row / t

@@ -267,7 +267,8 @@ def _refusal(prof, form: str, c: int, t: int) -> str | None:
   if form == "ring" and t > 1 and (not prof.heads or prof.heads % t or prof.kv_heads % t):
     return f"ring: heads {prof.heads} and kv heads {prof.kv_heads} don't divide over tensor={t}"
   if form == "ulysses":
-    per = prof.heads // t if prof.heads % t == 0 else prof.heads
+    split = prof.heads % t == 0 and prof.kv_heads % t == 0  # else tensor doesn't split heads
+    per = prof.heads // t if split else prof.heads
     if not per or per % c:
       return f"ulysses: {per} heads don't divide over context={c}"
   return None
