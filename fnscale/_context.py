@@ -43,7 +43,7 @@ class KernelChoice(NamedTuple):
     attention: what `attention(implementation="auto")` runs: "auto" (the best kernel for
       the platform) or one of `fnscale.kernels.IMPLEMENTATIONS`.
     interpret: run the Pallas kernels in interpret mode (any platform; for tests on CPU).
-    context, context_order: the form ("all_gather" or "ring") and the sequence order
+    context, context_order: the form ("all_gather", "ring" or "ulysses") and the order
       ("zigzag", "striped" or "contiguous") of attention under a context axis
       (`fnscale.parallel.context`).
     block_sizes: the kernel tiles (`fnscale.kernels.BlockSizes`) of every attention call

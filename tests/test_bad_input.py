@@ -42,7 +42,11 @@ CASES = [
     ("bench/chip", ["--case=gpt-small,remat=sometimes"], "'sometimes'"),
     ("bench/chip", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/context", ["--figures=speed"], "'speed'"),
+    ("bench/int8_matmul", ["--shapes=64x32"], "'64x32' is not MxKxN"),
+    ("bench/int8_matmul", ["--reps=0"], "--reps: 0 must be >= 1"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
+    ("bench/compare_maxtext", ["--mesh=context=4", "--context_strategy=ulysses",
+                               "--load_balance"], "ulysses: MaxText's Ulysses takes neither"),
     ("bench/compare_maxtext", ["--fnscale_python=/nope/python", "--sides=fnscale"],
      "--fnscale_python=/nope/python does not exist"),
     ("bench/forecast_fit", ["--bogus=1"], "--bogus=1"),

@@ -215,6 +215,18 @@ def test_bad_size_and_flags():
     bm._mesh("data=-1", 16)
 
 
+def test_compare_maxtext_asks_maxtext_for_its_ulysses_as_its_config_spells_it():
+  """MaxText 0.2.5's configs/types.py: context_parallel_strategy "ulysses" needs Tokamax
+  splash and no load-balancing reorder (it raises otherwise); fnscale's side the plain order."""
+  from recipes.bench import compare_maxtext as cm  # pylint: disable=import-outside-toplevel
+  a = cm._flags(  # pylint: disable=protected-access
+      ["--mesh=context=4", "--context_strategy=ulysses"])
+  argv = cm._maxtext_argv(a)  # pylint: disable=protected-access
+  assert {"context_parallel_strategy=ulysses", "use_tokamax_splash=true",
+          "context_parallel_load_balance=false", "ici_context_parallelism=4"} <= set(argv)
+  assert cm._flags(["--mesh=context=4"]).load_balance  # pylint: disable=protected-access
+
+
 def test_compare_maxtext_says_when_two_compilers_made_the_programs():
   """Temp memory depends on the libtpu release as much as on the program: the table names each
   side's compiler and says how to get one compiler for both when they differ."""

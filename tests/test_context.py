@@ -1,10 +1,11 @@
 """Context parallelism: the sequence split over a `context` mesh axis.
 
-Attention's all-gather and ring forms against jax's one-device attention (float32, causal,
-packed segments), the sequence order and its inverse against hand-written layouts, the
-balance of causal work against hand counts, collectives against hand counts by the HLO
-reader, the loss on a sequence-split batch against optax, a whole Llama step against the
-same step without the axis, and the errors that name the fix.
+Attention's all-gather, ring and Ulysses forms against jax's one-device attention (float32,
+causal, packed segments, GQA), the sequence order and its inverse against hand-written
+layouts, the balance of causal work against hand counts, collectives, FLOPs and temporaries
+against hand counts by the HLO reader, the loss on a sequence-split batch against optax, a
+whole Llama step against the same step without the axis, the planner's choice of form
+against hand-costed traffic, and the errors that name the fix.
 """
 import functools
 
@@ -61,10 +62,12 @@ def _split_run(form, order, c, inputs):
 
 
 # Quick: the balanced order at every size and the unbalanced one at 4; the rest is slow.
+# Ulysses deals H = 4 heads out over the axis: not at 8 (the error test below). At 2 the
+# tensor axis halves the heads first; at 2 and 4 each device gets a repeat of a kv head.
 @pytest.mark.parametrize("form, c, order", [
     pytest.param(f, c, o, marks=[pytest.mark.slow] * (o == "striped" or (
         o == "contiguous" and c != 4)))
-    for f in ca.FORMS for c in (2, 4, 8) for o in ca.ORDERS])
+    for f in ca.FORMS for c in (2, 4, 8) for o in ca.ORDERS if (f, c) != ("ulysses", 8)])
 def test_split_attention_equals_one_device_reference(form, c, order, reference):
   q, k, v, seg, w, out, grads = reference
   got = _split_run(form, order, c, (q, k, v, seg, w))
@@ -205,6 +208,52 @@ def test_ring_form_passes_c_minus_1_blocks_and_gathers_no_kv(programs):
   assert both.collective("all-gather").count == 0
 
 
+def test_ulysses_form_trades_the_hand_counted_shards_all_to_all(programs):
+  forward, both = programs["ulysses"]
+  c, rows = 4, B // 2
+  # This device's T = S / c tokens of q (H heads), of K and V (KH = 2 kv heads repeated
+  # twice, so that each of the 4 devices gets one) and of the output, float32.
+  shard = rows * (S // c) * H * D * 4
+  swap = forward.collective("all-to-all")
+  assert swap.bytes_sent == (c - 1) / c * 4 * shard
+  assert forward.collective("all-gather").count == 0  # no K/V gathered (no segment ids)
+  assert forward.collective("collective-permute").count == 0
+  # The gradients alone: q, k, v out, the output's cotangent out and dq, dk, dv home (the
+  # output itself is unused).
+  assert both.collective("all-to-all").bytes_sent == (c - 1) / c * 7 * shard
+
+
+def _ulysses_program(c: int, b=1, s=256, h=4, kh=1, d=8):
+  """Compiled forward + backward of one causal attention call on `context=c` (c = 1: one
+  device), float32: (per-device matmul FLOPs, temporaries in bytes)."""
+  mesh = fs.make_mesh({"context": c}, devices=jax.devices()[:c])
+  split = jax.NamedSharding(mesh, jax.P(None, "context"))
+  arg = lambda n: jax.ShapeDtypeStruct((b, s, n, d), jnp.float32, sharding=split)
+  f = fs.with_kernel(lambda q, k, v: fs.attention(q, k, v, causal=True), context="ulysses")
+  g = jax.value_and_grad(lambda q, k, v, w: jnp.sum(f(q, k, v) * w), (0, 1, 2))
+  with fs.with_mesh(mesh):
+    compiled = jax.jit(g).lower(arg(h), arg(kh), arg(kh), arg(h)).compile()
+  return (hlo.summarize(compiled.as_text()).matmul_flops,
+          compiled.memory_analysis().temp_size_in_bytes)
+
+
+def test_ulysses_splits_the_attention_work_and_memory_with_the_axis():
+  """Per device, from the compiled program: the XLA reference's matmuls over the whole
+  score matrix, 2 forward (q k^T, p v) and 4 backward of 2 B S^2 (H / c) D FLOPs each, and
+  the temporaries (the float32 scores and their gradients) a c-th of one device's. MQA: the
+  one kv head goes to every device."""
+  b, s, h, d = 1, 256, 4, 8
+  got = {c: _ulysses_program(c, b, s, h, 1, d) for c in (1, 2, 4)}
+  for c, (flops, _) in got.items():
+    assert flops == 12 * b * s * s * h * d / c, c
+  # One device's temporaries are several [B, H, S, S] float32 score-sized buffers; a
+  # context device's, those of its H / c heads (the exchanged shards are 1/32 of a score).
+  temp = {c: t for c, (_, t) in got.items()}
+  assert temp[1] >= 4 * b * h * s * s * 4
+  for c in (2, 4):
+    assert temp[1] / c <= temp[c] <= 1.05 * temp[1] / c, temp
+
+
 # ----------------------------------------------------------------------------- the loss
 
 
@@ -256,7 +305,8 @@ def test_batch_sharding_and_constrain_batch_split_the_sequence():
 
 
 @pytest.mark.slow  # the attention-level context tests stay quick
-def test_llama_loss_and_grads_with_context_4_equal_one_device():
+@pytest.mark.parametrize("form", ca.FORMS)
+def test_llama_loss_and_grads_with_context_4_equal_one_device(form):
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=1, d_model=32, heads=4, kv_heads=2, d_mlp=64, seq=32,
                           vocab=20)
@@ -271,7 +321,8 @@ def test_llama_loss_and_grads_with_context_4_equal_one_device():
   shardings = fs.shardings(params, mesh, llama.RULES, logical_axes=llama.logical_axes(cfg))
   split = fs.global_batch(cp.reorder_batch(batch, mesh), fs.batch_sharding(mesh))
   with fs.with_mesh(mesh):
-    got, got_grads = jax.jit(grad)(jax.device_put(params, shardings), split)
+    got, got_grads = jax.jit(fs.with_kernel(grad, context=form))(
+        jax.device_put(params, shardings), split)
   assert float(got) == pytest.approx(float(loss), abs=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(got_grads)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
@@ -371,6 +422,20 @@ def test_a_ring_whose_heads_the_mesh_cant_split_names_the_fix():
   assert _plan({"context": 2, "tensor": 4}).head_axes == ()
 
 
+def test_ulysses_heads_the_context_axis_cant_split_name_the_fix():
+  with pytest.raises(KernelError, match=r"context='ulysses': 4 heads can't be dealt out over "
+                     r"the context axes \('context',\) \(8 devices\).*fix: a context axis "
+                     r"whose size divides 4, or context='all_gather' or 'ring'"):
+    _plan(MESHES[8], context="ulysses")
+  # Heads split over tensor first: 2 per tensor shard, over 4 context devices.
+  with pytest.raises(KernelError, match=r"2 heads per \('tensor',\) shard"):
+    _plan({"context": 4, "tensor": 2}, context="ulysses")
+  # Fewer kv heads (2) than devices (4): repeated, each device gets the one its heads use.
+  plan = _plan(MESHES[4], context="ulysses")
+  assert plan.context.form == "ulysses" and plan.head_axes == ()
+  assert "ulysses over ('context',) (4 shards, zigzag order)" in plan.reason
+
+
 @pytest.mark.parametrize("kernel", ["cudnn", "pallas_gpu"])
 def test_a_kernel_that_cant_take_a_context_axis_says_so(kernel):
   with pytest.raises(KernelError, match=f"{kernel}.*can't take a sequence split.*attention="):
@@ -405,7 +470,8 @@ def test_a_model_given_no_positions_under_a_context_axis_says_how_to_add_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form, order", [("all_gather", "zigzag"), ("ring", "zigzag"),
-                                         ("ring", "striped"), ("ring", "contiguous")])
+                                         ("ring", "striped"), ("ring", "contiguous"),
+                                         ("ulysses", "striped")])
 def test_splash_inside_each_form_equals_the_reference(form, order):
   """The splash kernel in interpret mode (CPU) inside both forms, on the smallest sequence
   whose zigzag ring halves fill a 128-token tile: c 2 x 256 tokens, packed, MQA."""
@@ -451,11 +517,16 @@ def test_tpu_program_runs_splash_inside_each_form(form, tpu_devices):
                             ids).compile().as_text()
   summary = hlo.summarize(text)
   names = {k.name for k in summary.kernels}
-  assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
-          "splash_mha_dkv_segmented_no_residuals"} <= names, names
+  # Ulysses: the 2 kv heads repeated to 4, one per device (MQA within a device).
+  kind = "mqa" if form == "ulysses" else "mha"
+  assert {f"splash_{kind}_fwd_segmented_residuals", f"splash_{kind}_dq_segmented_no_residuals",
+          f"splash_{kind}_dkv_segmented_no_residuals"} <= names, names
   assert all(k.target == "tpu_custom_call" for k in summary.kernels)
   kv = 2 * b * s * kh * d * 2
-  if form == "ring":
+  if form == "ulysses":  # q, k, v (4 heads each) out, dq, dk, dv home; the ids gathered
+    assert summary.collective("all-to-all").bytes_sent == 3 / 4 * 6 * b * s / 4 * h * d * 2
+    assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4
+  elif form == "ring":
     assert summary.collective("collective-permute").count == 2 * 3 + 4
     assert summary.collective("all-gather").bytes_sent == 3 / 4 * b * s * 4  # the ids only
   else:
@@ -479,7 +550,8 @@ def _long_profile(tokens: int, rows: int = 16) -> "object":
       rows=rows, has_remat=True, attn_row=attn, attn_row_remat=attn * 4 / 3,
       causal_share=1.0, attn_kernel=True, tokens_row=tokens,
       act_row_stream=2 * layers * d * tokens, act_row_remat_stream=2 * layers * d * tokens,
-      kv_row=layers * 2 * tokens * kv * 2)
+      kv_row=layers * 2 * tokens * kv * 2, q_row=layers * tokens * 32 * 128 * 2, heads=32,
+      kv_heads=8)
 
 
 def test_planner_considers_context_only_for_long_sequences():
@@ -520,14 +592,47 @@ def test_planner_costs_the_context_axis_by_hand():
       31 / 32 * per_step / bw["context"] + 2 * 31 / 32 * prof.kv_row * 8 / bw["context"])
 
 
-def test_profile_counts_the_keys_and_values_attention_takes():
+def test_planner_costs_each_context_form_by_hand_and_picks_the_quickest():
+  from fnscale.analysis import _cost, _search, _targets  # pylint: disable=import-outside-toplevel
+  hw, prof = _targets.resolve("v5p-128"), _long_profile(131072)
+  kv = prof.kv_row  # bytes of one row's K and V (bf16); its queries are twice that
+  traffic = lambda form, c, t=1: _cost.context_traffic(prof, form, c, t, True)
+  # Remat: three passes. All-gather: (c-1)/c of K/V each. Ring: (c-1)/c of K/V each and the
+  # float32 dK/dV accumulators (2x bf16) once round. Ulysses: (c-1)/c of this device's
+  # shards (1/c of the row) of q, output, K, V each; at c=16 the 8 kv heads are doubled.
+  assert traffic("all_gather", 8) == pytest.approx(3 * 7 / 8 * kv)
+  assert traffic("ring", 8) == pytest.approx((3 * 7 / 8 + 2) * kv)
+  assert traffic("ulysses", 8) == pytest.approx(3 * 7 / 8 * (2 * 2 * kv + kv) / 8)
+  assert traffic("ulysses", 16) == pytest.approx(3 * 15 / 16 * (2 * 2 * kv + 2 * kv) / 16)
+  assert traffic("ulysses", 4, t=2) == pytest.approx(3 * 3 / 4 * (4 * kv + kv) / 4 / 2)
+  # The form whose estimate is quickest: Ulysses' all-to-alls move less than the gather
+  # from c = 8, more at 4 (5/4 of K/V a pass against 3/4). Beside tensor=2 at c = 8 each
+  # tensor shard's 4 kv heads are doubled: 6/8 x 7/8 of its K/V a pass against 7/8 (1.33x),
+  # the ring's 3 x 7/8 + 2 against 3 x 6/8 x 7/8 (2.35x).
+  pick = lambda ici, p=prof: _search.context_form(p, hw, fs.MeshAxes(ici, {}), True, 1,
+                                                   "auto")
+  form, est, why = pick({"fsdp": 8, "context": 8, "tensor": 2})
+  assert form == "ulysses" and est.comm_s["context"] > 0
+  assert why.startswith("ulysses, the quickest estimate (the others' context traffic "
+                        "against its: all_gather 1.33x, ring 2.35x)"), why
+  assert pick({"fsdp": 16, "context": 4})[0] == "all_gather"
+  # Heads the axis can't split: Ulysses isn't a candidate, and the plan says why.
+  few = prof._replace(heads=4, kv_heads=4)
+  form, _, why = pick({"fsdp": 8, "context": 8, "tensor": 2}, few)
+  assert form == "all_gather" and why.endswith("ulysses: 2 heads don't divide over context=8")
+  assert pick({"data": 64})[0] == "all_gather"
+
+
+def test_profile_counts_the_queries_keys_and_values_attention_takes():
   from fnscale.analysis import _trace  # pylint: disable=import-outside-toplevel
   from recipes.lm import llama  # pylint: disable=import-outside-toplevel
   cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
   params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
-  kv = _trace._kv_row(llama.loss_fn, params, batch, False)  # pylint: disable=protected-access
+  kv, q, heads, kv_heads = _trace._attention_row(  # pylint: disable=protected-access
+      llama.loss_fn, params, batch, False)
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
+  assert q == 3 * 64 * 4 * 8 * 4 and (heads, kv_heads) == (4, 2)
 
 
 # ----------------------------------------------------------------------------- the main job
@@ -615,8 +720,13 @@ def test_a_context_axis_across_slices(form, tpu_devices):
                                              arg(b, s, kh, d)).compile().as_text())
   kv = 2 * (b // 4) * s * kh * d * 2  # this device's rows' K and V, whole sequence, bf16
   assert {n for _, n, _ in summary.dcn_groups} == {2}
-  assert summary.collective("all-to-all").count == 0
-  if form == "ring":  # every pass crosses: a K/V block, its float32 dK/dV twice
+  assert summary.collective("all-to-all").count == (6 if form == "ulysses" else 0)
+  if form == "ulysses":  # this device's half of q, k, v out, and of dq, dk, dv home (a
+    # sum's cotangent is built where it is needed): half of each comes across
+    q = (b // 4) * (s // 2) * h * d * 2
+    assert summary.dcn_bytes_sent == summary.collective("all-to-all").bytes_sent == (
+        1 / 2 * 2 * (q + kv / 2))
+  elif form == "ring":  # every pass crosses: a K/V block, its float32 dK/dV twice
     permute = summary.collective("collective-permute")
     assert summary.dcn_bytes_sent == permute.bytes_sent >= kv / 2 + 2 * kv
     assert summary.collective("all-gather").count == 0

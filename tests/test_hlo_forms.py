@@ -751,6 +751,15 @@ def test_collectives_across_slices_are_the_megascale_sends():
   assert ("collective-permute", 2, 512.0) in p.dcn_groups
   unpaired = hlo.summarize(text.replace('"ALL_GATHER"', '"ONE_TO_ONE"'))
   assert ("send ONE_TO_ONE", 1) in unpaired.unread.ops
+  # An all-to-all across slices (libtpu 0.0.42.1, Ulysses attention over a DCN context
+  # axis) lists its groups of device ids, slice x 100000 + chip: 2 slices here, each device
+  # sending half of its f32[2,256] (2048 bytes).
+  groups = text.replace('"ALL_GATHER"', '"ALL_TO_ALL"').replace(
+      '_xla_megascale_target="{1,2,3}x{0:3}"', "_xla_megascale_target={{100000,200000},"
+      "{100001,200001}}")
+  a2a = hlo.summarize(groups)
+  assert a2a.collective("all-to-all") == hlo.Collective("all-to-all", 1, 2048, 1, 1024.0)
+  assert ("all-to-all", 2, 1024.0) in a2a.dcn_groups
   # Host transfers that are not the megascale runtime's (infeed-like) move no device bytes.
   plain = text.replace('"xla_megascale_runtime"', '"host_callback"')
   assert hlo.summarize(plain).dcn_bytes_sent == 0 and hlo.summarize(plain).collectives == ()

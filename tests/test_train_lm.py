@@ -1254,7 +1254,8 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
      fs.InputError, r"--mesh: axis 'fsdpp' is not one the axis conventions give a meaning .*; did "
      r"you mean 'fsdp'\?"),
     ("mistyped context form", ["--context=rnig"], dict(context="rnig"), fs.InputError,
-     r"--context='rnig': expected one of \['all_gather', 'ring'\]; did you mean 'ring'\?"),
+     r"--context='rnig': expected one of \['all_gather', 'ring', 'ulysses'\]; did you mean "
+     r"'ring'\?"),
     ("mistyped packing", ["--packing=bestfit"], dict(packing="bestfit"), fs.InputError,
      r"--packing='bestfit': expected one of \['first_fit', 'best_fit'\]; did you mean "
      r"'best_fit'\?"),

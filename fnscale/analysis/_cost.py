@@ -20,9 +20,11 @@ parts 3 "Sharded Matmuls" and 5 "Training":
   device holds 1/c of each row's activations and does 1/c of its work (balanced by the
   zigzag order); attention all-gathers K and V over the axis forward ((c-1)/c of their
   bytes; again in the backward pass with remat) and reduce-scatters their gradients (the
-  same bytes). Params are split over the axis as over "fsdp" (MaxText's "embed" rule, and
-  `recipes/lm/llama.py`'s): their gathers and the gradients' reduce-scatter run over the
-  fsdp x context group, whose collectives drive both axes' links.
+  same bytes), or passes them round a ring, or trades the row's shards for heads by
+  all-to-all (Ulysses), as its form moves them (`context_traffic`). Params are split over
+  the axis as over "fsdp" (MaxText's "embed" rule, and `recipes/lm/llama.py`'s): their
+  gathers and the gradients' reduce-scatter run over the fsdp x context group, whose
+  collectives drive both axes' links.
 - Axis bandwidth: an axis laid over k torus dimensions uses 2 k links per device on a ring
   with wrap-around, k without (one direction idles at the ends); through a switch (NVSwitch)
   one link's rate; DCN axes the per-chip DCN rate.
@@ -75,6 +77,7 @@ from typing import NamedTuple
 from fnscale import _accumulate
 from fnscale.analysis._targets import Hardware
 from fnscale.analysis._trace import Profile, profile  # the cost model's input, and its maker
+from fnscale.kernels._context_attention import kv_repeats
 
 __all__ = ["CAUSAL_SAVING", "REMAT_LIVE", "Estimate", "Profile", "act_per_row", "axis_bandwidth",
            "buffer_factor", "estimate", "executed_flops_row", "memory_traffic", "profile"]
@@ -254,7 +257,8 @@ def _split(prof: Profile, shard: int, e: int) -> float:
 
 
 def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
-             accum_steps: int, gather: str = "auto", microbatches: int = 1) -> Estimate:
+             accum_steps: int, gather: str = "auto", microbatches: int = 1,
+             context: str = "all_gather") -> Estimate:
   """Per-device bytes and step time of one candidate (see the module docstring for the
   formulas and the overlap assumption). `ici`/`dcn`: axis -> size ("data", "fsdp",
   "tensor", "stage", "expert", "context"; "replica" or "stage" across slices); the global
@@ -269,7 +273,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   holds whole compute-dtype params and a whole float32 accumulator (split by tensor only),
   gathers and reduces once per step. `microbatches`: the pipeline's, with a "stage" axis
   (accum_steps 1). A context axis splits each row's activations and work, and the params with
-  fsdp (one group)."""
+  fsdp (one group); `context`: its attention form (`context_traffic`)."""
   d, f, t, c = (ici.get(a, 1) for a in ("data", "fsdp", "tensor", "context"))
   e = ici.get("expert", 1)
   whole = (prof.compute_bytes + prof.grad_bytes) / t  # "once"'s whole params and accumulator
@@ -305,7 +309,7 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
                     for x in executed_flops_row(prof, remat))
   compute = run + memory
   bw = axis_bandwidth(hw, {k: v for k, v in ici.items() if v > 1}, dcn)
-  comm = _comm(prof, bw, (d, f, t, e, c), dcn, (remat, accum_steps, once, rows_mb), pp)
+  comm = _comm(prof, bw, (d, f, t, e, c), dcn, (remat, accum_steps, once, rows_mb), pp, context)
   total = sum(comm.values())
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
@@ -313,7 +317,8 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
                   memory_s=memory, recompute_s=recompute)
 
 
-def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages) -> dict:
+def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages,
+          form: str = "all_gather") -> dict:
   """Seconds of each axis's collectives per step (`estimate`'s). `sizes`: (data, fsdp,
   tensor, expert, context); `run`: (remat, accum_steps, once, rows per device per microbatch);
   `pp`: the pipeline (`_stages`). Params' collectives over fsdp and context are one group,
@@ -348,11 +353,36 @@ def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Sta
     passes = 6 if remat else 4  # dispatch + combine, forward, backward (and recomputed)
     comm["expert"] = (reductions * 2 * frac(e) * prof.grad_bytes * rest + accum_steps * passes
                       * frac(e) * prof.exchange_row * rows_act) / bw["expert"]
-  if c > 1:  # K/V gathered forward (again with remat), their gradients reduce-scattered
+  if c > 1:  # attention's traffic over the axis, as its form moves it
     comm["context"] = comm.get("context", 0.0) + (
-        (3 if remat else 2) * frac(c) * prof.kv_row * rows_mb * pp.iters * accum_steps / t
+        context_traffic(prof, form, c, t, remat) * rows_mb * pp.iters * accum_steps
         / bw["context"])
   for a, k in dcn.items():
     if k > 1 and a != "stage":
       comm[a] = reductions * 2 * frac(k) * prof.grad_bytes * share / bw[a]
   return comm
+
+
+def context_traffic(prof: Profile, form: str, c: int, t: int, remat: bool) -> float:
+  """Bytes one device sends over a context axis of c for one row's attention per step (its
+  tensor axis of t splitting the heads), as `fnscale.analysis.hlo` counts them (ring
+  algorithms; a permute its result), K/V bytes `kv_row`, query bytes `q_row`:
+
+  - "all_gather": K/V gathered forward (again with remat), their gradients reduce-scattered:
+    (c-1)/c x kv_row each.
+  - "ring": c-1 permutes of a K/V block (kv_row / c) forward (again with remat) and
+    backward, and c of its float32 dK/dV accumulator.
+  - "ulysses": per pass four all-to-alls of this device's shards (1/c of the row): q, the
+    output, K and V with their heads repeated to a multiple of c
+    (`fnscale.kernels._context_attention.kv_repeats`); forward, backward (the cotangents),
+    again with remat.
+  """
+  frac, passes = (c - 1) / c, (3 if remat else 2)
+  if form == "ring":
+    f32 = 4 * prof.params / prof.compute_bytes if prof.compute_bytes else 1.0
+    return (passes * frac + f32) * prof.kv_row / t
+  if form == "ulysses":  # heads that don't divide over tensor aren't split by it
+    t = t if prof.heads % t == 0 and prof.kv_heads % t == 0 else 1
+    r = kv_repeats(max(prof.kv_heads // t, 1), c)
+    return passes * frac * (2 * prof.q_row + r * prof.kv_row) / c / t
+  return passes * frac * prof.kv_row / t

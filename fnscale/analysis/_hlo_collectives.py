@@ -248,11 +248,15 @@ def _ragged_collective(g: _Graph, comp: str, ins: _Instr, starts: dict, name: st
 # `_xla_megascale_transfer_type="ONE_TO_ONE"` with its pairs as the target, each device
 # written slice x 100000 + chip (slices from 1), e.g. `_xla_megascale_target={{100000->200000},
 # {200000->100000}}`: counted as a collective-permute (each device sends its buffer once).
+# An all-to-all across slices (Ulysses attention over a DCN context axis) may list its
+# groups of devices instead, e.g. `_xla_megascale_target={{100000,200000},{100001,200001}}`:
+# its group is the slices of the first.
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
                     "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
                     "ONE_TO_ONE": "collective-permute"}
 _MEGASCALE_PAIRS_RE = re.compile(r"_xla_megascale_target=\{((?:\{\d+->\d+\},?)+)\}")
+_MEGASCALE_GROUPS_RE = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")
 _MEGASCALE_SLICE = 100_000  # a megascale device id: slice x 100000 + chip
 
 
@@ -287,10 +291,13 @@ def _dcn_collective(g: _Graph, comp: str, ins: _Instr) -> None:
   target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attrs)
   data = _arrays(ins.shape)[:1]
   base = _MEGASCALE_KINDS.get(kind.group(1)) if kind else None
+  groups = _MEGASCALE_GROUPS_RE.search(ins.attrs)
   if base == "collective-permute":
     slices = _crosses_slices(ins.attrs)
-  else:
-    slices = _slice_count(target.group(1)) if target else None
+  elif target:
+    slices = _slice_count(target.group(1))
+  else:  # groups of device ids: the slices of the first
+    slices = len({i // _MEGASCALE_SLICE for i in _ints(groups.group(1))}) if groups else None
   if base is None or slices is None or not data:
     g.unread[comp].append(f"send {kind.group(1) if kind else 'megascale'}")
     return

@@ -22,6 +22,7 @@ from fnscale import _deprecation
 from fnscale.analysis import _cost
 from fnscale.analysis import _forecast
 from fnscale.analysis import _targets
+from fnscale.kernels._context_attention import FORMS
 from fnscale.parallel import _pipeline
 from fnscale._mesh import MeshAxes
 
@@ -74,7 +75,8 @@ class Candidate(NamedTuple):
   the limit x headroom), `forecast` (`fnscale.analysis._forecast.Forecast`, with the
   compiled communication where compiled), `accum_gather` (`train_step`'s mode, costed and
   compiled as chosen) and `microbatches` (the pipeline's, with a "stage" axis: the loss's
-  `microbatches=`).
+  `microbatches=`); with a context axis, `context` its attention form
+  (`with_kernel(context=...)`) and `context_why` why that one (`context_form`).
   `step_s`, `tokens_s`, `mfu` are the forecast's; `bound_mfu` the roofline's (compiled where
   compiled).
 
@@ -99,6 +101,8 @@ class Candidate(NamedTuple):
   forecast: _forecast.Forecast | None = None
   accum_gather: str = "auto"
   microbatches: int = 1
+  context: str = "all_gather"
+  context_why: str = ""
 
   accum = _deprecation.renamed_field("Candidate", "accum", "accum_steps")
 
@@ -246,7 +250,7 @@ def why(rows: list[Candidate]) -> str:
           "more accumulation steps" if nxt.accum_steps > best.accum_steps else "more compute"))
     text += (f"; next best {mesh_str(nxt.axes)} remat={nxt.remat} accum={nxt.accum_steps}: "
              f"{cause}")
-  return text
+  return text + (f"; context form {best.context_why}" if best.context_why else "")
 
 
 def mesh_str(axes: MeshAxes) -> str:
@@ -261,6 +265,40 @@ def mesh_str(axes: MeshAxes) -> str:
   return ici + ("".join(f" | {k}={v}" for k, v in axes.dcn.items()) if axes.dcn else "")
 
 
+def _refusal(prof, form: str, c: int, t: int) -> str | None:
+  """Why attention's context `form` can't run on a context axis of c beside a tensor axis of
+  t (as `fnscale.kernels._context_attention.selection` refuses it), or None."""
+  if form == "ring" and t > 1 and (not prof.heads or prof.heads % t or prof.kv_heads % t):
+    return f"ring: heads {prof.heads} and kv heads {prof.kv_heads} don't divide over tensor={t}"
+  if form == "ulysses":
+    split = prof.heads % t == 0 and prof.kv_heads % t == 0  # else tensor doesn't split heads
+    per = prof.heads // t if split else prof.heads
+    if not per or per % c:
+      return f"ulysses: {per} heads don't divide over context={c}"
+  return None
+
+
+def context_form(prof, hw, axes: MeshAxes, remat: bool, accum_steps: int, gather: str,
+                 microbatches: int = 1):
+  """(form, estimate, why) of attention over the mesh's context axis: of the forms
+  (`fnscale.parallel.context.FORMS`) that can run, the one whose estimate is quickest
+  (then least communication); ("all_gather", its estimate, "") without a context axis."""
+  c, t = axes.ici.get("context", 1) * axes.dcn.get("context", 1), axes.ici.get("tensor", 1)
+  cost = lambda form: _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, accum_steps, gather,
+                                     microbatches, context=form)
+  if c == 1:
+    return "all_gather", cost("all_gather"), ""
+  refused = {f: _refusal(prof, f, c, t) for f in FORMS}
+  ests = {f: cost(f) for f in FORMS if refused[f] is None}
+  best = min(ests, key=lambda f: (round(ests[f].step_s, 9), ests[f].comm_total_s))
+  traffic = lambda f: _cost.context_traffic(prof, f, c, t, remat)
+  others = ", ".join(f"{f} {traffic(f) / traffic(best):.2f}x" for f in ests if f != best)
+  why = f"{best}, the quickest estimate" + (
+      f" (the others' context traffic against its: {others})" if others else "")
+  why += "".join(f"; {r}" for r in refused.values() if r)
+  return best, ests[best], why
+
+
 def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candidate]:
   rows = []
   remats = (False, True) if prof.has_remat else (False,)
@@ -268,8 +306,10 @@ def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candi
     for remat in remats:
       steps, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
+        form, est, how = context_form(prof, hw, axes, remat, steps, gather)
         fc = _forecast.forecast(prof, hw, est, axes.dcn)
-        rows.append(Candidate(axes, remat, steps, est, None, fits, fc, gather))
+        rows.append(Candidate(axes, remat, steps, est, None, fits, fc, gather, context=form,
+                              context_why=how))
   for axes in _stage_meshes(prof, hw, max_tensor) if pipelined else ():
     m = _microbatches(prof, axes)
     for remat in remats if m else ():  # one step: the pipeline's microbatches bound memory

@@ -118,7 +118,8 @@ def format_plan(p: Plan, top: int = 12) -> str:
     steps = (f"{r.accum_steps} once" if r.accum_gather == "once" and r.accum_steps > 1
              else str(r.accum_steps))
     pipe = f"M={r.microbatches} bubble {r.bubble:.2f}" if r.stages > 1 else "-"
-    lines.append((str(i + 1), mesh_str(r.axes), "on" if r.remat else "off", steps, pipe,
+    mesh = mesh_str(r.axes) + (f" ({r.context})" if r.context_why else "")
+    lines.append((str(i + 1), mesh, "on" if r.remat else "off", steps, pipe,
                   f"{r.estimate.bytes / 2**30:.1f}", f"{c.bytes / 2**30:.1f}" if c else "-",
                   "yes" if r.fits else "NO", f"{r.step_s * 1e3:.4g}", f"{r.tokens_s:,.0f}",
                   f"{r.mfu:.0%}", f"{r.bound_mfu:.0%}",
@@ -140,6 +141,7 @@ def format_plan(p: Plan, top: int = 12) -> str:
       f"\n{n}" for n in notes if n) + (
           f"\nchosen: {mesh_str(p.axes)}, remat={p.remat}, accum={p.accum_steps}"
           + (f", accum_gather={p.accum_gather}" if p.accum_steps > 1 else "")
+          + (f", context={p.rows[0].context}" if p.rows[0].context_why else "")
           + (f", microbatches={p.microbatches} (bubble {p.rows[0].bubble:.2f})"
              if p.rows[0].stages > 1 else "") + f": {p.why}")
 
@@ -176,7 +178,7 @@ def plan_summary(p: Plan) -> dict:
     plain = _dot_flops_row(prof, False) * prof.rows / n
     rows.append(dict(
         mesh=mesh_str(r.axes), remat=r.remat, accum_steps=r.accum_steps,
-        accum_gather=r.accum_gather,
+        accum_gather=r.accum_gather, context=r.context if r.context_why else None,
         microbatches=r.microbatches, bubble=r.bubble, fits=r.fits,
         est_bytes=e.bytes, est_step_s=e.step_s, est_mfu=e.mfu, est_comm_s=e.comm_total_s,
         compute_s=e.compute_s, compiled_bytes=c.bytes if c else None,

@@ -50,7 +50,9 @@ class Profile(NamedTuple):
   all-to-all pass (the routed copies of every MoE layer, compute dtype), `expert_act_row`
   the grouped matmuls' inputs and outputs per row (residuals a dropless buffer scales).
   `kv_row`: bytes of the keys and values every attention call of the forward pass takes,
-  per row (what context parallelism's all-gather form gathers).
+  per row (what context parallelism's all-gather form gathers); `q_row` of its queries (and
+  so of its outputs; what the Ulysses form exchanges beside K/V); `heads`, `kv_heads`: the
+  attention calls' (the gcd over them; 0 where unknown).
   `act_row_layer`: one layer's residuals per row without remat (the layer scan's stacked
   residuals over its length: what remat recomputes at once); `act_row_head`: the residuals
   outside the layer scan per row (embedding, final norm, output layer); 0 where unknown.
@@ -89,6 +91,9 @@ class Profile(NamedTuple):
   exchange_row: float = 0.0
   expert_act_row: float = 0.0
   kv_row: float = 0.0
+  q_row: float = 0.0
+  heads: int = 0
+  kv_heads: int = 0
   act_row_layer: float = 0.0
   act_row_head: float = 0.0
   frozen_bytes: float = 0.0
@@ -258,11 +263,37 @@ def attention_kv_bytes(jaxpr, outer: str = "") -> float:
   return total
 
 
-def _kv_row(loss_fn, params, batch, remat) -> float:
-  """`attention_kv_bytes` of the loss's forward pass on one row."""
+def attention_queries(jaxpr, tokens: int, outer: str = "") -> tuple[float, int, int]:
+  """(bytes, heads, kv heads) of the queries of every attention call in a forward jaxpr of
+  one row of `tokens` traced as `attention_kv_bytes` is: each call's q k^T `dot_general`
+  (its result, the scores, larger than either operand) contracts q [tokens, heads, d] with
+  k [tokens, kv_heads, d] over d; bytes summed (scan bodies times their length), heads the
+  gcd over calls (0 without attention)."""
+  total, heads, kv = 0.0, 0, 0
+  for eqn in jaxpr.eqns:
+    scope = outer + "/" + _compat.name_scopes(eqn)
+    if eqn.primitive.name == "dot_general" and SCOPE in scope:
+      q, k = (v.aval for v in eqn.invars[:2])
+      if math.prod(eqn.outvars[0].aval.shape) > max(math.prod(q.shape), math.prod(k.shape)):
+        d = math.prod(q.shape[i] for i in eqn.params["dimension_numbers"][0][0])
+        total += math.prod(q.shape) * jnp.dtype(q.dtype).itemsize
+        heads = math.gcd(heads, math.prod(q.shape) // (tokens * d))
+        kv = math.gcd(kv, math.prod(k.shape) // (tokens * d))
+      continue
+    for j in _sub_jaxprs(eqn):
+      b, h, g = attention_queries(j, tokens, scope)
+      total += b * (_compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1)
+      heads, kv = math.gcd(heads, h), math.gcd(kv, g)
+  return total, heads, kv
+
+
+def _attention_row(loss_fn, params, batch, remat) -> tuple[float, float, int, int]:
+  """(K/V bytes, query bytes, heads, kv heads) of the loss's attention calls in its forward
+  pass on one row (`attention_kv_bytes`, `attention_queries`)."""
   f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
   jaxpr = jax.make_jaxpr(with_kernel(f, attention="xla"))(params, _rows(batch, 1)).jaxpr
-  return attention_kv_bytes(jaxpr)
+  tokens = math.prod(jax.tree.leaves(batch)[0].shape[1:])
+  return (attention_kv_bytes(jaxpr), *attention_queries(jaxpr, tokens))
 
 
 def _longest_scan(jaxpr, best=None):
@@ -465,4 +496,5 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
       experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
       exchange_row=moe.exchange_row, expert_act_row=moe.act_row,
-      kv_row=_kv_row(loss_fn, cparams, batch, False if remat else None))
+      **dict(zip(("kv_row", "q_row", "heads", "kv_heads"),
+                 _attention_row(loss_fn, cparams, batch, False if remat else None))))

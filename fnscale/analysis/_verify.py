@@ -25,6 +25,7 @@ from fnscale.analysis import hlo as _hlo
 from fnscale.analysis._model import Frozen, resolve
 from fnscale.analysis._search import Candidate, CompileCheck, rank_key
 from fnscale._errors import PlanError
+from fnscale.kernels._attention import with_kernel
 from fnscale._mesh import MeshAxes, make_mesh
 
 DISAGREE = 0.25  # relative disagreement between estimate and compile that gets flagged
@@ -85,6 +86,8 @@ def compile_candidate(cand: Candidate, hw, ctx) -> Candidate:
     loss = functools.partial(loss, microbatches=cand.microbatches)
   step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum_steps,
                           accum_gather=cand.accum_gather)
+  if "context" in cand.axes.ici or "context" in cand.axes.dcn:  # the form it was costed with
+    step = with_kernel(step, context=cand.context)
   t0 = time.perf_counter()
   try:
     compiled = _compile.shard_step(step, mesh, rules=rules, logical_axes=logical_axes).compile(

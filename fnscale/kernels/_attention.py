@@ -116,8 +116,9 @@ def with_kernel(fn: Callable[..., Any] | None = None, *, attention: str = "auto"
     interpret: run the Pallas kernels ("splash", "pallas_gpu") in interpret mode, which
       works on any platform (slowly); for tests on CPU.
     context: under a mesh with a context axis (the sequence split over it), "all_gather"
-      (each shard gathers K/V) or "ring" (K/V blocks passed round the axis); see
-      `fnscale.parallel.context`.
+      (each shard gathers K/V), "ring" (K/V blocks passed round the axis) or "ulysses"
+      (an all-to-all trades sequence shards for head shards around attention; heads must
+      divide over the axis); see `fnscale.parallel.context`.
     context_order: the order the context shards hold the sequence in, as the batch was put
       by `fnscale.parallel.context.reorder`: "zigzag" (default), "striped" or "contiguous".
     block_sizes: the kernel tiles (`BlockSizes`) of every attention call inside that gives

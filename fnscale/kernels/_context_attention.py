@@ -3,7 +3,7 @@
 Each of the c devices of a context axis holds T = S / c tokens of every sequence, in the
 order `reorder` puts them in (one definition, applied once by the data path to tokens,
 targets, positions and segment ids; `restore` undoes it). Attention then runs in a
-`jax.shard_map` in one of two forms, chosen by `fnscale.with_kernel(..., context=...)`:
+`jax.shard_map` in one of three forms, chosen by `fnscale.with_kernel(..., context=...)`:
 
 - "all_gather" (the default, as in MaxText): each device all-gathers K and V over the
   context axis ((c-1)/c x 2 x B x S x kv_heads x head_dim x bytes sent per layer forward;
@@ -13,6 +13,15 @@ targets, positions and segment ids; `restore` undoes it). Attention then runs in
   with an online softmax (Milakov & Gimelshein 2018); the backward pass (a `custom_vjp`)
   passes the blocks round again with their dK/dV accumulators (c permutes of dK/dV). No
   device ever holds more than one remote block.
+- "ulysses" (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509; MaxText's
+  context_parallel_strategy="ulysses"): an all-to-all over the context axis trades each
+  device's T tokens of every head for all S tokens of h/c heads; each device attends its
+  heads over the whole sequence and a second all-to-all trades the output back. Each sends
+  (c-1)/c of its q, k, v and output shards per layer forward (as many backward), a volume
+  that does not grow with c. Heads must divide over the axis. With fewer kv heads than
+  the axis (GQA, MQA) each kv head is repeated c / gcd(kv_heads, c) times before the
+  exchange, so every device receives the kv heads its query heads use (MaxText instead
+  requires kv heads divisible by the axis).
 
 Causal load balance: under a causal mask the later tokens see more keys, so contiguous
 shards do unequal work (the last (2c-1)/c of the mean). The "zigzag" order (each shard holds
@@ -22,9 +31,10 @@ context-parallel layout) and the "striped" order (token t on shard t mod c; Bran
 query-key pairs (`shard_work`).
 
 Per shard, the TPU splash kernel runs where it can (its block-sparse mask skips masked
-tiles): the all-gather form builds one kernel for the whole [S, S] mask with the queries'
-places in the sequence as its q sequence, split by query rows over the context axis as the
-kernel allows (`q_seq_shards`); the ring form calls its forward and backward block kernels
+tiles): the all-gather and Ulysses forms build one kernel for the whole [S, S] mask with
+the queries' places in the sequence as its q sequence, split by query rows over the context
+axis as the kernel allows (`q_seq_shards`; Ulysses holds every row and doesn't split it);
+the ring form calls its forward and backward block kernels
 (`fnscale._compat.splash_block_forward/backward`) with a mask that is the same for every
 pair of shards of one case (diagonal, earlier or later shard). Elsewhere the XLA reference:
 jax's cuDNN and Pallas GPU attention can't take a shard's mask (its causal diagonal is
@@ -46,7 +56,7 @@ from fnscale import _compat
 from fnscale._errors import KernelError
 from fnscale.kernels._per_device import per_device
 
-FORMS = ("all_gather", "ring")
+FORMS = ("all_gather", "ring", "ulysses")
 ORDERS = ("zigzag", "striped", "contiguous")
 # The splash kernel's tiles, largest first (block_kv must be a multiple of 128 lanes).
 SPLASH_TILES = (512, 256, 128)
@@ -147,7 +157,7 @@ def positions(seq: int, shards: int, order: str) -> np.ndarray:
 class ContextSelection(NamedTuple):
   """How attention runs over a sequence split on `axes` (`shards` devices in all).
 
-  `form`: "all_gather" or "ring"; `order`: the order the shards hold the sequence in;
+  `form`: "all_gather", "ring" or "ulysses"; `order`: the order the shards hold the sequence in;
   `kernel`: what attends within a shard, "splash" or "xla"; `tile`: the splash tile (tokens;
   None for xla); `interpret`: Pallas interpret mode; `batch_axes`, `head_axes`: the other
   mesh axes the shard_map splits batch and heads over; `reason`: why this kernel.
@@ -188,7 +198,8 @@ def selection(call: ContextCall) -> ContextSelection:
   Raises:
     KernelError: a form or order not known; a sliding window; q and kv lengths that differ;
       a sequence the order can't split over the shards; a ring whose heads or kv heads the
-      head axes can't split; a requested kernel that can't take a split sequence.
+      head axes can't split; Ulysses heads the context axes can't split; a requested
+      kernel that can't take a split sequence.
   """
   c = math.prod(call.axis_sizes[a] for a in call.axes)
   (b, s, h, _), kh = call.q_shape, call.k_shape[2]
@@ -212,10 +223,36 @@ def selection(call: ContextCall) -> ContextSelection:
           f"{heads} (size {size(heads)}), which split them in the ring's shard_map; fix: a "
           "tensor axis that divides both, or context='all_gather'.")
     heads = ()
+  if call.form == "ulysses":
+    check_ulysses_heads(h // size(heads), c, call.axes, heads)
   batch = call.batch_axes if b % size(call.batch_axes) == 0 else ()
   kernel, tile, why = _kernel(call, c)
   return ContextSelection(call.form, call.order, call.axes, c, kernel, why, tile, call.interpret,
                      batch, heads)
+
+
+def check_ulysses_heads(heads: int, c: int, axes, head_axes=()) -> None:
+  """Raises KernelError unless Ulysses can deal `heads` (per head-axes shard) out over the
+  c devices of the context `axes`."""
+  if heads % c:
+    split = f" per {head_axes} shard" if head_axes else ""
+    raise KernelError(
+        f"context='ulysses': {heads} heads{split} can't be dealt out over the context axes "
+        f"{axes} ({c} devices), whose all-to-all gives each device heads / {c} of them; fix: "
+        f"a context axis whose size divides {heads}, or context='all_gather' or 'ring'.")
+
+
+def kv_repeats(kv_heads: int, c: int) -> int:
+  """Times Ulysses repeats each kv head so that the c devices each receive whole kv heads,
+  those their query heads use: c / gcd(kv_heads, c) (1 when c divides kv_heads). With
+  heads divisible by c this also divides the GQA group, so the repeats stay in groups.
+
+  Examples:
+    >>> from fnscale.kernels import _context_attention as ca
+    >>> ca.kv_repeats(8, 4), ca.kv_repeats(2, 8), ca.kv_repeats(6, 4), ca.kv_repeats(1, 4)
+    (1, 4, 2, 4)
+  """
+  return c // math.gcd(kv_heads, c)
 
 
 def _kernel(call: ContextCall, c: int) -> tuple[str, int | None, str]:
@@ -260,6 +297,8 @@ def _splash_refusal(call: ContextCall, c: int) -> str | None:
 def _piece(call: ContextCall, c: int) -> int:
   """Tokens of the smallest piece a splash call sees: half a shard in the zigzag ring."""
   t = call.q_shape[1] // c
+  if call.form == "ulysses":  # each device attends the whole sequence
+    return call.q_shape[1]
   return t // 2 if call.form == "ring" and call.order == "zigzag" and call.causal else t
 
 
@@ -276,7 +315,7 @@ def attend(q, k, v, q_ids, kv_ids, p: ContextSelection, mesh, *, causal: bool, s
   optional int32 segment ids [batch, seq], run per shard as `p` says. Returns q's shape."""
   qkv = jax.P(p.batch_axes or None, p.axes, p.head_axes or None, None)
   ids = jax.P(p.batch_axes or None, p.axes)
-  body = _ring if p.form == "ring" else _all_gather
+  body = {"ring": _ring, "ulysses": _ulysses}.get(p.form, _all_gather)
   args, specs = [q, k, v], [qkv] * 3
   for x in (q_ids, kv_ids):
     if x is not None:
@@ -327,6 +366,34 @@ def _all_gather(q, k, v, q_ids, kv_ids, p: ContextSelection, causal, scale, kern
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
 
 
+def _ulysses(q, k, v, q_ids, kv_ids, p: ContextSelection, causal, scale, kernel):
+  """The Ulysses form on one shard: q [b, t, h, d], k, v [b, t, kh, d] of its t tokens
+  traded for all S tokens of h / c heads (and the kv heads they use), attended, and traded
+  back."""
+  del kernel  # one kernel, the same on every device: built here
+  c = p.shards
+  r = kv_repeats(k.shape[2], c)
+  k, v = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k, v))
+  # Shard s's tokens are the s-th run of the stored order: concatenated by shard they are
+  # the whole sequence in that order.
+  to_heads = lambda x: lax.all_to_all(x, p.axes, 2, 1, tiled=True)
+  q, k, v = to_heads(q), to_heads(k), to_heads(v)
+  gather = lambda x: None if x is None else lax.all_gather(x, p.axes, axis=1, tiled=True)
+  q_ids, kv_ids = gather(q_ids), gather(kv_ids)
+  if p.kernel == "splash":
+    kernel = _whole_kernel(q.shape[1], c, p.order, q.shape[2], k.shape[2], p.tile, causal,
+                           p.interpret, rows_split=1)
+    out = _splash_gathered(q, k, v, q_ids, kv_ids, p, scale, kernel)
+  else:
+    every = jnp.asarray(positions(q.shape[1], c, p.order).reshape(-1))
+    mask = (every[:, None] >= every[None, :])[None, None] if causal else None
+    if q_ids is not None:
+      same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+      mask = same if mask is None else mask & same
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+  return lax.all_to_all(out, p.axes, 1, 2, tiled=True)
+
+
 # ----------------------------------------------------------------------------- splash
 
 
@@ -354,15 +421,16 @@ def _ordered_causal(seq: int, shards: int, order: str):
 
 
 def _whole_kernel(seq: int, shards: int, order: str, heads: int, kv_heads: int, tile: int,
-                  causal: bool, interpret: bool):
-  """The splash kernel for the whole [seq, seq] mask, its mask split by query rows into
-  `shards`. Built in the trace (its metadata arrays are the program's constants); the
-  costly part, the mask's block metadata in numpy, jax caches by mask."""
+                  causal: bool, interpret: bool, rows_split: int | None = None):
+  """The splash kernel for the whole [seq, seq] mask (rows in the stored order of
+  `shards`), its mask split by query rows into `rows_split` (default `shards`). Built in
+  the trace (its metadata arrays are the program's constants); the costly part, the mask's
+  block metadata in numpy, jax caches by mask."""
   splash, masks = _splash_lib()
   mask = _ordered_causal(seq, shards, order) if causal else masks.FullMask((seq, seq))
   make = splash.make_splash_mqa if kv_heads == 1 else splash.make_splash_mha
   return make(masks.MultiHeadMask([mask] * heads), block_sizes=_blocks(tile, seq, seq),
-              head_shards=1, q_seq_shards=shards, interpret=interpret)
+              head_shards=1, q_seq_shards=rows_split or shards, interpret=interpret)
 
 
 def _splash_whole(p: ContextSelection, q_shape, kv_heads: int, mesh, causal: bool):

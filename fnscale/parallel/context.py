@@ -3,8 +3,9 @@
 A mesh with a `context` axis (`fnscale.make_mesh({"data": 2, "context": 4})`, or across
 slices as a DCN axis) splits every activation [batch, seq, ...] along its sequence:
 `fnscale.batch_sharding` and `fnscale.constrain_batch` put the sequence dim over it,
-`fnscale.attention` attends a split sequence (an all-gather of K/V by default, or a ring of
-K/V blocks: `fnscale.with_kernel(..., context="ring")`), and `fnscale.cross_entropy` scores
+`fnscale.attention` attends a split sequence (an all-gather of K/V by default, a ring of
+K/V blocks: `fnscale.with_kernel(..., context="ring")`, or Ulysses' all-to-all of sequence
+shards for head shards: `context="ulysses"`), and `fnscale.cross_entropy` scores
 [batch, seq, d] hidden states where they are. Parameters are split over it like over
 "fsdp" where the rules say so (`recipes/lm/llama.py`'s "embed" rule), as MaxText does.
 
@@ -12,7 +13,8 @@ The shards hold the sequence in one declared order, so that causal attention cos
 shard the same: `reorder_batch` applies it once to a batch (tokens, targets, positions,
 segment ids: every leaf of rank >= 2 along its second dim, adding positions where the batch
 has none), before `fnscale.global_batch`; `restore` undoes it (e.g. for per-token outputs);
-`with_kernel(..., context_order=...)` tells attention the same order. Orders: "zigzag"
+`with_kernel(..., context_order=...)` tells attention the same order (Ulysses attends
+the whole sequence on each device, so needs no order for balance, but takes any). Orders: "zigzag"
 (default; shard i holds chunks i and 2c-1-i of 2c), "striped" (token t on shard t mod c),
 "contiguous" (unbalanced). `shard_work` counts each shard's causal attention work.
 
@@ -32,7 +34,7 @@ Examples:
   ...     fs.parallel.context.shard_work(8, 2, "zigzag").tolist()
   ([10, 26], [18, 18])
   >>> fs.parallel.context.ORDERS, fs.parallel.context.FORMS
-  (('zigzag', 'striped', 'contiguous'), ('all_gather', 'ring'))
+  (('zigzag', 'striped', 'contiguous'), ('all_gather', 'ring', 'ulysses'))
 """
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ Then, from the repository root, in fnscale's environment:
       --layers=8 --batch=2 --microbatches=4    # pipeline stages across the slices
   python recipes/bench/compare_maxtext.py ... --mesh=context=4 --batch=0.25 --seq=32768 \\
       --context_strategy=all_gather      # or ring; --no-load_balance: the plain order
+  python recipes/bench/compare_maxtext.py ... --mesh=context=4 --batch=0.25 --seq=32768 \
+      --context_strategy=ulysses         # the all-to-all form (no reorder: plain order)
   python recipes/bench/compare_maxtext.py ... --model=mixtral-8x7b --mesh=expert=4
 
 Each side is compiled by its own interpreter's jax and libtpu, and the table says which.
@@ -41,11 +43,14 @@ Pipelines: a `stage` axis (ICI or DCN) -> `ici/dcn_pipeline_parallelism`, `--mic
 repeat, MaxText's default) -> `num_layers_per_pipeline_stage` = layers / (stages x repeats)
 on MaxText's side and llama's circular layout (`ModelConfig.repeats`) on fnscale's.
 Context parallelism: `--context_strategy` is MaxText's `context_parallel_strategy` and
-fnscale's `with_kernel(context=...)` ("ring" runs MaxText's Tokamax splash, which its ring
-needs); `--load_balance` is MaxText's `context_parallel_load_balance` (its dual-chunk-swap
-order) and fnscale's zigzag order (else contiguous); fnscale's batch carries the positions
-its Llama needs under a context axis, and with `--packed` the segment ids MaxText's
-synthetic batches carry (its splash kernels are then the segmented ones on both sides).
+fnscale's `with_kernel(context=...)` ("ring" and "ulysses" run MaxText's Tokamax splash,
+which both need); `--load_balance` is MaxText's `context_parallel_load_balance` (its
+dual-chunk-swap order) and fnscale's zigzag order (else contiguous); "ulysses" attends the
+whole sequence on every device, needs no balance, and MaxText refuses its reorder there, so
+both sides hold the plain order (and MaxText's Ulysses runs on ICI context axes only);
+fnscale's batch carries the positions its Llama needs under a context axis, and with
+`--packed` the segment ids MaxText's synthetic batches carry (its splash kernels are then
+the segmented ones on both sides).
 `--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
 row). Each side's HLO, memory and a JSON of the table land in `--out`; `--sides=` (none)
 compiles nothing and counts the programs kept there again, e.g. after a change to
@@ -115,8 +120,8 @@ def _context_argv(a, ici: dict, dcn: dict) -> list[str]:
          f"dcn_context_parallelism={dcn.get('context', 1)}",
          f"context_parallel_strategy={a.context_strategy}",
          f"context_parallel_load_balance={str(a.load_balance).lower()}"]
-  if a.context_strategy == "ring":
-    out.append("use_tokamax_splash=true")  # MaxText's ring runs only on Tokamax splash
+  if a.context_strategy in ("ring", "ulysses"):
+    out.append("use_tokamax_splash=true")  # MaxText's ring and Ulysses run only on it
   return out
 
 
@@ -337,14 +342,16 @@ def _flags(argv=None):
                  help="decoder layers (of the model's shapes)")
   p.add_argument("--batch", type=float, default=1, help="rows per device (a fraction "
                  "when a context axis splits the rows: 0.25 on 4 devices is one row)")
-  p.add_argument("--context_strategy", default="all_gather", choices=("all_gather", "ring"),
+  p.add_argument("--context_strategy", default="all_gather",
+                 choices=("all_gather", "ring", "ulysses"),
                  help="context parallelism's attention (MaxText's context_parallel_strategy)")
   p.add_argument("--packed", action="store_true",
                  help="fnscale's batch carries segment ids, as MaxText's synthetic batches "
                  "do (its attention runs splash's segmented kernels)")
-  p.add_argument("--load_balance", default=True, action=argparse.BooleanOptionalAction,
+  p.add_argument("--load_balance", default=None, action=argparse.BooleanOptionalAction,
                  help="causal load balance under a context axis (MaxText's "
-                 "context_parallel_load_balance; fnscale's zigzag order)")
+                 "context_parallel_load_balance; fnscale's zigzag order); default on, "
+                 "except for ulysses, which needs none")
   p.add_argument("--seq", type=_positive, default=4096, help="tokens per row")
   p.add_argument("--accum", type=_positive, default=1, help="fnscale's accumulation steps")
   p.add_argument("--microbatches", type=int, default=0,
@@ -357,7 +364,13 @@ def _flags(argv=None):
   p.add_argument("--out", default="runs/compare_maxtext", help="directory for HLO and JSON")
   p.add_argument("--maxtext_side", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--fnscale_side", action="store_true", help=argparse.SUPPRESS)
-  return p.parse_args(argv)
+  a = p.parse_args(argv)
+  if a.context_strategy == "ulysses" and (a.load_balance or "context" in a.dcn):
+    p.error("--context_strategy=ulysses: MaxText's Ulysses takes neither "
+            "--load_balance (every device attends the whole sequence) nor a DCN context axis")
+  if a.load_balance is None:
+    a.load_balance = a.context_strategy != "ulysses"
+  return a
 
 
 def main(argv=None) -> None:

@@ -111,6 +111,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv=None) -> int:
+  """The table for `argv`'s shapes. Raises InputError on a bad flag or shape."""
   ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shapes", default="", help="MxKxN entries, comma-separated (default: "
                   "GPT small's, medium's and the 766M Llama's MLP)")
@@ -119,12 +120,8 @@ def main(argv=None) -> int:
                   help="timed runs per part (TPU)")
   a = ap.parse_args(argv)
   fs.quiet_libtpu()
-  try:
-    shapes = [_shape(s) for s in a.shapes.split(",") if s] or list(SHAPES)
-    devices = fs.target_devices(a.aot) if a.aot else jax.devices()
-  except fs.FnscaleError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  shapes = [_shape(s) for s in a.shapes.split(",") if s] or list(SHAPES)
+  devices = fs.target_devices(a.aot) if a.aot else jax.devices()
   if not a.aot and devices[0].platform != "tpu":
     print("note: not a TPU: these are this host's times, not the chip's (--aot=v5e:1x1 gives "
           "XLA's estimate for one v5e chip)")
@@ -135,4 +132,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

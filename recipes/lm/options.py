@@ -176,7 +176,8 @@ class Options(Hardware):
                         "(or 'bf16', 'f32'); auto: float32 on CPU, bfloat16 compute elsewhere")
   attention: str = option("auto", "attention: auto, xla, splash, cudnn, pallas_gpu")
   context: str = option("all_gather", "attention over a sequence split by a 'context' mesh "
-                        "axis (--mesh=data=2,context=4): all_gather (K/V gathered) or ring")
+                        "axis (--mesh=data=2,context=4): all_gather (K/V gathered), ring "
+                        "or ulysses (all-to-all: heads over the axis)")
   context_order: str = option("zigzag", "the order the context shards hold the sequence "
                               "in: zigzag (balanced causal work), striped or contiguous")
   remat: bool | None = option(None, "recompute each block's activations in the backward "
