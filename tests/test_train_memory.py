@@ -156,14 +156,20 @@ def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():
   step = memory.choose(Options(), model, topo, mesh, 4, said.append, planned)
   assert step == memory.Choice(batch_size=8, global_batch=64, accum_steps=2,
                                accum_gather="once", remat=True, remat_policy="full",
-                               optimizer="adamw", mu_dtype="float32")
+                               optimizer="adamw", mu_dtype="float32", context="all_gather")
   asked = Options(accum_steps=4, accum_gather="per_microbatch")
   step = memory.choose(asked, model, topo, mesh, 4, said.append, planned)
   assert (step.accum_steps, step.accum_gather, step.remat) == (4, "per_microbatch", True)
   step = memory.choose(Options(), model, topo, mesh, 4, said.append)
   assert step == memory.Choice(batch_size=4, global_batch=32, accum_steps=1,
                                accum_gather="auto", remat=False, remat_policy="none",
-                               optimizer="adamw", mu_dtype="float32")
+                               optimizer="adamw", mu_dtype="float32", context="all_gather")
+  # A row planned over a context axis brings its attention form; a --context given stays.
+  ulysses = planned._replace(context="ulysses")
+  assert memory.choose(Options(), model, topo, mesh, 4, said.append, ulysses).context == (
+      "ulysses")
+  assert memory.choose(Options(context="ring"), model, topo, mesh, 4, said.append,
+                       ulysses).context == "ring"
   assert said == []
   with pytest.raises(fs.InputError, match=r"--remat with --remat_policy=dots: --remat is "
                      r"--remat_policy=full; give one of them"):

@@ -30,7 +30,7 @@ import numpy as np
 import fnscale as fs
 from fnscale import FitError
 from recipes.lm import optimizers, startup
-from recipes.lm.options import remat_policy
+from recipes.lm.options import Options, remat_policy
 
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
@@ -137,6 +137,7 @@ class Planned(NamedTuple):
   remat: bool
   accum_steps: int
   accum_gather: str
+  context: str | None = None  # the attention form over the planned context axis
 
 
 class Choice(NamedTuple):
@@ -150,6 +151,7 @@ class Choice(NamedTuple):
   remat_policy: str  # what each block keeps, --remat_policy's auto resolved
   optimizer: str
   mu_dtype: str | None
+  context: str  # the attention form over a context axis
 
 
 def choose(o, m: Model, topo, mesh, per_device: int, say,
@@ -179,18 +181,21 @@ def choose(o, m: Model, topo, mesh, per_device: int, say,
   o, rows = _preflight(o, m, topo, mesh, per_device, say)
   return Choice(rows, rows * dp if o.global_batch is None else o.global_batch,
                 o.accum_steps, o.accum_gather, o.remat, remat_policy(o, topo.platform),
-                o.optimizer, o.mu_dtype)
+                o.optimizer, o.mu_dtype, o.context)
 
 
 def _asked(o, planned: Planned | None):
   """Options `o` as the pre-flight takes them: with --mesh=auto, the planned global batch,
-  remat where the user gave none, and accumulation (steps and mode) where the planned row
-  has more steps than the user's."""
+  remat where the user gave none, accumulation (steps and mode) where the planned row has
+  more steps than the user's, and the planned context axis's attention form where --context
+  was left at its default."""
   if planned is None:
     return o
   if planned.accum_steps > (o.accum_steps or 1):
     o = dataclasses.replace(o, accum_steps=planned.accum_steps,
                             accum_gather=planned.accum_gather)
+  if planned.context and o.context == Options.context:  # a --context given is kept
+    o = dataclasses.replace(o, context=planned.context)
   return dataclasses.replace(o, remat=bool(o.remat or planned.remat),
                              global_batch=planned.global_batch)
 

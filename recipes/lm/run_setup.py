@@ -83,11 +83,11 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Pla
   batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
   planned_opt = optimizers.transformation(o.optimizer or "adamw", 1e-3,
                                           mu_dtype=o.mu_dtype or "float32")
-  (axes, remat, steps, gather), table = startup.plan_mesh(model, cfg, topo, batch,
-                                                          o.precision, planned_opt, lora)
+  (axes, remat, steps, gather, context), table = startup.plan_mesh(
+      model, cfg, topo, batch, o.precision, planned_opt, lora)
   say("mesh=auto: " + table)
   return (startup.make_mesh(axes, dcn, topo, say),
-          memory.Planned(batch, remat, steps, gather))
+          memory.Planned(batch, remat, steps, gather, context))
 
 
 def optimizer(o):

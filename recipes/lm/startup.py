@@ -114,8 +114,8 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lo
   its reference pass adds a forward pass, no residuals).
 
   Returns:
-    ((MeshAxes, remat: bool, accum_steps: int, accum_gather: str) of the chosen row, the
-    table's text).
+    ((MeshAxes, remat: bool, accum_steps: int, accum_gather: str, the attention form over
+    its context axis or None without one) of the chosen row, the table's text).
 
   Raises:
     PlanError (an FnscaleError): the model fits no mesh of these devices.
@@ -129,7 +129,8 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lo
   options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES,
                                     logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   p = fs.analysis.plan(init, loss, optimizer, {"inputs": rows, "targets": rows}, topo, options)
-  return ((p.axes, p.remat, p.accum_steps, p.accum_gather),
+  context = p.rows[0].context if p.rows[0].context_why else None  # a context axis's form
+  return ((p.axes, p.remat, p.accum_steps, p.accum_gather, context),
           fs.analysis.format_plan(p, top=6).replace("\n", "\n  "))
 
 
