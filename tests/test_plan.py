@@ -289,6 +289,10 @@ def test_a_refusal_names_the_accumulation_that_needs_least_not_the_most_tried():
   need = float(re.search(r"needs (\d+\.\d+) GiB per device", str(e.value)).group(1)) * GiB
   assert "accum=1)" in str(e.value)
   assert 16 * GiB <= need < 17 * GiB
+  # The message splits the need by hand's count: 4 GiB of params, 8 of Adam's two moments,
+  # and names the fix that shrinks the second.
+  assert "the params take 4.00 GiB and the optimizer's state 8.00 GiB" in str(e.value)
+  assert "an optimizer with less state" in str(e.value)
 
 
 def test_bad_arguments_raise_plan_errors():

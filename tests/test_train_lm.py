@@ -32,6 +32,7 @@ import fnscale as fs
 
 from recipes.lm import data
 from recipes.lm import embedding, gpt
+from recipes.lm.options import Options
 from recipes.lm import cli, evaluation, goodput, memory, progress, run_setup, rundir, stopping
 from recipes.lm import summary as run_summary
 from recipes.launch import launch_local
@@ -1385,3 +1386,16 @@ def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
   peak = progress.peak_flops(fs.detect_topology())
   assert peak.flops == host.flops and f"cached in {host.path}" in peak.about
   assert f"{host.flops / 1e9:.0f} GFLOP/s, measured {host.measured}" in peak.about
+
+
+def test_a_checkpoint_without_tokenizer_json_is_read_as_bytes_when_asked(tmp_path):
+  """train_lm exports a byte-level model without a tokenizer.json: reading it back needs a
+  way to say bytes (--tokenizer=bytes), and the error without it names that way."""
+  from recipes.lm import models  # pylint: disable=import-outside-toplevel
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(fs.InputError, match="or --tokenizer=bytes for a byte-level model"):
+    models.tokenizer(Options(init_from=str(tmp_path)))
+  assert models.tokenizer(Options(init_from=str(tmp_path), tokenizer="bytes")) == ""
+  assert models.tokenizer(Options(tokenizer="bytes")) == ""
+  (tmp_path / "tokenizer.json").write_text("{}")
+  assert models.tokenizer(Options(init_from=str(tmp_path))) == str(tmp_path / "tokenizer.json")

@@ -208,8 +208,11 @@ def no_fit_error(rows, hw, headroom) -> PlanError:
       f"the model fits nowhere on {hw.name}: the smallest candidate ({mesh_str(low.axes)}, "
       f"remat={low.remat}, accum={low.accum_steps}) needs {_gib(low.estimate.bytes)} per "
       "device, "
-      f"and the target has {_usable(hw, headroom)}; fix: a target with more devices or "
-      "slices, a smaller global batch, or a smaller model.")
+      f"and the target has {_usable(hw, headroom)}, of which the params take "
+      f"{_gib(low.estimate.params)} and the optimizer's state {_gib(low.estimate.opt)}; fix: a "
+      "target with more devices or slices, an optimizer with less state (e.g. a bfloat16 "
+      "first moment, or Adafactor's factored second moment), a smaller global batch, or a "
+      "smaller model.")
 
 
 def _gib(b: float) -> str:

@@ -28,6 +28,15 @@ class Scoring(NamedTuple):
     groups: expert groups, dividing E (1: no group limit).
     topk_groups: groups a token may choose from, 1..groups (0: all).
     scale: the combine weights' factor.
+
+  Examples:
+    DeepSeek-V3's router (256 experts in 8 groups, 4 groups a token, weights x 2.5) in a
+    layer: `fs.parallel.moe(x, params, 8, scoring=v3)`, its params with a "router_bias".
+
+    >>> import fnscale as fs
+    >>> v3 = fs.parallel.Scoring("sigmoid", groups=8, topk_groups=4, scale=2.5)
+    >>> v3.score, v3.groups
+    ('sigmoid', 8)
   """
   score: str = "softmax"
   groups: int = 1

@@ -6,7 +6,7 @@
 
 Each `--shapes` entry is MxKxN: M tokens, the contracted width K, the output width N (GPT
 medium's MLP up projection at 16 rows of 1024 tokens: 16384x1024x4096). For each it reports
-the seconds of:
+the milliseconds of:
 
 - `bf16`: x [M, K] @ w [K, N] in bfloat16, and the same forward + backward (dx and dw);
 - `int8 dot`: the int8 x int8 -> int32 product alone, inputs already quantized (the MXU's
@@ -94,7 +94,7 @@ def table(shapes, device, aot: bool, reps: int) -> tuple[str, list[dict]]:
     got = {name: seconds(fn, specs, device, aot, reps)
            for name, (fn, specs) in parts(m, k, n).items()}
     ratio = lambda a, b: (f"{got[a] / got[b]:.2f}x" if got[a] and got[b] else "n/a")
-    ms = lambda v: f"{1e3 * v:.3f}" if v else "n/a"
+    ms = lambda v: f"{1e3 * v:.4g}" if v else "n/a"
     lines.append(f"| {m}x{k}x{n} | " + " | ".join(ms(got[p]) for p in names)
                  + f" | {ratio('bf16 fwd', 'int8.dense fwd')}"
                  + f" | {ratio('bf16 fwd+bwd', 'int8.dense fwd+bwd')} |")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                   "GPT small's, medium's and the 766M Llama's MLP)")
   ap.add_argument("--aot", default="", help="describe this TPU (e.g. v5e:1x1): XLA's estimate")
   ap.add_argument("--reps", type=cli.number(int, minimum=1), default=20,
-                  help="timed runs per part (TPU)")
+                  help="timed runs per part (the median is reported)")
   a = ap.parse_args(argv)
   fs.quiet_libtpu()
   shapes = [_shape(s) for s in a.shapes.split(",") if s] or list(SHAPES)

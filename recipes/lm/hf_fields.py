@@ -33,7 +33,7 @@ def rope(c: dict, default_theta: float = 10_000.0
   if kind == "default":
     return theta, None
   if kind != "llama3":
-    raise error("rope_scaling.rope_type", kind, "is not implemented: fnscale's Llama has "
+    raise error("rope_scaling.rope_type", kind, "is not implemented: fnscale's models have "
                 "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
                 "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
   try:

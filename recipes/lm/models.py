@@ -16,6 +16,7 @@ from types import ModuleType
 
 import fnscale as fs
 from recipes.lm import deepseek, gpt, hf_maps, llama, moe
+from recipes.lm.shards import BYTES
 from recipes.lm.cli import did_you_mean
 
 # Model name -> its module.
@@ -61,13 +62,18 @@ def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str
 
 
 def tokenizer(o) -> str:
-  """--tokenizer, else --init_from's tokenizer.json (its model's ids), else "" (bytes)."""
+  """--tokenizer ("bytes": UTF-8 bytes), else --init_from's tokenizer.json (its model's ids),
+  else "" (bytes)."""
+  if o.tokenizer == BYTES:
+    return ""
   if o.tokenizer or not o.init_from:
     return o.tokenizer
   path = os.path.join(o.init_from, "tokenizer.json")
   if not os.path.isfile(path):
     raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
-                        "model's tokenizer with --tokenizer=PATH/tokenizer.json")
+                        "model's tokenizer with --tokenizer=PATH/tokenizer.json, or "
+                        f"--tokenizer={BYTES} for a byte-level model (vocabulary 256: what "
+                        "train_lm exports without --tokenizer)")
   return path
 
 

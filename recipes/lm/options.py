@@ -100,7 +100,8 @@ class Options(Hardware):
   pack_bins: int = option(8, "token caches: rows packed at once per row stream")
   long_docs: str = option("split", "token caches: a document longer than a row is split "
                           "into pieces, truncate-d, or an error")
-  tokenizer: str = option("", "a Hugging Face tokenizer.json; default: bytes (vocab 256)")
+  tokenizer: str = option("", "a Hugging Face tokenizer.json, or 'bytes' (UTF-8 bytes, vocab "
+                          "256); default: bytes, or --init_from's tokenizer.json")
   init_from: str = option("", "a Hugging Face model directory (config.json, safetensors, "
                           "tokenizer.json): continue training its model and weights with "
                           "its tokenizer (instead of --model_config; --tokenizer replaces "
