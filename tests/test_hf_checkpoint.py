@@ -243,3 +243,24 @@ def test_bad_maps_and_targets_are_named(ckpt, mesh, no_arrays):
     hf.load(ckpt[0] / "nowhere", tree, cmap)
   with pytest.raises(fs.CheckpointError, match="max_shard_bytes=0"):
     hf.export(ckpt[0] / "x", {}, cmap, config={}, max_shard_bytes=0)
+
+
+def test_an_exported_tokenizer_json_alone_is_read_by_autotokenizer_whatever_the_model(
+    tmp_path):
+  """A tokenizer trained here (tokenizers' BPE, no <unk>) exported beside a Gemma config:
+  without a tokenizer_config.json transformers picks GemmaTokenizer, which fails on the
+  first text; the export names the fast tokenizer of the file, which encodes as the file does."""
+  transformers = pytest.importorskip("transformers", reason="transformers: the hf-test extra")
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+  tok.train_from_iterator(["def f(x):\n  return x + 1\n"] * 50,
+                          tokenizers.trainers.BpeTrainer(vocab_size=300, show_progress=False))
+  (tmp_path / "tok").mkdir()
+  tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+  cmap = hf.CheckpointMap({"w": hf.Tensor("w")})
+  hf.export(tmp_path / "out", {"w": jnp.ones((2, 2), jnp.float32)}, cmap,
+            config={"model_type": "gemma3_text"}, tokenizer_from=tmp_path / "tok")
+  back = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+  text = "def g(y):\n  return y\n"
+  assert back(text)["input_ids"] == tok.encode(text).ids

@@ -606,7 +606,9 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
     StorageError: a file can't be written.
 
   Examples:
-    The tokenizer's files (`TOKENIZER_FILES`) come from `tokenizer_from` when given:
+    The tokenizer's files (`TOKENIZER_FILES`) come from `tokenizer_from` when given (a
+    tokenizer.json without a tokenizer_config.json gets one naming transformers'
+    PreTrainedTokenizerFast, so AutoTokenizer reads that file whatever the model):
 
     >>> import fnscale as fs, jax, jax.numpy as jnp, tempfile
     >>> hf = fs.checkpoint.hf
@@ -700,6 +702,11 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
         sfs, sinner = _safetensors.filesystem(_join(src, name))
         with sfs.open(sinner, "rb") as f, fs.open(_join(inner, name), "wb") as g:
           g.write(f.read())
+    # A tokenizer.json alone: transformers would pick the model type's own tokenizer class
+    # for it (Gemma's needs an <unk> a trained tokenizer may lack); say it is that file.
+    if _exists(_join(src, "tokenizer.json")) and not _exists(_join(src, "tokenizer_config.json")):
+      write_json(_join(path, "tokenizer_config.json"),
+                 {"tokenizer_class": "PreTrainedTokenizerFast"})
 
 
 def write_json(path: str, value) -> None:
