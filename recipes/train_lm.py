@@ -138,13 +138,7 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
     step_fn, eval_loss = _step(setup, optimizer, policy)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
-    # Ahead of time (step 0 doesn't compile again), held against the device's memory.
-    ledger.enter("compile")
-    say(f"train_lm: compiling the train step of {o.model_config} on mesh "
-        f"{dict(setup.mesh.shape)} ...")
-    step_fn = memory.compile_step(setup, step_fn, state, first)
-    fs.multihost.agree_on_step(step_fn)  # every process compiled the same step (a barrier)
-    ledger.enter("other")
+    step_fn = _compiled(setup, step_fn, state, first, ledger, say)
     job = run_setup.Run(
         setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,
         schedule=schedule, peak=peak, step=step_fn,
@@ -171,6 +165,18 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
       out = dict(out, goodput=ledger.record())
       job.log.write(int(state.step), out["goodput"])
   return summary.summarize(job, state, out)
+
+
+def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
+  """The step compiled ahead of time for the first batch (step 0 doesn't compile again),
+  held against the device's memory, and the same on every process (a barrier)."""
+  ledger.enter("compile")
+  say(f"train_lm: compiling the train step of {setup.o.model_config} on mesh "
+      f"{dict(setup.mesh.shape)} ...")
+  step_fn = memory.compile_step(setup, step_fn, state, first)
+  fs.multihost.agree_on_step(step_fn)
+  ledger.enter("other")
+  return step_fn
 
 
 def _export(setup: run_setup.Setup, state, say) -> None:
