@@ -359,7 +359,13 @@ def _all_gather(q, k, v, q_ids, kv_ids, p: ContextSelection, causal, scale, kern
   if p.kernel == "splash":
     return _splash_gathered(q, k, v, q_ids, kv_ids, p, scale, kernel)
   mine, every = _shard_positions(p, q.shape[1])
-  mask = (mine[:, None] >= every[None, :])[None, None] if causal else None
+  return _xla_masked(q, k, v, mine, every, q_ids, kv_ids, causal, scale)
+
+
+def _xla_masked(q, k, v, q_places, kv_places, q_ids, kv_ids, causal, scale):
+  """XLA's attention of q against k, v with the causal mask of the tokens' places in the
+  sequence ([q len], [kv len]) and, given ids, the segment mask."""
+  mask = (q_places[:, None] >= kv_places[None, :])[None, None] if causal else None
   if q_ids is not None:
     same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
     mask = same if mask is None else mask & same
@@ -386,11 +392,7 @@ def _ulysses(q, k, v, q_ids, kv_ids, p: ContextSelection, causal, scale, kernel)
     out = _splash_gathered(q, k, v, q_ids, kv_ids, p, scale, kernel)
   else:
     every = jnp.asarray(positions(q.shape[1], c, p.order).reshape(-1))
-    mask = (every[:, None] >= every[None, :])[None, None] if causal else None
-    if q_ids is not None:
-      same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
-      mask = same if mask is None else mask & same
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+    out = _xla_masked(q, k, v, every, every, q_ids, kv_ids, causal, scale)
   return lax.all_to_all(out, p.axes, 1, 2, tiled=True)
 
 
