@@ -8,19 +8,21 @@ each param leaf to its safetensors key and transform, and config.json back for a
   params = fs.checkpoint.hf.load(path, abstract.params, hf_maps.checkpoint_map(m, path))
 
 Families (`model_type`): llama (Llama 2/3/3.1/3.2: tied or untied embeddings), mistral,
-qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into `llama.py`, each with
-plain, "llama3" or "yarn" RoPE; gemma2 (Gemma 2: attention and final logit soft-capping, sliding-window layers
-alternating with global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five
-sliding-window layers to one global, a RoPE base of their own for the local layers) into
-`llama.py` too, as its Gemma options (GeGLU, RMSNorm by (1 + weight) before and after
-attention and the MLP, the embedding scaled by sqrt(d_model), tied embeddings: `hf_gemma`);
-gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a RoPE type, an
-activation, biases elsewhere, a sliding window shorter than the sequence where the model has
-none) is an InputError naming the config.json field, never a silently different model.
-mixtral (Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their
-weights renormalised or not) into `moe.py`: the experts' weights are one leaf each per
-projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's
-layout, which transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`).
+qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into `llama.py`; gemma2
+(Gemma 2: attention and final logit soft-capping, sliding-window layers alternating with
+global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five sliding-window layers
+to one global, a RoPE base of their own for the local layers) into `llama.py` too, as its
+Gemma options (GeGLU, RMSNorm by (1 + weight) before and after attention and the MLP, the
+embedding scaled by sqrt(d_model), tied embeddings: `hf_gemma`); gpt2 into `gpt.py`.
+Anything a config asks that these models can't compute (a RoPE type, an activation, biases
+elsewhere, a sliding window shorter than the sequence where the model has none) is an
+InputError naming the config.json field, never a silently different model. mixtral
+(Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their weights
+renormalised or not) into `moe.py`: the experts' weights are one leaf each per projection,
+[layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's layout, which
+transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`). RoPE: plain,
+"llama3" or "yarn" (`hf_fields.rope`) in every family but gpt2 (Gemma's local layers and
+exports: plain).
 """
 from __future__ import annotations
 
