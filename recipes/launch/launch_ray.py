@@ -56,10 +56,10 @@ from typing import Callable, NamedTuple, Sequence
 from absl import flags
 
 from recipes.launch import launch_local, ray_cluster
+# The supervision rule, shared with launch_local.py (one definition).
+from recipes.launch.launch_local import (EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_PREEMPTED, Exit,
+                                         Verdict, cause_of, classify)
 
-EXIT_PREEMPTED = 143  # fnscale.multihost.EXIT_PREEMPTED (not imported: no jax here)
-EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
-EXIT_BAD_INPUT = 2
 EXIT_TIMEOUT = 124
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL when stopping processes that can't save anything
 POLL_S = 0.2  # how often the launcher asks each host for its process's status
@@ -112,57 +112,6 @@ def tpu_slice(spec: str) -> Hosts:
     raise ValueError(f"tpu={spec!r}, expected generation:topology such as 'v5p:2x2x4' or "
                      "'v6e:4x4' (the slice's chip grid)")
   return Hosts(0, {}, (version.lower(), topology.lower()))
-
-
-class Exit(NamedTuple):
-  """How one process of an attempt ended: `returncode` (negative: a signal; None: unknown, its
-  host was lost, `lost` says how). `process_id` None: the job's hosts couldn't be reserved."""
-  process_id: int | None
-  returncode: int | None
-  lost: str = ""
-
-
-class Verdict(NamedTuple):
-  """What an attempt's first failure means: restart or not, why (words), exit status."""
-  restart: bool
-  why: str
-  status: int
-
-
-def cause_of(exits: Sequence[Exit]) -> Exit | None:
-  """The failure that explains an attempt's end, among the processes that ended on their own
-  (not those the launcher stopped): a lost process (its host gone, or ended by a signal the
-  launcher didn't send) before a preemption (143), before a lost peer (75), before anything
-  else (2, an uncaught error): what a lost host leaves in its peers is a symptom. Lowest process
-  id among equals; None if none failed."""
-  def rank(e: Exit):
-    lost = bool(e.lost) or (e.returncode is not None and e.returncode < 0)
-    order = 0 if lost else 1 if e.returncode == EXIT_PREEMPTED else (
-        2 if e.returncode == EXIT_JOB_FAILED else 3)
-    return order, e.process_id
-  failed = [e for e in exits if e.lost or e.returncode != 0]
-  return min(failed, key=rank) if failed else None
-
-
-def classify(e: Exit) -> Verdict:
-  """The supervision rule for the first process of an attempt that failed (module docstring)."""
-  rc = e.returncode
-  if e.lost:
-    return Verdict(True, e.lost, EXIT_JOB_FAILED)
-  if rc == EXIT_PREEMPTED:
-    return Verdict(True, f"process {e.process_id} exited with 143 (preempted)", EXIT_PREEMPTED)
-  if rc == EXIT_JOB_FAILED:
-    return Verdict(True, f"process {e.process_id} exited with 75 (lost or failed process)",
-                   EXIT_JOB_FAILED)
-  if rc is not None and rc < 0:
-    name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
-    return Verdict(True, f"process {e.process_id} was ended by {name} (lost process)",
-                   EXIT_JOB_FAILED)
-  if rc == EXIT_BAD_INPUT:
-    return Verdict(False, f"process {e.process_id} exited with 2 (bad input or configuration)",
-                   EXIT_BAD_INPUT)
-  return Verdict(False, f"process {e.process_id} exited with {rc} (an uncaught error)",
-                 rc if rc else 1)
 
 
 class Restart(NamedTuple):
