@@ -74,7 +74,10 @@ def prepare(s, say) -> str:
     fs.checkpoint.check_shared_directory(d)  # several processes: orbax saves need one directory
   except fs.DistributedError as e:
     raise fs.InputError(f"--emergency_dir={d}: {e} Or {fix}") from None
-  _check_owner(d, owner(s), untouched)
+  ours = owner(s)
+  if _inside(d, s.o.run_dir):  # moves with its run (a copied run dir): its path isn't its name
+    ours.pop("run_dir")
+  _check_owner(d, ours, untouched)
   checkpoints.remove_unfinished(d, say)
   if jax.process_index() == 0:  # replaced whole: another process may be reading it
     tmp = os.path.join(d, f".{OWNER_FILE}.tmp")
@@ -84,9 +87,14 @@ def prepare(s, say) -> str:
   return d
 
 
+def _inside(d: str, run_dir: str) -> bool:
+  d, run_dir = os.path.abspath(d), os.path.abspath(run_dir)
+  return os.path.commonpath([d, run_dir]) == run_dir
+
+
 def _check_owner(d: str, ours: dict, untouched: str) -> None:
-  """Refuses copies in `d` that another run saved (another run directory, model or data
-  order), or copies without an owner record."""
+  """Refuses copies in `d` that another run saved (another model or data order; another run
+  directory where `ours` names one), or copies without an owner record."""
   path = os.path.join(d, OWNER_FILE)
   saved = sorted(int(n) for n in os.listdir(d) if n.isdigit())  # step directories
   if os.path.isfile(path):
@@ -126,8 +134,8 @@ def newest(ckpt, local, say):
     return ckpt
   kept = fs.checkpoint.latest_step(ckpt) if ckpt is not None else None
   if kept is not None and kept >= copy:
-    say(f"checkpoint: the newest checkpoint (step {kept}) is as new as the emergency copies "
-        f"(step {copy}, {local.directory}): resuming from the checkpoint")
+    say(f"checkpoint: the newest checkpoint (step {kept}) is not older than the newest "
+        f"emergency copy (step {copy}, {local.directory}): resuming from the checkpoint")
     return ckpt
   say(f"checkpoint: resuming from the emergency copy of step {copy} ({local.directory}); the "
       "newest checkpoint is " + (f"step {kept}" if kept is not None else "none yet"))
