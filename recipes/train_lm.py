@@ -76,7 +76,7 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.dataset}) ...")
-        setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
+        setup = _decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
         ledger = goodput.ledger(started or t0, setup.o.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.checkpoint_dir
@@ -91,6 +91,30 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
           return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
+
+
+def _decide(o: Options, corpus, say) -> run_setup.Setup:
+  """`run_setup.decide`; a run resumed on another device count (a restart on fewer hosts)
+  with its batch left to the default keeps the global batch its run.json records: the rows
+  per device and the accumulation follow (memory.py), the data order stays, and it says so."""
+  said = []
+  try:
+    setup = run_setup.decide(o, corpus, said.append)
+  except BaseException:
+    for line in said:
+      say(line)
+    raise
+  n = jax.device_count()
+  recorded = None if o.global_batch or o.batch_size else rundir.recorded_batch(setup.o.run_dir, n)
+  if recorded is None or recorded[0] == setup.o.global_batch:
+    for line in said:
+      say(line)
+    return setup
+  say(f"train_lm: {setup.o.run_dir} was trained with global batch {recorded[0]} on "
+      f"{recorded[1]} devices; keeping it on these {n} (by default {setup.o.global_batch}): "
+      "rows per device and accumulation follow, the data order stays (--global_batch sets "
+      "another)")
+  return run_setup.decide(dataclasses.replace(o, global_batch=recorded[0]), corpus, say)
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
