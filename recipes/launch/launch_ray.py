@@ -440,25 +440,42 @@ def _attempt(ray, o: _Launch, number: int) -> tuple[Exit | None, list]:
   return cause_of(own), results
 
 
-def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
-  """Where recipes/train_lm.py run as `argv` keeps its checkpoints (its own flags and
-  defaults); None for another command, --nocheckpoint, or flags it refuses. Imports the
-  recipe (and jax): called only after a failure."""
+def _recipe_dirs(argv: Sequence[str], cwd: str) -> tuple[str | None, str | None]:
+  """Where recipes/train_lm.py run as `argv` keeps its checkpoints and its emergency copies
+  (its own flags and defaults; None where off); both None for another command or flags it
+  refuses. Imports the recipe (and jax): called only after a failure."""
   if not argv or os.path.basename(argv[0]) != "train_lm.py":
-    return None
+    return None, None
   from recipes import train_lm
-  from recipes.lm import checkpoints, cli, rundir  # pylint: disable=import-outside-toplevel
+  from recipes.lm import checkpoints, cli, emergency, rundir  # pylint: disable=import-outside-toplevel
   try:
     o = cli.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
-    return None
+    return None, None
   if not (o.run_dir or o.checkpoint_dir):  # train_lm's default: per model and vocabulary
     if o.model_config is None or o.tokenizer:  # the platform's default model, a tokenizer's
-      return None                              # vocabulary: known only where it runs
+      return None, None                        # vocabulary: known only where it runs
     o = dataclasses.replace(o, run_dir=rundir.default_run_dir(o.model_config, o.dataset, "",
                                                               256))
-  d = checkpoints.directory(o)
-  return None if not d else d if "://" in d else os.path.join(cwd, d)
+  place = lambda d: None if not d else d if "://" in d else os.path.join(cwd, d)
+  return place(checkpoints.directory(o)), place(emergency.directory(o) if o.run_dir else "")
+
+
+def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
+  """Where recipes/train_lm.py run as `argv` keeps its checkpoints (`_recipe_dirs`)."""
+  return _recipe_dirs(argv, cwd)[0]
+
+
+def _resumed_from(o: "_Launch") -> tuple[int | None, str | None]:
+  """(step, directory) a restart resumes from: the newer of the job's newest checkpoint and
+  train_lm's newest emergency copy, as train_lm picks (recipes/lm/emergency.py)."""
+  directory = o.checkpoint_dir or _recipe_checkpoint_dir(o.command.argv, o.command.cwd)
+  step = _newest_step(directory)
+  copies = _recipe_dirs(o.command.argv, o.command.cwd)[1]
+  copy = _newest_step(copies)
+  if copy is not None and (step is None or copy > step):
+    return copy, copies
+  return step, directory
 
 
 def _newest_step(directory: str | None) -> int | None:
@@ -511,8 +528,7 @@ def _supervise(ray, o: _Launch) -> Outcome:
                                 f"(max_restarts={max_restarts})"))
       return Outcome(verdict.status, tuple(restarts), results)
     delay = min(o.backoff[1], o.backoff[0] * 2 ** len(restarts))
-    directory = o.checkpoint_dir or _recipe_checkpoint_dir(o.command.argv, o.command.cwd)
-    step = _newest_step(directory)
+    step, directory = _resumed_from(o)
     codes = tuple(code for code, _ in results)
     say(f"restart {len(restarts) + 1} of {max_restarts} in {delay:g} s: {verdict.why} "
         f"(exit statuses {', '.join('lost' if c is None else str(c) for c in codes)}); "
