@@ -149,6 +149,13 @@ def test_an_unwritable_emergency_dir_is_an_error_and_the_checkpoints_stay(work, 
                                         "(NotADirectoryError"), err
   assert "--emergency_every=0" in err[-1] and f"{run_dir / 'checkpoints'} are untouched" in err[-1]
   assert _steps(run_dir) == (5,)
+  # A bucket: the copies are for a fast file system; nothing is made locally in its name.
+  rc = train_lm.main(["train_lm", *_argv(work, run_dir, "--emergency_every=2",
+                                         "--emergency_dir=gs://bucket/e")])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and err[-1].startswith("error: --emergency_dir=gs://bucket/e: emergency "
+                                        "copies are for a fast file system path"), err
+  assert not pathlib.Path("gs:").exists() and _steps(run_dir) == (5,)
 
 
 @pytest.mark.slow

@@ -61,6 +61,11 @@ def prepare(s, say) -> str:
   fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
          f"on one host, a shared file system on several), or --emergency_every=0 to save no "
          f"emergency copies; {untouched}")
+  if "://" in d:
+    raise fs.InputError(f"--emergency_dir={d}: emergency copies are for a fast file system "
+                        "path (a local disk, or a shared file system on several hosts), not an "
+                        f"object store; the persistent --checkpoint_dir takes buckets. Fix: "
+                        f"{fix}")
   try:
     os.makedirs(d, exist_ok=True)
     probe = os.path.join(d, f".writable-{jax.process_index()}")
