@@ -105,7 +105,8 @@ def _decide(o: Options, corpus, say) -> run_setup.Setup:
       say(line)
     raise
   n = jax.device_count()
-  recorded = None if o.global_batch or o.batch_size else rundir.recorded_batch(setup.o.run_dir, n)
+  asked = o.global_batch or o.batch_size
+  recorded = None if asked else rundir.recorded_batch(setup.o.run_dir, n)
   if recorded is None or recorded[0] == setup.o.global_batch:
     for line in said:
       say(line)

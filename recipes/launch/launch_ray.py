@@ -446,8 +446,9 @@ def _recipe_dirs(argv: Sequence[str], cwd: str) -> tuple[str | None, str | None]
   refuses. Imports the recipe (and jax): called only after a failure."""
   if not argv or os.path.basename(argv[0]) != "train_lm.py":
     return None, None
+  # pylint: disable=import-outside-toplevel
   from recipes import train_lm
-  from recipes.lm import checkpoints, cli, emergency, rundir  # pylint: disable=import-outside-toplevel
+  from recipes.lm import checkpoints, cli, emergency, rundir
   try:
     o = cli.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
