@@ -1,6 +1,7 @@
 """Emergency copies (recipes/lm/emergency.py, --emergency_every): a job whose process is killed
 (-9) is restarted by launch_local and resumes from the newest copy, losing at most
---emergency_every steps, its loss curve bitwise the uninterrupted run's; bad emergency
+--emergency_every steps, its loss curve bitwise the uninterrupted run's; started again on
+fewer processes, it keeps its global batch and reads the same rows; bad emergency
 directories are `error:` lines that leave the checkpoints as they were."""
 import json
 import os
