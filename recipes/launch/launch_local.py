@@ -20,8 +20,9 @@ Supervision, the Ray launcher's rule (`classify`): a process preempted (143), lo
 ended by a signal (kill -9, the OOM killer) stops the others and the whole job starts again at
 once on a fresh coordinator port, up to `--max_restarts` times, each restart said in one line;
 recipes/train_lm.py resumes from its newest save (persistent or emergency copy). Bad input (2)
-or an uncaught error is not restarted. The exit status is the failing child's; after the last
-restart, or on a failure that isn't restarted, the last line is an `error:` line.
+or an uncaught error is not restarted. The exit status is the cause's (75 for a process ended
+by a signal, as the Ray launcher's); after the last restart, or on a failure that isn't
+restarted, the last line is an `error:` line.
 
 `launch(argv, num_processes, devices_per_process, timeout_s=...)` is the same as a function
 (`supervise` also returns the restarts).
