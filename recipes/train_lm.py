@@ -33,7 +33,7 @@ import jax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
 from recipes.lm import profiling, progress, run_log, run_setup, rundir, stalls, startup, stopping
-from recipes.lm import goodput, summary
+from recipes.lm import emergency, goodput, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -76,19 +76,46 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.dataset}) ...")
-        setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
+        setup = _decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
         ledger = goodput.ledger(started or t0, setup.o.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.checkpoint_dir
         if checkpoint_dir:  # one directory every process sees, checked before use
           fs.checkpoint.check_shared_directory(checkpoint_dir)
           checkpoints.remove_unfinished(checkpoint_dir, say)
-        # One checkpoint manager for the whole run; leaving the block waits for the last
-        # save. orbax's warnings go to RUN_DIR/log.txt, not the console.
-        with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt:
-          return _run(setup, ckpt, t0, say, should_stop, ledger)
+        local_dir = emergency.prepare(setup, say)  # its copies: this run's, writable
+        # One checkpoint manager for the whole run (and one for its emergency copies);
+        # leaving the block waits for the last save. orbax's warnings go to RUN_DIR/log.txt.
+        with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt, \
+            emergency.manager(local_dir) as local:
+          return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
+
+
+def _decide(o: Options, corpus, say) -> run_setup.Setup:
+  """`run_setup.decide`; a run resumed on another device count (a restart on fewer hosts)
+  with its batch left to the default keeps the global batch its run.json records: the rows
+  per device and the accumulation follow (memory.py), the data order stays, and it says so."""
+  said = []
+  try:
+    setup = run_setup.decide(o, corpus, said.append)
+  except BaseException:
+    for line in said:
+      say(line)
+    raise
+  n = jax.device_count()
+  asked = o.global_batch or o.batch_size
+  recorded = None if asked else rundir.recorded_batch(setup.o.run_dir, n)
+  if recorded is None or recorded[0] == setup.o.global_batch:
+    for line in said:
+      say(line)
+    return setup
+  say(f"train_lm: {setup.o.run_dir} was trained with global batch {recorded[0]} on "
+      f"{recorded[1]} devices; keeping it on these {n} (by default {setup.o.global_batch}): "
+      "rows per device and accumulation follow, the data order stays (--global_batch sets "
+      "another)")
+  return run_setup.decide(dataclasses.replace(o, global_batch=recorded[0]), corpus, say)
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
@@ -110,12 +137,14 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   return step_fn, evaluation.eval_loss(loss_fn, policy, kernels)
 
 
-def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
+def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
          ledger: goodput.Ledger) -> summary.Summary:
-  """Restore, build and compile; then the loop and the end of the run. `ckpt`: a
-  fnscale.checkpoint.Manager, or None (no checkpoints). A run that already holds its last
+  """Restore, build and compile; then the loop and the end of the run. `managers`: the
+  checkpoints' and the emergency copies' fnscale.checkpoint.Manager, each None when off. It
+  resumes from the newer of the two (emergency.newest). A run that already holds its last
   step ends after the restore (`checkpoints.finished`): nothing compiled. `ledger` books
   where the time goes (goodput.py), recorded at each progress line and at the end."""
+  ckpt, local = managers
   policy = startup.policy(setup.o.precision, setup.topo.platform)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
@@ -128,7 +157,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
     # context axis); fs.global_batch makes one array over every process.
     train_rows, evals = batches.run_batches(setup, fs.batch_sharding(setup.mesh,
                                                                      context_axes=()))
-    state, start, resumed, saved = checkpoints.resume(setup, ckpt, init, train_rows, say,
+    source = emergency.newest(ckpt, local, say)
+    state, start, resumed, saved = checkpoints.resume(setup, source, init, train_rows, say,
                                                       ledger)
     if checkpoints.finished(setup.o, start):
       _export(setup, state, say)
@@ -150,7 +180,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
                             tracker=o.tracker, config=dataclasses.asdict(o),
                             keep_through=-1 if resumed is None else start),
         prof=profiling.profiler(setup.profile, o.run_dir, say=say),
-        saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say, ledger),
+        saver=checkpoints.saver(setup, ckpt, train_rows, resumed if source is ckpt else None,
+                                say, ledger, local),
         should_stop=should_stop, goodput=ledger, params_of=finetune.params_of(setup.lora))
     with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)
       job.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
@@ -198,6 +229,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   notice stopped it (its grace_s is for the save)."""
   o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.checkpoint_every
+  copy_every = o.emergency_every if o.checkpoint else 0
   for step in range(job.start, o.steps):
     job.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
     job.prof.at_step(step, pending=m)
@@ -216,6 +248,9 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
     if stopped or (every and done % every == 0 and done < o.steps):
       with clock.paused():  # before the next batch is read: the position is this step's
         job.saver.save(state, done)
+    elif copy_every and done % copy_every == 0 and done < o.steps:
+      with clock.paused():
+        job.saver.save(state, done, emergency=True)
     if done < o.steps and not stopped:
       batch = batches.put(job.setup, next(job.batches))  # while it runs
     clock.start(done, m["loss"])
