@@ -173,7 +173,7 @@ def forecast_terms(target, cpu_rates: tuple[float, float] | None = None) -> _for
   Examples:
     >>> import fnscale as fs
     >>> fs.analysis.forecast_terms("v5e-1").matmul, fs.analysis.forecast_terms("v5e-1").memory
-    (0.8264, 2.0998)
+    (0.8479, 2.3807)
     >>> fs.analysis.forecast_terms("v5e-8") == fs.analysis.FORECAST_TERMS
     True
   """
