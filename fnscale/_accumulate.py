@@ -196,7 +196,8 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
   # Where the loop's sums are whole (no manual axes), its last microbatch divides them by
   # the weight in the same pass as its add: divided after the loop, every gradient was held
   # twice where the step measures its change (1.67x accum 1's temporaries against 1.25x,
-  # CPU fsdp=8, tests/test_accumulation.py).
+  # CPU fsdp=8, tests/test_accumulation.py). Not those all-reduced over a data axis
+  # (`_divided_inside`).
   last_divides = reduce and not axes
   inside = _divided_inside(params) if last_divides else None
 
