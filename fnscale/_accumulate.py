@@ -9,13 +9,17 @@ gradients end in the params' sharding in every mode. Measure the modes with
 
 - "per_microbatch" (ZeRO-3): params stay sharded and are gathered inside each microbatch, as
   without accumulation (accum x the all-gather traffic); each microbatch's gradient is
-  reduced into a float32 accumulator sharded as the params are (accum x the reduction
-  traffic, replicated leaves included). Per-device memory as at accum 1 plus the sharded
-  accumulator. The loop stays with XLA's partitioner, which carries its accumulator in one
-  sharding, never as a partial sum, so it reduces every microbatch's gradient before adding
-  it (on TPU, XLA's while-loop all-reduce code motion moves some of those all-reduces out of
-  the loop; CPU's compiler doesn't, and on Explicit axes it moves the params' gathers out of
-  the loop, holding them whole: measure on the target).
+  reduced into a float32 accumulator sharded as the params are (accum x the reduce-scatter
+  traffic). Per-device memory as at accum 1 plus the sharded accumulator. The loop stays
+  with XLA's partitioner, which carries its accumulator in one sharding, never as a partial
+  sum, so it reduces every microbatch's gradient before adding it. Gradients all-reduced
+  over a data axis (leaves replicated over it: norm scales, biases, an FSDP leaf's shard
+  over "data" beside "fsdp") are divided by the weight after the loop (`_divided_inside`),
+  so that each all-reduce is only added to its carried sum: on TPU, XLA's while-loop
+  all-reduce code motion then moves it after the loop, once a step (4x fewer bytes over
+  "data" at accum 4, data=2 x fsdp=4, tests/test_accumulation.py); CPU's compiler keeps it
+  in every microbatch (and on Explicit axes moves the params' gathers out of the loop,
+  holding them whole: measure on the target).
 - "once": for models whose whole params fit on a device. The microbatch loop runs per shard
   under `jax.shard_map` over the data axes; params, cast to the compute dtype, are
   all-gathered once at its entry and stay whole for the loop; every device sums its own
@@ -192,8 +196,10 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
   # Where the loop's sums are whole (no manual axes), its last microbatch divides them by
   # the weight in the same pass as its add: divided after the loop, every gradient was held
   # twice where the step measures its change (1.67x accum 1's temporaries against 1.25x,
-  # CPU fsdp=8, tests/test_accumulation.py).
+  # CPU fsdp=8, tests/test_accumulation.py). Not those all-reduced over a data axis
+  # (`_divided_inside`).
   last_divides = reduce and not axes
+  inside = _divided_inside(params) if last_divides else None
 
   def body(carry, mb_i):
     gsum, lsum, wsum = carry
@@ -203,7 +209,7 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
     gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
     if last_divides:  # by 1 (exact) before the last microbatch
       d = jnp.where(i == n - 1, _divisor(wsum, floor), 1.0)
-      gsum = jax.tree.map(lambda x: x / d, gsum)
+      gsum = jax.tree.map(lambda x, div: x / d if div else x, gsum, inside)
     return (_like_params(gsum, params), lsum, wsum), a
 
   zero = _vary(jnp.zeros((), jnp.float32), axes)
@@ -212,9 +218,27 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
   (gsum, lsum, wsum), auxs = jax.lax.scan(body, init, (micro, jnp.arange(n)))
   aux = _reduce_aux(auxs, axis=0) if cfg.has_aux else None
   if last_divides:
-    return gsum, lsum / _divisor(wsum, floor), wsum, aux
+    d = _divisor(wsum, floor)
+    gsum = jax.tree.map(lambda x, div: x if div else x / d, gsum, inside)
+    return gsum, lsum / d, wsum, aux
   out = _reduce(cfg, gsum, lsum, wsum, aux, axes, reduce)
   return _normalize(*out, floor) if reduce else out
+
+
+def _divided_inside(params):
+  """Per leaf of `params`, whether the partitioner's loop divides its gradient sum by the
+  weight inside (in its last microbatch, `_grad_sum`) rather than after the loop: a leaf
+  split over every data axis, or all where no data axis splits the batch or the params'
+  shardings are unknown. A leaf replicated over a data axis (a norm's scale, a bias; an FSDP
+  leaf's shard over "data" beside "fsdp") is divided after the loop: its gradient,
+  all-reduced over that axis in each microbatch, is then only added to the carried sum,
+  which lets XLA's TPU compiler (while-loop all-reduce code motion) move the all-reduce
+  after the loop, one for the step; divided inside, it stays in every microbatch."""
+  axes, specs = set(_global_data_axes()), _known_specs(params)
+  if not axes or specs is None:
+    return jax.tree.map(lambda _: True, params)
+  split = [axes <= {a for e in s for a in _tree.entry_axes(e)} for s in specs]
+  return jax.tree.unflatten(jax.tree.structure(params), split)
 
 
 def _reduce(cfg: _Config, grads, loss, weight, aux, axes, reduce_grads: bool = True):
