@@ -239,7 +239,13 @@ def _preflight(o, m: Model, topo, mesh, per_device: int, say):
       return filled(chosen[0].remat, chosen[0].accum_steps, chosen[0].rows, opt)
   if not free and ask(opts[0], HEADROOM * cap):  # the user's choice: the compile judges
     return filled(o.remat, o.accum_steps, per_device)
-  # The fix: what fits with the user's optimizer, else with a smaller state.
+  raise _no_fit(m, mesh, need, cap, held, opts, ask)
+
+
+def _no_fit(m: Model, mesh, need: float, cap: float, held: dict, opts, ask) -> FitError:
+  """The error of a run that fits no choice left free: what it needs against what the device
+  has, what the user pinned, and as the fix what fits with the user's optimizer, else with a
+  smaller state (`ask(opt, room)`: the planner's rows that fit `room` bytes)."""
   anything = next((a for a in ([(x, opt) for x in ask(opt, HEADROOM * cap)]
                                for opt in dict.fromkeys(opts[:1] + OPTIMIZERS)) if a), [])
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
@@ -247,7 +253,7 @@ def _preflight(o, m: Model, topo, mesh, per_device: int, say):
   pinned = " ".join([spell[k](v) for k, v in held.items()] + (
       [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
       if len(opts) == 1 else []))
-  raise FitError(
+  return FitError(
       f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
       + (f"; with {pinned.strip()} nothing fits, whatever the remat and accumulation"
