@@ -38,7 +38,7 @@ def _evaluate(r, state, step: int) -> float:
   params = r.params_of(state)
   value = float(np.mean([float(jax.block_until_ready(r.eval_loss(params, b)))
                          for b in r.eval_batches]))
-  if r.setup.o.objective == "dpo":
+  if r.setup.o.tune.objective == "dpo":
     r.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
     r.log.write(step, {"eval/dpo_loss": value})
     return value
@@ -58,9 +58,10 @@ def sample(r, state) -> str:
 def _sample(r, state) -> str:
   o, c, t = r.setup.o, r.setup.corpus, time.time()
   apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
-  text = c.decode(sampling.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
-                               sampling.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
-                                            o.attention)))
-  r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "
-        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.prompt}{text}\n{'-' * 60}")
+  how = sampling.Sampling(o.log.sample_len, r.setup.cfg.seq, o.log.temperature, o.data.seed,
+                          o.model.attention)
+  text = c.decode(sampling.generate(apply, r.params_of(state), c.encode(o.log.prompt or "\n"),
+                                    how))
+  r.say(f"sample ({o.log.sample_len} tokens, temperature {o.log.temperature}, "
+        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.log.prompt}{text}\n{'-' * 60}")
   return text

@@ -79,8 +79,8 @@ def flops_per_step(s) -> float:
   """Model FLOPs per step of run `s` (a `run_setup.Setup`): MFU's numerator, times the
   step's time."""
   if s.lora is not None:  # frozen weights: forward and input gradient only
-    return finetune.flops_per_token(s, s.lora) * s.o.global_batch * s.cfg.seq
-  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
+    return finetune.flops_per_token(s, s.lora) * s.o.step.global_batch * s.cfg.seq
+  return s.model.flops_per_token(s.cfg) * s.o.step.global_batch * s.cfg.seq
 
 
 EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
@@ -154,7 +154,7 @@ def whole_run(r, t: Timing | None) -> dict:
   if t is None or t.steps == 0 or t.seconds <= 0:
     return dict(tokens_per_s=None, mfu=None)
   per_s = t.steps / t.seconds
-  return dict(tokens_per_s=r.setup.o.global_batch * r.setup.cfg.seq * per_s,
+  return dict(tokens_per_s=r.setup.o.step.global_batch * r.setup.cfg.seq * per_s,
               mfu=flops_per_step(r.setup) * per_s / r.peak.flops if r.peak.flops else None)
 
 
@@ -167,18 +167,18 @@ def progress(r, done: int, m, dt) -> dict:
     StepError: a non-finite loss.
   """
   s, peak, loss = r.setup, r.peak.flops, float(m["loss"])
-  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
+  tok_s = s.o.step.global_batch * s.cfg.seq / dt if dt else None
   mfu = flops_per_step(s) / dt / peak if dt and peak else None
   # The lr that step `done`'s update used (the schedule counts updates from 0: the first
   # of a warmup from 0, as in MaxText and GPT-3's recipe, moves nothing).
   metrics = {"train/loss": loss, "train/lr": float(r.schedule(done - 1)),
              "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
-  line = run_log.progress_line(done, s.o.steps, metrics, dt)
+  line = run_log.progress_line(done, s.o.schedule.steps, metrics, dt)
   r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
   optional = {f"train/{k}": float(m[k]) for k in ("update_norm", "loss_scale") if k in m}
   r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]), **optional})
   r.log.write(done, r.goodput.record())  # a kill loses only the time since
-  if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
+  if "aux" in m and s.o.tune.objective == "dpo":  # DPO's implicit rewards
     _say_rewards(r, done, m["aux"])
   elif "aux" in m:  # a mixture of experts: its load
     _say_load(r, done, s.model.load_metrics(m["aux"]))
