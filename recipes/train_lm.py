@@ -142,20 +142,15 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
     first = batches.put(setup, rows)
     step_fn = _compiled(setup, step_fn, state, first, ledger, say)
     job = run_setup.Run(
-        setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,
-        schedule=schedule, peak=peak, step=step_fn,
-        report=fs.compile_report(step_fn, state, first), batches=train_rows,
-        eval_loss=eval_loss, eval_batches=[batches.put(setup, b) for b in evals],
-        start=start, resumed=resumed,
-        # A resumed run's log continues from its step; a fresh one starts a fresh log.
-        log=run_log.run_log(o.ckpt.run_dir, active=jax.process_index() == 0, say=say,
-                            tracker=o.log.tracker, config=cli.flat(o),
-                            keep_through=-1 if resumed is None else start),
-        prof=profiling.profiler(setup.profile, o.ckpt.run_dir, say=say),
-        saver=checkpoints.saver(setup, ckpt, train_rows, resumed, say, ledger),
-        should_stop=should_stop, goodput=ledger, params_of=finetune.params_of(setup.lora))
-    with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)
-      job.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
+        setup=setup, t0=t0, start=start, resumed=resumed, batches=train_rows,
+        should_stop=should_stop,
+        compiled=run_setup.Compiled(step_fn, fs.compile_report(step_fn, state, first),
+                                    policy, schedule, peak),
+        evals=run_setup.Evals(eval_loss, [batches.put(setup, b) for b in evals],
+                              data.baseline(setup.corpus), finetune.params_of(setup.lora)),
+        rec=_records(setup, ckpt, train_rows, start, resumed, say, ledger))
+    with contextlib.closing(job.rec.log):  # closed however the run ends (a Ctrl-C too)
+      job.rec.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
       summary.describe(job, state)
       batches.say_padding(o.data, o.tune, rows, evals, say)
       ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
@@ -165,8 +160,21 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
       if not out["stopped"]:
         _export(setup, state, say)
       out = dict(out, goodput=ledger.record())
-      job.log.write(int(state.step), out["goodput"])
+      job.rec.log.write(int(state.step), out["goodput"])
   return summary.summarize(job, state, out)
+
+
+def _records(setup: run_setup.Setup, ckpt, train_rows, start: int, resumed: int | None, say,
+             ledger: goodput.Ledger) -> run_setup.Records:
+  """Where the run says, logs, traces and saves: a resumed run's log continues from its
+  step, a fresh one starts a fresh log."""
+  o = setup.o
+  log = run_log.run_log(o.ckpt.run_dir, active=jax.process_index() == 0, say=say,
+                        tracker=o.log.tracker, config=cli.flat(o),
+                        keep_through=-1 if resumed is None else start)
+  return run_setup.Records(
+      say, log, profiling.profiler(setup.profile, o.ckpt.run_dir, say=say),
+      checkpoints.saver(setup, ckpt, train_rows, resumed, say, ledger), ledger)
 
 
 def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
@@ -198,17 +206,17 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   Returns the state and the run's figures (`eval_loss` and `eval_step`: the last eval's,
   from `ev`, (loss, step) at the start, on). A stop evaluates its step unless a preemption
   notice stopped it (its grace_s is for the save)."""
-  o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
+  o, rec, m, last, stopped, stall = job.setup.o, job.rec, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.ckpt.checkpoint_every
   steps, max_stalled = o.schedule.steps, o.schedule.max_stalled_steps
   for step in range(job.start, steps):
-    job.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
-    job.prof.at_step(step, pending=m)
-    prev, (state, m) = m, job.step(state, batch)
+    rec.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
+    rec.prof.at_step(step, pending=m)
+    prev, (state, m) = m, job.compiled.step(state, batch)
     # The previous step's update, read while this one runs (one step stays in flight).
     stall = stalls.check_update(stall, step, prev, max_stalled)
     done = step + 1
-    job.saver.note(done, m)
+    rec.saver.note(done, m)
     # One step in flight on CPU: simulated devices share one pool of host threads, and with
     # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
     if job.setup.topo.platform == "cpu":
@@ -218,40 +226,40 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
     stopped = stopping.reason(done, steps, notice, job.ctrl_c(), o.ckpt.stop_after)
     if stopped or (every and done % every == 0 and done < steps):
       with clock.paused():  # before the next batch is read: the position is this step's
-        job.saver.save(state, done)
+        rec.saver.save(state, done)
     if done < steps and not stopped:
       batch = batches.put(job.setup, next(job.batches))  # while it runs
     clock.start(done, m["loss"])
     if done % o.log.log_every == 0 or done == steps or clock.due(done):
-      job.saver.check()
+      rec.saver.check()
       last = progress.progress(job, done, m, clock.lap(done))
     if done % o.log.eval_every == 0 and done < steps:
       with clock.paused():
         ev = evaluation.evaluate(job, state, done), done
     if stopped:
-      job.saver.commit()  # the agreed step is on disk before the process exits
+      rec.saver.commit()  # the agreed step is on disk before the process exits
       if ev[1] != done and not notice:  # the stop's own loss, its step saved first
         ev = evaluation.evaluate(job, state, done), done
-      job.say(f"stopped at step {done} ({stopped}): "
+      rec.say(f"stopped at step {done} ({stopped}): "
               f"{stopping.what_is_saved(o.ckpt.checkpoint_dir)}")
       break
-  job.goodput.enter("other")
-  job.prof.close(pending=state)
+  rec.goodput.enter("other")
+  rec.prof.close(pending=state)
   stalls.check_update(stall, steps if not stopped else done, m, max_stalled)
   return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
                      eval_loss=ev[0], eval_step=ev[1],
-                     **progress.whole_run(job, clock.totals()))
+                     **progress.whole_run(job.setup, job.compiled.peak, clock.totals()))
 
 
 def _finish(job: run_setup.Run, state, out: dict) -> dict:
   """Unless the loop stopped: the final checkpoint, eval and sample, added to `out`."""
   if out["stopped"]:
     return dict(out, sample=None)
-  job.saver.save(state, int(state.step))  # written while the eval and the sample run
+  job.rec.saver.save(state, int(state.step))  # written while the eval and the sample run
   out = dict(out, eval_loss=evaluation.evaluate(job, state, int(state.step)),
              eval_step=int(state.step),
              sample=evaluation.sample(job, state) if job.setup.o.log.sample_len > 0 else None)
-  job.saver.commit()
+  job.rec.saver.commit()
   return out
 
 

@@ -186,26 +186,41 @@ def check_pipeline(microbatches: int, model, mesh) -> None:
         "--microbatches.")
 
 
-class Run(NamedTuple):
-  """What train_lm's loop and its reports share, built once when the step has compiled."""
-  setup: Setup
-  say: Callable[..., None]  # print, on process 0 only
-  t0: float  # when the run started (time.time())
-  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+class Compiled(NamedTuple):
+  """The run's compiled step and what describes it."""
+  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
+  report: Any  # its fs.compile_report
   policy: Any  # the jmp policy (None: float32)
   schedule: Callable[[int], float]  # the learning rate at a step
   peak: progress.Peak  # the MFU denominator
-  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
-  report: Any  # its fs.compile_report
-  batches: Any  # this process's batch iterator (each checkpoint saves its position)
-  eval_loss: Callable  # eval_loss(params, batch) -> mean loss (jitted)
-  eval_batches: list  # the held-out global batches of every eval
-  start: int  # the first step this call trains
-  resumed: int | None  # the step it resumed from (None: a fresh run)
+
+
+class Evals(NamedTuple):
+  """What the run's evals and its sample read."""
+  loss: Callable  # loss(params, batch) -> mean loss (jitted)
+  batches: list  # the held-out global batches of every eval
+  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+  params_of: Callable = lambda state: state.params  # the params evaluated and sampled
+
+
+class Records(NamedTuple):
+  """Where the run says, logs, traces and saves what it does and books its time."""
+  say: Callable[..., None]  # print, on process 0 only
   log: run_log.RunLog  # metrics.jsonl and TensorBoard
   prof: profiling.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
-  should_stop: Callable[[int], bool]  # the preemption guard's check
   goodput: Any  # the goodput.Ledger that books where the run's time goes
-  params_of: Callable = lambda state: state.params  # the params evaluation and samples use
+
+
+class Run(NamedTuple):
+  """What train_lm's loop and its reports share, built once when the step has compiled."""
+  setup: Setup
+  t0: float  # when the run started (time.time())
+  start: int  # the first step this call trains
+  resumed: int | None  # the step it resumed from (None: a fresh run)
+  batches: Any  # this process's batch iterator (each checkpoint saves its position)
+  should_stop: Callable[[int], bool]  # the preemption guard's check
+  compiled: Compiled
+  evals: Evals
+  rec: Records
   ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop

@@ -23,7 +23,8 @@ def param_count(state) -> int:
 def describe(r, state) -> None:
   """The start-up lines and the "start" and "data" records of run.json of run `r`, about to
   train `state`."""
-  s, o, c, seq, say = r.setup, r.setup.o, r.setup.cfg, r.setup.cfg.seq, r.say
+  s, o, c, seq, say = r.setup, r.setup.o, r.setup.cfg, r.setup.cfg.seq, r.rec.say
+  compiled, baseline = r.compiled, r.evals.baseline
   n_params = param_count(state)
   dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
   say(f"fnscale train_lm: model {o.model.model_config} ({c.layers} layers, d_model "
@@ -41,41 +42,42 @@ def describe(r, state) -> None:
          "device)"
          if split > 1 else "")
       + (f", {o.step.accum_steps} accumulation steps" if o.step.accum_steps > 1 else ""))
-  say(f"data: {s.corpus.describe}; held-out bigram baseline {r.baseline.bigram:.4f} "
+  say(f"data: {s.corpus.describe}; held-out bigram baseline {baseline.bigram:.4f} "
       "nats/token (recipes/baseline.py)")
   say(f"schedule: {sched.schedule_steps} steps"
       + (f" (the run trains {sched.steps}; --schedule_steps)"
          if sched.schedule_steps != sched.steps else "")
       + f", peak lr {sched.lr:g}, warmup {sched.warmup_steps}, cosine to "
       f"{sched.lr * sched.min_lr_ratio:g}; precision {o.model.precision}"
-      + (f" ({r.policy})" if r.policy is not None else " (float32)"))
-  say("compile: " + str(r.report).replace("\n", "\n  "))
-  say(f"MFU denominator: {r.peak.about}")
+      + (f" ({compiled.policy})" if compiled.policy is not None else " (float32)"))
+  say("compile: " + str(compiled.report).replace("\n", "\n  "))
+  say(f"MFU denominator: {compiled.peak.about}")
   say(where(o.ckpt.run_dir, o.ckpt.checkpoint_dir, o.log.tracker))
   lora = finetune.describe(state, s.lora, say) if s.lora is not None else None
   run_log.write_run_record(o.ckpt.run_dir, "start", dict(
       step=int(state.step), options=cli.flat(o), params=n_params, seq=seq,
       global_batch=o.step.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-      processes=jax.process_count(), compile_s=r.report.compile_seconds,
-      resumed_from=r.resumed, peak_flops=r.peak.flops,
+      processes=jax.process_count(), compile_s=compiled.report.compile_seconds,
+      resumed_from=r.resumed, peak_flops=compiled.peak.flops,
       flops_per_step=progress.flops_per_step(r.setup), lora=lora,
-      xla_warnings=list(r.report.xla_warnings)), active=jax.process_index() == 0)
+      xla_warnings=list(compiled.report.xla_warnings)), active=jax.process_index() == 0)
   run_log.write_run_record(o.ckpt.run_dir, "data", dict(
-      dataset=o.data.dataset, tokenizer=o.model.tokenizer, unigram_loss=r.baseline.unigram,
-      bigram_loss=r.baseline.bigram), active=jax.process_index() == 0)
+      dataset=o.data.dataset, tokenizer=o.model.tokenizer, unigram_loss=baseline.unigram,
+      bigram_loss=baseline.bigram), active=jax.process_index() == 0)
 
 
 def summarize(r, state, out: dict) -> "Summary":
   """The Summary of run `r` that ended with `state`; `out`: the loop's figures (train_lm's
   `_loop`, `_finish`). Said in one line and recorded as the "summary" of run.json, with the
   compiled step's memory in another (`say_memory`)."""
-  s, ev = r.setup, out["eval_loss"]
+  s, ev, compiled = r.setup, out["eval_loss"], r.compiled
   summary = Summary(
       final_step=int(state.step), start_step=r.start, resumed_from=r.resumed,
       stopped=out["stopped"], loss=out.get("loss"), eval_loss=ev, eval_step=out["eval_step"],
       bits_per_byte=None if ev is None else evaluation.bits_per_byte(s.corpus, ev),
-      bigram_loss=r.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
-      compile_s=r.report.compile_seconds, step_bytes=int(fs.analysis.step_bytes(r.step)),
+      bigram_loss=r.evals.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
+      compile_s=compiled.report.compile_seconds,
+      step_bytes=int(fs.analysis.step_bytes(compiled.step)),
       train_s=out["train_s"], wall_s=time.time() - r.t0,
       params=param_count(state), global_batch=s.o.step.global_batch, seq=s.cfg.seq,
       mesh=dict(s.mesh.shape), devices=jax.device_count(), processes=jax.process_count(),
@@ -84,9 +86,9 @@ def summarize(r, state, out: dict) -> "Summary":
       metrics=os.path.join(s.o.ckpt.run_dir, run_log.METRICS_FILE), goodput=out["goodput"])
   run_log.write_run_record(s.o.ckpt.run_dir, "summary", summary.record(),
                            active=jax.process_index() == 0)
-  r.say(_line(summary, s.o.tune.objective, f"{summary.train_s:.0f} s training, "))
-  r.say(goodput.line(summary.goodput))
-  say_memory(s, summary.step_bytes, r.say)
+  r.rec.say(_line(summary, s.o.tune.objective, f"{summary.train_s:.0f} s training, "))
+  r.rec.say(goodput.line(summary.goodput))
+  say_memory(s, summary.step_bytes, r.rec.say)
   return summary
 
 
