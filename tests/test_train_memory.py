@@ -90,8 +90,7 @@ def test_the_estimate_of_a_lora_run_tracks_xlas_peak(v5e):
   policy, opt = startup.policy("bfloat16", "tpu"), optax.adamw(1e-3)
   prof = memory.profile(memory.Model(llama, cfg, "llama", lora), topo, 4, policy, "none")
   est = fs.analysis.predict(prof, topo, fs.MeshAxes(dict(mesh.shape), {})).estimate.bytes
-  run = types.SimpleNamespace(mesh=mesh, model=llama, cfg=cfg,
-                              o=types.SimpleNamespace(init_from=""))
+  run = types.SimpleNamespace(mesh=mesh, model=llama, cfg=cfg, o=Options())  # no --init_from
   state = finetune.init(run, opt, policy, jax.random.key(0), lora)(abstract=True)
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg, remat="none"), lora)
   rows = jax.ShapeDtypeStruct((4, 512), jnp.int32)
