@@ -68,16 +68,14 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
                             o.schedule.steps)
   if steps is None:
     steps = platform_default(o.schedule, "steps", topo.platform)
-  run_dir = o.ckpt.run_dir or rundir.default_run_dir(name, o.data.dataset,
-                                                     models.tokenizer(o.model), corpus.vocab)
+  profile = profiling.parse_profile_steps(o.log.profile_steps, steps)
+  ckpt = dataclasses.replace(o.ckpt, run_dir=o.ckpt.run_dir or rundir.default_run_dir(
+      name, o.data.dataset, models.tokenizer(o.model), corpus.vocab))
   o = dataclasses.replace(
       o, model=dataclasses.replace(o.model, model_config=name),
       data=dataclasses.replace(o.data, seq=seq),
       schedule=schedule_defaults(o.schedule, size, steps), log=log_defaults(o.log, steps),
-      ckpt=dataclasses.replace(o.ckpt, run_dir=run_dir))
-  profile = profiling.parse_profile_steps(o.log.profile_steps, o.schedule.steps)
-  o = dataclasses.replace(o, ckpt=dataclasses.replace(
-      o.ckpt, checkpoint_dir=checkpoints.directory(o.ckpt)))
+      ckpt=dataclasses.replace(ckpt, checkpoint_dir=checkpoints.directory(ckpt)))
   return Setup(o, topo, mesh, model, cfg, profile, corpus, lora, asked)
 
 
