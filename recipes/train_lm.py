@@ -22,6 +22,7 @@ options: an error).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -32,7 +33,7 @@ import jax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, cli, data, evaluation, finetune, memory, models
 from recipes.lm import profiling, progress, run_log, run_setup, rundir, stalls, startup, stopping
-from recipes.lm import goodput, summary
+from recipes.lm import emergency, goodput, summary
 from recipes.lm.options import Options  # every option: flag, keyword, default, range
 
 MODELS = models.MODELS  # model name -> its module (recipes/lm/models.py)
@@ -75,19 +76,47 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       with fs.multihost.preemption_guard(grace_s=o.ckpt.grace_s) as should_stop, \
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.data.dataset}) ...")
-        setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
+        setup = _decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
         ledger = goodput.ledger(started or t0, setup.o.ckpt.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.ckpt.checkpoint_dir
         if checkpoint_dir:  # one directory every process sees, checked before use
           fs.checkpoint.check_shared_directory(checkpoint_dir)
           checkpoints.remove_unfinished(checkpoint_dir, say)
-        # One checkpoint manager for the whole run; leaving the block waits for the last
-        # save. orbax's warnings go to RUN_DIR/log.txt, not the console.
-        with rundir.library_log(setup.o.ckpt.run_dir), checkpoints.manager(setup.o.ckpt) as ckpt:
-          return _run(setup, ckpt, t0, say, should_stop, ledger)
+        local_dir = emergency.prepare(setup, say)  # its copies: this run's, writable
+        # One checkpoint manager for the whole run (and one for its emergency copies);
+        # leaving the block waits for the last save. orbax's warnings go to RUN_DIR/log.txt.
+        with rundir.library_log(setup.o.ckpt.run_dir), \
+            checkpoints.manager(setup.o.ckpt) as ckpt, emergency.manager(local_dir) as local:
+          return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
+
+
+def _decide(o: Options, corpus, say) -> run_setup.Setup:
+  """`run_setup.decide`; a run resumed on another device count (a restart on fewer hosts)
+  with its batch left to the default keeps the global batch its run.json records: the rows
+  per device and the accumulation follow (memory.py), the data order stays, and it says so."""
+  said = []
+  try:
+    setup = run_setup.decide(o, corpus, said.append)
+  except BaseException:
+    for line in said:
+      say(line)
+    raise
+  n, batch = jax.device_count(), setup.o.step.global_batch
+  asked = o.step.global_batch or o.step.batch_size
+  recorded = None if asked else rundir.recorded_batch(setup.o.ckpt.run_dir, n)
+  if recorded is None or recorded[0] == batch:
+    for line in said:
+      say(line)
+    return setup
+  say(f"train_lm: {setup.o.ckpt.run_dir} was trained with global batch {recorded[0]} on "
+      f"{recorded[1]} devices; keeping it on these {n} (by default {batch}): "
+      "rows per device and accumulation follow, the data order stays (--global_batch sets "
+      "another)")
+  return run_setup.decide(dataclasses.replace(o, step=dataclasses.replace(
+      o.step, global_batch=recorded[0])), corpus, say)
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
@@ -111,12 +140,14 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
   return step_fn, evaluation.eval_loss(loss_fn, policy, kernels)
 
 
-def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
+def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
          ledger: goodput.Ledger) -> summary.Summary:
-  """Restore, build and compile; then the loop and the end of the run. `ckpt`: a
-  fnscale.checkpoint.Manager, or None (no checkpoints). A run that already holds its last
+  """Restore, build and compile; then the loop and the end of the run. `managers`: the
+  checkpoints' and the emergency copies' fnscale.checkpoint.Manager, each None when off. It
+  resumes from the newer of the two (emergency.newest). A run that already holds its last
   step ends after the restore (`checkpoints.finished`): nothing compiled. `ledger` books
   where the time goes (goodput.py), recorded at each progress line and at the end."""
+  ckpt, local = managers
   policy = startup.policy(setup.o.model.precision, setup.topo.platform)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
@@ -129,7 +160,8 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
     # context axis); fs.global_batch makes one array over every process.
     train_rows, evals = batches.run_batches(setup, fs.batch_sharding(setup.mesh,
                                                                      context_axes=()))
-    state, start, resumed, saved = checkpoints.resume(setup, ckpt, init, train_rows, say,
+    source = emergency.newest(ckpt, local, say)
+    state, start, resumed, saved = checkpoints.resume(setup, source, init, train_rows, say,
                                                       ledger)
     if checkpoints.finished(start, setup.o.schedule.steps, setup.o.log.evaluate_finished):
       _export(setup, state, say)
@@ -148,7 +180,9 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
                                     policy, schedule, peak),
         evals=run_setup.Evals(eval_loss, [batches.put(setup, b) for b in evals],
                               data.baseline(setup.corpus), finetune.params_of(setup.lora)),
-        rec=_records(setup, ckpt, train_rows, start, resumed, say, ledger))
+        rec=_records(setup, checkpoints.saver(
+            setup, ckpt, train_rows, resumed if source is ckpt else None, say, ledger, local),
+            start, resumed, say, ledger))
     with contextlib.closing(job.rec.log):  # closed however the run ends (a Ctrl-C too)
       job.rec.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
       summary.describe(job, state)
@@ -164,17 +198,16 @@ def _run(setup: run_setup.Setup, ckpt, t0: float, say, should_stop,
   return summary.summarize(job, state, out)
 
 
-def _records(setup: run_setup.Setup, ckpt, train_rows, start: int, resumed: int | None, say,
-             ledger: goodput.Ledger) -> run_setup.Records:
-  """Where the run says, logs, traces and saves: a resumed run's log continues from its
-  step, a fresh one starts a fresh log."""
+def _records(setup: run_setup.Setup, saver: checkpoints.Saver, start: int,
+             resumed: int | None, say, ledger: goodput.Ledger) -> run_setup.Records:
+  """Where the run says, logs, traces and saves (`saver`): a resumed run's log continues
+  from its step, a fresh one starts a fresh log."""
   o = setup.o
   log = run_log.run_log(o.ckpt.run_dir, active=jax.process_index() == 0, say=say,
                         tracker=o.log.tracker, config=cli.flat(o),
                         keep_through=-1 if resumed is None else start)
-  return run_setup.Records(
-      say, log, profiling.profiler(setup.profile, o.ckpt.run_dir, say=say),
-      checkpoints.saver(setup, ckpt, train_rows, resumed, say, ledger), ledger)
+  return run_setup.Records(say, log, profiling.profiler(setup.profile, o.ckpt.run_dir, say=say),
+                           saver, ledger)
 
 
 def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
@@ -208,6 +241,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   notice stopped it (its grace_s is for the save)."""
   o, rec, m, last, stopped, stall = job.setup.o, job.rec, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.ckpt.checkpoint_every
+  copy_every = o.ckpt.emergency_every if o.ckpt.checkpoint else 0
   steps, max_stalled = o.schedule.steps, o.schedule.max_stalled_steps
   for step in range(job.start, steps):
     rec.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
@@ -227,6 +261,9 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
     if stopped or (every and done % every == 0 and done < steps):
       with clock.paused():  # before the next batch is read: the position is this step's
         rec.saver.save(state, done)
+    elif copy_every and done % copy_every == 0 and done < steps:
+      with clock.paused():
+        rec.saver.save(state, done, emergency=True)
     if done < steps and not stopped:
       batch = batches.put(job.setup, next(job.batches))  # while it runs
     clock.start(done, m["loss"])

@@ -11,7 +11,8 @@ Where JAX has no TPU (CI, a laptop, the CPU tiers) every test skips, saying why.
 minutes on one TPU v5e chip, most of it compiling.
 
 What it checks, a section each (a new check of the chip adds a section):
-- splash attention, forward and backward, against XLA's attention;
+- splash attention, forward and backward, against XLA's attention (capped logits too), in
+  a small Gemma 3's step and in the Ulysses context form;
 - the megablox grouped matmul against `jax.lax.ragged_dot`;
 - the blockwise cross-entropy against the plain one on the whole logits;
 - a train step on the chip against the same step on the CPU backend, in float32 and with
@@ -103,6 +104,10 @@ ATTENTION = {  # name: ((batch, seq, heads, kv_heads, head_dim), fs.attention ke
     "full-mha": ((1, 256, 2, 2, 128), dict()),
     "causal-window": ((1, 512, 2, 2, 128), dict(causal=True, sliding_window=(128, 0))),
     "segments-mqa": ((2, 256, 4, 1, 128), dict(causal=True, segments=True)),
+    # Gemma 2's local layers: a window and the logits capped (a cap that bites: |logits|
+    # reach 4.5, q scaled by 3).
+    "softcap-window-gqa": ((1, 512, 4, 2, 128), dict(causal=True, sliding_window=(127, 0),
+                                                     soft_cap=1.5)),
 }
 ATTENTION_CASES = [(n, "bfloat16") for n in ATTENTION] + [("causal-gqa", "float32")]
 
@@ -122,6 +127,23 @@ def _mask(b, t, *, causal=False, sliding_window=None, segment_ids=None):
   return mask
 
 
+def _reference(mask, soft_cap=None):
+  """XLA's attention of [b, t, h, d] q and [b, t, kh, d] k, v under a [b, 1, t, t] mask,
+  the scaled logits capped as c tanh(logits / c) when `soft_cap` is c."""
+  if soft_cap is None:
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                        implementation="xla")
+
+  def attend(q, k, v):
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+    weights = jax.nn.softmax(jnp.where(mask, logits.astype(jnp.float32), -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+  return attend
+
+
 def _attention_and_grads(attend, shape):
   """jit of (q, k, v) -> (output, dq, dk, dv) of a loss weighting each output element."""
   weights = _cosine_weights(shape)
@@ -136,7 +158,7 @@ def test_splash_attention_matches_xla_attention(case, dtype):
   (b, t, h, kh, d), kw = ATTENTION[case]
   kw = dict(kw)
   keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype) * (3 if "soft_cap" in kw else 1)
   k, v = (jax.random.normal(key, (b, t, kh, d), dtype) for key in keys[1:])
   ids = None
   if kw.pop("segments", False):  # three documents per row, starting at other places
@@ -145,8 +167,7 @@ def test_splash_attention_matches_xla_attention(case, dtype):
                            sliding_window=kw.get("sliding_window"), segment_ids=ids))
   splash = lambda q, k, v: fs.attention(q, k, v, implementation="splash", segment_ids=ids,
                                         **kw)
-  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask,
-                                                     implementation="xla")
+  xla = _reference(mask, kw.get("soft_cap"))
   sel = kernel_selection(q.shape, k.shape, q.dtype, implementation="splash",
                          segment_ids=ids, **kw)
   assert (sel.implementation, sel.platform, sel.interpret) == ("splash", "tpu", False)
@@ -158,6 +179,64 @@ def test_splash_attention_matches_xla_attention(case, dtype):
   assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, not a fallback
   assert got[0].dtype == q.dtype
   _check_within_bound(("output", "dq", "dk", "dv"), got, reference, truth)
+
+
+def _splash_against_xla(run, args):
+  """(got, bf16 reference, truth) of jit(run(attention)) for splash at the default precision
+  against XLA's attention at the default and at "highest" precision."""
+  got = jax.jit(fs.with_kernel(run, attention="splash")).lower(*args).compile()
+  assert "tpu_custom_call" in got.as_text()  # the Pallas kernel, not a fallback
+  xla = jax.jit(fs.with_kernel(run, attention="xla"))
+  with HIGHEST():
+    truth = xla(*args)
+  return got(*args), xla(*args), truth
+
+
+def test_a_small_gemma3_trains_through_splash_on_the_chip():
+  """A Gemma-3-shaped Llama (local layers of a 128-token window beside global ones, their own
+  RoPE base, (1 + w) norms, post-norms, GeGLU, q/k norms, capped logits): loss and gradients
+  with splash within the bound of XLA's attention (module docstring)."""
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  cfg = llama.ModelConfig(2, 256, 4, 2, 512, 512, vocab=512, head_size=128,
+                          windows=(128, 0), norm_plus_one=True, post_norms=True,
+                          activation="gelu_tanh", embed_scale=True, attn_soft_cap=0.0,
+                          logit_soft_cap=30.0, qk_norm=True, local_rope_theta=10_000.0)
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape),
+                        llama.init_params(cfg, jax.random.key(0)))  # norms off their zeros
+  tokens = jax.random.randint(jax.random.key(2), (2, 513), 0, cfg.vocab)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  run = lambda p, b: jax.value_and_grad(functools.partial(llama.loss_fn, cfg=cfg))(p, b)
+  got, reference, truth = _splash_against_xla(run, (params, batch))
+  flat = lambda out: [out[0]] + jax.tree.leaves(out[1])
+  names = ["loss"] + [jax.tree_util.keystr(k) for k, _ in
+                      jax.tree_util.tree_leaves_with_path(params)]
+  _check_within_bound(names, flat(got), flat(reference), flat(truth))
+
+
+def test_the_ulysses_form_runs_splash_on_the_chip():
+  """The Ulysses context form's kernel path (the all-to-all over a context axis of one
+  device, the whole-sequence splash kernel over the stored order, packed segments, GQA) on
+  the chip, against XLA's attention."""
+  from fnscale.kernels import _context_attention as ca  # pylint: disable=import-outside-toplevel
+  b, t, h, kh, d = 2, 512, 4, 2, 128
+  keys = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (b, t, kh, d), jnp.bfloat16) for key in keys[1:])
+  ids = jnp.asarray(np.arange(t)[None, :] * 3 // t + np.arange(b)[:, None], jnp.int32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("context",))
+  sel = ca.selection(ca.ContextCall(q.shape, k.shape, "bfloat16", True, None, "splash",
+                                    "ulysses", "zigzag", "tpu", False, {"context": 1},
+                                    ("context",), (), ()))
+  assert (sel.form, sel.kernel) == ("ulysses", "splash"), sel
+  ulysses = lambda q, k, v: ca.attend(q, k, v, ids, ids, sel, mesh, causal=True,
+                                      scale=1 / np.sqrt(d))
+  mask = jnp.asarray(_mask(b, t, causal=True, segment_ids=ids))
+  compiled = _attention_and_grads(ulysses, q.shape).lower(q, k, v).compile()
+  assert "tpu_custom_call" in compiled.as_text()
+  with HIGHEST():
+    truth = _attention_and_grads(_reference(mask), q.shape)(*_upcast(q, k, v))
+  reference = _attention_and_grads(_reference(mask), q.shape)(*_rounded(q, k, v))
+  _check_within_bound(("output", "dq", "dk", "dv"), compiled(q, k, v), reference, truth)
 
 
 # --- megablox grouped matmul ----------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Hugging Face models in fnscale (recipes/lm/hf_maps.py + fnscale.checkpoint.hf) against
 transformers itself: tiny random Llama (plain and llama3 RoPE at factor 32, tied), Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and GPT-2 models made here with transformers and
-PyTorch's CPU build, saved as multi-file safetensors; fnscale's logits after loading them on
-1 and 8 devices, the export read back by `from_pretrained`, and configs the models can't
-express.
+Qwen2, Qwen3 (plain and YaRN RoPE), Gemma 2, Gemma 3 (text) and GPT-2 models made here with
+transformers and PyTorch's CPU build, saved as multi-file safetensors; fnscale's logits after
+loading them on 1 and 8 devices, the export read back by `from_pretrained`, and configs the
+models can't express.
 
 transformers and torch come with the hf-test extra on Python < 3.12 only (PyTorch's CPU wheel;
 its default Linux build pulls several GB of CUDA libraries): on 3.12 the comparisons skip,
@@ -143,21 +143,61 @@ def test_a_wrong_transform_or_rope_fails_the_comparison(made):
   assert np.abs(_logits(plain, params, tokens) - want).max() > 100 * ATOL
 
 
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+# DeepSeek-V3's (its config.json's rope_scaling, the old key "type" for rope_type).
+DEEPSEEK_YARN = dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=1.0,
+                     mscale_all_dim=1.0, original_max_position_embeddings=4096)
+
+
+def test_yarn_written_from_the_model_config_reads_back_in_transformers(made, torch_hf,
+                                                                      tmp_path):
+  # A model trained here (no config.json kept) with YaRN RoPE: the config.json written from
+  # its config says YaRN's fields, reads back as the same config, and transformers computes
+  # the checkpoint's own logits from the export. Controls: YaRN's frequencies without its
+  # factor on cos and sin, and plain RoPE, are both off.
+  torch, transformers = torch_hf
+  (d, want), tokens = made[0]["qwen3-yarn"], made[1]
+  m = hf_maps.read(d, SEQ)
+  params = hf.load(d, _one_device(m), hf_maps.checkpoint_map(m, d))
+  trained = hf_maps.of_model(llama, m.cfg)
+  config = hf_maps.to_config(trained)
+  assert config["rope_scaling"] == dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                        beta_slow=1.0, original_max_position_embeddings=256)
+  assert config["max_position_embeddings"] == 1024 and config["rope_theta"] == 1e4
+  assert hf_maps.from_config(config, SEQ).cfg == m.cfg
+  hf.export(tmp_path, params, hf_maps.checkpoint_map(trained), config=config)
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(theirs, want, atol=ATOL, rtol=0)
+  yarn = m.cfg.rope_scaling
+  for cfg in (m.cfg._replace(rope_scaling=yarn._replace(attention_factor=1.0)),
+              m.cfg._replace(rope_scaling=None)):
+    assert np.abs(_logits(m._replace(cfg=cfg), params, tokens) - want).max() > 100 * ATOL
+
+
 @pytest.mark.parametrize("head_dim,theta,scaling", [
-    (64, 5e5, LLAMA3), (128, 5e5, dict(LLAMA3, factor=8.0)), (16, 1e4, None)])
+    (64, 5e5, LLAMA3), (128, 5e5, dict(LLAMA3, factor=8.0)), (16, 1e4, None),
+    (128, 1e6, YARN), (64, 1e4, DEEPSEEK_YARN),
+    (64, 1.5e5, dict(YARN, factor=32.0, original_max_position_embeddings=4096, truncate=False)),
+    (32, 1e4, dict(YARN, factor=8.0, original_max_position_embeddings=512, mscale=0.707,
+                   mscale_all_dim=1.0, beta_fast=16, beta_slow=2))])
 def test_rope_frequencies_equal_transformers_inv_freq(torch_hf, head_dim, theta, scaling):
-  # To float32 rounding: transformers computes in float32, fnscale in float64 then rounds.
+  # To float32 rounding: transformers computes in float32, fnscale in float64 then rounds;
+  # YaRN's factor on cos and sin (its attention_scaling) to float64 rounding.
   _, transformers = torch_hf
   config = transformers.LlamaConfig(
       hidden_size=4 * head_dim, num_attention_heads=4, num_hidden_layers=1, vocab_size=8,
-      intermediate_size=8, rope_theta=theta, rope_scaling=scaling,
-      max_position_embeddings=131072)
+      intermediate_size=8, rope_theta=theta, rope_scaling=scaling and dict(scaling),
+      max_position_embeddings=131072)  # a copy: transformers' config rewrites its dict
   rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
   want = rotary.inv_freq.numpy()
   m = hf_maps.from_config(config.to_dict(), 8)
   got = llama.rope_frequencies(head_dim, m.cfg.rope_theta, m.cfg.rope_scaling)
   assert got.dtype == want.dtype == np.float32
   np.testing.assert_array_max_ulp(got, want, maxulp=4)
+  assert getattr(m.cfg.rope_scaling, "attention_scale", 1.0) == pytest.approx(
+      rotary.attention_scaling, rel=1e-12)
   if scaling:  # the scaling really applies (a check that can't pass by plain RoPE)
     assert np.abs(got - llama.rope_frequencies(head_dim, theta)).max() > 1e-4
 
@@ -194,8 +234,10 @@ def test_config_json_fields_reach_the_model_config():
 
 
 @pytest.mark.parametrize("change,field", [
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_scaling.rope_type='yarn'"),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
+     "rope_scaling.original_max_position_embeddings=None is missing: yarn"),
     (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_type='dynamic'"),
+    (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "rope_type='longrope'"),
     (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "rope_scaling.low_freq_factor"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),

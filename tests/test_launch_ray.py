@@ -117,6 +117,26 @@ def test_restart_reads_train_lms_checkpoint_directory(tmp_path):
   assert d(["recipes/train_lm.py", "--nocheckpoint"], cwd) is None
   assert d(["recipes/train_lm.py", "--no_such_flag"], cwd) is None
   assert d(["other.py", "--run_dir=r"], cwd) is None
+  # The emergency copies, which a restart resumes from when they are newer.
+  both = launch_ray._recipe_dirs
+  assert both(["recipes/train_lm.py", "--run_dir=r", "--emergency_every=10"], cwd) == (
+      os.path.join(cwd, "r", "checkpoints"), os.path.join(cwd, "r", "emergency"))
+  assert both(["recipes/train_lm.py", "--run_dir=r", "--emergency_every=10",
+               "--emergency_dir=/local/e"], cwd)[1] == "/local/e"
+  assert both(["recipes/train_lm.py", "--run_dir=r"], cwd)[1] is None
+
+
+def test_restart_names_the_newer_of_checkpoint_and_emergency_copy(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  run = tmp_path / "r"
+  fs.checkpoint.save(run / "checkpoints", 3, {"w": jnp.zeros(2)})
+  o = launch_ray._Launch(
+      launch_ray.Command(["recipes/train_lm.py", "--run_dir=r", "--emergency_every=2"], None,
+                         {}, str(tmp_path)), launch_ray.nodes(1), 1.0, 1.0, 1, (1.0, 1.0), None,
+      print, print, None)
+  assert launch_ray._resumed_from(o) == (3, str(run / "checkpoints"))
+  fs.checkpoint.save(run / "emergency", 4, {"w": jnp.zeros(2)})
+  assert launch_ray._resumed_from(o) == (4, str(run / "emergency"))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 published figures and hand counts, a sharded train step against a one-device loss, the
 planner's view of them, and their program for a TPU target (ragged all-to-all bytes by hand).
 """
+import copy
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +186,11 @@ QWEN3_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_interm
 HF_MOE = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL),
           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
           "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                                     dict(QWEN3_MOE, norm_topk_prob=False))}
+                                     dict(QWEN3_MOE, norm_topk_prob=False)),
+          # YaRN at factor 4 over 64 positions: of the 8 frequencies 1 kept, 2 blended.
+          "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+              QWEN3_MOE, rope_theta=1e4, max_position_embeddings=256, rope_scaling=dict(
+                  rope_type="yarn", factor=4.0, original_max_position_embeddings=64)))}
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +212,7 @@ def hf_moe(tmp_path_factory):
       model.save_pretrained(d, max_shard_size="20KB")
       tokens = bench.tokens(16)
       with torch.no_grad():
-        made[family] = d, tokens, model(torch.tensor(tokens)).logits.numpy(), (torch,
-                                                                                transformers)
+        made[family] = d, tokens, model(torch.tensor(tokens)).logits.numpy()
     return made[family]
   return make
 
@@ -234,7 +239,7 @@ def test_mixtral_configs_read_as_the_moe_model():
 
 
 def test_qwen3_moe_configs_read_as_the_moe_model():
-  from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
+  from recipes.lm import hf_maps, layers  # pylint: disable=import-outside-toplevel
   c = dict(QWEN3_MOE, model_type="qwen3_moe")
   m = hf_maps.from_config(c, 16)
   assert m.model is moe and m.cfg == moe.ModelConfig(
@@ -247,50 +252,65 @@ def test_qwen3_moe_configs_read_as_the_moe_model():
                         (dict(num_experts=None), "num_experts=None")):
     with pytest.raises(fs.InputError, match=field):
       hf_maps.from_config(dict(c, **change), 16)
-  # Trained here (no config.json read): a Qwen3-MoE config.json that reads back the same.
-  for normalize in (True, False):
-    cfg = m.cfg._replace(normalize=normalize)
+  # Trained here (no config.json read): a Qwen3-MoE config.json that reads back the same,
+  # YaRN's RoPE (its fields written) included.
+  yarn = layers.Yarn(factor=4.0, original_max_position=64, mscale=0.8, truncate=False)
+  for cfg in (m.cfg, m.cfg._replace(normalize=False), m.cfg._replace(rope_scaling=yarn)):
     assert hf_maps.from_config(hf_maps.to_config(hf_maps.of_model(moe, cfg)), 16).cfg == cfg
   tiny = moe.model_config("moe-qwen3-tiny", 16)
   assert hf_maps.to_config(hf_maps.of_model(moe, tiny))["model_type"] == "qwen3_moe"
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param("qwen3_moe", marks=pytest.mark.slow),
-    pytest.param("mixtral", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe_unnormalised", marks=pytest.mark.slow)])
-def test_hf_moe_loads_split_over_experts_and_exports_for_transformers(hf_moe, tmp_path,
-                                                                       family):
+def _load_over_experts_export_and_compare(src, tokens, want, out, written=False):
+  """The checkpoint at `src` loaded split over experts ({"data": 2, "expert": 4}) gives
+  transformers' logits `want` for `tokens`; its params changed as training would, exported
+  to `out` (config.json: the one read, or with `written` one written from the model's
+  config), give transformers' logits there equal to fnscale's, which moved. Returns the
+  model read (an `hf_maps.HFModel`)."""
   from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
   from recipes.lm import hf_maps  # pylint: disable=import-outside-toplevel
-  d, tokens, want, (torch, transformers) = hf_moe(family)
-  fields = HF_MOE[family][2]
-  m = hf_maps.read(d, 16)
-  k = fields["num_experts_per_tok"]
-  assert m.model is moe and (m.cfg.experts, m.cfg.k) == (8, k)
-  # HF's coefficient x k: the same loss
-  assert m.cfg.balance_coef == pytest.approx(fields["router_aux_loss_coef"] * k)
+  torch = pytest.importorskip("torch", reason=NO_TORCH)
+  transformers = pytest.importorskip("transformers", reason=NO_TORCH)
+  m = hf_maps.read(src, tokens.shape[1])
   mesh = fs.make_mesh({"data": 2, "expert": 4})
-  cmap = hf_maps.checkpoint_map(m, d)
-  target = fs.init_state(functools.partial(moe.init_params, m.cfg), optax.sgd(0.1), mesh=mesh,
-                         rules=moe.RULES, logical_axes=moe.logical_axes(m.cfg),
-                         key=jax.random.key(0), abstract=True).params
-  params = hf.load(d, target, cmap)
+  target = fs.init_state(functools.partial(m.model.init_params, m.cfg), optax.sgd(0.1),
+                         mesh=mesh, rules=m.model.RULES,
+                         logical_axes=m.model.logical_axes(m.cfg), key=jax.random.key(0),
+                         abstract=True).params
+  params = hf.load(src, target, hf_maps.checkpoint_map(m, src))
   assert params["blocks"]["w_gate"].sharding.spec[1] == "expert"
-  run = jax.jit(functools.partial(moe.apply, cfg=m.cfg))
+  run = jax.jit(functools.partial(m.model.apply, cfg=m.cfg))
   with fs.with_mesh(mesh):
     got = np.asarray(run(params, jnp.asarray(tokens)))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  # Changed as training would, exported: transformers reads it and computes its logits.
   changed = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.003, p))(params)
-  hf.export(tmp_path, changed, cmap, config=hf_maps.to_config(m), max_shard_bytes=20_000)
-  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  saved = hf_maps.of_model(m.model, m.cfg) if written else m
+  hf.export(out, changed, hf_maps.checkpoint_map(saved), config=hf_maps.to_config(saved),
+            max_shard_bytes=20_000)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()
   with fs.with_mesh(mesh):
     ours = np.asarray(run(changed, jnp.asarray(tokens)))
   np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
   assert not np.allclose(theirs, want, atol=1e-3)  # the change shows
+  return m
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("mixtral", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_unnormalised", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_yarn", marks=pytest.mark.slow)])
+def test_hf_moe_loads_split_over_experts_and_exports_for_transformers(hf_moe, tmp_path,
+                                                                       family):
+  d, tokens, want = hf_moe(family)
+  fields = HF_MOE[family][2]
+  m = _load_over_experts_export_and_compare(d, tokens, want, tmp_path)
+  k = fields["num_experts_per_tok"]
+  assert m.model is moe and (m.cfg.experts, m.cfg.k) == (8, k)
+  # HF's coefficient x k: the same loss
+  assert m.cfg.balance_coef == pytest.approx(fields["router_aux_loss_coef"] * k)
 
 
 @pytest.mark.slow
@@ -382,53 +402,75 @@ DEEPSEEK_V3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_inte
                    qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2,
                    n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
                    max_position_embeddings=64)
+# DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1: cos and sin unscaled, the
+# softmax scale times (0.1 ln 40 + 1)^2) over 64 positions: of the 4 rotary frequencies,
+# 1 kept, 1 blended, 2 divided by 40.
+DEEPSEEK_YARN = dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=1.0,
+                     mscale_all_dim=1.0, original_max_position_embeddings=64)
 HF_DEEPSEEK = {"deepseek_v3": DEEPSEEK_V3,
-               "deepseek_v3_no_q_latent": dict(DEEPSEEK_V3, q_lora_rank=None)}
+               "deepseek_v3_no_q_latent": dict(DEEPSEEK_V3, q_lora_rank=None),
+               "deepseek_v3_yarn": dict(DEEPSEEK_V3, qk_rope_head_dim=8, rope_theta=1e4,
+                                        max_position_embeddings=2560,
+                                        rope_scaling=DEEPSEEK_YARN)}
 
 
-@pytest.mark.parametrize("family", [pytest.param("deepseek_v3"), pytest.param(
-    "deepseek_v3_no_q_latent", marks=pytest.mark.slow)])
+def test_the_published_deepseek_v3_config_reads_with_its_yarn_and_writes_it_back():
+  # deepseek-ai/DeepSeek-V3's config.json (less its fp8 quantization_config, which a bf16
+  # copy drops): YaRN at factor 40 from 4096 positions, mscale = mscale_all_dim = 1.
+  from recipes.lm import deepseek, hf_maps, layers  # pylint: disable=import-outside-toplevel
+  c = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+           attention_bias=False, first_k_dense_replace=3, hidden_act="silu", hidden_size=7168,
+           intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=163840,
+           moe_intermediate_size=2048, moe_layer_freq=1, n_group=8, n_routed_experts=256,
+           n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128,
+           num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128,
+           num_nextn_predict_layers=1, q_lora_rank=1536, qk_nope_head_dim=128,
+           qk_rope_head_dim=64, rms_norm_eps=1e-06, rope_theta=10000,
+           rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
+                             mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                             type="yarn"),
+           routed_scaling_factor=2.5, scoring_func="sigmoid", tie_word_embeddings=False,
+           topk_group=4, topk_method="noaux_tc", v_head_dim=128, vocab_size=129280)
+  m = hf_maps.from_config(c, 4096)
+  yarn = layers.Yarn(factor=40.0, original_max_position=4096, mscale=1.0, mscale_all_dim=1.0)
+  assert m.cfg == deepseek.model_config("deepseek-v3", 4096, rope_scaling=yarn)
+  # cos and sin unscaled (mscale / mscale_all_dim); the logits' scale by hand:
+  # (0.1 ln 40 + 1)^2 / sqrt(128 + 64).
+  assert yarn.attention_scale == 1.0
+  assert deepseek.softmax_scale(m.cfg) == pytest.approx(1.368888 ** 2 / 192 ** 0.5, rel=1e-6)
+  assert deepseek.softmax_scale(m.cfg._replace(rope_scaling=None)) == 1 / math.sqrt(192)
+  # Exported from the model's config: the same RoPE fields, read back as the same model.
+  out = hf_maps.to_config(hf_maps.of_model(deepseek, m.cfg))
+  assert out["rope_scaling"] == dict(rope_type="yarn", factor=40, beta_fast=32, beta_slow=1,
+                                     mscale=1.0, mscale_all_dim=1.0,
+                                     original_max_position_embeddings=4096)
+  assert (out["rope_theta"], out["max_position_embeddings"]) == (10000, 163840)
+  assert hf_maps.from_config(out, 4096).cfg == m.cfg
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param("deepseek_v3"), pytest.param("deepseek_v3_yarn"),
+    pytest.param("deepseek_v3_no_q_latent", marks=pytest.mark.slow)])
 def test_deepseek_v3_loads_over_experts_with_transformers_logits_and_exports(tmp_path, family):
   torch = pytest.importorskip("torch", reason=NO_TORCH)
   transformers = pytest.importorskip("transformers", reason=NO_TORCH)
-  from fnscale.checkpoint import hf  # pylint: disable=import-outside-toplevel
   from recipes.bench import hf_checkpoint as bench  # pylint: disable=import-outside-toplevel
-  from recipes.lm import deepseek, hf_maps  # pylint: disable=import-outside-toplevel
+  from recipes.lm import deepseek  # pylint: disable=import-outside-toplevel
   transformers.logging.set_verbosity_error()
+  fields = copy.deepcopy(HF_DEEPSEEK[family])  # transformers' config rewrites rope_scaling
   model = bench.randomize(transformers.DeepseekV3ForCausalLM(
-      transformers.DeepseekV3Config(**HF_DEEPSEEK[family])))
+      transformers.DeepseekV3Config(**fields)))
   with torch.no_grad():
     for layer in model.model.layers[1:]:
       layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
-  src = tmp_path / "src"
-  model.save_pretrained(src, max_shard_size="20KB")
+  model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
   tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
   with torch.no_grad():
     want = model(torch.tensor(tokens)).logits.numpy()
-  m = hf_maps.read(src, 16)
+  # Exported with a config.json written from the model's config (as a model trained here).
+  m = _load_over_experts_export_and_compare(tmp_path / "src", tokens, want, tmp_path / "out",
+                                            written=True)
   assert m.model is deepseek and (m.cfg.dense_layers, m.cfg.groups, m.cfg.topk_groups) == (1, 4, 2)
-  mesh = fs.make_mesh({"data": 2, "expert": 4})
-  cmap = hf_maps.checkpoint_map(m, src)
-  target = fs.init_state(functools.partial(deepseek.init_params, m.cfg), optax.sgd(0.1),
-                         mesh=mesh, rules=deepseek.RULES,
-                         logical_axes=deepseek.logical_axes(m.cfg), key=jax.random.key(0),
-                         abstract=True).params
-  params = hf.load(src, target, cmap)
-  run = jax.jit(functools.partial(deepseek.apply, cfg=m.cfg))
-  with fs.with_mesh(mesh):
-    got = np.asarray(run(params, jnp.asarray(tokens)))
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  # Changed as training would, exported: transformers reads it and computes its logits.
-  changed = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.003, p))(params)
-  hf.export(tmp_path / "out", changed, hf_maps.checkpoint_map(hf_maps.of_model(deepseek, m.cfg)),
-            config=hf_maps.to_config(hf_maps.of_model(deepseek, m.cfg)), max_shard_bytes=20_000)
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-  with torch.no_grad():
-    theirs = back(torch.tensor(tokens)).logits.numpy()
-  with fs.with_mesh(mesh):
-    ours = np.asarray(run(changed, jnp.asarray(tokens)))
-  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
-  assert not np.allclose(theirs, want, atol=1e-3)  # the change shows
 
 
 @pytest.mark.slow

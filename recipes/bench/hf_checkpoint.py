@@ -54,6 +54,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16)),
+    # YaRN at factor 4 over 256 positions: 4 of the 8 frequencies blended, 4 divided by 4,
+    # cos and sin times 0.1 ln 4 + 1.
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        COMMON, head_dim=16, rope_theta=1e4, max_position_embeddings=1024, rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=256))),
     # Sequences of 32 > the window of 8; caps small enough to bend the random logits; a
     # pattern with a layer past its last whole period (local, global | local).
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

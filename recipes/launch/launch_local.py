@@ -14,10 +14,18 @@ Every process gets the same command and these environment variables, which
 so the job sees N x devices_per_process simulated CPU devices and CPU collectives (gloo) carry
 the traffic between processes. Process 0's output is streamed; the others' is kept and shown
 (the tail) when one fails. Any child failing, the timeout, Ctrl-C or SIGTERM stops every child
-(SIGTERM first, so a recipe can checkpoint; SIGKILL after a grace period). The exit status is
-non-zero if any child failed.
+(SIGTERM first, so a recipe can checkpoint; SIGKILL after a grace period).
 
-`launch(argv, num_processes, devices_per_process, timeout_s=...)` is the same as a function.
+Supervision, the Ray launcher's rule (`classify`): a process preempted (143), lost (75) or
+ended by a signal (kill -9, the OOM killer) stops the others and the whole job starts again at
+once on a fresh coordinator port, up to `--max_restarts` times, each restart said in one line;
+recipes/train_lm.py resumes from its newest save (persistent or emergency copy). Bad input (2)
+or an uncaught error is not restarted. The exit status is the cause's (75 for a process ended
+by a signal, as the Ray launcher's); after the last restart, or on a failure that isn't
+restarted, the last line is an `error:` line.
+
+`launch(argv, num_processes, devices_per_process, timeout_s=...)` is the same as a function
+(`supervise` also returns the restarts).
 """
 from __future__ import annotations
 
@@ -34,6 +42,66 @@ from absl import flags
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count="
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping children
+MAX_RESTARTS = 3  # the Ray launcher's default too
+_PREFIX = "launch_local: "
+EXIT_PREEMPTED = 143  # fnscale.multihost.EXIT_PREEMPTED (not imported: no jax here)
+EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
+EXIT_BAD_INPUT = 2
+
+
+class Exit(NamedTuple):
+  """How one process of an attempt ended: `returncode` (negative: a signal; None: unknown, its
+  host was lost, `lost` says how). `process_id` None: the job's hosts couldn't be reserved."""
+  process_id: int | None
+  returncode: int | None
+  lost: str = ""
+
+
+class Verdict(NamedTuple):
+  """What an attempt's first failure means: restart or not, why (words), exit status."""
+  restart: bool
+  why: str
+  status: int
+
+
+def cause_of(exits: Sequence[Exit]) -> Exit | None:
+  """The failure that explains an attempt's end, among the processes that ended on their own
+  (not those the launcher stopped): a lost process (its host gone, or ended by a signal the
+  launcher didn't send) before a preemption (143), before a lost peer (75), before anything
+  else (2, an uncaught error): what a lost host leaves in its peers is a symptom. Lowest process
+  id among equals; None if none failed."""
+  def rank(e: Exit):
+    lost = bool(e.lost) or (e.returncode is not None and e.returncode < 0)
+    order = 0 if lost else 1 if e.returncode == EXIT_PREEMPTED else (
+        2 if e.returncode == EXIT_JOB_FAILED else 3)
+    return order, e.process_id
+  failed = [e for e in exits if e.lost or e.returncode != 0]
+  return min(failed, key=rank) if failed else None
+
+
+def classify(e: Exit) -> Verdict:
+  """The supervision rule for the failure that ended an attempt (`cause_of`): restart after
+  a preemption (143), a lost process (75) or a process ended by a signal (a kill -9, an OOM
+  kill); not after bad input (2) or an uncaught error, which a restart doesn't heal."""
+  rc = e.returncode
+  if e.lost:
+    return Verdict(True, e.lost, EXIT_JOB_FAILED)
+  if rc == EXIT_PREEMPTED:
+    return Verdict(True, f"process {e.process_id} exited with 143 (preempted)", EXIT_PREEMPTED)
+  if rc == EXIT_JOB_FAILED:
+    return Verdict(True, f"process {e.process_id} exited with 75 (lost or failed process)",
+                   EXIT_JOB_FAILED)
+  if rc is not None and rc < 0:
+    name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+    return Verdict(True, f"process {e.process_id} was ended by {name} (lost process)",
+                   EXIT_JOB_FAILED)
+  if rc == EXIT_BAD_INPUT:
+    return Verdict(False, f"process {e.process_id} exited with 2 (bad input or configuration)",
+                   EXIT_BAD_INPUT)
+  return Verdict(False, f"process {e.process_id} exited with {rc} (an uncaught error)",
+                 rc if rc else 1)
+
+
 
 
 def free_port() -> int:
@@ -96,43 +164,85 @@ class Options(NamedTuple):
   environment (default this process's). `cwd`: the children's working directory. `stream`:
   called with each line of process 0's output as it arrives (default: print it; pass
   `lambda line: None` to stay quiet). `grace_s`: seconds between SIGTERM and SIGKILL when
-  stopping children.
+  stopping children. `max_restarts`: how many times the whole job starts again after a
+  process is preempted, lost or killed (`classify`); 0: never. `timeout_s` spans them all.
   """
   timeout_s: float | None = None
   env: dict[str, str] | None = None
   cwd: str | None = None
   stream: Callable[[str], None] | None = None
   grace_s: float = GRACE_S
+  max_restarts: int = MAX_RESTARTS
+
+
+class Outcome(NamedTuple):
+  """`supervise`'s result: `[(returncode, output), ...]` per process of the last attempt, the
+  restarts made, and why the last attempt failed (`Verdict`; None when every process exited
+  with 0)."""
+  results: list[tuple[int, str]]
+  restarts: int
+  failure: Verdict | None
 
 
 def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
            **options) -> list[tuple[int, str]]:
-  """Runs `argv` as `num_processes` processes of one JAX job on this machine.
+  """Runs `argv` as `num_processes` processes of one JAX job on this machine, supervised.
 
   Args:
     argv: the command; a leading `*.py` path runs under this Python interpreter.
     num_processes: processes to start (ids 0..N-1), all with the same command.
     devices_per_process: simulated CPU devices of each process.
-    **options: the fields of `Options` (timeout_s, env, cwd, stream, grace_s).
+    **options: the fields of `Options` (timeout_s, env, cwd, stream, grace_s, max_restarts).
 
   Returns:
-    `[(returncode, output), ...]` per process in id order; output is stdout and stderr
-    interleaved. When one child fails, the others are stopped and show a negative
-    (signal) return code.
+    `[(returncode, output), ...]` per process of the last attempt, in id order; output is
+    stdout and stderr interleaved. When one child fails, the others are stopped and show a
+    negative (signal) return code.
 
   Raises:
     ValueError: a bad count or an empty command.
     TypeError: a keyword that is not a field of `Options`.
     KeyboardInterrupt: after stopping every child, when interrupted.
   """
+  return supervise(argv, num_processes, devices_per_process, **options).results
+
+
+def supervise(argv: Sequence[str], num_processes: int, devices_per_process: int,
+              **options) -> Outcome:
+  """`launch`, returning the `Outcome` (the restarts and the last failure, if any)."""
   o = Options(**options)
-  for name, v in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"launch: {name}={v!r}, expected a positive int")
+  for name, v, least in (("num_processes", num_processes, 1),
+                         ("devices_per_process", devices_per_process, 1),
+                         ("max_restarts", o.max_restarts, 0)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+      raise ValueError(f"launch: {name}={v!r}, expected an int >= {least}")
   cmd = command(argv)
   stream = o.stream or (lambda line: print(line, end="", flush=True))
+  deadline = None if o.timeout_s is None else time.monotonic() + o.timeout_s
+  restarts = 0
+  while True:
+    cause, results = _attempt(cmd, num_processes, devices_per_process, o, stream, deadline)
+    if cause is None:
+      return Outcome(results, restarts, None)
+    verdict = classify(cause)
+    if not verdict.restart or restarts >= o.max_restarts:
+      stream(_PREFIX + verdict.why + ("; not restarting: a restart doesn't heal it\n"
+                                      if not verdict.restart else
+                                      f"; giving up after {restarts} restart(s) "
+                                      f"(max_restarts={o.max_restarts})\n"))
+      return Outcome(results, restarts, verdict)
+    restarts += 1
+    stream(f"{_PREFIX}restart {restarts} of {o.max_restarts}: {verdict.why}; every process "
+           "stopped, the job starts again and resumes from its newest save\n")
+
+
+def _attempt(cmd: list[str], num_processes: int, devices_per_process: int, o: Options, stream,
+             deadline: float | None) -> tuple[Exit | None, list[tuple[int, str]]]:
+  """One start of the whole job: (the failure that ended it, `cause_of` those that ended on
+  their own, or None; `[(returncode, output), ...]`). Every child has ended when it returns;
+  the timeout ends the supervision (its cause is not restarted)."""
   port = free_port()
-  procs, outputs, readers = [], [[] for _ in range(num_processes)], []
+  procs, outputs, readers, cause = [], [[] for _ in range(num_processes)], [], None
 
   def read(i, pipe):
     for line in iter(pipe.readline, ""):
@@ -151,19 +261,20 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
       t = threading.Thread(target=read, args=(i, p.stdout), daemon=True)
       t.start()
       readers.append(t)
-    deadline = None if o.timeout_s is None else time.monotonic() + o.timeout_s
+    stream(f"{_PREFIX}started " + ", ".join(f"process {i} pid {p.pid}"
+                                             for i, p in enumerate(procs)) + "\n")
     while True:
       codes = [p.poll() for p in procs]
-      if all(c is not None for c in codes):
-        break
-      if any(c not in (None, 0) for c in codes):
-        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        stream(f"launch_local: process {failed[0]} exited with {codes[failed[0]]}; "
-               "stopping the others\n")
-        stop(procs, o.grace_s)
+      if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+        # Those that ended on their own: what a lost process leaves in its peers is a symptom.
+        cause = cause_of([Exit(i, c) for i, c in enumerate(codes) if c is not None])
+        if cause is not None:
+          stream(f"{_PREFIX}process {cause.process_id} exited with {cause.returncode}; "
+                 "stopping the others\n")
+          stop(procs, o.grace_s)
         break
       if deadline is not None and time.monotonic() > deadline:
-        stream(f"launch_local: timeout after {o.timeout_s} s; stopping every process\n")
+        stream(f"{_PREFIX}timeout after {o.timeout_s} s; stopping every process\n")
         stop(procs, o.grace_s)
         break
       time.sleep(0.05)
@@ -173,15 +284,17 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
   finally:
     for t in readers:
       t.join(timeout=5)
-  return [(p.returncode, "".join(out)) for p, out in zip(procs, outputs)]
+  return cause, [(p.returncode, "".join(out)) for p, out in zip(procs, outputs)]
 
 
 def _define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("num_processes", 2, "processes to start", flag_values=fv)
   flags.DEFINE_integer("devices_per_process", 4, "simulated CPU devices per process",
                        flag_values=fv)
-  flags.DEFINE_float("timeout_s", None, "stop every process after this many seconds",
-                     flag_values=fv)
+  flags.DEFINE_float("timeout_s", None, "stop every process after this many seconds, "
+                     "restarts included", flag_values=fv)
+  flags.DEFINE_integer("max_restarts", MAX_RESTARTS, "restarts after a process is preempted, "
+                       "lost or killed", flag_values=fv)
 
 
 def launcher_flags(argv: list[str], define_flags, doc: str):
@@ -220,26 +333,34 @@ def main(argv: list[str]) -> int:
     raise KeyboardInterrupt
   signal.signal(signal.SIGTERM, on_term)
   try:
-    results = launch(rest, fv.num_processes, fv.devices_per_process, timeout_s=fv.timeout_s)
+    outcome = supervise(rest, fv.num_processes, fv.devices_per_process,
+                        timeout_s=fv.timeout_s, max_restarts=fv.max_restarts)
   except KeyboardInterrupt:
     print("launch_local: interrupted; every process stopped", file=sys.stderr)
     return 130
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  results = outcome.results
   bad = [(i, rc, out) for i, (rc, out) in enumerate(results) if rc != 0]
   for i, rc, out in bad:
     if i != 0:
       tail = "".join(out.splitlines(keepends=True)[-20:])
       print(f"--- process {i} exited with {rc}; its last lines:\n{tail}", file=sys.stderr)
-  if bad:
-    print(f"launch_local: {len(bad)} of {len(results)} processes failed: "
-          + ", ".join(f"process {i} ({rc})" for i, rc, _ in bad), file=sys.stderr)
-    # The status of the child that failed on its own (2: bad input, 143: preempted), not
-    # of those stopped because of it.
-    own = [rc for _, rc, _ in bad if rc > 0]
-    return own[0] if own else 1
-  return 0
+  if not bad:
+    return 0
+  failed = ", ".join(f"process {i} ({rc})" for i, rc, _ in bad)
+  if outcome.failure is None:  # the timeout: every process was stopped
+    print(f"error: launch_local: timeout after {fv.timeout_s} s ({failed}); raise "
+          "--timeout_s", file=sys.stderr)
+    return 1
+  # The status of the child that failed on its own (2: bad input, 143: preempted, 75: lost
+  # or killed), not of those stopped because of it.
+  print(f"error: launch_local: {outcome.failure.why} ({failed}); " + (
+      f"gave up after {outcome.restarts} restart(s): raise --max_restarts, or find what "
+      "ends the process in its lines above" if outcome.failure.restart else
+      "not restarted: fix what its lines above say"), file=sys.stderr)
+  return outcome.failure.status
 
 
 if __name__ == "__main__":

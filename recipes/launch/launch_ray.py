@@ -56,10 +56,10 @@ from typing import Callable, NamedTuple, Sequence
 from absl import flags
 
 from recipes.launch import launch_local, ray_cluster
+# The supervision rule, shared with launch_local.py (one definition).
+from recipes.launch.launch_local import (EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_PREEMPTED, Exit,
+                                         Verdict, cause_of, classify)
 
-EXIT_PREEMPTED = 143  # fnscale.multihost.EXIT_PREEMPTED (not imported: no jax here)
-EXIT_JOB_FAILED = 75  # fnscale.multihost.EXIT_JOB_FAILED
-EXIT_BAD_INPUT = 2
 EXIT_TIMEOUT = 124
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL when stopping processes that can't save anything
 POLL_S = 0.2  # how often the launcher asks each host for its process's status
@@ -112,57 +112,6 @@ def tpu_slice(spec: str) -> Hosts:
     raise ValueError(f"tpu={spec!r}, expected generation:topology such as 'v5p:2x2x4' or "
                      "'v6e:4x4' (the slice's chip grid)")
   return Hosts(0, {}, (version.lower(), topology.lower()))
-
-
-class Exit(NamedTuple):
-  """How one process of an attempt ended: `returncode` (negative: a signal; None: unknown, its
-  host was lost, `lost` says how). `process_id` None: the job's hosts couldn't be reserved."""
-  process_id: int | None
-  returncode: int | None
-  lost: str = ""
-
-
-class Verdict(NamedTuple):
-  """What an attempt's first failure means: restart or not, why (words), exit status."""
-  restart: bool
-  why: str
-  status: int
-
-
-def cause_of(exits: Sequence[Exit]) -> Exit | None:
-  """The failure that explains an attempt's end, among the processes that ended on their own
-  (not those the launcher stopped): a lost process (its host gone, or ended by a signal the
-  launcher didn't send) before a preemption (143), before a lost peer (75), before anything
-  else (2, an uncaught error): what a lost host leaves in its peers is a symptom. Lowest process
-  id among equals; None if none failed."""
-  def rank(e: Exit):
-    lost = bool(e.lost) or (e.returncode is not None and e.returncode < 0)
-    order = 0 if lost else 1 if e.returncode == EXIT_PREEMPTED else (
-        2 if e.returncode == EXIT_JOB_FAILED else 3)
-    return order, e.process_id
-  failed = [e for e in exits if e.lost or e.returncode != 0]
-  return min(failed, key=rank) if failed else None
-
-
-def classify(e: Exit) -> Verdict:
-  """The supervision rule for the first process of an attempt that failed (module docstring)."""
-  rc = e.returncode
-  if e.lost:
-    return Verdict(True, e.lost, EXIT_JOB_FAILED)
-  if rc == EXIT_PREEMPTED:
-    return Verdict(True, f"process {e.process_id} exited with 143 (preempted)", EXIT_PREEMPTED)
-  if rc == EXIT_JOB_FAILED:
-    return Verdict(True, f"process {e.process_id} exited with 75 (lost or failed process)",
-                   EXIT_JOB_FAILED)
-  if rc is not None and rc < 0:
-    name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
-    return Verdict(True, f"process {e.process_id} was ended by {name} (lost process)",
-                   EXIT_JOB_FAILED)
-  if rc == EXIT_BAD_INPUT:
-    return Verdict(False, f"process {e.process_id} exited with 2 (bad input or configuration)",
-                   EXIT_BAD_INPUT)
-  return Verdict(False, f"process {e.process_id} exited with {rc} (an uncaught error)",
-                 rc if rc else 1)
 
 
 class Restart(NamedTuple):
@@ -491,27 +440,28 @@ def _attempt(ray, o: _Launch, number: int) -> tuple[Exit | None, list]:
   return cause_of(own), results
 
 
-def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
-  """Where recipes/train_lm.py run as `argv` keeps its checkpoints (its own flags and
-  defaults); None for another command, --nocheckpoint, or flags it refuses. Imports the
-  recipe (and jax): called only after a failure."""
+def _recipe_dirs(argv: Sequence[str], cwd: str) -> tuple[str | None, str | None]:
+  """Where recipes/train_lm.py run as `argv` keeps its checkpoints and its emergency copies
+  (its own flags and defaults; None where off); both None for another command or flags it
+  refuses. Imports the recipe (and jax): called only after a failure."""
   if not argv or os.path.basename(argv[0]) != "train_lm.py":
-    return None
+    return None, None
+  # pylint: disable=import-outside-toplevel
   from recipes import train_lm
-  from recipes.lm import checkpoints, cli, rundir  # pylint: disable=import-outside-toplevel
+  from recipes.lm import checkpoints, cli, emergency, rundir
   try:
     o = cli.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
-    return None
+    return None, None
   c = o.ckpt
   if not (c.run_dir or c.checkpoint_dir):  # train_lm's default: per model and vocabulary
     # The platform's default model, a tokenizer's vocabulary: known only where it runs.
     if o.model.model_config is None or o.model.tokenizer:
-      return None
+      return None, None
     c = dataclasses.replace(c, run_dir=rundir.default_run_dir(o.model.model_config,
                                                               o.data.dataset, "", 256))
-  d = checkpoints.directory(c)
-  return None if not d else d if "://" in d else os.path.join(cwd, d)
+  place = lambda d: None if not d else d if "://" in d else os.path.join(cwd, d)
+  return place(checkpoints.directory(c)), place(emergency.directory(c) if c.run_dir else "")
 
 
 def _newest_step(directory: str | None) -> int | None:
@@ -564,8 +514,7 @@ def _supervise(ray, o: _Launch) -> Outcome:
                                 f"(max_restarts={max_restarts})"))
       return Outcome(verdict.status, tuple(restarts), results)
     delay = min(o.backoff[1], o.backoff[0] * 2 ** len(restarts))
-    directory = o.checkpoint_dir or _recipe_checkpoint_dir(o.command.argv, o.command.cwd)
-    step = _newest_step(directory)
+    step, directory = _resumed_from(o)
     codes = tuple(code for code, _ in results)
     say(f"restart {len(restarts) + 1} of {max_restarts} in {delay:g} s: {verdict.why} "
         f"(exit statuses {', '.join('lost' if c is None else str(c) for c in codes)}); "

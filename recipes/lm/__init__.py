@@ -40,6 +40,7 @@ Models:
 Training and after:
 - `finetune`: LoRA and DPO runs (`--lora_rank`, `--objective=dpo`); `dpo` its loss.
 - `checkpoints`: resume from the newest good checkpoint, save only finite states.
+- `emergency`: frequent emergency copies beside the checkpoints; a restart takes the newer.
 - `stopping`: preemption (SIGTERM) and Ctrl-C, losing nothing saved.
 - `stalls`: steps that did not train, counted and stopped with the cause.
 - `evaluation`: the held-out loss and the text the model writes; `sampling` the loop.

@@ -207,18 +207,22 @@ class Saver(NamedTuple):
   """What stands between a step and its checkpoint (`saver`)."""
   note: Callable  # note(step, metrics): keep the step's on-device finiteness flag
   check: Callable  # check(): StepError naming the first non-finite step and the last good save
-  save: Callable  # save(state, step): check(), then save step (once) with the data position
+  save: Callable  # save(state, step, emergency=False): check(), then save step (once) with
+  # the data position, to the checkpoints or (emergency=True) to the emergency copies
   commit: Callable  # commit(): wait until the last save is committed
 
 
-def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None) -> Saver:
+def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None) -> Saver:
   """The loop's checkpoint side: a non-finite loss or state is never saved (the flags of the
   steps since the last check are read before every save and progress line), saves go through
-  `ckpt` asynchronously with the data iterator's position, and a save that can't fit the
-  preemption window is said as soon as its time is known (at start-up from the last run's
-  save; in the run from its second save: the first one's time includes one-off compiles).
-  The time the loop waits on saves and commits goes to `ledger`'s "checkpoint" (goodput.py)."""
+  `ckpt` (or the emergency copies' manager `local`, emergency.py) asynchronously with the
+  data iterator's position, and a save that can't fit the preemption window is said as soon
+  as its time is known (at start-up from the last run's save; in the run from its second
+  save: the first one's time includes one-off compiles). `resumed`: the step `ckpt` holds
+  already. The time the loop waits on saves and commits goes to `ledger`'s "checkpoint"
+  (goodput.py)."""
   flags, last_saved, warned, saves, frozen = [], resumed, False, 0, {}
+  copies = []  # the steps of the emergency copies saved
   waiting = booked(ledger, "checkpoint")
 
   def check():
@@ -227,30 +231,49 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None) -> Saver:
       commit()  # the last good save is on disk before the run stops
       raise nonfinite_error(bad, last_saved, s.o.ckpt.checkpoint_dir, s.o.schedule.lr)
 
-  def save(state, step: int):
+  def save(state, step: int, emergency: bool = False):
     check()
+    if emergency:
+      if local is not None and step not in copies[-1:]:
+        with waiting():
+          save_copy(state, step)
+      return
     if ckpt is None or step == last_saved:
       return
     with waiting():
       write(state, step)
+
+  def save_copy(state, step: int):
+    t = time.time()
+    fs.checkpoint.save(local, step, state._replace(frozen=None), data=train_rows,
+                       extra=extra(state, step))
+    copies.append(step)
+    if len(copies) == 1:  # said once: they come every few steps
+      say(f"checkpoint: emergency copy of step {step} saving in the background (the loop "
+          f"waited {time.time() - t:.2f} s; one every {s.o.ckpt.emergency_every} steps in "
+          f"{local.directory})")
 
   def write(state, step: int):
     nonlocal last_saved, warned, saves
     if saves >= 2 and not warned:  # the first save's time includes one-off compiles
       warned = say_save_window(ckpt, s.o.ckpt.grace_s, say)
     t = time.time()
-    if state.frozen is not None and not frozen:  # named once: they never change
-      frozen.update(source=s.o.model.init_from or f"fresh, seed {s.o.data.seed}",
-                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
     # Before the next batch is read: the iterator's position is this step's.
-    fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows, extra=dict(
-        step=step, seed=s.o.data.seed, model=s.o.model.model_config, seq=s.cfg.seq,
-        vocab=s.cfg.vocab, global_batch=s.o.step.global_batch,
-        corpus_tokens=len(s.corpus.train), schedule=schedule_record(s.o.schedule),
-        **({"frozen": dict(frozen)} if frozen else {})))
+    fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows,
+                       extra=extra(state, step))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
         f"{time.time() - t:.2f} s; {s.o.ckpt.checkpoint_dir})")
+
+  def extra(state, step: int) -> dict:
+    if state.frozen is not None and not frozen:  # named once: they never change
+      frozen.update(source=s.o.model.init_from or f"fresh, seed {s.o.data.seed}",
+                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
+    return dict(
+        step=step, seed=s.o.data.seed, model=s.o.model.model_config, seq=s.cfg.seq,
+        vocab=s.cfg.vocab, global_batch=s.o.step.global_batch,
+        corpus_tokens=len(s.corpus.train), schedule=schedule_record(s.o.schedule),
+        **({"frozen": dict(frozen)} if frozen else {}))
 
   def commit():
     if ckpt is not None:

@@ -17,7 +17,9 @@ functions (the MoE models' interface: `recipes/lm/moe.py`).
   `tokens_per_expert`); `balance_coef` (0 by default) adds the usual balance loss on top.
 
 Rotary dimensions are read in DeepSeek's interleaved pairs when `rope_interleave` (its
-checkpoints'); RoPE is plain (YaRN scaling is not implemented: `hf_maps` says so).
+checkpoints'), scaled by `rope_scaling` when set (DeepSeek-V3's is YaRN's, factor 40): the
+softmax scale 1/sqrt(nope + rope_dim) is then multiplied by mscale(factor, mscale_all_dim)^2
+as DeepSeek's reference does (`softmax_scale`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class ModelConfig(NamedTuple):
   rope_theta: float = 10_000.0
   rope_interleave: bool = True
   norm_eps: float = 1e-6
+  rope_scaling: layers.RopeScaling | layers.Yarn | None = None
 
   @property
   def head_dim(self) -> int:  # the key and query width
@@ -179,7 +182,17 @@ def _rope(x, cfg: ModelConfig, positions):
   taking the even then the odd dims, which is what its checkpoints' rotation computes)."""
   if cfg.rope_interleave:
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  return layers.rope(x, cfg.rope_theta, positions=positions)
+  return layers.rope(x, cfg.rope_theta, cfg.rope_scaling, positions=positions)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+  """The attention logits' scale: 1/sqrt(head_dim), times mscale(factor, mscale_all_dim)^2
+  under YaRN with mscale_all_dim given (the no-position dims get YaRN's magnitude correction
+  too). DeepSeek-V3 (factor 40, mscale_all_dim 1): 1.3689 / sqrt(192)."""
+  s = cfg.rope_scaling
+  mscale = (layers.yarn_mscale(s.factor, s.mscale_all_dim)
+            if isinstance(s, layers.Yarn) and s.mscale_all_dim else 1.0)
+  return 1.0 / math.sqrt(cfg.head_dim) * mscale ** 2
 
 
 def _mla(x, p, cfg: ModelConfig, segment_ids, positions):
@@ -201,7 +214,7 @@ def _mla(x, p, cfg: ModelConfig, segment_ids, positions):
   pad = cfg.head_dim - cfg.v_dim  # values zero-padded to the key width: the same output
   v = jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad > 0 else v
   o = fs.attention(*(fs.constrain_batch(a) for a in (q, k, v)), causal=True,
-                   segment_ids=segment_ids)[..., :cfg.v_dim]
+                   segment_ids=segment_ids, scale=softmax_scale(cfg))[..., :cfg.v_dim]
   return x + jnp.einsum("bshk,hkd->bsd", fs.constrain_batch(o), p["wo"])
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fnscale.checkpoint import hf
 from recipes.lm import deepseek
-from recipes.lm.hf_fields import error, need, rope
+from recipes.lm.hf_fields import error, need, rope, rope_fields
 
 
 def config(c: dict, seq: int) -> deepseek.ModelConfig:
@@ -29,8 +29,6 @@ def config(c: dict, seq: int) -> deepseek.ModelConfig:
     if value not in ok:
       raise error(field, value, f"is not {ok[0]!r}, what fnscale's DeepSeek model computes.")
   theta, scaling = rope(c)
-  if scaling is not None:
-    raise error("rope_scaling", "llama3", "is not in fnscale's DeepSeek model (plain RoPE).")
   experts = need(c, "n_routed_experts" if "num_local_experts" not in c else
                  "num_local_experts")  # the Hub says n_routed_experts; transformers 5 both
   return deepseek.ModelConfig(
@@ -43,7 +41,7 @@ def config(c: dict, seq: int) -> deepseek.ModelConfig:
       q_lora=c.get("q_lora_rank") or 0, shared=int(c.get("n_shared_experts") or 0),
       groups=int(c.get("n_group") or 1), topk_groups=int(c.get("topk_group") or 0),
       routed_scale=float(c.get("routed_scaling_factor", 1.0)),
-      normalize=bool(c.get("norm_topk_prob", True)), rope_theta=theta,
+      normalize=bool(c.get("norm_topk_prob", True)), rope_theta=theta, rope_scaling=scaling,
       rope_interleave=bool(c.get("rope_interleave", True)),
       norm_eps=float(c.get("rms_norm_eps", 1e-6)))
 
@@ -97,17 +95,17 @@ def checkpoint_map(cfg: deepseek.ModelConfig, path=None) -> hf.CheckpointMap:
 def hf_config(cfg: deepseek.ModelConfig) -> dict:
   """config.json of a DeepSeek-V3-style model trained here (what DeepseekV3ForCausalLM
   computes with it)."""
-  return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-              hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
-              first_k_dense_replace=cfg.dense_layers, num_attention_heads=cfg.heads,
-              num_key_value_heads=cfg.heads, q_lora_rank=cfg.q_lora or None,
-              kv_lora_rank=cfg.kv_lora, qk_nope_head_dim=cfg.nope,
-              qk_rope_head_dim=cfg.rope_dim, v_head_dim=cfg.v_dim,
-              intermediate_size=cfg.d_mlp, moe_intermediate_size=cfg.d_ff,
-              n_routed_experts=cfg.experts, num_experts_per_tok=cfg.k,
-              n_shared_experts=cfg.shared, n_group=cfg.groups,
-              topk_group=cfg.topk_groups or cfg.groups, routed_scaling_factor=cfg.routed_scale,
-              norm_topk_prob=cfg.normalize, vocab_size=cfg.vocab, hidden_act="silu",
-              rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-              rope_interleave=cfg.rope_interleave, max_position_embeddings=max(cfg.seq, 2048),
-              tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0)
+  out = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+             hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+             first_k_dense_replace=cfg.dense_layers, num_attention_heads=cfg.heads,
+             num_key_value_heads=cfg.heads, q_lora_rank=cfg.q_lora or None,
+             kv_lora_rank=cfg.kv_lora, qk_nope_head_dim=cfg.nope,
+             qk_rope_head_dim=cfg.rope_dim, v_head_dim=cfg.v_dim,
+             intermediate_size=cfg.d_mlp, moe_intermediate_size=cfg.d_ff,
+             n_routed_experts=cfg.experts, num_experts_per_tok=cfg.k,
+             n_shared_experts=cfg.shared, n_group=cfg.groups,
+             topk_group=cfg.topk_groups or cfg.groups, routed_scaling_factor=cfg.routed_scale,
+             norm_topk_prob=cfg.normalize, vocab_size=cfg.vocab, hidden_act="silu",
+             rms_norm_eps=cfg.norm_eps, rope_interleave=cfg.rope_interleave,
+             tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0)
+  return out | rope_fields(cfg.rope_theta, cfg.rope_scaling, cfg.seq)

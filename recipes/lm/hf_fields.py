@@ -1,8 +1,8 @@
 """What the Hugging Face families share: config.json fields read or refused with an
-InputError naming the field (`need`, `error`), the RoPE settings (`rope`), the checks of a
-Llama-style config (`check_llama`) and the Llama's checkpoint map (`llama_map`: the Llama,
-Mistral, Qwen and Gemma families', and the MoE families' attention). Used by `hf_maps` and
-the families' modules."""
+InputError naming the field (`need`, `error`), the RoPE settings (`rope`; `rope_fields` for
+an export), the checks of a Llama-style config (`check_llama`) and the Llama's checkpoint map
+(`llama_map`: the Llama, Mistral, Qwen and Gemma families', and the MoE families'
+attention). Used by `hf_maps` and the families' modules."""
 from __future__ import annotations
 
 import fnscale as fs
@@ -23,26 +23,70 @@ def need(c: dict, field: str):
 
 
 def rope(c: dict, default_theta: float = 10_000.0
-         ) -> tuple[float, layers.RopeScaling | None]:
+         ) -> tuple[float, layers.RopeScaling | layers.Yarn | None]:
   """(theta, scaling) from `rope_theta` + `rope_scaling` (config.json as published) or
-  `rope_parameters` (as transformers 5 writes it)."""
+  `rope_parameters` (as transformers 5 writes it), read as transformers reads them."""
   params = c.get("rope_parameters") or {}
   scaling = c.get("rope_scaling") or params
   theta = float(c.get("rope_theta") or params.get("rope_theta") or default_theta)
   kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
   if kind == "default":
     return theta, None
-  if kind != "llama3":
+  if kind not in ("llama3", "yarn"):
     raise error("rope_scaling.rope_type", kind, "is not implemented: fnscale's models have "
-                "'default' and 'llama3' RoPE; fix: pick a checkpoint with one of those, or "
-                "add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
+                "'default', 'llama3' and 'yarn' RoPE; fix: pick a checkpoint with one of "
+                "those, or add the frequency rule to recipes/lm/layers.py's rope_frequencies.")
   try:
+    if kind == "yarn":
+      return theta, _yarn(c, scaling)
     return theta, layers.RopeScaling(
         float(scaling["factor"]), float(scaling["low_freq_factor"]),
         float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
   except KeyError as e:
-    raise error(f"rope_scaling.{e.args[0]}", None, "is missing: llama3 RoPE needs factor, "
-                "low_freq_factor, high_freq_factor, original_max_position_embeddings.") from None
+    needs = ("factor, original_max_position_embeddings (or max_position_embeddings)"
+             if kind == "yarn" else "factor, low_freq_factor, high_freq_factor, "
+             "original_max_position_embeddings")
+    raise error(f"rope_scaling.{e.args[0]}", None, f"is missing: {kind} RoPE needs "
+                f"{needs}.") from None
+
+
+def _yarn(c: dict, s: dict) -> layers.Yarn:
+  """YaRN's fields; as transformers: a top-level original_max_position_embeddings first, then
+  the scaling's, then max_position_embeddings; no factor: max_position / original."""
+  original = (c.get("original_max_position_embeddings")
+              or s.get("original_max_position_embeddings") or c.get("max_position_embeddings"))
+  if not original:
+    raise KeyError("original_max_position_embeddings")
+  factor = s.get("factor") or c.get("max_position_embeddings", 0) / original
+  if not factor:
+    raise KeyError("factor")
+  return layers.Yarn(
+      float(factor), int(original), float(s.get("beta_fast") or 32.0),
+      float(s.get("beta_slow") or 1.0), float(s.get("mscale") or 0.0),
+      float(s.get("mscale_all_dim") or 0.0), float(s.get("attention_factor") or 0.0),
+      bool(s.get("truncate", True)))
+
+
+def rope_fields(theta: float, scaling: layers.RopeScaling | layers.Yarn | None,
+                seq: int) -> dict:
+  """config.json's RoPE fields for an export (what `rope` reads back as the same): rope_theta,
+  rope_scaling when scaled, and max_position_embeddings covering `seq` (and the scaled
+  length: original x factor)."""
+  out = dict(rope_theta=theta, max_position_embeddings=max(seq, 2048))
+  if scaling is None:
+    return out
+  if isinstance(scaling, layers.Yarn):
+    given = dict(mscale=scaling.mscale, mscale_all_dim=scaling.mscale_all_dim,
+                 attention_factor=scaling.attention_factor)
+    s = dict(rope_type="yarn", factor=scaling.factor, beta_fast=scaling.beta_fast,
+             beta_slow=scaling.beta_slow, **{k: v for k, v in given.items() if v},
+             **({} if scaling.truncate else {"truncate": False}))
+  else:
+    s = dict(rope_type="llama3", factor=scaling.factor,
+             low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor)
+  s["original_max_position_embeddings"] = scaling.original_max_position
+  return dict(out, rope_scaling=s, max_position_embeddings=max(
+      seq, int(scaling.original_max_position * scaling.factor)))
 
 
 def check_llama(c: dict, seq: int) -> None:

@@ -7,20 +7,22 @@ each param leaf to its safetensors key and transform, and config.json back for a
                            key=jax.random.key(0), abstract=True)
   params = fs.checkpoint.hf.load(path, abstract.params, hf_maps.checkpoint_map(m, path))
 
-Families (`model_type`): llama (Llama 2/3/3.1/3.2: plain or "llama3" RoPE, tied or untied
-embeddings), mistral, qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into
-`llama.py`; gemma2 (Gemma 2: attention and final logit soft-capping, sliding-window layers
-alternating with global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five
-sliding-window layers to one global, a RoPE base of their own for the local layers) into
-`llama.py` too, as its Gemma options (GeGLU, RMSNorm by (1 + weight) before and after
-attention and the MLP, the embedding scaled by sqrt(d_model), tied embeddings: `hf_gemma`);
-gpt2 into `gpt.py`. Anything a config asks that these models can't compute (a RoPE type, an
-activation, biases elsewhere, a sliding window shorter than the sequence where the model has
-none) is an InputError naming the config.json field, never a silently different model.
-mixtral (Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their
-weights renormalised or not) into `moe.py`: the experts' weights are one leaf each per
-projection, [layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's
-layout, which transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`).
+Families (`model_type`): llama (Llama 2/3/3.1/3.2: tied or untied embeddings), mistral,
+qwen2 (Qwen2/2.5: q/k/v biases), qwen3 (per-head q/k RMSNorm) into `llama.py`; gemma2
+(Gemma 2: attention and final logit soft-capping, sliding-window layers alternating with
+global ones) and gemma3_text (Gemma 3's text models: q/k RMSNorm, five sliding-window layers
+to one global, a RoPE base of their own for the local layers) into `llama.py` too, as its
+Gemma options (GeGLU, RMSNorm by (1 + weight) before and after attention and the MLP, the
+embedding scaled by sqrt(d_model), tied embeddings: `hf_gemma`); gpt2 into `gpt.py`.
+Anything a config asks that these models can't compute (a RoPE type, an activation, biases
+elsewhere, a sliding window shorter than the sequence where the model has none) is an
+InputError naming the config.json field, never a silently different model. mixtral
+(Mixtral's routed experts) and qwen3_moe (Qwen3's attention, narrow experts, their weights
+renormalised or not) into `moe.py`: the experts' weights are one leaf each per projection,
+[layers, experts, ...], read from `{layer}` and `{expert}` keys (the Hub's layout, which
+transformers writes too). deepseek_v3 into `deepseek.py` (`hf_deepseek`). RoPE: plain,
+"llama3" or "yarn" (`hf_fields.rope`) in every family but gpt2 (Gemma's local layers and
+exports: plain).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any, NamedTuple
 import fnscale as fs
 from fnscale.checkpoint import hf
 from recipes.lm import deepseek, gpt, hf_deepseek, hf_gemma, hf_moe, llama, moe
-from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope
+from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope, rope_fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILY = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -209,17 +211,9 @@ def _llama_hf_config(cfg: llama.ModelConfig) -> dict:
              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
              num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.d_mlp,
              head_dim=cfg.head_dim, vocab_size=cfg.vocab, hidden_act="silu",
-             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-             max_position_embeddings=max(cfg.seq, 2048),
-             tie_word_embeddings=cfg.tie_embeddings, attention_bias=False)
-  if cfg.rope_scaling is not None:
-    s = cfg.rope_scaling
-    out["rope_scaling"] = dict(rope_type="llama3", factor=s.factor,
-                               low_freq_factor=s.low_freq_factor,
-                               high_freq_factor=s.high_freq_factor,
-                               original_max_position_embeddings=s.original_max_position)
-    out["max_position_embeddings"] = max(cfg.seq, int(s.original_max_position * s.factor))
-  return out
+             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+             attention_bias=False)
+  return out | rope_fields(cfg.rope_theta, cfg.rope_scaling, cfg.seq)
 
 
 def _gpt2_hf_config(cfg: gpt.ModelConfig) -> dict:

@@ -7,20 +7,17 @@ from __future__ import annotations
 import fnscale as fs
 from fnscale.checkpoint import hf
 from recipes.lm import llama, moe
-from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope
+from recipes.lm.hf_fields import check_llama, error, llama_map, need, rope, rope_fields
 
 
-def _checked(c: dict, seq: int) -> float:
-  """The RoPE base of an MoE family's config, after the checks both families share (a
-  Llama's attention, an output layer of its own, plain RoPE)."""
+def _checked(c: dict, seq: int) -> dict:
+  """The RoPE fields of an MoE family's config (`rope_theta`, `rope_scaling`), after the
+  checks both families share (a Llama's attention, an output layer of its own)."""
   check_llama(c, seq)
   if c.get("tie_word_embeddings"):
     raise error("tie_word_embeddings", True, "ties the output layer to the embedding; "
                 "fnscale's MoE model has its own output layer.")
-  theta, scaling = rope(c)
-  if scaling is not None:
-    raise error("rope_scaling", "llama3", "is not in fnscale's MoE model (plain RoPE).")
-  return theta
+  return dict(zip(("rope_theta", "rope_scaling"), rope(c)))
 
 
 def mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
@@ -29,7 +26,7 @@ def mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
   fnscale's (it counts each token's k copies over tokens, not over copies), so
   `router_aux_loss_coef` x k weighs the same loss. Router jitter (training noise) is not
   applied."""
-  theta = _checked(c, seq)
+  rope_cfg = _checked(c, seq)
   d, heads = need(c, "hidden_size"), need(c, "num_attention_heads")
   if (c.get("head_dim") or d // heads) != d // heads:
     raise error("head_dim", c["head_dim"], f"is not hidden_size / num_attention_heads = "
@@ -39,7 +36,7 @@ def mixtral_config(c: dict, seq: int) -> moe.ModelConfig:
       layers=need(c, "num_hidden_layers"), d_model=d, heads=heads,
       kv_heads=c.get("num_key_value_heads") or heads, d_ff=need(c, "intermediate_size"),
       experts=need(c, "num_local_experts"), k=k, seq=seq, vocab=need(c, "vocab_size"),
-      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
+      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, **rope_cfg,
       norm_eps=float(c.get("rms_norm_eps", 1e-6)))
 
 
@@ -48,7 +45,7 @@ def qwen3_moe_config(c: dict, seq: int) -> moe.ModelConfig:
   size), top-k of the softmax over experts, renormalised when `norm_topk_prob`
   (transformers' Qwen3MoeSparseMoeBlock). Every layer must be an MoE layer (the model has no
   dense ones) and the load-balance coefficient is HF's x k (as Mixtral's)."""
-  theta = _checked(c, seq)
+  rope_cfg = _checked(c, seq)
   if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
     field = "mlp_only_layers" if c.get("mlp_only_layers") else "decoder_sparse_step"
     raise error(field, c.get(field), "makes some layers dense MLPs; fnscale's MoE model "
@@ -62,7 +59,7 @@ def qwen3_moe_config(c: dict, seq: int) -> moe.ModelConfig:
       # The Hub's config.json says num_experts; transformers 5 writes num_local_experts.
       experts=need(c, "num_experts" if "num_local_experts" not in c else "num_local_experts"),
       k=k, seq=seq, vocab=need(c, "vocab_size"), normalize=bool(c.get("norm_topk_prob", False)),
-      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, rope_theta=theta,
+      balance_coef=float(c.get("router_aux_loss_coef", 0.0)) * k, **rope_cfg,
       norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       head_size=0 if head_dim == d // heads else head_dim, qk_norm=True)
 
@@ -113,9 +110,9 @@ def hf_config(cfg: moe.ModelConfig) -> dict:
   common = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
                 num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                 num_experts_per_tok=cfg.k, vocab_size=cfg.vocab, hidden_act="silu",
-                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                max_position_embeddings=max(cfg.seq, 2048), tie_word_embeddings=False,
-                router_aux_loss_coef=cfg.balance_coef / cfg.k, sliding_window=None)
+                rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
+                router_aux_loss_coef=cfg.balance_coef / cfg.k, sliding_window=None,
+                **rope_fields(cfg.rope_theta, cfg.rope_scaling, cfg.seq))
   if cfg.qk_norm:
     return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                 head_dim=cfg.head_dim, moe_intermediate_size=cfg.d_ff,

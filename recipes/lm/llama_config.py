@@ -9,18 +9,18 @@ from typing import NamedTuple
 
 import fnscale as fs
 from recipes.lm import remat as remat_lib
-from recipes.lm.layers import RopeScaling
+from recipes.lm.layers import RopeScaling, Yarn
 
 
 class ModelConfig(NamedTuple):
   """Shape of the decoder.
 
   `heads` query heads share `kv_heads` key/value heads (GQA); head_dim = `head_size` if set,
-  else d_model / heads. `rope_theta` is the rotary base (500000 in Llama 3),
-  `rope_scaling` Llama 3.1's frequency scaling (None: plain RoPE); `norm_eps` RMSNorm's
-  epsilon. `tie_embeddings`: the output layer is the token embedding (no `unembed` leaf);
-  `qkv_bias`: biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of
-  q and k before RoPE (Qwen3). `repeats` > 1: the blocks are stored for a circular
+  else d_model / heads. `rope_theta` is the rotary base (500000 in Llama 3), `rope_scaling`
+  Llama 3.1's or YaRN's frequency scaling (None: plain RoPE); `norm_eps` RMSNorm's epsilon.
+  `tie_embeddings`: the output layer is the token embedding (no `unembed` leaf); `qkv_bias`:
+  biases on the q/k/v projections (Qwen2); `qk_norm`: RMSNorm over head_dim of q and k
+  before RoPE (Qwen3). `repeats` > 1: the blocks are stored for a circular
   pipeline of `stages` stages, [stages, repeats, layers / (stages repeats), ...].
   `int8`: the blocks' projections and MLP multiply in int8 (`recipes.lm.int8.dense`; the
   output layer and attention stay in the compute dtype). `unroll`: the layer loop is
@@ -48,7 +48,7 @@ class ModelConfig(NamedTuple):
   rope_theta: float = 500_000.0
   norm_eps: float = 1e-5
   head_size: int = 0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | Yarn | None = None
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False

@@ -21,9 +21,8 @@ Module interface (shared with `gpt.py` and `llama.py`): `ModelConfig`, `SIZES`,
 `apply(params, tokens, *, remat)`, `loss_fn(params, batch, *, remat)`, `matmul_params(cfg)`,
 `flops_per_token(cfg)`; and `loss_and_aux(params, batch, *, remat)`, the training objective
 (cross-entropy plus the router losses) with the layers' expert load for the run's metrics
-(`HAS_AUX`; `load_metrics` reads them). Expert weights carry the logical
-axis "expert" (rule ("expert", "expert"): split over the mesh's expert axis) besides
-"embed" (FSDP) and "mlp" (tensor).
+(`HAS_AUX`; `load_metrics` reads them). Expert weights carry the logical axis "expert" (rule
+("expert", "expert"): the mesh's expert axis) besides "embed" (FSDP) and "mlp" (tensor).
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ class ModelConfig(NamedTuple):
   routing weights (Mixtral) or keeps the softmax's (DeepSeek); `balance_coef` and `z_coef`
   weigh the load-balance loss and the router z-loss in the training loss. head_dim =
   `head_size` if set, else d_model / heads; `qk_norm`: RMSNorm over head_dim of q and k
-  before RoPE (Qwen3-MoE).
+  before RoPE (Qwen3-MoE); `rope_scaling` as the Llama's (`layers.rope`).
   """
   layers: int
   d_model: int
@@ -70,6 +69,7 @@ class ModelConfig(NamedTuple):
   norm_eps: float = 1e-5
   head_size: int = 0
   qk_norm: bool = False
+  rope_scaling: layers.RopeScaling | layers.Yarn | None = None
 
   @property
   def head_dim(self) -> int:
@@ -204,7 +204,7 @@ def _block(x, p, cfg: ModelConfig, segment_ids=None, positions=None):
   `segment_ids`, `positions`: None or int32 [batch, seq] (as `llama._block`)."""
   x = fs.constrain_batch(x)
   h = layers.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-  rope = lambda y: layers.rope(y, cfg.rope_theta, positions=positions)
+  rope = lambda y: layers.rope(y, cfg.rope_theta, cfg.rope_scaling, positions=positions)
 
   def project(name):  # q, k or v [batch, seq, heads, head_dim], Qwen3's per-head norm
     out = jnp.einsum("bsd,dhk->bshk", h, p[f"w{name}"])

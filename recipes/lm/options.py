@@ -55,7 +55,7 @@ _POSITIVE = ("seq", "batch_size", "global_batch", "epochs", "steps", "schedule_s
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "max_stalled_steps",
                  "microbatches", "seed", "checkpoint_every", "stop_after", "sample_len",
                  "temperature", "shutdown_delay_s", "num_processes", "lora_rank",
-                 "dpo_label_smoothing")
+                 "dpo_label_smoothing", "emergency_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +201,12 @@ class CheckpointOptions:
   checkpoint_dir: str = option("", "checkpoints (path or gs://...); default RUN_DIR/checkpoints")
   checkpoint_every: int = option(200, "save every this many steps (0: at the end and SIGTERM)")
   checkpoint_keep: int = option(3, "how many checkpoints to keep")
+  # Emergency copies (recipes/lm/emergency.py): a restart resumes from the newer of them and
+  # the checkpoints.
+  emergency_every: int = option(0, "also save an emergency copy every this many steps to "
+                                "--emergency_dir, the newest 2 kept (0: off)")
+  emergency_dir: str = option("", "emergency copies (a fast disk every process sees); "
+                              "default RUN_DIR/emergency")
   stop_after: int = option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
   grace_s: float = option(fs.multihost.DEFAULT_GRACE_S, "seconds from a preemption notice "
                           "(SIGTERM) to the end of the process, the final save included; "

@@ -44,11 +44,7 @@ def check_same_run(o, devices: int) -> None:
       the fix; a `run_dir` (or a folder above it) that is a file.
   """
   check_directory(o.ckpt.run_dir, "--run_dir")
-  path = os.path.join(o.ckpt.run_dir, run_log.RUN_FILE)
-  if not os.path.isfile(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    start = json.load(f).get("start", {})
+  start = recorded_start(o.ckpt.run_dir)
   then, now = start.get("options", {}), cli.flat(o)
   names = DEFINING if start.get("devices") == devices else DEFINING[:-1]
   diff = [f"{k}={now[k]!r} (the run's: {then[k]!r})" for k in names
@@ -59,6 +55,27 @@ def check_same_run(o, devices: int) -> None:
         "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
         "the run's options to resume it: " + " ".join(
             f"--{k}={then[k]}" for k in names if k in then and then[k] != now[k]))
+
+
+def recorded_start(run_dir: str) -> dict:
+  """The "start" record of `run_dir`'s run.json (its options with every default filled in,
+  its devices...), {} when there is none."""
+  path = os.path.join(run_dir, run_log.RUN_FILE)
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f).get("start", {})
+
+
+def recorded_batch(run_dir: str, devices: int) -> tuple[int, int] | None:
+  """(global batch, devices) of the run recorded in `run_dir` when it ran on another device
+  count than `devices` (a restart on fewer or more hosts); None when none is recorded or it
+  ran on as many."""
+  start = recorded_start(run_dir)
+  batch = start.get("options", {}).get("global_batch")
+  if not batch or start.get("devices") in (None, devices):
+    return None
+  return batch, start["devices"]
 
 
 def check_directory(path: str, flag: str) -> None:

@@ -1,0 +1,149 @@
+"""Emergency copies: besides the run's persistent checkpoints (every --checkpoint_every steps),
+a frequent copy of the train state, with the data position, every --emergency_every steps in
+--emergency_dir (default RUN_DIR/emergency; a fast disk, the newest `KEEP` kept), so that a
+process killed without warning (kill -9, a host gone) loses at most that many steps. It is a
+second orbax manager beside the persistent one: neither waits on the other's saves. A restart
+resumes from the newer of the two (`newest`), saying which.
+
+The directory is checked before anything trains (`prepare`): writable by every process and
+not another run's (its copies would resume this run from that run's state): each is an
+`error:` line naming the fix, before anything of the persistent checkpoints is touched. Copies
+saved on another mesh or process count restore onto this one (orbax reads them by the
+state's shardings; the data positions are mapped as for checkpoints, `batches`).
+
+  python recipes/train_lm.py --emergency_every=10          # copies in RUN_DIR/emergency
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import jax
+
+import fnscale as fs
+from recipes.lm import checkpoints
+from recipes.lm.options import CheckpointOptions
+
+KEEP = 2  # the newest copy, and the one before it while the next is written
+OWNER_FILE = "owner.json"  # which run the copies are of (`prepare`)
+
+
+def directory(c: CheckpointOptions) -> str:
+  """Where a run with train_lm's checkpoint options `c` (run_dir filled in) keeps its
+  emergency copies; "" when they are off (--emergency_every=0, or --nocheckpoint)."""
+  if not (c.checkpoint and c.emergency_every):
+    return ""
+  return c.emergency_dir or os.path.join(c.run_dir, "emergency")
+
+
+def owner(s) -> dict:
+  """What names a run's copies as its own: its run directory and what fixes its state's
+  shapes and data order (`s`: run_setup.Setup)."""
+  return dict(run_dir=os.path.abspath(s.o.ckpt.run_dir), model=s.o.model.model_config,
+              seq=s.cfg.seq, vocab=s.cfg.vocab, seed=s.o.data.seed,
+              global_batch=s.o.step.global_batch)
+
+
+def prepare(s, say) -> str:
+  """Checks the emergency directory of run `s` on every process before anything trains,
+  removes the saves a kill left unfinished, and records the run as its owner; returns it
+  ("" when copies are off).
+
+  Raises:
+    InputError: the directory can't be written (by this process, or isn't the same for every
+      process), or holds another run's copies; the message names the fix, and that the
+      persistent checkpoints are untouched.
+  """
+  d = directory(s.o.ckpt)
+  if not d:
+    return ""
+  untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched"
+               if s.o.ckpt.checkpoint_dir else "nothing was saved")
+  fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
+         f"on one host, a shared file system on several), or --emergency_every=0 to save no "
+         f"emergency copies; {untouched}")
+  if "://" in d:
+    raise fs.InputError(f"--emergency_dir={d}: emergency copies are for a fast file system "
+                        "path (a local disk, or a shared file system on several hosts), not an "
+                        f"object store; the persistent --checkpoint_dir takes buckets. Fix: "
+                        f"{fix}")
+  try:
+    os.makedirs(d, exist_ok=True)
+    probe = os.path.join(d, f".writable-{jax.process_index()}")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise fs.InputError(f"--emergency_dir={d} can't be written ({type(e).__name__}: "
+                        f"{e.strerror or e}); {fix}") from None
+  try:
+    fs.checkpoint.check_shared_directory(d)  # several processes: orbax saves need one directory
+  except fs.DistributedError as e:
+    raise fs.InputError(f"--emergency_dir={d}: {e} Or {fix}") from None
+  ours = owner(s)
+  if _inside(d, s.o.ckpt.run_dir):  # moves with its run (a copied run dir): not its name
+    ours.pop("run_dir")
+  _check_owner(d, ours, untouched)
+  checkpoints.remove_unfinished(d, say)
+  if jax.process_index() == 0:  # replaced whole: another process may be reading it
+    tmp = os.path.join(d, f".{OWNER_FILE}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(owner(s), f)
+    os.replace(tmp, os.path.join(d, OWNER_FILE))
+  return d
+
+
+def _inside(d: str, run_dir: str) -> bool:
+  d, run_dir = os.path.abspath(d), os.path.abspath(run_dir)
+  return os.path.commonpath([d, run_dir]) == run_dir
+
+
+def _check_owner(d: str, ours: dict, untouched: str) -> None:
+  """Refuses copies in `d` that another run saved (another model or data order; another run
+  directory where `ours` names one), or copies without an owner record."""
+  path = os.path.join(d, OWNER_FILE)
+  saved = sorted(int(n) for n in os.listdir(d) if n.isdigit())  # step directories
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      theirs = json.load(f)
+  elif saved:
+    theirs = {}
+  else:
+    return
+  diff = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in ours.items()
+          if theirs.get(k) != v]
+  if diff:
+    raise fs.InputError(
+        f"--emergency_dir={d} holds the emergency copies of another run (steps "
+        f"{list(saved)}; " + (", ".join(diff) if theirs else f"no {OWNER_FILE} naming its run")
+        + "): this run would resume from that run's state. Fix: give this run its own "
+        f"--emergency_dir, or remove {d} if those copies are not needed; {untouched}")
+
+
+@contextlib.contextmanager
+def manager(d: str):
+  """A context of the run's emergency checkpoint manager over `d` (asynchronous saves, the
+  newest `KEEP` kept), or of None when `d` is ""; leaving it waits for the last save."""
+  if not d:
+    yield None
+    return
+  with fs.checkpoint.manager(d, keep=KEEP) as local:
+    yield local
+
+
+def newest(ckpt, local, say):
+  """The manager a restart resumes from: `local` (the emergency copies) when its newest
+  complete finite step is newer than `ckpt`'s, else `ckpt`; says which when there are
+  copies."""
+  copy = fs.checkpoint.latest_step(local) if local is not None else None
+  if copy is None:
+    return ckpt
+  kept = fs.checkpoint.latest_step(ckpt) if ckpt is not None else None
+  if kept is not None and kept >= copy:
+    say(f"checkpoint: the newest checkpoint (step {kept}) is not older than the newest "
+        f"emergency copy (step {copy}, {local.directory}): resuming from the checkpoint")
+    return ckpt
+  say(f"checkpoint: resuming from the emergency copy of step {copy} ({local.directory}); the "
+      "newest checkpoint is " + (f"step {kept}" if kept is not None else "none yet"))
+  return local

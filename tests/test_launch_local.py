@@ -1,0 +1,83 @@
+"""recipes/launch/launch_local.py supervises its job: a process killed (-9) or lost stops the
+others and the whole job starts again, up to --max_restarts times, each restart said in one
+line; after the last, an `error:` line. The children here are plain scripts (no jax): they
+count their own starts in files, as a hand count of the attempts."""
+import os
+import pathlib
+import signal
+
+import pytest
+
+from recipes.launch import launch_local
+
+# Process 1 kills itself (SIGKILL, as a host dying) on its first KILLS starts; process 0 waits
+# to be stopped in those attempts and exits 0 in the next.
+_CHILD = """\
+import os, pathlib, signal, sys, time
+d, kills = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+pid = os.environ["JAX_PROCESS_ID"]
+n = len(list(d.glob(f"start-{pid}-*")))
+(d / f"start-{pid}-{n}").touch()
+if n >= kills:
+  print("done", pid, n, flush=True)
+  sys.exit(0)
+if pid == "1":
+  time.sleep(0.3)
+  os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def _starts(d: pathlib.Path, pid: int) -> int:
+  return len(list(d.glob(f"start-{pid}-*")))
+
+
+@pytest.fixture
+def child(tmp_path):
+  script = tmp_path / "child.py"
+  script.write_text(_CHILD)
+  return script
+
+
+def test_a_killed_process_restarts_the_whole_job(child, tmp_path):
+  lines = []
+  outcome = launch_local.supervise([str(child), str(tmp_path), "2"], 2, 1, timeout_s=60,
+                                   grace_s=2, max_restarts=3, stream=lines.append)
+  assert [rc for rc, _ in outcome.results] == [0, 0]
+  assert outcome.restarts == 2 and outcome.failure is None
+  assert (_starts(tmp_path, 0), _starts(tmp_path, 1)) == (3, 3)  # 1 start + 2 restarts each
+  said = [ln for ln in lines if ln.startswith("launch_local: restart")]
+  assert len(said) == 2, lines
+  for k, line in enumerate(said, 1):
+    assert line.startswith(f"launch_local: restart {k} of 3: process 1 was ended by SIGKILL "
+                           "(lost process); every process stopped"), line
+  assert "done 0 2" in outcome.results[0][1]
+
+
+def test_the_last_restart_gives_up_with_an_error_line(child, tmp_path, capsys):
+  rc = launch_local.main(["launch_local", "--num_processes=2", "--devices_per_process=1",
+                          "--max_restarts=1", "--timeout_s=60", "--",
+                          str(child), str(tmp_path), "5"])
+  assert rc == launch_local.EXIT_JOB_FAILED
+  assert (_starts(tmp_path, 0), _starts(tmp_path, 1)) == (2, 2)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: launch_local: process 1 was ended by SIGKILL (lost "
+                            "process) (process 0 (-15), process 1 (-9)); gave up after 1 "
+                            "restart(s): raise --max_restarts"), err[-1]
+
+
+def test_bad_input_is_not_restarted(tmp_path):
+  script = tmp_path / "bad.py"
+  script.write_text("import os, sys\n"
+                    "open(os.path.join(sys.argv[1], 'start-' + os.environ['JAX_PROCESS_ID'] + "
+                    "'-' + str(os.getpid())), 'w').close()\n"
+                    "sys.exit(2)\n")
+  outcome = launch_local.supervise([str(script), str(tmp_path)], 2, 1, timeout_s=60,
+                                   max_restarts=3, stream=lambda line: None)
+  assert outcome.restarts == 0 and outcome.failure.status == 2
+  assert (_starts(tmp_path, 0), _starts(tmp_path, 1)) == (1, 1)
+
+
+def test_max_restarts_below_zero_is_refused():
+  with pytest.raises(ValueError, match=r"max_restarts=-1, expected an int >= 0"):
+    launch_local.supervise(["x.py"], 1, 1, max_restarts=-1)
