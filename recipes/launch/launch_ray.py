@@ -464,6 +464,23 @@ def _recipe_dirs(argv: Sequence[str], cwd: str) -> tuple[str | None, str | None]
   return place(checkpoints.directory(c)), place(emergency.directory(c) if c.run_dir else "")
 
 
+def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:
+  """Where recipes/train_lm.py run as `argv` keeps its checkpoints (`_recipe_dirs`)."""
+  return _recipe_dirs(argv, cwd)[0]
+
+
+def _resumed_from(o: "_Launch") -> tuple[int | None, str | None]:
+  """(step, directory) a restart resumes from: the newer of the job's newest checkpoint and
+  train_lm's newest emergency copy, as train_lm picks (recipes/lm/emergency.py)."""
+  directory = o.checkpoint_dir or _recipe_checkpoint_dir(o.command.argv, o.command.cwd)
+  step = _newest_step(directory)
+  copies = _recipe_dirs(o.command.argv, o.command.cwd)[1]
+  copy = _newest_step(copies)
+  if copy is not None and (step is None or copy > step):
+    return copy, copies
+  return step, directory
+
+
 def _newest_step(directory: str | None) -> int | None:
   """`fnscale.checkpoint.latest_step(directory)`; None without a directory or a checkpoint."""
   if not directory:

@@ -246,7 +246,7 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
   def save_copy(state, step: int):
     t = time.time()
     fs.checkpoint.save(local, step, state._replace(frozen=None), data=train_rows,
-                       extra=extra(state, step))
+                       extra=record(s, state, step, frozen))
     copies.append(step)
     if len(copies) == 1:  # said once: they come every few steps
       say(f"checkpoint: emergency copy of step {step} saving in the background (the loop "
@@ -260,20 +260,10 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
     t = time.time()
     # Before the next batch is read: the iterator's position is this step's.
     fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows,
-                       extra=extra(state, step))
+                       extra=record(s, state, step, frozen))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
         f"{time.time() - t:.2f} s; {s.o.ckpt.checkpoint_dir})")
-
-  def extra(state, step: int) -> dict:
-    if state.frozen is not None and not frozen:  # named once: they never change
-      frozen.update(source=s.o.model.init_from or f"fresh, seed {s.o.data.seed}",
-                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
-    return dict(
-        step=step, seed=s.o.data.seed, model=s.o.model.model_config, seq=s.cfg.seq,
-        vocab=s.cfg.vocab, global_batch=s.o.step.global_batch,
-        corpus_tokens=len(s.corpus.train), schedule=schedule_record(s.o.schedule),
-        **({"frozen": dict(frozen)} if frozen else {}))
 
   def commit():
     if ckpt is not None:
@@ -281,6 +271,20 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
         fs.checkpoint.wait(ckpt)
 
   return Saver(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
+
+
+def record(s, state, step: int, frozen: dict) -> dict:
+  """What a checkpoint of run `s` records beside its state at `step`: what fixes the state's
+  shapes and the data order, the lr schedule, and for a frozen base its source and
+  fingerprint (`frozen`, filled in at the first save: they never change)."""
+  if state.frozen is not None and not frozen:
+    frozen.update(source=s.o.model.init_from or f"fresh, seed {s.o.data.seed}",
+                  fingerprint=fs.checkpoint.fingerprint(state.frozen))
+  return dict(
+      step=step, seed=s.o.data.seed, model=s.o.model.model_config, seq=s.cfg.seq,
+      vocab=s.cfg.vocab, global_batch=s.o.step.global_batch,
+      corpus_tokens=len(s.corpus.train), schedule=schedule_record(s.o.schedule),
+      **({"frozen": dict(frozen)} if frozen else {}))
 
 
 def schedule_record(sched: ScheduleOptions) -> dict:
