@@ -192,8 +192,8 @@ class ScheduleOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
-  """What the run keeps: its directory, its checkpoints, the preemption grace, the exports
-  at the end and the compile cache."""
+  """What the run keeps: its directory, its checkpoints and emergency copies, the preemption
+  grace, the exports at the end and the compile cache."""
   run_dir: str = option("", "directory of metrics.jsonl, TensorBoard events, run.json, "
                         "log.txt and checkpoints; default runs/<model>-<dataset> (plus "
                         "-vocab<V> with a tokenizer)")
