@@ -70,24 +70,24 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       # process) stops every process after one step, or within grace_s wherever it is, and
       # a process lost in a collective is named, not left to a runtime error.
       fs.multihost.check_preemption_service()  # the guard needs it: now, not after the compile
-      data.check_epochs(o.dataset, o.epochs)
-      startup.check_init_from(o.init_from)  # a model directory, before its tokenizer is read
-      rundir.check_directory(o.run_dir, "--run_dir")  # before the data is read
-      with fs.multihost.preemption_guard(grace_s=o.grace_s) as should_stop, \
+      data.check_epochs(o.data.dataset, o.schedule.epochs)
+      startup.check_init_from(o.model.init_from)  # a model directory, before its tokenizer
+      rundir.check_directory(o.ckpt.run_dir, "--run_dir")  # before the data is read
+      with fs.multihost.preemption_guard(grace_s=o.ckpt.grace_s) as should_stop, \
           fs.multihost.peer_guard():
-        say(f"train_lm: reading the data ({o.dataset}) ...")
-        setup = _decide(o, finetune.corpus(o, models.tokenizer(o), say), say)
+        say(f"train_lm: reading the data ({o.data.dataset}) ...")
+        setup = _decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
-        ledger = goodput.ledger(started or t0, setup.o.run_dir)  # before its log is cut
-        checkpoint_dir = setup.o.checkpoint_dir
+        ledger = goodput.ledger(started or t0, setup.o.ckpt.run_dir)  # before its log is cut
+        checkpoint_dir = setup.o.ckpt.checkpoint_dir
         if checkpoint_dir:  # one directory every process sees, checked before use
           fs.checkpoint.check_shared_directory(checkpoint_dir)
           checkpoints.remove_unfinished(checkpoint_dir, say)
         local_dir = emergency.prepare(setup, say)  # its copies: this run's, writable
         # One checkpoint manager for the whole run (and one for its emergency copies);
         # leaving the block waits for the last save. orbax's warnings go to RUN_DIR/log.txt.
-        with rundir.library_log(setup.o.run_dir), checkpoints.manager(setup.o) as ckpt, \
-            emergency.manager(local_dir) as local:
+        with rundir.library_log(setup.o.ckpt.run_dir), \
+            checkpoints.manager(setup.o.ckpt) as ckpt, emergency.manager(local_dir) as local:
           return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
@@ -104,18 +104,19 @@ def _decide(o: Options, corpus, say) -> run_setup.Setup:
     for line in said:
       say(line)
     raise
-  n = jax.device_count()
-  asked = o.global_batch or o.batch_size
-  recorded = None if asked else rundir.recorded_batch(setup.o.run_dir, n)
-  if recorded is None or recorded[0] == setup.o.global_batch:
+  n, batch = jax.device_count(), setup.o.step.global_batch
+  asked = o.step.global_batch or o.step.batch_size
+  recorded = None if asked else rundir.recorded_batch(setup.o.ckpt.run_dir, n)
+  if recorded is None or recorded[0] == batch:
     for line in said:
       say(line)
     return setup
-  say(f"train_lm: {setup.o.run_dir} was trained with global batch {recorded[0]} on "
-      f"{recorded[1]} devices; keeping it on these {n} (by default {setup.o.global_batch}): "
+  say(f"train_lm: {setup.o.ckpt.run_dir} was trained with global batch {recorded[0]} on "
+      f"{recorded[1]} devices; keeping it on these {n} (by default {batch}): "
       "rows per device and accumulation follow, the data order stays (--global_batch sets "
       "another)")
-  return run_setup.decide(dataclasses.replace(o, global_batch=recorded[0]), corpus, say)
+  return run_setup.decide(dataclasses.replace(o, step=dataclasses.replace(
+      o.step, global_batch=recorded[0])), corpus, say)
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
@@ -125,10 +126,12 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
     train_loss, loss_fn, aux, weighted = finetune.losses(setup, setup.lora)
   else:  # packed rows: weighted (padding has none)
     (train_loss, loss_fn, aux), weighted = models.losses(setup), setup.corpus.packed is not None
-  step_fn = fs.train_step(train_loss, optimizer, policy=policy, accum_steps=o.accum_steps,
-                          accum_gather=o.accum_gather, has_aux=aux, weighted=weighted,
-                          update_norm=o.update_norm or None)
-  kernels = dict(attention=o.attention, context=o.context, context_order=o.context_order)
+  step_fn = fs.train_step(train_loss, optimizer, policy=policy,
+                          accum_steps=o.step.accum_steps, accum_gather=o.step.accum_gather,
+                          has_aux=aux, weighted=weighted,
+                          update_norm=o.schedule.update_norm or None)
+  kernels = dict(attention=o.model.attention, context=o.step.context,
+                 context_order=o.step.context_order)
   # A LoRA state is born in its shardings (the adapters follow the base's): none to derive.
   rules = {} if setup.lora is not None else dict(
       rules=model.RULES, logical_axes=model.logical_axes(setup.cfg))
@@ -145,12 +148,12 @@ def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
   step ends after the restore (`checkpoints.finished`): nothing compiled. `ledger` books
   where the time goes (goodput.py), recorded at each progress line and at the end."""
   ckpt, local = managers
-  policy = startup.policy(setup.o.precision, setup.topo.platform)
+  policy = startup.policy(setup.o.model.precision, setup.topo.platform)
   peak = progress.peak_flops(setup.topo)  # before the mesh context: one device's matmul
   with fs.with_mesh(setup.mesh):
-    key = jax.random.key(setup.o.seed)
+    key = jax.random.key(setup.o.data.seed)
     # The state's shapes: the schedule, decided on restoring, shapes none of it.
-    opt = run_setup.optimizer(setup.o)[0]
+    opt = run_setup.optimizer(setup.o.step, setup.o.schedule)[0]
     init = (finetune.init(setup, opt, policy, key, setup.lora) if setup.lora is not None
             else models.init(setup, opt, policy, key))
     # grain reads this process's rows (whole rows: `batches.put` splits the sequence over a
@@ -160,33 +163,30 @@ def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
     source = emergency.newest(ckpt, local, say)
     state, start, resumed, saved = checkpoints.resume(setup, source, init, train_rows, say,
                                                       ledger)
-    if checkpoints.finished(setup.o, start):
+    if checkpoints.finished(start, setup.o.schedule.steps, setup.o.log.evaluate_finished):
       _export(setup, state, say)
       return summary.finished(setup, state, start, t0, say)
     setup = run_setup.resumed_schedule(setup, saved, start, say)
-    o, (optimizer, schedule) = setup.o, run_setup.optimizer(setup.o)
+    o = setup.o
+    optimizer, schedule = run_setup.optimizer(o.step, o.schedule)
     step_fn, eval_loss = _step(setup, optimizer, policy)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
     step_fn = _compiled(setup, step_fn, state, first, ledger, say)
     job = run_setup.Run(
-        setup=setup, say=say, t0=t0, baseline=data.baseline(setup.corpus), policy=policy,
-        schedule=schedule, peak=peak, step=step_fn,
-        report=fs.compile_report(step_fn, state, first), batches=train_rows,
-        eval_loss=eval_loss, eval_batches=[batches.put(setup, b) for b in evals],
-        start=start, resumed=resumed,
-        # A resumed run's log continues from its step; a fresh one starts a fresh log.
-        log=run_log.run_log(o.run_dir, active=jax.process_index() == 0, say=say,
-                            tracker=o.tracker, config=dataclasses.asdict(o),
-                            keep_through=-1 if resumed is None else start),
-        prof=profiling.profiler(setup.profile, o.run_dir, say=say),
-        saver=checkpoints.saver(setup, ckpt, train_rows, resumed if source is ckpt else None,
-                                say, ledger, local),
-        should_stop=should_stop, goodput=ledger, params_of=finetune.params_of(setup.lora))
-    with contextlib.closing(job.log):  # closed however the run ends (a Ctrl-C too)
-      job.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
+        setup=setup, t0=t0, start=start, resumed=resumed, batches=train_rows,
+        should_stop=should_stop,
+        compiled=run_setup.Compiled(step_fn, fs.compile_report(step_fn, state, first),
+                                    policy, schedule, peak),
+        evals=run_setup.Evals(eval_loss, [batches.put(setup, b) for b in evals],
+                              data.baseline(setup.corpus), finetune.params_of(setup.lora)),
+        rec=_records(setup, checkpoints.saver(
+            setup, ckpt, train_rows, resumed if source is ckpt else None, say, ledger, local),
+            start, resumed, say, ledger))
+    with contextlib.closing(job.rec.log):  # closed however the run ends (a Ctrl-C too)
+      job.rec.log.write(start, ledger.record())  # an earlier start's time, kept past the cut
       summary.describe(job, state)
-      batches.say_padding(o, rows, evals, say)
+      batches.say_padding(o.data, o.tune, rows, evals, say)
       ev = (evaluation.evaluate(job, state, 0), 0) if start == 0 else (None, None)
       with stopping.ctrl_c() as ctrl_c:  # the first Ctrl-C: stop after this step, saved
         state, out = _loop(job._replace(ctrl_c=ctrl_c), state, first, ev)
@@ -194,15 +194,27 @@ def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
       if not out["stopped"]:
         _export(setup, state, say)
       out = dict(out, goodput=ledger.record())
-      job.log.write(int(state.step), out["goodput"])
+      job.rec.log.write(int(state.step), out["goodput"])
   return summary.summarize(job, state, out)
+
+
+def _records(setup: run_setup.Setup, saver: checkpoints.Saver, start: int,
+             resumed: int | None, say, ledger: goodput.Ledger) -> run_setup.Records:
+  """Where the run says, logs, traces and saves (`saver`): a resumed run's log continues
+  from its step, a fresh one starts a fresh log."""
+  o = setup.o
+  log = run_log.run_log(o.ckpt.run_dir, active=jax.process_index() == 0, say=say,
+                        tracker=o.log.tracker, config=cli.flat(o),
+                        keep_through=-1 if resumed is None else start)
+  return run_setup.Records(say, log, profiling.profiler(setup.profile, o.ckpt.run_dir, say=say),
+                           saver, ledger)
 
 
 def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
   """The step compiled ahead of time for the first batch (step 0 doesn't compile again),
   held against the device's memory, and the same on every process (a barrier)."""
   ledger.enter("compile")
-  say(f"train_lm: compiling the train step of {setup.o.model_config} on mesh "
+  say(f"train_lm: compiling the train step of {setup.o.model.model_config} on mesh "
       f"{dict(setup.mesh.shape)} ...")
   step_fn = memory.compile_step(setup, step_fn, state, first)
   fs.multihost.agree_on_step(step_fn)
@@ -213,7 +225,7 @@ def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
 def _export(setup: run_setup.Setup, state, say) -> None:
   """--export_hf: the params as a Hugging Face checkpoint (a LoRA run's merged weights, and
   its adapters as a PEFT adapter)."""
-  if not setup.o.export_hf:
+  if not setup.o.ckpt.export_hf:
     return
   if setup.lora is not None:
     finetune.export(setup, state, setup.lora, say)
@@ -222,67 +234,69 @@ def _export(setup: run_setup.Setup, state, say) -> None:
 
 
 def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
-  """The loop from `job.start` to `o.steps`: step, log, evaluate, save. Evals, checkpoints
+  """The loop from `job.start` to --steps: step, log, evaluate, save. Evals, checkpoints
   and the first step (dispatch warm-up) are left out of the timing (tokens/s, MFU, ETA).
   Returns the state and the run's figures (`eval_loss` and `eval_step`: the last eval's,
   from `ev`, (loss, step) at the start, on). A stop evaluates its step unless a preemption
   notice stopped it (its grace_s is for the save)."""
-  o, m, last, stopped, stall = job.setup.o, None, {}, None, stalls.Stall()
-  clock, t_train, every = progress.clock(), time.time(), o.checkpoint_every
-  copy_every = o.emergency_every if o.checkpoint else 0
-  for step in range(job.start, o.steps):
-    job.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
-    job.prof.at_step(step, pending=m)
-    prev, (state, m) = m, job.step(state, batch)
+  o, rec, m, last, stopped, stall = job.setup.o, job.rec, None, {}, None, stalls.Stall()
+  clock, t_train, every = progress.clock(), time.time(), o.ckpt.checkpoint_every
+  copy_every = o.ckpt.emergency_every if o.ckpt.checkpoint else 0
+  steps, max_stalled = o.schedule.steps, o.schedule.max_stalled_steps
+  for step in range(job.start, steps):
+    rec.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained
+    rec.prof.at_step(step, pending=m)
+    prev, (state, m) = m, job.compiled.step(state, batch)
     # The previous step's update, read while this one runs (one step stays in flight).
-    stall = stalls.check_update(stall, step, prev, o.max_stalled_steps)
+    stall = stalls.check_update(stall, step, prev, max_stalled)
     done = step + 1
-    job.saver.note(done, m)
+    rec.saver.note(done, m)
     # One step in flight on CPU: simulated devices share one pool of host threads, and with
     # several steps queued XLA's CPU collectives can deadlock (no overlap to lose there).
     if job.setup.topo.platform == "cpu":
       jax.block_until_ready((state, m))
     # Every step, on every process (the preemption guard's sync point).
     notice = job.should_stop(step)
-    stopped = stopping.reason(done, o.steps, notice, job.ctrl_c(), o.stop_after)
-    if stopped or (every and done % every == 0 and done < o.steps):
+    stopped = stopping.reason(done, steps, notice, job.ctrl_c(), o.ckpt.stop_after)
+    if stopped or (every and done % every == 0 and done < steps):
       with clock.paused():  # before the next batch is read: the position is this step's
-        job.saver.save(state, done)
-    elif copy_every and done % copy_every == 0 and done < o.steps:
+        rec.saver.save(state, done)
+    elif copy_every and done % copy_every == 0 and done < steps:
       with clock.paused():
-        job.saver.save(state, done, emergency=True)
-    if done < o.steps and not stopped:
+        rec.saver.save(state, done, emergency=True)
+    if done < steps and not stopped:
       batch = batches.put(job.setup, next(job.batches))  # while it runs
     clock.start(done, m["loss"])
-    if done % o.log_every == 0 or done == o.steps or clock.due(done):
-      job.saver.check()
+    if done % o.log.log_every == 0 or done == steps or clock.due(done):
+      rec.saver.check()
       last = progress.progress(job, done, m, clock.lap(done))
-    if done % o.eval_every == 0 and done < o.steps:
+    if done % o.log.eval_every == 0 and done < steps:
       with clock.paused():
         ev = evaluation.evaluate(job, state, done), done
     if stopped:
-      job.saver.commit()  # the agreed step is on disk before the process exits
+      rec.saver.commit()  # the agreed step is on disk before the process exits
       if ev[1] != done and not notice:  # the stop's own loss, its step saved first
         ev = evaluation.evaluate(job, state, done), done
-      job.say(f"stopped at step {done} ({stopped}): {stopping.what_is_saved(o.checkpoint_dir)}")
+      rec.say(f"stopped at step {done} ({stopped}): "
+              f"{stopping.what_is_saved(o.ckpt.checkpoint_dir)}")
       break
-  job.goodput.enter("other")
-  job.prof.close(pending=state)
-  stalls.check_update(stall, o.steps if not stopped else done, m, o.max_stalled_steps)
+  rec.goodput.enter("other")
+  rec.prof.close(pending=state)
+  stalls.check_update(stall, steps if not stopped else done, m, max_stalled)
   return state, dict(last, train_s=time.time() - t_train, stopped=stopped,
                      eval_loss=ev[0], eval_step=ev[1],
-                     **progress.whole_run(job, clock.totals()))
+                     **progress.whole_run(job.setup, job.compiled.peak, clock.totals()))
 
 
 def _finish(job: run_setup.Run, state, out: dict) -> dict:
   """Unless the loop stopped: the final checkpoint, eval and sample, added to `out`."""
   if out["stopped"]:
     return dict(out, sample=None)
-  job.saver.save(state, int(state.step))  # written while the eval and the sample run
+  job.rec.saver.save(state, int(state.step))  # written while the eval and the sample run
   out = dict(out, eval_loss=evaluation.evaluate(job, state, int(state.step)),
              eval_step=int(state.step),
-             sample=evaluation.sample(job, state) if job.setup.o.sample_len > 0 else None)
-  job.saver.commit()
+             sample=evaluation.sample(job, state) if job.setup.o.log.sample_len > 0 else None)
+  job.rec.saver.commit()
   return out
 
 

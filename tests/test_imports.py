@@ -326,6 +326,23 @@ def test_recipes_lm_modules_stay_within_their_line_bound():
   assert {f for f, n in lengths.items() if n > LM_MODULE_LINES} <= LM_OVER
 
 
+# train_lm's values stay small: each group of its options, and each part of a run.
+VALUE_FIELDS = 12
+
+
+def test_train_lms_options_and_run_are_groups_of_a_handful_of_fields():
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from recipes.lm import cli, options, run_setup  # pylint: disable=import-outside-toplevel
+  groups = [f.metadata.get("group") for f in dataclasses.fields(options.Options)]
+  assert all(groups)  # every option in a group
+  sizes = {g.__name__: len(dataclasses.fields(g)) for g in [options.Options, *groups]}
+  sizes.update({t.__name__: len(t._fields) for t in (
+      run_setup.Setup, run_setup.Run, run_setup.Compiled, run_setup.Evals, run_setup.Records)})
+  assert {name: n for name, n in sizes.items() if n > VALUE_FIELDS} == {}
+  # Each option is still one flag and one keyword: no name in two groups.
+  assert sum(len(dataclasses.fields(g)) for g in groups) == len(cli.leaves(options.Options))
+
+
 def test_no_recipe_imports_a_private_part_of_fnscale():
   found = {f.relative_to(ROOT.parent).as_posix(): private_imports(ast.parse(f.read_text()))
            for f in sorted(RECIPES.rglob("*.py"))}

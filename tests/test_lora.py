@@ -397,7 +397,7 @@ def test_the_compiled_lora_step_computes_no_weight_gradient_of_the_frozen_base()
   # attention's 12 layers heads head_dim seq per token: what train_lm's MFU counts
   # (recipes/lm/finetune.py). A step that formed the base's weight gradients would be 6 N.
   import types  # pylint: disable=import-outside-toplevel
-  from recipes.lm import finetune  # pylint: disable=import-outside-toplevel
+  from recipes.lm import finetune, options  # pylint: disable=import-outside-toplevel
   cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=32, heads=4, kv_heads=2,
                            d_mlp=64, vocab=40)
   lora = fs.lora.LoraConfig(rank=4, targets=llama.lora_targets(cfg))
@@ -414,5 +414,5 @@ def test_the_compiled_lora_step_computes_no_weight_gradient_of_the_frozen_base()
   adapters = sum(x.size for x in jax.tree.leaves(state.params))
   attn = 12 * cfg.layers * cfg.heads * cfg.head_dim * 16
   assert got == tokens * (4 * n + 6 * adapters + attn)
-  setup = types.SimpleNamespace(cfg=cfg, model=llama, o=types.SimpleNamespace(objective="lm"))
+  setup = types.SimpleNamespace(cfg=cfg, model=llama, o=options.Options())  # --objective=lm
   assert got == tokens * finetune.flops_per_token(setup, lora)

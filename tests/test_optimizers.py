@@ -23,15 +23,16 @@ def _params():
                                                    "norm": jnp.ones((2, 128))}}
 
 
-def _options(**kw):
-  return Options(lr=1e-2, warmup_steps=2, schedule_steps=10, **kw)
+def _optimizer(**kw):
+  o = Options.of(lr=1e-2, warmup_steps=2, schedule_steps=10, **kw)
+  return run_setup.optimizer(o.step, o.schedule)
 
 
 def test_each_option_keeps_its_optimizers_state():
   """AdamW keeps both moments at the params' shapes (the first in --mu_dtype); Adafactor a
   row and a column vector per matrix (its two largest dims) and no first moment."""
   params = _params()
-  states = {name: run_setup.optimizer(_options(**kw))[0].init(params) for name, kw in (
+  states = {name: _optimizer(**kw)[0].init(params) for name, kw in (
       ("f32", {}), ("bf16", dict(mu_dtype="bfloat16")), ("factored", dict(optimizer="adafactor")))}
   for name, mu in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
     adam = states[name][1][0]
@@ -73,7 +74,7 @@ def test_an_adafactor_step_over_8_devices_is_optax_on_one():
   split as fnscale splits it) against optax's Adafactor and jax.grad on one device."""
   cfg = llama.model_config("llama-tiny", 16, layers=2, d_model=64, heads=4, kv_heads=2,
                            d_mlp=128, vocab=64)
-  opt = run_setup.optimizer(_options(optimizer="adafactor"))[0]
+  opt = _optimizer(optimizer="adafactor")[0]
   loss = functools.partial(llama.loss_fn, cfg=cfg)
   mesh = fs.make_mesh({"fsdp": 8})
   state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
@@ -98,7 +99,7 @@ def test_an_adafactor_step_over_8_devices_is_optax_on_one():
 def test_mu_dtype_with_adafactor_is_refused():
   with pytest.raises(fs.InputError, match=r"--mu_dtype=bfloat16 with --optimizer=adafactor: "
                      r"Adafactor keeps no first moment; fix: "):
-    run_setup.decide(Options(optimizer="adafactor", mu_dtype="bfloat16"), None, print)
+    run_setup.decide(Options.of(optimizer="adafactor", mu_dtype="bfloat16"), None, print)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def _choose(v5e, monkeypatch, cap, **options):
   topo, mesh, model, P = v5e
   monkeypatch.setattr(memory, "limit", lambda mesh: cap * P)
   said = []
-  step = memory.choose(Options(precision="float32", **options), model, topo, mesh, 1,
+  step = memory.choose(Options.of(**options).step, "float32", model, topo, mesh, 1,
                        said.append)
   return step, said
 

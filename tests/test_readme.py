@@ -298,7 +298,8 @@ def _call_problems(fn, call: ast.Call) -> list[str]:
   params = list(sig.parameters.values())
   options = getattr(inspect.getmodule(fn), "Options", None)
   if [p.kind for p in params] == [inspect.Parameter.VAR_KEYWORD] and options is not None:
-    known = {f.name for f in options.__dataclass_fields__.values()}  # a recipe's options
+    from recipes.lm import cli  # pylint: disable=import-outside-toplevel
+    known = set(cli.leaves(options))  # a recipe's options, flat
     return [f"{ast.unparse(call.func)}(): no option {k!r}" for k in keywords if k not in known]
   try:
     sig.bind_partial(*[None] * len(call.args), **dict.fromkeys(keywords))

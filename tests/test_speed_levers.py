@@ -124,15 +124,15 @@ def test_the_one_chip_llama_has_the_params_its_name_says():
 
 def test_train_lms_remat_policy_defaults_by_platform_and_remat_means_full():
   from recipes.lm import cli, models, moe, options  # pylint: disable=import-outside-toplevel
-  o = options.Options()
+  o = options.Options().step
   assert options.remat_policy(o, "cpu") == "none" and options.remat_policy(o, "tpu") == "dots"
-  assert options.remat_policy(options.Options(remat=True), "tpu") == "full"
-  assert options.remat_policy(options.Options(remat_policy="qkv"), "cpu") == "qkv"
+  assert options.remat_policy(options.Options.of(remat=True).step, "tpu") == "full"
+  assert options.remat_policy(options.Options.of(remat_policy="qkv").step, "cpu") == "qkv"
   with pytest.raises(fs.InputError, match="remat_policy='dot'.*did you mean 'dots'"):
     cli.check_options(options.Options, {"remat_policy": "dot"})
   # A model whose blocks recompute whole or not at all (moe) gets on/off from the policy.
   for policy, want in (("full", True), ("dots", False), ("none", False)):
-    o = options.Options(remat_policy=policy)
+    o = options.Options.of(remat_policy=policy).step
     assert models.remat_of(o, moe) is want and models.remat_of(o, llama) == policy
 
 
@@ -179,7 +179,7 @@ def test_int8_on_a_chip_where_it_runs_slower_says_so(monkeypatch, generation, sa
                        "")
   said = []
   with pytest.raises(Decided):
-    run_setup.decide(Options(model_config="nano", int8=True, mesh="data=-1"), corpus,
+    run_setup.decide(Options.of(model_config="nano", int8=True, mesh="data=-1"), corpus,
                      said.append)
   notes = [s for s in said if s.startswith("note: --int8")]
   assert len(notes) == int(says)

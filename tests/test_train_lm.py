@@ -823,7 +823,7 @@ def test_on_a_chip_the_runtimes_count_is_labelled_beside_the_steps_peak(monkeypa
   monkeypatch.setattr(memory, "limit", lambda mesh: 15.75 * GiB)
   monkeypatch.setattr(run_summary, "runtime_peak", lambda: int(0.99 * GiB))
   said = []
-  s = types.SimpleNamespace(o=train_lm.Options(run_dir=str(tmp_path)), mesh=None,
+  s = types.SimpleNamespace(o=train_lm.Options.of(run_dir=str(tmp_path)), mesh=None,
                             topo=types.SimpleNamespace(platform="tpu"))
   run_summary.say_memory(s, int(10.7 * GiB), said.append)
   assert said == [
@@ -1373,9 +1373,10 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
   same = cli.check_options(train_lm.Options, {k: v for k, v in recorded.items()
                                                   if k in rundir.DEFINING + ("run_dir",)})
   rundir.check_same_run(same, 8)
-  rundir.check_same_run(dataclasses.replace(same, global_batch=32), 4)
+  other = dataclasses.replace(same, step=dataclasses.replace(same.step, global_batch=32))
+  rundir.check_same_run(other, 4)
   with pytest.raises(fs.InputError, match=r"global_batch=32 \(the run's: 16\)"):
-    rundir.check_same_run(dataclasses.replace(same, global_batch=32), 8)
+    rundir.check_same_run(other, 8)
 
 
 def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
@@ -1394,8 +1395,9 @@ def test_a_checkpoint_without_tokenizer_json_is_read_as_bytes_when_asked(tmp_pat
   from recipes.lm import models  # pylint: disable=import-outside-toplevel
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(fs.InputError, match="or --tokenizer=bytes for a byte-level model"):
-    models.tokenizer(Options(init_from=str(tmp_path)))
-  assert models.tokenizer(Options(init_from=str(tmp_path), tokenizer="bytes")) == ""
-  assert models.tokenizer(Options(tokenizer="bytes")) == ""
+    models.tokenizer(Options.of(init_from=str(tmp_path)).model)
+  assert models.tokenizer(Options.of(init_from=str(tmp_path), tokenizer="bytes").model) == ""
+  assert models.tokenizer(Options.of(tokenizer="bytes").model) == ""
   (tmp_path / "tokenizer.json").write_text("{}")
-  assert models.tokenizer(Options(init_from=str(tmp_path))) == str(tmp_path / "tokenizer.json")
+  assert models.tokenizer(Options.of(init_from=str(tmp_path)).model) == str(
+      tmp_path / "tokenizer.json")

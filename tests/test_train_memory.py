@@ -13,7 +13,7 @@ import pytest
 import fnscale as fs
 from fnscale import FitError
 from recipes.lm import cli, finetune, gpt, llama, memory, startup
-from recipes.lm.options import Options
+from recipes.lm.options import Options, StepOptions
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def _choose(v5e, name, rows, **options):
   topo, mesh = v5e
   model = gpt if name in gpt.SIZES else llama
   said = []
-  step = memory.choose(Options(model_config=name, **options),
+  step = memory.choose(Options.of(**options).step, "auto",
                        memory.Model(model, model.model_config(name, 1024), name), topo, mesh,
                        rows, said.append)
   return step, step.batch_size, said
@@ -90,8 +90,7 @@ def test_the_estimate_of_a_lora_run_tracks_xlas_peak(v5e):
   policy, opt = startup.policy("bfloat16", "tpu"), optax.adamw(1e-3)
   prof = memory.profile(memory.Model(llama, cfg, "llama", lora), topo, 4, policy, "none")
   est = fs.analysis.predict(prof, topo, fs.MeshAxes(dict(mesh.shape), {})).estimate.bytes
-  run = types.SimpleNamespace(mesh=mesh, model=llama, cfg=cfg,
-                              o=types.SimpleNamespace(init_from=""))
+  run = types.SimpleNamespace(mesh=mesh, model=llama, cfg=cfg, o=Options())  # no --init_from
   state = finetune.init(run, opt, policy, jax.random.key(0), lora)(abstract=True)
   loss = fs.lora.with_lora(functools.partial(llama.loss_fn, cfg=cfg, remat="none"), lora)
   rows = jax.ShapeDtypeStruct((4, 512), jnp.int32)
@@ -127,8 +126,8 @@ def test_a_compiled_step_over_the_memory_is_refused_naming_the_fix(monkeypatch):
                         key=jax.random.key(0), abstract=True, **kw)
   step = fs.shard_step(fs.train_step(functools.partial(gpt.loss_fn, cfg=cfg), opt), mesh, **kw)
   setup = types.SimpleNamespace(
-      o=Options(model_config="nano", batch_size=8, accum_steps=1, remat=False,
-                remat_policy="none"),
+      o=Options.of(model_config="nano", batch_size=8, accum_steps=1, remat=False,
+                   remat_policy="none"),
       topo=fs.detect_topology(), mesh=mesh, model=gpt, cfg=cfg, lora=None)
   rows = jax.ShapeDtypeStruct((64, 64), jnp.int32)
   with pytest.raises(FitError, match=r"the step \(batch_size=8, accum_steps=1, remat=False\) "
@@ -153,24 +152,25 @@ def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():
   model = memory.Model(gpt, gpt.model_config("nano", 32), "nano")
   planned = memory.Planned(global_batch=64, remat=True, accum_steps=2, accum_gather="once")
   said = []
-  step = memory.choose(Options(), model, topo, mesh, 4, said.append, planned)
+  step = memory.choose(StepOptions(), "auto", model, topo, mesh, 4, said.append, planned)
   assert step == memory.Choice(batch_size=8, global_batch=64, accum_steps=2,
                                accum_gather="once", remat=True, remat_policy="full",
                                optimizer="adamw", mu_dtype="float32", context="all_gather")
-  asked = Options(accum_steps=4, accum_gather="per_microbatch")
-  step = memory.choose(asked, model, topo, mesh, 4, said.append, planned)
+  asked = StepOptions(accum_steps=4, accum_gather="per_microbatch")
+  step = memory.choose(asked, "auto", model, topo, mesh, 4, said.append, planned)
   assert (step.accum_steps, step.accum_gather, step.remat) == (4, "per_microbatch", True)
-  step = memory.choose(Options(), model, topo, mesh, 4, said.append)
+  step = memory.choose(StepOptions(), "auto", model, topo, mesh, 4, said.append)
   assert step == memory.Choice(batch_size=4, global_batch=32, accum_steps=1,
                                accum_gather="auto", remat=False, remat_policy="none",
                                optimizer="adamw", mu_dtype="float32", context="all_gather")
   # A row planned over a context axis brings its attention form; a --context given stays.
   ulysses = planned._replace(context="ulysses")
-  assert memory.choose(Options(), model, topo, mesh, 4, said.append, ulysses).context == (
-      "ulysses")
-  assert memory.choose(Options(context="ring"), model, topo, mesh, 4, said.append,
+  assert memory.choose(StepOptions(), "auto", model, topo, mesh, 4, said.append,
+                       ulysses).context == "ulysses"
+  assert memory.choose(StepOptions(context="ring"), "auto", model, topo, mesh, 4, said.append,
                        ulysses).context == "ring"
   assert said == []
   with pytest.raises(fs.InputError, match=r"--remat with --remat_policy=dots: --remat is "
                      r"--remat_policy=full; give one of them"):
-    memory.choose(Options(remat=True, remat_policy="dots"), model, topo, mesh, 4, said.append)
+    memory.choose(StepOptions(remat=True, remat_policy="dots"), "auto", model, topo, mesh, 4,
+                  said.append)

@@ -325,7 +325,7 @@ def test_float16_run_that_skips_every_step_stops_at_the_default_limit():
   # -2**22 per element (float32), overflows float16 (max 65504) at every scale down to the
   # dynamic scale's floor, 1: every step is skipped while the scale halves 2**15 -> 1.
   from recipes import train_lm  # pylint: disable=import-outside-toplevel
-  limit = train_lm.Options.max_stalled_steps
+  limit = train_lm.Options().schedule.max_stalled_steps
   loss_fn = lambda p, b: jnp.mean(b["x"] / p["w"])
   ms, before, after = _run_each(loss_fn, np.full(4, 2.0**-12), limit)
   assert [float(m["loss"]) for m in ms] == [4096.0] * limit
@@ -351,6 +351,6 @@ def test_float16_dynamic_scale_that_halves_to_a_working_scale_does_not_stop():
   assert [int(m["skipped"]) for m in ms] == [1] * 15 + [0]
   assert float(ms[-1]["loss_scale"]) == 1.0 and int(ms[-1]["bad_update"]) == 0
   np.testing.assert_array_equal(after, np.zeros(4, np.float32))
-  assert train_lm.Options.max_stalled_steps > 15
-  assert _stop_at(ms, train_lm.Options.max_stalled_steps) == (None, None)
+  assert train_lm.Options().schedule.max_stalled_steps > 15
+  assert _stop_at(ms, train_lm.Options().schedule.max_stalled_steps) == (None, None)
   assert _stop_at(ms, 15)[0] == 15  # a limit at the halvings' count stops it

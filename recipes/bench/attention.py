@@ -92,8 +92,7 @@ def _parse_shape(parser, text):
   return tuple(int(p) for p in parts)
 
 
-def main(argv=None) -> int:
-  fnscale.simulate_cpu_devices(8)  # CPU only, before any jax computation
+def _parser() -> cli.ArgumentParser:
   parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", default=None,
                       help="comma-separated BATCHxSEQxHEADSxKV_HEADSxHEAD_DIM")
@@ -107,6 +106,47 @@ def main(argv=None) -> int:
                       help="comma-separated subset of the platform's implementations "
                       "(default: all of them)")
   hardware.add_arguments(parser)  # train_lm's hardware options
+  return parser
+
+
+def _chosen(parser, platform: str, wanted: str | None) -> list:
+  """The platform's (implementation, interpret) pairs, those of `--implementations` only
+  where given (an implementation the platform can't run is refused)."""
+  chosen = _implementations(platform)
+  if not wanted:
+    return chosen
+  wanted = wanted.split(",")
+  unknown = sorted(set(wanted) - {name for name, _ in chosen})
+  if unknown:
+    parser.error(f"--implementations {unknown} can't run on {platform}; choose from "
+                 f"{[name for name, _ in chosen]}")
+  return [(name, interpret) for name, interpret in chosen if name in wanted]
+
+
+def _table(parsed, chosen, dtype, causal: bool, timing: Timing) -> None:
+  """Prints one row per shape and implementation: its time and its speed against xla's."""
+  header = (f"{'shape (b x s x h x kvh x d)':<28} {'implementation':<16} {'mode':<10} "
+            f"{'blocks':<9} {'fwd+bwd ms':>11} {'vs xla':>7} {'compile s':>9}")
+  print(header)
+  print("-" * len(header))
+  for text, shape in parsed:
+    reference = None
+    for implementation, interpret in chosen:
+      ms, compile_s, note = bench(shape, implementation, interpret, dtype=dtype,
+                                  causal=causal, timing=timing)
+      mode = "interpret" if interpret else "native"
+      if ms is None:
+        print(f"{text:<28} {implementation:<16} {mode:<10} n/a: {note}")
+        continue
+      reference = ms if implementation == "xla" else reference
+      ratio = f"{reference / ms:.2f}x" if reference else ""
+      print(f"{text:<28} {implementation:<16} {mode:<10} {note:<9} {ms:>11.2f} "
+            f"{ratio:>7} {compile_s:>9.1f}")
+
+
+def main(argv=None) -> int:
+  fnscale.simulate_cpu_devices(8)  # CPU only, before any jax computation
+  parser = _parser()
   args = parser.parse_args(argv)
   topo = hardware.detect(hardware.from_values(args))
 
@@ -117,34 +157,11 @@ def main(argv=None) -> int:
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   iters = args.iters or (5 if on_cpu else 20)
   parsed = [(text, _parse_shape(parser, text)) for text in shapes.split(",")]
-  chosen = _implementations(platform)
-  if args.implementations:
-    wanted = args.implementations.split(",")
-    unknown = sorted(set(wanted) - {name for name, _ in chosen})
-    if unknown:
-      parser.error(f"--implementations {unknown} can't run on {platform}; choose from "
-                   f"{[name for name, _ in chosen]}")
-    chosen = [(name, interpret) for name, interpret in chosen if name in wanted]
+  chosen = _chosen(parser, platform, args.implementations)
   print(hardware.describe(topo))
   print(f"platform={platform} device={jax.devices()[0].device_kind} dtype={dtype.name} "
         f"causal={args.causal} median of {iters} after {args.warmup} warm-up runs")
-  header = (f"{'shape (b x s x h x kvh x d)':<28} {'implementation':<16} {'mode':<10} "
-            f"{'blocks':<9} {'fwd+bwd ms':>11} {'vs xla':>7} {'compile s':>9}")
-  print(header)
-  print("-" * len(header))
-  for text, shape in parsed:
-    reference = None
-    for implementation, interpret in chosen:
-      ms, compile_s, note = bench(shape, implementation, interpret, dtype=dtype,
-                                  causal=args.causal, timing=Timing(args.warmup, iters))
-      mode = "interpret" if interpret else "native"
-      if ms is None:
-        print(f"{text:<28} {implementation:<16} {mode:<10} n/a: {note}")
-        continue
-      reference = ms if implementation == "xla" else reference
-      ratio = f"{reference / ms:.2f}x" if reference else ""
-      print(f"{text:<28} {implementation:<16} {mode:<10} {note:<9} {ms:>11.2f} "
-            f"{ratio:>7} {compile_s:>9.1f}")
+  _table(parsed, chosen, dtype, args.causal, Timing(args.warmup, iters))
   if on_cpu:
     print("interpret mode emulates the Pallas kernels with XLA ops on CPU: it checks the "
           "path, its times are not kernel speed.")

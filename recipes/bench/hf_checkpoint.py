@@ -18,6 +18,7 @@ Needs the test extra's transformers and torch (for the meta-device shapes) and t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -167,18 +168,17 @@ def write_checkpoint(directory: str, cfg, shard_bytes: int) -> int:
   return total
 
 
-def measure_load(directory: str, seq: int) -> dict:
-  """Loads the checkpoint twice (the first warms jax up), measuring the second."""
+@contextlib.contextmanager
+def _counting(stats: dict):
+  """While open, counts into `stats` the bytes safetensors reads ("bytes_read") and the
+  largest host memory one leaf's `jax.make_array_from_callback` takes ("leaf_peak")."""
   import safetensors  # pylint: disable=import-outside-toplevel
   import tracemalloc  # pylint: disable=import-outside-toplevel
-  m = hf_maps.read(directory, seq)
-  mesh = fs.make_mesh({"fsdp": jax.device_count()})
-  target = fs.init_state(functools.partial(m.model.init_params, m.cfg), optax.sgd(0.1),
-                         mesh=mesh, rules=m.model.RULES, logical_axes=m.model.logical_axes(m.cfg),
-                         key=jax.random.key(0), abstract=True).params
-  cmap = hf_maps.checkpoint_map(m, directory)
-  stats = {"bytes_read": 0, "leaf_peak": 0}
   real_open, real_make = safetensors.safe_open, jax.make_array_from_callback
+
+  def _count(a):
+    stats["bytes_read"] += a.nbytes
+    return a
 
   class Counted:  # what safetensors returns, counted
     def __init__(self, f):
@@ -190,10 +190,6 @@ def measure_load(directory: str, seq: int) -> dict:
 
     def get_tensor(self, key):
       return _count(self.f.get_tensor(key))
-
-  def _count(a):
-    stats["bytes_read"] += a.nbytes
-    return a
 
   class Open:
     def __init__(self, *a, **k):
@@ -215,12 +211,24 @@ def measure_load(directory: str, seq: int) -> dict:
   safetensors.safe_open, jax.make_array_from_callback = Open, make
   tracemalloc.start()
   try:
-    t = time.perf_counter()
-    params = jax.block_until_ready(hf.load(directory, target, cmap))
-    load_s = time.perf_counter() - t
+    yield stats
   finally:
     safetensors.safe_open, jax.make_array_from_callback = real_open, real_make
     tracemalloc.stop()
+
+
+def measure_load(directory: str, seq: int) -> dict:
+  """Loads the checkpoint twice (the first warms jax up), measuring the second."""
+  m = hf_maps.read(directory, seq)
+  mesh = fs.make_mesh({"fsdp": jax.device_count()})
+  target = fs.init_state(functools.partial(m.model.init_params, m.cfg), optax.sgd(0.1),
+                         mesh=mesh, rules=m.model.RULES, logical_axes=m.model.logical_axes(m.cfg),
+                         key=jax.random.key(0), abstract=True).params
+  cmap = hf_maps.checkpoint_map(m, directory)
+  with _counting({"bytes_read": 0, "leaf_peak": 0}) as stats:
+    t = time.perf_counter()
+    params = jax.block_until_ready(hf.load(directory, target, cmap))
+    load_s = time.perf_counter() - t
   largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(target))
   return m, cmap, params, dict(stats, load_s=round(load_s, 2), largest_leaf=largest,
                                params=sum(x.size for x in jax.tree.leaves(target)))

@@ -38,6 +38,37 @@ def _model(width: int):
   return init, loss
 
 
+def _rounds(step, state, batch, args, should_stop):
+  """Times `args.rounds` rounds of `args.steps` steps with and without `should_stop`, in
+  alternating order: ({True: per-step times with, False: without}, per-round ratios, the
+  step count), or None where a preemption stopped the run."""
+  times = {True: [], False: []}
+  ratios = []
+  counter = 0
+  for r in range(args.rounds):
+    per = {}
+    for check in ((True, False) if r % 2 == 0 else (False, True)):
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        state, metrics = step(state, batch)
+        float(metrics["loss"])
+        if check and should_stop(counter):
+          return None
+        counter += 1  # the same step indices on every process, in both arms
+      per[check] = (time.perf_counter() - t0) / args.steps
+      times[check].append(per[check])
+    ratios.append(per[True] / per[False])
+  return times, ratios, counter
+
+
+def _call_us(should_stop, first: int, n: int = 2000) -> float:
+  """Microseconds per call of `should_stop` alone, over `n` step indices from `first`."""
+  t0 = time.perf_counter()
+  for i in range(first, first + n):
+    should_stop(i)
+  return (time.perf_counter() - t0) / n * 1e6
+
+
 def main(argv=None) -> int:
   ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--width", type=cli.number(int, minimum=1), default=256)
@@ -63,28 +94,12 @@ def main(argv=None) -> int:
   batch = fs.global_batch({"x": x.astype(np.float32)}, fs.batch_sharding(mesh))
   step = step.compile(state, batch)  # compile once, then check every process compiled it
   fs.multihost.agree_on_step(step)
-  times = {True: [], False: []}
-  ratios = []
-  counter = 0
   with fs.multihost.preemption_guard() as should_stop:
-    for r in range(args.rounds):
-      per = {}
-      for check in ((True, False) if r % 2 == 0 else (False, True)):
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-          state, metrics = step(state, batch)
-          float(metrics["loss"])
-          if check and should_stop(counter):
-            return fs.multihost.EXIT_PREEMPTED
-          counter += 1  # the same step indices on every process, in both arms
-        per[check] = (time.perf_counter() - t0) / args.steps
-        times[check].append(per[check])
-      ratios.append(per[True] / per[False])
-    n = 2000
-    t0 = time.perf_counter()
-    for i in range(counter, counter + n):
-      should_stop(i)
-    call_us = (time.perf_counter() - t0) / n * 1e6
+    timed = _rounds(step, state, batch, args, should_stop)
+    if timed is None:
+      return fs.multihost.EXIT_PREEMPTED
+    times, ratios, counter = timed
+    call_us = _call_us(should_stop, counter)
   if jax.process_index() == 0:
     print(f"{jax.process_count()} process(es) x {jax.local_device_count()} devices, "
           f"{args.rounds} rounds x {args.steps} steps: step with should_stop "

@@ -260,6 +260,30 @@ class Timed(NamedTuple):
   peak_per_device: float | None
 
 
+def _compiled(cfg, mesh, optimizer, mode: str, state, b):
+  """(the compiled step, its cold compile seconds, a warm compile's seconds, whether the
+  warm one read the persistent cache): the warm one has no in-memory executable left and a
+  new shard_step."""
+  import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
+  jax.clear_caches()
+  hits = _EVENTS["/jax/compilation_cache/cache_hits"]
+  warm = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b).compile_seconds
+  return step, step.compile_seconds, warm, _EVENTS["/jax/compilation_cache/cache_hits"] > hits
+
+
+def _timed(step, state, b, warmup: int, steps: int):
+  """(state, last metrics, seconds of each timed step) after `warmup` untimed steps."""
+  for _ in range(warmup):
+    state, m = _block(step(state, b))
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = _block(step(state, b))
+    times.append(time.perf_counter() - t0)
+  return state, m, times
+
+
 def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
   """Benchmarks one (model size, mesh spec, device count); see the module docstring.
   `options`: the fields of `Timed`, as keywords.
@@ -279,24 +303,10 @@ def measure(size: str, mesh_spec: str, devices: int, **options) -> Row:
   optimizer = _optimizer()
   with fs.with_mesh(mesh):
     state, b = _state_and_batch(cfg, mesh, optimizer, batch)
-    step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
-    cold = step.compile_seconds
+    step, cold, warm, from_cache = _compiled(cfg, mesh, optimizer, mode, state, b)
     report = fs.compile_report(step, state, b)
     counts = fs.analysis.hlo.summarize(step.compiled.as_text() or "", devices)
-    # Warm: no in-memory executable left, a new shard_step; the compile reads the cache.
-    jax.clear_caches()
-    hits = _EVENTS["/jax/compilation_cache/cache_hits"]
-    warm_step = _fnscale_step(cfg, mesh, optimizer, mode).compile(state, b)
-    warm = warm_step.compile_seconds
-    from_cache = _EVENTS["/jax/compilation_cache/cache_hits"] > hits
-    del warm_step
-    for _ in range(warmup):
-      state, m = _block(step(state, b))
-    times = []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      state, m = _block(step(state, b))
-      times.append(time.perf_counter() - t0)
+    state, m, times = _timed(step, state, b, warmup, steps)
   med = statistics.median(times)
   flops = model_flops_per_step(cfg, batch)
   param_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -714,44 +724,53 @@ def _machine() -> str:
           f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)")
 
 
+def _peak(topo: fs.Topology, platform: str) -> tuple[float | None, str]:
+  """(the host's measured matmul FLOP/s on CPU, else None; the note saying what the MFU
+  denominator is)."""
+  if platform == "cpu":
+    host = fs.analysis.host_matmul_peak()  # measured once per machine, cached
+    return host.flops, (
+        f"Peak FLOP/s (MFU denominator): a 2048x2048 float32 matmul, {host.flops / 1e9:.0f} "
+        f"GFLOP/s for the whole host (fs.analysis.host_matmul_peak, measured {host.measured}"
+        f"{', cached in ' + host.path if host.path else ''}); the simulated devices share "
+        "it (devices x peak per device = that rate). CPU numbers are relative.")
+  per = topo.peak_flops_per_device
+  return None, (f"Peak FLOP/s per device: {per / 1e12:.0f} TFLOP/s (bf16 facts table)" if per
+                else "Peak FLOP/s unknown for this device kind: MFU not reported")
+
+
+def _rows(cfg: Config, topo: fs.Topology, peak_host: float | None, say):
+  """(a `measure` row per size, mesh and device count; why each one skipped was)."""
+  rows, skipped = [], []
+  for size in cfg.sizes:
+    for spec in cfg.meshes:
+      for n in cfg.devices:
+        if n == 1 and spec != cfg.meshes[0]:
+          continue  # on one device every mesh is the same program
+        per_device = peak_host / n if peak_host else topo.peak_flops_per_device
+        try:
+          row = measure(size, spec, n, batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
+                        warmup=cfg.warmup, peak_per_device=per_device)
+        except fs.FnscaleError as e:
+          skipped.append(f"{size} {spec} on {n} devices: {e}")
+          logging.info("skipped %s %s x%d: %s", size, spec, n, e)
+          continue
+        rows.append(row)
+        say(f"# {row.size} {row.mesh}: step {1e3 * row.step_s:.1f} ms, compile "
+            f"{row.compile_cold_s:.2f} s cold / {row.compile_warm_s:.2f} s warm")
+  return rows, skipped
+
+
 def run(cfg: Config, *, say=print) -> dict:
   """Runs the benchmark per `cfg`; returns {"rows", "overhead", "peak", "text"}."""
   fs.simulate_cpu_devices(cfg.max_devices)
   import jax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   cfg = dataclasses.replace(cfg, devices=_counts(cfg, jax.device_count()))
   topo = hardware.detect(cfg.hardware)
-  platform = jax.devices()[0].platform
-  if platform == "cpu":
-    host = fs.analysis.host_matmul_peak()  # measured once per machine, cached
-    peak_host = host.flops
-    note = (f"Peak FLOP/s (MFU denominator): a 2048x2048 float32 matmul, {peak_host / 1e9:.0f} "
-            f"GFLOP/s for the whole host (fs.analysis.host_matmul_peak, measured {host.measured}"
-            f"{', cached in ' + host.path if host.path else ''}); the simulated devices share "
-            "it (devices x peak per device = that rate). CPU numbers are relative.")
-  else:
-    peak_host = None
-    per = topo.peak_flops_per_device
-    note = (f"Peak FLOP/s per device: {per / 1e12:.0f} TFLOP/s (bf16 facts table)" if per else
-            "Peak FLOP/s unknown for this device kind: MFU not reported")
-  rows, skipped = [], []
+  peak_host, note = _peak(topo, jax.devices()[0].platform)
   with tempfile.TemporaryDirectory(prefix="fnscale-bench-cache-") as cache, \
       persistent_cache(cache):
-    for size in cfg.sizes:
-      for spec in cfg.meshes:
-        for n in cfg.devices:
-          if n == 1 and spec != cfg.meshes[0]:
-            continue  # on one device every mesh is the same program
-          per_device = peak_host / n if peak_host else topo.peak_flops_per_device
-          try:
-            row = measure(size, spec, n, batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
-                          warmup=cfg.warmup, peak_per_device=per_device)
-          except fs.FnscaleError as e:
-            skipped.append(f"{size} {spec} on {n} devices: {e}")
-            logging.info("skipped %s %s x%d: %s", size, spec, n, e)
-            continue
-          rows.append(row)
-          say(f"# {row.size} {row.mesh}: step {1e3 * row.step_s:.1f} ms, compile "
-              f"{row.compile_cold_s:.2f} s cold / {row.compile_warm_s:.2f} s warm")
+    rows, skipped = _rows(cfg, topo, peak_host, say)
     overheads = []
     n = max(cfg.devices)
     for pair in cfg.overhead:

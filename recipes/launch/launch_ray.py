@@ -453,13 +453,15 @@ def _recipe_dirs(argv: Sequence[str], cwd: str) -> tuple[str | None, str | None]
     o = cli.parse_flags(train_lm.Options, ["train_lm", *argv[1:]])
   except ValueError:  # FnscaleError: the job exits 2 and isn't restarted anyway
     return None, None
-  if not (o.run_dir or o.checkpoint_dir):  # train_lm's default: per model and vocabulary
-    if o.model_config is None or o.tokenizer:  # the platform's default model, a tokenizer's
-      return None, None                        # vocabulary: known only where it runs
-    o = dataclasses.replace(o, run_dir=rundir.default_run_dir(o.model_config, o.dataset, "",
-                                                              256))
+  c = o.ckpt
+  if not (c.run_dir or c.checkpoint_dir):  # train_lm's default: per model and vocabulary
+    # The platform's default model, a tokenizer's vocabulary: known only where it runs.
+    if o.model.model_config is None or o.model.tokenizer:
+      return None, None
+    c = dataclasses.replace(c, run_dir=rundir.default_run_dir(o.model.model_config,
+                                                              o.data.dataset, "", 256))
   place = lambda d: None if not d else d if "://" in d else os.path.join(cwd, d)
-  return place(checkpoints.directory(o)), place(emergency.directory(o) if o.run_dir else "")
+  return place(checkpoints.directory(c)), place(emergency.directory(c) if c.run_dir else "")
 
 
 def _recipe_checkpoint_dir(argv: Sequence[str], cwd: str) -> str | None:

@@ -19,6 +19,7 @@ import numpy as np
 import fnscale as fs
 from recipes.lm import packing, preference
 from recipes.lm.data import Corpus
+from recipes.lm.options import DataOptions, FinetuneOptions
 
 
 def _window(tokens: np.ndarray, seq: int, i: int) -> np.ndarray:
@@ -124,32 +125,34 @@ def run_batches(s, sharding) -> tuple:
   """(train iterator, eval batches) of train_lm's run `s` (its `run_setup.Setup`), this
   process's rows under `sharding`: packed rows of token caches (`packing.batches`, the rows
   `fnscale.process_rows` names), else windows of text (`batches`)."""
-  o, seq = s.o, s.cfg.seq
+  seq, batch, seed, n_eval = (s.cfg.seq, s.o.step.global_batch, s.o.data.seed,
+                               s.o.log.eval_batches)
   if s.corpus.preference is not None:  # DPO: whole pairs packed into rows
     return _preference_batches(s, sharding)
   if s.corpus.packed is None:
-    return text_batches(s.corpus, sharding, seq, o.global_batch, o.seed, o.eval_batches)
-  spec, rows = pack_spec(o, seq), fs.process_rows(sharding, o.global_batch)
+    return text_batches(s.corpus, sharding, seq, batch, seed, n_eval)
+  spec, rows = pack_spec(s.o.data, seq), fs.process_rows(sharding, batch)
   sources = s.corpus.packed[0]
-  train = packing.batches(sources, rows, o.global_batch, spec, o.seed)
-  held = packing.batches(sources, rows, o.global_batch, spec, o.seed, held=True)
-  return train, [next(held) for _ in range(o.eval_batches)]
+  train = packing.batches(sources, rows, batch, spec, seed)
+  held = packing.batches(sources, rows, batch, spec, seed, held=True)
+  return train, [next(held) for _ in range(n_eval)]
 
 
 def _preference_batches(s, sharding) -> tuple:
   """`run_batches` of preference pairs (`preference.py`): whole pairs packed into rows of
   seq tokens, at most --dpo_pairs a row."""
-  o, (train, held) = s.o, s.corpus.preference
-  index, count = process_shard(sharding, o.global_batch)
-  pack = lambda pairs: preference.rows(pairs, s.cfg.seq, o.dpo_pairs)
-  held_rows = preference.batches(pack(held), index, count, o.global_batch, o.seed, True)
-  return (preference.batches(pack(train), index, count, o.global_batch, o.seed),
-          [held_rows[i] for i in range(o.eval_batches)])
+  (train, held), batch, seed = s.corpus.preference, s.o.step.global_batch, s.o.data.seed
+  index, count = process_shard(sharding, batch)
+  pack = lambda pairs: preference.rows(pairs, s.cfg.seq, s.o.tune.dpo_pairs)
+  held_rows = preference.batches(pack(held), index, count, batch, seed, True)
+  return (preference.batches(pack(train), index, count, batch, seed),
+          [held_rows[i] for i in range(s.o.log.eval_batches)])
 
 
-def pack_spec(o, seq: int) -> packing.PackSpec:
-  """train_lm's options `o` (--packing, --pack_bins, --long_docs) at `seq` tokens a row."""
-  return packing.PackSpec(seq, o.packing, o.pack_bins, o.long_docs)
+def pack_spec(d: DataOptions, seq: int) -> packing.PackSpec:
+  """train_lm's data options `d` (--packing, --pack_bins, --long_docs) at `seq` tokens a
+  row."""
+  return packing.PackSpec(seq, d.packing, d.pack_bins, d.long_docs)
 
 
 def put(s, rows: dict):
@@ -157,21 +160,23 @@ def put(s, rows: dict):
   a context axis first in the order its shards hold the sequence, with the positions the
   model then needs (`fnscale.parallel.context.reorder_batch`)."""
   if fs.parallel.context.shards(s.mesh) > 1:
-    rows = fs.parallel.context.reorder_batch(rows, s.mesh, s.o.context_order)
+    rows = fs.parallel.context.reorder_batch(rows, s.mesh, s.o.step.context_order)
   return fs.global_batch(rows, fs.batch_sharding(s.mesh))
 
 
-def say_padding(o, first: dict, evals: list, say) -> None:
-  """With token caches: the padding in this process's rows of the first train batch and in
-  the eval batches (text windows have none: nothing said)."""
+def say_padding(d: DataOptions, tune: FinetuneOptions, first: dict, evals: list,
+                say) -> None:
+  """With token caches (`d`: the run's data options; `tune`: its fine-tuning options): the
+  padding in this process's rows of the first train batch and in the eval batches (text
+  windows have none: nothing said)."""
   if "segment_ids" not in first:
     return
-  if o.objective == "dpo":
-    say(f"preference pairs packed whole, at most {o.dpo_pairs} a row: "
+  if tune.objective == "dpo":
+    say(f"preference pairs packed whole, at most {tune.dpo_pairs} a row: "
         f"{packing.padding_fraction(first):.1%} padding in this process's rows of the first "
         "batch")
     return
   held = np.mean([packing.padding_fraction(b) for b in evals] or [0])
-  say(f"packing ({o.packing}, {o.pack_bins} bins, long documents: {o.long_docs}): "
+  say(f"packing ({d.packing}, {d.pack_bins} bins, long documents: {d.long_docs}): "
       f"{packing.padding_fraction(first):.1%} padding in this process's rows of the first "
       f"batch, {held:.1%} in the eval batches")

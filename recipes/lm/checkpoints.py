@@ -19,26 +19,27 @@ import jax
 
 import fnscale as fs
 from recipes.lm import batches, run_log, rundir
+from recipes.lm.options import CheckpointOptions, ScheduleOptions
 
 
-def directory(o) -> str:
-  """Where a run with train_lm options `o` (its `run_dir` filled in:
+def directory(c: CheckpointOptions) -> str:
+  """Where a run with train_lm's checkpoint options `c` (its `run_dir` filled in:
   `rundir.default_run_dir`) keeps its checkpoints ("" with --nocheckpoint)."""
-  return (o.checkpoint_dir or os.path.join(o.run_dir, "checkpoints")) if o.checkpoint else ""
+  return (c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")) if c.checkpoint else ""
 
 
 @contextlib.contextmanager
-def manager(o):
+def manager(c: CheckpointOptions):
   """A context of the run's one checkpoint manager (`fnscale.checkpoint.manager` over
-  `o.checkpoint_dir`, keeping `o.checkpoint_keep`), or of None with checkpoints off;
+  `c.checkpoint_dir`, keeping `c.checkpoint_keep`), or of None with checkpoints off;
   leaving it waits for the last save. A run that fails before its first save (refused at
   compile, say) leaves no directory it made: those still empty are removed."""
-  if not o.checkpoint_dir:
+  if not c.checkpoint_dir:
     yield None
     return
-  made = rundir.missing_directories(o.checkpoint_dir)
+  made = rundir.missing_directories(c.checkpoint_dir)
   try:
-    with fs.checkpoint.manager(o.checkpoint_dir, keep=o.checkpoint_keep) as ckpt:
+    with fs.checkpoint.manager(c.checkpoint_dir, keep=c.checkpoint_keep) as ckpt:
       yield ckpt
   except BaseException:
     rundir.remove_empty(made)
@@ -85,34 +86,36 @@ def resume(s, ckpt, init, train_rows, say, ledger=None):
   restore's time goes to `ledger`'s "checkpoint", the compile's to its "compile"."""
   o = s.o
   state, start, extra = restore_or_init(ckpt, init, train_rows, dict(
-      seed=o.seed, corpus_tokens=len(s.corpus.train), global_batch=o.global_batch), say,
-      f"--run_dir={o.run_dir} (this run: model {o.model_config}, seq {s.cfg.seq}, vocab "
-      f"{s.cfg.vocab})", booked(ledger, "checkpoint"))
+      seed=o.data.seed, corpus_tokens=len(s.corpus.train),
+      global_batch=o.step.global_batch), say,
+      f"--run_dir={o.ckpt.run_dir} (this run: model {o.model.model_config}, seq {s.cfg.seq}, "
+      f"vocab {s.cfg.vocab})", booked(ledger, "checkpoint"))
   saved = None if extra is None else extra.get("schedule")
-  if start >= o.steps:
-    say(f"{o.run_dir} already holds step {start} of {o.steps}: nothing left to train"
-        + ("; evaluating and sampling it again (--evaluate_finished)" if o.evaluate_finished
+  if start >= o.schedule.steps:
+    say(f"{o.ckpt.run_dir} already holds step {start} of {o.schedule.steps}: nothing left to "
+        "train"
+        + ("; evaluating and sampling it again (--evaluate_finished)" if o.log.evaluate_finished
            else "; ending here, nothing compiled (--evaluate_finished evaluates and samples "
            "it again)")
         + "; more --steps extend it (its lr schedule kept unless --schedule_steps is given), "
         "--run_dir=NEW_DIR starts another run")
-    if finished(o, start):
+    if finished(start, o.schedule.steps, o.log.evaluate_finished):
       return state, start, start, saved
-  if extra is None and os.path.isfile(os.path.join(o.run_dir, run_log.RUN_FILE)):
-    say(f"{o.run_dir} holds an earlier start of this run that saved no checkpoint"
-        + (f" ({o.checkpoint_dir})" if o.checkpoint_dir else " (--nocheckpoint)")
+  if extra is None and os.path.isfile(os.path.join(o.ckpt.run_dir, run_log.RUN_FILE)):
+    say(f"{o.ckpt.run_dir} holds an earlier start of this run that saved no checkpoint"
+        + (f" ({o.ckpt.checkpoint_dir})" if o.ckpt.checkpoint_dir else " (--nocheckpoint)")
         + ": this run starts at step 0")
-  say_save_window(ckpt, o.grace_s, say)
+  say_save_window(ckpt, o.ckpt.grace_s, say)
   if ckpt is not None:  # compiles save's finiteness check now, not in a preemption window
     with booked(ledger, "compile")():
       fs.checkpoint.nonfinite_leaves(state)
   return state, start, None if extra is None else start, saved
 
 
-def finished(o, start: int) -> bool:
-  """Whether a run of options `o` resumed at `start` ends without a step, an eval or a
-  sample: it holds its last step and --evaluate_finished is off."""
-  return start >= o.steps and not o.evaluate_finished
+def finished(start: int, steps: int, evaluate_finished: bool) -> bool:
+  """Whether a run of `steps` (--steps) resumed at `start` ends without a step, an eval or
+  a sample: it holds its last step and --evaluate_finished is off."""
+  return start >= steps and not evaluate_finished
 
 
 def booked(ledger, phase: str):
@@ -226,7 +229,7 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
     bad = first_nonfinite(flags)
     if bad is not None:
       commit()  # the last good save is on disk before the run stops
-      raise nonfinite_error(bad, last_saved, s.o.checkpoint_dir, s.o.lr)
+      raise nonfinite_error(bad, last_saved, s.o.ckpt.checkpoint_dir, s.o.schedule.lr)
 
   def save(state, step: int, emergency: bool = False):
     check()
@@ -243,33 +246,24 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
   def save_copy(state, step: int):
     t = time.time()
     fs.checkpoint.save(local, step, state._replace(frozen=None), data=train_rows,
-                       extra=extra(state, step))
+                       extra=record(s, state, step, frozen))
     copies.append(step)
     if len(copies) == 1:  # said once: they come every few steps
       say(f"checkpoint: emergency copy of step {step} saving in the background (the loop "
-          f"waited {time.time() - t:.2f} s; one every {s.o.emergency_every} steps in "
+          f"waited {time.time() - t:.2f} s; one every {s.o.ckpt.emergency_every} steps in "
           f"{local.directory})")
 
   def write(state, step: int):
     nonlocal last_saved, warned, saves
     if saves >= 2 and not warned:  # the first save's time includes one-off compiles
-      warned = say_save_window(ckpt, s.o.grace_s, say)
+      warned = say_save_window(ckpt, s.o.ckpt.grace_s, say)
     t = time.time()
     # Before the next batch is read: the iterator's position is this step's.
     fs.checkpoint.save(ckpt, step, state._replace(frozen=None), data=train_rows,
-                       extra=extra(state, step))
+                       extra=record(s, state, step, frozen))
     last_saved, saves = step, saves + 1
     say(f"checkpoint: step {step} saving in the background (the loop waited "
-        f"{time.time() - t:.2f} s; {s.o.checkpoint_dir})")
-
-  def extra(state, step: int) -> dict:
-    if state.frozen is not None and not frozen:  # named once: they never change
-      frozen.update(source=s.o.init_from or f"fresh, seed {s.o.seed}",
-                    fingerprint=fs.checkpoint.fingerprint(state.frozen))
-    return dict(
-        step=step, seed=s.o.seed, model=s.o.model_config, seq=s.cfg.seq, vocab=s.cfg.vocab,
-        global_batch=s.o.global_batch, corpus_tokens=len(s.corpus.train),
-        schedule=schedule_record(s.o), **({"frozen": dict(frozen)} if frozen else {}))
+        f"{time.time() - t:.2f} s; {s.o.ckpt.checkpoint_dir})")
 
   def commit():
     if ckpt is not None:
@@ -279,10 +273,24 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
   return Saver(lambda step, m: flags.append((step, m["finite"])), check, save, commit)
 
 
-def schedule_record(o) -> dict:
-  """What a checkpoint records of the lr schedule of train_lm options `o`, read back on
-  resuming (`run_setup.resumed_schedule`): the options that follow the run's length."""
-  return dict(steps=o.schedule_steps, warmup_steps=o.warmup_steps)
+def record(s, state, step: int, frozen: dict) -> dict:
+  """What a checkpoint of run `s` records beside its state at `step`: what fixes the state's
+  shapes and the data order, the lr schedule, and for a frozen base its source and
+  fingerprint (`frozen`, filled in at the first save: they never change)."""
+  if state.frozen is not None and not frozen:
+    frozen.update(source=s.o.model.init_from or f"fresh, seed {s.o.data.seed}",
+                  fingerprint=fs.checkpoint.fingerprint(state.frozen))
+  return dict(
+      step=step, seed=s.o.data.seed, model=s.o.model.model_config, seq=s.cfg.seq,
+      vocab=s.cfg.vocab, global_batch=s.o.step.global_batch,
+      corpus_tokens=len(s.corpus.train), schedule=schedule_record(s.o.schedule),
+      **({"frozen": dict(frozen)} if frozen else {}))
+
+
+def schedule_record(sched: ScheduleOptions) -> dict:
+  """What a checkpoint records of the lr schedule of train_lm's schedule options, read back
+  on resuming (`run_setup.resumed_schedule`): the options that follow the run's length."""
+  return dict(steps=sched.schedule_steps, warmup_steps=sched.warmup_steps)
 
 
 def first_nonfinite(flags: list) -> int | None:

@@ -8,7 +8,9 @@ refusals, absl flag errors); `ArgumentParser` is argparse's, refusing by raising
 
 A recipe whose options are a frozen dataclass (train_lm's `Options`, pretokenize's) declares
 each field with `option(default, help)` and gets, from the class alone, its flags
-(`parse_flags`), its keywords (`check_options`) and its command line (`options_main`).
+(`parse_flags`), its keywords (`check_options`) and its command line (`options_main`). The
+class may hold its options in groups (fields declared `group(GroupClass)`, each group a
+frozen dataclass of options): the flags and keywords stay flat, one per option (`leaves`).
 """
 from __future__ import annotations
 
@@ -125,6 +127,51 @@ def option(default, help_: str):
   return dataclasses.field(default=default, metadata={"help": help_})
 
 
+def group(cls):
+  """A field of an options dataclass that holds a group of options: a frozen dataclass
+  `cls` of `option` fields, its defaults by default."""
+  return dataclasses.field(default_factory=cls, metadata={"group": cls})
+
+
+def leaves(cls) -> dict[str, tuple[str | None, dataclasses.Field]]:
+  """Each option of options dataclass `cls`, by name: (the group field holding it, None for
+  one of `cls`'s own; its field). Option names are unique across the groups: each is a
+  flag `--name` and a keyword.
+
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Data:
+  ...   seq: int = option(64, "tokens per row")
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Opts:
+  ...   data: Data = group(Data)
+  ...   seed: int = option(0, "the seed")
+  >>> {name: where for name, (where, _) in leaves(Opts).items()}
+  {'seq': 'data', 'seed': None}
+  """
+  out = {}
+  for f in dataclasses.fields(cls):
+    inner = f.metadata.get("group")
+    for g in dataclasses.fields(inner) if inner else (f,):
+      out[g.name] = (f.name if inner else None, g)
+  return out
+
+
+def build(cls, flat: dict):
+  """`cls` with the options of `flat` ({name: value}, names as `leaves`), each in its group,
+  the others their defaults."""
+  where, groups, own = leaves(cls), {}, {}
+  for name, value in flat.items():
+    (own if where[name][0] is None else groups.setdefault(where[name][0], {}))[name] = value
+  kinds = {f.name: f.metadata.get("group") for f in dataclasses.fields(cls)}
+  return cls(**own, **{g: kinds[g](**kw) for g, kw in groups.items()})
+
+
+def flat(o) -> dict:
+  """{name: value} of every option of `o` (an options dataclass, grouped or not)."""
+  return {name: getattr(getattr(o, g) if g else o, name)
+          for name, (g, _) in leaves(type(o)).items()}
+
+
 def check_options(cls, options: dict):
   """`cls(**options)` after checking each name, type (an int is a float; a bool is no int)
   and range.
@@ -133,7 +180,7 @@ def check_options(cls, options: dict):
     FnscaleError: an unknown name (the message lists the known ones), a wrong type or a
       number out of its range (the message names the option and the range).
   """
-  known = {f.name: f for f in dataclasses.fields(cls)}
+  known = {name: f for name, (_, f) in leaves(cls).items()}
   for name, value in options.items():
     if name not in known:
       raise fs.InputError(f"unknown option {name}={value!r}{did_you_mean(name, known)}; known "
@@ -144,7 +191,7 @@ def check_options(cls, options: dict):
         isinstance(value, types) and (kind[0] == "bool" or not isinstance(value, bool)))):
       raise fs.InputError(f"option {name}={value!r}: expected {' or '.join(kind)}, got "
                             f"{type(value).__name__}")
-  return _check_ranges(cls(**options))
+  return _check_ranges(build(cls, options))
 
 
 def _check_ranges(o):
@@ -152,8 +199,9 @@ def _check_ranges(o):
   `RANGES`; floats must be finite), each word against its `CHOICES` and that of each pair
   of its `EXCLUSIVE` options at most one is given (neither its default, None nor "")."""
   ranges, choices = getattr(type(o), "RANGES", {}), getattr(type(o), "CHOICES", {})
-  for f in dataclasses.fields(o):
-    value = getattr(o, f.name)
+  fields, values = {n: f for n, (_, f) in leaves(type(o)).items()}, flat(o)
+  for f in fields.values():
+    value = values[f.name]
     if f.name in choices and value is not None and value not in choices[f.name]:
       raise fs.InputError(f"--{f.name}={value!r}: expected one of {list(choices[f.name])}"
                           + did_you_mean(value, choices[f.name]))
@@ -161,11 +209,10 @@ def _check_ranges(o):
       problem = check_range(value, **ranges.get(f.name, {}))
       if problem:
         raise fs.InputError(f"--{f.name}={value!r} {problem}: {f.metadata['help']}")
-  fields = {f.name: f for f in dataclasses.fields(o)}
-  given = lambda name: getattr(o, name) not in (fields[name].default, None, "")
+  given = lambda name: values[name] not in (fields[name].default, None, "")
   for a, b in getattr(type(o), "EXCLUSIVE", ()):
     if given(a) and given(b):
-      raise fs.InputError(f"--{a}={getattr(o, a)!r} and --{b}={getattr(o, b)!r}: give one "
+      raise fs.InputError(f"--{a}={values[a]!r} and --{b}={values[b]!r}: give one "
                           f"of them (--{a}: {fields[a].metadata['help']})")
   return o
 
@@ -174,7 +221,7 @@ def _flag_values(cls) -> flags.FlagValues:
   fv = flags.FlagValues()
   define = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer,
             "float": flags.DEFINE_float, "str": flags.DEFINE_string}
-  for f in dataclasses.fields(cls):
+  for _, f in leaves(cls).values():
     define[f.type.split(" | ")[0]](f.name, f.default, f.metadata["help"], flag_values=fv)
   return fv
 
@@ -194,7 +241,7 @@ def parse_flags(cls, argv: list[str]):
   rest = parse_values(fv, argv)
   if len(rest) > 1:
     raise fs.InputError(f"unexpected arguments {rest[1:]}; flags are written --name=value")
-  return _check_ranges(cls(**{f.name: fv[f.name].value for f in dataclasses.fields(cls)}))
+  return _check_ranges(build(cls, {name: fv[name].value for name in leaves(cls)}))
 
 
 def options_main(argv: list[str], cls, run, doc: str, *, own_process: bool = False) -> int:

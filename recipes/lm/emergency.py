@@ -23,24 +23,26 @@ import jax
 
 import fnscale as fs
 from recipes.lm import checkpoints
+from recipes.lm.options import CheckpointOptions
 
 KEEP = 2  # the newest copy, and the one before it while the next is written
 OWNER_FILE = "owner.json"  # which run the copies are of (`prepare`)
 
 
-def directory(o) -> str:
-  """Where a run with train_lm options `o` (run_dir filled in) keeps its emergency copies;
-  "" when they are off (--emergency_every=0, or --nocheckpoint)."""
-  if not (o.checkpoint and o.emergency_every):
+def directory(c: CheckpointOptions) -> str:
+  """Where a run with train_lm's checkpoint options `c` (run_dir filled in) keeps its
+  emergency copies; "" when they are off (--emergency_every=0, or --nocheckpoint)."""
+  if not (c.checkpoint and c.emergency_every):
     return ""
-  return o.emergency_dir or os.path.join(o.run_dir, "emergency")
+  return c.emergency_dir or os.path.join(c.run_dir, "emergency")
 
 
 def owner(s) -> dict:
   """What names a run's copies as its own: its run directory and what fixes its state's
   shapes and data order (`s`: run_setup.Setup)."""
-  return dict(run_dir=os.path.abspath(s.o.run_dir), model=s.o.model_config, seq=s.cfg.seq,
-              vocab=s.cfg.vocab, seed=s.o.seed, global_batch=s.o.global_batch)
+  return dict(run_dir=os.path.abspath(s.o.ckpt.run_dir), model=s.o.model.model_config,
+              seq=s.cfg.seq, vocab=s.cfg.vocab, seed=s.o.data.seed,
+              global_batch=s.o.step.global_batch)
 
 
 def prepare(s, say) -> str:
@@ -53,11 +55,11 @@ def prepare(s, say) -> str:
       process), or holds another run's copies; the message names the fix, and that the
       persistent checkpoints are untouched.
   """
-  d = directory(s.o)
+  d = directory(s.o.ckpt)
   if not d:
     return ""
-  untouched = (f"the checkpoints in {s.o.checkpoint_dir} are untouched" if s.o.checkpoint_dir
-               else "nothing was saved")
+  untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched"
+               if s.o.ckpt.checkpoint_dir else "nothing was saved")
   fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
          f"on one host, a shared file system on several), or --emergency_every=0 to save no "
          f"emergency copies; {untouched}")
@@ -80,7 +82,7 @@ def prepare(s, say) -> str:
   except fs.DistributedError as e:
     raise fs.InputError(f"--emergency_dir={d}: {e} Or {fix}") from None
   ours = owner(s)
-  if _inside(d, s.o.run_dir):  # moves with its run (a copied run dir): its path isn't its name
+  if _inside(d, s.o.ckpt.run_dir):  # moves with its run (a copied run dir): not its name
     ours.pop("run_dir")
   _check_owner(d, ours, untouched)
   checkpoints.remove_unfinished(d, say)

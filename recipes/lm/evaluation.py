@@ -29,38 +29,40 @@ def bits_per_byte(corpus, loss: float) -> float:
 def evaluate(r, state, step: int) -> float:
   """The held-out loss (nats/token) of `state` at `step` of run `r`, said and logged; its
   time is the run's goodput's "eval"."""
-  with r.goodput.during("eval"):
+  with r.rec.goodput.during("eval"):
     return _evaluate(r, state, step)
 
 
 def _evaluate(r, state, step: int) -> float:
   # All devices finish each eval program (not just the one a scalar is read from).
-  params = r.params_of(state)
-  value = float(np.mean([float(jax.block_until_ready(r.eval_loss(params, b)))
-                         for b in r.eval_batches]))
-  if r.setup.o.objective == "dpo":
-    r.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
-    r.log.write(step, {"eval/dpo_loss": value})
+  ev, rec = r.evals, r.rec
+  params = ev.params_of(state)
+  value = float(np.mean([float(jax.block_until_ready(ev.loss(params, b)))
+                         for b in ev.batches]))
+  if r.setup.o.tune.objective == "dpo":
+    rec.say(f"eval  step {step:>6}: DPO loss {value:.4f} over held-out pairs")
+    rec.log.write(step, {"eval/dpo_loss": value})
     return value
   bpb = bits_per_byte(r.setup.corpus, value)
-  r.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
-  r.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
+  rec.say(f"eval  step {step:>6}: loss {value:.4f} nats/token, {bpb:.4f} bits/byte")
+  rec.log.write(step, {"eval/loss": value, "eval/bits_per_byte": bpb})
   return value
 
 
 def sample(r, state) -> str:
   """`--sample_len` tokens that `state`'s model of run `r` writes after `--prompt`, said;
   its time is the run's goodput's "eval"."""
-  with r.goodput.during("eval"):
+  with r.rec.goodput.during("eval"):
     return _sample(r, state)
 
 
 def _sample(r, state) -> str:
   o, c, t = r.setup.o, r.setup.corpus, time.time()
   apply = functools.partial(r.setup.model.apply, cfg=r.setup.cfg)
-  text = c.decode(sampling.generate(apply, r.params_of(state), c.encode(o.prompt or "\n"),
-                               sampling.Sampling(o.sample_len, r.setup.cfg.seq, o.temperature, o.seed,
-                                            o.attention)))
-  r.say(f"sample ({o.sample_len} tokens, temperature {o.temperature}, "
-        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.prompt}{text}\n{'-' * 60}")
+  how = sampling.Sampling(o.log.sample_len, r.setup.cfg.seq, o.log.temperature, o.data.seed,
+                          o.model.attention)
+  text = c.decode(sampling.generate(apply, r.evals.params_of(state),
+                                    c.encode(o.log.prompt or "\n"), how))
+  r.rec.say(f"sample ({o.log.sample_len} tokens, temperature {o.log.temperature}, "
+        f"{time.time() - t:.1f} s):\n{'-' * 60}\n{o.log.prompt}{text}\n{'-' * 60}")
   return text

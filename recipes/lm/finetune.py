@@ -26,30 +26,32 @@ import optax
 
 import fnscale as fs
 from recipes.lm import cli, data, dpo, hf_maps, models, preference
+from recipes.lm.options import FinetuneOptions
 
 
-def lora_config(o, model, cfg) -> fs.lora.LoraConfig | None:
-  """The LoRA config of options `o` for `model` (None without --lora_rank); --lora_targets
-  names weights of `model.LORA_WEIGHTS` or regexes over their leaf paths.
+def lora_config(tune: FinetuneOptions, model, cfg, name: str = "") -> fs.lora.LoraConfig | None:
+  """The LoRA config of fine-tuning options `tune` for `model` (None without --lora_rank;
+  `name`: --model_config, named in an error); --lora_targets names weights of
+  `model.LORA_WEIGHTS` or regexes over their leaf paths.
 
   Raises:
     InputError: --lora_rank with a model whose leaves LoRA can't adapt, a --lora_targets
       item that matches none of its weights (each named, with the fix), DPO without LoRA.
   """
-  if o.objective == "dpo" and not o.lora_rank:
+  if tune.objective == "dpo" and not tune.lora_rank:
     raise fs.InputError("--objective=dpo needs --lora_rank (e.g. 16): DPO's reference model "
                         "is the frozen base, the params without adapters")
-  if not o.lora_rank:
+  if not tune.lora_rank:
     return None
   names = getattr(model, "LORA_WEIGHTS", None)
   if names is None:
     raise fs.InputError(
-        f"--lora_rank={o.lora_rank} with model {o.model_config or model.__name__}: its matmul "
+        f"--lora_rank={tune.lora_rank} with model {name or model.__name__}: its matmul "
         "weights don't multiply through fs.lora.einsum, so LoRA can't adapt its leaves; fix: a "
         "Llama-family model (--model_config=llama-*, or --init_from a Llama, Mistral, Qwen "
         "or Gemma checkpoint), or full fine-tuning (no --lora_rank)")
   chosen = []
-  for item in [t.strip() for t in o.lora_targets.split(",") if t.strip()] or list(names):
+  for item in [t.strip() for t in tune.lora_targets.split(",") if t.strip()] or list(names):
     hits = [n for n in names if n == item or _fullmatch(item, f"blocks/{n}")]
     if not hits:
       raise fs.InputError(
@@ -57,8 +59,8 @@ def lora_config(o, model, cfg) -> fs.lora.LoraConfig | None:
           f"weights are {','.join(names)} (leaf paths blocks/<name>){cli.did_you_mean(item, names)}"
           "; fix: name some of them")
     chosen += [n for n in hits if n not in chosen]
-  alpha = 2.0 * o.lora_rank if o.lora_alpha is None else o.lora_alpha
-  return fs.lora.LoraConfig(o.lora_rank, alpha, o.lora_dropout,
+  alpha = 2.0 * tune.lora_rank if tune.lora_alpha is None else tune.lora_alpha
+  return fs.lora.LoraConfig(tune.lora_rank, alpha, tune.lora_dropout,
                             model.lora_targets(cfg, [n for n in names if n in chosen]))
 
 
@@ -69,27 +71,28 @@ def _fullmatch(pattern: str, text: str) -> bool:
     raise fs.InputError(f"--lora_targets: {pattern!r} is not a regex ({e})") from None
 
 
-def dpo_config(o) -> dpo.DPOConfig:
-  return dpo.check(dpo.DPOConfig(o.dpo_beta, o.dpo_label_smoothing, o.dpo_loss, o.dpo_pairs))
+def dpo_config(tune: FinetuneOptions) -> dpo.DPOConfig:
+  return dpo.check(dpo.DPOConfig(tune.dpo_beta, tune.dpo_label_smoothing, tune.dpo_loss,
+                                 tune.dpo_pairs))
 
 
 def corpus(o, tokenizer: str, say=None) -> data.Corpus:
   """The run's data: preference pairs for --objective=dpo (`preference.corpus`), else
   `data.load`'s corpus (its tokenizing's progress said by `say`)."""
-  if o.objective != "dpo":
-    return data.load(o.dataset, tokenizer, say)
-  if o.epochs is not None:
-    raise fs.InputError(f"--epochs={o.epochs} with --objective=dpo: preference pairs are "
-                        "read as an endless shuffle; give --steps instead")
-  return preference.corpus(o.dataset, tokenizer, o.chat_template)
+  if o.tune.objective != "dpo":
+    return data.load(o.data.dataset, tokenizer, say)
+  if o.schedule.epochs is not None:
+    raise fs.InputError(f"--epochs={o.schedule.epochs} with --objective=dpo: preference "
+                        "pairs are read as an endless shuffle; give --steps instead")
+  return preference.corpus(o.data.dataset, tokenizer, o.tune.chat_template)
 
 
 def losses(s, lora) -> tuple:
   """(train loss, eval loss over bound params, has_aux, weighted) of a LoRA run `s`."""
   o, model = s.o, s.model
-  if o.objective == "dpo":
-    cfg = dpo_config(o)
-    return (functools.partial(dpo.loss_fn(model, lora, cfg, cfg=s.cfg), remat=o.remat),
+  if o.tune.objective == "dpo":
+    cfg = dpo_config(o.tune)
+    return (functools.partial(dpo.loss_fn(model, lora, cfg, cfg=s.cfg), remat=o.step.remat),
             dpo.eval_loss_fn(model, cfg, cfg=s.cfg), True, True)
   train, evaluate, aux = models.losses(s)
   return (fs.lora.with_lora(train, lora), evaluate, aux, s.corpus.packed is not None)
@@ -123,10 +126,10 @@ def init(s, optimizer, policy, seed_key, lora):
                           shapes)
     if abstract:
       return shapes
-    if s.o.init_from:
+    if s.o.model.init_from:
       m = hf_maps.HFModel(s.model, s.cfg, {})
-      return fs.checkpoint.hf.load(s.o.init_from, shapes,
-                                   hf_maps.checkpoint_map(m, s.o.init_from))
+      return fs.checkpoint.hf.load(s.o.model.init_from, shapes,
+                                   hf_maps.checkpoint_map(m, s.o.model.init_from))
     make = lambda k: jax.tree.map(lambda x: x.astype(dtype), s.model.init_params(s.cfg, k))
     return jax.jit(make, out_shardings=jax.tree.map(lambda x: x.sharding, shapes))(seed_key)
 
@@ -182,7 +185,7 @@ def flops_per_token(s, lora) -> float:
   attn = 12 * cfg.layers * cfg.heads * cfg.head_dim * cfg.seq
   n = s.model.matmul_params(cfg)
   out = 4 * n + 6 * adapters + attn
-  if s.o.objective == "dpo":
+  if s.o.tune.objective == "dpo":
     out += 2 * n + attn / 3
   return float(out)
 
@@ -197,15 +200,15 @@ def export(s, state, lora, say) -> None:
   checkpoint, and the adapters as a PEFT adapter (--export_adapter, default
   EXPORT_HF/adapter) naming --init_from as its base model."""
   t, o = time.time(), s.o
-  m = (hf_maps.read(o.init_from, s.cfg.seq) if o.init_from else
+  m = (hf_maps.read(o.model.init_from, s.cfg.seq) if o.model.init_from else
        hf_maps.of_model(s.model, s.cfg))
-  cmap = hf_maps.checkpoint_map(m, o.init_from or None)
-  tok = models.tokenizer(o)
+  cmap = hf_maps.checkpoint_map(m, o.model.init_from or None)
+  tok = models.tokenizer(o.model)
   merged = jax.jit(lambda f, a: fs.lora.merge(f, a, lora))(state.frozen, state.params)
-  fs.checkpoint.hf.export(o.export_hf, merged, cmap, config=hf_maps.to_config(m),
+  fs.checkpoint.hf.export(o.ckpt.export_hf, merged, cmap, config=hf_maps.to_config(m),
                           tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
-  adapter = o.export_adapter or os.path.join(o.export_hf, "adapter")
+  adapter = o.ckpt.export_adapter or os.path.join(o.ckpt.export_hf, "adapter")
   fs.checkpoint.peft.export(adapter, state.params, lora, state.frozen, cmap,
-                            base_model=o.init_from or None)
-  say(f"exported the merged model to {o.export_hf} and the PEFT adapter to {adapter} "
+                            base_model=o.model.init_from or None)
+  say(f"exported the merged model to {o.ckpt.export_hf} and the PEFT adapter to {adapter} "
       f"({time.time() - t:.1f} s)")

@@ -30,7 +30,7 @@ import numpy as np
 import fnscale as fs
 from fnscale import FitError
 from recipes.lm import optimizers, startup
-from recipes.lm.options import Options, remat_policy
+from recipes.lm.options import StepOptions, remat_policy
 
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
@@ -118,13 +118,13 @@ def optimizer_flags(opt: tuple) -> str:
           else f" --mu_dtype={opt[1]}")
 
 
-def asked_optimizers(o) -> tuple:
-  """The optimizers the pre-flight may run for options `o`: `OPTIMIZERS`, or the one the
-  user named (--optimizer and/or --mu_dtype)."""
-  if o.optimizer is None and o.mu_dtype is None:
+def asked_optimizers(step: StepOptions) -> tuple:
+  """The optimizers the pre-flight may run for the step's options: `OPTIMIZERS`, or the one
+  the user named (--optimizer and/or --mu_dtype)."""
+  if step.optimizer is None and step.mu_dtype is None:
     return OPTIMIZERS
-  name = o.optimizer or "adamw"
-  return ((name, (o.mu_dtype or "float32") if name == "adamw" else None),)
+  name = step.optimizer or "adamw"
+  return ((name, (step.mu_dtype or "float32") if name == "adamw" else None),)
 
 
 def _mesh_axes(mesh) -> fs.MeshAxes:
@@ -142,7 +142,7 @@ class Planned(NamedTuple):
 
 class Choice(NamedTuple):
   """How each step of the run runs, decided once (`choose`) and only read after: each field
-  is the `Options` field of its name, filled in."""
+  is the `Options.step` field of its name, filled in."""
   batch_size: int  # rows per device per step
   global_batch: int
   accum_steps: int
@@ -154,16 +154,17 @@ class Choice(NamedTuple):
   context: str  # the attention form over a context axis
 
 
-def choose(o, m: Model, topo, mesh, per_device: int, say,
+def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: int, say,
            planned: Planned | None = None) -> Choice:
   """The run's rows per device, accumulation (steps, gather mode), remat and optimizer,
-  from options `o`, --mesh=auto's `planned` row and the memory pre-flight: what the user
-  gave (the planned row's remat where they gave none, its accumulation where it has more
-  steps), the rest the defaults (`per_device` rows: the platform's where not given; remat
-  off, 1 step, AdamW in float32), or where the default's estimate exceeds the device's
-  memory, the planner's fastest option within `HEADROOM` of it among the choices left
-  open, the optimizers tried in `OPTIMIZERS`' order (the module docstring), said in one
-  line. What the user fixed is left to the compiled check (`compile_step`).
+  from the step's options (`Options.step`; `precision`: --precision), --mesh=auto's
+  `planned` row and the memory pre-flight: what the user gave (the planned row's remat
+  where they gave none, its accumulation where it has more steps), the rest the defaults
+  (`per_device` rows: the platform's where not given; remat off, 1 step, AdamW in
+  float32), or where the default's estimate exceeds the device's memory, the planner's
+  fastest option within `HEADROOM` of it among the choices left open, the optimizers tried
+  in `OPTIMIZERS`' order (the module docstring), said in one line. What the user fixed is
+  left to the compiled check (`compile_step`).
 
   Raises:
     InputError: --remat with a --remat_policy other than full.
@@ -171,62 +172,63 @@ def choose(o, m: Model, topo, mesh, per_device: int, say,
       nothing on this mesh fits at all, the state alone being too big); the message gives
       the estimate, the memory and the fix (other optimizers' flags among them).
   """
-  o = _asked(o, planned)
-  if o.remat and o.remat_policy not in ("auto", "full"):
-    raise fs.InputError(f"--remat with --remat_policy={o.remat_policy}: --remat is "
+  step = _asked(step, planned)
+  if step.remat and step.remat_policy not in ("auto", "full"):
+    raise fs.InputError(f"--remat with --remat_policy={step.remat_policy}: --remat is "
                         "--remat_policy=full; give one of them")
   dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
-  if o.global_batch is not None:
-    per_device = max(1, o.global_batch // dp)
-  o, rows = _preflight(o, m, topo, mesh, per_device, say)
-  return Choice(rows, rows * dp if o.global_batch is None else o.global_batch,
-                o.accum_steps, o.accum_gather, o.remat, remat_policy(o, topo.platform),
-                o.optimizer, o.mu_dtype, o.context)
+  if step.global_batch is not None:
+    per_device = max(1, step.global_batch // dp)
+  step, rows = _preflight(step, startup.policy(precision, topo.platform), m, topo, mesh,
+                          per_device, say)
+  return Choice(rows, rows * dp if step.global_batch is None else step.global_batch,
+                step.accum_steps, step.accum_gather, step.remat,
+                remat_policy(step, topo.platform), step.optimizer, step.mu_dtype, step.context)
 
 
-def _asked(o, planned: Planned | None):
-  """Options `o` as the pre-flight takes them: with --mesh=auto, the planned global batch,
+def _asked(step: StepOptions, planned: Planned | None) -> StepOptions:
+  """The step's options as the pre-flight takes them: with --mesh=auto, the planned global batch,
   remat where the user gave none, accumulation (steps and mode) where the planned row has
   more steps than the user's, and the planned context axis's attention form where --context
   was left at its default."""
   if planned is None:
-    return o
-  if planned.accum_steps > (o.accum_steps or 1):
-    o = dataclasses.replace(o, accum_steps=planned.accum_steps,
-                            accum_gather=planned.accum_gather)
-  if planned.context and o.context == Options.context:  # a --context given is kept
-    o = dataclasses.replace(o, context=planned.context)
-  return dataclasses.replace(o, remat=bool(o.remat or planned.remat),
+    return step
+  if planned.accum_steps > (step.accum_steps or 1):
+    step = dataclasses.replace(step, accum_steps=planned.accum_steps,
+                               accum_gather=planned.accum_gather)
+  if planned.context and step.context == StepOptions.context:  # a --context given is kept
+    step = dataclasses.replace(step, context=planned.context)
+  return dataclasses.replace(step, remat=bool(step.remat or planned.remat),
                              global_batch=planned.global_batch)
 
 
-def _preflight(o, m: Model, topo, mesh, per_device: int, say):
-  """(options, rows per device) with `o.remat`, `o.accum_steps`, `o.optimizer` and
-  `o.mu_dtype` filled in (`choose`)."""
+def _preflight(step: StepOptions, policy, m: Model, topo, mesh, per_device: int, say):
+  """(the step's options, rows per device) with `remat`, `accum_steps`, `optimizer` and
+  `mu_dtype` filled in (`choose`); `policy`: the run's jmp policy."""
   # Without remat the blocks keep what the run's policy keeps; remat is "full".
-  base = remat_policy(dataclasses.replace(o, remat=False), topo.platform)
-  fixed = dict(remat=o.remat if o.remat_policy == "auto" else o.remat_policy == "full",
-               accum_steps=o.accum_steps,
-               rows=per_device if o.batch_size is not None or o.global_batch is not None
-               else None)
-  opts = asked_optimizers(o)
+  base = remat_policy(dataclasses.replace(step, remat=False), topo.platform)
+  fixed = dict(remat=step.remat if step.remat_policy == "auto"
+               else step.remat_policy == "full", accum_steps=step.accum_steps,
+               rows=per_device if step.batch_size is not None
+               or step.global_batch is not None else None)
+  opts = asked_optimizers(step)
   filled = lambda remat, steps, rows, opt=opts[0]: (dataclasses.replace(
-      o, remat=bool(remat), accum_steps=steps or 1, optimizer=opt[0], mu_dtype=opt[1]), rows)
+      step, remat=bool(remat), accum_steps=steps or 1, optimizer=opt[0], mu_dtype=opt[1]),
+      rows)
   cap = limit(mesh)
   if cap is None:
-    return filled(o.remat, o.accum_steps, per_device)
+    return filled(step.remat, step.accum_steps, per_device)
   dp = fs.analysis.data_parallel(_mesh_axes(mesh))
-  now = dict(remat=bool(fixed["remat"]), accum_steps=o.accum_steps or 1, rows=per_device)
-  policy = startup.policy(o.precision, topo.platform)
+  now = dict(remat=bool(fixed["remat"]), accum_steps=step.accum_steps or 1, rows=per_device)
   try:
     ask = lambda opt, room, **kw: fs.analysis.fit_options(
         profile(m, topo, per_device * dp, policy, base, opt), topo, _mesh_axes(mesh), room,
-        accum_gather=o.accum_gather, **kw)
+        accum_gather=step.accum_gather, **kw)
     need = ask(opts[0], float("inf"), **now)[0].bytes
   except (fs.TopologyError, fs.PlanError):  # no figures for this target: the compile judges
-    return filled(o.remat, o.accum_steps, per_device)
+    return filled(step.remat, step.accum_steps, per_device)
   if need <= cap:
-    return filled(o.remat, o.accum_steps, per_device)
+    return filled(step.remat, step.accum_steps, per_device)
   free = [k for k, v in fixed.items() if v is None]
   held = {k: v for k, v in fixed.items() if v is not None}
   for opt in opts:  # the default optimizer with what is free, then the smaller states
@@ -238,8 +240,14 @@ def _preflight(o, m: Model, topo, mesh, per_device: int, say):
           f"chose {flags(chosen[0], opt)}")
       return filled(chosen[0].remat, chosen[0].accum_steps, chosen[0].rows, opt)
   if not free and ask(opts[0], HEADROOM * cap):  # the user's choice: the compile judges
-    return filled(o.remat, o.accum_steps, per_device)
-  # The fix: what fits with the user's optimizer, else with a smaller state.
+    return filled(step.remat, step.accum_steps, per_device)
+  raise _no_fit(m, mesh, need, cap, held, opts, ask)
+
+
+def _no_fit(m: Model, mesh, need: float, cap: float, held: dict, opts, ask) -> FitError:
+  """The error of a run that fits no choice left free: what it needs against what the device
+  has, what the user pinned, and as the fix what fits with the user's optimizer, else with a
+  smaller state (`ask(opt, room)`: the planner's rows that fit `room` bytes)."""
   anything = next((a for a in ([(x, opt) for x in ask(opt, HEADROOM * cap)]
                                for opt in dict.fromkeys(opts[:1] + OPTIMIZERS)) if a), [])
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
@@ -247,7 +255,7 @@ def _preflight(o, m: Model, topo, mesh, per_device: int, say):
   pinned = " ".join([spell[k](v) for k, v in held.items()] + (
       [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
       if len(opts) == 1 else []))
-  raise FitError(
+  return FitError(
       f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
       + (f"; with {pinned.strip()} nothing fits, whatever the remat and accumulation"
@@ -266,25 +274,28 @@ def compile_step(setup, step, state, batch):
     FitError: XLA's peak exceeds the memory; the message names the bytes, the memory and
       the options on this mesh that would fit, as train_lm flags.
   """
-  o, mesh, opt = setup.o, setup.mesh, asked_optimizers(setup.o)[0]
+  o, mesh, opt = setup.o, setup.mesh, asked_optimizers(setup.o.step)[0]
   try:
     return fs.analysis.compile_fitting(step, state, batch, limit=limit(mesh))
   except FitError as e:
     dp = fs.analysis.data_parallel(_mesh_axes(mesh))
     try:
-      base = o.remat_policy if o.remat_policy != "full" else remat_policy(  # the default's
-          dataclasses.replace(o, remat=False, remat_policy="auto"), setup.topo.platform)
-      prof = profile(Model(setup.model, setup.cfg, o.model_config, setup.lora), setup.topo,
-                     o.batch_size * dp, startup.policy(o.precision, setup.topo.platform), base,
-                     opt)
+      base = o.step.remat_policy if o.step.remat_policy != "full" else remat_policy(
+          dataclasses.replace(o.step, remat=False, remat_policy="auto"),  # the default's
+          setup.topo.platform)
+      prof = profile(Model(setup.model, setup.cfg, o.model.model_config, setup.lora),
+                     setup.topo, o.step.batch_size * dp,
+                     startup.policy(o.model.precision, setup.topo.platform), base, opt)
       options = fs.analysis.fit_options(prof, setup.topo, _mesh_axes(mesh),
-                                    HEADROOM * (e.limit or e.needed), accum_gather=o.accum_gather)
+                                        HEADROOM * (e.limit or e.needed),
+                                        accum_gather=o.step.accum_gather)
     except (fs.TopologyError, fs.PlanError):
       options = ()
     fix = ("; ".join(flags(x, opt) for x in options[:3])
            or "a smaller model or batch, or more devices")
-    raise FitError(f"the step (batch_size={o.batch_size}, accum_steps={o.accum_steps}, "
-                   f"remat={o.remat}) needs {e.needed / GiB:.2f} GiB per device (XLA's peak) "
+    raise FitError(f"the step (batch_size={o.step.batch_size}, "
+                   f"accum_steps={o.step.accum_steps}, remat={o.step.remat}) needs "
+                   f"{e.needed / GiB:.2f} GiB per device (XLA's peak) "
                    + (f"and the device has {e.limit / GiB:.2f} GiB" if e.limit else
                       "and XLA refused it as too big for the device") + f"; fix: {fix}",
                    needed=e.needed,

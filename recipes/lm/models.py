@@ -18,59 +18,63 @@ import fnscale as fs
 from recipes.lm import deepseek, gpt, hf_maps, llama, moe
 from recipes.lm.shards import BYTES
 from recipes.lm.cli import did_you_mean
+from recipes.lm.options import ModelOptions, StepOptions
 
 # Model name -> its module.
 MODELS = {name: module for module in (gpt, llama, moe, deepseek) for name in module.SIZES}
 
 
-def choose(o, size: str, seq: int, corpus) -> tuple[ModuleType, object, str]:
-  """(model module, its config, the run's model name): --init_from's config.json, else the
-  named `size` with the corpus's vocabulary. Raises InputError on an unknown name, both
-  options given, a tokenizer with more ids than the checkpoint's model, packed rows for a
-  model whose loss takes no weights, or --int8 for a model without int8 matmuls."""
-  model, cfg, name = _choose(o, size, seq, corpus.vocab)
+def choose(mo: ModelOptions, size: str, seq: int, corpus, *, dataset: str = "",
+           lora_rank: int = 0) -> tuple[ModuleType, object, str]:
+  """(model module, its config, the run's model name) of the model options `mo`
+  (`Options.model`): --init_from's config.json, else the named `size` with the corpus's
+  vocabulary. `dataset`, `lora_rank`: --dataset (named in an error) and --lora_rank. Raises
+  InputError on an unknown name, both options given, a tokenizer with more ids than the
+  checkpoint's model, packed rows for a model whose loss takes no weights, or --int8 for a
+  model without int8 matmuls or with LoRA."""
+  model, cfg, name = _choose(mo, size, seq, corpus.vocab)
   if corpus.packed is not None and "weighted" not in inspect.signature(model.loss_fn).parameters:
-    raise fs.InputError(f"--dataset={o.dataset}: packed rows need a model whose loss masks "
+    raise fs.InputError(f"--dataset={dataset}: packed rows need a model whose loss masks "
                         f"documents and weighs tokens; {name} doesn't; fix: a gpt or llama "
                         "model, or a text dataset")
-  if o.int8:
+  if mo.int8:
     if "int8" not in cfg._fields:
       raise fs.InputError(f"--int8: {name} has no int8 matmuls; fix: a gpt or llama model, "
                           "or leave --int8 out")
-    if o.lora_rank:
+    if lora_rank:
       raise fs.InputError("--int8 with --lora_rank: the int8 matmuls take plain weights, "
                           "not a base with adapters; give one of them")
     cfg = cfg._replace(int8=True)
   return model, cfg, name
 
 
-def _choose(o, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
-  if not o.init_from:
+def _choose(mo: ModelOptions, size: str, seq: int, vocab: int) -> tuple[ModuleType, object, str]:
+  if not mo.init_from:
     if size not in MODELS:
       raise fs.InputError(f"model_config={size!r} is not a known model; expected one of "
                           f"{list(MODELS)}{did_you_mean(size, MODELS)}")
     return MODELS[size], MODELS[size].model_config(size, seq)._replace(vocab=vocab), size
-  if o.model_config:
-    raise fs.InputError(f"--model_config={o.model_config} with --init_from={o.init_from}: "
+  if mo.model_config:
+    raise fs.InputError(f"--model_config={mo.model_config} with --init_from={mo.init_from}: "
                         "the checkpoint's config.json chooses the model; leave one out")
-  m = hf_maps.read(o.init_from, seq)
+  m = hf_maps.read(mo.init_from, seq)
   if vocab > m.cfg.vocab:
-    raise fs.InputError(f"the tokenizer has {vocab} ids and {o.init_from}'s model "
+    raise fs.InputError(f"the tokenizer has {vocab} ids and {mo.init_from}'s model "
                         f"{m.cfg.vocab}; fix: use the checkpoint's own tokenizer.json")
-  name = os.path.basename(os.path.normpath(o.init_from.split("://")[-1])) or "hf"
+  name = os.path.basename(os.path.normpath(mo.init_from.split("://")[-1])) or "hf"
   return m.model, m.cfg, name
 
 
-def tokenizer(o) -> str:
+def tokenizer(mo: ModelOptions) -> str:
   """--tokenizer ("bytes": UTF-8 bytes), else --init_from's tokenizer.json (its model's ids),
   else "" (bytes)."""
-  if o.tokenizer == BYTES:
+  if mo.tokenizer == BYTES:
     return ""
-  if o.tokenizer or not o.init_from:
-    return o.tokenizer
-  path = os.path.join(o.init_from, "tokenizer.json")
+  if mo.tokenizer or not mo.init_from:
+    return mo.tokenizer
+  path = os.path.join(mo.init_from, "tokenizer.json")
   if not os.path.isfile(path):
-    raise fs.InputError(f"--init_from={o.init_from} has no tokenizer.json; fix: pass the "
+    raise fs.InputError(f"--init_from={mo.init_from} has no tokenizer.json; fix: pass the "
                         "model's tokenizer with --tokenizer=PATH/tokenizer.json, or "
                         f"--tokenizer={BYTES} for a byte-level model (vocabulary 256: what "
                         "train_lm exports without --tokenizer)")
@@ -83,10 +87,10 @@ def losses(s) -> tuple:
   experts' router losses and returns its load as aux (has_aux)."""
   o, model = s.o, s.model
   kw = dict(cfg=s.cfg, **({"weighted": True} if s.corpus.packed is not None else {}),
-            **({"microbatches": o.microbatches} if o.microbatches else {}))
+            **({"microbatches": o.step.microbatches} if o.step.microbatches else {}))
   aux = getattr(model, "HAS_AUX", False)
   train = functools.partial(model.loss_and_aux if aux else model.loss_fn,
-                            remat=remat_of(o, model), **kw)
+                            remat=remat_of(o.step, model), **kw)
   return train, functools.partial(model.loss_fn, **kw), aux
 
 
@@ -104,11 +108,11 @@ def with_balancing(step, model, cfg):
   return balanced
 
 
-def remat_of(o, model) -> bool | str:
-  """The loss's `remat` for options `o` (--remat_policy resolved, `run_setup.decide`): the
-  policy's name for a model that takes one (gpt, llama: `REMAT_POLICIES`), else on for
+def remat_of(step: StepOptions, model) -> bool | str:
+  """The loss's `remat` for the step's options (--remat_policy resolved, `run_setup.decide`):
+  the policy's name for a model that takes one (gpt, llama: `REMAT_POLICIES`), else on for
   "full" and off for the others (moe recomputes a block whole or not at all)."""
-  policy = "full" if o.remat else o.remat_policy
+  policy = "full" if step.remat else step.remat_policy
   return policy if hasattr(model, "REMAT_POLICIES") else policy == "full"
 
 
@@ -119,7 +123,7 @@ def init(s, optimizer, policy, seed_key):
             policy=policy)
   fresh = functools.partial(fs.init_state, functools.partial(s.model.init_params, s.cfg),
                             optimizer, key=seed_key, **kw)
-  if not s.o.init_from:
+  if not s.o.model.init_from:
     return fresh
 
   def from_hf(abstract: bool = False):
@@ -127,8 +131,8 @@ def init(s, optimizer, policy, seed_key):
     if abstract:
       return shapes
     m = hf_maps.HFModel(s.model, s.cfg, {})
-    params = fs.checkpoint.hf.load(s.o.init_from, shapes.params,
-                                   hf_maps.checkpoint_map(m, s.o.init_from))
+    params = fs.checkpoint.hf.load(s.o.model.init_from, shapes.params,
+                                   hf_maps.checkpoint_map(m, s.o.model.init_from))
     return fs.init_state(params, optimizer, **kw)
   return from_hf
 
@@ -137,11 +141,11 @@ def export(s, state, say) -> None:
   """Writes the params as a Hugging Face checkpoint to --export_hf (every process calls it;
   process 0 writes), with --init_from's config.json and tokenizer files when it has them."""
   t, o = time.time(), s.o
-  m = (hf_maps.read(o.init_from, s.cfg.seq) if o.init_from else
+  m = (hf_maps.read(o.model.init_from, s.cfg.seq) if o.model.init_from else
        hf_maps.of_model(s.model, s.cfg))
-  tok = tokenizer(o)
-  fs.checkpoint.hf.export(o.export_hf, state.params,
-                          hf_maps.checkpoint_map(m, o.init_from or None),
+  tok = tokenizer(o.model)
+  fs.checkpoint.hf.export(o.ckpt.export_hf, state.params,
+                          hf_maps.checkpoint_map(m, o.model.init_from or None),
                           config=hf_maps.to_config(m),
                           tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
-  say(f"exported a Hugging Face checkpoint to {o.export_hf} ({time.time() - t:.1f} s)")
+  say(f"exported a Hugging Face checkpoint to {o.ckpt.export_hf} ({time.time() - t:.1f} s)")

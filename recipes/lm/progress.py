@@ -79,8 +79,8 @@ def flops_per_step(s) -> float:
   """Model FLOPs per step of run `s` (a `run_setup.Setup`): MFU's numerator, times the
   step's time."""
   if s.lora is not None:  # frozen weights: forward and input gradient only
-    return finetune.flops_per_token(s, s.lora) * s.o.global_batch * s.cfg.seq
-  return s.model.flops_per_token(s.cfg) * s.o.global_batch * s.cfg.seq
+    return finetune.flops_per_token(s, s.lora) * s.o.step.global_batch * s.cfg.seq
+  return s.model.flops_per_token(s.cfg) * s.o.step.global_batch * s.cfg.seq
 
 
 EARLY_ETA_STEPS = 3  # a first progress line (with its ETA) this many timed steps in
@@ -149,57 +149,59 @@ def clock() -> Clock:
   return Clock(start, lap_, paused, lambda done: done == early[0], lambda: timing[0])
 
 
-def whole_run(r, t: Timing | None) -> dict:
-  """tokens/s and MFU of run `r` over every timed step (None when fewer than two steps ran)."""
+def whole_run(s, peak: Peak, t: Timing | None) -> dict:
+  """tokens/s and MFU of run `s` (a `run_setup.Setup`) against `peak` over every timed step
+  (None when fewer than two steps ran)."""
   if t is None or t.steps == 0 or t.seconds <= 0:
     return dict(tokens_per_s=None, mfu=None)
   per_s = t.steps / t.seconds
-  return dict(tokens_per_s=r.setup.o.global_batch * r.setup.cfg.seq * per_s,
-              mfu=flops_per_step(r.setup) * per_s / r.peak.flops if r.peak.flops else None)
+  return dict(tokens_per_s=s.o.step.global_batch * s.cfg.seq * per_s,
+              mfu=flops_per_step(s) * per_s / peak.flops if peak.flops else None)
 
 
 def progress(r, done: int, m, dt) -> dict:
   """One progress line of run `r` at step `done` with metrics `m` (loss, lr, tokens/s, MFU
-  and its denominator, ETA) and its record in `r.log`, and the run's goodput record there
-  (`r.goodput`). `dt`: seconds per step (None: not measured yet).
+  and its denominator, ETA) and its record in `r.rec.log`, and the run's goodput record
+  there (`r.rec.goodput`). `dt`: seconds per step (None: not measured yet).
 
   Raises:
     StepError: a non-finite loss.
   """
-  s, peak, loss = r.setup, r.peak.flops, float(m["loss"])
-  tok_s = s.o.global_batch * s.cfg.seq / dt if dt else None
+  s, rec, peak, loss = r.setup, r.rec, r.compiled.peak.flops, float(m["loss"])
+  tok_s = s.o.step.global_batch * s.cfg.seq / dt if dt else None
   mfu = flops_per_step(s) / dt / peak if dt and peak else None
   # The lr that step `done`'s update used (the schedule counts updates from 0: the first
   # of a warmup from 0, as in MaxText and GPT-3's recipe, moves nothing).
-  metrics = {"train/loss": loss, "train/lr": float(r.schedule(done - 1)),
+  metrics = {"train/loss": loss, "train/lr": float(r.compiled.schedule(done - 1)),
              "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
-  line = run_log.progress_line(done, s.o.steps, metrics, dt)
-  r.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
+  line = run_log.progress_line(done, s.o.schedule.steps, metrics, dt)
+  rec.say(line + (f"  (MFU of {peak_name(s.topo, peak)})" if mfu is not None else ""))
   optional = {f"train/{k}": float(m[k]) for k in ("update_norm", "loss_scale") if k in m}
-  r.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]), **optional})
-  r.log.write(done, r.goodput.record())  # a kill loses only the time since
-  if "aux" in m and s.o.objective == "dpo":  # DPO's implicit rewards
-    _say_rewards(r, done, m["aux"])
+  rec.log.write(done, {**metrics, "train/grad_norm": float(m["grad_norm"]), **optional})
+  rec.log.write(done, rec.goodput.record())  # a kill loses only the time since
+  if "aux" in m and s.o.tune.objective == "dpo":  # DPO's implicit rewards
+    _say_rewards(rec, done, m["aux"])
   elif "aux" in m:  # a mixture of experts: its load
-    _say_load(r, done, s.model.load_metrics(m["aux"]))
+    _say_load(rec, done, s.model.load_metrics(m["aux"]))
   if not np.isfinite(loss):
     raise fs.StepError(f"loss is {loss} at step {done}; lower lr or use precision=float32")
   return dict(loss=loss, tokens_per_s=tok_s, mfu=mfu)
 
 
-def _say_rewards(r, done: int, aux: dict) -> None:
+def _say_rewards(rec, done: int, aux: dict) -> None:
   """DPO's implicit rewards at step `done` (beta x log-ratio to the reference, means over the
-  batch's pairs): one line, and their record in the run's log."""
+  batch's pairs): one line, and their record in the run's log (`rec`: `run_setup.Records`)."""
   got = {f"dpo/{k}": float(v) for k, v in aux.items()}
-  r.say(f"  dpo: reward accuracy {got['dpo/reward_accuracy']:.2f}, margin "
+  rec.say(f"  dpo: reward accuracy {got['dpo/reward_accuracy']:.2f}, margin "
         f"{got['dpo/reward_margin']:.4f} (chosen {got['dpo/chosen_reward']:.4f}, rejected "
         f"{got['dpo/rejected_reward']:.4f})")
-  r.log.write(done, got)
+  rec.log.write(done, got)
 
 
-def _say_load(r, done: int, load: dict) -> None:
-  """A mixture of experts' load at step `done`: one line, and its record in the run's log."""
-  r.say(f"  experts: busiest {load['moe/load_max_over_mean']:.2f}x the mean load, balance "
+def _say_load(rec, done: int, load: dict) -> None:
+  """A mixture of experts' load at step `done`: one line, and its record in the run's log
+  (`rec`: `run_setup.Records`)."""
+  rec.say(f"  experts: busiest {load['moe/load_max_over_mean']:.2f}x the mean load, balance "
         f"loss {load['moe/load_balance_loss']:.4f}, cross-entropy "
         f"{load['moe/cross_entropy']:.4f}, {load['moe/dropped']:.0f} copies dropped")
-  r.log.write(done, load)
+  rec.log.write(done, load)

@@ -14,7 +14,8 @@ import optax
 import fnscale as fs
 from recipes.lm import batches, checkpoints, data, finetune, hardware, int8, memory, models
 from recipes.lm import optimizers, packing, profiling, progress, run_log, rundir, startup
-from recipes.lm.options import Options, platform_default, schedule_defaults
+from recipes.lm.options import Options, ScheduleOptions, StepOptions, log_defaults
+from recipes.lm.options import platform_default, schedule_defaults
 
 
 class Setup(NamedTuple):
@@ -33,75 +34,85 @@ class Setup(NamedTuple):
 
 def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   """The run options `o` ask for on these devices over `corpus`: every default filled in
-  (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`), the mesh built, every size
-  checked. Raises FnscaleError on any bad value, before anything is written."""
-  if o.optimizer == "adafactor" and o.mu_dtype is not None:
-    raise fs.InputError(f"--mu_dtype={o.mu_dtype} with --optimizer=adafactor: Adafactor keeps "
-                        "no first moment; fix: drop --mu_dtype, or --optimizer=adamw")
-  asked, topo = o, hardware.detect(o)
-  default = lambda name: platform_default(o, name, topo.platform)
-  size, seq, per_device = default("model_config"), default("seq"), default("batch_size")
-  model, cfg, name = models.choose(o, size, seq, corpus)
-  if o.int8 and topo.generation in int8.SLOWER_ON:
+  (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`, `options.log_defaults`), the
+  mesh built, every size checked. Raises FnscaleError on any bad value, before anything is
+  written."""
+  if o.step.optimizer == "adafactor" and o.step.mu_dtype is not None:
+    raise fs.InputError(f"--mu_dtype={o.step.mu_dtype} with --optimizer=adafactor: Adafactor "
+                        "keeps no first moment; fix: drop --mu_dtype, or --optimizer=adamw")
+  asked, topo = o, hardware.detect(o.hardware)
+  size = platform_default(o.model, "model_config", topo.platform)
+  seq = platform_default(o.data, "seq", topo.platform)
+  model, cfg, name = models.choose(o.model, size, seq, corpus, dataset=o.data.dataset,
+                                   lora_rank=o.tune.lora_rank)
+  if o.model.int8 and topo.generation in int8.SLOWER_ON:
     say(f"note: --int8 runs slower than bfloat16 on a TPU {topo.generation} at these widths "
         "(0.72x on GPT small; why: recipes/bench/README.md, 'Why --int8 loses on this chip')")
-  run_log.check_tracker(o.tracker)
-  lora = finetune.lora_config(o, model, cfg)
-  if o.objective == "dpo":
-    finetune.dpo_config(o)
+  run_log.check_tracker(o.log.tracker)
+  lora = finetune.lora_config(o.tune, model, cfg, o.model.model_config)
+  if o.tune.objective == "dpo":
+    finetune.dpo_config(o.tune)
   mesh, planned = _mesh(o, model, cfg, topo, say, lora)
   # Rows, accumulation, remat and optimizer, decided here once: what the user gave, the rest
   # what fits the device's memory. The options hold them from here on.
-  step = memory.choose(o, memory.Model(model, cfg, name, lora), topo, mesh, per_device, say,
+  step = memory.choose(o.step, o.model.precision, memory.Model(model, cfg, name, lora), topo,
+                       mesh, platform_default(o.step, "batch_size", topo.platform), say,
                        planned)
-  o = dataclasses.replace(o, **step._asdict())
+  o = dataclasses.replace(o, step=dataclasses.replace(o.step, **step._asdict()))
   check_batch(seq, step.batch_size, step.global_batch, step.accum_steps, mesh)
-  check_pipeline(o.microbatches, model, mesh)
+  check_pipeline(o.step.microbatches, model, mesh)
   if corpus.packed is not None:
-    packing.check_spec(batches.pack_spec(o, seq), corpus.packed[0])
+    packing.check_spec(batches.pack_spec(o.data, seq), corpus.packed[0])
   data.check_fits(corpus, seq)
-  steps = batches.steps_for(corpus, seq, step.global_batch, o.epochs, o.steps)
-  o = schedule_defaults(o, size, default("steps") if steps is None else steps)
-  profile = profiling.parse_profile_steps(o.profile_steps, o.steps)
+  steps = batches.steps_for(corpus, seq, step.global_batch, o.schedule.epochs,
+                            o.schedule.steps)
+  if steps is None:
+    steps = platform_default(o.schedule, "steps", topo.platform)
+  profile = profiling.parse_profile_steps(o.log.profile_steps, steps)
+  ckpt = dataclasses.replace(o.ckpt, run_dir=o.ckpt.run_dir or rundir.default_run_dir(
+      name, o.data.dataset, models.tokenizer(o.model), corpus.vocab))
   o = dataclasses.replace(
-      o, model_config=name, seq=seq,
-      run_dir=o.run_dir or rundir.default_run_dir(name, o.dataset, models.tokenizer(o),
-                                                  corpus.vocab))
-  return Setup(dataclasses.replace(o, checkpoint_dir=checkpoints.directory(o)), topo, mesh,
-             model, cfg, profile, corpus, lora, asked)
+      o, model=dataclasses.replace(o.model, model_config=name),
+      data=dataclasses.replace(o.data, seq=seq),
+      schedule=schedule_defaults(o.schedule, size, steps), log=log_defaults(o.log, steps),
+      ckpt=dataclasses.replace(ckpt, checkpoint_dir=checkpoints.directory(ckpt)))
+  return Setup(o, topo, mesh, model, cfg, profile, corpus, lora, asked)
 
 
 def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Planned | None]:
   """(mesh, None): the --mesh and --dcn axes (each parsed once); or with --mesh=auto (mesh,
   the planner's row): its mesh, remat and accumulation for the global batch, every device a
   data-parallel one (its table is said; `memory.choose` takes the row as what was asked)."""
-  dcn = startup.mesh_axes(o.dcn, "--dcn")
-  if o.mesh != "auto":
-    axes = startup.mesh_axes(platform_default(o, "mesh", topo.platform), "--mesh")
+  dcn = startup.mesh_axes(o.hardware.dcn, "--dcn")
+  if o.hardware.mesh != "auto":
+    axes = startup.mesh_axes(platform_default(o.hardware, "mesh", topo.platform), "--mesh")
     return startup.make_mesh(axes, dcn, topo, say), None
-  per_device = platform_default(o, "batch_size", topo.platform)
-  batch = per_device * jax.device_count() if o.global_batch is None else o.global_batch
-  planned_opt = optimizers.transformation(o.optimizer or "adamw", 1e-3,
-                                          mu_dtype=o.mu_dtype or "float32")
+  per_device = platform_default(o.step, "batch_size", topo.platform)
+  batch = (per_device * jax.device_count() if o.step.global_batch is None
+           else o.step.global_batch)
+  planned_opt = optimizers.transformation(o.step.optimizer or "adamw", 1e-3,
+                                          mu_dtype=o.step.mu_dtype or "float32")
   (axes, remat, steps, gather, context), table = startup.plan_mesh(
-      model, cfg, topo, batch, o.precision, planned_opt, lora)
+      model, cfg, topo, batch, o.model.precision, planned_opt, lora)
   say("mesh=auto: " + table)
   return (startup.make_mesh(axes, dcn, topo, say),
           memory.Planned(batch, remat, steps, gather, context))
 
 
-def optimizer(o):
-  """(optax transformation, lr schedule) for train_lm options `o`: `o.optimizer` (AdamW, its
-  first moment in `o.mu_dtype`, or Adafactor: `recipes.lm.optimizers`) with global-norm
-  clipping; linear warmup then cosine decay over `o.schedule_steps` (GPT-3's recipe), the
-  final lr after it. The schedule shapes no state: a state restored under one schedule
-  trains under another."""
+def optimizer(step: StepOptions, sched: ScheduleOptions):
+  """(optax transformation, lr schedule) for train_lm's step and schedule options:
+  `step.optimizer` (AdamW, its first moment in `step.mu_dtype`, or Adafactor:
+  `recipes.lm.optimizers`) with global-norm clipping; linear warmup then cosine decay over
+  `sched.schedule_steps` (GPT-3's recipe), the final lr after it. The schedule shapes no
+  state: a state restored under one schedule trains under another."""
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, o.lr, warmup_steps=o.warmup_steps,
-      decay_steps=max(o.schedule_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
-  return optimizers.transformation(o.optimizer or "adamw", schedule,
-                                   mu_dtype=o.mu_dtype or "float32",
-                                   weight_decay=o.weight_decay, grad_clip=o.grad_clip), schedule
+      0.0, sched.lr, warmup_steps=sched.warmup_steps,
+      decay_steps=max(sched.schedule_steps, sched.warmup_steps + 1),
+      end_value=sched.lr * sched.min_lr_ratio)
+  return optimizers.transformation(step.optimizer or "adamw", schedule,
+                                   mu_dtype=step.mu_dtype or "float32",
+                                   weight_decay=sched.weight_decay,
+                                   grad_clip=sched.grad_clip), schedule
 
 
 def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
@@ -112,31 +123,31 @@ def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
   train on at its final lr, so the lr never jumps mid-run and the Adam moments go on at the
   lr they were trained at; stretching is asked for by name. Says what happens where the
   run's schedule and this one's differ."""
-  o, asked = s.o, s.asked
-  if not start or start >= o.steps:  # a fresh run, or one with no step left to train
+  step, now = s.o.step, s.o.schedule
+  asked = None if s.asked is None else s.asked.schedule
+  if not start or start >= now.steps:  # a fresh run, or one with no step left to train
     return s
   if saved is None:
-    say(f"schedule: the checkpoint records no schedule; steps {start + 1}-{o.steps} train "
-        f"under this run's {o.schedule_steps}-step schedule")
+    say(f"schedule: the checkpoint records no schedule; steps {start + 1}-{now.steps} train "
+        f"under this run's {now.schedule_steps}-step schedule")
     return s
-  kept = dataclasses.replace(o, schedule_steps=saved["steps"], warmup_steps=(
+  kept = dataclasses.replace(now, schedule_steps=saved["steps"], warmup_steps=(
       saved["warmup_steps"] if asked is None or asked.warmup_steps is None
-      else o.warmup_steps))
+      else now.warmup_steps))
+  lr_at = lambda sched: float(optimizer(step, sched)[1](start))
   if asked is None or asked.schedule_steps is None:
-    if kept.schedule_steps != o.steps:
+    if kept.schedule_steps != now.steps:
       say(f"schedule: the run's checkpoint was trained under a {kept.schedule_steps}-step "
-          f"schedule, kept for --steps={o.steps}"
-          + (f": steps {kept.schedule_steps + 1}-{o.steps} train at its final lr "
-             f"{kept.lr * kept.min_lr_ratio:.3g}" if o.steps > kept.schedule_steps else "")
-          + f" (--schedule_steps={o.steps} stretches it over the run instead: lr "
-          f"{float(optimizer(kept)[1](start)):.3g} at step {start + 1} would become "
-          f"{float(optimizer(o)[1](start)):.3g})")
-    return s._replace(o=kept)
-  if o.schedule_steps != saved["steps"]:
-    say(f"schedule: --schedule_steps={o.schedule_steps} replaces the run's "
+          f"schedule, kept for --steps={now.steps}"
+          + (f": steps {kept.schedule_steps + 1}-{now.steps} train at its final lr "
+             f"{kept.lr * kept.min_lr_ratio:.3g}" if now.steps > kept.schedule_steps else "")
+          + f" (--schedule_steps={now.steps} stretches it over the run instead: lr "
+          f"{lr_at(kept):.3g} at step {start + 1} would become {lr_at(now):.3g})")
+    return s._replace(o=dataclasses.replace(s.o, schedule=kept))
+  if now.schedule_steps != saved["steps"]:
+    say(f"schedule: --schedule_steps={now.schedule_steps} replaces the run's "
         f"{saved['steps']}-step schedule: the lr at step {start + 1} is "
-        f"{float(optimizer(o)[1](start)):.3g}, where the run's schedule has "
-        f"{float(optimizer(kept)[1](start)):.3g}")
+        f"{lr_at(now):.3g}, where the run's schedule has {lr_at(kept):.3g}")
   return s
 
 
@@ -173,26 +184,41 @@ def check_pipeline(microbatches: int, model, mesh) -> None:
         "--microbatches.")
 
 
-class Run(NamedTuple):
-  """What train_lm's loop and its reports share, built once when the step has compiled."""
-  setup: Setup
-  say: Callable[..., None]  # print, on process 0 only
-  t0: float  # when the run started (time.time())
-  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+class Compiled(NamedTuple):
+  """The run's compiled step and what describes it."""
+  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
+  report: Any  # its fs.compile_report
   policy: Any  # the jmp policy (None: float32)
   schedule: Callable[[int], float]  # the learning rate at a step
   peak: progress.Peak  # the MFU denominator
-  step: Callable  # the compiled step: (state, batch) -> (state, metrics)
-  report: Any  # its fs.compile_report
-  batches: Any  # this process's batch iterator (each checkpoint saves its position)
-  eval_loss: Callable  # eval_loss(params, batch) -> mean loss (jitted)
-  eval_batches: list  # the held-out global batches of every eval
-  start: int  # the first step this call trains
-  resumed: int | None  # the step it resumed from (None: a fresh run)
+
+
+class Evals(NamedTuple):
+  """What the run's evals and its sample read."""
+  loss: Callable  # loss(params, batch) -> mean loss (jitted)
+  batches: list  # the held-out global batches of every eval
+  baseline: data.Baseline  # the held-out losses to beat (bigram, unigram)
+  params_of: Callable = lambda state: state.params  # the params evaluated and sampled
+
+
+class Records(NamedTuple):
+  """Where the run says, logs, traces and saves what it does and books its time."""
+  say: Callable[..., None]  # print, on process 0 only
   log: run_log.RunLog  # metrics.jsonl and TensorBoard
   prof: profiling.Profiler  # the --profile_steps trace
   saver: checkpoints.Saver  # checkpoint saves, each after the finiteness check
-  should_stop: Callable[[int], bool]  # the preemption guard's check
   goodput: Any  # the goodput.Ledger that books where the run's time goes
-  params_of: Callable = lambda state: state.params  # the params evaluation and samples use
+
+
+class Run(NamedTuple):
+  """What train_lm's loop and its reports share, built once when the step has compiled."""
+  setup: Setup
+  t0: float  # when the run started (time.time())
+  start: int  # the first step this call trains
+  resumed: int | None  # the step it resumed from (None: a fresh run)
+  batches: Any  # this process's batch iterator (each checkpoint saves its position)
+  should_stop: Callable[[int], bool]  # the preemption guard's check
+  compiled: Compiled
+  evals: Evals
+  rec: Records
   ctrl_c: Callable[[], bool] = lambda: False  # whether a Ctrl-C asked the loop to stop

@@ -15,7 +15,7 @@ import sys
 import jax
 
 import fnscale as fs
-from recipes.lm import run_log
+from recipes.lm import cli, run_log
 
 
 def default_run_dir(model: str, dataset: str, tokenizer: str, vocab: int) -> str:
@@ -34,8 +34,8 @@ DEFINING = ("model_config", "init_from", "tokenizer", "dataset", "seq", "seed", 
 
 
 def check_same_run(o, devices: int) -> None:
-  """Refuses to resume the run recorded in `o.run_dir`'s run.json ("start": its options, with
-  every default filled in) when a defining option differs (`DEFINING`). The global batch
+  """Refuses to resume the run recorded in `o.ckpt.run_dir`'s run.json ("start": its options,
+  with every default filled in) when a defining option differs (`DEFINING`). The global batch
   counts only on as many devices as the recorded run: on other hardware the default batch
   follows the devices (resuming there is said by `checkpoints.restore_or_init`).
 
@@ -43,18 +43,18 @@ def check_same_run(o, devices: int) -> None:
     InputError: naming each differing option (this run's value and the recorded one) and
       the fix; a `run_dir` (or a folder above it) that is a file.
   """
-  check_directory(o.run_dir, "--run_dir")
-  start = recorded_start(o.run_dir)
-  then = start.get("options", {})
+  check_directory(o.ckpt.run_dir, "--run_dir")
+  start = recorded_start(o.ckpt.run_dir)
+  then, now = start.get("options", {}), cli.flat(o)
   names = DEFINING if start.get("devices") == devices else DEFINING[:-1]
-  diff = [f"{k}={getattr(o, k)!r} (the run's: {then[k]!r})" for k in names
-          if k in then and then[k] != getattr(o, k)]
+  diff = [f"{k}={now[k]!r} (the run's: {then[k]!r})" for k in names
+          if k in then and then[k] != now[k]]
   if diff:
     raise fs.InputError(
-        f"--run_dir={o.run_dir} holds a run with other options: {', '.join(diff)}; its "
+        f"--run_dir={o.ckpt.run_dir} holds a run with other options: {', '.join(diff)}; its "
         "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
         "the run's options to resume it: " + " ".join(
-            f"--{k}={then[k]}" for k in names if k in then and then[k] != getattr(o, k)))
+            f"--{k}={then[k]}" for k in names if k in then and then[k] != now[k]))
 
 
 def recorded_start(run_dir: str) -> dict:

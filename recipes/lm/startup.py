@@ -3,7 +3,6 @@ the shutdown at exit (`start`), then (after the hardware, `recipes.lm.hardware.d
 mesh (`mesh_axes`, `make_mesh`; `plan_mesh` for --mesh=auto) and the precision (`policy`)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -11,6 +10,7 @@ import jax
 import numpy as np
 
 import fnscale as fs
+from recipes.lm import cli
 from recipes.lm.options import MIXED
 
 # Options that may differ between the processes of one job.
@@ -21,7 +21,7 @@ def start(o):
   """Simulated CPU devices, compile cache, multi-process start-up and the shutdown at exit of
   a run with options `o`, before anything touches a device. Returns `say`, a print on process 0.
   """
-  count = o.devices
+  count = o.hardware.devices
   if count is None:  # keep a device count the environment already asks for
     flag = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if f.startswith("--xla_force_host_platform_device_count=")]
@@ -31,20 +31,21 @@ def start(o):
                             "JAX_NUM_CPU_DEVICES) is not an int")
   fs.quiet_libtpu()  # libtpu's host-lookup warnings on a machine without a TPU
   fs.simulate_cpu_devices(int(count))
-  if o.compile_cache_dir:
-    fs.compilation_cache(o.compile_cache_dir)
+  if o.ckpt.compile_cache_dir:
+    fs.compilation_cache(o.ckpt.compile_cache_dir)
   # Values not given come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   # (launch_local.py) or the pod/SLURM environment; one process is a no-op.
   # Every process checks the others ran with the same options (fields that differ per
   # process left out), so a mismatch is named at start-up, not found as a hang later.
-  fs.initialize(o.coordinator_address or None, o.num_processes or None,
-                o.process_id if o.process_id >= 0 else None, config={
-                    k: v for k, v in dataclasses.asdict(o).items() if k not in PER_PROCESS})
+  hw = o.hardware
+  fs.initialize(hw.coordinator_address or None, hw.num_processes or None,
+                hw.process_id if hw.process_id >= 0 else None, config={
+                    k: v for k, v in cli.flat(o).items() if k not in PER_PROCESS})
   say = (lambda *a: print(*a, flush=True)) if jax.process_index() == 0 else (lambda *a: None)
-  if o.shutdown_at_exit:
-    request = fs.cloud.shutdown_at_exit(o.shutdown_delay_s, o.shutdown_dry_run)
-    say(f"shutdown at exit ({o.shutdown_delay_s:g} s after the end"
-        + (", dry run" if o.shutdown_dry_run else "") + f"): {fs.cloud.describe(request)}")
+  if hw.shutdown_at_exit:
+    request = fs.cloud.shutdown_at_exit(hw.shutdown_delay_s, hw.shutdown_dry_run)
+    say(f"shutdown at exit ({hw.shutdown_delay_s:g} s after the end"
+        + (", dry run" if hw.shutdown_dry_run else "") + f"): {fs.cloud.describe(request)}")
   return say
 
 

@@ -3,7 +3,6 @@ records (`describe`), and at the end the `Summary` it returns, said in one line 
 (`summarize`). `r` is train_lm's `run_setup.Run`."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, NamedTuple
@@ -12,7 +11,7 @@ import jax
 import numpy as np
 
 import fnscale as fs
-from recipes.lm import data, evaluation, finetune, goodput, hardware, memory, progress
+from recipes.lm import cli, data, evaluation, finetune, goodput, hardware, memory, progress
 from recipes.lm import run_log, rundir
 
 
@@ -24,69 +23,72 @@ def param_count(state) -> int:
 def describe(r, state) -> None:
   """The start-up lines and the "start" and "data" records of run.json of run `r`, about to
   train `state`."""
-  s, o, c, seq, say = r.setup, r.setup.o, r.setup.cfg, r.setup.cfg.seq, r.say
+  s, o, c, seq, say = r.setup, r.setup.o, r.setup.cfg, r.setup.cfg.seq, r.rec.say
+  compiled, baseline = r.compiled, r.evals.baseline
   n_params = param_count(state)
   dp = int(np.prod([s.mesh.shape[a] for a in fs.data_axes(s.mesh)]))
-  say(f"fnscale train_lm: model {o.model_config} ({c.layers} layers, d_model {c.d_model}, "
-      f"{c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
+  say(f"fnscale train_lm: model {o.model.model_config} ({c.layers} layers, d_model "
+      f"{c.d_model}, {c.heads} heads, seq {seq}, vocab {c.vocab}), {n_params / 1e6:.2f}M params")
   say(hardware.describe(s.topo))
   say(fs.describe_mesh(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
   axes = fs.data_axes(s.mesh)
   split = fs.parallel.context.shards(s.mesh)
-  say(f"batch: {o.global_batch} rows x {seq} tokens = {o.global_batch * seq} tokens/step "
-      f"({o.global_batch // dp} per data-parallel device x {dp} over {axes})"
+  batch, sched = o.step.global_batch, o.schedule
+  say(f"batch: {batch} rows x {seq} tokens = {batch * seq} tokens/step "
+      f"({batch // dp} per data-parallel device x {dp} over {axes})"
       + (f", each row split {split} ways over the context axis ({seq // split} tokens per "
          "device)"
          if split > 1 else "")
-      + (f", {o.accum_steps} accumulation steps" if o.accum_steps > 1 else ""))
-  say(f"data: {s.corpus.describe}; held-out bigram baseline {r.baseline.bigram:.4f} "
+      + (f", {o.step.accum_steps} accumulation steps" if o.step.accum_steps > 1 else ""))
+  say(f"data: {s.corpus.describe}; held-out bigram baseline {baseline.bigram:.4f} "
       "nats/token (recipes/baseline.py)")
-  say(f"schedule: {o.schedule_steps} steps"
-      + (f" (the run trains {o.steps}; --schedule_steps)" if o.schedule_steps != o.steps
-         else "")
-      + f", peak lr {o.lr:g}, warmup {o.warmup_steps}, cosine to "
-      f"{o.lr * o.min_lr_ratio:g}; precision {o.precision}"
-      + (f" ({r.policy})" if r.policy is not None else " (float32)"))
-  say("compile: " + str(r.report).replace("\n", "\n  "))
-  say(f"MFU denominator: {r.peak.about}")
-  say(where(o.run_dir, o.checkpoint_dir, o.tracker))
+  say(f"schedule: {sched.schedule_steps} steps"
+      + (f" (the run trains {sched.steps}; --schedule_steps)"
+         if sched.schedule_steps != sched.steps else "")
+      + f", peak lr {sched.lr:g}, warmup {sched.warmup_steps}, cosine to "
+      f"{sched.lr * sched.min_lr_ratio:g}; precision {o.model.precision}"
+      + (f" ({compiled.policy})" if compiled.policy is not None else " (float32)"))
+  say("compile: " + str(compiled.report).replace("\n", "\n  "))
+  say(f"MFU denominator: {compiled.peak.about}")
+  say(where(o.ckpt.run_dir, o.ckpt.checkpoint_dir, o.log.tracker))
   lora = finetune.describe(state, s.lora, say) if s.lora is not None else None
-  run_log.write_run_record(o.run_dir, "start", dict(
-      step=int(state.step), options=dataclasses.asdict(o), params=n_params, seq=seq,
-      global_batch=o.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-      processes=jax.process_count(), compile_s=r.report.compile_seconds,
-      resumed_from=r.resumed, peak_flops=r.peak.flops,
+  run_log.write_run_record(o.ckpt.run_dir, "start", dict(
+      step=int(state.step), options=cli.flat(o), params=n_params, seq=seq,
+      global_batch=o.step.global_batch, mesh=dict(s.mesh.shape), devices=jax.device_count(),
+      processes=jax.process_count(), compile_s=compiled.report.compile_seconds,
+      resumed_from=r.resumed, peak_flops=compiled.peak.flops,
       flops_per_step=progress.flops_per_step(r.setup), lora=lora,
-      xla_warnings=list(r.report.xla_warnings)), active=jax.process_index() == 0)
-  run_log.write_run_record(o.run_dir, "data", dict(
-      dataset=o.dataset, tokenizer=o.tokenizer, unigram_loss=r.baseline.unigram,
-      bigram_loss=r.baseline.bigram), active=jax.process_index() == 0)
+      xla_warnings=list(compiled.report.xla_warnings)), active=jax.process_index() == 0)
+  run_log.write_run_record(o.ckpt.run_dir, "data", dict(
+      dataset=o.data.dataset, tokenizer=o.model.tokenizer, unigram_loss=baseline.unigram,
+      bigram_loss=baseline.bigram), active=jax.process_index() == 0)
 
 
 def summarize(r, state, out: dict) -> "Summary":
   """The Summary of run `r` that ended with `state`; `out`: the loop's figures (train_lm's
   `_loop`, `_finish`). Said in one line and recorded as the "summary" of run.json, with the
   compiled step's memory in another (`say_memory`)."""
-  s, ev = r.setup, out["eval_loss"]
+  s, ev, compiled = r.setup, out["eval_loss"], r.compiled
   summary = Summary(
       final_step=int(state.step), start_step=r.start, resumed_from=r.resumed,
       stopped=out["stopped"], loss=out.get("loss"), eval_loss=ev, eval_step=out["eval_step"],
       bits_per_byte=None if ev is None else evaluation.bits_per_byte(s.corpus, ev),
-      bigram_loss=r.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
-      compile_s=r.report.compile_seconds, step_bytes=int(fs.analysis.step_bytes(r.step)),
+      bigram_loss=r.evals.baseline.bigram, tokens_per_s=out["tokens_per_s"], mfu=out["mfu"],
+      compile_s=compiled.report.compile_seconds,
+      step_bytes=int(fs.analysis.step_bytes(compiled.step)),
       train_s=out["train_s"], wall_s=time.time() - r.t0,
-      params=param_count(state), global_batch=s.o.global_batch, seq=s.cfg.seq,
+      params=param_count(state), global_batch=s.o.step.global_batch, seq=s.cfg.seq,
       mesh=dict(s.mesh.shape), devices=jax.device_count(), processes=jax.process_count(),
-      sample=out["sample"], run_dir=s.o.run_dir, state=state,
-      checkpoint_dir=s.o.checkpoint_dir or None,
-      metrics=os.path.join(s.o.run_dir, run_log.METRICS_FILE), goodput=out["goodput"])
-  run_log.write_run_record(s.o.run_dir, "summary", summary.record(),
+      sample=out["sample"], run_dir=s.o.ckpt.run_dir, state=state,
+      checkpoint_dir=s.o.ckpt.checkpoint_dir or None,
+      metrics=os.path.join(s.o.ckpt.run_dir, run_log.METRICS_FILE), goodput=out["goodput"])
+  run_log.write_run_record(s.o.ckpt.run_dir, "summary", summary.record(),
                            active=jax.process_index() == 0)
-  r.say(_line(summary, s.o, f"{summary.train_s:.0f} s training, "))
-  r.say(goodput.line(summary.goodput))
-  say_memory(s, summary.step_bytes, r.say)
+  r.rec.say(_line(summary, s.o.tune.objective, f"{summary.train_s:.0f} s training, "))
+  r.rec.say(goodput.line(summary.goodput))
+  say_memory(s, summary.step_bytes, r.rec.say)
   return summary
 
 
@@ -95,29 +97,29 @@ def finished(s, state, start: int, t0: float, say) -> "Summary":
   and ended with that `state`: nothing compiled, evaluated or sampled; the losses quoted are
   the run's last logged ones, each at its step. run.json keeps the run's own summary."""
   o, base = s.o, data.baseline(s.corpus).bigram
-  loss, ev = (last_logged(o.run_dir, tags, start) for tags in (
+  loss, ev = (last_logged(o.ckpt.run_dir, tags, start) for tags in (
       ("train/loss",), ("eval/loss", "eval/dpo_loss")))
   summary = Summary(
       final_step=start, start_step=start, resumed_from=start, stopped=None,
       loss=loss and loss[1], eval_loss=ev and ev[1], eval_step=ev and ev[0],
       bits_per_byte=ev and evaluation.bits_per_byte(s.corpus, ev[1]), bigram_loss=base,
       tokens_per_s=None, mfu=None, compile_s=0.0, step_bytes=None, train_s=0.0,
-      wall_s=time.time() - t0, params=param_count(state), global_batch=o.global_batch,
+      wall_s=time.time() - t0, params=param_count(state), global_batch=o.step.global_batch,
       seq=s.cfg.seq, mesh=dict(s.mesh.shape), devices=jax.device_count(),
-      processes=jax.process_count(), sample=None, run_dir=o.run_dir, state=state,
-      checkpoint_dir=o.checkpoint_dir or None,
-      metrics=os.path.join(o.run_dir, run_log.METRICS_FILE))
-  say(_line(summary, o, "nothing trained this time, "))
+      processes=jax.process_count(), sample=None, run_dir=o.ckpt.run_dir, state=state,
+      checkpoint_dir=o.ckpt.checkpoint_dir or None,
+      metrics=os.path.join(o.ckpt.run_dir, run_log.METRICS_FILE))
+  say(_line(summary, o.tune.objective, "nothing trained this time, "))
   return summary
 
 
-def _line(summary: "Summary", o, timing: str) -> str:
+def _line(summary: "Summary", objective: str, timing: str) -> str:
   """The summary's line: the step, why it stopped, the eval loss and the step it is of."""
   head = (f"stopped: step {summary.final_step} ({summary.stopped})" if summary.stopped
           else f"done: step {summary.final_step}")
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
           if summary.bigram_loss is not None else "")
-  unit, base = (" (DPO)", "") if o.objective == "dpo" else (" nats/token", base)
+  unit, base = (" (DPO)", "") if objective == "dpo" else (" nats/token", base)
   ev = ("no eval" if summary.eval_loss is None else  # the step next to the loss it is of
         f"eval loss {summary.eval_loss:.4f}{unit} at step {summary.eval_step}{base}")
   return (f"{head}, {ev}, {timing}{summary.wall_s:.0f} s total; metrics in "
@@ -154,7 +156,7 @@ def say_memory(s, step_bytes: int, say) -> None:
       + (f" of {size(limit)}" if limit else "")
       + (f"; the runtime's peak_bytes_in_use counter, which leaves the step's temporaries "
          f"out, read {size(runtime)}" if runtime is not None else ""))
-  run_log.write_run_record(s.o.run_dir, "device_memory", dict(
+  run_log.write_run_record(s.o.ckpt.run_dir, "device_memory", dict(
       step_peak_bytes=step_bytes, bytes_limit=limit, runtime_peak_bytes_in_use=runtime),
       active=jax.process_index() == 0)
 
