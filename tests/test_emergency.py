@@ -150,6 +150,13 @@ def test_an_unwritable_emergency_dir_is_an_error_and_the_checkpoints_stay(work, 
                                         "(NotADirectoryError"), err
   assert "--emergency_every=0" in err[-1] and f"{run_dir / 'checkpoints'} are untouched" in err[-1]
   assert _steps(run_dir) == (5,)
+  # The file itself, for a fresh run: named as a file, and nothing said to be kept.
+  rc = train_lm.main(["train_lm", *_argv(work, tmp_path / "fresh", "--emergency_every=2",
+                                         f"--emergency_dir={blocker}")])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and err[-1].startswith(f"error: --emergency_dir={blocker} is a file, not a "
+                                        "directory;"), err
+  assert err[-1].endswith("nothing was saved"), err
   # A bucket: the copies are for a fast file system; nothing is made locally in its name.
   rc = train_lm.main(["train_lm", *_argv(work, run_dir, "--emergency_every=2",
                                          "--emergency_dir=gs://bucket/e")])

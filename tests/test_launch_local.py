@@ -5,6 +5,7 @@ count their own starts in files, as a hand count of the attempts."""
 import os
 import pathlib
 import signal
+import time
 
 import pytest
 
@@ -62,7 +63,7 @@ def test_the_last_restart_gives_up_with_an_error_line(child, tmp_path, capsys):
   assert (_starts(tmp_path, 0), _starts(tmp_path, 1)) == (2, 2)
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: launch_local: process 1 was ended by SIGKILL (lost "
-                            "process) (process 0 (-15), process 1 (-9)); gave up after 1 "
+                            "process) (process 0 (-9), process 1 (-9)); gave up after 1 "
                             "restart(s): raise --max_restarts"), err[-1]
 
 
@@ -81,3 +82,24 @@ def test_bad_input_is_not_restarted(tmp_path):
 def test_max_restarts_below_zero_is_refused():
   with pytest.raises(ValueError, match=r"max_restarts=-1, expected an int >= 0"):
     launch_local.supervise(["x.py"], 1, 1, max_restarts=-1)
+
+
+def test_a_killed_processs_peers_are_stopped_at_once_not_after_the_grace(tmp_path):
+  # Process 0 answers SIGTERM by "saving" for 30 s, as a recipe would at a preemption; its
+  # peer killed (-9), no save can complete, so the launcher kills it at once instead of
+  # waiting out its 20 s grace. (Before: SIGTERM, the 20 s grace, then SIGKILL.)
+  script = tmp_path / "child.py"
+  script.write_text(
+      "import os, signal, sys, time\n"
+      "signal.signal(signal.SIGTERM, lambda *_: time.sleep(30))\n"
+      "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+      "  time.sleep(0.3)\n"
+      "  os.kill(os.getpid(), signal.SIGKILL)\n"
+      "time.sleep(60)\n")
+  lines = []
+  start = time.monotonic()
+  outcome = launch_local.supervise([str(script)], 2, 1, timeout_s=60, grace_s=20,
+                                   max_restarts=0, stream=lines.append)
+  assert time.monotonic() - start < 10, lines
+  assert [rc for rc, _ in outcome.results] == [-signal.SIGKILL] * 2
+  assert any("stopping the others at once" in ln for ln in lines), lines

@@ -14,7 +14,8 @@ Every process gets the same command and these environment variables, which
 so the job sees N x devices_per_process simulated CPU devices and CPU collectives (gloo) carry
 the traffic between processes. Process 0's output is streamed; the others' is kept and shown
 (the tail) when one fails. Any child failing, the timeout, Ctrl-C or SIGTERM stops every child
-(SIGTERM first, so a recipe can checkpoint; SIGKILL after a grace period).
+(SIGTERM first, so a recipe can checkpoint; SIGKILL after a grace period; at once where a
+child was ended by a signal, which no save can complete without).
 
 Supervision, the Ray launcher's rule (`classify`): a process preempted (143), lost (75) or
 ended by a signal (kill -9, the OOM killer) stops the others and the whole job starts again at
@@ -137,11 +138,12 @@ def command(argv: Sequence[str]) -> list[str]:
 
 
 def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
-  """SIGTERM then, after `grace_s`, SIGKILL to each still-running child's process group."""
+  """SIGTERM then, after `grace_s`, SIGKILL to each still-running child's process group
+  (`grace_s` 0: SIGKILL at once)."""
   alive = [p for p in procs if p.poll() is None]
   for p in alive:
     try:
-      os.killpg(p.pid, signal.SIGTERM)
+      os.killpg(p.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
     except ProcessLookupError:
       pass
   deadline = time.monotonic() + grace_s
@@ -269,9 +271,13 @@ def _attempt(cmd: list[str], num_processes: int, devices_per_process: int, o: Op
         # Those that ended on their own: what a lost process leaves in its peers is a symptom.
         cause = cause_of([Exit(i, c) for i, c in enumerate(codes) if c is not None])
         if cause is not None:
+          # A process ended by a signal can't take part in a save: its peers would only wait
+          # for it (and read the SIGTERM as a preemption), so they stop at once.
+          killed = cause.returncode is not None and cause.returncode < 0
           stream(f"{_PREFIX}process {cause.process_id} exited with {cause.returncode}; "
-                 "stopping the others\n")
-          stop(procs, o.grace_s)
+                 + ("stopping the others at once (no save completes without it)\n" if killed
+                    else "stopping the others\n"))
+          stop(procs, 0.0 if killed else o.grace_s)
         break
       if deadline is not None and time.monotonic() > deadline:
         stream(f"{_PREFIX}timeout after {o.timeout_s} s; stopping every process\n")

@@ -58,8 +58,9 @@ def prepare(s, say) -> str:
   d = directory(s.o.ckpt)
   if not d:
     return ""
-  untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched"
-               if s.o.ckpt.checkpoint_dir else "nothing was saved")
+  saved = s.o.ckpt.checkpoint_dir and os.path.isdir(s.o.ckpt.checkpoint_dir)
+  untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched" if saved
+               else "nothing was saved")
   fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
          f"on one host, a shared file system on several), or --emergency_every=0 to save no "
          f"emergency copies; {untouched}")
@@ -68,6 +69,8 @@ def prepare(s, say) -> str:
                         "path (a local disk, or a shared file system on several hosts), not an "
                         f"object store; the persistent --checkpoint_dir takes buckets. Fix: "
                         f"{fix}")
+  if os.path.exists(d) and not os.path.isdir(d):
+    raise fs.InputError(f"--emergency_dir={d} is a file, not a directory; {fix}")
   try:
     os.makedirs(d, exist_ok=True)
     probe = os.path.join(d, f".writable-{jax.process_index()}")
