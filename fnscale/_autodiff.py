@@ -92,27 +92,41 @@ def _kernel_forward(run: Callable, reference: Callable, primals: Sequence, kerne
   """(value, residual leaves, a thunk giving the residuals' tree) of the kernel's forward
   pass at `primals`, differentiable: the value's tangent is the reference's, the
   residuals' is zero (they are functions of the arguments, whose tangents the backward
-  pass's own derivative follows). A residual that is an argument itself is taken from the
-  arguments, not returned (else a scan would save it twice)."""
-  found = []  # (value's tree, residuals' tree, which argument each residual is), per trace
+  pass's own derivative follows). Only residuals the pass computes leave the primitive: one
+  that is an argument or the value is taken from those (else a scan would save it twice)
+  and a constant is kept as it is, so that under `jax.checkpoint` a policy saving what the
+  kernel names (`_compat.kernel_call`) spares its rerun."""
+  found = []  # (value's tree, residuals' tree, where each residual comes from), per trace
 
   def forward(*xs):
     with _kernel_precision(xs):
       y, pullback = jax.vjp(run, *xs)
     residuals, tree = jax.tree.flatten(pullback)
-    same = [next((i for i, x in enumerate(xs) if r is x), None) for r in residuals]
     y_leaves, y_tree = jax.tree.flatten(y)
-    found.append((y_tree, tree, same))
-    return [*y_leaves, *(r for r, i in zip(residuals, same) if i is None)]
+    source = [_source(r, xs, y_leaves) for r in residuals]
+    found.append((y_tree, tree, source))
+    return [*y_leaves, *(r for r, s in zip(residuals, source) if s is None)]
 
   def jvp(xs, ts):  # the residuals' tangents: None (zero)
     return _jvp_in(reference, xs, ts) + [None] * found[-1][2].count(None)
 
   out = _compat.kernel_call(forward, list(primals), jvp=jvp, kernels=kernels)
-  y_tree, tree, same = found[-1]
-  y, own = jax.tree.unflatten(y_tree, out[:y_tree.num_leaves]), iter(out[y_tree.num_leaves:])
-  residuals = [next(own) if i is None else primals[i] for i in same]
-  return y, residuals, lambda: found[-1][1]
+  y_tree, tree, source = found[-1]
+  y_leaves, own = out[:y_tree.num_leaves], iter(out[y_tree.num_leaves:])
+  picks = {"arg": primals, "value": y_leaves}
+  residuals = [next(own) if s is None else picks[s[0]][s[1]] if s[0] in picks else s[1]
+               for s in source]
+  return jax.tree.unflatten(y_tree, y_leaves), residuals, lambda: found[-1][1]
+
+
+def _source(r, xs, y_leaves):
+  """Where a residual comes from: ("arg", i), ("value", i), ("const", r) for one that is
+  no traced value, None for one the pass computes."""
+  for kind, leaves in (("arg", xs), ("value", y_leaves)):
+    i = next((i for i, x in enumerate(leaves) if r is x), None)
+    if i is not None:
+      return kind, i
+  return None if isinstance(r, jax.core.Tracer) else ("const", r)
 
 
 def _kernel_backward(reference: Callable, live: Sequence[int], n: int, r: int,

@@ -24,6 +24,7 @@ import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.ad_checkpoint
 import jax.extend
 import jax.numpy as jnp
 
@@ -463,9 +464,32 @@ def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evalua
     RuntimeFailure: jax's primitive rule tables are not where they were.
   """
   traced = _trace(fn, args, kernels)
-  return _kernel_primitive().bind(*args, jaxpr=traced.jaxpr, jvp=jvp, transpose=transpose,
+  outs = _kernel_primitive().bind(*args, jaxpr=traced.jaxpr, jvp=jvp, transpose=transpose,
                                   fixed=fixed, out_avals=traced.out_avals,
                                   on_evaluate=on_evaluate, unchecked=traced.unchecked)
+  names = output_names(traced.jaxpr)
+  return [o if n is None else jax.ad_checkpoint.checkpoint_name(o, n)
+          for o, n in zip(outs, names)]
+
+
+def output_names(closed) -> list:
+  """The `jax.ad_checkpoint.checkpoint_name` each output of a ClosedJaxpr carries (None:
+  none), looking through nested jit calls, as jax's remat policies read it (the `name`
+  equations and the `jit` primitive's `jaxpr` parameter are jaxpr internals)."""
+  def name(jaxpr, var):
+    made = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+    while isinstance(var, jax.extend.core.Var) and var in made:
+      eqn, i = made[var]
+      if eqn.primitive.name == "name":
+        return eqn.params["name"]
+      inner = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+      if inner is None:
+        return None
+      jaxpr = getattr(inner, "jaxpr", inner)
+      made = {v: (e, j) for e in jaxpr.eqns for j, v in enumerate(e.outvars)}
+      var = jaxpr.outvars[i]
+    return None
+  return [name(closed.jaxpr, v) for v in closed.jaxpr.outvars]
 
 
 # ------------------------------------------------------------------------- jaxprs

@@ -532,3 +532,15 @@ def test_each_function_of_compat_fits_on_a_screen():
       if body[-1].end_lineno - body[0].lineno + 1 > 40:
         long[f.name] = body[-1].end_lineno - body[0].lineno + 1
   assert long == {}
+
+
+def test_output_names_reads_checkpoint_names_through_nested_jits():
+  # What a remat policy saves by name (jax.ad_checkpoint.checkpoint_name), found by
+  # _compat.output_names on each output of a jaxpr, directly or inside a jit.
+  name = jax.ad_checkpoint.checkpoint_name
+  inner = jax.jit(lambda a: (name(a * 2, "inner"), a + 1))
+  def fn(a):
+    b, c = inner(a)
+    return b, c, name(jnp.sin(a), "outer"), a
+  closed = jax.make_jaxpr(fn)(jnp.ones(3))
+  assert _compat.output_names(closed) == ["inner", None, "outer", None]

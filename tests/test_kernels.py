@@ -1350,3 +1350,56 @@ def test_with_kernel_block_sizes_tile_every_call_that_gives_none():
     with_kernel(lambda q: q, block_sizes=(128, 256))
   with pytest.raises(KernelError, match=r"with_kernel: BlockSizes.block_kv=0"):
     with_kernel(block_sizes=BlockSizes(128, 0))
+
+
+def _remat_layers(attend, policy):
+  """Two layers of q/k/v projections and causal attention, scanned under jax.checkpoint
+  with `policy`, as a model's blocks are: loss and gradients."""
+  def layer(x, w):
+    b, t, _ = x.shape
+    q, k, v = (jnp.einsum("btd,df->btf", x, w[i]).reshape(b, t, 4, 64) for i in range(3))
+    return x + attend(q, k, v).reshape(b, t, 256), None
+  block = jax.checkpoint(layer, policy=policy)
+  loss = lambda x, w: jnp.sum(jnp.cos(jax.lax.scan(block, x, w)[0]).astype(jnp.float32))
+  return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+_SAVE_ATTENTION = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(fs.kernels.RESIDUALS))
+
+
+def test_a_policy_saving_the_kernels_residuals_keeps_its_gradients():
+  # The kernel's output and logsumexp saved by name, the rest recomputed: the same loss and
+  # gradients as the XLA attention without remat.
+  x = jax.random.normal(jax.random.key(1), (2, 128, 256))
+  w = jax.random.normal(jax.random.key(2), (2, 3, 256, 256)) * 0.05
+  splash = with_kernel(lambda q, k, v: attention(q, k, v, causal=True), attention="splash",
+                       interpret=True)
+  got = jax.jit(_remat_layers(splash, _SAVE_ATTENTION))(x, w)
+  want = jax.jit(_remat_layers(
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+      jax.checkpoint_policies.everything_saveable))(x, w)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_a_policy_saving_the_kernels_residuals_runs_its_forward_once_tpu(tpu_devices, kv_heads):
+  # fs.kernels.RESIDUALS saved by a remat policy: the forward splash kernel runs once per
+  # layer (the scan's body), not again in the backward pass, as a bare splash call does.
+  # Before, the kernel's layout change ran inside its primitive, whose transposed q/k/v
+  # residuals no policy could save, so the backward reran the forward kernel.
+  del tpu_devices
+  mesh = jax.sharding.Mesh(np.array(fs.target_devices("v5e:1x1")), ("data",),
+                           axis_types=(AUTO,))
+  spec = jax.sharding.NamedSharding(mesh, jax.P())
+  x = jax.ShapeDtypeStruct((2, 1024, 256), jnp.bfloat16, sharding=spec)
+  w = jax.ShapeDtypeStruct((2, 3, 256, 256), jnp.bfloat16, sharding=spec)
+  def attend(q, k, v):
+    return attention(q, k[:, :, :kv_heads], v[:, :, :kv_heads], causal=True, mesh=mesh)
+  hlo = jax.jit(_remat_layers(attend, _SAVE_ATTENTION)).trace(x, w).lower().compile().as_text()
+  forward = set(re.findall(r"%(splash_mh?q?a_fwd[\w.]*)\s*=", hlo))
+  backward = set(re.findall(r"%(splash_mh?q?a_d[\w.]*)\s*=", hlo))
+  assert len(forward) == 1 and backward, (forward, backward)

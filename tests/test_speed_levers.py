@@ -158,6 +158,12 @@ def test_the_int8_matmul_benchmark_times_each_part_and_its_parts_compute_the_mat
   np.testing.assert_allclose(run["bf16 fwd"](x, w), want, rtol=1e-5, atol=1e-5)
   got = np.asarray(run["int8.dense fwd"](x, w))
   assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+  # fwd+bwd computes the forward too (its result kept, so that XLA can't drop its matmul)
+  # and both gradients.
+  g = np.random.default_rng(2).normal(size=(64, 48)).astype(np.float32)
+  y, (dx, dw) = run["bf16 fwd+bwd"](x, w, g)
+  for a, b in ((y, want), (dx, g @ w.T), (dw, x.T @ g)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
   with pytest.raises(fs.InputError, match="'64x32' is not MxKxN"):
     int8_matmul.main(["--shapes=64x32"])
 

@@ -46,7 +46,8 @@ from fnscale.kernels._attention_call import (
     _check_shapes, _check_soft_cap, _context_call, _describe_call, _normalise_window,
     _segment_arrays)
 from fnscale.kernels._attention_kernels import (
-    CAUSAL_SCOPE, IMPLEMENTATIONS, RESIDUALS, SCOPE, _KERNELS, BlockSizes, _xla)
+    CAUSAL_SCOPE, IMPLEMENTATIONS, RESIDUALS, SCOPE, _KERNELS, BlockSizes, _xla,
+    from_splash_layout, splash_layout)
 
 __all__ = ["IMPLEMENTATIONS", "SCOPE", "CAUSAL_SCOPE", "RESIDUALS", "BlockSizes",
            "KernelSelection", "attention", "kernel_selection", "with_kernel"]
@@ -381,16 +382,21 @@ def _attend(q, k, v, causal, segment_ids, sliding_window, scale, implementation,
   kernel = functools.partial(_KERNELS[selection.implementation], causal=causal, window=window,
                              scale=scale, blocks=selection.block_sizes,
                              interpret=selection.interpret, soft_cap=soft_cap)
+  reference = functools.partial(_xla, causal=causal, window=window, scale=scale,
+                                soft_cap=soft_cap)
+  splash = selection.implementation == "splash"
+  if splash:  # its layout outside the kernel's primitive: see splash_layout
+    dtype, (q, k, v) = q.dtype, splash_layout(q, k, v, scale)
+    reference = from_splash_layout(reference)
   if selection.batch_axes or selection.head_axes:
-    kernel = functools.partial(_sharded, kernel, selection, mesh=mesh)
+    kernel = functools.partial(_sharded, kernel, selection, mesh=mesh, heads_major=splash)
   # The kernels differentiate only in reverse mode; forward mode takes the reference's JVP.
   # Around the shard_map: inside one that checks varying axes (shard_step's), the kernel
   # and its own shard_map run where no type is checked (_compat.kernel_call).
-  return _autodiff.reverse_only(
-      kernel, functools.partial(_xla, causal=causal, window=window, scale=scale,
-                                soft_cap=soft_cap),
-      f"fnscale.attention's {selection.implementation} kernel", "the XLA reference")(
-          q, k, v, q_ids, kv_ids)
+  out = _autodiff.reverse_only(
+      kernel, reference, f"fnscale.attention's {selection.implementation} kernel",
+      "the XLA reference")(q, k, v, q_ids, kv_ids)
+  return jnp.swapaxes(out, 1, 2).astype(dtype) if splash else out
 
 
 @functools.lru_cache(maxsize=None)
@@ -399,13 +405,16 @@ def _log_fallback(reason: str) -> None:
   logging.warning("fnscale.attention falls back to the xla reference: %s", reason)
 
 
-def _sharded(kernel, selection: KernelSelection, q, k, v, q_ids, kv_ids, mesh):
-  """Runs `kernel` per shard: batch over selection.batch_axes, heads over its head_axes."""
+def _sharded(kernel, selection: KernelSelection, q, k, v, q_ids, kv_ids, mesh,
+             heads_major: bool = False):
+  """Runs `kernel` per shard: batch over selection.batch_axes, heads over its head_axes
+  (q, k, v [batch, seq, heads, head_dim], or `splash_layout`'s where `heads_major`)."""
   batch = selection.batch_axes or None
   heads = selection.head_axes or None
-  qkv_spec = jax.P(batch, None, heads, None)
+  qkv_spec = jax.P(batch, heads, None, None) if heads_major else jax.P(batch, None, heads, None)
+  kv_spec = qkv_spec if k.ndim == 4 else jax.P(batch, None, None)
   ids_spec = jax.P(batch, None)
-  args, specs = [q, k, v], [qkv_spec] * 3
+  args, specs = [q, k, v], [qkv_spec, kv_spec, kv_spec]
   shared = q_ids is not None and q_ids is kv_ids
   if q_ids is not None:
     args.append(q_ids)

@@ -87,12 +87,38 @@ def _xla_capped(q, k, v, q_ids, kv_ids, causal, window, scale, cap):
   return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d).astype(q.dtype)
 
 
-def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
+def splash_layout(q, k, v, scale):
+  """q (scaled), k and v [batch, seq, heads, head_dim] as splash takes them: heads-major
+  [batch, heads, seq, head_dim], a single k/v head dropped ([batch, seq, head_dim]: MQA).
+  Done outside the kernel's primitive (`_autodiff.reverse_only`), so that the kernel's
+  residuals are its own arguments and the output and logsumexp it names: under
+  `jax.checkpoint` a policy saving `RESIDUALS` spares the forward kernel's rerun."""
+  qh = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
+  kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  if kh.shape[1] == 1:
+    kh, vh = kh[:, 0], vh[:, 0]
+  return qh, kh, vh
+
+
+def from_splash_layout(reference):
+  """`reference` (the XLA attention on [batch, seq, heads, head_dim], scale left to its
+  caller) as a function of `splash_layout`'s arrays: the same function the splash kernel
+  computes of them, for `reverse_only`'s forward-mode derivatives."""
+  def run(qh, kh, vh, q_ids, kv_ids):
+    back = lambda a: jnp.swapaxes(a, 1, 2) if a.ndim == 4 else a[:, :, None]
+    return jnp.swapaxes(reference(back(qh), back(kh), back(vh), q_ids, kv_ids, scale=1.0), 1, 2)
+  return run
+
+
+def _splash(qh, kh, vh, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
             soft_cap=None):
+  """Splash over `splash_layout`'s arrays (q already scaled: `scale` is unused); the
+  output heads-major, [batch, heads, seq, head_dim]."""
+  del scale
   # Pallas is imported only when a kernel runs: it is heavy and most calls never need it.
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
-  _, t, h, _ = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  _, h, t, _ = qh.shape
+  s = kh.shape[-2]
   if window is not None:
     mask = splash.LocalMask((t, s), (window[0], 0 if causal else window[1]), offset=0)
   elif causal:
@@ -100,11 +126,14 @@ def _splash(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,
   else:
     mask = splash.FullMask((t, s))
   sizes = _splash_tiles.splash_block_sizes(blocks)
-  make = splash.make_splash_mqa if kh == 1 else splash.make_splash_mha
+  make = splash.make_splash_mqa if kh.ndim == 3 else splash.make_splash_mha
   kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1,
                 q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret,
                 attn_logits_soft_cap=soft_cap)
-  return context_attention.run_splash(kernel, q, k, v, q_ids, kv_ids, scale)
+  if q_ids is None:
+    return jax.vmap(kernel)(qh, kh, vh).astype(qh.dtype)
+  run = lambda q, k, v, a, b: kernel(q, k, v, splash.SegmentIds(a, b))
+  return jax.vmap(run)(qh, kh, vh, q_ids, kv_ids).astype(qh.dtype)
 
 
 def _pallas_gpu(q, k, v, q_ids, kv_ids, *, causal, window, scale, blocks, interpret,

@@ -15,7 +15,8 @@ the milliseconds of:
   and cast per value: vector-unit work that grows with M K, not M K N);
 - `int8.dense`: the whole forward, and forward + backward, as train_lm's `--int8` runs them.
 
-On a TPU each figure is a median of `--reps` timed runs of the compiled program; with `--aot`
+On a TPU each figure is a median over `--reps` groups of 8 runs of the compiled program in
+flight together (a group's time / 8: a lone call's dispatch and sync would count); with `--aot`
 it is the compiler's estimate for the described chip (`compiled.cost_analysis()`'s
 "optimal_seconds"; "n/a" where XLA gives none). The speed-up column is bf16 / int8.dense.
 int8 pays only where the int8 dot's saving exceeds what quantizing costs: with the quantize
@@ -38,6 +39,7 @@ from recipes.lm import cli, int8
 # (M, K, N): GPT small's and medium's MLP up projection at train_lm's TPU batch (32 and 16
 # rows of 1024 tokens), the 766M Llama's gate projection at 8 rows of 2048.
 SHAPES = ((32768, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192))
+_GROUP = 8  # calls timed together, each figure their mean
 
 
 def parts(m: int, k: int, n: int) -> dict:
@@ -46,9 +48,9 @@ def parts(m: int, k: int, n: int) -> dict:
   x, w, g = (m, k), (k, n), (m, n)
 
   def grads(f):
-    def run(x, w, g):
-      _, pull = jax.vjp(f, x, w)
-      return pull(g)
+    def run(x, w, g):  # y returned too: else XLA drops the forward's matmul
+      y, pull = jax.vjp(f, x, w)
+      return y, pull(g)
     return run
   dense = lambda x, w: int8.dense(x, w)
   int_dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
@@ -77,10 +79,10 @@ def seconds(fn, specs, device, aot: bool, reps: int) -> float | None:
   real = jax.device_put(real, sharding)
   jax.block_until_ready(compiled(*real))
   times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*real))
-    times.append(time.perf_counter() - t0)
+  for _ in range(reps):  # a group of calls in flight at once: the dispatch and sync of a
+    t0 = time.perf_counter()  # lone call (~0.5 ms on a TPU VM) would be timed with it
+    jax.block_until_ready([compiled(*real) for _ in range(_GROUP)])
+    times.append((time.perf_counter() - t0) / _GROUP)
   return statistics.median(times)
 
 
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                   "GPT small's, medium's and the 766M Llama's MLP)")
   ap.add_argument("--aot", default="", help="describe this TPU (e.g. v5e:1x1): XLA's estimate")
   ap.add_argument("--reps", type=cli.number(int, minimum=1), default=20,
-                  help="timed runs per part (the median is reported)")
+                  help="timed groups of 8 runs per part (the median is reported)")
   a = ap.parse_args(argv)
   fs.quiet_libtpu()
   shapes = [_shape(s) for s in a.shapes.split(",") if s] or list(SHAPES)
