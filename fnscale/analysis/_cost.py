@@ -94,7 +94,9 @@ class Estimate(NamedTuple):
   axis name -> seconds of its collectives; `step_s` per the overlap assumption; `mfu`:
   model FLOPs / (step x devices x peak), an upper bound; `comm_ratio`: communication /
   compute time; `memory_s`: the memory traffic's seconds (`memory_traffic`), part of
-  `compute_s`; `recompute_s`: remat's recomputation at peak, part of `compute_s`.
+  `compute_s`; `recompute_s`: remat's recomputation at peak, part of `compute_s`; `attn_s`:
+  the attention's score and value matmuls (as executed, recomputation included) at peak,
+  part of `compute_s`.
   """
   params: float
   opt: float
@@ -107,6 +109,7 @@ class Estimate(NamedTuple):
   mfu: float
   memory_s: float = 0.0
   recompute_s: float = 0.0
+  attn_s: float = 0.0
 
   @property
   def bytes(self) -> float:
@@ -152,12 +155,20 @@ def axis_bandwidth(hw: Hardware, ici: dict, dcn: dict) -> dict:
 def executed_flops_row(prof: Profile, remat: bool) -> tuple[float, float]:
   """(FLOPs per row the program executes, of which remat's recomputation). Model FLOPs
   (`flops_row`, `flops_row_remat` with remat) less what a causal attention kernel skips
-  (`CAUSAL_SAVING` of the causal calls' attention, only where a kernel serves them)."""
+  (`executed_attention_row`)."""
   def run(r):
     attn = prof.attn_row_remat if r else prof.attn_row
-    skipped = attn * prof.causal_share * CAUSAL_SAVING if prof.attn_kernel else 0.0
-    return (prof.flops_row_remat if r else prof.flops_row) - skipped
+    return (prof.flops_row_remat if r else prof.flops_row) - attn + executed_attention_row(
+        prof, r)
   return run(remat), (run(True) - run(False) if remat else 0.0)
+
+
+def executed_attention_row(prof: Profile, remat: bool) -> float:
+  """The attention score and value FLOPs per row the program executes: `attn_row`
+  (`attn_row_remat` with remat) less `CAUSAL_SAVING` of the causal calls' where a kernel
+  serves them."""
+  attn = prof.attn_row_remat if remat else prof.attn_row
+  return attn * (1 - prof.causal_share * CAUSAL_SAVING) if prof.attn_kernel else attn
 
 
 # The share of one layer's residuals live at the peak of its recomputed backward pass under
@@ -192,7 +203,9 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,
   """Bytes one device moves through HBM per step outside its matmuls.
 
   The optimizer update reads the trained params (not frozen ones), gradients and optimizer
-  state and writes params and state once per step (the device's 1/`shard`). Activations, per
+  state and writes params and state once per step (the device's 1/`shard`), and reads again
+  what its reductions reduce (`Profile.update_reduced_bytes`: the global-norm clip's
+  gradients, Adafactor's statistics and RMS clip). Activations, per
   row of each of `accum_steps` microbatches of `rows_mb` rows: without remat, the forward pass
   writes the residuals and the backward reads them (2 x `act_row`). Remat keeps only the
   checkpoints between blocks (written and read: 2 x `act_row_remat`), but recomputation
@@ -200,7 +213,8 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,
   remat never moves fewer bytes. `rows_mb` counts the rows of the device's tensor-parallel
   group (`act_per_row`).
   """
-  update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
+  update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes
+            + prof.update_reduced_bytes) / shard
   return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum_steps
 
 
@@ -314,7 +328,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
                   mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
-                  memory_s=memory, recompute_s=recompute)
+                  memory_s=memory, recompute_s=recompute,
+                  attn_s=executed_attention_row(prof, remat) * bubble * prof.rows / n
+                  / hw.peak_flops)
 
 
 def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages,
