@@ -21,10 +21,11 @@ step = max(bound, ((first pass + narrow) / matmul + memory x traffic
                    + max(exposed x ICI, recompute / matmul)) x (1 + per_doubling x log2(slices)))
 
 where the first pass is the executed FLOPs without remat at peak and traffic the bound's
-memory traffic (`fnscale.analysis._cost.memory_traffic`). `narrow` is what heads narrower
-than a TPU's matrix unit cost the attention (`narrow_heads`): counted, not fitted. The pod terms were fitted on MaxText's
-published v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them
-and checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
+memory traffic (`fnscale.analysis._cost.memory_traffic`, the optimizer update's passes
+included), and `narrow` what heads narrower than a TPU's matrix unit add to the attention
+(`narrow_heads`): both counted, not fitted. The pod terms were fitted on MaxText's published
+v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them and
+checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
 sees). A one-device target of a generation measured on one chip uses that chip's fit
 (`CHIP`, `terms_for`). On simulated CPU devices the cost model's rates are measured on the
 host, so the forecast is the bound.

@@ -328,8 +328,8 @@ def attention_queries(jaxpr, tokens: int, outer: str = "") -> tuple[float, int, 
 
 
 def _attention_row(loss_fn, params, batch, remat) -> tuple[float, float, int, int, int]:
-  """(K/V bytes, query bytes, heads, kv heads, head dim) of the loss's attention calls in its forward
-  pass on one row (`attention_kv_bytes`, `attention_queries`)."""
+  """(K/V bytes, query bytes, heads, kv heads, head dim) of the loss's attention calls in its
+  forward pass on one row (`attention_kv_bytes`, `attention_queries`)."""
   f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
   jaxpr = jax.make_jaxpr(with_kernel(f, attention="xla"))(params, _rows(batch, 1)).jaxpr
   tokens = math.prod(jax.tree.leaves(batch)[0].shape[1:])
