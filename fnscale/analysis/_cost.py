@@ -80,7 +80,8 @@ from fnscale.analysis._trace import Profile, profile  # the cost model's input, 
 from fnscale.kernels._context_attention import kv_repeats
 
 __all__ = ["CAUSAL_SAVING", "REMAT_LIVE", "Estimate", "Profile", "act_per_row", "axis_bandwidth",
-           "buffer_factor", "estimate", "executed_flops_row", "memory_traffic", "profile"]
+           "buffer_factor", "estimate", "executed_attention_row", "executed_flops_row",
+           "memory_traffic", "profile"]
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
@@ -155,20 +156,21 @@ def axis_bandwidth(hw: Hardware, ici: dict, dcn: dict) -> dict:
 def executed_flops_row(prof: Profile, remat: bool) -> tuple[float, float]:
   """(FLOPs per row the program executes, of which remat's recomputation). Model FLOPs
   (`flops_row`, `flops_row_remat` with remat) less what a causal attention kernel skips
-  (`executed_attention_row`)."""
+  (`CAUSAL_SAVING` of the causal calls' attention, only where a kernel serves them)."""
   def run(r):
-    attn = prof.attn_row_remat if r else prof.attn_row
-    return (prof.flops_row_remat if r else prof.flops_row) - attn + executed_attention_row(
-        prof, r)
+    return (prof.flops_row_remat if r else prof.flops_row) - _skipped(prof, r)
   return run(remat), (run(True) - run(False) if remat else 0.0)
 
 
 def executed_attention_row(prof: Profile, remat: bool) -> float:
   """The attention score and value FLOPs per row the program executes: `attn_row`
-  (`attn_row_remat` with remat) less `CAUSAL_SAVING` of the causal calls' where a kernel
-  serves them."""
+  (`attn_row_remat` with remat) less what a causal kernel skips (`executed_flops_row`)."""
+  return (prof.attn_row_remat if remat else prof.attn_row) - _skipped(prof, remat)
+
+
+def _skipped(prof: Profile, remat: bool) -> float:
   attn = prof.attn_row_remat if remat else prof.attn_row
-  return attn * (1 - prof.causal_share * CAUSAL_SAVING) if prof.attn_kernel else attn
+  return attn * prof.causal_share * CAUSAL_SAVING if prof.attn_kernel else 0.0
 
 
 # The share of one layer's residuals live at the peak of its recomputed backward pass under
