@@ -1,11 +1,17 @@
 """The planner's forecast for one TPU v5e chip against the steps measured there
-(recipes/bench/chip_v5e.json, written by recipes/bench/chip.py on the chip)."""
+(recipes/bench/chip_v5e.json, written by recipes/bench/chip.py on the chip), and the two
+costs it counts rather than fits: the optimizer update's extra passes and narrow heads."""
 import json
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
-from fnscale.analysis import _forecast, _targets
+import fnscale as fs
+from fnscale.analysis import _cost, _forecast, _targets, _trace, profile_model
 from recipes.bench import forecast_fit as ff
+from recipes.lm import optimizers
 
 RUNS = ff.chip_runs()
 
@@ -26,13 +32,15 @@ def test_the_measured_rows_are_the_benchmarks_sizes_and_policies():
   assert full == ["gpt-small"] and "gpt-small" not in {r.case for r in RUNS}
 
 
-# GPT small (the pods' terms' worst model) in the quick tier, the rest in the slow one.
-@pytest.mark.parametrize("run", [r if r.case.startswith("gpt-small") else pytest.param(
-    r, marks=pytest.mark.slow) for r in RUNS], ids=[r.case for r in RUNS])
-def test_the_one_chip_forecast_is_within_5_points_of_each_measured_step(run):
-  """With the pods' terms (FITTED) the GPT rows came out 10-22 points high: a forecast that
-  ignored the chip's own terms, or their memory term, fails here."""
-  assert abs(ff.predict_chip(run) - run.mfu) <= 5.0, (run.case, ff.predict_chip(run))
+# GPT small and the 1B at 6 rows (the fit's worst) in the quick tier, the rest in the slow one.
+@pytest.mark.parametrize("run", [
+    r if r.case.startswith("gpt-small") or r.case == "llama-1b,batch=6"
+    else pytest.param(r, marks=pytest.mark.slow) for r in RUNS], ids=[r.case for r in RUNS])
+def test_the_one_chip_forecast_is_within_3_points_of_each_measured_step(run):
+  """With the pods' terms (FITTED) the GPT rows came out 10-22 points high; with the chip's
+  terms but without the update's reductions and narrow heads, the 1B's rows 4 points high
+  and the 766M's and GPT medium's at 12 rows 4.3 points low."""
+  assert abs(ff.predict_chip(run) - run.mfu) <= 3.0, (run.case, ff.predict_chip(run))
 
 
 def test_the_chip_terms_serve_a_one_device_target_only():
@@ -40,3 +48,99 @@ def test_the_chip_terms_serve_a_one_device_target_only():
   assert _forecast.terms_for(_targets.resolve("v5e-8")) == _forecast.FITTED
   assert _forecast.terms_for(_targets.resolve("v5p:2x2x1")) == _forecast.FITTED
   assert _forecast.FITTED.memory == 1.0  # the pods' fit predates the term: unchanged
+
+
+PARAMS = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+          "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
+W, B = 256 * 512 * 4, 512 * 4  # bytes
+
+
+@pytest.mark.parametrize("name, reduced", [
+    # The global-norm clip's sum of squares reads every gradient once.
+    ("adamw", W + B),
+    # Adafactor: the clip; the row and column statistics of w's g^2 (one array, one pass);
+    # the RMS of each update (clipped at 1); b's moment is a vector, unfactored (no
+    # statistics); the mean of w's 256 row statistics (its normaliser).
+    ("adafactor", W + B + W + W + B + 256 * 4)])
+def test_the_update_reads_again_what_its_reductions_reduce(name, reduced):
+  opt = optimizers.transformation(name, 1e-3)
+  assert _trace.update_reduced_bytes(opt, PARAMS) == reduced
+  loss = lambda p, batch: jnp.mean((batch["x"] @ p["w"] + p["b"]) ** 2)
+  batch = {"x": jax.ShapeDtypeStruct((8, 256), jnp.float32)}
+  prof = profile_model(PARAMS, loss, opt, batch, "cpu", cpu_rates=(1e12, 1e11))
+  assert prof.update_reduced_bytes == reduced
+  # The update's traffic: params, gradients and state read, params and state written, and
+  # the reductions' arrays read again (no activations counted here: 0 rows).
+  state = 2 * 256 * 512 * 4 + 2 * 512 * 4 + 4 if name == "adamw" else prof.opt_bytes
+  want = 3 * (W + B) + 2 * state + reduced
+  assert _cost.memory_traffic(prof, False, 0, 1, 1) == pytest.approx(want)
+
+
+def _hw(kind, generation):
+  return _targets.Hardware("t", kind, generation, 1, 1, (1, 1) if kind == "tpu" else (),
+                           False, 1e14, 16 * 2**30, _targets.LinkFacts(1e11, 1e10, 1e12))
+
+
+def _synthetic(head_dim):
+  return _cost.Profile(params=10**9, param_bytes=4e9, opt_bytes=8e9, compute_bytes=2e9,
+                       grad_bytes=4e9, flops_row=6e12, flops_row_remat=8e12, act_row=1e9,
+                       act_row_remat=1e8, layers=10, stream_row=1e6, rows=8, has_remat=True,
+                       attn_row=1.2e12, attn_row_remat=1.6e12, causal_share=1.0,
+                       attn_kernel=True, tokens_row=1000, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_heads_narrower_than_the_mxu_take_its_share_of_it(remat):
+  """On a TPU heads of 64 fill half of the 128-wide MXU: the attention's executed matmuls
+  (the kernel skips half of the causal scores) take twice their time; heads of 128, an
+  unknown head dim or a GPU: as counted."""
+  terms = _forecast.Terms(matmul=0.5, exposed=0.0, per_doubling=0.0)
+  step = lambda hd, hw: _forecast.forecast(
+      _synthetic(hd), hw, _cost.estimate(_synthetic(hd), hw, {}, {}, remat, 1), {},
+      terms=terms).step_s
+  tpu, gpu = _hw("tpu", "v5e"), _hw("gpu", "H100")
+  attn = (1.6e12 if remat else 1.2e12) / 2 * 8 / 1e14  # seconds at peak, executed
+  assert step(64, tpu) - step(128, tpu) == pytest.approx(attn / 0.5)
+  assert step(32, tpu) - step(128, tpu) == pytest.approx(3 * attn / 0.5)
+  assert step(0, tpu) == step(128, tpu) == step(256, tpu)
+  assert step(64, gpu) == step(128, gpu)
+
+
+def test_the_profile_reads_the_head_dim_off_the_attention():
+  def loss(p, batch):
+    x = p["embed"][batch["tokens"]]  # [rows, seq, 4 heads x 32]
+    q = x.reshape(*x.shape[:2], 4, 32)
+    return jnp.mean(fs.attention(q, q, q, causal=True))
+  params = {"embed": jax.ShapeDtypeStruct((50, 128), jnp.float32)}
+  batch = {"tokens": jax.ShapeDtypeStruct((2, 64), jnp.int32)}
+  prof = profile_model(params, loss, optax.sgd(1e-3), batch, "cpu", cpu_rates=(1e12, 1e11))
+  assert (prof.heads, prof.head_dim) == (4, 32)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_the_count_is_what_xla_tpu_compiles_the_update_to(name):
+  """XLA:TPU's own count of the compiled update's bytes (`cost_analysis()`, compiled for
+  described v5e devices: nothing runs) against the traffic's for one matrix: params,
+  gradients and state read, params and state written, the reduced arrays read again."""
+  hw = _targets.resolve("v5e:1x1")
+  if hw.devices is None:
+    pytest.skip(hw.no_devices)
+  # 512 MiB: more than v5e's 128 MiB of VMEM, where XLA would stage a smaller array (and
+  # count those reads too: "bytes accessed" is of every memory, not HBM's alone).
+  params = {"w": jax.ShapeDtypeStruct((8, 2048, 8192), jnp.float32)}
+  opt = optimizers.transformation(name, 1e-3)
+  state = jax.eval_shape(opt.init, params)
+  sharding = jax.sharding.SingleDeviceSharding(hw.devices[0])
+  on = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=sharding), t)
+
+  def step(g, s, p):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  compiled = jax.jit(step, donate_argnums=(1, 2)).lower(
+      on(params), on(state), on(params)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+  counted = 3 * nbytes(params) + 2 * nbytes(state) + _trace.update_reduced_bytes(opt, params)
+  assert cost["bytes accessed"] == pytest.approx(counted, rel=0.01)

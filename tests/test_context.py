@@ -629,10 +629,10 @@ def test_profile_counts_the_queries_keys_and_values_attention_takes():
   cfg = llama.ModelConfig(layers=3, d_model=32, heads=4, kv_heads=2, d_mlp=32, seq=64, vocab=16)
   params = jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
   batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32) for k in ("inputs", "targets")}
-  kv, q, heads, kv_heads = _trace._attention_row(  # pylint: disable=protected-access
+  kv, q, heads, kv_heads, head_dim = _trace._attention_row(  # pylint: disable=protected-access
       llama.loss_fn, params, batch, False)
   assert kv == 3 * 2 * 64 * 2 * 8 * 4  # layers x (K, V) x seq x kv_heads x head_dim x f32
-  assert q == 3 * 64 * 4 * 8 * 4 and (heads, kv_heads) == (4, 2)
+  assert q == 3 * 64 * 4 * 8 * 4 and (heads, kv_heads, head_dim) == (4, 2, 8)
 
 
 # ----------------------------------------------------------------------------- the main job

@@ -80,7 +80,8 @@ from fnscale.analysis._trace import Profile, profile  # the cost model's input, 
 from fnscale.kernels._context_attention import kv_repeats
 
 __all__ = ["CAUSAL_SAVING", "REMAT_LIVE", "Estimate", "Profile", "act_per_row", "axis_bandwidth",
-           "buffer_factor", "estimate", "executed_flops_row", "memory_traffic", "profile"]
+           "buffer_factor", "estimate", "executed_attention_row", "executed_flops_row",
+           "memory_traffic", "profile"]
 
 # Share of causal attention's score-matrix FLOPs a kernel skips (see the module docstring).
 CAUSAL_SAVING = 0.5
@@ -94,7 +95,9 @@ class Estimate(NamedTuple):
   axis name -> seconds of its collectives; `step_s` per the overlap assumption; `mfu`:
   model FLOPs / (step x devices x peak), an upper bound; `comm_ratio`: communication /
   compute time; `memory_s`: the memory traffic's seconds (`memory_traffic`), part of
-  `compute_s`; `recompute_s`: remat's recomputation at peak, part of `compute_s`.
+  `compute_s`; `recompute_s`: remat's recomputation at peak, part of `compute_s`; `attn_s`:
+  the attention's score and value matmuls (as executed, recomputation included) at peak,
+  part of `compute_s`.
   """
   params: float
   opt: float
@@ -107,6 +110,7 @@ class Estimate(NamedTuple):
   mfu: float
   memory_s: float = 0.0
   recompute_s: float = 0.0
+  attn_s: float = 0.0
 
   @property
   def bytes(self) -> float:
@@ -154,10 +158,19 @@ def executed_flops_row(prof: Profile, remat: bool) -> tuple[float, float]:
   (`flops_row`, `flops_row_remat` with remat) less what a causal attention kernel skips
   (`CAUSAL_SAVING` of the causal calls' attention, only where a kernel serves them)."""
   def run(r):
-    attn = prof.attn_row_remat if r else prof.attn_row
-    skipped = attn * prof.causal_share * CAUSAL_SAVING if prof.attn_kernel else 0.0
-    return (prof.flops_row_remat if r else prof.flops_row) - skipped
+    return (prof.flops_row_remat if r else prof.flops_row) - _skipped(prof, r)
   return run(remat), (run(True) - run(False) if remat else 0.0)
+
+
+def executed_attention_row(prof: Profile, remat: bool) -> float:
+  """The attention score and value FLOPs per row the program executes: `attn_row`
+  (`attn_row_remat` with remat) less what a causal kernel skips (`executed_flops_row`)."""
+  return (prof.attn_row_remat if remat else prof.attn_row) - _skipped(prof, remat)
+
+
+def _skipped(prof: Profile, remat: bool) -> float:
+  attn = prof.attn_row_remat if remat else prof.attn_row
+  return attn * prof.causal_share * CAUSAL_SAVING if prof.attn_kernel else 0.0
 
 
 # The share of one layer's residuals live at the peak of its recomputed backward pass under
@@ -192,7 +205,9 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,
   """Bytes one device moves through HBM per step outside its matmuls.
 
   The optimizer update reads the trained params (not frozen ones), gradients and optimizer
-  state and writes params and state once per step (the device's 1/`shard`). Activations, per
+  state and writes params and state once per step (the device's 1/`shard`), and reads again
+  what its reductions reduce (`Profile.update_reduced_bytes`: the global-norm clip's
+  gradients, Adafactor's statistics and RMS clip). Activations, per
   row of each of `accum_steps` microbatches of `rows_mb` rows: without remat, the forward pass
   writes the residuals and the backward reads them (2 x `act_row`). Remat keeps only the
   checkpoints between blocks (written and read: 2 x `act_row_remat`), but recomputation
@@ -200,7 +215,8 @@ def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,
   remat never moves fewer bytes. `rows_mb` counts the rows of the device's tensor-parallel
   group (`act_per_row`).
   """
-  update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes) / shard
+  update = (2 * prof.trained_bytes + prof.grad_bytes + 2 * prof.opt_bytes
+            + prof.update_reduced_bytes) / shard
   return update + 2 * act_per_row(prof, remat, tensor)[1] * rows_mb * accum_steps
 
 
@@ -314,7 +330,9 @@ def estimate(prof: Profile, hw: Hardware, ici: dict, dcn: dict, remat: bool,
   step = max(compute, total) if hw.overlap else compute + total
   return Estimate(**parts, compute_s=compute, comm_s=comm, step_s=step,
                   mfu=model_flops / (step * n * hw.peak_flops) if step else 0.0,
-                  memory_s=memory, recompute_s=recompute)
+                  memory_s=memory, recompute_s=recompute,
+                  attn_s=executed_attention_row(prof, remat) * bubble * prof.rows / n
+                  / hw.peak_flops)
 
 
 def _comm(prof: Profile, bw: dict, sizes: tuple, dcn: dict, run: tuple, pp: _Stages,

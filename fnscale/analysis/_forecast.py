@@ -17,13 +17,15 @@ forecast adds three named efficiency terms (`Terms`):
   DCN bytes, so the bytes stay in the bound and this term carries the loss.
 - `memory`: a multiplier on the memory traffic's seconds (1 on pods: at the HBM bandwidth).
 
-step = max(bound, (first pass / matmul + memory x traffic
+step = max(bound, ((first pass + narrow) / matmul + memory x traffic
                    + max(exposed x ICI, recompute / matmul)) x (1 + per_doubling x log2(slices)))
 
 where the first pass is the executed FLOPs without remat at peak and traffic the bound's
-memory traffic (`fnscale.analysis._cost.memory_traffic`). The pod terms were fitted on MaxText's
-published v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them
-and checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
+memory traffic (`fnscale.analysis._cost.memory_traffic`, the optimizer update's passes
+included), and `narrow` what heads narrower than a TPU's matrix unit add to the attention
+(`narrow_heads`): both counted, not fitted. The pod terms were fitted on MaxText's published
+v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them and
+checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
 sees). A one-device target of a generation measured on one chip uses that chip's fit
 (`CHIP`, `terms_for`). On simulated CPU devices the cost model's rates are measured on the
 host, so the forecast is the bound.
@@ -65,22 +67,36 @@ FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
 
 # One chip of a generation, measured: fitted by `python recipes/bench/forecast_fit.py --chip`
 # on the steps `recipes/bench/chip.py` timed on that chip (recipes/bench/chip_v5e.json: GPT
-# small and medium and the one-chip Llama, without remat, with "dots" and with full remat;
-# a step filling the chip's memory is left out, `forecast_fit.CHIP_FULL`). One chip has no
-# collectives, so only `matmul` and `memory` are fitted (the others are FITTED's). On v5e the
-# steps are explained by matmuls at 85% of the roofline's rate and the memory traffic at
-# about 0.42 of the HBM bandwidth (the vector work around the matmuls: norms, activations,
-# the attention kernel's softmax, the optimizer update). Fitted over the 12 rows measured on
-# jax 0.10.2 (GPT small and medium, the 766M Llama, Llama 3.2 1B's shape under Adafactor at
-# 4 and 6 rows): largest |forecast - measured| 4.3 points, the 1B's rows high and the 766M's
-# low. Adafactor's update passes over param-sized arrays that the traffic's count of
-# optimizer bytes leaves out (its factored statistics, the update's RMS clip and the param's
-# RMS: reductions a fused update can't follow without reading again); counting 6 more passes
-# of the trained params for it would bring every row within 2.1 points (a measurement, not
-# modeled yet). The first fit (4 rows): 1.9 points on jax 0.10.2, 3.4 on jax 0.12 (which
-# traces fewer MLP residuals). FITTED's terms were 10-22 points high on the GPT rows.
-CHIP = {"v5e": Terms(matmul=0.8479, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
-                     memory=2.3807)}
+# small and medium, the 766M Llama and Llama 3.2 1B's shape under Adafactor, without remat,
+# with "dots" and with full remat; a step filling the chip's memory is left out,
+# `forecast_fit.CHIP_FULL`). One chip has no collectives, so only `matmul` and `memory` are
+# fitted (the others are FITTED's). On v5e the steps are explained by matmuls at 85% of the
+# roofline's rate (attention at heads of 64 at half that: `narrow_heads`) and the memory
+# traffic, the optimizer update's passes included (`fnscale.analysis._trace.reduced_bytes`),
+# at about half the HBM bandwidth (the vector work around the matmuls: norms, activations,
+# the attention kernel's softmax). Over the 12 rows measured on jax 0.10.2: largest
+# |forecast - measured| 2.4 points (GPT medium at 12 rows and the 766M Llama low, the 1B at 6
+# rows high). Without the update's reductions and the narrow heads the fit was 4.3 points
+# off, the 1B's rows high and the 766M's low; the pods' terms (FITTED) 10-22 points high on
+# the GPT rows.
+CHIP = {"v5e": Terms(matmul=0.85, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
+                     memory=2.0235)}
+
+
+# The side of a TPU's matrix unit (MXU): 128 x 128 on v4, v5e and v5p (v6e's is 256 wide:
+# counted as 128 here, as its held-out runs, heads of 128, were checked).
+MXU = 128
+
+
+def narrow_heads(head_dim: int, hw: Hardware) -> float:
+  """How many times its time at the matmuls' rate the attention takes for heads of
+  `head_dim` on `hw`: each of attention's matmuls contracts over the head dim (q k^T, and
+  the backward's dO v^T) or makes head-dim columns (p v, dq, dk, dv), so on a TPU heads
+  narrower than the MXU fill head_dim / `MXU` of it (heads of 64: 2); 1 elsewhere or where
+  the head dim is unknown (0). Examples: `narrow_heads(64, hardware("v5e-1"))` is 2.0."""
+  if hw.kind != "tpu" or not 0 < head_dim < MXU:
+    return 1.0
+  return MXU / head_dim
 
 
 def terms_for(hw: Hardware) -> Terms:
@@ -121,7 +137,8 @@ def forecast(prof: _cost.Profile, hw: Hardware, est: _cost.Estimate, dcn: dict,
   step = bound
   if hw.kind != "cpu":
     ici = sum(s for a, s in comm.items() if a not in dcn)
-    first = ((est.compute_s - est.memory_s - est.recompute_s) / terms.matmul
+    narrow = est.attn_s * (narrow_heads(prof.head_dim, hw) - 1)
+    first = ((est.compute_s - est.memory_s - est.recompute_s + narrow) / terms.matmul
              + terms.memory * est.memory_s)
     late = max(terms.exposed * ici, est.recompute_s / terms.matmul)
     slices = math.prod(dcn.values()) if dcn else 1

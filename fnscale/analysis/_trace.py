@@ -52,13 +52,17 @@ class Profile(NamedTuple):
   `kv_row`: bytes of the keys and values every attention call of the forward pass takes,
   per row (what context parallelism's all-gather form gathers); `q_row` of its queries (and
   so of its outputs; what the Ulysses form exchanges beside K/V); `heads`, `kv_heads`: the
-  attention calls' (the gcd over them; 0 where unknown).
+  attention calls' (the gcd over them; 0 where unknown); `head_dim` their heads' dims (the
+  gcd; 0 where unknown).
   `act_row_layer`: one layer's residuals per row without remat (the layer scan's stacked
   residuals over its length: what remat recomputes at once); `act_row_head`: the residuals
   outside the layer scan per row (embedding, final norm, output layer); 0 where unknown.
   On a TPU target every residual figure counts the tiles a TPU holds (`tiled_nbytes`).
   Frozen params (a LoRA base: no gradient, no optimizer state; 0 without):
   `frozen_bytes` / `frozen_compute_bytes`, their part of `param_bytes` / `compute_bytes`.
+  `update_reduced_bytes`: bytes the optimizer update's reductions read (`reduced_bytes` of
+  `optimizer.update` traced on the trained params): each is a pass over param-sized arrays
+  that the update's fused elementwise pass can't share.
   """
   params: int
   param_bytes: float
@@ -94,10 +98,12 @@ class Profile(NamedTuple):
   q_row: float = 0.0
   heads: int = 0
   kv_heads: int = 0
+  head_dim: int = 0
   act_row_layer: float = 0.0
   act_row_head: float = 0.0
   frozen_bytes: float = 0.0
   frozen_compute_bytes: float = 0.0
+  update_reduced_bytes: float = 0.0
 
   @property
   def expert_share(self) -> float:
@@ -131,6 +137,39 @@ def _nbytes(tree) -> float:
 
 def _sub_jaxprs(eqn):
   return jcore.jaxprs_in_params(eqn.params)
+
+
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                         "argmin", "reduce_and", "reduce_or"})
+
+
+def reduced_bytes(jaxpr) -> float:
+  """Bytes of the arrays reduced in `jaxpr`, each array once however many reductions read it
+  (sub-jaxprs included, a scan's body times its length). A reduction's result is needed
+  before the elementwise work that uses it, so XLA reads what it reduces in a pass of its
+  own, one pass for sibling reductions of one array (a multi-output fusion): the global-norm
+  clip's sum of squares of the gradients; Adafactor's row and column statistics of g^2 (one
+  pass) and its update's RMS (clipped at 1). So AdamW's update reads the gradients once more
+  and Adafactor's three times more than its elementwise pass; on one v5e chip (libtpu
+  0.0.42.1) the compiled update of a [8, 2048, 8192] float32 param (`optax.apply_updates`
+  included) accesses 8.0 x its bytes under AdamW and 6.0 x under Adafactor (its
+  `cost_analysis()` "bytes accessed"), as that pass (7 and 3) and these reductions count."""
+  total, seen = 0.0, set()
+  for eqn in jaxpr.eqns:
+    x = eqn.invars[0] if eqn.invars else None
+    if eqn.primitive.name in _REDUCTIONS and isinstance(x, jcore.Var) and x not in seen:
+      seen.add(x)
+      total += _nbytes([x.aval])
+    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    total += times * sum(reduced_bytes(j) for j in _sub_jaxprs(eqn))
+  return total
+
+
+def update_reduced_bytes(optimizer, params) -> float:
+  """`reduced_bytes` of `optimizer.update(grads, state, params)` traced on abstract `params`
+  (gradients shaped and typed as the params; nothing runs)."""
+  state = jax.eval_shape(optimizer.init, params)
+  return reduced_bytes(jax.make_jaxpr(optimizer.update)(params, state, params).jaxpr)
 
 
 class FlopCount(NamedTuple):
@@ -263,13 +302,13 @@ def attention_kv_bytes(jaxpr, outer: str = "") -> float:
   return total
 
 
-def attention_queries(jaxpr, tokens: int, outer: str = "") -> tuple[float, int, int]:
-  """(bytes, heads, kv heads) of the queries of every attention call in a forward jaxpr of
-  one row of `tokens` traced as `attention_kv_bytes` is: each call's q k^T `dot_general`
+def attention_queries(jaxpr, tokens: int, outer: str = "") -> tuple[float, int, int, int]:
+  """(bytes, heads, kv heads, head dim) of the queries of every attention call in a forward
+  jaxpr of one row of `tokens` traced as `attention_kv_bytes` is: each call's q k^T `dot_general`
   (its result, the scores, larger than either operand) contracts q [tokens, heads, d] with
-  k [tokens, kv_heads, d] over d; bytes summed (scan bodies times their length), heads the
-  gcd over calls (0 without attention)."""
-  total, heads, kv = 0.0, 0, 0
+  k [tokens, kv_heads, d] over d; bytes summed (scan bodies times their length), heads and d
+  the gcd over calls (0 without attention)."""
+  total, heads, kv, dim = 0.0, 0, 0, 0
   for eqn in jaxpr.eqns:
     scope = outer + "/" + _compat.name_scopes(eqn)
     if eqn.primitive.name == "dot_general" and SCOPE in scope:
@@ -279,17 +318,18 @@ def attention_queries(jaxpr, tokens: int, outer: str = "") -> tuple[float, int, 
         total += math.prod(q.shape) * jnp.dtype(q.dtype).itemsize
         heads = math.gcd(heads, math.prod(q.shape) // (tokens * d))
         kv = math.gcd(kv, math.prod(k.shape) // (tokens * d))
+        dim = math.gcd(dim, d)
       continue
     for j in _sub_jaxprs(eqn):
-      b, h, g = attention_queries(j, tokens, scope)
+      b, h, g, e = attention_queries(j, tokens, scope)
       total += b * (_compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else 1)
-      heads, kv = math.gcd(heads, h), math.gcd(kv, g)
-  return total, heads, kv
+      heads, kv, dim = math.gcd(heads, h), math.gcd(kv, g), math.gcd(dim, e)
+  return total, heads, kv, dim
 
 
-def _attention_row(loss_fn, params, batch, remat) -> tuple[float, float, int, int]:
-  """(K/V bytes, query bytes, heads, kv heads) of the loss's attention calls in its forward
-  pass on one row (`attention_kv_bytes`, `attention_queries`)."""
+def _attention_row(loss_fn, params, batch, remat) -> tuple[float, float, int, int, int]:
+  """(K/V bytes, query bytes, heads, kv heads, head dim) of the loss's attention calls in its
+  forward pass on one row (`attention_kv_bytes`, `attention_queries`)."""
   f = functools.partial(loss_fn, remat=remat) if remat is not None else loss_fn
   jaxpr = jax.make_jaxpr(with_kernel(f, attention="xla"))(params, _rows(batch, 1)).jaxpr
   tokens = math.prod(jax.tree.leaves(batch)[0].shape[1:])
@@ -496,5 +536,6 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
       experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
       exchange_row=moe.exchange_row, expert_act_row=moe.act_row,
-      **dict(zip(("kv_row", "q_row", "heads", "kv_heads"),
+      update_reduced_bytes=update_reduced_bytes(optimizer, params),
+      **dict(zip(("kv_row", "q_row", "heads", "kv_heads", "head_dim"),
                  _attention_row(loss_fn, cparams, batch, False if remat else None))))
