@@ -73,6 +73,7 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       data.check_epochs(o.data.dataset, o.schedule.epochs)
       startup.check_init_from(o.model.init_from)  # a model directory, before its tokenizer
       rundir.check_directory(o.ckpt.run_dir, "--run_dir")  # before the data is read
+      emergency.check_options(o.ckpt)
       with fs.multihost.preemption_guard(grace_s=o.ckpt.grace_s) as should_stop, \
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.data.dataset}) ...")
@@ -241,7 +242,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   notice stopped it (its grace_s is for the save)."""
   o, rec, m, last, stopped, stall = job.setup.o, job.rec, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.ckpt.checkpoint_every
-  copy_every = o.ckpt.emergency_every if o.ckpt.checkpoint else 0
+  copy_every = o.ckpt.emergency_every  # 0 with --nocheckpoint (emergency.check_options)
   steps, max_stalled = o.schedule.steps, o.schedule.max_stalled_steps
   for step in range(job.start, steps):
     rec.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained

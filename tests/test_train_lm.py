@@ -1290,6 +1290,16 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("missing tokenizer", ["--tokenizer={tmp}/nope.json"], dict(tokenizer="{tmp}/nope.json"),
      fs.FnscaleError, r"tokenizer='.*nope.json': no such file; pass a Hugging Face "
      r"tokenizer.json"),
+    # Emergency options that would save nothing were ignored unsaid.
+    ("emergency dir without interval", ["--emergency_dir={tmp}/e"],
+     dict(emergency_dir="{tmp}/e"), fs.InputError,
+     r"--emergency_dir=.*/e without --emergency_every: no emergency copies are saved; fix: "
+     r"add --emergency_every=N to save one every N steps there \(e.g. 10\), or leave "
+     r"--emergency_dir out$"),
+    ("emergency copies without checkpoints", ["--emergency_every=2", "--nocheckpoint"],
+     dict(emergency_every=2, checkpoint=False), fs.InputError,
+     r"--emergency_every=2 with --nocheckpoint: .*; fix: drop --nocheckpoint, or leave "
+     r"--emergency_every out$"),
 ]
 
 
