@@ -378,8 +378,24 @@ def test_a_restart_counts_the_steps_it_redoes_as_lost_work(work, tmp_path, capsy
   # This start's share: from its call to its last record (not the summary after it).
   assert wall - max(1.0, 0.1 * wall) <= g["goodput/wall_s"] - g1["goodput/wall_s"] <= wall
   said = capsys.readouterr().out
-  assert f"goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s over 2 starts: " \
-      in said and "(4 steps redone)" in said
+  assert f"the whole run: goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s " \
+      "over 2 starts: " in said and "(4 steps redone)" in said
+  assert f"{second.wall_s:.0f} s total this start; metrics in" in said
+
+
+def test_the_closing_lines_say_whose_time_is_whose(uninterrupted):
+  """One start: its wall time is the run's, unlabelled. Several: the summary's wall time is
+  this start's and the goodput's the whole run's, each said (before: "24 s total" beside
+  "goodput ... of 45 s over 2 starts", neither labelled)."""
+  summary, run_dir = uninterrupted
+  first, good = run_summary.closing_lines(summary, "lm")
+  assert first.endswith(f"{summary.wall_s:.0f} s total; metrics in {run_dir / 'metrics.jsonl'}")
+  assert good.startswith(f"goodput {summary.goodput['goodput/fraction']:.1%} of ")
+  again = summary._replace(wall_s=24.2, goodput={**summary.goodput, "goodput/starts": 2,
+                                                 "goodput/wall_s": 45.4})
+  first, good = run_summary.closing_lines(again, "lm")
+  assert first.endswith(f"24 s total this start; metrics in {run_dir / 'metrics.jsonl'}")
+  assert good.startswith("the whole run: goodput ") and " of 45 s over 2 starts: " in good
 
 
 @pytest.mark.slow
