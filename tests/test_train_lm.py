@@ -1405,6 +1405,32 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
     rundir.check_same_run(other, 8)
 
 
+def test_a_run_resumed_on_other_devices_keeps_its_recorded_global_batch(work, tmp_path):
+  """A run directory whose run.json records global batch 24 on 16 devices, resumed on these
+  8 with the batch left to the default (8 rows a device: 64): the one set-up keeps 24, 3 rows
+  a device, and says so once; a batch given, or the same device count, is the user's."""
+  corpus = data.load(str(work / "corpus.txt"), "")
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "run.json").write_text(json.dumps(
+      {"start": {"devices": 16, "options": {"global_batch": 24}}}))
+  decide = lambda **kw: run_setup.decide(cli.check_options(train_lm.Options, dict(
+      dataset=str(work / "corpus.txt"), model_config="nano", seq=32, mesh="data=-1,fsdp=2",
+      run_dir=str(run_dir), steps=2, **kw)), corpus, said.append)
+  said = []
+  s = decide()
+  assert (s.o.step.global_batch, s.o.step.batch_size) == (24, 3)
+  assert [line for line in said if "keeping it" in line] == [
+      f"train_lm: {run_dir} was trained with global batch 24 on 16 devices; keeping it on "
+      "these 8 (by default 64): rows per device and accumulation follow, the data order "
+      "stays (--global_batch sets another)"]
+  said.clear()
+  assert decide(global_batch=16).o.step.global_batch == 16 and not said
+  (run_dir / "run.json").write_text(json.dumps(
+      {"start": {"devices": 8, "options": {"global_batch": 24}}}))
+  assert decide().o.step.global_batch == 64 and not said
+
+
 def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):
   # The run divided by this machine's cached peak: read back now, not measured again.
   start = json.loads((uninterrupted[1] / "run.json").read_text())["start"]
