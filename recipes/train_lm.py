@@ -22,7 +22,6 @@ options: an error).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import sys
 import time
@@ -73,10 +72,11 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
       data.check_epochs(o.data.dataset, o.schedule.epochs)
       startup.check_init_from(o.model.init_from)  # a model directory, before its tokenizer
       rundir.check_directory(o.ckpt.run_dir, "--run_dir")  # before the data is read
+      emergency.check_options(o.ckpt)
       with fs.multihost.preemption_guard(grace_s=o.ckpt.grace_s) as should_stop, \
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.data.dataset}) ...")
-        setup = _decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
+        setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
         rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
         ledger = goodput.ledger(started or t0, setup.o.ckpt.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.ckpt.checkpoint_dir
@@ -91,32 +91,6 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
           return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
-
-
-def _decide(o: Options, corpus, say) -> run_setup.Setup:
-  """`run_setup.decide`; a run resumed on another device count (a restart on fewer hosts)
-  with its batch left to the default keeps the global batch its run.json records: the rows
-  per device and the accumulation follow (memory.py), the data order stays, and it says so."""
-  said = []
-  try:
-    setup = run_setup.decide(o, corpus, said.append)
-  except BaseException:
-    for line in said:
-      say(line)
-    raise
-  n, batch = jax.device_count(), setup.o.step.global_batch
-  asked = o.step.global_batch or o.step.batch_size
-  recorded = None if asked else rundir.recorded_batch(setup.o.ckpt.run_dir, n)
-  if recorded is None or recorded[0] == batch:
-    for line in said:
-      say(line)
-    return setup
-  say(f"train_lm: {setup.o.ckpt.run_dir} was trained with global batch {recorded[0]} on "
-      f"{recorded[1]} devices; keeping it on these {n} (by default {batch}): "
-      "rows per device and accumulation follow, the data order stays (--global_batch sets "
-      "another)")
-  return run_setup.decide(dataclasses.replace(o, step=dataclasses.replace(
-      o.step, global_batch=recorded[0])), corpus, say)
 
 
 def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
@@ -241,7 +215,7 @@ def _loop(job: run_setup.Run, state, batch, ev: tuple) -> tuple[Any, dict]:
   notice stopped it (its grace_s is for the save)."""
   o, rec, m, last, stopped, stall = job.setup.o, job.rec, None, {}, None, stalls.Stall()
   clock, t_train, every = progress.clock(), time.time(), o.ckpt.checkpoint_every
-  copy_every = o.ckpt.emergency_every if o.ckpt.checkpoint else 0
+  copy_every = o.ckpt.emergency_every  # 0 with --nocheckpoint (emergency.check_options)
   steps, max_stalled = o.schedule.steps, o.schedule.max_stalled_steps
   for step in range(job.start, steps):
     rec.goodput.at_step(step + 1)  # productive, or lost: a step an earlier start trained

@@ -40,6 +40,7 @@ CASES = [
     ("bench/attention", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
     ("bench/chip", ["--case=gpt-small,remat=sometimes"], "'sometimes'"),
+    ("bench/crash", ["--kill_at=0"], "--kill_at: 0 must be >= 1"),
     ("bench/chip", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/int8_matmul", ["--shapes=64x32"], "'64x32' is not MxKxN"),

@@ -378,8 +378,24 @@ def test_a_restart_counts_the_steps_it_redoes_as_lost_work(work, tmp_path, capsy
   # This start's share: from its call to its last record (not the summary after it).
   assert wall - max(1.0, 0.1 * wall) <= g["goodput/wall_s"] - g1["goodput/wall_s"] <= wall
   said = capsys.readouterr().out
-  assert f"goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s over 2 starts: " \
-      in said and "(4 steps redone)" in said
+  assert f"the whole run: goodput {g['goodput/fraction']:.1%} of {g['goodput/wall_s']:.0f} s " \
+      "over 2 starts: " in said and "(4 steps redone)" in said
+  assert f"{second.wall_s:.0f} s total this start; metrics in" in said
+
+
+def test_the_closing_lines_say_whose_time_is_whose(uninterrupted):
+  """One start: its wall time is the run's, unlabelled. Several: the summary's wall time is
+  this start's and the goodput's the whole run's, each said (before: "24 s total" beside
+  "goodput ... of 45 s over 2 starts", neither labelled)."""
+  summary, run_dir = uninterrupted
+  first, good = run_summary.closing_lines(summary, "lm")
+  assert first.endswith(f"{summary.wall_s:.0f} s total; metrics in {run_dir / 'metrics.jsonl'}")
+  assert good.startswith(f"goodput {summary.goodput['goodput/fraction']:.1%} of ")
+  again = summary._replace(wall_s=24.2, goodput={**summary.goodput, "goodput/starts": 2,
+                                                 "goodput/wall_s": 45.4})
+  first, good = run_summary.closing_lines(again, "lm")
+  assert first.endswith(f"24 s total this start; metrics in {run_dir / 'metrics.jsonl'}")
+  assert good.startswith("the whole run: goodput ") and " of 45 s over 2 starts: " in good
 
 
 @pytest.mark.slow
@@ -1290,6 +1306,16 @@ BAD_INPUT = [  # (case, flags, keywords, fnscale error class, what the message m
     ("missing tokenizer", ["--tokenizer={tmp}/nope.json"], dict(tokenizer="{tmp}/nope.json"),
      fs.FnscaleError, r"tokenizer='.*nope.json': no such file; pass a Hugging Face "
      r"tokenizer.json"),
+    # Emergency options that would save nothing were ignored unsaid.
+    ("emergency dir without interval", ["--emergency_dir={tmp}/e"],
+     dict(emergency_dir="{tmp}/e"), fs.InputError,
+     r"--emergency_dir=.*/e without --emergency_every: no emergency copies are saved; fix: "
+     r"add --emergency_every=N to save one every N steps there \(e.g. 10\), or leave "
+     r"--emergency_dir out$"),
+    ("emergency copies without checkpoints", ["--emergency_every=2", "--nocheckpoint"],
+     dict(emergency_every=2, checkpoint=False), fs.InputError,
+     r"--emergency_every=2 with --nocheckpoint: .*; fix: drop --nocheckpoint, or leave "
+     r"--emergency_every out$"),
 ]
 
 
@@ -1377,6 +1403,32 @@ def test_a_run_dir_of_other_options_is_refused(work, tmp_path, uninterrupted):
   rundir.check_same_run(other, 4)
   with pytest.raises(fs.InputError, match=r"global_batch=32 \(the run's: 16\)"):
     rundir.check_same_run(other, 8)
+
+
+def test_a_run_resumed_on_other_devices_keeps_its_recorded_global_batch(work, tmp_path):
+  """A run directory whose run.json records global batch 24 on 16 devices, resumed on these
+  8 with the batch left to the default (8 rows a device: 64): the one set-up keeps 24, 3 rows
+  a device, and says so once; a batch given, or the same device count, is the user's."""
+  corpus = data.load(str(work / "corpus.txt"), "")
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "run.json").write_text(json.dumps(
+      {"start": {"devices": 16, "options": {"global_batch": 24}}}))
+  decide = lambda **kw: run_setup.decide(cli.check_options(train_lm.Options, dict(
+      dataset=str(work / "corpus.txt"), model_config="nano", seq=32, mesh="data=-1,fsdp=2",
+      run_dir=str(run_dir), steps=2, **kw)), corpus, said.append)
+  said = []
+  s = decide()
+  assert (s.o.step.global_batch, s.o.step.batch_size) == (24, 3)
+  assert [line for line in said if "keeping it" in line] == [
+      f"train_lm: {run_dir} was trained with global batch 24 on 16 devices; keeping it on "
+      "these 8 (by default 64): rows per device and accumulation follow, the data order "
+      "stays (--global_batch sets another)"]
+  said.clear()
+  assert decide(global_batch=16).o.step.global_batch == 16 and not said
+  (run_dir / "run.json").write_text(json.dumps(
+      {"start": {"devices": 8, "options": {"global_batch": 24}}}))
+  assert decide().o.step.global_batch == 64 and not said
 
 
 def test_cpu_mfu_denominator_is_the_machines_cached_peak(uninterrupted, capsys):

@@ -19,17 +19,19 @@ child was ended by a signal, which no save can complete without).
 
 Supervision, the Ray launcher's rule (`classify`): a process preempted (143), lost (75) or
 ended by a signal (kill -9, the OOM killer) stops the others and the whole job starts again at
-once on a fresh coordinator port, up to `--max_restarts` times, each restart said in one line;
-recipes/train_lm.py resumes from its newest save (persistent or emergency copy). Bad input (2)
-or an uncaught error is not restarted. The exit status is the cause's (75 for a process ended
-by a signal, as the Ray launcher's); after the last restart, or on a failure that isn't
-restarted, the last line is an `error:` line.
+once on a fresh coordinator port, up to `--max_restarts` times, each restart said in one line
+when its cause is seen; recipes/train_lm.py resumes from its newest save (persistent or
+emergency copy). Bad input (2) or an uncaught error is not restarted. The exit status is the
+cause's (75 for a process ended by a signal, as the Ray launcher's); after the last restart,
+or on a failure that isn't restarted, the launcher's one line about it is the last, an
+`error:` line.
 
 `launch(argv, num_processes, devices_per_process, timeout_s=...)` is the same as a function
 (`supervise` also returns the restarts).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -199,19 +201,25 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int,
   Returns:
     `[(returncode, output), ...]` per process of the last attempt, in id order; output is
     stdout and stderr interleaved. When one child fails, the others are stopped and show a
-    negative (signal) return code.
+    negative (signal) return code, and the failure is streamed in one line (`final`).
 
   Raises:
     ValueError: a bad count or an empty command.
     TypeError: a keyword that is not a field of `Options`.
     KeyboardInterrupt: after stopping every child, when interrupted.
   """
-  return supervise(argv, num_processes, devices_per_process, **options).results
+  outcome = supervise(argv, num_processes, devices_per_process, **options)
+  if outcome.failure is not None:
+    stream = options.get("stream") or (lambda line: print(line, end="", flush=True))
+    stream(f"{_PREFIX}{final(outcome, Options(**options).max_restarts)}\n")
+  return outcome.results
 
 
 def supervise(argv: Sequence[str], num_processes: int, devices_per_process: int,
               **options) -> Outcome:
-  """`launch`, returning the `Outcome` (the restarts and the last failure, if any)."""
+  """`launch`, returning the `Outcome` (the restarts and the last failure, if any); each
+  restart is streamed in one line, the last failure is left to the caller to say (`final`;
+  launch_local.py's `error:` line)."""
   o = Options(**options)
   for name, v, least in (("num_processes", num_processes, 1),
                          ("devices_per_process", devices_per_process, 1),
@@ -223,26 +231,43 @@ def supervise(argv: Sequence[str], num_processes: int, devices_per_process: int,
   deadline = None if o.timeout_s is None else time.monotonic() + o.timeout_s
   restarts = 0
   while True:
-    cause, results = _attempt(cmd, num_processes, devices_per_process, o, stream, deadline)
+    # A restart is said once, when its cause is seen; the last failure is the Outcome's.
+    cause, results = _attempt(cmd, num_processes, devices_per_process, o, stream, deadline,
+                              functools.partial(_restart_line, restarts=restarts,
+                                                max_restarts=o.max_restarts))
     if cause is None:
       return Outcome(results, restarts, None)
     verdict = classify(cause)
     if not verdict.restart or restarts >= o.max_restarts:
-      stream(_PREFIX + verdict.why + ("; not restarting: a restart doesn't heal it\n"
-                                      if not verdict.restart else
-                                      f"; giving up after {restarts} restart(s) "
-                                      f"(max_restarts={o.max_restarts})\n"))
       return Outcome(results, restarts, verdict)
     restarts += 1
-    stream(f"{_PREFIX}restart {restarts} of {o.max_restarts}: {verdict.why}; every process "
-           "stopped, the job starts again and resumes from its newest save\n")
+
+
+def _restart_line(cause: Exit, killed: bool, restarts: int, max_restarts: int) -> str | None:
+  """The one line that says attempt `restarts` + 1 is restarted for `cause` (its peers
+  stopped at once where `killed`), or None when it isn't (`final` says why)."""
+  verdict = classify(cause)
+  if not verdict.restart or restarts >= max_restarts:
+    return None
+  return (f"{_PREFIX}restart {restarts + 1} of {max_restarts}: {verdict.why}; stopping the "
+          "others" + (" at once (no save completes without it)" if killed else "")
+          + ", then the job starts again and resumes from its newest save\n")
+
+
+def final(outcome: Outcome, max_restarts: int) -> str:
+  """What ended a supervised job that failed (`outcome.failure`), in words: the cause and
+  why it wasn't restarted."""
+  v = outcome.failure
+  return v.why + ("; not restarted: a restart doesn't heal it" if not v.restart else
+                  f"; gave up after {outcome.restarts} restart(s) (max_restarts={max_restarts})")
 
 
 def _attempt(cmd: list[str], num_processes: int, devices_per_process: int, o: Options, stream,
-             deadline: float | None) -> tuple[Exit | None, list[tuple[int, str]]]:
+             deadline: float | None, says) -> tuple[Exit | None, list[tuple[int, str]]]:
   """One start of the whole job: (the failure that ended it, `cause_of` those that ended on
   their own, or None; `[(returncode, output), ...]`). Every child has ended when it returns;
-  the timeout ends the supervision (its cause is not restarted)."""
+  the timeout ends the supervision (its cause is not restarted). `says(cause, killed)`: the
+  line streamed before the others are stopped, or None."""
   port = free_port()
   procs, outputs, readers, cause = [], [[] for _ in range(num_processes)], [], None
 
@@ -274,9 +299,9 @@ def _attempt(cmd: list[str], num_processes: int, devices_per_process: int, o: Op
           # A process ended by a signal can't take part in a save: its peers would only wait
           # for it (and read the SIGTERM as a preemption), so they stop at once.
           killed = cause.returncode is not None and cause.returncode < 0
-          stream(f"{_PREFIX}process {cause.process_id} exited with {cause.returncode}; "
-                 + ("stopping the others at once (no save completes without it)\n" if killed
-                    else "stopping the others\n"))
+          line = says(cause, killed)
+          if line:
+            stream(line)
           stop(procs, 0.0 if killed else o.grace_s)
         break
       if deadline is not None and time.monotonic() > deadline:
@@ -303,12 +328,14 @@ def _define_flags(fv: flags.FlagValues) -> None:
                        "lost or killed", flag_values=fv)
 
 
-def launcher_flags(argv: list[str], define_flags, doc: str):
+def launcher_flags(argv: list[str], define_flags, doc: str, least: Sequence = ()):
   """A launcher's command line: `(flag values, the command after "--")`, or None after
-  printing `doc` and the flags for `--help` (asked before the "--").
+  printing `doc` and the flags for `--help` (asked before the "--"). `least`: (name, the
+  least value, what it means or "") of each int flag with a lower bound.
 
   Raises:
-    absl.flags.Error: an unknown or malformed flag.
+    absl.flags.Error: an unknown or malformed flag, or one below its least value (as
+      `--name=value: expected ...; fix: ...`).
   """
   fv = flags.FlagValues()
   define_flags(fv)
@@ -316,13 +343,26 @@ def launcher_flags(argv: list[str], define_flags, doc: str):
   if any(a in ("-h", "--help", "-help", "--helpfull") for a in ours):
     print(doc.strip() + "\n\nflags:\n" + fv.get_help(include_special_flags=False))
     return None
-  return fv, fv(list(argv))[1:]
+  rest = fv(list(argv))[1:]
+  for name, low, meaning in least:
+    flag = fv[name]
+    if flag.value < low:
+      raise flags.IllegalFlagValueError(
+          f"--{name}={flag.value}: expected an int >= {low} ({flag.help}); fix: "
+          f"--{name}={low}{f' ({meaning})' if meaning else ''} or more, or leave it out "
+          f"for the default {flag.default}")
+  return fv, rest
+
+
+# launch_local.py's int flags: (name, least value, what that value means).
+_LEAST = (("num_processes", 1, ""), ("devices_per_process", 1, ""),
+          ("max_restarts", 0, "never restart"))
 
 
 def main(argv: list[str]) -> int:
   """`launch_local.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
   try:
-    parsed = launcher_flags(argv, _define_flags, __doc__)
+    parsed = launcher_flags(argv, _define_flags, __doc__, _LEAST)
   except flags.Error as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -660,6 +660,12 @@ def _define_flags(fv: flags.FlagValues) -> None:
     define[kind](name, default, help_, flag_values=fv)
 
 
+# The int flags with a lower bound: (name, least value, what that value means).
+_LEAST = (("max_restarts", 0, "never restart"),
+          ("devices_per_process", 0, ""),
+          ("local_nodes", 0, "no local cluster"))
+
+
 def _hosts(fv: flags.FlagValues) -> Hosts:
   if fv.tpu:
     if fv.hosts:
@@ -672,7 +678,7 @@ def _hosts(fv: flags.FlagValues) -> Hosts:
 def main(argv: list[str]) -> int:
   """`launch_ray.py [flags] -- RECIPE [recipe flags]`; returns the exit status."""
   try:
-    parsed = launch_local.launcher_flags(argv, _define_flags, __doc__)
+    parsed = launch_local.launcher_flags(argv, _define_flags, __doc__, _LEAST)
     if parsed is None:
       return 0
     fv, rest = parsed

@@ -5,9 +5,11 @@ process killed without warning (kill -9, a host gone) loses at most that many st
 second orbax manager beside the persistent one: neither waits on the other's saves. A restart
 resumes from the newer of the two (`newest`), saying which.
 
-The directory is checked before anything trains (`prepare`): writable by every process and
-not another run's (its copies would resume this run from that run's state): each is an
-`error:` line naming the fix, before anything of the persistent checkpoints is touched. Copies
+The options are checked before the data is read (`check_options`: a directory without an
+interval is refused, not ignored), the directory before anything trains (`prepare`): writable
+by every process and not another run's (its copies would resume this run from that run's
+state): each is an `error:` line naming the fix, before anything of the persistent
+checkpoints is touched. Copies
 saved on another mesh or process count restore onto this one (orbax reads them by the
 state's shardings; the data positions are mapped as for checkpoints, `batches`).
 
@@ -35,6 +37,24 @@ def directory(c: CheckpointOptions) -> str:
   if not (c.checkpoint and c.emergency_every):
     return ""
   return c.emergency_dir or os.path.join(c.run_dir, "emergency")
+
+
+def check_options(c: CheckpointOptions) -> None:
+  """Refuses emergency options that would save nothing unsaid: --emergency_dir without
+  --emergency_every (its interval is the user's to choose: copies cost a save each), or
+  --emergency_every with --nocheckpoint (a run that saves nothing resumes from nothing).
+
+  Raises:
+    InputError: naming the options and the fix.
+  """
+  if c.emergency_dir and not c.emergency_every:
+    raise fs.InputError(f"--emergency_dir={c.emergency_dir} without --emergency_every: no "
+                        "emergency copies are saved; fix: add --emergency_every=N to save one "
+                        "every N steps there (e.g. 10), or leave --emergency_dir out")
+  if c.emergency_every and not c.checkpoint:
+    raise fs.InputError(f"--emergency_every={c.emergency_every} with --nocheckpoint: a run "
+                        "without checkpoints neither saves nor resumes from emergency copies; "
+                        "fix: drop --nocheckpoint, or leave --emergency_every out")
 
 
 def owner(s) -> dict:

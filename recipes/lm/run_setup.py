@@ -35,8 +35,9 @@ class Setup(NamedTuple):
 def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   """The run options `o` ask for on these devices over `corpus`: every default filled in
   (`options.PLATFORM_DEFAULTS`, `options.schedule_defaults`, `options.log_defaults`), the
-  mesh built, every size checked. Raises FnscaleError on any bad value, before anything is
-  written."""
+  mesh built, every size checked; a run resumed on another device count with its batch left
+  to the default keeps the global batch its run.json records (`_kept_batch`), said. Raises
+  FnscaleError on any bad value, before anything is written."""
   if o.step.optimizer == "adafactor" and o.step.mu_dtype is not None:
     raise fs.InputError(f"--mu_dtype={o.step.mu_dtype} with --optimizer=adafactor: Adafactor "
                         "keeps no first moment; fix: drop --mu_dtype, or --optimizer=adamw")
@@ -52,7 +53,12 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   lora = finetune.lora_config(o.tune, model, cfg, o.model.model_config)
   if o.tune.objective == "dpo":
     finetune.dpo_config(o.tune)
+  run_dir = o.ckpt.run_dir or rundir.default_run_dir(
+      name, o.data.dataset, models.tokenizer(o.model), corpus.vocab)
+  o, kept = _kept_batch(o, run_dir)  # before the mesh: --mesh=auto plans for the batch
   mesh, planned = _mesh(o, model, cfg, topo, say, lora)
+  if kept:
+    _say_kept(kept, run_dir, platform_default(o.step, "batch_size", topo.platform), mesh, say)
   # Rows, accumulation, remat and optimizer, decided here once: what the user gave, the rest
   # what fits the device's memory. The options hold them from here on.
   step = memory.choose(o.step, o.model.precision, memory.Model(model, cfg, name, lora), topo,
@@ -69,14 +75,36 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   if steps is None:
     steps = platform_default(o.schedule, "steps", topo.platform)
   profile = profiling.parse_profile_steps(o.log.profile_steps, steps)
-  ckpt = dataclasses.replace(o.ckpt, run_dir=o.ckpt.run_dir or rundir.default_run_dir(
-      name, o.data.dataset, models.tokenizer(o.model), corpus.vocab))
+  ckpt = dataclasses.replace(o.ckpt, run_dir=run_dir)
   o = dataclasses.replace(
       o, model=dataclasses.replace(o.model, model_config=name),
       data=dataclasses.replace(o.data, seq=seq),
       schedule=schedule_defaults(o.schedule, size, steps), log=log_defaults(o.log, steps),
       ckpt=dataclasses.replace(ckpt, checkpoint_dir=checkpoints.directory(ckpt)))
   return Setup(o, topo, mesh, model, cfg, profile, corpus, lora, asked)
+
+
+def _kept_batch(o: Options, run_dir: str) -> tuple[Options, tuple[int, int] | None]:
+  """(`o`, (global batch, devices) its run directory records) for a run resumed on another
+  device count (a restart on fewer hosts) with its batch left to the default: `o` asks for
+  the recorded global batch, so the rows per device and the accumulation follow
+  (`memory.choose`) and the data order stays. Else (`o`, None)."""
+  if o.step.global_batch or o.step.batch_size:
+    return o, None
+  kept = rundir.recorded_batch(run_dir, jax.device_count())
+  if kept is None:
+    return o, None
+  return dataclasses.replace(o, step=dataclasses.replace(o.step, global_batch=kept[0])), kept
+
+
+def _say_kept(kept: tuple[int, int], run_dir: str, per_device: int, mesh, say) -> None:
+  """Says that the recorded global batch `kept` (`_kept_batch`) is kept, where the default
+  (`per_device` rows on each of `mesh`'s data-parallel devices) would differ."""
+  default = per_device * int(np.prod([mesh.shape[a] for a in fs.data_axes(mesh)]))
+  if default != kept[0]:
+    say(f"train_lm: {run_dir} was trained with global batch {kept[0]} on {kept[1]} devices; "
+        f"keeping it on these {jax.device_count()} (by default {default}): rows per device "
+        "and accumulation follow, the data order stays (--global_batch sets another)")
 
 
 def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Planned | None]:

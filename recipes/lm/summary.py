@@ -68,8 +68,9 @@ def describe(r, state) -> None:
 
 def summarize(r, state, out: dict) -> "Summary":
   """The Summary of run `r` that ended with `state`; `out`: the loop's figures (train_lm's
-  `_loop`, `_finish`). Said in one line and recorded as the "summary" of run.json, with the
-  compiled step's memory in another (`say_memory`)."""
+  `_loop`, `_finish`). Said in two lines (`closing_lines`: the summary's and the goodput's)
+  and recorded as the "summary" of run.json, with the compiled step's memory in another
+  (`say_memory`)."""
   s, ev, compiled = r.setup, out["eval_loss"], r.compiled
   summary = Summary(
       final_step=int(state.step), start_step=r.start, resumed_from=r.resumed,
@@ -86,8 +87,8 @@ def summarize(r, state, out: dict) -> "Summary":
       metrics=os.path.join(s.o.ckpt.run_dir, run_log.METRICS_FILE), goodput=out["goodput"])
   run_log.write_run_record(s.o.ckpt.run_dir, "summary", summary.record(),
                            active=jax.process_index() == 0)
-  r.rec.say(_line(summary, s.o.tune.objective, f"{summary.train_s:.0f} s training, "))
-  r.rec.say(goodput.line(summary.goodput))
+  for line in closing_lines(summary, s.o.tune.objective):
+    r.rec.say(line)
   say_memory(s, summary.step_bytes, r.rec.say)
   return summary
 
@@ -113,8 +114,19 @@ def finished(s, state, start: int, t0: float, say) -> "Summary":
   return summary
 
 
-def _line(summary: "Summary", objective: str, timing: str) -> str:
-  """The summary's line: the step, why it stopped, the eval loss and the step it is of."""
+def closing_lines(summary: "Summary", objective: str) -> list[str]:
+  """The two lines a run that trained ends with: the summary's (`_line`) and the goodput's.
+  A run with several starts labels which is which: the wall time is this start's, the
+  goodput the whole run's."""
+  starts = int(summary.goodput[goodput.TAG + "starts"])
+  return [_line(summary, objective, f"{summary.train_s:.0f} s training, ",
+                " this start" if starts > 1 else ""),
+          ("the whole run: " if starts > 1 else "") + goodput.line(summary.goodput)]
+
+
+def _line(summary: "Summary", objective: str, timing: str, whose: str = "") -> str:
+  """The summary's line: the step, why it stopped, the eval loss and the step it is of, and
+  `timing` before the wall time (`whose`: " this start", where a run had several)."""
   head = (f"stopped: step {summary.final_step} ({summary.stopped})" if summary.stopped
           else f"done: step {summary.final_step}")
   base = (f" (bigram baseline {summary.bigram_loss:.4f})"
@@ -122,7 +134,7 @@ def _line(summary: "Summary", objective: str, timing: str) -> str:
   unit, base = (" (DPO)", "") if objective == "dpo" else (" nats/token", base)
   ev = ("no eval" if summary.eval_loss is None else  # the step next to the loss it is of
         f"eval loss {summary.eval_loss:.4f}{unit} at step {summary.eval_step}{base}")
-  return (f"{head}, {ev}, {timing}{summary.wall_s:.0f} s total; metrics in "
+  return (f"{head}, {ev}, {timing}{summary.wall_s:.0f} s total{whose}; metrics in "
           f"{summary.metrics}")
 
 
