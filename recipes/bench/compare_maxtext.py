@@ -52,12 +52,13 @@ fnscale's batch carries the positions its Llama needs under a context axis, and 
 `--packed` the segment ids MaxText's synthetic batches carry (its splash kernels are then
 the segmented ones on both sides).
 `--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
-row); `--accum` is both sides' gradient accumulation (fnscale's `accum_steps`, with its
-default `accum_gather="auto"`; MaxText's `gradient_accumulation_steps`), `--batch` then each
-microbatch's rows per device, as MaxText's `per_device_batch_size` is. Each side's HLO, memory and a JSON of the table land in `--out`; `--sides=` (none)
-compiles nothing and counts the programs kept there again, e.g. after a change to
-`fnscale.analysis.hlo` (which counts libtpu's fused all-reduce-scatters as the
-reduce-scatters they run: (n-1)/n of the bytes, where an all-reduce sends 2 (n-1)/n).
+row); `--accum` is both sides' gradient accumulation (fnscale's `accum_steps`, with
+`--accum_gather`, default "auto"; MaxText's `gradient_accumulation_steps`), `--batch` then
+each microbatch's rows per device, as MaxText's `per_device_batch_size` is. Each side's HLO,
+memory and a JSON of the table land in `--out`; `--sides=` (none) compiles nothing and
+counts the programs kept there again, e.g. after a change to `fnscale.analysis.hlo` (which
+counts libtpu's fused all-reduce-scatters as the reduce-scatters they run: (n-1)/n of the
+bytes, where an all-reduce sends 2 (n-1)/n).
 """
 from __future__ import annotations
 
