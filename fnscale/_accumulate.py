@@ -34,7 +34,7 @@ gradients end in the params' sharding in every mode. Measure the modes with
   (which jax can't take into the per-shard loop's shard_map) raises StepError naming it.
 - "auto" (the default): "once" where no param is split over a data axis (data parallel:
   the same memory as "per_microbatch", the gradients reduced once), or where whole
-  compute-dtype params and a whole float32 accumulator take at most `ONCE_SHARE` (10%) of
+  compute-dtype params and a whole float32 accumulator take at most `ONCE_SHARE` (1%) of
   the device's memory (`fnscale.analysis.device_memory`, the memory pre-flight's figure);
   otherwise, and where the device's memory is unknown (CPU), "per_microbatch". The choice
   is said at INFO with its numbers. Under a plain `jax.jit` on Auto axes (param shardings
@@ -327,11 +327,13 @@ def _per_shard(cfg: _Config, params, micro, scale, step, axes, specs, frozen=Non
 
 # accum_gather="auto" runs "once" (whole params on every device) only where a device's whole
 # compute-dtype params and whole float32 accumulator take at most this share of its memory
-# (`fnscale._topology.device_memory`, the memory pre-flight's figure); the rest is for
-# activations, optimizer state and the compiler. Above it, or where the device's memory is
-# unknown (CPU), a model with params split over a data axis keeps them split
-# ("per_microbatch", FSDP's memory).
-ONCE_SHARE = 0.1
+# (`fnscale._topology.device_memory`, the memory pre-flight's figure). Above it, or where the
+# device's memory is unknown (CPU), a model with params split over a data axis keeps them
+# split ("per_microbatch", FSDP's memory, as MaxText's accumulation always does). At 10%,
+# Llama-3-8B's widths x 2 layers on v5p-8, fsdp=4 (8.3 GiB whole, 8.8% of its 94.7 GiB) ran
+# "once": 12.13 GiB of temporaries at accum 4 against MaxText's 5.11 GiB
+# (recipes/bench/README.md, "Against MaxText").
+ONCE_SHARE = 0.01
 
 
 def _whole_bytes(params, specs, axes, policy) -> int:

@@ -52,10 +52,13 @@ fnscale's batch carries the positions its Llama needs under a context axis, and 
 `--packed` the segment ids MaxText's synthetic batches carry (its splash kernels are then
 the segmented ones on both sides).
 `--batch` is rows per device (a fraction under a context axis: 0.25 on 4 devices is one
-row). Each side's HLO, memory and a JSON of the table land in `--out`; `--sides=` (none)
-compiles nothing and counts the programs kept there again, e.g. after a change to
-`fnscale.analysis.hlo` (which counts libtpu's fused all-reduce-scatters as the
-reduce-scatters they run: (n-1)/n of the bytes, where an all-reduce sends 2 (n-1)/n).
+row); `--accum` is both sides' gradient accumulation (fnscale's `accum_steps`, with
+`--accum_gather`, default "auto"; MaxText's `gradient_accumulation_steps`), `--batch` then
+each microbatch's rows per device, as MaxText's `per_device_batch_size` is. Each side's HLO,
+memory and a JSON of the table land in `--out`; `--sides=` (none) compiles nothing and
+counts the programs kept there again, e.g. after a change to `fnscale.analysis.hlo` (which
+counts libtpu's fused all-reduce-scatters as the reduce-scatters they run: (n-1)/n of the
+bytes, where an all-reduce sends 2 (n-1)/n).
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ def _maxtext_argv(a) -> list[str]:
       f"base_num_decoder_layers={a.layers}",
       f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
       f"per_device_batch_size={a.batch}", f"max_target_length={a.seq}",
+      f"gradient_accumulation_steps={a.accum}",
       "weight_dtype=float32", "dtype=bfloat16", "remat_policy=full", "attention=flash",
       f"ici_data_parallelism={ici.get('data', 1)}", f"ici_fsdp_parallelism={ici.get('fsdp', 1)}",
       f"ici_tensor_parallelism={ici.get('tensor', 1)}",
@@ -174,7 +178,7 @@ def fnscale_side(a) -> None:
                     optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
   policy = "params=float32,compute=bfloat16,output=float32"
   axes = model.logical_axes(cfg)
-  rows = _rows(a, len(devices))
+  rows = _rows(a, len(devices)) * a.accum  # MaxText's global batch: its microbatches'
   keys = ("inputs", "targets") + (("positions",) if fs.parallel.context.shards(mesh) > 1
                                   else ()) + (("segment_ids",) if a.packed else ())
   batch = {k: jax.ShapeDtypeStruct((rows, a.seq), jnp.int32) for k in keys}
@@ -186,7 +190,8 @@ def fnscale_side(a) -> None:
     loss = functools.partial(model.loss_fn, remat=True)
     if stages > 1:
       loss = functools.partial(loss, microbatches=a.microbatches or stages)
-    step = fs.train_step(loss, opt, policy=policy, accum_steps=a.accum)
+    step = fs.train_step(loss, opt, policy=policy, accum_steps=a.accum,
+                         accum_gather=a.accum_gather)
     kernel = fs.with_kernel(step, attention="auto", context=a.context_strategy,
                             context_order=order)
     compiled = fs.shard_step(kernel, mesh, rules=model.RULES, logical_axes=axes).compile(
@@ -353,7 +358,12 @@ def _flags(argv=None):
                  "context_parallel_load_balance; fnscale's zigzag order); default on, "
                  "except for ulysses, which needs none")
   p.add_argument("--seq", type=_positive, default=4096, help="tokens per row")
-  p.add_argument("--accum", type=_positive, default=1, help="fnscale's accumulation steps")
+  p.add_argument("--accum", type=_positive, default=1, help="gradient accumulation steps "
+                 "(fnscale's accum_steps, MaxText's gradient_accumulation_steps); --batch "
+                 "is then each microbatch's rows per device")
+  p.add_argument("--accum_gather", default="auto", choices=("auto", "once", "per_microbatch"),
+                 help="fnscale's accum_gather with --accum > 1 (MaxText's loop is "
+                 "'per_microbatch''s: params and accumulator sharded)")
   p.add_argument("--microbatches", type=int, default=0,
                  help="pipeline microbatches with a stage axis (default: the stages)")
   p.add_argument("--repeats", type=int, default=0,
@@ -414,7 +424,8 @@ def main(argv=None) -> None:
              f"{' load-balanced' if a.load_balance else ''}" if "context" in a.mesh + a.dcn
              else "")
   text = (f"{a.target}, mesh {a.mesh}{' | ' + a.dcn if a.dcn else ''}{context}, {a.model} "
-          f"shapes x {a.layers} layers, {a.batch:g} row(s) x {a.seq} tokens per device\n\n"
+          f"shapes x {a.layers} layers, {a.batch:g} row(s) x {a.seq} tokens per device"
+          f"{f' per microbatch, accum {a.accum}' if a.accum > 1 else ''}\n\n"
           + table(sides))
   with open(os.path.join(a.out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")

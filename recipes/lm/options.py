@@ -133,7 +133,7 @@ class StepOptions:
   accum_steps: int | None = option(None, "gradient accumulation micro-steps per step (splits "
                                    "the batch); default 1, or what fits the device's memory")
   accum_gather: str = option("auto", "with accum_steps > 1: 'auto' ('once' where whole params "
-                             "and accumulator fit 10% of device memory, else "
+                             "and accumulator fit 1% of device memory, else "
                              "'per_microbatch'), 'per_microbatch' "
                              "(params stay sharded, gradients reduced every microbatch) or "
                              "'once' (whole params on each device, gradients reduced once)")
