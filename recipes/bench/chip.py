@@ -57,7 +57,7 @@ step, tokens/s, MFU, program HBM (recipes/bench/chip_v5e.json holds the rows):
 | case | tokens/s | MFU | HBM GiB |
 |---|---|---|---|
 | gpt-small (16 x 1024, no remat) | 93.3k | 29.6% | 15.60 |
-| gpt-small,remat=dots,batch=32 | 120.1k | 38.0% | 11.39 |
+| gpt-small,remat=dots,batch=32 (splash's forward run once: 2026-12-06) | 126.8k | 40.2% | 11.59 |
 | gpt-medium (32 x 1024, full remat) | 34.2k | 36.7% | 9.84 |
 | gpt-medium,remat=qkv,batch=24 | 37.5k | 40.3% | 15.29 |
 | gpt-medium,remat=dots,batch=12 | 40.6k | 43.6% | 13.85 |

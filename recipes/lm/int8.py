@@ -33,9 +33,9 @@ from jax import lax
 _LEVELS = 127.0
 
 # TPU generations where `--int8` ran slower than bfloat16 at train_lm's widths, so the main
-# job says so when asked for it there: on v5e GPT small trained at 0.72x bfloat16's tokens/s,
-# and XLA's cost model for the chip gives int8's product 6-14% over bf16's while quantizing
-# the activations costs a third of the matmul (recipes/bench/int8_matmul.py, its README row).
+# job says so when asked for it there: on v5e GPT small trained at 0.73x bfloat16's tokens/s;
+# the int8 product runs 1.3-1.9x bf16's there, but the step's quantizes, which XLA leaves
+# unfused, cost more (recipes/bench/README.md, its int8 rows).
 SLOWER_ON = ("v5e",)
 
 
