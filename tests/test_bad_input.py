@@ -39,7 +39,7 @@ CASES = [
      "--shapes entry '1x128': expected BATCHxSEQxHEADSxKV_HEADSxHEAD"),
     ("bench/attention", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/checkpoint", ["--sizes_mib=abc"], "--sizes_mib='abc'"),
-    ("bench/chip", ["--case=gpt-small,remat=sometimes"], "'sometimes'"),
+    ("bench/chip", ["--case=gpt-nano,remat=sometimes"], "'sometimes'"),
     ("bench/crash", ["--kill_at=0"], "--kill_at: 0 must be >= 1"),
     ("bench/chip", ["--tpu"], "tpu=True but no TPU was found"),  # train_lm's options
     ("bench/context", ["--figures=speed"], "'speed'"),

@@ -32,7 +32,7 @@ def _losses(run_dir):
   return [(r["step"], r["train/loss"]) for r in map(json.loads, lines) if "train/loss" in r]
 
 
-STEPS, EVERY, KILL_AT = 30, 10, 14
+STEPS, EVERY, KILL_AT = 20, 10, 14
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
