@@ -103,6 +103,7 @@ import fnscale as fs
 from recipes.bench import plain_jax as pj
 from recipes.bench import trace_split
 from recipes.lm import cli, hardware, models, optimizers
+from recipes.lm.options import REMAT_POLICIES
 
 # Base shapes: train_lm's TPU default (GPT small 16 x 1024), GPT medium with remat, the
 # Llama sized for one v5e chip, the Llama 3.2 1B and 3B shapes under Adafactor (AdamW's
@@ -179,6 +180,9 @@ def parse_case(text: str) -> Case:
   case = Case(label=text, **fields)
   if case.attn not in ("", "xla", "splash"):
     raise fs.InputError(f"--case={text!r}: attn={case.attn!r}; expected xla or splash")
+  if case.remat not in REMAT_POLICIES:  # before any model is built
+    raise fs.InputError(f"--case={text!r}: remat={case.remat!r}; expected one of "
+                        f"{list(REMAT_POLICIES)}")
   if case.xla not in _XLA or case.params not in ("float32", "bfloat16") or case.mu not in (
       "float32", "bfloat16") or case.opt not in optimizers.OPTIMIZERS:
     raise fs.InputError(f"--case={text!r}: xla in {list(_XLA)}, params and mu float32 or "

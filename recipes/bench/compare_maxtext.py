@@ -343,8 +343,7 @@ def _flags(argv=None):
   p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
                  help="MaxText's model name (fnscale's of the same shapes: llama-8b, "
                  "moe-mixtral-8x7b)")
-  p.add_argument("--layers", type=_positive, default=2,
-                 help="decoder layers (of the model's shapes)")
+  p.add_argument("--layers", type=_positive, default=2, help="decoder layers (of the model)")
   p.add_argument("--batch", type=float, default=1, help="rows per device (a fraction "
                  "when a context axis splits the rows: 0.25 on 4 devices is one row)")
   p.add_argument("--context_strategy", default="all_gather",
