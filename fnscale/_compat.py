@@ -477,8 +477,10 @@ def output_names(closed) -> list:
   none), looking through nested jit calls, as jax's remat policies read it (the `name`
   equations and the `jit` primitive's `jaxpr` parameter are jaxpr internals)."""
   def name(jaxpr, var):
-    made = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
-    while isinstance(var, jax.extend.core.Var) and var in made:
+    while isinstance(var, jax.extend.core.Var):
+      made = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+      if var not in made:
+        return None
       eqn, i = made[var]
       if eqn.primitive.name == "name":
         return eqn.params["name"]
@@ -486,7 +488,6 @@ def output_names(closed) -> list:
       if inner is None:
         return None
       jaxpr = getattr(inner, "jaxpr", inner)
-      made = {v: (e, j) for e in jaxpr.eqns for j, v in enumerate(e.outvars)}
       var = jaxpr.outvars[i]
     return None
   return [name(closed.jaxpr, v) for v in closed.jaxpr.outvars]
