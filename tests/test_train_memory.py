@@ -3,6 +3,7 @@ the user left open is chosen to fit, what they fixed is left to XLA's compile, a
 fit stops before anything is built, naming the fix; a LoRA run's estimate against XLA's."""
 
 import functools
+import json
 import types
 
 import jax
@@ -141,6 +142,30 @@ def test_the_memory_benchmark_refuses_bad_flags(capsys):
   assert "--models: ['gpt-9'] unknown" in capsys.readouterr().err
   assert cli.run(bench.main, ["--run"]) == 2
   assert "add --target=device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_chooses_a_smaller_optimizer_state_as_train_lm_does(tmp_path):
+  """Where no remat or accumulation fits with AdamW in float32, the benchmark's choice is
+  train_lm's next one: AdamW with a bfloat16 first moment, which compiles and runs; the
+  program it reports holds 2 bytes a param less state than AdamW's in float32 (a hand
+  count of the compiled programs' arguments, independent of the planner)."""
+  from recipes.bench import memory as bench  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "rows.json"
+  assert cli.run(bench.main, ["--target=device", "--limit_gib=0.0024", "--models=nano",
+                              "--rows=8", "--seq=64", "--run", f"--json={out}"]) == 0
+  choice = json.loads(out.read_text())[0]["choice"]
+  assert (choice["optimizer"], choice["ran"]) == ("--mu_dtype=bfloat16", "ok")
+  cfg = gpt.model_config("nano", 64)
+  compiled = {opt: bench._compile(gpt, cfg, jax.devices()[:1], 8, choice["remat"],  # pylint: disable=protected-access
+                                  choice["accum_steps"], place=False, keep="none", opt=opt)
+              for opt in memory.OPTIMIZERS[:2]}
+  assert compiled[memory.OPTIMIZERS[1]][1] == choice["xla"]
+  state = {o: c[0].compiled.memory_analysis().argument_size_in_bytes
+           for o, c in compiled.items()}
+  params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      functools.partial(gpt.init_params, cfg), jax.random.key(0))))
+  assert state[memory.OPTIMIZERS[0]] - state[memory.OPTIMIZERS[1]] == 2 * params
 
 
 def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():

@@ -208,7 +208,9 @@ def _from_topology(topo, cpu_rates) -> Hardware:
     if cpu_rates is None:
       raise TopologyError("planning for CPU devices needs measured rates: pass "
                           "cpu_rates=fnscale.analysis.calibrate_cpu()")
-    return cpu_hardware(*cpu_rates)
+    import jax  # pylint: disable=g-import-not-at-top
+    # A topology of some of the devices (detect_topology(devices=...)) plans for those.
+    return cpu_hardware(*cpu_rates, devices=jax.devices("cpu")[:topo.num_devices])
   if topo.platform == "gpu":
     facts = _topology.gpu_facts(topo.device_kind)
     kind = next((k for k in _GPUS.values() if _topology.CHIP_FACTS[k] is facts), None)

@@ -18,9 +18,10 @@ first device):
   (`fnscale.analysis.step_bytes`; where XLA refuses the program at compile time, the
   figure of its refusal); `ratio` est / xla; the pre-flight's verdict against the device's
   memory (`fnscale.analysis.device_memory`, or `--limit_gib`): fits or refused.
-- choice: where plain is refused, train_lm's choice for those rows (the planner's fastest
-  option within 90% of the memory, `recipes/lm/memory.py`), its est, xla and verdict; "none"
-  where nothing fits (the state alone too big).
+- choice: where plain is refused, train_lm's choice for those rows (`recipes/lm/memory.py`:
+  the planner's fastest remat and accumulation within 90% of the memory with AdamW in
+  float32, else with a bfloat16 first moment, else Adafactor), its est, xla and verdict;
+  "none" where nothing fits.
 - ran (`--run`, on `device`): each compiled step run once on the device, whatever the
   verdict (a state that can't be placed is not run): "ok" or the error's first words; the
   verdict agrees when what fits runs and what is refused fails.
@@ -39,10 +40,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import fnscale as fs
-from recipes.lm import cli, gpt, hardware, llama, memory
+from recipes.lm import cli, gpt, hardware, llama, memory, optimizers
 from recipes.lm.options import REMAT_POLICIES
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # read when libtpu loads
@@ -56,8 +56,8 @@ def _target(args):
   """(planning target, its keywords for the planner, devices, memory limit in bytes or
   None)."""
   if args.target == "device":
-    topo = hardware.detect(hardware.from_values(args))
-    devices = jax.devices()[:1]
+    devices = jax.devices()[:1]  # one device, of however many this machine has
+    topo = hardware.detect(hardware.from_values(args), devices)
   else:
     hw = fs.analysis.hardware(args.target)
     if hw.devices is None:
@@ -70,11 +70,13 @@ def _target(args):
 
 
 def _compile(model, cfg, devices, rows: int, remat: bool, accum: int, *, place: bool,
-             keep: str):
+             keep: str, opt: tuple = memory.OPTIMIZERS[0]):
   """(compiled step or None, XLA's bytes, state or None) of the step on `devices`, the
-  blocks keeping what remat policy `keep` keeps (remat: "full")."""
+  blocks keeping what remat policy `keep` keeps (remat: "full"), with optimizer `opt`
+  (--optimizer, --mu_dtype: `recipes.lm.memory.OPTIMIZERS`)."""
   mesh = fs.make_mesh({"data": 1}, devices=devices)
-  opt, init = optax.adamw(1e-3), functools.partial(model.init_params, cfg)
+  opt = optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32")
+  init = functools.partial(model.init_params, cfg)
   kw = dict(rules=model.RULES, logical_axes=model.logical_axes(cfg))
   state = fs.init_state(init, opt, mesh=mesh, policy=POLICY, key=jax.random.key(0),
                         abstract=not place, **kw)
@@ -107,37 +109,54 @@ def measure(name: str, rows: int, args, target, kw: dict, devices, limit) -> dic
   """One row of the table (the module docstring)."""
   model, t0 = MODELS[name], time.perf_counter()
   cfg = model.model_config(name, args.seq)
-  prof = memory.profile(memory.Model(model, cfg), target, rows, POLICY, args.remat_policy, **kw)
+  prof = lambda opt=memory.OPTIMIZERS[0]: memory.profile(
+      memory.Model(model, cfg), target, rows, POLICY, args.remat_policy, opt, **kw)
   one = fs.MeshAxes({"data": 1}, {})
-  est = lambda remat, steps: fs.analysis.predict(prof, target, one, remat=remat,
-                                                 accum_steps=steps, **kw).estimate.bytes
-  state_bytes = prof.param_bytes + prof.opt_bytes
-  place = args.run and (limit is None or state_bytes < limit)
-  out = dict(model=name, rows=rows, seq=args.seq, limit=limit, est=est(False, 1))
-  compiled, out["xla"], state = _compile(model, cfg, devices, rows, False, 1, place=place,
-                                         keep=args.remat_policy)
+  # A state that can't be placed on the device is compiled, not run.
+  place = lambda p: args.run and (limit is None or p.param_bytes + p.opt_bytes < limit)
+  out = dict(model=name, rows=rows, seq=args.seq, limit=limit, est=fs.analysis.predict(
+      prof(), target, one, remat=False, accum_steps=1, **kw).estimate.bytes)
+  compiled, out["xla"], state = _compile(model, cfg, devices, rows, False, 1,
+                                         place=place(prof()), keep=args.remat_policy)
   out["fits"] = limit is None or out["xla"] <= limit
   if args.run and state is not None:
     out["ran"] = _run(compiled, state, cfg, rows) if compiled is not None else "refused by XLA"
   if not out["fits"]:
-    options = fs.analysis.fit_options(prof, target, one, memory.HEADROOM * limit, rows=rows, **kw)
-    out["choice"] = options[0]._asdict() if options else None
-    if options:
-      c, xla, state = _compile(model, cfg, devices, rows, options[0].remat,
-                               options[0].accum_steps,
-                               place=place, keep=args.remat_policy)
-      out["choice"].update(xla=xla, fits=xla <= limit)
-      if args.run and state is not None and c is not None:
-        out["choice"]["ran"] = _run(c, state, cfg, rows)
+    out["choice"] = _choice(model, cfg, rows, args, (target, kw, devices, limit), prof)
   out["seconds"] = time.perf_counter() - t0
   return out
+
+
+def _choice(model, cfg, rows: int, args, where: tuple, prof) -> dict | None:
+  """train_lm's choice where the plain step is refused (`recipes.lm.memory`): the planner's
+  fastest remat and accumulation within its headroom with AdamW in float32, else with the
+  next smaller optimizer state (`OPTIMIZERS`); compiled, and run with `--run`. `where`:
+  `_target`'s (target, planner keywords, devices, memory limit)."""
+  target, kw, devices, limit = where
+  one = fs.MeshAxes({"data": 1}, {})
+  for opt in memory.OPTIMIZERS:
+    p = prof(opt)
+    options = fs.analysis.fit_options(p, target, one, memory.HEADROOM * limit, rows=rows, **kw)
+    if options:
+      break
+  else:
+    return None
+  best, run = options[0], args.run and p.param_bytes + p.opt_bytes < limit
+  c, xla, state = _compile(model, cfg, devices, rows, best.remat, best.accum_steps,
+                           place=run, keep=args.remat_policy, opt=opt)
+  choice = {**best._asdict(), "optimizer": memory.optimizer_flags(opt).strip(), "xla": xla,
+            "fits": xla <= limit}
+  if run and state is not None and c is not None:
+    choice["ran"] = _run(c, state, cfg, rows)
+  return choice
 
 
 def _row(r: dict) -> str:
   gib = lambda b: f"{b / GiB:.3g}"
   c = r.get("choice", "-")
   choice = ("none fits" if c is None else "-" if c == "-" else
-            f"{'remat' if c['remat'] else 'no remat'}, accum {c['accum_steps']}: "
+            f"{'remat' if c['remat'] else 'no remat'}, accum {c['accum_steps']}"
+            f"{', ' + c['optimizer'] if c.get('optimizer') else ''}: "
             f"est {gib(c['bytes'])}"
             f" / xla {gib(c['xla'])} ({'fits' if c['fits'] else 'REFUSED'})"
             + (f", ran {c['ran']}" if "ran" in c else ""))

@@ -41,9 +41,10 @@ def from_values(values) -> Hardware:
   return Hardware(**{f.name: getattr(values, f.name) for f in FIELDS})
 
 
-def detect(o) -> fs.Topology:
+def detect(o, devices=None) -> fs.Topology:
   """`fs.detect_topology` with `o`'s options (`Hardware`, or train_lm's `Options`): the
-  seed-style `mesh_shape` ("2x4x8") or the `topology` override, and `tpu`.
+  seed-style `mesh_shape` ("2x4x8") or the `topology` override, and `tpu`; of `devices`
+  (default: all of them).
 
   Raises:
     TopologyError: both overrides given, one that doesn't match the devices (the message
@@ -53,7 +54,7 @@ def detect(o) -> fs.Topology:
     raise fs.TopologyError(f"mesh_shape={o.mesh_shape!r} and topology={o.topology!r} both "
                            "override the detected hardware; give one of them")
   try:
-    topo = fs.detect_topology(override=(o.mesh_shape or o.topology) or None)
+    topo = fs.detect_topology(override=(o.mesh_shape or o.topology) or None, devices=devices)
   except fs.TopologyError as e:
     raise fs.TopologyError(f"mesh_shape={o.mesh_shape!r}: {e}" if o.mesh_shape
                            else str(e)) from None
