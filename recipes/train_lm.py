@@ -87,7 +87,7 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
         # One checkpoint manager for the whole run (and one for its emergency copies);
         # leaving the block waits for the last save. orbax's warnings go to RUN_DIR/log.txt.
         with rundir.library_log(setup.o.ckpt.run_dir), \
-            checkpoints.manager(setup.o.ckpt) as ckpt, emergency.manager(local_dir) as local:
+            checkpoints.manager(setup.o.ckpt) as ckpt, emergency.manager(local_dir, setup.mesh) as local:
           return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None

@@ -206,3 +206,64 @@ def test_the_newer_of_checkpoint_and_copy_is_resumed_and_named(work, saved_at_5,
           "checkpoint is none yet") in out
   assert f"resumed from step 4 ({crashed / 'emergency'})" in out
   assert _losses(crashed) == _losses(whole)
+
+
+def test_the_step_resumed_is_the_newest_the_local_copies_give_whole():
+  """Process i's directory holds its own shards and a replica of process (i+1) % n's: a step
+  is whole when each process's shards are in its own directory or its peer's, counted by
+  hand."""
+  from recipes.lm.peer_copies import complete_step
+  assert complete_step([{10, 20}, {10, 20}]) == 20
+  assert complete_step([{10, 20}, set()]) == 20  # process 1's from process 0's replica
+  assert complete_step([{10, 20}, set(), {10}]) == 10  # 20: process 2's only on process 2
+  assert complete_step([{10}, {20}, set()]) is None  # process 2's own and replica both gone
+  assert complete_step([{20}, set(), set()]) is None  # two hosts lost, side by side
+  assert complete_step([{10, 20}, {20}, set(), {10, 20}]) == 20
+  assert complete_step([set(), set()]) is None and complete_step([{4}]) == 4
+
+
+LOCAL_STEPS, LOCAL_EVERY, LOCAL_KILL_AT = 8, 4, 6
+
+
+def _local_job(work, run_dir, local, stream, max_restarts):
+  """train_lm as 2 processes x 2 devices under launch_local, an emergency copy every 4 steps
+  in each process's own directory `local`/<process index> (`{process}`: one machine stands
+  for two hosts' local disks)."""
+  recipe = [str(ROOT / "recipes" / "train_lm.py"),
+            *[a for a in _argv(work, run_dir, f"--emergency_every={LOCAL_EVERY}",
+                               f"--emergency_dir={local}/{{process}}", steps=LOCAL_STEPS)
+              if not a.startswith("--global_batch")]]
+  return launch_local.supervise(recipe, 2, 2, timeout_s=300, env=ENV, stream=stream,
+                                max_restarts=max_restarts)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_hosts_shards_come_back_from_its_peers_replica(work, tmp_path):
+  """Process 1 of 2 is killed (-9) at step 6 and its local directory deleted (its host
+  lost); the restart resumes from the copy of step 4, process 1's shards and data position
+  from the replica process 0 keeps, and ends bitwise as the uninterrupted run."""
+  whole = tmp_path / "whole"
+  out = _local_job(work, whole, tmp_path / "whole_local", lambda line: None, 0)
+  assert [rc for rc, _ in out.results] == [0, 0], out.results[0][1][-3000:]
+  local, lines, pids = tmp_path / "local", [], {}
+
+  def watch(line):
+    lines.append(line)
+    started = re.match(r"launch_local: started (.*)", line)
+    if started and not pids:
+      pids.update((int(i), int(p)) for i, p in re.findall(r"process (\d+) pid (\d+)", line))
+    if 1 in pids and re.match(rf"step\s+{LOCAL_KILL_AT}/{LOCAL_STEPS}\b", line):
+      os.kill(pids.pop(1), signal.SIGKILL)
+    if line.startswith("launch_local: restart 1 of 1"):  # before the job starts again
+      assert sorted(os.listdir(local / "1")) == [str(LOCAL_EVERY), "owner.json"]
+      shutil.rmtree(local / "1")
+
+  out = _local_job(work, tmp_path / "killed", local, watch, 1)
+  text = "".join(lines)
+  assert [rc for rc, _ in out.results] == [0, 0] and out.restarts == 1, out.results[1][1][-6000:]
+  second = text.split("launch_local: restart 1 of 1")[1]
+  assert (f"resuming from the emergency copy of step {LOCAL_EVERY} ({local}/{{process}}: "
+          "process 1's shards from process 0's replica); the newest checkpoint is none yet"
+          ) in second, second[:3000]
+  assert _losses(tmp_path / "killed") == _losses(whole)
