@@ -79,8 +79,8 @@ def prepare(s, say) -> str:
 
   Raises:
     InputError: the directory can't be written (by this process, or isn't the same for every
-      process), or holds another run's copies; the message names the fix, and that the
-      persistent checkpoints are untouched.
+      process: unless node-local, with `{process}`), or holds another run's copies; the
+      message names the fix, and that the persistent checkpoints are untouched.
   """
   d = directory(s.o.ckpt)
   if not d:
@@ -194,6 +194,11 @@ def newest(ckpt, local, say):
   copy = (local.latest_step() if node_local else fs.checkpoint.latest_step(local)
           if local is not None else None)
   if copy is None:
+    if node_local and local.foreign:
+      say(f"checkpoint: the emergency copies of step(s) {local.foreign} in {local.directory} "
+          "were saved on another mesh (devices, processes or --mesh): node-local copies "
+          "restore onto their own only; passed over (the newest checkpoint, if any, is "
+          "resumed)")
     return ckpt
   kept = fs.checkpoint.latest_step(ckpt) if ckpt is not None else None
   if kept is not None and kept >= copy:

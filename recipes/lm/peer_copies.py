@@ -5,17 +5,18 @@ the state and a replica of one peer's, process (i+1) % n's, so that the copies o
 lost a host, its directory with it, are still complete.
 
 A save (`Copies.save`, every --emergency_every steps) copies this process's shards off the
-devices, and the peer's: the state moved onto a mesh whose devices are rolled by one process
-(`jax.device_put` between two orders of the same devices: process i's devices take the
-places of process i+1's), then writes both in a background thread of its own: the loop
-waits for the previous copy's write only, the persistent checkpoints (orbax's own threads)
-never. A step is committed per process by renaming `<step>.partial` to `<step>`.
+devices, and its peer's: each leaf's shards as one row a device, moved by `jax.device_put`
+onto the same devices in another order (`_rows`: process i's devices in the places of
+process i+1's), then writes both in a background thread of its own: the loop waits for the
+previous copy's write only, the persistent checkpoints (orbax's own threads) never. A step
+is committed per process by renaming `<step>.partial` to `<step>`.
 
 A restart gathers which steps each process holds and resumes from the newest that the set
 can give whole (`complete_step`): every process's shards, from its own directory or from the
-replica its peer (i-1) % n holds; the peer's replica moves back onto the run's mesh by the
-inverse roll. Copies restore only onto the mesh that saved them (the same devices, process
-count and mesh shape: `mesh_key`); another mesh resumes from the persistent checkpoint.
+replica its peer (i-1) % n holds, moved back by the inverse move. Copies restore only onto
+the mesh that saved them (the same devices, process count and mesh shape: `mesh_key`);
+another mesh's are said and passed over (the persistent checkpoint is resumed), and removed
+at this run's first copy.
 
 Layout of a process's directory:
 
@@ -95,12 +96,12 @@ def _rows(mesh: Mesh, roll: bool = False) -> NamedSharding:
 
 
 def _row_array(sharding: NamedSharding, shard_shape, dtype, row):
-  """A [devices, *shard_shape] array on `sharding` (`_rows`) whose row k is `row(k)` on
-  this process's devices (a numpy array or a device's shard)."""
+  """A [devices, *shard_shape] array on `sharding` (`_rows`) whose row k is the numpy
+  `row(k)`, on this process's devices."""
   arrays = []
   for device, index in sharding.addressable_devices_indices_map(
       (sharding.mesh.size, *shard_shape)).items():
-    arrays.append(jax.device_put(np.asarray(row(index[0].start))[None].astype(dtype), device))
+    arrays.append(jax.device_put(row(index[0].start)[None].astype(dtype), device))
   return jax.make_array_from_single_device_arrays((sharding.mesh.size, *shard_shape),
                                                   sharding, arrays)
 
@@ -186,6 +187,7 @@ class Copies:
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "emergency-copies")
     self._pending = None
     self.held = None  # by process: the steps each holds for this mesh (`latest_step`)
+    self.foreign = []  # the steps held of another mesh, on any process (`latest_step`)
 
   def wait(self) -> None:
     """Until the last copy is written (its error, if it failed, raised here)."""
@@ -199,8 +201,9 @@ class Copies:
     finally:
       self._writer.shutdown()
 
-  def steps(self) -> list[int]:
-    """The complete steps in this process's directory saved on this run's mesh."""
+  def steps(self, foreign: bool = False) -> list[int]:
+    """The complete steps in this process's directory saved on this run's mesh (`foreign`:
+    on another)."""
     if not os.path.isdir(self.mine):
       return []
     found = []
@@ -208,7 +211,7 @@ class Copies:
       meta = os.path.join(self.mine, name, "meta.json")
       if name.isdigit() and os.path.isfile(meta):
         with open(meta, encoding="utf-8") as f:
-          if json.load(f).get("mesh") == self.key:
+          if (json.load(f).get("mesh") == self.key) != foreign:
             found.append(int(name))
     return sorted(found)
 
@@ -216,7 +219,10 @@ class Copies:
     """The newest step the job's copies give whole (`complete_step`), the same on every
     process (it gathers each process's steps)."""
     self.wait()
-    self.held = [set(json.loads(t)) for t in _allgather_text(json.dumps(self.steps()))]
+    every = [json.loads(t) for t in _allgather_text(json.dumps([self.steps(),
+                                                                  self.steps(foreign=True)]))]
+    self.held = [set(mine) for mine, _ in every]
+    self.foreign = sorted(set().union(*(set(other) for _, other in every)))
     return complete_step(self.held)
 
   def save(self, step: int, state, data, extra: dict) -> None:
@@ -225,12 +231,12 @@ class Copies:
     self.wait()
     leaves = jax.tree_util.tree_leaves(state)
     own, replica = _shards(leaves), []
+    by_device = {(i, d): a for i, d, a in own}
     for i, x in enumerate(leaves):  # the peer's shards, moved here
       mesh = x.sharding.mesh
-      mine = {s.device.id: s.data for s in x.addressable_shards}
       order = list(mesh.devices.flat)
       rows = _row_array(_rows(mesh), x.sharding.shard_shape(x.shape), x.dtype,
-                        lambda k, mine=mine, order=order: mine[order[k].id])
+                        lambda k, i=i, order=order: by_device[i, order[k].id])
       for s in _moved(rows, _rows(mesh, roll=True)).addressable_shards:
         replica.append((i, order[s.index[0].start].id, np.asarray(s.data)[0]))
     positions = [json.loads(t) for t in _allgather_text(json.dumps(data.get_state()))]
@@ -249,8 +255,10 @@ class Copies:
     if os.path.isdir(final):  # a copy of a run that went back past it (a restart)
       shutil.rmtree(final)
     os.rename(tmp, final)
-    for old in self.steps()[:-self.keep]:
-      shutil.rmtree(os.path.join(self.mine, str(old)), ignore_errors=True)
+    kept = self.steps()[-self.keep:]  # and another mesh's copies: this run went past them
+    for name in os.listdir(self.mine):
+      if name.isdigit() and int(name) not in kept:
+        shutil.rmtree(os.path.join(self.mine, name), ignore_errors=True)
 
   def restore(self, step: int, target, data):
     """`(state, extra)` of `step` (held whole: `latest_step` chose it) onto `target`'s
@@ -261,9 +269,11 @@ class Copies:
     where = os.path.join(self.mine, str(step))
     own = _read(os.path.join(where, "own")) if me not in lost else {}
     replica = _read(os.path.join(where, "replica")) if me not in lost else {}
-    meta = open(os.path.join(where, "meta.json"), encoding="utf-8").read() \
-        if me not in lost else ""
-    meta = json.loads(next(t for t in _allgather_text(meta) if t))
+    meta = ""
+    if me not in lost:
+      with open(os.path.join(where, "meta.json"), encoding="utf-8") as f:
+        meta = f.read()
+    meta = json.loads(next(t for t in _allgather_text(meta) if t))  # a holder's
     flat, treedef = jax.tree_util.tree_flatten(target)
     leaves = []
     for i, t in enumerate(flat):
