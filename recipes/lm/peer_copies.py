@@ -22,7 +22,7 @@ Layout of a process's directory:
 
   <step>/own.bin, own.json          this process's shards (raw bytes; leaf, device, dtype,
                                     shape and offset of each)
-  <step>/replica.bin, replica.json  process (i+1) % n's shards, on this process's devices
+  <step>/replica.bin, replica.json  process (i+1) % n's shards (none in a one-process job)
   <step>/meta.json                  the checkpoint's extra, every process's data position,
                                     the mesh (`mesh_key`)
   <step>.partial/                   a write that never finished: never read, removed at start
@@ -232,7 +232,7 @@ class Copies:
     leaves = jax.tree_util.tree_leaves(state)
     own, replica = _shards(leaves), []
     by_device = {(i, d): a for i, d, a in own}
-    for i, x in enumerate(leaves):  # the peer's shards, moved here
+    for i, x in enumerate(leaves if jax.process_count() > 1 else ()):  # the peer's, moved here
       mesh = x.sharding.mesh
       order = list(mesh.devices.flat)
       rows = _row_array(_rows(mesh), x.sharding.shard_shape(x.shape), x.dtype,
