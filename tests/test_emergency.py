@@ -222,7 +222,7 @@ def test_the_step_resumed_is_the_newest_the_local_copies_give_whole():
   assert complete_step([set(), set()]) is None and complete_step([{4}]) == 4
 
 
-LOCAL_STEPS, LOCAL_EVERY, LOCAL_KILL_AT = 8, 4, 6
+LOCAL_STEPS, LOCAL_EVERY, LOCAL_KILL_AT = 8, 4, 7
 
 
 def _local_job(work, run_dir, local, stream, max_restarts):
@@ -240,9 +240,9 @@ def _local_job(work, run_dir, local, stream, max_restarts):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_lost_hosts_shards_come_back_from_its_peers_replica(work, tmp_path):
-  """Process 1 of 2 is killed (-9) at step 6 and its local directory deleted (its host
+  """Process 1 of 2 is killed (-9) at step 7 and its local directory deleted (its host
   lost); the restart resumes from the copy of step 4, process 1's shards and data position
-  from the replica process 0 keeps. The steps trained again (5, 6: from the restored state
+  from the replica process 0 keeps. The steps trained again (5 to 7, from the restored state
   and rows) have bitwise the losses the run had before the kill, and it goes on to the end."""
   run_dir, local, lines, pids = tmp_path / "run", tmp_path / "local", [], {}
 
