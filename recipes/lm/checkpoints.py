@@ -126,9 +126,11 @@ def booked(ledger, phase: str):
 def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = "",
                     restoring=contextlib.nullcontext):
   """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
-  non-finite newer step is refused and left as it is), with the data iterator `train_rows` put
-  at the position each process saved (`batches.resharded_position` maps positions saved by
-  another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
+  non-finite newer step is refused and left as it is; node-local copies,
+  `peer_copies.Copies`: the newest step they give whole), with the data iterator
+  `train_rows` put at the position each process saved (`batches.resharded_position` maps
+  positions saved by another process count); or `(init(), 0, None)` when there is none (or
+  `ckpt` is None).
   Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
   differ). `restoring`: a context maker around the restore (a goodput phase: `booked`).
 
@@ -136,16 +138,16 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = "",
     CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
       the message names `run` (this run's directory and model) and how to start afresh.
   """
-  if isinstance(ckpt, peer_copies.Copies):  # node-local copies: the step they agreed on
-    listed = (ckpt.latest_step(),)
-  else:
-    listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
-  if not listed or listed == (None,):
+  node_local = isinstance(ckpt, peer_copies.Copies)  # the one step the processes agree on
+  listed = ((ckpt.latest_step(),) if node_local else
+            fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ())
+  listed = tuple(step for step in listed if step is not None)
+  if not listed:
     return init(), 0, None
   target = init(abstract=True)
   try:
     with restoring():  # the time the restore takes (a goodput phase)
-      if isinstance(ckpt, peer_copies.Copies):
+      if node_local:
         state, extra, _ = ckpt.restore(listed[0], target._replace(frozen=None), train_rows)
       else:
         state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None),

@@ -56,14 +56,14 @@ def complete_step(held: list) -> int | None:
     The newest step s such that every process i's shards are there: s in held[i] (its own)
     or s in held[(i-1) % n] (its peer's replica of them). [{10, 20}, set(), {20}] gives 20
     (process 1's from process 0's replica); [{20}, set(), set()] gives None (process 2's
-    are lost with it, and its replica of process 0's with them).
+    shards are lost with it and with process 1, which held their replica).
 
   Examples:
     >>> complete_step([{10, 20}, set(), {10}]), complete_step([{20}, set(), set()])
     (10, None)
   """
   n = len(held)
-  for step in sorted(set().union(*held), reverse=True) if n else ():
+  for step in sorted(set().union(*held), reverse=True):
     if all(step in held[i] or step in held[(i - 1) % n] for i in range(n)):
       return step
   return None
