@@ -87,7 +87,8 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
         # One checkpoint manager for the whole run (and one for its emergency copies);
         # leaving the block waits for the last save. orbax's warnings go to RUN_DIR/log.txt.
         with rundir.library_log(setup.o.ckpt.run_dir), \
-            checkpoints.manager(setup.o.ckpt) as ckpt, emergency.manager(local_dir) as local:
+            checkpoints.manager(setup.o.ckpt) as ckpt, \
+            emergency.manager(local_dir, setup.mesh) as local:
           return _run(setup, (ckpt, local), t0, say, should_stop, ledger)
     except KeyboardInterrupt:  # every block above has closed: what is on disk stays
       raise stopping.interrupted(checkpoint_dir) from None
@@ -117,7 +118,8 @@ def _step(setup: run_setup.Setup, optimizer, policy) -> tuple[Any, Any]:
 def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
          ledger: goodput.Ledger) -> summary.Summary:
   """Restore, build and compile; then the loop and the end of the run. `managers`: the
-  checkpoints' and the emergency copies' fnscale.checkpoint.Manager, each None when off. It
+  checkpoints' and the emergency copies' fnscale.checkpoint.Manager (the copies': node-local
+  peer_copies.Copies with `{process}` in --emergency_dir), each None when off. It
   resumes from the newer of the two (emergency.newest). A run that already holds its last
   step ends after the restore (`checkpoints.finished`): nothing compiled. `ledger` books
   where the time goes (goodput.py), recorded at each progress line and at the end."""

@@ -206,3 +206,114 @@ def test_the_newer_of_checkpoint_and_copy_is_resumed_and_named(work, saved_at_5,
           "checkpoint is none yet") in out
   assert f"resumed from step 4 ({crashed / 'emergency'})" in out
   assert _losses(crashed) == _losses(whole)
+
+
+def test_the_step_resumed_is_the_newest_the_local_copies_give_whole():
+  """Process i's directory holds its own shards and a replica of process (i+1) % n's: a step
+  is whole when each process's shards are in its own directory or its peer's, counted by
+  hand."""
+  from recipes.lm.peer_copies import complete_step
+  assert complete_step([{10, 20}, {10, 20}]) == 20
+  assert complete_step([{10, 20}, set()]) == 20  # process 1's from process 0's replica
+  assert complete_step([{10, 20}, set(), {10}]) == 10  # 20: process 2's only on process 2
+  assert complete_step([{10}, {20}, set()]) is None  # process 2's own and replica both gone
+  assert complete_step([{20}, set(), set()]) is None  # two hosts lost, side by side
+  assert complete_step([{10, 20}, {20}, set(), {10, 20}]) == 20
+  assert complete_step([set(), set()]) is None and complete_step([{4}]) == 4
+
+
+LOCAL_STEPS, LOCAL_EVERY, LOCAL_KILL_AT = 8, 4, 7
+
+
+def _local_job(work, run_dir, local, stream, max_restarts):
+  """train_lm as 2 processes x 2 devices under launch_local, an emergency copy every 4 steps
+  in each process's own directory `local`/<process index> (`{process}`: one machine stands
+  for two hosts' local disks)."""
+  recipe = [str(ROOT / "recipes" / "train_lm.py"),
+            *[a for a in _argv(work, run_dir, f"--emergency_every={LOCAL_EVERY}",
+                               f"--emergency_dir={local}/{{process}}", steps=LOCAL_STEPS)
+              if not a.startswith("--global_batch")]]
+  return launch_local.supervise(recipe, 2, 2, timeout_s=300, env=ENV, stream=stream,
+                                max_restarts=max_restarts)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_hosts_shards_come_back_from_its_peers_replica(work, tmp_path):
+  """Process 1 of 2 is killed (-9) at step 7 and its local directory deleted (its host
+  lost); the restart resumes from the copy of step 4, process 1's shards and data position
+  from the replica process 0 keeps. The steps trained again (5 to 7, from the restored state
+  and rows) have bitwise the losses the run had before the kill, and it goes on to the end."""
+  run_dir, local, lines, pids = tmp_path / "run", tmp_path / "local", [], {}
+
+  def watch(line):
+    lines.append(line)
+    started = re.match(r"launch_local: started (.*)", line)
+    if started and not pids:
+      pids.update((int(i), int(p)) for i, p in re.findall(r"process (\d+) pid (\d+)", line))
+    if 1 in pids and re.match(rf"step\s+{LOCAL_KILL_AT}/{LOCAL_STEPS}\b", line):
+      os.kill(pids.pop(1), signal.SIGKILL)
+    if line.startswith("launch_local: restart 1 of 1"):  # before the job starts again
+      shutil.copy(run_dir / "metrics.jsonl", tmp_path / "before.jsonl")
+      assert sorted(os.listdir(local / "1")) == [str(LOCAL_EVERY), "owner.json"]
+      shutil.rmtree(local / "1")
+
+  out = _local_job(work, run_dir, local, watch, 1)
+  text = "".join(lines)
+  assert [rc for rc, _ in out.results] == [0, 0] and out.restarts == 1, text[-4000:]
+  second = text.split("launch_local: restart 1 of 1")[1]
+  assert (f"resuming from the emergency copy of step {LOCAL_EVERY} ({local}/{{process}}: "
+          "process 1's shards from process 0's replica); the newest checkpoint is none yet"
+          ) in second, second[:3000]
+  (tmp_path / "before").mkdir()
+  shutil.move(tmp_path / "before.jsonl", tmp_path / "before" / "metrics.jsonl")
+  before, after = dict(_losses(tmp_path / "before")), dict(_losses(run_dir))
+  assert sorted(after) == list(range(1, LOCAL_STEPS + 1))
+  assert LOCAL_KILL_AT in before and all(after[s] == before[s] for s in before), (before, after)
+
+
+class _Position:
+  """A data iterator's position, as grain's iterators give it (`get_state`/`set_state`)."""
+
+  def __init__(self, state):
+    self.state = state
+
+  def get_state(self):
+    return dict(self.state)
+
+  def set_state(self, state):
+    self.state = state
+
+
+def test_node_local_copies_give_back_every_shard_and_pass_over_another_mesh(tmp_path):
+  """One process's copies in its own directory: the newest 2 kept; restored onto the same
+  mesh, each leaf (an fsdp-sharded f32, a replicated bf16) equals the saved values bit for
+  bit in the same sharding, with the data position; on another mesh they are passed over."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from recipes.lm import peer_copies
+  mesh = fs.make_mesh({"data": 4, "fsdp": 2})
+  w = np.arange(64, dtype=np.float32).reshape(16, 4) / 7
+  b = (np.arange(6, dtype=np.float32) / 3).astype(jnp.bfloat16)
+  state = {"w": jax.device_put(w, NamedSharding(mesh, P("fsdp"))),
+           "b": jax.device_put(b, NamedSharding(mesh, P()))}
+  where = str(tmp_path / "{process}")
+  copies = peer_copies.Copies(where, mesh, keep=2)
+  for step in (2, 4, 6):
+    copies.save(step, state, _Position({"batch": step}), {"step": step})
+  copies.close()
+  assert sorted(os.listdir(tmp_path / "0")) == ["4", "6"]
+  again = peer_copies.Copies(where, mesh, keep=2)
+  assert again.latest_step() == 6
+  data = _Position({})
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+  got, extra, lost = again.restore(6, target, data)
+  assert extra == {"step": 6} and data.state == {"batch": 6} and lost == []
+  assert got["w"].sharding == state["w"].sharding and got["b"].dtype == jnp.bfloat16
+  assert np.array_equal(np.asarray(got["w"]), w)
+  assert np.asarray(got["b"]).tobytes() == b.tobytes()
+  other = peer_copies.Copies(where, fs.make_mesh({"fsdp": 8}), keep=2)
+  assert other.latest_step() is None and other.foreign == [4, 6]

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import jax
 
 import fnscale as fs
-from recipes.lm import batches, run_log, rundir
+from recipes.lm import batches, peer_copies, run_log, rundir
 from recipes.lm.options import CheckpointOptions, ScheduleOptions
 
 
@@ -126,9 +126,11 @@ def booked(ledger, phase: str):
 def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = "",
                     restoring=contextlib.nullcontext):
   """`(state, start_step, extra)`: the newest good checkpoint of `ckpt` (a damaged or
-  non-finite newer step is refused and left as it is), with the data iterator `train_rows` put
-  at the position each process saved (`batches.resharded_position` maps positions saved by
-  another process count); or `(init(), 0, None)` when there is none (or `ckpt` is None).
+  non-finite newer step is refused and left as it is; node-local copies,
+  `peer_copies.Copies`: the newest step they give whole), with the data iterator
+  `train_rows` put at the position each process saved (`batches.resharded_position` maps
+  positions saved by another process count); or `(init(), 0, None)` when there is none (or
+  `ckpt` is None).
   Warns when `extra` differs from `expect` (seed, corpus, batch: the data order would
   differ). `restoring`: a context maker around the restore (a goodput phase: `booked`).
 
@@ -136,15 +138,21 @@ def restore_or_init(ckpt, init, train_rows, expect: dict, say, run: str = "",
     CheckpointError: no checkpoint there can be resumed (another model's, or all damaged);
       the message names `run` (this run's directory and model) and how to start afresh.
   """
-  listed = fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ()
+  node_local = isinstance(ckpt, peer_copies.Copies)  # the one step the processes agree on
+  listed = ((ckpt.latest_step(),) if node_local else
+            fs.checkpoint.steps(ckpt, complete=False) if ckpt is not None else ())
+  listed = tuple(step for step in listed if step is not None)
   if not listed:
     return init(), 0, None
   target = init(abstract=True)
   try:
     with restoring():  # the time the restore takes (a goodput phase)
-      state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None),
-                                           data=train_rows,
-                                           reshard_data=batches.resharded_position)
+      if node_local:
+        state, extra, _ = ckpt.restore(listed[0], target._replace(frozen=None), train_rows)
+      else:
+        state, extra = fs.checkpoint.restore(ckpt, target._replace(frozen=None),
+                                             data=train_rows,
+                                             reshard_data=batches.resharded_position)
   except fs.CheckpointError as e:
     raise fs.CheckpointError(
         f"{run or ckpt.directory} can't resume from the checkpoints already in "
@@ -191,7 +199,9 @@ def say_save_window(ckpt, grace_s: float, say) -> bool:
   save time (orbax's step metadata; None `ckpt` or no step yet: nothing to say). After a
   notice the final save may first wait for one in flight: two saves must fit in `grace_s`.
   Returns whether it said so."""
-  last = fs.checkpoint.last_save_seconds(ckpt) if ckpt is not None else None
+  if not isinstance(ckpt, fs.checkpoint.Manager):  # none, or node-local copies
+    return False
+  last = fs.checkpoint.last_save_seconds(ckpt)
   if last is None or 2 * last[1] <= grace_s:
     return False
   step, seconds = last
@@ -244,9 +254,12 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
       write(state, step)
 
   def save_copy(state, step: int):
-    t = time.time()
-    fs.checkpoint.save(local, step, state._replace(frozen=None), data=train_rows,
-                       extra=record(s, state, step, frozen))
+    t, kept = time.time(), state._replace(frozen=None)
+    if isinstance(local, peer_copies.Copies):  # node-local: own shards and a peer's
+      local.save(step, kept, train_rows, record(s, state, step, frozen))
+    else:
+      fs.checkpoint.save(local, step, kept, data=train_rows,
+                         extra=record(s, state, step, frozen))
     copies.append(step)
     if len(copies) == 1:  # said once: they come every few steps
       say(f"checkpoint: emergency copy of step {step} saving in the background (the loop "

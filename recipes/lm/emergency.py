@@ -13,18 +13,25 @@ checkpoints is touched. Copies
 saved on another mesh or process count restore onto this one (orbax reads them by the
 state's shardings; the data positions are mapped as for checkpoints, `batches`).
 
+With `{process}` in --emergency_dir the copies are node-local (peer_copies.py): each process
+keeps its own shards and a replica of one peer's in its own directory (`{process}` replaced
+by its index: a host's local disk, where orbax's would need one shared directory), so a lost
+host's directory is no loss; they restore onto the same mesh only.
+
   python recipes/train_lm.py --emergency_every=10          # copies in RUN_DIR/emergency
+  python recipes/train_lm.py --emergency_every=10 --emergency_dir=/local/ssd/e/{process}
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 
 import jax
 
 import fnscale as fs
-from recipes.lm import checkpoints
+from recipes.lm import checkpoints, peer_copies
 from recipes.lm.options import CheckpointOptions
 
 KEEP = 2  # the newest copy, and the one before it while the next is written
@@ -72,8 +79,8 @@ def prepare(s, say) -> str:
 
   Raises:
     InputError: the directory can't be written (by this process, or isn't the same for every
-      process), or holds another run's copies; the message names the fix, and that the
-      persistent checkpoints are untouched.
+      process: unless node-local, with `{process}`), or holds another run's copies; the
+      message names the fix, and that the persistent checkpoints are untouched.
   """
   d = directory(s.o.ckpt)
   if not d:
@@ -82,39 +89,56 @@ def prepare(s, say) -> str:
   untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched" if saved
                else "nothing was saved")
   fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
-         f"on one host, a shared file system on several), or --emergency_every=0 to save no "
-         f"emergency copies; {untouched}")
+         f"on one host, a shared file system on several, or a local disk on each host with "
+         f"{{process}} in the path), or --emergency_every=0 to save no emergency copies; "
+         f"{untouched}")
+  node_local = peer_copies.PLACEHOLDER in d
+  d_mine = peer_copies.own_directory(d)
   if "://" in d:
     raise fs.InputError(f"--emergency_dir={d}: emergency copies are for a fast file system "
                         "path (a local disk, or a shared file system on several hosts), not an "
                         f"object store; the persistent --checkpoint_dir takes buckets. Fix: "
                         f"{fix}")
-  if os.path.exists(d) and not os.path.isdir(d):
-    raise fs.InputError(f"--emergency_dir={d} is a file, not a directory; {fix}")
+  if os.path.exists(d_mine) and not os.path.isdir(d_mine):
+    raise fs.InputError(f"--emergency_dir={d_mine} is a file, not a directory; {fix}")
   try:
-    os.makedirs(d, exist_ok=True)
-    probe = os.path.join(d, f".writable-{jax.process_index()}")
+    os.makedirs(d_mine, exist_ok=True)
+    probe = os.path.join(d_mine, f".writable-{jax.process_index()}")
     with open(probe, "w", encoding="utf-8"):
       pass
     os.remove(probe)
   except OSError as e:
-    raise fs.InputError(f"--emergency_dir={d} can't be written ({type(e).__name__}: "
+    raise fs.InputError(f"--emergency_dir={d_mine} can't be written ({type(e).__name__}: "
                         f"{e.strerror or e}); {fix}") from None
-  try:
-    fs.checkpoint.check_shared_directory(d)  # several processes: orbax saves need one directory
-  except fs.DistributedError as e:
-    raise fs.InputError(f"--emergency_dir={d}: {e} Or {fix}") from None
+  if not node_local:
+    try:
+      fs.checkpoint.check_shared_directory(d)  # several processes: orbax needs one directory
+    except fs.DistributedError as e:
+      raise fs.InputError(f"--emergency_dir={d}: {e} Or {fix}") from None
   ours = owner(s)
-  if _inside(d, s.o.ckpt.run_dir):  # moves with its run (a copied run dir): not its name
+  if _inside(d_mine, s.o.ckpt.run_dir):  # moves with its run (a copied run dir): not its name
     ours.pop("run_dir")
-  _check_owner(d, ours, untouched)
-  checkpoints.remove_unfinished(d, say)
-  if jax.process_index() == 0:  # replaced whole: another process may be reading it
-    tmp = os.path.join(d, f".{OWNER_FILE}.tmp")
+  _check_owner(d_mine, ours, untouched)
+  if node_local:  # each process its own directory: its own unfinished copies
+    _remove_partial(d_mine, say)
+  else:
+    checkpoints.remove_unfinished(d, say)
+  if node_local or jax.process_index() == 0:  # replaced whole: another may be reading it
+    tmp = os.path.join(d_mine, f".{OWNER_FILE}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(owner(s), f)
-    os.replace(tmp, os.path.join(d, OWNER_FILE))
+    os.replace(tmp, os.path.join(d_mine, OWNER_FILE))
   return d
+
+
+def _remove_partial(d: str, say) -> None:
+  """Removes the node-local copies a kill left unwritten (`<step>.partial`), saying so."""
+  gone = sorted(n for n in os.listdir(d) if n.endswith(peer_copies.PARTIAL))
+  for name in gone:
+    shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+  if gone:
+    say(f"checkpoint: removed the unfinished emergency copies {gone} in {d} (a run ended "
+        "while writing them); the complete ones are kept")
 
 
 def _inside(d: str, run_dir: str) -> bool:
@@ -145,28 +169,51 @@ def _check_owner(d: str, ours: dict, untouched: str) -> None:
 
 
 @contextlib.contextmanager
-def manager(d: str):
-  """A context of the run's emergency checkpoint manager over `d` (asynchronous saves, the
-  newest `KEEP` kept), or of None when `d` is ""; leaving it waits for the last save."""
+def manager(d: str, mesh):
+  """A context of the run's emergency copies over `d` (asynchronous saves, the newest `KEEP`
+  kept): an orbax manager, or with `{process}` in `d` the node-local `peer_copies.Copies` of
+  the run's `mesh`; None when `d` is "". Leaving it waits for the last save."""
   if not d:
     yield None
-    return
-  with fs.checkpoint.manager(d, keep=KEEP) as local:
-    yield local
+  elif peer_copies.PLACEHOLDER in d:
+    copies = peer_copies.Copies(d, mesh, KEEP)
+    try:
+      yield copies
+    finally:
+      copies.close()
+  else:
+    with fs.checkpoint.manager(d, keep=KEEP) as local:
+      yield local
 
 
 def newest(ckpt, local, say):
   """The manager a restart resumes from: `local` (the emergency copies) when its newest
   complete finite step is newer than `ckpt`'s, else `ckpt`; says which when there are
   copies."""
-  copy = fs.checkpoint.latest_step(local) if local is not None else None
+  node_local = isinstance(local, peer_copies.Copies)
+  copy = (local.latest_step() if node_local else fs.checkpoint.latest_step(local)
+          if local is not None else None)
   if copy is None:
+    if node_local and local.foreign:
+      say(f"checkpoint: the emergency copies of step(s) {local.foreign} in {local.directory} "
+          "were saved on another mesh (devices, processes or --mesh): node-local copies "
+          "restore onto their own only; passed over (the newest checkpoint, if any, is "
+          "resumed)")
     return ckpt
   kept = fs.checkpoint.latest_step(ckpt) if ckpt is not None else None
   if kept is not None and kept >= copy:
     say(f"checkpoint: the newest checkpoint (step {kept}) is not older than the newest "
         f"emergency copy (step {copy}, {local.directory}): resuming from the checkpoint")
     return ckpt
-  say(f"checkpoint: resuming from the emergency copy of step {copy} ({local.directory}); the "
-      "newest checkpoint is " + (f"step {kept}" if kept is not None else "none yet"))
+  say(f"checkpoint: resuming from the emergency copy of step {copy} ({local.directory}"
+      + (_whose(local.held, copy) if node_local else "") + "); the newest checkpoint is "
+      + (f"step {kept}" if kept is not None else "none yet"))
   return local
+
+
+def _whose(held: list, step: int) -> str:
+  """Where each process's shards of node-local `step` come from (`held`: by process)."""
+  n = len(held)
+  lost = [i for i in range(n) if step not in held[i]]
+  return (": every process's own" if not lost else ": " + ", ".join(
+      f"process {i}'s shards from process {(i - 1) % n}'s replica" for i in lost))

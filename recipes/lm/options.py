@@ -205,8 +205,9 @@ class CheckpointOptions:
   # the checkpoints.
   emergency_every: int = option(0, "also save an emergency copy every this many steps to "
                                 "--emergency_dir, the newest 2 kept (0: off)")
-  emergency_dir: str = option("", "emergency copies (a fast disk every process sees); "
-                              "default RUN_DIR/emergency")
+  emergency_dir: str = option("", "emergency copies (a fast disk every process sees; with "
+                              "{process} in it, each process's own local disk, holding its "
+                              "shards and a peer's); default RUN_DIR/emergency")
   stop_after: int = option(0, "stop after this step as if preempted (checkpoint saved); 0: off")
   grace_s: float = option(fs.multihost.DEFAULT_GRACE_S, "seconds from a preemption notice "
                           "(SIGTERM) to the end of the process, the final save included; "
