@@ -129,3 +129,27 @@ def test_dense_compiled_for_a_v5e_runs_one_kernel_per_product_and_never_quantize
   calls = re.findall(r"custom-call\(.*custom_call_target=\"tpu_custom_call\"", hlo)
   assert len(calls) == 2
   assert set(re.findall(r"s8\[(\d+,\d+)\]", hlo)) == {"256,384", "384,256"}
+
+
+@pytest.mark.slow  # ~20 s: a GPT compiled for a v5e
+@pytest.mark.tpu
+def test_gpt_int8_under_dots_compiled_for_a_v5e_runs_each_kernel_once(tpu_devices):
+  """train_lm's GPT with `int8=True`, `remat="dots"`, its gradient compiled for a described
+  v5e: per block 4 forward kernels and 4 input-gradient kernels (no rerun of the forward's:
+  the dots policy saves them by name), and no activation quantized to int8 by XLA (M = 768
+  tokens: no s8[768, ...])."""
+  from recipes.lm import gpt  # pylint: disable=import-outside-toplevel
+  mesh = fs.make_mesh({"data": 1}, devices=tpu_devices("v5e:2x2")[:1])
+  sharding = jax.NamedSharding(mesh, jax.P())
+  cfg = gpt.ModelConfig(2, 128, 2, 256, int8=True)
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=sharding),
+                        jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0))))
+  batch = {k: jax.ShapeDtypeStruct((3, 256), jnp.int32, sharding=sharding)
+           for k in ("inputs", "targets")}
+  grad = jax.grad(lambda p, b: gpt.loss_fn(p, b, remat="dots", cfg=cfg))
+  with fs.with_mesh(mesh):
+    hlo = jax.jit(grad).lower(params, batch).compile().as_text()
+  kernels = [l for l in hlo.splitlines()
+             if 'custom_call_target="tpu_custom_call"' in l and "fnscale_int8_matmul" in l]
+  assert len(kernels) == 8  # the layer loop's body, once
+  assert not re.findall(r"s8\[768,", hlo)

@@ -20,7 +20,8 @@ footprint (`vmem_footprint`) fits 3/4 of `vmem_bytes`, bm first (each qw byte re
 `int8_selection` decides whether the kernel serves a call (a TPU, or any platform in
 interpret mode; M a multiple of 32 and K, N of 128 with tiles that fit), and says why not.
 Under a mesh with free axes the kernel runs per device (`jax.shard_map`), x's rows split
-over the data axes that divide them, qw and the scales whole.
+over the data axes that divide them (its tiles chosen for a device's rows), qw and the
+scales whole.
 
 Example:
   >>> import fnscale as fs, jax.numpy as jnp
@@ -63,6 +64,12 @@ class Int8Selection(NamedTuple):
     platform: the platform decided for ("tpu", "cpu", ...).
     interpret: the kernel runs in Pallas interpret mode (any platform, slowly; for tests).
     tiles: the kernel's (bm, bn) (None for "xla").
+
+  Examples:
+    >>> import fnscale as fs
+    >>> sel = fs.kernels.int8_selection((16384, 2048), (2048, 8192), platform="tpu")
+    >>> sel.implementation, sel.tiles, sel.reason
+    ('pallas', (512, 1024), 'the kernel serves this call')
   """
   implementation: str
   requested: str
@@ -75,7 +82,13 @@ class Int8Selection(NamedTuple):
 def vmem_footprint(bm: int, bn: int, k: int, itemsize: int = 2) -> int:
   """Bytes of VMEM the kernel holds at tiles (bm, bn) over width k, x of `itemsize` bytes:
   x's tile and qw's double-buffered, the int8 tile and its scales, the output tile
-  double-buffered with its int32 and float32 products, one chunk's float32 temporaries."""
+  double-buffered with its int32 and float32 products, one chunk's float32 temporaries.
+
+  Examples:
+    >>> import fnscale as fs
+    >>> fs.kernels.vmem_footprint(512, 1024, 2048) / 2**20  # MiB: fits 3/4 of 32
+    16.0625
+  """
   x, q, s = 2 * bm * k * itemsize, bm * k, bm * 128 * 4  # a [bm, 1] scale pads to 128 lanes
   w, sw = 2 * k * bn, 2 * 8 * bn * 4
   out = 2 * bm * bn * itemsize + 2 * bm * bn * 4
@@ -111,6 +124,8 @@ def int8_selection(x_shape: Sequence[int], w_shape: Sequence[int], dtype=jnp.bfl
     'xla'
     >>> fs.kernels.int8_selection((256, 128), (128, 256), interpret=True).tiles
     (256, 256)
+    >>> fs.kernels.INT8_IMPLEMENTATIONS
+    ('auto', 'pallas', 'xla')
   """
   x_shape, w_shape = tuple(x_shape), tuple(w_shape)
   if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != w_shape[0]:
@@ -160,7 +175,14 @@ def quantize_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   and q = round(a * (127 / m)) (half to even) clipped to +-127 (s = 1, q = 0 where m = 0),
   so a ~= q * s. The kernel's quantization, also the XLA path's (one definition). One
   division per row, then products: a TPU has no divide unit (and XLA would rewrite a
-  division by a broadcast row value into a product by its reciprocal anyway)."""
+  division by a broadcast row value into a product by its reciprocal anyway).
+
+  Examples:
+    >>> import fnscale as fs, jax.numpy as jnp
+    >>> q, s = fs.kernels.quantize_rows(jnp.array([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]]))
+    >>> q.tolist(), s[:, 0].tolist()
+    ([[127, -64, 32], [0, 0, 0]], [0.007874015718698502, 1.0])
+  """
   a = a.astype(jnp.float32)
   m = jnp.max(jnp.abs(a), axis=1, keepdims=True)
   s = jnp.where(m > 0, m / LEVELS, 1.0)
@@ -225,12 +247,14 @@ def int8_matmul(x: jax.Array, qw: jax.Array, sw: jax.Array, *,
   Raises:
     KernelError: shapes or tiles the kernel can't serve (`int8_selection` says which).
 
-  Example:
+  Examples:
     >>> import fnscale as fs, jax.numpy as jnp
-    >>> x = jnp.ones((8, 128)).at[:, 0].set(-2.0)
+    >>> x = jnp.ones((32, 128)).at[:, 0].set(-2.0)
     >>> qw, sw = jnp.ones((128, 128), jnp.int8), jnp.full((128,), 0.5)
-    >>> fs.kernels.int8_matmul(x, qw, sw, interpret=True)[0, :2].tolist()  # ~(127-2)/2
-    [62.74..., 62.74...]
+    >>> # Row scale 2/127: -2 -> -127, each 1 -> 63.5 -> 64 (half to even), so the row's
+    >>> # float product 62.5 comes out as (127 * 64 - 127) * 2/127 * 0.5:
+    >>> fs.kernels.int8_matmul(x, qw, sw, interpret=True)[0, :2].tolist()
+    [63.0, 63.0]
   """
   if qw.dtype != jnp.int8:
     raise KernelError(f"int8_matmul: qw has dtype {qw.dtype}; expected int8 (quantize the "
@@ -238,22 +262,24 @@ def int8_matmul(x: jax.Array, qw: jax.Array, sw: jax.Array, *,
   if sw.shape != qw.shape[1:]:
     raise KernelError(f"int8_matmul: sw has shape {sw.shape}; expected qw's columns "
                       f"{qw.shape[1:]}")
-  sel = int8_selection(x.shape, qw.shape, x.dtype, implementation="pallas",
-                       interpret=interpret, tiles=tiles, vmem_bytes=vmem_bytes)
+  mesh = jax.sharding.get_abstract_mesh()
+  split = explicit_free_axes() or any(mesh.shape[a] > 1 for a in free_axes(None))
+  rows, share = _row_split(mesh, x.shape[0]) if split else (jax.P(), 1)
+  sel = int8_selection((x.shape[0] // share, x.shape[1]), qw.shape, x.dtype,
+                       implementation="pallas", interpret=interpret, tiles=tiles,
+                       vmem_bytes=vmem_bytes)
   run = functools.partial(_call, tiles=sel.tiles, interpret=interpret,
                           vmem_bytes=vmem_bytes)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not (explicit_free_axes() or any(mesh.shape[a] > 1 for a in free_axes(None))):
+  if not split:
     return run(x, qw, sw)
-  return per_device(run, (x, qw, sw), (_row_spec(mesh, x.shape[0], sel.tiles[0]), jax.P(),
-                                       jax.P()), _row_spec(mesh, x.shape[0], sel.tiles[0]),
-                    None, like=x)
+  return per_device(run, (x, qw, sw), (rows, jax.P(), jax.P()), rows, None, like=x)
 
 
-def _row_spec(mesh, m: int, bm: int):
-  """x's rows split over the free data axes when each device's share still tiles by bm."""
+def _row_split(mesh, m: int):
+  """(x's spec, devices per row split): rows over the free data axes where each device's
+  share is still a whole number of 32-row chunks, else whole on every device."""
   free = free_axes(None)
   axes = tuple(a for a in _axes.data_axes(mesh) if a in free and mesh.shape[a] > 1)
   size = math.prod(mesh.shape[a] for a in axes)
-  return jax.P(axes or None) if axes and m % (size * bm) == 0 else jax.P()
+  return (jax.P(axes), size) if axes and m % (size * _CHUNK) == 0 else (jax.P(), 1)
 
