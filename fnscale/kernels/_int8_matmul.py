@@ -7,8 +7,8 @@ that XLA does not fuse into the int8 dot. The Pallas kernel (`jax.experimental.p
 Mosaic) takes x [M, K] in its float dtype and the weights already in int8 with their float32
 scales; grid step (i, j) holds x's rows [i bm, (i + 1) bm) whole ([bm, K] in VMEM):
 
-- at j = 0 it quantizes them into a VMEM scratch, 32 rows at a time (a row's max |x| over
-  K, s = max / 127, round(x / s) clipped to +-127: `quantize_rows`);
+- at j = 0 it quantizes them into a VMEM scratch, 32 rows at a time (a row's m = max |x|
+  over K, s = m / 127, round(x * 127 / m) clipped to +-127: `quantize_rows`);
 - every j it multiplies that int8 tile by qw's columns [j bn, (j + 1) bn) (int32
   accumulation) and writes y = acc * s_x * s_w in x's dtype.
 
@@ -23,7 +23,7 @@ Under a mesh with free axes the kernel runs per device (`jax.shard_map`), x's ro
 over the data axes that divide them (its tiles chosen for a device's rows), qw and the
 scales whole.
 
-Example:
+Examples:
   >>> import fnscale as fs, jax.numpy as jnp
   >>> sel = fs.kernels.int8_selection((16384, 1024), (1024, 4096), platform="tpu")
   >>> sel.implementation, sel.tiles

@@ -19,7 +19,9 @@ On a TPU both int8 matmuls run as `fs.kernels.int8_matmul`, which quantizes the 
 a pass of its own, unfused into the int8 dot, costing more than the int8 rate saves. Only the
 weights are quantized in XLA (K x N values, not M x K). `fs.kernels.int8_selection` decides
 (the kernel where the shapes tile, else XLA's quantize and `lax.dot_general`, which a TPU
-run logs once per shape); the kernel's output is named `OUTPUT`, for remat policies to save.
+run logs once per shape). The output is named `OUTPUT`, for remat policies to save: a
+policy sees no dot inside the custom_vjp, and "dots" without the name reran the forward's
+quantize and int8 product in the backward pass.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -42,8 +44,8 @@ from jax import lax
 
 import fnscale as fs
 
-# The checkpoint name of a dense's output (a remat policy that saves it spares the forward's
-# rerun: the kernel's output is no dot that "dots" would save).
+# The checkpoint name of a dense's output: a remat policy that saves it spares the forward's
+# rerun (its product, the kernel's or XLA's inside the custom_vjp, is no dot a policy sees).
 OUTPUT = "int8_dense"
 
 # TPU generations where `--int8` ran slower than bfloat16 at train_lm's widths, so the main
@@ -133,7 +135,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, *, implementation: str 
     tiles: the kernel's (bm, bn); None: its choice.
 
   Returns:
-    [..., o_1..o_m] in x's dtype; the kernel's named `OUTPUT` for remat policies.
+    [..., o_1..o_m] in x's dtype, named `OUTPUT` for remat policies.
 
   Raises:
     KernelError: implementation="pallas" for a shape the kernel can't serve.
@@ -142,9 +144,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, *, implementation: str 
   x2 = x.reshape(-1, math.prod(inner))
   w2 = w.astype(x.dtype).reshape(math.prod(inner), math.prod(out))
   how = (implementation, interpret, None if tiles is None else tuple(tiles))
-  y = _matmul(x2, w2, how)
-  if _selection(x2, w2, how).implementation == "pallas":  # XLA's int32 product is a dot
-    y = checkpoint_name(y, OUTPUT)
+  y = checkpoint_name(_matmul(x2, w2, how), OUTPUT)
   return y.reshape(*lead, *out)
 
 

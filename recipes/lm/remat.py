@@ -7,8 +7,9 @@ backward pass (FLOPs). The policies, from most memory to least:
 - "none" (or False): save everything; no recomputation.
 - "dots": save the outputs of the block's weight matmuls (q/k/v, output projection, MLP:
   `dots_with_no_batch_dims_saveable`) and the attention kernel's output and statistics
-  (named `ATTENTION`), and the int8 matmuls' outputs (named `int8.OUTPUT`: the int8 kernel's
-  is no dot): only norms, activation functions and RoPE are recomputed.
+  (named `ATTENTION`), and the int8 matmuls' outputs (named `int8.OUTPUT`: a custom_vjp's
+  product is no dot the policy sees): only norms, activation functions and RoPE are
+  recomputed.
 - "qkv_attn": save the q/k/v projections (named `QKV`) and the attention output: the output
   projection and the MLP are recomputed.
 - "qkv": save only the q/k/v projections: attention, output projection and MLP recomputed.
