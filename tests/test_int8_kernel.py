@@ -89,6 +89,21 @@ def test_dense_on_the_kernel_equals_the_xla_path_value_and_gradients():
   assert jaxpr.count("pallas_call[") == 2  # the forward's product and dx's
 
 
+def test_over_a_mesh_the_kernel_runs_per_device_and_equals_the_xla_path():
+  """x's 512 rows over data=4 (128 a device: tiles chosen for them, not for the 512) and w's
+  columns over tensor=2: value and gradients as XLA's path computes them, y split as x."""
+  mesh = fs.make_mesh({"data": 4, "tensor": 2})
+  put = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))
+  x, w = _data(512, 256, 384)
+  x, w = put(x, jax.P("data")), put(w, jax.P(None, "tensor"))
+  g = np.random.default_rng(1).normal(size=(512, 384)).astype(jnp.bfloat16)
+  with fs.with_mesh(mesh):
+    kernel, xla = _value_and_grads("pallas", x, w, g), _value_and_grads("xla", x, w, g)
+  for a, b in zip(kernel, xla):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert kernel[0].sharding.spec == jax.P("data")
+
+
 def test_a_shape_that_does_not_tile_falls_back_and_says_so(caplog):
   x, w = _data(100, 128, 256)  # 100 rows: no multiple of 32
   with caplog.at_level(logging.WARNING):

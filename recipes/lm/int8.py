@@ -95,8 +95,8 @@ def _product(a: jax.Array, b: jax.Array, how: tuple) -> jax.Array:
     if sel.requested != "xla" and (sel.platform == "tpu" or interpret):
       _say(f"{a.shape} @ {b.shape}", sel.reason)
     return _int8_matmul(a, b).astype(a.dtype)
-  qb, sb = quantize(b, 0)
-  return fs.kernels.int8_matmul(a, qb, sb[0], tiles=sel.tiles, interpret=sel.interpret)
+  qb, sb = quantize(b, 0)  # the kernel chooses tiles for a device's rows under a mesh
+  return fs.kernels.int8_matmul(a, qb, sb[0], tiles=how[2], interpret=sel.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
