@@ -12,7 +12,7 @@ the milliseconds of:
 - `bf16`: x [M, K] @ w [K, N] in bfloat16, and the same forward + backward (dx and dw);
 - `int8 dot`: the int8 x int8 -> int32 product alone, inputs already quantized (the MXU's
   int8 rate: on v5e twice the bf16 rate by the spec sheet);
-- `quantize x`: `int8.quantize` of the activations (a max over K per row, then divide, round
+- `quantize x`: `int8.quantize` of the activations (a max over K per row, then scale, round
   and cast per value: vector-unit work that grows with M K, not M K N);
 - `int8.dense`: the whole forward, and forward + backward, through XLA (quantize, then
   `lax.dot_general`: `implementation="xla"`, `--int8`'s path before the kernel);
