@@ -45,6 +45,7 @@ CASES = [
     ("bench/context", ["--figures=speed"], "'speed'"),
     ("bench/int8_matmul", ["--shapes=64x32"], "'64x32' is not MxKxN"),
     ("bench/int8_matmul", ["--reps=0"], "--reps: 0 must be >= 1"),
+    ("bench/int8_matmul", ["--tiles=256"], "--tiles '256' is not BMxBN"),
     ("bench/compare_maxtext", ["--layers=0"], "--layers: '0' is not an int >= 1"),
     ("bench/compare_maxtext", ["--mesh=context=4", "--context_strategy=ulysses",
                                "--load_balance"], "ulysses: MaxText's Ulysses takes neither"),

@@ -15,6 +15,8 @@ What it checks, a section each (a new check of the chip adds a section):
   a small Gemma 3's step and in the Ulysses context form;
 - the megablox grouped matmul against `jax.lax.ragged_dot`;
 - the blockwise cross-entropy against the plain one on the whole logits;
+- the int8 matmul kernel (x's rows quantized in the kernel) against XLA's int8 path,
+  forward and both gradients;
 - a train step on the chip against the same step on the CPU backend, in float32 and with
   the bf16 policy;
 - a checkpoint saved from the chip, restored onto the chip and onto the CPU;
@@ -306,6 +308,34 @@ def test_blockwise_cross_entropy_matches_the_plain_one():
   for name, g, w in zip(("d hidden", "d unembed"), grads, want_grads):
     assert _error(g, w) <= 1e-4, name
   assert not np.asarray(grads[0][-100:]).any()  # padding adds no gradient
+
+
+# --- int8 matmul kernel ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("tiles", [None, (256, 256)], ids=["chosen", "256x256"])
+def test_the_int8_kernel_matches_xlas_int8_path(tiles):
+  # The same quantization either way (per-row x and g, per-column w, int32 sums): only a
+  # value that lands on a rounding tie under the two programs' float32 divisions may take
+  # the other int8 level, so the two agree far closer than either to the float product
+  # (int8's rounding: ~1% here).
+  from recipes.lm import int8  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(4), 3)
+  x = jax.random.normal(keys[0], (1024, 512), jnp.bfloat16)
+  w = jax.random.normal(keys[1], (512, 768), jnp.float32) / 16
+  g = jax.random.normal(keys[2], (1024, 768), jnp.bfloat16)
+
+  def value_and_grads(implementation):
+    f = lambda x, w: int8.dense(x, w, implementation=implementation, tiles=tiles)
+    return jax.jit(lambda x, w, g: (lambda y, pull: (y, *pull(g)))(*jax.vjp(f, x, w)))
+  compiled = value_and_grads("pallas").lower(x, w, g).compile()
+  assert compiled.as_text().count("fnscale_int8_matmul") >= 2  # forward and input gradient
+  got, xla = compiled(x, w, g), value_and_grads("xla")(x, w, g)
+  with HIGHEST():
+    truth = (x.astype(jnp.float32) @ w, g.astype(jnp.float32) @ w.T,
+             x.astype(jnp.float32).T @ g.astype(jnp.float32))
+  for name, a, b, t in zip(("output", "d x", "d w"), got, xla, truth):
+    assert _error(a, b) < 2e-3, name
+    assert _error(a, t) < 0.02, name
 
 
 # --- a train step: the chip against the CPU backend -----------------------------------------

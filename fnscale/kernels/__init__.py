@@ -1,5 +1,6 @@
 """Kernels: attention on Pallas/cuDNN with a reasoned fallback, blockwise cross-entropy,
-grouped matmul (ragged_dot or megablox) for experts.
+grouped matmul (ragged_dot or megablox) for experts, an int8 matmul that quantizes its
+activations inside (Pallas TPU).
 
 `fnscale.attention`, `fnscale.cross_entropy` and `fnscale.with_kernel` (the pipeline's names)
 run them; this namespace says what runs and why: `kernel_selection` (a `KernelSelection`:
@@ -7,8 +8,11 @@ attention's implementation, `IMPLEMENTATIONS`, with its `BlockSizes`), `gmm_sele
 `GmmSelection` among `GMM_IMPLEMENTATIONS`) and the ambient `KernelChoice` that
 `with_kernel` sets; `RESIDUALS`, the checkpoint name of the attention kernel's output and
 logsumexp (a remat policy that saves it spares the forward kernel's rerun); and
-`grouped_matmul`, the experts' matmul; `splash_block_sizes`, the splash tiles attention runs
-for a `BlockSizes` (with the fused backward kernel when `SPLASH_FUSED_BACKWARD`).
+`grouped_matmul`, the experts' matmul; `int8_matmul`, an int8 matmul quantizing its
+activations in the kernel (chosen by `int8_selection` among `INT8_IMPLEMENTATIONS`;
+`quantize_rows` its quantization, `vmem_footprint` its tiles' VMEM); `splash_block_sizes`,
+the splash tiles attention runs for a `BlockSizes` (with the fused backward kernel when
+`SPLASH_FUSED_BACKWARD`).
 
 Under `jax.default_matmul_precision`, a kernel on bfloat16 or float16 operands runs at the
 default precision (its products are exact in the float32 accumulator, and Mosaic lowers no
@@ -46,6 +50,8 @@ from fnscale.kernels._attention import (IMPLEMENTATIONS, RESIDUALS, BlockSizes, 
                                        kernel_selection)
 from fnscale.kernels._grouped_matmul import (GMM_IMPLEMENTATIONS, GmmSelection, gmm_selection,
                                              grouped_matmul)
+from fnscale.kernels._int8_matmul import (INT8_IMPLEMENTATIONS, Int8Selection, int8_matmul,
+                                          int8_selection, quantize_rows, vmem_footprint)
 from fnscale.kernels._splash_tiles import SPLASH_FUSED_BACKWARD, splash_block_sizes
 
 __all__ = [
@@ -53,6 +59,8 @@ __all__ = [
     "RESIDUALS",
     "GMM_IMPLEMENTATIONS", "GmmSelection", "gmm_selection", "grouped_matmul",
     "SPLASH_FUSED_BACKWARD", "splash_block_sizes",
+    "INT8_IMPLEMENTATIONS", "Int8Selection", "int8_matmul", "int8_selection", "quantize_rows",
+    "vmem_footprint",
 ]
 
 _ROOT = "fnscale.{0} (the pipeline's name)"

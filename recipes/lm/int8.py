@@ -14,6 +14,15 @@ each row or column), and the int8 products accumulate in int32 (`lax.dot_general
 weight gradient stays in bf16 because it sums over every token, where int8's rounding of
 rows would add up. Two of a layer's three matmuls run in int8.
 
+On a TPU both int8 matmuls run as `fs.kernels.int8_matmul`, which quantizes the activations
+(x, and g for the input gradient) tile by tile inside the kernel: XLA would quantize them in
+a pass of its own, unfused into the int8 dot, costing more than the int8 rate saves. Only the
+weights are quantized in XLA (K x N values, not M x K). `fs.kernels.int8_selection` decides
+(the kernel where the shapes tile, else XLA's quantize and `lax.dot_general`, which a TPU
+run logs once per shape). The output is named `OUTPUT`, for remat policies to save: a
+policy sees no dot inside the custom_vjp, and "dots" without the name reran the forward's
+quantize and int8 product in the backward pass.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.key(0), (8, 64))
@@ -24,13 +33,20 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 
+from absl import logging
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax import lax
 
-_LEVELS = 127.0
+import fnscale as fs
+
+# The checkpoint name of a dense's output: a remat policy that saves it spares the forward's
+# rerun (its product, the kernel's or XLA's inside the custom_vjp, is no dot a policy sees).
+OUTPUT = "int8_dense"
 
 # TPU generations where `--int8` ran slower than bfloat16 at train_lm's widths, so the main
 # job says so when asked for it there: on v5e GPT small trained at 0.73x bfloat16's tokens/s;
@@ -41,11 +57,12 @@ SLOWER_ON = ("v5e",)
 
 def quantize(a: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   """(int8 values, float32 scales) of a 2-d array, symmetric, one scale per slice along the
-  other axis: `a ~= q * s` with s = max|a| / 127 over `axis` (kept as a size-1 dim)."""
-  a = a.astype(jnp.float32)
-  scale = jnp.max(jnp.abs(a), axis=axis, keepdims=True) / _LEVELS
-  scale = jnp.where(scale > 0, scale, 1.0)
-  return jnp.clip(jnp.round(a / scale), -_LEVELS, _LEVELS).astype(jnp.int8), scale
+  other axis: `a ~= q * s` with s = max|a| / 127 over `axis` (kept as a size-1 dim); the
+  kernel's own quantization (`fs.kernels.quantize_rows`)."""
+  if axis == 1:
+    return fs.kernels.quantize_rows(a)
+  q, s = fs.kernels.quantize_rows(a.T)
+  return q.T, s.T
 
 
 def _int8_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -56,40 +73,78 @@ def _int8_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
   return y.astype(jnp.float32) * sa * sb
 
 
-@jax.custom_vjp
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  return _int8_matmul(x, w).astype(x.dtype)
+@functools.lru_cache(maxsize=None)
+def _say(what: str, reason: str) -> None:
+  # Cached only so that each shape is named once; it holds no decision.
+  logging.warning("int8 matmul %s runs on %s: its quantize of the activations is an XLA "
+                  "pass of its own", what, reason)
 
 
-def _matmul_fwd(x, w):
-  return _matmul(x, w), (x, w)
+def _selection(a: jax.Array, b: jax.Array, how: tuple) -> fs.kernels.Int8Selection:
+  """What runs a [m, k] @ b [k, n] for `how` (implementation, interpret, tiles)."""
+  implementation, interpret, tiles = how
+  return fs.kernels.int8_selection(a.shape, b.shape, a.dtype, implementation=implementation,
+                                   interpret=interpret, tiles=tiles)
 
 
-def _matmul_bwd(residuals, g):
+def _product(a: jax.Array, b: jax.Array, how: tuple) -> jax.Array:
+  """a [m, k] @ b [k, n] through int8 in a's dtype: the kernel where `_selection` says it
+  serves, else XLA."""
+  sel, interpret = _selection(a, b, how), how[1]
+  if sel.implementation == "xla":
+    if sel.requested != "xla" and (sel.platform == "tpu" or interpret):
+      _say(f"{a.shape} @ {b.shape}", sel.reason)
+    return _int8_matmul(a, b).astype(a.dtype)
+  qb, sb = quantize(b, 0)  # the kernel chooses tiles for a device's rows under a mesh
+  return fs.kernels.int8_matmul(a, qb, sb[0], tiles=how[2], interpret=sel.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, how: tuple) -> jax.Array:
+  return _product(x, w, how)
+
+
+def _matmul_fwd(x, w, how):
+  return _matmul(x, w, how), (x, w)
+
+
+def _matmul_bwd(how, residuals, g):
   x, w = residuals
-  dx = _int8_matmul(g, w.T).astype(x.dtype)
+  dx = _product(g, w.T, how).astype(x.dtype)
   dw = lax.dot_general(x, g.astype(x.dtype), (((0,), (0,)), ((), ())),
                        preferred_element_type=jnp.float32).astype(w.dtype)
   return dx, dw
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+# optimize_remat: under jax.checkpoint the residuals (x, w) are taken without rerunning the
+# forward's product.
+_matmul.defvjp(_matmul_fwd, _matmul_bwd, optimize_remat=True)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, contract: int = 1, *, implementation: str = "auto",
+          interpret: bool = False, tiles: tuple[int, int] | None = None) -> jax.Array:
   """`jnp.tensordot(x, w, contract)` with int8 forward and input-gradient matmuls (above).
 
   Args:
     x: activations [..., c_1..c_n] (bfloat16 or float32).
     w: weights [c_1..c_n, o_1..o_m], cast to x's dtype.
     contract: n, the trailing dims of x contracted with the leading dims of w.
+    implementation: "auto" (the kernel on a TPU where it serves, else XLA), "pallas" or
+      "xla" (`fs.kernels.int8_selection`).
+    interpret: the kernel in Pallas interpret mode (any platform; for tests).
+    tiles: the kernel's (bm, bn); None: its choice.
 
   Returns:
-    [..., o_1..o_m] in x's dtype.
+    [..., o_1..o_m] in x's dtype, named `OUTPUT` for remat policies.
+
+  Raises:
+    KernelError: implementation="pallas" for a shape the kernel can't serve.
   """
   lead, inner, out = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:], w.shape[contract:]
-  y = _matmul(x.reshape(-1, math.prod(inner)),
-              w.astype(x.dtype).reshape(math.prod(inner), math.prod(out)))
+  x2 = x.reshape(-1, math.prod(inner))
+  w2 = w.astype(x.dtype).reshape(math.prod(inner), math.prod(out))
+  how = (implementation, interpret, None if tiles is None else tuple(tiles))
+  y = checkpoint_name(_matmul(x2, w2, how), OUTPUT)
   return y.reshape(*lead, *out)
 
 

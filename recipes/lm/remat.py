@@ -7,7 +7,9 @@ backward pass (FLOPs). The policies, from most memory to least:
 - "none" (or False): save everything; no recomputation.
 - "dots": save the outputs of the block's weight matmuls (q/k/v, output projection, MLP:
   `dots_with_no_batch_dims_saveable`) and the attention kernel's output and statistics
-  (named `ATTENTION`): only norms, activation functions and RoPE are recomputed.
+  (named `ATTENTION`), and the int8 matmuls' outputs (named `int8.OUTPUT`: a custom_vjp's
+  product is no dot the policy sees): only norms, activation functions and RoPE are
+  recomputed.
 - "qkv_attn": save the q/k/v projections (named `QKV`) and the attention output: the output
   projection and the MLP are recomputed.
 - "qkv": save only the q/k/v projections: attention, output projection and MLP recomputed.
@@ -30,6 +32,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 import fnscale as fs
+from recipes.lm import int8
 from recipes.lm.options import REMAT_POLICIES as POLICIES
 
 QKV = "qkv"  # the q, k and v projections (after RoPE)
@@ -40,7 +43,8 @@ def _policy(name: str):
   cp = jax.checkpoint_policies
   both = lambda *names: cp.save_only_these_names(*names)
   return {
-      "dots": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, both(ATTENTION)),
+      "dots": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                         both(ATTENTION, int8.OUTPUT)),
       "qkv_attn": both(QKV, ATTENTION),
       "qkv": both(QKV),
       "offload_dots": cp.save_from_both_policies(
