@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
+from fnscale import _offload
 from fnscale._loss import _Config
 
 
@@ -58,7 +59,8 @@ def _update(cfg: _Config, state, grads, ls):
   optax's global-norm clipping, which sums the same squares."""
   params = state.params
   cast = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  updates, opt_state = cfg.optimizer.update(cast, state.opt_state, params)
+  # A state in host memory (init_state's offload_optimizer) comes to the device for it.
+  updates, opt_state = _offload.update(cfg.optimizer, cast, state.opt_state, params)
   skipped = jnp.zeros((), jnp.int32)
   new_ls = state.loss_scale
   finite = None
