@@ -20,6 +20,7 @@ from absl import logging
 import jax
 import jax.extend
 import jax.numpy as jnp
+import jmp
 import optax
 
 HOST = "pinned_host"
@@ -38,28 +39,31 @@ def _to(x, space):
   return jax.device_put(x, space)
 
 
-def update(optimizer, grads, opt_state, params):
+def update(optimizer, grads, opt_state, params, finite=None):
   """`optimizer.update(grads, opt_state, params)` -> (updates, new state), the state's
   leaves that arrive in host memory (traced: their type says so) brought to the device for
-  it and the new ones sent back; unchanged without such leaves."""
+  it and the new ones sent back. `finite`: None, or a bool scalar, False keeping the old
+  state (a step a dynamic loss scale skips)."""
   leaves, treedef = jax.tree.flatten(opt_state)
   host = [_is_host(x) for x in leaves]
   if not any(host):
-    return optimizer.update(grads, opt_state, params)
+    updates, new = optimizer.update(grads, opt_state, params)
+    return updates, new if finite is None else jmp.select_tree(finite, new, opt_state)
   labels = _labels(optimizer, opt_state, params)
   if labels is None or not _separable(optimizer, grads, opt_state, params, labels):
     logging.info("optimizer offload: the optimizer's update reads several params' state "
                  "together; its state comes to the device whole for the update")
     on_device = [_to(x, jax.memory.Space.Device) if h else x for x, h in zip(leaves, host)]
     updates, new = optimizer.update(grads, treedef.unflatten(on_device), params)
-    return updates, _back(new, host)
-  return _streamed(optimizer, grads, leaves, treedef, params, labels, host)
+    return updates, treedef.unflatten([
+        _to(_kept(finite, x, old), jax.memory.Space.Host) if h else _kept(finite, x, old)
+        for x, old, h in zip(jax.tree.leaves(new), on_device, host)])
+  return _streamed(optimizer, grads, leaves, treedef, params, labels, host, finite)
 
 
-def _back(new_state, host):
-  leaves, treedef = jax.tree.flatten(new_state)
-  return treedef.unflatten([_to(x, jax.memory.Space.Host) if h else x
-                            for x, h in zip(leaves, host)])
+def _kept(finite, new, old):
+  """`new`, or `old` where `finite` is False (None: always `new`)."""
+  return new if finite is None else jnp.where(finite, new, old)
 
 
 def _labels(optimizer, opt_state, params) -> list | None:
@@ -131,12 +135,14 @@ def _inner(eqn):
   return None
 
 
-def _streamed(optimizer, grads, leaves, treedef, params, labels, host):
+def _streamed(optimizer, grads, leaves, treedef, params, labels, host, finite):
   """The update once per param, in the params' order, each param's state copied to the
   device after the previous param's new state is made (`lax.optimization_barrier`)."""
   n = len(jax.tree.leaves(params))
   shared = [_to(x, jax.memory.Space.Device) if h and lab is None else x
             for x, h, lab in zip(leaves, host, labels)]
+  back = lambda k, x, old: (_to(_kept(finite, x, old), jax.memory.Space.Host) if host[k]
+                            else _kept(finite, x, old))
   zero = [jnp.zeros(x.shape, x.dtype) for x in leaves]
   updates, new_leaves, done = [None] * n, list(leaves), None
   for i in range(n):
@@ -154,11 +160,11 @@ def _streamed(optimizer, grads, leaves, treedef, params, labels, host):
     new = jax.tree.leaves(new)
     updates[i] = jax.tree.leaves(u)[i]
     for k in mine:
-      new_leaves[k] = _to(new[k], jax.memory.Space.Host) if host[k] else new[k]
+      new_leaves[k] = back(k, new[k], state[k])
     if i == 0:
       for k, lab in enumerate(labels):
         if lab is None:
-          new_leaves[k] = _to(new[k], jax.memory.Space.Host) if host[k] else new[k]
+          new_leaves[k] = back(k, new[k], state[k])
     done = [new_leaves[k] for k in mine] or done
   return (jax.tree.unflatten(jax.tree.structure(params), updates),
           treedef.unflatten(new_leaves))
