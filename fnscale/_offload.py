@@ -1,26 +1,31 @@
 """The optimizer state in host memory: `init_state(..., offload_optimizer=True)` places it in
 pinned host memory (`memory_kind="pinned_host"`) between steps, and the train step's update
-(`update`) brings it to the device and sends the new state back, one param's share at a
-time where the optimizer's update allows it, as MaxText's optimizer offload keeps it on the
-host. Params and gradients stay on the device.
+(`update`) brings it to the device and sends the new state back, as MaxText's optimizer
+offload keeps it on the host. Params and gradients stay on the device.
 
-Brought in whole, the state would sit on the device at once during the update (XLA starts
-every copy early, to overlap them): the device then holds params, gradients and moments
-together, more than without offload. So the update runs once per param (each call's other
-params' state a zero XLA drops, the shared parts such as the global norm computed once),
-each param's state copied in only after the previous param's update is done
-(`lax.optimization_barrier`): the device holds one param's state at a time. That is exact
-where each param's new state and update read no other param's state (Adam, AdamW,
-Adafactor, SGD with momentum, a global-norm clip before them: read from the update's jaxpr,
-`_separable`); another optimizer's state comes in whole, said at INFO.
+Brought in whole (MaxText's way), the state would sit on the device at once during the
+update (XLA starts every copy early, to overlap them): the device then holds params,
+gradients and moments together, more than without offload. So the update runs once per
+param (the other params' state a zero XLA drops, the shared parts such as the global norm
+computed once), and where it is elementwise in that param's state (Adam's moments, from
+the update's jaxpr: `_plan`) a slice of its leading axis at a time (a layer of a stacked
+block, rows of an embedding: `SLICE_BYTES`) in a `lax.scan`, each slice copied in and its
+new state out: the device holds a slice or two of state. Else the param's whole state comes
+in after the previous param's went back (`lax.optimization_barrier`). Either is exact where
+each param's new state and update read no other param's state (Adam, AdamW, Adafactor, SGD
+with momentum, a global-norm clip before them: `_separable`); another optimizer's state
+comes in whole, said at INFO.
 """
 from __future__ import annotations
+
+import math
 
 from absl import logging
 import jax
 import jax.extend
 import jax.numpy as jnp
 import jmp
+import numpy as np
 import optax
 
 HOST = "pinned_host"
@@ -136,35 +141,206 @@ def _inner(eqn):
 
 
 def _streamed(optimizer, grads, leaves, treedef, params, labels, host, finite):
-  """The update once per param, in the params' order, each param's state copied to the
-  device after the previous param's new state is made (`lax.optimization_barrier`)."""
-  n = len(jax.tree.leaves(params))
+  """The update once per param, in the params' order: a slice of its leading axis at a time
+  where the update is elementwise in its state (`_by_slices`), else its whole state copied
+  to the device after the previous param's new state went back
+  (`lax.optimization_barrier`)."""
+  pleaves = jax.tree.leaves(params)
   shared = [_to(x, jax.memory.Space.Device) if h and lab is None else x
             for x, h, lab in zip(leaves, host, labels)]
-  back = lambda k, x, old: (_to(_kept(finite, x, old), jax.memory.Space.Host) if host[k]
-                            else _kept(finite, x, old))
   zero = [jnp.zeros(x.shape, x.dtype) for x in leaves]
-  updates, new_leaves, done = [None] * n, list(leaves), None
-  for i in range(n):
+  updates, new_leaves, done = [None] * len(pleaves), list(leaves), None
+  for i, p in enumerate(pleaves):
     mine = [k for k, lab in enumerate(labels) if lab == i]
-    ins = [_to(leaves[k], jax.memory.Space.Device) if host[k] else leaves[k] for k in mine]
-    if done is not None and ins:
-      ins, _ = jax.lax.optimization_barrier((ins, done))
-    state = list(shared)
-    for k, lab in enumerate(labels):
-      if lab is not None and lab != i:
-        state[k] = zero[k]
-    for k, x in zip(mine, ins):
-      state[k] = x
-    u, new = optimizer.update(grads, treedef.unflatten(state), params)
-    new = jax.tree.leaves(new)
-    updates[i] = jax.tree.leaves(u)[i]
-    for k in mine:
-      new_leaves[k] = back(k, new[k], state[k])
-    if i == 0:
-      for k, lab in enumerate(labels):
-        if lab is None:
-          new_leaves[k] = back(k, new[k], state[k])
-    done = [new_leaves[k] for k in mine] or done
+    outs_k = mine + ([k for k, lab in enumerate(labels) if lab is None] if i == 0 else [])
+    to_host = [False] + [host[k] for k in outs_k]
+
+    def update_one(*ins, i=i, mine=mine, outs_k=outs_k):
+      state = [zero[k] if lab is not None and lab != i else x
+               for k, (x, lab) in enumerate(zip(shared, labels))]
+      for k, x in zip(mine, ins):
+        state[k] = x
+      u, new = optimizer.update(grads, treedef.unflatten(state), params)
+      new = jax.tree.leaves(new)
+      return [jax.tree.leaves(u)[i]] + [_kept(finite, new[k], state[k]) for k in outs_k]
+    outs = None
+    if mine and all(np.shape(leaves[k]) == np.shape(p) for k in mine):
+      outs = _by_slices(update_one, [leaves[k] for k in mine], [host[k] for k in mine],
+                        np.shape(p), to_host)
+    if outs is None:
+      ins = [_to(leaves[k], jax.memory.Space.Device) if host[k] else leaves[k] for k in mine]
+      if done is not None and ins:
+        ins, _ = jax.lax.optimization_barrier((ins, done))
+      outs = [_to(x, jax.memory.Space.Host) if h else x
+              for x, h in zip(update_one(*ins), to_host)]
+      done = outs[1:len(mine) + 1] or done
+    updates[i] = outs[0]
+    for k, x in zip(outs_k, outs[1:]):
+      new_leaves[k] = x
   return (jax.tree.unflatten(jax.tree.structure(params), updates),
           treedef.unflatten(new_leaves))
+
+# Elementwise primitives: a param's state may be updated a slice of its leading axis at a
+# time where only these read it (Adam's moments; not a norm over the whole leaf).
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "div",
+    "eq", "erf", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite",
+    "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or",
+    "pow", "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sqrt",
+    "square", "stop_gradient", "sub", "tanh", "xor"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+# A slice of a param's state brought in at once: about this many bytes.
+SLICE_BYTES = 64 * 2**20
+
+
+class _NotElementwise(Exception):
+  pass
+
+
+class _Lazy:
+  """An elementwise equation of the leaf's shape that reads no state: computed a slice at a
+  time where the sliced update reads it, whole (once) where anything else does."""
+
+  def __init__(self, prim, params, args):
+    self.prim, self.params, self.args, self.value = prim, params, args, None
+
+  def force(self):
+    if self.value is None:
+      self.value = self.prim.bind(*[_force(a) for a in self.args], **self.params)
+    return self.value
+
+
+def _force(ref):
+  kind, x = ref
+  if kind == "s":
+    raise _NotElementwise("the whole state")  # e.g. a norm over it
+  return x.force() if kind == "d" else x
+
+
+def _sliceable(eqn, shape) -> bool:
+  """An elementwise equation (or a scalar's broadcast) over values of the leaf's `shape`."""
+  ins = [tuple(a.aval.shape) for a in eqn.invars]
+  if not all(tuple(v.aval.shape) == shape for v in eqn.outvars):
+    return False
+  if eqn.primitive.name == "broadcast_in_dim":
+    return ins[0] == ()
+  return eqn.primitive.name in _ELEMENTWISE and all(x in ((), shape) for x in ins)
+
+
+def _plan(jaxpr, consts, ins, shape):
+  """Walks `jaxpr` with inputs `ins` (("v", value): read from no state; ("s", step): read
+  from it), returning the outputs' refs: ("v", value) computed now, ("d", _Lazy) and ("s",
+  (prim, params, args)) computed a slice at a time: elementwise equations of the leaf's
+  `shape`. Calls are walked inside. Raises _NotElementwise otherwise."""
+  env = {}
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = ("v", c)
+  for v, r in zip(jaxpr.invars, ins):
+    env[v] = r
+  get = lambda a: ("v", a.val) if isinstance(a, jax.extend.core.Literal) else env[a]
+  for eqn in jaxpr.eqns:
+    args = [get(a) for a in eqn.invars]
+    name = eqn.primitive.name
+    state = any(k == "s" for k, _ in args)
+    if name in _CALLS and _inner(eqn) is not None and (state or any(k == "d" for k, _ in args)):
+      inner = next(eqn.params[n] for n in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                   if eqn.params.get(n) is not None)
+      if len(getattr(inner, "jaxpr", inner).invars) != len(args):
+        raise _NotElementwise(name)
+      refs = _plan(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), args, shape)
+    elif not eqn.primitive.multiple_results and _sliceable(eqn, shape):
+      refs = [("s" if state else "d", (eqn.primitive, eqn.params, args) if state
+               else _Lazy(eqn.primitive, eqn.params, args))]
+    elif state:
+      raise _NotElementwise(name)
+    else:
+      outs = eqn.primitive.bind(*[_force(a) for a in args], **eqn.params)
+      refs = [("v", o) for o in (outs if eqn.primitive.multiple_results else [outs])]
+    for v, r in zip(eqn.outvars, refs):
+      env[v] = r
+  return [get(v) for v in jaxpr.outvars]
+
+
+def _chunks(shape, itemsize_sum: int) -> int:
+  """Slices of the leading axis (a divisor of it) that keep a slice's state near
+  `SLICE_BYTES`; 1 where the leaf is small or has no leading axis."""
+  if not shape or shape[0] < 2:
+    return 1
+  want = math.ceil(math.prod(shape) * itemsize_sum / SLICE_BYTES)
+  if want <= 1:
+    return 1
+  return next((n for n in range(want, shape[0] + 1) if shape[0] % n == 0), shape[0])
+
+
+def _by_slices(update_one, ins, host, shape, to_host):
+  """`update_one(ins) -> outs` (the state leaves of one param in, its update and new state
+  leaves out, all of `shape`) run a slice of the leading axis at a time in a `lax.scan`,
+  each slice of `ins` copied to the device (from the host where `host`) and each new one
+  back (the outputs where `to_host`); None where the update is not elementwise in the
+  state (`_plan`) or the leaf is too small to slice (`_chunks`)."""
+  n = _chunks(shape, sum(jnp.dtype(x.dtype).itemsize for x in ins))
+  if n == 1:
+    return None
+  plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins]
+  closed = jax.make_jaxpr(update_one)(*plain)
+  try:
+    outs = _plan(closed.jaxpr, closed.consts, [("s", ("in", k)) for k in range(len(ins))],
+                 tuple(shape))
+    whole = [_force(r) if k == "v" else None for k, r in outs]
+  except _NotElementwise as e:
+    logging.info("optimizer offload: the update reads %s of a param's state; its state "
+                 "comes to the device whole", e)
+    return None
+  reads = _whole_reads([r for r in outs if r[0] != "v"], tuple(shape))
+  split = lambda x: x.reshape((n, shape[0] // n) + tuple(shape[1:]))
+  sliced = [j for j, (k, _) in enumerate(outs) if k != "v"]
+
+  def body(carry, xs):
+    state, read = xs
+    memo = {("in", k): (_to(x, jax.memory.Space.Device) if host[k] else x)
+            for k, x in enumerate(state)}
+    memo.update({id(x): r for x, r in zip(reads, read)})
+    got = [_sliced(outs[j], memo) for j in sliced]
+    return carry, [_to(x, jax.memory.Space.Host) if to_host[j] else x
+                   for j, x in zip(sliced, got)]
+  _, ys = jax.lax.scan(body, 0, ([split(x) for x in ins], [split(x) for x in reads]))
+  for j, y in zip(sliced, ys):
+    whole[j] = y.reshape(shape)
+  return [_to(x, jax.memory.Space.Host) if h and k == "v" else x
+          for x, h, (k, _) in zip(whole, to_host, outs)]
+
+
+def _whole_reads(refs, shape) -> list:
+  """The values of the leaf's `shape` that the sliced equations behind `refs` read whole
+  (gradients, params: sliced along with the state)."""
+  found, seen, todo = {}, set(), list(refs)
+  while todo:
+    kind, x = todo.pop()
+    if kind == "v":
+      if tuple(np.shape(x)) == shape:
+        found.setdefault(id(x), x)
+      continue
+    if kind == "s" and x[0] == "in" or id(x) in seen:
+      continue
+    seen.add(id(x))
+    todo.extend(x.args if kind == "d" else x[2])
+  return list(found.values())
+
+
+def _sliced(ref, memo):
+  """`ref`'s value for one slice: `memo` holds the slice's state (("in", k)) and whole
+  reads (by id), and the equations computed so far."""
+  kind, x = ref
+  if kind == "v":
+    return memo.get(id(x), x)
+  key = x if kind == "s" and x[0] == "in" else id(x)
+  if key in memo:
+    return memo[key]
+  prim, params, args = (x.prim, x.params, x.args) if kind == "d" else x
+  operands = [_sliced(a, memo) for a in args]
+  if prim.name == "broadcast_in_dim":  # a scalar's broadcast, to the slice's shape
+    params = dict(params, shape=tuple(np.shape(next(
+        (v for k, v in memo.items() if isinstance(k, tuple)), None))))
+  memo[key] = prim.bind(*operands, **params)
+  return memo[key]

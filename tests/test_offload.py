@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import fnscale as fs
+from fnscale import _offload
 
 
 def _mlp(key):
@@ -64,14 +65,19 @@ def test_offload_optimizer_is_a_bool():
                   offload_optimizer="yes")
 
 
-D, LAYERS = 1024, 8
+LAYERS, D, VOCAB = 4, 512, 4096
 
 
-def _deep_loss(params, batch):
-  x = batch["x"]
-  for i in range(LAYERS):
-    x = jnp.tanh(x @ params[f"w{i}"])
-  return jnp.mean(x ** 2)
+def _stack():
+  return {"blocks": {"w": jnp.zeros((LAYERS, D, D)), "scale": jnp.ones((LAYERS, D))},
+          "embed": jnp.zeros((VOCAB, D))}
+
+
+def _stack_loss(params, batch):
+  def block(x, p):
+    return jnp.tanh(x @ p["w"]) * p["scale"], None
+  x, _ = jax.lax.scan(block, params["embed"][batch["tokens"]], params["blocks"])
+  return jnp.mean((x @ params["embed"].T) ** 2)
 
 
 def _hbm(memory) -> int:
@@ -79,25 +85,45 @@ def _hbm(memory) -> int:
   return memory.argument_size_in_bytes + memory.temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.tpu
-def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices):
+def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices, monkeypatch):
+  """Compiled for one v5e chip, the step with the state offloaded holds most of AdamW's two
+  float32 moments (8 bytes a param, by hand) less on the device (94% of them at a 0.5 GiB
+  model with 64 MiB slices; here, slices of 1 MiB, 80%): each param's state comes in a
+  slice of its leading axis (a layer, rows of the embedding) at a time."""
+  del tpu_devices  # skips without libtpu
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 2**20)  # slices of 1 MiB: 8 of a layer
   mesh = fs.make_mesh({"fsdp": 1}, devices=fs.target_devices("v5e:1x1"))
-  init = lambda: {f"w{i}": jnp.zeros((D, D)) for i in range(LAYERS)}
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-  batch = {"x": jax.ShapeDtypeStruct((64, D), jnp.float32)}
+  batch = {"tokens": jax.ShapeDtypeStruct((8, 128), jnp.int32)}
   compiled = {}
   for offload in (False, True):
-    state = fs.init_state(init, optimizer, mesh=mesh, abstract=True,
+    state = fs.init_state(_stack, optimizer, mesh=mesh, abstract=True,
                           offload_optimizer=offload)
-    compiled[offload] = fs.shard_step(fs.train_step(_deep_loss, optimizer), mesh).compile(
+    compiled[offload] = fs.shard_step(fs.train_step(_stack_loss, optimizer), mesh).compile(
         state, batch).compiled
-  moments = 2 * 4 * D * D * LAYERS  # AdamW's two float32 moments, by hand
+  moments = 2 * 4 * (LAYERS * D * D + LAYERS * D + VOCAB * D)
   on, off = (compiled[k].memory_analysis() for k in (False, True))
-  assert off.host_argument_size_in_bytes >= moments
   assert on.host_argument_size_in_bytes == 0
-  # Most of the state leaves the device: what stays is a few params' moments in flight.
-  assert _hbm(on) - _hbm(off) > 0.55 * moments, (_hbm(on), _hbm(off), moments)
-  kinds = lambda c: {s.memory_kind for s in jax.tree.leaves(c.output_shardings[0].opt_state)}
-  assert kinds(compiled[True]) == {"pinned_host"} and kinds(compiled[False]) == {"device"}
-  params = lambda c: {s.memory_kind for s in jax.tree.leaves(c.output_shardings[0].params)}
-  assert params(compiled[True]) == {"device"}
+  assert off.host_argument_size_in_bytes >= moments
+  assert _hbm(on) - _hbm(off) > 0.75 * moments, (_hbm(on), _hbm(off), moments)
+  kinds = lambda c, part: {s.memory_kind for s in jax.tree.leaves(
+      getattr(c.output_shardings[0], part))}
+  assert kinds(compiled[True], "opt_state") == {"pinned_host"}
+  assert kinds(compiled[False], "opt_state") == {"device"}
+  assert kinds(compiled[True], "params") == {"device"}
+
+
+def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch):
+  """Each param's state a slice of its leading axis at a time (slices of 256 bytes here):
+  the numbers of the device's run, to float rounding (XLA fuses the sliced update apart)."""
+  if "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
+    pytest.skip("this backend has no pinned host memory")
+  want_losses, want = _three_steps(ADAMW, offload=False)
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 256)
+  losses, got = _three_steps(ADAMW, offload=True)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
+                  jax.tree.leaves((got.params, got.opt_state))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
