@@ -127,3 +127,43 @@ def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch):
   for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
                   jax.tree.leaves((got.params, got.opt_state))):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def llama_v5e(tpu_devices):
+  """(topology, mesh, a Llama, its float32 params' bytes P) on one described v5e chip: 0.4B
+  params (1.6 GB), whose step at 1 row of 32 tokens holds about P of params, P of gradients
+  and AdamW's 2 P of moments."""
+  del tpu_devices  # skips without libtpu
+  from recipes.lm import llama  # pylint: disable=import-outside-toplevel
+  devices = fs.target_devices("v5e:1x1")
+  cfg = llama.model_config("llama-tiny", 32, layers=4, d_model=2048, heads=16, kv_heads=4,
+                           d_mlp=8192, vocab=32768)
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+  return (fs.detect_topology(devices=devices), fs.make_mesh({"data": 1}, devices=devices),
+          (llama, cfg), 4 * sum(x.size for x in jax.tree.leaves(shapes)))
+
+
+@pytest.mark.slow
+def test_the_preflight_offloads_the_state_where_adamw_fits_no_other_way(llama_v5e,
+                                                                        monkeypatch):
+  """By a hand count AdamW's step holds 4 P, with its first moment in bfloat16 3.5 P, with
+  the state on the host 2 P and a few slices of 64 MiB; a choice must fit 90% of the
+  device. At 2.6 P only the offloaded state fits: chosen and said; --nooptimizer_offload
+  leaves Adafactor; at 4.5 P nothing changes."""
+  from recipes.lm import memory  # pylint: disable=import-outside-toplevel
+  from recipes.lm.options import Options  # pylint: disable=import-outside-toplevel
+  topo, mesh, (module, cfg), P = llama_v5e
+
+  def choose(cap, **options):
+    monkeypatch.setattr(memory, "limit", lambda mesh: cap * P)
+    said = []
+    step = memory.choose(Options.of(batch_size=1, remat=True, accum_steps=1, **options).step,
+                         "float32", memory.Model(module, cfg, "llama"), topo, mesh, 1,
+                         said.append)
+    return (step.optimizer, step.mu_dtype, step.optimizer_offload), said
+  assert choose(4.5) == (("adamw", "float32", False), [])
+  chosen, said = choose(2.6)
+  assert chosen == ("adamw", "float32", True)
+  assert len(said) == 1 and "--optimizer_offload (" in said[0]
+  assert choose(2.6, optimizer_offload=False)[0] == ("adafactor", None, False)

@@ -50,11 +50,10 @@ GiB = 2**30
 OPTIMIZERS = (("adamw", "float32", False), ("adamw", "bfloat16", False),
               ("adamw", "float32", True), ("adamw", "bfloat16", True),
               ("adafactor", None, False))
-# With the state in the host's memory, the device holds the largest IN_FLIGHT params' state
-# at once: the update brings one param's in while the previous one's goes out, and XLA
-# copies the first ones in during the backward pass (a v5e compile of tests/test_offload.py:
-# two to three params' moments beside the params and gradients).
-IN_FLIGHT = 3
+# With the state in the host's memory (`fs.init_state(..., offload_optimizer=True)`), the
+# update brings AdamW's state to the device a slice of each param's leading axis at a time,
+# slices of up to 64 MiB: one in, one out and the next one coming (IN_FLIGHT).
+SLICE_BYTES, IN_FLIGHT = 64 * 2**20, 3
 
 
 def limit(mesh) -> float | None:
@@ -97,17 +96,10 @@ def profile(m: Model, target, rows: int, policy, keep: str = "none",
 
 def _on_device(m: Model, prof):
   """`prof` with the optimizer state the device holds when it lives in the host's memory:
-  the largest `IN_FLIGHT` params' share of it (a LoRA's state is counted whole: small)."""
+  `IN_FLIGHT` slices of it (a LoRA's state is counted whole: small)."""
   if m.lora is not None:
     return prof
-  sizes = sorted((x.size for x in jax.tree.leaves(_shapes(m))), reverse=True)
-  per_param = prof.opt_bytes / sum(sizes)
-  return prof._replace(opt_bytes=per_param * sum(sizes[:IN_FLIGHT]))
-
-
-@functools.lru_cache(maxsize=4)
-def _shapes(m: Model):
-  return jax.eval_shape(functools.partial(m.module.init_params, m.cfg), jax.random.key(0))
+  return prof._replace(opt_bytes=min(prof.opt_bytes, IN_FLIGHT * SLICE_BYTES))
 
 
 @functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
