@@ -114,14 +114,14 @@ def _separable(optimizer, grads, opt_state, params, labels) -> bool:
 def _reads(jaxpr, deps_in):
   """For each output of `jaxpr`, the set of tagged inputs it depends on (`deps_in`: per
   input, a frozenset of tags); through calls with an inner jaxpr (pjit, custom_jvp, ...)
-  per output, else every output of an equation reads all of its inputs."""
-  env = {}
-  read = lambda v: env.get(v, frozenset()) if not isinstance(v, jax.extend.core.Literal) else frozenset()
-  for v, d in zip(jaxpr.invars, deps_in):
-    env[v] = d
+  per output, else every output of an equation (a loop's too) reads all of its inputs."""
+  env = dict(zip(jaxpr.invars, deps_in))
+  read = lambda v: (frozenset() if isinstance(v, jax.extend.core.Literal)
+                    else env.get(v, frozenset()))
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    inner = _inner(eqn)
+    # Into calls only: a loop's body read once would miss what its carry passes on.
+    inner = _inner(eqn) if eqn.primitive.name in _CALLS else None
     if inner is not None and len(inner.invars) == len(ins) and len(
         inner.outvars) == len(eqn.outvars):
       outs = _reads(inner, ins)
@@ -133,6 +133,7 @@ def _reads(jaxpr, deps_in):
 
 
 def _inner(eqn):
+  """The jaxpr a call equation runs (pjit's, custom_jvp's, ...), or None."""
   for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
     j = eqn.params.get(name)
     if j is not None:

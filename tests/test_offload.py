@@ -22,6 +22,11 @@ def _mlp_loss(params, batch):
   return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
 
 
+def _needs_pinned_host():
+  if "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
+    pytest.skip("this backend has no pinned host memory")
+
+
 def _three_steps(optimizer, offload, policy=None):
   mesh = fs.make_mesh({"fsdp": 8})
   state = fs.init_state(_mlp, optimizer, mesh=mesh, key=jax.random.key(0), policy=policy,
@@ -45,8 +50,7 @@ ADAMW = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_dec
 def test_offloaded_state_trains_as_on_the_device(optimizer, policy):
   """The loss, params and state after 3 steps equal the same run's on the device: with a
   global-norm clip, a factored state, and float16's dynamic loss scale."""
-  if "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
-    pytest.skip("this backend has no pinned host memory")
+  _needs_pinned_host()
   want_losses, want = _three_steps(optimizer, offload=False, policy=policy)
   losses, got = _three_steps(optimizer, offload=True, policy=policy)
   assert losses == want_losses
@@ -118,8 +122,7 @@ def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices, monkeypa
 def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch):
   """Each param's state a slice of its leading axis at a time (slices of 256 bytes here):
   the numbers of the device's run, to float rounding (XLA fuses the sliced update apart)."""
-  if "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
-    pytest.skip("this backend has no pinned host memory")
+  _needs_pinned_host()
   want_losses, want = _three_steps(ADAMW, offload=False)
   monkeypatch.setattr(_offload, "SLICE_BYTES", 256)
   losses, got = _three_steps(ADAMW, offload=True)
@@ -167,3 +170,28 @@ def test_the_preflight_offloads_the_state_where_adamw_fits_no_other_way(llama_v5
   assert chosen == ("adamw", "float32", True)
   assert len(said) == 1 and "--optimizer_offload (" in said[0]
   assert choose(2.6, optimizer_offload=False)[0] == ("adafactor", None, False)
+
+
+def _coupled(lr):
+  """An optimizer whose update reads every param's state (a global mean of them), written as
+  an optax user writes one."""
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    del params
+    state = jax.tree.map(lambda s, g: 0.9 * s + 0.1 * g, state, grads)
+    total = sum(jnp.mean(jnp.abs(s)) for s in jax.tree.leaves(state))
+    return jax.tree.map(lambda s: -lr * s / (1e-3 + total), state), state
+  return optax.GradientTransformation(init, update)
+
+
+def test_an_update_reading_every_params_state_gets_it_whole():
+  """Brought in a param at a time, the others' state would read as zeros: the update's jaxpr
+  shows the coupling, and the state comes to the device whole (the device run's numbers)."""
+  _needs_pinned_host()
+  want_losses, want = _three_steps(_coupled(1e-2), offload=False)
+  losses, got = _three_steps(_coupled(1e-2), offload=True)
+  assert losses == want_losses
+  for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(got.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -11,6 +11,8 @@ and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B and 3B shapes `lla
 `recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled),
 params / mu (float32 or bfloat16: the param dtype of the jmp policy, AdamW's first-moment
 dtype), opt (adamw or adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`),
+offload (0/1: the optimizer state in the host's memory between steps, train_lm's
+`--optimizer_offload`; fnscale's side only),
 loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd,
 e.g. 1024/512/512/512), xla ("maxtext": the XLA flags MaxText sets for v5e,
 `MAXTEXT_V5E`), accum (microbatches);
@@ -148,6 +150,7 @@ class Case(NamedTuple):
   params: str = "float32"
   mu: str = "float32"
   opt: str = "adamw"
+  offload: bool = False
   loss_chunk: int = 0
   blocks: tuple[int, ...] | None = None
   xla: str = ""
@@ -161,7 +164,7 @@ class Case(NamedTuple):
   @property
   def peer_levers(self) -> bool:
     """Whether the plain-JAX peer has every lever this case sets."""
-    return (not self.int8 and self.accum == 1
+    return (not self.int8 and self.accum == 1 and not self.offload
             and self.remat in ("none", "full", "dots", "qkv_attn"))
 
 
@@ -274,10 +277,11 @@ class Side(NamedTuple):
 
 
 def program_bytes(compiled) -> dict:
-  """Per device: "hbm" = arguments + outputs - aliased (donated) + temporaries, and each."""
+  """Per device: "hbm" = arguments + outputs - aliased (donated) + temporaries, and each;
+  "host_argument": what the program keeps in the host's memory (an offloaded state)."""
   m = compiled.memory_analysis()
   parts = {k: float(getattr(m, f"{k}_size_in_bytes")) for k in (
-      "argument", "output", "alias", "temp")}
+      "argument", "output", "alias", "temp", "host_argument")}
   return {"hbm": parts["argument"] + parts["output"] - parts["alias"] + parts["temp"], **parts}
 
 
@@ -465,7 +469,8 @@ def init(case: Case, env: Env, abstract: bool = False):
   return fs.init_state(functools.partial(module.init_params, cfg),
                        optimizer(case), mesh=env.mesh, rules=module.RULES,
                        logical_axes=module.logical_axes(cfg), policy=policy(case),
-                       key=jax.random.key(0), abstract=abstract)
+                       key=jax.random.key(0), abstract=abstract,
+                       offload_optimizer=case.offload)
 
 
 def _file_name(label: str) -> str:
@@ -490,7 +495,7 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
     state, batch = init(case, env), random_batch(case, cfg.vocab, env.mesh)
   tiles = row["tiles"] = tiles_for(case, cfg)
   sides = {"fnscale": fnscale_side(case, env, state, batch)}
-  if case.hand and case.accum == 1:
+  if case.hand and case.accum == 1 and not case.offload:  # by hand: the state on the device
     sides["by_hand"] = hand_side(case, env, state, batch)
   if peer:
     sides["plain_jax"] = peer_side(case, env, state, batch, tiles)
