@@ -193,6 +193,7 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
 # A slice of a param's state brought in at once: about this many bytes.
 SLICE_BYTES = 64 * 2**20
+SHORT_AXIS = 256
 
 
 class _NotElementwise(Exception):
@@ -265,12 +266,17 @@ def _plan(jaxpr, consts, ins, shape):
 
 def _chunks(shape, itemsize_sum: int) -> int:
   """Slices of the leading axis (a divisor of it) that keep a slice's state near
-  `SLICE_BYTES`; 1 where the leaf is small or has no leading axis."""
+  `SLICE_BYTES`; 1 where the leaf is small. A short leading axis (a layer stack) is sliced
+  at each index: split otherwise (an embedding's rows), it is a reshape in host memory that
+  XLA's TPU host offloading refuses ("Only handling bitcasts with majormost dimension of
+  size 1")."""
   if not shape or shape[0] < 2:
     return 1
   want = math.ceil(math.prod(shape) * itemsize_sum / SLICE_BYTES)
   if want <= 1:
     return 1
+  if shape[0] <= SHORT_AXIS:
+    return shape[0]
   return next((n for n in range(want, shape[0] + 1) if shape[0] % n == 0), shape[0])
 
 
@@ -294,7 +300,7 @@ def _by_slices(update_one, ins, host, shape, to_host):
                  "comes to the device whole", e)
     return None
   reads = _whole_reads([r for r in outs if r[0] != "v"], tuple(shape))
-  split = lambda x: x.reshape((n, shape[0] // n) + tuple(shape[1:]))
+  split = lambda x: x if n == shape[0] else x.reshape((n, shape[0] // n) + tuple(shape[1:]))
   sliced = [j for j, (k, _) in enumerate(outs) if k != "v"]
 
   def body(carry, xs):
@@ -307,7 +313,7 @@ def _by_slices(update_one, ins, host, shape, to_host):
                    for j, x in zip(sliced, got)]
   _, ys = jax.lax.scan(body, 0, ([split(x) for x in ins], [split(x) for x in reads]))
   for j, y in zip(sliced, ys):
-    whole[j] = y.reshape(shape)
+    whole[j] = y if n == shape[0] else y.reshape(shape)
   return [_to(x, jax.memory.Space.Host) if h and k == "v" else x
           for x, h, (k, _) in zip(whole, to_host, outs)]
 

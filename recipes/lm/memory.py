@@ -141,17 +141,15 @@ def optimizer_flags(opt: tuple) -> str:
 
 
 def asked_optimizers(step: StepOptions) -> tuple:
-  """The optimizers the pre-flight may run for the step's options: `OPTIMIZERS`, or the one
-  the user named (--optimizer and/or --mu_dtype) on the device, then offloaded; only those
-  placed as --optimizer_offload says where given."""
-  opts = OPTIMIZERS
-  if step.optimizer is not None or step.mu_dtype is not None:
-    name = step.optimizer or "adamw"
-    mu = (step.mu_dtype or "float32") if name == "adamw" else None
-    opts = ((name, mu, False), (name, mu, True))
-  if step.optimizer_offload is not None:
-    opts = tuple(dict.fromkeys((a, b, step.optimizer_offload) for a, b, _ in opts))
-  return opts
+  """The optimizers the pre-flight may run for the step's options: `OPTIMIZERS` (those
+  placed as --optimizer_offload says where given), or the one the user named (--optimizer
+  and/or --mu_dtype), on the device unless --optimizer_offload."""
+  if step.optimizer is None and step.mu_dtype is None:
+    return tuple(o for o in OPTIMIZERS
+                 if step.optimizer_offload is None or o[2] == step.optimizer_offload)
+  name = step.optimizer or "adamw"
+  return ((name, (step.mu_dtype or "float32") if name == "adamw" else None,
+           bool(step.optimizer_offload)),)
 
 
 def _mesh_axes(mesh) -> fs.MeshAxes:
@@ -282,10 +280,9 @@ def _no_fit(m: Model, mesh, need: float, cap: float, held: dict, opts, ask) -> F
                                for opt in dict.fromkeys(opts[:1] + OPTIMIZERS)) if a), [])
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
                accum_steps=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
-  named = len({o[:2] for o in opts}) == 1  # the user named the optimizer
   pinned = " ".join([spell[k](v) for k, v in held.items()] + (
-      [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
-      if named else []) + (["--optimizer_offload"] if all(o[2] for o in opts) else []))
+      [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")
+       + (" --optimizer_offload" if opts[0][2] else "")] if len(opts) == 1 else []))
   return FitError(
       f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"
