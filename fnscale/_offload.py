@@ -45,25 +45,31 @@ def _to(x, space):
 
 
 def update(optimizer, grads, opt_state, params, finite=None):
-  """`optimizer.update(grads, opt_state, params)` -> (updates, new state), the state's
-  leaves that arrive in host memory (traced: their type says so) brought to the device for
-  it and the new ones sent back. `finite`: None, or a bool scalar, False keeping the old
-  state (a step a dynamic loss scale skips)."""
+  """`optimizer.update(grads cast to the params' dtypes, opt_state, params)` -> (updates, new
+  state), the state's leaves that arrive in host memory (traced: their type says so)
+  brought to the device for it and the new ones sent back. `finite`: None, or a bool
+  scalar, False keeping the old state (a step a dynamic loss scale skips). Streamed, the
+  cast is made a slice at a time with the update (float32 gradients never whole)."""
   leaves, treedef = jax.tree.flatten(opt_state)
   host = [_is_host(x) for x in leaves]
   if not any(host):
-    updates, new = optimizer.update(grads, opt_state, params)
+    updates, new = optimizer.update(_cast(grads, params), opt_state, params)
     return updates, new if finite is None else jmp.select_tree(finite, new, opt_state)
   labels = _labels(optimizer, opt_state, params)
-  if labels is None or not _separable(optimizer, grads, opt_state, params, labels):
+  if labels is None or not _separable(optimizer, _cast(grads, params), opt_state, params,
+                                      labels):
     logging.info("optimizer offload: the optimizer's update reads several params' state "
                  "together; its state comes to the device whole for the update")
     on_device = [_to(x, jax.memory.Space.Device) if h else x for x, h in zip(leaves, host)]
-    updates, new = optimizer.update(grads, treedef.unflatten(on_device), params)
+    updates, new = optimizer.update(_cast(grads, params), treedef.unflatten(on_device), params)
     return updates, treedef.unflatten([
         _to(_kept(finite, x, old), jax.memory.Space.Host) if h else _kept(finite, x, old)
         for x, old, h in zip(jax.tree.leaves(new), on_device, host)])
   return _streamed(optimizer, grads, leaves, treedef, params, labels, host, finite)
+
+
+def _cast(grads, params):
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def _kept(finite, new, old):
@@ -161,7 +167,7 @@ def _streamed(optimizer, grads, leaves, treedef, params, labels, host, finite):
                for k, (x, lab) in enumerate(zip(shared, labels))]
       for k, x in zip(mine, ins):
         state[k] = x
-      u, new = optimizer.update(grads, treedef.unflatten(state), params)
+      u, new = optimizer.update(_cast(grads, params), treedef.unflatten(state), params)
       new = jax.tree.leaves(new)
       return [jax.tree.leaves(u)[i]] + [_kept(finite, new[k], state[k]) for k in outs_k]
     outs = None

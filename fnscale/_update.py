@@ -62,9 +62,10 @@ def _update(cfg: _Config, state, grads, ls):
   skipped = jnp.zeros((), jnp.int32)
   new_ls = state.loss_scale
   finite = jmp.all_finite(cast) if isinstance(ls, jmp.DynamicLossScale) else None
+  # The update takes the gradients cast to the params' dtypes (`_offload.update` casts them).
   # A state in host memory (init_state's offload_optimizer) comes to the device for it; a
   # skipped step keeps the old state (selected there).
-  updates, opt_state = _offload.update(cfg.optimizer, cast, state.opt_state, params, finite)
+  updates, opt_state = _offload.update(cfg.optimizer, grads, state.opt_state, params, finite)
   if finite is not None:
     ls = ls.adjust(finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
