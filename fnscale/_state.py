@@ -374,7 +374,8 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   Raises:
     MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
       devices that can't hold arrays (`fnscale.target_devices`).
-    StepError: a bad optimizer, policy, loss_scale or option, params that are not
+    StepError: a bad optimizer, policy, loss_scale or option (offload_optimizer not a
+      bool), params that are not
       arrays, a callable pytree with no array leaves (neither params nor a plain init
       function), or params keeping a jax array in a static field (naming it).
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
@@ -394,6 +395,13 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     (128, 64)
     >>> state.opt_state[0].mu["w"].sharding.spec
     P('fsdp', None)
+
+    The optimizer state in the host's memory, the params on the device:
+
+    >>> host = fs.init_state(init, optax.adamw(1e-3), mesh=mesh, key=jax.random.key(0),
+    ...                      offload_optimizer=True)
+    >>> host.opt_state[0].mu["w"].sharding.memory_kind, host.params["w"].sharding.memory_kind
+    ('pinned_host', 'device')
   """
   check_optimizer(optimizer)
   policy = as_policy(policy)
