@@ -71,8 +71,10 @@ Compiled for v5e:1x1 (`--aot=v5e:1x1`), program HBM in GiB of the 15.75 the chip
 compiler allows, Llama 3.2 1B (1236M params) at 2048 tokens a row, full remat, 1024-token
 loss chunks: AdamW's float32 state never fits (the compiler refuses 8 rows: 21.3 GiB of
 temporaries; with its first moment in bfloat16 19.0 at 8 rows, 16.8 at 2); Adafactor: 12.26 (2 rows), 13.68 (4), 15.14 (6),
-16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. Llama 3.2 3B (3213M) fits only
-with Adafactor and bfloat16 params: 14.86 at 2 rows.
+16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. AdamW's float32 state in the
+host's memory (offload=1, `--case=llama-1b,opt=adamw,offload=1`): 13.76 (4 rows), 13.79 (6),
+14.45 (8), the device holding a layer's slice of the moments at a time. Llama 3.2 3B
+(3213M) fits only with Adafactor and bfloat16 params: 14.86 at 2 rows.
 
 Time split of the first three (profile=1): gpt-small matmul 44.7%, attention 21.8%,
 elementwise 33.5%; gpt-medium 54.3 / 27.6 / 18.2% (full remat runs the attention forward
