@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import optax
 
 from fnscale import _flax
+from fnscale import _offload
 from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale._errors import MeshError, ShardingError, StepError
@@ -119,7 +120,7 @@ def _structural_opt_shardings(opt_state, param_shardings, non_param):
 
 def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
                     sharding_options: Mapping | None = None,
-                    param_shardings=None) -> TrainState:
+                    param_shardings=None, offload_optimizer: bool = False) -> TrainState:
   """Shardings for a `TrainState` (concrete or abstract): params by `fnscale.shardings`
   (logical rules, else automatic FSDP), optimizer state following the params
   (`opt_state_shardings`; by structure when `optimizer` is None), step and loss scale
@@ -136,6 +137,8 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
     param_shardings: the params' shardings when already known (a pytree of NamedSharding
       matching `state.params`, e.g. the ones a born-sharded state carries): used instead of
       the rules, and the optimizer state follows them.
+    offload_optimizer: the optimizer state's shardings in pinned host memory, as
+      `init_state(..., offload_optimizer=True)` places it.
 
   Returns:
     A TrainState whose leaves are NamedShardings.
@@ -161,10 +164,18 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   psh = (_sh.shardings(state.params, mesh, rules, logical_axes=logical_axes, **opts)
          if param_shardings is None else param_shardings)
   state = _flax.strip(state)  # the shardings of the plain state, as init_state builds it
-  osh = opt_state_shardings(optimizer, state.opt_state, psh, mesh, **_opt_options(opts))
+  osh = _placed(opt_state_shardings(optimizer, state.opt_state, psh, mesh,
+                                    **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
                     frozen_shardings(state.frozen, mesh, opts))
+
+
+def _placed(opt_shardings, offload: bool):
+  """The optimizer state's shardings, in pinned host memory with `offload`."""
+  if not isinstance(offload, bool):
+    raise StepError(f"offload_optimizer is {_tree.got(offload)}, expected a bool.")
+  return jax.tree.map(_offload.on_host, opt_shardings) if offload else opt_shardings
 
 
 def derived_param_shardings(state, mesh, rules=(), logical_axes=None,
@@ -317,7 +328,7 @@ def _sds(tree, shardings_tree):
 def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=None,
                policy=None, key=None, loss_scale=None,
                sharding_options: Mapping | None = None,
-               abstract: bool = False) -> TrainState:
+               abstract: bool = False, offload_optimizer: bool = False) -> TrainState:
   """Builds a `TrainState` born in its shardings (no device ever holds the whole model).
 
   A function is traced with `jax.eval_shape`, its output's shardings derived
@@ -349,6 +360,12 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     abstract: return `jax.ShapeDtypeStruct`s with their shardings instead of arrays;
       nothing is allocated or run (for `shard_step(...).compile`, `compile_report` on a mesh
       of devices that aren't here, or checkpoint restore targets).
+    offload_optimizer: keep the optimizer state in pinned host memory
+      (`memory_kind="pinned_host"`) between steps: `train_step` brings each param's share
+      of it to the device for the update and sends the new one back, so the device holds
+      params, gradients and one param's optimizer state at a time (AdamW's float32 moments,
+      8 bytes a param, leave the device's memory). `shard_step` compiles the step with the
+      state where it lies. The numbers are those of the state on the device.
 
   Returns:
     TrainState(params, opt_state, step=int32 0, loss_scale), every leaf a jax.Array sharded
@@ -357,7 +374,8 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   Raises:
     MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
       devices that can't hold arrays (`fnscale.target_devices`).
-    StepError: a bad optimizer, policy, loss_scale or option, params that are not
+    StepError: a bad optimizer, policy, loss_scale or option (offload_optimizer not a
+      bool), params that are not
       arrays, a callable pytree with no array leaves (neither params nor a plain init
       function), or params keeping a jax array in a static field (naming it).
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
@@ -377,6 +395,13 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
     (128, 64)
     >>> state.opt_state[0].mu["w"].sharding.spec
     P('fsdp', None)
+
+    The optimizer state in the host's memory, the params on the device:
+
+    >>> host = fs.init_state(init, optax.adamw(1e-3), mesh=mesh, key=jax.random.key(0),
+    ...                      offload_optimizer=True)
+    >>> host.opt_state[0].mu["w"].sharding.memory_kind, host.params["w"].sharding.memory_kind
+    ('pinned_host', 'device')
   """
   check_optimizer(optimizer)
   policy = as_policy(policy)
@@ -399,7 +424,8 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   params, psh = _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts,
                         abstract)
   abstract_opt = jax.eval_shape(optimizer.init, params)
-  osh = opt_state_shardings(optimizer, abstract_opt, psh, mesh, **_opt_options(opts))
+  osh = _placed(opt_state_shardings(optimizer, abstract_opt, psh, mesh,
+                                    **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
   if abstract:
     return TrainState(params, _sds(abstract_opt, osh),

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
+from fnscale import _offload
 from fnscale._loss import _Config
 
 
@@ -58,13 +59,14 @@ def _update(cfg: _Config, state, grads, ls):
   optax's global-norm clipping, which sums the same squares."""
   params = state.params
   cast = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  updates, opt_state = cfg.optimizer.update(cast, state.opt_state, params)
   skipped = jnp.zeros((), jnp.int32)
   new_ls = state.loss_scale
-  finite = None
-  if isinstance(ls, jmp.DynamicLossScale):
-    finite = jmp.all_finite(cast)
-    opt_state = jmp.select_tree(finite, opt_state, state.opt_state)
+  finite = jmp.all_finite(cast) if isinstance(ls, jmp.DynamicLossScale) else None
+  # The update takes the gradients cast to the params' dtypes (`_offload.update` casts them).
+  # A state in host memory (init_state's offload_optimizer) comes to the device for it; a
+  # skipped step keeps the old state (selected there).
+  updates, opt_state = _offload.update(cfg.optimizer, grads, state.opt_state, params, finite)
+  if finite is not None:
     ls = ls.adjust(finite)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     new_ls = dataclasses.replace(state.loss_scale, scale=ls.loss_scale,

@@ -11,6 +11,8 @@ and medium, the one-chip Llama `llama-766m`, the Llama 3.2 1B and 3B shapes `lla
 `recipes.lm.remat`), int8 (0/1: `recipes.lm.int8`), unroll (0/1: the layer loop unrolled),
 params / mu (float32 or bfloat16: the param dtype of the jmp policy, AdamW's first-moment
 dtype), opt (adamw or adafactor: train_lm's `--optimizer`, `recipes.lm.optimizers`),
+offload (0/1: the optimizer state in the host's memory between steps, train_lm's
+`--optimizer_offload`; fnscale's side only),
 loss_chunk (tokens per chunk of the Llama's loss), blocks (splash tiles q/kv/q_bwd/kv_bwd,
 e.g. 1024/512/512/512), xla ("maxtext": the XLA flags MaxText sets for v5e,
 `MAXTEXT_V5E`), accum (microbatches);
@@ -69,8 +71,10 @@ Compiled for v5e:1x1 (`--aot=v5e:1x1`), program HBM in GiB of the 15.75 the chip
 compiler allows, Llama 3.2 1B (1236M params) at 2048 tokens a row, full remat, 1024-token
 loss chunks: AdamW's float32 state never fits (the compiler refuses 8 rows: 21.3 GiB of
 temporaries; with its first moment in bfloat16 19.0 at 8 rows, 16.8 at 2); Adafactor: 12.26 (2 rows), 13.68 (4), 15.14 (6),
-16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. Llama 3.2 3B (3213M) fits only
-with Adafactor and bfloat16 params: 14.86 at 2 rows.
+16.59 (8, over), and 12.43 at 8 rows with bfloat16 params. AdamW's float32 state in the
+host's memory (offload=1, `--case=llama-1b,opt=adamw,offload=1`): 13.76 (4 rows), 13.79 (6),
+14.45 (8), the device holding a layer's slice of the moments at a time. Llama 3.2 3B
+(3213M) fits only with Adafactor and bfloat16 params: 14.86 at 2 rows.
 
 Time split of the first three (profile=1): gpt-small matmul 44.7%, attention 21.8%,
 elementwise 33.5%; gpt-medium 54.3 / 27.6 / 18.2% (full remat runs the attention forward
@@ -148,6 +152,7 @@ class Case(NamedTuple):
   params: str = "float32"
   mu: str = "float32"
   opt: str = "adamw"
+  offload: bool = False
   loss_chunk: int = 0
   blocks: tuple[int, ...] | None = None
   xla: str = ""
@@ -161,7 +166,7 @@ class Case(NamedTuple):
   @property
   def peer_levers(self) -> bool:
     """Whether the plain-JAX peer has every lever this case sets."""
-    return (not self.int8 and self.accum == 1
+    return (not self.int8 and self.accum == 1 and not self.offload
             and self.remat in ("none", "full", "dots", "qkv_attn"))
 
 
@@ -274,10 +279,11 @@ class Side(NamedTuple):
 
 
 def program_bytes(compiled) -> dict:
-  """Per device: "hbm" = arguments + outputs - aliased (donated) + temporaries, and each."""
+  """Per device: "hbm" = arguments + outputs - aliased (donated) + temporaries, and each;
+  "host_argument": what the program keeps in the host's memory (an offloaded state)."""
   m = compiled.memory_analysis()
   parts = {k: float(getattr(m, f"{k}_size_in_bytes")) for k in (
-      "argument", "output", "alias", "temp")}
+      "argument", "output", "alias", "temp", "host_argument")}
   return {"hbm": parts["argument"] + parts["output"] - parts["alias"] + parts["temp"], **parts}
 
 
@@ -465,7 +471,8 @@ def init(case: Case, env: Env, abstract: bool = False):
   return fs.init_state(functools.partial(module.init_params, cfg),
                        optimizer(case), mesh=env.mesh, rules=module.RULES,
                        logical_axes=module.logical_axes(cfg), policy=policy(case),
-                       key=jax.random.key(0), abstract=abstract)
+                       key=jax.random.key(0), abstract=abstract,
+                       offload_optimizer=case.offload)
 
 
 def _file_name(label: str) -> str:
@@ -490,7 +497,7 @@ def measure(case: Case, env: Env, rounds: int, steps: int, warmup: int,
     state, batch = init(case, env), random_batch(case, cfg.vocab, env.mesh)
   tiles = row["tiles"] = tiles_for(case, cfg)
   sides = {"fnscale": fnscale_side(case, env, state, batch)}
-  if case.hand and case.accum == 1:
+  if case.hand and case.accum == 1 and not case.offload:  # by hand: the state on the device
     sides["by_hand"] = hand_side(case, env, state, batch)
   if peer:
     sides["plain_jax"] = peer_side(case, env, state, batch, tiles)

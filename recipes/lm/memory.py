@@ -9,7 +9,10 @@ configuration's estimate exceeds the device's memory, the remat, accumulation st
 fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. Where
 none of those fit with AdamW's float32 state and the user left the optimizer to its default
 (no `--optimizer` or `--mu_dtype`), the state shrinks as the step's math changes least:
-AdamW's first moment in bfloat16, then Adafactor (`OPTIMIZERS`), said the same way. A run
+AdamW's first moment in bfloat16, then the state in the host's memory (float32, then with the
+bfloat16 first moment: the same math, host transfers each step; left to the user with
+`--optimizer_offload` or `--nooptimizer_offload`), then Adafactor (`OPTIMIZERS`), said the
+same way. A run
 that nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
 user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
 fix. After compiling (`compile_step`): XLA's peak bytes per device against the memory
@@ -41,9 +44,16 @@ HEADROOM = 0.9
 # --remat_policy=dots): 2, so that a default the estimate keeps fits.
 POLICY_LIVE = 2.0
 GiB = 2**30
-# The optimizers the pre-flight tries in turn, (--optimizer, --mu_dtype): the default first,
-# then by their state per param: 2 floats, 1.5 floats' bytes, about 0 (factored).
-OPTIMIZERS = (("adamw", "float32"), ("adamw", "bfloat16"), ("adafactor", None))
+# The optimizers the pre-flight tries in turn, (--optimizer, --mu_dtype, --optimizer_offload):
+# the default first, then by their state on the device per param: 2 floats, 1.5 floats'
+# bytes, a few params' state (the rest in the host's memory), about 0 (factored).
+OPTIMIZERS = (("adamw", "float32", False), ("adamw", "bfloat16", False),
+              ("adamw", "float32", True), ("adamw", "bfloat16", True),
+              ("adafactor", None, False))
+# With the state in the host's memory (`fs.init_state(..., offload_optimizer=True)`), the
+# update brings AdamW's state to the device a slice of each param's leading axis at a time,
+# slices of up to 64 MiB: one in, one out and the next one coming (IN_FLIGHT).
+SLICE_BYTES, IN_FLIGHT = 64 * 2**20, 3
 
 
 def limit(mesh) -> float | None:
@@ -77,9 +87,19 @@ def profile(m: Model, target, rows: int, policy, keep: str = "none",
   """The planner's profile of the run's step (`fnscale.analysis.profile_model`: its
   traced FLOPs, residuals, params and optimizer state) for `rows` global rows on `target`,
   with the jmp `policy` (or None), the blocks keeping what the remat policy `keep` keeps
-  without remat (`remat_loss`), the optimizer `opt` (--optimizer, --mu_dtype) and
-  `m.lora`'s state. `kw`: profile_model's."""
-  return _per_row(m, target, policy, keep, opt, tuple(kw.items()))._replace(rows=rows)
+  without remat (`remat_loss`), the optimizer `opt` (--optimizer, --mu_dtype,
+  --optimizer_offload) and `m.lora`'s state; with the state offloaded the state counted is
+  what the device holds of it (`IN_FLIGHT`). `kw`: profile_model's."""
+  prof = _per_row(m, target, policy, keep, opt[:2], tuple(kw.items()))._replace(rows=rows)
+  return _on_device(m, prof) if opt[2:3] == (True,) else prof
+
+
+def _on_device(m: Model, prof):
+  """`prof` with the optimizer state the device holds when it lives in the host's memory:
+  `IN_FLIGHT` slices of it (a LoRA's state is counted whole: small)."""
+  if m.lora is not None:
+    return prof
+  return prof._replace(opt_bytes=min(prof.opt_bytes, IN_FLIGHT * SLICE_BYTES))
 
 
 @functools.lru_cache(maxsize=16)  # per row: the same for every batch (tracing takes seconds)
@@ -113,18 +133,23 @@ def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:
 
 
 def optimizer_flags(opt: tuple) -> str:
-  """' --optimizer=adafactor', ' --mu_dtype=bfloat16' or '' (the default) for `opt`."""
-  return ("" if opt == OPTIMIZERS[0] else f" --optimizer={opt[0]}" if opt[0] != "adamw"
-          else f" --mu_dtype={opt[1]}")
+  """' --optimizer=adafactor', ' --mu_dtype=bfloat16', then ' --optimizer_offload' where
+  the state is offloaded; '' for the default, for `opt`."""
+  name = (f" --optimizer={opt[0]}" if opt[0] != "adamw" else
+          f" --mu_dtype={opt[1]}" if opt[1] != "float32" else "")
+  return name + (" --optimizer_offload" if opt[2:3] == (True,) else "")
 
 
 def asked_optimizers(step: StepOptions) -> tuple:
-  """The optimizers the pre-flight may run for the step's options: `OPTIMIZERS`, or the one
-  the user named (--optimizer and/or --mu_dtype)."""
+  """The optimizers the pre-flight may run for the step's options: `OPTIMIZERS` (those
+  placed as --optimizer_offload says where given), or the one the user named (--optimizer
+  and/or --mu_dtype), on the device unless --optimizer_offload."""
   if step.optimizer is None and step.mu_dtype is None:
-    return OPTIMIZERS
+    return tuple(o for o in OPTIMIZERS
+                 if step.optimizer_offload is None or o[2] == step.optimizer_offload)
   name = step.optimizer or "adamw"
-  return ((name, (step.mu_dtype or "float32") if name == "adamw" else None),)
+  return ((name, (step.mu_dtype or "float32") if name == "adamw" else None,
+           bool(step.optimizer_offload)),)
 
 
 def _mesh_axes(mesh) -> fs.MeshAxes:
@@ -152,6 +177,7 @@ class Choice(NamedTuple):
   optimizer: str
   mu_dtype: str | None
   context: str  # the attention form over a context axis
+  optimizer_offload: bool = False  # the optimizer state in the host's memory between steps
 
 
 def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: int, say,
@@ -183,7 +209,8 @@ def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: 
                           per_device, say)
   return Choice(rows, rows * dp if step.global_batch is None else step.global_batch,
                 step.accum_steps, step.accum_gather, step.remat,
-                remat_policy(step, topo.platform), step.optimizer, step.mu_dtype, step.context)
+                remat_policy(step, topo.platform), step.optimizer, step.mu_dtype,
+                step.context, bool(step.optimizer_offload))
 
 
 def _asked(step: StepOptions, planned: Planned | None) -> StepOptions:
@@ -213,7 +240,8 @@ def _preflight(step: StepOptions, policy, m: Model, topo, mesh, per_device: int,
                or step.global_batch is not None else None)
   opts = asked_optimizers(step)
   filled = lambda remat, steps, rows, opt=opts[0]: (dataclasses.replace(
-      step, remat=bool(remat), accum_steps=steps or 1, optimizer=opt[0], mu_dtype=opt[1]),
+      step, remat=bool(remat), accum_steps=steps or 1, optimizer=opt[0], mu_dtype=opt[1],
+      optimizer_offload=opt[2]),
       rows)
   cap = limit(mesh)
   if cap is None:
@@ -253,8 +281,8 @@ def _no_fit(m: Model, mesh, need: float, cap: float, held: dict, opts, ask) -> F
   spell = dict(remat=lambda v: "--remat" if v else "--noremat",
                accum_steps=lambda v: f"--accum_steps={v}", rows=lambda v: f"--batch_size={v}")
   pinned = " ".join([spell[k](v) for k, v in held.items()] + (
-      [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")]
-      if len(opts) == 1 else []))
+      [f"--optimizer={opts[0][0]}" + (f" --mu_dtype={opts[0][1]}" if opts[0][1] else "")
+       + (" --optimizer_offload" if opts[0][2] else "")] if len(opts) == 1 else []))
   return FitError(
       f"{m.name} on mesh {dict(mesh.shape)} needs {need / GiB:.2f} GiB per device by the "
       f"planner's estimate, and the device has {cap / GiB:.2f} GiB"

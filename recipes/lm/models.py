@@ -120,7 +120,7 @@ def init(s, optimizer, policy, seed_key):
   """`init(abstract=False)` of the run's state, born in its shardings: fresh params, or
   --init_from's weights read straight into their shardings (`fnscale.checkpoint.hf.load`)."""
   kw = dict(mesh=s.mesh, rules=s.model.RULES, logical_axes=s.model.logical_axes(s.cfg),
-            policy=policy)
+            policy=policy, offload_optimizer=bool(s.o.step.optimizer_offload))
   fresh = functools.partial(fs.init_state, functools.partial(s.model.init_params, s.cfg),
                             optimizer, key=seed_key, **kw)
   if not s.o.model.init_from:

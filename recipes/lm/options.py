@@ -150,6 +150,11 @@ class StepOptions:
                                  "(recipes/lm/optimizers.py)")
   mu_dtype: str | None = option(None, "AdamW's first-moment dtype, float32 or bfloat16 "
                                 "(half its bytes); default float32, or what fits")
+  optimizer_offload: bool | None = option(
+      None, "keep the optimizer state in the host's memory between steps, each param's share "
+      "brought to the device for its update (the same numbers; the device holds a few "
+      "params' state at a time, host transfers each step); default off, or on where that "
+      "is what fits")
   context: str = option("all_gather", "attention over a sequence split by a 'context' mesh "
                         "axis (--mesh=data=2,context=4): all_gather (K/V gathered), ring "
                         "or ulysses (all-to-all: heads over the axis)")
