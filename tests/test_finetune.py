@@ -133,9 +133,11 @@ def test_train_lm_records_to_wandb_offline(tmp_path, monkeypatch):
 
 
 def _lora_run(tmp_path, name, **kw):
+  # One compile cache for the runs of a test: the resumed run's programs are the first's.
   opts = dict(model_config="llama-tiny", dataset="tiny_corpus", lora_rank=4, seq=32,
               batch_size=1, mesh="data=2,fsdp=4", sample_len=0, eval_batches=1, lr=1e-2,
-              checkpoint_every=2, run_dir=str(tmp_path / name))
+              checkpoint_every=2, run_dir=str(tmp_path / name),
+              compile_cache_dir=str(tmp_path / "compile-cache"))
   return train_lm.train_lm(**{**opts, **kw})
 
 
