@@ -20,7 +20,7 @@ first device):
   memory (`fnscale.analysis.device_memory`, or `--limit_gib`): fits or refused.
 - choice: where plain is refused, train_lm's choice for those rows (`recipes/lm/memory.py`:
   the planner's fastest remat and accumulation within 90% of the memory with AdamW in
-  float32, else with a bfloat16 first moment, else Adafactor), its est, xla and verdict;
+  float32, else the smaller or offloaded states in its order), its est, xla and verdict;
   "none" where nothing fits.
 - ran (`--run`, on `device`): each compiled step run once on the device, whatever the
   verdict (a state that can't be placed is not run): "ok" or the error's first words; the
@@ -73,15 +73,16 @@ def _compile(model, cfg, devices, rows: int, remat: bool, accum: int, *, place: 
              keep: str, opt: tuple = memory.OPTIMIZERS[0]):
   """(compiled step or None, XLA's bytes, state or None) of the step on `devices`, the
   blocks keeping what remat policy `keep` keeps (remat: "full"), with optimizer `opt`
-  (--optimizer, --mu_dtype: `recipes.lm.memory.OPTIMIZERS`)."""
+  (--optimizer, --mu_dtype, --optimizer_offload: `recipes.lm.memory.OPTIMIZERS`)."""
   mesh = fs.make_mesh({"data": 1}, devices=devices)
-  opt = optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32")
+  transform = optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32")
   init = functools.partial(model.init_params, cfg)
   kw = dict(rules=model.RULES, logical_axes=model.logical_axes(cfg))
-  state = fs.init_state(init, opt, mesh=mesh, policy=POLICY, key=jax.random.key(0),
-                        abstract=not place, **kw)
+  state = fs.init_state(init, transform, mesh=mesh, policy=POLICY, key=jax.random.key(0),
+                        abstract=not place, offload_optimizer=opt[2], **kw)
   loss = functools.partial(memory.remat_loss(model, cfg, keep), remat=remat)
-  step = fs.shard_step(fs.train_step(loss, opt, policy=POLICY, accum_steps=accum), mesh, **kw)
+  step = fs.shard_step(fs.train_step(loss, transform, policy=POLICY, accum_steps=accum), mesh,
+                       **kw)
   try:
     compiled = fs.analysis.compile_fitting(step, state, _shapes(rows, cfg.seq), limit=math.inf)
   except fs.FitError as e:  # XLA's own refusal: its figure
