@@ -41,6 +41,7 @@ Training and after:
 - `finetune`: LoRA and DPO runs (`--lora_rank`, `--objective=dpo`); `dpo` its loss.
 - `checkpoints`: resume from the newest good checkpoint, save only finite states.
 - `emergency`: frequent emergency copies beside the checkpoints; a restart takes the newer.
+- `peer_copies`: node-local emergency copies, each process's shards and a replica of its peer's.
 - `stopping`: preemption (SIGTERM) and Ctrl-C, losing nothing saved.
 - `stalls`: steps that did not train, counted and stopped with the cause.
 - `evaluation`: the held-out loss and the text the model writes; `sampling` the loop.
