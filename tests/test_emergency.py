@@ -47,18 +47,25 @@ def _job(work, run_dir, stream, num_processes=4, max_restarts=2):
                                 stream=stream, max_restarts=max_restarts)
 
 
-def _killed(work, run_dir, max_restarts):
-  """`_job` on 4 processes, process 2 killed (-9) when process 0 reports step 14: (outcome,
-  what process 0 and the launcher said)."""
-  lines, pids = [], {}
+def _killer(lines: list, process: int, at: int, steps: int):
+  """A launcher stream that keeps each line in `lines` and kills (-9) `process` when process 0
+  reports step `at` of `steps`."""
+  pids = {}
 
   def watch(line):
     lines.append(line)
-    started = re.match(r"launch_local: started (.*)", line)
-    if started and not pids:
+    if re.match(r"launch_local: started (.*)", line) and not pids:
       pids.update((int(i), int(p)) for i, p in re.findall(r"process (\d+) pid (\d+)", line))
-    if 2 in pids and re.match(rf"step\s+{KILL_AT}/{STEPS}\b", line):
-      os.kill(pids.pop(2), signal.SIGKILL)
+    if process in pids and re.match(rf"step\s+{at}/{steps}\b", line):
+      os.kill(pids.pop(process), signal.SIGKILL)
+  return watch
+
+
+def _killed(work, run_dir, max_restarts):
+  """`_job` on 4 processes, process 2 killed (-9) when process 0 reports step 14: (outcome,
+  what process 0 and the launcher said)."""
+  lines = []
+  watch = _killer(lines, 2, KILL_AT, STEPS)
 
   return _job(work, run_dir, watch, max_restarts=max_restarts), "".join(lines)
 
@@ -244,15 +251,11 @@ def test_a_lost_hosts_shards_come_back_from_its_peers_replica(work, tmp_path):
   lost); the restart resumes from the copy of step 4, process 1's shards and data position
   from the replica process 0 keeps. The steps trained again (5 to 7, from the restored state
   and rows) have bitwise the losses the run had before the kill, and it goes on to the end."""
-  run_dir, local, lines, pids = tmp_path / "run", tmp_path / "local", [], {}
+  run_dir, local, lines = tmp_path / "run", tmp_path / "local", []
+  kill = _killer(lines, 1, LOCAL_KILL_AT, LOCAL_STEPS)
 
   def watch(line):
-    lines.append(line)
-    started = re.match(r"launch_local: started (.*)", line)
-    if started and not pids:
-      pids.update((int(i), int(p)) for i, p in re.findall(r"process (\d+) pid (\d+)", line))
-    if 1 in pids and re.match(rf"step\s+{LOCAL_KILL_AT}/{LOCAL_STEPS}\b", line):
-      os.kill(pids.pop(1), signal.SIGKILL)
+    kill(line)
     if line.startswith("launch_local: restart 1 of 1"):  # before the job starts again
       shutil.copy(run_dir / "metrics.jsonl", tmp_path / "before.jsonl")
       assert sorted(os.listdir(local / "1")) == [str(LOCAL_EVERY), "owner.json"]
