@@ -254,12 +254,9 @@ def saver(s, ckpt, train_rows, resumed: int | None, say, ledger=None, local=None
       write(state, step)
 
   def save_copy(state, step: int):
-    t, kept = time.time(), state._replace(frozen=None)
-    if isinstance(local, peer_copies.Copies):  # node-local: own shards and a peer's
-      local.save(step, kept, train_rows, record(s, state, step, frozen))
-    else:
-      fs.checkpoint.save(local, step, kept, data=train_rows,
-                         extra=record(s, state, step, frozen))
+    t = time.time()
+    peer_copies.save(local, step, state._replace(frozen=None), train_rows,
+                     record(s, state, step, frozen))
     copies.append(step)
     if len(copies) == 1:  # said once: they come every few steps
       say(f"checkpoint: emergency copy of step {step} saving in the background (the loop "

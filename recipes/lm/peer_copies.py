@@ -294,3 +294,13 @@ class Copies:
     if callable(getattr(data, "start_prefetch", None)):
       data.start_prefetch()  # as grain's own restore does
     return jax.tree_util.tree_unflatten(treedef, leaves), meta["extra"], lost
+
+
+def save(manager, step: int, state, data, extra: dict) -> None:
+  """An emergency copy of `state` at `step` with the data position `data` and `extra`:
+  node-local (`Copies`: own shards and a peer's) or through an orbax manager (one shared
+  directory, `fs.checkpoint.save`)."""
+  if isinstance(manager, Copies):
+    manager.save(step, state, data, extra)
+  else:
+    fs.checkpoint.save(manager, step, state, data=data, extra=extra)
