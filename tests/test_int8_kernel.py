@@ -66,6 +66,11 @@ def test_the_selection_tiles_what_fits_and_says_why_not():
     sel((100, 1024), (1024, 4096), implementation="pallas")
   with pytest.raises(fs.KernelError, match=r"tiles \(256, 96\) must divide"):
     sel((512, 128), (128, 384), implementation="pallas", tiles=(256, 96))
+  # The kernel itself has no XLA path to be asked for: its error says what to run instead.
+  x, qw, sw = jnp.ones((100, 128)), jnp.ones((128, 128), jnp.int8), jnp.ones((128,))
+  with pytest.raises(fs.KernelError, match=r"int8_matmul can't serve x \(100, 128\).*rows 100 "
+                     r"must be a multiple of 32.*int8_selection\(\.\.\.\) picks 'xla'"):
+    fs.kernels.int8_matmul(x, qw, sw, interpret=True)
 
 
 def _value_and_grads(implementation, x, w, g):

@@ -270,8 +270,12 @@ def int8_matmul(x: jax.Array, qw: jax.Array, sw: jax.Array, *,
   split = explicit_free_axes() or any(mesh.shape[a] > 1 for a in free_axes(None))
   rows, share = _row_split(mesh, x.shape[0]) if split else (jax.P(), 1)
   sel = int8_selection((x.shape[0] // share, x.shape[1]), qw.shape, x.dtype,
-                       implementation="pallas", interpret=interpret, tiles=tiles,
-                       vmem_bytes=vmem_bytes)
+                       interpret=interpret, tiles=tiles, vmem_bytes=vmem_bytes)
+  if sel.implementation != "pallas":  # int8_matmul is the kernel: it has no XLA path
+    raise KernelError(f"int8_matmul can't serve x {x.shape} @ qw {qw.shape}: {sel.reason}; "
+                      "where fs.kernels.int8_selection(...) picks 'xla', quantize the rows "
+                      "(fs.kernels.quantize_rows) and multiply in XLA (jax.lax.dot with "
+                      "preferred_element_type=jnp.int32)")
   run = functools.partial(_call, tiles=sel.tiles, interpret=interpret,
                           vmem_bytes=vmem_bytes)
   if not split:
