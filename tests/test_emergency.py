@@ -164,6 +164,13 @@ def test_an_unwritable_emergency_dir_is_an_error_and_the_checkpoints_stay(work, 
   assert rc == 2 and err[-1].startswith(f"error: --emergency_dir={blocker} is a file, not a "
                                         "directory;"), err
   assert err[-1].endswith("nothing was saved"), err
+  # Node-local ({process} given): the fix is said for that form.
+  rc = train_lm.main(["train_lm", *_argv(work, tmp_path / "fresh", "--emergency_every=2",
+                                         f"--emergency_dir={blocker}/{{process}}")])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and f"--emergency_dir={blocker}/0 can't be written" in err[-1], err
+  assert "a local disk's path on each host, with {process} in it" in err[-1], err
+  assert "shared file system" not in err[-1], err
   # A bucket: the copies are for a fast file system; nothing is made locally in its name.
   rc = train_lm.main(["train_lm", *_argv(work, run_dir, "--emergency_every=2",
                                          "--emergency_dir=gs://bucket/e")])

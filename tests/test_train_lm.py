@@ -518,12 +518,14 @@ SUCCESS_PATHS = [
     ("mesh_shape", ["--mesh_shape=2x4"], 1e-5, "chip grid 2x4"),
     ("precision", ["--precision=bf16"], 3e-2, "p=full,c=bf16,o=full"),
     ("profile_steps", ["--profile_steps=1:2"], 0, "profile: steps 1..1 traced to"),
+    ("optimizer_offload", ["--optimizer_offload"], 0, "the optimizer state in the host's memory"),
 ]
 
 
 # Each option's feature has its own tests in the library's files (accumulation, remat,
-# kernels, precision): the run through train_lm repeats them, so those cases are slow.
-_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision", "topology", "profile_steps")
+# kernels, precision, offload): the run through train_lm repeats them, so those are slow.
+_SLOW_PATHS = ("accum_steps", "remat", "attention", "precision", "topology", "profile_steps",
+               "optimizer_offload")
 
 
 @pytest.mark.parametrize("case, extra, rtol, said", [

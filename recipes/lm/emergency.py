@@ -88,11 +88,12 @@ def prepare(s, say) -> str:
   saved = s.o.ckpt.checkpoint_dir and os.path.isdir(s.o.ckpt.checkpoint_dir)
   untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched" if saved
                else "nothing was saved")
-  fix = (f"give a directory every process can write (--emergency_dir=PATH: a fast local disk "
-         f"on one host, a shared file system on several, or a local disk on each host with "
-         f"{{process}} in the path), or --emergency_every=0 to save no emergency copies; "
-         f"{untouched}")
   node_local = peer_copies.PLACEHOLDER in d
+  fix = ("give a directory every process can write (--emergency_dir=PATH: "
+         + ("a local disk's path on each host, with {process} in it" if node_local else
+            "a fast local disk on one host, a shared file system on several, or a local disk "
+            "on each host with {process} in the path")
+         + f"), or --emergency_every=0 to save no emergency copies; {untouched}")
   d_mine = peer_copies.own_directory(d)
   if "://" in d:
     raise fs.InputError(f"--emergency_dir={d}: emergency copies are for a fast file system "

@@ -32,7 +32,9 @@ def describe(r, state) -> None:
   say(hardware.describe(s.topo))
   say(fs.describe_mesh(s.mesh))
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip())
+  say("train state: " + fs.sharding_report(state, shardings).splitlines()[-1].strip()
+      + ("; the optimizer state in the host's memory (--optimizer_offload): the step brings "
+         "it to the device a param or a layer at a time" if o.step.optimizer_offload else ""))
   axes = fs.data_axes(s.mesh)
   split = fs.parallel.context.shards(s.mesh)
   batch, sched = o.step.global_batch, o.schedule
