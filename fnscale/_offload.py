@@ -300,7 +300,7 @@ def _by_slices(update_one, ins, host, shape, to_host):
   try:
     outs = _plan(closed.jaxpr, closed.consts, [("s", ("in", k)) for k in range(len(ins))],
                  tuple(shape))
-    whole = [_force(r) if k == "v" else None for k, r in outs]
+    whole = [r if k == "v" else None for k, r in outs]
   except _NotElementwise as e:
     logging.info("optimizer offload: the update reads %s of a param's state; its state "
                  "comes to the device whole", e)

@@ -17,6 +17,9 @@ What it checks, a section each (a new check of the chip adds a section):
 - the blockwise cross-entropy against the plain one on the whole logits;
 - the int8 matmul kernel (x's rows quantized in the kernel) against XLA's int8 path,
   forward and both gradients;
+- AdamW's state in the host's pinned memory, streamed by slices, against the same steps
+  with the state on the chip;
+- Llama 3.2 1B's shape training on one chip with Adafactor;
 - a train step on the chip against the same step on the CPU backend, in float32 and with
   the bf16 policy;
 - a checkpoint saved from the chip, restored onto the chip and onto the CPU;
@@ -336,6 +339,75 @@ def test_the_int8_kernel_matches_xlas_int8_path(tiles):
   for name, a, b, t in zip(("output", "d x", "d w"), got, xla, truth):
     assert _error(a, b) < 2e-3, name
     assert _error(a, t) < 0.02, name
+
+
+# --- the optimizer state in the host's memory -----------------------------------------------
+
+def test_an_offloaded_optimizer_state_trains_on_the_chip_as_on_the_device(monkeypatch):
+  """AdamW's state in the chip host's pinned memory, streamed a slice of a layer at a time
+  (slices of 64 KiB here: 4 of each 256 x 256 layer): 3 steps equal the run with the state
+  on the chip, to float32 rounding, and the new state goes back to the host."""
+  from fnscale import _offload  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 2**16)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  params = {"w": jax.random.normal(jax.random.key(0), (4, 256, 256)) / 16,
+            "embed": jax.random.normal(jax.random.key(1), (512, 256))}
+
+  def loss(p, batch):
+    x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), p["embed"][batch["tokens"]],
+                        p["w"])
+    return jnp.mean((x @ p["embed"].T) ** 2)
+
+  batch = {"tokens": jnp.arange(8 * 128, dtype=jnp.int32).reshape(8, 128) % 512}
+  runs = {}
+  for offload in (False, True):
+    state = fs.init_state(params, opt, mesh=mesh, offload_optimizer=offload)
+    step, losses = fs.shard_step(fs.train_step(loss, opt), mesh), []
+    with HIGHEST():
+      for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    runs[offload] = losses, state
+  (want_losses, want), (losses, got) = runs[False], runs[True]
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state)} == {"pinned_host"}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(got.params)} == {"device"}
+  # The two programs fuse (and so round) the gradients apart: where one sums to near zero,
+  # Adam's division by its root mean square turns that into up to 1e-4 of the learning rate.
+  for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
+                  jax.tree.leaves((got.params, got.opt_state))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+# --- a 1B model on one chip -----------------------------------------------------------------
+
+def test_the_llama_1b_shape_trains_on_one_chip_with_adafactor():
+  """Llama 3.2 1B's shape (1.24B params), Adafactor, `qkv_attn` remat, 2 rows of 2048
+  tokens, as `recipes/bench/chip.py --case=llama-1b,remat=qkv_attn,batch=2` runs it (51%
+  MFU there): the chip's runtime holds the compiled step, and the loss falls over 4 steps
+  on one batch of text."""
+  from recipes.lm import llama, optimizers  # pylint: disable=import-outside-toplevel
+  cfg = llama.model_config("llama-1b", 2048)._replace(loss_chunk=1024)
+  mesh = fs.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  opt = optimizers.transformation("adafactor", 1e-3)
+  kw = dict(rules=llama.RULES, logical_axes=llama.logical_axes(cfg))
+  state = fs.init_state(functools.partial(llama.init_params, cfg), opt, mesh=mesh,
+                        policy=BF16, key=jax.random.key(0), **kw)
+  assert 1.2e9 < sum(x.size for x in jax.tree.leaves(state.params)) < 1.3e9
+  text = np.frombuffer(__doc__.encode() * 8, np.uint8)[:2 * 2049]  # bytes: ids < 256
+  rows = text.astype(np.int32).reshape(2, 2049)
+  batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+  step = fs.shard_step(fs.train_step(functools.partial(llama.loss_fn, cfg=cfg,
+                                                       remat="qkv_attn"), opt, policy=BF16),
+                       mesh, **kw)
+  compiled = step.compile(state, batch)
+  assert fs.analysis.step_bytes(compiled.compiled) <= fs.analysis.device_memory(jax.devices()[0])
+  losses = []
+  for _ in range(4):
+    state, metrics = compiled(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
 
 
 # --- a train step: the chip against the CPU backend -----------------------------------------

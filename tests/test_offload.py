@@ -123,12 +123,15 @@ def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices, monkeypa
   assert kinds(compiled[True], "params") == {"device"}
 
 
-def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch):
-  """Each param's state a slice of its leading axis at a time (slices of 256 bytes here):
-  the numbers of the device's run, to float rounding (XLA fuses the sliced update apart)."""
+@pytest.mark.parametrize("slice_bytes", [256, 64], ids=["first-leaf-whole", "every-leaf"])
+def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch, slice_bytes):
+  """Each param's state a slice of its leading axis at a time (slices of 256 bytes: all but
+  the first leaf, b1's; of 64: every leaf, the first's update also carrying the step count
+  shared by all): the numbers of the device's run, to float rounding (XLA fuses the sliced
+  update apart)."""
   _needs_pinned_host()
   want_losses, want = _three_steps(ADAMW, offload=False)
-  monkeypatch.setattr(_offload, "SLICE_BYTES", 256)
+  monkeypatch.setattr(_offload, "SLICE_BYTES", slice_bytes)
   losses, got = _three_steps(ADAMW, offload=True)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
   for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
