@@ -174,7 +174,7 @@ def forecast_terms(target, cpu_rates: tuple[float, float] | None = None) -> _for
   Examples:
     >>> import fnscale as fs
     >>> fs.analysis.forecast_terms("v5e-1").matmul, fs.analysis.forecast_terms("v5e-1").memory
-    (0.8085, 1.7424)
+    (0.7969, 1.6792)
     >>> fs.analysis.forecast_terms("v5e-8") == fs.analysis.FORECAST_TERMS
     True
   """

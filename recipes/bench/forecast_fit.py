@@ -334,7 +334,8 @@ def chip_runs(path: str = CHIP_V5E) -> list[ChipRun]:
   """The rows the forecast is held to, of every day's table: those whose program is the
   one the planner traces and costs (the Llama's loss with fnscale.cross_entropy's default
   chunk, which is 1024 tokens there: the 64-token row measured the old default; a remat
-  policy in `CHIP_REMAT`; no int8, unrolling, accumulation or XLA attention) and leaves XLA room (below
+  policy in `CHIP_REMAT`; no int8, unrolling, accumulation, XLA attention or offloaded
+  optimizer state) and leaves XLA room (below
   `CHIP_FULL` of the chip's memory)."""
   with open(path, encoding="utf-8") as f:
     doc = json.load(f)
@@ -351,7 +352,8 @@ def _flat(row: dict) -> dict:
   table's fields: fnscale's side, MFU in percent, and whether it is a plain step."""
   lev, side = {"opt": "adamw", "accum": 1, **row["levers"]}, row["fnscale"]  # older rows
   plain = not (lev["int8"] or lev["unroll"] or lev["accum"] > 1 or lev["xla"] or lev["blocks"]
-               or lev.get("attn") == "xla")  # the planner costs splash's attention on a TPU
+               or lev.get("attn") == "xla"  # the planner costs splash's attention on a TPU
+               or lev.get("offload"))  # and no transfers to the host's memory
   return {**{k: lev[k] for k in ("model", "batch", "seq", "remat", "params", "mu", "opt",
                                  "loss_chunk")},
           "case": row["case"], "mfu": 100 * side["mfu"], "hbm_gib": side["hbm_gib"],
