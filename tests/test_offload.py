@@ -176,6 +176,7 @@ def test_the_preflight_offloads_the_state_where_adamw_fits_no_other_way(llama_v5
   chosen, said = choose(2.6)
   assert chosen == ("adamw", "float32", True)
   assert len(said) == 1 and "--optimizer_offload (" in said[0]
+  assert "0.44x Adafactor's tokens/s" in said[0]  # its cost in speed, said
   assert choose(2.6, optimizer_offload=False)[0] == ("adafactor", None, False)
 
 

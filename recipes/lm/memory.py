@@ -54,6 +54,11 @@ OPTIMIZERS = (("adamw", "float32", False), ("adamw", "bfloat16", False),
 # update brings AdamW's state to the device a slice of each param's leading axis at a time,
 # slices of up to 64 MiB: one in, one out and the next one coming (IN_FLIGHT).
 SLICE_BYTES, IN_FLIGHT = 64 * 2**20, 3
+# What an offloaded state costs in speed, said when the pre-flight chooses it: measured on one
+# TPU v5e (recipes/bench/chip_v5e.json, 2026-12-07), the 1B shape's step with AdamW's state
+# offloaded ran 5.4k tokens/s (8 rows), Adafactor's on the device 12.3k (2 rows).
+OFFLOAD_COST = ("the state's trips to the host bound the step: on one v5e the 1B's ran at "
+                "0.44x Adafactor's tokens/s (--optimizer=adafactor)")
 
 
 def limit(mesh) -> float | None:
@@ -265,7 +270,7 @@ def _preflight(step: StepOptions, policy, m: Model, topo, mesh, per_device: int,
       say(f"memory: batch_size={per_device}, accum_steps={now['accum_steps']}, "
           f"remat={now['remat']}{optimizer_flags(opts[0]).replace(' --', ', ')} needs {need / GiB:.2f} GiB per "
           f"device by the planner's estimate, more than the device's {cap / GiB:.2f} GiB; "
-          f"chose {flags(chosen[0], opt)}")
+          f"chose {flags(chosen[0], opt)}" + (f"; {OFFLOAD_COST}" if opt[2] else ""))
       return filled(chosen[0].remat, chosen[0].accum_steps, chosen[0].rows, opt)
   if not free and ask(opts[0], HEADROOM * cap):  # the user's choice: the compile judges
     return filled(step.remat, step.accum_steps, per_device)

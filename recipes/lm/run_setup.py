@@ -47,8 +47,9 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
   model, cfg, name = models.choose(o.model, size, seq, corpus, dataset=o.data.dataset,
                                    lora_rank=o.tune.lora_rank)
   if o.model.int8 and topo.generation in int8.SLOWER_ON:
-    say(f"note: --int8 runs slower than bfloat16 on a TPU {topo.generation} at these widths "
-        "(0.72x on GPT small; why: recipes/bench/README.md, 'Why --int8 loses on this chip')")
+    say(f"note: --int8 trained at 0.70x bfloat16's tokens/s on a TPU {topo.generation} for GPT "
+        "small, 0.81x for GPT medium, 1.02x for the 766M Llama (why: recipes/bench/README.md, "
+        "'--int8 by part')")
   run_log.check_tracker(o.log.tracker)
   lora = finetune.lora_config(o.tune, model, cfg, o.model.model_config)
   if o.tune.objective == "dpo":
