@@ -164,13 +164,16 @@ def test_an_unwritable_emergency_dir_is_an_error_and_the_checkpoints_stay(work, 
   assert rc == 2 and err[-1].startswith(f"error: --emergency_dir={blocker} is a file, not a "
                                         "directory;"), err
   assert err[-1].endswith("nothing was saved"), err
-  # Node-local ({process} given): the fix is said for that form.
+  # Node-local ({process} given): the fix is said for that form. An empty checkpoint
+  # directory (as a refused start may leave) holds nothing said to be kept.
+  (tmp_path / "fresh" / "checkpoints").mkdir(parents=True, exist_ok=True)
   rc = train_lm.main(["train_lm", *_argv(work, tmp_path / "fresh", "--emergency_every=2",
                                          f"--emergency_dir={blocker}/{{process}}")])
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and f"--emergency_dir={blocker}/0 can't be written" in err[-1], err
   assert "a local disk's path on each host, with {process} in it" in err[-1], err
   assert "shared file system" not in err[-1], err
+  assert err[-1].endswith("nothing was saved"), err
   # A bucket: the copies are for a fast file system; nothing is made locally in its name.
   rc = train_lm.main(["train_lm", *_argv(work, run_dir, "--emergency_every=2",
                                          "--emergency_dir=gs://bucket/e")])
@@ -216,8 +219,8 @@ def test_the_newer_of_checkpoint_and_copy_is_resumed_and_named(work, saved_at_5,
   shutil.rmtree(crashed / "checkpoints" / "5")
   assert train_lm.main(["train_lm", *_argv(work, crashed, "--emergency_every=2")]) == 0
   out = capsys.readouterr().out
-  assert (f"resuming from the emergency copy of step 4 ({crashed / 'emergency'}); the newest "
-          "checkpoint is none yet") in out
+  assert (f"resuming from the emergency copy of step 4 ({crashed / 'emergency'}); there is no "
+          "checkpoint") in out
   assert f"resumed from step 4 ({crashed / 'emergency'})" in out
   assert _losses(crashed) == _losses(whole)
 
@@ -273,7 +276,7 @@ def test_a_lost_hosts_shards_come_back_from_its_peers_replica(work, tmp_path):
   assert [rc for rc, _ in out.results] == [0, 0] and out.restarts == 1, text[-4000:]
   second = text.split("launch_local: restart 1 of 1")[1]
   assert (f"resuming from the emergency copy of step {LOCAL_EVERY} ({local}/{{process}}: "
-          "process 1's shards from process 0's replica); the newest checkpoint is none yet"
+          "process 1's shards from process 0's replica); there is no checkpoint"
           ) in second, second[:3000]
   (tmp_path / "before").mkdir()
   shutil.move(tmp_path / "before.jsonl", tmp_path / "before" / "metrics.jsonl")

@@ -85,7 +85,9 @@ def prepare(s, say) -> str:
   d = directory(s.o.ckpt)
   if not d:
     return ""
-  saved = s.o.ckpt.checkpoint_dir and os.path.isdir(s.o.ckpt.checkpoint_dir)
+  # An empty directory (made by an earlier refused start) holds nothing to keep.
+  saved = s.o.ckpt.checkpoint_dir and os.path.isdir(s.o.ckpt.checkpoint_dir) and os.listdir(
+      s.o.ckpt.checkpoint_dir)
   untouched = (f"the checkpoints in {s.o.ckpt.checkpoint_dir} are untouched" if saved
                else "nothing was saved")
   node_local = peer_copies.PLACEHOLDER in d
@@ -207,8 +209,9 @@ def newest(ckpt, local, say):
         f"emergency copy (step {copy}, {local.directory}): resuming from the checkpoint")
     return ckpt
   say(f"checkpoint: resuming from the emergency copy of step {copy} ({local.directory}"
-      + (_whose(local.held, copy) if node_local else "") + "); the newest checkpoint is "
-      + (f"step {kept}" if kept is not None else "none yet"))
+      + (_whose(local.held, copy) if node_local else "") + "); "
+      + (f"the newest checkpoint is step {kept}" if kept is not None
+         else "there is no checkpoint"))
   return local
 
 
