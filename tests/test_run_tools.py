@@ -188,7 +188,7 @@ def test_a_run_resumed_from_a_step_logs_no_step_twice(tmp_path):
   said = []
   _write(tmp_path, [(20, {"train/loss": 2.0})], keep_through=10, say=said.append)
   assert _jsonl(tmp_path) == JSONL[:2] + [{"step": 20, "train/loss": 2.0}]
-  assert said == [f"run_log: 2 records of steps 20..20 dropped from {tmp_path}/metrics.jsonl "
+  assert said == [f"run_log: 2 records of step 20 dropped from {tmp_path}/metrics.jsonl "
                   "(this run continues from step 10: no step is logged twice)"]
   scalars = _tensorboard_scalars(tmp_path)
   assert scalars["train/loss"] == [(10, 3.25), (20, 2.0)] and scalars["eval/loss"] == [(0, 5.5)]

@@ -67,7 +67,8 @@ def _drop_after(path: str, keep_through: int, say: Callable[[str], None]) -> lis
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.writelines(line for line, s in zip(lines, steps) if s <= keep_through)
   os.replace(path + ".tmp", path)
-  say(f"run_log: {len(gone)} records of steps {min(gone)}..{max(gone)} dropped from {path} "
+  which = f"step {gone[0]}" if min(gone) == max(gone) else f"steps {min(gone)}..{max(gone)}"
+  say(f"run_log: {len(gone)} records of {which} dropped from {path} "
       + ("(this run starts afresh: a fresh log)" if keep_through < 0 else
          f"(this run continues from step {keep_through}: no step is logged twice)"))
   return gone
