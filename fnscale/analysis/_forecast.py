@@ -70,16 +70,16 @@ FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
 # small and medium, the 766M Llama and Llama 3.2 1B's shape under Adafactor, without remat,
 # with "dots" and with full remat; a step filling the chip's memory is left out,
 # `forecast_fit.CHIP_FULL`). One chip has no collectives, so only `matmul` and `memory` are
-# fitted (the others are FITTED's). On v5e the steps are explained by matmuls at 81% of the
+# fitted (the others are FITTED's). On v5e the steps are explained by matmuls at 80% of the
 # roofline's rate (attention at heads of 64 at half that: `narrow_heads`) and the memory
 # traffic, the optimizer update's passes included (`fnscale.analysis._trace.reduced_bytes`),
 # at about 60% of the HBM bandwidth (the vector work around the matmuls: norms, activations,
 # the attention kernel's softmax). Over the 14 rows measured on jax 0.10.2 of the program the
 # planner costs (`forecast_fit.chip_runs`): largest |forecast - measured| 2.9 points (GPT
 # medium at 12 rows with splash's 1024 tiles and the 766M Llama low, GPT medium at 32 rows
-# high). Without the update's
-# reductions and the narrow heads the fit was 4.3 points off, the 1B's rows high and the
-# 766M's low; the pods' terms (FITTED) 10-22 points high on the GPT rows.
+# high). Without the update's reductions and the narrow heads the fit was 4.3 points off,
+# the 1B's rows high and the 766M's low; the pods' terms (FITTED) 10-22 points high on the
+# GPT rows.
 CHIP = {"v5e": Terms(matmul=0.7969, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
                      memory=1.6792)}
 

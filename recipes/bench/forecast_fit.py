@@ -335,8 +335,7 @@ def chip_runs(path: str = CHIP_V5E) -> list[ChipRun]:
   one the planner traces and costs (the Llama's loss with fnscale.cross_entropy's default
   chunk, which is 1024 tokens there: the 64-token row measured the old default; a remat
   policy in `CHIP_REMAT`; no int8, unrolling, accumulation, XLA attention or offloaded
-  optimizer state) and leaves XLA room (below
-  `CHIP_FULL` of the chip's memory)."""
+  optimizer state) and leaves XLA room (below `CHIP_FULL` of the chip's memory)."""
   with open(path, encoding="utf-8") as f:
     doc = json.load(f)
   rows = [(k, r if k == "rows" else _flat(r)) for k in sorted(doc) if k.startswith("rows")
