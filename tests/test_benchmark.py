@@ -180,8 +180,12 @@ def test_compile_report_and_benchmark_read_the_same_collectives(rows):
 @pytest.mark.slow
 def test_overhead_is_the_same_program(rows):
   _, over = rows
-  # Same math: the fnscale step and the hand-written jax.jit step give the same params.
-  assert over.max_param_diff < 1e-6
+  # Same math: the fnscale step and the hand-written jax.jit step give the same params, to
+  # rounding: the two programs (fnscale's computes its metrics too) fuse, and so round, the
+  # gradients apart, and AdamW's division by their root mean square turns that into up to
+  # 3e-6 here over the warm-up and 6 rounds (seen in CI); other math moves params by up to
+  # its lr, 1e-3, a step.
+  assert over.max_param_diff < 1e-4
   # The same compiled program: its executable alone runs as fast as the hand-written one
   # (medians of alternated rounds; 1.5 leaves room for a loaded machine, a program doing
   # twice the work would not fit).
