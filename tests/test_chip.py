@@ -333,20 +333,23 @@ def test_the_int8_kernel_matches_xlas_int8_path(tiles):
   a float64 numpy product of the same quantization: within that product's own bfloat16
   rounding (the outputs are bfloat16) plus 1e-3 (a value on a rounding tie may take the
   other int8 level in another program). A wrong scale, tile or level is off by ~1% (int8's
-  own error against the float product). dw, a bfloat16 matmul in both, against float32."""
+  own error against the float product). dw, a bfloat16 matmul in both, against float32.
+  w comes in bfloat16, as a model's weights under a bf16 compute policy: given in float32,
+  dense's cast to x's dtype may be dropped by XLA on a TPU (excess precision allowed), the
+  weights then quantized from their float32 values, 5e-3 from this oracle (on the chip, in
+  XLA's program and not the kernel's)."""
   from recipes.lm import int8  # pylint: disable=import-outside-toplevel
   keys = jax.random.split(jax.random.key(4), 3)
   x = jax.random.normal(keys[0], (1024, 512), jnp.bfloat16)
-  w = jax.random.normal(keys[1], (512, 768), jnp.float32) / 16
+  w = (jax.random.normal(keys[1], (512, 768), jnp.float32) / 16).astype(jnp.bfloat16)
   g = jax.random.normal(keys[2], (1024, 768), jnp.bfloat16)
-  wb = w.astype(jnp.bfloat16)  # dense casts w to x's dtype
 
   def value_and_grads(implementation):
     f = lambda x, w: int8.dense(x, w, implementation=implementation, tiles=tiles)
     return jax.jit(lambda x, w, g: (lambda y, pull: (y, *pull(g)))(*jax.vjp(f, x, w)))
   compiled = value_and_grads("pallas").lower(x, w, g).compile()
   assert compiled.as_text().count("fnscale_int8_matmul") >= 2  # forward and input gradient
-  oracle = (_quantized_product(x, wb), _quantized_product(g, wb.T))
+  oracle = (_quantized_product(x, w), _quantized_product(g, w.T))
   rounded = [_error(np.asarray(o, np.float32).astype(jnp.bfloat16), o) for o in oracle]
   with HIGHEST():
     dw = x.astype(jnp.float32).T @ g.astype(jnp.float32)

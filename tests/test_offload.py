@@ -121,6 +121,10 @@ def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices, monkeypa
   assert kinds(compiled[True], "opt_state") == {"pinned_host"}
   assert kinds(compiled[False], "opt_state") == {"device"}
   assert kinds(compiled[True], "params") == {"device"}
+  # Each new slice of the state is written over its old one: no copy of a whole leaf runs on
+  # the host (a loop's fresh output buffer cost one per leaf at ~0.3 GB/s, 8.6 s of a 1B
+  # Llama's 9.8 s step on a v5e).
+  assert 'custom_call_target="HostExecute"' not in compiled[True].as_text()
 
 
 @pytest.mark.parametrize("slice_bytes", [256, 64], ids=["first-leaf-whole", "every-leaf"])
