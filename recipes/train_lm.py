@@ -145,10 +145,10 @@ def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
     setup = run_setup.resumed_schedule(setup, saved, start, say)
     o = setup.o
     optimizer, schedule = run_setup.optimizer(o.step, o.schedule)
-    step_fn, eval_loss = _step(setup, optimizer, policy)
     rows = next(train_rows)  # this process's rows, as numpy
     first = batches.put(setup, rows)
-    step_fn = _compiled(setup, step_fn, state, first, ledger, say)
+    setup, step_fn, eval_loss = _compiled(setup, (optimizer, policy), state, first, ledger,
+                                          say)
     job = run_setup.Run(
         setup=setup, t0=t0, start=start, resumed=resumed, batches=train_rows,
         should_stop=should_stop,
@@ -186,16 +186,29 @@ def _records(setup: run_setup.Setup, saver: checkpoints.Saver, start: int,
                            saver, ledger)
 
 
-def _compiled(setup: run_setup.Setup, step_fn, state, first, ledger, say):
-  """The step compiled ahead of time for the first batch (step 0 doesn't compile again),
-  held against the device's memory, and the same on every process (a barrier)."""
+def _compiled(setup: run_setup.Setup, how: tuple, state, first, ledger, say):
+  """(the setup, the train step compiled ahead of time for the first batch (step 0 doesn't
+  compile again), the eval loss): the step held against the device's memory and the same on
+  every process (a barrier); `how`: (optimizer, jmp policy). A layer loop unrolled by
+  default (`models.unrolled`) whose step doesn't fit is compiled again as the scan, said."""
   ledger.enter("compile")
+  unrolled = getattr(setup.cfg, "unroll", False)
   say(f"train_lm: compiling the train step of {setup.o.model.model_config} on mesh "
-      f"{dict(setup.mesh.shape)} ...")
-  step_fn = memory.compile_step(setup, step_fn, state, first)
+      f"{dict(setup.mesh.shape)}{', the layer loop unrolled' if unrolled else ''} ...")
+  step_fn, eval_loss = _step(setup, *how)
+  try:
+    step_fn = memory.compile_step(setup, step_fn, state, first)
+  except fs.FitError as e:
+    if not unrolled or setup.o.model.unroll:  # the user's --unroll: the error is theirs
+      raise
+    say(f"memory: the unrolled layer loop's step needs {e.needed / memory.GiB:.2f} GiB per "
+        "device (XLA's peak), more than the device has; compiling the scan (--nounroll)")
+    setup = setup._replace(cfg=setup.cfg._replace(unroll=False))
+    step_fn, eval_loss = _step(setup, *how)
+    step_fn = memory.compile_step(setup, step_fn, state, first)
   fs.multihost.agree_on_step(step_fn)
   ledger.enter("other")
-  return step_fn
+  return setup, step_fn, eval_loss
 
 
 def _export(setup: run_setup.Setup, state, say) -> None:

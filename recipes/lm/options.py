@@ -88,7 +88,8 @@ class HardwareOptions(Hardware):
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-  """Which model, its tokenizer and how it computes (precision, attention kernel, int8)."""
+  """Which model, its tokenizer and how it computes (precision, attention kernel, int8, the
+  layer loop unrolled)."""
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -104,6 +105,11 @@ class ModelOptions:
   int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
                       "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
                       "llama models)")
+  unroll: bool | None = option(None, "the layer loop unrolled in the compiled program (a "
+                               "copy of the block per layer) instead of one lax.scan body: "
+                               "faster, more memory, a longer compile (gpt and llama models); "
+                               "default: on a TPU where the remat policy isn't full, the scan "
+                               "where the unrolled step doesn't fit the device")
 
 
 @dataclasses.dataclass(frozen=True)

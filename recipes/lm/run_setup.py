@@ -66,6 +66,7 @@ def decide(o: Options, corpus: data.Corpus, say) -> Setup:
                        mesh, platform_default(o.step, "batch_size", topo.platform), say,
                        planned)
   o = dataclasses.replace(o, step=dataclasses.replace(o.step, **step._asdict()))
+  cfg = models.unrolled(o.model, o.step, cfg, name, topo.platform)
   check_batch(seq, step.batch_size, step.global_batch, step.accum_steps, mesh)
   check_pipeline(o.step.microbatches, model, mesh)
   if corpus.packed is not None:
