@@ -11,11 +11,14 @@ computed once), and where it is elementwise in that param's state (Adam's moment
 the update's jaxpr: `_plan`) a slice of its leading axis at a time (a layer of a stacked
 block, rows of an embedding: `SLICE_BYTES`) in a `lax.fori_loop`, each slice copied in and
 its new state written back over the old one in host memory: the device holds a slice or two
-of state. Else the param's whole state comes
-in after the previous param's went back (`lax.optimization_barrier`). Either is exact where
-each param's new state and update read no other param's state (Adam, AdamW, Adafactor, SGD
-with momentum, a global-norm clip before them: `_separable`); another optimizer's state
-comes in whole, said at INFO.
+of state. Else the param's whole state comes in after the previous param's went back
+(`lax.optimization_barrier`). Either is exact where each param's new state and update read
+no other param's state (Adam, AdamW, Adafactor, SGD with momentum, a global-norm clip before
+them: `_separable`); another optimizer's state comes in whole, said at INFO.
+
+Not yet served well: a leaf whose leading axis is sharded (an embedding's rows under FSDP).
+Its slices cut across devices, and compiled for a v5e:2x2 at fsdp=4 XLA runs them on the
+host, gathering across hosts; the trace holds no sharding to slice each device's shard by.
 """
 from __future__ import annotations
 

@@ -88,8 +88,7 @@ class HardwareOptions(Hardware):
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-  """Which model, its tokenizer and how it computes (precision, attention kernel, int8, the
-  layer loop unrolled)."""
+  """Which model, its tokenizer and how it computes (precision, kernels, int8, unrolling)."""
   model_config: str | None = option(None, "model: a name of recipes/lm/models.py (nano, "
                                     "tiny_gpt2, tiny, small, medium, llama-tiny, llama-1b, "
                                     f"moe-tiny, ...); {_by_platform('model_config')}")
@@ -105,11 +104,9 @@ class ModelOptions:
   int8: bool = option(False, "the blocks' projections and MLP multiply in int8 "
                       "(recipes/lm/int8.py: per-channel, straight-through gradients; gpt and "
                       "llama models)")
-  unroll: bool | None = option(None, "the layer loop unrolled in the compiled program (a "
-                               "copy of the block per layer) instead of one lax.scan body: "
-                               "faster, more memory, a longer compile (gpt and llama models); "
-                               "default: on a TPU where the remat policy isn't full, the scan "
-                               "where the unrolled step doesn't fit the device")
+  unroll: bool | None = option(None, "the layer loop unrolled, not one lax.scan body: faster, "
+                               "more memory, a longer compile (gpt, llama); default: on a TPU "
+                               "unless remat is full, the scan where unrolled doesn't fit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +136,9 @@ class StepOptions:
   accum_steps: int | None = option(None, "gradient accumulation micro-steps per step (splits "
                                    "the batch); default 1, or what fits the device's memory")
   accum_gather: str = option("auto", "with accum_steps > 1: 'auto' ('once' where whole params "
-                             "and accumulator fit 1% of device memory, else "
-                             "'per_microbatch'), 'per_microbatch' "
-                             "(params stay sharded, gradients reduced every microbatch) or "
-                             "'once' (whole params on each device, gradients reduced once)")
+                             "and accumulator fit 1% of device memory, else 'per_microbatch'), "
+                             "'per_microbatch' (params stay sharded, gradients reduced every "
+                             "microbatch) or 'once' (whole params, gradients reduced once)")
   remat: bool | None = option(None, "recompute each block's activations in the backward "
                              "pass (--remat_policy=full); default off, or on where that is "
                              "what fits the device's memory")
@@ -167,8 +163,7 @@ class StepOptions:
   context_order: str = option("zigzag", "the order the context shards hold the sequence "
                               "in: zigzag (balanced causal work), striped or contiguous")
   microbatches: int = option(0, "pipeline microbatches on a mesh with a 'stage' axis "
-                             "(Llama models: their layers run as stages); default: the "
-                             "stages")
+                             "(Llama models: their layers run as stages); default: the stages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +186,9 @@ class ScheduleOptions:
   grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
   max_stalled_steps: int = option(20, "stop with an error after this many consecutive steps "
                                   "whose gradients were non-finite (or, where the change is "
-                                  "measured, --update_norm or bfloat16 params, that left "
-                                  "the params unchanged or non-finite), or were skipped "
-                                  "(float16's loss scale), although the loss was finite "
-                                  "(0: never)")
+                                  "measured, --update_norm or bfloat16 params, that left the "
+                                  "params unchanged or non-finite), or were skipped (float16's "
+                                  "loss scale), although the loss was finite (0: never)")
   update_norm: bool = option(False, "measure the change each step applies to the params "
                              "(train/update_norm; a stall check then sees an update rounded "
                              "away or an lr of 0): a pass over the updates, 1.7% of a step; "
