@@ -314,7 +314,8 @@ def _by_slices(update_one, ins, host, shape, to_host):
   reads = _whole_reads([r for r in outs if r[0] != "v"], tuple(shape))
   sliced = [j for j, (k, _) in enumerate(outs) if k != "v"]
   # Output j's buffer: input j - 1's where it replaces it in the same memory, else a new one.
-  over = {j: j - 1 for j in sliced if 0 < j <= len(ins) and to_host[j] == host[j - 1]}
+  over = {j: j - 1 for j in sliced if 0 < j <= len(ins) and to_host[j] == host[j - 1]
+          and closed.out_avals[j].dtype == ins[j - 1].dtype}
   size = shape[0] // n
 
   def body(i, bufs):
