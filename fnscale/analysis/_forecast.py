@@ -74,10 +74,11 @@ FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
 # roofline's rate (attention at heads of 64 at half that: `narrow_heads`) and the memory
 # traffic, the optimizer update's passes included (`fnscale.analysis._trace.reduced_bytes`),
 # at about 60% of the HBM bandwidth (the vector work around the matmuls: norms, activations,
-# the attention kernel's softmax). Over the 14 rows measured on jax 0.10.2 of the program the
-# planner costs (`forecast_fit.chip_runs`): largest |forecast - measured| 2.9 points (GPT
-# medium at 12 rows with splash's 1024 tiles and the 766M Llama low, GPT medium at 32 rows
-# high). Without the update's reductions and the narrow heads the fit was 4.3 points off,
+# the attention kernel's softmax). Fitted over the 14 rows measured on jax 0.10.2 of the
+# program the planner costs (`forecast_fit.chip_runs`): largest |forecast - measured| 2.9
+# points (GPT medium at 12 rows with splash's 1024 tiles and the 766M Llama low, GPT medium
+# at 32 rows high); the 2 rows measured after the fit (GPT small at 24 and 40 rows) within
+# 1.9. Without the update's reductions and the narrow heads the fit was 4.3 points off,
 # the 1B's rows high and the 766M's low; the pods' terms (FITTED) 10-22 points high on the
 # GPT rows.
 CHIP = {"v5e": Terms(matmul=0.7969, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
