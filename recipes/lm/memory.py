@@ -39,10 +39,13 @@ from recipes.lm.options import StepOptions, remat_policy
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
 HEADROOM = 0.9
 # Under a remat policy that saves part of each block ("dots": the matmul outputs), XLA's
-# peak exceeds the saved residuals by 1.1 (GPT small) to 1.9 (GPT medium) of one whole
-# layer's residuals per row, at 16-64 rows of 1024 tokens on v5e (recipes/bench/memory.py,
-# --remat_policy=dots): 2, so that a default the estimate keeps fits.
-POLICY_LIVE = 2.0
+# peak holds more per row than the traced saved residuals: per layer, 4.3 (GPT small), 3.6
+# (GPT medium) and 4.0 (a 4-layer Llama of width 1024) residual-stream carries (the layer's
+# input and its normed copies, which the backward recomputes from), compiled for v5e at 4-64
+# rows of 1024 tokens (recipes/bench/memory.py --remat_policy=dots); fewer (1.1, 2.6) where
+# XLA rematerialises to fit (the 766M and 1B Llamas at seq 2048). 4.5, so that a default the
+# estimate keeps fits. (It was 2 whole layers' residuals: up to 1.6x XLA's peak on a Llama.)
+STREAM_LIVE = 4.5
 GiB = 2**30
 # The optimizers the pre-flight tries in turn, (--optimizer, --mu_dtype, --optimizer_offload):
 # the default first, then by their state on the device per param: 2 floats, 1.5 floats'
@@ -115,18 +118,13 @@ def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
   init = (functools.partial(model.init_params, cfg) if lora is None
           else startup.lora_state(model, cfg, policy, lora, optimizer))
   # A LoRA loss keeps what the run's policy keeps, as the full model's does.
-  loss = lambda keep: (remat_loss(model, cfg, keep) if lora is None
-                       else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
-  run = lambda keep: fs.analysis.profile_model(
-      init, loss(keep), optimizer,
-      {"inputs": shape, "targets": shape}, target,
-      policy=policy, **dict(kw))
-  prof = run(keep)
+  loss = (remat_loss(model, cfg, keep) if lora is None
+          else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
+  prof = fs.analysis.profile_model(init, loss, optimizer, {"inputs": shape, "targets": shape},
+                                   target, policy=policy, **dict(kw))
   if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
     return prof
-  # A policy that saves some of a block recomputes the rest in each layer's backward pass:
-  # XLA's peak held POLICY_LIVE of a whole layer's residuals more than the saved ones.
-  return prof._replace(act_row=prof.act_row + POLICY_LIVE * run("none").act_row_layer)
+  return prof._replace(act_row=prof.act_row + STREAM_LIVE * prof.layers * prof.stream_row)
 
 
 def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:
