@@ -27,8 +27,9 @@ included), and `narrow` what heads narrower than a TPU's matrix unit add to the 
 v5p measurements only (`FITTED`; `python recipes/bench/forecast_fit.py` refits them and
 checks the forecast against MaxText's v5e, v6e, v4 and GPU tables, which the fit never
 sees). A one-device target of a generation measured on one chip uses that chip's fit
-(`CHIP`, `terms_for`). On simulated CPU devices the cost model's rates are measured on the
-host, so the forecast is the bound.
+(`CHIP`, `terms_for`; `CHIP_UNROLLED` for a step whose layer loop is unrolled). On
+simulated CPU devices the cost model's rates are measured on the host, so the forecast is
+the bound.
 """
 from __future__ import annotations
 
@@ -83,6 +84,13 @@ FITTED = Terms(matmul=0.7182, exposed=0.2033, per_doubling=0.0578)
 # GPT rows.
 CHIP = {"v5e": Terms(matmul=0.7969, exposed=FITTED.exposed, per_doubling=FITTED.per_doubling,
                      memory=1.6792)}
+# The same chip with the layer loop unrolled (no `lax.scan`: no stacked residuals and weights
+# sliced and updated each layer, and fusions across layers): the memory traffic runs at
+# 1.14x the HBM bandwidth's time instead of 1.68x, the matmul term the scan's. Fitted by
+# `python recipes/bench/forecast_fit.py --chip --unrolled` on the 3 unrolled steps measured
+# on jax 0.10.2 (GPT small at 32 rows and medium at 12 keeping `dots`, the 766M Llama at 4):
+# within 1.5 points of each (the scan's terms: 6-9 points low).
+CHIP_UNROLLED = {"v5e": CHIP["v5e"]._replace(memory=1.1375)}
 
 
 # The side of a TPU's matrix unit (MXU): 128 x 128 on v4, v5e and v5p (v6e's is 256 wide:
@@ -101,11 +109,12 @@ def narrow_heads(head_dim: int, hw: Hardware) -> float:
   return MXU / head_dim
 
 
-def terms_for(hw: Hardware) -> Terms:
-  """The forecast's terms for `hw`: its generation's one-chip fit (`CHIP`) on one device,
-  else `FITTED` (pods: the terms carry the communication the one-chip fit never saw)."""
+def terms_for(hw: Hardware, unrolled: bool = False) -> Terms:
+  """The forecast's terms for `hw`: its generation's one-chip fit on one device (`CHIP`, or
+  `CHIP_UNROLLED` for a step whose layer loop is unrolled), else `FITTED` (pods: the terms
+  carry the communication the one-chip fit never saw; no unrolled pod step was measured)."""
   if hw.num_devices == 1 and hw.generation in CHIP:
-    return CHIP[hw.generation]
+    return (CHIP_UNROLLED if unrolled else CHIP)[hw.generation]
   return FITTED
 
 

@@ -163,10 +163,14 @@ def hardware(target, cpu_rates: tuple[float, float] | None = None) -> _targets.H
   return resolve(target, cpu_rates)
 
 
-def forecast_terms(target, cpu_rates: tuple[float, float] | None = None) -> _forecast.Terms:
+def forecast_terms(target, cpu_rates: tuple[float, float] | None = None, *,
+                   unrolled: bool = False) -> _forecast.Terms:
   """The forecast's efficiency terms that `plan` and `predict` use for `target` by default
   (the terms `plan_summary` reports): a generation's one-chip fit on one chip, where there
-  is one, else `FORECAST_TERMS`, fitted on pods. `target`, `cpu_rates` as for `plan`.
+  is one, else `FORECAST_TERMS`, fitted on pods. `target`, `cpu_rates` as for `plan`;
+  `unrolled`: for a step whose layer loop is unrolled rather than a `lax.scan` (its own
+  one-chip fit; pods as the scan): pass them as `predict(..., terms=...)`, the profile
+  traced on the scan.
 
   Raises:
     TopologyError: an unknown target name.
@@ -177,8 +181,10 @@ def forecast_terms(target, cpu_rates: tuple[float, float] | None = None) -> _for
     (0.7969, 1.6792)
     >>> fs.analysis.forecast_terms("v5e-8") == fs.analysis.FORECAST_TERMS
     True
+    >>> fs.analysis.forecast_terms("v5e-1", unrolled=True).memory
+    1.1375
   """
-  return _forecast.terms_for(resolve(target, cpu_rates))
+  return _forecast.terms_for(resolve(target, cpu_rates), unrolled)
 
 
 def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, key=None,

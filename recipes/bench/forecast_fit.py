@@ -321,6 +321,7 @@ class ChipRun(NamedTuple):
   mu: str
   mfu: float
   opt: str = "adamw"
+  unroll: bool = False
 
 
 # The memory a program may use on the chip (the runtime's limit there, 15.75 GiB:
@@ -334,8 +335,9 @@ def chip_runs(path: str = CHIP_V5E) -> list[ChipRun]:
   """The rows the forecast is held to, of every day's table: those whose program is the
   one the planner traces and costs (the Llama's loss with fnscale.cross_entropy's default
   chunk, which is 1024 tokens there: the 64-token row measured the old default; a remat
-  policy in `CHIP_REMAT`; no int8, unrolling, accumulation, XLA attention or offloaded
-  optimizer state) and leaves XLA room (below `CHIP_FULL` of the chip's memory)."""
+  policy in `CHIP_REMAT`; no int8, accumulation, XLA attention or offloaded optimizer
+  state; the layer loop a scan, or unrolled: `unroll`) and leaves XLA room (below
+  `CHIP_FULL` of the chip's memory)."""
   with open(path, encoding="utf-8") as f:
     doc = json.load(f)
   rows = [(k, r if k == "rows" else _flat(r)) for k in sorted(doc) if k.startswith("rows")
@@ -350,13 +352,13 @@ def _flat(row: dict) -> dict:
   """A row as chip.py writes it now (its case's levers, each side's figures) in the first
   table's fields: fnscale's side, MFU in percent, and whether it is a plain step."""
   lev, side = {"opt": "adamw", "accum": 1, **row["levers"]}, row["fnscale"]  # older rows
-  plain = not (lev["int8"] or lev["unroll"] or lev["accum"] > 1 or lev["xla"] or lev["blocks"]
+  plain = not (lev["int8"] or lev["accum"] > 1 or lev["xla"] or lev["blocks"]
                or lev.get("attn") == "xla"  # the planner costs splash's attention on a TPU
                or lev.get("offload"))  # and no transfers to the host's memory
   return {**{k: lev[k] for k in ("model", "batch", "seq", "remat", "params", "mu", "opt",
                                  "loss_chunk")},
           "case": row["case"], "mfu": 100 * side["mfu"], "hbm_gib": side["hbm_gib"],
-          "plain": plain}
+          "plain": plain, "unroll": bool(lev["unroll"])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,7 +375,8 @@ def _chip_profile(model: str, seq: int, params: str, mu: str, opt: str = "adamw"
 
 def predict_chip(run: ChipRun, terms: ForecastTerms | None = None) -> float:
   """The forecast MFU (percent, PaLM's count) of a measured one-chip row; `terms` default:
-  the planner's for one v5e chip."""
+  the planner's for one v5e chip and the row's layer loop (`forecast_terms(unrolled=...)`)."""
+  terms = terms or forecast_terms("v5e-1", unrolled=run.unroll)
   prof = _chip_profile(run.model, run.seq, run.params, run.mu, run.opt)._replace(
       rows=run.batch)
   cand = predict(prof, "v5e:1x1", fs.MeshAxes({"fsdp": 1}, {}), remat=CHIP_REMAT[run.remat],
@@ -381,23 +384,26 @@ def predict_chip(run: ChipRun, terms: ForecastTerms | None = None) -> float:
   return 100 * cand.forecast.mfu
 
 
-def fit_chip(runs=None) -> ForecastTerms:
+def fit_chip(runs=None, unrolled: bool = False) -> ForecastTerms:
   """`matmul` in [0.3, 1] and `memory` in [0, 10] minimising the largest |forecast -
-  measured| MFU over the one-chip rows (differential evolution, seeded); the communication
-  terms stay FITTED's (one chip has none)."""
+  measured| MFU over the one-chip rows of scanned layer loops (differential evolution,
+  seeded); the communication terms stay FITTED's (one chip has none). `unrolled`: `memory`
+  alone over the unrolled rows, `matmul` the planner's (the same matmuls, fewer copies)."""
   from scipy import optimize  # pylint: disable=g-import-not-at-top  # jax depends on scipy
-  runs = chip_runs() if runs is None else runs
-  terms = lambda x: ForecastTerms(x[0], FORECAST_TERMS.exposed, FORECAST_TERMS.per_doubling,
-                                  x[1])
+  runs = [r for r in (chip_runs() if runs is None else runs) if r.unroll == unrolled]
+  matmul = forecast_terms("v5e-1").matmul
+  terms = lambda x: ForecastTerms(matmul if unrolled else x[0], FORECAST_TERMS.exposed,
+                                  FORECAST_TERMS.per_doubling, x[-1])
   worst = lambda x: max(abs(predict_chip(r, terms(x)) - r.mfu) for r in runs)
-  best = optimize.differential_evolution(worst, [(0.3, 1.0), (0.0, 10.0)], seed=0, tol=1e-8,
-                                         maxiter=400, polish=True)
+  bounds = [(0.0, 10.0)] if unrolled else [(0.3, 1.0), (0.0, 10.0)]
+  best = optimize.differential_evolution(worst, bounds, seed=0, tol=1e-8, maxiter=400,
+                                         polish=True)
   return terms([round(float(v), 4) for v in best.x])
 
 
-def _chip_table(terms: ForecastTerms) -> str:
+def _chip_table(terms: ForecastTerms, unrolled: bool = False) -> str:
   lines = ["| case | measured MFU | forecast MFU | error |", "|---|---|---|---|"]
-  for r in chip_runs():
+  for r in (r for r in chip_runs() if r.unroll == unrolled):
     got = predict_chip(r, terms)
     lines.append(f"| {r.case} | {r.mfu:.1f}% | {got:.1f}% | {got - r.mfu:+.1f} |")
   return "\n".join(lines)
@@ -431,13 +437,15 @@ def main(argv=None) -> int:
                   help="use the planner's terms (fnscale.analysis.forecast_terms)")
   ap.add_argument("--chip", action="store_true", help="fit the one-v5e-chip terms on "
                   "recipes/bench/chip_v5e.json instead")
+  ap.add_argument("--unrolled", action="store_true",
+                  help="with --chip: the unrolled layer loops' memory term")
   a = ap.parse_args(argv)
   fs.quiet_libtpu()  # TPU profiles load libtpu: no host-lookup warnings
   if a.chip:
-    chip = forecast_terms("v5e-1")
-    terms = chip if a.nofit else fit_chip()
+    chip = forecast_terms("v5e-1", unrolled=a.unrolled)
+    terms = chip if a.nofit else fit_chip(unrolled=a.unrolled)
     print(f"one v5e chip: {terms} (in fnscale/analysis/_forecast.py: {chip})\n")
-    print(_chip_table(terms))
+    print(_chip_table(terms, a.unrolled))
     return 0
   terms = FORECAST_TERMS if a.nofit else fit()
   print(f"terms: {terms} (in fnscale/analysis/_forecast.py: {FORECAST_TERMS})\n")
