@@ -119,6 +119,19 @@ def test_fit_options_keep_what_the_user_fixed_and_fit_the_limit():
   assert fit_options(prof, "cpu", axes, prof.param_bytes, cpu_rates=RATES) == ()
 
 
+def test_fit_options_forecast_each_option_as_predict_does_for_the_target():
+  """On one v5e chip the options' tokens/s are `predict`'s there, with the chip's own
+  forecast terms (`forecast_terms`); they were forecast with the pods' terms."""
+  cfg, init, loss = _nano()
+  prof = profile_model(init, loss, optax.adamw(1e-3), _batch(64, cfg.seq), "cpu",
+                       cpu_rates=RATES)
+  one = fs.MeshAxes({"data": 1}, {})
+  opts = fit_options(prof, "v5e-1", one, 2**40)
+  assert opts and all(o.tokens_s == fs.analysis.predict(
+      prof._replace(rows=o.rows), "v5e-1", one, remat=o.remat,
+      accum_steps=o.accum_steps).tokens_s for o in opts)
+
+
 @pytest.mark.slow  # check_fit's and fit_options' quick tests cover the refusal
 def test_a_step_over_the_limit_is_refused_before_it_runs_and_its_fix_fits_and_runs():
   """On CPU with a limit given: the plain step's XLA bytes exceed it (FitError naming the

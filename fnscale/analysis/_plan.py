@@ -92,7 +92,7 @@ def predict(prof: _cost.Profile, target, axes: MeshAxes, *, remat: bool = False,
 
 
 def _predict(prof, hw, axes, remat, accum_steps, accum_gather="auto", headroom=HEADROOM,
-             terms=_forecast.FITTED, microbatches=1) -> Candidate:
+             terms=None, microbatches=1) -> Candidate:
   """`predict` on a resolved target."""
   ici = {k: v for k, v in axes.ici.items() if v > 1}
   if math.prod(axes.ici.values()) * math.prod(axes.dcn.values() or [1]) != hw.num_devices:
