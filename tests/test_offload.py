@@ -127,6 +127,32 @@ def test_offload_moves_the_state_out_of_a_v5e_chips_memory(tpu_devices, monkeypa
   assert 'custom_call_target="HostExecute"' not in compiled[True].as_text()
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("rows", [3000, 264], ids=["12-slices-of-250", "a-short-axis"])
+def test_rows_that_do_not_split_in_whole_tiles_compile_for_a_v5e(tpu_devices, monkeypatch,
+                                                                rows):
+  """An embedding's float32 state of `rows` x 512, sliced over its old one in host memory:
+  slices of 250 rows (3000 in 12) and of one row (264, a short leading axis sliced at each
+  index, as a layer stack's) aborted XLA's compile for a v5e (SIGABRT: the process, no
+  error). Slices are now whole TPU tiles of 8 rows: the step compiles, runs nothing on the
+  host, keeps the state there and holds less on the device than the step without offload."""
+  del tpu_devices  # skips without libtpu
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 2**20)
+  mesh = fs.make_mesh({"fsdp": 1}, devices=fs.target_devices("v5e:1x1"))
+  optimizer = optax.adamw(1e-3)
+  init = lambda: {**_stack(), "embed": jnp.zeros((rows, D))}
+  batch = {"tokens": jax.ShapeDtypeStruct((8, 128), jnp.int32)}
+  compiled = {}
+  for offload in (False, True):
+    state = fs.init_state(init, optimizer, mesh=mesh, abstract=True, offload_optimizer=offload)
+    compiled[offload] = fs.shard_step(fs.train_step(_stack_loss, optimizer), mesh).compile(
+        state, batch).compiled
+  assert 'custom_call_target="HostExecute"' not in compiled[True].as_text()
+  on, off = (compiled[k].memory_analysis() for k in (False, True))
+  moments = 2 * 4 * (LAYERS * D * D + LAYERS * D + rows * D)  # AdamW's, by hand
+  assert off.host_argument_size_in_bytes >= moments and _hbm(off) < _hbm(on)
+
+
 @pytest.mark.parametrize("slice_bytes", [256, 64], ids=["first-leaf-whole", "every-leaf"])
 def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch, slice_bytes):
   """Each param's state a slice of its leading axis at a time (slices of 256 bytes: all but
