@@ -16,9 +16,11 @@ of state. Else the param's whole state comes in after the previous param's went 
 no other param's state (Adam, AdamW, Adafactor, SGD with momentum, a global-norm clip before
 them: `_separable`); another optimizer's state comes in whole, said at INFO.
 
-Not yet served well: a leaf whose leading axis is sharded (an embedding's rows under FSDP).
-Its slices cut across devices, and compiled for a v5e:2x2 at fsdp=4 XLA runs them on the
-host, gathering across hosts; the trace holds no sharding to slice each device's shard by.
+On a mesh of several devices a long leading axis may be split over them (an embedding's rows
+under FSDP; the trace holds no sharding to tell): a slice then takes every n-th row, so that
+each device's part lies in its own shard (`_chunks`). Where the rows allow no such slices
+(rows / n not a multiple of the devices, n not of a TPU tile's rows), runs of rows cut across
+devices, and XLA runs their update on the host, gathering (compiled for a v5e:2x2, fsdp=4).
 """
 from __future__ import annotations
 
@@ -274,21 +276,30 @@ def _plan(jaxpr, consts, ins, shape):
   return [get(v) for v in jaxpr.outvars]
 
 
-def _chunks(shape, itemsizes) -> int:
-  """Slices of the leading axis (a divisor of it) that keep a slice's state near
-  `SLICE_BYTES`, each whole TPU tiles (`_tile_rows`); 1 where the leaf is small or no slice
-  is whole tiles. A short leading axis of a leaf of 3 dims or more (a layer stack) is sliced
-  at each index. `itemsizes`: the state leaves' bytes per element."""
+def _chunks(shape, itemsizes, devices: int = 1) -> tuple[int, bool]:
+  """(n, strided): n slices of the leading axis (a divisor of it) that keep a slice's state
+  near `SLICE_BYTES`, each whole TPU tiles (`_tile_rows`); (1, False) where the leaf is small
+  or no slice is whole tiles. A short leading axis of a leaf of 3 dims or more (a layer
+  stack) is sliced at each index. On a mesh of `devices` > 1 a long leading axis may be split
+  over them (an embedding's rows under FSDP): a slice then takes every n-th row (`strided`),
+  a multiple of `devices` of them, so that each device's part is in its own shard; where no
+  n allows that, runs of rows, which cut across devices. `itemsizes`: the state leaves'
+  bytes per element."""
   if not shape or shape[0] < 2:
-    return 1
+    return 1, False
   want = math.ceil(math.prod(shape) * sum(itemsizes) / SLICE_BYTES)
   tile = _tile_rows(len(shape), min(itemsizes))
   if want <= 1:
-    return 1
+    return 1, False
   if shape[0] <= SHORT_AXIS and tile == 1:
-    return shape[0]
-  whole = [n for n in range(2, shape[0] + 1) if shape[0] % n == 0 and shape[0] // n % tile == 0]
-  return next((n for n in whole if n >= want), whole[-1] if whole else 1)
+    return shape[0], False
+  divs = [n for n in range(2, shape[0] + 1) if shape[0] % n == 0]
+  pick = lambda ok: next((n for n in ok if n >= want), ok[-1] if ok else 1)
+  # Strided, the n slices' index is the second-minor axis of [rows / n, n, ...]: whole tiles.
+  ok = [n for n in divs if n % tile == 0 and shape[0] // n % devices == 0]
+  if devices > 1 and len(shape) > 1 and ok:
+    return pick(ok), True
+  return pick([n for n in divs if shape[0] // n % tile == 0]), False
 
 
 def _tile_rows(ndim: int, itemsize: int) -> int:
@@ -311,7 +322,8 @@ def _by_slices(update_one, ins, host, shape, to_host):
   fresh host buffer would cost a whole copy of the leaf on the host at the step's end
   (XLA's host offloading moves a loop's stacked output into the output buffer there, ~0.3
   GB/s for bfloat16 on a v5e's host)."""
-  n = _chunks(shape, [jnp.dtype(x.dtype).itemsize for x in ins])
+  n, strided = _chunks(shape, [jnp.dtype(x.dtype).itemsize for x in ins],
+                       max(jax.sharding.get_abstract_mesh().size, 1))
   if n == 1:
     return None
   plain = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins]
@@ -330,17 +342,21 @@ def _by_slices(update_one, ins, host, shape, to_host):
   over = {j: j - 1 for j in sliced if 0 < j <= len(ins) and to_host[j] == host[j - 1]
           and closed.out_avals[j].dtype == ins[j - 1].dtype}
   size = shape[0] // n
+  grid = lambda x: x.reshape((size, n) + tuple(shape[1:]))  # slice i: [:, i]
 
   def body(i, bufs):
-    at = lambda x: jax.lax.dynamic_slice_in_dim(x, i * size, size)
+    at = (lambda x: jax.lax.dynamic_index_in_dim(grid(x), i, 1, keepdims=False)) if strided \
+        else (lambda x: jax.lax.dynamic_slice_in_dim(x, i * size, size))
+    put = (lambda b, x: jax.lax.dynamic_update_index_in_dim(grid(b), x, i, 1).reshape(shape)) \
+        if strided else (lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, i * size, 0))
     state = {m: bufs[sliced.index(j)] for j, m in over.items()}
     memo = {("in", k): at(state.get(k, x)) for k, x in enumerate(ins)}
     memo = {key: _to(x, jax.memory.Space.Device) if host[key[1]] else x
             for key, x in memo.items()}
     memo.update({id(x): at(x) for x in reads})
-    return [jax.lax.dynamic_update_slice_in_dim(
-        b, _to(_sliced(outs[j], memo), jax.memory.Space.Host) if to_host[j] and j in over
-        else _sliced(outs[j], memo), i * size, 0) for j, b in zip(sliced, bufs)]
+    return [put(b, _to(_sliced(outs[j], memo), jax.memory.Space.Host)
+                if to_host[j] and j in over else _sliced(outs[j], memo))
+            for j, b in zip(sliced, bufs)]
   start = [ins[over[j]] if j in over else jnp.zeros(shape, closed.out_avals[j].dtype)
            for j in sliced]
   done = jax.lax.fori_loop(0, n, body, start)

@@ -139,6 +139,25 @@ def test_an_asynchronous_call_on_another_thread_is_read():
   assert hlo.summarize(legacy).matmul_flops == 2 * 64 * 8 * 512
 
 
+def test_an_async_collective_fusion_counts_the_collective_it_wraps():
+  # libtpu (0.0.42.1) around an FSDP all-gather of a layer's bf16[512,512] weight over 4
+  # chips, compiled for a v5e:2x2: the start and done custom calls add no work or traffic;
+  # the all-gather sends 3/4 of its 512 KiB result once.
+  text = (
+      "HloModule g, num_partitions=4\n"
+      "  %all-gather.26 = bf16[1,512,512]{2,1,0} all-gather(%p), channel_id=27, "
+      "replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}, "
+      "use_global_device_ids=true\n"
+      "  %custom-call.126 = (bf16[1,128,512]{2,1,0}, bf16[1,512,512]{2,1,0}, s32[2]{0}) "
+      "custom-call(%all-gather.26), custom_call_target=\"AsyncCollectiveStart\"\n"
+      "  ROOT %custom-call.128 = bf16[1,512,512]{2,1,0} custom-call(%custom-call.126), "
+      "custom_call_target=\"AsyncCollectiveDone\"\n")
+  s = hlo.summarize(text)
+  assert s.unread == hlo.Unread()
+  assert [(c.kind, c.ops, c.bytes_sent) for c in s.collectives] == [
+      ("all-gather", 1, 3 / 4 * 512 * 512 * 2)]
+
+
 def test_async_pair_keeps_a_mesh_group_of_its_start():
   # jax 0.10.2 spelling on the -start; the -done carries no groups. 2 x 1/2 x 256 sent.
   text = ("HloModule g, num_partitions=8\n"

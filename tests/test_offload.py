@@ -153,6 +153,25 @@ def test_rows_that_do_not_split_in_whole_tiles_compile_for_a_v5e(tpu_devices, mo
   assert off.host_argument_size_in_bytes >= moments and _hbm(off) < _hbm(on)
 
 
+@pytest.mark.tpu
+def test_an_fsdp_split_embeddings_state_is_updated_on_the_devices_of_a_v5e_2x2(tpu_devices,
+                                                                              monkeypatch):
+  """Compiled for a v5e:2x2 at fsdp=4, the embedding's rows split over the 4 chips: the
+  update runs on the devices, nothing on the host (slices of runs of rows cut across the
+  chips, and XLA ran 2 host computations gathering them)."""
+  del tpu_devices  # skips without libtpu
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 2**20)
+  mesh = fs.make_mesh({"fsdp": 4}, devices=fs.target_devices("v5e:2x2"))
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  state = fs.init_state(_stack, optimizer, mesh=mesh, abstract=True, offload_optimizer=True)
+  assert state.opt_state[1][0].mu["embed"].sharding.spec == jax.sharding.PartitionSpec(
+      "fsdp", None)
+  batch = {"tokens": jax.ShapeDtypeStruct((8, 128), jnp.int32)}
+  compiled = fs.shard_step(fs.train_step(_stack_loss, optimizer), mesh).compile(
+      state, batch).compiled
+  assert 'custom_call_target="HostExecute"' not in compiled.as_text()
+
+
 @pytest.mark.parametrize("slice_bytes", [256, 64], ids=["first-leaf-whole", "every-leaf"])
 def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch, slice_bytes):
   """Each param's state a slice of its leading axis at a time (slices of 256 bytes: all but
@@ -163,6 +182,43 @@ def test_a_state_offloaded_by_slices_trains_as_on_the_device(monkeypatch, slice_
   want_losses, want = _three_steps(ADAMW, offload=False)
   monkeypatch.setattr(_offload, "SLICE_BYTES", slice_bytes)
   losses, got = _three_steps(ADAMW, offload=True)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
+                  jax.tree.leaves((got.params, got.opt_state))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def _table(key):
+  return {"embed": jax.random.normal(key, (256, 16)), "w": jnp.ones((16, 4)) * 0.1}
+
+
+def _table_loss(params, batch):
+  return jnp.mean((params["embed"][batch["tokens"]] @ params["w"] - 1.0) ** 2)
+
+
+def test_rows_split_over_the_devices_are_sliced_in_each_devices_shard(monkeypatch):
+  """An embedding's state whose rows FSDP splits over the 8 devices (P('fsdp', None)) is
+  sliced every n-th row, 32 rows a slice (4 on each device, from its own shard), and trains
+  to the device run's numbers; compiled for a v5e:2x2 at fsdp=4, runs of rows cut across
+  devices and XLA ran their update on the host, gathering (tests/test_offload.py's v5e
+  test)."""
+  _needs_pinned_host()
+  monkeypatch.setattr(_offload, "SLICE_BYTES", 4096)
+  assert _offload._chunks((256, 16), [4, 4], 8) == (8, True)  # pylint: disable=protected-access
+  mesh = fs.make_mesh({"fsdp": 8})
+  batch = {"tokens": jax.random.randint(jax.random.key(1), (8, 16), 0, 256)}
+  runs = []
+  for offload in (False, True):
+    state = fs.init_state(_table, ADAMW, mesh=mesh, key=jax.random.key(0),
+                          offload_optimizer=offload)
+    assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    step = fs.shard_step(fs.train_step(_table_loss, ADAMW), mesh)
+    losses = []
+    for _ in range(3):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+    runs.append((losses, state))
+  (want_losses, want), (losses, got) = runs
   np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
   for a, b in zip(jax.tree.leaves((want.params, want.opt_state)),
                   jax.tree.leaves((got.params, got.opt_state))):

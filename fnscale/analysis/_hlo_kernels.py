@@ -26,6 +26,9 @@ _NO_MATMUL_TARGETS = (
     "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
     "ConcatBitcast", "SliceId", "ZeroCrop",  # TPU: this slice's index; a buffer's padding
     "PrepareAsyncCallStart", "PrepareAsyncCallDone",  # TPU: set-up of an async call-start
+    # TPU: the start and done of an async collective fusion, around the collective it runs
+    # (an all-gather of FSDP weights: counted as itself).
+    "AsyncCollectiveStart", "AsyncCollectiveDone",
     "MoveToHost", "MoveToDevice", "PadToStatic", "SliceToDynamic", "LayoutConstraint",
     "TopK", "ApproxTopK", "PartialReduce", "Eigh", "Qr",
     "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "shape_assertion",
