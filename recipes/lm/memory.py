@@ -40,9 +40,9 @@ from recipes.lm.options import StepOptions, remat_policy
 HEADROOM = 0.9
 # Under a remat policy that saves part of each block ("dots": the matmul outputs), XLA's
 # peak holds more per row than the traced saved residuals: per layer, 4.3 (GPT small), 3.6
-# (GPT medium) and 4.0 (a 4-layer Llama of width 1024) residual-stream carries (the layer's
-# input and its normed copies, which the backward recomputes from), compiled for v5e at 4-64
-# rows of 1024 tokens (recipes/bench/memory.py --remat_policy=dots); fewer (1.1, 2.6) where
+# (GPT medium) and 4.0 (a 4-layer Llama of width 1024) residual-stream carries (the traced
+# residuals hold no layer's input, which the backward recomputes from), compiled for v5e at
+# 4-64 rows of 1024 tokens (recipes/bench/memory.py --remat_policy=dots); fewer (1.1, 2.6) where
 # XLA rematerialises to fit (the 766M and 1B Llamas at seq 2048). 4.5, so that a default the
 # estimate keeps fits. (It was 2 whole layers' residuals: up to 1.6x XLA's peak on a Llama.)
 STREAM_LIVE = 4.5
