@@ -342,20 +342,22 @@ def _by_slices(update_one, ins, host, shape, to_host):
   over = {j: j - 1 for j in sliced if 0 < j <= len(ins) and to_host[j] == host[j - 1]
           and closed.out_avals[j].dtype == ins[j - 1].dtype}
   size = shape[0] // n
-  grid = lambda x: x.reshape((size, n) + tuple(shape[1:]))  # slice i: [:, i]
+  if strided:  # slice i: every n-th row from row i (each device's rows in its own shard)
+    grid = lambda x: x.reshape((size, n) + tuple(shape[1:]))
+    at = lambda x, i: jax.lax.dynamic_index_in_dim(grid(x), i, 1, keepdims=False)
+    put = lambda b, x, i: jax.lax.dynamic_update_index_in_dim(grid(b), x, i, 1).reshape(shape)
+  else:  # slice i: the rows [i size, (i + 1) size)
+    at = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * size, size)
+    put = lambda b, x, i: jax.lax.dynamic_update_slice_in_dim(b, x, i * size, 0)
 
   def body(i, bufs):
-    at = (lambda x: jax.lax.dynamic_index_in_dim(grid(x), i, 1, keepdims=False)) if strided \
-        else (lambda x: jax.lax.dynamic_slice_in_dim(x, i * size, size))
-    put = (lambda b, x: jax.lax.dynamic_update_index_in_dim(grid(b), x, i, 1).reshape(shape)) \
-        if strided else (lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, i * size, 0))
     state = {m: bufs[sliced.index(j)] for j, m in over.items()}
-    memo = {("in", k): at(state.get(k, x)) for k, x in enumerate(ins)}
+    memo = {("in", k): at(state.get(k, x), i) for k, x in enumerate(ins)}
     memo = {key: _to(x, jax.memory.Space.Device) if host[key[1]] else x
             for key, x in memo.items()}
-    memo.update({id(x): at(x) for x in reads})
+    memo.update({id(x): at(x, i) for x in reads})
     return [put(b, _to(_sliced(outs[j], memo), jax.memory.Space.Host)
-                if to_host[j] and j in over else _sliced(outs[j], memo))
+                if to_host[j] and j in over else _sliced(outs[j], memo), i)
             for j, b in zip(sliced, bufs)]
   start = [ins[over[j]] if j in over else jnp.zeros(shape, closed.out_avals[j].dtype)
            for j in sliced]
