@@ -31,7 +31,7 @@ import tokenizers
 import fnscale as fs
 
 from recipes.lm import data
-from recipes.lm import embedding, gpt, llama, models, moe
+from recipes.lm import embedding, gpt, llama, models, moe, remat
 from recipes.lm import options
 from recipes.lm.options import Options
 from recipes.lm import cli, evaluation, goodput, memory, progress, run_setup, rundir, stopping
@@ -1462,12 +1462,13 @@ def test_a_checkpoint_without_tokenizer_json_is_read_as_bytes_when_asked(tmp_pat
     ("tpu", {}, True), ("tpu", dict(remat=True), False), ("tpu", dict(remat_policy="full"),
                                                          False),
     ("tpu", dict(remat_policy="qkv_attn"), True), ("tpu", dict(unroll=False), False),
+    ("tpu", dict(remat_policy="offload_attn"), False),
     ("gpu", {}, False), ("cpu", {}, False), ("cpu", dict(unroll=True), True)])
 def test_the_layer_loop_unrolls_by_default_on_a_tpu_unless_remat_is_full(platform, flags, want):
   """Measured on a v5e: GPT small's step unrolled ran 1.23x the scan's tokens/s; the Llama
   under full remat unrolled outgrew the chip. --unroll / --nounroll decide where given."""
   o = Options.of(**flags)
-  step = dataclasses.replace(o.step, remat_policy=options.remat_policy(o.step, platform))
+  step = dataclasses.replace(o.step, remat_policy=remat.remat_policy(o.step, platform))
   for name in ("small", "llama-tiny"):
     module = gpt if name in gpt.SIZES else llama
     cfg = models.unrolled(o.model, step, module.model_config(name, 64), name, platform)

@@ -220,7 +220,10 @@ def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():
   assert memory.choose(StepOptions(context="ring"), "auto", model, topo, mesh, 4, said.append,
                        ulysses).context == "ring"
   assert said == []
-  with pytest.raises(fs.InputError, match=r"--remat with --remat_policy=dots: --remat is "
-                     r"--remat_policy=full; give one of them"):
+  with pytest.raises(fs.InputError, match=r"--remat with --remat_policy=dots: --remat "
+                     r"recomputes whole blocks \(offload_attn or full\); give one of them"):
     memory.choose(StepOptions(remat=True, remat_policy="dots"), "auto", model, topo, mesh, 4,
                   said.append)
+  step = memory.choose(StepOptions(remat=True, remat_policy="offload_attn"), "auto", model,
+                       topo, mesh, 4, said.append)
+  assert (step.remat, step.remat_policy) == (True, "offload_attn")

@@ -284,7 +284,7 @@ def program_bytes(compiled) -> dict:
   "host_argument": what the program keeps in the host's memory (an offloaded state)."""
   m = compiled.memory_analysis()
   parts = {k: float(getattr(m, f"{k}_size_in_bytes")) for k in (
-      "argument", "output", "alias", "temp", "host_argument")}
+      "argument", "output", "alias", "temp", "host_argument", "host_temp")}
   return {"hbm": parts["argument"] + parts["output"] - parts["alias"] + parts["temp"], **parts}
 
 

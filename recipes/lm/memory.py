@@ -33,7 +33,8 @@ import numpy as np
 import fnscale as fs
 from fnscale import FitError
 from recipes.lm import optimizers, startup
-from recipes.lm.options import StepOptions, remat_policy
+from recipes.lm.options import StepOptions
+from recipes.lm.remat import WHOLE_BLOCK, remat_policy
 
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
@@ -77,7 +78,8 @@ def remat_loss(model, cfg, keep: str):
 
   def loss(params, batch, *, remat=False):
     policy = "full" if remat else keep
-    return model.loss_fn(params, batch, cfg=cfg, remat=policy if named else policy == "full")
+    return model.loss_fn(params, batch, cfg=cfg,
+                         remat=policy if named else policy in WHOLE_BLOCK)
   return loss
 
 
@@ -122,7 +124,7 @@ def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
           else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
   prof = fs.analysis.profile_model(init, loss, optimizer, {"inputs": shape, "targets": shape},
                                    target, policy=policy, **dict(kw))
-  if keep in ("none", "full") or not hasattr(model, "REMAT_POLICIES"):
+  if keep == "none" or keep in WHOLE_BLOCK or not hasattr(model, "REMAT_POLICIES"):
     return prof
   return prof._replace(act_row=prof.act_row + STREAM_LIVE * prof.layers * prof.stream_row)
 
@@ -202,9 +204,9 @@ def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: 
       the estimate, the memory and the fix (other optimizers' flags among them).
   """
   step = _asked(step, planned)
-  if step.remat and step.remat_policy not in ("auto", "full"):
-    raise fs.InputError(f"--remat with --remat_policy={step.remat_policy}: --remat is "
-                        "--remat_policy=full; give one of them")
+  if step.remat and step.remat_policy not in ("auto",) + WHOLE_BLOCK:
+    raise fs.InputError(f"--remat with --remat_policy={step.remat_policy}: --remat recomputes "
+                        f"whole blocks ({' or '.join(WHOLE_BLOCK)}); give one of them")
   dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
   if step.global_batch is not None:
     per_device = max(1, step.global_batch // dp)
@@ -238,7 +240,7 @@ def _preflight(step: StepOptions, policy, m: Model, topo, mesh, per_device: int,
   # Without remat the blocks keep what the run's policy keeps; remat is "full".
   base = remat_policy(dataclasses.replace(step, remat=False), topo.platform)
   fixed = dict(remat=step.remat if step.remat_policy == "auto"
-               else step.remat_policy == "full", accum_steps=step.accum_steps,
+               else step.remat_policy in WHOLE_BLOCK, accum_steps=step.accum_steps,
                rows=per_device if step.batch_size is not None
                or step.global_batch is not None else None)
   opts = asked_optimizers(step)
@@ -311,7 +313,7 @@ def compile_step(setup, step, state, batch):
   except FitError as e:
     dp = fs.analysis.data_parallel(_mesh_axes(mesh))
     try:
-      base = o.step.remat_policy if o.step.remat_policy != "full" else remat_policy(
+      base = o.step.remat_policy if o.step.remat_policy not in WHOLE_BLOCK else remat_policy(
           dataclasses.replace(o.step, remat=False, remat_policy="auto"),  # the default's
           setup.topo.platform)
       prof = profile(Model(setup.model, setup.cfg, o.model.model_config, setup.lora),

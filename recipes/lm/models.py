@@ -19,6 +19,7 @@ from recipes.lm import deepseek, gpt, hf_maps, llama, moe
 from recipes.lm.shards import BYTES
 from recipes.lm.cli import did_you_mean
 from recipes.lm.options import ModelOptions, StepOptions
+from recipes.lm.remat import WHOLE_BLOCK, block_policy
 
 # Model name -> its module.
 MODELS = {name: module for module in (gpt, llama, moe, deepseek) for name in module.SIZES}
@@ -111,7 +112,7 @@ def with_balancing(step, model, cfg):
 def unrolled(mo: ModelOptions, step: StepOptions, cfg, name: str, platform: str):
   """`cfg` with its layer loop unrolled or not (`cfg.unroll`): as --unroll/--nounroll say,
   else on a TPU where each block keeps part of its activations (--remat_policy resolved,
-  `run_setup.decide`, other than full). Measured on one v5e (recipes/bench/README.md),
+  `run_setup.decide`, not one of `WHOLE_BLOCK`). Measured on one v5e (recipes/bench/README.md),
   GPT small's step (remat dots, 32 rows) ran 1.23x the scan's tokens/s (50.0% MFU against
   40.8%), GPT medium's 1.06x; under full remat the 766M Llama unrolled needed 19.5 GiB,
   the scan 15.0 (XLA's schedule keeps more of each layer live). Where the unrolled step
@@ -122,17 +123,17 @@ def unrolled(mo: ModelOptions, step: StepOptions, cfg, name: str, platform: str)
       raise fs.InputError(f"--unroll: {name} has no unrolled layer loop; fix: a gpt or "
                           "llama model, or leave --unroll out")
     return cfg
-  policy = "full" if step.remat else step.remat_policy
-  on = platform == "tpu" and policy != "full" if mo.unroll is None else mo.unroll
+  on = (platform == "tpu" and block_policy(step) not in WHOLE_BLOCK if mo.unroll is None
+        else mo.unroll)
   return cfg._replace(unroll=bool(on))
 
 
 def remat_of(step: StepOptions, model) -> bool | str:
   """The loss's `remat` for the step's options (--remat_policy resolved, `run_setup.decide`):
   the policy's name for a model that takes one (gpt, llama: `REMAT_POLICIES`), else on for
-  "full" and off for the others (moe recomputes a block whole or not at all)."""
-  policy = "full" if step.remat else step.remat_policy
-  return policy if hasattr(model, "REMAT_POLICIES") else policy == "full"
+  `WHOLE_BLOCK`'s and off for the others (moe recomputes a block whole or not at all)."""
+  policy = block_policy(step)
+  return policy if hasattr(model, "REMAT_POLICIES") else policy in WHOLE_BLOCK
 
 
 def init(s, optimizer, policy, seed_key):

@@ -20,7 +20,7 @@ PACKINGS = ("first_fit", "best_fit")  # token caches: grain's packing of documen
 LONG_DOCS = ("split", "truncate", "error")  # a document longer than a row
 MIXED = "params=float32,compute=bfloat16,output=float32"  # --precision=bfloat16
 # What each block keeps for its backward pass (recipes/lm/remat.py says what each saves).
-REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "full")
+REMAT_POLICIES = ("none", "dots", "qkv_attn", "qkv", "offload_dots", "offload_attn", "full")
 OBJECTIVES = ("lm", "dpo")  # next-token cross-entropy; preference pairs (recipes/lm/dpo.py)
 DPO_LOSSES = ("sigmoid", "robust")  # DPO / cDPO; rDPO (recipes/lm/dpo.py)
 TRACKERS = ("tensorboard", "wandb")  # where scalars go besides metrics.jsonl (run_log.py)
@@ -139,12 +139,12 @@ class StepOptions:
                              "and accumulator fit 1% of device memory, else 'per_microbatch'), "
                              "'per_microbatch' (params stay sharded, gradients reduced every "
                              "microbatch) or 'once' (whole params, gradients reduced once)")
-  remat: bool | None = option(None, "recompute each block's activations in the backward "
-                             "pass (--remat_policy=full); default off, or on where that is "
-                             "what fits the device's memory")
+  remat: bool | None = option(None, "recompute each block in the backward pass "
+                             "(--remat_policy=offload_attn on a TPU, else full); default off, "
+                             "or on where that is what fits the device's memory")
   remat_policy: str = option("auto", "what each block keeps for its backward pass "
                              f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
-                             f"{_by_platform('remat_policy')}, full with --remat")
+                             f"{_by_platform('remat_policy')}, --remat's with --remat")
   optimizer: str | None = option(None, "adamw (first and second moments: 2 floats per "
                                  "param) or adafactor (the second moment factored over each "
                                  "matrix's rows and columns, no first moment: about 0); "
@@ -315,15 +315,6 @@ def platform_default(group, name: str, platform: str):
   if given not in (None, ""):
     return given
   return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"][name]
-
-
-def remat_policy(step: StepOptions, platform: str) -> str:
-  """--remat_policy, auto resolved: full with --remat, else the platform's default."""
-  if step.remat_policy != "auto":
-    return step.remat_policy
-  if step.remat:
-    return "full"
-  return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"]["remat_policy"]
 
 
 def schedule_defaults(s: ScheduleOptions, model: str, steps: int) -> ScheduleOptions:
