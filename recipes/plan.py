@@ -2,6 +2,7 @@
 
   python recipes/plan.py --model=llama-8b --target=v5p-128 --batch=256 --seq=4096
   python recipes/plan.py --model=medium --target=v5litepod-1 --batch=16 --seq=1024
+  python recipes/plan.py --model=small --target=v5litepod-1 --batch=32 --seq=1024 --unroll
   python recipes/plan.py --model=llama-8b --target=v5p-128 --tokens=2e12 --verify=0
   python recipes/plan.py --model=llama-1b --target="2x v5p-8" --batch=64 --verify=1
   python recipes/plan.py --model=moe-mixtral-8x7b --target=v5p-128 --batch=2304 --verify=0
@@ -55,12 +56,20 @@ def make_plan(model: str, target, rows: int, seq: int, verify: int | None, *,
   """`fnscale.analysis.plan` for a named GPT, Llama or MoE size (`recipes/lm/gpt.py`,
   `llama.py`, `moe.py`: an expert axis joins the candidates for a mixture of experts) and
   train_lm's optimizer (`recipes.lm.optimizers`: adamw or adafactor, AdamW's first moment
-  in `mu_dtype`); `kw`: `PlanOptions` fields (policy: POLICY unless given) and `overrides`
-  of the model's config (e.g. layers)."""
+  in `mu_dtype`); `kw`: `PlanOptions` fields (policy: POLICY unless given; `unrolled` runs
+  the model's layer loop unrolled too) and `overrides` of the model's config (e.g. layers).
+
+  Raises:
+    InputError: `unrolled` for a model without an unrolled loop (moe, deepseek)."""
   module = models.MODELS[model]
   overrides = kw.pop("overrides", {})
   cfg = (module.model_config(model, seq)._replace(**overrides) if module is gpt
          else module.model_config(model, seq, **overrides))
+  if kw.get("unrolled"):
+    if "unroll" not in cfg._fields:
+      raise fs.InputError(f"--unroll: {model} has no unrolled layer loop; fix: a gpt or "
+                          "llama model, or leave --unroll out")
+    cfg = cfg._replace(unroll=True)
   kw.setdefault("policy", POLICY)
   return plan(lambda k: module.init_params(cfg, k), functools.partial(module.loss_fn, cfg=cfg),
               optimizers.transformation(optimizer, 3e-4, mu_dtype=mu_dtype),
@@ -137,6 +146,8 @@ def main(argv=None) -> int:
                   help="AdamW's first-moment dtype")
   ap.add_argument("--tokens", type=cli.number(float, above=0), default=None,
                   help="token budget, e.g. 2e12: days and chip-hours per candidate")
+  ap.add_argument("--unroll", action="store_true",
+                  help="the layer loop unrolled (train_lm's TPU default where remat is off)")
   ap.add_argument("--measure", action="store_true")
   ap.add_argument("--remat", action="store_true", help="--measure: time remat'd candidates")
   ap.add_argument("--steps", type=cli.number(int, minimum=1), default=7,
@@ -156,7 +167,8 @@ def main(argv=None) -> int:
     if verify is None:  # one compile where the target's devices can be described
       verify = 0 if cannot_verify(a.target) else 1
     p = make_plan(a.model, a.target, a.batch, a.seq, verify, optimizer=a.optimizer,
-                  mu_dtype=a.mu_dtype, overrides=overrides, tokens=a.tokens)
+                  mu_dtype=a.mu_dtype, overrides=overrides, tokens=a.tokens,
+                  unrolled=a.unroll)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
     res = plan_summary(p)

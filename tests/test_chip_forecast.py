@@ -64,6 +64,22 @@ def test_the_one_chip_forecast_is_within_3_points_of_each_measured_step(run):
   assert abs(ff.predict_chip(run) - run.mfu) <= 3.0, (run.case, ff.predict_chip(run))
 
 
+def test_plan_py_forecasts_an_unrolled_step_on_the_chip_with_the_unrolled_terms():
+  """`recipes/plan.py --unroll` for GPT small, 32 x 1024 on one v5e: the row the chip ran
+  (one device, no remat, one step) forecasts within 3 points of the unrolled step measured
+  there; the scan's terms (no --unroll) leave that row more than 3 points under it."""
+  from recipes import plan as plan_py  # pylint: disable=import-outside-toplevel
+  measured = next(r.mfu for r in RUNS if r.case == "gpt-small,remat=dots,batch=32,unroll=1")
+  mfu = {}
+  for unrolled in (False, True):
+    p = plan_py.make_plan("small", "v5e:1x1", 32, 1024, 0, unrolled=unrolled, accum_steps=1)
+    assert p.unrolled is unrolled
+    mfu[unrolled] = 100 * next(r for r in p.rows if not r.remat).forecast.mfu
+  assert abs(mfu[True] - measured) <= 3.0 and measured - mfu[False] > 3.0, (mfu, measured)
+  with pytest.raises(fs.InputError, match="--unroll: moe-tiny has no unrolled layer loop"):
+    plan_py.make_plan("moe-tiny", "v5e:1x1", 8, 64, 0, unrolled=True)
+
+
 def test_the_chip_terms_serve_a_one_device_target_only():
   assert _forecast.terms_for(_targets.resolve("v5e:1x1")) == _forecast.CHIP["v5e"]
   assert (_forecast.terms_for(_targets.resolve("v5e:1x1"), unrolled=True)

@@ -422,7 +422,7 @@ def test_planner_compiles_the_pipelined_program_it_costs(monkeypatch):
   cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"stage": 2, "data": 4}, {}),
                                   remat=True, microbatches=4, cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES,
-         llama.logical_axes(cfg), prof)
+         llama.logical_axes(cfg), prof, None)
   with pytest.raises(Stop):
     _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(remat=True, microbatches=4)
@@ -590,7 +590,7 @@ def test_planner_verifies_stages_across_slices_by_compiling(tpu_devices):
   row = next(r for r in p.rows if r.stages == 2 and r.axes.ici == {"fsdp": 4})
   ctx = (jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0)),
          llama.loss_fn, optax.adamw(1e-3), batch, None, llama.RULES, llama.logical_axes(cfg),
-         p.profile)
+         p.profile, None)
   done = _verify.compile_candidate(row, hw, ctx)
   assert done.compiled is not None and done.fits and done.compiled.matmul_flops > 0
   assert done.forecast.step_s >= done.compiled.comm_s > 0

@@ -703,7 +703,7 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   cand = fs.analysis.predict(prof, "cpu", fs.MeshAxes({"fsdp": 8}, {}), remat=True,
                              accum_steps=2, cpu_rates=(1e10, 1e9))
   ctx = (params, llama.loss_fn, optax.adamw(1e-3), _batch(16, 128), "params=float32",
-         llama.RULES, llama.logical_axes(cfg), prof)
+         llama.RULES, llama.logical_axes(cfg), prof, None)
   with pytest.raises(Stop):
     _verify.compile_candidate(cand, hw, ctx)
   assert seen == dict(policy="params=float32", accum_steps=2, accum_gather="auto",

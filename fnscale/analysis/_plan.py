@@ -220,6 +220,10 @@ class PlanOptions(NamedTuple):
     cpu_rates: (matmul FLOP/s, copy bytes/s) for CPU targets; default `calibrate_cpu()`.
     tokens: a token budget (e.g. 2e12); the table then gives each row's days and chip-hours
       to train on it at the forecast's tokens/s.
+    unrolled: the loss runs its layers unrolled, not as a `lax.scan` (train_lm's TPU default
+      where remat is off): on one chip the forecast takes that loop's terms
+      (`forecast_terms(target, unrolled=True)`: the scan's left GPT small's unrolled step 6-9
+      points under the chip's measured MFU). The profile and compiles are the loss's own.
 
   Examples:
     >>> import fnscale as fs
@@ -237,6 +241,7 @@ class PlanOptions(NamedTuple):
   headroom: float = HEADROOM
   cpu_rates: tuple[float, float] | None = None
   tokens: float | None = None
+  unrolled: bool = False
 
 
 def plan(state_or_init, loss_fn, optimizer, batch, target,
@@ -299,22 +304,24 @@ def plan(state_or_init, loss_fn, optimizer, batch, target,
   pol = jmp.get_policy(o.policy) if isinstance(o.policy, str) else o.policy
   prof = _model.step_profile(hw, params, loss_fn, optimizer, batch, pol)
   cap = hw.memory_limit * o.headroom
+  terms = _forecast.terms_for(hw, o.unrolled)
   rows = _search.candidates(prof, hw, cap, o.max_tensor, _tried(o.accum_steps, ()),
-                            _trace.takes(loss_fn, "microbatches"))
+                            _trace.takes(loss_fn, "microbatches"), terms)
   if not rows or not any(r.fits for r in rows):
     raise _table.no_fit_error(rows, hw, o.headroom) if rows else PlanError(
         f"no mesh of {hw.num_devices} devices splits a batch of {prof.rows} rows; use a "
         "global batch divisible by the device count")
   rows.sort(key=_search.rank_key)
   if n_verify:
-    ctx = (params, loss_fn, optimizer, batch, o.policy, o.rules, o.logical_axes, prof)
+    ctx = (params, loss_fn, optimizer, batch, o.policy, o.rules, o.logical_axes, prof, terms)
     _verify.verify_best(rows, hw, ctx, n_verify)
     done = sum(r.compiled is not None for r in rows)
     note = (f"compiled {done} candidate(s) for {hw.name}'s described devices (the best "
             f"{n_verify} that fit, and any XLA found too big)")
   best = rows[0]
   return Plan(tuple(rows), best.axes, best.remat, best.accum_steps, _search.why(rows), hw,
-              prof, note, o.tokens, best.accum_gather, best.microbatches, o.headroom)
+              prof, note, o.tokens, best.accum_gather, best.microbatches, o.headroom,
+              o.unrolled)
 
 
 __getattr__ = _deprecation.moved(__name__, {

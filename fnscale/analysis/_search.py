@@ -299,7 +299,10 @@ def context_form(prof, hw, axes: MeshAxes, remat: bool, accum_steps: int, gather
   return best, ests[best], why
 
 
-def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candidate]:
+def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool,
+               terms=None) -> list[Candidate]:
+  """Every mesh, remat and accumulation (and pipeline) candidate, estimated and forecast
+  with `terms` (default `_forecast.terms_for(hw)`)."""
   rows = []
   remats = (False, True) if prof.has_remat else (False,)
   for axes in _meshes(hw, prof.rows, max_tensor, experts=prof.experts, tokens=prof.tokens_row):
@@ -307,13 +310,13 @@ def candidates(prof, hw, cap, max_tensor, accums, pipelined: bool) -> list[Candi
       steps, gather, est, fits = _best_accum(prof, hw, axes, remat, cap, accums)
       if est is not None:
         form, est, how = context_form(prof, hw, axes, remat, steps, gather)
-        fc = _forecast.forecast(prof, hw, est, axes.dcn)
+        fc = _forecast.forecast(prof, hw, est, axes.dcn, terms=terms)
         rows.append(Candidate(axes, remat, steps, est, None, fits, fc, gather, context=form,
                               context_why=how))
   for axes in _stage_meshes(prof, hw, max_tensor) if pipelined else ():
     m = _microbatches(prof, axes)
     for remat in remats if m else ():  # one step: the pipeline's microbatches bound memory
       est = _cost.estimate(prof, hw, axes.ici, axes.dcn, remat, 1, microbatches=m)
-      fc = _forecast.forecast(prof, hw, est, axes.dcn)
+      fc = _forecast.forecast(prof, hw, est, axes.dcn, terms=terms)
       rows.append(Candidate(axes, remat, 1, est, None, est.bytes <= cap, fc, microbatches=m))
   return rows

@@ -22,8 +22,8 @@ class Plan(NamedTuple):
   the resolved target; `profile` what the model needs per step; `verification` what was
   compiled, or why nothing was; `tokens` the token budget the table's days and chip-hours
   are for (None: not shown); `microbatches` the pipeline's (with a "stage" axis in `axes`);
-  `headroom` the share of the memory limit an estimate may fill. `str(plan)` is the table
-  (`format_plan`).
+  `headroom` the share of the memory limit an estimate may fill; `unrolled` whether the
+  forecast took an unrolled layer loop's terms. `str(plan)` is the table (`format_plan`).
 
   Examples:
     >>> import fnscale as fs, jax, jax.numpy as jnp, optax
@@ -49,6 +49,7 @@ class Plan(NamedTuple):
   accum_gather: str = "auto"
   microbatches: int = 1
   headroom: float = HEADROOM
+  unrolled: bool = False
 
   accum = _deprecation.renamed_field("Plan", "accum", "accum_steps")
 
@@ -198,7 +199,7 @@ def plan_summary(p: Plan) -> dict:
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat,
               accum_steps=p.accum_steps, accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,
-              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.terms_for(hw)._asdict(),
+              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.terms_for(hw, p.unrolled)._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)
 
 

@@ -78,7 +78,7 @@ def compile_candidate(cand: Candidate, hw, ctx) -> Candidate:
   model costs: the same loss (remat as the row), policy, accumulation steps and mode
   (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
   target's devices (the profile was traced on one)."""
-  params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof = ctx
+  params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, terms = ctx
   mesh = make_mesh(cand.axes, devices=hw.devices)
   state = _abstract_state(params, optimizer, mesh, rules, logical_axes, policy)
   loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
@@ -111,7 +111,8 @@ def compile_candidate(cand: Candidate, hw, ctx) -> Candidate:
                 if want and abs(got / want - 1) > DISAGREE)
   mfu = prof.flops_row * prof.rows / (step_s * hw.num_devices * hw.peak_flops)
   c = CompileCheck(nbytes, summary.matmul_flops, comm, step_s, mfu, seconds, flags)
-  fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis)
+  fc = _forecast.forecast(prof, hw, est._replace(compute_s=compute), cand.axes.dcn, by_axis,
+                          terms)
   # XLA's peak is the step's footprint, not an estimate of it: held to the allocator's limit,
   # not to the headroom kept for the estimate's error.
   return cand._replace(compiled=c, fits=nbytes <= hw.memory_limit, forecast=fc)
