@@ -474,8 +474,9 @@ def kernel_call(fn, args, *, jvp=None, transpose=None, fixed: int = 0, on_evalua
 
 def output_names(closed) -> list:
   """The `jax.ad_checkpoint.checkpoint_name` each output of a ClosedJaxpr carries (None:
-  none), looking through nested jit calls, as jax's remat policies read it (the `name`
-  equations and the `jit` primitive's `jaxpr` parameter are jaxpr internals)."""
+  none), looking through nested jit calls and shard_maps (a kernel run per shard), as jax's
+  remat policies read it (the `name` equations and the `jit` and `shard_map` primitives'
+  `jaxpr` parameter are jaxpr internals)."""
   def name(jaxpr, var):
     while isinstance(var, jax.extend.core.Var):
       made = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
@@ -484,7 +485,8 @@ def output_names(closed) -> list:
       eqn, i = made[var]
       if eqn.primitive.name == "name":
         return eqn.params["name"]
-      inner = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+      inner = (eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit", "shard_map")
+               else None)
       if inner is None:
         return None
       jaxpr = getattr(inner, "jaxpr", inner)

@@ -544,3 +544,10 @@ def test_output_names_reads_checkpoint_names_through_nested_jits():
     return b, c, name(jnp.sin(a), "outer"), a
   closed = jax.make_jaxpr(fn)(jnp.ones(3))
   assert _compat.output_names(closed) == ["inner", None, "outer", None]
+  # A kernel run per shard: the names of its shard_map's body, which read as none before,
+  # so a policy saving the attention kernel's output recomputed it on any larger mesh.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  per_shard = jax.shard_map(lambda a: (name(a * 2, "shard"), a + 1), mesh=mesh,
+                            in_specs=jax.P("d"), out_specs=(jax.P("d"), jax.P("d")))
+  closed = jax.make_jaxpr(per_shard)(jnp.ones(8))
+  assert _compat.output_names(closed) == ["shard", None]

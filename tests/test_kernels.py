@@ -1395,18 +1395,21 @@ def test_a_policy_saving_the_kernels_residuals_keeps_its_gradients():
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("kv_heads", [4, 1])
-def test_a_policy_saving_the_kernels_residuals_runs_its_forward_once_tpu(tpu_devices, kv_heads):
+@pytest.mark.parametrize("kv_heads, target", [(4, "v5e:1x1"), (1, "v5e:1x1"), (4, "v5e:2x2")])
+def test_a_policy_saving_the_kernels_residuals_runs_its_forward_once_tpu(tpu_devices, kv_heads,
+                                                                         target):
   # fs.kernels.RESIDUALS saved by a remat policy: the forward splash kernel runs once per
   # layer (the scan's body), not again in the backward pass, as a bare splash call does.
   # Before, the kernel's layout change ran inside its primitive, whose transposed q/k/v
-  # residuals no policy could save, so the backward reran the forward kernel.
+  # residuals no policy could save, so the backward reran the forward kernel. On 4 devices
+  # the kernel runs per shard, inside a shard_map whose body's names no policy saw either.
   del tpu_devices
-  mesh = jax.sharding.Mesh(np.array(fs.target_devices("v5e:1x1")), ("data",),
+  mesh = jax.sharding.Mesh(np.array(fs.target_devices(target)), ("data",),
                            axis_types=(AUTO,))
-  spec = jax.sharding.NamedSharding(mesh, jax.P())
-  x = jax.ShapeDtypeStruct((2, 1024, 256), jnp.bfloat16, sharding=spec)
-  w = jax.ShapeDtypeStruct((2, 3, 256, 256), jnp.bfloat16, sharding=spec)
+  x = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+  w = jax.ShapeDtypeStruct((2, 3, 256, 256), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.P()))
   def attend(q, k, v):
     return attention(q, k[:, :, :kv_heads], v[:, :, :kv_heads], causal=True, mesh=mesh)
   hlo = jax.jit(_remat_layers(attend, _SAVE_ATTENTION)).trace(x, w).lower().compile().as_text()
