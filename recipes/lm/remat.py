@@ -19,9 +19,8 @@ backward pass (FLOPs). The policies, from most memory to least:
 - "offload_attn": "full", but the attention kernel's output and statistics go to the host's
   memory and back rather than being recomputed. On one v5e (recipes/bench/README.md) the 766M
   Llama at 8 x 2048 ran 61.1% MFU against full's 59.5% (0.5 GiB each way a step, hidden
-  behind the matmuls) in 0.2 GiB more of the chip's memory: `--remat`'s policy on a TPU. On
-  a mesh of more devices, where the kernel runs under `shard_map`, XLA offloaded nothing in a
-  v5e:2x2 compile (fsdp=4, or fsdp=2 x context=2): there it is the program "full" makes.
+  behind the matmuls) in 0.2 GiB more of the chip's memory: `--remat`'s policy on a TPU
+  (where that step doesn't fit, train_lm compiles "full", said).
 - "full" (or True): save only the block's input; the whole block runs again.
 
 Example:
