@@ -53,14 +53,17 @@ def test_every_remat_policy_traces_a_gradient(policy):
 
 
 @pytest.mark.tpu
-def test_offload_attn_holds_the_attention_kernels_output_in_the_hosts_memory(tpu_devices):
-  """Compiled for a v5e, where the attention is the splash kernel: "offload_attn" (--remat's
-  policy on a TPU) holds each layer's attention output (bf16 [rows, seq, heads, head_dim])
-  and logsumexp (float32 [rows, heads, seq]) in the host's memory; "full" holds nothing
-  there (the device's temporaries grow: 0.19 GiB for the 766M Llama at 8 x 2048)."""
+@pytest.mark.parametrize("target, axes", [
+    ("v5e:1x1", {"data": 1}), pytest.param("v5e:2x2", {"fsdp": 4}, marks=pytest.mark.slow)])
+def test_offload_attn_holds_the_attention_kernels_output_in_the_hosts_memory(tpu_devices,
+                                                                            target, axes):
+  """Compiled for a v5e, where the attention is the splash kernel: "offload_attn" holds each
+  layer's attention output (bf16 [rows, seq, heads, head_dim]) and logsumexp (float32 [rows,
+  heads, seq]) in the host's memory, a device's rows' worth on each; "full" holds nothing
+  there. On 4 devices the kernel runs per shard (a shard_map), whose output no policy saw."""
   del tpu_devices  # skips without libtpu
-  devices = fs.target_devices("v5e:1x1")
-  mesh = fs.make_mesh({"data": 1}, devices=devices)
+  devices = fs.target_devices(target)
+  mesh = fs.make_mesh(axes, devices=devices)
   cfg = llama.model_config("llama-tiny", 1024, vocab=512, layers=2, d_model=256, heads=2,
                            kv_heads=2, d_mlp=512)
   rows, policy, opt = 4, startup.policy("auto", "tpu"), optax.adamw(1e-3)
@@ -73,10 +76,10 @@ def test_offload_attn_holds_the_attention_kernels_output_in_the_hosts_memory(tpu
     loss = functools.partial(llama.loss_fn, cfg=cfg, remat=name)
     step = fs.shard_step(fs.with_kernel(fs.train_step(loss, opt, policy=policy),
                                         attention="splash"), mesh, **kw)
-    m = step.compile(state, batch).compiled.memory_analysis()
-    held[name] = m.host_temp_size_in_bytes
-  layer = rows * 1024 * (cfg.d_model * 2 + cfg.heads * 4)
-  assert held == {"full": 0, "offload_attn": cfg.layers * layer}
+    held[name] = step.compile(state, batch).compiled.memory_analysis().host_temp_size_in_bytes
+  row = 1024 * (cfg.d_model * 2 + cfg.heads * 4)  # (4 devices: the statistics padded, +2%)
+  want = cfg.layers * rows // len(devices) * row
+  assert held["full"] == 0 and held["offload_attn"] == pytest.approx(want, rel=0.02), held
 
 
 def _saved_bytes(policy) -> int:
@@ -164,17 +167,15 @@ def test_the_one_chip_llama_has_the_params_its_name_says():
   assert cfg.head_dim == 128 and cfg.tie_embeddings
 
 
-def test_train_lms_remat_policy_defaults_by_platform_and_remat_recomputes_whole_blocks():
+def test_train_lms_remat_policy_defaults_by_platform_and_remat_means_full():
   from recipes.lm import cli, models, moe, options  # pylint: disable=import-outside-toplevel
   o = options.Options().step
   assert remat.remat_policy(o, "cpu") == "none" and remat.remat_policy(o, "tpu") == "dots"
   on = options.Options.of(remat=True).step
-  assert [remat.remat_policy(on, p) for p in ("tpu", "gpu", "cpu")] == [
-      "offload_attn", "full", "full"]
-  for platform in ("tpu", "cpu"):  # the options after the pre-flight hold the resolved policy
-    resolved = dataclasses.replace(on, remat_policy=remat.remat_policy(on, platform))
-    assert models.remat_of(resolved, llama) == remat.remat_policy(on, platform)
-    assert models.remat_of(resolved, moe) is True
+  assert [remat.remat_policy(on, p) for p in ("tpu", "gpu", "cpu")] == ["full"] * 3
+  # --remat with --remat_policy=offload_attn (recomputing whole blocks too) keeps the policy.
+  both = dataclasses.replace(on, remat_policy="offload_attn")
+  assert models.remat_of(both, llama) == "offload_attn" and models.remat_of(both, moe) is True
   assert remat.remat_policy(options.Options.of(remat_policy="qkv").step, "cpu") == "qkv"
   with pytest.raises(fs.InputError, match="remat_policy='dot'.*did you mean 'dots'"):
     cli.check_options(options.Options, {"remat_policy": "dot"})

@@ -139,12 +139,12 @@ class StepOptions:
                              "and accumulator fit 1% of device memory, else 'per_microbatch'), "
                              "'per_microbatch' (params stay sharded, gradients reduced every "
                              "microbatch) or 'once' (whole params, gradients reduced once)")
-  remat: bool | None = option(None, "recompute each block in the backward pass "
-                             "(--remat_policy=offload_attn on a TPU, else full); default off, "
-                             "or on where that is what fits the device's memory")
+  remat: bool | None = option(None, "recompute each block's activations in the backward "
+                             "pass (--remat_policy=full); default off, or on where that is "
+                             "what fits the device's memory")
   remat_policy: str = option("auto", "what each block keeps for its backward pass "
                              f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
-                             f"{_by_platform('remat_policy')}, --remat's with --remat")
+                             f"{_by_platform('remat_policy')}, full with --remat")
   optimizer: str | None = option(None, "adamw (first and second moments: 2 floats per "
                                  "param) or adafactor (the second moment factored over each "
                                  "matrix's rows and columns, no first moment: about 0); "

@@ -15,12 +15,13 @@ backward pass (FLOPs). The policies, from most memory to least:
   projection and the MLP are recomputed.
 - "qkv": save only the q/k/v projections: attention, output projection and MLP recomputed.
 - "offload_dots": "dots", with the saved weight-matmul outputs moved to the host's memory
-  (`offload_dot_with_no_batch_dims`) and back for the backward pass.
+  (`offload_dot_with_no_batch_dims`) and back for the backward pass (the 766M Llama at 8 x
+  2048 moves 5.5 GiB each way a step: 30.0% MFU on one v5e, bound by the host link).
 - "offload_attn": "full", but the attention kernel's output and statistics go to the host's
-  memory and back rather than being recomputed. On one v5e (recipes/bench/README.md) the 766M
-  Llama at 8 x 2048 ran 61.1% MFU against full's 59.5% (0.5 GiB each way a step, hidden
-  behind the matmuls) in 0.2 GiB more of the chip's memory: `--remat`'s policy on a TPU
-  (where that step doesn't fit, train_lm compiles "full", said).
+  memory and back rather than being recomputed: it pays where the link hides the transfer.
+  On one v5e (recipes/bench/README.md) the 766M Llama at 8 x 2048 (0.5 GiB each way a step)
+  ran 61.1% MFU against full's 59.5% in 0.2 GiB more of the chip; GPT medium at 32 x 1024
+  (1.5 GiB each way) 32.6% against 39.5%: a step as long as its transfers at ~3 GB/s.
 - "full" (or True): save only the block's input; the whole block runs again.
 
 Example:
@@ -41,9 +42,7 @@ import fnscale as fs
 from recipes.lm import int8
 from recipes.lm.options import PLATFORM_DEFAULTS, REMAT_POLICIES as POLICIES, StepOptions
 
-# The policies that recompute every matmul of a block, and --remat's by platform (else "full").
-WHOLE_BLOCK = ("offload_attn", "full")
-REMAT_ON = {"tpu": "offload_attn"}
+WHOLE_BLOCK = ("offload_attn", "full")  # the policies that recompute every matmul of a block
 QKV = "qkv"  # the q, k and v projections (after RoPE)
 ATTENTION = fs.kernels.RESIDUALS  # the attention kernel's output and logsumexp
 
@@ -73,12 +72,12 @@ def _policy(name: str):
 
 
 def remat_policy(step: StepOptions, platform: str) -> str:
-  """--remat_policy, auto resolved: with --remat the platform's `REMAT_ON` (else full), else
-  the platform's default (`options.PLATFORM_DEFAULTS`)."""
+  """--remat_policy, auto resolved: full with --remat, else the platform's default
+  (`options.PLATFORM_DEFAULTS`)."""
   if step.remat_policy != "auto":
     return step.remat_policy
   if step.remat:
-    return REMAT_ON.get(platform, "full")
+    return "full"
   return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"]["remat_policy"]
 
 
