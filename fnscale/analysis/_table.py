@@ -199,7 +199,8 @@ def plan_summary(p: Plan) -> dict:
               peak_flops=hw.peak_flops, chosen=mesh_str(p.axes), remat=p.remat,
               accum_steps=p.accum_steps, accum_gather=p.accum_gather, microbatches=p.microbatches,
               why=p.why, verification=p.verification, tokens=p.tokens,
-              uncounted_kernels=list(prof.uncounted), forecast_terms=_forecast.terms_for(hw, p.unrolled)._asdict(),
+              uncounted_kernels=list(prof.uncounted),
+              forecast_terms=_forecast.terms_for(hw, p.unrolled)._asdict(),
               model_flops_per_device=prof.flops_row * prof.rows / hw.num_devices, rows=rows)
 
 
