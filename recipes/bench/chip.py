@@ -281,7 +281,8 @@ class Side(NamedTuple):
 
 def program_bytes(compiled) -> dict:
   """Per device: "hbm" = arguments + outputs - aliased (donated) + temporaries, and each;
-  "host_argument": what the program keeps in the host's memory (an offloaded state)."""
+  "host_argument", "host_temp": what the program keeps in the host's memory (an offloaded
+  state; activations a remat policy offloads)."""
   m = compiled.memory_analysis()
   parts = {k: float(getattr(m, f"{k}_size_in_bytes")) for k in (
       "argument", "output", "alias", "temp", "host_argument", "host_temp")}
