@@ -17,6 +17,7 @@ from:
 - NVIDIA's data sheets (A100, H100 SXM, H100 PCIe, H200, B200): peak, HBM, HBM bandwidth;
   H100/H200 SXM: NVLink 900 GB/s per GPU both directions, 450 GB/s one way to the NVSwitch;
   between nodes one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100/H200 data sheets), 5e10 B/s.
+- The host link (`host_link`): measured on one v5e (`V5E_HOST_LINK`); no other chip's.
 - libtpu's topology names ("v5p:2x2x2", "tpu7x:2x2x1"), as
   `jax.experimental.topologies.get_topology_desc` takes them.
 """
@@ -57,6 +58,8 @@ class ChipFacts(NamedTuple):
     hbm_limit: the bytes a program may hold: the allocator's limit (jax
       `Device.memory_stats()["bytes_limit"]`), below `hbm_bytes` by what the runtime keeps.
     limit_source: where `hbm_limit` comes from (measured, or how it is derived).
+    host_link: bytes/s one way between the chip and its host's memory (offloaded buffers'
+      trips), measured; None where not measured.
 
   Examples:
     `fnscale.CHIP_FACTS` holds one row per chip, by generation ("v5e") or GPU name ("H100"):
@@ -83,21 +86,27 @@ class ChipFacts(NamedTuple):
   source: str
   hbm_limit: int
   limit_source: str
+  host_link: float | None = None
 
 
 # The allocator's limit (`memory_stats()["bytes_limit"]`) measured on one v5e chip (jax
 # 0.10.2, libtpu 0.0.42.1, 2026-12-06): 15.75 GiB of its 16; the runtime keeps 258 MiB.
 V5E_LIMIT = 16_909_336_576
+# Host link of one v5e chip (jax 0.10.2, libtpu 0.0.42.1, 2026-12-07): the 766M Llama's step
+# that offloads every weight matmul's output (recipes/lm/remat.py's offload_dots) moved 5.5
+# GiB to the host in its forward pass and back in its backward in 1.386 s, bound by the link
+# (recipes/bench/chip_v5e.json, rows_2026_12_07e): 2 x 5.9e9 B / 1.386 s, one way at a time.
+V5E_HOST_LINK = 8.5e9
 # TPUs not measured here are taken to keep v5e's reserve per chip.
 _TPU_RESERVE = 16 * GiB - V5E_LIMIT
 
 
 def _tpu_row(kinds, peak, hbm, *, torus, cores, counts, hbm_bw=None, ici=None, dcn=None,
-             libtpu, source, limit=None) -> ChipFacts:
+             libtpu, source, limit=None, host=None) -> ChipFacts:
   why = ("bytes_limit measured on a v5e chip" if limit else
          f"HBM less v5e's measured runtime reserve ({_TPU_RESERVE // 2**20} MiB), not measured")
   return ChipFacts("tpu", peak, hbm, hbm_bw, ici, dcn, torus, 4, cores, counts, kinds, libtpu,
-                   source, limit or hbm - _TPU_RESERVE, why)
+                   source, limit or hbm - _TPU_RESERVE, why, host)
 
 
 def _gpu_row(kind, peak, hbm, *, hbm_bw=None, ici=None, dcn=None, per_node=None,
@@ -122,7 +131,7 @@ CHIP_FACTS: Mapping[str, ChipFacts] = types.MappingProxyType({
                    source=f"Cloud TPU v4 page; {_ICI}; DCN: none published, taken as v5e's"),
     "v5e": _tpu_row(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GiB, torus=2, cores=1,
                     counts="chips", hbm_bw=8.19e11, ici=4.5e10, dcn=25e9 / 8, libtpu="v5e",
-                    limit=V5E_LIMIT,
+                    limit=V5E_LIMIT, host=V5E_HOST_LINK,
                     source=f"Cloud TPU v5e page; {_ICI}; DCN: Cloud TPU v6e page"),
     "v5p": _tpu_row(("TPU v5", "TPU v5p"), 459e12, 95 * GiB, torus=3, cores=2,
                     counts="cores", hbm_bw=2.765e12, ici=9e10, dcn=50e9 / 8, libtpu="v5p",

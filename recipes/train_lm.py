@@ -22,6 +22,7 @@ options: an error).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -189,26 +190,45 @@ def _records(setup: run_setup.Setup, saver: checkpoints.Saver, start: int,
 def _compiled(setup: run_setup.Setup, how: tuple, state, first, ledger, say):
   """(the setup, the train step compiled ahead of time for the first batch (step 0 doesn't
   compile again), the eval loss): the step held against the device's memory and the same on
-  every process (a barrier); `how`: (optimizer, jmp policy). A layer loop unrolled by
-  default (`models.unrolled`) whose step doesn't fit is compiled again as the scan, said."""
+  every process (a barrier); `how`: (optimizer, jmp policy). A step that doesn't fit where
+  train_lm chose what holds more (`_lighter`) is compiled again holding less, said."""
   ledger.enter("compile")
   unrolled = getattr(setup.cfg, "unroll", False)
   say(f"train_lm: compiling the train step of {setup.o.model.model_config} on mesh "
       f"{dict(setup.mesh.shape)}{', the layer loop unrolled' if unrolled else ''} ...")
   step_fn, eval_loss = _step(setup, *how)
-  try:
-    step_fn = memory.compile_step(setup, step_fn, state, first)
-  except fs.FitError as e:
-    if not unrolled or setup.o.model.unroll:  # the user's --unroll: the error is theirs
-      raise
-    say(f"memory: the unrolled layer loop's step needs {e.needed / memory.GiB:.2f} GiB per "
-        "device (XLA's peak), more than the device has; compiling the scan (--nounroll)")
-    setup = setup._replace(cfg=setup.cfg._replace(unroll=False))
-    step_fn, eval_loss = _step(setup, *how)
-    step_fn = memory.compile_step(setup, step_fn, state, first)
+  while True:
+    try:
+      step_fn = memory.compile_step(setup, step_fn, state, first)
+      break
+    except fs.FitError as e:
+      lighter = _lighter(setup)
+      if lighter is None:  # what the user gave, or nothing left: the error is theirs
+        raise
+      setup, what, then = lighter
+      say(f"memory: {what} step needs {e.needed / memory.GiB:.2f} GiB per device (XLA's "
+          f"peak), more than the device has; {then}")
+      step_fn, eval_loss = _step(setup, *how)
   fs.multihost.agree_on_step(step_fn)
   ledger.enter("other")
   return setup, step_fn, eval_loss
+
+
+def _lighter(setup: run_setup.Setup):
+  """(the setup holding less, what held more, what now) where train_lm chose the heavier:
+  the scan for a layer loop unrolled by default (`models.unrolled`: the 766M Llama unrolled
+  needed 19.5 GiB, the scan 15.0), full remat for --remat's offload_attn
+  (`remat.whole_block`: 0.2 GiB more than full for the 766M); None where neither is left."""
+  o = setup.o
+  if getattr(setup.cfg, "unroll", False) and o.model.unroll is None:
+    return (setup._replace(cfg=setup.cfg._replace(unroll=False)),
+            "the unrolled layer loop's", "compiling the scan (--nounroll)")
+  asked = setup.asked.step.remat_policy if setup.asked is not None else None
+  if o.step.remat_policy == "offload_attn" and asked == "auto":
+    step = dataclasses.replace(o.step, remat_policy="full")
+    return (setup._replace(o=dataclasses.replace(o, step=step)),
+            "--remat's offload_attn", "compiling it with --remat_policy=full")
+  return None
 
 
 def _export(setup: run_setup.Setup, state, say) -> None:

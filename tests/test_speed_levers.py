@@ -58,13 +58,14 @@ def test_every_remat_policy_traces_a_gradient(policy):
 def test_offload_attn_holds_the_attention_kernels_output_in_the_hosts_memory(tpu_devices,
                                                                             target, axes):
   """Compiled for a v5e, where the attention is the splash kernel: "offload_attn" holds each
-  layer's attention output (bf16 [rows, seq, heads, head_dim]) and logsumexp (float32 [rows,
-  heads, seq]) in the host's memory, a device's rows' worth on each; "full" holds nothing
-  there. On 4 devices the kernel runs per shard (a shard_map), whose output no policy saw."""
+  layer's attention output (bf16 [rows, seq, heads, head_dim], a head of 64 held as 128
+  lanes) and logsumexp (float32 [rows, heads, seq]) in the host's memory, a device's rows'
+  worth on each, as `remat.attention_bytes` counts; "full" holds nothing there. On 4 devices
+  the kernel runs per shard (a shard_map), whose output no policy saw."""
   del tpu_devices  # skips without libtpu
   devices = fs.target_devices(target)
   mesh = fs.make_mesh(axes, devices=devices)
-  cfg = llama.model_config("llama-tiny", 1024, vocab=512, layers=2, d_model=256, heads=2,
+  cfg = llama.model_config("llama-tiny", 1024, vocab=512, layers=2, d_model=256, heads=4,
                            kv_heads=2, d_mlp=512)
   rows, policy, opt = 4, startup.policy("auto", "tpu"), optax.adamw(1e-3)
   kw = dict(rules=llama.RULES, logical_axes=llama.logical_axes(cfg))
@@ -77,9 +78,11 @@ def test_offload_attn_holds_the_attention_kernels_output_in_the_hosts_memory(tpu
     step = fs.shard_step(fs.with_kernel(fs.train_step(loss, opt, policy=policy),
                                         attention="splash"), mesh, **kw)
     held[name] = step.compile(state, batch).compiled.memory_analysis().host_temp_size_in_bytes
-  row = 1024 * (cfg.d_model * 2 + cfg.heads * 4)  # (4 devices: the statistics padded, +2%)
+  row = 1024 * cfg.heads * (128 * 2 + 4)  # (4 devices: the statistics padded, +2%)
   want = cfg.layers * rows // len(devices) * row
   assert held["full"] == 0 and held["offload_attn"] == pytest.approx(want, rel=0.02), held
+  counted = remat.attention_bytes(cfg, rows * 1024, 2) / len(devices)
+  assert held["offload_attn"] == pytest.approx(counted, rel=0.02)
 
 
 def _saved_bytes(policy) -> int:

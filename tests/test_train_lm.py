@@ -1505,3 +1505,27 @@ def test_an_unrolled_loop_that_does_not_fit_is_compiled_as_the_scan(work, uninte
   _assert_equal_trees(_params(got), _params(summary))
   with pytest.raises(fs.FitError, match="20.00 GiB"):
     _run(_argv(work, tmp_path / "asked", "--nocheckpoint", "--unroll"))
+
+
+def test_remats_offload_attn_that_does_not_fit_is_compiled_recomputing_the_attention(
+    work, tmp_path, monkeypatch, capsys):
+  """--remat's policy chosen by the forecast (`remat.whole_block`: offload_attn, the
+  attention's output to the host, 0.2 GiB more of the chip than full for the 766M Llama;
+  here as on a TPU) whose step the compiled check refuses is compiled again under full
+  remat and said: the run equals --remat_policy=full's bitwise. A --remat_policy=offload_attn
+  the user gave stays theirs: the refusal is the run's error."""
+  check = memory.compile_step
+
+  def refuse_offload(setup, step, state, batch):
+    if setup.o.step.remat_policy == "offload_attn":
+      raise fs.FitError("the step needs 20.00 GiB", needed=20 * 2**30, limit=15.75 * 2**30)
+    return check(setup, step, state, batch)
+  monkeypatch.setattr(memory, "compile_step", refuse_offload)
+  monkeypatch.setattr(remat, "whole_block", lambda *a: "offload_attn")
+  got = _run(_argv(work, tmp_path / "auto", "--nocheckpoint", "--remat"))
+  assert ("memory: --remat's offload_attn step needs 20.00 GiB per device (XLA's peak), more "
+          "than the device has; compiling it with --remat_policy=full") in capsys.readouterr().out
+  want = _run(_argv(work, tmp_path / "full", "--nocheckpoint", "--remat_policy=full"))
+  _assert_equal_trees(_params(got), _params(want))
+  with pytest.raises(fs.FitError, match="20.00 GiB"):
+    _run(_argv(work, tmp_path / "asked", "--nocheckpoint", "--remat_policy=offload_attn"))

@@ -2,8 +2,10 @@
 the user left open is chosen to fit, what they fixed is left to XLA's compile, and what can't
 fit stops before anything is built, naming the fix; a LoRA run's estimate against XLA's."""
 
+import dataclasses
 import functools
 import json
+import re
 import types
 
 import jax
@@ -13,6 +15,8 @@ import pytest
 
 import fnscale as fs
 from fnscale import FitError
+from recipes.bench import chip
+from recipes.bench import forecast_fit as ff
 from recipes.lm import cli, finetune, gpt, llama, memory, startup
 from recipes.lm.options import Options, StepOptions
 
@@ -227,3 +231,49 @@ def test_one_choice_holds_rows_accumulation_and_remat_with_the_planners_row():
   step = memory.choose(StepOptions(remat=True, remat_policy="offload_attn"), "auto", model,
                        topo, mesh, 4, said.append)
   assert (step.remat, step.remat_policy) == (True, "offload_attn")
+
+
+def _measured_both_ways():
+  """{chip.py case of full remat: (its step ms, offload_attn's)} for each shape measured under
+  both on one v5e (recipes/bench/chip_v5e.json)."""
+  with open(ff.CHIP_V5E, encoding="utf-8") as f:
+    rows = [r for k, v in json.load(f).items() if k.startswith("rows") for r in v]
+  ms = {r["case"]: r["fnscale"]["step_ms"] for r in rows if "fnscale" in r}
+  return {c: (t, ms[c.replace("remat=full", "remat=offload_attn")]) for c, t in ms.items()
+          if "remat=full" in c and c.replace("remat=full", "remat=offload_attn") in ms}
+
+
+@pytest.mark.tpu
+def test_remats_policy_offloads_the_attention_where_the_chip_ran_it_faster(v5e):
+  """--remat (its policy left to auto) on one v5e takes offload_attn where the host link
+  carries the attention's output out in the forward pass's time by the forecast, else full:
+  on each shape the chip ran both ways, the faster one (the 766M Llama at 8 x 2048:
+  offload_attn 680 ms against 698; GPT medium at 32 x 1024: full 892 ms against 1079).
+  The bytes said are XLA's host buffer (0.508 GiB, compiled for v5e:1x1), the share within
+  5 points of the measured step's (its transfer at 8.5 GB/s over a quarter of full's 698 ms:
+  37%). A --remat_policy the user gave is kept; a chip without a measured link stays full."""
+  topo, mesh = v5e
+  pairs = _measured_both_ways()
+  assert set(pairs) == {"llama,remat=full,batch=8", "gpt-medium,remat=full,batch=32"}
+  for label, (full_ms, offload_ms) in pairs.items():
+    case = chip.parse_case(label)
+    module, cfg = chip.model_of(case)
+    model, said = memory.Model(module, cfg, case.model), []
+    asked = lambda **kw: Options.of(remat=True, batch_size=case.batch, **kw).step
+    step = memory.choose(asked(), "auto", model, topo, mesh, case.batch, said.append)
+    want = "offload_attn" if offload_ms < full_ms else "full"
+    assert (step.remat, step.remat_policy, step.batch_size) == (True, want, case.batch), label
+    told = [s for s in said if s.startswith("remat: ")]
+    assert len(told) == (want != "full"), said
+    for line in told:
+      share = re.fullmatch(
+          r"remat: offload_attn: the attention kernel's output goes to the host and back "
+          r"\(0\.51 GiB a step per device\) in (\d+)% of the forward pass's time by the "
+          r"forecast, rather than running again \(--remat_policy=full recomputes it\)", line)
+      assert share and abs(int(share[1]) - 0.508 * 2**30 / 8.5e9 / (full_ms / 4e3) * 100) <= 5
+    given = memory.choose(asked(remat_policy="full"), "auto", model, topo, mesh, case.batch,
+                          said.append)
+    assert given.remat_policy == "full"
+    unmeasured = dataclasses.replace(topo, generation="v5p")
+    assert memory.choose(asked(), "auto", model, unmeasured, mesh, case.batch,
+                         said.append).remat_policy == "full"

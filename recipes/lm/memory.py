@@ -4,18 +4,19 @@ says how it would.
 Before anything is built (`choose`, the one place the run's rows per device, accumulation
 steps and mode, remat and optimizer are decided, as a `Choice` the options then hold): the
 planner estimates the step's bytes per device (`fnscale.analysis.plan`); where the default
-configuration's estimate exceeds the device's memory, the remat, accumulation steps and rows per device the user left to their defaults
-(no `--remat`/`--noremat`, `--accum_steps`, `--batch_size` or `--global_batch`) become the
-fastest the planner estimates within `HEADROOM` of it, and the run says what it chose. Where
-none of those fit with AdamW's float32 state and the user left the optimizer to its default
-(no `--optimizer` or `--mu_dtype`), the state shrinks as the step's math changes least:
-AdamW's first moment in bfloat16, then the state in the host's memory (float32, then with the
-bfloat16 first moment: the same math, host transfers each step; left to the user with
-`--optimizer_offload` or `--nooptimizer_offload`), then Adafactor (`OPTIMIZERS`), said the
-same way. A run
-that nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
+configuration's estimate exceeds the device's memory, the remat, accumulation steps and rows
+per device the user left to their defaults (no `--remat`/`--noremat`, `--accum_steps`,
+`--batch_size` or `--global_batch`) become the fastest the planner estimates within
+`HEADROOM` of it, and the run says what it chose. Where none of those fit with AdamW's
+float32 state and the user left the optimizer to its default (no `--optimizer` or
+`--mu_dtype`), the state shrinks as the step's math changes least: AdamW's first moment in
+bfloat16, then the state in the host's memory (float32, then with the bfloat16 first moment:
+the same math, host transfers each step; left to the user with `--optimizer_offload` or
+`--nooptimizer_offload`), then Adafactor (`OPTIMIZERS`), said the same way. A run that
+nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
 user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
-fix. After compiling (`compile_step`): XLA's peak bytes per device against the memory
+fix. Remat's policy is the forecast's (`remat.whole_block`). After compiling
+(`compile_step`): XLA's peak bytes per device against the memory
 (`fnscale.analysis.compile_fitting`), never a raw RESOURCE_EXHAUSTED; a step that doesn't
 fit is refused with the options that would, as flags. On CPU (no memory limit) nothing is
 checked.
@@ -32,7 +33,7 @@ import numpy as np
 
 import fnscale as fs
 from fnscale import FitError
-from recipes.lm import optimizers, startup
+from recipes.lm import optimizers, remat, startup
 from recipes.lm.options import StepOptions
 from recipes.lm.remat import WHOLE_BLOCK, remat_policy
 
@@ -52,8 +53,7 @@ GiB = 2**30
 # the default first, then by their state on the device per param: 2 floats, 1.5 floats'
 # bytes, a few params' state (the rest in the host's memory), about 0 (factored).
 OPTIMIZERS = (("adamw", "float32", False), ("adamw", "bfloat16", False),
-              ("adamw", "float32", True), ("adamw", "bfloat16", True),
-              ("adafactor", None, False))
+              ("adamw", "float32", True), ("adamw", "bfloat16", True), ("adafactor", None, False))
 # With the state in the host's memory (`fs.init_state(..., offload_optimizer=True)`), the
 # update brings AdamW's state to the device a slice of each param's leading axis at a time,
 # slices of up to 64 MiB: one in, one out and the next one coming (IN_FLIGHT).
@@ -187,15 +187,14 @@ class Choice(NamedTuple):
 
 def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: int, say,
            planned: Planned | None = None) -> Choice:
-  """The run's rows per device, accumulation (steps, gather mode), remat and optimizer,
-  from the step's options (`Options.step`; `precision`: --precision), --mesh=auto's
-  `planned` row and the memory pre-flight: what the user gave (the planned row's remat
-  where they gave none, its accumulation where it has more steps), the rest the defaults
-  (`per_device` rows: the platform's where not given; remat off, 1 step, AdamW in
-  float32), or where the default's estimate exceeds the device's memory, the planner's
-  fastest option within `HEADROOM` of it among the choices left open, the optimizers tried
-  in `OPTIMIZERS`' order (the module docstring), said in one line. What the user fixed is
-  left to the compiled check (`compile_step`).
+  """The run's rows per device, accumulation (steps, gather mode), remat (and its policy:
+  `remat.whole_block`'s where auto) and optimizer, from the step's options (`precision`:
+  --precision), --mesh=auto's `planned` row and the memory pre-flight: what the user gave
+  (the planned row's remat where they gave none, its accumulation where it has more steps),
+  else the defaults (`per_device` rows; remat off, 1 step, AdamW in float32), or where their
+  estimate exceeds the device's memory, the planner's fastest option within `HEADROOM` of it
+  among the choices left open, the optimizers tried in `OPTIMIZERS`' order, said in a line.
+  What the user fixed is left to the compiled check (`compile_step`).
 
   Raises:
     InputError: --remat with a --remat_policy other than full.
@@ -210,12 +209,28 @@ def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: 
   dp = math.prod(mesh.shape[a] for a in fs.data_axes(mesh))
   if step.global_batch is not None:
     per_device = max(1, step.global_batch // dp)
-  step, rows = _preflight(step, startup.policy(precision, topo.platform), m, topo, mesh,
-                          per_device, say)
+  policy = startup.policy(precision, topo.platform)
+  step, rows = _preflight(step, policy, m, topo, mesh, per_device, say)
+  chosen = remat_policy(step, topo.platform)
+  if chosen == "full" and step.remat_policy == "auto":
+    rate = lambda: _full_remat_rate(step, policy, m, topo, mesh, rows)
+    chosen = remat.whole_block(m.module, m.cfg, topo, mesh.size, policy, say, rate)
   return Choice(rows, rows * dp if step.global_batch is None else step.global_batch,
-                step.accum_steps, step.accum_gather, step.remat,
-                remat_policy(step, topo.platform), step.optimizer, step.mu_dtype,
-                step.context, bool(step.optimizer_offload))
+                step.accum_steps, step.accum_gather, step.remat, chosen, step.optimizer,
+                step.mu_dtype, step.context, bool(step.optimizer_offload))
+
+
+def _full_remat_rate(step: StepOptions, policy, m: Model, topo, mesh, rows: int):
+  """(the forecast's tokens/s under full remat, global rows); None without its figures."""
+  axes, base = _mesh_axes(mesh), remat_policy(dataclasses.replace(step, remat=False), "tpu")
+  global_rows = rows * fs.analysis.data_parallel(axes)
+  try:  # the pre-flight's profile (cached)
+    prof = profile(m, topo, global_rows, policy, base, asked_optimizers(step)[0])
+    return fs.analysis.fit_options(prof, topo, axes, float("inf"), remat=True, rows=rows,
+                                   accum_steps=step.accum_steps or 1,
+                                   accum_gather=step.accum_gather)[0].tokens_s, global_rows
+  except (fs.TopologyError, fs.PlanError):
+    return None
 
 
 def _asked(step: StepOptions, planned: Planned | None) -> StepOptions:

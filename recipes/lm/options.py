@@ -144,7 +144,8 @@ class StepOptions:
                              "what fits the device's memory")
   remat_policy: str = option("auto", "what each block keeps for its backward pass "
                              f"(recipes/lm/remat.py): {', '.join(REMAT_POLICIES)}; auto: "
-                             f"{_by_platform('remat_policy')}, full with --remat")
+                             f"{_by_platform('remat_policy')}; with --remat full, or "
+                             "offload_attn on a TPU whose host link hides it")
   optimizer: str | None = option(None, "adamw (first and second moments: 2 floats per "
                                  "param) or adafactor (the second moment factored over each "
                                  "matrix's rows and columns, no first moment: about 0); "

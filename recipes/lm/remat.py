@@ -18,10 +18,11 @@ backward pass (FLOPs). The policies, from most memory to least:
   (`offload_dot_with_no_batch_dims`) and back for the backward pass (the 766M Llama at 8 x
   2048 moves 5.5 GiB each way a step: 30.0% MFU on one v5e, bound by the host link).
 - "offload_attn": "full", but the attention kernel's output and statistics go to the host's
-  memory and back rather than being recomputed: it pays where the link hides the transfer.
-  On one v5e (recipes/bench/README.md) the 766M Llama at 8 x 2048 (0.5 GiB each way a step)
-  ran 61.1% MFU against full's 59.5% in 0.2 GiB more of the chip; GPT medium at 32 x 1024
-  (1.5 GiB each way) 32.6% against 39.5%: a step as long as its transfers at ~3 GB/s.
+  memory and back rather than being recomputed: it pays where the forward pass hides their
+  trip (`attention_offload`; --remat's policy on a TPU there). On one v5e
+  (recipes/bench/README.md) the 766M Llama at 8 x 2048 (0.5 GiB each way a step) ran 61.1%
+  MFU against full's 59.5% in 0.2 GiB more of the chip; GPT medium at 32 x 1024 (3.0 GiB
+  each way: heads of 64 held as 128 lanes) 32.6% against 39.5%, bound by the host link.
 - "full" (or True): save only the block's input; the whole block runs again.
 
 Example:
@@ -36,6 +37,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 import fnscale as fs
@@ -71,9 +73,69 @@ def _policy(name: str):
   }[name]
 
 
+# Under whole-block remat a step's forward pass is about a quarter of its time: the forward,
+# its recomputation in the backward pass and the backward's two matmuls per forward one.
+FORWARD_SHARE = 0.25
+LANES = 128  # a TPU tile's minor dim: a head of 64 is held (and offloaded) as 128
+
+
+def attention_bytes(cfg, tokens: float, compute_bytes: int) -> float:
+  """Bytes offload_attn moves to the host (and back) for `tokens` tokens of model `cfg`
+  (`layers`, `heads`, `head_dim`): per layer, token and query head, the kernel's output
+  (head_dim rounded up to `LANES`, `compute_bytes` each) and its float32 logsumexp. Compiled
+  for one v5e: 0.508 GiB for the 766M Llama at 8 x 2048, 3.047 GiB for GPT medium at 32 x
+  1024, as XLA's host buffers."""
+  return cfg.layers * tokens * cfg.heads * (-(-cfg.head_dim // LANES) * LANES
+                                            * compute_bytes + 4)
+
+
+def attention_offload(cfg, tokens_s: float, devices: int, compute_bytes: int,
+                      link: float) -> float:
+  """The time the attention residuals' trip to the host takes (one way, `attention_bytes` per
+  device over the host `link`, bytes/s) over the forward pass's (`FORWARD_SHARE` of a
+  full-remat step at `tokens_s`, the job's tokens/s over `devices`): offload_attn pays where
+  it is at most 1, the forward pass hiding the trip out and the longer backward the trip
+  back. Against one v5e's rows (recipes/bench/chip_v5e.json, link 8.5 GB/s): 0.37 for the
+  766M Llama at 8 x 2048 (offload_attn 61.1% MFU, full 59.5%), 1.7 for GPT medium at 32 x
+  1024 (32.6%, 39.5%).
+
+  Example:
+    >>> from recipes.lm import llama
+    >>> cfg = llama.model_config("llama-766m", 2048)
+    >>> round(attention_offload(cfg, 23.5e3, 1, 2, 8.5e9), 2)
+    0.37
+  """
+  per_token = attention_bytes(cfg, 1, compute_bytes) / devices
+  return per_token / link / (FORWARD_SHARE / tokens_s)
+
+
+def whole_block(model, cfg, topo, devices: int, policy, say, rate) -> str:
+  """--remat's policy where --remat_policy is auto: offload_attn (said) on a TPU whose host
+  link (`fs.CHIP_FACTS`' `host_link`) carries the attention residuals out in the forward
+  pass's time by the forecast (`attention_offload` at most 1), else full. `model`, `cfg`:
+  the run's model module and config; `devices`: the mesh's; `policy`: the jmp policy (None:
+  float32); `rate()`: (the job's tokens/s under full remat, its global rows a step), or None
+  without a forecast."""
+  link = getattr(fs.CHIP_FACTS.get(topo.generation or ""), "host_link", None)
+  forecast = (topo.platform == "tpu" and link and "offload_attn" in getattr(
+      model, "REMAT_POLICIES", ()) and rate())
+  if not forecast:
+    return "full"
+  width = np.dtype(policy.compute_dtype if policy else np.float32).itemsize
+  share = attention_offload(cfg, forecast[0], devices, width, link)
+  if share > 1:
+    return "full"
+  step_bytes = attention_bytes(cfg, forecast[1] * cfg.seq, width) / devices
+  say(f"remat: offload_attn: the attention kernel's output goes to the host and back "
+      f"({step_bytes / 2**30:.2f} GiB a step per device) in {share:.0%} of the forward "
+      "pass's time by the forecast, rather than running again (--remat_policy=full "
+      "recomputes it)")
+  return "offload_attn"
+
+
 def remat_policy(step: StepOptions, platform: str) -> str:
-  """--remat_policy, auto resolved: full with --remat, else the platform's default
-  (`options.PLATFORM_DEFAULTS`)."""
+  """--remat_policy, auto resolved: full with --remat (`whole_block` may then choose
+  offload_attn), else the platform's default (`options.PLATFORM_DEFAULTS`)."""
   if step.remat_policy != "auto":
     return step.remat_policy
   if step.remat:
