@@ -80,6 +80,32 @@ def _vary(tree, axes: tuple[str, ...]):
   return jax.tree.map(f, tree)
 
 
+def _check_rowwise(aux, batch, combined: str, aux_of: Callable) -> None:
+  """StepError for an aux leaf with a value per row of `batch`, which `combined`
+  (accumulation's loop, the data shards' mean) can only average elementwise across unrelated
+  rows: a silent wrong value and shape. A leaf is per row where its leading dim is the
+  batch's rows and follows them: `aux_of(batch)` (the loss's aux, traced) on twice the rows
+  has it twice as long (a BatchNorm's statistics over as many channels as rows don't)."""
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  same = lambda x: np.ndim(x) and np.shape(x)[0] == rows
+  if not any(same(x) for x in jax.tree.leaves(aux)):
+    return
+  doubled = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2 * rows,) + x.shape[1:], x.dtype),
+                         batch)
+  try:
+    again = jax.tree.leaves(jax.eval_shape(aux_of, doubled))
+  except Exception:  # pylint: disable=broad-except  # untraceable at twice the rows: as if so
+    again = [jax.ShapeDtypeStruct((2 * np.shape(x)[0],) + np.shape(x)[1:], jnp.float32)
+             if same(x) else x for x in jax.tree.leaves(aux)]
+  for (path, x), y in zip(_tree.leaves_with_paths(aux), again):
+    if same(x) and np.shape(y)[0] == 2 * rows:
+      raise StepError(
+          f"aux leaf '{path}' has shape {tuple(np.shape(x))}, a value per row of the {rows} "
+          f"rows the loss sees at a time, and {combined} can only average it elementwise, "
+          "not put the rows back; fix: return it reduced to a scalar (jnp.mean, jnp.sum), "
+          "or compute it outside the train step (a forward pass of its own).")
+
+
 def _reduce_aux(aux, axis_name=None, axis=None):
   """Floating leaves averaged, others (counts) summed, over mesh axes or an array axis."""
   def f(x):
@@ -190,6 +216,10 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
   if cfg.accum_steps == 1:
     grads, (loss, weight, aux) = grad_fn(params, micro, ls, _loss_key(cfg, step, 0, axes),
                                          frozen)
+    if axes and cfg.has_aux:
+      _check_rowwise(aux, micro, f"the mean over the data shards ({', '.join(axes)})",
+                     lambda b: _scaled_loss(cfg, params, b, ls, _loss_key(
+                         cfg, step, 0, axes), frozen)[1][2])
     out = _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, weight, aux, axes, reduce)
     return _normalize(*out, floor) if reduce else out
   n = jax.tree.leaves(micro)[0].shape[0]
@@ -205,6 +235,9 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
     gsum, lsum, wsum = carry
     mb, i = mb_i
     g, (l, w, a) = grad_fn(params, mb, ls, _loss_key(cfg, step, i, axes), frozen)
+    if cfg.has_aux:
+      _check_rowwise(a, mb, f"accumulation over {n} microbatches", lambda b: _scaled_loss(
+          cfg, params, b, ls, _loss_key(cfg, step, i, axes), frozen)[1][2])
     lsum, wsum = lsum + l, wsum + w
     gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
     if last_divides:  # by 1 (exact) before the last microbatch

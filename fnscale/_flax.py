@@ -73,6 +73,22 @@ def is_box(x) -> bool:
   return is_linen_box(x) or is_nnx_variable(x)
 
 
+def check_only_params(tree, error: type[FnscaleError]) -> None:
+  """Raises `error` naming the first NNX Variable of `tree` (params) that isn't an
+  `nnx.Param` (a BatchNorm's BatchStat, an Rngs' key or count, a Cache): a whole module or
+  `nnx.split(model)`'s state holds them, and the optimizer would train them (weight decay
+  shrinking a running variance) while the step never updates them as the model does."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+    kinds = [c.__name__ for c in type(x).__mro__]
+    if is_nnx_variable(x) and "Param" not in kinds:
+      raise error(
+          f"params leaf '{_tree.path_str(path)}' is an NNX {kinds[0]}, not an nnx.Param: "
+          "the optimizer would train it, and the step updates nothing but the params; fix: "
+          "pass the Params only, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
+          "with `nnx.merge(graphdef, params, rest)` in the loss (a BatchNorm then runs on its "
+          "running statistics: use_running_average=True, or a norm without them).")
+
+
 def _entries(names, path: str, *, mesh_axes: bool) -> tuple:
   if isinstance(names, PartitionSpec) or hasattr(names, "spec"):  # a spec or NamedSharding
     names = getattr(names, "spec", names)

@@ -128,8 +128,10 @@ def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
 def _loss_aux(cfg: _Config, out):
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
-      raise StepError(f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
-                      "return (loss, aux).")
+      what = (f"a {out.dtype}{list(out.shape)} array" if hasattr(out, "shape") else
+              _tree.got(out))
+      raise StepError(f"loss_fn returned {what}; with has_aux=True it must return (loss, "
+                      "aux).")
     return out
   if isinstance(out, (tuple, list)) and not cfg.weighted:
     raise StepError(
@@ -241,6 +243,11 @@ def _split_weighted(cfg: _Config, loss, where: str = ""):
           "and their count (e.g. (jnp.sum(nll * mask), jnp.sum(mask))).")
     loss, weight = loss
     return loss, jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+  if not jnp.issubdtype(jnp.result_type(loss), jnp.inexact):
+    raise StepError(
+        f"loss_fn returned a loss of dtype {jnp.result_type(loss)}, expected a float: an "
+        "integer's gradient is zero, so nothing would train; fix: a float loss (e.g. "
+        "a cross-entropy; a count or accuracy goes in aux, has_aux=True).")
   if np.ndim(loss) != 0:
     raise _NotScalar(
         f"loss_fn returned a loss of shape {np.shape(loss)}{where}, expected a scalar; fix: "

@@ -125,7 +125,7 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
   (logical rules, else automatic FSDP), optimizer state following the params
   (`opt_state_shardings`; by structure when `optimizer` is None), step and loss scale
   replicated, frozen params (`TrainState.frozen`) where they are placed on `mesh`, else by
-  automatic FSDP.
+  automatic FSDP, the model state (`TrainState.model_state`) replicated.
 
   Args:
     state: a TrainState of arrays or ShapeDtypeStructs.
@@ -168,7 +168,8 @@ def state_shardings(state, mesh, rules=(), *, logical_axes=None, optimizer=None,
                                     **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
   return TrainState(psh, osh, rep, jax.tree.map(lambda _: rep, state.loss_scale),
-                    frozen_shardings(state.frozen, mesh, opts))
+                    frozen_shardings(state.frozen, mesh, opts),
+                    jax.tree.map(lambda _: rep, state.model_state))
 
 
 def _placed(opt_shardings, offload: bool):
@@ -246,6 +247,34 @@ def _is_init_fn(x) -> bool:
       "an init function in a plain one: `lambda key: init(key)`.")
 
 
+def _arrays_out(params):
+  """`params` (what an init function returned, traced) if every leaf is an array or a
+  number; else a StepError naming the first other leaf (an Equinox model's activation
+  function: jax would refuse the output naming its type only)."""
+  for path, leaf in _tree.leaves_with_paths(params):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype") or isinstance(
+        leaf, (bool, int, float, complex))):
+      raise StepError(
+          f"init_fn returned a {type(leaf).__name__} at params leaf '{path}', expected arrays; "
+          "fix: return the params' arrays (an Equinox model: `eqx.partition(model, "
+          "eqx.is_inexact_array)[0]` of it, with the static part combined in the loss).")
+  return params
+
+
+def _check_arrays(tree, what: str) -> None:
+  """StepError naming the first leaf of `tree` (`what`: params, model_state) that is not an
+  array."""
+  model = callable(tree)
+  for path, leaf in _tree.leaves_with_paths(tree):
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      raise StepError(
+          f"{what} leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
+          "pass arrays (jnp/np)" + (" or an init function" if what == "params" else "") + (
+              " (an Equinox model: its arrays, `params, static = eqx.partition(model, "
+              "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in the loss)"
+              if model else "") + ".")
+
+
 def _check_static(params) -> None:
   """A jax array in a pytree node's metadata (a static field) would fail every jit over the
   params with a message naming no field: name it here."""
@@ -263,12 +292,13 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
   """(params, their shardings): traced and built sharded, or copied into their shardings."""
   if _is_init_fn(init_fn_or_params):
     keys = () if key is None else (key,)
-    make = lambda *a: cast(init_fn_or_params(*a))
+    make = lambda *a: cast(_arrays_out(init_fn_or_params(*a)))
 
     def build(unit_mesh):
       args = tuple(_flax.on_mesh(a, unit_mesh) for a in keys)
       shapes = jax.eval_shape(make, *args)
       _check_static(shapes)
+      _flax.check_only_params(shapes, StepError)
       # Flax metadata is the layout (`shardings` reads it); Linen boxes stay out of the state.
       psh = _sh.shardings(shapes, mesh, rules, logical_axes=logical_axes, **opts)
       shapes = _unboxed(shapes)
@@ -283,16 +313,9 @@ def _params(init_fn_or_params, key, cast, mesh, rules, logical_axes, opts, abstr
       if boxed is None:
         raise
       raise StepError(boxed) from None
-  model = callable(init_fn_or_params)
-  for path, leaf in _tree.leaves_with_paths(init_fn_or_params):
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      raise StepError(
-          f"params leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
-          "pass arrays (jnp/np) or an init function" + (
-              " (an Equinox model: its arrays, `params, static = eqx.partition(model, "
-              "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in the loss)"
-              if model else "") + ".")
+  _check_arrays(init_fn_or_params, "params")
   _check_static(init_fn_or_params)
+  _flax.check_only_params(init_fn_or_params, StepError)
   params = jax.eval_shape(cast, init_fn_or_params) if abstract else cast(init_fn_or_params)
   psh = _sh.shardings(params, mesh, rules, logical_axes=logical_axes, **opts)
   params = _unboxed(params)
@@ -328,7 +351,8 @@ def _sds(tree, shardings_tree):
 def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=None,
                policy=None, key=None, loss_scale=None,
                sharding_options: Mapping | None = None,
-               abstract: bool = False, offload_optimizer: bool = False) -> TrainState:
+               abstract: bool = False, offload_optimizer: bool = False,
+               model_state=None) -> TrainState:
   """Builds a `TrainState` born in its shardings (no device ever holds the whole model).
 
   A function is traced with `jax.eval_shape`, its output's shardings derived
@@ -366,18 +390,25 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
       params, gradients and one param's optimizer state at a time (AdamW's float32 moments,
       8 bytes a param, leave the device's memory). `shard_step` compiles the step with the
       state where it lies. The numbers are those of the state on the device.
+    model_state: what the model's forward pass updates rather than trains, a pytree of
+      arrays (a BatchNorm's running statistics: Linen's `variables["batch_stats"]`, NNX's
+      `nnx.split(model, nnx.Param, nnx.BatchStat, ...)[2]`, an `eqx.nn.State`), copied
+      replicated on `mesh`; `train_step` passes it to the loss (`TrainState.model_state`).
 
   Returns:
-    TrainState(params, opt_state, step=int32 0, loss_scale), every leaf a jax.Array sharded
-    as `state_shardings(...)` says (or its ShapeDtypeStruct with `abstract=True`).
+    TrainState(params, opt_state, step=int32 0, loss_scale, model_state=...), every leaf a
+    jax.Array sharded as `state_shardings(...)` says (or its ShapeDtypeStruct with
+    `abstract=True`).
 
   Raises:
     MeshError: a mesh that isn't one, or (without `abstract=True`) one over described
       devices that can't hold arrays (`fnscale.target_devices`).
     StepError: a bad optimizer, policy, loss_scale or option (offload_optimizer not a
-      bool), params that are not
+      bool), a seed given as `key`, params (given, or an init function's) that are not
       arrays, a callable pytree with no array leaves (neither params nor a plain init
-      function), or params keeping a jax array in a static field (naming it).
+      function), params keeping a jax array in a static field, or NNX Variables other
+      than Params (a whole module's BatchStats: the optimizer would train them), or a
+      model_state leaf that is not an array, naming the leaf.
     ShardingError: from the shardings (rules, logical axes, indivisible dimensions).
 
   Examples:
@@ -408,6 +439,9 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   check_mesh(mesh, "init_state")
   if not isinstance(abstract, bool):
     raise StepError(f"abstract is {_tree.got(abstract)}, expected a bool.")
+  if isinstance(key, (bool, int, float)):  # a seed where the key goes
+    raise StepError(f"key is {_tree.got(key)}, expected a PRNG key for init_fn; fix: "
+                    f"key=jax.random.key({key!r}) (or jax.random.PRNGKey({key!r})).")
   if not abstract and not _runs_here(mesh):
     raise MeshError(
         f"init_state: the mesh's devices ({mesh.devices.flat[0].device_kind}, "
@@ -427,13 +461,16 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   osh = _placed(opt_state_shardings(optimizer, abstract_opt, psh, mesh,
                                     **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
+  _check_arrays(model_state, "model_state")
   if abstract:
     return TrainState(params, _sds(abstract_opt, osh),
-                      _sds(jax.ShapeDtypeStruct((), jnp.int32), rep), _sds(loss_scale, rep))
+                      _sds(jax.ShapeDtypeStruct((), jnp.int32), rep), _sds(loss_scale, rep),
+                      model_state=_sds(jax.eval_shape(lambda: model_state), rep))
   step = jnp.zeros((), jnp.int32)
   # Copied: an optimizer state that holds the params themselves (a slow-weights copy)
   # must not share their buffers, or donating the state would donate one buffer twice.
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)),
                       out_shardings=osh)(params)
   return TrainState(params, opt_state, jax.device_put(step, rep),
-                    None if loss_scale is None else _copy(loss_scale, rep))
+                    None if loss_scale is None else _copy(loss_scale, rep),
+                    model_state=_copy(model_state, jax.tree.map(lambda _: rep, model_state)))

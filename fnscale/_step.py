@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from fnscale import _flax
+from fnscale import _model_state
 from fnscale import _tree
 from fnscale._accumulate import _gradients
 from fnscale._errors import StepError
@@ -52,6 +54,11 @@ class TrainState(NamedTuple):
       `fnscale.lora`): any pytree of arrays, or None. The step takes no gradient of them and
       the optimizer holds no state for them; `train_step` passes them to the loss as its
       `frozen` keyword, cast to the compute dtype, and returns them unchanged.
+    model_state: what the model's forward pass updates rather than trains (a BatchNorm's
+      running statistics: Linen's `batch_stats`, NNX BatchStats, an `eqx.nn.State`), any
+      pytree of arrays, or None: `train_step` passes it to the loss as its `model_state`
+      keyword (as stored, no cast) and keeps the new one the loss returns beside its
+      output (`fnscale._model_state` says how microbatches and shards combine).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -68,6 +75,7 @@ class TrainState(NamedTuple):
   step: Any
   loss_scale: Any = None
   frozen: Any = None
+  model_state: Any = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["scale", "counter"],
@@ -184,7 +192,9 @@ def _check_precision(cfg: "_Config", state) -> None:
 def _check_trainable(params) -> None:
   """Every params leaf is differentiated: a float array. An integer array or a PRNG key
   among them (Equinox's `eqx.is_array` filter, NNX's split without a filter, which keeps
-  the Rngs' keys and counts) would fail jax's grad naming no leaf."""
+  the Rngs' keys and counts) would fail jax's grad naming no leaf; an NNX Variable other
+  than a Param (a BatchStat) would be trained (`_flax.check_only_params`)."""
+  _flax.check_only_params(params, StepError)
   for path, leaf in _tree.leaves_with_paths(params):
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
@@ -230,6 +240,9 @@ def _step(cfg: _Config, state, batch):
   _check_trainable(state.params)
   _check_opt_state(cfg, state)
   ls = _to_jmp(state.loss_scale) if state.loss_scale is not None else None
+  has_aux, stateful = cfg.has_aux, state.model_state is not None
+  if stateful:
+    cfg = _model_state.wrap(cfg, state.model_state)
   cfg = _find_ratio(cfg, state, batch)
   try:
     grads, loss, weight, aux = _gradients(cfg, state.params, batch, ls, state.step,
@@ -238,6 +251,10 @@ def _step(cfg: _Config, state, batch):
     raise _whole_batch(cfg, state, batch, e) from None
   grads = _unscale(grads, ls)
   new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
+  if stateful:
+    aux, new = aux
+    new_state = new_state._replace(model_state=_model_state.unwrap(state.model_state, new,
+                                                                   skipped))
   # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
   # change to the params; where the change isn't measured, non-finite gradients (a norm of
   # 0 is no proof: the squares of gradients under 1e-19 underflow).
@@ -250,7 +267,7 @@ def _step(cfg: _Config, state, batch):
     metrics["update_norm"] = update_norm
   if cfg.weighted:
     metrics["weight"] = weight
-  if cfg.has_aux:
+  if has_aux:
     metrics["aux"] = aux
   if new_state.loss_scale is not None:
     metrics["loss_scale"] = jnp.asarray(new_state.loss_scale.scale, jnp.float32)
@@ -325,13 +342,16 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     where measured "update_norm" (float32, of the change to the params after rounding to
     their dtype); with `weighted` "weight" (float32, the batch's total weight);
     with `has_aux` "aux" (floating leaves averaged over microbatches and shards, integer
-    leaves summed); with a loss scale in the state "loss_scale" (float32).
+    leaves summed; a leaf with a value per row, whole without accumulation, is refused
+    with it); with a loss scale in the state "loss_scale" (float32).
 
   Raises:
     StepError: at construction, a non-callable loss_fn, a non-optax optimizer, a bad
       policy, accum_steps, accum_gather or key; when traced, a batch whose leaves' leading
       dims differ or are not divisible by accum_steps (naming the leaf), a non-scalar loss
-      (or, with `weighted`, not two scalars; named by its shape on the whole batch), a
+      (or, with `weighted`, not two scalars; named by its shape on the whole batch), an
+      integer loss, an aux leaf with a value per row under accumulation, params that can't
+      be trained (an integer leaf, an NNX Variable other than a Param), a
       state that is not a TrainState, one whose opt_state another optimizer made, a float16
       policy with a state that has no loss scale (or the reverse); with
       accum_gather="once", a loss closing over an array sharded on Explicit axes or

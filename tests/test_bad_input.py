@@ -198,6 +198,66 @@ def test_a_loss_that_is_not_a_scalar_is_named_by_its_shape_on_the_whole_batch(
     step(fs.init_state(params, opt, mesh=mesh), batch)
 
 
+def test_an_integer_loss_is_refused_rather_than_training_nothing(f16_case):
+  # A count's gradient is zero: the step ran with grad_norm 0 and nothing trained.
+  mesh, params, batch = f16_case
+  count = lambda p, b: jnp.sum(b["x"] @ p["w"] > 0)
+  opt = optax.sgd(0.1)
+  with pytest.raises(fs.StepError, match=r"loss_fn returned a loss of dtype int32, expected a "
+                     r"float: an integer's gradient is zero"):
+    fs.shard_step(fs.train_step(count, opt), mesh)(fs.init_state(params, opt, mesh=mesh), batch)
+
+
+def test_has_aux_with_a_loss_alone_names_what_it_returned(f16_case):
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  step = fs.shard_step(fs.train_step(_loss, opt, has_aux=True), mesh)
+  with pytest.raises(fs.StepError, match=r"loss_fn returned a float32\[\] array; with "
+                     r"has_aux=True it must return \(loss, aux\)"):
+    step(fs.init_state(params, opt, mesh=mesh), batch)
+
+
+def _with_rows(p, b):
+  err = jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=1)
+  return jnp.mean(err), {"err": err, "worst": jnp.max(err), "n": jnp.sum(err >= 0)}
+
+
+@pytest.mark.parametrize("accum_steps, accum_gather", [(2, "once"), (2, "per_microbatch")])
+def test_a_value_per_row_in_aux_under_accumulation_is_refused_naming_it(
+    f16_case, accum_steps, accum_gather):
+  """Accumulation averaged a per-row aux leaf elementwise over microbatches (and shards):
+  (16,) came back as (8,) or (1,) of mixed rows, silently. Refused naming the leaf; without
+  accumulation the rows come back whole, as on one device (numpy)."""
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  state = fs.init_state(params, opt, mesh=mesh)
+  step = fs.shard_step(fs.train_step(_with_rows, opt, has_aux=True, accum_steps=accum_steps,
+                                     accum_gather=accum_gather), mesh)
+  with pytest.raises(fs.StepError, match=r"aux leaf 'err' has shape \(\d+,\), a value per row "
+                     r"of the \d+ rows the loss sees at a time.*fix: return it reduced"):
+    step(state, batch)
+  _, m = fs.shard_step(fs.train_step(_with_rows, opt, has_aux=True), mesh)(state, batch)
+  x, y, w = (np.asarray(a, np.float64) for a in (batch["x"], batch["y"], params["w"]))
+  want = np.sum((x @ w - y) ** 2, axis=1)
+  np.testing.assert_allclose(np.asarray(m["aux"]["err"]), want, rtol=1e-5)
+  assert float(m["aux"]["worst"]) == pytest.approx(want.max(), rel=1e-5)
+  assert int(m["aux"]["n"]) == 16
+
+
+def test_a_vector_as_long_as_the_microbatch_but_not_per_row_is_averaged(f16_case):
+  # The mean of each of x's 8 features, on microbatches of 8 rows: as long as the rows, but
+  # not a value per row (twice the rows, the same 8), so averaged as aux floats are: the
+  # batch's feature means (equal microbatches). A BatchNorm's statistics are such a leaf.
+  mesh, params, batch = f16_case
+  opt = optax.sgd(0.1)
+  means = lambda p, b: (_loss(p, b), {"mean": jnp.mean(b["x"], axis=0)})
+  step = fs.shard_step(fs.train_step(means, opt, has_aux=True, accum_steps=2,
+                                     accum_gather="per_microbatch"), mesh)
+  _, m = step(fs.init_state(params, opt, mesh=mesh), batch)
+  np.testing.assert_allclose(np.asarray(m["aux"]["mean"]),
+                             np.asarray(batch["x"], np.float64).mean(axis=0), rtol=1e-5)
+
+
 def test_a_weighted_loss_that_is_not_two_scalars_is_named_on_the_whole_batch(f16_case):
   mesh, params, batch = f16_case
   sums = lambda p, b: (jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=1), 4.0 * len(b["x"]))

@@ -278,5 +278,53 @@ def test_an_nnx_split_keeping_its_rng_keys_is_named_with_the_fix():
       self.drop = nnx.Dropout(0.1, rngs=rngs)
 
   _, state = nnx.split(Net(nnx.Rngs(0)))  # no filter: the Rngs' key and count come along
-  with pytest.raises(fs.ShardingError, match=r"drop/rngs/key.*PRNG key.*nnx\.Param"):
+  with pytest.raises(fs.StepError, match=r"'drop/rngs/(count|key)' is an NNX Rng\w+, not an "
+                     r"nnx\.Param.*fix: .*nnx\.split\(model, nnx\.Param, \.\.\.\)"):
     fs.init_state(state, optax.sgd(0.1), mesh=fs.make_mesh({"fsdp": 8}))
+
+
+def test_a_whole_nnx_module_holding_batch_stats_is_refused_and_its_params_train():
+  """An nnx.Module passed whole (a pytree: its Params, a BatchNorm's BatchStats) was taken
+  as params: AdamW's weight decay then shrank the running variance and BatchNorm never
+  updated it. Refused naming the BatchStat and the split; the split's Params train as
+  plain optax does on one device (the BatchNorm on its running statistics)."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(8, 16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, use_running_average=True, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(self.up(x))
+
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.adamw(1e-2, weight_decay=0.5)
+  model = Net(nnx.Rngs(0))
+  for whole in (model, nnx.split(model)[1]):
+    with pytest.raises(fs.StepError, match=r"params leaf 'bn/mean' is an NNX BatchStat, not "
+                       r"an nnx\.Param: the optimizer would train it"):
+      fs.init_state(whole, opt, mesh=mesh)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+  loss = lambda p, b: jnp.mean(nnx.merge(graphdef, p, rest)(b["x"]) ** 2)
+  step = fs.shard_step(fs.train_step(loss, opt), mesh)
+  state, m = step(fs.init_state(params, opt, mesh=mesh), {"x": x})
+  want, grads = jax.value_and_grad(loss)(params, {"x": x})
+  updates, _ = opt.update(grads, opt.init(params), params)
+  np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.params["up"]["kernel"][...]), np.asarray(
+      optax.apply_updates(params, updates)["up"]["kernel"][...]), rtol=1e-5, atol=1e-6)
+
+
+def test_an_init_function_returning_a_whole_equinox_model_names_the_leaf():
+  with pytest.raises(fs.StepError, match=r"init_fn returned a \w+ at params leaf "
+                     r"'mlp/activation', expected arrays; fix: .*eqx\.partition"):
+    fs.init_state(lambda key: TokenMLP(key), optax.adam(1e-2), mesh=fs.make_mesh({"fsdp": 8}),
+                  key=jax.random.key(0), abstract=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1.5])
+def test_a_seed_given_as_init_states_key_names_the_fix(seed):
+  with pytest.raises(fs.StepError, match=rf"key is an? \w+ \({seed}\), expected a PRNG key "
+                     rf"for init_fn; fix: key=jax\.random\.key\({seed}\)"):
+    fs.init_state(eqx_init, optax.adam(1e-2), mesh=fs.make_mesh({"fsdp": 8}), key=seed)
