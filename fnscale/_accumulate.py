@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import functools
 import math
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -80,6 +81,20 @@ def _vary(tree, axes: tuple[str, ...]):
   return jax.tree.map(f, tree)
 
 
+class Same(NamedTuple):
+  """An aux value every microbatch and shard computes alike (a model state's count, flag or
+  seed): reduced by keeping one (the first microbatch's, the largest over shards), exact,
+  where other non-float aux leaves are summed."""
+  value: Any
+
+
+class StatefulAux(NamedTuple):
+  """The aux of a loss over a model with state (`fnscale._model_state`): the loss's own and
+  the new model state."""
+  aux: Any
+  model_state: Any
+
+
 def _check_rowwise(aux, batch, combined: str, aux_of: Callable) -> None:
   """StepError for an aux leaf with a value per row of `batch`, which `combined`
   (accumulation's loop, the data shards' mean) can only average elementwise across unrelated
@@ -97,23 +112,38 @@ def _check_rowwise(aux, batch, combined: str, aux_of: Callable) -> None:
   except Exception:  # pylint: disable=broad-except  # untraceable at twice the rows: as if so
     again = [jax.ShapeDtypeStruct((2 * np.shape(x)[0],) + np.shape(x)[1:], jnp.float32)
              if same(x) else x for x in jax.tree.leaves(aux)]
-  for (path, x), y in zip(_tree.leaves_with_paths(aux), again):
+  parts = aux._asdict() if isinstance(aux, StatefulAux) else {"aux": aux}
+  named = [(what, path, x) for what, part in parts.items()
+           for path, x in _tree.leaves_with_paths(part)]
+  for (what, path, x), y in zip(named, again):
     if same(x) and np.shape(y)[0] == 2 * rows:
       raise StepError(
-          f"aux leaf '{path}' has shape {tuple(np.shape(x))}, a value per row of the {rows} "
+          f"{what} leaf '{path}' has shape {tuple(np.shape(x))}, a value per row of the {rows} "
           f"rows the loss sees at a time, and {combined} can only average it elementwise, "
           "not put the rows back; fix: return it reduced to a scalar (jnp.mean, jnp.sum), "
           "or compute it outside the train step (a forward pass of its own).")
 
 
 def _reduce_aux(aux, axis_name=None, axis=None):
-  """Floating leaves averaged, others (counts) summed, over mesh axes or an array axis."""
+  """Floating leaves averaged, others (counts) summed, `Same` ones kept, over mesh axes or
+  an array axis."""
   def f(x):
+    if isinstance(x, Same):
+      return Same(_keep_one(x.value, axis_name, axis))
     if axis_name is not None:
       x = _vary(x, axis_name)
       return jax.lax.pmean(x, axis_name) if _is_float(x) else jax.lax.psum(x, axis_name)
     return jnp.mean(x, axis=axis) if _is_float(x) else jnp.sum(x, axis=axis)
-  return jax.tree.map(f, aux)
+  return jax.tree.map(f, aux, is_leaf=lambda x: isinstance(x, Same))
+
+
+def _keep_one(x, axis_name, axis):
+  """`x` alike on every shard (the largest, made invariant) or microbatch (the first)."""
+  if axis_name is None:
+    return jnp.take(x, 0, axis=axis)
+  flag = x.dtype == jnp.bool_
+  x = jax.lax.pmax(_vary(x.astype(jnp.int32) if flag else x, axis_name), axis_name)
+  return x.astype(jnp.bool_) if flag else x
 
 
 def _leading_dims(batch) -> list[tuple[str, int | None]]:

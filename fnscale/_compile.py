@@ -30,6 +30,7 @@ from fnscale import _tree
 from fnscale import _sharding as _sh
 from fnscale import _state
 from fnscale import _loss
+from fnscale import _model_state
 from fnscale._errors import FnscaleError, ShardingError, StepError
 from fnscale._mesh import check_mesh
 
@@ -471,7 +472,7 @@ def _trace_error(e: Exception, sig: _Signature, earlier: list[_Signature]) -> St
   """The step's own failure while tracing: where (the user's frame), the model's or jax's
   message whole, and a fix only where one is known (`_changed_batch`)."""
   message = f"{type(e).__name__}: {e}"
-  fix = _changed_batch(sig, earlier)
+  fix = _changed_batch(sig, earlier) or _model_state.hint(message)
   if fix:
     fix = ("\n" if "\n" in message else "; ") + fix
   return StepError(f"tracing the step failed for batch {_batch_text(sig.batch_leaves)}"

@@ -77,16 +77,20 @@ def check_only_params(tree, error: type[FnscaleError]) -> None:
   """Raises `error` naming the first NNX Variable of `tree` (params) that isn't an
   `nnx.Param` (a BatchNorm's BatchStat, an Rngs' key or count, a Cache): a whole module or
   `nnx.split(model)`'s state holds them, and the optimizer would train them (weight decay
-  shrinking a running variance) while the step never updates them as the model does."""
+  shrinking a running variance); a BatchStat belongs in the state's `model_state`."""
   for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
     kinds = [c.__name__ for c in type(x).__mro__]
     if is_nnx_variable(x) and "Param" not in kinds:
+      fix = ("pass the Params only and the BatchStats as the model state: `graphdef, params, "
+             "stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)`, "
+             "init_state(params, ..., model_state=stats), the loss merging them and "
+             "returning (loss, nnx.state(model, nnx.BatchStat))" if "BatchStat" in kinds else
+             "pass the Params only, `graphdef, params, rest = nnx.split(model, nnx.Param, "
+             "...)`, with `nnx.merge(graphdef, params, rest)` in the loss")
       raise error(
           f"params leaf '{_tree.path_str(path)}' is an NNX {kinds[0]}, not an nnx.Param: "
-          "the optimizer would train it, and the step updates nothing but the params; fix: "
-          "pass the Params only, `graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
-          "with `nnx.merge(graphdef, params, rest)` in the loss (a BatchNorm then runs on its "
-          "running statistics: use_running_average=True, or a norm without them).")
+          f"the optimizer would train it as a param; fix: {fix} "
+          "(recipes/examples/README.md, Flax NNX).")
 
 
 def _entries(names, path: str, *, mesh_axes: bool) -> tuple:

@@ -128,10 +128,8 @@ def _typed_error(r: _compat.TypedRefusal) -> StepError | None:
 def _loss_aux(cfg: _Config, out):
   if cfg.has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
-      what = (f"a {out.dtype}{list(out.shape)} array" if hasattr(out, "shape") else
-              _tree.got(out))
-      raise StepError(f"loss_fn returned {what}; with has_aux=True it must return (loss, "
-                      "aux).")
+      raise StepError(f"loss_fn returned {_tree.got(out)}; with has_aux=True it must "
+                      "return (loss, aux).")
     return out
   if isinstance(out, (tuple, list)) and not cfg.weighted:
     raise StepError(

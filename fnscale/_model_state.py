@@ -12,8 +12,9 @@ model state (a BatchNorm normalising it by its own rows) and their new ones are 
 as are the data shards' where the loss runs per shard (each shard's rows then normalised
 apart: `train_step`'s accum_gather): a running mean moves as one update from the batch's
 mean, a running variance by the microbatches' mean variance, as flax's ImageNet example
-averages its devices' batch_stats. A step skipped for non-finite gradients keeps the old
-model state.
+averages its devices' batch_stats; other leaves (a count, a flag) are kept as computed,
+exact. Under accumulation "auto" gathers per microbatch, so that a BatchNorm sees whole
+microbatches. A step skipped for non-finite gradients keeps the old model state.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnscale import _tree
+from fnscale._accumulate import Same, StatefulAux
 from fnscale._errors import StepError
 
 _FORM = ("with a model_state in the state, loss_fn(params, batch, ..., *, model_state) must "
@@ -45,14 +47,24 @@ def wrap(cfg, model_state):
       raise StepError(f"loss_fn returned {_tree.got(out)}; {_FORM}.")
     out, new = out
     _check_like(new, model_state)
-    new = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), new)
+    new = jax.tree.map(_combinable, new)
     if had_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise StepError(f"loss_fn's output is {_tree.got(out)}, expected (loss, aux) with "
                         f"has_aux=True; {_FORM}.")
-      return out[0], (out[1], new)
-    return out, (None, new)
-  return cfg._replace(loss_fn=loss_fn, has_aux=True)
+      return out[0], StatefulAux(out[1], new)
+    return out, StatefulAux(None, new)
+  # A BatchNorm normalises the rows its loss call sees: under "auto", whole microbatches
+  # (a device's rows alone, "once", can be a handful: its statistics noise).
+  gather = "per_microbatch" if cfg.accum_gather == "auto" else cfg.accum_gather
+  return cfg._replace(loss_fn=loss_fn, has_aux=True, accum_gather=gather)
+
+
+def _combinable(x):
+  """A new model state's leaf as the step combines it: a float averaged in float32, any
+  other (a count, a flag, a seed) kept whole (`Same`)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.inexact) else Same(x)
 
 
 def _check_like(new, old) -> None:
@@ -72,12 +84,27 @@ def _check_like(new, old) -> None:
 
 
 def unwrap(old, new, skipped):
-  """The step's new model state: `new` (float32, from `wrap`'s aux) in `old`'s dtypes, or
-  `old` where the step was `skipped` (int32 1)."""
+  """The step's new model state: `new` (from `wrap`'s aux) in `old`'s dtypes, or `old`
+  where the step was `skipped` (int32 1)."""
   def cast(x, o):
-    if o.dtype == jnp.bool_:
-      x = x > 0.5
-    else:
-      x = (x if jnp.issubdtype(o.dtype, jnp.inexact) else jnp.round(x)).astype(o.dtype)
+    x = x.value if isinstance(x, Same) else x.astype(o.dtype)
     return jnp.where(skipped > 0, o, x)
-  return jax.tree.map(cast, new, old)
+  return jax.tree.map(cast, new, old, is_leaf=lambda x: isinstance(x, Same))
+
+
+def hint(message: str) -> str:
+  """The fix for a step whose tracing failed with `message` (the error's type and text) over
+  a model state, or ''."""
+  if "unexpected keyword argument 'model_state'" in message:
+    return ("fix: the state has a model_state (init_state(..., model_state=...)): the loss "
+            "takes it, `def loss_fn(params, batch, *, model_state)`, and returns (output, "
+            "new model_state)")
+  if "argument: 'model_state'" in message:
+    return ("fix: the loss takes a model_state: give the state one, "
+            "fs.init_state(..., model_state=...)")
+  if "TraceContextError" in message and "BatchStat" in message:
+    return ("fix: a BatchStat the model updates is the state's model_state: `graphdef, "
+            "params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)`, "
+            "init_state(params, ..., model_state=stats), and the loss returns (loss, "
+            "nnx.state(model, nnx.BatchStat)) (recipes/examples/README.md)")
+  return ""

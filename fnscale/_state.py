@@ -462,6 +462,12 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
                                     **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
   _check_arrays(model_state, "model_state")
+  for path, leaf in _tree.leaves_with_paths(model_state):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      raise StepError(
+          f"model_state leaf '{path}' is a typed PRNG key ({leaf.dtype}), which the step "
+          "can't carry there; fix: its bits, jax.random.key_data(key) (uint32, kept exact), "
+          "and jax.random.wrap_key_data in the loss; or train_step(..., key=...).")
   if abstract:
     return TrainState(params, _sds(abstract_opt, osh),
                       _sds(jax.ShapeDtypeStruct((), jnp.int32), rep), _sds(loss_scale, rep),

@@ -252,7 +252,7 @@ def _step(cfg: _Config, state, batch):
   grads = _unscale(grads, ls)
   new_state, skipped, grad_norm, update_norm = _update(cfg, state, grads, ls)
   if stateful:
-    aux, new = aux
+    aux, new = aux.aux, aux.model_state
     new_state = new_state._replace(model_state=_model_state.unwrap(state.model_state, new,
                                                                    skipped))
   # Training that does not move: a finite loss, a step not skipped, and no (or a non-finite)
@@ -291,7 +291,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
     loss_fn: `loss_fn(params, batch) -> loss` (a scalar), or `-> (loss, aux)` with
       `has_aux=True`; `loss_fn(params, batch, key)` when `key` is given; with the
       keyword `frozen=` (the state's frozen params, cast to the compute dtype, never
-      differentiated) when the state has them (`TrainState.frozen`, `fnscale.lora`). A scalar loss
+      differentiated) when the state has them (`TrainState.frozen`, `fnscale.lora`); with
+      the keyword `model_state=` when the state has one (`TrainState.model_state`, a
+      BatchNorm's statistics), returning `(output, new model state)`. A scalar loss
       should be a mean over the batch: the step averages the means of the microbatches
       and shards. Where they hold different numbers of tokens, a loss that divides a sum
       over the batch by a count of it (`jnp.sum(nll * mask) / jnp.sum(mask)`,

@@ -127,7 +127,10 @@ def type_name(x) -> str:
 
 
 def got(x) -> str:
-  """'a str ('data=8')': what a caller passed, for error messages (repr cut at 60 chars)."""
+  """'a str ('data=8')': what a caller passed, for error messages (repr cut at 60 chars); an
+  array (or a traced one) by its dtype and shape: 'a float32[] array'."""
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
+    return f"a {x.dtype}{list(x.shape)} array"
   r, name = repr(x), type_name(x)
   article = "an" if name[0].lower() in "aeiou" else "a"
   return f"{article} {name} ({r if len(r) <= 60 else r[:57] + '...'})"

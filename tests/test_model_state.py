@@ -116,6 +116,49 @@ def test_under_accumulation_the_running_mean_moves_by_the_whole_batchs_mean(accu
   assert np.all(np.asarray(got["var"]) > 0.9 * old["var"])
 
 
+@pytest.mark.parametrize("axes, accum_steps, accum_gather", [
+    ({"data": 8}, 1, "auto"), ({"data": 8}, 2, "once"), ({"data": 2, "fsdp": 4}, 2, "auto")])
+def test_integer_and_flag_leaves_of_the_model_state_come_back_exact(axes, accum_steps,
+                                                                    accum_gather):
+  """A count past float32's 2**24, a uint32 seed the loss returns as it is, a flag: kept as
+  the loss computed them (every microbatch and shard alike), never through a float."""
+  start = {"count": jnp.int32(2**24 + 1), "seed": jnp.uint32(3_000_000_001),
+           "first": jnp.bool_(True)}
+
+  def loss_fn(params, batch, *, model_state):
+    loss = jnp.mean((batch["x"] @ params["w"]) ** 2)
+    return loss, {"count": model_state["count"] + 1, "seed": model_state["seed"],
+                  "first": jnp.logical_and(model_state["first"], False)}
+  mesh, opt = fs.make_mesh(axes), optax.sgd(0.1)
+  state = fs.init_state({"w": jnp.ones((WIDTH, 1))}, opt, mesh=mesh, model_state=start)
+  step = fs.shard_step(fs.train_step(loss_fn, opt, accum_steps=accum_steps,
+                                     accum_gather=accum_gather), mesh)
+  batch = fs.global_batch({"x": _batches()[0]["x"]}, fs.batch_sharding(mesh))
+  for n in (1, 2):
+    state, _ = step(state, batch)
+    assert int(state.model_state["count"]) == 2**24 + 1 + n
+  assert int(state.model_state["seed"]) == 3_000_000_001
+  assert state.model_state["seed"].dtype == jnp.uint32 and not bool(state.model_state["first"])
+
+
+def test_a_typed_key_in_the_model_state_is_refused_naming_its_bits():
+  with pytest.raises(fs.StepError, match=r"model_state leaf 'rng' is a typed PRNG key .*fix: "
+                     r"its bits, jax\.random\.key_data\(key\)"):
+    fs.init_state({"w": jnp.ones((2, 2))}, optax.sgd(0.1), mesh=fs.make_mesh({"data": 8}),
+                  model_state={"rng": jax.random.key(0)})
+
+
+def test_accumulation_left_to_auto_gives_a_batchnorm_whole_microbatches():
+  """On a data mesh "auto" would run the loss per shard (a device's 2 rows of a 16-row
+  microbatch, statistics of noise); with a model state it gathers per microbatch: the same
+  step as accum_gather="per_microbatch"."""
+  got = _trained(*_linen_start(), _linen_loss, {"data": 8}, accum_steps=2)
+  want = _trained(*_linen_start(), _linen_loss, {"data": 8}, accum_steps=2,
+                  accum_gather="per_microbatch")
+  np.testing.assert_array_equal(got[0], want[0])
+  _close(got[1].model_state, want[1].model_state, rtol=0, atol=0)
+
+
 def test_a_step_skipped_for_non_finite_gradients_keeps_the_old_model_state():
   """float16 compute with a dynamic loss scale: a loss whose scaled gradients overflow skips
   the step (params unchanged), and the running statistics stay as they were too."""
@@ -149,6 +192,21 @@ def test_a_loss_without_the_new_model_state_is_named_with_the_form():
     fs.shard_step(fs.train_step(whole, opt), mesh)(state, batch)
   with pytest.raises(fs.StepError, match=r"model_state leaf 'BatchNorm_0/mean' is a str"):
     fs.init_state(params, opt, mesh=mesh, model_state={"BatchNorm_0": {"mean": "zeros"}})
+  # A loss without the keyword; a state without the model state the loss takes.
+  plain = lambda p, b: jnp.mean(b["y"] * 0 + jnp.sum(p["Dense_1"]["bias"]))
+  with pytest.raises(fs.StepError, match=r"unexpected keyword argument 'model_state'.*fix: "
+                     r"the state has a model_state .*`def loss_fn\(params, batch, \*, "
+                     r"model_state\)`"):
+    fs.shard_step(fs.train_step(plain, opt), mesh)(state, batch)
+  with pytest.raises(fs.StepError, match=r"'model_state'.*fix: the loss takes a model_state: "
+                     r"give the state one, fs\.init_state\(\.\.\., model_state=\.\.\.\)"):
+    fs.shard_step(fs.train_step(_linen_loss, opt), mesh)(fs.init_state(params, opt, mesh=mesh),
+                                                         batch)
+  # A per-row aux beside the model state is named as the loss's own aux.
+  rows = lambda p, b, *, model_state: (lambda out: ((out[0], {"err": b["y"]}), out[1]))(
+      _linen_loss(p, b, model_state=model_state))
+  with pytest.raises(fs.StepError, match=r"aux leaf 'err' has shape \(16,\)"):
+    fs.shard_step(fs.train_step(rows, opt, has_aux=True, accum_steps=2), mesh)(state, batch)
 
 
 def test_the_model_state_is_saved_and_restored_with_the_state(tmp_path):
@@ -187,6 +245,14 @@ def test_an_nnx_batchnorm_trains_like_nnxs_own_step_on_one_device():
     return loss
 
   want = [float(nnx_step(model, optimizer, b["x"], b["y"])) for b in _batches()]
+  # The BatchStats closed over rather than given as the model state: named with the fix.
+  graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+  closed = lambda p, b: jnp.mean((nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2)
+  mesh, opt = fs.make_mesh({"fsdp": 8}), optax.sgd(0.1)
+  with pytest.raises(fs.StepError, match=r"TraceContextError.*BatchStat.*fix: a BatchStat the "
+                     r"model updates is the state's model_state"):
+    fs.shard_step(fs.train_step(closed, opt), mesh)(fs.init_state(params, opt, mesh=mesh),
+                                                    _batches()[0])
   graphdef, params, stats, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
 
   def loss_fn(params, batch, *, model_state):
