@@ -317,8 +317,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy=None, accum_steps: int = 
       and a whole float32 accumulator per device), "per_microbatch" in every microbatch
       (memory as at accum 1, ZeRO-3), "auto" (default) "once" where whole params and
       accumulator fit 1% of the device's memory (`fnscale.analysis.device_memory`) or no param
-      is split over a data axis, else "per_microbatch" (also with a `key`, or a loss
-      closing over an Explicit-sharded array or sharding its ops by type). The modes'
+      is split over a data axis, else "per_microbatch" (also with a `key`, a model state,
+      or a loss closing over an Explicit-sharded array or sharding its ops by type). The modes'
       traffic and memory: recipes/bench/README.md, "Gradient accumulation".
     weighted: `loss_fn`'s loss is `(sum, weight)`, two scalars: the loss summed over its
       batch's tokens and their count or total weight (e.g. `(jnp.sum(nll * mask),
