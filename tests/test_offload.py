@@ -246,7 +246,8 @@ def test_the_preflight_offloads_the_state_where_adamw_fits_no_other_way(llama_v5
   """By a hand count AdamW's step holds 4 P, with its first moment in bfloat16 3.5 P, with
   the state on the host 2 P and a few slices of 64 MiB; a choice must fit 90% of the
   device. At 2.6 P only the offloaded state fits: chosen and said; --nooptimizer_offload
-  leaves Adafactor; at 4.5 P nothing changes."""
+  leaves Adafactor; at 4.5 P nothing changes. (Remat's policy pinned: what the attention
+  keeps is `remat.whole_block`'s, tests/test_train_memory.py.)"""
   from recipes.lm import memory  # pylint: disable=import-outside-toplevel
   from recipes.lm.options import Options  # pylint: disable=import-outside-toplevel
   topo, mesh, (module, cfg), P = llama_v5e
@@ -254,7 +255,8 @@ def test_the_preflight_offloads_the_state_where_adamw_fits_no_other_way(llama_v5
   def choose(cap, **options):
     monkeypatch.setattr(memory, "limit", lambda mesh: cap * P)
     said = []
-    step = memory.choose(Options.of(batch_size=1, remat=True, accum_steps=1, **options).step,
+    step = memory.choose(Options.of(batch_size=1, remat=True, remat_policy="full",
+                                    accum_steps=1, **options).step,
                          "float32", memory.Model(module, cfg, "llama"), topo, mesh, 1,
                          said.append)
     return (step.optimizer, step.mu_dtype, step.optimizer_offload), said
