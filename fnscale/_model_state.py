@@ -33,9 +33,11 @@ _FORM = ("with a model_state in the state, loss_fn(params, batch, ..., *, model_
 
 def wrap(cfg, model_state):
   """`cfg` (a `_loss._Config`) whose loss passes `model_state` to the user's loss and returns
-  the new model state in its aux, in float32 (averaged over microbatches and shards as aux
-  floats are, `unwrap` casts it back); `has_aux` set. Raises StepError, when traced, for a
-  loss that returns no pair or a new state unlike `model_state`."""
+  the new model state in its aux (`StatefulAux`: floats in float32, averaged over
+  microbatches and shards as aux floats are; other leaves kept whole, `Same`; `unwrap`
+  restores the dtypes); `has_aux` set, "auto" accumulation per microbatch. Raises
+  StepError, when traced, for a loss that returns no pair or a new state unlike
+  `model_state`."""
   user, had_aux = cfg.loss_fn, cfg.has_aux
 
   def loss_fn(params, batch, *rest, **kw):
