@@ -275,6 +275,18 @@ def _check_arrays(tree, what: str) -> None:
               if model else "") + ".")
 
 
+def _check_model_state(model_state) -> None:
+  """StepError naming a model_state leaf that is not an array, or a typed PRNG key (the step
+  carries its leaves exactly, but not an extended dtype)."""
+  _check_arrays(model_state, "model_state")
+  for path, leaf in _tree.leaves_with_paths(model_state):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      raise StepError(
+          f"model_state leaf '{path}' is a typed PRNG key ({leaf.dtype}), which the step "
+          "can't carry there; fix: its bits, jax.random.key_data(key) (uint32, kept exact), "
+          "and jax.random.wrap_key_data in the loss; or train_step(..., key=...).")
+
+
 def _check_static(params) -> None:
   """A jax array in a pytree node's metadata (a static field) would fail every jit over the
   params with a message naming no field: name it here."""
@@ -442,6 +454,7 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   if isinstance(key, (bool, int, float)):  # a seed where the key goes
     raise StepError(f"key is {_tree.got(key)}, expected a PRNG key for init_fn; fix: "
                     f"key=jax.random.key({key!r}) (or jax.random.PRNGKey({key!r})).")
+  _check_model_state(model_state)
   if not abstract and not _runs_here(mesh):
     raise MeshError(
         f"init_state: the mesh's devices ({mesh.devices.flat[0].device_kind}, "
@@ -461,13 +474,6 @@ def init_state(init_fn_or_params, optimizer, *, mesh, rules=(), logical_axes=Non
   osh = _placed(opt_state_shardings(optimizer, abstract_opt, psh, mesh,
                                     **_opt_options(opts)), offload_optimizer)
   rep = _replicated(mesh)
-  _check_arrays(model_state, "model_state")
-  for path, leaf in _tree.leaves_with_paths(model_state):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      raise StepError(
-          f"model_state leaf '{path}' is a typed PRNG key ({leaf.dtype}), which the step "
-          "can't carry there; fix: its bits, jax.random.key_data(key) (uint32, kept exact), "
-          "and jax.random.wrap_key_data in the loss; or train_step(..., key=...).")
   if abstract:
     return TrainState(params, _sds(abstract_opt, osh),
                       _sds(jax.ShapeDtypeStruct((), jnp.int32), rep), _sds(loss_scale, rep),
