@@ -107,16 +107,15 @@ def _check_rowwise(aux, batch, combined: str, aux_of: Callable) -> None:
     return
   doubled = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2 * rows,) + x.shape[1:], x.dtype),
                          batch)
-  try:
-    again = jax.tree.leaves(jax.eval_shape(aux_of, doubled))
-  except Exception:  # pylint: disable=broad-except  # untraceable at twice the rows: as if so
-    again = [jax.ShapeDtypeStruct((2 * np.shape(x)[0],) + np.shape(x)[1:], jnp.float32)
-             if same(x) else x for x in jax.tree.leaves(aux)]
   parts = aux._asdict() if isinstance(aux, StatefulAux) else {"aux": aux}
   named = [(what, path, x) for what, part in parts.items()
            for path, x in _tree.leaves_with_paths(part)]
+  try:
+    again = jax.tree.leaves(jax.eval_shape(aux_of, doubled))
+  except Exception:  # pylint: disable=broad-except  # untraceable at twice the rows: per row
+    again = [None] * len(named)
   for (what, path, x), y in zip(named, again):
-    if same(x) and np.shape(y)[0] == 2 * rows:
+    if same(x) and (y is None or np.shape(y)[0] == 2 * rows):
       raise StepError(
           f"{what} leaf '{path}' has shape {tuple(np.shape(x))}, a value per row of the {rows} "
           f"rows the loss sees at a time, and {combined} can only average it elementwise, "
@@ -242,14 +241,15 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
   params = _vary(params, axes)  # per-shard gradients are local (varying) until reduced
   ls = None if scale is None else jmp.StaticLossScale(scale)
   grad_fn = jax.grad(functools.partial(_scaled_loss, cfg), has_aux=True)
+  aux_of = lambda i: lambda b: _scaled_loss(cfg, params, b, ls, _loss_key(cfg, step, i, axes),
+                                            frozen)[1][2]  # microbatch i's aux, for a batch b
   floor = None if cfg.ratio is None else cfg.ratio.floor
   if cfg.accum_steps == 1:
     grads, (loss, weight, aux) = grad_fn(params, micro, ls, _loss_key(cfg, step, 0, axes),
                                          frozen)
     if axes and cfg.has_aux:
       _check_rowwise(aux, micro, f"the mean over the data shards ({', '.join(axes)})",
-                     lambda b: _scaled_loss(cfg, params, b, ls, _loss_key(
-                         cfg, step, 0, axes), frozen)[1][2])
+                     aux_of(0))
     out = _reduce(cfg, optax.tree.cast(grads, jnp.float32), loss, weight, aux, axes, reduce)
     return _normalize(*out, floor) if reduce else out
   n = jax.tree.leaves(micro)[0].shape[0]
@@ -266,8 +266,7 @@ def _grad_sum(cfg: _Config, params, micro, scale, step, reduce: bool = True, fro
     mb, i = mb_i
     g, (l, w, a) = grad_fn(params, mb, ls, _loss_key(cfg, step, i, axes), frozen)
     if cfg.has_aux:
-      _check_rowwise(a, mb, f"accumulation over {n} microbatches", lambda b: _scaled_loss(
-          cfg, params, b, ls, _loss_key(cfg, step, i, axes), frozen)[1][2])
+      _check_rowwise(a, mb, f"accumulation over {n} microbatches", aux_of(i))
     lsum, wsum = lsum + l, wsum + w
     gsum = optax.tree.add(gsum, optax.tree.cast(g, jnp.float32))
     if last_divides:  # by 1 (exact) before the last microbatch

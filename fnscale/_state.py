@@ -247,32 +247,39 @@ def _is_init_fn(x) -> bool:
       "an init function in a plain one: `lambda key: init(key)`.")
 
 
+def _non_array(tree, numbers: bool = False):
+  """(path, leaf) of `tree`'s first leaf that is not an array (nor, with `numbers`, a Python
+  number), or None."""
+  kinds = (bool, int, float, complex) if numbers else ()
+  return next(((path, leaf) for path, leaf in _tree.leaves_with_paths(tree)
+               if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+               and not isinstance(leaf, kinds)), None)
+
+
 def _arrays_out(params):
   """`params` (what an init function returned, traced) if every leaf is an array or a
   number; else a StepError naming the first other leaf (an Equinox model's activation
   function: jax would refuse the output naming its type only)."""
-  for path, leaf in _tree.leaves_with_paths(params):
-    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype") or isinstance(
-        leaf, (bool, int, float, complex))):
-      raise StepError(
-          f"init_fn returned a {type(leaf).__name__} at params leaf '{path}', expected arrays; "
-          "fix: return the params' arrays (an Equinox model: `eqx.partition(model, "
-          "eqx.is_inexact_array)[0]` of it, with the static part combined in the loss).")
+  bad = _non_array(params, numbers=True)
+  if bad:
+    raise StepError(
+        f"init_fn returned a {type(bad[1]).__name__} at params leaf '{bad[0]}', expected "
+        "arrays; fix: return the params' arrays (an Equinox model: `eqx.partition(model, "
+        "eqx.is_inexact_array)[0]` of it, with the static part combined in the loss).")
   return params
 
 
 def _check_arrays(tree, what: str) -> None:
   """StepError naming the first leaf of `tree` (`what`: params, model_state) that is not an
   array."""
-  model = callable(tree)
-  for path, leaf in _tree.leaves_with_paths(tree):
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      raise StepError(
-          f"{what} leaf '{path}' is a {type(leaf).__name__}, expected an array; fix: "
-          "pass arrays (jnp/np)" + (" or an init function" if what == "params" else "") + (
-              " (an Equinox model: its arrays, `params, static = eqx.partition(model, "
-              "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in the loss)"
-              if model else "") + ".")
+  bad = _non_array(tree)
+  if bad:
+    raise StepError(
+        f"{what} leaf '{bad[0]}' is a {type(bad[1]).__name__}, expected an array; fix: "
+        "pass arrays (jnp/np)" + (" or an init function" if what == "params" else "") + (
+            " (an Equinox model: its arrays, `params, static = eqx.partition(model, "
+            "eqx.is_inexact_array)`, and `eqx.combine(params, static)` in the loss)"
+            if callable(tree) else "") + ".")
 
 
 def _check_model_state(model_state) -> None:

@@ -129,7 +129,7 @@ def type_name(x) -> str:
 def got(x) -> str:
   """'a str ('data=8')': what a caller passed, for error messages (repr cut at 60 chars); an
   array (or a traced one) by its dtype and shape: 'a float32[] array'."""
-  if isinstance(x, (jax.Array, jax.core.Tracer)):
+  if isinstance(x, jax.Array):  # a tracer is one too
     return f"a {x.dtype}{list(x.shape)} array"
   r, name = repr(x), type_name(x)
   article = "an" if name[0].lower() in "aeiou" else "a"

@@ -15,11 +15,10 @@ the same math, host transfers each step; left to the user with `--optimizer_offl
 `--nooptimizer_offload`), then Adafactor (`OPTIMIZERS`), said the same way. A run that
 nothing on its mesh can fit (a model whose state alone outgrows the chip, or a batch the
 user fixed that even remat and accumulation can't hold) stops with an `error:` naming the
-fix. Remat's policy is the forecast's (`remat.whole_block`). After compiling
-(`compile_step`): XLA's peak bytes per device against the memory
-(`fnscale.analysis.compile_fitting`), never a raw RESOURCE_EXHAUSTED; a step that doesn't
-fit is refused with the options that would, as flags. On CPU (no memory limit) nothing is
-checked.
+fix. Remat's policy is the forecast's (`remat.whole_block`). After compiling (`compile_step`):
+XLA's peak bytes per device against the memory (`fnscale.analysis.compile_fitting`), never a
+raw RESOURCE_EXHAUSTED; a step that doesn't fit is refused with the options that would, as
+flags. On CPU (no memory limit) nothing is checked.
 """
 from __future__ import annotations
 
@@ -222,7 +221,8 @@ def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: 
 
 def _full_remat_rate(step: StepOptions, policy, m: Model, topo, mesh, rows: int):
   """(the forecast's tokens/s under full remat, global rows); None without its figures."""
-  axes, base = _mesh_axes(mesh), remat_policy(dataclasses.replace(step, remat=False), "tpu")
+  axes = _mesh_axes(mesh)
+  base = remat_policy(dataclasses.replace(step, remat=False), topo.platform)
   global_rows = rows * fs.analysis.data_parallel(axes)
   try:  # the pre-flight's profile (cached)
     prof = profile(m, topo, global_rows, policy, base, asked_optimizers(step)[0])
