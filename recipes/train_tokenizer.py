@@ -41,6 +41,11 @@ def _check_args(files, vocab_size, out_path) -> None:
     raise InputError(f"out_path={out_path!r}: expected a file path such as tok/tokenizer.json")
 
 
+def _text(path) -> str:
+  with open(path, "rb") as f:
+    return f.read().decode("utf-8", errors="replace")
+
+
 def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
   """Trains a byte-level BPE with `vocab_size` tokens on `files` and writes it to `out_path`.
 
@@ -66,7 +71,9 @@ def train_tokenizer(files: list[str], vocab_size: int, out_path: str) -> str:
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
-  tok.train([os.fspath(f) for f in files], trainer)
+  # Read here, not by tok.train (which stops at the first byte that isn't UTF-8, as a
+  # standard library's test data holds): bytes are decoded as train_lm decodes them.
+  tok.train_from_iterator((_text(f) for f in files), trainer)
   got = tok.get_vocab_size()
   if got != vocab_size:
     raise InputError(f"the corpus ({len(files)} files) gave only {got} tokens, not "

@@ -68,6 +68,18 @@ def test_tokenizer_round_trips_text_and_has_the_asked_vocab(tmp_path, tokenizers
   assert tok.token_to_id(tt.END_OF_TEXT) is not None
 
 
+def test_tokenizer_trains_on_files_with_bytes_that_are_not_utf8(tmp_path, tokenizers):
+  # The stdlib corpus holds such files (test data); tokenizers' own file reader stops at them.
+  d = _corpus(tmp_path)
+  (d / "latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 50 + b"\xff\xfe\x80 xyz\n")
+  out = tt.train_tokenizer(sorted(str(p) for p in d.iterdir()), 300, str(tmp_path / "t.json"))
+  tok = tokenizers.Tokenizer.from_file(out)
+  assert tok.get_vocab_size() == 300
+  # The bad bytes were read as train_lm reads them: U+FFFD, whose UTF-8 bytes BPE merged.
+  assert tok.decode(tok.encode("caf\ufffd").ids) == "caf\ufffd"
+  assert len(tok.encode("\ufffd").ids) == 1
+
+
 def test_tokenizer_corpus_specs(tmp_path):
   d = _corpus(tmp_path)
   names = [f"part{i}.txt" for i in range(len(CORPUS))]
