@@ -243,24 +243,37 @@ def _measured_both_ways():
           if "remat=full" in c and c.replace("remat=full", "remat=offload_attn") in ms}
 
 
+# XLA's host buffer of each measured shape under offload_attn, compiled for v5e:1x1 (chip.py's
+# fnscale side, memory_analysis().host_temp), GiB; the chooser's line says its own count.
+HOST_GIB = {"llama": 0.508, "gpt-medium": 3.047, "llama-1b": 2.031}
+
+
 @pytest.mark.tpu
 def test_remats_policy_offloads_the_attention_where_the_chip_ran_it_faster(v5e):
   """--remat (its policy left to auto) on one v5e takes offload_attn where the host link
   carries the attention's output out in the forward pass's time by the forecast, else full:
   on each shape the chip ran both ways, the faster one (the 766M Llama at 8 x 2048:
-  offload_attn 680 ms against 698; GPT medium at 32 x 1024: full 892 ms against 1079).
-  The bytes said are XLA's host buffer (0.508 GiB, compiled for v5e:1x1), the share within
-  5 points of the measured step's (its transfer at 8.5 GB/s over a quarter of full's 698 ms:
-  37%). A --remat_policy the user gave is kept; a chip without a measured link stays full."""
+  offload_attn 680 ms against 698; GPT medium at 32 x 1024: full 892 ms against 1079; the
+  1B at 8 x 2048, bf16 params, Adafactor: offload_attn 1371 ms against 1404, chosen before
+  it ran). The bytes said are XLA's host buffer (`HOST_GIB`); the share is the measured
+  step's (the transfer at 8.5 GB/s over a quarter of full's step: 37% for the 766M, 73% for
+  the 1B) within the full-remat forecast's error on these rows (test_chip_forecast: the 1B's
+  8 rows 8% fast). A --remat_policy the user gave is kept; a chip without a measured link
+  stays full."""
   topo, mesh = v5e
   pairs = _measured_both_ways()
-  assert set(pairs) == {"llama,remat=full,batch=8", "gpt-medium,remat=full,batch=32"}
+  assert set(pairs) == {"llama,remat=full,batch=8", "gpt-medium,remat=full,batch=32",
+                        "llama-1b,batch=8,params=bfloat16,remat=full"}
   for label, (full_ms, offload_ms) in pairs.items():
     case = chip.parse_case(label)
     module, cfg = chip.model_of(case)
     model, said = memory.Model(module, cfg, case.model), []
-    asked = lambda **kw: Options.of(remat=True, batch_size=case.batch, **kw).step
-    step = memory.choose(asked(), "auto", model, topo, mesh, case.batch, said.append)
+    precision = f"params={case.params},compute=bfloat16,output=float32"
+    asked = lambda **kw: Options.of(remat=True, batch_size=case.batch, optimizer=case.opt,
+                                    **kw).step
+    choose = lambda step: memory.choose(step, precision, model, topo, mesh, case.batch,
+                                        said.append)
+    step = choose(asked())
     want = "offload_attn" if offload_ms < full_ms else "full"
     assert (step.remat, step.remat_policy, step.batch_size) == (True, want, case.batch), label
     told = [s for s in said if s.startswith("remat: ")]
@@ -268,12 +281,13 @@ def test_remats_policy_offloads_the_attention_where_the_chip_ran_it_faster(v5e):
     for line in told:
       share = re.fullmatch(
           r"remat: offload_attn: the attention kernel's output goes to the host and back "
-          r"\(0\.51 GiB a step per device\) in (\d+)% of the forward pass's time by the "
-          r"forecast, rather than running again \(--remat_policy=full recomputes it\)", line)
-      assert share and abs(int(share[1]) - 0.508 * 2**30 / 8.5e9 / (full_ms / 4e3) * 100) <= 5
-    given = memory.choose(asked(remat_policy="full"), "auto", model, topo, mesh, case.batch,
-                          said.append)
-    assert given.remat_policy == "full"
+          rf"\({HOST_GIB[label.split(',')[0]]:.2f} GiB a "
+          r"step per device\) in (\d+)% of the forward pass's time by the forecast, rather "
+          r"than running again \(--remat_policy=full recomputes it\)", line)
+      host = HOST_GIB[label.split(",")[0]] * 2**30 / 8.5e9  # s one way
+      measured = host / (full_ms / 4e3) * 100
+      assert share and abs(int(share[1]) - measured) <= 0.1 * measured, (line, measured)
+    assert choose(asked(remat_policy="full")).remat_policy == "full"
     unmeasured = dataclasses.replace(topo, generation="v5p")
-    assert memory.choose(asked(), "auto", model, unmeasured, mesh, case.batch,
+    assert memory.choose(asked(), precision, model, unmeasured, mesh, case.batch,
                          said.append).remat_policy == "full"

@@ -97,7 +97,8 @@ def attention_offload(cfg, tokens_s: float, devices: int, compute_bytes: int,
   it is at most 1, the forward pass hiding the trip out and the longer backward the trip
   back. Against one v5e's rows (recipes/bench/chip_v5e.json, link 8.5 GB/s): 0.37 for the
   766M Llama at 8 x 2048 (offload_attn 61.1% MFU, full 59.5%), 1.7 for GPT medium at 32 x
-  1024 (32.6%, 39.5%).
+  1024 (32.6%, 39.5%), 0.73 for the Llama 3.2 1B at 8 x 2048, bf16 params (49.9%, 48.7%;
+  forecast 0.79 and offload_attn chosen before it ran).
 
   Example:
     >>> from recipes.lm import llama
