@@ -13,7 +13,9 @@ roofline's bound; with `--tokens`, days and chip-hours to train on that many tok
 compiles the best `--verify` of them for the target's described devices (TPU targets; libtpu
 does this without the hardware; default: 1 where it can, none elsewhere). `--measure` plans for this host's 8 simulated CPU devices with the cost model
 calibrated from measured matmul and memory-copy rates, runs every candidate mesh, and
-reports the Spearman rank correlation between predicted and measured step times.
+reports the Spearman rank correlation between predicted and measured step times. A row
+without remat runs train_lm's `--remat_policy` (auto: "dots" on a TPU or GPU target, whose
+residuals it holds, `PlanOptions.remat_off`; none on CPU), as the main job would.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import optax
 import fnscale as fs
 from fnscale.analysis import (Plan, PlanOptions, calibrate_cpu, cannot_verify, mesh_str, plan,
                               plan_summary)
-from recipes.lm import cli, gpt, llama, models, optimizers
+from recipes.lm import cli, gpt, llama, models, optimizers, remat
+from recipes.lm.options import REMAT_POLICIES, StepOptions
 
 if "--measure" in sys.argv:  # simulated devices: set before jax's backend starts
   if "JAX_PLATFORMS" not in os.environ:  # read when jax was imported: the config now
@@ -52,16 +55,23 @@ def _batch(rows: int, seq: int, positions: bool = True) -> dict:
 
 
 def make_plan(model: str, target, rows: int, seq: int, verify: int | None, *,
-              optimizer: str = "adamw", mu_dtype: str = "float32", **kw) -> Plan:
+              optimizer: str = "adamw", mu_dtype: str = "float32",
+              remat_policy: str = "auto", **kw) -> Plan:
   """`fnscale.analysis.plan` for a named GPT, Llama or MoE size (`recipes/lm/gpt.py`,
   `llama.py`, `moe.py`: an expert axis joins the candidates for a mixture of experts) and
   train_lm's optimizer (`recipes.lm.optimizers`: adamw or adafactor, AdamW's first moment
-  in `mu_dtype`); `kw`: `PlanOptions` fields (policy: POLICY unless given; `unrolled` runs
-  the model's layer loop unrolled too) and `overrides` of the model's config (e.g. layers).
+  in `mu_dtype`), its rows without remat keeping what train_lm's `remat_policy` keeps (auto:
+  its default on the target's platform, "dots" on a TPU: `PlanOptions.remat_off`); `kw`:
+  `PlanOptions` fields (policy: POLICY unless given; `unrolled` runs the model's layer loop
+  unrolled too) and `overrides` of the model's config (e.g. layers).
 
   Raises:
     InputError: `unrolled` for a model without an unrolled loop (moe, deepseek)."""
   module = models.MODELS[model]
+  if "remat_off" not in kw and hasattr(module, "REMAT_POLICIES"):
+    platform = fs.analysis.hardware(target).kind
+    keep = remat.remat_policy(StepOptions(remat_policy=remat_policy), platform)
+    kw["remat_off"] = False if keep in ("none",) + remat.WHOLE_BLOCK else keep
   overrides = kw.pop("overrides", {})
   cfg = (module.model_config(model, seq)._replace(**overrides) if module is gpt
          else module.model_config(model, seq, **overrides))
@@ -146,6 +156,9 @@ def main(argv=None) -> int:
                   help="AdamW's first-moment dtype")
   ap.add_argument("--tokens", type=cli.number(float, above=0), default=None,
                   help="token budget, e.g. 2e12: days and chip-hours per candidate")
+  ap.add_argument("--remat_policy", default="auto", choices=("auto",) + REMAT_POLICIES,
+                  help="what the blocks keep in the rows without remat (train_lm's "
+                       "--remat_policy; auto: dots on a TPU or GPU, none on CPU)")
   ap.add_argument("--unroll", action="store_true",
                   help="the layer loop unrolled (train_lm's TPU default where remat is off)")
   ap.add_argument("--measure", action="store_true")
@@ -168,7 +181,7 @@ def main(argv=None) -> int:
       verify = 0 if cannot_verify(a.target) else 1
     p = make_plan(a.model, a.target, a.batch, a.seq, verify, optimizer=a.optimizer,
                   mu_dtype=a.mu_dtype, overrides=overrides, tokens=a.tokens,
-                  unrolled=a.unroll)
+                  unrolled=a.unroll, remat_policy=a.remat_policy)
     print(p)
     print(f"planned in {time.perf_counter() - t0:.0f} s")
     res = plan_summary(p)

@@ -712,6 +712,43 @@ def test_verify_compiles_the_program_the_cost_model_costs(monkeypatch):
   with pytest.raises(Stop):
     _verify.compile_candidate(once, hw, ctx)
   assert seen["accum_gather"] == "once"
+  # Without remat, a profile traced with remat_off compiles the loss under that policy.
+  dots = ctx[:7] + (prof._replace(remat_off="dots"), None)
+  with pytest.raises(Stop):
+    _verify.compile_candidate(cand._replace(remat=False), hw, dots)
+  assert seen["remat"] == "dots"
+  with pytest.raises(Stop):
+    _verify.compile_candidate(cand, hw, dots)
+  assert seen["remat"] is True
+
+
+def test_remat_off_holds_the_policys_residuals_and_forecasts_the_traffic_without_one():
+  """PlanOptions.remat_off="dots" (the Llama's loss takes a policy's name as `remat=`): the
+  rows without remat hold what the loss keeps under "dots" (the profile of a loss whose
+  remat=False is "dots") plus `STREAM_LIVE` residual-stream carries a layer, which XLA keeps
+  beside a partial policy's residuals; their forecast is the loss's without a policy (the
+  traffic the chip's terms were fitted on: the policy writes and reads the rest again as it
+  recomputes it). Rows with remat are as without remat_off."""
+  cfg = llama.model_config("llama-tiny", 128)
+  init = functools.partial(llama.init_params, cfg)
+  plain = functools.partial(llama.loss_fn, cfg=cfg)
+
+  def dots(params, batch, *, remat=False):
+    return llama.loss_fn(params, batch, cfg=cfg, remat=True if remat else "dots")
+  profile = lambda loss, **kw: fs.analysis.profile_model(init, loss, optax.adamw(1e-3),
+                                                         _batch(16, 128), "v5p-8", **kw)
+  off, held, moved = profile(plain, remat_off="dots"), profile(dots), profile(plain)
+  assert (off.remat_off, held.remat_off) == ("dots", False)
+  assert off.act_row == held.act_row < moved.act_row == off.act_row_moved
+  axes = fs.MeshAxes({"fsdp": 4}, {})
+  row = lambda prof, remat: fs.analysis.predict(prof, "v5p-8", axes, remat=remat).estimate
+  carries = _cost.STREAM_LIVE * off.layers * off.stream_row * 16 / 4
+  assert row(off, False).acts == pytest.approx(row(held, False).acts + carries)
+  assert row(off, False).memory_s == pytest.approx(row(moved, False).memory_s)
+  assert row(held, False).memory_s < 0.5 * row(moved, False).memory_s  # what remat_off fixes
+  assert row(off, True) == row(moved, True)
+  with pytest.raises(fs.PlanError, match=r"remat_off='dots' for a loss without a `remat` "):
+    profile(lambda params, batch: plain(params, batch), remat_off="dots")
 
 
 def test_compiled_communication_puts_bytes_across_slices_on_the_dcn_axis():

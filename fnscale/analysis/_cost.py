@@ -181,6 +181,17 @@ def _skipped(prof: Profile, remat: bool) -> float:
 REMAT_LIVE = 0.4
 
 
+# Under a checkpoint policy that saves part of each layer (`PlanOptions.remat_off`, e.g.
+# "dots": the matmul outputs), XLA's peak holds more per row than the traced saved
+# residuals: per layer, 4.3 (GPT small), 3.6 (GPT medium) and 4.0 (a 4-layer Llama of width
+# 1024) residual-stream carries (the traced residuals hold no layer's input, which the
+# backward recomputes from), compiled for v5e at 4-64 rows of 1024 tokens
+# (recipes/bench/memory.py --remat_policy=dots); fewer (1.1, 2.6) where XLA rematerialises to
+# fit (recipes/lm's 766M and 1B Llamas at seq 2048). 4.5, so that a step the estimate keeps
+# fits. (It was 2 whole layers' residuals: up to 1.6x XLA's peak on a Llama.)
+STREAM_LIVE = 4.5
+
+
 def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
   """(live activation bytes, activation bytes written and read) per row of a microbatch on
   one device of a `tensor`-way tensor-parallel group: residuals shaped like the residual
@@ -188,16 +199,20 @@ def act_per_row(prof: Profile, remat: bool, tensor: int) -> tuple[float, float]:
   residuals. With remat the live ones are the checkpoints and, at the peak, the larger of
   the head's residuals (its backward runs first) and the `REMAT_LIVE` share of one layer's
   recomputed ones (each layer's backward); the traffic is the checkpoints' plus every
-  residual's again (`memory_traffic`)."""
+  residual's again (`memory_traffic`). Where remat off runs a checkpoint policy, the live
+  bytes are what it keeps and `STREAM_LIVE` carries a layer, the traffic every residual's
+  (`Profile.act_row_moved`)."""
   split = lambda total, stream: stream + (total - stream) / tensor
   full = split(prof.act_row, prof.act_row_stream)
-  if not remat:
-    return full, full
-  kept = split(prof.act_row_remat, prof.act_row_remat_stream)
   share = full / prof.act_row if prof.act_row else 1.0  # the head and a layer split alike
+  moved = prof.act_row_moved * share or full
+  if not remat:
+    carries = STREAM_LIVE * prof.layers * prof.stream_row if prof.remat_off is not False else 0
+    return full + carries, moved
+  kept = split(prof.act_row_remat, prof.act_row_remat_stream)
   layer = prof.act_row_layer * share or full / max(prof.layers, 1)
   head = prof.act_row_head * share
-  return kept - head + max(head, REMAT_LIVE * layer), kept + full
+  return kept - head + max(head, REMAT_LIVE * layer), kept + moved
 
 
 def memory_traffic(prof: Profile, remat: bool, rows_mb: float, accum_steps: int,

@@ -68,12 +68,13 @@ def _with_frozen(loss_fn):
   return loss
 
 
-def _lora_profile(hw, tree: Frozen, loss_fn, optimizer, batch, pol) -> _cost.Profile:
+def _lora_profile(hw, tree: Frozen, loss_fn, optimizer, batch, pol,
+                  remat_off=False) -> _cost.Profile:
   """The profile of a step that trains `tree.params` beside frozen params: bytes, FLOPs and
   residuals of both, gradients and optimizer state of the trained params only, the frozen
   params' bytes as stored and in the compute dtype (`Profile.frozen_bytes`)."""
   prof = _profile(hw, (tree.params, tree.frozen), _with_frozen(loss_fn), optimizer, batch,
-                  pol)
+                  pol, remat_off)
   nbytes = _trace._nbytes  # pylint: disable=protected-access
   frozen = _trace.in_compute_dtype(tree.frozen, pol.compute_dtype if pol is not None else None)
   return prof._replace(grad_bytes=nbytes(tree.params),
@@ -127,7 +128,7 @@ def check_args(loss_fn, optimizer, batch, verify, max_tensor, headroom, tokens=N
     raise PlanError(f"tokens={tokens!r}, expected a positive token budget such as 2e12")
 
 
-def _profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
+def _profile(hw, params, loss_fn, optimizer, batch, pol, remat_off=False) -> _cost.Profile:
   """`fnscale.analysis._trace.profile` traced as the loss will run on `hw`: on one described target
   device (kernels choose as they will there); on an accelerator without described devices,
   on one host device with the Pallas kernels in interpret mode standing in for the target's
@@ -139,7 +140,7 @@ def _profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
     return _trace.profile(params, loss_fn, optimizer, batch,
                           pol.compute_dtype if pol is not None else None,
                           interpret=not described and hw.kind != "cpu",
-                          tiled=hw.kind == "tpu")
+                          tiled=hw.kind == "tpu", remat_off=remat_off)
 
 
 def resolve(target, cpu_rates):
@@ -188,10 +189,12 @@ def forecast_terms(target, cpu_rates: tuple[float, float] | None = None, *,
 
 
 def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=None, key=None,
-                  cpu_rates: tuple[float, float] | None = None) -> _cost.Profile:
+                  cpu_rates: tuple[float, float] | None = None,
+                  remat_off=False) -> _cost.Profile:
   """What one training step of `loss_fn` needs, traced as it will run on `target` (nothing
   runs): params, bytes, model FLOPs per row (attention counted over the whole score matrix),
-  activation residuals per row, layers. The arguments are `plan`'s.
+  activation residuals per row, layers. The arguments are `plan`'s (`remat_off`: its
+  `PlanOptions.remat_off`).
 
   Raises:
     PlanError: bad arguments. TopologyError: an unknown target.
@@ -208,12 +211,20 @@ def profile_model(state_or_init, loss_fn, optimizer, batch, target, *, policy=No
   check_args(loss_fn, optimizer, batch, 0, 1, 1.0)
   hw = resolve(target, cpu_rates)
   pol = jmp.get_policy(policy) if isinstance(policy, str) else policy
-  return step_profile(hw, abstract_params(state_or_init, key), loss_fn, optimizer, batch, pol)
+  return step_profile(hw, abstract_params(state_or_init, key), loss_fn, optimizer, batch, pol,
+                      remat_off)
 
 
-def step_profile(hw, params, loss_fn, optimizer, batch, pol) -> _cost.Profile:
+def step_profile(hw, params, loss_fn, optimizer, batch, pol, remat_off=False) -> _cost.Profile:
   """The profile of the step on resolved `hw`: of a `Frozen` pair's step (`_lora_profile`)
-  or of plain params' (`_profile`)."""
+  or of plain params' (`_profile`); `remat_off`: `PlanOptions.remat_off`.
+
+  Raises:
+    PlanError: a `remat_off` for a loss without a `remat` keyword."""
+  if remat_off is not False and not _trace.takes(loss_fn, "remat"):
+    raise PlanError(f"remat_off={remat_off!r} for a loss without a `remat` keyword; give the "
+                    "loss one (e.g. `remat=False` naming the checkpoint policy), or leave "
+                    "remat_off out")
   if isinstance(params, Frozen):
-    return _lora_profile(hw, params, loss_fn, optimizer, batch, pol)
-  return _profile(hw, params, loss_fn, optimizer, batch, pol)
+    return _lora_profile(hw, params, loss_fn, optimizer, batch, pol, remat_off)
+  return _profile(hw, params, loss_fn, optimizer, batch, pol, remat_off)

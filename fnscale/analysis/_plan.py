@@ -224,6 +224,12 @@ class PlanOptions(NamedTuple):
       where remat is off): on one chip the forecast takes that loop's terms
       (`forecast_terms(target, unrolled=True)`: the scan's left GPT small's unrolled step 6-9
       points under the chip's measured MFU). The profile and compiles are the loss's own.
+    remat_off: what the loss's `remat=` keyword gets in the candidates without remat
+      (default False): a checkpoint policy the loss takes by name (train_lm's models:
+      "dots" keeps the matmul outputs) is held to what it keeps, and compiled so; the
+      forecast's activation traffic stays the loss's without one (`remat=False`), as the
+      chip's terms were fitted and as the policy writes and reads the rest again when it
+      recomputes it (`Profile.act_row_moved`).
 
   Examples:
     >>> import fnscale as fs
@@ -242,6 +248,7 @@ class PlanOptions(NamedTuple):
   cpu_rates: tuple[float, float] | None = None
   tokens: float | None = None
   unrolled: bool = False
+  remat_off: object = False
 
 
 def plan(state_or_init, loss_fn, optimizer, batch, target,
@@ -302,7 +309,7 @@ def plan(state_or_init, loss_fn, optimizer, batch, target,
   n_verify, note = _verify.verification(hw, o.verify)
   params = _model.abstract_params(state_or_init, o.key)
   pol = jmp.get_policy(o.policy) if isinstance(o.policy, str) else o.policy
-  prof = _model.step_profile(hw, params, loss_fn, optimizer, batch, pol)
+  prof = _model.step_profile(hw, params, loss_fn, optimizer, batch, pol, o.remat_off)
   cap = hw.memory_limit * o.headroom
   terms = _forecast.terms_for(hw, o.unrolled)
   rows = _search.candidates(prof, hw, cap, o.max_tensor, _tried(o.accum_steps, ()),

@@ -54,15 +54,20 @@ class Profile(NamedTuple):
   so of its outputs; what the Ulysses form exchanges beside K/V); `heads`, `kv_heads`: the
   attention calls' (the gcd over them; 0 where unknown); `head_dim` their heads' dims (the
   gcd; 0 where unknown).
-  `act_row_layer`: one layer's residuals per row without remat (the layer scan's stacked
-  residuals over its length: what remat recomputes at once); `act_row_head`: the residuals
-  outside the layer scan per row (embedding, final norm, output layer); 0 where unknown.
+  `act_row_layer`: one layer's residuals per row without remat or policy (the layer scan's
+  stacked residuals over its length: what remat recomputes at once); `act_row_head`: the
+  residuals outside the layer scan per row (embedding, final norm, output layer); 0 where
+  unknown.
   On a TPU target every residual figure counts the tiles a TPU holds (`tiled_nbytes`).
   Frozen params (a LoRA base: no gradient, no optimizer state; 0 without):
   `frozen_bytes` / `frozen_compute_bytes`, their part of `param_bytes` / `compute_bytes`.
   `update_reduced_bytes`: bytes the optimizer update's reductions read (`reduced_bytes` of
   `optimizer.update` traced on the trained params): each is a pass over param-sized arrays
   that the update's fused elementwise pass can't share.
+  `act_row_moved`: where remat off runs a checkpoint policy (`plan`'s `remat_off`), the
+  residuals per row of the loss without one (what the step writes and reads: the policy
+  recomputes the rest), `act_row` holding the policy's; 0: `act_row`. `remat_off`: the
+  loss's `remat=` that `act_row` was traced with (False: none).
   """
   params: int
   param_bytes: float
@@ -104,6 +109,8 @@ class Profile(NamedTuple):
   frozen_bytes: float = 0.0
   frozen_compute_bytes: float = 0.0
   update_reduced_bytes: float = 0.0
+  act_row_moved: float = 0.0
+  remat_off: object = False
 
   @property
   def expert_share(self) -> float:
@@ -497,14 +504,15 @@ def in_compute_dtype(tree, compute_dtype):
 
 
 def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
-            interpret: bool = False, tiled: bool = False) -> Profile:
+            interpret: bool = False, tiled: bool = False, remat_off=False) -> Profile:
   """Traces `loss_fn` on one and two abstract rows (nothing runs). `params`: abstract params
   in their stored dtype; `compute_dtype`: the policy's compute dtype (None: as stored).
   Call it inside `jax.set_mesh` of one target device so kernels choose as they will there.
   FLOPs are counted with `fnscale.attention`'s XLA reference (`with_kernel(attention="xla")`),
   residual bytes with the kernels the loss chooses; `interpret`: with the Pallas kernels in
   interpret mode (`with_kernel(interpret=True)`: on a host standing in for an accelerator);
-  `tiled`: residual bytes as a TPU holds them (`tiled_nbytes`)."""
+  `tiled`: residual bytes as a TPU holds them (`tiled_nbytes`); `remat_off`: the loss's
+  `remat=` without remat (`PlanOptions.remat_off`)."""
   cparams = in_compute_dtype(params, compute_dtype)
   remat = takes_remat(loss_fn)
   c0, kernels, jx = _traced(loss_fn, cparams, batch, False if remat else None, interpret)
@@ -516,8 +524,10 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
   width = scan[1][0].shape[-1] if scan and scan[1] and scan[1][0].shape else 0
   res = functools.partial(_residuals, loss_fn, cparams, batch, width=width,
                           interpret=interpret, layers=layers, tiled=tiled)
-  a0 = res(False if remat else None)
+  policy = remat and remat_off is not False  # remat off keeps what a policy keeps
+  a0 = res(remat_off if policy else False if remat else None)
   a1 = res(True) if remat else a0
+  every = res(False) if policy else a0  # what remat recomputes, and the traffic
   opt = jax.eval_shape(optimizer.init, params)
   first = jax.tree.leaves(batch)[0]
   moe = _experts(jx, width, math.prod(first.shape[1:]))
@@ -531,11 +541,13 @@ def profile(params, loss_fn, optimizer, batch, compute_dtype=None,
       attn_kernel=kernels > 0, tokens_row=math.prod(first.shape[1:]),
       uncounted=c0.uncounted + tuple(k for k in c1.uncounted if k not in c0.uncounted),
       act_row_stream=a0.stream, act_row_remat_stream=a1.stream,
-      act_row_layer=a0.stack / layers, act_row_head=a0.total - a0.stack,
+      act_row_layer=every.stack / layers, act_row_head=every.total - every.stack,
       stack_layers=stack[1], stack_bytes=stack[0], stack_stream_row=_nbytes(stack[2]),
       stack_flops_row=_stack_flops(jx, stack[1], stack[0]) if stack[1] else 0.0,
       experts=moe.experts, expert_k=moe.k, expert_params=moe.params,
       exchange_row=moe.exchange_row, expert_act_row=moe.act_row,
       update_reduced_bytes=update_reduced_bytes(optimizer, params),
+      act_row_moved=every.total if policy else 0.0,
+      remat_off=remat_off if policy else False,
       **dict(zip(("kv_row", "q_row", "heads", "kv_heads", "head_dim"),
                  _attention_row(loss_fn, cparams, batch, False if remat else None))))

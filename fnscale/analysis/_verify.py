@@ -75,13 +75,14 @@ def _compiled_comm(summary, hw, axes: MeshAxes) -> dict:
 def compile_candidate(cand: Candidate, hw, ctx) -> Candidate:
   """Compiles the candidate for the target's described devices; returns it with `compiled`
   and the forecast redone with the compiled communication. The program is the one the cost
-  model costs: the same loss (remat as the row), policy, accumulation steps and mode
+  model costs: the same loss (remat as the row; off: `PlanOptions.remat_off`), policy, accumulation steps and mode
   (`cand.accum_gather`), and the kernels `fnscale.attention` chooses on the
   target's devices (the profile was traced on one)."""
   params, loss_fn, optimizer, batch, policy, rules, logical_axes, prof, terms = ctx
   mesh = make_mesh(cand.axes, devices=hw.devices)
   state = _abstract_state(params, optimizer, mesh, rules, logical_axes, policy)
-  loss = functools.partial(loss_fn, remat=cand.remat) if prof.has_remat else loss_fn
+  loss = (functools.partial(loss_fn, remat=cand.remat or prof.remat_off) if prof.has_remat
+          else loss_fn)
   if cand.stages > 1:
     loss = functools.partial(loss, microbatches=cand.microbatches)
   step = _step.train_step(loss, optimizer, policy=policy, accum_steps=cand.accum_steps,

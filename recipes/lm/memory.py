@@ -39,14 +39,6 @@ from recipes.lm.remat import WHOLE_BLOCK, remat_policy
 # Options are chosen by estimates within this share of the device's memory: the estimate
 # tracks XLA's peak within about 5% at GPT small to Llama-8B sizes (recipes/bench/memory.py).
 HEADROOM = 0.9
-# Under a remat policy that saves part of each block ("dots": the matmul outputs), XLA's
-# peak holds more per row than the traced saved residuals: per layer, 4.3 (GPT small), 3.6
-# (GPT medium) and 4.0 (a 4-layer Llama of width 1024) residual-stream carries (the traced
-# residuals hold no layer's input, which the backward recomputes from), compiled for v5e at
-# 4-64 rows of 1024 tokens (recipes/bench/memory.py --remat_policy=dots); fewer (1.1, 2.6) where
-# XLA rematerialises to fit (the 766M and 1B Llamas at seq 2048). 4.5, so that a default the
-# estimate keeps fits. (It was 2 whole layers' residuals: up to 1.6x XLA's peak on a Llama.)
-STREAM_LIVE = 4.5
 GiB = 2**30
 # The optimizers the pre-flight tries in turn, (--optimizer, --mu_dtype, --optimizer_offload):
 # the default first, then by their state on the device per param: 2 floats, 1.5 floats'
@@ -72,11 +64,12 @@ def limit(mesh) -> float | None:
 
 def remat_loss(model, cfg, keep: str):
   """The model's loss with the `remat` the planner toggles: off is the run's policy `keep`
-  (`recipes/lm/remat.py`; a model without policies: off unless "full"), on is "full"."""
+  (`recipes/lm/remat.py`; a model without policies: off unless "full"), on is "full"; a
+  policy's name is passed on (`PlanOptions.remat_off`)."""
   named = hasattr(model, "REMAT_POLICIES")
 
   def loss(params, batch, *, remat=False):
-    policy = "full" if remat else keep
+    policy = remat if isinstance(remat, str) else "full" if remat else keep
     return model.loss_fn(params, batch, cfg=cfg,
                          remat=policy if named else policy in WHOLE_BLOCK)
   return loss
@@ -118,14 +111,14 @@ def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
   optimizer = optimizers.transformation(opt[0], 1e-3, mu_dtype=opt[1] or "float32")
   init = (functools.partial(model.init_params, cfg) if lora is None
           else startup.lora_state(model, cfg, policy, lora, optimizer))
-  # A LoRA loss keeps what the run's policy keeps, as the full model's does.
-  loss = (remat_loss(model, cfg, keep) if lora is None
-          else fs.lora.with_lora(remat_loss(model, cfg, keep), lora))
-  prof = fs.analysis.profile_model(init, loss, optimizer, {"inputs": shape, "targets": shape},
-                                   target, policy=policy, **dict(kw))
-  if keep == "none" or keep in WHOLE_BLOCK or not hasattr(model, "REMAT_POLICIES"):
-    return prof
-  return prof._replace(act_row=prof.act_row + STREAM_LIVE * prof.layers * prof.stream_row)
+  # A LoRA loss keeps what the run's policy keeps, as the full model's does: a policy saving
+  # part of each block as `remat_off` (its carries and traffic: fnscale.analysis's cost).
+  partial = keep not in ("none",) + WHOLE_BLOCK and hasattr(model, "REMAT_POLICIES")
+  loss = remat_loss(model, cfg, "none" if partial else keep)
+  loss = loss if lora is None else fs.lora.with_lora(loss, lora)
+  return fs.analysis.profile_model(init, loss, optimizer, {"inputs": shape, "targets": shape},
+                                   target, policy=policy, remat_off=keep if partial else False,
+                                   **dict(kw))
 
 
 def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:
@@ -220,12 +213,12 @@ def choose(step: StepOptions, precision: str, m: Model, topo, mesh, per_device: 
 
 
 def _full_remat_rate(step: StepOptions, policy, m: Model, topo, mesh, rows: int):
-  """(the forecast's tokens/s under full remat, global rows), None without its figures; from a
-  profile keeping nothing, as the chip's terms were fitted (a "dots" one: the 1B 5 points fast)."""
+  """(the forecast's tokens/s under full remat, global rows); None without its figures."""
   axes = _mesh_axes(mesh)
+  base = remat_policy(dataclasses.replace(step, remat=False), topo.platform)
   global_rows = rows * fs.analysis.data_parallel(axes)
-  try:  # cached per row
-    prof = profile(m, topo, global_rows, policy, "none", asked_optimizers(step)[0])
+  try:  # the pre-flight's profile (cached)
+    prof = profile(m, topo, global_rows, policy, base, asked_optimizers(step)[0])
     return fs.analysis.fit_options(prof, topo, axes, float("inf"), remat=True, rows=rows,
                                    accum_steps=step.accum_steps or 1,
                                    accum_gather=step.accum_gather)[0].tokens_s, global_rows

@@ -16,6 +16,7 @@ from recipes.lm import batches, checkpoints, data, finetune, hardware, int8, mem
 from recipes.lm import optimizers, packing, profiling, progress, run_log, rundir, startup
 from recipes.lm.options import Options, ScheduleOptions, StepOptions, log_defaults
 from recipes.lm.options import platform_default, schedule_defaults
+from recipes.lm.remat import remat_policy
 
 
 class Setup(NamedTuple):
@@ -122,8 +123,9 @@ def _mesh(o: Options, model, cfg, topo, say, lora=None) -> tuple[Any, memory.Pla
            else o.step.global_batch)
   planned_opt = optimizers.transformation(o.step.optimizer or "adamw", 1e-3,
                                           mu_dtype=o.step.mu_dtype or "float32")
+  keep = remat_policy(dataclasses.replace(o.step, remat=False), topo.platform)
   (axes, remat, steps, gather, context), table = startup.plan_mesh(
-      model, cfg, topo, batch, o.model.precision, planned_opt, lora)
+      model, cfg, topo, batch, o.model.precision, planned_opt, lora, keep)
   say("mesh=auto: " + table)
   return (startup.make_mesh(axes, dcn, topo, say),
           memory.Planned(batch, remat, steps, gather, context))

@@ -12,6 +12,7 @@ import numpy as np
 import fnscale as fs
 from recipes.lm import cli
 from recipes.lm.options import MIXED
+from recipes.lm.remat import WHOLE_BLOCK
 
 # Options that may differ between the processes of one job.
 PER_PROCESS = ("coordinator_address", "num_processes", "process_id")
@@ -106,10 +107,12 @@ def policy(precision: str, platform: str):
                           f"'{MIXED}', 'float32' or 'bfloat16'") from None
 
 
-def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lora=None):
+def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lora=None,
+              keep: str = "none"):
   """`--mesh=auto`: fnscale.analysis.plan's choice for this machine (`topo`), this model's
   abstract params, the run's optimizer (an optax transformation: its state is what the plan
-  holds) and the global batch, and the top of its table with why the winner won. With
+  holds), the global batch and what the blocks keep without remat (`keep`: --remat_policy
+  resolved; `PlanOptions.remat_off`), and the top of its table with why the winner won. With
   `lora` (a LoraConfig), the plan of a LoRA state: the base frozen in the compute dtype, no
   gradient or optimizer state for it (a DPO run is planned as its LoRA language-model step:
   its reference pass adds a forward pass, no residuals).
@@ -127,7 +130,9 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lo
   if lora is not None:
     init = lora_state(model, cfg, pol, lora, optimizer)
     loss = fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
-  options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES,
+  partial = keep not in ("none",) + WHOLE_BLOCK  # a policy keeping part of each block
+  off = keep if partial and keep in getattr(model, "REMAT_POLICIES", ()) else False
+  options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES, remat_off=off,
                                     logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   p = fs.analysis.plan(init, loss, optimizer, {"inputs": rows, "targets": rows}, topo, options)
   context = p.rows[0].context if p.rows[0].context_why else None  # a context axis's form
