@@ -112,6 +112,17 @@ def test_export_writes_shards_an_index_and_the_config(ckpt, mesh, tmp_path):
     assert size <= 40_000 + 2048 or len(load_file(str(out / f))) == 1, f
   assert json.loads((out / "config.json").read_text()) == {"model_type": "x"}
   assert (out / "tokenizer.json").read_text() == "{}"
+  # A tokenizer's own file is the one written, whatever its name and whatever lies beside it
+  # (a run's --tokenizer=tok/my_bpe.json); one named tokenizer.json brings its neighbours.
+  (tmp_path / "tok" / "my_bpe.json").write_text('{"mine": 1}')
+  (tmp_path / "tok" / "special_tokens_map.json").write_text('{"eos_token": "x"}')
+  for src, want in (("my_bpe.json", '{"mine": 1}'), ("tokenizer.json", "{}")):
+    out = tmp_path / f"out-{src}"
+    hf.export(out, params, w.cmap(hf), config={}, tokenizer_from=tmp_path / "tok" / src)
+    assert (out / "tokenizer.json").read_text() == want
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert (out / "special_tokens_map.json").exists() == (src == "tokenizer.json")
   # bfloat16 on request: the float32 params rounded.
   hf.export(tmp_path / "bf16", params, w.cmap(hf), config={}, dtype="bfloat16")
   one = load_file(str(tmp_path / "bf16" / "model.safetensors"))

@@ -1529,3 +1529,27 @@ def test_remats_offload_attn_that_does_not_fit_is_compiled_recomputing_the_atten
   _assert_equal_trees(_params(got), _params(want))
   with pytest.raises(fs.FitError, match="20.00 GiB"):
     _run(_argv(work, tmp_path / "asked", "--nocheckpoint", "--remat_policy=offload_attn"))
+
+
+@pytest.mark.slow
+def test_the_export_holds_the_tokenizer_the_run_trained_with(work, tmp_path):
+  """--export_hf writes the run's own tokenizer: --tokenizer=tok/my_bpe.json, not the other
+  tokenizer.json beside it (it copied that folder's); a run on a token cache without
+  --tokenizer, the cache's copy (it wrote none). Read back by the tokenizers library."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from recipes import train_tokenizer as tt  # pylint: disable=import-outside-toplevel
+  from recipes.lm import cache  # pylint: disable=import-outside-toplevel
+  text = str(work / "corpus.txt")
+  mine = tt.train_tokenizer([text], 300, str(tmp_path / "tok" / "my_bpe.json"))
+  tt.train_tokenizer([text], 280, str(tmp_path / "tok" / "tokenizer.json"))  # another one
+  src = tmp_path / "docs.jsonl"
+  src.write_text("".join(json.dumps({"text": line}) + "\n"
+                         for line in open(text, encoding="utf-8").read().split("\n\n")[:400]))
+  cache.build(cache.BuildSpec((str(src),), str(tmp_path / "cache"), tokenizer=mine),
+              say=lambda *a: None)
+  want = tokenizers.Tokenizer.from_file(mine).to_str()
+  for name, extra in (("text", dict(tokenizer=mine)), ("cache", dict(dataset=str(tmp_path / "cache")))):
+    out = tmp_path / f"export-{name}"
+    train_lm.train_lm(**_kwargs(work, tmp_path / name, steps=1, checkpoint=False,
+                                export_hf=str(out), **extra))
+    assert tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).to_str() == want, name

@@ -151,6 +151,11 @@ def _exists(path: str) -> bool:
   return fs.exists(inner)
 
 
+def _is_dir(path: str) -> bool:
+  fs, inner = _safetensors.filesystem(path)
+  return fs.isdir(inner)
+
+
 def _read_json(path: str) -> Any:
   fs, inner = _safetensors.filesystem(path)
   try:
@@ -594,7 +599,9 @@ def export(path, params, cmap: CheckpointMap, *, config: Mapping, tokenizer_from
     params: the params pytree (jax.Arrays), leaves as `cmap` names them.
     cmap: the same map `load` reads with (its transform is inverted).
     config: the `config.json` contents (e.g. the family's `hf_config(cfg)`).
-    tokenizer_from: a directory whose tokenizer files (`TOKENIZER_FILES`) are copied, or None.
+    tokenizer_from: a directory whose tokenizer files (`TOKENIZER_FILES`) are copied; a
+      tokenizer file, written as tokenizer.json (named tokenizer.json: with the files beside
+      it); or None.
     max_shard_bytes: the largest file (a bigger single tensor gets a file of its own).
     dtype: the written dtype (e.g. "bfloat16"); default each leaf's own.
 
@@ -695,18 +702,24 @@ def _write_side_files(path, names, files, config, tokenizer_from) -> None:
     write_json(_join(path, INDEX_FILE), {"metadata": {"total_size": total},
                                           "weight_map": weight_map})
   write_json(_join(path, CONFIG_FILE), dict(config))
-  if tokenizer_from is not None:
-    src = _text(tokenizer_from)
-    for name in TOKENIZER_FILES:
-      if _exists(_join(src, name)):
-        sfs, sinner = _safetensors.filesystem(_join(src, name))
-        with sfs.open(sinner, "rb") as f, fs.open(_join(inner, name), "wb") as g:
-          g.write(f.read())
-    # A tokenizer.json alone: transformers would pick the model type's own tokenizer class
-    # for it (Gemma's needs an <unk> a trained tokenizer may lack); say it is that file.
-    if _exists(_join(src, "tokenizer.json")) and not _exists(_join(src, "tokenizer_config.json")):
-      write_json(_join(path, "tokenizer_config.json"),
-                 {"tokenizer_class": "PreTrainedTokenizerFast"})
+  if tokenizer_from is None:
+    return
+  src = _text(tokenizer_from)
+  copies = {name: _join(src, name) for name in TOKENIZER_FILES}
+  if not _is_dir(src):  # a tokenizer's own file, whatever its name
+    beside = src.rsplit("/", 1)[0] if src.endswith("/tokenizer.json") else None
+    copies = {n: _join(beside, n) for n in TOKENIZER_FILES} if beside else {}
+    copies["tokenizer.json"] = src
+  copies = {name: c for name, c in copies.items() if _exists(c)}
+  for name, c in copies.items():
+    sfs, sinner = _safetensors.filesystem(c)
+    with sfs.open(sinner, "rb") as f, fs.open(_join(inner, name), "wb") as g:
+      g.write(f.read())
+  # A tokenizer.json alone: transformers would pick the model type's own tokenizer class
+  # for it (Gemma's needs an <unk> a trained tokenizer may lack); say it is that file.
+  if "tokenizer.json" in copies and "tokenizer_config.json" not in copies:
+    write_json(_join(path, "tokenizer_config.json"),
+               {"tokenizer_class": "PreTrainedTokenizerFast"})
 
 
 def write_json(path: str, value) -> None:

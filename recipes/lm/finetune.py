@@ -203,10 +203,9 @@ def export(s, state, lora, say) -> None:
   m = (hf_maps.read(o.model.init_from, s.cfg.seq) if o.model.init_from else
        hf_maps.of_model(s.model, s.cfg))
   cmap = hf_maps.checkpoint_map(m, o.model.init_from or None)
-  tok = models.tokenizer(o.model)
   merged = jax.jit(lambda f, a: fs.lora.merge(f, a, lora))(state.frozen, state.params)
   fs.checkpoint.hf.export(o.ckpt.export_hf, merged, cmap, config=hf_maps.to_config(m),
-                          tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
+                          tokenizer_from=models.trained_tokenizer(s))
   adapter = o.ckpt.export_adapter or os.path.join(o.ckpt.export_hf, "adapter")
   fs.checkpoint.peft.export(adapter, state.params, lora, state.frozen, cmap,
                             base_model=o.model.init_from or None)

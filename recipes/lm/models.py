@@ -16,7 +16,7 @@ from types import ModuleType
 
 import fnscale as fs
 from recipes.lm import deepseek, gpt, hf_maps, llama, moe
-from recipes.lm.shards import BYTES
+from recipes.lm.shards import BYTES, tokenizer_file
 from recipes.lm.cli import did_you_mean
 from recipes.lm.options import ModelOptions, StepOptions
 from recipes.lm.remat import WHOLE_BLOCK, block_policy
@@ -163,9 +163,17 @@ def export(s, state, say) -> None:
   t, o = time.time(), s.o
   m = (hf_maps.read(o.model.init_from, s.cfg.seq) if o.model.init_from else
        hf_maps.of_model(s.model, s.cfg))
-  tok = tokenizer(o.model)
+  tok = trained_tokenizer(s)
   fs.checkpoint.hf.export(o.ckpt.export_hf, state.params,
                           hf_maps.checkpoint_map(m, o.model.init_from or None),
-                          config=hf_maps.to_config(m),
-                          tokenizer_from=os.path.dirname(os.path.abspath(tok)) if tok else None)
-  say(f"exported a Hugging Face checkpoint to {o.ckpt.export_hf} ({time.time() - t:.1f} s)")
+                          config=hf_maps.to_config(m), tokenizer_from=tok)
+  say(f"exported a Hugging Face checkpoint to {o.ckpt.export_hf} ({time.time() - t:.1f} s; "
+      f"{'tokenizer ' + tok if tok else 'byte-level: no tokenizer file'})")
+
+
+def trained_tokenizer(s) -> str | None:
+  """The tokenizer.json run `s` trained with (an export's): --tokenizer's file, --init_from's,
+  or a token cache's own copy; None for UTF-8 bytes."""
+  packed = s.corpus.packed
+  tok = packed[1] if packed is not None else tokenizer(s.o.model)
+  return None if tok in ("", BYTES) else tokenizer_file(tok)
