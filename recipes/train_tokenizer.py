@@ -20,7 +20,7 @@ import sys
 from absl import flags
 
 from fnscale import FnscaleError, InputError
-from recipes.lm.data import corpus_files  # noqa: F401  (one definition)
+from recipes.lm.data import corpus_files, text_files  # noqa: F401  (one definition)
 from recipes.lm import cli
 
 END_OF_TEXT = "<|endoftext|>"  # the one special token: separates documents
@@ -37,7 +37,8 @@ def _check_args(files, vocab_size, out_path) -> None:
   missing = [f for f in files if not os.path.isfile(f)]
   if missing:
     raise InputError(f"corpus file(s) not found: {missing[:3]}; pass existing text files")
-  if not isinstance(out_path, (str, os.PathLike)) or os.path.isdir(out_path):
+  if (not isinstance(out_path, (str, os.PathLike)) or os.path.isdir(out_path)
+      or os.fspath(out_path).endswith(("/", os.sep))):
     raise InputError(f"out_path={out_path!r}: expected a file path such as tok/tokenizer.json")
 
 
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
           file=sys.stderr)
     return 2
   try:
-    files = corpus_files(flags.FLAGS.data)
+    files = text_files(flags.FLAGS.data)
     path = train_tokenizer(files, flags.FLAGS.vocab_size, flags.FLAGS.out)
   except FnscaleError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -69,6 +69,19 @@ def test_text_jsonl_and_parquet_sources_tokenize_as_the_library_does(tmp_path):
   assert [s["bytes"] for s in manifest["sources"]][0] == len(TEXTS[0])
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_read_as_text_files_are(tmp_path):
+  """A Latin-1 byte in a JSONL string (a raw UnicodeDecodeError, a .tmp shard left) reads as
+  U+FFFD, as a text file's bytes do; the documents around it are whole."""
+  tok, tok_path = _bpe(tmp_path)
+  src = tmp_path / "a.jsonl"
+  src.write_bytes(b'{"text": "caf\xe9 ok"}\n' + json.dumps({"text": TEXTS[1]}).encode() + b"\n")
+  cache.build(cache.BuildSpec((str(src),), str(tmp_path / "out"), tok_path),
+              say=lambda *a: None)
+  got = _read_all(cache.open_cache(str(tmp_path / "out")))
+  assert [ids.tolist() for ids, _ in got] == [tok.encode(t).ids for t in ("caf\ufffd ok",
+                                                                        TEXTS[1])]
+
+
 class _LocalBucket(LocalFileSystem):
   """fsspec's GCS file system stood in by a local directory: gs://BUCKET/x is ROOT/BUCKET/x."""
   root = ""

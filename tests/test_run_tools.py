@@ -80,6 +80,25 @@ def test_tokenizer_trains_on_files_with_bytes_that_are_not_utf8(tmp_path, tokeni
   assert len(tok.encode("\ufffd").ids) == 1
 
 
+def test_files_of_records_are_refused_as_text_naming_pretokenize(tmp_path):
+  """A .jsonl or .parquet file (alone or in a directory) given as a text corpus: train_lm,
+  baseline and train_tokenizer trained on its JSON markup or compressed bytes; refused,
+  naming pretokenize. A directory path as --out is refused before training."""
+  from recipes.lm import data  # pylint: disable=import-outside-toplevel
+  d = _corpus(tmp_path)
+  (d / "rows.jsonl").write_text('{"text": "hello"}\n')
+  for spec in (str(d), str(d / "rows.jsonl")):
+    with pytest.raises(FnscaleError, match=r"rows\.jsonl'\] hold records \(JSONL/Parquet\), "
+                       r"not text; fix: .*recipes/pretokenize\.py --sources="):
+      data.read_bytes(spec)
+  assert len(data.text_files(str(d / "part1.txt"))) == 1
+  r = _run([str(ROOT / "recipes" / "train_tokenizer.py"), f"--data={d}", "--vocab_size=280",
+            f"--out={tmp_path / 't.json'}"])
+  assert r.returncode == 2 and "hold records" in r.stderr and not (tmp_path / "t.json").exists()
+  with pytest.raises(FnscaleError, match=r"expected a file path"):
+    tt.train_tokenizer([str(d / "part1.txt")], 280, str(tmp_path / "newdir") + "/")
+
+
 def test_tokenizer_corpus_specs(tmp_path):
   d = _corpus(tmp_path)
   names = [f"part{i}.txt" for i in range(len(CORPUS))]

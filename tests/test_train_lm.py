@@ -1553,3 +1553,23 @@ def test_the_export_holds_the_tokenizer_the_run_trained_with(work, tmp_path):
     train_lm.train_lm(**_kwargs(work, tmp_path / name, steps=1, checkpoint=False,
                                 export_hf=str(out), **extra))
     assert tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).to_str() == want, name
+
+
+def test_tokenizer_bytes_on_a_cache_made_with_another_tokenizer_is_refused(work, tmp_path):
+  """--tokenizer=bytes names a tokenizer: on a token cache made with a BPE it is refused as
+  any other tokenizer is (it trained a model of the BPE's vocabulary on its ids, silently);
+  on a cache of bytes it reads it; without --tokenizer the cache's own serves."""
+  from recipes import train_tokenizer as tt  # pylint: disable=import-outside-toplevel
+  from recipes.lm import cache, finetune  # pylint: disable=import-outside-toplevel
+  src = tmp_path / "docs.jsonl"
+  src.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(200)))
+  bpe = tt.train_tokenizer([str(work / "corpus.txt")], 300, str(tmp_path / "tok.json"))
+  for name, tok in (("bpe", bpe), ("bytes", "bytes")):
+    cache.build(cache.BuildSpec((str(src),), str(tmp_path / name), tokenizer=tok),
+                say=lambda *a: None)
+  # models.tokenizer gives "" for --tokenizer=bytes and for none: what train_lm passes.
+  corpus = lambda name, **kw: finetune.corpus(Options.of(dataset=str(tmp_path / name), **kw), "")
+  with pytest.raises(fs.InputError, match=r"was tokenized with .*tok\.json.* not this run's "
+                     r"tokenizer 'bytes'"):
+    corpus("bpe", tokenizer="bytes")
+  assert corpus("bpe").vocab == 300 and corpus("bytes", tokenizer="bytes").vocab == 256

@@ -86,14 +86,34 @@ def corpus_files(spec: str | None) -> list[str]:
   return files
 
 
-def read_bytes(spec: str | None) -> bytes:
-  """All bytes of the corpus, files in sorted order joined by newlines.
+RECORDS = (".jsonl", ".parquet")  # files of records: a token cache's sources, not text
+
+
+def text_files(spec: str | None) -> list[str]:
+  """`corpus_files(spec)`, every one read as text.
 
   Raises:
-    FnscaleError: missing or empty corpus.
+    InputError: as corpus_files; a JSONL or Parquet file (its markup or compressed bytes
+      would be trained on), naming `recipes/pretokenize.py`, which reads their records.
+  """
+  files = corpus_files(spec)
+  records = [f for f in files if f.lower().endswith(RECORDS)]
+  if records:
+    raise fs.InputError(
+        f"dataset={spec!r}: {records[:3]} hold records (JSONL/Parquet), not text; fix: make a "
+        f"token cache of their text field, python recipes/pretokenize.py --sources={spec} "
+        "--out=DIR (with --tokenizer=...), and pass --dataset=DIR")
+  return files
+
+
+def read_bytes(spec: str | None) -> bytes:
+  """All bytes of the corpus (`text_files`), files in sorted order joined by newlines.
+
+  Raises:
+    FnscaleError: missing or empty corpus, or files of records.
   """
   parts = []
-  for f in corpus_files(spec):
+  for f in text_files(spec):
     with open(f, "rb") as fh:
       parts.append(fh.read())
   text = b"\n".join(p for p in parts if p)

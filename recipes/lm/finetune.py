@@ -80,6 +80,8 @@ def corpus(o, tokenizer: str, say=None) -> data.Corpus:
   """The run's data: preference pairs for --objective=dpo (`preference.corpus`), else
   `data.load`'s corpus (its tokenizing's progress said by `say`)."""
   if o.tune.objective != "dpo":
+    if o.model.tokenizer == models.BYTES and data.is_packed(o.data.dataset):
+      tokenizer = models.BYTES  # checked against the cache's ("": the cache's own, whatever)
     return data.load(o.data.dataset, tokenizer, say)
   if o.schedule.epochs is not None:
     raise fs.InputError(f"--epochs={o.schedule.epochs} with --objective=dpo: preference "

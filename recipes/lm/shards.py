@@ -62,7 +62,8 @@ def _epath(path: str):
 
 
 def _jsonl_records(path: str, start: int, stop: int) -> Iterator[tuple[int, dict]]:
-  """(byte offset, parsed line) of the lines of `path` that start in [start, stop)."""
+  """(byte offset, parsed line) of the lines of `path` that start in [start, stop); bytes
+  that aren't UTF-8 read as U+FFFD, as in text files."""
   with _epath(path).open("rb") as f:
     if start > 0:
       f.seek(start - 1)
@@ -74,7 +75,7 @@ def _jsonl_records(path: str, start: int, stop: int) -> Iterator[tuple[int, dict
       if not line.strip():
         continue
       try:
-        yield at, json.loads(line)
+        yield at, json.loads(line.decode("utf-8", errors="replace"))
       except json.JSONDecodeError as e:
         raise ShardError(f"{path}: the line at byte {at} is not JSON ({e.msg}); fix the "
                          "line or remove it") from None
