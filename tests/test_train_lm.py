@@ -942,6 +942,28 @@ def test_more_steps_keep_the_runs_schedule_unless_it_is_stretched(work, finished
               f"step 5 is {lr5[1]}, where the run's schedule has {lr5[0]}") in said
 
 
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_peak_lr_unless_another_is_given(work, tmp_path, capsys):
+  """A run stopped at step 2 of 4 under --lr=1e-3 resumes at 1e-3 without --lr (the model's
+  default 3e-3 made the lr jump, said nowhere); --lr=2e-3 given on resuming is used and said,
+  with the lr the run's schedule had at that step (optax's schedule by hand: `_lr`)."""
+  template = tmp_path / "stopped"
+  _run(_argv(work, template, "--steps=4", "--lr=1e-3", "--stop_after=2"))
+  lrs = lambda run_dir: {r["step"]: r["train/lr"] for r in _records(run_dir, "train/lr")}
+  capsys.readouterr()
+  for name, extra, peak in (("kept", (), 1e-3), ("given", ("--lr=2e-3",), 2e-3)):
+    run_dir = tmp_path / name
+    shutil.copytree(template, run_dir)
+    summary = _run(_argv(work, run_dir, "--steps=4", *extra))
+    said = capsys.readouterr().out
+    assert summary.resumed_from == 2 and summary.final_step == 4
+    assert [lrs(run_dir)[s] for s in (3, 4)] == pytest.approx(
+        [_lr(c, peak, 1, 4) for c in (2, 3)], rel=1e-6), name
+    line = (f"schedule: --lr=0.002 replaces the run's peak lr 0.001: the lr at step 3 is "
+            f"{_lr(2, 2e-3, 1, 4):.3g}, where the run's schedule has {_lr(2, 1e-3, 1, 4):.3g}")
+    assert (line in said) == (name == "given"), said
+
+
 def _checkpointed_at_3(work, stopped_at_3, name):
   """A new run dir holding only the step-3 checkpoint of the `stopped_at_3` run."""
   src = stopped_at_3[1] / "checkpoints" / "3"

@@ -299,8 +299,9 @@ def record(s, state, step: int, frozen: dict) -> dict:
 
 def schedule_record(sched: ScheduleOptions) -> dict:
   """What a checkpoint records of the lr schedule of train_lm's schedule options, read back
-  on resuming (`run_setup.resumed_schedule`): the options that follow the run's length."""
-  return dict(steps=sched.schedule_steps, warmup_steps=sched.warmup_steps)
+  on resuming (`run_setup.resumed_schedule`): the options that follow the run's length, and
+  its peak lr."""
+  return dict(steps=sched.schedule_steps, warmup_steps=sched.warmup_steps, lr=sched.lr)
 
 
 def first_nonfinite(flags: list) -> int | None:

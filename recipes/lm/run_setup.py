@@ -153,8 +153,8 @@ def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
   that records none). The run's own schedule is kept unless --schedule_steps is given (a
   length apart from --steps, as MaxText's learning_rate_schedule_steps): more --steps then
   train on at its final lr, so the lr never jumps mid-run and the Adam moments go on at the
-  lr they were trained at; stretching is asked for by name. Says what happens where the
-  run's schedule and this one's differ."""
+  lr they were trained at; stretching is asked for by name. So is another peak lr (--lr; the
+  run's is kept otherwise). Says what happens where the run's schedule and this one's differ."""
   step, now = s.o.step, s.o.schedule
   asked = None if s.asked is None else s.asked.schedule
   if not start or start >= now.steps:  # a fresh run, or one with no step left to train
@@ -163,10 +163,16 @@ def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
     say(f"schedule: the checkpoint records no schedule; steps {start + 1}-{now.steps} train "
         f"under this run's {now.schedule_steps}-step schedule")
     return s
-  kept = dataclasses.replace(now, schedule_steps=saved["steps"], warmup_steps=(
-      saved["warmup_steps"] if asked is None or asked.warmup_steps is None
-      else now.warmup_steps))
+  run = dataclasses.replace(now, lr=saved.get("lr", now.lr), schedule_steps=saved["steps"],
+                            warmup_steps=saved["warmup_steps"])
+  if asked is None or asked.lr is None:
+    now = dataclasses.replace(now, lr=run.lr)
+  kept = dataclasses.replace(run, lr=now.lr, warmup_steps=(
+      run.warmup_steps if asked is None or asked.warmup_steps is None else now.warmup_steps))
   lr_at = lambda sched: float(optimizer(step, sched)[1](start))
+  if now.lr != run.lr:
+    say(f"schedule: --lr={now.lr:g} replaces the run's peak lr {run.lr:g}: the lr at step "
+        f"{start + 1} is {lr_at(kept):.3g}, where the run's schedule has {lr_at(run):.3g}")
   if asked is None or asked.schedule_steps is None:
     if kept.schedule_steps != now.steps:
       say(f"schedule: the run's checkpoint was trained under a {kept.schedule_steps}-step "
@@ -180,7 +186,7 @@ def resumed_schedule(s: Setup, saved: dict | None, start: int, say) -> Setup:
     say(f"schedule: --schedule_steps={now.schedule_steps} replaces the run's "
         f"{saved['steps']}-step schedule: the lr at step {start + 1} is "
         f"{lr_at(now):.3g}, where the run's schedule has {lr_at(kept):.3g}")
-  return s
+  return s._replace(o=dataclasses.replace(s.o, schedule=now))
 
 
 def check_batch(seq: int, per_device: int, batch: int, accum_steps: int, mesh) -> None:
