@@ -78,7 +78,8 @@ def run(o: Options, started: float | None = None) -> summary.Summary:
           fs.multihost.peer_guard():
         say(f"train_lm: reading the data ({o.data.dataset}) ...")
         setup = run_setup.decide(o, finetune.corpus(o, models.tokenizer(o.model), say), say)
-        rundir.check_same_run(setup.o, jax.device_count())  # not another run's directory
+        rundir.check_same_run(setup.o, jax.device_count(),  # not another run's directory
+                              models.tokenizer_sha(setup))
         ledger = goodput.ledger(started or t0, setup.o.ckpt.run_dir)  # before its log is cut
         checkpoint_dir = setup.o.ckpt.checkpoint_dir
         if checkpoint_dir:  # one directory every process sees, checked before use

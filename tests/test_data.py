@@ -239,3 +239,14 @@ def test_baseline_is_the_add_one_unigram_and_bigram_loss_by_hand(vocab):
   assert b.unigram == pytest.approx(-(math.log(p0) + 2 * math.log(p1)) / 3, rel=1e-12)
   assert b.bigram == pytest.approx(
       -(math.log(3 / (3 + vocab)) + math.log(1 / (1 + vocab))) / 2, rel=1e-12)
+
+
+def test_a_window_longer_than_the_data_names_how_each_kind_was_split():
+  """A text corpus holds out every 20th chunk; token caches hold out documents (the message
+  spoke of chunks for both)."""
+  ids = np.zeros(9, np.int32)
+  text = data.Corpus(ids, ids, 256, 1.0, list, bytes, "text")
+  with pytest.raises(fs.InputError, match=r"9 held out \(every 20th chunk\)"):
+    data.check_fits(text, 16)
+  with pytest.raises(fs.InputError, match=r"9 held out \(the caches' held-out documents\)"):
+    data.check_fits(text._replace(packed=([], "bytes")), 16)

@@ -1595,3 +1595,24 @@ def test_tokenizer_bytes_on_a_cache_made_with_another_tokenizer_is_refused(work,
                      r"tokenizer 'bytes'"):
     corpus("bpe", tokenizer="bytes")
   assert corpus("bpe").vocab == 300 and corpus("bytes", tokenizer="bytes").vocab == 256
+
+
+@pytest.mark.slow
+def test_a_tokenizer_changed_under_the_same_name_is_refused_on_resuming(work, tmp_path):
+  """run.json records the hash of the tokenizer a run trained with: the same --tokenizer path
+  holding another tokenizer (of the same vocabulary) is refused, naming both hashes, before
+  anything compiles (it resumed with a warning about the corpus's token count)."""
+  from recipes import train_tokenizer as tt  # pylint: disable=import-outside-toplevel
+  tok = str(tmp_path / "tok.json")
+  tt.train_tokenizer([str(work / "corpus.txt")], 300, tok)
+  first = json.loads(pathlib.Path(tok).read_text())
+  run = lambda steps: train_lm.train_lm(**_kwargs(work, tmp_path / "run", tokenizer=tok,
+                                                  steps=steps))
+  run(1)
+  other = tmp_path / "other.txt"
+  other.write_text(" ".join(f"zq{i} xv{i}" for i in range(3000)))
+  tt.train_tokenizer([str(other)], 300, tok)
+  assert json.loads(pathlib.Path(tok).read_text()) != first
+  with pytest.raises(fs.InputError, match=r"was trained with another tokenizer under the same "
+                     r"name \(--tokenizer='.*tok\.json': sha256 \w+, the run's \w+\)"):
+    run(2)

@@ -233,7 +233,9 @@ def check_fits(corpus: Corpus, seq: int) -> None:
   if min(len(corpus.train), len(corpus.eval)) < seq + 1:
     raise fs.InputError(
         f"seq={seq} is longer than the data: {len(corpus.train)} tokens train and "
-        f"{len(corpus.eval)} held out (every {EVAL_EVERY_NTH_CHUNK}th chunk); each split needs "
+        f"{len(corpus.eval)} held out ("
+        + ("the caches' held-out documents" if corpus.packed is not None
+           else f"every {EVAL_EVERY_NTH_CHUNK}th chunk") + "); each split needs "
         f"at least seq + 1 = {seq + 1} tokens. Use a smaller seq or more data")
 
 

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import fnscale as fs
 from recipes.lm import deepseek, gpt, hf_maps, llama, moe
-from recipes.lm.shards import BYTES, tokenizer_file
+from recipes.lm.shards import BYTES, tokenizer_file, tokenizer_identity
 from recipes.lm.cli import did_you_mean
 from recipes.lm.options import ModelOptions, StepOptions
 from recipes.lm.remat import WHOLE_BLOCK, block_policy
@@ -177,3 +177,10 @@ def trained_tokenizer(s) -> str | None:
   packed = s.corpus.packed
   tok = packed[1] if packed is not None else tokenizer(s.o.model)
   return None if tok in ("", BYTES) else tokenizer_file(tok)
+
+
+def tokenizer_sha(s) -> str | None:
+  """The hash of `trained_tokenizer(s)`'s serialisation (`shards.tokenizer_identity`: the
+  same wherever its file lies); None for UTF-8 bytes."""
+  tok = trained_tokenizer(s)
+  return None if tok is None else tokenizer_identity(tok)["sha256"]

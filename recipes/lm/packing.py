@@ -72,7 +72,8 @@ class DocSplit(NamedTuple):
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
   """(cache path, weight) of each source of `--dataset`: "PATH", "PATH:W,PATH:W,...", or a
-  JSON file {"PATH": W, ...}. Weights are normalised by `open_mixture`.
+  JSON file {"PATH": W, ...} (a file ending .json is always read as one). A source without
+  a weight weighs 1 ("a:0.7,b": 0.7 and 1); weights are normalised by `open_mixture`.
 
   Raises:
     InputError: a weight that doesn't parse, is negative or not finite, weights summing to

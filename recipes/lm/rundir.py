@@ -33,11 +33,12 @@ DEFINING = ("model_config", "init_from", "tokenizer", "dataset", "seq", "seed", 
             "mu_dtype", "global_batch")
 
 
-def check_same_run(o, devices: int) -> None:
+def check_same_run(o, devices: int, tokenizer_sha: str | None = None) -> None:
   """Refuses to resume the run recorded in `o.ckpt.run_dir`'s run.json ("start": its options,
-  with every default filled in) when a defining option differs (`DEFINING`). The global batch
-  counts only on as many devices as the recorded run: on other hardware the default batch
-  follows the devices (resuming there is said by `checkpoints.restore_or_init`).
+  with every default filled in) when a defining option differs (`DEFINING`), or its
+  tokenizer's file changed under the same name (`tokenizer_sha`: `models.tokenizer_sha`). The
+  global batch counts only on as many devices as the recorded run: on other hardware the
+  default batch follows the devices (resuming there is said by `checkpoints.restore_or_init`).
 
   Raises:
     InputError: naming each differing option (this run's value and the recorded one) and
@@ -55,6 +56,13 @@ def check_same_run(o, devices: int) -> None:
         "checkpoints and data order are that run's. Fix: give this run a new --run_dir, or "
         "the run's options to resume it: " + " ".join(
             f"--{k}={then[k]}" for k in names if k in then and then[k] != now[k]))
+  was = start.get("tokenizer_sha256")
+  if was and tokenizer_sha and was != tokenizer_sha:
+    raise fs.InputError(
+        f"--run_dir={o.ckpt.run_dir} was trained with another tokenizer under the same name "
+        f"(--tokenizer={now.get('tokenizer')!r}: sha256 {tokenizer_sha}, the run's {was}): "
+        "its ids would mean other tokens. Fix: put the run's tokenizer back, or give this run "
+        "a new --run_dir")
 
 
 def recorded_start(run_dir: str) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 
 import fnscale as fs
 from recipes.lm import cli, data, evaluation, finetune, goodput, hardware, memory, progress
-from recipes.lm import run_log, rundir
+from recipes.lm import models, run_log, rundir
 
 
 def param_count(state) -> int:
@@ -62,6 +62,7 @@ def describe(r, state) -> None:
       processes=jax.process_count(), compile_s=compiled.report.compile_seconds,
       resumed_from=r.resumed, peak_flops=compiled.peak.flops,
       flops_per_step=progress.flops_per_step(r.setup), lora=lora,
+      tokenizer_sha256=models.tokenizer_sha(s),
       xla_warnings=list(compiled.report.xla_warnings)), active=jax.process_index() == 0)
   run_log.write_run_record(o.ckpt.run_dir, "data", dict(
       dataset=o.data.dataset, tokenizer=o.model.tokenizer, unigram_loss=baseline.unigram,
