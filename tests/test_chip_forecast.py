@@ -37,10 +37,12 @@ def test_the_measured_rows_are_the_benchmarks_sizes_and_policies():
   # The scan's rows; 2026-12-07e and f measured the 766M's and GPT medium's full-remat rows
   # again beside their offload_attn rows (out of the check: the planner doesn't cost the
   # offload).
-  # 2026-12-07g: the 1B at 8 rows with bfloat16 params, full remat (in) and offload_attn (out).
-  assert sum(not r.unroll for r in RUNS) == 19
+  # 2026-12-07g and h: the 1B at 8 rows with bfloat16 params and at 6 with float32, full
+  # remat (in) and offload_attn (out).
+  assert sum(not r.unroll for r in RUNS) == 20
   assert not {"llama,remat=offload_attn,batch=8", "gpt-medium,remat=offload_attn,batch=32",
-              "llama-1b,batch=8,params=bfloat16,remat=offload_attn"} & {r.case for r in RUNS}
+              "llama-1b,batch=8,params=bfloat16,remat=offload_attn",
+              "llama-1b,batch=6,remat=offload_attn"} & {r.case for r in RUNS}
   assert {r.opt for r in RUNS if r.model == "llama-1b"} == {"adafactor"}
   # The unrolled loops (2026-12-07c and d), held to their own terms; the full-remat one
   # didn't fit, the qkv_attn ones keep a policy the planner doesn't cost.
