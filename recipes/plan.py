@@ -68,10 +68,10 @@ def make_plan(model: str, target, rows: int, seq: int, verify: int | None, *,
   Raises:
     InputError: `unrolled` for a model without an unrolled loop (moe, deepseek)."""
   module = models.MODELS[model]
-  if "remat_off" not in kw and hasattr(module, "REMAT_POLICIES"):
+  if "remat_off" not in kw:
     platform = fs.analysis.hardware(target).kind
-    keep = remat.remat_policy(StepOptions(remat_policy=remat_policy), platform)
-    kw["remat_off"] = False if keep in ("none",) + remat.WHOLE_BLOCK else keep
+    kw["remat_off"] = remat.remat_off(
+        module, remat.remat_policy(StepOptions(remat_policy=remat_policy), platform))
   overrides = kw.pop("overrides", {})
   cfg = (module.model_config(model, seq)._replace(**overrides) if module is gpt
          else module.model_config(model, seq, **overrides))

@@ -113,12 +113,11 @@ def _per_row(m: Model, target, policy, keep: str, opt: tuple, kw: tuple):
           else startup.lora_state(model, cfg, policy, lora, optimizer))
   # A LoRA loss keeps what the run's policy keeps, as the full model's does: a policy saving
   # part of each block as `remat_off` (its carries and traffic: fnscale.analysis's cost).
-  partial = keep not in ("none",) + WHOLE_BLOCK and hasattr(model, "REMAT_POLICIES")
-  loss = remat_loss(model, cfg, "none" if partial else keep)
+  off = remat.remat_off(model, keep)
+  loss = remat_loss(model, cfg, "none" if off else keep)
   loss = loss if lora is None else fs.lora.with_lora(loss, lora)
   return fs.analysis.profile_model(init, loss, optimizer, {"inputs": shape, "targets": shape},
-                                   target, policy=policy, remat_off=keep if partial else False,
-                                   **dict(kw))
+                                   target, policy=policy, remat_off=off, **dict(kw))
 
 
 def flags(o: fs.analysis.FitOption, opt: tuple = OPTIMIZERS[0]) -> str:

@@ -144,6 +144,14 @@ def remat_policy(step: StepOptions, platform: str) -> str:
   return PLATFORM_DEFAULTS["cpu" if platform == "cpu" else "accelerator"]["remat_policy"]
 
 
+def remat_off(model, keep: str):
+  """`fnscale.analysis.PlanOptions.remat_off` for a run whose blocks keep `keep` without
+  remat (--remat_policy resolved, `remat_policy`): the policy's name where it keeps part of
+  each block and `model` (a module of recipes/lm) takes policies by name, else False."""
+  partial = keep not in ("none",) + WHOLE_BLOCK
+  return keep if partial and keep in getattr(model, "REMAT_POLICIES", ()) else False
+
+
 def block_policy(step: StepOptions) -> str:
   """The policy of a step whose --remat_policy is resolved (`remat_policy`): --remat's where
   set (full where unresolved), else --remat_policy."""

@@ -12,7 +12,7 @@ import numpy as np
 import fnscale as fs
 from recipes.lm import cli
 from recipes.lm.options import MIXED
-from recipes.lm.remat import WHOLE_BLOCK
+from recipes.lm.remat import remat_off
 
 # Options that may differ between the processes of one job.
 PER_PROCESS = ("coordinator_address", "num_processes", "process_id")
@@ -130,9 +130,8 @@ def plan_mesh(model, cfg, topo, global_batch: int, precision: str, optimizer, lo
   if lora is not None:
     init = lora_state(model, cfg, pol, lora, optimizer)
     loss = fs.lora.with_lora(functools.partial(model.loss_fn, cfg=cfg), lora)
-  partial = keep not in ("none",) + WHOLE_BLOCK  # a policy keeping part of each block
-  off = keep if partial and keep in getattr(model, "REMAT_POLICIES", ()) else False
-  options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES, remat_off=off,
+  options = fs.analysis.PlanOptions(policy=pol, rules=model.RULES,
+                                    remat_off=remat_off(model, keep),
                                     logical_axes=model.logical_axes(cfg), key=jax.random.key(0))
   p = fs.analysis.plan(init, loss, optimizer, {"inputs": rows, "targets": rows}, topo, options)
   context = p.rows[0].context if p.rows[0].context_why else None  # a context axis's form
