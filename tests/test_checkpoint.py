@@ -406,6 +406,42 @@ def test_nonfinite_state_is_never_saved_unless_allowed(tmp_path):
   assert np.isnan(np.asarray(kept["w"])[2, 3]) and np.isfinite(np.asarray(kept["w"])).sum() == 15
 
 
+def test_all_finite_reading_each_param_with_its_moments_finds_every_nan_and_inf():
+  """`all_finite(tree, like=params)` combines the equal-shaped leaves at one place of the
+  subtrees shaped as the params (moments in bfloat16 and float32; a factored moment of
+  another shape; a complex leaf; an empty one; an integer count): a NaN, inf or -inf in
+  any element of any floating leaf is found, and the largest finite values are finite."""
+  big = np.finfo(np.float32).max
+  params = {"b": np.array([1.0, -big, 0.5], np.float32), "w": np.ones((2, 3), np.float32)}
+  state = {"params": params, "count": np.int32(3), "loss": np.float32(2.0),
+           "mu": {"b": np.zeros(3, jnp.bfloat16), "w": np.full((2, 3), -2, jnp.bfloat16)},
+           "nu": {"b": np.full(3, big, np.float32), "w": np.zeros((2, 3), np.float32)},
+           "row": {"b": np.zeros(3, np.float32), "w": np.ones(2, np.float32)},  # factored
+           "z": np.array([1 + 1j * big], np.complex64), "empty": np.zeros((0, 2), np.float32)}
+  finite = jax.jit(lambda s: ckpt.all_finite(s, like=s["params"]))
+  assert bool(finite(state))
+  flat, treedef = jax.tree.flatten(state)
+  checked = 0
+  for i, leaf in enumerate(flat):
+    if not jnp.issubdtype(np.asarray(leaf).dtype, jnp.inexact):
+      continue
+    for place in range(np.asarray(leaf).size):
+      for bad in (np.nan, np.inf, -np.inf, 1j * np.nan):
+        if np.iscomplexobj(bad) and not np.iscomplexobj(leaf):
+          continue
+        broken = np.array(leaf).copy().reshape(-1)
+        broken[place] = bad
+        tree = jax.tree.unflatten(treedef, [*flat[:i], broken.reshape(np.shape(leaf)),
+                                            *flat[i + 1:]])
+        assert not bool(finite(tree)), (jax.tree_util.keystr(
+            jax.tree_util.tree_flatten_with_path(state)[0][i][0]), place, bad)
+        checked += 1
+  assert checked == (3 * (3 + 6) + 3 + 2 + 1) * 3 + 4  # params, mu, nu; row; loss; z
+  # A params tree of one leaf: every floating leaf read alone (nothing to group by).
+  assert not bool(ckpt.all_finite({"p": np.ones(2), "m": np.array([1, np.nan])},
+                                  like=np.ones(2)))
+
+
 @pytest.mark.slow
 def test_async_save_blocks_the_loop_less_than_a_synchronous_save(tmp_path):
   """256 MiB on 8 devices: the synchronous save (write and commit) against the time an async

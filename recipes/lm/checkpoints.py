@@ -69,12 +69,13 @@ def remove_unfinished(directory: str, say) -> list[str]:
 
 def with_finite_flag(step):
   """The step, plus one metric: whether its loss and new state are all finite (XLA fuses the
-  check into the step; the loop reads it before any save). Frozen params, which the step
-  never changes, are not read."""
+  check into the step's update, each param read with its moments: `like`; the loop reads it
+  before any save). Frozen params, which the step never changes, are not read."""
   def step_with_flag(state, batch):
     state, metrics = step(state, batch)
     kept = state._replace(frozen=None)
-    return state, {**metrics, "finite": fs.checkpoint.all_finite((kept, metrics["loss"]))}
+    return state, {**metrics, "finite": fs.checkpoint.all_finite((kept, metrics["loss"]),
+                                                                 like=kept.params)}
   return step_with_flag
 
 
