@@ -155,7 +155,7 @@ def _run(setup: run_setup.Setup, managers, t0: float, say, should_stop,
         setup=setup, t0=t0, start=start, resumed=resumed, batches=train_rows,
         should_stop=should_stop,
         compiled=run_setup.Compiled(step_fn, fs.compile_report(step_fn, state, first),
-                                    policy, schedule, peak),
+                                    policy, progress.host_schedule(schedule), peak),
         evals=run_setup.Evals(eval_loss, [batches.put(setup, b) for b in evals],
                               data.baseline(setup.corpus), finetune.params_of(setup.lora)),
         rec=_records(setup, checkpoints.saver(
