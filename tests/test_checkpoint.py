@@ -442,6 +442,19 @@ def test_all_finite_reading_each_param_with_its_moments_finds_every_nan_and_inf(
                                   like=np.ones(2)))
 
 
+def test_all_finite_reads_moments_in_the_hosts_memory_apart_from_the_params():
+  """An optimizer state offloaded to the host's memory (train_lm's --optimizer_offload) is
+  read apart from the params in the device's: combining the two raised jax's "memory_space
+  of all inputs passed to `max` must be the same"."""
+  host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  params = {"b": jnp.zeros(3), "w": jnp.ones((2, 3))}
+  finite = jax.jit(lambda s: ckpt.all_finite(s, like=s["params"]))
+  good = jax.device_put({"b": jnp.zeros(3), "w": jnp.ones((2, 3))}, host)
+  assert bool(finite({"params": params, "mu": good}))
+  bad = jax.device_put({"b": jnp.zeros(3), "w": jnp.ones((2, 3)).at[1, 2].set(jnp.inf)}, host)
+  assert not bool(finite({"params": params, "mu": bad}))
+
+
 @pytest.mark.slow
 def test_async_save_blocks_the_loop_less_than_a_synchronous_save(tmp_path):
   """256 MiB on 8 devices: the synchronous save (write and commit) against the time an async
