@@ -601,6 +601,7 @@ def test_pruned_tokenizer_trains_with_a_vocabulary_of_its_largest_id(work, tmp_p
 
 _COMPILES_IN_PROGRESS = []  # what the listener below saw while a progress line ran
 _IN_PROGRESS = [False]
+_LISTENING = []  # jax.monitoring keeps a listener for the process: registered once
 
 
 def _count_compiles_in_progress(event: str, duration: float, **kw) -> None:
@@ -636,9 +637,6 @@ def test_a_progress_line_compiles_nothing(work, tmp_path, monkeypatch):
   at = progress.host_schedule(schedule)
   np.testing.assert_allclose([at(k) for k in range(25)], [float(schedule(k)) for k in range(25)],
                              rtol=1e-6)
-
-
-_LISTENING = []  # jax.monitoring keeps a listener for the process: registered once
 
 
 @pytest.mark.slow
